@@ -1,0 +1,1 @@
+"""One inference server: model, KV cache, engine and HTTP API."""

@@ -1,0 +1,249 @@
+"""The engine loop: continuous batching of many requests over one model and many adapters.
+
+One thread owns all request state. Each iteration it takes new requests and aborts from its inbox,
+admits waiting requests while their prompt plus max_new_tokens fit in the unreserved KV slots,
+prefills the newly admitted ones, or else runs one decode step of the running batch, and
+streams every new token to the request's handle.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+
+import torch
+
+from gpu_lora.adapter_pool import AdapterPool
+from gpu_lora.kernels import get_kernels
+from gpu_lora.lora_batch import LoraBatch
+from gpu_lora.peft_format import LoraAdapter, load_peft_adapter
+from server.config import EngineConfig
+from server.kv_cache import KVPool
+from server.loader import Checkpoint
+from server.model import ForwardBatch, LlamaModel
+from server.request import GenerationRequest, RequestError, RequestHandle, RequestOutput
+from server.sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+
+class Engine:
+    """One model on one device, serving a stream of requests; see the module docstring."""
+
+    def __init__(self, config: EngineConfig, checkpoint: Checkpoint):
+        self.config = config
+        self.model_name = checkpoint.name
+        self.model_config = mc = checkpoint.config
+        self.tokenizer = checkpoint.tokenizer
+        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings,
+                                 mc.max_position_embeddings)
+        dtype = getattr(torch, config.dtype)
+        self.model = LlamaModel(mc, checkpoint.weights, dtype, config.device, self.max_model_len)
+        self.kv = KVPool(mc.num_layers, config.max_total_tokens, mc.num_kv_heads, mc.head_dim,
+                         config.max_batch_size, self.max_model_len, dtype, config.device)
+        self.pool = AdapterPool(mc, dtype, config.device)
+        self.kernels = get_kernels("triton" if config.device == "cuda" else "cpu")
+        self.eos_ids = set(mc.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            self.eos_ids.add(self.tokenizer.eos_token_id)
+        self._adapters: dict[str, LoraAdapter] = {}
+        self._inbox: queue.Queue = queue.Queue()
+        self._waiting: deque[Sequence] = deque()
+        self._running: list[Sequence] = []
+        self._reserved = 0  # KV slots promised to admitted requests
+        self._lock = threading.Lock()  # held during a step and while the pool changes
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
+
+    # ---- called from any thread -------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        """Stop the loop; every unfinished request ends with finish_reason "abort"."""
+        self._stopping.set()
+        self._inbox.put(None)
+        if self._thread.is_alive():
+            self._thread.join()
+        self._drain_inbox(block=False)
+        for seq in list(self._waiting) + list(self._running):
+            self._finish(seq, "abort")
+
+    def is_healthy(self) -> bool:
+        return self._thread.is_alive() and not self._stopping.is_set()
+
+    def add_adapter(self, name: str, path: str) -> LoraAdapter:
+        """Validate a PEFT directory and make it servable (raises AdapterError)."""
+        adapter = load_peft_adapter(path, self.model_config, name=name)
+        with self._lock:
+            if name in self._adapters:
+                raise RequestError(f"adapter {name!r} is already loaded", 409, "conflict")
+            self.pool.add(adapter)
+            self._adapters[name] = adapter
+        log.info("adapter %s: rank %d, targets %s", name, adapter.rank,
+                 ",".join(adapter.target_modules))
+        return adapter
+
+    def adapters(self) -> list[dict]:
+        return [
+            {"name": a.name, "rank": a.rank, "path": a.path, "target_modules": list(a.target_modules)}
+            for a in list(self._adapters.values())
+        ]
+
+    def submit(self, request: GenerationRequest) -> RequestHandle:
+        """Queue a request; raises RequestError when it can never be served."""
+        if self._stopping.is_set():
+            raise RequestError("the server is shutting down", 503, "unavailable")
+        ids = request.prompt_ids
+        if not ids:
+            raise RequestError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in ids):
+            raise RequestError(f"token ids must be integers in [0, {vocab})")
+        if request.adapter is not None and request.adapter not in self._adapters:
+            raise RequestError(f"adapter {request.adapter!r} does not exist", 404, "not_found")
+        need = len(ids) + request.params.max_new_tokens
+        if need > self.max_model_len:
+            raise RequestError(
+                f"prompt ({len(ids)} tokens) plus max_new_tokens "
+                f"({request.params.max_new_tokens}) exceeds the context of "
+                f"{self.max_model_len} tokens"
+            )
+        if need > self.config.max_total_tokens:
+            raise RequestError(f"request needs {need} KV slots; the server has "
+                               f"{self.config.max_total_tokens}")
+        handle = RequestHandle(request, self.abort)
+        self._inbox.put(Sequence(request, handle, self.tokenizer, time.monotonic()))
+        return handle
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(request_id)
+
+    def stats(self) -> dict:
+        """What the cluster scheduler needs; cheap, no lock (snapshots of the lists)."""
+        return {
+            "model": self.model_name,
+            "kernel": self.config.kernel,
+            "device": self.config.device,
+            "lora_mode": self.config.lora_mode,
+            "running": [s.describe(self._adapters) for s in list(self._running)],
+            "queue": [s.describe(self._adapters) for s in list(self._waiting)],
+            "adapters": [
+                {"name": n, "rank": a.rank, "resident": n in self.pool.resident}
+                for n, a in list(self._adapters.items())
+            ],
+            "free_kv_tokens": self.config.max_total_tokens - self._reserved,
+            "max_total_tokens": self.config.max_total_tokens,
+            "healthy": self.is_healthy(),
+        }
+
+    # ---- the engine thread ------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while not self._stopping.is_set():
+            self._drain_inbox(block=not (self._waiting or self._running))
+            if self._stopping.is_set():
+                break
+            with self._lock:
+                admitted = self._admit()
+                step = admitted or list(self._running)
+                if not step:
+                    continue
+                try:
+                    self._step(step, is_prefill=bool(admitted))
+                except Exception as exc:  # keep serving: fail this step's requests only
+                    log.exception("engine step failed")
+                    for seq in step:
+                        self._finish(seq, "error", error=f"engine error: {exc}")
+
+    def _drain_inbox(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+            while True:
+                if isinstance(item, Sequence):
+                    self._waiting.append(item)
+                elif isinstance(item, str):
+                    self._abort(item)
+                item = self._inbox.get_nowait()
+        except queue.Empty:
+            pass
+
+    def _abort(self, request_id: str) -> None:
+        for seq in list(self._waiting) + self._running:
+            if seq.request.request_id == request_id:
+                self._finish(seq, "abort")
+
+    def _admit(self) -> list[Sequence]:
+        cfg = self.config
+        admitted: list[Sequence] = []
+        prefill_tokens = 0
+        while self._waiting:
+            seq = self._waiting[0]
+            if (
+                len(self._running) + len(admitted) >= cfg.max_batch_size
+                or self._reserved + seq.kv_need > cfg.max_total_tokens
+                or (admitted and prefill_tokens + seq.prompt_len > cfg.max_prefill_tokens)
+            ):
+                break
+            self._waiting.popleft()
+            seq.row = self.kv.new_row()
+            self._reserved += seq.kv_need
+            prefill_tokens += seq.prompt_len
+            admitted.append(seq)
+        return admitted
+
+    def _step(self, seqs: list[Sequence], is_prefill: bool) -> None:
+        device = self.model.device
+        if is_prefill:
+            slots = torch.cat([self.kv.extend(s.row, s.prompt_len) for s in seqs])
+            ids = [t for s in seqs for t in s.request.prompt_ids]
+            positions = [p for s in seqs for p in range(s.prompt_len)]
+            seg_starts = [0]
+            for s in seqs:
+                seg_starts.append(seg_starts[-1] + s.prompt_len)
+            index = mask = None
+        else:
+            rows = [s.row for s in seqs]
+            positions = [self.kv.lengths[r] for r in rows]
+            slots = self.kv.extend_each(rows)
+            ids = [s.output_ids[-1] for s in seqs]
+            seg_starts = list(range(len(seqs) + 1))
+            index, mask = self.kv.decode_index(rows)
+        resident = [self.pool.resident.get(s.request.adapter) if s.request.adapter else None
+                    for s in seqs]
+        lora = None
+        if any(resident):
+            lora = LoraBatch(self.pool, self.kernels, self.config.kernel, resident, seg_starts,
+                             is_prefill)
+        batch = ForwardBatch(
+            input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
+            positions=torch.tensor(positions, dtype=torch.int64, device=device),
+            slots=slots, seg_starts=seg_starts, is_prefill=is_prefill,
+            kv_index=index, kv_mask=mask, lora=lora,
+        )
+        logits = self.model.forward(batch, self.kv)  # [B, V]
+        if is_prefill:
+            self._running.extend(seqs)
+        tokens = Sequence.sample_batch(seqs, logits)
+        for seq, token in zip(seqs, tokens):
+            reason = seq.append(token, self.eos_ids, self.max_model_len)
+            if reason is not None:
+                self._finish(seq, reason)
+
+    def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
+        """End a request on any path: free its KV row and reservation, send the last output."""
+        if seq.finished:
+            return
+        if seq in self._running:
+            self._running.remove(seq)
+        elif seq in self._waiting:
+            self._waiting.remove(seq)
+        if seq.row is not None:
+            self.kv.free_row(seq.row)
+            self._reserved -= seq.kv_need
+            seq.row = None
+        seq.finish(reason, error)

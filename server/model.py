@@ -1,0 +1,163 @@
+"""Llama-family forward pass over a flat batch of tokens from many requests.
+
+One step is either a prefill (each request contributes its prompt, a segment of tokens) or a
+decode (each request contributes one token). Keys and values go to the token-level KV pool; LoRA
+deltas are added per projection by the step's `LoraBatch` (gpu_lora), where each request's
+adapter lives.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from server.kv_cache import KVPool
+from server.model_config import ModelConfig
+
+
+@dataclass
+class ForwardBatch:
+    """The tokens of one engine step (T tokens, B requests)."""
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    slots: torch.Tensor  # [T] int64, KV slot each token is written to
+    seg_starts: list[int]  # B+1 boundaries; decode: [0, 1, ..., B]
+    is_prefill: bool
+    kv_index: torch.Tensor | None = None  # decode: [B, Lmax] slots of every position
+    kv_mask: torch.Tensor | None = None  # decode: [B, Lmax] bool, True where valid
+    lora: object | None = None  # gpu_lora.lora_batch.LoraBatch, or None: no adapter in batch
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor  # [H]
+    qkv: torch.Tensor  # [(N+2K)*D, H]
+    o: torch.Tensor  # [H, N*D]
+    post_norm: torch.Tensor  # [H]
+    gate_up: torch.Tensor  # [2*I, H]
+    down: torch.Tensor  # [H, I]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm computed in float32 as transformers does. x [T, H] -> [T, H] in x's dtype."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE. x [T, heads, D]; cos, sin [T, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+class LlamaModel:
+    """Weights on one device and the forward pass; holds no per-request state."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        dtype: torch.dtype,
+        device: str | torch.device,
+        max_len: int,
+    ):
+        self.config = config
+        self.dtype = dtype
+        self.device = torch.device(device)
+
+        def w(name: str) -> torch.Tensor:
+            if name not in weights:
+                raise KeyError(f"checkpoint has no tensor {name!r}")
+            return weights[name].to(device=self.device, dtype=dtype).contiguous()
+
+        self.embed = w("model.embed_tokens.weight")  # [V, H]
+        self.norm = w("model.norm.weight")
+        tied = config.tie_word_embeddings or "lm_head.weight" not in weights
+        self.lm_head = self.embed if tied else w("lm_head.weight")  # [V, H]
+        self.layers = []
+        for i in range(config.num_layers):
+            p = f"model.layers.{i}."
+            attn, mlp = p + "self_attn.", p + "mlp."
+            self.layers.append(
+                LayerWeights(
+                    input_norm=w(p + "input_layernorm.weight"),
+                    qkv=torch.cat([w(attn + m + ".weight") for m in ("q_proj", "k_proj", "v_proj")]),
+                    o=w(attn + "o_proj.weight"),
+                    post_norm=w(p + "post_attention_layernorm.weight"),
+                    gate_up=torch.cat([w(mlp + "gate_proj.weight"), w(mlp + "up_proj.weight")]),
+                    down=w(mlp + "down_proj.weight"),
+                )
+            )
+        d = config.head_dim
+        inv_freq = 1.0 / (
+            config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
+        )
+        angles = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)
+        angles = torch.cat((angles, angles), dim=-1)  # [max_len, D]
+        self.cos = angles.cos().to(self.device, dtype)
+        self.sin = angles.sin().to(self.device, dtype)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, kv: KVPool) -> torch.Tensor:
+        """Run one step; returns float32 logits of each request's last token, [B, V]."""
+        cfg = self.config
+        n, k, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        num_tokens = batch.input_ids.shape[0]
+        lora = batch.lora
+        cos, sin = self.cos[batch.positions], self.sin[batch.positions]  # [T, D]
+        h = self.embed[batch.input_ids]  # [T, H]
+        for idx, layer in enumerate(self.layers):
+            x = rms_norm(h, layer.input_norm, cfg.rms_norm_eps)
+            qkv = F.linear(x, layer.qkv)  # [T, (N+2K)*D]
+            q, key, val = qkv.split([n * d, k * d, k * d], dim=-1)
+            if lora is not None:
+                lora.add(idx, x, (("q_proj", q), ("k_proj", key), ("v_proj", val)))
+            q = apply_rope(q.reshape(num_tokens, n, d), cos, sin)  # [T, N, D]
+            key = apply_rope(key.reshape(num_tokens, k, d), cos, sin)  # [T, K, D]
+            val = val.reshape(num_tokens, k, d)
+            kv.write(idx, batch.slots, key, val)
+            attn = self._attention(idx, q, key, val, batch, kv)  # [T, N*D]
+            out = F.linear(attn, layer.o)  # [T, H]
+            if lora is not None:
+                lora.add(idx, attn, (("o_proj", out),))
+            h = h + out
+            x = rms_norm(h, layer.post_norm, cfg.rms_norm_eps)
+            gate_up = F.linear(x, layer.gate_up)  # [T, 2I]
+            gate, up = gate_up.chunk(2, dim=-1)
+            if lora is not None:
+                lora.add(idx, x, (("gate_proj", gate), ("up_proj", up)))
+            act = F.silu(gate) * up  # [T, I]
+            out = F.linear(act, layer.down)
+            if lora is not None:
+                lora.add(idx, act, (("down_proj", out),))
+            h = h + out
+        last = torch.tensor(batch.seg_starts[1:], device=self.device) - 1
+        h = rms_norm(h[last], self.norm, cfg.rms_norm_eps)  # [B, H]
+        return F.linear(h, self.lm_head).float()  # [B, V]
+
+    def _attention(self, layer_idx, q, key, val, batch: ForwardBatch, kv: KVPool) -> torch.Tensor:
+        """Causal attention of the step's queries. q [T, N, D] -> [T, N*D]."""
+        num_tokens = q.shape[0]
+        if batch.is_prefill:
+            # Prefill sees only the request's own prompt (no prefix sharing), so the fresh
+            # keys are the whole context: no gather from the pool.
+            outs = []
+            for start, end in zip(batch.seg_starts[:-1], batch.seg_starts[1:]):
+                qs = q[start:end].transpose(0, 1)  # [N, t, D]
+                ks, vs = key[start:end].transpose(0, 1), val[start:end].transpose(0, 1)
+                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
+                outs.append(o.transpose(0, 1))  # [t, N, D]
+            return torch.cat(outs).reshape(num_tokens, -1)
+        index = batch.kv_index  # [B, Lmax]
+        keys = kv.k[layer_idx][index].transpose(1, 2)  # [B, K, Lmax, D]
+        vals = kv.v[layer_idx][index].transpose(1, 2)
+        mask = batch.kv_mask[:, None, None, :]  # [B, 1, 1, Lmax]
+        o = F.scaled_dot_product_attention(
+            q[:, :, None, :], keys, vals, attn_mask=mask, enable_gqa=True
+        )  # [B, N, 1, D]
+        return o.reshape(num_tokens, -1)
