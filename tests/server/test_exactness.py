@@ -1,0 +1,148 @@
+"""Mixed-adapter batches give the tokens transformers + PEFT give each request alone.
+
+Rule (issue 2): greedy outputs must be identical, except that they may part at or after a
+position where the reference's top-2 logit margin was below 1e-4 (a near tie that float
+rounding may flip either way).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from server.config import EngineConfig
+from server.request import GenerationRequest, SamplingParams
+from server.runtime import build_engine
+
+MARGIN = 1e-4
+NEW_TOKENS = 32
+# rank -> targets: every projection kind appears, and the adapters differ in what they adapt.
+ADAPTER_SPECS = {
+    8: ("q_proj", "v_proj"),
+    16: ("q_proj", "k_proj", "v_proj", "o_proj"),
+    32: ("gate_proj", "up_proj", "down_proj"),
+    64: ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+}
+
+
+def make_adapters(root, base_dir) -> dict[str, str]:
+    from scripts.make_adapters import make_random_adapter
+
+    paths = {}
+    for i, (rank, targets) in enumerate(ADAPTER_SPECS.items()):
+        name = f"r{rank}"
+        paths[name] = str(
+            make_random_adapter(root / name, base_dir, rank=rank, target_modules=targets, seed=i)
+        )
+    return paths
+
+
+def reference_greedy(base_dir, adapters: dict[str, str], prompt: list[int], adapter: str | None):
+    """Greedy tokens and top-2 margins from transformers + PEFT on one request alone (fp32)."""
+    model = _peft_model(base_dir, tuple(sorted(adapters.items())))
+    ids = torch.tensor([prompt])
+    tokens, margins = [], []
+    ctx = model.disable_adapter() if adapter is None else _nullcontext()
+    if adapter is not None:
+        model.set_adapter(adapter)
+    with ctx, torch.inference_mode():
+        past = None
+        for _ in range(NEW_TOKENS):
+            out = model(input_ids=ids, past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            logits = out.logits[0, -1].float()
+            top2 = torch.topk(logits, 2).values
+            margins.append(float(top2[0] - top2[1]))
+            nxt = int(logits.argmax())
+            tokens.append(nxt)
+            ids = torch.tensor([[nxt]])
+    return tokens, margins
+
+
+class _nullcontext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+_PEFT_CACHE: dict = {}
+
+
+def _peft_model(base_dir, adapters: tuple):
+    key = (str(base_dir), adapters)
+    if key not in _PEFT_CACHE:
+        from peft import PeftModel
+        from transformers import AutoModelForCausalLM
+
+        base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
+        (first, first_path), *rest = adapters
+        model = PeftModel.from_pretrained(base, first_path, adapter_name=first)
+        for name, path in rest:
+            model.load_adapter(path, adapter_name=name)
+        _PEFT_CACHE.clear()
+        _PEFT_CACHE[key] = model.eval()
+    return _PEFT_CACHE[key]
+
+
+def assert_same_greedy(ours: list[int], ref: list[int], margins: list[float], what: str) -> None:
+    for pos, (a, b) in enumerate(zip(ours, ref)):
+        if a != b:
+            near_tie = min(margins[: pos + 1]) < MARGIN
+            assert near_tie, (
+                f"{what}: token {pos} differs ({a} vs reference {b}) with no near tie before it "
+                f"(smallest margin {min(margins[: pos + 1]):.2e})"
+            )
+            return
+    assert len(ours) == len(ref) == NEW_TOKENS, what
+
+
+def run_mixed_batch(model_dir, adapters: dict[str, str], prompts, kernel: str):
+    engine = build_engine(
+        str(model_dir),
+        EngineConfig(dtype="float32", kernel=kernel, max_total_tokens=4096, max_batch_size=16),
+        adapters,
+    )
+    try:
+        params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+        # Submit everything before the first step so the requests share prefill and decode.
+        handles = [engine.submit(GenerationRequest(list(p), params, a)) for p, a in prompts]
+        results = [h.result(timeout_s=300) for h in handles]
+        stats = engine.stats()
+    finally:
+        engine.shutdown()
+    assert stats["running"] == [] and stats["queue"] == []
+    assert stats["free_kv_tokens"] == stats["max_total_tokens"]
+    return [r.new_token_ids for r in results]
+
+
+def mixed_prompts(vocab: int, seed: int) -> list[tuple[list[int], str | None]]:
+    """8 adapter requests (2 per adapter, different lengths) plus 2 base-model requests."""
+    gen = torch.Generator().manual_seed(seed)
+    names = [f"r{r}" for r in ADAPTER_SPECS] * 2 + [None, None]
+    lengths = [5, 17, 9, 33, 12, 3, 21, 8, 14, 6]
+    return [
+        (torch.randint(3, vocab, (n,), generator=gen).tolist(), name)
+        for n, name in zip(lengths, names)
+    ]
+
+
+def check_model(model_dir, adapters, vocab, kernel):
+    prompts = mixed_prompts(vocab, seed=1)
+    ours = run_mixed_batch(model_dir, adapters, prompts, kernel)
+    for (prompt, name), got in zip(prompts, ours):
+        ref, margins = reference_greedy(model_dir, adapters, prompt, name)
+        assert_same_greedy(got, ref, margins, f"adapter {name}, prompt of {len(prompt)}")
+
+
+@pytest.mark.parametrize("kernel", ["mbgmv", "bgmv"])
+def test_mixed_batch_matches_peft_tiny(tmp_path_factory, tiny_model_dir, kernel):
+    adapters = make_adapters(tmp_path_factory.mktemp("adapters"), tiny_model_dir)
+    check_model(tiny_model_dir, adapters, vocab=200, kernel=kernel)
+
+
+@pytest.mark.slow
+def test_mixed_batch_matches_peft_smollm2(tmp_path_factory, smollm2_dir):
+    adapters = make_adapters(tmp_path_factory.mktemp("smol_adapters"), smollm2_dir)
+    check_model(smollm2_dir, adapters, vocab=49152, kernel="mbgmv")
