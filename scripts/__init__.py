@@ -1,0 +1,1 @@
+"""Command-line drivers: per-node launcher, load generator, model and adapter makers, benchmarks."""
