@@ -13,6 +13,7 @@ import queue
 import threading
 import time
 from collections import deque
+from dataclasses import dataclass
 
 import torch
 
@@ -24,10 +25,23 @@ from server.config import EngineConfig
 from server.kv_cache import KVPool
 from server.loader import Checkpoint
 from server.model import ForwardBatch, LlamaModel
-from server.request import GenerationRequest, RequestError, RequestHandle, RequestOutput
+from server.request import GenerationRequest, RequestError, RequestHandle
 from server.sequence import Sequence
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepStats:
+    """Counts and wall time of engine steps (for benchmarks and metrics)."""
+
+    prefill_steps: int = 0
+    prefill_s: float = 0.0
+    decode_steps: int = 0
+    decode_s: float = 0.0
+
+    def reset(self) -> None:
+        self.prefill_steps, self.prefill_s, self.decode_steps, self.decode_s = 0, 0.0, 0, 0.0
 
 
 class Engine:
@@ -38,12 +52,21 @@ class Engine:
         self.model_name = checkpoint.name
         self.model_config = mc = checkpoint.config
         self.tokenizer = checkpoint.tokenizer
-        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings,
-                                 mc.max_position_embeddings)
+        self.max_model_len = min(
+            config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
+        )
         dtype = getattr(torch, config.dtype)
         self.model = LlamaModel(mc, checkpoint.weights, dtype, config.device, self.max_model_len)
-        self.kv = KVPool(mc.num_layers, config.max_total_tokens, mc.num_kv_heads, mc.head_dim,
-                         config.max_batch_size, self.max_model_len, dtype, config.device)
+        self.kv = KVPool(
+            mc.num_layers,
+            config.max_total_tokens,
+            mc.num_kv_heads,
+            mc.head_dim,
+            config.max_batch_size,
+            self.max_model_len,
+            dtype,
+            config.device,
+        )
         self.pool = AdapterPool(mc, dtype, config.device)
         self.kernels = get_kernels("triton" if config.device == "cuda" else "cpu")
         self.eos_ids = set(mc.eos_token_ids)
@@ -54,6 +77,7 @@ class Engine:
         self._waiting: deque[Sequence] = deque()
         self._running: list[Sequence] = []
         self._reserved = 0  # KV slots promised to admitted requests
+        self.step_stats = StepStats()
         self._lock = threading.Lock()  # held during a step and while the pool changes
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
@@ -84,13 +108,19 @@ class Engine:
                 raise RequestError(f"adapter {name!r} is already loaded", 409, "conflict")
             self.pool.add(adapter)
             self._adapters[name] = adapter
-        log.info("adapter %s: rank %d, targets %s", name, adapter.rank,
-                 ",".join(adapter.target_modules))
+        log.info(
+            "adapter %s: rank %d, targets %s", name, adapter.rank, ",".join(adapter.target_modules)
+        )
         return adapter
 
     def adapters(self) -> list[dict]:
         return [
-            {"name": a.name, "rank": a.rank, "path": a.path, "target_modules": list(a.target_modules)}
+            {
+                "name": a.name,
+                "rank": a.rank,
+                "path": a.path,
+                "target_modules": list(a.target_modules),
+            }
             for a in list(self._adapters.values())
         ]
 
@@ -114,8 +144,9 @@ class Engine:
                 f"{self.max_model_len} tokens"
             )
         if need > self.config.max_total_tokens:
-            raise RequestError(f"request needs {need} KV slots; the server has "
-                               f"{self.config.max_total_tokens}")
+            raise RequestError(
+                f"request needs {need} KV slots; the server has {self.config.max_total_tokens}"
+            )
         handle = RequestHandle(request, self.abort)
         self._inbox.put(Sequence(request, handle, self.tokenizer, time.monotonic()))
         return handle
@@ -153,12 +184,23 @@ class Engine:
                 step = admitted or list(self._running)
                 if not step:
                     continue
+                started = time.perf_counter()
                 try:
                     self._step(step, is_prefill=bool(admitted))
                 except Exception as exc:  # keep serving: fail this step's requests only
                     log.exception("engine step failed")
                     for seq in step:
                         self._finish(seq, "error", error=f"engine error: {exc}")
+                self._count_step(bool(admitted), time.perf_counter() - started)
+
+    def _count_step(self, is_prefill: bool, seconds: float) -> None:
+        st = self.step_stats
+        if is_prefill:
+            st.prefill_steps += 1
+            st.prefill_s += seconds
+        else:
+            st.decode_steps += 1
+            st.decode_s += seconds
 
     def _drain_inbox(self, block: bool) -> None:
         try:
@@ -213,17 +255,23 @@ class Engine:
             ids = [s.output_ids[-1] for s in seqs]
             seg_starts = list(range(len(seqs) + 1))
             index, mask = self.kv.decode_index(rows)
-        resident = [self.pool.resident.get(s.request.adapter) if s.request.adapter else None
-                    for s in seqs]
+        resident = [
+            self.pool.resident.get(s.request.adapter) if s.request.adapter else None for s in seqs
+        ]
         lora = None
         if any(resident):
-            lora = LoraBatch(self.pool, self.kernels, self.config.kernel, resident, seg_starts,
-                             is_prefill)
+            lora = LoraBatch(
+                self.pool, self.kernels, self.config.kernel, resident, seg_starts, is_prefill
+            )
         batch = ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
             positions=torch.tensor(positions, dtype=torch.int64, device=device),
-            slots=slots, seg_starts=seg_starts, is_prefill=is_prefill,
-            kv_index=index, kv_mask=mask, lora=lora,
+            slots=slots,
+            seg_starts=seg_starts,
+            is_prefill=is_prefill,
+            kv_index=index,
+            kv_mask=mask,
+            lora=lora,
         )
         logits = self.model.forward(batch, self.kv)  # [B, V]
         if is_prefill:

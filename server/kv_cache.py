@@ -86,7 +86,7 @@ class KVPool:
         self.v[layer].index_copy_(0, slots, v)
 
     def decode_index(self, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Slot index [B, Lmax] of every position of each request, and its validity mask [B, Lmax]."""
+        """Slot index [B, Lmax] of every position of each request, and its validity mask."""
         lengths = torch.tensor([self.lengths[r] for r in rows], device=self.k.device)
         max_len = int(lengths.max())
         index = self.req_to_slot[rows, :max_len]  # [B, Lmax]

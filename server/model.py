@@ -86,7 +86,9 @@ class LlamaModel:
             self.layers.append(
                 LayerWeights(
                     input_norm=w(p + "input_layernorm.weight"),
-                    qkv=torch.cat([w(attn + m + ".weight") for m in ("q_proj", "k_proj", "v_proj")]),
+                    qkv=torch.cat(
+                        [w(attn + m + ".weight") for m in ("q_proj", "k_proj", "v_proj")]
+                    ),
                     o=w(attn + "o_proj.weight"),
                     post_norm=w(p + "post_attention_layernorm.weight"),
                     gate_up=torch.cat([w(mlp + "gate_proj.weight"), w(mlp + "up_proj.weight")]),
@@ -94,9 +96,7 @@ class LlamaModel:
                 )
             )
         d = config.head_dim
-        inv_freq = 1.0 / (
-            config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
-        )
+        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
         angles = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)
         angles = torch.cat((angles, angles), dim=-1)  # [max_len, D]
         self.cos = angles.cos().to(self.device, dtype)

@@ -12,7 +12,7 @@ LORA_TARGETS = ATTN_PROJECTIONS + MLP_PROJECTIONS
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Dimensions of a Llama-family decoder (glossary: H hidden, N heads, K kv heads, D head dim)."""
+    """Dimensions of a Llama-family decoder (H hidden, N heads, K kv heads, D head dim)."""
 
     name: str
     vocab_size: int
@@ -60,7 +60,9 @@ class ModelConfig:
             raise ValueError(f"model_type {model_type!r} is not a Llama-family decoder")
         if getattr(hf_config, "attention_bias", False) or getattr(hf_config, "mlp_bias", False):
             raise ValueError("projection biases are not supported")
-        rope = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None)
+        rope = getattr(hf_config, "rope_parameters", None) or getattr(
+            hf_config, "rope_scaling", None
+        )
         rope = rope or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type != "default":

@@ -18,6 +18,11 @@ def build_engine(model: str, config: EngineConfig, loras: dict[str, str] | None 
     for name, path in (loras or {}).items():
         engine.add_adapter(name, path)
     engine.start()
-    log.info("engine ready: %s on %s (%s), %d adapters", engine.model_name, config.device,
-             config.dtype, len(engine.adapters()))
+    log.info(
+        "engine ready: %s on %s (%s), %d adapters",
+        engine.model_name,
+        config.device,
+        config.dtype,
+        len(engine.adapters()),
+    )
     return engine

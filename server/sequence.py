@@ -14,7 +14,9 @@ from server.sampling import make_generator, sample_next
 class Sequence:
     """One request inside the engine, from queueing to its final output."""
 
-    def __init__(self, request: GenerationRequest, handle: RequestHandle, tokenizer, arrival: float):
+    def __init__(
+        self, request: GenerationRequest, handle: RequestHandle, tokenizer, arrival: float
+    ):
         self.request = request
         self.handle = handle
         self.arrival = arrival
