@@ -150,8 +150,15 @@ def models_response(base_model: str, adapters: list[dict], created: int) -> dict
     """`GET /v1/models`: the base model, then each adapter with `parent` = the base model."""
 
     def card(name: str, parent: str | None, extra: dict[str, Any]) -> dict:
-        return {"id": name, "object": "model", "created": created, "owned_by": "toppings",
-                "root": name, "parent": parent, **extra}  # fmt: skip
+        return {
+            "id": name,
+            "object": "model",
+            "created": created,
+            "owned_by": "toppings",
+            "root": name,
+            "parent": parent,
+            **extra,
+        }
 
     data = [card(base_model, None, {})]
     for a in adapters:

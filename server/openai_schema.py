@@ -141,8 +141,17 @@ def parse_completion(body: dict, base_model: str) -> ParsedBody:
     elif not isinstance(prompt, str):
         raise RequestError(f"'prompt' must be a string or token ids, not {json_type(prompt)}")
     max_tokens = _field(body, "max_tokens", "int")
-    return ParsedBody("completion", model, adapter, prompt, None, max_tokens, _sampling(body),
-                      stream, include_usage)  # fmt: skip
+    return ParsedBody(
+        "completion",
+        model,
+        adapter,
+        prompt,
+        None,
+        max_tokens,
+        _sampling(body),
+        stream,
+        include_usage,
+    )
 
 
 def _message(msg: Any, idx: int) -> dict[str, str]:
@@ -177,8 +186,9 @@ def parse_chat(body: dict, base_model: str) -> ParsedBody:
     max_tokens = _field(body, "max_completion_tokens", "int")
     if max_tokens is None:
         max_tokens = _field(body, "max_tokens", "int")
-    return ParsedBody("chat", model, adapter, None, parsed, max_tokens, _sampling(body),
-                      stream, include_usage)  # fmt: skip
+    return ParsedBody(
+        "chat", model, adapter, None, parsed, max_tokens, _sampling(body), stream, include_usage
+    )
 
 
 def parse_native(body: dict, base_model: str) -> ParsedBody:
@@ -195,8 +205,9 @@ def parse_native(body: dict, base_model: str) -> ParsedBody:
         prompt = _token_ids(input_ids, "input_ids")
     max_tokens = _field(body, "max_new_tokens", "int")
     stream = _field(body, "stream", "bool", False)
-    return ParsedBody("native", adapter or base_model, adapter, prompt, None, max_tokens,
-                      _sampling(body), stream)  # fmt: skip
+    return ParsedBody(
+        "native", adapter or base_model, adapter, prompt, None, max_tokens, _sampling(body), stream
+    )
 
 
 def prompt_ids(parsed: ParsedBody, tokenizer) -> list[int]:

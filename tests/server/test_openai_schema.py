@@ -22,8 +22,14 @@ def test_completion_defaults_and_model_names():
         "hi",
         None,
     )
-    assert p.sampling == {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "seed": None, "stop": (),
-                          "ignore_eos": False}  # fmt: skip
+    assert p.sampling == {
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "top_k": 0,
+        "seed": None,
+        "stop": (),
+        "ignore_eos": False,
+    }
     assert parse_completion({"prompt": "hi"}, BASE).adapter is None
     p = parse_completion({"model": "sql", "prompt": "hi", "stop": "\n", "top_k": -1}, BASE)
     assert (p.model, p.adapter, p.sampling["stop"], p.sampling["top_k"]) == (
@@ -127,8 +133,18 @@ def test_chat_rejects(messages, words):
 
 
 def test_native_body():
-    p = parse_native({"adapter": "sql", "input_ids": [1, 2], "max_new_tokens": 4, "top_k": 5,
-                      "seed": 7, "ignore_eos": True, "stream": True}, BASE)  # fmt: skip
+    p = parse_native(
+        {
+            "adapter": "sql",
+            "input_ids": [1, 2],
+            "max_new_tokens": 4,
+            "top_k": 5,
+            "seed": 7,
+            "ignore_eos": True,
+            "stream": True,
+        },
+        BASE,
+    )
     assert (p.kind, p.adapter, p.model, p.prompt, p.max_tokens) == (
         "native",
         "sql",
@@ -137,7 +153,11 @@ def test_native_body():
         4,
     )
     assert (p.sampling["top_k"], p.sampling["seed"], p.sampling["ignore_eos"], p.stream) == (
-        5, 7, True, True)  # fmt: skip
+        5,
+        7,
+        True,
+        True,
+    )
     assert parse_native({"prompt": "x", "adapter": None}, BASE).adapter is None
     for body in ({}, {"prompt": "x", "input_ids": [1]}, {"input_ids": "12"}, {"prompt": 1}):
         with pytest.raises(RequestError):
@@ -146,8 +166,18 @@ def test_native_body():
 
 def _outputs(*finals: str | None) -> list[RequestOutput]:
     outs = [RequestOutput("r", [10 + i], f"t{i}", None) for i in range(len(finals) - 1)]
-    outs.append(RequestOutput("r", [99], "end", finals[-1], error="boom", output_tokens=len(finals),
-                              ttft_s=0.1, e2e_s=0.2))  # fmt: skip
+    outs.append(
+        RequestOutput(
+            "r",
+            [99],
+            "end",
+            finals[-1],
+            error="boom",
+            output_tokens=len(finals),
+            ttft_s=0.1,
+            e2e_s=0.2,
+        )
+    )
     return outs
 
 
@@ -159,8 +189,10 @@ def _events(stream) -> list:
 
 
 def test_completion_stream_with_usage():
-    p = parse_completion({"model": "sql", "prompt": "x", "stream": True,
-                          "stream_options": {"include_usage": True}}, BASE)  # fmt: skip
+    p = parse_completion(
+        {"model": "sql", "prompt": "x", "stream": True, "stream_options": {"include_usage": True}},
+        BASE,
+    )
     events = _events(stream_events(p, ResponseMeta("cmpl-1", 5, "sql", 3), _outputs(None, "stop")))
     assert [e["choices"][0]["text"] for e in events[:-1]] == ["t0", "end"]
     assert events[1]["choices"][0]["finish_reason"] == "stop" and events[0]["usage"] is None
@@ -183,8 +215,15 @@ def test_native_stream_and_error_event():
     p = parse_native({"prompt": "x", "stream": True}, BASE)
     events = _events(stream_events(p, ResponseMeta("g", 5, BASE, 3), _outputs(None, "stop")))
     assert events[0] == {"text": "t0", "token_ids": [10]}
-    assert events[1] == {"text": "end", "token_ids": [99], "prompt_tokens": 3, "output_tokens": 2,
-                         "ttft_s": 0.1, "e2e_s": 0.2, "finish_reason": "stop"}  # fmt: skip
+    assert events[1] == {
+        "text": "end",
+        "token_ids": [99],
+        "prompt_tokens": 3,
+        "output_tokens": 2,
+        "ttft_s": 0.1,
+        "e2e_s": 0.2,
+        "finish_reason": "stop",
+    }
     events = _events(stream_events(p, ResponseMeta("g", 5, BASE, 3), _outputs(None, "error")))
     assert events[-1] == {"error": {"message": "boom", "type": "server_error", "code": 500}}
 
@@ -196,8 +235,14 @@ def test_final_responses():
         parse_chat({"messages": [{"role": "user", "content": "x"}]}, BASE), meta, out
     )
     assert chat["object"] == "chat.completion" and chat["model"] == "sql"
-    assert chat["choices"] == [{"index": 0, "message": {"role": "assistant", "content": "hey"},
-                                "logprobs": None, "finish_reason": "stop"}]  # fmt: skip
+    assert chat["choices"] == [
+        {
+            "index": 0,
+            "message": {"role": "assistant", "content": "hey"},
+            "logprobs": None,
+            "finish_reason": "stop",
+        }
+    ]
     assert chat["usage"] == {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6}
     comp = final_response(parse_completion({"prompt": "x"}, BASE), meta, out)
     assert comp["object"] == "text_completion" and comp["choices"][0]["text"] == "hey"

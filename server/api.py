@@ -1,0 +1,184 @@
+"""The inference server's HTTP API: parse a body, submit it to the engine, return JSON or SSE.
+
+Handlers run on waitress worker threads; they only tokenize, call `engine.submit` and read the
+request's output queue, so a slow client never stalls the engine thread. A stream whose client
+goes away is aborted: waitress closes the response iterator (GeneratorExit in `_stream`), and
+`_outputs` checks waitress's disconnect flag after each output and while none arrives, which also
+covers non-streaming requests.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+from flask import Flask, Response, jsonify, request
+from werkzeug.exceptions import HTTPException
+
+from server.openai_response import (
+    SSE_DONE,
+    ResponseMeta,
+    error_body,
+    final_response,
+    models_response,
+    sse,
+    stream_events,
+)
+from server.openai_schema import (
+    ParsedBody,
+    build_request,
+    parse_chat,
+    parse_completion,
+    parse_native,
+)
+from server.request import RequestError, RequestHandle, RequestOutput
+
+logger = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 16 << 20  # larger bodies get a 413
+POLL_S = 0.5  # how often a waiting handler checks engine health and client disconnect
+
+
+def _json_body() -> dict:
+    try:
+        body = json.loads(request.get_data() or b"null")
+    except (ValueError, UnicodeDecodeError) as e:
+        raise RequestError(f"the body is not valid JSON: {e}") from e
+    if not isinstance(body, dict):
+        raise RequestError("the body must be a JSON object")
+    return body
+
+
+def _error(message: str, code: int, error_type: str = "invalid_request_error") -> Response:
+    response = jsonify(error_body(message, code, error_type))
+    response.status_code = code
+    return response
+
+
+def _outputs(engine, handle: RequestHandle, is_gone: Callable[[], bool]) -> Iterator[RequestOutput]:
+    """The request's outputs; aborts it if the client leaves, fails if the engine dies."""
+    while True:
+        try:
+            for out in handle.events(timeout_s=POLL_S):
+                yield out
+                if out.finish_reason is None and is_gone():
+                    handle.abort()  # the engine answers with a final "abort" output
+            return
+        except queue.Empty:
+            if is_gone():
+                handle.abort()
+            elif not engine.is_healthy():
+                handle.abort()
+                raise RequestError("the engine stopped", 503, "server_error") from None
+
+
+def _stream(events: Iterator[str], handle: RequestHandle) -> Iterator[str]:
+    finished = False
+    try:
+        yield from events
+        finished = True
+    except Exception as e:  # headers are out: the error can only travel in the stream
+        logger.exception("stream of %s failed", handle.request_id)
+        code = e.code if isinstance(e, RequestError) else 500
+        yield sse(error_body(str(e), code, "server_error"))
+        yield SSE_DONE
+    finally:
+        if not finished:
+            handle.abort()
+
+
+def create_app(engine) -> Flask:
+    """The Flask app of one inference server around a started engine."""
+    app = Flask("toppings-server")
+    app.config["MAX_CONTENT_LENGTH"] = MAX_BODY_BYTES
+    tokenizer_lock = threading.Lock()
+    started = int(time.time())
+
+    def generate(parse: Callable[[dict, str], ParsedBody]) -> Response:
+        parsed = parse(_json_body(), engine.model_name)
+        with tokenizer_lock:
+            req = build_request(
+                parsed, engine.tokenizer, engine.max_model_len, engine.model_config.vocab_size
+            )
+        handle = engine.submit(req)
+        meta = ResponseMeta.new(parsed, len(req.prompt_ids))
+        gone = request.environ.get("waitress.client_disconnected") or (lambda: False)
+        outputs = _outputs(engine, handle, gone)
+        if parsed.stream:
+            events = _stream(stream_events(parsed, meta, outputs), handle)
+            headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+            return Response(events, mimetype="text/event-stream", headers=headers)
+        try:
+            out = _merge(outputs)
+        except BaseException:
+            handle.abort()
+            raise
+        if out.finish_reason == "error":
+            return _error(out.error or "generation failed", 500, "server_error")
+        return jsonify(final_response(parsed, meta, out))
+
+    app.add_url_rule("/generate", "generate", lambda: generate(parse_native), methods=["POST"])
+    app.add_url_rule(
+        "/v1/completions", "completions", lambda: generate(parse_completion), methods=["POST"]
+    )
+    app.add_url_rule("/v1/chat/completions", "chat", lambda: generate(parse_chat), methods=["POST"])
+
+    @app.get("/v1/models")
+    def models() -> Response:
+        return jsonify(models_response(engine.model_name, engine.adapters(), started))
+
+    @app.get("/health")
+    def health() -> Response:
+        if engine.is_healthy():
+            return jsonify({"status": "ok"})
+        return _error("the engine is not running", 503, "server_error")
+
+    @app.get("/stats")
+    def stats() -> Response:
+        return jsonify(engine.stats())
+
+    @app.errorhandler(RequestError)
+    def request_error(e: RequestError) -> Response:
+        return _error(str(e), e.code, e.error_type)
+
+    @app.errorhandler(HTTPException)
+    def http_error(e: HTTPException) -> Response:
+        response = e.get_response()  # keeps headers such as Allow on a 405
+        response.data = json.dumps(error_body(e.description or e.name, e.code or 500))
+        response.content_type = "application/json"
+        return response
+
+    @app.errorhandler(Exception)
+    def unexpected(e: Exception) -> Response:
+        logger.exception("unexpected error on %s %s", request.method, request.path)
+        return _error(f"internal error: {type(e).__name__}: {e}", 500, "server_error")
+
+    return app
+
+
+def _merge(outputs: Iterator[RequestOutput]) -> RequestOutput:
+    """One RequestOutput holding all the text and token ids of a finished request."""
+    ids: list[int] = []
+    text: list[str] = []
+    last = None
+    for out in outputs:
+        ids.extend(out.new_token_ids)
+        text.append(out.new_text)
+        last = out
+    if last is None:
+        raise RuntimeError("the engine ended a request without a final output")
+    return RequestOutput(
+        request_id=last.request_id,
+        new_token_ids=ids,
+        new_text="".join(text),
+        finish_reason=last.finish_reason,
+        error=last.error,
+        prompt_tokens=last.prompt_tokens,
+        output_tokens=last.output_tokens,
+        ttft_s=last.ttft_s,
+        e2e_s=last.e2e_s,
+    )
