@@ -1,0 +1,1 @@
+"""Cluster scheduler: SQLite registry, Eq. 2 perf models, policies, Flask proxy, simulator."""

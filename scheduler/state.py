@@ -1,0 +1,148 @@
+"""What a routing policy sees: a request to place and a small summary of each server.
+
+A `ServerState` is built from one server's `GET /stats` JSON (or from a simulated server) plus
+the requests the scheduler routed there since that snapshot, which the snapshot cannot show yet.
+Those are counted as queued: they still need their prefill and will join the next decode batch.
+
+`/stats` schema consumed here (the server side is the contract, see DESIGN.md):
+    {"model": str, "kernel": "bgmv"|"mbgmv", "device": str, "lora_mode": str,
+     "running": [REQ], "queue": [REQ],
+     "adapters": [{"name": str, "rank": int, "resident": bool}],
+     "free_kv_tokens": int, "max_total_tokens": int, "healthy": bool}
+    REQ = {"id": str, "adapter": str|null, "rank": int, "prompt_tokens": int,
+           "output_tokens": int, "max_new_tokens": int}
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, replace
+from typing import Any, NamedTuple
+
+
+class BatchShape(NamedTuple):
+    """Aggregates of a set of requests: all the perf models need, O(1) to extend.
+
+    A request without an adapter has rank 0. `sum_token_rank` is sum(tokens_i * rank_i), the
+    LoRA work of a prefill without padding; `sum_tokens` counts prompt tokens.
+    """
+
+    num: int = 0
+    sum_rank: int = 0
+    max_rank: int = 0
+    sum_tokens: int = 0
+    sum_token_rank: int = 0
+
+    def add(self, rank: int, tokens: int) -> BatchShape:
+        """This set plus one request of `rank` with `tokens` prompt tokens."""
+        return BatchShape(
+            self.num + 1,
+            self.sum_rank + rank,
+            rank if rank > self.max_rank else self.max_rank,
+            self.sum_tokens + tokens,
+            self.sum_token_rank + tokens * rank,
+        )
+
+    def merge(self, other: BatchShape) -> BatchShape:
+        return BatchShape(
+            self.num + other.num,
+            self.sum_rank + other.sum_rank,
+            max(self.max_rank, other.max_rank),
+            self.sum_tokens + other.sum_tokens,
+            self.sum_token_rank + other.sum_token_rank,
+        )
+
+    @classmethod
+    def of(cls, ranks: Iterable[int], tokens: Iterable[int]) -> BatchShape:
+        """Shape of requests given as parallel lists of ranks and prompt tokens."""
+        shape = cls()
+        for rank, num_tokens in zip(ranks, tokens, strict=True):
+            shape = shape.add(rank, num_tokens)
+        return shape
+
+
+@dataclass(frozen=True, slots=True)
+class RouteRequest:
+    """A request to place. rank 0 and adapter None mean the base model alone."""
+
+    adapter: str | None
+    rank: int
+    prompt_tokens: int
+    max_new_tokens: int
+    base_model: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class ServerState:
+    """One server as a policy sees it.
+
+    batch: running + queued + routed-since-snapshot, i.e. the decode batch once all are admitted.
+    queue: queued + routed-since-snapshot, the requests whose prefill is still pending.
+    room_tokens: KV slots left after the queue's reservations (prompt + max_new_tokens each).
+    """
+
+    url: str
+    kernel: str
+    healthy: bool
+    num_running: int
+    num_queued: int
+    batch: BatchShape
+    queue: BatchShape
+    room_tokens: int
+    adapters: frozenset[str] = frozenset()
+    base_model: str = ""
+    num_routed: int = 0
+
+    @property
+    def num_requests(self) -> int:
+        return self.num_running + self.num_queued
+
+    def serves(self, request: RouteRequest) -> bool:
+        """Healthy, same base model (when both are named), and hosts the adapter."""
+        if not self.healthy:
+            return False
+        if request.base_model and self.base_model and request.base_model != self.base_model:
+            return False
+        return request.adapter is None or request.adapter in self.adapters
+
+    def with_routed(self, rank: int, prompt_tokens: int, max_new_tokens: int) -> ServerState:
+        """This state after the scheduler routed one more request here (counted as queued)."""
+        return replace(
+            self,
+            num_queued=self.num_queued + 1,
+            batch=self.batch.add(rank, prompt_tokens),
+            queue=self.queue.add(rank, prompt_tokens),
+            room_tokens=self.room_tokens - prompt_tokens - max_new_tokens,
+            num_routed=self.num_routed + 1,
+        )
+
+    @classmethod
+    def from_stats(cls, url: str, stats: Mapping[str, Any]) -> ServerState:
+        """Parse a `/stats` JSON body; raises KeyError/TypeError/ValueError when malformed."""
+        running = _shape(stats["running"], with_output=True)
+        queue = _shape(stats["queue"], with_output=False)
+        reserved = sum(int(r["prompt_tokens"]) + int(r["max_new_tokens"]) for r in stats["queue"])
+        kernel = str(stats["kernel"])
+        if kernel not in ("bgmv", "mbgmv"):
+            raise ValueError(f"unknown kernel {kernel!r}")
+        return cls(
+            url=url,
+            kernel=kernel,
+            healthy=bool(stats.get("healthy", True)),
+            num_running=len(stats["running"]),
+            num_queued=len(stats["queue"]),
+            batch=running.merge(queue),
+            queue=queue,
+            room_tokens=int(stats["free_kv_tokens"]) - reserved,
+            adapters=frozenset(str(a["name"]) for a in stats.get("adapters", ())),
+            base_model=str(stats.get("model", "")),
+        )
+
+
+def _shape(requests: Iterable[Mapping[str, Any]], with_output: bool) -> BatchShape:
+    """Aggregate /stats request entries. Running requests count generated tokens as context."""
+    shape = BatchShape()
+    for req in requests:
+        tokens = int(req["prompt_tokens"]) + (int(req["output_tokens"]) if with_output else 0)
+        shape = shape.add(int(req["rank"] or 0), tokens)
+    return shape
