@@ -1,0 +1,154 @@
+"""Make random PEFT LoRA adapters for a base checkpoint, with the peft library itself.
+
+Each adapter is rescaled so that, on random inputs, every LoRA delta has about `delta_ratio`
+times the norm of its projection's base output: large enough to change the model's tokens,
+small enough that the base model still shapes them.
+
+    python -m scripts.make_adapters --base DIR --out ROOT --ranks 8,16,32,64 \
+        [--targets q_proj,v_proj] [--count N] [--seed S] [--rslora] [--delta-ratio 0.2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from server.model_config import LORA_TARGETS
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj")
+NUM_PROBE_ROWS = 64  # random input rows used to measure base and delta output norms
+
+
+def load_base(base_dir: str | Path) -> PreTrainedModel:
+    """The base checkpoint in float32; its absolute path is what adapters record as their base."""
+    return AutoModelForCausalLM.from_pretrained(Path(base_dir).resolve(), dtype=torch.float32)
+
+
+def make_random_adapter(
+    out_dir: str | Path,
+    base_dir: str | Path | PreTrainedModel,
+    *,
+    rank: int,
+    alpha: float | None = None,
+    target_modules: Sequence[str] = DEFAULT_TARGETS,
+    seed: int = 0,
+    use_rslora: bool = False,
+    init_std: float | None = None,
+    delta_ratio: float = 0.2,
+) -> Path:
+    """Save a random LoRA adapter (PEFT format) for the checkpoint at `base_dir`; returns out_dir.
+
+    `alpha` defaults to 2 * rank. With `init_std` set, A and B are drawn from N(0, init_std) and
+    kept as drawn; otherwise PEFT's random init is rescaled to `delta_ratio` (see module doc).
+    `base_dir` may also be a model from `load_base`, which is left as it was.
+    """
+    unknown = [m for m in target_modules if m not in LORA_TARGETS]
+    if rank <= 0 or not target_modules or unknown:
+        raise ValueError(f"need rank > 0 and targets among {LORA_TARGETS}, got {rank}, {unknown}")
+    base = base_dir if isinstance(base_dir, PreTrainedModel) else load_base(base_dir)
+    config = LoraConfig(
+        r=rank,
+        lora_alpha=2 * rank if alpha is None else alpha,
+        target_modules=list(target_modules),
+        use_rslora=use_rslora,
+        init_lora_weights=False,
+    )
+    with torch.random.fork_rng(devices=[]):  # leave the caller's RNG stream untouched
+        torch.manual_seed(seed)
+        peft_model = get_peft_model(base, config)
+        with torch.no_grad():
+            for module in peft_model.modules():
+                if hasattr(module, "lora_A") and "default" in module.lora_A:
+                    _set_weights(module, init_std, delta_ratio)
+    out = Path(out_dir)
+    peft_model.save_pretrained(out)
+    peft_model.unload()  # strips the LoRA layers so a loaded base can serve the next adapter
+    log.info("adapter r=%d targets=%s saved to %s", rank, ",".join(target_modules), out)
+    return out
+
+
+def _set_weights(layer: torch.nn.Module, init_std: float | None, delta_ratio: float) -> None:
+    """Draw or rescale A and B of one PEFT LoRA layer, in place."""
+    a = layer.lora_A["default"].weight  # [R, in]
+    b = layer.lora_B["default"].weight  # [out, R]
+    if init_std is not None:
+        a.normal_(0.0, init_std)
+        b.normal_(0.0, init_std)
+        return
+    weight = layer.get_base_layer().weight  # [out, in]
+    x = torch.randn(NUM_PROBE_ROWS, weight.shape[1])  # [T, in]
+    base_norm = (x @ weight.T).norm()
+    delta_norm = (layer.scaling["default"] * (x @ a.T) @ b.T).norm()
+    # Split the factor evenly between A and B so neither ends up tiny or huge.
+    factor = math.sqrt(delta_ratio * base_norm.item() / max(delta_norm.item(), 1e-30))
+    a.mul_(factor)
+    b.mul_(factor)
+
+
+def make_random_adapters(
+    out_root: str | Path,
+    base_dir: str | Path,
+    ranks: Sequence[int],
+    targets: Sequence[str] = DEFAULT_TARGETS,
+    seed: int = 0,
+    *,
+    count: int = 1,
+    use_rslora: bool = False,
+    delta_ratio: float = 0.2,
+) -> list[Path]:
+    """`count` adapters per rank in out_root, named `lora-r{rank}-{i}`, each with its own seed."""
+    base = load_base(base_dir)
+    paths = []
+    for rank in ranks:
+        for i in range(count):
+            paths.append(
+                make_random_adapter(
+                    Path(out_root) / f"lora-r{rank}-{i}",
+                    base,
+                    rank=rank,
+                    target_modules=targets,
+                    seed=seed + len(paths),
+                    use_rslora=use_rslora,
+                    delta_ratio=delta_ratio,
+                )
+            )
+    return paths
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--base", required=True, type=Path, help="Hugging Face checkpoint dir")
+    parser.add_argument("--out", required=True, type=Path, help="folder for the adapters")
+    parser.add_argument("--ranks", required=True, help="comma-separated, e.g. 8,16,32,64")
+    parser.add_argument("--targets", default=",".join(DEFAULT_TARGETS))
+    parser.add_argument("--count", type=int, default=1, help="adapters per rank")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rslora", action="store_true", help="scale by alpha / sqrt(r)")
+    parser.add_argument("--delta-ratio", type=float, default=0.2, help="||delta|| / ||base out||")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO)
+    paths = make_random_adapters(
+        args.out,
+        args.base,
+        [int(r) for r in args.ranks.split(",")],
+        tuple(args.targets.split(",")),
+        args.seed,
+        count=args.count,
+        use_rslora=args.rslora,
+        delta_ratio=args.delta_ratio,
+    )
+    for path in paths:
+        print(path)
+
+
+if __name__ == "__main__":
+    main()
