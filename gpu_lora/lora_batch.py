@@ -2,6 +2,7 @@
 
 Built once per step (the offsets are the same in every layer) and called by the model after each
 base projection: `add(layer, x, ((module, y), ...))` adds every request's delta into y in place.
+Decode on a CPU uses the masked dense plan of `dense_decode`; everything else calls the kernels.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from gpu_lora.adapter_pool import AdapterPool, ResidentAdapter
+from gpu_lora.dense_decode import DenseDecodePlan
 
 
 class LoraBatch:
@@ -25,6 +27,10 @@ class LoraBatch:
     ):
         self.pool = pool
         self.is_prefill = is_prefill
+        self._dense = None
+        if not is_prefill and pool.device.type == "cpu":
+            self._dense = DenseDecodePlan(pool, adapters, padded=kernel == "bgmv")
+            return
         device = pool.device
         self._seg_starts = torch.tensor(seg_starts, dtype=torch.int32, device=device)
         self._fn = getattr(kernels, f"{kernel}_{'prefill' if is_prefill else 'decode'}")
@@ -42,10 +48,14 @@ class LoraBatch:
 
     @property
     def modules(self) -> tuple[str, ...]:
-        return tuple(self._args)
+        return self._dense.modules if self._dense is not None else tuple(self._args)
 
     def add(self, layer: int, x: torch.Tensor, outputs) -> None:
         """y += LoRA delta for each (module, y) pair; x [T, H_in], y [T, H_out], in place."""
+        if self._dense is not None:
+            for module, y in outputs:
+                self._dense.add(module, layer, x, y)
+            return
         for module, y in outputs:
             args = self._args.get(module)
             if args is None:
