@@ -44,8 +44,14 @@ class AdapterRecord:
     def __post_init__(self) -> None:
         if not self.name or not self.base_model:
             raise RegistryError("an adapter needs a name and a base model")
-        if not isinstance(self.rank, int) or self.rank <= 0:
+        if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank <= 0:
             raise RegistryError(f"adapter {self.name}: rank must be a positive integer")
+        if self.num_bytes is not None and (
+            not isinstance(self.num_bytes, int) or self.num_bytes < 0
+        ):
+            raise RegistryError(f"adapter {self.name}: bytes must be a non-negative integer")
+        if not all(isinstance(m, str) for m in self.target_modules):
+            raise RegistryError(f"adapter {self.name}: target_modules must be names")
         if self.state not in ADAPTER_STATES:
             raise RegistryError(f"adapter {self.name}: state must be one of {ADAPTER_STATES}")
 

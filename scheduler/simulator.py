@@ -37,10 +37,15 @@ class SimConfig:
     max_batch_size: int = 128
     max_prefill_tokens: int = 8192
     warmup_fraction: float = 0.1  # arrivals in the first 10% of the trace are not measured
+    # Like the scheduler's /stats polling: policies see snapshots taken every refresh_s (at the
+    # first arrival after each tick) plus the requests routed since; 0 means always fresh.
+    refresh_s: float = 0.1
 
     def __post_init__(self) -> None:
         if self.num_servers < 1 or self.kernel not in ("bgmv", "mbgmv"):
             raise ValueError("num_servers must be >= 1 and kernel bgmv or mbgmv")
+        if self.refresh_s < 0:
+            raise ValueError("refresh_s must be >= 0")
 
 
 @dataclass(slots=True)
@@ -224,6 +229,8 @@ def simulate(
     per_server = [0] * config.num_servers
     num_unrouted = 0
     arrival_idx = 0
+    views: list[ServerState] = []
+    next_refresh_s = -math.inf
     while arrival_idx < len(trace) or events:
         if arrival_idx < len(trace) and (
             not events or trace[arrival_idx].arrival_s <= events[0][0]
@@ -231,10 +238,20 @@ def simulate(
             item = trace[arrival_idx]
             arrival_idx += 1
             route = RouteRequest(item.adapter, item.rank, item.prompt_tokens, item.output_tokens)
-            target = policy.choose(route, [s.state() for s in servers])
+            if item.arrival_s >= next_refresh_s:
+                views = [s.state() for s in servers]
+                next_refresh_s = (
+                    item.arrival_s
+                    if config.refresh_s == 0
+                    else (math.floor(item.arrival_s / config.refresh_s) + 1) * config.refresh_s
+                )
+            target = policy.choose(route, views)
             if target is None:
                 num_unrouted += 1
                 continue
+            views[target] = views[target].with_routed(
+                item.rank, item.prompt_tokens, item.output_tokens
+            )
             per_server[target] += 1
             server = servers[target]
             server.enqueue(_Request(item))

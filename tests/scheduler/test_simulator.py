@@ -87,3 +87,12 @@ def test_trace_is_seeded_poisson_zipf_lognormal():
     assert summary["share_top1_adapter"] > 0.1  # Zipf 1.1 over 1000: ~15% on the top one
     assert set(summary["request_share_by_rank"]) <= {"8", "16", "32", "64"}
     assert all(a.arrival_s <= b.arrival_s for a, b in zip(trace, trace[1:]))
+
+
+def test_stale_snapshots_are_corrected_by_routed_counts():
+    """One snapshot for the whole trace: least-loaded still spreads, on its own routed counts."""
+    trace = small_trace()
+    config = SimConfig(num_servers=4, refresh_s=1000.0)
+    result = simulate(trace, make_policy("least-loaded", PERF, 60.0), PERF, config)
+    counts = result.per_server_requests
+    assert sum(counts) == len(trace) and max(counts) - min(counts) <= 1

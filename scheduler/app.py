@@ -1,0 +1,191 @@
+"""The scheduler's HTTP API: parse, call the router / cluster / registry, answer JSON.
+
+Request endpoints mirror a server's (`/v1/completions`, `/v1/chat/completions`, streaming as
+server-sent events passed through); admin endpoints manage the cluster:
+    POST   /admin/servers   {"url"}            fetch its /v1/models and /stats, record it
+    DELETE /admin/servers   {"url"} or ?url=   forget it
+    POST   /admin/adapters  {"name", "base_model", "rank", "alpha"?, "target_modules"?,
+                             "path"?, "bytes"?, "state"?, "servers"?: [url]}
+                            record an adapter; with "servers", ask each to load it from "path"
+    GET    /admin/state                        servers, health, policy, perf-model source
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+import requests
+from flask import Flask, Response, jsonify, request
+from werkzeug.exceptions import HTTPException
+
+from scheduler.cluster import Cluster
+from scheduler.registry import AdapterRecord, RegistryError
+from scheduler.router import Router, SchedulerError
+
+log = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 16 << 20
+
+
+def error_body(message: str, code: int, error_type: str = "invalid_request_error") -> dict:
+    return {"error": {"message": message, "type": error_type, "code": code}}
+
+
+def _error(message: str, code: int, error_type: str = "invalid_request_error") -> Response:
+    response = jsonify(error_body(message, code, error_type))
+    response.status_code = code
+    return response
+
+
+def _json_body() -> dict[str, Any]:
+    try:
+        body = json.loads(request.get_data() or b"null")
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise SchedulerError(f"the body is not valid JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise SchedulerError("the body must be a JSON object")
+    return body
+
+
+def _url(body: dict[str, Any]) -> str:
+    url = body.get("url", request.args.get("url"))
+    if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+        raise SchedulerError("'url' must be an http(s) URL")
+    return url.rstrip("/")
+
+
+def _adapter(body: dict[str, Any]) -> AdapterRecord:
+    try:
+        return AdapterRecord(
+            name=body["name"],
+            base_model=body["base_model"],
+            rank=body["rank"],
+            alpha=None if body.get("alpha") is None else float(body["alpha"]),
+            target_modules=_names(body.get("target_modules") or []),
+            path=body.get("path"),
+            num_bytes=body.get("bytes"),
+            state=body.get("state", "active"),
+        )
+    except KeyError as exc:
+        raise SchedulerError(f"missing field {exc.args[0]!r}") from None
+    except (TypeError, ValueError) as exc:
+        raise SchedulerError(str(exc)) from None
+
+
+def _names(value: Any) -> tuple[str, ...]:
+    if not isinstance(value, list):
+        raise SchedulerError("'target_modules' must be a list of module names")
+    return tuple(value)
+
+
+def create_app(router: Router, cluster: Cluster, info: dict[str, Any]) -> Flask:
+    """Flask app around a router and cluster; `info` is echoed by /admin/state."""
+    app = Flask("toppings-scheduler")
+    app.config["MAX_CONTENT_LENGTH"] = MAX_BODY_BYTES
+    registry = router.registry
+
+    def proxy(path: str, kind: str) -> Response:
+        answer = router.forward(path, _json_body(), kind)
+        headers = {"X-Toppings-Server": answer.server}
+        if isinstance(answer.body, bytes):
+            return Response(answer.body, answer.status, headers, content_type=answer.content_type)
+        headers.update({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return Response(answer.body, answer.status, headers, content_type=answer.content_type)
+
+    app.add_url_rule(
+        "/v1/completions", "completions", lambda: proxy("/v1/completions", "completions"),
+        methods=["POST"],
+    )  # fmt: skip
+    app.add_url_rule(
+        "/v1/chat/completions", "chat", lambda: proxy("/v1/chat/completions", "chat"),
+        methods=["POST"],
+    )  # fmt: skip
+
+    @app.get("/v1/models")
+    def models() -> Response:
+        return jsonify(router.models())
+
+    @app.get("/health")
+    def health() -> Response:
+        servers = cluster.describe()
+        healthy = sum(1 for s in servers if s["healthy"])
+        return jsonify({"status": "ok", "num_servers": len(servers), "num_healthy": healthy})
+
+    @app.post("/admin/servers")
+    def add_server() -> Response:
+        url = _url(_json_body())
+        try:
+            added = cluster.add_server(url)
+        except requests.RequestException as exc:
+            raise SchedulerError(f"cannot reach {url}: {exc}", 502, "bad_gateway") from None
+        except (KeyError, TypeError, ValueError) as exc:
+            raise SchedulerError(f"{url} answered an unexpected /stats or /v1/models: {exc}", 502,
+                                 "bad_gateway") from None  # fmt: skip
+        return jsonify(added), 201
+
+    @app.delete("/admin/servers")
+    def remove_server() -> Response:
+        url = _url(_json_body() if request.get_data() else {})
+        if not cluster.remove_server(url):
+            raise SchedulerError(f"unknown server {url}", 404, "not_found")
+        return jsonify({"removed": url})
+
+    @app.post("/admin/adapters")
+    def add_adapter() -> Response:
+        body = _json_body()
+        adapter = _adapter(body)
+        servers = body.get("servers") or []
+        if not isinstance(servers, list) or not all(isinstance(u, str) for u in servers):
+            raise SchedulerError("'servers' must be a list of server URLs")
+        if servers and not adapter.path:
+            raise SchedulerError("loading on servers needs the adapter's 'path'")
+        registry.put_adapter(adapter)
+        loaded, failed = [], {}
+        for url in (u.rstrip("/") for u in servers):
+            try:
+                answer = router.session.post(
+                    url + "/v1/load_lora_adapter",
+                    json={"lora_name": adapter.name, "lora_path": adapter.path},
+                    timeout=(3.0, 120.0),
+                )
+                answer.raise_for_status()
+                registry.add_hosting(url, adapter.name)
+                loaded.append(url)
+            except (requests.RequestException, RegistryError) as exc:
+                failed[url] = str(exc)
+        return jsonify({"adapter": adapter.name, "loaded_on": loaded, "failed": failed}), 201
+
+    @app.get("/admin/state")
+    def state() -> Response:
+        return jsonify({
+            **info,
+            "policy": router.policy.name,
+            "slo_tpt_ms": router.policy.slo_ms,
+            "avg_resp_len": router.policy.avg_resp_len,
+            "servers": cluster.describe(),
+            "adapters": [a.name for a in registry.list_adapters()],
+        })  # fmt: skip
+
+    @app.errorhandler(SchedulerError)
+    def scheduler_error(e: SchedulerError) -> Response:
+        return _error(str(e), e.code, e.error_type)
+
+    @app.errorhandler(RegistryError)
+    def registry_error(e: RegistryError) -> Response:
+        return _error(str(e), 400)
+
+    @app.errorhandler(HTTPException)
+    def http_error(e: HTTPException) -> Response:
+        response = e.get_response()
+        response.data = json.dumps(error_body(e.description or e.name, e.code or 500))
+        response.content_type = "application/json"
+        return response
+
+    @app.errorhandler(Exception)
+    def unexpected(e: Exception) -> Response:
+        log.exception("unexpected error on %s %s", request.method, request.path)
+        return _error(f"internal error: {type(e).__name__}: {e}", 500, "server_error")
+
+    return app

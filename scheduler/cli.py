@@ -1,0 +1,103 @@
+"""`toppings-scheduler`: the cluster scheduler, served by waitress.
+
+    toppings-scheduler --registry FILE.sqlite [--host 127.0.0.1] [--port 8000]
+        [--policy rank-aware|random|first-fit|least-loaded] [--perf-model FILE.json]
+        [--slo-tpt-ms X]
+
+Servers known to the registry are polled from the start; add more with POST /admin/servers.
+Without --perf-model the policies use the paper's Fig. 6 coefficients (A100, Llama-7B), which
+do not describe this cluster's hardware; fit a model with scripts/fit_perf_model.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from typing import Any
+
+import requests
+import waitress
+
+from scheduler.app import create_app
+from scheduler.cluster import Cluster
+from scheduler.paper_models import paper_fig6_models
+from scheduler.perf_model import PerfModels
+from scheduler.policies import POLICIES, make_policy
+from scheduler.registry import Registry
+from scheduler.router import Router
+from scheduler.state import BatchShape
+
+log = logging.getLogger("toppings-scheduler")
+STATS_TIMEOUT_S = 1.0
+SLO_FACTOR = 1.5  # the paper's SLO: 1.5x the time per token without LoRA
+
+
+def make_fetch_json(session: requests.Session, timeout_s: float = STATS_TIMEOUT_S):
+    """GET url -> JSON; raises on refusal, timeout, non-2xx or a non-JSON body."""
+
+    def fetch_json(url: str) -> dict[str, Any]:
+        answer = session.get(url, timeout=timeout_s)
+        answer.raise_for_status()
+        body = answer.json()
+        if not isinstance(body, dict):
+            raise ValueError(f"{url} did not answer a JSON object")
+        return body
+
+    return fetch_json
+
+
+def default_slo_ms(perf: PerfModels) -> float:
+    """1.5x the slowest kernel's predicted decode iteration for one request without LoRA."""
+    one_base_request = BatchShape(num=1)
+    decode = [m.predict(one_base_request) for m in perf.models.values() if m.phase == "decode"]
+    return SLO_FACTOR * max(decode)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="toppings-scheduler", description=__doc__.split("\n")[0])
+    parser.add_argument("--registry", required=True, help="SQLite registry file (created if new)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--policy", choices=sorted(POLICIES), default="rank-aware")
+    parser.add_argument("--perf-model", help="perf-model JSON from scripts/fit_perf_model.py")
+    parser.add_argument(
+        "--slo-tpt-ms",
+        type=float,
+        help="SLO on time per token, bounding the predicted decode latency (default: 1.5x the"
+        " perf model's decode iteration of one request without LoRA)",
+    )
+    parser.add_argument("--refresh-ms", type=float, default=100.0, help="/stats polling period")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random policy")
+    parser.add_argument("--threads", type=int, default=32, help="waitress worker threads")
+    parser.add_argument("--log-level", default="INFO")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(message)s")
+    if args.perf_model:
+        perf, source = PerfModels.load(args.perf_model), args.perf_model
+    else:
+        perf = paper_fig6_models()
+        source = perf.source
+        log.warning("no --perf-model: routing on %s", source)
+    registry = Registry(args.registry)
+    session = requests.Session()
+    cluster = Cluster(registry, make_fetch_json(session), refresh_s=args.refresh_ms / 1000.0)
+    slo_ms = args.slo_tpt_ms or default_slo_ms(perf)
+    policy = make_policy(args.policy, perf, slo_ms, seed=args.seed)
+    router = Router(registry, cluster, policy)
+    app = create_app(router, cluster, {"perf_model_source": source, "registry": args.registry})
+    cluster.start()
+    log.info("scheduler on http://%s:%d, policy %s, SLO %.1f ms per token",
+             args.host, args.port, args.policy, slo_ms)  # fmt: skip
+    try:
+        waitress.serve(app, host=args.host, port=args.port, threads=args.threads)
+    finally:
+        cluster.stop()
+        registry.close()
+
+
+if __name__ == "__main__":
+    main()

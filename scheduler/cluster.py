@@ -1,0 +1,195 @@
+"""The live view of the inference servers: registry records, `/stats` snapshots, health.
+
+A background thread fetches every server's `/stats` every `refresh_s` (100 ms by default). The
+requests the scheduler routed to a server after a fetch began are kept and added to that
+server's state as queued (`ServerState.with_routed`), so a burst between two snapshots does not
+pile onto the server the last snapshot favoured. A server whose fetch fails, or that refuses a
+proxied request, is unhealthy until a fetch succeeds again.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from scheduler.registry import AdapterRecord, Registry, ServerRecord
+from scheduler.state import RouteRequest, ServerState
+
+log = logging.getLogger(__name__)
+
+FetchJson = Callable[[str], dict[str, Any]]  # GET url -> JSON body; raises on any failure
+LAST_SEEN_WRITE_S = 5.0  # how often a healthy server's last_seen reaches the registry
+
+
+@dataclass
+class _Entry:
+    record: ServerRecord
+    snapshot: ServerState | None = None
+    routed: list[tuple[float, RouteRequest]] = field(default_factory=list)
+    healthy: bool = False
+    hosted: frozenset[str] = frozenset()
+    last_seen_written: float = 0.0
+    last_error: str = ""
+
+
+class Cluster:
+    """Thread-safe set of servers; `states()` is what a policy routes on."""
+
+    def __init__(self, registry: Registry, fetch_json: FetchJson, refresh_s: float = 0.1):
+        self.registry = registry
+        self.fetch_json = fetch_json
+        self.refresh_s = refresh_s
+        self._lock = threading.Lock()
+        self._entries: dict[str, _Entry] = {}
+        hosting = registry.hosting()
+        for record in registry.list_servers():  # a restart picks up every known server
+            hosted = frozenset(hosting.get(record.url, ()))
+            self._entries[record.url] = _Entry(record, hosted=hosted)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="stats")
+
+    # --- membership ---------------------------------------------------------------------------
+
+    def add_server(self, url: str) -> dict[str, Any]:
+        """Fetch the server's /v1/models and /stats, record it and its adapters."""
+        url = url.rstrip("/")
+        models = self.fetch_json(url + "/v1/models")
+        stats = self.fetch_json(url + "/stats")
+        state = ServerState.from_stats(url, stats)
+        base = str(stats["model"])
+        ranks = {str(a["name"]): int(a["rank"]) for a in stats.get("adapters", ())}
+        for card in models.get("data", ()):
+            if card.get("parent") and card.get("rank"):
+                ranks.setdefault(str(card["id"]), int(card["rank"]))
+        adapters = [AdapterRecord(name, base, rank) for name, rank in sorted(ranks.items())]
+        record = ServerRecord(url, base, state.kernel, str(stats.get("device", "unknown")),
+                              healthy=state.healthy, last_seen=time.time())  # fmt: skip
+        self.registry.put_server(record, adapters)
+        with self._lock:
+            entry = self._entries.setdefault(url, _Entry(record))
+            entry.record, entry.snapshot, entry.routed = record, state, []
+            entry.healthy, entry.hosted = state.healthy, frozenset(ranks)
+        return {"url": url, "base_model": base, "kernel": state.kernel, "adapters": sorted(ranks)}
+
+    def remove_server(self, url: str) -> bool:
+        url = url.rstrip("/")
+        with self._lock:
+            known = self._entries.pop(url, None) is not None
+        return self.registry.remove_server(url) or known
+
+    def urls(self) -> list[str]:
+        with self._lock:
+            return list(self._entries)
+
+    # --- what policies see --------------------------------------------------------------------
+
+    def states(self) -> list[ServerState]:
+        """One state per server that has a snapshot, in registration order (first-fit's order)."""
+        with self._lock:
+            entries = list(self._entries.values())
+        result = []
+        for entry in entries:
+            state = entry.snapshot
+            if state is None:
+                continue
+            for _, req in entry.routed:
+                state = state.with_routed(req.rank, req.prompt_tokens, req.max_new_tokens)
+            if state.healthy != entry.healthy:
+                state = replace(state, healthy=entry.healthy)
+            result.append(state)
+        return result
+
+    def note_routed(self, url: str, request: RouteRequest) -> None:
+        with self._lock:
+            entry = self._entries.get(url)
+            if entry is not None:
+                entry.routed.append((time.monotonic(), request))
+
+    def mark_unhealthy(self, url: str, reason: str) -> None:
+        with self._lock:
+            entry = self._entries.get(url)
+            if entry is None or not entry.healthy:
+                return
+            entry.healthy, entry.last_error = False, reason
+        log.warning("server %s unhealthy: %s", url, reason)
+        self.registry.set_health(url, False)
+
+    def describe(self) -> list[dict[str, Any]]:
+        with self._lock:
+            entries = list(self._entries.values())
+        return [
+            {
+                "url": e.record.url,
+                "base_model": e.record.base_model,
+                "kernel": e.record.kernel,
+                "device": e.record.device,
+                "healthy": e.healthy,
+                "last_error": e.last_error,
+                "adapters": sorted(e.hosted),
+                "running": e.snapshot.num_running if e.snapshot else None,
+                "queued": e.snapshot.num_queued if e.snapshot else None,
+                "routed_since_snapshot": len(e.routed),
+            }
+            for e in entries
+        ]
+
+    # --- refreshing ---------------------------------------------------------------------------
+
+    def refresh_once(self) -> None:
+        """Fetch every server's /stats (in parallel) and update snapshots and health."""
+        list(self._pool.map(self._refresh, self.urls()))
+
+    def _refresh(self, url: str) -> None:
+        began = time.monotonic()
+        try:
+            stats = self.fetch_json(url + "/stats")
+            state = ServerState.from_stats(url, stats)
+        except Exception as exc:  # any failure (refused, timeout, bad JSON) means unhealthy
+            self.mark_unhealthy(url, f"/stats: {type(exc).__name__}: {exc}")
+            return
+        now = time.time()
+        with self._lock:
+            entry = self._entries.get(url)
+            if entry is None:  # removed meanwhile
+                return
+            was_healthy, entry.healthy = entry.healthy, state.healthy
+            entry.snapshot = state
+            entry.routed = [(t, r) for t, r in entry.routed if t >= began]
+            hosted_changed = state.adapters != entry.hosted
+            entry.hosted = state.adapters
+            write_seen = now - entry.last_seen_written >= LAST_SEEN_WRITE_S
+            if write_seen or was_healthy != state.healthy:
+                entry.last_seen_written = now
+        if hosted_changed:
+            ranks = {str(a["name"]): int(a["rank"]) for a in stats.get("adapters", ())}
+            record = ServerRecord(url, entry.record.base_model, state.kernel, entry.record.device,
+                                  state.healthy, now)  # fmt: skip
+            adapters = [AdapterRecord(n, record.base_model, r) for n, r in sorted(ranks.items())]
+            self.registry.put_server(record, adapters)
+        elif write_seen or was_healthy != state.healthy:
+            self.registry.set_health(url, state.healthy, now)
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="stats-refresh", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            started = time.monotonic()
+            try:
+                self.refresh_once()
+            except Exception:  # never let the refresher die; the next round retries
+                log.exception("stats refresh failed")
+            self._stop.wait(max(0.0, self.refresh_s - (time.monotonic() - started)))
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        self._pool.shutdown(wait=False)
