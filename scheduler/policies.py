@@ -12,7 +12,7 @@ import math
 import random
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from scheduler.perf_model import PerfModels
 from scheduler.state import RouteRequest, ServerState
@@ -107,7 +107,7 @@ class RandomPolicy(Policy):
 
     name = "random"
 
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.rng = random.Random(self.seed)
 

@@ -89,6 +89,8 @@ class Router:
             )
         if adapter is None and model in self.registry.base_models():
             return RouteRequest(None, 0, estimate_prompt_tokens(body), max_tokens, model)
+        if adapter is not None:
+            raise SchedulerError(f"the adapter {model!r} is disabled", 404, "model_not_found")
         raise SchedulerError(f"the model {model!r} does not exist", 404, "model_not_found")
 
     def forward(self, path: str, body: dict[str, Any], kind: str) -> Forwarded:

@@ -112,6 +112,11 @@ def test_add_server_records_it_and_its_adapters(setup):
     # The request endpoints resolve the model before routing: a bad max_tokens is the client's.
     body = {"model": "sql", "prompt": "hi", "max_tokens": 0}
     assert_error(client.post("/v1/completions", json=body), 400)
+    registry.set_adapter_state("chat", "disabled")
+    body = {"model": "chat", "messages": [{"role": "user", "content": "hi"}]}
+    error = assert_error(client.post("/v1/chat/completions", json=body), 404, "model_not_found")
+    assert "disabled" in error["message"]
+    assert "chat" not in {m["id"] for m in client.get("/v1/models").get_json()["data"]}
 
 
 def test_unreachable_server_is_a_502_and_not_recorded(setup):
