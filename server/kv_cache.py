@@ -12,7 +12,7 @@ import torch
 
 
 class KVPool:
-    """KV tensors [L, S, K, D] plus the slot allocator and the request-to-slot table."""
+    """KV tensors [L, K, S, D] plus the slot allocator and the request-to-slot table."""
 
     def __init__(
         self,
@@ -25,8 +25,10 @@ class KVPool:
         dtype: torch.dtype,
         device: str | torch.device = "cpu",
     ):
-        shape = (num_layers, num_slots + 1, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)  # [L, S+1, K, D]
+        # Head-major, so a decode step's gather is one index_select per layer that lands in the
+        # layout the attention matmuls read without another copy.
+        shape = (num_layers, num_kv_heads, num_slots + 1, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)  # [L, K, S+1, D]
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.num_slots = num_slots
         self.max_len = max_len
@@ -82,8 +84,8 @@ class KVPool:
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store keys/values of T tokens. slots int64 [T]; k, v [T, K, D]; in place."""
-        self.k[layer].index_copy_(0, slots, k)
-        self.v[layer].index_copy_(0, slots, v)
+        self.k[layer].index_copy_(1, slots, k.transpose(0, 1))
+        self.v[layer].index_copy_(1, slots, v.transpose(0, 1))
 
     def decode_index(self, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Slot index [B, Lmax] of every position of each request, and its validity mask."""

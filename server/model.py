@@ -153,11 +153,16 @@ class LlamaModel:
                 o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
                 outs.append(o.transpose(0, 1))  # [t, N, D]
             return torch.cat(outs).reshape(num_tokens, -1)
-        index = batch.kv_index  # [B, Lmax]
-        keys = kv.k[layer_idx][index].transpose(1, 2)  # [B, K, Lmax, D]
-        vals = kv.v[layer_idx][index].transpose(1, 2)
-        mask = batch.kv_mask[:, None, None, :]  # [B, 1, 1, Lmax]
-        o = F.scaled_dot_product_attention(
-            q[:, :, None, :], keys, vals, attn_mask=mask, enable_gqa=True
-        )  # [B, N, 1, D]
-        return o.reshape(num_tokens, -1)
+        num_kv, d = self.config.num_kv_heads, self.config.head_dim
+        b, lmax = batch.kv_index.shape
+        flat = batch.kv_index.reshape(-1)
+        keys = kv.k[layer_idx].index_select(1, flat).view(num_kv, b, lmax, d)  # [K, B, L, D]
+        vals = kv.v[layer_idx].index_select(1, flat).view(num_kv, b, lmax, d)
+        # Grouped-query attention of one query token by batched matmuls over (kv head, request):
+        # SDPA's CPU kernels are slow for a single query with a padding mask.
+        qg = q.view(b, num_kv, -1, d).transpose(0, 1)  # [K, B, G, D]
+        scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * d**-0.5  # [K, B, G, L]
+        scores = scores.masked_fill(~batch.kv_mask[None, :, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(q.dtype)
+        out = torch.matmul(probs, vals)  # [K, B, G, D]
+        return out.transpose(0, 1).reshape(num_tokens, -1)

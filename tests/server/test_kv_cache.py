@@ -57,5 +57,5 @@ def test_decode_index_masks_padding_and_gathers_written_values():
     index, mask = pool.decode_index([a, b])
     assert mask.tolist() == [[True, True, True], [True, False, False]]
     assert index[1, 1:].tolist() == [0, 0]
-    assert pool.k[0][index][0, :, 0, 0].tolist() == [0.0, 1.0, 2.0]
-    assert pool.v[0][index][1, 0, 0, 0].item() == 13.0
+    assert pool.k[0][0][index][0, :, 0].tolist() == [0.0, 1.0, 2.0]
+    assert pool.v[0][0][index][1, 0, 0].item() == 13.0
