@@ -73,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _raise_interrupt(signum: int, frame) -> None:
+    """First SIGINT/SIGTERM: stop waitress, then the engine. A second one kills at once."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
     raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
@@ -110,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
         args.cpu_workers,
     )
     engine = build_engine(args.model, config, loras)
-    signal.signal(signal.SIGTERM, _raise_interrupt)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _raise_interrupt)
     try:
         server = waitress.create_server(
             create_app(engine),
@@ -125,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         logger.info("shutting down the engine")
         engine.shutdown()
+        logger.info("stopped")
     return 0
 
 
