@@ -1,0 +1,336 @@
+"""Every LoRA adapter of a node in one POSIX shared memory arena, readable by worker processes.
+
+Binary layout of the arena (little endian; offsets in bytes from the start of the arena):
+
+    0     header   HEADER_FMT: magic b"TOPREPO1", version, dtype code (0 float32, 1 bfloat16),
+                   num_layers L, max_adapters, entry size, table offset, data offset, data bytes,
+                   then (H_in, H_out) of each projection in LORA_TARGETS order; padded to 128
+    128   table    max_adapters entries of ENTRY_FMT (128 bytes), one per slot: state (0 free,
+                   1 writing, 2 ready), rank R, targets bitmask (union over layers), name length,
+                   scale (float64), name hash (blake2b-64), data offset, data bytes, name (utf-8)
+    data  area     one block per adapter at its entry's data offset (first-fit, 64-aligned):
+                   L layer records of LAYER_FMT (modules bitmask of that layer, offset of the
+                   layer's tensors from the block start), then per layer, per module present in
+                   LORA_TARGETS order, 64-aligned: A [R, H_in] then B^T [R, H_out], contiguous.
+
+Tensors are stored in one dtype for the whole arena. float32 is the default: it keeps the CPU
+path bit-compatible with the float32 reference and with the engine's float32 CPU model, and the
+repository is also the source the device pool copies from. bfloat16 halves the memory and, on a
+CPU with bf16 matmul units (AVX512-BF16, AMX), speeds the workers up (see
+bench/results/cpu_lora_parallel.json) at about 3 significant digits of precision in the delta.
+
+One process owns the arena (adds, removes); workers attach and only read. The owner removes an
+adapter only when no job uses it: a removed slot's data may be overwritten by the next add.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+import threading
+
+import torch
+
+from cpu_lora import shm
+from cpu_lora.shapes import DTYPE_CODES, DTYPES, LORA_TARGETS, AdapterLike, ModelShapes, all_shapes
+
+MAGIC = b"TOPREPO1"
+VERSION = 1
+HEADER_FMT = "<8sIIIIIIQQQ" + "II" * len(LORA_TARGETS)
+HEADER_BYTES = 128
+ENTRY_FMT = "<IIIIdQQQ80s"
+ENTRY_BYTES = struct.calcsize(ENTRY_FMT)
+LAYER_FMT = "<IIQ"
+LAYER_BYTES = struct.calcsize(LAYER_FMT)
+MAX_NAME_BYTES = 80
+ALIGN = 64
+FREE, WRITING, READY = 0, 1, 2
+
+
+class RepositoryFullError(RuntimeError):
+    """No table slot or no contiguous free range large enough for an adapter."""
+
+
+def _align(n: int, to: int = ALIGN) -> int:
+    return (n + to - 1) // to * to
+
+
+def name_hash(name: bytes) -> int:
+    return int.from_bytes(hashlib.blake2b(name, digest_size=8).digest(), "little")
+
+
+class HostRepository:
+    """Adapters in shared memory; `tensors()` gives zero-copy torch views of A and B^T."""
+
+    def __init__(self, name: str, mapping, owner: bool) -> None:
+        self.name, self._mm, self.is_owner = name, mapping, owner
+        head = struct.unpack_from(HEADER_FMT, mapping, 0)
+        if head[0] != MAGIC or head[1] != VERSION:
+            raise ValueError(f"{name} is not a version-{VERSION} adapter repository")
+        self.dtype: torch.dtype = DTYPES[head[2]]
+        self.num_layers, self.max_adapters = head[3], head[4]
+        self._table_offset, self._data_offset, self._data_bytes = head[7], head[8], head[9]
+        flat = head[10:]
+        self.shapes = {m: (flat[2 * i], flat[2 * i + 1]) for i, m in enumerate(LORA_TARGETS)}
+        self._item = torch.empty((), dtype=self.dtype).element_size()
+        self._elems = torch.frombuffer(mapping, dtype=self.dtype)  # the whole arena, typed
+        self._lock = threading.Lock()
+        self._slots: dict[str, int] = {}
+        self._free = [(self._data_offset, self._data_bytes)]  # (offset, size), sorted by offset
+
+    @classmethod
+    def create(
+        cls,
+        model: ModelShapes,
+        capacity_bytes: int,
+        max_adapters: int = 256,
+        dtype: torch.dtype = torch.float32,
+    ) -> HostRepository:
+        """A new arena whose data area holds `capacity_bytes` of adapter blocks."""
+        if dtype not in DTYPE_CODES:
+            raise ValueError(f"dtype must be one of {list(DTYPE_CODES)}, got {dtype}")
+        data_offset = _align(HEADER_BYTES + max_adapters * ENTRY_BYTES, 4096)
+        capacity = _align(capacity_bytes)
+        name = shm.new_name("repo")
+        mapping = shm.create_shm(name, data_offset + capacity)
+        flat = [d for pair in all_shapes(model) for d in pair]
+        struct.pack_into(
+            HEADER_FMT,
+            mapping,
+            0,
+            MAGIC,
+            VERSION,
+            DTYPE_CODES[dtype],
+            model.num_layers,
+            max_adapters,
+            ENTRY_BYTES,
+            0,
+            HEADER_BYTES,
+            data_offset,
+            capacity,
+            *flat,
+        )
+        return cls(name, mapping, owner=True)
+
+    @classmethod
+    def attach(cls, name: str) -> HostRepository:
+        """Map an existing arena read-only in spirit: lookups and tensor views, no add/remove."""
+        return cls(name, shm.attach_shm(name), owner=False)
+
+    def block_bytes(self, adapter: AdapterLike) -> int:
+        """Bytes of the data block `adapter` takes in this arena."""
+        size = _align(self.num_layers * LAYER_BYTES)
+        for _, module in adapter.weights:
+            h_in, h_out = self.shapes[module]
+            size += _align(adapter.rank * (h_in + h_out) * self._item)
+        return size
+
+    def add(self, adapter: AdapterLike) -> int:
+        """Copy an adapter into the arena (converted to the arena dtype); returns its slot."""
+        self._check_owner()
+        encoded = adapter.name.encode()
+        if not 0 < len(encoded) <= MAX_NAME_BYTES:
+            raise ValueError(f"adapter name must be 1..{MAX_NAME_BYTES} utf-8 bytes")
+        self._check_weights(adapter)
+        size = self.block_bytes(adapter)
+        with self._lock:
+            if adapter.name in self._slots:
+                raise ValueError(f"adapter {adapter.name!r} is already in the repository")
+            slot = next((s for s in range(self.max_adapters) if self._state(s) == FREE), None)
+            if slot is None:
+                raise RepositoryFullError(f"all {self.max_adapters} adapter slots are in use")
+            offset = self._allocate(size, adapter.name)
+            self._write_entry(slot, WRITING, adapter, encoded, offset, size, 0)
+            targets = self._write_block(adapter, offset)
+            self._write_entry(slot, READY, adapter, encoded, offset, size, targets)
+            self._slots[adapter.name] = slot
+        return slot
+
+    def remove(self, name: str) -> None:
+        """Free an adapter's slot and data (KeyError if absent)."""
+        self._check_owner()
+        with self._lock:
+            slot = self._slots.pop(name)
+            offset, size = self.entry(slot)["data_offset"], self.entry(slot)["data_bytes"]
+            struct.pack_into(
+                ENTRY_FMT, self._mm, self._entry_at(slot), FREE, 0, 0, 0, 0.0, 0, 0, 0, b""
+            )
+            self._release(offset, size)
+
+    def lookup(self, name: str) -> int | None:
+        """Slot of a ready adapter, or None."""
+        if self.is_owner:
+            return self._slots.get(name)
+        encoded = name.encode()
+        wanted = name_hash(encoded)
+        for slot in range(self.max_adapters):
+            e = self.entry(slot)
+            if e["state"] == READY and e["name_hash"] == wanted and e["name"] == name:
+                return slot
+        return None
+
+    def names(self) -> list[str]:
+        """Names of the adapters held, by slot."""
+        ready = [self.entry(s) for s in range(self.max_adapters) if self._state(s) == READY]
+        return [e["name"] for e in ready]
+
+    def entry(self, slot: int) -> dict:
+        """The table entry of a slot as a dict (state, rank, targets, scale, name, ...)."""
+        state, rank, targets, name_len, scale, h, off, size, raw = struct.unpack_from(
+            ENTRY_FMT, self._mm, self._entry_at(slot)
+        )
+        return {
+            "state": state,
+            "rank": rank,
+            "targets": targets,
+            "scale": scale,
+            "name_hash": h,
+            "data_offset": off,
+            "data_bytes": size,
+            "name": raw[:name_len].decode(),
+        }
+
+    def layer_tensors(self, slot: int, layer: int) -> tuple[int, float, dict]:
+        """(rank, scale, {module: (A [R, H_in], B^T [R, H_out])}) of one layer: shared views.
+
+        Raises KeyError when the slot holds no ready adapter.
+        """
+        state, rank, _, _, scale, _, offset, _, _ = struct.unpack_from(
+            ENTRY_FMT, self._mm, self._entry_at(slot)
+        )
+        if state != READY:
+            raise KeyError(f"adapter slot {slot} holds no adapter")
+        mask, _, rel = struct.unpack_from(LAYER_FMT, self._mm, offset + layer * LAYER_BYTES)
+        at, views = offset + rel, {}
+        for i, module in enumerate(LORA_TARGETS):
+            if mask >> i & 1:
+                h_in, h_out = self.shapes[module]
+                e = at // self._item
+                a = self._elems[e : e + rank * h_in].view(rank, h_in)
+                bt = self._elems[e + rank * h_in : e + rank * (h_in + h_out)].view(rank, h_out)
+                views[module] = (a, bt)
+                at += _align(rank * (h_in + h_out) * self._item)
+        return rank, scale, views
+
+    def tensors(self, slot: int, layer: int, module: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(A [R, H_in], B^T [R, H_out]) views over the shared arena, in the arena dtype.
+
+        The views stay valid until the arena is unlinked and the last view is dropped.
+        Raises KeyError when the adapter does not target that (layer, module).
+        """
+        if not 0 <= layer < self.num_layers:
+            raise IndexError(f"layer {layer} out of range [0, {self.num_layers})")
+        views = self.layer_tensors(slot, layer)[2]
+        if module not in views:
+            raise KeyError(f"adapter slot {slot} has no LoRA on layer {layer} {module}")
+        return views[module]
+
+    @property
+    def free_bytes(self) -> int:
+        return sum(size for _, size in self._free)
+
+    def close(self) -> None:
+        """Drop this process's mapping (the owner also unlinks the name)."""
+        if self.is_owner:
+            self.unlink()
+        # The mapping is not closed by hand: views handed out keep it alive until they go.
+        self._elems = None
+        self._mm = None
+
+    def unlink(self) -> None:
+        shm.unlink_shm(self.name)
+
+    def _check_owner(self) -> None:
+        if not self.is_owner:
+            raise PermissionError("only the process that created the repository may change it")
+
+    def _check_weights(self, adapter: AdapterLike) -> None:
+        if adapter.rank <= 0 or not adapter.weights:
+            raise ValueError(f"adapter {adapter.name!r} has no LoRA weights")
+        for (layer, module), (a, b) in adapter.weights.items():
+            h_in, h_out = self.shapes[module]
+            if not 0 <= layer < self.num_layers:
+                raise ValueError(f"adapter {adapter.name!r}: layer {layer} out of range")
+            want = ((adapter.rank, h_in), (h_out, adapter.rank))
+            if (tuple(a.shape), tuple(b.shape)) != want:
+                raise ValueError(
+                    f"adapter {adapter.name!r} layer {layer} {module}: A {list(a.shape)} and "
+                    f"B {list(b.shape)}, expected {list(want[0])} and {list(want[1])}"
+                )
+
+    def _write_block(self, adapter: AdapterLike, offset: int) -> int:
+        """Write the layer records and tensors at `offset`; returns the union targets bitmask."""
+        rank, union = adapter.rank, 0
+        at = offset + _align(self.num_layers * LAYER_BYTES)
+        for layer in range(self.num_layers):
+            mask = 0
+            for i, module in enumerate(LORA_TARGETS):
+                if (layer, module) in adapter.weights:
+                    mask |= 1 << i
+            struct.pack_into(
+                LAYER_FMT, self._mm, offset + layer * LAYER_BYTES, mask, 0, at - offset
+            )
+            union |= mask
+            for module in LORA_TARGETS:
+                if (layer, module) not in adapter.weights:
+                    continue
+                a, b = adapter.weights[(layer, module)]
+                h_in, h_out = self.shapes[module]
+                e = at // self._item
+                self._elems[e : e + rank * h_in].view(rank, h_in).copy_(a)
+                self._elems[e + rank * h_in : e + rank * (h_in + h_out)].view(rank, h_out).copy_(
+                    b.T
+                )
+                at += _align(rank * (h_in + h_out) * self._item)
+        return union
+
+    def _write_entry(self, slot, state, adapter, encoded, offset, size, targets) -> None:
+        struct.pack_into(
+            ENTRY_FMT,
+            self._mm,
+            self._entry_at(slot),
+            state,
+            adapter.rank,
+            targets,
+            len(encoded),
+            float(adapter.scale),
+            name_hash(encoded),
+            offset,
+            size,
+            encoded,
+        )
+
+    def _entry_at(self, slot: int) -> int:
+        if not 0 <= slot < self.max_adapters:
+            raise IndexError(f"slot {slot} out of range [0, {self.max_adapters})")
+        return self._table_offset + slot * ENTRY_BYTES
+
+    def _state(self, slot: int) -> int:
+        return struct.unpack_from("<I", self._mm, self._entry_at(slot))[0]
+
+    def _allocate(self, size: int, name: str) -> int:
+        """First fit over the sorted free list."""
+        for i, (offset, free) in enumerate(self._free):
+            if free >= size:
+                if free == size:
+                    del self._free[i]
+                else:
+                    self._free[i] = (offset + size, free - size)
+                return offset
+        raise RepositoryFullError(
+            f"no room for adapter {name!r} ({size} bytes); {self.free_bytes} bytes free in "
+            f"{len(self._free)} ranges of a {self._data_bytes}-byte arena"
+        )
+
+    def _release(self, offset: int, size: int) -> None:
+        """Return a range to the free list, merging with its neighbours."""
+        self._free.append((offset, size))
+        self._free.sort()
+        merged = [self._free[0]]
+        for off, sz in self._free[1:]:
+            last_off, last_sz = merged[-1]
+            if last_off + last_sz == off:
+                merged[-1] = (last_off, last_sz + sz)
+            else:
+                merged.append((off, sz))
+        self._free = merged

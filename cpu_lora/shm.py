@@ -1,0 +1,168 @@
+"""Named POSIX shared memory and semaphores with process-wide cleanup.
+
+Every name this package creates is `/toppings-<creator pid>-<counter>-<what>`, so a test (or an
+orphaned worker) can find what a process left behind in /dev/shm: shared memory appears there as
+`toppings-...`, semaphores as `sem.toppings-...`. Created names and started worker processes are
+tracked here and removed by `cleanup()`, which runs at interpreter exit (atexit) and on SIGTERM.
+The SIGTERM handler is installed only where none is set (the default disposition); it cleans up
+and then lets the default action end the process. A program that sets its own SIGTERM handler
+keeps it and is expected to close its pools (atexit still runs on a normal exit).
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import logging
+import mmap
+import os
+import signal
+import subprocess
+import threading
+
+import posix_ipc
+
+log = logging.getLogger(__name__)
+
+PREFIX = "toppings"
+SHM_DIR = "/dev/shm"
+
+_counter = itertools.count()
+_lock = threading.Lock()
+_shm_names: set[str] = set()
+_sem_names: set[str] = set()
+_processes: dict[int, subprocess.Popen] = {}
+_owner_pid: int | None = None  # a forked child must not unlink its parent's names at its exit
+_prev_sigterm = None
+
+
+def new_name(what: str) -> str:
+    """A fresh name `/toppings-<pid>-<n>-<what>` for a shared memory segment or semaphore."""
+    return f"/{PREFIX}-{os.getpid()}-{next(_counter)}-{what}"
+
+
+def leftovers(pid: int | None = None) -> list[str]:
+    """Entries of /dev/shm created by process `pid` (default: this one), semaphores included."""
+    pid = os.getpid() if pid is None else pid
+    mine = (f"{PREFIX}-{pid}-", f"sem.{PREFIX}-{pid}-")
+    return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(mine))
+
+
+def create_shm(name: str, size: int) -> mmap.mmap:
+    """Create (exclusively) and map a zero-filled shared memory segment of `size` bytes."""
+    _install_handlers()
+    shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, size=size)
+    with _lock:
+        _shm_names.add(name)
+    try:
+        return mmap.mmap(shm.fd, size)
+    finally:
+        shm.close_fd()
+
+
+def attach_shm(name: str) -> mmap.mmap:
+    """Map an existing shared memory segment whole (read-write)."""
+    shm = posix_ipc.SharedMemory(name)
+    try:
+        return mmap.mmap(shm.fd, shm.size)
+    finally:
+        shm.close_fd()
+
+
+def create_sem(name: str) -> posix_ipc.Semaphore:
+    """Create (exclusively) a named semaphore with value 0."""
+    _install_handlers()
+    sem = posix_ipc.Semaphore(name, posix_ipc.O_CREX, initial_value=0)
+    with _lock:
+        _sem_names.add(name)
+    return sem
+
+
+def unlink_shm(name: str) -> None:
+    """Remove a shared memory name; mappings stay valid until their last view is gone."""
+    with _lock:
+        _shm_names.discard(name)
+    try:
+        posix_ipc.unlink_shared_memory(name)
+    except posix_ipc.ExistentialError:
+        pass
+
+
+def unlink_sem(name: str) -> None:
+    with _lock:
+        _sem_names.discard(name)
+    try:
+        posix_ipc.unlink_semaphore(name)
+    except posix_ipc.ExistentialError:
+        pass
+
+
+def track_process(proc: subprocess.Popen) -> None:
+    """Kill `proc` at cleanup unless it was untracked before."""
+    with _lock:
+        _processes[proc.pid] = proc
+
+
+def untrack_process(proc: subprocess.Popen) -> None:
+    with _lock:
+        _processes.pop(proc.pid, None)
+
+
+def cleanup() -> None:
+    """Kill tracked worker processes and unlink every tracked name (idempotent)."""
+    if _owner_pid != os.getpid():
+        return
+    with _lock:
+        procs, shms, sems = list(_processes.values()), list(_shm_names), list(_sem_names)
+    for proc in procs:
+        kill_process(proc)
+    for name in shms:
+        unlink_shm(name)
+    for name in sems:
+        unlink_sem(name)
+
+
+def kill_process(proc: subprocess.Popen, grace_s: float = 0.0) -> None:
+    """Wait up to grace_s for proc to exit, then SIGKILL and reap it."""
+    if grace_s > 0:
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+    untrack_process(proc)
+
+
+def unlink_orphans(pid: int) -> None:
+    """Unlink every name process `pid` created: a worker's last act when its parent has died."""
+    for entry in leftovers(pid):
+        try:
+            if entry.startswith("sem."):
+                posix_ipc.unlink_semaphore("/" + entry[len("sem.") :])
+            else:
+                posix_ipc.unlink_shared_memory("/" + entry)
+        except posix_ipc.ExistentialError:
+            pass
+
+
+def _install_handlers() -> None:
+    global _owner_pid, _prev_sigterm
+    with _lock:
+        if _owner_pid == os.getpid():
+            return
+        _owner_pid = os.getpid()
+    atexit.register(cleanup)
+    if threading.current_thread() is not threading.main_thread():
+        return  # signal handlers can only be set from the main thread; atexit still covers us
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        _prev_sigterm = signal.signal(signal.SIGTERM, _on_sigterm)
+
+
+def _on_sigterm(signum, frame) -> None:
+    log.info("SIGTERM: removing shared memory and CPU LoRA workers")
+    cleanup()
+    # Chain to what was there before us (the default action): terminate with SIGTERM.
+    signal.signal(signal.SIGTERM, _prev_sigterm or signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)

@@ -1,0 +1,87 @@
+"""A CPU LoRA worker process: one pinned core, one torch thread, jobs from shared memory.
+
+Started by the pool as `python -m cpu_lora.worker ...` (under `numactl --physcpubind=N
+--localalloc` when numactl is installed). A plain subprocess rather than multiprocessing:
+the command line can be wrapped by numactl, nothing is pickled, the worker starts from a clean
+interpreter (no fork of a threaded torch process, no re-import of the parent's __main__), and
+the pool gets a pid it can poll and kill.
+
+Loop: wait on the job semaphore -> read the job slot -> compute -> write the reply -> post the
+done semaphore. It exits on a stop job, and on its own when its parent has died, after
+unlinking every name the parent created (nobody else would).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import time
+
+import posix_ipc
+import torch
+
+from cpu_lora import shm
+from cpu_lora.compute import run_job
+from cpu_lora.protocol import OP_STOP, STATUS_ERROR, STATUS_OK, IoArena
+from cpu_lora.repository import HostRepository
+
+log = logging.getLogger("cpu_lora.worker")
+
+ORPHAN_CHECK_S = 1.0  # how often an idle worker checks that its parent is alive
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Run the job loop until a stop job or the parent's death; returns the exit status."""
+    if args.core >= 0:
+        os.sched_setaffinity(0, {args.core})
+    torch.set_num_threads(1)
+    repo = HostRepository.attach(args.repo)
+    io = IoArena.attach(args.io, repo.shapes)
+    job_sem = posix_ipc.Semaphore(args.job_sem)
+    done_sem = posix_ipc.Semaphore(args.done_sem)
+    io.set_worker_pid(args.index, os.getpid())  # the pool's readiness signal
+    while True:
+        try:
+            job_sem.acquire(ORPHAN_CHECK_S)
+        except posix_ipc.BusyError:
+            if os.getppid() != args.parent:
+                log.warning("parent %d is gone: unlinking its shared memory, exiting", args.parent)
+                shm.unlink_orphans(args.parent)
+                return 0
+            continue
+        except posix_ipc.SignalError:
+            continue
+        job = io.read_job(args.index)
+        if job.op == OP_STOP:
+            return 0
+        start = time.perf_counter_ns()
+        status = STATUS_OK
+        try:
+            run_job(repo, io, job)
+        except Exception:  # reported to the pool, which recomputes the slice in-process
+            log.exception("job %d failed", job.seq)
+            status = STATUS_ERROR
+        io.write_reply(args.index, job.seq, status, time.perf_counter_ns() - start)
+        done_sem.release()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="CPU LoRA worker (started by CpuLoraPool)")
+    parser.add_argument("--repo", required=True, help="shared memory name of the repository")
+    parser.add_argument("--io", required=True, help="shared memory name of the I/O arena")
+    parser.add_argument("--index", type=int, required=True, help="this worker's job slot")
+    parser.add_argument("--job-sem", required=True)
+    parser.add_argument("--done-sem", required=True)
+    parser.add_argument("--parent", type=int, required=True, help="pid of the pool's process")
+    parser.add_argument("--core", type=int, default=-1, help="core to pin to; -1: none")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(name)s[%(process)d]: %(message)s")
+    # Ctrl-C reaches the whole process group; the parent decides when workers stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    return serve(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

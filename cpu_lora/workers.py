@@ -1,0 +1,113 @@
+"""One worker process as the pool sees it: its semaphores, its process, start/restart/stop."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import posix_ipc
+
+from cpu_lora import shm
+from cpu_lora.protocol import OP_STOP, IoArena, Job
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.05  # a dead worker is noticed within this long
+_PACKAGE_ROOT = str(Path(__file__).resolve().parents[1])
+
+
+class WorkerProcess:
+    """Worker `index` of a pool: job semaphore (pool posts), done semaphore (worker posts)."""
+
+    def __init__(self, index: int, core: int, io: IoArena, repo_name: str, numactl: str | None):
+        self.index, self.core, self.io = index, core, io
+        self._repo_name, self._numactl = repo_name, numactl
+        self.job_sem = shm.create_sem(shm.new_name(f"job{index}"))
+        self.done_sem = shm.create_sem(shm.new_name(f"done{index}"))
+        self.proc: subprocess.Popen | None = None
+        self.restarts = 0
+
+    def start(self) -> None:
+        """Launch the process (under numactl when given); it is ready once it wrote its pid."""
+        self.io.set_worker_pid(self.index, 0)
+        cmd = [
+            sys.executable, "-m", "cpu_lora.worker", "--repo", self._repo_name,
+            "--io", self.io.name, "--index", str(self.index), "--job-sem", self.job_sem.name,
+            "--done-sem", self.done_sem.name, "--parent", str(os.getpid()),
+            "--core", str(self.core),
+        ]  # fmt: skip
+        if self._numactl:
+            cmd = [self._numactl, f"--physcpubind={self.core}", "--localalloc", *cmd]
+        # One thread per worker; the pool, not OpenMP, spreads the work over cores.
+        env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [_PACKAGE_ROOT, env.get("PYTHONPATH")]))
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=env)
+        shm.track_process(self.proc)
+
+    def restart(self) -> None:
+        """Kill (if needed) and reap the process, drop posts meant for it, start a new one."""
+        shm.kill_process(self.proc)
+        for sem in (self.job_sem, self.done_sem):
+            while True:
+                try:
+                    sem.acquire(0)
+                except posix_ipc.BusyError:
+                    break
+        self.restarts += 1
+        self.start()
+
+    def is_ready(self) -> bool:
+        """True when the process runs and has attached; a process that exited is restarted."""
+        if self.proc.poll() is not None:
+            log.warning("CPU LoRA worker %d exited (%s); restarting it", self.index,
+                        self.proc.returncode)  # fmt: skip
+            self.restart()
+            return False
+        return self.io.worker_pid(self.index) == self.proc.pid
+
+    def wait_ready(self, deadline: float) -> None:
+        while self.io.worker_pid(self.index) != self.proc.pid:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"CPU LoRA worker {self.index} exited with "
+                                   f"{self.proc.returncode} while starting")  # fmt: skip
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"CPU LoRA worker {self.index} did not start in time")
+            time.sleep(0.01)
+
+    def post(self, job: Job) -> None:
+        self.io.write_job(self.index, job)
+        self.job_sem.release()
+
+    def wait(self, seq: int, deadline: float) -> tuple[int | str, int]:
+        """(status, compute ns) of job `seq`, or ("died" | "timed out", 0)."""
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                self.done_sem.acquire(max(0.0, min(POLL_S, remaining)))
+            except posix_ipc.BusyError:
+                if self.proc.poll() is not None:
+                    return "died", 0
+                if remaining <= 0:
+                    return "timed out", 0
+                continue
+            except posix_ipc.SignalError:
+                continue
+            done_seq, status, ns = self.io.read_reply(self.index)
+            if done_seq == seq:  # else a stale post from before a restart
+                return status, ns
+
+    def request_stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.post(Job(0, OP_STOP, 0, 0, 0, 0, 0, ()))
+
+    def stop(self, grace_s: float) -> None:
+        """Reap the process (killed after grace_s) and unlink the semaphores."""
+        if self.proc is not None:
+            shm.kill_process(self.proc, grace_s=grace_s)
+        for sem in (self.job_sem, self.done_sem):
+            shm.unlink_sem(sem.name)
+            sem.close()

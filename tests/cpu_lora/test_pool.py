@@ -1,0 +1,125 @@
+"""CpuLoraPool against the float32 reference, and its recovery from dead or hung workers."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+import pytest
+import torch
+from cpu_lora_helpers import QKV, reference, tiny_config
+
+from cpu_lora import CpuLoraPool
+
+# Mixed ranks 4/8/16, a segment with no adapter (5-9), tokens in no segment (9-12, 40-45),
+# and an adapter without LoRA on k_proj (c16) or without LoRA on layer 1 ("late").
+SEGMENTS = [("a4", 0, 5), (None, 5, 9), ("b8", 12, 25), ("c16", 25, 33), ("late", 33, 40)]
+NUM_TOKENS = 45
+
+
+def _check(pool, adapters, layer=1, modules=QKV, seed=0):
+    x = torch.randn(NUM_TOKENS, 128, generator=torch.Generator().manual_seed(seed))
+    got = pool.run(layer, x, SEGMENTS, modules)
+    want = reference(adapters, layer, x, SEGMENTS, modules)
+    assert set(got) == set(modules)
+    for module in modules:
+        torch.testing.assert_close(got[module], want[module], rtol=1e-5, atol=1e-5)
+    return got
+
+
+@pytest.mark.parametrize("workers_used", [1, 2])
+@pytest.mark.parametrize("layer", [1, 2])
+def test_matches_reference(pool2, adapters, workers_used, layer):
+    pool2.tokens_per_core = 1000 if workers_used == 1 else 1
+    got = _check(pool2, adapters, layer=layer)
+    assert len(pool2.last_call.worker_compute_ns) == workers_used
+    assert pool2.last_call.fallbacks == 0
+    assert got["q_proj"][9:12].abs().sum() == 0 and got["q_proj"][40:].abs().sum() == 0
+    assert got["k_proj"][25:33].abs().sum() == 0  # c16 has no k_proj
+    assert (got["k_proj"][33:40].abs().sum() == 0) == (layer == 1)  # "late": layer 2 only
+
+
+def test_rows_without_adapter_are_zero_after_a_full_call(pool2, adapters):
+    pool2.tokens_per_core = 4
+    pool2.run(1, torch.randn(NUM_TOKENS, 128), [("b8", 0, NUM_TOKENS)], QKV)  # dirties every row
+    got = _check(pool2, adapters, seed=5)
+    assert not got["v_proj"][5:12].any() and not got["v_proj"][40:].any()
+
+
+def test_mlp_and_o_proj_groups(pool2, adapters):
+    pool2.tokens_per_core = 8
+    _check(pool2, adapters, modules=("gate_proj", "up_proj"))
+    x = torch.randn(NUM_TOKENS, 256)
+    got = pool2.run(0, x, SEGMENTS, ("down_proj",))["down_proj"]
+    want = reference(adapters, 0, x, SEGMENTS, ("down_proj",))["down_proj"]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_no_adapter_tokens_give_zeros_and_errors_are_clear(pool2):
+    got = pool2.run(0, torch.randn(6, 128), [(None, 0, 6)], QKV)
+    assert all(y.shape[0] == 6 and not y.any() for y in got.values())
+    with pytest.raises(KeyError, match="nope"):
+        pool2.run(0, torch.randn(6, 128), [("nope", 0, 6)], QKV)
+    with pytest.raises(ValueError, match="overlaps"):
+        pool2.run(0, torch.randn(6, 128), [("a4", 0, 4), ("b8", 3, 6)], QKV)
+    with pytest.raises(ValueError, match="inputs"):
+        pool2.run(0, torch.randn(6, 128), [("a4", 0, 6)], ("q_proj", "down_proj"))
+
+
+def _kill(pid: int, sig=signal.SIGKILL) -> None:
+    os.kill(pid, sig)
+
+
+def test_worker_killed_between_calls_is_replaced(pool2, adapters):
+    pool2.tokens_per_core = 1
+    victim = pool2.worker_pids()[1]
+    _kill(victim)
+    _check(pool2, adapters, seed=1)  # correct although worker 1 is dead
+    pool2.wait_ready(120)
+    assert victim not in pool2.worker_pids()
+    _check(pool2, adapters, seed=2)
+    assert len(pool2.last_call.worker_compute_ns) == 2  # the replacement takes work again
+
+
+def test_worker_killed_during_a_call(pool2, adapters):
+    pool2.tokens_per_core = 1
+    victim = pool2.worker_pids()[0]
+    os.kill(victim, signal.SIGSTOP)  # it holds its job without answering ...
+    killer = threading.Timer(0.3, _kill, (victim,))  # ... until it dies mid-call
+    killer.start()
+    _check(pool2, adapters, seed=3)
+    killer.join()
+    assert pool2.last_call.fallbacks == 1
+    pool2.wait_ready(120)
+    assert victim not in pool2.worker_pids()
+
+
+def test_hung_worker_times_out(pool2, adapters):
+    pool2.tokens_per_core, pool2.timeout_s = 1, 0.5
+    victim = pool2.worker_pids()[1]
+    os.kill(victim, signal.SIGSTOP)
+    try:
+        _check(pool2, adapters, seed=4)
+    finally:
+        pool2.timeout_s = 30.0
+    assert pool2.last_call.fallbacks == 1
+    with pytest.raises(ProcessLookupError):
+        os.kill(victim, 0)  # killed and reaped
+    pool2.wait_ready(120)
+
+
+def test_one_worker_pool_and_close(repo, adapters):
+    pool = CpuLoraPool(repo, tiny_config(), num_workers=1, max_tokens=64, modules=QKV)
+    assert pool.profile_result is not None and pool.tokens_per_core >= 1
+    pids, names = pool.worker_pids(), pool.shm_names()
+    _check(pool, adapters)
+    assert len(pool.last_call.worker_compute_ns) == 1
+    pool.close()
+    left = set(os.listdir("/dev/shm"))
+    assert not any(n.lstrip("/") in left or "sem." + n.lstrip("/") in left for n in names)
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    with pytest.raises(RuntimeError, match="closed"):
+        pool.run(0, torch.randn(2, 128), [("a4", 0, 2)], QKV)
