@@ -36,15 +36,21 @@ class RowAllocator:
 
     def alloc(self, n: int) -> int | None:
         """Offset of a free range of n rows, or None when none is free."""
+        start = self._first_fit(n)
+        if start is not None:
+            self._used[start] = n
+        return start
+
+    def can_alloc(self, n: int) -> bool:
+        return self._first_fit(n) is not None
+
+    def _first_fit(self, n: int) -> int | None:
         start = 0
         for off in sorted(self._used):
             if off - start >= n:
                 break
             start = max(start, off + self._used[off])
-        if start + n > self.capacity:
-            return None
-        self._used[start] = n
-        return start
+        return None if start + n > self.capacity else start
 
     def free(self, offset: int) -> None:
         del self._used[offset]
@@ -72,7 +78,16 @@ class AdapterPool:
         self.resident: dict[str, ResidentAdapter] = {}
 
     def add(self, adapter: LoraAdapter) -> ResidentAdapter:
-        """Copy an adapter into the pool (growing it if needed)."""
+        """Reserve rows for an adapter and copy it in, here and now."""
+        entry = self.reserve(adapter)
+        end = entry.offset + adapter.rank
+        for (layer, module), (a, b) in adapter.weights.items():
+            self.lora_a[module][layer, entry.offset : end].copy_(a)  # A [r, H_in]
+            self.lora_b[module][layer, entry.offset : end].copy_(b.t())  # B^T [r, H_out]
+        return entry
+
+    def reserve(self, adapter: LoraAdapter) -> ResidentAdapter:
+        """Take rows for an adapter (growing the pool if needed); its rows still hold zeros."""
         if adapter.name in self.resident:
             raise KeyError(f"adapter {adapter.name!r} is already resident")
         offset = self.rows.alloc(adapter.rank)
@@ -81,10 +96,6 @@ class AdapterPool:
             offset = self.rows.alloc(adapter.rank)
         for module in adapter.target_modules:
             self._ensure_module(module)
-        end = offset + adapter.rank
-        for (layer, module), (a, b) in adapter.weights.items():
-            self.lora_a[module][layer, offset:end].copy_(a)  # A [r, H_in]
-            self.lora_b[module][layer, offset:end].copy_(b.t())  # B^T [r, H_out]
         entry = ResidentAdapter(
             adapter.name, offset, adapter.rank, adapter.scale, frozenset(adapter.target_modules)
         )

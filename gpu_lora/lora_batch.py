@@ -1,20 +1,27 @@
-"""The LoRA side of one engine step: which pool rows each request reads, and the kernel calls.
+"""The LoRA side of one engine step: where each request's delta is computed, layer by layer.
 
-Built once per step (the offsets are the same in every layer) and called by the model after each
+Built once per step (pool offsets are the same in every layer) and called by the model after each
 base projection: `add(layer, x, ((module, y), ...))` adds every request's delta into y in place.
-Decode on a CPU uses the masked dense plan of `dense_decode`; everything else calls the kernels.
+A request whose adapter is still loading (Toppings' CPU-assisted mode) reads its ticket at every
+layer: layers already resident run on the device with the others, the rest go to the host
+(`cpu_lora` workers, or the in-process `HostLora`) in one call per layer and input, covering every
+projection that shares that input. Decode on a CPU device with every adapter resident uses the
+masked dense plan of `dense_decode`; everything else calls the kernels.
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 
 from gpu_lora.adapter_pool import AdapterPool, ResidentAdapter
 from gpu_lora.dense_decode import DenseDecodePlan
+from gpu_lora.loader import LoadTicket
 
 
 class LoraBatch:
-    """Per-module offsets, ranks and scales of the B requests of a step."""
+    """Per-module offsets, ranks and scales of the B requests of a step, and their tickets."""
 
     def __init__(
         self,
@@ -24,11 +31,20 @@ class LoraBatch:
         adapters: list[ResidentAdapter | None],
         seg_starts: list[int],
         is_prefill: bool,
+        tickets: list[LoadTicket | None] | None = None,
+        host=None,
     ):
         self.pool = pool
         self.is_prefill = is_prefill
+        self.host_calls = 0
+        self.host_seconds = 0.0
+        self._adapters = adapters
+        self._seg_starts_list = seg_starts
+        loading = [i for i, t in enumerate(tickets or []) if t is not None and not t.done]
+        self._loading = [(i, tickets[i]) for i in loading]
+        self._host = host
         self._dense = None
-        if not is_prefill and pool.device.type == "cpu":
+        if not is_prefill and pool.device.type == "cpu" and not loading:
             self._dense = DenseDecodePlan(pool, adapters, padded=kernel == "bgmv")
             return
         device = pool.device
@@ -46,23 +62,41 @@ class LoraBatch:
             ranks_t = torch.tensor(ranks, dtype=torch.int32, device=device)
             self._args[module] = (offsets, ranks_t, scales, max(ranks))
 
-    @property
-    def modules(self) -> tuple[str, ...]:
-        return self._dense.modules if self._dense is not None else tuple(self._args)
-
     def add(self, layer: int, x: torch.Tensor, outputs) -> None:
         """y += LoRA delta for each (module, y) pair; x [T, H_in], y [T, H_out], in place."""
         if self._dense is not None:
             for module, y in outputs:
                 self._dense.add(module, layer, x, y)
             return
+        not_ready = [i for i, t in self._loading if t.layers_ready() <= layer]
         for module, y in outputs:
             args = self._args.get(module)
             if args is None:
                 continue
             offsets, ranks, scales, max_rank = args
+            if not_ready:
+                ranks = ranks.clone()
+                ranks[not_ready] = 0  # these requests' rows of this layer are not there yet
             a = self.pool.lora_a[module][layer]  # [C, H_in]
             b = self.pool.lora_b[module][layer]  # [C, H_out]
             lead = (self._seg_starts,) if self.is_prefill else ()
             tail = (max_rank,) if self._padded else ()
             self._fn(y, x, a, b, *lead, offsets, ranks, scales, *tail)
+        if not_ready:
+            self._add_on_host(layer, x, outputs, not_ready)
+
+    def _add_on_host(self, layer: int, x: torch.Tensor, outputs, not_ready: list[int]) -> None:
+        """One host call for every projection of this input, for the requests still loading."""
+        starts = self._seg_starts_list
+        segments = [(self._adapters[i].name, starts[i], starts[i + 1]) for i in not_ready]
+        modules = tuple(m for m, _ in outputs if m in self._args)
+        if not modules:
+            return
+        begin = time.perf_counter()
+        deltas = self._host.run(layer, x.detach().cpu(), segments, modules)
+        self.host_seconds += time.perf_counter() - begin
+        self.host_calls += 1
+        for module, y in outputs:
+            delta = deltas.get(module)
+            if delta is not None:
+                y += delta.to(device=y.device, dtype=y.dtype)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gpu_lora.eviction import EVICTION_POLICIES
+
 DEVICES = ("cpu", "cuda")
 DTYPES = ("float32", "bfloat16", "float16")
 KERNELS = ("bgmv", "mbgmv")
@@ -26,6 +28,12 @@ class EngineConfig:
     max_batch_size: int = 128
     max_prefill_tokens: int = 8192
     max_model_len: int = 0  # 0: the model's max_position_embeddings
+    adapter_cache_bytes: int = 0  # device bytes for adapter weights; 0: no limit
+    eviction: str = "lru"
+    link_gbps: float = 0.0  # CPU device only: throttle adapter loads to emulate a link; 0: off
+    layers_per_group: int = 1  # layers per pipelined load step
+    num_cpu_workers: int = 0  # CPU LoRA worker processes; 0: compute host LoRA in-process
+    cpu_cores: tuple[int, ...] = ()  # cores for the CPU workers (one each); (): any
 
     def __post_init__(self) -> None:
         for name, value, allowed in (
@@ -39,5 +47,12 @@ class EngineConfig:
         for name in ("max_total_tokens", "max_batch_size", "max_prefill_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive")
-        if self.max_model_len < 0:
-            raise ValueError("max_model_len must be >= 0")
+        for name in ("max_model_len", "adapter_cache_bytes", "num_cpu_workers"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0")
+        if self.link_gbps < 0 or self.layers_per_group < 1:
+            raise ValueError("link_gbps must be >= 0 and layers_per_group >= 1")
+        if self.eviction not in EVICTION_POLICIES:
+            raise ValueError(f"eviction must be one of {', '.join(EVICTION_POLICIES)}")
+        if self.cpu_cores and len(self.cpu_cores) < self.num_cpu_workers:
+            raise ValueError("cpu_cores must name at least one core per CPU worker")

@@ -18,7 +18,11 @@ from dataclasses import dataclass
 import torch
 
 from gpu_lora.adapter_pool import AdapterPool
+from gpu_lora.cache import AdapterCache
+from gpu_lora.eviction import make_policy
+from gpu_lora.host_lora import HostLora
 from gpu_lora.kernels import get_kernels
+from gpu_lora.loader import PipelinedLoader
 from gpu_lora.lora_batch import LoraBatch
 from gpu_lora.peft_format import LoraAdapter, load_peft_adapter
 from server.config import EngineConfig
@@ -68,11 +72,18 @@ class Engine:
             config.device,
         )
         self.pool = AdapterPool(mc, dtype, config.device)
+        self.loader = PipelinedLoader(self.pool, config.layers_per_group, config.link_gbps)
+        self.cache = AdapterCache(
+            self.pool, self.loader, make_policy(config.eviction), config.adapter_cache_bytes or None
+        )
         self.kernels = get_kernels("triton" if config.device == "cuda" else "cpu")
         self.eos_ids = set(mc.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self.eos_ids.add(self.tokenizer.eos_token_id)
         self._adapters: dict[str, LoraAdapter] = {}
+        self.host_lora = HostLora(self._adapters)
+        self.host_calls = 0
+        self.host_seconds = 0.0
         self._inbox: queue.Queue = queue.Queue()
         self._waiting: deque[Sequence] = deque()
         self._running: list[Sequence] = []
@@ -96,6 +107,7 @@ class Engine:
         self._drain_inbox(block=False)
         for seq in list(self._waiting) + list(self._running):
             self._finish(seq, "abort")
+        self.loader.close()
 
     def is_healthy(self) -> bool:
         return self._thread.is_alive() and not self._stopping.is_set()
@@ -106,8 +118,14 @@ class Engine:
         with self._lock:
             if name in self._adapters:
                 raise RequestError(f"adapter {name!r} is already loaded", 409, "conflict")
-            self.pool.add(adapter)
             self._adapters[name] = adapter
+            if self.config.lora_mode == "cached":
+                # The ideal upper bound: every adapter on the device before any request, pinned.
+                entry = self.cache.acquire(adapter)
+                if entry is None:
+                    del self._adapters[name]
+                    raise RequestError("the adapter cache is full", 507, "insufficient_storage")
+                entry.ticket.wait()
         log.info(
             "adapter %s: rank %d, targets %s", name, adapter.rank, ",".join(adapter.target_modules)
         )
@@ -164,13 +182,17 @@ class Engine:
             "running": [s.describe(self._adapters) for s in list(self._running)],
             "queue": [s.describe(self._adapters) for s in list(self._waiting)],
             "adapters": [
-                {"name": n, "rank": a.rank, "resident": n in self.pool.resident}
+                {"name": n, "rank": a.rank, "resident": self._is_resident(n)}
                 for n, a in list(self._adapters.items())
             ],
             "free_kv_tokens": self.config.max_total_tokens - self._reserved,
             "max_total_tokens": self.config.max_total_tokens,
             "healthy": self.is_healthy(),
         }
+
+    def _is_resident(self, name: str) -> bool:
+        entry = self.cache.entries.get(name)
+        return entry is not None and entry.ticket.done
 
     # ---- the engine thread ------------------------------------------------------------------
 
@@ -220,18 +242,29 @@ class Engine:
                 self._finish(seq, "abort")
 
     def _admit(self) -> list[Sequence]:
+        """Admit waiting requests in order while KV slots, batch room and adapter memory allow.
+
+        on-demand mode skips (keeps waiting) a request whose adapter is still loading; the
+        other modes start it at once.
+        """
         cfg = self.config
         admitted: list[Sequence] = []
         prefill_tokens = 0
-        while self._waiting:
-            seq = self._waiting[0]
+        for seq in list(self._waiting):
             if (
                 len(self._running) + len(admitted) >= cfg.max_batch_size
                 or self._reserved + seq.kv_need > cfg.max_total_tokens
                 or (admitted and prefill_tokens + seq.prompt_len > cfg.max_prefill_tokens)
             ):
                 break
-            self._waiting.popleft()
+            if seq.request.adapter is not None and seq.cache_entry is None:
+                queued = frozenset(s.request.adapter for s in self._waiting if s.request.adapter)
+                seq.cache_entry = self.cache.acquire(self._adapters[seq.request.adapter], queued)
+                if seq.cache_entry is None:
+                    break  # no adapter memory until a running request ends
+            if cfg.lora_mode == "on-demand" and seq.cache_entry and not seq.cache_entry.ticket.done:
+                continue
+            self._waiting.remove(seq)
             seq.row = self.kv.new_row()
             self._reserved += seq.kv_need
             prefill_tokens += seq.prompt_len
@@ -255,13 +288,18 @@ class Engine:
             ids = [s.output_ids[-1] for s in seqs]
             seg_starts = list(range(len(seqs) + 1))
             index, mask = self.kv.decode_index(rows)
-        resident = [
-            self.pool.resident.get(s.request.adapter) if s.request.adapter else None for s in seqs
-        ]
+        entries = [s.cache_entry for s in seqs]
         lora = None
-        if any(resident):
+        if any(entries):
             lora = LoraBatch(
-                self.pool, self.kernels, self.config.kernel, resident, seg_starts, is_prefill
+                self.pool,
+                self.kernels,
+                self.config.kernel,
+                [e.resident if e else None for e in entries],
+                seg_starts,
+                is_prefill,
+                tickets=[e.ticket if e else None for e in entries],
+                host=self.host_lora,
             )
         batch = ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
@@ -274,6 +312,9 @@ class Engine:
             lora=lora,
         )
         logits = self.model.forward(batch, self.kv)  # [B, V]
+        if lora is not None:
+            self.host_calls += lora.host_calls
+            self.host_seconds += lora.host_seconds
         if is_prefill:
             self._running.extend(seqs)
         tokens = Sequence.sample_batch(seqs, logits)
@@ -294,4 +335,7 @@ class Engine:
             self.kv.free_row(seq.row)
             self._reserved -= seq.kv_need
             seq.row = None
+        if seq.cache_entry is not None:
+            self.cache.release(seq.request.adapter)
+            seq.cache_entry = None
         seq.finish(reason, error)

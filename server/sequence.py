@@ -24,6 +24,7 @@ class Sequence:
         self.kv_need = self.prompt_len + request.params.max_new_tokens
         self.output_ids: list[int] = []
         self.row: int | None = None  # KV pool row while admitted
+        self.cache_entry = None  # gpu_lora.cache.CacheEntry while it holds a reference
         self.finished = False
         self._stream = TextStream(tokenizer, request.params.stop)
         self._generator = make_generator(request.params)

@@ -1,0 +1,162 @@
+"""Device adapter cache: a byte budget over the adapter pool, reference counts, eviction, loads.
+
+`acquire` is called when a request is admitted: a hit takes a reference; a miss makes room
+(evicting unreferenced adapters in the policy's order, those wanted by queued requests last),
+takes pool rows and starts a pipelined load, whose ticket tells which layers are resident. An
+adapter with a reference is never evicted. The budget counts the adapters' weight bytes at the
+pool's dtype.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from gpu_lora.adapter_pool import AdapterPool, ResidentAdapter
+from gpu_lora.eviction import CacheStats, EvictionPolicy
+from gpu_lora.loader import LoadTicket, PipelinedLoader
+from gpu_lora.peft_format import LoraAdapter
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class CacheEntry:
+    """One adapter on the device (or on its way there)."""
+
+    resident: ResidentAdapter
+    ticket: LoadTicket
+    num_bytes: int
+    refcount: int = 0
+
+
+@dataclass
+class CacheCounters:
+    hits: int = 0
+    misses: int = 0
+    loads: int = 0
+    evictions: int = 0
+    bytes_loaded: int = 0
+
+
+@dataclass
+class _Usage:
+    last_used: float = 0.0
+    frequency: int = 0
+
+
+class AdapterCache:
+    """Which adapters are on the device; see the module docstring."""
+
+    def __init__(
+        self,
+        pool: AdapterPool,
+        loader: PipelinedLoader,
+        policy: EvictionPolicy,
+        budget_bytes: int | None = None,
+    ):
+        self.pool = pool
+        self.loader = loader
+        self.policy = policy
+        self.budget_bytes = budget_bytes
+        self.entries: dict[str, CacheEntry] = {}
+        self.counters = CacheCounters()
+        self._usage: dict[str, _Usage] = {}
+        self._used_bytes = 0
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used_bytes
+
+    def acquire(
+        self, adapter: LoraAdapter, keep: frozenset[str] = frozenset()
+    ) -> CacheEntry | None:
+        """Take a reference on `adapter`, loading it if needed; None when no room can be made.
+
+        keep: adapters of queued requests, evicted only when nothing else frees enough room.
+        """
+        usage = self._usage.setdefault(adapter.name, _Usage())
+        entry = self.entries.get(adapter.name)
+        if entry is not None:
+            self.counters.hits += 1
+        else:
+            entry = self._load(adapter, keep)
+            if entry is None:
+                return None
+            self.counters.misses += 1
+        entry.refcount += 1
+        usage.last_used = time.monotonic()
+        usage.frequency += 1
+        return entry
+
+    def release(self, name: str) -> None:
+        entry = self.entries[name]
+        if entry.refcount <= 0:
+            raise RuntimeError(f"adapter {name!r} released more often than acquired")
+        entry.refcount -= 1
+
+    def evict(self, name: str) -> None:
+        """Drop an unreferenced adapter from the device (also used to unload it)."""
+        entry = self.entries[name]
+        if entry.refcount:
+            raise RuntimeError(f"adapter {name!r} is in use ({entry.refcount} references)")
+        if not entry.ticket.done:
+            entry.ticket.wait()  # rows being written cannot be handed to another adapter yet
+        del self.entries[name]
+        self.pool.remove(name)
+        self._used_bytes -= entry.num_bytes
+        self.counters.evictions += 1
+
+    def forget(self, name: str) -> None:
+        """An adapter was unregistered: drop its usage history too."""
+        if name in self.entries:
+            self.evict(name)
+        self._usage.pop(name, None)
+
+    def _load(self, adapter: LoraAdapter, keep: frozenset[str]) -> CacheEntry | None:
+        num_bytes = adapter.bytes_at(self.pool.dtype)
+        if self.budget_bytes is not None and num_bytes > self.budget_bytes:
+            raise ValueError(
+                f"adapter {adapter.name!r} needs {num_bytes} bytes; the cache holds "
+                f"{self.budget_bytes}"
+            )
+        while not self._fits(adapter, num_bytes):
+            victim = self._victim(keep)
+            if victim is None:
+                return None
+            self.evict(victim)
+        if not self.pool.rows.can_alloc(adapter.rank) and not self.loader.idle():
+            return None  # the pool must grow, which cannot happen under a running load
+        resident = self.pool.reserve(adapter)
+        ticket = self.loader.submit(adapter, resident)
+        entry = CacheEntry(resident, ticket, num_bytes)
+        self.entries[adapter.name] = entry
+        self._used_bytes += num_bytes
+        self.counters.loads += 1
+        self.counters.bytes_loaded += num_bytes
+        return entry
+
+    def _fits(self, adapter: LoraAdapter, num_bytes: int) -> bool:
+        return self.budget_bytes is None or self._used_bytes + num_bytes <= self.budget_bytes
+
+    def _victim(self, keep: frozenset[str]) -> str | None:
+        free = [n for n, e in self.entries.items() if e.refcount == 0]
+        for group in ([n for n in free if n not in keep], [n for n in free if n in keep]):
+            if group:
+                stats = [self._stats(n) for n in group]
+                return self.policy.order(stats)[0].name
+        return None
+
+    def _stats(self, name: str) -> CacheStats:
+        usage = self._usage.get(name, _Usage())
+        return CacheStats(name, self.entries[name].num_bytes, usage.last_used, usage.frequency)
+
+    def snapshot(self) -> dict:
+        return {
+            "used_bytes": self._used_bytes,
+            "budget_bytes": self.budget_bytes,
+            "resident": [n for n, e in self.entries.items() if e.ticket.done],
+            "loading": [n for n, e in self.entries.items() if not e.ticket.done],
+            **vars(self.counters),
+        }

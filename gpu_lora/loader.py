@@ -1,0 +1,149 @@
+"""Pipelined adapter loads: copy an adapter into its pool rows one layer group at a time.
+
+The engine reads `LoadTicket.layers_ready()` before each layer: layers below it are resident and
+run on the device kernels, the rest go to the CPU workers (cpu-assisted) or wait (on-demand).
+On a CPU device a loader thread does real copies, optionally throttled to `link_gbps` to emulate
+a PCIe link; on CUDA the copies run on a side stream from pinned host memory with one event per
+group, and readiness is a non-blocking event query.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import queue
+import threading
+import time
+
+import torch
+
+from gpu_lora.adapter_pool import AdapterPool, ResidentAdapter
+from gpu_lora.peft_format import LoraAdapter
+
+log = logging.getLogger(__name__)
+
+
+class LoadTicket:
+    """Progress of one load: the number of leading layers already resident."""
+
+    def __init__(self, num_layers: int):
+        self.num_layers = num_layers
+        self.error: str | None = None
+        self._ready = 0
+        self._events: list[tuple[int, object]] = []  # CUDA: (layers ready after, event)
+        self._done = threading.Event()
+
+    def layers_ready(self) -> int:
+        while self._events and self._events[0][1].query():
+            self._ready = self._events.pop(0)[0]
+        return self._ready
+
+    @property
+    def done(self) -> bool:
+        return self.layers_ready() >= self.num_layers
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Block until every layer is resident (used by tests and shutdown)."""
+        if not self._done.wait(timeout_s):
+            return False
+        for _, event in self._events:
+            event.synchronize()
+        return True
+
+    def _set_ready(self, layers: int) -> None:
+        self._ready = layers
+        if layers >= self.num_layers:
+            self._done.set()
+
+    @staticmethod
+    def resident(num_layers: int) -> LoadTicket:
+        ticket = LoadTicket(num_layers)
+        ticket._set_ready(num_layers)
+        return ticket
+
+
+class PipelinedLoader:
+    """Runs loads in FIFO order on one background thread (the copy engine of the device)."""
+
+    def __init__(self, pool: AdapterPool, layers_per_group: int = 1, link_gbps: float = 0.0):
+        if layers_per_group < 1:
+            raise ValueError("layers_per_group must be >= 1")
+        self.pool = pool
+        self.layers_per_group = layers_per_group
+        self.link_bytes_per_s = link_gbps * 1e9 / 8 if link_gbps > 0 else 0.0
+        self.bytes_loaded = 0
+        self._queue: queue.Queue = queue.Queue()
+        self._stream = torch.cuda.Stream() if pool.device.type == "cuda" else None
+        self._thread = threading.Thread(target=self._run, name="adapter-loader", daemon=True)
+        self._thread.start()
+
+    def submit(self, adapter: LoraAdapter, entry: ResidentAdapter) -> LoadTicket:
+        """Start copying `adapter` into the rows of `entry`; returns at once."""
+        ticket = LoadTicket(self.pool.config.num_layers)
+        self._queue.put((adapter, entry, ticket))
+        return ticket
+
+    def idle(self) -> bool:
+        return self._queue.unfinished_tasks == 0
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            adapter, entry, ticket = item
+            try:
+                self._load(adapter, entry, ticket)
+            except Exception as exc:  # a failed load must not kill the loader
+                log.exception("loading adapter %s failed", adapter.name)
+                ticket.error = str(exc)
+                ticket._done.set()
+            finally:
+                self._queue.task_done()
+        self._queue.task_done()
+
+    def _load(self, adapter: LoraAdapter, entry: ResidentAdapter, ticket: LoadTicket) -> None:
+        num_layers = self.pool.config.num_layers
+        per_layer = _layer_weights(adapter, num_layers)
+        elem = self.pool.lora_a[next(iter(entry.targets))].element_size()
+        start, moved = time.perf_counter(), 0
+        for g in range(math.ceil(num_layers / self.layers_per_group)):
+            lo, hi = g * self.layers_per_group, min((g + 1) * self.layers_per_group, num_layers)
+            for layer in range(lo, hi):
+                for module, a, b in per_layer[layer]:
+                    moved += (a.numel() + b.numel()) * elem
+                    self._copy(module, layer, entry, a, b)
+            if self._stream is not None:
+                event = torch.cuda.Event()
+                event.record(self._stream)
+                ticket._events.append((hi, event))
+                continue
+            if self.link_bytes_per_s:
+                # Emulated link: a group is ready when a link of that speed would have moved it.
+                delay = start + moved / self.link_bytes_per_s - time.perf_counter()
+                if delay > 0:
+                    time.sleep(delay)
+            ticket._set_ready(hi)
+        self.bytes_loaded += moved
+        if self._stream is not None:
+            ticket._done.set()
+
+    def _copy(self, module: str, layer: int, entry: ResidentAdapter, a, b) -> None:
+        rows = slice(entry.offset, entry.offset + entry.rank)
+        dst_a = self.pool.lora_a[module][layer, rows]
+        dst_b = self.pool.lora_b[module][layer, rows]
+        if self._stream is None:
+            dst_a.copy_(a)
+            dst_b.copy_(b.t())
+            return
+        with torch.cuda.stream(self._stream):
+            dst_a.copy_(a, non_blocking=True)
+            dst_b.copy_(b.t(), non_blocking=True)
+
+
+def _layer_weights(adapter: LoraAdapter, num_layers: int) -> list[list[tuple]]:
+    per_layer: list[list[tuple]] = [[] for _ in range(num_layers)]
+    for (layer, module), (a, b) in adapter.weights.items():
+        per_layer[layer].append((module, a, b))
+    return per_layer

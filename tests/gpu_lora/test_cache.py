@@ -1,0 +1,126 @@
+"""Device adapter cache: byte budget, reference counts, eviction order, pipelined loads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpu_lora.adapter_pool import AdapterPool
+from gpu_lora.cache import AdapterCache
+from gpu_lora.eviction import CacheStats, ChameleonPolicy, LRUPolicy, make_policy
+from gpu_lora.loader import PipelinedLoader
+from gpu_lora.peft_format import LoraAdapter
+from server.model_config import ModelConfig
+
+CONFIG = ModelConfig(
+    name="t", vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=3, num_heads=2,
+    num_kv_heads=1, head_dim=8, rms_norm_eps=1e-5, rope_theta=1e4, max_position_embeddings=64,
+    tie_word_embeddings=True, eos_token_ids=(1,),
+)  # fmt: skip
+
+
+def adapter(name: str, rank: int, seed: int = 0, targets=("q_proj", "v_proj")) -> LoraAdapter:
+    gen = torch.Generator().manual_seed(seed)
+    weights = {}
+    for layer in range(CONFIG.num_layers):
+        for module in targets:
+            h_in, h_out = CONFIG.projection_shape(module)
+            weights[(layer, module)] = (
+                torch.randn(rank, h_in, generator=gen),
+                torch.randn(h_out, rank, generator=gen),
+            )
+    num_bytes = sum((a.numel() + b.numel()) * 4 for a, b in weights.values())
+    return LoraAdapter(name, "/nowhere", rank, 2.0 * rank, 2.0, tuple(targets), weights,
+                       num_bytes, None)  # fmt: skip
+
+
+def make_cache(budget_bytes=None, policy="lru", link_gbps=0.0):
+    pool = AdapterPool(CONFIG, torch.float32, "cpu", initial_rows=8)
+    loader = PipelinedLoader(pool, layers_per_group=1, link_gbps=link_gbps)
+    return AdapterCache(pool, loader, make_policy(policy), budget_bytes), loader
+
+
+def test_load_copies_every_layer_into_the_pool_rows():
+    cache, loader = make_cache()
+    a = adapter("a", 4, seed=1)
+    entry = cache.acquire(a)
+    assert entry.ticket.wait(10)
+    rows = slice(entry.resident.offset, entry.resident.offset + 4)
+    for (layer, module), (wa, wb) in a.weights.items():
+        assert torch.equal(cache.pool.lora_a[module][layer, rows], wa)
+        assert torch.equal(cache.pool.lora_b[module][layer, rows], wb.t())
+    assert cache.counters.loads == 1 and cache.counters.bytes_loaded == a.num_bytes
+    loader.close()
+
+
+def test_budget_evicts_unreferenced_adapters_and_never_referenced_ones():
+    one = adapter("x", 4).num_bytes
+    cache, loader = make_cache(budget_bytes=2 * one)
+    ea = cache.acquire(adapter("a", 4))
+    cache.acquire(adapter("b", 4))
+    # Full, both referenced: no room can be made.
+    assert cache.acquire(adapter("c", 4)) is None
+    cache.release("b")
+    ec = cache.acquire(adapter("c", 4))
+    assert ec is not None and "b" not in cache.entries and "a" in cache.entries
+    assert cache.used_bytes <= 2 * one
+    assert cache.counters.evictions == 1
+    ea.ticket.wait(10)
+    ec.ticket.wait(10)
+    assert torch.equal(
+        cache.pool.lora_a["q_proj"][0, ec.resident.offset],
+        adapter("c", 4).weights[(0, "q_proj")][0][0],
+    )
+    loader.close()
+
+
+def test_adapters_of_queued_requests_are_evicted_last():
+    one = adapter("x", 4).num_bytes
+    cache, loader = make_cache(budget_bytes=2 * one)
+    for name in ("old", "new"):
+        cache.acquire(adapter(name, 4))
+        cache.release(name)
+    cache.acquire(adapter("c", 4), keep=frozenset({"old"}))
+    assert set(cache.entries) == {"old", "c"}
+    loader.close()
+
+
+def test_hits_share_one_load_and_release_is_checked():
+    cache, loader = make_cache()
+    a = adapter("a", 8)
+    e1, e2 = cache.acquire(a), cache.acquire(a)
+    assert e1 is e2 and e1.refcount == 2
+    assert (cache.counters.hits, cache.counters.misses) == (1, 1)
+    cache.release("a")
+    cache.release("a")
+    with pytest.raises(RuntimeError):
+        cache.release("a")
+    with pytest.raises(ValueError):
+        make_cache(budget_bytes=10)[0].acquire(a)
+    loader.close()
+
+
+def test_throttled_load_reports_layers_in_order():
+    a = adapter("a", 8)
+    # About 0.3 s for the whole adapter: the ticket must show partial progress on the way.
+    cache, loader = make_cache(link_gbps=a.num_bytes * 8 / 0.3 / 1e9)
+    ticket = cache.acquire(a).ticket
+    seen = []
+    while not ticket.done:
+        seen.append(ticket.layers_ready())
+    assert seen == sorted(seen) and seen[0] < CONFIG.num_layers
+    assert ticket.layers_ready() == CONFIG.num_layers
+    loader.close()
+
+
+def test_lru_and_chameleon_orders():
+    stats = [
+        CacheStats("small_hot", 100, last_used=5.0, frequency=50),
+        CacheStats("big_cold", 1000, last_used=1.0, frequency=1),
+        CacheStats("small_cold", 100, last_used=2.0, frequency=2),
+    ]
+    assert [s.name for s in LRUPolicy().order(stats)] == ["big_cold", "small_cold", "small_hot"]
+    # Chameleon keeps the big adapter (costly to reload): the small cold one goes first.
+    assert ChameleonPolicy().order(stats)[0].name == "small_cold"
+    with pytest.raises(ValueError):
+        make_policy("fifo")
