@@ -91,6 +91,8 @@ class Engine:
         self.step_stats = StepStats()
         self._lock = threading.Lock()  # held during a step and while the pool changes
         self._stopping = threading.Event()
+        self._draining = threading.Event()
+        self._finished: dict[str, int] = {}  # finish reason -> requests
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
 
     # ---- called from any thread -------------------------------------------------------------
@@ -131,6 +133,56 @@ class Engine:
         )
         return adapter
 
+    def remove_adapter(self, name: str) -> None:
+        """Unregister an adapter; refused (409) while a queued or running request uses it."""
+        with self._lock:
+            if name not in self._adapters:
+                raise RequestError(f"adapter {name!r} does not exist", 404, "not_found")
+            with self._inbox.mutex:  # requests submitted but not yet picked up count too
+                pending = [s for s in self._inbox.queue if isinstance(s, Sequence)]
+            seqs = pending + list(self._waiting) + self._running
+            users = [s for s in seqs if s.request.adapter == name]
+            if users:
+                raise RequestError(
+                    f"adapter {name!r} is in use by {len(users)} requests; retry when they end",
+                    409, "conflict",
+                )  # fmt: skip
+            entry = self.cache.entries.get(name)
+            if entry is not None and self.config.lora_mode == "cached":
+                self.cache.release(name)  # the registration pin
+            self.cache.forget(name)
+            del self._adapters[name]
+        log.info("adapter %s removed", name)
+
+    def drain(self, timeout_s: float) -> bool:
+        """Stop admitting new requests and wait for queued and running ones to end."""
+        self._draining.set()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not self._waiting and not self._running and self._inbox.empty():
+                return True
+            time.sleep(0.05)
+        return False
+
+    def counters(self) -> dict:
+        """Monotonic counters and current gauges, for /metrics."""
+        st = self.step_stats
+        return {
+            "finished": dict(self._finished),
+            "prefill_steps": st.prefill_steps,
+            "prefill_seconds": st.prefill_s,
+            "decode_steps": st.decode_steps,
+            "decode_seconds": st.decode_s,
+            "host_lora_calls": self.host_calls,
+            "host_lora_seconds": self.host_seconds,
+            "num_running": len(self._running),
+            "num_waiting": len(self._waiting),
+            "kv_reserved_tokens": self._reserved,
+            "kv_used_tokens": self.kv.num_slots - self.kv.num_free_slots,
+            "max_total_tokens": self.config.max_total_tokens,
+            "adapter_cache": self.cache.snapshot(),
+        }
+
     def adapters(self) -> list[dict]:
         return [
             {
@@ -144,7 +196,7 @@ class Engine:
 
     def submit(self, request: GenerationRequest) -> RequestHandle:
         """Queue a request; raises RequestError when it can never be served."""
-        if self._stopping.is_set():
+        if self._stopping.is_set() or self._draining.is_set():
             raise RequestError("the server is shutting down", 503, "unavailable")
         ids = request.prompt_ids
         if not ids:
@@ -327,6 +379,7 @@ class Engine:
         """End a request on any path: free its KV row and reservation, send the last output."""
         if seq.finished:
             return
+        self._finished[reason] = self._finished.get(reason, 0) + 1
         if seq in self._running:
             self._running.remove(seq)
         elif seq in self._waiting:
