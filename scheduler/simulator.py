@@ -4,8 +4,10 @@ Each simulated server runs the engine's continuous-batching loop: when requests 
 (batch size, KV slots for prompt + output, prefill token budget), the next iteration prefills
 them, FIFO, and they emit their first token; otherwise it decodes one token for the whole
 running batch. Iteration durations come from the perf models of the server's kernel. The
-policy sees every server's current state at each arrival, as the real scheduler would with a
-fresh `/stats`. Adapters are in every server's host memory and loading is not modelled.
+policy sees what the real scheduler sees: a snapshot of every server taken every `refresh_s`
+plus the requests it routed since. A request reserves KV slots for its prompt and its true
+output length (the engine reserves max_new_tokens; a trace has no separate cap). Adapters are
+in every server's host memory and adapter loading is not modelled.
 
 Metrics per request follow the paper: TTFT, and time per token TPT = end-to-end latency /
 output tokens (prefill and queueing included); a request meets the SLO when TPT <= SLO.
