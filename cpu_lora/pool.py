@@ -23,6 +23,7 @@ from cpu_lora.compute import run_job
 from cpu_lora.profiling import CoreProfile, choose_tokens_per_core, time_one_core
 from cpu_lora.protocol import OP_RUN, STATUS_ERROR, STATUS_OK, IoArena, Job
 from cpu_lora.repository import HostRepository
+from cpu_lora.serial_copy import copy_serial, zeros_serial
 from cpu_lora.shapes import LORA_TARGETS, ModelShapes, module_mask
 from cpu_lora.split import num_parts, split_rows
 from cpu_lora.workers import WorkerProcess
@@ -127,11 +128,14 @@ class CpuLoraPool:
                 raise RuntimeError("the pool is closed")
             stats = self.last_call = CallStats()
             if work:
-                self.io.x_view(num_tokens, h_in).copy_(x)
+                copy_serial(self.io.x_view(num_tokens, h_in), x)
                 self._dispatch(layer, mask, num_tokens, work, stats)
                 outs = self.io.out_views(num_tokens, mask)
-                return {m: outs[m].to(dtype=x.dtype, copy=True) for m in modules}
-        return {m: x.new_zeros(num_tokens, self.shapes[m][1]) for m in modules}
+                results = {m: torch.empty(outs[m].shape, dtype=x.dtype) for m in modules}
+                for m in modules:
+                    copy_serial(results[m], outs[m])
+                return results
+        return {m: zeros_serial(num_tokens, self.shapes[m][1], x.dtype) for m in modules}
 
     def _dispatch(self, layer, mask, num_tokens, work, stats: CallStats) -> None:
         ready = [w for w in self._workers if w.is_ready()]

@@ -32,6 +32,7 @@ import threading
 import torch
 
 from cpu_lora import shm
+from cpu_lora.allocator import FirstFit
 from cpu_lora.shapes import DTYPE_CODES, DTYPES, LORA_TARGETS, AdapterLike, ModelShapes, all_shapes
 
 MAGIC = b"TOPREPO1"
@@ -76,7 +77,7 @@ class HostRepository:
         self._elems = torch.frombuffer(mapping, dtype=self.dtype)  # the whole arena, typed
         self._lock = threading.Lock()
         self._slots: dict[str, int] = {}
-        self._free = [(self._data_offset, self._data_bytes)]  # (offset, size), sorted by offset
+        self._space = FirstFit(self._data_offset, self._data_bytes)
 
     @classmethod
     def create(
@@ -139,7 +140,12 @@ class HostRepository:
             slot = next((s for s in range(self.max_adapters) if self._state(s) == FREE), None)
             if slot is None:
                 raise RepositoryFullError(f"all {self.max_adapters} adapter slots are in use")
-            offset = self._allocate(size, adapter.name)
+            offset = self._space.allocate(size)
+            if offset is None:
+                raise RepositoryFullError(
+                    f"no room for adapter {adapter.name!r} ({size} bytes); {self.free_bytes} "
+                    f"bytes free in {self._space.num_ranges} ranges of {self._data_bytes}"
+                )
             self._write_entry(slot, WRITING, adapter, encoded, offset, size, 0)
             targets = self._write_block(adapter, offset)
             self._write_entry(slot, READY, adapter, encoded, offset, size, targets)
@@ -155,7 +161,7 @@ class HostRepository:
             struct.pack_into(
                 ENTRY_FMT, self._mm, self._entry_at(slot), FREE, 0, 0, 0, 0.0, 0, 0, 0, b""
             )
-            self._release(offset, size)
+            self._space.release(offset, size)
 
     def lookup(self, name: str) -> int | None:
         """Slot of a ready adapter, or None."""
@@ -227,7 +233,7 @@ class HostRepository:
 
     @property
     def free_bytes(self) -> int:
-        return sum(size for _, size in self._free)
+        return self._space.free_bytes
 
     def close(self) -> None:
         """Drop this process's mapping (the owner also unlinks the name)."""
@@ -307,30 +313,3 @@ class HostRepository:
 
     def _state(self, slot: int) -> int:
         return struct.unpack_from("<I", self._mm, self._entry_at(slot))[0]
-
-    def _allocate(self, size: int, name: str) -> int:
-        """First fit over the sorted free list."""
-        for i, (offset, free) in enumerate(self._free):
-            if free >= size:
-                if free == size:
-                    del self._free[i]
-                else:
-                    self._free[i] = (offset + size, free - size)
-                return offset
-        raise RepositoryFullError(
-            f"no room for adapter {name!r} ({size} bytes); {self.free_bytes} bytes free in "
-            f"{len(self._free)} ranges of a {self._data_bytes}-byte arena"
-        )
-
-    def _release(self, offset: int, size: int) -> None:
-        """Return a range to the free list, merging with its neighbours."""
-        self._free.append((offset, size))
-        self._free.sort()
-        merged = [self._free[0]]
-        for off, sz in self._free[1:]:
-            last_off, last_sz = merged[-1]
-            if last_off + last_sz == off:
-                merged[-1] = (last_off, last_sz + sz)
-            else:
-                merged.append((off, sz))
-        self._free = merged

@@ -35,11 +35,24 @@ class WorkerProcess:
         """Launch the process (under numactl when given); it is ready once it wrote its pid."""
         self.io.set_worker_pid(self.index, 0)
         cmd = [
-            sys.executable, "-m", "cpu_lora.worker", "--repo", self._repo_name,
-            "--io", self.io.name, "--index", str(self.index), "--job-sem", self.job_sem.name,
-            "--done-sem", self.done_sem.name, "--parent", str(os.getpid()),
-            "--core", str(self.core),
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "cpu_lora.worker",
+            "--repo",
+            self._repo_name,
+            "--io",
+            self.io.name,
+            "--index",
+            str(self.index),
+            "--job-sem",
+            self.job_sem.name,
+            "--done-sem",
+            self.done_sem.name,
+            "--parent",
+            str(os.getpid()),
+            "--core",
+            str(self.core),
+        ]
         if self._numactl:
             cmd = [self._numactl, f"--physcpubind={self.core}", "--localalloc", *cmd]
         # One thread per worker; the pool, not OpenMP, spreads the work over cores.
@@ -63,8 +76,9 @@ class WorkerProcess:
     def is_ready(self) -> bool:
         """True when the process runs and has attached; a process that exited is restarted."""
         if self.proc.poll() is not None:
-            log.warning("CPU LoRA worker %d exited (%s); restarting it", self.index,
-                        self.proc.returncode)  # fmt: skip
+            log.warning(
+                "CPU LoRA worker %d exited (%s); restarting it", self.index, self.proc.returncode
+            )
             self.restart()
             return False
         return self.io.worker_pid(self.index) == self.proc.pid
@@ -72,8 +86,10 @@ class WorkerProcess:
     def wait_ready(self, deadline: float) -> None:
         while self.io.worker_pid(self.index) != self.proc.pid:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"CPU LoRA worker {self.index} exited with "
-                                   f"{self.proc.returncode} while starting")  # fmt: skip
+                raise RuntimeError(
+                    f"CPU LoRA worker {self.index} exited with "
+                    f"{self.proc.returncode} while starting"
+                )
             if time.monotonic() > deadline:
                 raise RuntimeError(f"CPU LoRA worker {self.index} did not start in time")
             time.sleep(0.01)

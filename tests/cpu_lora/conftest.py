@@ -13,11 +13,15 @@ def adapters():
     """Three ranks, three target sets; "late" has LoRA on layer 2 only."""
     return [
         make_adapter("a4", 4, ("q_proj", "k_proj", "v_proj", "o_proj"), seed=1),
-        make_adapter("b8", 8, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                               "down_proj"), seed=2),
+        make_adapter(
+            "b8",
+            8,
+            ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+            seed=2,
+        ),
         make_adapter("c16", 16, ("q_proj", "v_proj"), seed=3),
         make_adapter("late", 8, QKV, layers=[2], seed=4),
-    ]  # fmt: skip
+    ]
 
 
 @pytest.fixture(scope="session")

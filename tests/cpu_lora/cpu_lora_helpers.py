@@ -14,10 +14,20 @@ QKV = ("q_proj", "k_proj", "v_proj")
 def tiny_config() -> ModelConfig:
     """H 128, q 128, k/v 64, MLP 256, 3 layers."""
     return ModelConfig(
-        name="tiny", vocab_size=256, hidden_size=128, intermediate_size=256, num_layers=3,
-        num_heads=4, num_kv_heads=2, head_dim=32, rms_norm_eps=1e-5, rope_theta=1e4,
-        max_position_embeddings=256, tie_word_embeddings=False, eos_token_ids=(0,),
-    )  # fmt: skip
+        name="tiny",
+        vocab_size=256,
+        hidden_size=128,
+        intermediate_size=256,
+        num_layers=3,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        rms_norm_eps=1e-5,
+        rope_theta=1e4,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        eos_token_ids=(0,),
+    )
 
 
 def make_adapter(
@@ -35,9 +45,16 @@ def make_adapter(
             weights[(layer, module)] = (a, b)
     num_bytes = sum(4 * (a.numel() + b.numel()) for a, b in weights.values())
     return LoraAdapter(
-        name=name, path="", rank=rank, alpha=2.0 * rank, scale=2.0, target_modules=modules,
-        weights=weights, num_bytes=num_bytes, base_model=None,
-    )  # fmt: skip
+        name=name,
+        path="",
+        rank=rank,
+        alpha=2.0 * rank,
+        scale=2.0,
+        target_modules=modules,
+        weights=weights,
+        num_bytes=num_bytes,
+        base_model=None,
+    )
 
 
 def reference(adapters, layer, x, segments, modules):

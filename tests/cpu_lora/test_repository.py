@@ -7,7 +7,6 @@ import torch
 from cpu_lora_helpers import make_adapter, tiny_config
 
 from cpu_lora import LORA_TARGETS, HostRepository, RepositoryFullError, shm
-from cpu_lora.split import split_rows
 from server import model_config
 
 
@@ -105,21 +104,3 @@ def test_bfloat16_arena(adapters):
         assert torch.equal(a, want_a.to(torch.bfloat16)) and torch.equal(bt, want_b.T.bfloat16())
     finally:
         repo.close()
-
-
-@pytest.mark.parametrize("parts", [1, 2, 3, 5])
-def test_split_covers_every_row_once(parts):
-    segments = [(0, 2, 10, 4), (1, 10, 13, 16), (2, 20, 31, 8)]  # gaps at 0-2, 13-20, 31-40
-    slices = split_rows(segments, 40, parts)
-    assert 1 <= len(slices) <= parts
-    assert slices[0][0] == 0 and slices[-1][1] == 40
-    assert all(prev[1] == cur[0] for prev, cur in zip(slices, slices[1:]))
-    covered = sorted((s, a, b) for _, _, segs in slices for s, a, b in segs)
-    for slot, start, end, _ in segments:  # each segment's tokens appear once, in order
-        pieces = [(a, b) for s, a, b in covered if s == slot]
-        assert pieces[0][0] == start and pieces[-1][1] == end
-        assert all(p[1] == q[0] for p, q in zip(pieces, pieces[1:]))
-    works = [sum((b - a) * {0: 4, 1: 16, 2: 8}[s] for s, a, b in segs) for _, _, segs in slices]
-    assert all(w > 0 for w in works)
-    if parts > 1:
-        assert max(works) <= sum(works) / len(works) + 16  # balanced to within one token

@@ -1,0 +1,273 @@
+"""Invocation overhead of one CPU LoRA layer call: shared memory vs a UNIX-socket transport.
+
+    python -m scripts.bench_cpu_lora_ipc --out bench/results/cpu_lora_ipc.json
+
+Overhead = round trip of one layer call minus the slowest worker's own compute time. The job is
+16 tokens of a 4096-hidden layer, rank 64, q/k/v (Llama-2-7B shapes). Shared memory is
+cpu_lora's pool (x written once, one semaphore per worker). The socket transport sends each
+worker its slice of x over a socketpair, the worker computes the same arithmetic from the same
+repository and sends its rows of the outputs back. Both use 1, 2, 4, 8 workers, each worker
+given 16/N tokens; calls of the two transports are interleaved so load on the machine hits both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import socket
+import struct
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from cpu_lora import CpuLoraPool, HostRepository
+
+QKV = ("q_proj", "k_proj", "v_proj")
+SOCK_REQ = struct.Struct("<III")  # row_start, row_end, hidden
+SOCK_REPLY = struct.Struct("<Q")  # compute ns
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """The projection shapes of a Llama-2-7B layer (one layer is enough here)."""
+
+    hidden: int = 4096
+    intermediate: int = 11008
+    num_layers: int = 1
+
+    def projection_shape(self, module: str) -> tuple[int, int]:
+        h, i = self.hidden, self.intermediate
+        return {"gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}.get(module, (h, h))
+
+
+@dataclass(frozen=True)
+class Adapter:
+    name: str
+    rank: int
+    scale: float
+    weights: dict
+
+
+def make_repository(shapes: Shapes, rank: int) -> HostRepository:
+    gen = torch.Generator().manual_seed(0)
+    weights = {}
+    for module in QKV:
+        h_in, h_out = shapes.projection_shape(module)
+        weights[(0, module)] = (
+            torch.randn(rank, h_in, generator=gen) / h_in**0.5,
+            torch.randn(h_out, rank, generator=gen) / rank**0.5,
+        )
+    repo = HostRepository.create(shapes, capacity_bytes=64 << 20, max_adapters=4)
+    repo.add(Adapter("bench", rank, 2.0, weights))
+    return repo
+
+
+def socket_worker(fd: int, repo_name: str, core: int) -> None:
+    """Serve jobs from a socket: read x rows, compute q/k/v deltas, send the rows back."""
+    os.sched_setaffinity(0, {core})
+    torch.set_num_threads(1)
+    repo = HostRepository.attach(repo_name)
+    rank, scale, views = repo.layer_tensors(repo.lookup("bench"), 0)
+    sock = socket.socket(fileno=fd)
+    x_buf = torch.empty(1 << 22, dtype=torch.float32)
+    head = bytearray(SOCK_REQ.size)
+    while True:
+        if sock.recv_into(head, SOCK_REQ.size, socket.MSG_WAITALL) == 0:
+            return
+        lo, hi, h_in = SOCK_REQ.unpack(head)
+        x = x_buf[: (hi - lo) * h_in].view(hi - lo, h_in)
+        sock.recv_into(memoryview(x.numpy()).cast("B"), x.numel() * 4, socket.MSG_WAITALL)
+        start = time.perf_counter_ns()
+        outs = []
+        for module in QKV:
+            a, bt = views[module]
+            outs.append(torch.mm(torch.mm(x, a.T).mul_(scale), bt))
+        ns = time.perf_counter_ns() - start
+        sock.sendall(SOCK_REPLY.pack(ns))
+        for out in outs:
+            sock.sendall(memoryview(out.numpy()).cast("B"))
+
+
+class SocketPool:
+    """N socket workers, each sent its slice of the tokens."""
+
+    def __init__(self, repo: HostRepository, num_workers: int, cores: list[int]) -> None:
+        self.socks, self.procs = [], []
+        for i in range(num_workers):
+            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+            cmd = [
+                sys.executable,
+                "-m",
+                "scripts.bench_cpu_lora_ipc",
+                "--socket-worker",
+                str(theirs.fileno()),
+                repo.name,
+                str(cores[i % len(cores)]),
+            ]
+            env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+            self.procs.append(subprocess.Popen(cmd, pass_fds=[theirs.fileno()], env=env))
+            theirs.close()
+            self.socks.append(ours)
+        self.reply = bytearray(SOCK_REPLY.size)
+
+    def run(self, x: torch.Tensor, widths: list[int]) -> tuple[list[torch.Tensor], list[int]]:
+        """({module: [T, H_out]} as a list, compute ns per worker)."""
+        num_tokens, h_in = x.shape
+        bounds = np.linspace(0, num_tokens, len(self.socks) + 1).round().astype(int)
+        outs = [torch.empty(num_tokens, w) for w in widths]
+        for sock, lo, hi in zip(self.socks, bounds, bounds[1:]):
+            sock.sendall(SOCK_REQ.pack(lo, hi, h_in))
+            sock.sendall(memoryview(x[lo:hi].numpy()).cast("B"))
+        compute = []
+        for sock, lo, hi in zip(self.socks, bounds, bounds[1:]):
+            sock.recv_into(self.reply, SOCK_REPLY.size, socket.MSG_WAITALL)
+            compute.append(SOCK_REPLY.unpack(self.reply)[0])
+            for out in outs:
+                rows = memoryview(out[lo:hi].numpy()).cast("B")
+                sock.recv_into(rows, len(rows), socket.MSG_WAITALL)
+        return outs, compute
+
+    def close(self) -> None:
+        for sock in self.socks:
+            sock.close()
+        for proc in self.procs:
+            proc.wait(timeout=30)
+
+
+def percentile(samples: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(samples), q))
+
+
+def measure(args, repo, shapes, counts, cores):
+    """Overhead samples (us) per transport and worker count, plus the 1-worker compute times."""
+    x = torch.randn(args.tokens, shapes.hidden)
+    widths = [shapes.projection_shape(m)[1] for m in QKV]
+    segments = [("bench", 0, args.tokens)]
+    results = {}
+    for n in counts:
+        per_worker = -(-args.tokens // n)
+        pool = CpuLoraPool(
+            repo, shapes, n, cores, max_tokens=args.tokens, modules=QKV, tokens_per_core=per_worker
+        )
+        sockets = SocketPool(repo, n, cores)
+        try:
+            empty_us = pool.measure_overhead_us(calls=200)  # semaphores and wake-ups only
+            got = pool.run(0, x, segments, QKV)
+            ref, _ = sockets.run(x, widths)
+            assert all(torch.allclose(got[m], r, atol=1e-4) for m, r in zip(QKV, ref))
+            shm_us, sock_us, rt_us, compute_us = [], [], [], []
+            for i in range(args.warmup + args.calls):
+                start = time.perf_counter_ns()
+                pool.run(0, x, segments, QKV)
+                rt = time.perf_counter_ns() - start
+                assert len(pool.last_call.worker_compute_ns) == n
+                slowest = max(pool.last_call.worker_compute_ns)
+                start = time.perf_counter_ns()
+                _, compute = sockets.run(x, widths)
+                sock_rt = time.perf_counter_ns() - start
+                if i >= args.warmup:
+                    shm_us.append((rt - slowest) / 1e3)
+                    sock_us.append((sock_rt - max(compute)) / 1e3)
+                    rt_us.append(rt / 1e3)
+                    compute_us.append(slowest / 1e3)
+        finally:
+            pool.close()
+            sockets.close()
+        results[n] = {
+            "shm": shm_us,
+            "socket": sock_us,
+            "round_trip": rt_us,
+            "compute": compute_us,
+            "empty_job_us": empty_us,
+        }
+    return results
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tokens", type=int, default=16)
+    p.add_argument("--rank", type=int, default=64)
+    p.add_argument("--workers", default="1,2,4,8")
+    p.add_argument("--calls", type=int, default=1000)
+    p.add_argument("--warmup", type=int, default=50)
+    p.add_argument("--out", default="bench/results/cpu_lora_ipc.json")
+    p.add_argument("--socket-worker", nargs=3, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.socket_worker:
+        fd, repo_name, core = args.socket_worker
+        return socket_worker(int(fd), repo_name, int(core))
+    shapes, cores = Shapes(), sorted(os.sched_getaffinity(0))
+    counts = [int(n) for n in args.workers.split(",")]
+    repo = make_repository(shapes, args.rank)
+    try:
+        results = measure(args, repo, shapes, counts, cores)
+    finally:
+        repo.close()
+    one, top = results[counts[0]], results[counts[-1]]
+    p50 = {t: {n: percentile(r[t], 50) for n, r in results.items()} for t in ("shm", "socket")}
+    result = {
+        "name": "cpu_lora_ipc",
+        "device": f"cpu ({platform.machine()}, {os.cpu_count()} cores: {cpu_model()})",
+        "command": "python -m scripts.bench_cpu_lora_ipc " + " ".join(sys.argv[1:]),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "config": {
+            "tokens": args.tokens,
+            "hidden": shapes.hidden,
+            "rank": args.rank,
+            "modules": list(QKV),
+            "dtype": "float32",
+            "workers": counts,
+            "calls": args.calls,
+            "cores": cores,
+            "note": f"this machine has {len(cores)} cores: worker counts above {len(cores)} are "
+            "oversubscribed (workers share cores round-robin); other jobs shared it "
+            f"(load average {os.getloadavg()[0]:.1f} at the end)",
+            "overhead": "round trip of one layer call minus the slowest worker's compute time",
+            "socket_transport": "socketpair per worker; each worker is sent its 16/N rows of x "
+            "and sends its rows of q/k/v back (same bytes in total as shm)",
+            "shm_vs_socket_ratio": "socket overhead p50 / shm overhead p50 (>1: shm cheaper)",
+        },
+        "metrics": {
+            "overhead_p50_us": percentile(one["shm"], 50),
+            "overhead_p99_us": percentile(one["shm"], 99),
+            "round_trip_p50_us": percentile(one["round_trip"], 50),
+            "worker_compute_p50_us": percentile(one["compute"], 50),
+            "empty_job_round_trip_p50_us": one["empty_job_us"],
+            "shm_overhead_p50_us_by_workers": p50["shm"],
+            "socket_overhead_p50_us_by_workers": p50["socket"],
+            "shm_overhead_p99_us_by_workers": {
+                n: percentile(r["shm"], 99) for n, r in results.items()
+            },
+            "socket_overhead_p99_us_by_workers": {
+                n: percentile(r["socket"], 99) for n, r in results.items()
+            },
+            "shm_vs_socket_ratio_at_max_workers": percentile(top["socket"], 50)
+            / percentile(top["shm"], 50),
+        },
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result["metrics"], indent=2))
+
+
+def cpu_model() -> str:
+    """Model name and the bf16 matmul features of this CPU, from /proc/cpuinfo."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor()
+    names = [line.split(":", 1)[1].strip() for line in info.splitlines() if "model name" in line]
+    extra = [flag for flag in ("avx512_bf16", "amx_bf16") if f" {flag}" in info]
+    return ", ".join([names[0] if names else platform.processor(), *extra])
+
+
+if __name__ == "__main__":
+    main()

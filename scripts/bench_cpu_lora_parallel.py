@@ -1,0 +1,149 @@
+"""CPU LoRA worker pool vs torch intra-op threads on the same cores (Toppings Fig. 17).
+
+    python -m scripts.bench_cpu_lora_parallel --out bench/results/cpu_lora_parallel.json
+
+One layer call of 256 tokens, hidden 4096, rank 64, q/k/v, computed two ways on the same cores:
+the pool (one pinned single-threaded worker per core, tokens split by the pool's profile) and
+in-process torch with as many intra-op threads as cores, reading the same shared-memory
+weights. Calls of the two alternate (with a pause between, so neither inherits the other's
+spinning threads) and the ratio of medians is reported, for float32 and bfloat16 arenas, and
+for one 256-token request and for four 64-token requests of different adapters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from cpu_lora import CpuLoraPool, HostRepository
+from scripts.bench_cpu_lora_ipc import QKV, Adapter, Shapes, cpu_model
+
+
+def make_repository(shapes: Shapes, rank: int, count: int, dtype: torch.dtype):
+    repo = HostRepository.create(shapes, capacity_bytes=count * 8 << 20, dtype=dtype)
+    gen = torch.Generator().manual_seed(0)
+    for i in range(count):
+        weights = {}
+        for module in QKV:
+            h_in, h_out = shapes.projection_shape(module)
+            a = torch.randn(rank, h_in, generator=gen) / h_in**0.5
+            weights[(0, module)] = (a, torch.randn(h_out, rank, generator=gen) / rank**0.5)
+        repo.add(Adapter(f"a{i}", rank, 2.0, weights))
+    return repo
+
+
+def threads_call(repo: HostRepository, x: torch.Tensor, segments) -> dict[str, torch.Tensor]:
+    """The same arithmetic in-process, parallelised by torch's intra-op threads."""
+    outs = {m: torch.zeros(x.shape[0], repo.shapes[m][1], dtype=x.dtype) for m in QKV}
+    for name, start, end in segments:
+        _, scale, views = repo.layer_tensors(repo.lookup(name), 0)
+        for module in QKV:
+            a, bt = views[module]
+            torch.mm(torch.mm(x[start:end], a.T).mul_(scale), bt, out=outs[module][start:end])
+    return outs
+
+
+def compare(pool, repo, x, segments, calls: int, pause_s: float) -> dict:
+    got, want = pool.run(0, x, segments, QKV), threads_call(repo, x, segments)
+    tol = 1e-3 if x.dtype == torch.float32 else 5e-2
+    assert all(torch.allclose(got[m].float(), want[m].float(), atol=tol) for m in QKV)
+    pool_ms, threads_ms, workers = [], [], set()
+    for _ in range(calls):
+        start = time.perf_counter()
+        pool.run(0, x, segments, QKV)
+        pool_ms.append((time.perf_counter() - start) * 1e3)
+        workers.add(len(pool.last_call.worker_compute_ns))
+        time.sleep(pause_s)
+        start = time.perf_counter()
+        threads_call(repo, x, segments)
+        threads_ms.append((time.perf_counter() - start) * 1e3)
+        time.sleep(pause_s)
+    pool_p50, threads_p50 = float(np.median(pool_ms)), float(np.median(threads_ms))
+    return {
+        "pool_p50_ms": pool_p50,
+        "threads_p50_ms": threads_p50,
+        "speedup": threads_p50 / pool_p50,
+        "workers_used": sorted(workers),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tokens", type=int, default=256)
+    p.add_argument("--rank", type=int, default=64)
+    p.add_argument("--calls", type=int, default=40)
+    p.add_argument("--pause-ms", type=float, default=20.0)
+    p.add_argument("--out", default="bench/results/cpu_lora_parallel.json")
+    args = p.parse_args(argv)
+    shapes, cores = Shapes(), sorted(os.sched_getaffinity(0))
+    torch.set_num_threads(len(cores))
+    quarter = args.tokens // 4
+    workloads = {
+        "1_request": [("a0", 0, args.tokens)],
+        "4_requests": [(f"a{i}", i * quarter, (i + 1) * quarter) for i in range(4)],
+    }
+    runs, profiles = {}, {}
+    for dtype in (torch.float32, torch.bfloat16):
+        label = str(dtype).removeprefix("torch.")
+        repo = make_repository(shapes, args.rank, 4, dtype)
+        pool = CpuLoraPool(repo, shapes, len(cores), cores, max_tokens=args.tokens, modules=QKV)
+        try:
+            profiles[label] = {
+                "tokens_per_core": pool.tokens_per_core,
+                "overhead_us": pool.profile_result.overhead_us,
+                "tokens_per_ms": pool.profile_result.tokens_per_ms(),
+            }
+            x = torch.randn(args.tokens, shapes.hidden).to(dtype)
+            for name, segments in workloads.items():
+                runs[f"{label}_{name}"] = compare(
+                    pool, repo, x, segments, args.calls, args.pause_ms / 1e3
+                )
+                print(label, name, runs[f"{label}_{name}"], flush=True)
+        finally:
+            pool.close()
+            repo.close()
+    load = os.getloadavg()
+    result = {
+        "name": "cpu_lora_parallel",
+        "device": f"cpu ({len(cores)} cores: {cpu_model()})",
+        "command": "python -m scripts.bench_cpu_lora_parallel " + " ".join(sys.argv[1:]),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "config": {
+            "tokens": args.tokens,
+            "hidden": shapes.hidden,
+            "rank": args.rank,
+            "modules": list(QKV),
+            "calls": args.calls,
+            "cores": cores,
+            "workers": len(cores),
+            "torch_threads": len(cores),
+            "note": f"this machine has {len(cores)} cores, so the pool has {len(cores)} workers "
+            f"and torch {len(cores)} threads; other jobs shared the machine "
+            f"(load average {load[0]:.1f} at the end)",
+            "profiles": profiles,
+        },
+        "metrics": {
+            "speedup_pool_vs_threads": runs["float32_1_request"]["speedup"],
+            "speedup_pool_vs_threads_4_requests": runs["float32_4_requests"]["speedup"],
+            "speedup_pool_vs_threads_bf16": runs["bfloat16_1_request"]["speedup"],
+            "speedup_pool_vs_threads_bf16_4_requests": runs["bfloat16_4_requests"]["speedup"],
+            "pool_bf16_vs_fp32": runs["float32_1_request"]["pool_p50_ms"]
+            / runs["bfloat16_1_request"]["pool_p50_ms"],
+            "runs": runs,
+        },
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result["metrics"], indent=2))
+
+
+if __name__ == "__main__":
+    main()
