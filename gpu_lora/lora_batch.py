@@ -50,7 +50,6 @@ class LoraBatch:
         device = pool.device
         self._seg_starts = torch.tensor(seg_starts, dtype=torch.int32, device=device)
         self._fn = getattr(kernels, f"{kernel}_{'prefill' if is_prefill else 'decode'}")
-        self._padded = kernel == "bgmv"
         offsets = torch.tensor([a.offset if a else 0 for a in adapters], dtype=torch.int32)
         scales = torch.tensor([a.scale if a else 0.0 for a in adapters], dtype=torch.float32)
         offsets, scales = offsets.to(device), scales.to(device)
@@ -80,8 +79,8 @@ class LoraBatch:
             a = self.pool.lora_a[module][layer]  # [C, H_in]
             b = self.pool.lora_b[module][layer]  # [C, H_out]
             lead = (self._seg_starts,) if self.is_prefill else ()
-            tail = (max_rank,) if self._padded else ()
-            self._fn(y, x, a, b, *lead, offsets, ranks, scales, *tail)
+            # max_rank: BGMV's padding; for MBGMV only a bound that spares a device sync.
+            self._fn(y, x, a, b, *lead, offsets, ranks, scales, max_rank)
         if not_ready:
             self._add_on_host(layer, x, outputs, not_ready)
 
