@@ -17,14 +17,10 @@ from dataclasses import dataclass
 
 import torch
 
-from gpu_lora.adapter_pool import AdapterPool
-from gpu_lora.cache import AdapterCache
-from gpu_lora.eviction import make_policy
-from gpu_lora.host_lora import HostLora
 from gpu_lora.kernels import get_kernels
-from gpu_lora.loader import PipelinedLoader
 from gpu_lora.lora_batch import LoraBatch
 from gpu_lora.peft_format import LoraAdapter, load_peft_adapter
+from server.adapters import AdapterManager
 from server.config import EngineConfig
 from server.kv_cache import KVPool
 from server.loader import Checkpoint
@@ -71,17 +67,13 @@ class Engine:
             dtype,
             config.device,
         )
-        self.pool = AdapterPool(mc, dtype, config.device)
-        self.loader = PipelinedLoader(self.pool, config.layers_per_group, config.link_gbps)
-        self.cache = AdapterCache(
-            self.pool, self.loader, make_policy(config.eviction), config.adapter_cache_bytes or None
-        )
+        self.lora = AdapterManager(config, mc, dtype)
+        self.cache = self.lora.cache
+        self._adapters = self.lora.registry
         self.kernels = get_kernels("triton" if config.device == "cuda" else "cpu")
         self.eos_ids = set(mc.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self.eos_ids.add(self.tokenizer.eos_token_id)
-        self._adapters: dict[str, LoraAdapter] = {}
-        self.host_lora = HostLora(self._adapters)
         self.host_calls = 0
         self.host_seconds = 0.0
         self._inbox: queue.Queue = queue.Queue()
@@ -109,7 +101,7 @@ class Engine:
         self._drain_inbox(block=False)
         for seq in list(self._waiting) + list(self._running):
             self._finish(seq, "abort")
-        self.loader.close()
+        self.lora.close()
 
     def is_healthy(self) -> bool:
         return self._thread.is_alive() and not self._stopping.is_set()
@@ -118,16 +110,7 @@ class Engine:
         """Validate a PEFT directory and make it servable (raises AdapterError)."""
         adapter = load_peft_adapter(path, self.model_config, name=name)
         with self._lock:
-            if name in self._adapters:
-                raise RequestError(f"adapter {name!r} is already loaded", 409, "conflict")
-            self._adapters[name] = adapter
-            if self.config.lora_mode == "cached":
-                # The ideal upper bound: every adapter on the device before any request, pinned.
-                entry = self.cache.acquire(adapter)
-                if entry is None:
-                    del self._adapters[name]
-                    raise RequestError("the adapter cache is full", 507, "insufficient_storage")
-                entry.ticket.wait()
+            self.lora.register(adapter)
         log.info(
             "adapter %s: rank %d, targets %s", name, adapter.rank, ",".join(adapter.target_modules)
         )
@@ -147,11 +130,7 @@ class Engine:
                     f"adapter {name!r} is in use by {len(users)} requests; retry when they end",
                     409, "conflict",
                 )  # fmt: skip
-            entry = self.cache.entries.get(name)
-            if entry is not None and self.config.lora_mode == "cached":
-                self.cache.release(name)  # the registration pin
-            self.cache.forget(name)
-            del self._adapters[name]
+            self.lora.unregister(name)
         log.info("adapter %s removed", name)
 
     def drain(self, timeout_s: float) -> bool:
@@ -234,17 +213,14 @@ class Engine:
             "running": [s.describe(self._adapters) for s in list(self._running)],
             "queue": [s.describe(self._adapters) for s in list(self._waiting)],
             "adapters": [
-                {"name": n, "rank": a.rank, "resident": self._is_resident(n)}
+                {"name": n, "rank": a.rank, "resident": self.lora.is_resident(n)}
                 for n, a in list(self._adapters.items())
             ],
             "free_kv_tokens": self.config.max_total_tokens - self._reserved,
             "max_total_tokens": self.config.max_total_tokens,
+            "cpu_workers": self.lora.worker_stats(),
             "healthy": self.is_healthy(),
         }
-
-    def _is_resident(self, name: str) -> bool:
-        entry = self.cache.entries.get(name)
-        return entry is not None and entry.ticket.done
 
     # ---- the engine thread ------------------------------------------------------------------
 
@@ -344,14 +320,14 @@ class Engine:
         lora = None
         if any(entries):
             lora = LoraBatch(
-                self.pool,
+                self.lora.pool,
                 self.kernels,
                 self.config.kernel,
                 [e.resident if e else None for e in entries],
                 seg_starts,
                 is_prefill,
                 tickets=[e.ticket if e else None for e in entries],
-                host=self.host_lora,
+                host=self.lora.host,
             )
         batch = ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.int64, device=device),

@@ -148,8 +148,10 @@ def test_mixed_batch_matches_peft_smollm2(tmp_path_factory, smollm2_dir):
     check_model(smollm2_dir, adapters, vocab=49152, kernel="mbgmv")
 
 
-def test_cpu_assisted_matches_peft_while_adapters_load(tmp_path_factory):
-    """Loads throttled to take ~1 s each: prefill and early decode run partly on the host path."""
+@pytest.mark.parametrize("num_cpu_workers", [0, 2])
+def test_cpu_assisted_matches_peft_while_adapters_load(tmp_path_factory, num_cpu_workers):
+    """Loads throttled to take ~1 s each: prefill and early decode run partly on the host path
+    (in-process with 0 workers, else the shared-memory CPU worker pool)."""
     from scripts.make_tiny_llama import make_tiny_llama
 
     model_dir = make_tiny_llama(tmp_path_factory.mktemp("tiny4"), num_layers=4)
@@ -158,6 +160,7 @@ def test_cpu_assisted_matches_peft_while_adapters_load(tmp_path_factory):
     config = EngineConfig(
         dtype="float32", lora_mode="cpu-assisted", max_total_tokens=4096, max_batch_size=16,
         link_gbps=adapter_bytes * 8 / 1.0 / 1e9, layers_per_group=1,
+        num_cpu_workers=num_cpu_workers,
     )  # fmt: skip
     engine = build_engine(str(model_dir), config, adapters)
     try:
@@ -169,6 +172,7 @@ def test_cpu_assisted_matches_peft_while_adapters_load(tmp_path_factory):
         assert engine.host_calls > 0, "no layer ran on the host: the loads were not in flight"
         assert engine.cache.counters.loads == len(adapters)
         stats = engine.stats()
+        assert [w["alive"] for w in stats["cpu_workers"]] == [True] * num_cpu_workers
     finally:
         engine.shutdown()
     assert stats["free_kv_tokens"] == stats["max_total_tokens"]
