@@ -1,0 +1,160 @@
+"""TTFT and time per token of cached / on-demand / cpu-assisted when every request needs a load.
+
+A stream of requests arrives at a fixed interval, each for a rank-64 adapter that is not yet on
+the device (except in `cached`, where every adapter is preloaded: the ideal upper bound). On a
+CPU the "device" load is a real copy throttled by `--link-gbps`; by default the link speed is
+set so that loading one adapter takes as long as prefilling one prompt (the regime of the
+Toppings paper's Fig. 4) and the result is labelled "emulated link".
+
+    python -m scripts.bench_cpu_assisted --out bench/results/cpu_assisted.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from scripts.make_adapters import make_random_adapter
+from server.config import EngineConfig
+from server.loader import resolve_model_dir
+from server.request import GenerationRequest, SamplingParams
+from server.runtime import build_engine
+
+log = logging.getLogger("bench_cpu_assisted")
+TARGETS = ("q_proj", "k_proj", "v_proj")
+MODES = ("cached", "on-demand", "cpu-assisted")
+
+
+def make_adapters(root: Path, model_dir: Path, count: int, rank: int) -> dict[str, str]:
+    paths = {}
+    for i in range(count):
+        path = root / f"assist-r{rank}-{i}"
+        if not (path / "adapter_config.json").is_file():
+            make_random_adapter(path, model_dir, rank=rank, target_modules=TARGETS, seed=100 + i)
+        paths[f"a{i}"] = str(path)
+    return paths
+
+
+def run_stream(engine, prompts, names, interval_s: float, new_tokens: int) -> list:
+    """Submit one request per interval (open loop); return their final outputs."""
+    params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    start = time.perf_counter()
+    handles = []
+    for i, (prompt, name) in enumerate(zip(prompts, names)):
+        delay = start + i * interval_s - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+        handles.append(engine.submit(GenerationRequest(prompt, params, name)))
+    return [h.result(timeout_s=600) for h in handles]
+
+
+def summarise(outs) -> dict:
+    ttft = [o.ttft_s for o in outs]
+    tpt = [o.e2e_s / o.output_tokens for o in outs]  # paper: all tokens, prefill included
+    return {
+        "ttft_mean_ms": 1000 * statistics.mean(ttft),
+        "ttft_p50_ms": 1000 * statistics.median(ttft),
+        "tpt_mean_ms": 1000 * statistics.mean(tpt),
+        "e2e_mean_ms": 1000 * statistics.mean(o.e2e_s for o in outs),
+    }
+
+
+def prefill_ms(model_dir: str, dtype: str, prompt: list[int]) -> float:
+    """Median time of a lone 128-token prefill (no adapter) on this machine."""
+    engine = build_engine(model_dir, EngineConfig(dtype=dtype, max_total_tokens=4096))
+    try:
+        params = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
+        times = []
+        for _ in range(5):
+            out = engine.submit(GenerationRequest(prompt, params)).result()
+            times.append(out.ttft_s)
+        return 1000 * statistics.median(times[1:])
+    finally:
+        engine.shutdown()
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--rank", type=int, default=64)
+    p.add_argument("--num-requests", type=int, default=24)
+    p.add_argument("--interval-ms", type=float, default=400.0)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--link-gbps", type=float, default=0.0,
+                   help="0: set so one adapter load takes one prefill's time")  # fmt: skip
+    p.add_argument("--cpu-workers", type=int, default=0)
+    p.add_argument("--adapter-dir", default="/tmp/toppings-assist-adapters")
+    p.add_argument("--out", default="bench/results/cpu_assisted.json")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    model_dir = str(resolve_model_dir(args.model))
+    adapters = make_adapters(Path(args.adapter_dir), Path(model_dir), args.num_requests, args.rank)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [
+        torch.randint(100, 40000, (args.prompt_len,), generator=gen).tolist()
+        for _ in range(args.num_requests)
+    ]
+    names = list(adapters)  # each request its own adapter: every one needs a load
+    base_prefill_ms = prefill_ms(model_dir, args.dtype, prompts[0])
+    link_gbps = args.link_gbps
+    if not link_gbps:
+        from gpu_lora.peft_format import load_peft_adapter
+        from server.loader import load_checkpoint
+
+        cfg = load_checkpoint(model_dir).config
+        nbytes = load_peft_adapter(adapters["a0"], cfg).bytes_at(getattr(torch, args.dtype))
+        link_gbps = nbytes * 8 / (base_prefill_ms / 1000) / 1e9
+    results = {}
+    for mode in MODES:
+        config = EngineConfig(
+            dtype=args.dtype, lora_mode=mode, link_gbps=0.0 if mode == "cached" else link_gbps,
+            num_cpu_workers=args.cpu_workers if mode == "cpu-assisted" else 0,
+            max_total_tokens=64 * (args.prompt_len + args.new_tokens), max_batch_size=64,
+        )  # fmt: skip
+        engine = build_engine(model_dir, config, adapters)
+        try:
+            run_stream(engine, prompts[:2], [None, None], 0.0, 4)  # warm-up, no adapter
+            outs = run_stream(engine, prompts, names, args.interval_ms / 1000, args.new_tokens)
+            results[mode] = {**summarise(outs), "host_lora_calls": engine.host_calls,
+                             "adapter_loads": engine.cache.counters.loads}  # fmt: skip
+        finally:
+            engine.shutdown()
+        log.info("%s: %s", mode, results[mode])
+    c, od, ca = (results[m] for m in MODES)
+    result = {
+        "name": "cpu_assisted",
+        "device": f"cpu ({platform.machine()}, {torch.get_num_threads()} threads), emulated link",
+        "command": "python -m scripts.bench_cpu_assisted " + " ".join(sys.argv[1:]),
+        "date": datetime.date.today().isoformat(),
+        "config": {
+            **{k: v for k, v in vars(args).items() if k != "out"},
+            "link_gbps_used": link_gbps,
+            "prefill_128_ms": base_prefill_ms,
+            "targets": TARGETS,
+        },  # fmt: skip
+        "metrics": {
+            "ttft_ratio_cpu_assisted_vs_cached": ca["ttft_mean_ms"] / c["ttft_mean_ms"],
+            "ttft_ratio_cpu_assisted_vs_on_demand": ca["ttft_mean_ms"] / od["ttft_mean_ms"],
+            "tpt_ratio_cpu_assisted_vs_cached": ca["tpt_mean_ms"] / c["tpt_mean_ms"],
+            "link": f"emulated, {link_gbps:.3f} Gbit/s (one adapter load = one 128-token prefill)",
+            "modes": results,
+        },
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result["metrics"], indent=2))
+
+
+if __name__ == "__main__":
+    main()
