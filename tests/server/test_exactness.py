@@ -179,3 +179,43 @@ def test_cpu_assisted_matches_peft_while_adapters_load(tmp_path_factory, num_cpu
     for (prompt, name), got in zip(prompts, ours):
         ref, margins = reference_greedy(model_dir, adapters, prompt, name)
         assert_same_greedy(got, ref, margins, f"cpu-assisted, adapter {name}")
+
+
+def test_sigkilled_cpu_worker_mid_request_changes_no_token(tmp_path_factory):
+    """A worker killed while loads are in flight: requests finish with the reference's tokens,
+    and nothing of ours stays in /dev/shm after shutdown."""
+    import glob
+    import os
+    import signal
+
+    from scripts.make_tiny_llama import make_tiny_llama
+
+    model_dir = make_tiny_llama(tmp_path_factory.mktemp("tiny4k"), num_layers=4)
+    adapters = make_adapters(tmp_path_factory.mktemp("adapters4k"), model_dir)
+    adapter_bytes = 64 * (64 + 64) * 4 * 7 * 4
+    config = EngineConfig(
+        dtype="float32", lora_mode="cpu-assisted", max_total_tokens=4096, max_batch_size=16,
+        link_gbps=adapter_bytes * 8 / 2.0 / 1e9, num_cpu_workers=2,
+    )  # fmt: skip
+    engine = build_engine(str(model_dir), config, adapters)
+    ours_shm = f"/dev/shm/*toppings-{os.getpid()}-*"
+    try:
+        assert glob.glob(ours_shm), "the worker pool should have shared memory while running"
+        prompts = mixed_prompts(200, seed=3)
+        params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+        handles = [engine.submit(GenerationRequest(list(p), params, a)) for p, a in prompts]
+        first = handles[0].events(timeout_s=120)
+        got0 = list(next(first).new_token_ids)  # the first step ran: loads are still going
+        victim = engine.stats()["cpu_workers"][0]["pid"]
+        os.kill(victim, signal.SIGKILL)
+        got0 += [t for out in first for t in out.new_token_ids]
+        ours = [got0] + [h.result(timeout_s=300).new_token_ids for h in handles[1:]]
+        workers = engine.stats()["cpu_workers"]
+        assert victim not in [w["pid"] for w in workers] and all(w["alive"] for w in workers)
+        assert engine.host_calls > 0
+    finally:
+        engine.shutdown()
+    assert glob.glob(ours_shm) == []
+    for (prompt, name), got in zip(prompts, ours):
+        ref, margins = reference_greedy(model_dir, adapters, prompt, name)
+        assert_same_greedy(got, ref, margins, f"worker killed, adapter {name}")
