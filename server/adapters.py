@@ -74,6 +74,10 @@ class AdapterManager:
             raise RequestError(f"adapter {adapter.name!r} is already loaded", 409, "conflict")
         if self.repository is not None:
             self.repository.add(adapter)
+        if self.pool.device.type == "cuda":
+            # Pinned host copies: the loader's copies then run asynchronously on its stream.
+            for key, (a, b) in adapter.weights.items():
+                adapter.weights[key] = (a.pin_memory(), b.pin_memory())
         self.registry[adapter.name] = adapter
         if self.config.lora_mode == "cached":
             # The ideal upper bound: every adapter on the device before any request, pinned.
