@@ -5,20 +5,30 @@ request's output queue, so a slow client never stalls the engine thread. A strea
 goes away is aborted: waitress closes the response iterator (GeneratorExit in `_stream`), and
 `_outputs` checks waitress's disconnect flag after each output and while none arrives, which also
 covers non-streaming requests.
+
+Operator endpoints: `/metrics` (Prometheus, see server.metrics), `/v1/load_lora_adapter` and
+`/v1/unload_lora_adapter` (see server.lifecycle). With an API key every endpoint but `/health`
+wants `Authorization: Bearer KEY`. While the server drains (SIGTERM), `/health` answers 503 so
+that a scheduler stops routing here, and the engine refuses new requests with 503.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hmac
 import json
 import logging
 import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 from flask import Flask, Response, jsonify, request
 from werkzeug.exceptions import HTTPException
 
+from server.lifecycle import AdapterAdmin, AdapterPaths
+from server.metrics import CONTENT_TYPE, ServerMetrics, read_engine
 from server.openai_response import (
     SSE_DONE,
     ResponseMeta,
@@ -35,12 +45,39 @@ from server.openai_schema import (
     parse_completion,
     parse_native,
 )
-from server.request import RequestError, RequestHandle, RequestOutput
+from server.request import GenerationRequest, RequestError, RequestHandle, RequestOutput
 
 logger = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 16 << 20  # larger bodies get a 413
 POLL_S = 0.5  # how often a waiting handler checks engine health and client disconnect
+OPEN_PATHS = frozenset({"/health"})  # answered without an API key (load balancers probe it)
+
+
+@dataclass(frozen=True)
+class ApiOptions:
+    """What the operator sets for the HTTP layer; None: no limit / no key."""
+
+    api_key: str | None = None
+    max_prompt_tokens: int | None = None
+    max_new_tokens_limit: int | None = None
+    lora_roots: tuple[str, ...] = ()  # directories /v1/load_lora_adapter may read from
+
+    def __post_init__(self) -> None:
+        for name in ("max_prompt_tokens", "max_new_tokens_limit"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be positive")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key must not be empty")
+
+
+@dataclass
+class ServerState:
+    """Per-app state the command line reaches: the drain flag and the metrics."""
+
+    metrics: ServerMetrics
+    draining: threading.Event = dataclasses.field(default_factory=threading.Event)
 
 
 def _json_body() -> dict:
@@ -59,11 +96,18 @@ def _error(message: str, code: int, error_type: str = "invalid_request_error") -
     return response
 
 
-def _outputs(engine, handle: RequestHandle, is_gone: Callable[[], bool]) -> Iterator[RequestOutput]:
+def _outputs(
+    engine,
+    handle: RequestHandle,
+    is_gone: Callable[[], bool],
+    on_final: Callable[[RequestOutput], None],
+) -> Iterator[RequestOutput]:
     """The request's outputs; aborts it if the client leaves, fails if the engine dies."""
     while True:
         try:
             for out in handle.events(timeout_s=POLL_S):
+                if out.finish_reason is not None:
+                    on_final(out)
                 yield out
                 if out.finish_reason is None and is_gone():
                     handle.abort()  # the engine answers with a final "abort" output
@@ -91,10 +135,37 @@ def _stream(events: Iterator[str], handle: RequestHandle) -> Iterator[str]:
             handle.abort()
 
 
-def create_app(engine) -> Flask:
+def _apply_limits(parsed: ParsedBody, req: GenerationRequest, options: ApiOptions) -> None:
+    """Refuse a prompt or max_tokens over the operator's limits; a default max_tokens is cut."""
+    limit = options.max_prompt_tokens
+    if limit is not None and len(req.prompt_ids) > limit:
+        raise RequestError(
+            f"the prompt has {len(req.prompt_ids)} tokens; this server takes at most {limit}"
+        )
+    limit = options.max_new_tokens_limit
+    if limit is not None and req.params.max_new_tokens > limit:
+        if parsed.max_tokens is not None:
+            raise RequestError(
+                f"max tokens {parsed.max_tokens} is over this server's limit of {limit}"
+            )
+        req.params = dataclasses.replace(req.params, max_new_tokens=limit)
+
+
+def _check_key(expected: str) -> None:
+    scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip(), expected):
+        raise RequestError("a valid API key is required (Authorization: Bearer KEY)", 401,
+                           "authentication_error")  # fmt: skip
+
+
+def create_app(engine, options: ApiOptions | None = None) -> Flask:
     """The Flask app of one inference server around a started engine."""
+    options = options or ApiOptions()
     app = Flask("toppings-server")
     app.config["MAX_CONTENT_LENGTH"] = MAX_BODY_BYTES
+    state = ServerState(ServerMetrics(engine))
+    app.extensions["toppings"] = state
+    admin = AdapterAdmin(engine, AdapterPaths(options.lora_roots))
     tokenizer_lock = threading.Lock()
     started = int(time.time())
 
@@ -104,10 +175,11 @@ def create_app(engine) -> Flask:
             req = build_request(
                 parsed, engine.tokenizer, engine.max_model_len, engine.model_config.vocab_size
             )
+        _apply_limits(parsed, req, options)
         handle = engine.submit(req)
         meta = ResponseMeta.new(parsed, len(req.prompt_ids))
         gone = request.environ.get("waitress.client_disconnected") or (lambda: False)
-        outputs = _outputs(engine, handle, gone)
+        outputs = _outputs(engine, handle, gone, state.metrics.requests.observe_final)
         if parsed.stream:
             events = _stream(stream_events(parsed, meta, outputs), handle)
             headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -133,13 +205,42 @@ def create_app(engine) -> Flask:
 
     @app.get("/health")
     def health() -> Response:
+        if state.draining.is_set():
+            return _error("the server is draining", 503, "unavailable")
         if engine.is_healthy():
             return jsonify({"status": "ok"})
         return _error("the engine is not running", 503, "server_error")
 
     @app.get("/stats")
     def stats() -> Response:
-        return jsonify(engine.stats())
+        cache = read_engine(engine.counters)["adapter_cache"]
+        body = dict(read_engine(engine.stats), draining=state.draining.is_set())
+        body.setdefault("resident_adapters", cache["resident"])
+        body.setdefault("loading_adapters", cache["loading"])
+        return jsonify(body)
+
+    @app.get("/metrics")
+    def metrics() -> Response:
+        return Response(state.metrics.render(), content_type=CONTENT_TYPE)
+
+    @app.post("/v1/load_lora_adapter")
+    def load_lora_adapter() -> Response:
+        return jsonify(admin.load(_json_body()))
+
+    @app.post("/v1/unload_lora_adapter")
+    def unload_lora_adapter() -> Response:
+        return jsonify(admin.unload(_json_body()))
+
+    @app.before_request
+    def authenticate() -> None:
+        if options.api_key is not None and request.path not in OPEN_PATHS:
+            _check_key(options.api_key)
+
+    @app.after_request
+    def count(response: Response) -> Response:
+        endpoint = request.url_rule.endpoint if request.url_rule else "unmatched"
+        state.metrics.requests.observe_http(endpoint, response.status_code)
+        return response
 
     @app.errorhandler(RequestError)
     def request_error(e: RequestError) -> Response:

@@ -1,11 +1,18 @@
-"""`toppings-serve`: build one engine from the command line and serve its HTTP API with waitress."""
+"""`toppings-serve`: build one engine from the command line and serve its HTTP API with waitress.
+
+The first SIGTERM or SIGINT drains: `/health` turns 503, new requests get 503, and requests in
+flight run to their end (at most `--drain-timeout` seconds) while waitress keeps streaming them;
+then waitress and the engine stop and the command exits 0. A second signal kills at once.
+"""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
+import threading
 
 import waitress
 
@@ -19,6 +26,27 @@ def _lora(spec: str) -> tuple[str, str]:
     if not sep or not name or not path:
         raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {spec!r}")
     return name, path
+
+
+def parse_cores(spec: str) -> tuple[int, ...]:
+    """`0,2,4-7` -> (0, 2, 4, 5, 6, 7); the order is kept, duplicates are refused."""
+    cores: list[int] = []
+    try:
+        for part in spec.split(","):
+            lo, sep, hi = part.strip().partition("-")
+            cores.extend(range(int(lo), int(hi) + 1) if sep else [int(lo)])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected cores like 0,2,4-7, got {spec!r}") from None
+    if not cores or min(cores) < 0 or len(set(cores)) != len(cores):
+        raise argparse.ArgumentTypeError(f"expected distinct non-negative cores, got {spec!r}")
+    return tuple(cores)
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,6 +67,22 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME=PATH",
         help="a PEFT adapter directory served as model NAME (repeatable)",
     )
+    p.add_argument(
+        "--lora-dir",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="serve every PEFT adapter directory under DIR, named after its folder; "
+        "/v1/load_lora_adapter may load from DIR too (repeatable)",
+    )
+    p.add_argument(
+        "--allowed-lora-root",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="/v1/load_lora_adapter may load adapters from under DIR (repeatable); with "
+        "neither this nor --lora-dir, loading at run time is disabled",
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8100, help="0 picks a free port")
     p.add_argument("--device", choices=DEVICES, default="cpu")
@@ -57,8 +101,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=0,
         metavar="N",
-        help="CPU worker processes for cpu-assisted LoRA; accepted and recorded, "
-        "not used by the engine yet",
+        help="CPU worker processes for cpu-assisted LoRA (0: host LoRA runs in-process)",
+    )
+    p.add_argument(
+        "--cpu-cores",
+        type=parse_cores,
+        default=(),
+        metavar="LIST",
+        help="cores the CPU workers are pinned to, one each, e.g. 4,5,6 or 4-6",
     )
     p.add_argument(
         "--max-total-tokens",
@@ -68,15 +118,57 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--max-batch-size", type=int, default=128)
     p.add_argument("--threads", type=int, default=16, help="waitress handler threads")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("TOPPINGS_API_KEY") or None,
+        help="require Authorization: Bearer KEY on every endpoint but /health "
+        "(default: $TOPPINGS_API_KEY; prefer the variable, argv is visible to all users)",
+    )
+    p.add_argument("--max-prompt-tokens", type=_positive, default=None, metavar="N")
+    p.add_argument(
+        "--max-new-tokens-limit",
+        type=_positive,
+        default=None,
+        metavar="N",
+        help="largest max_tokens a request may ask for (a default max_tokens is cut to it)",
+    )
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="on SIGTERM, how long requests in flight may take to finish",
+    )
     p.add_argument("--log-level", default="INFO")
     return p
 
 
-def _raise_interrupt(signum: int, frame) -> None:
-    """First SIGINT/SIGTERM: stop waitress, then the engine. A second one kills at once."""
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, signal.SIG_DFL)
-    raise KeyboardInterrupt(signal.Signals(signum).name)
+class _Drainer:
+    """Turns the first SIGTERM/SIGINT into a drain, then stops waitress from the main thread."""
+
+    def __init__(self, engine, draining: threading.Event, timeout_s: float):
+        self.engine, self.draining, self.timeout_s = engine, draining, timeout_s
+        self.main_ident = threading.get_ident()
+        # waitress returns from run() on KeyboardInterrupt; SIGUSR1 carries it to the main thread.
+        signal.signal(signal.SIGUSR1, self._stop_waitress)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum: int, frame) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_DFL)  # a second signal kills at once
+        logger.info("%s: draining (up to %.0f s)", signal.Signals(signum).name, self.timeout_s)
+        self.draining.set()
+        threading.Thread(target=self._drain, name="drain", daemon=True).start()
+
+    def _drain(self) -> None:
+        if not self.engine.drain(self.timeout_s):
+            logger.warning("drain timed out after %.0f s; aborting what is left", self.timeout_s)
+        signal.pthread_kill(self.main_ident, signal.SIGUSR1)
+
+    @staticmethod
+    def _stop_waitress(signum: int, frame) -> None:
+        raise KeyboardInterrupt("drained")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -84,8 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    if args.cpu_workers < 0:
-        sys.exit("toppings-serve: --cpu-workers must be >= 0")
+    if args.cpu_workers < 0 or args.drain_timeout < 0:
+        sys.exit("toppings-serve: --cpu-workers and --drain-timeout must be >= 0")
     try:
         config = EngineConfig(
             device=args.device,
@@ -94,16 +186,29 @@ def main(argv: list[str] | None = None) -> int:
             lora_mode=args.lora_mode,
             max_total_tokens=args.max_total_tokens,
             max_batch_size=args.max_batch_size,
+            num_cpu_workers=args.cpu_workers,
+            cpu_cores=args.cpu_cores,
         )
     except ValueError as e:
         sys.exit(f"toppings-serve: {e}")
-    loras = dict(args.lora)
-    if len(loras) != len(args.lora):
-        sys.exit("toppings-serve: two --lora options share a name")
-
     # Imported here so that `--help` answers without loading torch.
-    from server.api import create_app
+    from server.api import ApiOptions, create_app
+    from server.lifecycle import discover
     from server.runtime import build_engine
+
+    try:
+        options = ApiOptions(
+            api_key=args.api_key,
+            max_prompt_tokens=args.max_prompt_tokens,
+            max_new_tokens_limit=args.max_new_tokens_limit,
+            lora_roots=tuple(args.lora_dir + args.allowed_lora_root),
+        )
+        found = [item for d in args.lora_dir for item in discover(d).items()]
+    except ValueError as e:
+        sys.exit(f"toppings-serve: {e}")
+    loras = dict(found + args.lora)
+    if len(loras) != len(found) + len(args.lora):
+        sys.exit("toppings-serve: two adapters share a name (--lora and --lora-dir)")
 
     logger.info(
         "loading %s with %d adapter(s), %s (cpu workers: %d)",
@@ -113,11 +218,11 @@ def main(argv: list[str] | None = None) -> int:
         args.cpu_workers,
     )
     engine = build_engine(args.model, config, loras)
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, _raise_interrupt)
+    app = create_app(engine, options)
+    _Drainer(engine, app.extensions["toppings"].draining, args.drain_timeout)
     try:
         server = waitress.create_server(
-            create_app(engine),
+            app,
             host=args.host,
             port=args.port,
             threads=args.threads,

@@ -1,0 +1,351 @@
+"""`toppings-launch`: start the inference servers of one node, keep them up, stop them cleanly.
+
+    toppings-launch --model DIR [--num-servers N | --gpus 0,1] [--device cpu|cuda]
+        [--base-port 8100] [--cores 0-15] [--cpu-workers N] [--lora NAME=PATH]...
+        [--lora-dir DIR]... [--scheduler URL] [--config node.toml] [-- extra toppings-serve args]
+
+Each server gets its own GPU (CUDA_VISIBLE_DEVICES) or, on CPU, its own share of the node, and
+a disjoint set of cores: the launcher splits the cores it may use (`os.sched_getaffinity(0)`,
+or `--cores`) into contiguous sets, runs each server under `numactl --physcpubind=SET
+--localalloc` (or with `sched_setaffinity` where numactl is missing or not permitted) and tells
+it `--cpu-cores SET --cpu-workers N`, so its CPU LoRA workers pin one per core of its set. The
+launcher waits for every `/health`, registers the servers with a scheduler
+(`POST URL/admin/servers`), restarts a server that dies (exponential backoff, at most
+`--max-restarts` times), and on Ctrl-C/SIGTERM drains and stops them all: SIGTERM, wait, then
+SIGKILL. A TOML file (`--config`) takes the same keys as the flags (`num_servers = 2`,
+`lora_dir = ["/loras"]`, `serve_args = ["--lora-mode", "cpu-assisted"]`); flags win.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import requests
+
+from scripts.launch_procs import ServerProc, spawn_server, stop_servers, sweep_shm
+
+log = logging.getLogger("toppings-launch")
+
+TICK_S = 0.2
+HEALTH_EVERY_S = 2.0
+REGISTER_RETRY_S = 5.0
+
+
+def split_cores(cores: Sequence[int], num_sets: int) -> list[tuple[int, ...]]:
+    """Split `cores` into `num_sets` disjoint contiguous sets whose sizes differ by at most one.
+
+    Neighbouring core ids usually share a socket (and cache), so each set stays local.
+    """
+    cores = sorted(set(cores))
+    if num_sets < 1:
+        raise ValueError("need at least one set")
+    if len(cores) < num_sets:
+        raise ValueError(f"{len(cores)} cores cannot make {num_sets} disjoint non-empty sets")
+    base, extra = divmod(len(cores), num_sets)
+    sets, start = [], 0
+    for i in range(num_sets):
+        size = base + (1 if i < extra else 0)
+        sets.append(tuple(cores[start : start + size]))
+        start += size
+    return sets
+
+
+class Reporter:
+    """Prints one line per server (URL, pid, cores, state) whenever one of them changes."""
+
+    COLUMNS = ("server", "url", "pid", "cores", "workers", "gpu", "state", "restarts", "exit")
+
+    def __init__(self) -> None:
+        self.console = None
+        if sys.stderr.isatty():  # a table for a person; key=value lines for a log file
+            try:
+                from rich.console import Console
+
+                self.console = Console(stderr=True, highlight=False)
+            except ImportError:
+                pass
+        self._last: list[tuple] = []
+
+    def update(self, servers: list[ServerProc]) -> None:
+        rows = [_row(s) for s in servers]
+        if rows == self._last:
+            return
+        self._last = rows
+        if self.console is None:
+            for row in rows:
+                print("  ".join(f"{k}={v}" for k, v in zip(self.COLUMNS, row)), file=sys.stderr)
+            return
+        from rich.table import Table
+
+        table = Table(*self.COLUMNS, box=None, pad_edge=False)
+        for row in rows:
+            table.add_row(*row)
+        self.console.print(table)
+
+    def note(self, text: str) -> None:
+        if self.console is None:
+            print(f"toppings-launch: {text}", file=sys.stderr)
+        else:
+            self.console.print(f"[bold]toppings-launch:[/bold] {text}")
+
+
+def _row(s: ServerProc) -> tuple[str, ...]:
+    return (str(s.index), s.url, str(s.pid or "-"), _cores_text(s.cores), str(s.num_workers),
+            "-" if s.gpu is None else str(s.gpu), s.state, str(s.restarts),
+            "-" if s.last_exit is None else str(s.last_exit))  # fmt: skip
+
+
+def _cores_text(cores: tuple[int, ...]) -> str:
+    """(0, 1, 2, 5) -> "0-2,5"."""
+    parts, start = [], None
+    for i, c in enumerate(cores):
+        start = c if start is None else start
+        if i + 1 == len(cores) or cores[i + 1] != c + 1:
+            parts.append(str(c) if c == start else f"{start}-{c}")
+            start = None
+    return ",".join(parts)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from server.cli import parse_cores
+
+    p = argparse.ArgumentParser(
+        prog="toppings-launch",
+        description="Start a node's inference servers on disjoint cores and keep them running.",
+        epilog="Arguments after `--` go to every toppings-serve unchanged.",
+    )
+    p.add_argument("--config", type=Path, help="TOML file with the same keys as the flags")
+    p.add_argument("--model", help="what toppings-serve --model takes")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--num-servers", type=int, default=None, help="default: 1, or one per --gpus")
+    p.add_argument("--gpus", type=parse_cores, default=None, help="GPU ids, one server each")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--base-port", type=int, default=8100, help="server i listens on base + i")
+    p.add_argument("--cores", type=parse_cores, default=None, help="default: this process's")
+    p.add_argument("--cpu-workers", type=int, default=None, help="per server; default: its cores")
+    p.add_argument("--lora", action="append", default=[], metavar="NAME=PATH")
+    p.add_argument("--lora-dir", action="append", default=[], metavar="DIR")
+    p.add_argument("--scheduler", default=None, metavar="URL", help="register servers there")
+    p.add_argument("--drain-timeout", type=float, default=30.0)
+    p.add_argument("--start-timeout", type=float, default=600.0, help="seconds to first /health")
+    p.add_argument("--max-restarts", type=int, default=5, help="per server")
+    p.add_argument("--restart-backoff", type=float, default=1.0, help="first delay, doubling")
+    p.add_argument("--log-dir", type=Path, default=None, help="default: a new temp directory")
+    p.add_argument("--numactl", choices=("auto", "never"), default="auto")
+    p.add_argument("--log-level", default="INFO")
+    return p
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    serve_args: list[str] = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, serve_args = argv[:cut], argv[cut + 1 :]
+    parser = build_parser()
+    first = parser.parse_args(argv)
+    if first.config is not None:
+        import tomllib  # Python 3.11+
+
+        table = tomllib.loads(first.config.read_text())
+        table = {k.replace("-", "_"): v for k, v in table.items()}
+        serve_args = [str(a) for a in table.pop("serve_args", [])] + serve_args
+        known = {a.dest for a in parser._actions}
+        unknown = sorted(set(table) - known)
+        if unknown:
+            parser.error(f"{first.config}: unknown keys {', '.join(unknown)}")
+        parser.set_defaults(**table)
+    args = parser.parse_args(argv)
+    args.serve_args = serve_args
+    if not args.model:
+        parser.error("--model is required (flag or config file)")
+    return args
+
+
+def _servers(args: argparse.Namespace, log_dir: Path) -> list[ServerProc]:
+    gpus = list(args.gpus or [])
+    num = args.num_servers or len(gpus) or 1
+    if args.device == "cuda" and not gpus:
+        gpus = list(range(num))
+    if args.device == "cuda" and len(gpus) != num:
+        raise ValueError(f"{num} servers but {len(gpus)} GPUs")
+    core_sets = split_cores(args.cores or sorted(os.sched_getaffinity(0)), num)
+    workers = args.cpu_workers
+    if workers is not None and not 0 <= workers <= min(len(s) for s in core_sets):
+        raise ValueError(f"--cpu-workers {workers} does not fit the smallest core set")
+    return [
+        ServerProc(
+            index=i,
+            url=f"http://{args.host}:{args.base_port + i}",
+            cores=cores,
+            num_workers=len(cores) if workers is None else workers,
+            gpu=gpus[i] if args.device == "cuda" else None,
+            log_path=log_dir / f"server-{i}.log",
+        )
+        for i, cores in enumerate(core_sets)
+    ]
+
+
+def serve_command(args: argparse.Namespace, server: ServerProc) -> list[str]:
+    """The toppings-serve command line of one server (without the numactl prefix)."""
+    cmd = [sys.executable, "-m", "server.cli", "--model", args.model, "--device", args.device,
+           "--host", args.host, "--port", str(server.port), "--drain-timeout",
+           str(args.drain_timeout), "--cpu-workers", str(server.num_workers),
+           "--cpu-cores", ",".join(map(str, server.cores))]  # fmt: skip
+    for spec in args.lora:
+        cmd += ["--lora", spec]
+    for d in args.lora_dir:
+        cmd += ["--lora-dir", str(d)]
+    return cmd + list(args.serve_args)
+
+
+def numactl_usable(cores: tuple[int, ...]) -> bool:
+    """numactl is installed and may bind here (containers often refuse set_mempolicy)."""
+    if shutil.which("numactl") is None:
+        return False
+    probe = ["numactl", f"--physcpubind={cores[0]}", "--localalloc", "true"]
+    return subprocess.run(probe, capture_output=True, timeout=10).returncode == 0
+
+
+class Launcher:
+    """Keeps a node's servers running; see the module docstring."""
+
+    def __init__(self, args: argparse.Namespace, servers: list[ServerProc], use_numactl: bool):
+        self.args, self.servers, self.use_numactl = args, servers, use_numactl
+        self.stopping = threading.Event()
+        self.reporter = Reporter()
+        self.spawned_pids: list[int] = []
+
+    def run(self) -> int:
+        announced = False
+        while not self.stopping.is_set():
+            now = time.monotonic()
+            for server in self.servers:
+                self._tick(server, now)
+            self.reporter.update(self.servers)
+            if not announced and all(s.state == "healthy" for s in self.servers):
+                announced = True
+                self.reporter.note(f"all {len(self.servers)} servers healthy; Ctrl-C stops them")
+            if all(s.state == "failed" for s in self.servers):
+                self.reporter.note("every server failed; giving up")
+                return 1
+            self.stopping.wait(TICK_S)
+        return 0
+
+    def stop(self) -> None:
+        if self.args.scheduler:
+            for s in self.servers:
+                if s.registered:
+                    _scheduler_call("delete", self.args.scheduler, s.url)
+        for s in self.servers:
+            if s.proc is not None and s.proc.poll() is None:
+                s.state = "stopping"
+        self.reporter.update(self.servers)
+        stop_servers(self.servers, self.args.drain_timeout + 15.0)
+        sweep_shm(self.spawned_pids)
+        self.reporter.update(self.servers)
+
+    def _tick(self, s: ServerProc, now: float) -> None:
+        if s.proc is None:
+            if s.state != "failed" and now >= s.next_start:
+                cmd = serve_command(self.args, s)
+                spawn_server(s, cmd, self.use_numactl)
+                self.spawned_pids.append(s.proc.pid)
+            return
+        rc = s.proc.poll()
+        if rc is not None or (
+            s.state == "starting" and now - s.started_at > self.args.start_timeout
+        ):
+            self._failed(s, now, rc)
+            return
+        if now >= s.next_health:
+            s.next_health = now + (0.25 if s.state == "starting" else HEALTH_EVERY_S)
+            s.state = _health(s.url) if s.state != "starting" else _health(s.url, "starting")
+        if s.state == "healthy" and self.args.scheduler and not s.registered:
+            if now >= s.next_register:
+                s.next_register = now + REGISTER_RETRY_S
+                s.registered = _scheduler_call("post", self.args.scheduler, s.url)
+
+    def _failed(self, s: ServerProc, now: float, rc: int | None) -> None:
+        if rc is None:
+            log.error("server %d not healthy after %.0f s; killing it", s.index, now - s.started_at)
+            s.proc.kill()
+            s.proc.wait()
+            rc = s.proc.returncode
+        s.last_exit, s.proc, s.registered = rc, None, False
+        if s.restarts >= self.args.max_restarts:
+            s.state = "failed"
+            log.error("server %d exited (%s); no restarts left, see %s", s.index, rc, s.log_path)
+            return
+        delay = self.args.restart_backoff * 2**s.restarts
+        s.restarts += 1
+        s.next_start = now + delay
+        s.state = "restarting"
+        log.warning("server %d exited (%s); restart %d in %.1f s (log %s)", s.index, rc,
+                    s.restarts, delay, s.log_path)  # fmt: skip
+
+
+def _health(url: str, unready: str = "unhealthy") -> str:
+    try:
+        r = requests.get(url + "/health", timeout=1.0)
+    except requests.RequestException:
+        return unready
+    if r.status_code == 200:
+        return "healthy"
+    return "draining" if "draining" in r.text else unready
+
+
+def _scheduler_call(method: str, scheduler: str, url: str) -> bool:
+    try:
+        r = requests.request(method, scheduler.rstrip("/") + "/admin/servers",
+                             json={"url": url}, timeout=10)  # fmt: skip
+    except requests.RequestException as exc:
+        log.warning("scheduler %s unreachable (%s of %s): %s", scheduler, method, url, exc)
+        return False
+    if r.status_code >= 400:
+        log.warning("scheduler %s refused %s of %s: %s", scheduler, method, url, r.text[:300])
+        return False
+    log.info("scheduler %s: %s %s", scheduler, "registered" if method == "post" else "removed", url)
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s: %(message)s")
+    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="toppings-launch-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        servers = _servers(args, log_dir)
+    except ValueError as e:
+        sys.exit(f"toppings-launch: {e}")
+    use_numactl = args.numactl == "auto" and numactl_usable(servers[0].cores)
+    launcher = Launcher(args, servers, use_numactl)
+    binder = "numactl" if use_numactl else "sched_setaffinity"
+    launcher.reporter.note(f"{len(servers)} servers, bound with {binder}; logs in {log_dir}")
+
+    def on_signal(signum: int, frame) -> None:
+        launcher.reporter.note(f"{signal.Signals(signum).name}: stopping the servers")
+        launcher.stopping.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
+    try:
+        rc = launcher.run()
+    finally:
+        launcher.stop()
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,137 @@
+"""The server processes of `toppings-launch`: start one bound to its cores, stop them all.
+
+Each server runs in its own session (so a Ctrl-C in the launcher's terminal reaches only the
+launcher, which then drains the servers one SIGTERM each) and with a parent-death signal (so a
+launcher killed with SIGKILL still takes its servers down).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger("toppings-launch")
+
+PR_SET_PDEATHSIG = 1
+SHM_DIR = "/dev/shm"
+SHM_PREFIX = "toppings"  # cpu_lora.shm names: toppings-<creator pid>-..., sem.toppings-<pid>-...
+
+
+@dataclass
+class ServerProc:
+    """One server of the node: what it was given, and its process and state now."""
+
+    index: int
+    url: str
+    cores: tuple[int, ...]
+    num_workers: int
+    gpu: int | None
+    log_path: Path
+    proc: subprocess.Popen | None = None
+    state: str = "pending"  # pending starting healthy unhealthy draining restarting stopping...
+    restarts: int = 0
+    last_exit: int | None = None
+    started_at: float = 0.0
+    next_start: float = 0.0
+    next_health: float = 0.0
+    next_register: float = 0.0
+    registered: bool = False
+
+    @property
+    def port(self) -> int:
+        return int(self.url.rsplit(":", 1)[1])
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.proc is None else self.proc.pid
+
+
+def _child_setup(cores: tuple[int, ...] | None, parent_pid: int) -> None:
+    """Runs in the child between fork and exec: die with the launcher, bind to the cores."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent_pid:  # the launcher died before prctl took effect
+        os._exit(1)
+    if cores is not None:
+        os.sched_setaffinity(0, cores)
+
+
+def spawn_server(server: ServerProc, cmd: list[str], use_numactl: bool) -> None:
+    """Start `cmd` for `server`, bound to its cores; output goes to its log file."""
+    cores = ",".join(map(str, server.cores))
+    if use_numactl:
+        cmd = ["numactl", f"--physcpubind={cores}", "--localalloc", *cmd]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env["CUDA_VISIBLE_DEVICES"] = "" if server.gpu is None else str(server.gpu)
+    # torch would otherwise start one thread per core of the machine on a share of it.
+    env.setdefault("OMP_NUM_THREADS", str(len(server.cores)))
+    parent = os.getpid()
+    bind = None if use_numactl else server.cores
+    with open(server.log_path, "ab") as out:
+        server.proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+            preexec_fn=lambda: _child_setup(bind, parent),
+        )
+    server.state, server.started_at, server.next_health = "starting", time.monotonic(), 0.0
+    log.info("server %d: pid %d, cores %s: %s", server.index, server.proc.pid, cores, " ".join(cmd))
+
+
+def stop_servers(servers: list[ServerProc], timeout_s: float) -> None:
+    """SIGTERM every live server (each drains), wait up to `timeout_s`, then SIGKILL the rest."""
+    live = [s for s in servers if s.proc is not None and s.proc.poll() is None]
+    for s in live:
+        s.proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    for s in live:
+        try:
+            s.proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            log.warning("server %d did not stop in %.0f s; killing it", s.index, timeout_s)
+            _kill_group(s.proc.pid)
+            s.proc.wait()
+        s.state, s.last_exit = "stopped", s.proc.returncode
+    for s in servers:
+        if s.proc is not None:
+            _kill_group(s.proc.pid)  # CPU workers a server left behind share its session
+            s.proc = None
+        if s.state != "stopped":
+            s.state = "stopped"
+
+
+def _kill_group(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def sweep_shm(pids: list[int]) -> list[str]:
+    """Unlink what dead server processes left in /dev/shm; returns the names (normally none)."""
+    found = []
+    for pid in pids:
+        mine = (f"{SHM_PREFIX}-{pid}-", f"sem.{SHM_PREFIX}-{pid}-")
+        try:
+            names = [n for n in os.listdir(SHM_DIR) if n.startswith(mine)]
+        except FileNotFoundError:
+            return []
+        for name in names:
+            try:
+                os.unlink(os.path.join(SHM_DIR, name))
+                found.append(name)
+            except FileNotFoundError:
+                pass
+    if found:
+        log.warning("removed %d shared-memory names stopped servers left: %s", len(found),
+                    ", ".join(found[:8]))  # fmt: skip
+    return found
