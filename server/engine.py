@@ -160,6 +160,7 @@ class Engine:
             "kv_used_tokens": self.kv.num_slots - self.kv.num_free_slots,
             "max_total_tokens": self.config.max_total_tokens,
             "adapter_cache": self.cache.snapshot(),
+            "adapter_references": sum(e.refcount for e in list(self.cache.entries.values())),
         }
 
     def adapters(self) -> list[dict]:
@@ -205,6 +206,7 @@ class Engine:
 
     def stats(self) -> dict:
         """What the cluster scheduler needs; cheap, no lock (snapshots of the lists)."""
+        entries = list(self.cache.entries.items())
         return {
             "model": self.model_name,
             "kernel": self.config.kernel,
@@ -220,6 +222,8 @@ class Engine:
             "max_total_tokens": self.config.max_total_tokens,
             "cpu_workers": self.lora.worker_stats(),
             "healthy": self.is_healthy(),
+            "resident_adapters": [n for n, e in entries if e.ticket.done],
+            "loading_adapters": [n for n, e in entries if not e.ticket.done],
         }
 
     # ---- the engine thread ------------------------------------------------------------------
