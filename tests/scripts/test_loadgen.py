@@ -1,0 +1,221 @@
+"""Load generator: workload generators, stats, the resumable journal, and exact trace replay
+against a tiny-model server on loopback."""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import threading
+
+import numpy as np
+import pytest
+import waitress
+
+from scripts import loadgen
+from scripts.loadgen_client import Journal, request_config
+from scripts.loadgen_stats import percentile, summarise
+from scripts.workload import (
+    LengthSpec,
+    WorkloadSpec,
+    arrival_times,
+    build_trace,
+    load_trace,
+    parse_rank_mix,
+    popularity_weights,
+    save_trace,
+)
+
+ADAPTERS = {"a": 8, "b": 8, "c": 16, "d": 32}
+
+
+def test_poisson_and_gamma_arrivals_have_the_asked_rate_and_cv():
+    rng = random.Random(1)
+    poisson = arrival_times(WorkloadSpec(rps=4.0, num_requests=20_000), rng)
+    gaps = np.diff([0.0] + poisson)
+    assert len(poisson) == 20_000 and np.all(gaps > 0)
+    assert gaps.mean() == pytest.approx(0.25, rel=0.03)
+    assert gaps.std() / gaps.mean() == pytest.approx(1.0, rel=0.05)
+    gamma = arrival_times(WorkloadSpec(rps=4.0, arrivals="gamma", cv=3.0, num_requests=20_000), rng)
+    gaps = np.diff([0.0] + gamma)
+    assert gaps.mean() == pytest.approx(0.25, rel=0.1)
+    assert gaps.std() / gaps.mean() == pytest.approx(3.0, rel=0.1)
+
+
+def test_arrivals_stop_at_the_duration_or_the_count():
+    timed = arrival_times(WorkloadSpec(rps=50.0, duration_s=2.0), random.Random(0))
+    assert 60 < len(timed) < 140 and max(timed) < 2.0 and timed == sorted(timed)
+    both = arrival_times(WorkloadSpec(rps=50.0, duration_s=2.0, num_requests=7), random.Random(0))
+    assert both == timed[:7]
+    with pytest.raises(ValueError):
+        WorkloadSpec(rps=1.0)  # unbounded
+
+
+def test_popularity_weights():
+    rng = random.Random(0)
+    assert popularity_weights("uniform", 4, 1.0, rng) == [0.25] * 4
+    zipf = popularity_weights("zipf", 10, 1.5, rng)
+    assert zipf[0] / zipf[1] == pytest.approx(2**1.5) and sum(zipf) == pytest.approx(1.0)
+    # S-LoRA draws adapter floor(n * x), x ~ numpy power(alpha): compare with that sampler.
+    n, alpha = 20, 0.3
+    power = popularity_weights("power", n, alpha, rng)
+    draws = (np.random.default_rng(0).power(alpha, 200_000) * n).astype(int)
+    assert np.allclose(np.bincount(draws, minlength=n) / draws.size, power, atol=0.004)
+    assert popularity_weights("power", 5, 1.0, rng) == pytest.approx([0.2] * 5)
+    azure = popularity_weights("azure", 5000, 1.0, rng)
+    assert azure == sorted(azure, reverse=True)
+    assert 0.97 < sum(azure[: int(0.186 * 5000)]) < 1.0  # Azure Functions: 18.6% take 99.6%
+
+
+def test_length_specs():
+    rng = random.Random(0)
+    assert LengthSpec.parse("17", 100).sample(rng) == 17
+    assert LengthSpec.parse("fixed:500", 100).sample(rng) == 100  # clipped to the max
+    uniform = {LengthSpec.parse("uniform:3:5", 100).sample(rng) for _ in range(200)}
+    assert uniform == {3, 4, 5}
+    lmsys = LengthSpec.parse("lmsys", 100_000, "prompt")
+    assert lmsys.a == 69.5
+    assert statistics.mean(lmsys.sample(rng) for _ in range(40_000)) == pytest.approx(
+        69.5, rel=0.05
+    )
+    assert LengthSpec.parse("lmsys", 10, "output").a == 214.5
+    for bad in ("uniform:5:3", "lognormal:0:1", "zero", "fixed:0", "lmsys:3"):
+        with pytest.raises(ValueError):
+            LengthSpec.parse(bad, 100)
+
+
+def spec(**kw) -> WorkloadSpec:
+    base = dict(rps=20.0, num_requests=400, prompt_len=LengthSpec("uniform", 2, 9),
+                output_len=LengthSpec("fixed", 4), token_range=(10, 20), seed=3)  # fmt: skip
+    return WorkloadSpec(**(base | kw))
+
+
+def test_trace_is_deterministic_and_follows_the_rank_mix():
+    trace = build_trace(spec(rank_mix=parse_rank_mix("8:3,32:1")), ADAPTERS)
+    assert trace == build_trace(spec(rank_mix=((8, 3.0), (32, 1.0))), ADAPTERS)
+    assert {e.model for e in trace} == {"a", "b", "d"}
+    share_8 = sum(e.rank == 8 for e in trace) / len(trace)
+    assert 0.68 < share_8 < 0.82
+    assert all(e.rank == ADAPTERS[e.model] for e in trace)
+    assert all(2 <= len(e.prompt) <= 9 and set(e.prompt) <= set(range(10, 20)) for e in trace)
+    # Each aspect has its own random stream: new lengths keep the arrivals and adapters.
+    longer = build_trace(spec(rank_mix=((8, 3.0), (32, 1.0)), output_len=LengthSpec("fixed", 9)),
+                         ADAPTERS)  # fmt: skip
+    assert [(e.arrival_s, e.model) for e in longer] == [(e.arrival_s, e.model) for e in trace]
+    assert build_trace(spec(seed=4), ADAPTERS) != build_trace(spec(), ADAPTERS)
+    with pytest.raises(ValueError, match="rank"):
+        build_trace(spec(rank_mix=((64, 1.0),)), ADAPTERS)
+    assert {e.model for e in build_trace(spec(), {}, "base")} == {"base"}
+
+
+def test_trace_jsonl_round_trip(tmp_path):
+    trace = build_trace(spec(num_requests=20), ADAPTERS)
+    save_trace(trace, tmp_path / "t.jsonl")
+    assert load_trace(tmp_path / "t.jsonl") == trace
+    (tmp_path / "bad.jsonl").write_text('{"arrival_s": 1}\n')
+    with pytest.raises(ValueError, match="bad.jsonl:1"):
+        load_trace(tmp_path / "bad.jsonl")
+
+
+def ok(tpt_s: float, start: float = 0.0, tokens: int = 10) -> dict:
+    return {"config": {}, "result": {"ok": True, "ttft_s": tpt_s, "e2e_s": tpt_s * tokens,
+            "tpt_s": tpt_s, "output_tokens": tokens, "start_unix": start,
+            "end_unix": start + tpt_s * tokens, "lag_s": 0.0}}  # fmt: skip
+
+
+def test_percentiles_and_summary():
+    values = [random.Random(i).random() for i in range(101)]
+    for q in (0, 50, 90, 99, 100):
+        assert percentile(values, q) == pytest.approx(float(np.percentile(values, q)))
+    records = [ok(0.01 * (i + 1), start=float(i)) for i in range(10)]
+    records.append({"config": {}, "result": {"ok": False, "error": "boom"}})
+    s = summarise(records, slo_tpt_ms=50.0)
+    assert (s["num_ok"], s["num_failed"]) == (10, 1)
+    assert s["tpt_p50_ms"] == pytest.approx(55.0) and s["tpt_p90_ms"] == pytest.approx(91.0)
+    assert s["slo_attainment"] == pytest.approx(5 / 11)  # the failed request missed it
+    assert s["span_s"] == pytest.approx(10.0) and s["output_tokens_per_s"] == pytest.approx(10.0)
+
+
+def test_journal_resumes_and_refuses_another_trace(tmp_path):
+    trace = build_trace(spec(num_requests=5), ADAPTERS)
+    journal = Journal(tmp_path / "run.jsonl")
+    for entry in trace[:3]:
+        journal.write(entry, {"ok": True})
+    journal.close()
+    again = Journal(tmp_path / "run.jsonl")
+    assert again.pending(trace) == trace[3:]
+    assert again.records[0]["config"] == request_config(trace[0])
+    other = build_trace(spec(num_requests=5, seed=9), ADAPTERS)
+    with pytest.raises(ValueError, match="different trace"):
+        again.pending(other)
+
+
+# ---- against a tiny-model server on loopback ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, tiny_model_dir):
+    """(url, received): a tiny server whose engine records every request it is given."""
+    from scripts.make_adapters import make_random_adapter
+    from server.api import create_app
+    from server.config import EngineConfig
+    from server.runtime import build_engine
+
+    root = tmp_path_factory.mktemp("loadgen_adapters")
+    loras = {n: str(make_random_adapter(root / n, tiny_model_dir, rank=r, seed=i))
+             for i, (n, r) in enumerate(ADAPTERS.items())}  # fmt: skip
+    engine = build_engine(str(tiny_model_dir), EngineConfig(dtype="float32"), loras)
+    received: list[tuple] = []
+    submit = engine.submit
+
+    def recording_submit(req):
+        received.append((req.adapter, tuple(req.prompt_ids), req.params.max_new_tokens))
+        return submit(req)
+
+    engine.submit = recording_submit
+    server = waitress.create_server(create_app(engine), host="127.0.0.1", port=0, threads=8)
+    threading.Thread(target=server.run, daemon=True).start()
+    yield f"http://127.0.0.1:{server.effective_port}", received
+    server.close()
+    engine.shutdown()
+
+
+def read_journal(path) -> list[dict]:
+    return sorted((json.loads(line) for line in open(path)), key=lambda r: r["config"]["idx"])
+
+
+def test_replayed_trace_sends_the_same_requests(served, tmp_path):
+    url, received = served
+    trace_path = tmp_path / "trace.jsonl"
+    args = ["--url", url, "--rps", "20", "--num-requests", "8", "--ranks", "8,16", "--seed", "5"]
+    args += ["--prompt-len", "uniform:3:12", "--output-len", "uniform:2:6"]
+    assert loadgen.main(args + ["--save-trace", str(trace_path), "--dry-run"]) == 0
+    trace = load_trace(trace_path)
+    assert len(trace) == 8 and {e.rank for e in trace} <= {8, 16} and not received
+
+    runs = []
+    for name in ("one", "two"):
+        received.clear()
+        out = tmp_path / f"{name}.jsonl"
+        extra = ["--plot", str(tmp_path / "cdf.png")] if name == "one" else []
+        argv = ["--url", url, "--trace", str(trace_path), "--out", str(out), "--no-progress"]
+        assert loadgen.main(argv + ["--slo-tpt-ms", "1000"] + extra) == 0
+        runs.append((sorted(received), read_journal(out)))
+    (sent_one, journal_one), (sent_two, journal_two) = runs
+    by_prompt = sorted((e.model, tuple(e.prompt), e.max_tokens) for e in trace)
+    assert sent_one == sent_two == by_prompt  # what the server was given, both times
+    assert [r["config"] for r in journal_one] == [r["config"] for r in journal_two]
+    assert [r["config"] for r in journal_one] == [request_config(e) for e in trace]
+    for record, entry in zip(journal_one + journal_two, trace + trace):
+        result = record["result"]
+        assert result["ok"], result
+        assert result["output_tokens"] == entry.max_tokens  # ignore_eos reached the server
+        assert result["prompt_tokens"] == len(entry.prompt)
+        assert 0 < result["ttft_s"] <= result["e2e_s"]
+    assert (tmp_path / "cdf.png").stat().st_size > 0
+
+    # Rerunning into a finished journal sends nothing and keeps its lines.
+    received.clear()
+    argv = ["--url", url, "--trace", str(trace_path), "--out", str(tmp_path / "one.jsonl")]
+    assert loadgen.main(argv + ["--no-progress"]) == 0
+    assert not received and len(read_journal(tmp_path / "one.jsonl")) == 8
