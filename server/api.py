@@ -28,7 +28,7 @@ from flask import Flask, Response, jsonify, request
 from werkzeug.exceptions import HTTPException
 
 from server.lifecycle import AdapterAdmin, AdapterPaths
-from server.metrics import CONTENT_TYPE, ServerMetrics, read_engine
+from server.metrics import CONTENT_TYPE, ServerMetrics
 from server.openai_response import (
     SSE_DONE,
     ResponseMeta,
@@ -213,11 +213,7 @@ def create_app(engine, options: ApiOptions | None = None) -> Flask:
 
     @app.get("/stats")
     def stats() -> Response:
-        cache = read_engine(engine.counters)["adapter_cache"]
-        body = dict(read_engine(engine.stats), draining=state.draining.is_set())
-        body.setdefault("resident_adapters", cache["resident"])
-        body.setdefault("loading_adapters", cache["loading"])
-        return jsonify(body)
+        return jsonify(dict(engine.stats(), draining=state.draining.is_set()))
 
     @app.get("/metrics")
     def metrics() -> Response:

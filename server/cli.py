@@ -16,6 +16,7 @@ import threading
 
 import waitress
 
+from gpu_lora.eviction import EVICTION_POLICIES
 from server.config import DEVICES, DTYPES, KERNELS, LORA_MODES, EngineConfig
 
 logger = logging.getLogger("toppings-serve")
@@ -96,6 +97,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="how a request whose adapter is not on the device starts",
     )
     p.add_argument("--kernel", choices=KERNELS, default="mbgmv")
+    p.add_argument(
+        "--adapter-cache-bytes",
+        type=int,
+        default=0,
+        metavar="N",
+        help="device bytes for adapter weights (0: no limit); beyond it adapters are evicted",
+    )
+    p.add_argument("--eviction", choices=tuple(EVICTION_POLICIES), default="lru")
+    p.add_argument(
+        "--link-gbps",
+        type=float,
+        default=0.0,
+        metavar="X",
+        help="--device cpu only: throttle adapter loads to emulate a link of X GB/s (0: off)",
+    )
     p.add_argument(
         "--cpu-workers",
         type=int,
@@ -186,6 +202,9 @@ def main(argv: list[str] | None = None) -> int:
             lora_mode=args.lora_mode,
             max_total_tokens=args.max_total_tokens,
             max_batch_size=args.max_batch_size,
+            adapter_cache_bytes=args.adapter_cache_bytes,
+            eviction=args.eviction,
+            link_gbps=args.link_gbps,
             num_cpu_workers=args.cpu_workers,
             cpu_cores=args.cpu_cores,
         )

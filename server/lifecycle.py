@@ -92,16 +92,25 @@ def check_name(name: object, base_model: str) -> str:
 
 
 def discover(lora_dir: str | os.PathLike) -> dict[str, str]:
-    """Every PEFT adapter directory directly under `lora_dir`, by directory name (sorted)."""
+    """Every PEFT adapter directory directly under `lora_dir`, by directory name (sorted).
+
+    Entries that resolve outside `lora_dir` (symlinks) are skipped like any other escape.
+    """
     root = Path(lora_dir)
     if not root.is_dir():
         raise AdapterError(f"--lora-dir {str(root)!r} is not a directory")
+    paths = AdapterPaths([root])
     found = {}
     for child in sorted(root.iterdir()):
-        if child.is_dir() and (child / CONFIG_FILE).is_file():
-            found[child.name] = str(child)
-        elif child.is_dir():
+        if not child.is_dir():
+            continue
+        if not (child / CONFIG_FILE).is_file():
             log.warning("skipping %s: no %s", child, CONFIG_FILE)
+            continue
+        try:
+            found[child.name] = paths.resolve(child.name)
+        except RequestError as exc:
+            log.warning("skipping %s: %s", child, exc)
     return found
 
 

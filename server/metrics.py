@@ -123,10 +123,9 @@ class EngineCollector:
                          cache["budget_bytes"])  # fmt: skip
         yield _gauge("adapters_resident", "Adapters fully on the device", len(cache["resident"]))
         yield _gauge("adapters_loading", "Adapters being loaded", len(cache["loading"]))
-        if "adapter_references" in c:
-            yield _gauge("adapter_references",
-                         "References held on device adapters (requests, plus registration "
-                         "pins in cached mode)", c["adapter_references"])  # fmt: skip
+        yield _gauge("adapter_references",
+                     "References held on device adapters (requests, plus registration "
+                     "pins in cached mode)", c["adapter_references"])  # fmt: skip
 
 
 def read_engine(fn, attempts: int = 3):
