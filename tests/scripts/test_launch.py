@@ -1,0 +1,111 @@
+"""toppings-launch without servers: core splitting, flags and TOML, the server command line."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from scripts.launch import _cores_text, _servers, parse_args, serve_command, split_cores
+from scripts.launch_procs import ServerProc, spawn_server, stop_servers
+
+
+@pytest.mark.parametrize(
+    "num_cores, num_sets", [(16, 1), (16, 2), (16, 3), (7, 7), (10, 4), (2, 2)]
+)
+def test_split_cores_is_disjoint_balanced_and_complete(num_cores, num_sets):
+    cores = list(range(100, 100 + num_cores))[::-1]  # any ids, any order
+    sets = split_cores(cores, num_sets)
+    assert len(sets) == num_sets and all(sets)
+    for a, b in itertools.combinations(sets, 2):
+        assert not set(a) & set(b)
+    assert sorted(c for s in sets for c in s) == sorted(cores)
+    sizes = [len(s) for s in sets]
+    assert max(sizes) - min(sizes) <= 1
+    for s in sets:  # contiguous runs of ids
+        assert list(s) == list(range(s[0], s[0] + len(s)))
+
+
+def test_split_cores_refuses_what_cannot_be_disjoint():
+    with pytest.raises(ValueError, match="disjoint"):
+        split_cores([0, 1], 3)
+    with pytest.raises(ValueError):
+        split_cores([0, 1], 0)
+    assert split_cores([3, 3, 4], 2) == [(3,), (4,)]  # duplicates count once
+
+
+def test_cores_text():
+    assert _cores_text((0, 1, 2, 5, 7, 8)) == "0-2,5,7-8"
+    assert _cores_text((4,)) == "4"
+
+
+def test_flags_toml_and_serve_args(tmp_path):
+    config = tmp_path / "node.toml"
+    config.write_text(
+        'model = "/models/base"\nnum-servers = 2\ncores = "0-5"\nlora_dir = ["/loras"]\n'
+        'serve_args = ["--lora-mode", "cpu-assisted"]\nbase_port = 9000\n'
+    )
+    args = parse_args(["--config", str(config), "--base-port", "9100", "--", "--kernel", "bgmv"])
+    assert args.model == "/models/base" and args.num_servers == 2
+    assert args.base_port == 9100  # the flag wins over the file
+    assert args.serve_args == ["--lora-mode", "cpu-assisted", "--kernel", "bgmv"]
+    servers = _servers(args, tmp_path)
+    assert [s.cores for s in servers] == [(0, 1, 2), (3, 4, 5)]
+    assert [s.url for s in servers] == ["http://127.0.0.1:9100", "http://127.0.0.1:9101"]
+    cmd = serve_command(args, servers[1])
+    assert cmd[:3] == [sys.executable, "-m", "server.cli"]
+    flags = dict(zip(cmd[3::2], cmd[4::2]))
+    assert flags["--cpu-cores"] == "3,4,5" and flags["--cpu-workers"] == "3"
+    assert flags["--port"] == "9101" and flags["--lora-dir"] == "/loras"
+    assert cmd[-4:] == ["--lora-mode", "cpu-assisted", "--kernel", "bgmv"]
+
+
+def test_bad_configs_are_refused(tmp_path):
+    config = tmp_path / "bad.toml"
+    config.write_text('model = "m"\nnum_servrs = 2\n')
+    with pytest.raises(SystemExit):
+        parse_args(["--config", str(config)])
+    with pytest.raises(SystemExit):
+        parse_args([])  # no model
+    args = parse_args(
+        ["--model", "m", "--cores", "0-3", "--num-servers", "2", "--cpu-workers", "3"]
+    )
+    with pytest.raises(ValueError, match="cpu-workers"):
+        _servers(args, tmp_path)
+    args = parse_args(["--model", "m", "--device", "cuda", "--gpus", "0,1", "--num-servers", "3"])
+    with pytest.raises(ValueError, match="GPUs"):
+        _servers(args, tmp_path)
+    args = parse_args(["--model", "m", "--device", "cuda", "--gpus", "2,3", "--cores", "0-7"])
+    assert [(s.gpu, s.cores) for s in _servers(args, tmp_path)] == [
+        (2, (0, 1, 2, 3)),
+        (3, (4, 5, 6, 7)),
+    ]
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
+def test_spawned_process_is_bound_and_stopped(tmp_path):
+    core = sorted(os.sched_getaffinity(0))[-1]
+    server = ServerProc(0, "http://127.0.0.1:1", (core,), 1, None, tmp_path / "s.log")
+    # A stand-in that ignores SIGTERM, so stopping must escalate to SIGKILL.
+    ready = tmp_path / "ready"
+    script = (
+        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        f"open({str(ready)!r}, 'w').close(); time.sleep(60)"
+    )
+    spawn_server(server, [sys.executable, "-c", script], use_numactl=False)
+    pid = server.proc.pid
+    deadline = time.monotonic() + 30
+    while not ready.exists():
+        assert time.monotonic() < deadline and server.proc.poll() is None
+        time.sleep(0.05)
+    assert os.sched_getaffinity(pid) == {core}
+    assert os.getpgid(pid) == pid  # its own session: a terminal's Ctrl-C goes to the launcher
+    stop_servers([server], timeout_s=1.0)
+    assert server.state == "stopped" and server.last_exit == -9 and server.proc is None
+    with pytest.raises(ChildProcessError):
+        os.waitpid(pid, os.WNOHANG)
+    assert subprocess.run(["kill", "-0", str(pid)], capture_output=True).returncode != 0
