@@ -33,7 +33,7 @@ from pathlib import Path
 
 import requests
 
-from scripts.launch_procs import ServerProc, spawn_server, stop_servers, sweep_shm
+from scripts.launch_procs import ServerProc, kill_servers, spawn_server, stop_servers, sweep_shm
 
 log = logging.getLogger("toppings-launch")
 
@@ -335,7 +335,11 @@ def main(argv: list[str] | None = None) -> int:
     launcher.reporter.note(f"{len(servers)} servers, bound with {binder}; logs in {log_dir}")
 
     def on_signal(signum: int, frame) -> None:
-        launcher.reporter.note(f"{signal.Signals(signum).name}: stopping the servers")
+        if launcher.stopping.is_set():  # a second Ctrl-C: no more waiting for drains
+            launcher.reporter.note("killing the servers")
+            kill_servers(launcher.servers)
+            return
+        launcher.reporter.note(f"{signal.Signals(signum).name}: draining and stopping the servers")
         launcher.stopping.set()
 
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -109,6 +109,13 @@ def stop_servers(servers: list[ServerProc], timeout_s: float) -> None:
             s.state = "stopped"
 
 
+def kill_servers(servers: list[ServerProc]) -> None:
+    """SIGKILL every live server and its CPU workers now."""
+    for s in servers:
+        if s.proc is not None and s.proc.poll() is None:
+            _kill_group(s.proc.pid)
+
+
 def _kill_group(pid: int) -> None:
     try:
         os.killpg(pid, signal.SIGKILL)
