@@ -198,9 +198,11 @@ def test_sigkilled_cpu_worker_mid_request_changes_no_token(tmp_path_factory):
         link_gbps=adapter_bytes * 8 / 2.0 / 1e9, num_cpu_workers=2,
     )  # fmt: skip
     engine = build_engine(str(model_dir), config, adapters)
-    ours_shm = f"/dev/shm/*toppings-{os.getpid()}-*"
+    names = [engine.lora.repository.name, *engine.lora.workers.shm_names()]
+    # POSIX names: "/x" is /dev/shm/x for memory and /dev/shm/sem.x for a semaphore.
+    files = [p for n in names for p in glob.glob(f"/dev/shm/*{n.lstrip('/')}")]
     try:
-        assert glob.glob(ours_shm), "the worker pool should have shared memory while running"
+        assert len(files) == len(names), "the worker pool's shared memory should exist"
         prompts = mixed_prompts(200, seed=3)
         params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
         handles = [engine.submit(GenerationRequest(list(p), params, a)) for p, a in prompts]
@@ -215,7 +217,7 @@ def test_sigkilled_cpu_worker_mid_request_changes_no_token(tmp_path_factory):
         assert engine.host_calls > 0
     finally:
         engine.shutdown()
-    assert glob.glob(ours_shm) == []
+    assert [p for p in files if os.path.exists(p)] == []
     for (prompt, name), got in zip(prompts, ours):
         ref, margins = reference_greedy(model_dir, adapters, prompt, name)
         assert_same_greedy(got, ref, margins, f"worker killed, adapter {name}")
