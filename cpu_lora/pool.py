@@ -79,6 +79,7 @@ class CpuLoraPool:
         )
         self._lock = threading.Lock()
         self._seq = 0
+        self._specs: dict[tuple[str, ...], tuple[int, int]] = {}
         self._closed = False
         self.last_call = CallStats()
         self.profile_result: CoreProfile | None = None
@@ -101,6 +102,8 @@ class CpuLoraPool:
         x: torch.Tensor,
         segments: list[tuple[str | None, int, int]],
         modules: tuple[str, ...],
+        *,
+        copy: bool = True,
     ) -> dict[str, torch.Tensor]:
         """LoRA deltas of `modules` (which share the input x) for each request segment.
 
@@ -114,11 +117,14 @@ class CpuLoraPool:
 
         Args:
             layer: layer index.
-            x: [T, H_in] float32/bfloat16, the input the projections share.
+            x: [T, H_in] float32/bfloat16, the input the projections share. When x is
+                `input_buffer(T, H_in)` (filled by the caller) it is not copied.
             segments: (adapter name or None, start, end); non-overlapping token ranges.
             modules: projections with the same H_in, e.g. ("q_proj", "k_proj", "v_proj").
+            copy: False returns views of the shared outputs, in the arena dtype, valid until
+                the next call (saves a copy when the caller consumes them at once).
         Returns:
-            {module: [T, H_out]} in x's dtype, new tensors.
+            {module: [T, H_out]} in x's dtype (copy=True), new tensors.
         """
         mask, h_in = self._check_call(layer, x, modules)
         work = self._resolve(segments, x.shape[0])
@@ -128,14 +134,21 @@ class CpuLoraPool:
                 raise RuntimeError("the pool is closed")
             stats = self.last_call = CallStats()
             if work:
-                copy_serial(self.io.x_view(num_tokens, h_in), x)
+                staged = self.io.x_view(num_tokens, h_in)
+                if x.data_ptr() != staged.data_ptr() or x.stride() != staged.stride():
+                    copy_serial(staged, x)
                 self._dispatch(layer, mask, num_tokens, work, stats)
-                outs = self.io.out_views(num_tokens, mask)
-                results = {m: torch.empty(outs[m].shape, dtype=x.dtype) for m in modules}
-                for m in modules:
-                    copy_serial(results[m], outs[m])
-                return results
+                if not copy:
+                    return self.io.out_views(num_tokens, mask)
+                shared = self.io.out_flat(num_tokens, mask)
+                flat = torch.empty(shared.shape, dtype=x.dtype)
+                copy_serial(flat, shared)  # one copy for all modules
+                return self.io.out_views(num_tokens, mask, flat)
         return {m: zeros_serial(num_tokens, self.shapes[m][1], x.dtype) for m in modules}
+
+    def input_buffer(self, num_tokens: int, width: int) -> torch.Tensor:
+        """The shared input x [T, H_in] (arena dtype): fill it and pass it to run() uncopied."""
+        return self.io.x_view(num_tokens, width)
 
     def _dispatch(self, layer, mask, num_tokens, work, stats: CallStats) -> None:
         ready = [w for w in self._workers if w.is_ready()]
@@ -169,21 +182,23 @@ class CpuLoraPool:
             run_job(self.repository, self.io, job)
 
     def _check_call(self, layer: int, x: torch.Tensor, modules: tuple[str, ...]):
-        if not modules:
-            raise ValueError("no modules")
-        unknown = [m for m in modules if m not in self.modules]
-        if unknown:
-            raise ValueError(f"{unknown} not among the pool's modules {self.modules}")
-        widths = {self.shapes[m][0] for m in modules}
-        if x.dim() != 2 or widths != {x.shape[1]}:
-            raise ValueError(
-                f"x {list(x.shape)} does not match the inputs {sorted(widths)} of {modules}"
-            )
+        """(modules bitmask, H_in) of a valid call; raises on a bad one."""
+        spec = self._specs.get(modules)
+        if spec is None:
+            unknown = [m for m in modules if m not in self.modules]
+            if not modules or unknown:
+                raise ValueError(f"modules {modules} are not among the pool's {self.modules}")
+            widths = {self.shapes[m][0] for m in modules}
+            if len(widths) != 1:
+                raise ValueError(f"{modules} have different inputs {sorted(widths)}")
+            spec = self._specs[modules] = (module_mask(modules), widths.pop())
+        if x.dim() != 2 or x.shape[1] != spec[1]:
+            raise ValueError(f"x {list(x.shape)} does not match the input {spec[1]} of {modules}")
         if x.shape[0] > self.io.max_tokens:
             raise ValueError(f"{x.shape[0]} tokens; the pool was sized for {self.io.max_tokens}")
         if not 0 <= layer < self.repository.num_layers:
             raise IndexError(f"layer {layer} out of range")
-        return module_mask(modules), x.shape[1]
+        return spec
 
     def _resolve(self, segments, num_tokens: int) -> list[tuple[int, int, int, int]]:
         """(slot, start, end, rank) of the segments with an adapter, sorted, checked."""
@@ -200,7 +215,7 @@ class CpuLoraPool:
             slot = self.repository.lookup(name)
             if slot is None:
                 raise KeyError(f"adapter {name!r} is not in the host repository")
-            work.append((slot, start, end, self.repository.entry(slot)["rank"]))
+            work.append((slot, start, end, self.repository.rank(slot)))
         if len(work) > self.io.max_segments:
             raise ValueError(f"{len(work)} segments; the pool holds {self.io.max_segments}")
         return work
@@ -247,6 +262,18 @@ class CpuLoraPool:
         """Names of the pool's I/O arena and semaphores (the repository's is not the pool's)."""
         sems = [s.name for w in self._workers for s in (w.job_sem, w.done_sem)]
         return [self.io.name, *sems]
+
+    def workers_info(self) -> list[dict]:
+        """Per worker: pid, core, alive, restarts (for /stats and /metrics)."""
+        return [
+            {
+                "pid": w.proc.pid,
+                "core": w.core,
+                "alive": w.proc.poll() is None,
+                "restarts": w.restarts,
+            }
+            for w in self._workers
+        ]
 
     def worker_pids(self) -> list[int]:
         return [w.proc.pid for w in self._workers]

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from cpu_lora import shm
-from cpu_lora.shapes import DTYPE_CODES, DTYPES, LORA_TARGETS
+from cpu_lora.shapes import DTYPE_CODES, DTYPES, mask_modules
 
 MAGIC = b"TOPIO001"
 VERSION = 1
@@ -84,6 +84,7 @@ class IoArena:
         self._out = torch.frombuffer(
             mapping, dtype=self.dtype, offset=out_offset, count=(len(mapping) - out_offset) // item
         )
+        self._views: dict[tuple, torch.Tensor | dict] = {}
 
     @classmethod
     def create(
@@ -188,19 +189,40 @@ class IoArena:
             raise ValueError(
                 f"x [{num_tokens}, {width}] exceeds the arena's [{self.max_tokens}, {self.x_width}]"
             )
-        return self._x[: num_tokens * width].view(num_tokens, width)
+        key = ("x", num_tokens, width)
+        if key not in self._views:
+            self._cache(key, self._x[: num_tokens * width].view(num_tokens, width))
+        return self._views[key]
 
-    def out_views(self, num_tokens: int, modules: int) -> dict[str, torch.Tensor]:
-        """The shared outputs {module: [T, H_out]} of a modules bitmask, in layout order."""
-        views, at = {}, 0
-        for i, module in enumerate(LORA_TARGETS):
-            if modules >> i & 1:
-                width = self.shapes[module][1]
-                views[module] = self._out[at : at + num_tokens * width].view(num_tokens, width)
-                at += num_tokens * width
-        if at > self.max_tokens * self.out_width:
+    def _cache(self, key: tuple, value) -> None:
+        """Keep views per shape: building them costs more than the rest of a small call."""
+        if len(self._views) >= 1024:
+            self._views.clear()
+        self._views[key] = value
+
+    def out_flat(self, num_tokens: int, modules: int) -> torch.Tensor:
+        """All outputs of a modules bitmask as one flat view of the arena (layout order)."""
+        size = sum(num_tokens * self.shapes[m][1] for m in mask_modules(modules))
+        if size > self.max_tokens * self.out_width:
             raise ValueError(f"outputs of {num_tokens} tokens exceed the I/O arena")
-        return views
+        return self._out[:size]
+
+    def out_views(
+        self, num_tokens: int, modules: int, flat: torch.Tensor | None = None
+    ) -> dict[str, torch.Tensor]:
+        """{module: [T, H_out]} views of `flat` (default: the arena's outputs), layout order."""
+        key = ("out", num_tokens, modules)
+        if flat is None and key in self._views:
+            return dict(self._views[key])
+        views, at = {}, 0
+        if flat is None:
+            flat = self.out_flat(num_tokens, modules)
+            self._cache(key, views)
+        for module in mask_modules(modules):
+            width = self.shapes[module][1]
+            views[module] = flat[at : at + num_tokens * width].view(num_tokens, width)
+            at += num_tokens * width
+        return dict(views)
 
     def close(self) -> None:
         """Drop this process's references; views handed out keep the mapping alive."""

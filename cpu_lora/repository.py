@@ -180,6 +180,10 @@ class HostRepository:
         ready = [self.entry(s) for s in range(self.max_adapters) if self._state(s) == READY]
         return [e["name"] for e in ready]
 
+    def rank(self, slot: int) -> int:
+        """Rank of the adapter in a slot (0 when free)."""
+        return struct.unpack_from("<I", self._mm, self._entry_at(slot) + 4)[0]
+
     def entry(self, slot: int) -> dict:
         """The table entry of a slot as a dict (state, rank, targets, scale, name, ...)."""
         state, rank, targets, name_len, scale, h, off, size, raw = struct.unpack_from(

@@ -22,13 +22,13 @@ def _bits(t: torch.Tensor) -> np.ndarray:
 
 
 def copy_serial(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """dst.copy_(src) on the calling thread, in place; both [T, H], same shape."""
+    """dst.copy_(src) on the calling thread, in place; both [N] or both [T, H], same shape."""
     if dst.dtype == src.dtype:
         np.copyto(_bits(dst), _bits(src))
         return
-    rows = max(1, GRAIN_SIZE // max(1, src.shape[-1]))
-    for start in range(0, src.shape[0], rows):
-        dst[start : start + rows].copy_(src[start : start + rows])
+    step = GRAIN_SIZE if src.dim() == 1 else max(1, GRAIN_SIZE // max(1, src.shape[-1]))
+    for start in range(0, src.shape[0], step):
+        dst[start : start + step].copy_(src[start : start + step])
 
 
 def zeros_serial(num_rows: int, width: int, dtype: torch.dtype) -> torch.Tensor:

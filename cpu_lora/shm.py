@@ -51,7 +51,7 @@ def leftovers(pid: int | None = None) -> list[str]:
 def create_shm(name: str, size: int) -> mmap.mmap:
     """Create (exclusively) and map a zero-filled shared memory segment of `size` bytes."""
     _install_handlers()
-    shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, size=size)
+    shm = _create(posix_ipc.SharedMemory, posix_ipc.unlink_shared_memory, name, size=size)
     with _lock:
         _shm_names.add(name)
     try:
@@ -72,10 +72,23 @@ def attach_shm(name: str) -> mmap.mmap:
 def create_sem(name: str) -> posix_ipc.Semaphore:
     """Create (exclusively) a named semaphore with value 0."""
     _install_handlers()
-    sem = posix_ipc.Semaphore(name, posix_ipc.O_CREX, initial_value=0)
+    sem = _create(posix_ipc.Semaphore, posix_ipc.unlink_semaphore, name, initial_value=0)
     with _lock:
         _sem_names.add(name)
     return sem
+
+
+def _create(kind, unlink, name: str, **kwargs):
+    """Create `name` exclusively, replacing a stale one.
+
+    A name carrying our pid that exists already was left by a dead process that had our pid.
+    """
+    try:
+        return kind(name, posix_ipc.O_CREX, **kwargs)
+    except posix_ipc.ExistentialError:
+        log.warning("removing stale %s left by an earlier process %d", name, os.getpid())
+        unlink(name)
+        return kind(name, posix_ipc.O_CREX, **kwargs)
 
 
 def unlink_shm(name: str) -> None:

@@ -55,5 +55,9 @@ def test_serial_copy_equals_torch_copy(dst_dtype):
     dst = torch.empty(300, 258, dtype=dst_dtype)
     copy_serial(dst, src)
     assert torch.equal(dst, src.to(dst_dtype))
+    flat = torch.randn(3 * 32768 + 5)  # 1-D, several grains
+    flat_dst = torch.empty(flat.shape, dtype=dst_dtype)
+    copy_serial(flat_dst, flat)
+    assert torch.equal(flat_dst, flat.to(dst_dtype))
     zeros = zeros_serial(3, 5, dst_dtype)
     assert zeros.dtype == dst_dtype and not zeros.any()

@@ -10,7 +10,7 @@ import pytest
 import torch
 from cpu_lora_helpers import QKV, reference, tiny_config
 
-from cpu_lora import CpuLoraPool
+from cpu_lora import CpuLoraPool, HostRepository
 
 # Mixed ranks 4/8/16, a segment with no adapter (5-9), tokens in no segment (9-12, 40-45),
 # and an adapter without LoRA on k_proj (c16) or without LoRA on layer 1 ("late").
@@ -47,6 +47,17 @@ def test_rows_without_adapter_are_zero_after_a_full_call(pool2, adapters):
     assert not got["v_proj"][5:12].any() and not got["v_proj"][40:].any()
 
 
+def test_zero_copy_path(pool2, adapters):
+    pool2.tokens_per_core = 8
+    x = torch.randn(NUM_TOKENS, 128)
+    staged = pool2.input_buffer(NUM_TOKENS, 128)
+    staged.copy_(x)
+    got = pool2.run(1, staged, SEGMENTS, QKV, copy=False)
+    want = reference(adapters, 1, x, SEGMENTS, QKV)
+    for module in QKV:
+        torch.testing.assert_close(got[module], want[module], rtol=1e-5, atol=1e-5)
+
+
 def test_mlp_and_o_proj_groups(pool2, adapters):
     pool2.tokens_per_core = 8
     _check(pool2, adapters, modules=("gate_proj", "up_proj"))
@@ -63,7 +74,7 @@ def test_no_adapter_tokens_give_zeros_and_errors_are_clear(pool2):
         pool2.run(0, torch.randn(6, 128), [("nope", 0, 6)], QKV)
     with pytest.raises(ValueError, match="overlaps"):
         pool2.run(0, torch.randn(6, 128), [("a4", 0, 4), ("b8", 3, 6)], QKV)
-    with pytest.raises(ValueError, match="inputs"):
+    with pytest.raises(ValueError, match="different inputs"):
         pool2.run(0, torch.randn(6, 128), [("a4", 0, 6)], ("q_proj", "down_proj"))
 
 
@@ -107,6 +118,22 @@ def test_hung_worker_times_out(pool2, adapters):
     with pytest.raises(ProcessLookupError):
         os.kill(victim, 0)  # killed and reaped
     pool2.wait_ready(120)
+
+
+def test_bfloat16_pool(adapters):
+    repo = HostRepository.create(tiny_config(), 1 << 20, dtype=torch.bfloat16)
+    try:
+        for adapter in adapters:
+            repo.add(adapter)
+        with CpuLoraPool(repo, tiny_config(), 1, max_tokens=64, tokens_per_core=8) as pool:
+            x = torch.randn(NUM_TOKENS, 128)
+            got = pool.run(2, x, SEGMENTS, QKV)
+            want = reference(adapters, 2, x, SEGMENTS, QKV)
+            for module in QKV:
+                assert got[module].dtype == torch.float32  # x's dtype
+                torch.testing.assert_close(got[module], want[module], rtol=2e-2, atol=5e-2)
+    finally:
+        repo.close()
 
 
 def test_one_worker_pool_and_close(repo, adapters):
