@@ -153,10 +153,12 @@ class AdapterCache:
         return CacheStats(name, self.entries[name].num_bytes, usage.last_used, usage.frequency)
 
     def snapshot(self) -> dict:
+        """Counters and lists for /stats and /metrics (safe from other threads: one list copy)."""
+        entries = list(self.entries.items())
         return {
             "used_bytes": self._used_bytes,
             "budget_bytes": self.budget_bytes,
-            "resident": [n for n, e in self.entries.items() if e.ticket.done],
-            "loading": [n for n, e in self.entries.items() if not e.ticket.done],
+            "resident": [n for n, e in entries if e.ticket.done],
+            "loading": [n for n, e in entries if not e.ticket.done],
             **vars(self.counters),
         }
