@@ -108,9 +108,11 @@ class AdapterManager:
         ]
 
     def close(self) -> None:
+        """Stop the loader and the workers and unlink the shared arena (idempotent)."""
         self.loader.close()
         if self.workers is not None:
             self.workers.close()
         if self.repository is not None:
             self.repository.close()
             self.repository.unlink()
+            self.repository = None
