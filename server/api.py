@@ -45,7 +45,13 @@ from server.openai_schema import (
     parse_completion,
     parse_native,
 )
-from server.request import GenerationRequest, RequestError, RequestHandle, RequestOutput
+from server.request import (
+    GenerationRequest,
+    RequestError,
+    RequestHandle,
+    RequestOutput,
+    merge_outputs,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -185,7 +191,7 @@ def create_app(engine, options: ApiOptions | None = None) -> Flask:
             headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
             return Response(events, mimetype="text/event-stream", headers=headers)
         try:
-            out = _merge(outputs)
+            out = merge_outputs(outputs)
         except BaseException:
             handle.abort()
             raise
@@ -255,27 +261,3 @@ def create_app(engine, options: ApiOptions | None = None) -> Flask:
         return _error(f"internal error: {type(e).__name__}: {e}", 500, "server_error")
 
     return app
-
-
-def _merge(outputs: Iterator[RequestOutput]) -> RequestOutput:
-    """One RequestOutput holding all the text and token ids of a finished request."""
-    ids: list[int] = []
-    text: list[str] = []
-    last = None
-    for out in outputs:
-        ids.extend(out.new_token_ids)
-        text.append(out.new_text)
-        last = out
-    if last is None:
-        raise RuntimeError("the engine ended a request without a final output")
-    return RequestOutput(
-        request_id=last.request_id,
-        new_token_ids=ids,
-        new_text="".join(text),
-        finish_reason=last.finish_reason,
-        error=last.error,
-        prompt_tokens=last.prompt_tokens,
-        output_tokens=last.output_tokens,
-        ttft_s=last.ttft_s,
-        e2e_s=last.e2e_s,
-    )

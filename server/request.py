@@ -7,10 +7,11 @@ and `abort()`. Validation that needs the model (prompt length, adapter names) ha
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 MAX_STOP_STRINGS = 16
@@ -116,27 +117,23 @@ class RequestHandle:
 
     def result(self, timeout_s: float | None = None) -> RequestOutput:
         """Wait for the end and merge every output into one."""
-        ids: list[int] = []
-        text: list[str] = []
-        last = None
-        for out in self.events(timeout_s):
-            ids.extend(out.new_token_ids)
-            text.append(out.new_text)
-            last = out
-        assert last is not None
-        return RequestOutput(
-            request_id=last.request_id,
-            new_token_ids=ids,
-            new_text="".join(text),
-            finish_reason=last.finish_reason,
-            error=last.error,
-            prompt_tokens=last.prompt_tokens,
-            output_tokens=last.output_tokens,
-            ttft_s=last.ttft_s,
-            e2e_s=last.e2e_s,
-        )
+        return merge_outputs(self.events(timeout_s))
 
     def abort(self) -> None:
         """Ask the engine to stop this request (a client that went away); idempotent."""
         if not self._finished.is_set():
             self._abort_fn(self.request_id)
+
+
+def merge_outputs(outputs: Iterable[RequestOutput]) -> RequestOutput:
+    """One output with all the token ids and text of a request's stream, and its final fields."""
+    ids: list[int] = []
+    text: list[str] = []
+    last = None
+    for out in outputs:
+        ids.extend(out.new_token_ids)
+        text.append(out.new_text)
+        last = out
+    if last is None:
+        raise RuntimeError("the engine ended a request without a final output")
+    return dataclasses.replace(last, new_token_ids=ids, new_text="".join(text))
