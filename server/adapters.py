@@ -100,12 +100,7 @@ class AdapterManager:
         return entry is not None and entry.ticket.done
 
     def worker_stats(self) -> list[dict]:
-        if self.workers is None:
-            return []
-        return [
-            {"pid": w.proc.pid, "core": w.core, "alive": w.proc.poll() is None}
-            for w in self.workers._workers
-        ]
+        return [] if self.workers is None else self.workers.workers_info()
 
     def close(self) -> None:
         """Stop the loader and the workers and unlink the shared arena (idempotent)."""
