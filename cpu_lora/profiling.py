@@ -8,7 +8,6 @@ lengthen the call. That point is c, the tokens per core (Toppings §4).
 
 from __future__ import annotations
 
-import statistics
 import time
 from dataclasses import dataclass
 
@@ -38,7 +37,9 @@ def time_one_core(
     token_counts: tuple[int, ...],
     repeats: int = 5,
 ) -> list[float]:
-    """Median microseconds of `scale * x @ A.T @ B^T` for all projections, one thread.
+    """Fastest of `repeats` timings (us) of `scale * x @ A.T @ B^T` for all projections, one thread.
+
+    The minimum, not the median: on a shared machine the rest is other processes' noise.
 
     Args:
         shapes: (H_in, H_out) of the projections of one job (they share H_in).
@@ -62,7 +63,7 @@ def time_one_core(
                 for (a, bt), out in zip(weights, outs):
                     torch.mm(torch.mm(x, a.T).mul_(0.5), bt, out=out)
                 samples.append((time.perf_counter_ns() - start) / 1e3)
-            times.append(statistics.median(samples[1:]))  # the first run warms the caches
+            times.append(min(samples[1:]))  # the first run warms the caches
         return times
     finally:
         torch.set_num_threads(threads)

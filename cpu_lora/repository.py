@@ -3,8 +3,9 @@
 Binary layout of the arena (little endian; offsets in bytes from the start of the arena):
 
     0     header   HEADER_FMT: magic b"TOPREPO1", version, dtype code (0 float32, 1 bfloat16),
-                   num_layers L, max_adapters, entry size, table offset, data offset, data bytes,
-                   then (H_in, H_out) of each projection in LORA_TARGETS order; padded to 128
+                   num_layers L, max_adapters, entry size, reserved, table offset, data offset,
+                   data bytes, then (H_in, H_out) of each projection in LORA_TARGETS order;
+                   padded to 128
     128   table    max_adapters entries of ENTRY_FMT (128 bytes), one per slot: state (0 free,
                    1 writing, 2 ready), rank R, targets bitmask (union over layers), name length,
                    scale (float64), name hash (blake2b-64), data offset, data bytes, name (utf-8)
@@ -13,11 +14,11 @@ Binary layout of the arena (little endian; offsets in bytes from the start of th
                    layer's tensors from the block start), then per layer, per module present in
                    LORA_TARGETS order, 64-aligned: A [R, H_in] then B^T [R, H_out], contiguous.
 
-Tensors are stored in one dtype for the whole arena. float32 is the default: it keeps the CPU
-path bit-compatible with the float32 reference and with the engine's float32 CPU model, and the
-repository is also the source the device pool copies from. bfloat16 halves the memory and, on a
-CPU with bf16 matmul units (AVX512-BF16, AMX), speeds the workers up (see
-bench/results/cpu_lora_parallel.json) at about 3 significant digits of precision in the delta.
+Tensors are stored in one dtype for the whole arena, chosen at creation. float32 is the
+default: the CPU deltas then match the float32 reference (and an engine running in float32) to
+rounding. bfloat16 halves the memory and, on a CPU with bf16 matmul units (AVX512-BF16, AMX),
+makes the workers several times faster (bench/results/cpu_lora_parallel.json, pool_bf16_vs_fp32)
+at about 3 significant digits in the delta: the choice for a bfloat16 model.
 
 One process owns the arena (adds, removes); workers attach and only read. The owner removes an
 adapter only when no job uses it: a removed slot's data may be overwritten by the next add.

@@ -222,7 +222,9 @@ def main(argv: list[str] | None = None) -> None:
     result = {
         "name": "cpu_lora_ipc",
         "device": f"cpu ({platform.machine()}, {os.cpu_count()} cores: {cpu_model()})",
-        "command": "python -m scripts.bench_cpu_lora_ipc " + " ".join(sys.argv[1:]),
+        "command": (f"nice -n {os.nice(0)} " if os.nice(0) else "")
+        + "python -m scripts.bench_cpu_lora_ipc "
+        + " ".join(sys.argv[1:]),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "config": {
             "tokens": args.tokens,

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from cpu_lora.allocator import FirstFit
+from cpu_lora.profiling import choose_tokens_per_core
 from cpu_lora.serial_copy import copy_serial, zeros_serial
 from cpu_lora.split import num_parts, split_rows
 
@@ -33,6 +34,15 @@ def test_split_covers_every_row_once(parts):
     assert all(w > 0 for w in works)
     if parts > 1:
         assert max(works) <= sum(works) / len(works) + 16  # balanced to within one token
+
+
+def test_tokens_per_core_balances_overhead_and_compute():
+    counts = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+    compute = [10.0 * n for n in counts]  # 10 us per token
+    # rate n / (10 n + 100) is within 90% of its best (at 256) from n = 65 on
+    assert choose_tokens_per_core(counts, compute, overhead_us=100.0) == 128
+    assert choose_tokens_per_core(counts, compute, overhead_us=0.0) == 1
+    assert choose_tokens_per_core(counts, compute, overhead_us=10.0) == 16
 
 
 def test_first_fit_reuses_and_merges():
