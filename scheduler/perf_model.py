@@ -9,6 +9,12 @@ in the LoRA work, tokens x rank (padded to the max rank for BGMV):
     PREFILL_MBGMV(S) = c0 + c1 * sum tokens + c2 * sum(tokens_i * rank_i)
 An empty set costs 0: no iteration runs. Latencies are in milliseconds.
 
+Eq. 2 assumes the base model's cost does not depend on the batch, as on a GPU that is far from
+saturated. On a CPU it grows with |S| (lm_head, sampling, attention), and the CPU decode path
+multiplies every token by the rows of every adapter of the batch (gpu_lora/dense_decode.py), so
+its LoRA work is |S| x the Eq. 2 term. FORMS["batch"] adds those terms; FORMS["eq2"] (the default)
+is the paper's. A fitted model carries its feature names, so a JSON file says which form it is.
+
 Sample format (one JSON object per measured engine iteration; JSONL on disk):
     {"kernel": "bgmv"|"mbgmv", "phase": "decode"|"prefill",
      "ranks": [int, one per request, 0 for no adapter],
@@ -33,17 +39,29 @@ PHASES = ("decode", "prefill")
 HOLDOUT_FRACTION = 0.2
 
 FEATURES: dict[str, Callable[[BatchShape], float]] = {
+    "num": lambda s: s.num,
     "num_x_max_rank": lambda s: s.num * s.max_rank,
+    "num_sq_x_max_rank": lambda s: s.num * s.num * s.max_rank,
     "sum_rank": lambda s: s.sum_rank,
+    "num_x_sum_rank": lambda s: s.num * s.sum_rank,
     "sum_tokens": lambda s: s.sum_tokens,
     "sum_tokens_x_max_rank": lambda s: s.sum_tokens * s.max_rank,
     "sum_token_rank": lambda s: s.sum_token_rank,
 }
-MODEL_FEATURES: dict[tuple[str, str], tuple[str, ...]] = {
+MODEL_FEATURES: dict[tuple[str, str], tuple[str, ...]] = {  # Toppings Eq. 2
     ("bgmv", "decode"): ("num_x_max_rank",),
     ("mbgmv", "decode"): ("sum_rank",),
     ("bgmv", "prefill"): ("sum_tokens", "sum_tokens_x_max_rank"),
     ("mbgmv", "prefill"): ("sum_tokens", "sum_token_rank"),
+}
+FORMS: dict[str, dict[tuple[str, str], tuple[str, ...]]] = {
+    "eq2": MODEL_FEATURES,
+    "batch": {
+        ("bgmv", "decode"): ("num", "num_x_max_rank", "num_sq_x_max_rank"),
+        ("mbgmv", "decode"): ("num", "sum_rank", "num_x_sum_rank"),
+        ("bgmv", "prefill"): ("num", "sum_tokens", "sum_tokens_x_max_rank"),
+        ("mbgmv", "prefill"): ("num", "sum_tokens", "sum_token_rank"),
+    },
 }
 
 
@@ -58,12 +76,17 @@ class LinearPerfModel:
     r2: float | None = None
     num_train: int = 0
     num_test: int = 0
+    features: tuple[str, ...] = ()  # names in FEATURES; () means Eq. 2's
     _terms: tuple[tuple[Callable[[BatchShape], float], float], ...] = field(
         init=False, repr=False, compare=False
     )
 
     def __post_init__(self) -> None:
-        names = MODEL_FEATURES[(self.kernel, self.phase)]
+        names = self.features or MODEL_FEATURES[(self.kernel, self.phase)]
+        unknown = [n for n in names if n not in FEATURES]
+        if unknown:
+            raise ValueError(f"{self.key}: unknown features {unknown}")
+        object.__setattr__(self, "features", tuple(names))
         if len(self.coefficients) != len(names):
             raise ValueError(f"{self.key} needs {len(names)} coefficients for {names}")
         terms = tuple((FEATURES[n], float(c)) for n, c in zip(names, self.coefficients))
@@ -75,7 +98,7 @@ class LinearPerfModel:
 
     @property
     def feature_names(self) -> tuple[str, ...]:
-        return MODEL_FEATURES[(self.kernel, self.phase)]
+        return self.features
 
     def predict(self, shape: BatchShape) -> float:
         """Predicted iteration latency in ms of the batch `shape`; plain float math."""
@@ -143,7 +166,10 @@ class PerfModels:
         models = {}
         for key, entry in body["models"].items():
             kernel, phase = key.split("_", 1)
-            if tuple(entry["features"]) != MODEL_FEATURES[(kernel, phase)]:
+            if (kernel, phase) not in MODEL_FEATURES:
+                raise ValueError(f"{path}: unknown model {key!r}")
+            unknown = [n for n in entry["features"] if n not in FEATURES]
+            if unknown or not entry["features"]:
                 raise ValueError(f"{path}: {key} features {entry['features']} are not ours")
             models[key] = LinearPerfModel(
                 kernel,
@@ -153,6 +179,7 @@ class PerfModels:
                 entry.get("r2"),
                 int(entry.get("num_train", 0)),
                 int(entry.get("num_test", 0)),
+                tuple(entry["features"]),
             )
         return cls(models, str(body.get("source", "fitted")))
 
@@ -167,10 +194,13 @@ def sample_shape(sample: Mapping[str, Any]) -> BatchShape:
 
 
 def fit_model(
-    kernel: str, phase: str, samples: list[Mapping[str, Any]], seed: int = 0
+    kernel: str, phase: str, samples: list[Mapping[str, Any]], seed: int = 0, form: str = "eq2"
 ) -> LinearPerfModel:
-    """Least-squares fit on a seeded 80% of `samples`, R^2 on the other 20%."""
-    names = MODEL_FEATURES[(kernel, phase)]
+    """Least-squares fit on a seeded 80% of `samples`, R^2 on the other 20%.
+
+    Give one sample per measured batch, so that the split holds out whole batches.
+    """
+    names = FORMS[form][(kernel, phase)]
     num_params = len(names) + 1
     if len(samples) < 2 * num_params + 2:
         raise ValueError(f"{kernel}_{phase}: {len(samples)} samples are too few to fit and test")
@@ -185,13 +215,18 @@ def fit_model(
     total = y[test] - y[test].mean()
     ss_tot = float(total @ total)
     r2 = 1.0 - float(residual @ residual) / ss_tot if ss_tot > 0 else None
+    coefficients = tuple(float(b) for b in beta[1:])
     return LinearPerfModel(
-        kernel, phase, float(beta[0]), tuple(float(b) for b in beta[1:]), r2, len(train), num_test
+        kernel, phase, float(beta[0]), coefficients, r2, len(train), num_test, names
     )
 
 
-def fit_from_samples(samples: Iterable[Mapping[str, Any]], seed: int = 0) -> PerfModels:
-    """Fit one model per (kernel, phase) present in the measured iterations."""
+def fit_from_samples(
+    samples: Iterable[Mapping[str, Any]], seed: int = 0, form: str = "eq2"
+) -> PerfModels:
+    """Fit one model of `form` (see FORMS) per (kernel, phase) present in the iterations."""
+    if form not in FORMS:
+        raise ValueError(f"unknown form {form!r}; choose from {', '.join(FORMS)}")
     groups: dict[tuple[str, str], list[Mapping[str, Any]]] = {}
     for sample in samples:
         key = (sample["kernel"], sample["phase"])
@@ -199,7 +234,7 @@ def fit_from_samples(samples: Iterable[Mapping[str, Any]], seed: int = 0) -> Per
             raise ValueError(f"unknown kernel/phase {key}")
         groups.setdefault(key, []).append(sample)
     models = {
-        f"{kernel}_{phase}": fit_model(kernel, phase, group, seed)
+        f"{kernel}_{phase}": fit_model(kernel, phase, group, seed, form)
         for (kernel, phase), group in sorted(groups.items())
     }
     return PerfModels(models, source="fitted")
