@@ -107,14 +107,14 @@ def test_worker_killed_during_a_call(pool2, adapters):
 
 
 def test_hung_worker_times_out(pool2, adapters):
-    pool2.tokens_per_core, pool2.timeout_s = 1, 0.5
+    pool2.tokens_per_core, pool2.timeout_s = 1, 1.0
     victim = pool2.worker_pids()[1]
     os.kill(victim, signal.SIGSTOP)
     try:
         _check(pool2, adapters, seed=4)
     finally:
         pool2.timeout_s = 30.0
-    assert pool2.last_call.fallbacks == 1
+    assert pool2.last_call.fallbacks >= 1  # the other worker too, were it slower than 1 s
     with pytest.raises(ProcessLookupError):
         os.kill(victim, 0)  # killed and reaped
     pool2.wait_ready(120)
