@@ -13,6 +13,7 @@ import argparse
 import datetime
 import json
 import logging
+import os
 import platform
 import sys
 import time
@@ -120,8 +121,12 @@ def main(argv: list[str] | None = None) -> None:
         help="requests timed at batch size 1 (tokens/s over them; all 64 take minutes)",
     )
     p.add_argument("--adapter-dir", default="/tmp/toppings-bench-adapters")
+    p.add_argument("--threads", type=int, default=0, help="torch threads; 0: torch's default")
     p.add_argument("--out", default="bench/results/engine_throughput.json")
     args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    load_before = os.getloadavg()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     model_dir = resolve_model_dir(args.model)
     dtype = getattr(torch, args.dtype)
@@ -162,6 +167,7 @@ def main(argv: list[str] | None = None) -> None:
             "targets": TARGETS,
             "ranks": RANKS,
             "ours": "in-process engine, all requests submitted at once",
+            "load_average_1min_before_after": [load_before[0], os.getloadavg()[0]],
         },
         "metrics": {
             "tokens_per_s": ours["tokens_per_s"],
