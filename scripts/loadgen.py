@@ -67,15 +67,28 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--num-requests", type=int, help="at most this many requests")
     w.add_argument("--popularity", choices=POPULARITY, default="uniform")
     w.add_argument("--alpha", type=float, default=1.0, help="exponent of zipf / power")
-    w.add_argument("--ranks", type=parse_rank_mix, default=(), metavar="MIX",
-                   help="rank mix, e.g. 32,64 or 32:0.7,64:0.3 (default: any adapter)")  # fmt: skip
-    w.add_argument("--prompt-len", default="32", metavar="SPEC",
-                   help="N, uniform:LO:HI, lognormal:MEAN:SIGMA or lmsys")  # fmt: skip
+    w.add_argument(
+        "--ranks",
+        type=parse_rank_mix,
+        default=(),
+        metavar="MIX",
+        help="rank mix, e.g. 32,64 or 32:0.7,64:0.3 (default: any adapter)",
+    )
+    w.add_argument(
+        "--prompt-len",
+        default="32",
+        metavar="SPEC",
+        help="N, uniform:LO:HI, lognormal:MEAN:SIGMA or lmsys",
+    )
     w.add_argument("--output-len", default="32", metavar="SPEC", help="as --prompt-len")
     w.add_argument("--max-prompt-len", type=int, default=2048)
     w.add_argument("--max-output-len", type=int, default=1024)
-    w.add_argument("--token-range", default="100:250", metavar="LO:HI",
-                   help="prompt token ids are drawn from [LO, HI)")  # fmt: skip
+    w.add_argument(
+        "--token-range",
+        default="100:250",
+        metavar="LO:HI",
+        help="prompt token ids are drawn from [LO, HI)",
+    )
     w.add_argument("--seed", type=int, default=0)
     w.add_argument("--trace", help="replay this JSONL trace instead of generating one")
     w.add_argument("--save-trace", help="write the trace to this JSONL file")
@@ -100,12 +113,19 @@ def make_trace(args: argparse.Namespace) -> list[TraceEntry]:
         return trace[: args.num_requests] if args.num_requests is not None else trace
     lo, _, hi = args.token_range.partition(":")
     spec = WorkloadSpec(
-        rps=args.rps, arrivals=args.arrivals, cv=args.cv, duration_s=args.duration,
-        num_requests=args.num_requests, popularity=args.popularity, alpha=args.alpha,
-        rank_mix=args.ranks, seed=args.seed, token_range=(int(lo), int(hi)),
+        rps=args.rps,
+        arrivals=args.arrivals,
+        cv=args.cv,
+        duration_s=args.duration,
+        num_requests=args.num_requests,
+        popularity=args.popularity,
+        alpha=args.alpha,
+        rank_mix=args.ranks,
+        seed=args.seed,
+        token_range=(int(lo), int(hi)),
         prompt_len=LengthSpec.parse(args.prompt_len, args.max_prompt_len, "prompt"),
         output_len=LengthSpec.parse(args.output_len, args.max_output_len, "output"),
-    )  # fmt: skip
+    )
     base, adapters = list_models(args.url)
     return build_trace(spec, adapters, base)
 
@@ -159,8 +179,9 @@ def main(argv: list[str] | None = None) -> int:
             bar.write(f"request {entry.idx} ({entry.model}) failed: {result['error']}")
 
     try:
-        run_open_loop(args.url, pending, on_done, args.temperature, args.timeout,
-                      args.max_concurrency)  # fmt: skip
+        run_open_loop(
+            args.url, pending, on_done, args.temperature, args.timeout, args.max_concurrency
+        )
     except KeyboardInterrupt:
         print("\ninterrupted; finished requests are kept" + (f" in {args.out}" if args.out else ""))
     finally:
@@ -175,8 +196,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.summary:
         write_summary(args, trace, summary)
     if args.plot and records:
-        plot_cdfs({args.url: records}, args.plot, f"{args.url}, {len(records)} requests",
-                  args.slo_tpt_ms)  # fmt: skip
+        plot_cdfs(
+            {args.url: records}, args.plot, f"{args.url}, {len(records)} requests", args.slo_tpt_ms
+        )
     return 0 if summary["num_ok"] or not records else 1
 
 

@@ -67,12 +67,22 @@ def _events(answer: requests.Response) -> Iterator[dict | None]:
         yield None if data.strip() == b"[DONE]" else json.loads(data)
 
 
-def send(session: requests.Session, url: str, entry: TraceEntry, temperature: float,
-         timeout_s: float, scheduled_unix: float) -> dict:  # fmt: skip
+def send(
+    session: requests.Session,
+    url: str,
+    entry: TraceEntry,
+    temperature: float,
+    timeout_s: float,
+    scheduled_unix: float,
+) -> dict:
     """Send one request and time it; never raises (a failure is a result with ok false)."""
     start = time.time()
-    result: dict = {"ok": False, "error": None, "start_unix": start,
-                    "lag_s": max(0.0, start - scheduled_unix)}  # fmt: skip
+    result: dict = {
+        "ok": False,
+        "error": None,
+        "start_unix": start,
+        "lag_s": max(0.0, start - scheduled_unix),
+    }
     text: list[str] = []
     first = None
     usage = None
@@ -108,10 +118,15 @@ def send(session: requests.Session, url: str, entry: TraceEntry, temperature: fl
         return result
     num_out = int(usage["completion_tokens"])
     result.update(
-        ok=True, end_unix=end, ttft_s=first - start, e2e_s=end - start,
-        tpt_s=(end - start) / num_out, output_tokens=num_out,
-        prompt_tokens=usage.get("prompt_tokens"), text="".join(text),
-    )  # fmt: skip
+        ok=True,
+        end_unix=end,
+        ttft_s=first - start,
+        e2e_s=end - start,
+        tpt_s=(end - start) / num_out,
+        output_tokens=num_out,
+        prompt_tokens=usage.get("prompt_tokens"),
+        text="".join(text),
+    )
     return result
 
 
@@ -134,8 +149,10 @@ class Journal:
         for entry in trace:
             done = self.records.get(entry.idx)
             if done is not None and done["config"] != request_config(entry):
-                raise ValueError(f"{self.path} records another request #{entry.idx}; "
-                                 "it belongs to a different trace, use another --out")  # fmt: skip
+                raise ValueError(
+                    f"{self.path} records another request #{entry.idx}; "
+                    "it belongs to a different trace, use another --out"
+                )
         return [e for e in trace if e.idx not in self.records]
 
     def write(self, entry: TraceEntry, result: dict) -> None:
@@ -153,9 +170,14 @@ class Journal:
             self._file = None
 
 
-def run_open_loop(url: str, entries: list[TraceEntry], on_done: Callable[[TraceEntry, dict], None],
-                  temperature: float = 0.0, timeout_s: float = 600.0,
-                  max_concurrency: int = 512) -> float:  # fmt: skip
+def run_open_loop(
+    url: str,
+    entries: list[TraceEntry],
+    on_done: Callable[[TraceEntry, dict], None],
+    temperature: float = 0.0,
+    timeout_s: float = 600.0,
+    max_concurrency: int = 512,
+) -> float:
     """Send `entries` at their arrival offsets (the first at once); returns the start time.
 
     `on_done(entry, result)` runs on the calling thread, in finishing order. Offsets are taken

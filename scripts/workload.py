@@ -6,7 +6,8 @@ be repeated exactly. Every aspect draws from its own seeded stream, so changing 
 not move the arrivals.
 
 - Arrivals: Poisson (exponential gaps at `rps`), or Gamma gaps with mean 1/rps and coefficient
-  of variation `cv` (shape 1/cv^2, as S-LoRA's trace generator; cv = 1 is Poisson).
+  of variation `cv` (shape 1/cv^2, as S-LoRA's trace generator; cv = 1 is Poisson), or
+  `constant` gaps of exactly 1/rps.
 - Popularity over adapters, most popular first (the order is a seeded shuffle of the names):
   `uniform`; `zipf` (weight of the i-th = 1/i^alpha); `power`, S-LoRA's: x ~ numpy's
   power(alpha) on [0, 1), adapter floor(x * n), so P(i) = ((i+1)/n)^a - (i/n)^a (alpha < 1
@@ -33,7 +34,7 @@ from pathlib import Path
 
 from scheduler.trace import TraceConfig, lognormal_mu
 
-ARRIVALS = ("poisson", "gamma")
+ARRIVALS = ("poisson", "gamma", "constant")
 POPULARITY = ("uniform", "zipf", "power", "azure")
 AZURE_SIGMA = 3.55  # top 18.6% of lognormal(0, 3.55) weights hold 99.6% of the mass
 LMSYS = {"prompt": TraceConfig.prompt_mean, "output": TraceConfig.output_mean}
@@ -139,6 +140,8 @@ def arrival_times(spec: WorkloadSpec, rng: random.Random) -> list[float]:
     while len(times) < limit:
         if spec.arrivals == "poisson":
             now += rng.expovariate(spec.rps)
+        elif spec.arrivals == "constant":
+            now += 1.0 / spec.rps
         else:
             now += rng.gammavariate(shape, 1.0 / (spec.rps * shape))
         if spec.duration_s is not None and now >= spec.duration_s:
@@ -185,8 +188,10 @@ def build_trace(
         raise ValueError("no adapters and no base model to send requests to")
     rank_keys = list(groups)
     rank_weights = [w for _, w in spec.rank_mix] or [1.0]
-    weights = {r: popularity_weights(spec.popularity, len(g), spec.alpha, pick_rng)
-               for r, g in groups.items()}  # fmt: skip
+    weights = {
+        r: popularity_weights(spec.popularity, len(g), spec.alpha, pick_rng)
+        for r, g in groups.items()
+    }
     lo, hi = spec.token_range
     trace = []
     for idx, when in enumerate(arrival_times(spec, arrive_rng)):

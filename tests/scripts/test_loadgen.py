@@ -42,6 +42,13 @@ def test_poisson_and_gamma_arrivals_have_the_asked_rate_and_cv():
     assert gaps.std() / gaps.mean() == pytest.approx(3.0, rel=0.1)
 
 
+def test_constant_arrivals():
+    times = arrival_times(
+        WorkloadSpec(rps=4.0, arrivals="constant", duration_s=1.1), random.Random(0)
+    )
+    assert times == pytest.approx([0.25, 0.5, 0.75, 1.0])
+
+
 def test_arrivals_stop_at_the_duration_or_the_count():
     timed = arrival_times(WorkloadSpec(rps=50.0, duration_s=2.0), random.Random(0))
     assert 60 < len(timed) < 140 and max(timed) < 2.0 and timed == sorted(timed)
@@ -85,8 +92,14 @@ def test_length_specs():
 
 
 def spec(**kw) -> WorkloadSpec:
-    base = dict(rps=20.0, num_requests=400, prompt_len=LengthSpec("uniform", 2, 9),
-                output_len=LengthSpec("fixed", 4), token_range=(10, 20), seed=3)  # fmt: skip
+    base = dict(
+        rps=20.0,
+        num_requests=400,
+        prompt_len=LengthSpec("uniform", 2, 9),
+        output_len=LengthSpec("fixed", 4),
+        token_range=(10, 20),
+        seed=3,
+    )
     return WorkloadSpec(**(base | kw))
 
 
@@ -99,8 +112,9 @@ def test_trace_is_deterministic_and_follows_the_rank_mix():
     assert all(e.rank == ADAPTERS[e.model] for e in trace)
     assert all(2 <= len(e.prompt) <= 9 and set(e.prompt) <= set(range(10, 20)) for e in trace)
     # Each aspect has its own random stream: new lengths keep the arrivals and adapters.
-    longer = build_trace(spec(rank_mix=((8, 3.0), (32, 1.0)), output_len=LengthSpec("fixed", 9)),
-                         ADAPTERS)  # fmt: skip
+    longer = build_trace(
+        spec(rank_mix=((8, 3.0), (32, 1.0)), output_len=LengthSpec("fixed", 9)), ADAPTERS
+    )
     assert [(e.arrival_s, e.model) for e in longer] == [(e.arrival_s, e.model) for e in trace]
     assert build_trace(spec(seed=4), ADAPTERS) != build_trace(spec(), ADAPTERS)
     with pytest.raises(ValueError, match="rank"):
@@ -118,9 +132,19 @@ def test_trace_jsonl_round_trip(tmp_path):
 
 
 def ok(tpt_s: float, start: float = 0.0, tokens: int = 10) -> dict:
-    return {"config": {}, "result": {"ok": True, "ttft_s": tpt_s, "e2e_s": tpt_s * tokens,
-            "tpt_s": tpt_s, "output_tokens": tokens, "start_unix": start,
-            "end_unix": start + tpt_s * tokens, "lag_s": 0.0}}  # fmt: skip
+    return {
+        "config": {},
+        "result": {
+            "ok": True,
+            "ttft_s": tpt_s,
+            "e2e_s": tpt_s * tokens,
+            "tpt_s": tpt_s,
+            "output_tokens": tokens,
+            "start_unix": start,
+            "end_unix": start + tpt_s * tokens,
+            "lag_s": 0.0,
+        },
+    }
 
 
 def test_percentiles_and_summary():
@@ -162,8 +186,10 @@ def served(tmp_path_factory, tiny_model_dir):
     from server.runtime import build_engine
 
     root = tmp_path_factory.mktemp("loadgen_adapters")
-    loras = {n: str(make_random_adapter(root / n, tiny_model_dir, rank=r, seed=i))
-             for i, (n, r) in enumerate(ADAPTERS.items())}  # fmt: skip
+    loras = {
+        n: str(make_random_adapter(root / n, tiny_model_dir, rank=r, seed=i))
+        for i, (n, r) in enumerate(ADAPTERS.items())
+    }
     engine = build_engine(str(tiny_model_dir), EngineConfig(dtype="float32"), loras)
     received: list[tuple] = []
     submit = engine.submit
