@@ -1,0 +1,186 @@
+"""`toppings-demo`: one command that starts a server with three trained adapters and a scheduler.
+
+1. Trains the demo adapters (caps, french, terse; scripts.train_demo_adapters) if they are missing,
+   saying first how long it will take.
+2. Starts `toppings-serve --model smollm2 --lora caps=... --lora french=... --lora terse=...` and
+   `toppings-scheduler`, waits for both, and registers the server with the scheduler.
+3. Asks each adapter and the base model the same question and prints the answers, then prints
+   curl lines, an `openai` snippet and a load-generator command to try.
+Ctrl-C stops both processes (SIGTERM, then SIGKILL after a grace period). Their logs go to files
+under a temporary directory, printed at start and removed after a clean stop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import requests
+
+from scripts.train_demo_adapters import DEFAULT_OUT, ESTIMATE_MIN, is_trained, train_demo_adapters
+
+QUESTION = "What is the capital of Italy?"
+STOP_GRACE_S = 15.0
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout_s: float) -> None:
+    """Poll `url/health` until it answers 200; exits with the log's tail if the process dies."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            tail = "\n".join(log.read_text(errors="replace").splitlines()[-20:])
+            sys.exit(f"toppings-demo: {proc.args[2]} exited with {proc.returncode}:\n{tail}")
+        try:
+            if requests.get(url + "/health", timeout=1.0).ok:
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(0.3)
+    sys.exit(f"toppings-demo: {url} did not become healthy in {timeout_s:.0f} s (log: {log})")
+
+
+def start(module: str, args: list[str], log: Path) -> subprocess.Popen:
+    with open(log, "w") as f:  # the child keeps its own copy of the descriptor
+        return subprocess.Popen(
+            [sys.executable, "-m", module, *args],
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+
+def stop(procs: list[subprocess.Popen]) -> None:
+    """SIGTERM (the server drains), then SIGKILL what is left after the grace period."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + STOP_GRACE_S
+    for proc in procs:
+        try:
+            proc.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def ask(url: str, model: str, question: str = QUESTION) -> str:
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": question}],
+        "max_tokens": 48,
+        "temperature": 0,
+    }
+    answer = requests.post(url + "/v1/chat/completions", json=body, timeout=120)
+    answer.raise_for_status()
+    return answer.json()["choices"][0]["message"]["content"]
+
+
+def instructions(url: str, base: str) -> str:
+    body = json.dumps(
+        {"model": "french", "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 48}
+    )
+    return f"""
+Try it (the scheduler at {url} routes to the server; the same calls work on the server itself):
+
+  curl -s {url}/v1/models
+  curl -s {url}/v1/chat/completions -H 'content-type: application/json' \\
+    -d '{body}'
+  curl -sN {url}/v1/completions -H 'content-type: application/json' \\
+    -d '{{"model": "caps", "prompt": "Once upon a time", "max_tokens": 32, "stream": true}}'
+
+  python3 - <<'EOF'
+from openai import OpenAI
+client = OpenAI(base_url="{url}/v1", api_key="none")
+for model in ["caps", "french", "terse", "{base}"]:
+    reply = client.chat.completions.create(model=model, max_tokens=48, temperature=0,
+        messages=[{{"role": "user", "content": "Describe a dog."}}])
+    print(model, "->", reply.choices[0].message.content)
+EOF
+
+  toppings-loadgen --url {url} --rps 1 --duration 30 --output-len 16
+
+Ctrl-C stops everything."""
+
+
+def _interrupt(signum: int, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="toppings-demo", description=__doc__.splitlines()[0])
+    p.add_argument("--adapters", type=Path, default=DEFAULT_OUT, help="where the adapters live")
+    p.add_argument("--port", type=int, default=8000, help="scheduler port")
+    p.add_argument("--server-port", type=int, default=8100)
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--no-train", action="store_true", help="fail instead of training")
+    args = p.parse_args(argv)
+    missing = [s for s in ("caps", "french", "terse") if not is_trained(args.adapters / s)]
+    if missing and args.no_train:
+        sys.exit(f"toppings-demo: adapters {missing} missing under {args.adapters}")
+    if missing:
+        print(
+            f"Training the demo adapters {', '.join(missing)} on the CPU, once: about "
+            f"{ESTIMATE_MIN * len(missing)} minutes (more on a busy machine)."
+        )
+    paths = train_demo_adapters(args.adapters)
+    logs = Path(tempfile.mkdtemp(prefix="toppings-demo-"))
+    server_url = f"http://127.0.0.1:{args.server_port}"
+    url = f"http://127.0.0.1:{args.port}"
+    loras = [a for style, path in paths.items() for a in ("--lora", f"{style}={path}")]
+    procs: list[subprocess.Popen] = []
+    # Ctrl-C and SIGTERM stop the children, also when started as a background job (which
+    # ignores SIGINT unless it is set back).
+    signal.signal(signal.SIGINT, _interrupt)
+    signal.signal(signal.SIGTERM, _interrupt)
+    clean = False
+    try:
+        print(f"Starting toppings-serve and toppings-scheduler (logs in {logs}) ...")
+        serve_args = [
+            "--model",
+            "smollm2",
+            *loras,
+            "--port",
+            str(args.server_port),
+            "--device",
+            args.device,
+        ]
+        procs.append(start("server.cli", serve_args, logs / "serve.log"))
+        sched_args = ["--registry", str(logs / "registry.sqlite"), "--port", str(args.port)]
+        procs.append(start("scheduler.cli", sched_args, logs / "scheduler.log"))
+        wait_healthy(server_url, procs[0], logs / "serve.log", 300.0)
+        wait_healthy(url, procs[1], logs / "scheduler.log", 60.0)
+        requests.post(
+            url + "/admin/servers", json={"url": server_url}, timeout=10
+        ).raise_for_status()
+        base = requests.get(server_url + "/v1/models", timeout=10).json()["data"][0]["id"]
+        print(
+            f"\nServing {base} with adapters caps, french, terse at {server_url}, "
+            f"behind the scheduler at {url}.\n\nQ: {QUESTION}"
+        )
+        for model in ["caps", "french", "terse", base]:
+            print(f"  {model:>22}: {ask(url, model)!r}")
+        print(instructions(url, base), flush=True)
+        while all(proc.poll() is None for proc in procs):
+            time.sleep(0.5)
+        dead = next(proc for proc in procs if proc.poll() is not None)
+        print(f"toppings-demo: {dead.args[2]} exited with {dead.returncode}; stopping")
+        return 1
+    except KeyboardInterrupt:
+        print("\nStopping ...")
+        clean = True
+        return 0
+    finally:
+        stop(procs)
+        if clean:  # logs stay for a look when something went wrong
+            shutil.rmtree(logs, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
