@@ -15,6 +15,7 @@ import argparse
 import datetime
 import json
 import logging
+import os
 import platform
 import statistics
 import sys
@@ -136,13 +137,19 @@ def main(argv: list[str] | None = None) -> None:
         "name": "cpu_assisted",
         "device": f"cpu ({platform.machine()}, {torch.get_num_threads()} threads), emulated link",
         "command": "python -m scripts.bench_cpu_assisted " + " ".join(sys.argv[1:]),
+        # With CPU workers, run as `OMP_WAIT_POLICY=PASSIVE python -m ...` (what toppings-serve
+        # sets when it starts workers): busy-waiting OpenMP threads starve the workers.
         "date": datetime.date.today().isoformat(),
         "config": {
             **{k: v for k, v in vars(args).items() if k != "out"},
             "link_gbps_used": link_gbps,
             "prefill_128_ms": base_prefill_ms,
             "targets": TARGETS,
-        },  # fmt: skip
+            # With CPU workers run it as `OMP_WAIT_POLICY=PASSIVE python -m ...` (toppings-serve
+            # sets it when it starts workers): busy-waiting OpenMP threads starve the workers.
+            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "default"),
+            "load_average_1min_at_end": os.getloadavg()[0],
+        },
         "metrics": {
             "ttft_ratio_cpu_assisted_vs_cached": ca["ttft_mean_ms"] / c["ttft_mean_ms"],
             "ttft_ratio_cpu_assisted_vs_on_demand": ca["ttft_mean_ms"] / od["ttft_mean_ms"],

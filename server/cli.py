@@ -210,6 +210,11 @@ def main(argv: list[str] | None = None) -> int:
         )
     except ValueError as e:
         sys.exit(f"toppings-serve: {e}")
+    if config.num_cpu_workers:
+        # The workers share cores with the engine's OpenMP threads, whose busy-waiting starves
+        # them (measured: cpu-assisted TTFT 1.98x cached with it, 1.08x without, on 2 cores).
+        # It must be set before torch starts OpenMP.
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     # Imported here so that `--help` answers without loading torch.
     from server.api import ApiOptions, create_app
     from server.lifecycle import discover
