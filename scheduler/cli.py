@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 from typing import Any
 
 import requests
@@ -69,6 +70,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--refresh-ms", type=float, default=100.0, help="/stats polling period")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random policy")
     parser.add_argument("--threads", type=int, default=32, help="waitress worker threads")
+    parser.add_argument(
+        "--server-api-key",
+        default=os.environ.get("TOPPINGS_API_KEY"),
+        help="bearer key of the servers (toppings-serve --api-key); default $TOPPINGS_API_KEY",
+    )
     parser.add_argument("--log-level", default="INFO")
     return parser.parse_args(argv)
 
@@ -88,6 +94,9 @@ def main(argv: list[str] | None = None) -> None:
     slo_ms = args.slo_tpt_ms or default_slo_ms(perf)
     policy = make_policy(args.policy, perf, slo_ms, seed=args.seed)
     router = Router(registry, cluster, policy)
+    if args.server_api_key:
+        for sess in (session, router.session):  # /stats polling and the proxied requests
+            sess.headers["Authorization"] = f"Bearer {args.server_api_key}"
     app = create_app(router, cluster, {"perf_model_source": source, "registry": args.registry})
     cluster.start()
     log.info("scheduler on http://%s:%d, policy %s, SLO %.1f ms per token",
