@@ -23,10 +23,13 @@ class HostLora:
         x: torch.Tensor,
         segments: list[tuple[str, int, int]],
         modules: tuple[str, ...],
+        *,
+        copy: bool = True,
     ) -> dict[str, torch.Tensor]:
         """Deltas of `modules` at `layer` for token segments (adapter, start, end) of x [T, H_in].
 
-        Returns module -> float32 [T, H_out]; rows outside every segment are zero.
+        Returns module -> float32 [T, H_out]; rows outside every segment are zero. `copy` is
+        accepted for the worker pool's signature; these tensors are always fresh.
         """
         out: dict[str, torch.Tensor] = {}
         xf = x.float()

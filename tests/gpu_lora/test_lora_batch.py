@@ -31,9 +31,9 @@ class CountingHost(HostLora):
         super().__init__(adapters)
         self.calls = []
 
-    def run(self, layer, x, segments, modules):
+    def run(self, layer, x, segments, modules, copy=True):
         self.calls.append((layer, tuple(s[0] for s in segments), modules))
-        return super().run(layer, x, segments, modules)
+        return super().run(layer, x, segments, modules, copy=copy)
 
 
 @pytest.mark.parametrize("is_prefill", [True, False])
