@@ -236,16 +236,18 @@ class Engine:
             with self._lock:
                 admitted = self._admit()
                 step = admitted or list(self._running)
-                if not step:
-                    continue
-                started = time.perf_counter()
-                try:
-                    self._step(step, is_prefill=bool(admitted))
-                except Exception as exc:  # keep serving: fail this step's requests only
-                    log.exception("engine step failed")
-                    for seq in step:
-                        self._finish(seq, "error", error=f"engine error: {exc}")
-                self._count_step(bool(admitted), time.perf_counter() - started)
+                if step:
+                    started = time.perf_counter()
+                    try:
+                        self._step(step, is_prefill=bool(admitted))
+                    except Exception as exc:  # keep serving: fail this step's requests only
+                        log.exception("engine step failed")
+                        for seq in step:
+                            self._finish(seq, "error", error=f"engine error: {exc}")
+                    self._count_step(bool(admitted), time.perf_counter() - started)
+            if not step:
+                # Requests wait for an adapter load or for adapter memory: poll, don't spin.
+                time.sleep(0.002)
 
     def _count_step(self, is_prefill: bool, seconds: float) -> None:
         st = self.step_stats

@@ -221,3 +221,29 @@ def test_sigkilled_cpu_worker_mid_request_changes_no_token(tmp_path_factory):
     for (prompt, name), got in zip(prompts, ours):
         ref, margins = reference_greedy(model_dir, adapters, prompt, name)
         assert_same_greedy(got, ref, margins, f"worker killed, adapter {name}")
+
+
+def test_on_demand_waits_for_whole_adapters(tmp_path_factory):
+    """on-demand (the S-LoRA way): no layer ever runs on the host; outputs stay exact."""
+    from scripts.make_tiny_llama import make_tiny_llama
+
+    model_dir = make_tiny_llama(tmp_path_factory.mktemp("tiny4d"), num_layers=4)
+    adapters = make_adapters(tmp_path_factory.mktemp("adapters4d"), model_dir)
+    adapter_bytes = 64 * (64 + 64) * 4 * 7 * 4
+    config = EngineConfig(
+        dtype="float32", lora_mode="on-demand", max_total_tokens=4096, max_batch_size=16,
+        link_gbps=adapter_bytes * 8 / 0.5 / 1e9,
+    )  # fmt: skip
+    engine = build_engine(str(model_dir), config, adapters)
+    try:
+        prompts = mixed_prompts(200, seed=4)
+        params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+        handles = [engine.submit(GenerationRequest(list(p), params, a)) for p, a in prompts]
+        ours = [h.result(timeout_s=300).new_token_ids for h in handles]
+        assert engine.host_calls == 0
+        assert engine.cache.counters.loads == len(adapters)
+    finally:
+        engine.shutdown()
+    for (prompt, name), got in zip(prompts, ours):
+        ref, margins = reference_greedy(model_dir, adapters, prompt, name)
+        assert_same_greedy(got, ref, margins, f"on-demand, adapter {name}")
