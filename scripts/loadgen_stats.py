@@ -75,7 +75,11 @@ def format_summary(summary: dict) -> str:
 
 
 def plot_cdfs(
-    runs: dict[str, Sequence[dict]], path: str, title: str = "", slo_tpt_ms: float | None = None
+    runs: dict[str, Sequence[dict]],
+    path: str,
+    title: str = "",
+    slo_tpt_ms: float | None = None,
+    log_x: bool = False,
 ) -> None:
     """CDFs of TTFT, time per token and E2E, one line per run, saved as a PNG."""
     import matplotlib
@@ -92,6 +96,8 @@ def plot_cdfs(
                 ax.step(values, ys, where="post", label=name)
         if key == "tpt" and slo_tpt_ms is not None:
             ax.axvline(slo_tpt_ms, color="grey", linestyle="--", linewidth=1, label="SLO")
+        if log_x:
+            ax.set_xscale("log")
         ax.set_xlabel(f"{label} (ms)")
         ax.set_ylabel("CDF")
         ax.grid(alpha=0.3)
