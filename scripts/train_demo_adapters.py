@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 from peft import LoraConfig, get_peft_model
+from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from scripts.demo_data import NAMES, STYLES, caps, examples
@@ -104,6 +105,7 @@ def train_one(model_dir: Path, style: str, out: Path, epochs: int, lr: float, se
     )
     model.train()
     last = float("nan")
+    bar = tqdm(total=epochs * steps_per_epoch, desc=f"training {style}", unit="step")
     for epoch in range(epochs):
         losses = []
         for ids, labels, mask in batches(encoded, 8, tokenizer.pad_token_id or 0, rng):
@@ -113,8 +115,11 @@ def train_one(model_dir: Path, style: str, out: Path, epochs: int, lr: float, se
             schedule.step()
             optimizer.zero_grad()
             losses.append(loss.item())
+            bar.set_postfix(epoch=f"{epoch + 1}/{epochs}", loss=f"{losses[-1]:.3f}")
+            bar.update()
         last = sum(losses) / len(losses)
         log.info("%s: epoch %d/%d, loss %.3f", style, epoch + 1, epochs, last)
+    bar.close()
     model.save_pretrained(out)
     return last
 
