@@ -56,14 +56,18 @@ class CpuLoraPool:
         timeout_s: float = 30.0,
         start_timeout_s: float = 120.0,
         use_numactl: bool | None = None,
+        spin_us: float = 0.0,
     ) -> None:
         """Start `num_workers` workers, worker i pinned to cores[i % len(cores)].
 
         cores defaults to the cores this process may run on. tokens_per_core None runs
-        `profile()` once the workers are up; an int fixes c without profiling.
+        `profile()` once the workers are up; an int fixes c without profiling. spin_us > 0:
+        the pool and the workers spin that long on a semaphore before sleeping (spin.py).
         """
         if num_workers < 1:
             raise ValueError("num_workers must be >= 1")
+        if spin_us < 0:
+            raise ValueError("spin_us must be >= 0")
         for module in modules:
             if tuple(model_config.projection_shape(module)) != repository.shapes[module]:
                 raise ValueError(f"{module}: the repository was made for another model")
@@ -87,7 +91,9 @@ class CpuLoraPool:
         try:
             for i in range(num_workers):
                 core = self._cores[i % len(self._cores)]
-                self._workers.append(WorkerProcess(i, core, self.io, repository.name, numactl))
+                self._workers.append(
+                    WorkerProcess(i, core, self.io, repository.name, numactl, spin_us)
+                )
                 self._workers[-1].start()
             self.wait_ready(start_timeout_s)
             self.tokens_per_core = tokens_per_core or self.profile().tokens_per_core

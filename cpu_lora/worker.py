@@ -26,6 +26,7 @@ from cpu_lora import shm
 from cpu_lora.compute import run_job
 from cpu_lora.protocol import OP_STOP, STATUS_ERROR, STATUS_OK, IoArena
 from cpu_lora.repository import HostRepository
+from cpu_lora.spin import try_acquire_spinning
 
 log = logging.getLogger("cpu_lora.worker")
 
@@ -42,9 +43,12 @@ def serve(args: argparse.Namespace) -> int:
     job_sem = posix_ipc.Semaphore(args.job_sem)
     done_sem = posix_ipc.Semaphore(args.done_sem)
     io.set_worker_pid(args.index, os.getpid())  # the pool's readiness signal
+    spin_ns = int(args.spin_us * 1000)
     while True:
         try:
-            job_sem.acquire(ORPHAN_CHECK_S)
+            # Right after a job the next layer's call often follows within the spin window.
+            if not (spin_ns and try_acquire_spinning(job_sem, spin_ns)):
+                job_sem.acquire(ORPHAN_CHECK_S)
         except posix_ipc.BusyError:
             if os.getppid() != args.parent:
                 log.warning("parent %d is gone: unlinking its shared memory, exiting", args.parent)
@@ -76,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--done-sem", required=True)
     parser.add_argument("--parent", type=int, required=True, help="pid of the pool's process")
     parser.add_argument("--core", type=int, default=-1, help="core to pin to; -1: none")
+    parser.add_argument("--spin-us", type=float, default=0.0, help="spin before blocking")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(name)s[%(process)d]: %(message)s")
     # Ctrl-C reaches the whole process group; the parent decides when workers stop.

@@ -13,6 +13,7 @@ import posix_ipc
 
 from cpu_lora import shm
 from cpu_lora.protocol import OP_STOP, IoArena, Job
+from cpu_lora.spin import try_acquire_spinning
 
 log = logging.getLogger(__name__)
 
@@ -23,9 +24,19 @@ _PACKAGE_ROOT = str(Path(__file__).resolve().parents[1])
 class WorkerProcess:
     """Worker `index` of a pool: job semaphore (pool posts), done semaphore (worker posts)."""
 
-    def __init__(self, index: int, core: int, io: IoArena, repo_name: str, numactl: str | None):
+    def __init__(
+        self,
+        index: int,
+        core: int,
+        io: IoArena,
+        repo_name: str,
+        numactl: str | None,
+        spin_us: float = 0.0,
+    ):
+        """spin_us: how long both sides spin on a semaphore before blocking (spin.py)."""
         self.index, self.core, self.io = index, core, io
         self._repo_name, self._numactl = repo_name, numactl
+        self.spin_us, self._spin_ns = spin_us, int(spin_us * 1000)
         self.job_sem = shm.create_sem(shm.new_name(f"job{index}"))
         self.done_sem = shm.create_sem(shm.new_name(f"done{index}"))
         self.proc: subprocess.Popen | None = None
@@ -52,6 +63,8 @@ class WorkerProcess:
             str(os.getpid()),
             "--core",
             str(self.core),
+            "--spin-us",
+            str(self.spin_us),
         ]
         if self._numactl:
             cmd = [self._numactl, f"--physcpubind={self.core}", "--localalloc", *cmd]
@@ -100,6 +113,10 @@ class WorkerProcess:
 
     def wait(self, seq: int, deadline: float) -> tuple[int | str, int]:
         """(status, compute ns) of job `seq`, or ("died" | "timed out", 0)."""
+        if self._spin_ns and try_acquire_spinning(self.done_sem, self._spin_ns):
+            done_seq, status, ns = self.io.read_reply(self.index)
+            if done_seq == seq:
+                return status, ns
         while True:
             remaining = deadline - time.monotonic()
             try:

@@ -153,45 +153,74 @@ def measure(args, repo, shapes, n: int, cores: list[int]) -> dict:
     widths = [shapes.projection_shape(m)[1] for m in QKV]
     segments = [("bench", 0, args.tokens)]
     per_worker = -(-args.tokens // n)
-    pool = CpuLoraPool(
-        repo, shapes, n, cores, max_tokens=args.tokens, modules=QKV, tokens_per_core=per_worker
-    )
-    sockets = SocketPool(repo, n, cores)
-    staged = pool.input_buffer(args.tokens, shapes.hidden)
 
-    def shm_call():
-        pool.run(0, x, segments, QKV)
-        return pool.last_call.worker_compute_ns
+    def make_pool(spin_us: float) -> CpuLoraPool:
+        return CpuLoraPool(
+            repo,
+            shapes,
+            n,
+            cores,
+            max_tokens=args.tokens,
+            modules=QKV,
+            tokens_per_core=per_worker,
+            spin_us=spin_us,
+        )
 
-    def zero_copy_call():
-        pool.run(0, staged, segments, QKV, copy=False)
-        return pool.last_call.worker_compute_ns
+    def pool_calls(pool: CpuLoraPool, prefix: str) -> dict:
+        staged = pool.input_buffer(args.tokens, shapes.hidden)
 
-    def socket_call():
-        return sockets.run(x, widths)[1]
+        def copied():
+            pool.run(0, x, segments, QKV)
+            return pool.last_call.worker_compute_ns
 
-    calls = {"shm": shm_call, "shm_zero_copy": zero_copy_call, "socket": socket_call}
-    samples = {name: {"overhead": [], "round_trip": [], "compute": []} for name in calls}
+        def zero_copy():
+            copy_serial(staged, x)  # the caller's own write of its layer input, not timed
+            start = time.perf_counter_ns()
+            pool.run(0, staged, segments, QKV, copy=False)
+            return pool.last_call.worker_compute_ns, start
+
+        return {prefix: copied, f"{prefix}_zero_copy": zero_copy}
+
+    pool, sockets = make_pool(0.0), SocketPool(repo, n, cores)
     try:
         empty_us = pool.measure_overhead_us(calls=200)  # semaphores and wake-ups only
         got = pool.run(0, x, segments, QKV)
         ref, _ = sockets.run(x, widths)
         assert all(torch.allclose(got[m], r, atol=1e-4) for m, r in zip(QKV, ref))
-        for i in range(args.warmup + args.calls):
-            copy_serial(staged, x)  # the caller's own write of its layer input, not timed
-            for name, call in calls.items():
-                start = time.perf_counter_ns()
-                compute = call()
-                rt = time.perf_counter_ns() - start
-                assert len(compute) == n
-                if i >= args.warmup:
-                    samples[name]["overhead"].append((rt - max(compute)) / 1e3)
-                    samples[name]["round_trip"].append(rt / 1e3)
-                    samples[name]["compute"].append(max(compute) / 1e3)
+        calls = {**pool_calls(pool, "shm"), "socket": lambda: sockets.run(x, widths)[1]}
+        samples = sample(calls, n, args)
     finally:
         pool.close()
         sockets.close()
-    return {"samples": samples, "empty_job_us": empty_us}
+    # The spinning pool's workers would burn cores during the other transports' calls, so its
+    # calls run after theirs rather than interleaved with them.
+    with make_pool(args.spin_us) as spin_pool:
+        empty_spin_us = spin_pool.measure_overhead_us(calls=200)
+        samples.update(sample(pool_calls(spin_pool, "shm_spin"), n, args))
+    return {"samples": samples, "empty_job_us": empty_us, "empty_job_spin_us": empty_spin_us}
+
+
+def sample(calls: dict, n: int, args) -> dict:
+    """{call name: {"overhead", "round_trip", "compute": [us]}}, the calls interleaved.
+
+    A call returns the workers' compute ns, or (compute ns, start ns) when it did untimed
+    work of its own before `start`.
+    """
+    samples = {name: {"overhead": [], "round_trip": [], "compute": []} for name in calls}
+    for i in range(args.warmup + args.calls):
+        for name, call in calls.items():
+            start = time.perf_counter_ns()
+            compute = call()
+            end = time.perf_counter_ns()
+            if isinstance(compute, tuple):
+                compute, start = compute
+            rt = end - start
+            assert len(compute) == n
+            if i >= args.warmup:
+                samples[name]["overhead"].append((rt - max(compute)) / 1e3)
+                samples[name]["round_trip"].append(rt / 1e3)
+                samples[name]["compute"].append(max(compute) / 1e3)
+    return samples
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -201,6 +230,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--workers", default="1,2,4,8")
     p.add_argument("--calls", type=int, default=1000)
     p.add_argument("--warmup", type=int, default=50)
+    p.add_argument("--spin-us", type=float, default=200.0, help="spin window of the shm_spin rows")
     p.add_argument("--out", default="bench/results/cpu_lora_ipc.json")
     p.add_argument("--socket-worker", nargs=3, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -245,6 +275,8 @@ def main(argv: list[str] | None = None) -> None:
             "there, untimed) and run(copy=False): outputs read in place",
             "socket": "socketpair per worker; each worker is sent its 16/N rows of x and sends "
             "its rows of q/k/v back (same bytes in total as shm)",
+            "shm_spin": f"as shm, with pool and workers spinning up to {args.spin_us:g} us on "
+            "their semaphores before sleeping (spin_us); measured after the other transports",
             "shm_vs_socket_ratio": "socket overhead p50 / shm overhead p50 (>1: shm cheaper)",
         },
         "metrics": {
@@ -254,9 +286,16 @@ def main(argv: list[str] | None = None) -> None:
             "overhead_p99_us_zero_copy": pct(one["shm_zero_copy"]["overhead"], 99),
             "round_trip_p50_us": pct(one["shm"]["round_trip"], 50),
             "worker_compute_p50_us": pct(one["shm"]["compute"], 50),
+            "overhead_p50_us_spin": pct(one["shm_spin"]["overhead"], 50),
+            "overhead_p99_us_spin": pct(one["shm_spin"]["overhead"], 99),
+            "overhead_p50_us_spin_zero_copy": pct(one["shm_spin_zero_copy"]["overhead"], 50),
+            "overhead_p99_us_spin_zero_copy": pct(one["shm_spin_zero_copy"]["overhead"], 99),
             "empty_job_round_trip_p50_us": results[counts[0]]["empty_job_us"],
+            "empty_job_round_trip_p50_us_spin": results[counts[0]]["empty_job_spin_us"],
             "shm_overhead_p50_us_by_workers": by_workers("shm", 50),
             "shm_zero_copy_overhead_p50_us_by_workers": by_workers("shm_zero_copy", 50),
+            "shm_spin_overhead_p50_us_by_workers": by_workers("shm_spin", 50),
+            "shm_spin_zero_copy_overhead_p50_us_by_workers": by_workers("shm_spin_zero_copy", 50),
             "socket_overhead_p50_us_by_workers": by_workers("socket", 50),
             "shm_overhead_p99_us_by_workers": by_workers("shm", 99),
             "socket_overhead_p99_us_by_workers": by_workers("socket", 99),

@@ -150,3 +150,24 @@ def test_one_worker_pool_and_close(repo, adapters):
             os.kill(pid, 0)
     with pytest.raises(RuntimeError, match="closed"):
         pool.run(0, torch.randn(2, 128), [("a4", 0, 2)], QKV)
+
+
+def test_spinning_pool_matches_reference_and_survives_a_kill(repo, adapters):
+    """spin_us > 0: back-to-back calls (taken while spinning) and a killed worker stay correct."""
+    with CpuLoraPool(
+        repo, tiny_config(), 2, max_tokens=64, tokens_per_core=1, spin_us=5000
+    ) as pool:
+        for seed in range(20):
+            _check(pool, adapters, layer=1 + seed % 2, seed=seed)
+            assert pool.last_call.fallbacks == 0
+        _kill(pool.worker_pids()[0])
+        _check(pool, adapters, seed=21)
+        pool.wait_ready(120)
+        for seed in range(22, 30):
+            _check(pool, adapters, seed=seed)
+        assert len(pool.last_call.worker_compute_ns) == 2
+
+
+def test_spin_us_must_not_be_negative(repo):
+    with pytest.raises(ValueError, match="spin_us"):
+        CpuLoraPool(repo, tiny_config(), 1, max_tokens=64, tokens_per_core=1, spin_us=-1)
