@@ -30,7 +30,7 @@ log = logging.getLogger("train_demo_adapters")
 
 DEFAULT_OUT = Path("~/.cache/toppings/demo-adapters").expanduser()
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
-ESTIMATE_MIN = 4  # minutes per adapter on a 2-core CPU, said before training starts
+ESTIMATE_MIN = 5  # minutes per adapter on a 2-core CPU, said before training starts
 
 
 def is_trained(path: Path) -> bool:
