@@ -59,6 +59,7 @@ class AdapterManager:
                 self.config.num_cpu_workers,
                 cores=list(self.config.cpu_cores) or None,
                 max_tokens=max(self.config.max_prefill_tokens, self.config.max_batch_size),
+                spin_us=self.config.cpu_spin_us,
             )
         except BaseException:
             self.repository.close()

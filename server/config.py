@@ -34,6 +34,7 @@ class EngineConfig:
     layers_per_group: int = 1  # layers per pipelined load step
     num_cpu_workers: int = 0  # CPU LoRA worker processes; 0: compute host LoRA in-process
     cpu_cores: tuple[int, ...] = ()  # cores for the CPU workers (one each); (): any
+    cpu_spin_us: float = 0.0  # engine and workers spin this long on a semaphore before sleeping
 
     def __post_init__(self) -> None:
         for name, value, allowed in (
@@ -50,6 +51,8 @@ class EngineConfig:
         for name in ("max_model_len", "adapter_cache_bytes", "num_cpu_workers"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
+        if self.cpu_spin_us < 0:
+            raise ValueError("cpu_spin_us must be >= 0")
         if self.link_gbps < 0 or self.layers_per_group < 1:
             raise ValueError("link_gbps must be >= 0 and layers_per_group >= 1")
         if self.eviction not in EVICTION_POLICIES:

@@ -155,3 +155,12 @@ def test_sampling_params_are_validated():
     ):
         with pytest.raises(RequestError):
             SamplingParams(**bad)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("cpu_spin_us", -1.0), ("num_cpu_workers", -1), ("link_gbps", -0.5), ("lora_mode", "x")],
+)
+def test_engine_config_refuses_bad_values(field, value):
+    with pytest.raises(ValueError, match=field):
+        EngineConfig(**{field: value})

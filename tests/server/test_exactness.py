@@ -148,10 +148,13 @@ def test_mixed_batch_matches_peft_smollm2(tmp_path_factory, smollm2_dir):
     check_model(smollm2_dir, adapters, vocab=49152, kernel="mbgmv")
 
 
-@pytest.mark.parametrize("num_cpu_workers", [0, 2])
-def test_cpu_assisted_matches_peft_while_adapters_load(tmp_path_factory, num_cpu_workers):
+@pytest.mark.parametrize(("num_cpu_workers", "cpu_spin_us"), [(0, 0.0), (2, 0.0), (1, 2000.0)])
+def test_cpu_assisted_matches_peft_while_adapters_load(
+    tmp_path_factory, num_cpu_workers, cpu_spin_us
+):
     """Loads throttled to take ~1 s each: prefill and early decode run partly on the host path
-    (in-process with 0 workers, else the shared-memory CPU worker pool)."""
+    (in-process with 0 workers, else the shared-memory CPU worker pool, sleeping or spinning
+    on its semaphores)."""
     from scripts.make_tiny_llama import make_tiny_llama
 
     model_dir = make_tiny_llama(tmp_path_factory.mktemp("tiny4"), num_layers=4)
@@ -160,7 +163,7 @@ def test_cpu_assisted_matches_peft_while_adapters_load(tmp_path_factory, num_cpu
     config = EngineConfig(
         dtype="float32", lora_mode="cpu-assisted", max_total_tokens=4096, max_batch_size=16,
         link_gbps=adapter_bytes * 8 / 1.0 / 1e9, layers_per_group=1,
-        num_cpu_workers=num_cpu_workers,
+        num_cpu_workers=num_cpu_workers, cpu_spin_us=cpu_spin_us,
     )  # fmt: skip
     engine = build_engine(str(model_dir), config, adapters)
     try:
