@@ -3,8 +3,9 @@
     python -m scripts.cluster_sim [--servers 60] [--rps 340] [--duration 60]
         [--loads 200,260,300,340,380,420] [--kernels bgmv,mbgmv] [--perf-model FILE.json]
 
-Writes bench/results/cluster_sim.json, bench/cluster_sim_slo.png (SLO attainment vs load) and
-bench/cluster_sim_tpt_cdf.png (TPT CDF at the paper's load). The SLO on time per token is 1.5x
+Writes bench/results/cluster_sim.json (--out), bench/cluster_sim_slo.png (SLO attainment vs
+load) and bench/cluster_sim_tpt_cdf.png (TPT CDF at the paper's load), the PNGs named after
+--out one folder up. The SLO on time per token is 1.5x
 the mean TPT of the same trace served without LoRA (every rank 0, least-loaded routing), at the
 paper's load, and stays fixed over the sweep. Without --perf-model the iteration latencies come
 from the paper's Fig. 6 (scheduler/paper_models.py), and the result says so.
@@ -71,7 +72,8 @@ def run_job(job: Job) -> dict:
     return out
 
 
-def plot(results: dict, sweep: dict, kernels: list[str], bench_dir: Path, rps: float) -> None:
+def plot(results: dict, sweep: dict, kernels: list[str], prefix: Path, rps: float) -> None:
+    """Draws PREFIX_slo.png and PREFIX_tpt_cdf.png."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -91,7 +93,7 @@ def plot(results: dict, sweep: dict, kernels: list[str], bench_dir: Path, rps: f
     ax.title.set_fontsize(8)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(bench_dir / "cluster_sim_slo.png", dpi=120)
+    fig.savefig(f"{prefix}_slo.png", dpi=120)
 
     fig, ax = plt.subplots(figsize=(6, 4))
     kernel = kernels[0]
@@ -107,7 +109,7 @@ def plot(results: dict, sweep: dict, kernels: list[str], bench_dir: Path, rps: f
     ax.set_title(f"{kernel}, {rps:.0f} rps, up to the 99.5th percentile; dotted: SLO", fontsize=8)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(bench_dir / "cluster_sim_tpt_cdf.png", dpi=120)
+    fig.savefig(f"{prefix}_tpt_cdf.png", dpi=120)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -199,9 +201,8 @@ def main(argv: list[str] | None = None) -> int:
         },
         "tpt_ms": tpt_lists,
     }
-    bench_dir = args.out.parent.parent
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    plot(results, sweep, kernels, bench_dir, args.rps)
+    plot(results, sweep, kernels, args.out.parent.parent / args.out.stem, args.rps)
     del results["tpt_ms"]
     args.out.write_text(json.dumps(results, indent=2) + "\n")
     headline = ("slo_attainment", "mean_tpt_ms", "tpt_reduction_rank_aware_vs", "slo_tpt_ms")
