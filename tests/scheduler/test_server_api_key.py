@@ -1,0 +1,106 @@
+"""toppings-scheduler --server-api-key: /stats polling and proxied requests carry the bearer key.
+
+A stand-in server (werkzeug, in a thread) answers /v1/models, /stats and /v1/completions only to
+`Authorization: Bearer KEY`, 401 otherwise, and records what it was sent; the scheduler is the
+real command in a subprocess.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import requests
+from flask import Flask, jsonify, request
+from werkzeug.serving import make_server
+
+KEY = "s3cret-key"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _stand_in_server(seen: list[tuple[str, str | None]]) -> Flask:
+    app = Flask("stand-in")
+
+    @app.before_request
+    def check_key():
+        seen.append((request.path, request.headers.get("Authorization")))
+        if request.headers.get("Authorization") != f"Bearer {KEY}":
+            return jsonify(error={"message": "bad key", "type": "auth", "code": 401}), 401
+
+    @app.get("/v1/models")
+    def models():
+        cards = [{"id": "base", "parent": None}, {"id": "a8", "parent": "base", "rank": 8}]
+        return jsonify(object="list", data=cards)
+
+    @app.get("/stats")
+    def stats():
+        return jsonify(
+            model="base", kernel="mbgmv", device="cpu", lora_mode="cached", running=[],
+            queue=[], adapters=[{"name": "a8", "rank": 8, "resident": True}],
+            free_kv_tokens=1000, max_total_tokens=1000, healthy=True,
+        )  # fmt: skip
+
+    @app.post("/v1/completions")
+    def completions():
+        return jsonify(object="text_completion", model="a8", choices=[{"text": "ok"}])
+
+    return app
+
+
+@pytest.fixture
+def stand_in():
+    seen: list[tuple[str, str | None]] = []
+    server = make_server("127.0.0.1", 0, _stand_in_server(seen), threaded=True)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_port}", seen
+    server.shutdown()
+
+
+@pytest.mark.parametrize("with_key", [True, False])
+def test_scheduler_sends_the_server_key(stand_in, tmp_path, with_key):
+    server_url, seen = stand_in
+    port = _free_port()
+    cmd = [sys.executable, "-m", "scheduler.cli", "--registry", str(tmp_path / "r.sqlite"),
+           "--port", str(port)]  # fmt: skip
+    if with_key:
+        cmd += ["--server-api-key", KEY]
+    env = {k: v for k, v in os.environ.items() if k != "TOPPINGS_API_KEY"}  # the flag's default
+    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if requests.get(url + "/health", timeout=1).status_code < 500:
+                    break
+            except requests.ConnectionError:
+                pass
+            assert time.monotonic() < deadline and proc.poll() is None, "scheduler did not start"
+            time.sleep(0.2)
+        added = requests.post(url + "/admin/servers", json={"url": server_url}, timeout=10)
+        if not with_key:  # the server refuses the scheduler: it cannot be registered
+            assert added.status_code >= 400 and "error" in added.json()
+            assert seen and all(auth is None for _, auth in seen)
+            return
+        assert added.status_code == 201, added.text
+        body = {"model": "a8", "prompt": "hi", "max_tokens": 4}
+        answer = requests.post(url + "/v1/completions", json=body, timeout=10)
+        assert answer.status_code == 200 and answer.json()["choices"][0]["text"] == "ok"
+        time.sleep(0.3)  # a few /stats polls
+        paths = {path for path, _ in seen}
+        assert {"/v1/models", "/stats", "/v1/completions"} <= paths
+        assert all(auth == f"Bearer {KEY}" for _, auth in seen)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
