@@ -7,6 +7,19 @@ import torch
 from cpu_lora.protocol import IoArena, Job
 from cpu_lora.repository import HostRepository
 from cpu_lora.shapes import mask_modules
+from cpu_lora.spin import spin_until
+
+X_TIMEOUT_S = 10.0  # how long a job waits for its x (a device copy still in flight)
+
+
+def wait_for_x(io: IoArena, job: Job, timeout_s: float = X_TIMEOUT_S) -> None:
+    """Return once the arena holds the x of `job`'s call; RuntimeError after timeout_s.
+
+    On a CPU the pool marks x before posting, so this returns at once; on a GPU the mark is a
+    device-to-host copy queued after x's, and the job may arrive before it lands.
+    """
+    if not spin_until(lambda: io.x_seq() == job.x_seq, timeout_s):
+        raise RuntimeError(f"x of call {job.x_seq} did not arrive in {timeout_s:g} s")
 
 
 def run_job(repo: HostRepository, io: IoArena, job: Job) -> None:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cpu_lora.compute import run_job
+from cpu_lora.compute import run_job, wait_for_x
 from cpu_lora.profiling import CoreProfile, choose_tokens_per_core, time_one_core
 from cpu_lora.protocol import OP_RUN, STATUS_ERROR, STATUS_OK, IoArena, Job
 from cpu_lora.repository import HostRepository
@@ -83,6 +83,8 @@ class CpuLoraPool:
         )
         self._lock = threading.Lock()
         self._seq = 0
+        self._x_seq = 0  # the call whose x is (or is being put) in the arena
+        self._device = None  # CudaStager, made at the first call with a CUDA x
         self._specs: dict[tuple[str, ...], tuple[int, int]] = {}
         self._closed = False
         self.last_call = CallStats()
@@ -124,13 +126,16 @@ class CpuLoraPool:
         Args:
             layer: layer index.
             x: [T, H_in] float32/bfloat16, the input the projections share. When x is
-                `input_buffer(T, H_in)` (filled by the caller) it is not copied.
+                `input_buffer(T, H_in)` (filled by the caller) it is not copied. A CUDA x is
+                copied into the arena on its current stream without a host synchronize
+                (cuda_stage.py); the workers start once it has landed.
             segments: (adapter name or None, start, end); non-overlapping token ranges.
             modules: projections with the same H_in, e.g. ("q_proj", "k_proj", "v_proj").
             copy: False returns views of the shared outputs, in the arena dtype, valid until
-                the next call (saves a copy when the caller consumes them at once).
+                the next call (saves a copy when the caller consumes them at once). Ignored
+                for a CUDA x: the outputs are new device tensors, ready in stream order.
         Returns:
-            {module: [T, H_out]} in x's dtype (copy=True), new tensors.
+            {module: [T, H_out]} on x's device, in x's dtype (copy=True or CUDA).
         """
         mask, h_in = self._check_call(layer, x, modules)
         work = self._resolve(segments, x.shape[0])
@@ -140,17 +145,33 @@ class CpuLoraPool:
                 raise RuntimeError("the pool is closed")
             stats = self.last_call = CallStats()
             if work:
-                staged = self.io.x_view(num_tokens, h_in)
-                if x.data_ptr() != staged.data_ptr() or x.stride() != staged.stride():
-                    copy_serial(staged, x)
+                self._stage_x(x, num_tokens, h_in)
                 self._dispatch(layer, mask, num_tokens, work, stats)
+                if self._device is not None and x.device.type != "cpu":
+                    return self._device.fetch(self.io.out_views(num_tokens, mask), x.dtype)
                 if not copy:
                     return self.io.out_views(num_tokens, mask)
                 shared = self.io.out_flat(num_tokens, mask)
                 flat = torch.empty(shared.shape, dtype=x.dtype)
                 copy_serial(flat, shared)  # one copy for all modules
                 return self.io.out_views(num_tokens, mask, flat)
-        return {m: zeros_serial(num_tokens, self.shapes[m][1], x.dtype) for m in modules}
+        zeros = {m: zeros_serial(num_tokens, self.shapes[m][1], x.dtype) for m in modules}
+        return {m: z.to(x.device) for m, z in zeros.items()}
+
+    def _stage_x(self, x: torch.Tensor, num_tokens: int, h_in: int) -> None:
+        """Put x [T, H_in] in the arena and mark it as the next call's (queued on a GPU)."""
+        self._x_seq += 1
+        staged = self.io.x_view(num_tokens, h_in)
+        if x.device.type != "cpu":
+            if self._device is None:
+                from cpu_lora.cuda_stage import CudaStager
+
+                self._device = CudaStager(self.io, x.device)
+            self._device.stage(x, staged, self._x_seq)
+            return
+        if x.data_ptr() != staged.data_ptr() or x.stride() != staged.stride():
+            copy_serial(staged, x)
+        self.io.set_x_seq(self._x_seq)
 
     def input_buffer(self, num_tokens: int, width: int) -> torch.Tensor:
         """The shared input x [T, H_in] (arena dtype): fill it and pass it to run() uncopied."""
@@ -163,12 +184,12 @@ class CpuLoraPool:
         posted = []
         for worker, (lo, hi, segs) in zip(ready, slices):
             self._seq += 1
-            job = Job(self._seq, OP_RUN, layer, mask, num_tokens, lo, hi, tuple(segs))
+            job = Job(self._seq, OP_RUN, layer, mask, num_tokens, lo, hi, tuple(segs), self._x_seq)
             worker.post(job)
             posted.append((worker, job))
         # Without a ready worker (all restarting) the whole call runs here.
         local = [
-            Job(0, OP_RUN, layer, mask, num_tokens, lo, hi, tuple(s))
+            Job(0, OP_RUN, layer, mask, num_tokens, lo, hi, tuple(s), self._x_seq)
             for lo, hi, s in slices[len(posted) :]
         ]
         deadline = time.monotonic() + self.timeout_s
@@ -185,6 +206,7 @@ class CpuLoraPool:
             local.append(job)  # an error raises here again, with its message
         for job in local:
             stats.fallbacks += 1
+            wait_for_x(self.io, job)
             run_job(self.repository, self.io, job)
 
     def _check_call(self, layer: int, x: torch.Tensor, modules: tuple[str, ...]):
@@ -250,7 +272,7 @@ class CpuLoraPool:
             for _ in range(calls):
                 self._seq += 1
                 start = time.perf_counter_ns()
-                worker.post(Job(self._seq, OP_RUN, 0, 1, 0, 0, 0, ()))
+                worker.post(Job(self._seq, OP_RUN, 0, 1, 0, 0, 0, (), self._x_seq))
                 status, _ = worker.wait(self._seq, time.monotonic() + self.timeout_s)
                 if status != STATUS_OK:
                     raise RuntimeError(f"worker 0 {status} while profiling")
@@ -301,6 +323,8 @@ class CpuLoraPool:
                 worker.request_stop()
             for worker in self._workers:
                 worker.stop(grace_s=2.0)
+            if self._device is not None:
+                self._device.close()
             self.io.unlink()
             self.io.close()
 

@@ -4,12 +4,15 @@ No pickling and no sockets on the hot path: the pool writes a job into a worker'
 and posts the worker's semaphore; the worker writes its rows of the outputs and a reply, then
 posts its done semaphore. Layout (little endian; offsets in bytes from the arena start):
 
-    0          header   HEADER_FMT: magic b"TOPIO001", version, dtype code, num_workers,
+    0          header   HEADER_FMT: magic b"TOPIO002", version, dtype code, num_workers,
                         max_tokens, max_segments, x_width, out_width, job_bytes, job offset,
-                        x offset, out offset; padded to 128
+                        x offset, out offset; padded to 120
+    120        x_seq    u64: the call whose x is in the x buffer (written after x itself: by
+                        the pool on a CPU, by a D2H copy queued after x's on a GPU stream)
     job_off    jobs     num_workers slots of job_bytes (64-aligned), slot i for worker i:
                +0         REQUEST_FMT (pool writes): seq, op (1 run, 2 stop), layer, modules
-                          bitmask, T (tokens of the call), row_start, row_end, num_segments
+                          bitmask, T (tokens of the call), row_start, row_end, num_segments,
+                          x_seq (the worker reads x once the header's x_seq equals it)
                +64        REPLY_FMT (worker writes): done_seq, status (0 ok, 1 error),
                           compute_ns (the worker's own compute time for the job)
                +96        WORKER_FMT (worker writes once, on start): pid
@@ -34,11 +37,12 @@ import torch
 from cpu_lora import shm
 from cpu_lora.shapes import DTYPE_CODES, DTYPES, mask_modules
 
-MAGIC = b"TOPIO001"
-VERSION = 1
+MAGIC = b"TOPIO002"
+VERSION = 2
 HEADER_FMT = "<8sIIIIIIIIQQQ"
 HEADER_BYTES = 128
-REQUEST_FMT = "<QIIIIIII"
+REQUEST_FMT = "<QIIIIIIIQ"
+X_SEQ_FMT, X_SEQ_AT = "<Q", 120
 REPLY_FMT, REPLY_AT = "<QIIQ", 64
 WORKER_FMT, WORKER_AT = "<Q", 96
 SEGMENT_FMT, SEGMENTS_AT = "<iII", 128
@@ -59,6 +63,7 @@ class Job:
     row_start: int
     row_end: int
     segments: tuple[tuple[int, int, int], ...]  # (adapter slot, start, end)
+    x_seq: int = 0  # the call whose x this job reads (see IoArena.x_seq)
 
 
 def _align(n: int, to: int = 64) -> int:
@@ -156,16 +161,35 @@ class IoArena:
             job.row_start,
             job.row_end,
             len(job.segments),
+            job.x_seq,
         )
 
     def read_job(self, worker: int) -> Job:
         at = self._slot(worker)
-        seq, op, layer, modules, tokens, lo, hi, n = struct.unpack_from(REQUEST_FMT, self._mm, at)
+        seq, op, layer, modules, tokens, lo, hi, n, x_seq = struct.unpack_from(
+            REQUEST_FMT, self._mm, at
+        )
         segs = tuple(
             struct.unpack_from(SEGMENT_FMT, self._mm, at + SEGMENTS_AT + i * SEGMENT_BYTES)
             for i in range(n)
         )
-        return Job(seq, op, layer, modules, tokens, lo, hi, segs)
+        return Job(seq, op, layer, modules, tokens, lo, hi, segs, x_seq)
+
+    def x_seq(self) -> int:
+        """The call whose input x is complete in the x buffer."""
+        return struct.unpack_from(X_SEQ_FMT, self._mm, X_SEQ_AT)[0]
+
+    def set_x_seq(self, seq: int) -> None:
+        """Mark x as complete for call `seq` (after writing x)."""
+        struct.pack_into(X_SEQ_FMT, self._mm, X_SEQ_AT, seq)
+
+    def x_seq_tensor(self) -> torch.Tensor:
+        """The x_seq word as an int64 [1] tensor over the arena, for a device copy to write."""
+        return torch.frombuffer(self._mm, dtype=torch.int64, offset=X_SEQ_AT, count=1)
+
+    def mapping_tensor(self) -> torch.Tensor:
+        """The whole arena as uint8 [size] (to register it as pinned memory)."""
+        return torch.frombuffer(self._mm, dtype=torch.uint8)
 
     def write_reply(self, worker: int, seq: int, status: int, compute_ns: int) -> None:
         struct.pack_into(

@@ -10,6 +10,7 @@ the workers own their cores (a GPU node), not when they share them with the engi
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import posix_ipc
 
@@ -24,3 +25,14 @@ def try_acquire_spinning(sem: posix_ipc.Semaphore, spin_ns: int) -> bool:
         except posix_ipc.BusyError:
             if time.perf_counter_ns() >= end:
                 return False
+
+
+def spin_until(predicate: Callable[[], bool], timeout_s: float) -> bool:
+    """Poll `predicate` without sleeping until it holds (True) or timeout_s passes (False)."""
+    if predicate():
+        return True
+    end = time.perf_counter_ns() + int(timeout_s * 1e9)
+    while time.perf_counter_ns() < end:
+        if predicate():
+            return True
+    return False

@@ -23,7 +23,7 @@ import posix_ipc
 import torch
 
 from cpu_lora import shm
-from cpu_lora.compute import run_job
+from cpu_lora.compute import run_job, wait_for_x
 from cpu_lora.protocol import OP_STOP, STATUS_ERROR, STATUS_OK, IoArena
 from cpu_lora.repository import HostRepository
 from cpu_lora.spin import try_acquire_spinning
@@ -60,9 +60,10 @@ def serve(args: argparse.Namespace) -> int:
         job = io.read_job(args.index)
         if job.op == OP_STOP:
             return 0
-        start = time.perf_counter_ns()
-        status = STATUS_OK
+        status, start = STATUS_OK, time.perf_counter_ns()
         try:
+            wait_for_x(io, job)
+            start = time.perf_counter_ns()
             run_job(repo, io, job)
         except Exception:  # reported to the pool, which recomputes the slice in-process
             log.exception("job %d failed", job.seq)

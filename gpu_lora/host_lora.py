@@ -32,7 +32,7 @@ class HostLora:
         accepted for the worker pool's signature; these tensors are always fresh.
         """
         out: dict[str, torch.Tensor] = {}
-        xf = x.float()
+        xf = x.detach().to("cpu", torch.float32)
         for module in modules:
             y = None
             for name, start, end in segments:

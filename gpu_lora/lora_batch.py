@@ -93,7 +93,8 @@ class LoraBatch:
             return
         begin = time.perf_counter()
         # copy=False: the worker pool hands back views of its shared outputs, used at once here.
-        deltas = self._host.run(layer, x.detach().cpu(), segments, modules, copy=False)
+        # A device x goes as it is: the pool copies it down without a blocking synchronize.
+        deltas = self._host.run(layer, x.detach(), segments, modules, copy=False)
         self.host_seconds += time.perf_counter() - begin
         self.host_calls += 1
         for module, y in outputs:

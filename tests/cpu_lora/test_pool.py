@@ -171,3 +171,50 @@ def test_spinning_pool_matches_reference_and_survives_a_kill(repo, adapters):
 def test_spin_us_must_not_be_negative(repo):
     with pytest.raises(ValueError, match="spin_us"):
         CpuLoraPool(repo, tiny_config(), 1, max_tokens=64, tokens_per_core=1, spin_us=-1)
+
+
+def test_workers_wait_for_x_to_land(pool2, adapters, monkeypatch):
+    """As with a device copy still in flight: the call is posted while the arena holds garbage,
+    and x plus its mark land 0.3 s later; every worker must compute on the real x."""
+    import cpu_lora.pool as pool_module
+
+    real_copy, real_mark = pool_module.copy_serial, pool2.io.set_x_seq
+    pending = []
+
+    arena_x = pool2.input_buffer(NUM_TOKENS, 128).data_ptr()
+
+    def copy_later(dst, src):
+        if dst.data_ptr() != arena_x:  # the outputs' copy
+            return real_copy(dst, src)
+        dst.fill_(float("nan"))  # what the workers would read if they did not wait
+        pending.append((dst, src.clone()))
+
+    def mark_later(seq):
+        def land():
+            dst, src = pending.pop()
+            real_copy(dst, src)
+            real_mark(seq)
+
+        threading.Timer(0.3, land).start()
+
+    monkeypatch.setattr(pool_module, "copy_serial", copy_later)
+    monkeypatch.setattr(pool2.io, "set_x_seq", mark_later)
+    pool2.tokens_per_core = 1
+    _check(pool2, adapters, seed=7)  # NaN anywhere would fail the comparison
+    assert pool2.last_call.fallbacks == 0 and len(pool2.last_call.worker_compute_ns) == 2
+
+
+def test_x_mark_round_trip_and_timeout(pool2):
+    from cpu_lora.compute import wait_for_x
+    from cpu_lora.protocol import OP_RUN, Job
+
+    io = pool2.io
+    io.set_x_seq(41)
+    assert io.x_seq() == 41 and io.x_seq_tensor().item() == 41  # the same word
+    job = Job(5, OP_RUN, 1, 7, 3, 0, 3, ((0, 0, 3),), x_seq=42)
+    io.write_job(0, job)
+    assert io.read_job(0) == job
+    with pytest.raises(RuntimeError, match="did not arrive"):
+        wait_for_x(io, job, timeout_s=0.05)
+    io.x_seq_tensor().fill_(42)  # what a device copy of the mark does
+    wait_for_x(io, job, timeout_s=0.05)
