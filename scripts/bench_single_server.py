@@ -42,6 +42,8 @@ from server.loader import resolve_model_dir
 log = logging.getLogger("bench_single_server")
 MODES = ("cached", "on-demand", "cpu-assisted")
 TARGETS = ("q_proj", "k_proj", "v_proj")
+COUNTERS = ("adapter_cache_hits", "adapter_cache_misses", "adapter_loads", "adapter_evictions",
+            "cpu_lora_invocations")  # fmt: skip
 QUIET_LOAD = 1.5  # load average under which the machine counts as quiet at the start
 QUIET_SHARE = 0.1  # share of all cores that other processes may use during a quiet run
 
@@ -110,8 +112,25 @@ def adapter_bytes(path: Path, model_dir: str) -> int:
     return load_peft_adapter(str(path), config).bytes_at(torch.float32)
 
 
+def server_counters(url: str) -> dict[str, float]:
+    """The adapter cache and CPU LoRA counters of a server, from its /metrics."""
+    import requests
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = requests.get(url + "/metrics", timeout=10).text
+    values = {
+        sample.name.removeprefix("toppings:").removesuffix("_total"): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+    return {name: values[name] for name in COUNTERS if name in values}
+
+
 def run_server(mode: str, args, root: Path, trace, link_gbps: float, cache_bytes: int, logs: Path):
-    """Start one toppings-serve, replay the trace against it, stop it; returns the records."""
+    """Start one toppings-serve, replay the trace against it, stop it.
+
+    Returns (records, the server's cache counters after the trace, warm-up request included).
+    """
     serve = [
         "--model",
         "smollm2",
@@ -128,6 +147,7 @@ def run_server(mode: str, args, root: Path, trace, link_gbps: float, cache_bytes
         serve += ["--link-gbps", str(link_gbps), "--adapter-cache-bytes", str(cache_bytes)]
     proc = start("server.cli", serve, logs / f"{mode}.log")
     records: list[dict] = []
+    counters: dict[str, float] = {}
     try:
         url = f"http://127.0.0.1:{args.port}"
         wait_healthy(url, proc, logs / f"{mode}.log", 900.0)
@@ -137,10 +157,11 @@ def run_server(mode: str, args, root: Path, trace, link_gbps: float, cache_bytes
         run_open_loop(
             url, trace, lambda e, r: records.append({"config": {"idx": e.idx}, "result": r})
         )
-        log.info("%s: %s", mode, json.dumps(summarise(records)))
+        counters = server_counters(url)
+        log.info("%s: %s %s", mode, json.dumps(summarise(records)), counters)
     finally:
         stop([proc])
-    return records
+    return records, counters
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -188,11 +209,12 @@ def main(argv: list[str] | None = None) -> None:
     cache_bytes = int(args.cache_fraction * sum(nbytes[r] for r in ranks.values()))
     load_start = os.getloadavg()[0]
     runs: dict[str, list[dict]] = {}
+    counters: dict[str, dict] = {}
     loads: dict[str, float] = {}
     logs = Path(tempfile.mkdtemp(prefix="bench-single-"))
     for mode in (m for m in MODES if m in systems):
         with OtherCpu() as other:
-            runs[mode] = run_server(
+            runs[mode], counters[mode] = run_server(
                 mode, args, args.adapter_dir, trace, link_gbps, cache_bytes, logs
             )
         loads[mode] = other.share
@@ -206,13 +228,15 @@ def main(argv: list[str] | None = None) -> None:
         loads["hf-peft"] = other.share
         del model
     write_results(
-        args, argv, trace, runs, loads, load_start, link_gbps, cache_bytes, base_prefill_ms, logs
-    )
+        args, argv, trace, runs, counters, loads, load_start, link_gbps, cache_bytes,
+        base_prefill_ms, logs,
+    )  # fmt: skip
 
 
 def write_results(
-    args, argv, trace, runs, loads, load_start, link_gbps, cache_bytes, base_prefill_ms, logs
-) -> None:
+    args, argv, trace, runs, counters, loads, load_start, link_gbps, cache_bytes,
+    base_prefill_ms, logs,
+) -> None:  # fmt: skip
     summaries = {name: summarise(records) for name, records in runs.items()}
     ratios = {}
     if "cached" in summaries:
@@ -244,7 +268,7 @@ def write_results(
             "quiet_machine": quiet,
             "server_logs": str(logs),
         },
-        "metrics": {"systems": summaries, "ratios": ratios},
+        "metrics": {"systems": summaries, "ratios": ratios, "server_counters": counters},
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
