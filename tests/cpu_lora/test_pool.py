@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
+import subprocess
 import threading
 
 import pytest
@@ -218,3 +220,16 @@ def test_x_mark_round_trip_and_timeout(pool2):
         wait_for_x(io, job, timeout_s=0.05)
     io.x_seq_tensor().fill_(42)  # what a device copy of the mark does
     wait_for_x(io, job, timeout_s=0.05)
+
+
+def test_workers_started_under_numactl_are_pinned(repo, adapters):
+    core = sorted(os.sched_getaffinity(0))[-1]
+    probe = ["numactl", f"--physcpubind={core}", "--localalloc", "true"]
+    if shutil.which("numactl") is None or subprocess.run(probe, capture_output=True).returncode:
+        pytest.skip("numactl is not installed or may not bind here")
+    with CpuLoraPool(
+        repo, tiny_config(), 1, [core], max_tokens=64, tokens_per_core=8, use_numactl=True
+    ) as pool:
+        assert os.sched_getaffinity(pool.worker_pids()[0]) == {core}
+        _check(pool, adapters, seed=9)
+        assert pool.last_call.fallbacks == 0

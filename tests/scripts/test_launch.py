@@ -10,7 +10,14 @@ import time
 
 import pytest
 
-from scripts.launch import _cores_text, _servers, parse_args, serve_command, split_cores
+from scripts.launch import (
+    _cores_text,
+    _servers,
+    numactl_usable,
+    parse_args,
+    serve_command,
+    split_cores,
+)
 from scripts.launch_procs import ServerProc, spawn_server, stop_servers
 
 
@@ -87,8 +94,11 @@ def test_bad_configs_are_refused(tmp_path):
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
-def test_spawned_process_is_bound_and_stopped(tmp_path):
+@pytest.mark.parametrize("use_numactl", [False, True])
+def test_spawned_process_is_bound_and_stopped(tmp_path, use_numactl):
     core = sorted(os.sched_getaffinity(0))[-1]
+    if use_numactl and not numactl_usable((core,)):
+        pytest.skip("numactl is not installed or may not bind here")
     server = ServerProc(0, "http://127.0.0.1:1", (core,), 1, None, tmp_path / "s.log")
     # A stand-in that ignores SIGTERM, so stopping must escalate to SIGKILL.
     ready = tmp_path / "ready"
@@ -96,7 +106,7 @@ def test_spawned_process_is_bound_and_stopped(tmp_path):
         "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
         f"open({str(ready)!r}, 'w').close(); time.sleep(60)"
     )
-    spawn_server(server, [sys.executable, "-c", script], use_numactl=False)
+    spawn_server(server, [sys.executable, "-c", script], use_numactl=use_numactl)
     pid = server.proc.pid
     deadline = time.monotonic() + 30
     while not ready.exists():
