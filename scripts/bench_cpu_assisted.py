@@ -4,9 +4,15 @@ A stream of requests arrives at a fixed interval, each for a rank-64 adapter tha
 the device (except in `cached`, where every adapter is preloaded: the ideal upper bound). On a
 CPU the "device" load is a real copy throttled by `--link-gbps`; by default the link speed is
 set so that loading one adapter takes as long as prefilling one prompt (the regime of the
-Toppings paper's Fig. 4) and the result is labelled "emulated link".
+Toppings paper's Fig. 4) and the result is labelled "emulated link". With `--device cuda` the
+loads go over the real host-to-device link (no throttle) and the result names the GPU. For the
+paper's shapes, make a random model with Llama-7B layers first (fewer layers keep it quick):
 
     python -m scripts.bench_cpu_assisted --out bench/results/cpu_assisted.json
+    python -m scripts.make_tiny_llama /tmp/llama7b-8l --layers 8 --hidden 4096 \
+        --intermediate 11008 --heads 32 --kv-heads 32 --vocab 32000 --max-positions 4096
+    python -m scripts.bench_cpu_assisted --device cuda --model /tmp/llama7b-8l --cpu-workers 8 \
+        --out bench/results/cpu_assisted_cuda.json
 """
 
 from __future__ import annotations
@@ -69,9 +75,10 @@ def summarise(outs) -> dict:
     }
 
 
-def prefill_ms(model_dir: str, dtype: str, prompt: list[int]) -> float:
+def prefill_ms(model_dir: str, dtype: str, prompt: list[int], device: str = "cpu") -> float:
     """Median time of a lone 128-token prefill (no adapter) on this machine."""
-    engine = build_engine(model_dir, EngineConfig(dtype=dtype, max_total_tokens=4096))
+    config = EngineConfig(device=device, dtype=dtype, max_total_tokens=4096)
+    engine = build_engine(model_dir, config)
     try:
         params = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
         times = []
@@ -86,6 +93,7 @@ def prefill_ms(model_dir: str, dtype: str, prompt: list[int]) -> float:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--rank", type=int, default=64)
     p.add_argument("--num-requests", type=int, default=24)
@@ -101,17 +109,23 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     model_dir = str(resolve_model_dir(args.model))
     adapters = make_adapters(Path(args.adapter_dir), Path(model_dir), args.num_requests, args.rank)
+    from server.loader import load_checkpoint
+
+    vocab = load_checkpoint(model_dir).config.vocab_size
     gen = torch.Generator().manual_seed(0)
     prompts = [
-        torch.randint(100, 40000, (args.prompt_len,), generator=gen).tolist()
+        torch.randint(
+            min(100, vocab - 1), min(40000, vocab), (args.prompt_len,), generator=gen
+        ).tolist()
         for _ in range(args.num_requests)
     ]
     names = list(adapters)  # each request its own adapter: every one needs a load
-    base_prefill_ms = prefill_ms(model_dir, args.dtype, prompts[0])
+    base_prefill_ms = prefill_ms(model_dir, args.dtype, prompts[0], args.device)
     link_gbps = args.link_gbps
-    if not link_gbps:
+    if args.device == "cuda":
+        link_gbps = 0.0  # the real link
+    elif not link_gbps:
         from gpu_lora.peft_format import load_peft_adapter
-        from server.loader import load_checkpoint
 
         cfg = load_checkpoint(model_dir).config
         nbytes = load_peft_adapter(adapters["a0"], cfg).bytes_at(getattr(torch, args.dtype))
@@ -119,7 +133,8 @@ def main(argv: list[str] | None = None) -> None:
     results = {}
     for mode in MODES:
         config = EngineConfig(
-            dtype=args.dtype, lora_mode=mode, link_gbps=0.0 if mode == "cached" else link_gbps,
+            device=args.device, dtype=args.dtype, lora_mode=mode,
+            link_gbps=0.0 if mode == "cached" else link_gbps,
             num_cpu_workers=args.cpu_workers if mode == "cpu-assisted" else 0,
             max_total_tokens=64 * (args.prompt_len + args.new_tokens), max_batch_size=64,
         )  # fmt: skip
@@ -133,9 +148,15 @@ def main(argv: list[str] | None = None) -> None:
             engine.shutdown()
         log.info("%s: %s", mode, results[mode])
     c, od, ca = (results[m] for m in MODES)
+    if args.device == "cuda":
+        device = f"{torch.cuda.get_device_name()}, real host-to-device link"
+        link = "real host-to-device link (not throttled)"
+    else:
+        device = f"cpu ({platform.machine()}, {torch.get_num_threads()} threads), emulated link"
+        link = f"emulated, {link_gbps:.3f} Gbit/s (one adapter load = one 128-token prefill)"
     result = {
         "name": "cpu_assisted",
-        "device": f"cpu ({platform.machine()}, {torch.get_num_threads()} threads), emulated link",
+        "device": device,
         "command": "python -m scripts.bench_cpu_assisted " + " ".join(sys.argv[1:]),
         # With CPU workers, run as `OMP_WAIT_POLICY=PASSIVE python -m ...` (what toppings-serve
         # sets when it starts workers): busy-waiting OpenMP threads starve the workers.
@@ -154,7 +175,7 @@ def main(argv: list[str] | None = None) -> None:
             "ttft_ratio_cpu_assisted_vs_cached": ca["ttft_mean_ms"] / c["ttft_mean_ms"],
             "ttft_ratio_cpu_assisted_vs_on_demand": ca["ttft_mean_ms"] / od["ttft_mean_ms"],
             "tpt_ratio_cpu_assisted_vs_cached": ca["tpt_mean_ms"] / c["tpt_mean_ms"],
-            "link": f"emulated, {link_gbps:.3f} Gbit/s (one adapter load = one 128-token prefill)",
+            "link": link,
             "modes": results,
         },
     }
