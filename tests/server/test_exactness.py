@@ -98,12 +98,11 @@ def assert_same_greedy(ours: list[int], ref: list[int], margins: list[float], wh
     assert len(ours) == len(ref) == NEW_TOKENS, what
 
 
-def run_mixed_batch(model_dir, adapters: dict[str, str], prompts, kernel: str):
-    engine = build_engine(
-        str(model_dir),
-        EngineConfig(dtype="float32", kernel=kernel, max_total_tokens=4096, max_batch_size=16),
-        adapters,
+def run_mixed_batch(model_dir, adapters: dict[str, str], prompts, kernel: str, device="cpu"):
+    config = EngineConfig(
+        device=device, dtype="float32", kernel=kernel, max_total_tokens=4096, max_batch_size=16
     )
+    engine = build_engine(str(model_dir), config, adapters)
     try:
         params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
         # Submit everything before the first step so the requests share prefill and decode.
@@ -128,9 +127,9 @@ def mixed_prompts(vocab: int, seed: int) -> list[tuple[list[int], str | None]]:
     ]
 
 
-def check_model(model_dir, adapters, vocab, kernel):
+def check_model(model_dir, adapters, vocab, kernel, device="cpu"):
     prompts = mixed_prompts(vocab, seed=1)
-    ours = run_mixed_batch(model_dir, adapters, prompts, kernel)
+    ours = run_mixed_batch(model_dir, adapters, prompts, kernel, device)
     for (prompt, name), got in zip(prompts, ours):
         ref, margins = reference_greedy(model_dir, adapters, prompt, name)
         assert_same_greedy(got, ref, margins, f"adapter {name}, prompt of {len(prompt)}")
@@ -140,6 +139,15 @@ def check_model(model_dir, adapters, vocab, kernel):
 def test_mixed_batch_matches_peft_tiny(tmp_path_factory, tiny_model_dir, kernel):
     adapters = make_adapters(tmp_path_factory.mktemp("adapters"), tiny_model_dir)
     check_model(tiny_model_dir, adapters, vocab=200, kernel=kernel)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("kernel", ["mbgmv", "bgmv"])
+def test_mixed_batch_matches_peft_tiny_on_cuda(tmp_path_factory, tiny_model_dir, kernel):
+    """The whole engine on the GPU (Triton kernels, device KV pool) against PEFT on the CPU."""
+    adapters = make_adapters(tmp_path_factory.mktemp("adapters_cuda"), tiny_model_dir)
+    check_model(tiny_model_dir, adapters, vocab=200, kernel=kernel, device="cuda")
 
 
 @pytest.mark.slow
