@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
@@ -143,6 +143,9 @@ class ServerMetrics:
     """The registry of one app: request series plus the engine collector."""
 
     def __init__(self, engine):
+        # No *_created series (a timestamp per counter that dashboards do not use); this is a
+        # process-wide setting of prometheus-client and must precede the metrics' creation.
+        disable_created_metrics()
         self.registry = CollectorRegistry()
         self.requests = RequestMetrics(self.registry)
         self.registry.register(EngineCollector(engine))

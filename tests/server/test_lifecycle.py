@@ -243,6 +243,7 @@ def test_metrics_parse_and_move(client, engine):
     assert moved("toppings:adapter_cache_hits_total") == 2  # r8 is pinned in cached mode
     assert moved("toppings:decode_steps_total") >= 4
     assert after[("toppings:num_requests_running", ())] == 0
+    assert not any(name.endswith("_created") for name, _ in after)
     assert after[("toppings:kv_cache_reserved_tokens", ())] == 0
     assert after[("toppings:adapter_references", ())] == len(engine.adapters())  # the pins
     assert after[("toppings:adapters_resident", ())] == len(engine.adapters())
