@@ -2,7 +2,8 @@
 
     toppings-launch --model DIR [--num-servers N | --gpus 0,1] [--device cpu|cuda]
         [--base-port 8100] [--cores 0-15] [--cpu-workers N] [--lora NAME=PATH]...
-        [--lora-dir DIR]... [--scheduler URL] [--config node.toml] [-- extra toppings-serve args]
+        [--lora-dir DIR]... [--scheduler URL | --start-scheduler [--scheduler-port 8000]]
+        [--config node.toml] [-- extra toppings-serve args]
 
 Each server gets its own GPU (CUDA_VISIBLE_DEVICES) or, on CPU, its own share of the node, and
 a disjoint set of cores: the launcher splits the cores it may use (`os.sched_getaffinity(0)`,
@@ -10,9 +11,10 @@ or `--cores`) into contiguous sets, runs each server under `numactl --physcpubin
 --localalloc` (or with `sched_setaffinity` where numactl is missing or not permitted) and tells
 it `--cpu-cores SET --cpu-workers N`, so its CPU LoRA workers pin one per core of its set. The
 launcher waits for every `/health`, registers the servers with a scheduler
-(`POST URL/admin/servers`), restarts a server that dies (exponential backoff, at most
-`--max-restarts` times), and on Ctrl-C/SIGTERM drains and stops them all: SIGTERM, wait, then
-SIGKILL. A TOML file (`--config`) takes the same keys as the flags (`num_servers = 2`,
+(`POST URL/admin/servers`; with `--start-scheduler` it runs that scheduler itself, on
+`--registry`, and restarts it if it exits), restarts a server that dies (exponential backoff,
+at most `--max-restarts` times), and on Ctrl-C/SIGTERM drains and stops them all: SIGTERM,
+wait, then SIGKILL. A TOML file (`--config`) takes the same keys as the flags (`num_servers = 2`,
 `lora_dir = ["/loras"]`, `serve_args = ["--lora-mode", "cpu-assisted"]`); flags win.
 """
 
@@ -33,7 +35,16 @@ from pathlib import Path
 
 import requests
 
-from scripts.launch_procs import ServerProc, kill_servers, spawn_server, stop_servers, sweep_shm
+from scripts.launch_procs import (
+    ServerProc,
+    kill_servers,
+    spawn_server,
+    start_scheduler,
+    stop_process,
+    stop_servers,
+    sweep_shm,
+)
+from scripts.launch_report import Reporter
 
 log = logging.getLogger("toppings-launch")
 
@@ -61,62 +72,6 @@ def split_cores(cores: Sequence[int], num_sets: int) -> list[tuple[int, ...]]:
     return sets
 
 
-class Reporter:
-    """Prints one line per server (URL, pid, cores, state) whenever one of them changes."""
-
-    COLUMNS = ("server", "url", "pid", "cores", "workers", "gpu", "state", "restarts", "exit")
-
-    def __init__(self) -> None:
-        self.console = None
-        if sys.stderr.isatty():  # a table for a person; key=value lines for a log file
-            try:
-                from rich.console import Console
-
-                self.console = Console(stderr=True, highlight=False)
-            except ImportError:
-                pass
-        self._last: list[tuple] = []
-
-    def update(self, servers: list[ServerProc]) -> None:
-        rows = [_row(s) for s in servers]
-        if rows == self._last:
-            return
-        self._last = rows
-        if self.console is None:
-            for row in rows:
-                print("  ".join(f"{k}={v}" for k, v in zip(self.COLUMNS, row)), file=sys.stderr)
-            return
-        from rich.table import Table
-
-        table = Table(*self.COLUMNS, box=None, pad_edge=False)
-        for row in rows:
-            table.add_row(*row)
-        self.console.print(table)
-
-    def note(self, text: str) -> None:
-        if self.console is None:
-            print(f"toppings-launch: {text}", file=sys.stderr)
-        else:
-            self.console.print(f"[bold]toppings-launch:[/bold] {text}")
-
-
-def _row(s: ServerProc) -> tuple[str, ...]:
-    return (str(s.index), s.url, str(s.pid or "-"), _cores_text(s.cores), str(s.num_workers),
-            "-" if s.gpu is None else str(s.gpu), s.state, str(s.restarts),
-            "-" if s.last_exit is None else str(s.last_exit))  # fmt: skip
-
-
-def _cores_text(cores: tuple[int, ...]) -> str:
-    """(0, 1, 2, 5) -> "0-2,5"."""
-    parts, start = [], None
-    for i, c in enumerate(cores):
-        start = c if start is None else start
-        if i + 1 == len(cores) or cores[i + 1] != c + 1:
-            parts.append(str(c) if c == start else f"{start}-{c}")
-            start = None
-    return ",".join(parts)
-
-
 def build_parser() -> argparse.ArgumentParser:
     from server.cli import parse_cores
 
@@ -137,6 +92,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lora", action="append", default=[], metavar="NAME=PATH")
     p.add_argument("--lora-dir", action="append", default=[], metavar="DIR")
     p.add_argument("--scheduler", default=None, metavar="URL", help="register servers there")
+    p.add_argument(
+        "--start-scheduler",
+        action="store_true",
+        help="also run toppings-scheduler here and register the servers with it",
+    )
+    p.add_argument("--scheduler-port", type=int, default=8000)
+    p.add_argument(
+        "--registry",
+        type=Path,
+        default=None,
+        help="the started scheduler's SQLite registry (default: in the log dir)",
+    )
+    p.add_argument(
+        "--scheduler-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="passed to the started scheduler, e.g. --scheduler-arg=--policy=random",
+    )
     p.add_argument("--drain-timeout", type=float, default=30.0)
     p.add_argument("--start-timeout", type=float, default=600.0, help="seconds to first /health")
     p.add_argument("--max-restarts", type=int, default=5, help="per server")
@@ -170,6 +144,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.serve_args = serve_args
     if not args.model:
         parser.error("--model is required (flag or config file)")
+    if args.start_scheduler and args.scheduler:
+        parser.error("--scheduler URL and --start-scheduler exclude each other")
     return args
 
 
@@ -226,11 +202,44 @@ class Launcher:
         self.stopping = threading.Event()
         self.reporter = Reporter()
         self.spawned_pids: list[int] = []
+        self.scheduler_proc = None
+        self.scheduler_restarts = 0
+
+    def start_scheduler(self, log_dir: Path, timeout_s: float = 60.0) -> None:
+        """Run the node's scheduler (--start-scheduler) and wait for its /health."""
+        a = self.args
+        registry = a.registry or log_dir / "registry.sqlite"
+        self._scheduler_spec = (a.host, a.scheduler_port, registry, log_dir / "scheduler.log",
+                                a.scheduler_arg)  # fmt: skip
+        self.scheduler_proc = start_scheduler(*self._scheduler_spec)
+        a.scheduler = f"http://{a.host}:{a.scheduler_port}"
+        deadline = time.monotonic() + timeout_s
+        while _health(a.scheduler) != "healthy":
+            if self.scheduler_proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the scheduler did not start; see {self._scheduler_spec[3]}")
+            time.sleep(0.2)
+        self.reporter.note(f"scheduler at {a.scheduler} (log {self._scheduler_spec[3]})")
+
+    def _tick_scheduler(self) -> None:
+        """Restart a started scheduler that exited; the servers then register again."""
+        proc = self.scheduler_proc
+        if proc is None or proc.poll() is None or self.scheduler_restarts < 0:
+            return
+        if self.scheduler_restarts >= self.args.max_restarts:
+            self.reporter.note(f"scheduler exited ({proc.returncode}); no restarts left")
+            self.scheduler_restarts = -1
+            return
+        self.scheduler_restarts += 1
+        self.reporter.note(f"scheduler exited ({proc.returncode}); restarting it")
+        self.scheduler_proc = start_scheduler(*self._scheduler_spec)
+        for server in self.servers:
+            server.registered = False
 
     def run(self) -> int:
         announced = False
         while not self.stopping.is_set():
             now = time.monotonic()
+            self._tick_scheduler()
             for server in self.servers:
                 self._tick(server, now)
             self.reporter.update(self.servers)
@@ -254,6 +263,7 @@ class Launcher:
         self.reporter.update(self.servers)
         stop_servers(self.servers, self.args.drain_timeout + 15.0)
         sweep_shm(self.spawned_pids)
+        stop_process(self.scheduler_proc, 10.0)
         self.reporter.update(self.servers)
 
     def _tick(self, s: ServerProc, now: float) -> None:
@@ -345,7 +355,12 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
     try:
+        if args.start_scheduler:
+            launcher.start_scheduler(log_dir)
         rc = launcher.run()
+    except RuntimeError as e:
+        launcher.reporter.note(f"toppings-launch: {e}")
+        rc = 1
     finally:
         launcher.stop()
     return rc

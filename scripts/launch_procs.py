@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -85,6 +86,39 @@ def spawn_server(server: ServerProc, cmd: list[str], use_numactl: bool) -> None:
         )
     server.state, server.started_at, server.next_health = "starting", time.monotonic(), 0.0
     log.info("server %d: pid %d, cores %s: %s", server.index, server.proc.pid, cores, " ".join(cmd))
+
+
+def start_scheduler(host: str, port: int, registry: Path, log_path: Path, extra: list[str]):
+    """Start `toppings-scheduler` in its own session, dying with the launcher; returns the Popen.
+
+    It is not bound to any server's cores: it is one light process and may run anywhere.
+    """
+    cmd = [sys.executable, "-m", "scheduler.cli", "--registry", str(registry), "--host", host,
+           "--port", str(port), *extra]  # fmt: skip
+    parent = os.getpid()
+    with open(log_path, "ab") as out:
+        proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=lambda: _child_setup(None, parent),
+        )
+    log.info("scheduler: pid %d: %s", proc.pid, " ".join(cmd))
+    return proc
+
+
+def stop_process(proc: subprocess.Popen | None, timeout_s: float) -> None:
+    """SIGTERM `proc`, wait up to timeout_s, then SIGKILL its session."""
+    if proc is None or proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        _kill_group(proc.pid)
+        proc.wait()
 
 
 def stop_servers(servers: list[ServerProc], timeout_s: float) -> None:

@@ -11,7 +11,6 @@ import time
 import pytest
 
 from scripts.launch import (
-    _cores_text,
     _servers,
     numactl_usable,
     parse_args,
@@ -19,6 +18,7 @@ from scripts.launch import (
     split_cores,
 )
 from scripts.launch_procs import ServerProc, spawn_server, stop_servers
+from scripts.launch_report import _cores_text
 
 
 @pytest.mark.parametrize(
@@ -119,3 +119,50 @@ def test_spawned_process_is_bound_and_stopped(tmp_path, use_numactl):
     with pytest.raises(ChildProcessError):
         os.waitpid(pid, os.WNOHANG)
     assert subprocess.run(["kill", "-0", str(pid)], capture_output=True).returncode != 0
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_launcher_runs_its_own_scheduler(tmp_path, tiny_model_dir):
+    """--start-scheduler: the scheduler comes up, the server registers, a request is routed
+    through it, and SIGTERM stops the scheduler with the servers."""
+    import signal
+
+    import requests
+
+    sched_port, server_port = _free_port(), _free_port()
+    cmd = [sys.executable, "-m", "scripts.launch", "--model", str(tiny_model_dir),
+           "--num-servers", "1", "--cpu-workers", "0", "--base-port", str(server_port),
+           "--start-scheduler", "--scheduler-port", str(sched_port),
+           "--scheduler-arg=--policy=least-loaded",
+           "--log-dir", str(tmp_path / "logs")]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    scheduler = f"http://127.0.0.1:{sched_port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:  # registered: the scheduler lists the server's base model
+            assert proc.poll() is None and time.monotonic() < deadline, "launcher gave up"
+            try:
+                state = requests.get(scheduler + "/admin/state", timeout=2).json()
+                if state.get("servers"):
+                    break
+            except requests.RequestException:
+                pass
+            time.sleep(0.3)
+        assert state["policy"] == "least-loaded"  # --scheduler-arg reached it
+        models = requests.get(scheduler + "/v1/models", timeout=5).json()["data"]
+        body = {"model": models[0]["id"], "prompt": "abc", "max_tokens": 3}
+        answer = requests.post(scheduler + "/v1/completions", json=body, timeout=60)
+        assert answer.status_code == 200, answer.text
+        assert (tmp_path / "logs" / "registry.sqlite").is_file()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    with pytest.raises(requests.ConnectionError):
+        requests.get(scheduler + "/health", timeout=2)
