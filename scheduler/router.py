@@ -12,7 +12,7 @@ import json
 import logging
 import math
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -132,7 +132,8 @@ class Router:
     def _pass_on(self, answer: requests.Response, url: str, stream: bool) -> Forwarded:
         content_type = answer.headers.get("Content-Type", "application/json")
         if stream and answer.ok:
-            return Forwarded(answer.status_code, content_type, _chunks(answer), url)
+            chunks = _chunks(answer, self._learn_streamed_length)
+            return Forwarded(answer.status_code, content_type, chunks, url)
         data = answer.content
         answer.close()
         if answer.ok:
@@ -144,7 +145,12 @@ class Router:
             tokens = json.loads(data)["usage"]["completion_tokens"]
         except (ValueError, KeyError, TypeError):
             return
-        if isinstance(tokens, int) and tokens > 0:
+        if isinstance(tokens, int):
+            self._learn_streamed_length(tokens)
+
+    def _learn_streamed_length(self, tokens: int) -> None:
+        """Fold one finished response's output length into the policy's average."""
+        if tokens > 0:
             mean = self.policy.avg_resp_len
             self.policy.avg_resp_len = (1 - RESP_LEN_EMA) * mean + RESP_LEN_EMA * tokens
 
@@ -161,9 +167,23 @@ class Router:
         return {"object": "list", "data": data}
 
 
-def _chunks(answer: requests.Response) -> Iterator[bytes]:
-    """The SSE body as it arrives; closes the upstream when the client goes away."""
+def _chunks(answer: requests.Response, learn: Callable[[int], None]) -> Iterator[bytes]:
+    """The SSE body as it arrives; closes the upstream when the client goes away.
+
+    Counts the stream's events as it passes: a server sends one event per output step (about
+    one token), so a stream that ends with `data: [DONE]` tells `learn` roughly how many tokens
+    it carried (the usage-only event of include_usage counts one too much).
+    """
+    events, done, tail = 0, False, b""
     try:
-        yield from answer.iter_content(chunk_size=None)
+        for chunk in answer.iter_content(chunk_size=None):
+            seen = tail + chunk  # a marker may straddle two chunks
+            # The kept tail is shorter than b"data: ", so no marker is counted twice.
+            events += (tail[-5:] + chunk).count(b"data: ")
+            done = done or b"data: [DONE]" in seen
+            tail = seen[-11:]
+            yield chunk
     finally:
         answer.close()
+    if done:
+        learn(events - 1)
