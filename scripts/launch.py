@@ -113,6 +113,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--drain-timeout", type=float, default=30.0)
     p.add_argument("--start-timeout", type=float, default=600.0, help="seconds to first /health")
+    p.add_argument(
+        "--unhealthy-timeout",
+        type=float,
+        default=60.0,
+        help="restart a running server whose /health has failed this long (0: never)",
+    )
     p.add_argument("--max-restarts", type=int, default=5, help="per server")
     p.add_argument("--restart-backoff", type=float, default=1.0, help="first delay, doubling")
     p.add_argument("--log-dir", type=Path, default=None, help="default: a new temp directory")
@@ -282,6 +288,13 @@ class Launcher:
         if now >= s.next_health:
             s.next_health = now + (0.25 if s.state == "starting" else HEALTH_EVERY_S)
             s.state = _health(s.url) if s.state != "starting" else _health(s.url, "starting")
+            s.unhealthy_since = (s.unhealthy_since or now) if s.state == "unhealthy" else None
+        limit = self.args.unhealthy_timeout
+        if limit and s.unhealthy_since is not None and now - s.unhealthy_since > limit:
+            # Alive but not answering (hung, stopped, wedged): kill it like a dead one.
+            log.error("server %d unhealthy for %.0f s; killing it", s.index, limit)
+            self._failed(s, now, None)
+            return
         if s.state == "healthy" and self.args.scheduler and not s.registered:
             if now >= s.next_register:
                 s.next_register = now + REGISTER_RETRY_S
@@ -289,11 +302,13 @@ class Launcher:
 
     def _failed(self, s: ServerProc, now: float, rc: int | None) -> None:
         if rc is None:
-            log.error("server %d not healthy after %.0f s; killing it", s.index, now - s.started_at)
+            if s.state == "starting":
+                log.error("server %d not healthy after %.0f s; killing it", s.index,
+                          now - s.started_at)  # fmt: skip
             s.proc.kill()
             s.proc.wait()
             rc = s.proc.returncode
-        s.last_exit, s.proc, s.registered = rc, None, False
+        s.last_exit, s.proc, s.registered, s.unhealthy_since = rc, None, False, None
         if s.restarts >= self.args.max_restarts:
             s.state = "failed"
             log.error("server %d exited (%s); no restarts left, see %s", s.index, rc, s.log_path)

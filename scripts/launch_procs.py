@@ -43,6 +43,7 @@ class ServerProc:
     next_health: float = 0.0
     next_register: float = 0.0
     registered: bool = False
+    unhealthy_since: float | None = None  # when /health started failing on a running server
 
     @property
     def port(self) -> int:

@@ -166,3 +166,43 @@ def test_launcher_runs_its_own_scheduler(tmp_path, tiny_model_dir):
         assert proc.wait(timeout=60) == 0
     with pytest.raises(requests.ConnectionError):
         requests.get(scheduler + "/health", timeout=2)
+
+
+def test_a_hung_server_is_restarted(tmp_path, tiny_model_dir):
+    """A server that stops answering /health (SIGSTOP) is killed and started again."""
+    import re
+    import signal
+    import threading
+
+    port = _free_port()
+    cmd = [sys.executable, "-m", "scripts.launch", "--model", str(tiny_model_dir),
+           "--num-servers", "1", "--cpu-workers", "0", "--base-port", str(port),
+           "--unhealthy-timeout", "3", "--restart-backoff", "0.1",
+           "--log-dir", str(tmp_path / "logs")]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)
+    reader.start()
+
+    def healthy_pid(not_pid: int | None = None) -> int:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            for line in reversed(list(lines)):
+                m = re.search(r"server=0 .* pid=(\d+) .* state=healthy", line)
+                if m and int(m.group(1)) != not_pid:
+                    return int(m.group(1))
+            assert proc.poll() is None, "".join(lines)
+            time.sleep(0.2)
+        raise AssertionError("no healthy server: " + "".join(lines[-20:]))
+
+    try:
+        first = healthy_pid()
+        os.kill(first, signal.SIGSTOP)  # alive, but answers nothing
+        second = healthy_pid(not_pid=first)
+        assert second != first
+        with pytest.raises(ProcessLookupError):
+            os.kill(first, 0)  # the hung one was killed and reaped
+        assert any("unhealthy for 3 s; killing it" in line for line in lines)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
