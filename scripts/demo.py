@@ -129,7 +129,11 @@ def main(argv: list[str] | None = None) -> int:
             f"Training the demo adapters {', '.join(missing)} on the CPU, once: about "
             f"{ESTIMATE_MIN * len(missing)} minutes (more on a busy machine)."
         )
-    paths = train_demo_adapters(args.adapters)
+    try:
+        paths = train_demo_adapters(args.adapters)
+    except ImportError as e:
+        sys.exit(f"toppings-demo: training the demo adapters needs {e.name}: "
+                 "pip install -e '.[test]' (the README's set-up command) installs it")  # fmt: skip
     logs = Path(tempfile.mkdtemp(prefix="toppings-demo-"))
     server_url = f"http://127.0.0.1:{args.server_port}"
     url = f"http://127.0.0.1:{args.port}"

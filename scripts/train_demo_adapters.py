@@ -20,7 +20,6 @@ import time
 from pathlib import Path
 
 import torch
-from peft import LoraConfig, get_peft_model
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -86,6 +85,8 @@ def batches(encoded: list[tuple[list[int], list[int]]], size: int, pad_id: int, 
 
 def train_one(model_dir: Path, style: str, out: Path, epochs: int, lr: float, seed: int) -> float:
     """Train and save one adapter; returns the mean loss of the last epoch."""
+    from peft import LoraConfig, get_peft_model  # only training needs it (the [test] extra)
+
     torch.manual_seed(seed)
     rng = random.Random(seed)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
