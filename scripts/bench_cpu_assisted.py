@@ -103,6 +103,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--link-gbps", type=float, default=0.0,
                    help="0: set so one adapter load takes one prefill's time")  # fmt: skip
     p.add_argument("--cpu-workers", type=int, default=0)
+    p.add_argument("--cpu-spin-us", type=float, default=0.0, help="see toppings-serve")
     p.add_argument("--adapter-dir", default="/tmp/toppings-assist-adapters")
     p.add_argument("--out", default="bench/results/cpu_assisted.json")
     args = p.parse_args(argv)
@@ -136,6 +137,7 @@ def main(argv: list[str] | None = None) -> None:
             device=args.device, dtype=args.dtype, lora_mode=mode,
             link_gbps=0.0 if mode == "cached" else link_gbps,
             num_cpu_workers=args.cpu_workers if mode == "cpu-assisted" else 0,
+            cpu_spin_us=args.cpu_spin_us,
             max_total_tokens=64 * (args.prompt_len + args.new_tokens), max_batch_size=64,
         )  # fmt: skip
         engine = build_engine(model_dir, config, adapters)
