@@ -25,7 +25,7 @@ from scheduler.paper_models import paper_fig6_models
 from scheduler.perf_model import PerfModels
 from scheduler.policies import POLICIES, make_policy
 from scheduler.registry import Registry
-from scheduler.router import Router
+from scheduler.router import PromptCounter, Router, estimate_prompt_tokens
 from scheduler.state import BatchShape
 
 log = logging.getLogger("toppings-scheduler")
@@ -75,6 +75,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=os.environ.get("TOPPINGS_API_KEY"),
         help="bearer key of the servers (toppings-serve --api-key); default $TOPPINGS_API_KEY",
     )
+    parser.add_argument(
+        "--tokenizer",
+        metavar="DIR",
+        help="the base model's Hugging Face directory: count prompt tokens exactly (default:"
+        " estimate them from characters)",
+    )
     parser.add_argument("--log-level", default="INFO")
     return parser.parse_args(argv)
 
@@ -93,7 +99,8 @@ def main(argv: list[str] | None = None) -> None:
     cluster = Cluster(registry, make_fetch_json(session), refresh_s=args.refresh_ms / 1000.0)
     slo_ms = args.slo_tpt_ms or default_slo_ms(perf)
     policy = make_policy(args.policy, perf, slo_ms, seed=args.seed)
-    router = Router(registry, cluster, policy)
+    count = PromptCounter(args.tokenizer) if args.tokenizer else estimate_prompt_tokens
+    router = Router(registry, cluster, policy, count)
     if args.server_api_key:
         for sess in (session, router.session):  # /stats polling and the proxied requests
             sess.headers["Authorization"] = f"Bearer {args.server_api_key}"

@@ -54,22 +54,63 @@ class Forwarded:
 def estimate_prompt_tokens(body: dict[str, Any]) -> int:
     """Prompt length in tokens, estimated from characters (token ids are counted exactly)."""
     if "messages" in body:
-        chars = sum(len(str(m.get("content", ""))) + 16 for m in body["messages"] or ())
+        messages = body["messages"] if isinstance(body["messages"], list) else []
+        chars = sum(len(str(m.get("content", ""))) + 16 for m in messages if isinstance(m, dict))
         return max(1, math.ceil(chars / CHARS_PER_TOKEN))
     prompt = body.get("prompt", "")
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
         return len(prompt)
-    text = prompt if isinstance(prompt, str) else "".join(map(str, prompt))
+    if isinstance(prompt, list):
+        text = "".join(map(str, prompt))
+    else:
+        text = prompt if isinstance(prompt, str) else ""  # the server rejects it
     return max(1, math.ceil(len(text) / CHARS_PER_TOKEN))
+
+
+class PromptCounter:
+    """Exact prompt lengths with the base model's tokenizer (and chat template).
+
+    Costs a tokenization per routed request (well under a millisecond for chat-sized prompts);
+    without it the router estimates from characters. A body the tokenizer cannot take falls
+    back to the estimate: the server, not the router, reports bad input.
+    """
+
+    def __init__(self, tokenizer_dir: str):
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+
+    def __call__(self, body: dict[str, Any]) -> int:
+        try:
+            if "messages" in body:
+                ids = self.tokenizer.apply_chat_template(
+                    body["messages"], add_generation_prompt=True, tokenize=True
+                )
+                ids = ids["input_ids"] if hasattr(ids, "keys") else ids  # BatchEncoding
+                return max(1, len(ids))
+            prompt = body.get("prompt", "")
+            if isinstance(prompt, str):
+                return max(1, len(self.tokenizer.encode(prompt)))
+        except Exception:  # malformed messages, a template error: the estimate will do
+            pass
+        return estimate_prompt_tokens(body)
 
 
 class Router:
     """Resolves the requested model, asks the policy, forwards with failover."""
 
-    def __init__(self, registry: Registry, cluster: Cluster, policy: Policy):
+    def __init__(
+        self,
+        registry: Registry,
+        cluster: Cluster,
+        policy: Policy,
+        count_prompt: Callable[[dict[str, Any]], int] = estimate_prompt_tokens,
+    ):
+        """count_prompt: prompt tokens of a request body (PromptCounter for exact counts)."""
         self.registry = registry
         self.cluster = cluster
         self.policy = policy
+        self.count_prompt = count_prompt
         self.session = requests.Session()
         self._choose_lock = threading.Lock()
 
@@ -85,10 +126,10 @@ class Router:
         adapter = self.registry.get_adapter(model)
         if adapter is not None and adapter.state == "active":
             return RouteRequest(
-                model, adapter.rank, estimate_prompt_tokens(body), max_tokens, adapter.base_model
+                model, adapter.rank, self.count_prompt(body), max_tokens, adapter.base_model
             )
         if adapter is None and model in self.registry.base_models():
-            return RouteRequest(None, 0, estimate_prompt_tokens(body), max_tokens, model)
+            return RouteRequest(None, 0, self.count_prompt(body), max_tokens, model)
         if adapter is not None:
             raise SchedulerError(f"the adapter {model!r} is disabled", 404, "model_not_found")
         raise SchedulerError(f"the model {model!r} does not exist", 404, "model_not_found")
