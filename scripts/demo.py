@@ -156,7 +156,10 @@ def main(argv: list[str] | None = None) -> int:
             args.device,
         ]
         procs.append(start("server.cli", serve_args, logs / "serve.log"))
-        sched_args = ["--registry", str(logs / "registry.sqlite"), "--port", str(args.port)]
+        from server.loader import resolve_model_dir  # cached by the training step above
+
+        sched_args = ["--registry", str(logs / "registry.sqlite"), "--port", str(args.port),
+                      "--tokenizer", str(resolve_model_dir("smollm2"))]  # fmt: skip
         procs.append(start("scheduler.cli", sched_args, logs / "scheduler.log"))
         wait_healthy(server_url, procs[0], logs / "serve.log", 300.0)
         wait_healthy(url, procs[1], logs / "scheduler.log", 60.0)
