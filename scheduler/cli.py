@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
 from typing import Any
 
 import requests
@@ -94,12 +95,15 @@ def main(argv: list[str] | None = None) -> None:
         perf = paper_fig6_models()
         source = perf.source
         log.warning("no --perf-model: routing on %s", source)
+    try:
+        count = PromptCounter(args.tokenizer) if args.tokenizer else estimate_prompt_tokens
+    except Exception as e:  # any failure to load it: say so and stop, before serving
+        sys.exit(f"toppings-scheduler: --tokenizer {args.tokenizer}: {e}")
     registry = Registry(args.registry)
     session = requests.Session()
     cluster = Cluster(registry, make_fetch_json(session), refresh_s=args.refresh_ms / 1000.0)
     slo_ms = args.slo_tpt_ms or default_slo_ms(perf)
     policy = make_policy(args.policy, perf, slo_ms, seed=args.seed)
-    count = PromptCounter(args.tokenizer) if args.tokenizer else estimate_prompt_tokens
     router = Router(registry, cluster, policy, count)
     if args.server_api_key:
         for sess in (session, router.session):  # /stats polling and the proxied requests

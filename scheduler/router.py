@@ -76,9 +76,13 @@ class PromptCounter:
     """
 
     def __init__(self, tokenizer_dir: str):
+        from pathlib import Path
+
         from transformers import AutoTokenizer
 
-        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+        if not Path(tokenizer_dir).is_dir():  # never a hub id: nothing is fetched at run time
+            raise ValueError("not a directory")
+        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
 
     def __call__(self, body: dict[str, Any]) -> int:
         try:
