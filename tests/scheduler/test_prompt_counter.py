@@ -21,3 +21,10 @@ def test_malformed_bodies_fall_back_to_the_estimate(tiny_model_dir):
     count = PromptCounter(str(tiny_model_dir))
     for body in ({"messages": "not a list"}, {"messages": [1, None]}, {"prompt": None}):
         assert count(body) == estimate_prompt_tokens(body) >= 1
+
+
+def test_only_a_local_directory_is_taken(tmp_path):
+    import pytest
+
+    with pytest.raises(ValueError, match="not a directory"):
+        PromptCounter("HuggingFaceTB/SmolLM2-135M-Instruct")  # a hub id: never fetched
