@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from transformers import AutoTokenizer
 
 from scheduler.router import PromptCounter, estimate_prompt_tokens
@@ -23,8 +24,6 @@ def test_malformed_bodies_fall_back_to_the_estimate(tiny_model_dir):
         assert count(body) == estimate_prompt_tokens(body) >= 1
 
 
-def test_only_a_local_directory_is_taken(tmp_path):
-    import pytest
-
+def test_only_a_local_directory_is_taken():
     with pytest.raises(ValueError, match="not a directory"):
         PromptCounter("HuggingFaceTB/SmolLM2-135M-Instruct")  # a hub id: never fetched
