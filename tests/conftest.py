@@ -1,8 +1,10 @@
-"""Shared fixtures: a tiny random Llama made on the fly, and SmolLM2 (converted once, cached)."""
+"""Shared fixtures: a tiny random Llama made on the fly, SmolLM2 (converted once, cached), and
+free TCP ports for the tests that start servers."""
 
 from __future__ import annotations
 
 import os
+import socket
 
 import pytest
 import torch
@@ -27,3 +29,15 @@ def smollm2_dir():
     from server.loader import resolve_model_dir
 
     return resolve_model_dir("smollm2")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def free_port():
+    """A function returning a TCP port that is free on 127.0.0.1 when called."""
+    return _free_port

@@ -16,7 +16,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -49,12 +48,6 @@ class Cluster:
     logs: Path
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _perf_models() -> PerfModels:
     """Eq. 2 with round numbers: decode 10 ms + 0.01 ms per |S| x max rank; cheap prefill."""
     models = {}
@@ -78,7 +71,7 @@ def _wait_healthy(url: str, proc: subprocess.Popen, log: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def cluster(tmp_path_factory, free_port):
     from scripts.make_adapters import make_random_adapter
     from scripts.make_tiny_llama import make_tiny_llama
 
@@ -93,7 +86,7 @@ def cluster(tmp_path_factory):
     logs = {}
     try:
         for _ in range(2):
-            port = _free_port()
+            port = free_port()
             url = f"http://127.0.0.1:{port}"
             cmd = [sys.executable, "-m", "server.cli", "--model", str(model), "--port", str(port),
                    "--device", "cpu", "--dtype", "float32", "--kernel", "bgmv"]  # fmt: skip
@@ -101,7 +94,7 @@ def cluster(tmp_path_factory):
             logs[url] = root / f"server-{port}.log"
             procs[url] = subprocess.Popen(cmd, env=env, stdout=logs[url].open("w"),
                                           stderr=subprocess.STDOUT)  # fmt: skip
-        port = _free_port()
+        port = free_port()
         scheduler = f"http://127.0.0.1:{port}"
         cmd = [sys.executable, "-m", "scheduler.cli", "--registry", str(root / "reg.sqlite"),
                "--port", str(port), "--perf-model", str(perf_path), "--slo-tpt-ms", "1000",

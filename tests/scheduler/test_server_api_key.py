@@ -8,7 +8,6 @@ real command in a subprocess.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -20,12 +19,6 @@ from flask import Flask, jsonify, request
 from werkzeug.serving import make_server
 
 KEY = "s3cret-key"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _stand_in_server(seen: list[tuple[str, str | None]]) -> Flask:
@@ -68,9 +61,9 @@ def stand_in():
 
 
 @pytest.mark.parametrize("with_key", [True, False])
-def test_scheduler_sends_the_server_key(stand_in, tmp_path, with_key):
+def test_scheduler_sends_the_server_key(stand_in, tmp_path, with_key, free_port):
     server_url, seen = stand_in
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "scheduler.cli", "--registry", str(tmp_path / "r.sqlite"),
            "--port", str(port)]  # fmt: skip
     if with_key:

@@ -121,22 +121,14 @@ def test_spawned_process_is_bound_and_stopped(tmp_path, use_numactl):
     assert subprocess.run(["kill", "-0", str(pid)], capture_output=True).returncode != 0
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_launcher_runs_its_own_scheduler(tmp_path, tiny_model_dir):
+def test_launcher_runs_its_own_scheduler(tmp_path, tiny_model_dir, free_port):
     """--start-scheduler: the scheduler comes up, the server registers, a request is routed
     through it, and SIGTERM stops the scheduler with the servers."""
     import signal
 
     import requests
 
-    sched_port, server_port = _free_port(), _free_port()
+    sched_port, server_port = free_port(), free_port()
     cmd = [sys.executable, "-m", "scripts.launch", "--model", str(tiny_model_dir),
            "--num-servers", "1", "--cpu-workers", "0", "--base-port", str(server_port),
            "--start-scheduler", "--scheduler-port", str(sched_port),
@@ -168,13 +160,13 @@ def test_launcher_runs_its_own_scheduler(tmp_path, tiny_model_dir):
         requests.get(scheduler + "/health", timeout=2)
 
 
-def test_a_hung_server_is_restarted(tmp_path, tiny_model_dir):
+def test_a_hung_server_is_restarted(tmp_path, tiny_model_dir, free_port):
     """A server that stops answering /health (SIGSTOP) is killed and started again."""
     import re
     import signal
     import threading
 
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "scripts.launch", "--model", str(tiny_model_dir),
            "--num-servers", "1", "--cpu-workers", "0", "--base-port", str(port),
            "--unhealthy-timeout", "3", "--restart-backoff", "0.1",

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,12 +14,6 @@ import time
 import requests
 
 KEY = "drain-key"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 120.0) -> None:
@@ -36,11 +29,11 @@ def _wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 120.0) ->
         time.sleep(0.2)
 
 
-def test_sigterm_drains_then_exits_zero(tmp_path, tiny_model_dir):
+def test_sigterm_drains_then_exits_zero(tmp_path, tiny_model_dir, free_port):
     from scripts.make_adapters import make_random_adapter
 
     make_random_adapter(tmp_path / "loras" / "d8", tiny_model_dir, rank=8, seed=5)
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "server.cli", "--model", str(tiny_model_dir), "--port",
            str(port), "--lora-dir", str(tmp_path / "loras"), "--drain-timeout", "60",

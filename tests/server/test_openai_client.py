@@ -176,14 +176,8 @@ def _wait_for(finals: list) -> None:
         time.sleep(0.05)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_toppings_serve_command(tiny_model_dir):
-    port = _free_port()
+def test_toppings_serve_command(tiny_model_dir, free_port):
+    port = free_port()
     cmd = [
         sys.executable,
         "-m",

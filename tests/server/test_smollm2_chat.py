@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,14 +14,8 @@ import requests
 pytestmark = pytest.mark.slow
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def smollm2_url(smollm2_dir):  # smollm2_dir: converted once before the server starts
+def smollm2_url(smollm2_dir, free_port):  # smollm2_dir: converted once before the server starts
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "server.cli", "--model", "smollm2", "--port", str(port),
