@@ -147,7 +147,7 @@ class CpuLoraPool:
             if work:
                 self._stage_x(x, num_tokens, h_in)
                 self._dispatch(layer, mask, num_tokens, work, stats)
-                if self._device is not None and x.device.type != "cpu":
+                if x.device.type != "cpu":  # _stage_x made self._device
                     return self._device.fetch(self.io.out_views(num_tokens, mask), x.dtype)
                 if not copy:
                     return self.io.out_views(num_tokens, mask)

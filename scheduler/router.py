@@ -14,6 +14,7 @@ import math
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import requests
@@ -76,8 +77,6 @@ class PromptCounter:
     """
 
     def __init__(self, tokenizer_dir: str):
-        from pathlib import Path
-
         from transformers import AutoTokenizer
 
         if not Path(tokenizer_dir).is_dir():  # never a hub id: nothing is fetched at run time
@@ -223,10 +222,10 @@ def _chunks(answer: requests.Response, learn: Callable[[int], None]) -> Iterator
     try:
         for chunk in answer.iter_content(chunk_size=None):
             seen = tail + chunk  # a marker may straddle two chunks
-            # The kept tail is shorter than b"data: ", so no marker is counted twice.
-            events += (tail[-5:] + chunk).count(b"data: ")
+            # Markers wholly inside the tail were counted with the previous chunk.
+            events += seen.count(b"data: ") - tail.count(b"data: ")
             done = done or b"data: [DONE]" in seen
-            tail = seen[-11:]
+            tail = seen[-11:]  # one byte short of b"data: [DONE]"
             yield chunk
     finally:
         answer.close()

@@ -214,17 +214,17 @@ class Launcher:
     def start_scheduler(self, log_dir: Path, timeout_s: float = 60.0) -> None:
         """Run the node's scheduler (--start-scheduler) and wait for its /health."""
         a = self.args
-        registry = a.registry or log_dir / "registry.sqlite"
-        self._scheduler_spec = (a.host, a.scheduler_port, registry, log_dir / "scheduler.log",
-                                a.scheduler_arg)  # fmt: skip
+        self.scheduler_log = log_dir / "scheduler.log"
+        self._scheduler_spec = (a.host, a.scheduler_port, a.registry or log_dir / "registry.sqlite",
+                                self.scheduler_log, a.scheduler_arg)  # fmt: skip
         self.scheduler_proc = start_scheduler(*self._scheduler_spec)
         a.scheduler = f"http://{a.host}:{a.scheduler_port}"
         deadline = time.monotonic() + timeout_s
         while _health(a.scheduler) != "healthy":
             if self.scheduler_proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the scheduler did not start; see {self._scheduler_spec[3]}")
+                raise RuntimeError(f"the scheduler did not start; see {self.scheduler_log}")
             time.sleep(0.2)
-        self.reporter.note(f"scheduler at {a.scheduler} (log {self._scheduler_spec[3]})")
+        self.reporter.note(f"scheduler at {a.scheduler} (log {self.scheduler_log})")
 
     def _tick_scheduler(self) -> None:
         """Restart a started scheduler that exited; the servers then register again."""
