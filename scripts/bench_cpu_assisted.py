@@ -75,6 +75,20 @@ def summarise(outs) -> dict:
     }
 
 
+def adapter_bytes(path: str | Path, model_dir: str, dtype: torch.dtype) -> int:
+    """Bytes of one PEFT adapter's A and B in `dtype`, as the device cache counts them."""
+    from gpu_lora.peft_format import load_peft_adapter
+    from server.loader import load_checkpoint
+
+    config = load_checkpoint(model_dir).config
+    return load_peft_adapter(str(path), config).bytes_at(dtype)
+
+
+def link_gbps_for(nbytes: int, seconds: float) -> float:
+    """The link speed (Gbit/s) at which `nbytes` take `seconds` to move."""
+    return nbytes * 8 / seconds / 1e9
+
+
 def prefill_ms(model_dir: str, dtype: str, prompt: list[int], device: str = "cpu") -> float:
     """Median time of a lone 128-token prefill (no adapter) on this machine."""
     config = EngineConfig(device=device, dtype=dtype, max_total_tokens=4096)
@@ -126,11 +140,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.device == "cuda":
         link_gbps = 0.0  # the real link
     elif not link_gbps:
-        from gpu_lora.peft_format import load_peft_adapter
-
-        cfg = load_checkpoint(model_dir).config
-        nbytes = load_peft_adapter(adapters["a0"], cfg).bytes_at(getattr(torch, args.dtype))
-        link_gbps = nbytes * 8 / (base_prefill_ms / 1000) / 1e9
+        nbytes = adapter_bytes(adapters["a0"], model_dir, getattr(torch, args.dtype))
+        link_gbps = link_gbps_for(nbytes, base_prefill_ms / 1000)
     results = {}
     for mode in MODES:
         config = EngineConfig(

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from scripts.bench_cpu_assisted import prefill_ms
+from scripts.bench_cpu_assisted import adapter_bytes, link_gbps_for, prefill_ms
 from scripts.demo import start, stop, wait_healthy
 from scripts.loadgen import list_models
 from scripts.loadgen_client import run_open_loop
@@ -102,14 +102,6 @@ def make_adapters(root: Path, model_dir: Path, num: int, num_distinct: int = 20)
         else:
             shutil.copytree(root / names[i % num_distinct], root / name)
     return ranks
-
-
-def adapter_bytes(path: Path, model_dir: str) -> int:
-    from gpu_lora.peft_format import load_peft_adapter
-    from server.loader import load_checkpoint
-
-    config = load_checkpoint(model_dir).config
-    return load_peft_adapter(str(path), config).bytes_at(torch.float32)
 
 
 def server_counters(url: str) -> dict[str, float]:
@@ -201,11 +193,13 @@ def main(argv: list[str] | None = None) -> None:
     )
     trace = build_trace(spec, ranks)
     nbytes = {
-        r: adapter_bytes(args.adapter_dir / next(n for n in ranks if ranks[n] == r), model_dir)
+        r: adapter_bytes(
+            args.adapter_dir / next(n for n in ranks if ranks[n] == r), model_dir, torch.float32
+        )
         for r in (32, 64)
     }
     base_prefill_ms = prefill_ms(model_dir, "float32", list(range(100, 228)))
-    link_gbps = nbytes[64] * 8 / (base_prefill_ms / 1000) / 1e9
+    link_gbps = link_gbps_for(nbytes[64], base_prefill_ms / 1000)
     cache_bytes = int(args.cache_fraction * sum(nbytes[r] for r in ranks.values()))
     load_start = os.getloadavg()[0]
     runs: dict[str, list[dict]] = {}
