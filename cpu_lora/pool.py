@@ -125,10 +125,11 @@ class CpuLoraPool:
 
         Args:
             layer: layer index.
-            x: [T, H_in] float32/bfloat16, the input the projections share. When x is
-                `input_buffer(T, H_in)` (filled by the caller) it is not copied. A CUDA x is
-                copied into the arena on its current stream without a host synchronize
-                (cuda_stage.py); the workers start once it has landed.
+            x: [T, H_in] float32/bfloat16, the input the projections share. Only the rows from
+                the first segment's start to the last one's end are read (and copied into the
+                arena); when x is `input_buffer(T, H_in)` (filled by the caller) nothing is
+                copied. A CUDA x is copied into the arena on its current stream without a host
+                synchronize (cuda_stage.py); the workers start once it has landed.
             segments: (adapter name or None, start, end); non-overlapping token ranges.
             modules: projections with the same H_in, e.g. ("q_proj", "k_proj", "v_proj").
             copy: False returns views of the shared outputs, in the arena dtype, valid until
@@ -145,7 +146,7 @@ class CpuLoraPool:
                 raise RuntimeError("the pool is closed")
             stats = self.last_call = CallStats()
             if work:
-                self._stage_x(x, num_tokens, h_in)
+                self._stage_x(x, h_in, work[0][1], work[-1][2])
                 self._dispatch(layer, mask, num_tokens, work, stats)
                 if x.device.type != "cpu":  # _stage_x made self._device
                     return self._device.fetch(self.io.out_views(num_tokens, mask), x.dtype)
@@ -158,19 +159,23 @@ class CpuLoraPool:
         zeros = {m: zeros_serial(num_tokens, self.shapes[m][1], x.dtype) for m in modules}
         return {m: z.to(x.device) for m, z in zeros.items()}
 
-    def _stage_x(self, x: torch.Tensor, num_tokens: int, h_in: int) -> None:
-        """Put x [T, H_in] in the arena and mark it as the next call's (queued on a GPU)."""
+    def _stage_x(self, x: torch.Tensor, h_in: int, lo: int, hi: int) -> None:
+        """Put rows [lo, hi) of x [T, H_in] in the arena; mark them as the next call's x.
+
+        The workers read no other rows: a decode batch with one request still loading sends
+        that request's row, not the batch.
+        """
         self._x_seq += 1
-        staged = self.io.x_view(num_tokens, h_in)
+        staged = self.io.x_view(x.shape[0], h_in)
         if x.device.type != "cpu":
             if self._device is None:
                 from cpu_lora.cuda_stage import CudaStager
 
                 self._device = CudaStager(self.io, x.device)
-            self._device.stage(x, staged, self._x_seq)
+            self._device.stage(x[lo:hi], staged[lo:hi], self._x_seq)
             return
         if x.data_ptr() != staged.data_ptr() or x.stride() != staged.stride():
-            copy_serial(staged, x)
+            copy_serial(staged[lo:hi], x[lo:hi])
         self.io.set_x_seq(self._x_seq)
 
     def input_buffer(self, num_tokens: int, width: int) -> torch.Tensor:

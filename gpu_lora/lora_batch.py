@@ -97,7 +97,10 @@ class LoraBatch:
         deltas = self._host.run(layer, x.detach(), segments, modules, copy=False)
         self.host_seconds += time.perf_counter() - begin
         self.host_calls += 1
+        # Rows outside the loading requests' span are zero: add only the span.
+        lo = min(start for _, start, _ in segments)
+        hi = max(end for _, _, end in segments)
         for module, y in outputs:
             delta = deltas.get(module)
             if delta is not None:
-                y += delta.to(device=y.device, dtype=y.dtype)
+                y[lo:hi] += delta[lo:hi].to(device=y.device, dtype=y.dtype)

@@ -60,6 +60,21 @@ def test_zero_copy_path(pool2, adapters):
         torch.testing.assert_close(got[module], want[module], rtol=1e-5, atol=1e-5)
 
 
+def test_only_the_segments_span_of_x_is_copied(pool2, adapters):
+    """A decode batch with one request loading ships that request's rows, not the batch."""
+    pool2.tokens_per_core = 4
+    staged = pool2.input_buffer(NUM_TOKENS, 128)
+    staged.fill_(7.0)
+    x = torch.randn(NUM_TOKENS, 128)
+    segments = [(None, 0, 12), ("b8", 12, 25), ("c16", 25, 33), (None, 33, NUM_TOKENS)]
+    got = pool2.run(1, x, segments, QKV)
+    want = reference(adapters, 1, x, segments, QKV)
+    for module in QKV:
+        torch.testing.assert_close(got[module], want[module], rtol=1e-5, atol=1e-5)
+    assert (staged[:12] == 7.0).all() and (staged[33:] == 7.0).all()
+    torch.testing.assert_close(staged[12:33], x[12:33], rtol=0, atol=0)
+
+
 def test_mlp_and_o_proj_groups(pool2, adapters):
     pool2.tokens_per_core = 8
     _check(pool2, adapters, modules=("gate_proj", "up_proj"))
