@@ -12,8 +12,9 @@ or `--cores`) into contiguous sets, runs each server under `numactl --physcpubin
 it `--cpu-cores SET --cpu-workers N`, so its CPU LoRA workers pin one per core of its set. The
 launcher waits for every `/health`, registers the servers with a scheduler
 (`POST URL/admin/servers`; with `--start-scheduler` it runs that scheduler itself, on
-`--registry`, and restarts it if it exits), restarts a server that dies (exponential backoff,
-at most `--max-restarts` times), and on Ctrl-C/SIGTERM drains and stops them all: SIGTERM,
+`--registry`, and restarts it if it exits or its `/health` fails for `--unhealthy-timeout`),
+restarts a server that dies or hangs that long (exponential backoff, at most `--max-restarts`
+times), and on Ctrl-C/SIGTERM drains and stops them all: SIGTERM,
 wait, then SIGKILL. A TOML file (`--config`) takes the same keys as the flags (`num_servers = 2`,
 `lora_dir = ["/loras"]`, `serve_args = ["--lora-mode", "cpu-assisted"]`); flags win.
 """
@@ -117,7 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--unhealthy-timeout",
         type=float,
         default=60.0,
-        help="restart a running server whose /health has failed this long (0: never)",
+        help="restart a running server (or the started scheduler) whose /health has failed "
+        "this long (0: never)",
     )
     p.add_argument("--max-restarts", type=int, default=5, help="per server")
     p.add_argument("--restart-backoff", type=float, default=1.0, help="first delay, doubling")
@@ -210,6 +212,8 @@ class Launcher:
         self.spawned_pids: list[int] = []
         self.scheduler_proc = None
         self.scheduler_restarts = 0
+        self._scheduler_next_health = 0.0
+        self._scheduler_bad_since: float | None = None  # when it last stopped answering
 
     def start_scheduler(self, log_dir: Path, timeout_s: float = 60.0) -> None:
         """Run the node's scheduler (--start-scheduler) and wait for its /health."""
@@ -226,11 +230,15 @@ class Launcher:
             time.sleep(0.2)
         self.reporter.note(f"scheduler at {a.scheduler} (log {self.scheduler_log})")
 
-    def _tick_scheduler(self) -> None:
-        """Restart a started scheduler that exited; the servers then register again."""
+    def _tick_scheduler(self, now: float) -> None:
+        """Restart a started scheduler that exited or hung; the servers then register again."""
         proc = self.scheduler_proc
-        if proc is None or proc.poll() is None or self.scheduler_restarts < 0:
+        if proc is None or self.scheduler_restarts < 0:
             return
+        if proc.poll() is None:
+            self._watch_scheduler(proc, now)
+            if proc.poll() is None:
+                return
         if self.scheduler_restarts >= self.args.max_restarts:
             self.reporter.note(f"scheduler exited ({proc.returncode}); no restarts left")
             self.scheduler_restarts = -1
@@ -238,14 +246,30 @@ class Launcher:
         self.scheduler_restarts += 1
         self.reporter.note(f"scheduler exited ({proc.returncode}); restarting it")
         self.scheduler_proc = start_scheduler(*self._scheduler_spec)
+        self._scheduler_bad_since = now  # its start-up counts toward --unhealthy-timeout
         for server in self.servers:
             server.registered = False
+
+    def _watch_scheduler(self, proc, now: float) -> None:
+        """Kill a running scheduler whose /health has failed for --unhealthy-timeout."""
+        if now < self._scheduler_next_health:
+            return
+        self._scheduler_next_health = now + HEALTH_EVERY_S
+        if _health(self.args.scheduler) == "healthy":
+            self._scheduler_bad_since = None
+            return
+        self._scheduler_bad_since = self._scheduler_bad_since or now
+        limit = self.args.unhealthy_timeout
+        if limit and now - self._scheduler_bad_since > limit:
+            log.error("scheduler unhealthy for %.0f s; killing it", limit)
+            proc.kill()
+            proc.wait()
 
     def run(self) -> int:
         announced = False
         while not self.stopping.is_set():
             now = time.monotonic()
-            self._tick_scheduler()
+            self._tick_scheduler(now)
             for server in self.servers:
                 self._tick(server, now)
             self.reporter.update(self.servers)

@@ -123,8 +123,11 @@ def test_spawned_process_is_bound_and_stopped(tmp_path, use_numactl):
 
 def test_launcher_runs_its_own_scheduler(tmp_path, tiny_model_dir, free_port):
     """--start-scheduler: the scheduler comes up, the server registers, a request is routed
-    through it, and SIGTERM stops the scheduler with the servers."""
+    through it; a hung scheduler (SIGSTOP) is killed and restarted and routes again; SIGTERM
+    stops the scheduler with the servers."""
+    import re
     import signal
+    import threading
 
     import requests
 
@@ -132,27 +135,53 @@ def test_launcher_runs_its_own_scheduler(tmp_path, tiny_model_dir, free_port):
     cmd = [sys.executable, "-m", "scripts.launch", "--model", str(tiny_model_dir),
            "--num-servers", "1", "--cpu-workers", "0", "--base-port", str(server_port),
            "--start-scheduler", "--scheduler-port", str(sched_port),
-           "--scheduler-arg=--policy=least-loaded",
+           "--scheduler-arg=--policy=least-loaded", "--unhealthy-timeout", "3",
            "--log-dir", str(tmp_path / "logs")]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True).start()
     scheduler = f"http://127.0.0.1:{sched_port}"
-    try:
+
+    def registered_state() -> dict:
         deadline = time.monotonic() + 120
-        while True:  # registered: the scheduler lists the server's base model
-            assert proc.poll() is None and time.monotonic() < deadline, "launcher gave up"
+        while True:  # registered: the scheduler lists the server
+            assert proc.poll() is None and time.monotonic() < deadline, "".join(lines[-20:])
             try:
                 state = requests.get(scheduler + "/admin/state", timeout=2).json()
                 if state.get("servers"):
-                    break
+                    return state
             except requests.RequestException:
                 pass
             time.sleep(0.3)
+
+    def scheduler_pids() -> list[int]:
+        return [
+            int(m.group(1))
+            for line in list(lines)
+            if (m := re.search(r"scheduler: pid (\d+)", line))
+        ]
+
+    try:
+        state = registered_state()
         assert state["policy"] == "least-loaded"  # --scheduler-arg reached it
         models = requests.get(scheduler + "/v1/models", timeout=5).json()["data"]
         body = {"model": models[0]["id"], "prompt": "abc", "max_tokens": 3}
         answer = requests.post(scheduler + "/v1/completions", json=body, timeout=60)
         assert answer.status_code == 200, answer.text
         assert (tmp_path / "logs" / "registry.sqlite").is_file()
+
+        first = scheduler_pids()[-1]
+        os.kill(first, signal.SIGSTOP)  # alive, but answers nothing
+        deadline = time.monotonic() + 60
+        while scheduler_pids()[-1] == first:
+            assert time.monotonic() < deadline, "".join(lines[-20:])
+            time.sleep(0.3)
+        with pytest.raises(ProcessLookupError):
+            os.kill(first, 0)  # the hung one was killed and reaped
+        registered_state()
+        answer = requests.post(scheduler + "/v1/completions", json=body, timeout=60)
+        assert answer.status_code == 200, answer.text
+        assert any("scheduler unhealthy for 3 s; killing it" in line for line in lines)
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
