@@ -113,22 +113,22 @@ class WorkerProcess:
 
     def wait(self, seq: int, deadline: float) -> tuple[int | str, int]:
         """(status, compute ns) of job `seq`, or ("died" | "timed out", 0)."""
-        if self._spin_ns and try_acquire_spinning(self.done_sem, self._spin_ns):
-            done_seq, status, ns = self.io.read_reply(self.index)
-            if done_seq == seq:
-                return status, ns
+        spin_ns = self._spin_ns  # spin once, then block in POLL_S steps
         while True:
-            remaining = deadline - time.monotonic()
-            try:
-                self.done_sem.acquire(max(0.0, min(POLL_S, remaining)))
-            except posix_ipc.BusyError:
-                if self.proc.poll() is not None:
-                    return "died", 0
-                if remaining <= 0:
-                    return "timed out", 0
-                continue
-            except posix_ipc.SignalError:
-                continue
+            taken = bool(spin_ns) and try_acquire_spinning(self.done_sem, spin_ns)
+            spin_ns = 0
+            if not taken:
+                remaining = deadline - time.monotonic()
+                try:
+                    self.done_sem.acquire(max(0.0, min(POLL_S, remaining)))
+                except posix_ipc.BusyError:
+                    if self.proc.poll() is not None:
+                        return "died", 0
+                    if remaining <= 0:
+                        return "timed out", 0
+                    continue
+                except posix_ipc.SignalError:
+                    continue
             done_seq, status, ns = self.io.read_reply(self.index)
             if done_seq == seq:  # else a stale post from before a restart
                 return status, ns
