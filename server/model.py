@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from server.kv_cache import KVPool
+from server.linear import Linear
 from server.model_config import ModelConfig
 
 
@@ -34,11 +35,11 @@ class ForwardBatch:
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor  # [H]
-    qkv: torch.Tensor  # [(N+2K)*D, H]
-    o: torch.Tensor  # [H, N*D]
+    qkv: Linear  # [(N+2K)*D, H]
+    o: Linear  # [H, N*D]
     post_norm: torch.Tensor  # [H]
-    gate_up: torch.Tensor  # [2*I, H]
-    down: torch.Tensor  # [H, I]
+    gate_up: Linear  # [2*I, H]
+    down: Linear  # [H, I]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -65,7 +66,9 @@ class LlamaModel:
         dtype: torch.dtype,
         device: str | torch.device,
         max_len: int,
+        pack_cpu_weights: bool = True,
     ):
+        """pack_cpu_weights: on a CPU, run the projections through oneDNN (linear.py)."""
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
@@ -78,7 +81,8 @@ class LlamaModel:
         self.embed = w("model.embed_tokens.weight")  # [V, H]
         self.norm = w("model.norm.weight")
         tied = config.tie_word_embeddings or "lm_head.weight" not in weights
-        self.lm_head = self.embed if tied else w("lm_head.weight")  # [V, H]
+        pack = pack_cpu_weights
+        self.lm_head = Linear(self.embed if tied else w("lm_head.weight"), pack)  # [V, H]
         self.layers = []
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
@@ -86,13 +90,18 @@ class LlamaModel:
             self.layers.append(
                 LayerWeights(
                     input_norm=w(p + "input_layernorm.weight"),
-                    qkv=torch.cat(
-                        [w(attn + m + ".weight") for m in ("q_proj", "k_proj", "v_proj")]
+                    qkv=Linear(
+                        torch.cat(
+                            [w(attn + m + ".weight") for m in ("q_proj", "k_proj", "v_proj")]
+                        ),
+                        pack,
                     ),
-                    o=w(attn + "o_proj.weight"),
+                    o=Linear(w(attn + "o_proj.weight"), pack),
                     post_norm=w(p + "post_attention_layernorm.weight"),
-                    gate_up=torch.cat([w(mlp + "gate_proj.weight"), w(mlp + "up_proj.weight")]),
-                    down=w(mlp + "down_proj.weight"),
+                    gate_up=Linear(
+                        torch.cat([w(mlp + "gate_proj.weight"), w(mlp + "up_proj.weight")]), pack
+                    ),
+                    down=Linear(w(mlp + "down_proj.weight"), pack),
                 )
             )
         d = config.head_dim
@@ -113,7 +122,7 @@ class LlamaModel:
         h = self.embed[batch.input_ids]  # [T, H]
         for idx, layer in enumerate(self.layers):
             x = rms_norm(h, layer.input_norm, cfg.rms_norm_eps)
-            qkv = F.linear(x, layer.qkv)  # [T, (N+2K)*D]
+            qkv = layer.qkv(x)  # [T, (N+2K)*D]
             q, key, val = qkv.split([n * d, k * d, k * d], dim=-1)
             if lora is not None:
                 lora.add(idx, x, (("q_proj", q), ("k_proj", key), ("v_proj", val)))
@@ -122,23 +131,23 @@ class LlamaModel:
             val = val.reshape(num_tokens, k, d)
             kv.write(idx, batch.slots, key, val)
             attn = self._attention(idx, q, key, val, batch, kv)  # [T, N*D]
-            out = F.linear(attn, layer.o)  # [T, H]
+            out = layer.o(attn)  # [T, H]
             if lora is not None:
                 lora.add(idx, attn, (("o_proj", out),))
             h = h + out
             x = rms_norm(h, layer.post_norm, cfg.rms_norm_eps)
-            gate_up = F.linear(x, layer.gate_up)  # [T, 2I]
+            gate_up = layer.gate_up(x)  # [T, 2I]
             gate, up = gate_up.chunk(2, dim=-1)
             if lora is not None:
                 lora.add(idx, x, (("gate_proj", gate), ("up_proj", up)))
             act = F.silu(gate) * up  # [T, I]
-            out = F.linear(act, layer.down)
+            out = layer.down(act)
             if lora is not None:
                 lora.add(idx, act, (("down_proj", out),))
             h = h + out
         last = torch.tensor(batch.seg_starts[1:], device=self.device) - 1
         h = rms_norm(h[last], self.norm, cfg.rms_norm_eps)  # [B, H]
-        return F.linear(h, self.lm_head).float()  # [B, V]
+        return self.lm_head(h).float()  # [B, V]
 
     def _attention(self, layer_idx, q, key, val, batch: ForwardBatch, kv: KVPool) -> torch.Tensor:
         """Causal attention of the step's queries. q [T, N, D] -> [T, N*D]."""
