@@ -27,7 +27,7 @@ class Linear:
     def __init__(self, weight: torch.Tensor, pack: bool = True) -> None:
         self.out_features, self.in_features = weight.shape
         self.is_packed = pack and weight.device.type == "cpu" and packing_works(weight.dtype)
-        # The packed copy replaces the weight: only one of them is kept.
+        # Only the packed copy is kept here (a tied lm_head's embedding stays, for the lookup).
         self._weight = _pack(weight) if self.is_packed else weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -52,7 +52,7 @@ def packing_works(dtype: torch.dtype) -> bool:
     x = torch.randn(3, 80, generator=gen).to(dtype)
     try:
         got = torch.ops.mkldnn._linear_pointwise(x, _pack(weight), None, "none", [], "")
-    except (AttributeError, RuntimeError) as exc:
+    except (AttributeError, NotImplementedError, RuntimeError) as exc:
         log.info("oneDNN packed linear unavailable (%s); using F.linear", exc)
         return False
     want = F.linear(x.float(), weight.float())
