@@ -118,9 +118,14 @@ def main(argv: list[str] | None = None) -> None:
                    help="0: set so one adapter load takes one prefill's time")  # fmt: skip
     p.add_argument("--cpu-workers", type=int, default=0)
     p.add_argument("--cpu-spin-us", type=float, default=0.0, help="see toppings-serve")
+    p.add_argument("--rounds", type=int, default=2, help="runs of every mode, order alternating")
     p.add_argument("--adapter-dir", default="/tmp/toppings-assist-adapters")
     p.add_argument("--out", default="bench/results/cpu_assisted.json")
     args = p.parse_args(argv)
+    if args.cpu_workers and args.device == "cpu" and os.environ.get("OMP_WAIT_POLICY") != "PASSIVE":
+        # toppings-serve sets it when it starts workers; it must be set before torch starts
+        # OpenMP, whose busy-waiting threads would otherwise starve the workers.
+        p.error("with --cpu-workers on a CPU run it as OMP_WAIT_POLICY=PASSIVE python -m ...")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     model_dir = str(resolve_model_dir(args.model))
     adapters = make_adapters(Path(args.adapter_dir), Path(model_dir), args.num_requests, args.rank)
@@ -142,24 +147,30 @@ def main(argv: list[str] | None = None) -> None:
     elif not link_gbps:
         nbytes = adapter_bytes(adapters["a0"], model_dir, getattr(torch, args.dtype))
         link_gbps = link_gbps_for(nbytes, base_prefill_ms / 1000)
-    results = {}
-    for mode in MODES:
-        config = EngineConfig(
-            device=args.device, dtype=args.dtype, lora_mode=mode,
-            link_gbps=0.0 if mode == "cached" else link_gbps,
-            num_cpu_workers=args.cpu_workers if mode == "cpu-assisted" else 0,
-            cpu_spin_us=args.cpu_spin_us,
-            max_total_tokens=64 * (args.prompt_len + args.new_tokens), max_batch_size=64,
-        )  # fmt: skip
-        engine = build_engine(model_dir, config, adapters)
-        try:
-            run_stream(engine, prompts[:2], [None, None], 0.0, 4)  # warm-up, no adapter
-            outs = run_stream(engine, prompts, names, args.interval_ms / 1000, args.new_tokens)
-            results[mode] = {**summarise(outs), "host_lora_calls": engine.host_calls,
-                             "adapter_loads": engine.cache.counters.loads}  # fmt: skip
-        finally:
-            engine.shutdown()
-        log.info("%s: %s", mode, results[mode])
+    # Modes run one engine at a time; rounds alternate their order (forward, reversed, ...) so
+    # that neither the first place nor a slow spell of the machine falls on one mode only.
+    outs_by_mode: dict[str, list] = {m: [] for m in MODES}
+    counts = {m: {"host_lora_calls": 0, "adapter_loads": 0} for m in MODES}
+    for round_idx in range(args.rounds):
+        for mode in MODES if round_idx % 2 == 0 else MODES[::-1]:
+            config = EngineConfig(
+                device=args.device, dtype=args.dtype, lora_mode=mode,
+                link_gbps=0.0 if mode == "cached" else link_gbps,
+                num_cpu_workers=args.cpu_workers if mode == "cpu-assisted" else 0,
+                cpu_spin_us=args.cpu_spin_us,
+                max_total_tokens=64 * (args.prompt_len + args.new_tokens), max_batch_size=64,
+            )  # fmt: skip
+            engine = build_engine(model_dir, config, adapters)
+            try:
+                run_stream(engine, prompts[:2], [None, None], 0.0, 4)  # warm-up, no adapter
+                outs = run_stream(engine, prompts, names, args.interval_ms / 1000, args.new_tokens)
+                outs_by_mode[mode] += outs
+                counts[mode]["host_lora_calls"] += engine.host_calls
+                counts[mode]["adapter_loads"] += engine.cache.counters.loads
+            finally:
+                engine.shutdown()
+            log.info("round %d, %s: %s", round_idx, mode, summarise(outs))
+    results = {m: {**summarise(outs_by_mode[m]), **counts[m]} for m in MODES}
     c, od, ca = (results[m] for m in MODES)
     if args.device == "cuda":
         device = f"{torch.cuda.get_device_name()}, real host-to-device link"
@@ -171,16 +182,12 @@ def main(argv: list[str] | None = None) -> None:
         "name": "cpu_assisted",
         "device": device,
         "command": "python -m scripts.bench_cpu_assisted " + " ".join(sys.argv[1:]),
-        # With CPU workers, run as `OMP_WAIT_POLICY=PASSIVE python -m ...` (what toppings-serve
-        # sets when it starts workers): busy-waiting OpenMP threads starve the workers.
         "date": datetime.date.today().isoformat(),
         "config": {
             **{k: v for k, v in vars(args).items() if k != "out"},
             "link_gbps_used": link_gbps,
             "prefill_128_ms": base_prefill_ms,
             "targets": TARGETS,
-            # With CPU workers run it as `OMP_WAIT_POLICY=PASSIVE python -m ...` (toppings-serve
-            # sets it when it starts workers): busy-waiting OpenMP threads starve the workers.
             "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "default"),
             "load_average_1min_at_end": os.getloadavg()[0],
         },
