@@ -25,21 +25,23 @@ class Linear:
     """y = x @ W.T for a fixed weight W [out, in]; x [T, in] -> y [T, out] in W's dtype."""
 
     def __init__(self, weight: torch.Tensor, pack: bool = True) -> None:
-        self.out_features, self.in_features = weight.shape
         self.is_packed = pack and weight.device.type == "cpu" and packing_works(weight.dtype)
         # Only the packed copy is kept here (a tied lm_head's embedding stays, for the lookup).
         self._weight = _pack(weight) if self.is_packed else weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.is_packed:
-            return torch.ops.mkldnn._linear_pointwise(
-                x.contiguous(), self._weight, None, "none", [], ""
-            )
+            return _packed_linear(x, self._weight)
         return F.linear(x, self._weight)
 
 
 def _pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
+
+
+def _packed_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """x [T, in] @ W.T through oneDNN, W as `_pack` left it; no bias, no fused activation."""
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, None, "none", [], "")
 
 
 @functools.cache
@@ -51,7 +53,7 @@ def packing_works(dtype: torch.dtype) -> bool:
     weight = torch.randn(96, 80, generator=gen).to(dtype)
     x = torch.randn(3, 80, generator=gen).to(dtype)
     try:
-        got = torch.ops.mkldnn._linear_pointwise(x, _pack(weight), None, "none", [], "")
+        got = _packed_linear(x, _pack(weight))
     except (AttributeError, NotImplementedError, RuntimeError) as exc:
         log.info("oneDNN packed linear unavailable (%s); using F.linear", exc)
         return False
