@@ -4,8 +4,8 @@ Knows nothing of the server: a model is anything with `num_layers` and `projecti
 an adapter anything shaped like gpu_lora's LoraAdapter (see shapes.py).
 """
 
-from cpu_lora.pool import CallStats, CpuLoraPool
-from cpu_lora.repository import HostRepository, RepositoryFullError
-from cpu_lora.shapes import LORA_TARGETS
+from toppings.cpu_lora.pool import CallStats, CpuLoraPool
+from toppings.cpu_lora.repository import HostRepository, RepositoryFullError
+from toppings.cpu_lora.shapes import LORA_TARGETS
 
 __all__ = ["CallStats", "CpuLoraPool", "HostRepository", "LORA_TARGETS", "RepositoryFullError"]

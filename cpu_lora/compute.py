@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from cpu_lora.protocol import IoArena, Job
-from cpu_lora.repository import HostRepository
-from cpu_lora.shapes import mask_modules
-from cpu_lora.spin import spin_until
+from toppings.cpu_lora.protocol import IoArena, Job
+from toppings.cpu_lora.repository import HostRepository
+from toppings.cpu_lora.shapes import mask_modules
+from toppings.cpu_lora.spin import spin_until
 
 X_TIMEOUT_S = 10.0  # how long a job waits for its x (a device copy still in flight)
 

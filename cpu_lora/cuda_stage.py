@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from cpu_lora.protocol import IoArena
+from toppings.cpu_lora.protocol import IoArena
 
 
 class CudaStager:

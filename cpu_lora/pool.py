@@ -19,14 +19,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cpu_lora.compute import run_job, wait_for_x
-from cpu_lora.profiling import CoreProfile, choose_tokens_per_core, time_one_core
-from cpu_lora.protocol import OP_RUN, STATUS_ERROR, STATUS_OK, IoArena, Job
-from cpu_lora.repository import HostRepository
-from cpu_lora.serial_copy import copy_serial, zeros_serial
-from cpu_lora.shapes import LORA_TARGETS, ModelShapes, module_mask
-from cpu_lora.split import num_parts, split_rows
-from cpu_lora.workers import WorkerProcess
+from toppings.cpu_lora.compute import run_job, wait_for_x
+from toppings.cpu_lora.profiling import CoreProfile, choose_tokens_per_core, time_one_core
+from toppings.cpu_lora.protocol import OP_RUN, STATUS_ERROR, STATUS_OK, IoArena, Job
+from toppings.cpu_lora.repository import HostRepository
+from toppings.cpu_lora.serial_copy import copy_serial, zeros_serial
+from toppings.cpu_lora.shapes import LORA_TARGETS, ModelShapes, module_mask
+from toppings.cpu_lora.split import num_parts, split_rows
+from toppings.cpu_lora.workers import WorkerProcess
 
 log = logging.getLogger(__name__)
 
@@ -169,7 +169,7 @@ class CpuLoraPool:
         staged = self.io.x_view(x.shape[0], h_in)
         if x.device.type != "cpu":
             if self._device is None:
-                from cpu_lora.cuda_stage import CudaStager
+                from toppings.cpu_lora.cuda_stage import CudaStager
 
                 self._device = CudaStager(self.io, x.device)
             self._device.stage(x[lo:hi], staged[lo:hi], self._x_seq)

@@ -34,8 +34,8 @@ from dataclasses import dataclass
 
 import torch
 
-from cpu_lora import shm
-from cpu_lora.shapes import DTYPE_CODES, DTYPES, mask_modules
+from toppings.cpu_lora import shm
+from toppings.cpu_lora.shapes import DTYPE_CODES, DTYPES, mask_modules
 
 MAGIC = b"TOPIO002"
 VERSION = 2

@@ -32,9 +32,16 @@ import threading
 
 import torch
 
-from cpu_lora import shm
-from cpu_lora.allocator import FirstFit
-from cpu_lora.shapes import DTYPE_CODES, DTYPES, LORA_TARGETS, AdapterLike, ModelShapes, all_shapes
+from toppings.cpu_lora import shm
+from toppings.cpu_lora.allocator import FirstFit
+from toppings.cpu_lora.shapes import (
+    DTYPE_CODES,
+    DTYPES,
+    LORA_TARGETS,
+    AdapterLike,
+    ModelShapes,
+    all_shapes,
+)
 
 MAGIC = b"TOPREPO1"
 VERSION = 1

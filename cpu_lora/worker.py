@@ -22,13 +22,13 @@ import time
 import posix_ipc
 import torch
 
-from cpu_lora import shm
-from cpu_lora.compute import run_job, wait_for_x
-from cpu_lora.protocol import OP_STOP, STATUS_ERROR, STATUS_OK, IoArena
-from cpu_lora.repository import HostRepository
-from cpu_lora.spin import try_acquire_spinning
+from toppings.cpu_lora import shm
+from toppings.cpu_lora.compute import run_job, wait_for_x
+from toppings.cpu_lora.protocol import OP_STOP, STATUS_ERROR, STATUS_OK, IoArena
+from toppings.cpu_lora.repository import HostRepository
+from toppings.cpu_lora.spin import try_acquire_spinning
 
-log = logging.getLogger("cpu_lora.worker")
+log = logging.getLogger("toppings.cpu_lora.worker")
 
 ORPHAN_CHECK_S = 1.0  # how often an idle worker checks that its parent is alive
 

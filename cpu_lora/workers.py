@@ -7,18 +7,16 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import posix_ipc
 
-from cpu_lora import shm
-from cpu_lora.protocol import OP_STOP, IoArena, Job
-from cpu_lora.spin import try_acquire_spinning
+from toppings.cpu_lora import shm
+from toppings.cpu_lora.protocol import OP_STOP, IoArena, Job
+from toppings.cpu_lora.spin import try_acquire_spinning
 
 log = logging.getLogger(__name__)
 
 POLL_S = 0.05  # a dead worker is noticed within this long
-_PACKAGE_ROOT = str(Path(__file__).resolve().parents[1])
 
 
 class WorkerProcess:
@@ -48,7 +46,7 @@ class WorkerProcess:
         cmd = [
             sys.executable,
             "-m",
-            "cpu_lora.worker",
+            "toppings.cpu_lora.worker",
             "--repo",
             self._repo_name,
             "--io",
@@ -70,7 +68,6 @@ class WorkerProcess:
             cmd = [self._numactl, f"--physcpubind={self.core}", "--localalloc", *cmd]
         # One thread per worker; the pool, not OpenMP, spreads the work over cores.
         env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [_PACKAGE_ROOT, env.get("PYTHONPATH")]))
         self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=env)
         shm.track_process(self.proc)
 

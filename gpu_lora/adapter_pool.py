@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from gpu_lora.peft_format import LoraAdapter
-from server.model_config import LORA_TARGETS, ModelConfig
+from toppings.gpu_lora.peft_format import LoraAdapter
+from toppings.server.model_config import LORA_TARGETS, ModelConfig
 
 
 @dataclass(frozen=True)

@@ -13,10 +13,10 @@ import logging
 import time
 from dataclasses import dataclass
 
-from gpu_lora.adapter_pool import AdapterPool, ResidentAdapter
-from gpu_lora.eviction import CacheStats, EvictionPolicy
-from gpu_lora.loader import LoadTicket, PipelinedLoader
-from gpu_lora.peft_format import LoraAdapter
+from toppings.gpu_lora.adapter_pool import AdapterPool, ResidentAdapter
+from toppings.gpu_lora.eviction import CacheStats, EvictionPolicy
+from toppings.gpu_lora.loader import LoadTicket, PipelinedLoader
+from toppings.gpu_lora.peft_format import LoraAdapter
 
 log = logging.getLogger(__name__)
 

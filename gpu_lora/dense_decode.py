@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from gpu_lora.adapter_pool import AdapterPool, ResidentAdapter
+from toppings.gpu_lora.adapter_pool import AdapterPool, ResidentAdapter
 
 
 class DenseDecodePlan:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from gpu_lora.peft_format import LoraAdapter
+from toppings.gpu_lora.peft_format import LoraAdapter
 
 
 class HostLora:

@@ -17,8 +17,8 @@ import time
 
 import torch
 
-from gpu_lora.adapter_pool import AdapterPool, ResidentAdapter
-from gpu_lora.peft_format import LoraAdapter
+from toppings.gpu_lora.adapter_pool import AdapterPool, ResidentAdapter
+from toppings.gpu_lora.peft_format import LoraAdapter
 
 log = logging.getLogger(__name__)
 

@@ -15,9 +15,9 @@ import time
 
 import torch
 
-from gpu_lora.adapter_pool import AdapterPool, ResidentAdapter
-from gpu_lora.dense_decode import DenseDecodePlan
-from gpu_lora.loader import LoadTicket
+from toppings.gpu_lora.adapter_pool import AdapterPool, ResidentAdapter
+from toppings.gpu_lora.dense_decode import DenseDecodePlan
+from toppings.gpu_lora.loader import LoadTicket
 
 
 class LoraBatch:

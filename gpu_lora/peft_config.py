@@ -13,7 +13,7 @@ import os
 import re
 from pathlib import Path
 
-from server.model_config import ATTN_PROJECTIONS, LORA_TARGETS, ModelConfig
+from toppings.server.model_config import ATTN_PROJECTIONS, LORA_TARGETS, ModelConfig
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from gpu_lora.peft_config import (
+from toppings.gpu_lora.peft_config import (
     CONFIG_FILE,
     PICKLE_FILE,
     WEIGHTS_FILE,
@@ -24,7 +24,7 @@ from gpu_lora.peft_config import (
     read_adapter_config,
     resolve_targets,
 )
-from server.model_config import ATTN_PROJECTIONS, LORA_TARGETS, ModelConfig
+from toppings.server.model_config import ATTN_PROJECTIONS, LORA_TARGETS, ModelConfig
 
 __all__ = ["AdapterError", "LoraAdapter", "load_peft_adapter", "read_adapter_config"]
 

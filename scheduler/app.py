@@ -20,9 +20,9 @@ import requests
 from flask import Flask, Response, jsonify, request
 from werkzeug.exceptions import HTTPException
 
-from scheduler.cluster import Cluster
-from scheduler.registry import AdapterRecord, RegistryError
-from scheduler.router import Router, SchedulerError
+from toppings.scheduler.cluster import Cluster
+from toppings.scheduler.registry import AdapterRecord, RegistryError
+from toppings.scheduler.router import Router, SchedulerError
 
 log = logging.getLogger(__name__)
 

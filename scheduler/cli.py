@@ -20,14 +20,14 @@ from typing import Any
 import requests
 import waitress
 
-from scheduler.app import create_app
-from scheduler.cluster import Cluster
-from scheduler.paper_models import paper_fig6_models
-from scheduler.perf_model import PerfModels
-from scheduler.policies import POLICIES, make_policy
-from scheduler.registry import Registry
-from scheduler.router import PromptCounter, Router, estimate_prompt_tokens
-from scheduler.state import BatchShape
+from toppings.scheduler.app import create_app
+from toppings.scheduler.cluster import Cluster
+from toppings.scheduler.paper_models import paper_fig6_models
+from toppings.scheduler.perf_model import PerfModels
+from toppings.scheduler.policies import POLICIES, make_policy
+from toppings.scheduler.registry import Registry
+from toppings.scheduler.router import PromptCounter, Router, estimate_prompt_tokens
+from toppings.scheduler.state import BatchShape
 
 log = logging.getLogger("toppings-scheduler")
 STATS_TIMEOUT_S = 1.0

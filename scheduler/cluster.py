@@ -17,8 +17,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from scheduler.registry import AdapterRecord, Registry, ServerRecord
-from scheduler.state import RouteRequest, ServerState
+from toppings.scheduler.registry import AdapterRecord, Registry, ServerRecord
+from toppings.scheduler.state import RouteRequest, ServerState
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ All three prefill numbers are guesses to be replaced by a model fitted on our en
 
 from __future__ import annotations
 
-from scheduler.perf_model import LinearPerfModel, PerfModels
+from toppings.scheduler.perf_model import LinearPerfModel, PerfModels
 
 PAPER_SOURCE = "paper Fig. 6 (not measured here)"
 PREFILL_MS_PER_TOKEN = 0.07

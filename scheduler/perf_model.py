@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from scheduler.state import BatchShape
+from toppings.scheduler.state import BatchShape
 
 KERNELS = ("bgmv", "mbgmv")
 PHASES = ("decode", "prefill")

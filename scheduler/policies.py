@@ -14,8 +14,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
-from scheduler.perf_model import PerfModels
-from scheduler.state import RouteRequest, ServerState
+from toppings.scheduler.perf_model import PerfModels
+from toppings.scheduler.state import RouteRequest, ServerState
 
 DEFAULT_AVG_RESP_LEN = 128.0
 

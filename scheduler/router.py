@@ -19,10 +19,10 @@ from typing import Any
 
 import requests
 
-from scheduler.cluster import Cluster
-from scheduler.policies import Policy
-from scheduler.registry import Registry
-from scheduler.state import RouteRequest
+from toppings.scheduler.cluster import Cluster
+from toppings.scheduler.policies import Policy
+from toppings.scheduler.registry import Registry
+from toppings.scheduler.state import RouteRequest
 
 log = logging.getLogger(__name__)
 

@@ -21,10 +21,10 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from scheduler.perf_model import PerfModels
-from scheduler.policies import Policy
-from scheduler.state import BatchShape, RouteRequest, ServerState
-from scheduler.trace import TraceRequest
+from toppings.scheduler.perf_model import PerfModels
+from toppings.scheduler.policies import Policy
+from toppings.scheduler.state import BatchShape, RouteRequest, ServerState
+from toppings.scheduler.trace import TraceRequest
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ loads go over the real host-to-device link (no throttle) and the result names th
 paper's shapes, make a random model with Llama-7B layers first (fewer layers keep it quick):
 
     python -m scripts.bench_cpu_assisted --out bench/results/cpu_assisted.json
-    python -m scripts.make_tiny_llama /tmp/llama7b-8l --layers 8 --hidden 4096 \
+    python -m toppings.scripts.make_tiny_llama /tmp/llama7b-8l --layers 8 --hidden 4096 \
         --intermediate 11008 --heads 32 --kv-heads 32 --vocab 32000 --max-positions 4096
     python -m scripts.bench_cpu_assisted --device cuda --model /tmp/llama7b-8l --cpu-workers 8 \
         --out bench/results/cpu_assisted_cuda.json
@@ -30,11 +30,11 @@ from pathlib import Path
 
 import torch
 
-from scripts.make_adapters import make_random_adapter
-from server.config import EngineConfig
-from server.loader import resolve_model_dir
-from server.request import GenerationRequest, SamplingParams
-from server.runtime import build_engine
+from toppings.scripts.make_adapters import make_random_adapter
+from toppings.server.config import EngineConfig
+from toppings.server.loader import resolve_model_dir
+from toppings.server.request import GenerationRequest, SamplingParams
+from toppings.server.runtime import build_engine
 
 log = logging.getLogger("bench_cpu_assisted")
 TARGETS = ("q_proj", "k_proj", "v_proj")
@@ -77,8 +77,8 @@ def summarise(outs) -> dict:
 
 def adapter_bytes(path: str | Path, model_dir: str, dtype: torch.dtype) -> int:
     """Bytes of one PEFT adapter's A and B in `dtype`, as the device cache counts them."""
-    from gpu_lora.peft_format import load_peft_adapter
-    from server.loader import load_checkpoint
+    from toppings.gpu_lora.peft_format import load_peft_adapter
+    from toppings.server.loader import load_checkpoint
 
     config = load_checkpoint(model_dir).config
     return load_peft_adapter(str(path), config).bytes_at(dtype)
@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     model_dir = str(resolve_model_dir(args.model))
     adapters = make_adapters(Path(args.adapter_dir), Path(model_dir), args.num_requests, args.rank)
-    from server.loader import load_checkpoint
+    from toppings.server.loader import load_checkpoint
 
     vocab = load_checkpoint(model_dir).config.vocab_size
     gen = torch.Generator().manual_seed(0)

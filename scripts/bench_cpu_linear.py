@@ -23,10 +23,10 @@ from pathlib import Path
 
 import torch
 
-from scripts.bench_cpu_lora_ipc import cpu_model
-from server.kv_cache import KVPool
-from server.loader import load_checkpoint
-from server.model import ForwardBatch, LlamaModel
+from toppings.scripts.bench_cpu_lora_ipc import cpu_model
+from toppings.server.kv_cache import KVPool
+from toppings.server.loader import load_checkpoint
+from toppings.server.model import ForwardBatch, LlamaModel
 
 CONTEXT = 128
 

@@ -28,8 +28,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from cpu_lora import CpuLoraPool, HostRepository
-from cpu_lora.serial_copy import copy_serial
+from toppings.cpu_lora import CpuLoraPool, HostRepository
+from toppings.cpu_lora.serial_copy import copy_serial
 
 QKV = ("q_proj", "k_proj", "v_proj")
 HEADLINE = "shm_spin_views"  # the engine's call (x copied in, outputs in place), spinning
@@ -108,7 +108,7 @@ class SocketPool:
             cmd = [
                 sys.executable,
                 "-m",
-                "scripts.bench_cpu_lora_ipc",
+                "toppings.scripts.bench_cpu_lora_ipc",
                 "--socket-worker",
                 str(theirs.fileno()),
                 repo.name,

@@ -24,8 +24,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from cpu_lora import CpuLoraPool, HostRepository
-from scripts.bench_cpu_lora_ipc import QKV, Adapter, Shapes, cpu_model
+from toppings.cpu_lora import CpuLoraPool, HostRepository
+from toppings.scripts.bench_cpu_lora_ipc import QKV, Adapter, Shapes, cpu_model
 
 
 def make_repository(shapes: Shapes, rank: int, count: int, dtype: torch.dtype):

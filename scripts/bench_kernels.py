@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    from gpu_lora.kernels import get_kernels  # imports triton: only on a GPU machine
+    from toppings.gpu_lora.kernels import get_kernels  # imports triton: only on a GPU machine
 
     kernels = get_kernels("triton")
     dtype = getattr(torch, args.dtype)

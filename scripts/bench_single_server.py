@@ -30,14 +30,14 @@ from pathlib import Path
 
 import torch
 
-from scripts.bench_cpu_assisted import adapter_bytes, link_gbps_for, prefill_ms
-from scripts.demo import start, stop, wait_healthy
-from scripts.loadgen import list_models
-from scripts.loadgen_client import run_open_loop
-from scripts.loadgen_stats import plot_cdfs, summarise
-from scripts.make_adapters import make_random_adapter
-from scripts.workload import LengthSpec, TraceEntry, WorkloadSpec, build_trace
-from server.loader import resolve_model_dir
+from toppings.scripts.bench_cpu_assisted import adapter_bytes, link_gbps_for, prefill_ms
+from toppings.scripts.demo import start, stop, wait_healthy
+from toppings.scripts.loadgen import list_models
+from toppings.scripts.loadgen_client import run_open_loop
+from toppings.scripts.loadgen_stats import plot_cdfs, summarise
+from toppings.scripts.make_adapters import make_random_adapter
+from toppings.scripts.workload import LengthSpec, TraceEntry, WorkloadSpec, build_trace
+from toppings.server.loader import resolve_model_dir
 
 log = logging.getLogger("bench_single_server")
 MODES = ("cached", "on-demand", "cpu-assisted")
@@ -86,7 +86,7 @@ def make_adapters(root: Path, model_dir: Path, num: int, num_distinct: int = 20)
     them under their own names (the servers load and cache every name separately, and their
     speed does not depend on the values), which saves minutes of CPU per adapter here.
     """
-    from scripts.make_adapters import load_base
+    from toppings.scripts.make_adapters import load_base
 
     ranks = {f"r{64 if i % 2 == 0 else 32}-{i:03d}": 64 if i % 2 == 0 else 32 for i in range(num)}
     names = list(ranks)
@@ -137,7 +137,7 @@ def run_server(mode: str, args, root: Path, trace, link_gbps: float, cache_bytes
     ]
     if mode != "cached":
         serve += ["--link-gbps", str(link_gbps), "--adapter-cache-bytes", str(cache_bytes)]
-    proc = start("server.cli", serve, logs / f"{mode}.log")
+    proc = start("toppings.server.cli", serve, logs / f"{mode}.log")
     records: list[dict] = []
     counters: dict[str, float] = {}
     try:
@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> None:
             )
         loads[mode] = other.share
     if "hf-peft" in systems:
-        from scripts.hf_peft_peer import load_peft_model, replay
+        from toppings.scripts.hf_peft_peer import load_peft_model, replay
 
         used = sorted({e.model for e in trace})
         model = load_peft_model(model_dir, {n: str(args.adapter_dir / n) for n in used})

@@ -21,11 +21,11 @@ from pathlib import Path
 
 import torch
 
-from scripts.make_adapters import make_random_adapter
-from server.config import EngineConfig
-from server.loader import resolve_model_dir
-from server.request import GenerationRequest, SamplingParams
-from server.runtime import build_engine
+from toppings.scripts.make_adapters import make_random_adapter
+from toppings.server.config import EngineConfig
+from toppings.server.loader import resolve_model_dir
+from toppings.server.request import GenerationRequest, SamplingParams
+from toppings.server.runtime import build_engine
 
 log = logging.getLogger("bench_throughput")
 RANKS = (8, 16, 32, 64)

@@ -23,11 +23,11 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-from scheduler.paper_models import paper_fig6_models
-from scheduler.perf_model import PerfModels
-from scheduler.policies import POLICIES, make_policy
-from scheduler.simulator import SimConfig, simulate
-from scheduler.trace import TraceConfig, generate_trace, trace_summary
+from toppings.scheduler.paper_models import paper_fig6_models
+from toppings.scheduler.perf_model import PerfModels
+from toppings.scheduler.policies import POLICIES, make_policy
+from toppings.scheduler.simulator import SimConfig, simulate
+from toppings.scheduler.trace import TraceConfig, generate_trace, trace_summary
 
 log = logging.getLogger("cluster_sim")
 NO_SLO_MS = 1e9  # the no-LoRA run only measures TPT; nothing is over its SLO

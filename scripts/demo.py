@@ -24,7 +24,12 @@ from pathlib import Path
 
 import requests
 
-from scripts.train_demo_adapters import DEFAULT_OUT, ESTIMATE_MIN, is_trained, train_demo_adapters
+from toppings.scripts.train_demo_adapters import (
+    DEFAULT_OUT,
+    ESTIMATE_MIN,
+    is_trained,
+    train_demo_adapters,
+)
 
 QUESTION = "What is the capital of Italy?"
 STOP_GRACE_S = 15.0
@@ -155,12 +160,12 @@ def main(argv: list[str] | None = None) -> int:
             "--device",
             args.device,
         ]
-        procs.append(start("server.cli", serve_args, logs / "serve.log"))
-        from server.loader import resolve_model_dir  # cached by the training step above
+        procs.append(start("toppings.server.cli", serve_args, logs / "serve.log"))
+        from toppings.server.loader import resolve_model_dir  # cached by the training step above
 
         sched_args = ["--registry", str(logs / "registry.sqlite"), "--port", str(args.port),
                       "--tokenizer", str(resolve_model_dir("smollm2"))]  # fmt: skip
-        procs.append(start("scheduler.cli", sched_args, logs / "scheduler.log"))
+        procs.append(start("toppings.scheduler.cli", sched_args, logs / "scheduler.log"))
         wait_healthy(server_url, procs[0], logs / "serve.log", 300.0)
         wait_healthy(url, procs[1], logs / "scheduler.log", 60.0)
         requests.post(

@@ -17,8 +17,8 @@ import sys
 import timeit
 from pathlib import Path
 
-from scheduler.perf_model import PerfModels, fit_from_samples
-from scheduler.state import BatchShape
+from toppings.scheduler.perf_model import PerfModels, fit_from_samples
+from toppings.scheduler.state import BatchShape
 
 
 def read_samples(path: Path) -> list[dict]:

@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
-from scripts.loadgen_client import request_config
-from scripts.workload import TraceEntry
+from toppings.scripts.loadgen_client import request_config
+from toppings.scripts.workload import TraceEntry
 
 log = logging.getLogger(__name__)
 

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import requests
 
-from scripts.launch_procs import (
+from toppings.scripts.launch_procs import (
     ServerProc,
     kill_servers,
     spawn_server,
@@ -45,7 +45,7 @@ from scripts.launch_procs import (
     stop_servers,
     sweep_shm,
 )
-from scripts.launch_report import Reporter
+from toppings.scripts.launch_report import Reporter
 
 log = logging.getLogger("toppings-launch")
 
@@ -74,7 +74,7 @@ def split_cores(cores: Sequence[int], num_sets: int) -> list[tuple[int, ...]]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from server.cli import parse_cores
+    from toppings.server.cli import parse_cores
 
     p = argparse.ArgumentParser(
         prog="toppings-launch",
@@ -183,9 +183,9 @@ def _servers(args: argparse.Namespace, log_dir: Path) -> list[ServerProc]:
 
 def serve_command(args: argparse.Namespace, server: ServerProc) -> list[str]:
     """The toppings-serve command line of one server (without the numactl prefix)."""
-    cmd = [sys.executable, "-m", "server.cli", "--model", args.model, "--device", args.device,
-           "--host", args.host, "--port", str(server.port), "--drain-timeout",
-           str(args.drain_timeout), "--cpu-workers", str(server.num_workers),
+    cmd = [sys.executable, "-m", "toppings.server.cli", "--model", args.model,
+           "--device", args.device, "--host", args.host, "--port", str(server.port),
+           "--drain-timeout", str(args.drain_timeout), "--cpu-workers", str(server.num_workers),
            "--cpu-cores", ",".join(map(str, server.cores))]  # fmt: skip
     for spec in args.lora:
         cmd += ["--lora", spec]

@@ -94,8 +94,8 @@ def start_scheduler(host: str, port: int, registry: Path, log_path: Path, extra:
 
     It is not bound to any server's cores: it is one light process and may run anywhere.
     """
-    cmd = [sys.executable, "-m", "scheduler.cli", "--registry", str(registry), "--host", host,
-           "--port", str(port), *extra]  # fmt: skip
+    cmd = [sys.executable, "-m", "toppings.scheduler.cli", "--registry", str(registry),
+           "--host", host, "--port", str(port), *extra]  # fmt: skip
     parent = os.getpid()
     with open(log_path, "ab") as out:
         proc = subprocess.Popen(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from scripts.launch_procs import ServerProc
+from toppings.scripts.launch_procs import ServerProc
 
 
 class Reporter:

@@ -25,9 +25,9 @@ from pathlib import Path
 import requests
 from tqdm import tqdm
 
-from scripts.loadgen_client import Journal, run_open_loop
-from scripts.loadgen_stats import format_summary, plot_cdfs, summarise
-from scripts.workload import (
+from toppings.scripts.loadgen_client import Journal, run_open_loop
+from toppings.scripts.loadgen_stats import format_summary, plot_cdfs, summarise
+from toppings.scripts.workload import (
     ARRIVALS,
     POPULARITY,
     LengthSpec,

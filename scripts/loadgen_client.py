@@ -25,7 +25,7 @@ from pathlib import Path
 
 import requests
 
-from scripts.workload import TraceEntry
+from toppings.scripts.workload import TraceEntry
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ Each adapter is rescaled so that, on random inputs, every LoRA delta has about `
 times the norm of its projection's base output: large enough to change the model's tokens,
 small enough that the base model still shapes them.
 
-    python -m scripts.make_adapters --base DIR --out ROOT --ranks 8,16,32,64 \
+    python -m toppings.scripts.make_adapters --base DIR --out ROOT --ranks 8,16,32,64 \
         [--targets q_proj,v_proj] [--count N] [--seed S] [--rslora] [--delta-ratio 0.2]
 """
 
@@ -20,7 +20,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from server.model_config import LORA_TARGETS
+from toppings.server.model_config import LORA_TARGETS
 
 log = logging.getLogger(__name__)
 

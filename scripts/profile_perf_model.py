@@ -36,13 +36,19 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from scheduler.perf_model import FEATURES, FORMS, PerfModels, fit_from_samples, sample_shape
-from scripts.fit_perf_model import predict_us, read_samples
-from scripts.make_adapters import load_base, make_random_adapter
-from server.config import EngineConfig
-from server.loader import resolve_model_dir
-from server.request import GenerationRequest, SamplingParams
-from server.runtime import build_engine
+from toppings.scheduler.perf_model import (
+    FEATURES,
+    FORMS,
+    PerfModels,
+    fit_from_samples,
+    sample_shape,
+)
+from toppings.scripts.fit_perf_model import predict_us, read_samples
+from toppings.scripts.make_adapters import load_base, make_random_adapter
+from toppings.server.config import EngineConfig
+from toppings.server.loader import resolve_model_dir
+from toppings.server.request import GenerationRequest, SamplingParams
+from toppings.server.runtime import build_engine
 
 log = logging.getLogger("profile_perf_model")
 RANKS = (8, 16, 32, 64)
@@ -284,7 +290,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    for noisy in ("server", "gpu_lora", "scripts.make_adapters"):
+    for noisy in ("toppings.server", "toppings.gpu_lora", "toppings.scripts.make_adapters"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     if args.threads:
         torch.set_num_threads(args.threads)

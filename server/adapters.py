@@ -12,15 +12,15 @@ import logging
 
 import torch
 
-from gpu_lora.adapter_pool import AdapterPool
-from gpu_lora.cache import AdapterCache
-from gpu_lora.eviction import make_policy
-from gpu_lora.host_lora import HostLora
-from gpu_lora.loader import PipelinedLoader
-from gpu_lora.peft_format import LoraAdapter
-from server.config import EngineConfig
-from server.model_config import ModelConfig
-from server.request import RequestError
+from toppings.gpu_lora.adapter_pool import AdapterPool
+from toppings.gpu_lora.cache import AdapterCache
+from toppings.gpu_lora.eviction import make_policy
+from toppings.gpu_lora.host_lora import HostLora
+from toppings.gpu_lora.loader import PipelinedLoader
+from toppings.gpu_lora.peft_format import LoraAdapter
+from toppings.server.config import EngineConfig
+from toppings.server.model_config import ModelConfig
+from toppings.server.request import RequestError
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +45,8 @@ class AdapterManager:
             self._start_workers(dtype)
 
     def _start_workers(self, dtype: torch.dtype) -> None:
-        from cpu_lora.pool import CpuLoraPool
-        from cpu_lora.repository import HostRepository
+        from toppings.cpu_lora.pool import CpuLoraPool
+        from toppings.cpu_lora.repository import HostRepository
 
         host_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
         self.repository = HostRepository.create(

@@ -27,9 +27,9 @@ from dataclasses import dataclass
 from flask import Flask, Response, jsonify, request
 from werkzeug.exceptions import HTTPException
 
-from server.lifecycle import AdapterAdmin, AdapterPaths
-from server.metrics import CONTENT_TYPE, ServerMetrics
-from server.openai_response import (
+from toppings.server.lifecycle import AdapterAdmin, AdapterPaths
+from toppings.server.metrics import CONTENT_TYPE, ServerMetrics
+from toppings.server.openai_response import (
     SSE_DONE,
     ResponseMeta,
     error_body,
@@ -38,14 +38,14 @@ from server.openai_response import (
     sse,
     stream_events,
 )
-from server.openai_schema import (
+from toppings.server.openai_schema import (
     ParsedBody,
     build_request,
     parse_chat,
     parse_completion,
     parse_native,
 )
-from server.request import (
+from toppings.server.request import (
     GenerationRequest,
     RequestError,
     RequestHandle,

@@ -16,8 +16,8 @@ import threading
 
 import waitress
 
-from gpu_lora.eviction import EVICTION_POLICIES
-from server.config import DEVICES, DTYPES, KERNELS, LORA_MODES, EngineConfig
+from toppings.gpu_lora.eviction import EVICTION_POLICIES
+from toppings.server.config import DEVICES, DTYPES, KERNELS, LORA_MODES, EngineConfig
 
 logger = logging.getLogger("toppings-serve")
 
@@ -226,9 +226,9 @@ def main(argv: list[str] | None = None) -> int:
         # It must be set before torch starts OpenMP.
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     # Imported here so that `--help` answers without loading torch.
-    from server.api import ApiOptions, create_app
-    from server.lifecycle import discover
-    from server.runtime import build_engine
+    from toppings.server.api import ApiOptions, create_app
+    from toppings.server.lifecycle import discover
+    from toppings.server.runtime import build_engine
 
     try:
         options = ApiOptions(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gpu_lora.eviction import EVICTION_POLICIES
+from toppings.gpu_lora.eviction import EVICTION_POLICIES
 
 DEVICES = ("cpu", "cuda")
 DTYPES = ("float32", "bfloat16", "float16")

@@ -17,16 +17,16 @@ from dataclasses import dataclass
 
 import torch
 
-from gpu_lora.kernels import get_kernels
-from gpu_lora.lora_batch import LoraBatch
-from gpu_lora.peft_format import LoraAdapter, load_peft_adapter
-from server.adapters import AdapterManager
-from server.config import EngineConfig
-from server.kv_cache import KVPool
-from server.loader import Checkpoint
-from server.model import ForwardBatch, LlamaModel
-from server.request import GenerationRequest, RequestError, RequestHandle
-from server.sequence import Sequence
+from toppings.gpu_lora.kernels import get_kernels
+from toppings.gpu_lora.lora_batch import LoraBatch
+from toppings.gpu_lora.peft_format import LoraAdapter, load_peft_adapter
+from toppings.server.adapters import AdapterManager
+from toppings.server.config import EngineConfig
+from toppings.server.kv_cache import KVPool
+from toppings.server.loader import Checkpoint
+from toppings.server.model import ForwardBatch, LlamaModel
+from toppings.server.request import GenerationRequest, RequestError, RequestHandle
+from toppings.server.sequence import Sequence
 
 log = logging.getLogger(__name__)
 

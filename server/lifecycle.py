@@ -16,8 +16,8 @@ import re
 from collections.abc import Iterable
 from pathlib import Path
 
-from gpu_lora.peft_config import CONFIG_FILE, WEIGHTS_FILE, AdapterError
-from server.request import RequestError
+from toppings.gpu_lora.peft_config import CONFIG_FILE, WEIGHTS_FILE, AdapterError
+from toppings.server.request import RequestError
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from server.model_config import ModelConfig
+from toppings.server.model_config import ModelConfig
 
 log = logging.getLogger(__name__)
 

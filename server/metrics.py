@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, disable_cre
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
-from server.request import RequestOutput
+from toppings.server.request import RequestOutput
 
 PREFIX = "toppings:"
 CONTENT_TYPE = CONTENT_TYPE_LATEST

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from server.kv_cache import KVPool
-from server.linear import Linear
-from server.model_config import ModelConfig
+from toppings.server.kv_cache import KVPool
+from toppings.server.linear import Linear
+from toppings.server.model_config import ModelConfig
 
 
 @dataclass

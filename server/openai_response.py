@@ -17,8 +17,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from server.openai_schema import ParsedBody
-from server.request import RequestOutput
+from toppings.server.openai_schema import ParsedBody
+from toppings.server.request import RequestOutput
 
 SSE_DONE = "data: [DONE]\n\n"
 ID_PREFIX = {"completion": "cmpl", "chat": "chatcmpl", "native": "gen"}

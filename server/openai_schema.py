@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from server.request import GenerationRequest, RequestError, SamplingParams
+from toppings.server.request import GenerationRequest, RequestError, SamplingParams
 
 DEFAULT_MAX_TOKENS = {"completion": 16, "chat": 256, "native": 16}
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import logging
 
-from server.config import EngineConfig
-from server.engine import Engine
-from server.loader import load_checkpoint
+from toppings.server.config import EngineConfig
+from toppings.server.engine import Engine
+from toppings.server.loader import load_checkpoint
 
 log = logging.getLogger(__name__)
 

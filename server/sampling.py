@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from server.request import SamplingParams
+from toppings.server.request import SamplingParams
 
 
 def make_generator(params: SamplingParams) -> torch.Generator | None:

@@ -6,9 +6,9 @@ import time
 
 import torch
 
-from server.detokenize import TextStream
-from server.request import GenerationRequest, RequestHandle, RequestOutput
-from server.sampling import make_generator, sample_next
+from toppings.server.detokenize import TextStream
+from toppings.server.request import GenerationRequest, RequestHandle, RequestOutput
+from toppings.server.sampling import make_generator, sample_next
 
 
 class Sequence:

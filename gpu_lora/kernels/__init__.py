@@ -19,10 +19,11 @@ import importlib
 from collections.abc import Callable
 from typing import NamedTuple
 
+_PKG = "toppings.gpu_lora.kernels"
 BACKENDS = {
-    "reference": ("gpu_lora.kernels.reference", "gpu_lora.kernels.reference"),
-    "cpu": ("gpu_lora.kernels.cpu", "gpu_lora.kernels.cpu"),
-    "triton": ("gpu_lora.kernels.triton_decode", "gpu_lora.kernels.triton_prefill"),
+    "reference": (f"{_PKG}.reference", f"{_PKG}.reference"),
+    "cpu": (f"{_PKG}.cpu", f"{_PKG}.cpu"),
+    "triton": (f"{_PKG}.triton_decode", f"{_PKG}.triton_prefill"),
 }
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from gpu_lora.kernels.checks import check_decode, check_prefill, check_rows, check_segments
+from toppings.gpu_lora.kernels.checks import check_decode, check_prefill, check_rows, check_segments
 
 Tensor = torch.Tensor
 

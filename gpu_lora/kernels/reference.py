@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from gpu_lora.kernels.checks import check_decode, check_prefill, check_rows, check_segments
+from toppings.gpu_lora.kernels.checks import check_decode, check_prefill, check_rows, check_segments
 
 
 def _add_delta(y_rows: torch.Tensor, x_rows: torch.Tensor, a, b, scale: float) -> None:

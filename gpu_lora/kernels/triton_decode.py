@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gpu_lora.kernels.checks import check_decode
+from toppings.gpu_lora.kernels.checks import check_decode
 
 RANK_CHUNK = 16  # MBGMV rows per step (and the smallest tile tl.dot accepts in prefill)
 TILE_ELEMS = 4096  # elements of one [rows, cols] weight tile: bounds registers per program

@@ -17,8 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from gpu_lora.kernels.checks import check_prefill
-from gpu_lora.kernels.triton_decode import (
+from toppings.gpu_lora.kernels.checks import check_prefill
+from toppings.gpu_lora.kernels.triton_decode import (
     MAX_SPLITS,
     RANK_CHUNK,
     TARGET_PROGRAMS,

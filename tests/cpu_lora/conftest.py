@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from cpu_lora_helpers import QKV, make_adapter, tiny_config
 
-from cpu_lora import CpuLoraPool, HostRepository
+from toppings.cpu_lora import CpuLoraPool, HostRepository
 
 
 @pytest.fixture(scope="session")

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from gpu_lora.kernels.reference import mbgmv_prefill
-from gpu_lora.peft_format import LoraAdapter
-from server.model_config import ModelConfig
+from toppings.gpu_lora.kernels.reference import mbgmv_prefill
+from toppings.gpu_lora.peft_format import LoraAdapter
+from toppings.server.model_config import ModelConfig
 
 QKV = ("q_proj", "k_proj", "v_proj")
 

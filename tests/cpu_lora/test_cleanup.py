@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from cpu_lora import shm
+from toppings.cpu_lora import shm
 
 # A process that fills a repository, starts a 1-worker pool, runs a call, reports, then idles.
 CHILD = """
 import json, sys, time, torch
-from cpu_lora import CpuLoraPool, HostRepository
+from toppings.cpu_lora import CpuLoraPool, HostRepository
 from cpu_lora_helpers import QKV, make_adapter, tiny_config
 repo = HostRepository.create(tiny_config(), 1 << 20)
 repo.add(make_adapter("a", 4, QKV))

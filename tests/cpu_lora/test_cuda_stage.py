@@ -6,7 +6,7 @@ import pytest
 import torch
 from cpu_lora_helpers import QKV, reference, tiny_config
 
-from cpu_lora import CpuLoraPool
+from toppings.cpu_lora import CpuLoraPool
 
 SEGMENTS = [("a4", 0, 5), (None, 5, 9), ("b8", 12, 25), ("c16", 25, 33)]
 

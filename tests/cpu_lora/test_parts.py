@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cpu_lora.allocator import FirstFit
-from cpu_lora.profiling import choose_tokens_per_core
-from cpu_lora.serial_copy import copy_serial, zeros_serial
-from cpu_lora.split import num_parts, split_rows
+from toppings.cpu_lora.allocator import FirstFit
+from toppings.cpu_lora.profiling import choose_tokens_per_core
+from toppings.cpu_lora.serial_copy import copy_serial, zeros_serial
+from toppings.cpu_lora.split import num_parts, split_rows
 
 
 def test_num_parts_follows_tokens_per_core():

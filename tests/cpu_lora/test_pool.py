@@ -12,7 +12,7 @@ import pytest
 import torch
 from cpu_lora_helpers import QKV, reference, tiny_config
 
-from cpu_lora import CpuLoraPool, HostRepository
+from toppings.cpu_lora import CpuLoraPool, HostRepository
 
 # Mixed ranks 4/8/16, a segment with no adapter (5-9), tokens in no segment (9-12, 40-45),
 # and an adapter without LoRA on k_proj (c16) or without LoRA on layer 1 ("late").
@@ -193,7 +193,7 @@ def test_spin_us_must_not_be_negative(repo):
 def test_workers_wait_for_x_to_land(pool2, adapters, monkeypatch):
     """As with a device copy still in flight: the call is posted while the arena holds garbage,
     and x plus its mark land 0.3 s later; every worker must compute on the real x."""
-    import cpu_lora.pool as pool_module
+    import toppings.cpu_lora.pool as pool_module
 
     real_copy, real_mark = pool_module.copy_serial, pool2.io.set_x_seq
     pending = []
@@ -222,8 +222,8 @@ def test_workers_wait_for_x_to_land(pool2, adapters, monkeypatch):
 
 
 def test_x_mark_round_trip_and_timeout(pool2):
-    from cpu_lora.compute import wait_for_x
-    from cpu_lora.protocol import OP_RUN, Job
+    from toppings.cpu_lora.compute import wait_for_x
+    from toppings.cpu_lora.protocol import OP_RUN, Job
 
     io = pool2.io
     io.set_x_seq(41)

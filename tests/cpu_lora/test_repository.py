@@ -6,8 +6,8 @@ import pytest
 import torch
 from cpu_lora_helpers import make_adapter, tiny_config
 
-from cpu_lora import LORA_TARGETS, HostRepository, RepositoryFullError, shm
-from server import model_config
+from toppings.cpu_lora import LORA_TARGETS, HostRepository, RepositoryFullError, shm
+from toppings.server import model_config
 
 
 def _assert_holds(repo: HostRepository, adapter, slot: int) -> None:

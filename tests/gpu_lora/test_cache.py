@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_lora.adapter_pool import AdapterPool
-from gpu_lora.cache import AdapterCache
-from gpu_lora.eviction import CacheStats, ChameleonPolicy, LRUPolicy, make_policy
-from gpu_lora.loader import PipelinedLoader
-from gpu_lora.peft_format import LoraAdapter
-from server.model_config import ModelConfig
+from toppings.gpu_lora.adapter_pool import AdapterPool
+from toppings.gpu_lora.cache import AdapterCache
+from toppings.gpu_lora.eviction import CacheStats, ChameleonPolicy, LRUPolicy, make_policy
+from toppings.gpu_lora.loader import PipelinedLoader
+from toppings.gpu_lora.peft_format import LoraAdapter
+from toppings.server.model_config import ModelConfig
 
 CONFIG = ModelConfig(
     name="t", vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=3, num_heads=2,

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from gpu_lora.kernels import get_kernels, reference
+from toppings.gpu_lora.kernels import get_kernels, reference
 
 POOL_RANKS = (16, 64, 8, 32, 64, 16, 32, 8)  # mixed ranks in one pool; the last is the smallest
 GAP = 3  # NaN rows before each adapter

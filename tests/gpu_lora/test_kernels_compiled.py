@@ -15,14 +15,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpu_lora.kernels import get_kernels, reference
+from toppings.gpu_lora.kernels import get_kernels, reference
 
 COMPILE_FOR_SM90 = r"""
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from gpu_lora.kernels import triton_decode, triton_prefill
+from toppings.gpu_lora.kernels import triton_decode, triton_prefill
 
 for kern in (triton_decode._shrink_kernel, triton_decode._expand_kernel,
              triton_prefill._shrink_kernel, triton_prefill._expand_kernel):

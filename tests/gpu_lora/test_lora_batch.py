@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_lora.adapter_pool import AdapterPool
-from gpu_lora.host_lora import HostLora
-from gpu_lora.kernels import get_kernels
-from gpu_lora.loader import LoadTicket
-from gpu_lora.lora_batch import LoraBatch
 from tests.gpu_lora.test_cache import CONFIG, adapter
+from toppings.gpu_lora.adapter_pool import AdapterPool
+from toppings.gpu_lora.host_lora import HostLora
+from toppings.gpu_lora.kernels import get_kernels
+from toppings.gpu_lora.loader import LoadTicket
+from toppings.gpu_lora.lora_batch import LoraBatch
 
 MODULES = ("q_proj", "k_proj", "v_proj")
 

@@ -9,12 +9,12 @@ from __future__ import annotations
 import pytest
 import requests
 
-from scheduler.app import create_app
-from scheduler.cluster import Cluster
-from scheduler.paper_models import paper_fig6_models
-from scheduler.policies import make_policy
-from scheduler.registry import Registry
-from scheduler.router import Router, estimate_prompt_tokens
+from toppings.scheduler.app import create_app
+from toppings.scheduler.cluster import Cluster
+from toppings.scheduler.paper_models import paper_fig6_models
+from toppings.scheduler.policies import make_policy
+from toppings.scheduler.registry import Registry
+from toppings.scheduler.router import Router, estimate_prompt_tokens
 
 URL = "http://10.0.0.1:8100"
 

@@ -27,10 +27,10 @@ import openai
 import pytest
 import requests
 
-from scheduler.perf_model import LinearPerfModel, PerfModels
-from scheduler.policies import make_policy
-from scheduler.router import estimate_prompt_tokens
-from scheduler.state import RouteRequest, ServerState
+from toppings.scheduler.perf_model import LinearPerfModel, PerfModels
+from toppings.scheduler.policies import make_policy
+from toppings.scheduler.router import estimate_prompt_tokens
+from toppings.scheduler.state import RouteRequest, ServerState
 
 START_TIMEOUT_S = 90.0
 HEADER = "x-toppings-server"
@@ -72,8 +72,8 @@ def _wait_healthy(url: str, proc: subprocess.Popen, log: Path) -> None:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, free_port):
-    from scripts.make_adapters import make_random_adapter
-    from scripts.make_tiny_llama import make_tiny_llama
+    from toppings.scripts.make_adapters import make_random_adapter
+    from toppings.scripts.make_tiny_llama import make_tiny_llama
 
     root = tmp_path_factory.mktemp("loopback")
     # A long context, so that the requests loading a server outlive the checks made meanwhile.
@@ -88,16 +88,18 @@ def cluster(tmp_path_factory, free_port):
         for _ in range(2):
             port = free_port()
             url = f"http://127.0.0.1:{port}"
-            cmd = [sys.executable, "-m", "server.cli", "--model", str(model), "--port", str(port),
-                   "--device", "cpu", "--dtype", "float32", "--kernel", "bgmv"]  # fmt: skip
+            cmd = [sys.executable, "-m", "toppings.server.cli", "--model", str(model),
+                   "--port", str(port), "--device", "cpu", "--dtype", "float32",
+                   "--kernel", "bgmv"]  # fmt: skip
             cmd += [arg for lora in loras for arg in ("--lora", lora)]
             logs[url] = root / f"server-{port}.log"
             procs[url] = subprocess.Popen(cmd, env=env, stdout=logs[url].open("w"),
                                           stderr=subprocess.STDOUT)  # fmt: skip
         port = free_port()
         scheduler = f"http://127.0.0.1:{port}"
-        cmd = [sys.executable, "-m", "scheduler.cli", "--registry", str(root / "reg.sqlite"),
-               "--port", str(port), "--perf-model", str(perf_path), "--slo-tpt-ms", "1000",
+        cmd = [sys.executable, "-m", "toppings.scheduler.cli",
+               "--registry", str(root / "reg.sqlite"), "--port", str(port),
+               "--perf-model", str(perf_path), "--slo-tpt-ms", "1000",
                "--policy", "rank-aware"]  # fmt: skip
         logs[scheduler] = root / "scheduler.log"
         procs[scheduler] = subprocess.Popen(cmd, env=env, stdout=logs[scheduler].open("w"),

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from scheduler.perf_model import PerfModels, fit_from_samples, sample_shape
-from scheduler.state import BatchShape
+from toppings.scheduler.perf_model import PerfModels, fit_from_samples, sample_shape
+from toppings.scheduler.state import BatchShape
 
 RANKS = (8, 16, 32, 64)
 # Known coefficients: intercept, then one per feature of perf_model.MODEL_FEATURES.

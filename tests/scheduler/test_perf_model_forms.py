@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from scheduler.perf_model import FORMS, LinearPerfModel, PerfModels, fit_from_samples
-from scheduler.state import BatchShape
+from toppings.scheduler.perf_model import FORMS, LinearPerfModel, PerfModels, fit_from_samples
+from toppings.scheduler.state import BatchShape
 
 RANKS = (8, 16, 32, 64)
 

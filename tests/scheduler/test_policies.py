@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler.paper_models import paper_fig6_models
-from scheduler.perf_model import LinearPerfModel, PerfModels
-from scheduler.policies import POLICIES, make_policy
-from scheduler.state import BatchShape, RouteRequest, ServerState
+from toppings.scheduler.paper_models import paper_fig6_models
+from toppings.scheduler.perf_model import LinearPerfModel, PerfModels
+from toppings.scheduler.policies import POLICIES, make_policy
+from toppings.scheduler.state import BatchShape, RouteRequest, ServerState
 
 PROMPT = 100
 

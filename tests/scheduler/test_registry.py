@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from scheduler.registry import (
+from toppings.scheduler.registry import (
     SCHEMA_VERSION,
     AdapterRecord,
     Registry,

@@ -6,11 +6,11 @@ import json
 
 import pytest
 
-from scheduler.cluster import Cluster
-from scheduler.paper_models import paper_fig6_models
-from scheduler.policies import make_policy
-from scheduler.registry import Registry
-from scheduler.router import RESP_LEN_EMA, Router
+from toppings.scheduler.cluster import Cluster
+from toppings.scheduler.paper_models import paper_fig6_models
+from toppings.scheduler.policies import make_policy
+from toppings.scheduler.registry import Registry
+from toppings.scheduler.router import RESP_LEN_EMA, Router
 
 
 class StreamedAnswer:

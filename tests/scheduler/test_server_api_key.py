@@ -64,7 +64,7 @@ def stand_in():
 def test_scheduler_sends_the_server_key(stand_in, tmp_path, with_key, free_port):
     server_url, seen = stand_in
     port = free_port()
-    cmd = [sys.executable, "-m", "scheduler.cli", "--registry", str(tmp_path / "r.sqlite"),
+    cmd = [sys.executable, "-m", "toppings.scheduler.cli", "--registry", str(tmp_path / "r.sqlite"),
            "--port", str(port)]  # fmt: skip
     if with_key:
         cmd += ["--server-api-key", KEY]

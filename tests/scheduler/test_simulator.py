@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler.paper_models import paper_fig6_models
-from scheduler.policies import POLICIES, make_policy
-from scheduler.simulator import SimConfig, simulate
-from scheduler.state import BatchShape
-from scheduler.trace import TraceConfig, TraceRequest, generate_trace, trace_summary
+from toppings.scheduler.paper_models import paper_fig6_models
+from toppings.scheduler.policies import POLICIES, make_policy
+from toppings.scheduler.simulator import SimConfig, simulate
+from toppings.scheduler.state import BatchShape
+from toppings.scheduler.trace import TraceConfig, TraceRequest, generate_trace, trace_summary
 
 PERF = paper_fig6_models()
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from transformers import AutoConfig, AutoTokenizer
 
-from gpu_lora.peft_format import load_peft_adapter
-from scripts.demo_data import STYLES, caps, examples
-from scripts.train_demo_adapters import encode, is_trained, train_one
-from server.model_config import ModelConfig
+from toppings.gpu_lora.peft_format import load_peft_adapter
+from toppings.scripts.demo_data import STYLES, caps, examples
+from toppings.scripts.train_demo_adapters import encode, is_trained, train_one
+from toppings.server.model_config import ModelConfig
 
 
 def test_examples_have_three_distinct_styles():

@@ -10,15 +10,15 @@ import time
 
 import pytest
 
-from scripts.launch import (
+from toppings.scripts.launch import (
     _servers,
     numactl_usable,
     parse_args,
     serve_command,
     split_cores,
 )
-from scripts.launch_procs import ServerProc, spawn_server, stop_servers
-from scripts.launch_report import _cores_text
+from toppings.scripts.launch_procs import ServerProc, spawn_server, stop_servers
+from toppings.scripts.launch_report import _cores_text
 
 
 @pytest.mark.parametrize(
@@ -64,7 +64,7 @@ def test_flags_toml_and_serve_args(tmp_path):
     assert [s.cores for s in servers] == [(0, 1, 2), (3, 4, 5)]
     assert [s.url for s in servers] == ["http://127.0.0.1:9100", "http://127.0.0.1:9101"]
     cmd = serve_command(args, servers[1])
-    assert cmd[:3] == [sys.executable, "-m", "server.cli"]
+    assert cmd[:3] == [sys.executable, "-m", "toppings.server.cli"]
     flags = dict(zip(cmd[3::2], cmd[4::2]))
     assert flags["--cpu-cores"] == "3,4,5" and flags["--cpu-workers"] == "3"
     assert flags["--port"] == "9101" and flags["--lora-dir"] == "/loras"
@@ -132,7 +132,7 @@ def test_launcher_runs_its_own_scheduler(tmp_path, tiny_model_dir, free_port):
     import requests
 
     sched_port, server_port = free_port(), free_port()
-    cmd = [sys.executable, "-m", "scripts.launch", "--model", str(tiny_model_dir),
+    cmd = [sys.executable, "-m", "toppings.scripts.launch", "--model", str(tiny_model_dir),
            "--num-servers", "1", "--cpu-workers", "0", "--base-port", str(server_port),
            "--start-scheduler", "--scheduler-port", str(sched_port),
            "--scheduler-arg=--policy=least-loaded", "--unhealthy-timeout", "3",
@@ -196,7 +196,7 @@ def test_a_hung_server_is_restarted(tmp_path, tiny_model_dir, free_port):
     import threading
 
     port = free_port()
-    cmd = [sys.executable, "-m", "scripts.launch", "--model", str(tiny_model_dir),
+    cmd = [sys.executable, "-m", "toppings.scripts.launch", "--model", str(tiny_model_dir),
            "--num-servers", "1", "--cpu-workers", "0", "--base-port", str(port),
            "--unhealthy-timeout", "3", "--restart-backoff", "0.1",
            "--log-dir", str(tmp_path / "logs")]  # fmt: skip

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 import waitress
 
-from scripts import loadgen
-from scripts.loadgen_client import Journal, request_config
-from scripts.loadgen_stats import percentile, summarise
-from scripts.workload import (
+from toppings.scripts import loadgen
+from toppings.scripts.loadgen_client import Journal, request_config
+from toppings.scripts.loadgen_stats import percentile, summarise
+from toppings.scripts.workload import (
     LengthSpec,
     WorkloadSpec,
     arrival_times,
@@ -180,10 +180,10 @@ def test_journal_resumes_and_refuses_another_trace(tmp_path):
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, tiny_model_dir):
     """(url, received): a tiny server whose engine records every request it is given."""
-    from scripts.make_adapters import make_random_adapter
-    from server.api import create_app
-    from server.config import EngineConfig
-    from server.runtime import build_engine
+    from toppings.scripts.make_adapters import make_random_adapter
+    from toppings.server.api import create_app
+    from toppings.server.config import EngineConfig
+    from toppings.server.runtime import build_engine
 
     root = tmp_path_factory.mktemp("loadgen_adapters")
     loras = {

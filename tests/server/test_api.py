@@ -6,17 +6,17 @@ import json
 
 import pytest
 
-from server.api import create_app
-from server.config import EngineConfig
-from server.request import GenerationRequest, SamplingParams
-from server.runtime import build_engine
+from toppings.server.api import create_app
+from toppings.server.config import EngineConfig
+from toppings.server.request import GenerationRequest, SamplingParams
+from toppings.server.runtime import build_engine
 
 ADAPTERS = {"a8": (8, ("q_proj", "v_proj")), "a16": (16, ("q_proj", "o_proj", "down_proj"))}
 
 
 def start_engine(root, base_dir):
     """A started engine on the tiny Llama with the two ADAPTERS, made under `root`."""
-    from scripts.make_adapters import make_random_adapter
+    from toppings.scripts.make_adapters import make_random_adapter
 
     loras = {
         name: str(make_random_adapter(root / name, base_dir, rank=r, target_modules=t, seed=i))

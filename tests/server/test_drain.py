@@ -30,12 +30,12 @@ def _wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 120.0) ->
 
 
 def test_sigterm_drains_then_exits_zero(tmp_path, tiny_model_dir, free_port):
-    from scripts.make_adapters import make_random_adapter
+    from toppings.scripts.make_adapters import make_random_adapter
 
     make_random_adapter(tmp_path / "loras" / "d8", tiny_model_dir, rank=8, seed=5)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "server.cli", "--model", str(tiny_model_dir), "--port",
+    cmd = [sys.executable, "-m", "toppings.server.cli", "--model", str(tiny_model_dir), "--port",
            str(port), "--lora-dir", str(tmp_path / "loras"), "--drain-timeout", "60",
            "--max-total-tokens", "1024"]  # fmt: skip
     env = dict(os.environ, TOPPINGS_API_KEY=KEY, PYTHONUNBUFFERED="1")

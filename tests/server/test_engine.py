@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from server.config import EngineConfig
-from server.request import GenerationRequest, RequestError, SamplingParams
-from server.runtime import build_engine
+from toppings.server.config import EngineConfig
+from toppings.server.request import GenerationRequest, RequestError, SamplingParams
+from toppings.server.runtime import build_engine
 
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from server.config import EngineConfig
-from server.request import GenerationRequest, SamplingParams
-from server.runtime import build_engine
+from toppings.server.config import EngineConfig
+from toppings.server.request import GenerationRequest, SamplingParams
+from toppings.server.runtime import build_engine
 
 MARGIN = 1e-4
 NEW_TOKENS = 32
@@ -26,7 +26,7 @@ ADAPTER_SPECS = {
 
 
 def make_adapters(root, base_dir) -> dict[str, str]:
-    from scripts.make_adapters import make_random_adapter
+    from toppings.scripts.make_adapters import make_random_adapter
 
     paths = {}
     for i, (rank, targets) in enumerate(ADAPTER_SPECS.items()):
@@ -163,7 +163,7 @@ def test_cpu_assisted_matches_peft_while_adapters_load(
     """Loads throttled to take ~1 s each: prefill and early decode run partly on the host path
     (in-process with 0 workers, else the shared-memory CPU worker pool, sleeping or spinning
     on its semaphores)."""
-    from scripts.make_tiny_llama import make_tiny_llama
+    from toppings.scripts.make_tiny_llama import make_tiny_llama
 
     model_dir = make_tiny_llama(tmp_path_factory.mktemp("tiny4"), num_layers=4)
     adapters = make_adapters(tmp_path_factory.mktemp("adapters4"), model_dir)
@@ -199,7 +199,7 @@ def test_sigkilled_cpu_worker_mid_request_changes_no_token(tmp_path_factory):
     import os
     import signal
 
-    from scripts.make_tiny_llama import make_tiny_llama
+    from toppings.scripts.make_tiny_llama import make_tiny_llama
 
     model_dir = make_tiny_llama(tmp_path_factory.mktemp("tiny4k"), num_layers=4)
     adapters = make_adapters(tmp_path_factory.mktemp("adapters4k"), model_dir)
@@ -236,7 +236,7 @@ def test_sigkilled_cpu_worker_mid_request_changes_no_token(tmp_path_factory):
 
 def test_on_demand_waits_for_whole_adapters(tmp_path_factory):
     """on-demand (the S-LoRA way): no layer ever runs on the host; outputs stay exact."""
-    from scripts.make_tiny_llama import make_tiny_llama
+    from toppings.scripts.make_tiny_llama import make_tiny_llama
 
     model_dir = make_tiny_llama(tmp_path_factory.mktemp("tiny4d"), num_layers=4)
     adapters = make_adapters(tmp_path_factory.mktemp("adapters4d"), model_dir)

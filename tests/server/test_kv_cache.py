@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from server.kv_cache import KVPool
+from toppings.server.kv_cache import KVPool
 
 
 def make_pool(num_slots=32, max_requests=4, max_len=16) -> KVPool:

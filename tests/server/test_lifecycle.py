@@ -11,11 +11,11 @@ import shutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from server.api import ApiOptions, create_app
-from server.config import EngineConfig
-from server.lifecycle import AdapterPaths, discover
-from server.request import GenerationRequest, RequestError, SamplingParams
-from server.runtime import build_engine
+from toppings.server.api import ApiOptions, create_app
+from toppings.server.config import EngineConfig
+from toppings.server.lifecycle import AdapterPaths, discover
+from toppings.server.request import GenerationRequest, RequestError, SamplingParams
+from toppings.server.runtime import build_engine
 
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -25,8 +25,8 @@ MAX_PROMPT, MAX_NEW = 64, 400
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory, tiny_model_dir):
     """An allowed root with good and bad adapter directories, and things outside it."""
-    from scripts.make_adapters import make_random_adapter
-    from scripts.make_tiny_llama import make_tiny_llama
+    from toppings.scripts.make_adapters import make_random_adapter
+    from toppings.scripts.make_tiny_llama import make_tiny_llama
 
     tmp = tmp_path_factory.mktemp("lifecycle")
     root, outside = tmp / "loras", tmp / "outside"

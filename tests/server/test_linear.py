@@ -1,4 +1,4 @@
-"""server.linear.Linear against F.linear: packed (oneDNN) and plain paths."""
+"""toppings.server.linear.Linear against F.linear: packed (oneDNN) and plain paths."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from server.linear import Linear, packing_works
+from toppings.server.linear import Linear, packing_works
 
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 

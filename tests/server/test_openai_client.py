@@ -19,17 +19,17 @@ import pytest
 import requests
 import waitress
 
-from server.api import create_app
-from server.config import EngineConfig
-from server.request import RequestOutput
-from server.runtime import build_engine
+from toppings.server.api import create_app
+from toppings.server.config import EngineConfig
+from toppings.server.request import RequestOutput
+from toppings.server.runtime import build_engine
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory, tiny_model_dir):
-    from scripts.make_adapters import make_random_adapter
+    from toppings.scripts.make_adapters import make_random_adapter
 
     root = tmp_path_factory.mktemp("client_adapters")
     loras = {
@@ -181,7 +181,7 @@ def test_toppings_serve_command(tiny_model_dir, free_port):
     cmd = [
         sys.executable,
         "-m",
-        "server.cli",
+        "toppings.server.cli",
         "--model",
         str(tiny_model_dir),
         "--port",

@@ -6,9 +6,14 @@ import json
 
 import pytest
 
-from server.openai_response import ResponseMeta, final_response, models_response, stream_events
-from server.openai_schema import parse_chat, parse_completion, parse_native
-from server.request import RequestError, RequestOutput
+from toppings.server.openai_response import (
+    ResponseMeta,
+    final_response,
+    models_response,
+    stream_events,
+)
+from toppings.server.openai_schema import parse_chat, parse_completion, parse_native
+from toppings.server.request import RequestError, RequestOutput
 
 BASE = "tiny-llama"
 

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 def smollm2_url(smollm2_dir, free_port):  # smollm2_dir: converted once before the server starts
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "server.cli", "--model", "smollm2", "--port", str(port),
+        [sys.executable, "-m", "toppings.server.cli", "--model", "smollm2", "--port", str(port),
          "--dtype", "bfloat16"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip

@@ -114,13 +114,13 @@ def scheduler():
 
 @pytest.fixture(scope="module")
 def node(tmp_path_factory, tiny_model_dir, scheduler):
-    from scripts.make_adapters import load_base, make_random_adapter
+    from toppings.scripts.make_adapters import load_base, make_random_adapter
 
     tmp = tmp_path_factory.mktemp("soak")
     base = load_base(tiny_model_dir)
     for i, (name, rank) in enumerate(ADAPTERS.items()):
         make_random_adapter(tmp / "loras" / name, base, rank=rank, seed=i)
-    cmd = [sys.executable, "-m", "scripts.launch", "--model", str(tiny_model_dir),
+    cmd = [sys.executable, "-m", "toppings.scripts.launch", "--model", str(tiny_model_dir),
            "--num-servers", "2", "--base-port", str(_free_port_pair()), "--lora-dir",
            str(tmp / "loras"), "--log-dir", str(tmp / "logs"), "--scheduler", scheduler[0],
            "--drain-timeout", "20", "--restart-backoff", "0.2", "--",
