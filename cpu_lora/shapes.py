@@ -1,8 +1,8 @@
 """Projection names, module bitmasks, dtypes and the shape interface cpu_lora needs.
 
-cpu_lora knows nothing of the server: a model is anything with `num_layers` and
-`projection_shape(module) -> (in_features, out_features)` (the server's ModelConfig fits), and an
-adapter is anything shaped like gpu_lora's LoraAdapter.
+cpu_lora knows nothing of the server: the projection names and the model-shapes protocol come
+from `gpu_lora.targets` (the server's ModelConfig fits it), and an adapter is anything shaped like
+gpu_lora's LoraAdapter.
 """
 
 from __future__ import annotations
@@ -12,18 +12,10 @@ from typing import Protocol
 
 import torch
 
-# The server's LORA_TARGETS, in the same order (a test checks they agree). Bit i of a module
-# bitmask is LORA_TARGETS[i]; every layout in this package lists modules in this order.
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+from toppings.gpu_lora.targets import LORA_TARGETS, ModelShapes
 
 DTYPES = {0: torch.float32, 1: torch.bfloat16}
 DTYPE_CODES = {dtype: code for code, dtype in DTYPES.items()}
-
-
-class ModelShapes(Protocol):
-    num_layers: int
-
-    def projection_shape(self, module: str) -> tuple[int, int]: ...
 
 
 class AdapterLike(Protocol):

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from toppings.gpu_lora.peft_format import LoraAdapter
-from toppings.server.model_config import LORA_TARGETS, ModelConfig
+from toppings.gpu_lora.targets import LORA_TARGETS, ModelShapes
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,7 @@ class AdapterPool:
 
     def __init__(
         self,
-        config: ModelConfig,
+        config: ModelShapes,
         dtype: torch.dtype,
         device: str | torch.device,
         initial_rows: int = 128,

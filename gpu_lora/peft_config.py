@@ -13,7 +13,7 @@ import os
 import re
 from pathlib import Path
 
-from toppings.server.model_config import ATTN_PROJECTIONS, LORA_TARGETS, ModelConfig
+from toppings.gpu_lora.targets import ATTN_PROJECTIONS, LORA_TARGETS, ModelShapes
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -131,7 +131,7 @@ def _matches(spec: str | list[str], key: str) -> bool:
     return any(key == t or key.endswith("." + t) for t in spec)
 
 
-def resolve_targets(cfg: dict, model_config: ModelConfig, where: str) -> set[tuple[int, str]]:
+def resolve_targets(cfg: dict, model_config: ModelShapes, where: str) -> set[tuple[int, str]]:
     """The (layer_idx, module) pairs an adapter config targets on this model, as PEFT decides."""
     names = {
         module_name(i, m): (i, m) for i in range(model_config.num_layers) for m in LORA_TARGETS

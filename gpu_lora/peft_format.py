@@ -24,7 +24,7 @@ from toppings.gpu_lora.peft_config import (
     read_adapter_config,
     resolve_targets,
 )
-from toppings.server.model_config import ATTN_PROJECTIONS, LORA_TARGETS, ModelConfig
+from toppings.gpu_lora.targets import ATTN_PROJECTIONS, LORA_TARGETS, ModelShapes
 
 __all__ = ["AdapterError", "LoraAdapter", "load_peft_adapter", "read_adapter_config"]
 
@@ -61,7 +61,7 @@ class LoraAdapter:
 
 
 def load_peft_adapter(
-    path: str | os.PathLike, model_config: ModelConfig, name: str | None = None
+    path: str | os.PathLike, model_config: ModelShapes, name: str | None = None
 ) -> LoraAdapter:
     """Load a PEFT LoRA dir, checked against the base model's shapes. Raises AdapterError."""
     root = Path(path)
@@ -130,7 +130,7 @@ def load_peft_adapter(
 
 
 def _parse_key(
-    key: str, targeted: set[tuple[int, str]], model_config: ModelConfig, where: Path
+    key: str, targeted: set[tuple[int, str]], model_config: ModelShapes, where: Path
 ) -> tuple[tuple[int, str], str]:
     """Map a saved tensor name to ((layer_idx, module), "A" | "B"), or raise naming it."""
     match = _KEY_RE.fullmatch(key)

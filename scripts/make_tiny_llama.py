@@ -3,7 +3,8 @@
 The directory looks like any Hugging Face Llama checkpoint: config.json, model.safetensors,
 generation_config.json, tokenizer.json, tokenizer_config.json (with a ChatML chat template).
 
-    python -m toppings.scripts.make_tiny_llama OUT [--layers 2] [--hidden 64] [--vocab 256] [--seed 0]
+    python -m toppings.scripts.make_tiny_llama OUT [--layers 2] [--hidden 64] [--vocab 256] \
+        [--seed 0]
 """
 
 from __future__ import annotations

@@ -4,10 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# Projections a LoRA adapter may target, with the sub-module that holds them.
-ATTN_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
-MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
-LORA_TARGETS = ATTN_PROJECTIONS + MLP_PROJECTIONS
+from toppings.gpu_lora.targets import LORA_TARGETS
 
 
 @dataclass(frozen=True)

@@ -3,12 +3,15 @@
 
 from __future__ import annotations
 
+import ast
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
+REPO = Path(__file__).resolve().parents[1]
 STAND_INS = ("server", "scheduler", "scripts", "cpu_lora", "gpu_lora")
 COMMANDS = ("toppings-serve", "toppings-scheduler", "toppings-loadgen", "toppings-demo",
             "toppings-launch")  # fmt: skip
@@ -66,3 +69,22 @@ def test_generic_names_are_not_installed(tmp_path):
     out = subprocess.run([sys.executable, "-c", "import toppings.server.engine"], cwd=tmp_path,
                          capture_output=True, text=True, timeout=120)  # fmt: skip
     assert out.returncode == 0, out.stderr
+
+
+def _imports(path) -> set[str]:
+    """Every module a source file imports, absolute names."""
+    tree = ast.parse(path.read_text())
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.add(node.module)
+    return names
+
+
+@pytest.mark.parametrize("package", ["gpu_lora", "cpu_lora"])
+def test_adapter_side_never_imports_the_server(package):
+    for path in (REPO / package).rglob("*.py"):
+        bad = {n for n in _imports(path) if n.startswith("toppings.server")}
+        assert not bad, f"{path.relative_to(REPO)} imports {bad}"

@@ -7,7 +7,6 @@ import torch
 from cpu_lora_helpers import make_adapter, tiny_config
 
 from toppings.cpu_lora import LORA_TARGETS, HostRepository, RepositoryFullError, shm
-from toppings.server import model_config
 
 
 def _assert_holds(repo: HostRepository, adapter, slot: int) -> None:
@@ -20,10 +19,6 @@ def _assert_holds(repo: HostRepository, adapter, slot: int) -> None:
             a, bt = repo.tensors(slot, layer, module)
             want_a, want_b = adapter.weights[(layer, module)]
             assert torch.equal(a, want_a) and torch.equal(bt, want_b.T)
-
-
-def test_targets_match_the_server():
-    assert LORA_TARGETS == model_config.LORA_TARGETS
 
 
 def test_round_trip_and_reuse_after_remove(adapters):
