@@ -24,7 +24,11 @@ log = logging.getLogger(__name__)
 
 
 class LoadTicket:
-    """Progress of one load: the number of leading layers already resident."""
+    """Progress of one load: the number of leading layers already resident.
+
+    The copy strategy moves it forward: `mark_ready` (the CPU thread, after each group's copies)
+    or `add_event` (CUDA, one event per group on the side stream, read without blocking).
+    """
 
     def __init__(self, num_layers: int):
         self.num_layers = num_layers
@@ -43,23 +47,76 @@ class LoadTicket:
         return self.layers_ready() >= self.num_layers
 
     def wait(self, timeout_s: float | None = None) -> bool:
-        """Block until every layer is resident (used by tests and shutdown)."""
+        """Block until every layer is resident or the load failed (tests, eviction, shutdown)."""
         if not self._done.wait(timeout_s):
             return False
         for _, event in self._events:
             event.synchronize()
         return True
 
-    def _set_ready(self, layers: int) -> None:
+    def mark_ready(self, layers: int) -> None:
+        """The first `layers` layers are resident now."""
         self._ready = layers
         if layers >= self.num_layers:
             self._done.set()
 
+    def add_event(self, layers: int, event) -> None:
+        """The first `layers` layers are resident once `event` (a torch.cuda.Event) completes."""
+        self._events.append((layers, event))
+        if layers >= self.num_layers:
+            self._done.set()  # every copy is queued; wait() synchronizes on the events
+
+    def fail(self, message: str) -> None:
+        """The load stopped: rows past layers_ready() are not valid, waiters are released."""
+        self.error = message
+        self._done.set()
+
     @staticmethod
     def resident(num_layers: int) -> LoadTicket:
         ticket = LoadTicket(num_layers)
-        ticket._set_ready(num_layers)
+        ticket.mark_ready(num_layers)
         return ticket
+
+
+class ThreadCopy:
+    """CPU device: plain copies on the loader thread, throttled to emulate a link if asked."""
+
+    def __init__(self, link_gbps: float = 0.0):
+        self.link_bytes_per_s = link_gbps * 1e9 / 8 if link_gbps > 0 else 0.0
+        self._start = 0.0
+
+    def begin(self) -> None:
+        self._start = time.perf_counter()
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        dst.copy_(src)
+
+    def group_done(self, ticket: LoadTicket, layers: int, moved_bytes: int) -> None:
+        if self.link_bytes_per_s:
+            # Emulated link: a group is ready when a link of that speed would have moved it.
+            delay = self._start + moved_bytes / self.link_bytes_per_s - time.perf_counter()
+            if delay > 0:
+                time.sleep(delay)
+        ticket.mark_ready(layers)
+
+
+class StreamCopy:
+    """CUDA device: asynchronous copies on a side stream, one event per layer group."""
+
+    def __init__(self):
+        self._stream = torch.cuda.Stream()
+
+    def begin(self) -> None:
+        pass
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        with torch.cuda.stream(self._stream):
+            dst.copy_(src, non_blocking=True)
+
+    def group_done(self, ticket: LoadTicket, layers: int, moved_bytes: int) -> None:
+        event = torch.cuda.Event()
+        event.record(self._stream)
+        ticket.add_event(layers, event)
 
 
 class PipelinedLoader:
@@ -70,10 +127,9 @@ class PipelinedLoader:
             raise ValueError("layers_per_group must be >= 1")
         self.pool = pool
         self.layers_per_group = layers_per_group
-        self.link_bytes_per_s = link_gbps * 1e9 / 8 if link_gbps > 0 else 0.0
         self.bytes_loaded = 0
+        self._copier = StreamCopy() if pool.device.type == "cuda" else ThreadCopy(link_gbps)
         self._queue: queue.Queue = queue.Queue()
-        self._stream = torch.cuda.Stream() if pool.device.type == "cuda" else None
         self._thread = threading.Thread(target=self._run, name="adapter-loader", daemon=True)
         self._thread.start()
 
@@ -97,8 +153,7 @@ class PipelinedLoader:
                 self._load(adapter, entry, ticket)
             except Exception as exc:  # a failed load must not kill the loader
                 log.exception("loading adapter %s failed", adapter.name)
-                ticket.error = str(exc)
-                ticket._done.set()
+                ticket.fail(str(exc))
             finally:
                 self._queue.task_done()
         self._queue.task_done()
@@ -107,39 +162,18 @@ class PipelinedLoader:
         num_layers = self.pool.config.num_layers
         per_layer = _layer_weights(adapter, num_layers)
         elem = self.pool.lora_a[next(iter(entry.targets))].element_size()
-        start, moved = time.perf_counter(), 0
+        rows = slice(entry.offset, entry.offset + entry.rank)
+        self._copier.begin()
+        moved = 0
         for g in range(math.ceil(num_layers / self.layers_per_group)):
             lo, hi = g * self.layers_per_group, min((g + 1) * self.layers_per_group, num_layers)
             for layer in range(lo, hi):
                 for module, a, b in per_layer[layer]:
                     moved += (a.numel() + b.numel()) * elem
-                    self._copy(module, layer, entry, a, b)
-            if self._stream is not None:
-                event = torch.cuda.Event()
-                event.record(self._stream)
-                ticket._events.append((hi, event))
-                continue
-            if self.link_bytes_per_s:
-                # Emulated link: a group is ready when a link of that speed would have moved it.
-                delay = start + moved / self.link_bytes_per_s - time.perf_counter()
-                if delay > 0:
-                    time.sleep(delay)
-            ticket._set_ready(hi)
+                    self._copier.copy(self.pool.lora_a[module][layer, rows], a)
+                    self._copier.copy(self.pool.lora_b[module][layer, rows], b.t())
+            self._copier.group_done(ticket, hi, moved)
         self.bytes_loaded += moved
-        if self._stream is not None:
-            ticket._done.set()
-
-    def _copy(self, module: str, layer: int, entry: ResidentAdapter, a, b) -> None:
-        rows = slice(entry.offset, entry.offset + entry.rank)
-        dst_a = self.pool.lora_a[module][layer, rows]
-        dst_b = self.pool.lora_b[module][layer, rows]
-        if self._stream is None:
-            dst_a.copy_(a)
-            dst_b.copy_(b.t())
-            return
-        with torch.cuda.stream(self._stream):
-            dst_a.copy_(a, non_blocking=True)
-            dst_b.copy_(b.t(), non_blocking=True)
 
 
 def _layer_weights(adapter: LoraAdapter, num_layers: int) -> list[list[tuple]]:

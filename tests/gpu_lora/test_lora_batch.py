@@ -46,7 +46,7 @@ def test_partly_loaded_adapter_mixes_device_and_host_layers(is_prefill, kernel):
     pool.add(loading)  # its rows are all there; the ticket alone says which layers may be used
     host = CountingHost({"loaded": loaded, "loading": loading})
     ticket = LoadTicket(CONFIG.num_layers)
-    ticket._set_ready(1)
+    ticket.mark_ready(1)
     seg_starts = [0, 3, 5, 9] if is_prefill else [0, 1, 2, 3]
     order = [loaded, None, loading]
     batch = LoraBatch(
@@ -57,7 +57,7 @@ def test_partly_loaded_adapter_mixes_device_and_host_layers(is_prefill, kernel):
     x = torch.randn(seg_starts[-1], CONFIG.hidden_size)
     for layer in range(CONFIG.num_layers):
         if layer == 2:
-            ticket._set_ready(CONFIG.num_layers)  # the load ends in the middle of the step
+            ticket.mark_ready(CONFIG.num_layers)  # the load ends in the middle of the step
         outs = {m: torch.zeros(x.shape[0], CONFIG.projection_shape(m)[1]) for m in MODULES}
         batch.add(layer, x, tuple(outs.items()))
         for m in MODULES:
