@@ -1,14 +1,36 @@
-"""LoRA deltas computed in the engine's own process from the host copies of the adapters.
+"""The host side of cpu-assisted LoRA: one typed call, two implementations.
 
-The same call as `cpu_lora.pool.CpuLoraPool.run`, without worker processes: used when the server
-runs no CPU workers, and as the fallback when a worker dies mid-call.
+`HostLoraRunner` is what the engine's LoRA step calls for the layers still loading. `HostLora`
+computes it in the engine's own process from the host copies of the adapters (a server with
+`--cpu-workers 0`); `cpu_lora.pool.CpuLoraPool` computes it in pinned worker processes over shared
+memory (and, when a worker dies mid-call, recomputes that job itself with `cpu_lora.compute`).
 """
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
 from toppings.gpu_lora.peft_format import LoraAdapter
+
+
+class HostLoraRunner(Protocol):
+    """Computes the LoRA deltas of requests whose adapter layer is not on the device yet."""
+
+    def run(
+        self,
+        layer: int,
+        x: torch.Tensor,
+        segments: list[tuple[str, int, int]],
+        modules: tuple[str, ...],
+        *,
+        copy: bool = True,
+    ) -> dict[str, torch.Tensor]:
+        """Deltas of `modules` at `layer` for token segments (adapter, start, end) of x [T, H_in]:
+        module -> float32 [T, H_out], zero outside every segment. copy=False lets the result be
+        a view that is valid until the next call."""
+        ...
 
 
 class HostLora:

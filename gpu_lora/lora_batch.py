@@ -6,18 +6,58 @@ A request whose adapter is still loading (Toppings' CPU-assisted mode) reads its
 layer: layers already resident run on the device with the others, the rest go to the host
 (`cpu_lora` workers, or the in-process `HostLora`) in one call per layer and input, covering every
 projection that shares that input. Decode on a CPU device with every adapter resident uses the
-masked dense plan of `dense_decode`; everything else calls the kernels.
+masked dense plan of `dense_decode`; everything else calls the kernels. Which kernels run is
+decided once per engine (`LoraKernels.choose`), never per step.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
 from toppings.gpu_lora.adapter_pool import AdapterPool, ResidentAdapter
 from toppings.gpu_lora.dense_decode import DenseDecodePlan
+from toppings.gpu_lora.host_lora import HostLoraRunner
+from toppings.gpu_lora.kernels import get_kernels
 from toppings.gpu_lora.loader import LoadTicket
+
+
+@dataclass(frozen=True)
+class LoraKernels:
+    """The LoRA kernels of one engine, chosen once from --kernel and the device.
+
+    decode / prefill: the kernel functions (signatures of `kernels.reference`); padded: BGMV
+    (every adapter read over the batch's max rank) rather than MBGMV; dense_decode: a decode
+    step whose adapters are all resident uses the masked dense plan (the CPU device).
+    """
+
+    decode: Callable
+    prefill: Callable
+    padded: bool
+    dense_decode: bool
+
+    @classmethod
+    def choose(cls, kernel: str, device: str) -> LoraKernels:
+        """kernel: "bgmv" or "mbgmv"; device: "cpu" or "cuda"."""
+        if kernel not in ("bgmv", "mbgmv"):
+            raise ValueError(f"unknown LoRA kernel {kernel!r}")
+        backend = get_kernels("triton" if device == "cuda" else "cpu")
+        decode, prefill = {
+            "bgmv": (backend.bgmv_decode, backend.bgmv_prefill),
+            "mbgmv": (backend.mbgmv_decode, backend.mbgmv_prefill),
+        }[kernel]
+        return cls(decode, prefill, padded=kernel == "bgmv", dense_decode=device == "cpu")
+
+
+@dataclass
+class HostLoraStats:
+    """Host LoRA calls of an engine and the wall time they took (for /metrics)."""
+
+    calls: int = 0
+    seconds: float = field(default=0.0)
 
 
 class LoraBatch:
@@ -26,30 +66,29 @@ class LoraBatch:
     def __init__(
         self,
         pool: AdapterPool,
-        kernels,
-        kernel: str,
+        kernels: LoraKernels,
         adapters: list[ResidentAdapter | None],
         seg_starts: list[int],
         is_prefill: bool,
         tickets: list[LoadTicket | None] | None = None,
-        host=None,
+        host: HostLoraRunner | None = None,
+        host_stats: HostLoraStats | None = None,
     ):
         self.pool = pool
         self.is_prefill = is_prefill
-        self.host_calls = 0
-        self.host_seconds = 0.0
+        self.host_stats = host_stats if host_stats is not None else HostLoraStats()
         self._adapters = adapters
         self._seg_starts_list = seg_starts
         loading = [i for i, t in enumerate(tickets or []) if t is not None and not t.done]
         self._loading = [(i, tickets[i]) for i in loading]
         self._host = host
         self._dense = None
-        if not is_prefill and pool.device.type == "cpu" and not loading:
-            self._dense = DenseDecodePlan(pool, adapters, padded=kernel == "bgmv")
+        if not is_prefill and kernels.dense_decode and not loading:
+            self._dense = DenseDecodePlan(pool, adapters, padded=kernels.padded)
             return
         device = pool.device
         self._seg_starts = torch.tensor(seg_starts, dtype=torch.int32, device=device)
-        self._fn = getattr(kernels, f"{kernel}_{'prefill' if is_prefill else 'decode'}")
+        self._fn = kernels.prefill if is_prefill else kernels.decode
         offsets = torch.tensor([a.offset if a else 0 for a in adapters], dtype=torch.int32)
         scales = torch.tensor([a.scale if a else 0.0 for a in adapters], dtype=torch.float32)
         offsets, scales = offsets.to(device), scales.to(device)
@@ -95,8 +134,8 @@ class LoraBatch:
         # copy=False: the worker pool hands back views of its shared outputs, used at once here.
         # A device x goes as it is: the pool copies it down without a blocking synchronize.
         deltas = self._host.run(layer, x.detach(), segments, modules, copy=False)
-        self.host_seconds += time.perf_counter() - begin
-        self.host_calls += 1
+        self.host_stats.seconds += time.perf_counter() - begin
+        self.host_stats.calls += 1
         # Rows outside the loading requests' span are zero: add only the span.
         lo = min(start for _, start, _ in segments)
         hi = max(end for _, _, end in segments)

@@ -1,9 +1,12 @@
-"""Everything the engine holds for adapters: the registry, the device cache, the host side.
+"""Everything the engine holds for adapters, behind the one interface the engine uses.
 
 Registered adapters live in host memory (their `LoraAdapter` tensors and, with CPU workers, the
 shared-memory `HostRepository` the workers read). The device side is the adapter pool, filled by
 the pipelined loader and governed by the byte-budget cache. Layers not yet on the device are
 computed by `host`: the CPU worker pool, or in-process when the server runs no workers.
+
+The engine asks four things: `acquire` a request's adapter (memory and a load), `may_start` it
+under the LoRA mode, `step` (the LoRA side of one forward pass) and `release` it when it ends.
 """
 
 from __future__ import annotations
@@ -13,12 +16,14 @@ import logging
 import torch
 
 from toppings.gpu_lora.adapter_pool import AdapterPool
-from toppings.gpu_lora.cache import AdapterCache
+from toppings.gpu_lora.cache import AdapterCache, CacheEntry
 from toppings.gpu_lora.eviction import make_policy
-from toppings.gpu_lora.host_lora import HostLora
+from toppings.gpu_lora.host_lora import HostLora, HostLoraRunner
 from toppings.gpu_lora.loader import PipelinedLoader
+from toppings.gpu_lora.lora_batch import HostLoraStats, LoraBatch, LoraKernels
 from toppings.gpu_lora.peft_format import LoraAdapter
 from toppings.server.config import EngineConfig
+from toppings.server.lora_modes import LORA_MODES
 from toppings.server.model_config import ModelConfig
 from toppings.server.request import RequestError
 
@@ -33,15 +38,18 @@ class AdapterManager:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype):
         self.config = config
         self.model_config = model_config
+        self.mode = LORA_MODES[config.lora_mode]
+        self.kernels = LoraKernels.choose(config.kernel, config.device)
+        self.host_stats = HostLoraStats()
         self.registry: dict[str, LoraAdapter] = {}
         self.pool = AdapterPool(model_config, dtype, config.device)
         self.loader = PipelinedLoader(self.pool, config.layers_per_group, config.link_gbps)
         self.cache = AdapterCache(
             self.pool, self.loader, make_policy(config.eviction), config.adapter_cache_bytes or None
         )
-        self.host = HostLora(self.registry)
+        self.host: HostLoraRunner = HostLora(self.registry)
         self.repository = self.workers = None
-        if config.lora_mode == "cpu-assisted" and config.num_cpu_workers:
+        if self.mode.host_workers and config.num_cpu_workers:
             self._start_workers(dtype)
 
     def _start_workers(self, dtype: torch.dtype) -> None:
@@ -80,7 +88,7 @@ class AdapterManager:
             for key, (a, b) in adapter.weights.items():
                 adapter.weights[key] = (a.pin_memory(), b.pin_memory())
         self.registry[adapter.name] = adapter
-        if self.config.lora_mode == "cached":
+        if self.mode.preload:
             # The ideal upper bound: every adapter on the device before any request, pinned.
             entry = self.cache.acquire(adapter)
             if entry is None:
@@ -89,12 +97,60 @@ class AdapterManager:
             entry.ticket.wait()
 
     def unregister(self, name: str) -> None:
-        if self.config.lora_mode == "cached" and name in self.cache.entries:
+        if self.mode.preload and name in self.cache.entries:
             self.cache.release(name)  # the registration pin
         self.cache.forget(name)
         if self.repository is not None and self.repository.lookup(name) is not None:
             self.repository.remove(name)
         del self.registry[name]
+
+    # ---- per request and per step (the engine thread) -----------------------------------------
+
+    def acquire(self, name: str, queued: frozenset[str]) -> CacheEntry | None:
+        """Take a reference on adapter `name` and start its load if it is not on the device;
+        None when no adapter memory is free until a running request ends. `queued`: adapters of
+        waiting requests, which eviction spares."""
+        return self.cache.acquire(self.registry[name], queued)
+
+    def may_start(self, entry: CacheEntry | None) -> bool:
+        """Whether a request holding `entry` may be prefilled now under the LoRA mode."""
+        return entry is None or not self.mode.wait_for_load or entry.ticket.done
+
+    def release(self, name: str) -> None:
+        """Drop a request's reference taken by `acquire`."""
+        self.cache.release(name)
+
+    def step(
+        self, entries: list[CacheEntry | None], seg_starts: list[int], is_prefill: bool
+    ) -> LoraBatch | None:
+        """The LoRA side of one forward pass over B requests (None: no request has an adapter).
+
+        entries: each request's cache entry (None: base model); seg_starts: B + 1 token offsets.
+        """
+        if not any(entries):
+            return None
+        return LoraBatch(
+            self.pool,
+            self.kernels,
+            [e.resident if e else None for e in entries],
+            seg_starts,
+            is_prefill,
+            tickets=[e.ticket if e else None for e in entries],
+            host=self.host,
+            host_stats=self.host_stats,
+        )
+
+    # ---- views for /stats and /metrics (any thread) -----------------------------------------
+
+    def residency(self) -> tuple[list[str], list[str]]:
+        """(resident, loading) adapter names on the device."""
+        entries = list(self.cache.entries.items())
+        resident = [n for n, e in entries if e.ticket.done]
+        return resident, [n for n, e in entries if not e.ticket.done]
+
+    def references(self) -> int:
+        """References held by queued and running requests (and cached mode's pins)."""
+        return sum(e.refcount for e in list(self.cache.entries.values()))
 
     def is_resident(self, name: str) -> bool:
         entry = self.cache.entries.get(name)

@@ -5,11 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from toppings.gpu_lora.eviction import EVICTION_POLICIES
+from toppings.server.lora_modes import LORA_MODES
 
 DEVICES = ("cpu", "cuda")
 DTYPES = ("float32", "bfloat16", "float16")
 KERNELS = ("bgmv", "mbgmv")
-LORA_MODES = ("cached", "on-demand", "cpu-assisted")
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,6 @@ from dataclasses import dataclass
 
 import torch
 
-from toppings.gpu_lora.kernels import get_kernels
-from toppings.gpu_lora.lora_batch import LoraBatch
 from toppings.gpu_lora.peft_format import LoraAdapter, load_peft_adapter
 from toppings.server.adapters import AdapterManager
 from toppings.server.config import EngineConfig
@@ -67,15 +65,11 @@ class Engine:
             dtype,
             config.device,
         )
-        self.lora = AdapterManager(config, mc, dtype)
-        self.cache = self.lora.cache
-        self._adapters = self.lora.registry
-        self.kernels = get_kernels("triton" if config.device == "cuda" else "cpu")
+        self.lora = AdapterManager(config, mc, dtype)  # the only LoRA object the engine uses
+        self._adapters = self.lora.registry  # read-only here: name -> LoraAdapter
         self.eos_ids = set(mc.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self.eos_ids.add(self.tokenizer.eos_token_id)
-        self.host_calls = 0
-        self.host_seconds = 0.0
         self._inbox: queue.Queue = queue.Queue()
         self._waiting: deque[Sequence] = deque()
         self._running: list[Sequence] = []
@@ -152,15 +146,15 @@ class Engine:
             "prefill_seconds": st.prefill_s,
             "decode_steps": st.decode_steps,
             "decode_seconds": st.decode_s,
-            "host_lora_calls": self.host_calls,
-            "host_lora_seconds": self.host_seconds,
+            "host_lora_calls": self.lora.host_stats.calls,
+            "host_lora_seconds": self.lora.host_stats.seconds,
             "num_running": len(self._running),
             "num_waiting": len(self._waiting),
             "kv_reserved_tokens": self._reserved,
             "kv_used_tokens": self.kv.num_slots - self.kv.num_free_slots,
             "max_total_tokens": self.config.max_total_tokens,
-            "adapter_cache": self.cache.snapshot(),
-            "adapter_references": sum(e.refcount for e in list(self.cache.entries.values())),
+            "adapter_cache": self.lora.cache.snapshot(),
+            "adapter_references": self.lora.references(),
         }
 
     def adapters(self) -> list[dict]:
@@ -206,7 +200,7 @@ class Engine:
 
     def stats(self) -> dict:
         """What the cluster scheduler needs; cheap, no lock (snapshots of the lists)."""
-        entries = list(self.cache.entries.items())
+        resident, loading = self.lora.residency()
         return {
             "model": self.model_name,
             "kernel": self.config.kernel,
@@ -222,8 +216,8 @@ class Engine:
             "max_total_tokens": self.config.max_total_tokens,
             "cpu_workers": self.lora.worker_stats(),
             "healthy": self.is_healthy(),
-            "resident_adapters": [n for n, e in entries if e.ticket.done],
-            "loading_adapters": [n for n, e in entries if not e.ticket.done],
+            "resident_adapters": resident,
+            "loading_adapters": loading,
         }
 
     # ---- the engine thread ------------------------------------------------------------------
@@ -278,8 +272,8 @@ class Engine:
     def _admit(self) -> list[Sequence]:
         """Admit waiting requests in order while KV slots, batch room and adapter memory allow.
 
-        on-demand mode skips (keeps waiting) a request whose adapter is still loading; the
-        other modes start it at once.
+        A request the LoRA mode may not start yet (on-demand, adapter still loading) keeps
+        waiting; the ones behind it may go.
         """
         cfg = self.config
         admitted: list[Sequence] = []
@@ -293,10 +287,10 @@ class Engine:
                 break
             if seq.request.adapter is not None and seq.cache_entry is None:
                 queued = frozenset(s.request.adapter for s in self._waiting if s.request.adapter)
-                seq.cache_entry = self.cache.acquire(self._adapters[seq.request.adapter], queued)
+                seq.cache_entry = self.lora.acquire(seq.request.adapter, queued)
                 if seq.cache_entry is None:
                     break  # no adapter memory until a running request ends
-            if cfg.lora_mode == "on-demand" and seq.cache_entry and not seq.cache_entry.ticket.done:
+            if not self.lora.may_start(seq.cache_entry):
                 continue
             self._waiting.remove(seq)
             seq.row = self.kv.new_row()
@@ -322,19 +316,7 @@ class Engine:
             ids = [s.output_ids[-1] for s in seqs]
             seg_starts = list(range(len(seqs) + 1))
             index, mask = self.kv.decode_index(rows)
-        entries = [s.cache_entry for s in seqs]
-        lora = None
-        if any(entries):
-            lora = LoraBatch(
-                self.lora.pool,
-                self.kernels,
-                self.config.kernel,
-                [e.resident if e else None for e in entries],
-                seg_starts,
-                is_prefill,
-                tickets=[e.ticket if e else None for e in entries],
-                host=self.lora.host,
-            )
+        lora = self.lora.step([s.cache_entry for s in seqs], seg_starts, is_prefill)
         batch = ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
             positions=torch.tensor(positions, dtype=torch.int64, device=device),
@@ -346,9 +328,6 @@ class Engine:
             lora=lora,
         )
         logits = self.model.forward(batch, self.kv)  # [B, V]
-        if lora is not None:
-            self.host_calls += lora.host_calls
-            self.host_seconds += lora.host_seconds
         if is_prefill:
             self._running.extend(seqs)
         tokens = Sequence.sample_batch(seqs, logits)
@@ -371,6 +350,6 @@ class Engine:
             self._reserved -= seq.kv_need
             seq.row = None
         if seq.cache_entry is not None:
-            self.cache.release(seq.request.adapter)
+            self.lora.release(seq.request.adapter)
             seq.cache_entry = None
         seq.finish(reason, error)

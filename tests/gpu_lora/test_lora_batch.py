@@ -8,9 +8,8 @@ import torch
 from tests.gpu_lora.test_cache import CONFIG, adapter
 from toppings.gpu_lora.adapter_pool import AdapterPool
 from toppings.gpu_lora.host_lora import HostLora
-from toppings.gpu_lora.kernels import get_kernels
 from toppings.gpu_lora.loader import LoadTicket
-from toppings.gpu_lora.lora_batch import LoraBatch
+from toppings.gpu_lora.lora_batch import LoraBatch, LoraKernels
 
 MODULES = ("q_proj", "k_proj", "v_proj")
 
@@ -50,8 +49,8 @@ def test_partly_loaded_adapter_mixes_device_and_host_layers(is_prefill, kernel):
     seg_starts = [0, 3, 5, 9] if is_prefill else [0, 1, 2, 3]
     order = [loaded, None, loading]
     batch = LoraBatch(
-        pool, get_kernels("cpu"), kernel, [pool.resident[a.name] if a else None for a in order],
-        seg_starts, is_prefill,
+        pool, LoraKernels.choose(kernel, "cpu"),
+        [pool.resident[a.name] if a else None for a in order], seg_starts, is_prefill,
         tickets=[LoadTicket.resident(CONFIG.num_layers), None, ticket], host=host,
     )  # fmt: skip
     x = torch.randn(seg_starts[-1], CONFIG.hidden_size)

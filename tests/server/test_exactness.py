@@ -180,8 +180,10 @@ def test_cpu_assisted_matches_peft_while_adapters_load(
         params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
         handles = [engine.submit(GenerationRequest(list(p), params, a)) for p, a in prompts]
         ours = [h.result(timeout_s=300).new_token_ids for h in handles]
-        assert engine.host_calls > 0, "no layer ran on the host: the loads were not in flight"
-        assert engine.cache.counters.loads == len(adapters)
+        assert engine.lora.host_stats.calls > 0, (
+            "no layer ran on the host: the loads were not in flight"
+        )
+        assert engine.lora.cache.counters.loads == len(adapters)
         stats = engine.stats()
         assert [w["alive"] for w in stats["cpu_workers"]] == [True] * num_cpu_workers
     finally:
@@ -225,7 +227,7 @@ def test_sigkilled_cpu_worker_mid_request_changes_no_token(tmp_path_factory):
         ours = [got0] + [h.result(timeout_s=300).new_token_ids for h in handles[1:]]
         workers = engine.stats()["cpu_workers"]
         assert victim not in [w["pid"] for w in workers] and all(w["alive"] for w in workers)
-        assert engine.host_calls > 0
+        assert engine.lora.host_stats.calls > 0
     finally:
         engine.shutdown()
     assert [p for p in files if os.path.exists(p)] == []
@@ -251,8 +253,8 @@ def test_on_demand_waits_for_whole_adapters(tmp_path_factory):
         params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
         handles = [engine.submit(GenerationRequest(list(p), params, a)) for p, a in prompts]
         ours = [h.result(timeout_s=300).new_token_ids for h in handles]
-        assert engine.host_calls == 0
-        assert engine.cache.counters.loads == len(adapters)
+        assert engine.lora.host_stats.calls == 0
+        assert engine.lora.cache.counters.loads == len(adapters)
     finally:
         engine.shutdown()
     for (prompt, name), got in zip(prompts, ours):

@@ -1,0 +1,28 @@
+"""The three LoRA modes (`--lora-mode`) as one small policy table.
+
+A mode only says how a server treats an adapter that is not on the device yet; everything else
+(cache, loader, kernels) is the same in all three.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class LoraMode:
+    """preload: every adapter is loaded and pinned on the device when it is registered (the
+    ideal upper bound); wait_for_load: a request's prefill waits until its adapter is resident
+    (S-LoRA's way); host_workers: layers still loading run on the host, in CPU worker processes
+    when the server has any (Toppings' cpu-assisted mode)."""
+
+    preload: bool
+    wait_for_load: bool
+    host_workers: bool
+
+
+LORA_MODES: dict[str, LoraMode] = {
+    "cached": LoraMode(preload=True, wait_for_load=False, host_workers=False),
+    "on-demand": LoraMode(preload=False, wait_for_load=True, host_workers=False),
+    "cpu-assisted": LoraMode(preload=False, wait_for_load=False, host_workers=True),
+}
