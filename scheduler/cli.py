@@ -12,8 +12,10 @@ do not describe this cluster's hardware; fit a model with scripts/fit_perf_model
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
+import sqlite3
 import sys
 from typing import Any
 
@@ -86,11 +88,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def _usage_error(message: str) -> None:
+    """A user mistake: one line on stderr and exit status 2, as argparse does (no traceback)."""
+    print(f"toppings-scheduler: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(message)s")
+    try:
+        logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    except ValueError as e:
+        _usage_error(f"--log-level: {e}")
     if args.perf_model:
-        perf, source = PerfModels.load(args.perf_model), args.perf_model
+        try:
+            perf, source = PerfModels.load(args.perf_model), args.perf_model
+        except (OSError, ValueError, KeyError, TypeError) as e:  # missing, not JSON, not ours
+            _usage_error(f"--perf-model {args.perf_model}: {e}")
     else:
         perf = paper_fig6_models()
         source = perf.source
@@ -98,8 +112,11 @@ def main(argv: list[str] | None = None) -> None:
     try:
         count = PromptCounter(args.tokenizer) if args.tokenizer else estimate_prompt_tokens
     except Exception as e:  # any failure to load it: say so and stop, before serving
-        sys.exit(f"toppings-scheduler: --tokenizer {args.tokenizer}: {e}")
-    registry = Registry(args.registry)
+        _usage_error(f"--tokenizer {args.tokenizer}: {e}")
+    try:
+        registry = Registry(args.registry)
+    except sqlite3.Error as e:
+        _usage_error(f"--registry {args.registry}: {e}")
     session = requests.Session()
     cluster = Cluster(registry, make_fetch_json(session), refresh_s=args.refresh_ms / 1000.0)
     slo_ms = args.slo_tpt_ms or default_slo_ms(perf)
@@ -109,11 +126,20 @@ def main(argv: list[str] | None = None) -> None:
         for sess in (session, router.session):  # /stats polling and the proxied requests
             sess.headers["Authorization"] = f"Bearer {args.server_api_key}"
     app = create_app(router, cluster, {"perf_model_source": source, "registry": args.registry})
+    try:
+        server = waitress.create_server(app, host=args.host, port=args.port, threads=args.threads)
+    except OSError as e:
+        registry.close()
+        if e.errno == errno.EADDRINUSE:
+            _usage_error(
+                f"port {args.port} on {args.host} is already in use (pick another with --port)"
+            )
+        _usage_error(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}")
     cluster.start()
     log.info("scheduler on http://%s:%d, policy %s, SLO %.1f ms per token",
-             args.host, args.port, args.policy, slo_ms)  # fmt: skip
+             args.host, server.effective_port, args.policy, slo_ms)  # fmt: skip
     try:
-        waitress.serve(app, host=args.host, port=args.port, threads=args.threads)
+        server.run()  # returns on Ctrl-C
     finally:
         cluster.stop()
         registry.close()

@@ -8,9 +8,11 @@ then waitress and the engine stop and the command exits 0. A second signal kills
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 
@@ -48,6 +50,63 @@ def _positive(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
     return value
+
+
+def log_level(text: str) -> str:
+    """A logging level name (DEBUG, INFO, ...), upper-cased; argparse refuses anything else."""
+    level = text.upper()
+    if not isinstance(logging.getLevelName(level), int):
+        raise argparse.ArgumentTypeError(f"expected DEBUG, INFO, WARNING or ERROR, got {text!r}")
+    return level
+
+
+def _usage_error(message: str) -> None:
+    """A user mistake: one line on stderr and exit status 2, as argparse does (no traceback)."""
+    print(f"toppings-serve: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def _check_port(host: str, port: int) -> None:
+    """Fail at once, before the model loads, when host:port cannot be listened on."""
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        family, kind, proto, _, address = infos[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as waitress does
+            probe.bind(address)
+    except OSError as e:
+        _usage_error(_listen_problem(host, port, e))
+
+
+def _listen_problem(host: str, port: int, e: OSError) -> str:
+    if e.errno == errno.EADDRINUSE:
+        return f"port {port} on {host} is already in use (pick another with --port)"
+    return f"cannot listen on {host}:{port}: {e.strerror or e}"
+
+
+def _check_inputs(model: str, loras: dict[str, str]) -> None:
+    """Check the model and every adapter's config before anything heavy loads."""
+    from transformers import AutoConfig
+
+    from toppings.gpu_lora.peft_config import AdapterError, read_adapter_config
+    from toppings.server.loader import resolve_model_dir
+    from toppings.server.model_config import ModelConfig
+
+    for name, path in loras.items():
+        try:
+            read_adapter_config(path)
+        except AdapterError as e:
+            _usage_error(f"adapter {name}: {e}")
+    try:
+        model_dir = resolve_model_dir(model)
+    except FileNotFoundError as e:
+        _usage_error(f"--model: {e}")
+    try:
+        ModelConfig.from_hf(AutoConfig.from_pretrained(model_dir), model_dir.name)
+    except (OSError, ValueError, KeyError) as e:
+        _usage_error(f"--model {model}: {model_dir} is not a model this server runs: {e}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -164,7 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="S",
         help="on SIGTERM, how long requests in flight may take to finish",
     )
-    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-level", type=log_level, default="INFO")
     return p
 
 
@@ -199,10 +258,10 @@ class _Drainer:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     if args.cpu_workers < 0 or args.drain_timeout < 0:
-        sys.exit("toppings-serve: --cpu-workers and --drain-timeout must be >= 0")
+        _usage_error("--cpu-workers and --drain-timeout must be >= 0")
     try:
         config = EngineConfig(
             device=args.device,
@@ -219,13 +278,14 @@ def main(argv: list[str] | None = None) -> int:
             cpu_spin_us=args.cpu_spin_us,
         )
     except ValueError as e:
-        sys.exit(f"toppings-serve: {e}")
+        _usage_error(str(e))
     if config.num_cpu_workers:
         # The workers share cores with the engine's OpenMP threads, whose busy-waiting starves
         # them (measured: cpu-assisted TTFT 1.98x cached with it, 1.08x without, on 2 cores).
         # It must be set before torch starts OpenMP.
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     # Imported here so that `--help` answers without loading torch.
+    from toppings.gpu_lora.peft_config import AdapterError
     from toppings.server.api import ApiOptions, create_app
     from toppings.server.lifecycle import discover
     from toppings.server.runtime import build_engine
@@ -239,10 +299,12 @@ def main(argv: list[str] | None = None) -> int:
         )
         found = [item for d in args.lora_dir for item in discover(d).items()]
     except ValueError as e:
-        sys.exit(f"toppings-serve: {e}")
+        _usage_error(str(e))
     loras = dict(found + args.lora)
     if len(loras) != len(found) + len(args.lora):
-        sys.exit("toppings-serve: two adapters share a name (--lora and --lora-dir)")
+        _usage_error("two adapters share a name (--lora and --lora-dir)")
+    _check_port(args.host, args.port)
+    _check_inputs(args.model, loras)
 
     logger.info(
         "loading %s with %d adapter(s), %s (cpu workers: %d)",
@@ -251,17 +313,23 @@ def main(argv: list[str] | None = None) -> int:
         config,
         args.cpu_workers,
     )
-    engine = build_engine(args.model, config, loras)
+    try:
+        engine = build_engine(args.model, config, loras)
+    except (AdapterError, FileNotFoundError) as e:  # an adapter that does not fit the model
+        _usage_error(str(e))
     app = create_app(engine, options)
     _Drainer(engine, app.extensions["toppings"].draining, args.drain_timeout)
     try:
-        server = waitress.create_server(
-            app,
-            host=args.host,
-            port=args.port,
-            threads=args.threads,
-            channel_request_lookahead=1,  # lets waitress see a client hang up mid-stream
-        )
+        try:
+            server = waitress.create_server(
+                app,
+                host=args.host,
+                port=args.port,
+                threads=args.threads,
+                channel_request_lookahead=1,  # lets waitress see a client hang up mid-stream
+            )
+        except OSError as e:  # taken since the check above
+            _usage_error(_listen_problem(args.host, args.port, e))
         url = f"http://{args.host}:{server.effective_port}"
         logger.info("serving %s at %s (OpenAI base_url %s/v1)", engine.model_name, url, url)
         server.run()  # returns on SIGINT/SIGTERM, once waitress has closed its sockets
