@@ -219,7 +219,8 @@ def create_app(engine, options: ApiOptions | None = None) -> Flask:
 
     @app.get("/stats")
     def stats() -> Response:
-        return jsonify(dict(engine.stats(), draining=state.draining.is_set()))
+        body = dataclasses.replace(engine.stats(), draining=state.draining.is_set())
+        return jsonify(body.to_json())
 
     @app.get("/metrics")
     def metrics() -> Response:

@@ -25,6 +25,7 @@ from toppings.server.loader import Checkpoint
 from toppings.server.model import ForwardBatch, LlamaModel
 from toppings.server.request import GenerationRequest, RequestError, RequestHandle
 from toppings.server.sequence import Sequence
+from toppings.server.stats_schema import AdapterView, ServerStats, WorkerView
 
 log = logging.getLogger(__name__)
 
@@ -198,27 +199,27 @@ class Engine:
     def abort(self, request_id: str) -> None:
         self._inbox.put(request_id)
 
-    def stats(self) -> dict:
+    def stats(self) -> ServerStats:
         """What the cluster scheduler needs; cheap, no lock (snapshots of the lists)."""
         resident, loading = self.lora.residency()
-        return {
-            "model": self.model_name,
-            "kernel": self.config.kernel,
-            "device": self.config.device,
-            "lora_mode": self.config.lora_mode,
-            "running": [s.describe(self._adapters) for s in list(self._running)],
-            "queue": [s.describe(self._adapters) for s in list(self._waiting)],
-            "adapters": [
-                {"name": n, "rank": a.rank, "resident": self.lora.is_resident(n)}
+        return ServerStats(
+            model=self.model_name,
+            kernel=self.config.kernel,
+            device=self.config.device,
+            lora_mode=self.config.lora_mode,
+            running=tuple(s.describe(self._adapters) for s in list(self._running)),
+            queue=tuple(s.describe(self._adapters) for s in list(self._waiting)),
+            adapters=tuple(
+                AdapterView(n, a.rank, self.lora.is_resident(n))
                 for n, a in list(self._adapters.items())
-            ],
-            "free_kv_tokens": self.config.max_total_tokens - self._reserved,
-            "max_total_tokens": self.config.max_total_tokens,
-            "cpu_workers": self.lora.worker_stats(),
-            "healthy": self.is_healthy(),
-            "resident_adapters": resident,
-            "loading_adapters": loading,
-        }
+            ),
+            free_kv_tokens=self.config.max_total_tokens - self._reserved,
+            max_total_tokens=self.config.max_total_tokens,
+            healthy=self.is_healthy(),
+            cpu_workers=tuple(WorkerView(**w) for w in self.lora.worker_stats()),
+            resident_adapters=tuple(resident),
+            loading_adapters=tuple(loading),
+        )
 
     # ---- the engine thread ------------------------------------------------------------------
 

@@ -9,6 +9,7 @@ import torch
 from toppings.server.detokenize import TextStream
 from toppings.server.request import GenerationRequest, RequestHandle, RequestOutput
 from toppings.server.sampling import make_generator, sample_next
+from toppings.server.stats_schema import RequestView
 
 
 class Sequence:
@@ -32,17 +33,17 @@ class Sequence:
         self._pending_ids: list[int] = []
         self._pending_text = ""
 
-    def describe(self, adapters: dict) -> dict:
+    def describe(self, adapters: dict) -> RequestView:
         """The /stats view of this request."""
         name = self.request.adapter
-        return {
-            "id": self.request.request_id,
-            "adapter": name,
-            "rank": adapters[name].rank if name in adapters else 0,
-            "prompt_tokens": self.prompt_len,
-            "output_tokens": len(self.output_ids),
-            "max_new_tokens": self.request.params.max_new_tokens,
-        }
+        return RequestView(
+            id=self.request.request_id,
+            adapter=name,
+            rank=adapters[name].rank if name in adapters else 0,
+            prompt_tokens=self.prompt_len,
+            output_tokens=len(self.output_ids),
+            max_new_tokens=self.request.params.max_new_tokens,
+        )
 
     @staticmethod
     def sample_batch(seqs: list[Sequence], logits: torch.Tensor) -> list[int]:

@@ -223,5 +223,5 @@ def test_closing_a_stream_aborts_the_request(client, engine, monkeypatch):
     final = list(handles[0].events(timeout_s=60))[-1]
     assert final.finish_reason == "abort"
     assert final.output_tokens < engine.max_model_len - 3
-    stats = engine.stats()
+    stats = engine.stats().to_json()
     assert stats["running"] == [] and stats["queue"] == []

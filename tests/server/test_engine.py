@@ -23,7 +23,7 @@ def generate(engine, prompt, params=GREEDY, adapter=None):
 
 
 def assert_idle(engine):
-    stats = engine.stats()
+    stats = engine.stats().to_json()
     assert stats["running"] == [] and stats["queue"] == []
     assert stats["free_kv_tokens"] == stats["max_total_tokens"]
     assert engine.kv.num_free_slots == engine.kv.num_slots

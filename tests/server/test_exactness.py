@@ -108,7 +108,7 @@ def run_mixed_batch(model_dir, adapters: dict[str, str], prompts, kernel: str, d
         # Submit everything before the first step so the requests share prefill and decode.
         handles = [engine.submit(GenerationRequest(list(p), params, a)) for p, a in prompts]
         results = [h.result(timeout_s=300) for h in handles]
-        stats = engine.stats()
+        stats = engine.stats().to_json()
     finally:
         engine.shutdown()
     assert stats["running"] == [] and stats["queue"] == []
@@ -175,7 +175,7 @@ def test_cpu_assisted_matches_peft_while_adapters_load(
     )  # fmt: skip
     engine = build_engine(str(model_dir), config, adapters)
     try:
-        assert engine.stats()["adapters"][0]["resident"] is False  # nothing preloaded
+        assert engine.stats().to_json()["adapters"][0]["resident"] is False  # nothing preloaded
         prompts = mixed_prompts(200, seed=2)
         params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
         handles = [engine.submit(GenerationRequest(list(p), params, a)) for p, a in prompts]
@@ -184,7 +184,7 @@ def test_cpu_assisted_matches_peft_while_adapters_load(
             "no layer ran on the host: the loads were not in flight"
         )
         assert engine.lora.cache.counters.loads == len(adapters)
-        stats = engine.stats()
+        stats = engine.stats().to_json()
         assert [w["alive"] for w in stats["cpu_workers"]] == [True] * num_cpu_workers
     finally:
         engine.shutdown()
@@ -221,11 +221,11 @@ def test_sigkilled_cpu_worker_mid_request_changes_no_token(tmp_path_factory):
         handles = [engine.submit(GenerationRequest(list(p), params, a)) for p, a in prompts]
         first = handles[0].events(timeout_s=120)
         got0 = list(next(first).new_token_ids)  # the first step ran: loads are still going
-        victim = engine.stats()["cpu_workers"][0]["pid"]
+        victim = engine.stats().to_json()["cpu_workers"][0]["pid"]
         os.kill(victim, signal.SIGKILL)
         got0 += [t for out in first for t in out.new_token_ids]
         ours = [got0] + [h.result(timeout_s=300).new_token_ids for h in handles[1:]]
-        workers = engine.stats()["cpu_workers"]
+        workers = engine.stats().to_json()["cpu_workers"]
         assert victim not in [w["pid"] for w in workers] and all(w["alive"] for w in workers)
         assert engine.lora.host_stats.calls > 0
     finally:

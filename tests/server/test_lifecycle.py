@@ -275,10 +275,12 @@ def assert_idle(engine, timeout_s: float = 30.0) -> None:
     import time
 
     deadline = time.monotonic() + timeout_s
-    while engine.stats()["running"] or engine.stats()["queue"]:
-        assert time.monotonic() < deadline, engine.stats()
+    while engine.stats().running or engine.stats().queue:
+        assert time.monotonic() < deadline, engine.stats().to_json()
         time.sleep(0.05)
-    assert engine.stats()["free_kv_tokens"] == engine.stats()["max_total_tokens"]
+    assert (
+        engine.stats().to_json()["free_kv_tokens"] == engine.stats().to_json()["max_total_tokens"]
+    )
 
 
 def test_adapter_paths_unit(tmp_path):

@@ -146,7 +146,9 @@ def test_hanging_up_on_a_plain_request_aborts(base_url, engine, monkeypatch):
         head = f"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n"
         sock.sendall(head.encode() + body.encode())
         deadline = time.monotonic() + 60
-        while not engine.stats()["running"] and not finals:  # hang up once it is generating
+        while (
+            not engine.stats().to_json()["running"] and not finals
+        ):  # hang up once it is generating
             assert time.monotonic() < deadline, "the request never started"
             time.sleep(0.01)
     _wait_for(finals)

@@ -1,0 +1,116 @@
+"""The `GET /stats` body of a server: one schema, built by the engine, read by the scheduler.
+
+Part of the HTTP contract (DESIGN.md): the scheduler parses it with `ServerStats.from_json`, and
+`tests/scheduler/test_stats_contract.py` feeds a live engine's stats through the scheduler's
+parser. Imports nothing else of the server, so the scheduler may import it.
+
+    {"model": str, "kernel": "bgmv"|"mbgmv", "device": str, "lora_mode": str,
+     "running": [REQ], "queue": [REQ],
+     "adapters": [{"name": str, "rank": int, "resident": bool}],
+     "free_kv_tokens": int, "max_total_tokens": int,
+     "cpu_workers": [{"pid": int, "core": int, "alive": bool, "restarts": int}],
+     "healthy": bool, "resident_adapters": [str], "loading_adapters": [str],
+     "draining": bool}
+    REQ = {"id": str, "adapter": str|null, "rank": int, "prompt_tokens": int,
+           "output_tokens": int, "max_new_tokens": int}
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+
+@dataclass(frozen=True)
+class RequestView:
+    """One queued or running request; rank 0 for the base model."""
+
+    id: str
+    adapter: str | None
+    rank: int
+    prompt_tokens: int
+    output_tokens: int
+    max_new_tokens: int
+
+
+@dataclass(frozen=True)
+class AdapterView:
+    """One registered adapter; resident: every layer is on the device."""
+
+    name: str
+    rank: int
+    resident: bool
+
+
+@dataclass(frozen=True)
+class WorkerView:
+    """One CPU LoRA worker process."""
+
+    pid: int
+    core: int
+    alive: bool
+    restarts: int
+
+
+@dataclass(frozen=True)
+class ServerStats:
+    """What the cluster scheduler needs of one server, at one instant."""
+
+    model: str
+    kernel: str
+    device: str
+    lora_mode: str
+    running: tuple[RequestView, ...]
+    queue: tuple[RequestView, ...]
+    adapters: tuple[AdapterView, ...]
+    free_kv_tokens: int
+    max_total_tokens: int
+    healthy: bool
+    cpu_workers: tuple[WorkerView, ...] = ()
+    resident_adapters: tuple[str, ...] = ()
+    loading_adapters: tuple[str, ...] = ()
+    draining: bool = False
+    extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.kernel not in ("bgmv", "mbgmv"):
+            raise ValueError(f"unknown kernel {self.kernel!r}")
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON body (lists, not tuples, as a client decodes it)."""
+        body = asdict(self)
+        body.pop("extra")
+        return json.loads(json.dumps(body))
+
+    @classmethod
+    def from_json(cls, body: dict[str, Any]) -> ServerStats:
+        """Parse a /stats body; raises KeyError, TypeError or ValueError when it is malformed.
+        Unknown keys (a newer server) are kept in `extra`."""
+        if not isinstance(body, dict):
+            raise TypeError("/stats must be a JSON object")
+        known = {f.name for f in fields(cls)} - {"extra"}
+        args: dict[str, Any] = {}
+        for name in known:
+            if name not in body:
+                continue
+            value = body[name]
+            view = _NESTED.get(name)
+            if view is not None:
+                value = tuple(view(**_exact(view, item)) for item in value)
+            elif name.endswith("_adapters"):
+                value = tuple(str(v) for v in value)
+            args[name] = value
+        extra = {k: v for k, v in body.items() if k not in known}
+        return cls(**args, extra=extra)
+
+
+_NESTED = {"running": RequestView, "queue": RequestView, "adapters": AdapterView,
+           "cpu_workers": WorkerView}  # fmt: skip
+
+
+def _exact(view: type, item: dict[str, Any]) -> dict[str, Any]:
+    """The fields of `view` from one JSON object (unknown keys dropped, missing ones raise)."""
+    if not isinstance(item, dict):
+        raise TypeError(f"expected an object for {view.__name__}, got {type(item).__name__}")
+    return {f.name: item[f.name] for f in fields(view)}
