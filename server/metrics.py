@@ -8,7 +8,7 @@ LoRA) is read at scrape time by `EngineCollector` from `engine.counters()`.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -64,12 +64,50 @@ class RequestMetrics:
                 self.tpt.observe(out.e2e_s / out.output_tokens)
 
 
-def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-    return CounterMetricFamily(PREFIX + name, doc, value=value)
-
-
-def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-    return GaugeMetricFamily(PREFIX + name, doc, value=value)
+# The engine's scalar series, read at scrape time: (kind, name, help, value of counters()).
+# `c` is engine.counters(); `c["adapter_cache"]` is the adapter cache's snapshot.
+ENGINE_SERIES: tuple[tuple[str, str, str, Callable[[dict], float]], ...] = (
+    ("gauge", "num_requests_running", "Requests in the running batch",
+     lambda c: c["num_running"]),
+    ("gauge", "num_requests_waiting", "Requests queued, not admitted",
+     lambda c: c["num_waiting"]),
+    ("gauge", "kv_cache_usage_perc", "Fraction of KV token slots reserved (0-1)",
+     lambda c: c["kv_reserved_tokens"] / c["max_total_tokens"]),
+    ("gauge", "kv_cache_reserved_tokens", "KV token slots reserved by admitted requests",
+     lambda c: c["kv_reserved_tokens"]),
+    ("gauge", "kv_cache_used_tokens", "KV token slots holding tokens",
+     lambda c: c["kv_used_tokens"]),
+    ("gauge", "max_total_tokens", "KV token slots in all", lambda c: c["max_total_tokens"]),
+    ("counter", "prefill_steps", "Prefill steps run", lambda c: c["prefill_steps"]),
+    ("counter", "prefill_seconds", "Wall time in prefill steps", lambda c: c["prefill_seconds"]),
+    ("counter", "decode_steps", "Decode steps run", lambda c: c["decode_steps"]),
+    ("counter", "decode_seconds", "Wall time in decode steps", lambda c: c["decode_seconds"]),
+    ("counter", "cpu_lora_invocations", "Host (CPU) LoRA invocations",
+     lambda c: c["host_lora_calls"]),
+    ("counter", "cpu_lora_seconds", "Time spent in host (CPU) LoRA invocations",
+     lambda c: c["host_lora_seconds"]),
+    ("counter", "adapter_cache_hits", "Adapter cache hits", lambda c: c["adapter_cache"]["hits"]),
+    ("counter", "adapter_cache_misses", "Adapter cache misses",
+     lambda c: c["adapter_cache"]["misses"]),
+    ("counter", "adapter_loads", "Adapter loads to the device",
+     lambda c: c["adapter_cache"]["loads"]),
+    ("counter", "adapter_evictions", "Adapters evicted from the device",
+     lambda c: c["adapter_cache"]["evictions"]),
+    ("counter", "adapter_bytes_loaded", "Adapter bytes loaded to the device",
+     lambda c: c["adapter_cache"]["bytes_loaded"]),
+    ("gauge", "adapter_cache_used_bytes", "Device bytes held by adapters",
+     lambda c: c["adapter_cache"]["used_bytes"]),
+    ("gauge", "adapter_cache_budget_bytes", "Device byte budget for adapters (absent: no budget)",
+     lambda c: c["adapter_cache"].get("budget_bytes")),
+    ("gauge", "adapters_resident", "Adapters fully on the device",
+     lambda c: len(c["adapter_cache"]["resident"])),
+    ("gauge", "adapters_loading", "Adapters being loaded",
+     lambda c: len(c["adapter_cache"]["loading"])),
+    ("gauge", "adapter_references",
+     "References held on device adapters (requests, plus registration pins in cached mode)",
+     lambda c: c["adapter_references"]),
+)  # fmt: skip
+_FAMILIES = {"counter": CounterMetricFamily, "gauge": GaugeMetricFamily}
 
 
 class EngineCollector:
@@ -80,7 +118,6 @@ class EngineCollector:
 
     def collect(self) -> Iterator[Metric]:
         c = read_engine(self.engine.counters)
-        cache = c["adapter_cache"]
         finished = CounterMetricFamily(PREFIX + "request_finished", "Requests ended, by reason",
                                        labels=["finished_reason"])  # fmt: skip
         success = CounterMetricFamily(PREFIX + "request_success",
@@ -93,39 +130,10 @@ class EngineCollector:
                 success.add_metric([reason], count)
         yield finished
         yield success
-        total = c["max_total_tokens"]
-        yield _gauge("num_requests_running", "Requests in the running batch", c["num_running"])
-        yield _gauge("num_requests_waiting", "Requests queued, not admitted", c["num_waiting"])
-        yield _gauge("kv_cache_usage_perc", "Fraction of KV token slots reserved (0-1)",
-                     c["kv_reserved_tokens"] / total)  # fmt: skip
-        yield _gauge("kv_cache_reserved_tokens", "KV token slots reserved by admitted requests",
-                     c["kv_reserved_tokens"])  # fmt: skip
-        yield _gauge("kv_cache_used_tokens", "KV token slots holding tokens", c["kv_used_tokens"])
-        yield _gauge("max_total_tokens", "KV token slots in all", total)
-        yield _counter("prefill_steps", "Prefill steps run", c["prefill_steps"])
-        yield _counter("prefill_seconds", "Wall time in prefill steps", c["prefill_seconds"])
-        yield _counter("decode_steps", "Decode steps run", c["decode_steps"])
-        yield _counter("decode_seconds", "Wall time in decode steps", c["decode_seconds"])
-        yield _counter("cpu_lora_invocations", "Host (CPU) LoRA invocations",
-                       c["host_lora_calls"])  # fmt: skip
-        yield _counter("cpu_lora_seconds", "Time spent in host (CPU) LoRA invocations",
-                       c["host_lora_seconds"])  # fmt: skip
-        yield _counter("adapter_cache_hits", "Adapter cache hits", cache["hits"])
-        yield _counter("adapter_cache_misses", "Adapter cache misses", cache["misses"])
-        yield _counter("adapter_loads", "Adapter loads to the device", cache["loads"])
-        yield _counter("adapter_evictions", "Adapters evicted from the device", cache["evictions"])
-        yield _counter("adapter_bytes_loaded", "Adapter bytes loaded to the device",
-                       cache["bytes_loaded"])  # fmt: skip
-        yield _gauge("adapter_cache_used_bytes", "Device bytes held by adapters",
-                     cache["used_bytes"])  # fmt: skip
-        if cache.get("budget_bytes") is not None:
-            yield _gauge("adapter_cache_budget_bytes", "Device byte budget for adapters",
-                         cache["budget_bytes"])  # fmt: skip
-        yield _gauge("adapters_resident", "Adapters fully on the device", len(cache["resident"]))
-        yield _gauge("adapters_loading", "Adapters being loaded", len(cache["loading"]))
-        yield _gauge("adapter_references",
-                     "References held on device adapters (requests, plus registration "
-                     "pins in cached mode)", c["adapter_references"])  # fmt: skip
+        for kind, name, doc, value in ENGINE_SERIES:
+            v = value(c)
+            if v is not None:
+                yield _FAMILIES[kind](PREFIX + name, doc, value=v)
 
 
 def read_engine(fn, attempts: int = 3):
