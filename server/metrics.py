@@ -65,7 +65,8 @@ class RequestMetrics:
 
 
 # The engine's scalar series, read at scrape time: (kind, name, help, value of counters()).
-# `c` is engine.counters(); `c["adapter_cache"]` is the adapter cache's snapshot.
+# `c` is engine.counters(); `c["adapter_cache"]` is the adapter cache's snapshot. A getter
+# returning None leaves its series out (no adapter byte budget).
 ENGINE_SERIES: tuple[tuple[str, str, str, Callable[[dict], float]], ...] = (
     ("gauge", "num_requests_running", "Requests in the running batch",
      lambda c: c["num_running"]),
@@ -97,7 +98,7 @@ ENGINE_SERIES: tuple[tuple[str, str, str, Callable[[dict], float]], ...] = (
      lambda c: c["adapter_cache"]["bytes_loaded"]),
     ("gauge", "adapter_cache_used_bytes", "Device bytes held by adapters",
      lambda c: c["adapter_cache"]["used_bytes"]),
-    ("gauge", "adapter_cache_budget_bytes", "Device byte budget for adapters (absent: no budget)",
+    ("gauge", "adapter_cache_budget_bytes", "Device byte budget for adapters",
      lambda c: c["adapter_cache"].get("budget_bytes")),
     ("gauge", "adapters_resident", "Adapters fully on the device",
      lambda c: len(c["adapter_cache"]["resident"])),
