@@ -17,6 +17,11 @@ restarts a server that dies or hangs that long (exponential backoff, at most `--
 times), and on Ctrl-C/SIGTERM drains and stops them all: SIGTERM,
 wait, then SIGKILL. A TOML file (`--config`) takes the same keys as the flags (`num_servers = 2`,
 `lora_dir = ["/loras"]`, `serve_args = ["--lora-mode", "cpu-assisted"]`); flags win.
+
+Logs (and the started scheduler's registry) go to `--log-dir`, which is kept; without it, to a
+new temporary directory that is removed after a clean stop and kept, its path printed, when a
+server or the scheduler failed. Mistakes every server would refuse (a missing model or adapter,
+a port in use) are refused at once, in one line, with exit status 2.
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ log = logging.getLogger("toppings-launch")
 TICK_S = 0.2
 HEALTH_EVERY_S = 2.0
 REGISTER_RETRY_S = 5.0
+USAGE_ERROR = 2  # toppings-serve's exit status for a user mistake, as argparse's
 
 
 def split_cores(cores: Sequence[int], num_sets: int) -> list[tuple[int, ...]]:
@@ -74,7 +80,7 @@ def split_cores(cores: Sequence[int], num_sets: int) -> list[tuple[int, ...]]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from toppings.server.cli import parse_cores
+    from toppings.server.cli import log_level, parse_cores
 
     p = argparse.ArgumentParser(
         prog="toppings-launch",
@@ -123,9 +129,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--max-restarts", type=int, default=5, help="per server")
     p.add_argument("--restart-backoff", type=float, default=1.0, help="first delay, doubling")
-    p.add_argument("--log-dir", type=Path, default=None, help="default: a new temp directory")
+    p.add_argument(
+        "--log-dir",
+        type=Path,
+        default=None,
+        help="servers' and scheduler's logs (and the default registry), kept; default: a new "
+        "temporary directory, removed after a clean stop, kept (and printed) if anything failed",
+    )
     p.add_argument("--numactl", choices=("auto", "never"), default="auto")
-    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-level", type=log_level, default="INFO")
     return p
 
 
@@ -179,6 +191,38 @@ def _servers(args: argparse.Namespace, log_dir: Path) -> list[ServerProc]:
         )
         for i, cores in enumerate(core_sets)
     ]
+
+
+def check_inputs(args: argparse.Namespace, servers: list[ServerProc]) -> None:
+    """Refuse at once what every server would refuse at start (raises ValueError): a missing
+    model, adapter or adapter folder, a port in use. toppings-serve checks the rest."""
+    from toppings.gpu_lora.peft_config import AdapterError, read_adapter_config
+    from toppings.server.cli import listen_problem
+
+    if args.model != "smollm2":
+        model = Path(args.model).expanduser()
+        is_gguf = model.is_file() and model.suffix == ".gguf"
+        if not is_gguf and not (model / "config.json").is_file():
+            what = "does not exist" if not model.exists() else "is no checkpoint directory"
+            raise ValueError(f"--model {args.model} {what} (expected a Hugging Face checkpoint "
+                             "directory with config.json, a .gguf file or smollm2)")  # fmt: skip
+    for spec in args.lora:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--lora: expected NAME=PATH, got {spec!r}")
+        try:
+            read_adapter_config(path)
+        except AdapterError as e:
+            raise ValueError(f"--lora {name}: {e}") from None
+    for folder in args.lora_dir:
+        if not Path(folder).is_dir():
+            raise ValueError(f"--lora-dir {folder} is not a directory")
+    ports = [("--base-port", s.port) for s in servers]
+    if args.start_scheduler:
+        ports.append(("--scheduler-port", args.scheduler_port))
+    for flag, port in ports:
+        if problem := listen_problem(args.host, port):
+            raise ValueError(f"{flag}: {problem}")
 
 
 def serve_command(args: argparse.Namespace, server: ServerProc) -> list[str]:
@@ -333,6 +377,10 @@ class Launcher:
             s.proc.wait()
             rc = s.proc.returncode
         s.last_exit, s.proc, s.registered, s.unhealthy_since = rc, None, False, None
+        if rc == USAGE_ERROR:  # it refused its arguments: a restart would be refused the same way
+            s.state = "failed"
+            self.reporter.note(f"server {s.index} refused to start: {_last_error(s.log_path)}")
+            return
         if s.restarts >= self.args.max_restarts:
             s.state = "failed"
             log.error("server %d exited (%s); no restarts left, see %s", s.index, rc, s.log_path)
@@ -343,6 +391,16 @@ class Launcher:
         s.state = "restarting"
         log.warning("server %d exited (%s); restart %d in %.1f s (log %s)", s.index, rc,
                     s.restarts, delay, s.log_path)  # fmt: skip
+
+
+def _last_error(log_path: Path) -> str:
+    """The line of a server's log that says why it refused to start."""
+    try:
+        lines = log_path.read_text(errors="replace").splitlines()
+    except OSError:
+        return f"see {log_path}"
+    errors = [line for line in lines if "error:" in line]
+    return (errors or lines or [f"see {log_path}"])[-1]
 
 
 def _health(url: str, unready: str = "unhealthy") -> str:
@@ -369,15 +427,25 @@ def _scheduler_call(method: str, scheduler: str, url: str) -> bool:
     return True
 
 
+def _usage_error(message: str) -> None:
+    """A user mistake: one line on stderr and exit status 2, as argparse does (no traceback)."""
+    print(f"toppings-launch: error: {message}", file=sys.stderr)
+    sys.exit(USAGE_ERROR)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s: %(message)s")
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s: %(message)s")
+    is_temp = args.log_dir is None  # the user's --log-dir is always kept
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="toppings-launch-"))
-    log_dir.mkdir(parents=True, exist_ok=True)
     try:
         servers = _servers(args, log_dir)
-    except ValueError as e:
-        sys.exit(f"toppings-launch: {e}")
+        check_inputs(args, servers)
+        log_dir.mkdir(parents=True, exist_ok=True)
+    except (ValueError, OSError) as e:
+        if is_temp:
+            shutil.rmtree(log_dir, ignore_errors=True)
+        _usage_error(str(e))
     use_numactl = args.numactl == "auto" and numactl_usable(servers[0].cores)
     launcher = Launcher(args, servers, use_numactl)
     binder = "numactl" if use_numactl else "sched_setaffinity"
@@ -402,6 +470,11 @@ def main(argv: list[str] | None = None) -> int:
         rc = 1
     finally:
         launcher.stop()
+    failed = rc != 0 or launcher.scheduler_restarts != 0 or any(s.restarts for s in servers)
+    if is_temp and not failed:
+        shutil.rmtree(log_dir, ignore_errors=True)
+    elif is_temp:
+        launcher.reporter.note(f"something failed: logs kept in {log_dir}")
     return rc
 
 

@@ -4,8 +4,11 @@ Each adapter is rescaled so that, on random inputs, every LoRA delta has about `
 times the norm of its projection's base output: large enough to change the model's tokens,
 small enough that the base model still shapes them.
 
-    python -m toppings.scripts.make_adapters --base DIR --out ROOT --ranks 8,16,32,64 \
+    python -m toppings.scripts.make_adapters --base MODEL --out ROOT --ranks 8,16,32,64 \
         [--targets q_proj,v_proj] [--count N] [--seed S] [--rslora] [--delta-ratio 0.2]
+
+MODEL is what `toppings-serve --model` takes: a Hugging Face checkpoint directory, a .gguf file
+or the alias smollm2; it is never looked up on the Hugging Face hub.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -20,6 +24,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from toppings.server.loader import resolve_model_dir
 from toppings.server.model_config import LORA_TARGETS
 
 log = logging.getLogger(__name__)
@@ -28,9 +33,12 @@ DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj")
 NUM_PROBE_ROWS = 64  # random input rows used to measure base and delta output norms
 
 
-def load_base(base_dir: str | Path) -> PreTrainedModel:
-    """The base checkpoint in float32; its absolute path is what adapters record as their base."""
-    return AutoModelForCausalLM.from_pretrained(Path(base_dir).resolve(), dtype=torch.float32)
+def load_base(base: str | Path) -> PreTrainedModel:
+    """The base model in float32, from what toppings-serve --model takes (never from the hub;
+    FileNotFoundError when it is missing); adapters record its absolute directory as their base.
+    """
+    model_dir = resolve_model_dir(str(base)).resolve()
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
 
 
 def make_random_adapter(
@@ -124,23 +132,54 @@ def make_random_adapters(
     return paths
 
 
+def _ranks(text: str) -> list[int]:
+    try:
+        ranks = [int(r) for r in text.split(",")]
+    except ValueError:
+        ranks = []
+    if not ranks or min(ranks) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers like 8,16,64, got {text!r}")
+    return ranks
+
+
+def _targets(text: str) -> tuple[str, ...]:
+    targets = tuple(text.split(","))
+    if unknown := [t for t in targets if t not in LORA_TARGETS]:
+        raise argparse.ArgumentTypeError(f"unknown {unknown}; choose from {','.join(LORA_TARGETS)}")
+    return targets
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--base", required=True, type=Path, help="Hugging Face checkpoint dir")
+    parser = argparse.ArgumentParser(
+        prog="python -m toppings.scripts.make_adapters", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument(
+        "--base",
+        required=True,
+        metavar="MODEL",
+        help="Hugging Face checkpoint directory, .gguf file, or the alias smollm2",
+    )
     parser.add_argument("--out", required=True, type=Path, help="folder for the adapters")
-    parser.add_argument("--ranks", required=True, help="comma-separated, e.g. 8,16,32,64")
-    parser.add_argument("--targets", default=",".join(DEFAULT_TARGETS))
+    parser.add_argument(
+        "--ranks", required=True, type=_ranks, help="comma-separated, e.g. 8,16,32,64"
+    )
+    parser.add_argument("--targets", type=_targets, default=DEFAULT_TARGETS)
     parser.add_argument("--count", type=int, default=1, help="adapters per rank")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rslora", action="store_true", help="scale by alpha / sqrt(r)")
     parser.add_argument("--delta-ratio", type=float, default=0.2, help="||delta|| / ||base out||")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
+    try:
+        base_dir = resolve_model_dir(args.base)
+    except FileNotFoundError as e:  # one line, as argparse says it: never a hub lookup
+        print(f"{parser.prog}: error: --base: {e}", file=sys.stderr)
+        sys.exit(2)
     paths = make_random_adapters(
         args.out,
-        args.base,
-        [int(r) for r in args.ranks.split(",")],
-        tuple(args.targets.split(",")),
+        base_dir,
+        args.ranks,
+        args.targets,
         args.seed,
         count=args.count,
         use_rslora=args.rslora,

@@ -66,23 +66,23 @@ def _usage_error(message: str) -> None:
     sys.exit(2)
 
 
-def _check_port(host: str, port: int) -> None:
-    """Fail at once, before the model loads, when host:port cannot be listened on."""
+def listen_problem(host: str, port: int) -> str | None:
+    """Why host:port cannot be listened on now (taken, bad host), or None when it can."""
     if port == 0:
-        return
+        return None
     try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-        family, kind, proto, _, address = infos[0]
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
         with socket.socket(family, kind, proto) as probe:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as waitress does
             probe.bind(address)
     except OSError as e:
-        _usage_error(_listen_problem(host, port, e))
+        return _listen_problem(host, port, e)
+    return None
 
 
 def _listen_problem(host: str, port: int, e: OSError) -> str:
     if e.errno == errno.EADDRINUSE:
-        return f"port {port} on {host} is already in use (pick another with --port)"
+        return f"port {port} on {host} is already in use"
     return f"cannot listen on {host}:{port}: {e.strerror or e}"
 
 
@@ -303,7 +303,8 @@ def main(argv: list[str] | None = None) -> int:
     loras = dict(found + args.lora)
     if len(loras) != len(found) + len(args.lora):
         _usage_error("two adapters share a name (--lora and --lora-dir)")
-    _check_port(args.host, args.port)
+    if problem := listen_problem(args.host, args.port):  # before the model loads, not after
+        _usage_error(f"--port: {problem}")
     _check_inputs(args.model, loras)
 
     logger.info(
@@ -329,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
                 channel_request_lookahead=1,  # lets waitress see a client hang up mid-stream
             )
         except OSError as e:  # taken since the check above
-            _usage_error(_listen_problem(args.host, args.port, e))
+            _usage_error(f"--port: {_listen_problem(args.host, args.port, e)}")
         url = f"http://{args.host}:{server.effective_port}"
         logger.info("serving %s at %s (OpenAI base_url %s/v1)", engine.model_name, url, url)
         server.run()  # returns on SIGINT/SIGTERM, once waitress has closed its sockets
