@@ -6,7 +6,7 @@
 
 Servers known to the registry are polled from the start; add more with POST /admin/servers.
 Without --perf-model the policies use the paper's Fig. 6 coefficients (A100, Llama-7B), which
-do not describe this cluster's hardware; fit a model with scripts/fit_perf_model.py.
+do not describe this cluster's hardware; fit a model with bench/fit_perf_model.py.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--policy", choices=sorted(POLICIES), default="rank-aware")
-    parser.add_argument("--perf-model", help="perf-model JSON from scripts/fit_perf_model.py")
+    parser.add_argument("--perf-model", help="perf-model JSON from bench/fit_perf_model.py")
     parser.add_argument(
         "--slo-tpt-ms",
         type=float,

@@ -1,6 +1,6 @@
 """Measure real engine iterations on this machine and fit the scheduler's perf models from them.
 
-    python -m scripts.profile_perf_model [--model smollm2] [--dtype bfloat16] [--threads N] \
+    python -m bench.profile_perf_model [--model smollm2] [--dtype bfloat16] [--threads N] \
         [--kernels bgmv,mbgmv] [--batch-sizes 1,2,4,8,12,16,24,32] [--passes 3] \
         [--refit SAMPLES.jsonl]
 
@@ -21,10 +21,8 @@ Toppings Eq. 2), and bench/results/perf_model.json (r2 of both forms, predict_us
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import logging
-import os
 import random
 import statistics
 import sys
@@ -36,6 +34,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bench.envelope import describe_device, write_result
+from bench.fit_perf_model import predict_us, read_samples
 from toppings.scheduler.perf_model import (
     FEATURES,
     FORMS,
@@ -43,7 +43,6 @@ from toppings.scheduler.perf_model import (
     fit_from_samples,
     sample_shape,
 )
-from toppings.scripts.fit_perf_model import predict_us, read_samples
 from toppings.scripts.make_adapters import load_base, make_random_adapter
 from toppings.server.config import EngineConfig
 from toppings.server.loader import resolve_model_dir
@@ -340,21 +339,19 @@ def main(argv: list[str] | None = None) -> int:
     cost_us = predict_us(fitted[best])
     forms = {f: {f"{k}_{p}": list(n) for (k, p), n in sorted(feats.items())}
              for f, feats in FORMS.items()}  # fmt: skip
-    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
-    cpu = next((x.split(":")[1].strip() for x in cpuinfo if x.startswith("model name")), "?")
-    report = {
-        "name": "perf_model",
-        "device": f"{args.device}: {cpu}, {len(os.sched_getaffinity(0))} cores shared"
-        f" with other jobs, torch threads {torch.get_num_threads()}",
-        "command": "python -m scripts.profile_perf_model " + " ".join(argv or sys.argv[1:]),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "config": {
+    write_result(
+        out_dir / "perf_model.json",
+        "perf_model",
+        "profile_perf_model",
+        device=f"{describe_device(args.device)}, cores shared with other jobs",
+        argv=argv,
+        config={
             **config,
             "forms": forms,
             "scheduler_model": str(model_path),
             "scheduler_model_form": best,
         },
-        "metrics": {
+        metrics={
             "r2": fitted["eq2"].r2(),
             "r2_by_form": {f: m.r2() for f, m in fitted.items()},
             "r2_split_spread": split_spread(samples),
@@ -367,8 +364,7 @@ def main(argv: list[str] | None = None) -> int:
             },
             "wall_s": time.perf_counter() - started,
         },
-    }
-    (out_dir / "perf_model.json").write_text(json.dumps(report, indent=2) + "\n")
+    )
     print(f"predict: {cost_us:.2f} us; scheduler model ({best}): {model_path}")
     return 0
 

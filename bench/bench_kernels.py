@@ -1,6 +1,6 @@
 """Time the Triton LoRA kernels on a GPU and write bench/results/kernels.json.
 
-    python -m scripts.bench_kernels [--peak-gbps 4800] [--dtype bfloat16] [--out FILE]
+    python -m bench.bench_kernels [--peak-gbps 4800] [--dtype bfloat16] [--out FILE]
 
 Each kernel (bgmv/mbgmv x decode/prefill) runs on H = 4096 with ranks 16 and 64; decode over
 B in {1, 8, 32, 64} requests, prefill over T in {128, 1024} tokens in segments of 128 (one request
@@ -13,8 +13,6 @@ the batch owns. Only kernels on a GPU are timed: interpret-mode timings mean not
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import logging
 import os
 import statistics
@@ -22,6 +20,8 @@ import sys
 from pathlib import Path
 
 import torch
+
+from bench.envelope import describe_device, write_result
 
 log = logging.getLogger("bench_kernels")
 
@@ -145,12 +145,13 @@ def main(argv: list[str] | None = None) -> int:
 
     import triton
 
-    report = {
-        "name": "kernels",
-        "device": torch.cuda.get_device_name(),
-        "command": " ".join(["python -m scripts.bench_kernels", *sys.argv[1:]]),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "config": {
+    write_result(
+        args.out,
+        "kernels",
+        "bench_kernels",
+        device=describe_device("cuda"),
+        argv=argv,
+        config={
             "hidden": args.hidden,
             "dtype": args.dtype,
             "ranks": list(RANKS),
@@ -165,10 +166,8 @@ def main(argv: list[str] | None = None) -> int:
             "torch": torch.__version__,
             "triton": triton.__version__,
         },
-        "metrics": metrics,
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+        metrics=metrics,
+    )
     print(f"wrote {args.out}")
     return 0
 

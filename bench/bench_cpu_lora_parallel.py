@@ -1,6 +1,6 @@
 """CPU LoRA worker pool vs torch intra-op threads on the same cores (Toppings Fig. 17).
 
-    nice -n -10 python -m scripts.bench_cpu_lora_parallel --out bench/results/cpu_lora_parallel.json
+    nice -n -10 python -m bench.bench_cpu_lora_parallel --out bench/results/cpu_lora_parallel.json
 
 One layer call of 256 tokens, hidden 4096, rank 64, q/k/v, computed on the same cores by the
 pool (one pinned single-threaded worker per core, tokens split by the pool's profile) and by
@@ -14,18 +14,16 @@ four 64-token requests of different adapters.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 
+from bench.common import QKV, Adapter, Shapes
+from bench.envelope import describe_device, write_result
 from toppings.cpu_lora import CpuLoraPool, HostRepository
-from toppings.scripts.bench_cpu_lora_ipc import QKV, Adapter, Shapes, cpu_model
 
 
 def make_repository(shapes: Shapes, rank: int, count: int, dtype: torch.dtype):
@@ -117,14 +115,13 @@ def main(argv: list[str] | None = None) -> None:
             pool.close()
             repo.close()
     load = os.getloadavg()
-    result = {
-        "name": "cpu_lora_parallel",
-        "device": f"cpu ({len(cores)} cores: {cpu_model()})",
-        "command": (f"nice -n {os.nice(0)} " if os.nice(0) else "")
-        + "python -m scripts.bench_cpu_lora_parallel "
-        + " ".join(sys.argv[1:]),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "config": {
+    result = write_result(
+        args.out,
+        "cpu_lora_parallel",
+        "bench_cpu_lora_parallel",
+        device=describe_device(),
+        argv=argv,
+        config={
             "tokens": args.tokens,
             "hidden": shapes.hidden,
             "rank": args.rank,
@@ -139,7 +136,7 @@ def main(argv: list[str] | None = None) -> None:
             f"(load average {load[0]:.1f} at the end)",
             "profiles": profiles,
         },
-        "metrics": {
+        metrics={
             "speedup_pool_vs_threads": runs["float32_1_request"]["speedup"],
             "speedup_pool_vs_threads_4_requests": runs["float32_4_requests"]["speedup"],
             "speedup_pool_vs_threads_bf16": runs["bfloat16_1_request"]["speedup"],
@@ -150,9 +147,7 @@ def main(argv: list[str] | None = None) -> None:
             / runs["bfloat16_1_request"]["pool_p50_ms"],
             "runs": runs,
         },
-    }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    )
     print(json.dumps(result["metrics"], indent=2))
 
 

@@ -4,23 +4,21 @@ Both sides run in this process, one after the other, on the same prompts, adapte
 transformers + PEFT uses batched `generate(adapter_names=...)`; it is timed at several batch
 sizes and its fastest is the baseline. Also measures our decode step with and without LoRA.
 
-    python -m scripts.bench_throughput --out bench/results/engine_throughput.json
+    python -m bench.bench_throughput --out bench/results/engine_throughput.json
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import logging
 import os
-import platform
-import sys
 import time
 from pathlib import Path
 
 import torch
 
+from bench.envelope import describe_device, write_result
 from toppings.scripts.make_adapters import make_random_adapter
 from toppings.server.config import EngineConfig
 from toppings.server.loader import resolve_model_dir
@@ -156,20 +154,20 @@ def main(argv: list[str] | None = None) -> None:
         )
         log.info("transformers+peft: %s", hf_runs[-1])
     best = max(hf_runs, key=lambda r: r["tokens_per_s"])
-    result = {
-        "name": "engine_throughput",
-        "device": f"cpu ({platform.processor() or platform.machine()}, "
-        f"{torch.get_num_threads()} threads)",
-        "command": "python -m scripts.bench_throughput " + " ".join(sys.argv[1:]),
-        "date": datetime.date.today().isoformat(),
-        "config": {
+    result = write_result(
+        args.out,
+        "engine_throughput",
+        "bench_throughput",
+        device=describe_device(),
+        argv=argv,
+        config={
             **{k: v for k, v in vars(args).items() if k != "out"},
             "targets": TARGETS,
             "ranks": RANKS,
             "ours": "in-process engine, all requests submitted at once",
             "load_average_1min_before_after": [load_before[0], os.getloadavg()[0]],
         },
-        "metrics": {
+        metrics={
             "tokens_per_s": ours["tokens_per_s"],
             "tokens_per_s_hf_peft": best["tokens_per_s"],
             "hf_peft_best_batch_size": best["batch_size"],
@@ -180,9 +178,7 @@ def main(argv: list[str] | None = None) -> None:
             "tokens_per_s_base_only": base["tokens_per_s"],
             "hf_peft_runs": hf_runs,
         },
-    }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    )
     print(json.dumps(result["metrics"], indent=2))
 
 

@@ -10,7 +10,8 @@ ends a row early); requests arriving meanwhile wait for the next batch (static b
 Timing is generous to the peer: a stopping-criteria hook stamps each decoding step, a request's
 TTFT is its arrival to the batch's first token, and its E2E is its arrival to the step that
 produced its own last token (as if it were streamed and closed then), not to the end of the
-batch. No HTTP is involved. Records have the load generator's shape (scripts.loadgen_client).
+batch. No HTTP is involved. Records have the load generator's shape
+(toppings.scripts.loadgen_client).
 """
 
 from __future__ import annotations

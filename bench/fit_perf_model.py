@@ -1,6 +1,6 @@
 """Fit the Eq. 2 perf models from measured engine iterations and report held-out R^2.
 
-    python -m scripts.fit_perf_model SAMPLES.jsonl --out perf_model.json \
+    python -m bench.fit_perf_model SAMPLES.jsonl --out perf_model.json \
         [--report bench/results/perf_model.json] [--device "..."]
 
 SAMPLES.jsonl holds one measured iteration per line, in the format of scheduler/perf_model.py:
@@ -11,12 +11,11 @@ what `toppings-scheduler --perf-model` reads; the report follows the bench/resul
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import sys
 import timeit
 from pathlib import Path
 
+from bench.envelope import write_result
 from toppings.scheduler.perf_model import PerfModels, fit_from_samples
 from toppings.scheduler.state import BatchShape
 
@@ -60,16 +59,15 @@ def main(argv: list[str] | None = None) -> int:
               f"latency_ms = {model.intercept:.4g} + {terms}")  # fmt: skip
     print(f"predict: {cost_us:.2f} us per call")
     if args.report:
-        report = {
-            "name": "perf_model",
-            "device": args.device,
-            "command": "python -m scripts.fit_perf_model " + " ".join(argv or sys.argv[1:]),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "config": {"samples": str(args.samples), "num_samples": len(samples)},
-            "metrics": {"r2": models.r2(), "predict_us": cost_us},
-        }
-        args.report.parent.mkdir(parents=True, exist_ok=True)
-        args.report.write_text(json.dumps(report, indent=2) + "\n")
+        write_result(
+            args.report,
+            "perf_model",
+            "fit_perf_model",
+            device=args.device,
+            argv=argv,
+            config={"samples": str(args.samples), "num_samples": len(samples)},
+            metrics={"r2": models.r2(), "predict_us": cost_us},
+        )
     return 0
 
 

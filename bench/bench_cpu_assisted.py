@@ -8,28 +8,27 @@ Toppings paper's Fig. 4) and the result is labelled "emulated link". With `--dev
 loads go over the real host-to-device link (no throttle) and the result names the GPU. For the
 paper's shapes, make a random model with Llama-7B layers first (fewer layers keep it quick):
 
-    python -m scripts.bench_cpu_assisted --out bench/results/cpu_assisted.json
+    python -m bench.bench_cpu_assisted --out bench/results/cpu_assisted.json
     python -m toppings.scripts.make_tiny_llama /tmp/llama7b-8l --layers 8 --hidden 4096 \
         --intermediate 11008 --heads 32 --kv-heads 32 --vocab 32000 --max-positions 4096
-    python -m scripts.bench_cpu_assisted --device cuda --model /tmp/llama7b-8l --cpu-workers 8 \
+    python -m bench.bench_cpu_assisted --device cuda --model /tmp/llama7b-8l --cpu-workers 8 \
         --out bench/results/cpu_assisted_cuda.json
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import logging
 import os
-import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
+from bench.common import adapter_bytes, link_gbps_for, prefill_ms
+from bench.envelope import describe_device, write_result
 from toppings.scripts.make_adapters import make_random_adapter
 from toppings.server.config import EngineConfig
 from toppings.server.loader import resolve_model_dir
@@ -73,35 +72,6 @@ def summarise(outs) -> dict:
         "tpt_mean_ms": 1000 * statistics.mean(tpt),
         "e2e_mean_ms": 1000 * statistics.mean(o.e2e_s for o in outs),
     }
-
-
-def adapter_bytes(path: str | Path, model_dir: str, dtype: torch.dtype) -> int:
-    """Bytes of one PEFT adapter's A and B in `dtype`, as the device cache counts them."""
-    from toppings.gpu_lora.peft_format import load_peft_adapter
-    from toppings.server.loader import load_checkpoint
-
-    config = load_checkpoint(model_dir).config
-    return load_peft_adapter(str(path), config).bytes_at(dtype)
-
-
-def link_gbps_for(nbytes: int, seconds: float) -> float:
-    """The link speed (Gbit/s) at which `nbytes` take `seconds` to move."""
-    return nbytes * 8 / seconds / 1e9
-
-
-def prefill_ms(model_dir: str, dtype: str, prompt: list[int], device: str = "cpu") -> float:
-    """Median time of a lone 128-token prefill (no adapter) on this machine."""
-    config = EngineConfig(device=device, dtype=dtype, max_total_tokens=4096)
-    engine = build_engine(model_dir, config)
-    try:
-        params = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
-        times = []
-        for _ in range(5):
-            out = engine.submit(GenerationRequest(prompt, params)).result()
-            times.append(out.ttft_s)
-        return 1000 * statistics.median(times[1:])
-    finally:
-        engine.shutdown()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -173,17 +143,18 @@ def main(argv: list[str] | None = None) -> None:
     results = {m: {**summarise(outs_by_mode[m]), **counts[m]} for m in MODES}
     c, od, ca = (results[m] for m in MODES)
     if args.device == "cuda":
-        device = f"{torch.cuda.get_device_name()}, real host-to-device link"
+        device = f"{describe_device('cuda')}, real host-to-device link"
         link = "real host-to-device link (not throttled)"
     else:
-        device = f"cpu ({platform.machine()}, {torch.get_num_threads()} threads), emulated link"
+        device = f"{describe_device()}, emulated link"
         link = f"emulated, {link_gbps:.3f} Gbit/s (one adapter load = one 128-token prefill)"
-    result = {
-        "name": "cpu_assisted",
-        "device": device,
-        "command": "python -m scripts.bench_cpu_assisted " + " ".join(sys.argv[1:]),
-        "date": datetime.date.today().isoformat(),
-        "config": {
+    result = write_result(
+        args.out,
+        "cpu_assisted",
+        "bench_cpu_assisted",
+        device=device,
+        argv=argv,
+        config={
             **{k: v for k, v in vars(args).items() if k != "out"},
             "link_gbps_used": link_gbps,
             "prefill_128_ms": base_prefill_ms,
@@ -191,16 +162,14 @@ def main(argv: list[str] | None = None) -> None:
             "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "default"),
             "load_average_1min_at_end": os.getloadavg()[0],
         },
-        "metrics": {
+        metrics={
             "ttft_ratio_cpu_assisted_vs_cached": ca["ttft_mean_ms"] / c["ttft_mean_ms"],
             "ttft_ratio_cpu_assisted_vs_on_demand": ca["ttft_mean_ms"] / od["ttft_mean_ms"],
             "tpt_ratio_cpu_assisted_vs_cached": ca["tpt_mean_ms"] / c["tpt_mean_ms"],
             "link": link,
             "modes": results,
         },
-    }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    )
     print(json.dumps(result["metrics"], indent=2))
 
 

@@ -6,31 +6,29 @@ rank mix and LMSYS-shaped lengths; the same trace replayed, one after the other,
 - `--lora-mode on-demand` and `--lora-mode cpu-assisted`, whose adapter cache holds a quarter of
   the adapters' bytes (LRU), so that many requests need a load; the load is a real copy throttled
   to an emulated link on which one rank-64 adapter takes as long as one 128-token prefill (as
-  scripts/bench_cpu_assisted.py sets it),
-- transformers + PEFT in-process (scripts.hf_peft_peer: static batches of `generate`).
+  bench/bench_cpu_assisted.py sets it),
+- transformers + PEFT in-process (bench.hf_peft_peer: static batches of `generate`).
 Each server is a separate process started here and driven over HTTP by the load generator's own
-sender (scripts.loadgen_client). Writes bench/results/single_server.json and CDF plots.
+sender (toppings.scripts.loadgen_client). Writes bench/results/single_server.json and CDF plots.
 
-    python -m scripts.bench_single_server [--rps 1.0 --duration 120 --num-adapters 200]
+    python -m bench.bench_single_server [--rps 1.0 --duration 120 --num-adapters 200]
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import logging
 import os
-import platform
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from toppings.scripts.bench_cpu_assisted import adapter_bytes, link_gbps_for, prefill_ms
+from bench.common import adapter_bytes, link_gbps_for, prefill_ms
+from bench.envelope import describe_device, write_result
 from toppings.scripts.demo import start, stop, wait_healthy
 from toppings.scripts.loadgen import list_models
 from toppings.scripts.loadgen_client import run_open_loop
@@ -213,7 +211,7 @@ def main(argv: list[str] | None = None) -> None:
             )
         loads[mode] = other.share
     if "hf-peft" in systems:
-        from toppings.scripts.hf_peft_peer import load_peft_model, replay
+        from bench.hf_peft_peer import load_peft_model, replay
 
         used = sorted({e.model for e in trace})
         model = load_peft_model(model_dir, {n: str(args.adapter_dir / n) for n in used})
@@ -241,12 +239,13 @@ def write_results(
                 for k in ("ttft", "tpt", "e2e")
             }
     quiet = load_start < QUIET_LOAD and all(v < QUIET_SHARE for v in loads.values())
-    result = {
-        "name": "single_server",
-        "device": f"cpu ({platform.machine()}, {os.cpu_count()} cores), emulated link",
-        "command": "python -m scripts.bench_single_server " + " ".join(argv or sys.argv[1:]),
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "config": {
+    result = write_result(
+        args.out,
+        "single_server",
+        "bench_single_server",
+        device=f"{describe_device()}, emulated link",
+        argv=argv,
+        config={
             **{k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
             "model": "SmolLM2-135M-Instruct (float32)",
             "num_requests": len(trace),
@@ -262,10 +261,8 @@ def write_results(
             "quiet_machine": quiet,
             "server_logs": str(logs),
         },
-        "metrics": {"systems": summaries, "ratios": ratios, "server_counters": counters},
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+        metrics={"systems": summaries, "ratios": ratios, "server_counters": counters},
+    )
     title = f"SmolLM2 CPU, {len(trace)} requests, Poisson {args.rps} rps, emulated link"
     plot_cdfs(runs, str(args.plot), title, log_x=True)
     records = args.out.with_name(args.out.stem + "_records.jsonl")

@@ -1,6 +1,6 @@
 """Invocation overhead of one CPU LoRA layer call: shared memory vs a UNIX-socket transport.
 
-    nice -n -10 python -m scripts.bench_cpu_lora_ipc --out bench/results/cpu_lora_ipc.json
+    nice -n -10 python -m bench.bench_cpu_lora_ipc --out bench/results/cpu_lora_ipc.json
 
 Overhead = round trip of one layer call minus the slowest worker's own compute time. The job is
 16 tokens of a 4096-hidden layer, rank 64, q/k/v (Llama-2-7B shapes). Shared memory is
@@ -13,49 +13,27 @@ given 16/N tokens; calls of the two transports are interleaved so load on the ma
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import socket
 import struct
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from bench.common import QKV, Adapter, Shapes
+from bench.envelope import describe_device, write_result
 from toppings.cpu_lora import CpuLoraPool, HostRepository
 from toppings.cpu_lora.serial_copy import copy_serial
 
-QKV = ("q_proj", "k_proj", "v_proj")
+REPO = Path(__file__).resolve().parents[1]  # socket workers run `-m bench.…` from here
 HEADLINE = "shm_spin_views"  # the engine's call (x copied in, outputs in place), spinning
 SOCK_REQ = struct.Struct("<III")  # row_start, row_end, hidden
 SOCK_REPLY = struct.Struct("<Q")  # compute ns
-
-
-@dataclass(frozen=True)
-class Shapes:
-    """The projection shapes of a Llama-2-7B layer (one layer is enough here)."""
-
-    hidden: int = 4096
-    intermediate: int = 11008
-    num_layers: int = 1
-
-    def projection_shape(self, module: str) -> tuple[int, int]:
-        h, i = self.hidden, self.intermediate
-        return {"gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}.get(module, (h, h))
-
-
-@dataclass(frozen=True)
-class Adapter:
-    name: str
-    rank: int
-    scale: float
-    weights: dict
 
 
 def make_repository(shapes: Shapes, rank: int) -> HostRepository:
@@ -108,14 +86,15 @@ class SocketPool:
             cmd = [
                 sys.executable,
                 "-m",
-                "toppings.scripts.bench_cpu_lora_ipc",
+                "bench.bench_cpu_lora_ipc",
                 "--socket-worker",
                 str(theirs.fileno()),
                 repo.name,
                 str(cores[i % len(cores)]),
             ]
             env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-            self.procs.append(subprocess.Popen(cmd, pass_fds=[theirs.fileno()], env=env))
+            proc = subprocess.Popen(cmd, pass_fds=[theirs.fileno()], env=env, cwd=REPO)
+            self.procs.append(proc)
             theirs.close()
             self.socks.append(ours)
         self.reply = bytearray(SOCK_REPLY.size)
@@ -263,14 +242,13 @@ def main(argv: list[str] | None = None) -> None:
             if transport in r["samples"]
         }
 
-    result = {
-        "name": "cpu_lora_ipc",
-        "device": f"cpu ({platform.machine()}, {os.cpu_count()} cores: {cpu_model()})",
-        "command": (f"nice -n {os.nice(0)} " if os.nice(0) else "")
-        + "python -m scripts.bench_cpu_lora_ipc "
-        + " ".join(sys.argv[1:]),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "config": {
+    result = write_result(
+        args.out,
+        "cpu_lora_ipc",
+        "bench_cpu_lora_ipc",
+        device=describe_device(),
+        argv=argv,
+        config={
             "tokens": args.tokens,
             "hidden": shapes.hidden,
             "rank": args.rank,
@@ -298,7 +276,7 @@ def main(argv: list[str] | None = None) -> None:
             "1 worker",
             "shm_vs_socket_ratio": "socket overhead p50 / shm overhead p50 (>1: shm cheaper)",
         },
-        "metrics": {
+        metrics={
             "overhead_p50_us": pct(one[HEADLINE]["overhead"], 50),
             "overhead_p99_us": pct(one[HEADLINE]["overhead"], 99),
             "round_trip_p50_us": pct(one[HEADLINE]["round_trip"], 50),
@@ -316,21 +294,8 @@ def main(argv: list[str] | None = None) -> None:
             "shm_views_vs_socket_ratio_at_max_workers": pct(top["socket"]["overhead"], 50)
             / pct(top["shm_views"]["overhead"], 50),
         },
-    }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    )
     print(json.dumps(result["metrics"], indent=2))
-
-
-def cpu_model() -> str:
-    """Model name and the bf16 matmul features of this CPU, from /proc/cpuinfo."""
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor()
-    names = [line.split(":", 1)[1].strip() for line in info.splitlines() if "model name" in line]
-    extra = [flag for flag in ("avx512_bf16", "amx_bf16") if f" {flag}" in info]
-    return ", ".join([names[0] if names else platform.processor(), *extra])
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Simulated cluster: every routing policy on the same trace, at the paper's load and a sweep.
 
-    python -m scripts.cluster_sim [--servers 60] [--rps 340] [--duration 60]
+    python -m bench.cluster_sim [--servers 60] [--rps 340] [--duration 60]
         [--loads 200,260,300,340,380,420] [--kernels bgmv,mbgmv] [--perf-model FILE.json]
 
 Writes bench/results/cluster_sim.json (--out), bench/cluster_sim_slo.png (SLO attainment vs
@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
 import logging
-import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
+from bench.envelope import write_result
 from toppings.scheduler.paper_models import paper_fig6_models
 from toppings.scheduler.perf_model import PerfModels
 from toppings.scheduler.policies import POLICIES, make_policy
@@ -72,7 +71,8 @@ def run_job(job: Job) -> dict:
     return out
 
 
-def plot(results: dict, sweep: dict, kernels: list[str], prefix: Path, rps: float) -> None:
+def plot(sweep: dict, tpt_ms: dict, slo_ms: dict, kernels: list[str], prefix: Path,
+         rps: float, source: str) -> None:  # fmt: skip
     """Draws PREFIX_slo.png and PREFIX_tpt_cdf.png."""
     import matplotlib
 
@@ -89,7 +89,7 @@ def plot(results: dict, sweep: dict, kernels: list[str], prefix: Path, rps: floa
     ax.axvline(rps, color="grey", lw=0.8)
     ax.set_xlabel("load (requests/s, 60 servers)")
     ax.set_ylabel("SLO attainment (TPT <= SLO)")
-    ax.set_title("Simulated cluster; perf models: " + results["config"]["perf_model_source"])
+    ax.set_title("Simulated cluster; perf models: " + source)
     ax.title.set_fontsize(8)
     ax.legend(fontsize=7)
     fig.tight_layout()
@@ -98,12 +98,12 @@ def plot(results: dict, sweep: dict, kernels: list[str], prefix: Path, rps: floa
     fig, ax = plt.subplots(figsize=(6, 4))
     kernel = kernels[0]
     right = 0.0
-    for name, tpt in results["tpt_ms"][kernel].items():
+    for name, tpt in tpt_ms[kernel].items():
         tpt = sorted(tpt)
         ax.plot(tpt, [(i + 1) / len(tpt) for i in range(len(tpt))], label=name)
         right = max(right, tpt[int(0.995 * (len(tpt) - 1))])
     ax.set_xlim(0, 1.1 * right)  # the last 0.5% (one-token answers that queued) would dwarf it
-    ax.axvline(results["metrics"]["slo_tpt_ms"][kernel], color="grey", lw=0.8, ls=":")
+    ax.axvline(slo_ms[kernel], color="grey", lw=0.8, ls=":")
     ax.set_xlabel("time per token (ms)")
     ax.set_ylabel("CDF")
     ax.set_title(f"{kernel}, {rps:.0f} rps, up to the 99.5th percentile; dotted: SLO", fontsize=8)
@@ -158,12 +158,16 @@ def main(argv: list[str] | None = None) -> int:
     head = at_paper_load[kernels[0]]
     ours = head["rank-aware"]["mean_tpt_ms"]
     trace = generate_trace(TraceConfig(rps=args.rps, duration_s=args.duration, seed=args.seed))
-    results = {
-        "name": "cluster_sim",
-        "device": "simulation (pure Python discrete-event; no hardware measured)",
-        "command": "python -m scripts.cluster_sim " + " ".join(argv or sys.argv[1:]),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "config": {
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    prefix = args.out.parent.parent / args.out.stem
+    plot(sweep, tpt_lists, slo, kernels, prefix, args.rps, source)
+    results = write_result(
+        args.out,
+        "cluster_sim",
+        "cluster_sim",
+        device="simulation (pure Python discrete-event; no hardware measured)",
+        argv=argv,
+        config={
             "perf_model_source": source,
             "perf_model_note": (
                 "decode: Eq. 2 through Fig. 6's four latencies; prefill: assumed (the paper gives"
@@ -185,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
             " at the paper's load; fixed over the sweep",
             "tpt": "end-to-end latency / output tokens (prefill and queueing included)",
         },
-        "metrics": {
+        metrics={
             "slo_attainment": {n: s["slo_attainment"] for n, s in head.items()},
             "mean_tpt_ms": {n: s["mean_tpt_ms"] for n, s in head.items()},
             "tpt_reduction_rank_aware_vs": {
@@ -199,12 +203,7 @@ def main(argv: list[str] | None = None) -> int:
             "sweep": sweep,
             "wall_s": time.perf_counter() - started,
         },
-        "tpt_ms": tpt_lists,
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    plot(results, sweep, kernels, args.out.parent.parent / args.out.stem, args.rps)
-    del results["tpt_ms"]
-    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    )
     headline = ("slo_attainment", "mean_tpt_ms", "tpt_reduction_rank_aware_vs", "slo_tpt_ms")
     print(json.dumps({k: results["metrics"][k] for k in headline}, indent=2))
     return 0

@@ -1,10 +1,10 @@
-"""scripts/cluster_sim end to end on a tiny cluster: the JSON and the PNGs land where --out says."""
+"""bench/cluster_sim end to end on a tiny cluster: the JSON and the PNGs land where --out says."""
 
 from __future__ import annotations
 
 import json
 
-from toppings.scripts.cluster_sim import main
+from bench.cluster_sim import main
 
 
 def test_outputs_follow_out(tmp_path):

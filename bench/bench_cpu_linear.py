@@ -1,6 +1,6 @@
 """Base-model steps on a CPU with oneDNN-packed projections against plain `F.linear`.
 
-    python -m scripts.bench_cpu_linear --out bench/results/cpu_linear.json
+    python -m bench.bench_cpu_linear --out bench/results/cpu_linear.json
 
 Two copies of the same model (SmolLM2 by default), one with `pack_cpu_weights=True` (the
 engine's default, server/linear.py) and one without, run the same decode steps (B requests with
@@ -12,18 +12,12 @@ No LoRA: this is the base model's share of every step.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import os
-import platform
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-from toppings.scripts.bench_cpu_lora_ipc import cpu_model
+from bench.envelope import describe_device, write_result
 from toppings.server.kv_cache import KVPool
 from toppings.server.loader import load_checkpoint
 from toppings.server.model import ForwardBatch, LlamaModel
@@ -94,20 +88,19 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{dtype_name} {name}: packed {run['packed_ms']:.1f} ms, plain "
                   f"{run['plain_ms']:.1f} ms, {run['ratio_plain_vs_packed']:.2f}x")  # fmt: skip
         results[dtype_name] = runs
-    result = {
-        "name": "cpu_linear",
-        "device": f"cpu ({platform.machine()}, {os.cpu_count()} cores: {cpu_model()}), "
-        f"{torch.get_num_threads()} torch threads",
-        "command": "python -m scripts.bench_cpu_linear "
-        + " ".join(sys.argv[1:] if argv is None else argv),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "config": {
+    write_result(
+        args.out,
+        "cpu_linear",
+        "bench_cpu_linear",
+        device=describe_device(),
+        argv=argv,
+        config={
             "model": args.model,
             "context": CONTEXT,
             "calls": args.calls,
             "batches": batches,
         },
-        "metrics": {
+        metrics={
             "decode_speedup_packed_vs_plain": {
                 d: {str(b): r[f"decode_b{b}"]["ratio_plain_vs_packed"] for b in batches}
                 for d, r in results.items()
@@ -117,9 +110,7 @@ def main(argv: list[str] | None = None) -> None:
             },
             "runs": results,
         },
-    }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    )
     print(f"wrote {args.out}")
 
 
