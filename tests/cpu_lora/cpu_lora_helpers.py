@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from tests.helpers import tiny_model_config
 from toppings.gpu_lora.kernels.reference import mbgmv_prefill
 from toppings.gpu_lora.peft_format import LoraAdapter
 from toppings.server.model_config import ModelConfig
@@ -13,21 +14,7 @@ QKV = ("q_proj", "k_proj", "v_proj")
 
 def tiny_config() -> ModelConfig:
     """H 128, q 128, k/v 64, MLP 256, 3 layers."""
-    return ModelConfig(
-        name="tiny",
-        vocab_size=256,
-        hidden_size=128,
-        intermediate_size=256,
-        num_layers=3,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=32,
-        rms_norm_eps=1e-5,
-        rope_theta=1e4,
-        max_position_embeddings=256,
-        tie_word_embeddings=False,
-        eos_token_ids=(0,),
-    )
+    return tiny_model_config()
 
 
 def make_adapter(

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import process_alive
 from toppings.cpu_lora import shm
 
 # A process that fills a repository, starts a 1-worker pool, runs a call, reports, then idles.
@@ -28,15 +29,6 @@ time.sleep(120)
 """
 
 
-def _alive(pid: int) -> bool:
-    """Running, not a zombie waiting for a reaper."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 def _start_child():
     here = str(Path(__file__).parent)  # for cpu_lora_helpers
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
@@ -48,7 +40,7 @@ def _start_child():
         child.wait()
         pytest.fail(f"the child failed to start a pool (exit {child.returncode})")
     workers = json.loads(line)["workers"]
-    assert shm.leftovers(child.pid) and all(_alive(p) for p in workers)
+    assert shm.leftovers(child.pid) and all(process_alive(p) for p in workers)
     return child, workers
 
 
@@ -66,12 +58,12 @@ def test_sigterm_removes_shared_memory_and_workers():
     child.send_signal(signal.SIGTERM)
     assert child.wait(timeout=30) == -signal.SIGTERM  # the default action still ends it
     assert shm.leftovers(child.pid) == []
-    assert not any(_alive(p) for p in workers)
+    assert not any(process_alive(p) for p in workers)
 
 
 def test_orphaned_workers_clean_up_after_a_killed_parent():
     child, workers = _start_child()
     child.kill()  # no handler runs: the workers notice their parent is gone
     child.wait(timeout=30)
-    assert _eventually(lambda: not any(_alive(p) for p in workers))
+    assert _eventually(lambda: not any(process_alive(p) for p in workers))
     assert _eventually(lambda: shm.leftovers(child.pid) == [])

@@ -5,17 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.helpers import tiny_model_config
 from toppings.gpu_lora.adapter_pool import AdapterPool
 from toppings.gpu_lora.cache import AdapterCache
 from toppings.gpu_lora.eviction import CacheStats, ChameleonPolicy, LRUPolicy, make_policy
 from toppings.gpu_lora.loader import PipelinedLoader
 from toppings.gpu_lora.peft_format import LoraAdapter
-from toppings.server.model_config import ModelConfig
 
-CONFIG = ModelConfig(
-    name="t", vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=3, num_heads=2,
-    num_kv_heads=1, head_dim=8, rms_norm_eps=1e-5, rope_theta=1e4, max_position_embeddings=64,
-    tie_word_embeddings=True, eos_token_ids=(1,),
+CONFIG = tiny_model_config(
+    name="t", vocab_size=32, hidden_size=16, intermediate_size=32, num_heads=2, num_kv_heads=1,
+    head_dim=8, max_position_embeddings=64, tie_word_embeddings=True, eos_token_ids=(1,),
 )  # fmt: skip
 
 

@@ -27,6 +27,7 @@ import openai
 import pytest
 import requests
 
+from tests.helpers import wait_healthy
 from toppings.scheduler.perf_model import LinearPerfModel, PerfModels
 from toppings.scheduler.policies import make_policy
 from toppings.scheduler.router import estimate_prompt_tokens
@@ -55,19 +56,6 @@ def _perf_models() -> PerfModels:
         models[f"{kernel}_decode"] = LinearPerfModel(kernel, "decode", 10.0, (0.01,))
         models[f"{kernel}_prefill"] = LinearPerfModel(kernel, "prefill", 1.0, (0.01, 1e-4))
     return PerfModels(models, source="test")
-
-
-def _wait_healthy(url: str, proc: subprocess.Popen, log: Path) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while True:
-        assert proc.poll() is None, f"{url} exited:\n{log.read_text()[-3000:]}"
-        try:
-            if requests.get(url + "/health", timeout=5).status_code == 200:
-                return
-        except requests.ConnectionError:
-            pass
-        assert time.monotonic() < deadline, f"{url} never healthy:\n{log.read_text()[-3000:]}"
-        time.sleep(0.2)
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +93,7 @@ def cluster(tmp_path_factory, free_port):
         procs[scheduler] = subprocess.Popen(cmd, env=env, stdout=logs[scheduler].open("w"),
                                             stderr=subprocess.STDOUT)  # fmt: skip
         for url, proc in procs.items():
-            _wait_healthy(url, proc, logs[url])
+            wait_healthy(url, proc, logs[url], START_TIMEOUT_S)
         servers = [u for u in procs if u != scheduler]
         for url in servers:
             answer = requests.post(scheduler + "/admin/servers", json={"url": url}, timeout=30)

@@ -13,20 +13,9 @@ import time
 
 import requests
 
+from tests.helpers import wait_healthy
+
 KEY = "drain-key"
-
-
-def _wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        assert proc.poll() is None, proc.communicate()[0]
-        try:
-            if requests.get(url + "/health", timeout=5).status_code == 200:
-                return
-        except requests.ConnectionError:
-            pass
-        assert time.monotonic() < deadline, "the server never became healthy"
-        time.sleep(0.2)
 
 
 def test_sigterm_drains_then_exits_zero(tmp_path, tiny_model_dir, free_port):
@@ -43,7 +32,7 @@ def test_sigterm_drains_then_exits_zero(tmp_path, tiny_model_dir, free_port):
                             text=True)  # fmt: skip
     auth = {"Authorization": f"Bearer {KEY}"}
     try:
-        _wait_healthy(url, proc)
+        wait_healthy(url, proc)
         assert requests.get(url + "/stats", timeout=10).status_code == 401
         models = requests.get(url + "/v1/models", headers=auth, timeout=10).json()
         assert "d8" in {m["id"] for m in models["data"]}

@@ -24,6 +24,8 @@ import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.helpers import process_alive
+
 pytestmark = pytest.mark.skipif(
     len(os.sched_getaffinity(0)) < 2, reason="two servers on disjoint cores need two cores"
 )
@@ -153,14 +155,6 @@ def _metrics(url: str) -> dict[tuple, float]:
     }
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 def test_a_killed_server_is_restarted_and_registered_again(node, scheduler):
     url, calls = scheduler
     rows = node.rows()
@@ -284,8 +278,8 @@ def test_soak_then_idle_then_clean_stop(node, scheduler, tiny_model_dir):
     url, calls = scheduler
     assert sorted(u for m, u in calls if m == "DELETE") == sorted(urls)
     deadline = time.monotonic() + 10
-    while any(_alive(p) for p in pids):
-        assert time.monotonic() < deadline, [p for p in pids if _alive(p)]
+    while any(process_alive(p) for p in pids):
+        assert time.monotonic() < deadline, [p for p in pids if process_alive(p)]
         time.sleep(0.1)
     ours = tuple(f"{pre}toppings-{p}-" for p in pids for pre in ("", "sem."))
     assert [n for n in os.listdir("/dev/shm") if n.startswith(ours)] == []

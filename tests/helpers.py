@@ -1,0 +1,51 @@
+"""Helpers shared by tests of several packages (fixtures live in conftest.py)."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from pathlib import Path
+
+import requests
+
+from toppings.server.model_config import ModelConfig
+
+
+def wait_healthy(
+    url: str, proc: subprocess.Popen, log: Path | None = None, timeout_s: float = 120.0
+) -> None:
+    """Poll url/health until 200; fail with the log's tail if the process exits or time runs out."""
+
+    def tail() -> str:
+        return log.read_text()[-3000:] if log is not None and log.exists() else ""
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert proc.poll() is None, f"{url} exited (code {proc.returncode}):\n{tail()}"
+        try:
+            if requests.get(url + "/health", timeout=5).status_code == 200:
+                return
+        except requests.ConnectionError:
+            pass
+        assert time.monotonic() < deadline, f"{url} never became healthy:\n{tail()}"
+        time.sleep(0.2)
+
+
+def process_alive(pid: int) -> bool:
+    """Running, not a zombie waiting for a reaper."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def tiny_model_config(**changes) -> ModelConfig:
+    """The shapes of a small Llama without weights (H 128, 4 heads, 2 kv heads, 3 layers)."""
+    fields = dict(
+        name="tiny", vocab_size=256, hidden_size=128, intermediate_size=256, num_layers=3,
+        num_heads=4, num_kv_heads=2, head_dim=32, rms_norm_eps=1e-5, rope_theta=1e4,
+        max_position_embeddings=256, tie_word_embeddings=False, eos_token_ids=(0,),
+    )  # fmt: skip
+    fields.update(changes)
+    return ModelConfig(**fields)
