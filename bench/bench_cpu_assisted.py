@@ -135,8 +135,8 @@ def main(argv: list[str] | None = None) -> None:
                 run_stream(engine, prompts[:2], [None, None], 0.0, 4)  # warm-up, no adapter
                 outs = run_stream(engine, prompts, names, args.interval_ms / 1000, args.new_tokens)
                 outs_by_mode[mode] += outs
-                counts[mode]["host_lora_calls"] += engine.host_calls
-                counts[mode]["adapter_loads"] += engine.cache.counters.loads
+                counts[mode]["host_lora_calls"] += engine.lora.host_stats.calls
+                counts[mode]["adapter_loads"] += engine.lora.cache.counters.loads
             finally:
                 engine.shutdown()
             log.info("round %d, %s: %s", round_idx, mode, summarise(outs))
