@@ -27,12 +27,18 @@ from dataclasses import dataclass
 from flask import Flask, Response, jsonify, request
 from werkzeug.exceptions import HTTPException
 
+from toppings.server.errors import (
+    INVALID_REQUEST,
+    SERVER_ERROR,
+    UNAVAILABLE,
+    error_body,
+    parse_json_object,
+)
 from toppings.server.lifecycle import AdapterAdmin, AdapterPaths
 from toppings.server.metrics import CONTENT_TYPE, ServerMetrics
 from toppings.server.openai_response import (
     SSE_DONE,
     ResponseMeta,
-    error_body,
     final_response,
     models_response,
     sse,
@@ -88,15 +94,12 @@ class ServerState:
 
 def _json_body() -> dict:
     try:
-        body = json.loads(request.get_data() or b"null")
-    except (ValueError, UnicodeDecodeError) as e:
-        raise RequestError(f"the body is not valid JSON: {e}") from e
-    if not isinstance(body, dict):
-        raise RequestError("the body must be a JSON object")
-    return body
+        return parse_json_object(request.get_data())
+    except ValueError as e:
+        raise RequestError(str(e)) from e
 
 
-def _error(message: str, code: int, error_type: str = "invalid_request_error") -> Response:
+def _error(message: str, code: int, error_type: str = INVALID_REQUEST) -> Response:
     response = jsonify(error_body(message, code, error_type))
     response.status_code = code
     return response
@@ -123,7 +126,7 @@ def _outputs(
                 handle.abort()
             elif not engine.is_healthy():
                 handle.abort()
-                raise RequestError("the engine stopped", 503, "server_error") from None
+                raise RequestError("the engine stopped", 503, SERVER_ERROR) from None
 
 
 def _stream(events: Iterator[str], handle: RequestHandle) -> Iterator[str]:
@@ -134,7 +137,7 @@ def _stream(events: Iterator[str], handle: RequestHandle) -> Iterator[str]:
     except Exception as e:  # headers are out: the error can only travel in the stream
         logger.exception("stream of %s failed", handle.request_id)
         code = e.code if isinstance(e, RequestError) else 500
-        yield sse(error_body(str(e), code, "server_error"))
+        yield sse(error_body(str(e), code, SERVER_ERROR))
         yield SSE_DONE
     finally:
         if not finished:
@@ -196,7 +199,7 @@ def create_app(engine, options: ApiOptions | None = None) -> Flask:
             handle.abort()
             raise
         if out.finish_reason == "error":
-            return _error(out.error or "generation failed", 500, "server_error")
+            return _error(out.error or "generation failed", 500, SERVER_ERROR)
         return jsonify(final_response(parsed, meta, out))
 
     app.add_url_rule("/generate", "generate", lambda: generate(parse_native), methods=["POST"])
@@ -212,10 +215,10 @@ def create_app(engine, options: ApiOptions | None = None) -> Flask:
     @app.get("/health")
     def health() -> Response:
         if state.draining.is_set():
-            return _error("the server is draining", 503, "unavailable")
+            return _error("the server is draining", 503, UNAVAILABLE)
         if engine.is_healthy():
             return jsonify({"status": "ok"})
-        return _error("the engine is not running", 503, "server_error")
+        return _error("the engine is not running", 503, SERVER_ERROR)
 
     @app.get("/stats")
     def stats() -> Response:
@@ -259,6 +262,6 @@ def create_app(engine, options: ApiOptions | None = None) -> Flask:
     @app.errorhandler(Exception)
     def unexpected(e: Exception) -> Response:
         logger.exception("unexpected error on %s %s", request.method, request.path)
-        return _error(f"internal error: {type(e).__name__}: {e}", 500, "server_error")
+        return _error(f"internal error: {type(e).__name__}: {e}", 500, SERVER_ERROR)
 
     return app

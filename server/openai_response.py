@@ -17,6 +17,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from toppings.server.errors import SERVER_ERROR, error_body
 from toppings.server.openai_schema import ParsedBody
 from toppings.server.request import RequestOutput
 
@@ -28,11 +29,6 @@ OBJECT = {"completion": "text_completion", "chat": "chat.completion"}
 def sse(obj: dict) -> str:
     """One server-sent event carrying a JSON object."""
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
-
-
-def error_body(message: str, code: int, error_type: str = "invalid_request_error") -> dict:
-    """The error shape of every endpoint: `{"error": {"message", "type", "code"}}`."""
-    return {"error": {"message": message, "type": error_type, "code": code}}
 
 
 @dataclass(frozen=True)
@@ -123,7 +119,7 @@ def stream_events(
         if out.finish_reason == "error":
             if out.new_text or out.new_token_ids:
                 yield from _delta_events(parsed, meta, out, num_out, None)
-            yield sse(error_body(out.error or "generation failed", 500, "server_error"))
+            yield sse(error_body(out.error or "generation failed", 500, SERVER_ERROR))
             break
         yield from _delta_events(parsed, meta, out, num_out, out.finish_reason)
     else:
