@@ -59,7 +59,28 @@ def candidates(request: RouteRequest, servers: Sequence[ServerState]) -> list[in
     return [idx for idx, server in enumerate(servers) if server.serves(request)]
 
 
-class RankAware(Policy):
+class KeyedPolicy(Policy):
+    """A policy that ranks the servers serving a request by a sort key (lowest first, ties by
+    server order)."""
+
+    @abstractmethod
+    def _key(self, request: RouteRequest, server: ServerState) -> tuple:
+        """Sort key of a server that serves the request."""
+
+    def order(self, request: RouteRequest, servers: Sequence[ServerState]) -> list[int]:
+        keyed = [(self._key(request, servers[i]), i) for i in candidates(request, servers)]
+        keyed.sort()
+        return [i for _, i in keyed]
+
+    def choose(self, request: RouteRequest, servers: Sequence[ServerState]) -> int | None:
+        best = min(
+            ((self._key(request, s), i) for i, s in enumerate(servers) if s.serves(request)),
+            default=None,
+        )
+        return None if best is None else best[1]
+
+
+class RankAware(KeyedPolicy):
     """Toppings Algorithm 1.
 
     For each server: cost = dPrefill(queue + req) / avg_resp_len + dDecode(running + queue + req),
@@ -88,18 +109,6 @@ class RankAware(Policy):
         d_decode = decode_after - decode.predict(server.batch)
         cost = d_prefill / self.avg_resp_len + d_decode
         return cost * server.num_requests, cost, decode_after
-
-    def order(self, request: RouteRequest, servers: Sequence[ServerState]) -> list[int]:
-        keyed = [(self._key(request, servers[i]), i) for i in candidates(request, servers)]
-        keyed.sort()
-        return [i for _, i in keyed]
-
-    def choose(self, request: RouteRequest, servers: Sequence[ServerState]) -> int | None:
-        best = min(
-            ((self._key(request, s), i) for i, s in enumerate(servers) if s.serves(request)),
-            default=None,
-        )
-        return None if best is None else best[1]
 
 
 class RandomPolicy(Policy):
@@ -151,25 +160,13 @@ class FirstFit(Policy):
         return ranked[0] if ranked else None
 
 
-class LeastLoaded(Policy):
+class LeastLoaded(KeyedPolicy):
     """dLoRA-style balancing: fewest running + queued requests, ties by lower predicted latency."""
 
     name = "least-loaded"
 
     def _key(self, request: RouteRequest, server: ServerState) -> tuple[int, float]:
         return server.num_requests, self.decode_after(request, server)
-
-    def order(self, request: RouteRequest, servers: Sequence[ServerState]) -> list[int]:
-        keyed = [(self._key(request, servers[i]), i) for i in candidates(request, servers)]
-        keyed.sort()
-        return [i for _, i in keyed]
-
-    def choose(self, request: RouteRequest, servers: Sequence[ServerState]) -> int | None:
-        best = min(
-            ((self._key(request, s), i) for i, s in enumerate(servers) if s.serves(request)),
-            default=None,
-        )
-        return None if best is None else best[1]
 
 
 POLICIES: dict[str, type[Policy]] = {
