@@ -106,7 +106,7 @@ def _check_inputs(model: str, loras: dict[str, str]) -> None:
     try:
         ModelConfig.from_hf(AutoConfig.from_pretrained(model_dir), model_dir.name)
     except (OSError, ValueError, KeyError) as e:
-        _usage_error(f"--model {model}: {model_dir} is not a model this server runs: {e}")
+        _usage_error(f"--model {model}: not a model this server runs: {e}")
 
 
 def build_parser() -> argparse.ArgumentParser:
