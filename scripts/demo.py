@@ -88,17 +88,28 @@ def ask(url: str, model: str, question: str = QUESTION) -> str:
 
 
 def instructions(url: str, base: str) -> str:
-    body = json.dumps(
+    """What to try next. The adapters were trained on chat turns only, so every suggestion is a
+    chat call: through plain /v1/completions they barely change the base model's text."""
+    french = json.dumps(
         {"model": "french", "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 48}
     )
+    caps = json.dumps(
+        {
+            "model": "caps",
+            "messages": [{"role": "user", "content": "Describe a cat."}],
+            "max_tokens": 32,
+            "stream": True,
+        }
+    )
     return f"""
-Try it (the scheduler at {url} routes to the server; the same calls work on the server itself):
+Try it (the scheduler at {url} routes to the server; the same calls work on the server itself).
+The adapters were trained on chat turns: ask them through /v1/chat/completions.
 
   curl -s {url}/v1/models
   curl -s {url}/v1/chat/completions -H 'content-type: application/json' \\
-    -d '{body}'
-  curl -sN {url}/v1/completions -H 'content-type: application/json' \\
-    -d '{{"model": "caps", "prompt": "Once upon a time", "max_tokens": 32, "stream": true}}'
+    -d '{french}'
+  curl -sN {url}/v1/chat/completions -H 'content-type: application/json' \\
+    -d '{caps}'
 
   python3 - <<'EOF'
 from openai import OpenAI
