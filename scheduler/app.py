@@ -1,7 +1,13 @@
 """The scheduler's HTTP API: parse, call the router / cluster / registry, answer JSON.
 
-Request endpoints mirror a server's (`/v1/completions`, `/v1/chat/completions`, streaming as
-server-sent events passed through); admin endpoints manage the cluster:
+Request endpoints mirror a server's (`/v1/completions`, `/v1/chat/completions`, `/generate`,
+streaming as server-sent events passed through); until a server is registered they answer 503
+with Retry-After. Errors use the server's contract (toppings.server.errors). Operator endpoints:
+    GET    /health    200 once a server is registered, else 503 "no server ready yet"
+    GET    /stats     {"policy", "servers": [{"url", "ready", "in_flight"}], "num_servers",
+                       "num_ready", "num_adapters", "num_base_models", "num_in_flight"}
+    GET    /metrics   Prometheus text (scheduler.metrics)
+Admin endpoints manage the cluster:
     POST   /admin/servers   {"url"}            fetch its /v1/models and /stats, record it
     DELETE /admin/servers   {"url"} or ?url=   forget it
     POST   /admin/adapters  {"name", "base_model", "rank", "alpha"?, "target_modules"?,
@@ -21,19 +27,27 @@ from flask import Flask, Response, jsonify, request
 from werkzeug.exceptions import HTTPException
 
 from toppings.scheduler.cluster import Cluster
+from toppings.scheduler.metrics import CONTENT_TYPE
 from toppings.scheduler.registry import AdapterRecord, RegistryError
 from toppings.scheduler.router import Router, SchedulerError
+from toppings.server.errors import (
+    BAD_GATEWAY,
+    INVALID_REQUEST,
+    NO_SERVER_READY,
+    NOT_FOUND,
+    RETRY_AFTER_S,
+    SERVER_ERROR,
+    UNAVAILABLE,
+    error_body,
+    parse_json_object,
+)
 
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 16 << 20
 
 
-def error_body(message: str, code: int, error_type: str = "invalid_request_error") -> dict:
-    return {"error": {"message": message, "type": error_type, "code": code}}
-
-
-def _error(message: str, code: int, error_type: str = "invalid_request_error") -> Response:
+def _error(message: str, code: int, error_type: str = INVALID_REQUEST) -> Response:
     response = jsonify(error_body(message, code, error_type))
     response.status_code = code
     return response
@@ -41,12 +55,9 @@ def _error(message: str, code: int, error_type: str = "invalid_request_error") -
 
 def _json_body() -> dict[str, Any]:
     try:
-        body = json.loads(request.get_data() or b"null")
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise SchedulerError(f"the body is not valid JSON: {exc}") from exc
-    if not isinstance(body, dict):
-        raise SchedulerError("the body must be a JSON object")
-    return body
+        return parse_json_object(request.get_data())
+    except ValueError as exc:
+        raise SchedulerError(str(exc)) from exc
 
 
 def _url(body: dict[str, Any]) -> str:
@@ -87,6 +98,7 @@ def create_app(router: Router, cluster: Cluster, info: dict[str, Any]) -> Flask:
     registry = router.registry
 
     def proxy(path: str, kind: str) -> Response:
+        router.check_ready()
         answer = router.forward(path, _json_body(), kind)
         headers = {"X-Toppings-Server": answer.server}
         if isinstance(answer.body, bytes):
@@ -102,6 +114,9 @@ def create_app(router: Router, cluster: Cluster, info: dict[str, Any]) -> Flask:
         "/v1/chat/completions", "chat", lambda: proxy("/v1/chat/completions", "chat"),
         methods=["POST"],
     )  # fmt: skip
+    app.add_url_rule(
+        "/generate", "generate", lambda: proxy("/generate", "native"), methods=["POST"]
+    )
 
     @app.get("/v1/models")
     def models() -> Response:
@@ -110,8 +125,32 @@ def create_app(router: Router, cluster: Cluster, info: dict[str, Any]) -> Flask:
     @app.get("/health")
     def health() -> Response:
         servers = cluster.describe()
+        if not servers:
+            response = _error(NO_SERVER_READY, 503, UNAVAILABLE)
+            response.headers["Retry-After"] = str(RETRY_AFTER_S)
+            return response
         healthy = sum(1 for s in servers if s["healthy"])
         return jsonify({"status": "ok", "num_servers": len(servers), "num_healthy": healthy})
+
+    @app.get("/stats")
+    def stats() -> Response:
+        servers = [
+            {"url": s["url"], "ready": s["healthy"], "in_flight": s["in_flight"]}
+            for s in cluster.describe()
+        ]
+        return jsonify({
+            "policy": router.policy.name,
+            "servers": servers,
+            "num_servers": len(servers),
+            "num_ready": sum(1 for s in servers if s["ready"]),
+            "num_in_flight": sum(s["in_flight"] for s in servers),
+            "num_adapters": len(registry.list_adapters()),
+            "num_base_models": len(registry.base_models()),
+        })  # fmt: skip
+
+    @app.get("/metrics")
+    def metrics() -> Response:
+        return Response(router.metrics.render(), content_type=CONTENT_TYPE)
 
     @app.post("/admin/servers")
     def add_server() -> Response:
@@ -119,17 +158,17 @@ def create_app(router: Router, cluster: Cluster, info: dict[str, Any]) -> Flask:
         try:
             added = cluster.add_server(url)
         except requests.RequestException as exc:
-            raise SchedulerError(f"cannot reach {url}: {exc}", 502, "bad_gateway") from None
+            raise SchedulerError(f"cannot reach {url}: {exc}", 502, BAD_GATEWAY) from None
         except (KeyError, TypeError, ValueError) as exc:
             raise SchedulerError(f"{url} answered an unexpected /stats or /v1/models: {exc}", 502,
-                                 "bad_gateway") from None  # fmt: skip
+                                 BAD_GATEWAY) from None  # fmt: skip
         return jsonify(added), 201
 
     @app.delete("/admin/servers")
     def remove_server() -> Response:
         url = _url(_json_body() if request.get_data() else {})
         if not cluster.remove_server(url):
-            raise SchedulerError(f"unknown server {url}", 404, "not_found")
+            raise SchedulerError(f"unknown server {url}", 404, NOT_FOUND)
         return jsonify({"removed": url})
 
     @app.post("/admin/adapters")
@@ -168,9 +207,18 @@ def create_app(router: Router, cluster: Cluster, info: dict[str, Any]) -> Flask:
             "adapters": [a.name for a in registry.list_adapters()],
         })  # fmt: skip
 
+    @app.after_request
+    def count(response: Response) -> Response:
+        endpoint = request.url_rule.endpoint if request.url_rule else "unmatched"
+        router.metrics.http.labels(endpoint, str(response.status_code)).inc()
+        return response
+
     @app.errorhandler(SchedulerError)
     def scheduler_error(e: SchedulerError) -> Response:
-        return _error(str(e), e.code, e.error_type)
+        response = _error(str(e), e.code, e.error_type)
+        if e.retry_after_s is not None:
+            response.headers["Retry-After"] = str(e.retry_after_s)
+        return response
 
     @app.errorhandler(RegistryError)
     def registry_error(e: RegistryError) -> Response:
@@ -186,6 +234,6 @@ def create_app(router: Router, cluster: Cluster, info: dict[str, Any]) -> Flask:
     @app.errorhandler(Exception)
     def unexpected(e: Exception) -> Response:
         log.exception("unexpected error on %s %s", request.method, request.path)
-        return _error(f"internal error: {type(e).__name__}: {e}", 500, "server_error")
+        return _error(f"internal error: {type(e).__name__}: {e}", 500, SERVER_ERROR)
 
     return app

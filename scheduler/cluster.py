@@ -35,6 +35,7 @@ class _Entry:
     hosted: frozenset[str] = frozenset()
     last_seen_written: float = 0.0
     last_error: str = ""
+    in_flight: int = 0  # requests proxied here whose answer has not ended (the scheduler's count)
 
 
 class Cluster:
@@ -111,6 +112,19 @@ class Cluster:
             if entry is not None:
                 entry.routed.append((time.monotonic(), request))
 
+    def begin_request(self, url: str) -> None:
+        """A proxied request to `url` starts; pair every call with one `end_request`."""
+        with self._lock:
+            entry = self._entries.get(url)
+            if entry is not None:
+                entry.in_flight += 1
+
+    def end_request(self, url: str) -> None:
+        with self._lock:
+            entry = self._entries.get(url)
+            if entry is not None and entry.in_flight > 0:
+                entry.in_flight -= 1
+
     def mark_unhealthy(self, url: str, reason: str) -> None:
         with self._lock:
             entry = self._entries.get(url)
@@ -135,6 +149,7 @@ class Cluster:
                 "running": e.snapshot.num_running if e.snapshot else None,
                 "queued": e.snapshot.num_queued if e.snapshot else None,
                 "routed_since_snapshot": len(e.routed),
+                "in_flight": e.in_flight,
             }
             for e in entries
         ]

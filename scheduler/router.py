@@ -4,6 +4,12 @@ The policy ranks the servers that serve the request (healthy, same base model, h
 adapter). The first is tried; a server that refuses the connection or fails before answering is
 marked unhealthy and the next one is tried. Once a server has answered (any status), its answer
 goes to the client as is: a 4xx is the client's problem, and a streamed body cannot be replayed.
+
+Only what routing needs is checked here (the body is a JSON object, the model is known); every
+other field is the server's to judge, so that a bad input gets the same answer through the
+scheduler as from a server. Each attempt counts as in flight on its server from the moment it is
+sent until its answer has ended: read whole, failed, or (streamed) closed by the client at any
+point, even before the first chunk (see `_Stream`).
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ import json
 import logging
 import math
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,26 +27,46 @@ from typing import Any
 import requests
 
 from toppings.scheduler.cluster import Cluster
+from toppings.scheduler.metrics import SchedulerMetrics
 from toppings.scheduler.policies import Policy
 from toppings.scheduler.registry import Registry
 from toppings.scheduler.state import RouteRequest
+from toppings.server.errors import (
+    BAD_GATEWAY,
+    INVALID_REQUEST,
+    NO_SERVER_AVAILABLE,
+    NO_SERVER_READY,
+    NOT_FOUND,
+    RETRY_AFTER_S,
+    UNAVAILABLE,
+    unknown_adapter,
+)
 
 log = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT_S = 3.0
 READ_TIMEOUT_S = 600.0
 CHARS_PER_TOKEN = 4  # no tokenizer here: a rough prompt-length estimate for the perf models
-DEFAULT_MAX_TOKENS = {"completions": 16, "chat": 256}  # OpenAI's default, and a chat guess
+DEFAULT_MAX_TOKENS = {"completions": 16, "chat": 256, "native": 16}  # the server's defaults
+MAX_TOKENS_KEYS = {"completions": ("max_tokens",), "chat": ("max_completion_tokens", "max_tokens"),
+                   "native": ("max_new_tokens",)}  # fmt: skip
 RESP_LEN_EMA = 0.05  # weight of one finished request in the running mean response length
 
 
 class SchedulerError(Exception):
     """An error answered as `{"error": {"message", "type", "code"}}` with HTTP status `code`."""
 
-    def __init__(self, message: str, code: int = 400, error_type: str = "invalid_request_error"):
+    def __init__(
+        self,
+        message: str,
+        code: int = 400,
+        error_type: str = INVALID_REQUEST,
+        retry_after_s: int | None = None,
+    ):
         super().__init__(message)
         self.code = code
         self.error_type = error_type
+        self.retry_after_s = retry_after_s
 
 
 @dataclass
@@ -115,17 +142,25 @@ class Router:
         self.policy = policy
         self.count_prompt = count_prompt
         self.session = requests.Session()
+        self.metrics = SchedulerMetrics(cluster, registry)
         self._choose_lock = threading.Lock()
 
     def route_request(self, body: dict[str, Any], kind: str) -> RouteRequest:
-        model = body.get("model")
+        """What the policy needs of a request; raises SchedulerError for an unroutable model.
+
+        A missing or malformed model means the base model when the cluster has exactly one (the
+        server then uses it, or rejects the field's type). A malformed max_tokens is routed with
+        the default and rejected by the server, in the server's words.
+        """
+        model = body.get("adapter") if kind == "native" else body.get("model")
         if not isinstance(model, str) or not model:
-            raise SchedulerError("'model' must name an adapter or a base model")
-        max_tokens = body.get("max_tokens", body.get("max_completion_tokens"))
-        if max_tokens is None:
-            max_tokens = DEFAULT_MAX_TOKENS[kind]
+            bases = self.registry.base_models()
+            if len(bases) != 1:
+                raise SchedulerError("'model' must name an adapter or a base model")
+            model = bases[0]
+        max_tokens = next((body[k] for k in MAX_TOKENS_KEYS[kind] if body.get(k) is not None), None)
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
-            raise SchedulerError("'max_tokens' must be a positive integer")
+            max_tokens = DEFAULT_MAX_TOKENS[kind]
         adapter = self.registry.get_adapter(model)
         if adapter is not None and adapter.state == "active":
             return RouteRequest(
@@ -134,55 +169,86 @@ class Router:
         if adapter is None and model in self.registry.base_models():
             return RouteRequest(None, 0, self.count_prompt(body), max_tokens, model)
         if adapter is not None:
-            raise SchedulerError(f"the adapter {model!r} is disabled", 404, "model_not_found")
-        raise SchedulerError(f"the model {model!r} does not exist", 404, "model_not_found")
+            raise SchedulerError(f"adapter {model!r} is disabled", 404, NOT_FOUND)
+        raise SchedulerError(unknown_adapter(model), 404, NOT_FOUND)
 
     def forward(self, path: str, body: dict[str, Any], kind: str) -> Forwarded:
         request = self.route_request(body, kind)
+        began = time.perf_counter()
         with self._choose_lock:  # rank and note atomically, so concurrent requests spread
             states = self.cluster.states()
             ranked = [states[i].url for i in self.policy.order(request, states)]
             if ranked:
                 self.cluster.note_routed(ranked[0], request)
+        self.metrics.decision.observe(time.perf_counter() - began)
         if not ranked:
             raise SchedulerError(
                 f"no healthy server hosts {request.adapter or request.base_model!r}",
                 503,
-                "no_server_available",
+                NO_SERVER_AVAILABLE,
+                retry_after_s=RETRY_AFTER_S,
             )
         failures = []
+        stream = bool(body.get("stream"))
         for attempt, url in enumerate(ranked):
             if attempt:
                 self.cluster.note_routed(url, request)
+            self.metrics.routed.labels(url, self.policy.name).inc()
+            done = _Done(self, url)
             try:
                 answer = self.session.post(
                     url + path,
                     json=body,
-                    stream=bool(body.get("stream")),
+                    stream=stream,
                     timeout=(CONNECT_TIMEOUT_S, READ_TIMEOUT_S),
                 )
             except requests.RequestException as exc:
+                done(None)
                 self.cluster.mark_unhealthy(url, f"{path}: {type(exc).__name__}")
                 failures.append(f"{url}: {type(exc).__name__}")
                 continue
+            except BaseException:
+                done(None)
+                raise
             if answer.status_code == 503:  # the server says it cannot serve now: next one
                 answer.close()
+                done(None)
                 self.cluster.mark_unhealthy(url, f"{path}: 503")
                 failures.append(f"{url}: 503")
                 continue
-            return self._pass_on(answer, url, bool(body.get("stream")))
-        raise SchedulerError("every server failed: " + "; ".join(failures), 502, "bad_gateway")
+            done.status = answer.status_code
+            return self._pass_on(answer, url, stream, done)
+        raise SchedulerError("every server failed: " + "; ".join(failures), 502, BAD_GATEWAY)
 
-    def _pass_on(self, answer: requests.Response, url: str, stream: bool) -> Forwarded:
+    def check_ready(self) -> None:
+        """Raise a 503 with Retry-After while no server is registered."""
+        if not self.cluster.urls():
+            raise SchedulerError(NO_SERVER_READY, 503, UNAVAILABLE, retry_after_s=RETRY_AFTER_S)
+
+    def _pass_on(
+        self,
+        answer: requests.Response,
+        url: str,
+        stream: bool,
+        done: Callable[[str | None], None] | None = None,
+    ) -> Forwarded:
+        """The answer as Forwarded; `done(outcome)` runs exactly once, when the answer ends."""
+        done = done or (lambda outcome: None)
         content_type = answer.headers.get("Content-Type", "application/json")
+        status = answer.status_code
         if stream and answer.ok:
-            chunks = _chunks(answer, self._learn_streamed_length)
-            return Forwarded(answer.status_code, content_type, chunks, url)
-        data = answer.content
-        answer.close()
+            chunks = _Stream(answer, self._learn_streamed_length, done)
+            return Forwarded(status, content_type, chunks, url)
+        outcome = "disconnected"  # until the body has been read whole
+        try:
+            data = answer.content
+            outcome = "success" if answer.ok else "error"
+        finally:
+            answer.close()
+            done(outcome)
         if answer.ok:
             self._learn_response_length(data)
-        return Forwarded(answer.status_code, content_type, data, url)
+        return Forwarded(status, content_type, data, url)
 
     def _learn_response_length(self, data: bytes) -> None:
         try:
@@ -211,23 +277,79 @@ class Router:
         return {"object": "list", "data": data}
 
 
-def _chunks(answer: requests.Response, learn: Callable[[int], None]) -> Iterator[bytes]:
-    """The SSE body as it arrives; closes the upstream when the client goes away.
+class _Done:
+    """Ends one attempt exactly once: the server's in-flight count goes back down."""
+
+    def __init__(self, router: Router, url: str):
+        self.cluster, self.metrics, self.url = router.cluster, router.metrics, url
+        self.status = 0  # the server's HTTP status, once it answered
+        self.ended = False
+        self.cluster.begin_request(url)
+
+    def __call__(self, outcome: str | None) -> None:
+        """outcome: how the answer ended (see metrics.OUTCOMES); None for a failed attempt."""
+        if self.ended:
+            return
+        self.ended = True
+        self.cluster.end_request(self.url)
+        if outcome is not None:
+            self.metrics.finished.labels(outcome, str(self.status)).inc()
+
+
+class _Stream:
+    """The SSE body as it arrives; closes the upstream and ends the attempt however it ends.
+
+    An iterator object rather than a generator: the WSGI server calls `close()` when the client
+    goes away, and a generator never started would skip its `finally` (the request would stay
+    in flight forever, and the upstream connection open).
 
     Counts the stream's events as it passes: a server sends one event per output step (about
     one token), so a stream that ends with `data: [DONE]` tells `learn` roughly how many tokens
     it carried (the usage-only event of include_usage counts one too much).
     """
-    events, done, tail = 0, False, b""
-    try:
-        for chunk in answer.iter_content(chunk_size=None):
-            seen = tail + chunk  # a marker may straddle two chunks
-            # Markers wholly inside the tail were counted with the previous chunk.
-            events += seen.count(b"data: ") - tail.count(b"data: ")
-            done = done or b"data: [DONE]" in seen
-            tail = seen[-11:]  # one byte short of b"data: [DONE]"
-            yield chunk
-    finally:
-        answer.close()
-    if done:
-        learn(events - 1)
+
+    def __init__(
+        self,
+        answer: requests.Response,
+        learn: Callable[[int], None],
+        done: Callable[[str | None], None],
+    ):
+        self.answer, self.learn, self.done = answer, learn, done
+        self._chunks: Iterator[bytes] | None = None
+        self.events, self.saw_done, self.tail = 0, False, b""
+        self.closed = False
+
+    def __iter__(self) -> _Stream:
+        return self
+
+    def __next__(self) -> bytes:
+        if self.closed:
+            raise StopIteration
+        if self._chunks is None:
+            self._chunks = self.answer.iter_content(chunk_size=None)
+        try:
+            chunk = next(self._chunks)
+        except StopIteration:
+            self._end("success")
+            if self.saw_done:
+                self.learn(self.events - 1)
+            raise
+        except BaseException:
+            self._end("error")
+            raise
+        seen = self.tail + chunk  # a marker may straddle two chunks
+        # Markers wholly inside the tail were counted with the previous chunk.
+        self.events += seen.count(b"data: ") - self.tail.count(b"data: ")
+        self.saw_done = self.saw_done or b"data: [DONE]" in seen
+        self.tail = seen[-11:]  # one byte short of b"data: [DONE]"
+        return chunk
+
+    def close(self) -> None:
+        """Called by the WSGI server when the response ends or the client goes away."""
+        self._end("disconnected")
+
+    def _end(self, outcome: str) -> None:
+        if not self.closed:
+            self.closed = True
+            self.answer.close()
+            self.done(outcome)

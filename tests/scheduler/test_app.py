@@ -84,11 +84,13 @@ def assert_error(response, status: int, error_type: str | None = None) -> dict:
 
 
 def test_errors_are_json(setup):
-    client, *_ = setup
+    client, servers, *_ = setup
+    servers.set(URL, stats())
+    client.post("/admin/servers", json={"url": URL})
     assert_error(client.post("/v1/completions", data=b"{nope"), 400)
     assert_error(client.post("/v1/completions", json=[1, 2]), 400)
-    assert_error(client.post("/v1/completions", json={"prompt": "hi"}), 400)
-    assert_error(client.post("/v1/completions", json={"model": "x"}), 404, "model_not_found")
+    assert_error(client.post("/v1/completions", json={"model": "x"}), 404, "not_found")
+    assert_error(client.post("/generate", json={"adapter": "x"}), 404, "not_found")
     assert_error(client.get("/v1/nothing"), 404)
     assert_error(client.get("/v1/completions"), 405)
     assert_error(client.post("/admin/servers", json={"url": "ftp://x"}), 400)
@@ -109,12 +111,9 @@ def test_add_server_records_it_and_its_adapters(setup):
     (server,) = state["servers"]
     assert (server["url"], server["healthy"], server["running"]) == (URL, True, 1)
     assert client.get("/health").get_json() == {"status": "ok", "num_servers": 1, "num_healthy": 1}
-    # The request endpoints resolve the model before routing: a bad max_tokens is the client's.
-    body = {"model": "sql", "prompt": "hi", "max_tokens": 0}
-    assert_error(client.post("/v1/completions", json=body), 400)
     registry.set_adapter_state("chat", "disabled")
     body = {"model": "chat", "messages": [{"role": "user", "content": "hi"}]}
-    error = assert_error(client.post("/v1/chat/completions", json=body), 404, "model_not_found")
+    error = assert_error(client.post("/v1/chat/completions", json=body), 404, "not_found")
     assert "disabled" in error["message"]
     assert "chat" not in {m["id"] for m in client.get("/v1/models").get_json()["data"]}
 

@@ -92,9 +92,10 @@ def cluster(tmp_path_factory, free_port):
         logs[scheduler] = root / "scheduler.log"
         procs[scheduler] = subprocess.Popen(cmd, env=env, stdout=logs[scheduler].open("w"),
                                             stderr=subprocess.STDOUT)  # fmt: skip
-        for url, proc in procs.items():
-            wait_healthy(url, proc, logs[url], START_TIMEOUT_S)
         servers = [u for u in procs if u != scheduler]
+        for url in servers:
+            wait_healthy(url, procs[url], logs[url], START_TIMEOUT_S)
+        _wait_up(scheduler, procs[scheduler])
         for url in servers:
             answer = requests.post(scheduler + "/admin/servers", json={"url": url}, timeout=30)
             assert answer.status_code == 201, answer.text
@@ -110,6 +111,21 @@ def cluster(tmp_path_factory, free_port):
                 proc.kill()
         for proc in procs.values():
             proc.wait(timeout=30)
+
+
+def _wait_up(url: str, proc: subprocess.Popen) -> None:
+    """Until the scheduler answers /health: 503 "no server ready yet" while none is registered."""
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while True:
+        try:
+            answer = requests.get(url + "/health", timeout=5)
+            if answer.status_code == 503:
+                assert answer.json()["error"]["message"] == "no server ready yet"
+                return
+        except requests.ConnectionError:
+            pass
+        assert time.monotonic() < deadline and proc.poll() is None, "the scheduler did not start"
+        time.sleep(0.2)
 
 
 def _stats(url: str) -> dict:
