@@ -1,0 +1,130 @@
+"""One error contract: the same bad input gets the same answer from the scheduler and a server.
+
+A real server app (tiny random Llama, one adapter) runs in-process behind Flask's test client;
+the scheduler reaches it through a session and a `fetch_json` that call that test client, so no
+socket is opened. Also checks the DESIGN rule that the scheduler knows servers only through HTTP:
+its modules import nothing of toppings.server but the error contract, toppings.server.errors.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import pytest
+import requests
+
+from toppings.scheduler.app import create_app as create_scheduler
+from toppings.scheduler.cluster import Cluster
+from toppings.scheduler.paper_models import paper_fig6_models
+from toppings.scheduler.policies import make_policy
+from toppings.scheduler.registry import Registry
+from toppings.scheduler.router import Router
+from toppings.server.api import create_app as create_server
+from toppings.server.config import EngineConfig
+from toppings.server.runtime import build_engine
+
+URL = "http://server.test:8100"
+SCHEDULER_DIR = Path(__file__).resolve().parents[2] / "scheduler"
+
+
+class FlaskSession:
+    """The part of requests.Session the router uses, answered by a Flask test client."""
+
+    def __init__(self, client):
+        self.client = client
+
+    def post(self, url: str, json=None, stream=False, timeout=None) -> requests.Response:
+        answer = self.client.post(urlsplit(url).path, json=json)
+        response = requests.Response()
+        response.status_code = answer.status_code
+        response.headers.update(answer.headers)
+        response._content = answer.data
+        return response
+
+
+@pytest.fixture(scope="module")
+def clients(tmp_path_factory, tiny_model_dir):
+    from toppings.scripts.make_adapters import make_random_adapter
+
+    root = tmp_path_factory.mktemp("contract")
+    lora = make_random_adapter(root / "a8", tiny_model_dir, rank=8, seed=0)
+    config = EngineConfig(dtype="float32", max_total_tokens=2048)
+    engine = build_engine(str(tiny_model_dir), config, {"a8": str(lora)})
+    server = create_server(engine).test_client()
+    registry = Registry(root / "reg.sqlite")
+    cluster = Cluster(registry, lambda url: server.get(urlsplit(url).path).get_json())
+    router = Router(registry, cluster, make_policy("rank-aware", paper_fig6_models(), 50.0))
+    router.session = FlaskSession(server)
+    scheduler = create_scheduler(router, cluster, {}).test_client()
+    assert scheduler.post("/admin/servers", json={"url": URL}).status_code == 201
+    yield scheduler, server
+    cluster.stop()
+    registry.close()
+    engine.shutdown()
+
+
+CHAT = [{"role": "user", "content": "hi"}]
+BAD_INPUTS = [
+    ("/v1/completions", b"{nope"),
+    ("/v1/completions", [1, 2]),
+    ("/v1/completions", {"model": "nope", "prompt": "hi"}),
+    ("/v1/completions", {"model": 5, "prompt": "hi"}),
+    ("/v1/completions", {"model": "a8", "prompt": "hi", "max_tokens": 0}),
+    ("/v1/completions", {"model": "a8", "prompt": "hi", "max_tokens": "many"}),
+    ("/v1/completions", {"model": "a8", "prompt": "hi", "max_tokens": 10**9}),
+    ("/v1/completions", {"model": "a8", "prompt": {"text": "hi"}}),
+    ("/v1/completions", {"model": "a8", "prompt": "hi", "temperature": -1}),
+    ("/v1/chat/completions", {"model": "nope", "messages": CHAT}),
+    ("/v1/chat/completions", {"model": "a8", "messages": []}),
+    ("/v1/chat/completions", {"model": "a8", "messages": CHAT, "max_completion_tokens": -3}),
+    ("/generate", b"[]"),
+    ("/generate", {"adapter": "nope", "prompt": "hi"}),
+    ("/generate", {"prompt": "hi", "input_ids": [1, 2]}),
+    ("/generate", {"adapter": "a8", "prompt": "hi", "max_new_tokens": 0}),
+]
+
+
+@pytest.mark.parametrize(("path", "body"), BAD_INPUTS)
+def test_same_bad_input_same_error(clients, path, body):
+    scheduler, server = clients
+    kwargs = {"data": body} if isinstance(body, bytes) else {"json": body}
+    via_scheduler, direct = scheduler.post(path, **kwargs), server.post(path, **kwargs)
+    assert 400 <= direct.status_code < 500
+    assert via_scheduler.status_code == direct.status_code
+    assert via_scheduler.get_json() == direct.get_json()
+    error = direct.get_json()["error"]
+    assert set(error) == {"message", "type", "code"} and error["code"] == direct.status_code
+
+
+def test_a_missing_model_means_the_base_model_on_both(clients):
+    scheduler, server = clients
+    body = {"prompt": "hi", "max_tokens": 2, "ignore_eos": True}
+    for client in (scheduler, server):
+        answer = client.post("/v1/completions", json=body)
+        assert answer.status_code == 200 and answer.get_json()["usage"]["completion_tokens"] == 2
+
+
+def _toppings_imports(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.update(f"{node.module}.{a.name}" for a in node.names)
+    return {n for n in names if n.startswith("toppings.")}
+
+
+def test_scheduler_imports_only_the_error_contract_of_the_server():
+    modules = sorted(SCHEDULER_DIR.glob("*.py"))
+    assert len(modules) > 5
+    for path in modules:
+        for name in _toppings_imports(path):
+            if name.startswith("toppings.server"):
+                assert name.startswith("toppings.server.errors"), f"{path.name} imports {name}"
+
+
+def test_the_error_contract_imports_nothing_of_toppings():
+    errors = SCHEDULER_DIR.parent / "server" / "errors.py"
+    assert _toppings_imports(errors) == set()
