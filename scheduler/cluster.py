@@ -36,6 +36,7 @@ class _Entry:
     last_seen_written: float = 0.0
     last_error: str = ""
     in_flight: int = 0  # requests proxied here whose answer has not ended (the scheduler's count)
+    snapshot_at: float = 0.0  # time.monotonic() of the last /stats that parsed
 
 
 class Cluster:
@@ -75,6 +76,7 @@ class Cluster:
         with self._lock:
             entry = self._entries.setdefault(url, _Entry(record))
             entry.record, entry.snapshot, entry.routed = record, state, []
+            entry.snapshot_at = time.monotonic()
             entry.healthy, entry.hosted = state.healthy, frozenset(ranks)
         return {"url": url, "base_model": base, "kernel": state.kernel, "adapters": sorted(ranks)}
 
@@ -135,6 +137,13 @@ class Cluster:
         self.registry.set_health(url, False)
 
     def describe(self) -> list[dict[str, Any]]:
+        """Per server: its record, health, and two counts of work that mean different things.
+
+        "running"/"queued" are the server's own, from its last /stats that parsed, which is
+        "snapshot_age_s" old: a server whose /stats fails (unhealthy) keeps its last numbers.
+        "in_flight" is the scheduler's: proxied requests whose answer has not ended yet.
+        """
+        now = time.monotonic()
         with self._lock:
             entries = list(self._entries.values())
         return [
@@ -150,6 +159,7 @@ class Cluster:
                 "queued": e.snapshot.num_queued if e.snapshot else None,
                 "routed_since_snapshot": len(e.routed),
                 "in_flight": e.in_flight,
+                "snapshot_age_s": round(now - e.snapshot_at, 3) if e.snapshot else None,
             }
             for e in entries
         ]
@@ -174,7 +184,7 @@ class Cluster:
             if entry is None:  # removed meanwhile
                 return
             was_healthy, entry.healthy = entry.healthy, state.healthy
-            entry.snapshot = state
+            entry.snapshot, entry.snapshot_at = state, time.monotonic()
             entry.routed = [(t, r) for t, r in entry.routed if t >= began]
             hosted_changed = state.adapters != entry.hosted
             entry.hosted = state.adapters
