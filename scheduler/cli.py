@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> None:
             )
         _usage_error(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}")
     cluster.start()
-    log.info("scheduler on http://%s:%d, policy %s, SLO %.1f ms per token",
+    log.info("scheduler on http://%s:%s, policy %s, SLO %.1f ms per token",
              args.host, server.effective_port, args.policy, slo_ms)  # fmt: skip
     try:
         server.run()  # returns on Ctrl-C

@@ -268,7 +268,7 @@ class Launcher:
         self.scheduler_proc = start_scheduler(*self._scheduler_spec)
         a.scheduler = f"http://{a.host}:{a.scheduler_port}"
         deadline = time.monotonic() + timeout_s
-        while _health(a.scheduler) != "healthy":
+        while not _answers(a.scheduler):
             if self.scheduler_proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"the scheduler did not start; see {self.scheduler_log}")
             time.sleep(0.2)
@@ -299,7 +299,7 @@ class Launcher:
         if now < self._scheduler_next_health:
             return
         self._scheduler_next_health = now + HEALTH_EVERY_S
-        if _health(self.args.scheduler) == "healthy":
+        if _answers(self.args.scheduler):
             self._scheduler_bad_since = None
             return
         self._scheduler_bad_since = self._scheduler_bad_since or now
@@ -401,6 +401,16 @@ def _last_error(log_path: Path) -> str:
         return f"see {log_path}"
     errors = [line for line in lines if "error:" in line]
     return (errors or lines or [f"see {log_path}"])[-1]
+
+
+def _answers(url: str) -> bool:
+    """The scheduler is up when its /health answers at all: it says 503 until a server is
+    registered, and the launcher registers them only once it is up."""
+    try:
+        requests.get(url + "/health", timeout=1.0)
+    except requests.RequestException:
+        return False
+    return True
 
 
 def _health(url: str, unready: str = "unhealthy") -> str:
