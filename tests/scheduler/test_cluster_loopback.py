@@ -190,6 +190,31 @@ def test_chat_and_completions_stream_and_not(cluster):
         client.completions.create(model="nope", prompt="x", max_tokens=2)
 
 
+def test_in_flight_ends_on_every_path_through_real_http(cluster):
+    """Finished, refused and abandoned requests leave nothing running, here or on the servers."""
+    client = cluster.client
+    client.completions.create(model="r8", prompt="a", max_tokens=2, extra_body=NO_EOS)
+    list(client.completions.create(model="r8", prompt="a", max_tokens=2, stream=True))
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="r8", prompt="a", max_tokens=0)
+    # A long stream whose client leaves before reading a byte, and one that leaves midway.
+    body = {"adapter": "r64", "input_ids": [5, 6, 7], "max_new_tokens": 6000, "ignore_eos": True,
+            "stream": True}  # fmt: skip
+    for read in (0, 3):
+        answer = requests.post(cluster.scheduler + "/generate", json=body, stream=True, timeout=60)
+        assert answer.status_code == 200
+        for _, _ in zip(range(read), answer.iter_lines(), strict=False):
+            pass
+        answer.close()
+
+    def idle() -> bool:
+        servers = _admin_servers(cluster).values()
+        busy = [len(_stats(s)["running"]) for s in cluster.servers]
+        return all(s["in_flight"] == 0 for s in servers) and busy == [0, 0]
+
+    _wait(idle, "the scheduler's in_flight and the servers' running back to 0", 30.0)
+
+
 def _hold(url: str, adapter: str, count: int) -> list[requests.Response]:
     """Start `count` long streamed requests directly on a server; returns the open responses."""
     body = {"adapter": adapter, "input_ids": [5, 6, 7], "max_new_tokens": 6000,
