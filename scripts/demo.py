@@ -35,15 +35,18 @@ QUESTION = "What is the capital of Italy?"
 STOP_GRACE_S = 15.0
 
 
-def wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout_s: float) -> None:
-    """Poll `url/health` until it answers 200; exits with the log's tail if the process dies."""
+def wait_healthy(
+    url: str, proc: subprocess.Popen, log: Path, timeout_s: float, up: tuple[int, ...] = (200,)
+) -> None:
+    """Poll `url/health` until its status is in `up`; exits with the log's tail if the process
+    dies. A scheduler answers 503 until a server is registered: it is up then, not ready."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             tail = "\n".join(log.read_text(errors="replace").splitlines()[-20:])
             sys.exit(f"toppings-demo: {proc.args[2]} exited with {proc.returncode}:\n{tail}")
         try:
-            if requests.get(url + "/health", timeout=1.0).ok:
+            if requests.get(url + "/health", timeout=1.0).status_code in up:
                 return
         except requests.RequestException:
             pass
@@ -178,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
                       "--tokenizer", str(resolve_model_dir("smollm2"))]  # fmt: skip
         procs.append(start("toppings.scheduler.cli", sched_args, logs / "scheduler.log"))
         wait_healthy(server_url, procs[0], logs / "serve.log", 300.0)
-        wait_healthy(url, procs[1], logs / "scheduler.log", 60.0)
+        wait_healthy(url, procs[1], logs / "scheduler.log", 60.0, up=(200, 503))
         requests.post(
             url + "/admin/servers", json={"url": server_url}, timeout=10
         ).raise_for_status()
