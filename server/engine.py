@@ -20,6 +20,7 @@ import torch
 from toppings.gpu_lora.peft_format import LoraAdapter, load_peft_adapter
 from toppings.server.adapters import AdapterManager
 from toppings.server.config import EngineConfig
+from toppings.server.errors import NOT_FOUND, unknown_adapter
 from toppings.server.kv_cache import KVPool
 from toppings.server.loader import Checkpoint
 from toppings.server.model import ForwardBatch, LlamaModel
@@ -115,7 +116,7 @@ class Engine:
         """Unregister an adapter; refused (409) while a queued or running request uses it."""
         with self._lock:
             if name not in self._adapters:
-                raise RequestError(f"adapter {name!r} does not exist", 404, "not_found")
+                raise RequestError(unknown_adapter(name), 404, NOT_FOUND)
             with self._inbox.mutex:  # requests submitted but not yet picked up count too
                 pending = [s for s in self._inbox.queue if isinstance(s, Sequence)]
             seqs = pending + list(self._waiting) + self._running
@@ -180,7 +181,7 @@ class Engine:
         if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in ids):
             raise RequestError(f"token ids must be integers in [0, {vocab})")
         if request.adapter is not None and request.adapter not in self._adapters:
-            raise RequestError(f"adapter {request.adapter!r} does not exist", 404, "not_found")
+            raise RequestError(unknown_adapter(request.adapter), 404, NOT_FOUND)
         need = len(ids) + request.params.max_new_tokens
         if need > self.max_model_len:
             raise RequestError(
