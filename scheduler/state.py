@@ -4,13 +4,9 @@ A `ServerState` is built from one server's `GET /stats` JSON (or from a simulate
 the requests the scheduler routed there since that snapshot, which the snapshot cannot show yet.
 Those are counted as queued: they still need their prefill and will join the next decode batch.
 
-`/stats` schema consumed here (the server side is the contract, see DESIGN.md):
-    {"model": str, "kernel": "bgmv"|"mbgmv", "device": str, "lora_mode": str,
-     "running": [REQ], "queue": [REQ],
-     "adapters": [{"name": str, "rank": int, "resident": bool}],
-     "free_kv_tokens": int, "max_total_tokens": int, "healthy": bool}
-    REQ = {"id": str, "adapter": str|null, "rank": int, "prompt_tokens": int,
-           "output_tokens": int, "max_new_tokens": int}
+The `/stats` body is parsed with `toppings.server.stats_schema.ServerStats` (its docstring holds
+the schema): like the error vocabulary, it is part of the HTTP contract, and the only other
+module of the server package the scheduler imports.
 """
 
 from __future__ import annotations
@@ -18,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
+
+from toppings.server.stats_schema import RequestView, ServerStats
 
 
 class BatchShape(NamedTuple):
@@ -117,32 +115,30 @@ class ServerState:
         )
 
     @classmethod
-    def from_stats(cls, url: str, stats: Mapping[str, Any]) -> ServerState:
+    def from_stats(cls, url: str, body: Mapping[str, Any]) -> ServerState:
         """Parse a `/stats` JSON body; raises KeyError/TypeError/ValueError when malformed."""
-        running = _shape(stats["running"], with_output=True)
-        queue = _shape(stats["queue"], with_output=False)
-        reserved = sum(int(r["prompt_tokens"]) + int(r["max_new_tokens"]) for r in stats["queue"])
-        kernel = str(stats["kernel"])
-        if kernel not in ("bgmv", "mbgmv"):
-            raise ValueError(f"unknown kernel {kernel!r}")
+        stats = ServerStats.from_json(dict(body))
+        running = _shape(stats.running, with_output=True)
+        queue = _shape(stats.queue, with_output=False)
+        reserved = sum(int(r.prompt_tokens) + int(r.max_new_tokens) for r in stats.queue)
         return cls(
             url=url,
-            kernel=kernel,
-            healthy=bool(stats.get("healthy", True)),
-            num_running=len(stats["running"]),
-            num_queued=len(stats["queue"]),
+            kernel=stats.kernel,
+            healthy=bool(stats.healthy),
+            num_running=len(stats.running),
+            num_queued=len(stats.queue),
             batch=running.merge(queue),
             queue=queue,
-            room_tokens=int(stats["free_kv_tokens"]) - reserved,
-            adapters=frozenset(str(a["name"]) for a in stats.get("adapters", ())),
-            base_model=str(stats.get("model", "")),
+            room_tokens=int(stats.free_kv_tokens) - reserved,
+            adapters=frozenset(str(a.name) for a in stats.adapters),
+            base_model=str(stats.model),
         )
 
 
-def _shape(requests: Iterable[Mapping[str, Any]], with_output: bool) -> BatchShape:
+def _shape(requests: Iterable[RequestView], with_output: bool) -> BatchShape:
     """Aggregate /stats request entries. Running requests count generated tokens as context."""
     shape = BatchShape()
     for req in requests:
-        tokens = int(req["prompt_tokens"]) + (int(req["output_tokens"]) if with_output else 0)
-        shape = shape.add(int(req["rank"] or 0), tokens)
+        tokens = int(req.prompt_tokens) + (int(req.output_tokens) if with_output else 0)
+        shape = shape.add(int(req.rank or 0), tokens)
     return shape

@@ -3,7 +3,7 @@
 A real server app (tiny random Llama, one adapter) runs in-process behind Flask's test client;
 the scheduler reaches it through a session and a `fetch_json` that call that test client, so no
 socket is opened. Also checks the DESIGN rule that the scheduler knows servers only through HTTP:
-its modules import nothing of toppings.server but the error contract, toppings.server.errors.
+its modules import nothing of toppings.server but the HTTP contract (errors, stats_schema).
 """
 
 from __future__ import annotations
@@ -116,15 +116,18 @@ def _toppings_imports(path: Path) -> set[str]:
     return {n for n in names if n.startswith("toppings.")}
 
 
-def test_scheduler_imports_only_the_error_contract_of_the_server():
+HTTP_CONTRACT = ("toppings.server.errors", "toppings.server.stats_schema")
+
+
+def test_scheduler_imports_only_the_http_contract_of_the_server():
     modules = sorted(SCHEDULER_DIR.glob("*.py"))
     assert len(modules) > 5
     for path in modules:
         for name in _toppings_imports(path):
             if name.startswith("toppings.server"):
-                assert name.startswith("toppings.server.errors"), f"{path.name} imports {name}"
+                assert name.startswith(HTTP_CONTRACT), f"{path.name} imports {name}"
 
 
-def test_the_error_contract_imports_nothing_of_toppings():
-    errors = SCHEDULER_DIR.parent / "server" / "errors.py"
-    assert _toppings_imports(errors) == set()
+@pytest.mark.parametrize("module", ["errors.py", "stats_schema.py"])
+def test_the_http_contract_imports_nothing_of_toppings(module):
+    assert _toppings_imports(SCHEDULER_DIR.parent / "server" / module) == set()
