@@ -9,7 +9,9 @@ step and reused by every layer, since offsets are the same in all layers.
 BGMV keeps its padding: each adapter is read over the batch's max rank (rows past its rank are
 masked to zero), so its cost grows with |adapters| x max rank as the perf model says; MBGMV reads
 each adapter over its own rank. Relies on AdapterPool keeping rows of no adapter at zero and on
-validated (finite) adapter weights, so masked columns contribute exactly zero.
+validated (finite) adapter weights, so masked columns contribute exactly zero. The general CPU
+kernels (`kernels/cpu.py`, no such assumption) serve prefill and decode with loads in flight; its
+docstring has the measured trade-off between the two.
 """
 
 from __future__ import annotations
