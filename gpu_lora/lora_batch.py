@@ -6,8 +6,8 @@ A request whose adapter is still loading (Toppings' CPU-assisted mode) reads its
 layer: layers already resident run on the device with the others, the rest go to the host
 (`cpu_lora` workers, or the in-process `HostLora`) in one call per layer and input, covering every
 projection that shares that input. Decode on a CPU device with every adapter resident uses the
-masked dense plan of `dense_decode`; everything else calls the kernels. Which kernels run is
-decided once per engine (`LoraKernels.choose`), never per step.
+masked dense plan of `dense_decode` where that is faster; the rest calls the kernels. Which path
+and kernels run is decided once per engine (`LoraKernels.choose`), never per step.
 """
 
 from __future__ import annotations
@@ -24,6 +24,9 @@ from toppings.gpu_lora.host_lora import HostLoraRunner
 from toppings.gpu_lora.kernels import get_kernels
 from toppings.gpu_lora.loader import LoadTicket
 
+# (kernel, dtype) where the masked dense decode plan beats the grouped CPU kernels.
+DENSE_DECODE_WINS = {("mbgmv", torch.bfloat16)}
+
 
 @dataclass(frozen=True)
 class LoraKernels:
@@ -31,7 +34,9 @@ class LoraKernels:
 
     decode / prefill: the kernel functions (signatures of `kernels.reference`); padded: BGMV
     (every adapter read over the batch's max rank) rather than MBGMV; dense_decode: a decode
-    step whose adapters are all resident uses the masked dense plan (the CPU device).
+    step whose adapters are all resident uses the masked dense plan, where it is the faster CPU
+    path (`bench/results/cpu_decode_paths.json`: MBGMV in bfloat16 only, 0.53x the grouped
+    kernels' time; 1.2x-3.2x slower for BGMV or float32).
     """
 
     decode: Callable
@@ -40,8 +45,8 @@ class LoraKernels:
     dense_decode: bool
 
     @classmethod
-    def choose(cls, kernel: str, device: str) -> LoraKernels:
-        """kernel: "bgmv" or "mbgmv"; device: "cpu" or "cuda"."""
+    def choose(cls, kernel: str, device: str, dtype: torch.dtype) -> LoraKernels:
+        """kernel: "bgmv" or "mbgmv"; device: "cpu" or "cuda"; dtype: the adapter pool's."""
         if kernel not in ("bgmv", "mbgmv"):
             raise ValueError(f"unknown LoRA kernel {kernel!r}")
         backend = get_kernels("triton" if device == "cuda" else "cpu")
@@ -49,7 +54,8 @@ class LoraKernels:
             "bgmv": (backend.bgmv_decode, backend.bgmv_prefill),
             "mbgmv": (backend.mbgmv_decode, backend.mbgmv_prefill),
         }[kernel]
-        return cls(decode, prefill, padded=kernel == "bgmv", dense_decode=device == "cpu")
+        dense = device == "cpu" and (kernel, dtype) in DENSE_DECODE_WINS
+        return cls(decode, prefill, padded=kernel == "bgmv", dense_decode=dense)
 
 
 @dataclass

@@ -39,7 +39,7 @@ class AdapterManager:
         self.config = config
         self.model_config = model_config
         self.mode = LORA_MODES[config.lora_mode]
-        self.kernels = LoraKernels.choose(config.kernel, config.device)
+        self.kernels = LoraKernels.choose(config.kernel, config.device, dtype)
         self.host_stats = HostLoraStats()
         self.registry: dict[str, LoraAdapter] = {}
         self.pool = AdapterPool(model_config, dtype, config.device)

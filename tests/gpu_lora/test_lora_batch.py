@@ -49,7 +49,7 @@ def test_partly_loaded_adapter_mixes_device_and_host_layers(is_prefill, kernel):
     seg_starts = [0, 3, 5, 9] if is_prefill else [0, 1, 2, 3]
     order = [loaded, None, loading]
     batch = LoraBatch(
-        pool, LoraKernels.choose(kernel, "cpu"),
+        pool, LoraKernels.choose(kernel, "cpu", torch.float32),
         [pool.resident[a.name] if a else None for a in order], seg_starts, is_prefill,
         tickets=[LoadTicket.resident(CONFIG.num_layers), None, ticket], host=host,
     )  # fmt: skip

@@ -1,0 +1,117 @@
+"""The two CPU decode paths of the LoRA step, side by side: the masked dense plan
+(`gpu_lora.dense_decode`) and the grouped kernels (`gpu_lora.kernels.cpu`), per kernel and dtype.
+
+The engine picks one per engine (`LoraKernels.choose`) from this comparison. Shapes: SmolLM2's
+q/k/v (H 576, kv 192) over 30 layers, B requests over A adapters of ranks 8/16/32/64, one thread.
+Rounds alternate the order of the two paths; the medians and their ratio are reported.
+
+    python -m bench.bench_cpu_decode_paths [--batch 64] [--adapters 16] [--rounds 9]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+import torch
+
+from bench.envelope import describe_device, write_result
+from toppings.gpu_lora.adapter_pool import AdapterPool
+from toppings.gpu_lora.dense_decode import DenseDecodePlan
+from toppings.gpu_lora.kernels import cpu as cpu_kernels
+from toppings.gpu_lora.peft_format import LoraAdapter
+from toppings.server.model_config import ModelConfig
+
+QKV = ("q_proj", "k_proj", "v_proj")
+LAYERS = 30  # SmolLM2's; one pool layer is reused for each
+
+
+def smollm2_shapes() -> ModelConfig:
+    return ModelConfig(
+        name="smollm2-shapes", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+        num_layers=1, num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5,
+        rope_theta=1e4, max_position_embeddings=2048, tie_word_embeddings=True,
+        eos_token_ids=(0,),
+    )  # fmt: skip
+
+
+def random_adapter(config: ModelConfig, name: str, rank: int, seed: int) -> LoraAdapter:
+    gen = torch.Generator().manual_seed(seed)
+    weights = {}
+    for module in QKV:
+        h_in, h_out = config.projection_shape(module)
+        weights[(0, module)] = (torch.randn(rank, h_in, generator=gen) / h_in**0.5,
+                                torch.randn(h_out, rank, generator=gen) / rank**0.5)  # fmt: skip
+    num_bytes = sum((a.numel() + b.numel()) * 4 for a, b in weights.values())
+    return LoraAdapter(name, "/random", rank, 2.0 * rank, 2.0, QKV, weights, num_bytes, None)
+
+
+def time_paths(kernel: str, dtype: torch.dtype, args) -> dict[str, float]:
+    """Median seconds of one decode step's q/k/v LoRA over LAYERS layers, per path."""
+    config = smollm2_shapes()
+    pool = AdapterPool(config, dtype, "cpu")
+    ranks = [(8, 16, 32, 64)[i % 4] for i in range(args.adapters)]
+    adapters = [random_adapter(config, f"a{i}", r, i) for i, r in enumerate(ranks)]
+    for a in adapters:
+        pool.add(a)
+    rng = random.Random(0)
+    batch = [pool.resident[adapters[rng.randrange(len(adapters))].name] for _ in range(args.batch)]
+    x = torch.randn(args.batch, config.hidden_size, dtype=dtype)
+    offsets = torch.tensor([a.offset for a in batch], dtype=torch.int32)
+    ranks_t = torch.tensor([a.rank for a in batch], dtype=torch.int32)
+    scales = torch.tensor([a.scale for a in batch], dtype=torch.float32)
+    grouped_fn = getattr(cpu_kernels, f"{kernel}_decode")
+    outs = {m: torch.zeros(args.batch, config.projection_shape(m)[1], dtype=dtype) for m in QKV}
+
+    def dense() -> None:
+        plan = DenseDecodePlan(pool, batch, padded=kernel == "bgmv")
+        for _ in range(LAYERS):
+            for m in QKV:
+                plan.add(m, 0, x, outs[m])
+
+    def grouped() -> None:
+        for _ in range(LAYERS):
+            for m in QKV:
+                grouped_fn(outs[m], x, pool.lora_a[m][0], pool.lora_b[m][0], offsets, ranks_t,
+                           scales, max(ranks))  # fmt: skip
+
+    times: dict[str, list[float]] = {"dense": [], "grouped": []}
+    paths = [("dense", dense), ("grouped", grouped)]
+    dense(), grouped()  # warm-up
+    for r in range(args.rounds):
+        for name, fn in paths if r % 2 == 0 else paths[::-1]:
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(v) for name, v in times.items()}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--adapters", type=int, default=16)
+    p.add_argument("--rounds", type=int, default=9)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--out", default="bench/results/cpu_decode_paths.json")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    metrics = {}
+    for kernel in ("mbgmv", "bgmv"):
+        for dtype in (torch.bfloat16, torch.float32):
+            t = time_paths(kernel, dtype, args)
+            key = f"{kernel}_{str(dtype).removeprefix('torch.')}"
+            metrics[key] = {"dense_ms": round(t["dense"] * 1e3, 2),
+                            "grouped_ms": round(t["grouped"] * 1e3, 2),
+                            "dense_vs_grouped": round(t["dense"] / t["grouped"], 3)}  # fmt: skip
+            print(key, metrics[key])
+    config = {"batch": args.batch, "adapters": args.adapters, "ranks": [8, 16, 32, 64],
+              "layers": LAYERS, "modules": list(QKV), "rounds": args.rounds,
+              "threads": args.threads, "shapes": "SmolLM2-135M q/k/v"}  # fmt: skip
+    write_result(args.out, "cpu_decode_paths", "bench_cpu_decode_paths", device=describe_device(),
+                 config=config, metrics=metrics, argv=argv)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
