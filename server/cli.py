@@ -15,8 +15,10 @@ import signal
 import socket
 import sys
 import threading
+import time
 
 import waitress
+from waitress import wasyncore
 
 from toppings.gpu_lora.eviction import EVICTION_POLICIES
 from toppings.server.config import DEVICES, DTYPES, KERNELS, LORA_MODES, EngineConfig
@@ -228,13 +230,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 class _Drainer:
-    """Turns the first SIGTERM/SIGINT into a drain, then stops waitress from the main thread."""
+    """Turns the first SIGTERM/SIGINT into a drain, then stops waitress from its own loop."""
 
     def __init__(self, engine, draining: threading.Event, timeout_s: float):
         self.engine, self.draining, self.timeout_s = engine, draining, timeout_s
-        self.main_ident = threading.get_ident()
-        # waitress returns from run() on KeyboardInterrupt; SIGUSR1 carries it to the main thread.
-        signal.signal(signal.SIGUSR1, self._stop_waitress)
+        self.server = None  # the waitress server, once it exists
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._on_signal)
 
@@ -248,11 +248,12 @@ class _Drainer:
     def _drain(self) -> None:
         if not self.engine.drain(self.timeout_s):
             logger.warning("drain timed out after %.0f s; aborting what is left", self.timeout_s)
-        signal.pthread_kill(self.main_ident, signal.SIGUSR1)
-
-    @staticmethod
-    def _stop_waitress(signum: int, frame) -> None:
-        raise KeyboardInterrupt("drained")
+        while self.server is None:  # signalled in the instant before waitress was made
+            time.sleep(0.05)
+        # Close every socket from waitress's own loop thread (its trigger runs the call there);
+        # with nothing left to watch, server.run() returns in the main thread.
+        server = self.server
+        server.trigger.pull_trigger(lambda: wasyncore.close_all(server._map))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -319,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     except (AdapterError, FileNotFoundError) as e:  # an adapter that does not fit the model
         _usage_error(str(e))
     app = create_app(engine, options)
-    _Drainer(engine, app.extensions["toppings"].draining, args.drain_timeout)
+    drainer = _Drainer(engine, app.extensions["toppings"].draining, args.drain_timeout)
     try:
         try:
             server = waitress.create_server(
@@ -331,9 +332,11 @@ def main(argv: list[str] | None = None) -> int:
             )
         except OSError as e:  # taken since the check above
             _usage_error(f"--port: {_listen_problem(args.host, args.port, e)}")
+        drainer.server = server
         url = f"http://{args.host}:{server.effective_port}"
         logger.info("serving %s at %s (OpenAI base_url %s/v1)", engine.model_name, url, url)
-        server.run()  # returns on SIGINT/SIGTERM, once waitress has closed its sockets
+        server.run()  # returns once the drain has closed waitress's sockets
+        server.task_dispatcher.shutdown()
     finally:
         logger.info("shutting down the engine")
         engine.shutdown()
