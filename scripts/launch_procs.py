@@ -1,4 +1,5 @@
-"""The server processes of `toppings-launch`: start one bound to its cores, stop them all.
+"""The child processes of `toppings-launch`: start a server bound to its cores or the scheduler,
+stop them all.
 
 Each server runs in its own session (so a Ctrl-C in the launcher's terminal reaches only the
 launcher, which then drains the servers one SIGTERM each) and with a parent-death signal (so a
@@ -15,6 +16,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
 
 log = logging.getLogger("toppings-launch")
@@ -24,8 +26,42 @@ SHM_DIR = "/dev/shm"
 SHM_PREFIX = "toppings"  # cpu_lora.shm names: toppings-<creator pid>-..., sem.toppings-<pid>-...
 
 
+class State(str, Enum):
+    """Where a supervised child stands; the value is what the launcher prints."""
+
+    PENDING = "pending"
+    STARTING = "starting"
+    HEALTHY = "healthy"
+    UNHEALTHY = "unhealthy"
+    DRAINING = "draining"
+    BACKOFF = "restarting"  # exited or killed; started again at next_start
+    FAILED = "failed"  # no restarts left, or it refused its arguments
+    STOPPING = "stopping"
+    STOPPED = "stopped"
+
+
+@dataclass(kw_only=True)
+class ChildProc:
+    """A process the launcher keeps running (a server or the scheduler): its process and state."""
+
+    proc: subprocess.Popen | None = None
+    state: State = State.PENDING
+    restarts: int = 0
+    num_failures: int = 0  # exits and kills, restarted or not
+    last_exit: int | None = None
+    started_at: float = 0.0
+    next_start: float = 0.0
+    next_health: float = 0.0
+    unhealthy_since: float | None = None  # when /health started failing on a running child
+    health_path: str = "/health"  # answers 200 while the process is up and ready
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.proc is None else self.proc.pid
+
+
 @dataclass
-class ServerProc:
+class ServerProc(ChildProc):
     """One server of the node: what it was given, and its process and state now."""
 
     index: int
@@ -34,24 +70,28 @@ class ServerProc:
     num_workers: int
     gpu: int | None
     log_path: Path
-    proc: subprocess.Popen | None = None
-    state: str = "pending"  # pending starting healthy unhealthy draining restarting stopping...
-    restarts: int = 0
-    last_exit: int | None = None
-    started_at: float = 0.0
-    next_start: float = 0.0
-    next_health: float = 0.0
     next_register: float = 0.0
     registered: bool = False
-    unhealthy_since: float | None = None  # when /health started failing on a running server
+
+    @property
+    def name(self) -> str:
+        return f"server {self.index}"
 
     @property
     def port(self) -> int:
         return int(self.url.rsplit(":", 1)[1])
 
-    @property
-    def pid(self) -> int | None:
-        return None if self.proc is None else self.proc.pid
+
+@dataclass(kw_only=True)
+class SchedulerProc(ChildProc):
+    """The scheduler `--start-scheduler` runs on this node."""
+
+    url: str
+    log_path: Path
+    command: list[str]
+    name: str = "scheduler"
+    # Its /health says 503 until a server registers; this answers whenever the process does.
+    health_path: str = "/admin/state"
 
 
 def _child_setup(cores: tuple[int, ...] | None, parent_pid: int) -> None:
@@ -64,7 +104,7 @@ def _child_setup(cores: tuple[int, ...] | None, parent_pid: int) -> None:
         os.sched_setaffinity(0, cores)
 
 
-def spawn_server(server: ServerProc, cmd: list[str], use_numactl: bool) -> None:
+def spawn_server(server: ServerProc, cmd: list[str], use_numactl: bool) -> subprocess.Popen:
     """Start `cmd` for `server`, bound to its cores; output goes to its log file."""
     cores = ",".join(map(str, server.cores))
     if use_numactl:
@@ -85,28 +125,33 @@ def spawn_server(server: ServerProc, cmd: list[str], use_numactl: bool) -> None:
             start_new_session=True,
             preexec_fn=lambda: _child_setup(bind, parent),
         )
-    server.state, server.started_at, server.next_health = "starting", time.monotonic(), 0.0
+    server.state, server.started_at, server.next_health = State.STARTING, time.monotonic(), 0.0
     log.info("server %d: pid %d, cores %s: %s", server.index, server.proc.pid, cores, " ".join(cmd))
+    return server.proc
 
 
-def start_scheduler(host: str, port: int, registry: Path, log_path: Path, extra: list[str]):
-    """Start `toppings-scheduler` in its own session, dying with the launcher; returns the Popen.
+def scheduler_command(host: str, port: int, registry: Path, extra: list[str]) -> list[str]:
+    """The toppings-scheduler command line `--start-scheduler` runs."""
+    return [sys.executable, "-m", "toppings.scheduler.cli", "--registry", str(registry),
+            "--host", host, "--port", str(port), *extra]  # fmt: skip
+
+
+def spawn_scheduler(scheduler: SchedulerProc) -> subprocess.Popen:
+    """Start the scheduler in its own session, dying with the launcher; returns the Popen.
 
     It is not bound to any server's cores: it is one light process and may run anywhere.
     """
-    cmd = [sys.executable, "-m", "toppings.scheduler.cli", "--registry", str(registry),
-           "--host", host, "--port", str(port), *extra]  # fmt: skip
     parent = os.getpid()
-    with open(log_path, "ab") as out:
+    with open(scheduler.log_path, "ab") as out:
         proc = subprocess.Popen(
-            cmd,
+            scheduler.command,
             stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
             preexec_fn=lambda: _child_setup(None, parent),
         )
-    log.info("scheduler: pid %d: %s", proc.pid, " ".join(cmd))
+    log.info("scheduler: pid %d: %s", proc.pid, " ".join(scheduler.command))
     return proc
 
 
@@ -135,13 +180,12 @@ def stop_servers(servers: list[ServerProc], timeout_s: float) -> None:
             log.warning("server %d did not stop in %.0f s; killing it", s.index, timeout_s)
             _kill_group(s.proc.pid)
             s.proc.wait()
-        s.state, s.last_exit = "stopped", s.proc.returncode
+        s.state, s.last_exit = State.STOPPED, s.proc.returncode
     for s in servers:
         if s.proc is not None:
             _kill_group(s.proc.pid)  # CPU workers a server left behind share its session
             s.proc = None
-        if s.state != "stopped":
-            s.state = "stopped"
+        s.state = State.STOPPED
 
 
 def kill_servers(servers: list[ServerProc]) -> None:

@@ -48,7 +48,7 @@ class Reporter:
 
 def _row(s: ServerProc) -> tuple[str, ...]:
     return (str(s.index), s.url, str(s.pid or "-"), _cores_text(s.cores), str(s.num_workers),
-            "-" if s.gpu is None else str(s.gpu), s.state, str(s.restarts),
+            "-" if s.gpu is None else str(s.gpu), s.state.value, str(s.restarts),
             "-" if s.last_exit is None else str(s.last_exit))  # fmt: skip
 
 

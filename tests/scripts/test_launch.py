@@ -10,13 +10,8 @@ import time
 
 import pytest
 
-from toppings.scripts.launch import (
-    _servers,
-    numactl_usable,
-    parse_args,
-    serve_command,
-    split_cores,
-)
+from toppings.scripts.launch import parse_args
+from toppings.scripts.launch_plan import numactl_usable, plan_servers, serve_command, split_cores
 from toppings.scripts.launch_procs import ServerProc, spawn_server, stop_servers
 from toppings.scripts.launch_report import _cores_text
 
@@ -60,7 +55,7 @@ def test_flags_toml_and_serve_args(tmp_path):
     assert args.model == "/models/base" and args.num_servers == 2
     assert args.base_port == 9100  # the flag wins over the file
     assert args.serve_args == ["--lora-mode", "cpu-assisted", "--kernel", "bgmv"]
-    servers = _servers(args, tmp_path)
+    servers = plan_servers(args, tmp_path)
     assert [s.cores for s in servers] == [(0, 1, 2), (3, 4, 5)]
     assert [s.url for s in servers] == ["http://127.0.0.1:9100", "http://127.0.0.1:9101"]
     cmd = serve_command(args, servers[1])
@@ -82,12 +77,12 @@ def test_bad_configs_are_refused(tmp_path):
         ["--model", "m", "--cores", "0-3", "--num-servers", "2", "--cpu-workers", "3"]
     )
     with pytest.raises(ValueError, match="cpu-workers"):
-        _servers(args, tmp_path)
+        plan_servers(args, tmp_path)
     args = parse_args(["--model", "m", "--device", "cuda", "--gpus", "0,1", "--num-servers", "3"])
     with pytest.raises(ValueError, match="GPUs"):
-        _servers(args, tmp_path)
+        plan_servers(args, tmp_path)
     args = parse_args(["--model", "m", "--device", "cuda", "--gpus", "2,3", "--cores", "0-7"])
-    assert [(s.gpu, s.cores) for s in _servers(args, tmp_path)] == [
+    assert [(s.gpu, s.cores) for s in plan_servers(args, tmp_path)] == [
         (2, (0, 1, 2, 3)),
         (3, (4, 5, 6, 7)),
     ]
