@@ -105,7 +105,7 @@ class Launcher:
         self.supervisors += [Supervisor(s, self.server_role, limits, note) for s in servers]
 
     def start_scheduler(self) -> None:
-        """Start the node's scheduler (--start-scheduler) and wait for its /health."""
+        """Start the node's scheduler (--start-scheduler) and wait until it answers."""
         scheduler, supervisor = self.scheduler, self.supervisors[0]
         while scheduler.state in (State.PENDING, State.STARTING):
             supervisor.tick(time.monotonic())
