@@ -21,7 +21,14 @@ def engine(tmp_path_factory, tiny_model_dir):
     eng.shutdown()
 
 
-def test_a_busy_servers_stats_parse_on_the_scheduler_side(engine):
+def test_a_busy_servers_stats_parse_on_the_scheduler_side(engine, monkeypatch):
+    forward = engine.model.forward
+
+    def slow_forward(*args, **kwargs):  # keeps the request running while /stats is read
+        time.sleep(0.005)
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(engine.model, "forward", slow_forward)
     client = create_app(engine).test_client()
     params = SamplingParams(max_new_tokens=engine.max_model_len - 4, temperature=0.0,
                             ignore_eos=True)  # fmt: skip

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -195,7 +196,20 @@ def test_load_use_unload_then_404(client, engine):
     assert_serving(client)
 
 
-def test_unload_while_in_use_is_refused_and_the_request_completes(client, engine):
+@pytest.fixture
+def slow_steps(engine, monkeypatch):
+    """Each engine step takes at least 5 ms, so that a request of MAX_NEW tokens stays in flight
+    for seconds while a test looks at it (the tiny model alone finishes it in a blink)."""
+    forward = engine.model.forward
+
+    def slow_forward(*args, **kwargs):
+        time.sleep(0.005)
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(engine.model, "forward", slow_forward)
+
+
+def test_unload_while_in_use_is_refused_and_the_request_completes(client, engine, slow_steps):
     assert post(client, "/v1/load_lora_adapter", load("busy", "r16")).status_code == 200
     ids, max_new = [3, 1, 4, 1, 5], MAX_NEW
     body = {"adapter": "busy", "input_ids": ids, "max_new_tokens": max_new, "temperature": 0,
@@ -249,11 +263,12 @@ def test_metrics_parse_and_move(client, engine):
     assert after[("toppings:adapters_resident", ())] == len(engine.adapters())
 
 
-def test_stats_lists_ranks_of_a_mixed_batch(client, engine):
+def test_stats_lists_ranks_of_a_mixed_batch(client, engine, slow_steps):
+    if "r16-too" not in {a["name"] for a in engine.adapters()}:
+        # Loaded before the streams start, so that none of them ends while it loads.
+        assert post(client, "/v1/load_lora_adapter", load("r16-too", "r16")).status_code == 200
     streams = []
     for adapter in ("r8", None, "r16-too", "r8"):
-        if adapter == "r16-too" and adapter not in {a["name"] for a in engine.adapters()}:
-            assert post(client, "/v1/load_lora_adapter", load(adapter, "r16")).status_code == 200
         body = {"adapter": adapter, "input_ids": [7, 8], "max_new_tokens": MAX_NEW,
                 "ignore_eos": True, "stream": True}  # fmt: skip
         response = client.post("/generate", json=body, headers=AUTH, buffered=False)
