@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -63,7 +63,7 @@ class HostLoraStats:
     """Host LoRA calls of an engine and the wall time they took (for /metrics)."""
 
     calls: int = 0
-    seconds: float = field(default=0.0)
+    seconds: float = 0.0
 
 
 class LoraBatch:

@@ -152,10 +152,6 @@ class AdapterManager:
         """References held by queued and running requests (and cached mode's pins)."""
         return sum(e.refcount for e in list(self.cache.entries.values()))
 
-    def is_resident(self, name: str) -> bool:
-        entry = self.cache.entries.get(name)
-        return entry is not None and entry.ticket.done
-
     def worker_stats(self) -> list[dict]:
         return [] if self.workers is None else self.workers.workers_info()
 

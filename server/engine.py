@@ -202,7 +202,8 @@ class Engine:
 
     def stats(self) -> ServerStats:
         """What the cluster scheduler needs; cheap, no lock (snapshots of the lists)."""
-        resident, loading = self.lora.residency()
+        resident, loading = self.lora.residency()  # one read of the cache entries
+        is_resident = set(resident)
         return ServerStats(
             model=self.model_name,
             kernel=self.config.kernel,
@@ -211,8 +212,7 @@ class Engine:
             running=tuple(s.describe(self._adapters) for s in list(self._running)),
             queue=tuple(s.describe(self._adapters) for s in list(self._waiting)),
             adapters=tuple(
-                AdapterView(n, a.rank, self.lora.is_resident(n))
-                for n, a in list(self._adapters.items())
+                AdapterView(n, a.rank, n in is_resident) for n, a in list(self._adapters.items())
             ),
             free_kv_tokens=self.config.max_total_tokens - self._reserved,
             max_total_tokens=self.config.max_total_tokens,
