@@ -29,10 +29,10 @@ def decode_batch(kv: KVPool, rows: list[int]) -> ForwardBatch:
     """One decode step of len(rows) requests; their KV rows grow by one slot each."""
     b = len(rows)
     slots = kv.extend_each(rows)
-    index, mask = kv.decode_index(rows)
+    index, lengths = kv.decode_index(rows)
     positions = torch.tensor([kv.lengths[r] - 1 for r in rows])
     return ForwardBatch(torch.zeros(b, dtype=torch.int64), positions, slots,
-                        list(range(b + 1)), False, index, mask)  # fmt: skip
+                        list(range(b + 1)), False, index, lengths)  # fmt: skip
 
 
 def prefill_batch(kv: KVPool, row: int, tokens: int) -> ForwardBatch:

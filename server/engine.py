@@ -310,14 +310,14 @@ class Engine:
             seg_starts = [0]
             for s in seqs:
                 seg_starts.append(seg_starts[-1] + s.prompt_len)
-            index = mask = None
+            index = lengths = None
         else:
             rows = [s.row for s in seqs]
             positions = [self.kv.lengths[r] for r in rows]
             slots = self.kv.extend_each(rows)
             ids = [s.output_ids[-1] for s in seqs]
             seg_starts = list(range(len(seqs) + 1))
-            index, mask = self.kv.decode_index(rows)
+            index, lengths = self.kv.decode_index(rows)
         lora = self.lora.step([s.cache_entry for s in seqs], seg_starts, is_prefill)
         batch = ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
@@ -326,7 +326,7 @@ class Engine:
             seg_starts=seg_starts,
             is_prefill=is_prefill,
             kv_index=index,
-            kv_mask=mask,
+            kv_lengths=lengths,
             lora=lora,
         )
         logits = self.model.forward(batch, self.kv)  # [B, V]

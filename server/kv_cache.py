@@ -1,9 +1,9 @@
 """Token-level KV cache in the style of LightLLM: one preallocated slot per token, per layer.
 
 Slots are handed out per token and returned when a request ends; a request's slots need not be
-contiguous. `req_to_slot` maps (request row, position) to a slot so a decode step can gather
-every running request's keys with one index. Slot 0 is never handed out: padded index entries
-point at it and are masked away.
+contiguous. `req_to_slot` maps (request row, position) to a slot so a decode step finds every
+running request's keys through one index (read in place by `attention.decode_attention`). Slot 0
+is never handed out.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ class KVPool:
         dtype: torch.dtype,
         device: str | torch.device = "cpu",
     ):
-        # Head-major, so a decode step's gather is one index_select per layer that lands in the
-        # layout the attention matmuls read without another copy.
+        # Head-major: one layer's keys of one kv head are a [S+1, D] matrix, which the decode
+        # kernel reads by slot and the torch path gathers with one index_select per layer.
         shape = (num_layers, num_kv_heads, num_slots + 1, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)  # [L, K, S+1, D]
         self.v = torch.zeros(shape, dtype=dtype, device=device)
@@ -88,12 +88,13 @@ class KVPool:
         self.v[layer].index_copy_(1, slots, v.transpose(0, 1))
 
     def decode_index(self, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Slot index [B, Lmax] of every position of each request, and its validity mask."""
-        lengths = torch.tensor([self.lengths[r] for r in rows], device=self.k.device)
-        max_len = int(lengths.max())
-        index = self.req_to_slot[rows, :max_len]  # [B, Lmax]
-        mask = torch.arange(max_len, device=self.k.device)[None, :] < lengths[:, None]
-        return index.masked_fill(~mask, 0), mask
+        """Slot index [B, Lmax] of every position of each request, and lengths [B] int64.
+
+        Entries of a row past its length are stale: readers mask them by length.
+        """
+        lengths = torch.tensor([self.lengths[r] for r in rows], dtype=torch.int64)
+        index = self.req_to_slot[rows, : int(lengths.max())]  # [B, Lmax]
+        return index, lengths.to(self.k.device)
 
     def _pop(self, n: int) -> torch.Tensor:
         if n > self._num_free:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from toppings.server.attention import decode_attention, prefill_attention
 from toppings.server.kv_cache import KVPool
 from toppings.server.linear import Linear
 from toppings.server.model_config import ModelConfig
@@ -28,7 +29,7 @@ class ForwardBatch:
     seg_starts: list[int]  # B+1 boundaries; decode: [0, 1, ..., B]
     is_prefill: bool
     kv_index: torch.Tensor | None = None  # decode: [B, Lmax] slots of every position
-    kv_mask: torch.Tensor | None = None  # decode: [B, Lmax] bool, True where valid
+    kv_lengths: torch.Tensor | None = None  # decode: [B] int64, valid positions per request
     lora: object | None = None  # gpu_lora.lora_batch.LoraBatch, or None: no adapter in batch
 
 
@@ -130,7 +131,10 @@ class LlamaModel:
             key = apply_rope(key.reshape(num_tokens, k, d), cos, sin)  # [T, K, D]
             val = val.reshape(num_tokens, k, d)
             kv.write(idx, batch.slots, key, val)
-            attn = self._attention(idx, q, key, val, batch, kv)  # [T, N*D]
+            if batch.is_prefill:
+                attn = prefill_attention(q, key, val, batch.seg_starts)  # [T, N*D]
+            else:
+                attn = decode_attention(q, kv.k[idx], kv.v[idx], batch.kv_index, batch.kv_lengths)
             out = layer.o(attn)  # [T, H]
             if lora is not None:
                 lora.add(idx, attn, (("o_proj", out),))
@@ -148,30 +152,3 @@ class LlamaModel:
         last = torch.tensor(batch.seg_starts[1:], device=self.device) - 1
         h = rms_norm(h[last], self.norm, cfg.rms_norm_eps)  # [B, H]
         return self.lm_head(h).float()  # [B, V]
-
-    def _attention(self, layer_idx, q, key, val, batch: ForwardBatch, kv: KVPool) -> torch.Tensor:
-        """Causal attention of the step's queries. q [T, N, D] -> [T, N*D]."""
-        num_tokens = q.shape[0]
-        if batch.is_prefill:
-            # Prefill sees only the request's own prompt (no prefix sharing), so the fresh
-            # keys are the whole context: no gather from the pool.
-            outs = []
-            for start, end in zip(batch.seg_starts[:-1], batch.seg_starts[1:]):
-                qs = q[start:end].transpose(0, 1)  # [N, t, D]
-                ks, vs = key[start:end].transpose(0, 1), val[start:end].transpose(0, 1)
-                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
-                outs.append(o.transpose(0, 1))  # [t, N, D]
-            return torch.cat(outs).reshape(num_tokens, -1)
-        num_kv, d = self.config.num_kv_heads, self.config.head_dim
-        b, lmax = batch.kv_index.shape
-        flat = batch.kv_index.reshape(-1)
-        keys = kv.k[layer_idx].index_select(1, flat).view(num_kv, b, lmax, d)  # [K, B, L, D]
-        vals = kv.v[layer_idx].index_select(1, flat).view(num_kv, b, lmax, d)
-        # Grouped-query attention of one query token by batched matmuls over (kv head, request):
-        # SDPA's CPU kernels are slow for a single query with a padding mask.
-        qg = q.view(b, num_kv, -1, d).transpose(0, 1)  # [K, B, G, D]
-        scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * d**-0.5  # [K, B, G, L]
-        scores = scores.masked_fill(~batch.kv_mask[None, :, None, :], float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(q.dtype)
-        out = torch.matmul(probs, vals)  # [K, B, G, D]
-        return out.transpose(0, 1).reshape(num_tokens, -1)

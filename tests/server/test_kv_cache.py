@@ -48,14 +48,13 @@ def test_full_pool_and_long_request_raise():
         pool.extend(row, 17)
 
 
-def test_decode_index_masks_padding_and_gathers_written_values():
+def test_decode_index_gives_lengths_and_the_written_slots():
     pool = make_pool()
     a, b = pool.new_row(), pool.new_row()
     sa, sb = pool.extend(a, 3), pool.extend(b, 1)
     k = torch.arange(4, dtype=torch.float32).reshape(4, 1, 1).expand(4, 1, 4).contiguous()
     pool.write(0, torch.cat([sa, sb]), k, k + 10)
-    index, mask = pool.decode_index([a, b])
-    assert mask.tolist() == [[True, True, True], [True, False, False]]
-    assert index[1, 1:].tolist() == [0, 0]
+    index, lengths = pool.decode_index([a, b])
+    assert lengths.tolist() == [3, 1] and index.shape == (2, 3)
     assert pool.k[0][0][index][0, :, 0].tolist() == [0.0, 1.0, 2.0]
     assert pool.v[0][0][index][1, 0, 0].item() == 13.0

@@ -1,0 +1,92 @@
+"""Causal attention of one engine step: prefill segments, or one query per request in decode.
+
+Decode reads keys and values in place from the token-level pool with the native kernel
+(`native.py`); where it is not available, the torch path gathers them into a dense copy first
+(the two agree: tests/server/test_attention.py). Prefill sees only each request's own prompt, so
+its fresh keys are the whole context.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+import torch.nn.functional as F
+
+from toppings.server import native
+
+_NATIVE_DTYPES = {torch.float32: "decode_attention_f32", torch.bfloat16: "decode_attention_bf16"}
+
+
+def prefill_attention(
+    q: torch.Tensor, key: torch.Tensor, val: torch.Tensor, seg_starts: list[int]
+) -> torch.Tensor:
+    """Causal self-attention within each segment. q [T, N, D]; key, val [T, K, D] -> [T, N*D].
+
+    Keys are repeated to N heads rather than passed with enable_gqa: with it, torch's CPU SDPA
+    falls back to its unfused math kernel (measured here: 15% of a SmolLM2 prefill).
+    """
+    num_tokens, num_heads, _ = q.shape
+    group = num_heads // key.shape[1]
+    outs = []
+    for start, end in zip(seg_starts[:-1], seg_starts[1:]):
+        qs = q[start:end].transpose(0, 1)  # [N, t, D]
+        ks = key[start:end].transpose(0, 1).repeat_interleave(group, dim=0)  # [N, t, D]
+        vs = val[start:end].transpose(0, 1).repeat_interleave(group, dim=0)
+        o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True)
+        outs.append(o.transpose(0, 1))  # [t, N, D]
+    return torch.cat(outs).reshape(num_tokens, -1)
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    index: torch.Tensor,
+    lengths: torch.Tensor,
+) -> torch.Tensor:
+    """One query token per request over its cached keys. Returns [B, N*D] in q's dtype.
+
+    q [B, N, D]; k_cache, v_cache [K, S, D] (one layer of the pool); index [B, Lmax] int64 slots
+    of each request's positions (entries past its length are ignored); lengths [B] int64 >= 1.
+    """
+    lib = native.library() if q.device.type == "cpu" else None
+    if lib is not None and q.dtype in _NATIVE_DTYPES and k_cache.is_contiguous():
+        return _decode_native(lib, q, k_cache, v_cache, index, lengths)
+    return _decode_torch(q, k_cache, v_cache, index, lengths)
+
+
+def _decode_native(lib, q, k_cache, v_cache, index, lengths) -> torch.Tensor:
+    b, n, d = q.shape
+    q = q.contiguous()
+    index, lengths = index.contiguous(), lengths.contiguous()
+    out = torch.empty_like(q)  # [B, N, D]
+    failed = getattr(lib, _NATIVE_DTYPES[q.dtype])(
+        ctypes.c_void_p(q.data_ptr()),
+        ctypes.c_void_p(k_cache.data_ptr()),
+        ctypes.c_void_p(v_cache.data_ptr()),
+        ctypes.c_void_p(out.data_ptr()),
+        ctypes.c_void_p(index.data_ptr()),
+        ctypes.c_void_p(lengths.data_ptr()),
+        b, n, k_cache.shape[0], d, index.shape[1], k_cache.shape[1],
+        d**-0.5, torch.get_num_threads(),
+    )  # fmt: skip
+    if failed:
+        raise MemoryError("decode attention could not allocate its score buffers")
+    return out.reshape(b, n * d)
+
+
+def _decode_torch(q, k_cache, v_cache, index, lengths) -> torch.Tensor:
+    """The same by a gather and batched matmuls over (kv head, request)."""
+    b, n, d = q.shape
+    num_kv, lmax = k_cache.shape[0], index.shape[1]
+    mask = torch.arange(lmax, device=q.device)[None, :] < lengths[:, None]  # [B, Lmax]
+    flat = index.masked_fill(~mask, 0).reshape(-1)
+    keys = k_cache.index_select(1, flat).view(num_kv, b, lmax, d)  # [K, B, L, D]
+    vals = v_cache.index_select(1, flat).view(num_kv, b, lmax, d)
+    qg = q.view(b, num_kv, -1, d).transpose(0, 1)  # [K, B, G, D]
+    scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * d**-0.5  # [K, B, G, L]
+    scores = scores.masked_fill(~mask[None, :, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(q.dtype)
+    out = torch.matmul(probs, vals)  # [K, B, G, D]
+    return out.transpose(0, 1).reshape(b, -1)

@@ -1,0 +1,160 @@
+/* CPU kernels of the engine that torch has no fused op for, built once by server/native.py.
+ *
+ * decode_attention_*: one query token per request against that request's keys and values read
+ * in place from the token-level KV pool (no gather copy). Semantics, per request b and query
+ * head n (kv head h = n / G, G = N / K):
+ *     p[l] = softmax_l(scale * q[b, n] . k[h, index[b, l]]),  l < lengths[b]
+ *     out[b, n] = sum_l p[l] * v[h, index[b, l]]
+ * Arithmetic in float32 whatever the storage type; bf16 is rounded to nearest even on output.
+ * Shapes: q, out [B, N, D] contiguous; k, v [K, S, D] contiguous (one layer of the pool);
+ * index [B, ld_index] int64 slots; lengths [B] int64, each >= 1 and <= ld_index.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+static inline float bf16_load(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* A row of D bf16 values to float32 (the bf16 bits are the high half of the float's). */
+static inline void bf16_row(const uint16_t *src, float *dst, int D) {
+    uint32_t *bits = (uint32_t *)dst;
+#pragma omp simd
+    for (int d = 0; d < D; d++) bits[d] = (uint32_t)src[d] << 16;
+}
+
+static inline uint16_t bf16_store(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* Rows slots[0:len] of one kv head's [S, D] matrix, as float32, into dst [len, D]. */
+static inline __attribute__((always_inline)) void load_rows(const void *src, int is_bf16,
+                                                             const int64_t *slots, int64_t len,
+                                                             int D, float *dst) {
+    for (int64_t l = 0; l < len; l++) {
+        int64_t off = slots[l] * (int64_t)D;
+        if (is_bf16)
+            bf16_row((const uint16_t *)src + off, dst + l * D, D);
+        else
+            memcpy(dst + l * D, (const float *)src + off, sizeof(float) * (size_t)D);
+    }
+}
+
+/* One (request, kv head): G query rows q [G, D] (float32) -> acc [G, D]. rows is [len, D],
+ * scores [G, len]. Loops run one query at a time so its D accumulators stay in registers. */
+static inline __attribute__((always_inline)) void attend_rows(
+    const float *q, const void *k, const void *v, int is_bf16, const int64_t *slots, int64_t len,
+    int G, int D, float scale, float *scores, float *rows, float *acc) {
+    load_rows(k, is_bf16, slots, len, D, rows);
+    for (int g = 0; g < G; g++) {
+        const float *qg = q + (size_t)g * D;
+        float *sg = scores + (size_t)g * len;
+        for (int64_t l = 0; l < len; l++) {
+            const float *kr = rows + l * D;
+            float s = 0.f;
+#pragma omp simd reduction(+ : s)
+            for (int d = 0; d < D; d++) s += qg[d] * kr[d];
+            sg[l] = s * scale;
+        }
+        float mx = -INFINITY, sum = 0.f;
+#pragma omp simd reduction(max : mx)
+        for (int64_t l = 0; l < len; l++) mx = sg[l] > mx ? sg[l] : mx;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t l = 0; l < len; l++) {
+            sg[l] = expf(sg[l] - mx);
+            sum += sg[l];
+        }
+        float inv = 1.f / sum;
+        for (int64_t l = 0; l < len; l++) sg[l] *= inv;
+    }
+    load_rows(v, is_bf16, slots, len, D, rows);
+    for (int g = 0; g < G; g++) {
+        const float *sg = scores + (size_t)g * len;
+        float *ag = acc + (size_t)g * D;
+        float a[D];
+        for (int d = 0; d < D; d++) a[d] = 0.f;
+        for (int64_t l = 0; l < len; l++) {
+            const float *vr = rows + l * D;
+            float p = sg[l];
+#pragma omp simd
+            for (int d = 0; d < D; d++) a[d] += p * vr[d];
+        }
+        for (int d = 0; d < D; d++) ag[d] = a[d];
+    }
+}
+
+static int decode_attention(const void *q, const void *k, const void *v, void *out,
+                            const int64_t *index, const int64_t *lengths, int is_bf16, int B,
+                            int N, int K, int D, int64_t ld_index, int64_t slots_per_head,
+                            float scale, int num_threads) {
+    int G = N / K, failed = 0;
+    int64_t max_len = 0;
+    for (int b = 0; b < B; b++) max_len = lengths[b] > max_len ? lengths[b] : max_len;
+#pragma omp parallel num_threads(num_threads) reduction(| : failed)
+    {
+        size_t floats = (size_t)G * max_len + (size_t)max_len * D + 2 * (size_t)G * D;
+        float *scores = malloc(sizeof(float) * floats);
+        if (scores == NULL) {
+            failed = 1;
+        } else {
+            float *rows = scores + (size_t)G * max_len, *qf = rows + (size_t)max_len * D;
+            float *acc = qf + (size_t)G * D;
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t bh = 0; bh < (int64_t)B * K; bh++) {
+                int b = (int)(bh / K), h = (int)(bh % K);
+                size_t q_off = ((size_t)b * N + (size_t)h * G) * D;
+                for (int i = 0; i < G * D; i++)
+                    qf[i] = is_bf16 ? bf16_load(((const uint16_t *)q)[q_off + i])
+                                    : ((const float *)q)[q_off + i];
+                size_t head = (size_t)h * slots_per_head * D;
+                const void *kh = is_bf16 ? (const void *)((const uint16_t *)k + head)
+                                         : (const void *)((const float *)k + head);
+                const void *vh = is_bf16 ? (const void *)((const uint16_t *)v + head)
+                                         : (const void *)((const float *)v + head);
+                const int64_t *slots = index + (size_t)b * ld_index;
+                /* Constant head dims let the compiler unroll the per-position loops. */
+                if (D == 64)
+                    attend_rows(qf, kh, vh, is_bf16, slots, lengths[b], G, 64, scale, scores, rows,
+                                acc);
+                else if (D == 128)
+                    attend_rows(qf, kh, vh, is_bf16, slots, lengths[b], G, 128, scale, scores,
+                                rows, acc);
+                else
+                    attend_rows(qf, kh, vh, is_bf16, slots, lengths[b], G, D, scale, scores, rows,
+                                acc);
+                for (int i = 0; i < G * D; i++) {
+                    if (is_bf16)
+                        ((uint16_t *)out)[q_off + i] = bf16_store(acc[i]);
+                    else
+                        ((float *)out)[q_off + i] = acc[i];
+                }
+            }
+            free(scores);
+        }
+    }
+    return failed;
+}
+
+int decode_attention_f32(const float *q, const float *k, const float *v, float *out,
+                         const int64_t *index, const int64_t *lengths, int B, int N, int K, int D,
+                         int64_t ld_index, int64_t slots_per_head, float scale, int num_threads) {
+    return decode_attention(q, k, v, out, index, lengths, 0, B, N, K, D, ld_index,
+                            slots_per_head, scale, num_threads);
+}
+
+int decode_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, uint16_t *out,
+                          const int64_t *index, const int64_t *lengths, int B, int N, int K,
+                          int D, int64_t ld_index, int64_t slots_per_head, float scale,
+                          int num_threads) {
+    return decode_attention(q, k, v, out, index, lengths, 1, B, N, K, D, ld_index,
+                            slots_per_head, scale, num_threads);
+}
