@@ -1,9 +1,14 @@
-"""The two CPU decode paths of the LoRA step, side by side: the masked dense plan
-(`gpu_lora.dense_decode`) and the grouped kernels (`gpu_lora.kernels.cpu`), per kernel and dtype.
+"""CPU decode paths of the LoRA step side by side, per kernel and dtype.
 
-The engine picks one per engine (`LoraKernels.choose`) from this comparison. Shapes: SmolLM2's
-q/k/v (H 576, kv 192) over 30 layers, B requests over A adapters of ranks 8/16/32/64, one thread.
-Rounds alternate the order of the two paths; the medians and their ratio are reported.
+- runs: the engine's path. Requests ordered by adapter, `LoraBatch` calls the segment kernel
+  once per run of one adapter's tokens (built once per step, as the engine does).
+- unsorted: the decode kernel on tokens in arrival order (it sorts them into runs per call:
+  a gather and a scatter per projection).
+- dense: the masked dense product the engine used before (every token times the rows of every
+  adapter of the batch, other adapters' columns zeroed), kept here as the baseline.
+
+Shapes: SmolLM2's q/k/v (H 576, kv 192) over 30 layers, B requests over A adapters of ranks
+8/16/32/64, one thread. Rounds alternate the order of the paths; medians are reported.
 
     python -m bench.bench_cpu_decode_paths [--batch 64] [--adapters 16] [--rounds 9]
 """
@@ -19,8 +24,8 @@ import torch
 
 from bench.envelope import describe_device, write_result
 from toppings.gpu_lora.adapter_pool import AdapterPool
-from toppings.gpu_lora.dense_decode import DenseDecodePlan
 from toppings.gpu_lora.kernels import cpu as cpu_kernels
+from toppings.gpu_lora.lora_batch import LoraBatch, LoraKernels
 from toppings.gpu_lora.peft_format import LoraAdapter
 from toppings.server.model_config import ModelConfig
 
@@ -48,6 +53,30 @@ def random_adapter(config: ModelConfig, name: str, rank: int, seed: int) -> Lora
     return LoraAdapter(name, "/random", rank, 2.0 * rank, 2.0, QKV, weights, num_bytes, None)
 
 
+def dense_delta(pool: AdapterPool, batch: list, padded: bool):
+    """The masked dense baseline: per module, the rows of every adapter of the batch and a
+    [B, R_tot] mask holding each token's scale on its own adapter's columns."""
+    distinct = sorted(set(batch), key=lambda a: a.offset)
+    max_rank = max(a.rank for a in distinct)
+    rows, cols, width = [], {}, 0
+    for a in distinct:
+        span = min(max_rank, pool.rows.capacity - a.offset) if padded else a.rank
+        cols[a.name] = width
+        rows.append(torch.arange(a.offset, a.offset + span))
+        width += span
+    index = torch.cat(rows)
+    mask = torch.zeros(len(batch), width, dtype=pool.dtype)  # [B, R_tot]
+    for i, a in enumerate(batch):
+        mask[i, cols[a.name] : cols[a.name] + a.rank] = a.scale
+
+    def add(module: str, x: torch.Tensor, y: torch.Tensor) -> None:
+        a = pool.lora_a[module][0][index]  # [R_tot, H_in]
+        b = pool.lora_b[module][0][index]  # [R_tot, H_out]
+        y += ((x @ a.T) * mask) @ b
+
+    return add
+
+
 def time_paths(kernel: str, dtype: torch.dtype, args) -> dict[str, float]:
     """Median seconds of one decode step's q/k/v LoRA over LAYERS layers, per path."""
     config = smollm2_shapes()
@@ -62,24 +91,32 @@ def time_paths(kernel: str, dtype: torch.dtype, args) -> dict[str, float]:
     offsets = torch.tensor([a.offset for a in batch], dtype=torch.int32)
     ranks_t = torch.tensor([a.rank for a in batch], dtype=torch.int32)
     scales = torch.tensor([a.scale for a in batch], dtype=torch.float32)
-    grouped_fn = getattr(cpu_kernels, f"{kernel}_decode")
+    decode_fn = getattr(cpu_kernels, f"{kernel}_decode")
+    kernels = LoraKernels.choose(kernel, "cpu", dtype)
     outs = {m: torch.zeros(args.batch, config.projection_shape(m)[1], dtype=dtype) for m in QKV}
 
+    def runs() -> None:
+        lora = LoraBatch(pool, kernels, sorted(batch, key=lambda a: a.name),
+                         list(range(args.batch + 1)), is_prefill=False)  # fmt: skip
+        for _ in range(LAYERS):
+            lora.add(0, x, tuple(outs.items()))
+
+    def unsorted() -> None:
+        for _ in range(LAYERS):
+            for m in QKV:
+                decode_fn(outs[m], x, pool.lora_a[m][0], pool.lora_b[m][0], offsets, ranks_t,
+                          scales, max(ranks))  # fmt: skip
+
     def dense() -> None:
-        plan = DenseDecodePlan(pool, batch, padded=kernel == "bgmv")
+        add = dense_delta(pool, batch, padded=kernel == "bgmv")
         for _ in range(LAYERS):
             for m in QKV:
-                plan.add(m, 0, x, outs[m])
+                add(m, x, outs[m])
 
-    def grouped() -> None:
-        for _ in range(LAYERS):
-            for m in QKV:
-                grouped_fn(outs[m], x, pool.lora_a[m][0], pool.lora_b[m][0], offsets, ranks_t,
-                           scales, max(ranks))  # fmt: skip
-
-    times: dict[str, list[float]] = {"dense": [], "grouped": []}
-    paths = [("dense", dense), ("grouped", grouped)]
-    dense(), grouped()  # warm-up
+    paths = [("runs", runs), ("unsorted", unsorted), ("dense", dense)]
+    times: dict[str, list[float]] = {name: [] for name, _ in paths}
+    for _, fn in paths:
+        fn()  # warm-up
     for r in range(args.rounds):
         for name, fn in paths if r % 2 == 0 else paths[::-1]:
             start = time.perf_counter()
@@ -102,9 +139,8 @@ def main(argv: list[str] | None = None) -> None:
         for dtype in (torch.bfloat16, torch.float32):
             t = time_paths(kernel, dtype, args)
             key = f"{kernel}_{str(dtype).removeprefix('torch.')}"
-            metrics[key] = {"dense_ms": round(t["dense"] * 1e3, 2),
-                            "grouped_ms": round(t["grouped"] * 1e3, 2),
-                            "dense_vs_grouped": round(t["dense"] / t["grouped"], 3)}  # fmt: skip
+            metrics[key] = {f"{name}_ms": round(v * 1e3, 2) for name, v in t.items()}
+            metrics[key]["dense_vs_runs"] = round(t["dense"] / t["runs"], 3)
             print(key, metrics[key])
     config = {"batch": args.batch, "adapters": args.adapters, "ranks": [8, 16, 32, 64],
               "layers": LAYERS, "modules": list(QKV), "rounds": args.rounds,

@@ -2,9 +2,14 @@
 
 Both sides run in this process, one after the other, on the same prompts, adapters and dtype.
 transformers + PEFT uses batched `generate(adapter_names=...)`; it is timed at several batch
-sizes and its fastest is the baseline. Also measures our decode step with and without LoRA.
+sizes and its fastest is the baseline. Also measured in the same run: our decode step with and
+without LoRA; our throughput at 1 thread (threads_speedup = all cores / 1 thread); one request
+alone (128-token prompt: TTFT and time per output token, ours and transformers', base and one
+adapter); and the GEMM rate of the model's own projections at the decode batch and at the
+prefill size (`gemm_gflops`), from which `roofline_fraction` = the time those GEMMs would take
+for the run's linear-layer FLOPs / the run's time.
 
-    python -m bench.bench_throughput --out bench/results/engine_throughput.json
+    python -m bench.bench_throughput --threads 0 --out bench/results/engine_throughput.json
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import argparse
 import json
 import logging
 import os
+import statistics
 import time
 from pathlib import Path
 
@@ -66,7 +72,69 @@ def run_ours(engine, prompts, names, new_tokens: int) -> dict:
     }
 
 
-def run_hf_peft(model_dir, adapters, prompts, names, new_tokens, batch_size, dtype, limit):
+def linear_flops(cfg, prompt_len: int, new_tokens: int, num_requests: int) -> tuple[int, int]:
+    """(prefill, decode) FLOPs of the workload's linear layers (attention scores not counted).
+
+    Prefill runs the layers over every prompt token and lm_head over the last one; each later
+    token runs both once (the last sampled token is never fed back).
+    """
+    h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    per_layer = h * (cfg.num_heads + 2 * cfg.num_kv_heads) * d + cfg.num_heads * d * h + 3 * h * i
+    layers = 2 * per_layer * cfg.num_layers
+    head = 2 * h * cfg.vocab_size
+    prefill = num_requests * (prompt_len * layers + head)
+    decode = num_requests * (new_tokens - 1) * (layers + head)
+    return prefill, decode
+
+
+def gemm_gflops(model, num_tokens: int, rounds: int = 5) -> float:
+    """GFLOP/s of the model's own projections (layer 0 and lm_head) at num_tokens rows."""
+    layer = model.layers[0]
+    linears = [layer.qkv, layer.o, layer.gate_up, layer.down, model.lm_head]
+    xs = [torch.randn(num_tokens, lin.in_features, dtype=model.dtype) for lin in linears]
+    flops = sum(2 * num_tokens * lin.in_features * lin.out_features for lin in linears)
+    for lin, x in zip(linears, xs):
+        lin(x)  # warm-up
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for lin, x in zip(linears, xs):
+            lin(x)
+        best = min(best, time.perf_counter() - start)
+    return flops / best / 1e9
+
+
+def run_single(engine, prompt, adapter: str | None, new_tokens: int, rounds: int) -> dict:
+    """One request alone: median TTFT and time per output token over `rounds` runs (ms)."""
+    params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    ttft, tpot = [], []
+    for _ in range(rounds):
+        out = engine.submit(GenerationRequest(prompt, params, adapter)).result()
+        ttft.append(out.ttft_s * 1e3)
+        tpot.append((out.e2e_s - out.ttft_s) * 1e3 / (new_tokens - 1))
+    return {"ttft_ms": statistics.median(ttft), "tpot_ms": statistics.median(tpot)}
+
+
+def run_hf_single(model, prompt, adapter: str | None, new_tokens: int, rounds: int) -> dict:
+    """transformers (+ PEFT for an adapter) on one request: TTFT = a 1-token generate, TPOT
+    from the rest."""
+    ids = torch.tensor([prompt])
+    kwargs = {"adapter_names": [adapter]} if adapter else {}
+
+    def generate(n: int) -> float:
+        start = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                           min_new_tokens=n, do_sample=False, pad_token_id=0, **kwargs)  # fmt: skip
+        return (time.perf_counter() - start) * 1e3
+
+    generate(2)  # warm-up
+    ttft = statistics.median(generate(1) for _ in range(rounds))
+    total = statistics.median(generate(new_tokens) for _ in range(rounds))
+    return {"ttft_ms": ttft, "tpot_ms": (total - ttft) / (new_tokens - 1)}
+
+
+def load_hf_peft(model_dir, adapters: dict[str, str], dtype):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -75,7 +143,11 @@ def run_hf_peft(model_dir, adapters, prompts, names, new_tokens, batch_size, dty
     model = PeftModel.from_pretrained(base, items[0][1], adapter_name=items[0][0])
     for name, path in items[1:]:
         model.load_adapter(path, adapter_name=name)
-    model.eval()
+    return model.eval()
+
+
+def run_hf_peft(model_dir, adapters, prompts, names, new_tokens, batch_size, dtype, limit):
+    model = load_hf_peft(model_dir, adapters, dtype)
     prompts, names = prompts[:limit], names[:limit]
     tokens = 0
     start = time.perf_counter()
@@ -105,7 +177,7 @@ def run_hf_peft(model_dir, adapters, prompts, names, new_tokens, batch_size, dty
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--dtype", default="float32", choices=["bfloat16", "float32"])
     p.add_argument("--num-adapters", type=int, default=16)
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=128)
@@ -118,12 +190,13 @@ def main(argv: list[str] | None = None) -> None:
         default=8,
         help="requests timed at batch size 1 (tokens/s over them; all 64 take minutes)",
     )
+    p.add_argument("--single-rounds", type=int, default=5, help="runs of the one-request test")
     p.add_argument("--adapter-dir", default="/tmp/toppings-bench-adapters")
-    p.add_argument("--threads", type=int, default=0, help="torch threads; 0: torch's default")
+    p.add_argument("--threads", type=int, default=0, help="torch threads; 0: every core")
     p.add_argument("--out", default="bench/results/engine_throughput.json")
     args = p.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    threads = args.threads or len(os.sched_getaffinity(0))
+    torch.set_num_threads(threads)
     load_before = os.getloadavg()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     model_dir = resolve_model_dir(args.model)
@@ -138,14 +211,36 @@ def main(argv: list[str] | None = None) -> None:
         max_batch_size=args.num_requests,
         max_total_tokens=args.num_requests * (args.prompt_len + args.new_tokens),
     )
+    started = time.perf_counter()
     engine = build_engine(str(model_dir), config, adapters)
+    startup_s = time.perf_counter() - started
+    single, single_hf = {}, {}
     try:
         run_ours(engine, prompts[:8], names[:8], 8)  # warm-up
         ours = run_ours(engine, prompts, names, args.new_tokens)
         base = run_ours(engine, prompts, [None] * len(prompts), args.new_tokens)
+        torch.set_num_threads(1)
+        ours_1 = run_ours(engine, prompts, names, args.new_tokens)
+        torch.set_num_threads(threads)
+        for label, adapter in (("base", None), ("adapter", names[0])):
+            single[label] = run_single(engine, prompts[0], adapter, args.new_tokens,
+                                       args.single_rounds)  # fmt: skip
+        mc = engine.model_config
+        gemm = {n: gemm_gflops(engine.model, n) for n in (args.num_requests, args.prompt_len * 16)}
     finally:
         engine.shutdown()
-    log.info("ours: %s; base model only: %s", ours, base)
+    log.info("ours: %s; base model only: %s; 1 thread: %s", ours, base, ours_1)
+    from transformers import AutoModelForCausalLM
+
+    # The base model alone is plain transformers; the adapter goes through PEFT.
+    hf_base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    single_hf["base"] = run_hf_single(hf_base, prompts[0], None, args.new_tokens,
+                                      args.single_rounds)  # fmt: skip
+    del hf_base
+    hf_model = load_hf_peft(model_dir, {names[0]: adapters[names[0]]}, dtype)
+    single_hf["adapter"] = run_hf_single(hf_model, prompts[0], names[0], args.new_tokens,
+                                         args.single_rounds)  # fmt: skip
+    del hf_model
     hf_runs = []
     for bs in (int(b) for b in args.hf_batch_sizes.split(",")):
         limit = args.hf_bs1_requests if bs == 1 else args.num_requests
@@ -154,6 +249,15 @@ def main(argv: list[str] | None = None) -> None:
         )
         log.info("transformers+peft: %s", hf_runs[-1])
     best = max(hf_runs, key=lambda r: r["tokens_per_s"])
+    prefill_flops, decode_flops = linear_flops(mc, args.prompt_len, args.new_tokens,
+                                               args.num_requests)  # fmt: skip
+    roofline_s = (
+        prefill_flops / gemm[args.prompt_len * 16] + decode_flops / gemm[args.num_requests]
+    ) / 1e9
+    single_ratios = {
+        f"{kind}_ratio_vs_hf_{label}": single[label][f"{kind}_ms"] / single_hf[label][f"{kind}_ms"]
+        for label in single for kind in ("ttft", "tpot")
+    }  # fmt: skip
     result = write_result(
         args.out,
         "engine_throughput",
@@ -162,9 +266,12 @@ def main(argv: list[str] | None = None) -> None:
         argv=argv,
         config={
             **{k: v for k, v in vars(args).items() if k != "out"},
+            "threads": threads,
             "targets": TARGETS,
             "ranks": RANKS,
             "ours": "in-process engine, all requests submitted at once",
+            "gemm": "model's own packed projections (layer 0 + lm_head), best of 5, at the decode"
+            " batch and at 16 prompts' tokens",
             "load_average_1min_before_after": [load_before[0], os.getloadavg()[0]],
         },
         metrics={
@@ -176,6 +283,16 @@ def main(argv: list[str] | None = None) -> None:
             "decode_step_ms_base": base["decode_step_ms"],
             "decode_step_ratio_lora_vs_base": ours["decode_step_ms"] / base["decode_step_ms"],
             "tokens_per_s_base_only": base["tokens_per_s"],
+            "gemm_gflops": (prefill_flops + decode_flops) / roofline_s / 1e9,
+            "gemm_gflops_decode_batch": gemm[args.num_requests],
+            "gemm_gflops_prefill": gemm[args.prompt_len * 16],
+            "roofline_fraction": roofline_s / ours["seconds"],
+            "tokens_per_s_1_thread": ours_1["tokens_per_s"],
+            "threads_speedup": ours["tokens_per_s"] / ours_1["tokens_per_s"],
+            "ttft_ms_single": single["base"]["ttft_ms"],
+            "tpot_ms_single": single["base"]["tpot_ms"],
+            "single": {"ours": single, "transformers": single_hf, **single_ratios},
+            "startup_s": startup_s,
             "hf_peft_runs": hf_runs,
         },
     )

@@ -2,12 +2,14 @@
 
 Built once per step (pool offsets are the same in every layer) and called by the model after each
 base projection: `add(layer, x, ((module, y), ...))` adds every request's delta into y in place.
-A request whose adapter is still loading (Toppings' CPU-assisted mode) reads its ticket at every
-layer: layers already resident run on the device with the others, the rest go to the host
-(`cpu_lora` workers, or the in-process `HostLora`) in one call per layer and input, covering every
-projection that shares that input. Decode on a CPU device with every adapter resident uses the
-masked dense plan of `dense_decode` where that is faster; the rest calls the kernels. Which path
-and kernels run is decided once per engine (`LoraKernels.choose`), never per step.
+The engine orders a step's requests by adapter, so consecutive requests of one adapter form one
+run of tokens: prefill runs one matmul pair per run, not per request, and on a CPU decode does
+the same (the segment kernel over runs: each adapter's rows read once, no gather, no masked
+product over other adapters' ranks). On a GPU decode calls the per-token kernel. A run whose
+adapter is still loading (Toppings' CPU-assisted mode) reads its ticket at every layer: layers
+already resident run with the others, the rest go to the host (`cpu_lora` workers, or the
+in-process `HostLora`) in one call per layer and input, covering every projection that shares
+that input. Which kernels run is decided once per engine (`LoraKernels.choose`), never per step.
 """
 
 from __future__ import annotations
@@ -19,13 +21,9 @@ from dataclasses import dataclass
 import torch
 
 from toppings.gpu_lora.adapter_pool import AdapterPool, ResidentAdapter
-from toppings.gpu_lora.dense_decode import DenseDecodePlan
 from toppings.gpu_lora.host_lora import HostLoraRunner
 from toppings.gpu_lora.kernels import get_kernels
 from toppings.gpu_lora.loader import LoadTicket
-
-# (kernel, dtype) where the masked dense decode plan beats the grouped CPU kernels.
-DENSE_DECODE_WINS = {("mbgmv", torch.bfloat16)}
 
 
 @dataclass(frozen=True)
@@ -33,16 +31,15 @@ class LoraKernels:
     """The LoRA kernels of one engine, chosen once from --kernel and the device.
 
     decode / prefill: the kernel functions (signatures of `kernels.reference`); padded: BGMV
-    (every adapter read over the batch's max rank) rather than MBGMV; dense_decode: a decode
-    step whose adapters are all resident uses the masked dense plan, where it is the faster CPU
-    path (`bench/results/cpu_decode_paths.json`: MBGMV in bfloat16 only, 0.53x the grouped
-    kernels' time; 1.2x-3.2x slower for BGMV or float32).
+    (every adapter read over the batch's max rank) rather than MBGMV; segment_decode: decode steps
+    call the segment (prefill) kernel over runs of one adapter's tokens, the CPU's fast path
+    (`bench/results/cpu_decode_paths.json`).
     """
 
     decode: Callable
     prefill: Callable
     padded: bool
-    dense_decode: bool
+    segment_decode: bool
 
     @classmethod
     def choose(cls, kernel: str, device: str, dtype: torch.dtype) -> LoraKernels:
@@ -54,8 +51,7 @@ class LoraKernels:
             "bgmv": (backend.bgmv_decode, backend.bgmv_prefill),
             "mbgmv": (backend.mbgmv_decode, backend.mbgmv_prefill),
         }[kernel]
-        dense = device == "cpu" and (kernel, dtype) in DENSE_DECODE_WINS
-        return cls(decode, prefill, padded=kernel == "bgmv", dense_decode=dense)
+        return cls(decode, prefill, padded=kernel == "bgmv", segment_decode=device == "cpu")
 
 
 @dataclass
@@ -67,7 +63,11 @@ class HostLoraStats:
 
 
 class LoraBatch:
-    """Per-module offsets, ranks and scales of the B requests of a step, and their tickets."""
+    """Per-module offsets, ranks and scales of the units of a step (runs or tokens), and tickets.
+
+    A unit is a run of consecutive requests of one adapter (prefill, and decode with
+    segment_decode), or one request (per-token decode kernels).
+    """
 
     def __init__(
         self,
@@ -81,20 +81,21 @@ class LoraBatch:
         host_stats: HostLoraStats | None = None,
     ):
         self.pool = pool
-        self.is_prefill = is_prefill
         self.host_stats = host_stats if host_stats is not None else HostLoraStats()
-        self._adapters = adapters
-        self._seg_starts_list = seg_starts
-        loading = [i for i, t in enumerate(tickets or []) if t is not None and not t.done]
-        self._loading = [(i, tickets[i]) for i in loading]
         self._host = host
-        self._dense = None
-        if not is_prefill and kernels.dense_decode and not loading:
-            self._dense = DenseDecodePlan(pool, adapters, padded=kernels.padded)
-            return
+        tickets = tickets or [None] * len(adapters)
+        self._segmented = is_prefill or kernels.segment_decode
+        if self._segmented:
+            first, starts = _runs(adapters, seg_starts)
+            adapters = [adapters[i] for i in first]
+            tickets = [tickets[i] for i in first]
+        else:
+            starts = seg_starts
+        self._adapters, self._starts = adapters, starts
+        self._loading = [(i, t) for i, t in enumerate(tickets) if t is not None and not t.done]
         device = pool.device
-        self._seg_starts = torch.tensor(seg_starts, dtype=torch.int32, device=device)
-        self._fn = kernels.prefill if is_prefill else kernels.decode
+        self._seg_starts = torch.tensor(starts, dtype=torch.int32, device=device)
+        self._fn = kernels.prefill if self._segmented else kernels.decode
         offsets = torch.tensor([a.offset if a else 0 for a in adapters], dtype=torch.int32)
         scales = torch.tensor([a.scale if a else 0.0 for a in adapters], dtype=torch.float32)
         offsets, scales = offsets.to(device), scales.to(device)
@@ -108,10 +109,6 @@ class LoraBatch:
 
     def add(self, layer: int, x: torch.Tensor, outputs) -> None:
         """y += LoRA delta for each (module, y) pair; x [T, H_in], y [T, H_out], in place."""
-        if self._dense is not None:
-            for module, y in outputs:
-                self._dense.add(module, layer, x, y)
-            return
         not_ready = [i for i, t in self._loading if t.layers_ready() <= layer]
         for module, y in outputs:
             args = self._args.get(module)
@@ -120,18 +117,18 @@ class LoraBatch:
             offsets, ranks, scales, max_rank = args
             if not_ready:
                 ranks = ranks.clone()
-                ranks[not_ready] = 0  # these requests' rows of this layer are not there yet
+                ranks[not_ready] = 0  # these units' rows of this layer are not there yet
             a = self.pool.lora_a[module][layer]  # [C, H_in]
             b = self.pool.lora_b[module][layer]  # [C, H_out]
-            lead = (self._seg_starts,) if self.is_prefill else ()
+            lead = (self._seg_starts,) if self._segmented else ()
             # max_rank: BGMV's padding; for MBGMV only a bound that spares a device sync.
             self._fn(y, x, a, b, *lead, offsets, ranks, scales, max_rank)
         if not_ready:
             self._add_on_host(layer, x, outputs, not_ready)
 
     def _add_on_host(self, layer: int, x: torch.Tensor, outputs, not_ready: list[int]) -> None:
-        """One host call for every projection of this input, for the requests still loading."""
-        starts = self._seg_starts_list
+        """One host call for every projection of this input, for the units still loading."""
+        starts = self._starts
         segments = [(self._adapters[i].name, starts[i], starts[i + 1]) for i in not_ready]
         modules = tuple(m for m, _ in outputs if m in self._args)
         if not modules:
@@ -142,10 +139,23 @@ class LoraBatch:
         deltas = self._host.run(layer, x.detach(), segments, modules, copy=False)
         self.host_stats.seconds += time.perf_counter() - begin
         self.host_stats.calls += 1
-        # Rows outside the loading requests' span are zero: add only the span.
+        # Rows outside the loading units' span are zero: add only the span.
         lo = min(start for _, start, _ in segments)
         hi = max(end for _, _, end in segments)
         for module, y in outputs:
             delta = deltas.get(module)
             if delta is not None:
                 y[lo:hi] += delta[lo:hi].to(device=y.device, dtype=y.dtype)
+
+
+def _runs(
+    adapters: list[ResidentAdapter | None], seg_starts: list[int]
+) -> tuple[list[int], list[int]]:
+    """Maximal runs of consecutive requests with the same adapter: (first request of each run,
+    run token boundaries [runs + 1])."""
+    first, starts = [], []
+    for i, adapter in enumerate(adapters):
+        if not first or adapter != adapters[first[-1]]:
+            first.append(i)
+            starts.append(seg_starts[i])
+    return first, starts + [seg_starts[-1]]

@@ -10,10 +10,11 @@ in the LoRA work, tokens x rank (padded to the max rank for BGMV):
 An empty set costs 0: no iteration runs. Latencies are in milliseconds.
 
 Eq. 2 assumes the base model's cost does not depend on the batch, as on a GPU that is far from
-saturated. On a CPU it grows with |S| (lm_head, sampling, attention), and the CPU decode path
-multiplies every token by the rows of every adapter of the batch (gpu_lora/dense_decode.py), so
-its LoRA work is |S| x the Eq. 2 term. FORMS["batch"] adds those terms; FORMS["eq2"] (the default)
-is the paper's. A fitted model carries its feature names, so a JSON file says which form it is.
+saturated. On a CPU it grows with |S| (lm_head, sampling, attention). FORMS["batch"] adds terms
+in |S| and |S| x rank (fitted when the dense masked CPU decode path, since replaced by one
+matmul pair per adapter run, made LoRA work grow with |S| x the Eq. 2 term); FORMS["eq2"] (the
+default) is the paper's. A fitted model carries its feature names, so a JSON file says which
+form it is.
 
 Sample format (one JSON object per measured engine iteration; JSONL on disk):
     {"kernel": "bgmv"|"mbgmv", "phase": "decode"|"prefill",

@@ -303,6 +303,8 @@ class Engine:
 
     def _step(self, seqs: list[Sequence], is_prefill: bool) -> None:
         device = self.model.device
+        # One adapter's requests side by side: the LoRA kernels run once per run of them.
+        seqs = sorted(seqs, key=lambda s: s.request.adapter or "")
         if is_prefill:
             slots = torch.cat([self.kv.extend(s.row, s.prompt_len) for s in seqs])
             ids = [t for s in seqs for t in s.request.prompt_ids]

@@ -25,6 +25,7 @@ class Linear:
     """y = x @ W.T for a fixed weight W [out, in]; x [T, in] -> y [T, out] in W's dtype."""
 
     def __init__(self, weight: torch.Tensor, pack: bool = True) -> None:
+        self.out_features, self.in_features = weight.shape
         self.is_packed = pack and weight.device.type == "cpu" and packing_works(weight.dtype)
         # Only the packed copy is kept here (a tied lm_head's embedding stays, for the lookup).
         self._weight = _pack(weight) if self.is_packed else weight

@@ -1,19 +1,17 @@
-"""LoRA kernels for the engine on CPU: one matmul pair per adapter group, in float32.
+"""LoRA kernels for the engine on CPU: one matmul pair per run of one adapter's tokens.
 
-Decode groups the batch's tokens by adapter, so each adapter's rows are read once and every
-token is computed over its own rows only; nothing is assumed of the pool's other rows (they may
-hold NaN). Prefill runs one matmul pair per segment, on the segment's contiguous tokens.
+The engine orders a step's requests by adapter, so each adapter's tokens are one contiguous run
+(`lora_batch`): prefill and decode both call the segment kernels over those runs, so each
+adapter's rows are read once per projection and every token is computed over its own adapter's
+rows only (nothing is assumed of the pool's other rows; they may hold NaN). The decode kernels,
+for tokens in any order, sort them into such runs first. Arithmetic is in float32 and y is
+rounded once: torch's bfloat16 matmuls of these small shapes took 35-45 us each where float32
+took 4-8 us and converting first 20 us (1 thread, Xeon with avx512_bf16, no AMX).
 
-The engine uses these for prefill and for decode steps with a load in flight. A decode step
-whose adapters are all resident uses `gpu_lora.dense_decode` instead: one masked product over
-every adapter's rows, which relies on the pool keeping unowned rows at zero. Neither wins in
-every dtype (ad-hoc, 1 thread, batch 64, 16 adapters r8-64, q/k/v of SmolLM2 x 30 layers:
-bfloat16 dense 17 ms vs grouped 32 ms; float32 dense 56 ms vs grouped 26 ms), so both remain.
-
-BGMV keeps its cost model on CPU: each group's weights are zero-padded to the batch's max_rank,
-so its work grows with B x max_rank as on the GPU, and bgmv/mbgmv comparisons made on a CPU
-engine measure the padding they are meant to measure. Semantics and arguments of every function
-are those of the same-named function in `gpu_lora.kernels.reference`.
+BGMV keeps its cost model on CPU: each run's weights are zero-padded to the batch's max_rank, so
+its work grows with B x max_rank as on the GPU, and bgmv/mbgmv comparisons made on a CPU engine
+measure the padding they are meant to measure. Semantics and arguments of every function are
+those of the same-named function in `gpu_lora.kernels.reference`.
 """
 
 from __future__ import annotations
@@ -26,66 +24,54 @@ from toppings.gpu_lora.kernels.checks import check_decode, check_prefill, check_
 Tensor = torch.Tensor
 
 
-def _weights(lora_a, lora_b, off: int, r: int, pad_to: int | None) -> tuple[Tensor, Tensor]:
-    """An adapter's A [R, H_in] and B^T [R, H_out] in float32, zero-padded to pad_to rows."""
-    a, b = lora_a[off : off + r].float(), lora_b[off : off + r].float()
-    if pad_to is not None and pad_to > r:
-        a = F.pad(a, (0, 0, 0, pad_to - r))
-        b = F.pad(b, (0, 0, 0, pad_to - r))
-    return a, b
-
-
-def _add_rows(y: Tensor, rows: Tensor | None, delta: Tensor) -> None:
-    """y[rows] += delta (rows None: all of y), summed in float32 and rounded once."""
-    if rows is None:
-        y.copy_(y.float() + delta) if y.dtype != torch.float32 else y.add_(delta)
-    elif y.dtype == torch.float32:
-        y.index_add_(0, rows, delta)
-    else:
-        y.index_copy_(0, rows, (y.index_select(0, rows).float() + delta).to(y.dtype))
+def _segments(y, x, lora_a, lora_b, runs, pad_to: int | None) -> None:
+    """y[s:e] += scale * (x[s:e] @ A.T) @ B for each run (s, e, offset, rank, scale), in place."""
+    for start, end, off, r, scale in runs:
+        if r == 0 or end == start:
+            continue
+        a, b = lora_a[off : off + r], lora_b[off : off + r]  # A [R, H_in], B^T [R, H_out]
+        if pad_to is not None and pad_to > r:
+            a = F.pad(a, (0, 0, 0, pad_to - r))
+            b = F.pad(b, (0, 0, 0, pad_to - r))
+        if y.dtype == torch.float32:
+            h = x[start:end] @ a.T  # [n, R]
+            y[start:end].addmm_(h, b, alpha=scale)
+        else:
+            a, b = a.float(), b.float()
+            h = x[start:end].float() @ a.T
+            y[start:end] = torch.addmm(y[start:end].float(), h, b, alpha=scale).to(y.dtype)
 
 
 def _decode(y, x, lora_a, lora_b, offsets, ranks, scales, max_rank, padded: bool) -> None:
-    offs, rks = offsets.tolist(), ranks.tolist()
+    offs, rks, scs = offsets.tolist(), ranks.tolist(), scales.tolist()
     check_rows(offs, rks, lora_a.shape[0], max_rank)
-    pad_to = max_rank if padded else None
-    groups: dict[tuple[int, int], list[int]] = {}
-    for i, (off, r) in enumerate(zip(offs, rks, strict=True)):
-        if r > 0:
-            groups.setdefault((off, r), []).append(i)
+    groups: dict[tuple[int, int, float], list[int]] = {}
+    for i, key in enumerate(zip(offs, rks, scs, strict=True)):
+        if key[1] > 0:
+            groups.setdefault(key, []).append(i)
     if not groups:
         return
-    # Sort the tokens by adapter once, so that each group is a slice and costs three ops.
     order = [i for idx in groups.values() for i in idx]
-    rows = None if order == list(range(y.shape[0])) else torch.tensor(order)
-    xs = (x if rows is None else x.index_select(0, rows)).float()  # [n, H_in]
-    ss = (scales if rows is None else scales.index_select(0, rows))[:, None]  # [n, 1]
-    delta = torch.empty(len(order), y.shape[1], dtype=torch.float32)  # [n, H_out]
-    start = 0
-    for (off, r), idx in groups.items():
-        sel = slice(start, start + len(idx))
+    runs, start = [], 0
+    for (off, r, scale), idx in groups.items():
+        runs.append((start, start + len(idx), off, r, scale))
         start += len(idx)
-        a, b = _weights(lora_a, lora_b, off, r, pad_to)
-        h = (xs[sel] @ a.T).mul_(ss[sel])  # [n_g, R]
-        torch.mm(h, b, out=delta[sel])
-    _add_rows(y, rows, delta)
+    pad_to = max_rank if padded else None
+    if order == list(range(y.shape[0])):  # already in runs: add in place
+        _segments(y, x, lora_a, lora_b, runs, pad_to)
+        return
+    rows = torch.tensor(order)
+    ys = y.index_select(0, rows)  # [n, H_out]
+    _segments(ys, x.index_select(0, rows), lora_a, lora_b, runs, pad_to)
+    y.index_copy_(0, rows, ys)
 
 
 def _prefill(y, x, lora_a, lora_b, seg_starts, offsets, ranks, scales, max_rank, padded) -> None:
     starts, offs, rks = seg_starts.tolist(), offsets.tolist(), ranks.tolist()
     check_segments(starts, y.shape[0])
     check_rows(offs, rks, lora_a.shape[0], max_rank)
-    pad_to = max_rank if padded else None
-    for seg, (off, r) in enumerate(zip(offs, rks, strict=True)):
-        sel = slice(starts[seg], starts[seg + 1])
-        if r == 0 or sel.stop == sel.start:
-            continue
-        a, b = _weights(lora_a, lora_b, off, r, pad_to)
-        h = (x[sel].float() @ a.T).mul_(scales[seg])  # [n, R]
-        if y.dtype == torch.float32:
-            y[sel].addmm_(h, b)
-        else:
-            y[sel] = torch.addmm(y[sel].float(), h, b).to(y.dtype)
+    runs = zip(starts[:-1], starts[1:], offs, rks, scales.tolist(), strict=True)
+    _segments(y, x, lora_a, lora_b, runs, max_rank if padded else None)
 
 
 def bgmv_decode(
