@@ -170,8 +170,12 @@ class Engine:
             for a in list(self._adapters.values())
         ]
 
-    def submit(self, request: GenerationRequest) -> RequestHandle:
-        """Queue a request; raises RequestError when it can never be served."""
+    def submit(
+        self, request: GenerationRequest, outputs: queue.Queue | None = None
+    ) -> RequestHandle:
+        """Queue a request; raises RequestError when it can never be served.
+
+        outputs: a queue shared with other requests, for a caller that reads them together."""
         if self._stopping.is_set() or self._draining.is_set():
             raise RequestError("the server is shutting down", 503, "unavailable")
         ids = request.prompt_ids
@@ -193,7 +197,7 @@ class Engine:
             raise RequestError(
                 f"request needs {need} KV slots; the server has {self.config.max_total_tokens}"
             )
-        handle = RequestHandle(request, self.abort)
+        handle = RequestHandle(request, self.abort, outputs)
         self._inbox.put(Sequence(request, handle, self.tokenizer, time.monotonic()))
         return handle
 
@@ -319,6 +323,7 @@ class Engine:
             seg_starts = list(range(len(seqs) + 1))
             index, mask = self.kv.decode_index(rows)
         lora = self.lora.step([s.cache_entry for s in seqs], seg_starts, is_prefill)
+        rows = Sequence.logit_rows(seqs, seg_starts) if is_prefill else None
         batch = ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
             positions=torch.tensor(positions, dtype=torch.int64, device=device),
@@ -328,11 +333,13 @@ class Engine:
             kv_index=index,
             kv_mask=mask,
             lora=lora,
+            logit_rows=None if rows is None else torch.tensor(rows, device=device),
         )
-        logits = self.model.forward(batch, self.kv)  # [B, V]
+        logits = self.model.forward(batch, self.kv)  # [R, V]; R = B unless a prompt is scored
         if is_prefill:
+            logits = Sequence.score_prompts(seqs, logits)  # [B, V]
             self._running.extend(seqs)
-        tokens = Sequence.sample_batch(seqs, logits)
+        tokens = Sequence.sample_batch(seqs, logits, self.eos_ids)
         for seq, token in zip(seqs, tokens):
             reason = seq.append(token, self.eos_ids, self.max_model_len)
             if reason is not None:
