@@ -159,7 +159,7 @@ BAD_REQUESTS = [
     ("POST", "/v1/completions", {"prompt": "x", "max_tokens": "ten"}, 400),
     ("POST", "/v1/completions", {"prompt": "x", "temperature": "hot"}, 400),
     ("POST", "/v1/completions", {"prompt": "x", "stop": 5}, 400),
-    ("POST", "/v1/completions", {"prompt": "x", "n": 2}, 400),
+    ("POST", "/v1/completions", {"prompt": "x", "n": 99}, 400),
     ("POST", "/v1/completions", {"prompt": "x", "max_tokens": 0}, 400),
     ("POST", "/v1/completions", {"prompt": "x", "max_tokens": -3}, 400),
     ("POST", "/v1/completions", {"prompt": "x", "max_tokens": 10**12}, 400),
@@ -209,7 +209,9 @@ def test_unexpected_exception_is_a_json_500(client, engine, monkeypatch):
 def test_closing_a_stream_aborts_the_request(client, engine, monkeypatch):
     handles = []
     submit = engine.submit
-    monkeypatch.setattr(engine, "submit", lambda req: handles.append(submit(req)) or handles[-1])
+    monkeypatch.setattr(
+        engine, "submit", lambda req, *args: handles.append(submit(req, *args)) or handles[-1]
+    )
     body = {
         "input_ids": [1, 2, 3],
         "max_new_tokens": engine.max_model_len - 3,
