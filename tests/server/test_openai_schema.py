@@ -128,7 +128,8 @@ def test_chat_logprobs(body, expected):
     "body, words",
     [({"top_logprobs": 2}, "needs 'logprobs': true"),
      ({"logprobs": True, "top_logprobs": 21}, "'top_logprobs' must be in"),
-     ({"logprobs": 1}, "'logprobs' must be a boolean"), ({"echo": True}, "'echo' is not supported")],
+     ({"logprobs": 1}, "'logprobs' must be a boolean"),
+     ({"echo": True}, "'echo' is not supported")],
 )  # fmt: skip
 def test_chat_logprobs_rejects(body, words):
     body["messages"] = [{"role": "user", "content": "x"}]
