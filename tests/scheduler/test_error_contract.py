@@ -9,6 +9,7 @@ its modules import nothing of toppings.server but the HTTP contract (errors, sta
 from __future__ import annotations
 
 import ast
+import io
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -40,7 +41,7 @@ class FlaskSession:
         response = requests.Response()
         response.status_code = answer.status_code
         response.headers.update(answer.headers)
-        response._content = answer.data
+        response.raw = io.BytesIO(answer.data)  # read whole or streamed, as the router asks
         return response
 
 
