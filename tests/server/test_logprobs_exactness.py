@@ -78,6 +78,23 @@ def test_logprobs_match_peft(tmp_path_factory, tiny_model_dir, kernel, lora_mode
     check_against_reference(tiny_model_dir, adapters, prompts, results)
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("kernel", ["mbgmv", "bgmv"])
+def test_logprobs_match_peft_on_cuda(tmp_path_factory, tiny_model_dir, kernel):
+    """The engine on the GPU (Triton kernels, logits and log-softmax on the device)."""
+    adapters = make_adapters(tmp_path_factory.mktemp("adapters_cuda"), tiny_model_dir)
+    config = EngineConfig(device="cuda", dtype="float32", kernel=kernel, max_total_tokens=4096,
+                          max_batch_size=16)  # fmt: skip
+    engine = build_engine(str(tiny_model_dir), config, adapters)
+    try:
+        prompts = mixed_prompts(200, seed=6)
+        results = run_scored(engine, prompts, temperature=0.8)
+    finally:
+        engine.shutdown()
+    check_against_reference(tiny_model_dir, adapters, prompts, results)
+
+
 def test_prompt_only_scoring_generates_nothing(tiny_model_dir):
     """max_new_tokens 0: the prompt is scored, no token is generated, the KV row is freed."""
     engine = build_engine(str(tiny_model_dir), EngineConfig(dtype="float32", max_total_tokens=512))
