@@ -15,6 +15,8 @@ import torch
 
 from toppings.server.request import SamplingParams, TokenLogprob
 
+LOGPROB_CHUNK_ROWS = 256
+
 
 def process_row(
     logits: torch.Tensor,
@@ -46,13 +48,21 @@ def process_row(
 
 
 def token_logprobs(logits: torch.Tensor, token_ids: list[int], k: int) -> list[TokenLogprob]:
-    """Each row's log-softmax value of its token and its top-k. logits float32 [R, V]."""
-    logprobs = torch.log_softmax(logits.float(), dim=-1)  # [R, V]
-    chosen = logprobs.gather(1, torch.tensor(token_ids, device=logits.device)[:, None])
-    chosen = chosen[:, 0].tolist()
-    if k > 0:
-        values, ids = logprobs.topk(k, dim=-1)  # [R, k]
-        tops = [tuple(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
-    else:
-        tops = [()] * len(token_ids)
-    return [TokenLogprob(t, lp, top) for t, lp, top in zip(token_ids, chosen, tops)]
+    """Each row's log-softmax value of its token and its top-k. logits float32 [R, V].
+
+    Rows go through in chunks, so scoring a long prompt holds one chunk's log-softmax at a time.
+    """
+    out: list[TokenLogprob] = []
+    for start in range(0, len(token_ids), LOGPROB_CHUNK_ROWS):
+        rows = logits[start : start + LOGPROB_CHUNK_ROWS]
+        ids = token_ids[start : start + LOGPROB_CHUNK_ROWS]
+        logprobs = torch.log_softmax(rows.float(), dim=-1)  # [r, V]
+        index = torch.tensor(ids, device=logits.device)[:, None]
+        chosen = logprobs.gather(1, index)[:, 0].tolist()
+        if k > 0:
+            values, top_ids = logprobs.topk(k, dim=-1)  # [r, k]
+            tops = [tuple(zip(i, v)) for i, v in zip(top_ids.tolist(), values.tolist())]
+        else:
+            tops = [()] * len(ids)
+        out.extend(TokenLogprob(t, lp, top) for t, lp, top in zip(ids, chosen, tops))
+    return out
