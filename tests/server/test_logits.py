@@ -56,6 +56,16 @@ def test_token_logprobs_are_log_softmax():
         assert [t for t, _ in lp.top] == ref[row].topk(3).indices.tolist()
 
 
+def test_token_logprobs_in_chunks_equal_one_pass():
+    logits = torch.randn(600, 40, generator=torch.Generator().manual_seed(2))  # 3 chunks
+    ids = torch.randint(0, 40, (600,), generator=torch.Generator().manual_seed(3)).tolist()
+    out = token_logprobs(logits, ids, k=2)
+    ref = torch.log_softmax(logits, -1)
+    assert [o.token_id for o in out] == ids
+    assert torch.allclose(torch.tensor([o.logprob for o in out]), ref[range(600), ids])
+    assert [o.top[0][0] for o in out] == ref.argmax(-1).tolist()
+
+
 @pytest.mark.parametrize(
     "changes, words",
     [(dict(presence_penalty=2.5), "presence_penalty"), (dict(repetition_penalty=0), "repetition"),
