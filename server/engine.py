@@ -170,12 +170,8 @@ class Engine:
             for a in list(self._adapters.values())
         ]
 
-    def submit(
-        self, request: GenerationRequest, outputs: queue.Queue | None = None
-    ) -> RequestHandle:
-        """Queue a request; raises RequestError when it can never be served.
-
-        outputs: a queue shared with other requests, for a caller that reads them together."""
+    def submit(self, request: GenerationRequest) -> RequestHandle:
+        """Queue a request; raises RequestError when it can never be served."""
         if self._stopping.is_set() or self._draining.is_set():
             raise RequestError("the server is shutting down", 503, "unavailable")
         ids = request.prompt_ids
@@ -197,7 +193,7 @@ class Engine:
             raise RequestError(
                 f"request needs {need} KV slots; the server has {self.config.max_total_tokens}"
             )
-        handle = RequestHandle(request, self.abort, outputs)
+        handle = RequestHandle(request, self.abort)
         self._inbox.put(Sequence(request, handle, self.tokenizer, time.monotonic()))
         return handle
 

@@ -11,7 +11,7 @@ import dataclasses
 import itertools
 import queue
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 MAX_STOP_STRINGS = 16
@@ -151,10 +151,11 @@ class RequestOutput:
 class RequestHandle:
     """The client side of a submitted request: a queue the engine writes and a handler reads."""
 
-    def __init__(self, request: GenerationRequest, abort_fn, outputs: queue.Queue | None = None):
-        """outputs: a queue shared by several requests (their outputs carry request_id)."""
+    def __init__(self, request: GenerationRequest, abort_fn):
         self.request = request
-        self._outputs: queue.Queue[RequestOutput] = queue.Queue() if outputs is None else outputs
+        self._outputs: queue.Queue[RequestOutput] = queue.Queue()
+        # Called after each put: lets one reader wait on many handles (server.request_group).
+        self.on_put: Callable[[], None] | None = None
         self._abort_fn = abort_fn
         self._finished = threading.Event()
 
@@ -165,6 +166,8 @@ class RequestHandle:
     def put(self, output: RequestOutput) -> None:
         """Engine side: deliver one output (the last one carries finish_reason)."""
         self._outputs.put(output)
+        if self.on_put is not None:
+            self.on_put()
 
     def events(self, timeout_s: float | None = None) -> Iterator[RequestOutput]:
         """Yield outputs as the engine produces them, up to and including the final one."""
@@ -174,6 +177,18 @@ class RequestHandle:
             if out.finish_reason is not None:
                 self._finished.set()
                 return
+
+    def poll(self) -> list[RequestOutput]:
+        """The outputs delivered so far and not read yet, without waiting."""
+        outs = []
+        while True:
+            try:
+                out = self._outputs.get_nowait()
+            except queue.Empty:
+                return outs
+            outs.append(out)
+            if out.finish_reason is not None:
+                self._finished.set()
 
     def result(self, timeout_s: float | None = None) -> RequestOutput:
         """Wait for the end and merge every output into one."""

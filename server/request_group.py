@@ -1,13 +1,15 @@
 """Several engine requests answered as one HTTP response (n choices, a list of prompts).
 
-The requests are submitted together and share one output queue, so a handler thread reads every
-choice's outputs in the order the engine produces them. Leaving early, a client disconnect, or a
-failure aborts every request of the group that has not ended.
+The requests are submitted together; one handler thread reads every choice's outputs as the
+engine produces them: each handle wakes the group when it gets an output (`RequestHandle.on_put`)
+and the group sweeps the handles that have something, so no thread per choice and no busy
+polling. Leaving early, a client disconnect, or a failure aborts every request of the group that
+has not ended.
 """
 
 from __future__ import annotations
 
-import queue
+import threading
 from collections.abc import Callable, Iterator
 
 from toppings.server.errors import SERVER_ERROR
@@ -22,23 +24,24 @@ class RequestGroup:
     def __init__(self, engine, requests: list[GenerationRequest]):
         """Submit every request; if one is refused, abort those already submitted."""
         self._engine = engine
-        self._outputs: queue.Queue[RequestOutput] = queue.Queue()
+        self._wake = threading.Event()
         self._handles = []
-        self._open: set[str] = set()
         try:
             for req in requests:
-                self._handles.append(engine.submit(req, self._outputs))
-                self._open.add(req.request_id)
+                handle = engine.submit(req)
+                # An output put before this line waits in the handle's queue: the first sweep
+                # finds it.
+                handle.on_put = self._wake.set
+                self._handles.append(handle)
         except BaseException:
             self.abort()
             raise
-        self._index = {h.request_id: i for i, h in enumerate(self._handles)}
+        self._open = set(range(len(self._handles)))
 
     def abort(self) -> None:
         """Ask the engine to stop every request of the group that has not ended; idempotent."""
         for handle in self._handles:
-            if handle.request_id in self._open:
-                self._engine.abort(handle.request_id)
+            handle.abort()
 
     def outputs(
         self, is_gone: Callable[[], bool], on_final: Callable[[RequestOutput], None]
@@ -50,20 +53,24 @@ class RequestGroup:
         """
         try:
             while self._open:
-                try:
-                    out = self._outputs.get(timeout=POLL_S)
-                except queue.Empty:
+                self._wake.clear()  # before the sweep: a put during it sets it again
+                found = False
+                for idx in sorted(self._open):
+                    for out in self._handles[idx].poll():
+                        found = True
+                        if out.finish_reason is not None:
+                            self._open.discard(idx)
+                            on_final(out)
+                        yield idx, out
+                if found:
+                    if self._open and is_gone():
+                        self.abort()  # the engine answers each with a final "abort" output
+                    continue
+                if not self._wake.wait(POLL_S):
                     if is_gone():
                         self.abort()
                     elif not self._engine.is_healthy():
-                        raise RequestError("the engine stopped", 503, SERVER_ERROR) from None
-                    continue
-                if out.finish_reason is not None:
-                    self._open.discard(out.request_id)
-                    on_final(out)
-                yield self._index[out.request_id], out
-                if out.finish_reason is None and is_gone():
-                    self.abort()  # the engine answers each with a final "abort" output
+                        raise RequestError("the engine stopped", 503, SERVER_ERROR)
         finally:
             self.abort()
 

@@ -209,9 +209,7 @@ def test_unexpected_exception_is_a_json_500(client, engine, monkeypatch):
 def test_closing_a_stream_aborts_the_request(client, engine, monkeypatch):
     handles = []
     submit = engine.submit
-    monkeypatch.setattr(
-        engine, "submit", lambda req, *args: handles.append(submit(req, *args)) or handles[-1]
-    )
+    monkeypatch.setattr(engine, "submit", lambda req: handles.append(submit(req)) or handles[-1])
     body = {
         "input_ids": [1, 2, 3],
         "max_new_tokens": engine.max_model_len - 3,

@@ -121,8 +121,8 @@ def _final_outputs(engine, monkeypatch) -> list[RequestOutput]:
     finals: list[RequestOutput] = []
     submit = engine.submit
 
-    def spy(req, *args):
-        handle = submit(req, *args)
+    def spy(req):
+        handle = submit(req)
         put = handle.put
 
         def put_and_record(out: RequestOutput) -> None:
