@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 
 import openai
 import pytest
@@ -259,3 +260,21 @@ def test_tokenize_and_detokenize(base_url, engine):
         f"{base_url}/detokenize", json={"model": "ghost", "tokens": [1]}, timeout=30
     )
     assert bad.status_code == 404 and bad.json()["error"]["type"] == "not_found"
+
+
+def test_hanging_up_aborts_every_choice(base_url, engine):
+    """A streamed n x prompts request whose client leaves: all its sequences end, KV is freed."""
+    body = {"model": "sql", "prompt": ["ab", "cd"], "n": 3, "stream": True, "ignore_eos": True,
+            "max_tokens": engine.max_model_len - 8}  # fmt: skip
+    with requests.post(f"{base_url}/v1/completions", json=body, stream=True, timeout=60) as r:
+        lines = r.iter_lines()
+        assert next(line for line in lines if line).startswith(b"data: {")
+        assert len(engine.stats().to_json()["running"]) == 6
+    deadline = time.monotonic() + 60
+    while True:
+        stats = engine.stats().to_json()
+        if not stats["running"] and not stats["queue"]:
+            break
+        assert time.monotonic() < deadline, "the choices kept running after the client left"
+        time.sleep(0.05)
+    assert stats["free_kv_tokens"] == stats["max_total_tokens"]
