@@ -333,7 +333,7 @@ class Engine:
         )
         logits = self.model.forward(batch, self.kv)  # [R, V]; R = B unless a prompt is scored
         if is_prefill:
-            logits = Sequence.score_prompts(seqs, logits)  # [B, V]
+            logits = Sequence.score_prompts(seqs, logits, seg_starts)  # [B, V]
             self._running.extend(seqs)
         tokens = Sequence.sample_batch(seqs, logits, self.eos_ids)
         for seq, token in zip(seqs, tokens):

@@ -62,16 +62,20 @@ class Sequence:
         return rows
 
     @staticmethod
-    def score_prompts(seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
+    def score_prompts(
+        seqs: list[Sequence], logits: torch.Tensor, seg_starts: list[int]
+    ) -> torch.Tensor:
         """Keep the prompt logprobs of the sequences that asked (logits of `logit_rows`,
         [R, V]); returns the logits of each sequence's last prompt token, [B, V]."""
         if logits.shape[0] == len(seqs):
             return logits
         last, offset = [], 0
-        for seq in seqs:
+        for seq, start, end in zip(seqs, seg_starts[:-1], seg_starts[1:]):
             k = seq.request.params.prompt_logprobs
             if k is not None:
                 ids = seq.request.prompt_ids
+                if end - start != len(ids):  # e.g. a reused prefix was not computed again
+                    raise RuntimeError("prompt logprobs need the whole prompt in the prefill")
                 scored = token_logprobs(logits[offset : offset + len(ids) - 1], ids[1:], k)
                 seq._prompt_logprobs = [None, *scored]
                 offset += len(ids) - 1
