@@ -73,6 +73,13 @@ def test_n_choices_completions_and_chat(client):
     assert [c.index for c in chat.choices] == [0, 1]
     assert chat.choices[0].message.content == chat.choices[1].message.content  # greedy
     assert chat.usage.completion_tokens == 10
+    streamed = ["", ""]
+    for chunk in client.chat.completions.create(
+        model="sql", messages=CHAT, max_tokens=5, n=2, stream=True, **GREEDY
+    ):
+        for c in chunk.choices:
+            streamed[c.index] += c.delta.content or ""
+    assert streamed == [c.message.content for c in chat.choices]
 
 
 def test_completion_logprobs(client, engine):
