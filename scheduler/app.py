@@ -1,7 +1,9 @@
 """The scheduler's HTTP API: parse, call the router / cluster / registry, answer JSON.
 
 Request endpoints mirror a server's (`/v1/completions`, `/v1/chat/completions`, `/generate`,
-streaming as server-sent events passed through); until a server is registered they answer 503
+`/tokenize`, `/detokenize`, streaming as server-sent events passed through; bodies go to one
+server unchanged, see scheduler.router); `GET /v1/models` and `GET /v1/models/{id}` come from
+the registry; until a server is registered they answer 503
 with Retry-After. Errors use the server's contract (toppings.server.errors). Operator endpoints:
     GET    /health    200 once a server is registered, else 503 "no server ready yet"
     GET    /stats     {"policy", "servers": [{"url", "ready", "in_flight"}], "num_servers",
@@ -40,6 +42,8 @@ from toppings.server.errors import (
     UNAVAILABLE,
     error_body,
     parse_json_object,
+    routing_error_body,
+    unknown_adapter,
 )
 
 log = logging.getLogger(__name__)
@@ -121,6 +125,21 @@ def create_app(router: Router, cluster: Cluster, info: dict[str, Any]) -> Flask:
     @app.get("/v1/models")
     def models() -> Response:
         return jsonify(router.models())
+
+    @app.get("/v1/models/<path:model_id>")
+    def model(model_id: str) -> Response:
+        card = next((m for m in router.models()["data"] if m["id"] == model_id), None)
+        if card is None:
+            raise SchedulerError(unknown_adapter(model_id), 404, NOT_FOUND)
+        return jsonify(card)
+
+    # vLLM's tokenizer endpoints, answered by a server of the body's model.
+    app.add_url_rule(
+        "/tokenize", "tokenize", lambda: proxy("/tokenize", "completions"), methods=["POST"]
+    )
+    app.add_url_rule(
+        "/detokenize", "detokenize", lambda: proxy("/detokenize", "completions"), methods=["POST"]
+    )
 
     @app.get("/health")
     def health() -> Response:
@@ -226,8 +245,12 @@ def create_app(router: Router, cluster: Cluster, info: dict[str, Any]) -> Flask:
 
     @app.errorhandler(HTTPException)
     def http_error(e: HTTPException) -> Response:
-        response = e.get_response()
-        response.data = json.dumps(error_body(e.description or e.name, e.code or 500))
+        response = e.get_response()  # keeps headers such as Allow on a 405
+        allowed = getattr(e, "valid_methods", None)
+        body = routing_error_body(
+            e.code or 500, e.description or e.name, request.method, request.path, allowed
+        )
+        response.data = json.dumps(body)
         response.content_type = "application/json"
         return response
 

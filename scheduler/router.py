@@ -7,9 +7,11 @@ goes to the client as is: a 4xx is the client's problem, and a streamed body can
 
 Only what routing needs is checked here (the body is a JSON object, the model is known); every
 other field is the server's to judge, so that a bad input gets the same answer through the
-scheduler as from a server. Each attempt counts as in flight on its server from the moment it is
-sent until its answer has ended: read whole, failed, or (streamed) closed by the client at any
-point, even before the first chunk (see `_Stream`).
+scheduler as from a server. A body goes to one server unchanged: a list of prompts and `n`
+choices are not split across servers (the server batches them); the routing cost counts the
+prompt tokens of every prompt, times n. Each attempt counts as in flight on its server from
+the moment it is sent until its answer has ended: read whole, failed, or (streamed) closed by
+the client at any point, even before the first chunk (see `_Stream`).
 """
 
 from __future__ import annotations
@@ -79,20 +81,35 @@ class Forwarded:
     server: str
 
 
+def _copies(body: dict[str, Any]) -> int:
+    """Choices per prompt (`n`): each is a sequence of its own on the server."""
+    n = body.get("n")
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1
+
+
+def _prompt_list(prompt: Any) -> list[Any]:
+    """A completions `prompt` as a list of prompts (strings or token-id lists)."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        return prompt
+    return [prompt]
+
+
+def _estimate_one(prompt: Any) -> int:
+    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+        return len(prompt)
+    text = prompt if isinstance(prompt, str) else ""  # the server rejects it
+    return math.ceil(len(text) / CHARS_PER_TOKEN)
+
+
 def estimate_prompt_tokens(body: dict[str, Any]) -> int:
-    """Prompt length in tokens, estimated from characters (token ids are counted exactly)."""
+    """Prompt tokens the server will prefill, estimated from characters (token ids are counted
+    exactly): summed over a list of prompts, times `n`."""
     if "messages" in body:
         messages = body["messages"] if isinstance(body["messages"], list) else []
         chars = sum(len(str(m.get("content", ""))) + 16 for m in messages if isinstance(m, dict))
-        return max(1, math.ceil(chars / CHARS_PER_TOKEN))
-    prompt = body.get("prompt", "")
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-        return len(prompt)
-    if isinstance(prompt, list):
-        text = "".join(map(str, prompt))
-    else:
-        text = prompt if isinstance(prompt, str) else ""  # the server rejects it
-    return max(1, math.ceil(len(text) / CHARS_PER_TOKEN))
+        return max(1, math.ceil(chars / CHARS_PER_TOKEN)) * _copies(body)
+    total = sum(_estimate_one(p) for p in _prompt_list(body.get("prompt", "")))
+    return max(1, total) * _copies(body)
 
 
 class PromptCounter:
@@ -117,10 +134,11 @@ class PromptCounter:
                     body["messages"], add_generation_prompt=True, tokenize=True
                 )
                 ids = ids["input_ids"] if hasattr(ids, "keys") else ids  # BatchEncoding
-                return max(1, len(ids))
-            prompt = body.get("prompt", "")
-            if isinstance(prompt, str):
-                return max(1, len(self.tokenizer.encode(prompt)))
+                return max(1, len(ids)) * _copies(body)
+            prompts = _prompt_list(body.get("prompt", ""))
+            if all(isinstance(p, str) for p in prompts):
+                total = sum(len(self.tokenizer.encode(p)) for p in prompts)
+                return max(1, total) * _copies(body)
         except Exception:  # malformed messages, a template error: the estimate will do
             pass
         return estimate_prompt_tokens(body)

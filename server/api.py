@@ -1,10 +1,12 @@
 """The inference server's HTTP API: parse a body, submit it to the engine, return JSON or SSE.
 
 Handlers run on waitress worker threads; they only tokenize, call `engine.submit` and read the
-request's output queue, so a slow client never stalls the engine thread. A stream whose client
-goes away is aborted: waitress closes the response iterator (GeneratorExit in `_stream`), and
-`_outputs` checks waitress's disconnect flag after each output and while none arrives, which also
-covers non-streaming requests.
+requests' output queue, so a slow client never stalls the engine thread. One response may be many
+engine requests (n choices, a list of prompts: a `RequestGroup`). A stream whose client goes away
+is aborted: waitress closes the response iterator (GeneratorExit in `_stream`), and
+`RequestGroup.outputs` checks waitress's disconnect flag after each output and while none
+arrives, which also covers non-streaming requests. Unknown routes and methods get the JSON error
+of every other endpoint. `/tokenize` and `/detokenize` are vLLM's (see server.tokenize_api).
 
 Operator endpoints: `/metrics` (Prometheus, see server.metrics), `/v1/load_lora_adapter` and
 `/v1/unload_lora_adapter` (see server.lifecycle). With an API key every endpoint but `/health`
@@ -18,7 +20,6 @@ import dataclasses
 import hmac
 import json
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -29,13 +30,18 @@ from werkzeug.exceptions import HTTPException
 
 from toppings.server.errors import (
     INVALID_REQUEST,
+    NOT_FOUND,
     SERVER_ERROR,
     UNAVAILABLE,
     error_body,
     parse_json_object,
+    routing_error_body,
+    unknown_adapter,
 )
 from toppings.server.lifecycle import AdapterAdmin, AdapterPaths
 from toppings.server.metrics import CONTENT_TYPE, ServerMetrics
+from toppings.server.openai_logprobs import TokenText
+from toppings.server.openai_requests import build_requests
 from toppings.server.openai_response import (
     SSE_DONE,
     ResponseMeta,
@@ -44,25 +50,14 @@ from toppings.server.openai_response import (
     sse,
     stream_events,
 )
-from toppings.server.openai_schema import (
-    ParsedBody,
-    build_request,
-    parse_chat,
-    parse_completion,
-    parse_native,
-)
-from toppings.server.request import (
-    GenerationRequest,
-    RequestError,
-    RequestHandle,
-    RequestOutput,
-    merge_outputs,
-)
+from toppings.server.openai_schema import ParsedBody, parse_chat, parse_completion, parse_native
+from toppings.server.request import GenerationRequest, RequestError
+from toppings.server.request_group import RequestGroup
+from toppings.server.tokenize_api import detokenize, tokenize
 
 logger = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 16 << 20  # larger bodies get a 413
-POLL_S = 0.5  # how often a waiting handler checks engine health and client disconnect
 OPEN_PATHS = frozenset({"/health"})  # answered without an API key (load balancers probe it)
 
 
@@ -105,43 +100,19 @@ def _error(message: str, code: int, error_type: str = INVALID_REQUEST) -> Respon
     return response
 
 
-def _outputs(
-    engine,
-    handle: RequestHandle,
-    is_gone: Callable[[], bool],
-    on_final: Callable[[RequestOutput], None],
-) -> Iterator[RequestOutput]:
-    """The request's outputs; aborts it if the client leaves, fails if the engine dies."""
-    while True:
-        try:
-            for out in handle.events(timeout_s=POLL_S):
-                if out.finish_reason is not None:
-                    on_final(out)
-                yield out
-                if out.finish_reason is None and is_gone():
-                    handle.abort()  # the engine answers with a final "abort" output
-            return
-        except queue.Empty:
-            if is_gone():
-                handle.abort()
-            elif not engine.is_healthy():
-                handle.abort()
-                raise RequestError("the engine stopped", 503, SERVER_ERROR) from None
-
-
-def _stream(events: Iterator[str], handle: RequestHandle) -> Iterator[str]:
+def _stream(events: Iterator[str], group: RequestGroup) -> Iterator[str]:
     finished = False
     try:
         yield from events
         finished = True
     except Exception as e:  # headers are out: the error can only travel in the stream
-        logger.exception("stream of %s failed", handle.request_id)
+        logger.exception("a stream failed")
         code = e.code if isinstance(e, RequestError) else 500
         yield sse(error_body(str(e), code, SERVER_ERROR))
         yield SSE_DONE
     finally:
         if not finished:
-            handle.abort()
+            group.abort()
 
 
 def _apply_limits(parsed: ParsedBody, req: GenerationRequest, options: ApiOptions) -> None:
@@ -178,29 +149,33 @@ def create_app(engine, options: ApiOptions | None = None) -> Flask:
     tokenizer_lock = threading.Lock()
     started = int(time.time())
 
+    token_text = TokenText(engine.tokenizer)
+
     def generate(parse: Callable[[dict, str], ParsedBody]) -> Response:
         parsed = parse(_json_body(), engine.model_name)
         with tokenizer_lock:
-            req = build_request(
+            reqs, prompt_ids = build_requests(
                 parsed, engine.tokenizer, engine.max_model_len, engine.model_config.vocab_size
             )
-        _apply_limits(parsed, req, options)
-        handle = engine.submit(req)
-        meta = ResponseMeta.new(parsed, len(req.prompt_ids))
+            echo = tuple(
+                p if isinstance(p, str) else engine.tokenizer.decode(p, skip_special_tokens=True)
+                for p in (parsed.prompts if parsed.echo else ())
+            )
+        for req in reqs:
+            _apply_limits(parsed, req, options)
+        group = RequestGroup(engine, reqs)
+        meta = ResponseMeta.new(parsed, prompt_ids, token_text, echo)
         gone = request.environ.get("waitress.client_disconnected") or (lambda: False)
-        outputs = _outputs(engine, handle, gone, state.metrics.requests.observe_final)
+        on_final = state.metrics.requests.observe_final
         if parsed.stream:
-            events = _stream(stream_events(parsed, meta, outputs), handle)
+            events = _stream(stream_events(parsed, meta, group.outputs(gone, on_final)), group)
             headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
             return Response(events, mimetype="text/event-stream", headers=headers)
-        try:
-            out = merge_outputs(outputs)
-        except BaseException:
-            handle.abort()
-            raise
-        if out.finish_reason == "error":
-            return _error(out.error or "generation failed", 500, SERVER_ERROR)
-        return jsonify(final_response(parsed, meta, out))
+        outs = group.results(gone, on_final)
+        failed = next((out for out in outs if out.finish_reason == "error"), None)
+        if failed is not None:
+            return _error(failed.error or "generation failed", 500, SERVER_ERROR)
+        return jsonify(final_response(parsed, meta, outs))
 
     app.add_url_rule("/generate", "generate", lambda: generate(parse_native), methods=["POST"])
     app.add_url_rule(
@@ -211,6 +186,24 @@ def create_app(engine, options: ApiOptions | None = None) -> Flask:
     @app.get("/v1/models")
     def models() -> Response:
         return jsonify(models_response(engine.model_name, engine.adapters(), started))
+
+    @app.get("/v1/models/<path:model_id>")
+    def model(model_id: str) -> Response:
+        cards = models_response(engine.model_name, engine.adapters(), started)["data"]
+        card = next((c for c in cards if c["id"] == model_id), None)
+        if card is None:
+            raise RequestError(unknown_adapter(model_id), 404, NOT_FOUND)
+        return jsonify(card)
+
+    @app.post("/tokenize")
+    def tokenize_route() -> Response:
+        with tokenizer_lock:
+            return jsonify(tokenize(_json_body(), engine))
+
+    @app.post("/detokenize")
+    def detokenize_route() -> Response:
+        with tokenizer_lock:
+            return jsonify(detokenize(_json_body(), engine))
 
     @app.get("/health")
     def health() -> Response:
@@ -255,7 +248,11 @@ def create_app(engine, options: ApiOptions | None = None) -> Flask:
     @app.errorhandler(HTTPException)
     def http_error(e: HTTPException) -> Response:
         response = e.get_response()  # keeps headers such as Allow on a 405
-        response.data = json.dumps(error_body(e.description or e.name, e.code or 500))
+        allowed = getattr(e, "valid_methods", None)
+        body = routing_error_body(
+            e.code or 500, e.description or e.name, request.method, request.path, allowed
+        )
+        response.data = json.dumps(body)
         response.content_type = "application/json"
         return response
 

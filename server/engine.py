@@ -321,6 +321,7 @@ class Engine:
             seg_starts = list(range(len(seqs) + 1))
             index, lengths = self.kv.decode_index(rows)
         lora = self.lora.step([s.cache_entry for s in seqs], seg_starts, is_prefill)
+        rows = Sequence.logit_rows(seqs, seg_starts) if is_prefill else None
         batch = ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
             positions=torch.tensor(positions, dtype=torch.int64, device=device),
@@ -330,11 +331,13 @@ class Engine:
             kv_index=index,
             kv_lengths=lengths,
             lora=lora,
+            logit_rows=None if rows is None else torch.tensor(rows, device=device),
         )
-        logits = self.model.forward(batch, self.kv)  # [B, V]
+        logits = self.model.forward(batch, self.kv)  # [R, V]; R = B unless a prompt is scored
         if is_prefill:
+            logits = Sequence.score_prompts(seqs, logits, seg_starts)  # [B, V]
             self._running.extend(seqs)
-        tokens = Sequence.sample_batch(seqs, logits)
+        tokens = Sequence.sample_batch(seqs, logits, self.eos_ids)
         for seq, token in zip(seqs, tokens):
             reason = seq.append(token, self.eos_ids, self.max_model_len)
             if reason is not None:

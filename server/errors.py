@@ -34,6 +34,20 @@ def error_body(message: str, code: int, error_type: str = INVALID_REQUEST) -> di
     return {"error": {"message": message, "type": error_type, "code": code}}
 
 
+def routing_error_body(
+    code: int, description: str, method: str, path: str, allowed: list[str] | None = None
+) -> dict[str, Any]:
+    """The body of an error raised before any handler ran (an unknown route, a method the
+    route does not take, a body too large), for every path and method alike."""
+    if code == 404:
+        return error_body(f"there is no route {method} {path}", 404, NOT_FOUND)
+    if code == 405:
+        allowed_text = ", ".join(m for m in allowed or () if m not in ("HEAD", "OPTIONS"))
+        message = f"{method} is not allowed on {path}; it takes {allowed_text or 'no method'}"
+        return error_body(message, 405)
+    return error_body(description, code, SERVER_ERROR if code >= 500 else INVALID_REQUEST)
+
+
 def parse_json_object(data: bytes) -> dict[str, Any]:
     """A request body as a JSON object; raises ValueError with the client's message otherwise."""
     try:

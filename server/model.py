@@ -31,6 +31,9 @@ class ForwardBatch:
     kv_index: torch.Tensor | None = None  # decode: [B, Lmax] slots of every position
     kv_lengths: torch.Tensor | None = None  # decode: [B] int64, valid positions per request
     lora: object | None = None  # gpu_lora.lora_batch.LoraBatch, or None: no adapter in batch
+    # [R] int64 rows of the T tokens whose logits forward returns; None: each segment's last
+    # token (R = B). Prefill asks for every prompt row of a request that scores its prompt.
+    logit_rows: torch.Tensor | None = None
 
 
 @dataclass
@@ -114,7 +117,8 @@ class LlamaModel:
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: KVPool) -> torch.Tensor:
-        """Run one step; returns float32 logits of each request's last token, [B, V]."""
+        """Run one step; returns float32 logits of each request's last token, [B, V], or of
+        `batch.logit_rows` when set, [R, V]."""
         cfg = self.config
         n, k, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         num_tokens = batch.input_ids.shape[0]
@@ -149,6 +153,8 @@ class LlamaModel:
             if lora is not None:
                 lora.add(idx, act, (("down_proj", out),))
             h = h + out
-        last = torch.tensor(batch.seg_starts[1:], device=self.device) - 1
-        h = rms_norm(h[last], self.norm, cfg.rms_norm_eps)  # [B, H]
-        return self.lm_head(h).float()  # [B, V]
+        rows = batch.logit_rows
+        if rows is None:
+            rows = torch.tensor(batch.seg_starts[1:], device=self.device) - 1
+        h = rms_norm(h[rows], self.norm, cfg.rms_norm_eps)  # [R, H]
+        return self.lm_head(h).float()  # [R, V]

@@ -11,10 +11,12 @@ import dataclasses
 import itertools
 import queue
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 MAX_STOP_STRINGS = 16
+MAX_LOGPROBS = 20  # top alternatives per token (OpenAI's limit for top_logprobs)
+MAX_LOGIT_BIAS = 300  # entries of logit_bias (OpenAI's limit)
 
 
 class RequestError(ValueError):
@@ -28,7 +30,16 @@ class RequestError(ValueError):
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-request decoding settings; temperature 0 means greedy."""
+    """Per-request decoding settings; temperature 0 means greedy.
+
+    Penalties follow vLLM: `repetition_penalty` (1: off) divides positive and multiplies
+    negative logits of every token seen in the prompt or the output; `frequency_penalty` and
+    `presence_penalty` (0: off) subtract count * f and [count > 0] * p for output tokens;
+    `logit_bias` adds to the named tokens' logits; EOS is masked until `min_tokens` tokens.
+    `logprobs` asks for each output token's log-probability and that many top alternatives
+    (None: none), `prompt_logprobs` the same for every prompt token after the first.
+    `max_new_tokens` 0 (only with prompt_logprobs) scores the prompt and generates nothing.
+    """
 
     max_new_tokens: int = 16
     temperature: float = 1.0
@@ -37,12 +48,34 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_new_tokens, int) or isinstance(self.max_new_tokens, bool):
             raise RequestError("max_new_tokens must be an integer")
-        if self.max_new_tokens < 1:
-            raise RequestError("max_new_tokens must be at least 1")
+        if self.max_new_tokens < 0 or (self.max_new_tokens == 0 and self.prompt_logprobs is None):
+            raise RequestError("max_new_tokens must be at least 1 (0 only to score the prompt)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise RequestError(f"{name} must be in [-2, 2]")
+        if not 0.0 < self.repetition_penalty <= 10.0:
+            raise RequestError("repetition_penalty must be in (0, 10]")
+        if not 0 <= self.min_tokens <= self.max_new_tokens:
+            raise RequestError("min_tokens must be in [0, max_new_tokens]")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise RequestError(f"logit_bias may hold at most {MAX_LOGIT_BIAS} tokens")
+        if any(not -100.0 <= bias <= 100.0 for _, bias in self.logit_bias):
+            raise RequestError("logit_bias values must be in [-100, 100]")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise RequestError(f"{name} must be in [0, {MAX_LOGPROBS}]")
         if not 0.0 <= self.temperature <= 100.0:
             raise RequestError("temperature must be in [0, 100]")
         if not 0.0 < self.top_p <= 1.0:
@@ -55,6 +88,30 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def has_processors(self) -> bool:
+        """Whether the logits are changed before the token is chosen."""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.min_tokens
+            or self.logit_bias
+        )
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A token's log-probability under the model and the `top` most likely tokens there.
+
+    Log-softmax in float32 of the model's logits at that position, before penalties, logit bias
+    and temperature (vLLM's default, "raw logprobs"). `top` is (token id, logprob), best first.
+    """
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 _ids = itertools.count(1)
@@ -87,6 +144,8 @@ class RequestOutput:
     output_tokens: int = 0
     ttft_s: float | None = None
     e2e_s: float | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per new token, when asked for
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # first output only; [0] is None
 
 
 class RequestHandle:
@@ -95,6 +154,8 @@ class RequestHandle:
     def __init__(self, request: GenerationRequest, abort_fn):
         self.request = request
         self._outputs: queue.Queue[RequestOutput] = queue.Queue()
+        # Called after each put: lets one reader wait on many handles (server.request_group).
+        self.on_put: Callable[[], None] | None = None
         self._abort_fn = abort_fn
         self._finished = threading.Event()
 
@@ -105,6 +166,8 @@ class RequestHandle:
     def put(self, output: RequestOutput) -> None:
         """Engine side: deliver one output (the last one carries finish_reason)."""
         self._outputs.put(output)
+        if self.on_put is not None:
+            self.on_put()
 
     def events(self, timeout_s: float | None = None) -> Iterator[RequestOutput]:
         """Yield outputs as the engine produces them, up to and including the final one."""
@@ -114,6 +177,18 @@ class RequestHandle:
             if out.finish_reason is not None:
                 self._finished.set()
                 return
+
+    def poll(self) -> list[RequestOutput]:
+        """The outputs delivered so far and not read yet, without waiting."""
+        outs = []
+        while True:
+            try:
+                out = self._outputs.get_nowait()
+            except queue.Empty:
+                return outs
+            outs.append(out)
+            if out.finish_reason is not None:
+                self._finished.set()
 
     def result(self, timeout_s: float | None = None) -> RequestOutput:
         """Wait for the end and merge every output into one."""
@@ -129,11 +204,23 @@ def merge_outputs(outputs: Iterable[RequestOutput]) -> RequestOutput:
     """One output with all the token ids and text of a request's stream, and its final fields."""
     ids: list[int] = []
     text: list[str] = []
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs = None
     last = None
     for out in outputs:
         ids.extend(out.new_token_ids)
         text.append(out.new_text)
+        if out.logprobs is not None:
+            logprobs = logprobs or []
+            logprobs.extend(out.logprobs)
+        prompt_logprobs = prompt_logprobs or out.prompt_logprobs
         last = out
     if last is None:
         raise RuntimeError("the engine ended a request without a final output")
-    return dataclasses.replace(last, new_token_ids=ids, new_text="".join(text))
+    return dataclasses.replace(
+        last,
+        new_token_ids=ids,
+        new_text="".join(text),
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+    )

@@ -188,5 +188,7 @@ def test_add_adapter_validates_and_records(setup):
 
 def test_prompt_token_estimate():
     assert estimate_prompt_tokens({"prompt": [1, 2, 3]}) == 3
+    assert estimate_prompt_tokens({"prompt": [[1, 2, 3], [4]], "n": 2}) == 8
+    assert estimate_prompt_tokens({"prompt": ["x" * 40, "y" * 8]}) == 12
     assert estimate_prompt_tokens({"prompt": "x" * 40}) == 10
     assert estimate_prompt_tokens({"messages": [{"role": "user", "content": "x" * 24}]}) == 10

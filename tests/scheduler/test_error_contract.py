@@ -9,6 +9,7 @@ its modules import nothing of toppings.server but the HTTP contract (errors, sta
 from __future__ import annotations
 
 import ast
+import io
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -40,7 +41,7 @@ class FlaskSession:
         response = requests.Response()
         response.status_code = answer.status_code
         response.headers.update(answer.headers)
-        response._content = answer.data
+        response.raw = io.BytesIO(answer.data)  # read whole or streamed, as the router asks
         return response
 
 
@@ -76,6 +77,10 @@ BAD_INPUTS = [
     ("/v1/completions", {"model": "a8", "prompt": "hi", "max_tokens": 10**9}),
     ("/v1/completions", {"model": "a8", "prompt": {"text": "hi"}}),
     ("/v1/completions", {"model": "a8", "prompt": "hi", "temperature": -1}),
+    ("/v1/completions", {"model": "a8", "prompt": "hi", "n": 99}),
+    ("/v1/completions", {"model": "a8", "prompt": "hi", "logprobs": -1}),
+    ("/v1/completions", {"model": "a8", "prompt": "hi", "logit_bias": {"999999": 5}}),
+    ("/v1/completions", {"model": "a8", "prompt": ["hi", 3]}),
     ("/v1/chat/completions", {"model": "nope", "messages": CHAT}),
     ("/v1/chat/completions", {"model": "a8", "messages": []}),
     ("/v1/chat/completions", {"model": "a8", "messages": CHAT, "max_completion_tokens": -3}),

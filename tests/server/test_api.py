@@ -159,7 +159,7 @@ BAD_REQUESTS = [
     ("POST", "/v1/completions", {"prompt": "x", "max_tokens": "ten"}, 400),
     ("POST", "/v1/completions", {"prompt": "x", "temperature": "hot"}, 400),
     ("POST", "/v1/completions", {"prompt": "x", "stop": 5}, 400),
-    ("POST", "/v1/completions", {"prompt": "x", "n": 2}, 400),
+    ("POST", "/v1/completions", {"prompt": "x", "n": 99}, 400),
     ("POST", "/v1/completions", {"prompt": "x", "max_tokens": 0}, 400),
     ("POST", "/v1/completions", {"prompt": "x", "max_tokens": -3}, 400),
     ("POST", "/v1/completions", {"prompt": "x", "max_tokens": 10**12}, 400),

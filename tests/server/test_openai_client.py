@@ -106,9 +106,9 @@ def test_chat_stream_and_not(client):
 def test_client_errors(client):
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="nope", prompt="x")
-    with pytest.raises(openai.BadRequestError, match="'n' must be 1"):
+    with pytest.raises(openai.BadRequestError, match=r"'n' must be in \[1, 16\]"):
         client.chat.completions.create(
-            model="sql", messages=[{"role": "user", "content": "x"}], n=2
+            model="sql", messages=[{"role": "user", "content": "x"}], n=17
         )
     assert (
         client.completions.create(model="sql", prompt="x", max_tokens=1).usage.completion_tokens

@@ -34,6 +34,11 @@ def test_completion_defaults_and_model_names():
         "seed": None,
         "stop": (),
         "ignore_eos": False,
+        "presence_penalty": 0.0,
+        "frequency_penalty": 0.0,
+        "repetition_penalty": 1.0,
+        "min_tokens": 0,
+        "logit_bias": (),
     }
     assert parse_completion({"prompt": "hi"}, BASE).adapter is None
     p = parse_completion({"model": "sql", "prompt": "hi", "stop": "\n", "top_k": -1}, BASE)
@@ -62,15 +67,28 @@ def test_completion_prompt_forms(prompt, expected):
         ({"prompt": "a", "temperature": True}, "'temperature' must be a number, not boolean"),
         ({"prompt": "a", "stop": 5}, "'stop' must be a string or a list of strings"),
         ({"prompt": "a", "stop": ["x", 1]}, "'stop' must be a string or a list of strings"),
-        ({"prompt": "a", "n": 2}, "'n' must be 1"),
+        ({"prompt": "a", "n": 17}, r"'n' must be in \[1, 16\], not 17"),
+        ({"prompt": "a", "n": 0}, "'n' must be in"),
+        ({"prompt": ["a"] * 20, "n": 16}, "at most 256 choices"),
+        ({"prompt": ["a"] * 257}, "at most 256 prompts"),
         ({"prompt": "a", "seed": -1}, "'seed' must be in"),
         ({"prompt": "a", "stream": "yes"}, "'stream' must be a boolean"),
         ({"prompt": "a", "stream_options": []}, "'stream_options' must be an object"),
         ({"prompt": "a", "model": 3}, "'model' must be a string"),
-        ({"prompt": "a", "echo": True}, "'echo' is not supported"),
+        ({"prompt": "a", "max_tokens": 0}, "needs 'echo'"),
+        ({"prompt": "a", "echo": 1}, "'echo' must be a boolean"),
         ({"prompt": "a", "best_of": 3}, "'best_of' is not supported"),
-        ({"prompt": "a", "logprobs": 2}, "'logprobs' is not supported"),
-        ({"prompt": ["a", "b"]}, "one prompt only"),
+        ({"prompt": "a", "top_logprobs": 2}, "'top_logprobs' is not supported"),
+        ({"prompt": "a", "logprobs": 21}, r"'logprobs' must be in \[0, 20\]"),
+        ({"prompt": "a", "logprobs": -1}, "'logprobs' must be in"),
+        ({"prompt": "a", "logprobs": True}, "'logprobs' must be an integer"),
+        ({"prompt": "a", "logit_bias": {"x": 1}}, "keys must be token ids"),
+        ({"prompt": "a", "logit_bias": {"3": "up"}}, "values must be numbers"),
+        ({"prompt": "a", "logit_bias": [3]}, "'logit_bias' must be an object"),
+        ({"prompt": "a", "presence_penalty": "x"}, "'presence_penalty' must be a number"),
+        ({"prompt": "a", "min_tokens": 1.5}, "'min_tokens' must be an integer"),
+        ({"prompt": ["a", 3]}, "only strings or only token-id lists"),
+        ({"prompt": [[1], [2, "x"]]}, r"prompt\[1\]"),
         ({"prompt": [1, "b"]}, "token ids"),
         ({"prompt": [1, True]}, "token ids"),
         ({"prompt": 7}, "'prompt' must be a string or token ids, not number"),
@@ -81,6 +99,42 @@ def test_completion_rejects(body, words):
     with pytest.raises(RequestError, match=words) as info:
         parse_completion(body, BASE)
     assert info.value.code == 400
+
+
+def test_completion_fields_of_issue_17():
+    body = {
+        "prompt": ["a", "b"], "n": 3, "echo": True, "logprobs": 2, "max_tokens": 0,
+        "presence_penalty": 0.5, "frequency_penalty": -1, "repetition_penalty": 1.2,
+        "min_tokens": 0, "logit_bias": {"7": -100, "3": 2.5}, "ignore_eos": True,
+    }  # fmt: skip
+    p = parse_completion(body, BASE)
+    assert (p.prompts, p.n, p.echo, p.logprobs, p.max_tokens) == (["a", "b"], 3, True, 2, 0)
+    assert p.sampling["logit_bias"] == ((3, 2.5), (7, -100.0))
+    assert (p.sampling["presence_penalty"], p.sampling["repetition_penalty"]) == (0.5, 1.2)
+    assert parse_completion({"prompt": [[1, 2], [3]]}, BASE).prompts == [[1, 2], [3]]
+
+
+@pytest.mark.parametrize(
+    "body, expected",
+    [({"logprobs": True, "top_logprobs": 3}, 3), ({"logprobs": True}, 0), ({}, None),
+     ({"logprobs": False, "top_logprobs": 0}, None)],
+)  # fmt: skip
+def test_chat_logprobs(body, expected):
+    body["messages"] = [{"role": "user", "content": "x"}]
+    assert parse_chat(body, BASE).logprobs == expected
+
+
+@pytest.mark.parametrize(
+    "body, words",
+    [({"top_logprobs": 2}, "needs 'logprobs': true"),
+     ({"logprobs": True, "top_logprobs": 21}, "'top_logprobs' must be in"),
+     ({"logprobs": 1}, "'logprobs' must be a boolean"),
+     ({"echo": True}, "'echo' is not supported")],
+)  # fmt: skip
+def test_chat_logprobs_rejects(body, words):
+    body["messages"] = [{"role": "user", "content": "x"}]
+    with pytest.raises(RequestError, match=words):
+        parse_chat(body, BASE)
 
 
 def test_neutral_values_of_unsupported_fields_pass():
@@ -186,6 +240,10 @@ def _outputs(*finals: str | None) -> list[RequestOutput]:
     return outs
 
 
+def _pairs(*finals: str | None) -> list[tuple[int, RequestOutput]]:
+    return [(0, out) for out in _outputs(*finals)]
+
+
 def _events(stream) -> list:
     text = "".join(stream)
     frames = [f for f in text.split("\n\n") if f]
@@ -198,7 +256,7 @@ def test_completion_stream_with_usage():
         {"model": "sql", "prompt": "x", "stream": True, "stream_options": {"include_usage": True}},
         BASE,
     )
-    events = _events(stream_events(p, ResponseMeta("cmpl-1", 5, "sql", 3), _outputs(None, "stop")))
+    events = _events(stream_events(p, ResponseMeta("cmpl-1", 5, "sql", 3), _pairs(None, "stop")))
     assert [e["choices"][0]["text"] for e in events[:-1]] == ["t0", "end"]
     assert events[1]["choices"][0]["finish_reason"] == "stop" and events[0]["usage"] is None
     assert events[-1]["choices"] == []
@@ -208,7 +266,7 @@ def test_completion_stream_with_usage():
 
 def test_chat_stream_starts_with_role_and_skips_empty_text():
     p = parse_chat({"messages": [{"role": "user", "content": "x"}], "stream": True}, BASE)
-    outs = [RequestOutput("r", [1], "", None), *_outputs(None, "length")]
+    outs = [(0, RequestOutput("r", [1], "", None)), *_pairs(None, "length")]
     events = _events(stream_events(p, ResponseMeta("c", 5, BASE, 3), outs))
     deltas = [e["choices"][0]["delta"] for e in events]
     assert deltas == [{"role": "assistant", "content": ""}, {"content": "t0"}, {"content": "end"}]
@@ -218,7 +276,7 @@ def test_chat_stream_starts_with_role_and_skips_empty_text():
 
 def test_native_stream_and_error_event():
     p = parse_native({"prompt": "x", "stream": True}, BASE)
-    events = _events(stream_events(p, ResponseMeta("g", 5, BASE, 3), _outputs(None, "stop")))
+    events = _events(stream_events(p, ResponseMeta("g", 5, BASE, 3), _pairs(None, "stop")))
     assert events[0] == {"text": "t0", "token_ids": [10]}
     assert events[1] == {
         "text": "end",
@@ -229,7 +287,7 @@ def test_native_stream_and_error_event():
         "e2e_s": 0.2,
         "finish_reason": "stop",
     }
-    events = _events(stream_events(p, ResponseMeta("g", 5, BASE, 3), _outputs(None, "error")))
+    events = _events(stream_events(p, ResponseMeta("g", 5, BASE, 3), _pairs(None, "error")))
     assert events[-1] == {"error": {"message": "boom", "type": "server_error", "code": 500}}
 
 
@@ -237,7 +295,7 @@ def test_final_responses():
     out = RequestOutput("r", [1, 2], "hey", "stop", prompt_tokens=4, output_tokens=2)
     meta = ResponseMeta("id", 9, "sql", 4)
     chat = final_response(
-        parse_chat({"messages": [{"role": "user", "content": "x"}]}, BASE), meta, out
+        parse_chat({"messages": [{"role": "user", "content": "x"}]}, BASE), meta, [out]
     )
     assert chat["object"] == "chat.completion" and chat["model"] == "sql"
     assert chat["choices"] == [
@@ -249,9 +307,9 @@ def test_final_responses():
         }
     ]
     assert chat["usage"] == {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6}
-    comp = final_response(parse_completion({"prompt": "x"}, BASE), meta, out)
+    comp = final_response(parse_completion({"prompt": "x"}, BASE), meta, [out])
     assert comp["object"] == "text_completion" and comp["choices"][0]["text"] == "hey"
-    native = final_response(parse_native({"prompt": "x"}, BASE), meta, out)
+    native = final_response(parse_native({"prompt": "x"}, BASE), meta, [out])
     assert native["token_ids"] == [1, 2] and native["finish_reason"] == "stop"
 
 
