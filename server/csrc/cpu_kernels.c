@@ -11,6 +11,9 @@
  */
 #include <math.h>
 #include <stdint.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 #include <stdlib.h>
 #include <string.h>
 
@@ -49,11 +52,92 @@ static inline __attribute__((always_inline)) void load_rows(const void *src, int
     }
 }
 
+#ifdef __AVX512F__
+/* 16 values of a row at element offset off, as float32. */
+static inline __m512 load16(const void *base, int is_bf16, int64_t off) {
+    if (!is_bf16) return _mm512_loadu_ps((const float *)base + off);
+    __m256i half = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + off));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+#endif
+
+/* sg[l] = scale * (qg . k[slots[l]]) for l < len, D == 64, read in place from the pool. */
+static inline __attribute__((always_inline)) int dot_rows64(const float *qg, const void *k,
+                                                             int is_bf16, const int64_t *slots,
+                                                             int64_t len, float scale,
+                                                             float *sg) {
+#ifdef __AVX512F__
+    __m512 q0 = _mm512_loadu_ps(qg), q1 = _mm512_loadu_ps(qg + 16);
+    __m512 q2 = _mm512_loadu_ps(qg + 32), q3 = _mm512_loadu_ps(qg + 48);
+    for (int64_t l = 0; l < len; l++) {
+        int64_t off = slots[l] * 64;
+        __m512 a = _mm512_mul_ps(q0, load16(k, is_bf16, off));
+        __m512 b = _mm512_mul_ps(q1, load16(k, is_bf16, off + 16));
+        a = _mm512_fmadd_ps(q2, load16(k, is_bf16, off + 32), a);
+        b = _mm512_fmadd_ps(q3, load16(k, is_bf16, off + 48), b);
+        sg[l] = _mm512_reduce_add_ps(_mm512_add_ps(a, b)) * scale;
+    }
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* ag = sum_l sg[l] * v[slots[l]], D == 64, read in place from the pool. */
+static inline __attribute__((always_inline)) int weigh_rows64(const float *sg, const void *v,
+                                                               int is_bf16, const int64_t *slots,
+                                                               int64_t len, float *ag) {
+#ifdef __AVX512F__
+    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+    __m512 a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
+    for (int64_t l = 0; l < len; l++) {
+        int64_t off = slots[l] * 64;
+        __m512 p = _mm512_set1_ps(sg[l]);
+        a0 = _mm512_fmadd_ps(p, load16(v, is_bf16, off), a0);
+        a1 = _mm512_fmadd_ps(p, load16(v, is_bf16, off + 16), a1);
+        a2 = _mm512_fmadd_ps(p, load16(v, is_bf16, off + 32), a2);
+        a3 = _mm512_fmadd_ps(p, load16(v, is_bf16, off + 48), a3);
+    }
+    _mm512_storeu_ps(ag, a0);
+    _mm512_storeu_ps(ag + 16, a1);
+    _mm512_storeu_ps(ag + 32, a2);
+    _mm512_storeu_ps(ag + 48, a3);
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* Softmax of sg [len] in place. */
+static inline void softmax(float *sg, int64_t len) {
+    float mx = -INFINITY, sum = 0.f;
+#pragma omp simd reduction(max : mx)
+    for (int64_t l = 0; l < len; l++) mx = sg[l] > mx ? sg[l] : mx;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t l = 0; l < len; l++) {
+        sg[l] = expf(sg[l] - mx);
+        sum += sg[l];
+    }
+    float inv = 1.f / sum;
+    for (int64_t l = 0; l < len; l++) sg[l] *= inv;
+}
+
 /* One (request, kv head): G query rows q [G, D] (float32) -> acc [G, D]. rows is [len, D],
  * scores [G, len]. Loops run one query at a time so its D accumulators stay in registers. */
 static inline __attribute__((always_inline)) void attend_rows(
     const float *q, const void *k, const void *v, int is_bf16, const int64_t *slots, int64_t len,
     int G, int D, float scale, float *scores, float *rows, float *acc) {
+    if (D == 64) {
+        int done = 1;
+        for (int g = 0; g < G && done; g++) {
+            float *sg = scores + (size_t)g * len;
+            done = dot_rows64(q + (size_t)g * D, k, is_bf16, slots, len, scale, sg);
+            softmax(sg, len);
+        }
+        for (int g = 0; g < G && done; g++)
+            weigh_rows64(scores + (size_t)g * len, v, is_bf16, slots, len, acc + (size_t)g * D);
+        if (done) return;
+    }
     load_rows(k, is_bf16, slots, len, D, rows);
     for (int g = 0; g < G; g++) {
         const float *qg = q + (size_t)g * D;
@@ -65,30 +149,19 @@ static inline __attribute__((always_inline)) void attend_rows(
             for (int d = 0; d < D; d++) s += qg[d] * kr[d];
             sg[l] = s * scale;
         }
-        float mx = -INFINITY, sum = 0.f;
-#pragma omp simd reduction(max : mx)
-        for (int64_t l = 0; l < len; l++) mx = sg[l] > mx ? sg[l] : mx;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t l = 0; l < len; l++) {
-            sg[l] = expf(sg[l] - mx);
-            sum += sg[l];
-        }
-        float inv = 1.f / sum;
-        for (int64_t l = 0; l < len; l++) sg[l] *= inv;
+        softmax(sg, len);
     }
     load_rows(v, is_bf16, slots, len, D, rows);
     for (int g = 0; g < G; g++) {
         const float *sg = scores + (size_t)g * len;
         float *ag = acc + (size_t)g * D;
-        float a[D];
-        for (int d = 0; d < D; d++) a[d] = 0.f;
+        for (int d = 0; d < D; d++) ag[d] = 0.f;
         for (int64_t l = 0; l < len; l++) {
             const float *vr = rows + l * D;
             float p = sg[l];
 #pragma omp simd
-            for (int d = 0; d < D; d++) a[d] += p * vr[d];
+            for (int d = 0; d < D; d++) ag[d] += p * vr[d];
         }
-        for (int d = 0; d < D; d++) ag[d] = a[d];
     }
 }
 

@@ -42,14 +42,15 @@ def random_pool(dtype, num_kv=3, group=3, d=16, lengths=(1, 7, 33, 2, 64)):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("path", ["native", "torch"])
-def test_decode_attention_matches_reference(dtype, path, monkeypatch):
+@pytest.mark.parametrize("head_dim", [16, 64])  # 64: the kernel's vectorized path
+def test_decode_attention_matches_reference(dtype, path, head_dim, monkeypatch):
     if path == "native" and native.library() is None:
         pytest.skip("no C compiler here")
     if path == "torch":
         monkeypatch.setattr(native, "library", lambda: None)
-    args = random_pool(dtype)
+    args = random_pool(dtype, d=head_dim)
     got = attention.decode_attention(*args)
-    assert got.dtype == dtype and got.shape == (5, 9 * 16)
+    assert got.dtype == dtype and got.shape == (5, 9 * head_dim)
     want = reference_decode(*args)
     torch.testing.assert_close(got.double(), want, rtol=TOL[dtype], atol=TOL[dtype])
 
