@@ -31,15 +31,15 @@ class LoraKernels:
     """The LoRA kernels of one engine, chosen once from --kernel and the device.
 
     decode / prefill: the kernel functions (signatures of `kernels.reference`); padded: BGMV
-    (every adapter read over the batch's max rank) rather than MBGMV; segment_decode: decode steps
-    call the segment (prefill) kernel over runs of one adapter's tokens, the CPU's fast path
-    (`bench/results/cpu_decode_paths.json`).
+    (every adapter read over the batch's max rank) rather than MBGMV; segment_decode: what decode
+    steps call instead of `decode`, with the prefill signature, over runs of one adapter's tokens
+    (on a CPU, the fast path: `bench/results/cpu_decode_paths.json`); None: `decode` per token.
     """
 
     decode: Callable
     prefill: Callable
     padded: bool
-    segment_decode: bool
+    segment_decode: Callable | None = None
 
     @classmethod
     def choose(cls, kernel: str, device: str, dtype: torch.dtype) -> LoraKernels:
@@ -51,7 +51,8 @@ class LoraKernels:
             "bgmv": (backend.bgmv_decode, backend.bgmv_prefill),
             "mbgmv": (backend.mbgmv_decode, backend.mbgmv_prefill),
         }[kernel]
-        return cls(decode, prefill, padded=kernel == "bgmv", segment_decode=device == "cpu")
+        segment_decode = prefill if device == "cpu" else None
+        return cls(decode, prefill, padded=kernel == "bgmv", segment_decode=segment_decode)
 
 
 @dataclass
@@ -84,7 +85,7 @@ class LoraBatch:
         self.host_stats = host_stats if host_stats is not None else HostLoraStats()
         self._host = host
         tickets = tickets or [None] * len(adapters)
-        self._segmented = is_prefill or kernels.segment_decode
+        self._segmented = is_prefill or kernels.segment_decode is not None
         if self._segmented:
             first, starts = _runs(adapters, seg_starts)
             adapters = [adapters[i] for i in first]
@@ -95,7 +96,7 @@ class LoraBatch:
         self._loading = [(i, t) for i, t in enumerate(tickets) if t is not None and not t.done]
         device = pool.device
         self._seg_starts = torch.tensor(starts, dtype=torch.int32, device=device)
-        self._fn = kernels.prefill if self._segmented else kernels.decode
+        self._fn = kernels.prefill if is_prefill else kernels.segment_decode or kernels.decode
         offsets = torch.tensor([a.offset if a else 0 for a in adapters], dtype=torch.int32)
         scales = torch.tensor([a.scale if a else 0.0 for a in adapters], dtype=torch.float32)
         offsets, scales = offsets.to(device), scales.to(device)

@@ -11,6 +11,7 @@ under the LoRA mode, `step` (the LoRA side of one forward pass) and `release` it
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
@@ -22,6 +23,7 @@ from toppings.gpu_lora.host_lora import HostLora, HostLoraRunner
 from toppings.gpu_lora.loader import PipelinedLoader
 from toppings.gpu_lora.lora_batch import HostLoraStats, LoraBatch, LoraKernels
 from toppings.gpu_lora.peft_format import LoraAdapter
+from toppings.server import native_lora
 from toppings.server.config import EngineConfig
 from toppings.server.lora_modes import LORA_MODES
 from toppings.server.model_config import ModelConfig
@@ -40,6 +42,11 @@ class AdapterManager:
         self.model_config = model_config
         self.mode = LORA_MODES[config.lora_mode]
         self.kernels = LoraKernels.choose(config.kernel, config.device, dtype)
+        if self.kernels.segment_decode is not None and not self.kernels.padded:
+            if native_lora.available(dtype):  # one native call per projection, not per run
+                self.kernels = dataclasses.replace(
+                    self.kernels, segment_decode=native_lora.mbgmv_runs
+                )
         self.host_stats = HostLoraStats()
         self.registry: dict[str, LoraAdapter] = {}
         self.pool = AdapterPool(model_config, dtype, config.device)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from toppings.gpu_lora.peft_format import LoraAdapter, load_peft_adapter
+from toppings.server import native
 from toppings.server.adapters import AdapterManager
 from toppings.server.config import EngineConfig
 from toppings.server.errors import NOT_FOUND, unknown_adapter
@@ -56,6 +57,8 @@ class Engine:
             config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
         )
         dtype = getattr(torch, config.dtype)
+        if config.device == "cpu":
+            native.keep_freed_memory()
         self.model = LlamaModel(mc, checkpoint.weights, dtype, config.device, self.max_model_len)
         self.kv = KVPool(
             mc.num_layers,

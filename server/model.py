@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from toppings.server.attention import decode_attention, prefill_attention
+from toppings.server.fused import add_rms_norm, rope_, silu_mul
 from toppings.server.kv_cache import KVPool
 from toppings.server.linear import Linear
 from toppings.server.model_config import ModelConfig
@@ -44,20 +44,6 @@ class LayerWeights:
     post_norm: torch.Tensor  # [H]
     gate_up: Linear  # [2*I, H]
     down: Linear  # [H, I]
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm computed in float32 as transformers does. x [T, H] -> [T, H] in x's dtype."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE. x [T, heads, D]; cos, sin [T, D]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
 class LlamaModel:
@@ -124,16 +110,18 @@ class LlamaModel:
         num_tokens = batch.input_ids.shape[0]
         lora = batch.lora
         cos, sin = self.cos[batch.positions], self.sin[batch.positions]  # [T, D]
-        h = self.embed[batch.input_ids]  # [T, H]
+        h = self.embed[batch.input_ids]  # [T, H], fresh: the residual stream, added in place
+        residual = None  # the last block's output, added into h by the next norm
         for idx, layer in enumerate(self.layers):
-            x = rms_norm(h, layer.input_norm, cfg.rms_norm_eps)
+            x = add_rms_norm(h, residual, layer.input_norm, cfg.rms_norm_eps)
             qkv = layer.qkv(x)  # [T, (N+2K)*D]
             q, key, val = qkv.split([n * d, k * d, k * d], dim=-1)
             if lora is not None:
                 lora.add(idx, x, (("q_proj", q), ("k_proj", key), ("v_proj", val)))
-            q = apply_rope(q.reshape(num_tokens, n, d), cos, sin)  # [T, N, D]
-            key = apply_rope(key.reshape(num_tokens, k, d), cos, sin)  # [T, K, D]
-            val = val.reshape(num_tokens, k, d)
+            # RoPE on the query and key heads together, in place in qkv.
+            rope_(qkv[:, : (n + k) * d].view(num_tokens, n + k, d), cos, sin)
+            q = q.view(num_tokens, n, d)  # [T, N, D]
+            key, val = key.view(num_tokens, k, d), val.view(num_tokens, k, d)  # [T, K, D]
             kv.write(idx, batch.slots, key, val)
             if batch.is_prefill:
                 attn = prefill_attention(q, key, val, batch.seg_starts)  # [T, N*D]
@@ -142,19 +130,18 @@ class LlamaModel:
             out = layer.o(attn)  # [T, H]
             if lora is not None:
                 lora.add(idx, attn, (("o_proj", out),))
-            h = h + out
-            x = rms_norm(h, layer.post_norm, cfg.rms_norm_eps)
+            x = add_rms_norm(h, out, layer.post_norm, cfg.rms_norm_eps)
             gate_up = layer.gate_up(x)  # [T, 2I]
-            gate, up = gate_up.chunk(2, dim=-1)
             if lora is not None:
+                gate, up = gate_up.chunk(2, dim=-1)
                 lora.add(idx, x, (("gate_proj", gate), ("up_proj", up)))
-            act = F.silu(gate) * up  # [T, I]
-            out = layer.down(act)
+            act = silu_mul(gate_up)  # [T, I]
+            residual = layer.down(act)  # [T, H]
             if lora is not None:
-                lora.add(idx, act, (("down_proj", out),))
-            h = h + out
+                lora.add(idx, act, (("down_proj", residual),))
+        h += residual
         rows = batch.logit_rows
         if rows is None:
             rows = torch.tensor(batch.seg_starts[1:], device=self.device) - 1
-        h = rms_norm(h[rows], self.norm, cfg.rms_norm_eps)  # [R, H]
+        h = add_rms_norm(h[rows], None, self.norm, cfg.rms_norm_eps)  # [R, H]
         return self.lm_head(h).float()  # [R, V]

@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
 FLAGS = (
     "-O3",
+    "-ffp-contract=off",  # round each product as torch's unfused ops do
     "-march=native",
     "-fno-math-errno",
     "-mprefer-vector-width=512",
@@ -38,6 +39,17 @@ FLAGS = (
     "-fPIC",
     "-std=c11",
 )
+
+
+_P, _I, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+_ATTENTION = [_P] * 6 + [_I] * 4 + [_I64] * 2 + [ctypes.c_float, _I]
+SIGNATURES = {  # every function returns int: 0, or nonzero when it failed
+    "decode_attention_f32": _ATTENTION,
+    "decode_attention_bf16": _ATTENTION,
+    "add_rms_norm": [_P] * 4 + [_I64] * 5 + [ctypes.c_float, _I, _I],
+    "rope": [_P] * 3 + [_I64] * 4 + [_I, _I],
+    "lora_runs": [_P, _I64, _P, _I64, _P, _P] + [_I64] * 4 + [_P] * 4 + [_I64, _I, _I],
+}
 
 
 def cache_dir() -> Path:
@@ -78,18 +90,9 @@ def library() -> ctypes.CDLL | None:
             log.warning("building %s failed (%s): using the torch path", SOURCE.name, detail)
             return None
     lib = ctypes.CDLL(str(path))
-    for name in ("decode_attention_f32", "decode_attention_bf16"):
+    for name, argtypes in SIGNATURES.items():
         fn = getattr(lib, name)
-        fn.restype = ctypes.c_int
-        fn.argtypes = (
-            [ctypes.c_void_p] * 6
-            + [ctypes.c_int] * 4
-            + [ctypes.c_int64] * 2
-            + [
-                ctypes.c_float,
-                ctypes.c_int,
-            ]
-        )
+        fn.restype, fn.argtypes = ctypes.c_int, argtypes
     return lib
 
 
@@ -107,3 +110,24 @@ def _build(compiler: str, path: Path) -> None:
         )
         os.replace(out, path)
     log.info("built %s", path)
+
+
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
+
+
+@functools.cache
+def keep_freed_memory() -> bool:
+    """Let glibc reuse freed memory for large tensors instead of returning it to the OS.
+
+    By default glibc serves every allocation over its mmap threshold (128 KiB to 32 MiB) with a
+    fresh mmap, so each step's large activations fault in and zero their pages again: measured
+    here, `F.silu(gate) * up` on [8192, 1536] float32 took 37 ms with the default and 17 ms with
+    these settings, on the engine's own thread. The cost is that the process keeps its peak
+    heap. Process-wide; a no-op (False) where the C library is not glibc.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        ok = libc.mallopt(M_MMAP_THRESHOLD, 1 << 30) and libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1)
+    except (OSError, AttributeError):
+        return False
+    return bool(ok)

@@ -231,3 +231,146 @@ int decode_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *
     return decode_attention(q, k, v, out, index, lengths, 1, B, N, K, D, ld_index,
                             slots_per_head, scale, num_threads);
 }
+
+
+/* ---- elementwise ops of a Llama layer, one pass each -------------------------------------
+ * Every function works on rows of float32 (is_bf16 == 0) or bfloat16 (is_bf16 == 1) data and
+ * rounds where torch's unfused ops round, so results equal the torch path's up to float32
+ * summation order. Rows run in parallel only when there is enough work to pay for waking the
+ * other threads (a decode step's rows are few). */
+
+static inline float ld(const void *p, int is_bf16, int64_t i) {
+    return is_bf16 ? bf16_load(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+static inline float rnd(float f, int is_bf16) { return is_bf16 ? bf16_load(bf16_store(f)) : f; }
+
+static inline void st(void *p, int is_bf16, int64_t i, float f) {
+    if (is_bf16)
+        ((uint16_t *)p)[i] = bf16_store(f);
+    else
+        ((float *)p)[i] = f;
+}
+
+static inline int threads_for(int64_t elements, int num_threads) {
+    return elements >= (1 << 16) ? num_threads : 1;
+}
+
+/* If delta: h[t] += delta[t] (rounded to h's dtype, in place). Then
+ * out[t] = w * round(h[t] * rsqrt(mean(h[t]^2) + eps)), the product rounded too (transformers'
+ * LlamaRMSNorm). h, delta, out [T, H] with row strides ld_h, ld_delta, ld_out; w [H]. */
+int add_rms_norm(void *h, const void *delta, const void *w, void *out, int64_t T, int64_t H,
+                 int64_t ld_h, int64_t ld_delta, int64_t ld_out, float eps, int is_bf16,
+                 int num_threads) {
+#pragma omp parallel for num_threads(threads_for(T * H, num_threads)) schedule(static)
+    for (int64_t t = 0; t < T; t++) {
+        float ss = 0.f;
+        for (int64_t i = 0; i < H; i++) {
+            float v = ld(h, is_bf16, t * ld_h + i);
+            if (delta != NULL) {
+                v = rnd(v + ld(delta, is_bf16, t * ld_delta + i), is_bf16);
+                st(h, is_bf16, t * ld_h + i, v);
+            }
+            ss += v * v;
+        }
+        float inv = 1.f / sqrtf(ss / (float)H + eps);
+        for (int64_t i = 0; i < H; i++) {
+            float v = rnd(ld(h, is_bf16, t * ld_h + i) * inv, is_bf16);
+            st(out, is_bf16, t * ld_out + i, ld(w, is_bf16, i) * v);
+        }
+    }
+    return 0;
+}
+
+/* Rotate-half RoPE in place on x [T, heads, D] (row stride ld_x, heads contiguous);
+ * cos, sin [T, D] contiguous: x[i] = x[i] * cos[i] + rot[i] * sin[i], rot = (-x2, x1). */
+int rope(void *x, const void *cos_t, const void *sin_t, int64_t T, int64_t heads, int64_t D,
+         int64_t ld_x, int is_bf16, int num_threads) {
+    int64_t half = D / 2;
+#pragma omp parallel for num_threads(threads_for(T * heads * D, num_threads)) schedule(static)
+    for (int64_t t = 0; t < T; t++) {
+        for (int64_t n = 0; n < heads; n++) {
+            int64_t base = t * ld_x + n * D;
+            for (int64_t i = 0; i < half; i++) {
+                float x1 = ld(x, is_bf16, base + i), x2 = ld(x, is_bf16, base + half + i);
+                float c1 = ld(cos_t, is_bf16, t * D + i), s1 = ld(sin_t, is_bf16, t * D + i);
+                float c2 = ld(cos_t, is_bf16, t * D + half + i);
+                float s2 = ld(sin_t, is_bf16, t * D + half + i);
+                float a1 = rnd(x1 * c1, is_bf16), b1 = rnd(-x2 * s1, is_bf16);
+                float a2 = rnd(x2 * c2, is_bf16), b2 = rnd(x1 * s2, is_bf16);
+                st(x, is_bf16, base + i, a1 + b1);
+                st(x, is_bf16, base + half + i, a2 + b2);
+            }
+        }
+    }
+    return 0;
+}
+
+/* ---- LoRA over runs of one adapter's tokens (MBGMV semantics, CPU decode steps) ----------
+ * For each run g with ranks[g] > 0 and each token t in [starts[g], starts[g + 1]):
+ *     h = A[off:off + r] @ x[t]                 (r = ranks[g], off = offsets[g])
+ *     y[t] += scales[g] * (h @ Bt[off:off + r])
+ * x [T, H_in] (row stride ld_x), y [T, H_out] (row stride ld_y) in place, A [C, H_in] and
+ * Bt [C, H_out] contiguous pool rows (C = pool_rows); all float32 or all bfloat16 (float32 arithmetic, y rounded
+ * once). Each token is computed over its own adapter's rows only. */
+int lora_runs(const void *x, int64_t ld_x, void *y, int64_t ld_y, const void *A, const void *Bt,
+              int64_t H_in, int64_t H_out, int64_t pool_rows, int64_t num_tokens,
+              const int32_t *starts, const int32_t *offsets, const int32_t *ranks,
+              const float *scales, int64_t num_runs, int is_bf16, int num_threads) {
+    int64_t max_rank = 0, T = starts[num_runs] - starts[0];
+    for (int64_t g = 0; g < num_runs; g++) { /* 2: arguments outside the tensors, nothing done */
+        if (starts[g] < 0 || starts[g] > starts[g + 1] || starts[g + 1] > num_tokens) return 2;
+        if (ranks[g] < 0 || (ranks[g] > 0 && (offsets[g] < 0 || offsets[g] + ranks[g] > pool_rows)))
+            return 2;
+        max_rank = ranks[g] > max_rank ? ranks[g] : max_rank;
+    }
+    int failed = 0;
+#pragma omp parallel num_threads(threads_for(T * max_rank * (H_in + H_out), num_threads)) \
+    reduction(| : failed)
+    {
+        float *buf = malloc(sizeof(float) * (size_t)(H_in + H_out + max_rank + 1));
+        if (buf == NULL) {
+            failed = 1;
+        } else {
+            float *xf = buf, *acc = buf + H_in, *h = acc + H_out;
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t g = 0; g < num_runs; g++) {
+                int64_t r = ranks[g], off = offsets[g];
+                if (r <= 0) continue;
+                for (int64_t t = starts[g]; t < starts[g + 1]; t++) {
+                    for (int64_t i = 0; i < H_in; i++) xf[i] = ld(x, is_bf16, t * ld_x + i);
+                    for (int64_t j = 0; j < r; j++) {
+                        float s = 0.f;
+                        if (is_bf16) {
+                            const uint16_t *a = (const uint16_t *)A + (off + j) * H_in;
+#pragma omp simd reduction(+ : s)
+                            for (int64_t i = 0; i < H_in; i++) s += xf[i] * bf16_load(a[i]);
+                        } else {
+                            const float *a = (const float *)A + (off + j) * H_in;
+#pragma omp simd reduction(+ : s)
+                            for (int64_t i = 0; i < H_in; i++) s += xf[i] * a[i];
+                        }
+                        h[j] = s * scales[g];
+                    }
+                    for (int64_t o = 0; o < H_out; o++) acc[o] = 0.f;
+                    for (int64_t j = 0; j < r; j++) {
+                        float hj = h[j];
+                        if (is_bf16) {
+                            const uint16_t *b = (const uint16_t *)Bt + (off + j) * H_out;
+#pragma omp simd
+                            for (int64_t o = 0; o < H_out; o++) acc[o] += hj * bf16_load(b[o]);
+                        } else {
+                            const float *b = (const float *)Bt + (off + j) * H_out;
+#pragma omp simd
+                            for (int64_t o = 0; o < H_out; o++) acc[o] += hj * b[o];
+                        }
+                    }
+                    for (int64_t o = 0; o < H_out; o++)
+                        st(y, is_bf16, t * ld_y + o, ld(y, is_bf16, t * ld_y + o) + acc[o]);
+                }
+            }
+            free(buf);
+        }
+    }
+    return failed;
+}
