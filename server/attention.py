@@ -56,9 +56,10 @@ def decode_attention(
 
 def _decode_native(lib, q, k_cache, v_cache, index, lengths) -> torch.Tensor:
     b, n, d = q.shape
-    q = q.contiguous()
+    if q.stride(2) != 1 or q.stride(1) != d:
+        q = q.contiguous()  # rows may be strided (a view of the qkv projection), heads not
     index, lengths = index.contiguous(), lengths.contiguous()
-    out = torch.empty_like(q)  # [B, N, D]
+    out = torch.empty(b, n, d, dtype=q.dtype)
     failed = getattr(lib, _NATIVE_DTYPES[q.dtype])(
         ctypes.c_void_p(q.data_ptr()),
         ctypes.c_void_p(k_cache.data_ptr()),
@@ -66,7 +67,7 @@ def _decode_native(lib, q, k_cache, v_cache, index, lengths) -> torch.Tensor:
         ctypes.c_void_p(out.data_ptr()),
         ctypes.c_void_p(index.data_ptr()),
         ctypes.c_void_p(lengths.data_ptr()),
-        b, n, k_cache.shape[0], d, index.shape[1], k_cache.shape[1],
+        b, n, k_cache.shape[0], d, index.shape[1], k_cache.shape[1], q.stride(0),
         d**-0.5, torch.get_num_threads(),
     )  # fmt: skip
     if failed:

@@ -42,7 +42,7 @@ FLAGS = (
 
 
 _P, _I, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-_ATTENTION = [_P] * 6 + [_I] * 4 + [_I64] * 2 + [ctypes.c_float, _I]
+_ATTENTION = [_P] * 6 + [_I] * 4 + [_I64] * 3 + [ctypes.c_float, _I]
 SIGNATURES = {  # every function returns int: 0, or nonzero when it failed
     "decode_attention_f32": _ATTENTION,
     "decode_attention_bf16": _ATTENTION,

@@ -38,7 +38,10 @@ def mbgmv_runs(
     """
     check_prefill(y, x, lora_a, lora_b, seg_starts, offsets, ranks, scales)
     lib = native.library()
-    meta = [t.to(torch.int32).contiguous() for t in (seg_starts, offsets, ranks)]
+    meta = [
+        t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()
+        for t in (seg_starts, offsets, ranks)
+    ]
     if (
         lib is None
         or y.dtype not in _DTYPES

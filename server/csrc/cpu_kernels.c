@@ -6,7 +6,8 @@
  *     p[l] = softmax_l(scale * q[b, n] . k[h, index[b, l]]),  l < lengths[b]
  *     out[b, n] = sum_l p[l] * v[h, index[b, l]]
  * Arithmetic in float32 whatever the storage type; bf16 is rounded to nearest even on output.
- * Shapes: q, out [B, N, D] contiguous; k, v [K, S, D] contiguous (one layer of the pool);
+ * Shapes: q [B, N, D] (row stride ld_q, heads contiguous); out [B, N, D] contiguous;
+ * k, v [K, S, D] contiguous (one layer of the pool);
  * index [B, ld_index] int64 slots; lengths [B] int64, each >= 1 and <= ld_index.
  */
 #include <math.h>
@@ -168,6 +169,7 @@ static inline __attribute__((always_inline)) void attend_rows(
 static int decode_attention(const void *q, const void *k, const void *v, void *out,
                             const int64_t *index, const int64_t *lengths, int is_bf16, int B,
                             int N, int K, int D, int64_t ld_index, int64_t slots_per_head,
+                            int64_t ld_q,
                             float scale, int num_threads) {
     int G = N / K, failed = 0;
     int64_t max_len = 0;
@@ -184,10 +186,11 @@ static int decode_attention(const void *q, const void *k, const void *v, void *o
 #pragma omp for schedule(dynamic, 1)
             for (int64_t bh = 0; bh < (int64_t)B * K; bh++) {
                 int b = (int)(bh / K), h = (int)(bh % K);
-                size_t q_off = ((size_t)b * N + (size_t)h * G) * D;
+                size_t q_off = ((size_t)b * N + (size_t)h * G) * D; /* of out */
+                size_t q_in = (size_t)b * ld_q + (size_t)h * G * D;
                 for (int i = 0; i < G * D; i++)
-                    qf[i] = is_bf16 ? bf16_load(((const uint16_t *)q)[q_off + i])
-                                    : ((const float *)q)[q_off + i];
+                    qf[i] = is_bf16 ? bf16_load(((const uint16_t *)q)[q_in + i])
+                                    : ((const float *)q)[q_in + i];
                 size_t head = (size_t)h * slots_per_head * D;
                 const void *kh = is_bf16 ? (const void *)((const uint16_t *)k + head)
                                          : (const void *)((const float *)k + head);
@@ -219,17 +222,19 @@ static int decode_attention(const void *q, const void *k, const void *v, void *o
 
 int decode_attention_f32(const float *q, const float *k, const float *v, float *out,
                          const int64_t *index, const int64_t *lengths, int B, int N, int K, int D,
-                         int64_t ld_index, int64_t slots_per_head, float scale, int num_threads) {
+                         int64_t ld_index, int64_t slots_per_head, int64_t ld_q, float scale,
+                         int num_threads) {
     return decode_attention(q, k, v, out, index, lengths, 0, B, N, K, D, ld_index,
-                            slots_per_head, scale, num_threads);
+                            slots_per_head, ld_q, scale, num_threads);
 }
 
 int decode_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, uint16_t *out,
                           const int64_t *index, const int64_t *lengths, int B, int N, int K,
-                          int D, int64_t ld_index, int64_t slots_per_head, float scale,
+                          int D, int64_t ld_index, int64_t slots_per_head, int64_t ld_q,
+                          float scale,
                           int num_threads) {
     return decode_attention(q, k, v, out, index, lengths, 1, B, N, K, D, ld_index,
-                            slots_per_head, scale, num_threads);
+                            slots_per_head, ld_q, scale, num_threads);
 }
 
 
@@ -311,8 +316,9 @@ int rope(void *x, const void *cos_t, const void *sin_t, int64_t T, int64_t heads
  *     h = A[off:off + r] @ x[t]                 (r = ranks[g], off = offsets[g])
  *     y[t] += scales[g] * (h @ Bt[off:off + r])
  * x [T, H_in] (row stride ld_x), y [T, H_out] (row stride ld_y) in place, A [C, H_in] and
- * Bt [C, H_out] contiguous pool rows (C = pool_rows); all float32 or all bfloat16 (float32 arithmetic, y rounded
- * once). Each token is computed over its own adapter's rows only. */
+ * Bt [C, H_out] contiguous pool rows (C = pool_rows); all float32 or all bfloat16 (float32
+ * arithmetic, y rounded once). Each token is computed over its own adapter's rows only.
+ * Returns 2, having written nothing, when a run lies outside y or the pool. */
 int lora_runs(const void *x, int64_t ld_x, void *y, int64_t ld_y, const void *A, const void *Bt,
               int64_t H_in, int64_t H_out, int64_t pool_rows, int64_t num_tokens,
               const int32_t *starts, const int32_t *offsets, const int32_t *ranks,
