@@ -15,6 +15,7 @@ for the run's linear-layer FLOPs / the run's time.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -210,6 +211,7 @@ def main(argv: list[str] | None = None) -> None:
         kernel=args.kernel,
         max_batch_size=args.num_requests,
         max_total_tokens=args.num_requests * (args.prompt_len + args.new_tokens),
+        num_threads=threads,
     )
     started = time.perf_counter()
     engine = build_engine(str(model_dir), config, adapters)
@@ -219,14 +221,18 @@ def main(argv: list[str] | None = None) -> None:
         run_ours(engine, prompts[:8], names[:8], 8)  # warm-up
         ours = run_ours(engine, prompts, names, args.new_tokens)
         base = run_ours(engine, prompts, [None] * len(prompts), args.new_tokens)
-        torch.set_num_threads(1)
-        ours_1 = run_ours(engine, prompts, names, args.new_tokens)
-        torch.set_num_threads(threads)
         for label, adapter in (("base", None), ("adapter", names[0])):
             single[label] = run_single(engine, prompts[0], adapter, args.new_tokens,
                                        args.single_rounds)  # fmt: skip
         mc = engine.model_config
         gemm = {n: gemm_gflops(engine.model, n) for n in (args.num_requests, args.prompt_len * 16)}
+    finally:
+        engine.shutdown()
+    # The engine thread sets its own OpenMP team size: a second engine for the 1-thread run.
+    engine = build_engine(str(model_dir), dataclasses.replace(config, num_threads=1), adapters)
+    try:
+        run_ours(engine, prompts[:8], names[:8], 8)
+        ours_1 = run_ours(engine, prompts, names, args.new_tokens)
     finally:
         engine.shutdown()
     log.info("ours: %s; base model only: %s; 1 thread: %s", ours, base, ours_1)

@@ -35,6 +35,7 @@ class EngineConfig:
     num_cpu_workers: int = 0  # CPU LoRA worker processes; 0: compute host LoRA in-process
     cpu_cores: tuple[int, ...] = ()  # cores for the CPU workers (one each); (): any
     cpu_spin_us: float = 0.0  # engine and workers spin this long on a semaphore before sleeping
+    num_threads: int = 0  # torch (OpenMP) threads of the engine thread; 0: every core
 
     def __post_init__(self) -> None:
         for name, value, allowed in (
@@ -48,7 +49,7 @@ class EngineConfig:
         for name in ("max_total_tokens", "max_batch_size", "max_prefill_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive")
-        for name in ("max_model_len", "adapter_cache_bytes", "num_cpu_workers"):
+        for name in ("max_model_len", "adapter_cache_bytes", "num_cpu_workers", "num_threads"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
         if self.cpu_spin_us < 0:

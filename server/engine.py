@@ -228,6 +228,9 @@ class Engine:
     # ---- the engine thread ------------------------------------------------------------------
 
     def _loop(self) -> None:
+        if self.config.num_threads:
+            # Per thread: torch.set_num_threads sets the calling thread's OpenMP team size.
+            torch.set_num_threads(self.config.num_threads)
         while not self._stopping.is_set():
             self._drain_inbox(block=not (self._waiting or self._running))
             if self._stopping.is_set():
