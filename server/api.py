@@ -6,6 +6,11 @@ goes away is aborted: waitress closes the response iterator (GeneratorExit in `_
 `_outputs` checks waitress's disconnect flag after each output and while none arrives, which also
 covers non-streaming requests.
 
+The generation endpoints share one in-flight limit (server.frontend): a request takes a slot
+before it is submitted and gives it back when its answer ends, on every path; past the limit it
+gets 429 with Retry-After at once. `cli.py` sizes waitress's thread pool from the same limit, so
+streams never wait for a thread and the operator endpoints always find one.
+
 Operator endpoints: `/metrics` (Prometheus, see server.metrics), `/v1/load_lora_adapter` and
 `/v1/unload_lora_adapter` (see server.lifecycle). With an API key every endpoint but `/health`
 wants `Authorization: Bearer KEY`. While the server drains (SIGTERM), `/health` answers 503 so
@@ -29,11 +34,15 @@ from werkzeug.exceptions import HTTPException
 
 from toppings.server.errors import (
     INVALID_REQUEST,
+    RETRY_AFTER_S,
     SERVER_ERROR,
+    TOO_MANY_REQUESTS,
     UNAVAILABLE,
     error_body,
     parse_json_object,
+    too_many_requests,
 )
+from toppings.server.frontend import InFlightLimit, ReleasingBody, Slot, default_max_in_flight
 from toppings.server.lifecycle import AdapterAdmin, AdapterPaths
 from toppings.server.metrics import CONTENT_TYPE, ServerMetrics
 from toppings.server.openai_response import (
@@ -68,15 +77,17 @@ OPEN_PATHS = frozenset({"/health"})  # answered without an API key (load balance
 
 @dataclass(frozen=True)
 class ApiOptions:
-    """What the operator sets for the HTTP layer; None: no limit / no key."""
+    """What the operator sets for the HTTP layer; None: no limit / no key, except
+    max_concurrent_requests, whose None means frontend.default_max_in_flight (4x the batch)."""
 
     api_key: str | None = None
     max_prompt_tokens: int | None = None
     max_new_tokens_limit: int | None = None
     lora_roots: tuple[str, ...] = ()  # directories /v1/load_lora_adapter may read from
+    max_concurrent_requests: int | None = None  # generation requests in flight, queued included
 
     def __post_init__(self) -> None:
-        for name in ("max_prompt_tokens", "max_new_tokens_limit"):
+        for name in ("max_prompt_tokens", "max_new_tokens_limit", "max_concurrent_requests"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be positive")
@@ -86,10 +97,19 @@ class ApiOptions:
 
 @dataclass
 class ServerState:
-    """Per-app state the command line reaches: the drain flag and the metrics."""
+    """Per-app state the command line and tests reach: in-flight limit, metrics, drain flag."""
 
+    in_flight: InFlightLimit
     metrics: ServerMetrics
     draining: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+    def take_slot(self) -> Slot:
+        """A place in flight for one generation request; a 429 with Retry-After past the limit."""
+        slot = self.in_flight.try_acquire()
+        if slot is None:
+            raise RequestError(too_many_requests(self.in_flight.max_in_flight), 429,
+                               TOO_MANY_REQUESTS, retry_after_s=RETRY_AFTER_S)  # fmt: skip
+        return slot
 
 
 def _json_body() -> dict:
@@ -129,19 +149,20 @@ def _outputs(
                 raise RequestError("the engine stopped", 503, SERVER_ERROR) from None
 
 
-def _stream(events: Iterator[str], handle: RequestHandle) -> Iterator[str]:
-    finished = False
+def _stream(events: Iterator[str], handle: RequestHandle, slot: Slot) -> ReleasingBody:
+    """The SSE body; closing it (done, or the client gone) aborts the request if it still runs
+    and gives its slot back, even when the body was never iterated."""
+    return ReleasingBody(_sse_or_error(events, handle), handle.abort, slot.release)
+
+
+def _sse_or_error(events: Iterator[str], handle: RequestHandle) -> Iterator[str]:
     try:
         yield from events
-        finished = True
     except Exception as e:  # headers are out: the error can only travel in the stream
         logger.exception("stream of %s failed", handle.request_id)
         code = e.code if isinstance(e, RequestError) else 500
         yield sse(error_body(str(e), code, SERVER_ERROR))
         yield SSE_DONE
-    finally:
-        if not finished:
-            handle.abort()
 
 
 def _apply_limits(parsed: ParsedBody, req: GenerationRequest, options: ApiOptions) -> None:
@@ -172,14 +193,25 @@ def create_app(engine, options: ApiOptions | None = None) -> Flask:
     options = options or ApiOptions()
     app = Flask("toppings-server")
     app.config["MAX_CONTENT_LENGTH"] = MAX_BODY_BYTES
-    state = ServerState(ServerMetrics(engine))
+    max_in_flight = options.max_concurrent_requests or default_max_in_flight(
+        engine.config.max_batch_size
+    )
+    in_flight = InFlightLimit(max_in_flight)
+    state = ServerState(in_flight, ServerMetrics(engine, in_flight))
     app.extensions["toppings"] = state
     admin = AdapterAdmin(engine, AdapterPaths(options.lora_roots))
     tokenizer_lock = threading.Lock()
     started = int(time.time())
 
     def generate(parse: Callable[[dict, str], ParsedBody]) -> Response:
-        parsed = parse(_json_body(), engine.model_name)
+        slot = state.take_slot()  # before any work: a refusal costs next to nothing
+        try:
+            return answer(parse(_json_body(), engine.model_name), slot)
+        except BaseException:
+            slot.release()  # idempotent; once a stream's body exists, its close() releases too
+            raise
+
+    def answer(parsed: ParsedBody, slot: Slot) -> Response:
         with tokenizer_lock:
             req = build_request(
                 parsed, engine.tokenizer, engine.max_model_len, engine.model_config.vocab_size
@@ -190,7 +222,7 @@ def create_app(engine, options: ApiOptions | None = None) -> Flask:
         gone = request.environ.get("waitress.client_disconnected") or (lambda: False)
         outputs = _outputs(engine, handle, gone, state.metrics.requests.observe_final)
         if parsed.stream:
-            events = _stream(stream_events(parsed, meta, outputs), handle)
+            events = _stream(stream_events(parsed, meta, outputs), handle, slot)
             headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
             return Response(events, mimetype="text/event-stream", headers=headers)
         try:
@@ -198,6 +230,8 @@ def create_app(engine, options: ApiOptions | None = None) -> Flask:
         except BaseException:
             handle.abort()
             raise
+        finally:
+            slot.release()
         if out.finish_reason == "error":
             return _error(out.error or "generation failed", 500, SERVER_ERROR)
         return jsonify(final_response(parsed, meta, out))
@@ -222,7 +256,12 @@ def create_app(engine, options: ApiOptions | None = None) -> Flask:
 
     @app.get("/stats")
     def stats() -> Response:
-        body = dataclasses.replace(engine.stats(), draining=state.draining.is_set())
+        body = dataclasses.replace(
+            engine.stats(),
+            draining=state.draining.is_set(),
+            num_in_flight=in_flight.num_in_flight,
+            max_concurrent_requests=in_flight.max_in_flight,
+        )
         return jsonify(body.to_json())
 
     @app.get("/metrics")
@@ -250,7 +289,10 @@ def create_app(engine, options: ApiOptions | None = None) -> Flask:
 
     @app.errorhandler(RequestError)
     def request_error(e: RequestError) -> Response:
-        return _error(str(e), e.code, e.error_type)
+        response = _error(str(e), e.code, e.error_type)
+        if e.retry_after_s is not None:
+            response.headers["Retry-After"] = str(e.retry_after_s)
+        return response
 
     @app.errorhandler(HTTPException)
     def http_error(e: HTTPException) -> Response:
