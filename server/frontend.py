@@ -88,8 +88,9 @@ class ReleasingBody:
 
     An iterator object rather than a generator: the WSGI server calls `close()` when the answer
     ends or the client goes away, and a generator never started would skip its `finally` (its
-    slot would stay taken forever). Also closed when dropped unclosed (a safety net: a slot that
-    leaks wedges the server once the limit is reached).
+    slot would stay taken forever). Also closed when its chunks run out or fail, and when it is
+    dropped unclosed (a safety net: a slot that leaks wedges the server once the limit is
+    reached).
     """
 
     def __init__(self, chunks: Iterable, *on_close: Callable[[], None]):
@@ -101,7 +102,11 @@ class ReleasingBody:
         return self
 
     def __next__(self):
-        return next(self._chunks)
+        try:
+            return next(self._chunks)
+        except BaseException:  # the end, or a failure: give back at once, not only on close()
+            self.close()
+            raise
 
     def close(self) -> None:
         if self._closed:
