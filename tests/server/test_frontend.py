@@ -27,8 +27,11 @@ LONG = 400  # new tokens: a request that is still generating while a test looks 
 ENDPOINTS = {
     "/generate": {"input_ids": [1, 2, 3], "max_new_tokens": 4, "ignore_eos": True},
     "/v1/completions": {"prompt": "hi", "max_tokens": 4, "ignore_eos": True},
-    "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
-                             "ignore_eos": True},  # fmt: skip
+    "/v1/chat/completions": {
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 4,
+        "ignore_eos": True,
+    },  # fmt: skip
 }
 
 
