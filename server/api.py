@@ -2,7 +2,7 @@
 
 Handlers run on waitress worker threads; they only tokenize, call `engine.submit` and read the
 request's output queue, so a slow client never stalls the engine thread. A stream whose client
-goes away is aborted: waitress closes the response iterator (GeneratorExit in `_stream`), and
+goes away is aborted: waitress closes the response body (`_stream`, started or not), and
 `_outputs` checks waitress's disconnect flag after each output and while none arrives, which also
 covers non-streaming requests.
 
