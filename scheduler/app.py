@@ -3,8 +3,10 @@
 Request endpoints mirror a server's (`/v1/completions`, `/v1/chat/completions`, `/generate`,
 `/tokenize`, `/detokenize`, streaming as server-sent events passed through; bodies go to one
 server unchanged, see scheduler.router); `GET /v1/models` and `GET /v1/models/{id}` come from
-the registry; until a server is registered they answer 503
-with Retry-After. Errors use the server's contract (toppings.server.errors). Operator endpoints:
+the registry; until a server is registered they answer 503 with Retry-After. Errors use the
+server's contract (toppings.server.errors). Like a server, the request endpoints share one
+in-flight limit (toppings.server.frontend): a proxied request holds a slot until its answer has
+ended, and past the limit a request gets 429 with Retry-After at once. Operator endpoints:
     GET    /health    200 once a server is registered, else 503 "no server ready yet"
     GET    /stats     {"policy", "servers": [{"url", "ready", "in_flight"}], "num_servers",
                        "num_ready", "num_adapters", "num_base_models", "num_in_flight"}
@@ -29,7 +31,7 @@ from flask import Flask, Response, jsonify, request
 from werkzeug.exceptions import HTTPException
 
 from toppings.scheduler.cluster import Cluster
-from toppings.scheduler.metrics import CONTENT_TYPE
+from toppings.scheduler.metrics import CONTENT_TYPE, FrontendCollector
 from toppings.scheduler.registry import AdapterRecord, RegistryError
 from toppings.scheduler.router import Router, SchedulerError
 from toppings.server.errors import (
@@ -39,12 +41,17 @@ from toppings.server.errors import (
     NOT_FOUND,
     RETRY_AFTER_S,
     SERVER_ERROR,
+    TOO_MANY_REQUESTS,
     UNAVAILABLE,
     error_body,
     parse_json_object,
     routing_error_body,
+    too_many_requests,
     unknown_adapter,
 )
+from toppings.server.frontend import InFlightLimit, ReleasingBody
+
+DEFAULT_MAX_IN_FLIGHT = 1024  # requests proxied at once, over the whole cluster
 
 log = logging.getLogger(__name__)
 
@@ -95,20 +102,39 @@ def _names(value: Any) -> tuple[str, ...]:
     return tuple(value)
 
 
-def create_app(router: Router, cluster: Cluster, info: dict[str, Any]) -> Flask:
-    """Flask app around a router and cluster; `info` is echoed by /admin/state."""
+def create_app(
+    router: Router,
+    cluster: Cluster,
+    info: dict[str, Any],
+    max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
+) -> Flask:
+    """Flask app around a router and cluster; `info` is echoed by /admin/state; past
+    `max_in_flight` proxied requests, a request gets 429."""
     app = Flask("toppings-scheduler")
     app.config["MAX_CONTENT_LENGTH"] = MAX_BODY_BYTES
     registry = router.registry
+    in_flight = InFlightLimit(max_in_flight)
+    app.extensions["toppings"] = in_flight
+    router.metrics.registry.register(FrontendCollector(in_flight))
 
     def proxy(path: str, kind: str) -> Response:
         router.check_ready()
-        answer = router.forward(path, _json_body(), kind)
+        slot = in_flight.try_acquire()
+        if slot is None:
+            raise SchedulerError(too_many_requests(max_in_flight), 429, TOO_MANY_REQUESTS,
+                                 retry_after_s=RETRY_AFTER_S)  # fmt: skip
+        try:
+            answer = router.forward(path, _json_body(), kind)
+        except BaseException:
+            slot.release()
+            raise
         headers = {"X-Toppings-Server": answer.server}
         if isinstance(answer.body, bytes):
+            slot.release()  # the server's answer has been read whole
             return Response(answer.body, answer.status, headers, content_type=answer.content_type)
         headers.update({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return Response(answer.body, answer.status, headers, content_type=answer.content_type)
+        body = ReleasingBody(answer.body, slot.release)  # released when the stream is closed
+        return Response(body, answer.status, headers, content_type=answer.content_type)
 
     app.add_url_rule(
         "/v1/completions", "completions", lambda: proxy("/v1/completions", "completions"),

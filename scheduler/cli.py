@@ -2,11 +2,14 @@
 
     toppings-scheduler --registry FILE.sqlite [--host 127.0.0.1] [--port 8000]
         [--policy rank-aware|random|first-fit|least-loaded] [--perf-model FILE.json]
-        [--slo-tpt-ms X]
+        [--slo-tpt-ms X] [--max-concurrent-requests N] [--threads N]
 
 Servers known to the registry are polled from the start; add more with POST /admin/servers.
 Without --perf-model the policies use the paper's Fig. 6 coefficients (A100, Llama-7B), which
 do not describe this cluster's hardware; fit a model with bench/fit_perf_model.py.
+
+Waitress runs one thread per proxied request in flight (`--max-concurrent-requests`, 429 past
+it) plus `--threads` more for everything else (see toppings.server.frontend).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from typing import Any
 import requests
 import waitress
 
-from toppings.scheduler.app import create_app
+from toppings.scheduler.app import DEFAULT_MAX_IN_FLIGHT, create_app
 from toppings.scheduler.cluster import Cluster
 from toppings.scheduler.paper_models import paper_fig6_models
 from toppings.scheduler.perf_model import PerfModels
@@ -30,6 +33,11 @@ from toppings.scheduler.policies import POLICIES, make_policy
 from toppings.scheduler.registry import Registry
 from toppings.scheduler.router import PromptCounter, Router, estimate_prompt_tokens
 from toppings.scheduler.state import BatchShape
+from toppings.server.frontend import (
+    DEFAULT_RESERVE_THREADS,
+    raise_open_files_limit,
+    waitress_settings,
+)
 
 log = logging.getLogger("toppings-scheduler")
 STATS_TIMEOUT_S = 1.0
@@ -72,7 +80,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--refresh-ms", type=float, default=100.0, help="/stats polling period")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random policy")
-    parser.add_argument("--threads", type=int, default=32, help="waitress worker threads")
+    parser.add_argument(
+        "--max-concurrent-requests",
+        type=int,
+        default=DEFAULT_MAX_IN_FLIGHT,
+        metavar="N",
+        help="proxied requests in flight past which a request gets 429 with Retry-After; "
+        "waitress runs a thread for each",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=DEFAULT_RESERVE_THREADS,
+        metavar="N",
+        help="waitress threads beyond --max-concurrent-requests, kept for /health, /stats, "
+        "/metrics, /admin and quick 429s",
+    )
     parser.add_argument(
         "--server-api-key",
         default=os.environ.get("TOPPINGS_API_KEY"),
@@ -96,6 +119,8 @@ def _usage_error(message: str) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.max_concurrent_requests < 1 or args.threads < 1:
+        _usage_error("--max-concurrent-requests and --threads must be positive")
     try:
         logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     except ValueError as e:
@@ -125,9 +150,12 @@ def main(argv: list[str] | None = None) -> None:
     if args.server_api_key:
         for sess in (session, router.session):  # /stats polling and the proxied requests
             sess.headers["Authorization"] = f"Bearer {args.server_api_key}"
-    app = create_app(router, cluster, {"perf_model_source": source, "registry": args.registry})
+    info = {"perf_model_source": source, "registry": args.registry}
+    app = create_app(router, cluster, info, args.max_concurrent_requests)
+    sizing = waitress_settings(args.max_concurrent_requests, args.threads)
+    raise_open_files_limit(sizing["connection_limit"])
     try:
-        server = waitress.create_server(app, host=args.host, port=args.port, threads=args.threads)
+        server = waitress.create_server(app, host=args.host, port=args.port, **sizing)
     except OSError as e:
         registry.close()
         if e.errno == errno.EADDRINUSE:

@@ -2,8 +2,10 @@
 
 The policy ranks the servers that serve the request (healthy, same base model, hosting the
 adapter). The first is tried; a server that refuses the connection or fails before answering is
-marked unhealthy and the next one is tried. Once a server has answered (any status), its answer
-goes to the client as is: a 4xx is the client's problem, and a streamed body cannot be replayed.
+marked unhealthy and the next one is tried; so is the next one after a 429 (the server is at its
+limit of requests in flight: busy, not unhealthy), and when every server answered 429 the client
+gets 429 with Retry-After. Once a server has answered any other status, its answer goes to the
+client as is: a 4xx is the client's problem, and a streamed body cannot be replayed.
 
 Only what routing needs is checked here (the body is a JSON object, the model is known); every
 other field is the server's to judge, so that a bad input gets the same answer through the
@@ -40,6 +42,7 @@ from toppings.server.errors import (
     NO_SERVER_READY,
     NOT_FOUND,
     RETRY_AFTER_S,
+    TOO_MANY_REQUESTS,
     UNAVAILABLE,
     unknown_adapter,
 )
@@ -228,14 +231,19 @@ class Router:
             except BaseException:
                 done(None)
                 raise
-            if answer.status_code == 503:  # the server says it cannot serve now: next one
+            if answer.status_code in (429, 503):  # this server cannot take it now: next one
                 answer.close()
                 done(None)
-                self.cluster.mark_unhealthy(url, f"{path}: 503")
-                failures.append(f"{url}: 503")
+                if answer.status_code == 503:
+                    self.cluster.mark_unhealthy(url, f"{path}: 503")
+                failures.append(f"{url}: {answer.status_code}")
                 continue
             done.status = answer.status_code
             return self._pass_on(answer, url, stream, done)
+        if failures and all(f.endswith(": 429") for f in failures):
+            raise SchedulerError("every server is at its limit of requests in flight: "
+                                 + "; ".join(failures), 429, TOO_MANY_REQUESTS,
+                                 retry_after_s=RETRY_AFTER_S)  # fmt: skip
         raise SchedulerError("every server failed: " + "; ".join(failures), 502, BAD_GATEWAY)
 
     def check_ready(self) -> None:

@@ -3,10 +3,15 @@
 Handlers run on waitress worker threads; they only tokenize, call `engine.submit` and read the
 requests' output queue, so a slow client never stalls the engine thread. One response may be many
 engine requests (n choices, a list of prompts: a `RequestGroup`). A stream whose client goes away
-is aborted: waitress closes the response iterator (GeneratorExit in `_stream`), and
+is aborted: waitress closes the response body (`_stream`, started or not), and
 `RequestGroup.outputs` checks waitress's disconnect flag after each output and while none
 arrives, which also covers non-streaming requests. Unknown routes and methods get the JSON error
 of every other endpoint. `/tokenize` and `/detokenize` are vLLM's (see server.tokenize_api).
+
+The generation endpoints share one in-flight limit (server.frontend): a request takes a slot
+before it is submitted and gives it back when its answer ends, on every path; past the limit it
+gets 429 with Retry-After at once. `cli.py` sizes waitress's thread pool from the same limit, so
+streams never wait for a thread and the operator endpoints always find one.
 
 Operator endpoints: `/metrics` (Prometheus, see server.metrics), `/v1/load_lora_adapter` and
 `/v1/unload_lora_adapter` (see server.lifecycle). With an API key every endpoint but `/health`
@@ -31,13 +36,17 @@ from werkzeug.exceptions import HTTPException
 from toppings.server.errors import (
     INVALID_REQUEST,
     NOT_FOUND,
+    RETRY_AFTER_S,
     SERVER_ERROR,
+    TOO_MANY_REQUESTS,
     UNAVAILABLE,
     error_body,
     parse_json_object,
     routing_error_body,
+    too_many_requests,
     unknown_adapter,
 )
+from toppings.server.frontend import InFlightLimit, ReleasingBody, Slot, default_max_in_flight
 from toppings.server.lifecycle import AdapterAdmin, AdapterPaths
 from toppings.server.metrics import CONTENT_TYPE, ServerMetrics
 from toppings.server.openai_logprobs import TokenText
@@ -63,15 +72,17 @@ OPEN_PATHS = frozenset({"/health"})  # answered without an API key (load balance
 
 @dataclass(frozen=True)
 class ApiOptions:
-    """What the operator sets for the HTTP layer; None: no limit / no key."""
+    """What the operator sets for the HTTP layer; None: no limit / no key, except
+    max_concurrent_requests, whose None means frontend.default_max_in_flight (4x the batch)."""
 
     api_key: str | None = None
     max_prompt_tokens: int | None = None
     max_new_tokens_limit: int | None = None
     lora_roots: tuple[str, ...] = ()  # directories /v1/load_lora_adapter may read from
+    max_concurrent_requests: int | None = None  # generation requests in flight, queued included
 
     def __post_init__(self) -> None:
-        for name in ("max_prompt_tokens", "max_new_tokens_limit"):
+        for name in ("max_prompt_tokens", "max_new_tokens_limit", "max_concurrent_requests"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be positive")
@@ -81,10 +92,19 @@ class ApiOptions:
 
 @dataclass
 class ServerState:
-    """Per-app state the command line reaches: the drain flag and the metrics."""
+    """Per-app state the command line and tests reach: in-flight limit, metrics, drain flag."""
 
+    in_flight: InFlightLimit
     metrics: ServerMetrics
     draining: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+    def take_slot(self) -> Slot:
+        """A place in flight for one generation request; a 429 with Retry-After past the limit."""
+        slot = self.in_flight.try_acquire()
+        if slot is None:
+            raise RequestError(too_many_requests(self.in_flight.max_in_flight), 429,
+                               TOO_MANY_REQUESTS, retry_after_s=RETRY_AFTER_S)  # fmt: skip
+        return slot
 
 
 def _json_body() -> dict:
@@ -100,19 +120,20 @@ def _error(message: str, code: int, error_type: str = INVALID_REQUEST) -> Respon
     return response
 
 
-def _stream(events: Iterator[str], group: RequestGroup) -> Iterator[str]:
-    finished = False
+def _stream(events: Iterator[str], group: RequestGroup, slot: Slot) -> ReleasingBody:
+    """The SSE body; closing it (done, or the client gone) aborts the requests still running
+    and gives the slot back, even when the body was never iterated."""
+    return ReleasingBody(_sse_or_error(events), group.abort, slot.release)
+
+
+def _sse_or_error(events: Iterator[str]) -> Iterator[str]:
     try:
         yield from events
-        finished = True
     except Exception as e:  # headers are out: the error can only travel in the stream
         logger.exception("a stream failed")
         code = e.code if isinstance(e, RequestError) else 500
         yield sse(error_body(str(e), code, SERVER_ERROR))
         yield SSE_DONE
-    finally:
-        if not finished:
-            group.abort()
 
 
 def _apply_limits(parsed: ParsedBody, req: GenerationRequest, options: ApiOptions) -> None:
@@ -143,7 +164,11 @@ def create_app(engine, options: ApiOptions | None = None) -> Flask:
     options = options or ApiOptions()
     app = Flask("toppings-server")
     app.config["MAX_CONTENT_LENGTH"] = MAX_BODY_BYTES
-    state = ServerState(ServerMetrics(engine))
+    max_in_flight = options.max_concurrent_requests or default_max_in_flight(
+        engine.config.max_batch_size
+    )
+    in_flight = InFlightLimit(max_in_flight)
+    state = ServerState(in_flight, ServerMetrics(engine, in_flight))
     app.extensions["toppings"] = state
     admin = AdapterAdmin(engine, AdapterPaths(options.lora_roots))
     tokenizer_lock = threading.Lock()
@@ -152,7 +177,14 @@ def create_app(engine, options: ApiOptions | None = None) -> Flask:
     token_text = TokenText(engine.tokenizer)
 
     def generate(parse: Callable[[dict, str], ParsedBody]) -> Response:
-        parsed = parse(_json_body(), engine.model_name)
+        slot = state.take_slot()  # before any work: a refusal costs next to nothing
+        try:
+            return answer(parse(_json_body(), engine.model_name), slot)
+        except BaseException:
+            slot.release()  # idempotent; once a stream's body exists, its close() releases too
+            raise
+
+    def answer(parsed: ParsedBody, slot: Slot) -> Response:
         with tokenizer_lock:
             reqs, prompt_ids = build_requests(
                 parsed, engine.tokenizer, engine.max_model_len, engine.model_config.vocab_size
@@ -168,10 +200,17 @@ def create_app(engine, options: ApiOptions | None = None) -> Flask:
         gone = request.environ.get("waitress.client_disconnected") or (lambda: False)
         on_final = state.metrics.requests.observe_final
         if parsed.stream:
-            events = _stream(stream_events(parsed, meta, group.outputs(gone, on_final)), group)
+            outputs = group.outputs(gone, on_final)
+            events = _stream(stream_events(parsed, meta, outputs), group, slot)
             headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
             return Response(events, mimetype="text/event-stream", headers=headers)
-        outs = group.results(gone, on_final)
+        try:
+            outs = group.results(gone, on_final)
+        except BaseException:
+            group.abort()
+            raise
+        finally:
+            slot.release()
         failed = next((out for out in outs if out.finish_reason == "error"), None)
         if failed is not None:
             return _error(failed.error or "generation failed", 500, SERVER_ERROR)
@@ -215,7 +254,12 @@ def create_app(engine, options: ApiOptions | None = None) -> Flask:
 
     @app.get("/stats")
     def stats() -> Response:
-        body = dataclasses.replace(engine.stats(), draining=state.draining.is_set())
+        body = dataclasses.replace(
+            engine.stats(),
+            draining=state.draining.is_set(),
+            num_in_flight=in_flight.num_in_flight,
+            max_concurrent_requests=in_flight.max_in_flight,
+        )
         return jsonify(body.to_json())
 
     @app.get("/metrics")
@@ -243,7 +287,10 @@ def create_app(engine, options: ApiOptions | None = None) -> Flask:
 
     @app.errorhandler(RequestError)
     def request_error(e: RequestError) -> Response:
-        return _error(str(e), e.code, e.error_type)
+        response = _error(str(e), e.code, e.error_type)
+        if e.retry_after_s is not None:
+            response.headers["Retry-After"] = str(e.retry_after_s)
+        return response
 
     @app.errorhandler(HTTPException)
     def http_error(e: HTTPException) -> Response:

@@ -3,6 +3,10 @@
 The first SIGTERM or SIGINT drains: `/health` turns 503, new requests get 503, and requests in
 flight run to their end (at most `--drain-timeout` seconds) while waitress keeps streaming them;
 then waitress and the engine stop and the command exits 0. A second signal kills at once.
+
+Waitress runs one thread per generation request in flight (`--max-concurrent-requests`, 429 past
+it) plus `--threads` more for everything else, so that the front end never caps the batch and
+/health, /stats and /metrics answer however many streams are open (see server.frontend).
 """
 
 from __future__ import annotations
@@ -22,6 +26,12 @@ from waitress import wasyncore
 
 from toppings.gpu_lora.eviction import EVICTION_POLICIES
 from toppings.server.config import DEVICES, DTYPES, KERNELS, LORA_MODES, EngineConfig
+from toppings.server.frontend import (
+    DEFAULT_RESERVE_THREADS,
+    default_max_in_flight,
+    raise_open_files_limit,
+    waitress_settings,
+)
 
 logger = logging.getLogger("toppings-serve")
 
@@ -203,7 +213,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="KV cache size in tokens over all requests",
     )
     p.add_argument("--max-batch-size", type=int, default=128)
-    p.add_argument("--threads", type=int, default=16, help="waitress handler threads")
+    p.add_argument(
+        "--max-concurrent-requests",
+        type=_positive,
+        default=None,
+        metavar="N",
+        help="generation requests in flight (running or queued) past which a request gets 429 "
+        "with Retry-After; waitress runs a thread for each (default: 4x --max-batch-size)",
+    )
+    p.add_argument(
+        "--threads",
+        type=_positive,
+        default=DEFAULT_RESERVE_THREADS,
+        metavar="N",
+        help="waitress threads beyond --max-concurrent-requests, kept for /health, /stats, "
+        "/metrics, adapter load/unload and quick 429s",
+    )
     p.add_argument(
         "--api-key",
         default=os.environ.get("TOPPINGS_API_KEY") or None,
@@ -297,6 +322,8 @@ def main(argv: list[str] | None = None) -> int:
             max_prompt_tokens=args.max_prompt_tokens,
             max_new_tokens_limit=args.max_new_tokens_limit,
             lora_roots=tuple(args.lora_dir + args.allowed_lora_root),
+            max_concurrent_requests=args.max_concurrent_requests
+            or default_max_in_flight(config.max_batch_size),
         )
         found = [item for d in args.lora_dir for item in discover(d).items()]
     except ValueError as e:
@@ -320,6 +347,8 @@ def main(argv: list[str] | None = None) -> int:
     except (AdapterError, FileNotFoundError) as e:  # an adapter that does not fit the model
         _usage_error(str(e))
     app = create_app(engine, options)
+    sizing = waitress_settings(options.max_concurrent_requests, args.threads)
+    raise_open_files_limit(sizing["connection_limit"])
     drainer = _Drainer(engine, app.extensions["toppings"].draining, args.drain_timeout)
     try:
         try:
@@ -327,14 +356,16 @@ def main(argv: list[str] | None = None) -> int:
                 app,
                 host=args.host,
                 port=args.port,
-                threads=args.threads,
                 channel_request_lookahead=1,  # lets waitress see a client hang up mid-stream
+                **sizing,
             )
         except OSError as e:  # taken since the check above
             _usage_error(f"--port: {_listen_problem(args.host, args.port, e)}")
         drainer.server = server
         url = f"http://{args.host}:{server.effective_port}"
-        logger.info("serving %s at %s (OpenAI base_url %s/v1)", engine.model_name, url, url)
+        logger.info("serving %s at %s (OpenAI base_url %s/v1); at most %d requests in flight, "
+                    "%d waitress threads", engine.model_name, url, url,
+                    options.max_concurrent_requests, sizing["threads"])  # fmt: skip
         server.run()  # returns once the drain has closed waitress's sockets
         server.task_dispatcher.shutdown()
     finally:

@@ -3,7 +3,8 @@
 Every error of either process is answered as `{"error": {"message", "type", "code"}}` with HTTP
 status `code`; a client mistake is a 4xx and the process keeps serving. This module is the
 contract itself, so it imports nothing from toppings: the scheduler, which knows servers only
-through HTTP, imports this module and nothing else of the server package.
+through HTTP, imports this module (with stats_schema and frontend, alike free of
+toppings imports) and nothing else of the server package.
 
 The messages a client can get from both processes for the same input (a body that is not JSON,
 an unknown model) are made here, so that they read the same whichever process answers.
@@ -19,6 +20,7 @@ INVALID_REQUEST = "invalid_request_error"  # 400: the client's body or parameter
 AUTHENTICATION = "authentication_error"  # 401
 NOT_FOUND = "not_found"  # 404: an unknown adapter, model, path or resource
 CONFLICT = "conflict"  # 409
+TOO_MANY_REQUESTS = "too_many_requests"  # 429: as many requests in flight as the limit allows
 INSUFFICIENT_STORAGE = "insufficient_storage"  # 507: the adapter cache is full
 UNAVAILABLE = "unavailable"  # 503: draining, shutting down, or no server ready yet
 NO_SERVER_AVAILABLE = "no_server_available"  # 503: the scheduler has no server for the model
@@ -26,7 +28,7 @@ BAD_GATEWAY = "bad_gateway"  # 502: the scheduler got no answer from any server
 SERVER_ERROR = "server_error"  # 500: a bug or an engine failure
 
 NO_SERVER_READY = "no server ready yet"
-RETRY_AFTER_S = 1  # the Retry-After of a 503 answered before any server is ready
+RETRY_AFTER_S = 1  # the Retry-After of a 503 answered before any server is ready, and of a 429
 
 
 def error_body(message: str, code: int, error_type: str = INVALID_REQUEST) -> dict[str, Any]:
@@ -62,3 +64,11 @@ def parse_json_object(data: bytes) -> dict[str, Any]:
 def unknown_adapter(name: str) -> str:
     """The 404 message (type NOT_FOUND) for a model or adapter name nobody serves."""
     return f"adapter {name!r} does not exist"
+
+
+def too_many_requests(max_in_flight: int) -> str:
+    """The 429 message (type TOO_MANY_REQUESTS) past --max-concurrent-requests."""
+    return (
+        f"{max_in_flight} requests are in flight, the most this process takes "
+        f"(--max-concurrent-requests); retry after the Retry-After delay"
+    )

@@ -3,7 +3,8 @@
 Names follow the vLLM / LightLLM ones users already graph, under the prefix `toppings:`.
 Latencies are observed by the API layer from each request's final output (the paper's time per
 token: e2e / output tokens); everything the engine keeps (queue, batch, KV, adapter cache, CPU
-LoRA) is read at scrape time by `EngineCollector` from `engine.counters()`.
+LoRA) is read at scrape time by `EngineCollector` from `engine.counters()`, and the front end's
+in-flight limit (server.frontend) by `FrontendCollector`.
 """
 
 from __future__ import annotations
@@ -137,6 +138,25 @@ class EngineCollector:
                 yield _FAMILIES[kind](PREFIX + name, doc, value=v)
 
 
+class FrontendCollector:
+    """The HTTP front end's generation requests in flight, its limit and its refusals (429)."""
+
+    def __init__(self, in_flight):
+        self.in_flight = in_flight
+
+    def collect(self) -> Iterator[Metric]:
+        p, limit = PREFIX, self.in_flight
+        yield GaugeMetricFamily(p + "num_requests_in_flight",
+                                "Generation requests taken by the HTTP front end and not ended",
+                                value=limit.num_in_flight)  # fmt: skip
+        yield GaugeMetricFamily(p + "max_concurrent_requests",
+                                "Requests in flight past which a request gets 429",
+                                value=limit.max_in_flight)  # fmt: skip
+        yield CounterMetricFamily(p + "requests_rejected",
+                                  "Requests refused with 429: too many in flight",
+                                  value=limit.num_rejected)  # fmt: skip
+
+
 def read_engine(fn, attempts: int = 3):
     """Call an engine reader that walks live dicts without a lock; retry the rare race."""
     for i in range(attempts):
@@ -149,15 +169,16 @@ def read_engine(fn, attempts: int = 3):
 
 
 class ServerMetrics:
-    """The registry of one app: request series plus the engine collector."""
+    """The registry of one app: request series plus the engine and front-end collectors."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, in_flight):
         # No *_created series (a timestamp per counter that dashboards do not use); this is a
         # process-wide setting of prometheus-client and must precede the metrics' creation.
         disable_created_metrics()
         self.registry = CollectorRegistry()
         self.requests = RequestMetrics(self.registry)
         self.registry.register(EngineCollector(engine))
+        self.registry.register(FrontendCollector(in_flight))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

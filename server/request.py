@@ -20,12 +20,20 @@ MAX_LOGIT_BIAS = 300  # entries of logit_bias (OpenAI's limit)
 
 
 class RequestError(ValueError):
-    """The client asked for something invalid; `code` is the HTTP status to answer with."""
+    """The client asked for something invalid; `code` is the HTTP status to answer with, and
+    `retry_after_s` (if set) its Retry-After header."""
 
-    def __init__(self, message: str, code: int = 400, error_type: str = "invalid_request_error"):
+    def __init__(
+        self,
+        message: str,
+        code: int = 400,
+        error_type: str = "invalid_request_error",
+        retry_after_s: int | None = None,
+    ):
         super().__init__(message)
         self.code = code
         self.error_type = error_type
+        self.retry_after_s = retry_after_s
 
 
 @dataclass(frozen=True)

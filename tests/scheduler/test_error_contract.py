@@ -121,7 +121,13 @@ def _toppings_imports(path: Path) -> set[str]:
     return {n for n in names if n.startswith("toppings.")}
 
 
-HTTP_CONTRACT = ("toppings.server.errors", "toppings.server.stats_schema")
+# The error body, the /stats body, and the front end that refuses past the in-flight limit with
+# 429 + Retry-After (shared so that both processes bound and refuse alike).
+HTTP_CONTRACT = (
+    "toppings.server.errors",
+    "toppings.server.stats_schema",
+    "toppings.server.frontend",
+)
 
 
 def test_scheduler_imports_only_the_http_contract_of_the_server():
@@ -133,6 +139,6 @@ def test_scheduler_imports_only_the_http_contract_of_the_server():
                 assert name.startswith(HTTP_CONTRACT), f"{path.name} imports {name}"
 
 
-@pytest.mark.parametrize("module", ["errors.py", "stats_schema.py"])
+@pytest.mark.parametrize("module", ["errors.py", "stats_schema.py", "frontend.py"])
 def test_the_http_contract_imports_nothing_of_toppings(module):
     assert _toppings_imports(SCHEDULER_DIR.parent / "server" / module) == set()

@@ -1,0 +1,160 @@
+"""How many generation requests the HTTP front end has in flight, and the waitress it runs on.
+
+A handler takes a `Slot` before it submits a request and gives it back when the answer has
+ended, however it ends: finished, failed, refused by the engine, or cut by a client that went
+away before or during the stream. Past `max_in_flight` a request is refused at once (the caller
+answers 429 with Retry-After), never queued behind busy handler threads.
+
+Waitress runs each request in flight, a stream included, on one thread of its pool, which is
+sized from the limit plus a reserve: requests in flight never wait for a thread, and the
+operator endpoints (/health, /stats, /metrics, adapter load/unload) and the quick 429s always
+find one. A client that stops reading holds only its own thread: waitress buffers its output
+(up to 16 MiB, then that thread alone waits).
+
+Imports nothing else of toppings: the scheduler, which fronts its proxied streams the same way,
+uses it as it uses `server.errors`.
+"""
+
+from __future__ import annotations
+
+import logging
+import resource
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+IN_FLIGHT_PER_BATCH_SLOT = 4  # default limit: 4x the max batch size (queued requests count too)
+DEFAULT_RESERVE_THREADS = 8  # waitress threads beyond the limit
+CONNECTIONS_PER_THREAD = 2  # room for idle keep-alive connections and clients being refused
+SPARE_FILES = 256  # open files beside the connections: model, shared memory, pipes, logs
+
+
+def default_max_in_flight(max_batch_size: int) -> int:
+    """The default limit: well above the batch, so that admission (batch, KV) is what binds."""
+    return IN_FLIGHT_PER_BATCH_SLOT * max_batch_size
+
+
+class Slot:
+    """One request's place in flight; `release()` is idempotent and thread-safe."""
+
+    def __init__(self, limit: InFlightLimit):
+        self._limit = limit
+        self._released = False
+
+    def release(self) -> None:
+        self._limit._release(self)
+
+
+class InFlightLimit:
+    """Counts requests in flight and refuses, without blocking, the one past `max_in_flight`."""
+
+    def __init__(self, max_in_flight: int):
+        if max_in_flight < 1:
+            raise ValueError("max_in_flight must be positive")
+        self.max_in_flight = max_in_flight
+        self._lock = threading.Lock()
+        self._num_in_flight = 0
+        self._num_rejected = 0
+
+    def try_acquire(self) -> Slot | None:
+        """A slot, or None (and one more rejection counted) when the limit is reached."""
+        with self._lock:
+            if self._num_in_flight >= self.max_in_flight:
+                self._num_rejected += 1
+                return None
+            self._num_in_flight += 1
+            return Slot(self)
+
+    def _release(self, slot: Slot) -> None:
+        with self._lock:
+            if not slot._released:
+                slot._released = True
+                self._num_in_flight -= 1
+
+    @property
+    def num_in_flight(self) -> int:
+        return self._num_in_flight
+
+    @property
+    def num_rejected(self) -> int:
+        """Requests refused since start (a counter)."""
+        return self._num_rejected
+
+
+class ReleasingBody:
+    """A WSGI response body that runs `on_close` once when the server closes it.
+
+    An iterator object rather than a generator: the WSGI server calls `close()` when the answer
+    ends or the client goes away, and a generator never started would skip its `finally` (its
+    slot would stay taken forever). Also closed when its chunks run out or fail, and when it is
+    dropped unclosed (a safety net: a slot that leaks wedges the server once the limit is
+    reached).
+    """
+
+    def __init__(self, chunks: Iterable, *on_close: Callable[[], None]):
+        self._chunks: Iterator = iter(chunks)
+        self._on_close = (getattr(self._chunks, "close", None), *on_close)
+        self._closed = False
+
+    def __iter__(self) -> ReleasingBody:
+        return self
+
+    def __next__(self):
+        try:
+            return next(self._chunks)
+        except BaseException:  # the end, or a failure: give back at once, not only on close()
+            self.close()
+            raise
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        error = None
+        for fn in self._on_close:
+            try:
+                if fn is not None:
+                    fn()
+            except Exception as e:  # the others must still run: the slot above all
+                error = error or e
+        if error is not None:
+            raise error
+
+    def __del__(self) -> None:
+        if not self._closed:
+            logger.warning("a response body was dropped unclosed; releasing it")
+            self.close()
+
+
+def waitress_settings(max_in_flight: int, reserve_threads: int) -> dict[str, Any]:
+    """`waitress.create_server` keywords for a front end of `max_in_flight` requests.
+
+    One thread per request in flight plus the reserve; connections beyond the threads for idle
+    keep-alive clients and clients being refused; poll() rather than select(), which cannot
+    watch a socket numbered above 1023.
+    """
+    if reserve_threads < 1:
+        raise ValueError("reserve_threads must be positive")
+    threads = max_in_flight + reserve_threads
+    return {
+        "threads": threads,
+        "connection_limit": CONNECTIONS_PER_THREAD * threads,
+        "asyncore_use_poll": True,
+    }
+
+
+def raise_open_files_limit(num_connections: int) -> int:
+    """Raise the soft limit on open files (up to the hard one) for `num_connections` sockets;
+    returns the soft limit now in force."""
+    need = num_connections + SPARE_FILES
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= need:
+        return soft
+    new = need if hard == resource.RLIM_INFINITY else min(need, hard)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+    if new < need:
+        logger.warning("open files limited to %d (hard limit); %d connections want %d",
+                       new, num_connections, need)  # fmt: skip
+    return new

@@ -1,0 +1,109 @@
+"""The scheduler's own in-flight limit (429 with Retry-After past it, the slot back on every path)
+and a server's 429 (busy: the next server is tried; all busy: 429 to the client).
+
+Servers are stand-ins, as in test_app_operator: `fetch_json` answers /stats and /v1/models, the
+router's session answers each proxied request with a scripted response.
+"""
+
+from __future__ import annotations
+
+import pytest
+import requests
+from prometheus_client.parser import text_string_to_metric_families
+from werkzeug.test import EnvironBuilder
+
+from tests.scheduler.test_app import URL, FakeServers, stats
+from tests.scheduler.test_app_operator import BODY, SSE, Answer, Session
+from toppings.scheduler.app import create_app
+from toppings.scheduler.cluster import Cluster
+from toppings.scheduler.paper_models import paper_fig6_models
+from toppings.scheduler.policies import make_policy
+from toppings.scheduler.registry import Registry
+from toppings.scheduler.router import Router
+
+URL2 = "http://10.0.0.2:8100"
+STREAM = dict(BODY, stream=True)
+
+
+@pytest.fixture
+def setup(tmp_path):
+    """A scheduler taking one request in flight at most, with two registered stand-in servers."""
+    registry = Registry(tmp_path / "reg.sqlite")
+    servers = FakeServers()
+    cluster = Cluster(registry, servers)
+    router = Router(registry, cluster, make_policy("rank-aware", paper_fig6_models(), 50.0))
+    router.session = Session()
+    app = create_app(router, cluster, {"perf_model_source": "test"}, max_in_flight=1)
+    client = app.test_client()
+    for url in (URL, URL2):
+        servers.set(url, stats())
+        assert client.post("/admin/servers", json={"url": url}).status_code == 201
+    yield app, router.session, cluster
+    cluster.stop()
+    registry.close()
+
+
+def metrics(client) -> dict[str, float]:
+    text = client.get("/metrics").get_data(as_text=True)
+    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+
+
+def test_past_its_limit_the_scheduler_answers_429_and_recovers(setup):
+    app, session, _ = setup
+    client, limit = app.test_client(), app.extensions["toppings"]
+    session.script = [Answer(200, [SSE[:10], SSE[10:]])]
+    held = client.post("/v1/completions", json=STREAM, buffered=False)
+    assert next(iter(held.response)) == SSE[:10] and limit.num_in_flight == 1
+    for path in ("/v1/completions", "/v1/chat/completions", "/generate"):
+        refused = client.post(path, json=BODY)
+        assert refused.status_code == 429 and int(refused.headers["Retry-After"]) >= 1
+        error = refused.get_json()["error"]
+        assert (error["code"], error["type"]) == (429, "too_many_requests")
+    assert client.get("/health").status_code == 200 and client.get("/stats").status_code == 200
+    m = metrics(client)
+    assert m["toppings_scheduler:frontend_requests_in_flight"] == 1
+    assert m["toppings_scheduler:max_concurrent_requests"] == 1
+    assert m["toppings_scheduler:requests_rejected_total"] == 3
+    held.close()
+    assert limit.num_in_flight == 0
+    session.script = [Answer(200, [b"{}"])]
+    assert client.post("/v1/completions", json=BODY).status_code == 200
+    assert limit.num_in_flight == 0
+
+
+def test_the_slot_comes_back_on_every_path(setup):
+    app, session, _ = setup
+    client, limit = app.test_client(), app.extensions["toppings"]
+    session.script = [Answer(404, [b'{"error": {}}']), requests.ConnectionError("refused"),
+                      requests.ConnectionError("refused")]  # fmt: skip
+    assert client.post("/v1/completions", json=BODY).status_code == 404
+    assert client.post("/v1/completions", json=BODY).status_code == 502  # both unreachable
+    assert limit.num_in_flight == 0
+    assert client.post("/v1/completions", json={"model": "ghost"}).status_code == 404
+    assert client.post("/v1/completions", data=b"{nope").status_code == 400
+    assert limit.num_in_flight == 0
+
+
+def test_a_stream_closed_before_its_first_chunk_gives_the_slot_back(setup):
+    app, session, _ = setup
+    session.script = [Answer(200, [SSE[:10], SSE[10:]])]
+    environ = EnvironBuilder(path="/v1/completions", method="POST", json=STREAM).get_environ()
+    app_iter = app(environ, lambda status, headers, exc_info=None: None)  # as waitress calls it
+    assert app.extensions["toppings"].num_in_flight == 1
+    app_iter.close()  # the client left before any chunk: the body was never iterated
+    assert app.extensions["toppings"].num_in_flight == 0 and session.answers[-1].closed
+
+
+def test_a_busy_server_passes_the_request_on_and_all_busy_is_a_429(setup):
+    app, session, cluster = setup
+    client = app.test_client()
+    session.script = [Answer(429, [b'{"error": {}}']), Answer(200, [b'{"ok": 1}'])]
+    answer = client.post("/v1/completions", json=BODY)
+    assert answer.status_code == 200 and answer.get_json() == {"ok": 1}
+    assert all(s.healthy for s in cluster.states())  # busy is not unhealthy
+    session.script = [Answer(429, [b'{"error": {}}']), Answer(429, [b'{"error": {}}'])]
+    answer = client.post("/v1/completions", json=BODY)
+    assert answer.status_code == 429 and int(answer.headers["Retry-After"]) >= 1
+    assert answer.get_json()["error"]["type"] == "too_many_requests"
+    assert all(s.healthy for s in cluster.states())
+    assert app.extensions["toppings"].num_in_flight == 0
