@@ -31,7 +31,7 @@ from flask import Flask, Response, jsonify, request
 from werkzeug.exceptions import HTTPException
 
 from toppings.scheduler.cluster import Cluster
-from toppings.scheduler.metrics import CONTENT_TYPE, FrontendCollector
+from toppings.scheduler.metrics import CONTENT_TYPE, PREFIX
 from toppings.scheduler.registry import AdapterRecord, RegistryError
 from toppings.scheduler.router import Router, SchedulerError
 from toppings.server.errors import (
@@ -49,7 +49,7 @@ from toppings.server.errors import (
     too_many_requests,
     unknown_adapter,
 )
-from toppings.server.frontend import InFlightLimit, ReleasingBody
+from toppings.server.frontend import InFlightCollector, InFlightLimit, ReleasingBody
 
 DEFAULT_MAX_IN_FLIGHT = 1024  # requests proxied at once, over the whole cluster
 
@@ -115,7 +115,10 @@ def create_app(
     registry = router.registry
     in_flight = InFlightLimit(max_in_flight)
     app.extensions["toppings"] = in_flight
-    router.metrics.registry.register(FrontendCollector(in_flight))
+    router.metrics.registry.register(
+        InFlightCollector(in_flight, PREFIX, "frontend_requests_in_flight",
+                          "Requests taken by the HTTP front end and not ended")
+    )  # fmt: skip
 
     def proxy(path: str, kind: str) -> Response:
         router.check_ready()

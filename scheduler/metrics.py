@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 PREFIX = "toppings_scheduler:"
@@ -41,25 +41,6 @@ class ClusterCollector:
         for s in servers:
             in_flight.add_metric([s["url"]], s["in_flight"])
         yield in_flight
-
-
-class FrontendCollector:
-    """Requests the scheduler's HTTP front end holds, its limit, and its refusals (429)."""
-
-    def __init__(self, in_flight):
-        self.in_flight = in_flight
-
-    def collect(self) -> Iterator[Metric]:
-        p, limit = PREFIX, self.in_flight
-        yield GaugeMetricFamily(p + "frontend_requests_in_flight",
-                                "Requests taken by the HTTP front end and not ended",
-                                value=limit.num_in_flight)  # fmt: skip
-        yield GaugeMetricFamily(p + "max_concurrent_requests",
-                                "Requests in flight past which a request gets 429",
-                                value=limit.max_in_flight)  # fmt: skip
-        yield CounterMetricFamily(p + "requests_rejected",
-                                  "Requests refused with 429: too many in flight",
-                                  value=limit.num_rejected)  # fmt: skip
 
 
 class SchedulerMetrics:

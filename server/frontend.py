@@ -12,7 +12,7 @@ find one. A client that stops reading holds only its own thread: waitress buffer
 (up to 16 MiB, then that thread alone waits).
 
 Imports nothing else of toppings: the scheduler, which fronts its proxied streams the same way,
-uses it as it uses `server.errors`.
+uses it (the limit, and `InFlightCollector` for its /metrics) as it uses `server.errors`.
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ import resource
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 logger = logging.getLogger(__name__)
 
@@ -158,3 +160,21 @@ def raise_open_files_limit(num_connections: int) -> int:
         logger.warning("open files limited to %d (hard limit); %d connections want %d",
                        new, num_connections, need)  # fmt: skip
     return new
+
+
+class InFlightCollector:
+    """Prometheus series of an `InFlightLimit`: requests in flight, the limit, refusals (429)."""
+
+    def __init__(self, limit: InFlightLimit, prefix: str, in_flight_name: str, in_flight_help: str):
+        self.limit = limit
+        self._prefix, self._name, self._help = prefix, in_flight_name, in_flight_help
+
+    def collect(self) -> Iterator[Metric]:
+        p, limit = self._prefix, self.limit
+        yield GaugeMetricFamily(p + self._name, self._help, value=limit.num_in_flight)
+        yield GaugeMetricFamily(p + "max_concurrent_requests",
+                                "Requests in flight past which a request gets 429",
+                                value=limit.max_in_flight)  # fmt: skip
+        yield CounterMetricFamily(p + "requests_rejected",
+                                  "Requests refused with 429: too many in flight",
+                                  value=limit.num_rejected)  # fmt: skip

@@ -4,7 +4,7 @@ Names follow the vLLM / LightLLM ones users already graph, under the prefix `top
 Latencies are observed by the API layer from each request's final output (the paper's time per
 token: e2e / output tokens); everything the engine keeps (queue, batch, KV, adapter cache, CPU
 LoRA) is read at scrape time by `EngineCollector` from `engine.counters()`, and the front end's
-in-flight limit (server.frontend) by `FrontendCollector`.
+in-flight limit (server.frontend) by its `InFlightCollector`.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, disable_cre
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
+from toppings.server.frontend import InFlightCollector
 from toppings.server.request import RequestOutput
 
 PREFIX = "toppings:"
@@ -138,25 +139,6 @@ class EngineCollector:
                 yield _FAMILIES[kind](PREFIX + name, doc, value=v)
 
 
-class FrontendCollector:
-    """The HTTP front end's generation requests in flight, its limit and its refusals (429)."""
-
-    def __init__(self, in_flight):
-        self.in_flight = in_flight
-
-    def collect(self) -> Iterator[Metric]:
-        p, limit = PREFIX, self.in_flight
-        yield GaugeMetricFamily(p + "num_requests_in_flight",
-                                "Generation requests taken by the HTTP front end and not ended",
-                                value=limit.num_in_flight)  # fmt: skip
-        yield GaugeMetricFamily(p + "max_concurrent_requests",
-                                "Requests in flight past which a request gets 429",
-                                value=limit.max_in_flight)  # fmt: skip
-        yield CounterMetricFamily(p + "requests_rejected",
-                                  "Requests refused with 429: too many in flight",
-                                  value=limit.num_rejected)  # fmt: skip
-
-
 def read_engine(fn, attempts: int = 3):
     """Call an engine reader that walks live dicts without a lock; retry the rare race."""
     for i in range(attempts):
@@ -178,7 +160,10 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         self.requests = RequestMetrics(self.registry)
         self.registry.register(EngineCollector(engine))
-        self.registry.register(FrontendCollector(in_flight))
+        self.registry.register(
+            InFlightCollector(in_flight, PREFIX, "num_requests_in_flight",
+                              "Generation requests taken by the HTTP front end and not ended")
+        )  # fmt: skip
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
