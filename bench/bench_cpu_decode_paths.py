@@ -1,7 +1,9 @@
 """CPU decode paths of the LoRA step side by side, per kernel and dtype.
 
-- runs: the engine's path. Requests ordered by adapter, `LoraBatch` calls the segment kernel
-  once per run of one adapter's tokens (built once per step, as the engine does).
+- runs: requests ordered by adapter, `LoraBatch` calls the torch segment kernel once per run of
+  one adapter's tokens (built once per step, as the engine does): the engine's BGMV path.
+- native_runs: the same with the native MBGMV kernel, one call per projection over every run:
+  the engine's MBGMV path where the native kernels are built (`server/native_lora.py`).
 - unsorted: the decode kernel on tokens in arrival order (it sorts them into runs per call:
   a gather and a scatter per projection).
 - dense: the masked dense product the engine used before (every token times the rows of every
@@ -16,6 +18,7 @@ Shapes: SmolLM2's q/k/v (H 576, kv 192) over 30 layers, B requests over A adapte
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import random
 import statistics
 import time
@@ -27,6 +30,7 @@ from toppings.gpu_lora.adapter_pool import AdapterPool
 from toppings.gpu_lora.kernels import cpu as cpu_kernels
 from toppings.gpu_lora.lora_batch import LoraBatch, LoraKernels
 from toppings.gpu_lora.peft_format import LoraAdapter
+from toppings.server import native_lora
 from toppings.server.model_config import ModelConfig
 
 QKV = ("q_proj", "k_proj", "v_proj")
@@ -101,6 +105,14 @@ def time_paths(kernel: str, dtype: torch.dtype, args) -> dict[str, float]:
         for _ in range(LAYERS):
             lora.add(0, x, tuple(outs.items()))
 
+    native = dataclasses.replace(kernels, segment_decode=native_lora.mbgmv_runs)
+
+    def native_runs() -> None:
+        lora = LoraBatch(pool, native, sorted(batch, key=lambda a: a.name),
+                         list(range(args.batch + 1)), is_prefill=False)  # fmt: skip
+        for _ in range(LAYERS):
+            lora.add(0, x, tuple(outs.items()))
+
     def unsorted() -> None:
         for _ in range(LAYERS):
             for m in QKV:
@@ -114,6 +126,8 @@ def time_paths(kernel: str, dtype: torch.dtype, args) -> dict[str, float]:
                 add(m, x, outs[m])
 
     paths = [("runs", runs), ("unsorted", unsorted), ("dense", dense)]
+    if kernel == "mbgmv" and native_lora.available(dtype):
+        paths.append(("native_runs", native_runs))
     times: dict[str, list[float]] = {name: [] for name, _ in paths}
     for _, fn in paths:
         fn()  # warm-up
