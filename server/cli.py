@@ -21,7 +21,14 @@ import waitress
 from waitress import wasyncore
 
 from toppings.gpu_lora.eviction import EVICTION_POLICIES
-from toppings.server.config import DEVICES, DTYPES, KERNELS, LORA_MODES, EngineConfig
+from toppings.server.config import (
+    DEVICES,
+    DTYPES,
+    KERNELS,
+    LORA_MODES,
+    QUEUE_POLICIES,
+    EngineConfig,
+)
 
 logger = logging.getLogger("toppings-serve")
 
@@ -203,6 +210,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="KV cache size in tokens over all requests",
     )
     p.add_argument("--max-batch-size", type=int, default=128)
+    p.add_argument(
+        "--queue-policy",
+        choices=QUEUE_POLICIES,
+        default="fcfs",
+        help="which waiting request is admitted next: fcfs, or chameleon's adapter-aware "
+        "multi-level queues with token quotas",
+    )
+    p.add_argument(
+        "--ttft-slo-ms",
+        type=float,
+        default=5000.0,
+        metavar="X",
+        help="the time-to-first-token SLO that chameleon's queue quotas are sized for",
+    )
     p.add_argument("--threads", type=int, default=16, help="waitress handler threads")
     p.add_argument(
         "--api-key",
@@ -277,6 +298,8 @@ def main(argv: list[str] | None = None) -> int:
             num_cpu_workers=args.cpu_workers,
             cpu_cores=args.cpu_cores,
             cpu_spin_us=args.cpu_spin_us,
+            queue_policy=args.queue_policy,
+            ttft_slo_ms=args.ttft_slo_ms,
         )
     except ValueError as e:
         _usage_error(str(e))
