@@ -130,7 +130,7 @@ class ChameleonQueue(QueuePolicy):
             out_tokens=self.predictor.predict(adapter, params.max_new_tokens),
             adapter_size=gate.adapter_size(adapter),
             charge=seq.kv_need + gate.adapter_tokens(adapter),
-            arrived=now,
+            arrived=seq.arrival,
         )
         size.wrs = self._wrs(size)
         return size
@@ -148,7 +148,11 @@ class ChameleonQueue(QueuePolicy):
             self._arrivals.append(size)
             self._since_refresh += 1
         fresh, self._fresh = self._fresh, []
-        due = now - self._last_refresh >= REFRESH_S or self._since_refresh >= REFRESH_COUNT
+        due = (
+            not self.counters["refreshes"]
+            or now - self._last_refresh >= REFRESH_S
+            or self._since_refresh >= REFRESH_COUNT
+        )
         if due and len(self._arrivals) >= MIN_SAMPLES:
             self.refresh(gate, now)
         else:
@@ -177,7 +181,11 @@ class ChameleonQueue(QueuePolicy):
         log.info("queues: cutoffs %s, quotas %s", [round(c, 4) for c in self.cutoffs], self.quotas)
 
     def set_queues(
-        self, cutoffs: list[float], quotas: list[int], maxima: tuple[float, float, float], now: float
+        self,
+        cutoffs: list[float],
+        quotas: list[int],
+        maxima: tuple[float, float, float],
+        now: float,
     ) -> None:
         """Fix the queues by hand (tests, experiments); the next refresh replaces them."""
         self.cutoffs, self.quotas, self._maxima = list(cutoffs), list(quotas), maxima
@@ -230,7 +238,9 @@ class ChameleonQueue(QueuePolicy):
         spare, stop = 0, False
         for q, queue in enumerate(self._queues):  # phase 1: each queue within its quota
             unborrowed = max(self.quotas[q] - borrowed[q], 0)
-            used, stop = self._put(queue, unborrowed, gate, running, now, batch, borrowed[q] == 0)
+            used, stop = self._put(
+                queue, unborrowed, gate, running, now, batch, True, not borrowed[q]
+            )
             if stop:
                 break
             if not queue:
@@ -238,7 +248,7 @@ class ChameleonQueue(QueuePolicy):
         for queue in self._queues:  # phase 2: what empty queues left, smallest requests first
             if stop or spare <= 0 or self._held is not None:
                 break
-            used, stop = self._put(queue, spare, gate, running, now, batch, False)
+            used, stop = self._put(queue, spare, gate, running, now, batch, False, False)
             spare -= used
         self._prefetch(gate)
         return batch
@@ -251,9 +261,14 @@ class ChameleonQueue(QueuePolicy):
         running: list[Sequence],
         now: float,
         batch: list[Sequence],
+        entitled: bool,
         may_exceed: bool,
     ) -> tuple[int, bool]:
-        """Admit from the head of `queue` within `tokens`; returns (tokens used, stop all)."""
+        """Admit from the head of `queue` within `tokens`; returns (tokens used, stop all).
+
+        entitled: the tokens are the queue's own quota (phase 1), not the spare pool;
+        may_exceed: the queue has nothing running, so its head may go beyond the quota.
+        """
         used = 0
         bypassed: Sequence | None = None
         for seq in list(queue):
@@ -271,7 +286,7 @@ class ChameleonQueue(QueuePolicy):
             elif verdict is Verdict.BATCH_FULL:
                 return used, True
             elif verdict is Verdict.NO_ROOM:
-                if bypassed is None and self._held is None:
+                if entitled and bypassed is None and self._held is None:
                     self._held = seq  # within its quota: it goes next, whatever arrives
                     self.counters["held"] += 1
                     return used, True
@@ -346,7 +361,7 @@ class ChameleonQueue(QueuePolicy):
         num_out = len(seq.output_ids)
         self._work_tokens += seq.prompt_len + num_out
         if completed:
-            self.predictor.observe(seq.request.adapter, num_out)
+            self.predictor.observe(seq.request.adapter, num_out, seq.request.params.max_new_tokens)
             self._served.append((size, now - size.admitted, max(num_out, 1)))
 
     def view(self) -> dict:

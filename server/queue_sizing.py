@@ -3,9 +3,10 @@
 Pure functions and one small predictor, no engine state, so each formula is tested alone.
 
 - Weighted request size: WRS = (0.4 in/maxIn + 0.6 out/maxOut) * adapter/maxAdapter.
-- Output length: predicted per adapter from the lengths it actually produced (mean of its last
-  32 completed requests; the mean over all adapters for an adapter not seen yet; max_new_tokens
-  before anything finished), capped by the request's max_new_tokens.
+- Output length: predicted per adapter from the lengths it actually produced: the request's
+  max_new_tokens times the mean share of max_new_tokens that the adapter's last 32 completed
+  requests used (all adapters' share for an adapter not seen yet; 1 before anything finished),
+  so never above the request's max_new_tokens.
 - Queues: 1-D K-means for K = 1..4 over recent WRS values; cutoffs at the midpoints between
   consecutive centroids.
 - Quotas: the M/M/1 bound Tok_min >= S * D * (1/SLO + lambda) per queue; what is left of the
@@ -45,22 +46,25 @@ def weighted_request_size(
 
 
 class OutputPredictor:
-    """Predicts a request's output length from what its adapter produced before."""
+    """Predicts a request's output length from what its adapter produced before: the request's
+    max_new_tokens times the share of max_new_tokens its adapter's recent requests used."""
 
     def __init__(self, history: int = HISTORY):
-        self._per_adapter: dict[str | None, deque[int]] = defaultdict(lambda: deque(maxlen=history))
-        self._all: deque[int] = deque(maxlen=8 * history)
+        self._per_adapter: dict[str | None, deque[float]] = defaultdict(
+            lambda: deque(maxlen=history)
+        )
+        self._all: deque[float] = deque(maxlen=8 * history)
 
-    def observe(self, adapter: str | None, num_tokens: int) -> None:
-        """A request of `adapter` completed with `num_tokens` output tokens."""
-        self._per_adapter[adapter].append(num_tokens)
-        self._all.append(num_tokens)
+    def observe(self, adapter: str | None, num_tokens: int, max_new_tokens: int) -> None:
+        """A request of `adapter` completed with `num_tokens` of its `max_new_tokens`."""
+        share = min(num_tokens / max(max_new_tokens, 1), 1.0)
+        self._per_adapter[adapter].append(share)
+        self._all.append(share)
 
     def predict(self, adapter: str | None, max_new_tokens: int) -> float:
         seen = self._per_adapter.get(adapter) or self._all
-        if not seen:
-            return float(max_new_tokens)
-        return min(sum(seen) / len(seen), float(max_new_tokens))
+        share = sum(seen) / len(seen) if seen else 1.0
+        return share * max_new_tokens
 
 
 def kmeans_1d(values: list[float], k: int, iterations: int = 50) -> tuple[list[float], float]:

@@ -36,12 +36,12 @@ def test_output_predictor_learns_per_adapter_and_caps_by_max_tokens():
     p = OutputPredictor()
     assert p.predict("a", 100) == 100  # nothing known: the request's own bound
     for n in (10, 20, 30):
-        p.observe("a", n)
-    p.observe("b", 200)
+        p.observe("a", n, 100)  # adapter a's requests stop at a fifth of their bound
+    p.observe("b", 200, 200)
     assert p.predict("a", 100) == pytest.approx(20)
-    assert p.predict("a", 5) == 5  # capped by max_new_tokens
-    assert p.predict("b", 500) == 200
-    assert p.predict("new", 1000) == pytest.approx((10 + 20 + 30 + 200) / 4)  # all adapters
+    assert p.predict("a", 500) == pytest.approx(100)
+    assert p.predict("b", 64) == 64  # never above max_new_tokens
+    assert p.predict("new", 100) == pytest.approx(100 * (0.1 + 0.2 + 0.3 + 1.0) / 4)
 
 
 def test_kmeans_finds_separated_clusters():
