@@ -335,17 +335,23 @@ class ChameleonQueue(QueuePolicy):
             work = bypasser.prompt_len + len(bypasser.output_ids)
             within = self._wasted_tokens + work <= SQUASH_SHARE * (self._work_tokens + work)
             if within and gate.fits_if_released(waiting, bypasser):
-                size = self._running.pop(bypasser)
-                self._wasted_tokens += work
-                self._work_tokens += work
-                self.counters["squashes"] += 1
-                gate.squash(bypasser)
-                self._sizes[bypasser] = size
-                self._insert(bypasser)
-                self._enqueue(bypasser)
+                self.squash(bypasser, gate)
             else:
                 keep.append((waiting, bypasser))
         self._bypasses = keep
+
+    def squash(self, seq: Sequence, gate: Gate) -> None:
+        """Take a running request out of the batch; it waits again in its arrival place and
+        runs from its prompt when admitted again (its work so far counts as wasted)."""
+        work = seq.prompt_len + len(seq.output_ids)
+        size = self._running.pop(seq)
+        self._wasted_tokens += work
+        self._work_tokens += work
+        self.counters["squashes"] += 1
+        gate.squash(seq)
+        self._sizes[seq] = size
+        self._insert(seq)
+        self._enqueue(seq)
 
     def _prefetch(self, gate: Gate) -> None:
         names = [s.request.adapter for q in self._queues for s in q if s.request.adapter]

@@ -137,7 +137,8 @@ def test_phase_one_each_queue_admits_within_its_quota_smallest_first():
     push(p, large("L1", 0), small("s1", 1), small("s2", 2), small("s3", 3), large("L2", 4))
     batch = p.select(gate, gate.running, now=5)
     # The small queue goes first and stops at its quota (2 x 20 slots); the large queue admits
-    # both of its requests within 360, which it uses up: nothing is spare. FCFS would have admitted all five in arrival order.
+    # both of its requests within 360, which it uses up: nothing is spare. FCFS would have
+    # admitted all five in arrival order.
     assert names(batch) == ["s1", "s2", "L1", "L2"]
     assert names(p) == ["s3"]
     assert p.view()["queue_lengths"] == [1, 0]
