@@ -114,7 +114,30 @@ class AdapterCache:
             self.evict(name)
         self._usage.pop(name, None)
 
-    def _load(self, adapter: LoraAdapter, keep: frozenset[str]) -> CacheEntry | None:
+    def prefetch(self, adapter: LoraAdapter, keep: frozenset[str]) -> bool:
+        """Start loading the adapter of a queued request, taking no reference, when it fits by
+        evicting only adapters that no request holds or waits for; False when it does not."""
+        if adapter.name in self.entries:
+            return False
+        num_bytes = adapter.bytes_at(self.pool.dtype)
+        if self.budget_bytes is not None and num_bytes > self.budget_bytes:
+            return False
+        self._usage.setdefault(adapter.name, _Usage())
+        return self._load(adapter, keep, spare_keep=True) is not None
+
+    def freeable_bytes(self, extra: str | None = None) -> float:
+        """Bytes a load could have now: free budget plus unreferenced adapters (inf without a
+        budget); `extra`: count that adapter as unreferenced too."""
+        if self.budget_bytes is None:
+            return float("inf")
+        idle = sum(
+            e.num_bytes for n, e in list(self.entries.items()) if e.refcount == 0 or n == extra
+        )
+        return self.budget_bytes - self._used_bytes + idle
+
+    def _load(
+        self, adapter: LoraAdapter, keep: frozenset[str], spare_keep: bool = False
+    ) -> CacheEntry | None:
         num_bytes = adapter.bytes_at(self.pool.dtype)
         if self.budget_bytes is not None and num_bytes > self.budget_bytes:
             raise ValueError(
@@ -122,7 +145,7 @@ class AdapterCache:
                 f"{self.budget_bytes}"
             )
         while not self._fits(adapter, num_bytes):
-            victim = self._victim(keep)
+            victim = self._victim(keep, spare_keep)
             if victim is None:
                 return None
             self.evict(victim)
@@ -140,9 +163,10 @@ class AdapterCache:
     def _fits(self, adapter: LoraAdapter, num_bytes: int) -> bool:
         return self.budget_bytes is None or self._used_bytes + num_bytes <= self.budget_bytes
 
-    def _victim(self, keep: frozenset[str]) -> str | None:
+    def _victim(self, keep: frozenset[str], spare_keep: bool = False) -> str | None:
         free = [n for n, e in self.entries.items() if e.refcount == 0]
-        for group in ([n for n in free if n not in keep], [n for n in free if n in keep]):
+        groups = [[n for n in free if n not in keep], [n for n in free if n in keep]]
+        for group in groups[:1] if spare_keep else groups:
             if group:
                 stats = [self._stats(n) for n in group]
                 return self.policy.order(stats)[0].name

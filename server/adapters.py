@@ -119,6 +119,34 @@ class AdapterManager:
         waiting requests, which eviction spares."""
         return self.cache.acquire(self.registry[name], queued)
 
+    def prefetch(self, names: list[str], queued: frozenset[str]) -> None:
+        """Load the first of these adapters of queued requests that is not on the device, when
+        the loader is idle (a prefetch never delays an admitted request's load) and it fits
+        without evicting an adapter in use or wanted."""
+        if self.mode.preload or not self.loader.idle():
+            return
+        for name in names:
+            if name in self.registry and name not in self.cache.entries:
+                self.cache.prefetch(self.registry[name], queued)
+                return
+
+    def bytes_of(self, name: str | None) -> int:
+        """Device bytes of an adapter's weights (0 for the base model)."""
+        return 0 if name is None else self.registry[name].bytes_at(self.pool.dtype)
+
+    def fits_if_released(self, name: str | None, held: str | None) -> bool:
+        """Whether adapter `name` misses device memory now but would find it if the one
+        reference a request holds on `held` were dropped."""
+        if name is None or name in self.cache.entries:
+            return False
+        need = self.bytes_of(name)
+        if self.cache.freeable_bytes() >= need or held is None or held == name:
+            return False
+        entry = self.cache.entries.get(held)
+        if entry is None or entry.refcount != 1:
+            return False
+        return self.cache.freeable_bytes(extra=held) >= need
+
     def may_start(self, entry: CacheEntry | None) -> bool:
         """Whether a request holding `entry` may be prefilled now under the LoRA mode."""
         return entry is None or not self.mode.wait_for_load or entry.ticket.done

@@ -25,7 +25,14 @@ import waitress
 from waitress import wasyncore
 
 from toppings.gpu_lora.eviction import EVICTION_POLICIES
-from toppings.server.config import DEVICES, DTYPES, KERNELS, LORA_MODES, EngineConfig
+from toppings.server.config import (
+    DEVICES,
+    DTYPES,
+    KERNELS,
+    LORA_MODES,
+    QUEUE_POLICIES,
+    EngineConfig,
+)
 from toppings.server.frontend import (
     DEFAULT_RESERVE_THREADS,
     default_max_in_flight,
@@ -214,6 +221,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--max-batch-size", type=int, default=128)
     p.add_argument(
+        "--queue-policy",
+        choices=QUEUE_POLICIES,
+        default="fcfs",
+        help="which waiting request is admitted next: fcfs, or chameleon's adapter-aware "
+        "multi-level queues with token quotas",
+    )
+    p.add_argument("--ttft-slo-ms", type=float, default=5000.0, metavar="X",
+                   help="the TTFT SLO that chameleon's queue quotas are sized for")  # fmt: skip
+    p.add_argument(
         "--max-concurrent-requests",
         type=_positive,
         default=None,
@@ -302,6 +318,8 @@ def main(argv: list[str] | None = None) -> int:
             num_cpu_workers=args.cpu_workers,
             cpu_cores=args.cpu_cores,
             cpu_spin_us=args.cpu_spin_us,
+            queue_policy=args.queue_policy,
+            ttft_slo_ms=args.ttft_slo_ms,
         )
     except ValueError as e:
         _usage_error(str(e))

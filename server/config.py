@@ -10,6 +10,7 @@ from toppings.server.lora_modes import LORA_MODES
 DEVICES = ("cpu", "cuda")
 DTYPES = ("float32", "bfloat16", "float16")
 KERNELS = ("bgmv", "mbgmv")
+QUEUE_POLICIES = ("fcfs", "chameleon")  # server.queue_policies holds the classes
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,8 @@ class EngineConfig:
     cpu_cores: tuple[int, ...] = ()  # cores for the CPU workers (one each); (): any
     cpu_spin_us: float = 0.0  # engine and workers spin this long on a semaphore before sleeping
     num_threads: int = 0  # torch (OpenMP) threads of the engine thread; 0: every core
+    queue_policy: str = "fcfs"  # which waiting request goes next (server.queueing)
+    ttft_slo_ms: float = 5000.0  # the TTFT SLO Chameleon's queue quotas are sized for
 
     def __post_init__(self) -> None:
         for name, value, allowed in (
@@ -43,6 +46,7 @@ class EngineConfig:
             ("dtype", self.dtype, DTYPES),
             ("kernel", self.kernel, KERNELS),
             ("lora_mode", self.lora_mode, LORA_MODES),
+            ("queue_policy", self.queue_policy, QUEUE_POLICIES),
         ):
             if value not in allowed:
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}, not {value!r}")
@@ -54,6 +58,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 0")
         if self.cpu_spin_us < 0:
             raise ValueError("cpu_spin_us must be >= 0")
+        if not self.ttft_slo_ms > 0:
+            raise ValueError("ttft_slo_ms must be positive")
         if self.link_gbps < 0 or self.layers_per_group < 1:
             raise ValueError("link_gbps must be >= 0 and layers_per_group >= 1")
         if self.eviction not in EVICTION_POLICIES:

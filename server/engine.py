@@ -12,7 +12,6 @@ import logging
 import queue
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -20,11 +19,13 @@ import torch
 from toppings.gpu_lora.peft_format import LoraAdapter, load_peft_adapter
 from toppings.server import native
 from toppings.server.adapters import AdapterManager
+from toppings.server.admission import EngineGate
 from toppings.server.config import EngineConfig
 from toppings.server.errors import NOT_FOUND, unknown_adapter
 from toppings.server.kv_cache import KVPool
 from toppings.server.loader import Checkpoint
 from toppings.server.model import ForwardBatch, LlamaModel
+from toppings.server.queue_policies import make_queue_policy
 from toppings.server.request import GenerationRequest, RequestError, RequestHandle
 from toppings.server.sequence import Sequence
 from toppings.server.stats_schema import AdapterView, ServerStats, WorkerView
@@ -76,7 +77,7 @@ class Engine:
         if self.tokenizer.eos_token_id is not None:
             self.eos_ids.add(self.tokenizer.eos_token_id)
         self._inbox: queue.Queue = queue.Queue()
-        self._waiting: deque[Sequence] = deque()
+        self.queue = make_queue_policy(config)  # the waiting requests and who goes next
         self._running: list[Sequence] = []
         self._reserved = 0  # KV slots promised to admitted requests
         self.step_stats = StepStats()
@@ -98,7 +99,7 @@ class Engine:
         if self._thread.is_alive():
             self._thread.join()
         self._drain_inbox(block=False)
-        for seq in list(self._waiting) + list(self._running):
+        for seq in list(self.queue) + list(self._running):
             self._finish(seq, "abort")
         self.lora.close()
 
@@ -122,7 +123,7 @@ class Engine:
                 raise RequestError(unknown_adapter(name), 404, NOT_FOUND)
             with self._inbox.mutex:  # requests submitted but not yet picked up count too
                 pending = [s for s in self._inbox.queue if isinstance(s, Sequence)]
-            seqs = pending + list(self._waiting) + self._running
+            seqs = pending + list(self.queue) + self._running
             users = [s for s in seqs if s.request.adapter == name]
             if users:
                 raise RequestError(
@@ -137,7 +138,7 @@ class Engine:
         self._draining.set()
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if not self._waiting and not self._running and self._inbox.empty():
+            if not len(self.queue) and not self._running and self._inbox.empty():
                 return True
             time.sleep(0.05)
         return False
@@ -154,7 +155,8 @@ class Engine:
             "host_lora_calls": self.lora.host_stats.calls,
             "host_lora_seconds": self.lora.host_stats.seconds,
             "num_running": len(self._running),
-            "num_waiting": len(self._waiting),
+            "num_waiting": len(self.queue),
+            "queueing": self.queue.view(),
             "kv_reserved_tokens": self._reserved,
             "kv_used_tokens": self.kv.num_slots - self.kv.num_free_slots,
             "max_total_tokens": self.config.max_total_tokens,
@@ -213,7 +215,7 @@ class Engine:
             device=self.config.device,
             lora_mode=self.config.lora_mode,
             running=tuple(s.describe(self._adapters) for s in list(self._running)),
-            queue=tuple(s.describe(self._adapters) for s in list(self._waiting)),
+            queue=tuple(s.describe(self._adapters) for s in self.queue),
             adapters=tuple(
                 AdapterView(n, a.rank, n in is_resident) for n, a in list(self._adapters.items())
             ),
@@ -223,6 +225,7 @@ class Engine:
             cpu_workers=tuple(WorkerView(**w) for w in self.lora.worker_stats()),
             resident_adapters=tuple(resident),
             loading_adapters=tuple(loading),
+            queueing=self.queue.view(),
         )
 
     # ---- the engine thread ------------------------------------------------------------------
@@ -232,7 +235,7 @@ class Engine:
             # Per thread: torch.set_num_threads sets the calling thread's OpenMP team size.
             torch.set_num_threads(self.config.num_threads)
         while not self._stopping.is_set():
-            self._drain_inbox(block=not (self._waiting or self._running))
+            self._drain_inbox(block=not (len(self.queue) or self._running))
             if self._stopping.is_set():
                 break
             with self._lock:
@@ -265,7 +268,7 @@ class Engine:
             item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
             while True:
                 if isinstance(item, Sequence):
-                    self._waiting.append(item)
+                    self.queue.push(item, time.monotonic())
                 elif isinstance(item, str):
                     self._abort(item)
                 item = self._inbox.get_nowait()
@@ -273,39 +276,13 @@ class Engine:
             pass
 
     def _abort(self, request_id: str) -> None:
-        for seq in list(self._waiting) + self._running:
+        for seq in list(self.queue) + self._running:
             if seq.request.request_id == request_id:
                 self._finish(seq, "abort")
 
     def _admit(self) -> list[Sequence]:
-        """Admit waiting requests in order while KV slots, batch room and adapter memory allow.
-
-        A request the LoRA mode may not start yet (on-demand, adapter still loading) keeps
-        waiting; the ones behind it may go.
-        """
-        cfg = self.config
-        admitted: list[Sequence] = []
-        prefill_tokens = 0
-        for seq in list(self._waiting):
-            if (
-                len(self._running) + len(admitted) >= cfg.max_batch_size
-                or self._reserved + seq.kv_need > cfg.max_total_tokens
-                or (admitted and prefill_tokens + seq.prompt_len > cfg.max_prefill_tokens)
-            ):
-                break
-            if seq.request.adapter is not None and seq.cache_entry is None:
-                queued = frozenset(s.request.adapter for s in self._waiting if s.request.adapter)
-                seq.cache_entry = self.lora.acquire(seq.request.adapter, queued)
-                if seq.cache_entry is None:
-                    break  # no adapter memory until a running request ends
-            if not self.lora.may_start(seq.cache_entry):
-                continue
-            self._waiting.remove(seq)
-            seq.row = self.kv.new_row()
-            self._reserved += seq.kv_need
-            prefill_tokens += seq.prompt_len
-            admitted.append(seq)
-        return admitted
+        """The requests the queue policy admits now, through this iteration's gate."""
+        return self.queue.select(EngineGate(self), self._running, time.monotonic())
 
     def _step(self, seqs: list[Sequence], is_prefill: bool) -> None:
         device = self.model.device
@@ -356,9 +333,10 @@ class Engine:
         self._finished[reason] = self._finished.get(reason, 0) + 1
         if seq in self._running:
             self._running.remove(seq)
-        elif seq in self._waiting:
-            self._waiting.remove(seq)
+        elif seq in self.queue:
+            self.queue.remove(seq)
         if seq.row is not None:
+            self.queue.finished(seq, reason in ("stop", "length"), time.monotonic())
             self.kv.free_row(seq.row)
             self._reserved -= seq.kv_need
             seq.row = None

@@ -106,6 +106,10 @@ ENGINE_SERIES: tuple[tuple[str, str, str, Callable[[dict], float]], ...] = (
      lambda c: len(c["adapter_cache"]["resident"])),
     ("gauge", "adapters_loading", "Adapters being loaded",
      lambda c: len(c["adapter_cache"]["loading"])),
+    ("counter", "queue_bypasses", "Requests admitted ahead of one waiting for adapter memory",
+     lambda c: c["queueing"].get("bypasses")),
+    ("counter", "queue_squashes", "Bypassing requests squashed to run again later",
+     lambda c: c["queueing"].get("squashes")),
     ("gauge", "adapter_references",
      "References held on device adapters (requests, plus registration pins in cached mode)",
      lambda c: c["adapter_references"]),
@@ -137,6 +141,24 @@ class EngineCollector:
             v = value(c)
             if v is not None:
                 yield _FAMILIES[kind](PREFIX + name, doc, value=v)
+        yield from queue_series(c["queueing"])
+
+
+def queue_series(view: dict) -> Iterator[Metric]:
+    """Per-queue gauges of the queue policy: length, token quota, upper WRS cutoff."""
+    per_queue = (
+        ("queue_length", "Requests waiting in each queue", view.get("queue_lengths")),
+        ("queue_quota_tokens", "Token quota of each queue", view.get("quotas")),
+        ("queue_cutoff_wrs", "Upper weighted-request-size cutoff of each queue (the last has "
+         "none)", view.get("cutoffs")),
+    )  # fmt: skip
+    for name, doc, values in per_queue:
+        if values is None:
+            continue
+        family = GaugeMetricFamily(PREFIX + name, doc, labels=["queue"])
+        for i, v in enumerate(values):
+            family.add_metric([str(i)], v)
+        yield family
 
 
 def read_engine(fn, attempts: int = 3):

@@ -28,6 +28,7 @@ class Sequence:
         self.row: int | None = None  # KV pool row while admitted
         self.cache_entry = None  # gpu_lora.cache.CacheEntry while it holds a reference
         self.finished = False
+        self._tokenizer = tokenizer
         self._stream = TextStream(tokenizer, request.params.stop)
         self._generator = make_generator(request.params)
         self._first_token_at: float | None = None
@@ -36,6 +37,17 @@ class Sequence:
         self._pending_logprobs: list[TokenLogprob] = []
         self._step_logprob: TokenLogprob | None = None  # of the token append() records next
         self._prompt_logprobs: list[TokenLogprob | None] | None = None  # sent once, first
+        self._num_sent = 0  # tokens streamed before a restart, not sent again when replayed
+
+    def restart(self) -> None:
+        """Run again from the prompt after a squash: the tokens already streamed are computed
+        again (the same ones: only greedy or seeded requests are squashed) but not resent."""
+        self._num_sent = len(self.output_ids)
+        self.output_ids = []
+        self._stream = TextStream(self._tokenizer, self.request.params.stop)
+        self._generator = make_generator(self.request.params)
+        self._pending_ids, self._pending_text, self._pending_logprobs = [], "", []
+        self._step_logprob = None
 
     def describe(self, adapters: dict) -> RequestView:
         """The /stats view of this request."""
@@ -112,16 +124,19 @@ class Sequence:
         params = self.request.params
         if params.max_new_tokens == 0:
             return "length"  # the prompt was only scored
-        if self._step_logprob is not None:
+        replayed = len(self.output_ids) < self._num_sent
+        if self._step_logprob is not None and not replayed:
             self._pending_logprobs.append(self._step_logprob)
-            self._step_logprob = None
+        self._step_logprob = None
         if self._first_token_at is None:
             self._first_token_at = time.monotonic()
         self.output_ids.append(token)
-        self._pending_ids.append(token)
         is_eos = token in eos_ids and not params.ignore_eos
-        if not is_eos:
-            self._pending_text += self._stream.push(token)
+        text = "" if is_eos else self._stream.push(token)
+        if replayed:
+            return None  # sent before the restart (it was running, so no stop was hit then)
+        self._pending_ids.append(token)
+        self._pending_text += text
         if is_eos or self._stream.stopped:
             return "stop"
         if len(self.output_ids) >= params.max_new_tokens:

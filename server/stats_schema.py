@@ -10,9 +10,12 @@ parser. Imports nothing else of the server, so the scheduler may import it.
      "free_kv_tokens": int, "max_total_tokens": int,
      "cpu_workers": [{"pid": int, "core": int, "alive": bool, "restarts": int}],
      "healthy": bool, "resident_adapters": [str], "loading_adapters": [str],
-     "draining": bool, "num_in_flight": int, "max_concurrent_requests": int}
+     "draining": bool, "num_in_flight": int, "max_concurrent_requests": int,
+     "queueing": QUEUEING}
     REQ = {"id": str, "adapter": str|null, "rank": int, "prompt_tokens": int,
            "output_tokens": int, "max_new_tokens": int}
+    QUEUEING = {"policy": "fcfs"|"chameleon", "queue_lengths": [int], and for chameleon
+                "cutoffs": [float], "quotas": [int], "bypasses": int, "squashes": int, ...}
 """
 
 from __future__ import annotations
@@ -73,6 +76,7 @@ class ServerStats:
     draining: bool = False
     num_in_flight: int = 0  # generation requests the HTTP front end holds (running or queued)
     max_concurrent_requests: int = 0  # the front end's limit (429 past it); 0: not reported
+    queueing: dict[str, Any] = field(default_factory=dict)  # the queue policy's view
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:

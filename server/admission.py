@@ -1,0 +1,95 @@
+"""The engine's side of admission: what a queue policy may ask while it forms one batch.
+
+One `EngineGate` per iteration. `try_admit` checks a request against what is free now (batch
+rows, unreserved KV slots, the prefill token budget, adapter memory, the LoRA mode) and, when
+it fits, takes its KV row, reservation and adapter reference. `squash` undoes all of that for a
+running request, which then waits again (Chameleon's squash of a bypasser).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from toppings.server.queueing import Verdict
+from toppings.server.sequence import Sequence
+
+if TYPE_CHECKING:
+    from toppings.server.engine import Engine
+
+
+class EngineGate:
+    """Admission checks of one engine iteration (the engine thread, under its lock)."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.admitted: list[Sequence] = []
+        self.prefill_tokens = 0
+        kv = engine.kv
+        self._slot_bytes = 2 * kv.k[:, :, 0, :].numel() * kv.k.element_size()  # K and V
+        self._queued: frozenset[str] | None = None
+
+    def try_admit(self, seq: Sequence) -> Verdict:
+        eng, cfg = self.engine, self.engine.config
+        if len(eng._running) + len(self.admitted) >= cfg.max_batch_size:
+            return Verdict.BATCH_FULL
+        if eng._reserved + seq.kv_need > cfg.max_total_tokens or (
+            self.admitted and self.prefill_tokens + seq.prompt_len > cfg.max_prefill_tokens
+        ):
+            return Verdict.NO_ROOM
+        if seq.request.adapter is not None and seq.cache_entry is None:
+            seq.cache_entry = eng.lora.acquire(seq.request.adapter, self.queued())
+            if seq.cache_entry is None:
+                return Verdict.NO_ADAPTER_MEMORY  # none until a running request ends
+        if not eng.lora.may_start(seq.cache_entry):
+            return Verdict.NOT_READY
+        seq.row = eng.kv.new_row()
+        eng._reserved += seq.kv_need
+        self.prefill_tokens += seq.prompt_len
+        self.admitted.append(seq)
+        return Verdict.ADMITTED
+
+    def queued(self) -> frozenset[str]:
+        """Adapters of the waiting requests (eviction spares them while it can)."""
+        if self._queued is None:
+            self._queued = frozenset(
+                s.request.adapter for s in self.engine.queue if s.request.adapter
+            )
+        return self._queued
+
+    def squash(self, seq: Sequence) -> None:
+        eng = self.engine
+        eng._running.remove(seq)
+        eng.kv.free_row(seq.row)
+        eng._reserved -= seq.kv_need
+        seq.row = None
+        if seq.cache_entry is not None:
+            eng.lora.release(seq.request.adapter)
+            seq.cache_entry = None
+        seq.restart()
+
+    def fits_if_released(self, waiting: Sequence, running: Sequence) -> bool:
+        return self.engine.lora.fits_if_released(waiting.request.adapter, running.request.adapter)
+
+    def adapter_tokens(self, adapter: str | None) -> int:
+        if not self.engine.config.adapter_cache_bytes:
+            return 0  # adapter memory is not scarce: only KV slots count
+        return -(-self.engine.lora.bytes_of(adapter) // self._slot_bytes)
+
+    def adapter_size(self, adapter: str | None) -> float:
+        """The adapter's bytes; the base model counts as the smallest adapter (its requests
+        are sized by their lengths, not put all in the first queue)."""
+        if adapter is not None:
+            return float(self.engine.lora.bytes_of(adapter))
+        sizes = [self.engine.lora.bytes_of(n) for n in list(self.engine.lora.registry)]
+        return float(min(sizes, default=1))
+
+    def max_adapter_size(self) -> float:
+        sizes = [self.engine.lora.bytes_of(n) for n in list(self.engine.lora.registry)]
+        return float(max(sizes, default=1))
+
+    def total_tokens(self) -> int:
+        cfg = self.engine.config
+        return cfg.max_total_tokens + cfg.adapter_cache_bytes // self._slot_bytes
+
+    def prefetch(self, adapters: list[str]) -> None:
+        self.engine.lora.prefetch(adapters, self.queued())

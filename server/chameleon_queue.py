@@ -1,0 +1,383 @@
+"""Chameleon's non-preemptive, adapter-aware multi-level queues (MICRO'25, sec. 4.3).
+
+A new request gets a weighted request size (server.queue_sizing) and waits in the queue of its
+size range. Every `REFRESH_S` seconds or `REFRESH_COUNT` arrivals, the last `WINDOW` arrivals
+are clustered again (K <= 4 queues, midpoint cutoffs) and each queue gets a quota of tokens from
+the M/M/1 bound. A request's charge on its queue's quota is the KV slots it reserves (prompt plus
+max_new_tokens) plus its adapter's device memory in KV slots; it borrows that while it runs.
+
+Each iteration (`select`), Algorithm 1 of the paper:
+1. every queue, smallest first, admits from its head while its unborrowed quota allows; a queue
+   with nothing running may always admit its head (so a request larger than the quota runs);
+   an emptied queue gives what it did not use to a spare pool;
+2. the spare pool goes to the queues in the same order, each from its head.
+Starvation guard: a head within its quota that does not fit the free KV slots is held as the
+next to go; until it fits, nothing else is admitted (the running requests drain for it).
+Opportunistic bypass: when a head finds no adapter memory, a younger request of its queue may
+go first if its predicted length is below the shortest predicted remainder of a running request
+with an adapter (when memory should free up). If the head's adapter would fit by releasing the
+bypasser's, the bypasser is squashed: it leaves the batch and runs again later (see
+Sequence.restart). Only deterministic requests (greedy or seeded) may bypass, and squashes are
+refused once their discarded tokens would exceed `SQUASH_SHARE` of all tokens processed.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from collections import deque
+from dataclasses import dataclass
+
+from toppings.server.config import EngineConfig
+from toppings.server.queue_sizing import (
+    OutputPredictor,
+    min_quota_tokens,
+    queue_cutoffs,
+    split_quotas,
+    weighted_request_size,
+)
+from toppings.server.queueing import Gate, QueuePolicy, Verdict
+from toppings.server.sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+REFRESH_S = 30.0  # the paper refreshes every 5 min over hours-long traces; ours are minutes
+REFRESH_COUNT = 256  # ... or after this many arrivals, whichever comes first
+MIN_SAMPLES = 32  # arrivals before the first clustering (until then: one queue)
+WINDOW = 1024  # recent arrivals and completions the clustering and the quotas look at
+SQUASH_SHARE = 0.05  # the paper's bound: at most 5% of the work is squashed
+DEFAULT_TOKEN_S = 0.05  # seconds per output token before any request has completed
+
+
+@dataclass
+class _Size:
+    """What the policy knows of one request: its raw sizes, WRS and charge."""
+
+    in_tokens: int
+    out_tokens: float  # predicted
+    adapter_size: float
+    charge: int
+    wrs: float = 0.0
+    arrived: float = 0.0
+    admitted: float = 0.0
+
+
+class ChameleonQueue(QueuePolicy):
+    """See the module docstring."""
+
+    name = "chameleon"
+
+    def __init__(self, config: EngineConfig):
+        super().__init__(config)
+        self.slo_s = config.ttft_slo_ms / 1000.0
+        self.predictor = OutputPredictor()
+        self.cutoffs: list[float] = []
+        self.quotas: list[int] = [config.max_total_tokens]
+        self._maxima = (1.0, 1.0, 1.0)  # maxIn, maxOut, maxAdapter, frozen at each refresh
+        self._waiting: list[Sequence] = []  # arrival order
+        self._queues: list[list[Sequence]] = [[]]
+        self._fresh: list[Sequence] = []  # pushed, not sized yet (sizing needs the gate)
+        self._sizes: dict[Sequence, _Size] = {}
+        self._running: dict[Sequence, _Size] = {}
+        self._arrivals: deque[_Size] = deque(maxlen=WINDOW)
+        self._served: deque[tuple[_Size, float, int]] = deque(maxlen=WINDOW)  # size, s, tokens
+        self._held: Sequence | None = None  # the starvation guard's request
+        self._bypasses: list[tuple[Sequence, Sequence]] = []  # (bypassed, bypasser)
+        self._last_refresh = 0.0
+        self._since_refresh = 0
+        self.counters = {"bypasses": 0, "squashes": 0, "refreshes": 0, "held": 0}
+        self._work_tokens = 0  # prompt + output tokens of every request that left the batch
+        self._wasted_tokens = 0  # ... of the squashed ones
+
+    # ---- the waiting requests ---------------------------------------------------------------
+
+    def push(self, seq: Sequence, now: float) -> None:
+        self._insert(seq)
+        self._fresh.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        self._waiting.remove(seq)
+        size = self._sizes.pop(seq, None)
+        if seq in self._fresh:
+            self._fresh.remove(seq)
+        elif size is not None:
+            self._queues[self._queue_of(size.wrs)].remove(seq)
+        if self._held is seq:
+            self._held = None
+
+    def __iter__(self):
+        return iter(list(self._waiting))
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+    def _insert(self, seq: Sequence) -> None:
+        bisect.insort(self._waiting, seq, key=lambda s: s.arrival)
+
+    def _queue_of(self, wrs: float) -> int:
+        return bisect.bisect_right(self.cutoffs, wrs)
+
+    def _enqueue(self, seq: Sequence) -> None:
+        queue = self._queues[self._queue_of(self._sizes[seq].wrs)]
+        bisect.insort(queue, seq, key=lambda s: s.arrival)
+
+    # ---- sizing, clustering, quotas -----------------------------------------------------------
+
+    def _size(self, seq: Sequence, gate: Gate, now: float) -> _Size:
+        adapter, params = seq.request.adapter, seq.request.params
+        size = _Size(
+            in_tokens=seq.prompt_len,
+            out_tokens=self.predictor.predict(adapter, params.max_new_tokens),
+            adapter_size=gate.adapter_size(adapter),
+            charge=seq.kv_need + gate.adapter_tokens(adapter),
+            arrived=seq.arrival,
+        )
+        size.wrs = self._wrs(size)
+        return size
+
+    def _wrs(self, size: _Size) -> float:
+        return weighted_request_size(
+            size.in_tokens, size.out_tokens, size.adapter_size, *self._maxima
+        )
+
+    def _take_fresh(self, gate: Gate, now: float) -> None:
+        if not self.counters["refreshes"]:
+            self.quotas = [gate.total_tokens()]  # one queue until there is enough to cluster
+        for seq in self._fresh:
+            size = self._sizes[seq] = self._size(seq, gate, now)
+            self._arrivals.append(size)
+            self._since_refresh += 1
+        fresh, self._fresh = self._fresh, []
+        due = (
+            not self.counters["refreshes"]
+            or now - self._last_refresh >= REFRESH_S
+            or self._since_refresh >= REFRESH_COUNT
+        )
+        if due and len(self._arrivals) >= MIN_SAMPLES:
+            self.refresh(gate, now)
+        else:
+            for seq in fresh:
+                self._enqueue(seq)
+
+    def refresh(self, gate: Gate, now: float) -> None:
+        """Cluster the recent sizes again, set the quotas and re-queue every waiting request."""
+        sizes = list(self._arrivals)
+        self._maxima = (
+            max(s.in_tokens for s in sizes),
+            max(s.out_tokens for s in sizes),
+            gate.max_adapter_size(),
+        )
+        served = [s for s, _, _ in self._served]
+        for s in [*sizes, *served, *self._sizes.values(), *self._running.values()]:
+            s.wrs = self._wrs(s)
+        self.cutoffs = queue_cutoffs([s.wrs for s in sizes])
+        self.quotas = self._quotas(sizes, gate.total_tokens(), now)
+        self._queues = [[] for _ in self.quotas]
+        for seq in self._waiting:
+            if seq in self._sizes:
+                self._enqueue(seq)
+        self._last_refresh, self._since_refresh = now, 0
+        self.counters["refreshes"] += 1
+        log.info("queues: cutoffs %s, quotas %s", [round(c, 4) for c in self.cutoffs], self.quotas)
+
+    def set_queues(
+        self,
+        cutoffs: list[float],
+        quotas: list[int],
+        maxima: tuple[float, float, float],
+        now: float,
+    ) -> None:
+        """Fix the queues by hand (tests, experiments); the next refresh replaces them."""
+        self.cutoffs, self.quotas, self._maxima = list(cutoffs), list(quotas), maxima
+        self._queues = [[] for _ in quotas]
+        for seq in self._waiting:
+            if seq in self._sizes:
+                self._sizes[seq].wrs = self._wrs(self._sizes[seq])
+                self._enqueue(seq)
+        self._last_refresh, self._since_refresh = now, 0
+        self.counters["refreshes"] += 1
+
+    def _quotas(self, sizes: list[_Size], total: int, now: float) -> list[int]:
+        k = len(self.cutoffs) + 1
+        span = max(now - min(s.arrived for s in sizes), 1e-3)
+        served = list(self._served)
+        token_s = sum(t for _, t, _ in served) / max(sum(n for *_, n in served), 1)
+        token_s = token_s if served else DEFAULT_TOKEN_S
+        minimums, demands = [], []
+        for q in range(k):
+            mine = [s for s in sizes if self._queue_of(s.wrs) == q]
+            runs = [t for s, t, _ in served if self._queue_of(s.wrs) == q]
+            if not mine:
+                minimums.append(0.0)
+                demands.append(0.0)
+                continue
+            duration = (
+                sum(runs) / len(runs)
+                if runs
+                else token_s * sum(s.out_tokens for s in mine) / len(mine)
+            )
+            rate = len(mine) / span
+            charge = max(s.charge for s in mine)
+            minimums.append(min_quota_tokens(charge, duration, self.slo_s, rate))
+            demands.append(rate * duration * sum(s.charge for s in mine) / len(mine))
+        return split_quotas(minimums, demands, total)
+
+    # ---- batch formation ----------------------------------------------------------------------
+
+    def select(self, gate: Gate, running: list[Sequence], now: float) -> list[Sequence]:
+        self._take_fresh(gate, now)
+        self._squash_bypassers(gate)
+        batch: list[Sequence] = []
+        if self._held is not None:
+            verdict = self._try(self._held, gate, now, batch)
+            if verdict is not Verdict.ADMITTED and verdict is not Verdict.NOT_READY:
+                return batch  # running requests drain until the held one fits
+        borrowed = [0] * len(self._queues)
+        for size in self._running.values():
+            borrowed[self._queue_of(size.wrs)] += size.charge
+        spare, stop = 0, False
+        for q, queue in enumerate(self._queues):  # phase 1: each queue within its quota
+            unborrowed = max(self.quotas[q] - borrowed[q], 0)
+            used, stop = self._put(
+                queue, unborrowed, gate, running, now, batch, True, not borrowed[q]
+            )
+            if stop:
+                break
+            if not queue:
+                spare += unborrowed - used
+        for queue in self._queues:  # phase 2: what empty queues left, smallest requests first
+            if stop or spare <= 0 or self._held is not None:
+                break
+            used, stop = self._put(queue, spare, gate, running, now, batch, False, False)
+            spare -= used
+        self._prefetch(gate)
+        return batch
+
+    def _put(
+        self,
+        queue: list[Sequence],
+        tokens: int,
+        gate: Gate,
+        running: list[Sequence],
+        now: float,
+        batch: list[Sequence],
+        entitled: bool,
+        may_exceed: bool,
+    ) -> tuple[int, bool]:
+        """Admit from the head of `queue` within `tokens`; returns (tokens used, stop all).
+
+        entitled: the tokens are the queue's own quota (phase 1), not the spare pool;
+        may_exceed: the queue has nothing running, so its head may go beyond the quota.
+        """
+        used = 0
+        bypassed: Sequence | None = None
+        for seq in list(queue):
+            charge = self._sizes[seq].charge
+            if used + charge > tokens and not (may_exceed and not used and bypassed is None):
+                break
+            if bypassed is not None and not self._may_bypass(seq, running):
+                continue
+            verdict = self._try(seq, gate, now, batch)
+            if verdict is Verdict.ADMITTED:
+                used += charge
+                if bypassed is not None:
+                    self._bypasses.append((bypassed, seq))
+                    self.counters["bypasses"] += 1
+            elif verdict is Verdict.BATCH_FULL:
+                return used, True
+            elif verdict is Verdict.NO_ROOM:
+                if entitled and bypassed is None and self._held is None:
+                    self._held = seq  # within its quota: it goes next, whatever arrives
+                    self.counters["held"] += 1
+                    return used, True
+                break
+            elif verdict is Verdict.NO_ADAPTER_MEMORY and bypassed is None:
+                bypassed = seq
+        return used, False
+
+    def _try(self, seq: Sequence, gate: Gate, now: float, batch: list[Sequence]) -> Verdict:
+        verdict = gate.try_admit(seq)
+        if verdict is Verdict.ADMITTED:
+            size = self._sizes.pop(seq)
+            self._waiting.remove(seq)
+            self._queues[self._queue_of(size.wrs)].remove(seq)
+            size.admitted = now
+            self._running[seq] = size
+            batch.append(seq)
+            if self._held is seq:
+                self._held = None
+        return verdict
+
+    # ---- bypass and squash --------------------------------------------------------------------
+
+    def _may_bypass(self, seq: Sequence, running: list[Sequence]) -> bool:
+        """A younger request may go ahead of one waiting for adapter memory when a squash could
+        undo it (deterministic output), the squash budget is not spent, and it should end before
+        a running request frees adapter memory."""
+        params = seq.request.params
+        if params.temperature > 0 and params.seed is None:
+            return False
+        if self._wasted_tokens > SQUASH_SHARE * self._work_tokens:
+            return False
+        remaining = [
+            self._running[s].out_tokens - len(s.output_ids)
+            for s in running
+            if s.request.adapter is not None and s in self._running
+        ]
+        soonest = max(min(remaining), 0.0) if remaining else 0.0
+        return self._sizes[seq].out_tokens <= soonest
+
+    def _squash_bypassers(self, gate: Gate) -> None:
+        keep = []
+        for waiting, bypasser in self._bypasses:
+            if waiting not in self._sizes or bypasser not in self._running:
+                continue  # the bypassed request got in, or the bypasser ended
+            work = bypasser.prompt_len + len(bypasser.output_ids)
+            within = self._wasted_tokens + work <= SQUASH_SHARE * (self._work_tokens + work)
+            if within and gate.fits_if_released(waiting, bypasser):
+                self.squash(bypasser, gate)
+            else:
+                keep.append((waiting, bypasser))
+        self._bypasses = keep
+
+    def squash(self, seq: Sequence, gate: Gate) -> None:
+        """Take a running request out of the batch; it waits again in its arrival place and
+        runs from its prompt when admitted again (its work so far counts as wasted)."""
+        work = seq.prompt_len + len(seq.output_ids)
+        size = self._running.pop(seq)
+        self._wasted_tokens += work
+        self._work_tokens += work
+        self.counters["squashes"] += 1
+        gate.squash(seq)
+        self._sizes[seq] = size
+        self._insert(seq)
+        self._enqueue(seq)
+
+    def _prefetch(self, gate: Gate) -> None:
+        names = [s.request.adapter for q in self._queues for s in q if s.request.adapter]
+        if names:
+            gate.prefetch(list(dict.fromkeys(names)))
+
+    # ---- completions and views ----------------------------------------------------------------
+
+    def finished(self, seq: Sequence, completed: bool, now: float) -> None:
+        size = self._running.pop(seq, None)
+        if size is None:
+            return
+        num_out = len(seq.output_ids)
+        self._work_tokens += seq.prompt_len + num_out
+        if completed:
+            self.predictor.observe(seq.request.adapter, num_out, seq.request.params.max_new_tokens)
+            self._served.append((size, now - size.admitted, max(num_out, 1)))
+
+    def view(self) -> dict:
+        queues = list(self._queues)
+        return {
+            "policy": self.name,
+            "queue_lengths": [len(q) for q in queues],
+            "cutoffs": list(self.cutoffs),
+            "quotas": list(self.quotas),
+            "ttft_slo_ms": self.config.ttft_slo_ms,
+            "squashed_work_share": self._wasted_tokens / max(self._work_tokens, 1),
+            **self.counters,
+        }

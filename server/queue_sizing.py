@@ -1,0 +1,145 @@
+"""Chameleon's sizing arithmetic (MICRO'25, sec. 4.3): request size, queue cutoffs, quotas.
+
+Pure functions and one small predictor, no engine state, so each formula is tested alone.
+
+- Weighted request size: WRS = (0.4 in/maxIn + 0.6 out/maxOut) * adapter/maxAdapter.
+- Output length: predicted per adapter from the lengths it actually produced: the request's
+  max_new_tokens times the mean share of max_new_tokens that the adapter's last 32 completed
+  requests used (all adapters' share for an adapter not seen yet; 1 before anything finished),
+  so never above the request's max_new_tokens.
+- Queues: 1-D K-means for K = 1..4 over recent WRS values; cutoffs at the midpoints between
+  consecutive centroids.
+- Quotas: the M/M/1 bound Tok_min >= S * D * (1/SLO + lambda) per queue; what is left of the
+  total is split in proportion to each queue's token demand.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import defaultdict, deque
+
+WRS_INPUT_WEIGHT = 0.4  # A in the paper
+WRS_OUTPUT_WEIGHT = 0.6  # B in the paper
+MAX_QUEUES = 4  # K_max
+EXPLAINED = 0.9  # stop adding queues once they explain 90% of the size variance
+MIN_CLUSTER_SHARE = 0.05  # a queue for fewer than 5% of the requests is not worth its quota
+HISTORY = 32  # completed requests per adapter the output predictor remembers
+
+
+def weighted_request_size(
+    in_tokens: int,
+    out_tokens: float,
+    adapter_size: float,
+    max_in: float,
+    max_out: float,
+    max_adapter: float,
+) -> float:
+    """WRS of one request; each ratio is clipped to [0, 1] (a maximum may be stale)."""
+
+    def ratio(x: float, top: float) -> float:
+        return min(x / top, 1.0) if top > 0 else 1.0
+
+    length = WRS_INPUT_WEIGHT * ratio(in_tokens, max_in) + WRS_OUTPUT_WEIGHT * ratio(
+        out_tokens, max_out
+    )
+    return length * ratio(adapter_size, max_adapter)
+
+
+class OutputPredictor:
+    """Predicts a request's output length from what its adapter produced before: the request's
+    max_new_tokens times the share of max_new_tokens its adapter's recent requests used."""
+
+    def __init__(self, history: int = HISTORY):
+        self._per_adapter: dict[str | None, deque[float]] = defaultdict(
+            lambda: deque(maxlen=history)
+        )
+        self._all: deque[float] = deque(maxlen=8 * history)
+
+    def observe(self, adapter: str | None, num_tokens: int, max_new_tokens: int) -> None:
+        """A request of `adapter` completed with `num_tokens` of its `max_new_tokens`."""
+        share = min(num_tokens / max(max_new_tokens, 1), 1.0)
+        self._per_adapter[adapter].append(share)
+        self._all.append(share)
+
+    def predict(self, adapter: str | None, max_new_tokens: int) -> float:
+        seen = self._per_adapter.get(adapter) or self._all
+        share = sum(seen) / len(seen) if seen else 1.0
+        return share * max_new_tokens
+
+
+def kmeans_1d(values: list[float], k: int, iterations: int = 50) -> tuple[list[float], float]:
+    """Lloyd's K-means on numbers, seeded at the quantiles (deterministic).
+
+    Returns (sorted centroids, within-cluster sum of squares); empty clusters are dropped.
+    """
+    xs = sorted(values)
+    n = len(xs)
+    centroids = sorted({xs[min(n - 1, int((i + 0.5) * n / k))] for i in range(k)})
+    for _ in range(iterations):
+        cuts = midpoints(centroids)
+        groups: list[list[float]] = [[] for _ in centroids]
+        for x in xs:
+            groups[bisect.bisect_right(cuts, x)].append(x)
+        new = sorted(sum(g) / len(g) for g in groups if g)
+        if new == centroids:
+            break
+        centroids = new
+    cuts = midpoints(centroids)
+    wcss = sum((x - centroids[bisect.bisect_right(cuts, x)]) ** 2 for x in xs)
+    return centroids, wcss
+
+
+def midpoints(centroids: list[float]) -> list[float]:
+    """Cutoffs between consecutive sorted centroids: queue i takes cut[i-1] <= WRS < cut[i]."""
+    return [(a + b) / 2 for a, b in zip(centroids, centroids[1:])]
+
+
+def queue_cutoffs(values: list[float], max_queues: int = MAX_QUEUES) -> list[float]:
+    """The cutoffs of K <= max_queues queues for these WRS values (K - 1 numbers, ascending).
+
+    The paper picks the K of minimal WCSS, which taken literally is always K_max (WCSS never
+    grows with K); we take the elbow instead: the smallest K whose clusters explain 90% of the
+    variance (WCSS(K) <= 0.1 WCSS(1)), K_max if none does, and never a K with a cluster of
+    fewer than 5% of the values (a queue that small is not worth its quota).
+    """
+    if len(set(values)) < 2:
+        return []
+    total = kmeans_1d(values, 1)[1]
+    best: list[float] = []
+    for k in range(2, max_queues + 1):
+        centroids, wcss = kmeans_1d(values, k)
+        cuts = midpoints(centroids)
+        counts = [0] * len(centroids)
+        for x in values:
+            counts[bisect.bisect_right(cuts, x)] += 1
+        if len(centroids) < k or min(counts) < MIN_CLUSTER_SHARE * len(values):
+            break
+        best = cuts
+        if wcss <= (1 - EXPLAINED) * total:
+            break
+    return best
+
+
+def min_quota_tokens(max_size: float, duration_s: float, slo_s: float, rate: float) -> float:
+    """Tok_min = S * D * (1/SLO + lambda): the tokens a queue needs so that an M/M/1 queue
+    served at mu = Tok / (S * D) keeps its time in system 1 / (mu - lambda) within the SLO.
+
+    max_size: S, tokens of the largest request of the queue; duration_s: D, seconds a request
+    of the queue runs; slo_s: the TTFT SLO; rate: lambda, its arrivals per second.
+    """
+    return max_size * duration_s * (1.0 / slo_s + rate)
+
+
+def split_quotas(minimums: list[float], demands: list[float], total: int) -> list[int]:
+    """Each queue's quota: its minimum, plus the rest of `total` in proportion to `demands`.
+
+    When the minimums exceed the total they are scaled down to fit (the SLO cannot be met at
+    this load; every queue keeps a share in proportion to its need).
+    """
+    need = sum(minimums)
+    if need >= total:
+        return [int(total * m / need) for m in minimums] if need > 0 else [0] * len(minimums)
+    spare = total - need
+    weight = sum(demands) or len(demands)
+    shares = demands if sum(demands) else [1.0] * len(demands)
+    return [int(m + spare * s / weight) for m, s in zip(minimums, shares)]
