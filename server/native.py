@@ -1,15 +1,17 @@
 """The engine's own CPU kernels (`csrc/cpu_kernels.c`): built once with the C compiler, cached.
 
 torch has no op for decode attention over a token-level KV pool without first gathering every
-request's keys and values into a dense copy; `cpu_kernels.c` reads them in place. The library is
+request's keys and values into a dense copy; `cpu_kernels.c` reads them in place. It also holds
+RMSNorm with the residual add and in-place RoPE (`fused.py`) and MBGMV over adapter runs
+(`native_lora.py`), each one call where torch needs many small ops. The library is
 plain C with OpenMP (no torch headers, so it builds in about a second), compiled with
 `-march=native` into `~/.cache/toppings/native/` (or `$TOPPINGS_CACHE_DIR/native`) under a key
 of the source, the compiler and this CPU's flags, and loaded with ctypes. OpenMP resolves to the
 runtime torch already loaded (same soname), so both share one thread pool.
 
 Where no compiler is found, the build fails, or `TOPPINGS_NATIVE=0`, `library()` returns None
-and callers use their torch path (the same results; `tests/server/test_attention.py` checks
-one against the other).
+and callers use their torch path (the same results: tests/server/test_attention.py,
+test_fused.py and test_native_lora.py check one against the other).
 """
 
 from __future__ import annotations
