@@ -57,14 +57,8 @@ class EngineGate:
         return self._queued
 
     def squash(self, seq: Sequence) -> None:
-        eng = self.engine
-        eng._running.remove(seq)
-        eng.kv.free_row(seq.row)
-        eng._reserved -= seq.kv_need
-        seq.row = None
-        if seq.cache_entry is not None:
-            eng.lora.release(seq.request.adapter)
-            seq.cache_entry = None
+        self.engine._running.remove(seq)
+        self.engine.release(seq)
         seq.restart()
 
     def fits_if_released(self, waiting: Sequence, running: Sequence) -> bool:

@@ -337,10 +337,15 @@ class Engine:
             self.queue.remove(seq)
         if seq.row is not None:
             self.queue.finished(seq, reason in ("stop", "length"), time.monotonic())
+        self.release(seq)
+        seq.finish(reason, error)
+
+    def release(self, seq: Sequence) -> None:
+        """Give back a request's KV row, its KV reservation and its adapter reference."""
+        if seq.row is not None:
             self.kv.free_row(seq.row)
             self._reserved -= seq.kv_need
             seq.row = None
         if seq.cache_entry is not None:
             self.lora.release(seq.request.adapter)
             seq.cache_entry = None
-        seq.finish(reason, error)
