@@ -4,7 +4,9 @@
 (evicting unreferenced adapters in the policy's order, those wanted by queued requests last),
 takes pool rows and starts a pipelined load, whose ticket tells which layers are resident. An
 adapter with a reference is never evicted. The budget counts the adapters' weight bytes at the
-pool's dtype.
+pool's dtype. With a `charge` (the server's one memory pool, server/memory.py) there is no
+budget of its own: each load asks the pool for blocks, which may evict cached KV or idle
+adapters to make room, and an eviction gives them back.
 """
 
 from __future__ import annotations
@@ -64,6 +66,9 @@ class AdapterCache:
         self.counters = CacheCounters()
         self._usage: dict[str, _Usage] = {}
         self._used_bytes = 0
+        # The memory pool adapters take blocks from: take(name, bytes, keep, reclaim) -> bool
+        # and give(name); None: the byte budget above is the only limit.
+        self.charge = None
 
     @property
     def used_bytes(self) -> int:
@@ -107,6 +112,8 @@ class AdapterCache:
         self.pool.remove(name)
         self._used_bytes -= entry.num_bytes
         self.counters.evictions += 1
+        if self.charge is not None:
+            self.charge.give(name)
 
     def forget(self, name: str) -> None:
         """An adapter was unregistered: drop its usage history too."""
@@ -151,6 +158,10 @@ class AdapterCache:
             self.evict(victim)
         if not self.pool.rows.can_alloc(adapter.rank) and not self.loader.idle():
             return None  # the pool must grow, which cannot happen under a running load
+        if self.charge is not None and not self.charge.take(
+            adapter.name, num_bytes, keep, reclaim=not spare_keep
+        ):
+            return None  # a prefetch takes free blocks only
         resident = self.pool.reserve(adapter)
         ticket = self.loader.submit(adapter, resident)
         entry = CacheEntry(resident, ticket, num_bytes)
@@ -171,6 +182,13 @@ class AdapterCache:
                 stats = [self._stats(n) for n in group]
                 return self.policy.order(stats)[0].name
         return None
+
+    def usage(self, name: str) -> _Usage:
+        """When the adapter was last used and by how many requests."""
+        return self._usage.get(name, _Usage())
+
+    def usages(self) -> dict[str, _Usage]:
+        return dict(self._usage)
 
     def _stats(self, name: str) -> CacheStats:
         usage = self._usage.get(name, _Usage())

@@ -1,13 +1,15 @@
 """The engine's side of admission: what a queue policy may ask while it forms one batch.
 
 One `EngineGate` per iteration. `try_admit` checks a request against what is free now (batch
-rows, unreserved KV slots, the prefill token budget, adapter memory, the LoRA mode) and, when
-it fits, takes its KV row, reservation and adapter reference. `squash` undoes all of that for a
+rows, the memory not yet promised (server/memory.py), the prefill token budget, adapter memory,
+the LoRA mode) and, when it fits, takes its adapter reference, its KV row, its cached prefix and
+the reservation of the rest. `squash` undoes all of that for a
 running request, which then waits again (Chameleon's squash of a bypasser).
 """
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 from toppings.server.queueing import Verdict
@@ -25,26 +27,39 @@ class EngineGate:
         self.admitted: list[Sequence] = []
         self.prefill_tokens = 0
         kv = engine.kv
-        self._slot_bytes = 2 * kv.k[:, :, 0, :].numel() * kv.k.element_size()  # K and V
+        self._slot_bytes = kv.block_bytes / kv.block_tokens  # K and V of one token
         self._queued: frozenset[str] | None = None
 
     def try_admit(self, seq: Sequence) -> Verdict:
-        eng, cfg = self.engine, self.engine.config
+        eng, cfg, mem = self.engine, self.engine.config, self.engine.memory
         if len(eng._running) + len(self.admitted) >= cfg.max_batch_size:
             return Verdict.BATCH_FULL
-        if eng._reserved + seq.kv_need > cfg.max_total_tokens or (
-            self.admitted and self.prefill_tokens + seq.prompt_len > cfg.max_prefill_tokens
+        adapter = seq.request.adapter
+        path = mem.match(seq)
+        computed = seq.prompt_len - len(path) * eng.kv.block_tokens
+        need = mem.kv_need(seq, path)
+        if seq.cache_entry is None:
+            need += mem.adapter_need(adapter, eng.lora.bytes_of(adapter))
+        if not mem.fits(need) or (
+            self.admitted and self.prefill_tokens + computed > cfg.max_prefill_tokens
         ):
             return Verdict.NO_ROOM
-        if seq.request.adapter is not None and seq.cache_entry is None:
-            seq.cache_entry = eng.lora.acquire(seq.request.adapter, self.queued())
+        if adapter is not None and seq.cache_entry is None:
+            seq.cache_entry = eng.lora.acquire(adapter, self.queued())
             if seq.cache_entry is None:
                 return Verdict.NO_ADAPTER_MEMORY  # none until a running request ends
+            path = mem.match(seq)  # the load may have taken cached blocks
+            computed = seq.prompt_len - len(path) * eng.kv.block_tokens
+            if not mem.fits(mem.kv_need(seq, path)):
+                # Holding the adapter while waiting for KV room could pin the pool full of
+                # adapters no one runs: let it go (it stays cached while memory allows).
+                eng.lora.release(adapter)
+                seq.cache_entry = None
+                return Verdict.NO_ROOM
         if not eng.lora.may_start(seq.cache_entry):
             return Verdict.NOT_READY
-        seq.row = eng.kv.new_row()
-        eng._reserved += seq.kv_need
-        self.prefill_tokens += seq.prompt_len
+        seq.kv_hold = mem.admit(seq, path, time.monotonic())
+        self.prefill_tokens += computed
         self.admitted.append(seq)
         return Verdict.ADMITTED
 
@@ -65,9 +80,11 @@ class EngineGate:
         return self.engine.lora.fits_if_released(waiting.request.adapter, running.request.adapter)
 
     def adapter_tokens(self, adapter: str | None) -> int:
-        if not self.engine.config.adapter_cache_bytes:
+        """KV tokens' worth of memory the adapter takes (0 while adapter memory is not scarce)."""
+        cfg = self.engine.config
+        if cfg.memory_layout == "static" and not cfg.adapter_cache_bytes:
             return 0  # adapter memory is not scarce: only KV slots count
-        return -(-self.engine.lora.bytes_of(adapter) // self._slot_bytes)
+        return -int(-self.engine.lora.bytes_of(adapter) // self._slot_bytes)
 
     def adapter_size(self, adapter: str | None) -> float:
         """The adapter's bytes; the base model counts as the smallest adapter (its requests
@@ -82,8 +99,10 @@ class EngineGate:
         return float(max(sizes, default=1))
 
     def total_tokens(self) -> int:
-        cfg = self.engine.config
-        return cfg.max_total_tokens + cfg.adapter_cache_bytes // self._slot_bytes
+        cfg, kv = self.engine.config, self.engine.kv
+        if cfg.memory_layout == "pool":
+            return kv.num_slots
+        return kv.num_slots + int(cfg.adapter_cache_bytes // self._slot_bytes)
 
     def prefetch(self, adapters: list[str]) -> None:
         self.engine.lora.prefetch(adapters, self.queued())

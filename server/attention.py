@@ -2,8 +2,9 @@
 
 Decode reads keys and values in place from the token-level pool with the native kernel
 (`native.py`); where it is not available, the torch path gathers them into a dense copy first
-(the two agree: tests/server/test_attention.py). Prefill sees only each request's own prompt, so
-its fresh keys are the whole context.
+(the two agree: tests/server/test_attention.py). Prefill attends to each request's own new
+tokens and, when part of its prompt came from the prefix cache, to that prefix's keys in the
+pool.
 """
 
 from __future__ import annotations
@@ -19,19 +20,39 @@ _NATIVE_DTYPES = {torch.float32: "decode_attention_f32", torch.bfloat16: "decode
 
 
 def prefill_attention(
-    q: torch.Tensor, key: torch.Tensor, val: torch.Tensor, seg_starts: list[int]
+    q: torch.Tensor,
+    key: torch.Tensor,
+    val: torch.Tensor,
+    seg_starts: list[int],
+    past_slots: list[torch.Tensor | None] | None = None,
+    k_cache: torch.Tensor | None = None,
+    v_cache: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal self-attention within each segment. q [T, N, D]; key, val [T, K, D] -> [T, N*D].
 
-    Inputs go to SDPA as 4-D [1, heads, t, D]: with 3-D ones torch's CPU SDPA falls back to its
-    unfused math kernel (measured here: 22% of a SmolLM2 prefill) instead of its flash kernel.
+    past_slots: per segment, the slots [P] of a cached prefix in k_cache, v_cache [K, S, D] (one
+    layer of the pool) that its t tokens follow: they attend to those P keys and causally to
+    their own. Inputs go to SDPA as 4-D [1, heads, t, D]: with 3-D ones torch's CPU SDPA falls
+    back to its unfused math kernel (measured here: 22% of a SmolLM2 prefill) instead of its
+    flash kernel.
     """
     num_tokens = q.shape[0]
     outs = []
-    for start, end in zip(seg_starts[:-1], seg_starts[1:]):
+    for i, (start, end) in enumerate(zip(seg_starts[:-1], seg_starts[1:])):
+        past = past_slots[i] if past_slots is not None else None
         qs = q[start:end].transpose(0, 1)[None]  # [1, N, t, D]
-        ks, vs = key[start:end].transpose(0, 1)[None], val[start:end].transpose(0, 1)[None]
-        o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
+        ks, vs = key[start:end].transpose(0, 1), val[start:end].transpose(0, 1)  # [K, t, D]
+        if past is None:
+            o = F.scaled_dot_product_attention(
+                qs, ks[None], vs[None], is_causal=True, enable_gqa=True
+            )
+        else:
+            p, t = past.numel(), end - start
+            ks = torch.cat([k_cache.index_select(1, past), ks], dim=1)[None]  # [1, K, P+t, D]
+            vs = torch.cat([v_cache.index_select(1, past), vs], dim=1)[None]
+            cols = torch.arange(p + t, device=q.device)
+            mask = cols[None, :] <= (p + torch.arange(t, device=q.device))[:, None]  # [t, P+t]
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=True)
         outs.append(o[0].transpose(0, 1))  # [t, N, D]
     return torch.cat(outs).reshape(num_tokens, -1)
 

@@ -6,19 +6,25 @@ from dataclasses import dataclass
 
 from toppings.gpu_lora.eviction import EVICTION_POLICIES
 from toppings.server.lora_modes import LORA_MODES
+from toppings.server.memory_policies import MEMORY_POLICIES
 
 DEVICES = ("cpu", "cuda")
 DTYPES = ("float32", "bfloat16", "float16")
 KERNELS = ("bgmv", "mbgmv")
 QUEUE_POLICIES = ("fcfs", "chameleon")  # server.queue_policies holds the classes
+MEMORY_LAYOUTS = ("pool", "static")  # server.memory
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     """How one inference server runs its engine.
 
-    max_total_tokens bounds the KV cache (token slots over all requests); a request is admitted
-    only when its prompt plus max_new_tokens fit in the slots not yet reserved.
+    Memory (server/memory.py): with memory_layout "pool", one budget of memory_bytes holds KV
+    blocks and adapter weights. memory_bytes 0: on CUDA a share of the free device memory; on a
+    CPU max_total_tokens of KV plus adapter_cache_bytes, and when that is 0 too, adapters are not
+    charged (no limit, as before). "static" is the old split, max_total_tokens of KV and
+    adapter_cache_bytes of adapters. A request is admitted only when its prompt plus
+    max_new_tokens fit in what is not yet promised.
     """
 
     device: str = "cpu"
@@ -39,6 +45,12 @@ class EngineConfig:
     num_threads: int = 0  # torch (OpenMP) threads of the engine thread; 0: every core
     queue_policy: str = "fcfs"  # which waiting request goes next (server.queueing)
     ttft_slo_ms: float = 5000.0  # the TTFT SLO Chameleon's queue quotas are sized for
+    memory_layout: str = "pool"  # "pool": one budget for KV and adapters; "static": split
+    memory_bytes: int = 0  # the pool's budget; 0: see the class docstring
+    prefix_cache: bool = True  # reuse cached KV prefixes under the same adapter
+    host_memory_bytes: int = 0  # host tier for KV blocks swapped out; 0: dropped instead
+    block_tokens: int = 16  # tokens per KV block
+    memory_policy: str = "fastlibra"  # what leaves the pool first (server.memory_policies)
 
     def __post_init__(self) -> None:
         for name, value, allowed in (
@@ -47,13 +59,16 @@ class EngineConfig:
             ("kernel", self.kernel, KERNELS),
             ("lora_mode", self.lora_mode, LORA_MODES),
             ("queue_policy", self.queue_policy, QUEUE_POLICIES),
+            ("memory_layout", self.memory_layout, MEMORY_LAYOUTS),
+            ("memory_policy", self.memory_policy, tuple(MEMORY_POLICIES)),
         ):
             if value not in allowed:
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}, not {value!r}")
-        for name in ("max_total_tokens", "max_batch_size", "max_prefill_tokens"):
+        for name in ("max_total_tokens", "max_batch_size", "max_prefill_tokens", "block_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive")
-        for name in ("max_model_len", "adapter_cache_bytes", "num_cpu_workers", "num_threads"):
+        for name in ("max_model_len", "adapter_cache_bytes", "num_cpu_workers", "num_threads",
+                     "memory_bytes", "host_memory_bytes"):  # fmt: skip
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
         if self.cpu_spin_us < 0:

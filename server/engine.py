@@ -1,9 +1,10 @@
 """The engine loop: continuous batching of many requests over one model and many adapters.
 
 One thread owns all request state. Each iteration it takes new requests and aborts from its inbox,
-admits waiting requests while their prompt plus max_new_tokens fit in the unreserved KV slots,
-prefills the newly admitted ones, or else runs one decode step of the running batch, and
-streams every new token to the request's handle.
+admits waiting requests while their prompt plus max_new_tokens fit in the memory not yet
+promised (server/memory.py), prefills the newly admitted ones (only the part of a prompt not
+found in the prefix cache under the same adapter), or else runs one decode step of the running
+batch, and streams every new token to the request's handle.
 """
 
 from __future__ import annotations
@@ -24,13 +25,16 @@ from toppings.server.config import EngineConfig
 from toppings.server.errors import NOT_FOUND, unknown_adapter
 from toppings.server.kv_cache import KVPool
 from toppings.server.loader import Checkpoint
-from toppings.server.model import ForwardBatch, LlamaModel
+from toppings.server.memory import MemoryManager
+from toppings.server.model import ForwardBatch, LlamaModel, free_device_bytes
 from toppings.server.queue_policies import make_queue_policy
 from toppings.server.request import GenerationRequest, RequestError, RequestHandle
 from toppings.server.sequence import Sequence
 from toppings.server.stats_schema import AdapterView, ServerStats, WorkerView
 
 log = logging.getLogger(__name__)
+
+POOL_SHARE_OF_FREE = 0.4  # CUDA: the memory pool's default share of the free device memory
 
 
 @dataclass
@@ -63,15 +67,25 @@ class Engine:
         self.model = LlamaModel(mc, checkpoint.weights, dtype, config.device, self.max_model_len)
         self.kv = KVPool(
             mc.num_layers,
-            config.max_total_tokens,
+            self._kv_slots(dtype),
             mc.num_kv_heads,
             mc.head_dim,
             config.max_batch_size,
             self.max_model_len,
             dtype,
             config.device,
+            config.block_tokens,
         )
+        host_blocks = config.host_memory_bytes // self.kv.block_bytes
+        self.memory = MemoryManager(self.kv, config.memory_layout, config.prefix_cache,
+                                    config.memory_policy, host_blocks, config.link_gbps)  # fmt: skip
         self.lora = AdapterManager(config, mc, dtype)  # the only LoRA object the engine uses
+        if config.memory_layout == "pool" and (
+            config.memory_bytes or config.adapter_cache_bytes or config.device == "cuda"
+        ):
+            self.memory.attach_adapters(self.lora.cache)  # adapters take blocks of the pool
+        else:
+            self.memory.cache = self.lora.cache  # adapters have a budget of their own, or none
         self._adapters = self.lora.registry  # read-only here: name -> LoraAdapter
         self.eos_ids = set(mc.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
@@ -79,13 +93,27 @@ class Engine:
         self._inbox: queue.Queue = queue.Queue()
         self.queue = make_queue_policy(config)  # the waiting requests and who goes next
         self._running: list[Sequence] = []
-        self._reserved = 0  # KV slots promised to admitted requests
         self.step_stats = StepStats()
         self._lock = threading.Lock()  # held during a step and while the pool changes
         self._stopping = threading.Event()
         self._draining = threading.Event()
         self._finished: dict[str, int] = {}  # finish reason -> requests
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
+
+    def _kv_slots(self, dtype: torch.dtype) -> int:
+        """KV token slots: the static split's max_total_tokens, or the pool's whole budget."""
+        cfg, mc = self.config, self.model_config
+        if cfg.memory_layout == "static":
+            return cfg.max_total_tokens
+        slot_bytes = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * dtype.itemsize
+        budget = cfg.memory_bytes
+        if not budget and cfg.device == "cuda":
+            # Adapter weights sit in their own tensors beside the KV ones (memory.py): leave
+            # them as much again as the pool.
+            budget = int(POOL_SHARE_OF_FREE * free_device_bytes(self.model.device))
+        elif not budget:
+            budget = cfg.max_total_tokens * slot_bytes + cfg.adapter_cache_bytes
+        return max(budget // slot_bytes, cfg.block_tokens)
 
     # ---- called from any thread -------------------------------------------------------------
 
@@ -157,9 +185,10 @@ class Engine:
             "num_running": len(self._running),
             "num_waiting": len(self.queue),
             "queueing": self.queue.view(),
-            "kv_reserved_tokens": self._reserved,
+            "kv_reserved_tokens": self.memory.reserved * self.kv.block_tokens,
             "kv_used_tokens": self.kv.num_slots - self.kv.num_free_slots,
-            "max_total_tokens": self.config.max_total_tokens,
+            "max_total_tokens": self.kv.num_slots,
+            "memory": self.memory.view(),
             "adapter_cache": self.lora.cache.snapshot(),
             "adapter_references": self.lora.references(),
         }
@@ -194,9 +223,14 @@ class Engine:
                 f"({request.params.max_new_tokens}) exceeds the context of "
                 f"{self.max_model_len} tokens"
             )
-        if need > self.config.max_total_tokens:
+        mem = self.memory
+        blocks = mem.blocks_for(need) + mem.adapter_need(
+            request.adapter, self.lora.bytes_of(request.adapter)
+        )
+        if blocks > self.kv.num_blocks:
             raise RequestError(
-                f"request needs {need} KV slots; the server has {self.config.max_total_tokens}"
+                f"request needs {blocks} memory blocks of {self.kv.block_tokens} tokens (KV for "
+                f"{need} tokens and its adapter); the server has {self.kv.num_blocks}"
             )
         handle = RequestHandle(request, self.abort)
         self._inbox.put(Sequence(request, handle, self.tokenizer, time.monotonic()))
@@ -219,8 +253,9 @@ class Engine:
             adapters=tuple(
                 AdapterView(n, a.rank, n in is_resident) for n, a in list(self._adapters.items())
             ),
-            free_kv_tokens=self.config.max_total_tokens - self._reserved,
-            max_total_tokens=self.config.max_total_tokens,
+            free_kv_tokens=(self.kv.num_blocks - self.memory.committed()) * self.kv.block_tokens,
+            max_total_tokens=self.kv.num_slots,
+            memory=self.memory.view(),
             healthy=self.is_healthy(),
             cpu_workers=tuple(WorkerView(**w) for w in self.lora.worker_stats()),
             resident_adapters=tuple(resident),
@@ -239,6 +274,7 @@ class Engine:
             if self._stopping.is_set():
                 break
             with self._lock:
+                self.memory.tick(time.monotonic())
                 admitted = self._admit()
                 step = admitted or list(self._running)
                 if step:
@@ -288,16 +324,22 @@ class Engine:
         device = self.model.device
         # One adapter's requests side by side: the LoRA kernels run once per run of them.
         seqs = sorted(seqs, key=lambda s: s.request.adapter or "")
+        past = None
         if is_prefill:
-            slots = torch.cat([self.kv.extend(s.row, s.prompt_len) for s in seqs])
-            ids = [t for s in seqs for t in s.request.prompt_ids]
-            positions = [p for s in seqs for p in range(s.prompt_len)]
+            # Each prompt from the end of its cached prefix (the row's length so far).
+            starts = [self.kv.lengths[s.kv_hold.row] for s in seqs]
+            past = [self.kv.req_to_slot[s.kv_hold.row, :n] if n else None
+                    for s, n in zip(seqs, starts)]  # fmt: skip
+            slots = torch.cat([self.kv.extend(s.kv_hold.row, s.prompt_len - n)
+                               for s, n in zip(seqs, starts)])  # fmt: skip
+            ids = [t for s, n in zip(seqs, starts) for t in s.request.prompt_ids[n:]]
+            positions = [p for s, n in zip(seqs, starts) for p in range(n, s.prompt_len)]
             seg_starts = [0]
-            for s in seqs:
-                seg_starts.append(seg_starts[-1] + s.prompt_len)
+            for s, n in zip(seqs, starts):
+                seg_starts.append(seg_starts[-1] + s.prompt_len - n)
             index = lengths = None
         else:
-            rows = [s.row for s in seqs]
+            rows = [s.kv_hold.row for s in seqs]
             positions = [self.kv.lengths[r] for r in rows]
             slots = self.kv.extend_each(rows)
             ids = [s.output_ids[-1] for s in seqs]
@@ -313,13 +355,19 @@ class Engine:
             is_prefill=is_prefill,
             kv_index=index,
             kv_lengths=lengths,
+            past_slots=past,
             lora=lora,
             logit_rows=None if rows is None else torch.tensor(rows, device=device),
         )
+        started = time.perf_counter()
         logits = self.model.forward(batch, self.kv)  # [R, V]; R = B unless a prompt is scored
+        now = time.monotonic()
         if is_prefill:
             logits = Sequence.score_prompts(seqs, logits, seg_starts)  # [B, V]
             self._running.extend(seqs)
+            self.memory.after_prefill(seqs, time.perf_counter() - started, len(ids), now)
+        else:
+            self.memory.after_decode(len(seqs), now)
         tokens = Sequence.sample_batch(seqs, logits, self.eos_ids)
         for seq, token in zip(seqs, tokens):
             reason = seq.append(token, self.eos_ids, self.max_model_len)
@@ -335,17 +383,16 @@ class Engine:
             self._running.remove(seq)
         elif seq in self.queue:
             self.queue.remove(seq)
-        if seq.row is not None:
+        if seq.kv_hold is not None:
             self.queue.finished(seq, reason in ("stop", "length"), time.monotonic())
-        self.release(seq)
+        self.release(seq, keep_kv=reason != "error")
         seq.finish(reason, error)
 
-    def release(self, seq: Sequence) -> None:
-        """Give back a request's KV row, its KV reservation and its adapter reference."""
-        if seq.row is not None:
-            self.kv.free_row(seq.row)
-            self._reserved -= seq.kv_need
-            seq.row = None
+    def release(self, seq: Sequence, keep_kv: bool = True) -> None:
+        """Give back a request's KV row, reservation and prefix-tree nodes (its computed blocks
+        stay cached unless keep_kv is False: after an error) and its adapter reference."""
+        if seq.kv_hold is not None:
+            self.memory.release(seq, keep_kv, time.monotonic())
         if seq.cache_entry is not None:
             self.lora.release(seq.request.adapter)
             seq.cache_entry = None

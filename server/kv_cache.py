@@ -1,18 +1,22 @@
-"""Token-level KV cache in the style of LightLLM: one preallocated slot per token, per layer.
+"""The KV cache: preallocated key/value slots handed out in blocks of `block_tokens` tokens.
 
-Slots are handed out per token and returned when a request ends; a request's slots need not be
-contiguous. `req_to_slot` maps (request row, position) to a slot so a decode step finds every
-running request's keys through one index (read in place by `attention.decode_attention`). Slot 0
-is never handed out.
+Block b holds the slots [1 + b*bt, 1 + (b+1)*bt) of every layer and kv head (slot 0 is never
+handed out). A request row covers its positions with a list of blocks: the first ones may be
+borrowed (a cached prefix another request computed, see `prefix_tree`), the rest the row owns
+and gives back with `free_row`. `req_to_slot` maps (request row, position) to a slot so a decode
+step finds every running request's keys through one index (read in place by
+`attention.decode_attention`).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable, Iterable
 
 import torch
 
 
 class KVPool:
-    """KV tensors [L, K, S, D] plus the slot allocator and the request-to-slot table."""
+    """KV tensors [L, K, S+1, D], the block free list and the request-to-slot table."""
 
     def __init__(
         self,
@@ -24,24 +28,35 @@ class KVPool:
         max_len: int,
         dtype: torch.dtype,
         device: str | torch.device = "cpu",
+        block_tokens: int = 16,
     ):
+        self.block_tokens = bt = block_tokens
+        self.num_blocks = -(-num_slots // bt)
+        self.num_slots = self.num_blocks * bt
         # Head-major: one layer's keys of one kv head are a [S+1, D] matrix, which the decode
         # kernel reads by slot and the torch path gathers with one index_select per layer.
-        shape = (num_layers, num_kv_heads, num_slots + 1, head_dim)
+        shape = (num_layers, num_kv_heads, self.num_slots + 1, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)  # [L, K, S+1, D]
         self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.num_slots = num_slots
+        self.block_bytes = 2 * self.k[:, :, :bt].numel() * self.k.element_size()  # K and V
         self.max_len = max_len
-        # A stack of free slots; the top of the stack is _free[:_num_free][-1].
-        self._free = torch.arange(num_slots, 0, -1, dtype=torch.int64, device=device)
-        self._num_free = num_slots
+        self._free = list(range(self.num_blocks - 1, -1, -1))  # a stack; the top is the end
+        # Called with a number of blocks when fewer are free: frees what it can (evicts).
+        self.reclaim: Callable[[int], None] | None = None
         self.req_to_slot = torch.zeros(max_requests, max_len, dtype=torch.int64, device=device)
         self.lengths = [0] * max_requests
+        self.row_blocks: list[list[int]] = [[] for _ in range(max_requests)]
+        self.num_borrowed = [0] * max_requests  # leading blocks of a row it does not own
         self._free_rows = list(range(max_requests - 1, -1, -1))
+        self._offsets = torch.arange(bt, dtype=torch.int64, device=device)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
 
     @property
     def num_free_slots(self) -> int:
-        return self._num_free
+        return len(self._free) * self.block_tokens
 
     @property
     def num_free_rows(self) -> int:
@@ -53,34 +68,74 @@ class KVPool:
             raise RuntimeError("no free request row")
         row = self._free_rows.pop()
         self.lengths[row] = 0
+        self.row_blocks[row] = []
+        self.num_borrowed[row] = 0
         return row
 
-    def free_row(self, row: int) -> None:
-        """Return a request row and every slot it holds."""
-        n = self.lengths[row]
-        if n:
-            self._push(self.req_to_slot[row, :n])
+    def free_row(self, row: int, keep: Iterable[int] = ()) -> None:
+        """Return a request row and the blocks it owns, except those in `keep` (now cached)."""
+        kept = set(keep)
+        self.free_blocks(b for b in self.row_blocks[row][self.num_borrowed[row] :] if b not in kept)
+        self.row_blocks[row] = []
         self.lengths[row] = 0
         self._free_rows.append(row)
 
+    def attach_prefix(self, row: int, blocks: list[int]) -> None:
+        """Start an empty row with borrowed full blocks (a cached prefix); not freed with it."""
+        if self.lengths[row]:
+            raise RuntimeError("a prefix is attached to an empty row only")
+        self.row_blocks[row] = list(blocks)
+        self.num_borrowed[row] = len(blocks)
+        n = len(blocks) * self.block_tokens
+        if n:
+            self.req_to_slot[row, :n] = self.slots_of(blocks)
+        self.lengths[row] = n
+
+    def alloc_blocks(self, n: int) -> list[int]:
+        if n > len(self._free) and self.reclaim is not None:
+            self.reclaim(n - len(self._free))
+        if n > len(self._free):
+            raise RuntimeError(f"KV cache full: {n} blocks asked, {len(self._free)} free")
+        taken = self._free[len(self._free) - n :]
+        del self._free[len(self._free) - n :]
+        return taken
+
+    def free_blocks(self, blocks: Iterable[int]) -> None:
+        self._free.extend(blocks)
+
     def extend(self, row: int, n: int) -> torch.Tensor:
-        """Allocate n slots at the end of one request. Returns the slots, int64 [n]."""
+        """Give n more positions to one request. Returns their slots, int64 [n]."""
         start = self.lengths[row]
         if start + n > self.max_len:
             raise RuntimeError(f"request row {row} would exceed {self.max_len} tokens")
-        slots = self._pop(n)
+        blocks = self.row_blocks[row]
+        missing = -(-(start + n) // self.block_tokens) - len(blocks)
+        if missing > 0:
+            blocks.extend(self.alloc_blocks(missing))
+        slots = self.slots_of(blocks)[start : start + n]
         self.req_to_slot[row, start : start + n] = slots
         self.lengths[row] = start + n
         return slots
 
     def extend_each(self, rows: list[int]) -> torch.Tensor:
-        """Allocate one slot at the end of each request (a decode step). Returns int64 [B]."""
-        slots = self._pop(len(rows))
+        """One more position for each request (a decode step). Returns int64 [B]."""
+        bt = self.block_tokens
+        need = [r for r in rows if self.lengths[r] == len(self.row_blocks[r]) * bt]
+        if need:
+            for r, b in zip(need, self.alloc_blocks(len(need))):
+                self.row_blocks[r].append(b)
         cols = [self.lengths[r] for r in rows]
-        self.req_to_slot[rows, cols] = slots
+        slots = [1 + self.row_blocks[r][c // bt] * bt + c % bt for r, c in zip(rows, cols)]
+        out = torch.tensor(slots, dtype=torch.int64, device=self.req_to_slot.device)
+        self.req_to_slot[rows, cols] = out
         for r in rows:
             self.lengths[r] += 1
-        return slots
+        return out
+
+    def slots_of(self, blocks: list[int]) -> torch.Tensor:
+        """Every slot of these blocks in order, int64 [len(blocks) * bt]."""
+        b = torch.tensor(blocks, dtype=torch.int64, device=self.req_to_slot.device)
+        return (1 + b[:, None] * self.block_tokens + self._offsets).reshape(-1)
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store keys/values of T tokens. slots int64 [T]; k, v [T, K, D]; in place."""
@@ -95,14 +150,3 @@ class KVPool:
         lengths = torch.tensor([self.lengths[r] for r in rows], dtype=torch.int64)
         index = self.req_to_slot[rows, : int(lengths.max())]  # [B, Lmax]
         return index, lengths.to(self.k.device)
-
-    def _pop(self, n: int) -> torch.Tensor:
-        if n > self._num_free:
-            raise RuntimeError(f"KV cache full: {n} slots asked, {self._num_free} free")
-        self._num_free -= n
-        return self._free[self._num_free : self._num_free + n].clone()
-
-    def _push(self, slots: torch.Tensor) -> None:
-        n = slots.numel()
-        self._free[self._num_free : self._num_free + n] = slots
-        self._num_free += n

@@ -113,6 +113,22 @@ ENGINE_SERIES: tuple[tuple[str, str, str, Callable[[dict], float]], ...] = (
     ("gauge", "adapter_references",
      "References held on device adapters (requests, plus registration pins in cached mode)",
      lambda c: c["adapter_references"]),
+    ("counter", "prefix_cache_hit_tokens", "Prompt tokens whose KV came from the prefix cache",
+     lambda c: c["memory"]["prefix_hit_tokens"]),
+    ("counter", "prefix_cache_prompt_tokens", "Prompt tokens of admitted requests",
+     lambda c: c["memory"]["prompt_tokens"]),
+    ("counter", "kv_swaps_in", "KV blocks copied back from the host tier",
+     lambda c: c["memory"]["swaps_in"]),
+    ("counter", "kv_swaps_out", "KV blocks moved to the host tier",
+     lambda c: c["memory"]["swaps_out"]),
+    ("counter", "memory_evictions_kv", "Cached KV blocks dropped",
+     lambda c: c["memory"]["evictions_kv"]),
+    ("counter", "memory_evictions_adapter", "Idle adapters evicted to make room in the pool",
+     lambda c: c["memory"]["evictions_adapter"]),
+    *(("gauge", f"memory_blocks_{kind}", f"Memory pool blocks: {kind.replace('_', ' ')}",
+       (lambda k: lambda c: c["memory"]["blocks"][k])(kind))
+      for kind in ("total", "free", "kv_in_use", "kv_cached", "adapters_in_use",
+                   "adapters_cached")),
 )  # fmt: skip
 _FAMILIES = {"counter": CounterMetricFamily, "gauge": GaugeMetricFamily}
 

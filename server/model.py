@@ -30,6 +30,9 @@ class ForwardBatch:
     is_prefill: bool
     kv_index: torch.Tensor | None = None  # decode: [B, Lmax] slots of every position
     kv_lengths: torch.Tensor | None = None  # decode: [B] int64, valid positions per request
+    # prefill: per request, the slots [P] of its cached prefix (its segment holds the tokens
+    # after it), or None when the whole prompt is computed
+    past_slots: list[torch.Tensor | None] | None = None
     lora: object | None = None  # gpu_lora.lora_batch.LoraBatch, or None: no adapter in batch
     # [R] int64 rows of the T tokens whose logits forward returns; None: each segment's last
     # token (R = B). Prefill asks for every prompt row of a request that scores its prompt.
@@ -44,6 +47,12 @@ class LayerWeights:
     post_norm: torch.Tensor  # [H]
     gate_up: Linear  # [2*I, H]
     down: Linear  # [H, I]
+
+
+def free_device_bytes(device: torch.device) -> int:
+    """Free memory of a CUDA device now (what the memory pool's default is sized from)."""
+    free, _total = torch.cuda.mem_get_info(device)
+    return int(free)
 
 
 class LlamaModel:
@@ -124,7 +133,9 @@ class LlamaModel:
             key, val = key.view(num_tokens, k, d), val.view(num_tokens, k, d)  # [T, K, D]
             kv.write(idx, batch.slots, key, val)
             if batch.is_prefill:
-                attn = prefill_attention(q, key, val, batch.seg_starts)  # [T, N*D]
+                attn = prefill_attention(
+                    q, key, val, batch.seg_starts, batch.past_slots, kv.k[idx], kv.v[idx]
+                )  # [T, N*D]
             else:
                 attn = decode_attention(q, kv.k[idx], kv.v[idx], batch.kv_index, batch.kv_lengths)
             out = layer.o(attn)  # [T, H]

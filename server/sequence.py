@@ -25,7 +25,7 @@ class Sequence:
         self.prompt_len = len(request.prompt_ids)
         self.kv_need = self.prompt_len + request.params.max_new_tokens
         self.output_ids: list[int] = []
-        self.row: int | None = None  # KV pool row while admitted
+        self.kv_hold = None  # server.memory.KVHold while admitted: its KV row and blocks
         self.cache_entry = None  # gpu_lora.cache.CacheEntry while it holds a reference
         self.finished = False
         self._tokenizer = tokenizer

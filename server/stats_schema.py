@@ -11,11 +11,17 @@ parser. Imports nothing else of the server, so the scheduler may import it.
      "cpu_workers": [{"pid": int, "core": int, "alive": bool, "restarts": int}],
      "healthy": bool, "resident_adapters": [str], "loading_adapters": [str],
      "draining": bool, "num_in_flight": int, "max_concurrent_requests": int,
-     "queueing": QUEUEING}
+     "queueing": QUEUEING, "memory": MEMORY}
     REQ = {"id": str, "adapter": str|null, "rank": int, "prompt_tokens": int,
            "output_tokens": int, "max_new_tokens": int}
     QUEUEING = {"policy": "fcfs"|"chameleon", "queue_lengths": [int], and for chameleon
                 "cutoffs": [float], "quotas": [int], "bypasses": int, "squashes": int, ...}
+    MEMORY = {"layout": "pool"|"static", "block_tokens": int, "block_bytes": int,
+              "blocks": {"total", "free", "kv_in_use", "kv_cached", "adapters_in_use",
+                         "adapters_cached": int}, "host_blocks": {"total", "used": int},
+              "reserved_blocks": int, "committed_blocks": int, "prompt_tokens": int,
+              "prefix_hit_tokens": int, "swaps_in": int, "swaps_out": int,
+              "evictions_kv": int, "evictions_adapter": int}
 """
 
 from __future__ import annotations
@@ -77,6 +83,7 @@ class ServerStats:
     num_in_flight: int = 0  # generation requests the HTTP front end holds (running or queued)
     max_concurrent_requests: int = 0  # the front end's limit (429 past it); 0: not reported
     queueing: dict[str, Any] = field(default_factory=dict)  # the queue policy's view
+    memory: dict[str, Any] = field(default_factory=dict)  # pool blocks by kind, counters
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:

@@ -49,3 +49,17 @@ def tiny_model_config(**changes) -> ModelConfig:
     )  # fmt: skip
     fields.update(changes)
     return ModelConfig(**fields)
+
+
+def assert_memory_balanced(engine, pinned_adapter_blocks: int = 0) -> None:
+    """Nothing is held after the requests ended: every pool block is free or cached (a KV
+    prefix, an idle adapter) and the counts add up to the pool."""
+    mem = engine.stats().to_json()["memory"]
+    blocks = mem["blocks"]
+    assert blocks["kv_in_use"] == 0, blocks
+    assert blocks["adapters_in_use"] == pinned_adapter_blocks, blocks
+    assert mem["reserved_blocks"] == 0 and mem["committed_blocks"] == pinned_adapter_blocks, mem
+    parts = ("free", "kv_cached", "adapters_cached", "adapters_in_use")
+    assert sum(blocks[k] for k in parts) == blocks["total"], blocks
+    kv = engine.kv
+    assert all(n == 0 for n in kv.lengths) and kv.num_free_rows == len(kv.lengths)

@@ -8,6 +8,8 @@ from toppings.server.config import EngineConfig
 from toppings.server.request import GenerationRequest, RequestError, SamplingParams
 from toppings.server.runtime import build_engine
 
+from tests.helpers import assert_memory_balanced
+
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
 
 
@@ -26,7 +28,7 @@ def assert_idle(engine):
     stats = engine.stats().to_json()
     assert stats["running"] == [] and stats["queue"] == []
     assert stats["free_kv_tokens"] == stats["max_total_tokens"]
-    assert engine.kv.num_free_slots == engine.kv.num_slots
+    assert_memory_balanced(engine)
 
 
 def test_greedy_output_does_not_depend_on_the_batch(engine):

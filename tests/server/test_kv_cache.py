@@ -1,4 +1,4 @@
-"""The token-level KV pool hands out each slot once and gets every slot back."""
+"""The KV pool hands out each block once, by slot, and gets every block back."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import torch
 from toppings.server.kv_cache import KVPool
 
 
-def make_pool(num_slots=32, max_requests=4, max_len=16) -> KVPool:
-    return KVPool(2, num_slots, 1, 4, max_requests, max_len, torch.float32)
+def make_pool(num_slots=32, max_requests=4, max_len=16, block_tokens=1) -> KVPool:
+    return KVPool(2, num_slots, 1, 4, max_requests, max_len, torch.float32, "cpu", block_tokens)
 
 
 def test_slots_are_unique_and_never_zero():
@@ -58,3 +58,38 @@ def test_decode_index_gives_lengths_and_the_written_slots():
     assert lengths.tolist() == [3, 1] and index.shape == (2, 3)
     assert pool.k[0][0][index][0, :, 0].tolist() == [0.0, 1.0, 2.0]
     assert pool.v[0][0][index][1, 0, 0].item() == 13.0
+
+
+def test_blocks_cover_positions_and_borrowed_blocks_are_not_freed():
+    pool = make_pool(num_slots=64, max_len=40, block_tokens=4)
+    a = pool.new_row()
+    pool.extend(a, 9)  # 3 blocks, the last one partly used
+    assert len(pool.row_blocks[a]) == 3 and pool.num_free_blocks == 16 - 3
+    shared = pool.row_blocks[a][:2]
+    b = pool.new_row()
+    pool.attach_prefix(b, shared)
+    assert pool.lengths[b] == 8
+    assert pool.req_to_slot[b, :8].tolist() == pool.req_to_slot[a, :8].tolist()
+    slots = pool.extend(b, 2)  # a block of its own after the borrowed ones
+    assert len(pool.row_blocks[b]) == 3 and not set(slots.tolist()) & set(
+        pool.req_to_slot[a, :9].tolist()
+    )
+    pool.free_row(b)  # gives back only its own block
+    assert pool.num_free_blocks == 16 - 3
+    pool.free_row(a, keep=shared[:1])  # the first block is now the prefix cache's
+    assert pool.num_free_blocks == 16 - 1
+
+
+def test_reclaim_is_asked_for_what_is_missing():
+    pool = make_pool(num_slots=8, block_tokens=4)
+    asked = []
+
+    def reclaim(n):
+        asked.append(n)
+        pool.free_blocks([held.pop()])
+
+    held = pool.alloc_blocks(2)
+    pool.reclaim = reclaim
+    row = pool.new_row()
+    pool.extend(row, 3)
+    assert asked == [1] and pool.num_free_blocks == 0

@@ -13,6 +13,8 @@ from toppings.server.config import EngineConfig
 from toppings.server.request import GenerationRequest, SamplingParams
 from toppings.server.runtime import build_engine
 
+from tests.helpers import assert_memory_balanced
+
 RANKS = (8, 16, 32, 64)
 
 
@@ -90,6 +92,6 @@ def test_a_squashed_request_streams_each_token_once(tiny_model_dir, adapters):
         assert streamed == alone.new_token_ids
         assert "".join(o.new_text for o in outputs) == alone.new_text
         assert engine.stats().to_json()["queueing"]["squashes"] == 1
-        assert engine.kv.num_free_slots == engine.kv.num_slots
+        assert_memory_balanced(engine)
     finally:
         engine.shutdown()

@@ -1,0 +1,192 @@
+"""Cached KV prefixes per adapter: the dependency tree of ELORA/FastLibra.
+
+root -> one node per adapter (None: the base model) -> one node per full KV block of a token
+prefix. A request reuses the longest chain of blocks under its own adapter whose tokens equal
+its prompt's, so a prefix computed under one adapter is never used under another. Bookkeeping
+only: which block (device) or host block holds a node; the memory manager moves the bytes.
+
+Rules that keep the tree valid:
+- a request that holds a node holds its whole path (it matched or created it from the root), so
+  a node with a reference has referenced ancestors, and a node without one has none below it;
+- only leaves leave the device: a device node with device children stays (a node may keep host
+  children), and an adapter is evicted only when no device KV depends on it;
+- a host node's children are on the host too; a node comes back only under a device parent.
+
+`num_pinned_unreserved` counts device nodes that running requests hold and whose creator has
+ended: blocks the admission budget must count apart from the requests' own reservations.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(eq=False)
+class KVNode:
+    """One full block of a prefix (or, at depth 0, an adapter's root)."""
+
+    key: tuple[int, ...]  # the block's token ids; () for an adapter root
+    adapter: str | None
+    parent: KVNode | None
+    depth: int  # blocks from the adapter root (the root is 0)
+    block: int | None = None  # device block; None while on the host (or for a root)
+    host_block: int | None = None
+    children: dict[tuple[int, ...], KVNode] = field(default_factory=dict)
+    num_device_children: int = 0
+    refcount: int = 0
+    creator_active: bool = False  # the request that computed it still runs and reserves it
+    visits: int = 0
+    last_used: float = 0.0
+
+    @property
+    def on_device(self) -> bool:
+        return self.block is not None
+
+    @property
+    def pinned_unreserved(self) -> bool:
+        return self.on_device and self.refcount > 0 and not self.creator_active
+
+
+class PrefixTree:
+    """See the module docstring. `block_tokens` tokens per node."""
+
+    def __init__(self, block_tokens: int):
+        self.block_tokens = block_tokens
+        self.roots: dict[str | None, KVNode] = {}
+        self.num_device = 0  # device KV nodes
+        self.num_host = 0
+        self.num_pinned_unreserved = 0
+        self.num_held = 0  # device KV nodes with a reference
+
+    def _chunks(self, tokens: list[int], num_blocks: int):
+        bt = self.block_tokens
+        return (tuple(tokens[i * bt : (i + 1) * bt]) for i in range(num_blocks))
+
+    def root(self, adapter: str | None) -> KVNode:
+        node = self.roots.get(adapter)
+        if node is None:
+            node = self.roots[adapter] = KVNode((), adapter, None, 0)
+        return node
+
+    def match(self, adapter: str | None, tokens: list[int], max_blocks: int) -> list[KVNode]:
+        """The longest chain of cached blocks (device or host) equal to tokens' prefix."""
+        node, path = self.roots.get(adapter), []
+        if node is None:
+            return path
+        for key in self._chunks(tokens, min(max_blocks, len(tokens) // self.block_tokens)):
+            node = node.children.get(key)
+            if node is None:
+                break
+            path.append(node)
+        return path
+
+    def has_device_kv(self, adapter: str | None) -> bool:
+        root = self.roots.get(adapter)
+        return root is not None and root.num_device_children > 0
+
+    # ---- references ------------------------------------------------------------------------
+
+    def hold(self, node: KVNode, now: float) -> None:
+        self._update(node, node.refcount + 1, node.creator_active)
+        node.visits += 1
+        node.last_used = now
+
+    def unhold(self, node: KVNode, created: bool, now: float) -> None:
+        if node.refcount <= 0:
+            raise RuntimeError("prefix node released more often than held")
+        self._update(node, node.refcount - 1, node.creator_active and not created)
+        node.last_used = now
+
+    def _update(self, node: KVNode, refcount: int, creator_active: bool) -> None:
+        before = node.pinned_unreserved, node.on_device and node.refcount > 0
+        node.refcount, node.creator_active = refcount, creator_active
+        after = node.pinned_unreserved, node.on_device and node.refcount > 0
+        self.num_pinned_unreserved += after[0] - before[0]
+        self.num_held += after[1] - before[1]
+
+    # ---- growth ------------------------------------------------------------------------------
+
+    def insert(
+        self, parent: KVNode, tokens: list[int], blocks: list[int], now: float
+    ) -> list[KVNode]:
+        """Add blocks (full, in order) below `parent` for the request that computed them, which
+        holds the new nodes. Stops at the first block another request already cached (that copy
+        stays; the request keeps its own block as private). Returns the new nodes."""
+        new = []
+        for key, block in zip(self._chunks(tokens, len(blocks)), blocks):
+            if key in parent.children:
+                break
+            node = KVNode(key, parent.adapter, parent, parent.depth + 1, block=block)
+            node.refcount, node.creator_active = 1, True
+            node.visits, node.last_used = 1, now
+            parent.children[key] = node
+            parent.num_device_children += 1
+            self.num_device += 1
+            self.num_held += 1
+            new.append(node)
+            parent = node
+        return new
+
+    # ---- moves (the memory manager copies the bytes) ----------------------------------------
+
+    def device_leaves(self) -> list[KVNode]:
+        """Device nodes without a reference or device children: what may leave the device."""
+        out, stack = [], [n for r in self.roots.values() for n in r.children.values()]
+        while stack:
+            node = stack.pop()
+            if not node.on_device:
+                continue
+            if node.refcount == 0 and node.num_device_children == 0:
+                out.append(node)
+            stack.extend(node.children.values())
+        return out
+
+    def host_nodes(self) -> list[KVNode]:
+        out, stack = [], [n for r in self.roots.values() for n in r.children.values()]
+        while stack:
+            node = stack.pop()
+            if not node.on_device:
+                out.append(node)
+            stack.extend(node.children.values())
+        return out
+
+    def to_host(self, node: KVNode, host_block: int) -> int:
+        """A device leaf now lives in `host_block`; returns the device block it gave up."""
+        block, node.block, node.host_block = node.block, None, host_block
+        node.parent.num_device_children -= 1
+        self.num_device -= 1
+        self.num_host += 1
+        return block
+
+    def to_device(self, node: KVNode, block: int) -> int:
+        """A host node whose parent is on the device comes back into `block`; returns its host
+        block."""
+        host, node.host_block, node.block = node.host_block, None, block
+        node.parent.num_device_children += 1
+        self.num_device += 1
+        self.num_host -= 1
+        self.num_held += node.refcount > 0  # a request that matched it holds it already
+        self.num_pinned_unreserved += node.pinned_unreserved
+        return host
+
+    def drop(self, node: KVNode) -> tuple[list[int], list[int]]:
+        """Remove an unreferenced node and its (host) subtree. Returns (device blocks, host
+        blocks) they held."""
+        if node.refcount or node.num_device_children:
+            raise RuntimeError("only an unreferenced leaf of the device may be dropped")
+        device, host, stack = [], [], [node]
+        while stack:
+            n = stack.pop()
+            stack.extend(n.children.values())
+            if n.on_device:
+                device.append(n.block)
+                self.num_device -= 1
+            else:
+                host.append(n.host_block)
+                self.num_host -= 1
+        del node.parent.children[node.key]
+        if node.on_device:
+            node.parent.num_device_children -= 1
+        if not node.parent.children and node.parent.parent is None:
+            del self.roots[node.parent.adapter]  # an adapter root with nothing below
+        return device, host
