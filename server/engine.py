@@ -77,8 +77,10 @@ class Engine:
             config.block_tokens,
         )
         host_blocks = config.host_memory_bytes // self.kv.block_bytes
-        self.memory = MemoryManager(self.kv, config.memory_layout, config.prefix_cache,
-                                    config.memory_policy, host_blocks, config.link_gbps)  # fmt: skip
+        self.memory = MemoryManager(
+            self.kv, config.memory_layout, config.prefix_cache, config.memory_policy,
+            host_blocks, config.link_gbps,
+        )  # fmt: skip
         self.lora = AdapterManager(config, mc, dtype)  # the only LoRA object the engine uses
         if config.memory_layout == "pool" and (
             config.memory_bytes or config.adapter_cache_bytes or config.device == "cuda"

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from tests.helpers import assert_memory_balanced
 from toppings.server.config import EngineConfig
 from toppings.server.request import GenerationRequest, RequestError, SamplingParams
 from toppings.server.runtime import build_engine
-
-from tests.helpers import assert_memory_balanced
 
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
 

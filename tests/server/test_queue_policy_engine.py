@@ -7,13 +7,12 @@ import time
 
 import pytest
 
+from tests.helpers import assert_memory_balanced
 from toppings.scripts.make_adapters import make_random_adapter
 from toppings.server.admission import EngineGate
 from toppings.server.config import EngineConfig
 from toppings.server.request import GenerationRequest, SamplingParams
 from toppings.server.runtime import build_engine
-
-from tests.helpers import assert_memory_balanced
 
 RANKS = (8, 16, 32, 64)
 
