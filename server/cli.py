@@ -30,6 +30,7 @@ from toppings.server.config import (
     DTYPES,
     KERNELS,
     LORA_MODES,
+    MEMORY_LAYOUTS,
     QUEUE_POLICIES,
     EngineConfig,
 )
@@ -39,6 +40,7 @@ from toppings.server.frontend import (
     raise_open_files_limit,
     waitress_settings,
 )
+from toppings.server.memory_policies import MEMORY_POLICIES
 
 logger = logging.getLogger("toppings-serve")
 
@@ -217,8 +219,47 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-total-tokens",
         type=int,
         default=32768,
-        help="KV cache size in tokens over all requests",
+        help="KV cache size in tokens over all requests (the pool's default budget: see "
+        "--memory-bytes)",
     )
+    p.add_argument(
+        "--memory-layout",
+        choices=MEMORY_LAYOUTS,
+        default="pool",
+        help="pool: one memory budget for KV blocks and adapters, which live in what KV does "
+        "not use (ELORA/FastLibra); static: the old split, --max-total-tokens of KV and "
+        "--adapter-cache-bytes of adapters",
+    )
+    p.add_argument(
+        "--memory-bytes",
+        type=int,
+        default=0,
+        metavar="N",
+        help="the pool's budget (0: 40%% of the free device memory on cuda; on a cpu "
+        "--max-total-tokens of KV plus --adapter-cache-bytes, adapters unlimited when that is 0)",
+    )
+    p.add_argument(
+        "--prefix-cache",
+        choices=("on", "off"),
+        default="on",
+        help="reuse cached KV of a prompt's prefix, under the request's own adapter only",
+    )
+    p.add_argument(
+        "--host-memory-bytes",
+        type=int,
+        default=0,
+        metavar="N",
+        help="host tier for KV blocks leaving the device (swapped back in on a hit when that "
+        "beats recomputing them; --link-gbps throttles it on a cpu); 0: they are dropped",
+    )
+    p.add_argument(
+        "--memory-policy",
+        choices=tuple(MEMORY_POLICIES),
+        default="fastlibra",
+        help="what leaves the pool first: fastlibra's cost model, or lru",
+    )
+    p.add_argument("--block-tokens", type=_positive, default=16, metavar="N",
+                   help="tokens per KV block")  # fmt: skip
     p.add_argument("--max-batch-size", type=int, default=128)
     p.add_argument(
         "--queue-policy",
@@ -320,6 +361,12 @@ def main(argv: list[str] | None = None) -> int:
             cpu_spin_us=args.cpu_spin_us,
             queue_policy=args.queue_policy,
             ttft_slo_ms=args.ttft_slo_ms,
+            memory_layout=args.memory_layout,
+            memory_bytes=args.memory_bytes,
+            prefix_cache=args.prefix_cache == "on",
+            host_memory_bytes=args.host_memory_bytes,
+            memory_policy=args.memory_policy,
+            block_tokens=args.block_tokens,
         )
     except ValueError as e:
         _usage_error(str(e))
