@@ -12,9 +12,10 @@ ignore_eos: every turn makes exactly the tokens the trace says, and turn k's pro
 model's actual answers to the turns before it.
 
 Load: first each engine serves a burst of --burst conversations started at once with no think
-time (also its warm-up); the static engine's capacity is the conversations per second it
-completes while the burst still saturates it (75% of them over the time the 75th percent
-took). Conversations then start at --load x that rate. Each round makes a new trace (seed =
+time (also its warm-up); the capacity of the first config (static) is the conversations per
+second it completes while the burst still saturates it (75% of them over the time the 75th
+percent took). Conversations then start at --load x that rate, so that static runs at about
+--load of what it sustains. Each round makes a new trace (seed =
 round) and runs the three configs on it one after the other, in alternating order.
 
 Per config, pooled over rounds: TTFT p50 / p99 (all turns, turns >= 2), time per output token
@@ -24,7 +25,11 @@ engine has none); the ratios per round give the spread. Headlines (pool_prefix v
 ttft_p50_ratio_vs_static, ttft_p99_ratio_vs_static, tpt_ratio_vs_static, prefix_hit_rate; the
 `pool` ratios carry a `pool_` prefix.
 
-    nice -n 19 python -m bench.bench_memory [--duration 60 --rounds 2 --budget-mb 128]
+    python -m bench.bench_memory [--duration 60 --rounds 2 --load 0.65 --budget-mb 128]
+
+The default run takes about 10 minutes on 2 quiet cores (a conversation costs the static engine
+about 1,900 prefill and 100 decode tokens), with some 9 conversations (40 turns) per config and
+round: the p99s are close to the maxima. `--rounds 3 --duration 120` gives steadier tails.
 """
 
 from __future__ import annotations
@@ -178,6 +183,8 @@ def main(argv: list[str] | None = None) -> None:
     for rnd in range(args.rounds):
         trace = dataclasses.replace(spec, rate=rate, duration_s=args.duration, seed=rnd)
         conversations = build_conversations(trace, sorted(adapters))
+        if len(conversations) < 5:
+            log.warning("round %d has %d conversations: raise --duration", rnd, len(conversations))
         for name in names if rnd % 2 == 0 else names[::-1]:
             raw[name].append(replay(engines[name], conversations, systems))
             log.info("round %d %s: %s %s", rnd, name, summarise([raw[name][-1][0]]),
