@@ -21,6 +21,8 @@ HEADLINE_FIELDS = (  # metric key stem -> summary field
     ("tpt", "tpt_mean_ms"),
     ("throughput", "output_tokens_per_s"),
 )
+# Numbers of the engine's memory view that are sizes or levels, not counters: no delta.
+MEMORY_GAUGES = ("block_tokens", "block_bytes", "reserved_blocks", "committed_blocks")
 CAPACITY_SHARE = 0.75  # capacity: completions per second until 75% of a burst has completed
 
 
@@ -64,7 +66,8 @@ def summarise(runs: Sequence[Sequence[dict]]) -> dict:
 
 def counter_delta(before: dict, after: dict) -> dict:
     """What one run added to an engine's counters: adapter hits and misses, and the memory
-    pool's numeric counters (prefix_hit_tokens, prompt_tokens, swaps, ...) when it has them."""
+    pool's counters (prefix_hit_tokens, prompt_tokens, swaps, evictions, ...) when it has them,
+    with its blocks by kind at the end of the run."""
     cache_a, cache_b = after["adapter_cache"], before["adapter_cache"]
     delta = {k: cache_a[k] - cache_b[k] for k in ("hits", "misses", "loads", "evictions")}
     memory_a, memory_b = after.get("memory"), before.get("memory")
@@ -72,8 +75,9 @@ def counter_delta(before: dict, after: dict) -> dict:
         delta["memory"] = {
             k: v - memory_b.get(k, 0)
             for k, v in memory_a.items()
-            if isinstance(v, (int, float)) and not isinstance(v, bool)
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in MEMORY_GAUGES
         }
+        delta["memory"]["blocks_at_end"] = memory_a.get("blocks")
     else:
         delta["memory"] = None
     return delta

@@ -123,10 +123,14 @@ def test_counters_and_hit_rates():
     d = counter_delta(before, after)
     assert d["hits"] == 3 and d["misses"] == 1 and d["memory"] is None
     assert hit_rates([d]) == {"adapter_hit_rate": 0.75, "prefix_hit_rate": None}
-    mem_b = {"prefix_hit_tokens": 10, "prompt_tokens": 100, "blocks": {"free": 3}}
-    mem_a = {"prefix_hit_tokens": 70, "prompt_tokens": 300, "blocks": {"free": 1}}
+    mem_b = {"prefix_hit_tokens": 10, "prompt_tokens": 100, "blocks": {"free": 3}, "block_bytes": 8}
+    mem_a = {"prefix_hit_tokens": 70, "prompt_tokens": 300, "blocks": {"free": 1}, "block_bytes": 8}
     d2 = counter_delta({**before, "memory": mem_b}, {**after, "memory": mem_a})
-    assert d2["memory"] == {"prefix_hit_tokens": 60, "prompt_tokens": 200}
+    assert d2["memory"] == {
+        "prefix_hit_tokens": 60,
+        "prompt_tokens": 200,
+        "blocks_at_end": {"free": 1},
+    }
     assert hit_rates([d2, d2])["prefix_hit_rate"] == pytest.approx(0.3)
 
 
