@@ -159,9 +159,9 @@ def main(argv: list[str] | None = None) -> None:
                     user_len=LengthSpec.parse(args.user_len, args.max_user_len, "prompt"),
                     output_len=LengthSpec.parse(args.output_len, args.max_output_len))  # fmt: skip
     sizes = Sizes.of(mc, adapters, int(args.budget_mb * MB), int(args.host_mb * MB))
-    sizes.check(min(spec.max_context(), mc.max_position_embeddings))
     if spec.max_context() > mc.max_position_embeddings:
         raise SystemExit(f"a turn may need {spec.max_context()} tokens: past the model's context")
+    sizes.check(spec.max_context())
     link = args.link_gbps
     if not link:
         probe = [100 + i % 150 for i in range(128)]

@@ -28,6 +28,7 @@ def plot_ttft_cdf(path: Path, runs: dict[str, list[list[dict]]], title: str) -> 
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter
 
     fig, axes = plt.subplots(1, 2, figsize=(9.6, 4.0), sharey=True)
     panels = (("all turns", 0), ("turns >= 2", 1))
@@ -39,11 +40,12 @@ def plot_ttft_cdf(path: Path, runs: dict[str, list[list[dict]]], title: str) -> 
             color, legend = STYLES.get(name, ("k", name))
             ax.step(*cdf(ttft), where="post", color=color, label=f"{legend} ({len(ttft)})")
         ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter(NullFormatter())  # the minor labels overlap on short spans
         ax.set_xlabel("TTFT (s)")
         ax.set_title(label, fontsize=9)
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("fraction of turns")
-    axes[0].legend(fontsize=7, loc="lower right")
+    axes[0].legend(fontsize=7, loc="upper left")
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
