@@ -161,6 +161,7 @@ class Engine:
                     409, "conflict",
                 )  # fmt: skip
             self.lora.unregister(name)
+            self.memory.forget_adapter(name)
         log.info("adapter %s removed", name)
 
     def drain(self, timeout_s: float) -> bool:

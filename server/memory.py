@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 
 HIGH_WATERMARK, LOW_WATERMARK = 0.95, 0.70  # FastLibra's busy / idle thresholds
 TICK_S = 0.1  # how often the watermarks are looked at
+RECLAIM_SHARE = 64  # a reclaim frees at least 1/64 of the pool
 
 
 @dataclass
@@ -191,6 +192,17 @@ class MemoryManager:
         hold.held.extend(new)
         hold.tail = new[-1] if len(new) == len(blocks) else None  # a duplicate ends the chain
 
+    def forget_adapter(self, name: str) -> None:
+        """An adapter was unregistered: its cached KV is dropped (a new adapter of the same
+        name must not find it). None of it is held: removal waits for its requests."""
+        if self.tree is None or name not in self.tree.roots:
+            return
+        for node in list(self.tree.roots[name].children.values()):
+            device, host = self.tree.drop_subtree(node)
+            self.kv.free_blocks(device)
+            if self.host is not None:
+                self.host.free(host)
+
     # ---- adapters' blocks (pool layout; called by the adapter cache) -------------------------
 
     def take(
@@ -227,14 +239,12 @@ class MemoryManager:
                                      usage.last_used))  # fmt: skip
         return out
 
-    def _context(self, now: float) -> PoolContext:
-        visits = {"kv": 0, "adapter": 0}
+    def _context(self, now: float, candidates: list[Candidate]) -> PoolContext:
+        visits = {"kv": sum(c.visits for c in candidates if c.kind == "kv"), "adapter": 0}
         adapters = {}
         if self.cache is not None:
             adapters = {n: u.frequency for n, u in self.cache.usages().items()}
             visits["adapter"] = sum(adapters.values())
-        if self.tree is not None:
-            visits["kv"] = sum(n.visits for n in self.tree.device_leaves())
         recent = [b for t, b in self._batch_sizes if now - t <= 5.0]
         batch = sum(recent) / len(recent) if recent else 1.0
         cached = len(self.cache.entries) if self.cache is not None else 0
@@ -244,8 +254,12 @@ class MemoryManager:
         """Free at least num_blocks by moving cached leaves off the device; returns how many
         it freed (fewer only when nothing more may leave)."""
         freed, now = 0, time.monotonic()
+        # Free a little more than asked: each round walks the tree, and decode steps ask for a
+        # block at a time.
+        num_blocks = max(num_blocks, self.kv.num_blocks // RECLAIM_SHARE)
         while freed < num_blocks:
-            ordered = self.policy.order(self._candidates(("kv", "adapter")), self._context(now))
+            cands = self._candidates(("kv", "adapter"))
+            ordered = self.policy.order(cands, self._context(now, cands))
             if not ordered:
                 break
             ordered.sort(key=lambda c: c.kind == "adapter" and c.item in keep)  # stable
@@ -308,12 +322,11 @@ class MemoryManager:
             self._swap_in_idle(int(LOW_WATERMARK * total) - used, now)
 
     def _swap_in_idle(self, num_blocks: int, now: float) -> None:
-        ctx = self._context(now)
         roots = [n for n in self.tree.host_nodes() if n.parent.parent is None or n.parent.on_device]
         roots = [n for n in roots if self.shared is False or self.cache is None
                  or n.adapter is None or n.adapter in self.cache.entries]  # fmt: skip
         cands = [Candidate("kv", n, self.kv.block_bytes, n.visits, n.last_used) for n in roots]
-        for cand in reversed(self.policy.order(cands, ctx)[-num_blocks:]):
+        for cand in reversed(self.policy.order(cands, self._context(now, cands))[-num_blocks:]):
             if not self.kv.num_free_blocks:
                 break
             self._swap_in(cand.item)

@@ -174,9 +174,16 @@ class PrefixTree:
         blocks) they held."""
         if node.refcount or node.num_device_children:
             raise RuntimeError("only an unreferenced leaf of the device may be dropped")
+        return self.drop_subtree(node)
+
+    def drop_subtree(self, node: KVNode) -> tuple[list[int], list[int]]:
+        """Remove a node and everything below it, none of it referenced (an unregistered
+        adapter's KV). Returns (device blocks, host blocks) they held."""
         device, host, stack = [], [], [node]
         while stack:
             n = stack.pop()
+            if n.refcount:
+                raise RuntimeError("a referenced prefix block cannot be dropped")
             stack.extend(n.children.values())
             if n.on_device:
                 device.append(n.block)

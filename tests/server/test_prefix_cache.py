@@ -207,3 +207,22 @@ def test_soak_with_cancellations_leaks_no_block(tiny_model_dir, adapters):
         assert_memory_balanced(engine)
     finally:
         engine.shutdown()
+
+
+def test_an_unloaded_adapter_takes_its_cached_prefixes_along(tiny_model_dir, adapters):
+    """A new adapter under an old name must not find the old one's KV."""
+    config = EngineConfig(dtype="float32", lora_mode="on-demand", max_total_tokens=4096)
+    engine = build_engine(str(tiny_model_dir), config, {"x": adapters["r8"]})
+    try:
+        prompt = [3 + i % 150 for i in range(50)]
+        run(engine, prompt, "x")
+        assert memory(engine)["blocks"]["kv_cached"] > 0
+        engine.remove_adapter("x")
+        assert memory(engine)["blocks"]["kv_cached"] == 0
+        engine.add_adapter("x", adapters["r16"])
+        hits = memory(engine)["prefix_hit_tokens"]
+        run(engine, prompt, "x")
+        assert memory(engine)["prefix_hit_tokens"] == hits
+        assert_memory_balanced(engine)
+    finally:
+        engine.shutdown()
