@@ -262,6 +262,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens per KV block")  # fmt: skip
     p.add_argument("--max-batch-size", type=int, default=128)
     p.add_argument(
+        "--torch-threads",
+        type=int,
+        default=0,
+        metavar="N",
+        help="OpenMP threads of the engine's compute (0: torch's default, every core); leave "
+        "cores to --cpu-workers on a CPU-only node",
+    )
+    p.add_argument(
         "--queue-policy",
         choices=QUEUE_POLICIES,
         default="fcfs",
@@ -361,6 +369,7 @@ def main(argv: list[str] | None = None) -> int:
             cpu_spin_us=args.cpu_spin_us,
             queue_policy=args.queue_policy,
             ttft_slo_ms=args.ttft_slo_ms,
+            num_threads=args.torch_threads,
             memory_layout=args.memory_layout,
             memory_bytes=args.memory_bytes,
             prefix_cache=args.prefix_cache == "on",

@@ -92,3 +92,10 @@ def test_launch_refuses_before_starting_anything(tiny_model_dir, tmp_path, taken
     assert_refused(result, "toppings-launch", str(missing))
     result = run("toppings-launch", "--model", str(tiny_model_dir), "--base-port", str(taken_port))
     assert_refused(result, "toppings-launch", str(taken_port), "already in use")
+
+
+def test_serve_bad_memory_flags(tiny_model_dir):
+    result = run("toppings-serve", "--model", str(tiny_model_dir), "--memory-bytes", "-1")
+    assert_refused(result, "toppings-serve", "memory_bytes")
+    result = run("toppings-serve", "--model", str(tiny_model_dir), "--prefix-cache", "maybe")
+    assert_refused(result, "toppings-serve", "--prefix-cache")
