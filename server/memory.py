@@ -188,6 +188,8 @@ class MemoryManager:
             return
         bt = self.kv.block_tokens
         blocks = self.kv.row_blocks[hold.row][done:full]
+        if hold.tail.parent is None:  # a root: the tree drops empty ones, take the live one
+            hold.tail = self.tree.root(hold.tail.adapter)
         new = self.tree.insert(hold.tail, ids[done * bt : full * bt], blocks, now)
         hold.held.extend(new)
         hold.tail = new[-1] if len(new) == len(blocks) else None  # a duplicate ends the chain

@@ -115,3 +115,12 @@ def test_lru_and_unknown_policy():
     assert [c.item for c in policy.order([a, b], _context())] == ["b", "a"]
     with pytest.raises(ValueError, match="unknown memory policy"):
         make_memory_policy("nope")
+
+
+def test_an_emptied_adapter_root_is_made_again():
+    tree = PrefixTree(BT)
+    old_root = tree.root("a")
+    (node,) = tree.insert(old_root, tokens(4), [1], now=0.0)
+    tree.unhold(node, created=True, now=0.0)
+    tree.drop(node)
+    assert "a" not in tree.roots and tree.root("a") is not old_root

@@ -258,7 +258,10 @@ def test_soak_then_idle_then_clean_stop(node, scheduler, tiny_model_dir):
         while (s := _stats(url))["running"] or s["queue"] or s["loading_adapters"]:
             assert time.monotonic() < deadline, s
             time.sleep(0.1)
-        assert s["free_kv_tokens"] == MAX_TOTAL_TOKENS
+        # The pool's budget is the KV tokens plus the adapter bytes (as KV tokens).
+        assert s["free_kv_tokens"] == s["max_total_tokens"] > MAX_TOTAL_TOKENS
+        blocks = s["memory"]["blocks"]
+        assert blocks["kv_in_use"] == blocks["adapters_in_use"] == 0, blocks
         assert all(w["alive"] for w in s["cpu_workers"])
         m = _metrics(url)
         assert m[("toppings:adapter_references", ())] == 0  # no pins in cpu-assisted mode
