@@ -187,13 +187,15 @@ class LoRAServe(RankAware):
 
     Two servers are drawn from the adapter's row by its probabilities (one when the row has
     one) and the one with the lower rank-aware cost goes first, then the rest of the row, then
-    every other server (each can fetch the adapter), all by cost. Why not the draw alone: a
-    draw balances load only on average, and Poisson bursts queue on whichever server they hit;
-    the second choice, weighed by the same cost rank-aware routes on, absorbs them while the
-    probabilities still decide which servers see the adapter (power of two choices). If the
-    first is over the SLO (cost +inf), the first server in that order within it goes first:
-    a request leaves its row only when its row is full. Requests without an adapter, and
-    adapters not placed yet, are routed by the rank-aware cost over every server.
+    every other server that holds the adapter, all by cost. A server of the row serves the
+    adapter even before it holds it: it fetches it from a peer (server/peer_fetch.py).
+
+    Why not the draw alone: a draw balances load only on average, and Poisson bursts queue on
+    whichever server they hit; the second choice, weighed by the cost rank-aware routes on,
+    absorbs them while the probabilities still decide which servers see the adapter (power of
+    two choices). If the first is over the SLO (cost +inf), the first server of that order
+    within it goes first: a request leaves its row only when its row is full. Requests without
+    an adapter, and adapters not placed yet, are routed by the rank-aware cost.
     """
 
     name = "loraserve"
@@ -215,9 +217,14 @@ class LoRAServe(RankAware):
 
     def order(self, request: RouteRequest, servers: Sequence[ServerState]) -> list[int]:
         self.placer.record(request)
-        usable = [i for i, s in enumerate(servers) if _same_model(request, s)]
-        keys = {i: self._key(request, servers[i]) for i in usable}
         row = self.placer.row(request.adapter) if request.adapter is not None else None
+        assigned = set(row[0]) if row is not None else set()
+        usable = [
+            i
+            for i, s in enumerate(servers)
+            if s.serves(request) or (s.url in assigned and _same_model(request, s))
+        ]
+        keys = {i: self._key(request, servers[i]) for i in usable}
         if row is None:
             return sorted(usable, key=lambda i: (keys[i], i))
         index = {servers[i].url: i for i in usable}

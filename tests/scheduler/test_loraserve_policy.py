@@ -16,9 +16,13 @@ PERF = paper_fig6_models()
 SLO_MS = 58.7
 
 
-def idle(url: str, healthy: bool = True, running: int = 0, rank: int = 8) -> ServerState:
+def idle(
+    url: str, healthy: bool = True, running: int = 0, rank: int = 8, hosts: tuple = ()
+) -> ServerState:
     batch = BatchShape.of([rank] * running, [100] * running)
-    return ServerState(url, "bgmv", healthy, running, 0, batch, BatchShape(), 100_000)
+    return ServerState(
+        url, "bgmv", healthy, running, 0, batch, BatchShape(), 100_000, frozenset(hosts)
+    )
 
 
 def request(adapter: str, rank: int) -> RouteRequest:
@@ -53,13 +57,15 @@ def test_requests_follow_the_table_and_demand_moves_it():
 
 
 def test_a_full_row_spills_to_another_server_and_unplaced_adapters_use_the_cost():
-    servers = [idle(f"s{i}") for i in range(3)]
+    servers = [idle(f"s{i}", hosts=("a", "zzz")) for i in range(3)]
     pol = policy()
     pol.tick(0.0, servers, {"a": 64})
     (url,) = pol.placer.assignment["a"]
-    full = [idle(s.url, running=120, rank=64) if s.url == url else s for s in servers]
+    full = [idle(url, running=120, rank=64) if s.url == url else s for s in servers]
     chosen = full[pol.choose(request("a", 64), full)].url
-    assert chosen != url  # the row is over the SLO: the request leaves it
+    assert chosen != url  # the row is over the SLO: the request leaves it for a holder
+    lacking = [idle(s.url) for s in full]  # nobody else holds "a": it stays in its row
+    assert lacking[pol.choose(request("a", 64), lacking)].url == url
     unplaced = pol.order(request("zzz", 8), servers)
     assert sorted(unplaced) == [0, 1, 2]
 
