@@ -15,7 +15,7 @@ Admin endpoints manage the cluster:
     POST   /admin/servers   {"url"}            fetch its /v1/models and /stats, record it
     DELETE /admin/servers   {"url"} or ?url=   forget it
     POST   /admin/adapters  {"name", "base_model", "rank", "alpha"?, "target_modules"?,
-                             "path"?, "bytes"?, "state"?, "servers"?: [url]}
+                             "path"?, "bytes"?, "state"?, "sha256"?, "servers"?: [url]}
                             record an adapter; with "servers", ask each to load it from "path"
     GET    /admin/state                        servers, health, policy, perf-model source
 """
@@ -89,6 +89,7 @@ def _adapter(body: dict[str, Any]) -> AdapterRecord:
             path=body.get("path"),
             num_bytes=body.get("bytes"),
             state=body.get("state", "active"),
+            sha256=body.get("sha256"),
         )
     except KeyError as exc:
         raise SchedulerError(f"missing field {exc.args[0]!r}") from None
