@@ -187,8 +187,10 @@ class LoRAServe(RankAware):
 
     Two servers are drawn from the adapter's row by its probabilities (one when the row has
     one) and the one with the lower rank-aware cost goes first, then the rest of the row, then
-    every other server that holds the adapter, all by cost. A server of the row serves the
-    adapter even before it holds it: it fetches it from a peer (server/peer_fetch.py).
+    every other server that holds the adapter, all by cost. Only servers that hold the adapter
+    are candidates (as for every policy; the scheduler's adapter sync has the servers of a new
+    row fetch it from a peer, scheduler/adapter_sync.py), unless none does: then the row's
+    servers are, and fetch it when asked.
 
     Why not the draw alone: a draw balances load only on average, and Poisson bursts queue on
     whichever server they hit; the second choice, weighed by the cost rank-aware routes on,
@@ -218,12 +220,11 @@ class LoRAServe(RankAware):
     def order(self, request: RouteRequest, servers: Sequence[ServerState]) -> list[int]:
         self.placer.record(request)
         row = self.placer.row(request.adapter) if request.adapter is not None else None
-        assigned = set(row[0]) if row is not None else set()
-        usable = [
-            i
-            for i, s in enumerate(servers)
-            if s.serves(request) or (s.url in assigned and _same_model(request, s))
-        ]
+        usable = [i for i, s in enumerate(servers) if s.serves(request)]
+        if not usable and row is not None:  # no holder is up: the row's servers fetch it
+            usable = [
+                i for i, s in enumerate(servers) if s.url in row[0] and _same_model(request, s)
+            ]
         keys = {i: self._key(request, servers[i]) for i in usable}
         if row is None:
             return sorted(usable, key=lambda i: (keys[i], i))
