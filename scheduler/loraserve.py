@@ -3,14 +3,18 @@
 The `Placer` is what the `loraserve` policy (scheduler/policies.py) routes with and what the
 scheduler's placement loop (scheduler/placement_loop.py) and the simulator drive through
 `maybe_step(now_s, servers, adapters)`:
-- the first call places every known adapter at once (no demand yet: spread evenly);
-- then a step runs every `interval_s`, from the demand observed since the last one;
+- the first call starts the clock; until the first step there is no table, and requests go by
+  the rank-aware cost among the servers that hold their adapter (what they were started with);
+- a step runs every `interval_s`, from the demand observed since the last one, and places every
+  known adapter (those without demand too);
 - a server of the table that is no longer live (unhealthy or gone) triggers a step at once,
   with the last demand estimates: its adapters get new homes before the interval ends;
 - a new server is simply live at the next step, and the packing gives it a share.
 
 The operating points are recomputed each step from the perf models, the SLO and the mean prompt
-and output lengths observed so far (scheduler/operating_points.py).
+and output lengths observed so far (scheduler/operating_points.py), unless the config carries
+profiled ones (`points`, as LoRAServe profiles each rank on the hardware beforehand; the cluster
+benchmark profiles them on a simulated server).
 """
 
 from __future__ import annotations
@@ -38,10 +42,13 @@ class PlacementConfig:
     headroom: float = 0.9  # see operating_points.py
     max_batch_size: int = 128  # per server, as the engine's default
     max_total_tokens: int = 40_000  # KV slots per server (the simulator's default)
+    points: tuple[tuple[int, float], ...] = ()  # profiled (rank, tokens/s); () derives them
 
     def __post_init__(self) -> None:
         if self.interval_s <= 0:
             raise ValueError("the placement interval must be positive")
+        if any(rank <= 0 or tps <= 0 for rank, tps in self.points):
+            raise ValueError("profiled operating points need positive ranks and tokens/s")
 
 
 class Placer:
@@ -110,9 +117,10 @@ class Placer:
             return None
         with self._lock:
             placed = {s for shares in self.assignment.values() for s in shares}
-            if self.last_step_s is None:
-                reason = "initial"
-            elif now_s - self.last_step_s >= self.config.interval_s:
+            if self.last_step_s is None:  # start the clock: no demand seen yet
+                self.last_step_s = now_s
+                return None
+            if now_s - self.last_step_s >= self.config.interval_s:
                 reason = "interval"
             elif placed - set(live):
                 reason = "membership"
@@ -120,7 +128,6 @@ class Placer:
                 return None
             if reason == "interval":
                 self.demand = self.tracker.roll(now_s - self.last_step_s)
-            if reason != "membership":
                 self.last_step_s = now_s
             ranks = dict(adapters or {})
             ranks.update(self.tracker.ranks())
@@ -130,6 +137,12 @@ class Placer:
             return result
 
     def _points(self, kernel: str, ranks: Mapping[str, int]) -> dict[int, float]:
+        if self.config.points:
+            profiled = dict(self.config.points)
+            missing = set(ranks.values()) - set(profiled)
+            if not missing:
+                return profiled
+            log.warning("no profiled operating point for ranks %s: deriving all", sorted(missing))
         lengths = self.tracker.mean_lengths()
         shape = {}
         if lengths is not None:

@@ -21,9 +21,10 @@ One step, for S servers:
    few adapters as it can.
 6. Adapters without demand are not packed, but they still get requests now and then (the long
    tail): each stays on a live server that held it if that server's max rank is at least the
-   adapter's (it pads no one there), else it goes to the server with the fewest adapters among
-   those whose max rank is the adapter's rank, or failing that the smallest max rank above it,
-   or failing that the highest max rank below it. Every adapter is always on some server.
+   adapter's, or the server carries no demand (it pads no one there), else it goes to the
+   server with the fewest adapters among those whose max rank is the adapter's rank, or
+   failing that the smallest max rank above it, or failing that the highest max rank below it.
+   Every adapter is always on some server.
 
 The result maps each adapter to {server: probability}, probabilities summing to 1; routing draws
 from it (scheduler/policies.py, LoRAServe).
@@ -217,7 +218,11 @@ def _place_idle(assignment, ranks, servers, previous, live, max_rank) -> None:
         if a in assignment:
             continue
         rank = ranks[a]
-        held = [(p, s) for s, p in previous.get(a, {}).items() if s in live and max_rank[s] >= rank]
+        held = [
+            (p, s)
+            for s, p in previous.get(a, {}).items()
+            if s in live and (max_rank[s] >= rank or max_rank[s] == 0)
+        ]
         if held:
             server = max(held)[1]
             assignment[a] = {server: 1.0}

@@ -48,19 +48,21 @@ def test_table_written_then_replaced_when_a_server_dies_and_kept_across_restart(
     registry = make_registry(tmp_path / "reg.sqlite")
     cluster = StubCluster([state(u) for u in URLS])
     loop = loop_for(registry, cluster)
-    assert loop.run_once(0.0)
+    assert not loop.run_once(0.0)  # starts the clock
+    assert loop.run_once(10.0)
     table = registry.routes()
     assert set(table) == set(ADAPTERS)
     assert all(abs(sum(row.values()) - 1) < 1e-9 for row in table.values())
-    assert not loop.run_once(1.0)  # nothing due, nobody died
+    assert not loop.run_once(11.0)  # nothing due, nobody died
     cluster.current = [dataclasses.replace(s, healthy=s.url != URLS[1]) for s in cluster.current]
-    assert loop.run_once(2.0)
+    assert loop.run_once(12.0)
     table = registry.routes()
     assert set(table) == set(ADAPTERS)
     assert all(URLS[1] not in row for row in table.values())
     # A restarted scheduler starts from the recorded table: its first step moves nothing.
     restarted = loop_for(registry, cluster)
-    assert restarted.run_once(0.0)
+    assert not restarted.run_once(0.0)
+    assert restarted.run_once(10.0)
     assert restarted.placer.history[-1]["moves"] == 0
     assert registry.routes() == table
     registry.close()
@@ -70,6 +72,6 @@ def test_routing_only_policies_write_no_table(tmp_path):
     registry = make_registry(tmp_path / "reg.sqlite")
     policy = make_policy("rank-aware", paper_fig6_models(), 58.7)
     loop = PlacementLoop(policy, StubCluster([state(u) for u in URLS]), registry, 0.1)
-    assert not loop.run_once(0.0)
+    assert not loop.run_once(0.0) and not loop.run_once(100.0)
     assert registry.routes() == {}
     registry.close()
