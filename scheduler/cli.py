@@ -25,6 +25,7 @@ from typing import Any
 import requests
 import waitress
 
+from toppings.scheduler.adapter_sync import AdapterSync
 from toppings.scheduler.app import DEFAULT_MAX_IN_FLIGHT, create_app
 from toppings.scheduler.cluster import Cluster
 from toppings.scheduler.loraserve import PlacementConfig
@@ -159,7 +160,8 @@ def main(argv: list[str] | None = None) -> None:
             _usage_error("--placement-interval-s must be positive")
         options["placement"] = PlacementConfig(interval_s=args.placement_interval_s)
     policy = make_policy(args.policy, perf, slo_ms, seed=args.seed, **options)
-    placement_loop = PlacementLoop(policy, cluster, registry, args.refresh_ms / 1000.0)
+    sync = AdapterSync(registry, cluster.hosting, session)
+    placement_loop = PlacementLoop(policy, cluster, registry, args.refresh_ms / 1000.0, sync)
     router = Router(registry, cluster, policy, count)
     if args.server_api_key:
         for sess in (session, router.session):  # /stats polling and the proxied requests
@@ -185,6 +187,7 @@ def main(argv: list[str] | None = None) -> None:
         server.run()  # returns on Ctrl-C
     finally:
         placement_loop.stop()
+        sync.close()
         cluster.stop()
         registry.close()
 

@@ -4,8 +4,10 @@ table written to the registry whenever a placement step changed it.
 Runs every `period_s` (the /stats refresh period) so that a server that died is noticed within
 one period (loraserve re-places its adapters at once); the placement itself runs only every
 `--placement-interval-s` (see scheduler/loraserve.py). The universe of adapters is the
-registry's active adapters. On start, the last routing table in the registry becomes the
-previous placement, so that a restarted scheduler's first step moves as little as it can.
+registry's active adapters. On start, the last routing table in the registry (or, when there
+is none, where the adapters are: the servers' hosting) becomes the previous placement, so that
+the first step moves as little as it can. After each new table, `sync` (scheduler/adapter_sync.py)
+has the servers fetch the adapters of their rows and drop the others.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import logging
 import threading
 import time
 
+from toppings.scheduler.adapter_sync import AdapterSync
 from toppings.scheduler.cluster import Cluster
 from toppings.scheduler.policies import Policy
 from toppings.scheduler.registry import Registry, RegistryError
@@ -22,7 +25,14 @@ log = logging.getLogger(__name__)
 
 
 class PlacementLoop:
-    def __init__(self, policy: Policy, cluster: Cluster, registry: Registry, period_s: float):
+    def __init__(
+        self,
+        policy: Policy,
+        cluster: Cluster,
+        registry: Registry,
+        period_s: float,
+        sync: AdapterSync | None = None,
+    ):
         if period_s <= 0:
             raise ValueError("period_s must be positive")
         self.policy = policy
@@ -30,8 +40,9 @@ class PlacementLoop:
         self.registry = registry
         self.period_s = period_s
         self.placer = getattr(policy, "placer", None)  # loraserve policies only
+        self.sync = sync
         if self.placer is not None:
-            self.placer.assignment = registry.routes()
+            self.placer.assignment = registry.routes() or _hosting_as_assignment(registry)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -49,6 +60,8 @@ class PlacementLoop:
         except RegistryError as exc:  # a server or adapter removed meanwhile: next step
             log.warning("routing table of step %d not recorded: %s", self.placer.version, exc)
             return False
+        if self.sync is not None:
+            self.sync.sync(self.placer.assignment)
         return True
 
     def start(self) -> None:
@@ -66,3 +79,12 @@ class PlacementLoop:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
+
+
+def _hosting_as_assignment(registry: Registry) -> dict[str, dict[str, float]]:
+    """Where the adapters are, as a placement (equal shares over each adapter's hosts)."""
+    hosts: dict[str, list[str]] = {}
+    for url, names in registry.hosting().items():
+        for name in names:
+            hosts.setdefault(name, []).append(url)
+    return {name: {u: 1.0 / len(urls) for u in urls} for name, urls in hosts.items()}
