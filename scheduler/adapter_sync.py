@@ -7,9 +7,10 @@ asked to fetch it from the healthy servers that do:
 without a recorded digest is not moved (register it with `/admin/adapters {"sha256"}`), so no
 server ever takes bytes nobody vouched for. Once a server confirmed, the registry records it as
 a host at once (its next /stats says so too). Then a server that holds an adapter outside its
-rows drops it (`/v1/unload_lora_adapter`), but only when another healthy server of the
-adapter's row holds it: an adapter is never left without a live copy; a 409 (in use) is left
-for the next step. Requests go out 8 at a time; the step's outcome is returned and logged.
+rows drops it (`/v1/unload_lora_adapter`), but only when a healthy server of the adapter's row
+holds it and at least MIN_COPIES live copies stay: an adapter that was ever fetched survives
+the death of any one server; a 409 (in use) is left for the next step. Requests go out 8 at a
+time; the step's outcome is returned and logged.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from toppings.scheduler.registry import Registry, RegistryError
 log = logging.getLogger(__name__)
 
 TIMEOUT_S = (3.0, 300.0)  # connect, then the whole fetch on the server's side
+MIN_COPIES = 2
 
 
 class AdapterSync:
@@ -52,9 +54,9 @@ class AdapterSync:
                     log.warning("adapter %s has no SHA-256 in the registry: not moved", adapter)
                 else:
                     fetches += [(u, adapter, record.sha256, holders) for u in missing]
-            kept = [u for u in holders if u in row]
-            if kept:
-                drops += [(u, adapter) for u in holders if u not in row]
+            spare = len(holders) - MIN_COPIES
+            if spare > 0 and any(u in row for u in holders):
+                drops += [(u, adapter) for u in holders if u not in row][:spare]
         fetched = sum(self._pool.map(lambda job: self._fetch(*job), fetches))
         dropped = sum(self._pool.map(lambda job: self._drop(*job), drops))
         outcome = {"fetched": fetched, "fetch_failed": len(fetches) - fetched,
