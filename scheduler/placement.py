@@ -106,7 +106,7 @@ def place(
     budgets = _budgets(rank_util, target, len(servers)) if total > 0 else {}
     bins, loads, bin_rank = _pack(util, ranks, budgets, target, len(servers))
     _place_leftovers(bins, loads, bin_rank, util, ranks, target)
-    label = _relabel(bins, util, servers, previous, live)
+    label = _relabel(bins, bin_rank, util, ranks, servers, previous, live)
     assignment: Assignment = {}
     server_util = dict.fromkeys(servers, 0.0)
     server_max_rank = dict.fromkeys(servers, 0)
@@ -186,8 +186,10 @@ def _place_leftovers(bins, loads, bin_rank, util, ranks, target) -> None:
             left -= put
 
 
-def _relabel(bins, util, servers, previous, live) -> list[str]:
-    """Step 5: bin -> server, greedily matching the pairs that share the most adapters."""
+def _relabel(bins, bin_rank, util, ranks, servers, previous, live) -> list[str]:
+    """Step 5: bin -> server, greedily matching the pairs that keep the most adapters in place:
+    the bin's adapters the server held, plus the server's adapters without demand that step 6
+    lets stay (rank up to the bin's max rank, any rank when the bin carries no demand)."""
     overlap: dict[tuple[int, str], list[float]] = defaultdict(lambda: [0, 0.0])
     for b, contents in enumerate(bins):
         for a, u in contents.items():
@@ -196,6 +198,18 @@ def _relabel(bins, util, servers, previous, live) -> list[str]:
                     weight = overlap[(b, server)]
                     weight[0] += 1  # adapters kept in place
                     weight[1] += u  # traffic kept in place (tie-break)
+    idle: dict[str, dict[int, int]] = defaultdict(lambda: defaultdict(int))
+    for a, shares in previous.items():
+        if a not in util and a in ranks:
+            for server in shares:
+                if server in live:
+                    idle[server][ranks[a]] += 1
+    for b in range(len(bins)):
+        for server, by_rank in idle.items():
+            top = bin_rank[b]
+            kept = sum(n for r, n in by_rank.items() if top == 0 or r <= top)
+            if kept:
+                overlap[(b, server)][0] += kept
     order = sorted(overlap.items(), key=lambda item: (-item[1][0], -item[1][1], item[0]))
     label: dict[int, str] = {}
     taken: set[str] = set()
