@@ -126,8 +126,13 @@ def profile_rank(job: tuple[Setup, int]) -> tuple[int, float]:
     return rank, lo * mean_tokens
 
 
-def plot(searches: list[dict], paper: dict, path: Path) -> None:
-    import matplotlib
+def plot(searches: list[dict], paper: dict, path: Path) -> bool:
+    """Draw the figure; False (and no figure) when matplotlib is not installed."""
+    try:
+        import matplotlib
+    except ImportError:
+        log.warning("matplotlib is not installed: no plot")
+        return False
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -160,7 +165,9 @@ def plot(searches: list[dict], paper: dict, path: Path) -> None:
         "Simulated 60-server cluster, drifting Zipf head; perf models: paper Fig. 6", fontsize=9
     )
     fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
+    return True
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -232,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         if n != "rank-aware"
     }
     plot_path = args.out.parent.parent / f"{args.out.stem}.png"
-    plot(searches, paper, plot_path)
+    plotted = plot(searches, paper, plot_path)
     result = write_result(
         args.out,
         "cluster_placement",
@@ -257,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
             "host_memory_note": "adapter bytes for Llama-7B, LoRA on q/k/v, fp16; routing-only"
             " policies hold every adapter on every server (Toppings' design)",
             "not_modelled": "adapter fetch time from a peer (a fetched adapter serves at once)",
+            "plot": str(plot_path) if plotted else "none: matplotlib is not installed",
         },
         metrics={
             "sustained_rps": sustained,
