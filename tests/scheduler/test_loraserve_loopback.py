@@ -34,6 +34,7 @@ from werkzeug.wrappers import Request, Response
 from tests.helpers import wait_healthy
 from tests.server.test_exactness import NEW_TOKENS, assert_same_greedy, reference_greedy
 from toppings.scheduler.perf_model import LinearPerfModel, PerfModels
+from toppings.scheduler.registry import Registry
 from toppings.server.adapter_files import FILES, WEIGHTS_FILE, adapter_digest
 
 KEY = "cluster-key"
@@ -168,6 +169,15 @@ def test_a_hot_adapter_spreads_is_fetched_and_matches_peft(pool):
     assert answer.status_code == 200, answer.text
     ref, margins = reference_greedy(pool["model"], {"a8": pool["paths"]["a8"]}, PROMPT, "a8")
     assert_same_greedy(answer.json()["token_ids"], ref, margins, "a8 fetched onto S2")
+    # The routing table is in the registry: every adapter placed, probabilities summing to 1.
+    assert _get(pool["scheduler"] + "/admin/state")["placement"]["num_servers"] == 3
+    registry = Registry(pool["root"] / "reg.sqlite")
+    try:
+        table = registry.routes()
+    finally:
+        registry.close()
+    assert set(table) == set(RANKS)
+    assert all(abs(sum(row.values()) - 1) < 1e-9 for row in table.values())
 
 
 class FakePeer:
