@@ -38,7 +38,8 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class PlacementConfig:
     interval_s: float = 10.0  # LoRAServe's time step
-    smoothing: float = 0.5  # weight of the last step in the demand estimate
+    smoothing: float = 0.5  # weight of the last step in the demand level (demand.py)
+    trend: float = 0.5  # weight of the last change in the demand trend (0: no extrapolation)
     headroom: float = 0.9  # see operating_points.py
     max_batch_size: int = 128  # per server, as the engine's default
     max_total_tokens: int = 40_000  # KV slots per server (the simulator's default)
@@ -58,7 +59,7 @@ class Placer:
         self.perf = perf
         self.slo_ms = slo_ms
         self.config = config
-        self.tracker = DemandTracker(config.smoothing)
+        self.tracker = DemandTracker(config.smoothing, config.trend)
         self._lock = threading.Lock()  # one step at a time
         # adapter -> (servers, cumulative probabilities); replaced whole, read without a lock
         self._draw: dict[str, tuple[tuple[str, ...], tuple[float, ...]]] = {}

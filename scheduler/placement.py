@@ -23,7 +23,8 @@ One step, for S servers:
    tail): each stays on a live server that held it if that server's max rank is at least the
    adapter's, or the server carries no demand (it pads no one there), else it goes to the
    server with the fewest adapters among those whose max rank is the adapter's rank, or
-   failing that the smallest max rank above it, or failing that the highest max rank below it.
+   failing that the smallest max rank above it, or failing that the highest max rank below it;
+   no server takes more than IDLE_SLACK x the mean number of adapters per server this way.
    Every adapter is always on some server.
 
 The result maps each adapter to {server: probability}, probabilities summing to 1; routing draws
@@ -33,12 +34,14 @@ from it (scheduler/policies.py, LoRAServe).
 from __future__ import annotations
 
 import heapq
+import math
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 EPS = 1e-12
 MIN_SPLIT = 0.01  # a share below 1% of an adapter's util is not worth a copy of it
+IDLE_SLACK = 1.25  # adapters per server, over the mean, that step 6 tolerates
 
 Assignment = dict[str, dict[str, float]]  # adapter -> server -> probability (sums to 1)
 
@@ -222,11 +225,14 @@ def _relabel(bins, bin_rank, util, ranks, servers, previous, live) -> list[str]:
 
 
 def _place_idle(assignment, ranks, servers, previous, live, max_rank) -> None:
-    """Step 6: adapters without demand stay where they pad no one, else join their rank."""
+    """Step 6: adapters without demand stay where they pad no one, else join their rank; no
+    server holds more than IDLE_SLACK x the mean number of adapters per server (the tail's
+    requests, which no estimate sees, spread like the adapters, and so does host memory)."""
     counts = dict.fromkeys(servers, 0)
     for shares in assignment.values():
         for server in shares:
             counts[server] += 1
+    cap = math.ceil(IDLE_SLACK * len(ranks) / len(servers))
     homeless: dict[int, list[str]] = defaultdict(list)
     for a in sorted(ranks):
         if a in assignment:
@@ -235,7 +241,7 @@ def _place_idle(assignment, ranks, servers, previous, live, max_rank) -> None:
         held = [
             (p, s)
             for s, p in previous.get(a, {}).items()
-            if s in live and (max_rank[s] >= rank or max_rank[s] == 0)
+            if s in live and (max_rank[s] >= rank or max_rank[s] == 0) and counts[s] < cap
         ]
         if held:
             server = max(held)[1]
@@ -244,14 +250,18 @@ def _place_idle(assignment, ranks, servers, previous, live, max_rank) -> None:
         else:
             homeless[rank].append(a)
     levels = sorted(set(max_rank.values()))
-    for rank, names in homeless.items():
-        above = [r for r in levels if r >= rank]
-        level = above[0] if above else levels[-1]
-        heap = [(counts[s], i, s) for i, s in enumerate(servers) if max_rank[s] == level]
+    heaps = {level: [] for level in levels}
+    for i, s in enumerate(servers):
+        heaps[max_rank[s]].append((counts[s], i, s))
+    for heap in heaps.values():
         heapq.heapify(heap)
+    for rank, names in homeless.items():
+        # the rank's own level, then the levels above (no padding), then those below
+        order = [r for r in levels if r >= rank] + [r for r in reversed(levels) if r < rank]
         for a in names:
-            count, i, server = heapq.heappop(heap)
+            level = next((r for r in order if heaps[r][0][0] < cap), None)
+            if level is None:  # every server at the cap: the fewest adapters anywhere
+                level = min(order, key=lambda r: heaps[r][0])
+            count, i, server = heapq.heappop(heaps[level])
             assignment[a] = {server: 1.0}
-            heapq.heappush(heap, (count + 1, i, server))
-        for count, _, server in heap:
-            counts[server] = count
+            heapq.heappush(heaps[level], (count + 1, i, server))

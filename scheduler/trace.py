@@ -8,11 +8,14 @@ LMSYS-Chat-1M reports (69.5 tokens per prompt, 214.5 per response); the dataset 
 spread, so sigma = 1.0 (a median about 0.6x the mean, a long right tail as in chat logs) is our
 choice. Lengths are clipped to [1, max_*_tokens].
 
-Drift (`drift_per_s` > 0): the popularity order shifts by that many places per second, so the
-adapter at Zipf position p at time t is adapter (p + floor(t x drift_per_s)) mod num_adapters:
-the head moves along the adapters, each hot adapter cooling down while the next ones heat up
-(the MAF trace's drifting function popularity; LoRAServe's Fig. 10). Each adapter keeps its
-rank, so the rank mix of the hot set drifts with it. The default 0 is a fixed popularity.
+Drift (`drift_per_s` > 0): the popularity order slides along the adapters by that many places
+per second, continuously: a request drawn at Zipf position p at time t goes to adapter
+floor(t x drift_per_s + p + U) mod num_adapters, U uniform in [0, 1), so each adapter's share
+moves linearly from one position's weight to the next's instead of jumping; an adapter climbs
+to the head, then its share falls to nothing over 1 / drift_per_s seconds (the MAF trace's
+drifting function popularity; LoRAServe's Fig. 10). Each adapter keeps its rank, so the rank
+mix of the hot set drifts with it. The default 0 is a fixed popularity (and the same traces as
+before drift existed).
 
 Defaults: 40,000 adapters, as the paper's 60-instance simulation has 40,000 MAF functions;
 zipf_s = 1.1 puts ~14% of requests on the most popular adapter and ~60% on the top 100. The
@@ -86,8 +89,10 @@ def generate_trace(config: TraceConfig) -> list[TraceRequest]:
     requests: list[TraceRequest] = []
     now = rng.expovariate(config.rps)
     while now < config.duration_s:
-        position = bisect.bisect_left(cum_weights, rng.random() * total)
-        adapter_idx = (position + int(now * config.drift_per_s)) % config.num_adapters
+        adapter_idx = bisect.bisect_left(cum_weights, rng.random() * total)
+        if config.drift_per_s:  # position + U in [p, p + 1), shifted by the drift so far
+            shifted = now * config.drift_per_s + adapter_idx + rng.random()
+            adapter_idx = int(shifted) % config.num_adapters
         prompt = int(round(rng.lognormvariate(prompt_mu, config.prompt_sigma)))
         output = int(round(rng.lognormvariate(output_mu, config.output_sigma)))
         requests.append(

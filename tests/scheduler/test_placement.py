@@ -120,7 +120,7 @@ def test_idle_adapters_join_a_server_of_their_rank_and_spread_evenly():
 
 
 def test_demand_tracker_rates_and_smoothing():
-    tracker = DemandTracker(smoothing=0.5)
+    tracker = DemandTracker(smoothing=0.5, trend=0.0)  # a plain moving average
     for _ in range(10):
         tracker.record("a", 8, prompt_tokens=50, max_new_tokens=50)
     assert tracker.roll(10.0) == {"a": pytest.approx(0.5 * 100.0)}  # 1000 tokens over 10 s
@@ -131,3 +131,15 @@ def test_demand_tracker_rates_and_smoothing():
     assert tracker.mean_lengths() == pytest.approx((50 - 40 / 11, 50 - 40 / 11))
     with pytest.raises(ValueError):
         tracker.roll(0.0)
+
+
+def test_demand_tracker_extrapolates_a_climbing_adapter():
+    plain, holt = DemandTracker(0.5, trend=0.0), DemandTracker(0.5, trend=0.5)
+    for step in range(1, 9):  # the rate climbs by 10 tokens/s every step
+        for tracker in (plain, holt):
+            tracker.record("up", 8, prompt_tokens=100 * step, max_new_tokens=0)
+        lagging, ahead = plain.roll(10.0)["up"], holt.roll(10.0)["up"]
+    assert lagging < 80.0 < ahead  # the last rate was 80 tokens/s
+    for _ in range(30):  # silence: the forecast falls to nothing and the adapter is dropped
+        forecast = holt.roll(10.0)
+    assert "up" not in forecast and all(v > 0 for v in forecast.values())
