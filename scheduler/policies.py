@@ -202,7 +202,6 @@ class LoRAServe(RankAware):
 
     name = "loraserve"
     num_choices = 2
-    spread = "row"
 
     def __init__(self, *args: Any, placement: PlacementConfig | None = None, **kwargs: Any):
         super().__init__(*args, **kwargs)
@@ -237,14 +236,13 @@ class LoRAServe(RankAware):
                 drawn.append(index[url])
             if len(drawn) == min(self.num_choices, len(in_row)):
                 break
-        rest = [i for i in in_row if i not in drawn]
-        if self.spread == "group":
-            group = [index[u] for u in self.placer.group(request.rank) if u in index]
-            drawn = sorted(set(drawn) | set(group))
-            rest = [i for i in rest if i not in set(drawn)]
-        others = [i for i in usable if i not in set(in_row) and i not in set(rest)]
+        first = self._first_choices(request, index, drawn)
+        taken = set(first)
+        rest = [i for i in in_row if i not in taken]
+        taken.update(rest)
+        others = [i for i in usable if i not in taken]
         ranked = [
-            *sorted(drawn, key=lambda i: (keys[i], i)),
+            *sorted(first, key=lambda i: (keys[i], i)),
             *sorted(rest, key=lambda i: (keys[i], i)),
             *sorted(others, key=lambda i: (keys[i], i)),
         ]
@@ -256,6 +254,12 @@ class LoRAServe(RankAware):
         ranked = self.order(request, servers)
         return ranked[0] if ranked else None
 
+    def _first_choices(
+        self, request: RouteRequest, index: Mapping[str, int], drawn: list[int]
+    ) -> list[int]:
+        """The servers the cost picks among first (index: url -> position of usable servers)."""
+        return drawn
+
 
 class LoRAServeGroup(LoRAServe):
     """Ablation of `loraserve`: the cost decides among the drawn servers and every server the
@@ -263,7 +267,12 @@ class LoRAServeGroup(LoRAServe):
     not only the adapter's row: more servers to absorb bursts, more adapters fetched."""
 
     name = "loraserve-group"
-    spread = "group"
+
+    def _first_choices(
+        self, request: RouteRequest, index: Mapping[str, int], drawn: list[int]
+    ) -> list[int]:
+        group = [index[url] for url in self.placer.group(request.rank) if url in index]
+        return sorted(set(drawn) | set(group))
 
 
 def _same_model(request: RouteRequest, server: ServerState) -> bool:

@@ -117,3 +117,17 @@ def test_drift_moves_the_popular_head():
     assert early != late
     still = generate_trace(dataclasses.replace(config, drift_per_s=0.0))
     assert Counter(r.adapter for r in still).most_common(1)[0][0] == "lora-0"
+
+
+def test_every_server_appears_once_in_the_order():
+    servers = [idle(f"s{i}", hosts=tuple(ADAPTERS)) for i in range(6)]
+    for name in ("loraserve", "loraserve-group"):
+        pol = make_policy(name, PERF, SLO_MS, placement=PlacementConfig(interval_s=10.0))
+        pol.tick(0.0, servers, ADAPTERS)
+        for i in range(300):
+            pol.choose(request(f"a{i % 6}", (8, 16, 32, 64)[i % 4]), servers)
+        pol.tick(10.0, servers, ADAPTERS)
+        for adapter, rank in ADAPTERS.items():
+            ranked = pol.order(request(adapter, rank), servers)
+            assert sorted(ranked) == list(range(6)), (name, adapter)
+            assert servers[ranked[0]].url in pol.placer.assignment[adapter] or name != "loraserve"
