@@ -54,7 +54,7 @@ class DemandTracker:
             tokens, self._tokens = self._tokens, defaultdict(float)
             alpha, beta = self.smoothing, self.trend
             state, forecast = {}, {}
-            for adapter in set(tokens) | set(self._state):
+            for adapter in sorted(set(tokens) | set(self._state)):  # a fixed order: same sums
                 rate = tokens.get(adapter, 0.0) / elapsed_s
                 level, slope = self._state.get(adapter, (0.0, 0.0))
                 new_level = alpha * rate + (1 - alpha) * (level + slope)
