@@ -126,7 +126,7 @@ class PeerFetcher:
         final = os.path.join(self.store, f"{safe}-{digest[:16]}")
         if not is_within(os.path.realpath(final), self.store):  # cannot happen; stay sure
             raise PeerFailed("adapter directory would leave the store")
-        if os.path.isdir(final) and adapter_digest(final) == digest:
+        if os.path.isdir(final) and _digest_or_none(final) == digest:
             return final  # fetched before (then unloaded): the same bytes
         sizes = self._file_list(peer, name)
         tmp = tempfile.mkdtemp(prefix=".partial-", dir=self.store)
@@ -201,3 +201,10 @@ class PeerFetcher:
             answer.close()
         if received != size:
             raise PeerFailed(f"{file_name}: {received} bytes of the {size} announced")
+
+
+def _digest_or_none(directory: str) -> str | None:
+    try:
+        return adapter_digest(directory)
+    except OSError:  # a file of an earlier copy went missing: fetch again
+        return None
