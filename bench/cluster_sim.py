@@ -24,11 +24,14 @@ from pathlib import Path
 from bench.envelope import write_result
 from toppings.scheduler.paper_models import paper_fig6_models
 from toppings.scheduler.perf_model import PerfModels
-from toppings.scheduler.policies import POLICIES, make_policy
+from toppings.scheduler.policies import POLICIES, LoRAServe, make_policy
 from toppings.scheduler.simulator import SimConfig, simulate
 from toppings.scheduler.trace import TraceConfig, generate_trace, trace_summary
 
 log = logging.getLogger("cluster_sim")
+# The routing policies; loraserve places adapters too and has its own driver
+# (bench/bench_cluster_placement.py, with drift and its placement clock).
+ROUTING = [name for name, cls in POLICIES.items() if not issubclass(cls, LoRAServe)]
 NO_SLO_MS = 1e9  # the no-LoRA run only measures TPT; nothing is over its SLO
 
 
@@ -141,12 +144,12 @@ def main(argv: list[str] | None = None) -> int:
             Job(k, rps, name, slo[k], keep_tpt=rps == args.rps and k == kernels[0], **common)
             for k in kernels
             for rps in loads
-            for name in POLICIES
+            for name in ROUTING
         ]
         runs = list(pool.map(run_job, jobs))
 
     at_paper_load = {k: {} for k in kernels}
-    sweep: dict[str, dict[str, list]] = {k: {name: [] for name in POLICIES} for k in kernels}
+    sweep: dict[str, dict[str, list]] = {k: {name: [] for name in ROUTING} for k in kernels}
     tpt_lists: dict[str, dict[str, list]] = {k: {} for k in kernels}
     for run in runs:
         job, summary = run["job"], run["summary"]

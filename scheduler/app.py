@@ -15,9 +15,10 @@ Admin endpoints manage the cluster:
     POST   /admin/servers   {"url"}            fetch its /v1/models and /stats, record it
     DELETE /admin/servers   {"url"} or ?url=   forget it
     POST   /admin/adapters  {"name", "base_model", "rank", "alpha"?, "target_modules"?,
-                             "path"?, "bytes"?, "state"?, "servers"?: [url]}
+                             "path"?, "bytes"?, "state"?, "sha256"?, "servers"?: [url]}
                             record an adapter; with "servers", ask each to load it from "path"
-    GET    /admin/state                        servers, health, policy, perf-model source
+    GET    /admin/state                        servers, health, policy, perf-model source, and
+                                               loraserve's last placement step (else null)
 """
 
 from __future__ import annotations
@@ -89,6 +90,7 @@ def _adapter(body: dict[str, Any]) -> AdapterRecord:
             path=body.get("path"),
             num_bytes=body.get("bytes"),
             state=body.get("state", "active"),
+            sha256=body.get("sha256"),
         )
     except KeyError as exc:
         raise SchedulerError(f"missing field {exc.args[0]!r}") from None
@@ -246,7 +248,10 @@ def create_app(
 
     @app.get("/admin/state")
     def state() -> Response:
+        placer = getattr(router.policy, "placer", None)  # loraserve: its last placement step
+        last_step = placer.history[-1] if placer is not None and placer.history else None
         return jsonify({
+            "placement": last_step,
             **info,
             "policy": router.policy.name,
             "slo_tpt_ms": router.policy.slo_ms,

@@ -1,8 +1,8 @@
 """`toppings-scheduler`: the cluster scheduler, served by waitress.
 
     toppings-scheduler --registry FILE.sqlite [--host 127.0.0.1] [--port 8000]
-        [--policy rank-aware|random|first-fit|least-loaded] [--perf-model FILE.json]
-        [--slo-tpt-ms X] [--max-concurrent-requests N] [--threads N]
+        [--policy rank-aware|loraserve|random|first-fit|least-loaded] [--perf-model FILE.json]
+        [--slo-tpt-ms X] [--placement-interval-s S] [--max-concurrent-requests N] [--threads N]
 
 Servers known to the registry are polled from the start; add more with POST /admin/servers.
 Without --perf-model the policies use the paper's Fig. 6 coefficients (A100, Llama-7B), which
@@ -25,11 +25,14 @@ from typing import Any
 import requests
 import waitress
 
+from toppings.scheduler.adapter_sync import AdapterSync
 from toppings.scheduler.app import DEFAULT_MAX_IN_FLIGHT, create_app
 from toppings.scheduler.cluster import Cluster
+from toppings.scheduler.loraserve import PlacementConfig
 from toppings.scheduler.paper_models import paper_fig6_models
 from toppings.scheduler.perf_model import PerfModels
-from toppings.scheduler.policies import POLICIES, make_policy
+from toppings.scheduler.placement_loop import PlacementLoop
+from toppings.scheduler.policies import POLICIES, LoRAServe, make_policy
 from toppings.scheduler.registry import Registry
 from toppings.scheduler.router import PromptCounter, Router, estimate_prompt_tokens
 from toppings.scheduler.state import BatchShape
@@ -77,6 +80,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=float,
         help="SLO on time per token, bounding the predicted decode latency (default: 1.5x the"
         " perf model's decode iteration of one request without LoRA)",
+    )
+    parser.add_argument(
+        "--placement-interval-s",
+        type=float,
+        default=PlacementConfig.interval_s,
+        help="loraserve: seconds between placement steps (a dead server re-places at once)",
     )
     parser.add_argument("--refresh-ms", type=float, default=100.0, help="/stats polling period")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random policy")
@@ -145,7 +154,14 @@ def main(argv: list[str] | None = None) -> None:
     session = requests.Session()
     cluster = Cluster(registry, make_fetch_json(session), refresh_s=args.refresh_ms / 1000.0)
     slo_ms = args.slo_tpt_ms or default_slo_ms(perf)
-    policy = make_policy(args.policy, perf, slo_ms, seed=args.seed)
+    options = {}
+    if issubclass(POLICIES[args.policy], LoRAServe):
+        if args.placement_interval_s <= 0:
+            _usage_error("--placement-interval-s must be positive")
+        options["placement"] = PlacementConfig(interval_s=args.placement_interval_s)
+    policy = make_policy(args.policy, perf, slo_ms, seed=args.seed, **options)
+    sync = AdapterSync(registry, cluster.hosting, session)
+    placement_loop = PlacementLoop(policy, cluster, registry, args.refresh_ms / 1000.0, sync)
     router = Router(registry, cluster, policy, count)
     if args.server_api_key:
         for sess in (session, router.session):  # /stats polling and the proxied requests
@@ -164,11 +180,14 @@ def main(argv: list[str] | None = None) -> None:
             )
         _usage_error(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}")
     cluster.start()
+    placement_loop.start()
     log.info("scheduler on http://%s:%s, policy %s, SLO %.1f ms per token",
              args.host, server.effective_port, args.policy, slo_ms)  # fmt: skip
     try:
         server.run()  # returns on Ctrl-C
     finally:
+        placement_loop.stop()
+        sync.close()
         cluster.stop()
         registry.close()
 

@@ -108,6 +108,11 @@ class Cluster:
             result.append(state)
         return result
 
+    def hosting(self) -> dict[str, frozenset[str]]:
+        """Healthy server url -> the adapters its last /stats (or a confirmed fetch) showed."""
+        with self._lock:
+            return {url: e.hosted for url, e in self._entries.items() if e.healthy}
+
     def note_routed(self, url: str, request: RouteRequest) -> None:
         with self._lock:
             entry = self._entries.get(url)

@@ -3,7 +3,8 @@
 Every policy answers `order(request, servers)`: the indices of the servers that can take the
 request (healthy, same base model, hosting the adapter), best first, so a caller can fall back
 to the next one when a server fails. `choose` is the first of that order. Policies are picked by
-name from POLICIES; the scheduler and the simulator run the same objects.
+name from POLICIES; the scheduler and the simulator run the same objects. `tick(now_s, servers,
+adapters)` is called periodically by both (the placement of `loraserve` runs there).
 """
 
 from __future__ import annotations
@@ -11,9 +12,10 @@ from __future__ import annotations
 import math
 import random
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
+from toppings.scheduler.loraserve import PlacementConfig, Placer
 from toppings.scheduler.perf_model import PerfModels
 from toppings.scheduler.state import RouteRequest, ServerState
 
@@ -48,6 +50,16 @@ class Policy(ABC):
         """Index of the best server, or None when no server serves the request."""
         ranked = self.order(request, servers)
         return ranked[0] if ranked else None
+
+    def tick(
+        self,
+        now_s: float,
+        servers: Sequence[ServerState],
+        adapters: Mapping[str, int] | None = None,
+    ) -> None:
+        """Periodic hook (every /stats refresh): `now_s` on a monotonic clock, the servers'
+        states, every known adapter (name -> rank). Routing-only policies ignore it."""
+        return None
 
     def decode_after(self, request: RouteRequest, server: ServerState) -> float:
         """Predicted decode iteration latency (ms) of `server` once `request` joins its batch."""
@@ -169,8 +181,111 @@ class LeastLoaded(KeyedPolicy):
         return server.num_requests, self.decode_after(request, server)
 
 
+class LoRAServe(RankAware):
+    """LoRAServe's probabilistic routing on its placement (scheduler/placement.py), with
+    Toppings' cost deciding among the servers of the adapter's row.
+
+    Two servers are drawn from the adapter's row by its probabilities (one when the row has
+    one) and the one with the lower rank-aware cost goes first, then the rest of the row, then
+    every other server that holds the adapter, all by cost. Only servers that hold the adapter
+    are candidates (as for every policy; the scheduler's adapter sync has the servers of a new
+    row fetch it from a peer, scheduler/adapter_sync.py), unless none does: then the row's
+    servers are, and fetch it when asked.
+
+    Why not the draw alone: a draw balances load only on average, and Poisson bursts queue on
+    whichever server they hit; the second choice, weighed by the cost rank-aware routes on,
+    absorbs them while the probabilities still decide which servers see the adapter (power of
+    two choices). If the first is over the SLO (cost +inf), the first server of that order
+    within it goes first: a request leaves its row only when its row is full. Requests without
+    an adapter, and adapters not placed yet, are routed by the rank-aware cost.
+    """
+
+    name = "loraserve"
+    num_choices = 2
+
+    def __init__(self, *args: Any, placement: PlacementConfig | None = None, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.rng = random.Random(self.seed)
+        self.placer = Placer(self.perf, self.slo_ms, placement or PlacementConfig())
+
+    def tick(
+        self,
+        now_s: float,
+        servers: Sequence[ServerState],
+        adapters: Mapping[str, int] | None = None,
+    ) -> None:
+        self.placer.maybe_step(now_s, servers, adapters)
+
+    def order(self, request: RouteRequest, servers: Sequence[ServerState]) -> list[int]:
+        self.placer.record(request)
+        row = self.placer.row(request.adapter) if request.adapter is not None else None
+        usable = [i for i, s in enumerate(servers) if s.serves(request)]
+        if not usable and row is not None:  # no holder is up: the row's servers fetch it
+            usable = [
+                i for i, s in enumerate(servers) if s.url in row[0] and _same_model(request, s)
+            ]
+        keys = {i: self._key(request, servers[i]) for i in usable}
+        if row is None:
+            return sorted(usable, key=lambda i: (keys[i], i))
+        index = {servers[i].url: i for i in usable}
+        in_row = [index[url] for url in row[0] if url in index]
+        drawn: list[int] = []
+        for _ in range(min(self.num_choices, len(in_row)) * 4):  # a few tries for distinct ones
+            url = self.placer.draw(request.adapter, self.rng)
+            if url in index and index[url] not in drawn:
+                drawn.append(index[url])
+            if len(drawn) == min(self.num_choices, len(in_row)):
+                break
+        first = self._first_choices(request, index, drawn)
+        taken = set(first)
+        rest = [i for i in in_row if i not in taken]
+        taken.update(rest)
+        others = [i for i in usable if i not in taken]
+        ranked = [
+            *sorted(first, key=lambda i: (keys[i], i)),
+            *sorted(rest, key=lambda i: (keys[i], i)),
+            *sorted(others, key=lambda i: (keys[i], i)),
+        ]
+        if ranked and math.isinf(keys[ranked[0]][0]):
+            ranked.sort(key=lambda i: math.isinf(keys[i][0]))  # stable: keeps the preference
+        return ranked
+
+    def choose(self, request: RouteRequest, servers: Sequence[ServerState]) -> int | None:
+        ranked = self.order(request, servers)
+        return ranked[0] if ranked else None
+
+    def _first_choices(
+        self, request: RouteRequest, index: Mapping[str, int], drawn: list[int]
+    ) -> list[int]:
+        """The servers the cost picks among first (index: url -> position of usable servers)."""
+        return drawn
+
+
+class LoRAServeGroup(LoRAServe):
+    """Ablation of `loraserve`: the cost decides among the drawn servers and every server the
+    placement gave to the request's rank (its group, scheduler/loraserve.py `Placer.group`),
+    not only the adapter's row: more servers to absorb bursts, more adapters fetched."""
+
+    name = "loraserve-group"
+
+    def _first_choices(
+        self, request: RouteRequest, index: Mapping[str, int], drawn: list[int]
+    ) -> list[int]:
+        group = [index[url] for url in self.placer.group(request.rank) if url in index]
+        return sorted(set(drawn) | set(group))
+
+
+def _same_model(request: RouteRequest, server: ServerState) -> bool:
+    """Healthy and of the request's base model: a server that can fetch any of its adapters."""
+    if not server.healthy:
+        return False
+    named = request.base_model and server.base_model
+    return not (named and request.base_model != server.base_model)
+
+
 POLICIES: dict[str, type[Policy]] = {
-    cls.name: cls for cls in (RankAware, RandomPolicy, FirstFit, LeastLoaded)
+    cls.name: cls
+    for cls in (RankAware, RandomPolicy, FirstFit, LeastLoaded, LoRAServe, LoRAServeGroup)
 }
 
 
@@ -180,10 +295,12 @@ def make_policy(
     slo_ms: float,
     avg_resp_len: float = DEFAULT_AVG_RESP_LEN,
     seed: int = 0,
+    **options: Any,
 ) -> Policy:
-    """The policy registered under `name` (see POLICIES)."""
+    """The policy registered under `name` (see POLICIES); `options` go to its class (loraserve:
+    `placement=PlacementConfig(...)`)."""
     try:
         cls = POLICIES[name]
     except KeyError:
         raise ValueError(f"unknown policy {name!r}; choose from {', '.join(POLICIES)}") from None
-    return cls(perf, slo_ms, avg_resp_len, seed)
+    return cls(perf, slo_ms, avg_resp_len, seed, **options)

@@ -1,6 +1,8 @@
-"""SQLite registry of base models, adapters, servers and which server hosts which adapter.
+"""SQLite registry of base models, adapters, servers, which server hosts which adapter, and
+LoRAServe's routing table (which server serves which adapter, with what probability).
 
-The schema is the top-level `registry.sqlite.sql`, versioned with PRAGMA user_version. The
+The schema is the top-level `registry.sqlite.sql`, versioned with PRAGMA user_version; an older
+file is migrated in place (MIGRATIONS: v1 -> v2 adds the adapters' SHA-256 and the routes). The
 database runs in WAL mode, so readers never block the writer and see only committed
 transactions; every change that touches several rows (a server and its adapters) is one
 transaction. Each thread gets its own connection; the file is the whole state, so a restarted
@@ -21,7 +23,20 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+# version -> the statements that take a file at that version to the next one
+MIGRATIONS: dict[int, tuple[str, ...]] = {
+    1: (
+        "ALTER TABLE adapters ADD COLUMN sha256 TEXT CHECK (sha256 IS NULL"
+        " OR (length(sha256) = 64 AND sha256 NOT GLOB '*[^0-9a-f]*'))",
+        "CREATE TABLE routes (adapter_name TEXT NOT NULL REFERENCES adapters(name)"
+        " ON DELETE CASCADE, server_url TEXT NOT NULL REFERENCES servers(url) ON DELETE CASCADE,"
+        " probability REAL NOT NULL CHECK (probability > 0 AND probability <= 1),"
+        " step INTEGER NOT NULL, PRIMARY KEY (adapter_name, server_url))",
+        "CREATE INDEX routes_by_server ON routes(server_url)",
+    ),
+}
+SHA256_HEX = frozenset("0123456789abcdef")
 SCHEMA_PATH = Path(__file__).resolve().parent.parent / "registry.sqlite.sql"
 ADAPTER_STATES = ("active", "disabled")
 
@@ -40,6 +55,7 @@ class AdapterRecord:
     path: str | None = None
     num_bytes: int | None = None
     state: str = "active"
+    sha256: str | None = None  # hex digest of the PEFT files (server/peer_fetch.py)
 
     def __post_init__(self) -> None:
         if not self.name or not self.base_model:
@@ -54,6 +70,12 @@ class AdapterRecord:
             raise RegistryError(f"adapter {self.name}: target_modules must be names")
         if self.state not in ADAPTER_STATES:
             raise RegistryError(f"adapter {self.name}: state must be one of {ADAPTER_STATES}")
+        if self.sha256 is not None and (
+            not isinstance(self.sha256, str)
+            or len(self.sha256) != 64
+            or not set(self.sha256) <= SHA256_HEX
+        ):
+            raise RegistryError(f"adapter {self.name}: sha256 must be 64 lowercase hex digits")
 
 
 @dataclass(frozen=True)
@@ -145,6 +167,13 @@ class Registry:
                     tx.execute(statement)
                 tx.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
                 log.info("created registry schema v%d in %s", SCHEMA_VERSION, self.path)
+                return
+            while version < SCHEMA_VERSION:
+                for statement in MIGRATIONS[version]:
+                    tx.execute(statement)
+                version += 1
+                tx.execute(f"PRAGMA user_version = {version}")
+                log.info("migrated registry %s to schema v%d", self.path, version)
 
     # --- adapters -----------------------------------------------------------------------------
 
@@ -178,6 +207,38 @@ class Registry:
     def base_models(self) -> list[str]:
         with self.read() as tx:
             return [r[0] for r in tx.execute("SELECT name FROM base_models ORDER BY name")]
+
+    # --- LoRAServe's routing table -------------------------------------------------------------
+
+    def put_routes(self, rows: Iterable[tuple[str, str, float]], step: int) -> None:
+        """Replace the routing table by `rows` (adapter, server url, probability), one
+        transaction; raises RegistryError for an unknown adapter or server."""
+        with self.write() as tx:
+            tx.execute("DELETE FROM routes")
+            try:
+                tx.executemany(
+                    "INSERT INTO routes (adapter_name, server_url, probability, step)"
+                    " VALUES (?, ?, ?, ?)",
+                    ((a, s, float(p), step) for a, s, p in rows),
+                )
+            except sqlite3.IntegrityError as exc:
+                raise RegistryError(f"routing table refused: {exc}") from exc
+
+    def routes(self) -> dict[str, dict[str, float]]:
+        """adapter -> {server url: probability}."""
+        table: dict[str, dict[str, float]] = {}
+        with self.read() as tx:
+            for adapter, url, p in tx.execute(
+                "SELECT adapter_name, server_url, probability FROM routes"
+                " ORDER BY adapter_name, server_url"
+            ):
+                table.setdefault(adapter, {})[url] = p
+        return table
+
+    def routes_step(self) -> int | None:
+        """The placement step that wrote the routing table, or None when it is empty."""
+        with self.read() as tx:
+            return tx.execute("SELECT MAX(step) FROM routes").fetchone()[0]
 
     # --- servers ------------------------------------------------------------------------------
 
@@ -261,7 +322,7 @@ def _ensure_base_model(tx: sqlite3.Connection, name: str, now: float) -> None:
 def _put_adapter(
     tx: sqlite3.Connection, adapter: AdapterRecord, now: float, fill_only: bool = False
 ) -> None:
-    """Insert or update; fill_only keeps known alpha/path/bytes/modules/state that a server's
+    """Insert or update; fill_only keeps known alpha/path/bytes/sha256/modules/state that a server's
     report (which carries only name and rank) would otherwise blank."""
     row = tx.execute("SELECT base_model FROM adapters WHERE name = ?", (adapter.name,)).fetchone()
     if row is not None and row[0] != adapter.base_model:
@@ -273,15 +334,16 @@ def _put_adapter(
     keep = "COALESCE(excluded.{0}, adapters.{0})" if fill_only else "excluded.{0}"
     tx.execute(
         "INSERT INTO adapters (name, base_model, rank, alpha, target_modules, path, num_bytes,"
-        " state, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT(name) DO UPDATE SET"
-        f" rank = excluded.rank, alpha = {keep.format('alpha')}, path = {keep.format('path')},"
-        f" num_bytes = {keep.format('num_bytes')},"
+        " state, updated_at, sha256) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT(name)"
+        f" DO UPDATE SET rank = excluded.rank, alpha = {keep.format('alpha')},"
+        f" path = {keep.format('path')}, num_bytes = {keep.format('num_bytes')},"
+        f" sha256 = {keep.format('sha256')},"
         " target_modules = CASE WHEN excluded.target_modules = '[]' AND ? THEN"
         " adapters.target_modules ELSE excluded.target_modules END,"
         f" state = {'adapters.state' if fill_only else 'excluded.state'},"
         " updated_at = excluded.updated_at",
         (adapter.name, adapter.base_model, adapter.rank, adapter.alpha, modules, adapter.path,
-         adapter.num_bytes, adapter.state, now, int(fill_only)),
+         adapter.num_bytes, adapter.state, now, adapter.sha256, int(fill_only)),
     )  # fmt: skip
 
 
@@ -295,4 +357,5 @@ def _adapter(row: sqlite3.Row) -> AdapterRecord:
         path=row["path"],
         num_bytes=row["num_bytes"],
         state=row["state"],
+        sha256=row["sha256"],
     )

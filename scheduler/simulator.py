@@ -7,7 +7,10 @@ running batch. Iteration durations come from the perf models of the server's ker
 policy sees what the real scheduler sees: a snapshot of every server taken every `refresh_s`
 plus the requests it routed since. A request reserves KV slots for its prompt and its true
 output length (the engine reserves max_new_tokens; a trace has no separate cap). Adapters are
-in every server's host memory and adapter loading is not modelled.
+in every server's host memory and adapter loading is not modelled (for `loraserve`, a server
+that must fetch an adapter from a peer serves it at once: fetch time is not modelled either).
+At every snapshot the policy's `tick` runs with the simulated time and every adapter the
+cluster knows (`adapters`, default: those of the trace): that is where `loraserve` re-places.
 
 Metrics per request follow the paper: TTFT, and time per token TPT = end-to-end latency /
 output tokens (prefill and queueing included); a request meets the SLO when TPT <= SLO.
@@ -18,7 +21,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from toppings.scheduler.perf_model import PerfModels
@@ -218,11 +221,20 @@ class SimResult:
 
 
 def simulate(
-    trace: Sequence[TraceRequest], policy: Policy, perf: PerfModels, config: SimConfig
+    trace: Sequence[TraceRequest],
+    policy: Policy,
+    perf: PerfModels,
+    config: SimConfig,
+    adapters: Mapping[str, int] | None = None,
 ) -> SimResult:
-    """Run `trace` through `config.num_servers` servers routed by `policy` until all finish."""
-    adapters = frozenset(r.adapter for r in trace)
-    servers = [SimServer(i, config, perf, adapters) for i in range(config.num_servers)]
+    """Run `trace` through `config.num_servers` servers routed by `policy` until all finish.
+
+    adapters: every adapter of the cluster (name -> rank) for the policy's `tick`.
+    """
+    if adapters is None:
+        adapters = {r.adapter: r.rank for r in trace}
+    known = frozenset(adapters) | frozenset(r.adapter for r in trace)
+    servers = [SimServer(i, config, perf, known) for i in range(config.num_servers)]
     # (time, server idx, is_end): an iteration ends, or an idle server starts one. A start is an
     # event at the arrival time, not an immediate call, so that requests arriving at the same
     # instant share one prefill.
@@ -242,6 +254,7 @@ def simulate(
             route = RouteRequest(item.adapter, item.rank, item.prompt_tokens, item.output_tokens)
             if item.arrival_s >= next_refresh_s:
                 views = [s.state() for s in servers]
+                policy.tick(item.arrival_s, views, adapters)
                 next_refresh_s = (
                     item.arrival_s
                     if config.refresh_s == 0

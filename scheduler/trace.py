@@ -8,6 +8,15 @@ LMSYS-Chat-1M reports (69.5 tokens per prompt, 214.5 per response); the dataset 
 spread, so sigma = 1.0 (a median about 0.6x the mean, a long right tail as in chat logs) is our
 choice. Lengths are clipped to [1, max_*_tokens].
 
+Drift (`drift_per_s` > 0): the popularity order slides along the adapters by that many places
+per second, continuously: a request drawn at Zipf position p at time t goes to adapter
+floor(t x drift_per_s + p + U) mod num_adapters, U uniform in [0, 1), so each adapter's share
+moves linearly from one position's weight to the next's instead of jumping; an adapter climbs
+to the head, then its share falls to nothing over 1 / drift_per_s seconds (the MAF trace's
+drifting function popularity; LoRAServe's Fig. 10). Each adapter keeps its rank, so the rank
+mix of the hot set drifts with it. The default 0 is a fixed popularity (and the same traces as
+before drift existed).
+
 Defaults: 40,000 adapters, as the paper's 60-instance simulation has 40,000 MAF functions;
 zipf_s = 1.1 puts ~14% of requests on the most popular adapter and ~60% on the top 100. The
 MAF statistic "18.6% of functions take 99.6% of calls" would need s ~ 1.5, which gives one
@@ -37,10 +46,13 @@ class TraceConfig:
     output_sigma: float = 1.0
     max_output_tokens: int = 1024
     seed: int = 0
+    drift_per_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.rps <= 0 or self.duration_s <= 0 or self.num_adapters < 1 or not self.ranks:
             raise ValueError("rps, duration_s and num_adapters must be positive, ranks non-empty")
+        if self.drift_per_s < 0:
+            raise ValueError("drift_per_s must be >= 0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,7 +71,7 @@ def lognormal_mu(mean: float, sigma: float) -> float:
 
 
 def adapter_ranks(config: TraceConfig) -> list[int]:
-    """Rank of each adapter, in popularity order (index 0 is the most popular)."""
+    """Rank of each adapter, by index (without drift, index 0 is the most popular)."""
     rng = random.Random(config.seed * 7919 + 1)
     return [rng.choice(config.ranks) for _ in range(config.num_adapters)]
 
@@ -78,6 +90,9 @@ def generate_trace(config: TraceConfig) -> list[TraceRequest]:
     now = rng.expovariate(config.rps)
     while now < config.duration_s:
         adapter_idx = bisect.bisect_left(cum_weights, rng.random() * total)
+        if config.drift_per_s:  # position + U in [p, p + 1), shifted by the drift so far
+            shifted = now * config.drift_per_s + adapter_idx + rng.random()
+            adapter_idx = int(shifted) % config.num_adapters
         prompt = int(round(rng.lognormvariate(prompt_mu, config.prompt_sigma)))
         output = int(round(rng.lognormvariate(output_mu, config.output_sigma)))
         requests.append(

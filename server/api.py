@@ -14,9 +14,11 @@ gets 429 with Retry-After at once. `cli.py` sizes waitress's thread pool from th
 streams never wait for a thread and the operator endpoints always find one.
 
 Operator endpoints: `/metrics` (Prometheus, see server.metrics), `/v1/load_lora_adapter` and
-`/v1/unload_lora_adapter` (see server.lifecycle). With an API key every endpoint but `/health`
-wants `Authorization: Bearer KEY`. While the server drains (SIGTERM), `/health` answers 503 so
-that a scheduler stops routing here, and the engine refuses new requests with 503.
+`/v1/unload_lora_adapter` (see server.lifecycle; a load naming `peers` fetches the adapter from
+them, server.peer_fetch), `GET /v1/adapters/NAME/files[/FILE]` (the PEFT files of an adapter
+this server holds, for a peer to fetch; server.adapter_files). With an API key every endpoint
+but `/health` wants `Authorization: Bearer KEY`. While the server drains (SIGTERM), `/health`
+answers 503 so that a scheduler stops routing here, and the engine refuses new requests with 503.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from dataclasses import dataclass
 from flask import Flask, Response, jsonify, request
 from werkzeug.exceptions import HTTPException
 
+from toppings.server.adapter_files import FILES, manifest, read_chunks
 from toppings.server.errors import (
     INVALID_REQUEST,
     NOT_FOUND,
@@ -60,6 +63,7 @@ from toppings.server.openai_response import (
     stream_events,
 )
 from toppings.server.openai_schema import ParsedBody, parse_chat, parse_completion, parse_native
+from toppings.server.peer_fetch import FetchConfig, PeerFetcher, held_adapter_dir
 from toppings.server.request import GenerationRequest, RequestError
 from toppings.server.request_group import RequestGroup
 from toppings.server.tokenize_api import detokenize, tokenize
@@ -80,6 +84,7 @@ class ApiOptions:
     max_new_tokens_limit: int | None = None
     lora_roots: tuple[str, ...] = ()  # directories /v1/load_lora_adapter may read from
     max_concurrent_requests: int | None = None  # generation requests in flight, queued included
+    adapter_store: str | None = None  # where adapters fetched from peers go; None: no fetching
 
     def __post_init__(self) -> None:
         for name in ("max_prompt_tokens", "max_new_tokens_limit", "max_concurrent_requests"):
@@ -171,6 +176,9 @@ def create_app(engine, options: ApiOptions | None = None) -> Flask:
     state = ServerState(in_flight, ServerMetrics(engine, in_flight))
     app.extensions["toppings"] = state
     admin = AdapterAdmin(engine, AdapterPaths(options.lora_roots))
+    fetcher = None
+    if options.adapter_store is not None:
+        fetcher = PeerFetcher(engine, FetchConfig(options.adapter_store, options.api_key))
     tokenizer_lock = threading.Lock()
     started = int(time.time())
 
@@ -268,7 +276,24 @@ def create_app(engine, options: ApiOptions | None = None) -> Flask:
 
     @app.post("/v1/load_lora_adapter")
     def load_lora_adapter() -> Response:
-        return jsonify(admin.load(_json_body()))
+        body = _json_body()
+        if "peers" not in body:
+            return jsonify(admin.load(body))
+        if fetcher is None:
+            raise RequestError("fetching adapters from peers is disabled: start the server with "
+                               "--adapter-store", 403, "permission_denied")  # fmt: skip
+        return jsonify(fetcher.load(body))
+
+    @app.get("/v1/adapters/<path:name>/files")
+    def adapter_file_list(name: str) -> Response:
+        return jsonify(manifest(name, held_adapter_dir(engine, name)))
+
+    @app.get("/v1/adapters/<path:name>/files/<file_name>")
+    def adapter_file(name: str, file_name: str) -> Response:
+        directory = held_adapter_dir(engine, name)
+        if file_name not in FILES:
+            raise RequestError(f"{file_name!r} is not an adapter file", 404, NOT_FOUND)
+        return Response(read_chunks(directory, file_name), content_type="application/octet-stream")
 
     @app.post("/v1/unload_lora_adapter")
     def unload_lora_adapter() -> Response:

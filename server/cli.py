@@ -164,6 +164,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="/v1/load_lora_adapter may load adapters from under DIR (repeatable); with "
         "neither this nor --lora-dir, loading at run time is disabled",
     )
+    p.add_argument(
+        "--adapter-store",
+        metavar="DIR",
+        help="LoRAServe's adapter pool: adapters fetched from peer servers are written under DIR "
+        "(/v1/load_lora_adapter with 'peers'); without it this server fetches nothing",
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8100, help="0 picks a free port")
     p.add_argument("--device", choices=DEVICES, default="cpu")
@@ -396,6 +402,7 @@ def main(argv: list[str] | None = None) -> int:
             max_prompt_tokens=args.max_prompt_tokens,
             max_new_tokens_limit=args.max_new_tokens_limit,
             lora_roots=tuple(args.lora_dir + args.allowed_lora_root),
+            adapter_store=args.adapter_store,
             max_concurrent_requests=args.max_concurrent_requests
             or default_max_in_flight(config.max_batch_size),
         )
