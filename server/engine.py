@@ -152,7 +152,8 @@ class Engine:
             if name not in self._adapters:
                 raise RequestError(unknown_adapter(name), 404, NOT_FOUND)
             with self._inbox.mutex:  # requests submitted but not yet picked up count too
-                pending = [s for s in self._inbox.queue if isinstance(s, Sequence)]
+                pending = [s for item in self._inbox.queue if isinstance(item, list)
+                           for s in item]  # fmt: skip
             seqs = pending + list(self.queue) + self._running
             users = [s for s in seqs if s.request.adapter == name]
             if users:
@@ -209,6 +210,20 @@ class Engine:
 
     def submit(self, request: GenerationRequest) -> RequestHandle:
         """Queue a request; raises RequestError when it can never be served."""
+        return self.submit_all([request])[0]
+
+    def submit_all(self, requests: list[GenerationRequest]) -> list[RequestHandle]:
+        """Queue requests together (the choices and prompts of one HTTP request): the engine
+        picks them up in one iteration, so they share a prefill step. Raises RequestError for
+        the first that can never be served, and then queues none."""
+        for request in requests:
+            self._check(request)
+        seqs = [Sequence(r, RequestHandle(r, self.abort), self.tokenizer, time.monotonic())
+                for r in requests]  # fmt: skip
+        self._inbox.put(seqs)
+        return [s.handle for s in seqs]
+
+    def _check(self, request: GenerationRequest) -> None:
         if self._stopping.is_set() or self._draining.is_set():
             raise RequestError("the server is shutting down", 503, "unavailable")
         ids = request.prompt_ids
@@ -227,17 +242,14 @@ class Engine:
                 f"{self.max_model_len} tokens"
             )
         mem = self.memory
-        blocks = mem.blocks_for(need) + mem.adapter_need(
-            request.adapter, self.lora.bytes_of(request.adapter)
-        )
+        blocks = mem.blocks_for(need)
+        if mem.shared and request.adapter is not None:
+            blocks += mem.blocks_for_bytes(self.lora.bytes_of(request.adapter))
         if blocks > self.kv.num_blocks:
             raise RequestError(
                 f"request needs {blocks} memory blocks of {self.kv.block_tokens} tokens (KV for "
                 f"{need} tokens and its adapter); the server has {self.kv.num_blocks}"
             )
-        handle = RequestHandle(request, self.abort)
-        self._inbox.put(Sequence(request, handle, self.tokenizer, time.monotonic()))
-        return handle
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(request_id)
@@ -306,8 +318,9 @@ class Engine:
         try:
             item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
             while True:
-                if isinstance(item, Sequence):
-                    self.queue.push(item, time.monotonic())
+                if isinstance(item, list):  # requests submitted together
+                    for seq in item:
+                        self.queue.push(seq, time.monotonic())
                 elif isinstance(item, str):
                     self._abort(item)
                 item = self._inbox.get_nowait()

@@ -22,20 +22,16 @@ class RequestGroup:
     """The requests of one response; choice i is `requests[i]`."""
 
     def __init__(self, engine, requests: list[GenerationRequest]):
-        """Submit every request; if one is refused, abort those already submitted."""
+        """Submit every request at once; if one is refused, none is queued."""
         self._engine = engine
         self._wake = threading.Event()
-        self._handles = []
-        try:
-            for req in requests:
-                handle = engine.submit(req)
-                # An output put before this line waits in the handle's queue: the first sweep
-                # finds it.
-                handle.on_put = self._wake.set
-                self._handles.append(handle)
-        except BaseException:
-            self.abort()
-            raise
+        # Submitted together (one prefill step) or not at all (a RequestError for the first
+        # that can never be served).
+        self._handles = engine.submit_all(requests)
+        for handle in self._handles:
+            # An output put before this line waits in the handle's queue: the first sweep finds
+            # it.
+            handle.on_put = self._wake.set
         self._open = set(range(len(self._handles)))
 
     def abort(self) -> None:

@@ -165,3 +165,15 @@ def test_sampling_params_are_validated():
 def test_engine_config_refuses_bad_values(field, value):
     with pytest.raises(ValueError, match=field):
         EngineConfig(**{field: value})
+
+
+def test_requests_submitted_together_share_one_prefill_or_none_is_queued(engine):
+    before = engine.step_stats.prefill_steps
+    handles = engine.submit_all([GenerationRequest([5, 6, 7], GREEDY),
+                                 GenerationRequest([9, 10], GREEDY)])  # fmt: skip
+    assert all(len(h.result(timeout_s=120).new_token_ids) == 12 for h in handles)
+    assert engine.step_stats.prefill_steps - before == 1
+    with pytest.raises(RequestError):
+        engine.submit_all([GenerationRequest([5, 6], GREEDY), GenerationRequest([], GREEDY)])
+    assert_idle(engine)
+    assert engine.stats().to_json()["queue"] == []
