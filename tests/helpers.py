@@ -72,3 +72,17 @@ def assert_memory_balanced(engine, pinned_adapter_blocks: int = 0) -> None:
             reachable += node.on_device
             stack.extend(node.children.values())
         assert reachable == tree.num_device == blocks["kv_cached"], (reachable, tree.num_device)
+
+
+def spy_on_submissions(engine, monkeypatch, on_submit) -> None:
+    """Call on_submit(request, handle) for every request the HTTP API submits (it submits the
+    requests of one HTTP request together, through `engine.submit_all`)."""
+    submit_all = engine.submit_all
+
+    def spied(requests):
+        handles = submit_all(requests)
+        for req, handle in zip(requests, handles):
+            on_submit(req, handle)
+        return handles
+
+    monkeypatch.setattr(engine, "submit_all", spied)

@@ -192,13 +192,14 @@ def served(tmp_path_factory, tiny_model_dir):
     }
     engine = build_engine(str(tiny_model_dir), EngineConfig(dtype="float32"), loras)
     received: list[tuple] = []
-    submit = engine.submit
+    submit_all = engine.submit_all
 
-    def recording_submit(req):
-        received.append((req.adapter, tuple(req.prompt_ids), req.params.max_new_tokens))
-        return submit(req)
+    def recording_submit(reqs):
+        for req in reqs:
+            received.append((req.adapter, tuple(req.prompt_ids), req.params.max_new_tokens))
+        return submit_all(reqs)
 
-    engine.submit = recording_submit
+    engine.submit_all = recording_submit
     server = waitress.create_server(create_app(engine), host="127.0.0.1", port=0, threads=8)
     threading.Thread(target=server.run, daemon=True).start()
     yield f"http://127.0.0.1:{server.effective_port}", received

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from tests.helpers import spy_on_submissions
 from toppings.server.api import create_app
 from toppings.server.config import EngineConfig
 from toppings.server.request import GenerationRequest, SamplingParams
@@ -208,8 +209,7 @@ def test_unexpected_exception_is_a_json_500(client, engine, monkeypatch):
 
 def test_closing_a_stream_aborts_the_request(client, engine, monkeypatch):
     handles = []
-    submit = engine.submit
-    monkeypatch.setattr(engine, "submit", lambda req: handles.append(submit(req)) or handles[-1])
+    spy_on_submissions(engine, monkeypatch, lambda req, handle: handles.append(handle))
     body = {
         "input_ids": [1, 2, 3],
         "max_new_tokens": engine.max_model_len - 3,

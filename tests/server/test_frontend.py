@@ -12,6 +12,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from werkzeug.test import EnvironBuilder
 
+from tests.helpers import spy_on_submissions
 from tests.server.test_api import start_engine
 from toppings.server.api import ApiOptions, create_app
 from toppings.server.frontend import (
@@ -220,15 +221,12 @@ def metric_values(client) -> dict[str, float]:
 def finals(engine, monkeypatch):
     """The final output of every request submitted during the test, as it ends."""
     ended = []
-    submit = engine.submit
 
-    def watched(req):
-        handle = submit(req)
+    def watched(req, handle):
         put = handle.put
         handle.put = lambda out: (put(out), out.finish_reason and ended.append(out))
-        return handle
 
-    monkeypatch.setattr(engine, "submit", watched)
+    spy_on_submissions(engine, monkeypatch, watched)
     return ended
 
 
@@ -266,7 +264,9 @@ def test_a_client_gone_from_a_plain_request_gives_its_slot_back(app, finals):
 @pytest.mark.parametrize("stream", [False, True])
 def test_an_engine_that_stops_answering_gives_the_slot_back(app, engine, monkeypatch, stream):
     """The engine dies with the request inside: no output ever comes (503, or an error event)."""
-    monkeypatch.setattr(engine, "submit", lambda req: RequestHandle(req, lambda rid: None))
+    monkeypatch.setattr(
+        engine, "submit_all", lambda reqs: [RequestHandle(r, lambda rid: None) for r in reqs]
+    )
     monkeypatch.setattr(engine, "is_healthy", lambda: False)
     response = app.test_client().post("/generate", json=dict(ENDPOINTS["/generate"], stream=stream))
     if stream:

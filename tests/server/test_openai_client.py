@@ -19,6 +19,7 @@ import pytest
 import requests
 import waitress
 
+from tests.helpers import spy_on_submissions
 from toppings.server.api import create_app
 from toppings.server.config import EngineConfig
 from toppings.server.request import RequestOutput
@@ -119,10 +120,8 @@ def test_client_errors(client):
 def _final_outputs(engine, monkeypatch) -> list[RequestOutput]:
     """Spy on engine.submit: the list fills with each request's final output as it is sent."""
     finals: list[RequestOutput] = []
-    submit = engine.submit
 
-    def spy(req):
-        handle = submit(req)
+    def spy(req, handle):
         put = handle.put
 
         def put_and_record(out: RequestOutput) -> None:
@@ -131,9 +130,8 @@ def _final_outputs(engine, monkeypatch) -> list[RequestOutput]:
                 finals.append(out)
 
         handle.put = put_and_record
-        return handle
 
-    monkeypatch.setattr(engine, "submit", spy)
+    spy_on_submissions(engine, monkeypatch, spy)
     return finals
 
 
