@@ -82,12 +82,11 @@ class Engine:
             host_blocks, config.link_gbps,
         )  # fmt: skip
         self.lora = AdapterManager(config, mc, dtype)  # the only LoRA object the engine uses
-        if config.memory_layout == "pool" and (
+        # Adapters take blocks of the pool, or have a budget of their own (or none).
+        charged = config.memory_layout == "pool" and bool(
             config.memory_bytes or config.adapter_cache_bytes or config.device == "cuda"
-        ):
-            self.memory.attach_adapters(self.lora.cache)  # adapters take blocks of the pool
-        else:
-            self.memory.cache = self.lora.cache  # adapters have a budget of their own, or none
+        )
+        self.memory.attach_adapters(self.lora.cache, charged)
         self._adapters = self.lora.registry  # read-only here: name -> LoraAdapter
         self.eos_ids = set(mc.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:

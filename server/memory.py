@@ -80,11 +80,13 @@ class MemoryManager:
         self._prefill_s_per_token = 1e-3  # refined from measured prefills
         kv.reclaim = self._reclaim
 
-    def attach_adapters(self, cache) -> None:
-        """Let adapters take blocks of the pool: the cache charges each load."""
+    def attach_adapters(self, cache, charged: bool) -> None:
+        """The adapter cache whose idle entries may be evicted; with `charged`, adapters take
+        blocks of this pool (the cache charges each load)."""
         self.cache = cache
-        self.shared = True
-        cache.charge = self
+        self.shared = charged
+        if charged:
+            cache.charge = self
 
     # ---- admission ---------------------------------------------------------------------------
 
@@ -121,7 +123,7 @@ class MemoryManager:
         path = self.tree.match(seq.request.adapter, ids, (len(ids) - 1) // self.kv.block_tokens)
         if self.host is not None and self.host.seconds_per_block() > self._recompute_s():
             path = [n for n in path if n.on_device]  # device nodes come first on any path
-        return [n for n in path if n.on_device or self.host is not None]
+        return path  # without a host tier every cached node is on the device
 
     def kv_need(self, seq, path: list[KVNode]) -> int:
         """Blocks admitting `seq` with this cached prefix adds to the committed count."""
@@ -172,9 +174,8 @@ class MemoryManager:
         if keep_kv:
             ids = (list(seq.request.prompt_ids) + seq.output_ids)[: self.kv.lengths[hold.row]]
             self._insert(hold, ids, now)
-        created = set(map(id, hold.held[hold.num_matched :]))
-        for node in hold.held:
-            self.tree.unhold(node, id(node) in created, now)
+        for i, node in enumerate(hold.held):
+            self.tree.unhold(node, i >= hold.num_matched, now)  # after the match: its own
         self.kv.free_row(hold.row, keep=[n.block for n in hold.held[hold.num_matched :]])
         self.reserved -= hold.reserved
         seq.kv_hold = None
@@ -325,8 +326,8 @@ class MemoryManager:
 
     def _swap_in_idle(self, num_blocks: int, now: float) -> None:
         roots = [n for n in self.tree.host_nodes() if n.parent.parent is None or n.parent.on_device]
-        roots = [n for n in roots if self.shared is False or self.cache is None
-                 or n.adapter is None or n.adapter in self.cache.entries]  # fmt: skip
+        roots = [n for n in roots if not self.shared or n.adapter is None
+                 or n.adapter in self.cache.entries]  # fmt: skip
         cands = [Candidate("kv", n, self.kv.block_bytes, n.visits, n.last_used) for n in roots]
         for cand in reversed(self.policy.order(cands, self._context(now, cands))[-num_blocks:]):
             if not self.kv.num_free_blocks:

@@ -18,6 +18,7 @@ ended: blocks the admission budget must count apart from the requests' own reser
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 
@@ -129,26 +130,21 @@ class PrefixTree:
 
     # ---- moves (the memory manager copies the bytes) ----------------------------------------
 
+    def nodes(self) -> Iterator[KVNode]:
+        """Every KV node of every adapter (not the roots)."""
+        stack = [n for r in self.roots.values() for n in r.children.values()]
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
     def device_leaves(self) -> list[KVNode]:
         """Device nodes without a reference or device children: what may leave the device."""
-        out, stack = [], [n for r in self.roots.values() for n in r.children.values()]
-        while stack:
-            node = stack.pop()
-            if not node.on_device:
-                continue
-            if node.refcount == 0 and node.num_device_children == 0:
-                out.append(node)
-            stack.extend(node.children.values())
-        return out
+        return [n for n in self.nodes()
+                if n.on_device and n.refcount == 0 and n.num_device_children == 0]  # fmt: skip
 
     def host_nodes(self) -> list[KVNode]:
-        out, stack = [], [n for r in self.roots.values() for n in r.children.values()]
-        while stack:
-            node = stack.pop()
-            if not node.on_device:
-                out.append(node)
-            stack.extend(node.children.values())
-        return out
+        return [n for n in self.nodes() if not n.on_device]
 
     def to_host(self, node: KVNode, host_block: int) -> int:
         """A device leaf now lives in `host_block`; returns the device block it gave up."""

@@ -65,12 +65,7 @@ def assert_memory_balanced(engine, pinned_adapter_blocks: int = 0) -> None:
     assert all(n == 0 for n in kv.lengths) and kv.num_free_rows == len(kv.lengths)
     tree = engine.memory.tree
     if tree is not None:  # every cached block is reachable, so it can be evicted
-        stack = [n for r in tree.roots.values() for n in r.children.values()]
-        reachable = 0
-        while stack:
-            node = stack.pop()
-            reachable += node.on_device
-            stack.extend(node.children.values())
+        reachable = sum(n.on_device for n in tree.nodes())
         assert reachable == tree.num_device == blocks["kv_cached"], (reachable, tree.num_device)
 
 

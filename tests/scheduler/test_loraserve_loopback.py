@@ -32,8 +32,8 @@ from werkzeug.serving import make_server
 from werkzeug.wrappers import Request, Response
 
 from tests.helpers import wait_healthy
+from tests.scheduler.test_cluster_loopback import _perf_models
 from tests.server.test_exactness import NEW_TOKENS, assert_same_greedy, reference_greedy
-from toppings.scheduler.perf_model import LinearPerfModel, PerfModels
 from toppings.scheduler.registry import Registry
 from toppings.server.adapter_files import FILES, WEIGHTS_FILE, adapter_digest
 
@@ -42,14 +42,6 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 RANKS = {"a8": 8, "b16": 16, "c32": 32, "d64": 64, "e16": 16}
 ON_DISK = (("a8", "b16", "e16"), ("b16", "c32", "e16"), ("d64",))
 PROMPT = [5, 17, 42, 9, 88, 3, 61, 27]
-
-
-def _perf() -> PerfModels:
-    models = {}
-    for kernel in ("bgmv", "mbgmv"):
-        models[f"{kernel}_decode"] = LinearPerfModel(kernel, "decode", 10.0, (0.01,))
-        models[f"{kernel}_prefill"] = LinearPerfModel(kernel, "prefill", 1.0, (0.01, 1e-4))
-    return PerfModels(models, source="test")
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +53,7 @@ def pool(tmp_path_factory, free_port):
     model = make_tiny_llama(root / "tiny")
     paths = {n: str(make_random_adapter(root / "src" / n, model, rank=r, seed=r + len(n)))
              for n, r in RANKS.items()}  # fmt: skip
-    _perf().save(root / "perf.json")
+    _perf_models().save(root / "perf.json")
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     procs, logs, servers = {}, {}, []
     try:
