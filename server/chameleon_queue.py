@@ -12,7 +12,13 @@ Each iteration (`select`), Algorithm 1 of the paper:
    an emptied queue gives what it did not use to a spare pool;
 2. the spare pool goes to the queues in the same order, each from its head.
 Starvation guard: a head within its quota that does not fit the free KV slots is held as the
-next to go; until it fits, nothing else is admitted (the running requests drain for it).
+next to go. Until it fits, its own queue and the queues of larger requests admit nothing, there is
+no phase 2, and the queues of smaller requests admit only within their own quota (none may exceed
+it): since the quotas sum to the memory, what the others hold drains down to their quotas and the
+held request, within its own, then fits. A request held beyond its quota (its queue had nothing
+running) stops all admission until it fits. (Deviation from the paper, which does not say how a
+head that fits its quota but not the memory is protected; stopping every queue for it, as this
+module first did, put the short requests back behind a long one.)
 Opportunistic bypass: when a head finds no adapter memory, a younger request of its queue may
 go first if its predicted length is below the shortest predicted remainder of a running request
 with an adapter (when memory should free up). If the head's adapter would fit by releasing the
@@ -228,19 +234,21 @@ class ChameleonQueue(QueuePolicy):
         self._take_fresh(gate, now)
         self._squash_bypassers(gate)
         batch: list[Sequence] = []
-        if self._held is not None:
-            verdict = self._try(self._held, gate, now, batch)
-            if verdict is not Verdict.ADMITTED and verdict is not Verdict.NOT_READY:
-                return batch  # running requests drain until the held one fits
         borrowed = [0] * len(self._queues)
         for size in self._running.values():
             borrowed[self._queue_of(size.wrs)] += size.charge
+        held_q = len(self._queues)  # queues from this one on admit nothing while one is held
+        if self._held is not None:
+            verdict = self._try(self._held, gate, now, batch)
+            if verdict is not Verdict.ADMITTED and verdict is not Verdict.NOT_READY:
+                held_q = self._queue_of(self._sizes[self._held].wrs)
+                if self._sizes[self._held].charge > self.quotas[held_q]:
+                    return batch  # held beyond its quota: everything drains for it
         spare, stop = 0, False
-        for q, queue in enumerate(self._queues):  # phase 1: each queue within its quota
+        for q, queue in enumerate(self._queues[:held_q]):  # phase 1: each within its quota
             unborrowed = max(self.quotas[q] - borrowed[q], 0)
-            used, stop = self._put(
-                queue, unborrowed, gate, running, now, batch, True, not borrowed[q]
-            )
+            may_exceed = not borrowed[q] and self._held is None
+            used, stop = self._put(queue, unborrowed, gate, running, now, batch, True, may_exceed)
             if stop:
                 break
             if not queue:

@@ -303,6 +303,31 @@ def test_a_long_request_is_not_starved_by_a_steady_stream_of_short_ones(monkeypa
     assert simulate(fcfs, gate, stream(), 200)["L"] - 20 > 2 * (10 + 1)
 
 
+def test_a_held_long_request_does_not_stop_the_short_queue_within_its_quota():
+    p = policy(cutoffs=[0.3, 0.7], quotas=[40, 100, 260], kv=400)
+    gate = FakeGate(kv=400)
+    medium = [FakeSeq(f"m{i}", 50, 50, i) for i in range(3)]  # WRS 0.5, 100 slots each
+    push(p, *medium)
+    # m0 within the medium quota, m1 and m2 with what the empty queues left: 300 of 400 used.
+    assert names(p.select(gate, gate.running, now=3)) == ["m0", "m1", "m2"]
+    # The long request fits its quota (180 <= 260) but not the free slots (100): it is held.
+    # While it waits, the short queue still admits within its own quota (2 x 20 of 40), not
+    # beyond it, and no phase 2 runs (the first guard stopped every queue).
+    shorts = [small(f"s{i}", 5 + i) for i in range(5)]
+    push(p, large("L", 4), *shorts)
+    assert names(p.select(gate, gate.running, now=8)) == ["s0", "s1"]
+    assert p.view()["held"] == 1
+    for seq in shorts[:2]:
+        gate.release(seq)
+        p.finished(seq, True, now=9)
+    assert names(p.select(gate, gate.running, now=10)) == ["s2", "s3"]
+    for seq in medium:
+        gate.release(seq)
+        p.finished(seq, True, now=11)
+    # The medium requests drained: the held one goes first, then s4 with the spare.
+    assert names(p.select(gate, gate.running, now=12)) == ["L", "s4"]
+
+
 def test_fcfs_is_the_same_interface():
     p = FcfsQueue(EngineConfig())
     gate = FakeGate(kv=60)
