@@ -80,11 +80,16 @@ class EngineGate:
         return self.engine.lora.fits_if_released(waiting.request.adapter, running.request.adapter)
 
     def adapter_tokens(self, adapter: str | None) -> int:
-        """KV tokens' worth of memory the adapter takes (0 while adapter memory is not scarce)."""
-        cfg = self.engine.config
-        if cfg.memory_layout == "static" and not cfg.adapter_cache_bytes:
-            return 0  # adapter memory is not scarce: only KV slots count
-        return -int(-self.engine.lora.bytes_of(adapter) // self._slot_bytes)
+        """KV tokens' worth of memory the adapter takes (0 while adapter memory is not scarce:
+        a static layout without an adapter budget, or a pool that does not charge adapters)."""
+        eng = self.engine
+        if eng.config.memory_layout == "pool":
+            scarce = eng.memory.shared
+        else:
+            scarce = bool(eng.config.adapter_cache_bytes)
+        if not scarce or adapter is None:
+            return 0
+        return -int(-eng.lora.bytes_of(adapter) // self._slot_bytes)
 
     def adapter_size(self, adapter: str | None) -> float:
         """The adapter's bytes; the base model counts as the smallest adapter (its requests

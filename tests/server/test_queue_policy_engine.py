@@ -94,3 +94,27 @@ def test_a_squashed_request_streams_each_token_once(tiny_model_dir, adapters):
         assert_memory_balanced(engine)
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize(
+    "layout, budget, charged",
+    [("pool", {}, False), ("pool", {"adapter_cache_bytes": 4 << 20}, True),
+     ("static", {}, False), ("static", {"adapter_cache_bytes": 4 << 20}, True)],
+)  # fmt: skip
+def test_a_request_is_charged_its_adapter_only_where_adapter_memory_counts(
+    tiny_model_dir, adapters, layout, budget, charged
+):
+    # Chameleon's quota charge includes the adapter's memory only where the engine's memory
+    # counts it; otherwise a large adapter's request looks larger than the whole memory and
+    # its queue serialises (found by bench_queueing after the pool became the default).
+    config = EngineConfig(dtype="float32", max_total_tokens=600, queue_policy="chameleon",
+                          memory_layout=layout, **budget)  # fmt: skip
+    engine = build_engine(str(tiny_model_dir), config, adapters)
+    try:
+        gate = EngineGate(engine)
+        assert gate.adapter_tokens(None) == 0
+        assert (gate.adapter_tokens("r64") > 0) is charged
+        if charged:
+            assert gate.adapter_tokens("r64") > gate.adapter_tokens("r8")
+    finally:
+        engine.shutdown()
