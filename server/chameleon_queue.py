@@ -209,13 +209,14 @@ class ChameleonQueue(QueuePolicy):
         served = list(self._served)
         token_s = sum(t for _, t, _ in served) / max(sum(n for *_, n in served), 1)
         token_s = token_s if served else DEFAULT_TOKEN_S
-        minimums, demands = [], []
+        minimums, demands, floors = [], [], []
         for q in range(k):
             mine = [s for s in sizes if self._queue_of(s.wrs) == q]
             runs = [t for s, t, _ in served if self._queue_of(s.wrs) == q]
             if not mine:
                 minimums.append(0.0)
                 demands.append(0.0)
+                floors.append(0.0)
                 continue
             duration = (
                 sum(runs) / len(runs)
@@ -226,7 +227,8 @@ class ChameleonQueue(QueuePolicy):
             charge = max(s.charge for s in mine)
             minimums.append(min_quota_tokens(charge, duration, self.slo_s, rate))
             demands.append(rate * duration * sum(s.charge for s in mine) / len(mine))
-        return split_quotas(minimums, demands, total)
+            floors.append(charge)
+        return split_quotas(minimums, demands, total, floors)
 
     # ---- batch formation ----------------------------------------------------------------------
 

@@ -130,15 +130,27 @@ def min_quota_tokens(max_size: float, duration_s: float, slo_s: float, rate: flo
     return max_size * duration_s * (1.0 / slo_s + rate)
 
 
-def split_quotas(minimums: list[float], demands: list[float], total: int) -> list[int]:
+def split_quotas(
+    minimums: list[float], demands: list[float], total: int, floors: list[float] | None = None
+) -> list[int]:
     """Each queue's quota: its minimum, plus the rest of `total` in proportion to `demands`.
 
-    When the minimums exceed the total they are scaled down to fit (the SLO cannot be met at
-    this load; every queue keeps a share in proportion to its need).
+    When the minimums exceed the total (the SLO cannot be met at this load) each queue first
+    gets its floor (the charge of its largest request, so that one of them fits its quota and
+    the queue is not reduced to one request at a time), and what is left of the total is
+    shared in proportion to what each still needs (all scaled down when even the floors do
+    not fit).
     """
     need = sum(minimums)
     if need >= total:
-        return [int(total * m / need) for m in minimums] if need > 0 else [0] * len(minimums)
+        if need <= 0:
+            return [0] * len(minimums)
+        floors = [min(f, m) for f, m in zip(floors or [0.0] * len(minimums), minimums)]
+        base = sum(floors)
+        if base >= total:
+            return [int(total * f / base) for f in floors]
+        rest = need - base
+        return [int(f + (total - base) * (m - f) / rest) for f, m in zip(floors, minimums)]
     spare = total - need
     weight = sum(demands) or len(demands)
     shares = demands if sum(demands) else [1.0] * len(demands)

@@ -86,3 +86,12 @@ def test_quotas_get_their_minimum_and_share_the_rest_by_demand():
 
 def test_quotas_scale_down_when_the_minimums_do_not_fit():
     assert split_quotas([300, 900], [1, 1], 600) == [150, 450]
+
+
+def test_overloaded_quotas_keep_room_for_each_queues_largest_request():
+    # Minimums 300 + 900 > 600. Scaled alone, the small queue would get 150, less than its
+    # largest request (200): it could then run one request at a time. Floors first: 200 and
+    # 300, then the 100 left in proportion to what each still needs (100 and 600).
+    assert split_quotas([300, 900], [1, 1], 600, floors=[200, 300]) == [214, 385]
+    # Floors that do not fit either are scaled down together.
+    assert split_quotas([300, 900], [1, 1], 400, floors=[200, 600]) == [100, 300]
