@@ -174,7 +174,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8100, help="0 picks a free port")
     p.add_argument("--device", choices=DEVICES, default="cpu")
     p.add_argument(
-        "--dtype", choices=DTYPES, default=None, help="default: bfloat16 on cuda, float32 on cpu"
+        "--dtype",
+        choices=(*DTYPES, "auto"),
+        default=None,
+        help="default: bfloat16 on cuda, float32 on cpu; auto: bfloat16 on cuda, on a cpu the "
+        "faster of float32 and bfloat16 for the model's projections, measured at start-up",
     )
     p.add_argument(
         "--lora-mode",

@@ -55,7 +55,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         for name, value, allowed in (
             ("device", self.device, DEVICES),
-            ("dtype", self.dtype, DTYPES),
+            ("dtype", self.dtype, (*DTYPES, "auto")),
             ("kernel", self.kernel, KERNELS),
             ("lora_mode", self.lora_mode, LORA_MODES),
             ("queue_policy", self.queue_policy, QUEUE_POLICIES),

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 from toppings.server.config import EngineConfig
+from toppings.server.dtype_choice import choose_dtype
 from toppings.server.engine import Engine
 from toppings.server.loader import load_checkpoint
 
@@ -12,8 +14,14 @@ log = logging.getLogger(__name__)
 
 
 def build_engine(model: str, config: EngineConfig, loras: dict[str, str] | None = None) -> Engine:
-    """Load the base model and adapters and start the engine thread."""
+    """Load the base model and adapters and start the engine thread (`dtype="auto"` is
+    resolved here, for the model's own shapes: server.dtype_choice)."""
     checkpoint = load_checkpoint(model)
+    if config.dtype == "auto":
+        mc = checkpoint.config
+        dtype, why = choose_dtype(config.device, mc.hidden_size, mc.intermediate_size)
+        log.info("dtype auto: %s (%s)", dtype, why)
+        config = dataclasses.replace(config, dtype=dtype)
     engine = Engine(config, checkpoint)
     for name, path in (loras or {}).items():
         engine.add_adapter(name, path)
