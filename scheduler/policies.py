@@ -61,6 +61,12 @@ class Policy(ABC):
         states, every known adapter (name -> rank). Routing-only policies ignore it."""
         return None
 
+    def holdings(self) -> tuple[int, Mapping[str, frozenset[str]]] | None:
+        """What a placing policy assigned to each server: (version, server url -> adapters),
+        the version changing with each new placement; None for routing-only policies. The
+        simulator has servers prefetch and keep these adapters (scheduler/adapter_pool.py)."""
+        return None
+
     def decode_after(self, request: RouteRequest, server: ServerState) -> float:
         """Predicted decode iteration latency (ms) of `server` once `request` joins its batch."""
         batch = server.batch.add(request.rank, request.prompt_tokens)
@@ -215,6 +221,15 @@ class LoRAServe(RankAware):
         adapters: Mapping[str, int] | None = None,
     ) -> None:
         self.placer.maybe_step(now_s, servers, adapters)
+
+    def holdings(self) -> tuple[int, Mapping[str, frozenset[str]]] | None:
+        if self.placer.version == 0:
+            return None
+        per_server: dict[str, set[str]] = {}
+        for adapter, shares in self.placer.assignment.items():
+            for server in shares:
+                per_server.setdefault(server, set()).add(adapter)
+        return self.placer.version, {s: frozenset(a) for s, a in per_server.items()}
 
     def order(self, request: RouteRequest, servers: Sequence[ServerState]) -> list[int]:
         self.placer.record(request)
