@@ -69,6 +69,7 @@ class Placer:
         self.version = 0
         self.history: list[dict] = []
         self._levels: dict[int, tuple[str, ...]] = {}
+        self._max_rank: dict[str, int] = {}  # server -> max rank of what it was placed
 
     def record(self, request: RouteRequest) -> None:
         if request.adapter is not None:
@@ -87,6 +88,10 @@ class Placer:
             if level >= rank:
                 return urls
         return ()
+
+    def max_rank(self, server: str) -> int:
+        """The highest rank the last step placed on `server` (0: nothing placed, or no step)."""
+        return self._max_rank.get(server, 0)
 
     def draw(self, adapter: str, rng: random.Random) -> str | None:
         row = self._draw.get(adapter)
@@ -174,6 +179,7 @@ class Placer:
         for server, level in result.server_max_rank.items():
             levels.setdefault(level, []).append(server)
         self._levels = {level: tuple(sorted(urls)) for level, urls in sorted(levels.items())}
+        self._max_rank = dict(result.server_max_rank)
         self.version += 1
         per_server = result.adapters_per_server()
         self.history.append({
