@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 
 from toppings.scheduler.loraserve import PlacementConfig, Placer
 from toppings.scheduler.perf_model import PerfModels
-from toppings.scheduler.state import BatchShape, RouteRequest, ServerState
+from toppings.scheduler.state import RouteRequest, ServerState
 
 DEFAULT_AVG_RESP_LEN = 128.0
 
@@ -195,11 +195,12 @@ class LoRAServe(RankAware):
     one) and the one with the lower rank-aware cost goes first, then the rest of the row, then
     every other server that holds the adapter, all by cost, except that among those others the
     servers placed with at least the request's rank (or with nothing) go before those it would
-    pad to a higher rank (the paper's step 4, "a server with higher maximum rank", applied to a spill). Only
-    servers that hold the adapter are candidates (as for every policy; the scheduler's adapter
-    sync has the servers of a new row fetch it from a peer, scheduler/adapter_sync.py), unless
-    none does: then the row's servers are, and fetch it when asked. (In the simulator with an
-    adapter store every server counts as holding every adapter and pays the fetch on a miss.)
+    pad to a higher rank (the paper's step 4, "a server with higher maximum rank", applied to a
+    spill). Only servers that hold the adapter are candidates (as for every policy; the
+    scheduler's adapter sync has the servers of a new row fetch it from a peer,
+    scheduler/adapter_sync.py), unless none does: then the row's servers are, and fetch it
+    when asked. (In the simulator with an adapter store, every server counts as holding every
+    adapter and pays the fetch on a miss.)
 
     Why not the draw alone: a draw balances load only on average, and Poisson bursts queue on
     whichever server they hit; the second choice, weighed by the cost rank-aware routes on,
@@ -208,12 +209,13 @@ class LoRAServe(RankAware):
     is not goes first: a request leaves its row only when its row is full. Requests without an
     adapter, and adapters not placed yet, are routed by the rank-aware cost.
 
-    Past the operating point (`_over`): the time per token the server would give, by the model
-    the operating points are computed with (scheduler/operating_points.py: a decode iteration of
-    the whole batch plus each member's share of the newcomers' prefills, D(n) + n Pf / O), is
-    over headroom x SLO once the request joins. The rank-aware cost alone (decode iteration >
-    SLO) fires far later: a rank-8 batch never gets there within 128 requests, so a row's
-    server would queue a burst until its requests miss the SLO, with idle servers elsewhere.
+    Past the operating point (`_over`): with the request, the server would hold more requests
+    (running + queued) than the batch at which it delivers the operating point of the rank its
+    batch pads to (`Placer.batch_limit`: by the model of scheduler/operating_points.py and
+    Little's law, the batch size whose throughput equals the operating point, profiled or
+    derived). The rank-aware cost alone (decode iteration > SLO) fires far later: a rank-8 batch
+    never gets there within 128 requests, so a row's server would queue a burst until its
+    requests miss the SLO, with idle servers elsewhere.
     """
 
     name = "loraserve"
@@ -279,16 +281,11 @@ class LoRAServe(RankAware):
 
     def _over(self, request: RouteRequest, server: ServerState, key: tuple) -> bool:
         """Whether `server` would be past its operating point with `request` (class docstring);
-        `key` is its rank-aware key, whose last entry is the decode latency with the request."""
+        `key` is its rank-aware key (+inf: past the decode SLO)."""
         if math.isinf(key[0]):
             return True
-        lengths = self.placer.tracker.mean_lengths()
-        prompt = max(1, round(lengths[0])) if lengths else request.prompt_tokens
-        prefill_ms = self.perf.prefill(server.kernel).predict(
-            BatchShape.of([request.rank], [prompt])
-        )
-        tpt_ms = key[2] + (server.batch.num + 1) * prefill_ms / self.avg_resp_len
-        return tpt_ms > self.placer.config.headroom * self.slo_ms
+        limit = self.placer.batch_limit(max(server.batch.max_rank, request.rank))
+        return limit is not None and server.batch.num + 1 > limit
 
     def choose(self, request: RouteRequest, servers: Sequence[ServerState]) -> int | None:
         ranked = self.order(request, servers)
