@@ -2,7 +2,7 @@
 
     python -m bench.bench_cluster_placement [--servers 60] [--rps 340] [--duration 120]
         [--drift 0.05] [--interval 10] [--policies loraserve,loraserve-group,rank-aware,...]
-        [--lo 50] [--hi 600] [--steps 7] [--workers 2] [--seed 0]
+        [--lo 50] [--hi 600] [--steps 7] [--workers 2] [--seed 0] [--host-gib 64]
 
 Per policy, the highest load (requests/s) whose SLO attainment stays >= 99%, found by bisection
 over [lo, hi] on the same trace generator (Poisson, 40,000 adapters, Zipf head drifting by
@@ -12,6 +12,9 @@ each server holds. The SLO, as in bench/cluster_sim.py: TPT <= 1.5x the mean TPT
 trace without LoRA at the paper's load. Iteration latencies: the paper's Fig. 6 models (BGMV),
 not measured here. loraserve's operating points are profiled first, as LoRAServe does on its
 hardware: per rank, the highest load one simulated server sustains at >= 99% attainment.
+Every policy runs on the same adapter memory (scheduler/adapter_pool.py): --host-gib of host
+memory per server for adapters (LRU), a miss fetched from a peer over RDMA or from storage;
+loraserve's servers prefetch and keep what each placement assigns them.
 Writes bench/results/cluster_placement.json and bench/cluster_placement.png.
 """
 
@@ -26,6 +29,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from bench.envelope import write_result
+from toppings.scheduler.adapter_pool import BYTES_PER_RANK, GIB, AdapterStoreConfig
 from toppings.scheduler.loraserve import PlacementConfig
 from toppings.scheduler.paper_models import paper_fig6_models
 from toppings.scheduler.policies import POLICIES, LoRAServe, make_policy
@@ -35,8 +39,6 @@ from toppings.scheduler.trace import TraceConfig, adapter_ranks, generate_trace,
 log = logging.getLogger("bench_cluster_placement")
 TARGET = 0.99
 PERF = paper_fig6_models()
-# Llama-7B, LoRA on q/k/v (the paper's setting): 32 layers x 3 x (A: 4096 x R + B: R x 4096) fp16
-BYTES_PER_RANK = 32 * 3 * 2 * 4096 * 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +50,7 @@ class Setup:
     seed: int
     slo_ms: float = 0.0
     points: tuple[tuple[int, float], ...] = ()
+    store: AdapterStoreConfig | None = None  # None: every adapter resident everywhere
 
 
 def run(
@@ -70,7 +73,8 @@ def run(
     policy = make_policy(
         policy_name, PERF, setup.slo_ms or 1e9, avg_resp_len, setup.seed, **options
     )
-    result = simulate(trace, policy, PERF, SimConfig(servers or setup.servers), universe)
+    sim = SimConfig(servers or setup.servers, adapter_store=setup.store)
+    result = simulate(trace, policy, PERF, sim, universe)
     out = {"rps": rps, **result.summary(setup.slo_ms or 1e9)}
     placer = getattr(policy, "placer", None)
     if placer is not None:
@@ -104,6 +108,7 @@ def search(job: tuple[Setup, str, float, float, int]) -> dict:
         mid = (lo + hi) / 2
         summary = run(setup, name, mid)
         summary.pop("steps", None)
+        summary.pop("adapter_memory", None)
         probes.append(summary)
         log.info("%s %.1f rps: attainment %.4f", name, mid, summary["slo_attainment"])
         lo, hi = (mid, hi) if summary["slo_attainment"] >= TARGET else (lo, mid)
@@ -120,7 +125,8 @@ def profile_rank(job: tuple[Setup, int]) -> tuple[int, float]:
     for _ in range(10):
         mid = (lo + hi) / 2
         shape = TraceConfig(rps=mid, duration_s=300.0, num_adapters=1, ranks=(rank,), seed=1)
-        summary = run(dataclasses.replace(setup, interval_s=1e9), "least-loaded", mid, 1, shape)
+        alone = dataclasses.replace(setup, interval_s=1e9, store=None)  # its one adapter stays
+        summary = run(alone, "least-loaded", mid, 1, shape)
         lo, hi = (mid, hi) if summary["slo_attainment"] >= TARGET else (lo, mid)
     mean_tokens = TraceConfig().prompt_mean + TraceConfig().output_mean
     return rank, lo * mean_tokens
@@ -185,12 +191,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=7)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--host-gib", type=float, default=64.0, help="adapter host memory per server, GiB"
+    )
     parser.add_argument("--out", type=Path, default=Path("bench/results/cluster_placement.json"))
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     names = args.policies.split(",")
     started = time.perf_counter()
-    setup = Setup(args.servers, args.duration, args.drift, args.interval, args.seed)
+    store = AdapterStoreConfig(host_bytes=int(args.host_gib * GIB))
+    setup = Setup(args.servers, args.duration, args.drift, args.interval, args.seed, store=store)
     no_lora = TraceConfig(
         rps=args.rps, duration_s=args.duration, drift_per_s=args.drift, seed=args.seed, ranks=(0,)
     )
@@ -209,19 +219,12 @@ def main(argv: list[str] | None = None) -> int:
         rps=args.rps, duration_s=args.duration, drift_per_s=args.drift, seed=args.seed
     )
     universe = len(adapter_ranks(config))
-    mean_rank = sum(adapter_ranks(config)) / universe
-    memory = {}
+    universe_bytes = sum(adapter_ranks(config)) * BYTES_PER_RANK
+    memory = {}  # host memory for adapters per server, from the adapter store of each run
     for name, summary in paper.items():
-        if "adapters_per_server" in summary:
-            memory[name] = summary["adapters_per_server"]
-        else:  # routing-only policies: every server holds every adapter
-            held_bytes = universe * mean_rank * BYTES_PER_RANK
-            memory[name] = {
-                "mean": universe,
-                "max": universe,
-                "bytes_mean": held_bytes,
-                "bytes_max": held_bytes,
-            }
+        memory[name] = summary.get("adapter_memory", {})
+        if "adapters_per_server" in summary:  # what loraserve's last placement assigned
+            memory[name]["assigned"] = summary["adapters_per_server"]
     moves = {}  # the first step loads every adapter somewhere: it is not a move between steps
     for name, summary in paper.items():
         later = [s["moves"] for s in summary.get("steps", [])[1:]]
@@ -261,9 +264,14 @@ def main(argv: list[str] | None = None) -> int:
             "operating_points_note": "profiled: per rank, highest load one simulated server"
             " sustains at >= 99% attainment (300 s Poisson trace, bisection)",
             "search": {"lo": args.lo, "hi": args.hi, "steps": args.steps, "target": TARGET},
-            "host_memory_note": "adapter bytes for Llama-7B, LoRA on q/k/v, fp16; routing-only"
-            " policies hold every adapter on every server (Toppings' design)",
-            "not_modelled": "adapter fetch time from a peer (a fetched adapter serves at once)",
+            "adapter_store": dataclasses.asdict(store),
+            "adapter_store_note": "per server: host_bytes of adapters in host memory (LRU, the"
+            " same for every policy); a miss is fetched from a peer's host memory over RDMA"
+            " (peer_gbps, peer_latency_s) when any server holds it, else from storage; loraserve"
+            " prefetches and pins what each placement assigns; adapter bytes for Llama-7B, LoRA"
+            " on q/k/v, fp16 (1.5 MiB per rank); sources in scheduler/adapter_pool.py",
+            "not_modelled": "the GPU-side adapter load (hidden by cpu-assisted prefill, every"
+            " policy); contention between fetches to different servers at their sources",
             "plot": str(plot_path) if plotted else "none: matplotlib is not installed",
         },
         metrics={
@@ -276,6 +284,7 @@ def main(argv: list[str] | None = None) -> int:
             "adapter_moves_per_step": moves,
             "adapters_per_server": memory,
             "universe_adapters": universe,
+            "universe_adapter_bytes": universe_bytes,
             "searches": searches,
             "wall_s": time.perf_counter() - started,
         },

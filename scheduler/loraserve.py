@@ -27,7 +27,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from toppings.scheduler.demand import DemandTracker
-from toppings.scheduler.operating_points import OperatingPointConfig, operating_points
+from toppings.scheduler.operating_points import (
+    OperatingPointConfig,
+    batch_at,
+    operating_points,
+)
 from toppings.scheduler.perf_model import PerfModels
 from toppings.scheduler.placement import PlacementResult, Route, place
 from toppings.scheduler.state import RouteRequest, ServerState
@@ -69,6 +73,8 @@ class Placer:
         self.version = 0
         self.history: list[dict] = []
         self._levels: dict[int, tuple[str, ...]] = {}
+        self._max_rank: dict[str, int] = {}  # server -> max rank of what it was placed
+        self._batch_limits: dict[int, int] = {}  # rank -> batch size at its operating point
 
     def record(self, request: RouteRequest) -> None:
         if request.adapter is not None:
@@ -87,6 +93,10 @@ class Placer:
             if level >= rank:
                 return urls
         return ()
+
+    def max_rank(self, server: str) -> int:
+        """The highest rank the last step placed on `server` (0: nothing placed, or no step)."""
+        return self._max_rank.get(server, 0)
 
     def draw(self, adapter: str, rng: random.Random) -> str | None:
         row = self._draw.get(adapter)
@@ -133,23 +143,21 @@ class Placer:
             ranks = dict(adapters or {})
             ranks.update(self.tracker.ranks())
             kernel = next(s.kernel for s in servers if s.healthy)
-            result = place(self.demand, ranks, live, self._points(kernel, ranks), self.assignment)
+            shape = self._shape(kernel)
+            points = self._points(shape, ranks)
+            self._batch_limits = {r: batch_at(self.perf, shape, r, p) for r, p in points.items()}
+            result = place(self.demand, ranks, live, points, self.assignment)
             self._publish(result, now_s, reason)
             return result
 
-    def _points(self, kernel: str, ranks: Mapping[str, int]) -> dict[int, float]:
-        if self.config.points:
-            profiled = dict(self.config.points)
-            missing = set(ranks.values()) - set(profiled)
-            if not missing:
-                return profiled
-            log.warning("no profiled operating point for ranks %s: deriving all", sorted(missing))
+    def _shape(self, kernel: str) -> OperatingPointConfig:
+        """Server limits and the mean request observed so far, for the operating-point model."""
         lengths = self.tracker.mean_lengths()
         shape = {}
         if lengths is not None:
             shape = {"mean_prompt_tokens": max(1.0, lengths[0]),
                      "mean_output_tokens": max(1.0, lengths[1])}  # fmt: skip
-        config = OperatingPointConfig(
+        return OperatingPointConfig(
             self.slo_ms,
             kernel,
             headroom=self.config.headroom,
@@ -157,7 +165,26 @@ class Placer:
             max_total_tokens=self.config.max_total_tokens,
             **shape,
         )
-        return operating_points(self.perf, config, set(ranks.values()))
+
+    def _points(self, shape: OperatingPointConfig, ranks: Mapping[str, int]) -> dict[int, float]:
+        if self.config.points:
+            profiled = dict(self.config.points)
+            missing = set(ranks.values()) - set(profiled)
+            if not missing:
+                return profiled
+            log.warning("no profiled operating point for ranks %s: deriving all", sorted(missing))
+        return operating_points(self.perf, shape, set(ranks.values()))
+
+    def batch_limit(self, rank: int) -> int | None:
+        """Requests a server whose batch pads to `rank` holds at its operating point (the
+        smallest placed rank >= `rank` when `rank` itself has none); None before any step."""
+        limits = self._batch_limits
+        if rank in limits:
+            return limits[rank]
+        above = [r for r in limits if r >= rank]
+        if above:
+            return limits[min(above)]
+        return limits[max(limits)] if limits else None
 
     def _publish(self, result: PlacementResult, now_s: float, reason: str) -> None:
         draw = {}
@@ -174,6 +201,7 @@ class Placer:
         for server, level in result.server_max_rank.items():
             levels.setdefault(level, []).append(server)
         self._levels = {level: tuple(sorted(urls)) for level, urls in sorted(levels.items())}
+        self._max_rank = dict(result.server_max_rank)
         self.version += 1
         per_server = result.adapters_per_server()
         self.history.append({

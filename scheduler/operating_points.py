@@ -73,6 +73,25 @@ def operating_point(perf: PerfModels, config: OperatingPointConfig, rank: int) -
     return best
 
 
+def batch_at(perf: PerfModels, config: OperatingPointConfig, rank: int, tokens_per_s: float) -> int:
+    """The batch size n at which the model above delivers `tokens_per_s` with rank-`rank`
+    requests: the smallest n whose n (P + O) / T(n) reaches it (the largest allowed n when none
+    does). By Little's law, a server kept above it holds more requests than its operating point
+    can turn over; the router reads it as "past the operating point" (scheduler/policies.py)."""
+    decode = perf.decode(config.kernel)
+    prompt = max(1, round(config.mean_prompt_tokens))
+    out = config.mean_output_tokens
+    prefill_ms = perf.prefill(config.kernel).predict(BatchShape.of([rank], [prompt]))
+    per_request_tokens = prompt + out
+    max_n = min(config.max_batch_size, int(config.max_total_tokens // per_request_tokens) or 1)
+    for n in range(1, max_n + 1):
+        shape = BatchShape(n, n * rank, rank, n * prompt, n * prompt * rank)
+        cycle_ms = out * decode.predict(shape) + n * prefill_ms
+        if 1000.0 * n * per_request_tokens / cycle_ms >= tokens_per_s:
+            return n
+    return max_n
+
+
 def operating_points(
     perf: PerfModels, config: OperatingPointConfig, ranks: Iterable[int]
 ) -> dict[int, float]:

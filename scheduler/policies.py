@@ -61,6 +61,12 @@ class Policy(ABC):
         states, every known adapter (name -> rank). Routing-only policies ignore it."""
         return None
 
+    def holdings(self) -> tuple[int, Mapping[str, frozenset[str]]] | None:
+        """What a placing policy assigned to each server: (version, server url -> adapters),
+        the version changing with each new placement; None for routing-only policies. The
+        simulator has servers prefetch and keep these adapters (scheduler/adapter_pool.py)."""
+        return None
+
     def decode_after(self, request: RouteRequest, server: ServerState) -> float:
         """Predicted decode iteration latency (ms) of `server` once `request` joins its batch."""
         batch = server.batch.add(request.rank, request.prompt_tokens)
@@ -187,17 +193,29 @@ class LoRAServe(RankAware):
 
     Two servers are drawn from the adapter's row by its probabilities (one when the row has
     one) and the one with the lower rank-aware cost goes first, then the rest of the row, then
-    every other server that holds the adapter, all by cost. Only servers that hold the adapter
-    are candidates (as for every policy; the scheduler's adapter sync has the servers of a new
-    row fetch it from a peer, scheduler/adapter_sync.py), unless none does: then the row's
-    servers are, and fetch it when asked.
+    every other server that holds the adapter, all by cost, except that among those others the
+    servers placed with at least the request's rank (or with nothing) go before those it would
+    pad to a higher rank (the paper's step 4, "a server with higher maximum rank", applied to a
+    spill). Only servers that hold the adapter are candidates (as for every policy; the
+    scheduler's adapter sync has the servers of a new row fetch it from a peer,
+    scheduler/adapter_sync.py), unless none does: then the row's servers are, and fetch it
+    when asked. (In the simulator with an adapter store, every server counts as holding every
+    adapter and pays the fetch on a miss.)
 
     Why not the draw alone: a draw balances load only on average, and Poisson bursts queue on
     whichever server they hit; the second choice, weighed by the cost rank-aware routes on,
     absorbs them while the probabilities still decide which servers see the adapter (power of
-    two choices). If the first is over the SLO (cost +inf), the first server of that order
-    within it goes first: a request leaves its row only when its row is full. Requests without
-    an adapter, and adapters not placed yet, are routed by the rank-aware cost.
+    two choices). If the first is past its operating point, the first server of that order that
+    is not goes first: a request leaves its row only when its row is full. Requests without an
+    adapter, and adapters not placed yet, are routed by the rank-aware cost.
+
+    Past the operating point (`_over`): with the request, the server would hold more requests
+    (running + queued) than the batch at which it delivers the operating point of the rank its
+    batch pads to (`Placer.batch_limit`: by the model of scheduler/operating_points.py and
+    Little's law, the batch size whose throughput equals the operating point, profiled or
+    derived). The rank-aware cost alone (decode iteration > SLO) fires far later: a rank-8 batch
+    never gets there within 128 requests, so a row's server would queue a burst until its
+    requests miss the SLO, with idle servers elsewhere.
     """
 
     name = "loraserve"
@@ -215,6 +233,15 @@ class LoRAServe(RankAware):
         adapters: Mapping[str, int] | None = None,
     ) -> None:
         self.placer.maybe_step(now_s, servers, adapters)
+
+    def holdings(self) -> tuple[int, Mapping[str, frozenset[str]]] | None:
+        if self.placer.version == 0:
+            return None
+        per_server: dict[str, set[str]] = {}
+        for adapter, shares in self.placer.assignment.items():
+            for server in shares:
+                per_server.setdefault(server, set()).add(adapter)
+        return self.placer.version, {s: frozenset(a) for s, a in per_server.items()}
 
     def order(self, request: RouteRequest, servers: Sequence[ServerState]) -> list[int]:
         self.placer.record(request)
@@ -241,14 +268,24 @@ class LoRAServe(RankAware):
         rest = [i for i in in_row if i not in taken]
         taken.update(rest)
         others = [i for i in usable if i not in taken]
+        pads = {i: 0 < self.placer.max_rank(servers[i].url) < request.rank for i in others}
         ranked = [
             *sorted(first, key=lambda i: (keys[i], i)),
             *sorted(rest, key=lambda i: (keys[i], i)),
-            *sorted(others, key=lambda i: (keys[i], i)),
+            *sorted(others, key=lambda i: (pads[i], keys[i], i)),
         ]
-        if ranked and math.isinf(keys[ranked[0]][0]):
-            ranked.sort(key=lambda i: math.isinf(keys[i][0]))  # stable: keeps the preference
+        if ranked and self._over(request, servers[ranked[0]], keys[ranked[0]]):
+            # stable: keeps the preference among the servers within their operating point
+            ranked.sort(key=lambda i: self._over(request, servers[i], keys[i]))
         return ranked
+
+    def _over(self, request: RouteRequest, server: ServerState, key: tuple) -> bool:
+        """Whether `server` would be past its operating point with `request` (class docstring);
+        `key` is its rank-aware key (+inf: past the decode SLO)."""
+        if math.isinf(key[0]):
+            return True
+        limit = self.placer.batch_limit(max(server.batch.max_rank, request.rank))
+        return limit is not None and server.batch.num + 1 > limit
 
     def choose(self, request: RouteRequest, servers: Sequence[ServerState]) -> int | None:
         ranked = self.order(request, servers)

@@ -1,16 +1,21 @@
 """Discrete-event simulation of a cluster of LoRA servers routed by a `Policy`.
 
-Each simulated server runs the engine's continuous-batching loop: when requests wait and fit
-(batch size, KV slots for prompt + output, prefill token budget), the next iteration prefills
-them, FIFO, and they emit their first token; otherwise it decodes one token for the whole
-running batch. Iteration durations come from the perf models of the server's kernel. The
-policy sees what the real scheduler sees: a snapshot of every server taken every `refresh_s`
-plus the requests it routed since. A request reserves KV slots for its prompt and its true
-output length (the engine reserves max_new_tokens; a trace has no separate cap). Adapters are
-in every server's host memory and adapter loading is not modelled (for `loraserve`, a server
-that must fetch an adapter from a peer serves it at once: fetch time is not modelled either).
-At every snapshot the policy's `tick` runs with the simulated time and every adapter the
-cluster knows (`adapters`, default: those of the trace): that is where `loraserve` re-places.
+Each simulated server runs the engine's continuous-batching loop (scheduler/sim_server.py);
+iteration durations come from the perf models of the server's kernel. The policy sees what the
+real scheduler sees: a snapshot of every server taken every `refresh_s` plus the requests it
+routed since. A request reserves KV slots for its prompt and its true output length (the engine
+reserves max_new_tokens; a trace has no separate cap). At every snapshot the policy's `tick`
+runs with the simulated time and every adapter the cluster knows (`adapters`, default: those of
+the trace): that is where `loraserve` re-places.
+
+Adapter memory, two modes (`SimConfig.adapter_store`):
+- None (the original model): every adapter is in every server's host memory; nothing is loaded.
+- an `AdapterStoreConfig`: each server holds a bounded LRU cache of adapters in host memory
+  (scheduler/adapter_pool.py), seeded with adapter i on server i mod S; a request routed to a
+  server without its adapter waits for the fetch (from a peer that holds it, else storage)
+  before its prefill can start. A policy that places adapters (`Policy.holdings`, loraserve)
+  has each server prefetch and pin what it was assigned at every placement. Every server can
+  serve every adapter; a policy only decides where the fetch cost is paid.
 
 Metrics per request follow the paper: TTFT, and time per token TPT = end-to-end latency /
 output tokens (prefill and queueing included); a request meets the SLO when TPT <= SLO.
@@ -20,180 +25,34 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from toppings.scheduler.adapter_pool import AdapterPool
 from toppings.scheduler.perf_model import PerfModels
 from toppings.scheduler.policies import Policy
-from toppings.scheduler.state import BatchShape, RouteRequest, ServerState
+from toppings.scheduler.sim_server import SimConfig, SimRequest, SimServer
+from toppings.scheduler.state import RouteRequest, ServerState
 from toppings.scheduler.trace import TraceRequest
 
-
-@dataclass(frozen=True)
-class SimConfig:
-    """Per-server limits mirror server.config.EngineConfig's defaults, except the KV slots:
-    40,000 tokens is ~20 GB of Llama-7B fp16 KV (0.5 MB per token), what an A100-40GB has left
-    after the weights and activations."""
-
-    num_servers: int = 60
-    kernel: str = "bgmv"
-    max_total_tokens: int = 40_000
-    max_batch_size: int = 128
-    max_prefill_tokens: int = 8192
-    warmup_fraction: float = 0.1  # arrivals in the first 10% of the trace are not measured
-    # Like the scheduler's /stats polling: policies see snapshots taken every refresh_s (at the
-    # first arrival after each tick) plus the requests routed since; 0 means always fresh.
-    refresh_s: float = 0.1
-
-    def __post_init__(self) -> None:
-        if self.num_servers < 1 or self.kernel not in ("bgmv", "mbgmv"):
-            raise ValueError("num_servers must be >= 1 and kernel bgmv or mbgmv")
-        if self.refresh_s < 0:
-            raise ValueError("refresh_s must be >= 0")
-
-
-@dataclass(slots=True)
-class _Request:
-    trace: TraceRequest
-    first_token_s: float = math.nan
-    finish_s: float = math.nan
-
-
-class _RankSet:
-    """Aggregates of a request set that supports removal (max rank from per-rank counts)."""
-
-    __slots__ = ("counts", "num", "sum_rank", "sum_tokens", "sum_token_rank")
-
-    def __init__(self) -> None:
-        self.counts: dict[int, int] = {}
-        self.num = self.sum_rank = self.sum_tokens = self.sum_token_rank = 0
-
-    def change(self, rank: int, tokens: int, sign: int) -> None:
-        self.counts[rank] = self.counts.get(rank, 0) + sign
-        self.num += sign
-        self.sum_rank += sign * rank
-        self.sum_tokens += sign * tokens
-        self.sum_token_rank += sign * tokens * rank
-
-    def shape(self) -> BatchShape:
-        max_rank = max((r for r, c in self.counts.items() if c), default=0)
-        return BatchShape(self.num, self.sum_rank, max_rank, self.sum_tokens, self.sum_token_rank)
-
-
-class SimServer:
-    """One server's queue, running batch and iteration clock."""
-
-    def __init__(self, idx: int, config: SimConfig, perf: PerfModels, adapters: frozenset[str]):
-        self.idx = idx
-        self.config = config
-        self.decode_model = perf.decode(config.kernel)
-        self.prefill_model = perf.prefill(config.kernel)
-        self.adapters = adapters
-        self.waiting: deque[_Request] = deque()
-        self.running: list[tuple[int, int, _Request]] = []  # heap of (finish step, idx, request)
-        self.wait_set, self.run_set = _RankSet(), _RankSet()
-        self.reserved_tokens = 0  # KV slots of admitted requests (prompt + output each)
-        self.queued_tokens = 0  # the same, of waiting requests
-        self.step = 0
-        self.busy = False
-        self.prefilling: list[_Request] = []
-        self._state: ServerState | None = None
-
-    def state(self) -> ServerState:
-        if self._state is None:
-            queue = self.wait_set.shape()
-            cfg_total = self.config.max_total_tokens
-            self._state = ServerState(
-                url=f"sim-{self.idx}",
-                kernel=self.config.kernel,
-                healthy=True,
-                num_running=self.run_set.num + len(self.prefilling),
-                num_queued=self.wait_set.num,
-                batch=self.run_set.shape().merge(queue),
-                queue=queue,
-                room_tokens=cfg_total - self.reserved_tokens - self.queued_tokens,
-                adapters=self.adapters,
-            )
-        return self._state
-
-    def enqueue(self, request: _Request) -> None:
-        self.waiting.append(request)
-        self.wait_set.change(request.trace.rank, request.trace.prompt_tokens, +1)
-        self.queued_tokens += request.trace.prompt_tokens + request.trace.output_tokens
-        self._state = None
-
-    def start_iteration(self, now: float) -> float | None:
-        """Begin the next iteration; returns its end time, or None when there is nothing to do."""
-        cfg = self.config
-        admitted: list[_Request] = []
-        num_tokens = 0
-        while self.waiting:
-            trace = self.waiting[0].trace
-            need = trace.prompt_tokens + trace.output_tokens
-            if (
-                len(self.running) + len(admitted) >= cfg.max_batch_size
-                or self.reserved_tokens + need > cfg.max_total_tokens
-                or (admitted and num_tokens + trace.prompt_tokens > cfg.max_prefill_tokens)
-            ):
-                break
-            admitted.append(self.waiting.popleft())
-            self.wait_set.change(trace.rank, trace.prompt_tokens, -1)
-            self.reserved_tokens += need
-            self.queued_tokens -= need
-            num_tokens += trace.prompt_tokens
-        if admitted:
-            shape = BatchShape.of(
-                (r.trace.rank for r in admitted), (r.trace.prompt_tokens for r in admitted)
-            )
-            self.prefilling = admitted
-            duration_ms = self.prefill_model.predict(shape)
-        elif self.running:
-            duration_ms = self.decode_model.predict(self.run_set.shape())
-        else:
-            self.busy = False
-            return None
-        self.busy = True
-        self._state = None
-        return now + duration_ms / 1000.0
-
-    def finish_iteration(self, now: float, done: list[_Request]) -> None:
-        """End the current iteration at `now`; appends finished requests to `done`."""
-        if self.prefilling:
-            for request in self.prefilling:
-                request.first_token_s = now
-                trace = request.trace
-                if trace.output_tokens <= 1:
-                    self._finish(request, now, done)
-                    continue
-                self.run_set.change(trace.rank, trace.prompt_tokens, +1)
-                finish_step = self.step + trace.output_tokens - 1
-                heapq.heappush(self.running, (finish_step, trace.idx, request))
-            self.prefilling = []
-        else:
-            self.step += 1
-            while self.running and self.running[0][0] <= self.step:
-                request = heapq.heappop(self.running)[2]
-                self.run_set.change(request.trace.rank, request.trace.prompt_tokens, -1)
-                self._finish(request, now, done)
-        self._state = None
-
-    def _finish(self, request: _Request, now: float, done: list[_Request]) -> None:
-        request.finish_s = now
-        self.reserved_tokens -= request.trace.prompt_tokens + request.trace.output_tokens
-        done.append(request)
+__all__ = ["SimConfig", "SimResult", "SimServer", "simulate"]
 
 
 @dataclass
 class SimResult:
-    """Finished requests (all of them, warm-up included) and how many were measured."""
+    """Finished requests (all of them, warm-up included) and how many were measured.
 
-    requests: list[_Request]
+    adapter_memory: with an adapter store, the pool's counters and each server's host memory
+    (see `memory_summary`); empty without one."""
+
+    requests: list[SimRequest]
     measure_from_s: float
     num_unrouted: int = 0
     per_server_requests: list[int] = field(default_factory=list)
+    adapter_memory: dict[str, float] = field(default_factory=dict)
+    pool: AdapterPool | None = None  # the adapter store's final state, when there is one
 
-    def measured(self) -> list[_Request]:
+    def measured(self) -> list[SimRequest]:
         return [r for r in self.requests if r.trace.arrival_s >= self.measure_from_s]
 
     def tpt_ms(self) -> list[float]:
@@ -203,12 +62,13 @@ class SimResult:
         ]
 
     def summary(self, slo_tpt_ms: float) -> dict[str, float]:
+        measured = self.measured()
         tpt = sorted(self.tpt_ms())
-        ttft = sorted((r.first_token_s - r.trace.arrival_s) * 1000.0 for r in self.measured())
+        ttft = sorted((r.first_token_s - r.trace.arrival_s) * 1000.0 for r in measured)
         num = len(tpt)
         if num == 0:
             return {"num_measured": 0}
-        return {
+        out = {
             "num_measured": num,
             "slo_attainment": sum(1 for t in tpt if t <= slo_tpt_ms) / num,
             "mean_tpt_ms": sum(tpt) / num,
@@ -218,6 +78,29 @@ class SimResult:
             "p99_ttft_ms": ttft[min(num - 1, int(0.99 * num))],
             "num_unrouted": self.num_unrouted,
         }
+        if self.adapter_memory:
+            waits = [r.fetch_wait_s * 1000.0 for r in measured if r.fetch_wait_s > 0]
+            out["fraction_waited_for_adapter"] = len(waits) / num
+            out["mean_adapter_wait_ms"] = sum(waits) / len(waits) if waits else 0.0
+            out["adapter_memory"] = self.adapter_memory
+        return out
+
+
+def memory_summary(pool: AdapterPool) -> dict[str, float]:
+    """The pool's counters and host memory per server (peak bytes, adapters held at the end)."""
+    held = [len(c.entries) for c in pool.caches]
+    peaks = [c.peak for c in pool.caches]
+    return {
+        "host_bytes_capacity": pool.config.host_bytes,
+        "host_bytes_peak_mean": sum(peaks) / len(peaks),
+        "host_bytes_peak_max": max(peaks),
+        "adapters_held_mean": sum(held) / len(held),
+        "adapters_held_max": max(held),
+        "hits": pool.hits,
+        "peer_fetches": pool.peer_fetches,
+        "storage_fetches": pool.storage_fetches,
+        "prefetches": pool.prefetches,
+    }
 
 
 def simulate(
@@ -235,26 +118,39 @@ def simulate(
         adapters = {r.adapter: r.rank for r in trace}
     known = frozenset(adapters) | frozenset(r.adapter for r in trace)
     servers = [SimServer(i, config, perf, known) for i in range(config.num_servers)]
+    pool = None
+    if config.adapter_store is not None:
+        pool = AdapterPool(config.num_servers, config.adapter_store)
+        pool.seed(adapters)
+    by_url = {s.state().url: s.idx for s in servers}
+    holdings_version = None
     # (time, server idx, is_end): an iteration ends, or an idle server starts one. A start is an
     # event at the arrival time, not an immediate call, so that requests arriving at the same
     # instant share one prefill.
     events: list[tuple[float, int, bool]] = []
-    done: list[_Request] = []
+    # (adapter in host memory, request idx, server idx, request)
+    fetches: list[tuple[float, int, int, SimRequest]] = []
+    done: list[SimRequest] = []
     per_server = [0] * config.num_servers
     num_unrouted = 0
     arrival_idx = 0
     views: list[ServerState] = []
     next_refresh_s = -math.inf
-    while arrival_idx < len(trace) or events:
-        if arrival_idx < len(trace) and (
-            not events or trace[arrival_idx].arrival_s <= events[0][0]
-        ):
+    while arrival_idx < len(trace) or events or fetches:
+        t_arrival = trace[arrival_idx].arrival_s if arrival_idx < len(trace) else math.inf
+        t_event = events[0][0] if events else math.inf
+        t_fetch = fetches[0][0] if fetches else math.inf
+        if t_arrival <= t_event and t_arrival <= t_fetch:
             item = trace[arrival_idx]
             arrival_idx += 1
+            now = item.arrival_s
             route = RouteRequest(item.adapter, item.rank, item.prompt_tokens, item.output_tokens)
             if item.arrival_s >= next_refresh_s:
                 views = [s.state() for s in servers]
                 policy.tick(item.arrival_s, views, adapters)
+                if pool is not None:
+                    holdings_version = _prefetch(policy, pool, by_url, adapters,
+                                                 holdings_version, now)  # fmt: skip
                 next_refresh_s = (
                     item.arrival_s
                     if config.refresh_s == 0
@@ -269,17 +165,53 @@ def simulate(
             )
             per_server[target] += 1
             server = servers[target]
-            server.enqueue(_Request(item))
-            if not server.busy:
-                server.busy = True
-                heapq.heappush(events, (item.arrival_s, target, False))
+            request = SimRequest(item)
+            ready = item.arrival_s
+            if pool is not None and item.rank > 0:  # rank 0: the base model, no adapter
+                ready = pool.acquire(target, item.adapter, item.rank, item.arrival_s)
+            if ready > item.arrival_s:
+                request.fetch_wait_s = ready - item.arrival_s
+                server.enqueue(request, fetching=True)
+                heapq.heappush(fetches, (ready, item.idx, target, request))
+                continue
+            server.enqueue(request)
+        elif t_fetch <= t_event:
+            now, _, target, request = heapq.heappop(fetches)
+            server = servers[target]
+            server.release(request)
+        else:
+            now, target, is_end = heapq.heappop(events)
+            server = servers[target]
+            if is_end:
+                server.finish_iteration(now, done)
+            end = server.start_iteration(now)
+            if end is not None:
+                heapq.heappush(events, (end, target, True))
             continue
-        now, target, is_end = heapq.heappop(events)
-        server = servers[target]
-        if is_end:
-            server.finish_iteration(now, done)
-        end = server.start_iteration(now)
-        if end is not None:
-            heapq.heappush(events, (end, target, True))
+        if not server.busy:
+            server.busy = True
+            heapq.heappush(events, (now, target, False))
     duration = trace[-1].arrival_s if trace else 0.0
-    return SimResult(done, config.warmup_fraction * duration, num_unrouted, per_server)
+    memory = memory_summary(pool) if pool is not None else {}
+    return SimResult(
+        done, config.warmup_fraction * duration, num_unrouted, per_server, memory, pool
+    )
+
+
+def _prefetch(
+    policy: Policy,
+    pool: AdapterPool,
+    by_url: Mapping[str, int],
+    ranks: Mapping[str, int],
+    version: int | None,
+    now: float,
+) -> int | None:
+    """After a tick: when the policy published new holdings, every server prefetches and pins
+    what it was assigned (and unpins the rest). Returns the holdings version now applied."""
+    held = policy.holdings()
+    if held is None or held[0] == version:
+        return version
+    for url, idx in by_url.items():
+        names = held[1].get(url, ())
+        pool.assign(idx, {a: ranks[a] for a in names if a in ranks}, now)
+    return held[0]

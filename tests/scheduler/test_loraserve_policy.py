@@ -131,3 +131,45 @@ def test_every_server_appears_once_in_the_order():
             ranked = pol.order(request(adapter, rank), servers)
             assert sorted(ranked) == list(range(6)), (name, adapter)
             assert servers[ranked[0]].url in pol.placer.assignment[adapter] or name != "loraserve"
+
+
+ALL = ("a", "b", "c", "d")
+
+
+def _placed_four():
+    """s0 placed with rank 8 only; a's row is {s2, s3}; s1 is placed with rank 64."""
+    pol = policy()
+    servers = [idle(f"s{i}") for i in range(4)]
+    names = {"a": 64, "b": 8, "c": 64, "d": 8}
+    pol.tick(0.0, servers, names)
+    for i in range(400):
+        name = "abcd"[i % 4]
+        pol.choose(request(name, names[name]), servers)
+    pol.tick(10.0, servers, names)
+    assert [pol.placer.max_rank(f"s{i}") for i in range(4)] == [8, 64, 64, 64]
+    assert set(pol.placer.assignment["a"]) == {"s2", "s3"} and pol.placer.row("b")[0] == ("s0",)
+    return pol
+
+
+def test_a_row_past_its_operating_point_spills_before_the_decode_slo():
+    pol = _placed_four()
+    calm = [idle("s0", running=10, hosts=ALL), *(idle(f"s{i}", hosts=ALL) for i in (1, 2, 3))]
+    assert pol.choose(request("b", 8), calm) == 0
+    # 110 rank-8 requests: a decode iteration (~35 ms) is well within the SLO, but with each
+    # member's share of the newcomers' prefills the time per token is past headroom x SLO
+    busy = [idle("s0", running=110, hosts=ALL), *calm[1:]]
+    assert pol._key(request("b", 8), busy[0])[2] < SLO_MS
+    assert pol.choose(request("b", 8), busy) != 0
+
+
+def test_a_spill_prefers_servers_it_does_not_pad():
+    pol = _placed_four()
+    servers = [
+        idle(
+            "s0", running=5, hosts=ALL
+        ),  # placed with rank 8: a rank-64 request would pad its batch
+        idle("s1", running=5, hosts=ALL),  # placed with rank 64: same load, same cost
+        idle("s2", running=120, rank=64, hosts=ALL),  # a's row, full
+        idle("s3", running=120, rank=64, hosts=ALL),
+    ]
+    assert pol.choose(request("a", 64), servers) == 1

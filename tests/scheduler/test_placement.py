@@ -7,7 +7,7 @@ import random
 import pytest
 
 from toppings.scheduler.demand import DemandTracker
-from toppings.scheduler.operating_points import OperatingPointConfig, operating_points
+from toppings.scheduler.operating_points import OperatingPointConfig, batch_at, operating_points
 from toppings.scheduler.paper_models import paper_fig6_models
 from toppings.scheduler.placement import count_moves, place
 
@@ -35,6 +35,15 @@ def test_operating_points_fall_with_rank_and_respect_the_slo():
     # A looser SLO cannot lower a point; the batch limit caps it.
     loose = operating_points(PERF, OperatingPointConfig(slo_ms=1e6, max_batch_size=4), RANKS)
     assert all(loose[r] > 0 for r in RANKS)
+
+
+def test_batch_at_an_operating_point_grows_with_the_point_and_falls_with_rank():
+    config = OperatingPointConfig(slo_ms=58.7)
+    # the derived point is reached at the largest batch within headroom x SLO, and not before
+    limits = {r: batch_at(PERF, config, r, POINTS[r]) for r in RANKS}
+    assert [limits[r] for r in RANKS] == sorted(limits.values(), reverse=True)
+    assert all(batch_at(PERF, config, r, 0.8 * POINTS[r]) < limits[r] for r in RANKS)
+    assert batch_at(PERF, config, 8, 1e12) == config.max_batch_size  # unreachable: the cap
 
 
 def test_every_adapter_is_placed_and_probabilities_sum_to_one():
