@@ -194,6 +194,10 @@ def main(argv: list[str] | None = None) -> int:
             str(args.server_port),
             "--device",
             args.device,
+            # the answers the README shows were recorded in float32; bfloat16 would round
+            # differently from one CPU to the next
+            "--dtype",
+            "float32" if args.device == "cpu" else "bfloat16",
         ]
         procs.append(start("toppings.server.cli", serve_args, logs / "serve.log"))
         sched_args = ["--registry", str(logs / "registry.sqlite"), "--port", str(args.port),

@@ -176,9 +176,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--dtype",
         choices=(*DTYPES, "auto"),
-        default=None,
-        help="default: bfloat16 on cuda, float32 on cpu; auto: bfloat16 on cuda, on a cpu the "
-        "faster of float32 and bfloat16 for the model's projections, measured at start-up",
+        default="auto",
+        help="auto (default): bfloat16 on cuda; on a cpu, bfloat16 where it multiplies natively "
+        "and the model's projections run faster in it (measured at start-up), else float32",
     )
     p.add_argument(
         "--lora-mode",
@@ -366,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = EngineConfig(
             device=args.device,
-            dtype=args.dtype or ("bfloat16" if args.device == "cuda" else "float32"),
+            dtype=args.dtype,
             kernel=args.kernel,
             lora_mode=args.lora_mode,
             max_total_tokens=args.max_total_tokens,
