@@ -126,6 +126,7 @@ def node(tmp_path_factory, tiny_model_dir, scheduler):
            "--num-servers", "2", "--base-port", str(_free_port_pair()), "--lora-dir",
            str(tmp / "loras"), "--log-dir", str(tmp / "logs"), "--scheduler", scheduler[0],
            "--drain-timeout", "20", "--restart-backoff", "0.2", "--",
+           "--dtype", "float32",  # CACHE_BYTES counts float32 adapters
            "--lora-mode", "cpu-assisted", "--max-total-tokens", str(MAX_TOTAL_TOKENS),
            "--adapter-cache-bytes", str(CACHE_BYTES), "--link-gbps", "0.002"]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
