@@ -9,8 +9,8 @@ max_new_tokens) plus its adapter's device memory in KV slots; it borrows that wh
 Each iteration (`select`), Algorithm 1 of the paper:
 1. every queue, smallest first, admits from its head while its unborrowed quota allows; a queue
    with nothing running may always admit its head (so a request larger than the quota runs);
-   an emptied queue gives what it did not use to a spare pool;
-2. the spare pool goes to the queues in the same order, each from its head.
+2. the memory phase 1 left goes to the queues in the same order, each from its head, while
+   it fits (work-conserving; see below).
 Starvation guard: a head within its quota that does not fit the free KV slots is held as the
 next to go. Until it fits, its own queue and the queues of larger requests admit nothing, there is
 no phase 2, and the queues of smaller requests admit only within their own quota (none may exceed
@@ -19,6 +19,12 @@ held request, within its own, then fits. A request held beyond its quota (its qu
 running) stops all admission until it fits. (Deviation from the paper, which does not say how a
 head that fits its quota but not the memory is protected; stopping every queue for it, as this
 module first did, put the short requests back behind a long one.)
+Deviation in phase 2: the paper redistributes only what queues left of their quotas; its quotas
+are tokens per iteration, where capacity kept back shortens every running request's iteration.
+Ours are memory reservations: memory kept idle shortens nothing, and it made the large queue's
+requests wait for each other (a quota of ~870 KV tokens held one of the largest at a time) while
+free memory sat unused. The quotas still decide under contention: who is held, and what the other
+queues give back to a held request.
 Opportunistic bypass: when a head finds no adapter memory, a younger request of its queue may
 go first if its predicted length is below the shortest predicted remainder of a running request
 with an adapter (when memory should free up). If the head's adapter would fit by releasing the
@@ -246,20 +252,17 @@ class ChameleonQueue(QueuePolicy):
                 held_q = self._queue_of(self._sizes[self._held].wrs)
                 if self._sizes[self._held].charge > self.quotas[held_q]:
                     return batch  # held beyond its quota: everything drains for it
-        spare, stop = 0, False
+        stop = False
         for q, queue in enumerate(self._queues[:held_q]):  # phase 1: each within its quota
             unborrowed = max(self.quotas[q] - borrowed[q], 0)
             may_exceed = not borrowed[q] and self._held is None
-            used, stop = self._put(queue, unborrowed, gate, running, now, batch, True, may_exceed)
+            _, stop = self._put(queue, unborrowed, gate, running, now, batch, True, may_exceed)
             if stop:
                 break
-            if not queue:
-                spare += unborrowed - used
-        for queue in self._queues:  # phase 2: what empty queues left, smallest requests first
-            if stop or spare <= 0 or self._held is not None:
+        for queue in self._queues:  # phase 2: the memory phase 1 left, smallest requests first
+            if stop or self._held is not None:
                 break
-            used, stop = self._put(queue, spare, gate, running, now, batch, False, False)
-            spare -= used
+            _, stop = self._put(queue, gate.total_tokens(), gate, running, now, batch, False, False)
         self._prefetch(gate)
         return batch
 

@@ -132,13 +132,13 @@ def large(name, t, **kw):
 
 
 def test_phase_one_each_queue_admits_within_its_quota_smallest_first():
-    p = policy(cutoffs=[0.5], quotas=[40, 360])
-    gate = FakeGate(kv=1000)
+    p = policy(cutoffs=[0.5], quotas=[40, 360], kv=400)
+    gate = FakeGate(kv=400)
     push(p, large("L1", 0), small("s1", 1), small("s2", 2), small("s3", 3), large("L2", 4))
     batch = p.select(gate, gate.running, now=5)
     # The small queue goes first and stops at its quota (2 x 20 slots); the large queue admits
-    # both of its requests within 360, which it uses up: nothing is spare. FCFS would have
-    # admitted all five in arrival order.
+    # both of its requests within 360, which fills the memory: s3 waits. FCFS would have
+    # admitted L1, s1, s2, s3 in arrival order and kept L2 waiting.
     assert names(batch) == ["s1", "s2", "L1", "L2"]
     assert names(p) == ["s3"]
     assert p.view()["queue_lengths"] == [1, 0]
@@ -154,17 +154,26 @@ def test_phase_two_gives_what_empty_queues_left_to_the_smallest_requests_first()
     assert names(batch) == ["s1", "s2", "L1", "s3", "s4"]
 
 
-def test_no_phase_two_while_a_queue_still_waits():
+def test_phase_two_fills_the_memory_phase_one_left_smallest_requests_first():
     p = policy(cutoffs=[0.5], quotas=[40, 200])
     gate = FakeGate(kv=1000)
     push(p, small("s1", 1), small("s2", 2), small("s3", 3), large("L1", 4), large("L2", 5))
     batch = p.select(gate, gate.running, now=6)
-    assert names(batch) == ["s1", "s2", "L1"]  # the large queue keeps its quota: no spare
+    # Phase 1: s1, s2 (quota 40), L1 (quota 200); phase 2: the free memory takes s3, then L2
+    # beyond the large queue's quota (memory kept idle would shorten no one's wait).
+    assert names(batch) == ["s1", "s2", "L1", "s3", "L2"]
+    p = policy(cutoffs=[0.5], quotas=[40, 200], kv=300)
+    gate = FakeGate(kv=300)
+    push(p, small("s1", 1), small("s2", 2), small("s3", 3), large("L1", 4), large("L2", 5))
+    # With 300 slots, L2 (180) does not fit what phase 2 has left (60): it waits, not held (it
+    # is beyond its queue's quota).
+    assert names(p.select(gate, gate.running, now=6)) == ["s1", "s2", "L1", "s3"]
+    assert names(p) == ["L2"] and p.view()["held"] == 0
 
 
 def test_a_request_larger_than_its_quota_runs_when_its_queue_has_nothing_running():
-    p = policy(cutoffs=[0.5], quotas=[0, 100])
-    gate = FakeGate(kv=1000)
+    p = policy(cutoffs=[0.5], quotas=[0, 100], kv=300)
+    gate = FakeGate(kv=300)
     push(p, large("L1", 0), large("L2", 1))
     assert names(p.select(gate, gate.running, now=2)) == ["L1"]
     assert names(p.select(gate, gate.running, now=3)) == []
