@@ -256,13 +256,14 @@ class ChameleonQueue(QueuePolicy):
         for q, queue in enumerate(self._queues[:held_q]):  # phase 1: each within its quota
             unborrowed = max(self.quotas[q] - borrowed[q], 0)
             may_exceed = not borrowed[q] and self._held is None
-            _, stop = self._put(queue, unborrowed, gate, running, now, batch, True, may_exceed)
+            stop = self._put(queue, unborrowed, gate, running, now, batch, True, may_exceed)
             if stop:
                 break
+        everything = gate.total_tokens()  # phase 2 has no quota: the gate refuses what won't fit
         for queue in self._queues:  # phase 2: the memory phase 1 left, smallest requests first
             if stop or self._held is not None:
                 break
-            _, stop = self._put(queue, gate.total_tokens(), gate, running, now, batch, False, False)
+            stop = self._put(queue, everything, gate, running, now, batch, False, False)
         self._prefetch(gate)
         return batch
 
@@ -276,10 +277,10 @@ class ChameleonQueue(QueuePolicy):
         batch: list[Sequence],
         entitled: bool,
         may_exceed: bool,
-    ) -> tuple[int, bool]:
-        """Admit from the head of `queue` within `tokens`; returns (tokens used, stop all).
+    ) -> bool:
+        """Admit from the head of `queue` within `tokens`; returns whether to stop all admission.
 
-        entitled: the tokens are the queue's own quota (phase 1), not the spare pool;
+        entitled: the tokens are the queue's own quota (phase 1), not phase 2's free memory;
         may_exceed: the queue has nothing running, so its head may go beyond the quota.
         """
         used = 0
@@ -297,16 +298,16 @@ class ChameleonQueue(QueuePolicy):
                     self._bypasses.append((bypassed, seq))
                     self.counters["bypasses"] += 1
             elif verdict is Verdict.BATCH_FULL:
-                return used, True
+                return True
             elif verdict is Verdict.NO_ROOM:
                 if entitled and bypassed is None and self._held is None:
                     self._held = seq  # within its quota: it goes next, whatever arrives
                     self.counters["held"] += 1
-                    return used, True
+                    return True
                 break
             elif verdict is Verdict.NO_ADAPTER_MEMORY and bypassed is None:
                 bypassed = seq
-        return used, False
+        return False
 
     def _try(self, seq: Sequence, gate: Gate, now: float, batch: list[Sequence]) -> Verdict:
         verdict = gate.try_admit(seq)

@@ -144,13 +144,12 @@ def test_phase_one_each_queue_admits_within_its_quota_smallest_first():
     assert p.view()["queue_lengths"] == [1, 0]
 
 
-def test_phase_two_gives_what_empty_queues_left_to_the_smallest_requests_first():
+def test_phase_two_gives_the_free_memory_to_the_smallest_requests_first():
     p = policy(cutoffs=[0.5], quotas=[40, 400])
     gate = FakeGate(kv=1000)
     push(p, small("s1", 1), small("s2", 2), small("s3", 3), small("s4", 4), large("L1", 5))
     batch = p.select(gate, gate.running, now=6)
-    # Phase 1: s1, s2 (quota 40), L1 (quota 400, 220 left when the large queue empties);
-    # phase 2: the spare 220 admits s3 and s4.
+    # Phase 1: s1, s2 (quota 40), L1 (quota 400); phase 2: the free memory admits s3 and s4.
     assert names(batch) == ["s1", "s2", "L1", "s3", "s4"]
 
 
