@@ -27,7 +27,7 @@ from waitress import wasyncore
 from toppings.gpu_lora.eviction import EVICTION_POLICIES
 from toppings.server.config import (
     DEVICES,
-    DTYPES,
+    DTYPE_CHOICES,
     KERNELS,
     LORA_MODES,
     MEMORY_LAYOUTS,
@@ -175,7 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=DEVICES, default="cpu")
     p.add_argument(
         "--dtype",
-        choices=(*DTYPES, "auto"),
+        choices=DTYPE_CHOICES,
         default="auto",
         help="auto (default): bfloat16 on cuda; on a cpu, bfloat16 where it multiplies natively "
         "and the model's projections run faster in it (measured at start-up), else float32",

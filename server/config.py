@@ -10,6 +10,7 @@ from toppings.server.memory_policies import MEMORY_POLICIES
 
 DEVICES = ("cpu", "cuda")
 DTYPES = ("float32", "bfloat16", "float16")
+DTYPE_CHOICES = (*DTYPES, "auto")  # auto: resolved for the machine at start-up (runtime.py)
 KERNELS = ("bgmv", "mbgmv")
 QUEUE_POLICIES = ("fcfs", "chameleon")  # server.queue_policies holds the classes
 MEMORY_LAYOUTS = ("pool", "static")  # server.memory
@@ -55,7 +56,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         for name, value, allowed in (
             ("device", self.device, DEVICES),
-            ("dtype", self.dtype, (*DTYPES, "auto")),
+            ("dtype", self.dtype, DTYPE_CHOICES),
             ("kernel", self.kernel, KERNELS),
             ("lora_mode", self.lora_mode, LORA_MODES),
             ("queue_policy", self.queue_policy, QUEUE_POLICIES),

@@ -11,15 +11,12 @@ in both dtypes, alternating; bfloat16 wins only when it takes under `MARGIN` of 
 
 from __future__ import annotations
 
-import logging
 import time
 from pathlib import Path
 
 import torch
 
 from toppings.server.linear import Linear
-
-log = logging.getLogger(__name__)
 
 NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 ROWS = (16, 128)  # a decode step's batch and a prefill chunk
@@ -39,12 +36,18 @@ def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> set[str]:
     return set()
 
 
-def time_projection(dtype: torch.dtype, hidden: int, intermediate: int, rows: int) -> float:
-    """Seconds of one x [rows, H] @ W.T, W [I, H], through the engine's linear (best of 3)."""
+def projections(dtype: torch.dtype, hidden: int, intermediate: int):
+    """The engine's linear for a random W [I, H] and one input x [rows, H] per row count."""
     gen = torch.Generator().manual_seed(0)
     linear = Linear(torch.randn(intermediate, hidden, generator=gen).to(dtype))
-    x = torch.randn(rows, hidden, generator=gen).to(dtype)
-    linear(x)  # warm-up: oneDNN picks its kernel on the first call
+    inputs = [torch.randn(rows, hidden, generator=gen).to(dtype) for rows in ROWS]
+    for x in inputs:
+        linear(x)  # warm-up: oneDNN picks its kernel on the first call
+    return linear, inputs
+
+
+def time_projection(linear: Linear, x: torch.Tensor) -> float:
+    """Seconds of one linear(x) (best of 3)."""
     best = float("inf")
     for _ in range(3):
         start = time.perf_counter()
@@ -60,10 +63,13 @@ def choose_dtype(device: str, hidden: int, intermediate: int, flags: set[str] | 
     flags = cpu_flags() if flags is None else flags
     if not any(f in flags for f in NATIVE_BF16_FLAGS):
         return "float32", "this CPU has no native bfloat16 (avx512_bf16 / amx_bf16)"
-    totals = {torch.float32: 0.0, torch.bfloat16: 0.0}
-    for _ in range(ROUNDS):
-        for dtype in totals:
-            totals[dtype] += sum(time_projection(dtype, hidden, intermediate, r) for r in ROWS)
+    setups = {
+        dtype: projections(dtype, hidden, intermediate) for dtype in (torch.float32, torch.bfloat16)
+    }
+    totals = dict.fromkeys(setups, 0.0)
+    for _ in range(ROUNDS):  # the two dtypes alternate, so drift in the machine hits both
+        for dtype, (linear, inputs) in setups.items():
+            totals[dtype] += sum(time_projection(linear, x) for x in inputs)
     ratio = totals[torch.bfloat16] / totals[torch.float32]
     why = f"a [{intermediate}, {hidden}] projection takes {ratio:.2f}x float32's time in bfloat16"
     return ("bfloat16" if ratio < MARGIN else "float32"), why
