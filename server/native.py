@@ -50,6 +50,7 @@ SIGNATURES = {  # every function returns int: 0, or nonzero when it failed
     "decode_attention_bf16": _ATTENTION,
     "add_rms_norm": [_P] * 4 + [_I64] * 5 + [ctypes.c_float, _I, _I],
     "rope": [_P] * 3 + [_I64] * 4 + [_I, _I],
+    "silu_mul": [_P, _I64, _P, _I64, _I64, _I, _I],
     "lora_runs": [_P, _I64, _P, _I64, _P, _P] + [_I64] * 4 + [_P] * 4 + [_I64, _I, _I],
 }
 

@@ -60,57 +60,73 @@ static inline __m512 load16(const void *base, int is_bf16, int64_t off) {
     __m256i half = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + off));
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
 }
-#endif
 
-/* sg[l] = scale * (qg . k[slots[l]]) for l < len, D == 64, read in place from the pool. */
-static inline __attribute__((always_inline)) int dot_rows64(const float *qg, const void *k,
-                                                             int is_bf16, const int64_t *slots,
-                                                             int64_t len, float scale,
-                                                             float *sg) {
-#ifdef __AVX512F__
-    __m512 q0 = _mm512_loadu_ps(qg), q1 = _mm512_loadu_ps(qg + 16);
-    __m512 q2 = _mm512_loadu_ps(qg + 32), q3 = _mm512_loadu_ps(qg + 48);
-    for (int64_t l = 0; l < len; l++) {
-        int64_t off = slots[l] * 64;
-        __m512 a = _mm512_mul_ps(q0, load16(k, is_bf16, off));
-        __m512 b = _mm512_mul_ps(q1, load16(k, is_bf16, off + 16));
-        a = _mm512_fmadd_ps(q2, load16(k, is_bf16, off + 32), a);
-        b = _mm512_fmadd_ps(q3, load16(k, is_bf16, off + 48), b);
-        sg[l] = _mm512_reduce_add_ps(_mm512_add_ps(a, b)) * scale;
-    }
-    return 1;
-#else
-    return 0;
-#endif
+/* f rounded to bfloat16 (nearest even, NaN kept quiet) and widened back: bf16_store's rule. */
+static inline __m512 round16(__m512 f) {
+    __m512i u = _mm512_castps_si512(f);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+    __mmask16 nan = _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q);
+    r = _mm512_mask_or_epi32(r, nan, u, _mm512_set1_epi32(0x400000));
+    return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u)));
 }
 
-/* ag = sum_l sg[l] * v[slots[l]], D == 64, read in place from the pool. */
-static inline __attribute__((always_inline)) int weigh_rows64(const float *sg, const void *v,
-                                                               int is_bf16, const int64_t *slots,
-                                                               int64_t len, float *ag) {
-#ifdef __AVX512F__
-    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
-    __m512 a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
-    for (int64_t l = 0; l < len; l++) {
-        int64_t off = slots[l] * 64;
-        __m512 p = _mm512_set1_ps(sg[l]);
-        a0 = _mm512_fmadd_ps(p, load16(v, is_bf16, off), a0);
-        a1 = _mm512_fmadd_ps(p, load16(v, is_bf16, off + 16), a1);
-        a2 = _mm512_fmadd_ps(p, load16(v, is_bf16, off + 32), a2);
-        a3 = _mm512_fmadd_ps(p, load16(v, is_bf16, off + 48), a3);
+/* 16 float32 values to a row at element offset off, rounded as bf16_store where bf16. */
+static inline void store16(void *base, int is_bf16, int64_t off, __m512 f) {
+    if (!is_bf16) {
+        _mm512_storeu_ps((float *)base + off, f);
+        return;
     }
-    _mm512_storeu_ps(ag, a0);
-    _mm512_storeu_ps(ag + 16, a1);
-    _mm512_storeu_ps(ag + 32, a2);
-    _mm512_storeu_ps(ag + 48, a3);
-    return 1;
-#else
-    return 0;
-#endif
+    __m512i bits = _mm512_srli_epi32(_mm512_castps_si512(round16(f)), 16);
+    _mm256_storeu_si256((__m256i *)((uint16_t *)base + off), _mm512_cvtepi32_epi16(bits));
 }
+
+/* exp of 16 values, to about 1 ulp: 2^n * p(r), x = n ln2 + r, |r| <= ln2 / 2, p of degree 7
+ * (Taylor). Inputs below -104 give 0, as expf does (its result underflows there). */
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-104.f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+    __m512 p = _mm512_set1_ps(1.f / 5040.f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(p, n);
+}
+#endif
 
 /* Softmax of sg [len] in place. */
 static inline void softmax(float *sg, int64_t len) {
+#ifdef __AVX512F__
+    int64_t l = 0;
+    __m512 vmx = _mm512_set1_ps(-INFINITY);
+    for (; l + 16 <= len; l += 16) vmx = _mm512_max_ps(vmx, _mm512_loadu_ps(sg + l));
+    float mx = _mm512_reduce_max_ps(vmx);
+    for (; l < len; l++) mx = sg[l] > mx ? sg[l] : mx;
+    __m512 vsum = _mm512_setzero_ps(), vmax = _mm512_set1_ps(mx);
+    for (l = 0; l + 16 <= len; l += 16) {
+        __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sg + l), vmax));
+        _mm512_storeu_ps(sg + l, e);
+        vsum = _mm512_add_ps(vsum, e);
+    }
+    if (l < len) { /* the tail, masked */
+        __mmask16 m = (__mmask16)((1u << (len - l)) - 1u);
+        __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sg + l), vmax));
+        _mm512_mask_storeu_ps(sg + l, m, e);
+        vsum = _mm512_add_ps(vsum, _mm512_maskz_mov_ps(m, e));
+    }
+    float inv = 1.f / _mm512_reduce_add_ps(vsum);
+    __m512 vinv = _mm512_set1_ps(inv);
+    for (l = 0; l + 16 <= len; l += 16)
+        _mm512_storeu_ps(sg + l, _mm512_mul_ps(_mm512_loadu_ps(sg + l), vinv));
+    for (; l < len; l++) sg[l] *= inv;
+#else
     float mx = -INFINITY, sum = 0.f;
 #pragma omp simd reduction(max : mx)
     for (int64_t l = 0; l < len; l++) mx = sg[l] > mx ? sg[l] : mx;
@@ -121,24 +137,110 @@ static inline void softmax(float *sg, int64_t len) {
     }
     float inv = 1.f / sum;
     for (int64_t l = 0; l < len; l++) sg[l] *= inv;
+#endif
+}
+
+/* Prefetch the row `ahead` positions on (both 64-byte lines of a bf16 row of 64, all four of
+ * a float32 one): the rows are read through the slot index, which the hardware prefetcher
+ * does not follow across the pool's blocks, and a decode step's keys are cold in cache. */
+static inline void prefetch_row64(const void *base, int is_bf16, const int64_t *slots,
+                                  int64_t l, int64_t len) {
+#ifdef __AVX512F__
+    const int64_t ahead = 32;
+    if (l + ahead >= len) return;
+    const char *row = (const char *)base + slots[l + ahead] * 64 * (is_bf16 ? 2 : 4);
+    _mm_prefetch(row, _MM_HINT_T0);
+    _mm_prefetch(row + 64, _MM_HINT_T0);
+    if (!is_bf16) {
+        _mm_prefetch(row + 128, _MM_HINT_T0);
+        _mm_prefetch(row + 192, _MM_HINT_T0);
+    }
+#endif
+}
+
+/* For the gn (1-4) query heads of one kv head, D == 64, read in place from the pool:
+ * scores[g * len + l] = scale * (q[g] . k[slots[l]]). Each key row is loaded once for all of
+ * them (GQA: the heads of a group share it). */
+static inline __attribute__((always_inline)) void dot_group64(const float *q, int gn,
+                                                              const void *k, int is_bf16,
+                                                              const int64_t *slots, int64_t len,
+                                                              float scale, float *scores) {
+#ifdef __AVX512F__
+    for (int64_t l = 0; l < len; l++) {
+        int64_t off = slots[l] * 64;
+        prefetch_row64(k, is_bf16, slots, l, len);
+        __m512 k0 = load16(k, is_bf16, off), k1 = load16(k, is_bf16, off + 16);
+        __m512 k2 = load16(k, is_bf16, off + 32), k3 = load16(k, is_bf16, off + 48);
+        for (int g = 0; g < gn; g++) {
+            const float *qg = q + g * 64;
+            __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qg), k0);
+            __m512 b = _mm512_mul_ps(_mm512_loadu_ps(qg + 16), k1);
+            a = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 32), k2, a);
+            b = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 48), k3, b);
+            scores[g * len + l] = _mm512_reduce_add_ps(_mm512_add_ps(a, b)) * scale;
+        }
+    }
+#endif
+}
+
+/* acc[g] = sum_l scores[g * len + l] * v[slots[l]] for gn (1-4) heads, D == 64: each value
+ * row loaded once, the gn x 64 sums held in registers. */
+static inline __attribute__((always_inline)) void weigh_group64(const float *scores, int gn,
+                                                                const void *v, int is_bf16,
+                                                                const int64_t *slots,
+                                                                int64_t len, float *acc) {
+#ifdef __AVX512F__
+    __m512 s[4][4];
+    for (int g = 0; g < 4; g++)
+        for (int c = 0; c < 4; c++) s[g][c] = _mm512_setzero_ps();
+    for (int64_t l = 0; l < len; l++) {
+        int64_t off = slots[l] * 64;
+        prefetch_row64(v, is_bf16, slots, l, len);
+        __m512 v0 = load16(v, is_bf16, off), v1 = load16(v, is_bf16, off + 16);
+        __m512 v2 = load16(v, is_bf16, off + 32), v3 = load16(v, is_bf16, off + 48);
+        for (int g = 0; g < gn; g++) {
+            __m512 p = _mm512_set1_ps(scores[g * len + l]);
+            s[g][0] = _mm512_fmadd_ps(p, v0, s[g][0]);
+            s[g][1] = _mm512_fmadd_ps(p, v1, s[g][1]);
+            s[g][2] = _mm512_fmadd_ps(p, v2, s[g][2]);
+            s[g][3] = _mm512_fmadd_ps(p, v3, s[g][3]);
+        }
+    }
+    for (int g = 0; g < gn; g++)
+        for (int c = 0; c < 4; c++) _mm512_storeu_ps(acc + g * 64 + c * 16, s[g][c]);
+#endif
+}
+
+/* Heads g0 .. g0 + gn of one kv head (gn a constant 1-4 at each call site). */
+static inline __attribute__((always_inline)) void attend_group64(
+    const float *q, int gn, const void *k, const void *v, int is_bf16, const int64_t *slots,
+    int64_t len, float scale, float *scores, float *acc) {
+    dot_group64(q, gn, k, is_bf16, slots, len, scale, scores);
+    for (int g = 0; g < gn; g++) softmax(scores + (size_t)g * len, len);
+    weigh_group64(scores, gn, v, is_bf16, slots, len, acc);
 }
 
 /* One (request, kv head): G query rows q [G, D] (float32) -> acc [G, D]. rows is [len, D],
- * scores [G, len]. Loops run one query at a time so its D accumulators stay in registers. */
+ * scores [G, len]. D == 64 reads the pool in place, up to 4 heads per pass over the rows;
+ * otherwise the rows are copied to float32 first and one query runs at a time. */
 static inline __attribute__((always_inline)) void attend_rows(
     const float *q, const void *k, const void *v, int is_bf16, const int64_t *slots, int64_t len,
     int G, int D, float scale, float *scores, float *rows, float *acc) {
+#ifdef __AVX512F__
     if (D == 64) {
-        int done = 1;
-        for (int g = 0; g < G && done; g++) {
-            float *sg = scores + (size_t)g * len;
-            done = dot_rows64(q + (size_t)g * D, k, is_bf16, slots, len, scale, sg);
-            softmax(sg, len);
+        for (int g0 = 0; g0 < G; g0 += 4) {
+            const float *qg = q + (size_t)g0 * 64;
+            float *ag = acc + (size_t)g0 * 64;
+            switch (G - g0 < 4 ? G - g0 : 4) { /* constant group sizes: registers, unrolled */
+            case 1: attend_group64(qg, 1, k, v, is_bf16, slots, len, scale, scores, ag); break;
+            case 2: attend_group64(qg, 2, k, v, is_bf16, slots, len, scale, scores, ag); break;
+            case 3: attend_group64(qg, 3, k, v, is_bf16, slots, len, scale, scores, ag); break;
+            default: attend_group64(qg, 4, k, v, is_bf16, slots, len, scale, scores, ag);
+            }
         }
-        for (int g = 0; g < G && done; g++)
-            weigh_rows64(scores + (size_t)g * len, v, is_bf16, slots, len, acc + (size_t)g * D);
-        if (done) return;
+        return;
     }
+#endif
     load_rows(k, is_bf16, slots, len, D, rows);
     for (int g = 0; g < G; g++) {
         const float *qg = q + (size_t)g * D;
@@ -267,6 +369,31 @@ static inline int threads_for(int64_t elements, int num_threads) {
 int add_rms_norm(void *h, const void *delta, const void *w, void *out, int64_t T, int64_t H,
                  int64_t ld_h, int64_t ld_delta, int64_t ld_out, float eps, int is_bf16,
                  int num_threads) {
+#ifdef __AVX512F__
+    if (H % 16 == 0) {
+#pragma omp parallel for num_threads(threads_for(T * H, num_threads)) schedule(static)
+        for (int64_t t = 0; t < T; t++) {
+            int64_t row = t * ld_h;
+            __m512 ss = _mm512_setzero_ps();
+            for (int64_t i = 0; i < H; i += 16) {
+                __m512 v = load16(h, is_bf16, row + i);
+                if (delta != NULL) {
+                    v = _mm512_add_ps(v, load16(delta, is_bf16, t * ld_delta + i));
+                    if (is_bf16) v = round16(v);
+                    store16(h, is_bf16, row + i, v);
+                }
+                ss = _mm512_add_ps(ss, _mm512_mul_ps(v, v));
+            }
+            __m512 inv = _mm512_set1_ps(1.f / sqrtf(_mm512_reduce_add_ps(ss) / (float)H + eps));
+            for (int64_t i = 0; i < H; i += 16) {
+                __m512 v = _mm512_mul_ps(load16(h, is_bf16, row + i), inv);
+                if (is_bf16) v = round16(v);
+                store16(out, is_bf16, t * ld_out + i, _mm512_mul_ps(load16(w, is_bf16, i), v));
+            }
+        }
+        return 0;
+    }
+#endif
 #pragma omp parallel for num_threads(threads_for(T * H, num_threads)) schedule(static)
     for (int64_t t = 0; t < T; t++) {
         float ss = 0.f;
@@ -292,6 +419,31 @@ int add_rms_norm(void *h, const void *delta, const void *w, void *out, int64_t T
 int rope(void *x, const void *cos_t, const void *sin_t, int64_t T, int64_t heads, int64_t D,
          int64_t ld_x, int is_bf16, int num_threads) {
     int64_t half = D / 2;
+#ifdef __AVX512F__
+    if (half % 16 == 0) {
+#pragma omp parallel for num_threads(threads_for(T * heads * D, num_threads)) schedule(static)
+        for (int64_t t = 0; t < T; t++) {
+            for (int64_t i = 0; i < half; i += 16) {
+                __m512 c1 = load16(cos_t, is_bf16, t * D + i);
+                __m512 s1 = load16(sin_t, is_bf16, t * D + i);
+                __m512 c2 = load16(cos_t, is_bf16, t * D + half + i);
+                __m512 s2 = load16(sin_t, is_bf16, t * D + half + i);
+                for (int64_t n = 0; n < heads; n++) {
+                    int64_t base = t * ld_x + n * D;
+                    __m512 x1 = load16(x, is_bf16, base + i), x2 = load16(x, is_bf16, base + half + i);
+                    __m512 a1 = _mm512_mul_ps(x1, c1), b1 = _mm512_mul_ps(x2, s1);
+                    __m512 a2 = _mm512_mul_ps(x2, c2), b2 = _mm512_mul_ps(x1, s2);
+                    if (is_bf16) {
+                        a1 = round16(a1), b1 = round16(b1), a2 = round16(a2), b2 = round16(b2);
+                    }
+                    store16(x, is_bf16, base + i, _mm512_sub_ps(a1, b1));
+                    store16(x, is_bf16, base + half + i, _mm512_add_ps(a2, b2));
+                }
+            }
+        }
+        return 0;
+    }
+#endif
 #pragma omp parallel for num_threads(threads_for(T * heads * D, num_threads)) schedule(static)
     for (int64_t t = 0; t < T; t++) {
         for (int64_t n = 0; n < heads; n++) {
@@ -311,6 +463,30 @@ int rope(void *x, const void *cos_t, const void *sin_t, int64_t T, int64_t heads
     return 0;
 }
 
+/* SwiGLU: out[t, i] = round(silu(gate[t, i])) * up[t, i], gate = gu[t, :I], up = gu[t, I:]
+ * (gu [T, 2I] with row stride ld_gu, out [T, I] contiguous), silu rounded as torch's own op
+ * rounds it before the product. Returns 1, having written nothing, where I % 16 != 0 or there
+ * is no AVX-512 (the caller's torch path runs instead). */
+int silu_mul(const void *gu, int64_t ld_gu, void *out, int64_t T, int64_t I, int is_bf16,
+             int num_threads) {
+#ifdef __AVX512F__
+    if (I % 16 != 0) return 1;
+#pragma omp parallel for num_threads(threads_for(T * I * 8, num_threads)) schedule(static)
+    for (int64_t t = 0; t < T; t++) {
+        for (int64_t i = 0; i < I; i += 16) {
+            __m512 g = load16(gu, is_bf16, t * ld_gu + i), u = load16(gu, is_bf16, t * ld_gu + I + i);
+            __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
+            __m512 act = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e));
+            if (is_bf16) act = round16(act);
+            store16(out, is_bf16, t * I + i, _mm512_mul_ps(act, u));
+        }
+    }
+    return 0;
+#else
+    return 1;
+#endif
+}
+
 /* ---- LoRA over runs of one adapter's tokens (MBGMV semantics, CPU decode steps) ----------
  * For each run g with ranks[g] > 0 and each token t in [starts[g], starts[g + 1]):
  *     h = A[off:off + r] @ x[t]                 (r = ranks[g], off = offsets[g])
@@ -319,6 +495,49 @@ int rope(void *x, const void *cos_t, const void *sin_t, int64_t T, int64_t heads
  * Bt [C, H_out] contiguous pool rows (C = pool_rows); all float32 or all bfloat16 (float32
  * arithmetic, y rounded once). Each token is computed over its own adapter's rows only.
  * Returns 2, having written nothing, when a run lies outside y or the pool. */
+#ifdef __AVX512F__
+/* Tokens t .. t + n (n <= 4) of one run: h = A[off:off + r] @ x[t] for each, then
+ * y[t] += scale * h @ Bt[off:off + r], each A and Bt row read once for the n tokens.
+ * 16 | H_in and 16 | H_out; xf [4, H_in] and h [4, r] are the caller's scratch. */
+static void lora_block(const void *x, int64_t ld_x, void *y, int64_t ld_y, const void *A,
+                       const void *Bt, int64_t H_in, int64_t H_out, int64_t t, int64_t n,
+                       int64_t off, int64_t r, float scale, int is_bf16, float *xf, float *h) {
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t c = 0; c < H_in; c += 16)
+            _mm512_storeu_ps(xf + i * H_in + c, load16(x, is_bf16, (t + i) * ld_x + c));
+    for (int64_t j = 0; j < r; j++) {
+        __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+        int64_t row = (off + j) * H_in;
+        for (int64_t c = 0; c < H_in; c += 16) {
+            __m512 a = load16(A, is_bf16, row + c);
+            s0 = _mm512_fmadd_ps(a, _mm512_loadu_ps(xf + c), s0);
+            if (n > 1) s1 = _mm512_fmadd_ps(a, _mm512_loadu_ps(xf + H_in + c), s1);
+            if (n > 2) s2 = _mm512_fmadd_ps(a, _mm512_loadu_ps(xf + 2 * H_in + c), s2);
+            if (n > 3) s3 = _mm512_fmadd_ps(a, _mm512_loadu_ps(xf + 3 * H_in + c), s3);
+        }
+        h[j] = _mm512_reduce_add_ps(s0) * scale;
+        if (n > 1) h[r + j] = _mm512_reduce_add_ps(s1) * scale;
+        if (n > 2) h[2 * r + j] = _mm512_reduce_add_ps(s2) * scale;
+        if (n > 3) h[3 * r + j] = _mm512_reduce_add_ps(s3) * scale;
+    }
+    for (int64_t c = 0; c < H_out; c += 16) {
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int64_t j = 0; j < r; j++) {
+            __m512 b = load16(Bt, is_bf16, (off + j) * H_out + c);
+            a0 = _mm512_fmadd_ps(_mm512_set1_ps(h[j]), b, a0);
+            if (n > 1) a1 = _mm512_fmadd_ps(_mm512_set1_ps(h[r + j]), b, a1);
+            if (n > 2) a2 = _mm512_fmadd_ps(_mm512_set1_ps(h[2 * r + j]), b, a2);
+            if (n > 3) a3 = _mm512_fmadd_ps(_mm512_set1_ps(h[3 * r + j]), b, a3);
+        }
+        __m512 acc[4] = {a0, a1, a2, a3};
+        for (int64_t i = 0; i < n; i++) {
+            int64_t at = (t + i) * ld_y + c;
+            store16(y, is_bf16, at, _mm512_add_ps(load16(y, is_bf16, at), acc[i]));
+        }
+    }
+}
+#endif
+
 int lora_runs(const void *x, int64_t ld_x, void *y, int64_t ld_y, const void *A, const void *Bt,
               int64_t H_in, int64_t H_out, int64_t pool_rows, int64_t num_tokens,
               const int32_t *starts, const int32_t *offsets, const int32_t *ranks,
@@ -334,15 +553,25 @@ int lora_runs(const void *x, int64_t ld_x, void *y, int64_t ld_y, const void *A,
 #pragma omp parallel num_threads(threads_for(T * max_rank * (H_in + H_out), num_threads)) \
     reduction(| : failed)
     {
-        float *buf = malloc(sizeof(float) * (size_t)(H_in + H_out + max_rank + 1));
+        float *buf = malloc(sizeof(float) * (size_t)(4 * H_in + H_out + 4 * max_rank + 1));
         if (buf == NULL) {
             failed = 1;
         } else {
-            float *xf = buf, *acc = buf + H_in, *h = acc + H_out;
+            float *xf = buf, *acc = buf + 4 * H_in, *h = acc + H_out;
 #pragma omp for schedule(dynamic, 1)
             for (int64_t g = 0; g < num_runs; g++) {
                 int64_t r = ranks[g], off = offsets[g];
                 if (r <= 0) continue;
+#ifdef __AVX512F__
+                if (H_in % 16 == 0 && H_out % 16 == 0) {
+                    for (int64_t t = starts[g]; t < starts[g + 1]; t += 4) {
+                        int64_t n = starts[g + 1] - t < 4 ? starts[g + 1] - t : 4;
+                        lora_block(x, ld_x, y, ld_y, A, Bt, H_in, H_out, t, n, off, r, scales[g],
+                                   is_bf16, xf, h);
+                    }
+                    continue;
+                }
+#endif
                 for (int64_t t = starts[g]; t < starts[g + 1]; t++) {
                     for (int64_t i = 0; i < H_in; i++) xf[i] = ld(x, is_bf16, t * ld_x + i);
                     for (int64_t j = 0; j < r; j++) {

@@ -48,8 +48,9 @@ MIXES = {
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("mix", list(MIXES))
-def test_matches_reference(dtype, mix):
-    y, x, lora_a, lora_b, args = case(dtype, *MIXES[mix])
+@pytest.mark.parametrize("h_out", [40, 32])  # 32: blocks of 4 tokens, vectorized (16 | H)
+def test_matches_reference(dtype, mix, h_out):
+    y, x, lora_a, lora_b, args = case(dtype, *MIXES[mix], h_out=h_out)
     want = y.clone()
     reference.mbgmv_prefill(want, x, lora_a, lora_b, *args)
     native_lora.mbgmv_runs(y, x, lora_a, lora_b, *args)
