@@ -45,7 +45,9 @@ class AdapterManager:
         if self.kernels.segment_decode is not None and not self.kernels.padded:
             if native_lora.available(dtype):  # one native call per projection, not per run
                 self.kernels = dataclasses.replace(
-                    self.kernels, segment_decode=native_lora.mbgmv_runs
+                    self.kernels,
+                    prefill=native_lora.mbgmv_runs,
+                    segment_decode=native_lora.mbgmv_runs,
                 )
         self.host_stats = HostLoraStats()
         self.registry: dict[str, LoraAdapter] = {}

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from toppings.server.attention import decode_attention, prefill_attention
+from toppings.server.attention import decode_attention, plan_prefill, prefill_attention
 from toppings.server.fused import add_rms_norm, rope_, silu_mul
 from toppings.server.kv_cache import KVPool
 from toppings.server.linear import Linear
@@ -121,6 +121,9 @@ class LlamaModel:
         cos, sin = self.cos[batch.positions], self.sin[batch.positions]  # [T, D]
         h = self.embed[batch.input_ids]  # [T, H], fresh: the residual stream, added in place
         residual = None  # the last block's output, added into h by the next norm
+        plan = None
+        if batch.is_prefill:  # which prompts the native kernel attends, the same in every layer
+            plan = plan_prefill(batch.seg_starts, batch.past_slots, batch.slots)
         for idx, layer in enumerate(self.layers):
             x = add_rms_norm(h, residual, layer.input_norm, cfg.rms_norm_eps)
             qkv = layer.qkv(x)  # [T, (N+2K)*D]
@@ -134,7 +137,7 @@ class LlamaModel:
             kv.write(idx, batch.slots, key, val)
             if batch.is_prefill:
                 attn = prefill_attention(
-                    q, key, val, batch.seg_starts, batch.past_slots, kv.k[idx], kv.v[idx]
+                    q, key, val, batch.seg_starts, batch.past_slots, kv.k[idx], kv.v[idx], plan
                 )  # [T, N*D]
             else:
                 attn = decode_attention(q, kv.k[idx], kv.v[idx], batch.kv_index, batch.kv_lengths)

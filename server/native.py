@@ -48,6 +48,7 @@ _ATTENTION = [_P] * 6 + [_I] * 4 + [_I64] * 3 + [ctypes.c_float, _I]
 SIGNATURES = {  # every function returns int: 0, or nonzero when it failed
     "decode_attention_f32": _ATTENTION,
     "decode_attention_bf16": _ATTENTION,
+    "attention_rows": [_P] * 7 + [_I] * 4 + [_I64] * 2 + [ctypes.c_float, _I, _I],
     "add_rms_norm": [_P] * 4 + [_I64] * 5 + [ctypes.c_float, _I, _I],
     "rope": [_P] * 3 + [_I64] * 4 + [_I, _I],
     "silu_mul": [_P, _I64, _P, _I64, _I64, _I, _I],

@@ -140,24 +140,6 @@ static inline void softmax(float *sg, int64_t len) {
 #endif
 }
 
-/* Prefetch the row `ahead` positions on (both 64-byte lines of a bf16 row of 64, all four of
- * a float32 one): the rows are read through the slot index, which the hardware prefetcher
- * does not follow across the pool's blocks, and a decode step's keys are cold in cache. */
-static inline void prefetch_row64(const void *base, int is_bf16, const int64_t *slots,
-                                  int64_t l, int64_t len) {
-#ifdef __AVX512F__
-    const int64_t ahead = 32;
-    if (l + ahead >= len) return;
-    const char *row = (const char *)base + slots[l + ahead] * 64 * (is_bf16 ? 2 : 4);
-    _mm_prefetch(row, _MM_HINT_T0);
-    _mm_prefetch(row + 64, _MM_HINT_T0);
-    if (!is_bf16) {
-        _mm_prefetch(row + 128, _MM_HINT_T0);
-        _mm_prefetch(row + 192, _MM_HINT_T0);
-    }
-#endif
-}
-
 /* For the gn (1-4) query heads of one kv head, D == 64, read in place from the pool:
  * scores[g * len + l] = scale * (q[g] . k[slots[l]]). Each key row is loaded once for all of
  * them (GQA: the heads of a group share it). */
@@ -168,7 +150,6 @@ static inline __attribute__((always_inline)) void dot_group64(const float *q, in
 #ifdef __AVX512F__
     for (int64_t l = 0; l < len; l++) {
         int64_t off = slots[l] * 64;
-        prefetch_row64(k, is_bf16, slots, l, len);
         __m512 k0 = load16(k, is_bf16, off), k1 = load16(k, is_bf16, off + 16);
         __m512 k2 = load16(k, is_bf16, off + 32), k3 = load16(k, is_bf16, off + 48);
         for (int g = 0; g < gn; g++) {
@@ -195,7 +176,6 @@ static inline __attribute__((always_inline)) void weigh_group64(const float *sco
         for (int c = 0; c < 4; c++) s[g][c] = _mm512_setzero_ps();
     for (int64_t l = 0; l < len; l++) {
         int64_t off = slots[l] * 64;
-        prefetch_row64(v, is_bf16, slots, l, len);
         __m512 v0 = load16(v, is_bf16, off), v1 = load16(v, is_bf16, off + 16);
         __m512 v2 = load16(v, is_bf16, off + 32), v3 = load16(v, is_bf16, off + 48);
         for (int g = 0; g < gn; g++) {
@@ -268,11 +248,13 @@ static inline __attribute__((always_inline)) void attend_rows(
     }
 }
 
+/* Row b's slots start at index + row_start[b] (row_start NULL: at index + b * ld_index); a
+ * row of length 0 is skipped (its output is not written). */
 static int decode_attention(const void *q, const void *k, const void *v, void *out,
-                            const int64_t *index, const int64_t *lengths, int is_bf16, int B,
-                            int N, int K, int D, int64_t ld_index, int64_t slots_per_head,
-                            int64_t ld_q,
-                            float scale, int num_threads) {
+                            const int64_t *index, const int64_t *row_start,
+                            const int64_t *lengths, int is_bf16, int B, int N, int K, int D,
+                            int64_t ld_index, int64_t slots_per_head, int64_t ld_q, float scale,
+                            int num_threads) {
     int G = N / K, failed = 0;
     int64_t max_len = 0;
     for (int b = 0; b < B; b++) max_len = lengths[b] > max_len ? lengths[b] : max_len;
@@ -285,9 +267,10 @@ static int decode_attention(const void *q, const void *k, const void *v, void *o
         } else {
             float *rows = scores + (size_t)G * max_len, *qf = rows + (size_t)max_len * D;
             float *acc = qf + (size_t)G * D;
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(dynamic, 4)
             for (int64_t bh = 0; bh < (int64_t)B * K; bh++) {
                 int b = (int)(bh / K), h = (int)(bh % K);
+                if (lengths[b] <= 0) continue;
                 size_t q_off = ((size_t)b * N + (size_t)h * G) * D; /* of out */
                 size_t q_in = (size_t)b * ld_q + (size_t)h * G * D;
                 for (int i = 0; i < G * D; i++)
@@ -298,7 +281,7 @@ static int decode_attention(const void *q, const void *k, const void *v, void *o
                                          : (const void *)((const float *)k + head);
                 const void *vh = is_bf16 ? (const void *)((const uint16_t *)v + head)
                                          : (const void *)((const float *)v + head);
-                const int64_t *slots = index + (size_t)b * ld_index;
+                const int64_t *slots = index + (row_start ? row_start[b] : (int64_t)b * ld_index);
                 /* Constant head dims let the compiler unroll the per-position loops. */
                 if (D == 64)
                     attend_rows(qf, kh, vh, is_bf16, slots, lengths[b], G, 64, scale, scores, rows,
@@ -326,7 +309,7 @@ int decode_attention_f32(const float *q, const float *k, const float *v, float *
                          const int64_t *index, const int64_t *lengths, int B, int N, int K, int D,
                          int64_t ld_index, int64_t slots_per_head, int64_t ld_q, float scale,
                          int num_threads) {
-    return decode_attention(q, k, v, out, index, lengths, 0, B, N, K, D, ld_index,
+    return decode_attention(q, k, v, out, index, NULL, lengths, 0, B, N, K, D, ld_index,
                             slots_per_head, ld_q, scale, num_threads);
 }
 
@@ -335,7 +318,19 @@ int decode_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *
                           int D, int64_t ld_index, int64_t slots_per_head, int64_t ld_q,
                           float scale,
                           int num_threads) {
-    return decode_attention(q, k, v, out, index, lengths, 1, B, N, K, D, ld_index,
+    return decode_attention(q, k, v, out, index, NULL, lengths, 1, B, N, K, D, ld_index,
+                            slots_per_head, ld_q, scale, num_threads);
+}
+
+/* Prefill rows: token b attends to the lengths[b] slots at index + row_start[b] (its segment's
+ * cached prefix and its own tokens up to itself), read in place after the step's keys and
+ * values are written; rows of length 0 are left to the caller. Shapes as decode_attention_*
+ * with B = T tokens; index is one flat list. */
+int attention_rows(const void *q, const void *k, const void *v, void *out, const int64_t *index,
+                   const int64_t *row_start, const int64_t *lengths, int B, int N, int K, int D,
+                   int64_t slots_per_head, int64_t ld_q, float scale, int is_bf16,
+                   int num_threads) {
+    return decode_attention(q, k, v, out, index, row_start, lengths, is_bf16, B, N, K, D, 0,
                             slots_per_head, ld_q, scale, num_threads);
 }
 
@@ -550,6 +545,17 @@ int lora_runs(const void *x, int64_t ld_x, void *y, int64_t ld_y, const void *A,
         max_rank = ranks[g] > max_rank ? ranks[g] : max_rank;
     }
     int failed = 0;
+    /* blocks[g]: the 4-token blocks of the runs before g that have an adapter (rank > 0). */
+    int64_t *blocks = NULL;
+#ifdef __AVX512F__
+    if (H_in % 16 == 0 && H_out % 16 == 0) {
+        blocks = malloc(sizeof(int64_t) * (size_t)(num_runs + 1));
+        if (blocks == NULL) return 1;
+        blocks[0] = 0;
+        for (int64_t g = 0; g < num_runs; g++)
+            blocks[g + 1] = blocks[g] + (ranks[g] > 0 ? (starts[g + 1] - starts[g] + 3) / 4 : 0);
+    }
+#endif
 #pragma omp parallel num_threads(threads_for(T * max_rank * (H_in + H_out), num_threads)) \
     reduction(| : failed)
     {
@@ -558,20 +564,26 @@ int lora_runs(const void *x, int64_t ld_x, void *y, int64_t ld_y, const void *A,
             failed = 1;
         } else {
             float *xf = buf, *acc = buf + 4 * H_in, *h = acc + H_out;
+#ifdef __AVX512F__
+            if (blocks != NULL) { /* blocks of 4 tokens of one run, spread over the threads */
+#pragma omp for schedule(dynamic, 4)
+                for (int64_t w = 0; w < blocks[num_runs]; w++) {
+                    int64_t lo = 0, hi = num_runs; /* the run g with blocks[g] <= w < blocks[g+1] */
+                    while (hi - lo > 1) {
+                        int64_t mid = (lo + hi) / 2;
+                        if (blocks[mid] <= w) lo = mid; else hi = mid;
+                    }
+                    int64_t g = lo, t = starts[g] + 4 * (w - blocks[g]);
+                    int64_t n = starts[g + 1] - t < 4 ? starts[g + 1] - t : 4;
+                    lora_block(x, ld_x, y, ld_y, A, Bt, H_in, H_out, t, n, offsets[g], ranks[g],
+                               scales[g], is_bf16, xf, h);
+                }
+            } else
+#endif
 #pragma omp for schedule(dynamic, 1)
             for (int64_t g = 0; g < num_runs; g++) {
                 int64_t r = ranks[g], off = offsets[g];
                 if (r <= 0) continue;
-#ifdef __AVX512F__
-                if (H_in % 16 == 0 && H_out % 16 == 0) {
-                    for (int64_t t = starts[g]; t < starts[g + 1]; t += 4) {
-                        int64_t n = starts[g + 1] - t < 4 ? starts[g + 1] - t : 4;
-                        lora_block(x, ld_x, y, ld_y, A, Bt, H_in, H_out, t, n, off, r, scales[g],
-                                   is_bf16, xf, h);
-                    }
-                    continue;
-                }
-#endif
                 for (int64_t t = starts[g]; t < starts[g + 1]; t++) {
                     for (int64_t i = 0; i < H_in; i++) xf[i] = ld(x, is_bf16, t * ld_x + i);
                     for (int64_t j = 0; j < r; j++) {
@@ -607,5 +619,6 @@ int lora_runs(const void *x, int64_t ld_x, void *y, int64_t ld_y, const void *A,
             free(buf);
         }
     }
+    free(blocks);
     return failed;
 }

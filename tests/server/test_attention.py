@@ -102,3 +102,30 @@ def test_prefill_attention_is_causal_per_segment(dtype):
                 torch.testing.assert_close(
                     got[t, h * 8 : (h + 1) * 8].double(), want, rtol=TOL[dtype], atol=TOL[dtype]
                 )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [16, 64])
+def test_native_prefill_rows_match_the_sdpa_path(dtype, head_dim, monkeypatch):
+    """Short segments (one after a cached prefix) natively, the long one through SDPA."""
+    if native.library() is None:
+        pytest.skip("no C compiler here")
+    monkeypatch.setattr(attention, "NATIVE_MAX_LEN", 24)
+    gen = torch.Generator().manual_seed(2)
+    seg_starts = [0, 5, 35, 36, 47]  # 30 tokens: past the native bound
+    num_tokens, num_slots = seg_starts[-1], 90
+    q = torch.randn(num_tokens, 6, head_dim, generator=gen).to(dtype)
+    key = torch.randn(num_tokens, 2, head_dim, generator=gen).to(dtype)
+    val = torch.randn(num_tokens, 2, head_dim, generator=gen).to(dtype)
+    k_cache = torch.randn(2, num_slots, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(2, num_slots, head_dim, generator=gen).to(dtype)
+    perm = torch.randperm(num_slots, generator=gen)
+    slots, past = perm[:num_tokens], perm[num_tokens : num_tokens + 7]
+    k_cache[:, slots], v_cache[:, slots] = key.transpose(0, 1), val.transpose(0, 1)
+    past_slots = [None, None, None, past]  # the last segment follows a 7-token cached prefix
+    plan = attention.plan_prefill(seg_starts, past_slots, slots)
+    assert plan.long_segments == [1]
+    args = (q, key, val, seg_starts, past_slots, k_cache, v_cache)
+    got = attention.prefill_attention(*args, plan)
+    want = attention.prefill_attention(*args)  # every segment through SDPA
+    torch.testing.assert_close(got, want, rtol=TOL[dtype], atol=TOL[dtype])
