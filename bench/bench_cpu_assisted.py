@@ -1,7 +1,11 @@
 """TTFT and time per token of cached / on-demand / cpu-assisted when every request needs a load.
 
 A stream of requests arrives at a fixed interval, each for a rank-64 adapter that is not yet on
-the device (except in `cached`, where every adapter is preloaded: the ideal upper bound). On a
+the device (except in `cached`, where every adapter is preloaded: the ideal upper bound). The
+interval is set from this machine's capacity, measured first (`cached`, every request submitted
+at once: requests per second): `--load 0.5` offers half of it. Every mode runs `--rounds` times,
+in alternating order; the ratios are taken per round and reported as the median with the
+spread across rounds. On a
 CPU the "device" load is a real copy throttled by `--link-gbps`; by default the link speed is
 set so that loading one adapter takes as long as prefilling one prompt (the regime of the
 Toppings paper's Fig. 4) and the result is labelled "emulated link". With `--device cuda` the
@@ -63,6 +67,24 @@ def run_stream(engine, prompts, names, interval_s: float, new_tokens: int) -> li
     return [h.result(timeout_s=600) for h in handles]
 
 
+def measure_capacity(model_dir: str, config: EngineConfig, adapters: dict, prompts, names,
+                     new_tokens: int) -> float:  # fmt: skip
+    """Requests per second of a cached engine given every request at once (its best rate)."""
+    engine = build_engine(model_dir, config, adapters)
+    try:
+        run_stream(engine, prompts[:2], [None, None], 0.0, 4)  # warm-up
+        start = time.perf_counter()
+        run_stream(engine, prompts, names, 0.0, new_tokens)
+        return len(prompts) / (time.perf_counter() - start)
+    finally:
+        engine.shutdown()
+
+
+def spread(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values),
+            "rounds": values}  # fmt: skip
+
+
 def summarise(outs) -> dict:
     ttft = [o.ttft_s for o in outs]
     tpt = [o.e2e_s / o.output_tokens for o in outs]  # paper: all tokens, prefill included
@@ -80,15 +102,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--rank", type=int, default=64)
-    p.add_argument("--num-requests", type=int, default=24)
-    p.add_argument("--interval-ms", type=float, default=400.0)
+    p.add_argument("--num-requests", type=int, default=120)
+    p.add_argument("--load", type=float, default=0.5,
+                   help="offered rate as a fraction of the measured capacity")  # fmt: skip
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--link-gbps", type=float, default=0.0,
                    help="0: set so one adapter load takes one prefill's time")  # fmt: skip
     p.add_argument("--cpu-workers", type=int, default=0)
     p.add_argument("--cpu-spin-us", type=float, default=0.0, help="see toppings-serve")
-    p.add_argument("--rounds", type=int, default=2, help="runs of every mode, order alternating")
+    p.add_argument("--rounds", type=int, default=3, help="runs of every mode, order alternating")
     p.add_argument("--adapter-dir", default="/tmp/toppings-assist-adapters")
     p.add_argument("--out", default="bench/results/cpu_assisted.json")
     args = p.parse_args(argv)
@@ -117,31 +140,50 @@ def main(argv: list[str] | None = None) -> None:
     elif not link_gbps:
         nbytes = adapter_bytes(adapters["a0"], model_dir, getattr(torch, args.dtype))
         link_gbps = link_gbps_for(nbytes, base_prefill_ms / 1000)
+
+    def config_for(mode: str) -> EngineConfig:
+        return EngineConfig(
+            device=args.device, dtype=args.dtype, lora_mode=mode,
+            link_gbps=0.0 if mode == "cached" else link_gbps,
+            num_cpu_workers=args.cpu_workers if mode == "cpu-assisted" else 0,
+            cpu_spin_us=args.cpu_spin_us,
+            max_total_tokens=64 * (args.prompt_len + args.new_tokens), max_batch_size=64,
+        )  # fmt: skip
+
+    capacity = measure_capacity(model_dir, config_for("cached"), adapters, prompts, names,
+                                args.new_tokens)  # fmt: skip
+    interval_s = 1.0 / (args.load * capacity)
+    log.info("capacity %.2f req/s: one request every %.0f ms", capacity, 1000 * interval_s)
     # Modes run one engine at a time; rounds alternate their order (forward, reversed, ...) so
     # that neither the first place nor a slow spell of the machine falls on one mode only.
     outs_by_mode: dict[str, list] = {m: [] for m in MODES}
+    per_round: dict[str, list[dict]] = {m: [] for m in MODES}
     counts = {m: {"host_lora_calls": 0, "adapter_loads": 0} for m in MODES}
     for round_idx in range(args.rounds):
         for mode in MODES if round_idx % 2 == 0 else MODES[::-1]:
-            config = EngineConfig(
-                device=args.device, dtype=args.dtype, lora_mode=mode,
-                link_gbps=0.0 if mode == "cached" else link_gbps,
-                num_cpu_workers=args.cpu_workers if mode == "cpu-assisted" else 0,
-                cpu_spin_us=args.cpu_spin_us,
-                max_total_tokens=64 * (args.prompt_len + args.new_tokens), max_batch_size=64,
-            )  # fmt: skip
-            engine = build_engine(model_dir, config, adapters)
+            engine = build_engine(model_dir, config_for(mode), adapters)
             try:
                 run_stream(engine, prompts[:2], [None, None], 0.0, 4)  # warm-up, no adapter
-                outs = run_stream(engine, prompts, names, args.interval_ms / 1000, args.new_tokens)
+                outs = run_stream(engine, prompts, names, interval_s, args.new_tokens)
                 outs_by_mode[mode] += outs
+                per_round[mode].append(summarise(outs))
                 counts[mode]["host_lora_calls"] += engine.lora.host_stats.calls
                 counts[mode]["adapter_loads"] += engine.lora.cache.counters.loads
             finally:
                 engine.shutdown()
-            log.info("round %d, %s: %s", round_idx, mode, summarise(outs))
+            log.info("round %d, %s: %s", round_idx, mode, per_round[mode][-1])
     results = {m: {**summarise(outs_by_mode[m]), **counts[m]} for m in MODES}
-    c, od, ca = (results[m] for m in MODES)
+
+    def ratios(key: str, mode: str, other: str) -> dict:
+        return spread([a[key] / b[key] for a, b in zip(per_round[mode], per_round[other])])
+
+    by_round = {
+        "ttft_mean_cpu_assisted_vs_cached": ratios("ttft_mean_ms", "cpu-assisted", "cached"),
+        "ttft_p50_cpu_assisted_vs_cached": ratios("ttft_p50_ms", "cpu-assisted", "cached"),
+        "ttft_mean_cpu_assisted_vs_on_demand": ratios("ttft_mean_ms", "cpu-assisted", "on-demand"),
+        "ttft_p50_cpu_assisted_vs_on_demand": ratios("ttft_p50_ms", "cpu-assisted", "on-demand"),
+        "tpt_mean_cpu_assisted_vs_cached": ratios("tpt_mean_ms", "cpu-assisted", "cached"),
+    }
     if args.device == "cuda":
         device = f"{describe_device('cuda')}, real host-to-device link"
         link = "real host-to-device link (not throttled)"
@@ -157,17 +199,27 @@ def main(argv: list[str] | None = None) -> None:
         config={
             **{k: v for k, v in vars(args).items() if k != "out"},
             "link_gbps_used": link_gbps,
+            "capacity_rps": capacity,
+            "interval_ms": 1000 * interval_s,
             "prefill_128_ms": base_prefill_ms,
             "targets": TARGETS,
             "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "default"),
             "load_average_1min_at_end": os.getloadavg()[0],
         },
-        metrics={
-            "ttft_ratio_cpu_assisted_vs_cached": ca["ttft_mean_ms"] / c["ttft_mean_ms"],
-            "ttft_ratio_cpu_assisted_vs_on_demand": ca["ttft_mean_ms"] / od["ttft_mean_ms"],
-            "tpt_ratio_cpu_assisted_vs_cached": ca["tpt_mean_ms"] / c["tpt_mean_ms"],
+        metrics={  # headline ratios: the median over rounds of each round's ratio of means
+            "ttft_ratio_cpu_assisted_vs_cached": by_round["ttft_mean_cpu_assisted_vs_cached"][
+                "median"
+            ],
+            "ttft_ratio_cpu_assisted_vs_on_demand": by_round["ttft_mean_cpu_assisted_vs_on_demand"][
+                "median"
+            ],
+            "tpt_ratio_cpu_assisted_vs_cached": by_round["tpt_mean_cpu_assisted_vs_cached"][
+                "median"
+            ],
             "link": link,
+            "ratios_by_round": by_round,
             "modes": results,
+            "modes_by_round": per_round,
         },
     )
     print(json.dumps(result["metrics"], indent=2))

@@ -3,7 +3,7 @@
 Unfused, a layer's norms and RoPE are about fifteen torch ops; on a CPU each small one
 costs more in dispatch and in waking torch's threads than in arithmetic (a decode step of
 SmolLM2 at batch 64 spent a quarter of its time there). The native versions (`csrc/
-cpu_kernels.c`) do each in one pass, rounding where the torch ops round; the torch versions
+elementwise.c`) do each in one pass, rounding where the torch ops round; the torch versions
 below are the reference and the path everywhere else (tests/server/test_fused.py compares them).
 """
 

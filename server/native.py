@@ -1,12 +1,13 @@
-"""The engine's own CPU kernels (`csrc/cpu_kernels.c`): built once with the C compiler, cached.
+"""The engine's own CPU kernels (`csrc/*.c`): built once with the C compiler, cached.
 
 torch has no op for decode attention over a token-level KV pool without first gathering every
-request's keys and values into a dense copy; `cpu_kernels.c` reads them in place. It also holds
-RMSNorm with the residual add and in-place RoPE (`fused.py`) and MBGMV over adapter runs
-(`native_lora.py`), each one call where torch needs many small ops. The library is
-plain C with OpenMP (no torch headers, so it builds in about a second), compiled with
-`-march=native` into `~/.cache/toppings/native/` (or `$TOPPINGS_CACHE_DIR/native`) under a key
-of the source, the compiler and this CPU's flags, and loaded with ctypes. OpenMP resolves to the
+request's keys and values into a dense copy; `attention.c` reads them in place, in decode and
+in the prefill of short prompts. `elementwise.c` holds RMSNorm with the residual add, in-place
+RoPE and silu * up (`fused.py`), `lora.c` MBGMV over adapter runs (`native_lora.py`), each one
+call where torch needs many small ops; `common.h` what they share. The library is plain C with
+OpenMP (no torch headers, so it builds in about a second), compiled with `-march=native` into
+`~/.cache/toppings/native/` (or `$TOPPINGS_CACHE_DIR/native`) under a key of the sources, the
+compiler and this CPU's flags, and loaded with ctypes. OpenMP resolves to the
 runtime torch already loaded (same soname), so both share one thread pool.
 
 Where no compiler is found, the build fails, or `TOPPINGS_NATIVE=0`, `library()` returns None
@@ -29,7 +30,8 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = ("attention.c", "elementwise.c", "lora.c")  # and common.h, which they include
 FLAGS = (
     "-O3",
     "-ffp-contract=off",  # round each product as torch's unfused ops do
@@ -81,9 +83,9 @@ def library() -> ctypes.CDLL | None:
     if compiler is None:
         log.warning("no C compiler found: decode attention uses the slower torch path")
         return None
-    source = SOURCE.read_bytes()
+    sources = [(CSRC / name).read_bytes() for name in (*SOURCES, "common.h")]
     key = hashlib.sha256(
-        b"\0".join([source, compiler.encode(), " ".join(FLAGS).encode(), _cpu_flags().encode()])
+        b"\0".join([*sources, compiler.encode(), " ".join(FLAGS).encode(), _cpu_flags().encode()])
     ).hexdigest()[:16]
     path = cache_dir() / f"cpu_kernels-{key}.so"
     if not path.is_file():
@@ -91,7 +93,7 @@ def library() -> ctypes.CDLL | None:
             _build(compiler, path)
         except (OSError, subprocess.CalledProcessError) as exc:
             detail = getattr(exc, "stderr", "") or exc
-            log.warning("building %s failed (%s): using the torch path", SOURCE.name, detail)
+            log.warning("building the native kernels failed (%s): using the torch path", detail)
             return None
     lib = ctypes.CDLL(str(path))
     for name, argtypes in SIGNATURES.items():
@@ -106,7 +108,7 @@ def _build(compiler: str, path: Path) -> None:
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
         out = Path(tmp) / path.name
         subprocess.run(
-            [compiler, *FLAGS, str(SOURCE), "-o", str(out), "-lm"],
+            [compiler, *FLAGS, *(str(CSRC / name) for name in SOURCES), "-o", str(out), "-lm"],
             check=True,
             capture_output=True,
             text=True,

@@ -2,7 +2,7 @@
 
 A CPU decode step has few tokens per adapter, so the torch segment kernel's two small matmuls
 per run cost more in dispatch than in arithmetic (16 runs x 3 projections x 30 layers are 1440
-pairs a step). `lora_runs` in `csrc/cpu_kernels.c` does every run of a projection in one call,
+pairs a step). `lora_runs` in `csrc/lora.c` does every run of a projection in one call,
 reading each token's own adapter rows only, in blocks of 4 tokens spread over the threads. It
 serves prefill too: measured here (2 threads, bf16, q_proj shapes), one 128-token prompt at rank
 8 took 0.05 ms against the torch kernel's 0.21, at rank 64 0.17 against 0.28, and 16 runs of

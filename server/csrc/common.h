@@ -1,0 +1,116 @@
+/* What the engine's CPU kernels share (built by server/native.py, one library from the csrc sources):
+ * bfloat16 <-> float32 conversions with torch's rounding (nearest even), 16-wide AVX-512 loads
+ * and stores of either dtype, a vectorized exp, and the thread count for a given amount of work.
+ * Every function is static inline: each source includes this header on its own. */
+#ifndef TOPPINGS_COMMON_H
+#define TOPPINGS_COMMON_H
+#include <math.h>
+#include <stdint.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+#include <stdlib.h>
+#include <string.h>
+
+static inline float bf16_load(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* A row of D bf16 values to float32 (the bf16 bits are the high half of the float's). */
+static inline void bf16_row(const uint16_t *src, float *dst, int D) {
+    uint32_t *bits = (uint32_t *)dst;
+#pragma omp simd
+    for (int d = 0; d < D; d++) bits[d] = (uint32_t)src[d] << 16;
+}
+
+static inline uint16_t bf16_store(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* Rows slots[0:len] of one kv head's [S, D] matrix, as float32, into dst [len, D]. */
+static inline __attribute__((always_inline)) void load_rows(const void *src, int is_bf16,
+                                                             const int64_t *slots, int64_t len,
+                                                             int D, float *dst) {
+    for (int64_t l = 0; l < len; l++) {
+        int64_t off = slots[l] * (int64_t)D;
+        if (is_bf16)
+            bf16_row((const uint16_t *)src + off, dst + l * D, D);
+        else
+            memcpy(dst + l * D, (const float *)src + off, sizeof(float) * (size_t)D);
+    }
+}
+
+#ifdef __AVX512F__
+/* 16 values of a row at element offset off, as float32. */
+static inline __m512 load16(const void *base, int is_bf16, int64_t off) {
+    if (!is_bf16) return _mm512_loadu_ps((const float *)base + off);
+    __m256i half = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + off));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+
+/* f rounded to bfloat16 (nearest even, NaN kept quiet) and widened back: bf16_store's rule. */
+static inline __m512 round16(__m512 f) {
+    __m512i u = _mm512_castps_si512(f);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+    __mmask16 nan = _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q);
+    r = _mm512_mask_or_epi32(r, nan, u, _mm512_set1_epi32(0x400000));
+    return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u)));
+}
+
+/* 16 float32 values to a row at element offset off, rounded as bf16_store where bf16. */
+static inline void store16(void *base, int is_bf16, int64_t off, __m512 f) {
+    if (!is_bf16) {
+        _mm512_storeu_ps((float *)base + off, f);
+        return;
+    }
+    __m512i bits = _mm512_srli_epi32(_mm512_castps_si512(round16(f)), 16);
+    _mm256_storeu_si256((__m256i *)((uint16_t *)base + off), _mm512_cvtepi32_epi16(bits));
+}
+
+/* exp of 16 values, to about 1 ulp: 2^n * p(r), x = n ln2 + r, |r| <= ln2 / 2, p of degree 7
+ * (Taylor). Inputs below -104 give 0, as expf does (its result underflows there). */
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-104.f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+    __m512 p = _mm512_set1_ps(1.f / 5040.f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(p, n);
+}
+#endif
+
+
+static inline float ld(const void *p, int is_bf16, int64_t i) {
+    return is_bf16 ? bf16_load(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+static inline float rnd(float f, int is_bf16) { return is_bf16 ? bf16_load(bf16_store(f)) : f; }
+
+static inline void st(void *p, int is_bf16, int64_t i, float f) {
+    if (is_bf16)
+        ((uint16_t *)p)[i] = bf16_store(f);
+    else
+        ((float *)p)[i] = f;
+}
+
+static inline int threads_for(int64_t elements, int num_threads) {
+    return elements >= (1 << 16) ? num_threads : 1;
+}
+
+#endif
