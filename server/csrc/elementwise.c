@@ -1,6 +1,6 @@
 /* The elementwise ops of a Llama layer, one pass each (RMSNorm with the residual add, RoPE,
- * SwiGLU's silu * up). Every function works on rows of float32 (is_bf16 == 0) or bfloat16 (is_bf16 == 1) data and
- * rounds where torch's unfused ops round, so results equal the torch path's up to float32
+ * SwiGLU's silu * up). Every function works on rows of float32 (is_bf16 == 0) or bfloat16
+ * (is_bf16 == 1) data and rounds where torch's unfused ops round, so results equal the torch path's up to float32
  * summation order. Rows run in parallel only when there is enough work to pay for waking the
  * other threads (a decode step's rows are few). */
 #include "common.h"
@@ -72,7 +72,8 @@ int rope(void *x, const void *cos_t, const void *sin_t, int64_t T, int64_t heads
                 __m512 s2 = load16(sin_t, is_bf16, t * D + half + i);
                 for (int64_t n = 0; n < heads; n++) {
                     int64_t base = t * ld_x + n * D;
-                    __m512 x1 = load16(x, is_bf16, base + i), x2 = load16(x, is_bf16, base + half + i);
+                    __m512 x1 = load16(x, is_bf16, base + i);
+                    __m512 x2 = load16(x, is_bf16, base + half + i);
                     __m512 a1 = _mm512_mul_ps(x1, c1), b1 = _mm512_mul_ps(x2, s1);
                     __m512 a2 = _mm512_mul_ps(x2, c2), b2 = _mm512_mul_ps(x1, s2);
                     if (is_bf16) {
@@ -116,7 +117,8 @@ int silu_mul(const void *gu, int64_t ld_gu, void *out, int64_t T, int64_t I, int
 #pragma omp parallel for num_threads(threads_for(T * I * 8, num_threads)) schedule(static)
     for (int64_t t = 0; t < T; t++) {
         for (int64_t i = 0; i < I; i += 16) {
-            __m512 g = load16(gu, is_bf16, t * ld_gu + i), u = load16(gu, is_bf16, t * ld_gu + I + i);
+            __m512 g = load16(gu, is_bf16, t * ld_gu + i);
+            __m512 u = load16(gu, is_bf16, t * ld_gu + I + i);
             __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
             __m512 act = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e));
             if (is_bf16) act = round16(act);
