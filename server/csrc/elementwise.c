@@ -1,8 +1,9 @@
 /* The elementwise ops of a Llama layer, one pass each (RMSNorm with the residual add, RoPE,
  * SwiGLU's silu * up). Every function works on rows of float32 (is_bf16 == 0) or bfloat16
- * (is_bf16 == 1) data and rounds where torch's unfused ops round, so results equal the torch path's up to float32
- * summation order. Rows run in parallel only when there is enough work to pay for waking the
- * other threads (a decode step's rows are few). */
+ * (is_bf16 == 1) data and rounds where torch's unfused ops round, so results equal the torch
+ * path's up to float32 summation order (and, in silu, exp16's last bit). Rows run in parallel
+ * only when there is enough work to pay for waking the other threads (a decode step's rows are
+ * few). */
 #include "common.h"
 
 /* If delta: h[t] += delta[t] (rounded to h's dtype, in place). Then
