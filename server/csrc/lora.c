@@ -46,6 +46,7 @@ static void lora_block(const void *x, int64_t ld_x, void *y, int64_t ld_y, const
             __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
             const uint16_t *row = (const uint16_t *)A + (off + j) * H_in;
             for (int64_t c = 0; c < H_in; c += 32) {
+                _mm_prefetch((const char *)(row + 2 * H_in + c), _MM_HINT_T0); /* 2 rows on */
                 __m512bh a = (__m512bh)_mm512_loadu_si512(row + c);
                 s0 = _mm512_dpbf16_ps(s0, a, (__m512bh)_mm512_loadu_si512(xb[0] + c));
                 if (n > 1) s1 = _mm512_dpbf16_ps(s1, a, (__m512bh)_mm512_loadu_si512(xb[1] + c));
