@@ -2,8 +2,10 @@
 
 Both sides run in this process, one after the other, on the same prompts, adapters and dtype.
 transformers + PEFT uses batched `generate(adapter_names=...)`; it is timed at several batch
-sizes and its fastest is the baseline. Also measured in the same run: our decode step with and
-without LoRA; our throughput at 1 thread (threads_speedup = all cores / 1 thread); one request
+sizes and its fastest is the baseline. Ours runs `--rounds` times with the adapters and without,
+in alternating order on fresh prompts: tokens/s is the median round's, the decode step ratio
+with / without LoRA the median of the rounds' ratios. Also measured in the same run: our
+throughput at 1 thread (threads_speedup = all cores / 1 thread); one request
 alone (128-token prompt: TTFT and time per output token, ours and transformers', base and one
 adapter); and the GEMM rate of the model's own projections at the decode batch and at the
 prefill size (`gemm_gflops`), from which `roofline_fraction` = the time those GEMMs would take
@@ -46,13 +48,22 @@ def make_workload(args, model_dir: Path, vocab: int):
         if not (path / "adapter_config.json").is_file():
             make_random_adapter(path, model_dir, rank=rank, target_modules=TARGETS, seed=i)
         adapters[f"a{i}"] = str(path)
-    gen = torch.Generator().manual_seed(0)
-    prompts = [
+    prompts = random_prompts(args, vocab, seed=0)
+    names = [f"a{i % args.num_adapters}" for i in range(args.num_requests)]
+    return adapters, prompts, names
+
+
+def random_prompts(args, vocab: int, seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [
         torch.randint(100, vocab, (args.prompt_len,), generator=gen).tolist()
         for _ in range(args.num_requests)
     ]
-    names = [f"a{i % args.num_adapters}" for i in range(args.num_requests)]
-    return adapters, prompts, names
+
+
+def median_run(runs: list[dict]) -> dict:
+    """The run of median tokens/s (its own decode step time with it)."""
+    return sorted(runs, key=lambda r: r["tokens_per_s"])[len(runs) // 2]
 
 
 def run_ours(engine, prompts, names, new_tokens: int) -> dict:
@@ -192,6 +203,7 @@ def main(argv: list[str] | None = None) -> None:
         help="requests timed at batch size 1 (tokens/s over them; all 64 take minutes)",
     )
     p.add_argument("--single-rounds", type=int, default=5, help="runs of the one-request test")
+    p.add_argument("--rounds", type=int, default=3, help="alternating runs, with/without LoRA")
     p.add_argument("--adapter-dir", default="/tmp/toppings-bench-adapters")
     p.add_argument("--threads", type=int, default=0, help="torch threads; 0: every core")
     p.add_argument("--out", default="bench/results/engine_throughput.json")
@@ -219,8 +231,17 @@ def main(argv: list[str] | None = None) -> None:
     single, single_hf = {}, {}
     try:
         run_ours(engine, prompts[:8], names[:8], 8)  # warm-up
-        ours = run_ours(engine, prompts, names, args.new_tokens)
-        base = run_ours(engine, prompts, [None] * len(prompts), args.new_tokens)
+        # Rounds alternate which goes first; each round has fresh prompts (no prefix-cache hits).
+        runs: dict[str, list[dict]] = {"lora": [], "base": []}
+        for round_idx in range(args.rounds):
+            batch = prompts if round_idx == 0 else random_prompts(args, vocab, seed=round_idx)
+            order = ("lora", "base") if round_idx % 2 == 0 else ("base", "lora")
+            for kind in order:
+                adapter_names = names if kind == "lora" else [None] * len(batch)
+                runs[kind].append(run_ours(engine, batch, adapter_names, args.new_tokens))
+        ours, base = median_run(runs["lora"]), median_run(runs["base"])
+        step_ratios = [a["decode_step_ms"] / b["decode_step_ms"]
+                       for a, b in zip(runs["lora"], runs["base"])]  # fmt: skip
         for label, adapter in (("base", None), ("adapter", names[0])):
             single[label] = run_single(engine, prompts[0], adapter, args.new_tokens,
                                        args.single_rounds)  # fmt: skip
@@ -287,7 +308,12 @@ def main(argv: list[str] | None = None) -> None:
             "ratio_vs_hf_peft": ours["tokens_per_s"] / best["tokens_per_s"],
             "decode_step_ms_lora": ours["decode_step_ms"],
             "decode_step_ms_base": base["decode_step_ms"],
-            "decode_step_ratio_lora_vs_base": ours["decode_step_ms"] / base["decode_step_ms"],
+            "decode_step_ratio_lora_vs_base": statistics.median(step_ratios),
+            "rounds": {
+                "tokens_per_s_lora": [r["tokens_per_s"] for r in runs["lora"]],
+                "tokens_per_s_base": [r["tokens_per_s"] for r in runs["base"]],
+                "decode_step_ratio_lora_vs_base": step_ratios,
+            },
             "tokens_per_s_base_only": base["tokens_per_s"],
             "gemm_gflops": (prefill_flops + decode_flops) / roofline_s / 1e9,
             "gemm_gflops_decode_batch": gemm[args.num_requests],
