@@ -10,9 +10,23 @@ step finds every running request's keys through one index (read in place by
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable, Iterable
 
 import torch
+
+from toppings.server import native
+
+
+def _rows_fit(k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor) -> bool:
+    """k, v [T, K, D]: contiguous heads, one row stride, the pool's dtype; pool contiguous."""
+    return (
+        k.dtype == v.dtype == cache.dtype
+        and k.stride(2) == v.stride(2) == 1
+        and k.stride(1) == v.stride(1) == k.shape[2]
+        and k.stride(0) == v.stride(0)
+        and cache.is_contiguous()
+    )
 
 
 class KVPool:
@@ -138,9 +152,26 @@ class KVPool:
         return (1 + b[:, None] * self.block_tokens + self._offsets).reshape(-1)
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store keys/values of T tokens. slots int64 [T]; k, v [T, K, D]; in place."""
-        self.k[layer].index_copy_(1, slots, k.transpose(0, 1))
-        self.v[layer].index_copy_(1, slots, v.transpose(0, 1))
+        """Store keys/values of T tokens. slots int64 [T]; k, v [T, K, D]; in place.
+
+        On a CPU one native copy per layer (`csrc/elementwise.c`): two `index_copy_` calls cost
+        about 0.1 ms a layer in a batch-64 decode step for 50 KB of data.
+        """
+        kc, vc = self.k[layer], self.v[layer]  # [K, S+1, D]
+        lib = native.library() if kc.device.type == "cpu" else None
+        if lib is not None and _rows_fit(k, v, kc) and slots.dtype == torch.int64:
+            slots = slots.contiguous()
+            failed = lib.kv_write(
+                ctypes.c_void_p(k.data_ptr()), ctypes.c_void_p(v.data_ptr()), k.stride(0),
+                ctypes.c_void_p(kc.data_ptr()), ctypes.c_void_p(vc.data_ptr()),
+                ctypes.c_void_p(slots.data_ptr()), k.shape[0], k.shape[1], k.shape[2],
+                kc.shape[1], kc.element_size(), torch.get_num_threads(),
+            )  # fmt: skip
+            if failed:
+                raise IndexError("a KV slot lies outside the pool")
+            return
+        kc.index_copy_(1, slots, k.transpose(0, 1))
+        vc.index_copy_(1, slots, v.transpose(0, 1))
 
     def decode_index(self, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Slot index [B, Lmax] of every position of each request, and lengths [B] int64.

@@ -3,12 +3,14 @@
 torch has no op for decode attention over a token-level KV pool without first gathering every
 request's keys and values into a dense copy; `attention.c` reads them in place, in decode and
 in the prefill of short prompts. `elementwise.c` holds RMSNorm with the residual add, in-place
-RoPE and silu * up (`fused.py`), `lora.c` MBGMV over adapter runs (`native_lora.py`), each one
-call where torch needs many small ops; `common.h` what they share. The library is plain C with
-OpenMP (no torch headers, so it builds in about a second), compiled with `-march=native` into
-`~/.cache/toppings/native/` (or `$TOPPINGS_CACHE_DIR/native`) under a key of the sources, the
-compiler and this CPU's flags, and loaded with ctypes. OpenMP resolves to the
-runtime torch already loaded (same soname), so both share one thread pool.
+RoPE, silu * up (`fused.py`) and the KV write (`kv_cache.py`), `lora.c` MBGMV over adapter
+runs (`native_lora.py`), each one call where torch needs many small ops; `common.h` what they
+share. The library is plain C with OpenMP (no torch headers, so it builds in about a second),
+compiled with `-march=native` into `~/.cache/toppings/native/` (or
+`$TOPPINGS_CACHE_DIR/native`) under a key of the sources, the compiler and this CPU's flags,
+and loaded with ctypes. OpenMP resolves to the runtime torch already loaded (same soname), so
+both share one thread pool; waking the other thread costs tens of microseconds here, so small
+ops (a decode step's norms, RoPE, KV write) run on one (`threads_for` in `common.h`).
 
 Where no compiler is found, the build fails, or `TOPPINGS_NATIVE=0`, `library()` returns None
 and callers use their torch path (the same results: tests/server/test_attention.py,
@@ -54,6 +56,7 @@ SIGNATURES = {  # every function returns int: 0, or nonzero when it failed
     "add_rms_norm": [_P] * 4 + [_I64] * 5 + [ctypes.c_float, _I, _I],
     "rope": [_P] * 3 + [_I64] * 4 + [_I, _I],
     "silu_mul": [_P, _I64, _P, _I64, _I64, _I, _I],
+    "kv_write": [_P, _P, _I64, _P, _P, _P] + [_I64] * 5 + [_I],
     "lora_runs": [_P, _I64, _P, _I64, _P, _P] + [_I64] * 4 + [_P] * 4 + [_I64, _I, _I],
 }
 

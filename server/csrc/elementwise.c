@@ -1,5 +1,5 @@
 /* The elementwise ops of a Llama layer, one pass each (RMSNorm with the residual add, RoPE,
- * SwiGLU's silu * up). Every function works on rows of float32 (is_bf16 == 0) or bfloat16
+ * SwiGLU's silu * up), and the KV write. The first three works on rows of float32 (is_bf16 == 0) or bfloat16
  * (is_bf16 == 1) data and rounds where torch's unfused ops round, so results equal the torch
  * path's up to float32 summation order (and, in silu, exp16's last bit). Rows run in parallel
  * only when there is enough work to pay for waking the other threads (a decode step's rows are
@@ -132,3 +132,23 @@ int silu_mul(const void *gu, int64_t ld_gu, void *out, int64_t T, int64_t I, int
 #endif
 }
 
+
+/* Keys and values of T tokens into one layer of the pool: kc[h, slots[t]] = k[t, h] and the same
+ * for v, k and v [T, K, D] with row stride ld (heads contiguous), kc and vc [K, S, D] contiguous,
+ * elem_bytes 2 or 4. Returns 2, having written nothing, when a slot lies outside [0, S). */
+int kv_write(const void *k, const void *v, int64_t ld, void *kc, void *vc, const int64_t *slots,
+             int64_t T, int64_t K, int64_t D, int64_t S, int64_t elem_bytes, int num_threads) {
+    for (int64_t t = 0; t < T; t++)
+        if (slots[t] < 0 || slots[t] >= S) return 2;
+    size_t row = (size_t)(D * elem_bytes);
+#pragma omp parallel for num_threads(threads_for(T * K * D * 4, num_threads)) schedule(static)
+    for (int64_t t = 0; t < T; t++) {
+        for (int64_t h = 0; h < K; h++) {
+            size_t src = (size_t)(t * ld + h * D) * (size_t)elem_bytes;
+            size_t dst = (size_t)(h * S + slots[t]) * row;
+            memcpy((char *)kc + dst, (const char *)k + src, row);
+            memcpy((char *)vc + dst, (const char *)v + src, row);
+        }
+    }
+    return 0;
+}

@@ -93,3 +93,36 @@ def test_reclaim_is_asked_for_what_is_missing():
     row = pool.new_row()
     pool.extend(row, 3)
     assert asked == [1] and pool.num_free_blocks == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("native_on", [True, False])
+def test_write_stores_strided_keys_and_values_by_slot(dtype, native_on, monkeypatch):
+    from toppings.server import native
+
+    if not native_on:
+        monkeypatch.setattr(native, "library", lambda: None)
+    elif native.library() is None:
+        pytest.skip("no C compiler here")
+    pool = KVPool(2, 40, 3, 8, 4, 16, dtype, "cpu", 4)
+    gen = torch.Generator().manual_seed(0)
+    qkv = torch.randn(5, 9 * 8, generator=gen).to(dtype)  # q (3 heads), k, v views as the model
+    k, v = qkv[:, 24:48].view(5, 3, 8), qkv[:, 48:].view(5, 3, 8)
+    slots = torch.tensor([7, 1, 33, 12, 2])
+    pool.write(1, slots, k, v)
+    assert torch.equal(pool.k[1][:, slots], k.transpose(0, 1))
+    assert torch.equal(pool.v[1][:, slots], v.transpose(0, 1))
+    assert not pool.k[0].any() and not pool.v[0].any()  # other layers untouched
+    assert int((pool.k[1] != 0).any(dim=-1).sum()) == 15  # only these 5 slots x 3 heads
+
+
+def test_native_write_refuses_a_slot_outside_the_pool():
+    from toppings.server import native
+
+    if native.library() is None:
+        pytest.skip("no C compiler here")
+    pool = KVPool(1, 8, 1, 4, 2, 8, torch.float32, "cpu", 4)
+    k = torch.ones(2, 1, 4)
+    with pytest.raises(IndexError):
+        pool.write(0, torch.tensor([1, 99]), k, k)
+    assert not pool.k.any()  # nothing written
