@@ -184,6 +184,9 @@ static int decode_attention(const void *q, const void *k, const void *v, void *o
     int G = N / K, failed = 0;
     int64_t max_len = 0;
     for (int b = 0; b < B; b++) max_len = lengths[b] > max_len ? lengths[b] : max_len;
+    /* One thread for a small step (one request's decode over a short context): waking the
+     * other costs more than its share of the work. */
+    if ((int64_t)B * N * max_len * D < (1 << 18)) num_threads = 1;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
         size_t floats = (size_t)G * max_len + (size_t)max_len * D + 2 * (size_t)G * D;
