@@ -34,12 +34,16 @@ class LoraKernels:
     (every adapter read over the batch's max rank) rather than MBGMV; segment_decode: what decode
     steps call instead of `decode`, with the prefill signature, over runs of one adapter's tokens
     (on a CPU, the fast path: `bench/results/cpu_decode_paths.json`); None: `decode` per token.
+    multi: where set, what prefill and segment_decode steps call once for every projection of one
+    input, `multi(x, [(y, lora_a, lora_b, ranks), ...], seg_starts, offsets, scales)` (MBGMV
+    over runs: `server.native_lora.mbgmv_runs_multi`); None: one call per projection.
     """
 
     decode: Callable
     prefill: Callable
     padded: bool
     segment_decode: Callable | None = None
+    multi: Callable | None = None
 
     @classmethod
     def choose(cls, kernel: str, device: str, dtype: torch.dtype) -> LoraKernels:
@@ -97,9 +101,11 @@ class LoraBatch:
         device = pool.device
         self._seg_starts = torch.tensor(starts, dtype=torch.int32, device=device)
         self._fn = kernels.prefill if is_prefill else kernels.segment_decode or kernels.decode
+        self._multi = kernels.multi if self._segmented else None
         offsets = torch.tensor([a.offset if a else 0 for a in adapters], dtype=torch.int32)
         scales = torch.tensor([a.scale if a else 0.0 for a in adapters], dtype=torch.float32)
         offsets, scales = offsets.to(device), scales.to(device)
+        self._offsets, self._scales = offsets, scales
         self._args: dict[str, tuple] = {}
         for module in pool.lora_a:
             ranks = [a.rank if a is not None and module in a.targets else 0 for a in adapters]
@@ -111,6 +117,7 @@ class LoraBatch:
     def add(self, layer: int, x: torch.Tensor, outputs) -> None:
         """y += LoRA delta for each (module, y) pair; x [T, H_in], y [T, H_out], in place."""
         not_ready = [i for i, t in self._loading if t.layers_ready() <= layer]
+        projections = []
         for module, y in outputs:
             args = self._args.get(module)
             if args is None:
@@ -121,9 +128,14 @@ class LoraBatch:
                 ranks[not_ready] = 0  # these units' rows of this layer are not there yet
             a = self.pool.lora_a[module][layer]  # [C, H_in]
             b = self.pool.lora_b[module][layer]  # [C, H_out]
+            if self._multi is not None:
+                projections.append((y, a, b, ranks))
+                continue
             lead = (self._seg_starts,) if self._segmented else ()
             # max_rank: BGMV's padding; for MBGMV only a bound that spares a device sync.
             self._fn(y, x, a, b, *lead, offsets, ranks, scales, max_rank)
+        if projections:
+            self._multi(x, projections, self._seg_starts, self._offsets, self._scales)
         if not_ready:
             self._add_on_host(layer, x, outputs, not_ready)
 

@@ -57,7 +57,7 @@ SIGNATURES = {  # every function returns int: 0, or nonzero when it failed
     "rope": [_P] * 3 + [_I64] * 4 + [_I, _I],
     "silu_mul": [_P, _I64, _P, _I64, _I64, _I, _I],
     "kv_write": [_P, _P, _I64, _P, _P, _P] + [_I64] * 5 + [_I],
-    "lora_runs": [_P, _I64, _P, _I64, _P, _P] + [_I64] * 4 + [_P] * 4 + [_I64, _I, _I],
+    "lora_runs": [_P, _I64, _I64, _I64, _P, _I64, _P, _P, _P, _I64, _I, _I],
 }
 
 

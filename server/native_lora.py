@@ -2,11 +2,11 @@
 
 A CPU decode step has few tokens per adapter, so the torch segment kernel's two small matmuls
 per run cost more in dispatch than in arithmetic (16 runs x 3 projections x 30 layers are 1440
-pairs a step). `lora_runs` in `csrc/lora.c` does every run of a projection in one call,
-reading each token's own adapter rows only, in blocks of 4 tokens spread over the threads. It
-serves prefill too: measured here (2 threads, bf16, q_proj shapes), one 128-token prompt at rank
-8 took 0.05 ms against the torch kernel's 0.21, at rank 64 0.17 against 0.28, and 16 runs of
-512 tokens (ranks 8-64) 4.5 ms against 5.6. Same signature and semantics as
+pairs a step). `lora_runs` in `csrc/lora.c` does every run of every projection that shares an
+input (q, k and v) in one call, reading each token's own adapter rows only, in blocks of 4
+tokens spread over the threads. It serves prefill too: measured here (2 threads, bf16, q_proj
+shapes), one 128-token prompt at rank 8 took 0.05 ms against the torch kernel's 0.21, at rank 64
+0.17 against 0.28, and 16 runs of 512 tokens (ranks 8-64) 4.5 ms against 5.6. Same semantics as
 `gpu_lora.kernels.reference.mbgmv_prefill` (tests/server/test_native_lora.py checks it against
 that reference); BGMV keeps the torch kernels, whose zero-padding is its cost model.
 """
@@ -14,6 +14,7 @@ that reference); BGMV keeps the torch kernels, whose zero-padding is its cost mo
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Sequence
 
 import torch
 
@@ -22,6 +23,24 @@ from toppings.gpu_lora.kernels.checks import check_prefill
 from toppings.server import native
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+# (y, lora_a, lora_b, ranks): one projection of a call; y [T, H_out] (rows may be strided),
+# lora_a [C, H_in], lora_b [C, H_out] contiguous, ranks [B] int32 (0: the run skips it).
+Projection = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+class LoraProj(ctypes.Structure):
+    """One projection of a `lora_runs` call: the C struct of csrc/lora.c, field for field."""
+
+    _fields_ = [
+        ("A", ctypes.c_void_p),
+        ("Bt", ctypes.c_void_p),
+        ("y", ctypes.c_void_p),
+        ("ranks", ctypes.c_void_p),
+        ("ld_y", ctypes.c_int64),
+        ("H_out", ctypes.c_int64),
+        ("pool_rows", ctypes.c_int64),
+    ]
 
 
 def available(dtype: torch.dtype) -> bool:
@@ -40,29 +59,70 @@ def mbgmv_runs(
     [B] float32; max_rank unused (each token runs at its own rank).
     """
     check_prefill(y, x, lora_a, lora_b, seg_starts, offsets, ranks, scales)
+    mbgmv_runs_multi(x, [(y, lora_a, lora_b, ranks)], seg_starts, offsets, scales)
+
+
+def _int32(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()
+
+
+def _native_ok(x: torch.Tensor, projections: Sequence[Projection], scales: torch.Tensor) -> bool:
+    return (
+        x.dtype in _DTYPES
+        and x.stride(-1) == 1
+        and scales.is_contiguous()
+        and all(
+            y.dtype == a.dtype == b.dtype == x.dtype
+            and y.stride(-1) == 1
+            and a.is_contiguous()
+            and b.is_contiguous()
+            for y, a, b, _ in projections
+        )
+    )
+
+
+def mbgmv_runs_multi(
+    x: torch.Tensor, projections: Sequence[Projection], seg_starts: torch.Tensor,
+    offsets: torch.Tensor, scales: torch.Tensor,
+) -> None:  # fmt: skip
+    """`mbgmv_runs` for every projection that reads x, in one native call, in place.
+
+    Semantics: for (y, lora_a, lora_b, ranks) in projections:
+        mbgmv_runs(y, x, lora_a, lora_b, seg_starts, offsets, ranks, scales)
+
+    Args: x [T, H_in]; projections as `Projection` (their shapes are checked here, the runs by
+    the kernel, which refuses any outside y or the pool);
+    seg_starts [B + 1], offsets [B] int32/int64; scales [B] float32. Off the native path (no
+    compiler, other dtypes or layouts) each projection runs the torch segment kernel.
+    """
+    for y, a, b, _ in projections:  # what the kernel cannot see: rows of y beyond x's, widths
+        if (
+            y.shape[0] != x.shape[0]
+            or a.shape[1] != x.shape[1]
+            or b.shape != (a.shape[0], y.shape[1])
+        ):
+            raise ValueError(
+                f"LoRA shapes disagree: x {tuple(x.shape)}, y {tuple(y.shape)}, "
+                f"lora_a {tuple(a.shape)}, lora_b {tuple(b.shape)}"
+            )
     lib = native.library()
-    meta = [
-        t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()
-        for t in (seg_starts, offsets, ranks)
-    ]
-    if (
-        lib is None
-        or y.dtype not in _DTYPES
-        or y.stride(-1) != 1
-        or x.stride(-1) != 1
-        or not (lora_a.is_contiguous() and lora_b.is_contiguous() and scales.is_contiguous())
-    ):
-        get_kernels("cpu").mbgmv_prefill(y, x, lora_a, lora_b, seg_starts, offsets, ranks,
-                                         scales, max_rank)  # fmt: skip
+    if lib is None or not _native_ok(x, projections, scales):
+        prefill = get_kernels("cpu").mbgmv_prefill
+        for y, a, b, ranks in projections:
+            prefill(y, x, a, b, seg_starts, offsets, ranks, scales, None)
         return
-    starts, offs, rks = meta
+    starts, offs = _int32(seg_starts), _int32(offsets)
+    ranks = [_int32(r) for _, _, _, r in projections]  # kept alive through the call
+    procs = (LoraProj * len(projections))(*(
+        LoraProj(a.data_ptr(), b.data_ptr(), y.data_ptr(), r.data_ptr(), y.stride(0),
+                 y.shape[1], a.shape[0])
+        for (y, a, b, _), r in zip(projections, ranks)
+    ))  # fmt: skip
     failed = lib.lora_runs(
-        ctypes.c_void_p(x.data_ptr()), x.stride(0), ctypes.c_void_p(y.data_ptr()), y.stride(0),
-        ctypes.c_void_p(lora_a.data_ptr()), ctypes.c_void_p(lora_b.data_ptr()),
-        lora_a.shape[1], lora_b.shape[1], lora_a.shape[0], y.shape[0],
-        ctypes.c_void_p(starts.data_ptr()), ctypes.c_void_p(offs.data_ptr()),
-        ctypes.c_void_p(rks.data_ptr()), ctypes.c_void_p(scales.data_ptr()),
-        offsets.shape[0], _DTYPES[y.dtype], torch.get_num_threads(),
+        ctypes.c_void_p(x.data_ptr()), x.stride(0), x.shape[1], x.shape[0], procs,
+        len(projections), ctypes.c_void_p(starts.data_ptr()), ctypes.c_void_p(offs.data_ptr()),
+        ctypes.c_void_p(scales.data_ptr()), offsets.shape[0], _DTYPES[x.dtype],
+        torch.get_num_threads(),
     )  # fmt: skip
     if failed == 2:
         raise ValueError("seg_starts, offsets or ranks point outside y or the pool")

@@ -64,3 +64,55 @@ def test_rows_outside_the_pool_are_refused_before_anything_is_written():
     with pytest.raises(ValueError):
         native_lora.mbgmv_runs(y, x, lora_a, lora_b, starts, offsets, ranks, scales)
     assert torch.equal(y, before)
+
+
+def projection_case(dtype, runs, ranks, h_outs, seed=0):
+    """Projections of one input, each with its own pool, width and ranks (0: not targeted)."""
+    y, x, lora_a, lora_b, (starts, offsets, _, scales) = case(dtype, runs, ranks, seed=seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    projections = []
+    for p, h_out in enumerate(h_outs):
+        ranks_p = [0 if (g + p) % 3 == 2 else r for g, r in enumerate(ranks)]
+        b = torch.randn(lora_b.shape[0], h_out, generator=gen).to(dtype)
+        wide = torch.randn(x.shape[0], h_out + 5, generator=gen).to(dtype)
+        a = (lora_a.float() * (p + 1)).to(dtype)
+        projections.append((wide[:, :h_out], a, b, torch.tensor(ranks_p, dtype=torch.int32)))
+    return x, projections, starts, offsets, scales
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("h_outs", [(48, 16, 16), (40, 32), (64,)])  # 40: the scalar path
+def test_every_projection_of_one_input_matches_the_reference(dtype, h_outs):
+    x, projections, starts, offsets, scales = projection_case(
+        dtype, [4, 1, 7, 0, 2], [8, 16, 64, 8, 32], h_outs
+    )
+    wants = []
+    for y, a, b, ranks in projections:
+        want = y.clone()
+        reference.mbgmv_prefill(want, x, a, b, starts, offsets, ranks, scales)
+        wants.append(want)
+    native_lora.mbgmv_runs_multi(x, projections, starts, offsets, scales)
+    for (y, *_), want in zip(projections, wants):
+        torch.testing.assert_close(y.float(), want.float(), rtol=TOL[dtype], atol=TOL[dtype])
+
+
+def test_one_bad_projection_stops_the_call_before_any_projection_is_written():
+    x, projections, starts, offsets, scales = projection_case(
+        torch.float32, [2, 3], [8, 16], (32, 48)
+    )
+    before = [y.clone() for y, *_ in projections]
+    y, a, b, ranks = projections[1]
+    ranks[1] = a.shape[0]  # rank past the end of the pool, in the second projection only
+    with pytest.raises(ValueError):
+        native_lora.mbgmv_runs_multi(x, projections, starts, offsets, scales)
+    for (y, *_), old in zip(projections, before):
+        assert torch.equal(y, old)
+
+
+def test_mismatched_shapes_are_refused():
+    x, projections, starts, offsets, scales = projection_case(torch.float32, [2], [8], (32,))
+    y, a, b, ranks = projections[0]
+    with pytest.raises(ValueError):
+        native_lora.mbgmv_runs_multi(x, [(y[:1], a, b, ranks)], starts, offsets, scales)
+    with pytest.raises(ValueError):
+        native_lora.mbgmv_runs_multi(x, [(y, a, b[:, :16], ranks)], starts, offsets, scales)
