@@ -4,8 +4,9 @@ Both sides run in this process, one after the other, on the same prompts, adapte
 transformers + PEFT uses batched `generate(adapter_names=...)`; it is timed at several batch
 sizes and its fastest is the baseline. Ours runs `--rounds` times with the adapters and without,
 in alternating order on fresh prompts: tokens/s is the median round's, the decode step ratio
-with / without LoRA the median of the rounds' ratios. Also measured in the same run: our
-throughput at 1 thread (threads_speedup = all cores / 1 thread); one request
+with / without LoRA the median of the rounds' ratios. Each round also runs the adapters on a
+second engine with 1 thread (threads_speedup = the median of the rounds' all cores / 1 thread
+ratios: this VM's speed drifts over seconds, so only runs side by side compare). One request
 alone (128-token prompt: TTFT and time per output token, ours and transformers', base and one
 adapter); and the GEMM rate of the model's own projections at the decode batch and at the
 prefill size (`gemm_gflops`), from which `roofline_fraction` = the time those GEMMs would take
@@ -228,20 +229,28 @@ def main(argv: list[str] | None = None) -> None:
     started = time.perf_counter()
     engine = build_engine(str(model_dir), config, adapters)
     startup_s = time.perf_counter() - started
+    # The engine thread sets its own OpenMP team size: a second engine for the 1-thread runs,
+    # which take their turn in every round (threads_speedup: the median of the rounds' ratios).
+    engine_1 = build_engine(str(model_dir), dataclasses.replace(config, num_threads=1), adapters)
     single, single_hf = {}, {}
     try:
-        run_ours(engine, prompts[:8], names[:8], 8)  # warm-up
+        for eng in (engine, engine_1):
+            run_ours(eng, prompts[:8], names[:8], 8)  # warm-up
         # Rounds alternate which goes first; each round has fresh prompts (no prefix-cache hits).
-        runs: dict[str, list[dict]] = {"lora": [], "base": []}
+        runs: dict[str, list[dict]] = {"lora": [], "base": [], "lora_1_thread": []}
         for round_idx in range(args.rounds):
             batch = prompts if round_idx == 0 else random_prompts(args, vocab, seed=round_idx)
-            order = ("lora", "base") if round_idx % 2 == 0 else ("base", "lora")
-            for kind in order:
-                adapter_names = names if kind == "lora" else [None] * len(batch)
-                runs[kind].append(run_ours(engine, batch, adapter_names, args.new_tokens))
+            order = ("lora", "base", "lora_1_thread")
+            for kind in order if round_idx % 2 == 0 else order[::-1]:
+                eng = engine_1 if kind == "lora_1_thread" else engine
+                adapter_names = [None] * len(batch) if kind == "base" else names
+                runs[kind].append(run_ours(eng, batch, adapter_names, args.new_tokens))
         ours, base = median_run(runs["lora"]), median_run(runs["base"])
+        ours_1 = median_run(runs["lora_1_thread"])
         step_ratios = [a["decode_step_ms"] / b["decode_step_ms"]
                        for a, b in zip(runs["lora"], runs["base"])]  # fmt: skip
+        speedups = [a["tokens_per_s"] / b["tokens_per_s"]
+                    for a, b in zip(runs["lora"], runs["lora_1_thread"])]  # fmt: skip
         for label, adapter in (("base", None), ("adapter", names[0])):
             single[label] = run_single(engine, prompts[0], adapter, args.new_tokens,
                                        args.single_rounds)  # fmt: skip
@@ -249,13 +258,7 @@ def main(argv: list[str] | None = None) -> None:
         gemm = {n: gemm_gflops(engine.model, n) for n in (args.num_requests, args.prompt_len * 16)}
     finally:
         engine.shutdown()
-    # The engine thread sets its own OpenMP team size: a second engine for the 1-thread run.
-    engine = build_engine(str(model_dir), dataclasses.replace(config, num_threads=1), adapters)
-    try:
-        run_ours(engine, prompts[:8], names[:8], 8)
-        ours_1 = run_ours(engine, prompts, names, args.new_tokens)
-    finally:
-        engine.shutdown()
+        engine_1.shutdown()
     log.info("ours: %s; base model only: %s; 1 thread: %s", ours, base, ours_1)
     from transformers import AutoModelForCausalLM
 
@@ -313,6 +316,8 @@ def main(argv: list[str] | None = None) -> None:
                 "tokens_per_s_lora": [r["tokens_per_s"] for r in runs["lora"]],
                 "tokens_per_s_base": [r["tokens_per_s"] for r in runs["base"]],
                 "decode_step_ratio_lora_vs_base": step_ratios,
+                "tokens_per_s_1_thread": [r["tokens_per_s"] for r in runs["lora_1_thread"]],
+                "threads_speedup": speedups,
             },
             "tokens_per_s_base_only": base["tokens_per_s"],
             "gemm_gflops": (prefill_flops + decode_flops) / roofline_s / 1e9,
@@ -320,7 +325,7 @@ def main(argv: list[str] | None = None) -> None:
             "gemm_gflops_prefill": gemm[args.prompt_len * 16],
             "roofline_fraction": roofline_s / ours["seconds"],
             "tokens_per_s_1_thread": ours_1["tokens_per_s"],
-            "threads_speedup": ours["tokens_per_s"] / ours_1["tokens_per_s"],
+            "threads_speedup": statistics.median(speedups),
             "ttft_ms_single": single["base"]["ttft_ms"],
             "tpot_ms_single": single["base"]["tpot_ms"],
             "single": {"ours": single, "transformers": single_hf, **single_ratios},

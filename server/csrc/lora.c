@@ -6,18 +6,21 @@
  *     h = A_p[off:off + r] @ x[t]               (off = offsets[g])
  *     y_p[t] += scales[g] * (h @ Bt_p[off:off + r])
  * x [T, H_in] (row stride ld_x); per projection (LoraProj) y [T, H_out] (row stride ld_y) in
- * place, A [pool_rows, H_in] and Bt [pool_rows, H_out] contiguous; all float32 or all bfloat16
- * (float32 arithmetic, y rounded once). Each token is computed over its own adapter's rows only.
- * Returns 2, having written nothing, when a run lies outside y or a pool; 1 when out of memory.
+ * place, A [pool_rows, H_in] and Bt [pool_rows, H_out] contiguous; all float32 or all bfloat16.
+ * Arithmetic in float32, y rounded once; in bfloat16 with avx512_bf16 and 32 | H_out, h is
+ * rounded to bfloat16 before the expansion, as PEFT's bf16 LoRA rounds its A output. Each token
+ * is computed over its own adapter's rows only. Returns 2, having written nothing, when a run
+ * lies outside y or a pool; 1 when out of memory.
  *
  * A decode step reads every resident adapter's rows from DRAM once (16 adapters of ranks 8-64
- * on SmolLM2's q/k/v: 2.6 MB a layer), so the kernel is bound by that stream: one OpenMP region
- * for all projections, work in blocks of 4 tokens of one run and projection, the expansion
- * rows prefetched into L2 while the shrinkage reads A (A itself is read in order and left to
- * the hardware prefetcher: prefetching it ahead in software was slower), and B read in
- * 64-column strips whose sums stay in registers. Measured on that decode step (30 layers, bf16,
- * 1 / 2 threads): 9.1 / 5.2 ms with one call per projection, 16-column strips and A prefetched
- * 2 rows ahead; 6.1 / 3.6 ms now. */
+ * on SmolLM2's q/k/v: 2.6 MB a layer), and the reads, not the arithmetic, set its time: one
+ * OpenMP region for all projections; work items of 4 tokens of one run covering every
+ * projection, whose A rows are read side by side (several streams in flight), largest ranks
+ * first so that the threads end together; the expansion rows prefetched into L2 while the
+ * shrinkage reads A (prefetching A itself in software was slower); B read in strips whose sums
+ * stay in registers. Measured on that decode step (30 layers, bf16, the kernel alone, rows cold
+ * / in cache): one call per projection with 16-column strips took 9.1 / 3.6 ms on 1 thread and
+ * 5.2 / 2.7 ms on 2; now about 6.0 / 2.8 and 3.3 / 1.5. */
 #include "common.h"
 
 typedef struct {
@@ -76,64 +79,161 @@ static void lora_expand(void *y, int64_t ld_y, const void *Bt, int64_t H_out, in
     }
 }
 
+#ifdef __AVX512BF16__
+/* bf16 expansion, two Bt rows per instruction: rows j and j + 1 interleaved column by column
+ * (unpacklo/hi within 128-bit lanes) against the pair (h[j], h[j + 1]) rounded to bf16, as
+ * PEFT's bf16 LoRA rounds its A output. Half the multiply instructions of the float32 path and
+ * no widening of B: on SmolLM2's q/k/v the float32 expansion ran at the core's FMA peak.
+ * A sum of lo holds columns {0-3, 8-11, 16-19, 24-27} of its 32, hi the others: put back in
+ * order by PAIR_LO / PAIR_HI. hp [n, (r + 1) / 2] packed pairs; nc (1-2) 32-column chunks. */
+static inline __attribute__((always_inline)) void expand_strip_bf16(
+    void *y, int64_t ld_y, const uint16_t *Bt, int64_t H_out, int64_t t, int n, int nc,
+    int64_t c, int64_t off, int64_t r, const uint32_t *hp) {
+    const __m512i PAIR_LO = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21,
+                                              22, 23);
+    const __m512i PAIR_HI = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28,
+                                              29, 30, 31);
+    int64_t half = (r + 1) / 2;
+    __m512 acc[4][4];
+    for (int i = 0; i < 4; i++)
+        for (int u = 0; u < 4; u++) acc[i][u] = _mm512_setzero_ps();
+    for (int64_t jp = 0; jp < half; jp++) {
+        const uint16_t *r0 = Bt + (off + 2 * jp) * H_out + c;
+        int has_next = 2 * jp + 1 < r;
+        __m512bh pr[4];
+        for (int u = 0; u < nc; u++) {
+            __m512i a = _mm512_loadu_si512(r0 + 32 * u);
+            __m512i b = has_next ? _mm512_loadu_si512(r0 + H_out + 32 * u) : _mm512_setzero_si512();
+            pr[2 * u] = (__m512bh)_mm512_unpacklo_epi16(a, b);
+            pr[2 * u + 1] = (__m512bh)_mm512_unpackhi_epi16(a, b);
+        }
+        for (int i = 0; i < n; i++) {
+            __m512bh hv = (__m512bh)_mm512_set1_epi32((int)hp[i * half + jp]);
+            for (int u = 0; u < 2 * nc; u++) acc[i][u] = _mm512_dpbf16_ps(acc[i][u], pr[u], hv);
+        }
+    }
+    for (int i = 0; i < n; i++)
+        for (int u = 0; u < nc; u++) {
+            __m512 lo = acc[i][2 * u], hi = acc[i][2 * u + 1];
+            int64_t at = (t + i) * ld_y + c + 32 * u;
+            __m512 s0 = _mm512_permutex2var_ps(lo, PAIR_LO, hi);
+            __m512 s1 = _mm512_permutex2var_ps(lo, PAIR_HI, hi);
+            store16(y, 1, at, _mm512_add_ps(load16(y, 1, at), s0));
+            store16(y, 1, at + 16, _mm512_add_ps(load16(y, 1, at + 16), s1));
+        }
+}
+
+static inline __attribute__((always_inline)) void expand_bf16_n(
+    void *y, int64_t ld_y, const uint16_t *Bt, int64_t H_out, int64_t t, int n, int64_t off,
+    int64_t r, const uint32_t *hp) {
+    int64_t c = 0;
+    for (; c + 64 <= H_out; c += 64) expand_strip_bf16(y, ld_y, Bt, H_out, t, n, 2, c, off, r, hp);
+    if (c < H_out) expand_strip_bf16(y, ld_y, Bt, H_out, t, n, 1, c, off, r, hp);
+}
+
+/* y[t + i] += h[i] @ Bt[off:off + r], bf16, 32 | H_out; h [n, r] float32, hp scratch. */
+static void lora_expand_bf16(void *y, int64_t ld_y, const void *Bt, int64_t H_out, int64_t t,
+                             int64_t n, int64_t off, int64_t r, const float *h, uint32_t *hp) {
+    int64_t half = (r + 1) / 2;
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t jp = 0; jp < half; jp++) {
+            uint32_t lo = bf16_store(h[i * r + 2 * jp]);
+            uint32_t hi = 2 * jp + 1 < r ? bf16_store(h[i * r + 2 * jp + 1]) : 0;
+            hp[i * half + jp] = lo | hi << 16;
+        }
+    const uint16_t *b = (const uint16_t *)Bt;
+    switch (n) {
+    case 1: expand_bf16_n(y, ld_y, b, H_out, t, 1, off, r, hp); break;
+    case 2: expand_bf16_n(y, ld_y, b, H_out, t, 2, off, r, hp); break;
+    case 3: expand_bf16_n(y, ld_y, b, H_out, t, 3, off, r, hp); break;
+    default: expand_bf16_n(y, ld_y, b, H_out, t, 4, off, r, hp); break;
+    }
+}
+#endif
+
 /* Bt row j of the block into L2 (its expansion follows the shrinkage). */
 static inline void prefetch_row(const void *Bt, int64_t row_bytes, int64_t j) {
     const char *p = (const char *)Bt + j * row_bytes;
-    for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+    for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T1);
 }
 
-/* Tokens t .. t + n (n <= 4) of one run: h = A[off:off + r] @ x[t] for each, then
- * y[t] += scale * h @ Bt[off:off + r], each A and Bt row read once for the n tokens.
- * 16 | H_in and 16 | H_out; xf [4, H_in] and h [4, r] are the caller's scratch. */
-static void lora_block(const void *x, int64_t ld_x, const LoraProj *p, int64_t H_in, int64_t t,
-                       int64_t n, int64_t off, int64_t r, float scale, int is_bf16, float *xf,
-                       float *h) {
-    int64_t b_row = p->H_out * (is_bf16 ? 2 : 4);
-    const char *b0 = (const char *)p->Bt + off * b_row;
+/* h[i * r + j] = scale * (A[row j] . x[t + i]) for the n (<= 4) tokens of a block: bf16 pairs
+ * multiplied and summed in float32 at once (xb: the tokens' rows), or float32 rows xf [4, H_in]. */
+static inline __attribute__((always_inline)) void shrink_row(
+    const void *A, int64_t H_in, int64_t row, int64_t n, int is_bf16, const uint16_t *const *xb,
+    const float *xf, float scale, float *h, int64_t r, int64_t j) {
+    __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
 #ifdef __AVX512BF16__
-    if (is_bf16 && H_in % 32 == 0) { /* bf16 pairs multiplied and summed in float32 at once */
-        const uint16_t *xb[4];
-        for (int64_t i = 0; i < 4; i++) xb[i] = (const uint16_t *)x + (t + (i < n ? i : 0)) * ld_x;
-        for (int64_t j = 0; j < r; j++) {
-            __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
-            const uint16_t *row = (const uint16_t *)p->A + (off + j) * H_in;
-            prefetch_row(b0, b_row, j);
-            for (int64_t c = 0; c < H_in; c += 32) {
-                __m512bh a = (__m512bh)_mm512_loadu_si512(row + c);
-                s0 = _mm512_dpbf16_ps(s0, a, (__m512bh)_mm512_loadu_si512(xb[0] + c));
-                if (n > 1) s1 = _mm512_dpbf16_ps(s1, a, (__m512bh)_mm512_loadu_si512(xb[1] + c));
-                if (n > 2) s2 = _mm512_dpbf16_ps(s2, a, (__m512bh)_mm512_loadu_si512(xb[2] + c));
-                if (n > 3) s3 = _mm512_dpbf16_ps(s3, a, (__m512bh)_mm512_loadu_si512(xb[3] + c));
-            }
-            h[j] = _mm512_reduce_add_ps(s0) * scale;
-            if (n > 1) h[r + j] = _mm512_reduce_add_ps(s1) * scale;
-            if (n > 2) h[2 * r + j] = _mm512_reduce_add_ps(s2) * scale;
-            if (n > 3) h[3 * r + j] = _mm512_reduce_add_ps(s3) * scale;
+    if (xb != NULL) {
+        const uint16_t *a_row = (const uint16_t *)A + row * H_in;
+        for (int64_t c = 0; c < H_in; c += 32) {
+            __m512bh a = (__m512bh)_mm512_loadu_si512(a_row + c);
+            s0 = _mm512_dpbf16_ps(s0, a, (__m512bh)_mm512_loadu_si512(xb[0] + c));
+            if (n > 1) s1 = _mm512_dpbf16_ps(s1, a, (__m512bh)_mm512_loadu_si512(xb[1] + c));
+            if (n > 2) s2 = _mm512_dpbf16_ps(s2, a, (__m512bh)_mm512_loadu_si512(xb[2] + c));
+            if (n > 3) s3 = _mm512_dpbf16_ps(s3, a, (__m512bh)_mm512_loadu_si512(xb[3] + c));
         }
-        lora_expand(p->y, p->ld_y, p->Bt, p->H_out, t, n, off, r, is_bf16, h);
-        return;
-    }
+    } else
 #endif
-    for (int64_t i = 0; i < n; i++)
-        for (int64_t c = 0; c < H_in; c += 16)
-            _mm512_storeu_ps(xf + i * H_in + c, load16(x, is_bf16, (t + i) * ld_x + c));
-    for (int64_t j = 0; j < r; j++) {
-        __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
-        int64_t row = (off + j) * H_in;
-        prefetch_row(b0, b_row, j);
         for (int64_t c = 0; c < H_in; c += 16) {
-            __m512 a = load16(p->A, is_bf16, row + c);
+            __m512 a = load16(A, is_bf16, row * H_in + c);
             s0 = _mm512_fmadd_ps(a, _mm512_loadu_ps(xf + c), s0);
             if (n > 1) s1 = _mm512_fmadd_ps(a, _mm512_loadu_ps(xf + H_in + c), s1);
             if (n > 2) s2 = _mm512_fmadd_ps(a, _mm512_loadu_ps(xf + 2 * H_in + c), s2);
             if (n > 3) s3 = _mm512_fmadd_ps(a, _mm512_loadu_ps(xf + 3 * H_in + c), s3);
         }
-        h[j] = _mm512_reduce_add_ps(s0) * scale;
-        if (n > 1) h[r + j] = _mm512_reduce_add_ps(s1) * scale;
-        if (n > 2) h[2 * r + j] = _mm512_reduce_add_ps(s2) * scale;
-        if (n > 3) h[3 * r + j] = _mm512_reduce_add_ps(s3) * scale;
+    h[j] = _mm512_reduce_add_ps(s0) * scale;
+    if (n > 1) h[r + j] = _mm512_reduce_add_ps(s1) * scale;
+    if (n > 2) h[2 * r + j] = _mm512_reduce_add_ps(s2) * scale;
+    if (n > 3) h[3 * r + j] = _mm512_reduce_add_ps(s3) * scale;
+}
+
+/* Tokens t .. t + n (n <= 4) of run g, every projection p with r = ranks[g] > 0:
+ * h_p = A_p[off:off + r] @ x[t] for each token, then y_p[t] += scale * h_p @ Bt_p[off:off + r],
+ * each A and Bt row read once for the n tokens. The projections' A rows are read side by side
+ * (row j of each in turn): several streams keep more memory reads in flight than one, and a
+ * decode step's rows all come from DRAM. 16 | H_in and 16 | H_out; scratch: xf [4, H_in],
+ * h [num_proj, 4, max_rank], hp [4, (max_rank + 1) / 2]. */
+static void lora_block(const void *x, int64_t ld_x, const LoraProj *proj, int64_t num_proj,
+                       int64_t H_in, int64_t t, int64_t n, int64_t g, int64_t off, float scale,
+                       int64_t max_rank, int is_bf16, float *xf, float *h, uint32_t *hp) {
+    const uint16_t *rows[4], *const *xb = NULL;
+#ifdef __AVX512BF16__
+    if (is_bf16 && H_in % 32 == 0) {
+        for (int64_t i = 0; i < 4; i++)
+            rows[i] = (const uint16_t *)x + (t + (i < n ? i : 0)) * ld_x;
+        xb = rows;
     }
-    lora_expand(p->y, p->ld_y, p->Bt, p->H_out, t, n, off, r, is_bf16, h);
+#endif
+    if (xb == NULL)
+        for (int64_t i = 0; i < n; i++)
+            for (int64_t c = 0; c < H_in; c += 16)
+                _mm512_storeu_ps(xf + i * H_in + c, load16(x, is_bf16, (t + i) * ld_x + c));
+    int64_t r_max = 0;
+    for (int64_t p = 0; p < num_proj; p++)
+        r_max = proj[p].ranks[g] > r_max ? proj[p].ranks[g] : r_max;
+    for (int64_t j = 0; j < r_max; j++)
+        for (int64_t p = 0; p < num_proj; p++) {
+            int64_t r = proj[p].ranks[g];
+            if (j >= r) continue;
+            int64_t b_row = proj[p].H_out * (is_bf16 ? 2 : 4);
+            prefetch_row((const char *)proj[p].Bt + off * b_row, b_row, j);
+            shrink_row(proj[p].A, H_in, off + j, n, is_bf16, xb, xf, scale,
+                       h + p * 4 * max_rank, r, j);
+        }
+    for (int64_t p = 0; p < num_proj; p++) {
+        const LoraProj *q = proj + p;
+        int64_t r = q->ranks[g];
+        if (r <= 0) continue;
+        float *hq = h + p * 4 * max_rank;
+#ifdef __AVX512BF16__
+        if (is_bf16 && q->H_out % 32 == 0) {
+            lora_expand_bf16(q->y, q->ld_y, q->Bt, q->H_out, t, n, off, r, hq, hp);
+            continue;
+        }
+#endif
+        lora_expand(q->y, q->ld_y, q->Bt, q->H_out, t, n, off, r, is_bf16, hq);
+    }
 }
 #endif
 
@@ -173,6 +273,15 @@ static void lora_token(const void *x, int64_t ld_x, const LoraProj *p, int64_t H
         st(p->y, is_bf16, t * p->ld_y + o, ld(p->y, is_bf16, t * p->ld_y + o) + acc[o]);
 }
 
+/* The largest rank of pair k (see lora_runs: a run on the vector path, else a projection's run). */
+static inline int64_t pair_rank(const LoraProj *proj, int64_t num_proj, int64_t num_runs,
+                                int vector, int64_t k) {
+    int64_t r = 0;
+    if (!vector) return proj[k / num_runs].ranks[k % num_runs];
+    for (int64_t p = 0; p < num_proj; p++) r = proj[p].ranks[k] > r ? proj[p].ranks[k] : r;
+    return r;
+}
+
 int lora_runs(const void *x, int64_t ld_x, int64_t H_in, int64_t num_tokens,
               const LoraProj *proj, int64_t num_proj, const int32_t *starts,
               const int32_t *offsets, const float *scales, int64_t num_runs, int is_bf16,
@@ -196,23 +305,35 @@ int lora_runs(const void *x, int64_t ld_x, int64_t H_in, int64_t num_tokens,
 #ifndef __AVX512F__
     vector = 0;
 #endif
-    /* items[k]: the work items (4-token blocks, or tokens on the scalar path) of the (projection,
-     * run) pairs before k = p * num_runs + g that have an adapter (rank > 0). */
-    int64_t num_pairs = num_proj * num_runs, per = vector ? 4 : 1;
-    int64_t *items = malloc(sizeof(int64_t) * (size_t)(num_pairs + 1));
+    /* Pairs: on the vector path run k, an item 4 of its tokens for every projection; on the
+     * scalar path k = p * num_runs + g, an item one token of run g in projection p.
+     * items[k]: the work items before the k-th pair of order that have an adapter (rank > 0). */
+    int64_t per = vector ? 4 : 1, num_pairs = vector ? num_runs : num_proj * num_runs;
+    int64_t *items = malloc(sizeof(int64_t) * (size_t)(2 * num_pairs + 1));
     if (items == NULL) return 1;
+    int64_t *order = items + num_pairs + 1;
+    /* order: the pairs by decreasing largest rank, so that the threads end on small items */
+    for (int64_t k = 0; k < num_pairs; k++) {
+        int64_t r = pair_rank(proj, num_proj, num_runs, vector, k), at = k;
+        for (; at > 0 && pair_rank(proj, num_proj, num_runs, vector, order[at - 1]) < r; at--)
+            order[at] = order[at - 1];
+        order[at] = k;
+    }
     items[0] = 0;
     for (int64_t k = 0; k < num_pairs; k++) {
-        int64_t g = k % num_runs, n = starts[g + 1] - starts[g];
-        items[k + 1] = items[k] + (proj[k / num_runs].ranks[g] > 0 ? (n + per - 1) / per : 0);
+        int64_t g = order[k] % num_runs, n = starts[g + 1] - starts[g];
+        int64_t adapted = pair_rank(proj, num_proj, num_runs, vector, order[k]) > 0;
+        items[k + 1] = items[k] + (adapted ? (n + per - 1) / per : 0);
     }
 #pragma omp parallel num_threads(threads_for(work * max_rank, num_threads)) reduction(| : failed)
     {
-        float *buf = malloc(sizeof(float) * (size_t)(4 * H_in + max_out + 4 * max_rank + 1));
+        size_t floats = 4 * H_in + max_out + 4 * num_proj * max_rank + 2 * max_rank + 4;
+        float *buf = malloc(sizeof(float) * floats);
         if (buf == NULL) {
             failed = 1;
         } else {
             float *xf = buf, *acc = buf + 4 * H_in, *h = acc + max_out;
+            uint32_t *hp = (uint32_t *)(h + 4 * num_proj * max_rank);
 #pragma omp for schedule(dynamic, 1)
             for (int64_t w = 0; w < items[num_pairs]; w++) {
                 int64_t lo = 0, hi = num_pairs; /* the pair k with items[k] <= w < items[k + 1] */
@@ -220,16 +341,17 @@ int lora_runs(const void *x, int64_t ld_x, int64_t H_in, int64_t num_tokens,
                     int64_t mid = (lo + hi) / 2;
                     if (items[mid] <= w) lo = mid; else hi = mid;
                 }
-                const LoraProj *p = proj + lo / num_runs;
-                int64_t g = lo % num_runs, t = starts[g] + per * (w - items[lo]);
+                int64_t pair = order[lo], g = pair % num_runs;
+                int64_t t = starts[g] + per * (w - items[lo]);
                 int64_t n = starts[g + 1] - t < per ? starts[g + 1] - t : per;
 #ifdef __AVX512F__
                 if (vector) {
-                    lora_block(x, ld_x, p, H_in, t, n, offsets[g], p->ranks[g], scales[g],
-                               is_bf16, xf, h);
+                    lora_block(x, ld_x, proj, num_proj, H_in, t, n, g, offsets[g], scales[g],
+                               max_rank, is_bf16, xf, h, hp);
                     continue;
                 }
 #endif
+                const LoraProj *p = proj + pair / num_runs;
                 lora_token(x, ld_x, p, H_in, t, offsets[g], p->ranks[g], scales[g], is_bf16, xf,
                            acc, h);
             }

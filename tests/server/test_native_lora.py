@@ -81,19 +81,26 @@ def projection_case(dtype, runs, ranks, h_outs, seed=0):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("h_outs", [(48, 16, 16), (40, 32), (64,)])  # 40: the scalar path
-def test_every_projection_of_one_input_matches_the_reference(dtype, h_outs):
-    x, projections, starts, offsets, scales = projection_case(
-        dtype, [4, 1, 7, 0, 2], [8, 16, 64, 8, 32], h_outs
-    )
+# 32 | H_out: bf16 pairs of B rows (odd ranks leave one row unpaired); 48, 16: float32 strips;
+# 40: the scalar path
+@pytest.mark.parametrize("h_outs", [(64, 32, 96), (48, 16, 16), (40, 32), (64,)])
+@pytest.mark.parametrize("ranks", [[8, 16, 64, 8, 32], [7, 1, 33, 5, 2]])
+def test_every_projection_of_one_input_matches_the_reference(dtype, h_outs, ranks):
+    x, projections, starts, offsets, scales = projection_case(dtype, [4, 1, 7, 0, 2], ranks, h_outs)
     wants = []
     for y, a, b, ranks in projections:
         want = y.clone()
         reference.mbgmv_prefill(want, x, a, b, starts, offsets, ranks, scales)
         wants.append(want)
     native_lora.mbgmv_runs_multi(x, projections, starts, offsets, scales)
-    for (y, *_), want in zip(projections, wants):
-        torch.testing.assert_close(y.float(), want.float(), rtol=TOL[dtype], atol=TOL[dtype])
+    for (y, a, b, ranks), want in zip(projections, wants):
+        # bf16 rounds x @ A.T before B (as PEFT's bf16 LoRA does): its error scales with the
+        # terms' magnitudes, |x| @ |A|.T @ |B|, not with a sum that may cancel to near zero.
+        terms = torch.zeros(y.shape)
+        reference.mbgmv_prefill(terms, x.float().abs(), a.float().abs(), b.float().abs(), starts,
+                                offsets, ranks, scales.abs())  # fmt: skip
+        error = (y.float() - want.float()).abs()
+        assert (error <= TOL[dtype] * (1 + want.float().abs() + terms / 8)).all()
 
 
 def test_one_bad_projection_stops_the_call_before_any_projection_is_written():
