@@ -1,9 +1,13 @@
-"""Which decode steps replay a CUDA graph and which bucket they pad to (pure Python)."""
+"""Which decode steps replay a CUDA graph and which bucket they pad to (pure Python), and the
+--cuda-graphs setting."""
 
 from __future__ import annotations
 
 import pytest
 
+from toppings.gpu_lora.adapter_pool import ResidentAdapter
+from toppings.server.config import EngineConfig
+from toppings.server.cuda_graphs import _lora_row
 from toppings.server.graph_buckets import MAX_GRAPH_BATCH, GraphBuckets, GraphKey, next_pow2
 
 
@@ -57,3 +61,20 @@ def test_engine_buckets_stop_at_the_cap():
     big = GraphBuckets.for_engine(4 * MAX_GRAPH_BATCH, 512)
     assert big.max_batch == MAX_GRAPH_BATCH
     assert big.plan(MAX_GRAPH_BATCH + 1, 10, 0, loading=False).reason == "batch"
+
+
+def test_lora_row_gives_rank_only_where_the_adapter_targets():
+    adapter = ResidentAdapter("a", offset=40, rank=8, scale=2.0,
+                              targets=frozenset({"q_proj", "down_proj"}))  # fmt: skip
+    # (offset, then q k v o gate up down)
+    assert _lora_row(adapter) == (40, 8, 0, 0, 0, 0, 0, 8)
+    assert _lora_row(None) == (0,) * 8
+
+
+def test_cuda_graphs_default_on_for_cuda_only():
+    assert EngineConfig(device="cuda").use_cuda_graphs
+    assert not EngineConfig(device="cuda", cuda_graphs=False).use_cuda_graphs
+    assert not EngineConfig(device="cpu").use_cuda_graphs
+    assert not EngineConfig(device="cpu", cuda_graphs=False).use_cuda_graphs
+    with pytest.raises(ValueError, match="cuda_graphs needs device cuda"):
+        EngineConfig(device="cpu", cuda_graphs=True)
