@@ -51,9 +51,10 @@ def adapters(tmp_path_factory, tiny_model_dir):
 
 
 def start(model_dir, adapters, device: str, graphs: bool, **changes):
+    on_gpu = device == "cuda"  # there the pool's default budget is 40% of the free memory
     config = EngineConfig(device=device, dtype="float32", max_total_tokens=4096,
-                          max_batch_size=16, cuda_graphs=graphs if device == "cuda" else None,
-                          **changes)  # fmt: skip
+                          max_batch_size=16, memory_bytes=(256 << 20) if on_gpu else 0,
+                          cuda_graphs=graphs if on_gpu else None, **changes)  # fmt: skip
     engine = build_engine(str(model_dir), config, adapters)
     if device == "cpu" and graphs:
         buckets = GraphBuckets.for_engine(config.max_batch_size, engine.kv.max_len)
