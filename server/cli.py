@@ -255,6 +255,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="reuse cached KV of a prompt's prefix, under the request's own adapter only",
     )
     p.add_argument(
+        "--cuda-graphs",
+        choices=("on", "off"),
+        default=None,
+        help="decode steps replay CUDA graphs captured per batch-size bucket (default: on with "
+        "--device cuda; refused with --device cpu)",
+    )
+    p.add_argument(
         "--host-memory-bytes",
         type=int,
         default=0,
@@ -383,6 +390,7 @@ def main(argv: list[str] | None = None) -> int:
             memory_layout=args.memory_layout,
             memory_bytes=args.memory_bytes,
             prefix_cache=args.prefix_cache == "on",
+            cuda_graphs=None if args.cuda_graphs is None else args.cuda_graphs == "on",
             host_memory_bytes=args.host_memory_bytes,
             memory_policy=args.memory_policy,
             block_tokens=args.block_tokens,

@@ -52,6 +52,7 @@ class EngineConfig:
     host_memory_bytes: int = 0  # host tier for KV blocks swapped out; 0: dropped instead
     block_tokens: int = 16  # tokens per KV block
     memory_policy: str = "fastlibra"  # what leaves the pool first (server.memory_policies)
+    cuda_graphs: bool | None = None  # decode steps replay CUDA graphs; None: on for cuda
 
     def __post_init__(self) -> None:
         for name, value, allowed in (
@@ -82,3 +83,10 @@ class EngineConfig:
             raise ValueError(f"eviction must be one of {', '.join(EVICTION_POLICIES)}")
         if self.cpu_cores and len(self.cpu_cores) < self.num_cpu_workers:
             raise ValueError("cpu_cores must name at least one core per CPU worker")
+        if self.cuda_graphs and self.device != "cuda":
+            raise ValueError("cuda_graphs needs device cuda (a CPU has no graphs to capture)")
+
+    @property
+    def use_cuda_graphs(self) -> bool:
+        """Whether decode steps replay CUDA graphs (server/cuda_graphs.py)."""
+        return self.device == "cuda" and self.cuda_graphs is not False

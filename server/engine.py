@@ -22,6 +22,7 @@ from toppings.server import native
 from toppings.server.adapters import AdapterManager
 from toppings.server.admission import EngineGate
 from toppings.server.config import EngineConfig
+from toppings.server.decode_step import DecodeStep
 from toppings.server.errors import NOT_FOUND, unknown_adapter
 from toppings.server.kv_cache import KVPool
 from toppings.server.loader import Checkpoint
@@ -82,6 +83,7 @@ class Engine:
             host_blocks, config.link_gbps,
         )  # fmt: skip
         self.lora = AdapterManager(config, mc, dtype)  # the only LoRA object the engine uses
+        self.decode = DecodeStep.create(config, self.model, self.kv, self.lora)
         # Adapters take blocks of the pool, or have a budget of their own (or none).
         charged = config.memory_layout == "pool" and bool(
             config.memory_bytes or config.adapter_cache_bytes or config.device == "cuda"
@@ -336,58 +338,50 @@ class Engine:
         return self.queue.select(EngineGate(self), self._running, time.monotonic())
 
     def _step(self, seqs: list[Sequence], is_prefill: bool) -> None:
-        device = self.model.device
         # One adapter's requests side by side: the LoRA kernels run once per run of them.
         seqs = sorted(seqs, key=lambda s: s.request.adapter or "")
-        past = None
         if is_prefill:
-            # Each prompt from the end of its cached prefix (the row's length so far).
-            starts = [self.kv.lengths[s.kv_hold.row] for s in seqs]
-            past = [self.kv.req_to_slot[s.kv_hold.row, :n] if n else None
-                    for s, n in zip(seqs, starts)]  # fmt: skip
-            slots = torch.cat([self.kv.extend(s.kv_hold.row, s.prompt_len - n)
-                               for s, n in zip(seqs, starts)])  # fmt: skip
-            ids = [t for s, n in zip(seqs, starts) for t in s.request.prompt_ids[n:]]
-            positions = [p for s, n in zip(seqs, starts) for p in range(n, s.prompt_len)]
-            seg_starts = [0]
-            for s, n in zip(seqs, starts):
-                seg_starts.append(seg_starts[-1] + s.prompt_len - n)
-            index = lengths = None
+            logits = self._prefill(seqs)  # [B, V]
         else:
-            rows = [s.kv_hold.row for s in seqs]
-            positions = [self.kv.lengths[r] for r in rows]
-            slots = self.kv.extend_each(rows)
-            ids = [s.output_ids[-1] for s in seqs]
-            seg_starts = list(range(len(seqs) + 1))
-            index, lengths = self.kv.decode_index(rows)
-        lora = self.lora.step([s.cache_entry for s in seqs], seg_starts, is_prefill)
-        rows = Sequence.logit_rows(seqs, seg_starts) if is_prefill else None
-        batch = ForwardBatch(
-            input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
-            positions=torch.tensor(positions, dtype=torch.int64, device=device),
-            slots=slots,
-            seg_starts=seg_starts,
-            is_prefill=is_prefill,
-            kv_index=index,
-            kv_lengths=lengths,
-            past_slots=past,
-            lora=lora,
-            logit_rows=None if rows is None else torch.tensor(rows, device=device),
-        )
-        started = time.perf_counter()
-        logits = self.model.forward(batch, self.kv)  # [R, V]; R = B unless a prompt is scored
-        now = time.monotonic()
-        if is_prefill:
-            logits = Sequence.score_prompts(seqs, logits, seg_starts)  # [B, V]
-            self._running.extend(seqs)
-            self.memory.after_prefill(seqs, time.perf_counter() - started, len(ids), now)
-        else:
-            self.memory.after_decode(len(seqs), now)
+            logits = self.decode.forward(seqs)  # [B, V]: a CUDA graph's replay, or eager
+            self.memory.after_decode(len(seqs), time.monotonic())
         tokens = Sequence.sample_batch(seqs, logits, self.eos_ids)
         for seq, token in zip(seqs, tokens):
             reason = seq.append(token, self.eos_ids, self.max_model_len)
             if reason is not None:
                 self._finish(seq, reason)
+
+    def _prefill(self, seqs: list[Sequence]) -> torch.Tensor:
+        """Compute the prompts (each from the end of its cached prefix, the row's length so
+        far) and start running them; returns their last tokens' logits [B, V]."""
+        device = self.model.device
+        starts = [self.kv.lengths[s.kv_hold.row] for s in seqs]
+        past = [self.kv.req_to_slot[s.kv_hold.row, :n] if n else None
+                for s, n in zip(seqs, starts)]  # fmt: skip
+        slots = torch.cat([self.kv.extend(s.kv_hold.row, s.prompt_len - n)
+                           for s, n in zip(seqs, starts)])  # fmt: skip
+        ids = [t for s, n in zip(seqs, starts) for t in s.request.prompt_ids[n:]]
+        positions = [p for s, n in zip(seqs, starts) for p in range(n, s.prompt_len)]
+        seg_starts = [0]
+        for s, n in zip(seqs, starts):
+            seg_starts.append(seg_starts[-1] + s.prompt_len - n)
+        rows = Sequence.logit_rows(seqs, seg_starts)
+        batch = ForwardBatch(
+            input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
+            positions=torch.tensor(positions, dtype=torch.int64, device=device),
+            slots=slots,
+            seg_starts=seg_starts,
+            is_prefill=True,
+            past_slots=past,
+            lora=self.lora.step([s.cache_entry for s in seqs], seg_starts, True),
+            logit_rows=None if rows is None else torch.tensor(rows, device=device),
+        )
+        started = time.perf_counter()
+        logits = self.model.forward(batch, self.kv)  # [R, V]; R = B unless a prompt is scored
+        logits = Sequence.score_prompts(seqs, logits, seg_starts)  # [B, V]
+        self._running.extend(seqs)
+        self.memory.after_prefill(seqs, time.perf_counter() - started, len(ids), time.monotonic())
+        return logits
 
     def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
         """End a request on any path: free its KV row and reservation, send the last output."""

@@ -99,3 +99,8 @@ def test_serve_bad_memory_flags(tiny_model_dir):
     assert_refused(result, "toppings-serve", "memory_bytes")
     result = run("toppings-serve", "--model", str(tiny_model_dir), "--prefix-cache", "maybe")
     assert_refused(result, "toppings-serve", "--prefix-cache")
+
+
+def test_serve_refuses_cuda_graphs_on_a_cpu(tiny_model_dir):
+    result = run("toppings-serve", "--model", str(tiny_model_dir), "--cuda-graphs", "on")
+    assert_refused(result, "toppings-serve", "cuda_graphs", "device cuda")
