@@ -283,7 +283,10 @@ class Engine:
 
     def _loop(self) -> None:
         if self.config.num_threads:
-            # Per thread: torch.set_num_threads sets the calling thread's OpenMP team size.
+            # Per thread: torch.set_num_threads sets the calling thread's OpenMP team size. ATen
+            # gives a thread the process-wide count (the last one set, by any thread) at its
+            # first parallel op unless it has asked for its count before: ask first, then set.
+            torch.get_num_threads()
             torch.set_num_threads(self.config.num_threads)
         while not self._stopping.is_set():
             self._drain_inbox(block=not (len(self.queue) or self._running))

@@ -177,3 +177,33 @@ def test_requests_submitted_together_share_one_prefill_or_none_is_queued(engine)
         engine.submit_all([GenerationRequest([5, 6], GREEDY), GenerationRequest([], GREEDY)])
     assert_idle(engine)
     assert engine.stats().to_json()["queue"] == []
+
+
+def test_each_engine_keeps_its_own_thread_count_beside_another(tiny_model_dir, monkeypatch):
+    """Two engines in one process, built before either runs: each step runs on the thread count
+    of its own engine (ATen would otherwise hand the first engine's thread the count the second
+    engine set last, at its first parallel op)."""
+    import torch
+
+    from toppings.server.model import LlamaModel
+
+    seen: dict[int, set[int]] = {}
+    forward = LlamaModel.forward
+
+    def spy(self, batch, kv):
+        seen.setdefault(id(self), set()).add(torch.get_num_threads())
+        return forward(self, batch, kv)
+
+    monkeypatch.setattr(LlamaModel, "forward", spy)
+    engines = [
+        build_engine(str(tiny_model_dir),
+                     EngineConfig(dtype="float32", max_total_tokens=512, num_threads=n))
+        for n in (2, 1)
+    ]  # fmt: skip
+    try:
+        for eng in engines:
+            generate(eng, [5, 6, 7], SamplingParams(max_new_tokens=3, ignore_eos=True))
+        assert [seen[id(eng.model)] for eng in engines] == [{2}, {1}]
+    finally:
+        for eng in engines:
+            eng.shutdown()
