@@ -33,7 +33,8 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = ("attention.c", "elementwise.c", "lora.c")  # and common.h, which they include
+SOURCES = ("attention.c", "elementwise.c", "lora.c")
+HEADERS = ("common.h", "attention_bf16.h")  # what the sources include: part of the build key
 FLAGS = (
     "-O3",
     "-ffp-contract=off",  # round each product as torch's unfused ops do
@@ -86,7 +87,7 @@ def library() -> ctypes.CDLL | None:
     if compiler is None:
         log.warning("no C compiler found: decode attention uses the slower torch path")
         return None
-    sources = [(CSRC / name).read_bytes() for name in (*SOURCES, "common.h")]
+    sources = [(CSRC / name).read_bytes() for name in (*SOURCES, *HEADERS)]
     key = hashlib.sha256(
         b"\0".join([*sources, compiler.encode(), " ".join(FLAGS).encode(), _cpu_flags().encode()])
     ).hexdigest()[:16]

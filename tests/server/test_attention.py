@@ -43,16 +43,17 @@ def random_pool(dtype, num_kv=3, group=3, d=16, lengths=(1, 7, 33, 2, 64)):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("path", ["native", "torch"])
 @pytest.mark.parametrize("head_dim", [16, 64])  # 64: the kernel's vectorized path
-def test_decode_attention_matches_reference(dtype, path, head_dim, monkeypatch):
+@pytest.mark.parametrize("group", [3, 5])  # query heads per kv head: passes of 4 heads and less
+def test_decode_attention_matches_reference(dtype, path, head_dim, group, monkeypatch):
     if path == "native" and native.library() is None:
         pytest.skip("no C compiler here")
     if path == "torch":
         monkeypatch.setattr(native, "library", lambda: None)
-    q, *rest = random_pool(dtype, d=head_dim)
+    q, *rest = random_pool(dtype, group=group, d=head_dim)
     wide = torch.cat([q, q[:, :2]], dim=1)  # q as a strided view, as the model passes it
     args = (wide[:, : q.shape[1]], *rest)
     got = attention.decode_attention(*args)
-    assert got.dtype == dtype and got.shape == (5, 9 * head_dim)
+    assert got.dtype == dtype and got.shape == (5, 3 * group * head_dim)
     want = reference_decode(*args)
     torch.testing.assert_close(got.double(), want, rtol=TOL[dtype], atol=TOL[dtype])
 
@@ -106,7 +107,8 @@ def test_prefill_attention_is_causal_per_segment(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [16, 64])
-def test_native_prefill_rows_match_the_sdpa_path(dtype, head_dim, monkeypatch):
+@pytest.mark.parametrize("group", [3, 5])  # query heads per kv head
+def test_native_prefill_rows_match_the_sdpa_path(dtype, head_dim, group, monkeypatch):
     """Short segments (one after a cached prefix) natively, the long one through SDPA."""
     if native.library() is None:
         pytest.skip("no C compiler here")
@@ -114,7 +116,7 @@ def test_native_prefill_rows_match_the_sdpa_path(dtype, head_dim, monkeypatch):
     gen = torch.Generator().manual_seed(2)
     seg_starts = [0, 5, 35, 36, 47]  # 30 tokens: past the native bound
     num_tokens, num_slots = seg_starts[-1], 90
-    q = torch.randn(num_tokens, 6, head_dim, generator=gen).to(dtype)
+    q = torch.randn(num_tokens, 2 * group, head_dim, generator=gen).to(dtype)
     key = torch.randn(num_tokens, 2, head_dim, generator=gen).to(dtype)
     val = torch.randn(num_tokens, 2, head_dim, generator=gen).to(dtype)
     k_cache = torch.randn(2, num_slots, head_dim, generator=gen).to(dtype)
