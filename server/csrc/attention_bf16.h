@@ -88,10 +88,6 @@ static inline __attribute__((always_inline)) void dot_group64_bf16(
 static inline __attribute__((always_inline)) void weigh_group64_bf16(
     const float *scores, int gn, const uint16_t *v, const int64_t *slots, int64_t len,
     uint32_t *pairs, float *acc) {
-    const __m512i PAIR_LO = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21,
-                                              22, 23);
-    const __m512i PAIR_HI = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28,
-                                              29, 30, 31);
     int64_t half = (len + 1) / 2;
     for (int g = 0; g < gn; g++)
         for (int64_t i = 0; i < half; i++) {
@@ -123,8 +119,8 @@ static inline __attribute__((always_inline)) void weigh_group64_bf16(
     for (int g = 0; g < gn; g++)
         for (int c = 0; c < 2; c++) {
             __m512 lo = s[g][2 * c], hi = s[g][2 * c + 1];
-            _mm512_storeu_ps(acc + g * 64 + 32 * c, _mm512_permutex2var_ps(lo, PAIR_LO, hi));
-            _mm512_storeu_ps(acc + g * 64 + 32 * c + 16, _mm512_permutex2var_ps(lo, PAIR_HI, hi));
+            _mm512_storeu_ps(acc + g * 64 + 32 * c, unpair(lo, hi, 0));
+            _mm512_storeu_ps(acc + g * 64 + 32 * c + 16, unpair(lo, hi, 1));
         }
 }
 

@@ -96,6 +96,19 @@ static inline __m512 exp16(__m512 x) {
 #endif
 
 
+#ifdef __AVX512F__
+/* Sums over pairs of bf16 rows interleaved column by column (unpacklo/hi_epi16 of two rows of
+ * 32 columns, as the bf16 dot-product kernels build them): lo holds columns {0-3, 8-11, 16-19,
+ * 24-27}, hi the others. Columns 0-15 (first) and 16-31 (second = 1) back in order. */
+static inline __m512 unpair(__m512 lo, __m512 hi, int second) {
+    const __m512i first_cols = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21,
+                                                 22, 23);
+    const __m512i second_cols = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15,
+                                                  28, 29, 30, 31);
+    return _mm512_permutex2var_ps(lo, second ? second_cols : first_cols, hi);
+}
+#endif
+
 static inline float ld(const void *p, int is_bf16, int64_t i) {
     return is_bf16 ? bf16_load(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }

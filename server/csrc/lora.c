@@ -85,14 +85,10 @@ static void lora_expand(void *y, int64_t ld_y, const void *Bt, int64_t H_out, in
  * PEFT's bf16 LoRA rounds its A output. Half the multiply instructions of the float32 path and
  * no widening of B: on SmolLM2's q/k/v the float32 expansion ran at the core's FMA peak.
  * A sum of lo holds columns {0-3, 8-11, 16-19, 24-27} of its 32, hi the others: put back in
- * order by PAIR_LO / PAIR_HI. hp [n, (r + 1) / 2] packed pairs; nc (1-2) 32-column chunks. */
+ * order by unpair (common.h). hp [n, (r + 1) / 2] packed pairs; nc (1-2) 32-column chunks. */
 static inline __attribute__((always_inline)) void expand_strip_bf16(
     void *y, int64_t ld_y, const uint16_t *Bt, int64_t H_out, int64_t t, int n, int nc,
     int64_t c, int64_t off, int64_t r, const uint32_t *hp) {
-    const __m512i PAIR_LO = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21,
-                                              22, 23);
-    const __m512i PAIR_HI = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28,
-                                              29, 30, 31);
     int64_t half = (r + 1) / 2;
     __m512 acc[4][4];
     for (int i = 0; i < 4; i++)
@@ -116,8 +112,7 @@ static inline __attribute__((always_inline)) void expand_strip_bf16(
         for (int u = 0; u < nc; u++) {
             __m512 lo = acc[i][2 * u], hi = acc[i][2 * u + 1];
             int64_t at = (t + i) * ld_y + c + 32 * u;
-            __m512 s0 = _mm512_permutex2var_ps(lo, PAIR_LO, hi);
-            __m512 s1 = _mm512_permutex2var_ps(lo, PAIR_HI, hi);
+            __m512 s0 = unpair(lo, hi, 0), s1 = unpair(lo, hi, 1);
             store16(y, 1, at, _mm512_add_ps(load16(y, 1, at), s0));
             store16(y, 1, at + 16, _mm512_add_ps(load16(y, 1, at + 16), s1));
         }
