@@ -8,15 +8,24 @@ memory bandwidth at the few rows of a decode step (measured on this project's 2-
 ops, the ones its compiler uses to pre-pack CPU weights. They are private, so `packing_works`
 checks them once per dtype against `F.linear` and every weight stays on `F.linear` when they
 are missing or disagree. On a GPU nothing is packed.
+
+At 1-4 rows (decode of a few requests) a bf16 projection only streams its weight, and oneDNN's
+packed GEMM streamed SmolLM2's at about 14 GB/s where one core reads 26: there `gemv_bf16`
+(`csrc/linear.c`) reads a plain copy of the weight instead, where the CPU has avx512_bf16. The
+plain copy doubles the weights' memory (a tied lm_head shares the embedding's), which is why
+`LlamaModel(plain_gemv=...)` decides it once for the whole model.
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import logging
 
 import torch
 import torch.nn.functional as F
+
+from toppings.server import native
 
 log = logging.getLogger(__name__)
 
@@ -24,16 +33,65 @@ log = logging.getLogger(__name__)
 class Linear:
     """y = x @ W.T for a fixed weight W [out, in]; x [T, in] -> y [T, out] in W's dtype."""
 
-    def __init__(self, weight: torch.Tensor, pack: bool = True) -> None:
+    def __init__(self, weight: torch.Tensor, pack: bool = True, plain_gemv: bool = False):
+        """pack: a CPU weight goes through oneDNN, packed once; plain_gemv: also keep the plain
+        bf16 weight for `gemv_bf16` at up to GEMV_MAX_ROWS rows (where it can run)."""
         self.out_features, self.in_features = weight.shape
         self.is_packed = pack and weight.device.type == "cpu" and packing_works(weight.dtype)
         # Only the packed copy is kept here (a tied lm_head's embedding stays, for the lookup).
         self._weight = _pack(weight) if self.is_packed else weight
+        self._plain = weight.contiguous() if plain_gemv and gemv_fits(weight) else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self._plain is not None and x.shape[0] <= GEMV_MAX_ROWS:
+            y = _gemv(x, self._plain)
+            if y is not None:
+                return y
         if self.is_packed:
             return _packed_linear(x, self._weight)
         return F.linear(x, self._weight)
+
+
+GEMV_MAX_ROWS = 4  # csrc/linear.c's bound: one pass over the weight for every row
+
+
+def gemv_fits(weight: torch.Tensor) -> bool:
+    """Whether `gemv_bf16` can run this weight here (bf16 on a CPU, 32 | in, 16 | out)."""
+    out_features, in_features = weight.shape
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype == torch.bfloat16
+        and in_features % 32 == 0
+        and out_features % 16 == 0
+        and gemv_works()
+    )
+
+
+@functools.cache
+def gemv_works() -> bool:
+    """Whether `gemv_bf16` was built with avx512_bf16 here and agrees with F.linear."""
+    if native.library() is None:
+        return False
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(32, 64, generator=gen).to(torch.bfloat16)
+    x = torch.randn(3, 64, generator=gen).to(torch.bfloat16)
+    got = _gemv(x, weight)
+    return got is not None and torch.allclose(
+        got.float(), F.linear(x.float(), weight.float()), rtol=2e-2, atol=2e-2
+    )
+
+
+def _gemv(x: torch.Tensor, plain: torch.Tensor) -> torch.Tensor | None:
+    """x [T, in] bf16 @ plain.T -> [T, out], or None where the kernel declines."""
+    if x.dtype != torch.bfloat16 or x.stride(-1) != 1:
+        return None
+    y = torch.empty(x.shape[0], plain.shape[0], dtype=torch.bfloat16)
+    failed = native.library().gemv_bf16(
+        ctypes.c_void_p(x.data_ptr()), x.stride(0), ctypes.c_void_p(plain.data_ptr()),
+        plain.shape[0], plain.shape[1], ctypes.c_void_p(y.data_ptr()), y.stride(0), x.shape[0],
+        torch.get_num_threads(),
+    )  # fmt: skip
+    return None if failed else y
 
 
 def _pack(weight: torch.Tensor) -> torch.Tensor:

@@ -66,8 +66,11 @@ class LlamaModel:
         device: str | torch.device,
         max_len: int,
         pack_cpu_weights: bool = True,
+        plain_gemv: bool = True,
     ):
-        """pack_cpu_weights: on a CPU, run the projections through oneDNN (linear.py)."""
+        """pack_cpu_weights: on a CPU, run the projections through oneDNN (linear.py);
+        plain_gemv: where linear.py's bf16 GEMV runs here, keep a plain copy of each weight for
+        steps of 1-4 rows (twice the weights' memory; a tied lm_head shares the embedding)."""
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
@@ -80,8 +83,11 @@ class LlamaModel:
         self.embed = w("model.embed_tokens.weight")  # [V, H]
         self.norm = w("model.norm.weight")
         tied = config.tie_word_embeddings or "lm_head.weight" not in weights
-        pack = pack_cpu_weights
-        self.lm_head = Linear(self.embed if tied else w("lm_head.weight"), pack)  # [V, H]
+
+        def proj(weight: torch.Tensor) -> Linear:
+            return Linear(weight, pack_cpu_weights, plain_gemv)
+
+        self.lm_head = proj(self.embed if tied else w("lm_head.weight"))  # [V, H]
         self.layers = []
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
@@ -89,18 +95,15 @@ class LlamaModel:
             self.layers.append(
                 LayerWeights(
                     input_norm=w(p + "input_layernorm.weight"),
-                    qkv=Linear(
-                        torch.cat(
-                            [w(attn + m + ".weight") for m in ("q_proj", "k_proj", "v_proj")]
-                        ),
-                        pack,
+                    qkv=proj(
+                        torch.cat([w(attn + m + ".weight") for m in ("q_proj", "k_proj", "v_proj")])
                     ),
-                    o=Linear(w(attn + "o_proj.weight"), pack),
+                    o=proj(w(attn + "o_proj.weight")),
                     post_norm=w(p + "post_attention_layernorm.weight"),
-                    gate_up=Linear(
-                        torch.cat([w(mlp + "gate_proj.weight"), w(mlp + "up_proj.weight")]), pack
+                    gate_up=proj(
+                        torch.cat([w(mlp + m + ".weight") for m in ("gate_proj", "up_proj")])
                     ),
-                    down=Linear(w(mlp + "down_proj.weight"), pack),
+                    down=proj(w(mlp + "down_proj.weight")),
                 )
             )
         d = config.head_dim

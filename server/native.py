@@ -33,7 +33,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = ("attention.c", "elementwise.c", "lora.c")
+SOURCES = ("attention.c", "elementwise.c", "linear.c", "lora.c")
 HEADERS = ("common.h", "attention_bf16.h")  # what the sources include: part of the build key
 FLAGS = (
     "-O3",
@@ -58,6 +58,7 @@ SIGNATURES = {  # every function returns int: 0, or nonzero when it failed
     "rope": [_P] * 3 + [_I64] * 4 + [_I, _I],
     "silu_mul": [_P, _I64, _P, _I64, _I64, _I, _I],
     "kv_write": [_P, _P, _I64, _P, _P, _P] + [_I64] * 5 + [_I],
+    "gemv_bf16": [_P, _I64, _P, _I64, _I64, _P, _I64, _I64, _I],
     "lora_runs": [_P, _I64, _I64, _I64, _P, _I64, _P, _P, _P, _I64, _I, _I],
 }
 

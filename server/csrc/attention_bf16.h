@@ -16,24 +16,7 @@
 #include "common.h"
 
 #ifdef __AVX512BF16__
-/* 16 vectors -> one vector of their sums, lane j the sum of v[j] when key j's partial sums
- * were stored at v[TRANSPOSED(j)] (the tree below ends in a 4 x 4 transpose of lanes). */
-#define KEYS_AHEAD 32
-#define TRANSPOSED(j) (((j) % 4) * 4 + (j) / 4)
-static inline __m512 reduce16(const __m512 *v) {
-    __m512 c[8], e[4], f[2];
-    for (int i = 0; i < 8; i++) /* 256-bit halves */
-        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
-                             _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
-    for (int i = 0; i < 4; i++) /* 128-bit lanes */
-        e[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0x88),
-                             _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0xDD));
-    for (int i = 0; i < 2; i++) /* pairs within lanes */
-        f[i] = _mm512_add_ps(_mm512_unpacklo_ps(e[2 * i], e[2 * i + 1]),
-                             _mm512_unpackhi_ps(e[2 * i], e[2 * i + 1]));
-    return _mm512_add_ps(_mm512_shuffle_ps(f[0], f[1], _MM_SHUFFLE(1, 0, 1, 0)),
-                         _mm512_shuffle_ps(f[0], f[1], _MM_SHUFFLE(3, 2, 3, 2)));
-}
+#define KEYS_AHEAD 32 /* key rows prefetched this far ahead */
 
 /* scores[g * len + l] = scale * (q[g] . k[slots[l]]), q [gn, 64] bf16, k rows of 64 bf16;
  * the value rows are prefetched meanwhile (weigh_group64_bf16 reads them next). */

@@ -95,8 +95,26 @@ static inline __m512 exp16(__m512 x) {
 }
 #endif
 
-
 #ifdef __AVX512F__
+/* 16 vectors -> one vector of their sums: lane j holds the sum of the vector stored at
+ * v[TRANSPOSED(j)] (the tree below ends in a 4 x 4 transpose of lanes), so 16 dot products
+ * come out in order when the j-th one's partial sums are stored there. */
+#define TRANSPOSED(j) (((j) % 4) * 4 + (j) / 4)
+static inline __m512 reduce16(const __m512 *v) {
+    __m512 c[8], e[4], f[2];
+    for (int i = 0; i < 8; i++) /* 256-bit halves */
+        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+    for (int i = 0; i < 4; i++) /* 128-bit lanes */
+        e[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0xDD));
+    for (int i = 0; i < 2; i++) /* pairs within lanes */
+        f[i] = _mm512_add_ps(_mm512_unpacklo_ps(e[2 * i], e[2 * i + 1]),
+                             _mm512_unpackhi_ps(e[2 * i], e[2 * i + 1]));
+    return _mm512_add_ps(_mm512_shuffle_ps(f[0], f[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(f[0], f[1], _MM_SHUFFLE(3, 2, 3, 2)));
+}
+
 /* Sums over pairs of bf16 rows interleaved column by column (unpacklo/hi_epi16 of two rows of
  * 32 columns, as the bf16 dot-product kernels build them): lo holds columns {0-3, 8-11, 16-19,
  * 24-27}, hi the others. Columns 0-15 (first) and 16-31 (second = 1) back in order. */

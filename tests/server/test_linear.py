@@ -35,3 +35,35 @@ def test_packs_where_onednn_is_there():
     assert Linear(weight).is_packed == torch.backends.mkldnn.is_available()
     assert packing_works(torch.float32) == torch.backends.mkldnn.is_available()
     assert not Linear(weight, pack=False).is_packed
+
+
+@pytest.mark.parametrize("rows", [1, 2, 4, 5])  # 5: past the GEMV bound, the packed path
+def test_bf16_gemv_matches_f_linear(rows):
+    from toppings.server import native
+    from toppings.server.dtype_choice import cpu_flags
+    from toppings.server.linear import gemv_works
+
+    if "avx512_bf16" not in cpu_flags() or native.library() is None:
+        pytest.skip("no avx512_bf16 GEMV here")
+    assert gemv_works()  # built and checked against F.linear at start-up
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(208, 96, generator=gen).to(torch.bfloat16)
+    x = torch.randn(rows, 96, generator=gen).to(torch.bfloat16)
+    linear = Linear(weight.clone(), pack=True, plain_gemv=True)
+    got = linear(x)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, 208)
+    want = F.linear(x.float(), weight.float())
+    torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-1)
+    wide = torch.cat([x, torch.zeros(rows, 32, dtype=x.dtype)], dim=1)[:, :96]  # strided rows
+    torch.testing.assert_close(linear(wide), got, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "shape, dtype",
+    [((208, 72), torch.bfloat16), ((200, 96), torch.bfloat16), ((208, 96), torch.float32)],
+)
+def test_no_plain_copy_where_the_gemv_cannot_run(shape, dtype):
+    """72 inputs (not 32 | in), 200 outputs (not 16 | out), float32: oneDNN's path only."""
+    linear = Linear(torch.randn(*shape).to(dtype), pack=True, plain_gemv=True)
+    assert linear._plain is None
+    assert linear(torch.randn(2, shape[1]).to(dtype)).shape == (2, shape[0])

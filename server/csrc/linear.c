@@ -1,0 +1,42 @@
+/* The base model's projections at a few rows (batch-1 to batch-4 decode): y = x @ W.T over a
+ * plain bfloat16 weight, with avx512_bf16 dot products.
+ *
+ * gemv_bf16: y[t, o] = bf16(sum_i x[t, i] * W[o, i]) for t < T (1-4), o < out; x [T, in] (row
+ * stride ld_x), W [out, in] contiguous, y [T, out] (row stride ld_y); 32 | in, 16 | out.
+ * Products of bf16 pairs are exact in float32 and summed in float32, y rounded once (what
+ * torch's bf16 linear does up to summation order). Returns 2 where the shapes or the CPU do not
+ * suit it (nothing written): the caller takes oneDNN's path.
+ *
+ * At these rows a projection only streams its weight: oneDNN's packed bf16 GEMM read SmolLM2's
+ * weights at about 14 GB/s at one row (of ~26 GB/s one core streams here); this reads each
+ * 16-row block of W once per call, for every token, in one sequential stream per thread. */
+#include "common.h"
+
+int gemv_bf16(const uint16_t *x, int64_t ld_x, const uint16_t *W, int64_t out, int64_t in,
+              uint16_t *y, int64_t ld_y, int64_t T, int num_threads) {
+#ifdef __AVX512BF16__
+    if (T < 1 || T > 4 || in % 32 != 0 || out % 16 != 0) return 2;
+    int64_t blocks = out / 16;
+#pragma omp parallel for num_threads(threads_for(out * in, num_threads)) schedule(static)
+    for (int64_t blk = 0; blk < blocks; blk++) {
+        const uint16_t *w = W + blk * 16 * in; /* rows o0 .. o0 + 16 */
+        for (int64_t t = 0; t < T; t++) {
+            const uint16_t *xt = x + t * ld_x;
+            __m512 part[16];
+            for (int j = 0; j < 16; j++) { /* the block's rows in order: one stream */
+                __m512 acc = _mm512_setzero_ps();
+                for (int64_t c = 0; c < in; c += 32)
+                    acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(w + j * in + c),
+                                           (__m512bh)_mm512_loadu_si512(xt + c));
+                part[TRANSPOSED(j)] = acc;
+            }
+            store16(y, 1, t * ld_y + blk * 16, reduce16(part));
+        }
+    }
+    return 0;
+#else
+    (void)x, (void)ld_x, (void)W, (void)out, (void)in, (void)y, (void)ld_y, (void)T;
+    (void)num_threads;
+    return 2;
+#endif
+}
