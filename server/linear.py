@@ -10,8 +10,9 @@ checks them once per dtype against `F.linear` and every weight stays on `F.linea
 are missing or disagree. On a GPU nothing is packed.
 
 At 1-4 rows (decode of a few requests) a bf16 projection only streams its weight, and oneDNN's
-packed GEMM streamed SmolLM2's at about 14 GB/s where one core reads 26: there `gemv_bf16`
-(`csrc/linear.c`) reads a plain copy of the weight instead, where the CPU has avx512_bf16. The
+packed GEMM streamed SmolLM2's at about 17 GB/s on two threads (12 on one): there `gemv_bf16`
+(`csrc/linear.c`, 25 and 18 GB/s) reads a plain copy of the weight instead, where the CPU has
+avx512_bf16. The
 plain copy doubles the weights' memory (a tied lm_head shares the embedding's), which is why
 `LlamaModel(plain_gemv=...)` decides it once for the whole model.
 """
@@ -83,6 +84,8 @@ def gemv_works() -> bool:
 
 def _gemv(x: torch.Tensor, plain: torch.Tensor) -> torch.Tensor | None:
     """x [T, in] bf16 @ plain.T -> [T, out], or None where the kernel declines."""
+    if x.dim() != 2 or x.shape[1] != plain.shape[1]:
+        raise ValueError(f"x {tuple(x.shape)} does not fit a weight of {tuple(plain.shape)}")
     if x.dtype != torch.bfloat16 or x.stride(-1) != 1:
         return None
     y = torch.empty(x.shape[0], plain.shape[0], dtype=torch.bfloat16)

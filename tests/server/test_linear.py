@@ -56,6 +56,8 @@ def test_bf16_gemv_matches_f_linear(rows):
     torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-1)
     wide = torch.cat([x, torch.zeros(rows, 32, dtype=x.dtype)], dim=1)[:, :96]  # strided rows
     torch.testing.assert_close(linear(wide), got, rtol=0, atol=0)
+    with pytest.raises((ValueError, RuntimeError)):  # a row of the wrong width is refused
+        linear(torch.zeros(1, 64, dtype=torch.bfloat16))
 
 
 @pytest.mark.parametrize(
