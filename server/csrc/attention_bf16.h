@@ -72,12 +72,7 @@ static inline __attribute__((always_inline)) void weigh_group64_bf16(
     const float *scores, int gn, const uint16_t *v, const int64_t *slots, int64_t len,
     uint32_t *pairs, float *acc) {
     int64_t half = (len + 1) / 2;
-    for (int g = 0; g < gn; g++)
-        for (int64_t i = 0; i < half; i++) {
-            uint32_t lo = bf16_store(scores[g * len + 2 * i]);
-            uint32_t hi = 2 * i + 1 < len ? bf16_store(scores[g * len + 2 * i + 1]) : 0;
-            pairs[g * half + i] = lo | hi << 16;
-        }
+    for (int g = 0; g < gn; g++) pack_pairs(scores + g * len, len, pairs + g * half);
     __m512 s[4][4];
     for (int g = 0; g < 4; g++)
         for (int c = 0; c < 4; c++) s[g][c] = _mm512_setzero_ps();

@@ -127,6 +127,15 @@ static inline __m512 unpair(__m512 lo, __m512 hi, int second) {
 }
 #endif
 
+/* A row of len float32 values as (len + 1) / 2 bf16 pairs, element 2k in the low half of
+ * dst[k] and 2k + 1 (zero past the end) in the high half: one operand of a bf16 pair product. */
+static inline void pack_pairs(const float *src, int64_t len, uint32_t *dst) {
+    for (int64_t k = 0; k < (len + 1) / 2; k++) {
+        uint32_t hi = 2 * k + 1 < len ? bf16_store(src[2 * k + 1]) : 0;
+        dst[k] = (uint32_t)bf16_store(src[2 * k]) | hi << 16;
+    }
+}
+
 static inline float ld(const void *p, int is_bf16, int64_t i) {
     return is_bf16 ? bf16_load(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }

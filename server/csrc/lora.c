@@ -130,12 +130,7 @@ static inline __attribute__((always_inline)) void expand_bf16_n(
 static void lora_expand_bf16(void *y, int64_t ld_y, const void *Bt, int64_t H_out, int64_t t,
                              int64_t n, int64_t off, int64_t r, const float *h, uint32_t *hp) {
     int64_t half = (r + 1) / 2;
-    for (int64_t i = 0; i < n; i++)
-        for (int64_t jp = 0; jp < half; jp++) {
-            uint32_t lo = bf16_store(h[i * r + 2 * jp]);
-            uint32_t hi = 2 * jp + 1 < r ? bf16_store(h[i * r + 2 * jp + 1]) : 0;
-            hp[i * half + jp] = lo | hi << 16;
-        }
+    for (int64_t i = 0; i < n; i++) pack_pairs(h + i * r, r, hp + i * half);
     const uint16_t *b = (const uint16_t *)Bt;
     switch (n) {
     case 1: expand_bf16_n(y, ld_y, b, H_out, t, 1, off, r, hp); break;
