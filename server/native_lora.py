@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch
 
 from toppings.gpu_lora.kernels import get_kernels
-from toppings.gpu_lora.kernels.checks import check_prefill
+from toppings.gpu_lora.kernels.checks import check_prefill, check_shapes
 from toppings.server import native
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -72,10 +72,7 @@ def _native_ok(x: torch.Tensor, projections: Sequence[Projection], scales: torch
         and x.stride(-1) == 1
         and scales.is_contiguous()
         and all(
-            y.dtype == a.dtype == b.dtype == x.dtype
-            and y.stride(-1) == 1
-            and a.is_contiguous()
-            and b.is_contiguous()
+            y.stride(-1) == 1 and a.is_contiguous() and b.is_contiguous()
             for y, a, b, _ in projections
         )
     )
@@ -90,21 +87,13 @@ def mbgmv_runs_multi(
     Semantics: for (y, lora_a, lora_b, ranks) in projections:
         mbgmv_runs(y, x, lora_a, lora_b, seg_starts, offsets, ranks, scales)
 
-    Args: x [T, H_in]; projections as `Projection` (their shapes are checked here, the runs by
-    the kernel, which refuses any outside y or the pool);
+    Args: x [T, H_in]; projections as `Projection` (their shapes and dtypes are checked here,
+    the runs by the kernel, which refuses any outside y or the pool);
     seg_starts [B + 1], offsets [B] int32/int64; scales [B] float32. Off the native path (no
     compiler, other dtypes or layouts) each projection runs the torch segment kernel.
     """
     for y, a, b, _ in projections:  # what the kernel cannot see: rows of y beyond x's, widths
-        if (
-            y.shape[0] != x.shape[0]
-            or a.shape[1] != x.shape[1]
-            or b.shape != (a.shape[0], y.shape[1])
-        ):
-            raise ValueError(
-                f"LoRA shapes disagree: x {tuple(x.shape)}, y {tuple(y.shape)}, "
-                f"lora_a {tuple(a.shape)}, lora_b {tuple(b.shape)}"
-            )
+        check_shapes(y, x, a, b)
     lib = native.library()
     if lib is None or not _native_ok(x, projections, scales):
         prefill = get_kernels("cpu").mbgmv_prefill

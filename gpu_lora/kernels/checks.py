@@ -13,7 +13,8 @@ FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 
-def _check_common(y, x, lora_a, lora_b) -> None:
+def check_shapes(y, x, lora_a, lora_b) -> None:
+    """y, x, lora_a, lora_b are 2-D, agree on tokens and widths, and share one float dtype."""
     if y.dim() != 2 or x.dim() != 2 or lora_a.dim() != 2 or lora_b.dim() != 2:
         raise ValueError("y, x, lora_a and lora_b must be 2-D")
     if x.shape[0] != y.shape[0]:
@@ -46,7 +47,7 @@ def _check_meta(y, offsets, ranks, scales, num: int) -> None:
 
 def check_decode(y, x, lora_a, lora_b, offsets, ranks, scales) -> None:
     """Validate the arguments of a decode kernel (one token per request)."""
-    _check_common(y, x, lora_a, lora_b)
+    check_shapes(y, x, lora_a, lora_b)
     _check_meta(y, offsets, ranks, scales, y.shape[0])
     if {x.device, lora_a.device, lora_b.device} != {y.device}:
         raise ValueError("y, x, lora_a and lora_b must be on one device")
@@ -54,7 +55,7 @@ def check_decode(y, x, lora_a, lora_b, offsets, ranks, scales) -> None:
 
 def check_prefill(y, x, lora_a, lora_b, seg_starts, offsets, ranks, scales) -> None:
     """Validate the arguments of a prefill kernel (one segment of tokens per request)."""
-    _check_common(y, x, lora_a, lora_b)
+    check_shapes(y, x, lora_a, lora_b)
     num_segments = seg_starts.shape[0] - 1 if seg_starts.dim() == 1 else -1
     if seg_starts.dtype not in INDEX_DTYPES or num_segments < 0:
         raise TypeError("seg_starts must be a 1-D int32/int64 tensor of B+1 entries")

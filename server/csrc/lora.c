@@ -299,21 +299,20 @@ int lora_runs(const void *x, int64_t ld_x, int64_t H_in, int64_t num_tokens,
      * scalar path k = p * num_runs + g, an item one token of run g in projection p.
      * items[k]: the work items before the k-th pair of order that have an adapter (rank > 0). */
     int64_t per = vector ? 4 : 1, num_pairs = vector ? num_runs : num_proj * num_runs;
-    int64_t *items = malloc(sizeof(int64_t) * (size_t)(2 * num_pairs + 1));
+    int64_t *items = malloc(sizeof(int64_t) * (size_t)(3 * num_pairs + 1));
     if (items == NULL) return 1;
-    int64_t *order = items + num_pairs + 1;
+    int64_t *order = items + num_pairs + 1, *rank = order + num_pairs;
     /* order: the pairs by decreasing largest rank, so that the threads end on small items */
     for (int64_t k = 0; k < num_pairs; k++) {
-        int64_t r = pair_rank(proj, num_proj, num_runs, vector, k), at = k;
-        for (; at > 0 && pair_rank(proj, num_proj, num_runs, vector, order[at - 1]) < r; at--)
-            order[at] = order[at - 1];
+        int64_t at = k;
+        rank[k] = pair_rank(proj, num_proj, num_runs, vector, k);
+        for (; at > 0 && rank[order[at - 1]] < rank[k]; at--) order[at] = order[at - 1];
         order[at] = k;
     }
     items[0] = 0;
     for (int64_t k = 0; k < num_pairs; k++) {
         int64_t g = order[k] % num_runs, n = starts[g + 1] - starts[g];
-        int64_t adapted = pair_rank(proj, num_proj, num_runs, vector, order[k]) > 0;
-        items[k + 1] = items[k] + (adapted ? (n + per - 1) / per : 0);
+        items[k + 1] = items[k] + (rank[order[k]] > 0 ? (n + per - 1) / per : 0);
     }
 #pragma omp parallel num_threads(threads_for(work * max_rank, num_threads)) reduction(| : failed)
     {
