@@ -34,16 +34,18 @@ class LoraKernels:
     (every adapter read over the batch's max rank) rather than MBGMV; segment_decode: what decode
     steps call instead of `decode`, with the prefill signature, over runs of one adapter's tokens
     (on a CPU, the fast path: `bench/results/cpu_decode_paths.json`); None: `decode` per token.
-    multi: where set, what prefill and segment_decode steps call once for every projection of one
-    input, `multi(x, [(y, lora_a, lora_b, ranks), ...], seg_starts, offsets, scales)` (MBGMV
-    over runs: `server.native_lora.mbgmv_runs_multi`); None: one call per projection.
+    runs_step: where set, what prefill and segment_decode steps build once a step,
+    `runs_step({module: (lora_a [L, C, H_in], lora_b [L, C, H_out], ranks [B])}, seg_starts,
+    offsets, scales)`, and call once per layer and input for every projection of that input,
+    `step(layer, x, [(module, y), ...], skip)` (MBGMV over runs: `server.native_lora.RunsStep`);
+    None: one kernel call per projection.
     """
 
     decode: Callable
     prefill: Callable
     padded: bool
     segment_decode: Callable | None = None
-    multi: Callable | None = None
+    runs_step: Callable | None = None
 
     @classmethod
     def choose(cls, kernel: str, device: str, dtype: torch.dtype) -> LoraKernels:
@@ -101,11 +103,9 @@ class LoraBatch:
         device = pool.device
         self._seg_starts = torch.tensor(starts, dtype=torch.int32, device=device)
         self._fn = kernels.prefill if is_prefill else kernels.segment_decode or kernels.decode
-        self._multi = kernels.multi if self._segmented else None
         offsets = torch.tensor([a.offset if a else 0 for a in adapters], dtype=torch.int32)
         scales = torch.tensor([a.scale if a else 0.0 for a in adapters], dtype=torch.float32)
         offsets, scales = offsets.to(device), scales.to(device)
-        self._offsets, self._scales = offsets, scales
         self._args: dict[str, tuple] = {}
         for module in pool.lora_a:
             ranks = [a.rank if a is not None and module in a.targets else 0 for a in adapters]
@@ -113,29 +113,30 @@ class LoraBatch:
                 continue  # no request of this step adapts this projection
             ranks_t = torch.tensor(ranks, dtype=torch.int32, device=device)
             self._args[module] = (offsets, ranks_t, scales, max(ranks))
+        self._step = None
+        if self._segmented and kernels.runs_step is not None:
+            tables = {m: (pool.lora_a[m], pool.lora_b[m], a[1]) for m, a in self._args.items()}
+            self._step = kernels.runs_step(tables, self._seg_starts, offsets, scales)
 
     def add(self, layer: int, x: torch.Tensor, outputs) -> None:
         """y += LoRA delta for each (module, y) pair; x [T, H_in], y [T, H_out], in place."""
+        outputs = [(module, y) for module, y in outputs if module in self._args]
+        if not outputs:
+            return  # no request of this step adapts these projections
         not_ready = [i for i, t in self._loading if t.layers_ready() <= layer]
-        projections = []
-        for module, y in outputs:
-            args = self._args.get(module)
-            if args is None:
-                continue
-            offsets, ranks, scales, max_rank = args
-            if not_ready:
-                ranks = ranks.clone()
-                ranks[not_ready] = 0  # these units' rows of this layer are not there yet
-            a = self.pool.lora_a[module][layer]  # [C, H_in]
-            b = self.pool.lora_b[module][layer]  # [C, H_out]
-            if self._multi is not None:
-                projections.append((y, a, b, ranks))
-                continue
-            lead = (self._seg_starts,) if self._segmented else ()
-            # max_rank: BGMV's padding; for MBGMV only a bound that spares a device sync.
-            self._fn(y, x, a, b, *lead, offsets, ranks, scales, max_rank)
-        if projections:
-            self._multi(x, projections, self._seg_starts, self._offsets, self._scales)
+        if self._step is not None:
+            self._step(layer, x, outputs, not_ready)
+        else:
+            for module, y in outputs:
+                offsets, ranks, scales, max_rank = self._args[module]
+                if not_ready:
+                    ranks = ranks.clone()
+                    ranks[not_ready] = 0  # these units' rows of this layer are not there yet
+                a = self.pool.lora_a[module][layer]  # [C, H_in]
+                b = self.pool.lora_b[module][layer]  # [C, H_out]
+                lead = (self._seg_starts,) if self._segmented else ()
+                # max_rank: BGMV's padding; for MBGMV only a bound that spares a device sync.
+                self._fn(y, x, a, b, *lead, offsets, ranks, scales, max_rank)
         if not_ready:
             self._add_on_host(layer, x, outputs, not_ready)
 
@@ -143,9 +144,7 @@ class LoraBatch:
         """One host call for every projection of this input, for the units still loading."""
         starts = self._starts
         segments = [(self._adapters[i].name, starts[i], starts[i + 1]) for i in not_ready]
-        modules = tuple(m for m, _ in outputs if m in self._args)
-        if not modules:
-            return
+        modules = tuple(m for m, _ in outputs)
         begin = time.perf_counter()
         # copy=False: the worker pool hands back views of its shared outputs, used at once here.
         # A device x goes as it is: the pool copies it down without a blocking synchronize.

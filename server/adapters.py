@@ -48,7 +48,7 @@ class AdapterManager:
                     self.kernels,
                     prefill=native_lora.mbgmv_runs,
                     segment_decode=native_lora.mbgmv_runs,
-                    multi=native_lora.mbgmv_runs_multi,
+                    runs_step=native_lora.RunsStep,
                 )
         self.host_stats = HostLoraStats()
         self.registry: dict[str, LoraAdapter] = {}

@@ -14,7 +14,7 @@ that reference); BGMV keeps the torch kernels, whose zero-padding is its cost mo
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -117,3 +117,107 @@ def mbgmv_runs_multi(
         raise ValueError("seg_starts, offsets or ranks point outside y or the pool")
     if failed:
         raise MemoryError("lora_runs could not allocate its buffers")
+
+
+class RunsStep:
+    """`mbgmv_runs_multi` for every layer of one step, its per-step arguments built once.
+
+    The runs, offsets, scales and each projection's ranks are the same in every layer of a step;
+    only the layer's rows of the pool, its input and its outputs change. Built once a step by
+    `gpu_lora.lora_batch.LoraBatch`, called once a layer and input: a few field writes and the
+    native call (the general function re-checks and rebuilds everything: ~18 us a call, 30
+    calls a SmolLM2 decode step). Holds the pool's tables of the step (a table the pool
+    reallocates later stays alive until the step ends).
+    """
+
+    def __init__(
+        self, tables: Mapping[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+        seg_starts: torch.Tensor, offsets: torch.Tensor, scales: torch.Tensor,
+    ) -> None:  # fmt: skip
+        """tables: module -> (lora_a [L, C, H_in], lora_b [L, C, H_out], ranks [B] int32);
+        seg_starts [B + 1], offsets [B] int32/int64; scales [B] float32."""
+        self._tables = {m: (a, b, _int32(r)) for m, (a, b, r) in tables.items()}
+        self._starts, self._offsets = _int32(seg_starts), _int32(offsets)
+        self._scales = scales
+        self._num_runs = offsets.shape[0]
+        self._threads = torch.get_num_threads()  # the engine thread's team, set before steps
+        first = next(iter(self._tables.values()), None)
+        self._dtype = None if first is None else first[0].dtype
+        self._num_layers = 0 if first is None else first[0].shape[0]
+        self._procs: dict[tuple[str, ...], tuple] = {}  # see _prepare
+        self._layout: dict[str, tuple[int, int, int, int, int, int, int]] = {}
+        for module, (a, b, r) in self._tables.items():
+            fast = (
+                a.dim() == 3 and b.dim() == 3 and a.shape[:2] == b.shape[:2]
+                and a.dtype == b.dtype == self._dtype and a.dtype in _DTYPES
+                and a.is_contiguous() and b.is_contiguous() and r.shape == (self._num_runs,)
+                and scales.dtype == torch.float32 and scales.is_contiguous()
+            )  # fmt: skip
+            if fast:  # module -> A, B pointers of layer 0, bytes per layer, H_in, H_out, rows
+                size = a.element_size()
+                self._layout[module] = (
+                    a.data_ptr(), b.data_ptr(), a.stride(0) * size, b.stride(0) * size,
+                    a.shape[2], b.shape[2], a.shape[1],
+                )  # fmt: skip
+
+    def __call__(
+        self, layer: int, x: torch.Tensor, outputs: Sequence[tuple[str, torch.Tensor]],
+        skip: Sequence[int] = (),
+    ) -> None:  # fmt: skip
+        """y += each run's delta for every (module, y) of outputs, in place; x [T, H_in], y
+        [T, H_out] of the tables' dtype; skip: runs left out at this layer (rank 0)."""
+        modules = tuple(m for m, _ in outputs)
+        entry = self._procs.get(modules) or self._prepare(modules)
+        lib = native.library()
+        fast = (
+            entry is not None and lib is not None and not skip
+            and 0 <= layer < self._num_layers and x.dim() == 2 and x.stride(1) == 1
+            and x.dtype == self._dtype
+        )  # fmt: skip
+        procs, layouts = entry if fast else ((), ())
+        num_tokens, h_in = x.shape if fast else (0, 0)
+        for p, (_, y), (a0, b0, a_step, b_step, in_features, out_features) in zip(
+            procs, outputs, layouts
+        ):
+            if (
+                y.shape != (num_tokens, out_features) or in_features != h_in
+                or y.dtype != self._dtype or y.stride(1) != 1
+            ):  # fmt: skip
+                fast = False
+                break
+            p.A, p.Bt = a0 + layer * a_step, b0 + layer * b_step
+            p.y, p.ld_y = y.data_ptr(), y.stride(0)
+        if not fast:  # anything unusual: the general function, which checks and says what
+            self._general(layer, x, outputs, skip)
+            return
+        failed = lib.lora_runs(
+            x.data_ptr(), x.stride(0), h_in, num_tokens, procs, len(modules),
+            self._starts.data_ptr(), self._offsets.data_ptr(), self._scales.data_ptr(),
+            self._num_runs, _DTYPES[x.dtype], self._threads,
+        )  # fmt: skip
+        if failed == 2:
+            raise ValueError("seg_starts, offsets or ranks point outside y or the pool")
+        if failed:
+            raise MemoryError("lora_runs could not allocate its buffers")
+
+    def _prepare(self, modules: tuple[str, ...]):
+        """(the C structs, each one's layout) for this tuple of modules, or None when one of
+        them has no native layout (its tables are not contiguous float32/bfloat16)."""
+        if not all(m in self._layout for m in modules):
+            return None
+        procs = (LoraProj * len(modules))()
+        for p, m in zip(procs, modules):
+            p.ranks, p.H_out, p.pool_rows = self._tables[m][2].data_ptr(), *self._layout[m][5:]
+        entry = procs, [self._layout[m][:6] for m in modules]
+        self._procs[modules] = entry
+        return entry
+
+    def _general(self, layer, x, outputs, skip) -> None:
+        projections = []
+        for module, y in outputs:
+            a, b, ranks = self._tables[module]
+            if skip:
+                ranks = ranks.clone()
+                ranks[list(skip)] = 0  # these runs' rows of this layer are not there yet
+            projections.append((y, a[layer], b[layer], ranks))
+        mbgmv_runs_multi(x, projections, self._starts, self._offsets, self._scales)

@@ -123,3 +123,59 @@ def test_mismatched_shapes_are_refused():
         native_lora.mbgmv_runs_multi(x, [(y[:1], a, b, ranks)], starts, offsets, scales)
     with pytest.raises(ValueError):
         native_lora.mbgmv_runs_multi(x, [(y, a, b[:, :16], ranks)], starts, offsets, scales)
+
+
+def step_case(dtype, num_layers=3, seed=1):
+    """Pool tables [L, C, H] of three projections of one input (q, k, v shapes), runs of 4 units."""
+    gen = torch.Generator().manual_seed(seed)
+    h_in, h_outs = 48, {"q_proj": 48, "k_proj": 16, "v_proj": 32}
+    ranks, offsets, rows = [8, 0, 5, 16], [0, 0, 8, 13], 40  # runs of 2, 3, 1 and 4 tokens
+    tables = {}
+    for module, h_out in h_outs.items():
+        a = torch.randn(num_layers, rows, h_in, generator=gen) / h_in**0.5
+        b = torch.randn(num_layers, rows, h_out, generator=gen)
+        module_ranks = torch.tensor([0 if module == "k_proj" and r == 5 else r for r in ranks])
+        tables[module] = (a.to(dtype), b.to(dtype), module_ranks.to(torch.int32))
+    starts = torch.tensor([0, 2, 5, 6, 10], dtype=torch.int32)
+    x = torch.randn(10, h_in, generator=gen).to(dtype)
+    meta = (starts, torch.tensor(offsets, dtype=torch.int32), torch.rand(4, generator=gen) + 0.5)
+    return tables, x, meta
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("skip", [(), (2,), (0, 3)])
+def test_a_prepared_step_matches_the_reference_at_every_layer(dtype, skip):
+    tables, x, (starts, offsets, scales) = step_case(dtype)
+    step = native_lora.RunsStep(tables, starts, offsets, scales)
+    for layer in range(3):
+        outputs, want = [], []
+        for module, (a, b, ranks) in tables.items():
+            y = torch.randn(x.shape[0], b.shape[2]).to(dtype)
+            expected = y.clone()
+            kept = ranks.clone()
+            kept[list(skip)] = 0
+            reference.mbgmv_prefill(expected, x, a[layer], b[layer], starts, offsets, kept, scales)
+            outputs.append((module, y))
+            want.append(expected)
+        step(layer, x, outputs, skip)
+        for (module, y), expected in zip(outputs, want):
+            torch.testing.assert_close(
+                y.float(), expected.float(), rtol=TOL[dtype], atol=TOL[dtype], msg=module
+            )
+
+
+def test_a_prepared_step_takes_strided_outputs_and_refuses_wrong_widths():
+    tables, x, meta = step_case(torch.float32)
+    step = native_lora.RunsStep(tables, *meta)
+    wide = torch.zeros(x.shape[0], 48 + 16 + 32)  # q, k, v as column slices of one output
+    outputs = [("q_proj", wide[:, :48]), ("k_proj", wide[:, 48:64]), ("v_proj", wide[:, 64:])]
+    step(1, x, outputs)
+    for module, y in outputs:
+        a, b, ranks = tables[module]
+        expected = torch.zeros_like(y)
+        reference.mbgmv_prefill(expected, x, a[1], b[1], meta[0], meta[1], ranks, meta[2])
+        torch.testing.assert_close(y, expected, rtol=TOL[torch.float32], atol=TOL[torch.float32])
+    with pytest.raises(ValueError, match="does not match"):
+        step(1, x, [("q_proj", torch.zeros(x.shape[0], 40))])
+    with pytest.raises(ValueError, match="token count"):
+        step(1, x, [("q_proj", torch.zeros(x.shape[0] + 1, 48))])
