@@ -41,7 +41,7 @@ from toppings.scripts.launch_supervisor import USAGE_ERROR, Limits
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from toppings.server.cli import log_level, parse_cores
+    from toppings.server.cli_args import log_level, parse_cores
 
     p = argparse.ArgumentParser(
         prog="toppings-launch",

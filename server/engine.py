@@ -26,7 +26,7 @@ from toppings.server.decode_step import DecodeStep
 from toppings.server.errors import NOT_FOUND, unknown_adapter
 from toppings.server.kv_cache import KVPool
 from toppings.server.loader import Checkpoint
-from toppings.server.memory import MemoryManager
+from toppings.server.memory import MemoryManager, kv_slots
 from toppings.server.model import ForwardBatch, LlamaModel, free_device_bytes
 from toppings.server.queue_policies import make_queue_policy
 from toppings.server.request import GenerationRequest, RequestError, RequestHandle
@@ -34,8 +34,6 @@ from toppings.server.sequence import Sequence
 from toppings.server.stats_schema import AdapterView, ServerStats, WorkerView
 
 log = logging.getLogger(__name__)
-
-POOL_SHARE_OF_FREE = 0.4  # CUDA: the memory pool's default share of the free device memory
 
 
 @dataclass
@@ -68,7 +66,7 @@ class Engine:
         self.model = LlamaModel(mc, checkpoint.weights, dtype, config.device, self.max_model_len)
         self.kv = KVPool(
             mc.num_layers,
-            self._kv_slots(dtype),
+            kv_slots(config, self.model_config, dtype.itemsize, self._free_device_bytes),
             mc.num_kv_heads,
             mc.head_dim,
             config.max_batch_size,
@@ -103,20 +101,8 @@ class Engine:
         self._finished: dict[str, int] = {}  # finish reason -> requests
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
 
-    def _kv_slots(self, dtype: torch.dtype) -> int:
-        """KV token slots: the static split's max_total_tokens, or the pool's whole budget."""
-        cfg, mc = self.config, self.model_config
-        if cfg.memory_layout == "static":
-            return cfg.max_total_tokens
-        slot_bytes = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * dtype.itemsize
-        budget = cfg.memory_bytes
-        if not budget and cfg.device == "cuda":
-            # Adapter weights sit in their own tensors beside the KV ones (memory.py): leave
-            # them as much again as the pool.
-            budget = int(POOL_SHARE_OF_FREE * free_device_bytes(self.model.device))
-        elif not budget:
-            budget = cfg.max_total_tokens * slot_bytes + cfg.adapter_cache_bytes
-        return max(budget // slot_bytes, cfg.block_tokens)
+    def _free_device_bytes(self) -> int:
+        return free_device_bytes(self.model.device)
 
     # ---- called from any thread -------------------------------------------------------------
 

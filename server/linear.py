@@ -14,7 +14,8 @@ packed GEMM streamed SmolLM2's at about 17 GB/s on two threads (12 on one): ther
 (`csrc/linear.c`, 25 and 18 GB/s) reads a plain copy of the weight instead, where the CPU has
 avx512_bf16. The
 plain copy doubles the weights' memory (a tied lm_head shares the embedding's), which is why
-`LlamaModel(plain_gemv=...)` decides it once for the whole model.
+`LlamaModel(plain_gemv=...)` decides it once for the whole model (by default: only where the
+copy takes at most a quarter of the host memory available, `plain_copy_affordable`).
 """
 
 from __future__ import annotations
@@ -54,6 +55,20 @@ class Linear:
 
 
 GEMV_MAX_ROWS = 4  # csrc/linear.c's bound: one pass over the weight for every row
+PLAIN_COPY_MAX_SHARE = 0.25  # of the host memory available when the model is built
+
+
+def plain_copy_affordable(num_bytes: int) -> bool:
+    """Whether a second copy of `num_bytes` of weights fits the host's spare memory: at most
+    PLAIN_COPY_MAX_SHARE of what /proc/meminfo calls available (SmolLM2's 212 MB yes, a 7B
+    model's 13 GB on a 24 GiB host no). Where that cannot be read, only copies under 1 GiB."""
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        available = int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return num_bytes < 1 << 30
+    return num_bytes <= PLAIN_COPY_MAX_SHARE * available
 
 
 def gemv_fits(weight: torch.Tensor) -> bool:

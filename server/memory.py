@@ -364,3 +364,26 @@ class MemoryManager:
             "committed_blocks": self.committed(),
             **vars(self.counters),
         }
+
+
+POOL_SHARE_OF_FREE = 0.4  # CUDA: the memory pool's default share of the free device memory
+
+
+def kv_slots(config, model_config, itemsize: int, free_device_bytes) -> int:
+    """KV token slots of an engine: the static split's max_total_tokens, or the pool's budget.
+
+    config: EngineConfig; model_config: ModelConfig; itemsize: bytes per KV element;
+    free_device_bytes: () -> free bytes of the device (asked only on CUDA without a budget).
+    """
+    cfg, mc = config, model_config
+    if cfg.memory_layout == "static":
+        return cfg.max_total_tokens
+    slot_bytes = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * itemsize
+    budget = cfg.memory_bytes
+    if not budget and cfg.device == "cuda":
+        # Adapter weights sit in their own tensors beside the KV ones: leave them as much
+        # again as the pool.
+        budget = int(POOL_SHARE_OF_FREE * free_device_bytes())
+    elif not budget:
+        budget = cfg.max_total_tokens * slot_bytes + cfg.adapter_cache_bytes
+    return max(budget // slot_bytes, cfg.block_tokens)

@@ -8,6 +8,7 @@ adapter lives.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -15,8 +16,10 @@ import torch
 from toppings.server.attention import decode_attention, plan_prefill, prefill_attention
 from toppings.server.fused import add_rms_norm, rope_, silu_mul
 from toppings.server.kv_cache import KVPool
-from toppings.server.linear import Linear
+from toppings.server.linear import Linear, plain_copy_affordable
 from toppings.server.model_config import ModelConfig
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -49,6 +52,13 @@ class LayerWeights:
     down: Linear  # [H, I]
 
 
+def projection_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
+    """Bytes of every projection weight of the model (lm_head included) in `dtype`."""
+    h, i, d = config.hidden_size, config.intermediate_size, config.head_dim
+    per_layer = h * (2 * config.num_heads + 2 * config.num_kv_heads) * d + 3 * h * i
+    return (config.num_layers * per_layer + config.vocab_size * h) * dtype.itemsize
+
+
 def free_device_bytes(device: torch.device) -> int:
     """Free memory of a CUDA device now (what the memory pool's default is sized from)."""
     free, _total = torch.cuda.mem_get_info(device)
@@ -66,11 +76,12 @@ class LlamaModel:
         device: str | torch.device,
         max_len: int,
         pack_cpu_weights: bool = True,
-        plain_gemv: bool = True,
+        plain_gemv: bool | None = None,
     ):
         """pack_cpu_weights: on a CPU, run the projections through oneDNN (linear.py);
         plain_gemv: where linear.py's bf16 GEMV runs here, keep a plain copy of each weight for
-        steps of 1-4 rows (twice the weights' memory; a tied lm_head shares the embedding)."""
+        steps of 1-4 rows (twice the projections' memory; a tied lm_head shares the embedding);
+        None: where that copy is affordable (`linear.plain_copy_affordable`)."""
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
@@ -83,6 +94,11 @@ class LlamaModel:
         self.embed = w("model.embed_tokens.weight")  # [V, H]
         self.norm = w("model.norm.weight")
         tied = config.tie_word_embeddings or "lm_head.weight" not in weights
+
+        if plain_gemv is None:
+            plain_gemv = plain_copy_affordable(projection_bytes(config, dtype))
+            if dtype == torch.bfloat16 and self.device.type == "cpu" and not plain_gemv:
+                log.info("no plain weight copy for the bf16 GEMV: it would not fit in memory")
 
         def proj(weight: torch.Tensor) -> Linear:
             return Linear(weight, pack_cpu_weights, plain_gemv)

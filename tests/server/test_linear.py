@@ -69,3 +69,10 @@ def test_no_plain_copy_where_the_gemv_cannot_run(shape, dtype):
     linear = Linear(torch.randn(*shape).to(dtype), pack=True, plain_gemv=True)
     assert linear._plain is None
     assert linear(torch.randn(2, shape[1]).to(dtype)).shape == (2, shape[0])
+
+
+def test_the_plain_weight_copy_is_kept_only_where_memory_affords_it():
+    from toppings.server.linear import plain_copy_affordable
+
+    assert plain_copy_affordable(1 << 20)
+    assert not plain_copy_affordable(1 << 50)  # a petabyte: no host has a quarter of it spare
