@@ -113,6 +113,25 @@ def summarise(runs: list[list[dict]], slo_s: float, duration: float) -> dict:
         "throughput_rps": len(records) / span,
         "output_tokens_per_s": sum(r["tokens"] for r in records) / span,
         "e2e_mean_ms": statistics.fmean(1000 * r["e2e_s"] for r in records),
+        "tail": tail_profile(records),
+    }
+
+
+def tail_profile(records: list[dict]) -> dict:
+    """Who the slowest 1% are (TTFT at or above the pooled P99) against all requests: their
+    size (prompt + max tokens) and rank. A tail of short requests is head-of-line blocking,
+    what multi-level queues remove; a tail of long ones is their own queueing and prefill."""
+    cut = percentile([r["ttft_s"] for r in records], 99)
+    tail = [r for r in records if r["ttft_s"] >= cut]
+    sizes = sorted(r["size"] for r in records)
+    top_quartile = sizes[(3 * len(sizes)) // 4]
+    return {
+        "num": len(tail),
+        "median_size": statistics.median(r["size"] for r in tail),
+        "median_size_all": statistics.median(sizes),
+        "share_in_top_size_quartile": sum(r["size"] >= top_quartile for r in tail) / len(tail),
+        "mean_rank": statistics.fmean(r["rank"] for r in tail),
+        "mean_rank_all": statistics.fmean(r["rank"] for r in records),
     }
 
 
