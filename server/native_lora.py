@@ -113,6 +113,11 @@ def mbgmv_runs_multi(
         ctypes.c_void_p(scales.data_ptr()), offsets.shape[0], _DTYPES[x.dtype],
         torch.get_num_threads(),
     )  # fmt: skip
+    _check_status(failed)
+
+
+def _check_status(failed: int) -> None:
+    """Raise what a nonzero `lora_runs` status means (2: bad runs, nothing written)."""
     if failed == 2:
         raise ValueError("seg_starts, offsets or ranks point outside y or the pool")
     if failed:
@@ -195,10 +200,7 @@ class RunsStep:
             self._starts.data_ptr(), self._offsets.data_ptr(), self._scales.data_ptr(),
             self._num_runs, _DTYPES[x.dtype], self._threads,
         )  # fmt: skip
-        if failed == 2:
-            raise ValueError("seg_starts, offsets or ranks point outside y or the pool")
-        if failed:
-            raise MemoryError("lora_runs could not allocate its buffers")
+        _check_status(failed)
 
     def _prepare(self, modules: tuple[str, ...]):
         """(the C structs, each one's layout) for this tuple of modules, or None when one of
