@@ -1,7 +1,7 @@
 """LoRAServe placement vs routing-only policies in the simulated cluster, under drifting load.
 
     python -m bench.bench_cluster_placement [--servers 60] [--rps 340] [--duration 120]
-        [--drift 0.05] [--interval 10] [--policies loraserve,loraserve-group,rank-aware,...]
+        [--drift 0.05] [--interval 10] [--policies loraserve,loraserve-row,rank-aware,...]
         [--lo 50] [--hi 600] [--steps 7] [--workers 2] [--seed 0] [--host-gib 64]
 
 Per policy, the highest load (requests/s) whose SLO attainment stays >= 99%, found by bisection
@@ -14,7 +14,9 @@ not measured here. loraserve's operating points are profiled first, as LoRAServe
 hardware: per rank, the highest load one simulated server sustains at >= 99% attainment.
 Every policy runs on the same adapter memory (scheduler/adapter_pool.py): --host-gib of host
 memory per server for adapters (LRU), a miss fetched from a peer over RDMA or from storage;
-loraserve's servers prefetch and keep what each placement assigns them.
+loraserve's servers prefetch and keep what each placement assigns them. `rank-partition` is a
+reference point, not a policy (bench/rank_partition.py): fixed rank groups sized from the trace's
+true shares, to tell what separating ranks can gain at all.
 Writes bench/results/cluster_placement.json and bench/cluster_placement.png.
 """
 
@@ -29,6 +31,8 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from bench.envelope import write_result
+from bench.rank_partition import NAME as RANK_PARTITION
+from bench.rank_partition import RankPartition, rank_budgets
 from toppings.scheduler.adapter_pool import BYTES_PER_RANK, GIB, AdapterStoreConfig
 from toppings.scheduler.loraserve import PlacementConfig
 from toppings.scheduler.paper_models import paper_fig6_models
@@ -68,12 +72,19 @@ def run(
     universe = {f"lora-{i}": r for i, r in enumerate(adapter_ranks(config))}
     avg_resp_len = sum(r.output_tokens for r in trace) / len(trace)
     options = {}
-    if issubclass(POLICIES[policy_name], LoRAServe):
+    if issubclass(POLICIES.get(policy_name, object), LoRAServe):
         options["placement"] = PlacementConfig(interval_s=setup.interval_s, points=setup.points)
-    policy = make_policy(
-        policy_name, PERF, setup.slo_ms or 1e9, avg_resp_len, setup.seed, **options
-    )
-    sim = SimConfig(servers or setup.servers, adapter_store=setup.store)
+    num_servers = servers or setup.servers
+    if policy_name == RANK_PARTITION:  # a reference point told the true shares (its module)
+        ranks = [r.rank for r in trace]
+        shares = {rank: ranks.count(rank) / len(ranks) for rank in set(ranks)}
+        budgets = rank_budgets(shares, dict(setup.points), num_servers)
+        policy = RankPartition(PERF, setup.slo_ms or 1e9, avg_resp_len, setup.seed, budgets=budgets)
+    else:
+        policy = make_policy(
+            policy_name, PERF, setup.slo_ms or 1e9, avg_resp_len, setup.seed, **options
+        )
+    sim = SimConfig(num_servers, adapter_store=setup.store)
     result = simulate(trace, policy, PERF, sim, universe)
     out = {"rps": rps, **result.summary(setup.slo_ms or 1e9)}
     placer = getattr(policy, "placer", None)
@@ -184,7 +195,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--drift", type=float, default=0.05, help="Zipf head shift, places/s")
     parser.add_argument("--interval", type=float, default=10.0, help="placement step, s")
     parser.add_argument(
-        "--policies", default="loraserve,loraserve-group,rank-aware,least-loaded,random"
+        "--policies",
+        default="loraserve,loraserve-row,loraserve-group,rank-partition,rank-aware,least-loaded,"
+        "random",
     )
     parser.add_argument("--lo", type=float, default=50.0)
     parser.add_argument("--hi", type=float, default=600.0)
@@ -270,6 +283,9 @@ def main(argv: list[str] | None = None) -> int:
             " (peer_gbps, peer_latency_s) when any server holds it, else from storage; loraserve"
             " prefetches and pins what each placement assigns; adapter bytes for Llama-7B, LoRA"
             " on q/k/v, fp16 (1.5 MiB per rank); sources in scheduler/adapter_pool.py",
+            "rank_partition": "reference, not a policy: servers split by rank in proportion to"
+            " the trace's true request share / the rank's operating point, rank-aware cost"
+            " inside the group (bench/rank_partition.py)",
             "not_modelled": "the GPU-side adapter load (hidden by cpu-assisted prefill, every"
             " policy); contention between fetches to different servers at their sources",
             "plot": str(plot_path) if plotted else "none: matplotlib is not installed",

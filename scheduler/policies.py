@@ -188,38 +188,33 @@ class LeastLoaded(KeyedPolicy):
 
 
 class LoRAServe(RankAware):
-    """LoRAServe's probabilistic routing on its placement (scheduler/placement.py), with
-    Toppings' cost deciding among the servers of the adapter's row.
+    """LoRAServe on Toppings' cost: the placement (scheduler/placement.py) decides which servers
+    hold and keep which adapters, and LoRAServe's operating points bound each server's load.
 
-    Two servers are drawn from the adapter's row by its probabilities (one when the row has
-    one) and the one with the lower rank-aware cost goes first, then the rest of the row, then
-    every other server that holds the adapter, all by cost, except that among those others the
-    servers placed with at least the request's rank (or with nothing) go before those it would
-    pad to a higher rank (the paper's step 4, "a server with higher maximum rank", applied to a
-    spill). Only servers that hold the adapter are candidates (as for every policy; the
-    scheduler's adapter sync has the servers of a new row fetch it from a peer,
-    scheduler/adapter_sync.py), unless none does: then the row's servers are, and fetch it
-    when asked. (In the simulator with an adapter store, every server counts as holding every
-    adapter and pays the fetch on a miss.)
-
-    Why not the draw alone: a draw balances load only on average, and Poisson bursts queue on
-    whichever server they hit; the second choice, weighed by the cost rank-aware routes on,
-    absorbs them while the probabilities still decide which servers see the adapter (power of
-    two choices). If the first is past its operating point, the first server of that order that
-    is not goes first: a request leaves its row only when its row is full. Requests without an
-    adapter, and adapters not placed yet, are routed by the rank-aware cost.
+    Among the servers that hold the request's adapter, those that stay within their operating
+    point with the request go first, each group by the rank-aware cost. Only servers that hold
+    the adapter are candidates (as for every policy; the scheduler's adapter sync has the
+    servers of a new row fetch it from a peer, scheduler/adapter_sync.py), unless none does:
+    then the row's servers are, and fetch it when asked. (In the simulator with an adapter
+    store, every server counts as holding every adapter and pays the fetch on a miss.)
 
     Past the operating point (`_over`): with the request, the server would hold more requests
     (running + queued) than the batch at which it delivers the operating point of the rank its
     batch pads to (`Placer.batch_limit`: by the model of scheduler/operating_points.py and
     Little's law, the batch size whose throughput equals the operating point, profiled or
-    derived). The rank-aware cost alone (decode iteration > SLO) fires far later: a rank-8 batch
-    never gets there within 128 requests, so a row's server would queue a burst until its
-    requests miss the SLO, with idle servers elsewhere.
+    derived). The rank-aware cost alone (decode iteration > SLO) fires far later: a rank-8
+    batch never gets there within 128 requests. The bound also separates ranks where it pays:
+    once the servers that pad to rank 64 hold what rank 64 sustains, a rank-8 request goes to
+    one that does not pad, whose bound is higher.
+
+    Why the row's probabilities do not steer the choice (they did before: `loraserve-row`):
+    in the simulated cluster (bench/bench_cluster_placement.py) the draw from the row
+    sustained 0.93x the load of rank-aware routing, this order 1.24x, and a fixed split of the
+    servers by rank told the true demand 0.92x: separating ranks by placement loses to
+    routing each request by cost within the operating points.
     """
 
     name = "loraserve"
-    num_choices = 2
 
     def __init__(self, *args: Any, placement: PlacementConfig | None = None, **kwargs: Any):
         super().__init__(*args, **kwargs)
@@ -245,12 +240,53 @@ class LoRAServe(RankAware):
 
     def order(self, request: RouteRequest, servers: Sequence[ServerState]) -> list[int]:
         self.placer.record(request)
-        row = self.placer.row(request.adapter) if request.adapter is not None else None
+        usable = self._usable(request, servers)
+        keys = {i: self._key(request, servers[i]) for i in usable}
+        return sorted(usable, key=lambda i: (self._over(request, servers[i], keys[i]), keys[i], i))
+
+    def _usable(self, request: RouteRequest, servers: Sequence[ServerState]) -> list[int]:
+        """Servers that hold the adapter, else (none up) the servers of its row."""
         usable = [i for i, s in enumerate(servers) if s.serves(request)]
+        row = self.placer.row(request.adapter) if request.adapter is not None else None
         if not usable and row is not None:  # no holder is up: the row's servers fetch it
             usable = [
                 i for i, s in enumerate(servers) if s.url in row[0] and _same_model(request, s)
             ]
+        return usable
+
+    def _over(self, request: RouteRequest, server: ServerState, key: tuple) -> bool:
+        """Whether `server` would be past its operating point with `request` (class docstring);
+        `key` is its rank-aware key (+inf: past the decode SLO)."""
+        if math.isinf(key[0]):
+            return True
+        limit = self.placer.batch_limit(max(server.batch.max_rank, request.rank))
+        return limit is not None and server.batch.num + 1 > limit
+
+    def choose(self, request: RouteRequest, servers: Sequence[ServerState]) -> int | None:
+        ranked = self.order(request, servers)
+        return ranked[0] if ranked else None
+
+class LoRAServeRow(LoRAServe):
+    """Ablation of `loraserve` (its routing until the cluster benchmark ruled against it): the
+    row's probabilities steer the choice.
+
+    Two servers are drawn from the adapter's row by its probabilities (one when the row has
+    one) and the one with the lower rank-aware cost goes first, then the rest of the row, then
+    every other server that holds the adapter, all by cost, except that among those others the
+    servers placed with at least the request's rank (or with nothing) go before those it would
+    pad to a higher rank (the paper's step 4, "a server with higher maximum rank", applied to a
+    spill). If the first is past its operating point, the first server of that order that is
+    not goes first: a request leaves its row only when its row is full. Requests without an
+    adapter, and adapters not placed yet, are routed by the rank-aware cost.
+    """
+
+    name = "loraserve-row"
+    num_choices = 2
+
+    def order(self, request: RouteRequest, servers: Sequence[ServerState]) -> list[int]:
+        self.placer.record(request)
+        row = self.placer.row(request.adapter) if request.adapter is not None else None
+        usable = self._usable(request, servers)
         keys = {i: self._key(request, servers[i]) for i in usable}
         if row is None:
             return sorted(usable, key=lambda i: (keys[i], i))
@@ -279,18 +315,6 @@ class LoRAServe(RankAware):
             ranked.sort(key=lambda i: self._over(request, servers[i], keys[i]))
         return ranked
 
-    def _over(self, request: RouteRequest, server: ServerState, key: tuple) -> bool:
-        """Whether `server` would be past its operating point with `request` (class docstring);
-        `key` is its rank-aware key (+inf: past the decode SLO)."""
-        if math.isinf(key[0]):
-            return True
-        limit = self.placer.batch_limit(max(server.batch.max_rank, request.rank))
-        return limit is not None and server.batch.num + 1 > limit
-
-    def choose(self, request: RouteRequest, servers: Sequence[ServerState]) -> int | None:
-        ranked = self.order(request, servers)
-        return ranked[0] if ranked else None
-
     def _first_choices(
         self, request: RouteRequest, index: Mapping[str, int], drawn: list[int]
     ) -> list[int]:
@@ -298,8 +322,8 @@ class LoRAServe(RankAware):
         return drawn
 
 
-class LoRAServeGroup(LoRAServe):
-    """Ablation of `loraserve`: the cost decides among the drawn servers and every server the
+class LoRAServeGroup(LoRAServeRow):
+    """Ablation of `loraserve-row`: the cost decides among the drawn servers and every server the
     placement gave to the request's rank (its group, scheduler/loraserve.py `Placer.group`),
     not only the adapter's row: more servers to absorb bursts, more adapters fetched."""
 
@@ -322,7 +346,15 @@ def _same_model(request: RouteRequest, server: ServerState) -> bool:
 
 POLICIES: dict[str, type[Policy]] = {
     cls.name: cls
-    for cls in (RankAware, RandomPolicy, FirstFit, LeastLoaded, LoRAServe, LoRAServeGroup)
+    for cls in (
+        RankAware,
+        RandomPolicy,
+        FirstFit,
+        LeastLoaded,
+        LoRAServe,
+        LoRAServeRow,
+        LoRAServeGroup,
+    )
 }
 
 

@@ -29,8 +29,8 @@ def request(adapter: str, rank: int) -> RouteRequest:
     return RouteRequest(adapter, rank, prompt_tokens=100, max_new_tokens=100)
 
 
-def policy(interval_s: float = 10.0):
-    return make_policy("loraserve", PERF, SLO_MS, placement=PlacementConfig(interval_s=interval_s))
+def policy(interval_s: float = 10.0, name: str = "loraserve"):
+    return make_policy(name, PERF, SLO_MS, placement=PlacementConfig(interval_s=interval_s))
 
 
 ADAPTERS = {f"a{i}": (8, 16, 32, 64)[i % 4] for i in range(40)}
@@ -121,7 +121,7 @@ def test_drift_moves_the_popular_head():
 
 def test_every_server_appears_once_in_the_order():
     servers = [idle(f"s{i}", hosts=tuple(ADAPTERS)) for i in range(6)]
-    for name in ("loraserve", "loraserve-group"):
+    for name in ("loraserve", "loraserve-row", "loraserve-group"):
         pol = make_policy(name, PERF, SLO_MS, placement=PlacementConfig(interval_s=10.0))
         pol.tick(0.0, servers, ADAPTERS)
         for i in range(300):
@@ -130,15 +130,16 @@ def test_every_server_appears_once_in_the_order():
         for adapter, rank in ADAPTERS.items():
             ranked = pol.order(request(adapter, rank), servers)
             assert sorted(ranked) == list(range(6)), (name, adapter)
-            assert servers[ranked[0]].url in pol.placer.assignment[adapter] or name != "loraserve"
+            first = servers[ranked[0]].url
+            assert first in pol.placer.assignment[adapter] or name != "loraserve-row"
 
 
 ALL = ("a", "b", "c", "d")
 
 
-def _placed_four():
+def _placed_four(name: str = "loraserve"):
     """s0 placed with rank 8 only; a's row is {s2, s3}; s1 is placed with rank 64."""
-    pol = policy()
+    pol = policy(name=name)
     servers = [idle(f"s{i}") for i in range(4)]
     names = {"a": 64, "b": 8, "c": 64, "d": 8}
     pol.tick(0.0, servers, names)
@@ -152,7 +153,7 @@ def _placed_four():
 
 
 def test_a_row_past_its_operating_point_spills_before_the_decode_slo():
-    pol = _placed_four()
+    pol = _placed_four("loraserve-row")
     calm = [idle("s0", running=10, hosts=ALL), *(idle(f"s{i}", hosts=ALL) for i in (1, 2, 3))]
     assert pol.choose(request("b", 8), calm) == 0
     # 110 rank-8 requests: a decode iteration (~35 ms) is well within the SLO, but with each
@@ -163,7 +164,7 @@ def test_a_row_past_its_operating_point_spills_before_the_decode_slo():
 
 
 def test_a_spill_prefers_servers_it_does_not_pad():
-    pol = _placed_four()
+    pol = _placed_four("loraserve-row")
     servers = [
         idle(
             "s0", running=5, hosts=ALL
@@ -173,3 +174,17 @@ def test_a_spill_prefers_servers_it_does_not_pad():
         idle("s3", running=120, rank=64, hosts=ALL),
     ]
     assert pol.choose(request("a", 64), servers) == 1
+
+
+def test_a_server_past_its_operating_point_goes_after_one_within_it_at_any_cost():
+    pol = _placed_four()
+    limit = pol.placer.batch_limit(64)
+    servers = [
+        idle("s0", running=limit + 1, rank=64, hosts=ALL),  # cheap for rank 64, but full
+        idle("s1", running=20, rank=8, hosts=ALL),  # a rank-64 request pads it: dearer
+    ]
+    rank_aware = make_policy("rank-aware", PERF, SLO_MS)
+    assert rank_aware.choose(request("a", 64), servers) == 0
+    assert pol.order(request("a", 64), servers) == [1, 0]
+    calm = [idle("s0", running=limit - 5, rank=64, hosts=ALL), servers[1]]
+    assert pol.choose(request("a", 64), calm) == rank_aware.choose(request("a", 64), calm) == 0
