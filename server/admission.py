@@ -111,3 +111,22 @@ class EngineGate:
 
     def prefetch(self, adapters: list[str]) -> None:
         self.engine.lora.prefetch(adapters, self.queued())
+
+    def free_tokens(self) -> int:
+        mem = self.engine.memory
+        return (mem.kv.num_blocks - mem.committed()) * mem.kv.block_tokens
+
+    def free_rows(self) -> int:
+        eng = self.engine
+        return eng.config.max_batch_size - len(eng._running) - len(self.admitted)
+
+    def need_tokens(self, seq: Sequence) -> int:
+        mem, lora = self.engine.memory, self.engine.lora
+        need = mem.kv_need(seq, mem.match(seq))
+        if seq.cache_entry is None:
+            need += mem.adapter_need(seq.request.adapter, lora.bytes_of(seq.request.adapter))
+        return need * mem.kv.block_tokens
+
+    def release_tokens(self, seq: Sequence) -> int:
+        hold = seq.kv_hold
+        return hold.reserved * self.engine.memory.kv.block_tokens if hold is not None else 0

@@ -6,25 +6,28 @@ are clustered again (K <= 4 queues, midpoint cutoffs) and each queue gets a quot
 the M/M/1 bound. A request's charge on its queue's quota is the KV slots it reserves (prompt plus
 max_new_tokens) plus its adapter's device memory in KV slots; it borrows that while it runs.
 
-Each iteration (`select`), Algorithm 1 of the paper:
-1. every queue, smallest first, admits from its head while its unborrowed quota allows; a queue
-   with nothing running may always admit its head (so a request larger than the quota runs);
+Each iteration (`select`):
+0. the oldest queue head that its quota entitles to start (or whose queue has nothing running)
+   but that does not fit the free memory gets a reservation (server.backfill): the decode step by
+   which the running requests will have freed enough memory for it. No other request may start
+   if that would delay it (EASY backfilling: only requests that end by then, or fit in what it
+   will leave spare);
+1. Algorithm 1 of the paper: every queue, smallest first, admits from its head while its
+   unborrowed quota allows; a queue with nothing running may always admit its head (so a
+   request larger than the quota runs);
 2. the memory phase 1 left goes to the queues in the same order, each from its head, while
    it fits (work-conserving; see below).
-Starvation guard: a head within its quota that does not fit the free KV slots is held as the
-next to go. Until it fits, its own queue and the queues of larger requests admit nothing, there is
-no phase 2, and the queues of smaller requests admit only within their own quota (none may exceed
-it): since the quotas sum to the memory, what the others hold drains down to their quotas and the
-held request, within its own, then fits. A request held beyond its quota (its queue had nothing
-running) stops all admission until it fits. (Deviation from the paper, which does not say how a
-head that fits its quota but not the memory is protected; stopping every queue for it, as this
-module first did, put the short requests back behind a long one.)
+Deviation (step 0): the paper protects large requests by their quotas alone. Here the small
+queues took the memory as it freed, a little at a time, so a large request rarely found room and
+became the P99 (bench_queueing, sessions 9-12). The reservation bounds its wait by the remaining
+lengths of the requests running when it was made; backfilling keeps small requests flowing in
+memory that FCFS would leave idle meanwhile.
 Deviation in phase 2: the paper redistributes only what queues left of their quotas; its quotas
 are tokens per iteration, where capacity kept back shortens every running request's iteration.
 Ours are memory reservations: memory kept idle shortens nothing, and it made the large queue's
 requests wait for each other (a quota of ~870 KV tokens held one of the largest at a time) while
-free memory sat unused. The quotas still decide under contention: who is held, and what the other
-queues give back to a held request.
+free memory sat unused. The quotas still decide, under contention, which queues the memory goes
+to first.
 Opportunistic bypass: when a head finds no adapter memory, a younger request of its queue may
 go first if its predicted length is below the shortest predicted remainder of a running request
 with an adapter (when memory should free up). If the head's adapter would fit by releasing the
@@ -40,12 +43,12 @@ import logging
 from collections import deque
 from dataclasses import dataclass
 
+from toppings.server.backfill import Reservation, reserve
 from toppings.server.config import EngineConfig
 from toppings.server.queue_sizing import (
     OutputPredictor,
-    min_quota_tokens,
     queue_cutoffs,
-    split_quotas,
+    queue_quotas,
     weighted_request_size,
 )
 from toppings.server.queueing import Gate, QueuePolicy, Verdict
@@ -58,7 +61,14 @@ REFRESH_COUNT = 256  # ... or after this many arrivals, whichever comes first
 MIN_SAMPLES = 32  # arrivals before the first clustering (until then: one queue)
 WINDOW = 1024  # recent arrivals and completions the clustering and the quotas look at
 SQUASH_SHARE = 0.05  # the paper's bound: at most 5% of the work is squashed
-DEFAULT_TOKEN_S = 0.05  # seconds per output token before any request has completed
+
+
+@dataclass
+class _Reserved:
+    """A queue head that waits for memory, and its reservation (server.backfill)."""
+
+    seq: Sequence
+    reservation: Reservation
 
 
 @dataclass
@@ -93,11 +103,11 @@ class ChameleonQueue(QueuePolicy):
         self._running: dict[Sequence, _Size] = {}
         self._arrivals: deque[_Size] = deque(maxlen=WINDOW)
         self._served: deque[tuple[_Size, float, int]] = deque(maxlen=WINDOW)  # size, s, tokens
-        self._held: Sequence | None = None  # the starvation guard's request
         self._bypasses: list[tuple[Sequence, Sequence]] = []  # (bypassed, bypasser)
         self._last_refresh = 0.0
         self._since_refresh = 0
-        self.counters = {"bypasses": 0, "squashes": 0, "refreshes": 0, "held": 0}
+        self.counters = {"bypasses": 0, "squashes": 0, "refreshes": 0, "reserved": 0,
+                         "backfilled": 0}  # fmt: skip
         self._work_tokens = 0  # prompt + output tokens of every request that left the batch
         self._wasted_tokens = 0  # ... of the squashed ones
 
@@ -114,8 +124,6 @@ class ChameleonQueue(QueuePolicy):
             self._fresh.remove(seq)
         elif size is not None:
             self._queues[self._queue_of(size.wrs)].remove(seq)
-        if self._held is seq:
-            self._held = None
 
     def __iter__(self):
         return iter(list(self._waiting))
@@ -183,7 +191,10 @@ class ChameleonQueue(QueuePolicy):
         for s in [*sizes, *served, *self._sizes.values(), *self._running.values()]:
             s.wrs = self._wrs(s)
         self.cutoffs = queue_cutoffs([s.wrs for s in sizes])
-        self.quotas = self._quotas(sizes, gate.total_tokens(), now)
+        served = [(self._queue_of(s.wrs), t, n) for s, t, n in self._served]
+        arrivals = [(self._queue_of(s.wrs), s) for s in sizes]
+        self.quotas = queue_quotas(arrivals, served, len(self.cutoffs) + 1, gate.total_tokens(),
+                                   self.slo_s, now)  # fmt: skip
         self._queues = [[] for _ in self.quotas]
         for seq in self._waiting:
             if seq in self._sizes:
@@ -209,33 +220,6 @@ class ChameleonQueue(QueuePolicy):
         self._last_refresh, self._since_refresh = now, 0
         self.counters["refreshes"] += 1
 
-    def _quotas(self, sizes: list[_Size], total: int, now: float) -> list[int]:
-        k = len(self.cutoffs) + 1
-        span = max(now - min(s.arrived for s in sizes), 1e-3)
-        served = list(self._served)
-        token_s = sum(t for _, t, _ in served) / max(sum(n for *_, n in served), 1)
-        token_s = token_s if served else DEFAULT_TOKEN_S
-        minimums, demands, floors = [], [], []
-        for q in range(k):
-            mine = [s for s in sizes if self._queue_of(s.wrs) == q]
-            runs = [t for s, t, _ in served if self._queue_of(s.wrs) == q]
-            if not mine:
-                minimums.append(0.0)
-                demands.append(0.0)
-                floors.append(0.0)
-                continue
-            duration = (
-                sum(runs) / len(runs)
-                if runs
-                else token_s * sum(s.out_tokens for s in mine) / len(mine)
-            )
-            rate = len(mine) / span
-            charge = max(s.charge for s in mine)
-            minimums.append(min_quota_tokens(charge, duration, self.slo_s, rate))
-            demands.append(rate * duration * sum(s.charge for s in mine) / len(mine))
-            floors.append(charge)
-        return split_quotas(minimums, demands, total, floors)
-
     # ---- batch formation ----------------------------------------------------------------------
 
     def select(self, gate: Gate, running: list[Sequence], now: float) -> list[Sequence]:
@@ -245,27 +229,39 @@ class ChameleonQueue(QueuePolicy):
         borrowed = [0] * len(self._queues)
         for size in self._running.values():
             borrowed[self._queue_of(size.wrs)] += size.charge
-        held_q = len(self._queues)  # queues from this one on admit nothing while one is held
-        if self._held is not None:
-            verdict = self._try(self._held, gate, now, batch)
-            if verdict is not Verdict.ADMITTED and verdict is not Verdict.NOT_READY:
-                held_q = self._queue_of(self._sizes[self._held].wrs)
-                if self._sizes[self._held].charge > self.quotas[held_q]:
-                    return batch  # held beyond its quota: everything drains for it
+        reserved = self._reserve(gate, borrowed)
         stop = False
-        for q, queue in enumerate(self._queues[:held_q]):  # phase 1: each within its quota
+        for q, queue in enumerate(self._queues):  # phase 1: each within its quota
             unborrowed = max(self.quotas[q] - borrowed[q], 0)
-            may_exceed = not borrowed[q] and self._held is None
-            stop = self._put(queue, unborrowed, gate, running, now, batch, True, may_exceed)
+            stop = self._put(queue, unborrowed, gate, running, now, batch, reserved,
+                             may_exceed=not borrowed[q])  # fmt: skip
             if stop:
                 break
         everything = gate.total_tokens()  # phase 2 has no quota: the gate refuses what won't fit
         for queue in self._queues:  # phase 2: the memory phase 1 left, smallest requests first
-            if stop or self._held is not None:
+            if stop:
                 break
-            stop = self._put(queue, everything, gate, running, now, batch, False, False)
+            stop = self._put(queue, everything, gate, running, now, batch, reserved, False)
         self._prefetch(gate)
         return batch
+
+    def _reserve(self, gate: Gate, borrowed: list[int]) -> _Reserved | None:
+        """The reservation of the oldest queue head that its quota entitles to start (or whose
+        queue has nothing running) but that does not fit the free memory; None if none."""
+        free = gate.free_tokens()
+        heads = [
+            queue[0]
+            for q, queue in enumerate(self._queues)
+            if queue
+            and (self._sizes[queue[0]].charge <= self.quotas[q] - borrowed[q] or not borrowed[q])
+        ]
+        late = [seq for seq in heads if gate.need_tokens(seq) > free]
+        if not late:
+            return None
+        seq = min(late, key=lambda s: s.arrival)
+        ends = [(_steps_left(s), gate.release_tokens(s)) for s in self._running]
+        self.counters["reserved"] += 1
+        return _Reserved(seq, reserve(gate.need_tokens(seq), free, gate.free_rows(), ends))
 
     def _put(
         self,
@@ -275,13 +271,13 @@ class ChameleonQueue(QueuePolicy):
         running: list[Sequence],
         now: float,
         batch: list[Sequence],
-        entitled: bool,
+        reserved: _Reserved | None,
         may_exceed: bool,
     ) -> bool:
         """Admit from the head of `queue` within `tokens`; returns whether to stop all admission.
 
-        entitled: the tokens are the queue's own quota (phase 1), not phase 2's free memory;
-        may_exceed: the queue has nothing running, so its head may go beyond the quota.
+        may_exceed: the queue has nothing running, so its head may go beyond `tokens`;
+        reserved: a queue head's reservation, which no other admission may delay.
         """
         used = 0
         bypassed: Sequence | None = None
@@ -291,19 +287,23 @@ class ChameleonQueue(QueuePolicy):
                 break
             if bypassed is not None and not self._may_bypass(seq, running):
                 continue
+            backfill = reserved is not None and seq is not reserved.seq
+            if backfill:
+                need, steps = gate.need_tokens(seq), _steps_left(seq)
+                if not reserved.reservation.allows(need, steps):
+                    continue  # it would delay the reserved request; a shorter one may not
             verdict = self._try(seq, gate, now, batch)
             if verdict is Verdict.ADMITTED:
                 used += charge
+                if backfill:
+                    reserved.reservation.take(need, steps)
+                    self.counters["backfilled"] += 1
                 if bypassed is not None:
                     self._bypasses.append((bypassed, seq))
                     self.counters["bypasses"] += 1
             elif verdict is Verdict.BATCH_FULL:
                 return True
             elif verdict is Verdict.NO_ROOM:
-                if entitled and bypassed is None and self._held is None:
-                    self._held = seq  # within its quota: it goes next, whatever arrives
-                    self.counters["held"] += 1
-                    return True
                 break
             elif verdict is Verdict.NO_ADAPTER_MEMORY and bypassed is None:
                 bypassed = seq
@@ -318,8 +318,6 @@ class ChameleonQueue(QueuePolicy):
             size.admitted = now
             self._running[seq] = size
             batch.append(seq)
-            if self._held is seq:
-                self._held = None
         return verdict
 
     # ---- bypass and squash --------------------------------------------------------------------
@@ -395,3 +393,8 @@ class ChameleonQueue(QueuePolicy):
             "squashed_work_share": self._wasted_tokens / max(self._work_tokens, 1),
             **self.counters,
         }
+
+
+def _steps_left(seq: Sequence) -> int:
+    """Decode steps a request may still run (it may stop earlier)."""
+    return seq.request.params.max_new_tokens - len(seq.output_ids)

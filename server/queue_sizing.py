@@ -24,6 +24,7 @@ MAX_QUEUES = 4  # K_max
 EXPLAINED = 0.9  # stop adding queues once they explain 90% of the size variance
 MIN_CLUSTER_SHARE = 0.05  # a queue for fewer than 5% of the requests is not worth its quota
 HISTORY = 32  # completed requests per adapter the output predictor remembers
+DEFAULT_TOKEN_S = 0.05  # seconds per output token before any request has completed
 
 
 def weighted_request_size(
@@ -155,3 +156,43 @@ def split_quotas(
     weight = sum(demands) or len(demands)
     shares = demands if sum(demands) else [1.0] * len(demands)
     return [int(m + spare * s / weight) for m, s in zip(minimums, shares)]
+
+
+def queue_quotas(
+    arrivals: list[tuple[int, object]],
+    served: list[tuple[int, float, int]],
+    num_queues: int,
+    total: int,
+    slo_s: float,
+    now: float,
+) -> list[int]:
+    """Each queue's quota of `total` from recent traffic.
+
+    arrivals: (queue, size) of recent arrivals; a size has `arrived` (s), `charge` (tokens)
+    and `out_tokens` (predicted); served: (queue, seconds it ran, output tokens) of recent
+    completions. Per queue: lambda = arrivals / span, D = mean run time (or predicted output
+    times the mean seconds per token before any of its requests completed), S = its largest
+    charge; minimum Tok_min = S * D * (1/SLO + lambda), floor S, demand lambda * D * mean charge.
+    """
+    span = max(now - min(s.arrived for _, s in arrivals), 1e-3)
+    token_s = sum(t for _, t, _ in served) / max(sum(n for *_, n in served), 1)
+    token_s = token_s if served else DEFAULT_TOKEN_S
+    minimums, demands, floors = [], [], []
+    for q in range(num_queues):
+        mine = [s for i, s in arrivals if i == q]
+        runs = [t for i, t, _ in served if i == q]
+        if not mine:
+            minimums.append(0.0)
+            demands.append(0.0)
+            floors.append(0.0)
+            continue
+        if runs:
+            duration = sum(runs) / len(runs)
+        else:
+            duration = token_s * sum(s.out_tokens for s in mine) / len(mine)
+        rate = len(mine) / span
+        charge = max(s.charge for s in mine)
+        minimums.append(min_quota_tokens(charge, duration, slo_s, rate))
+        demands.append(rate * duration * sum(s.charge for s in mine) / len(mine))
+        floors.append(charge)
+    return split_quotas(minimums, demands, total, floors)

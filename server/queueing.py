@@ -57,6 +57,18 @@ class Gate(Protocol):
     def prefetch(self, adapters: list[str]) -> None:
         """Start loading these adapters of queued requests while memory is free (best effort)."""
 
+    def free_tokens(self) -> int:
+        """Memory admission may still promise now, in KV slots."""
+
+    def free_rows(self) -> int:
+        """Batch rows left this iteration."""
+
+    def need_tokens(self, seq: Sequence) -> int:
+        """Memory admitting `seq` now would promise (its KV and adapter), in KV slots."""
+
+    def release_tokens(self, seq: Sequence) -> int:
+        """Memory a running request gives back when it ends, in KV slots."""
+
 
 class QueuePolicy:
     """Holds the waiting requests and picks, each iteration, which of them to admit."""

@@ -105,6 +105,18 @@ class FakeGate:
     def prefetch(self, adapters):
         pass
 
+    def free_tokens(self):
+        return self.kv - self.reserved
+
+    def free_rows(self):
+        return self.rows - len(self.running)
+
+    def need_tokens(self, seq):
+        return seq.kv_need
+
+    def release_tokens(self, seq):
+        return seq.kv_need
+
 
 def policy(cutoffs, quotas, kv=1000, slo_ms=5000.0):
     config = EngineConfig(max_total_tokens=kv, queue_policy="chameleon", ttft_slo_ms=slo_ms)
@@ -164,10 +176,10 @@ def test_phase_two_fills_the_memory_phase_one_left_smallest_requests_first():
     p = policy(cutoffs=[0.5], quotas=[40, 200], kv=300)
     gate = FakeGate(kv=300)
     push(p, small("s1", 1), small("s2", 2), small("s3", 3), large("L1", 4), large("L2", 5))
-    # With 300 slots, L2 (180) does not fit what phase 2 has left (60): it waits, not held (it
-    # is beyond its queue's quota).
+    # With 300 slots, L2 (180) does not fit what phase 2 has left (60): it waits, without a
+    # reservation (it is beyond its queue's quota, and the large queue has L1 running).
     assert names(p.select(gate, gate.running, now=6)) == ["s1", "s2", "L1", "s3"]
-    assert names(p) == ["L2"] and p.view()["held"] == 0
+    assert names(p) == ["L2"] and p.view()["reserved"] == 0
 
 
 def test_a_request_larger_than_its_quota_runs_when_its_queue_has_nothing_running():
@@ -298,12 +310,12 @@ def test_a_long_request_is_not_starved_by_a_steady_stream_of_short_ones(monkeypa
     p = policy(cutoffs=[0.3], quotas=[20, 180], kv=200)
     gate = FakeGate(kv=200, ranks={"r10": 10, "r100": 100}, adapter_slots=1000)
     admitted_at = simulate(p, gate, stream(), 200)
-    # Bound: the short queue holds the KV beyond its quota only with slots the long queue left
-    # spare while it was empty; from the long request's arrival, its quota is its own, so it
-    # is held as the next to go and waits at most for the short requests running then to end
-    # (10 iterations each) plus one iteration.
+    # Bound: from its arrival the long request heads its queue within its quota, so it gets a
+    # reservation at the step by which the short requests running then (10 iterations each at
+    # most) will have freed its memory, and no short request that would outlast that starts
+    # meanwhile: it waits at most 10 iterations, plus one to be admitted.
     assert admitted_at["L"] - 20 <= 10 + 1
-    assert p.view()["held"] >= 1
+    assert p.view()["reserved"] >= 1
     # FCFS serves the same stream in arrival order: the long request waits behind the backlog
     # of short ones that arrived before it (more than 3 per iteration arrive, 1 is served).
     fcfs = FcfsQueue(EngineConfig(max_total_tokens=200))
@@ -311,29 +323,37 @@ def test_a_long_request_is_not_starved_by_a_steady_stream_of_short_ones(monkeypa
     assert simulate(fcfs, gate, stream(), 200)["L"] - 20 > 2 * (10 + 1)
 
 
-def test_a_held_long_request_does_not_stop_the_short_queue_within_its_quota():
+def step(p, gate, now):
+    """One decode step: every running request makes a token; those at max_new end."""
+    for seq in list(gate.running):
+        seq.output_ids.append(1)
+        if len(seq.output_ids) >= seq.max_new:
+            gate.release(seq)
+            p.finished(seq, True, now)
+
+
+def test_while_a_long_request_waits_only_requests_that_do_not_delay_it_start():
     p = policy(cutoffs=[0.3, 0.7], quotas=[40, 100, 260], kv=400)
     gate = FakeGate(kv=400)
-    medium = [FakeSeq(f"m{i}", 50, 50, i) for i in range(3)]  # WRS 0.5, 100 slots each
-    push(p, *medium)
-    # m0 within the medium quota, m1 and m2 with what the empty queues left: 300 of 400 used.
-    assert names(p.select(gate, gate.running, now=3)) == ["m0", "m1", "m2"]
-    # The long request fits its quota (180 <= 260) but not the free slots (100): it is held.
-    # While it waits, the short queue still admits within its own quota (2 x 20 of 40), not
-    # beyond it, and no phase 2 runs (the first guard stopped every queue).
-    shorts = [small(f"s{i}", 5 + i) for i in range(5)]
-    push(p, large("L", 4), *shorts)
-    assert names(p.select(gate, gate.running, now=8)) == ["s0", "s1"]
-    assert p.view()["held"] == 1
-    for seq in shorts[:2]:
-        gate.release(seq)
-        p.finished(seq, True, now=9)
-    assert names(p.select(gate, gate.running, now=10)) == ["s2", "s3"]
-    for seq in medium:
-        gate.release(seq)
-        p.finished(seq, True, now=11)
-    # The medium requests drained: the held one goes first, then s4 with the spare.
-    assert names(p.select(gate, gate.running, now=12)) == ["L", "s4"]
+    # Three medium requests (WRS 0.5-0.7): A 140 slots, B and C 90 each; 80 slots stay free.
+    push(p, FakeSeq("A", 90, 50, 0), FakeSeq("B", 10, 80, 1), FakeSeq("C", 10, 80, 2))
+    assert names(p.select(gate, gate.running, now=3)) == ["A", "B", "C"]
+    gate.running[0].output_ids = [1] * 30  # A ends in 20 steps, B and C in 80
+    # L (180 slots) heads the large queue within its quota but does not fit: its reservation
+    # is A's end (20 steps), when 220 slots will be free, 40 to spare.
+    o0, o1 = FakeSeq("o0", 10, 30, 5), FakeSeq("o1", 10, 30, 6)  # small queue, 40 slots each
+    s0, s1 = small("s0", 7), small("s1", 8)  # 20 slots, 10 steps
+    push(p, large("L", 4), o0, o1, s0, s1)
+    # o0 outlasts the reservation (30 steps) and takes the 40 spare; o1 would too, with no
+    # spare left: it waits, although 40 slots are free now; s0 and s1 end before L's turn.
+    assert names(p.select(gate, gate.running, now=9)) == ["o0", "s0", "s1"]
+    assert p.view()["reserved"] == 1 and p.view()["backfilled"] == 3
+    for it in range(10):
+        step(p, gate, now=10 + it)  # s0 and s1 end: 40 slots free, A ends in 10 steps
+    assert names(p.select(gate, gate.running, now=20)) == []
+    for it in range(10):
+        step(p, gate, now=21 + it)  # A ends: the reservation's step
+    assert names(p.select(gate, gate.running, now=31)) == ["L"]
 
 
 def test_fcfs_is_the_same_interface():
