@@ -31,7 +31,7 @@ from bench.envelope import describe_device, write_result
 from toppings.scripts.loadgen_stats import percentile
 from toppings.scripts.make_adapters import load_base, make_random_adapter
 from toppings.scripts.workload import LengthSpec, WorkloadSpec, build_trace
-from toppings.server.config import EngineConfig
+from toppings.server.config import DTYPE_CHOICES, EngineConfig
 from toppings.server.loader import resolve_model_dir
 from toppings.server.request import GenerationRequest, SamplingParams
 from toppings.server.runtime import build_engine
@@ -180,6 +180,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--output-len", default="lognormal:40:1.0")
     p.add_argument("--max-output-len", type=int, default=256)
     p.add_argument("--max-total-tokens", type=int, default=2048)
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=DTYPE_CHOICES,
+        help="the engines' dtype (auto: what toppings-serve picks on this machine)",
+    )
     p.add_argument("--max-batch-size", type=int, default=32)
     p.add_argument("--alone", type=int, default=8, help="requests served alone for the SLO")
     p.add_argument("--burst", type=int, default=32, help="requests of the capacity burst")
@@ -192,7 +198,7 @@ def main(argv: list[str] | None = None) -> None:
     adapters = make_adapters(args.adapter_dir, model_dir, args.per_rank)
 
     def engine(policy: str, slo_ms: float = 5000.0):
-        config = EngineConfig(dtype="float32", max_total_tokens=args.max_total_tokens,
+        config = EngineConfig(dtype=args.dtype, max_total_tokens=args.max_total_tokens,
                               max_batch_size=args.max_batch_size, queue_policy=policy,
                               ttft_slo_ms=slo_ms)  # fmt: skip
         return build_engine(str(model_dir), config, adapters)
@@ -227,10 +233,11 @@ def main(argv: list[str] | None = None) -> None:
         pol: [summarise(runs, slo_ms / 1000, args.duration) for runs in raw[pol]]
         for pol in POLICIES
     }
-    write(args, argv, model_dir, slo_ms, capacity, fractions, loads, per_policy, views)
+    dtype = engines["fcfs"].config.dtype  # "auto" resolved
+    write(args, argv, dtype, slo_ms, capacity, fractions, loads, per_policy, views)
 
 
-def write(args, argv, model_dir, slo_ms, capacity, fractions, loads, per_policy, views) -> None:
+def write(args, argv, dtype, slo_ms, capacity, fractions, loads, per_policy, views) -> None:
     p99 = {pol: [r["ttft_p99_ms"] for r in per_policy[pol]] for pol in POLICIES}
     held = {pol: sustained(loads, p99[pol], slo_ms) for pol in POLICIES}
     within = [i for i, v in enumerate(p99["fcfs"]) if v <= slo_ms]
@@ -260,7 +267,7 @@ def write(args, argv, model_dir, slo_ms, capacity, fractions, loads, per_policy,
         argv=argv,
         config={
             **{k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-            "model": "SmolLM2-135M-Instruct (float32), in-process engines, lora-mode cached",
+            "model": f"SmolLM2-135M-Instruct ({dtype}), in-process engines, lora-mode cached",
             "ranks": list(RANKS),
             "targets": list(TARGETS),
             "popularity": "equal rank shares, zipf(1.0) over the adapters of a rank",
@@ -271,7 +278,7 @@ def write(args, argv, model_dir, slo_ms, capacity, fractions, loads, per_policy,
         },
         metrics=metrics,
     )
-    title = (f"SmolLM2 CPU, KV {args.max_total_tokens} tokens, ranks 8-128, "
+    title = (f"SmolLM2 CPU {dtype}, KV {args.max_total_tokens} tokens, ranks 8-128, "
              f"{args.rounds} rounds x {args.duration:.0f} s per point")  # fmt: skip
     plot(args.plot, loads, per_policy, slo_ms, title)
     log.info("%s", {k: v for k, v in metrics.items() if k not in ("per_load",)})

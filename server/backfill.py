@@ -1,13 +1,14 @@
-"""A reservation for the oldest waiting request, and who may start before it (EASY backfilling).
+"""Reservations for waiting requests, and who may start before them (backfilling).
 
-When the oldest waiting request does not fit, it gets a reservation: the decode step by which
-the running requests will have freed enough memory for it (each frees its reservation after at
-most its remaining max_new_tokens steps; earlier when it stops early), and what will be spare
-then. A younger request may start before it only if that does not move the reservation: it ends
-by then, or it fits in what the oldest will leave spare (EASY backfilling: Lifka, "The ANL/IBM
-SP scheduling system", 1995; Mu'alem and Feitelson, IEEE TPDS 2001). So the oldest request waits
-no longer than the requests running when it became oldest take to end, whatever arrives after
-it, and the memory it is waiting for is not left idle meanwhile.
+A waiting request that does not fit gets a reservation: the decode step from which the memory
+will stay free enough for it (each running request frees its memory after at most its remaining
+max_new_tokens steps, earlier when it stops early; a request reserved before it holds its memory
+from its own reservation until it may have ended), and what will be spare from then on. A younger
+request may start before the reserved ones only if that moves none of their reservations: it ends
+by each one's step, or fits in what each leaves spare (EASY backfilling, with a few reservations
+instead of one: Lifka, "The ANL/IBM SP scheduling system", 1995; Mu'alem and Feitelson, IEEE TPDS
+2001). So a reserved request waits no longer than the requests running or reserved before it take
+to end, whatever arrives after it, and the memory it waits for is not left idle meanwhile.
 
 Units: memory in KV slots (tokens), time in decode steps. Pure arithmetic, no engine state.
 """
@@ -19,46 +20,70 @@ from dataclasses import dataclass
 
 @dataclass
 class Reservation:
-    """The oldest waiting request's place: `steps` decode steps from now it fits; what it will
-    leave of the memory and batch rows then is `spare_tokens` and `spare_rows` (spent as
-    requests that outlast the reservation start now)."""
+    """From `steps` decode steps on, the request fits, leaving at least `spare_tokens` and
+    `spare_rows` (spent as requests that outlast `steps` start now)."""
 
     steps: int
     spare_tokens: int
     spare_rows: int
 
-    def allows(self, tokens: int, max_steps: int) -> bool:
-        """Whether a request taking `tokens` for at most `max_steps` steps may start now
-        without delaying the reservation: it ends by then, or it fits in the spare."""
-        if max_steps <= self.steps:
-            return True  # it has ended and given everything back by then
-        return tokens <= self.spare_tokens and self.spare_rows >= 1
 
-    def take(self, tokens: int, max_steps: int) -> None:
-        """A request `allows` let in started: one that outlasts the reservation uses spare."""
-        if max_steps > self.steps:
-            self.spare_tokens -= tokens
-            self.spare_rows -= 1
+def allows(reservations: list[Reservation], tokens: int, max_steps: int) -> bool:
+    """Whether a request taking `tokens` for at most `max_steps` steps may start now without
+    delaying any reservation: by each one's step it has ended, or it fits in the spare."""
+    return all(
+        max_steps <= r.steps or (tokens <= r.spare_tokens and r.spare_rows >= 1)
+        for r in reservations
+    )
+
+
+def take(reservations: list[Reservation], tokens: int, max_steps: int) -> None:
+    """A request `allows` let in started: it uses the spare of each reservation it outlasts."""
+    for r in reservations:
+        if max_steps > r.steps:
+            r.spare_tokens -= tokens
+            r.spare_rows -= 1
 
 
 def reserve(
-    need_tokens: int,
+    waiting: list[tuple[int, int]],
     free_tokens: int,
     free_rows: int,
     running: list[tuple[int, int]],
-) -> Reservation:
-    """The reservation of a request that needs `need_tokens` and one batch row.
+) -> list[Reservation]:
+    """Reservations for `waiting`, in priority order: (tokens it needs, its max steps) each,
+    plus one batch row.
 
     free_tokens, free_rows: what is free now; running: (steps left at most, tokens it gives
-    back) per running request. When even the end of every running request leaves too little
-    (memory counted elsewhere, such as adapters, is not in `running`), the reservation is at
-    the last one's end with nothing spare: only requests that end by then may start.
+    back) per running request. Memory counted elsewhere (adapters, shared prefixes) is not in
+    `running`: when what it lists never frees enough, the reservation is at the last change
+    with nothing spare, so that only requests ending by then may start.
     """
-    tokens, rows, steps = free_tokens, free_rows, 0
-    for left, give in sorted(running):
-        if tokens >= need_tokens and rows >= 1:
+    changes = [(max(left, 0), give, 1) for left, give in running]  # (step, tokens, rows) freed
+    reservations = []
+    for need, max_steps in waiting:
+        at, tokens, rows = _first_fit(changes, free_tokens, free_rows, need)
+        reservations.append(Reservation(at, tokens - need, rows - 1))
+        changes += [(at, -need, -1), (at + max(max_steps, 0), need, 1)]
+    return reservations
+
+
+def _first_fit(
+    changes: list[tuple[int, int, int]], free_tokens: int, free_rows: int, need: int
+) -> tuple[int, int, int]:
+    """The first step from which the free memory and rows never fall below (need, 1), and the
+    least free from then on; (last step, need, 1) when there is none."""
+    steps = sorted({0, *(s for s, _, _ in changes)})
+    profile, tokens, rows = [], free_tokens, free_rows
+    for step in steps:  # what is free from `step` until the next change
+        tokens += sum(t for s, t, _ in changes if s == step)
+        rows += sum(r for s, _, r in changes if s == step)
+        profile.append((step, tokens, rows))
+    least_tokens, least_rows = profile[-1][1], profile[-1][2]
+    found = None
+    for step, tokens, rows in reversed(profile):
+        least_tokens, least_rows = min(least_tokens, tokens), min(least_rows, rows)
+        if least_tokens < need or least_rows < 1:
             break
-        tokens, rows, steps = tokens + give, rows + 1, max(left, 0)
-    if tokens < need_tokens or rows < 1:
-        return Reservation(steps, 0, 0)
-    return Reservation(steps, tokens - need_tokens, rows - 1)
+        found = (step, least_tokens, least_rows)
+    return found or (steps[-1], need, 1)

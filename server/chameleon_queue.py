@@ -7,21 +7,21 @@ the M/M/1 bound. A request's charge on its queue's quota is the KV slots it rese
 max_new_tokens) plus its adapter's device memory in KV slots; it borrows that while it runs.
 
 Each iteration (`select`):
-0. the oldest queue head that its quota entitles to start (or whose queue has nothing running)
-   but that does not fit the free memory gets a reservation (server.backfill): the decode step by
-   which the running requests will have freed enough memory for it. No other request may start
-   if that would delay it (EASY backfilling: only requests that end by then, or fit in what it
-   will leave spare);
+0. the oldest waiting request goes first if it fits. If it does not, it gets a reservation
+   (server.backfill), and so does the oldest queue head that its quota entitles to start (or
+   whose queue has nothing running) but that finds no room: the decode step from which the
+   running requests will have freed enough memory for it. No other request starts if that would
+   delay either (only requests that end by then, or fit in what they leave spare, may);
 1. Algorithm 1 of the paper: every queue, smallest first, admits from its head while its
    unborrowed quota allows; a queue with nothing running may always admit its head (so a
    request larger than the quota runs);
 2. the memory phase 1 left goes to the queues in the same order, each from its head, while
    it fits (work-conserving; see below).
 Deviation (step 0): the paper protects large requests by their quotas alone. Here the small
-queues took the memory as it freed, a little at a time, so a large request rarely found room and
-became the P99 (bench_queueing, sessions 9-12). The reservation bounds its wait by the remaining
-lengths of the requests running when it was made; backfilling keeps small requests flowing in
-memory that FCFS would leave idle meanwhile.
+queues took the memory as it freed, a little at a time, so a large request rarely found room
+and became the P99 (bench_queueing, sessions 9-12), and a backlog of large requests drained one
+quota at a time. A reserved request waits at most for the requests running (or reserved) before
+it to end; backfilling keeps small requests flowing in memory FCFS would leave idle meanwhile.
 Deviation in phase 2: the paper redistributes only what queues left of their quotas; its quotas
 are tokens per iteration, where capacity kept back shortens every running request's iteration.
 Ours are memory reservations: memory kept idle shortens nothing, and it made the large queue's
@@ -43,7 +43,7 @@ import logging
 from collections import deque
 from dataclasses import dataclass
 
-from toppings.server.backfill import Reservation, reserve
+from toppings.server.backfill import Reservation, allows, reserve, take
 from toppings.server.config import EngineConfig
 from toppings.server.queue_sizing import (
     OutputPredictor,
@@ -61,14 +61,22 @@ REFRESH_COUNT = 256  # ... or after this many arrivals, whichever comes first
 MIN_SAMPLES = 32  # arrivals before the first clustering (until then: one queue)
 WINDOW = 1024  # recent arrivals and completions the clustering and the quotas look at
 SQUASH_SHARE = 0.05  # the paper's bound: at most 5% of the work is squashed
+MAX_RESERVATIONS = 2  # requests that hold a reservation at once (the oldest, a queue head)
 
 
 @dataclass
 class _Reserved:
-    """A queue head that waits for memory, and its reservation (server.backfill)."""
+    """Waiting requests that hold a reservation, in their order, and theirs (server.backfill)."""
 
-    seq: Sequence
-    reservation: Reservation
+    seqs: list[Sequence]
+    reservations: list[Reservation]
+
+    def ahead_of(self, seq: Sequence) -> list[Reservation]:
+        """The reservations `seq` must not delay: all, or those before its own."""
+        for i, held in enumerate(self.seqs):
+            if held is seq:
+                return self.reservations[:i]
+        return self.reservations
 
 
 @dataclass
@@ -104,6 +112,7 @@ class ChameleonQueue(QueuePolicy):
         self._arrivals: deque[_Size] = deque(maxlen=WINDOW)
         self._served: deque[tuple[_Size, float, int]] = deque(maxlen=WINDOW)  # size, s, tokens
         self._bypasses: list[tuple[Sequence, Sequence]] = []  # (bypassed, bypasser)
+        self._reserved: list[Sequence] = []  # waiting requests with a reservation, in order
         self._last_refresh = 0.0
         self._since_refresh = 0
         self.counters = {"bypasses": 0, "squashes": 0, "refreshes": 0, "reserved": 0,
@@ -226,17 +235,20 @@ class ChameleonQueue(QueuePolicy):
         self._take_fresh(gate, now)
         self._squash_bypassers(gate)
         batch: list[Sequence] = []
-        borrowed = [0] * len(self._queues)
-        for size in self._running.values():
-            borrowed[self._queue_of(size.wrs)] += size.charge
-        reserved = self._reserve(gate, borrowed)
+        reserved = self._reserve(gate, self._borrowed())
         stop = False
+        for seq in [*reserved.seqs, *self._waiting[:1]]:  # step 0
+            if seq in self._sizes:
+                stop = self._admit(seq, gate, now, batch, reserved) is Verdict.BATCH_FULL
+            if stop:
+                break
+        borrowed = self._borrowed()
         for q, queue in enumerate(self._queues):  # phase 1: each within its quota
+            if stop:
+                break
             unborrowed = max(self.quotas[q] - borrowed[q], 0)
             stop = self._put(queue, unborrowed, gate, running, now, batch, reserved,
                              may_exceed=not borrowed[q])  # fmt: skip
-            if stop:
-                break
         everything = gate.total_tokens()  # phase 2 has no quota: the gate refuses what won't fit
         for queue in self._queues:  # phase 2: the memory phase 1 left, smallest requests first
             if stop:
@@ -245,23 +257,37 @@ class ChameleonQueue(QueuePolicy):
         self._prefetch(gate)
         return batch
 
-    def _reserve(self, gate: Gate, borrowed: list[int]) -> _Reserved | None:
-        """The reservation of the oldest queue head that its quota entitles to start (or whose
-        queue has nothing running) but that does not fit the free memory; None if none."""
+    def _borrowed(self) -> list[int]:
+        """The charge of each queue's running requests."""
+        borrowed = [0] * len(self._queues)
+        for size in self._running.values():
+            borrowed[self._queue_of(size.wrs)] += size.charge
+        return borrowed
+
+    def _reserve(self, gate: Gate, borrowed: list[int]) -> _Reserved:
+        """The reservations of this iteration (step 0 in the module docstring). A request keeps
+        its place in their order until it starts: a later reservation never delays it."""
+        self._reserved = [s for s in self._reserved if s in self._sizes]  # still waiting
         free = gate.free_tokens()
-        heads = [
+        entitled = [
             queue[0]
             for q, queue in enumerate(self._queues)
             if queue
             and (self._sizes[queue[0]].charge <= self.quotas[q] - borrowed[q] or not borrowed[q])
         ]
-        late = [seq for seq in heads if gate.need_tokens(seq) > free]
-        if not late:
-            return None
-        seq = min(late, key=lambda s: s.arrival)
+        late = sorted(
+            (s for s in [*self._waiting[:1], *entitled] if gate.need_tokens(s) > free),
+            key=lambda s: s.arrival,
+        )
+        for seq in late[:MAX_RESERVATIONS]:
+            if len(self._reserved) < MAX_RESERVATIONS and all(seq is not r for r in self._reserved):
+                self._reserved.append(seq)
+                self.counters["reserved"] += 1
+        if not self._reserved:
+            return _Reserved([], [])
         ends = [(_steps_left(s), gate.release_tokens(s)) for s in self._running]
-        self.counters["reserved"] += 1
-        return _Reserved(seq, reserve(gate.need_tokens(seq), free, gate.free_rows(), ends))
+        needs = [(gate.need_tokens(s), _steps_left(s)) for s in self._reserved]
+        return _Reserved(list(self._reserved), reserve(needs, free, gate.free_rows(), ends))
 
     def _put(
         self,
@@ -271,13 +297,13 @@ class ChameleonQueue(QueuePolicy):
         running: list[Sequence],
         now: float,
         batch: list[Sequence],
-        reserved: _Reserved | None,
+        reserved: _Reserved,
         may_exceed: bool,
     ) -> bool:
         """Admit from the head of `queue` within `tokens`; returns whether to stop all admission.
 
         may_exceed: the queue has nothing running, so its head may go beyond `tokens`;
-        reserved: a queue head's reservation, which no other admission may delay.
+        reserved: the requests with a reservation, which no other admission may delay.
         """
         used = 0
         bypassed: Sequence | None = None
@@ -287,17 +313,11 @@ class ChameleonQueue(QueuePolicy):
                 break
             if bypassed is not None and not self._may_bypass(seq, running):
                 continue
-            backfill = reserved is not None and seq is not reserved.seq
-            if backfill:
-                need, steps = gate.need_tokens(seq), _steps_left(seq)
-                if not reserved.reservation.allows(need, steps):
-                    continue  # it would delay the reserved request; a shorter one may not
-            verdict = self._try(seq, gate, now, batch)
+            verdict = self._admit(seq, gate, now, batch, reserved)
+            if verdict is None:
+                continue  # it would delay a reserved request; a shorter one may not
             if verdict is Verdict.ADMITTED:
                 used += charge
-                if backfill:
-                    reserved.reservation.take(need, steps)
-                    self.counters["backfilled"] += 1
                 if bypassed is not None:
                     self._bypasses.append((bypassed, seq))
                     self.counters["bypasses"] += 1
@@ -308,6 +328,21 @@ class ChameleonQueue(QueuePolicy):
             elif verdict is Verdict.NO_ADAPTER_MEMORY and bypassed is None:
                 bypassed = seq
         return False
+
+    def _admit(
+        self, seq: Sequence, gate: Gate, now: float, batch: list[Sequence], reserved: _Reserved
+    ) -> Verdict | None:
+        """Try `seq` unless it would delay a reservation ahead of it (then None)."""
+        ahead = reserved.ahead_of(seq)
+        if ahead:
+            need, steps = gate.need_tokens(seq), _steps_left(seq)
+            if not allows(ahead, need, steps):
+                return None
+        verdict = self._try(seq, gate, now, batch)
+        if verdict is Verdict.ADMITTED and ahead:
+            take(ahead, need, steps)
+            self.counters["backfilled"] += len(ahead) == len(reserved.seqs)
+        return verdict
 
     def _try(self, seq: Sequence, gate: Gate, now: float, batch: list[Sequence]) -> Verdict:
         verdict = gate.try_admit(seq)

@@ -148,10 +148,10 @@ def test_phase_one_each_queue_admits_within_its_quota_smallest_first():
     gate = FakeGate(kv=400)
     push(p, large("L1", 0), small("s1", 1), small("s2", 2), small("s3", 3), large("L2", 4))
     batch = p.select(gate, gate.running, now=5)
-    # The small queue goes first and stops at its quota (2 x 20 slots); the large queue admits
-    # both of its requests within 360, which fills the memory: s3 waits. FCFS would have
-    # admitted L1, s1, s2, s3 in arrival order and kept L2 waiting.
-    assert names(batch) == ["s1", "s2", "L1", "L2"]
+    # The oldest request goes first (L1); then the small queue stops at its quota (2 x 20
+    # slots), and the large queue admits L2 within what L1 left of its 360, which fills the
+    # memory: s3 waits. FCFS would have admitted L1, s1, s2, s3 and kept L2 waiting.
+    assert names(batch) == ["L1", "s1", "s2", "L2"]
     assert names(p) == ["s3"]
     assert p.view()["queue_lengths"] == [1, 0]
 
@@ -312,8 +312,10 @@ def test_a_long_request_is_not_starved_by_a_steady_stream_of_short_ones(monkeypa
     admitted_at = simulate(p, gate, stream(), 200)
     # Bound: from its arrival the long request heads its queue within its quota, so it gets a
     # reservation at the step by which the short requests running then (10 iterations each at
-    # most) will have freed its memory, and no short request that would outlast that starts
-    # meanwhile: it waits at most 10 iterations, plus one to be admitted.
+    # most) will have freed its memory (the one reservation that may be ahead of it, the
+    # oldest short request's, starts at the first of those ends and needs 20 slots), and no
+    # short request that would outlast that starts meanwhile: it waits at most 10 iterations,
+    # plus one to be admitted.
     assert admitted_at["L"] - 20 <= 10 + 1
     assert p.view()["reserved"] >= 1
     # FCFS serves the same stream in arrival order: the long request waits behind the backlog
@@ -321,6 +323,25 @@ def test_a_long_request_is_not_starved_by_a_steady_stream_of_short_ones(monkeypa
     fcfs = FcfsQueue(EngineConfig(max_total_tokens=200))
     gate = FakeGate(kv=200, ranks={"r10": 10, "r100": 100}, adapter_slots=1000)
     assert simulate(fcfs, gate, stream(), 200)["L"] - 20 > 2 * (10 + 1)
+
+
+def test_the_oldest_request_is_not_passed_by_a_stream_even_beyond_its_quota():
+    # A running large request (180 slots, 200 steps) takes the large queue's quota (200), so
+    # the next one, Lc, the oldest waiting request, is beyond its quota. The other 220 slots
+    # hold eleven short requests ending one per step; four more short ones (20 slots, 10 steps)
+    # arrive every iteration. Without a reservation each 20 slots freed would go to a new
+    # short request and Lc would wait for the stream to stop. With one, at the ninth end (180
+    # free) no short request that outlasts it may start: Lc starts then.
+    p, gate = policy(cutoffs=[0.5], quotas=[200, 200], kv=400), FakeGate(kv=400)
+    push(p, FakeSeq("Lb", 90, 90, 0), *[small(f"r{i}", 1 + i / 100) for i in range(11)])
+    assert len(p.select(gate, gate.running, now=1)) == 12
+    for i, seq in enumerate(gate.running[1:]):
+        seq.output_ids = [1] * (9 - i) if i < 9 else []  # r0 ends after 1 step, r8 after 9
+    arrivals = {it: [small(f"s{it}.{j}", 3 + it + j / 10) for j in range(4)] for it in range(60)}
+    arrivals[0] = [large("Lc", 2.5), *arrivals[0]]
+    admitted_at = simulate(p, gate, arrivals, 60)
+    assert admitted_at["Lc"] <= 9 + 1
+    assert p.view()["reserved"] >= 1
 
 
 def step(p, gate, now):
