@@ -28,6 +28,21 @@ class Reservation:
     spare_rows: int
 
 
+@dataclass
+class Reservations:
+    """The waiting requests that hold a reservation, in the order they were made, and theirs."""
+
+    holders: list
+    spans: list[Reservation]
+
+    def ahead_of(self, request: object) -> list[Reservation]:
+        """The reservations `request` must not delay: all, or those made before its own."""
+        for i, holder in enumerate(self.holders):
+            if holder is request:
+                return self.spans[:i]
+        return self.spans
+
+
 def allows(reservations: list[Reservation], tokens: int, max_steps: int) -> bool:
     """Whether a request taking `tokens` for at most `max_steps` steps may start now without
     delaying any reservation: by each one's step it has ended, or it fits in the spare."""

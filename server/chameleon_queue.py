@@ -7,33 +7,25 @@ the M/M/1 bound. A request's charge on its queue's quota is the KV slots it rese
 max_new_tokens) plus its adapter's device memory in KV slots; it borrows that while it runs.
 
 Each iteration (`select`):
-0. the oldest waiting request goes first if it fits. If it does not, it gets a reservation
-   (server.backfill), and so does the oldest queue head that its quota entitles to start (or
-   whose queue has nothing running) but that finds no room: the decode step from which the
-   running requests will have freed enough memory for it. No other request starts if that would
-   delay either (only requests that end by then, or fit in what they leave spare, may);
+0. the oldest waiting request goes first if it fits; if not, it gets a reservation
+   (server.backfill), as does the oldest queue head its quota entitles to start (or whose queue
+   runs nothing) that finds no room: the step from which the memory stays free enough for it,
+   kept until it starts. No other request starts if that would delay a reservation;
 1. Algorithm 1 of the paper: every queue, smallest first, admits from its head while its
    unborrowed quota allows; a queue with nothing running may always admit its head (so a
    request larger than the quota runs);
 2. the memory phase 1 left goes to the queues in the same order, each from its head, while
    it fits (work-conserving; see below).
-Deviation (step 0): the paper protects large requests by their quotas alone. Here the small
-queues took the memory as it freed, a little at a time, so a large request rarely found room
-and became the P99 (bench_queueing, sessions 9-12), and a backlog of large requests drained one
-quota at a time. A reserved request waits at most for the requests running (or reserved) before
-it to end; backfilling keeps small requests flowing in memory FCFS would leave idle meanwhile.
-Deviation in phase 2: the paper redistributes only what queues left of their quotas; its quotas
-are tokens per iteration, where capacity kept back shortens every running request's iteration.
-Ours are memory reservations: memory kept idle shortens nothing, and it made the large queue's
-requests wait for each other (a quota of ~870 KV tokens held one of the largest at a time) while
-free memory sat unused. The quotas still decide, under contention, which queues the memory goes
-to first.
+Deviation (step 0): the paper protects large requests by quotas alone; here the small queues
+took the memory as it freed, so a large request rarely found room and became the P99
+(bench_queueing, sessions 9-12). A reserved request waits at most for the requests running or
+reserved before it; backfilling keeps small requests flowing in memory FCFS leaves idle.
+Deviation in phase 2: the paper redistributes only what queues left of their quotas, which are
+tokens per iteration (capacity kept back shortens every iteration). Ours reserve memory, and idle
+memory shortens nothing: it made the large queue's requests wait for each other while memory
+sat unused. The quotas still decide, under contention, which queues memory goes to first.
 Opportunistic bypass: when a head finds no adapter memory, a younger request of its queue may
-go first if its predicted length is below the shortest predicted remainder of a running request
-with an adapter (when memory should free up). If the head's adapter would fit by releasing the
-bypasser's, the bypasser is squashed: it leaves the batch and runs again later (see
-Sequence.restart). Only deterministic requests (greedy or seeded) may bypass, and squashes are
-refused once their discarded tokens would exceed `SQUASH_SHARE` of all tokens processed.
+go first, and be squashed later, as server.bypass says.
 """
 
 from __future__ import annotations
@@ -43,7 +35,8 @@ import logging
 from collections import deque
 from dataclasses import dataclass
 
-from toppings.server.backfill import Reservation, allows, reserve, take
+from toppings.server.backfill import Reservations, allows, reserve, take
+from toppings.server.bypass import SquashBudget, may_bypass
 from toppings.server.config import EngineConfig
 from toppings.server.queue_sizing import (
     OutputPredictor,
@@ -60,23 +53,7 @@ REFRESH_S = 30.0  # the paper refreshes every 5 min over hours-long traces; ours
 REFRESH_COUNT = 256  # ... or after this many arrivals, whichever comes first
 MIN_SAMPLES = 32  # arrivals before the first clustering (until then: one queue)
 WINDOW = 1024  # recent arrivals and completions the clustering and the quotas look at
-SQUASH_SHARE = 0.05  # the paper's bound: at most 5% of the work is squashed
 MAX_RESERVATIONS = 2  # requests that hold a reservation at once (the oldest, a queue head)
-
-
-@dataclass
-class _Reserved:
-    """Waiting requests that hold a reservation, in their order, and theirs (server.backfill)."""
-
-    seqs: list[Sequence]
-    reservations: list[Reservation]
-
-    def ahead_of(self, seq: Sequence) -> list[Reservation]:
-        """The reservations `seq` must not delay: all, or those before its own."""
-        for i, held in enumerate(self.seqs):
-            if held is seq:
-                return self.reservations[:i]
-        return self.reservations
 
 
 @dataclass
@@ -117,8 +94,7 @@ class ChameleonQueue(QueuePolicy):
         self._since_refresh = 0
         self.counters = {"bypasses": 0, "squashes": 0, "refreshes": 0, "reserved": 0,
                          "backfilled": 0}  # fmt: skip
-        self._work_tokens = 0  # prompt + output tokens of every request that left the batch
-        self._wasted_tokens = 0  # ... of the squashed ones
+        self._budget = SquashBudget()
 
     # ---- the waiting requests ---------------------------------------------------------------
 
@@ -204,12 +180,7 @@ class ChameleonQueue(QueuePolicy):
         arrivals = [(self._queue_of(s.wrs), s) for s in sizes]
         self.quotas = queue_quotas(arrivals, served, len(self.cutoffs) + 1, gate.total_tokens(),
                                    self.slo_s, now)  # fmt: skip
-        self._queues = [[] for _ in self.quotas]
-        for seq in self._waiting:
-            if seq in self._sizes:
-                self._enqueue(seq)
-        self._last_refresh, self._since_refresh = now, 0
-        self.counters["refreshes"] += 1
+        self._requeue(now)
         log.info("queues: cutoffs %s, quotas %s", [round(c, 4) for c in self.cutoffs], self.quotas)
 
     def set_queues(
@@ -221,10 +192,15 @@ class ChameleonQueue(QueuePolicy):
     ) -> None:
         """Fix the queues by hand (tests, experiments); the next refresh replaces them."""
         self.cutoffs, self.quotas, self._maxima = list(cutoffs), list(quotas), maxima
-        self._queues = [[] for _ in quotas]
+        for size in self._sizes.values():
+            size.wrs = self._wrs(size)
+        self._requeue(now)
+
+    def _requeue(self, now: float) -> None:
+        """Put every sized waiting request in its queue under the new cutoffs."""
+        self._queues = [[] for _ in self.quotas]
         for seq in self._waiting:
             if seq in self._sizes:
-                self._sizes[seq].wrs = self._wrs(self._sizes[seq])
                 self._enqueue(seq)
         self._last_refresh, self._since_refresh = now, 0
         self.counters["refreshes"] += 1
@@ -237,7 +213,7 @@ class ChameleonQueue(QueuePolicy):
         batch: list[Sequence] = []
         reserved = self._reserve(gate, self._borrowed())
         stop = False
-        for seq in [*reserved.seqs, *self._waiting[:1]]:  # step 0
+        for seq in [*reserved.holders, *self._waiting[:1]]:  # step 0
             if seq in self._sizes:
                 stop = self._admit(seq, gate, now, batch, reserved) is Verdict.BATCH_FULL
             if stop:
@@ -264,9 +240,8 @@ class ChameleonQueue(QueuePolicy):
             borrowed[self._queue_of(size.wrs)] += size.charge
         return borrowed
 
-    def _reserve(self, gate: Gate, borrowed: list[int]) -> _Reserved:
-        """The reservations of this iteration (step 0 in the module docstring). A request keeps
-        its place in their order until it starts: a later reservation never delays it."""
+    def _reserve(self, gate: Gate, borrowed: list[int]) -> Reservations:
+        """This iteration's reservations (step 0); each keeps its place until it starts."""
         self._reserved = [s for s in self._reserved if s in self._sizes]  # still waiting
         free = gate.free_tokens()
         entitled = [
@@ -284,10 +259,10 @@ class ChameleonQueue(QueuePolicy):
                 self._reserved.append(seq)
                 self.counters["reserved"] += 1
         if not self._reserved:
-            return _Reserved([], [])
+            return Reservations([], [])
         ends = [(_steps_left(s), gate.release_tokens(s)) for s in self._running]
         needs = [(gate.need_tokens(s), _steps_left(s)) for s in self._reserved]
-        return _Reserved(list(self._reserved), reserve(needs, free, gate.free_rows(), ends))
+        return Reservations(list(self._reserved), reserve(needs, free, gate.free_rows(), ends))
 
     def _put(
         self,
@@ -297,14 +272,11 @@ class ChameleonQueue(QueuePolicy):
         running: list[Sequence],
         now: float,
         batch: list[Sequence],
-        reserved: _Reserved,
+        reserved: Reservations,
         may_exceed: bool,
     ) -> bool:
-        """Admit from the head of `queue` within `tokens`; returns whether to stop all admission.
-
-        may_exceed: the queue has nothing running, so its head may go beyond `tokens`;
-        reserved: the requests with a reservation, which no other admission may delay.
-        """
+        """Admit from the head of `queue` within `tokens` (beyond, for its head, `may_exceed`)
+        without delaying a reservation; returns whether to stop all admission."""
         used = 0
         bypassed: Sequence | None = None
         for seq in list(queue):
@@ -330,7 +302,7 @@ class ChameleonQueue(QueuePolicy):
         return False
 
     def _admit(
-        self, seq: Sequence, gate: Gate, now: float, batch: list[Sequence], reserved: _Reserved
+        self, seq: Sequence, gate: Gate, now: float, batch: list[Sequence], reserved: Reservations
     ) -> Verdict | None:
         """Try `seq` unless it would delay a reservation ahead of it (then None)."""
         ahead = reserved.ahead_of(seq)
@@ -341,7 +313,8 @@ class ChameleonQueue(QueuePolicy):
         verdict = self._try(seq, gate, now, batch)
         if verdict is Verdict.ADMITTED and ahead:
             take(ahead, need, steps)
-            self.counters["backfilled"] += len(ahead) == len(reserved.seqs)
+            if all(seq is not h for h in reserved.holders):
+                self.counters["backfilled"] += 1
         return verdict
 
     def _try(self, seq: Sequence, gate: Gate, now: float, batch: list[Sequence]) -> Verdict:
@@ -358,21 +331,14 @@ class ChameleonQueue(QueuePolicy):
     # ---- bypass and squash --------------------------------------------------------------------
 
     def _may_bypass(self, seq: Sequence, running: list[Sequence]) -> bool:
-        """A younger request may go ahead of one waiting for adapter memory when a squash could
-        undo it (deterministic output), the squash budget is not spent, and it should end before
-        a running request frees adapter memory."""
         params = seq.request.params
-        if params.temperature > 0 and params.seed is None:
-            return False
-        if self._wasted_tokens > SQUASH_SHARE * self._work_tokens:
-            return False
         remaining = [
             self._running[s].out_tokens - len(s.output_ids)
             for s in running
             if s.request.adapter is not None and s in self._running
         ]
-        soonest = max(min(remaining), 0.0) if remaining else 0.0
-        return self._sizes[seq].out_tokens <= soonest
+        deterministic = params.temperature == 0 or params.seed is not None
+        return may_bypass(deterministic, self._sizes[seq].out_tokens, remaining, self._budget)
 
     def _squash_bypassers(self, gate: Gate) -> None:
         keep = []
@@ -380,8 +346,7 @@ class ChameleonQueue(QueuePolicy):
             if waiting not in self._sizes or bypasser not in self._running:
                 continue  # the bypassed request got in, or the bypasser ended
             work = bypasser.prompt_len + len(bypasser.output_ids)
-            within = self._wasted_tokens + work <= SQUASH_SHARE * (self._work_tokens + work)
-            if within and gate.fits_if_released(waiting, bypasser):
+            if self._budget.allows(work) and gate.fits_if_released(waiting, bypasser):
                 self.squash(bypasser, gate)
             else:
                 keep.append((waiting, bypasser))
@@ -390,10 +355,8 @@ class ChameleonQueue(QueuePolicy):
     def squash(self, seq: Sequence, gate: Gate) -> None:
         """Take a running request out of the batch; it waits again in its arrival place and
         runs from its prompt when admitted again (its work so far counts as wasted)."""
-        work = seq.prompt_len + len(seq.output_ids)
         size = self._running.pop(seq)
-        self._wasted_tokens += work
-        self._work_tokens += work
+        self._budget.left(seq.prompt_len + len(seq.output_ids), squashed=True)
         self.counters["squashes"] += 1
         gate.squash(seq)
         self._sizes[seq] = size
@@ -412,7 +375,7 @@ class ChameleonQueue(QueuePolicy):
         if size is None:
             return
         num_out = len(seq.output_ids)
-        self._work_tokens += seq.prompt_len + num_out
+        self._budget.left(seq.prompt_len + num_out)
         if completed:
             self.predictor.observe(seq.request.adapter, num_out, seq.request.params.max_new_tokens)
             self._served.append((size, now - size.admitted, max(num_out, 1)))
@@ -425,7 +388,7 @@ class ChameleonQueue(QueuePolicy):
             "cutoffs": list(self.cutoffs),
             "quotas": list(self.quotas),
             "ttft_slo_ms": self.config.ttft_slo_ms,
-            "squashed_work_share": self._wasted_tokens / max(self._work_tokens, 1),
+            "squashed_work_share": self._budget.share,
             **self.counters,
         }
 

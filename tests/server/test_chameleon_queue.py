@@ -239,7 +239,7 @@ def test_squash_when_the_bypassed_request_fits_by_releasing_the_bypasser():
     p = policy(cutoffs=[], quotas=[1000])
     ranks = {"big": 80, "run": 40, "hot": 20}
     gate = FakeGate(kv=1000, adapter_slots=100, ranks=ranks)
-    p._work_tokens = 10_000  # earlier work: the 5% squash budget has room
+    p._budget.work_tokens = 10_000  # earlier work: the 5% squash budget has room
     r0 = FakeSeq("R0", 10, 50, 0, adapter="run")
     push(p, r0)
     p.select(gate, gate.running, now=0)
@@ -262,7 +262,7 @@ def test_squash_when_the_bypassed_request_fits_by_releasing_the_bypasser():
 def test_no_squash_beyond_five_percent_of_the_work():
     p = policy(cutoffs=[], quotas=[1000])
     gate = FakeGate(kv=1000, adapter_slots=100, ranks={"big": 80, "run": 40, "hot": 20})
-    p._work_tokens = 100  # little work done: squashing R2's 13 tokens would waste > 5%
+    p._budget.work_tokens = 100  # little work done: squashing R2's 13 tokens would waste > 5%
     push(p, FakeSeq("R0", 10, 50, 0, adapter="run"))
     p.select(gate, gate.running, now=0)
     r1, r2 = FakeSeq("R1", 10, 10, 1, adapter="big"), FakeSeq("R2", 10, 10, 2, adapter="hot")
