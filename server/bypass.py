@@ -37,6 +37,11 @@ class SquashBudget:
         return self.wasted_tokens / max(self.work_tokens, 1)
 
 
+def is_deterministic(params) -> bool:
+    """Whether a request's tokens come out the same when it runs again (greedy or seeded)."""
+    return params.temperature == 0 or params.seed is not None
+
+
 def may_bypass(
     deterministic: bool, predicted_out: float, remaining: list[float], budget: SquashBudget
 ) -> bool:

@@ -36,7 +36,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from toppings.server.backfill import Reservations, allows, reserve, take
-from toppings.server.bypass import SquashBudget, may_bypass
+from toppings.server.bypass import SquashBudget, is_deterministic, may_bypass
 from toppings.server.config import EngineConfig
 from toppings.server.queue_sizing import (
     OutputPredictor,
@@ -93,7 +93,7 @@ class ChameleonQueue(QueuePolicy):
         self._last_refresh = 0.0
         self._since_refresh = 0
         self.counters = {"bypasses": 0, "squashes": 0, "refreshes": 0, "reserved": 0,
-                         "backfilled": 0}  # fmt: skip
+                         "backfilled": 0, "reclaims": 0}  # fmt: skip
         self._budget = SquashBudget()
 
     # ---- the waiting requests ---------------------------------------------------------------
@@ -211,6 +211,7 @@ class ChameleonQueue(QueuePolicy):
         self._take_fresh(gate, now)
         self._squash_bypassers(gate)
         batch: list[Sequence] = []
+        self._reclaim(gate, self._borrowed(), now, batch)
         reserved = self._reserve(gate, self._borrowed())
         stop = False
         for seq in [*reserved.holders, *self._waiting[:1]]:  # step 0
@@ -240,16 +241,48 @@ class ChameleonQueue(QueuePolicy):
             borrowed[self._queue_of(size.wrs)] += size.charge
         return borrowed
 
+    def _entitled(self, borrowed: list[int]) -> list[Sequence]:
+        """Queue heads within their queue's unborrowed quota."""
+        return [
+            queue[0]
+            for q, queue in enumerate(self._queues)
+            if queue and self._sizes[queue[0]].charge <= self.quotas[q] - borrowed[q]
+        ]
+
+    def _reclaim(self, gate: Gate, borrowed: list[int], now: float, batch: list) -> None:
+        """Squash the youngest requests running beyond their own queue's quota (deterministic
+        ones, within the squash budget) so that the oldest queue head within its quota that
+        finds no room starts now: the quota is its queue's, lent out only while unused."""
+        free = gate.free_tokens()
+        late = [s for s in self._entitled(borrowed) if gate.need_tokens(s) > free]
+        if not late:
+            return
+        head = min(late, key=lambda s: s.arrival)
+        need, over = gate.need_tokens(head), list(borrowed)
+        victims, work = [], 0
+        for seq, size in sorted(self._running.items(), key=lambda kv: -kv[1].admitted):
+            q = self._queue_of(size.wrs)
+            cost = seq.prompt_len + len(seq.output_ids)
+            if over[q] <= self.quotas[q] or not is_deterministic(seq.request.params):
+                continue
+            if not self._budget.allows(work + cost):
+                break
+            victims.append(seq)
+            over[q], work = over[q] - size.charge, work + cost
+            free += gate.release_tokens(seq)
+            if free >= need:
+                for victim in victims:
+                    self.squash(victim, gate)
+                self.counters["reclaims"] += 1
+                self._try(head, gate, now, batch)
+                return
+
     def _reserve(self, gate: Gate, borrowed: list[int]) -> Reservations:
         """This iteration's reservations (step 0); each keeps its place until it starts."""
         self._reserved = [s for s in self._reserved if s in self._sizes]  # still waiting
         free = gate.free_tokens()
-        entitled = [
-            queue[0]
-            for q, queue in enumerate(self._queues)
-            if queue
-            and (self._sizes[queue[0]].charge <= self.quotas[q] - borrowed[q] or not borrowed[q])
-        ]
+        idle = [queue[0] for q, queue in enumerate(self._queues) if queue and not borrowed[q]]
+        entitled = [*self._entitled(borrowed), *idle]
         late = sorted(
             (s for s in [*self._waiting[:1], *entitled] if gate.need_tokens(s) > free),
             key=lambda s: s.arrival,
@@ -337,7 +370,7 @@ class ChameleonQueue(QueuePolicy):
             for s in running
             if s.request.adapter is not None and s in self._running
         ]
-        deterministic = params.temperature == 0 or params.seed is not None
+        deterministic = is_deterministic(params)
         return may_bypass(deterministic, self._sizes[seq].out_tokens, remaining, self._budget)
 
     def _squash_bypassers(self, gate: Gate) -> None:
