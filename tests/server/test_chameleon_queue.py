@@ -306,7 +306,7 @@ def test_a_long_request_is_not_starved_by_a_steady_stream_of_short_ones(monkeypa
     # short ones arrive every iteration, more than the server can take, for 200 iterations.
     # Quotas as split_quotas makes them, summing to the KV: 20 for the short queue, 180 for the
     # long one. The queues stay fixed (no refresh) so that the long one keeps its own queue.
-    monkeypatch.setattr("toppings.server.chameleon_queue.REFRESH_S", 1e9)
+    monkeypatch.setattr("toppings.server.size_queues.REFRESH_S", 1e9)
     p = policy(cutoffs=[0.3], quotas=[20, 180], kv=200)
     gate = FakeGate(kv=200, ranks={"r10": 10, "r100": 100}, adapter_slots=1000)
     admitted_at = simulate(p, gate, stream(), 200)
