@@ -187,6 +187,12 @@ def main(argv: list[str] | None = None) -> None:
         help="the engines' dtype (auto: what toppings-serve picks on this machine)",
     )
     p.add_argument("--max-batch-size", type=int, default=32)
+    p.add_argument(
+        "--max-prefill-tokens",
+        type=int,
+        default=8192,
+        help="prompt tokens one prefill step may take (the engine's default)",
+    )
     p.add_argument("--alone", type=int, default=8, help="requests served alone for the SLO")
     p.add_argument("--burst", type=int, default=32, help="requests of the capacity burst")
     p.add_argument("--adapter-dir", type=Path, default=Path("/tmp/toppings-queueing-adapters"))
@@ -200,6 +206,7 @@ def main(argv: list[str] | None = None) -> None:
     def engine(policy: str, slo_ms: float = 5000.0):
         config = EngineConfig(dtype=args.dtype, max_total_tokens=args.max_total_tokens,
                               max_batch_size=args.max_batch_size, queue_policy=policy,
+                              max_prefill_tokens=args.max_prefill_tokens,
                               ttft_slo_ms=slo_ms)  # fmt: skip
         return build_engine(str(model_dir), config, adapters)
 
@@ -278,7 +285,8 @@ def write(args, argv, dtype, slo_ms, capacity, fractions, loads, per_policy, vie
         },
         metrics=metrics,
     )
-    title = (f"SmolLM2 CPU {dtype}, KV {args.max_total_tokens} tokens, ranks 8-128, "
+    title = (f"SmolLM2 CPU {dtype}, KV {args.max_total_tokens}, prefill "
+             f"{args.max_prefill_tokens} tokens, ranks 8-128, "
              f"{args.rounds} rounds x {args.duration:.0f} s per point")  # fmt: skip
     plot(args.plot, loads, per_policy, slo_ms, title)
     log.info("%s", {k: v for k, v in metrics.items() if k not in ("per_load",)})
