@@ -4,10 +4,10 @@ A heterogeneous trace (PEFT adapters of ranks 8-128 on q, k, v, equal rank share
 popularity within a rank; LMSYS-shaped lognormal lengths, outputs scaled down for a CPU) is
 replayed open-loop (Poisson arrivals) against two in-process engines that differ only in the
 queue policy. The KV cache is small enough to bind (as GPU memory does in the paper), so that
-requests queue. On a CPU a prefill step costs about a second per 500 prompt tokens (SmolLM2,
-float32, 2 cores): with the engine's default budget of 8192 tokens a step, every request admitted
-together waits for the whole step, and that, not the order of admission, sets the TTFT tail;
-`--max-prefill-tokens` bounds a step. At the start of the run:
+requests queue. On a CPU a prefill step is slow (SmolLM2 in float32 at the ~200 GFLOP/s of
+engine_throughput_float32.json: ~0.7 s per 500 prompt tokens on 2 cores): with the engine's
+default budget of 8192 prompt tokens a step, every request admitted together waits for the whole
+step; `--max-prefill-tokens` bounds a step. At the start of the run:
 - the SLO is 5x the mean E2E latency of requests served alone (the paper's rule);
 - capacity is the request rate FCFS completes a burst at while it still saturates the server
   (the first 75% of its completions);
