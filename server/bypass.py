@@ -33,6 +33,11 @@ class SquashBudget:
         self.wasted_tokens += work if squashed else 0
 
     @property
+    def spent(self) -> bool:
+        """Whether the squashed share is past the bound already."""
+        return self.wasted_tokens > SQUASH_SHARE * self.work_tokens
+
+    @property
     def share(self) -> float:
         return self.wasted_tokens / max(self.work_tokens, 1)
 
@@ -47,7 +52,7 @@ def may_bypass(
 ) -> bool:
     """Whether a request predicted to make `predicted_out` tokens may bypass one waiting for
     adapter memory; `remaining`: predicted tokens left of each running adapter request."""
-    if not deterministic or budget.wasted_tokens > SQUASH_SHARE * budget.work_tokens:
+    if not deterministic or budget.spent:
         return False
     soonest = max(min(remaining), 0.0) if remaining else 0.0
     return predicted_out <= soonest

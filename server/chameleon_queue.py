@@ -86,11 +86,12 @@ class ChameleonQueue(SizeQueues):
         ones, within the squash budget) so that the oldest queue head within its quota that
         finds no room starts now: the quota is its queue's, lent out only while unused."""
         free = gate.free_tokens()
-        late = [s for s in self._entitled(borrowed) if gate.need_tokens(s) > free]
+        needs = [(gate.need_tokens(s), s) for s in self._entitled(borrowed)]
+        late = [(s.arrival, need, s) for need, s in needs if need > free]
         if not late:
             return
-        head = min(late, key=lambda s: s.arrival)
-        need, over = gate.need_tokens(head), list(borrowed)
+        _, need, head = min(late, key=lambda t: t[0])
+        over = list(borrowed)
         victims, work = [], 0
         for seq, size in sorted(self._running.items(), key=lambda kv: -kv[1].admitted):
             q = self._queue_of(size.wrs)
@@ -115,10 +116,8 @@ class ChameleonQueue(SizeQueues):
         free = gate.free_tokens()
         idle = [queue[0] for q, queue in enumerate(self._queues) if queue and not borrowed[q]]
         entitled = [*self._entitled(borrowed), *idle]
-        late = sorted(
-            (s for s in [*self._waiting[:1], *entitled] if gate.need_tokens(s) > free),
-            key=lambda s: s.arrival,
-        )
+        need = {s: gate.need_tokens(s) for s in [*self._waiting[:1], *entitled]}
+        late = sorted((s for s, n in need.items() if n > free), key=lambda s: s.arrival)
         for seq in late[:MAX_RESERVATIONS]:
             if len(self._reserved) < MAX_RESERVATIONS and all(seq is not r for r in self._reserved):
                 self._reserved.append(seq)
@@ -126,7 +125,9 @@ class ChameleonQueue(SizeQueues):
         if not self._reserved:
             return Reservations([], [])
         ends = [(_steps_left(s), gate.release_tokens(s)) for s in self._running]
-        needs = [(gate.need_tokens(s), _steps_left(s)) for s in self._reserved]
+        needs = [
+            (need[s] if s in need else gate.need_tokens(s), _steps_left(s)) for s in self._reserved
+        ]
         return Reservations(list(self._reserved), reserve(needs, free, gate.free_rows(), ends))
 
     def _put(
