@@ -2,10 +2,7 @@
 waiting requests start, from the queues and quotas of server.size_queues.
 
 Each iteration (`select`):
-0. the oldest queue head within its queue's unborrowed quota that finds no room takes it back:
-   the youngest requests running beyond their own queue's quota are squashed (greedy or seeded
-   ones, within the squash budget of server.bypass) until it fits, and it starts. Then the
-   oldest waiting request goes first if it fits; if not, it gets a reservation
+0. the oldest waiting request goes first if it fits; if not, it gets a reservation
    (server.backfill), as does the oldest queue head its quota entitles to start (or whose queue
    runs nothing) that finds no room: the step from which the memory stays free enough for it,
    kept until it starts. No other request starts if that would delay a reservation;
@@ -14,12 +11,14 @@ Each iteration (`select`):
    request larger than the quota runs);
 2. the memory phase 1 left goes to the queues in the same order, each from its head, while
    it fits (work-conserving; see below).
-Deviation (step 0): the paper squashes only bypassers, and its quotas are per iteration; ours
-are memory held for a request's whole run, so a queue's unused quota, lent to the others by
-phase 2, comes back only by squashing or as they end. Without that, a large request rarely found
-room and became the P99 (bench_queueing, sessions 9-12). A reserved request waits at most for the
-requests running or reserved before it; backfilling keeps small requests flowing in memory FCFS
-leaves idle.
+Deviation (step 0): the paper's quotas are tokens per iteration; ours are memory held for a
+request's whole run, so a queue's quota lent to the others by phase 2 comes back only as they
+end, and the quotas alone let a large request wait for the memory indefinitely (sessions 9-12).
+A reserved request waits at most for the requests running or reserved before it; backfilling
+keeps small requests flowing in the memory FCFS leaves idle. Taking a quota back at once by
+squashing the requests beyond theirs (session 13) cost more than it gained: bench/queueing_sim
+measured it 5-10% below the same policy without it, in P99 TTFT and sustained load, on both
+the CPU's and a flat-decode step model.
 Deviation in phase 2: the paper redistributes only what queues left of their quotas, which are
 tokens per iteration (capacity kept back shortens every iteration). Ours reserve memory, and idle
 memory shortens nothing: it made the large queue's requests wait for each other while memory
@@ -49,7 +48,7 @@ class ChameleonQueue(SizeQueues):
         super().__init__(config)
         self._bypasses: list[tuple[Sequence, Sequence]] = []  # (bypassed, bypasser)
         self._reserved: list[Sequence] = []  # waiting requests with a reservation, in order
-        self.counters.update(bypasses=0, squashes=0, reserved=0, backfilled=0, reclaims=0)
+        self.counters.update(bypasses=0, squashes=0, reserved=0, backfilled=0)
         self._budget = SquashBudget()
 
     # ---- batch formation ----------------------------------------------------------------------
@@ -58,7 +57,6 @@ class ChameleonQueue(SizeQueues):
         self._take_fresh(gate, now)
         self._squash_bypassers(gate)
         batch: list[Sequence] = []
-        self._reclaim(gate, self._borrowed(), now, batch)
         reserved = self._reserve(gate, self._borrowed())
         stop = False
         for seq in [*reserved.holders, *self._waiting[:1]]:  # step 0
@@ -80,35 +78,6 @@ class ChameleonQueue(SizeQueues):
             stop = self._put(queue, everything, gate, running, now, batch, reserved, False)
         self._prefetch(gate)
         return batch
-
-    def _reclaim(self, gate: Gate, borrowed: list[int], now: float, batch: list) -> None:
-        """Squash the youngest requests running beyond their own queue's quota (deterministic
-        ones, within the squash budget) so that the oldest queue head within its quota that
-        finds no room starts now: the quota is its queue's, lent out only while unused."""
-        free = gate.free_tokens()
-        needs = [(gate.need_tokens(s), s) for s in self._entitled(borrowed)]
-        late = [(s.arrival, need, s) for need, s in needs if need > free]
-        if not late:
-            return
-        _, need, head = min(late, key=lambda t: t[0])
-        over = list(borrowed)
-        victims, work = [], 0
-        for seq, size in sorted(self._running.items(), key=lambda kv: -kv[1].admitted):
-            q = self._queue_of(size.wrs)
-            cost = seq.prompt_len + len(seq.output_ids)
-            if over[q] <= self.quotas[q] or not is_deterministic(seq.request.params):
-                continue
-            if not self._budget.allows(work + cost):
-                break
-            victims.append(seq)
-            over[q], work = over[q] - size.charge, work + cost
-            free += gate.release_tokens(seq)
-            if free >= need:
-                for victim in victims:
-                    self.squash(victim, gate)
-                self.counters["reclaims"] += 1
-                self._try(head, gate, now, batch)
-                return
 
     def _reserve(self, gate: Gate, borrowed: list[int]) -> Reservations:
         """This iteration's reservations (step 0); each keeps its place until it starts."""

@@ -114,8 +114,6 @@ ENGINE_SERIES: tuple[tuple[str, str, str, Callable[[dict], float]], ...] = (
      lambda c: c["queueing"].get("reserved")),
     ("counter", "queue_backfilled", "Requests admitted while another held a reservation",
      lambda c: c["queueing"].get("backfilled")),
-    ("counter", "queue_reclaims", "Quota reclaimed for a queue by squashing requests beyond theirs",
-     lambda c: c["queueing"].get("reclaims")),
     ("gauge", "adapter_references",
      "References held on device adapters (requests, plus registration pins in cached mode)",
      lambda c: c["adapter_references"]),

@@ -16,7 +16,7 @@ parser. Imports nothing else of the server, so the scheduler may import it.
            "output_tokens": int, "max_new_tokens": int}
     QUEUEING = {"policy": "fcfs"|"chameleon", "queue_lengths": [int], and for chameleon
                 "cutoffs": [float], "quotas": [int], "bypasses": int, "squashes": int,
-                "reserved": int, "backfilled": int, "reclaims": int, ...}
+                "reserved": int, "backfilled": int, ...}
     MEMORY = {"layout": "pool"|"static", "block_tokens": int, "block_bytes": int,
               "blocks": {"total", "free", "kv_in_use", "kv_cached", "adapters_in_use",
                          "adapters_cached": int}, "host_blocks": {"total", "used": int},

@@ -344,29 +344,24 @@ def test_the_oldest_request_is_not_passed_by_a_stream_even_beyond_its_quota():
     assert p.view()["reserved"] >= 1
 
 
-def test_a_head_within_its_quota_reclaims_it_from_requests_beyond_theirs():
+def test_a_large_request_waits_for_its_quota_without_squashing_anyone():
     # Twenty short requests fill the memory (400 slots), twice their queue's quota of 200: the
-    # large queue's quota was lent to them while it had nothing to run. When a large request
-    # comes, the youngest short requests beyond the quota are squashed until it fits, and it
-    # starts at once; with no squash budget left it waits, with a reservation.
-    for budget, reclaimed in ((10_000, True), (0, False)):
-        p, gate = policy(cutoffs=[0.5], quotas=[200, 200], kv=400), FakeGate(kv=400)
-        shorts = [small(f"s{i}", i) for i in range(20)]
-        push(p, *shorts)
-        assert len(p.select(gate, gate.running, now=20)) == 20
-        for i, seq in enumerate(shorts):
-            p._running[seq].admitted = i  # s19 is the youngest
-        p._budget.work_tokens = budget
-        push(p, large("L", 21))
-        batch = p.select(gate, gate.running, now=22)
-        if reclaimed:
-            assert names(batch) == ["L"]
-            assert names(gate.squashed) == [f"s{i}" for i in range(19, 10, -1)]  # 9 x 20 slots
-            assert names(p) == [f"s{i}" for i in range(11, 20)]  # waiting again
-            assert p.view()["reclaims"] == 1 and p.view()["squashes"] == 9
-        else:
-            assert batch == [] and gate.squashed == [] and names(p) == ["L"]
-            assert p.view()["reserved"] == 1
+    # large queue's quota was lent to them while it had nothing to run. A large request that
+    # comes then waits with a reservation, however much squash budget is left: squashing
+    # running requests to take the quota back at once cost more than it gained
+    # (bench/queueing_sim). As the short ones end, none starts in the memory it waits for.
+    p, gate = policy(cutoffs=[0.5], quotas=[200, 200], kv=400), FakeGate(kv=400)
+    shorts = [small(f"s{i}", i) for i in range(20)]
+    push(p, *shorts)
+    assert len(p.select(gate, gate.running, now=20)) == 20
+    p._budget.work_tokens = 10_000
+    push(p, large("L", 21), *[small(f"n{i}", 22 + i) for i in range(5)])
+    assert p.select(gate, gate.running, now=23) == [] and gate.squashed == []
+    assert p.view()["reserved"] == 1
+    for seq in shorts[:9]:  # 180 slots free: L fits, and starts before the newer short ones
+        gate.release(seq)
+        p.finished(seq, True, now=24)
+    assert names(p.select(gate, gate.running, now=25))[0] == "L"
 
 
 def step(p, gate, now):
