@@ -1,15 +1,23 @@
-"""The queue policies (`--queue-policy`) on a simulated engine: the same trace as bench_queueing,
-the real FcfsQueue and ChameleonQueue code, and the engine's step times from a linear model
-measured on SmolLM2 (no model runs). Seconds per sweep instead of the real benchmark's ~40
-minutes, so that a policy can be tried over many more requests than a real run affords; a
-figure from here is labelled "simulated" and a real run (bench_queueing) is what counts.
+"""The queue policies (`--queue-policy`) on a simulated engine: the same traces as
+bench_queueing, the real FcfsQueue and ChameleonQueue code, and the engine's step times from a
+linear model fitted on SmolLM2 (`--measure-steps`; no model runs during the simulation). Seconds
+per sweep instead of the real benchmark's ~40 minutes, so policies can be compared over ~10x more
+requests than a real run affords; its figures are labelled "simulated", and bench_queueing's real
+runs are what count.
 
 The simulated engine does what server.engine does each iteration: the policy admits through a
-gate (batch rows, KV slots reserved for prompt + max_new_tokens, the prefill token budget); an
-iteration that admits runs a prefill step of the admitted prompts only, else a decode step of
-the running batch. Step times (ms): prefill `a + b * prompt tokens`, decode `c + d * batch`.
+gate (batch rows; memory: KV slots reserved for prompt + max_new_tokens, and with
+`--slots-per-rank` each cached adapter's weights in the same memory, idle ones evicted least
+recently used first; the prefill token budget); an iteration that admits runs a prefill step of
+the admitted prompts only, else a decode step of the running batch. Step times (ms): prefill
+`a + b * prompt tokens`, decode `c + d * batch`. `first-fit` is a reference order, not a policy
+the server offers: every request that fits starts, so nothing blocks and nothing bounds a wait.
+Headlines as bench_queueing's: P99 TTFT ratio at FCFS's highest load within the SLO, and the
+ratio of the loads each policy sustains within it.
 
-    python -m bench.queueing_sim --loads 0.5,0.75,1.0,1.25 --duration 600
+    python -m bench.queueing_sim --measure-steps float32 --rounds 10 --duration 1200
+    python -m bench.queueing_sim --steps '{"prefill_ms": 15, ...}' --memory-tokens 4096 \
+        --slots-per-rank 7 --max-batch-size 64 --out bench/results/queueing_sim_flat.json
 """
 
 from __future__ import annotations
@@ -18,17 +26,17 @@ import argparse
 import json
 import logging
 import statistics
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 from bench.bench_queueing import RANKS, sustained
-from bench.envelope import write_result
+from bench.envelope import describe_device, write_result
+from bench.sim_engine import SimGate, StepModel, measure_steps, simulate
 from toppings.scripts.loadgen_stats import percentile
 from toppings.scripts.workload import LengthSpec, WorkloadSpec, build_trace
 from toppings.server.chameleon_queue import ChameleonQueue
 from toppings.server.config import EngineConfig
 from toppings.server.queueing import FcfsQueue, Verdict
-from toppings.server.request import SamplingParams
 
 log = logging.getLogger("queueing_sim")
 
@@ -54,174 +62,6 @@ class FirstFit(FcfsQueue):
 POLICIES = {"fcfs": FcfsQueue, "chameleon": ChameleonQueue, "first-fit": FirstFit}
 
 
-@dataclass
-class StepModel:
-    """Engine step times in ms; defaults: SmolLM2 float32 on this 2-core Intel Xeon (11-25)."""
-
-    prefill_ms: float = 60.0
-    prefill_ms_per_token: float = 0.2
-    decode_ms: float = 50.0
-    decode_ms_per_request: float = 1.8
-
-    def prefill_s(self, tokens: int) -> float:
-        return (self.prefill_ms + self.prefill_ms_per_token * tokens) / 1000
-
-    def decode_s(self, batch: int) -> float:
-        return (self.decode_ms + self.decode_ms_per_request * batch) / 1000
-
-
-@dataclass
-class _Request:
-    adapter: str
-    params: SamplingParams
-
-
-@dataclass(eq=False)
-class SimSeq:
-    """What a queue policy reads of a server.sequence.Sequence."""
-
-    prompt_len: int
-    max_new: int
-    arrival: float
-    adapter: str
-    output_ids: list[int] = field(default_factory=list)
-    first_token_s: float | None = None
-    cache_entry: object = None
-
-    def __post_init__(self):
-        self.request = _Request(self.adapter, SamplingParams(self.max_new, temperature=0.0))
-        self.kv_need = self.prompt_len + self.max_new
-
-    def restart(self) -> None:
-        self.output_ids = []
-
-
-class SimGate:
-    """Admission of one simulated engine: batch rows, the prefill token budget, and one memory
-    of `memory` KV slots for KV (prompt + max_new_tokens per request) and adapters (each
-    `slots_per_rank * rank` slots while cached; idle ones are evicted, least recently used
-    first, when a request needs the room)."""
-
-    def __init__(self, memory: int, rows: int, max_prefill: int, ranks: dict[str, int],
-                 slots_per_rank: int = 0):  # fmt: skip
-        self.memory, self.rows, self.max_prefill, self.ranks = memory, rows, max_prefill, ranks
-        self.slots = {a: slots_per_rank * r for a, r in ranks.items()}
-        self.running: list[SimSeq] = []
-        self.reserved = 0  # KV slots of the running requests
-        self.refs: dict[str, int] = {}  # cached adapter -> running requests using it
-        self.admitted: list[SimSeq] = []
-        self.prefill_tokens = 0
-
-    def new_iteration(self) -> None:
-        self.admitted, self.prefill_tokens = [], 0
-
-    def _pinned(self) -> int:
-        return sum(self.slots[a] for a, n in self.refs.items() if n)
-
-    def _evict_for(self, need: int) -> None:
-        idle = [a for a, n in self.refs.items() if not n]  # insertion order: least recent first
-        while idle and self.memory - self.reserved - self._cached() < need:
-            del self.refs[idle.pop(0)]
-
-    def _cached(self) -> int:
-        return sum(self.slots[a] for a in self.refs)
-
-    def try_admit(self, seq: SimSeq) -> Verdict:
-        if len(self.running) >= self.rows:
-            return Verdict.BATCH_FULL
-        over_budget = self.admitted and self.prefill_tokens + seq.prompt_len > self.max_prefill
-        need = self.need_tokens(seq)
-        if need > self.free_tokens() or over_budget:
-            return Verdict.NO_ROOM
-        self._evict_for(need)
-        a = seq.adapter
-        self.refs[a] = self.refs.pop(a, 0) + 1  # most recently used last
-        self.reserved += seq.kv_need
-        self.running.append(seq)
-        self.admitted.append(seq)
-        self.prefill_tokens += seq.prompt_len
-        return Verdict.ADMITTED
-
-    def release(self, seq: SimSeq) -> None:
-        self.running.remove(seq)
-        self.reserved -= seq.kv_need
-        self.refs[seq.adapter] -= 1
-
-    def squash(self, seq: SimSeq) -> None:
-        self.release(seq)
-        seq.restart()
-
-    def fits_if_released(self, waiting, running) -> bool:
-        return False  # admission counts adapter memory as KV room: no NO_ADAPTER_MEMORY here
-
-    def adapter_tokens(self, adapter) -> int:
-        return self.slots[adapter]
-
-    def adapter_size(self, adapter) -> float:
-        return float(self.ranks[adapter])
-
-    def max_adapter_size(self) -> float:
-        return float(max(self.ranks.values()))
-
-    def total_tokens(self) -> int:
-        return self.memory
-
-    def prefetch(self, adapters) -> None:
-        pass
-
-    def free_tokens(self) -> int:
-        return self.memory - self.reserved - self._pinned()
-
-    def free_rows(self) -> int:
-        return self.rows - len(self.running)
-
-    def need_tokens(self, seq: SimSeq) -> int:
-        return seq.kv_need + (0 if self.refs.get(seq.adapter) else self.slots[seq.adapter])
-
-    def release_tokens(self, seq: SimSeq) -> int:
-        last = self.refs.get(seq.adapter) == 1
-        return seq.kv_need + (self.slots[seq.adapter] if last else 0)
-
-
-def simulate(policy_name: str, trace, ranks, args, steps: StepModel, slo_ms: float) -> list:
-    """Replay `trace` on one simulated engine; returns (TTFT s, size, rank) per request."""
-    config = EngineConfig(max_total_tokens=args.max_total_tokens, ttft_slo_ms=slo_ms)
-    policy = POLICIES[policy_name](config)
-    gate = SimGate(
-        args.memory_tokens or args.max_total_tokens,
-        args.max_batch_size,
-        args.max_prefill_tokens,
-        ranks,
-        args.slots_per_rank,
-    )
-    seqs = [SimSeq(len(e.prompt), e.max_tokens, e.arrival_s, e.model) for e in trace]
-    now, nxt, done = 0.0, 0, 0
-    while done < len(seqs):
-        while nxt < len(seqs) and seqs[nxt].arrival <= now:
-            policy.push(seqs[nxt], seqs[nxt].arrival)
-            nxt += 1
-        gate.new_iteration()
-        admitted = policy.select(gate, list(gate.running), now)
-        if admitted:
-            now += steps.prefill_s(sum(s.prompt_len for s in admitted))
-            stepped = admitted
-        elif gate.running:
-            stepped = list(gate.running)
-            now += steps.decode_s(len(stepped))
-        else:
-            now = max(now, seqs[nxt].arrival)
-            continue
-        for s in stepped:
-            s.output_ids.append(0)
-            if s.first_token_s is None:
-                s.first_token_s = now
-            if len(s.output_ids) >= s.max_new:
-                gate.release(s)
-                policy.finished(s, True, now)
-                done += 1
-    return [(s.first_token_s - s.arrival, s.kv_need, ranks[s.adapter]) for s in seqs]
-
-
 def summarise(records: list, slo_ms: float) -> dict:
     ttft = [1000 * t for t, _, _ in records]
     return {
@@ -237,7 +77,7 @@ def summarise(records: list, slo_ms: float) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--loads", default="2.0,2.25,2.5,2.75,3.0", help="request rates, req/s")
+    p.add_argument("--loads", default="2.0,2.25,2.5,2.75,3.0,3.25", help="request rates, req/s")
     p.add_argument("--duration", type=float, default=600.0, help="seconds of arrivals a round")
     p.add_argument("--rounds", type=int, default=3, help="traces per load (seeds)")
     p.add_argument("--slo-ms", type=float, default=6100.0, help="bench_queueing's: 5x E2E alone")
@@ -256,6 +96,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-prefill-tokens", type=int, default=8192)
     p.add_argument("--steps", default="{}", help="StepModel fields as JSON")
     p.add_argument(
+        "--measure-steps",
+        metavar="DTYPE",
+        help="fit the step model on the real engine in this dtype first (~1 min)",
+    )
+    p.add_argument(
         "--steps-source",
         default="measured: SmolLM2 float32, this repo's engine, "
         "2-core Intel Xeon (AMX), 2026-11-25: decode 52/59/72/87/109 ms at batch "
@@ -265,6 +110,11 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     steps = StepModel(**json.loads(args.steps))
+    if args.measure_steps:
+        steps, points = measure_steps(args.measure_steps)
+        args.steps_source = (f"measured now: SmolLM2 {args.measure_steps}, {describe_device()}; "
+                             f"batch: (prefill ms, decode ms a step) {points}")  # fmt: skip
+        log.warning("%s -> %s", args.steps_source, steps)
     ranks = {f"r{r}-{i}": r for r in RANKS for i in range(4)}
     loads = [float(x) for x in args.loads.split(",")]
     table: dict[str, list[dict]] = {pol: [] for pol in POLICIES}
@@ -279,7 +129,12 @@ def main(argv: list[str] | None = None) -> None:
                     output_len=LengthSpec.parse(args.output_len, args.max_output_len, "output"),
                     seed=rnd * 100 + int(rps * 1000),
                 )  # fmt: skip
-                records += simulate(pol, build_trace(spec, ranks), ranks, args, steps, args.slo_ms)
+                config = EngineConfig(
+                    max_total_tokens=args.max_total_tokens, ttft_slo_ms=args.slo_ms
+                )
+                gate = SimGate(args.memory_tokens or args.max_total_tokens, args.max_batch_size,
+                               args.max_prefill_tokens, ranks, args.slots_per_rank)  # fmt: skip
+                records += simulate(POLICIES[pol](config), gate, build_trace(spec, ranks), steps)
             row = summarise(records, args.slo_ms)
             table[pol].append(row)
             log.warning("%5.2f req/s %-10s P50 %6.0f  P99 %6.0f  P99.9 %6.0f  max %6.0f ms  "
