@@ -4,6 +4,7 @@ model fitted on the real engine (`measure_steps`)."""
 
 from __future__ import annotations
 
+import random
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -157,11 +158,13 @@ def measure_steps(dtype: str, batches=(1, 4, 8, 16, 32), prompt_len: int = 64) -
     config = EngineConfig(dtype=dtype, max_total_tokens=8192, max_batch_size=max(batches))
     engine = build_engine(str(model_dir), config, adapters)
     points = {}
+    rng = random.Random(0)  # prompts never seen before: no prefix-cache hit shortens a prefill
     try:
         for b in [batches[0], *batches]:  # the first pass warms up
             params = SamplingParams(max_new_tokens=33, temperature=0.0, ignore_eos=True)
-            reqs = [GenerationRequest([100 + i] * prompt_len, params, names[(7 * i) % len(names)])
-                    for i in range(b)]  # fmt: skip
+            prompts = [[rng.randrange(100, 30000) for _ in range(prompt_len)] for _ in range(b)]
+            reqs = [GenerationRequest(prompt, params, names[(7 * i) % len(names)])
+                    for i, prompt in enumerate(prompts)]  # fmt: skip
             st = engine.step_stats
             before = (st.prefill_s, st.prefill_steps, st.decode_s, st.decode_steps)
             for handle in engine.submit_all(reqs):
