@@ -16,9 +16,9 @@ request's whole run, so a queue's quota lent to the others by phase 2 comes back
 end, and the quotas alone let a large request wait for the memory indefinitely (sessions 9-12).
 A reserved request waits at most for the requests running or reserved before it; backfilling
 keeps small requests flowing in the memory FCFS leaves idle. Taking a quota back at once by
-squashing the requests beyond theirs (session 13) cost more than it gained: bench/queueing_sim
-measured it 5-10% below the same policy without it, in P99 TTFT and sustained load, on both
-the CPU's and a flat-decode step model.
+squashing the requests beyond theirs (session 13) cost more than it gained in bench/queueing_sim
+(P99 TTFT at FCFS's highest load within the SLO / sustained load vs FCFS, with it and without:
+CPU step model 1.19x / 0.95x and 0.95x / 1.03x; flat-decode model 0.75x / 1.04x and 0.65x / 1.06x).
 Deviation in phase 2: the paper redistributes only what queues left of their quotas, which are
 tokens per iteration (capacity kept back shortens every iteration). Ours reserve memory, and idle
 memory shortens nothing: it made the large queue's requests wait for each other while memory
