@@ -63,8 +63,9 @@ def make_adapters(root: Path, model_dir: Path, per_rank: int) -> dict[str, str]:
 
 
 def trace_for(
-    args, adapters: dict[str, str], rps: float, seed: int, duration: float | None, num=None
+    args, adapters: dict[str, object], rps: float, seed: int, duration: float | None, num=None
 ):
+    """The trace at `rps` over the adapters named by `adapters`' keys ("r<rank>-<i>")."""
     spec = WorkloadSpec(
         rps=rps,
         duration_s=duration,

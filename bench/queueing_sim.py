@@ -29,11 +29,10 @@ import statistics
 from dataclasses import asdict
 from pathlib import Path
 
-from bench.bench_queueing import RANKS, sustained
+from bench.bench_queueing import RANKS, sustained, trace_for
 from bench.envelope import describe_device, write_result
 from bench.sim_engine import SimGate, StepModel, measure_steps, simulate
 from toppings.scripts.loadgen_stats import percentile
-from toppings.scripts.workload import LengthSpec, WorkloadSpec, build_trace
 from toppings.server.chameleon_queue import ChameleonQueue
 from toppings.server.config import EngineConfig
 from toppings.server.queueing import FcfsQueue, Verdict
@@ -102,9 +101,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument(
         "--steps-source",
-        default="measured: SmolLM2 float32, this repo's engine, "
-        "2-core Intel Xeon (AMX), 2026-11-25: decode 52/59/72/87/109 ms at batch "
-        "1/4/8/16/32, prefill 0.075 s for 64 tokens, 0.477 s for 2048",
+        default="StepModel's defaults: measure_steps('float32') of SmolLM2, 2-core Intel Xeon VM "
+        "(AMX), 2026-11-25",
     )
     p.add_argument("--out", type=Path, default=Path("bench/results/queueing_sim.json"))
     args = p.parse_args(argv)
@@ -118,23 +116,15 @@ def main(argv: list[str] | None = None) -> None:
     ranks = {f"r{r}-{i}": r for r in RANKS for i in range(4)}
     loads = [float(x) for x in args.loads.split(",")]
     table: dict[str, list[dict]] = {pol: [] for pol in POLICIES}
+    config = EngineConfig(max_total_tokens=args.max_total_tokens, ttft_slo_ms=args.slo_ms)
     for rps in loads:
         for pol in POLICIES:
             records = []
             for rnd in range(args.rounds):
-                spec = WorkloadSpec(
-                    rps=rps, duration_s=args.duration, popularity="zipf",
-                    rank_mix=tuple((r, 1.0) for r in RANKS),
-                    prompt_len=LengthSpec.parse("lmsys", args.max_prompt_len, "prompt"),
-                    output_len=LengthSpec.parse(args.output_len, args.max_output_len, "output"),
-                    seed=rnd * 100 + int(rps * 1000),
-                )  # fmt: skip
-                config = EngineConfig(
-                    max_total_tokens=args.max_total_tokens, ttft_slo_ms=args.slo_ms
-                )
+                trace = trace_for(args, ranks, rps, rnd * 100 + int(rps * 1000), args.duration)
                 gate = SimGate(args.memory_tokens or args.max_total_tokens, args.max_batch_size,
                                args.max_prefill_tokens, ranks, args.slots_per_rank)  # fmt: skip
-                records += simulate(POLICIES[pol](config), gate, build_trace(spec, ranks), steps)
+                records += simulate(POLICIES[pol](config), gate, trace, steps)
             row = summarise(records, args.slo_ms)
             table[pol].append(row)
             log.warning("%5.2f req/s %-10s P50 %6.0f  P99 %6.0f  P99.9 %6.0f  max %6.0f ms  "

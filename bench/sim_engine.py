@@ -47,7 +47,6 @@ class SimSeq:
     adapter: str
     output_ids: list[int] = field(default_factory=list)
     first_token_s: float | None = None
-    cache_entry: object = None
 
     def __post_init__(self):
         self.request = _Request(self.adapter, SamplingParams(self.max_new, temperature=0.0))
