@@ -26,8 +26,8 @@ from pathlib import Path
 import requests
 
 from bench.envelope import write_result
-from toppings.scripts.loadgen_stats import summarise
-from toppings.server.adapter_files import adapter_digest
+from toppings.scripts.loadgen.stats import summarise
+from toppings.server.api.adapter_files import adapter_digest
 
 log = logging.getLogger("bench_cluster_real")
 RANKS = (8, 8, 16, 32, 64, 64)
@@ -92,7 +92,7 @@ def run_policy(policy: str, model: Path, adapters: dict, root: Path, args) -> di
             requests.post(scheduler + "/admin/adapters", json=body, timeout=60).raise_for_status()
         slo = requests.get(scheduler + "/admin/state", timeout=10).json()["slo_tpt_ms"]
         trace = root / "trace.jsonl"
-        cmd = [sys.executable, "-m", "toppings.scripts.loadgen", "--url", scheduler,
+        cmd = [sys.executable, "-m", "toppings.scripts.loadgen.cli", "--url", scheduler,
                "--out", str(work / "records.jsonl"), "--slo-tpt-ms", str(slo),
                "--no-progress", "--timeout", "600"]  # fmt: skip
         if trace.exists():
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     from toppings.scripts.make_adapters import make_random_adapter
-    from toppings.server.loader import resolve_model_dir
+    from toppings.server.model.loader import resolve_model_dir
 
     model = resolve_model_dir("smollm2")
     root = args.workdir

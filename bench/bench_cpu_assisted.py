@@ -35,8 +35,8 @@ from bench.common import adapter_bytes, link_gbps_for, prefill_ms
 from bench.envelope import describe_device, write_result
 from toppings.scripts.make_adapters import make_random_adapter
 from toppings.server.config import EngineConfig
-from toppings.server.loader import resolve_model_dir
-from toppings.server.request import GenerationRequest, SamplingParams
+from toppings.server.model.loader import resolve_model_dir
+from toppings.server.requests.request import GenerationRequest, SamplingParams
 from toppings.server.runtime import build_engine
 
 log = logging.getLogger("bench_cpu_assisted")
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     model_dir = str(resolve_model_dir(args.model))
     adapters = make_adapters(Path(args.adapter_dir), Path(model_dir), args.num_requests, args.rank)
-    from toppings.server.loader import load_checkpoint
+    from toppings.server.model.loader import load_checkpoint
 
     vocab = load_checkpoint(model_dir).config.vocab_size
     gen = torch.Generator().manual_seed(0)

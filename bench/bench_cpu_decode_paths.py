@@ -3,7 +3,7 @@
 - runs: requests ordered by adapter, `LoraBatch` calls the torch segment kernel once per run of
   one adapter's tokens (built once per step, as the engine does): the engine's BGMV path.
 - native_runs: the same with the native MBGMV kernel, one call per projection over every run:
-  the engine's MBGMV path where the native kernels are built (`server/native_lora.py`).
+  the engine's MBGMV path where the native kernels are built (`server/model/native_lora.py`).
 - unsorted: the decode kernel on tokens in arrival order (it sorts them into runs per call:
   a gather and a scatter per projection).
 - dense: the masked dense product the engine used before (every token times the rows of every
@@ -30,8 +30,8 @@ from toppings.gpu_lora.adapter_pool import AdapterPool
 from toppings.gpu_lora.kernels import cpu as cpu_kernels
 from toppings.gpu_lora.lora_batch import LoraBatch, LoraKernels
 from toppings.gpu_lora.peft_format import LoraAdapter
-from toppings.server import native_lora
-from toppings.server.model_config import ModelConfig
+from toppings.server.model import native_lora
+from toppings.server.model.config import ModelConfig
 
 QKV = ("q_proj", "k_proj", "v_proj")
 LAYERS = 30  # SmolLM2's; one pool layer is reused for each

@@ -3,7 +3,7 @@
     python -m bench.bench_cpu_linear --out bench/results/cpu_linear.json
 
 Two copies of the same model (SmolLM2 by default), one with `pack_cpu_weights=True` (the
-engine's default, server/linear.py) and one without, run the same decode steps (B requests with
+engine's default, model/linear.py) and one without, run the same decode steps (B requests with
 a 128-token context) and a 128-token prefill, the two alternating call by call; reported are the
 median step times and their ratio (plain / packed, above 1 means packing is faster), per dtype.
 No LoRA: this is the base model's share of every step.
@@ -18,9 +18,9 @@ import time
 import torch
 
 from bench.envelope import describe_device, write_result
-from toppings.server.kv_cache import KVPool
-from toppings.server.loader import load_checkpoint
-from toppings.server.model import ForwardBatch, LlamaModel
+from toppings.server.memory.kv_cache import KVPool
+from toppings.server.model.llama import ForwardBatch, LlamaModel
+from toppings.server.model.loader import load_checkpoint
 
 CONTEXT = 128
 

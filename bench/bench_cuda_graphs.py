@@ -23,8 +23,8 @@ import torch
 from bench.envelope import describe_device, write_result
 from toppings.scripts.make_adapters import make_random_adapter
 from toppings.server.config import EngineConfig
-from toppings.server.loader import resolve_model_dir
-from toppings.server.request import GenerationRequest, SamplingParams
+from toppings.server.model.loader import resolve_model_dir
+from toppings.server.requests.request import GenerationRequest, SamplingParams
 from toppings.server.runtime import build_engine
 
 log = logging.getLogger("bench_cuda_graphs")

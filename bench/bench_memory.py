@@ -64,10 +64,10 @@ from bench.memory_stats import (
     peak_open_tokens,
     summarise,
 )
-from toppings.scripts.workload import LengthSpec
-from toppings.server.loader import resolve_model_dir
-from toppings.server.model_config import ModelConfig
-from toppings.server.request import GenerationRequest, SamplingParams
+from toppings.scripts.loadgen.workload import LengthSpec
+from toppings.server.model.config import ModelConfig
+from toppings.server.model.loader import resolve_model_dir
+from toppings.server.requests.request import GenerationRequest, SamplingParams
 from toppings.server.runtime import build_engine
 
 log = logging.getLogger("bench_memory")

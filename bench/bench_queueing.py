@@ -31,12 +31,12 @@ import time
 from pathlib import Path
 
 from bench.envelope import describe_device, write_result
-from toppings.scripts.loadgen_stats import percentile
+from toppings.scripts.loadgen.stats import percentile
+from toppings.scripts.loadgen.workload import LengthSpec, WorkloadSpec, build_trace
 from toppings.scripts.make_adapters import load_base, make_random_adapter
-from toppings.scripts.workload import LengthSpec, WorkloadSpec, build_trace
 from toppings.server.config import DTYPE_CHOICES, EngineConfig
-from toppings.server.loader import resolve_model_dir
-from toppings.server.request import GenerationRequest, SamplingParams
+from toppings.server.model.loader import resolve_model_dir
+from toppings.server.requests.request import GenerationRequest, SamplingParams
 from toppings.server.runtime import build_engine
 
 log = logging.getLogger("bench_queueing")

@@ -9,7 +9,7 @@ rank mix and LMSYS-shaped lengths; the same trace replayed, one after the other,
   bench/bench_cpu_assisted.py sets it),
 - transformers + PEFT in-process (bench.hf_peft_peer: static batches of `generate`).
 Each server is a separate process started here and driven over HTTP by the load generator's own
-sender (toppings.scripts.loadgen_client). Writes bench/results/single_server.json and CDF plots.
+sender (toppings.scripts.loadgen.client). Writes bench/results/single_server.json and CDF plots.
 
     python -m bench.bench_single_server [--rps 1.0 --duration 120 --num-adapters 200]
 """
@@ -30,12 +30,12 @@ import torch
 from bench.common import adapter_bytes, link_gbps_for, prefill_ms
 from bench.envelope import describe_device, write_result
 from toppings.scripts.demo import start, stop, wait_healthy
-from toppings.scripts.loadgen import list_models
-from toppings.scripts.loadgen_client import run_open_loop
-from toppings.scripts.loadgen_stats import plot_cdfs, summarise
+from toppings.scripts.loadgen.cli import list_models
+from toppings.scripts.loadgen.client import run_open_loop
+from toppings.scripts.loadgen.stats import plot_cdfs, summarise
+from toppings.scripts.loadgen.workload import LengthSpec, TraceEntry, WorkloadSpec, build_trace
 from toppings.scripts.make_adapters import make_random_adapter
-from toppings.scripts.workload import LengthSpec, TraceEntry, WorkloadSpec, build_trace
-from toppings.server.loader import resolve_model_dir
+from toppings.server.model.loader import resolve_model_dir
 
 log = logging.getLogger("bench_single_server")
 MODES = ("cached", "on-demand", "cpu-assisted")

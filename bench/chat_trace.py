@@ -23,7 +23,12 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from toppings.scripts.workload import LengthSpec, WorkloadSpec, arrival_times, popularity_weights
+from toppings.scripts.loadgen.workload import (
+    LengthSpec,
+    WorkloadSpec,
+    arrival_times,
+    popularity_weights,
+)
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from toppings.server.config import EngineConfig
-from toppings.server.request import GenerationRequest, SamplingParams
+from toppings.server.requests.request import GenerationRequest, SamplingParams
 from toppings.server.runtime import build_engine
 
 QKV = ("q_proj", "k_proj", "v_proj")
@@ -46,7 +46,7 @@ class Adapter:
 def adapter_bytes(path: str | Path, model_dir: str, dtype: torch.dtype) -> int:
     """Bytes of one PEFT adapter's A and B in `dtype`, as the device cache counts them."""
     from toppings.gpu_lora.peft_format import load_peft_adapter
-    from toppings.server.loader import load_checkpoint
+    from toppings.server.model.loader import load_checkpoint
 
     config = load_checkpoint(model_dir).config
     return load_peft_adapter(str(path), config).bytes_at(dtype)

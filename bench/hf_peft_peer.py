@@ -11,7 +11,7 @@ Timing is generous to the peer: a stopping-criteria hook stamps each decoding st
 TTFT is its arrival to the batch's first token, and its E2E is its arrival to the step that
 produced its own last token (as if it were streamed and closed then), not to the end of the
 batch. No HTTP is involved. Records have the load generator's shape
-(toppings.scripts.loadgen_client).
+(toppings.scripts.loadgen.client).
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
-from toppings.scripts.loadgen_client import request_config
-from toppings.scripts.workload import TraceEntry
+from toppings.scripts.loadgen.client import request_config
+from toppings.scripts.loadgen.workload import TraceEntry
 
 log = logging.getLogger(__name__)
 

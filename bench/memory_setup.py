@@ -24,7 +24,7 @@ import torch
 from toppings.gpu_lora.peft_format import load_peft_adapter
 from toppings.scripts.make_adapters import load_base, make_random_adapter
 from toppings.server.config import EngineConfig
-from toppings.server.model_config import ModelConfig
+from toppings.server.model.config import ModelConfig
 
 log = logging.getLogger("bench_memory")
 CONFIGS = ("static", "pool", "pool_prefix")

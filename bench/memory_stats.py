@@ -11,7 +11,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Sequence
 
-from toppings.scripts.loadgen_stats import percentile
+from toppings.scripts.loadgen.stats import percentile
 
 HEADLINE_FIELDS = (  # metric key stem -> summary field
     ("ttft_p50", "ttft_p50_ms"),

@@ -45,8 +45,8 @@ from toppings.scheduler.perf_model import (
 )
 from toppings.scripts.make_adapters import load_base, make_random_adapter
 from toppings.server.config import EngineConfig
-from toppings.server.loader import resolve_model_dir
-from toppings.server.request import GenerationRequest, SamplingParams
+from toppings.server.model.loader import resolve_model_dir
+from toppings.server.requests.request import GenerationRequest, SamplingParams
 from toppings.server.runtime import build_engine
 
 log = logging.getLogger("profile_perf_model")

@@ -32,10 +32,10 @@ from pathlib import Path
 from bench.bench_queueing import RANKS, sustained, trace_for
 from bench.envelope import describe_device, write_result
 from bench.sim_engine import SimGate, StepModel, measure_steps, simulate
-from toppings.scripts.loadgen_stats import percentile
-from toppings.server.chameleon_queue import ChameleonQueue
+from toppings.scripts.loadgen.stats import percentile
 from toppings.server.config import EngineConfig
-from toppings.server.queueing import FcfsQueue, Verdict
+from toppings.server.sched.chameleon import ChameleonQueue
+from toppings.server.sched.queueing import FcfsQueue, Verdict
 
 log = logging.getLogger("queueing_sim")
 

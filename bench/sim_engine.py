@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from toppings.server.config import EngineConfig
-from toppings.server.queueing import Verdict
-from toppings.server.request import SamplingParams
+from toppings.server.requests.request import SamplingParams
+from toppings.server.sched.queueing import Verdict
 
 
 @dataclass
@@ -148,8 +148,8 @@ def measure_steps(dtype: str, batches=(1, 4, 8, 16, 32), prompt_len: int = 64) -
     requests of `prompt_len` tokens submitted together (one prefill step) then decoded together.
     Returns the model and the measured points {B: (prefill ms, decode ms per step)}."""
     from bench.bench_queueing import make_adapters
-    from toppings.server.loader import resolve_model_dir
-    from toppings.server.request import GenerationRequest
+    from toppings.server.model.loader import resolve_model_dir
+    from toppings.server.requests.request import GenerationRequest
     from toppings.server.runtime import build_engine
 
     model_dir = resolve_model_dir("smollm2")

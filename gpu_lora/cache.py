@@ -4,7 +4,7 @@
 (evicting unreferenced adapters in the policy's order, those wanted by queued requests last),
 takes pool rows and starts a pipelined load, whose ticket tells which layers are resident. An
 adapter with a reference is never evicted. The budget counts the adapters' weight bytes at the
-pool's dtype. With a `charge` (the server's one memory pool, server/memory.py) there is no
+pool's dtype. With a `charge` (the server's one memory pool, server/memory/manager.py) there is no
 budget of its own: each load asks the pool for blocks, which may evict cached KV or idle
 adapters to make room, and an eviction gives them back.
 """

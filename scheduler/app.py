@@ -4,8 +4,8 @@ Request endpoints mirror a server's (`/v1/completions`, `/v1/chat/completions`, 
 `/tokenize`, `/detokenize`, streaming as server-sent events passed through; bodies go to one
 server unchanged, see scheduler.router); `GET /v1/models` and `GET /v1/models/{id}` come from
 the registry; until a server is registered they answer 503 with Retry-After. Errors use the
-server's contract (toppings.server.errors). Like a server, the request endpoints share one
-in-flight limit (toppings.server.frontend): a proxied request holds a slot until its answer has
+server's contract (toppings.server.requests.errors). Like a server, the request endpoints share one
+in-flight limit (toppings.server.api.frontend): a proxied request holds a slot until its answer has
 ended, and past the limit a request gets 429 with Retry-After at once. Operator endpoints:
     GET    /health    200 once a server is registered, else 503 "no server ready yet"
     GET    /stats     {"policy", "servers": [{"url", "ready", "in_flight"}], "num_servers",
@@ -35,7 +35,8 @@ from toppings.scheduler.cluster import Cluster
 from toppings.scheduler.metrics import CONTENT_TYPE, PREFIX
 from toppings.scheduler.registry import AdapterRecord, RegistryError
 from toppings.scheduler.router import Router, SchedulerError
-from toppings.server.errors import (
+from toppings.server.api.frontend import InFlightCollector, InFlightLimit, ReleasingBody
+from toppings.server.requests.errors import (
     BAD_GATEWAY,
     INVALID_REQUEST,
     NO_SERVER_READY,
@@ -50,7 +51,6 @@ from toppings.server.errors import (
     too_many_requests,
     unknown_adapter,
 )
-from toppings.server.frontend import InFlightCollector, InFlightLimit, ReleasingBody
 
 DEFAULT_MAX_IN_FLIGHT = 1024  # requests proxied at once, over the whole cluster
 

@@ -9,7 +9,7 @@ Without --perf-model the policies use the paper's Fig. 6 coefficients (A100, Lla
 do not describe this cluster's hardware; fit a model with bench/fit_perf_model.py.
 
 Waitress runs one thread per proxied request in flight (`--max-concurrent-requests`, 429 past
-it) plus `--threads` more for everything else (see toppings.server.frontend).
+it) plus `--threads` more for everything else (see toppings.server.api.frontend).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from toppings.scheduler.policies import POLICIES, LoRAServe, make_policy
 from toppings.scheduler.registry import Registry
 from toppings.scheduler.router import PromptCounter, Router, estimate_prompt_tokens
 from toppings.scheduler.state import BatchShape
-from toppings.server.frontend import (
+from toppings.server.api.frontend import (
     DEFAULT_RESERVE_THREADS,
     raise_open_files_limit,
     waitress_settings,

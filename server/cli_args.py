@@ -1,7 +1,7 @@
 """`toppings-serve`'s command line: its flags, their types and defaults (argparse).
 
 `server.cli` builds the engine and the HTTP front end from what this parser returns; the launcher
-(`scripts/launch.py`) reuses the core-list and log-level types for its own flags.
+(`scripts/launch/cli.py`) reuses the core-list and log-level types for its own flags.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import logging
 import os
 
 from toppings.gpu_lora.eviction import EVICTION_POLICIES
+from toppings.server.api.frontend import DEFAULT_RESERVE_THREADS
 from toppings.server.config import (
     DEVICES,
     DTYPE_CHOICES,
@@ -19,8 +20,7 @@ from toppings.server.config import (
     MEMORY_LAYOUTS,
     QUEUE_POLICIES,
 )
-from toppings.server.frontend import DEFAULT_RESERVE_THREADS
-from toppings.server.memory_policies import MEMORY_POLICIES
+from toppings.server.memory.policies import MEMORY_POLICIES
 
 
 def _lora(spec: str) -> tuple[str, str]:

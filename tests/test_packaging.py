@@ -66,7 +66,8 @@ def test_generic_names_are_not_installed(tmp_path):
         out = subprocess.run([sys.executable, "-c", f"import {name}"], cwd=tmp_path,
                              capture_output=True, text=True, timeout=60)  # fmt: skip
         assert out.returncode != 0 and "ModuleNotFoundError" in out.stderr, name
-    out = subprocess.run([sys.executable, "-c", "import toppings.server.engine"], cwd=tmp_path,
+    out = subprocess.run([sys.executable, "-c", "import toppings.server.engine.engine"],
+                         cwd=tmp_path,
                          capture_output=True, text=True, timeout=120)  # fmt: skip
     assert out.returncode == 0, out.stderr
 

@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from toppings.gpu_lora.peft_format import AdapterError, load_peft_adapter, read_adapter_config
-from toppings.server.model_config import LORA_TARGETS, ModelConfig
+from toppings.server.model.config import LORA_TARGETS, ModelConfig
 
 HF_CONFIG = LlamaConfig(
     hidden_size=64,

@@ -22,7 +22,7 @@ from toppings.scheduler.paper_models import paper_fig6_models
 from toppings.scheduler.policies import make_policy
 from toppings.scheduler.registry import Registry
 from toppings.scheduler.router import Router
-from toppings.server.api import create_app as create_server
+from toppings.server.api.app import create_app as create_server
 from toppings.server.config import EngineConfig
 from toppings.server.runtime import build_engine
 
@@ -124,9 +124,9 @@ def _toppings_imports(path: Path) -> set[str]:
 # The error body, the /stats body, and the front end that refuses past the in-flight limit with
 # 429 + Retry-After (shared so that both processes bound and refuse alike).
 HTTP_CONTRACT = (
-    "toppings.server.errors",
-    "toppings.server.stats_schema",
-    "toppings.server.frontend",
+    "toppings.server.requests.errors",
+    "toppings.server.requests.stats_schema",
+    "toppings.server.api.frontend",
 )
 
 
@@ -139,6 +139,8 @@ def test_scheduler_imports_only_the_http_contract_of_the_server():
                 assert name.startswith(HTTP_CONTRACT), f"{path.name} imports {name}"
 
 
-@pytest.mark.parametrize("module", ["errors.py", "stats_schema.py", "frontend.py"])
+@pytest.mark.parametrize(
+    "module", ["requests/errors.py", "requests/stats_schema.py", "api/frontend.py"]
+)
 def test_the_http_contract_imports_nothing_of_toppings(module):
     assert _toppings_imports(SCHEDULER_DIR.parent / "server" / module) == set()

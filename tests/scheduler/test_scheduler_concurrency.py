@@ -10,8 +10,7 @@ import sys
 import time
 
 import requests
-
-from tests.server.test_frontend_concurrency import REPO, Streamer, start_server, stop
+from tests.server.api.test_frontend_concurrency import REPO, Streamer, start_server, stop
 
 NUM_CLIENTS = 48
 OLD_THREAD_CAP = 32

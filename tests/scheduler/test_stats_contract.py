@@ -7,11 +7,11 @@ import time
 
 import pytest
 
-from tests.server.test_api import start_engine
+from tests.server.api.test_api import start_engine
 from toppings.scheduler.state import ServerState
-from toppings.server.api import create_app
-from toppings.server.request import GenerationRequest, SamplingParams
-from toppings.server.stats_schema import RequestView, ServerStats
+from toppings.server.api.app import create_app
+from toppings.server.requests.request import GenerationRequest, SamplingParams
+from toppings.server.requests.stats_schema import RequestView, ServerStats
 
 
 @pytest.fixture(scope="module")

@@ -10,10 +10,10 @@ import time
 
 import pytest
 
-from toppings.scripts.launch import parse_args
-from toppings.scripts.launch_plan import numactl_usable, plan_servers, serve_command, split_cores
-from toppings.scripts.launch_procs import ServerProc, spawn_server, stop_servers
-from toppings.scripts.launch_report import _cores_text
+from toppings.scripts.launch.cli import parse_args
+from toppings.scripts.launch.plan import numactl_usable, plan_servers, serve_command, split_cores
+from toppings.scripts.launch.procs import ServerProc, spawn_server, stop_servers
+from toppings.scripts.launch.report import _cores_text
 
 
 @pytest.mark.parametrize(
@@ -127,7 +127,7 @@ def test_launcher_runs_its_own_scheduler(tmp_path, tiny_model_dir, free_port):
     import requests
 
     sched_port, server_port = free_port(), free_port()
-    cmd = [sys.executable, "-m", "toppings.scripts.launch", "--model", str(tiny_model_dir),
+    cmd = [sys.executable, "-m", "toppings.scripts.launch.cli", "--model", str(tiny_model_dir),
            "--num-servers", "1", "--cpu-workers", "0", "--base-port", str(server_port),
            "--start-scheduler", "--scheduler-port", str(sched_port),
            "--scheduler-arg=--policy=least-loaded", "--unhealthy-timeout", "3",
@@ -191,7 +191,7 @@ def test_a_hung_server_is_restarted(tmp_path, tiny_model_dir, free_port):
     import threading
 
     port = free_port()
-    cmd = [sys.executable, "-m", "toppings.scripts.launch", "--model", str(tiny_model_dir),
+    cmd = [sys.executable, "-m", "toppings.scripts.launch.cli", "--model", str(tiny_model_dir),
            "--num-servers", "1", "--cpu-workers", "0", "--base-port", str(port),
            "--unhealthy-timeout", "3", "--restart-backoff", "0.1",
            "--log-dir", str(tmp_path / "logs")]  # fmt: skip

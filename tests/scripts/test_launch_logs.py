@@ -13,7 +13,7 @@ import time
 
 def launch(tmp_path, model: str, port: int) -> subprocess.Popen:
     env = dict(os.environ, TMPDIR=str(tmp_path))  # where the launcher's temp log dir goes
-    cmd = [sys.executable, "-m", "toppings.scripts.launch", "--model", model, "--num-servers",
+    cmd = [sys.executable, "-m", "toppings.scripts.launch.cli", "--model", model, "--num-servers",
            "1", "--cpu-workers", "0", "--base-port", str(port)]  # fmt: skip
     return subprocess.Popen(
         cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env

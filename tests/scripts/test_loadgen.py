@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 import waitress
 
-from toppings.scripts import loadgen
-from toppings.scripts.loadgen_client import Journal, request_config
-from toppings.scripts.loadgen_stats import percentile, summarise
-from toppings.scripts.workload import (
+from toppings.scripts.loadgen import cli as loadgen
+from toppings.scripts.loadgen.client import Journal, request_config
+from toppings.scripts.loadgen.stats import percentile, summarise
+from toppings.scripts.loadgen.workload import (
     LengthSpec,
     WorkloadSpec,
     arrival_times,
@@ -181,7 +181,7 @@ def test_journal_resumes_and_refuses_another_trace(tmp_path):
 def served(tmp_path_factory, tiny_model_dir):
     """(url, received): a tiny server whose engine records every request it is given."""
     from toppings.scripts.make_adapters import make_random_adapter
-    from toppings.server.api import create_app
+    from toppings.server.api.app import create_app
     from toppings.server.config import EngineConfig
     from toppings.server.runtime import build_engine
 

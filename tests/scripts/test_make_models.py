@@ -12,7 +12,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from toppings.gpu_lora.peft_format import load_peft_adapter
 from toppings.scripts import make_adapters, make_tiny_llama
 from toppings.scripts.make_adapters import make_random_adapter, make_random_adapters
-from toppings.server.model_config import ModelConfig
+from toppings.server.model.config import ModelConfig
 
 TEXT = "The quick brown fox, and the lazy dog.\n\n  x = [1, 2]; print(x)  # ok?"
 

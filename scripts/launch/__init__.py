@@ -1,0 +1,1 @@
+"""toppings-launch: a node's servers on disjoint cores, supervised."""

@@ -1,0 +1,166 @@
+"""The node `toppings-launch` keeps running: its servers and, with `--start-scheduler`, the
+scheduler, each under a `Supervisor`; registration with the scheduler; the drain-then-kill stop."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import requests
+
+from toppings.scripts.launch.plan import serve_command
+from toppings.scripts.launch.procs import (
+    SchedulerProc,
+    ServerProc,
+    State,
+    scheduler_command,
+    spawn_scheduler,
+    spawn_server,
+    stop_process,
+    stop_servers,
+    sweep_shm,
+)
+from toppings.scripts.launch.report import Reporter
+from toppings.scripts.launch.supervisor import Limits, Supervisor
+
+log = logging.getLogger("toppings-launch")
+
+TICK_S = 0.2
+REGISTER_RETRY_S = 5.0
+SCHEDULER_START_S = 60.0  # the scheduler loads no model: a minute is plenty
+
+
+class ServerRole:
+    """A server starts bound to its cores and, once healthy, registers with the scheduler."""
+
+    def __init__(self, args: argparse.Namespace, use_numactl: bool, scheduler_url: str | None):
+        self.args, self.use_numactl, self.scheduler_url = args, use_numactl, scheduler_url
+        self.spawned_pids: list[int] = []  # whose shared memory the stop sweeps
+
+    def start(self, server: ServerProc) -> subprocess.Popen:
+        server.registered = False
+        proc = spawn_server(server, serve_command(self.args, server), self.use_numactl)
+        self.spawned_pids.append(proc.pid)
+        return proc
+
+    def on_healthy(self, server: ServerProc, now: float) -> None:
+        if self.scheduler_url and not server.registered and now >= server.next_register:
+            server.next_register = now + REGISTER_RETRY_S
+            server.registered = scheduler_call("post", self.scheduler_url, server.url)
+
+
+class SchedulerRole:
+    """The scheduler starts anywhere; each time a new one is healthy every server registers."""
+
+    def __init__(self, servers: list[ServerProc]):
+        self.servers = servers
+        self.pid_seen: int | None = None  # the scheduler process the servers registered with
+
+    def start(self, scheduler: SchedulerProc) -> subprocess.Popen:
+        return spawn_scheduler(scheduler)
+
+    def on_healthy(self, scheduler: SchedulerProc, now: float) -> None:
+        if scheduler.pid != self.pid_seen:  # a new process knows no server
+            self.pid_seen = scheduler.pid
+            for server in self.servers:
+                server.registered = False
+
+
+class Launcher:
+    """Keeps a node's servers (and its scheduler) running; see `toppings.scripts.launch.cli`."""
+
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        servers: list[ServerProc],
+        limits: Limits,
+        use_numactl: bool,
+        log_dir: Path,
+    ):
+        self.args, self.servers = args, servers
+        self.stopping = threading.Event()
+        self.reporter = Reporter()
+        self.scheduler: SchedulerProc | None = None
+        self.scheduler_url = args.scheduler
+        self.supervisors: list[Supervisor] = []
+        note = self.reporter.note
+        if args.start_scheduler:
+            self.scheduler_url = f"http://{args.host}:{args.scheduler_port}"
+            registry = args.registry or log_dir / "registry.sqlite"
+            command = scheduler_command(
+                args.host, args.scheduler_port, registry, args.scheduler_arg
+            )
+            self.scheduler = SchedulerProc(
+                url=self.scheduler_url, log_path=log_dir / "scheduler.log", command=command
+            )
+            role = SchedulerRole(servers)
+            slow_start = dataclasses.replace(limits, start_timeout=SCHEDULER_START_S)
+            self.supervisors.append(Supervisor(self.scheduler, role, slow_start, note))
+        self.server_role = ServerRole(args, use_numactl, self.scheduler_url)
+        self.supervisors += [Supervisor(s, self.server_role, limits, note) for s in servers]
+
+    def start_scheduler(self) -> None:
+        """Start the node's scheduler (--start-scheduler) and wait until it answers."""
+        scheduler, supervisor = self.scheduler, self.supervisors[0]
+        while scheduler.state in (State.PENDING, State.STARTING):
+            supervisor.tick(time.monotonic())
+            time.sleep(TICK_S)
+        if scheduler.state is not State.HEALTHY:
+            raise RuntimeError(f"the scheduler did not start; see {scheduler.log_path}")
+        self.reporter.note(f"scheduler at {scheduler.url} (log {scheduler.log_path})")
+
+    def run(self) -> int:
+        announced = False
+        while not self.stopping.is_set():
+            now = time.monotonic()
+            for supervisor in self.supervisors:  # the scheduler first
+                supervisor.tick(now)
+            self.reporter.update(self.servers)
+            if not announced and all(s.state is State.HEALTHY for s in self.servers):
+                announced = True
+                self.reporter.note(f"all {len(self.servers)} servers healthy; Ctrl-C stops them")
+            if all(s.state is State.FAILED for s in self.servers):
+                self.reporter.note("every server failed; giving up")
+                return 1
+            self.stopping.wait(TICK_S)
+        return 0
+
+    def stop(self) -> None:
+        if self.scheduler_url:
+            for s in self.servers:
+                if s.registered and s.proc is not None:
+                    scheduler_call("delete", self.scheduler_url, s.url)
+        for s in self.servers:
+            if s.proc is not None and s.proc.poll() is None:
+                s.state = State.STOPPING
+        self.reporter.update(self.servers)
+        stop_servers(self.servers, self.args.drain_timeout + 15.0)
+        sweep_shm(self.server_role.spawned_pids)
+        if self.scheduler is not None:
+            stop_process(self.scheduler.proc, 10.0)
+            self.scheduler.state = State.STOPPED
+        self.reporter.update(self.servers)
+
+    def had_failures(self) -> bool:
+        """Whether any child exited or was killed while the node ran."""
+        return any(s.child.num_failures for s in self.supervisors)
+
+
+def scheduler_call(method: str, scheduler: str, url: str) -> bool:
+    """Register (post) or remove (delete) server `url` at `scheduler`; whether it took."""
+    try:
+        r = requests.request(method, scheduler.rstrip("/") + "/admin/servers",
+                             json={"url": url}, timeout=10)  # fmt: skip
+    except requests.RequestException as exc:
+        log.warning("scheduler %s unreachable (%s of %s): %s", scheduler, method, url, exc)
+        return False
+    if r.status_code >= 400:
+        log.warning("scheduler %s refused %s of %s: %s", scheduler, method, url, r.text[:300])
+        return False
+    log.info("scheduler %s: %s %s", scheduler, "registered" if method == "post" else "removed", url)
+    return True

@@ -1,0 +1,1 @@
+"""toppings-loadgen: open-loop load from a workload or a trace, and its summary."""

@@ -1,0 +1,1 @@
+"""The HTTP side: Flask app, OpenAI schema and replies, metrics, adapter lifecycle, peer fetch."""

@@ -1,0 +1,80 @@
+"""The files of a PEFT adapter as servers exchange them, and the SHA-256 the registry records.
+
+Part of the HTTP contract between servers and the scheduler (like requests/errors.py): a server
+lists an adapter's files at `GET /v1/adapters/NAME/files` and streams each one at
+`GET /v1/adapters/NAME/files/FILE`; a server that fetches an adapter from a peer checks the
+files against the digest the scheduler's registry holds for it. Only the two files a PEFT
+adapter needs are ever listed, served or written (FILES); nothing else of a directory leaves it.
+
+Digest: SHA-256 over the files in FILES order, each as its name, a zero byte, its size as 8
+bytes big-endian, then its bytes. The names and sizes are hashed too, so bytes cannot move
+from one file to the other unnoticed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Iterator
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+FILES = (CONFIG_FILE, WEIGHTS_FILE)
+CHUNK_BYTES = 1 << 20
+MAX_CONFIG_BYTES = 1 << 20  # a PEFT config is a few kB
+MAX_WEIGHTS_BYTES = 8 << 30  # a rank-256 adapter of a 70B model on every projection is < 8 GiB
+MAX_BYTES = {CONFIG_FILE: MAX_CONFIG_BYTES, WEIGHTS_FILE: MAX_WEIGHTS_BYTES}
+HEX = frozenset("0123456789abcdef")
+
+
+def is_digest(value: object) -> bool:
+    """Whether `value` is a SHA-256 hex digest (64 lowercase hex digits)."""
+    return isinstance(value, str) and len(value) == 64 and set(value) <= HEX
+
+
+class Digest:
+    """Incremental form of the digest, fed file by file in FILES order."""
+
+    def __init__(self) -> None:
+        self._hash = hashlib.sha256()
+
+    def begin_file(self, name: str, num_bytes: int) -> None:
+        self._hash.update(name.encode() + b"\0" + num_bytes.to_bytes(8, "big"))
+
+    def update(self, chunk: bytes) -> None:
+        self._hash.update(chunk)
+
+    def hexdigest(self) -> str:
+        return self._hash.hexdigest()
+
+
+def adapter_digest(directory: str | os.PathLike) -> str:
+    """The digest of the adapter in `directory` (raises OSError when a file is missing)."""
+    digest = Digest()
+    for name in FILES:
+        path = os.path.join(directory, name)
+        digest.begin_file(name, os.path.getsize(path))
+        with open(path, "rb") as f:
+            while chunk := f.read(CHUNK_BYTES):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
+def manifest(name: str, directory: str | os.PathLike) -> dict:
+    """What `GET /v1/adapters/NAME/files` answers: `{"name", "files": [{"name", "bytes"}]}`."""
+    files = [{"name": f, "bytes": os.path.getsize(os.path.join(directory, f))} for f in FILES]
+    return {"name": name, "files": files}
+
+
+def read_chunks(directory: str | os.PathLike, name: str) -> Iterator[bytes]:
+    """The bytes of one of FILES, in chunks (the file is opened before the first chunk)."""
+    if name not in FILES:
+        raise ValueError(f"{name!r} is not an adapter file")
+    f = open(os.path.join(directory, name), "rb")  # noqa: SIM115 (closed by the generator)
+
+    def chunks() -> Iterator[bytes]:
+        with f:
+            while chunk := f.read(CHUNK_BYTES):
+                yield chunk
+
+    return chunks()

@@ -1,0 +1,89 @@
+"""A validated body (`server.openai_schema.ParsedBody`) -> the engine requests that answer it.
+
+A body becomes one request per choice: prompts x n, prompt-major (choice index = prompt index *
+n + copy), which is the order OpenAI and vLLM number choices in. The n copies of a prompt are
+independent requests, each with its own prefill (no KV sharing between them); with a seed,
+copy j samples with seed + j so that the copies differ but repeat across calls.
+"""
+
+from __future__ import annotations
+
+from toppings.server.api.schema import MAX_SEED, ParsedBody
+from toppings.server.requests.request import GenerationRequest, RequestError, SamplingParams
+
+DEFAULT_MAX_TOKENS = {"completion": 16, "chat": 256, "native": 16}
+
+
+def prompt_ids(parsed: ParsedBody, tokenizer, prompt: str | list[int] | None) -> list[int]:
+    """Token ids of one prompt: chat-templated messages, encoded text, or the ids as given."""
+    if parsed.messages is not None:
+        if not getattr(tokenizer, "chat_template", None):
+            raise RequestError("this model has no chat template; use /v1/completions")
+        try:
+            text = tokenizer.apply_chat_template(
+                parsed.messages, add_generation_prompt=True, tokenize=False
+            )
+        except Exception as e:  # jinja raises for conversations the template refuses
+            raise RequestError(f"chat template rejected the messages: {e}") from e
+        # The rendered template already holds the BOS token where the model wants one.
+        return list(tokenizer.encode(text, add_special_tokens=False))
+    if isinstance(prompt, str):
+        return list(tokenizer.encode(prompt, add_special_tokens=True))
+    return list(prompt)
+
+
+def _max_tokens(parsed: ParsedBody, num_ids: int, max_model_len: int) -> int:
+    room = max_model_len - num_ids
+    if room < (0 if parsed.max_tokens == 0 else 1):
+        raise RequestError(
+            f"the prompt has {num_ids} tokens; this model's context holds {max_model_len}"
+        )
+    max_tokens = parsed.max_tokens
+    if max_tokens is None:
+        return min(DEFAULT_MAX_TOKENS[parsed.kind], room)
+    if not (0 if parsed.echo else 1) <= max_tokens <= max_model_len:
+        raise RequestError(f"max tokens must be in [1, {max_model_len}], not {max_tokens}")
+    if max_tokens > room:
+        raise RequestError(
+            f"this model's context holds {max_model_len} tokens; the prompt has {num_ids} and "
+            f"{max_tokens} more were asked for"
+        )
+    return max_tokens
+
+
+def _sampling(parsed: ParsedBody, vocab_size: int) -> dict:
+    sampling = dict(parsed.sampling, top_k=min(parsed.sampling["top_k"], vocab_size))
+    if any(not 0 <= t < vocab_size for t, _ in sampling["logit_bias"]):
+        raise RequestError(f"'logit_bias' token ids must be in [0, {vocab_size})")
+    sampling["logprobs"] = parsed.logprobs
+    if parsed.echo and parsed.logprobs is not None:
+        sampling["prompt_logprobs"] = parsed.logprobs
+    elif parsed.max_tokens == 0:
+        sampling["prompt_logprobs"] = 0  # nothing to generate: the engine only runs the prefill
+    return sampling
+
+
+def build_requests(
+    parsed: ParsedBody, tokenizer, max_model_len: int, vocab_size: int
+) -> tuple[list[GenerationRequest], list[list[int]]]:
+    """Tokenize and check each prompt against the context; returns the engine requests (one
+    per choice, in choice order) and each prompt's token ids."""
+    sampling = _sampling(parsed, vocab_size)
+    requests, all_ids = [], []
+    for prompt in parsed.prompts or [None]:
+        ids = prompt_ids(parsed, tokenizer, prompt)
+        if not ids:
+            raise RequestError("the prompt is empty")
+        if any(not 0 <= t < vocab_size for t in ids):
+            raise RequestError(f"token ids must be in [0, {vocab_size})")
+        max_tokens = _max_tokens(parsed, len(ids), max_model_len)
+        all_ids.append(ids)
+        for copy in range(parsed.n):
+            seed = sampling["seed"]
+            if seed is not None:
+                seed = (seed + copy) % MAX_SEED
+            params = SamplingParams(**dict(sampling, max_new_tokens=max_tokens, seed=seed))
+            requests.append(
+                GenerationRequest(prompt_ids=ids, params=params, adapter=parsed.adapter)
+            )
+    return requests, all_ids

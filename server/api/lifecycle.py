@@ -1,0 +1,149 @@
+"""Adapters registered and dropped at run time: path confinement and the load/unload logic.
+
+A client names an adapter directory by path, so the path is the attack surface: only
+directories under the operator's allowed roots (`--lora-dir`, `--allowed-lora-root`) are read.
+A path with a `..` component is refused outright; every other path is resolved with
+`os.path.realpath` (symlinks included) and must stay inside a root, and so must the two files
+read from it, so a symlinked `adapter_model.safetensors` cannot point outside either. Only
+safetensors weights are ever read (the PEFT loader refuses pickle-only adapters).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from collections.abc import Iterable
+from pathlib import Path
+
+from toppings.gpu_lora.peft_config import CONFIG_FILE, WEIGHTS_FILE, AdapterError
+from toppings.server.requests.request import RequestError
+
+log = logging.getLogger(__name__)
+
+# Names clients put in `model`: letters, digits and a few separators (an org/name form included).
+NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}")
+MAX_PATH_CHARS = 4096
+
+
+def _real(path: str | os.PathLike) -> str:
+    return os.path.realpath(os.fspath(path))
+
+
+def is_within(path: str, root: str) -> bool:
+    """Whether the resolved `path` is `root` or lies under it (both already realpath'd)."""
+    return os.path.commonpath([path, root]) == root
+
+
+class AdapterPaths:
+    """The allowed adapter roots of one server, and the check of a client's `lora_path`."""
+
+    def __init__(self, roots: Iterable[str | os.PathLike]):
+        self.roots = tuple(dict.fromkeys(_real(r) for r in roots))
+
+    def resolve(self, raw: object) -> str:
+        """The real path of an adapter directory a client named; raises RequestError.
+
+        A relative path is looked up under each root in turn (the first that exists wins).
+        """
+        if not isinstance(raw, str) or not raw or len(raw) > MAX_PATH_CHARS or "\0" in raw:
+            raise RequestError("'lora_path' must be a non-empty path string")
+        if ".." in Path(raw).parts:
+            raise RequestError("'lora_path' must not contain '..'")
+        if not self.roots:
+            raise RequestError(
+                "loading adapters at run time is disabled: start the server with --lora-dir or "
+                "--allowed-lora-root",
+                403,
+                "permission_denied",
+            )
+        if os.path.isabs(raw):
+            candidates = [raw]
+        else:
+            candidates = [os.path.join(root, raw) for root in self.roots]
+            candidates = [c for c in candidates if os.path.exists(c)] or candidates[:1]
+        real = _real(candidates[0])
+        self._check_inside(real, raw)
+        if not os.path.isdir(real):
+            raise RequestError(f"adapter directory {raw!r} does not exist", 404, "not_found")
+        for name in (CONFIG_FILE, WEIGHTS_FILE):
+            # A file symlinked out of the root would be read from outside it.
+            self._check_inside(_real(os.path.join(real, name)), raw)
+        return real
+
+    def _check_inside(self, real: str, raw: str) -> None:
+        if not any(is_within(real, root) for root in self.roots):
+            raise RequestError(
+                f"'lora_path' {raw!r} is outside the allowed adapter directories",
+                403,
+                "permission_denied",
+            )
+
+
+def check_name(name: object, base_model: str) -> str:
+    if not isinstance(name, str) or not NAME_RE.fullmatch(name):
+        raise RequestError(
+            "'lora_name' must be 1-128 characters: letters, digits and . _ : / @ + - "
+            "(starting with a letter or digit)"
+        )
+    if name == base_model:
+        raise RequestError(f"{name!r} is the base model's name", 409, "conflict")
+    return name
+
+
+def discover(lora_dir: str | os.PathLike) -> dict[str, str]:
+    """Every PEFT adapter directory directly under `lora_dir`, by directory name (sorted).
+
+    Entries that resolve outside `lora_dir` (symlinks) are skipped like any other escape.
+    """
+    root = Path(lora_dir)
+    if not root.is_dir():
+        raise AdapterError(f"--lora-dir {str(root)!r} is not a directory")
+    paths = AdapterPaths([root])
+    found = {}
+    for child in sorted(root.iterdir()):
+        if not child.is_dir():
+            continue
+        if not (child / CONFIG_FILE).is_file():
+            log.warning("skipping %s: no %s", child, CONFIG_FILE)
+            continue
+        try:
+            found[child.name] = paths.resolve(child.name)
+        except RequestError as exc:
+            log.warning("skipping %s: %s", child, exc)
+    return found
+
+
+class AdapterAdmin:
+    """The logic behind /v1/load_lora_adapter and /v1/unload_lora_adapter."""
+
+    def __init__(self, engine, paths: AdapterPaths):
+        self.engine = engine
+        self.paths = paths
+
+    def load(self, body: dict) -> dict:
+        """Register `lora_name` from `lora_path`; returns the adapter's card."""
+        unknown = set(body) - {"lora_name", "lora_path"}
+        if unknown:
+            raise RequestError(f"unknown fields: {', '.join(sorted(unknown))}")
+        name = check_name(body.get("lora_name"), self.engine.model_name)
+        path = self.paths.resolve(body.get("lora_path"))
+        if any(a["name"] == name for a in self.engine.adapters()):
+            raise RequestError(f"adapter {name!r} is already loaded", 409, "conflict")
+        try:
+            adapter = self.engine.add_adapter(name, path)
+        except AdapterError as exc:
+            raise RequestError(f"cannot load adapter {name!r}: {exc}") from None
+        log.info("loaded adapter %s from %s", name, path)
+        return {"lora_name": name, "rank": adapter.rank, "target_modules": adapter.target_modules}
+
+    def unload(self, body: dict) -> dict:
+        unknown = set(body) - {"lora_name"}
+        if unknown:
+            raise RequestError(f"unknown fields: {', '.join(sorted(unknown))}")
+        name = body.get("lora_name")
+        if not isinstance(name, str) or not name:
+            raise RequestError("'lora_name' must be a non-empty string")
+        self.engine.remove_adapter(name)  # RequestError 404 or 409
+        log.info("unloaded adapter %s", name)
+        return {"lora_name": name, "unloaded": True}

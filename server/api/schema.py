@@ -1,0 +1,276 @@
+"""Request bodies in, validated `ParsedBody` out (engine requests are made in
+`server.openai_requests`, responses in `server.openai_response`).
+
+Three request schemas share one parsed form, `ParsedBody`:
+- `POST /v1/completions` (OpenAI): `model`, `prompt` (a string, token ids, or a list of up to
+  MAX_PROMPTS strings or token-id lists), `max_tokens` (default 16; 0 with `echo`: score the
+  prompt only), `echo`, `logprobs` (0 to 20 top alternatives per token).
+- `POST /v1/chat/completions` (OpenAI): `model`, `messages` (string content or a list of text
+  parts) rendered by the tokenizer's chat template, `max_completion_tokens` or `max_tokens`
+  (default 256, capped by the context), `logprobs` (a boolean) and `top_logprobs` (0 to 20).
+- `POST /generate` (native): `adapter`, `prompt` or `input_ids`, `max_new_tokens` (default 16).
+All take `temperature` (default 1.0), `top_p`, `top_k` (0 or -1: off), `seed`, `stop` (a string or
+a list), `stream`, `ignore_eos`, `min_tokens`, `presence_penalty`, `frequency_penalty`,
+`repetition_penalty` and `logit_bias` (token id -> bias in [-100, 100]); OpenAI bodies also `n`
+(1 to MAX_N choices per prompt) and `stream_options.include_usage`.
+
+Every function here is pure; a client mistake raises `RequestError` with its HTTP status.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from toppings.server.requests.request import MAX_LOGPROBS, RequestError
+
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+MAX_SEED = 2**63
+MAX_N = 16  # choices per prompt
+MAX_PROMPTS = 256  # prompts in one completions request
+MAX_CHOICES = 256  # prompts x n
+# Accepted so that ordinary clients work, but only at the value that changes nothing.
+NEUTRAL_FIELDS = {
+    "best_of": (None, 1),
+    "suffix": (None, ""),
+    "tools": (None, []),
+}
+NEUTRAL_BY_KIND = {
+    "completion": {"top_logprobs": (None, 0)},
+    "chat": {"echo": (None, False)},
+}
+
+
+@dataclass(frozen=True)
+class ParsedBody:
+    """A validated request body, not tokenized yet.
+
+    Exactly one of `prompt` (text or token ids) and `messages` is set. `max_tokens` None means the
+    endpoint's default; `model` is the name to echo back in OpenAI responses.
+    """
+
+    kind: str  # "completion" | "chat" | "native"
+    model: str
+    adapter: str | None
+    prompts: list[str | list[int]] | None  # in the order their choices are answered
+    messages: list[dict[str, str]] | None
+    max_tokens: int | None
+    sampling: dict[str, Any]  # SamplingParams keyword arguments except max_new_tokens
+    stream: bool = False
+    include_usage: bool = False
+    n: int = 1  # choices per prompt
+    echo: bool = False  # completions: the prompt's text (and logprobs) before each choice's
+    logprobs: int | None = None  # top alternatives per token; None: no logprobs
+
+    @property
+    def prompt(self) -> str | list[int] | None:
+        """The prompt of a one-prompt body (None for chat)."""
+        return self.prompts[0] if self.prompts else None
+
+
+def typed_field(body: dict, key: str, kind: str, default: Any = None) -> Any:
+    """body[key] checked against `kind` ("int", "number", "bool", "str"); None means absent."""
+    value = body.get(key)
+    if value is None:
+        return default
+    is_bool = isinstance(value, bool)
+    ok = {
+        "int": isinstance(value, int) and not is_bool,
+        "number": isinstance(value, (int, float)) and not is_bool,
+        "bool": is_bool,
+        "str": isinstance(value, str),
+    }[kind]
+    if not ok:
+        noun = {"int": "an integer", "number": "a number", "bool": "a boolean", "str": "a string"}
+        raise RequestError(f"'{key}' must be {noun[kind]}, not {json_type(value)}")
+    return float(value) if kind == "number" else value
+
+
+def json_type(value: Any) -> str:
+    """The JSON name of a parsed value's type, for error messages."""
+    if value is None:
+        return "null"
+    for py, name in ((bool, "boolean"), ((int, float), "number"), (str, "string"), (list, "array")):
+        if isinstance(value, py):
+            return name
+    return "object"
+
+
+def parse_token_ids(value: Any, key: str) -> list[int]:
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        raise RequestError(f"'{key}' must be a string or a list of integer token ids")
+    return list(value)
+
+
+def _sampling(body: dict) -> dict[str, Any]:
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        stop = [stop]
+    if stop is not None and not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
+        raise RequestError(f"'stop' must be a string or a list of strings, not {json_type(stop)}")
+    seed = typed_field(body, "seed", "int")
+    if seed is not None and not 0 <= seed < MAX_SEED:
+        raise RequestError(f"'seed' must be in [0, 2^63), not {seed}")
+    top_k = typed_field(body, "top_k", "int", 0)
+    return {
+        "temperature": typed_field(body, "temperature", "number", 1.0),
+        "top_p": typed_field(body, "top_p", "number", 1.0),
+        "top_k": 0 if top_k == -1 else top_k,  # -1 is vLLM's spelling of "off"
+        "seed": seed,
+        "stop": tuple(stop or ()),
+        "ignore_eos": typed_field(body, "ignore_eos", "bool", False),
+        "presence_penalty": typed_field(body, "presence_penalty", "number", 0.0),
+        "frequency_penalty": typed_field(body, "frequency_penalty", "number", 0.0),
+        "repetition_penalty": typed_field(body, "repetition_penalty", "number", 1.0),
+        "min_tokens": typed_field(body, "min_tokens", "int", 0),
+        "logit_bias": _logit_bias(body.get("logit_bias")),
+    }
+
+
+def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
+    """OpenAI's `{"token id": bias}` as sorted (id, bias) pairs; ids are checked against the
+    vocabulary when the request is built."""
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise RequestError(f"'logit_bias' must be an object, not {json_type(value)}")
+    pairs = []
+    for key, bias in value.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise RequestError(f"'logit_bias' keys must be token ids, not {key!r}") from None
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)):
+            raise RequestError(f"'logit_bias' values must be numbers, not {json_type(bias)}")
+        pairs.append((token, float(bias)))
+    return tuple(sorted(pairs))
+
+
+def _in_range(value: int, key: str, low: int, high: int) -> int:
+    if not low <= value <= high:
+        raise RequestError(f"'{key}' must be in [{low}, {high}], not {value}")
+    return value
+
+
+def _openai_common(body: dict, base_model: str, kind: str) -> dict[str, Any]:
+    """ParsedBody fields every OpenAI body has; rejects what we lack."""
+    for key, neutral in (NEUTRAL_FIELDS | NEUTRAL_BY_KIND[kind]).items():
+        if body.get(key) not in neutral:
+            raise RequestError(f"'{key}' is not supported by this server")
+    model = typed_field(body, "model", "str", base_model)
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise RequestError(f"'stream_options' must be an object, not {json_type(options)}")
+    return {
+        "model": model,
+        "adapter": None if model == base_model else model,
+        "sampling": _sampling(body),
+        "stream": typed_field(body, "stream", "bool", False),
+        "include_usage": typed_field(options or {}, "include_usage", "bool", False),
+        "n": _in_range(typed_field(body, "n", "int", 1), "n", 1, MAX_N),
+    }
+
+
+def _prompts(value: Any) -> list[str | list[int]]:
+    """`prompt` as a list of prompts: one string, token ids, or a list of either."""
+    if isinstance(value, str):
+        return [value]
+    if not isinstance(value, list) or not value:
+        raise RequestError(f"'prompt' must be a string or token ids, not {json_type(value)}")
+    if not isinstance(value[0], (str, list)):
+        return [parse_token_ids(value, "prompt")]
+    if len(value) > MAX_PROMPTS:
+        raise RequestError(f"'prompt' may hold at most {MAX_PROMPTS} prompts, not {len(value)}")
+    prompts: list[str | list[int]] = []
+    for idx, item in enumerate(value):
+        if isinstance(item, str):
+            prompts.append(item)
+        elif isinstance(item, list):
+            prompts.append(parse_token_ids(item, f"prompt[{idx}]"))
+        else:
+            raise RequestError("'prompt' lists must hold only strings or only token-id lists")
+    return prompts
+
+
+def parse_completion(body: dict, base_model: str) -> ParsedBody:
+    """Validate an OpenAI `/v1/completions` body."""
+    common = _openai_common(body, base_model, "completion")
+    prompts = _prompts(body.get("prompt"))
+    if len(prompts) * common["n"] > MAX_CHOICES:
+        raise RequestError(f"prompts x n must be at most {MAX_CHOICES} choices")
+    logprobs = typed_field(body, "logprobs", "int")
+    if logprobs is not None:
+        _in_range(logprobs, "logprobs", 0, MAX_LOGPROBS)
+    echo = typed_field(body, "echo", "bool", False)
+    max_tokens = typed_field(body, "max_tokens", "int")
+    if max_tokens == 0 and not echo:
+        raise RequestError("'max_tokens' 0 needs 'echo': true (it scores the prompt only)")
+    return ParsedBody(
+        "completion", prompts=prompts, messages=None, max_tokens=max_tokens, echo=echo,
+        logprobs=logprobs, **common,
+    )  # fmt: skip
+
+
+def parse_message(msg: Any, idx: int) -> dict[str, str]:
+    if not isinstance(msg, dict):
+        raise RequestError(f"messages[{idx}] must be an object, not {json_type(msg)}")
+    role = msg.get("role")
+    if role not in CHAT_ROLES:
+        raise RequestError(f"messages[{idx}].role must be one of {', '.join(CHAT_ROLES)}")
+    content = msg.get("content")
+    if content is None and role == "assistant":
+        content = ""
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text":
+                raise RequestError(f"messages[{idx}].content parts must be text parts")
+            parts.append(typed_field(part, "text", "str", ""))
+        content = "\n".join(parts)
+    if not isinstance(content, str):
+        raise RequestError(f"messages[{idx}].content must be a string or a list of text parts")
+    # Chat templates know the classic roles; "developer" is OpenAI's new name for "system".
+    return {"role": "system" if role == "developer" else role, "content": content}
+
+
+def parse_chat(body: dict, base_model: str) -> ParsedBody:
+    """Validate an OpenAI `/v1/chat/completions` body."""
+    common = _openai_common(body, base_model, "chat")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("'messages' must be a non-empty list")
+    parsed = [parse_message(m, i) for i, m in enumerate(messages)]
+    max_tokens = typed_field(body, "max_completion_tokens", "int")
+    if max_tokens is None:
+        max_tokens = typed_field(body, "max_tokens", "int")
+    top = typed_field(body, "top_logprobs", "int")
+    if top is not None:
+        _in_range(top, "top_logprobs", 0, MAX_LOGPROBS)
+    logprobs = None
+    if typed_field(body, "logprobs", "bool", False):
+        logprobs = top or 0
+    elif top:
+        raise RequestError("'top_logprobs' needs 'logprobs': true")
+    return ParsedBody(
+        "chat", prompts=None, messages=parsed, max_tokens=max_tokens, logprobs=logprobs, **common
+    )
+
+
+def parse_native(body: dict, base_model: str) -> ParsedBody:
+    """Validate a native `/generate` body."""
+    adapter = typed_field(body, "adapter", "str")
+    prompt, input_ids = body.get("prompt"), body.get("input_ids")
+    if (prompt is None) == (input_ids is None):
+        raise RequestError("give exactly one of 'prompt' and 'input_ids'")
+    if prompt is not None:
+        prompt = typed_field(body, "prompt", "str")
+    elif not isinstance(input_ids, list):
+        raise RequestError(f"'input_ids' must be a list of integers, not {json_type(input_ids)}")
+    else:
+        prompt = parse_token_ids(input_ids, "input_ids")
+    max_tokens = typed_field(body, "max_new_tokens", "int")
+    stream = typed_field(body, "stream", "bool", False)
+    return ParsedBody(
+        "native", adapter or base_model, adapter, [prompt], None, max_tokens, _sampling(body),
+        stream,
+    )  # fmt: skip

@@ -1,0 +1,1 @@
+"""The engine loop: continuous batching, adapter residency, sampling."""

@@ -1,0 +1,204 @@
+"""Everything the engine holds for adapters, behind the one interface the engine uses.
+
+Registered adapters live in host memory (their `LoraAdapter` tensors and, with CPU workers, the
+shared-memory `HostRepository` the workers read). The device side is the adapter pool, filled by
+the pipelined loader and governed by the byte-budget cache. Layers not yet on the device are
+computed by `host`: the CPU worker pool, or in-process when the server runs no workers.
+
+The engine asks four things: `acquire` a request's adapter (memory and a load), `may_start` it
+under the LoRA mode, `step` (the LoRA side of one forward pass) and `release` it when it ends.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+
+from toppings.gpu_lora.adapter_pool import AdapterPool
+from toppings.gpu_lora.cache import AdapterCache, CacheEntry
+from toppings.gpu_lora.eviction import make_policy
+from toppings.gpu_lora.host_lora import HostLora, HostLoraRunner
+from toppings.gpu_lora.loader import PipelinedLoader
+from toppings.gpu_lora.lora_batch import HostLoraStats, LoraBatch, LoraKernels
+from toppings.gpu_lora.peft_format import LoraAdapter
+from toppings.server.config import EngineConfig
+from toppings.server.engine.lora_modes import LORA_MODES
+from toppings.server.model import native_lora
+from toppings.server.model.config import ModelConfig
+from toppings.server.requests.request import RequestError
+
+log = logging.getLogger(__name__)
+
+HOST_REPOSITORY_BYTES = 4 << 30  # shared arena for the workers (sparse: only used pages count)
+
+
+class AdapterManager:
+    """Registry, device cache and host compute of one engine's adapters."""
+
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype):
+        self.config = config
+        self.model_config = model_config
+        self.mode = LORA_MODES[config.lora_mode]
+        self.kernels = LoraKernels.choose(config.kernel, config.device, dtype)
+        if self.kernels.segment_decode is not None and not self.kernels.padded:
+            if native_lora.available(dtype):  # one native call per projection, not per run
+                self.kernels = dataclasses.replace(
+                    self.kernels,
+                    prefill=native_lora.mbgmv_runs,
+                    segment_decode=native_lora.mbgmv_runs,
+                    runs_step=native_lora.RunsStep,
+                )
+        self.host_stats = HostLoraStats()
+        self.registry: dict[str, LoraAdapter] = {}
+        self.pool = AdapterPool(model_config, dtype, config.device)
+        self.loader = PipelinedLoader(self.pool, config.layers_per_group, config.link_gbps)
+        self.cache = AdapterCache(
+            self.pool, self.loader, make_policy(config.eviction), config.adapter_cache_bytes or None
+        )
+        self.host: HostLoraRunner = HostLora(self.registry)
+        self.repository = self.workers = None
+        if self.mode.host_workers and config.num_cpu_workers:
+            self._start_workers(dtype)
+
+    def _start_workers(self, dtype: torch.dtype) -> None:
+        from toppings.cpu_lora.pool import CpuLoraPool
+        from toppings.cpu_lora.repository import HostRepository
+
+        host_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+        self.repository = HostRepository.create(
+            self.model_config, HOST_REPOSITORY_BYTES, dtype=host_dtype
+        )
+        try:
+            self.workers = CpuLoraPool(
+                self.repository,
+                self.model_config,
+                self.config.num_cpu_workers,
+                cores=list(self.config.cpu_cores) or None,
+                max_tokens=max(self.config.max_prefill_tokens, self.config.max_batch_size),
+                spin_us=self.config.cpu_spin_us,
+            )
+        except BaseException:
+            self.repository.close()
+            self.repository.unlink()
+            raise
+        self.host = self.workers
+        log.info("%d CPU LoRA workers, %d tokens per core", self.workers.num_workers,
+                 self.workers.tokens_per_core)  # fmt: skip
+
+    def register(self, adapter: LoraAdapter) -> None:
+        """Make a validated adapter servable (called with the engine's lock held)."""
+        if adapter.name in self.registry:
+            raise RequestError(f"adapter {adapter.name!r} is already loaded", 409, "conflict")
+        if self.repository is not None:
+            self.repository.add(adapter)
+        if self.pool.device.type == "cuda":
+            # Pinned host copies: the loader's copies then run asynchronously on its stream.
+            for key, (a, b) in adapter.weights.items():
+                adapter.weights[key] = (a.pin_memory(), b.pin_memory())
+        self.registry[adapter.name] = adapter
+        if self.mode.preload:
+            # The ideal upper bound: every adapter on the device before any request, pinned.
+            entry = self.cache.acquire(adapter)
+            if entry is None:
+                self.unregister(adapter.name)
+                raise RequestError("the adapter cache is full", 507, "insufficient_storage")
+            entry.ticket.wait()
+
+    def unregister(self, name: str) -> None:
+        if self.mode.preload and name in self.cache.entries:
+            self.cache.release(name)  # the registration pin
+        self.cache.forget(name)
+        if self.repository is not None and self.repository.lookup(name) is not None:
+            self.repository.remove(name)
+        del self.registry[name]
+
+    # ---- per request and per step (the engine thread) -----------------------------------------
+
+    def acquire(self, name: str, queued: frozenset[str]) -> CacheEntry | None:
+        """Take a reference on adapter `name` and start its load if it is not on the device;
+        None when no adapter memory is free until a running request ends. `queued`: adapters of
+        waiting requests, which eviction spares."""
+        return self.cache.acquire(self.registry[name], queued)
+
+    def prefetch(self, names: list[str], queued: frozenset[str]) -> None:
+        """Load the first of these adapters of queued requests that is not on the device, when
+        the loader is idle (a prefetch never delays an admitted request's load) and it fits
+        without evicting an adapter in use or wanted."""
+        if self.mode.preload or not self.loader.idle():
+            return
+        for name in names:
+            if name in self.registry and name not in self.cache.entries:
+                self.cache.prefetch(self.registry[name], queued)
+                return
+
+    def bytes_of(self, name: str | None) -> int:
+        """Device bytes of an adapter's weights (0 for the base model)."""
+        return 0 if name is None else self.registry[name].bytes_at(self.pool.dtype)
+
+    def fits_if_released(self, name: str | None, held: str | None) -> bool:
+        """Whether adapter `name` misses device memory now but would find it if the one
+        reference a request holds on `held` were dropped."""
+        if name is None or name in self.cache.entries:
+            return False
+        need = self.bytes_of(name)
+        if self.cache.freeable_bytes() >= need or held is None or held == name:
+            return False
+        entry = self.cache.entries.get(held)
+        if entry is None or entry.refcount != 1:
+            return False
+        return self.cache.freeable_bytes(extra=held) >= need
+
+    def may_start(self, entry: CacheEntry | None) -> bool:
+        """Whether a request holding `entry` may be prefilled now under the LoRA mode."""
+        return entry is None or not self.mode.wait_for_load or entry.ticket.done
+
+    def release(self, name: str) -> None:
+        """Drop a request's reference taken by `acquire`."""
+        self.cache.release(name)
+
+    def step(
+        self, entries: list[CacheEntry | None], seg_starts: list[int], is_prefill: bool
+    ) -> LoraBatch | None:
+        """The LoRA side of one forward pass over B requests (None: no request has an adapter).
+
+        entries: each request's cache entry (None: base model); seg_starts: B + 1 token offsets.
+        """
+        if not any(entries):
+            return None
+        return LoraBatch(
+            self.pool,
+            self.kernels,
+            [e.resident if e else None for e in entries],
+            seg_starts,
+            is_prefill,
+            tickets=[e.ticket if e else None for e in entries],
+            host=self.host,
+            host_stats=self.host_stats,
+        )
+
+    # ---- views for /stats and /metrics (any thread) -----------------------------------------
+
+    def residency(self) -> tuple[list[str], list[str]]:
+        """(resident, loading) adapter names on the device."""
+        entries = list(self.cache.entries.items())
+        resident = [n for n, e in entries if e.ticket.done]
+        return resident, [n for n, e in entries if not e.ticket.done]
+
+    def references(self) -> int:
+        """References held by queued and running requests (and cached mode's pins)."""
+        return sum(e.refcount for e in list(self.cache.entries.values()))
+
+    def worker_stats(self) -> list[dict]:
+        return [] if self.workers is None else self.workers.workers_info()
+
+    def close(self) -> None:
+        """Stop the loader and the workers and unlink the shared arena (idempotent)."""
+        self.loader.close()
+        if self.workers is not None:
+            self.workers.close()
+        if self.repository is not None:
+            self.repository.close()
+            self.repository.unlink()
+            self.repository = None

@@ -1,0 +1,68 @@
+"""What happens to a row of logits between the model and the token: processors and logprobs.
+
+Processors (vLLM's order and semantics): logit bias and the `min_tokens` EOS mask, then the
+repetition penalty (prompt and output tokens), then frequency and presence penalties (output
+tokens). Sampling (temperature, top-k, top-p) follows in `server.sampling`. Log-probabilities
+are taken from the model's logits before any of this (vLLM's default "raw logprobs"), so they
+are what transformers' log-softmax gives for the same adapter and prefix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from toppings.server.requests.request import SamplingParams, TokenLogprob
+
+LOGPROB_CHUNK_ROWS = 256
+
+
+def process_row(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    prompt_ids: Sequence[int],
+    output_ids: Sequence[int],
+    eos_ids: set[int],
+) -> torch.Tensor:
+    """One row of logits [V] float32 after bias, EOS mask and penalties; a new tensor."""
+    row = logits.clone()
+    vocab = row.shape[0]
+    if params.logit_bias:
+        ids, biases = zip(*params.logit_bias)
+        row[list(ids)] += torch.tensor(biases, dtype=row.dtype, device=row.device)
+    if len(output_ids) < params.min_tokens:
+        row[[t for t in eos_ids if t < vocab]] = float("-inf")
+    if params.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), device=row.device)
+        picked = row[seen]
+        row[seen] = torch.where(
+            picked > 0, picked / params.repetition_penalty, picked * params.repetition_penalty
+        )
+    if (params.frequency_penalty or params.presence_penalty) and output_ids:
+        counts = torch.bincount(
+            torch.tensor(list(output_ids), device=row.device), minlength=vocab
+        ).to(row.dtype)  # [V]
+        row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
+    return row
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: list[int], k: int) -> list[TokenLogprob]:
+    """Each row's log-softmax value of its token and its top-k. logits float32 [R, V].
+
+    Rows go through in chunks, so scoring a long prompt holds one chunk's log-softmax at a time.
+    """
+    out: list[TokenLogprob] = []
+    for start in range(0, len(token_ids), LOGPROB_CHUNK_ROWS):
+        rows = logits[start : start + LOGPROB_CHUNK_ROWS]
+        ids = token_ids[start : start + LOGPROB_CHUNK_ROWS]
+        logprobs = torch.log_softmax(rows.float(), dim=-1)  # [r, V]
+        index = torch.tensor(ids, device=logits.device)[:, None]
+        chosen = logprobs.gather(1, index)[:, 0].tolist()
+        if k > 0:
+            values, top_ids = logprobs.topk(k, dim=-1)  # [r, k]
+            tops = [tuple(zip(i, v)) for i, v in zip(top_ids.tolist(), values.tolist())]
+        else:
+            tops = [()] * len(ids)
+        out.extend(TokenLogprob(t, lp, top) for t, lp, top in zip(ids, chosen, tops))
+    return out

@@ -1,0 +1,75 @@
+"""`--dtype auto`: the dtype the base model runs fastest in on this machine.
+
+On CUDA: bfloat16. On a CPU, bfloat16 only pays where the CPU multiplies it natively (the
+`avx512_bf16` or `amx_bf16` flags); even then it is not always faster than float32 (measured on
+this project's VMs: a 2-core Intel Xeon with avx512_bf16 ran the engine faster in float32, a
+2-core AMD EPYC with it ran a bfloat16 GEMM of SmolLM2's shapes at 2.8x the float32 rate). So the
+choice is measured once at start-up: the model's largest projections (gate/up, [I, H]) through
+the same packed linear the engine uses (server.linear), at a decode batch and a prefill chunk,
+in both dtypes, alternating; bfloat16 wins only when it takes under `MARGIN` of float32's time.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from toppings.server.model.linear import Linear
+
+NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+ROWS = (16, 128)  # a decode step's batch and a prefill chunk
+ROUNDS = 5
+MARGIN = 0.9  # bfloat16 must be at least 10% faster: the rest of a step gains less
+
+
+def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> set[str]:
+    """The CPU's feature flags (empty where /proc/cpuinfo is missing, e.g. not Linux)."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def projections(dtype: torch.dtype, hidden: int, intermediate: int):
+    """The engine's linear for a random W [I, H] and one input x [rows, H] per row count."""
+    gen = torch.Generator().manual_seed(0)
+    linear = Linear(torch.randn(intermediate, hidden, generator=gen).to(dtype))
+    inputs = [torch.randn(rows, hidden, generator=gen).to(dtype) for rows in ROWS]
+    for x in inputs:
+        linear(x)  # warm-up: oneDNN picks its kernel on the first call
+    return linear, inputs
+
+
+def time_projection(linear: Linear, x: torch.Tensor) -> float:
+    """Seconds of one linear(x) (best of 3)."""
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        linear(x)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def choose_dtype(device: str, hidden: int, intermediate: int, flags: set[str] | None = None):
+    """(dtype name, why) for `--dtype auto`."""
+    if device == "cuda":
+        return "bfloat16", "cuda"
+    flags = cpu_flags() if flags is None else flags
+    if not any(f in flags for f in NATIVE_BF16_FLAGS):
+        return "float32", "this CPU has no native bfloat16 (avx512_bf16 / amx_bf16)"
+    setups = {
+        dtype: projections(dtype, hidden, intermediate) for dtype in (torch.float32, torch.bfloat16)
+    }
+    totals = dict.fromkeys(setups, 0.0)
+    for _ in range(ROUNDS):  # the two dtypes alternate, so drift in the machine hits both
+        for dtype, (linear, inputs) in setups.items():
+            totals[dtype] += sum(time_projection(linear, x) for x in inputs)
+    ratio = totals[torch.bfloat16] / totals[torch.float32]
+    why = f"a [{intermediate}, {hidden}] projection takes {ratio:.2f}x float32's time in bfloat16"
+    return ("bfloat16" if ratio < MARGIN else "float32"), why

@@ -1,0 +1,108 @@
+"""The elementwise ops of a Llama layer, one pass each where the native kernels are built.
+
+Unfused, a layer's norms and RoPE are about fifteen torch ops; on a CPU each small one
+costs more in dispatch and in waking torch's threads than in arithmetic (a decode step of
+SmolLM2 at batch 64 spent a quarter of its time there). The native versions (`csrc/
+elementwise.c`) do each in one pass, rounding where the torch ops round; the torch versions
+below are the reference and the path everywhere else (tests/server/model/test_fused.py
+compares them).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+import torch.nn.functional as F
+
+from toppings.server import native
+
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def _lib(*tensors: torch.Tensor):
+    """The native library when every tensor is a float32/bfloat16 CPU tensor of one dtype."""
+    first = tensors[0]
+    if first.device.type != "cpu" or first.dtype not in _DTYPES:
+        return None
+    if any(t.dtype != first.dtype for t in tensors):
+        return None
+    return native.library()
+
+
+def _ptr(t: torch.Tensor) -> ctypes.c_void_p:
+    return ctypes.c_void_p(t.data_ptr())
+
+
+def add_rms_norm(
+    h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """h += delta (in place, when given), then RMSNorm of h as transformers computes it.
+
+    h, delta [T, H] (rows may be strided, columns contiguous); weight [H]. Returns [T, H].
+    """
+    parts = (h, weight) if delta is None else (h, delta, weight)
+    lib = _lib(*parts)
+    if lib is None or any(t.stride(-1) != 1 for t in parts) or not weight.is_contiguous():
+        if delta is not None:
+            h += delta
+        return rms_norm_torch(h, weight, eps)
+    out = torch.empty(h.shape, dtype=h.dtype)
+    lib.add_rms_norm(
+        _ptr(h), None if delta is None else _ptr(delta), _ptr(weight), _ptr(out),
+        h.shape[0], h.shape[1], h.stride(0), 0 if delta is None else delta.stride(0),
+        out.stride(0), eps, _DTYPES[h.dtype], torch.get_num_threads(),
+    )  # fmt: skip
+    return out
+
+
+def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm computed in float32 as transformers does. x [T, H] -> [T, H] in x's dtype."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)  # the same numbers in one torch op
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE in place. x [T, heads, D] (heads contiguous); cos, sin [T, D]."""
+    lib = _lib(x, cos, sin)
+    d = x.shape[-1]
+    if (
+        lib is None
+        or x.stride(2) != 1
+        or x.stride(1) != d
+        or not (cos.is_contiguous() and sin.is_contiguous())
+    ):
+        x.copy_(rope_torch(x, cos, sin))
+        return x
+    lib.rope(_ptr(x), _ptr(cos), _ptr(sin), x.shape[0], x.shape[1], d, x.stride(0),
+             _DTYPES[x.dtype], torch.get_num_threads())  # fmt: skip
+    return x
+
+
+def rope_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE. x [T, heads, D]; cos, sin [T, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's silu(gate) * up of the fused projection, one pass. gate_up [T, 2I] -> [T, I]."""
+    lib = _lib(gate_up)
+    if lib is not None and gate_up.stride(-1) == 1:
+        num_tokens, inter = gate_up.shape[0], gate_up.shape[1] // 2
+        out = torch.empty(num_tokens, inter, dtype=gate_up.dtype)
+        failed = lib.silu_mul(_ptr(gate_up), gate_up.stride(0), _ptr(out), num_tokens, inter,
+                              _DTYPES[gate_up.dtype], torch.get_num_threads())  # fmt: skip
+        if not failed:
+            return out
+    return silu_mul_torch(gate_up)
+
+
+def silu_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
+    """The same in two torch ops (the product in place)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate).mul_(up)

@@ -1,0 +1,180 @@
+"""Llama-family forward pass over a flat batch of tokens from many requests.
+
+One step is either a prefill (each request contributes its prompt, a segment of tokens) or a
+decode (each request contributes one token). Keys and values go to the token-level KV pool; LoRA
+deltas are added per projection by the step's `LoraBatch` (gpu_lora), where each request's
+adapter lives.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from toppings.server.memory.kv_cache import KVPool
+from toppings.server.model.attention import decode_attention, plan_prefill, prefill_attention
+from toppings.server.model.config import ModelConfig
+from toppings.server.model.fused import add_rms_norm, rope_, silu_mul
+from toppings.server.model.linear import Linear, plain_copy_affordable
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ForwardBatch:
+    """The tokens of one engine step (T tokens, B requests)."""
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    slots: torch.Tensor  # [T] int64, KV slot each token is written to
+    seg_starts: list[int]  # B+1 boundaries; decode: [0, 1, ..., B]
+    is_prefill: bool
+    kv_index: torch.Tensor | None = None  # decode: [B, Lmax] slots of every position
+    kv_lengths: torch.Tensor | None = None  # decode: [B] int64, valid positions per request
+    # prefill: per request, the slots [P] of its cached prefix (its segment holds the tokens
+    # after it), or None when the whole prompt is computed
+    past_slots: list[torch.Tensor | None] | None = None
+    lora: object | None = None  # gpu_lora.lora_batch.LoraBatch, or None: no adapter in batch
+    # [R] int64 rows of the T tokens whose logits forward returns; None: each segment's last
+    # token (R = B). Prefill asks for every prompt row of a request that scores its prompt.
+    logit_rows: torch.Tensor | None = None
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor  # [H]
+    qkv: Linear  # [(N+2K)*D, H]
+    o: Linear  # [H, N*D]
+    post_norm: torch.Tensor  # [H]
+    gate_up: Linear  # [2*I, H]
+    down: Linear  # [H, I]
+
+
+def projection_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
+    """Bytes of every projection weight of the model (lm_head included) in `dtype`."""
+    h, i, d = config.hidden_size, config.intermediate_size, config.head_dim
+    per_layer = h * (2 * config.num_heads + 2 * config.num_kv_heads) * d + 3 * h * i
+    return (config.num_layers * per_layer + config.vocab_size * h) * dtype.itemsize
+
+
+def free_device_bytes(device: torch.device) -> int:
+    """Free memory of a CUDA device now (what the memory pool's default is sized from)."""
+    free, _total = torch.cuda.mem_get_info(device)
+    return int(free)
+
+
+class LlamaModel:
+    """Weights on one device and the forward pass; holds no per-request state."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        dtype: torch.dtype,
+        device: str | torch.device,
+        max_len: int,
+        pack_cpu_weights: bool = True,
+        plain_gemv: bool | None = None,
+    ):
+        """pack_cpu_weights: on a CPU, run the projections through oneDNN (linear.py);
+        plain_gemv: where linear.py's bf16 GEMV runs here, keep a plain copy of each weight for
+        steps of 1-4 rows (twice the projections' memory; a tied lm_head shares the embedding);
+        None: where that copy is affordable (`linear.plain_copy_affordable`)."""
+        self.config = config
+        self.dtype = dtype
+        self.device = torch.device(device)
+
+        def w(name: str) -> torch.Tensor:
+            if name not in weights:
+                raise KeyError(f"checkpoint has no tensor {name!r}")
+            return weights[name].to(device=self.device, dtype=dtype).contiguous()
+
+        self.embed = w("model.embed_tokens.weight")  # [V, H]
+        self.norm = w("model.norm.weight")
+        tied = config.tie_word_embeddings or "lm_head.weight" not in weights
+
+        if plain_gemv is None:
+            plain_gemv = plain_copy_affordable(projection_bytes(config, dtype))
+            if dtype == torch.bfloat16 and self.device.type == "cpu" and not plain_gemv:
+                log.info("no plain weight copy for the bf16 GEMV: it would not fit in memory")
+
+        def proj(weight: torch.Tensor) -> Linear:
+            return Linear(weight, pack_cpu_weights, plain_gemv)
+
+        self.lm_head = proj(self.embed if tied else w("lm_head.weight"))  # [V, H]
+        self.layers = []
+        for i in range(config.num_layers):
+            p = f"model.layers.{i}."
+            attn, mlp = p + "self_attn.", p + "mlp."
+            self.layers.append(
+                LayerWeights(
+                    input_norm=w(p + "input_layernorm.weight"),
+                    qkv=proj(
+                        torch.cat([w(attn + m + ".weight") for m in ("q_proj", "k_proj", "v_proj")])
+                    ),
+                    o=proj(w(attn + "o_proj.weight")),
+                    post_norm=w(p + "post_attention_layernorm.weight"),
+                    gate_up=proj(
+                        torch.cat([w(mlp + m + ".weight") for m in ("gate_proj", "up_proj")])
+                    ),
+                    down=proj(w(mlp + "down_proj.weight")),
+                )
+            )
+        d = config.head_dim
+        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+        angles = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)
+        angles = torch.cat((angles, angles), dim=-1)  # [max_len, D]
+        self.cos = angles.cos().to(self.device, dtype)
+        self.sin = angles.sin().to(self.device, dtype)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, kv: KVPool) -> torch.Tensor:
+        """Run one step; returns float32 logits of each request's last token, [B, V], or of
+        `batch.logit_rows` when set, [R, V]."""
+        cfg = self.config
+        n, k, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        num_tokens = batch.input_ids.shape[0]
+        lora = batch.lora
+        cos, sin = self.cos[batch.positions], self.sin[batch.positions]  # [T, D]
+        h = self.embed[batch.input_ids]  # [T, H], fresh: the residual stream, added in place
+        residual = None  # the last block's output, added into h by the next norm
+        plan = None
+        if batch.is_prefill:  # which prompts the native kernel attends, the same in every layer
+            plan = plan_prefill(batch.seg_starts, batch.past_slots, batch.slots)
+        for idx, layer in enumerate(self.layers):
+            x = add_rms_norm(h, residual, layer.input_norm, cfg.rms_norm_eps)
+            qkv = layer.qkv(x)  # [T, (N+2K)*D]
+            q, key, val = qkv.split([n * d, k * d, k * d], dim=-1)
+            if lora is not None:
+                lora.add(idx, x, (("q_proj", q), ("k_proj", key), ("v_proj", val)))
+            # RoPE on the query and key heads together, in place in qkv.
+            rope_(qkv[:, : (n + k) * d].view(num_tokens, n + k, d), cos, sin)
+            q = q.view(num_tokens, n, d)  # [T, N, D]
+            key, val = key.view(num_tokens, k, d), val.view(num_tokens, k, d)  # [T, K, D]
+            kv.write(idx, batch.slots, key, val)
+            if batch.is_prefill:
+                attn = prefill_attention(
+                    q, key, val, batch.seg_starts, batch.past_slots, kv.k[idx], kv.v[idx], plan
+                )  # [T, N*D]
+            else:
+                attn = decode_attention(q, kv.k[idx], kv.v[idx], batch.kv_index, batch.kv_lengths)
+            out = layer.o(attn)  # [T, H]
+            if lora is not None:
+                lora.add(idx, attn, (("o_proj", out),))
+            x = add_rms_norm(h, out, layer.post_norm, cfg.rms_norm_eps)
+            gate_up = layer.gate_up(x)  # [T, 2I]
+            if lora is not None:
+                gate, up = gate_up.chunk(2, dim=-1)
+                lora.add(idx, x, (("gate_proj", gate), ("up_proj", up)))
+            act = silu_mul(gate_up)  # [T, I]
+            residual = layer.down(act)  # [T, H]
+            if lora is not None:
+                lora.add(idx, act, (("down_proj", residual),))
+        h += residual
+        rows = batch.logit_rows
+        if rows is None:
+            rows = torch.tensor(batch.seg_starts[1:], device=self.device) - 1
+        h = add_rms_norm(h[rows], None, self.norm, cfg.rms_norm_eps)  # [R, H]
+        return self.lm_head(h).float()  # [R, V]

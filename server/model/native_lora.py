@@ -1,0 +1,225 @@
+"""MBGMV over runs of one adapter's tokens in one native call: the CPU engine's LoRA (MBGMV).
+
+A CPU decode step has few tokens per adapter, so the torch segment kernel's two small matmuls
+per run cost more in dispatch than in arithmetic (16 runs x 3 projections x 30 layers are 1440
+pairs a step). `lora_runs` in `csrc/lora.c` does every run of every projection that shares an
+input (q, k and v) in one call, reading each token's own adapter rows only, in blocks of 4
+tokens spread over the threads. It serves prefill too: measured here (2 threads, bf16, q_proj
+shapes), one 128-token prompt at rank 8 took 0.05 ms against the torch kernel's 0.21, at rank 64
+0.17 against 0.28, and 16 runs of 512 tokens (ranks 8-64) 4.5 ms against 5.6. Same semantics as
+`gpu_lora.kernels.reference.mbgmv_prefill` (tests/server/model/test_native_lora.py checks it against
+that reference); BGMV keeps the torch kernels, whose zero-padding is its cost model.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from toppings.gpu_lora.kernels import get_kernels
+from toppings.gpu_lora.kernels.checks import check_prefill, check_shapes
+from toppings.server import native
+
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+# (y, lora_a, lora_b, ranks): one projection of a call; y [T, H_out] (rows may be strided),
+# lora_a [C, H_in], lora_b [C, H_out] contiguous, ranks [B] int32 (0: the run skips it).
+Projection = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+class LoraProj(ctypes.Structure):
+    """One projection of a `lora_runs` call: the C struct of csrc/lora.c, field for field."""
+
+    _fields_ = [
+        ("A", ctypes.c_void_p),
+        ("Bt", ctypes.c_void_p),
+        ("y", ctypes.c_void_p),
+        ("ranks", ctypes.c_void_p),
+        ("ld_y", ctypes.c_int64),
+        ("H_out", ctypes.c_int64),
+        ("pool_rows", ctypes.c_int64),
+    ]
+
+
+def available(dtype: torch.dtype) -> bool:
+    return dtype in _DTYPES and native.library() is not None
+
+
+def mbgmv_runs(
+    y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+    seg_starts: torch.Tensor, offsets: torch.Tensor, ranks: torch.Tensor, scales: torch.Tensor,
+    max_rank: int | None = None,
+) -> None:  # fmt: skip
+    """y[t] += scales[b] * (x[t] @ A_b.T) @ B_b for the tokens t of each run b, in place.
+
+    Args as `mbgmv_prefill`: y [T, H_out], x [T, H_in] (rows may be strided), lora_a [C, H_in],
+    lora_b [C, H_out], one of float32/bfloat16; seg_starts [B + 1], offsets, ranks [B]; scales
+    [B] float32; max_rank unused (each token runs at its own rank).
+    """
+    check_prefill(y, x, lora_a, lora_b, seg_starts, offsets, ranks, scales)
+    mbgmv_runs_multi(x, [(y, lora_a, lora_b, ranks)], seg_starts, offsets, scales)
+
+
+def _int32(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()
+
+
+def _native_ok(x: torch.Tensor, projections: Sequence[Projection], scales: torch.Tensor) -> bool:
+    return (
+        x.dtype in _DTYPES
+        and x.stride(-1) == 1
+        and scales.is_contiguous()
+        and all(
+            y.stride(-1) == 1 and a.is_contiguous() and b.is_contiguous()
+            for y, a, b, _ in projections
+        )
+    )
+
+
+def mbgmv_runs_multi(
+    x: torch.Tensor, projections: Sequence[Projection], seg_starts: torch.Tensor,
+    offsets: torch.Tensor, scales: torch.Tensor,
+) -> None:  # fmt: skip
+    """`mbgmv_runs` for every projection that reads x, in one native call, in place.
+
+    Semantics: for (y, lora_a, lora_b, ranks) in projections:
+        mbgmv_runs(y, x, lora_a, lora_b, seg_starts, offsets, ranks, scales)
+
+    Args: x [T, H_in]; projections as `Projection` (their shapes and dtypes are checked here,
+    the runs by the kernel, which refuses any outside y or the pool);
+    seg_starts [B + 1], offsets [B] int32/int64; scales [B] float32. Off the native path (no
+    compiler, other dtypes or layouts) each projection runs the torch segment kernel.
+    """
+    for y, a, b, _ in projections:  # what the kernel cannot see: rows of y beyond x's, widths
+        check_shapes(y, x, a, b)
+    lib = native.library()
+    if lib is None or not _native_ok(x, projections, scales):
+        prefill = get_kernels("cpu").mbgmv_prefill
+        for y, a, b, ranks in projections:
+            prefill(y, x, a, b, seg_starts, offsets, ranks, scales, None)
+        return
+    starts, offs = _int32(seg_starts), _int32(offsets)
+    ranks = [_int32(r) for _, _, _, r in projections]  # kept alive through the call
+    procs = (LoraProj * len(projections))(*(
+        LoraProj(a.data_ptr(), b.data_ptr(), y.data_ptr(), r.data_ptr(), y.stride(0),
+                 y.shape[1], a.shape[0])
+        for (y, a, b, _), r in zip(projections, ranks)
+    ))  # fmt: skip
+    failed = lib.lora_runs(
+        ctypes.c_void_p(x.data_ptr()), x.stride(0), x.shape[1], x.shape[0], procs,
+        len(projections), ctypes.c_void_p(starts.data_ptr()), ctypes.c_void_p(offs.data_ptr()),
+        ctypes.c_void_p(scales.data_ptr()), offsets.shape[0], _DTYPES[x.dtype],
+        torch.get_num_threads(),
+    )  # fmt: skip
+    _check_status(failed)
+
+
+def _check_status(failed: int) -> None:
+    """Raise what a nonzero `lora_runs` status means (2: bad runs, nothing written)."""
+    if failed == 2:
+        raise ValueError("seg_starts, offsets or ranks point outside y or the pool")
+    if failed:
+        raise MemoryError("lora_runs could not allocate its buffers")
+
+
+class RunsStep:
+    """`mbgmv_runs_multi` for every layer of one step, its per-step arguments built once.
+
+    The runs, offsets, scales and each projection's ranks are the same in every layer of a step;
+    only the layer's rows of the pool, its input and its outputs change. Built once a step by
+    `gpu_lora.lora_batch.LoraBatch`, called once a layer and input: a few field writes and the
+    native call (the general function re-checks and rebuilds everything: ~18 us a call, 30
+    calls a SmolLM2 decode step). Holds the pool's tables of the step (a table the pool
+    reallocates later stays alive until the step ends).
+    """
+
+    def __init__(
+        self, tables: Mapping[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+        seg_starts: torch.Tensor, offsets: torch.Tensor, scales: torch.Tensor,
+    ) -> None:  # fmt: skip
+        """tables: module -> (lora_a [L, C, H_in], lora_b [L, C, H_out], ranks [B] int32);
+        seg_starts [B + 1], offsets [B] int32/int64; scales [B] float32."""
+        self._tables = {m: (a, b, _int32(r)) for m, (a, b, r) in tables.items()}
+        self._starts, self._offsets = _int32(seg_starts), _int32(offsets)
+        self._scales = scales
+        self._num_runs = offsets.shape[0]
+        self._threads = torch.get_num_threads()  # the engine thread's team, set before steps
+        first = next(iter(self._tables.values()), None)
+        self._dtype = None if first is None else first[0].dtype
+        self._num_layers = 0 if first is None else first[0].shape[0]
+        self._procs: dict[tuple[str, ...], tuple] = {}  # see _prepare
+        self._layout: dict[str, tuple[int, int, int, int, int, int, int]] = {}
+        for module, (a, b, r) in self._tables.items():
+            fast = (
+                a.dim() == 3 and b.dim() == 3 and a.shape[:2] == b.shape[:2]
+                and a.dtype == b.dtype == self._dtype and a.dtype in _DTYPES
+                and a.is_contiguous() and b.is_contiguous() and r.shape == (self._num_runs,)
+                and scales.dtype == torch.float32 and scales.is_contiguous()
+            )  # fmt: skip
+            if fast:  # module -> A, B pointers of layer 0, bytes per layer, H_in, H_out, rows
+                size = a.element_size()
+                self._layout[module] = (
+                    a.data_ptr(), b.data_ptr(), a.stride(0) * size, b.stride(0) * size,
+                    a.shape[2], b.shape[2], a.shape[1],
+                )  # fmt: skip
+
+    def __call__(
+        self, layer: int, x: torch.Tensor, outputs: Sequence[tuple[str, torch.Tensor]],
+        skip: Sequence[int] = (),
+    ) -> None:  # fmt: skip
+        """y += each run's delta for every (module, y) of outputs, in place; x [T, H_in], y
+        [T, H_out] of the tables' dtype; skip: runs left out at this layer (rank 0)."""
+        modules = tuple(m for m, _ in outputs)
+        entry = self._procs.get(modules) or self._prepare(modules)
+        lib = native.library()
+        fast = (
+            entry is not None and lib is not None and not skip
+            and 0 <= layer < self._num_layers and x.dim() == 2 and x.stride(1) == 1
+            and x.dtype == self._dtype
+        )  # fmt: skip
+        procs, layouts = entry if fast else ((), ())
+        num_tokens, h_in = x.shape if fast else (0, 0)
+        for p, (_, y), (a0, b0, a_step, b_step, in_features, out_features) in zip(
+            procs, outputs, layouts
+        ):
+            if (
+                y.shape != (num_tokens, out_features) or in_features != h_in
+                or y.dtype != self._dtype or y.stride(1) != 1
+            ):  # fmt: skip
+                fast = False
+                break
+            p.A, p.Bt = a0 + layer * a_step, b0 + layer * b_step
+            p.y, p.ld_y = y.data_ptr(), y.stride(0)
+        if not fast:  # anything unusual: the general function, which checks and says what
+            self._general(layer, x, outputs, skip)
+            return
+        failed = lib.lora_runs(
+            x.data_ptr(), x.stride(0), h_in, num_tokens, procs, len(modules),
+            self._starts.data_ptr(), self._offsets.data_ptr(), self._scales.data_ptr(),
+            self._num_runs, _DTYPES[x.dtype], self._threads,
+        )  # fmt: skip
+        _check_status(failed)
+
+    def _prepare(self, modules: tuple[str, ...]):
+        """(the C structs, each one's layout) for this tuple of modules, or None when one of
+        them has no native layout (its tables are not contiguous float32/bfloat16)."""
+        if not all(m in self._layout for m in modules):
+            return None
+        procs = (LoraProj * len(modules))()
+        for p, m in zip(procs, modules):
+            p.ranks, p.H_out, p.pool_rows = self._tables[m][2].data_ptr(), *self._layout[m][5:]
+        entry = procs, [self._layout[m][:6] for m in modules]
+        self._procs[modules] = entry
+        return entry
+
+    def _general(self, layer, x, outputs, skip) -> None:
+        projections = []
+        for module, y in outputs:
+            a, b, ranks = self._tables[module]
+            if skip:
+                ranks = ranks.clone()
+                ranks[list(skip)] = 0  # these runs' rows of this layer are not there yet
+            projections.append((y, a[layer], b[layer], ranks))
+        mbgmv_runs_multi(x, projections, self._starts, self._offsets, self._scales)

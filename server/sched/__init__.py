@@ -1,0 +1,1 @@
+"""Admission and queue policies: which waiting requests start each step."""

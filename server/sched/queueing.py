@@ -1,0 +1,142 @@
+"""Which waiting requests the engine admits next (`--queue-policy`): one interface, a table.
+
+The engine hands every new request to its policy (`push`) and, once per iteration, asks it to
+`select` a batch. The policy decides the order; the engine's `Gate` decides whether one request
+fits now (batch room, KV slots, prefill budget, adapter memory, LoRA mode) and, when it does,
+admits it. A policy never touches the model, the KV pool or the adapter cache itself.
+
+- `fcfs`: arrival order; the first request that does not fit stops admission (today's engine).
+- `chameleon`: adapter-aware multi-level queues with token quotas (server.chameleon_queue).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from toppings.server.config import EngineConfig
+    from toppings.server.requests.sequence import Sequence
+
+
+class Verdict(enum.Enum):
+    """What the gate answered for one request."""
+
+    ADMITTED = "admitted"
+    BATCH_FULL = "batch_full"  # no batch row left: nothing else fits this iteration
+    NO_ROOM = "no_room"  # its KV slots or prefill tokens do not fit now
+    NO_ADAPTER_MEMORY = "no_adapter_memory"  # its adapter finds no device memory until one ends
+    NOT_READY = "not_ready"  # its adapter is still loading and the LoRA mode waits for it
+
+
+class Gate(Protocol):
+    """The engine's side of admission, for one iteration."""
+
+    def try_admit(self, seq: Sequence) -> Verdict:
+        """Admit `seq` into this iteration's batch if it fits now."""
+
+    def squash(self, seq: Sequence) -> None:
+        """Take a running request out of the batch for a later re-execution (it must be pushed
+        back by the policy)."""
+
+    def fits_if_released(self, waiting: Sequence, running: Sequence) -> bool:
+        """Whether `waiting`'s adapter would find device memory if `running` released its own."""
+
+    def adapter_tokens(self, adapter: str | None) -> int:
+        """Device memory of an adapter, in KV-slot units (0 when adapter memory is unbounded)."""
+
+    def adapter_size(self, adapter: str | None) -> float:
+        """An adapter's size for the WRS (its weight bytes); max over all: `max_adapter_size`."""
+
+    def max_adapter_size(self) -> float: ...
+
+    def total_tokens(self) -> int:
+        """The memory the quotas share, in KV slots: the KV cache plus a bounded adapter budget."""
+
+    def prefetch(self, adapters: list[str]) -> None:
+        """Start loading these adapters of queued requests while memory is free (best effort)."""
+
+    def free_tokens(self) -> int:
+        """Memory admission may still promise now, in KV slots."""
+
+    def free_rows(self) -> int:
+        """Batch rows left this iteration."""
+
+    def need_tokens(self, seq: Sequence) -> int:
+        """Memory admitting `seq` now would promise (its KV and adapter), in KV slots."""
+
+    def release_tokens(self, seq: Sequence) -> int:
+        """Memory a running request gives back when it ends, in KV slots."""
+
+
+class QueuePolicy:
+    """Holds the waiting requests and picks, each iteration, which of them to admit."""
+
+    name = "base"
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+
+    def push(self, seq: Sequence, now: float) -> None:
+        raise NotImplementedError
+
+    def remove(self, seq: Sequence) -> None:
+        """An aborted or failed waiting request leaves the queue."""
+        raise NotImplementedError
+
+    def __iter__(self) -> Iterator[Sequence]:
+        """The waiting requests, in arrival order."""
+        raise NotImplementedError
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def __contains__(self, seq: object) -> bool:
+        return any(s is seq for s in self)
+
+    def select(self, gate: Gate, running: list[Sequence], now: float) -> list[Sequence]:
+        """Admit requests through `gate`; returns them in admission order."""
+        raise NotImplementedError
+
+    def finished(self, seq: Sequence, completed: bool, now: float) -> None:
+        """An admitted request left the batch; `completed`: it stopped or hit its length."""
+
+    def view(self) -> dict:
+        """Queue lengths, cutoffs, quotas and counters for /stats and /metrics."""
+        return {"policy": self.name, "queue_lengths": [len(self)]}
+
+
+class FcfsQueue(QueuePolicy):
+    """First come, first served; the first request that does not fit blocks the ones behind it
+    (only a request whose adapter is still loading lets the next ones go)."""
+
+    name = "fcfs"
+
+    def __init__(self, config: EngineConfig):
+        super().__init__(config)
+        self._waiting: list[Sequence] = []
+
+    def push(self, seq: Sequence, now: float) -> None:
+        self._waiting.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        self._waiting.remove(seq)
+
+    def __iter__(self) -> Iterator[Sequence]:
+        return iter(list(self._waiting))
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+    def select(self, gate: Gate, running: list[Sequence], now: float) -> list[Sequence]:
+        admitted: list[Sequence] = []
+        for seq in list(self._waiting):
+            verdict = gate.try_admit(seq)
+            if verdict is Verdict.NOT_READY:
+                continue
+            if verdict is not Verdict.ADMITTED:
+                break
+            self._waiting.remove(seq)
+            admitted.append(seq)
+        return admitted

@@ -1,0 +1,118 @@
+"""Prompt-token and output-token logprobs of mixed-adapter batches equal transformers + PEFT's
+log-softmax (fp32, within 1e-4), for both kernels and every LoRA mode.
+
+Each request is scored alone by the reference on its prompt plus the tokens our engine chose,
+so the check covers every position our engine computed, whatever it sampled.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.server.engine.test_exactness import (
+    _nullcontext,
+    _peft_model,
+    make_adapters,
+    mixed_prompts,
+)
+from toppings.server.config import EngineConfig
+from toppings.server.requests.request import GenerationRequest, SamplingParams
+from toppings.server.runtime import build_engine
+
+TOL = 1e-4
+NEW_TOKENS = 6
+TOP = 3
+
+
+def reference_logprobs(base_dir, adapters, ids: list[int], adapter: str | None) -> torch.Tensor:
+    """log_softmax of transformers + PEFT's logits at every position of `ids`, [len, V]."""
+    model = _peft_model(base_dir, tuple(sorted(adapters.items())))
+    ctx = model.disable_adapter() if adapter is None else _nullcontext()
+    if adapter is not None:
+        model.set_adapter(adapter)
+    with ctx, torch.inference_mode():
+        logits = model(input_ids=torch.tensor([ids])).logits[0].float()
+    return torch.log_softmax(logits, dim=-1)
+
+
+def check_against_reference(model_dir, adapters, prompts, results) -> None:
+    for (prompt, name), out in zip(prompts, results):
+        ids = prompt + out.new_token_ids
+        ref = reference_logprobs(model_dir, adapters, ids, name)  # [len, V]
+        assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+        scored = out.prompt_logprobs[1:] + out.logprobs  # predicts ids[1:]
+        assert [s.token_id for s in scored] == ids[1:]
+        for pos, s in enumerate(scored):
+            want = ref[pos]
+            assert abs(s.logprob - float(want[ids[pos + 1]])) < TOL, (name, pos)
+            top_ids = [t for t, _ in s.top]
+            assert len(top_ids) == TOP
+            got_top = torch.tensor([lp for _, lp in s.top])
+            assert torch.allclose(got_top, want[top_ids], atol=TOL), (name, pos)
+            assert torch.allclose(got_top, want.topk(TOP).values, atol=TOL), (name, pos)
+
+
+def run_scored(engine, prompts, temperature: float):
+    params = SamplingParams(
+        max_new_tokens=NEW_TOKENS, temperature=temperature, seed=7, ignore_eos=True,
+        logprobs=TOP, prompt_logprobs=TOP,
+    )  # fmt: skip
+    handles = [engine.submit(GenerationRequest(list(p), params, a)) for p, a in prompts]
+    return [h.result(timeout_s=300) for h in handles]
+
+
+@pytest.mark.parametrize("lora_mode", ["cached", "on-demand", "cpu-assisted"])
+@pytest.mark.parametrize("kernel", ["mbgmv", "bgmv"])
+def test_logprobs_match_peft(tmp_path_factory, tiny_model_dir, kernel, lora_mode):
+    adapters = make_adapters(tmp_path_factory.mktemp("adapters"), tiny_model_dir)
+    # A slow emulated link keeps loads in flight, so cpu-assisted runs layers on the host.
+    link = 64 * 128 * 4 * 7 * 2 * 8 / 0.5 / 1e9 if lora_mode != "cached" else 0.0
+    config = EngineConfig(
+        dtype="float32", kernel=kernel, lora_mode=lora_mode, max_total_tokens=4096,
+        max_batch_size=16, link_gbps=link,
+    )  # fmt: skip
+    engine = build_engine(str(tiny_model_dir), config, adapters)
+    try:
+        prompts = mixed_prompts(200, seed=5)
+        results = run_scored(engine, prompts, temperature=0.8)  # sampled: not only argmaxes
+        if lora_mode == "cpu-assisted":
+            assert engine.lora.host_stats.calls > 0, "no layer ran on the host"
+    finally:
+        engine.shutdown()
+    check_against_reference(tiny_model_dir, adapters, prompts, results)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("kernel", ["mbgmv", "bgmv"])
+def test_logprobs_match_peft_on_cuda(tmp_path_factory, tiny_model_dir, kernel):
+    """The engine on the GPU (Triton kernels, logits and log-softmax on the device)."""
+    adapters = make_adapters(tmp_path_factory.mktemp("adapters_cuda"), tiny_model_dir)
+    config = EngineConfig(device="cuda", dtype="float32", kernel=kernel, max_total_tokens=4096,
+                          max_batch_size=16)  # fmt: skip
+    engine = build_engine(str(tiny_model_dir), config, adapters)
+    try:
+        prompts = mixed_prompts(200, seed=6)
+        results = run_scored(engine, prompts, temperature=0.8)
+    finally:
+        engine.shutdown()
+    check_against_reference(tiny_model_dir, adapters, prompts, results)
+
+
+def test_prompt_only_scoring_generates_nothing(tiny_model_dir):
+    """max_new_tokens 0: the prompt is scored, no token is generated, the KV row is freed."""
+    engine = build_engine(str(tiny_model_dir), EngineConfig(dtype="float32", max_total_tokens=512))
+    try:
+        params = SamplingParams(max_new_tokens=0, prompt_logprobs=1)
+        out = engine.submit(GenerationRequest([5, 9, 30, 7], params)).result(timeout_s=60)
+        stats = engine.stats().to_json()
+    finally:
+        engine.shutdown()
+    assert out.new_token_ids == [] and out.finish_reason == "length"
+    assert out.prompt_logprobs[0] is None and [p.token_id for p in out.prompt_logprobs[1:]] == [
+        9,
+        30,
+        7,
+    ]
+    assert stats["free_kv_tokens"] == stats["max_total_tokens"]

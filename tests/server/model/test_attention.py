@@ -1,0 +1,134 @@
+"""Decode and prefill attention against a plain float32 softmax reference, native and torch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from toppings.server import native
+from toppings.server.model import attention
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+def reference_decode(q, k_cache, v_cache, index, lengths):
+    """Per request and head: softmax(q . k / sqrt(D)) @ v over its own slots, in float64."""
+    b, n, d = q.shape
+    group = n // k_cache.shape[0]
+    out = torch.empty(b, n, d, dtype=torch.float64)
+    for i in range(b):
+        slots = index[i, : lengths[i]]
+        for h in range(n):
+            keys = k_cache[h // group, slots].double()  # [L, D]
+            vals = v_cache[h // group, slots].double()
+            p = torch.softmax(keys @ q[i, h].double() / d**0.5, dim=0)
+            out[i, h] = p @ vals
+    return out.reshape(b, n * d)
+
+
+def random_pool(dtype, num_kv=3, group=3, d=16, lengths=(1, 7, 33, 2, 64)):
+    gen = torch.Generator().manual_seed(0)
+    slots_total = sum(lengths) + 9
+    k_cache = torch.randn(num_kv, slots_total, d, generator=gen).to(dtype)
+    v_cache = torch.randn(num_kv, slots_total, d, generator=gen).to(dtype)
+    perm = torch.randperm(slots_total - 1, generator=gen) + 1  # slots scattered over the pool
+    index = torch.randint(0, slots_total, (len(lengths), max(lengths)), generator=gen)
+    start = 0
+    for i, n in enumerate(lengths):  # entries past a request's length stay stale garbage
+        index[i, :n] = perm[start : start + n]
+        start += n
+    q = torch.randn(len(lengths), num_kv * group, d, generator=gen).to(dtype)
+    return q, k_cache, v_cache, index, torch.tensor(lengths, dtype=torch.int64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("path", ["native", "torch"])
+@pytest.mark.parametrize("head_dim", [16, 64])  # 64: the kernel's vectorized path
+@pytest.mark.parametrize("group", [3, 5])  # query heads per kv head: passes of 4 heads and less
+def test_decode_attention_matches_reference(dtype, path, head_dim, group, monkeypatch):
+    if path == "native" and native.library() is None:
+        pytest.skip("no C compiler here")
+    if path == "torch":
+        monkeypatch.setattr(native, "library", lambda: None)
+    q, *rest = random_pool(dtype, group=group, d=head_dim)
+    wide = torch.cat([q, q[:, :2]], dim=1)  # q as a strided view, as the model passes it
+    args = (wide[:, : q.shape[1]], *rest)
+    got = attention.decode_attention(*args)
+    assert got.dtype == dtype and got.shape == (5, 3 * group * head_dim)
+    want = reference_decode(*args)
+    torch.testing.assert_close(got.double(), want, rtol=TOL[dtype], atol=TOL[dtype])
+
+
+def test_native_library_is_built_once_into_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("TOPPINGS_CACHE_DIR", str(tmp_path))
+    native.library.cache_clear()
+    try:
+        lib = native.library()
+        if lib is None:
+            pytest.skip("no C compiler here")
+        built = list((tmp_path / "native").glob("cpu_kernels-*.so"))
+        assert len(built) == 1
+        native.library.cache_clear()
+        assert native.library() is not None
+        assert list((tmp_path / "native").iterdir()) == built  # reused, no second build
+    finally:
+        native.library.cache_clear()
+
+
+def test_native_library_can_be_turned_off(monkeypatch):
+    monkeypatch.setenv("TOPPINGS_NATIVE", "0")
+    native.library.cache_clear()
+    try:
+        assert native.library() is None
+    finally:
+        native.library.cache_clear()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_attention_is_causal_per_segment(dtype):
+    gen = torch.Generator().manual_seed(1)
+    seg_starts = [0, 5, 6, 19]
+    q = torch.randn(19, 6, 8, generator=gen).to(dtype)
+    key = torch.randn(19, 2, 8, generator=gen).to(dtype)
+    val = torch.randn(19, 2, 8, generator=gen).to(dtype)
+    got = attention.prefill_attention(q, key, val, seg_starts)
+    for start, end in zip(seg_starts[:-1], seg_starts[1:]):
+        for t in range(start, end):
+            for h in range(6):
+                keys, vals = (
+                    key[start : t + 1, h // 3].double(),
+                    val[start : t + 1, h // 3].double(),
+                )
+                p = torch.softmax(keys @ q[t, h].double() / 8**0.5, dim=0)
+                want = p @ vals
+                torch.testing.assert_close(
+                    got[t, h * 8 : (h + 1) * 8].double(), want, rtol=TOL[dtype], atol=TOL[dtype]
+                )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [16, 64])
+@pytest.mark.parametrize("group", [3, 5])  # query heads per kv head
+def test_native_prefill_rows_match_the_sdpa_path(dtype, head_dim, group, monkeypatch):
+    """Short segments (one after a cached prefix) natively, the long one through SDPA."""
+    if native.library() is None:
+        pytest.skip("no C compiler here")
+    monkeypatch.setattr(attention, "NATIVE_MAX_LEN", 24)
+    gen = torch.Generator().manual_seed(2)
+    seg_starts = [0, 5, 35, 36, 47]  # 30 tokens: past the native bound
+    num_tokens, num_slots = seg_starts[-1], 90
+    q = torch.randn(num_tokens, 2 * group, head_dim, generator=gen).to(dtype)
+    key = torch.randn(num_tokens, 2, head_dim, generator=gen).to(dtype)
+    val = torch.randn(num_tokens, 2, head_dim, generator=gen).to(dtype)
+    k_cache = torch.randn(2, num_slots, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(2, num_slots, head_dim, generator=gen).to(dtype)
+    perm = torch.randperm(num_slots, generator=gen)
+    slots, past = perm[:num_tokens], perm[num_tokens : num_tokens + 7]
+    k_cache[:, slots], v_cache[:, slots] = key.transpose(0, 1), val.transpose(0, 1)
+    past_slots = [None, None, None, past]  # the last segment follows a 7-token cached prefix
+    plan = attention.plan_prefill(seg_starts, past_slots, slots)
+    assert plan.long_segments == [1]
+    args = (q, key, val, seg_starts, past_slots, k_cache, v_cache)
+    got = attention.prefill_attention(*args, plan)
+    want = attention.prefill_attention(*args)  # every segment through SDPA
+    torch.testing.assert_close(got, want, rtol=TOL[dtype], atol=TOL[dtype])

@@ -1,0 +1,42 @@
+"""`--dtype auto`: which dtype the engine picks, and that an engine built with it serves."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from toppings.server.config import EngineConfig
+from toppings.server.model.dtype import choose_dtype, cpu_flags
+from toppings.server.requests.request import GenerationRequest, SamplingParams
+from toppings.server.runtime import build_engine
+
+
+def test_cuda_runs_bfloat16():
+    assert choose_dtype("cuda", 64, 128)[0] == "bfloat16"
+
+
+def test_a_cpu_without_native_bfloat16_runs_float32_without_measuring():
+    dtype, why = choose_dtype("cpu", 64, 128, flags={"avx2", "avx512f"})
+    assert dtype == "float32" and "no native bfloat16" in why
+
+
+def test_a_cpu_with_native_bfloat16_measures_and_says_the_ratio():
+    dtype, why = choose_dtype("cpu", 64, 128, flags={"avx512_bf16"})
+    assert dtype in ("float32", "bfloat16") and "float32's time in bfloat16" in why
+
+
+def test_cpu_flags_are_read_from_cpuinfo(tmp_path: Path):
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx512_bf16\n\nflags\t: other\n")
+    assert cpu_flags(info) == {"fpu", "sse2", "avx512_bf16"}
+    assert cpu_flags(tmp_path / "missing") == set()
+
+
+def test_an_engine_with_auto_dtype_resolves_it_and_serves(tiny_model_dir):
+    engine = build_engine(str(tiny_model_dir), EngineConfig(device="cpu", dtype="auto"))
+    try:
+        assert engine.config.dtype in ("float32", "bfloat16")
+        params = SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True)
+        out = engine.submit(GenerationRequest([5, 6, 7], params, None)).result(timeout_s=60)
+        assert len(out.new_token_ids) == 3
+    finally:
+        engine.shutdown()

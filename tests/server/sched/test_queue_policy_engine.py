@@ -1,0 +1,120 @@
+"""Queue policies in a live engine (tiny random Llama): admission order changes, tokens do not."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+
+from tests.helpers import assert_memory_balanced
+from toppings.scripts.make_adapters import make_random_adapter
+from toppings.server.config import EngineConfig
+from toppings.server.requests.request import GenerationRequest, SamplingParams
+from toppings.server.runtime import build_engine
+from toppings.server.sched.admission import EngineGate
+
+RANKS = (8, 16, 32, 64)
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_model_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("queue_adapters")
+    return {
+        f"r{r}": str(make_random_adapter(root / f"r{r}", tiny_model_dir, rank=r, seed=r))
+        for r in RANKS
+    }
+
+
+def workload(n: int = 48):
+    """Mixed lengths and adapters; greedy and seeded sampling."""
+    rng = random.Random(0)
+    out = []
+    for i in range(n):
+        prompt = [rng.randrange(3, 200) for _ in range(rng.choice((4, 8, 40, 90)))]
+        params = SamplingParams(
+            max_new_tokens=rng.choice((2, 4, 24, 60)),
+            temperature=0.0 if i % 2 else 0.8,
+            seed=None if i % 2 else i,
+            ignore_eos=True,
+        )
+        out.append((prompt, params, rng.choice([None, *(f"r{r}" for r in RANKS)])))
+    return out
+
+
+def run(tiny_model_dir, adapters, policy: str):
+    # A small KV cache (4 long requests at a time) so that requests queue and the order matters.
+    config = EngineConfig(dtype="float32", max_total_tokens=600, queue_policy=policy)
+    engine = build_engine(str(tiny_model_dir), config, adapters)
+    try:
+        handles = [engine.submit(GenerationRequest(p, s, a)) for p, s, a in workload()]
+        tokens = [h.result(timeout_s=300).new_token_ids for h in handles]
+        return tokens, engine.stats().to_json()["queueing"]
+    finally:
+        engine.shutdown()
+
+
+def test_chameleon_changes_the_order_not_the_tokens(tiny_model_dir, adapters):
+    fcfs, fcfs_view = run(tiny_model_dir, adapters, "fcfs")
+    chameleon, view = run(tiny_model_dir, adapters, "chameleon")
+    assert chameleon == fcfs
+    assert fcfs_view["policy"] == "fcfs"
+    assert view["policy"] == "chameleon" and view["refreshes"] >= 1
+    assert len(view["quotas"]) == len(view["cutoffs"]) + 1 == len(view["queue_lengths"])
+
+
+def test_a_squashed_request_streams_each_token_once(tiny_model_dir, adapters):
+    config = EngineConfig(dtype="float32", max_total_tokens=600, queue_policy="chameleon")
+    engine = build_engine(str(tiny_model_dir), config, adapters)
+    try:
+        params = SamplingParams(max_new_tokens=40, temperature=0.9, seed=3, ignore_eos=True)
+        alone = engine.submit(GenerationRequest([5, 6, 7], params, "r32")).result(timeout_s=120)
+        forward = engine.model.forward
+
+        def slow_forward(*args, **kwargs):  # 5 ms a step: the request is caught mid-run
+            time.sleep(0.005)
+            return forward(*args, **kwargs)
+
+        engine.model.forward = slow_forward
+        handle = engine.submit(GenerationRequest([5, 6, 7], params, "r32"))
+        deadline = time.monotonic() + 60
+        while True:
+            with engine._lock:
+                seq = next(iter(engine._running), None)
+                if seq is not None and len(seq.output_ids) >= 5:
+                    engine.queue.squash(seq, EngineGate(engine))
+                    break
+            assert time.monotonic() < deadline, "the request never ran 5 steps"
+            time.sleep(0.001)
+        outputs = list(handle.events(timeout_s=120))
+        streamed = [t for o in outputs for t in o.new_token_ids]
+        assert streamed == alone.new_token_ids
+        assert "".join(o.new_text for o in outputs) == alone.new_text
+        assert engine.stats().to_json()["queueing"]["squashes"] == 1
+        assert_memory_balanced(engine)
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize(
+    "layout, budget, charged",
+    [("pool", {}, False), ("pool", {"adapter_cache_bytes": 4 << 20}, True),
+     ("static", {}, False), ("static", {"adapter_cache_bytes": 4 << 20}, True)],
+)  # fmt: skip
+def test_a_request_is_charged_its_adapter_only_where_adapter_memory_counts(
+    tiny_model_dir, adapters, layout, budget, charged
+):
+    # Chameleon's quota charge includes the adapter's memory only where the engine's memory
+    # counts it; otherwise a large adapter's request looks larger than the whole memory and
+    # its queue serialises (found by bench_queueing after the pool became the default).
+    config = EngineConfig(dtype="float32", max_total_tokens=600, queue_policy="chameleon",
+                          memory_layout=layout, **budget)  # fmt: skip
+    engine = build_engine(str(tiny_model_dir), config, adapters)
+    try:
+        gate = EngineGate(engine)
+        assert gate.adapter_tokens(None) == 0
+        assert (gate.adapter_tokens("r64") > 0) is charged
+        if charged:
+            assert gate.adapter_tokens("r64") > gate.adapter_tokens("r8")
+    finally:
+        engine.shutdown()
