@@ -3,7 +3,7 @@
 - runs: requests ordered by adapter, `LoraBatch` calls the torch segment kernel once per run of
   one adapter's tokens (built once per step, as the engine does): the engine's BGMV path.
 - native_runs: the same with the native MBGMV kernel, one call per projection over every run:
-  the engine's MBGMV path where the native kernels are built (`server/model/native_lora.py`).
+  the engine's MBGMV kernel where the native kernels are built (`gpu_lora/kernels/native.py`).
 - unsorted: the decode kernel on tokens in arrival order (it sorts them into runs per call:
   a gather and a scatter per projection).
 - dense: the masked dense product the engine used before (every token times the rows of every
@@ -27,10 +27,10 @@ import torch
 
 from bench.envelope import describe_device, write_result
 from toppings.gpu_lora.adapter_pool import AdapterPool
+from toppings.gpu_lora.kernels import BACKENDS, LoraKernel, native
 from toppings.gpu_lora.kernels import cpu as cpu_kernels
-from toppings.gpu_lora.lora_batch import LoraBatch, LoraKernels
+from toppings.gpu_lora.lora_batch import LoraBatch
 from toppings.gpu_lora.peft_format import LoraAdapter
-from toppings.server.model import native_lora
 from toppings.server.model.config import ModelConfig
 
 QKV = ("q_proj", "k_proj", "v_proj")
@@ -96,7 +96,7 @@ def time_paths(kernel: str, dtype: torch.dtype, args) -> dict[str, float]:
     ranks_t = torch.tensor([a.rank for a in batch], dtype=torch.int32)
     scales = torch.tensor([a.scale for a in batch], dtype=torch.float32)
     decode_fn = getattr(cpu_kernels, f"{kernel}_decode")
-    kernels = LoraKernels.choose(kernel, "cpu", dtype)
+    kernels = BACKENDS["cpu"](LoraKernel(kernel), dtype)  # the torch kernels
     outs = {m: torch.zeros(args.batch, config.projection_shape(m)[1], dtype=dtype) for m in QKV}
 
     def runs() -> None:
@@ -105,10 +105,10 @@ def time_paths(kernel: str, dtype: torch.dtype, args) -> dict[str, float]:
         for _ in range(LAYERS):
             lora.add(0, x, tuple(outs.items()))
 
-    native = dataclasses.replace(kernels, segment_decode=native_lora.mbgmv_runs)
+    native_kernels = dataclasses.replace(kernels, segment_decode=native.mbgmv_runs)
 
     def native_runs() -> None:
-        lora = LoraBatch(pool, native, sorted(batch, key=lambda a: a.name),
+        lora = LoraBatch(pool, native_kernels, sorted(batch, key=lambda a: a.name),
                          list(range(args.batch + 1)), is_prefill=False)  # fmt: skip
         for _ in range(LAYERS):
             lora.add(0, x, tuple(outs.items()))
@@ -126,7 +126,7 @@ def time_paths(kernel: str, dtype: torch.dtype, args) -> dict[str, float]:
                 add(m, x, outs[m])
 
     paths = [("runs", runs), ("unsorted", unsorted), ("dense", dense)]
-    if kernel == "mbgmv" and native_lora.available(dtype):
+    if kernel == "mbgmv" and native.available(dtype):
         paths.append(("native_runs", native_runs))
     times: dict[str, list[float]] = {name: [] for name, _ in paths}
     for _, fn in paths:

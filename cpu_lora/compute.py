@@ -8,6 +8,7 @@ from toppings.cpu_lora.protocol import IoArena, Job
 from toppings.cpu_lora.repository import HostRepository
 from toppings.cpu_lora.shapes import mask_modules
 from toppings.cpu_lora.spin import spin_until
+from toppings.gpu_lora.kernels.cpu import lora_rows
 
 X_TIMEOUT_S = 10.0  # how long a job waits for its x (a device copy still in flight)
 
@@ -34,7 +35,8 @@ def run_job(repo: HostRepository, io: IoArena, job: Job) -> None:
 
     A segment whose adapter has no LoRA on (layer, module) leaves its rows at zero. The modules
     of a job share their input, so each segment's x rows are read once for all of them while
-    they are in cache. Arithmetic is in the arena dtype (float32 or bfloat16).
+    they are in cache. Arithmetic is in the arena dtype (float32 or bfloat16), by the host's one
+    LoRA kernel (`gpu_lora.kernels.cpu.lora_rows`).
     """
     modules = mask_modules(job.modules)
     h_in = repo.shapes[modules[0]][0]
@@ -52,10 +54,8 @@ def run_job(repo: HostRepository, io: IoArena, job: Job) -> None:
             if module not in views:
                 out.zero_()
                 continue
-            a, bt = views[module]
-            h = torch.mm(xs, a.T)  # [n, R]
-            h.mul_(scale)
-            torch.mm(h, bt, out=out)
+            a, bt = views[module]  # [R, H_in], [R, H_out]
+            lora_rows(out, xs, a, bt, scale)
 
 
 def _zero_gaps(outs: dict[str, torch.Tensor], segments, row_start: int, row_end: int) -> None:

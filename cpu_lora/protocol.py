@@ -35,11 +35,13 @@ from dataclasses import dataclass
 import torch
 
 from toppings.cpu_lora import shm
-from toppings.cpu_lora.shapes import DTYPE_CODES, DTYPES, mask_modules
+from toppings.cpu_lora.arena_header import ArenaHeader, align
+from toppings.cpu_lora.shapes import mask_modules
 
 MAGIC = b"TOPIO002"
 VERSION = 2
 HEADER_FMT = "<8sIIIIIIIIQQQ"
+HEADER = ArenaHeader(HEADER_FMT, MAGIC, VERSION, "CPU LoRA I/O arena")
 HEADER_BYTES = 128
 REQUEST_FMT = "<QIIIIIIIQ"
 X_SEQ_FMT, X_SEQ_AT = "<Q", 120
@@ -66,22 +68,15 @@ class Job:
     x_seq: int = 0  # the call whose x this job reads (see IoArena.x_seq)
 
 
-def _align(n: int, to: int = 64) -> int:
-    return (n + to - 1) // to * to
-
-
 class IoArena:
     """Job slots plus the shared x and output buffers of one pool."""
 
     def __init__(self, name: str, mapping, shapes: dict[str, tuple[int, int]]) -> None:
         self.name, self._mm, self.shapes = name, mapping, shapes
-        head = struct.unpack_from(HEADER_FMT, mapping, 0)
-        if head[0] != MAGIC or head[1] != VERSION:
-            raise ValueError(f"{name} is not a version-{VERSION} CPU LoRA I/O arena")
-        self.dtype = DTYPES[head[2]]
-        self.num_workers, self.max_tokens, self.max_segments = head[3], head[4], head[5]
-        self.x_width, self.out_width, self._job_bytes = head[6], head[7], head[8]
-        self._job_offset, x_offset, out_offset = head[9], head[10], head[11]
+        self.dtype, fields = HEADER.read(mapping, name)
+        self.num_workers, self.max_tokens, self.max_segments = fields[0:3]
+        self.x_width, self.out_width, self._job_bytes = fields[3:6]
+        self._job_offset, x_offset, out_offset = fields[6:9]
         item = torch.empty((), dtype=self.dtype).element_size()
         self._x = torch.frombuffer(
             mapping, dtype=self.dtype, offset=x_offset, count=self.max_tokens * self.x_width
@@ -106,21 +101,17 @@ class IoArena:
         out_width = max(
             sum(shapes[m][1] for m in modules if shapes[m][0] == shapes[k][0]) for k in modules
         )
-        job_bytes = _align(SEGMENTS_AT + max_segments * SEGMENT_BYTES)
+        job_bytes = align(SEGMENTS_AT + max_segments * SEGMENT_BYTES)
         item = torch.empty((), dtype=dtype).element_size()
         job_offset = HEADER_BYTES
-        x_offset = _align(job_offset + num_workers * job_bytes, 4096)
-        out_offset = _align(x_offset + max_tokens * x_width * item, 4096)
+        x_offset = align(job_offset + num_workers * job_bytes, 4096)
+        out_offset = align(x_offset + max_tokens * x_width * item, 4096)
         size = out_offset + max_tokens * out_width * item
         name = shm.new_name("io")
         mapping = shm.create_shm(name, size)
-        struct.pack_into(
-            HEADER_FMT,
+        HEADER.write(
             mapping,
-            0,
-            MAGIC,
-            VERSION,
-            DTYPE_CODES[dtype],
+            dtype,
             num_workers,
             max_tokens,
             max_segments,

@@ -34,9 +34,9 @@ import torch
 
 from toppings.cpu_lora import shm
 from toppings.cpu_lora.allocator import FirstFit
+from toppings.cpu_lora.arena_header import ArenaHeader, align
 from toppings.cpu_lora.shapes import (
     DTYPE_CODES,
-    DTYPES,
     LORA_TARGETS,
     AdapterLike,
     ModelShapes,
@@ -46,22 +46,18 @@ from toppings.cpu_lora.shapes import (
 MAGIC = b"TOPREPO1"
 VERSION = 1
 HEADER_FMT = "<8sIIIIIIQQQ" + "II" * len(LORA_TARGETS)
+HEADER = ArenaHeader(HEADER_FMT, MAGIC, VERSION, "adapter repository")
 HEADER_BYTES = 128
 ENTRY_FMT = "<IIIIdQQQ80s"
 ENTRY_BYTES = struct.calcsize(ENTRY_FMT)
 LAYER_FMT = "<IIQ"
 LAYER_BYTES = struct.calcsize(LAYER_FMT)
 MAX_NAME_BYTES = 80
-ALIGN = 64
 FREE, WRITING, READY = 0, 1, 2
 
 
 class RepositoryFullError(RuntimeError):
     """No table slot or no contiguous free range large enough for an adapter."""
-
-
-def _align(n: int, to: int = ALIGN) -> int:
-    return (n + to - 1) // to * to
 
 
 def name_hash(name: bytes) -> int:
@@ -73,13 +69,10 @@ class HostRepository:
 
     def __init__(self, name: str, mapping, owner: bool) -> None:
         self.name, self._mm, self.is_owner = name, mapping, owner
-        head = struct.unpack_from(HEADER_FMT, mapping, 0)
-        if head[0] != MAGIC or head[1] != VERSION:
-            raise ValueError(f"{name} is not a version-{VERSION} adapter repository")
-        self.dtype: torch.dtype = DTYPES[head[2]]
-        self.num_layers, self.max_adapters = head[3], head[4]
-        self._table_offset, self._data_offset, self._data_bytes = head[7], head[8], head[9]
-        flat = head[10:]
+        self.dtype, fields = HEADER.read(mapping, name)
+        self.num_layers, self.max_adapters = fields[0], fields[1]
+        self._table_offset, self._data_offset, self._data_bytes = fields[4:7]
+        flat = fields[7:]
         self.shapes = {m: (flat[2 * i], flat[2 * i + 1]) for i, m in enumerate(LORA_TARGETS)}
         self._item = torch.empty((), dtype=self.dtype).element_size()
         self._elems = torch.frombuffer(mapping, dtype=self.dtype)  # the whole arena, typed
@@ -98,18 +91,14 @@ class HostRepository:
         """A new arena whose data area holds `capacity_bytes` of adapter blocks."""
         if dtype not in DTYPE_CODES:
             raise ValueError(f"dtype must be one of {list(DTYPE_CODES)}, got {dtype}")
-        data_offset = _align(HEADER_BYTES + max_adapters * ENTRY_BYTES, 4096)
-        capacity = _align(capacity_bytes)
+        data_offset = align(HEADER_BYTES + max_adapters * ENTRY_BYTES, 4096)
+        capacity = align(capacity_bytes)
         name = shm.new_name("repo")
         mapping = shm.create_shm(name, data_offset + capacity)
         flat = [d for pair in all_shapes(model) for d in pair]
-        struct.pack_into(
-            HEADER_FMT,
+        HEADER.write(
             mapping,
-            0,
-            MAGIC,
-            VERSION,
-            DTYPE_CODES[dtype],
+            dtype,
             model.num_layers,
             max_adapters,
             ENTRY_BYTES,
@@ -128,10 +117,10 @@ class HostRepository:
 
     def block_bytes(self, adapter: AdapterLike) -> int:
         """Bytes of the data block `adapter` takes in this arena."""
-        size = _align(self.num_layers * LAYER_BYTES)
+        size = align(self.num_layers * LAYER_BYTES)
         for _, module in adapter.weights:
             h_in, h_out = self.shapes[module]
-            size += _align(adapter.rank * (h_in + h_out) * self._item)
+            size += align(adapter.rank * (h_in + h_out) * self._item)
         return size
 
     def add(self, adapter: AdapterLike) -> int:
@@ -227,7 +216,7 @@ class HostRepository:
                 a = self._elems[e : e + rank * h_in].view(rank, h_in)
                 bt = self._elems[e + rank * h_in : e + rank * (h_in + h_out)].view(rank, h_out)
                 views[module] = (a, bt)
-                at += _align(rank * (h_in + h_out) * self._item)
+                at += align(rank * (h_in + h_out) * self._item)
         return rank, scale, views
 
     def tensors(self, slot: int, layer: int, module: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -279,7 +268,7 @@ class HostRepository:
     def _write_block(self, adapter: AdapterLike, offset: int) -> int:
         """Write the layer records and tensors at `offset`; returns the union targets bitmask."""
         rank, union = adapter.rank, 0
-        at = offset + _align(self.num_layers * LAYER_BYTES)
+        at = offset + align(self.num_layers * LAYER_BYTES)
         for layer in range(self.num_layers):
             mask = 0
             for i, module in enumerate(LORA_TARGETS):
@@ -299,7 +288,7 @@ class HostRepository:
                 self._elems[e + rank * h_in : e + rank * (h_in + h_out)].view(rank, h_out).copy_(
                     b.T
                 )
-                at += _align(rank * (h_in + h_out) * self._item)
+                at += align(rank * (h_in + h_out) * self._item)
         return union
 
     def _write_entry(self, slot, state, adapter, encoded, offset, size, targets) -> None:

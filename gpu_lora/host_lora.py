@@ -4,6 +4,7 @@
 computes it in the engine's own process from the host copies of the adapters (a server with
 `--cpu-workers 0`); `cpu_lora.pool.CpuLoraPool` computes it in pinned worker processes over shared
 memory (and, when a worker dies mid-call, recomputes that job itself with `cpu_lora.compute`).
+Both compute each segment with the same kernel, `gpu_lora.kernels.cpu.lora_rows`.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Protocol
 
 import torch
 
+from toppings.gpu_lora.kernels.cpu import lora_rows
 from toppings.gpu_lora.peft_format import LoraAdapter
 
 
@@ -65,7 +67,7 @@ class HostLora:
                 a, b = weights  # A [r, H_in], B [H_out, r]
                 if y is None:
                     y = torch.zeros(x.shape[0], b.shape[0])
-                y[start:end] = (xf[start:end] @ a.T) @ b.T * adapter.scale
+                lora_rows(y[start:end], xf[start:end], a, b.T, adapter.scale)
             if y is not None:
                 out[module] = y
         return out

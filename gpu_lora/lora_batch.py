@@ -9,56 +9,20 @@ product over other adapters' ranks). On a GPU decode calls the per-token kernel.
 adapter is still loading (Toppings' CPU-assisted mode) reads its ticket at every layer: layers
 already resident run with the others, the rest go to the host (`cpu_lora` workers, or the
 in-process `HostLora`) in one call per layer and input, covering every projection that shares
-that input. Which kernels run is decided once per engine (`LoraKernels.choose`), never per step.
+that input. Which kernels run is decided once per engine (`kernels.select`), never per step.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from toppings.gpu_lora.adapter_pool import AdapterPool, ResidentAdapter
 from toppings.gpu_lora.host_lora import HostLoraRunner
-from toppings.gpu_lora.kernels import get_kernels
+from toppings.gpu_lora.kernels import LoraBackend
 from toppings.gpu_lora.loader import LoadTicket
-
-
-@dataclass(frozen=True)
-class LoraKernels:
-    """The LoRA kernels of one engine, chosen once from --kernel and the device.
-
-    decode / prefill: the kernel functions (signatures of `kernels.reference`); padded: BGMV
-    (every adapter read over the batch's max rank) rather than MBGMV; segment_decode: what decode
-    steps call instead of `decode`, with the prefill signature, over runs of one adapter's tokens
-    (on a CPU, the fast path: `bench/results/cpu_decode_paths.json`); None: `decode` per token.
-    runs_step: where set, what prefill and segment_decode steps build once a step,
-    `runs_step({module: (lora_a [L, C, H_in], lora_b [L, C, H_out], ranks [B])}, seg_starts,
-    offsets, scales)`, and call once per layer and input for every projection of that input,
-    `step(layer, x, [(module, y), ...], skip)` (MBGMV over runs: `server.native_lora.RunsStep`);
-    None: one kernel call per projection.
-    """
-
-    decode: Callable
-    prefill: Callable
-    padded: bool
-    segment_decode: Callable | None = None
-    runs_step: Callable | None = None
-
-    @classmethod
-    def choose(cls, kernel: str, device: str, dtype: torch.dtype) -> LoraKernels:
-        """kernel: "bgmv" or "mbgmv"; device: "cpu" or "cuda"; dtype: the adapter pool's."""
-        if kernel not in ("bgmv", "mbgmv"):
-            raise ValueError(f"unknown LoRA kernel {kernel!r}")
-        backend = get_kernels("triton" if device == "cuda" else "cpu")
-        decode, prefill = {
-            "bgmv": (backend.bgmv_decode, backend.bgmv_prefill),
-            "mbgmv": (backend.mbgmv_decode, backend.mbgmv_prefill),
-        }[kernel]
-        segment_decode = prefill if device == "cpu" else None
-        return cls(decode, prefill, padded=kernel == "bgmv", segment_decode=segment_decode)
 
 
 @dataclass
@@ -79,7 +43,7 @@ class LoraBatch:
     def __init__(
         self,
         pool: AdapterPool,
-        kernels: LoraKernels,
+        kernels: LoraBackend,
         adapters: list[ResidentAdapter | None],
         seg_starts: list[int],
         is_prefill: bool,

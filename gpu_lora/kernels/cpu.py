@@ -12,6 +12,10 @@ BGMV keeps its cost model on CPU: each run's weights are zero-padded to the batc
 its work grows with B x max_rank as on the GPU, and bgmv/mbgmv comparisons made on a CPU engine
 measure the padding they are meant to measure. Semantics and arguments of every function are
 those of the same-named function in `gpu_lora.kernels.reference`.
+
+`lora_rows` is the host's x @ A.T @ B^T of one adapter's run of tokens, written rather than
+added: the in-process host path (`gpu_lora.host_lora`) and the CPU workers (`cpu_lora.compute`)
+both call it, so the host deltas are the same numbers with or without workers.
 """
 
 from __future__ import annotations
@@ -144,3 +148,18 @@ def mbgmv_prefill(
     """
     check_prefill(y, x, lora_a, lora_b, seg_starts, offsets, ranks, scales)
     _prefill(y, x, lora_a, lora_b, seg_starts, offsets, ranks, scales, max_rank, padded=False)
+
+
+def lora_rows(out: Tensor, x: Tensor, lora_a: Tensor, lora_b: Tensor, scale: float) -> None:
+    """Write one adapter's LoRA delta of a run of tokens into out, in out's dtype.
+
+    Semantics (full: `gpu_lora.kernels.reference.lora_rows`):
+        out[:] = (scale * (x @ lora_a.T)) @ lora_b    # scale applied to the [n, R] product
+
+    Args: out [n, H_out] (written in place), x [n, H_in], lora_a [R, H_in] (A), lora_b [R, H_out]
+    (B^T, may be a transposed view), all one of float32/bfloat16/float16; scale float. Arithmetic
+    in that dtype (bfloat16 matmuls use the CPU's bf16 units where it has them).
+    """
+    h = torch.mm(x, lora_a.T)  # [n, R]
+    h.mul_(scale)
+    torch.mm(h, lora_b, out=out)

@@ -183,3 +183,22 @@ def _prefill(y, x, lora_a, lora_b, seg_starts, offsets, ranks, scales, max_rank)
             if r > 0:
                 a, bt = lora_a[off : off + r], lora_b[off : off + r]
                 _add_delta(y[i : i + 1], x[i : i + 1], a, bt, float(scales[b]))
+
+
+def lora_rows(
+    out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float
+) -> None:
+    """Write one adapter's LoRA delta of a run of tokens into out (the host path's kernel).
+
+    Semantics:
+        out[:] = scale * (x @ lora_a.T) @ lora_b      # written, not added
+
+    Args:
+        out: [n, H_out] float32/bfloat16/float16, written in place.
+        x: [n, H_in], same dtype as out: the run's tokens.
+        lora_a: [R, H_in], same dtype: the adapter's A (PEFT's lora_A.weight).
+        lora_b: [R, H_out], same dtype: the adapter's B^T (PEFT's lora_B.weight.T).
+        scale: the adapter's lora_alpha / r.
+    """
+    h = x.float() @ lora_a.float().T  # [n, R]
+    out.copy_((scale * (h @ lora_b.float())).to(out.dtype))

@@ -11,7 +11,6 @@ under the LoRA mode, `step` (the LoRA side of one forward pass) and `release` it
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 
 import torch
@@ -20,12 +19,12 @@ from toppings.gpu_lora.adapter_pool import AdapterPool
 from toppings.gpu_lora.cache import AdapterCache, CacheEntry
 from toppings.gpu_lora.eviction import make_policy
 from toppings.gpu_lora.host_lora import HostLora, HostLoraRunner
+from toppings.gpu_lora.kernels import select as select_lora_backend
 from toppings.gpu_lora.loader import PipelinedLoader
-from toppings.gpu_lora.lora_batch import HostLoraStats, LoraBatch, LoraKernels
+from toppings.gpu_lora.lora_batch import HostLoraStats, LoraBatch
 from toppings.gpu_lora.peft_format import LoraAdapter
 from toppings.server.config import EngineConfig
 from toppings.server.engine.lora_modes import LORA_MODES
-from toppings.server.model import native_lora
 from toppings.server.model.config import ModelConfig
 from toppings.server.requests.request import RequestError
 
@@ -41,15 +40,7 @@ class AdapterManager:
         self.config = config
         self.model_config = model_config
         self.mode = LORA_MODES[config.lora_mode]
-        self.kernels = LoraKernels.choose(config.kernel, config.device, dtype)
-        if self.kernels.segment_decode is not None and not self.kernels.padded:
-            if native_lora.available(dtype):  # one native call per projection, not per run
-                self.kernels = dataclasses.replace(
-                    self.kernels,
-                    prefill=native_lora.mbgmv_runs,
-                    segment_decode=native_lora.mbgmv_runs,
-                    runs_step=native_lora.RunsStep,
-                )
+        self.kernels = select_lora_backend(config.kernel, config.device, dtype)
         self.host_stats = HostLoraStats()
         self.registry: dict[str, LoraAdapter] = {}
         self.pool = AdapterPool(model_config, dtype, config.device)

@@ -79,7 +79,7 @@ class DecodeGraphs:
     def __init__(
         self, model: LlamaModel, kv: KVPool, pool: AdapterPool, decode, buckets: GraphBuckets
     ):
-        """decode: the engine's LoRA decode kernel (`LoraKernels.decode`, Triton on CUDA)."""
+        """decode: the engine's LoRA decode kernel (`LoraBackend.decode`, Triton on CUDA)."""
         self.model, self.kv, self.pool, self.buckets = model, kv, pool, buckets
         self._decode = decode
         device, width = model.device, buckets.max_batch

@@ -1,11 +1,15 @@
-"""The pool's small parts: row splitting, first-fit ranges, serial copies."""
+"""The pool's small parts: row splitting, first-fit ranges, serial copies, arena headers."""
 
 from __future__ import annotations
+
+import struct
 
 import pytest
 import torch
 
+from toppings.cpu_lora import protocol, repository
 from toppings.cpu_lora.allocator import FirstFit
+from toppings.cpu_lora.arena_header import align
 from toppings.cpu_lora.profiling import choose_tokens_per_core
 from toppings.cpu_lora.serial_copy import copy_serial, zeros_serial
 from toppings.cpu_lora.split import num_parts, split_rows
@@ -71,3 +75,21 @@ def test_serial_copy_equals_torch_copy(dst_dtype):
     assert torch.equal(flat_dst, flat.to(dst_dtype))
     zeros = zeros_serial(3, 5, dst_dtype)
     assert zeros.dtype == dst_dtype and not zeros.any()
+
+
+@pytest.mark.parametrize("header", [protocol.HEADER, repository.HEADER])
+def test_an_arena_header_reads_back_what_it_wrote_and_refuses_other_arenas(header):
+    items = len(struct.unpack(header.fmt, bytes(struct.calcsize(header.fmt))))
+    fields = tuple(range(3, items))  # one value per field after magic, version and dtype
+    mapping = bytearray(repository.HEADER_BYTES)
+    header.write(mapping, torch.bfloat16, *fields)
+    assert bytes(mapping[:8]) == header.magic
+    assert header.read(mapping, "/arena") == (torch.bfloat16, fields)
+    other = protocol.HEADER if header is repository.HEADER else repository.HEADER
+    with pytest.raises(ValueError, match=f"/arena is not a version-{other.version} {other.kind}"):
+        other.read(mapping, "/arena")
+
+
+def test_align_rounds_up_to_the_multiple():
+    assert [align(n) for n in (0, 1, 64, 65)] == [0, 64, 64, 128]
+    assert align(4097, 4096) == 8192

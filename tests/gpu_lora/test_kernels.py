@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from toppings.gpu_lora.kernels import get_kernels, reference
+from toppings.gpu_lora.kernels import cpu, get_kernels, native, reference, select
 
 POOL_RANKS = (16, 64, 8, 32, 64, 16, 32, 8)  # mixed ranks in one pool; the last is the smallest
 GAP = 3  # NaN rows before each adapter
@@ -325,6 +325,30 @@ def test_get_kernels_table_and_unknown_backend():
         get_kernels("cuda")
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_select_picks_one_backend_per_device_kernel_and_dtype(kernel, dtype):
+    on_gpu = select(kernel, "cuda", dtype)
+    assert (on_gpu.name, on_gpu.padded) == ("triton", kernel == "bgmv")
+    assert on_gpu.segment_decode is None and on_gpu.runs_step is None
+    on_cpu = select(kernel, "cpu", dtype)
+    assert on_cpu.padded == (kernel == "bgmv")
+    assert on_cpu.decode is getattr(cpu, f"{kernel}_decode")
+    if kernel == "mbgmv" and native.available(dtype):  # float32/bfloat16 where a compiler is found
+        assert on_cpu.name == "native" and on_cpu.runs_step is native.RunsStep
+        assert on_cpu.prefill is on_cpu.segment_decode is native.mbgmv_runs
+    else:
+        assert on_cpu.name == "cpu" and on_cpu.runs_step is None
+        assert on_cpu.prefill is on_cpu.segment_decode is getattr(cpu, f"{kernel}_prefill")
+
+
+def test_select_refuses_unknown_kernels_and_devices():
+    with pytest.raises(ValueError, match="unknown LoRA kernel"):
+        select("sgmv", "cpu", torch.float32)
+    with pytest.raises(ValueError, match="unknown device"):
+        select("mbgmv", "tpu", torch.float32)
+
+
 @pytest.mark.parametrize("backend", ["reference", "cpu"])
 def test_bad_arguments_are_rejected(backend):
     kernels = get_kernels(backend)
@@ -344,3 +368,17 @@ def test_bad_arguments_are_rejected(backend):
     with pytest.raises(ValueError, match="non-decreasing"):
         seg = torch.tensor([0, 2, 1], dtype=torch.int32)
         kernels.mbgmv_prefill(y, x, pool.lora_a, pool.lora_b, seg, offs, ranks, scales)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("num", "rank"), [(1, 8), (7, 64), (0, 16)])
+def test_host_rows_kernel_matches_the_reference(dtype, num, rank):
+    gen = torch.Generator().manual_seed(num + rank)
+    x = torch.randn(num, H_IN, generator=gen).to(dtype)
+    lora_a = (torch.randn(rank, H_IN, generator=gen) / H_IN**0.5).to(dtype)
+    lora_b_peft = torch.randn(H_OUT, rank, generator=gen).to(dtype)  # [H_out, R], as PEFT has it
+    out, want = torch.full((num, H_OUT), float("nan"), dtype=dtype), torch.zeros(num, H_OUT)
+    cpu.lora_rows(out, x, lora_a, lora_b_peft.T, 0.5)
+    reference.lora_rows(want, x, lora_a, lora_b_peft.T, 0.5)
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(out.float(), want, atol=atol, rtol=rtol)

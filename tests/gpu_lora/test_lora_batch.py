@@ -8,8 +8,9 @@ import torch
 from tests.gpu_lora.test_cache import CONFIG, adapter
 from toppings.gpu_lora.adapter_pool import AdapterPool
 from toppings.gpu_lora.host_lora import HostLora
+from toppings.gpu_lora.kernels import BACKENDS, LoraKernel
 from toppings.gpu_lora.loader import LoadTicket
-from toppings.gpu_lora.lora_batch import LoraBatch, LoraKernels
+from toppings.gpu_lora.lora_batch import LoraBatch
 
 MODULES = ("q_proj", "k_proj", "v_proj")
 
@@ -35,9 +36,19 @@ class CountingHost(HostLora):
         return super().run(layer, x, segments, modules, copy=copy)
 
 
+def cpu_backend(name: str, kernel: str):
+    """The CPU backend `name` of BACKENDS for kernel, skipped where it cannot serve it here."""
+    backend = BACKENDS[name](LoraKernel(kernel), torch.float32)
+    if backend is None:
+        pytest.skip(f"backend {name} does not serve {kernel} here")
+    return backend
+
+
 @pytest.mark.parametrize("is_prefill", [True, False])
-@pytest.mark.parametrize("kernel", ["bgmv", "mbgmv"])
-def test_partly_loaded_adapter_mixes_device_and_host_layers(is_prefill, kernel):
+@pytest.mark.parametrize(
+    ("backend", "kernel"), [("cpu", "bgmv"), ("cpu", "mbgmv"), ("native", "mbgmv")]
+)
+def test_partly_loaded_adapter_mixes_device_and_host_layers(is_prefill, backend, kernel):
     loaded = adapter("loaded", 4, seed=1, targets=("q_proj", "v_proj"))
     loading = adapter("loading", 8, seed=2, targets=("q_proj", "k_proj"))
     pool = AdapterPool(CONFIG, torch.float32, "cpu")
@@ -49,7 +60,7 @@ def test_partly_loaded_adapter_mixes_device_and_host_layers(is_prefill, kernel):
     seg_starts = [0, 3, 5, 9] if is_prefill else [0, 1, 2, 3]
     order = [loaded, None, loading]
     batch = LoraBatch(
-        pool, LoraKernels.choose(kernel, "cpu", torch.float32),
+        pool, cpu_backend(backend, kernel),
         [pool.resident[a.name] if a else None for a in order], seg_starts, is_prefill,
         tickets=[LoadTicket.resident(CONFIG.num_layers), None, ticket], host=host,
     )  # fmt: skip

@@ -1,4 +1,4 @@
-/* What the engine's CPU kernels share (server/native.py builds them into one library):
+/* What every native CPU kernel shares (on the include path of each build, `native_build.py`):
  * bfloat16 <-> float32 conversions with torch's rounding (nearest even), 16-wide AVX-512 loads
  * and stores of either dtype, a vectorized exp, and the thread count for a given amount of work.
  * Every function is static inline: each source includes this header on its own. */

@@ -5,11 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from toppings.gpu_lora.kernels import native as native_lora
 from toppings.gpu_lora.kernels import reference
-from toppings.server import native
-from toppings.server.model import native_lora
 
-pytestmark = pytest.mark.skipif(native.library() is None, reason="no C compiler here")
+pytestmark = pytest.mark.skipif(native_lora.library() is None, reason="no C compiler here")
 TOL = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
 
 
@@ -180,3 +179,31 @@ def test_a_prepared_step_takes_strided_outputs_and_refuses_wrong_widths():
         step(1, x, [("q_proj", torch.zeros(x.shape[0], 40))])
     with pytest.raises(ValueError, match="token count"):
         step(1, x, [("q_proj", torch.zeros(x.shape[0] + 1, 48))])
+
+
+def test_the_lora_library_is_built_once_into_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("TOPPINGS_CACHE_DIR", str(tmp_path))
+    native_lora.library.cache_clear()
+    try:
+        assert native_lora.library() is not None
+        built = list((tmp_path / "native").glob("lora_kernels-*.so"))
+        assert len(built) == 1
+        native_lora.library.cache_clear()
+        assert native_lora.library() is not None
+        assert list((tmp_path / "native").iterdir()) == built  # reused, no second build
+    finally:
+        native_lora.library.cache_clear()
+
+
+def test_turned_off_the_runs_use_the_torch_kernel(monkeypatch):
+    monkeypatch.setenv("TOPPINGS_NATIVE", "0")
+    native_lora.library.cache_clear()
+    try:
+        assert native_lora.library() is None and not native_lora.available(torch.float32)
+        y, x, lora_a, lora_b, args = case(torch.float32, *MIXES["distinct"])
+        want = y.clone()
+        reference.mbgmv_prefill(want, x, lora_a, lora_b, *args)
+        native_lora.mbgmv_runs(y, x, lora_a, lora_b, *args)
+        torch.testing.assert_close(y, want, rtol=TOL[torch.float32], atol=TOL[torch.float32])
+    finally:
+        native_lora.library.cache_clear()

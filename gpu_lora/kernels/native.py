@@ -2,26 +2,32 @@
 
 A CPU decode step has few tokens per adapter, so the torch segment kernel's two small matmuls
 per run cost more in dispatch than in arithmetic (16 runs x 3 projections x 30 layers are 1440
-pairs a step). `lora_runs` in `csrc/lora.c` does every run of every projection that shares an
-input (q, k and v) in one call, reading each token's own adapter rows only, in blocks of 4
-tokens spread over the threads. It serves prefill too: measured here (2 threads, bf16, q_proj
-shapes), one 128-token prompt at rank 8 took 0.05 ms against the torch kernel's 0.21, at rank 64
-0.17 against 0.28, and 16 runs of 512 tokens (ranks 8-64) 4.5 ms against 5.6. Same semantics as
-`gpu_lora.kernels.reference.mbgmv_prefill` (tests/server/model/test_native_lora.py checks it against
-that reference); BGMV keeps the torch kernels, whose zero-padding is its cost model.
+pairs a step). `lora_runs` in `csrc/lora.c` (built and cached by `native_build`) does every run
+of every projection that shares an input (q, k and v) in one call, reading each token's own
+adapter rows only, in blocks of 4 tokens spread over the threads. It serves prefill too:
+measured here (2 threads, bf16, q_proj shapes), one 128-token prompt at rank 8 took 0.05 ms
+against the torch kernel's 0.21, at rank 64 0.17 against 0.28, and 16 runs of 512 tokens (ranks
+8-64) 4.5 ms against 5.6. Same semantics as `gpu_lora.kernels.reference.mbgmv_prefill`
+(tests/gpu_lora/test_native_lora.py checks it against that reference); BGMV keeps the torch
+kernels, whose zero-padding is its cost model. Where the library cannot be built (no compiler,
+`TOPPINGS_NATIVE=0`), `library()` is None, `available` says False and every function here runs
+the torch segment kernel (`gpu_lora.kernels.cpu`).
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 import torch
 
-from toppings.gpu_lora.kernels import get_kernels
+from toppings.gpu_lora.kernels import cpu, native_build
 from toppings.gpu_lora.kernels.checks import check_prefill, check_shapes
-from toppings.server import native
 
+_P, _I, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+SIGNATURES = {"lora_runs": [_P, _I64, _I64, _I64, _P, _I64, _P, _P, _P, _I64, _I, _I]}
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 # (y, lora_a, lora_b, ranks): one projection of a call; y [T, H_out] (rows may be strided),
@@ -43,8 +49,18 @@ class LoraProj(ctypes.Structure):
     ]
 
 
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The compiled `csrc/lora.c`, or None where it cannot be built here (logged once)."""
+    return native_build.load(
+        "lora_kernels", Path(__file__).with_name("csrc"), ("lora.c",), (), SIGNATURES,
+        fallback="LoRA over runs uses the torch segment kernel",
+    )  # fmt: skip
+
+
 def available(dtype: torch.dtype) -> bool:
-    return dtype in _DTYPES and native.library() is not None
+    """Whether the native kernel runs pools of `dtype` here (float32/bfloat16, library built)."""
+    return dtype in _DTYPES and library() is not None
 
 
 def mbgmv_runs(
@@ -94,11 +110,10 @@ def mbgmv_runs_multi(
     """
     for y, a, b, _ in projections:  # what the kernel cannot see: rows of y beyond x's, widths
         check_shapes(y, x, a, b)
-    lib = native.library()
+    lib = library()
     if lib is None or not _native_ok(x, projections, scales):
-        prefill = get_kernels("cpu").mbgmv_prefill
         for y, a, b, ranks in projections:
-            prefill(y, x, a, b, seg_starts, offsets, ranks, scales, None)
+            cpu.mbgmv_prefill(y, x, a, b, seg_starts, offsets, ranks, scales, None)
         return
     starts, offs = _int32(seg_starts), _int32(offsets)
     ranks = [_int32(r) for _, _, _, r in projections]  # kept alive through the call
@@ -173,7 +188,7 @@ class RunsStep:
         [T, H_out] of the tables' dtype; skip: runs left out at this layer (rank 0)."""
         modules = tuple(m for m, _ in outputs)
         entry = self._procs.get(modules) or self._prepare(modules)
-        lib = native.library()
+        lib = library()
         fast = (
             entry is not None and lib is not None and not skip
             and 0 <= layer < self._num_layers and x.dim() == 2 and x.stride(1) == 1
