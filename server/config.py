@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from toppings.gpu_lora.eviction import EVICTION_POLICIES
 from toppings.server.engine.lora_modes import LORA_MODES
+from toppings.server.memory.layout import MemoryLayout
 from toppings.server.memory.policies import MEMORY_POLICIES
 
 DEVICES = ("cpu", "cuda")
@@ -13,7 +14,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 DTYPE_CHOICES = (*DTYPES, "auto")  # auto: resolved for the machine at start-up (runtime.py)
 KERNELS = ("bgmv", "mbgmv")
 QUEUE_POLICIES = ("fcfs", "chameleon")  # server.queue_policies holds the classes
-MEMORY_LAYOUTS = ("pool", "static")  # server.memory
+MEMORY_LAYOUTS = tuple(m.value for m in MemoryLayout)  # server/memory/layout.py
 
 
 @dataclass(frozen=True)
