@@ -52,7 +52,7 @@ class EngineConfig:
     prefix_cache: bool = True  # reuse cached KV prefixes under the same adapter
     host_memory_bytes: int = 0  # host tier for KV blocks swapped out; 0: dropped instead
     block_tokens: int = 16  # tokens per KV block
-    memory_policy: str = "fastlibra"  # what leaves the pool first (server.memory_policies)
+    memory_policy: str = "fastlibra"  # what leaves the pool first (server/memory/policies.py)
     cuda_graphs: bool | None = None  # decode steps replay CUDA graphs; None: on for cuda
 
     def __post_init__(self) -> None:
