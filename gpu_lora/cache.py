@@ -4,9 +4,10 @@
 (evicting unreferenced adapters in the policy's order, those wanted by queued requests last),
 takes pool rows and starts a pipelined load, whose ticket tells which layers are resident. An
 adapter with a reference is never evicted. The budget counts the adapters' weight bytes at the
-pool's dtype. With a `charge` (the server's one memory pool, server/memory/manager.py) there is no
-budget of its own: each load asks the pool for blocks, which may evict cached KV or idle
-adapters to make room, and an eviction gives them back.
+pool's dtype. With a `memory` (an `AdapterBudget`: the server's one memory pool) each load also
+asks that memory for room, which may evict cached KV or idle adapters to make it, and an
+eviction gives the room back. The memory pool reads the cache only through its public views
+(`idle_entries`, `is_referenced`, `referenced`, `frequencies`).
 """
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import Protocol
 
 from toppings.gpu_lora.adapter_pool import AdapterPool, ResidentAdapter
-from toppings.gpu_lora.eviction import CacheStats, EvictionPolicy
+from toppings.gpu_lora.eviction import CacheStats, EvictionPolicy, Usage
 from toppings.gpu_lora.loader import LoadTicket, PipelinedLoader
 from toppings.gpu_lora.peft_format import LoraAdapter
 
@@ -42,10 +44,27 @@ class CacheCounters:
     bytes_loaded: int = 0
 
 
-@dataclass
-class _Usage:
-    last_used: float = 0.0
-    frequency: int = 0
+@dataclass(frozen=True)
+class IdleAdapter:
+    """An adapter on the device that no request holds and whose load has finished: what the
+    memory pool may evict."""
+
+    name: str
+    num_bytes: int
+    usage: Usage
+
+
+class AdapterBudget(Protocol):
+    """The memory adapters are charged to beside the cache's own byte budget."""
+
+    def take(self, name: str, num_bytes: int, keep: frozenset[str], reclaim: bool) -> bool:
+        """Charge `num_bytes` for adapter `name`; with reclaim, evict cached items to make room
+        (those of adapters in `keep` last). False when the room cannot be had."""
+        ...
+
+    def give(self, name: str) -> None:
+        """Adapter `name` left the device: its charge is free again."""
+        ...
 
 
 class AdapterCache:
@@ -57,18 +76,17 @@ class AdapterCache:
         loader: PipelinedLoader,
         policy: EvictionPolicy,
         budget_bytes: int | None = None,
+        memory: AdapterBudget | None = None,
     ):
         self.pool = pool
         self.loader = loader
         self.policy = policy
         self.budget_bytes = budget_bytes
+        self.memory = memory  # None: the byte budget above is the only limit
         self.entries: dict[str, CacheEntry] = {}
         self.counters = CacheCounters()
-        self._usage: dict[str, _Usage] = {}
+        self._usage: dict[str, Usage] = {}
         self._used_bytes = 0
-        # The memory pool adapters take blocks from: take(name, bytes, keep, reclaim) -> bool
-        # and give(name); None: the byte budget above is the only limit.
-        self.charge = None
 
     @property
     def used_bytes(self) -> int:
@@ -81,7 +99,7 @@ class AdapterCache:
 
         keep: adapters of queued requests, evicted only when nothing else frees enough room.
         """
-        usage = self._usage.setdefault(adapter.name, _Usage())
+        usage = self._usage.setdefault(adapter.name, Usage())
         entry = self.entries.get(adapter.name)
         if entry is not None:
             self.counters.hits += 1
@@ -91,8 +109,7 @@ class AdapterCache:
                 return None
             self.counters.misses += 1
         entry.refcount += 1
-        usage.last_used = time.monotonic()
-        usage.frequency += 1
+        usage.touch(time.monotonic())
         return entry
 
     def release(self, name: str) -> None:
@@ -112,8 +129,8 @@ class AdapterCache:
         self.pool.remove(name)
         self._used_bytes -= entry.num_bytes
         self.counters.evictions += 1
-        if self.charge is not None:
-            self.charge.give(name)
+        if self.memory is not None:
+            self.memory.give(name)
 
     def forget(self, name: str) -> None:
         """An adapter was unregistered: drop its usage history too."""
@@ -129,7 +146,7 @@ class AdapterCache:
         num_bytes = adapter.bytes_at(self.pool.dtype)
         if self.budget_bytes is not None and num_bytes > self.budget_bytes:
             return False
-        self._usage.setdefault(adapter.name, _Usage())
+        self._usage.setdefault(adapter.name, Usage())
         return self._load(adapter, keep, spare_keep=True) is not None
 
     def freeable_bytes(self, extra: str | None = None) -> float:
@@ -158,7 +175,7 @@ class AdapterCache:
             self.evict(victim)
         if not self.pool.rows.can_alloc(adapter.rank) and not self.loader.idle():
             return None  # the pool must grow, which cannot happen under a running load
-        if self.charge is not None and not self.charge.take(
+        if self.memory is not None and not self.memory.take(
             adapter.name, num_bytes, keep, reclaim=not spare_keep
         ):
             return None  # a prefetch takes free blocks only
@@ -183,15 +200,45 @@ class AdapterCache:
                 return self.policy.order(stats)[0].name
         return None
 
-    def usage(self, name: str) -> _Usage:
-        """When the adapter was last used and by how many requests."""
-        return self._usage.get(name, _Usage())
+    # ---- read-only views (the memory pool's, and /stats') ---------------------------------
 
-    def usages(self) -> dict[str, _Usage]:
-        return dict(self._usage)
+    def usage(self, name: str) -> Usage:
+        """When the adapter was last used and by how many requests (a copy)."""
+        usage = self._usage.get(name, Usage())
+        return Usage(usage.last_used, usage.frequency)
+
+    def frequencies(self) -> dict[str, int]:
+        """Requests per adapter since it was registered, resident or not."""
+        return {n: u.frequency for n, u in list(self._usage.items())}
+
+    @property
+    def num_entries(self) -> int:
+        """Adapters on the device or on their way there."""
+        return len(self.entries)
+
+    def holds(self, name: str) -> bool:
+        """Whether the adapter is on the device or on its way there."""
+        return name in self.entries
+
+    def is_referenced(self, name: str) -> bool:
+        """Whether a request holds the adapter (False when it is not cached)."""
+        entry = self.entries.get(name)
+        return entry is not None and entry.refcount > 0
+
+    def referenced(self) -> list[str]:
+        """Adapters a request holds, in cache order (one copy of the entries: any thread)."""
+        return [n for n, e in list(self.entries.items()) if e.refcount]
+
+    def idle_entries(self) -> list[IdleAdapter]:
+        """Loaded adapters no request holds, in cache order: what may leave for other memory."""
+        return [
+            IdleAdapter(n, e.num_bytes, self.usage(n))
+            for n, e in list(self.entries.items())
+            if not e.refcount and e.ticket.done
+        ]
 
     def _stats(self, name: str) -> CacheStats:
-        usage = self._usage.get(name, _Usage())
+        usage = self._usage.get(name, Usage())
         return CacheStats(name, self.entries[name].num_bytes, usage.last_used, usage.frequency)
 
     def snapshot(self) -> dict:

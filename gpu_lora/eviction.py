@@ -2,11 +2,42 @@
 
 A policy only orders candidates; the cache decides who is a candidate (reference count 0) and
 how many bytes must be freed. Policies are picked by name from `EVICTION_POLICIES`.
+
+`Usage` and `least_recently_used` are the one recency bookkeeping of the node: the adapter
+cache keeps a `Usage` per adapter, and the server's memory pool orders its candidates (KV blocks
+and adapters alike) with the same `least_recently_used`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Protocol, TypeVar
+
+
+@dataclass
+class Usage:
+    """When an item was last used and by how many requests."""
+
+    last_used: float = 0.0  # monotonic seconds
+    frequency: int = 0
+
+    def touch(self, now: float) -> None:
+        self.last_used = now
+        self.frequency += 1
+
+
+class HasLastUse(Protocol):
+    @property
+    def last_used(self) -> float: ...
+
+
+T = TypeVar("T", bound=HasLastUse)
+
+
+def least_recently_used(items: Iterable[T]) -> list[T]:
+    """Items by last use, oldest first; equal times keep the order they came in (stable)."""
+    return sorted(items, key=lambda c: c.last_used)
 
 
 @dataclass
@@ -29,12 +60,12 @@ class EvictionPolicy:
 
 
 class LRUPolicy(EvictionPolicy):
-    """Least recently used first."""
+    """Least recently used first (ties by name)."""
 
     name = "lru"
 
     def order(self, candidates: list[CacheStats]) -> list[CacheStats]:
-        return sorted(candidates, key=lambda c: (c.last_used, c.name))
+        return least_recently_used(sorted(candidates, key=lambda c: c.name))
 
 
 class ChameleonPolicy(EvictionPolicy):

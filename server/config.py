@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from toppings.gpu_lora.eviction import EVICTION_POLICIES
 from toppings.server.engine.lora_modes import LORA_MODES
+from toppings.server.memory.layout import MemoryLayout
 from toppings.server.memory.policies import MEMORY_POLICIES
 
 DEVICES = ("cpu", "cuda")
@@ -13,7 +14,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 DTYPE_CHOICES = (*DTYPES, "auto")  # auto: resolved for the machine at start-up (runtime.py)
 KERNELS = ("bgmv", "mbgmv")
 QUEUE_POLICIES = ("fcfs", "chameleon")  # server.queue_policies holds the classes
-MEMORY_LAYOUTS = ("pool", "static")  # server.memory
+MEMORY_LAYOUTS = tuple(m.value for m in MemoryLayout)  # server/memory/layout.py
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,7 @@ class EngineConfig:
     prefix_cache: bool = True  # reuse cached KV prefixes under the same adapter
     host_memory_bytes: int = 0  # host tier for KV blocks swapped out; 0: dropped instead
     block_tokens: int = 16  # tokens per KV block
-    memory_policy: str = "fastlibra"  # what leaves the pool first (server.memory_policies)
+    memory_policy: str = "fastlibra"  # what leaves the pool first (server/memory/policies.py)
     cuda_graphs: bool | None = None  # decode steps replay CUDA graphs; None: on for cuda
 
     def __post_init__(self) -> None:

@@ -15,12 +15,9 @@ import logging
 
 import torch
 
-from toppings.gpu_lora.adapter_pool import AdapterPool
 from toppings.gpu_lora.cache import AdapterCache, CacheEntry
-from toppings.gpu_lora.eviction import make_policy
 from toppings.gpu_lora.host_lora import HostLora, HostLoraRunner
 from toppings.gpu_lora.kernels import select as select_lora_backend
-from toppings.gpu_lora.loader import PipelinedLoader
 from toppings.gpu_lora.lora_batch import HostLoraStats, LoraBatch
 from toppings.gpu_lora.peft_format import LoraAdapter
 from toppings.server.config import EngineConfig
@@ -36,18 +33,24 @@ HOST_REPOSITORY_BYTES = 4 << 30  # shared arena for the workers (sparse: only us
 class AdapterManager:
     """Registry, device cache and host compute of one engine's adapters."""
 
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype):
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_config: ModelConfig,
+        dtype: torch.dtype,
+        cache: AdapterCache,
+    ):
+        """cache: the device adapter cache (with its pool and loader), built with the node's
+        memory (server/memory/build.py)."""
         self.config = config
         self.model_config = model_config
         self.mode = LORA_MODES[config.lora_mode]
         self.kernels = select_lora_backend(config.kernel, config.device, dtype)
         self.host_stats = HostLoraStats()
         self.registry: dict[str, LoraAdapter] = {}
-        self.pool = AdapterPool(model_config, dtype, config.device)
-        self.loader = PipelinedLoader(self.pool, config.layers_per_group, config.link_gbps)
-        self.cache = AdapterCache(
-            self.pool, self.loader, make_policy(config.eviction), config.adapter_cache_bytes or None
-        )
+        self.cache = cache
+        self.pool = cache.pool
+        self.loader = cache.loader
         self.host: HostLoraRunner = HostLora(self.registry)
         self.repository = self.workers = None
         if self.mode.host_workers and config.num_cpu_workers:

@@ -22,8 +22,7 @@ from toppings.server import native
 from toppings.server.config import EngineConfig
 from toppings.server.engine.adapters import AdapterManager
 from toppings.server.engine.decode_step import DecodeStep
-from toppings.server.memory.kv_cache import KVPool
-from toppings.server.memory.manager import MemoryManager, kv_slots
+from toppings.server.memory.build import build_memory
 from toppings.server.model.llama import ForwardBatch, LlamaModel, free_device_bytes
 from toppings.server.model.loader import Checkpoint
 from toppings.server.requests.errors import NOT_FOUND, unknown_adapter
@@ -64,29 +63,12 @@ class Engine:
         if config.device == "cpu":
             native.keep_freed_memory()
         self.model = LlamaModel(mc, checkpoint.weights, dtype, config.device, self.max_model_len)
-        self.kv = KVPool(
-            mc.num_layers,
-            kv_slots(config, self.model_config, dtype.itemsize, self._free_device_bytes),
-            mc.num_kv_heads,
-            mc.head_dim,
-            config.max_batch_size,
-            self.max_model_len,
-            dtype,
-            config.device,
-            config.block_tokens,
-        )
-        host_blocks = config.host_memory_bytes // self.kv.block_bytes
-        self.memory = MemoryManager(
-            self.kv, config.memory_layout, config.prefix_cache, config.memory_policy,
-            host_blocks, config.link_gbps,
-        )  # fmt: skip
-        self.lora = AdapterManager(config, mc, dtype)  # the only LoRA object the engine uses
+        # KV pool, prefix tree, host tier and adapter cache: one owner of device memory.
+        self.memory = build_memory(config, mc, dtype, self.max_model_len, self._free_device_bytes)
+        self.kv = self.memory.kv
+        # The only LoRA object the engine uses.
+        self.lora = AdapterManager(config, mc, dtype, self.memory.adapter_cache)
         self.decode = DecodeStep.create(config, self.model, self.kv, self.lora)
-        # Adapters take blocks of the pool, or have a budget of their own (or none).
-        charged = config.memory_layout == "pool" and bool(
-            config.memory_bytes or config.adapter_cache_bytes or config.device == "cuda"
-        )
-        self.memory.attach_adapters(self.lora.cache, charged)
         self._adapters = self.lora.registry  # read-only here: name -> LoraAdapter
         self.eos_ids = set(mc.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:

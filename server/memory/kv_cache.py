@@ -43,7 +43,10 @@ class KVPool:
         dtype: torch.dtype,
         device: str | torch.device = "cpu",
         block_tokens: int = 16,
+        reclaim: Callable[[int], object] | None = None,
     ):
+        """reclaim: called with a number of blocks when fewer are free; frees what it can
+        (evicts cached items). None: a full pool is an error."""
         self.block_tokens = bt = block_tokens
         self.num_blocks = -(-num_slots // bt)
         self.num_slots = self.num_blocks * bt
@@ -55,8 +58,7 @@ class KVPool:
         self.block_bytes = 2 * self.k[:, :, :bt].numel() * self.k.element_size()  # K and V
         self.max_len = max_len
         self._free = list(range(self.num_blocks - 1, -1, -1))  # a stack; the top is the end
-        # Called with a number of blocks when fewer are free: frees what it can (evicts).
-        self.reclaim: Callable[[int], None] | None = None
+        self._reclaim = reclaim
         self.req_to_slot = torch.zeros(max_requests, max_len, dtype=torch.int64, device=device)
         self.lengths = [0] * max_requests
         self.row_blocks: list[list[int]] = [[] for _ in range(max_requests)]
@@ -106,8 +108,8 @@ class KVPool:
         self.lengths[row] = n
 
     def alloc_blocks(self, n: int) -> list[int]:
-        if n > len(self._free) and self.reclaim is not None:
-            self.reclaim(n - len(self._free))
+        if n > len(self._free) and self._reclaim is not None:
+            self._reclaim(n - len(self._free))
         if n > len(self._free):
             raise RuntimeError(f"KV cache full: {n} blocks asked, {len(self._free)} free")
         taken = self._free[len(self._free) - n :]

@@ -16,15 +16,25 @@ LoRA_Eval = 1 (our choice: the paper's reward is about the number of adapters).
 
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass
+
+from toppings.gpu_lora.eviction import least_recently_used
+
+
+class ItemKind(enum.Enum):
+    """What a cached item of the pool is."""
+
+    KV = "kv"  # a prefix-tree block
+    ADAPTER = "adapter"  # an idle adapter's weights
 
 
 @dataclass
 class Candidate:
     """One item that may leave the device."""
 
-    kind: str  # "kv" or "adapter"
+    kind: ItemKind
     item: object  # the prefix-tree node, or the adapter's name
     num_bytes: int
     visits: int
@@ -36,7 +46,7 @@ class PoolContext:
     """What a policy may know of the pool as a whole."""
 
     now: float
-    visits_by_kind: dict[str, int]  # total visits of each kind's items
+    visits_by_kind: dict[ItemKind, int]  # total visits of each kind's items
     expected_adapters: float  # Low_lora: adapters a recent batch is expected to use
     cached_adapters: int  # Now_lora
 
@@ -54,7 +64,7 @@ class LRUPolicy(MemoryPolicy):
     name = "lru"
 
     def order(self, candidates: list[Candidate], ctx: PoolContext) -> list[Candidate]:
-        return sorted(candidates, key=lambda c: c.last_used)
+        return least_recently_used(candidates)
 
 
 class FastLibraPolicy(MemoryPolicy):
@@ -67,7 +77,7 @@ class FastLibraPolicy(MemoryPolicy):
         age = max(0.0, ctx.now - c.last_used)
         decay = 1.0 / (1.0 + math.exp(min(age, 700.0)))  # 1 - sigmoid(t), without cancellation
         lora_eval = 1.0
-        if c.kind == "adapter":
+        if c.kind is ItemKind.ADAPTER:
             lora_eval = max(1.0, ctx.expected_adapters / max(1, ctx.cached_adapters))
         return lora_eval * c.num_bytes * prob * decay
 

@@ -12,6 +12,10 @@ Rules that keep the tree valid:
   children), and an adapter is evicted only when no device KV depends on it;
 - a host node's children are on the host too; a node comes back only under a device parent.
 
+The evictable leaves (device nodes without a reference or device children) are kept in a set
+updated wherever a node is inserted, held, released, moved or removed, so a reclaim round finds
+them without walking the tree.
+
 `num_pinned_unreserved` counts device nodes that running requests hold and whose creator has
 ended: blocks the admission budget must count apart from the requests' own reservations.
 """
@@ -47,6 +51,16 @@ class KVNode:
     def pinned_unreserved(self) -> bool:
         return self.on_device and self.refcount > 0 and not self.creator_active
 
+    @property
+    def is_evictable_leaf(self) -> bool:
+        """A KV node (not a root) on the device, unreferenced, without device children."""
+        return (
+            self.parent is not None
+            and self.on_device
+            and self.refcount == 0
+            and self.num_device_children == 0
+        )
+
 
 class PrefixTree:
     """See the module docstring. `block_tokens` tokens per node."""
@@ -58,6 +72,7 @@ class PrefixTree:
         self.num_host = 0
         self.num_pinned_unreserved = 0
         self.num_held = 0  # device KV nodes with a reference
+        self._leaves: dict[KVNode, None] = {}  # the evictable leaves (ordered set)
 
     def _chunks(self, tokens: list[int], num_blocks: int):
         bt = self.block_tokens
@@ -104,6 +119,14 @@ class PrefixTree:
         after = node.pinned_unreserved, node.on_device and node.refcount > 0
         self.num_pinned_unreserved += after[0] - before[0]
         self.num_held += after[1] - before[1]
+        self._refresh(node)
+
+    def _refresh(self, node: KVNode) -> None:
+        """Put `node` in the evictable set or take it out, as it is now."""
+        if node.is_evictable_leaf:
+            self._leaves[node] = None
+        else:
+            self._leaves.pop(node, None)
 
     # ---- growth ------------------------------------------------------------------------------
 
@@ -122,6 +145,7 @@ class PrefixTree:
             node.visits, node.last_used = 1, now
             parent.children[key] = node
             parent.num_device_children += 1
+            self._leaves.pop(parent, None)  # it has a device child now
             self.num_device += 1
             self.num_held += 1
             new.append(node)
@@ -140,8 +164,7 @@ class PrefixTree:
 
     def device_leaves(self) -> list[KVNode]:
         """Device nodes without a reference or device children: what may leave the device."""
-        return [n for n in self.nodes()
-                if n.on_device and n.refcount == 0 and n.num_device_children == 0]  # fmt: skip
+        return list(self._leaves)
 
     def host_nodes(self) -> list[KVNode]:
         return [n for n in self.nodes() if not n.on_device]
@@ -152,6 +175,8 @@ class PrefixTree:
         node.parent.num_device_children -= 1
         self.num_device -= 1
         self.num_host += 1
+        self._leaves.pop(node, None)
+        self._refresh(node.parent)
         return block
 
     def to_device(self, node: KVNode, block: int) -> int:
@@ -163,6 +188,8 @@ class PrefixTree:
         self.num_host -= 1
         self.num_held += node.refcount > 0  # a request that matched it holds it already
         self.num_pinned_unreserved += node.pinned_unreserved
+        self._leaves.pop(node.parent, None)
+        self._refresh(node)
         return host
 
     def drop(self, node: KVNode) -> tuple[list[int], list[int]]:
@@ -181,6 +208,7 @@ class PrefixTree:
             if n.refcount:
                 raise RuntimeError("a referenced prefix block cannot be dropped")
             stack.extend(n.children.values())
+            self._leaves.pop(n, None)
             if n.on_device:
                 device.append(n.block)
                 self.num_device -= 1
@@ -190,6 +218,7 @@ class PrefixTree:
         del node.parent.children[node.key]
         if node.on_device:
             node.parent.num_device_children -= 1
+            self._refresh(node.parent)
         if not node.parent.children and node.parent.parent is None:
             del self.roots[node.parent.adapter]  # an adapter root with nothing below
         return device, host

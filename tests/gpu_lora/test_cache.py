@@ -33,10 +33,30 @@ def adapter(name: str, rank: int, seed: int = 0, targets=("q_proj", "v_proj")) -
                        num_bytes, None)  # fmt: skip
 
 
-def make_cache(budget_bytes=None, policy="lru", link_gbps=0.0):
+def make_cache(budget_bytes=None, policy="lru", link_gbps=0.0, memory=None):
     pool = AdapterPool(CONFIG, torch.float32, "cpu", initial_rows=8)
     loader = PipelinedLoader(pool, layers_per_group=1, link_gbps=link_gbps)
-    return AdapterCache(pool, loader, make_policy(policy), budget_bytes), loader
+    return AdapterCache(pool, loader, make_policy(policy), budget_bytes, memory=memory), loader
+
+
+class FakeMemory:
+    """An `AdapterBudget` of a fixed number of bytes that records what it is asked."""
+
+    def __init__(self, num_bytes: int):
+        self.free = num_bytes
+        self.charged: dict[str, int] = {}
+        self.asked: list[tuple[str, bool]] = []
+
+    def take(self, name: str, num_bytes: int, keep: frozenset[str], reclaim: bool) -> bool:
+        self.asked.append((name, reclaim))
+        if num_bytes > self.free:
+            return False
+        self.free -= num_bytes
+        self.charged[name] = num_bytes
+        return True
+
+    def give(self, name: str) -> None:
+        self.free += self.charged.pop(name)
 
 
 def test_load_copies_every_layer_into_the_pool_rows():
@@ -123,3 +143,24 @@ def test_lru_and_chameleon_orders():
     assert ChameleonPolicy().order(stats)[0].name == "small_cold"
     with pytest.raises(ValueError):
         make_policy("fifo")
+
+
+def test_a_shared_memory_is_charged_each_load_and_given_back_on_eviction():
+    one = adapter("x", 4).num_bytes
+    memory = FakeMemory(2 * one)
+    cache, loader = make_cache(memory=memory)
+    for name in ("a", "b"):
+        cache.acquire(adapter(name, 4)).ticket.wait(10)
+    assert cache.acquire(adapter("c", 4)) is None  # the memory refused: nothing was loaded
+    assert memory.asked == [("a", True), ("b", True), ("c", True)] and not cache.holds("c")
+    cache.release("b")
+    assert cache.is_referenced("a") and not cache.is_referenced("b")
+    assert cache.referenced() == ["a"] and cache.num_entries == 2
+    (idle,) = cache.idle_entries()
+    assert (idle.name, idle.num_bytes, idle.usage.frequency) == ("b", one, 1)
+    cache.evict("b")
+    assert memory.free == one and "b" not in memory.charged
+    assert cache.prefetch(adapter("c", 4), keep=frozenset())  # a prefetch never reclaims
+    assert memory.asked[-1] == ("c", False)
+    assert cache.frequencies() == {"a": 1, "b": 1, "c": 0}
+    loader.close()

@@ -8,8 +8,9 @@ import torch
 from toppings.server.memory.kv_cache import KVPool
 
 
-def make_pool(num_slots=32, max_requests=4, max_len=16, block_tokens=1) -> KVPool:
-    return KVPool(2, num_slots, 1, 4, max_requests, max_len, torch.float32, "cpu", block_tokens)
+def make_pool(num_slots=32, max_requests=4, max_len=16, block_tokens=1, reclaim=None) -> KVPool:
+    return KVPool(2, num_slots, 1, 4, max_requests, max_len, torch.float32, "cpu", block_tokens,
+                  reclaim=reclaim)  # fmt: skip
 
 
 def test_slots_are_unique_and_never_zero():
@@ -81,15 +82,14 @@ def test_blocks_cover_positions_and_borrowed_blocks_are_not_freed():
 
 
 def test_reclaim_is_asked_for_what_is_missing():
-    pool = make_pool(num_slots=8, block_tokens=4)
     asked = []
 
     def reclaim(n):
         asked.append(n)
         pool.free_blocks([held.pop()])
 
+    pool = make_pool(num_slots=8, block_tokens=4, reclaim=reclaim)
     held = pool.alloc_blocks(2)
-    pool.reclaim = reclaim
     row = pool.new_row()
     pool.extend(row, 3)
     assert asked == [1] and pool.num_free_blocks == 0

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import itertools
+import random
+
 import pytest
 
 from toppings.server.memory.policies import (
     Candidate,
+    ItemKind,
     PoolContext,
     expected_adapters,
     make_memory_policy,
 )
-from toppings.server.memory.prefix_tree import PrefixTree
+from toppings.server.memory.prefix_tree import KVNode, PrefixTree
 
 BT = 4
 
@@ -82,25 +86,25 @@ def test_a_host_block_comes_back_held():
 
 
 def _context(**kw) -> PoolContext:
-    base = dict(now=100.0, visits_by_kind={"kv": 10, "adapter": 10}, expected_adapters=1.0,
-                cached_adapters=4)  # fmt: skip
+    visits = {ItemKind.KV: 10, ItemKind.ADAPTER: 10}
+    base = dict(now=100.0, visits_by_kind=visits, expected_adapters=1.0, cached_adapters=4)
     return PoolContext(**{**base, **kw})
 
 
 def test_fastlibra_keeps_recent_frequent_and_costly_items():
     policy = make_memory_policy("fastlibra")
-    old = Candidate("kv", "old", 1000, visits=5, last_used=90.0)
-    recent = Candidate("kv", "recent", 1000, visits=5, last_used=99.9)
-    rare = Candidate("kv", "rare", 1000, visits=1, last_used=99.9)
-    big = Candidate("adapter", "big", 50_000, visits=5, last_used=99.9)
+    old = Candidate(ItemKind.KV, "old", 1000, visits=5, last_used=90.0)
+    recent = Candidate(ItemKind.KV, "recent", 1000, visits=5, last_used=99.9)
+    rare = Candidate(ItemKind.KV, "rare", 1000, visits=1, last_used=99.9)
+    big = Candidate(ItemKind.ADAPTER, "big", 50_000, visits=5, last_used=99.9)
     order = [c.item for c in policy.order([big, recent, rare, old], _context())]
     assert order == ["old", "rare", "recent", "big"]
 
 
 def test_fastlibra_rewards_adapters_while_fewer_are_cached_than_batches_use():
     policy = make_memory_policy("fastlibra")
-    kv = Candidate("kv", "kv", 1000, visits=5, last_used=99.0)
-    adapter = Candidate("adapter", "ad", 1000, visits=5, last_used=99.0)
+    kv = Candidate(ItemKind.KV, "kv", 1000, visits=5, last_used=99.0)
+    adapter = Candidate(ItemKind.ADAPTER, "ad", 1000, visits=5, last_used=99.0)
     few = policy.order([adapter, kv], _context(expected_adapters=8.0, cached_adapters=2))
     assert [c.item for c in few] == ["kv", "ad"]
     assert expected_adapters({"a": 1, "b": 1}, batch_size=1) == pytest.approx(1.0)
@@ -110,8 +114,8 @@ def test_fastlibra_rewards_adapters_while_fewer_are_cached_than_batches_use():
 
 def test_lru_and_unknown_policy():
     policy = make_memory_policy("lru")
-    a = Candidate("kv", "a", 1, 100, last_used=5.0)
-    b = Candidate("adapter", "b", 1, 1, last_used=1.0)
+    a = Candidate(ItemKind.KV, "a", 1, 100, last_used=5.0)
+    b = Candidate(ItemKind.ADAPTER, "b", 1, 1, last_used=1.0)
     assert [c.item for c in policy.order([a, b], _context())] == ["b", "a"]
     with pytest.raises(ValueError, match="unknown memory policy"):
         make_memory_policy("nope")
@@ -124,3 +128,60 @@ def test_an_emptied_adapter_root_is_made_again():
     tree.unhold(node, created=True, now=0.0)
     tree.drop(node)
     assert "a" not in tree.roots and tree.root("a") is not old_root
+
+
+def _scanned_leaves(tree: PrefixTree) -> set[KVNode]:
+    return {n for n in tree.nodes()
+            if n.on_device and n.refcount == 0 and n.num_device_children == 0}  # fmt: skip
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_kept_leaves_equal_a_full_scan_after_random_operations(seed):
+    """Requests hold paths, grow them and end; leaves go to the host, come back, are dropped;
+    an adapter's KV is forgotten. After every step the kept set is what a walk finds."""
+    rng = random.Random(seed)
+    tree = PrefixTree(BT)
+    blocks, host_blocks = itertools.count(), itertools.count()
+    requests: list[tuple[str | None, list[KVNode], int]] = []  # adapter, held path, num matched
+    for _ in range(600):
+        op = rng.choice(["admit", "admit", "grow", "grow", "end", "host", "back", "drop", "forget"])
+        device = [n for n in tree.nodes() if n.on_device]
+        if op == "admit":  # a new request holds a cached path (or nothing, at a root)
+            adapter = rng.choice(["a", "b", None])
+            mine = [n for n in device if n.adapter == adapter]
+            path = []
+            if mine and rng.random() < 0.7:
+                node = rng.choice(mine)
+                while node.parent is not None:
+                    path.append(node)
+                    node = node.parent
+                path.reverse()
+            for node in path:
+                tree.hold(node, now=1.0)
+            requests.append((adapter, path, len(path)))
+        elif op == "grow" and requests:  # it computed more full blocks
+            adapter, path, matched = rng.choice(requests)
+            tail = path[-1] if path else tree.root(adapter)
+            tokens = [rng.randrange(2) for _ in range(BT * rng.randint(1, 3))]
+            new = tree.insert(tail, tokens, [next(blocks) for _ in range(len(tokens) // BT)], 2.0)
+            path.extend(new)
+        elif op == "end" and requests:
+            adapter, path, matched = requests.pop(rng.randrange(len(requests)))
+            for i, node in enumerate(path):
+                tree.unhold(node, created=i >= matched, now=3.0)
+        elif op == "host" and tree.device_leaves():
+            tree.to_host(rng.choice(tree.device_leaves()), next(host_blocks))
+        elif op == "back":
+            host = [n for n in tree.nodes() if not n.on_device
+                    and (n.parent.parent is None or n.parent.on_device)]  # fmt: skip
+            if host:
+                tree.to_device(rng.choice(host), next(blocks))
+        elif op == "drop" and tree.device_leaves():
+            tree.drop(rng.choice(tree.device_leaves()))
+        elif op == "forget":
+            adapter = rng.choice(["a", "b", None])
+            if adapter in tree.roots and not any(a == adapter for a, _, _ in requests):
+                for node in list(tree.roots[adapter].children.values()):
+                    tree.drop_subtree(node)
+        kept = tree.device_leaves()
+        assert len(kept) == len(set(kept)) and set(kept) == _scanned_leaves(tree)

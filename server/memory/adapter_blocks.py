@@ -1,0 +1,51 @@
+"""Blocks of the KV pool charged to adapter weights (the pool layout's `AdapterBudget`).
+
+An adapter is charged ceil(bytes / block bytes) blocks while it is on the device. The weights
+themselves sit in the adapter pool's tensors: the blocks only keep KV from using that memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from toppings.server.memory.kv_cache import KVPool
+
+# (num_blocks, keep) -> blocks freed: evict cached KV or idle adapters (those in keep last).
+Reclaim = Callable[[int, frozenset[str]], int]
+
+
+class AdapterBlocks:
+    """Which pool blocks each adapter on the device is charged; see the module docstring."""
+
+    def __init__(self, kv: KVPool, reclaim: Reclaim):
+        self.kv = kv
+        self.reclaim = reclaim
+        self.blocks: dict[str, list[int]] = {}
+
+    def blocks_for_bytes(self, num_bytes: int) -> int:
+        return -(-num_bytes // self.kv.block_bytes)
+
+    def take(
+        self, name: str, num_bytes: int, keep: frozenset[str] = frozenset(), reclaim: bool = True
+    ) -> bool:
+        """Charge an adapter's blocks; with reclaim, evict cached KV or idle adapters first
+        (those in `keep`, wanted by queued requests, last)."""
+        need = self.blocks_for_bytes(num_bytes)
+        if need > self.kv.num_free_blocks and reclaim:
+            self.reclaim(need - self.kv.num_free_blocks, keep)
+        if need > self.kv.num_free_blocks:
+            return False
+        self.blocks[name] = self.kv.alloc_blocks(need)
+        return True
+
+    def give(self, name: str) -> None:
+        self.kv.free_blocks(self.blocks.pop(name, ()))
+
+    def num_blocks_of(self, names: list[str]) -> int:
+        """Blocks charged to these adapters (0 for one not charged)."""
+        blocks = self.blocks
+        return sum(len(blocks.get(n, ())) for n in names)
+
+    def num_blocks(self) -> int:
+        """Blocks charged to all adapters (one copy of the table: any thread)."""
+        return sum(len(b) for b in list(self.blocks.values()))

@@ -1,0 +1,78 @@
+"""Builds the node's memory side in one place: the KV pool, the prefix tree, the host tier,
+the adapter cache and the managers that share them.
+
+The KV pool and the adapter blocks call the reclaimer when they run out of blocks, and the
+reclaimer evicts from the adapter cache, which charges the adapter blocks: the reclaimer is
+built last, and the two get its `reclaim` at construction through a forward reference.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from toppings.gpu_lora.adapter_pool import AdapterPool
+from toppings.gpu_lora.cache import AdapterCache
+from toppings.gpu_lora.eviction import make_policy
+from toppings.gpu_lora.loader import PipelinedLoader
+from toppings.server.config import EngineConfig
+from toppings.server.memory.adapter_blocks import AdapterBlocks
+from toppings.server.memory.counters import MemoryCounters
+from toppings.server.memory.host_swap import HostSwap
+from toppings.server.memory.host_tier import HostKV
+from toppings.server.memory.kv_cache import KVPool
+from toppings.server.memory.layout import make_layout
+from toppings.server.memory.manager import MemoryManager
+from toppings.server.memory.policies import make_memory_policy
+from toppings.server.memory.prefix_tree import PrefixTree
+from toppings.server.memory.reclaim import Reclaimer
+from toppings.server.model.config import ModelConfig
+
+
+def build_memory(
+    config: EngineConfig,
+    model_config: ModelConfig,
+    dtype: torch.dtype,
+    max_model_len: int,
+    free_device_bytes: Callable[[], int],
+) -> MemoryManager:
+    """The engine's memory (its KV pool is `.kv`, its adapter cache `.adapter_cache`).
+
+    free_device_bytes: () -> free bytes of the device (asked only on CUDA without a budget).
+    """
+    cfg, mc = config, model_config
+    layout = make_layout(cfg.memory_layout, cfg)
+    reclaimer: Reclaimer | None = None
+
+    def reclaim(num_blocks: int, keep: frozenset[str] = frozenset()) -> int:
+        return reclaimer.reclaim(num_blocks, keep)
+
+    kv = KVPool(
+        mc.num_layers,
+        layout.kv_slots(mc, dtype.itemsize, free_device_bytes),
+        mc.num_kv_heads,
+        mc.head_dim,
+        cfg.max_batch_size,
+        max_model_len,
+        dtype,
+        cfg.device,
+        cfg.block_tokens,
+        reclaim=reclaim,
+    )
+    counters = MemoryCounters()
+    tree = PrefixTree(kv.block_tokens) if cfg.prefix_cache else None
+    host_blocks = cfg.host_memory_bytes // kv.block_bytes
+    swap = None
+    if host_blocks and tree is not None:
+        swap = HostSwap(kv, tree, HostKV(kv, host_blocks, cfg.link_gbps), counters)
+    blocks = AdapterBlocks(kv, reclaim) if layout.charges_adapters() else None
+    pool = AdapterPool(mc, dtype, cfg.device)
+    loader = PipelinedLoader(pool, cfg.layers_per_group, cfg.link_gbps)
+    cache = AdapterCache(
+        pool, loader, make_policy(cfg.eviction), cfg.adapter_cache_bytes or None, memory=blocks
+    )
+    reclaimer = Reclaimer(
+        kv, tree, swap, cache, blocks is not None, make_memory_policy(cfg.memory_policy), counters
+    )
+    return MemoryManager(kv, layout, tree, swap, blocks, cache, reclaimer, counters)

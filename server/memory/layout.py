@@ -1,0 +1,125 @@
+"""How the node's device memory is split between KV and adapters (`--memory-layout`).
+
+The layout is resolved once, from the configuration, into one of the classes below (picked from
+`LAYOUTS` by its `MemoryLayout`); everything that depends on it asks the object instead of
+comparing names:
+- `pool` (ELORA/FastLibra, Chameleon's idle-memory cache): one budget of blocks for KV and
+  adapter weights (see manager.py).
+- `static`: `max_total_tokens` of KV and the adapter cache's own byte budget, kept to compare
+  with.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from typing import Protocol
+
+POOL_SHARE_OF_FREE = 0.4  # CUDA: the memory pool's default share of the free device memory
+
+
+class MemoryLayout(enum.Enum):
+    POOL = "pool"
+    STATIC = "static"
+
+
+class MemorySettings(Protocol):
+    """The part of the engine configuration a layout reads."""
+
+    device: str
+    max_total_tokens: int
+    adapter_cache_bytes: int
+    memory_bytes: int
+    block_tokens: int
+
+
+class KVShape(Protocol):
+    """The part of the model configuration the size of a KV slot depends on."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+
+class Layout:
+    """What the memory side asks of its layout; one subclass per `MemoryLayout`."""
+
+    kind: MemoryLayout
+
+    def __init__(self, settings: MemorySettings):
+        self.settings = settings
+
+    def kv_slots(self, model: KVShape, itemsize: int, free_device_bytes: Callable[[], int]) -> int:
+        """KV token slots of the engine. itemsize: bytes per KV element; free_device_bytes:
+        () -> free bytes of the device (asked only on CUDA without a budget)."""
+        raise NotImplementedError
+
+    def charges_adapters(self) -> bool:
+        """Whether adapter weights take blocks of the KV pool."""
+        raise NotImplementedError
+
+    def adapter_memory_is_scarce(self) -> bool:
+        """Whether an adapter's weights compete for memory admission should count."""
+        raise NotImplementedError
+
+    def total_tokens(self, num_slots: int, slot_bytes: float) -> int:
+        """All the node's device memory for requests, in KV tokens of `slot_bytes` each."""
+        raise NotImplementedError
+
+
+class PoolLayout(Layout):
+    """One budget for KV and adapters (memory_bytes; see EngineConfig for its defaults)."""
+
+    kind = MemoryLayout.POOL
+
+    def kv_slots(self, model: KVShape, itemsize: int, free_device_bytes: Callable[[], int]) -> int:
+        cfg = self.settings
+        slot_bytes = 2 * model.num_layers * model.num_kv_heads * model.head_dim * itemsize
+        budget = cfg.memory_bytes
+        if not budget and cfg.device == "cuda":
+            # Adapter weights sit in their own tensors beside the KV ones: leave them as much
+            # again as the pool.
+            budget = int(POOL_SHARE_OF_FREE * free_device_bytes())
+        elif not budget:
+            budget = cfg.max_total_tokens * slot_bytes + cfg.adapter_cache_bytes
+        return max(budget // slot_bytes, cfg.block_tokens)
+
+    def charges_adapters(self) -> bool:
+        # Without any budget on a CPU adapters are not charged: no limit, as with no cache budget.
+        cfg = self.settings
+        return bool(cfg.memory_bytes or cfg.adapter_cache_bytes or cfg.device == "cuda")
+
+    def adapter_memory_is_scarce(self) -> bool:
+        return self.charges_adapters()
+
+    def total_tokens(self, num_slots: int, slot_bytes: float) -> int:
+        return num_slots
+
+
+class StaticLayout(Layout):
+    """max_total_tokens of KV; adapters in the cache's own adapter_cache_bytes (0: no limit)."""
+
+    kind = MemoryLayout.STATIC
+
+    def kv_slots(self, model: KVShape, itemsize: int, free_device_bytes: Callable[[], int]) -> int:
+        return self.settings.max_total_tokens
+
+    def charges_adapters(self) -> bool:
+        return False
+
+    def adapter_memory_is_scarce(self) -> bool:
+        return bool(self.settings.adapter_cache_bytes)
+
+    def total_tokens(self, num_slots: int, slot_bytes: float) -> int:
+        return num_slots + int(self.settings.adapter_cache_bytes // slot_bytes)
+
+
+LAYOUTS: dict[MemoryLayout, type[Layout]] = {
+    MemoryLayout.POOL: PoolLayout,
+    MemoryLayout.STATIC: StaticLayout,
+}
+
+
+def make_layout(name: str, settings: MemorySettings) -> Layout:
+    """The layout named `name` ("pool" or "static") over these settings."""
+    return LAYOUTS[MemoryLayout(name)](settings)
