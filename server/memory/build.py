@@ -9,6 +9,7 @@ built last, and the two get its `reclaim` at construction through a forward refe
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
@@ -16,23 +17,28 @@ from toppings.gpu_lora.adapter_pool import AdapterPool
 from toppings.gpu_lora.cache import AdapterCache
 from toppings.gpu_lora.eviction import make_policy
 from toppings.gpu_lora.loader import PipelinedLoader
+from toppings.gpu_lora.targets import ModelShapes
 from toppings.server.config import EngineConfig
 from toppings.server.memory.adapter_blocks import AdapterBlocks
 from toppings.server.memory.counters import MemoryCounters
 from toppings.server.memory.host_swap import HostSwap
 from toppings.server.memory.host_tier import HostKV
 from toppings.server.memory.kv_cache import KVPool
-from toppings.server.memory.layout import make_layout
+from toppings.server.memory.layout import KVShape, make_layout
 from toppings.server.memory.manager import MemoryManager
 from toppings.server.memory.policies import make_memory_policy
 from toppings.server.memory.prefix_tree import PrefixTree
 from toppings.server.memory.reclaim import Reclaimer
-from toppings.server.model.config import ModelConfig
+
+
+class MemoryShapes(KVShape, ModelShapes, Protocol):
+    """What the memory side reads of the base model: its KV shape and, for the adapter pool,
+    its projections (the server's ModelConfig fits)."""
 
 
 def build_memory(
     config: EngineConfig,
-    model_config: ModelConfig,
+    model_config: MemoryShapes,
     dtype: torch.dtype,
     max_model_len: int,
     free_device_bytes: Callable[[], int],
