@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import hmac
-import json
 import logging
 import threading
 import time
@@ -33,10 +32,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from flask import Flask, Response, jsonify, request
-from werkzeug.exceptions import HTTPException
 
 from toppings.server.api.adapter_files import FILES, manifest, read_chunks
-from toppings.server.api.choices import build_requests
+from toppings.server.api.choices import RequestLimits, build_requests
 from toppings.server.api.frontend import InFlightLimit, ReleasingBody, Slot, default_max_in_flight
 from toppings.server.api.lifecycle import AdapterAdmin, AdapterPaths
 from toppings.server.api.logprobs import TokenText
@@ -54,19 +52,19 @@ from toppings.server.api.response import (
 from toppings.server.api.schema import ParsedBody, parse_chat, parse_completion, parse_native
 from toppings.server.api.tokenize import detokenize, tokenize
 from toppings.server.requests.errors import (
-    INVALID_REQUEST,
     NOT_FOUND,
     RETRY_AFTER_S,
     SERVER_ERROR,
     TOO_MANY_REQUESTS,
     UNAVAILABLE,
     error_body,
+    error_response,
+    install_error_handlers,
     parse_json_object,
-    routing_error_body,
     too_many_requests,
     unknown_adapter,
 )
-from toppings.server.requests.request import GenerationRequest, RequestError
+from toppings.server.requests.request import RequestError
 
 logger = logging.getLogger(__name__)
 
@@ -119,12 +117,6 @@ def _json_body() -> dict:
         raise RequestError(str(e)) from e
 
 
-def _error(message: str, code: int, error_type: str = INVALID_REQUEST) -> Response:
-    response = jsonify(error_body(message, code, error_type))
-    response.status_code = code
-    return response
-
-
 def _stream(events: Iterator[str], group: RequestGroup, slot: Slot) -> ReleasingBody:
     """The SSE body; closing it (done, or the client gone) aborts the requests still running
     and gives the slot back, even when the body was never iterated."""
@@ -139,22 +131,6 @@ def _sse_or_error(events: Iterator[str]) -> Iterator[str]:
         code = e.code if isinstance(e, RequestError) else 500
         yield sse(error_body(str(e), code, SERVER_ERROR))
         yield SSE_DONE
-
-
-def _apply_limits(parsed: ParsedBody, req: GenerationRequest, options: ApiOptions) -> None:
-    """Refuse a prompt or max_tokens over the operator's limits; a default max_tokens is cut."""
-    limit = options.max_prompt_tokens
-    if limit is not None and len(req.prompt_ids) > limit:
-        raise RequestError(
-            f"the prompt has {len(req.prompt_ids)} tokens; this server takes at most {limit}"
-        )
-    limit = options.max_new_tokens_limit
-    if limit is not None and req.params.max_new_tokens > limit:
-        if parsed.max_tokens is not None:
-            raise RequestError(
-                f"max tokens {parsed.max_tokens} is over this server's limit of {limit}"
-            )
-        req.params = dataclasses.replace(req.params, max_new_tokens=limit)
 
 
 def _check_key(expected: str) -> None:
@@ -179,6 +155,7 @@ def create_app(engine, options: ApiOptions | None = None) -> Flask:
     fetcher = None
     if options.adapter_store is not None:
         fetcher = PeerFetcher(engine, FetchConfig(options.adapter_store, options.api_key))
+    limits = RequestLimits(options.max_prompt_tokens, options.max_new_tokens_limit)
     tokenizer_lock = threading.Lock()
     started = int(time.time())
 
@@ -195,14 +172,16 @@ def create_app(engine, options: ApiOptions | None = None) -> Flask:
     def answer(parsed: ParsedBody, slot: Slot) -> Response:
         with tokenizer_lock:
             reqs, prompt_ids = build_requests(
-                parsed, engine.tokenizer, engine.max_model_len, engine.model_config.vocab_size
+                parsed,
+                engine.tokenizer,
+                engine.max_model_len,
+                engine.model_config.vocab_size,
+                limits,
             )
             echo = tuple(
                 p if isinstance(p, str) else engine.tokenizer.decode(p, skip_special_tokens=True)
                 for p in (parsed.prompts if parsed.echo else ())
             )
-        for req in reqs:
-            _apply_limits(parsed, req, options)
         group = RequestGroup(engine, reqs)
         meta = ResponseMeta.new(parsed, prompt_ids, token_text, echo)
         gone = request.environ.get("waitress.client_disconnected") or (lambda: False)
@@ -221,7 +200,7 @@ def create_app(engine, options: ApiOptions | None = None) -> Flask:
             slot.release()
         failed = next((out for out in outs if out.finish_reason == "error"), None)
         if failed is not None:
-            return _error(failed.error or "generation failed", 500, SERVER_ERROR)
+            return error_response(failed.error or "generation failed", 500, SERVER_ERROR)
         return jsonify(final_response(parsed, meta, outs))
 
     app.add_url_rule("/generate", "generate", lambda: generate(parse_native), methods=["POST"])
@@ -255,10 +234,10 @@ def create_app(engine, options: ApiOptions | None = None) -> Flask:
     @app.get("/health")
     def health() -> Response:
         if state.draining.is_set():
-            return _error("the server is draining", 503, UNAVAILABLE)
+            return error_response("the server is draining", 503, UNAVAILABLE)
         if engine.is_healthy():
             return jsonify({"status": "ok"})
-        return _error("the engine is not running", 503, SERVER_ERROR)
+        return error_response("the engine is not running", 503, SERVER_ERROR)
 
     @app.get("/stats")
     def stats() -> Response:
@@ -310,27 +289,5 @@ def create_app(engine, options: ApiOptions | None = None) -> Flask:
         state.metrics.requests.observe_http(endpoint, response.status_code)
         return response
 
-    @app.errorhandler(RequestError)
-    def request_error(e: RequestError) -> Response:
-        response = _error(str(e), e.code, e.error_type)
-        if e.retry_after_s is not None:
-            response.headers["Retry-After"] = str(e.retry_after_s)
-        return response
-
-    @app.errorhandler(HTTPException)
-    def http_error(e: HTTPException) -> Response:
-        response = e.get_response()  # keeps headers such as Allow on a 405
-        allowed = getattr(e, "valid_methods", None)
-        body = routing_error_body(
-            e.code or 500, e.description or e.name, request.method, request.path, allowed
-        )
-        response.data = json.dumps(body)
-        response.content_type = "application/json"
-        return response
-
-    @app.errorhandler(Exception)
-    def unexpected(e: Exception) -> Response:
-        logger.exception("unexpected error on %s %s", request.method, request.path)
-        return _error(f"internal error: {type(e).__name__}: {e}", 500, SERVER_ERROR)
-
+    install_error_handlers(app, logger, RequestError)
     return app
