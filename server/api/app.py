@@ -6,19 +6,20 @@ engine requests (n choices, a list of prompts: a `RequestGroup`). A stream whose
 is aborted: waitress closes the response body (`_stream`, started or not), and
 `RequestGroup.outputs` checks waitress's disconnect flag after each output and while none
 arrives, which also covers non-streaming requests. Unknown routes and methods get the JSON error
-of every other endpoint. `/tokenize` and `/detokenize` are vLLM's (see server.tokenize_api).
+of every other endpoint. `/tokenize` and `/detokenize` are vLLM's (see server.api.tokenize).
 
-The generation endpoints share one in-flight limit (server.frontend): a request takes a slot
+The generation endpoints share one in-flight limit (server.api.frontend): a request takes a slot
 before it is submitted and gives it back when its answer ends, on every path; past the limit it
 gets 429 with Retry-After at once. `cli.py` sizes waitress's thread pool from the same limit, so
 streams never wait for a thread and the operator endpoints always find one.
 
-Operator endpoints: `/metrics` (Prometheus, see server.metrics), `/v1/load_lora_adapter` and
-`/v1/unload_lora_adapter` (see server.lifecycle; a load naming `peers` fetches the adapter from
-them, server.peer_fetch), `GET /v1/adapters/NAME/files[/FILE]` (the PEFT files of an adapter
-this server holds, for a peer to fetch; server.adapter_files). With an API key every endpoint
-but `/health` wants `Authorization: Bearer KEY`. While the server drains (SIGTERM), `/health`
-answers 503 so that a scheduler stops routing here, and the engine refuses new requests with 503.
+Operator endpoints: `/metrics` (Prometheus, see server.api.metrics), `/v1/load_lora_adapter`
+and `/v1/unload_lora_adapter` (see server.api.lifecycle; a load naming `peers` fetches the
+adapter from them, server.api.peer_fetch), `GET /v1/adapters/NAME/files[/FILE]` (the PEFT files
+of an adapter this server holds, for a peer to fetch; server.api.adapter_files). With an API
+key every endpoint but `/health` wants `Authorization: Bearer KEY`. While the server drains
+(SIGTERM), `/health` answers 503 so that a scheduler stops routing here, and the engine refuses
+new requests with 503. The operator's settings are `ApiOptions` (server.api.options).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from toppings.server.api.frontend import InFlightLimit, ReleasingBody, Slot, def
 from toppings.server.api.lifecycle import AdapterAdmin, AdapterPaths
 from toppings.server.api.logprobs import TokenText
 from toppings.server.api.metrics import CONTENT_TYPE, ServerMetrics
+from toppings.server.api.options import ApiOptions
 from toppings.server.api.peer_fetch import FetchConfig, PeerFetcher, held_adapter_dir
 from toppings.server.api.request_group import RequestGroup
 from toppings.server.api.response import (
@@ -70,27 +72,6 @@ logger = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 16 << 20  # larger bodies get a 413
 OPEN_PATHS = frozenset({"/health"})  # answered without an API key (load balancers probe it)
-
-
-@dataclass(frozen=True)
-class ApiOptions:
-    """What the operator sets for the HTTP layer; None: no limit / no key, except
-    max_concurrent_requests, whose None means frontend.default_max_in_flight (4x the batch)."""
-
-    api_key: str | None = None
-    max_prompt_tokens: int | None = None
-    max_new_tokens_limit: int | None = None
-    lora_roots: tuple[str, ...] = ()  # directories /v1/load_lora_adapter may read from
-    max_concurrent_requests: int | None = None  # generation requests in flight, queued included
-    adapter_store: str | None = None  # where adapters fetched from peers go; None: no fetching
-
-    def __post_init__(self) -> None:
-        for name in ("max_prompt_tokens", "max_new_tokens_limit", "max_concurrent_requests"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ValueError(f"{name} must be positive")
-        if self.api_key is not None and not self.api_key:
-            raise ValueError("api_key must not be empty")
 
 
 @dataclass
