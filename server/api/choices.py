@@ -1,4 +1,4 @@
-"""A validated body (`server.openai_schema.ParsedBody`) -> the engine requests that answer it.
+"""A validated body (`server.api.schema.ParsedBody`) -> the engine requests that answer it.
 
 A body becomes one request per choice: prompts x n, prompt-major (choice index = prompt index *
 n + copy), which is the order OpenAI and vLLM number choices in. The n copies of a prompt are
