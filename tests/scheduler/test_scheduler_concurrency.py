@@ -10,6 +10,7 @@ import sys
 import time
 
 import requests
+
 from tests.server.api.test_frontend_concurrency import REPO, Streamer, start_server, stop
 
 NUM_CLIENTS = 48
