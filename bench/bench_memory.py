@@ -103,7 +103,7 @@ def converse(engine, conv, systems, records: list, errors: list, t0: float) -> N
 
 def replay(engine, conversations, systems) -> tuple[list[dict], dict]:
     """Run every conversation (one thread each); the turn records and the counters' delta."""
-    before = engine.counters()
+    before = dataclasses.asdict(engine.counters())
     records: list[dict] = []
     errors: list[Exception] = []
     t0 = time.monotonic()
@@ -116,7 +116,7 @@ def replay(engine, conversations, systems) -> tuple[list[dict], dict]:
     if errors:
         raise errors[0]
     return sorted(records, key=lambda r: (r["sent_s"], r["conv"])), counter_delta(
-        before, engine.counters()
+        before, dataclasses.asdict(engine.counters())
     )
 
 

@@ -23,13 +23,11 @@ Admin endpoints manage the cluster:
 
 from __future__ import annotations
 
-import json
 import logging
 from typing import Any
 
 import requests
 from flask import Flask, Response, jsonify, request
-from werkzeug.exceptions import HTTPException
 
 from toppings.scheduler.cluster import Cluster
 from toppings.scheduler.metrics import CONTENT_TYPE, PREFIX
@@ -38,16 +36,14 @@ from toppings.scheduler.router import Router, SchedulerError
 from toppings.server.api.frontend import InFlightCollector, InFlightLimit, ReleasingBody
 from toppings.server.requests.errors import (
     BAD_GATEWAY,
-    INVALID_REQUEST,
     NO_SERVER_READY,
     NOT_FOUND,
     RETRY_AFTER_S,
-    SERVER_ERROR,
     TOO_MANY_REQUESTS,
     UNAVAILABLE,
-    error_body,
+    error_response,
+    install_error_handlers,
     parse_json_object,
-    routing_error_body,
     too_many_requests,
     unknown_adapter,
 )
@@ -57,12 +53,6 @@ DEFAULT_MAX_IN_FLIGHT = 1024  # requests proxied at once, over the whole cluster
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 16 << 20
-
-
-def _error(message: str, code: int, error_type: str = INVALID_REQUEST) -> Response:
-    response = jsonify(error_body(message, code, error_type))
-    response.status_code = code
-    return response
 
 
 def _json_body() -> dict[str, Any]:
@@ -176,7 +166,7 @@ def create_app(
     def health() -> Response:
         servers = cluster.describe()
         if not servers:
-            response = _error(NO_SERVER_READY, 503, UNAVAILABLE)
+            response = error_response(NO_SERVER_READY, 503, UNAVAILABLE)
             response.headers["Retry-After"] = str(RETRY_AFTER_S)
             return response
         healthy = sum(1 for s in servers if s["healthy"])
@@ -266,31 +256,6 @@ def create_app(
         router.metrics.http.labels(endpoint, str(response.status_code)).inc()
         return response
 
-    @app.errorhandler(SchedulerError)
-    def scheduler_error(e: SchedulerError) -> Response:
-        response = _error(str(e), e.code, e.error_type)
-        if e.retry_after_s is not None:
-            response.headers["Retry-After"] = str(e.retry_after_s)
-        return response
-
-    @app.errorhandler(RegistryError)
-    def registry_error(e: RegistryError) -> Response:
-        return _error(str(e), 400)
-
-    @app.errorhandler(HTTPException)
-    def http_error(e: HTTPException) -> Response:
-        response = e.get_response()  # keeps headers such as Allow on a 405
-        allowed = getattr(e, "valid_methods", None)
-        body = routing_error_body(
-            e.code or 500, e.description or e.name, request.method, request.path, allowed
-        )
-        response.data = json.dumps(body)
-        response.content_type = "application/json"
-        return response
-
-    @app.errorhandler(Exception)
-    def unexpected(e: Exception) -> Response:
-        log.exception("unexpected error on %s %s", request.method, request.path)
-        return _error(f"internal error: {type(e).__name__}: {e}", 500, SERVER_ERROR)
+    install_error_handlers(app, log, SchedulerError, bad_input=(RegistryError,))
 
     return app

@@ -6,7 +6,7 @@ then waitress and the engine stop and the command exits 0. A second signal kills
 
 Waitress runs one thread per generation request in flight (`--max-concurrent-requests`, 429 past
 it) plus `--threads` more for everything else, so that the front end never caps the batch and
-/health, /stats and /metrics answer however many streams are open (see server.frontend).
+/health, /stats and /metrics answer however many streams are open (see server.api.frontend).
 """
 
 from __future__ import annotations
@@ -28,8 +28,7 @@ from toppings.server.api.frontend import (
     raise_open_files_limit,
     waitress_settings,
 )
-from toppings.server.cli_args import build_parser
-from toppings.server.config import EngineConfig
+from toppings.server.cli_args import build_parser, parse_configs
 
 logger = logging.getLogger("toppings-serve")
 
@@ -115,33 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    if args.cpu_workers < 0 or args.drain_timeout < 0:
-        _usage_error("--cpu-workers and --drain-timeout must be >= 0")
     try:
-        config = EngineConfig(
-            device=args.device,
-            dtype=args.dtype,
-            kernel=args.kernel,
-            lora_mode=args.lora_mode,
-            max_total_tokens=args.max_total_tokens,
-            max_batch_size=args.max_batch_size,
-            adapter_cache_bytes=args.adapter_cache_bytes,
-            eviction=args.eviction,
-            link_gbps=args.link_gbps,
-            num_cpu_workers=args.cpu_workers,
-            cpu_cores=args.cpu_cores,
-            cpu_spin_us=args.cpu_spin_us,
-            queue_policy=args.queue_policy,
-            ttft_slo_ms=args.ttft_slo_ms,
-            num_threads=args.torch_threads,
-            memory_layout=args.memory_layout,
-            memory_bytes=args.memory_bytes,
-            prefix_cache=args.prefix_cache == "on",
-            cuda_graphs=None if args.cuda_graphs is None else args.cuda_graphs == "on",
-            host_memory_bytes=args.host_memory_bytes,
-            memory_policy=args.memory_policy,
-            block_tokens=args.block_tokens,
-        )
+        serve, config, options = parse_configs(args)
     except ValueError as e:
         _usage_error(str(e))
     if config.num_cpu_workers:
@@ -151,61 +125,53 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     # Imported here so that `--help` answers without loading torch.
     from toppings.gpu_lora.peft_config import AdapterError
-    from toppings.server.api.app import ApiOptions, create_app
+    from toppings.server.api.app import create_app
     from toppings.server.api.lifecycle import discover
     from toppings.server.runtime import build_engine
 
+    max_in_flight = options.max_concurrent_requests or default_max_in_flight(config.max_batch_size)
     try:
-        options = ApiOptions(
-            api_key=args.api_key,
-            max_prompt_tokens=args.max_prompt_tokens,
-            max_new_tokens_limit=args.max_new_tokens_limit,
-            lora_roots=tuple(args.lora_dir + args.allowed_lora_root),
-            adapter_store=args.adapter_store,
-            max_concurrent_requests=args.max_concurrent_requests
-            or default_max_in_flight(config.max_batch_size),
-        )
-        found = [item for d in args.lora_dir for item in discover(d).items()]
+        found = [item for d in serve.lora_dirs for item in discover(d).items()]
     except ValueError as e:
         _usage_error(str(e))
-    loras = dict(found + args.lora)
-    if len(loras) != len(found) + len(args.lora):
+    loras = dict(found + list(serve.loras))
+    if len(loras) != len(found) + len(serve.loras):
         _usage_error("two adapters share a name (--lora and --lora-dir)")
-    if problem := listen_problem(args.host, args.port):  # before the model loads, not after
+    if problem := listen_problem(serve.host, serve.port):  # before the model loads, not after
         _usage_error(f"--port: {problem}")
-    _check_inputs(args.model, loras)
+    _check_inputs(serve.model, loras)
 
     logger.info(
         "loading %s with %d adapter(s), %s (cpu workers: %d)",
-        args.model,
+        serve.model,
         len(loras),
         config,
-        args.cpu_workers,
+        config.num_cpu_workers,
     )
     try:
-        engine = build_engine(args.model, config, loras)
+        engine = build_engine(serve.model, config, loras)
     except (AdapterError, FileNotFoundError) as e:  # an adapter that does not fit the model
         _usage_error(str(e))
     app = create_app(engine, options)
-    sizing = waitress_settings(options.max_concurrent_requests, args.threads)
+    sizing = waitress_settings(max_in_flight, serve.threads)
     raise_open_files_limit(sizing["connection_limit"])
-    drainer = _Drainer(engine, app.extensions["toppings"].draining, args.drain_timeout)
+    drainer = _Drainer(engine, app.extensions["toppings"].draining, serve.drain_timeout)
     try:
         try:
             server = waitress.create_server(
                 app,
-                host=args.host,
-                port=args.port,
+                host=serve.host,
+                port=serve.port,
                 channel_request_lookahead=1,  # lets waitress see a client hang up mid-stream
                 **sizing,
             )
         except OSError as e:  # taken since the check above
-            _usage_error(f"--port: {_listen_problem(args.host, args.port, e)}")
+            _usage_error(f"--port: {_listen_problem(serve.host, serve.port, e)}")
         drainer.server = server
-        url = f"http://{args.host}:{server.effective_port}"
+        url = f"http://{serve.host}:{server.effective_port}"
         logger.info("serving %s at %s (OpenAI base_url %s/v1); at most %d requests in flight, "
                     "%d waitress threads", engine.model_name, url, url,
-                    options.max_concurrent_requests, sizing["threads"])  # fmt: skip
+                    max_in_flight, sizing["threads"])  # fmt: skip
         server.run()  # returns once the drain has closed waitress's sockets
         server.task_dispatcher.shutdown()
     finally:

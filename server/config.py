@@ -1,89 +1,79 @@
-"""Engine settings, built once from the command line."""
+"""Engine settings: four sub-configs whose fields carry their flags and checks (server.settings).
+
+`EngineConfig` is all four in one flat frozen dataclass (`config.max_batch_size`,
+`config.memory_bytes`, ...); a module that needs only one part may type its argument as that
+sub-config. `toppings-serve` generates its flags from these classes and builds the config from
+what it parsed (server.cli_args); the same checks run when code builds an `EngineConfig`.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from toppings.gpu_lora.eviction import EVICTION_POLICIES
-from toppings.server.engine.lora_modes import LORA_MODES
-from toppings.server.memory.layout import MemoryLayout
-from toppings.server.memory.policies import MEMORY_POLICIES
+from toppings.server.lora_modes import LORA_MODES
+from toppings.server.settings import (
+    ON_OFF,
+    Bound,
+    Flag,
+    Settings,
+    on_off,
+    parse_cores,
+    positive,
+    setting,
+)
 
 DEVICES = ("cpu", "cuda")
 DTYPES = ("float32", "bfloat16", "float16")
 DTYPE_CHOICES = (*DTYPES, "auto")  # auto: resolved for the machine at start-up (runtime.py)
 KERNELS = ("bgmv", "mbgmv")
-QUEUE_POLICIES = ("fcfs", "chameleon")  # server.queue_policies holds the classes
-MEMORY_LAYOUTS = tuple(m.value for m in MemoryLayout)  # server/memory/layout.py
+QUEUE_POLICIES = ("fcfs", "chameleon")  # the classes: server.sched.policies
+MEMORY_LAYOUTS = ("pool", "static")  # the layouts: server.memory.layout
+MEMORY_POLICIES = ("lru", "fastlibra")  # the classes: server.memory.policies
 
 
 @dataclass(frozen=True)
-class EngineConfig:
-    """How one inference server runs its engine.
+class RuntimeConfig(Settings):
+    """Where and how the model runs."""
 
-    Memory (memory/manager.py): with memory_layout "pool", one budget of memory_bytes holds KV
-    blocks and adapter weights. memory_bytes 0: on CUDA a share of the free device memory; on a
-    CPU max_total_tokens of KV plus adapter_cache_bytes, and when that is 0 too, adapters are not
-    charged (no limit, as before). "static" is the old split, max_total_tokens of KV and
-    adapter_cache_bytes of adapters. A request is admitted only when its prompt plus
-    max_new_tokens fit in what is not yet promised.
-    """
+    title = "device and runtime"
 
-    device: str = "cpu"
-    dtype: str = "bfloat16"
-    kernel: str = "mbgmv"
-    lora_mode: str = "cached"
-    max_total_tokens: int = 32768
-    max_batch_size: int = 128
-    max_prefill_tokens: int = 8192
-    max_model_len: int = 0  # 0: the model's max_position_embeddings
-    adapter_cache_bytes: int = 0  # device bytes for adapter weights; 0: no limit
-    eviction: str = "lru"
-    link_gbps: float = 0.0  # CPU device only: throttle adapter loads to emulate a link; 0: off
-    layers_per_group: int = 1  # layers per pipelined load step
-    num_cpu_workers: int = 0  # CPU LoRA worker processes; 0: compute host LoRA in-process
-    cpu_cores: tuple[int, ...] = ()  # cores for the CPU workers (one each); (): any
-    cpu_spin_us: float = 0.0  # engine and workers spin this long on a semaphore before sleeping
-    num_threads: int = 0  # torch (OpenMP) threads of the engine thread; 0: every core
-    queue_policy: str = "fcfs"  # which waiting request goes next (server.queueing)
-    ttft_slo_ms: float = 5000.0  # the TTFT SLO Chameleon's queue quotas are sized for
-    memory_layout: str = "pool"  # "pool": one budget for KV and adapters; "static": split
-    memory_bytes: int = 0  # the pool's budget; 0: see the class docstring
-    prefix_cache: bool = True  # reuse cached KV prefixes under the same adapter
-    host_memory_bytes: int = 0  # host tier for KV blocks swapped out; 0: dropped instead
-    block_tokens: int = 16  # tokens per KV block
-    memory_policy: str = "fastlibra"  # what leaves the pool first (server/memory/policies.py)
-    cuda_graphs: bool | None = None  # decode steps replay CUDA graphs; None: on for cuda
+    device: str = setting("cpu", choices=DEVICES, flag=Flag())
+    dtype: str = setting(
+        "bfloat16",
+        choices=DTYPE_CHOICES,
+        flag=Flag(
+            "auto (default): bfloat16 on cuda; on a cpu, bfloat16 where it multiplies natively "
+            "and the model's projections run faster in it (measured at start-up), else float32",
+            default="auto",
+        ),
+    )
+    kernel: str = setting("mbgmv", choices=KERNELS, flag=Flag())
+    # Decode steps replay CUDA graphs; None: on for cuda.
+    cuda_graphs: bool | None = setting(
+        None,
+        flag=Flag(
+            "decode steps replay CUDA graphs captured per batch-size bucket (default: on with "
+            "--device cuda; refused with --device cpu)",
+            choices=ON_OFF,
+            parse=on_off,
+        ),
+    )
+    # torch (OpenMP) threads of the engine thread; 0: every core.
+    num_threads: int = setting(
+        0,
+        bound=Bound.NON_NEGATIVE,
+        flag=Flag(
+            "OpenMP threads of the engine's compute (0: torch's default, every core); leave "
+            "cores to --cpu-workers on a CPU-only node",
+            name="--torch-threads",
+            type=int,
+            metavar="N",
+        ),
+    )
+    max_model_len: int = setting(0, bound=Bound.NON_NEGATIVE)  # 0: max_position_embeddings
 
-    def __post_init__(self) -> None:
-        for name, value, allowed in (
-            ("device", self.device, DEVICES),
-            ("dtype", self.dtype, DTYPE_CHOICES),
-            ("kernel", self.kernel, KERNELS),
-            ("lora_mode", self.lora_mode, LORA_MODES),
-            ("queue_policy", self.queue_policy, QUEUE_POLICIES),
-            ("memory_layout", self.memory_layout, MEMORY_LAYOUTS),
-            ("memory_policy", self.memory_policy, tuple(MEMORY_POLICIES)),
-        ):
-            if value not in allowed:
-                raise ValueError(f"{name} must be one of {', '.join(allowed)}, not {value!r}")
-        for name in ("max_total_tokens", "max_batch_size", "max_prefill_tokens", "block_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be positive")
-        for name in ("max_model_len", "adapter_cache_bytes", "num_cpu_workers", "num_threads",
-                     "memory_bytes", "host_memory_bytes"):  # fmt: skip
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0")
-        if self.cpu_spin_us < 0:
-            raise ValueError("cpu_spin_us must be >= 0")
-        if not self.ttft_slo_ms > 0:
-            raise ValueError("ttft_slo_ms must be positive")
-        if self.link_gbps < 0 or self.layers_per_group < 1:
-            raise ValueError("link_gbps must be >= 0 and layers_per_group >= 1")
-        if self.eviction not in EVICTION_POLICIES:
-            raise ValueError(f"eviction must be one of {', '.join(EVICTION_POLICIES)}")
-        if self.cpu_cores and len(self.cpu_cores) < self.num_cpu_workers:
-            raise ValueError("cpu_cores must name at least one core per CPU worker")
+    def check(self) -> None:
         if self.cuda_graphs and self.device != "cuda":
             raise ValueError("cuda_graphs needs device cuda (a CPU has no graphs to capture)")
 
@@ -91,3 +81,193 @@ class EngineConfig:
     def use_cuda_graphs(self) -> bool:
         """Whether decode steps replay CUDA graphs (server/model/cuda_graphs.py)."""
         return self.device == "cuda" and self.cuda_graphs is not False
+
+
+@dataclass(frozen=True)
+class LoraConfig(Settings):
+    """How adapters reach the device, and the CPU workers that compute LoRA on the host."""
+
+    title = "LoRA adapters"
+
+    lora_mode: str = setting(
+        "cached",
+        choices=LORA_MODES,
+        flag=Flag("how a request whose adapter is not on the device starts"),
+    )
+    # Device bytes for adapter weights; 0: no limit.
+    adapter_cache_bytes: int = setting(
+        0,
+        bound=Bound.NON_NEGATIVE,
+        flag=Flag(
+            "device bytes for adapter weights (0: no limit); beyond it adapters are evicted",
+            type=int,
+            metavar="N",
+        ),
+    )
+    eviction: str = setting("lru", choices=tuple(EVICTION_POLICIES), flag=Flag())
+    # CPU device only: throttle adapter loads to emulate a link; 0: off.
+    link_gbps: float = setting(
+        0.0,
+        bound=Bound.NON_NEGATIVE,
+        flag=Flag(
+            "--device cpu only: throttle adapter loads to emulate a link of X GB/s (0: off)",
+            type=float,
+            metavar="X",
+        ),
+    )
+    layers_per_group: int = setting(1, bound=Bound.POSITIVE)  # layers per pipelined load step
+    # CPU LoRA worker processes; 0: compute host LoRA in-process.
+    num_cpu_workers: int = setting(
+        0,
+        bound=Bound.NON_NEGATIVE,
+        flag=Flag(
+            "CPU worker processes for cpu-assisted LoRA (0: host LoRA runs in-process)",
+            name="--cpu-workers",
+            type=int,
+            metavar="N",
+        ),
+    )
+    # Cores for the CPU workers (one each); (): any.
+    cpu_cores: tuple[int, ...] = setting(
+        (),
+        flag=Flag(
+            "cores the CPU workers are pinned to, one each, e.g. 4,5,6 or 4-6",
+            type=parse_cores,
+            metavar="LIST",
+        ),
+    )
+    # The engine and workers spin this long on a semaphore before sleeping.
+    cpu_spin_us: float = setting(
+        0.0,
+        bound=Bound.NON_NEGATIVE,
+        flag=Flag(
+            "the engine and the CPU workers spin up to US microseconds on their semaphores "
+            "before sleeping: cuts a layer call's overhead when the engine thread and every "
+            "worker have a core of their own (e.g. 5000 on a GPU node); leave 0 when they share "
+            "cores",
+            type=float,
+            metavar="US",
+        ),
+    )
+
+    def check(self) -> None:
+        if self.cpu_cores and len(self.cpu_cores) < self.num_cpu_workers:
+            raise ValueError("cpu_cores must name at least one core per CPU worker")
+
+
+@dataclass(frozen=True)
+class MemoryConfig(Settings):
+    """Device memory for KV blocks and adapters, and the host tier behind it.
+
+    With memory_layout "pool" (memory/manager.py), one budget of memory_bytes holds KV blocks
+    and adapter weights. memory_bytes 0: on CUDA a share of the free device memory; on a CPU
+    max_total_tokens of KV plus adapter_cache_bytes, and when that is 0 too, adapters are not
+    charged (no limit). "static" splits memory in two: max_total_tokens of KV and
+    adapter_cache_bytes of adapters. A request is admitted only when its prompt plus
+    max_new_tokens fit in what is not yet promised.
+    """
+
+    title = "memory"
+
+    max_total_tokens: int = setting(
+        32768,
+        bound=Bound.POSITIVE,
+        flag=Flag(
+            "KV cache size in tokens over all requests (the pool's default budget: see "
+            "--memory-bytes)",
+            type=int,
+        ),
+    )
+    memory_layout: str = setting(
+        "pool",
+        choices=MEMORY_LAYOUTS,
+        flag=Flag(
+            "pool: one memory budget for KV blocks and adapters, which live in what KV does "
+            "not use (ELORA/FastLibra); static: a fixed split, --max-total-tokens of KV and "
+            "--adapter-cache-bytes of adapters"
+        ),
+    )
+    # The pool's budget; 0: see the class docstring.
+    memory_bytes: int = setting(
+        0,
+        bound=Bound.NON_NEGATIVE,
+        flag=Flag(
+            "the pool's budget (0: 40%% of the free device memory on cuda; on a cpu "
+            "--max-total-tokens of KV plus --adapter-cache-bytes, adapters unlimited when that "
+            "is 0)",
+            type=int,
+            metavar="N",
+        ),
+    )
+    # Reuse cached KV prefixes under the same adapter.
+    prefix_cache: bool = setting(
+        True,
+        flag=Flag(
+            "reuse cached KV of a prompt's prefix, under the request's own adapter only",
+            choices=ON_OFF,
+            default="on",
+            parse=on_off,
+        ),
+    )
+    # Host tier for KV blocks swapped out; 0: dropped instead.
+    host_memory_bytes: int = setting(
+        0,
+        bound=Bound.NON_NEGATIVE,
+        flag=Flag(
+            "host tier for KV blocks leaving the device (swapped back in on a hit when that "
+            "beats recomputing them; --link-gbps throttles it on a cpu); 0: they are dropped",
+            type=int,
+            metavar="N",
+        ),
+    )
+    # What leaves the pool first (server.memory.policies).
+    memory_policy: str = setting(
+        "fastlibra",
+        choices=MEMORY_POLICIES,
+        flag=Flag("what leaves the pool first: fastlibra's cost model, or lru"),
+    )
+    block_tokens: int = setting(
+        16,
+        bound=Bound.POSITIVE,
+        flag=Flag("tokens per KV block", type=positive, metavar="N"),
+    )
+
+
+@dataclass(frozen=True)
+class SchedulingConfig(Settings):
+    """Which waiting request runs next, and how large a step may be."""
+
+    title = "scheduling"
+
+    max_batch_size: int = setting(128, bound=Bound.POSITIVE, flag=Flag(type=int))
+    max_prefill_tokens: int = setting(8192, bound=Bound.POSITIVE)
+    # Which waiting request goes next (server.sched.policies).
+    queue_policy: str = setting(
+        "fcfs",
+        choices=QUEUE_POLICIES,
+        flag=Flag(
+            "which waiting request is admitted next: fcfs, or chameleon's adapter-aware "
+            "multi-level queues with token quotas"
+        ),
+    )
+    # The TTFT SLO Chameleon's queue quotas are sized for.
+    ttft_slo_ms: float = setting(
+        5000.0,
+        bound=Bound.POSITIVE,
+        flag=Flag(
+            "the TTFT SLO that chameleon's queue quotas are sized for", type=float, metavar="X"
+        ),
+    )
+
+
+@dataclass(frozen=True)
+class EngineConfig(RuntimeConfig, LoraConfig, MemoryConfig, SchedulingConfig):
+    """How one inference server runs its engine: every field of the four sub-configs, flat."""
+
+
+ENGINE_PARTS: tuple[type[Settings], ...] = (
+    RuntimeConfig,
+    LoraConfig,
+    MemoryConfig,
+    SchedulingConfig,
+)

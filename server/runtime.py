@@ -15,7 +15,7 @@ log = logging.getLogger(__name__)
 
 def build_engine(model: str, config: EngineConfig, loras: dict[str, str] | None = None) -> Engine:
     """Load the base model and adapters and start the engine thread (`dtype="auto"` is
-    resolved here, for the model's own shapes: server.dtype_choice)."""
+    resolved here, for the model's own shapes: server.model.dtype)."""
     checkpoint = load_checkpoint(model)
     if config.dtype == "auto":
         mc = checkpoint.config

@@ -6,26 +6,26 @@ engine requests (n choices, a list of prompts: a `RequestGroup`). A stream whose
 is aborted: waitress closes the response body (`_stream`, started or not), and
 `RequestGroup.outputs` checks waitress's disconnect flag after each output and while none
 arrives, which also covers non-streaming requests. Unknown routes and methods get the JSON error
-of every other endpoint. `/tokenize` and `/detokenize` are vLLM's (see server.tokenize_api).
+of every other endpoint. `/tokenize` and `/detokenize` are vLLM's (see server.api.tokenize).
 
-The generation endpoints share one in-flight limit (server.frontend): a request takes a slot
+The generation endpoints share one in-flight limit (server.api.frontend): a request takes a slot
 before it is submitted and gives it back when its answer ends, on every path; past the limit it
 gets 429 with Retry-After at once. `cli.py` sizes waitress's thread pool from the same limit, so
 streams never wait for a thread and the operator endpoints always find one.
 
-Operator endpoints: `/metrics` (Prometheus, see server.metrics), `/v1/load_lora_adapter` and
-`/v1/unload_lora_adapter` (see server.lifecycle; a load naming `peers` fetches the adapter from
-them, server.peer_fetch), `GET /v1/adapters/NAME/files[/FILE]` (the PEFT files of an adapter
-this server holds, for a peer to fetch; server.adapter_files). With an API key every endpoint
-but `/health` wants `Authorization: Bearer KEY`. While the server drains (SIGTERM), `/health`
-answers 503 so that a scheduler stops routing here, and the engine refuses new requests with 503.
+Operator endpoints: `/metrics` (Prometheus, see server.api.metrics), `/v1/load_lora_adapter`
+and `/v1/unload_lora_adapter` (see server.api.lifecycle; a load naming `peers` fetches the
+adapter from them, server.api.peer_fetch), `GET /v1/adapters/NAME/files[/FILE]` (the PEFT files
+of an adapter this server holds, for a peer to fetch; server.api.adapter_files). With an API
+key every endpoint but `/health` wants `Authorization: Bearer KEY`. While the server drains
+(SIGTERM), `/health` answers 503 so that a scheduler stops routing here, and the engine refuses
+new requests with 503. The operator's settings are `ApiOptions` (server.api.options).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hmac
-import json
 import logging
 import threading
 import time
@@ -33,14 +33,14 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from flask import Flask, Response, jsonify, request
-from werkzeug.exceptions import HTTPException
 
 from toppings.server.api.adapter_files import FILES, manifest, read_chunks
-from toppings.server.api.choices import build_requests
+from toppings.server.api.choices import RequestLimits, build_requests
 from toppings.server.api.frontend import InFlightLimit, ReleasingBody, Slot, default_max_in_flight
 from toppings.server.api.lifecycle import AdapterAdmin, AdapterPaths
 from toppings.server.api.logprobs import TokenText
 from toppings.server.api.metrics import CONTENT_TYPE, ServerMetrics
+from toppings.server.api.options import ApiOptions
 from toppings.server.api.peer_fetch import FetchConfig, PeerFetcher, held_adapter_dir
 from toppings.server.api.request_group import RequestGroup
 from toppings.server.api.response import (
@@ -54,45 +54,24 @@ from toppings.server.api.response import (
 from toppings.server.api.schema import ParsedBody, parse_chat, parse_completion, parse_native
 from toppings.server.api.tokenize import detokenize, tokenize
 from toppings.server.requests.errors import (
-    INVALID_REQUEST,
     NOT_FOUND,
     RETRY_AFTER_S,
     SERVER_ERROR,
     TOO_MANY_REQUESTS,
     UNAVAILABLE,
     error_body,
+    error_response,
+    install_error_handlers,
     parse_json_object,
-    routing_error_body,
     too_many_requests,
     unknown_adapter,
 )
-from toppings.server.requests.request import GenerationRequest, RequestError
+from toppings.server.requests.request import RequestError
 
 logger = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 16 << 20  # larger bodies get a 413
 OPEN_PATHS = frozenset({"/health"})  # answered without an API key (load balancers probe it)
-
-
-@dataclass(frozen=True)
-class ApiOptions:
-    """What the operator sets for the HTTP layer; None: no limit / no key, except
-    max_concurrent_requests, whose None means frontend.default_max_in_flight (4x the batch)."""
-
-    api_key: str | None = None
-    max_prompt_tokens: int | None = None
-    max_new_tokens_limit: int | None = None
-    lora_roots: tuple[str, ...] = ()  # directories /v1/load_lora_adapter may read from
-    max_concurrent_requests: int | None = None  # generation requests in flight, queued included
-    adapter_store: str | None = None  # where adapters fetched from peers go; None: no fetching
-
-    def __post_init__(self) -> None:
-        for name in ("max_prompt_tokens", "max_new_tokens_limit", "max_concurrent_requests"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ValueError(f"{name} must be positive")
-        if self.api_key is not None and not self.api_key:
-            raise ValueError("api_key must not be empty")
 
 
 @dataclass
@@ -119,12 +98,6 @@ def _json_body() -> dict:
         raise RequestError(str(e)) from e
 
 
-def _error(message: str, code: int, error_type: str = INVALID_REQUEST) -> Response:
-    response = jsonify(error_body(message, code, error_type))
-    response.status_code = code
-    return response
-
-
 def _stream(events: Iterator[str], group: RequestGroup, slot: Slot) -> ReleasingBody:
     """The SSE body; closing it (done, or the client gone) aborts the requests still running
     and gives the slot back, even when the body was never iterated."""
@@ -139,22 +112,6 @@ def _sse_or_error(events: Iterator[str]) -> Iterator[str]:
         code = e.code if isinstance(e, RequestError) else 500
         yield sse(error_body(str(e), code, SERVER_ERROR))
         yield SSE_DONE
-
-
-def _apply_limits(parsed: ParsedBody, req: GenerationRequest, options: ApiOptions) -> None:
-    """Refuse a prompt or max_tokens over the operator's limits; a default max_tokens is cut."""
-    limit = options.max_prompt_tokens
-    if limit is not None and len(req.prompt_ids) > limit:
-        raise RequestError(
-            f"the prompt has {len(req.prompt_ids)} tokens; this server takes at most {limit}"
-        )
-    limit = options.max_new_tokens_limit
-    if limit is not None and req.params.max_new_tokens > limit:
-        if parsed.max_tokens is not None:
-            raise RequestError(
-                f"max tokens {parsed.max_tokens} is over this server's limit of {limit}"
-            )
-        req.params = dataclasses.replace(req.params, max_new_tokens=limit)
 
 
 def _check_key(expected: str) -> None:
@@ -179,6 +136,7 @@ def create_app(engine, options: ApiOptions | None = None) -> Flask:
     fetcher = None
     if options.adapter_store is not None:
         fetcher = PeerFetcher(engine, FetchConfig(options.adapter_store, options.api_key))
+    limits = RequestLimits(options.max_prompt_tokens, options.max_new_tokens_limit)
     tokenizer_lock = threading.Lock()
     started = int(time.time())
 
@@ -195,14 +153,16 @@ def create_app(engine, options: ApiOptions | None = None) -> Flask:
     def answer(parsed: ParsedBody, slot: Slot) -> Response:
         with tokenizer_lock:
             reqs, prompt_ids = build_requests(
-                parsed, engine.tokenizer, engine.max_model_len, engine.model_config.vocab_size
+                parsed,
+                engine.tokenizer,
+                engine.max_model_len,
+                engine.model_config.vocab_size,
+                limits,
             )
             echo = tuple(
                 p if isinstance(p, str) else engine.tokenizer.decode(p, skip_special_tokens=True)
                 for p in (parsed.prompts if parsed.echo else ())
             )
-        for req in reqs:
-            _apply_limits(parsed, req, options)
         group = RequestGroup(engine, reqs)
         meta = ResponseMeta.new(parsed, prompt_ids, token_text, echo)
         gone = request.environ.get("waitress.client_disconnected") or (lambda: False)
@@ -221,7 +181,7 @@ def create_app(engine, options: ApiOptions | None = None) -> Flask:
             slot.release()
         failed = next((out for out in outs if out.finish_reason == "error"), None)
         if failed is not None:
-            return _error(failed.error or "generation failed", 500, SERVER_ERROR)
+            return error_response(failed.error or "generation failed", 500, SERVER_ERROR)
         return jsonify(final_response(parsed, meta, outs))
 
     app.add_url_rule("/generate", "generate", lambda: generate(parse_native), methods=["POST"])
@@ -255,10 +215,10 @@ def create_app(engine, options: ApiOptions | None = None) -> Flask:
     @app.get("/health")
     def health() -> Response:
         if state.draining.is_set():
-            return _error("the server is draining", 503, UNAVAILABLE)
+            return error_response("the server is draining", 503, UNAVAILABLE)
         if engine.is_healthy():
             return jsonify({"status": "ok"})
-        return _error("the engine is not running", 503, SERVER_ERROR)
+        return error_response("the engine is not running", 503, SERVER_ERROR)
 
     @app.get("/stats")
     def stats() -> Response:
@@ -310,27 +270,5 @@ def create_app(engine, options: ApiOptions | None = None) -> Flask:
         state.metrics.requests.observe_http(endpoint, response.status_code)
         return response
 
-    @app.errorhandler(RequestError)
-    def request_error(e: RequestError) -> Response:
-        response = _error(str(e), e.code, e.error_type)
-        if e.retry_after_s is not None:
-            response.headers["Retry-After"] = str(e.retry_after_s)
-        return response
-
-    @app.errorhandler(HTTPException)
-    def http_error(e: HTTPException) -> Response:
-        response = e.get_response()  # keeps headers such as Allow on a 405
-        allowed = getattr(e, "valid_methods", None)
-        body = routing_error_body(
-            e.code or 500, e.description or e.name, request.method, request.path, allowed
-        )
-        response.data = json.dumps(body)
-        response.content_type = "application/json"
-        return response
-
-    @app.errorhandler(Exception)
-    def unexpected(e: Exception) -> Response:
-        logger.exception("unexpected error on %s %s", request.method, request.path)
-        return _error(f"internal error: {type(e).__name__}: {e}", 500, SERVER_ERROR)
-
+    install_error_handlers(app, logger, RequestError)
     return app

@@ -1,17 +1,47 @@
-"""A validated body (`server.openai_schema.ParsedBody`) -> the engine requests that answer it.
+"""A validated body (`server.api.schema.ParsedBody`) -> the engine requests that answer it.
 
 A body becomes one request per choice: prompts x n, prompt-major (choice index = prompt index *
 n + copy), which is the order OpenAI and vLLM number choices in. The n copies of a prompt are
 independent requests, each with its own prefill (no KV sharing between them); with a seed,
-copy j samples with seed + j so that the copies differ but repeat across calls.
+copy j samples with seed + j so that the copies differ but repeat across calls. The operator's
+limits (`RequestLimits`) are checked once every prompt fits the model's context: a prompt over
+--max-prompt-tokens or an explicit max_tokens over --max-new-tokens-limit is refused, and a
+default max_tokens is cut to the limit.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from toppings.server.api.schema import MAX_SEED, ParsedBody
 from toppings.server.requests.request import GenerationRequest, RequestError, SamplingParams
 
 DEFAULT_MAX_TOKENS = {"completion": 16, "chat": 256, "native": 16}
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What the operator lets one request ask for; None: no limit."""
+
+    max_prompt_tokens: int | None = None
+    max_new_tokens_limit: int | None = None
+
+    def check(self, parsed: ParsedBody, num_ids: int, max_tokens: int) -> int:
+        """The max_new_tokens of a prompt of `num_ids` tokens whose context allows `max_tokens`;
+        raises RequestError past a limit."""
+        limit = self.max_prompt_tokens
+        if limit is not None and num_ids > limit:
+            raise RequestError(
+                f"the prompt has {num_ids} tokens; this server takes at most {limit}"
+            )
+        limit = self.max_new_tokens_limit
+        if limit is None or max_tokens <= limit:
+            return max_tokens
+        if parsed.max_tokens is not None:
+            raise RequestError(
+                f"max tokens {parsed.max_tokens} is over this server's limit of {limit}"
+            )
+        return limit
 
 
 def prompt_ids(parsed: ParsedBody, tokenizer, prompt: str | list[int] | None) -> list[int]:
@@ -64,20 +94,27 @@ def _sampling(parsed: ParsedBody, vocab_size: int) -> dict:
 
 
 def build_requests(
-    parsed: ParsedBody, tokenizer, max_model_len: int, vocab_size: int
+    parsed: ParsedBody,
+    tokenizer,
+    max_model_len: int,
+    vocab_size: int,
+    limits: RequestLimits = RequestLimits(),
 ) -> tuple[list[GenerationRequest], list[list[int]]]:
-    """Tokenize and check each prompt against the context; returns the engine requests (one
-    per choice, in choice order) and each prompt's token ids."""
+    """Tokenize and check each prompt against the context, then against `limits`; returns the
+    engine requests (one per choice, in choice order) and each prompt's token ids."""
     sampling = _sampling(parsed, vocab_size)
-    requests, all_ids = [], []
+    all_ids, context_max_tokens = [], []
     for prompt in parsed.prompts or [None]:
         ids = prompt_ids(parsed, tokenizer, prompt)
         if not ids:
             raise RequestError("the prompt is empty")
         if any(not 0 <= t < vocab_size for t in ids):
             raise RequestError(f"token ids must be in [0, {vocab_size})")
-        max_tokens = _max_tokens(parsed, len(ids), max_model_len)
+        context_max_tokens.append(_max_tokens(parsed, len(ids), max_model_len))
         all_ids.append(ids)
+    requests = []
+    for ids, context_max in zip(all_ids, context_max_tokens):
+        max_tokens = limits.check(parsed, len(ids), context_max)
         for copy in range(parsed.n):
             seed = sampling["seed"]
             if seed is not None:

@@ -12,7 +12,7 @@ find one. A client that stops reading holds only its own thread: waitress buffer
 (up to 16 MiB, then that thread alone waits).
 
 Imports nothing else of toppings: the scheduler, which fronts its proxied streams the same way,
-uses it (the limit, and `InFlightCollector` for its /metrics) as it uses `server.errors`.
+uses it (the limit, and `InFlightCollector` for its /metrics) as it uses `server.requests.errors`.
 """
 
 from __future__ import annotations

@@ -3,13 +3,14 @@
 Names follow the vLLM / LightLLM ones users already graph, under the prefix `toppings:`.
 Latencies are observed by the API layer from each request's final output (the paper's time per
 token: e2e / output tokens); everything the engine keeps (queue, batch, KV, adapter cache, CPU
-LoRA) is read at scrape time by `EngineCollector` from `engine.counters()`, and the front end's
-in-flight limit (server.frontend) by its `InFlightCollector`.
+LoRA) is read at scrape time by `EngineCollector` from `engine.counters()` (EngineCounters), and
+the front end's in-flight limit (server.api.frontend) by its `InFlightCollector`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -17,6 +18,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from toppings.server.api.frontend import InFlightCollector
 from toppings.server.requests.request import RequestOutput
+from toppings.server.requests.stats_schema import EngineCounters
 
 PREFIX = "toppings:"
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -67,80 +69,86 @@ class RequestMetrics:
 
 
 # The engine's scalar series, read at scrape time: (kind, name, help, value of counters()).
-# `c` is engine.counters(); `c["adapter_cache"]` is the adapter cache's snapshot. A getter
-# returning None leaves its series out (no adapter byte budget).
-ENGINE_SERIES: tuple[tuple[str, str, str, Callable[[dict], float]], ...] = (
+# `c` is engine.counters() (EngineCounters). A getter returning None leaves its series out (no
+# adapter byte budget, a queue policy without that counter).
+ENGINE_SERIES: tuple[tuple[str, str, str, Callable[[EngineCounters], float | None]], ...] = (
     ("gauge", "num_requests_running", "Requests in the running batch",
-     lambda c: c["num_running"]),
+     lambda c: c.num_running),
     ("gauge", "num_requests_waiting", "Requests queued, not admitted",
-     lambda c: c["num_waiting"]),
+     lambda c: c.num_waiting),
     ("gauge", "kv_cache_usage_perc", "Fraction of KV token slots reserved (0-1)",
-     lambda c: c["kv_reserved_tokens"] / c["max_total_tokens"]),
+     lambda c: c.kv_reserved_tokens / c.max_total_tokens),
     ("gauge", "kv_cache_reserved_tokens", "KV token slots reserved by admitted requests",
-     lambda c: c["kv_reserved_tokens"]),
+     lambda c: c.kv_reserved_tokens),
     ("gauge", "kv_cache_used_tokens", "KV token slots holding tokens",
-     lambda c: c["kv_used_tokens"]),
-    ("gauge", "max_total_tokens", "KV token slots in all", lambda c: c["max_total_tokens"]),
-    ("counter", "prefill_steps", "Prefill steps run", lambda c: c["prefill_steps"]),
-    ("counter", "prefill_seconds", "Wall time in prefill steps", lambda c: c["prefill_seconds"]),
-    ("counter", "decode_steps", "Decode steps run", lambda c: c["decode_steps"]),
-    ("counter", "decode_seconds", "Wall time in decode steps", lambda c: c["decode_seconds"]),
+     lambda c: c.kv_used_tokens),
+    ("gauge", "max_total_tokens", "KV token slots in all", lambda c: c.max_total_tokens),
+    ("counter", "prefill_steps", "Prefill steps run", lambda c: c.prefill_steps),
+    ("counter", "prefill_seconds", "Wall time in prefill steps", lambda c: c.prefill_seconds),
+    ("counter", "decode_steps", "Decode steps run", lambda c: c.decode_steps),
+    ("counter", "decode_seconds", "Wall time in decode steps", lambda c: c.decode_seconds),
     ("counter", "cpu_lora_invocations", "Host (CPU) LoRA invocations",
-     lambda c: c["host_lora_calls"]),
+     lambda c: c.host_lora_calls),
     ("counter", "cpu_lora_seconds", "Time spent in host (CPU) LoRA invocations",
-     lambda c: c["host_lora_seconds"]),
-    ("counter", "adapter_cache_hits", "Adapter cache hits", lambda c: c["adapter_cache"]["hits"]),
+     lambda c: c.host_lora_seconds),
+    ("counter", "adapter_cache_hits", "Adapter cache hits", lambda c: c.adapter_cache["hits"]),
     ("counter", "adapter_cache_misses", "Adapter cache misses",
-     lambda c: c["adapter_cache"]["misses"]),
+     lambda c: c.adapter_cache["misses"]),
     ("counter", "adapter_loads", "Adapter loads to the device",
-     lambda c: c["adapter_cache"]["loads"]),
+     lambda c: c.adapter_cache["loads"]),
     ("counter", "adapter_evictions", "Adapters evicted from the device",
-     lambda c: c["adapter_cache"]["evictions"]),
+     lambda c: c.adapter_cache["evictions"]),
     ("counter", "adapter_bytes_loaded", "Adapter bytes loaded to the device",
-     lambda c: c["adapter_cache"]["bytes_loaded"]),
+     lambda c: c.adapter_cache["bytes_loaded"]),
     ("gauge", "adapter_cache_used_bytes", "Device bytes held by adapters",
-     lambda c: c["adapter_cache"]["used_bytes"]),
+     lambda c: c.adapter_cache["used_bytes"]),
     ("gauge", "adapter_cache_budget_bytes", "Device byte budget for adapters",
-     lambda c: c["adapter_cache"].get("budget_bytes")),
+     lambda c: c.adapter_cache.get("budget_bytes")),
     ("gauge", "adapters_resident", "Adapters fully on the device",
-     lambda c: len(c["adapter_cache"]["resident"])),
+     lambda c: len(c.adapter_cache["resident"])),
     ("gauge", "adapters_loading", "Adapters being loaded",
-     lambda c: len(c["adapter_cache"]["loading"])),
+     lambda c: len(c.adapter_cache["loading"])),
     ("counter", "queue_bypasses", "Requests admitted ahead of one waiting for adapter memory",
-     lambda c: c["queueing"].get("bypasses")),
+     lambda c: c.queueing.get("bypasses")),
     ("counter", "queue_squashes", "Bypassing requests squashed to run again later",
-     lambda c: c["queueing"].get("squashes")),
+     lambda c: c.queueing.get("squashes")),
     ("counter", "queue_reservations", "Iterations in which a waiting request held a reservation",
-     lambda c: c["queueing"].get("reserved")),
+     lambda c: c.queueing.get("reserved")),
     ("counter", "queue_backfilled", "Requests admitted while another held a reservation",
-     lambda c: c["queueing"].get("backfilled")),
+     lambda c: c.queueing.get("backfilled")),
     ("gauge", "adapter_references",
      "References held on device adapters (requests, plus registration pins in cached mode)",
-     lambda c: c["adapter_references"]),
+     lambda c: c.adapter_references),
     ("counter", "prefix_cache_hit_tokens", "Prompt tokens whose KV came from the prefix cache",
-     lambda c: c["memory"]["prefix_hit_tokens"]),
+     lambda c: c.memory["prefix_hit_tokens"]),
     ("counter", "prefix_cache_prompt_tokens", "Prompt tokens of admitted requests",
-     lambda c: c["memory"]["prompt_tokens"]),
+     lambda c: c.memory["prompt_tokens"]),
     ("counter", "kv_swaps_in", "KV blocks copied back from the host tier",
-     lambda c: c["memory"]["swaps_in"]),
+     lambda c: c.memory["swaps_in"]),
     ("counter", "kv_swaps_out", "KV blocks moved to the host tier",
-     lambda c: c["memory"]["swaps_out"]),
+     lambda c: c.memory["swaps_out"]),
     ("counter", "memory_evictions_kv", "Cached KV blocks dropped",
-     lambda c: c["memory"]["evictions_kv"]),
+     lambda c: c.memory["evictions_kv"]),
     ("counter", "memory_evictions_adapter", "Idle adapters evicted to make room in the pool",
-     lambda c: c["memory"]["evictions_adapter"]),
+     lambda c: c.memory["evictions_adapter"]),
     *(("gauge", f"memory_blocks_{kind}", f"Memory pool blocks: {kind.replace('_', ' ')}",
-       (lambda k: lambda c: c["memory"]["blocks"][k])(kind))
+       (lambda k: lambda c: c.memory["blocks"][k])(kind))
       for kind in ("total", "free", "kv_in_use", "kv_cached", "adapters_in_use",
                    "adapters_cached")),
 )  # fmt: skip
 _FAMILIES = {"counter": CounterMetricFamily, "gauge": GaugeMetricFamily}
 
 
+class CountingEngine(Protocol):
+    """What the metrics read of the engine."""
+
+    def counters(self) -> EngineCounters: ...
+
+
 class EngineCollector:
     """Reads the engine's counters and gauges at scrape time."""
 
-    def __init__(self, engine):
+    def __init__(self, engine: CountingEngine):
         self.engine = engine
 
     def collect(self) -> Iterator[Metric]:
@@ -150,8 +158,8 @@ class EngineCollector:
         success = CounterMetricFamily(PREFIX + "request_success",
                                       "Requests completed (stop or length), by reason",
                                       labels=["finished_reason"])  # fmt: skip
-        for reason in sorted(set(c["finished"]) | set(COMPLETED)):
-            count = c["finished"].get(reason, 0)
+        for reason in sorted(set(c.finished) | set(COMPLETED)):
+            count = c.finished.get(reason, 0)
             finished.add_metric([reason], count)
             if reason in COMPLETED:
                 success.add_metric([reason], count)
@@ -161,7 +169,7 @@ class EngineCollector:
             v = value(c)
             if v is not None:
                 yield _FAMILIES[kind](PREFIX + name, doc, value=v)
-        yield from queue_series(c["queueing"])
+        yield from queue_series(c.queueing)
 
 
 def queue_series(view: dict) -> Iterator[Metric]:

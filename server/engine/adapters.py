@@ -21,7 +21,7 @@ from toppings.gpu_lora.kernels import select as select_lora_backend
 from toppings.gpu_lora.lora_batch import HostLoraStats, LoraBatch
 from toppings.gpu_lora.peft_format import LoraAdapter
 from toppings.server.config import EngineConfig
-from toppings.server.engine.lora_modes import LORA_MODES
+from toppings.server.lora_modes import LORA_MODES
 from toppings.server.model.config import ModelConfig
 from toppings.server.requests.request import RequestError
 

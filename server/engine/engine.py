@@ -28,7 +28,12 @@ from toppings.server.model.loader import Checkpoint
 from toppings.server.requests.errors import NOT_FOUND, unknown_adapter
 from toppings.server.requests.request import GenerationRequest, RequestError, RequestHandle
 from toppings.server.requests.sequence import Sequence
-from toppings.server.requests.stats_schema import AdapterView, ServerStats, WorkerView
+from toppings.server.requests.stats_schema import (
+    AdapterView,
+    EngineCounters,
+    ServerStats,
+    WorkerView,
+)
 from toppings.server.sched.admission import EngineGate
 from toppings.server.sched.policies import make_queue_policy
 
@@ -144,27 +149,27 @@ class Engine:
             time.sleep(0.05)
         return False
 
-    def counters(self) -> dict:
+    def counters(self) -> EngineCounters:
         """Monotonic counters and current gauges, for /metrics."""
         st = self.step_stats
-        return {
-            "finished": dict(self._finished),
-            "prefill_steps": st.prefill_steps,
-            "prefill_seconds": st.prefill_s,
-            "decode_steps": st.decode_steps,
-            "decode_seconds": st.decode_s,
-            "host_lora_calls": self.lora.host_stats.calls,
-            "host_lora_seconds": self.lora.host_stats.seconds,
-            "num_running": len(self._running),
-            "num_waiting": len(self.queue),
-            "queueing": self.queue.view(),
-            "kv_reserved_tokens": self.memory.reserved * self.kv.block_tokens,
-            "kv_used_tokens": self.kv.num_slots - self.kv.num_free_slots,
-            "max_total_tokens": self.kv.num_slots,
-            "memory": self.memory.view(),
-            "adapter_cache": self.lora.cache.snapshot(),
-            "adapter_references": self.lora.references(),
-        }
+        return EngineCounters(
+            finished=dict(self._finished),
+            prefill_steps=st.prefill_steps,
+            prefill_seconds=st.prefill_s,
+            decode_steps=st.decode_steps,
+            decode_seconds=st.decode_s,
+            host_lora_calls=self.lora.host_stats.calls,
+            host_lora_seconds=self.lora.host_stats.seconds,
+            num_running=len(self._running),
+            num_waiting=len(self.queue),
+            queueing=self.queue.view(),
+            kv_reserved_tokens=self.memory.reserved * self.kv.block_tokens,
+            kv_used_tokens=self.kv.num_slots - self.kv.num_free_slots,
+            max_total_tokens=self.kv.num_slots,
+            memory=self.memory.view(),
+            adapter_cache=self.lora.cache.snapshot(),
+            adapter_references=self.lora.references(),
+        )
 
     def adapters(self) -> list[dict]:
         return [

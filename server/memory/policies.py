@@ -2,7 +2,7 @@
 
 The candidates are device KV leaves of the prefix tree and idle adapters (reference count 0,
 no device KV below them). A policy only orders them, least valuable first; the memory manager
-decides who is a candidate and moves the bytes. Picked by name from `MEMORY_POLICIES`.
+decides who is a candidate and moves the bytes. Picked by name from `MEMORY_POLICY_CLASSES`.
 
 `fastlibra` is FastLibra's cost model (see ../shared/papers/fastlibra.txt, section 5):
     Eval_i = LoRA_Eval_i * cost_i * prob_i * (1 - sigmoid(t_i))
@@ -85,16 +85,16 @@ class FastLibraPolicy(MemoryPolicy):
         return sorted(candidates, key=lambda c: (self.value(c, ctx), c.last_used))
 
 
-MEMORY_POLICIES: dict[str, type[MemoryPolicy]] = {
+MEMORY_POLICY_CLASSES: dict[str, type[MemoryPolicy]] = {
     LRUPolicy.name: LRUPolicy,
     FastLibraPolicy.name: FastLibraPolicy,
 }
 
 
 def make_memory_policy(name: str) -> MemoryPolicy:
-    if name not in MEMORY_POLICIES:
-        raise ValueError(f"unknown memory policy {name!r}; choose {sorted(MEMORY_POLICIES)}")
-    return MEMORY_POLICIES[name]()
+    if name not in MEMORY_POLICY_CLASSES:
+        raise ValueError(f"unknown memory policy {name!r}; choose {sorted(MEMORY_POLICY_CLASSES)}")
+    return MEMORY_POLICY_CLASSES[name]()
 
 
 def expected_adapters(adapter_counts: dict[str, int], batch_size: float) -> float:

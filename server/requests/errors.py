@@ -7,13 +7,18 @@ through HTTP, imports this module (with stats_schema and frontend, alike free of
 toppings imports) and nothing else of the server package.
 
 The messages a client can get from both processes for the same input (a body that is not JSON,
-an unknown model) are made here, so that they read the same whichever process answers.
+an unknown model) are made here, so that they read the same whichever process answers, and both
+Flask apps install their error handlers with `install_error_handlers`.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any
+import logging
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from flask import Flask, Response
 
 # Error types (the "type" field), OpenAI's names where OpenAI has one.
 INVALID_REQUEST = "invalid_request_error"  # 400: the client's body or parameters
@@ -72,3 +77,69 @@ def too_many_requests(max_in_flight: int) -> str:
         f"{max_in_flight} requests are in flight, the most this process takes "
         f"(--max-concurrent-requests); retry after the Retry-After delay"
     )
+
+
+def error_response(message: str, code: int, error_type: str = INVALID_REQUEST) -> Response:
+    """A Flask response of `error_body` with status `code`."""
+    from flask import jsonify
+
+    response = jsonify(error_body(message, code, error_type))
+    response.status_code = code
+    return response
+
+
+class HttpError(Protocol):
+    """An exception answered as an error body: its str() is the message."""
+
+    code: int
+    error_type: str
+    retry_after_s: int | None
+
+
+def install_error_handlers(
+    app: Flask,
+    logger: logging.Logger,
+    *errors: type[Exception],
+    bad_input: tuple[type[Exception], ...] = (),
+) -> None:
+    """Answer every error of `app` with the contract's body, as both processes do.
+
+    `errors` carry `code`, `error_type` and `retry_after_s` (HttpError; a Retry-After header when
+    set); `bad_input` are answered 400 invalid_request_error with their message; a routing error
+    (unknown route, method not allowed, body too large) gets `routing_error_body`, with the
+    Allow header of a 405 kept; anything else is logged and answered 500.
+    """
+    # Flask is imported in the functions so that the engine, which imports this module for its
+    # messages, does not load the web stack.
+    from flask import request
+    from werkzeug.exceptions import HTTPException
+
+    def contract_error(e: HttpError) -> Response:
+        response = error_response(str(e), e.code, e.error_type)
+        if e.retry_after_s is not None:
+            response.headers["Retry-After"] = str(e.retry_after_s)
+        return response
+
+    def client_error(e: Exception) -> Response:
+        return error_response(str(e), 400)
+
+    def http_error(e: HTTPException) -> Response:
+        response = e.get_response()  # keeps headers such as Allow on a 405
+        allowed = getattr(e, "valid_methods", None)
+        body = routing_error_body(
+            e.code or 500, e.description or e.name, request.method, request.path, allowed
+        )
+        response.data = json.dumps(body)
+        response.content_type = "application/json"
+        return response
+
+    def unexpected(e: Exception) -> Response:
+        logger.exception("unexpected error on %s %s", request.method, request.path)
+        return error_response(f"internal error: {type(e).__name__}: {e}", 500, SERVER_ERROR)
+
+    for error in errors:
+        app.register_error_handler(error, contract_error)
+    for error in bad_input:
+        app.register_error_handler(error, client_error)
+    app.register_error_handler(HTTPException, http_error)
+    app.register_error_handler(Exception, unexpected)

@@ -119,6 +119,34 @@ class ServerStats:
         return cls(**args, extra=extra)
 
 
+@dataclass(frozen=True)
+class EngineCounters:
+    """The engine's counters (monotonic) and gauges at one instant, read by `/metrics`.
+
+    `queueing` is the queue policy's view and `memory` the memory manager's (the QUEUEING and
+    MEMORY shapes above); `adapter_cache` is the device adapter cache's snapshot: "hits",
+    "misses", "loads", "evictions", "bytes_loaded", "used_bytes", "budget_bytes" (absent without
+    a byte budget), "resident" and "loading" (adapter names).
+    """
+
+    finished: dict[str, int]  # requests ended, by finish reason
+    prefill_steps: int
+    prefill_seconds: float
+    decode_steps: int
+    decode_seconds: float
+    host_lora_calls: int  # CPU LoRA invocations
+    host_lora_seconds: float
+    num_running: int
+    num_waiting: int
+    queueing: dict[str, Any]
+    kv_reserved_tokens: int  # KV token slots promised to admitted requests
+    kv_used_tokens: int  # KV token slots holding tokens
+    max_total_tokens: int  # KV token slots in all
+    memory: dict[str, Any]
+    adapter_cache: dict[str, Any]
+    adapter_references: int  # references held on device adapters
+
+
 _NESTED = {"running": RequestView, "queue": RequestView, "adapters": AdapterView,
            "cpu_workers": WorkerView}  # fmt: skip
 

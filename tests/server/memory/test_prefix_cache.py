@@ -145,7 +145,7 @@ def test_idle_kv_leaves_room_for_more_adapters_than_a_static_split(tiny_model_di
             for _ in range(2):
                 for name in adapters:
                     run(engine, [4, 5, 6, 7], name, SamplingParams(max_new_tokens=3))
-            snap = engine.counters()["adapter_cache"]
+            snap = engine.counters().adapter_cache
             cached[layout] = (len(snap["resident"]), snap["misses"])
         finally:
             engine.shutdown()

@@ -1,0 +1,66 @@
+"""What the operator sets for the HTTP layer of one server (flags in the "HTTP API" group)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from toppings.server.settings import Bound, Flag, Settings, positive, setting
+
+
+@dataclass(frozen=True)
+class ApiOptions(Settings):
+    """Who may call the HTTP API and how much one request or all of them together may take.
+
+    None: no key, no limit; `max_concurrent_requests` None means frontend.default_max_in_flight
+    (4x the batch).
+    """
+
+    title = "HTTP API"
+
+    api_key: str | None = setting(
+        None,
+        flag=Flag(
+            "require Authorization: Bearer KEY on every endpoint but /health "
+            "(default: $TOPPINGS_API_KEY; prefer the variable, argv is visible to all users)",
+            env="TOPPINGS_API_KEY",
+        ),
+    )
+    max_prompt_tokens: int | None = setting(
+        None, bound=Bound.POSITIVE, flag=Flag(type=positive, metavar="N")
+    )
+    max_new_tokens_limit: int | None = setting(
+        None,
+        bound=Bound.POSITIVE,
+        flag=Flag(
+            "largest max_tokens a request may ask for (a default max_tokens is cut to it)",
+            type=positive,
+            metavar="N",
+        ),
+    )
+    # Generation requests in flight, queued included.
+    max_concurrent_requests: int | None = setting(
+        None,
+        bound=Bound.POSITIVE,
+        flag=Flag(
+            "generation requests in flight (running or queued) past which a request gets 429 "
+            "with Retry-After; waitress runs a thread for each (default: 4x --max-batch-size)",
+            type=positive,
+            metavar="N",
+        ),
+    )
+    # Where adapters fetched from peers go; None: no fetching.
+    adapter_store: str | None = setting(
+        None,
+        flag=Flag(
+            "LoRAServe's adapter pool: adapters fetched from peer servers are written under DIR "
+            "(/v1/load_lora_adapter with 'peers'); without it this server fetches nothing",
+            metavar="DIR",
+        ),
+    )
+    # Directories /v1/load_lora_adapter may read from (the command line's --lora-dir and
+    # --allowed-lora-root).
+    lora_roots: tuple[str, ...] = setting(())
+
+    def check(self) -> None:
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key must not be empty")

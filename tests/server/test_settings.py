@@ -1,0 +1,74 @@
+"""The settings classes generate `toppings-serve`'s flags and check values in one place."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from toppings.server.api.options import ApiOptions
+from toppings.server.cli_args import build_parser, parse_configs
+from toppings.server.config import ENGINE_PARTS, EngineConfig
+
+
+def parse(*flags: str):
+    return parse_configs(build_parser().parse_args(["--model", "m", *flags]))
+
+
+def test_engine_config_is_its_parts_flat():
+    names = {f.name for f in dataclasses.fields(EngineConfig)}
+    parts = [{f.name for f in dataclasses.fields(part)} for part in ENGINE_PARTS]
+    assert names == set().union(*parts) and sum(map(len, parts)) == len(names)
+
+
+def test_defaults_match_the_dataclasses():
+    serve, engine, options = parse()
+    assert engine == EngineConfig(dtype="auto") and options == ApiOptions()
+    assert (serve.host, serve.port, serve.threads, serve.drain_timeout) == ("127.0.0.1", 8100, 8,
+                                                                             30.0)  # fmt: skip
+
+
+def test_flags_reach_their_fields():
+    serve, engine, options = parse(
+        "--prefix-cache", "off", "--cuda-graphs", "off", "--cpu-workers", "2", "--cpu-cores",
+        "0-1", "--torch-threads", "3", "--lora", "a=/x", "--lora-dir", "d", "--allowed-lora-root",
+        "r", "--max-new-tokens-limit", "7", "--queue-policy", "chameleon",
+    )  # fmt: skip
+    assert engine.prefix_cache is False and engine.cuda_graphs is False
+    assert (engine.num_cpu_workers, engine.cpu_cores, engine.num_threads) == (2, (0, 1), 3)
+    assert engine.queue_policy == "chameleon"
+    assert serve.loras == (("a", "/x"),) and options.lora_roots == ("d", "r")
+    assert options.max_new_tokens_limit == 7
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (("--memory-bytes", "-1"), "memory_bytes must be >= 0"),
+        (("--cuda-graphs", "on"), "cuda_graphs needs device cuda"),
+        (("--cpu-workers", "3", "--cpu-cores", "1,2"), "at least one core per CPU worker"),
+        (("--drain-timeout", "-1"), "drain_timeout must be >= 0"),
+        (("--api-key", ""), "api_key must not be empty"),
+    ],
+)
+def test_bad_values_are_refused_before_anything_loads(flags, message):
+    with pytest.raises(ValueError, match=message):
+        parse(*flags)
+
+
+def test_code_gets_the_same_checks():
+    with pytest.raises(ValueError, match="queue_policy must be one of fcfs, chameleon"):
+        EngineConfig(queue_policy="lifo")
+    with pytest.raises(ValueError, match="max_batch_size must be positive"):
+        dataclasses.replace(EngineConfig(), max_batch_size=0)
+
+
+def test_each_choice_list_names_its_table():
+    from toppings.server import config
+    from toppings.server.memory.layout import MemoryLayout
+    from toppings.server.memory.policies import MEMORY_POLICY_CLASSES
+    from toppings.server.sched.policies import QUEUE_POLICY_CLASSES
+
+    assert config.QUEUE_POLICIES == tuple(QUEUE_POLICY_CLASSES)
+    assert config.MEMORY_POLICIES == tuple(MEMORY_POLICY_CLASSES)
+    assert config.MEMORY_LAYOUTS == tuple(m.value for m in MemoryLayout)
