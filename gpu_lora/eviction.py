@@ -10,7 +10,7 @@ and adapters alike) with the same `least_recently_used`.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
@@ -33,6 +33,7 @@ class HasLastUse(Protocol):
 
 
 T = TypeVar("T", bound=HasLastUse)
+P = TypeVar("P")  # a policy class's instances
 
 
 def least_recently_used(items: Iterable[T]) -> list[T]:
@@ -105,7 +106,12 @@ EVICTION_POLICIES: dict[str, type[EvictionPolicy]] = {
 }
 
 
+def make_by_name(table: Mapping[str, Callable[[], P]], name: str, what: str) -> P:
+    """A new instance of the class `table` holds under `name`; ValueError naming the choices."""
+    if name not in table:
+        raise ValueError(f"unknown {what} {name!r}; choose {sorted(table)}")
+    return table[name]()
+
+
 def make_policy(name: str) -> EvictionPolicy:
-    if name not in EVICTION_POLICIES:
-        raise ValueError(f"unknown eviction policy {name!r}; choose {sorted(EVICTION_POLICIES)}")
-    return EVICTION_POLICIES[name]()
+    return make_by_name(EVICTION_POLICIES, name, "eviction policy")

@@ -20,7 +20,7 @@ import enum
 import math
 from dataclasses import dataclass
 
-from toppings.gpu_lora.eviction import least_recently_used
+from toppings.gpu_lora.eviction import least_recently_used, make_by_name
 
 
 class ItemKind(enum.Enum):
@@ -92,9 +92,7 @@ MEMORY_POLICY_CLASSES: dict[str, type[MemoryPolicy]] = {
 
 
 def make_memory_policy(name: str) -> MemoryPolicy:
-    if name not in MEMORY_POLICY_CLASSES:
-        raise ValueError(f"unknown memory policy {name!r}; choose {sorted(MEMORY_POLICY_CLASSES)}")
-    return MEMORY_POLICY_CLASSES[name]()
+    return make_by_name(MEMORY_POLICY_CLASSES, name, "memory policy")
 
 
 def expected_adapters(adapter_counts: dict[str, int], batch_size: float) -> float:
