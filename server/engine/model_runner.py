@@ -54,16 +54,14 @@ class ModelRunner:
         """Compute the plan's step and sample each request's next token."""
         seqs = list(plan.seqs)
         if plan.is_prefill:
-            started = time.perf_counter()
-            logits, num_computed = self._prefill(seqs)  # [B, V]
-            seconds = time.perf_counter() - started
+            logits, seconds, num_computed = self._prefill(seqs)  # [B, V]
         else:
-            logits, num_computed, seconds = self._decode(seqs), 0, 0.0  # [B, V]
+            logits, seconds, num_computed = self._decode(seqs), 0.0, 0  # [B, V]
         return StepResult(self.sampler.sample(seqs, logits), seconds, num_computed)
 
-    def _prefill(self, seqs: list[Sequence]) -> tuple[torch.Tensor, int]:
+    def _prefill(self, seqs: list[Sequence]) -> tuple[torch.Tensor, float, int]:
         """The prompts' last tokens' logits [B, V] (and the prompt logprobs asked for, kept by
-        each sequence); the number of prompt tokens computed."""
+        each sequence); the seconds of the forward pass and the prompt tokens it computed."""
         kv = self.kv
         starts = [kv.lengths[s.kv_hold.row] for s in seqs]
         past = [kv.req_to_slot[s.kv_hold.row, :n] if n else None for s, n in zip(seqs, starts)]
@@ -75,8 +73,10 @@ class ModelRunner:
         for s, n in zip(seqs, starts):
             seg_starts.append(seg_starts[-1] + s.prompt_len - n)
         rows = logit_rows(seqs, seg_starts)
+        started = time.perf_counter()
         logits = self._forward(seqs, ids, positions, slots, seg_starts, past=past, rows=rows)
-        return score_prompts(seqs, logits, seg_starts), len(ids)  # [R, V] -> [B, V]
+        logits = score_prompts(seqs, logits, seg_starts)  # [R, V] -> [B, V]
+        return logits, time.perf_counter() - started, len(ids)
 
     def _decode(self, seqs: list[Sequence]) -> torch.Tensor:
         """Logits [B, V] float32 of each request's next token; takes each one's next KV slot."""
