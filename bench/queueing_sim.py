@@ -31,7 +31,7 @@ from pathlib import Path
 
 from bench.bench_queueing import RANKS, sustained, trace_for
 from bench.envelope import describe_device, write_result
-from bench.sim_engine import SimGate, StepModel, measure_steps, simulate
+from bench.sim_engine import SimLimits, StepModel, measure_steps, simulate
 from toppings.scripts.loadgen.stats import percentile
 from toppings.server.config import EngineConfig
 from toppings.server.sched.chameleon import ChameleonQueue
@@ -122,9 +122,10 @@ def main(argv: list[str] | None = None) -> None:
             records = []
             for rnd in range(args.rounds):
                 trace = trace_for(args, ranks, rps, rnd * 100 + int(rps * 1000), args.duration)
-                gate = SimGate(args.memory_tokens or args.max_total_tokens, args.max_batch_size,
-                               args.max_prefill_tokens, ranks, args.slots_per_rank)  # fmt: skip
-                records += simulate(POLICIES[pol](config), gate, trace, steps)
+                limits = SimLimits(args.memory_tokens or args.max_total_tokens,
+                                   args.max_batch_size, args.max_prefill_tokens, ranks,
+                                   args.slots_per_rank)  # fmt: skip
+                records += simulate(POLICIES[pol](config), limits, trace, steps)
             row = summarise(records, args.slo_ms)
             table[pol].append(row)
             log.warning("%5.2f req/s %-10s P50 %6.0f  P99 %6.0f  P99.9 %6.0f  max %6.0f ms  "

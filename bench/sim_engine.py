@@ -1,6 +1,7 @@
-"""A simulated serving engine for the queue policies (bench/queueing_sim.py): requests, the
-admission gate of server.queueing's protocol, and the engine loop with step times from a linear
-model fitted on the real engine (`measure_steps`)."""
+"""A simulated serving engine for the queue policies (bench/queueing_sim.py): the real
+`Scheduler` (queue policy, admission gate, finishing) over pure-Python stand-ins for the memory
+and the adapters, with step times from a linear model fitted on the real engine
+(`measure_steps`) in place of the model runner."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ from pathlib import Path
 
 from toppings.server.config import EngineConfig
 from toppings.server.requests.request import SamplingParams
-from toppings.server.sched.queueing import Verdict
+from toppings.server.sched.admission import GateLimits
+from toppings.server.sched.queueing import QueuePolicy
+from toppings.server.sched.scheduler import Scheduler, StepResult
 
 
 @dataclass
@@ -33,13 +36,14 @@ class StepModel:
 
 @dataclass
 class _Request:
+    request_id: str
     adapter: str
     params: SamplingParams
 
 
 @dataclass(eq=False)
 class SimSeq:
-    """What a queue policy reads of a server.sequence.Sequence."""
+    """What the scheduler and a queue policy use of a server.requests.sequence.Sequence."""
 
     prompt_len: int
     max_new: int
@@ -47,100 +51,147 @@ class SimSeq:
     adapter: str
     output_ids: list[int] = field(default_factory=list)
     first_token_s: float | None = None
+    kv_hold: _Hold | None = None
+    cache_entry: str | None = None
+    finished: bool = False
 
     def __post_init__(self):
-        self.request = _Request(self.adapter, SamplingParams(self.max_new, temperature=0.0))
+        params = SamplingParams(self.max_new, temperature=0.0)
+        self.request = _Request(str(id(self)), self.adapter, params)
         self.kv_need = self.prompt_len + self.max_new
+
+    def append(self, token: int, eos_ids: set[int], max_model_len: int) -> str | None:
+        self.output_ids.append(token)
+        return "length" if len(self.output_ids) >= self.max_new else None
+
+    def finish(self, reason: str, error: str | None = None) -> None:
+        self.finished = True
 
     def restart(self) -> None:
         self.output_ids = []
 
 
-class SimGate:
-    """Admission of one simulated engine: batch rows, the prefill token budget, and one memory
-    of `memory` KV slots for KV (prompt + max_new_tokens per request) and adapters (each
-    `slots_per_rank * rank` slots while cached; idle ones are evicted, least recently used
-    first, when a request needs the room)."""
+@dataclass(frozen=True)
+class SimLimits:
+    """One simulated engine: `memory` KV slots shared by KV (prompt + max_new_tokens per
+    request) and, with `slots_per_rank`, the adapters in use (`slots_per_rank * rank` slots
+    each); batch rows; the prefill token budget; each adapter's rank."""
 
-    def __init__(self, memory: int, rows: int, max_prefill: int, ranks: dict[str, int],
-                 slots_per_rank: int = 0):  # fmt: skip
-        self.memory, self.rows, self.max_prefill, self.ranks = memory, rows, max_prefill, ranks
-        self.slots = {a: slots_per_rank * r for a, r in ranks.items()}
-        self.running: list[SimSeq] = []
-        self.reserved = 0  # KV slots of the running requests
-        self.refs: dict[str, int] = {}  # cached adapter -> running requests using it
-        self.admitted: list[SimSeq] = []
-        self.prefill_tokens = 0
+    memory: int
+    rows: int
+    max_prefill: int
+    ranks: dict[str, int]
+    slots_per_rank: int = 0
 
-    def new_iteration(self) -> None:
-        self.admitted, self.prefill_tokens = [], 0
 
-    def _pinned(self) -> int:
-        return sum(self.slots[a] for a, n in self.refs.items() if n)
+@dataclass
+class _Hold:
+    reserved: int  # KV slots promised to the request
 
-    def _evict_for(self, need: int) -> None:
-        idle = [a for a, n in self.refs.items() if not n]  # insertion order: least recent first
-        while idle and self.memory - self.reserved - self._cached() < need:
-            del self.refs[idle.pop(0)]
 
-    def _cached(self) -> int:
-        return sum(self.slots[a] for a in self.refs)
+class _KV:
+    """A KV pool of one-token blocks of one byte (so bytes, blocks and slots are one unit)."""
 
-    def try_admit(self, seq: SimSeq) -> Verdict:
-        if len(self.running) >= self.rows:
-            return Verdict.BATCH_FULL
-        over_budget = self.admitted and self.prefill_tokens + seq.prompt_len > self.max_prefill
-        need = self.need_tokens(seq)
-        if need > self.free_tokens() or over_budget:
-            return Verdict.NO_ROOM
-        self._evict_for(need)
-        a = seq.adapter
-        self.refs[a] = self.refs.pop(a, 0) + 1  # most recently used last
-        self.reserved += seq.kv_need
-        self.running.append(seq)
-        self.admitted.append(seq)
-        self.prefill_tokens += seq.prompt_len
-        return Verdict.ADMITTED
+    block_tokens = 1
+    block_bytes = 1
 
-    def release(self, seq: SimSeq) -> None:
-        self.running.remove(seq)
-        self.reserved -= seq.kv_need
-        self.refs[seq.adapter] -= 1
+    def __init__(self, num_slots: int):
+        self.num_blocks = self.num_slots = num_slots
 
-    def squash(self, seq: SimSeq) -> None:
-        self.release(seq)
-        seq.restart()
 
-    def fits_if_released(self, waiting, running) -> bool:
-        return False  # admission counts adapter memory as KV room: no NO_ADAPTER_MEMORY here
+class SimAdapters:
+    """Every adapter fits: an acquired adapter is charged its slots while it has a reference
+    (`SimMemory`); idle ones cost nothing (they are evicted when the room is needed)."""
 
-    def adapter_tokens(self, adapter) -> int:
-        return self.slots[adapter]
+    def __init__(self, ranks: dict[str, int], slots_per_rank: int):
+        self.registry = ranks
+        self.refs: dict[str, int] = {}
+        # Bytes are memory slots when adapters are charged; else a size proportional to the rank
+        # (the queue policy's size of a request) that is never charged.
+        self._per_rank = max(slots_per_rank, 1)
 
-    def adapter_size(self, adapter) -> float:
-        return float(self.ranks[adapter])
+    def acquire(self, name: str, queued: frozenset[str]) -> str:
+        self.refs[name] = self.refs.get(name, 0) + 1
+        return name
 
-    def max_adapter_size(self) -> float:
-        return float(max(self.ranks.values()))
+    def release(self, name: str) -> None:
+        self.refs[name] -= 1
 
-    def total_tokens(self) -> int:
-        return self.memory
+    def may_start(self, entry: str | None) -> bool:
+        return True
 
-    def prefetch(self, adapters) -> None:
+    def bytes_of(self, name: str | None) -> int:
+        return 0 if name is None else self.registry[name] * self._per_rank
+
+    def prefetch(self, names: list[str], queued: frozenset[str]) -> None:
         pass
 
+    def fits_if_released(self, name: str | None, held: str | None) -> bool:
+        return False  # an adapter always finds memory: no NO_ADAPTER_MEMORY here
+
+
+class SimMemory:
+    """KV reservations and the adapters in use, in one budget of slots; no prefix cache."""
+
+    def __init__(self, num_slots: int, adapters: SimAdapters, shared: bool):
+        self.kv = _KV(num_slots)
+        self.shared = shared
+        self.adapters = adapters
+        self.reserved = 0
+
+    def match(self, seq: SimSeq) -> list:
+        return []
+
+    def kv_need(self, seq: SimSeq, path: list) -> int:
+        return seq.kv_need
+
+    def adapter_need(self, name: str | None, num_bytes: int) -> int:
+        if not self.shared or name is None or self.adapters.refs.get(name):
+            return 0
+        return num_bytes
+
+    def fits(self, extra_blocks: int) -> bool:
+        return self.committed() + extra_blocks <= self.kv.num_blocks
+
+    def committed(self) -> int:
+        if not self.shared:
+            return self.reserved
+        refs = self.adapters.refs
+        return self.reserved + sum(self.adapters.bytes_of(a) for a, n in refs.items() if n)
+
+    def adapter_tokens(self, num_bytes: int) -> int:
+        return num_bytes if self.shared else 0
+
+    def total_tokens(self) -> int:
+        return self.kv.num_slots
+
     def free_tokens(self) -> int:
-        return self.memory - self.reserved - self._pinned()
+        return self.kv.num_blocks - self.committed()
 
-    def free_rows(self) -> int:
-        return self.rows - len(self.running)
+    def admit(self, seq: SimSeq, path: list, now: float) -> _Hold:
+        self.reserved += seq.kv_need
+        return _Hold(seq.kv_need)
 
-    def need_tokens(self, seq: SimSeq) -> int:
-        return seq.kv_need + (0 if self.refs.get(seq.adapter) else self.slots[seq.adapter])
+    def release(self, seq: SimSeq, keep_kv: bool, now: float) -> None:
+        self.reserved -= seq.kv_hold.reserved
+        seq.kv_hold = None
 
-    def release_tokens(self, seq: SimSeq) -> int:
-        last = self.refs.get(seq.adapter) == 1
-        return seq.kv_need + (self.slots[seq.adapter] if last else 0)
+    def tick(self, now: float) -> None:
+        pass
+
+    def after_prefill(self, seqs: list, seconds: float, num_tokens: int, now: float) -> None:
+        pass
+
+    def after_decode(self, batch_size: int, now: float) -> None:
+        pass
+
+
+class _Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
 
 
 def measure_steps(dtype: str, batches=(1, 4, 8, 16, 32), prompt_len: int = 64) -> tuple:
@@ -182,32 +233,32 @@ def measure_steps(dtype: str, batches=(1, 4, 8, 16, 32), prompt_len: int = 64) -
     return model, points
 
 
-def simulate(policy, gate: SimGate, trace, steps: StepModel) -> list[tuple[float, int, int]]:
-    """Replay `trace` through `policy` on a simulated engine with `gate`'s memory; returns
-    (TTFT s, prompt + max tokens, rank) per request."""
+def simulate(
+    policy: QueuePolicy, limits: SimLimits, trace, steps: StepModel
+) -> list[tuple[float, int, int]]:
+    """Replay `trace` through `policy` on a simulated engine of `limits`; returns (TTFT s,
+    prompt + max tokens, rank) per request."""
+    adapters = SimAdapters(limits.ranks, limits.slots_per_rank)
+    memory = SimMemory(limits.memory, adapters, shared=limits.slots_per_rank > 0)
+    clock = _Clock()
+    gate_limits = GateLimits(limits.rows, limits.max_prefill)
+    sched = Scheduler(policy, memory, adapters, gate_limits, set(), 1 << 62, clock)
     seqs = [SimSeq(len(e.prompt), e.max_tokens, e.arrival_s, e.model) for e in trace]
-    now, nxt, done = 0.0, 0, 0
-    while done < len(seqs):
-        while nxt < len(seqs) and seqs[nxt].arrival <= now:
-            policy.push(seqs[nxt], seqs[nxt].arrival)
+    nxt = 0
+    while nxt < len(seqs) or sched.has_work():
+        while nxt < len(seqs) and seqs[nxt].arrival <= clock.now:
+            sched.queue.push(seqs[nxt], seqs[nxt].arrival)
             nxt += 1
-        gate.new_iteration()
-        admitted = policy.select(gate, list(gate.running), now)
-        if admitted:
-            now += steps.prefill_s(sum(s.prompt_len for s in admitted))
-            stepped = admitted
-        elif gate.running:
-            stepped = list(gate.running)
-            now += steps.decode_s(len(stepped))
-        else:
-            now = max(now, seqs[nxt].arrival)
+        plan = sched.schedule()
+        if plan is None:
+            clock.now = max(clock.now, seqs[nxt].arrival)
             continue
-        for s in stepped:
-            s.output_ids.append(0)
+        if plan.is_prefill:
+            clock.now += steps.prefill_s(sum(s.prompt_len for s in plan.seqs))
+        else:
+            clock.now += steps.decode_s(len(plan.seqs))
+        sched.update(plan, StepResult([0] * len(plan.seqs)))
+        for s in plan.seqs:
             if s.first_token_s is None:
-                s.first_token_s = now
-            if len(s.output_ids) >= s.max_new:
-                gate.release(s)
-                policy.finished(s, True, now)
-                done += 1
-    return [(s.first_token_s - s.arrival, s.kv_need, gate.ranks[s.adapter]) for s in seqs]
+                s.first_token_s = clock.now
+    return [(s.first_token_s - s.arrival, s.kv_need, limits.ranks[s.adapter]) for s in seqs]

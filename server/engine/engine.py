@@ -1,10 +1,11 @@
-"""The engine loop: continuous batching of many requests over one model and many adapters.
+"""The engine: continuous batching of many requests over one model and many adapters.
 
-One thread owns all request state. Each iteration it takes new requests and aborts from its inbox,
-admits waiting requests while their prompt plus max_new_tokens fit in the memory not yet
-promised (server/memory/manager.py), prefills the newly admitted ones (only the part of a prompt not
-found in the prefix cache under the same adapter), or else runs one decode step of the running
-batch, and streams every new token to the request's handle.
+One thread owns all request state. Each iteration it takes new requests and aborts from its
+inbox, asks the scheduler (server/sched/scheduler.py) for a step (the newly admitted requests'
+prefill, only the part of a prompt not found in the prefix cache under the same adapter, or else
+one decode step of the running batch), has the model runner (model_runner.py) compute it, and
+gives the tokens back to the scheduler, which streams them to each request's handle. The engine
+owns the lifecycle (start, drain, shutdown, adapters) and the reporting (stats, counters).
 """
 
 from __future__ import annotations
@@ -21,9 +22,9 @@ from toppings.gpu_lora.peft_format import LoraAdapter, load_peft_adapter
 from toppings.server import native
 from toppings.server.config import EngineConfig
 from toppings.server.engine.adapters import AdapterManager
-from toppings.server.engine.decode_step import DecodeStep
+from toppings.server.engine.model_runner import ModelRunner
 from toppings.server.memory.build import build_memory
-from toppings.server.model.llama import ForwardBatch, LlamaModel, free_device_bytes
+from toppings.server.model.llama import LlamaModel, free_device_bytes
 from toppings.server.model.loader import Checkpoint
 from toppings.server.requests.errors import NOT_FOUND, unknown_adapter
 from toppings.server.requests.request import GenerationRequest, RequestError, RequestHandle
@@ -34,8 +35,9 @@ from toppings.server.requests.stats_schema import (
     ServerStats,
     WorkerView,
 )
-from toppings.server.sched.admission import EngineGate
+from toppings.server.sched.admission import GateLimits
 from toppings.server.sched.policies import make_queue_policy
+from toppings.server.sched.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 
@@ -73,19 +75,22 @@ class Engine:
         self.kv = self.memory.kv
         # The only LoRA object the engine uses.
         self.lora = AdapterManager(config, mc, dtype, self.memory.adapter_cache)
-        self.decode = DecodeStep.create(config, self.model, self.kv, self.lora)
         self._adapters = self.lora.registry  # read-only here: name -> LoraAdapter
         self.eos_ids = set(mc.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self.eos_ids.add(self.tokenizer.eos_token_id)
+        self.runner = ModelRunner.create(config, self.model, self.kv, self.lora, self.eos_ids)
+        self.scheduler = Scheduler(
+            make_queue_policy(config), self.memory, self.lora, GateLimits.from_config(config),
+            self.eos_ids, self.max_model_len,
+        )  # fmt: skip
+        self.queue = self.scheduler.queue  # the waiting requests and who goes next
+        self._running = self.scheduler.running  # the scheduler's list, read for views
         self._inbox: queue.Queue = queue.Queue()
-        self.queue = make_queue_policy(config)  # the waiting requests and who goes next
-        self._running: list[Sequence] = []
         self.step_stats = StepStats()
         self._lock = threading.Lock()  # held during a step and while the pool changes
         self._stopping = threading.Event()
         self._draining = threading.Event()
-        self._finished: dict[str, int] = {}  # finish reason -> requests
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
 
     def _free_device_bytes(self) -> int:
@@ -103,8 +108,7 @@ class Engine:
         if self._thread.is_alive():
             self._thread.join()
         self._drain_inbox(block=False)
-        for seq in list(self.queue) + list(self._running):
-            self._finish(seq, "abort")
+        self.scheduler.abort_all()
         self.lora.close()
 
     def is_healthy(self) -> bool:
@@ -153,7 +157,7 @@ class Engine:
         """Monotonic counters and current gauges, for /metrics."""
         st = self.step_stats
         return EngineCounters(
-            finished=dict(self._finished),
+            finished=dict(self.scheduler.finished),
             prefill_steps=st.prefill_steps,
             prefill_seconds=st.prefill_s,
             decode_steps=st.decode_steps,
@@ -266,19 +270,16 @@ class Engine:
             if self._stopping.is_set():
                 break
             with self._lock:
-                self.memory.tick(time.monotonic())
-                admitted = self._admit()
-                step = admitted or list(self._running)
-                if step:
+                plan = self.scheduler.schedule()
+                if plan is not None:
                     started = time.perf_counter()
                     try:
-                        self._step(step, is_prefill=bool(admitted))
+                        self.scheduler.update(plan, self.runner.run(plan))
                     except Exception as exc:  # keep serving: fail this step's requests only
                         log.exception("engine step failed")
-                        for seq in step:
-                            self._finish(seq, "error", error=f"engine error: {exc}")
-                    self._count_step(bool(admitted), time.perf_counter() - started)
-            if not step:
+                        self.scheduler.fail(plan, f"engine error: {exc}")
+                    self._count_step(plan.is_prefill, time.perf_counter() - started)
+            if plan is None:
                 # Requests wait for an adapter load or for adapter memory: poll, don't spin.
                 time.sleep(0.002)
 
@@ -297,87 +298,14 @@ class Engine:
             while True:
                 if isinstance(item, list):  # requests submitted together
                     for seq in item:
-                        self.queue.push(seq, time.monotonic())
+                        self.scheduler.add(seq)
                 elif isinstance(item, str):
-                    self._abort(item)
+                    self.scheduler.abort(item)
                 item = self._inbox.get_nowait()
         except queue.Empty:
             pass
 
-    def _abort(self, request_id: str) -> None:
-        for seq in list(self.queue) + self._running:
-            if seq.request.request_id == request_id:
-                self._finish(seq, "abort")
-
-    def _admit(self) -> list[Sequence]:
-        """The requests the queue policy admits now, through this iteration's gate."""
-        return self.queue.select(EngineGate(self), self._running, time.monotonic())
-
-    def _step(self, seqs: list[Sequence], is_prefill: bool) -> None:
-        # One adapter's requests side by side: the LoRA kernels run once per run of them.
-        seqs = sorted(seqs, key=lambda s: s.request.adapter or "")
-        if is_prefill:
-            logits = self._prefill(seqs)  # [B, V]
-        else:
-            logits = self.decode.forward(seqs)  # [B, V]: a CUDA graph's replay, or eager
-            self.memory.after_decode(len(seqs), time.monotonic())
-        tokens = Sequence.sample_batch(seqs, logits, self.eos_ids)
-        for seq, token in zip(seqs, tokens):
-            reason = seq.append(token, self.eos_ids, self.max_model_len)
-            if reason is not None:
-                self._finish(seq, reason)
-
-    def _prefill(self, seqs: list[Sequence]) -> torch.Tensor:
-        """Compute the prompts (each from the end of its cached prefix, the row's length so
-        far) and start running them; returns their last tokens' logits [B, V]."""
-        device = self.model.device
-        starts = [self.kv.lengths[s.kv_hold.row] for s in seqs]
-        past = [self.kv.req_to_slot[s.kv_hold.row, :n] if n else None
-                for s, n in zip(seqs, starts)]  # fmt: skip
-        slots = torch.cat([self.kv.extend(s.kv_hold.row, s.prompt_len - n)
-                           for s, n in zip(seqs, starts)])  # fmt: skip
-        ids = [t for s, n in zip(seqs, starts) for t in s.request.prompt_ids[n:]]
-        positions = [p for s, n in zip(seqs, starts) for p in range(n, s.prompt_len)]
-        seg_starts = [0]
-        for s, n in zip(seqs, starts):
-            seg_starts.append(seg_starts[-1] + s.prompt_len - n)
-        rows = Sequence.logit_rows(seqs, seg_starts)
-        batch = ForwardBatch(
-            input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
-            positions=torch.tensor(positions, dtype=torch.int64, device=device),
-            slots=slots,
-            seg_starts=seg_starts,
-            is_prefill=True,
-            past_slots=past,
-            lora=self.lora.step([s.cache_entry for s in seqs], seg_starts, True),
-            logit_rows=None if rows is None else torch.tensor(rows, device=device),
-        )
-        started = time.perf_counter()
-        logits = self.model.forward(batch, self.kv)  # [R, V]; R = B unless a prompt is scored
-        logits = Sequence.score_prompts(seqs, logits, seg_starts)  # [B, V]
-        self._running.extend(seqs)
-        self.memory.after_prefill(seqs, time.perf_counter() - started, len(ids), time.monotonic())
-        return logits
-
-    def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
-        """End a request on any path: free its KV row and reservation, send the last output."""
-        if seq.finished:
-            return
-        self._finished[reason] = self._finished.get(reason, 0) + 1
-        if seq in self._running:
-            self._running.remove(seq)
-        elif seq in self.queue:
-            self.queue.remove(seq)
-        if seq.kv_hold is not None:
-            self.queue.finished(seq, reason in ("stop", "length"), time.monotonic())
-        self.release(seq, keep_kv=reason != "error")
-        seq.finish(reason, error)
-
     def release(self, seq: Sequence, keep_kv: bool = True) -> None:
         """Give back a request's KV row, reservation and prefix-tree nodes (its computed blocks
         stay cached unless keep_kv is False: after an error) and its adapter reference."""
-        if seq.kv_hold is not None:
-            self.memory.release(seq, keep_kv, time.monotonic())
-        if seq.cache_entry is not None:
-            self.lora.release(seq.request.adapter)
-            seq.cache_entry = None
+        self.scheduler.release(seq, keep_kv)

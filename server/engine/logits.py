@@ -2,7 +2,7 @@
 
 Processors (vLLM's order and semantics): logit bias and the `min_tokens` EOS mask, then the
 repetition penalty (prompt and output tokens), then frequency and presence penalties (output
-tokens). Sampling (temperature, top-k, top-p) follows in `server.sampling`. Log-probabilities
+tokens). Sampling (temperature, top-k, top-p) follows in `sampling.py`. Log-probabilities
 are taken from the model's logits before any of this (vLLM's default "raw logprobs"), so they
 are what transformers' log-softmax gives for the same adapter and prefix.
 """

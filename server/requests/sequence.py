@@ -1,13 +1,13 @@
-"""Per-request state the engine thread keeps: tokens so far, text stream, sampler, timings."""
+"""Per-request state the engine thread keeps: tokens so far, text stream, timings, finish.
+
+Pure Python (the scheduler runs without torch): sampling and logprobs live with the model
+runner (server/engine/sampler.py), which keys each request's random generator on
+`num_restarts` so that a restarted request samples its tokens again from the seed."""
 
 from __future__ import annotations
 
 import time
 
-import torch
-
-from toppings.server.engine.logits import process_row, token_logprobs
-from toppings.server.engine.sampling import make_generator, sample_next
 from toppings.server.requests.detokenize import TextStream
 from toppings.server.requests.request import (
     GenerationRequest,
@@ -35,12 +35,12 @@ class Sequence:
         self.finished = False
         self._tokenizer = tokenizer
         self._stream = TextStream(tokenizer, request.params.stop)
-        self._generator = make_generator(request.params)
+        self.num_restarts = 0  # a sampler re-creates the request's generator when this moves
+        self.step_logprob: TokenLogprob | None = None  # of the token append() records next
         self._first_token_at: float | None = None
         self._pending_ids: list[int] = []
         self._pending_text = ""
         self._pending_logprobs: list[TokenLogprob] = []
-        self._step_logprob: TokenLogprob | None = None  # of the token append() records next
         self._prompt_logprobs: list[TokenLogprob | None] | None = None  # sent once, first
         self._num_sent = 0  # tokens streamed before a restart, not sent again when replayed
 
@@ -50,9 +50,9 @@ class Sequence:
         self._num_sent = len(self.output_ids)
         self.output_ids = []
         self._stream = TextStream(self._tokenizer, self.request.params.stop)
-        self._generator = make_generator(self.request.params)
+        self.num_restarts += 1
         self._pending_ids, self._pending_text, self._pending_logprobs = [], "", []
-        self._step_logprob = None
+        self.step_logprob = None
 
     def describe(self, adapters: dict) -> RequestView:
         """The /stats view of this request."""
@@ -66,63 +66,9 @@ class Sequence:
             max_new_tokens=self.request.params.max_new_tokens,
         )
 
-    @staticmethod
-    def logit_rows(seqs: list[Sequence], seg_starts: list[int]) -> list[int] | None:
-        """Prefill: the token rows whose logits the step needs, when a sequence wants its
-        prompt scored (every row of its segment); None: each segment's last row only."""
-        if all(s.request.params.prompt_logprobs is None for s in seqs):
-            return None
-        rows: list[int] = []
-        for seq, start, end in zip(seqs, seg_starts[:-1], seg_starts[1:]):
-            whole = seq.request.params.prompt_logprobs is not None
-            rows.extend(range(start if whole else end - 1, end))
-        return rows
-
-    @staticmethod
-    def score_prompts(
-        seqs: list[Sequence], logits: torch.Tensor, seg_starts: list[int]
-    ) -> torch.Tensor:
-        """Keep the prompt logprobs of the sequences that asked (logits of `logit_rows`,
-        [R, V]); returns the logits of each sequence's last prompt token, [B, V]."""
-        if logits.shape[0] == len(seqs):
-            return logits
-        last, offset = [], 0
-        for seq, start, end in zip(seqs, seg_starts[:-1], seg_starts[1:]):
-            k = seq.request.params.prompt_logprobs
-            if k is not None:
-                ids = seq.request.prompt_ids
-                if end - start != len(ids):  # e.g. a reused prefix was not computed again
-                    raise RuntimeError("prompt logprobs need the whole prompt in the prefill")
-                scored = token_logprobs(logits[offset : offset + len(ids) - 1], ids[1:], k)
-                seq._prompt_logprobs = [None, *scored]
-                offset += len(ids) - 1
-            last.append(offset)
-            offset += 1
-        return logits[last]
-
-    @staticmethod
-    def sample_batch(seqs: list[Sequence], logits: torch.Tensor, eos_ids: set[int]) -> list[int]:
-        """Next token of each sequence from its row of logits [B, V] float32.
-
-        Rows with penalties, a logit bias or min_tokens are processed first; the logprobs asked
-        for are taken from the unprocessed rows (see server.logits)."""
-        params = [s.request.params for s in seqs]
-        chosen_from = logits
-        if any(p.has_processors for p in params):
-            chosen_from = logits.clone()
-            for i, (seq, p) in enumerate(zip(seqs, params)):
-                if p.has_processors:
-                    prompt = seq.request.prompt_ids
-                    chosen_from[i] = process_row(logits[i], p, prompt, seq.output_ids, eos_ids)
-        tokens = sample_next(chosen_from, params, [s._generator for s in seqs])
-        want = [i for i, p in enumerate(params) if p.logprobs is not None]
-        if want:
-            k = max(params[i].logprobs for i in want)
-            scored = token_logprobs(logits[want], [tokens[i] for i in want], k)
-            for i, lp in zip(want, scored):
-                top = lp.top[: params[i].logprobs]
-                seqs[i]._step_logprob = TokenLogprob(lp.token_id, lp.logprob, top)
-        return tokens
+    def set_prompt_logprobs(self, scored: list[TokenLogprob]) -> None:
+        """The prompt's token logprobs (the first token has none); sent with the next output."""
+        self._prompt_logprobs = [None, *scored]
 
     def append(self, token: int, eos_ids: set[int], max_model_len: int) -> str | None:
         """Record a new token and stream it; returns a finish reason when the request is done."""
@@ -130,9 +76,9 @@ class Sequence:
         if params.max_new_tokens == 0:
             return "length"  # the prompt was only scored
         replayed = len(self.output_ids) < self._num_sent
-        if self._step_logprob is not None and not replayed:
-            self._pending_logprobs.append(self._step_logprob)
-        self._step_logprob = None
+        if self.step_logprob is not None and not replayed:
+            self._pending_logprobs.append(self.step_logprob)
+        self.step_logprob = None
         if self._first_token_at is None:
             self._first_token_at = time.monotonic()
         self.output_ids.append(token)

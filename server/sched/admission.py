@@ -1,64 +1,168 @@
-"""The engine's side of admission: what a queue policy may ask while it forms one batch.
+"""The scheduler's side of admission: what a queue policy may ask while it forms one batch.
 
-One `EngineGate` per iteration. `try_admit` checks a request against what is free now (batch
+One `AdmissionGate` per iteration. `try_admit` checks a request against what is free now (batch
 rows, the memory not yet promised (memory/manager.py), the prefill token budget, adapter memory,
 the LoRA mode) and, when it fits, takes its adapter reference, its KV row, its cached prefix and
-the reservation of the rest. `squash` undoes all of that for a
-running request, which then waits again (Chameleon's squash of a bypasser).
+the reservation of the rest. `squash` undoes all of that for a running request, which then
+waits again (Chameleon's squash of a bypasser).
+
+The gate sees its collaborators through the `Memory` and `Adapters` protocols below (the
+engine's MemoryManager and AdapterManager, or a simulator's pure-Python stand-ins) and the few
+numbers of `GateLimits`; it imports nothing of the model.
 """
 
 from __future__ import annotations
 
-import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
 
 from toppings.server.requests.sequence import Sequence
 from toppings.server.sched.queueing import Verdict
 
 if TYPE_CHECKING:
-    from toppings.server.engine.engine import Engine
+    from toppings.server.config import EngineConfig
 
 
-class EngineGate:
-    """Admission checks of one engine iteration (the engine thread, under its lock)."""
+class KVShape(Protocol):
+    """The sizes of the KV pool admission counts in."""
 
-    def __init__(self, engine: Engine):
-        self.engine = engine
+    block_tokens: int
+    block_bytes: int
+    num_blocks: int
+    num_slots: int
+
+
+class Memory(Protocol):
+    """The node's memory as admission and release use it (server/memory/manager.py)."""
+
+    kv: KVShape
+
+    def match(self, seq: Sequence) -> list:
+        """The cached prefix (tree nodes) `seq` would reuse."""
+
+    def kv_need(self, seq: Sequence, path: list) -> int:
+        """Blocks admitting `seq` with this prefix adds to the committed count."""
+
+    def adapter_need(self, name: str | None, num_bytes: int) -> int:
+        """Blocks admitting a request of adapter `name` adds to the committed count."""
+
+    def fits(self, extra_blocks: int) -> bool: ...
+
+    def committed(self) -> int:
+        """Blocks that cannot be reclaimed now."""
+
+    def adapter_tokens(self, num_bytes: int) -> int:
+        """KV tokens' worth of memory an adapter of num_bytes takes (0: adapter memory is not
+        scarce under this layout)."""
+
+    def total_tokens(self) -> int:
+        """All the memory requests compete for, in KV tokens."""
+
+    def free_tokens(self) -> int:
+        """KV tokens not yet promised."""
+
+    def admit(self, seq: Sequence, path: list, now: float) -> Any:
+        """Take a row, the prefix and the reservation; returns the hold (`.reserved` blocks)."""
+
+    def release(self, seq: Sequence, keep_kv: bool, now: float) -> None:
+        """Give back what `seq.kv_hold` holds and clear it."""
+
+    def tick(self, now: float) -> None: ...
+
+    def after_prefill(self, seqs: list, seconds: float, num_tokens: int, now: float) -> None: ...
+
+    def after_decode(self, batch_size: int, now: float) -> None: ...
+
+
+class Adapters(Protocol):
+    """The adapters as admission and release use them (server/engine/adapters.py)."""
+
+    registry: Mapping[str, Any]  # name -> adapter, every registered one
+
+    def acquire(self, name: str, queued: frozenset[str]) -> Any | None:
+        """A reference on the adapter (its cache entry), or None: no adapter memory now."""
+
+    def release(self, name: str) -> None: ...
+
+    def may_start(self, entry: Any | None) -> bool: ...
+
+    def bytes_of(self, name: str | None) -> int: ...
+
+    def prefetch(self, names: list[str], queued: frozenset[str]) -> None: ...
+
+    def fits_if_released(self, name: str | None, held: str | None) -> bool: ...
+
+
+@dataclass(frozen=True)
+class GateLimits:
+    """The configuration numbers admission reads."""
+
+    max_batch_size: int
+    max_prefill_tokens: int
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> GateLimits:
+        return cls(config.max_batch_size, config.max_prefill_tokens)
+
+
+def release(seq: Sequence, memory: Memory, adapters: Adapters, keep_kv: bool, now: float) -> None:
+    """Give back a request's KV row, reservation and prefix-tree nodes (its computed blocks stay
+    cached unless keep_kv is False: after an error) and its adapter reference."""
+    if seq.kv_hold is not None:
+        memory.release(seq, keep_kv, now)
+    if seq.cache_entry is not None:
+        adapters.release(seq.request.adapter)
+        seq.cache_entry = None
+
+
+class AdmissionGate:
+    """Admission checks of one scheduler iteration (the engine thread, under its lock)."""
+
+    def __init__(
+        self,
+        running: list[Sequence],
+        waiting: Iterable[Sequence],
+        memory: Memory,
+        adapters: Adapters,
+        limits: GateLimits,
+        clock: Callable[[], float],
+    ):
+        self.running, self.waiting = running, waiting
+        self.memory, self.adapters, self.limits, self.clock = memory, adapters, limits, clock
         self.admitted: list[Sequence] = []
         self.prefill_tokens = 0
-        kv = engine.kv
-        self._slot_bytes = kv.block_bytes / kv.block_tokens  # K and V of one token
         self._queued: frozenset[str] | None = None
 
     def try_admit(self, seq: Sequence) -> Verdict:
-        eng, cfg, mem = self.engine, self.engine.config, self.engine.memory
-        if len(eng._running) + len(self.admitted) >= cfg.max_batch_size:
+        mem, lora, limits = self.memory, self.adapters, self.limits
+        if len(self.running) + len(self.admitted) >= limits.max_batch_size:
             return Verdict.BATCH_FULL
         adapter = seq.request.adapter
         path = mem.match(seq)
-        computed = seq.prompt_len - len(path) * eng.kv.block_tokens
+        computed = seq.prompt_len - len(path) * mem.kv.block_tokens
         need = mem.kv_need(seq, path)
         if seq.cache_entry is None:
-            need += mem.adapter_need(adapter, eng.lora.bytes_of(adapter))
+            need += mem.adapter_need(adapter, lora.bytes_of(adapter))
         if not mem.fits(need) or (
-            self.admitted and self.prefill_tokens + computed > cfg.max_prefill_tokens
+            self.admitted and self.prefill_tokens + computed > limits.max_prefill_tokens
         ):
             return Verdict.NO_ROOM
         if adapter is not None and seq.cache_entry is None:
-            seq.cache_entry = eng.lora.acquire(adapter, self.queued())
+            seq.cache_entry = lora.acquire(adapter, self.queued())
             if seq.cache_entry is None:
                 return Verdict.NO_ADAPTER_MEMORY  # none until a running request ends
             path = mem.match(seq)  # the load may have taken cached blocks
-            computed = seq.prompt_len - len(path) * eng.kv.block_tokens
+            computed = seq.prompt_len - len(path) * mem.kv.block_tokens
             if not mem.fits(mem.kv_need(seq, path)):
                 # Holding the adapter while waiting for KV room could pin the pool full of
                 # adapters no one runs: let it go (it stays cached while memory allows).
-                eng.lora.release(adapter)
+                lora.release(adapter)
                 seq.cache_entry = None
                 return Verdict.NO_ROOM
-        if not eng.lora.may_start(seq.cache_entry):
+        if not lora.may_start(seq.cache_entry):
             return Verdict.NOT_READY
-        seq.kv_hold = mem.admit(seq, path, time.monotonic())
+        seq.kv_hold = mem.admit(seq, path, self.clock())
         self.prefill_tokens += computed
         self.admitted.append(seq)
         return Verdict.ADMITTED
@@ -66,67 +170,55 @@ class EngineGate:
     def queued(self) -> frozenset[str]:
         """Adapters of the waiting requests (eviction spares them while it can)."""
         if self._queued is None:
-            self._queued = frozenset(
-                s.request.adapter for s in self.engine.queue if s.request.adapter
-            )
+            self._queued = frozenset(s.request.adapter for s in self.waiting if s.request.adapter)
         return self._queued
 
     def squash(self, seq: Sequence) -> None:
-        self.engine._running.remove(seq)
-        self.engine.release(seq)
+        self.running.remove(seq)
+        release(seq, self.memory, self.adapters, True, self.clock())
         seq.restart()
 
     def fits_if_released(self, waiting: Sequence, running: Sequence) -> bool:
-        return self.engine.lora.fits_if_released(waiting.request.adapter, running.request.adapter)
+        return self.adapters.fits_if_released(waiting.request.adapter, running.request.adapter)
 
     def adapter_tokens(self, adapter: str | None) -> int:
         """KV tokens' worth of memory the adapter takes (0 while adapter memory is not scarce:
         a static layout without an adapter budget, or a pool that does not charge adapters)."""
-        eng = self.engine
-        if eng.config.memory_layout == "pool":
-            scarce = eng.memory.shared
-        else:
-            scarce = bool(eng.config.adapter_cache_bytes)
-        if not scarce or adapter is None:
+        if adapter is None:
             return 0
-        return -int(-eng.lora.bytes_of(adapter) // self._slot_bytes)
+        return self.memory.adapter_tokens(self.adapters.bytes_of(adapter))
 
     def adapter_size(self, adapter: str | None) -> float:
         """The adapter's bytes; the base model counts as the smallest adapter (its requests
         are sized by their lengths, not put all in the first queue)."""
         if adapter is not None:
-            return float(self.engine.lora.bytes_of(adapter))
-        sizes = [self.engine.lora.bytes_of(n) for n in list(self.engine.lora.registry)]
+            return float(self.adapters.bytes_of(adapter))
+        sizes = [self.adapters.bytes_of(n) for n in list(self.adapters.registry)]
         return float(min(sizes, default=1))
 
     def max_adapter_size(self) -> float:
-        sizes = [self.engine.lora.bytes_of(n) for n in list(self.engine.lora.registry)]
+        sizes = [self.adapters.bytes_of(n) for n in list(self.adapters.registry)]
         return float(max(sizes, default=1))
 
     def total_tokens(self) -> int:
-        cfg, kv = self.engine.config, self.engine.kv
-        if cfg.memory_layout == "pool":
-            return kv.num_slots
-        return kv.num_slots + int(cfg.adapter_cache_bytes // self._slot_bytes)
+        return self.memory.total_tokens()
 
     def prefetch(self, adapters: list[str]) -> None:
-        self.engine.lora.prefetch(adapters, self.queued())
+        self.adapters.prefetch(adapters, self.queued())
 
     def free_tokens(self) -> int:
-        mem = self.engine.memory
-        return (mem.kv.num_blocks - mem.committed()) * mem.kv.block_tokens
+        return self.memory.free_tokens()
 
     def free_rows(self) -> int:
-        eng = self.engine
-        return eng.config.max_batch_size - len(eng._running) - len(self.admitted)
+        return self.limits.max_batch_size - len(self.running) - len(self.admitted)
 
     def need_tokens(self, seq: Sequence) -> int:
-        mem, lora = self.engine.memory, self.engine.lora
+        mem, adapter = self.memory, seq.request.adapter
         need = mem.kv_need(seq, mem.match(seq))
         if seq.cache_entry is None:
-            need += mem.adapter_need(seq.request.adapter, lora.bytes_of(seq.request.adapter))
+            need += mem.adapter_need(adapter, self.adapters.bytes_of(adapter))
         return need * mem.kv.block_tokens
 
     def release_tokens(self, seq: Sequence) -> int:
         hold = seq.kv_hold
-        return hold.reserved * self.engine.memory.kv.block_tokens if hold is not None else 0
+        return hold.reserved * self.memory.kv.block_tokens if hold is not None else 0

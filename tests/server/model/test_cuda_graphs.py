@@ -59,9 +59,9 @@ def start(model_dir, adapters, device: str, graphs: bool, **changes):
     if device == "cpu" and graphs:
         buckets = GraphBuckets.for_engine(config.max_batch_size, engine.kv.max_len)
         lora = engine.lora
-        engine.decode.graphs = EagerReplay(engine.model, engine.kv, lora.pool,
+        engine.runner.graphs = EagerReplay(engine.model, engine.kv, lora.pool,
                                            lora.kernels.decode, buckets)  # fmt: skip
-    assert (engine.decode.graphs is not None) == graphs
+    assert (engine.runner.graphs is not None) == graphs
     return engine
 
 
@@ -99,8 +99,8 @@ def test_graphs_give_the_eager_tokens(tiny_model_dir, adapters, device, kernel):
         try:
             outputs[graphs] = generate(engine, JOBS)
             if graphs:
-                counters = dict(engine.decode.graphs.counters)
-                keys = engine.decode.graphs.keys
+                counters = dict(engine.runner.graphs.counters)
+                keys = engine.runner.graphs.keys
         finally:
             engine.shutdown()
     assert [len(t) for t in outputs[True]] == [n for _, _, n in JOBS]
@@ -129,7 +129,7 @@ def test_an_adapter_still_loading_runs_eagerly(tiny_model_dir, adapters, device,
     engine = start(tiny_model_dir, adapters, device, True, lora_mode="cpu-assisted")
     try:
         got = generate(engine, jobs, seed=2)
-        counters = dict(engine.decode.graphs.counters)
+        counters = dict(engine.runner.graphs.counters)
         assert engine.lora.host_stats.calls > 0
     finally:
         engine.shutdown()
@@ -148,7 +148,7 @@ def test_a_growing_adapter_pool_drops_the_graphs(tmp_path, tiny_model_dir, adapt
     engine = start(tiny_model_dir, adapters, device, True)
     try:
         first = generate(engine, JOBS[:3])
-        graphs = engine.decode.graphs
+        graphs = engine.runner.graphs
         assert graphs.keys and not graphs.counters.get("invalidations")
         path = make_random_adapter(tmp_path / "big", tiny_model_dir, rank=64, seed=9)
         engine.add_adapter("big", str(path))  # cached mode: resident at once, the pool grew

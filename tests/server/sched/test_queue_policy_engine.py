@@ -12,7 +12,6 @@ from toppings.scripts.make_adapters import make_random_adapter
 from toppings.server.config import EngineConfig
 from toppings.server.requests.request import GenerationRequest, SamplingParams
 from toppings.server.runtime import build_engine
-from toppings.server.sched.admission import EngineGate
 
 RANKS = (8, 16, 32, 64)
 
@@ -80,9 +79,9 @@ def test_a_squashed_request_streams_each_token_once(tiny_model_dir, adapters):
         deadline = time.monotonic() + 60
         while True:
             with engine._lock:
-                seq = next(iter(engine._running), None)
+                seq = next(iter(engine.scheduler.running), None)
                 if seq is not None and len(seq.output_ids) >= 5:
-                    engine.queue.squash(seq, EngineGate(engine))
+                    engine.queue.squash(seq, engine.scheduler.gate())
                     break
             assert time.monotonic() < deadline, "the request never ran 5 steps"
             time.sleep(0.001)
@@ -111,7 +110,7 @@ def test_a_request_is_charged_its_adapter_only_where_adapter_memory_counts(
                           memory_layout=layout, **budget)  # fmt: skip
     engine = build_engine(str(tiny_model_dir), config, adapters)
     try:
-        gate = EngineGate(engine)
+        gate = engine.scheduler.gate()
         assert gate.adapter_tokens(None) == 0
         assert (gate.adapter_tokens("r64") > 0) is charged
         if charged:

@@ -1,0 +1,130 @@
+"""The model side of a step: a scheduler's `StepPlan` in, one sampled token per request out.
+
+A prefill plan computes each prompt from the end of its cached prefix (the KV row's length so
+far); a decode plan gives each running request its next KV slot and feeds its last token. Both
+become one `ForwardBatch` (`_forward`). On CUDA with graphs on (`EngineConfig.use_cuda_graphs`),
+a decode step replays the graph of its bucket (`cuda_graphs.DecodeGraphs`); steps the graphs
+decline (a batch above the largest bucket, an adapter still loading) and every step on a CPU
+run the model eagerly. The sampler turns the logits into tokens.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from toppings.server.config import EngineConfig
+from toppings.server.engine.adapters import AdapterManager
+from toppings.server.engine.sampler import Sampler, logit_rows, score_prompts
+from toppings.server.memory.kv_cache import KVPool
+from toppings.server.model.graph_buckets import GraphBuckets
+from toppings.server.model.llama import ForwardBatch, LlamaModel
+from toppings.server.requests.sequence import Sequence
+from toppings.server.sched.scheduler import StepPlan, StepResult
+
+
+class ModelRunner:
+    """Runs plans on one model, its KV tensors and its adapters (graphs: None where CUDA graphs
+    are off or the device is not CUDA)."""
+
+    def __init__(
+        self, model: LlamaModel, kv: KVPool, lora: AdapterManager, sampler: Sampler, graphs=None
+    ):
+        self.model, self.kv, self.lora, self.sampler, self.graphs = model, kv, lora, sampler, graphs
+
+    @classmethod
+    def create(
+        cls,
+        config: EngineConfig,
+        model: LlamaModel,
+        kv: KVPool,
+        lora: AdapterManager,
+        eos_ids: set[int],
+    ) -> ModelRunner:
+        graphs = None
+        if config.use_cuda_graphs:
+            from toppings.server.model.cuda_graphs import DecodeGraphs  # the device module
+
+            buckets = GraphBuckets.for_engine(config.max_batch_size, kv.max_len)
+            graphs = DecodeGraphs(model, kv, lora.pool, lora.kernels.decode, buckets)
+        return cls(model, kv, lora, Sampler(eos_ids), graphs)
+
+    def run(self, plan: StepPlan) -> StepResult:
+        """Compute the plan's step and sample each request's next token."""
+        seqs = list(plan.seqs)
+        if plan.is_prefill:
+            logits, seconds, num_computed = self._prefill(seqs)  # [B, V]
+        else:
+            logits, seconds, num_computed = self._decode(seqs), 0.0, 0  # [B, V]
+        return StepResult(self.sampler.sample(seqs, logits), seconds, num_computed)
+
+    def _prefill(self, seqs: list[Sequence]) -> tuple[torch.Tensor, float, int]:
+        """The prompts' last tokens' logits [B, V] (and the prompt logprobs asked for, kept by
+        each sequence); the seconds of the forward pass and the prompt tokens it computed."""
+        kv = self.kv
+        starts = [kv.lengths[s.kv_hold.row] for s in seqs]
+        past = [kv.req_to_slot[s.kv_hold.row, :n] if n else None for s, n in zip(seqs, starts)]
+        slots = torch.cat([kv.extend(s.kv_hold.row, s.prompt_len - n)
+                           for s, n in zip(seqs, starts)])  # fmt: skip
+        ids = [t for s, n in zip(seqs, starts) for t in s.request.prompt_ids[n:]]
+        positions = [p for s, n in zip(seqs, starts) for p in range(n, s.prompt_len)]
+        seg_starts = [0]
+        for s, n in zip(seqs, starts):
+            seg_starts.append(seg_starts[-1] + s.prompt_len - n)
+        rows = logit_rows(seqs, seg_starts)
+        started = time.perf_counter()
+        logits = self._forward(seqs, ids, positions, slots, seg_starts, past=past, rows=rows)
+        logits = score_prompts(seqs, logits, seg_starts)  # [R, V] -> [B, V]
+        return logits, time.perf_counter() - started, len(ids)
+
+    def _decode(self, seqs: list[Sequence]) -> torch.Tensor:
+        """Logits [B, V] float32 of each request's next token; takes each one's next KV slot."""
+        kv = self.kv
+        rows = [s.kv_hold.row for s in seqs]
+        positions = [kv.lengths[r] for r in rows]
+        slots = kv.extend_each(rows)  # [B] int64; also written into req_to_slot
+        ids = [s.output_ids[-1] for s in seqs]
+        if self.graphs is not None:
+            entries = [s.cache_entry for s in seqs]
+            adapters = [e.resident if e else None for e in entries]
+            loading = any(e is not None and not e.ticket.done for e in entries)
+            logits = self.graphs.run(rows, ids, positions, adapters, loading)
+            if logits is not None:
+                return logits
+        return self._forward(seqs, ids, positions, slots, list(range(len(seqs) + 1)))
+
+    def _forward(
+        self,
+        seqs: list[Sequence],
+        ids: list[int],
+        positions: list[int],
+        slots: torch.Tensor,
+        seg_starts: list[int],
+        past: list[torch.Tensor | None] | None = None,
+        rows: list[int] | None = None,
+    ) -> torch.Tensor:
+        """The one `ForwardBatch` of a step and its forward pass: T = len(ids) tokens of B =
+        len(seqs) requests, segment b = tokens [seg_starts[b], seg_starts[b+1]). A prefill has
+        `past` (each request's cached prefix slots, or None); a decode step (one token each)
+        reads every request's KV through the pool's decode index. Returns logits [R, V] of
+        `rows` (None: each segment's last token, R = B)."""
+        device = self.model.device
+        is_prefill = past is not None
+        kv_index = kv_lengths = None
+        if not is_prefill:
+            rows_kv = [s.kv_hold.row for s in seqs]
+            kv_index, kv_lengths = self.kv.decode_index(rows_kv)  # [B, Lmax], [B]
+        batch = ForwardBatch(
+            input_ids=torch.tensor(ids, dtype=torch.int64, device=device),  # [T]
+            positions=torch.tensor(positions, dtype=torch.int64, device=device),  # [T]
+            slots=slots,  # [T]
+            seg_starts=seg_starts,
+            is_prefill=is_prefill,
+            kv_index=kv_index,
+            kv_lengths=kv_lengths,
+            past_slots=past,
+            lora=self.lora.step([s.cache_entry for s in seqs], seg_starts, is_prefill),
+            logit_rows=None if rows is None else torch.tensor(rows, device=device),
+        )
+        return self.model.forward(batch, self.kv)
