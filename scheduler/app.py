@@ -19,11 +19,16 @@ Admin endpoints manage the cluster:
                             record an adapter; with "servers", ask each to load it from "path"
     GET    /admin/state                        servers, health, policy, perf-model source, and
                                                loraserve's last placement step (else null)
+
+The routes come in three groups (request proxying, `/admin/*`, observability), each registered
+given one `SchedulerContext`; `create_app` builds it, installs the error handlers and registers
+each group.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import requests
@@ -31,7 +36,7 @@ from flask import Flask, Response, jsonify, request
 
 from toppings.scheduler.cluster import Cluster
 from toppings.scheduler.metrics import CONTENT_TYPE, PREFIX
-from toppings.scheduler.registry import AdapterRecord, RegistryError
+from toppings.scheduler.registry import AdapterRecord, Registry, RegistryError
 from toppings.scheduler.router import Router, SchedulerError
 from toppings.server.api.frontend import InFlightCollector, InFlightLimit, ReleasingBody
 from toppings.server.requests.errors import (
@@ -94,53 +99,53 @@ def _names(value: Any) -> tuple[str, ...]:
     return tuple(value)
 
 
-def create_app(
-    router: Router,
-    cluster: Cluster,
-    info: dict[str, Any],
-    max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
-) -> Flask:
-    """Flask app around a router and cluster; `info` is echoed by /admin/state; past
-    `max_in_flight` proxied requests, a request gets 429."""
-    app = Flask("toppings-scheduler")
-    app.config["MAX_CONTENT_LENGTH"] = MAX_BODY_BYTES
-    registry = router.registry
-    in_flight = InFlightLimit(max_in_flight)
-    app.extensions["toppings"] = in_flight
-    router.metrics.registry.register(
-        InFlightCollector(in_flight, PREFIX, "frontend_requests_in_flight",
-                          "Requests taken by the HTTP front end and not ended")
-    )  # fmt: skip
+@dataclass(frozen=True)
+class SchedulerContext:
+    """What the routes use: the router (which proxies and holds the registry and metrics), the
+    cluster of servers, the front end's in-flight limit and the `info` that /admin/state echoes."""
 
-    def proxy(path: str, kind: str) -> Response:
-        router.check_ready()
-        slot = in_flight.try_acquire()
-        if slot is None:
-            raise SchedulerError(too_many_requests(max_in_flight), 429, TOO_MANY_REQUESTS,
-                                 retry_after_s=RETRY_AFTER_S)  # fmt: skip
-        try:
-            answer = router.forward(path, _json_body(), kind)
-        except BaseException:
-            slot.release()
-            raise
-        headers = {"X-Toppings-Server": answer.server}
-        if isinstance(answer.body, bytes):
-            slot.release()  # the server's answer has been read whole
-            return Response(answer.body, answer.status, headers, content_type=answer.content_type)
-        headers.update({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        body = ReleasingBody(answer.body, slot.release)  # released when the stream is closed
-        return Response(body, answer.status, headers, content_type=answer.content_type)
+    router: Router
+    cluster: Cluster
+    registry: Registry
+    in_flight: InFlightLimit
+    info: dict[str, Any]
 
+
+def _proxy(ctx: SchedulerContext, path: str, kind: str) -> Response:
+    """Forward the body to one server; hold an in-flight slot until the answer has ended."""
+    ctx.router.check_ready()
+    slot = ctx.in_flight.try_acquire()
+    if slot is None:
+        raise SchedulerError(too_many_requests(ctx.in_flight.max_in_flight), 429,
+                             TOO_MANY_REQUESTS, retry_after_s=RETRY_AFTER_S)  # fmt: skip
+    try:
+        answer = ctx.router.forward(path, _json_body(), kind)
+    except BaseException:
+        slot.release()
+        raise
+    headers = {"X-Toppings-Server": answer.server}
+    if isinstance(answer.body, bytes):
+        slot.release()  # the server's answer has been read whole
+        return Response(answer.body, answer.status, headers, content_type=answer.content_type)
+    headers.update({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    body = ReleasingBody(answer.body, slot.release)  # released when the stream is closed
+    return Response(body, answer.status, headers, content_type=answer.content_type)
+
+
+def _register_requests(app: Flask, ctx: SchedulerContext) -> None:
+    """The request endpoints: generation and tokenizer bodies proxied to a server, the model
+    cards from the registry."""
+    router = ctx.router
     app.add_url_rule(
-        "/v1/completions", "completions", lambda: proxy("/v1/completions", "completions"),
+        "/v1/completions", "completions", lambda: _proxy(ctx, "/v1/completions", "completions"),
         methods=["POST"],
     )  # fmt: skip
     app.add_url_rule(
-        "/v1/chat/completions", "chat", lambda: proxy("/v1/chat/completions", "chat"),
+        "/v1/chat/completions", "chat", lambda: _proxy(ctx, "/v1/chat/completions", "chat"),
         methods=["POST"],
     )  # fmt: skip
     app.add_url_rule(
-        "/generate", "generate", lambda: proxy("/generate", "native"), methods=["POST"]
+        "/generate", "generate", lambda: _proxy(ctx, "/generate", "native"), methods=["POST"]
     )
 
     @app.get("/v1/models")
@@ -156,11 +161,23 @@ def create_app(
 
     # vLLM's tokenizer endpoints, answered by a server of the body's model.
     app.add_url_rule(
-        "/tokenize", "tokenize", lambda: proxy("/tokenize", "completions"), methods=["POST"]
-    )
+        "/tokenize", "tokenize", lambda: _proxy(ctx, "/tokenize", "completions"),
+        methods=["POST"],
+    )  # fmt: skip
     app.add_url_rule(
-        "/detokenize", "detokenize", lambda: proxy("/detokenize", "completions"), methods=["POST"]
-    )
+        "/detokenize", "detokenize", lambda: _proxy(ctx, "/detokenize", "completions"),
+        methods=["POST"],
+    )  # fmt: skip
+
+
+def _register_observability(app: Flask, ctx: SchedulerContext) -> None:
+    """`/health`, `/stats`, `/metrics` (the front end's in-flight gauge included), and the count
+    of every HTTP answer by endpoint and status."""
+    router, cluster, registry = ctx.router, ctx.cluster, ctx.registry
+    router.metrics.registry.register(
+        InFlightCollector(ctx.in_flight, PREFIX, "frontend_requests_in_flight",
+                          "Requests taken by the HTTP front end and not ended")
+    )  # fmt: skip
 
     @app.get("/health")
     def health() -> Response:
@@ -191,6 +208,18 @@ def create_app(
     @app.get("/metrics")
     def metrics() -> Response:
         return Response(router.metrics.render(), content_type=CONTENT_TYPE)
+
+    @app.after_request
+    def count(response: Response) -> Response:
+        endpoint = request.url_rule.endpoint if request.url_rule else "unmatched"
+        router.metrics.http.labels(endpoint, str(response.status_code)).inc()
+        return response
+
+
+def _register_admin(app: Flask, ctx: SchedulerContext) -> None:
+    """The operator's `/admin/*` routes: servers in and out, adapters recorded (and loaded on
+    the servers named), and the cluster's state."""
+    router, cluster, registry = ctx.router, ctx.cluster, ctx.registry
 
     @app.post("/admin/servers")
     def add_server() -> Response:
@@ -242,7 +271,7 @@ def create_app(
         last_step = placer.history[-1] if placer is not None and placer.history else None
         return jsonify({
             "placement": last_step,
-            **info,
+            **ctx.info,
             "policy": router.policy.name,
             "slo_tpt_ms": router.policy.slo_ms,
             "avg_resp_len": router.policy.avg_resp_len,
@@ -250,12 +279,21 @@ def create_app(
             "adapters": [a.name for a in registry.list_adapters()],
         })  # fmt: skip
 
-    @app.after_request
-    def count(response: Response) -> Response:
-        endpoint = request.url_rule.endpoint if request.url_rule else "unmatched"
-        router.metrics.http.labels(endpoint, str(response.status_code)).inc()
-        return response
 
+def create_app(
+    router: Router,
+    cluster: Cluster,
+    info: dict[str, Any],
+    max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
+) -> Flask:
+    """Flask app around a router and cluster; `info` is echoed by /admin/state; past
+    `max_in_flight` proxied requests, a request gets 429."""
+    app = Flask("toppings-scheduler")
+    app.config["MAX_CONTENT_LENGTH"] = MAX_BODY_BYTES
+    ctx = SchedulerContext(router, cluster, router.registry, InFlightLimit(max_in_flight), info)
+    app.extensions["toppings"] = ctx.in_flight
+    _register_requests(app, ctx)
+    _register_observability(app, ctx)
+    _register_admin(app, ctx)
     install_error_handlers(app, log, SchedulerError, bad_input=(RegistryError,))
-
     return app

@@ -1,0 +1,74 @@
+"""What the server's route groups share: one `ApiContext` built by `create_app`.
+
+Each group (server.api.generation, server.api.models, the observability routes of server.api.app)
+registers its routes given this context and reads only the fields it needs, so no route depends
+on another group's state. `ServerState` is the part the command line and tests also reach
+(`app.extensions["toppings"]`): the in-flight limit, the metrics and the drain flag.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from flask import request
+
+from toppings.server.api.choices import RequestLimits
+from toppings.server.api.frontend import InFlightLimit, Slot
+from toppings.server.api.lifecycle import AdapterAdmin
+from toppings.server.api.logprobs import TokenText
+from toppings.server.api.metrics import ServerMetrics
+from toppings.server.api.peer_fetch import PeerFetcher
+from toppings.server.requests.errors import (
+    RETRY_AFTER_S,
+    TOO_MANY_REQUESTS,
+    parse_json_object,
+    too_many_requests,
+)
+from toppings.server.requests.request import RequestError
+
+
+@dataclass
+class ServerState:
+    """Per-app state the command line and tests reach: in-flight limit, metrics, drain flag."""
+
+    in_flight: InFlightLimit
+    metrics: ServerMetrics
+    draining: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+    def take_slot(self) -> Slot:
+        """A place in flight for one generation request; a 429 with Retry-After past the limit."""
+        slot = self.in_flight.try_acquire()
+        if slot is None:
+            raise RequestError(too_many_requests(self.in_flight.max_in_flight), 429,
+                               TOO_MANY_REQUESTS, retry_after_s=RETRY_AFTER_S)  # fmt: skip
+        return slot
+
+
+@dataclass(frozen=True)
+class ApiContext:
+    """What the routes use: the engine, the per-app state and the helpers built from the options.
+
+    `tokenizer_lock` serializes the engine's tokenizer between the generation and tokenizer
+    routes (handlers run on many waitress threads); `started` is the creation time that
+    `/v1/models` reports; `fetcher` is None unless the operator gave an adapter store.
+    """
+
+    engine: Any
+    state: ServerState
+    limits: RequestLimits
+    token_text: TokenText
+    admin: AdapterAdmin
+    fetcher: PeerFetcher | None
+    started: int
+    tokenizer_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+
+def json_body() -> dict:
+    """The request's JSON object; a 400 when the body is not one."""
+    try:
+        return parse_json_object(request.get_data())
+    except ValueError as e:
+        raise RequestError(str(e)) from e
