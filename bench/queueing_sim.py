@@ -33,7 +33,7 @@ from bench.bench_queueing import RANKS, sustained, trace_for
 from bench.envelope import describe_device, write_result
 from bench.sim_engine import SimLimits, StepModel, measure_steps, simulate
 from toppings.scripts.loadgen.stats import percentile
-from toppings.server.config import EngineConfig
+from toppings.server.config import SchedulingConfig
 from toppings.server.sched.chameleon import ChameleonQueue
 from toppings.server.sched.queueing import FcfsQueue, Verdict
 
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> None:
     ranks = {f"r{r}-{i}": r for r in RANKS for i in range(4)}
     loads = [float(x) for x in args.loads.split(",")]
     table: dict[str, list[dict]] = {pol: [] for pol in POLICIES}
-    config = EngineConfig(max_total_tokens=args.max_total_tokens, ttft_slo_ms=args.slo_ms)
+    config = SchedulingConfig(ttft_slo_ms=args.slo_ms)
     for rps in loads:
         for pol in POLICIES:
             records = []
@@ -125,7 +125,8 @@ def main(argv: list[str] | None = None) -> None:
                 limits = SimLimits(args.memory_tokens or args.max_total_tokens,
                                    args.max_batch_size, args.max_prefill_tokens, ranks,
                                    args.slots_per_rank)  # fmt: skip
-                records += simulate(POLICIES[pol](config), limits, trace, steps)
+                policy = POLICIES[pol](config, args.max_total_tokens)
+                records += simulate(policy, limits, trace, steps)
             row = summarise(records, args.slo_ms)
             table[pol].append(row)
             log.warning("%5.2f req/s %-10s P50 %6.0f  P99 %6.0f  P99.9 %6.0f  max %6.0f ms  "

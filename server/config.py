@@ -1,14 +1,17 @@
 """Engine settings: four sub-configs whose fields carry their flags and checks (server.settings).
 
 `EngineConfig` is all four in one flat frozen dataclass (`config.max_batch_size`,
-`config.memory_bytes`, ...); a module that needs only one part may type its argument as that
-sub-config. `toppings-serve` generates its flags from these classes and builds the config from
-what it parsed (server.cli_args); the same checks run when code builds an `EngineConfig`.
+`config.memory_bytes`, ...). Each module receives only its part: `config.part(MemoryConfig)` is
+the `MemoryConfig` of this config's values, which has no other part's fields.
+`toppings-serve` generates its flags from these classes and builds the config from what it
+parsed (server.cli_args); the same checks run when code builds an `EngineConfig`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import TypeVar
 
 from toppings.gpu_lora.eviction import EVICTION_POLICIES
 from toppings.server.lora_modes import LORA_MODES
@@ -30,6 +33,8 @@ KERNELS = ("bgmv", "mbgmv")
 QUEUE_POLICIES = ("fcfs", "chameleon")  # the classes: server.sched.policies
 MEMORY_LAYOUTS = ("pool", "static")  # the layouts: server.memory.layout
 MEMORY_POLICIES = ("lru", "fastlibra")  # the classes: server.memory.policies
+
+Part = TypeVar("Part", bound=Settings)
 
 
 @dataclass(frozen=True)
@@ -263,6 +268,13 @@ class SchedulingConfig(Settings):
 @dataclass(frozen=True)
 class EngineConfig(RuntimeConfig, LoraConfig, MemoryConfig, SchedulingConfig):
     """How one inference server runs its engine: every field of the four sub-configs, flat."""
+
+    def part(self, cls: type[Part]) -> Part:
+        """The sub-config `cls` (one of ENGINE_PARTS) holding this config's values of its
+        fields, and only those."""
+        if cls not in ENGINE_PARTS:
+            raise TypeError(f"{cls.__name__} is not a part of EngineConfig")
+        return cls(**{f.name: getattr(self, f.name) for f in dataclasses.fields(cls)})
 
 
 ENGINE_PARTS: tuple[type[Settings], ...] = (

@@ -20,7 +20,7 @@ from toppings.gpu_lora.host_lora import HostLora, HostLoraRunner
 from toppings.gpu_lora.kernels import select as select_lora_backend
 from toppings.gpu_lora.lora_batch import HostLoraStats, LoraBatch
 from toppings.gpu_lora.peft_format import LoraAdapter
-from toppings.server.config import EngineConfig
+from toppings.server.config import LoraConfig
 from toppings.server.lora_modes import LORA_MODES
 from toppings.server.model.config import ModelConfig
 from toppings.server.requests.request import RequestError
@@ -35,17 +35,23 @@ class AdapterManager:
 
     def __init__(
         self,
-        config: EngineConfig,
+        config: LoraConfig,
+        kernel: str,
+        device: str,
+        max_step_tokens: int,
         model_config: ModelConfig,
         dtype: torch.dtype,
         cache: AdapterCache,
     ):
-        """cache: the device adapter cache (with its pool and loader), built with the node's
-        memory (server/memory/build.py)."""
+        """config: the LoRA part of the engine's configuration; kernel, device: the runtime's
+        LoRA kernel and device; max_step_tokens: the most tokens one step computes (the CPU
+        workers size their buffers for it); cache: the device adapter cache (with its pool and
+        loader), built with the node's memory (server/memory/build.py)."""
         self.config = config
+        self.max_step_tokens = max_step_tokens
         self.model_config = model_config
         self.mode = LORA_MODES[config.lora_mode]
-        self.kernels = select_lora_backend(config.kernel, config.device, dtype)
+        self.kernels = select_lora_backend(kernel, device, dtype)
         self.host_stats = HostLoraStats()
         self.registry: dict[str, LoraAdapter] = {}
         self.cache = cache
@@ -70,7 +76,7 @@ class AdapterManager:
                 self.model_config,
                 self.config.num_cpu_workers,
                 cores=list(self.config.cpu_cores) or None,
-                max_tokens=max(self.config.max_prefill_tokens, self.config.max_batch_size),
+                max_tokens=self.max_step_tokens,
                 spin_us=self.config.cpu_spin_us,
             )
         except BaseException:

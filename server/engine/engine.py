@@ -20,7 +20,7 @@ import torch
 
 from toppings.gpu_lora.peft_format import LoraAdapter, load_peft_adapter
 from toppings.server import native
-from toppings.server.config import EngineConfig
+from toppings.server.config import EngineConfig, LoraConfig, MemoryConfig, SchedulingConfig
 from toppings.server.engine.adapters import AdapterManager
 from toppings.server.engine.model_runner import ModelRunner
 from toppings.server.memory.build import build_memory
@@ -70,19 +70,31 @@ class Engine:
         if config.device == "cpu":
             native.keep_freed_memory()
         self.model = LlamaModel(mc, checkpoint.weights, dtype, config.device, self.max_model_len)
+        # Each part goes to the modules it configures; values another part holds go explicitly.
+        lora_config, sched_config = config.part(LoraConfig), config.part(SchedulingConfig)
         # KV pool, prefix tree, host tier and adapter cache: one owner of device memory.
-        self.memory = build_memory(config, mc, dtype, self.max_model_len, self._free_device_bytes)
+        self.memory = build_memory(
+            config.part(MemoryConfig), lora_config, config.device, config.max_batch_size,
+            mc, dtype, self.max_model_len, self._free_device_bytes,
+        )  # fmt: skip
         self.kv = self.memory.kv
         # The only LoRA object the engine uses.
-        self.lora = AdapterManager(config, mc, dtype, self.memory.adapter_cache)
+        max_step_tokens = max(config.max_prefill_tokens, config.max_batch_size)
+        self.lora = AdapterManager(
+            lora_config, config.kernel, config.device, max_step_tokens,
+            mc, dtype, self.memory.adapter_cache,
+        )  # fmt: skip
         self._adapters = self.lora.registry  # read-only here: name -> LoraAdapter
         self.eos_ids = set(mc.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self.eos_ids.add(self.tokenizer.eos_token_id)
-        self.runner = ModelRunner.create(config, self.model, self.kv, self.lora, self.eos_ids)
+        self.runner = ModelRunner.create(
+            config.use_cuda_graphs, config.max_batch_size, self.model, self.kv, self.lora,
+            self.eos_ids,
+        )  # fmt: skip
         self.scheduler = Scheduler(
-            make_queue_policy(config), self.memory, self.lora, GateLimits.from_config(config),
-            self.eos_ids, self.max_model_len,
+            make_queue_policy(sched_config, config.max_total_tokens), self.memory, self.lora,
+            GateLimits.from_config(sched_config), self.eos_ids, self.max_model_len,
         )  # fmt: skip
         self.queue = self.scheduler.queue  # the waiting requests and who goes next
         self._running = self.scheduler.running  # the scheduler's list, read for views

@@ -2,7 +2,7 @@
 
 A prefill plan computes each prompt from the end of its cached prefix (the KV row's length so
 far); a decode plan gives each running request its next KV slot and feeds its last token. Both
-become one `ForwardBatch` (`_forward`). On CUDA with graphs on (`EngineConfig.use_cuda_graphs`),
+become one `ForwardBatch` (`_forward`). On CUDA with graphs on (`RuntimeConfig.use_cuda_graphs`),
 a decode step replays the graph of its bucket (`cuda_graphs.DecodeGraphs`); steps the graphs
 decline (a batch above the largest bucket, an adapter still loading) and every step on a CPU
 run the model eagerly. The sampler turns the logits into tokens.
@@ -14,7 +14,6 @@ import time
 
 import torch
 
-from toppings.server.config import EngineConfig
 from toppings.server.engine.adapters import AdapterManager
 from toppings.server.engine.sampler import Sampler, logit_rows, score_prompts
 from toppings.server.memory.kv_cache import KVPool
@@ -36,17 +35,20 @@ class ModelRunner:
     @classmethod
     def create(
         cls,
-        config: EngineConfig,
+        use_cuda_graphs: bool,
+        max_batch_size: int,
         model: LlamaModel,
         kv: KVPool,
         lora: AdapterManager,
         eos_ids: set[int],
     ) -> ModelRunner:
+        """A runner that replays decode graphs when `use_cuda_graphs` (the runtime part's), one
+        per batch-size bucket up to `max_batch_size` (the scheduling part's)."""
         graphs = None
-        if config.use_cuda_graphs:
+        if use_cuda_graphs:
             from toppings.server.model.cuda_graphs import DecodeGraphs  # the device module
 
-            buckets = GraphBuckets.for_engine(config.max_batch_size, kv.max_len)
+            buckets = GraphBuckets.for_engine(max_batch_size, kv.max_len)
             graphs = DecodeGraphs(model, kv, lora.pool, lora.kernels.decode, buckets)
         return cls(model, kv, lora, Sampler(eos_ids), graphs)
 

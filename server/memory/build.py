@@ -18,7 +18,7 @@ from toppings.gpu_lora.cache import AdapterCache
 from toppings.gpu_lora.eviction import make_policy
 from toppings.gpu_lora.loader import PipelinedLoader
 from toppings.gpu_lora.targets import ModelShapes
-from toppings.server.config import EngineConfig
+from toppings.server.config import LoraConfig, MemoryConfig
 from toppings.server.memory.adapter_blocks import AdapterBlocks
 from toppings.server.memory.counters import MemoryCounters
 from toppings.server.memory.host_swap import HostSwap
@@ -37,7 +37,10 @@ class MemoryShapes(KVShape, ModelShapes, Protocol):
 
 
 def build_memory(
-    config: EngineConfig,
+    memory: MemoryConfig,
+    lora: LoraConfig,
+    device: str,
+    max_batch_size: int,
     model_config: MemoryShapes,
     dtype: torch.dtype,
     max_model_len: int,
@@ -45,10 +48,15 @@ def build_memory(
 ) -> MemoryManager:
     """The engine's memory (its KV pool is `.kv`, its adapter cache `.adapter_cache`).
 
-    free_device_bytes: () -> free bytes of the device (asked only on CUDA without a budget).
+    memory: the memory part of the engine's configuration; lora: its LoRA part (the adapter
+    cache's budget and eviction, the loader's layer groups, the emulated link); max_batch_size:
+    the KV pool's rows; free_device_bytes: () -> free bytes of the device (asked only on CUDA
+    without a budget).
     """
-    cfg, mc = config, model_config
-    layout = make_layout(cfg.memory_layout, cfg)
+    cfg, mc = memory, model_config
+    layout = make_layout(
+        cfg.memory_layout, cfg, device=device, adapter_cache_bytes=lora.adapter_cache_bytes
+    )
     reclaimer: Reclaimer | None = None
 
     def reclaim(num_blocks: int, keep: frozenset[str] = frozenset()) -> int:
@@ -59,10 +67,10 @@ def build_memory(
         layout.kv_slots(mc, dtype.itemsize, free_device_bytes),
         mc.num_kv_heads,
         mc.head_dim,
-        cfg.max_batch_size,
+        max_batch_size,
         max_model_len,
         dtype,
-        cfg.device,
+        device,
         cfg.block_tokens,
         reclaim=reclaim,
     )
@@ -71,12 +79,12 @@ def build_memory(
     host_blocks = cfg.host_memory_bytes // kv.block_bytes
     swap = None
     if host_blocks and tree is not None:
-        swap = HostSwap(kv, tree, HostKV(kv, host_blocks, cfg.link_gbps), counters)
+        swap = HostSwap(kv, tree, HostKV(kv, host_blocks, lora.link_gbps), counters)
     blocks = AdapterBlocks(kv, reclaim) if layout.charges_adapters() else None
-    pool = AdapterPool(mc, dtype, cfg.device)
-    loader = PipelinedLoader(pool, cfg.layers_per_group, cfg.link_gbps)
+    pool = AdapterPool(mc, dtype, device)
+    loader = PipelinedLoader(pool, lora.layers_per_group, lora.link_gbps)
     cache = AdapterCache(
-        pool, loader, make_policy(cfg.eviction), cfg.adapter_cache_bytes or None, memory=blocks
+        pool, loader, make_policy(lora.eviction), lora.adapter_cache_bytes or None, memory=blocks
     )
     reclaimer = Reclaimer(
         kv, tree, swap, cache, blocks is not None, make_memory_policy(cfg.memory_policy), counters

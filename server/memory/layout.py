@@ -15,22 +15,14 @@ import enum
 from collections.abc import Callable
 from typing import Protocol
 
+from toppings.server.config import MemoryConfig
+
 POOL_SHARE_OF_FREE = 0.4  # CUDA: the memory pool's default share of the free device memory
 
 
 class MemoryLayout(enum.Enum):
     POOL = "pool"
     STATIC = "static"
-
-
-class MemorySettings(Protocol):
-    """The part of the engine configuration a layout reads."""
-
-    device: str
-    max_total_tokens: int
-    adapter_cache_bytes: int
-    memory_bytes: int
-    block_tokens: int
 
 
 class KVShape(Protocol):
@@ -42,12 +34,18 @@ class KVShape(Protocol):
 
 
 class Layout:
-    """What the memory side asks of its layout; one subclass per `MemoryLayout`."""
+    """What the memory side asks of its layout; one subclass per `MemoryLayout`.
+
+    memory: the memory part of the engine's configuration; device: "cpu" or "cuda";
+    adapter_cache_bytes: the adapter cache's byte budget (the LoRA part's; 0: no limit).
+    """
 
     kind: MemoryLayout
 
-    def __init__(self, settings: MemorySettings):
-        self.settings = settings
+    def __init__(self, memory: MemoryConfig, device: str, adapter_cache_bytes: int):
+        self.memory = memory
+        self.device = device
+        self.adapter_cache_bytes = adapter_cache_bytes
 
     def kv_slots(self, model: KVShape, itemsize: int, free_device_bytes: Callable[[], int]) -> int:
         """KV token slots of the engine. itemsize: bytes per KV element; free_device_bytes:
@@ -68,26 +66,25 @@ class Layout:
 
 
 class PoolLayout(Layout):
-    """One budget for KV and adapters (memory_bytes; see EngineConfig for its defaults)."""
+    """One budget for KV and adapters (memory_bytes; see MemoryConfig for its defaults)."""
 
     kind = MemoryLayout.POOL
 
     def kv_slots(self, model: KVShape, itemsize: int, free_device_bytes: Callable[[], int]) -> int:
-        cfg = self.settings
+        cfg = self.memory
         slot_bytes = 2 * model.num_layers * model.num_kv_heads * model.head_dim * itemsize
         budget = cfg.memory_bytes
-        if not budget and cfg.device == "cuda":
+        if not budget and self.device == "cuda":
             # Adapter weights sit in their own tensors beside the KV ones: leave them as much
             # again as the pool.
             budget = int(POOL_SHARE_OF_FREE * free_device_bytes())
         elif not budget:
-            budget = cfg.max_total_tokens * slot_bytes + cfg.adapter_cache_bytes
+            budget = cfg.max_total_tokens * slot_bytes + self.adapter_cache_bytes
         return max(budget // slot_bytes, cfg.block_tokens)
 
     def charges_adapters(self) -> bool:
         # Without any budget on a CPU adapters are not charged: no limit, as with no cache budget.
-        cfg = self.settings
-        return bool(cfg.memory_bytes or cfg.adapter_cache_bytes or cfg.device == "cuda")
+        return bool(self.memory.memory_bytes or self.adapter_cache_bytes or self.device == "cuda")
 
     def adapter_memory_is_scarce(self) -> bool:
         return self.charges_adapters()
@@ -102,16 +99,16 @@ class StaticLayout(Layout):
     kind = MemoryLayout.STATIC
 
     def kv_slots(self, model: KVShape, itemsize: int, free_device_bytes: Callable[[], int]) -> int:
-        return self.settings.max_total_tokens
+        return self.memory.max_total_tokens
 
     def charges_adapters(self) -> bool:
         return False
 
     def adapter_memory_is_scarce(self) -> bool:
-        return bool(self.settings.adapter_cache_bytes)
+        return bool(self.adapter_cache_bytes)
 
     def total_tokens(self, num_slots: int, slot_bytes: float) -> int:
-        return num_slots + int(self.settings.adapter_cache_bytes // slot_bytes)
+        return num_slots + int(self.adapter_cache_bytes // slot_bytes)
 
 
 LAYOUTS: dict[MemoryLayout, type[Layout]] = {
@@ -120,6 +117,9 @@ LAYOUTS: dict[MemoryLayout, type[Layout]] = {
 }
 
 
-def make_layout(name: str, settings: MemorySettings) -> Layout:
-    """The layout named `name` ("pool" or "static") over these settings."""
-    return LAYOUTS[MemoryLayout(name)](settings)
+def make_layout(
+    name: str, memory: MemoryConfig, *, device: str, adapter_cache_bytes: int
+) -> Layout:
+    """The layout named `name` ("pool" or "static"; the engine's is `memory.memory_layout`)
+    over the memory part, the device and the adapter cache's byte budget (0: no limit)."""
+    return LAYOUTS[MemoryLayout(name)](memory, device, adapter_cache_bytes)

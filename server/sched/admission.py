@@ -21,7 +21,7 @@ from toppings.server.requests.sequence import Sequence
 from toppings.server.sched.queueing import Verdict
 
 if TYPE_CHECKING:
-    from toppings.server.config import EngineConfig
+    from toppings.server.config import SchedulingConfig
 
 
 class KVShape(Protocol):
@@ -102,7 +102,7 @@ class GateLimits:
     max_prefill_tokens: int
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> GateLimits:
+    def from_config(cls, config: SchedulingConfig) -> GateLimits:
         return cls(config.max_batch_size, config.max_prefill_tokens)
 
 

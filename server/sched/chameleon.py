@@ -29,7 +29,7 @@ go first, and be squashed later, as server.bypass says.
 
 from __future__ import annotations
 
-from toppings.server.config import EngineConfig
+from toppings.server.config import SchedulingConfig
 from toppings.server.requests.sequence import Sequence
 from toppings.server.sched.backfill import Reservations, allows, reserve, take
 from toppings.server.sched.bypass import SquashBudget, is_deterministic, may_bypass
@@ -44,8 +44,8 @@ class ChameleonQueue(SizeQueues):
 
     name = "chameleon"
 
-    def __init__(self, config: EngineConfig):
-        super().__init__(config)
+    def __init__(self, config: SchedulingConfig, max_total_tokens: int):
+        super().__init__(config, max_total_tokens)
         self._bypasses: list[tuple[Sequence, Sequence]] = []  # (bypassed, bypasser)
         self._reserved: list[Sequence] = []  # waiting requests with a reservation, in order
         self.counters.update(bypasses=0, squashes=0, reserved=0, backfilled=0)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from toppings.server.config import EngineConfig
+from toppings.server.config import SchedulingConfig
 from toppings.server.sched.chameleon import ChameleonQueue
 from toppings.server.sched.queueing import FcfsQueue, QueuePolicy
 
@@ -11,6 +11,7 @@ QUEUE_POLICY_CLASSES: dict[str, type[QueuePolicy]] = {
 }
 
 
-def make_queue_policy(config: EngineConfig) -> QueuePolicy:
-    """The queue policy `config.queue_policy` names, sized from `config`."""
-    return QUEUE_POLICY_CLASSES[config.queue_policy](config)
+def make_queue_policy(config: SchedulingConfig, max_total_tokens: int) -> QueuePolicy:
+    """The queue policy `config.queue_policy` names, sized from `config` and the KV cache's
+    `max_total_tokens` (the memory part's)."""
+    return QUEUE_POLICY_CLASSES[config.queue_policy](config, max_total_tokens)

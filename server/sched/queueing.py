@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from toppings.server.config import EngineConfig
+    from toppings.server.config import SchedulingConfig
     from toppings.server.requests.sequence import Sequence
 
 
@@ -75,7 +75,9 @@ class QueuePolicy:
 
     name = "base"
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: SchedulingConfig, max_total_tokens: int):
+        """config: the scheduling part of the engine's configuration; max_total_tokens: the KV
+        cache's size in tokens (the memory part's), which a policy with quotas starts from."""
         self.config = config
 
     def push(self, seq: Sequence, now: float) -> None:
@@ -113,8 +115,8 @@ class FcfsQueue(QueuePolicy):
 
     name = "fcfs"
 
-    def __init__(self, config: EngineConfig):
-        super().__init__(config)
+    def __init__(self, config: SchedulingConfig, max_total_tokens: int):
+        super().__init__(config, max_total_tokens)
         self._waiting: list[Sequence] = []
 
     def push(self, seq: Sequence, now: float) -> None:

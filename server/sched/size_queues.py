@@ -15,7 +15,7 @@ import logging
 from collections import deque
 from dataclasses import dataclass
 
-from toppings.server.config import EngineConfig
+from toppings.server.config import SchedulingConfig
 from toppings.server.requests.sequence import Sequence
 from toppings.server.sched.queueing import Gate, QueuePolicy
 from toppings.server.sched.sizing import (
@@ -49,12 +49,12 @@ class Size:
 class SizeQueues(QueuePolicy):
     """The waiting requests by size, the sizes of the running ones, and what they produced."""
 
-    def __init__(self, config: EngineConfig):
-        super().__init__(config)
+    def __init__(self, config: SchedulingConfig, max_total_tokens: int):
+        super().__init__(config, max_total_tokens)
         self.slo_s = config.ttft_slo_ms / 1000.0
         self.predictor = OutputPredictor()
         self.cutoffs: list[float] = []
-        self.quotas: list[int] = [config.max_total_tokens]
+        self.quotas: list[int] = [max_total_tokens]  # one queue until the first clustering
         self._maxima = (1.0, 1.0, 1.0)  # maxIn, maxOut, maxAdapter, frozen at each refresh
         self._waiting: list[Sequence] = []  # arrival order
         self._queues: list[list[Sequence]] = [[]]

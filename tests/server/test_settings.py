@@ -72,3 +72,49 @@ def test_each_choice_list_names_its_table():
     assert config.QUEUE_POLICIES == tuple(QUEUE_POLICY_CLASSES)
     assert config.MEMORY_POLICIES == tuple(MEMORY_POLICY_CLASSES)
     assert config.MEMORY_LAYOUTS == tuple(m.value for m in MemoryLayout)
+
+
+def test_a_part_holds_its_fields_only():
+    from toppings.server.config import LoraConfig, MemoryConfig, SchedulingConfig
+
+    engine = EngineConfig(max_total_tokens=4096, ttft_slo_ms=250.0, adapter_cache_bytes=1000)
+    for cls in ENGINE_PARTS:
+        part = engine.part(cls)
+        assert type(part) is cls
+        own = {f.name for f in dataclasses.fields(cls)}
+        assert all(getattr(part, n) == getattr(engine, n) for n in own)
+        others = {f.name for f in dataclasses.fields(EngineConfig)} - own
+        assert not any(hasattr(part, n) for n in others)
+    with pytest.raises(TypeError):
+        engine.part(EngineConfig)
+    assert engine.part(SchedulingConfig).ttft_slo_ms == 250.0
+    assert engine.part(LoraConfig).adapter_cache_bytes == 1000
+    assert engine.part(MemoryConfig).max_total_tokens == 4096
+
+
+def test_modules_built_from_their_parts():
+    from tests.helpers import tiny_model_config
+    from toppings.server.config import LoraConfig, MemoryConfig, SchedulingConfig
+    from toppings.server.memory.layout import MemoryLayout, make_layout
+    from toppings.server.sched.admission import GateLimits
+    from toppings.server.sched.policies import make_queue_policy
+
+    engine = EngineConfig(
+        queue_policy="chameleon",
+        memory_layout="static",
+        max_total_tokens=256,
+        max_batch_size=4,
+        ttft_slo_ms=250.0,
+        adapter_cache_bytes=1000,
+    )
+    sched = engine.part(SchedulingConfig)
+    queue = make_queue_policy(sched, engine.max_total_tokens)
+    assert queue.name == "chameleon" and queue.quotas == [256]
+    assert queue.view()["ttft_slo_ms"] == 250.0
+    assert GateLimits.from_config(sched) == GateLimits(4, engine.max_prefill_tokens)
+    memory, lora = engine.part(MemoryConfig), engine.part(LoraConfig)
+    layout = make_layout(memory.memory_layout, memory, device=engine.device,
+                         adapter_cache_bytes=lora.adapter_cache_bytes)  # fmt: skip
+    assert layout.kind is MemoryLayout.STATIC
+    assert layout.kv_slots(tiny_model_config(), 4, lambda: 0) == 256
+    assert layout.total_tokens(256, 10.0) == 256 + 100

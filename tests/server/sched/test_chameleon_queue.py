@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from toppings.server.config import EngineConfig
+from toppings.server.config import SchedulingConfig
 from toppings.server.requests.request import SamplingParams
 from toppings.server.sched.chameleon import ChameleonQueue
 from toppings.server.sched.queueing import FcfsQueue, Verdict
@@ -119,8 +119,8 @@ class FakeGate:
 
 
 def policy(cutoffs, quotas, kv=1000, slo_ms=5000.0):
-    config = EngineConfig(max_total_tokens=kv, queue_policy="chameleon", ttft_slo_ms=slo_ms)
-    p = ChameleonQueue(config)
+    config = SchedulingConfig(queue_policy="chameleon", ttft_slo_ms=slo_ms)
+    p = ChameleonQueue(config, max_total_tokens=kv)
     p.set_queues(cutoffs, quotas, MAXIMA, now=0.0)
     return p
 
@@ -191,8 +191,8 @@ def test_a_request_larger_than_its_quota_runs_when_its_queue_has_nothing_running
 
 
 def test_quotas_come_from_the_mm1_bound_at_refresh():
-    config = EngineConfig(max_total_tokens=10_000, queue_policy="chameleon", ttft_slo_ms=1000)
-    p = ChameleonQueue(config)
+    config = SchedulingConfig(queue_policy="chameleon", ttft_slo_ms=1000)
+    p = ChameleonQueue(config, max_total_tokens=10_000)
     gate = FakeGate(kv=10_000)
     # 40 small and 40 large requests over 10 s: lambda = 4/s per queue.
     seqs = [small(f"s{i}", i / 8) if i % 2 else large(f"L{i}", i / 8) for i in range(80)]
@@ -320,7 +320,7 @@ def test_a_long_request_is_not_starved_by_a_steady_stream_of_short_ones(monkeypa
     assert p.view()["reserved"] >= 1
     # FCFS serves the same stream in arrival order: the long request waits behind the backlog
     # of short ones that arrived before it (more than 3 per iteration arrive, 1 is served).
-    fcfs = FcfsQueue(EngineConfig(max_total_tokens=200))
+    fcfs = FcfsQueue(SchedulingConfig(), max_total_tokens=200)
     gate = FakeGate(kv=200, ranks={"r10": 10, "r100": 100}, adapter_slots=1000)
     assert simulate(fcfs, gate, stream(), 200)["L"] - 20 > 2 * (10 + 1)
 
@@ -398,7 +398,7 @@ def test_while_a_long_request_waits_only_requests_that_do_not_delay_it_start():
 
 
 def test_fcfs_is_the_same_interface():
-    p = FcfsQueue(EngineConfig())
+    p = FcfsQueue(SchedulingConfig(), max_total_tokens=32768)
     gate = FakeGate(kv=60)
     push(p, small("a", 0), large("b", 1), small("c", 2))
     assert names(p.select(gate, gate.running, now=3)) == ["a"]  # b blocks c: head-of-line

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from toppings.server.config import EngineConfig
+from toppings.server.config import SchedulingConfig
 from toppings.server.requests.request import GenerationRequest, RequestHandle, SamplingParams
 from toppings.server.requests.sequence import Sequence
 from toppings.server.sched.admission import GateLimits
@@ -136,11 +136,12 @@ class Adapters:
 
 
 def make(num_blocks=64, max_batch=8, max_prefill=8192, policy="fcfs", adapters=None):
-    config = EngineConfig(max_total_tokens=num_blocks * BLOCK, queue_policy=policy)
+    config = SchedulingConfig(queue_policy=policy)
     memory, adapters = Memory(num_blocks), adapters or Adapters()
     limits = GateLimits(max_batch, max_prefill)
     clock = iter(range(1_000_000)).__next__  # any increasing clock
-    sched = Scheduler(make_queue_policy(config), memory, adapters, limits, {EOS}, 512, clock)
+    queue = make_queue_policy(config, num_blocks * BLOCK)
+    sched = Scheduler(queue, memory, adapters, limits, {EOS}, 512, clock)
     return sched, memory, adapters
 
 
