@@ -132,21 +132,25 @@ def _proxy(ctx: SchedulerContext, path: str, kind: str) -> Response:
     return Response(body, answer.status, headers, content_type=answer.content_type)
 
 
+# (path, endpoint, body kind) of the bodies proxied to a server: generation, and vLLM's tokenizer
+# endpoints, answered by a server of the body's model.
+PROXIED = (
+    ("/v1/completions", "completions", "completions"),
+    ("/v1/chat/completions", "chat", "chat"),
+    ("/generate", "generate", "native"),
+    ("/tokenize", "tokenize", "completions"),
+    ("/detokenize", "detokenize", "completions"),
+)
+
+
 def _register_requests(app: Flask, ctx: SchedulerContext) -> None:
     """The request endpoints: generation and tokenizer bodies proxied to a server, the model
     cards from the registry."""
     router = ctx.router
-    app.add_url_rule(
-        "/v1/completions", "completions", lambda: _proxy(ctx, "/v1/completions", "completions"),
-        methods=["POST"],
-    )  # fmt: skip
-    app.add_url_rule(
-        "/v1/chat/completions", "chat", lambda: _proxy(ctx, "/v1/chat/completions", "chat"),
-        methods=["POST"],
-    )  # fmt: skip
-    app.add_url_rule(
-        "/generate", "generate", lambda: _proxy(ctx, "/generate", "native"), methods=["POST"]
-    )
+    for path, endpoint, kind in PROXIED:
+        app.add_url_rule(
+            path, endpoint, lambda path=path, kind=kind: _proxy(ctx, path, kind), methods=["POST"]
+        )
 
     @app.get("/v1/models")
     def models() -> Response:
@@ -158,16 +162,6 @@ def _register_requests(app: Flask, ctx: SchedulerContext) -> None:
         if card is None:
             raise SchedulerError(unknown_adapter(model_id), 404, NOT_FOUND)
         return jsonify(card)
-
-    # vLLM's tokenizer endpoints, answered by a server of the body's model.
-    app.add_url_rule(
-        "/tokenize", "tokenize", lambda: _proxy(ctx, "/tokenize", "completions"),
-        methods=["POST"],
-    )  # fmt: skip
-    app.add_url_rule(
-        "/detokenize", "detokenize", lambda: _proxy(ctx, "/detokenize", "completions"),
-        methods=["POST"],
-    )  # fmt: skip
 
 
 def _register_observability(app: Flask, ctx: SchedulerContext) -> None:
