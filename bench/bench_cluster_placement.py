@@ -6,13 +6,13 @@
 
 Per policy, the highest load (requests/s) whose SLO attainment stays >= 99%, found by bisection
 over [lo, hi] on the same trace generator (Poisson, 40,000 adapters, Zipf head drifting by
---drift places per second, scheduler/trace.py); at the paper's load (--rps) every policy's
+--drift places per second, scheduler/sim/trace.py); at the paper's load (--rps) every policy's
 attainment and TPT, loraserve's adapter moves per placement step and the adapters (and bytes)
 each server holds. The SLO, as in bench/cluster_sim.py: TPT <= 1.5x the mean TPT of the same
 trace without LoRA at the paper's load. Iteration latencies: the paper's Fig. 6 models (BGMV),
 not measured here. loraserve's operating points are profiled first, as LoRAServe does on its
 hardware: per rank, the highest load one simulated server sustains at >= 99% attainment.
-Every policy runs on the same adapter memory (scheduler/adapter_pool.py): --host-gib of host
+Every policy runs on the same adapter memory (scheduler/sim/adapter_pool.py): --host-gib of host
 memory per server for adapters (LRU), a miss fetched from a peer over RDMA or from storage;
 loraserve's servers prefetch and keep what each placement assigns them. `rank-partition` is a
 reference point, not a policy (bench/rank_partition.py): fixed rank groups sized from the trace's
@@ -33,12 +33,12 @@ from pathlib import Path
 from bench.envelope import write_result
 from bench.rank_partition import NAME as RANK_PARTITION
 from bench.rank_partition import RankPartition, rank_budgets
-from toppings.scheduler.adapter_pool import BYTES_PER_RANK, GIB, AdapterStoreConfig
 from toppings.scheduler.loraserve import PlacementConfig
 from toppings.scheduler.paper_models import paper_fig6_models
 from toppings.scheduler.policies import POLICIES, LoRAServe, make_policy
-from toppings.scheduler.simulator import SimConfig, simulate
-from toppings.scheduler.trace import TraceConfig, adapter_ranks, generate_trace, trace_summary
+from toppings.scheduler.sim.adapter_pool import BYTES_PER_RANK, GIB, AdapterStoreConfig
+from toppings.scheduler.sim.simulator import SimConfig, simulate
+from toppings.scheduler.sim.trace import TraceConfig, adapter_ranks, generate_trace, trace_summary
 
 log = logging.getLogger("bench_cluster_placement")
 TARGET = 0.99
@@ -282,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
             " same for every policy); a miss is fetched from a peer's host memory over RDMA"
             " (peer_gbps, peer_latency_s) when any server holds it, else from storage; loraserve"
             " prefetches and pins what each placement assigns; adapter bytes for Llama-7B, LoRA"
-            " on q/k/v, fp16 (1.5 MiB per rank); sources in scheduler/adapter_pool.py",
+            " on q/k/v, fp16 (1.5 MiB per rank); sources in scheduler/sim/adapter_pool.py",
             "rank_partition": "reference, not a policy: servers split by rank in proportion to"
             " the trace's true request share / the rank's operating point, rank-aware cost"
             " inside the group (bench/rank_partition.py)",

@@ -25,8 +25,8 @@ from bench.envelope import write_result
 from toppings.scheduler.paper_models import paper_fig6_models
 from toppings.scheduler.perf_model import PerfModels
 from toppings.scheduler.policies import POLICIES, LoRAServe, make_policy
-from toppings.scheduler.simulator import SimConfig, simulate
-from toppings.scheduler.trace import TraceConfig, generate_trace, trace_summary
+from toppings.scheduler.sim.simulator import SimConfig, simulate
+from toppings.scheduler.sim.trace import TraceConfig, generate_trace, trace_summary
 
 log = logging.getLogger("cluster_sim")
 # The routing policies; loraserve places adapters too and has its own driver

@@ -64,7 +64,7 @@ class Policy(ABC):
     def holdings(self) -> tuple[int, Mapping[str, frozenset[str]]] | None:
         """What a placing policy assigned to each server: (version, server url -> adapters),
         the version changing with each new placement; None for routing-only policies. The
-        simulator has servers prefetch and keep these adapters (scheduler/adapter_pool.py)."""
+        simulator has servers prefetch and keep these adapters (scheduler/sim/adapter_pool.py)."""
         return None
 
     def decode_after(self, request: RouteRequest, server: ServerState) -> float:

@@ -32,7 +32,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from toppings.scheduler.trace import TraceConfig, lognormal_mu
+from toppings.scheduler.sim.trace import TraceConfig, lognormal_mu
 
 ARRIVALS = ("poisson", "gamma", "constant")
 POPULARITY = ("uniform", "zipf", "power", "azure")

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from toppings.scheduler.adapter_pool import AdapterPool, AdapterStoreConfig, HostCache
 from toppings.scheduler.loraserve import PlacementConfig
 from toppings.scheduler.paper_models import paper_fig6_models
 from toppings.scheduler.policies import make_policy
-from toppings.scheduler.simulator import SimConfig, simulate
+from toppings.scheduler.sim.adapter_pool import AdapterPool, AdapterStoreConfig, HostCache
+from toppings.scheduler.sim.simulator import SimConfig, simulate
+from toppings.scheduler.sim.trace import TraceConfig, TraceRequest, generate_trace
 from toppings.scheduler.state import BatchShape
-from toppings.scheduler.trace import TraceConfig, TraceRequest, generate_trace
 
 PERF = paper_fig6_models()
 MB = 1_000_000

@@ -131,7 +131,7 @@ HTTP_CONTRACT = (
 
 
 def test_scheduler_imports_only_the_http_contract_of_the_server():
-    modules = sorted(SCHEDULER_DIR.glob("*.py"))
+    modules = sorted(SCHEDULER_DIR.rglob("*.py"))
     assert len(modules) > 5
     for path in modules:
         for name in _toppings_imports(path):

@@ -8,9 +8,9 @@ from collections import Counter
 from toppings.scheduler.loraserve import PlacementConfig
 from toppings.scheduler.paper_models import paper_fig6_models
 from toppings.scheduler.policies import make_policy
-from toppings.scheduler.simulator import SimConfig, simulate
+from toppings.scheduler.sim.simulator import SimConfig, simulate
+from toppings.scheduler.sim.trace import TraceConfig, generate_trace
 from toppings.scheduler.state import BatchShape, RouteRequest, ServerState
-from toppings.scheduler.trace import TraceConfig, generate_trace
 
 PERF = paper_fig6_models()
 SLO_MS = 58.7

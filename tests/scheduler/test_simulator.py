@@ -6,9 +6,9 @@ import pytest
 
 from toppings.scheduler.paper_models import paper_fig6_models
 from toppings.scheduler.policies import POLICIES, make_policy
-from toppings.scheduler.simulator import SimConfig, simulate
+from toppings.scheduler.sim.simulator import SimConfig, simulate
+from toppings.scheduler.sim.trace import TraceConfig, TraceRequest, generate_trace, trace_summary
 from toppings.scheduler.state import BatchShape
-from toppings.scheduler.trace import TraceConfig, TraceRequest, generate_trace, trace_summary
 
 PERF = paper_fig6_models()
 

@@ -1,6 +1,6 @@
 """Discrete-event simulation of a cluster of LoRA servers routed by a `Policy`.
 
-Each simulated server runs the engine's continuous-batching loop (scheduler/sim_server.py);
+Each simulated server runs the engine's continuous-batching loop (scheduler/sim/server.py);
 iteration durations come from the perf models of the server's kernel. The policy sees what the
 real scheduler sees: a snapshot of every server taken every `refresh_s` plus the requests it
 routed since. A request reserves KV slots for its prompt and its true output length (the engine
@@ -11,7 +11,7 @@ the trace): that is where `loraserve` re-places.
 Adapter memory, two modes (`SimConfig.adapter_store`):
 - None (the original model): every adapter is in every server's host memory; nothing is loaded.
 - an `AdapterStoreConfig`: each server holds a bounded LRU cache of adapters in host memory
-  (scheduler/adapter_pool.py), seeded with adapter i on server i mod S; a request routed to a
+  (scheduler/sim/adapter_pool.py), seeded with adapter i on server i mod S; a request routed to a
   server without its adapter waits for the fetch (from a peer that holds it, else storage)
   before its prefill can start. A policy that places adapters (`Policy.holdings`, loraserve)
   has each server prefetch and pin what it was assigned at every placement. Every server can
@@ -28,12 +28,12 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from toppings.scheduler.adapter_pool import AdapterPool
 from toppings.scheduler.perf_model import PerfModels
 from toppings.scheduler.policies import Policy
-from toppings.scheduler.sim_server import SimConfig, SimRequest, SimServer
+from toppings.scheduler.sim.adapter_pool import AdapterPool
+from toppings.scheduler.sim.server import SimConfig, SimRequest, SimServer
+from toppings.scheduler.sim.trace import TraceRequest
 from toppings.scheduler.state import RouteRequest, ServerState
-from toppings.scheduler.trace import TraceRequest
 
 __all__ = ["SimConfig", "SimResult", "SimServer", "simulate"]
 

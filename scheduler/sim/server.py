@@ -1,9 +1,9 @@
-"""One simulated server: continuous batching on the perf models (see scheduler/simulator.py).
+"""One simulated server: continuous batching on the perf models (see scheduler/sim/simulator.py).
 
 When requests wait and fit (batch size, KV slots for prompt + output, prefill token budget), the
 next iteration prefills them, FIFO, and they emit their first token; otherwise it decodes one
 token for the whole running batch. A request whose adapter is still being fetched into host
-memory (scheduler/adapter_pool.py) is counted as queued from the moment it is routed, but joins
+memory (scheduler/sim/adapter_pool.py) is counted as queued from the moment it is routed, but joins
 the FIFO only when the adapter has arrived (`enqueue(..., fetching=True)`, then `release`).
 """
 
@@ -14,10 +14,10 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
-from toppings.scheduler.adapter_pool import AdapterStoreConfig
 from toppings.scheduler.perf_model import PerfModels
+from toppings.scheduler.sim.adapter_pool import AdapterStoreConfig
+from toppings.scheduler.sim.trace import TraceRequest
 from toppings.scheduler.state import BatchShape, ServerState
-from toppings.scheduler.trace import TraceRequest
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,7 @@ class SimConfig:
     # Like the scheduler's /stats polling: policies see snapshots taken every refresh_s (at the
     # first arrival after each tick) plus the requests routed since; 0 means always fresh.
     refresh_s: float = 0.1
-    # Bounded host memory per server and a cost per adapter miss (scheduler/adapter_pool.py);
+    # Bounded host memory per server and a cost per adapter miss (scheduler/sim/adapter_pool.py);
     # None: every adapter is in every server's host memory and a miss never happens.
     adapter_store: AdapterStoreConfig | None = None
 
