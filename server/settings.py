@@ -8,8 +8,8 @@ from the command line or in code) refuses a bad value with a ValueError that nam
 A class checks what involves several of its fields in its own `check` method, which `validate`
 calls after the per-field checks.
 
-Imports nothing else of toppings: the configuration modules, the HTTP options and the launcher's
-flags all use it.
+Imports nothing else of toppings: the configuration modules, the HTTP options and the serve
+command's flags (cli_args.py) use it.
 """
 
 from __future__ import annotations
