@@ -14,6 +14,7 @@ import logging
 import queue
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -95,12 +96,18 @@ class Engine:
         self.scheduler = Scheduler(
             make_queue_policy(sched_config, config.max_total_tokens), self.memory, self.lora,
             GateLimits.from_config(sched_config), self.eos_ids, self.max_model_len,
+            on_end=self._request_ended,
         )  # fmt: skip
         self.queue = self.scheduler.queue  # the waiting requests and who goes next
         self._running = self.scheduler.running  # the scheduler's list, read for views
         self._inbox: queue.Queue = queue.Queue()
         self.step_stats = StepStats()
         self._lock = threading.Lock()  # held during a step and while the pool changes
+        # Held while requests are checked and queued and while an adapter is removed (taken
+        # after _lock where both are held): a request accepted for an adapter counts in
+        # _adapter_users until it ends, so no unload can pull the adapter from under it.
+        self._accepting = threading.Lock()
+        self._adapter_users: Counter[str] = Counter()
         self._stopping = threading.Event()
         self._draining = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
@@ -137,18 +144,14 @@ class Engine:
         return adapter
 
     def remove_adapter(self, name: str) -> None:
-        """Unregister an adapter; refused (409) while a queued or running request uses it."""
-        with self._lock:
+        """Unregister an adapter; refused (409) while a request accepted for it has not ended."""
+        with self._lock, self._accepting:
             if name not in self._adapters:
                 raise RequestError(unknown_adapter(name), 404, NOT_FOUND)
-            with self._inbox.mutex:  # requests submitted but not yet picked up count too
-                pending = [s for item in self._inbox.queue if isinstance(item, list)
-                           for s in item]  # fmt: skip
-            seqs = pending + list(self.queue) + self._running
-            users = [s for s in seqs if s.request.adapter == name]
+            users = self._adapter_users[name]
             if users:
                 raise RequestError(
-                    f"adapter {name!r} is in use by {len(users)} requests; retry when they end",
+                    f"adapter {name!r} is in use by {users} requests; retry when they end",
                     409, "conflict",
                 )  # fmt: skip
             self.lora.unregister(name)
@@ -206,12 +209,20 @@ class Engine:
         """Queue requests together (the choices and prompts of one HTTP request): the engine
         picks them up in one iteration, so they share a prefill step. Raises RequestError for
         the first that can never be served, and then queues none."""
-        for request in requests:
-            self._check(request)
-        seqs = [Sequence(r, RequestHandle(r, self.abort), self.tokenizer, time.monotonic())
-                for r in requests]  # fmt: skip
-        self._inbox.put(seqs)
+        with self._accepting:  # an unload sees these requests from here on
+            for request in requests:
+                self._check(request)
+            seqs = [Sequence(r, RequestHandle(r, self.abort), self.tokenizer, time.monotonic())
+                    for r in requests]  # fmt: skip
+            self._adapter_users.update(r.adapter for r in requests if r.adapter is not None)
+            self._inbox.put(seqs)
         return [s.handle for s in seqs]
+
+    def _request_ended(self, seq: Sequence) -> None:
+        """A request ended on any path: it no longer keeps its adapter registered."""
+        if seq.request.adapter is not None:
+            with self._accepting:
+                self._adapter_users[seq.request.adapter] -= 1
 
     def _check(self, request: GenerationRequest) -> None:
         if self._stopping.is_set() or self._draining.is_set():
@@ -282,7 +293,11 @@ class Engine:
             if self._stopping.is_set():
                 break
             with self._lock:
-                plan = self.scheduler.schedule()
+                try:
+                    plan = self.scheduler.schedule()
+                except Exception:  # the loop outlives any fault of a plan's making
+                    log.exception("scheduling failed")
+                    plan = None
                 if plan is not None:
                     started = time.perf_counter()
                     try:

@@ -133,8 +133,12 @@ class AdmissionGate:
         self.admitted: list[Sequence] = []
         self.prefill_tokens = 0
         self._queued: frozenset[str] | None = None
+        # What the policy asked about last, a request or an adapter: when forming the batch
+        # raises, the scheduler fails that one alone (Scheduler.schedule).
+        self.asked: Sequence | str | None = None
 
     def try_admit(self, seq: Sequence) -> Verdict:
+        self.asked = seq
         mem, lora, limits = self.memory, self.adapters, self.limits
         if len(self.running) + len(self.admitted) >= limits.max_batch_size:
             return Verdict.BATCH_FULL
@@ -179,11 +183,13 @@ class AdmissionGate:
         seq.restart()
 
     def fits_if_released(self, waiting: Sequence, running: Sequence) -> bool:
+        self.asked = waiting
         return self.adapters.fits_if_released(waiting.request.adapter, running.request.adapter)
 
     def adapter_tokens(self, adapter: str | None) -> int:
         """KV tokens' worth of memory the adapter takes (0 while adapter memory is not scarce:
         a static layout without an adapter budget, or a pool that does not charge adapters)."""
+        self.asked = adapter
         if adapter is None:
             return 0
         return self.memory.adapter_tokens(self.adapters.bytes_of(adapter))
@@ -191,6 +197,7 @@ class AdmissionGate:
     def adapter_size(self, adapter: str | None) -> float:
         """The adapter's bytes; the base model counts as the smallest adapter (its requests
         are sized by their lengths, not put all in the first queue)."""
+        self.asked = adapter
         if adapter is not None:
             return float(self.adapters.bytes_of(adapter))
         sizes = [self.adapters.bytes_of(n) for n in list(self.adapters.registry)]
@@ -213,6 +220,7 @@ class AdmissionGate:
         return self.limits.max_batch_size - len(self.running) - len(self.admitted)
 
     def need_tokens(self, seq: Sequence) -> int:
+        self.asked = seq
         mem, adapter = self.memory, seq.request.adapter
         need = mem.kv_need(seq, mem.match(seq))
         if seq.cache_entry is None:

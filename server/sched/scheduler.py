@@ -11,6 +11,7 @@ step (`fail`), not the others.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ from toppings.server.requests.sequence import Sequence
 from toppings.server.sched.admission import Adapters, AdmissionGate, GateLimits, Memory, release
 from toppings.server.sched.queueing import QueuePolicy
 
+log = logging.getLogger(__name__)
 COMPLETED = ("stop", "length")  # finish reasons of a request that ran to its end
 
 
@@ -53,10 +55,13 @@ class Scheduler:
         eos_ids: set[int],
         max_model_len: int,
         clock: Callable[[], float] = time.monotonic,
+        on_end: Callable[[Sequence], None] = lambda seq: None,
     ):
+        """on_end: called once for each request when it ends, on any path."""
         self.queue = queue  # the waiting requests and who goes next
         self.memory, self.adapters, self.limits = memory, adapters, limits
         self.eos_ids, self.max_model_len, self.clock = eos_ids, max_model_len, clock
+        self.on_end = on_end
         self.running: list[Sequence] = []
         self.finished: dict[str, int] = {}  # finish reason -> requests
 
@@ -76,11 +81,30 @@ class Scheduler:
         """The next step, or None when nothing can run now (requests may wait for an adapter
         load or for memory)."""
         self.memory.tick(self.clock())
-        admitted = self.queue.select(self.gate(), self.running, self.clock())
+        gate = self.gate()
+        try:
+            admitted = self.queue.select(gate, self.running, self.clock())
+        except Exception as exc:  # one request's admission failing fails that request only
+            log.exception("admission failed")
+            admitted = self._recover(gate, f"admission error: {exc}")
         step = admitted or list(self.running)
         if not step:
             return None
         return StepPlan(tuple(sorted(step, key=lambda s: s.request.adapter or "")), bool(admitted))
+
+    def _recover(self, gate: AdmissionGate, error: str) -> list[Sequence]:
+        """After a queue policy raised: the requests the gate admitted go ahead (they hold their
+        memory); the one the policy asked about last fails (every waiting request of the
+        adapter it asked about; every waiting request when it asked about none)."""
+        asked = gate.asked
+        if isinstance(asked, Sequence):
+            culprits = [asked]
+        else:
+            culprits = [s for s in self.queue if asked is None or s.request.adapter == asked]
+        for seq in culprits:
+            if seq not in gate.admitted:
+                self.finish(seq, "error", error=error)
+        return [s for s in gate.admitted if not s.finished]
 
     def update(self, plan: StepPlan, result: StepResult) -> None:
         """Take a step's tokens: prefilled requests start running; finished ones end."""
@@ -122,6 +146,7 @@ class Scheduler:
             self.queue.finished(seq, reason in COMPLETED, self.clock())
         self.release(seq, keep_kv=reason != "error")
         seq.finish(reason, error)
+        self.on_end(seq)
 
     def release(self, seq: Sequence, keep_kv: bool = True) -> None:
         """Give back what a request holds (see `admission.release`)."""
