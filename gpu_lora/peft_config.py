@@ -18,6 +18,7 @@ from toppings.gpu_lora.targets import ATTN_PROJECTIONS, LORA_TARGETS, ModelShape
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 PICKLE_FILE = "adapter_model.bin"
+MAX_CONFIG_BYTES = 1 << 20  # a PEFT config is a few kB; a larger one is refused unread
 
 # Config fields that must stay at their neutral (falsy) value: each changes the forward pass.
 _UNSUPPORTED = {
@@ -66,9 +67,15 @@ def read_adapter_config(path: str | os.PathLike) -> dict:
     if not cfg_path.is_file():
         raise AdapterError(f"{CONFIG_FILE} missing in {str(root)!r}")
     try:
-        cfg = json.loads(cfg_path.read_text())
+        with open(cfg_path, "rb") as f:
+            raw = f.read(MAX_CONFIG_BYTES + 1)
+        if len(raw) > MAX_CONFIG_BYTES:
+            raise AdapterError(f"{cfg_path} is larger than {MAX_CONFIG_BYTES} bytes")
+        cfg = json.loads(raw.decode("utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise AdapterError(f"{cfg_path} is not valid JSON: {exc}") from exc
+    except RecursionError as exc:
+        raise AdapterError(f"{cfg_path} nests its JSON too deeply") from exc
     if not isinstance(cfg, dict):
         raise AdapterError(f"{cfg_path} must hold a JSON object")
     _check_fields(cfg, cfg_path)

@@ -21,8 +21,8 @@ CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 FILES = (CONFIG_FILE, WEIGHTS_FILE)
 CHUNK_BYTES = 1 << 20
-MAX_CONFIG_BYTES = 1 << 20  # a PEFT config is a few kB
 MAX_WEIGHTS_BYTES = 8 << 30  # a rank-256 adapter of a 70B model on every projection is < 8 GiB
+MAX_CONFIG_BYTES = 1 << 20  # a PEFT config is a few kB (gpu_lora.peft_config refuses larger)
 MAX_BYTES = {CONFIG_FILE: MAX_CONFIG_BYTES, WEIGHTS_FILE: MAX_WEIGHTS_BYTES}
 HEX = frozenset("0123456789abcdef")
 

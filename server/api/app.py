@@ -62,7 +62,9 @@ OPEN_PATHS = frozenset({"/health"})  # answered without an API key (load balance
 
 def _check_key(expected: str) -> None:
     scheme, _, given = request.headers.get("Authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip(), expected):
+    # Bytes: compare_digest refuses str with non-ASCII characters (a 500 instead of a 401).
+    given_bytes = given.strip().encode("utf-8", "surrogateescape")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(given_bytes, expected.encode()):
         raise RequestError("a valid API key is required (Authorization: Bearer KEY)", 401,
                            "authentication_error")  # fmt: skip
 

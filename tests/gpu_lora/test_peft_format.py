@@ -155,6 +155,20 @@ def test_config_rejections(adapter_dir: Path, changes: dict, message: str) -> No
 
 
 @pytest.mark.parametrize(
+    "text, message",
+    [
+        ('{"peft_type": "LORA", "pad": "' + "x" * (1 << 20) + '"}', "larger than 1048576 bytes"),
+        ("[" * 200_000 + "]" * 200_000, "nests its JSON too deeply"),
+    ],
+    ids=["over-1-MiB", "200000-deep"],
+)
+def test_a_huge_or_deeply_nested_config_is_refused_unparsed(adapter_dir, text, message) -> None:
+    (adapter_dir / "adapter_config.json").write_text(text)
+    with pytest.raises(AdapterError, match=message):
+        read_adapter_config(adapter_dir)
+
+
+@pytest.mark.parametrize(
     "fn, message",
     [
         (

@@ -148,7 +148,9 @@ def test_error_messages_name_the_cause(client, dirs):
 
 
 @pytest.mark.parametrize(
-    "headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}], ids=str
+    "headers",
+    [{}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}, {"Authorization": "Bearer é"}],
+    ids=str,
 )
 def test_api_key_is_checked_everywhere_but_health(client, headers):
     for method, path in [("GET", "/stats"), ("GET", "/metrics"), ("GET", "/v1/models"),
