@@ -93,13 +93,6 @@ def test_server_rooms_import_only_downwards():
                 assert order[there] < order[here], f"{name} (in {here}) imports {dep} ({there})"
 
 
-def test_adapter_side_and_scheduler_stay_below_the_server():
-    for name, deps in GRAPH.items():
-        package = name.split(".")[1]
-        if package in ("gpu_lora", "cpu_lora"):
-            assert not {d for d in deps if d.startswith("toppings.server")}, name
-
-
 def test_no_room_holds_more_than_twenty_modules():
     sizes = Counter(_room(name) for name, path in MODULES.items() if path.name != "__init__.py")
     crowded = {room: n for room, n in sizes.items() if n > MAX_MODULES_PER_ROOM}

@@ -222,7 +222,10 @@ class Engine:
         """A request ended on any path: it no longer keeps its adapter registered."""
         if seq.request.adapter is not None:
             with self._accepting:
-                self._adapter_users[seq.request.adapter] -= 1
+                users = self._adapter_users
+                users[seq.request.adapter] -= 1
+                if not users[seq.request.adapter]:
+                    del users[seq.request.adapter]  # no entry kept per adapter name ever used
 
     def _check(self, request: GenerationRequest) -> None:
         if self._stopping.is_set() or self._draining.is_set():
@@ -269,7 +272,7 @@ class Engine:
             adapters=tuple(
                 AdapterView(n, a.rank, n in is_resident) for n, a in list(self._adapters.items())
             ),
-            free_kv_tokens=(self.kv.num_blocks - self.memory.committed()) * self.kv.block_tokens,
+            free_kv_tokens=self.memory.free_tokens(),
             max_total_tokens=self.kv.num_slots,
             memory=self.memory.view(),
             healthy=self.is_healthy(),
@@ -331,8 +334,3 @@ class Engine:
                 item = self._inbox.get_nowait()
         except queue.Empty:
             pass
-
-    def release(self, seq: Sequence, keep_kv: bool = True) -> None:
-        """Give back a request's KV row, reservation and prefix-tree nodes (its computed blocks
-        stay cached unless keep_kv is False: after an error) and its adapter reference."""
-        self.scheduler.release(seq, keep_kv)
