@@ -1,0 +1,304 @@
+"""A soak of one `toppings-serve`: mixed tenants, adapter churn, disconnects, a poisoned adapter.
+
+    python -m bench.soak --duration 600 [--clients 6] [--serve-args "--lora-mode cpu-assisted"]
+
+For `--duration` seconds, `--clients` threads send completions and chat requests (streamed or
+not, some cancelled after their first chunk) to the base model and to 8 random rank-8 adapters
+of SmolLM2, while a churn thread unloads one of the 8 and loads it back every second, and one
+client asks for a poisoned adapter (`lora_alpha` 1e308: every product with it overflows) that
+it also tries to load every few seconds. `/health` is polled each second and the server's RSS
+(its CPU workers included) sampled every 10 s.
+
+What counts as a failure: any answer to a healthy request other than 200, or 404 / 409 for an
+adapter the churn thread has just taken away; a transport error that was not our own cancel; a
+`/health` that is not 200 (an engine death). At the end, with no request in flight, `/stats` must
+be balanced (nothing running or queued, no KV block or adapter reference held by a request) and
+after the server stops, /dev/shm must hold what it held before. Writes bench/results/soak.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import logging
+import os
+import random
+import shlex
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import requests
+
+from bench.envelope import describe_device, write_result
+from toppings.scripts.demo import start, stop, wait_healthy
+from toppings.scripts.make_adapters import load_base, make_random_adapter
+from toppings.server.model.loader import resolve_model_dir
+
+log = logging.getLogger("soak")
+
+NUM_ADAPTERS = 8
+POISON = "poison"
+PROMPTS = ("Tell me about the sea.", "List three colours.", "What is 2+2?", "Write a haiku.")
+# Answers a healthy request may get while the churn thread has its adapter unloaded.
+CHURN_STATUSES = (404, 409)
+
+
+def make_adapters(root: Path) -> list[str]:
+    """8 rank-8 adapters on q/v/o, and the poisoned one, under `root`; returns the 8 names."""
+    names = [f"tenant-{i}" for i in range(NUM_ADAPTERS)]
+    base = None
+    for i, name in enumerate(names + [POISON]):
+        if (root / name / "adapter_model.safetensors").is_file():
+            continue
+        base = base or load_base(resolve_model_dir("smollm2"))
+        targets = ("q_proj", "v_proj", "o_proj")
+        make_random_adapter(root / name, base, rank=8, target_modules=targets, seed=100 + i)
+    config_path = root / POISON / "adapter_config.json"
+    config = json.loads(config_path.read_text())
+    config["lora_alpha"] = 1e308
+    config_path.write_text(json.dumps(config))
+    return names
+
+
+class Tally:
+    """Outcomes by kind, shared by the client threads."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.counts: collections.Counter[str] = collections.Counter()
+        self.failures: list[str] = []
+
+    def add(self, kind: str, failure: str | None = None) -> None:
+        with self.lock:
+            self.counts[kind] += 1
+            if failure is not None and len(self.failures) < 50:
+                self.failures.append(failure)
+
+
+def rss_kib(pid: int) -> int:
+    """Resident set of `pid` and its children (the CPU workers), KiB."""
+    total = 0
+    pids = [pid]
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            children = Path(f"/proc/{pid}/task/{tid}/children").read_text().split()
+            pids += [int(c) for c in children]
+    except OSError:
+        pass
+    for p in pids:
+        try:
+            for line in Path(f"/proc/{p}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1])
+        except OSError:
+            pass
+    return total
+
+
+class Soak:
+    def __init__(self, url: str, base: str, root: Path, names: list[str], key: str, seed: int):
+        self.url, self.base, self.root, self.names = url, base, root, names
+        self.headers = {"Authorization": f"Bearer {key}"}
+        self.tally = Tally()
+        self.stop = threading.Event()
+        self.loaded = set(names)
+        self.loaded_lock = threading.Lock()
+        self.rng = random.Random(seed)
+
+    def post(self, path: str, body: dict, **kw) -> requests.Response:
+        return requests.post(self.url + path, json=body, headers=self.headers, **kw)
+
+    def load(self, name: str) -> int:
+        body = {"lora_name": name, "lora_path": str(self.root / name)}
+        return self.post("/v1/load_lora_adapter", body, timeout=60).status_code
+
+    def unload(self, name: str) -> int:
+        return self.post("/v1/unload_lora_adapter", {"lora_name": name}, timeout=60).status_code
+
+    def client(self, idx: int) -> None:
+        rng = random.Random(idx)
+        while not self.stop.is_set():
+            model = rng.choice([*self.names, self.base, self.base])
+            self.one_request(rng, model, idx)
+
+    def one_request(self, rng: random.Random, model: str, idx: int) -> None:
+        chat = rng.random() < 0.5
+        stream = rng.random() < 0.5
+        cancel = stream and rng.random() < 0.2
+        body: dict = {"model": model, "max_tokens": rng.randint(4, 24), "stream": stream}
+        body["temperature"] = rng.choice([0.0, 0.8])
+        prompt = rng.choice(PROMPTS) * rng.randint(1, 8)
+        if chat:
+            body["messages"] = [{"role": "user", "content": prompt}]
+        else:
+            body["prompt"] = prompt
+        path = "/v1/chat/completions" if chat else "/v1/completions"
+        kind = "base" if model == self.base else "adapter"
+        try:
+            with self.post(path, body, timeout=120, stream=stream) as r:
+                if r.status_code in CHURN_STATUSES and kind == "adapter":
+                    self.tally.add(f"{kind}_{r.status_code}_churn")
+                    return
+                if r.status_code != 200:
+                    failure = f"{model} {path}: {r.status_code} {r.text[:200]}"
+                    self.tally.add(f"{kind}_fail", failure)
+                    return
+                if stream:
+                    for i, line in enumerate(r.iter_lines()):
+                        if b'"error"' in line:
+                            self.tally.add(f"{kind}_fail", f"{model}: stream error {line[:200]}")
+                            return
+                        if cancel and i >= 1:
+                            self.tally.add(f"{kind}_cancelled")
+                            return  # closing the connection mid-stream: a client disconnect
+                else:
+                    r.json()["choices"][0]
+                self.tally.add(f"{kind}_ok")
+        except (requests.RequestException, ValueError, KeyError) as e:
+            self.tally.add(f"{kind}_fail", f"{model}: {type(e).__name__} {e}")
+
+    def poison_client(self) -> None:
+        while not self.stop.wait(3.0):
+            status = self.load(POISON)
+            self.tally.add(f"poison_load_{status}")
+            body = {"model": POISON, "prompt": "Hello", "max_tokens": 8}
+            try:
+                r = self.post("/v1/completions", body, timeout=60)
+                self.tally.add(f"poison_request_{r.status_code}")
+            except requests.RequestException as e:
+                self.tally.add("poison_request_error", f"poison: {e}")
+
+    def churn(self) -> None:
+        while not self.stop.wait(1.0):
+            name = self.rng.choice(self.names)
+            status = self.unload(name)
+            self.tally.add(f"churn_unload_{status}")
+            if status == 200:
+                status = self.load(name)
+                self.tally.add(f"churn_load_{status}")
+                if status != 200:
+                    self.tally.add("churn_fail", f"reload {name}: {status}")
+
+    def watch(self, pid: int, rss: list[tuple[float, int]], t0: float) -> None:
+        last_rss = 0.0
+        while not self.stop.wait(1.0):
+            try:
+                status = requests.get(self.url + "/health", timeout=5).status_code
+            except requests.RequestException as e:
+                status = type(e).__name__
+            if status != 200:
+                self.tally.add("health_not_ok", f"/health: {status}")
+            if time.monotonic() - last_rss >= 10.0:
+                last_rss = time.monotonic()
+                rss.append((round(last_rss - t0, 1), rss_kib(pid)))
+
+
+def shm_entries() -> set[str]:
+    try:
+        return set(os.listdir("/dev/shm"))
+    except OSError:
+        return set()
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--duration", type=float, default=600.0)
+    p.add_argument("--clients", type=int, default=6)
+    p.add_argument("--warmup", type=float, default=60.0, help="seconds before RSS counts")
+    p.add_argument("--port", type=int, default=8471)
+    p.add_argument("--serve-args", default="", help="extra toppings-serve flags")
+    p.add_argument("--work", default=None, help="directory for adapters and logs")
+    p.add_argument("--out", default="bench/results/soak.json")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+
+    work = Path(args.work or tempfile.mkdtemp(prefix="soak-"))
+    root = work / "adapters"
+    root.mkdir(parents=True, exist_ok=True)
+    names = make_adapters(root)
+    key = "soak-key"
+    shm_before = shm_entries()
+    serve = ["--model", "smollm2", "--port", str(args.port), "--allowed-lora-root", str(root)]
+    serve += ["--api-key", key, *shlex.split(args.serve_args)]
+    logfile = work / "server.log"
+    proc = start("toppings.server.cli", serve, logfile)
+    url = f"http://127.0.0.1:{args.port}"
+    try:
+        wait_healthy(url, proc, logfile, 900.0)
+        models = requests.get(url + "/v1/models", headers={"Authorization": f"Bearer {key}"})
+        base = models.json()["data"][0]["id"]
+        soak = Soak(url, base, root, names, key, seed=0)
+        for name in names:
+            if soak.load(name) != 200:
+                raise SystemExit(f"could not load {name}; see {logfile}")
+        rss: list[tuple[float, int]] = []
+        t0 = time.monotonic()
+        threads = [threading.Thread(target=soak.client, args=(i,)) for i in range(args.clients)]
+        threads += [threading.Thread(target=f) for f in (soak.churn, soak.poison_client)]
+        threads.append(threading.Thread(target=soak.watch, args=(proc.pid, rss, t0)))
+        for t in threads:
+            t.start()
+        while time.monotonic() - t0 < args.duration and proc.poll() is None:
+            time.sleep(5.0)
+            log.info("%.0f s: %s", time.monotonic() - t0, dict(soak.tally.counts))
+        soak.stop.set()
+        for t in threads:
+            t.join()
+        alive = proc.poll() is None
+        stats = requests.get(url + "/stats", headers=soak.headers, timeout=30).json()
+    finally:
+        stop([proc])
+    time.sleep(1.0)
+    leaked_shm = sorted(shm_entries() - shm_before)
+    memory = stats.get("memory", {})
+    blocks = memory.get("blocks", {})
+    balanced = (
+        not stats["running"]
+        and not stats["queue"]
+        and stats.get("num_in_flight", 0) == 0
+        and blocks.get("kv_in_use", 0) == 0
+        and blocks.get("adapters_in_use", 0) == 0
+    )
+    after = [kib for t, kib in rss if t >= args.warmup]
+    counts = dict(soak.tally.counts)
+    failures = sum(v for k, v in counts.items() if k.endswith("_fail") or k == "health_not_ok")
+    metrics = {
+        "duration_s": args.duration,
+        "server_alive_at_end": alive,
+        "engine_deaths": counts.get("health_not_ok", 0),
+        "failures_healthy_requests": failures,
+        "first_failures": soak.tally.failures[:20],
+        "outcomes": counts,
+        "stats_balanced": balanced,
+        "stats_at_end": {
+            k: stats.get(k) for k in ("running", "queue", "num_in_flight", "free_kv_tokens")
+        }
+        | {"blocks": blocks},
+        "leaked_shm": leaked_shm,
+        "rss_kib_samples": rss,
+        "rss_after_warmup_kib": {
+            "first": after[0] if after else None,
+            "last": after[-1] if after else None,
+            "min": min(after, default=None),
+            "max": max(after, default=None),
+            "median": statistics.median(after) if after else None,
+        },
+    }
+    config = {
+        "model": "smollm2",
+        "adapters": NUM_ADAPTERS,
+        "clients": args.clients,
+        "serve_args": serve[4:],
+        "churn": "unload + reload one adapter every second",
+        "poison": "lora_alpha 1e308, load tried every 3 s",
+    }
+    write_result(args.out, "soak", "soak", device=describe_device(), config=config, metrics=metrics)
+    print(json.dumps(metrics | {"rss_kib_samples": len(rss)}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
