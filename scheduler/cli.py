@@ -83,6 +83,14 @@ def default_slo_ms(perf: PerfModels) -> float:
     return SLO_FACTOR * max(decode)
 
 
+def warn_if_admin_unreachable(host: str, keys: AccessKeys) -> None:
+    """One WARNING when the scheduler listens beyond loopback with no admin key: /admin then
+    answers only clients on this host, which a remote operator would not expect."""
+    if keys.admin_api_key is None and not is_loopback_host(host):
+        log.warning("listening on %s without --admin-api-key: /admin answers only clients on "
+                    "this host", host)  # fmt: skip
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="toppings-scheduler", description=__doc__.split("\n")[0])
     parser.add_argument("--registry", required=True, help="SQLite registry file (created if new)")
@@ -221,9 +229,7 @@ def main(argv: list[str] | None = None) -> None:
     in_flight = app.extensions["toppings"]
     drainer = Drainer(draining, in_flight, args.drain_timeout_s, waitress_stopper(server))
     drainer.install_signals()
-    if keys.admin_api_key is None and not is_loopback_host(args.host):
-        log.warning("listening on %s without --admin-api-key: /admin answers only clients on "
-                    "this host", args.host)  # fmt: skip
+    warn_if_admin_unreachable(args.host, keys)
     cluster.start()
     placement_loop.start()
     log.info("scheduler on http://%s:%s, policy %s, SLO %.1f ms per token",

@@ -6,6 +6,7 @@ another); servers are stand-ins as in test_app (`fetch_json`).
 
 from __future__ import annotations
 
+import logging
 import threading
 
 import pytest
@@ -178,3 +179,14 @@ def test_the_launcher_registers_with_the_admin_key(tmp_path, monkeypatch):
         http.shutdown()
         cluster.stop()
         registry.close()
+
+
+def test_one_warning_off_loopback_without_an_admin_key(caplog):
+    from toppings.scheduler.cli import warn_if_admin_unreachable
+
+    with caplog.at_level(logging.WARNING, logger="toppings-scheduler"):
+        warn_if_admin_unreachable("127.0.0.1", AccessKeys())
+        warn_if_admin_unreachable("0.0.0.0", AccessKeys(admin_api_key=ADMIN_KEY))
+        assert caplog.records == []
+        warn_if_admin_unreachable("0.0.0.0", AccessKeys(api_key=CLIENT_KEY))
+    assert len(caplog.records) == 1 and "--admin-api-key" in caplog.records[0].getMessage()

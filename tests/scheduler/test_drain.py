@@ -133,6 +133,8 @@ def _slow_stream_server(release: threading.Event) -> Flask:
 
 
 def test_sigterm_drains_the_running_scheduler_and_exits_0(tmp_path, free_port):
+    """Also the command's keys: the client key from the environment, the admin key from its
+    flag, and the warning of a non-loopback listener (0.0.0.0) without an admin key is absent."""
     release = threading.Event()
     http = make_server("127.0.0.1", 0, _slow_stream_server(release), threaded=True)
     threading.Thread(target=http.serve_forever, daemon=True).start()
@@ -140,8 +142,11 @@ def test_sigterm_drains_the_running_scheduler_and_exits_0(tmp_path, free_port):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = {k: v for k, v in os.environ.items() if not k.startswith("TOPPINGS_")}
+    env["TOPPINGS_SCHEDULER_API_KEY"] = "client-key"
     cmd = [sys.executable, "-m", "toppings.scheduler.cli", "--registry", str(tmp_path / "r.db"),
-           "--port", str(port), "--refresh-ms", "50"]  # fmt: skip
+           "--host", "0.0.0.0", "--port", str(port), "--refresh-ms", "50",
+           "--admin-api-key", "admin-key"]  # fmt: skip
+    client = {"Authorization": "Bearer client-key"}
     proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 60
@@ -153,10 +158,16 @@ def test_sigterm_drains_the_running_scheduler_and_exits_0(tmp_path, free_port):
                 pass
             assert time.monotonic() < deadline and proc.poll() is None, "scheduler did not start"
             time.sleep(0.2)
-        added = requests.post(url + "/admin/servers", json={"url": server_url}, timeout=10)
+        refused = requests.post(url + "/admin/servers", json={"url": server_url}, headers=client,
+                                timeout=10)  # fmt: skip
+        assert refused.status_code == 401
+        added = requests.post(url + "/admin/servers", json={"url": server_url}, timeout=10,
+                              headers={"Authorization": "Bearer admin-key"})  # fmt: skip
         assert added.status_code == 201, added.text
         body = {"model": "base", "prompt": "hi", "max_tokens": 4, "stream": True}
-        stream = requests.post(url + "/v1/completions", json=body, stream=True, timeout=60)
+        assert requests.post(url + "/v1/completions", json=body, timeout=10).status_code == 401
+        stream = requests.post(url + "/v1/completions", json=body, stream=True, timeout=60,
+                               headers=client)  # fmt: skip
         lines = stream.iter_lines()
         assert next(line for line in lines if line).startswith(b"data: ")  # first event in
         proc.send_signal(signal.SIGTERM)
@@ -164,7 +175,8 @@ def test_sigterm_drains_the_running_scheduler_and_exits_0(tmp_path, free_port):
         while requests.get(url + "/health", timeout=5).status_code != 503:  # draining now
             assert time.monotonic() < deadline, "the scheduler did not start draining"
             time.sleep(0.1)
-        refused = requests.post(url + "/v1/completions", json=dict(body, stream=False), timeout=10)
+        refused = requests.post(url + "/v1/completions", json=dict(body, stream=False),
+                                headers=client, timeout=10)  # fmt: skip
         assert refused.status_code == 503 and "Retry-After" in refused.headers
         assert proc.poll() is None  # still serving the stream
         release.set()
@@ -173,6 +185,7 @@ def test_sigterm_drains_the_running_scheduler_and_exits_0(tmp_path, free_port):
         assert proc.wait(timeout=60) == 0
         log = proc.stderr.read()
         assert "SIGTERM: draining" in log and "stopped" in log
+        assert "without --admin-api-key" not in log
     finally:
         release.set()
         if proc.poll() is None:
