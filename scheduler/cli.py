@@ -130,19 +130,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--api-key",
-        default=os.environ.get("TOPPINGS_SCHEDULER_API_KEY"),
+        default=os.environ.get("TOPPINGS_SCHEDULER_API_KEY") or None,
         help="clients must send `Authorization: Bearer KEY` on every path but /health (not"
         " /admin, which takes --admin-api-key); default $TOPPINGS_SCHEDULER_API_KEY",
     )
     parser.add_argument(
         "--admin-api-key",
-        default=os.environ.get("TOPPINGS_ADMIN_API_KEY"),
+        default=os.environ.get("TOPPINGS_ADMIN_API_KEY") or None,
         help="/admin/* wants `Authorization: Bearer KEY`; without it /admin/* answers clients on"
         " this host only; default $TOPPINGS_ADMIN_API_KEY",
     )
     parser.add_argument(
         "--server-api-key",
-        default=os.environ.get("TOPPINGS_API_KEY"),
+        default=os.environ.get("TOPPINGS_API_KEY") or None,
         help="bearer key of the servers (toppings-serve --api-key), sent only to the servers"
         " registered; default $TOPPINGS_API_KEY",
     )
@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.drain_timeout_s < 0:
         _usage_error("--drain-timeout-s must not be negative")
     if "" in (args.api_key, args.admin_api_key, args.server_api_key):
-        _usage_error("an empty key: give --api-key, --admin-api-key and --server-api-key a value")
+        _usage_error("an empty key: --api-key, --admin-api-key and --server-api-key want a value")
     try:
         logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     except ValueError as e:

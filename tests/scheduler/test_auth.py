@@ -190,3 +190,13 @@ def test_one_warning_off_loopback_without_an_admin_key(caplog):
         assert caplog.records == []
         warn_if_admin_unreachable("0.0.0.0", AccessKeys(api_key=CLIENT_KEY))
     assert len(caplog.records) == 1 and "--admin-api-key" in caplog.records[0].getMessage()
+
+
+@pytest.mark.parametrize("flag", ["--api-key", "--admin-api-key", "--server-api-key"])
+def test_an_empty_key_is_a_usage_error(tmp_path, flag, capsys):
+    from toppings.scheduler.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--registry", str(tmp_path / "r.sqlite"), flag, ""])
+    assert exit_.value.code == 2 and "an empty key" in capsys.readouterr().err
+    assert not (tmp_path / "r.sqlite").exists()  # refused before anything was opened
