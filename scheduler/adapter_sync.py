@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 import requests
 
 from toppings.scheduler.registry import Registry, RegistryError
+from toppings.scheduler.server_session import ServerSession
 
 log = logging.getLogger(__name__)
 
@@ -34,9 +35,10 @@ class AdapterSync:
         self,
         registry: Registry,
         hosting: Callable[[], Mapping[str, frozenset[str]]],
-        session: requests.Session,
+        session: ServerSession,
     ):
-        """hosting: healthy server url -> adapters it holds (the cluster's last /stats)."""
+        """hosting: healthy server url -> adapters it holds (the cluster's last /stats), the
+        servers this asks; session: the calls to them, with the servers' key."""
         self.registry = registry
         self.hosting = hosting
         self.session = session

@@ -6,19 +6,28 @@ server unchanged, see scheduler.router); `GET /v1/models` and `GET /v1/models/{i
 the registry; until a server is registered they answer 503 with Retry-After. Errors use the
 server's contract (toppings.server.requests.errors). Like a server, the request endpoints share one
 in-flight limit (toppings.server.api.frontend): a proxied request holds a slot until its answer has
-ended, and past the limit a request gets 429 with Retry-After at once. Operator endpoints:
-    GET    /health    200 once a server is registered, else 503 "no server ready yet"
+ended, and past the limit a request gets 429 with Retry-After at once. While the scheduler
+drains (`draining` set, scheduler.drain) a new request gets 503 with Retry-After; those in
+flight run on. Operator endpoints:
+    GET    /health    200 once a server is registered, else 503 "no server ready yet"; 503
+                      while draining
     GET    /stats     {"policy", "servers": [{"url", "ready", "in_flight"}], "num_servers",
-                       "num_ready", "num_adapters", "num_base_models", "num_in_flight"}
+                       "num_ready", "num_adapters", "num_base_models", "num_in_flight",
+                       "draining"}
     GET    /metrics   Prometheus text (scheduler.metrics)
 Admin endpoints manage the cluster:
     POST   /admin/servers   {"url"}            fetch its /v1/models and /stats, record it
     DELETE /admin/servers   {"url"} or ?url=   forget it
     POST   /admin/adapters  {"name", "base_model", "rank", "alpha"?, "target_modules"?,
                              "path"?, "bytes"?, "state"?, "sha256"?, "servers"?: [url]}
-                            record an adapter; with "servers", ask each to load it from "path"
+                            record an adapter; with "servers" (each one registered, else
+                            400 and nothing recorded), ask each to load it from "path"
     GET    /admin/state                        servers, health, policy, perf-model source, and
                                                loraserve's last placement step (else null)
+
+Who may call which path (the client key, the admin key, loopback-only admin) is
+scheduler.auth; the calls to servers go through scheduler.server_session, which attaches the
+servers' key to registered servers only.
 
 The routes come in three groups (request proxying, `/admin/*`, observability), each registered
 given one `SchedulerContext`; `create_app` builds it, installs the error handlers and registers
@@ -28,12 +37,14 @@ each group.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 from typing import Any
 
 import requests
 from flask import Flask, Response, jsonify, request
 
+from toppings.scheduler.auth import AccessKeys, install_auth
 from toppings.scheduler.cluster import Cluster
 from toppings.scheduler.metrics import CONTENT_TYPE, PREFIX
 from toppings.scheduler.registry import AdapterRecord, Registry, RegistryError
@@ -58,6 +69,7 @@ DEFAULT_MAX_IN_FLIGHT = 1024  # requests proxied at once, over the whole cluster
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 16 << 20
+DRAINING = "the scheduler is draining"
 
 
 def _json_body() -> dict[str, Any]:
@@ -102,17 +114,21 @@ def _names(value: Any) -> tuple[str, ...]:
 @dataclass(frozen=True)
 class SchedulerContext:
     """What the routes use: the router (which proxies and holds the registry and metrics), the
-    cluster of servers, the front end's in-flight limit and the `info` that /admin/state echoes."""
+    cluster of servers, the front end's in-flight limit, the `info` that /admin/state echoes and
+    the drain flag (set: new requests are refused)."""
 
     router: Router
     cluster: Cluster
     registry: Registry
     in_flight: InFlightLimit
     info: dict[str, Any]
+    draining: threading.Event = field(default_factory=threading.Event)
 
 
 def _proxy(ctx: SchedulerContext, path: str, kind: str) -> Response:
     """Forward the body to one server; hold an in-flight slot until the answer has ended."""
+    if ctx.draining.is_set():
+        raise SchedulerError(DRAINING, 503, UNAVAILABLE, retry_after_s=RETRY_AFTER_S)
     ctx.router.check_ready()
     slot = ctx.in_flight.try_acquire()
     if slot is None:
@@ -175,6 +191,8 @@ def _register_observability(app: Flask, ctx: SchedulerContext) -> None:
 
     @app.get("/health")
     def health() -> Response:
+        if ctx.draining.is_set():
+            return error_response(DRAINING, 503, UNAVAILABLE)
         servers = cluster.describe()
         if not servers:
             response = error_response(NO_SERVER_READY, 503, UNAVAILABLE)
@@ -197,6 +215,7 @@ def _register_observability(app: Flask, ctx: SchedulerContext) -> None:
             "num_in_flight": sum(s["in_flight"] for s in servers),
             "num_adapters": len(registry.list_adapters()),
             "num_base_models": len(registry.base_models()),
+            "draining": ctx.draining.is_set(),
         })  # fmt: skip
 
     @app.get("/metrics")
@@ -243,9 +262,14 @@ def _register_admin(app: Flask, ctx: SchedulerContext) -> None:
             raise SchedulerError("'servers' must be a list of server URLs")
         if servers and not adapter.path:
             raise SchedulerError("loading on servers needs the adapter's 'path'")
+        servers = [u.rstrip("/") for u in servers]
+        unknown = [u for u in servers if not cluster.is_registered(u)]
+        if unknown:  # the servers' key goes to registered servers only
+            raise SchedulerError(f"not registered servers: {', '.join(unknown)} (register a "
+                                 "server with POST /admin/servers first)")  # fmt: skip
         registry.put_adapter(adapter)
         loaded, failed = [], {}
-        for url in (u.rstrip("/") for u in servers):
+        for url in servers:
             try:
                 answer = router.session.post(
                     url + "/v1/load_lora_adapter",
@@ -279,13 +303,20 @@ def create_app(
     cluster: Cluster,
     info: dict[str, Any],
     max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
+    keys: AccessKeys | None = None,
+    draining: threading.Event | None = None,
 ) -> Flask:
     """Flask app around a router and cluster; `info` is echoed by /admin/state; past
-    `max_in_flight` proxied requests, a request gets 429."""
+    `max_in_flight` proxied requests, a request gets 429; `keys` guard it (scheduler.auth;
+    none: no client key, /admin to loopback only); once `draining` is set, new requests get
+    503. `app.extensions["toppings"]` is the in-flight limit (a drain waits for it to empty)."""
     app = Flask("toppings-scheduler")
     app.config["MAX_CONTENT_LENGTH"] = MAX_BODY_BYTES
-    ctx = SchedulerContext(router, cluster, router.registry, InFlightLimit(max_in_flight), info)
+    in_flight = InFlightLimit(max_in_flight)
+    flag = draining if draining is not None else threading.Event()
+    ctx = SchedulerContext(router, cluster, router.registry, in_flight, info, flag)
     app.extensions["toppings"] = ctx.in_flight
+    install_auth(app, keys or AccessKeys())
     _register_requests(app, ctx)
     _register_observability(app, ctx)
     _register_admin(app, ctx)

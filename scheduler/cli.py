@@ -3,13 +3,21 @@
     toppings-scheduler --registry FILE.sqlite [--host 127.0.0.1] [--port 8000]
         [--policy rank-aware|loraserve|random|first-fit|least-loaded] [--perf-model FILE.json]
         [--slo-tpt-ms X] [--placement-interval-s S] [--max-concurrent-requests N] [--threads N]
+        [--api-key KEY] [--admin-api-key KEY] [--server-api-key KEY] [--drain-timeout-s S]
 
 Servers known to the registry are polled from the start; add more with POST /admin/servers.
+Clients need --api-key, `/admin/*` needs --admin-api-key (without it, only clients on this host
+reach `/admin/*`); the servers' key goes only to the servers registered (scheduler.auth,
+scheduler.server_session).
 Without --perf-model the policies use the paper's Fig. 6 coefficients (A100, Llama-7B), which
 do not describe this cluster's hardware; fit a model with bench/fit_perf_model.py.
 
 Waitress runs one thread per proxied request in flight (`--max-concurrent-requests`, 429 past
 it) plus `--threads` more for everything else (see toppings.server.api.frontend).
+
+The first SIGTERM or SIGINT drains: `/health` turns 503, new requests get 503, and requests in
+flight run to their end (at most `--drain-timeout-s` seconds) while waitress keeps streaming
+them; then the loops stop, the registry closes and the command exits 0 (scheduler.drain).
 """
 
 from __future__ import annotations
@@ -20,14 +28,17 @@ import logging
 import os
 import sqlite3
 import sys
+import threading
+from collections.abc import Callable
 from typing import Any
 
-import requests
 import waitress
 
 from toppings.scheduler.adapter_sync import AdapterSync
 from toppings.scheduler.app import DEFAULT_MAX_IN_FLIGHT, create_app
+from toppings.scheduler.auth import AccessKeys, is_loopback_host
 from toppings.scheduler.cluster import Cluster
+from toppings.scheduler.drain import Drainer, waitress_stopper
 from toppings.scheduler.loraserve import PlacementConfig
 from toppings.scheduler.paper_models import paper_fig6_models
 from toppings.scheduler.perf_model import PerfModels
@@ -35,6 +46,7 @@ from toppings.scheduler.placement_loop import PlacementLoop
 from toppings.scheduler.policies import POLICIES, LoRAServe, make_policy
 from toppings.scheduler.registry import Registry
 from toppings.scheduler.router import PromptCounter, Router, estimate_prompt_tokens
+from toppings.scheduler.server_session import ServerOrigins, ServerSession
 from toppings.scheduler.state import BatchShape
 from toppings.server.api.frontend import (
     DEFAULT_RESERVE_THREADS,
@@ -45,10 +57,13 @@ from toppings.server.api.frontend import (
 log = logging.getLogger("toppings-scheduler")
 STATS_TIMEOUT_S = 1.0
 SLO_FACTOR = 1.5  # the paper's SLO: 1.5x the time per token without LoRA
+DRAIN_TIMEOUT_S = 30.0  # as toppings-serve --drain-timeout
 
 
-def make_fetch_json(session: requests.Session, timeout_s: float = STATS_TIMEOUT_S):
-    """GET url -> JSON; raises on refusal, timeout, non-2xx or a non-JSON body."""
+def make_fetch_json(
+    session: ServerSession, timeout_s: float = STATS_TIMEOUT_S
+) -> Callable[[str], dict[str, Any]]:
+    """GET url -> JSON; raises on refusal, timeout, a redirect, non-2xx or a non-JSON body."""
 
     def fetch_json(url: str) -> dict[str, Any]:
         answer = session.get(url, timeout=timeout_s)
@@ -66,6 +81,14 @@ def default_slo_ms(perf: PerfModels) -> float:
     one_base_request = BatchShape(num=1)
     decode = [m.predict(one_base_request) for m in perf.models.values() if m.phase == "decode"]
     return SLO_FACTOR * max(decode)
+
+
+def warn_if_admin_unreachable(host: str, keys: AccessKeys) -> None:
+    """One WARNING when the scheduler listens beyond loopback with no admin key: /admin then
+    answers only clients on this host, which a remote operator would not expect."""
+    if keys.admin_api_key is None and not is_loopback_host(host):
+        log.warning("listening on %s without --admin-api-key: /admin answers only clients on "
+                    "this host", host)  # fmt: skip
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -106,9 +129,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "/metrics, /admin and quick 429s",
     )
     parser.add_argument(
+        "--api-key",
+        default=os.environ.get("TOPPINGS_SCHEDULER_API_KEY") or None,
+        help="clients must send `Authorization: Bearer KEY` on every path but /health (not"
+        " /admin, which takes --admin-api-key); default $TOPPINGS_SCHEDULER_API_KEY",
+    )
+    parser.add_argument(
+        "--admin-api-key",
+        default=os.environ.get("TOPPINGS_ADMIN_API_KEY") or None,
+        help="/admin/* wants `Authorization: Bearer KEY`; without it /admin/* answers clients on"
+        " this host only; default $TOPPINGS_ADMIN_API_KEY",
+    )
+    parser.add_argument(
         "--server-api-key",
-        default=os.environ.get("TOPPINGS_API_KEY"),
-        help="bearer key of the servers (toppings-serve --api-key); default $TOPPINGS_API_KEY",
+        default=os.environ.get("TOPPINGS_API_KEY") or None,
+        help="bearer key of the servers (toppings-serve --api-key), sent only to the servers"
+        " registered; default $TOPPINGS_API_KEY",
+    )
+    parser.add_argument(
+        "--drain-timeout-s",
+        type=float,
+        default=DRAIN_TIMEOUT_S,
+        metavar="S",
+        help="on SIGTERM, how long requests in flight may take to finish",
     )
     parser.add_argument(
         "--tokenizer",
@@ -130,6 +173,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.max_concurrent_requests < 1 or args.threads < 1:
         _usage_error("--max-concurrent-requests and --threads must be positive")
+    if args.drain_timeout_s < 0:
+        _usage_error("--drain-timeout-s must not be negative")
+    if "" in (args.api_key, args.admin_api_key, args.server_api_key):
+        _usage_error("an empty key: --api-key, --admin-api-key and --server-api-key want a value")
     try:
         logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     except ValueError as e:
@@ -151,8 +198,9 @@ def main(argv: list[str] | None = None) -> None:
         registry = Registry(args.registry)
     except sqlite3.Error as e:
         _usage_error(f"--registry {args.registry}: {e}")
-    session = requests.Session()
-    cluster = Cluster(registry, make_fetch_json(session), refresh_s=args.refresh_ms / 1000.0)
+    origins = ServerOrigins()  # the cluster's servers: the only origins the server key goes to
+    session = ServerSession(origins, args.server_api_key)  # /stats polling and adapter sync
+    cluster = Cluster(registry, make_fetch_json(session), args.refresh_ms / 1000.0, origins)
     slo_ms = args.slo_tpt_ms or default_slo_ms(perf)
     options = {}
     if issubclass(POLICIES[args.policy], LoRAServe):
@@ -162,12 +210,11 @@ def main(argv: list[str] | None = None) -> None:
     policy = make_policy(args.policy, perf, slo_ms, seed=args.seed, **options)
     sync = AdapterSync(registry, cluster.hosting, session)
     placement_loop = PlacementLoop(policy, cluster, registry, args.refresh_ms / 1000.0, sync)
-    router = Router(registry, cluster, policy, count)
-    if args.server_api_key:
-        for sess in (session, router.session):  # /stats polling and the proxied requests
-            sess.headers["Authorization"] = f"Bearer {args.server_api_key}"
+    router = Router(registry, cluster, policy, count, ServerSession(origins, args.server_api_key))
     info = {"perf_model_source": source, "registry": args.registry}
-    app = create_app(router, cluster, info, args.max_concurrent_requests)
+    keys = AccessKeys(args.api_key, args.admin_api_key)
+    draining = threading.Event()
+    app = create_app(router, cluster, info, args.max_concurrent_requests, keys, draining)
     sizing = waitress_settings(args.max_concurrent_requests, args.threads)
     raise_open_files_limit(sizing["connection_limit"])
     try:
@@ -179,17 +226,23 @@ def main(argv: list[str] | None = None) -> None:
                 f"port {args.port} on {args.host} is already in use (pick another with --port)"
             )
         _usage_error(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}")
+    in_flight = app.extensions["toppings"]
+    drainer = Drainer(draining, in_flight, args.drain_timeout_s, waitress_stopper(server))
+    drainer.install_signals()
+    warn_if_admin_unreachable(args.host, keys)
     cluster.start()
     placement_loop.start()
     log.info("scheduler on http://%s:%s, policy %s, SLO %.1f ms per token",
              args.host, server.effective_port, args.policy, slo_ms)  # fmt: skip
     try:
-        server.run()  # returns on Ctrl-C
+        server.run()  # returns once the drain has closed waitress's sockets
+        server.task_dispatcher.shutdown()
     finally:
         placement_loop.stop()
         sync.close()
         cluster.stop()
         registry.close()
+        log.info("stopped")
 
 
 if __name__ == "__main__":

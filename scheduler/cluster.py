@@ -5,6 +5,10 @@ requests the scheduler routed to a server after a fetch began are kept and added
 server's state as queued (`ServerState.with_routed`), so a burst between two snapshots does not
 pile onto the server the last snapshot favoured. A server whose fetch fails, or that refuses a
 proxied request, is unhealthy until a fetch succeeds again.
+
+The cluster keeps `origins` (scheduler.server_session) in step with its membership: the servers'
+key goes to a server from the moment an operator registers it (its first /v1/models and /stats
+carry the key) until it is removed.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from toppings.scheduler.registry import AdapterRecord, Registry, ServerRecord
+from toppings.scheduler.server_session import ServerOrigins
 from toppings.scheduler.state import RouteRequest, ServerState
 
 log = logging.getLogger(__name__)
@@ -42,16 +47,26 @@ class _Entry:
 class Cluster:
     """Thread-safe set of servers; `states()` is what a policy routes on."""
 
-    def __init__(self, registry: Registry, fetch_json: FetchJson, refresh_s: float = 0.1):
+    def __init__(
+        self,
+        registry: Registry,
+        fetch_json: FetchJson,
+        refresh_s: float = 0.1,
+        origins: ServerOrigins | None = None,
+    ):
+        """origins: where the servers' key may go, kept to this cluster's servers (the same
+        object the fetch_json's and the router's ServerSession ask)."""
         self.registry = registry
         self.fetch_json = fetch_json
         self.refresh_s = refresh_s
+        self.origins = origins if origins is not None else ServerOrigins()
         self._lock = threading.Lock()
         self._entries: dict[str, _Entry] = {}
         hosting = registry.hosting()
         for record in registry.list_servers():  # a restart picks up every known server
             hosted = frozenset(hosting.get(record.url, ()))
             self._entries[record.url] = _Entry(record, hosted=hosted)
+            self.origins.add(record.url)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="stats")
@@ -59,16 +74,28 @@ class Cluster:
     # --- membership ---------------------------------------------------------------------------
 
     def add_server(self, url: str) -> dict[str, Any]:
-        """Fetch the server's /v1/models and /stats, record it and its adapters."""
+        """Fetch the server's /v1/models and /stats, record it and its adapters.
+
+        The caller is the operator (an admin request, or the command line): `url` is trusted
+        with the servers' key from here on, unless it cannot be registered.
+        """
         url = url.rstrip("/")
-        models = self.fetch_json(url + "/v1/models")
-        stats = self.fetch_json(url + "/stats")
-        state = ServerState.from_stats(url, stats)
-        base = str(stats["model"])
-        ranks = {str(a["name"]): int(a["rank"]) for a in stats.get("adapters", ())}
-        for card in models.get("data", ()):
-            if card.get("parent") and card.get("rank"):
-                ranks.setdefault(str(card["id"]), int(card["rank"]))
+        with self._lock:
+            known = url in self._entries
+        self.origins.add(url)
+        try:
+            models = self.fetch_json(url + "/v1/models")
+            stats = self.fetch_json(url + "/stats")
+            state = ServerState.from_stats(url, stats)
+            base = str(stats["model"])
+            ranks = {str(a["name"]): int(a["rank"]) for a in stats.get("adapters", ())}
+            for card in models.get("data", ()):
+                if card.get("parent") and card.get("rank"):
+                    ranks.setdefault(str(card["id"]), int(card["rank"]))
+        except BaseException:
+            if not known:
+                self.origins.discard(url)
+            raise
         adapters = [AdapterRecord(name, base, rank) for name, rank in sorted(ranks.items())]
         record = ServerRecord(url, base, state.kernel, str(stats.get("device", "unknown")),
                               healthy=state.healthy, last_seen=time.time())  # fmt: skip
@@ -84,11 +111,17 @@ class Cluster:
         url = url.rstrip("/")
         with self._lock:
             known = self._entries.pop(url, None) is not None
+        self.origins.discard(url)
         return self.registry.remove_server(url) or known
 
     def urls(self) -> list[str]:
         with self._lock:
             return list(self._entries)
+
+    def is_registered(self, url: str) -> bool:
+        """Whether `url` (a trailing slash aside) is one of the cluster's servers."""
+        with self._lock:
+            return url.rstrip("/") in self._entries
 
     # --- what policies see --------------------------------------------------------------------
 

@@ -2,7 +2,8 @@
 
 The policy ranks the servers that serve the request (healthy, same base model, hosting the
 adapter). The first is tried; a server that refuses the connection or fails before answering is
-marked unhealthy and the next one is tried; so is the next one after a 429 (the server is at its
+marked unhealthy and the next one is tried (a redirect counts as such a failure: it is not
+followed, see scheduler.server_session); so is the next one after a 429 (the server is at its
 limit of requests in flight: busy, not unhealthy), and when every server answered 429 the client
 gets 429 with Retry-After. Once a server has answered any other status, its answer goes to the
 client as is: a 4xx is the client's problem, and a streamed body cannot be replayed.
@@ -34,6 +35,7 @@ from toppings.scheduler.cluster import Cluster
 from toppings.scheduler.metrics import SchedulerMetrics
 from toppings.scheduler.policies import Policy
 from toppings.scheduler.registry import Registry
+from toppings.scheduler.server_session import ServerSession
 from toppings.scheduler.state import RouteRequest
 from toppings.server.requests.errors import (
     BAD_GATEWAY,
@@ -156,13 +158,15 @@ class Router:
         cluster: Cluster,
         policy: Policy,
         count_prompt: Callable[[dict[str, Any]], int] = estimate_prompt_tokens,
+        session: ServerSession | None = None,
     ):
-        """count_prompt: prompt tokens of a request body (PromptCounter for exact counts)."""
+        """count_prompt: prompt tokens of a request body (PromptCounter for exact counts);
+        session: the calls to servers (with the servers' key, if any; default: without)."""
         self.registry = registry
         self.cluster = cluster
         self.policy = policy
         self.count_prompt = count_prompt
-        self.session = requests.Session()
+        self.session = session if session is not None else ServerSession(cluster.origins)
         self.metrics = SchedulerMetrics(cluster, registry)
         self._choose_lock = threading.Lock()
 

@@ -7,6 +7,9 @@
    `toppings-scheduler`, waits for both, and registers the server with the scheduler.
 3. Asks each adapter and the base model the same question and prints the answers, then prints
    curl lines, an `openai` snippet and a load-generator command to try.
+The scheduler reads its keys from the environment (`TOPPINGS_SCHEDULER_API_KEY`,
+`TOPPINGS_ADMIN_API_KEY`) and the demo sends them when they are set; without them the
+scheduler's `/admin` takes the registration from this host (loopback).
 Ctrl-C stops both processes (SIGTERM, then SIGKILL after a grace period). Their logs go to files
 under a temporary directory, printed at start and removed after a clean stop.
 """
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -81,6 +85,12 @@ def stop(procs: list[subprocess.Popen]) -> None:
             proc.wait()
 
 
+def bearer(variable: str) -> dict[str, str]:
+    """The Authorization header of the key in environment `variable`, if it is set."""
+    key = os.environ.get(variable)
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
 def ask(url: str, model: str, question: str = QUESTION) -> str:
     body = {
         "model": model,
@@ -88,7 +98,8 @@ def ask(url: str, model: str, question: str = QUESTION) -> str:
         "max_tokens": 48,
         "temperature": 0,
     }
-    answer = requests.post(url + "/v1/chat/completions", json=body, timeout=120)
+    headers = bearer("TOPPINGS_SCHEDULER_API_KEY")
+    answer = requests.post(url + "/v1/chat/completions", json=body, headers=headers, timeout=120)
     answer.raise_for_status()
     return answer.json()["choices"][0]["message"]["content"]
 
@@ -206,7 +217,10 @@ def main(argv: list[str] | None = None) -> int:
         wait_healthy(server_url, procs[0], logs / "serve.log", 300.0)
         wait_healthy(url, procs[1], logs / "scheduler.log", 60.0, up=(200, 503))
         requests.post(
-            url + "/admin/servers", json={"url": server_url}, timeout=10
+            url + "/admin/servers",
+            json={"url": server_url},
+            headers=bearer("TOPPINGS_ADMIN_API_KEY"),
+            timeout=10,
         ).raise_for_status()
         base = requests.get(server_url + "/v1/models", timeout=10).json()["data"][0]["id"]
         print(

@@ -11,8 +11,10 @@ or `--cores`) into contiguous sets, runs each server under `numactl --physcpubin
 --localalloc` (or with `sched_setaffinity` where numactl is missing or not permitted) and tells
 it `--cpu-cores SET --cpu-workers N`, so its CPU LoRA workers pin one per core of its set. The
 launcher waits for every `/health`, registers the servers with a scheduler
-(`POST URL/admin/servers`; with `--start-scheduler` it runs that scheduler itself, on
-`--registry`, and restarts it if it exits or stops answering for `--unhealthy-timeout`),
+(`POST URL/admin/servers`, with the scheduler's admin key when `$TOPPINGS_ADMIN_API_KEY` or
+`--scheduler-arg=--admin-api-key=KEY` gives one; with `--start-scheduler` it runs that
+scheduler itself, on `--registry`, and restarts it if it exits or stops answering for
+`--unhealthy-timeout`),
 restarts a server that dies or hangs that long (exponential backoff, at most `--max-restarts`
 times), and on Ctrl-C/SIGTERM drains and stops them all: SIGTERM,
 wait, then SIGKILL. A TOML file (`--config`) takes the same keys as the flags (`num_servers = 2`,

@@ -1,11 +1,17 @@
 """The node `toppings-launch` keeps running: its servers and, with `--start-scheduler`, the
-scheduler, each under a `Supervisor`; registration with the scheduler; the drain-then-kill stop."""
+scheduler, each under a `Supervisor`; registration with the scheduler; the drain-then-kill stop.
+
+Registration goes to the scheduler's `/admin/servers` with its admin key when one is configured:
+`--scheduler-arg=--admin-api-key=KEY`, else `$TOPPINGS_ADMIN_API_KEY` (which a scheduler started
+here reads too); without one, a scheduler on this host takes registrations from loopback.
+"""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import logging
+import os
 import subprocess
 import threading
 import time
@@ -38,8 +44,15 @@ SCHEDULER_START_S = 60.0  # the scheduler loads no model: a minute is plenty
 class ServerRole:
     """A server starts bound to its cores and, once healthy, registers with the scheduler."""
 
-    def __init__(self, args: argparse.Namespace, use_numactl: bool, scheduler_url: str | None):
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        use_numactl: bool,
+        scheduler_url: str | None,
+        admin_api_key: str | None = None,
+    ):
         self.args, self.use_numactl, self.scheduler_url = args, use_numactl, scheduler_url
+        self.admin_api_key = admin_api_key
         self.spawned_pids: list[int] = []  # whose shared memory the stop sweeps
 
     def start(self, server: ServerProc) -> subprocess.Popen:
@@ -51,7 +64,9 @@ class ServerRole:
     def on_healthy(self, server: ServerProc, now: float) -> None:
         if self.scheduler_url and not server.registered and now >= server.next_register:
             server.next_register = now + REGISTER_RETRY_S
-            server.registered = scheduler_call("post", self.scheduler_url, server.url)
+            server.registered = scheduler_call(
+                "post", self.scheduler_url, server.url, self.admin_api_key
+            )
 
 
 class SchedulerRole:
@@ -101,7 +116,8 @@ class Launcher:
             role = SchedulerRole(servers)
             slow_start = dataclasses.replace(limits, start_timeout=SCHEDULER_START_S)
             self.supervisors.append(Supervisor(self.scheduler, role, slow_start, note))
-        self.server_role = ServerRole(args, use_numactl, self.scheduler_url)
+        self.admin_api_key = scheduler_admin_key(args.scheduler_arg)
+        self.server_role = ServerRole(args, use_numactl, self.scheduler_url, self.admin_api_key)
         self.supervisors += [Supervisor(s, self.server_role, limits, note) for s in servers]
 
     def start_scheduler(self) -> None:
@@ -134,7 +150,7 @@ class Launcher:
         if self.scheduler_url:
             for s in self.servers:
                 if s.registered and s.proc is not None:
-                    scheduler_call("delete", self.scheduler_url, s.url)
+                    scheduler_call("delete", self.scheduler_url, s.url, self.admin_api_key)
         for s in self.servers:
             if s.proc is not None and s.proc.poll() is None:
                 s.state = State.STOPPING
@@ -151,11 +167,25 @@ class Launcher:
         return any(s.child.num_failures for s in self.supervisors)
 
 
-def scheduler_call(method: str, scheduler: str, url: str) -> bool:
-    """Register (post) or remove (delete) server `url` at `scheduler`; whether it took."""
+def scheduler_admin_key(scheduler_args: list[str] | None) -> str | None:
+    """The scheduler's admin key: `--admin-api-key` among the started scheduler's arguments,
+    else $TOPPINGS_ADMIN_API_KEY, else None."""
+    args = list(scheduler_args or ())
+    for i, arg in enumerate(args):
+        if arg.startswith("--admin-api-key="):
+            return arg.partition("=")[2]
+        if arg == "--admin-api-key" and i + 1 < len(args):
+            return args[i + 1]
+    return os.environ.get("TOPPINGS_ADMIN_API_KEY") or None
+
+
+def scheduler_call(method: str, scheduler: str, url: str, admin_api_key: str | None = None) -> bool:
+    """Register (post) or remove (delete) server `url` at `scheduler`, with its admin key when
+    there is one; whether it took."""
+    headers = {"Authorization": f"Bearer {admin_api_key}"} if admin_api_key else {}
     try:
         r = requests.request(method, scheduler.rstrip("/") + "/admin/servers",
-                             json={"url": url}, timeout=10)  # fmt: skip
+                             json={"url": url}, headers=headers, timeout=10)  # fmt: skip
     except requests.RequestException as exc:
         log.warning("scheduler %s unreachable (%s of %s): %s", scheduler, method, url, exc)
         return False

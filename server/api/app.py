@@ -28,7 +28,6 @@ new requests with 503. The operator's settings are `ApiOptions` (server.api.opti
 from __future__ import annotations
 
 import dataclasses
-import hmac
 import logging
 import time
 
@@ -45,8 +44,11 @@ from toppings.server.api.models import register_adapters, register_models
 from toppings.server.api.options import ApiOptions
 from toppings.server.api.peer_fetch import FetchConfig, PeerFetcher
 from toppings.server.requests.errors import (
+    API_KEY_REQUIRED,
+    AUTHENTICATION,
     SERVER_ERROR,
     UNAVAILABLE,
+    bearer_matches,
     error_response,
     install_error_handlers,
 )
@@ -61,12 +63,8 @@ OPEN_PATHS = frozenset({"/health"})  # answered without an API key (load balance
 
 
 def _check_key(expected: str) -> None:
-    scheme, _, given = request.headers.get("Authorization", "").partition(" ")
-    # Bytes: compare_digest refuses str with non-ASCII characters (a 500 instead of a 401).
-    given_bytes = given.strip().encode("utf-8", "surrogateescape")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(given_bytes, expected.encode()):
-        raise RequestError("a valid API key is required (Authorization: Bearer KEY)", 401,
-                           "authentication_error")  # fmt: skip
+    if not bearer_matches(request.headers.get("Authorization", ""), expected):
+        raise RequestError(API_KEY_REQUIRED, 401, AUTHENTICATION)
 
 
 def _install_auth(app: Flask, api_key: str | None) -> None:

@@ -13,6 +13,7 @@ Flask apps install their error handlers with `install_error_handlers`.
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 from typing import TYPE_CHECKING, Any, Protocol
@@ -23,6 +24,7 @@ if TYPE_CHECKING:
 # Error types (the "type" field), OpenAI's names where OpenAI has one.
 INVALID_REQUEST = "invalid_request_error"  # 400: the client's body or parameters
 AUTHENTICATION = "authentication_error"  # 401
+PERMISSION_DENIED = "permission_denied"  # 403
 NOT_FOUND = "not_found"  # 404: an unknown adapter, model, path or resource
 CONFLICT = "conflict"  # 409
 TOO_MANY_REQUESTS = "too_many_requests"  # 429: as many requests in flight as the limit allows
@@ -34,6 +36,20 @@ SERVER_ERROR = "server_error"  # 500: a bug or an engine failure
 
 NO_SERVER_READY = "no server ready yet"
 RETRY_AFTER_S = 1  # the Retry-After of a 503 answered before any server is ready, and of a 429
+
+
+API_KEY_REQUIRED = "a valid API key is required (Authorization: Bearer KEY)"
+
+
+def bearer_matches(authorization: str, expected: str) -> bool:
+    """Whether an `Authorization` header value is `Bearer <expected>`, compared in constant time.
+
+    The token is compared as bytes: `hmac.compare_digest` refuses a str with non-ASCII
+    characters, which would turn a wrong key into a 500 instead of a 401.
+    """
+    scheme, _, given = authorization.partition(" ")
+    given_bytes = given.strip().encode("utf-8", "surrogateescape")
+    return scheme.lower() == "bearer" and hmac.compare_digest(given_bytes, expected.encode())
 
 
 def error_body(message: str, code: int, error_type: str = INVALID_REQUEST) -> dict[str, Any]:
