@@ -3,7 +3,7 @@
     toppings-scheduler --registry FILE.sqlite [--host 127.0.0.1] [--port 8000]
         [--policy rank-aware|loraserve|random|first-fit|least-loaded] [--perf-model FILE.json]
         [--slo-tpt-ms X] [--placement-interval-s S] [--max-concurrent-requests N] [--threads N]
-        [--api-key KEY] [--admin-api-key KEY] [--server-api-key KEY] [--drain-timeout-s S]
+        [--api-key KEY] [--admin-api-key KEY] [--server-api-key KEY] [--drain-timeout S]
 
 Servers known to the registry are polled from the start; add more with POST /admin/servers.
 Clients need --api-key, `/admin/*` needs --admin-api-key (without it, only clients on this host
@@ -16,7 +16,7 @@ Waitress runs one thread per proxied request in flight (`--max-concurrent-reques
 it) plus `--threads` more for everything else (see toppings.server.api.frontend).
 
 The first SIGTERM or SIGINT drains: `/health` turns 503, new requests get 503, and requests in
-flight run to their end (at most `--drain-timeout-s` seconds) while waitress keeps streaming
+flight run to their end (at most `--drain-timeout` seconds) while waitress keeps streaming
 them; then the loops stop, the registry closes and the command exits 0 (scheduler.drain).
 """
 
@@ -147,7 +147,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         " registered; default $TOPPINGS_API_KEY",
     )
     parser.add_argument(
-        "--drain-timeout-s",
+        "--drain-timeout",
         type=float,
         default=DRAIN_TIMEOUT_S,
         metavar="S",
@@ -173,8 +173,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.max_concurrent_requests < 1 or args.threads < 1:
         _usage_error("--max-concurrent-requests and --threads must be positive")
-    if args.drain_timeout_s < 0:
-        _usage_error("--drain-timeout-s must not be negative")
+    if args.drain_timeout < 0:
+        _usage_error("--drain-timeout must not be negative")
     if "" in (args.api_key, args.admin_api_key, args.server_api_key):
         _usage_error("an empty key: --api-key, --admin-api-key and --server-api-key want a value")
     try:
@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> None:
             )
         _usage_error(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}")
     in_flight = app.extensions["toppings"]
-    drainer = Drainer(draining, in_flight, args.drain_timeout_s, waitress_stopper(server))
+    drainer = Drainer(draining, in_flight, args.drain_timeout, waitress_stopper(server))
     drainer.install_signals()
     warn_if_admin_unreachable(args.host, keys)
     cluster.start()
