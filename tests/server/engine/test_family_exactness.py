@@ -61,15 +61,13 @@ def checkpoints(tmp_path_factory):
             root = tmp_path_factory.mktemp(name)
             model_dir = make_tiny_family(root / "model", name)
             base = load_base(model_dir)
-            adapters = {
-                a: str(
-                    make_random_adapter(
-                        root / a, base, rank=rank, target_modules=ALL_TARGETS, seed=i,
-                        use_rslora=rslora,
-                    )
+            adapters = {}
+            for seed, (a, (rank, rslora)) in enumerate(ADAPTERS.items()):
+                path = make_random_adapter(
+                    root / a, base, rank=rank, target_modules=ALL_TARGETS, seed=seed,
+                    use_rslora=rslora,
                 )  # fmt: skip
-                for i, (a, (rank, rslora)) in enumerate(ADAPTERS.items())
-            }
+                adapters[a] = str(path)
             made[name] = (model_dir, adapters)
         return made[name]
 
@@ -121,9 +119,7 @@ def test_family_matches_peft(checkpoints, name, kernel, lora_mode, num_cpu_worke
         max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=TOP,
         prompt_logprobs=TOP,
     )  # fmt: skip
-    greedy = SamplingParams(
-        max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=1
-    )
+    greedy = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=1)
     try:
         prompts = first_turn_prompts(engine.model_config.vocab_size)
         first = run(engine, prompts, scored)
