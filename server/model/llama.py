@@ -141,28 +141,25 @@ class LlamaModel:
         def cat(prefix: str, modules: tuple[str, ...], suffix: str) -> torch.Tensor:
             return torch.cat([w(prefix + m + suffix) for m in modules])
 
-        qkv_names, gate_up_names = ("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")
+        def bias(prefix: str, modules: tuple[str, ...], present: bool) -> torch.Tensor | None:
+            """The modules' biases, one after another, where the family has them."""
+            return cat(prefix, modules, ".bias") if present else None
 
+        qkv, gate_up = ("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")
         self.lm_head = proj(self.embed if tied else w("lm_head.weight"))  # [V, H]
         self.layers = []
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
             attn, mlp = p + "self_attn.", p + "mlp."
-            qkv_bias = cat(attn, qkv_names, ".bias") if config.qkv_bias else None
-            o_bias = w(attn + "o_proj.bias") if config.o_bias else None
-            mlp_bias = config.mlp_bias
             self.layers.append(
                 LayerWeights(
                     input_norm=w(p + "input_layernorm.weight"),
-                    qkv=proj(cat(attn, qkv_names, ".weight"), qkv_bias),
-                    o=proj(w(attn + "o_proj.weight"), o_bias),
+                    qkv=proj(cat(attn, qkv, ".weight"), bias(attn, qkv, config.qkv_bias)),
+                    o=proj(w(attn + "o_proj.weight"), bias(attn, ("o_proj",), config.o_bias)),
                     post_norm=w(p + "post_attention_layernorm.weight"),
-                    gate_up=proj(
-                        cat(mlp, gate_up_names, ".weight"),
-                        cat(mlp, gate_up_names, ".bias") if mlp_bias else None,
-                    ),
+                    gate_up=proj(cat(mlp, gate_up, ".weight"), bias(mlp, gate_up, config.mlp_bias)),
                     down=proj(
-                        w(mlp + "down_proj.weight"), w(mlp + "down_proj.bias") if mlp_bias else None
+                        w(mlp + "down_proj.weight"), bias(mlp, ("down_proj",), config.mlp_bias)
                     ),
                     q_norm=w(attn + "q_norm.weight") if config.has_qk_norm else None,
                     k_norm=w(attn + "k_norm.weight") if config.has_qk_norm else None,
