@@ -57,12 +57,23 @@ def add_rms_norm(
 
 
 def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm computed in float32 as transformers does. x [T, H] -> [T, H] in x's dtype."""
+    """RMSNorm computed in float32 as transformers does, over the last dim.
+    x [..., H] -> [..., H] in x's dtype; weight [H]."""
     if x.dtype == torch.float32:
         return F.rms_norm(x, (x.shape[-1],), weight, eps)  # the same numbers in one torch op
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
+
+
+def rms_norm_heads_(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim of each head, in place (Qwen3's q_norm / k_norm).
+
+    x [T, heads, D] (rows may be strided: a view of the fused qkv projection); weight [D].
+    Rounds as transformers' RMSNorm does (float32 inside, weight applied in x's dtype).
+    """
+    x.copy_(rms_norm_torch(x, weight, eps))
+    return x
 
 
 def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -33,18 +33,36 @@ log = logging.getLogger(__name__)
 
 
 class Linear:
-    """y = x @ W.T for a fixed weight W [out, in]; x [T, in] -> y [T, out] in W's dtype."""
+    """y = x @ W.T (+ b) for a fixed weight W [out, in] and optional bias b [out];
+    x [T, in] -> y [T, out] in W's dtype."""
 
-    def __init__(self, weight: torch.Tensor, pack: bool = True, plain_gemv: bool = False):
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        pack: bool = True,
+        plain_gemv: bool = False,
+        bias: torch.Tensor | None = None,
+    ):
         """pack: a CPU weight goes through oneDNN, packed once; plain_gemv: also keep the plain
-        bf16 weight for `gemv_bf16` at up to GEMV_MAX_ROWS rows (where it can run)."""
+        bf16 weight for `gemv_bf16` at up to GEMV_MAX_ROWS rows (where it can run); bias: added
+        to every row after the product, on every path (as nn.Linear's addmm adds it)."""
         self.out_features, self.in_features = weight.shape
+        if bias is not None and bias.shape != (self.out_features,):
+            raise ValueError(f"bias {tuple(bias.shape)} does not fit a weight of {weight.shape}")
+        self.bias = bias
         self.is_packed = pack and weight.device.type == "cpu" and packing_works(weight.dtype)
         # Only the packed copy is kept here (a tied lm_head's embedding stays, for the lookup).
         self._weight = _pack(weight) if self.is_packed else weight
         self._plain = weight.contiguous() if plain_gemv and gemv_fits(weight) else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = self._product(x)
+        if self.bias is not None:
+            y += self.bias
+        return y
+
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ W.T, [T, out], a fresh tensor."""
         if self._plain is not None and x.shape[0] <= GEMV_MAX_ROWS:
             y = _gemv(x, self._plain)
             if y is not None:

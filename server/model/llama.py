@@ -9,6 +9,7 @@ adapter lives.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 
 import torch
@@ -16,7 +17,8 @@ import torch
 from toppings.server.memory.kv_cache import KVPool
 from toppings.server.model.attention import decode_attention, plan_prefill, prefill_attention
 from toppings.server.model.config import ModelConfig
-from toppings.server.model.fused import add_rms_norm, rope_, silu_mul
+from toppings.server.model.family import RopeType
+from toppings.server.model.fused import add_rms_norm, rms_norm_heads_, rope_, silu_mul
 from toppings.server.model.linear import Linear, plain_copy_affordable
 
 log = logging.getLogger(__name__)
@@ -45,11 +47,44 @@ class ForwardBatch:
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor  # [H]
-    qkv: Linear  # [(N+2K)*D, H]
+    qkv: Linear  # [(N+2K)*D, H], with the bias [(N+2K)*D] where the family has one
     o: Linear  # [H, N*D]
     post_norm: torch.Tensor  # [H]
     gate_up: Linear  # [2*I, H]
     down: Linear  # [H, I]
+    q_norm: torch.Tensor | None = None  # [D], families with q/k norm (ModelConfig.has_qk_norm)
+    k_norm: torch.Tensor | None = None  # [D]
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies [D/2] float32 of the checkpoint's RoPE, as transformers computes them
+    (transformers/modeling_rope_utils.py, `_compute_*_parameters`; every type served has an
+    attention factor of 1, so cos and sin are not rescaled).
+
+    DYNAMIC (NTK) gives transformers a base that depends on the longest position of each forward
+    call, `theta * (factor * seq_len / max_position_embeddings - (factor - 1)) ** (D / (D - 2))`
+    with seq_len at least max_position_embeddings: up to max_position_embeddings it is theta
+    itself. This server attends at most max_position_embeddings positions (the engine's
+    max_model_len), so the unscaled frequencies are the exact ones for every position served;
+    past them transformers' keys would depend on the length of the call that cached them.
+    """
+    d, scaling = config.head_dim, config.rope_scaling
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+    if scaling.rope_type is RopeType.LINEAR:
+        return inv_freq / scaling.factor
+    if scaling.rope_type is RopeType.LLAMA3:
+        # Wavelengths longer than the pre-training context / low_freq_factor slow down by
+        # `factor`, those shorter than context / high_freq_factor stay, the band between is
+        # interpolated linearly in context / wavelength.
+        context = scaling.original_max_position_embeddings
+        low, high = scaling.low_freq_factor, scaling.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > context / low, inv_freq / scaling.factor, inv_freq)
+        smooth = (context / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+        is_medium = ~(wavelen < context / high) * ~(wavelen > context / low)
+        return torch.where(is_medium, smoothed, scaled)
+    return inv_freq  # DEFAULT, and DYNAMIC within max_position_embeddings (see above)
 
 
 def projection_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
@@ -100,9 +135,17 @@ class LlamaModel:
             if dtype == torch.bfloat16 and self.device.type == "cpu" and not plain_gemv:
                 log.info("no plain weight copy for the bf16 GEMV: it would not fit in memory")
 
-        def proj(weight: torch.Tensor) -> Linear:
-            return Linear(weight, pack_cpu_weights, plain_gemv)
+        def proj(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
+            return Linear(weight, pack_cpu_weights, plain_gemv, bias)
 
+        def cat(prefix: str, modules: tuple[str, ...], suffix: str) -> torch.Tensor:
+            return torch.cat([w(prefix + m + suffix) for m in modules])
+
+        def bias(prefix: str, modules: tuple[str, ...], present: bool) -> torch.Tensor | None:
+            """The modules' biases, one after another, where the family has them."""
+            return cat(prefix, modules, ".bias") if present else None
+
+        qkv, gate_up = ("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")
         self.lm_head = proj(self.embed if tied else w("lm_head.weight"))  # [V, H]
         self.layers = []
         for i in range(config.num_layers):
@@ -111,19 +154,18 @@ class LlamaModel:
             self.layers.append(
                 LayerWeights(
                     input_norm=w(p + "input_layernorm.weight"),
-                    qkv=proj(
-                        torch.cat([w(attn + m + ".weight") for m in ("q_proj", "k_proj", "v_proj")])
-                    ),
-                    o=proj(w(attn + "o_proj.weight")),
+                    qkv=proj(cat(attn, qkv, ".weight"), bias(attn, qkv, config.qkv_bias)),
+                    o=proj(w(attn + "o_proj.weight"), bias(attn, ("o_proj",), config.o_bias)),
                     post_norm=w(p + "post_attention_layernorm.weight"),
-                    gate_up=proj(
-                        torch.cat([w(mlp + m + ".weight") for m in ("gate_proj", "up_proj")])
+                    gate_up=proj(cat(mlp, gate_up, ".weight"), bias(mlp, gate_up, config.mlp_bias)),
+                    down=proj(
+                        w(mlp + "down_proj.weight"), bias(mlp, ("down_proj",), config.mlp_bias)
                     ),
-                    down=proj(w(mlp + "down_proj.weight")),
+                    q_norm=w(attn + "q_norm.weight") if config.has_qk_norm else None,
+                    k_norm=w(attn + "k_norm.weight") if config.has_qk_norm else None,
                 )
             )
-        d = config.head_dim
-        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+        inv_freq = rope_inv_freq(config)  # [D/2]
         angles = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)
         angles = torch.cat((angles, angles), dim=-1)  # [max_len, D]
         self.cos = angles.cos().to(self.device, dtype)
@@ -149,6 +191,9 @@ class LlamaModel:
             q, key, val = qkv.split([n * d, k * d, k * d], dim=-1)
             if lora is not None:
                 lora.add(idx, x, (("q_proj", q), ("k_proj", key), ("v_proj", val)))
+            if layer.q_norm is not None:  # each head of q and k, after LoRA, before RoPE
+                rms_norm_heads_(q.view(num_tokens, n, d), layer.q_norm, cfg.rms_norm_eps)
+                rms_norm_heads_(key.view(num_tokens, k, d), layer.k_norm, cfg.rms_norm_eps)
             # RoPE on the query and key heads together, in place in qkv.
             rope_(qkv[:, : (n + k) * d].view(num_tokens, n + k, d), cos, sin)
             q = q.view(num_tokens, n, d)  # [T, N, D]
