@@ -141,9 +141,7 @@ _OUT_WIDTH = {
 }
 
 
-def _mismatch_cause(
-    module: str, half: str, found: tuple[int, ...], want: tuple[int, int]
-) -> str:
+def _mismatch_cause(module: str, half: str, found: tuple[int, ...], want: tuple[int, int]) -> str:
     """The likely cause of a lora_A [R, in] or lora_B [out, R] that does not fit the base."""
     if len(found) != 2:
         return f"a LoRA matrix is 2-D, this one is {len(found)}-D"
