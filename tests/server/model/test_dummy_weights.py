@@ -72,3 +72,21 @@ def test_presets_are_configs_transformers_reads(preset):
 
     config = AutoConfig.for_model(**PRESETS[preset])
     assert config.hidden_size == PRESETS[preset]["hidden_size"]
+
+
+def test_every_tensor_of_other_families_is_there_by_its_hf_name():
+    """Qwen2's q/k/v biases and Qwen3's q/k norms come by name as the projections do, so model
+    code that reads them needs nothing of the loader."""
+    from transformers import Qwen2Config, Qwen3Config
+
+    from toppings.server.model.weights import DummyWeights
+
+    shapes = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16)  # fmt: skip
+    qwen2 = DummyWeights.for_config(Qwen2Config(**shapes), torch.bfloat16)
+    assert qwen2["model.layers.1.self_attn.k_proj.bias"].shape == (32,)
+    assert qwen2["model.layers.1.self_attn.k_proj.bias"].dtype == torch.bfloat16
+    qwen3 = DummyWeights.for_config(Qwen3Config(**shapes), torch.bfloat16)
+    assert torch.equal(qwen3["model.layers.0.self_attn.q_norm.weight"], torch.ones(16).bfloat16())
+    assert "model.layers.0.self_attn.k_norm.weight" in qwen3
+    assert "model.layers.0.self_attn.q_proj.bias" not in qwen3
