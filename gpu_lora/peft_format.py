@@ -91,9 +91,9 @@ def load_peft_adapter(
         want = (rank, in_f) if half == "A" else (out_f, rank)
         if tuple(tensor.shape) != want:
             raise AdapterError(
-                f"{weights_path}: lora_{half} of {module_name(*pair)} has shape "
-                f"{list(tensor.shape)}, expected {list(want)} (r={rank}, base model "
-                f"{model_config.name!r}): {_mismatch_cause(pair[1], half, tensor.shape, want)}"
+                f"{weights_path}: tensor {key!r} has shape {list(tensor.shape)}, expected "
+                f"{list(want)} (r={rank}, base model {model_config.name!r}): "
+                f"{_mismatch_cause(pair[1], half, tensor.shape, want)}"
             )
         if not tensor.is_floating_point():
             raise AdapterError(f"{weights_path}: tensor {key!r} has dtype {tensor.dtype}")

@@ -38,7 +38,13 @@ def test_an_adapter_of_another_hidden_size_gets_400_naming_the_mismatch(client, 
     assert response.status_code == 400, response.get_data(as_text=True)
     message = response.get_json()["error"]["message"]
     assert "\n" not in message
-    for words in ("model.layers.", "has shape", "expected", "hidden size 32, not 64"):
+    for words in (
+        "model.layers.0.",
+        "_proj.lora_",
+        "has shape",
+        "expected",
+        "hidden size 32, not 64",
+    ):
         assert words in message, message
     names = {m["id"] for m in client.get("/v1/models").get_json()["data"]}
     assert "narrow" not in names and "fits" in names
