@@ -78,10 +78,11 @@ class SafetensorsWeights(Mapping[str, torch.Tensor]):
 
     def __getitem__(self, name: str) -> torch.Tensor:
         path = self.files[name]
-        # Opened per tensor: the file's mapping closes with it, so no page of a shard stays
-        # mapped (and counted) once its tensor has been copied out.
+        # get_tensor's tensor is a view of the file's memory map: cloned, the model owns its
+        # weights and does not change if the file is rewritten in place while it serves. The
+        # file is opened per tensor so that no shard stays mapped once its tensor is copied.
         with safe_open(str(path), framework="pt") as f:
-            return f.get_tensor(name)
+            return f.get_tensor(name).clone()
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.files)

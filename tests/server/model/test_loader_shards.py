@@ -112,3 +112,19 @@ def test_the_cli_refuses_a_missing_shard_in_one_line(sharded_dir, tmp_path):
     (broken / gone).unlink()
     result = run("toppings-serve", "--model", str(broken), "--port", "0")
     assert_refused(result, "toppings-serve", "missing shard", gone)
+
+
+def test_a_tensor_read_is_the_model_s_own_memory(sharded_dir, tmp_path):
+    """A shard rewritten in place while the server runs does not change the weights it read."""
+    model_dir = copy_of(sharded_dir, tmp_path / "rewritten")
+    weights = load_checkpoint(str(model_dir)).weights
+    name = "model.embed_tokens.weight"
+    tensor = weights[name]
+    before = tensor.clone()
+    shard = model_dir / weights.files[name]
+    size = shard.stat().st_size
+    with open(shard, "r+b") as f:  # keep the header, zero every byte of data
+        header = 8 + int.from_bytes(f.read(8), "little")
+        f.seek(header)
+        f.write(bytes(size - header))
+    assert torch.equal(tensor, before)
