@@ -90,3 +90,16 @@ def test_every_tensor_of_other_families_is_there_by_its_hf_name():
     assert torch.equal(qwen3["model.layers.0.self_attn.q_norm.weight"], torch.ones(16).bfloat16())
     assert "model.layers.0.self_attn.k_norm.weight" in qwen3
     assert "model.layers.0.self_attn.q_proj.bias" not in qwen3
+
+
+def test_load_format_is_a_serve_flag():
+    from toppings.server.cli_args import build_parser, parse_configs
+
+    parser = build_parser()
+    assert "--load-format" in parser.format_help()
+    _, config, _ = parse_configs(parser.parse_args(["--model", "m", "--load-format", "dummy"]))
+    assert config.load_format == "dummy"
+    _, default, _ = parse_configs(parser.parse_args(["--model", "m"]))
+    assert default.load_format == "auto"
+    with pytest.raises(ValueError, match="load_format"):
+        EngineConfig(load_format="pickle")
