@@ -110,9 +110,9 @@ def _files_from_index(index: Path) -> dict[str, Path]:
         by_shard.setdefault(shard, []).append(name)
     files: dict[str, Path] = {}
     for shard, names in sorted(by_shard.items()):
-        path = index.parent / shard
         if Path(shard).name != shard:
             raise CheckpointError(f"{index}: shard {shard!r} is not a file name in the directory")
+        path = index.parent / shard
         if not path.is_file():
             raise CheckpointError(
                 f"missing shard {path}: {index.name} places {len(names)} tensors there "

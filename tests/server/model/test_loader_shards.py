@@ -94,8 +94,11 @@ def test_a_shard_without_a_tensor_its_index_names(sharded_dir, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "index_text", ["{not json", '{"metadata": {}}', '{"weight_map": {"a": 5}}'], ids=str
-)
+    "index_text",
+    ["{not json", '{"metadata": {}}', '{"weight_map": {"a": 5}}',
+     '{"weight_map": {"a": "../elsewhere.safetensors"}}'],
+    ids=str,
+)  # fmt: skip
 def test_a_broken_index_is_one_line(sharded_dir, tmp_path, index_text):
     broken = copy_of(sharded_dir, tmp_path / "broken")
     (broken / INDEX_FILE).write_text(index_text)
