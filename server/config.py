@@ -10,6 +10,7 @@ parsed (server.cli_args); the same checks run when code builds an `EngineConfig`
 from __future__ import annotations
 
 import dataclasses
+import enum
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -37,6 +38,17 @@ MEMORY_POLICIES = ("lru", "fastlibra")  # the classes: server.memory.policies
 Part = TypeVar("Part", bound=Settings)
 
 
+class LoadFormat(enum.Enum):
+    """Where the base model's weights come from (server.model.loader reads them)."""
+
+    AUTO = "auto"  # the checkpoint's safetensors, one file or shards (the only format read)
+    SAFETENSORS = "safetensors"
+    DUMMY = "dummy"  # random weights of the checkpoint's shapes; only config.json is read
+
+
+LOAD_FORMATS = tuple(f.value for f in LoadFormat)
+
+
 @dataclass(frozen=True)
 class RuntimeConfig(Settings):
     """Where and how the model runs."""
@@ -54,6 +66,15 @@ class RuntimeConfig(Settings):
         ),
     )
     kernel: str = setting("mbgmv", choices=KERNELS, flag=Flag())
+    load_format: str = setting(
+        "auto",
+        choices=LOAD_FORMATS,
+        flag=Flag(
+            "auto/safetensors: the checkpoint's safetensors (one file, or the shards of "
+            "model.safetensors.index.json); dummy: random weights of the checkpoint's shapes "
+            "from its config.json alone, for benchmarks"
+        ),
+    )
     # Decode steps replay CUDA graphs; None: on for cuda.
     cuda_graphs: bool | None = setting(
         None,

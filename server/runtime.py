@@ -15,8 +15,9 @@ log = logging.getLogger(__name__)
 
 def build_engine(model: str, config: EngineConfig, loras: dict[str, str] | None = None) -> Engine:
     """Load the base model and adapters and start the engine thread (`dtype="auto"` is
-    resolved here, for the model's own shapes: server.model.dtype)."""
-    checkpoint = load_checkpoint(model)
+    resolved here, for the model's own shapes: server.model.dtype). Raises CheckpointError for
+    weights files that cannot be loaded, before any model is built."""
+    checkpoint = load_checkpoint(model, config.load_format)
     if config.dtype == "auto":
         mc = checkpoint.config
         dtype, why = choose_dtype(config.device, mc.hidden_size, mc.intermediate_size)

@@ -86,7 +86,9 @@ class Engine:
             mc, dtype, self.memory.adapter_cache,
         )  # fmt: skip
         self._adapters = self.lora.registry  # read-only here: name -> LoraAdapter
-        self.eos_ids = set(mc.eos_token_ids)
+        # Stop tokens: config.json's, the tokenizer's, and generation_config.json's list (where
+        # chat checkpoints name their end of turn: Llama 3's <|eot_id|>, Qwen's <|im_end|>).
+        self.eos_ids = set(mc.eos_token_ids) | set(checkpoint.generation_eos_ids)
         if self.tokenizer.eos_token_id is not None:
             self.eos_ids.add(self.tokenizer.eos_token_id)
         self.runner = ModelRunner.create(

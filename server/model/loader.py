@@ -16,13 +16,18 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
+from toppings.server.config import LoadFormat
 from toppings.server.model.config import ModelConfig
+from toppings.server.model.weights import CheckpointError, DummyWeights, SafetensorsWeights
+
+__all__ = ["Checkpoint", "CheckpointError", "LoadFormat", "load_checkpoint", "resolve_model_dir"]
 
 log = logging.getLogger(__name__)
 
@@ -33,12 +38,15 @@ SMOLLM2_NAME = "SmolLM2-135M-Instruct"
 
 @dataclass
 class Checkpoint:
-    """A loaded checkpoint: its shapes, its tokenizer and its weights by Hugging Face name."""
+    """A checkpoint ready to build a model from: its shapes, its tokenizer, its weights by
+    Hugging Face name (each read or drawn when asked for: server.model.weights), and the stop
+    tokens its generation_config.json lists."""
 
     name: str
     config: ModelConfig
     tokenizer: object  # transformers PreTrainedTokenizerFast
-    weights: dict[str, torch.Tensor]  # float32, CPU
+    weights: Mapping[str, torch.Tensor]  # CPU, in the checkpoint's dtype
+    generation_eos_ids: tuple[int, ...] = ()
 
 
 def cache_dir() -> Path:
@@ -62,22 +70,57 @@ def resolve_model_dir(model: str) -> Path:
     raise FileNotFoundError(f"model {model!r} is neither a directory, a .gguf file nor 'smollm2'")
 
 
-def load_checkpoint(model: str) -> Checkpoint:
-    """Load config, tokenizer and float32 weights of `model` (see resolve_model_dir)."""
+def load_checkpoint(
+    model: str, load_format: LoadFormat | str = LoadFormat.AUTO, seed: int = 0
+) -> Checkpoint:
+    """Config, tokenizer and weights of `model` (see resolve_model_dir). The weights' files are
+    checked here, before any model is built (CheckpointError, one line naming the file); their
+    tensors are read when the model takes them. `seed` draws the dummy format's weights."""
     from transformers import AutoConfig, AutoTokenizer
 
+    load_format = LoadFormat(load_format)
     model_dir = resolve_model_dir(model)
     hf_config = AutoConfig.from_pretrained(model_dir)
     name = SMOLLM2_NAME if model == "smollm2" else model_dir.name
     config = ModelConfig.from_hf(hf_config, name)
+    if load_format is LoadFormat.DUMMY:
+        weights: Mapping[str, torch.Tensor] = DummyWeights.for_config(
+            hf_config, _stored_dtype(hf_config), seed
+        )
+    else:
+        weights = SafetensorsWeights.from_dir(model_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    files = sorted(glob.glob(str(model_dir / "*.safetensors")))
-    if not files:
-        raise FileNotFoundError(f"{model_dir} holds no .safetensors weights (pickles are not read)")
-    weights: dict[str, torch.Tensor] = {}
-    for f in files:
-        weights.update({k: v.float() for k, v in load_file(f).items()})
-    return Checkpoint(name=name, config=config, tokenizer=tokenizer, weights=weights)
+    return Checkpoint(
+        name=name,
+        config=config,
+        tokenizer=tokenizer,
+        weights=weights,
+        generation_eos_ids=generation_eos_ids(model_dir),
+    )
+
+
+def _stored_dtype(hf_config) -> torch.dtype:
+    """The dtype config.json says the weights are stored in (float32 when it says none)."""
+    dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    return dtype if isinstance(dtype, torch.dtype) else torch.float32
+
+
+def generation_eos_ids(model_dir: Path) -> tuple[int, ...]:
+    """The `eos_token_id` of generation_config.json (an int or a list), () without one: where
+    chat checkpoints list their end-of-turn token (Llama 3's <|eot_id|>, Qwen's <|im_end|>)."""
+    path = model_dir / "generation_config.json"
+    if not path.is_file():
+        return ()
+    try:
+        eos = json.loads(path.read_text()).get("eos_token_id")
+    except (OSError, ValueError, AttributeError) as e:
+        raise CheckpointError(f"{path} is not a JSON object: {e}") from e
+    ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise CheckpointError(f"{path}: eos_token_id must be a token id or a list of them")
+    return tuple(ids)
 
 
 def _smollm2_gguf() -> Path:

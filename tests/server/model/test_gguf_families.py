@@ -1,0 +1,97 @@
+"""The GGUF path for the families llama.cpp exports: a tiny llama- and qwen2-arch GGUF, written
+offline with the `gguf` package as llama.cpp's converter lays it out, converts back to every
+tensor of the Hugging Face checkpoint it came from, by its Hugging Face name (qwen2's q/k/v
+biases included), which is what the model code reads."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+
+SHAPES = dict(vocab_size=260, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+              rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1,
+              eos_token_id=2)  # fmt: skip
+MERGES = ["Ġ t", "h e", "i n", "Ġt he"]
+
+
+def byte_level_vocab() -> list[str]:
+    """The 256 byte tokens of a GPT-2-style tokenizer plus the merges' results (260 tokens)."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    return sorted(bytes_to_unicode().values()) + ["Ġt", "he", "in", "Ġthe"]
+
+
+def llama_cpp_permute(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """llama.cpp stores a llama q/k projection with each head's rotary halves interleaved."""
+    rows = weight.shape[0]
+    return (
+        weight.reshape(num_heads, 2, rows // num_heads // 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
+
+
+def write_gguf(path: Path, arch: str, state: dict[str, torch.Tensor]) -> None:
+    """A float32 GGUF of `state` (Hugging Face names) with the hyper-parameters of SHAPES."""
+    model_arch = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2}[arch]
+    names = gguf.get_tensor_name_map(model_arch, SHAPES["num_hidden_layers"])
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_name(f"tiny-{arch}")
+    writer.add_context_length(SHAPES["max_position_embeddings"])
+    writer.add_embedding_length(SHAPES["hidden_size"])
+    writer.add_block_count(SHAPES["num_hidden_layers"])
+    writer.add_feed_forward_length(SHAPES["intermediate_size"])
+    writer.add_head_count(SHAPES["num_attention_heads"])
+    writer.add_head_count_kv(SHAPES["num_key_value_heads"])
+    writer.add_rope_freq_base(SHAPES["rope_theta"])
+    writer.add_layer_norm_rms_eps(SHAPES["rms_norm_eps"])
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(arch)
+    vocab = byte_level_vocab()
+    writer.add_token_list(vocab)
+    writer.add_token_types([1] * len(vocab))
+    writer.add_token_merges(MERGES)
+    writer.add_bos_token_id(SHAPES["bos_token_id"])
+    writer.add_eos_token_id(SHAPES["eos_token_id"])
+    for name, tensor in state.items():
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = SHAPES["num_attention_heads" if "q_proj" in name else "num_key_value_heads"]
+            tensor = llama_cpp_permute(tensor, heads)
+        writer.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), tensor.numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_gguf_converts_to_every_tensor_by_its_hf_name(arch, tmp_path, monkeypatch):
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    from toppings.server.model.loader import resolve_model_dir
+    from toppings.server.model.weights import SafetensorsWeights
+
+    monkeypatch.setenv("TOPPINGS_CACHE", str(tmp_path / "cache"))
+    config_cls, model_cls = {
+        "llama": (LlamaConfig, LlamaForCausalLM),
+        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    }[arch]
+    torch.manual_seed(0)
+    state = model_cls(config_cls(**SHAPES)).float().state_dict()
+    if arch == "qwen2":
+        assert "model.layers.1.self_attn.k_proj.bias" in state
+    path = tmp_path / f"tiny-{arch}.gguf"
+    write_gguf(path, arch, state)
+    model_dir = resolve_model_dir(str(path))
+    assert json.loads((model_dir / "config.json").read_text())["model_type"] == arch
+    weights = SafetensorsWeights.from_dir(model_dir)
+    assert sorted(weights) == sorted(state)
+    for name, tensor in state.items():
+        assert torch.equal(weights[name], tensor), name
+    assert resolve_model_dir(str(path)) == model_dir  # converted once, then found in the cache
