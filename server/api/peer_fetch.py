@@ -63,6 +63,7 @@ CHUNK_BYTES = 1 << 20
 PARTIAL_PREFIX = ".partial-"
 FAILED_DEPENDENCY = "failed_dependency"
 GATEWAY_TIMEOUT = "gateway_timeout"
+_OPEN_STORES: set[str] = set()  # the stores of live fetchers, cleaned at interpreter exit
 
 
 class PeerFailed(Exception):
@@ -104,18 +105,14 @@ class PeerFetcher:
         self.store = os.path.realpath(config.store_dir)
         self.session = session or requests.Session()
         self._lock = threading.Lock()  # one fetch at a time: no two copies of one adapter
-        self.remove_partials()
-        atexit.register(self.close)
-
-    def remove_partials(self) -> None:
-        """Remove the temporary directories of fetches that never finished."""
-        for path in glob.glob(os.path.join(glob.escape(self.store), PARTIAL_PREFIX + "*")):
-            shutil.rmtree(path, ignore_errors=True)
+        _remove_partials(self.store)
+        _OPEN_STORES.add(self.store)
 
     def close(self) -> None:
-        """Remove what an unfinished fetch left in the store (run at interpreter exit too)."""
-        atexit.unregister(self.close)
-        self.remove_partials()
+        """Remove what an unfinished fetch left in the store (at interpreter exit for every
+        store whose fetcher was not closed)."""
+        _OPEN_STORES.discard(self.store)
+        _remove_partials(self.store)
 
     def load(self, body: dict) -> dict:
         """Fetch and register `lora_name`; returns its card and the peer it came from."""
@@ -286,6 +283,18 @@ class PeerFetcher:
             answer.close()
         if received != size:
             raise PeerFailed(f"{file_name}: {received} bytes of the {size} announced")
+
+
+def _remove_partials(store: str) -> None:
+    """Remove the temporary directories of fetches into `store` that never finished."""
+    for path in glob.glob(os.path.join(glob.escape(store), PARTIAL_PREFIX + "*")):
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@atexit.register
+def _remove_all_partials() -> None:
+    for store in list(_OPEN_STORES):
+        _remove_partials(store)
 
 
 def _left(deadline: float) -> float:

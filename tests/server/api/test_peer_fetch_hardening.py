@@ -5,6 +5,8 @@ has a total deadline, and no `.partial-*` directory outlives a fetch or a restar
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -167,3 +169,17 @@ def test_partial_directories_are_removed_at_start_and_at_close(engine, tmp_path)
     (store / ".partial-of-a-fetch-cut-by-the-stop").mkdir()
     fetcher.close()
     assert partials(store) == [] and (store / "kept-0123456789abcdef").is_dir()
+
+
+def test_partial_directories_are_removed_when_the_process_exits(tmp_path):
+    store = tmp_path / "store"
+    script = (
+        "import os, sys\n"
+        "from toppings.server.api.peer_fetch import FetchConfig, PeerFetcher\n"
+        "PeerFetcher(None, FetchConfig(sys.argv[1]))\n"
+        "os.mkdir(os.path.join(sys.argv[1], '.partial-cut-by-the-exit'))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script, str(store)], capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert store.is_dir() and partials(store) == []
