@@ -124,8 +124,8 @@ class PeerFetcher:
         if not is_digest(digest):
             raise RequestError("'sha256' must be the adapter's SHA-256: 64 lowercase hex digits")
         peers = self._allowed(body.get("peers"))
-        deadline = time.monotonic() + self.config.total_timeout_s
         with self._lock:
+            deadline = time.monotonic() + self.config.total_timeout_s  # a queued load's own
             if any(a["name"] == name for a in self.engine.adapters()):
                 raise RequestError(f"adapter {name!r} is already loaded", 409, "conflict")
             failures = []
