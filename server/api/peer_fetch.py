@@ -23,9 +23,10 @@ API key as an operator's), so every server the scheduler may name as a holder is
 sent to those peers only. A redirect is a failed peer, never followed. One load, all peers and
 bytes together, takes at most `--peer-fetch-timeout-s` (FetchConfig.total_timeout_s): every
 socket wait is cut to the time left and the clock is checked between chunks, so a peer that
-trickles bytes cannot hold the fetch lock; past it the load gets a 504. The temporary
-`.partial-*` directories of the store are removed on every failure, when the fetcher starts
-(what a killed server left) and when it closes (at interpreter exit).
+trickles the bytes of a body cannot hold the fetch lock; past it the load gets a 504. (A listed
+peer trickling its response headers is bounded only per socket read: http.client reads them.)
+The temporary `.partial-*` directories of the store are removed on every failure, when the
+fetcher starts (what a killed server left) and when it closes (at interpreter exit).
 """
 
 from __future__ import annotations
