@@ -62,12 +62,13 @@ def run_policy(policy: str, model: Path, adapters: dict, root: Path, args) -> di
     try:
         servers = []
         names = sorted(adapters)
-        for i in range(3):
-            port = free_port()
+        ports = [free_port() for _ in range(3)]
+        for i, port in enumerate(ports):
             mine = names if policy == "rank-aware" else names[2 * i : 2 * i + 2]
             cmd = [sys.executable, "-m", "toppings.server.cli", "--model", str(model),
                    "--port", str(port), "--device", "cpu", "--dtype", "float32",
                    "--adapter-store", str(work / f"store{i}")]  # fmt: skip
+            cmd += [a for p in ports for a in ("--peer", f"http://127.0.0.1:{p}")]
             cmd += [a for n in mine for a in ("--lora", f"{n}={adapters[n]}")]
             log_file = (work / f"server{i}.log").open("w")
             procs.append(subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT))

@@ -3,6 +3,15 @@
 Only plain LoRA on the seven Llama projections is served; every PEFT feature that would change
 the math (DoRA, per-module ranks, biases, ...) is rejected by name, so an adapter either loads
 exactly or fails with a message a client can act on.
+
+A regex `target_modules` (or `exclude_modules`) is the adapter author's code run on this server:
+it is refused over MAX_PATTERN_CHARS, and matched with the `regex` package (the semantics of
+PEFT's `re`) under a time budget of REGEX_BUDGET_S for all matches of one adapter, with the GIL
+released while it runs (`concurrent=True`), so a catastrophically backtracking pattern fails
+the load with an AdapterError instead of stalling the server.
+
+The config is read through gpu_lora.adapter_dir: opened relative to the directory without
+following a symlink, and checked on the opened file.
 """
 
 from __future__ import annotations
@@ -10,15 +19,25 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
+import regex
+
+from toppings.gpu_lora.adapter_dir import UnsafeFile, open_dir, open_file
 from toppings.gpu_lora.targets import ATTN_PROJECTIONS, LORA_TARGETS, ModelShapes
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 PICKLE_FILE = "adapter_model.bin"
 MAX_CONFIG_BYTES = 1 << 20  # a PEFT config is a few kB; a larger one is refused unread
+MAX_PATTERN_CHARS = 1000  # a PEFT target regex is a line; a longer one is refused uncompiled
+# All regex matches of one adapter together. The GIL is released while a match runs, so the
+# budget bounds only the loading thread; an 80-layer model's 560 names match a plain pattern in
+# about 10 ms, so a legitimate pattern stays far below it even on a busy host.
+REGEX_BUDGET_S = 0.25
 
 # Config fields that must stay at their neutral (falsy) value: each changes the forward pass.
 _UNSUPPORTED = {
@@ -54,24 +73,46 @@ def module_name(layer_idx: int, module: str) -> str:
     return f"model.layers.{layer_idx}.{parent}.{module}"
 
 
+@contextmanager
+def adapter_dir(path: str | os.PathLike) -> Iterator[int]:
+    """A descriptor of the adapter directory `path`, for read_config_at and the weights' reader
+    (one directory for both files); raises AdapterError when it is missing or not a directory."""
+    try:
+        dir_fd = open_dir(path)
+    except FileNotFoundError:
+        raise AdapterError(f"adapter path {os.fspath(path)!r} does not exist") from None
+    except NotADirectoryError:
+        raise AdapterError(f"adapter path {os.fspath(path)!r} is not a directory") from None
+    except OSError as exc:
+        raise AdapterError(f"adapter path {os.fspath(path)!r} cannot be opened: {exc}") from None
+    try:
+        yield dir_fd
+    finally:
+        os.close(dir_fd)
+
+
 def read_adapter_config(path: str | os.PathLike) -> dict:
     """Parse adapter_config.json of an adapter directory and check what needs no base model.
 
     Cheap (no tensors read); returns the parsed dict unchanged. Raises AdapterError.
     """
-    root = Path(path)
-    if not root.is_dir():
-        what = "does not exist" if not root.exists() else "is not a directory"
-        raise AdapterError(f"adapter path {str(root)!r} {what}")
+    with adapter_dir(path) as dir_fd:
+        return read_config_at(dir_fd, Path(path))
+
+
+def read_config_at(dir_fd: int, root: Path) -> dict:
+    """read_adapter_config of the directory `dir_fd` (`root` names it in messages)."""
     cfg_path = root / CONFIG_FILE
-    if not cfg_path.is_file():
-        raise AdapterError(f"{CONFIG_FILE} missing in {str(root)!r}")
     try:
-        with open(cfg_path, "rb") as f:
+        with open_file(dir_fd, CONFIG_FILE, MAX_CONFIG_BYTES) as f:
             raw = f.read(MAX_CONFIG_BYTES + 1)
-        if len(raw) > MAX_CONFIG_BYTES:
+        if len(raw) > MAX_CONFIG_BYTES:  # grew after the check of the opened file
             raise AdapterError(f"{cfg_path} is larger than {MAX_CONFIG_BYTES} bytes")
         cfg = json.loads(raw.decode("utf-8"))
+    except FileNotFoundError:
+        raise AdapterError(f"{CONFIG_FILE} missing in {str(root)!r}") from None
+    except UnsafeFile as exc:
+        raise AdapterError(f"{root}: {exc}") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise AdapterError(f"{cfg_path} is not valid JSON: {exc}") from exc
     except RecursionError as exc:
@@ -114,9 +155,14 @@ def _check_fields(cfg: dict, cfg_path: Path) -> None:
         if spec is None and field == "exclude_modules":
             continue
         if isinstance(spec, str):
+            if len(spec) > MAX_PATTERN_CHARS:
+                raise AdapterError(
+                    f"{cfg_path}: {field} regex is {len(spec)} characters; at most "
+                    f"{MAX_PATTERN_CHARS} are accepted"
+                )
             try:
-                re.compile(spec)
-            except re.error as exc:
+                regex.compile(spec)
+            except regex.error as exc:
                 raise AdapterError(f"{cfg_path}: {field} regex {spec!r} is invalid: {exc}") from exc
         elif not isinstance(spec, list) or not all(isinstance(t, str) for t in spec):
             raise AdapterError(f"{cfg_path}: {field} must be a list of names or a regex string")
@@ -131,11 +177,30 @@ def _check_fields(cfg: dict, cfg_path: Path) -> None:
                     )
 
 
-def _matches(spec: str | list[str], key: str) -> bool:
-    """PEFT's rule: a string is a regex over the full name, a list entry is a name suffix."""
-    if isinstance(spec, str):
-        return re.fullmatch(spec, key) is not None
-    return any(key == t or key.endswith("." + t) for t in spec)
+class _Matcher:
+    """PEFT's rule for a `target_modules` or `exclude_modules` value, under one time budget.
+
+    A string is a regex over the full module name, a list entry is a name suffix. Every regex
+    match of one adapter shares REGEX_BUDGET_S; past it, the load fails naming the field.
+    """
+
+    def __init__(self, where: str):
+        self.where = where
+        self.deadline = time.monotonic() + REGEX_BUDGET_S
+
+    def __call__(self, spec: str | list[str], key: str, field: str = "target_modules") -> bool:
+        if not isinstance(spec, str):
+            return any(key == t or key.endswith("." + t) for t in spec)
+        left_s = self.deadline - time.monotonic()
+        try:
+            if left_s <= 0:
+                raise TimeoutError
+            return regex.fullmatch(spec, key, timeout=left_s, concurrent=True) is not None
+        except TimeoutError:
+            raise AdapterError(
+                f"{self.where}: {field} regex {spec[:100]!r} takes too long to match module "
+                f"names (over {REGEX_BUDGET_S * 1000:.0f} ms); simplify it or list the modules"
+            ) from None
 
 
 def resolve_targets(cfg: dict, model_config: ModelShapes, where: str) -> set[tuple[int, str]]:
@@ -143,27 +208,28 @@ def resolve_targets(cfg: dict, model_config: ModelShapes, where: str) -> set[tup
     names = {
         module_name(i, m): (i, m) for i in range(model_config.num_layers) for m in LORA_TARGETS
     }
+    matches = _Matcher(where)
     spec = cfg["target_modules"]
     if isinstance(spec, str) and spec.lower() == "all-linear":
         spec = list(LORA_TARGETS)
     entries = [spec] if isinstance(spec, str) else spec
     for entry in entries:
         one = entry if isinstance(spec, str) else [entry]
-        unserved = [n for n in _UNSERVED_MODULES if _matches(one, n)]
+        unserved = [n for n in _UNSERVED_MODULES if matches(one, n)]
         if unserved:
             raise AdapterError(
                 f"{where}: target_modules {entry!r} selects {unserved[0]}; only "
                 f"{', '.join(LORA_TARGETS)} can carry LoRA here"
             )
-        if not isinstance(spec, str) and not any(_matches(one, n) for n in names):
+        if not isinstance(spec, str) and not any(matches(one, n) for n in names):
             raise AdapterError(
                 f"{where}: target_modules entry {entry!r} is not a projection of this "
                 f"{model_config.num_layers}-layer model (known: {', '.join(LORA_TARGETS)})"
             )
-    targeted = {pair for name, pair in names.items() if _matches(spec, name)}
+    targeted = {pair for name, pair in names.items() if matches(spec, name)}
     exclude = cfg.get("exclude_modules")
     if exclude:
-        targeted = {p for p in targeted if not _matches(exclude, module_name(*p))}
+        targeted = {p for p in targeted if not matches(exclude, module_name(*p), "exclude_modules")}
     layers = cfg.get("layers_to_transform")
     if layers not in (None, []) and not isinstance(spec, str):  # PEFT ignores it for a regex
         layer_set = {layers} if isinstance(layers, int) else set(layers)

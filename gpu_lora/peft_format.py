@@ -1,7 +1,9 @@
 """PEFT LoRA adapters on disk: load adapter_model.safetensors, checked against the base model.
 
 An adapter directory holds `adapter_config.json` (see peft_config) and
-`adapter_model.safetensors`, as written by `PeftModel.save_pretrained`.
+`adapter_model.safetensors`, as written by `PeftModel.save_pretrained`. The weights file is
+opened relative to the directory without following a symlink and checked on the opened file
+(gpu_lora.adapter_dir); safetensors then maps that very file through /proc/self/fd.
 """
 
 from __future__ import annotations
@@ -13,15 +15,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load, load_file
 
+from toppings.gpu_lora.adapter_dir import UnsafeFile, fd_path, has_file, open_file
 from toppings.gpu_lora.peft_config import (
     CONFIG_FILE,
     PICKLE_FILE,
     WEIGHTS_FILE,
     AdapterError,
+    adapter_dir,
     module_name,
     read_adapter_config,
+    read_config_at,
     resolve_targets,
 )
 from toppings.gpu_lora.targets import ATTN_PROJECTIONS, LORA_TARGETS, ModelShapes
@@ -65,22 +70,11 @@ def load_peft_adapter(
 ) -> LoraAdapter:
     """Load a PEFT LoRA dir, checked against the base model's shapes. Raises AdapterError."""
     root = Path(path)
-    cfg = read_adapter_config(root)
-    cfg_where = str(root / CONFIG_FILE)
-    targeted = resolve_targets(cfg, model_config, cfg_where)
+    with adapter_dir(root) as dir_fd:  # both files from the one directory opened here
+        cfg = read_config_at(dir_fd, root)
+        targeted = resolve_targets(cfg, model_config, str(root / CONFIG_FILE))
+        tensors = _read_weights(dir_fd, root)
     weights_path = root / WEIGHTS_FILE
-    if not weights_path.is_file():
-        if (root / PICKLE_FILE).is_file():
-            raise AdapterError(
-                f"{str(root)!r} has only {PICKLE_FILE} (a pickle); safetensors only: save the "
-                f"adapter with safe_serialization=True to get {WEIGHTS_FILE}"
-            )
-        raise AdapterError(f"{WEIGHTS_FILE} missing in {str(root)!r}")
-    try:
-        tensors = load_file(weights_path)
-    except Exception as exc:  # the Rust reader raises its own error type for corrupt files
-        raise AdapterError(f"{weights_path} is not a readable safetensors file: {exc}") from exc
-
     rank = cfg["r"]
     halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
@@ -154,6 +148,30 @@ def _mismatch_cause(module: str, half: str, found: tuple[int, ...], want: tuple[
             f"not {want[width_dim]}"
         )
     return f"its rank {found[rank_dim]} differs from r={want[rank_dim]} in {CONFIG_FILE}"
+
+
+def _read_weights(dir_fd: int, root: Path) -> dict[str, torch.Tensor]:
+    """The tensors of adapter_model.safetensors in the directory `dir_fd` (`root` names it)."""
+    weights_path = root / WEIGHTS_FILE
+    if not has_file(dir_fd, WEIGHTS_FILE) and has_file(dir_fd, PICKLE_FILE):
+        raise AdapterError(
+            f"{str(root)!r} has only {PICKLE_FILE} (a pickle); safetensors only: save the "
+            f"adapter with safe_serialization=True to get {WEIGHTS_FILE}"
+        )
+    try:
+        with open_file(dir_fd, WEIGHTS_FILE) as f:
+            path = fd_path(f)
+            try:
+                return load_file(path) if path is not None else load(f.read())
+            except Exception as exc:  # the Rust reader raises its own type for corrupt files
+                message = f"{weights_path} is not a readable safetensors file: {exc}"
+                raise AdapterError(message) from exc
+    except FileNotFoundError:
+        raise AdapterError(f"{WEIGHTS_FILE} missing in {str(root)!r}") from None
+    except UnsafeFile as exc:
+        raise AdapterError(f"{root}: {exc}") from None
+    except OSError as exc:
+        raise AdapterError(f"{weights_path} cannot be read: {exc}") from exc
 
 
 def _parse_key(

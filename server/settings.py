@@ -22,6 +22,7 @@ import os
 from collections.abc import Callable, Collection
 from dataclasses import MISSING, dataclass
 from typing import Any, ClassVar
+from urllib.parse import urlsplit
 
 ON_OFF = ("on", "off")
 FIELD_DEFAULT = object()  # a Flag's default: the field's own
@@ -166,6 +167,29 @@ def parse_cores(spec: str) -> tuple[int, ...]:
     if not cores or min(cores) < 0 or len(set(cores)) != len(cores):
         raise argparse.ArgumentTypeError(f"expected distinct non-negative cores, got {spec!r}")
     return tuple(cores)
+
+
+def http_origin(text: str) -> str:
+    """An http(s) server's base URL as `scheme://host[:port]`, lower-cased without a trailing
+    slash, so that two spellings of one server compare equal; a URL with a path, query,
+    fragment or credentials is refused."""
+    refused = argparse.ArgumentTypeError(f"expected an http(s) server URL like "
+                                         f"http://10.0.0.2:8100, got {text!r}")  # fmt: skip
+    try:
+        parts = urlsplit(text.strip())
+        parts.port  # noqa: B018 (parsing it refuses a port out of range)
+    except ValueError:
+        raise refused from None
+    if (
+        parts.scheme.lower() not in ("http", "https")
+        or not parts.hostname
+        or "@" in parts.netloc
+        or parts.path not in ("", "/")
+        or parts.query
+        or parts.fragment
+    ):
+        raise refused
+    return f"{parts.scheme.lower()}://{parts.netloc.lower()}"
 
 
 def positive(text: str) -> int:

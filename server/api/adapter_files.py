@@ -6,6 +6,10 @@ lists an adapter's files at `GET /v1/adapters/NAME/files` and streams each one a
 files against the digest the scheduler's registry holds for it. Only the two files a PEFT
 adapter needs are ever listed, served or written (FILES); nothing else of a directory leaves it.
 
+Every file is opened relative to its directory without following a symlink and checked on the
+opened descriptor (gpu_lora.adapter_dir): a file swapped for a symlink out of the adapter roots
+is never listed, hashed or served (an OSError instead).
+
 Digest: SHA-256 over the files in FILES order, each as its name, a zero byte, its size as 8
 bytes big-endian, then its bytes. The names and sizes are hashed too, so bytes cannot move
 from one file to the other unnoticed.
@@ -16,6 +20,9 @@ from __future__ import annotations
 import hashlib
 import os
 from collections.abc import Iterator
+from typing import BinaryIO
+
+from toppings.gpu_lora.adapter_dir import file_size, open_dir, open_file
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -48,13 +55,22 @@ class Digest:
         return self._hash.hexdigest()
 
 
+def _open(directory: str | os.PathLike, name: str) -> BinaryIO:
+    """One of FILES, opened without following a symlink (raises OSError, UnsafeFile)."""
+    dir_fd = open_dir(directory)
+    try:
+        return open_file(dir_fd, name, MAX_BYTES[name])
+    finally:
+        os.close(dir_fd)
+
+
 def adapter_digest(directory: str | os.PathLike) -> str:
-    """The digest of the adapter in `directory` (raises OSError when a file is missing)."""
+    """The digest of the adapter in `directory` (raises OSError when a file is missing or is not
+    a regular file)."""
     digest = Digest()
     for name in FILES:
-        path = os.path.join(directory, name)
-        digest.begin_file(name, os.path.getsize(path))
-        with open(path, "rb") as f:
+        with _open(directory, name) as f:
+            digest.begin_file(name, file_size(f))
             while chunk := f.read(CHUNK_BYTES):
                 digest.update(chunk)
     return digest.hexdigest()
@@ -62,7 +78,10 @@ def adapter_digest(directory: str | os.PathLike) -> str:
 
 def manifest(name: str, directory: str | os.PathLike) -> dict:
     """What `GET /v1/adapters/NAME/files` answers: `{"name", "files": [{"name", "bytes"}]}`."""
-    files = [{"name": f, "bytes": os.path.getsize(os.path.join(directory, f))} for f in FILES]
+    files = []
+    for file_name in FILES:
+        with _open(directory, file_name) as f:
+            files.append({"name": file_name, "bytes": file_size(f)})
     return {"name": name, "files": files}
 
 
@@ -70,7 +89,7 @@ def read_chunks(directory: str | os.PathLike, name: str) -> Iterator[bytes]:
     """The bytes of one of FILES, in chunks (the file is opened before the first chunk)."""
     if name not in FILES:
         raise ValueError(f"{name!r} is not an adapter file")
-    f = open(os.path.join(directory, name), "rb")  # noqa: SIM115 (closed by the generator)
+    f = _open(directory, name)
 
     def chunks() -> Iterator[bytes]:
         with f:

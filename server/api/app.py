@@ -121,7 +121,9 @@ def _context(engine, options: ApiOptions) -> ApiContext:
     admin = AdapterAdmin(engine, AdapterPaths(options.lora_roots))
     fetcher = None
     if options.adapter_store is not None:
-        fetcher = PeerFetcher(engine, FetchConfig(options.adapter_store, options.api_key))
+        fetch = FetchConfig(options.adapter_store, options.api_key, peers=options.peers,
+                            total_timeout_s=options.peer_fetch_timeout_s)  # fmt: skip
+        fetcher = PeerFetcher(engine, fetch)
     return ApiContext(
         engine=engine,
         state=state,

@@ -4,8 +4,12 @@ A client names an adapter directory by path, so the path is the attack surface: 
 directories under the operator's allowed roots (`--lora-dir`, `--allowed-lora-root`) are read.
 A path with a `..` component is refused outright; every other path is resolved with
 `os.path.realpath` (symlinks included) and must stay inside a root, and so must the two files
-read from it, so a symlinked `adapter_model.safetensors` cannot point outside either. Only
-safetensors weights are ever read (the PEFT loader refuses pickle-only adapters).
+read from it (a 403 that names the escape). That check is on paths, and a file can be swapped
+for a symlink between the check and the read; so the loader opens the directory once and each
+file relative to it with O_NOFOLLOW, checking the opened file (gpu_lora.adapter_dir): adapter
+files must be regular files, and a symlinked one, even one pointing inside a root, fails the
+load with a 400. Only safetensors weights are ever read (the PEFT loader refuses pickle-only
+adapters).
 """
 
 from __future__ import annotations
@@ -67,7 +71,7 @@ class AdapterPaths:
         if not os.path.isdir(real):
             raise RequestError(f"adapter directory {raw!r} does not exist", 404, "not_found")
         for name in (CONFIG_FILE, WEIGHTS_FILE):
-            # A file symlinked out of the root would be read from outside it.
+            # An early, clear refusal; the loader's O_NOFOLLOW open is what closes the race.
             self._check_inside(_real(os.path.join(real, name)), raw)
         return real
 

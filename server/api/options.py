@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from argparse import ArgumentTypeError
 from dataclasses import dataclass
 
-from toppings.server.settings import Bound, Flag, Settings, positive, setting
+from toppings.server.settings import Bound, Flag, Settings, http_origin, positive, setting
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,31 @@ class ApiOptions(Settings):
             metavar="DIR",
         ),
     )
+    # The only servers adapters are fetched from (and sent the API key), as http://HOST:PORT.
+    peers: tuple[str, ...] = setting(
+        (),
+        flag=Flag(
+            "a server this one may fetch adapters from, as http://HOST:PORT (repeatable); a "
+            "load naming any other peer gets 400, and only these are sent the --api-key. List "
+            "every server the scheduler may name as a holder",
+            name="--peer",
+            type=http_origin,
+            metavar="URL",
+            action="append",
+            parse=tuple,
+        ),
+    )
+    # The most one fetch from peers may take, every peer and byte together.
+    peer_fetch_timeout_s: float = setting(
+        120.0,
+        bound=Bound.POSITIVE,
+        flag=Flag(
+            "the most one adapter fetch from peers may take in seconds, all peers and bytes "
+            "together (a peer trickling bytes included); past it the load gets 504",
+            type=float,
+            metavar="S",
+        ),
+    )
     # Directories /v1/load_lora_adapter may read from (the command line's --lora-dir and
     # --allowed-lora-root).
     lora_roots: tuple[str, ...] = setting(())
@@ -64,3 +90,8 @@ class ApiOptions(Settings):
     def check(self) -> None:
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty")
+        for peer in self.peers:
+            try:
+                http_origin(peer)
+            except ArgumentTypeError as exc:
+                raise ValueError(f"peers: {exc}") from None

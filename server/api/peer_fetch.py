@@ -14,11 +14,25 @@ intact, then register it as a load from disk would. Every peer's answer is untru
   directory renamed into place once the digest matched; the adapter's directory name is derived
   from its (already validated) name and digest, never from a peer's words.
 When every peer failed, the answer is a 424 naming each peer's failure; nothing stays on disk.
-The API key of this server (`--api-key`) is sent to the peers: a cluster shares one key.
+
+Only the operator decides whom this server talks to: a peer must be one of the `--peer` URLs
+(FetchConfig.peers, compared as `scheme://host:port`), else the load gets a 400 naming the flag
+before any connection is made. That holds for the scheduler too (its requests carry the same
+API key as an operator's), so every server the scheduler may name as a holder is listed with
+`--peer` on each server. The API key of this server (`--api-key`; a cluster shares one key) is
+sent to those peers only. A redirect is a failed peer, never followed. One load, all peers and
+bytes together, takes at most `--peer-fetch-timeout-s` (FetchConfig.total_timeout_s): every
+socket wait is cut to the time left and the clock is checked between chunks, so a peer that
+trickles the bytes of a body cannot hold the fetch lock; past it the load gets a 504. (A listed
+peer trickling its response headers is bounded only per socket read: http.client reads them.)
+The temporary `.partial-*` directories of the store are removed on every failure, when the
+fetcher starts (what a killed server left) and when it closes (at interpreter exit).
 """
 
 from __future__ import annotations
 
+import atexit
+import glob
 import json
 import logging
 import os
@@ -26,32 +40,50 @@ import re
 import shutil
 import tempfile
 import threading
+import time
+from argparse import ArgumentTypeError
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from urllib.parse import quote
 
 import requests
+import urllib3
 
 from toppings.gpu_lora.peft_config import AdapterError
 from toppings.server.api.adapter_files import FILES, MAX_BYTES, Digest, adapter_digest, is_digest
 from toppings.server.api.lifecycle import check_name, is_within
 from toppings.server.requests.errors import NOT_FOUND, unknown_adapter
 from toppings.server.requests.request import RequestError
+from toppings.server.settings import http_origin
 
 log = logging.getLogger(__name__)
 
 MAX_PEERS = 16
 MAX_LIST_BYTES = 64 << 10
+CHUNK_BYTES = 1 << 20
+PARTIAL_PREFIX = ".partial-"
 FAILED_DEPENDENCY = "failed_dependency"
+GATEWAY_TIMEOUT = "gateway_timeout"
+_OPEN_STORES: set[str] = set()  # the stores of live fetchers, cleaned at interpreter exit
 
 
 class PeerFailed(Exception):
     """One peer could not deliver the adapter (down, garbage, too big, wrong digest)."""
 
 
+class FetchTimedOut(Exception):
+    """The whole load ran past FetchConfig.total_timeout_s."""
+
+
 @dataclass(frozen=True)
 class FetchConfig:
+    """store_dir: where fetched adapters go; peers: the only servers fetched from (and sent
+    api_key); total_timeout_s: the most one load may take over all its peers."""
+
     store_dir: str
     api_key: str | None = None
+    peers: tuple[str, ...] = ()
+    total_timeout_s: float = 120.0
     connect_timeout_s: float = 3.0
     read_timeout_s: float = 60.0
     max_bytes: dict[str, int] = field(default_factory=lambda: dict(MAX_BYTES))
@@ -69,12 +101,19 @@ class PeerFetcher:
     def __init__(self, engine, config: FetchConfig, session: requests.Session | None = None):
         self.engine = engine
         self.config = config
+        self.peers = frozenset(http_origin(p) for p in config.peers)
         os.makedirs(config.store_dir, exist_ok=True)
         self.store = os.path.realpath(config.store_dir)
         self.session = session or requests.Session()
-        if config.api_key:
-            self.session.headers["Authorization"] = f"Bearer {config.api_key}"
         self._lock = threading.Lock()  # one fetch at a time: no two copies of one adapter
+        _remove_partials(self.store)
+        _OPEN_STORES.add(self.store)
+
+    def close(self) -> None:
+        """Remove what an unfinished fetch left in the store (at interpreter exit for every
+        store whose fetcher was not closed)."""
+        _OPEN_STORES.discard(self.store)
+        _remove_partials(self.store)
 
     def load(self, body: dict) -> dict:
         """Fetch and register `lora_name`; returns its card and the peer it came from."""
@@ -85,30 +124,57 @@ class PeerFetcher:
         digest = body.get("sha256")
         if not is_digest(digest):
             raise RequestError("'sha256' must be the adapter's SHA-256: 64 lowercase hex digits")
-        peers = body.get("peers")
-        if (
-            not isinstance(peers, list)
-            or not 1 <= len(peers) <= MAX_PEERS
-            or not all(isinstance(p, str) and p.startswith(("http://", "https://")) for p in peers)
-        ):
-            raise RequestError(f"'peers' must be a list of 1 to {MAX_PEERS} http(s) server URLs")
+        peers = self._allowed(body.get("peers"))
         with self._lock:
+            deadline = time.monotonic() + self.config.total_timeout_s  # a queued load's own
             if any(a["name"] == name for a in self.engine.adapters()):
                 raise RequestError(f"adapter {name!r} is already loaded", 409, "conflict")
             failures = []
             for peer in peers:
                 try:
-                    directory = self._fetch(peer.rstrip("/"), name, digest)
+                    directory = self._fetch(peer, name, digest, deadline)
                 except PeerFailed as exc:
                     log.warning("fetching %s from %s failed: %s", name, peer, exc)
                     failures.append(f"{peer}: {exc}")
                     continue
+                except FetchTimedOut:
+                    log.warning("fetching %s timed out (at %s)", name, peer)
+                    failures.append(f"{peer}: still fetching when the time ran out")
+                    raise RequestError(
+                        f"could not fetch adapter {name!r} within "
+                        f"{self.config.total_timeout_s:g} s (--peer-fetch-timeout-s): "
+                        + "; ".join(failures),
+                        504,
+                        GATEWAY_TIMEOUT,
+                    ) from None
                 return self._register(name, directory, digest, peer)
         raise RequestError(
             f"could not fetch adapter {name!r} from any peer: " + "; ".join(failures),
             424,
             FAILED_DEPENDENCY,
         )
+
+    def _allowed(self, peers: object) -> list[str]:
+        """The request's peers as `scheme://host:port`; a 400 unless each is a --peer."""
+        shape = f"'peers' must be a list of 1 to {MAX_PEERS} http(s) server URLs"
+        if not isinstance(peers, list) or not 1 <= len(peers) <= MAX_PEERS:
+            raise RequestError(shape)
+        origins = []
+        for peer in peers:
+            try:
+                origins.append(http_origin(peer) if isinstance(peer, str) else None)
+            except ArgumentTypeError:
+                origins.append(None)
+            if origins[-1] is None:
+                raise RequestError(shape)
+        for peer, origin in zip(peers, origins):
+            if origin not in self.peers:
+                raise RequestError(
+                    f"peer {peer!r} is not one this server may fetch from: the operator lists "
+                    "its peers with --peer URL (repeatable)",
+                    400,
+                )
+        return origins
 
     def _register(self, name: str, directory: str, digest: str, peer: str) -> dict:
         try:
@@ -120,7 +186,7 @@ class PeerFetcher:
         return {"lora_name": name, "rank": adapter.rank, "sha256": digest,
                 "target_modules": adapter.target_modules, "fetched_from": peer}  # fmt: skip
 
-    def _fetch(self, peer: str, name: str, digest: str) -> str:
+    def _fetch(self, peer: str, name: str, digest: str, deadline: float) -> str:
         """Download into a fresh directory of the store; its path once the digest matched."""
         safe = re.sub(r"[^A-Za-z0-9._-]", "_", name)[:100]
         final = os.path.join(self.store, f"{safe}-{digest[:16]}")
@@ -128,13 +194,13 @@ class PeerFetcher:
             raise PeerFailed("adapter directory would leave the store")
         if os.path.isdir(final) and _digest_or_none(final) == digest:
             return final  # fetched before (then unloaded): the same bytes
-        sizes = self._file_list(peer, name)
-        tmp = tempfile.mkdtemp(prefix=".partial-", dir=self.store)
+        sizes = self._file_list(peer, name, deadline)
+        tmp = tempfile.mkdtemp(prefix=PARTIAL_PREFIX, dir=self.store)
         try:
             hashed = Digest()
             for file_name in FILES:
                 hashed.begin_file(file_name, sizes[file_name])
-                self._download(peer, name, file_name, sizes[file_name], tmp, hashed)
+                self._download(peer, name, file_name, sizes[file_name], tmp, hashed, deadline)
             if hashed.hexdigest() != digest:
                 raise PeerFailed(f"SHA-256 mismatch: the files hash to {hashed.hexdigest()}, "
                                  f"the registry records {digest}")  # fmt: skip
@@ -148,26 +214,42 @@ class PeerFetcher:
         tail = f"/{file_name}" if file_name else ""
         return f"{peer}/v1/adapters/{quote(name, safe='')}/files{tail}"
 
-    def _get(self, url: str) -> requests.Response:
+    def _headers(self, peer: str) -> dict[str, str]:
+        headers = {"Accept-Encoding": "identity"}
+        if self.config.api_key and peer in self.peers:  # the key goes to listed peers only
+            headers["Authorization"] = f"Bearer {self.config.api_key}"
+        return headers
+
+    def _get(self, peer: str, url: str, deadline: float) -> requests.Response:
+        left_s = _left(deadline)
+        timeout = (min(self.config.connect_timeout_s, left_s),
+                   min(self.config.read_timeout_s, left_s))  # fmt: skip
         try:
-            answer = self.session.get(
-                url,
-                stream=True,
-                timeout=(self.config.connect_timeout_s, self.config.read_timeout_s),
-            )
+            answer = self.session.get(url, headers=self._headers(peer), stream=True,
+                                      timeout=timeout, allow_redirects=False)  # fmt: skip
         except requests.RequestException as exc:
+            _left(deadline)  # a socket wait cut short by the deadline is the deadline's failure
             raise PeerFailed(f"unreachable ({type(exc).__name__})") from None
+        if answer.is_redirect or 300 <= answer.status_code < 400:
+            answer.close()
+            raise PeerFailed(f"answered a redirect (HTTP {answer.status_code}); redirects are "
+                             "not followed")  # fmt: skip
         if answer.status_code != 200:
             answer.close()
             raise PeerFailed(f"answered HTTP {answer.status_code}")
         return answer
 
-    def _file_list(self, peer: str, name: str) -> dict[str, int]:
-        answer = self._get(self._url(peer, name))
+    def _file_list(self, peer: str, name: str, deadline: float) -> dict[str, int]:
+        answer = self._get(peer, self._url(peer, name), deadline)
+        raw = b""
         try:
-            raw = answer.raw.read(MAX_LIST_BYTES + 1, decode_content=True)
+            for chunk in _chunks(answer, deadline):
+                raw += chunk
+                if len(raw) > MAX_LIST_BYTES:
+                    break
             body = json.loads(raw) if len(raw) <= MAX_LIST_BYTES else None
-        except (ValueError, requests.RequestException, OSError):
+        except (ValueError, requests.RequestException, urllib3.exceptions.HTTPError, OSError):
+            _left(deadline)
             body = None
         finally:
             answer.close()
@@ -184,23 +266,55 @@ class PeerFetcher:
                 raise PeerFailed(f"{file_name}: size {size!r} is not within 0..{cap} bytes")
         return sizes
 
-    def _download(self, peer, name, file_name, size, directory, hashed: Digest) -> None:
-        answer = self._get(self._url(peer, name, file_name))
+    def _download(self, peer, name, file_name, size, directory, hashed: Digest, deadline) -> None:
+        answer = self._get(peer, self._url(peer, name, file_name), deadline)
         received = 0
         try:
             with open(os.path.join(directory, file_name), "xb") as out:
-                for chunk in answer.iter_content(chunk_size=1 << 20):
+                for chunk in _chunks(answer, deadline):
                     received += len(chunk)
                     if received > size:
                         raise PeerFailed(f"{file_name}: more bytes than the {size} announced")
                     hashed.update(chunk)
                     out.write(chunk)
-        except requests.RequestException as exc:
+        except (requests.RequestException, urllib3.exceptions.HTTPError, OSError) as exc:
+            _left(deadline)
             raise PeerFailed(f"{file_name}: transfer broke ({type(exc).__name__})") from None
         finally:
             answer.close()
         if received != size:
             raise PeerFailed(f"{file_name}: {received} bytes of the {size} announced")
+
+
+def _remove_partials(store: str) -> None:
+    """Remove the temporary directories of fetches into `store` that never finished."""
+    for path in glob.glob(os.path.join(glob.escape(store), PARTIAL_PREFIX + "*")):
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@atexit.register
+def _remove_all_partials() -> None:
+    for store in list(_OPEN_STORES):
+        _remove_partials(store)
+
+
+def _left(deadline: float) -> float:
+    """Seconds left before `deadline`; raises FetchTimedOut when none are."""
+    left_s = deadline - time.monotonic()
+    if left_s <= 0:
+        raise FetchTimedOut
+    return left_s
+
+
+def _chunks(answer: requests.Response, deadline: float) -> Iterator[bytes]:
+    """The body of `answer` as it arrives (read1: whatever one socket read returns), the
+    deadline checked before every read."""
+    while True:
+        _left(deadline)
+        chunk = answer.raw.read1(CHUNK_BYTES, decode_content=True)
+        if not chunk:
+            return
+        yield chunk
 
 
 def _digest_or_none(directory: str) -> str | None:

@@ -1,16 +1,17 @@
 """LoRAServe on loopback: three real servers holding different adapters, a loraserve scheduler.
 
 Servers (tiny random Llama, BGMV, one API key for the whole cluster, each with its own
---adapter-store) start with different adapters on disk: S0 {a8, b16, e16}, S1 {b16, c32, e16},
-S2 {d64}. The scheduler (--policy loraserve, 1 s placement steps) learns each adapter's SHA-256
-through /admin/adapters, except e16's (so it never moves e16 itself). The tests check that:
+--adapter-store and every server as --peer) start with different adapters on disk:
+S0 {a8, b16, e16}, S1 {b16, c32, e16}, S2 {d64}. The scheduler (--policy loraserve, 1 s
+placement steps) learns each adapter's SHA-256 through /admin/adapters, except e16's (so it
+never moves e16 itself). The tests check that:
 - every adapter answers through the scheduler;
 - demand on a8 alone makes the placement spread it over the three servers, S1 and S2 fetch it
   from S0, and S2's greedy tokens for it equal transformers + PEFT's;
 - a peer whose bytes do not hash to the digest is refused and the next peer serves the fetch;
-- bad input (unknown adapter, a peer that is down or answers garbage, escaping names, a
-  huge announced or streamed file, bad fields, a missing key) gets a 4xx JSON error and
-  writes nothing outside the store;
+- bad input (unknown adapter, a peer that is down, not listed with --peer or answers garbage,
+  escaping names, a huge announced or streamed file, bad fields, a missing key) gets a 4xx
+  JSON error and writes nothing outside the store;
 - after a SIGKILL of S0, the only server that started with a8, a8 still answers.
 """
 
@@ -42,6 +43,7 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 RANKS = {"a8": 8, "b16": 16, "c32": 32, "d64": 64, "e16": 16}
 ON_DISK = (("a8", "b16", "e16"), ("b16", "c32", "e16"), ("d64",))
 PROMPT = [5, 17, 42, 9, 88, 3, 61, 27]
+SPARE_PORTS = 7  # listed with --peer for the tests' own peers
 
 
 @pytest.fixture(scope="module")
@@ -56,17 +58,22 @@ def pool(tmp_path_factory, free_port):
     _perf_models().save(root / "perf.json")
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     procs, logs, servers = {}, {}, []
+    # Every server lists the others and the tests' own peers (SPARE_PORTS) with --peer.
+    ports = [free_port() for _ in ON_DISK]
+    spare = [f"http://127.0.0.1:{free_port()}" for _ in range(SPARE_PORTS)]
+    listed = [f"http://127.0.0.1:{p}" for p in ports] + spare
     try:
         for i, names in enumerate(ON_DISK):
             disk = root / f"disk{i}"  # each server's own copy of its adapters
             for name in names:
                 shutil.copytree(paths[name], disk / name)
-            port = free_port()
+            port = ports[i]
             url = f"http://127.0.0.1:{port}"
             cmd = [sys.executable, "-m", "toppings.server.cli", "--model", str(model),
                    "--port", str(port), "--device", "cpu", "--dtype", "float32",
                    "--kernel", "bgmv", "--api-key", KEY, "--lora-dir", str(disk),
                    "--adapter-store", str(root / f"store{i}")]  # fmt: skip
+            cmd += [a for peer in listed for a in ("--peer", peer)]
             logs[url] = root / f"server{i}.log"
             procs[url] = subprocess.Popen(cmd, env=env, stdout=logs[url].open("w"),
                                           stderr=subprocess.STDOUT)  # fmt: skip
@@ -94,7 +101,8 @@ def pool(tmp_path_factory, free_port):
             answer = requests.post(scheduler + "/admin/adapters", json=body, timeout=30)
             assert answer.status_code == 201, answer.text
         yield {"root": root, "model": model, "paths": paths, "digests": digests,
-               "servers": servers, "scheduler": scheduler, "procs": procs}  # fmt: skip
+               "servers": servers, "scheduler": scheduler, "procs": procs,
+               "spare": spare}  # fmt: skip
     finally:
         for proc in procs.values():
             if proc.poll() is None:
@@ -175,8 +183,9 @@ def test_a_hot_adapter_spreads_is_fetched_and_matches_peft(pool):
 class FakePeer:
     """A peer that answers what a test tells it to, on a thread."""
 
-    def __init__(self, respond):
-        self.server = make_server("127.0.0.1", 0, Request.application(respond))
+    def __init__(self, respond, url: str):
+        port = int(url.rsplit(":", 1)[1])
+        self.server = make_server("127.0.0.1", port, Request.application(respond))
         self.url = f"http://127.0.0.1:{self.server.server_port}"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
@@ -208,7 +217,7 @@ def _outside_store(root: Path) -> set[Path]:
 
 def test_a_corrupted_transfer_is_refused_and_the_next_holder_serves(pool):
     s0, s1, s2 = pool["servers"]
-    fake = FakePeer(copy_of(pool["paths"]["e16"], corrupt=True))
+    fake = FakePeer(copy_of(pool["paths"]["e16"], corrupt=True), pool["spare"][0])
     try:
         body = {"lora_name": "e16", "sha256": pool["digests"]["e16"], "peers": [fake.url, s1]}
         answer = _fetch(s2, body)
@@ -247,18 +256,16 @@ def test_bad_input_gets_4xx_json_and_writes_nothing_outside_the_store(pool, free
 
         return respond
 
-    fakes = [
-        FakePeer(garbage),
-        FakePeer(announced(huge)),
-        FakePeer(announced(overflow_list)),
-        FakePeer(announced(escape)),
-        FakePeer(copy_of(pool["paths"]["b16"], False)),
-    ]
-    dead = f"http://127.0.0.1:{free_port()}"
+    answers = [garbage, announced(huge), announced(overflow_list), announced(escape),
+               copy_of(pool["paths"]["b16"], False)]  # fmt: skip
+    fakes = [FakePeer(a, url) for a, url in zip(answers, pool["spare"][1:])]
+    dead = pool["spare"][len(answers) + 1]  # listed, nothing listens
+    unlisted = f"http://127.0.0.1:{free_port()}"
     try:
         cases = [
             ({"lora_name": "nope", "sha256": digest, "peers": [s1]}, 424, "HTTP 404"),
             ({"lora_name": "zz16", "sha256": digest, "peers": [dead]}, 424, "unreachable"),
+            ({"lora_name": "zz16", "sha256": digest, "peers": [unlisted]}, 400, "--peer"),
             ({"lora_name": "zz16", "sha256": digest, "peers": [fakes[0].url]}, 424, "malformed"),
             ({"lora_name": "zz16", "sha256": digest, "peers": [fakes[1].url]}, 424, "not within"),
             ({"lora_name": "zz16", "sha256": digest, "peers": [fakes[2].url]}, 424, "more bytes"),

@@ -1,0 +1,62 @@
+"""A file of an adapter directory swapped for a symlink out of the allowed root between the path
+check and the load is refused: the loader opens the files without following a symlink."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from toppings.server.api.app import ApiOptions, create_app
+from toppings.server.api.lifecycle import AdapterPaths
+from toppings.server.config import EngineConfig
+from toppings.server.runtime import build_engine
+
+CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory, tiny_model_dir):
+    """`root/good`, and outside the root a config that would load too, with another alpha."""
+    from toppings.scripts.make_adapters import make_random_adapter
+
+    tmp = tmp_path_factory.mktemp("swap")
+    good = make_random_adapter(tmp / "root" / "good", tiny_model_dir, rank=8, seed=1)
+    outside = tmp / "outside"
+    outside.mkdir()
+    cfg = json.loads((good / CONFIG).read_text())
+    (outside / CONFIG).write_text(json.dumps(cfg | {"lora_alpha": 777}))
+    (outside / WEIGHTS).write_bytes((good / WEIGHTS).read_bytes())
+    return {"root": tmp / "root", "good": good, "outside": outside}
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    eng = build_engine(str(tiny_model_dir), EngineConfig(dtype="float32", max_total_tokens=512), {})
+    yield eng
+    eng.shutdown()
+
+
+@pytest.mark.parametrize("name", [CONFIG, WEIGHTS])
+def test_a_file_swapped_for_a_symlink_after_the_path_check_is_refused(
+    engine, dirs, monkeypatch, name
+):
+    checked = AdapterPaths.resolve
+
+    def resolve_then_swap(self, raw):
+        real = checked(self, raw)  # the path check passes on the regular file
+        os.replace(os.path.join(real, name), os.path.join(real, name + ".orig"))
+        os.symlink(dirs["outside"] / name, os.path.join(real, name))
+        return real
+
+    monkeypatch.setattr(AdapterPaths, "resolve", resolve_then_swap)
+    client = create_app(engine, ApiOptions(lora_roots=(str(dirs["root"]),))).test_client()
+    try:
+        answer = client.post("/v1/load_lora_adapter",
+                             json={"lora_name": "swapped", "lora_path": "good"})  # fmt: skip
+        assert answer.status_code == 400, answer.get_data(as_text=True)
+        assert f"{name} is a symlink" in answer.get_json()["error"]["message"]
+        assert "swapped" not in {a["name"] for a in engine.adapters()}
+    finally:
+        os.replace(dirs["good"] / (name + ".orig"), dirs["good"] / name)
