@@ -15,6 +15,7 @@ import pytest
 
 from tests.helpers import assert_memory_balanced
 from toppings.scripts.make_adapters import make_random_adapter
+from toppings.server import native
 from toppings.server.config import EngineConfig
 from toppings.server.engine.engine import Engine
 from toppings.server.model.loader import load_checkpoint
@@ -48,11 +49,16 @@ def adapter_dirs(tiny_model_dir, tmp_path_factory):
     return dirs
 
 
-@pytest.fixture(params=["mbgmv", "bgmv"])
-def engine(request, tiny_model_dir, adapter_dirs):
+@pytest.fixture(params=["mbgmv", "bgmv", "torch paths"])
+def engine(request, tiny_model_dir, adapter_dirs, monkeypatch):
     """An engine this test drives step by step (its thread is not started); every adapter is
-    on the device from its registration (cached), so all requests share the first prefill."""
-    config = EngineConfig(dtype="float32", max_total_tokens=4096, kernel=request.param,
+    on the device from its registration (cached), so all requests share the first prefill.
+    "torch paths": no native library, so attention (decode: a gather of every request's keys
+    padded to the longest, masked) runs as on a machine where it is not built."""
+    if request.param == "torch paths":
+        monkeypatch.setattr(native, "library", lambda: None)
+    kernel = "bgmv" if request.param == "bgmv" else "mbgmv"
+    config = EngineConfig(dtype="float32", max_total_tokens=4096, kernel=kernel,
                           lora_mode="cached", prefix_cache=False)  # fmt: skip
     eng = Engine(config, load_checkpoint(str(tiny_model_dir)))
     for name, path in adapter_dirs.items():
