@@ -20,6 +20,10 @@ rounding. bfloat16 halves the memory and, on a CPU with bf16 matmul units (AVX51
 makes the workers several times faster (bench/results/cpu_lora_parallel.json, pool_bf16_vs_fp32)
 at about 3 significant digits in the delta: the choice for a bfloat16 model.
 
+The data area is sparse: /dev/shm backs only the header and table at creation, and each
+adapter's block when it is added (`shm.reserve_shm` before the block is written), so a large
+arena costs what it holds and a full /dev/shm fails that add with `shm.SharedMemoryFull`.
+
 One process owns the arena (adds, removes); workers attach and only read. The owner removes an
 adapter only when no job uses it: a removed slot's data may be overwritten by the next add.
 """
@@ -94,7 +98,7 @@ class HostRepository:
         data_offset = align(HEADER_BYTES + max_adapters * ENTRY_BYTES, 4096)
         capacity = align(capacity_bytes)
         name = shm.new_name("repo")
-        mapping = shm.create_shm(name, data_offset + capacity)
+        mapping = shm.create_shm(name, data_offset + capacity, reserve=data_offset)
         flat = [d for pair in all_shapes(model) for d in pair]
         HEADER.write(
             mapping,
@@ -124,7 +128,10 @@ class HostRepository:
         return size
 
     def add(self, adapter: AdapterLike) -> int:
-        """Copy an adapter into the arena (converted to the arena dtype); returns its slot."""
+        """Copy an adapter into the arena (converted to the arena dtype); returns its slot.
+
+        Raises RepositoryFullError (no slot or range) or shm.SharedMemoryFull (/dev/shm cannot
+        back the block); either leaves the arena as it was."""
         self._check_owner()
         encoded = adapter.name.encode()
         if not 0 < len(encoded) <= MAX_NAME_BYTES:
@@ -143,6 +150,11 @@ class HostRepository:
                     f"no room for adapter {adapter.name!r} ({size} bytes); {self.free_bytes} "
                     f"bytes free in {self._space.num_ranges} ranges of {self._data_bytes}"
                 )
+            try:
+                shm.reserve_shm(self.name, offset, size)
+            except BaseException:
+                self._space.release(offset, size)
+                raise
             self._write_entry(slot, WRITING, adapter, encoded, offset, size, 0)
             targets = self._write_block(adapter, offset)
             self._write_entry(slot, READY, adapter, encoded, offset, size, targets)

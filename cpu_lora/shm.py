@@ -7,11 +7,17 @@ tracked here and removed by `cleanup()`, which runs at interpreter exit (atexit)
 The SIGTERM handler is installed only where none is set (the default disposition); it cleans up
 and then lets the default action end the process. A program that sets its own SIGTERM handler
 keeps it and is expected to close its pools (atexit still runs on a normal exit).
+
+/dev/shm is a tmpfs: a segment sized by ftruncate alone is sparse, and the first write to a page
+the tmpfs cannot back kills the process with SIGBUS. `create_shm` therefore reserves the pages it
+is asked to (`os.posix_fallocate`) before mapping, and `reserve_shm` reserves a range of a sparse
+segment before it is written; running out is a `SharedMemoryFull` raised there, never a signal.
 """
 
 from __future__ import annotations
 
 import atexit
+import errno
 import itertools
 import logging
 import mmap
@@ -36,6 +42,29 @@ _owner_pid: int | None = None  # a forked child must not unlink its parent's nam
 _prev_sigterm = None
 
 
+class SharedMemoryFull(OSError):
+    """/dev/shm cannot back the bytes asked for; the message names them and the space free."""
+
+
+def free_bytes() -> int:
+    """Bytes free in /dev/shm now."""
+    st = os.statvfs(SHM_DIR)
+    return st.f_bavail * st.f_frsize
+
+
+def _full(name: str, size: int, exc: OSError) -> SharedMemoryFull:
+    error = SharedMemoryFull(
+        f"shared memory is full: {name} needs {size} bytes, {SHM_DIR} has {free_bytes()} bytes "
+        f"free ({exc.strerror or exc})"
+    )
+    error.errno = exc.errno
+    return error
+
+
+# Errors of ftruncate, fallocate and mmap that mean "no room", not a bug.
+_NO_ROOM = (errno.ENOSPC, errno.EFBIG, errno.ENOMEM)
+
+
 def new_name(what: str) -> str:
     """A fresh name `/toppings-<pid>-<n>-<what>` for a shared memory segment or semaphore."""
     return f"/{PREFIX}-{os.getpid()}-{next(_counter)}-{what}"
@@ -48,14 +77,47 @@ def leftovers(pid: int | None = None) -> list[str]:
     return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(mine))
 
 
-def create_shm(name: str, size: int) -> mmap.mmap:
-    """Create (exclusively) and map a zero-filled shared memory segment of `size` bytes."""
+def create_shm(name: str, size: int, reserve: int | None = None) -> mmap.mmap:
+    """Create (exclusively) and map a zero-filled shared memory segment of `size` bytes.
+
+    Its first `reserve` bytes (default: all) are backed by /dev/shm before it is mapped; a
+    caller that reserves less calls `reserve_shm` before writing past them. Raises
+    SharedMemoryFull, with nothing left behind, when /dev/shm cannot hold them.
+    """
     _install_handlers()
-    shm = _create(posix_ipc.SharedMemory, posix_ipc.unlink_shared_memory, name, size=size)
+    reserve = size if reserve is None else min(reserve, size)
+    shm = _create(posix_ipc.SharedMemory, posix_ipc.unlink_shared_memory, name)
     with _lock:
         _shm_names.add(name)
     try:
+        os.ftruncate(shm.fd, size)
+        if reserve:
+            os.posix_fallocate(shm.fd, 0, reserve)
         return mmap.mmap(shm.fd, size)
+    except OSError as exc:
+        unlink_shm(name)
+        if exc.errno in _NO_ROOM:
+            raise _full(name, reserve or size, exc) from None
+        raise
+    except BaseException:
+        unlink_shm(name)
+        raise
+    finally:
+        shm.close_fd()
+
+
+def reserve_shm(name: str, offset: int, length: int) -> None:
+    """Back bytes [offset, offset + length) of segment `name` by /dev/shm (SharedMemoryFull when
+    it cannot); data already there is kept."""
+    if length <= 0:
+        return
+    shm = posix_ipc.SharedMemory(name)
+    try:
+        os.posix_fallocate(shm.fd, offset, length)
+    except OSError as exc:
+        if exc.errno in _NO_ROOM:
+            raise _full(name, length, exc) from None
+        raise
     finally:
         shm.close_fd()
 

@@ -124,10 +124,12 @@ def main(argv: list[str] | None = None) -> int:
         # It must be set before torch starts OpenMP.
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     # Imported here so that `--help` answers without loading torch.
+    from toppings.cpu_lora.shm import SharedMemoryFull
     from toppings.gpu_lora.peft_config import AdapterError
     from toppings.server.api.app import create_app
     from toppings.server.api.lifecycle import discover
     from toppings.server.model.loader import CheckpointError
+    from toppings.server.requests.request import RequestError
     from toppings.server.runtime import build_engine
 
     max_in_flight = options.max_concurrent_requests or default_max_in_flight(config.max_batch_size)
@@ -152,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         engine = build_engine(serve.model, config, loras)
     # An adapter that does not fit the model, a missing shard or tensor of its checkpoint.
-    except (AdapterError, CheckpointError, FileNotFoundError) as e:
+    # /dev/shm full, or an adapter refused (its rank, its size, non-finite weights).
+    except (AdapterError, CheckpointError, FileNotFoundError, SharedMemoryFull, RequestError) as e:
         _usage_error(str(e))
     app = create_app(engine, options)
     sizing = waitress_settings(max_in_flight, serve.threads)

@@ -23,6 +23,7 @@ from toppings.gpu_lora.peft_format import LoraAdapter
 from toppings.server.config import LoraConfig
 from toppings.server.lora_modes import LORA_MODES
 from toppings.server.model.config import ModelConfig
+from toppings.server.requests.errors import INSUFFICIENT_STORAGE
 from toppings.server.requests.request import RequestError
 
 log = logging.getLogger(__name__)
@@ -92,7 +93,7 @@ class AdapterManager:
         if adapter.name in self.registry:
             raise RequestError(f"adapter {adapter.name!r} is already loaded", 409, "conflict")
         if self.repository is not None:
-            self.repository.add(adapter)
+            self._add_to_repository(adapter)
         if self.pool.device.type == "cuda":
             # Pinned host copies: the loader's copies then run asynchronously on its stream.
             for key, (a, b) in adapter.weights.items():
@@ -105,6 +106,19 @@ class AdapterManager:
                 self.unregister(adapter.name)
                 raise RequestError("the adapter cache is full", 507, "insufficient_storage")
             entry.ticket.wait()
+
+    def _add_to_repository(self, adapter: LoraAdapter) -> None:
+        """Copy the adapter into the workers' shared arena; no room there is a 507 (the
+        server keeps serving the adapters it has)."""
+        from toppings.cpu_lora.repository import RepositoryFullError
+        from toppings.cpu_lora.shm import SharedMemoryFull
+
+        try:
+            self.repository.add(adapter)
+        except (SharedMemoryFull, RepositoryFullError) as exc:
+            raise RequestError(
+                f"cannot load adapter {adapter.name!r}: {exc}", 507, INSUFFICIENT_STORAGE
+            ) from None
 
     def unregister(self, name: str) -> None:
         if self.mode.preload and name in self.cache.entries:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from toppings.gpu_lora.peft_format import LoraAdapter, load_peft_adapter
+from toppings.gpu_lora.validate import check_finite_delta
 from toppings.server import native
 from toppings.server.config import EngineConfig, LoraConfig, MemoryConfig, SchedulingConfig
 from toppings.server.engine.adapters import AdapterManager
@@ -38,7 +39,7 @@ from toppings.server.requests.stats_schema import (
 )
 from toppings.server.sched.admission import GateLimits
 from toppings.server.sched.policies import make_queue_policy
-from toppings.server.sched.scheduler import Scheduler
+from toppings.server.sched.scheduler import Scheduler, StepPlan
 
 log = logging.getLogger(__name__)
 
@@ -136,8 +137,10 @@ class Engine:
         return self._thread.is_alive() and not self._stopping.is_set()
 
     def add_adapter(self, name: str, path: str) -> LoraAdapter:
-        """Validate a PEFT directory and make it servable (raises AdapterError)."""
+        """Validate a PEFT directory and make it servable (raises AdapterError, also for a
+        LoRA product that overflows the model's dtype)."""
         adapter = load_peft_adapter(path, self.model_config, name=name)
+        check_finite_delta(adapter, self.model.dtype)
         with self._lock:
             self.lora.register(adapter)
         log.info(
@@ -297,23 +300,36 @@ class Engine:
             self._drain_inbox(block=not (len(self.queue) or self._running))
             if self._stopping.is_set():
                 break
-            with self._lock:
-                try:
-                    plan = self.scheduler.schedule()
-                except Exception:  # the loop outlives any fault of a plan's making
-                    log.exception("scheduling failed")
-                    plan = None
-                if plan is not None:
-                    started = time.perf_counter()
-                    try:
-                        self.scheduler.update(plan, self.runner.run(plan))
-                    except Exception as exc:  # keep serving: fail this step's requests only
-                        log.exception("engine step failed")
-                        self.scheduler.fail(plan, f"engine error: {exc}")
-                    self._count_step(plan.is_prefill, time.perf_counter() - started)
-            if plan is None:
+            if self.step() is None:
                 # Requests wait for an adapter load or for adapter memory: poll, don't spin.
                 time.sleep(0.002)
+
+    def step(self) -> StepPlan | None:
+        """One iteration of the loop: take what was submitted, schedule a step and run it.
+        Returns the plan run, or None when nothing could run. The engine thread calls it; a
+        test may drive an engine it has not started with it."""
+        self._drain_inbox(block=False)
+        with self._lock:
+            try:
+                plan = self.scheduler.schedule()
+            except Exception:  # the loop outlives any fault of a plan's making
+                log.exception("scheduling failed")
+                return None
+            if plan is None:
+                return None
+            started = time.perf_counter()
+            try:
+                outcome = self.runner.run(plan)
+                for seq, error in outcome.failed.items():  # fails alone; its neighbours go on
+                    log.warning("request %s failed: %s", seq.request.request_id, error)
+                    self.scheduler.finish(seq, "error", error=error)
+                if outcome.plan.seqs:
+                    self.scheduler.update(outcome.plan, outcome.result)
+            except Exception as exc:  # keep serving: fail this step's requests only
+                log.exception("engine step failed")
+                self.scheduler.fail(plan, f"engine error: {exc}")
+            self._count_step(plan.is_prefill, time.perf_counter() - started)
+        return plan
 
     def _count_step(self, is_prefill: bool, seconds: float) -> None:
         st = self.step_stats

@@ -6,11 +6,17 @@ become one `ForwardBatch` (`_forward`). On CUDA with graphs on (`RuntimeConfig.u
 a decode step replays the graph of its bucket (`cuda_graphs.DecodeGraphs`); steps the graphs
 decline (a batch above the largest bucket, an adapter still loading) and every step on a CPU
 run the model eagerly. The sampler turns the logits into tokens.
+
+A request whose logits hold inf or NaN (an adapter whose product overflows the dtype) is taken
+out before sampling and fails alone (`StepOutcome.failed`); the others of the batch sample as if
+it had not been there, which holds because nothing of the forward mixes rows of different
+requests (attention reads each request's own keys, the LoRA kernels each request's own rows).
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 
 import torch
 
@@ -21,6 +27,25 @@ from toppings.server.model.graph_buckets import GraphBuckets
 from toppings.server.model.llama import ForwardBatch, LlamaModel
 from toppings.server.requests.sequence import Sequence
 from toppings.server.sched.scheduler import StepPlan, StepResult
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """A plan run: `result` holds the tokens of `plan` (the plan run, less the requests that
+    failed), `failed` each failed request with its error."""
+
+    plan: StepPlan
+    result: StepResult
+    failed: dict[Sequence, str] = field(default_factory=dict)
+
+
+def nonfinite_error(seq: Sequence) -> str:
+    """The error of a request whose logits were not finite."""
+    who = "the base model" if seq.request.adapter is None else f"adapter {seq.request.adapter!r}"
+    return (
+        f"{who} produced non-finite logits (inf or NaN) for this request; its LoRA product "
+        f"likely overflows the model's dtype"
+    )
 
 
 class ModelRunner:
@@ -52,14 +77,24 @@ class ModelRunner:
             graphs = DecodeGraphs(model, kv, lora.pool, lora.kernels.decode, buckets)
         return cls(model, kv, lora, Sampler(eos_ids), graphs)
 
-    def run(self, plan: StepPlan) -> StepResult:
-        """Compute the plan's step and sample each request's next token."""
+    def run(self, plan: StepPlan) -> StepOutcome:
+        """Compute the plan's step and sample each request's next token; a request whose logits
+        are not all finite gets no token and is in the outcome's `failed`."""
         seqs = list(plan.seqs)
         if plan.is_prefill:
             logits, seconds, num_computed = self._prefill(seqs)  # [B, V]
         else:
             logits, seconds, num_computed = self._decode(seqs), 0.0, 0  # [B, V]
-        return StepResult(self.sampler.sample(seqs, logits), seconds, num_computed)
+        finite = torch.isfinite(logits).all(dim=1)  # [B]
+        if bool(finite.all()):
+            return StepOutcome(plan, StepResult(self.sampler.sample(seqs, logits), seconds,
+                                                num_computed))  # fmt: skip
+        keep = finite.nonzero().flatten().tolist()
+        failed = {s: nonfinite_error(s) for s, ok in zip(seqs, finite.tolist()) if not ok}
+        kept = [seqs[i] for i in keep]
+        tokens = self.sampler.sample(kept, logits[keep]) if kept else []
+        kept_plan = StepPlan(tuple(kept), plan.is_prefill)
+        return StepOutcome(kept_plan, StepResult(tokens, seconds, num_computed), failed)
 
     def _prefill(self, seqs: list[Sequence]) -> tuple[torch.Tensor, float, int]:
         """The prompts' last tokens' logits [B, V] (and the prompt logprobs asked for, kept by
