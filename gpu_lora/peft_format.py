@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from toppings.gpu_lora.peft_config import (
@@ -26,7 +27,14 @@ from toppings.gpu_lora.peft_config import (
 )
 from toppings.gpu_lora.targets import ATTN_PROJECTIONS, LORA_TARGETS, ModelShapes
 
-__all__ = ["AdapterError", "LoraAdapter", "load_peft_adapter", "read_adapter_config"]
+__all__ = [
+    "AdapterError",
+    "AdapterShape",
+    "LoraAdapter",
+    "inspect_peft_adapter",
+    "load_peft_adapter",
+    "read_adapter_config",
+]
 
 
 # PEFT's names for the tensors it saves; `.default` appears when the adapter name was kept.
@@ -60,14 +68,50 @@ class LoraAdapter:
         return self.num_bytes // 4 * item
 
 
-def load_peft_adapter(
-    path: str | os.PathLike, model_config: ModelShapes, name: str | None = None
-) -> LoraAdapter:
-    """Load a PEFT LoRA dir, checked against the base model's shapes. Raises AdapterError."""
+@dataclass(frozen=True)
+class AdapterShape:
+    """What an adapter directory will hold once loaded, read without reading any tensor.
+
+    rank: adapter_config.json's r; max_rank: the largest rank anywhere, r or the rank dimension
+    of any tensor the safetensors header declares (A [R, in], B [out, R]); targeted: the
+    (layer_idx, module) pairs it adapts; modules: those projections in LORA_TARGETS order.
+    """
+
+    rank: int
+    max_rank: int
+    targeted: frozenset[tuple[int, str]]
+    modules: tuple[str, ...]
+
+
+def inspect_peft_adapter(path: str | os.PathLike, model_config: ModelShapes) -> AdapterShape:
+    """The shape of a PEFT LoRA dir from its config and the safetensors header alone (the
+    tensor data is not read), so that limits and charges can be checked before loading.
+    Raises AdapterError."""
     root = Path(path)
     cfg = read_adapter_config(root)
-    cfg_where = str(root / CONFIG_FILE)
-    targeted = resolve_targets(cfg, model_config, cfg_where)
+    targeted = resolve_targets(cfg, model_config, str(root / CONFIG_FILE))
+    weights_path = _weights_path(root)
+    ranks = [cfg["r"]]
+    try:
+        with safe_open(weights_path, framework="pt") as f:
+            for key in f.keys():
+                shape = f.get_slice(key).get_shape()
+                half = _KEY_RE.fullmatch(key)
+                if half is not None and len(shape) == 2:
+                    ranks.append(shape[0] if half[4] == "A" else shape[1])
+    except Exception as exc:  # the Rust reader raises its own error type for corrupt files
+        raise AdapterError(f"{weights_path} is not a readable safetensors file: {exc}") from exc
+    modules = {m for _, m in targeted}
+    return AdapterShape(
+        rank=cfg["r"],
+        max_rank=max(ranks),
+        targeted=frozenset(targeted),
+        modules=tuple(m for m in LORA_TARGETS if m in modules),
+    )
+
+
+def _weights_path(root: Path) -> Path:
+    """adapter_model.safetensors of an adapter dir; raises AdapterError naming what is there."""
     weights_path = root / WEIGHTS_FILE
     if not weights_path.is_file():
         if (root / PICKLE_FILE).is_file():
@@ -76,6 +120,18 @@ def load_peft_adapter(
                 f"adapter with safe_serialization=True to get {WEIGHTS_FILE}"
             )
         raise AdapterError(f"{WEIGHTS_FILE} missing in {str(root)!r}")
+    return weights_path
+
+
+def load_peft_adapter(
+    path: str | os.PathLike, model_config: ModelShapes, name: str | None = None
+) -> LoraAdapter:
+    """Load a PEFT LoRA dir, checked against the base model's shapes. Raises AdapterError."""
+    root = Path(path)
+    cfg = read_adapter_config(root)
+    cfg_where = str(root / CONFIG_FILE)
+    targeted = resolve_targets(cfg, model_config, cfg_where)
+    weights_path = _weights_path(root)
     try:
         tensors = load_file(weights_path)
     except Exception as exc:  # the Rust reader raises its own error type for corrupt files

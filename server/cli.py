@@ -127,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     from toppings.gpu_lora.peft_config import AdapterError
     from toppings.server.api.app import create_app
     from toppings.server.api.lifecycle import discover
+    from toppings.server.requests.request import RequestError
     from toppings.server.runtime import build_engine
 
     max_in_flight = options.max_concurrent_requests or default_max_in_flight(config.max_batch_size)
@@ -150,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         engine = build_engine(serve.model, config, loras)
-    except (AdapterError, FileNotFoundError) as e:  # an adapter that does not fit the model
+    except (AdapterError, RequestError, FileNotFoundError) as e:  # an adapter that does not fit
         _usage_error(str(e))
     app = create_app(engine, options)
     sizing = waitress_settings(max_in_flight, serve.threads)

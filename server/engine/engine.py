@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from toppings.gpu_lora.peft_format import LoraAdapter, load_peft_adapter
+from toppings.gpu_lora.peft_format import LoraAdapter
 from toppings.server import native
 from toppings.server.config import EngineConfig, LoraConfig, MemoryConfig, SchedulingConfig
 from toppings.server.engine.adapters import AdapterManager
@@ -134,8 +134,9 @@ class Engine:
         return self._thread.is_alive() and not self._stopping.is_set()
 
     def add_adapter(self, name: str, path: str) -> LoraAdapter:
-        """Validate a PEFT directory and make it servable (raises AdapterError)."""
-        adapter = load_peft_adapter(path, self.model_config, name=name)
+        """Validate a PEFT directory and make it servable (raises AdapterError, or RequestError
+        507 when it is larger than the memory it would live in)."""
+        adapter = self.lora.open(path, name)
         with self._lock:
             self.lora.register(adapter)
         log.info(
