@@ -18,7 +18,6 @@ from toppings.server.model.loader import load_checkpoint
 from toppings.server.runtime import build_engine
 
 
-
 @pytest.fixture(scope="module")
 def model(tiny_model_dir):
     return load_checkpoint(str(tiny_model_dir)).config
