@@ -128,8 +128,8 @@ class AdapterManager:
         shape = inspect_peft_adapter(path, self.model_config)
         if shape.max_rank > self.max_lora_rank:
             raise AdapterError(
-                f"rank {shape.max_rank} is above this server's limit of {self.max_lora_rank} "
-                f"(--max-lora-rank)"
+                f"{path}: rank {shape.max_rank} is above this server's limit of "
+                f"{self.max_lora_rank} (--max-lora-rank)"
             )
         self._check_room(name, shape)
         return load_peft_adapter(path, self.model_config, name=name)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from tests.gpu_lora.peft_dirs import write_peft_adapter
+from tests.server.api.test_cli_errors import assert_refused, run
 from toppings.gpu_lora.peft_format import AdapterError
 from toppings.gpu_lora.targets import LORA_TARGETS
 from toppings.server.api.app import ApiOptions, create_app
@@ -124,3 +125,17 @@ def test_an_explicit_limit_refuses_adapters_given_at_start_up(tiny_model_dir, ro
     config = EngineConfig(dtype="float32", max_total_tokens=256, max_lora_rank=4)
     with pytest.raises(AdapterError, match=r"limit of 4 \(--max-lora-rank\)"):
         build_engine(str(tiny_model_dir), config, {"small": str(root / "small")})
+
+
+@pytest.mark.parametrize(
+    "flags, adapter, words",
+    [
+        (("--max-lora-rank", "4"), "small", ("limit of 4", "--max-lora-rank")),
+        (("--adapter-cache-bytes", "1000", "--max-lora-rank", "64", "--lora-mode",
+          "on-demand"), "small", ("needs", "1000 bytes")),
+    ],
+)  # fmt: skip
+def test_start_up_refusals_are_one_error_line(tiny_model_dir, root, flags, adapter, words):
+    result = run("toppings-serve", "--model", str(tiny_model_dir), "--port", "0",
+                 "--lora", f"{adapter}={root / adapter}", *flags)  # fmt: skip
+    assert_refused(result, "toppings-serve", *words)
