@@ -5,12 +5,16 @@ serving its other adapters."""
 
 from __future__ import annotations
 
+import re
+import shutil
+
 import pytest
 
 from tests.gpu_lora.peft_dirs import write_peft_adapter
 from tests.server.api.test_cli_errors import assert_refused, run
 from toppings.gpu_lora.peft_format import AdapterError
 from toppings.gpu_lora.targets import LORA_TARGETS
+from toppings.server.api.adapter_files import adapter_digest
 from toppings.server.api.app import ApiOptions, create_app
 from toppings.server.config import EngineConfig
 from toppings.server.engine import adapters as adapters_module
@@ -110,6 +114,34 @@ def test_an_adapter_that_fits_is_charged_its_rows_and_the_pool_stays_in_budget(
     assert lora.bytes_of("fits") == lora.pool.bytes_for(16, ("v_proj",))
     assert lora.pool.nbytes <= budget
     assert_serving(client)
+
+
+def in_store(store, root, name: str) -> str:
+    """Put an adapter where a peer fetch of it with its digest finds it already fetched (the
+    same register path as a download, without a peer to download from)."""
+    digest = adapter_digest(root / name)
+    safe = re.sub(r"[^A-Za-z0-9._-]", "_", name)[:100]
+    shutil.copytree(root / name, store / f"{safe}-{digest[:16]}")
+    return digest
+
+
+@pytest.mark.parametrize("name, status", [("rank128", 400), ("huge", 507)])
+def test_peer_fetch_with_a_caller_supplied_hash_is_refused_alike(
+    engine, root, tmp_path, name, status
+):
+    store = tmp_path / "store"
+    store.mkdir()
+    fetching = create_app(engine, ApiOptions(adapter_store=str(store))).test_client()
+    digest = in_store(store, root, name)
+    before = engine.lora.pool.nbytes
+    body = {"lora_name": name, "sha256": digest, "peers": ["http://127.0.0.1:9"]}
+    reply = fetching.post("/v1/load_lora_adapter", json=body)
+    assert reply.status_code == status, reply.get_json()
+    message = reply.get_json()["error"]["message"]
+    assert ("--max-lora-rank" if status == 400 else "bytes") in message
+    assert engine.lora.pool.nbytes == before
+    assert name not in [a["name"] for a in engine.adapters()]
+    assert_serving(fetching)
 
 
 def test_nothing_is_read_before_the_limits_pass(engine, root, monkeypatch):
