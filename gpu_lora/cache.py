@@ -5,12 +5,12 @@
 takes pool rows and starts a pipelined load, whose ticket tells which layers are resident. An
 adapter with a reference is never evicted. Each adapter is charged what it occupies in the pool
 (`AdapterPool.bytes_for`: its rank's rows in every layer of each projection it targets, at the
-pool's dtype), before anything is allocated; with a budget the pool's tensors never outgrow it
-(eviction also runs until the adapter's rows fit). With a `memory` (an `AdapterBudget`: the
-server's one memory pool) each load also asks that memory for room, which may evict cached KV
-or idle adapters to make it, and an eviction gives the room back. The memory pool reads the
-cache only through its public views (`idle_entries`, `is_referenced`, `referenced`,
-`frequencies`).
+pool's dtype), before anything is allocated; the pool's tensors never outgrow the budget, nor
+the whole `memory` when there is one (eviction also runs until the adapter's rows fit). With a
+`memory` (an `AdapterBudget`: the server's one memory pool) each load also asks that memory for
+room, which may evict cached KV or idle adapters to make it, and an eviction gives the room
+back. The memory pool reads the cache only through its public views (`idle_entries`,
+`is_referenced`, `referenced`, `frequencies`).
 """
 
 from __future__ import annotations
@@ -94,6 +94,8 @@ class AdapterCache:
         self.counters = CacheCounters()
         self._usage: dict[str, Usage] = {}
         self._used_bytes = 0
+        # The pool's tensors never hold more than the most adapters can be charged.
+        self.max_pool_bytes = self.max_adapter_bytes()
 
     @property
     def used_bytes(self) -> int:
@@ -191,13 +193,13 @@ class AdapterCache:
             if victim is None:
                 return None
             self.evict(victim)
-        if self.pool.must_grow(adapter, self.budget_bytes) and not self.loader.idle():
+        if self.pool.must_grow(adapter, self.max_pool_bytes) and not self.loader.idle():
             return None  # the pool must reallocate, which cannot happen under a running load
         if self.memory is not None and not self.memory.take(
             adapter.name, num_bytes, keep, reclaim=not spare_keep
         ):
             return None  # a prefetch takes free blocks only
-        resident = self.pool.reserve(adapter, self.budget_bytes)
+        resident = self.pool.reserve(adapter, self.max_pool_bytes)
         ticket = self.loader.submit(adapter, resident)
         entry = CacheEntry(resident, ticket, num_bytes)
         self.entries[adapter.name] = entry
@@ -207,12 +209,10 @@ class AdapterCache:
         return entry
 
     def _fits(self, adapter: LoraAdapter, num_bytes: int) -> bool:
-        """Within the budget, and the pool finds its rows without outgrowing it."""
-        if self.budget_bytes is None:
-            return True
-        return self._used_bytes + num_bytes <= self.budget_bytes and self.pool.can_reserve(
-            adapter, self.budget_bytes
-        )
+        """Within the budget, and the pool finds its rows without outgrowing max_pool_bytes."""
+        if self.budget_bytes is not None and self._used_bytes + num_bytes > self.budget_bytes:
+            return False
+        return self.pool.can_reserve(adapter, self.max_pool_bytes)
 
     def _victim(self, keep: frozenset[str], spare_keep: bool = False) -> str | None:
         free = [n for n, e in self.entries.items() if e.refcount == 0]

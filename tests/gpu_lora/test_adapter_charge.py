@@ -88,6 +88,48 @@ def test_pool_stays_within_the_budget_through_loads_and_evictions():
     loader.close()
 
 
+class FixedMemory:
+    """An `AdapterBudget` of a fixed number of bytes (the node's memory pool, without KV)."""
+
+    def __init__(self, num_bytes: int):
+        self.num_bytes = num_bytes
+        self.charged: dict[str, int] = {}
+
+    def take(self, name: str, num_bytes: int, keep: frozenset[str], reclaim: bool) -> bool:
+        if sum(self.charged.values()) + num_bytes > self.num_bytes:
+            return False
+        self.charged[name] = num_bytes
+        return True
+
+    def give(self, name: str) -> None:
+        del self.charged[name]
+
+    def capacity_bytes(self) -> int:
+        return self.num_bytes
+
+
+def test_pool_stays_within_the_memory_it_is_charged_to():
+    """No cache budget, adapters charged to the node's memory: the pool's tensors stay within
+    that memory, and the charges always find room once the rows did."""
+    memory = FixedMemory(rows_bytes(40, ["q_proj", "up_proj"]))
+    pool = AdapterPool(CONFIG, torch.float32, "cpu")
+    loader = PipelinedLoader(pool)
+    cache = AdapterCache(pool, loader, make_policy("lru"), None, memory=memory)
+    rng = random.Random(7)
+    for i in range(40):
+        rank = rng.choice((2, 8, 16, 32))
+        modules = rng.sample(LORA_TARGETS, rng.choice((1, 2)))
+        if rows_bytes(rank, modules) > memory.num_bytes:
+            continue
+        entry = cache.acquire(adapter(f"a{i}", rank, [(0, m) for m in modules], seed=i))
+        assert entry is not None
+        entry.ticket.wait(10)
+        cache.release(f"a{i}")
+        assert pool.nbytes <= memory.num_bytes, (i, pool.nbytes)
+        assert sum(memory.charged.values()) == cache.used_bytes <= pool.nbytes
+    loader.close()
+
+
 def test_adapters_with_disjoint_targets_share_rows_and_are_exact():
     cache, loader = make_cache()
     q = adapter("q", 8, [(layer, "q_proj") for layer in range(CONFIG.num_layers)], seed=1)
