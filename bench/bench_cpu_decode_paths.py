@@ -64,7 +64,7 @@ def dense_delta(pool: AdapterPool, batch: list, padded: bool):
     max_rank = max(a.rank for a in distinct)
     rows, cols, width = [], {}, 0
     for a in distinct:
-        span = min(max_rank, pool.rows.capacity - a.offset) if padded else a.rank
+        span = min(max_rank, pool.rows["q_proj"].capacity - a.offset) if padded else a.rank
         cols[a.name] = width
         rows.append(torch.arange(a.offset, a.offset + span))
         width += span

@@ -33,6 +33,7 @@ from __future__ import annotations
 import hashlib
 import struct
 import threading
+from collections.abc import Iterable
 
 import torch
 
@@ -121,11 +122,21 @@ class HostRepository:
 
     def block_bytes(self, adapter: AdapterLike) -> int:
         """Bytes of the data block `adapter` takes in this arena."""
+        return self.block_bytes_for(adapter.rank, adapter.weights)
+
+    def block_bytes_for(self, rank: int, pairs: Iterable[tuple[int, str]]) -> int:
+        """Bytes of the data block of an adapter of `rank` on these (layer_idx, module) pairs:
+        what it is charged here, known from its shapes before any tensor is read."""
         size = align(self.num_layers * LAYER_BYTES)
-        for _, module in adapter.weights:
+        for _, module in pairs:
             h_in, h_out = self.shapes[module]
-            size += align(adapter.rank * (h_in + h_out) * self._item)
+            size += align(rank * (h_in + h_out) * self._item)
         return size
+
+    @property
+    def capacity_bytes(self) -> int:
+        """Bytes of the data area: the most all adapters' blocks together can take."""
+        return self._data_bytes
 
     def add(self, adapter: AdapterLike) -> int:
         """Copy an adapter into the arena (converted to the arena dtype); returns its slot.

@@ -1,13 +1,22 @@
 """Resident adapters in the column-pool layout the LoRA kernels read.
 
 For each targeted projection there is one tensor pair over all layers:
-`lora_a[module]` [L, C, H_in] and `lora_b[module]` [L, C, H_out]. An adapter of rank r owns the
-same rows [offset, offset + r) in every projection and layer (rows of projections it does not
-target stay unused), so one (offset, rank) pair locates it everywhere.
+`lora_a[module]` [L, C_m, H_in] and `lora_b[module]` [L, C_m, H_out]. An adapter of rank r owns
+the rows [offset, offset + r) in every layer of each projection it targets, so one
+(offset, rank) pair locates it everywhere. Each projection has its own row allocator and its own
+row count C_m: an adapter takes rows only in the projections it targets (adapters with disjoint
+targets may share row indices), and the kernels, which skip a projection where a unit's rank is
+0, never read a row of a projection its adapter does not target.
+
+What an adapter occupies is `bytes_for(rank, targets)`: r rows in all L layers of each targeted
+projection (an adapter on one layer still owns its rows in every layer). With `max_bytes` the
+pool's tensors never hold more than that many bytes in all: growth is capped, and tensors are
+cut to their last used row when that is what makes room.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -28,39 +37,42 @@ class ResidentAdapter:
 
 
 class RowAllocator:
-    """First-fit allocation of row ranges in [0, capacity)."""
+    """Used row ranges of one projection's tensors, which hold `capacity` rows."""
 
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int = 0):
         self.capacity = capacity
         self._used: dict[int, int] = {}  # offset -> length
 
-    def alloc(self, n: int) -> int | None:
-        """Offset of a free range of n rows, or None when none is free."""
-        start = self._first_fit(n)
-        if start is not None:
-            self._used[start] = n
-        return start
+    def is_free(self, start: int, n: int) -> bool:
+        """Whether no used range overlaps [start, start + n) (capacity not considered)."""
+        return all(off + length <= start or start + n <= off for off, length in self._used.items())
 
-    def can_alloc(self, n: int) -> bool:
-        return self._first_fit(n) is not None
-
-    def _first_fit(self, n: int) -> int | None:
-        start = 0
-        for off in sorted(self._used):
-            if off - start >= n:
-                break
-            start = max(start, off + self._used[off])
-        return None if start + n > self.capacity else start
+    def take(self, start: int, n: int) -> None:
+        self._used[start] = n
 
     def free(self, offset: int) -> None:
         del self._used[offset]
 
-    def grow(self, capacity: int) -> None:
-        self.capacity = max(self.capacity, capacity)
+    def ends(self) -> list[int]:
+        """Where each used range ends: the candidate starts of a first fit."""
+        return [off + length for off, length in self._used.items()]
+
+    @property
+    def used_end(self) -> int:
+        """One past the last used row (0 when none is used)."""
+        return max(self.ends(), default=0)
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """Where an adapter would go and the row count each projection's tensors would have."""
+
+    offset: int
+    capacities: dict[str, int]  # module -> rows after the reservation (only those that change)
 
 
 class AdapterPool:
-    """The engine's adapter weights on its device, by name."""
+    """The engine's adapter weights on its device, by name; see the module docstring."""
 
     def __init__(
         self,
@@ -69,62 +81,145 @@ class AdapterPool:
         device: str | torch.device,
         initial_rows: int = 128,
     ):
+        """initial_rows: the rows a projection's tensors get when they are first made (fewer
+        when a byte cap does not allow them)."""
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
-        self.rows = RowAllocator(initial_rows)
-        self.lora_a: dict[str, torch.Tensor] = {}  # module -> [L, C, H_in]
-        self.lora_b: dict[str, torch.Tensor] = {}  # module -> [L, C, H_out]
+        self.initial_rows = initial_rows
+        self.rows: dict[str, RowAllocator] = {m: RowAllocator() for m in LORA_TARGETS}
+        self.lora_a: dict[str, torch.Tensor] = {}  # module -> [L, C_m, H_in]
+        self.lora_b: dict[str, torch.Tensor] = {}  # module -> [L, C_m, H_out]
         self.resident: dict[str, ResidentAdapter] = {}
+        self._item = torch.empty((), dtype=dtype).element_size()
 
-    def add(self, adapter: LoraAdapter) -> ResidentAdapter:
+    # ---- sizes ------------------------------------------------------------------------------
+
+    def row_bytes(self, module: str) -> int:
+        """Bytes of one row of a projection: A and B^T in all L layers at the pool's dtype."""
+        if module not in LORA_TARGETS:
+            raise KeyError(f"unknown projection {module!r}")
+        h_in, h_out = self.config.projection_shape(module)
+        return self.config.num_layers * (h_in + h_out) * self._item
+
+    def bytes_for(self, rank: int, modules: Iterable[str]) -> int:
+        """Bytes an adapter of `rank` on `modules` occupies here (its charge)."""
+        return rank * sum(self.row_bytes(m) for m in set(modules))
+
+    def charge(self, adapter: LoraAdapter) -> int:
+        """`bytes_for` of an adapter."""
+        return self.bytes_for(adapter.rank, adapter.target_modules)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the pool's tensors hold now."""
+        tensors = [*self.lora_a.values(), *self.lora_b.values()]
+        return sum(t.nbytes for t in tensors)
+
+    # ---- reservations -----------------------------------------------------------------------
+
+    def can_reserve(self, adapter: LoraAdapter, max_bytes: int | None = None) -> bool:
+        """Whether `reserve` would find rows for it with the pool at most `max_bytes`."""
+        return self._plan(adapter, max_bytes) is not None
+
+    def must_grow(self, adapter: LoraAdapter, max_bytes: int | None = None) -> bool:
+        """Whether reserving it reallocates tensors (which a running load must not see)."""
+        plan = self._plan(adapter, max_bytes)
+        return plan is not None and bool(plan.capacities)
+
+    def add(self, adapter: LoraAdapter, max_bytes: int | None = None) -> ResidentAdapter:
         """Reserve rows for an adapter and copy it in, here and now."""
-        entry = self.reserve(adapter)
+        entry = self.reserve(adapter, max_bytes)
         end = entry.offset + adapter.rank
         for (layer, module), (a, b) in adapter.weights.items():
             self.lora_a[module][layer, entry.offset : end].copy_(a)  # A [r, H_in]
             self.lora_b[module][layer, entry.offset : end].copy_(b.t())  # B^T [r, H_out]
         return entry
 
-    def reserve(self, adapter: LoraAdapter) -> ResidentAdapter:
-        """Take rows for an adapter (growing the pool if needed); its rows still hold zeros."""
+    def reserve(self, adapter: LoraAdapter, max_bytes: int | None = None) -> ResidentAdapter:
+        """Take rows for an adapter (reallocating tensors if needed, the pool staying at most
+        `max_bytes`); its rows still hold zeros. Raises MemoryError when it cannot fit."""
         if adapter.name in self.resident:
             raise KeyError(f"adapter {adapter.name!r} is already resident")
-        offset = self.rows.alloc(adapter.rank)
-        if offset is None:
-            self._grow(max(2 * self.rows.capacity, self.rows.capacity + adapter.rank))
-            offset = self.rows.alloc(adapter.rank)
+        plan = self._plan(adapter, max_bytes)
+        if plan is None:
+            raise MemoryError(
+                f"adapter {adapter.name!r} ({self.charge(adapter)} bytes) does not fit in the "
+                f"adapter pool of at most {max_bytes} bytes"
+            )
+        for module, capacity in plan.capacities.items():
+            self._resize(module, capacity)
         for module in adapter.target_modules:
-            self._ensure_module(module)
+            self.rows[module].take(plan.offset, adapter.rank)
         entry = ResidentAdapter(
-            adapter.name, offset, adapter.rank, adapter.scale, frozenset(adapter.target_modules)
+            adapter.name,
+            plan.offset,
+            adapter.rank,
+            adapter.scale,
+            frozenset(adapter.target_modules),
         )
         self.resident[adapter.name] = entry
         return entry
 
     def remove(self, name: str) -> None:
         entry = self.resident.pop(name)
-        self.rows.free(entry.offset)
         for module in entry.targets:
+            self.rows[module].free(entry.offset)
             # Zero the rows so a layer the adapter did not cover can never leak into another.
             self.lora_a[module][:, entry.offset : entry.offset + entry.rank].zero_()
             self.lora_b[module][:, entry.offset : entry.offset + entry.rank].zero_()
 
-    def _ensure_module(self, module: str) -> None:
-        if module in self.lora_a:
-            return
-        if module not in LORA_TARGETS:
-            raise KeyError(f"unknown projection {module!r}")
-        h_in, h_out = self.config.projection_shape(module)
-        shape = (self.config.num_layers, self.rows.capacity)
-        self.lora_a[module] = torch.zeros(*shape, h_in, dtype=self.dtype, device=self.device)
-        self.lora_b[module] = torch.zeros(*shape, h_out, dtype=self.dtype, device=self.device)
+    def _plan(self, adapter: LoraAdapter, max_bytes: int | None) -> _Plan | None:
+        """First fit over the targeted projections' rows: an offset inside their tensors as
+        they are if one is free, else the first free one past that, with the tensors grown
+        (doubling when the cap allows it, else exactly) and, if the cap needs it, every
+        projection's tensors cut to their last used row. None when the cap cannot be met."""
+        rank, modules = adapter.rank, adapter.target_modules
+        for module in modules:
+            if module not in LORA_TARGETS:
+                raise KeyError(f"unknown projection {module!r}")
+        starts = sorted({0, *(end for m in modules for end in self.rows[m].ends())})
+        free = [s for s in starts if all(self.rows[m].is_free(s, rank) for m in modules)]
+        inside = [s for s in free if all(s + rank <= self.rows[m].capacity for m in modules)]
+        if inside:
+            return _Plan(inside[0], {})
+        offset, end = free[0], free[0] + rank  # past the last used row of some target: always free
+        needed = {m: end for m in modules if self.rows[m].capacity < end}
+        roomy = {m: max(end, 2 * self.rows[m].capacity, self.initial_rows) for m in needed}
+        for grown, trim in ((roomy, False), (needed, False), (needed, True)):
+            capacities = dict(grown)
+            if trim:
+                for module, rows in self.rows.items():
+                    if module in self.lora_a:
+                        cut = max(rows.used_end, end if module in modules else 0)
+                        capacities[module] = max(cut, capacities.get(module, 0))
+            changed = {
+                m: c
+                for m, c in capacities.items()
+                if m not in self.lora_a or c != self.rows[m].capacity
+            }
+            if max_bytes is None or self._bytes_with(changed) <= max_bytes:
+                return _Plan(offset, changed)
+        return None
 
-    def _grow(self, capacity: int) -> None:
-        old = self.rows.capacity
-        self.rows.grow(capacity)
-        for table in (self.lora_a, self.lora_b):
-            for module, t in table.items():
-                bigger = t.new_zeros(t.shape[0], capacity, t.shape[2])
-                bigger[:, :old] = t
-                table[module] = bigger
+    def _bytes_with(self, capacities: dict[str, int]) -> int:
+        """Bytes of the pool's tensors if these projections had these row counts."""
+        rows = {m: r.capacity for m, r in self.rows.items() if m in self.lora_a}
+        rows.update(capacities)
+        return sum(n * self.row_bytes(m) for m, n in rows.items())
+
+    def _resize(self, module: str, capacity: int) -> None:
+        """Reallocate a projection's tensors to `capacity` rows, keeping the rows in use."""
+        keep = min(capacity, self.rows[module].capacity)
+        if keep < self.rows[module].used_end:
+            raise RuntimeError(f"{module}: cutting to {capacity} rows would drop rows in use")
+        h_in, h_out = self.config.projection_shape(module)
+        for table, width in ((self.lora_a, h_in), (self.lora_b, h_out)):
+            bigger = torch.zeros(
+                self.config.num_layers, capacity, width, dtype=self.dtype, device=self.device
+            )
+            old = table.get(module)
+            if old is not None:
+                bigger[:, :keep] = old[:, :keep]
+            table[module] = bigger
+        self.rows[module].capacity = capacity

@@ -3,11 +3,14 @@
 `acquire` is called when a request is admitted: a hit takes a reference; a miss makes room
 (evicting unreferenced adapters in the policy's order, those wanted by queued requests last),
 takes pool rows and starts a pipelined load, whose ticket tells which layers are resident. An
-adapter with a reference is never evicted. The budget counts the adapters' weight bytes at the
-pool's dtype. With a `memory` (an `AdapterBudget`: the server's one memory pool) each load also
-asks that memory for room, which may evict cached KV or idle adapters to make it, and an
-eviction gives the room back. The memory pool reads the cache only through its public views
-(`idle_entries`, `is_referenced`, `referenced`, `frequencies`).
+adapter with a reference is never evicted. Each adapter is charged what it occupies in the pool
+(`AdapterPool.bytes_for`: its rank's rows in every layer of each projection it targets, at the
+pool's dtype), before anything is allocated; the pool's tensors never outgrow the budget, nor
+the whole `memory` when there is one (eviction also runs until the adapter's rows fit). With a
+`memory` (an `AdapterBudget`: the server's one memory pool) each load also asks that memory for
+room, which may evict cached KV or idle adapters to make it, and an eviction gives the room
+back. The memory pool reads the cache only through its public views (`idle_entries`,
+`is_referenced`, `referenced`, `frequencies`).
 """
 
 from __future__ import annotations
@@ -66,6 +69,10 @@ class AdapterBudget(Protocol):
         """Adapter `name` left the device: its charge is free again."""
         ...
 
+    def capacity_bytes(self) -> int:
+        """The most bytes adapters could be charged in all (the memory when it is empty)."""
+        ...
+
 
 class AdapterCache:
     """Which adapters are on the device; see the module docstring."""
@@ -87,10 +94,23 @@ class AdapterCache:
         self.counters = CacheCounters()
         self._usage: dict[str, Usage] = {}
         self._used_bytes = 0
+        # The pool's tensors never hold more than the most adapters can be charged.
+        self.max_pool_bytes = self.max_adapter_bytes()
 
     @property
     def used_bytes(self) -> int:
         return self._used_bytes
+
+    def charge(self, adapter: LoraAdapter) -> int:
+        """Bytes the adapter is charged while on the device (what it occupies in the pool)."""
+        return self.pool.charge(adapter)
+
+    def max_adapter_bytes(self) -> int | None:
+        """The largest charge one adapter can ever get room for (None: no limit)."""
+        limits = [self.budget_bytes] if self.budget_bytes is not None else []
+        if self.memory is not None:
+            limits.append(self.memory.capacity_bytes())
+        return min(limits, default=None)
 
     def acquire(
         self, adapter: LoraAdapter, keep: frozenset[str] = frozenset()
@@ -143,7 +163,7 @@ class AdapterCache:
         evicting only adapters that no request holds or waits for; False when it does not."""
         if adapter.name in self.entries:
             return False
-        num_bytes = adapter.bytes_at(self.pool.dtype)
+        num_bytes = self.charge(adapter)
         if self.budget_bytes is not None and num_bytes > self.budget_bytes:
             return False
         self._usage.setdefault(adapter.name, Usage())
@@ -162,7 +182,7 @@ class AdapterCache:
     def _load(
         self, adapter: LoraAdapter, keep: frozenset[str], spare_keep: bool = False
     ) -> CacheEntry | None:
-        num_bytes = adapter.bytes_at(self.pool.dtype)
+        num_bytes = self.charge(adapter)
         if self.budget_bytes is not None and num_bytes > self.budget_bytes:
             raise ValueError(
                 f"adapter {adapter.name!r} needs {num_bytes} bytes; the cache holds "
@@ -173,13 +193,13 @@ class AdapterCache:
             if victim is None:
                 return None
             self.evict(victim)
-        if not self.pool.rows.can_alloc(adapter.rank) and not self.loader.idle():
-            return None  # the pool must grow, which cannot happen under a running load
+        if self.pool.must_grow(adapter, self.max_pool_bytes) and not self.loader.idle():
+            return None  # the pool must reallocate, which cannot happen under a running load
         if self.memory is not None and not self.memory.take(
             adapter.name, num_bytes, keep, reclaim=not spare_keep
         ):
             return None  # a prefetch takes free blocks only
-        resident = self.pool.reserve(adapter)
+        resident = self.pool.reserve(adapter, self.max_pool_bytes)
         ticket = self.loader.submit(adapter, resident)
         entry = CacheEntry(resident, ticket, num_bytes)
         self.entries[adapter.name] = entry
@@ -189,7 +209,10 @@ class AdapterCache:
         return entry
 
     def _fits(self, adapter: LoraAdapter, num_bytes: int) -> bool:
-        return self.budget_bytes is None or self._used_bytes + num_bytes <= self.budget_bytes
+        """Within the budget, and the pool finds its rows without outgrowing max_pool_bytes."""
+        if self.budget_bytes is not None and self._used_bytes + num_bytes > self.budget_bytes:
+            return False
+        return self.pool.can_reserve(adapter, self.max_pool_bytes)
 
     def _victim(self, keep: frozenset[str], spare_keep: bool = False) -> str | None:
         free = [n for n, e in self.entries.items() if e.refcount == 0]

@@ -8,6 +8,7 @@ opened relative to the directory without following a symlink and checked on the 
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -17,7 +18,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load, load_file
 
-from toppings.gpu_lora.adapter_dir import UnsafeFile, fd_path, has_file, open_file
+from toppings.gpu_lora.adapter_dir import UnsafeFile, fd_path, file_size, has_file, open_file
 from toppings.gpu_lora.peft_config import (
     CONFIG_FILE,
     PICKLE_FILE,
@@ -31,7 +32,14 @@ from toppings.gpu_lora.peft_config import (
 )
 from toppings.gpu_lora.targets import ATTN_PROJECTIONS, LORA_TARGETS, ModelShapes
 
-__all__ = ["AdapterError", "LoraAdapter", "load_peft_adapter", "read_adapter_config"]
+__all__ = [
+    "AdapterError",
+    "AdapterShape",
+    "LoraAdapter",
+    "inspect_peft_adapter",
+    "load_peft_adapter",
+    "read_adapter_config",
+]
 
 
 # PEFT's names for the tensors it saves; `.default` appears when the adapter name was kept.
@@ -63,6 +71,81 @@ class LoraAdapter:
         """Bytes of all A and B when held at `dtype` (what a device copy at that dtype moves)."""
         item = torch.empty((), dtype=dtype).element_size()
         return self.num_bytes // 4 * item
+
+
+@dataclass(frozen=True)
+class AdapterShape:
+    """What an adapter directory will hold once loaded, read without reading any tensor.
+
+    rank: adapter_config.json's r; max_rank: the largest rank anywhere, r or the rank dimension
+    of any tensor the safetensors header declares (A [R, in], B [out, R]); targeted: the
+    (layer_idx, module) pairs it adapts; modules: those projections in LORA_TARGETS order.
+    """
+
+    rank: int
+    max_rank: int
+    targeted: frozenset[tuple[int, str]]
+    modules: tuple[str, ...]
+
+
+def inspect_peft_adapter(path: str | os.PathLike, model_config: ModelShapes) -> AdapterShape:
+    """The shape of a PEFT LoRA dir from its config and the safetensors header alone (the
+    tensor data is not read), so that limits and charges can be checked before loading.
+    Raises AdapterError."""
+    root = Path(path)
+    with adapter_dir(root) as dir_fd:  # both files from the one directory opened here
+        cfg = read_config_at(dir_fd, root)
+        targeted = resolve_targets(cfg, model_config, str(root / CONFIG_FILE))
+        header = _read_header(dir_fd, root)
+    ranks = [cfg["r"]]
+    for key, info in header.items():
+        shape = info.get("shape") if isinstance(info, dict) else None
+        half = _KEY_RE.fullmatch(key)
+        if half is not None and isinstance(shape, list) and len(shape) == 2:
+            ranks.append(int(shape[0] if half[4] == "A" else shape[1]))
+    modules = {m for _, m in targeted}
+    return AdapterShape(
+        rank=cfg["r"],
+        max_rank=max(ranks),
+        targeted=frozenset(targeted),
+        modules=tuple(m for m in LORA_TARGETS if m in modules),
+    )
+
+
+def _read_header(dir_fd: int, root: Path) -> dict:
+    """The JSON header of adapter_model.safetensors in the directory `dir_fd`: the name, dtype
+    and shape of each tensor (the format: an 8-byte little-endian length, then that many bytes
+    of JSON), read from the opened file without reading any tensor data."""
+    weights_path = root / WEIGHTS_FILE
+    _check_not_pickle_only(dir_fd, root)
+    try:
+        with open_file(dir_fd, WEIGHTS_FILE) as f:
+            size = file_size(f)
+            prefix = f.read(8)
+            length = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
+            if not 0 < length <= size - 8:
+                raise AdapterError(f"{weights_path} is not a readable safetensors file")
+            header = json.loads(f.read(length))
+    except FileNotFoundError:
+        raise AdapterError(f"{WEIGHTS_FILE} missing in {str(root)!r}") from None
+    except UnsafeFile as exc:
+        raise AdapterError(f"{root}: {exc}") from None
+    except (ValueError, UnicodeDecodeError) as exc:  # not JSON
+        raise AdapterError(f"{weights_path} is not a readable safetensors file: {exc}") from None
+    except OSError as exc:
+        raise AdapterError(f"{weights_path} cannot be read: {exc}") from exc
+    if not isinstance(header, dict):
+        raise AdapterError(f"{weights_path} is not a readable safetensors file")
+    header.pop("__metadata__", None)
+    return header
+
+
+def _check_not_pickle_only(dir_fd: int, root: Path) -> None:
+    if not has_file(dir_fd, WEIGHTS_FILE) and has_file(dir_fd, PICKLE_FILE):
+        raise AdapterError(
+            f"{str(root)!r} has only {PICKLE_FILE} (a pickle); safetensors only: save the "
+            f"adapter with safe_serialization=True to get {WEIGHTS_FILE}"
+        )
 
 
 def load_peft_adapter(
@@ -153,11 +236,7 @@ def _mismatch_cause(module: str, half: str, found: tuple[int, ...], want: tuple[
 def _read_weights(dir_fd: int, root: Path) -> dict[str, torch.Tensor]:
     """The tensors of adapter_model.safetensors in the directory `dir_fd` (`root` names it)."""
     weights_path = root / WEIGHTS_FILE
-    if not has_file(dir_fd, WEIGHTS_FILE) and has_file(dir_fd, PICKLE_FILE):
-        raise AdapterError(
-            f"{str(root)!r} has only {PICKLE_FILE} (a pickle); safetensors only: save the "
-            f"adapter with safe_serialization=True to get {WEIGHTS_FILE}"
-        )
+    _check_not_pickle_only(dir_fd, root)
     try:
         with open_file(dir_fd, WEIGHTS_FILE) as f:
             path = fd_path(f)

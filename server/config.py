@@ -130,6 +130,20 @@ class LoraConfig(Settings):
             metavar="N",
         ),
     )
+    # Largest LoRA rank served; 0: derived from the adapter budget (server/engine/adapters.py).
+    max_lora_rank: int = setting(
+        0,
+        bound=Bound.NON_NEGATIVE,
+        flag=Flag(
+            "largest rank an adapter may have; a higher one is refused with a 400 before its "
+            "weights are read. 0 (default): the largest power of two at which an adapter on "
+            "one projection of every layer (the smallest that rank can take) fits the adapter "
+            "budget (--adapter-cache-bytes, else the pool's memory), at most 512; 256 when "
+            "adapters have no budget",
+            type=int,
+            metavar="R",
+        ),
+    )
     eviction: str = setting("lru", choices=tuple(EVICTION_POLICIES), flag=Flag())
     # CPU device only: throttle adapter loads to emulate a link; 0: off.
     link_gbps: float = setting(

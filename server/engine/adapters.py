@@ -7,6 +7,9 @@ computed by `host`: the CPU worker pool, or in-process when the server runs no w
 
 The engine asks four things: `acquire` a request's adapter (memory and a load), `may_start` it
 under the LoRA mode, `step` (the LoRA side of one forward pass) and `release` it when it ends.
+Before that, `open` reads an adapter directory only once its shapes passed the rank limit
+(`--max-lora-rank`) and what it will occupy fits: in the device pool (its real row layout), in
+the node's memory when adapters are charged to KV blocks, and in the CPU workers' arena.
 """
 
 from __future__ import annotations
@@ -15,11 +18,19 @@ import logging
 
 import torch
 
+from toppings.gpu_lora.adapter_pool import AdapterPool
 from toppings.gpu_lora.cache import AdapterCache, CacheEntry
 from toppings.gpu_lora.host_lora import HostLora, HostLoraRunner
 from toppings.gpu_lora.kernels import select as select_lora_backend
 from toppings.gpu_lora.lora_batch import HostLoraStats, LoraBatch
-from toppings.gpu_lora.peft_format import LoraAdapter
+from toppings.gpu_lora.peft_format import (
+    AdapterError,
+    AdapterShape,
+    LoraAdapter,
+    inspect_peft_adapter,
+    load_peft_adapter,
+)
+from toppings.gpu_lora.targets import LORA_TARGETS
 from toppings.server.config import LoraConfig
 from toppings.server.lora_modes import LORA_MODES
 from toppings.server.model.config import ModelConfig
@@ -29,6 +40,22 @@ from toppings.server.requests.request import RequestError
 log = logging.getLogger(__name__)
 
 HOST_REPOSITORY_BYTES = 4 << 30  # shared arena for the workers (sparse: only used pages count)
+DEFAULT_MAX_LORA_RANK = 256  # --max-lora-rank 0 when adapters have no budget
+MAX_DERIVED_LORA_RANK = 512  # the most a limit derived from a budget allows
+
+
+def derived_max_rank(pool: AdapterPool, budget_bytes: int | None) -> int:
+    """--max-lora-rank 0: the largest power of two at which an adapter on the projection of
+    smallest rows, in every layer (the least any adapter of that rank occupies), fits in
+    `budget_bytes`, at most MAX_DERIVED_LORA_RANK and at least 1; DEFAULT_MAX_LORA_RANK
+    without a budget."""
+    if budget_bytes is None:
+        return DEFAULT_MAX_LORA_RANK
+    smallest = min(pool.row_bytes(m) for m in LORA_TARGETS)
+    rank = 1
+    while 2 * rank <= MAX_DERIVED_LORA_RANK and 2 * rank * smallest <= budget_bytes:
+        rank *= 2
+    return rank
 
 
 class AdapterManager:
@@ -59,6 +86,11 @@ class AdapterManager:
         self.pool = cache.pool
         self.loader = cache.loader
         self.host: HostLoraRunner = HostLora(self.registry)
+        # The largest rank served (a runtime value: the configured 0 stays in the config).
+        self.max_lora_rank = config.max_lora_rank or derived_max_rank(
+            self.pool, cache.max_adapter_bytes()
+        )
+        log.info("adapters up to rank %d (--max-lora-rank)", self.max_lora_rank)
         self.repository = self.workers = None
         if self.mode.host_workers and config.num_cpu_workers:
             self._start_workers(dtype)
@@ -88,6 +120,44 @@ class AdapterManager:
         log.info("%d CPU LoRA workers, %d tokens per core", self.workers.num_workers,
                  self.workers.tokens_per_core)  # fmt: skip
 
+    def open(self, path: str, name: str) -> LoraAdapter:
+        """Read the adapter directory at `path` as adapter `name`, once its config and its
+        safetensors header (no tensor read yet) show a rank within `max_lora_rank` and sizes
+        that fit. Raises AdapterError (a bad adapter, or its rank above the limit: a 400) or
+        RequestError 507 (larger than the memory it would live in)."""
+        shape = inspect_peft_adapter(path, self.model_config)
+        if shape.max_rank > self.max_lora_rank:
+            raise AdapterError(
+                f"{path}: rank {shape.max_rank} is above this server's limit of "
+                f"{self.max_lora_rank} (--max-lora-rank)"
+            )
+        self._check_room(name, shape)
+        return load_peft_adapter(path, self.model_config, name=name)
+
+    def _check_room(self, name: str, shape: AdapterShape) -> None:
+        """507 when the adapter's charges exceed the whole memory it would be charged to."""
+        device_bytes = self.pool.bytes_for(shape.rank, shape.modules)
+        limit = self.cache.max_adapter_bytes()
+        if limit is not None and device_bytes > limit:
+            raise RequestError(
+                f"adapter {name!r} needs {device_bytes} bytes of adapter memory (rank "
+                f"{shape.rank} on {', '.join(shape.modules)} in all "
+                f"{self.model_config.num_layers} layers), more than the whole adapter budget "
+                f"of {limit} bytes",
+                507,
+                INSUFFICIENT_STORAGE,
+            )
+        if self.repository is not None:
+            host_bytes = self.repository.block_bytes_for(shape.rank, shape.targeted)
+            if host_bytes > self.repository.free_bytes:
+                raise RequestError(
+                    f"adapter {name!r} needs {host_bytes} bytes in the CPU workers' shared "
+                    f"arena, which has {self.repository.free_bytes} of its "
+                    f"{self.repository.capacity_bytes} bytes free",
+                    507,
+                    INSUFFICIENT_STORAGE,
+                )
+
     def register(self, adapter: LoraAdapter) -> None:
         """Make a validated adapter servable (called with the engine's lock held)."""
         if adapter.name in self.registry:
@@ -104,7 +174,7 @@ class AdapterManager:
             entry = self.cache.acquire(adapter)
             if entry is None:
                 self.unregister(adapter.name)
-                raise RequestError("the adapter cache is full", 507, "insufficient_storage")
+                raise RequestError("the adapter cache is full", 507, INSUFFICIENT_STORAGE)
             entry.ticket.wait()
 
     def _add_to_repository(self, adapter: LoraAdapter) -> None:
@@ -148,8 +218,8 @@ class AdapterManager:
                 return
 
     def bytes_of(self, name: str | None) -> int:
-        """Device bytes of an adapter's weights (0 for the base model)."""
-        return 0 if name is None else self.registry[name].bytes_at(self.pool.dtype)
+        """Device bytes an adapter is charged (0 for the base model)."""
+        return 0 if name is None else self.cache.charge(self.registry[name])
 
     def fits_if_released(self, name: str | None, held: str | None) -> bool:
         """Whether adapter `name` misses device memory now but would find it if the one

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from toppings.gpu_lora.peft_format import LoraAdapter, load_peft_adapter
+from toppings.gpu_lora.peft_format import LoraAdapter
 from toppings.gpu_lora.validate import check_finite_delta
 from toppings.server import native
 from toppings.server.config import EngineConfig, LoraConfig, MemoryConfig, SchedulingConfig
@@ -138,8 +138,9 @@ class Engine:
 
     def add_adapter(self, name: str, path: str) -> LoraAdapter:
         """Validate a PEFT directory and make it servable (raises AdapterError, also for a
-        LoRA product that overflows the model's dtype)."""
-        adapter = load_peft_adapter(path, self.model_config, name=name)
+        LoRA product that overflows the model's dtype, or RequestError 507 when it is larger
+        than the memory it would live in)."""
+        adapter = self.lora.open(path, name)
         check_finite_delta(adapter, self.model.dtype)
         with self._lock:
             self.lora.register(adapter)

@@ -1,7 +1,9 @@
 """Blocks of the KV pool charged to adapter weights (the pool layout's `AdapterBudget`).
 
-An adapter is charged ceil(bytes / block bytes) blocks while it is on the device. The weights
-themselves sit in the adapter pool's tensors: the blocks only keep KV from using that memory.
+An adapter is charged ceil(bytes / block bytes) blocks while it is on the device, its bytes being
+what it occupies in the adapter pool (`AdapterPool.bytes_for`), charged before the pool allocates
+its rows. The weights themselves sit in the adapter pool's tensors: the blocks only keep KV from
+using that memory.
 """
 
 from __future__ import annotations
@@ -40,6 +42,10 @@ class AdapterBlocks:
 
     def give(self, name: str) -> None:
         self.kv.free_blocks(self.blocks.pop(name, ()))
+
+    def capacity_bytes(self) -> int:
+        """Bytes of the whole pool: the most adapters could be charged, with no KV at all."""
+        return self.kv.num_blocks * self.kv.block_bytes
 
     def num_blocks_of(self, names: list[str]) -> int:
         """Blocks charged to these adapters (0 for one not charged)."""

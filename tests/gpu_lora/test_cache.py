@@ -58,6 +58,10 @@ class FakeMemory:
     def give(self, name: str) -> None:
         self.free += self.charged.pop(name)
 
+    def capacity_bytes(self) -> int:
+        # The whole memory, KV included: more than adapters can be charged at the moment.
+        return 4 * (self.free + sum(self.charged.values()))
+
 
 def test_load_copies_every_layer_into_the_pool_rows():
     cache, loader = make_cache()

@@ -1,0 +1,176 @@
+"""What an adapter occupies in the device pool is what it is charged, before anything is
+allocated, and the pool's tensors never outgrow the cache's budget (issue 33: an adapter on one
+projection of one layer used to grow rows in every layer of every projection)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tests.gpu_lora.peft_dirs import write_peft_adapter
+from tests.helpers import tiny_model_config
+from toppings.gpu_lora.adapter_pool import AdapterPool
+from toppings.gpu_lora.cache import AdapterCache
+from toppings.gpu_lora.eviction import make_policy
+from toppings.gpu_lora.loader import PipelinedLoader
+from toppings.gpu_lora.peft_format import (
+    AdapterError,
+    LoraAdapter,
+    inspect_peft_adapter,
+    load_peft_adapter,
+)
+from toppings.gpu_lora.targets import LORA_TARGETS
+
+CONFIG = tiny_model_config()  # L 3, H 128, I 256
+ITEM = 4  # float32
+
+
+def adapter(name: str, rank: int, pairs: list[tuple[int, str]], seed: int = 0) -> LoraAdapter:
+    gen = torch.Generator().manual_seed(seed)
+    weights = {}
+    for layer, module in pairs:
+        h_in, h_out = CONFIG.projection_shape(module)
+        weights[(layer, module)] = (
+            torch.randn(rank, h_in, generator=gen),
+            torch.randn(h_out, rank, generator=gen),
+        )
+    modules = tuple(m for m in LORA_TARGETS if any(m == p[1] for p in pairs))
+    num_bytes = sum((a.numel() + b.numel()) * ITEM for a, b in weights.values())
+    return LoraAdapter(name, "/nowhere", rank, 2.0 * rank, 2.0, modules, weights, num_bytes, None)
+
+
+def rows_bytes(rank: int, modules) -> int:
+    """rank rows in every layer of each projection (A and B^T, float32)."""
+    return sum(rank * CONFIG.num_layers * sum(CONFIG.projection_shape(m)) * ITEM for m in modules)
+
+
+def make_cache(budget_bytes=None):
+    pool = AdapterPool(CONFIG, torch.float32, "cpu")
+    loader = PipelinedLoader(pool)
+    return AdapterCache(pool, loader, make_policy("lru"), budget_bytes), loader
+
+
+def test_one_projection_of_one_layer_takes_rows_of_that_projection_only():
+    cache, loader = make_cache(budget_bytes=rows_bytes(64, ["q_proj"]))
+    one = adapter("one", 64, [(1, "q_proj")])
+    entry = cache.acquire(one)
+    assert entry is not None and entry.ticket.wait(10)
+    charge = rows_bytes(64, ["q_proj"])
+    assert cache.used_bytes == charge == cache.pool.bytes_for(64, ["q_proj"])
+    assert cache.pool.nbytes == charge  # measured on the tensors themselves
+    assert set(cache.pool.lora_a) == {"q_proj"}
+    a, b = one.weights[(1, "q_proj")]
+    rows = slice(entry.resident.offset, entry.resident.offset + 64)
+    assert torch.equal(cache.pool.lora_a["q_proj"][1, rows], a)
+    assert torch.equal(cache.pool.lora_b["q_proj"][1, rows], b.t())
+    assert not cache.pool.lora_a["q_proj"][0].any() and not cache.pool.lora_a["q_proj"][2].any()
+    loader.close()
+
+
+def test_pool_stays_within_the_budget_through_loads_and_evictions():
+    budget = rows_bytes(48, ["q_proj", "v_proj"])
+    cache, loader = make_cache(budget_bytes=budget)
+    rng = random.Random(5)
+    for i in range(40):
+        rank = rng.choice((1, 4, 8, 16, 32))
+        modules = rng.sample(LORA_TARGETS, rng.choice((1, 2, 3)))
+        if rows_bytes(rank, modules) > budget:
+            continue
+        pairs = [(rng.randrange(CONFIG.num_layers), m) for m in modules]
+        entry = cache.acquire(adapter(f"a{i}", rank, pairs, seed=i))
+        assert entry is not None
+        entry.ticket.wait(10)
+        cache.release(f"a{i}")
+        assert cache.used_bytes <= budget
+        assert cache.pool.nbytes <= budget, (i, cache.pool.nbytes, budget)
+    loader.close()
+
+
+class FixedMemory:
+    """An `AdapterBudget` of a fixed number of bytes (the node's memory pool, without KV)."""
+
+    def __init__(self, num_bytes: int):
+        self.num_bytes = num_bytes
+        self.charged: dict[str, int] = {}
+
+    def take(self, name: str, num_bytes: int, keep: frozenset[str], reclaim: bool) -> bool:
+        if sum(self.charged.values()) + num_bytes > self.num_bytes:
+            return False
+        self.charged[name] = num_bytes
+        return True
+
+    def give(self, name: str) -> None:
+        del self.charged[name]
+
+    def capacity_bytes(self) -> int:
+        return self.num_bytes
+
+
+def test_pool_stays_within_the_memory_it_is_charged_to():
+    """No cache budget, adapters charged to the node's memory: the pool's tensors stay within
+    that memory, and the charges always find room once the rows did."""
+    memory = FixedMemory(rows_bytes(40, ["q_proj", "up_proj"]))
+    pool = AdapterPool(CONFIG, torch.float32, "cpu")
+    loader = PipelinedLoader(pool)
+    cache = AdapterCache(pool, loader, make_policy("lru"), None, memory=memory)
+    rng = random.Random(7)
+    for i in range(40):
+        rank = rng.choice((2, 8, 16, 32))
+        modules = rng.sample(LORA_TARGETS, rng.choice((1, 2)))
+        if rows_bytes(rank, modules) > memory.num_bytes:
+            continue
+        entry = cache.acquire(adapter(f"a{i}", rank, [(0, m) for m in modules], seed=i))
+        assert entry is not None
+        entry.ticket.wait(10)
+        cache.release(f"a{i}")
+        assert pool.nbytes <= memory.num_bytes, (i, pool.nbytes)
+        assert sum(memory.charged.values()) == cache.used_bytes <= pool.nbytes
+    loader.close()
+
+
+def test_adapters_with_disjoint_targets_share_rows_and_are_exact():
+    cache, loader = make_cache()
+    q = adapter("q", 8, [(layer, "q_proj") for layer in range(CONFIG.num_layers)], seed=1)
+    k = adapter("k", 8, [(layer, "k_proj") for layer in range(CONFIG.num_layers)], seed=2)
+    eq = cache.acquire(q)
+    assert eq.ticket.wait(10)  # k's tensors are made next: never under a running load
+    ek = cache.acquire(k)
+    assert ek.ticket.wait(10)
+    assert eq.resident.offset == ek.resident.offset == 0
+    for ad, entry in ((q, eq), (k, ek)):
+        rows = slice(entry.resident.offset, entry.resident.offset + 8)
+        for (layer, module), (a, _) in ad.weights.items():
+            assert torch.equal(cache.pool.lora_a[module][layer, rows], a)
+    cache.release("q")
+    cache.evict("q")
+    assert not cache.pool.lora_a["q_proj"].any()  # freed rows are zero for the next adapter
+    assert torch.equal(cache.pool.lora_a["k_proj"][0, :8], k.weights[(0, "k_proj")][0])
+    loader.close()
+
+
+def test_adapter_larger_than_the_budget_is_refused_before_any_allocation():
+    cache, loader = make_cache(budget_bytes=rows_bytes(8, ["q_proj"]))
+    with pytest.raises(ValueError, match="bytes"):
+        cache.acquire(adapter("big", 16, [(0, "q_proj")]))
+    assert cache.pool.nbytes == 0 and not cache.pool.lora_a
+    loader.close()
+
+
+def test_inspect_reads_rank_and_targets_from_config_and_header(tmp_path):
+    path = write_peft_adapter(tmp_path / "ad", CONFIG, rank=12, modules=("v_proj",), layers=(2,))
+    shape = inspect_peft_adapter(path, CONFIG)
+    assert (shape.rank, shape.max_rank, shape.modules) == (12, 12, ("v_proj",))
+    assert shape.targeted == frozenset({(2, "v_proj")})
+    assert len(load_peft_adapter(path, CONFIG).weights) == 1
+
+
+def test_inspect_sees_a_header_rank_above_the_config(tmp_path):
+    path = write_peft_adapter(tmp_path / "ad", CONFIG, rank=4000, layers=(0,))
+    cfg = path / "adapter_config.json"
+    cfg.write_text(cfg.read_text().replace('"r": 4000', '"r": 4'))
+    assert inspect_peft_adapter(path, CONFIG).max_rank == 4000
+    (path / "adapter_model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{}")
+    with pytest.raises(AdapterError, match="safetensors"):
+        inspect_peft_adapter(path, CONFIG)
