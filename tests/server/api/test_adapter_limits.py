@@ -131,7 +131,8 @@ def test_peer_fetch_with_a_caller_supplied_hash_is_refused_alike(
 ):
     store = tmp_path / "store"
     store.mkdir()
-    fetching = create_app(engine, ApiOptions(adapter_store=str(store))).test_client()
+    options = ApiOptions(adapter_store=str(store), peers=("http://127.0.0.1:9",))
+    fetching = create_app(engine, options).test_client()
     digest = in_store(store, root, name)
     before = engine.lora.pool.nbytes
     body = {"lora_name": name, "sha256": digest, "peers": ["http://127.0.0.1:9"]}
