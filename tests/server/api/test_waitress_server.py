@@ -1,18 +1,22 @@
-"""Slow-header clients against the waitress front end (GuardedServer, in a thread): more stalled
-half-headers than the connection limit do not lock /health out, a header trickled line by line
-is closed at the header deadline, and a request already running is never closed by either."""
+"""The waitress front end (GuardedServer, in a thread, and in the real `toppings-serve`): more
+stalled half-headers than the connection limit do not lock /health out, a header trickled line
+by line is closed at the header deadline, a request already running is never closed by either;
+a stop lets the running responses end and leaves the trigger open for their handlers."""
 
 from __future__ import annotations
 
 import logging
 import select
 import socket
+import subprocess
+import sys
 import threading
 import time
 
 import pytest
 import requests
 
+from tests.helpers import wait_healthy
 from toppings.server.api.frontend import waitress_settings
 from toppings.server.api.waitress_server import GuardedServer
 
@@ -155,3 +159,32 @@ def test_stop_lets_a_response_end_then_closes_without_a_traceback(caplog):
     server.pull_trigger()  # a handler ending now: the pipe is still open
     server.release()
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+
+
+def test_toppings_serve_answers_health_past_stalled_half_headers(
+    tmp_path, tiny_model_dir, free_port
+):
+    """The real command: 2 waitress threads, 4 connections, a header timeout past the bound."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = tmp_path / "serve.log"
+    cmd = [sys.executable, "-m", "toppings.server.cli", "--model", str(tiny_model_dir), "--port",
+           str(port), "--max-concurrent-requests", "1", "--threads", "1", "--header-timeout",
+           "60", "--max-total-tokens", "1024"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    try:
+        wait_healthy(url, proc, log)
+        stalled = half_headers(port, 8)
+        try:
+            assert requests.get(url + "/health", timeout=BOUND_S).status_code == 200
+            ok = requests.post(url + "/generate", json={"prompt": "hi", "max_new_tokens": 2},
+                               timeout=BOUND_S)  # fmt: skip
+            assert ok.status_code == 200
+        finally:
+            for sock in stalled:
+                sock.close()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    assert proc.returncode == 0
+    assert "Traceback" not in log.read_text(), log.read_text()[-3000:]
