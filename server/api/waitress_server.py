@@ -97,10 +97,9 @@ class GuardedServer(TcpWSGIServer):
         return [(ch, started) for ch, started in waiting if started is not None]
 
     def _evict_oldest_header(self, now: float) -> None:
-        if any(ch.will_close for ch in self.active_channels.values()):
-            return  # one is closing already: its place frees on this turn of the loop
         waiting = self._waiting_for_headers()
-        if not waiting:
+        if not waiting or any(ch.will_close for ch, _ in waiting):
+            # One is closing already: with nothing to send, it closes on this turn of the loop.
             return
         oldest, started = min(waiting, key=lambda item: item[1])
         if started < now - MIN_EVICT_AGE_S:
