@@ -58,10 +58,14 @@ class HeaderTimedChannel(HTTPChannel):
     def header_wait_started(self) -> float | None:
         """When this connection began waiting for a request's headers: the request's first byte,
         or the connection's opening while no byte came; None when it waits for none (a request
-        running or sending its body, or idle between keep-alive requests)."""
+        running or sending its body, or idle between keep-alive requests). A request read ahead
+        while another runs (`channel_request_lookahead`) waits for that one, not for the client:
+        closing it would cut the running response."""
+        if self.requests:
+            return None
         if self.request is not None:
             return None if self.request.headers_finished else self.request_started
-        if self.request_started is None and not self.requests:
+        if self.request_started is None:
             return self.creation_time
         return None
 
