@@ -158,7 +158,14 @@ def create_app(engine, options: ApiOptions | None = None) -> Flask:
     options = options or ApiOptions()
     app = Flask("toppings-server")
     ctx = _context(engine, options)
-    app.config["MAX_CONTENT_LENGTH"] = max_request_bytes(options, ctx.limits)
+    max_bytes = max_request_bytes(options, ctx.limits)
+    app.config["MAX_CONTENT_LENGTH"] = max_bytes
+
+    @app.errorhandler(413)
+    def too_large(_: Exception) -> Response:
+        return error_response(f"the request body is over this server's limit of {max_bytes} "
+                              "bytes (--max-request-bytes)", 413)  # fmt: skip
+
     app.extensions["toppings"] = ctx.state
     _install_auth(app, options.api_key)
     register_generation(app, ctx)

@@ -111,7 +111,9 @@ def test_body_over_the_default_limit_gets_413(engine, client):
     """A 15 MB prompt is refused by its size before the body is read or parsed."""
     response = client.post("/v1/completions", json={"prompt": "x" * (15 << 20)})
     assert response.status_code == 413
-    assert response.get_json()["error"]["code"] == 413
+    error = response.get_json()["error"]
+    assert error["code"] == 413 and error["type"] == "invalid_request_error"
+    assert "--max-request-bytes" in error["message"]
 
 
 def test_max_request_bytes(engine):
