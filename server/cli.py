@@ -7,6 +7,8 @@ then waitress and the engine stop and the command exits 0. A second signal kills
 Waitress runs one thread per generation request in flight (`--max-concurrent-requests`, 429 past
 it) plus `--threads` more for everything else, so that the front end never caps the batch and
 /health, /stats and /metrics answer however many streams are open (see server.api.frontend).
+It is waitress's server with a header deadline (`--header-timeout`, server.api.waitress_server):
+clients that send half a header and stall cannot hold every connection.
 """
 
 from __future__ import annotations
@@ -20,17 +22,17 @@ import sys
 import threading
 import time
 
-import waitress
-from waitress import wasyncore
-
 from toppings.server.api.frontend import (
     default_max_in_flight,
     raise_open_files_limit,
     waitress_settings,
 )
+from toppings.server.api.waitress_server import GuardedServer
 from toppings.server.cli_args import build_parser, parse_configs
 
 logger = logging.getLogger("toppings-serve")
+
+HANDLER_GRACE_S = 10.0  # after the drain, how long handlers may take to write their last bytes
 
 
 def _usage_error(message: str) -> None:
@@ -103,10 +105,9 @@ class _Drainer:
             logger.warning("drain timed out after %.0f s; aborting what is left", self.timeout_s)
         while self.server is None:  # signalled in the instant before waitress was made
             time.sleep(0.05)
-        # Close every socket from waitress's own loop thread (its trigger runs the call there);
-        # with nothing left to watch, server.run() returns in the main thread.
-        server = self.server
-        server.trigger.pull_trigger(lambda: wasyncore.close_all(server._map))
+        # The handlers write the last events of the requests that just ended, then waitress
+        # closes every connection from its loop's thread and server.run() returns.
+        self.server.stop(HANDLER_GRACE_S)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -158,13 +159,14 @@ def main(argv: list[str] | None = None) -> int:
     except (AdapterError, CheckpointError, FileNotFoundError, SharedMemoryFull, RequestError) as e:
         _usage_error(str(e))
     app = create_app(engine, options)
-    sizing = waitress_settings(max_in_flight, serve.threads)
+    sizing = waitress_settings(max_in_flight, serve.threads, serve.header_timeout)
     raise_open_files_limit(sizing["connection_limit"])
     drainer = _Drainer(engine, app.extensions["toppings"].draining, serve.drain_timeout)
     try:
         try:
-            server = waitress.create_server(
+            server = GuardedServer(
                 app,
+                serve.header_timeout,
                 host=serve.host,
                 port=serve.port,
                 channel_request_lookahead=1,  # lets waitress see a client hang up mid-stream
@@ -178,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
                     "%d waitress threads", engine.model_name, url, url,
                     max_in_flight, sizing["threads"])  # fmt: skip
         server.run()  # returns once the drain has closed waitress's sockets
-        server.task_dispatcher.shutdown()
+        server.release()
     finally:
         logger.info("shutting down the engine")
         engine.shutdown()

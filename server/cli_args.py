@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from toppings.server.api.frontend import DEFAULT_RESERVE_THREADS
+from toppings.server.api.frontend import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_RESERVE_THREADS
 from toppings.server.api.options import ApiOptions
 from toppings.server.config import ENGINE_PARTS, EngineConfig
 from toppings.server.settings import (
@@ -83,6 +83,17 @@ class ServeConfig(Settings):
             "/metrics, adapter load/unload and quick 429s",
             type=positive,
             metavar="N",
+        ),
+    )
+    header_timeout: int = setting(
+        DEFAULT_HEADER_TIMEOUT_S,
+        bound=Bound.POSITIVE,
+        flag=Flag(
+            "a connection whose request headers are not complete S seconds after they began (or "
+            "that sends nothing for S seconds with no request running) is closed; at the "
+            "connection limit the longest-waiting incomplete header is closed to make room",
+            type=positive,
+            metavar="S",
         ),
     )
     drain_timeout: float = setting(

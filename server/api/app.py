@@ -43,6 +43,7 @@ from toppings.server.api.metrics import CONTENT_TYPE, ServerMetrics
 from toppings.server.api.models import register_adapters, register_models
 from toppings.server.api.options import ApiOptions
 from toppings.server.api.peer_fetch import FetchConfig, PeerFetcher
+from toppings.server.api.tokenizer_pool import TokenizerPool
 from toppings.server.requests.errors import (
     API_KEY_REQUIRED,
     AUTHENTICATION,
@@ -58,7 +59,10 @@ __all__ = ["ApiOptions", "create_app"]
 
 logger = logging.getLogger(__name__)
 
-MAX_BODY_BYTES = 16 << 20  # larger bodies get a 413
+# The default body limit: a prompt at the character bound in UTF-8 (at most 4 bytes a
+# character), plus room for the rest of the body (parameters, token-id prompts).
+BYTES_PER_PROMPT_CHAR = 4
+BODY_EXTRA_BYTES = 1 << 20
 OPEN_PATHS = frozenset({"/health"})  # answered without an API key (load balancers probe it)
 
 
@@ -127,20 +131,41 @@ def _context(engine, options: ApiOptions) -> ApiContext:
     return ApiContext(
         engine=engine,
         state=state,
-        limits=RequestLimits(options.max_prompt_tokens, options.max_new_tokens_limit),
+        limits=RequestLimits.for_model(
+            engine.tokenizer,
+            engine.max_model_len,
+            options.max_prompt_tokens,
+            options.max_new_tokens_limit,
+        ),
         token_text=TokenText(engine.tokenizer),
         admin=admin,
         fetcher=fetcher,
+        tokenizers=TokenizerPool(engine.tokenizer),
         started=int(time.time()),
     )
+
+
+def max_request_bytes(options: ApiOptions, limits: RequestLimits) -> int:
+    """The largest body read (Flask answers 413 past it): the operator's, else room for a
+    prompt at the character bound."""
+    if options.max_request_bytes is not None:
+        return options.max_request_bytes
+    return BYTES_PER_PROMPT_CHAR * (limits.max_prompt_chars or 0) + BODY_EXTRA_BYTES
 
 
 def create_app(engine, options: ApiOptions | None = None) -> Flask:
     """The Flask app of one inference server around a started engine."""
     options = options or ApiOptions()
     app = Flask("toppings-server")
-    app.config["MAX_CONTENT_LENGTH"] = MAX_BODY_BYTES
     ctx = _context(engine, options)
+    max_bytes = max_request_bytes(options, ctx.limits)
+    app.config["MAX_CONTENT_LENGTH"] = max_bytes
+
+    @app.errorhandler(413)
+    def too_large(_: Exception) -> Response:
+        return error_response(f"the request body is over this server's limit of {max_bytes} "
+                              "bytes (--max-request-bytes)", 413)  # fmt: skip
+
     app.extensions["toppings"] = ctx.state
     _install_auth(app, options.api_key)
     register_generation(app, ctx)

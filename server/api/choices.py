@@ -7,6 +7,11 @@ copy j samples with seed + j so that the copies differ but repeat across calls. 
 limits (`RequestLimits`) are checked once every prompt fits the model's context: a prompt over
 --max-prompt-tokens or an explicit max_tokens over --max-new-tokens-limit is refused, and a
 default max_tokens is cut to the limit.
+
+Before any tokenization, a text prompt (or the messages' text) longer than `max_prompt_chars` is
+refused: no token of the vocabulary spans more than `max_token_chars` characters, so a text
+longer than the token limit times that cannot fit, and the work spent on a prompt that will be
+refused stays bounded (tokenizing megabytes takes seconds and gigabytes of memory).
 """
 
 from __future__ import annotations
@@ -19,12 +24,58 @@ from toppings.server.requests.request import GenerationRequest, RequestError, Sa
 DEFAULT_MAX_TOKENS = {"completion": 16, "chat": 256, "native": 16}
 
 
+def max_token_chars(tokenizer) -> int:
+    """The most characters one token of `tokenizer` stands for (an upper bound).
+
+    A vocabulary entry is written with at least one character per character it decodes to:
+    byte-level BPE spells each byte as one character (and a character is at least one byte),
+    SentencePiece spells a space as one character and a byte-fallback token as `<0x0A>`. Added
+    tokens (`<|im_start|>`) are in the vocabulary too. Measured: SmolLM2's longest is 81 (a
+    newline and 80 spaces), against about 4 characters a token in ordinary text. The bound
+    assumes the tokenizer's normalizer does not shrink the text (NFC composing a letter and its
+    accent does, by one character a pair: a margin the 20x above ordinary text covers).
+    """
+    return max(len(token) for token in tokenizer.get_vocab())
+
+
 @dataclass(frozen=True)
 class RequestLimits:
-    """What the operator lets one request ask for; None: no limit."""
+    """What the operator lets one request ask for; None: no limit.
+
+    `max_prompt_chars` bounds the text of one prompt (for chat: of all its messages) before it
+    is tokenized; `max_prompt_chars_per_token` is the factor it was made with, for the message.
+    """
 
     max_prompt_tokens: int | None = None
     max_new_tokens_limit: int | None = None
+    max_prompt_chars: int | None = None
+    max_prompt_chars_per_token: int = 1
+
+    @classmethod
+    def for_model(
+        cls,
+        tokenizer,
+        max_model_len: int,
+        max_prompt_tokens: int | None = None,
+        max_new_tokens_limit: int | None = None,
+    ) -> RequestLimits:
+        """The operator's limits plus the character bound of a prompt that can fit: the token
+        limit (--max-prompt-tokens, else the context) times the longest token's characters."""
+        chars_per_token = max_token_chars(tokenizer)
+        max_tokens = min(max_model_len, max_prompt_tokens or max_model_len)
+        return cls(max_prompt_tokens, max_new_tokens_limit, max_tokens * chars_per_token,
+                   chars_per_token)  # fmt: skip
+
+    def check_text(self, text_chars: int) -> None:
+        """Raises RequestError when a prompt of `text_chars` characters cannot fit, before
+        anything tokenizes it."""
+        limit = self.max_prompt_chars
+        if limit is not None and text_chars > limit:
+            max_tokens = limit // self.max_prompt_chars_per_token
+            raise RequestError(
+                f"the prompt has {text_chars} characters; this server takes at most {limit} "
+                f"({max_tokens} tokens of at most {self.max_prompt_chars_per_token} characters)"
+            )
 
     def check(self, parsed: ParsedBody, num_ids: int, max_tokens: int) -> int:
         """The max_new_tokens of a prompt of `num_ids` tokens whose context allows `max_tokens`;
@@ -42,6 +93,20 @@ class RequestLimits:
                 f"max tokens {parsed.max_tokens} is over this server's limit of {limit}"
             )
         return limit
+
+
+def messages_chars(messages: list[dict[str, str]]) -> int:
+    """The characters of chat messages (contents and roles) before the template renders them."""
+    return sum(len(value) for message in messages for value in message.values())
+
+
+def check_prompt_text(parsed: ParsedBody, limits: RequestLimits) -> None:
+    """Refuse, before tokenizing, a text prompt or messages over the character bound."""
+    if parsed.messages is not None:
+        limits.check_text(messages_chars(parsed.messages))
+    for prompt in parsed.prompts or ():
+        if isinstance(prompt, str):
+            limits.check_text(len(prompt))
 
 
 def prompt_ids(parsed: ParsedBody, tokenizer, prompt: str | list[int] | None) -> list[int]:
@@ -100,8 +165,10 @@ def build_requests(
     vocab_size: int,
     limits: RequestLimits = RequestLimits(),
 ) -> tuple[list[GenerationRequest], list[list[int]]]:
-    """Tokenize and check each prompt against the context, then against `limits`; returns the
-    engine requests (one per choice, in choice order) and each prompt's token ids."""
+    """Check each prompt's text against the character bound, tokenize it and check it against
+    the context, then against `limits`; returns the engine requests (one per choice, in choice
+    order) and each prompt's token ids."""
+    check_prompt_text(parsed, limits)
     sampling = _sampling(parsed, vocab_size)
     all_ids, context_max_tokens = [], []
     for prompt in parsed.prompts or [None]:

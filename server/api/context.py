@@ -21,6 +21,7 @@ from toppings.server.api.lifecycle import AdapterAdmin
 from toppings.server.api.logprobs import TokenText
 from toppings.server.api.metrics import ServerMetrics
 from toppings.server.api.peer_fetch import PeerFetcher
+from toppings.server.api.tokenizer_pool import TokenizerPool
 from toppings.server.requests.errors import (
     RETRY_AFTER_S,
     TOO_MANY_REQUESTS,
@@ -51,9 +52,10 @@ class ServerState:
 class ApiContext:
     """What the routes use: the engine, the per-app state and the helpers built from the options.
 
-    `tokenizer_lock` serializes the engine's tokenizer between the generation and tokenizer
-    routes (handlers run on many waitress threads); `started` is the creation time that
-    `/v1/models` reports; `fetcher` is None unless the operator gave an adapter store.
+    `tokenizers` lends the generation and tokenizer routes (handlers run on many waitress
+    threads) copies of the engine's tokenizer, one thread per copy (server.api.tokenizer_pool);
+    `started` is the creation time that `/v1/models` reports; `fetcher` is None unless the
+    operator gave an adapter store.
     """
 
     engine: Any
@@ -62,8 +64,8 @@ class ApiContext:
     token_text: TokenText
     admin: AdapterAdmin
     fetcher: PeerFetcher | None
+    tokenizers: TokenizerPool
     started: int
-    tokenizer_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
 
 def json_body() -> dict:

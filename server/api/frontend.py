@@ -31,6 +31,8 @@ IN_FLIGHT_PER_BATCH_SLOT = 4  # default limit: 4x the max batch size (queued req
 DEFAULT_RESERVE_THREADS = 8  # waitress threads beyond the limit
 CONNECTIONS_PER_THREAD = 2  # room for idle keep-alive connections and clients being refused
 SPARE_FILES = 256  # open files beside the connections: model, shared memory, pipes, logs
+DEFAULT_HEADER_TIMEOUT_S = 10  # a connection silent this long with no request running closes
+CLEANUP_INTERVAL_S = 1  # how often waitress looks for such connections
 
 
 def default_max_in_flight(max_batch_size: int) -> int:
@@ -130,20 +132,30 @@ class ReleasingBody:
             self.close()
 
 
-def waitress_settings(max_in_flight: int, reserve_threads: int) -> dict[str, Any]:
+def waitress_settings(
+    max_in_flight: int, reserve_threads: int, idle_timeout_s: int = DEFAULT_HEADER_TIMEOUT_S
+) -> dict[str, Any]:
     """`waitress.create_server` keywords for a front end of `max_in_flight` requests.
 
     One thread per request in flight plus the reserve; connections beyond the threads for idle
     keep-alive clients and clients being refused; poll() rather than select(), which cannot
-    watch a socket numbered above 1023.
+    watch a socket numbered above 1023. A connection with no request running that sends
+    nothing for `idle_timeout_s` (an idle keep-alive client, or one that sent half a header and
+    stalled) is closed within a second more: waitress stops accepting at the connection limit,
+    so stalled clients must not keep their places for long (its default is 120 s, checked every
+    30 s).
     """
     if reserve_threads < 1:
         raise ValueError("reserve_threads must be positive")
+    if idle_timeout_s < 1:
+        raise ValueError("idle_timeout_s must be positive")
     threads = max_in_flight + reserve_threads
     return {
         "threads": threads,
         "connection_limit": CONNECTIONS_PER_THREAD * threads,
         "asyncore_use_poll": True,
+        "channel_timeout": idle_timeout_s,
+        "cleanup_interval": CLEANUP_INTERVAL_S,
     }
 
 

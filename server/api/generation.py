@@ -2,8 +2,9 @@
 tokenizer routes (`/tokenize`, `/detokenize`, see server.api.tokenize).
 
 A generation request takes an in-flight slot before any work (past the limit: 429 with
-Retry-After at once) and gives it back when its answer ends, on every path. It is tokenized
-under the context's tokenizer lock, submitted as one `RequestGroup` (n choices, a list of
+Retry-After at once) and gives it back when its answer ends, on every path. Its text is checked
+against the character bound, then tokenized by a copy of the tokenizer that no other thread uses
+meanwhile (server.api.tokenizer_pool), submitted as one `RequestGroup` (n choices, a list of
 prompts), and answered as one JSON body or as server-sent events. A stream whose client goes
 away is aborted: waitress closes the response body (`_stream`, started or not), and
 `RequestGroup.outputs` checks waitress's disconnect flag after each output and while none
@@ -65,16 +66,16 @@ def register_generation(app: Flask, ctx: ApiContext) -> None:
             raise
 
     def answer(parsed: ParsedBody, slot: Slot) -> Response:
-        with ctx.tokenizer_lock:
+        with ctx.tokenizers.borrow() as tokenizer:
             reqs, prompt_ids = build_requests(
                 parsed,
-                engine.tokenizer,
+                tokenizer,
                 engine.max_model_len,
                 engine.model_config.vocab_size,
                 ctx.limits,
             )
             echo = tuple(
-                p if isinstance(p, str) else engine.tokenizer.decode(p, skip_special_tokens=True)
+                p if isinstance(p, str) else tokenizer.decode(p, skip_special_tokens=True)
                 for p in (parsed.prompts if parsed.echo else ())
             )
         group = RequestGroup(engine, reqs)
@@ -106,14 +107,15 @@ def register_generation(app: Flask, ctx: ApiContext) -> None:
 
 
 def register_tokenizer(app: Flask, ctx: ApiContext) -> None:
-    """`/tokenize` and `/detokenize`, under the same tokenizer lock as generation."""
+    """`/tokenize` (on a borrowed tokenizer copy, as generation) and `/detokenize` (on the
+    engine's tokenizer: decoding sets no tokenizer state)."""
 
     @app.post("/tokenize")
     def tokenize_route() -> Response:
-        with ctx.tokenizer_lock:
-            return jsonify(tokenize(json_body(), ctx.engine))
+        body = json_body()
+        with ctx.tokenizers.borrow() as tokenizer:
+            return jsonify(tokenize(body, ctx.engine, tokenizer, ctx.limits))
 
     @app.post("/detokenize")
     def detokenize_route() -> Response:
-        with ctx.tokenizer_lock:
-            return jsonify(detokenize(json_body(), ctx.engine))
+        return jsonify(detokenize(json_body(), ctx.engine))

@@ -38,6 +38,17 @@ class ApiOptions(Settings):
             metavar="N",
         ),
     )
+    # Bytes of one request body; None: sized from the prompt's character bound (server.api.app).
+    max_request_bytes: int | None = setting(
+        None,
+        bound=Bound.POSITIVE,
+        flag=Flag(
+            "largest request body in bytes; a larger one gets 413 before it is read (default: "
+            "4 bytes per character of the longest prompt that can fit, plus 1 MiB)",
+            type=positive,
+            metavar="N",
+        ),
+    )
     # Generation requests in flight, queued included.
     max_concurrent_requests: int | None = setting(
         None,

@@ -5,13 +5,16 @@
                       -> {"count", "max_model_len", "tokens": [int]}
     POST /detokenize  {"model"?, "tokens": [int]} -> {"prompt": str}
 
-`model` (the base model or an adapter; all share the tokenizer) is checked like a generation's.
+`model` (the base model or an adapter; all share the tokenizer) is checked like a generation's,
+and a prompt (or the messages' text) over the server's character bound gets a 400 before it is
+tokenized, as a generation's does (server.api.choices).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from toppings.server.api.choices import RequestLimits, messages_chars
 from toppings.server.api.schema import parse_message, parse_token_ids, typed_field
 from toppings.server.requests.errors import NOT_FOUND, unknown_adapter
 from toppings.server.requests.request import RequestError
@@ -23,15 +26,16 @@ def _check_model(body: dict, engine) -> None:
         raise RequestError(unknown_adapter(model), 404, NOT_FOUND)
 
 
-def tokenize(body: dict, engine) -> dict[str, Any]:
-    """Token ids of a prompt or of chat messages rendered by the chat template."""
+def tokenize(body: dict, engine, tokenizer, limits: RequestLimits) -> dict[str, Any]:
+    """Token ids of a prompt or of chat messages rendered by the chat template, by `tokenizer`
+    (a copy of the engine's that this thread alone uses)."""
     _check_model(body, engine)
-    tokenizer = engine.tokenizer
     if "messages" in body:
         messages = body["messages"]
         if not isinstance(messages, list) or not messages:
             raise RequestError("'messages' must be a non-empty list")
         parsed = [parse_message(m, i) for i, m in enumerate(messages)]
+        limits.check_text(messages_chars(parsed))
         if not getattr(tokenizer, "chat_template", None):
             raise RequestError("this model has no chat template")
         generation_prompt = typed_field(body, "add_generation_prompt", "bool", True)
@@ -43,6 +47,7 @@ def tokenize(body: dict, engine) -> dict[str, Any]:
         prompt = typed_field(body, "prompt", "str")
         if prompt is None:
             raise RequestError("give 'prompt' (a string) or 'messages'")
+        limits.check_text(len(prompt))
         special = typed_field(body, "add_special_tokens", "bool", True)
         ids = list(tokenizer.encode(prompt, add_special_tokens=special))
     return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}

@@ -1,0 +1,78 @@
+"""Copies of the engine's tokenizer lent to HTTP handler threads, one borrower per copy.
+
+A Hugging Face fast tokenizer wraps one Rust `Tokenizer` whose truncation and padding are state
+of the object: a call that asks for them first sets that state, then encodes. Two threads on one
+tokenizer race on it (one thread's truncation applied to another's text; older `tokenizers`
+raise "RuntimeError: Already borrowed" when the state changes while another thread is inside
+`encode`). One shared tokenizer behind a lock avoids that but serializes every request's
+tokenization behind the slowest one. Each copy here is used by one thread at a time, so requests
+tokenize in parallel whatever they ask of their copy. The engine's own tokenizer is only decoded
+with (stop strings, streamed text, logprob token texts), and decoding sets no state.
+
+Copies are made on demand, up to `max_copies` (by default one per core this process may run
+on, 4 to 16: tokenizing is CPU work, and a copy costs memory: measured for SmolLM2, 8 MiB and
+0.1 s each). A borrower past that waits for a copy to come back; the prompt's character bound
+(server.api.choices) keeps each tokenization short, so that wait is bounded too.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+MIN_COPIES = 4  # even on a small machine: a long tokenization never holds up the next ones
+MAX_COPIES = 16  # copies cost memory: 8 MiB each for SmolLM2's 49k tokens, more for larger ones
+
+
+def default_max_copies() -> int:
+    """One copy per core this process may run on, from MIN_COPIES to MAX_COPIES."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return min(MAX_COPIES, max(MIN_COPIES, cores or 1))
+
+
+class TokenizerPool:
+    """Lends copies (`copy.deepcopy`) of one tokenizer, each to one borrower at a time."""
+
+    def __init__(self, tokenizer: Any, max_copies: int | None = None):
+        self.max_copies = max_copies or default_max_copies()
+        if self.max_copies < 1:
+            raise ValueError("max_copies must be positive")
+        self._original = tokenizer
+        self._free: list[Any] = []
+        self._num_made = 0
+        self._cond = threading.Condition()
+
+    @property
+    def num_made(self) -> int:
+        """Copies made so far (at most `max_copies`)."""
+        return self._num_made
+
+    @contextmanager
+    def borrow(self) -> Iterator[Any]:
+        """A copy nobody else uses until the `with` block ends."""
+        tokenizer = self._take()
+        try:
+            yield tokenizer
+        finally:
+            with self._cond:
+                self._free.append(tokenizer)
+                self._cond.notify()
+
+    def _take(self) -> Any:
+        with self._cond:
+            while not self._free and self._num_made >= self.max_copies:
+                self._cond.wait()
+            if self._free:
+                return self._free.pop()
+            self._num_made += 1
+        try:  # outside the lock: a copy takes tens of milliseconds
+            return copy.deepcopy(self._original)
+        except BaseException:
+            with self._cond:
+                self._num_made -= 1
+                self._cond.notify()
+            raise

@@ -1,0 +1,142 @@
+"""The waitress server of `toppings-serve`: a header-read deadline, so that slow-header clients
+cannot take every connection, and an orderly stop.
+
+Waitress stops accepting at `connection_limit` open connections and, by itself, closes a
+connection only after `channel_timeout` seconds without a byte (measured with waitress 3.0: a
+client that sends half a header and stalls is closed then; one that trickles a header line every
+few seconds is never closed). Without more, a thousand sockets that each send half a header lock
+every other client out, /health included, until they time out.
+
+`GuardedServer` adds two checks to waitress's own loop (all on its thread, no lock needed):
+- a request whose headers are not complete `header_timeout_s` after its first byte arrived is
+  closed, however its bytes trickle in (checked every `cleanup_interval` seconds);
+- at the connection limit, the connection that has waited longest for the rest of its headers
+  (past MIN_EVICT_AGE_S) is closed to make room, so that a new client (a /health probe) is
+  accepted now rather than once the stalled ones time out.
+A connection whose request has its headers (running, streaming, sending its body) is never
+closed by these checks; an idle keep-alive one is closed by waitress's `channel_timeout`
+(server.api.frontend.waitress_settings sets it to the same timeout).
+This is a floor, not a shield: in production a reverse proxy with client timeouts and
+per-client connection limits goes in front (README, "In front of the server").
+
+Stopping (`stop` from another thread, then `release` once `run` has returned): the handlers
+still running get a grace period to end, then the loop's thread closes the listener and every
+connection, and the trigger (the pipe through which handler threads wake the loop) is closed
+only after the handler threads have stopped. Closing it with the rest, as
+`wasyncore.close_all` does, let a handler that ended at that moment write to the closed pipe (a
+"Bad file descriptor" traceback at SIGTERM, or a byte into whatever file reused the number),
+and cut the last bytes of the responses that were ending.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from waitress import wasyncore
+from waitress.adjustments import Adjustments
+from waitress.channel import HTTPChannel
+from waitress.server import TcpWSGIServer
+
+logger = logging.getLogger(__name__)
+
+MIN_EVICT_AGE_S = 1.0  # a client this recent is still sending its headers, not stalling
+STOP_POLL_S = 0.05  # how often `stop` looks whether the handlers have ended
+
+
+class HeaderTimedChannel(HTTPChannel):
+    """A waitress connection that knows since when it has been waiting for a request's headers."""
+
+    request_started: float | None = None  # time.time() of the first byte of the latest request
+
+    def received(self, data: bytes) -> bool:
+        if self.request is None and data:
+            self.request_started = time.time()
+        return super().received(data)
+
+    def header_wait_started(self) -> float | None:
+        """When this connection began waiting for a request's headers: the request's first byte,
+        or the connection's opening while no byte came; None when it waits for none (a request
+        running or sending its body, or idle between keep-alive requests). A request read ahead
+        while another runs (`channel_request_lookahead`) waits for that one, not for the client:
+        closing it would cut the running response."""
+        if self.requests:
+            return None
+        if self.request is not None:
+            return None if self.request.headers_finished else self.request_started
+        if self.request_started is None:
+            return self.creation_time
+        return None
+
+
+class GuardedServer(TcpWSGIServer):
+    """Waitress's TCP server plus the header deadline and the eviction at the limit."""
+
+    channel_class = HeaderTimedChannel
+
+    def __init__(self, application: Any, header_timeout_s: float, **settings: Any):
+        self.header_timeout_s = header_timeout_s
+        super().__init__(application, adj=Adjustments(**settings))
+
+    def maintenance(self, now: float) -> None:
+        """Waitress's idle timeout, then the header deadline."""
+        super().maintenance(now)
+        cutoff = now - self.header_timeout_s
+        for channel, started in self._waiting_for_headers():
+            if started < cutoff:
+                logger.debug("closing %s: no complete header after %.0f s", channel.addr,
+                             self.header_timeout_s)  # fmt: skip
+                channel.will_close = True
+
+    def readable(self) -> bool:
+        """Waitress's accept decision (no more connections at the limit), after making room at
+        the limit when a stalled header can give it."""
+        if self.accepting and len(self._map) >= self.adj.connection_limit:
+            self._evict_oldest_header(time.time())
+        return super().readable()
+
+    def _waiting_for_headers(self) -> list[tuple[HeaderTimedChannel, float]]:
+        waiting = [(ch, ch.header_wait_started()) for ch in self.active_channels.values()]
+        return [(ch, started) for ch, started in waiting if started is not None]
+
+    def _evict_oldest_header(self, now: float) -> None:
+        waiting = self._waiting_for_headers()
+        if not waiting or any(ch.will_close for ch, _ in waiting):
+            # One is closing already: with nothing to send, it closes on this turn of the loop.
+            return
+        oldest, started = min(waiting, key=lambda item: item[1])
+        if started < now - MIN_EVICT_AGE_S:
+            logger.debug("closing %s at the connection limit: its header is incomplete after "
+                         "%.1f s", oldest.addr, now - started)  # fmt: skip
+            oldest.will_close = True
+
+    def stop(self, grace_s: float) -> None:
+        """Stop serving, from any thread but the loop's: wait up to `grace_s` for the running
+        handlers to end, then close the listener and every connection on the loop's thread,
+        after which `run` returns."""
+        deadline = time.monotonic() + grace_s
+        dispatcher = self.task_dispatcher
+        while (dispatcher.active_count or dispatcher.queue) and time.monotonic() < deadline:
+            time.sleep(STOP_POLL_S)
+        if dispatcher.active_count or dispatcher.queue:
+            logger.warning("handlers still running after %.0f s; closing their connections",
+                           grace_s)  # fmt: skip
+        self.trigger.pull_trigger(self._close_connections)
+
+    def _close_connections(self) -> None:
+        """(The loop's thread.) Send what each socket takes of its pending output, close every
+        connection and the listener, and take the trigger out of the loop's map (not closing
+        it): with nothing left to watch, the loop returns."""
+        for channel in list(self.active_channels.values()):
+            if channel.total_outbufs_len:
+                channel.handle_write()
+            channel.handle_close()
+        wasyncore.dispatcher.close(self)  # the listener only; self.close() would take the trigger
+        self.trigger.del_channel()
+
+    def release(self) -> None:
+        """After `run` has returned: stop the handler threads, then close the trigger they pull
+        when a response ends."""
+        self.task_dispatcher.shutdown()
+        self.trigger.close()
