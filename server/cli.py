@@ -79,7 +79,12 @@ def _check_inputs(model: str, loras: dict[str, str]) -> None:
     except FileNotFoundError as e:
         _usage_error(f"--model: {e}")
     try:
-        ModelConfig.from_hf(AutoConfig.from_pretrained(model_dir), model_dir.name)
+        hf_config = AutoConfig.from_pretrained(model_dir)
+    except Exception as e:  # transformers' own validation raises types of its own
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        _usage_error(f"--model {model}: transformers cannot read its config.json: {first_line}")
+    try:
+        ModelConfig.from_hf(hf_config, model_dir.name)
     except (OSError, ValueError, KeyError) as e:
         _usage_error(f"--model {model}: not a model this server runs: {e}")
 

@@ -61,6 +61,13 @@ def test_serve_missing_model(tmp_path):
     assert_refused(run("toppings-serve", "--model", str(missing)), "toppings-serve", str(missing))
 
 
+def test_serve_config_transformers_rejects(tmp_path):
+    # transformers validates config fields with errors that are no ValueError of its own
+    (tmp_path / "config.json").write_text('{"model_type": "llama", "hidden_size": "abc"}')
+    result = run("toppings-serve", "--model", str(tmp_path), "--port", "0")
+    assert_refused(result, "toppings-serve", "config.json", "hidden_size")
+
+
 def test_serve_port_in_use(tiny_model_dir, taken_port):
     result = run("toppings-serve", "--model", str(tiny_model_dir), "--port", str(taken_port))
     assert_refused(result, "toppings-serve", str(taken_port), "already in use")
