@@ -32,13 +32,11 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-import waitress
-
 from toppings.scheduler.adapter_sync import AdapterSync
 from toppings.scheduler.app import DEFAULT_MAX_IN_FLIGHT, create_app
 from toppings.scheduler.auth import AccessKeys, is_loopback_host
 from toppings.scheduler.cluster import Cluster
-from toppings.scheduler.drain import Drainer, waitress_stopper
+from toppings.scheduler.drain import Drainer
 from toppings.scheduler.loraserve import PlacementConfig
 from toppings.scheduler.paper_models import paper_fig6_models
 from toppings.scheduler.perf_model import PerfModels
@@ -49,15 +47,18 @@ from toppings.scheduler.router import PromptCounter, Router, estimate_prompt_tok
 from toppings.scheduler.server_session import ServerOrigins, ServerSession
 from toppings.scheduler.state import BatchShape
 from toppings.server.api.frontend import (
+    DEFAULT_HEADER_TIMEOUT_S,
     DEFAULT_RESERVE_THREADS,
     raise_open_files_limit,
     waitress_settings,
 )
+from toppings.server.api.waitress_server import GuardedServer
 
 log = logging.getLogger("toppings-scheduler")
 STATS_TIMEOUT_S = 1.0
 SLO_FACTOR = 1.5  # the paper's SLO: 1.5x the time per token without LoRA
 DRAIN_TIMEOUT_S = 30.0  # as toppings-serve --drain-timeout
+HANDLER_GRACE_S = 5.0  # after the drain: handlers still ending get this long before the close
 
 
 def make_fetch_json(
@@ -154,6 +155,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="on SIGTERM, how long requests in flight may take to finish",
     )
     parser.add_argument(
+        "--header-timeout",
+        type=int,
+        default=DEFAULT_HEADER_TIMEOUT_S,
+        metavar="S",
+        help="a connection whose request headers are not complete S seconds after they began "
+        "is closed (as toppings-serve --header-timeout)",
+    )
+    parser.add_argument(
         "--tokenizer",
         metavar="DIR",
         help="the base model's Hugging Face directory: count prompt tokens exactly (default:"
@@ -215,10 +224,10 @@ def main(argv: list[str] | None = None) -> None:
     keys = AccessKeys(args.api_key, args.admin_api_key)
     draining = threading.Event()
     app = create_app(router, cluster, info, args.max_concurrent_requests, keys, draining)
-    sizing = waitress_settings(args.max_concurrent_requests, args.threads)
+    sizing = waitress_settings(args.max_concurrent_requests, args.threads, args.header_timeout)
     raise_open_files_limit(sizing["connection_limit"])
     try:
-        server = waitress.create_server(app, host=args.host, port=args.port, **sizing)
+        server = GuardedServer(app, args.header_timeout, host=args.host, port=args.port, **sizing)
     except OSError as e:
         registry.close()
         if e.errno == errno.EADDRINUSE:
@@ -227,7 +236,7 @@ def main(argv: list[str] | None = None) -> None:
             )
         _usage_error(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}")
     in_flight = app.extensions["toppings"]
-    drainer = Drainer(draining, in_flight, args.drain_timeout, waitress_stopper(server))
+    drainer = Drainer(draining, in_flight, args.drain_timeout, lambda: server.stop(HANDLER_GRACE_S))
     drainer.install_signals()
     warn_if_admin_unreachable(args.host, keys)
     cluster.start()
@@ -236,7 +245,7 @@ def main(argv: list[str] | None = None) -> None:
              args.host, server.effective_port, args.policy, slo_ms)  # fmt: skip
     try:
         server.run()  # returns once the drain has closed waitress's sockets
-        server.task_dispatcher.shutdown()
+        server.release()
     finally:
         placement_loop.stop()
         sync.close()

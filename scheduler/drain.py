@@ -16,9 +16,6 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
-from waitress import wasyncore
-from waitress.server import BaseWSGIServer
-
 log = logging.getLogger("toppings-scheduler")
 
 POLL_S = 0.05
@@ -41,7 +38,7 @@ class Drainer:
         timeout_s: float,
         stop: Callable[[], None],
     ):
-        """stop: ends serving (waitress_stopper); called once the drain is over."""
+        """stop: ends serving (GuardedServer.stop); called once the drain is over."""
         self.draining = draining
         self.in_flight = in_flight
         self.timeout_s = timeout_s
@@ -81,14 +78,3 @@ class Drainer:
                 return False
             time.sleep(POLL_S)
         return True
-
-
-def waitress_stopper(server: BaseWSGIServer) -> Callable[[], None]:
-    """A `stop` that closes every socket of a waitress server (from its own loop thread, where
-    the trigger runs the call), so that its `run()` returns, as toppings-serve stops."""
-
-    def stop() -> None:
-        # waitress keeps its socket map only as `_map`; closing it all is how its loop ends.
-        server.trigger.pull_trigger(lambda: wasyncore.close_all(server._map))
-
-    return stop
