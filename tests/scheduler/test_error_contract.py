@@ -121,12 +121,14 @@ def _toppings_imports(path: Path) -> set[str]:
     return {n for n in names if n.startswith("toppings.")}
 
 
-# The error body, the /stats body, and the front end that refuses past the in-flight limit with
-# 429 + Retry-After (shared so that both processes bound and refuse alike).
+# The error body, the /stats body, the front end that refuses past the in-flight limit with
+# 429 + Retry-After, and the waitress server with its header deadline (shared so that both
+# processes bound and refuse alike).
 HTTP_CONTRACT = (
     "toppings.server.requests.errors",
     "toppings.server.requests.stats_schema",
     "toppings.server.api.frontend",
+    "toppings.server.api.waitress_server",
 )
 
 
@@ -140,7 +142,8 @@ def test_scheduler_imports_only_the_http_contract_of_the_server():
 
 
 @pytest.mark.parametrize(
-    "module", ["requests/errors.py", "requests/stats_schema.py", "api/frontend.py"]
+    "module",
+    ["requests/errors.py", "requests/stats_schema.py", "api/frontend.py", "api/waitress_server.py"],
 )
 def test_the_http_contract_imports_nothing_of_toppings(module):
     assert _toppings_imports(SCHEDULER_DIR.parent / "server" / module) == set()
