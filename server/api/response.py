@@ -5,9 +5,9 @@ OpenAI responses follow the OpenAI schema (`text_completion`, `chat.completion` 
 prompt-major; logprobs in the shapes of `server.openai_logprobs`. `usage.prompt_tokens` counts
 each prompt once (not n times), `completion_tokens` every choice's tokens (as vLLM does), and
 `prompt_tokens_details.cached_tokens` the prompt tokens whose KV came from the prefix cache
-(each prompt's first choice). A stream with `stream_options.include_usage` ends with a
-usage-only chunk; with `continuous_usage_stats` too, every chunk carries the usage of its own
-choice so far (its prompt's tokens, its tokens; vLLM's form), the others `"usage": null`.
+(each prompt's first choice). A stream with `stream_options.include_usage` has `"usage": null`
+on every chunk and ends with a usage-only chunk; with `continuous_usage_stats` too, every chunk
+carries instead the usage of its own choice so far (its prompt's tokens, its tokens; vLLM's form).
 With `echo`, a completion choice's text (its first chunk, streamed) starts with the prompt's.
 The native `/generate` response is
 `{"text", "token_ids", "prompt_tokens", "output_tokens", "ttft_s", "e2e_s", "finish_reason"}`;
