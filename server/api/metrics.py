@@ -4,7 +4,9 @@ Names follow the vLLM / LightLLM ones users already graph, under the prefix `top
 Latencies are observed by the API layer from each request's final output (the paper's time per
 token: e2e / output tokens); everything the engine keeps (queue, batch, KV, adapter cache, CPU
 LoRA) is read at scrape time by `EngineCollector` from `engine.counters()` (EngineCounters), and
-the front end's in-flight limit (server.api.frontend) by its `InFlightCollector`.
+the front end's in-flight limit (server.api.frontend) by its `InFlightCollector`. The
+inference gateway's model-server protocol (its `vllm:` series) comes from `ProtocolCollector`
+(server.api.protocol_metrics).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from toppings.server.api.frontend import InFlightCollector
+from toppings.server.api.protocol_metrics import ProtocolCollector
 from toppings.server.requests.request import RequestOutput
 from toppings.server.requests.stats_schema import EngineCounters
 
@@ -201,7 +204,8 @@ def read_engine(fn, attempts: int = 3):
 
 
 class ServerMetrics:
-    """The registry of one app: request series plus the engine and front-end collectors."""
+    """The registry of one app: request series plus the engine, protocol and front-end
+    collectors."""
 
     def __init__(self, engine, in_flight):
         # No *_created series (a timestamp per counter that dashboards do not use); this is a
@@ -210,6 +214,10 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         self.requests = RequestMetrics(self.registry)
         self.registry.register(EngineCollector(engine))
+        # One batch may hold as many distinct adapters as requests.
+        self.registry.register(
+            ProtocolCollector(engine, engine.config.max_batch_size, read=read_engine)
+        )
         self.registry.register(
             InFlightCollector(in_flight, PREFIX, "num_requests_in_flight",
                               "Generation requests taken by the HTTP front end and not ended")

@@ -3,7 +3,11 @@
 OpenAI responses follow the OpenAI schema (`text_completion`, `chat.completion` and their
 `.chunk` stream forms, `usage` on every response), with one choice per prompt x n, numbered
 prompt-major; logprobs in the shapes of `server.openai_logprobs`. `usage.prompt_tokens` counts
-each prompt once (not n times), `completion_tokens` every choice's tokens (as vLLM does).
+each prompt once (not n times), `completion_tokens` every choice's tokens (as vLLM does), and
+`prompt_tokens_details.cached_tokens` the prompt tokens whose KV came from the prefix cache
+(each prompt's first choice). A stream with `stream_options.include_usage` has `"usage": null`
+on every chunk and ends with a usage-only chunk; with `continuous_usage_stats` too, every chunk
+carries instead the usage of its own choice so far (its prompt's tokens, its tokens; vLLM's form).
 With `echo`, a completion choice's text (its first chunk, streamed) starts with the prompt's.
 The native `/generate` response is
 `{"text", "token_ids", "prompt_tokens", "output_tokens", "ttft_s", "e2e_s", "finish_reason"}`;
@@ -63,12 +67,15 @@ class ResponseMeta:
         return cls(rid, int(time.time()), parsed.model, num, ids, echo_texts, token_text)
 
 
-def _usage(meta: ResponseMeta, completion_tokens: int) -> dict:
-    return {
-        "prompt_tokens": meta.prompt_tokens,
+def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
+    usage: dict[str, Any] = {
+        "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
-        "total_tokens": meta.prompt_tokens + completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
     }
+    if cached_tokens is not None:
+        usage["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return usage
 
 
 def _native(meta: ResponseMeta, out: RequestOutput, output_tokens: int) -> dict:
@@ -91,6 +98,14 @@ class _Choice:
         self.prompt_idx = index // parsed.n
         self.started = False
         self.offset = 0  # characters of this choice's text so far (completions text_offset)
+        self.num_tokens = 0  # output tokens of this choice so far (continuous usage)
+
+    def usage(self) -> dict | None:
+        """This choice's usage so far, for a chunk of a continuous-usage stream; else None."""
+        if not (self.parsed.include_usage and self.parsed.continuous_usage):
+            return None
+        prompt = self.meta.prompt_ids[self.prompt_idx] if self.meta.prompt_ids else ()
+        return _usage(len(prompt), self.num_tokens)
 
     def delta(self, out: RequestOutput) -> tuple[str, dict | None]:
         """The text and logprobs object of one output (the first carries the echo)."""
@@ -130,11 +145,19 @@ def final_response(parsed: ParsedBody, meta: ResponseMeta, outs: list[RequestOut
         "created": meta.created,
         "model": meta.model,
         "choices": choices,
-        "usage": _usage(meta, num_out),
+        "usage": _usage(meta.prompt_tokens, num_out, _cached(outs, parsed.n)),
     }
 
 
-def _chunk(parsed: ParsedBody, meta: ResponseMeta, choices: list[dict]) -> dict:
+def _cached(outs: list[RequestOutput], n: int) -> int:
+    """Prompt tokens served from the prefix cache, counting each prompt once (its first
+    choice's, as `prompt_tokens` counts each prompt once)."""
+    return sum(out.cached_tokens for out in outs[::n])
+
+
+def _chunk(
+    parsed: ParsedBody, meta: ResponseMeta, choices: list[dict], usage: dict | None = None
+) -> dict:
     chunk = {
         "id": meta.id,
         "object": "chat.completion.chunk" if parsed.kind == "chat" else "text_completion",
@@ -143,7 +166,8 @@ def _chunk(parsed: ParsedBody, meta: ResponseMeta, choices: list[dict]) -> dict:
         "choices": choices,
     }
     if parsed.include_usage:
-        chunk["usage"] = None  # OpenAI: null on every chunk but the last, usage-only one
+        # OpenAI: null on every chunk but the last, usage-only one (unless continuous).
+        chunk["usage"] = usage
     return chunk
 
 
@@ -162,14 +186,18 @@ def stream_events(
     """Server-sent events for the engine outputs of every choice (choice index, output), in
     the order they arrive, up to and including `[DONE]`."""
     num_choices = parsed.n * len(meta.prompt_ids or [()])
+    choices = [_Choice(parsed, meta, idx) for idx in range(num_choices)]
     if parsed.kind == "chat":
         for idx in range(num_choices):
             role = {"index": idx, "delta": {"role": "assistant", "content": ""}, "logprobs": None}
-            yield sse(_chunk(parsed, meta, [dict(role, finish_reason=None)]))
-    choices = [_Choice(parsed, meta, idx) for idx in range(num_choices)]
+            yield sse(_chunk(parsed, meta, [dict(role, finish_reason=None)], choices[idx].usage()))
     num_out = 0
+    cached: dict[int, int] = {}  # prompt index -> its first choice's cached prompt tokens
     for idx, out in outputs:
         num_out += len(out.new_token_ids)
+        choices[idx].num_tokens += len(out.new_token_ids)
+        if idx % parsed.n == 0:
+            cached[choices[idx].prompt_idx] = out.cached_tokens
         if out.finish_reason == "error":
             if out.new_text or out.new_token_ids:
                 yield from _delta_events(parsed, meta, choices[idx], out, num_out, None)
@@ -178,7 +206,8 @@ def stream_events(
         yield from _delta_events(parsed, meta, choices[idx], out, num_out, out.finish_reason)
     else:
         if parsed.include_usage:
-            yield sse(dict(_chunk(parsed, meta, []), usage=_usage(meta, num_out)))
+            usage = _usage(meta.prompt_tokens, num_out, sum(cached.values()))
+            yield sse(dict(_chunk(parsed, meta, []), usage=usage))
     yield SSE_DONE
 
 
@@ -202,7 +231,7 @@ def _delta_events(
     # Tokens whose text is still an incomplete UTF-8 sequence come later as text.
     if text or has_logprobs or finish is not None:
         chosen = _chunk_choice(parsed, choice.index, text, logprobs, finish)
-        yield sse(_chunk(parsed, meta, [chosen]))
+        yield sse(_chunk(parsed, meta, [chosen], choice.usage()))
 
 
 def models_response(base_model: str, adapters: list[dict], created: int) -> dict:

@@ -12,7 +12,8 @@ Three request schemas share one parsed form, `ParsedBody`:
 All take `temperature` (default 1.0), `top_p`, `top_k` (0 or -1: off), `seed`, `stop` (a string or
 a list), `stream`, `ignore_eos`, `min_tokens`, `presence_penalty`, `frequency_penalty`,
 `repetition_penalty` and `logit_bias` (token id -> bias in [-100, 100]); OpenAI bodies also `n`
-(1 to MAX_N choices per prompt) and `stream_options.include_usage`.
+(1 to MAX_N choices per prompt) and `stream_options.include_usage` (with
+`stream_options.continuous_usage_stats`, as vLLM: usage on every chunk too).
 
 Every function here is pure; a client mistake raises `RequestError` with its HTTP status.
 """
@@ -58,6 +59,7 @@ class ParsedBody:
     sampling: dict[str, Any]  # SamplingParams keyword arguments except max_new_tokens
     stream: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False  # with include_usage: usage on every chunk
     n: int = 1  # choices per prompt
     echo: bool = False  # completions: the prompt's text (and logprobs) before each choice's
     logprobs: int | None = None  # top alternatives per token; None: no logprobs
@@ -167,6 +169,7 @@ def _openai_common(body: dict, base_model: str, kind: str) -> dict[str, Any]:
         "sampling": _sampling(body),
         "stream": typed_field(body, "stream", "bool", False),
         "include_usage": typed_field(options or {}, "include_usage", "bool", False),
+        "continuous_usage": typed_field(options or {}, "continuous_usage_stats", "bool", False),
         "n": _in_range(typed_field(body, "n", "int", 1), "n", 1, MAX_N),
     }
 

@@ -26,6 +26,8 @@ only after the handler threads have stopped. Closing it with the rest, as
 `wasyncore.close_all` does, let a handler that ended at that moment write to the closed pipe (a
 "Bad file descriptor" traceback at SIGTERM, or a byte into whatever file reused the number),
 and cut the last bytes of the responses that were ending.
+
+Its connections log a client that went away mid-response at DEBUG (`DisconnectsAtDebug`).
 """
 
 from __future__ import annotations
@@ -43,11 +45,26 @@ logger = logging.getLogger(__name__)
 
 MIN_EVICT_AGE_S = 1.0  # a client this recent is still sending its headers, not stalling
 STOP_POLL_S = 0.05  # how often `stop` looks whether the handlers have ended
+DISCONNECT_LINE = "Client disconnected while serving"  # waitress.channel's wording
+
+
+class DisconnectsAtDebug(logging.LoggerAdapter):
+    """Waitress's logger for its connections, with the line it writes when a client goes away
+    mid-response ("Client disconnected while serving PATH") at DEBUG instead of INFO: a client
+    that leaves early (a benchmark's cancelled streams) is routine, its requests are aborted
+    and counted in /metrics anyway, and one line each buried the log."""
+
+    def info(self, msg: object, *args: Any, **kwargs: Any) -> None:
+        if isinstance(msg, str) and msg.startswith(DISCONNECT_LINE):
+            self.debug(msg, *args, **kwargs)
+        else:
+            super().info(msg, *args, **kwargs)
 
 
 class HeaderTimedChannel(HTTPChannel):
     """A waitress connection that knows since when it has been waiting for a request's headers."""
 
+    logger = DisconnectsAtDebug(logging.getLogger("waitress"))
     request_started: float | None = None  # time.time() of the first byte of the latest request
 
     def received(self, data: bytes) -> bool:

@@ -43,6 +43,7 @@ class KVHold:
     reserved: int  # private blocks promised (worst case)
     held: list[KVNode] = field(default_factory=list)  # its path in the tree, root side first
     num_matched: int = 0  # held[:num_matched] were cached before it came
+    cached_tokens: int = 0  # prompt tokens whose KV came from the cache (the matched blocks)
     tail: KVNode | None = None  # where its next blocks go in the tree; None: not inserted
 
 
@@ -143,11 +144,12 @@ class MemoryManager:
             if not node.on_device:
                 self.swap.swap_in(node)
         hold.num_matched = len(path)
+        hold.cached_tokens = len(path) * self.kv.block_tokens
         self.kv.attach_prefix(hold.row, [n.block for n in path])
         if self.tree is not None:
             hold.tail = path[-1] if path else self.tree.root(seq.request.adapter)
         self.counters.prompt_tokens += seq.prompt_len
-        self.counters.prefix_hit_tokens += len(path) * self.kv.block_tokens
+        self.counters.prefix_hit_tokens += hold.cached_tokens
         return hold
 
     # ---- as requests run --------------------------------------------------------------------

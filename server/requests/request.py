@@ -149,6 +149,7 @@ class RequestOutput:
     finish_reason: str | None = None
     error: str | None = None
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     output_tokens: int = 0
     ttft_s: float | None = None
     e2e_s: float | None = None

@@ -30,7 +30,8 @@ class Sequence:
         self.prompt_len = len(request.prompt_ids)
         self.kv_need = self.prompt_len + request.params.max_new_tokens
         self.output_ids: list[int] = []
-        self.kv_hold = None  # server.memory.KVHold while admitted: its KV row and blocks
+        self._kv_hold = None
+        self.num_cached_tokens = 0  # of the latest admission (usage.prompt_tokens_details)
         self.cache_entry = None  # gpu_lora.cache.CacheEntry while it holds a reference
         self.finished = False
         self._tokenizer = tokenizer
@@ -43,6 +44,18 @@ class Sequence:
         self._pending_logprobs: list[TokenLogprob] = []
         self._prompt_logprobs: list[TokenLogprob | None] | None = None  # sent once, first
         self._num_sent = 0  # tokens streamed before a restart, not sent again when replayed
+
+    @property
+    def kv_hold(self):
+        """server.memory.KVHold while admitted: its KV row and blocks; None otherwise."""
+        return self._kv_hold
+
+    @kv_hold.setter
+    def kv_hold(self, hold) -> None:
+        # The cached prompt tokens are kept past the release, for the final output.
+        self._kv_hold = hold
+        if hold is not None:
+            self.num_cached_tokens = hold.cached_tokens
 
     def restart(self) -> None:
         """Run again from the prompt after a squash: the tokens already streamed are computed
@@ -120,6 +133,7 @@ class Sequence:
                 finish_reason=reason,
                 error=error,
                 prompt_tokens=self.prompt_len,
+                cached_tokens=self.num_cached_tokens,
                 output_tokens=len(self.output_ids),
                 ttft_s=ttft,
                 e2e_s=now - self.arrival if reason else None,

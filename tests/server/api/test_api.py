@@ -99,6 +99,7 @@ def test_completions(client, engine):
         "prompt_tokens": len(ids),
         "completion_tokens": 5,
         "total_tokens": len(ids) + 5,
+        "prompt_tokens_details": {"cached_tokens": 0},
     }
     chunks = sse_events(client.post("/v1/completions", json=dict(body, stream=True)).data)
     assert "".join(c["choices"][0]["text"] for c in chunks) == got["choices"][0]["text"]

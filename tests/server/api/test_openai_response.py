@@ -53,7 +53,8 @@ def test_completion_echo_with_logprobs_and_n():
     assert body["choices"][1]["logprobs"]["top_logprobs"][2] == {"d": -0.5, "e": -0.9}
     assert body["choices"][3]["logprobs"]["tokens"] == ["c"]
     # each prompt counted once, every choice's tokens counted
-    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5,
+                             "prompt_tokens_details": {"cached_tokens": 0}}  # fmt: skip
 
 
 def test_chat_logprobs_shape():

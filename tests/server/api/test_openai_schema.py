@@ -260,7 +260,8 @@ def test_completion_stream_with_usage():
     assert [e["choices"][0]["text"] for e in events[:-1]] == ["t0", "end"]
     assert events[1]["choices"][0]["finish_reason"] == "stop" and events[0]["usage"] is None
     assert events[-1]["choices"] == []
-    assert events[-1]["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    assert events[-1]["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5,
+                                 "prompt_tokens_details": {"cached_tokens": 0}}  # fmt: skip
     assert {e["id"] for e in events} == {"cmpl-1"} and events[0]["object"] == "text_completion"
 
 
@@ -306,7 +307,8 @@ def test_final_responses():
             "finish_reason": "stop",
         }
     ]
-    assert chat["usage"] == {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6}
+    assert chat["usage"] == {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6,
+                             "prompt_tokens_details": {"cached_tokens": 0}}  # fmt: skip
     comp = final_response(parse_completion({"prompt": "x"}, BASE), meta, [out])
     assert comp["object"] == "text_completion" and comp["choices"][0]["text"] == "hey"
     native = final_response(parse_native({"prompt": "x"}, BASE), meta, [out])

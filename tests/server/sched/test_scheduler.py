@@ -35,6 +35,7 @@ class Tokenizer:
 class Hold:
     row: int
     reserved: int
+    cached_tokens: int = 0
 
 
 class KV:

@@ -1,0 +1,104 @@
+"""The model-server protocol of the Gateway API Inference Extension, on `/metrics`.
+
+The extension's endpoint picker (the InferencePool's scheduler, also in llm-d and several
+cloud gateways) routes by each model server's queue, KV cache use and LoRA state, read from
+Prometheus series under the names it knows for vLLM. This collector publishes them beside our
+own `toppings:` series, read at scrape time from one `engine.stats()` (the `/stats` body), so
+that a scrape and the `/stats` of the same instant agree:
+
+    vllm:num_requests_waiting{model_name}     gauge    requests queued, not admitted
+    vllm:num_requests_running{model_name}     gauge    requests in the running batch
+    vllm:kv_cache_usage_perc{model_name}      gauge    1 - free_kv_tokens / max_total_tokens
+                                                       (a fraction in [0, 1], despite the name)
+    vllm:lora_requests_info{running_lora_adapters, waiting_lora_adapters, max_lora}
+                                              gauge    value: the sample's Unix time
+    vllm:prefix_cache_queries{model_name}     counter  prompt tokens looked up in the prefix cache
+    vllm:prefix_cache_hits{model_name}        counter  of those, tokens whose KV was cached
+
+`running_lora_adapters` and `waiting_lora_adapters` are the adapter names of the running and
+queued requests, sorted, comma-separated, "" for none. `max_lora` is how many distinct adapters
+one batch may hold: any request of a batch may use its own adapter here (the LoRA kernels
+gather per request), so it is the batch size limit (`--max-batch-size`). vLLM sets the info
+gauge to the time of its sample so that the picker keeps the newest label set; one set is
+published per scrape here, with the same value.
+
+Written from memory of the protocol document (gateway-api-inference-extension,
+docs/proposals/003-model-server-protocol, the v0.x text), see README "Running on Kubernetes".
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Protocol
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from toppings.server.requests.stats_schema import RequestView, ServerStats
+
+PREFIX = "vllm:"
+MODEL_LABEL = "model_name"
+LORA_INFO_LABELS = ["running_lora_adapters", "waiting_lora_adapters", "max_lora"]
+
+
+class StatsEngine(Protocol):
+    """What the protocol series read of the engine."""
+
+    def stats(self) -> ServerStats: ...
+
+
+def adapter_list(requests: tuple[RequestView, ...]) -> str:
+    """The distinct adapter names of `requests`, sorted and comma-separated ("" for none)."""
+    return ",".join(sorted({r.adapter for r in requests if r.adapter is not None}))
+
+
+def kv_cache_usage(stats: ServerStats) -> float:
+    """The fraction of KV token slots promised to admitted requests (and, in the pool layout,
+    taken by adapters): what a new request cannot have."""
+    if stats.max_total_tokens <= 0:
+        return 0.0
+    return min(1.0, max(0.0, 1.0 - stats.free_kv_tokens / stats.max_total_tokens))
+
+
+class ProtocolCollector:
+    """The protocol's series of one server, from one `engine.stats()` per scrape."""
+
+    def __init__(self, engine: StatsEngine, max_lora: int, read=lambda fn: fn()):
+        """max_lora: distinct adapters one batch may hold; read: calls the stats reader (the
+        metrics module retries the rare race of a reader walking live lists)."""
+        self.engine = engine
+        self.max_lora = max_lora
+        self.read = read
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.read(self.engine.stats)
+        model = [stats.model]
+        gauges = (
+            ("num_requests_waiting", "Requests queued, not admitted", len(stats.queue)),
+            ("num_requests_running", "Requests in the running batch", len(stats.running)),
+            ("kv_cache_usage_perc", "KV cache usage as a fraction (1 = full)",
+             kv_cache_usage(stats)),
+        )  # fmt: skip
+        for name, doc, value in gauges:
+            family = GaugeMetricFamily(PREFIX + name, doc, labels=[MODEL_LABEL])
+            family.add_metric(model, value)
+            yield family
+        memory = stats.memory
+        counters = (
+            ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+             memory.get("prompt_tokens")),
+            ("prefix_cache_hits", "Prompt tokens whose KV came from the prefix cache",
+             memory.get("prefix_hit_tokens")),
+        )  # fmt: skip
+        for name, doc, value in counters:
+            if value is None:
+                continue
+            family = CounterMetricFamily(PREFIX + name, doc, labels=[MODEL_LABEL])
+            family.add_metric(model, value)
+            yield family
+        lora = GaugeMetricFamily(PREFIX + "lora_requests_info",
+                                 "Adapters of the running and waiting requests; value: the "
+                                 "sample's time", labels=LORA_INFO_LABELS)  # fmt: skip
+        running, waiting = adapter_list(stats.running), adapter_list(stats.queue)
+        lora.add_metric([running, waiting, str(self.max_lora)], time.time())
+        yield lora
