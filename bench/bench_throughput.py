@@ -30,13 +30,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
 import json
 import logging
 import os
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
@@ -44,17 +42,21 @@ from bench.envelope import describe_device, write_result
 from bench.hf_peft_peer import attach_adapters, load_base
 from bench.roofline import decode_step_bytes, gemm_gflops, linear_flops, memory_bandwidth_gbs
 from bench.throughput_peer import agreement, generate, run_hf_peft, run_hf_single
-from toppings.scripts.make_adapters import make_random_adapter
-from toppings.scripts.make_dummy_model import PRESETS, make_dummy_model
+from bench.throughput_workload import (
+    DUMMY_TARGETS,
+    RANKS,
+    TARGETS,
+    Model,
+    make_workload,
+    pick_model,
+    random_prompts,
+)
+from toppings.scripts.make_dummy_model import PRESETS
 from toppings.server.config import EngineConfig, LoadFormat
-from toppings.server.model.loader import cache_dir, resolve_model_dir
 from toppings.server.requests.request import GenerationRequest, SamplingParams
 from toppings.server.runtime import build_engine
 
 log = logging.getLogger("bench_throughput")
-RANKS = (8, 16, 32, 64)
-TARGETS = ("q_proj", "k_proj", "v_proj")
-DUMMY_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")  # the real-size runs' adapters
 CHECK_PROMPT_LEN = 16  # the agreement check's prompt: the first tokens of the first prompt
 # --quick: the whole path (both sides, every metric) on a small workload, in a few minutes.
 QUICK = {
@@ -66,64 +68,6 @@ QUICK = {
     "hf_batch_sizes": "8",
     "one_thread_engine": False,
 }
-
-
-@dataclasses.dataclass(frozen=True)
-class Model:
-    """The checkpoint directory served and how its weights are loaded."""
-
-    path: Path
-    load_format: LoadFormat
-
-
-def dummy_model_dir(config: dict, label: str) -> Path:
-    """A dummy checkpoint (config.json + SmolLM2's tokenizer) for `config`, written once under
-    the toppings cache in a directory named by `label` and the config's hash."""
-    text = json.dumps(config, sort_keys=True)
-    out = cache_dir() / "dummy" / f"{label}-{hashlib.sha256(text.encode()).hexdigest()[:10]}"
-    if not (out / "config.json").is_file():
-        make_dummy_model(out, config)
-    return out
-
-
-def pick_model(args) -> Model:
-    if args.model_preset:
-        return Model(
-            dummy_model_dir(PRESETS[args.model_preset], args.model_preset), LoadFormat.DUMMY
-        )
-    if args.dummy:
-        config = json.loads(Path(args.dummy).read_text())
-        return Model(dummy_model_dir(config, Path(args.dummy).stem), LoadFormat.DUMMY)
-    return Model(resolve_model_dir(args.model), LoadFormat.AUTO)
-
-
-def make_workload(args, model: Model, vocab: int, targets: tuple[str, ...]):
-    """Adapters (made once per model and targets, on transformers' model of the same weights),
-    the first round's prompts, and the adapter of each request."""
-    root = Path(args.adapter_dir) / f"{model.path.name}-{'-'.join(targets)}"
-    adapters, missing = {}, []
-    for i in range(args.num_adapters):
-        rank = RANKS[i % len(RANKS)]
-        path = root / f"bench-r{rank}-{i}"
-        adapters[f"a{i}"] = str(path)
-        if not (path / "adapter_config.json").is_file():
-            missing.append((path, rank, i))
-    if missing:
-        base = load_base(model.path, getattr(torch, args.dtype), model.load_format)
-        for path, rank, i in missing:
-            make_random_adapter(path, base, rank=rank, target_modules=targets, seed=i)
-        del base
-    prompts = random_prompts(args, vocab, seed=0)
-    names = [f"a{i % args.num_adapters}" for i in range(args.num_requests)]
-    return adapters, prompts, names
-
-
-def random_prompts(args, vocab: int, seed: int) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(seed)
-    return [
-        torch.randint(100, vocab, (args.prompt_len,), generator=gen).tolist()
-        for _ in range(args.num_requests)
-    ]
 
 
 def median_run(runs: list[dict]) -> dict:
@@ -256,7 +200,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         choices=sorted(PRESETS),
         help="a published model's shapes with dummy weights",
     )
-    model.add_argument("--dummy", metavar="CONFIG", help="a config.json served with dummy weights")
+    model.add_argument(
+        "--dummy",
+        metavar="CONFIG",
+        help="a config.json, or a directory with config.json and a tokenizer: dummy weights",
+    )
     p.add_argument("--dtype", default="float32", choices=["bfloat16", "float32"])
     p.add_argument("--num-adapters", type=int, default=16)
     p.add_argument("--num-requests", type=int, default=64)

@@ -55,6 +55,7 @@ def base_from_config(
 
     with no_init_weights():
         model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+    model.tie_weights()  # skipped with the init: a tied lm_head would be a tensor of its own
     params = dict(model.named_parameters())  # a tied lm_head is listed once, as the embedding
     if sorted(params) != sorted(weights):
         missing, extra = sorted(set(params) - set(weights)), sorted(set(weights) - set(params))
