@@ -33,6 +33,7 @@ import dataclasses
 import json
 import logging
 import os
+import resource
 import statistics
 import time
 
@@ -41,7 +42,13 @@ import torch
 from bench.envelope import describe_device, write_result
 from bench.hf_peft_peer import attach_adapters, load_base
 from bench.roofline import decode_step_bytes, gemm_gflops, linear_flops, memory_bandwidth_gbs
-from bench.throughput_peer import agreement, generate, run_hf_peft, run_hf_single
+from bench.throughput_peer import (
+    agreement,
+    generate,
+    run_hf_peft,
+    run_hf_single,
+    teacher_forced,
+)
 from bench.throughput_workload import (
     DUMMY_TARGETS,
     RANKS,
@@ -168,18 +175,21 @@ def run_engine_side(args, model: Model, adapters, prompts, names, vocab: int, th
     return out
 
 
-def run_peer_side(args, model: Model, adapters, prompts, names) -> dict:
-    """transformers alone (one request), + PEFT with one adapter (one request, agreement), then
-    + PEFT with every adapter at each batch size; one model, built once."""
+def run_peer_side(args, model: Model, adapters, prompts, names, ours_greedy: dict) -> dict:
+    """transformers alone (one request, agreement with `ours_greedy`), + PEFT with one adapter
+    (the same), then + PEFT with every adapter at each batch size; one model, built once."""
     dtype = getattr(torch, args.dtype)
     check = prompts[0][:CHECK_PROMPT_LEN]
-    single, greedy = {}, {}
+    single, agree = {}, {}
     hf = load_base(model.path, dtype, model.load_format)
-    single["base"] = run_hf_single(hf, prompts[0], None, args.new_tokens, args.single_rounds)
-    greedy["base"] = generate(hf, [check], None, args.check_tokens)[0].tolist()
-    hf = attach_adapters(hf, {names[0]: adapters[names[0]]})
-    single["adapter"] = run_hf_single(hf, prompts[0], names[0], args.new_tokens, args.single_rounds)
-    greedy["adapter"] = generate(hf, [check], [names[0]], args.check_tokens)[0].tolist()
+    for label, adapter in (("base", None), ("adapter", names[0])):
+        if adapter:
+            hf = attach_adapters(hf, {adapter: adapters[adapter]})
+        single[label] = run_hf_single(hf, prompts[0], adapter, args.new_tokens, args.single_rounds)
+        adapter_names = [adapter] if adapter else None
+        theirs = generate(hf, [check], adapter_names, args.check_tokens)[0].tolist()
+        forced = teacher_forced(hf, check, ours_greedy[label], adapter)
+        agree[label] = agreement(ours_greedy[label], theirs, forced)
     for name in sorted(set(names) - {names[0]}):
         hf.load_adapter(adapters[name], adapter_name=name)
     hf.eval()
@@ -188,7 +198,12 @@ def run_peer_side(args, model: Model, adapters, prompts, names) -> dict:
         limit = args.hf_bs1_requests if bs == 1 else args.num_requests
         runs.append(run_hf_peft(hf, prompts[:limit], names[:limit], args.new_tokens, bs))
         log.info("transformers+peft: %s", runs[-1])
-    return {"single": single, "greedy": greedy, "runs": runs}
+    return {"single": single, "agreement": agree, "runs": runs}
+
+
+def peak_rss_gib() -> float:
+    """The peak resident memory of this process so far (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -259,10 +274,11 @@ def main(argv: list[str] | None = None) -> None:
     vocab = AutoConfig.from_pretrained(model.path).vocab_size
     adapters, prompts, names = make_workload(args, model, vocab, targets)
     ours = run_engine_side(args, model, adapters, prompts, names, vocab, threads)
+    rss_engine_gib = peak_rss_gib()
     runs = ours["runs"]
     lora, base = median_run(runs["lora"]), median_run(runs["base"])
     log.info("ours: %s; base model only: %s", lora, base)
-    peer = run_peer_side(args, model, adapters, prompts, names)
+    peer = run_peer_side(args, model, adapters, prompts, names, ours["greedy"])
     best = max(peer["runs"], key=lambda r: r["tokens_per_s"])
 
     mc, gemm = ours["model_config"], ours["gemm"]
@@ -321,11 +337,10 @@ def main(argv: list[str] | None = None) -> None:
         "ttft_ms_single": single["base"]["ttft_ms"],
         "tpot_ms_single": single["base"]["tpot_ms"],
         "single": {"ours": single, "transformers": single_hf, **single_ratios},
-        "agreement": {
-            label: agreement(ours["greedy"][label], peer["greedy"][label])
-            for label in ("base", "adapter")
-        },
+        "agreement": peer["agreement"],
         "startup_s": ours["startup_s"],
+        # The process's peak resident memory: by the end of our engine's runs, and overall.
+        "peak_rss_gib": {"through_ours": rss_engine_gib, "overall": peak_rss_gib()},
         "hf_peft_runs": peer["runs"],
     }
     if "lora_1_thread" in runs:

@@ -66,16 +66,36 @@ def run_hf_peft(model, prompts, names, new_tokens: int, batch_size: int) -> dict
     }
 
 
-def agreement(ours: list[int], theirs: list[int]) -> dict:
-    """How far two greedy continuations agree: the fraction of positions with the same token and
-    the length of the common prefix (after a first difference the contexts differ, so later
-    positions rarely agree). With random weights near-ties are common: bf16 rounding flips them.
+def teacher_forced(model, prompt: list[int], tokens: list[int], adapter: str | None) -> dict:
+    """transformers' verdict on `tokens`, greedy tokens of another engine after `prompt`: its own
+    argmax at each position given the same context, and how far below its max logit each of
+    `tokens` lies (0 where they agree; a small gap is a near-tie that rounding can flip)."""
+    ids = torch.tensor([prompt + tokens[:-1]])  # [1, S + n - 1]
+    kwargs = {"adapter_names": [adapter]} if adapter else {}
+    with torch.inference_mode():
+        logits = model(input_ids=ids, **kwargs).logits[0, len(prompt) - 1 :].float()  # [n, V]
+    chosen = logits.gather(1, torch.tensor(tokens)[:, None])[:, 0]  # [n]
+    return {
+        "argmax": logits.argmax(-1).tolist(),
+        "logit_gaps": (logits.max(-1).values - chosen).tolist(),
+    }
+
+
+def agreement(ours: list[int], theirs: list[int], forced: dict) -> dict:
+    """How far two greedy continuations of one prompt agree.
+
+    fraction: the positions where transformers, fed our tokens so far (`teacher_forced`), picks
+    our token; a free-running comparison would count every position after a first difference
+    as a miss, since the contexts then differ. common_prefix: the tokens both pick running on
+    their own. max_logit_gap: the largest gap between transformers' best logit and our token's
+    (small: near-ties, which random weights in bf16 make frequent).
     """
-    same = sum(a == b for a, b in zip(ours, theirs))
+    same = sum(a == b for a, b in zip(ours, forced["argmax"]))
     prefix = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), len(ours))
     return {
         "fraction": same / max(len(ours), 1),
         "common_prefix": prefix,
+        "max_logit_gap": max(forced["logit_gaps"], default=0.0),
         "ours": ours,
         "transformers": theirs,
     }

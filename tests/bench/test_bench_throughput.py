@@ -100,5 +100,5 @@ def test_a_quick_run_writes_every_headline(dummy_dir, tmp_path):
     assert set(metrics["roofline"]["decode_step_bytes"]) == {"weights", "kv", "adapters"}
     for label in ("base", "adapter"):
         assert metrics["single"]["transformers"][label]["tpot_ms"] > 0
-        assert 0.0 <= metrics["agreement"][label]["fraction"] <= 1.0
+        assert metrics["agreement"][label]["fraction"] == 1.0  # float32, the same weights
         assert len(metrics["agreement"][label]["ours"]) == 8
