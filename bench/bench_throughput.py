@@ -11,8 +11,8 @@ alone (TTFT and time per output token, ours and transformers', base and one adap
 greedy tokens of both on a short prompt (`agreement`: the fraction of positions that match).
 
 `roofline_fraction` (bench/roofline.py): a decode step's least time on this machine, the larger
-of its linear FLOPs / the GEMM rate of the model's own projections at the decode batch and the
-bytes it must read (weights + KV + the adapters) / the measured read bandwidth, over the median
+of its linear FLOPs / the peak GEMM rate of the model's own projections (at 16 prompts' rows) and
+the bytes it must read (weights + KV + the adapters) / the measured read bandwidth, over the median
 LoRA round's decode step. `roofline_fraction_gemm`: the time the whole run's linear FLOPs take
 at those GEMM rates (prefill at 16 prompts' rows) over the run's time.
 
@@ -299,7 +299,9 @@ def main(argv: list[str] | None = None) -> None:
     context = args.prompt_len + args.new_tokens / 2  # the mean over the decode steps
     step_bytes = decode_step_bytes(mc, ours["itemsize"], args.num_requests, context, ranks, targets)
     step_flops = decode_flops / (args.new_tokens - 1)
-    step_compute_s = step_flops / gemm[args.num_requests] / 1e9
+    # The peak rate: at the decode batch a GEMM is itself bound by reading its weights, which
+    # the bytes term already counts.
+    step_compute_s = step_flops / max(gemm.values()) / 1e9
     step_memory_s = sum(step_bytes.values()) / ours["bandwidth_gbs"] / 1e9
     step_s = lora["decode_step_ms"] / 1e3
     single, single_hf = ours["single"], peer["single"]

@@ -2,8 +2,9 @@
 
 A decode step of B requests must run every linear layer over B rows (FLOPs) and must read every
 weight once, each request's KV cache and each used adapter's A and B (bytes). Its roofline time
-is the larger of FLOPs / the GEMM rate of the model's own projections at B rows and bytes / the
-measured read bandwidth; a step that takes exactly that long is at the roofline (fraction 1).
+is the larger of FLOPs / the peak GEMM rate of the model's own projections (measured at many
+rows: at B rows a GEMM is itself bound by reading its weights, which the bytes count) and
+bytes / the measured read bandwidth; a step that takes that long is at the roofline (fraction 1).
 On a CPU with a 1B model and B = 64 the FLOPs usually bound the step; at B = 1 the bytes do.
 """
 
