@@ -29,7 +29,9 @@ the adapters are made on that model. `--quick` is a few-minute smoke run of the 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import dataclasses
+import gc
 import json
 import logging
 import os
@@ -203,6 +205,17 @@ def run_peer_side(args, model: Model, adapters, prompts, names, ours_greedy: dic
     return {"single": single, "agreement": agree, "runs": runs}
 
 
+def release_freed_memory() -> None:
+    """Hand memory freed by dropped models back to the OS. glibc keeps freed heap pages (in the
+    arena of the thread that allocated them: the engine thread's are never reused by this one),
+    so without this the next side of a real-size run would sit beside a dead model's pages."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing held back to release
+        pass
+
+
 def peak_rss_gib() -> float:
     """The peak resident memory of this process so far (Linux reports KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
@@ -275,7 +288,9 @@ def main(argv: list[str] | None = None) -> None:
 
     vocab = AutoConfig.from_pretrained(model.path).vocab_size
     adapters, prompts, names = make_workload(args, model, vocab, targets)
+    release_freed_memory()  # the model the adapters were made on, where they were made now
     ours = run_engine_side(args, model, adapters, prompts, names, vocab, threads)
+    release_freed_memory()
     rss_engine_gib = peak_rss_gib()
     runs = ours["runs"]
     lora, base = median_run(runs["lora"]), median_run(runs["base"])
