@@ -8,7 +8,8 @@ ratio with / without LoRA the median of the rounds' ratios. Each round also runs
 a second engine with 1 thread (threads_speedup = the median of the rounds' all cores / 1 thread
 ratios: this VM's speed drifts over seconds, so only runs side by side compare). One request
 alone (TTFT and time per output token, ours and transformers', base and one adapter), and the
-greedy tokens of both on a short prompt (`agreement`: the fraction of positions that match).
+greedy tokens of both on a short prompt (`agreement`: the fraction of our tokens transformers
+also picks when fed ours so far).
 
 `roofline_fraction` (bench/roofline.py): a decode step's least time on this machine, the larger
 of its linear FLOPs / the peak GEMM rate of the model's own projections (at 16 prompts' rows) and
