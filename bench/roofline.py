@@ -50,7 +50,8 @@ def decode_step_bytes(
     """Bytes one decode step of `batch` requests must read, by kind, with `itemsize`-byte elements.
 
     weights: every layer's projections and norms, the final norm and the [vocab, H] lm_head
-    (a tied lm_head is the embedding; the embedding lookup itself reads only `batch` rows).
+    (a tied lm_head is the embedding; the embedding lookup itself reads only `batch` rows;
+    biases, a few KiB where a family has them, are not counted).
     kv: K and V of `context` positions per request in every layer. adapters: A [R, in] and
     B [out, R] of each adapter in `adapter_ranks` on each target projection of every layer.
     """

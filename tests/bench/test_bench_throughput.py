@@ -11,6 +11,7 @@ import torch
 
 from bench import bench_throughput
 from bench.hf_peft_peer import attach_adapters, load_base
+from bench.roofline import decode_step_bytes
 from bench.throughput_peer import generate
 from bench.throughput_workload import DUMMY_TARGETS, Model, make_workload
 from toppings.scripts.make_adapters import base_from_config
@@ -102,3 +103,22 @@ def test_a_quick_run_writes_every_headline(dummy_dir, tmp_path):
         assert metrics["single"]["transformers"][label]["tpot_ms"] > 0
         assert metrics["agreement"][label]["fraction"] == 1.0  # float32, the same weights
         assert len(metrics["agreement"][label]["ours"]) == 8
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_decode_step_reads_every_weight_once_and_only_batch_rows_of_the_embedding(
+    tmp_path_factory, tiny_model_dir, tied
+):
+    checkpoint = load_checkpoint(str(tiny_dummy(tmp_path_factory, tiny_model_dir, tied)), "dummy")
+    cfg, weights = checkpoint.config, checkpoint.weights
+    embedding = weights["model.embed_tokens.weight"].numel()
+    every_weight = sum(weights[name].numel() for name in weights)
+    read = every_weight if tied else every_weight - embedding  # a tied lm_head is the embedding
+    batch, context = 3, 10.0
+    step = decode_step_bytes(cfg, 2, batch, context, [8, 16], ["q_proj", "o_proj"])
+    assert step["weights"] == 2 * (read + batch * cfg.hidden_size)
+    kv_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim
+    assert step["kv"] == 2 * batch * context * kv_per_token
+    q_in, q_out = cfg.projection_shape("q_proj")
+    o_in, o_out = cfg.projection_shape("o_proj")
+    assert step["adapters"] == 2 * cfg.num_layers * (8 + 16) * (q_in + q_out + o_in + o_out)
