@@ -206,6 +206,88 @@ def run_peer_side(args, model: Model, adapters, prompts, names, ours_greedy: dic
     return {"single": single, "agreement": agree, "runs": runs}
 
 
+def summarize(args, ours: dict, peer: dict, targets: tuple[str, ...]) -> dict:
+    """The result's metrics from both sides' measurements (headlines first)."""
+    runs = ours["runs"]
+    lora, base = median_run(runs["lora"]), median_run(runs["base"])
+    best = max(peer["runs"], key=lambda r: r["tokens_per_s"])
+
+    mc, gemm = ours["model_config"], ours["gemm"]
+    step_ratios = [
+        a["decode_step_ms"] / b["decode_step_ms"] for a, b in zip(runs["lora"], runs["base"])
+    ]
+    # Roofline of the whole run at the GEMM rates (prefill at 16 prompts' rows).
+    prefill_flops, decode_flops = linear_flops(
+        mc, args.prompt_len, args.new_tokens, args.num_requests
+    )
+    gemm_run_s = (
+        prefill_flops / gemm[args.prompt_len * 16] + decode_flops / gemm[args.num_requests]
+    ) / 1e9
+    # Roofline of one decode step: FLOPs at the GEMM rate or bytes at the bandwidth, the larger.
+    ranks = [RANKS[i % len(RANKS)] for i in range(min(args.num_adapters, args.num_requests))]
+    context = args.prompt_len + args.new_tokens / 2  # the mean over the decode steps
+    step_bytes = decode_step_bytes(mc, ours["itemsize"], args.num_requests, context, ranks, targets)
+    step_flops = decode_flops / (args.new_tokens - 1)
+    # The peak rate: at the decode batch a GEMM is itself bound by reading its weights, which
+    # the bytes term already counts.
+    step_compute_s = step_flops / max(gemm.values()) / 1e9
+    step_memory_s = sum(step_bytes.values()) / ours["bandwidth_gbs"] / 1e9
+    step_s = lora["decode_step_ms"] / 1e3
+    single, single_hf = ours["single"], peer["single"]
+    single_ratios = {
+        f"{kind}_ratio_vs_hf_{label}": single[label][f"{kind}_ms"] / single_hf[label][f"{kind}_ms"]
+        for label in single
+        for kind in ("ttft", "tpot")
+    }
+    metrics = {
+        "tokens_per_s": lora["tokens_per_s"],
+        "tokens_per_s_hf_peft": best["tokens_per_s"],
+        "hf_peft_best_batch_size": best["batch_size"],
+        "ratio_vs_hf_peft": lora["tokens_per_s"] / best["tokens_per_s"],
+        "decode_step_ms_lora": lora["decode_step_ms"],
+        "decode_step_ms_base": base["decode_step_ms"],
+        "decode_step_ratio_lora_vs_base": statistics.median(step_ratios),
+        "rounds": {
+            "tokens_per_s_lora": [r["tokens_per_s"] for r in runs["lora"]],
+            "tokens_per_s_base": [r["tokens_per_s"] for r in runs["base"]],
+            "decode_step_ratio_lora_vs_base": step_ratios,
+        },
+        "tokens_per_s_base_only": base["tokens_per_s"],
+        "roofline_fraction": max(step_compute_s, step_memory_s) / step_s,
+        "roofline": {
+            "bound": "compute" if step_compute_s >= step_memory_s else "memory",
+            "decode_step_ms_compute": step_compute_s * 1e3,
+            "decode_step_ms_memory": step_memory_s * 1e3,
+            "decode_step_bytes": step_bytes,
+            "decode_step_gflop": step_flops / 1e9,
+            "memory_bandwidth_gbs": ours["bandwidth_gbs"],
+            "mean_context": context,
+        },
+        "roofline_fraction_gemm": gemm_run_s / lora["seconds"],
+        "gemm_gflops": (prefill_flops + decode_flops) / gemm_run_s / 1e9,
+        "gemm_gflops_decode_batch": gemm[args.num_requests],
+        "gemm_gflops_prefill": gemm[args.prompt_len * 16],
+        "ttft_ms_single": single["base"]["ttft_ms"],
+        "tpot_ms_single": single["base"]["tpot_ms"],
+        "single": {"ours": single, "transformers": single_hf, **single_ratios},
+        "agreement": peer["agreement"],
+        "startup_s": ours["startup_s"],
+        "hf_peft_runs": peer["runs"],
+    }
+    if "lora_1_thread" in runs:
+        speedups = [
+            a["tokens_per_s"] / b["tokens_per_s"]
+            for a, b in zip(runs["lora"], runs["lora_1_thread"])
+        ]
+        metrics["rounds"]["tokens_per_s_1_thread"] = [
+            r["tokens_per_s"] for r in runs["lora_1_thread"]
+        ]
+        metrics["rounds"]["threads_speedup"] = speedups
+        metrics["tokens_per_s_1_thread"] = median_run(runs["lora_1_thread"])["tokens_per_s"]
+        metrics["threads_speedup"] = statistics.median(speedups)
+    return metrics
+
+
 def release_freed_memory() -> None:
     """Hand memory freed by dropped models back to the OS. glibc keeps freed heap pages (in the
     arena of the thread that allocated them: the engine thread's are never reused by this one),
@@ -289,91 +371,15 @@ def main(argv: list[str] | None = None) -> None:
 
     vocab = AutoConfig.from_pretrained(model.path).vocab_size
     adapters, prompts, names = make_workload(args, model, vocab, targets)
-    release_freed_memory()  # the model the adapters were made on, where they were made now
+    release_freed_memory()  # the model the adapters were made on (when made in this run)
     ours = run_engine_side(args, model, adapters, prompts, names, vocab, threads)
     release_freed_memory()
     rss_engine_gib = peak_rss_gib()
-    runs = ours["runs"]
-    lora, base = median_run(runs["lora"]), median_run(runs["base"])
+    lora, base = median_run(ours["runs"]["lora"]), median_run(ours["runs"]["base"])
     log.info("ours: %s; base model only: %s", lora, base)
     peer = run_peer_side(args, model, adapters, prompts, names, ours["greedy"])
-    best = max(peer["runs"], key=lambda r: r["tokens_per_s"])
-
-    mc, gemm = ours["model_config"], ours["gemm"]
-    step_ratios = [
-        a["decode_step_ms"] / b["decode_step_ms"] for a, b in zip(runs["lora"], runs["base"])
-    ]
-    # Roofline of the whole run at the GEMM rates (prefill at 16 prompts' rows).
-    prefill_flops, decode_flops = linear_flops(
-        mc, args.prompt_len, args.new_tokens, args.num_requests
-    )
-    gemm_run_s = (
-        prefill_flops / gemm[args.prompt_len * 16] + decode_flops / gemm[args.num_requests]
-    ) / 1e9
-    # Roofline of one decode step: FLOPs at the GEMM rate or bytes at the bandwidth, the larger.
-    ranks = [RANKS[i % len(RANKS)] for i in range(min(args.num_adapters, args.num_requests))]
-    context = args.prompt_len + args.new_tokens / 2  # the mean over the decode steps
-    step_bytes = decode_step_bytes(mc, ours["itemsize"], args.num_requests, context, ranks, targets)
-    step_flops = decode_flops / (args.new_tokens - 1)
-    # The peak rate: at the decode batch a GEMM is itself bound by reading its weights, which
-    # the bytes term already counts.
-    step_compute_s = step_flops / max(gemm.values()) / 1e9
-    step_memory_s = sum(step_bytes.values()) / ours["bandwidth_gbs"] / 1e9
-    step_s = lora["decode_step_ms"] / 1e3
-    single, single_hf = ours["single"], peer["single"]
-    single_ratios = {
-        f"{kind}_ratio_vs_hf_{label}": single[label][f"{kind}_ms"] / single_hf[label][f"{kind}_ms"]
-        for label in single
-        for kind in ("ttft", "tpot")
-    }
-    metrics = {
-        "tokens_per_s": lora["tokens_per_s"],
-        "tokens_per_s_hf_peft": best["tokens_per_s"],
-        "hf_peft_best_batch_size": best["batch_size"],
-        "ratio_vs_hf_peft": lora["tokens_per_s"] / best["tokens_per_s"],
-        "decode_step_ms_lora": lora["decode_step_ms"],
-        "decode_step_ms_base": base["decode_step_ms"],
-        "decode_step_ratio_lora_vs_base": statistics.median(step_ratios),
-        "rounds": {
-            "tokens_per_s_lora": [r["tokens_per_s"] for r in runs["lora"]],
-            "tokens_per_s_base": [r["tokens_per_s"] for r in runs["base"]],
-            "decode_step_ratio_lora_vs_base": step_ratios,
-        },
-        "tokens_per_s_base_only": base["tokens_per_s"],
-        "roofline_fraction": max(step_compute_s, step_memory_s) / step_s,
-        "roofline": {
-            "bound": "compute" if step_compute_s >= step_memory_s else "memory",
-            "decode_step_ms_compute": step_compute_s * 1e3,
-            "decode_step_ms_memory": step_memory_s * 1e3,
-            "decode_step_bytes": step_bytes,
-            "decode_step_gflop": step_flops / 1e9,
-            "memory_bandwidth_gbs": ours["bandwidth_gbs"],
-            "mean_context": context,
-        },
-        "roofline_fraction_gemm": gemm_run_s / lora["seconds"],
-        "gemm_gflops": (prefill_flops + decode_flops) / gemm_run_s / 1e9,
-        "gemm_gflops_decode_batch": gemm[args.num_requests],
-        "gemm_gflops_prefill": gemm[args.prompt_len * 16],
-        "ttft_ms_single": single["base"]["ttft_ms"],
-        "tpot_ms_single": single["base"]["tpot_ms"],
-        "single": {"ours": single, "transformers": single_hf, **single_ratios},
-        "agreement": peer["agreement"],
-        "startup_s": ours["startup_s"],
-        # The process's peak resident memory: by the end of our engine's runs, and overall.
-        "peak_rss_gib": {"through_ours": rss_engine_gib, "overall": peak_rss_gib()},
-        "hf_peft_runs": peer["runs"],
-    }
-    if "lora_1_thread" in runs:
-        speedups = [
-            a["tokens_per_s"] / b["tokens_per_s"]
-            for a, b in zip(runs["lora"], runs["lora_1_thread"])
-        ]
-        metrics["rounds"]["tokens_per_s_1_thread"] = [
-            r["tokens_per_s"] for r in runs["lora_1_thread"]
-        ]
-        metrics["rounds"]["threads_speedup"] = speedups
-        metrics["tokens_per_s_1_thread"] = median_run(runs["lora_1_thread"])["tokens_per_s"]
-        metrics["threads_speedup"] = statistics.median(speedups)
+    metrics = summarize(args, ours, peer, targets)
+    metrics["peak_rss_gib"] = {"through_ours": rss_engine_gib, "overall": peak_rss_gib()}
     result = write_result(
         args.out,
         "engine_throughput",
@@ -392,6 +398,7 @@ def main(argv: list[str] | None = None) -> None:
             " batch and at 16 prompts' tokens",
             "bandwidth": "best of 5 sums of a 512 MiB float32 buffer, all threads",
             "load_average_1min_before_after": [load_before[0], os.getloadavg()[0]],
+            "peak_rss_gib": "the process's peak resident memory by the end of ours, and overall",
         },
         metrics=metrics,
     )
