@@ -1,11 +1,14 @@
 """The peer a user would pick instead: transformers + PEFT, replaying a trace in-process.
 
 What it does, exactly: the base model and every adapter of the trace are loaded into one
-`PeftModel` (float32, before the clock starts). A loop then serves the trace open-loop in
-arrival time: it waits for the next arrival, takes every request that has arrived (up to
-`max_batch`), left-pads their prompts and runs one `generate(adapter_names=[...])` for the batch
-(greedy, `min_new_tokens = max_new_tokens = ` the longest request of the batch, so EOS never
-ends a row early); requests arriving meanwhile wait for the next batch (static batching).
+`PeftModel` (float32 unless asked otherwise, before the clock starts). A `--load-format dummy`
+checkpoint (config.json only) gets the very tensors our engine draws for it: `load_base` copies
+the engine loader's `DummyWeights` into transformers' model of the config. A loop then serves
+the trace open-loop in arrival time: it waits for the next arrival, takes every request that has
+arrived (up to `max_batch`), left-pads their prompts and runs one
+`generate(adapter_names=[...])` for the batch (greedy, `min_new_tokens = max_new_tokens = ` the
+longest request of the batch, so EOS never ends a row early); requests arriving meanwhile wait
+for the next batch (static batching).
 
 Timing is generous to the peer: a stopping-criteria hook stamps each decoding step, a request's
 TTFT is its arrival to the batch's first token, and its E2E is its arrival to the step that
@@ -26,6 +29,9 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 
 from toppings.scripts.loadgen.client import request_config
 from toppings.scripts.loadgen.workload import TraceEntry
+from toppings.scripts.make_adapters import base_from_config
+from toppings.server.config import LoadFormat
+from toppings.server.model.loader import load_checkpoint, resolve_model_dir
 
 log = logging.getLogger(__name__)
 
@@ -41,17 +47,43 @@ class StepClock(StoppingCriteria):
         return torch.zeros(input_ids.shape[0], dtype=torch.bool)
 
 
-def load_peft_model(model_dir: str | Path, adapters: dict[str, str]):
-    """The base model with all `adapters` (name -> PEFT dir) loaded, in eval mode."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
+def load_base(
+    model: str | Path, dtype: torch.dtype = torch.float32, load_format: LoadFormat = LoadFormat.AUTO
+):
+    """transformers' model of `model` (what toppings-serve --model takes) in `dtype`, eval mode.
 
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    AUTO and SAFETENSORS read the checkpoint with `from_pretrained`; DUMMY builds the model from
+    config.json and fills it with the weights our engine's loader draws for the same directory
+    (`load_checkpoint(model, "dummy")`, seed 0 as the engine's), so both serve the same model.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if load_format is LoadFormat.DUMMY:
+        weights = load_checkpoint(str(model), load_format).weights
+        hf_config = AutoConfig.from_pretrained(resolve_model_dir(str(model)))
+        return base_from_config(hf_config, weights, dtype)
+    return AutoModelForCausalLM.from_pretrained(resolve_model_dir(str(model)), dtype=dtype).eval()
+
+
+def attach_adapters(base, adapters: dict[str, str]):
+    """`base` wrapped (in place) in a `PeftModel` holding every adapter (name -> PEFT dir)."""
+    from peft import PeftModel
+
     items = list(adapters.items())
     model = PeftModel.from_pretrained(base, items[0][1], adapter_name=items[0][0])
     for name, path in items[1:]:
         model.load_adapter(path, adapter_name=name)
     return model.eval()
+
+
+def load_peft_model(
+    model_dir: str | Path,
+    adapters: dict[str, str],
+    dtype: torch.dtype = torch.float32,
+    load_format: LoadFormat = LoadFormat.AUTO,
+):
+    """The base model (see `load_base`) with all `adapters` (name -> PEFT dir), in eval mode."""
+    return attach_adapters(load_base(model_dir, dtype, load_format), adapters)
 
 
 def run_batch(model, batch: list[TraceEntry], pad_id: int) -> list[float]:

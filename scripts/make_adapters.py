@@ -17,12 +17,12 @@ import argparse
 import logging
 import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
 from peft import LoraConfig, get_peft_model
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from toppings.server.model.config import LORA_TARGETS
 from toppings.server.model.loader import resolve_model_dir
@@ -39,6 +39,31 @@ def load_base(base: str | Path) -> PreTrainedModel:
     """
     model_dir = resolve_model_dir(str(base)).resolve()
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+
+
+def base_from_config(
+    hf_config: PretrainedConfig, weights: Mapping[str, torch.Tensor], dtype: torch.dtype
+) -> PreTrainedModel:
+    """transformers' model of `hf_config` in `dtype`, every parameter copied from `weights`
+    (Hugging Face names; a tied lm_head is the embedding), in eval mode.
+
+    The model is built without transformers' random init, so its memory is one copy of the
+    weights: `weights` may be `DummyWeights`, drawing each tensor as it is copied. Raises
+    ValueError when the names of `weights` are not the model's parameters.
+    """
+    from transformers.initialization import no_init_weights
+
+    with no_init_weights():
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+    model.tie_weights()  # skipped with the init: a tied lm_head would be a tensor of its own
+    params = dict(model.named_parameters())  # a tied lm_head is listed once, as the embedding
+    if sorted(params) != sorted(weights):
+        missing, extra = sorted(set(params) - set(weights)), sorted(set(weights) - set(params))
+        raise ValueError(f"weights do not match the config: missing {missing}, extra {extra}")
+    with torch.no_grad():
+        for name, param in params.items():
+            param.copy_(weights[name])
+    return model.eval()
 
 
 def make_random_adapter(
@@ -92,7 +117,8 @@ def _set_weights(layer: torch.nn.Module, init_std: float | None, delta_ratio: fl
         a.normal_(0.0, init_std)
         b.normal_(0.0, init_std)
         return
-    weight = layer.get_base_layer().weight  # [out, in]
+    # Norms are measured in float32 whatever the base's dtype (PEFT keeps A and B in float32).
+    weight = layer.get_base_layer().weight.float()  # [out, in]
     x = torch.randn(NUM_PROBE_ROWS, weight.shape[1])  # [T, in]
     base_norm = (x @ weight.T).norm()
     delta_norm = (layer.scaling["default"] * (x @ a.T) @ b.T).norm()
