@@ -52,7 +52,7 @@ def adapter_bytes(path: str | Path, model_dir: str, dtype: torch.dtype) -> int:
     from toppings.gpu_lora.peft_format import load_peft_adapter
     from toppings.server.model.loader import load_checkpoint
 
-    config = load_checkpoint(model_dir).config
+    config = load_checkpoint(model_dir, "dummy").config  # shapes only: no weight is read
     return load_peft_adapter(str(path), config).bytes_at(dtype)
 
 
