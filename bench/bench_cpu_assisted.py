@@ -1,22 +1,39 @@
-"""TTFT and time per token of cached / on-demand / cpu-assisted when every request needs a load.
+"""TTFT and time per token of cached / on-demand / cpu-assisted when requests need adapter loads.
 
-A stream of requests arrives at a fixed interval, each for a rank-64 adapter that is not yet on
-the device (except in `cached`, where every adapter is preloaded: the ideal upper bound). The
-interval is set from this machine's capacity, measured first (`cached`, every request submitted
-at once: requests per second): `--load 0.5` offers half of it. Every mode runs `--rounds` times,
-in alternating order; the ratios are taken per round and reported as the median with the
-spread across rounds. On a
-CPU the "device" load is a real copy throttled by `--link-gbps`; by default the link speed is
-set so that loading one adapter takes as long as prefilling one prompt (the regime of the
-Toppings paper's Fig. 4) and the result is labelled "emulated link". With `--device cuda` the
-loads go over the real host-to-device link (no throttle) and the result names the GPU. For the
-paper's shapes, make a random model with Llama-7B layers first (fewer layers keep it quick):
+Requests arrive as a Poisson stream at `--load` (default half) of this machine's capacity,
+measured first (`cached`, every request submitted at once: requests per second). Each asks for
+one of `--num-adapters` adapters of ranks `--ranks` (8-128, in turn), picked at random; in
+on-demand and cpu-assisted the device holds only `--cache-share` of their bytes (at least two
+of the largest), so most requests need a load; `cached` preloads them all (the ideal upper
+bound). Every mode runs `--rounds` times in alternating order, the same arrivals for every mode
+of a round; the ratios are taken per round and reported as the median with the spread across
+rounds.
 
-    python -m bench.bench_cpu_assisted --out bench/results/cpu_assisted.json
-    python -m toppings.scripts.make_tiny_llama /tmp/llama7b-8l --layers 8 --hidden 4096 \
-        --intermediate 11008 --heads 32 --kv-heads 32 --vocab 32000 --max-positions 4096
-    python -m bench.bench_cpu_assisted --device cuda --model /tmp/llama7b-8l --cpu-workers 8 \
-        --out bench/results/cpu_assisted_cuda.json
+The shape (default): Llama-2-7B's layers (hidden 4096, intermediate 11008, 32 heads; the
+Toppings paper's model) with `--layers 4` instead of 32, random weights from `--load-format
+dummy` (scripts/make_dummy_model.py, presets llama-2-7b, llama-3.2-1b, qwen2.5-1.5b). Fewer
+layers keep both sides of the comparison in proportion: an adapter's load and a prefill each
+cost the same per layer (a layer group's copy vs the layer's forward), so their ratio, which
+decides how much of a load cpu-assisted can hide, is the 32-layer model's; only the embedding
+and the LM head (one row per prompt) do not scale, and they are small beside 4 layers of 7B.
+
+The link (on a CPU): by default its bandwidth is set so that loading a rank-64 adapter takes
+`--load-to-prefill` (1.0) times one prefill of the prompt (the regime of the paper's Fig. 4:
+a rank-64 7B adapter takes milliseconds to tens of milliseconds over PCIe against 44 ms for a
+256-token prefill on an A100); each layer-group copy also pays `--link-latency-us` (PCIe 4.0
+x16's, server/config.py). A CPU prefills a 7B layer far more slowly than an A100, so the real
+PCIe bandwidth (`--link-gbps 200`) would make every load look free. With `--device cuda` the
+loads go over the real link (no throttle) and the result names the GPU.
+
+The device/host split (`--device-cores 0 --cpu-cores 1`): every mode's forward pass runs on
+the device cores, the adapter loader and (cpu-assisted) the CPU workers on the host cores, so
+the modes differ only in how the adapter arrives. Without it all of them share every core.
+
+    OMP_WAIT_POLICY=PASSIVE python -m bench.bench_cpu_assisted --device-cores 0 --cpu-cores 1 \
+        --out bench/results/cpu_assisted.json
+    OMP_WAIT_POLICY=PASSIVE python -m bench.bench_cpu_assisted --quick   # checks the driver
+
+`--quick` (2 layers, 6 short requests, one round) writes to /tmp unless `--out` is given.
 """
 
 from __future__ import annotations
@@ -25,46 +42,69 @@ import argparse
 import json
 import logging
 import os
+import random
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-from bench.common import adapter_bytes, link_gbps_for, prefill_ms
+from bench.common import adapter_bytes, link_gbps_for, prefill_ms, write_random_adapter
 from bench.envelope import describe_device, write_result
-from toppings.scripts.make_adapters import make_random_adapter
-from toppings.server.config import EngineConfig
-from toppings.server.model.loader import resolve_model_dir
+from toppings.scripts.make_dummy_model import PRESETS, make_dummy_model
+from toppings.server.config import PCIE4_X16_LATENCY_US, EngineConfig
+from toppings.server.model.loader import load_checkpoint, resolve_model_dir
 from toppings.server.requests.request import GenerationRequest, SamplingParams
 from toppings.server.runtime import build_engine
+from toppings.server.settings import parse_cores
 
 log = logging.getLogger("bench_cpu_assisted")
 TARGETS = ("q_proj", "k_proj", "v_proj")
 MODES = ("cached", "on-demand", "cpu-assisted")
+QUICK = {"layers": 2, "num_requests": 6, "num_adapters": 6, "prompt_len": 32, "new_tokens": 4,
+         "rounds": 1, "out": "/tmp/cpu_assisted_quick.json"}  # fmt: skip
 
 
-def make_adapters(root: Path, model_dir: Path, count: int, rank: int) -> dict[str, str]:
+def dummy_model(preset: str, layers: int) -> Path:
+    """The preset's shapes with `layers` layers, as a weightless checkpoint (made once)."""
+    out = Path(f"/tmp/toppings-dummy-{preset}-{layers}l")
+    if not (out / "config.json").is_file():
+        make_dummy_model(out, {**PRESETS[preset], "num_hidden_layers": layers})
+    return out
+
+
+def make_adapters(root: Path, model_dir: str, count: int, ranks: list[int]) -> dict[str, str]:
+    """`count` adapters named a0, a1, ..., adapter i of rank ranks[i % len(ranks)]."""
     paths = {}
     for i in range(count):
+        rank = ranks[i % len(ranks)]
         path = root / f"assist-r{rank}-{i}"
         if not (path / "adapter_config.json").is_file():
-            make_random_adapter(path, model_dir, rank=rank, target_modules=TARGETS, seed=100 + i)
+            write_random_adapter(path, model_dir, rank, TARGETS, seed=100 + i)
         paths[f"a{i}"] = str(path)
     return paths
 
 
-def run_stream(engine, prompts, names, interval_s: float, new_tokens: int) -> list:
-    """Submit one request per interval (open loop); return their final outputs."""
+def poisson_gaps(count: int, interval_s: float, seed: int) -> list[float]:
+    """Gaps between `count` arrivals of a Poisson stream of mean gap `interval_s` (the first
+    arrives at once)."""
+    rng = random.Random(seed)
+    return [0.0] + [rng.expovariate(1.0 / interval_s) for _ in range(count - 1)]
+
+
+def run_stream(engine, prompts, names, gaps: list[float], new_tokens: int) -> list:
+    """Submit request i after the sum of gaps[:i + 1] (open loop); return their outputs."""
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-    start = time.perf_counter()
+    start, at = time.perf_counter(), 0.0
     handles = []
-    for i, (prompt, name) in enumerate(zip(prompts, names)):
-        delay = start + i * interval_s - time.perf_counter()
+    for prompt, name, gap in zip(prompts, names, gaps):
+        at += gap
+        delay = start + at - time.perf_counter()
         if delay > 0:
             time.sleep(delay)
         handles.append(engine.submit(GenerationRequest(prompt, params, name)))
-    return [h.result(timeout_s=600) for h in handles]
+    return [h.result(timeout_s=1800) for h in handles]
 
 
 def measure_capacity(model_dir: str, config: EngineConfig, adapters: dict, prompts, names,
@@ -72,9 +112,9 @@ def measure_capacity(model_dir: str, config: EngineConfig, adapters: dict, promp
     """Requests per second of a cached engine given every request at once (its best rate)."""
     engine = build_engine(model_dir, config, adapters)
     try:
-        run_stream(engine, prompts[:2], [None, None], 0.0, 4)  # warm-up
+        run_stream(engine, prompts[:2], [None, None], [0.0, 0.0], 4)  # warm-up
         start = time.perf_counter()
-        run_stream(engine, prompts, names, 0.0, new_tokens)
+        run_stream(engine, prompts, names, [0.0] * len(prompts), new_tokens)
         return len(prompts) / (time.perf_counter() - start)
     finally:
         engine.shutdown()
@@ -96,75 +136,127 @@ def summarise(outs) -> dict:
     }
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="smollm2")
+    p.add_argument("--model", default=None,
+                   help="a checkpoint directory (default: a dummy model of --preset)")  # fmt: skip
+    p.add_argument("--preset", default="llama-2-7b", choices=sorted(PRESETS))
+    p.add_argument("--layers", type=int, default=4, help="layers of the --preset model")
+    p.add_argument("--load-format", default=None, choices=["auto", "dummy"],
+                   help="default: dummy for --preset, auto for --model")  # fmt: skip
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    p.add_argument("--rank", type=int, default=64)
+    p.add_argument("--ranks", default="8,16,32,64,128", help="adapter ranks, in turn")
+    p.add_argument("--num-adapters", type=int, default=40)
+    p.add_argument("--cache-share", type=float, default=0.25,
+                   help="device adapter budget (on-demand, cpu-assisted) as a share of all "
+                   "adapters' bytes")  # fmt: skip
     p.add_argument("--num-requests", type=int, default=120)
     p.add_argument("--load", type=float, default=0.5,
                    help="offered rate as a fraction of the measured capacity")  # fmt: skip
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--link-gbps", type=float, default=0.0,
-                   help="0: set so one adapter load takes one prefill's time")  # fmt: skip
-    p.add_argument("--cpu-workers", type=int, default=0)
+                   help="0: set from --load-to-prefill")  # fmt: skip
+    p.add_argument("--load-to-prefill", type=float, default=1.0,
+                   help="a rank-64 load's time over one prefill's (sets the link)")  # fmt: skip
+    p.add_argument("--link-latency-us", type=float, default=PCIE4_X16_LATENCY_US)
+    p.add_argument("--device-cores", type=parse_cores, default=(),
+                   help="the device side of the split (every mode's forward pass)")  # fmt: skip
+    p.add_argument("--cpu-cores", type=parse_cores, default=(),
+                   help="the host side: the loader, and cpu-assisted's workers")  # fmt: skip
+    p.add_argument("--cpu-workers", type=int, default=None,
+                   help="cpu-assisted's workers (default: one per --cpu-cores or 0)")  # fmt: skip
     p.add_argument("--cpu-spin-us", type=float, default=0.0, help="see toppings-serve")
     p.add_argument("--rounds", type=int, default=3, help="runs of every mode, order alternating")
-    p.add_argument("--adapter-dir", default="/tmp/toppings-assist-adapters")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--adapter-dir", default=None, help="default: under /tmp, per model")
     p.add_argument("--out", default="bench/results/cpu_assisted.json")
+    p.add_argument("--quick", action="store_true", help="a smoke test of the driver: " +
+                   ", ".join(f"{k}={v}" for k, v in QUICK.items()))  # fmt: skip
     args = p.parse_args(argv)
+    if args.quick:
+        given = set(sys.argv[1:] if argv is None else argv)
+        for key, value in QUICK.items():
+            if f"--{key.replace('_', '-')}" not in given:
+                setattr(args, key, value)
+    if args.cpu_workers is None:
+        args.cpu_workers = len(args.cpu_cores) if args.device_cores else 0
     if args.cpu_workers and args.device == "cpu" and os.environ.get("OMP_WAIT_POLICY") != "PASSIVE":
         # toppings-serve sets it when it starts workers; it must be set before torch starts
         # OpenMP, whose busy-waiting threads would otherwise starve the workers.
         p.error("with --cpu-workers on a CPU run it as OMP_WAIT_POLICY=PASSIVE python -m ...")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    model_dir = str(resolve_model_dir(args.model))
-    adapters = make_adapters(Path(args.adapter_dir), Path(model_dir), args.num_requests, args.rank)
-    from toppings.server.model.loader import load_checkpoint
+    return args
 
-    vocab = load_checkpoint(model_dir).config.vocab_size
-    gen = torch.Generator().manual_seed(0)
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if args.model is None:
+        model_dir = str(dummy_model(args.preset, args.layers))
+        load_format = args.load_format or "dummy"
+    else:
+        model_dir = str(resolve_model_dir(args.model))
+        load_format = args.load_format or "auto"
+    ranks = [int(r) for r in args.ranks.split(",")]
+    adapter_dir = Path(args.adapter_dir or f"/tmp/toppings-assist-adapters/{Path(model_dir).name}")
+    adapters = make_adapters(adapter_dir, model_dir, args.num_adapters, ranks)
+    dtype = getattr(torch, args.dtype)
+    sizes = {n: adapter_bytes(p, model_dir, dtype) for n, p in adapters.items()}
+    vocab = load_checkpoint(model_dir, "dummy").config.vocab_size
+    gen = torch.Generator().manual_seed(args.seed)
     prompts = [
         torch.randint(
-            min(100, vocab - 1), min(40000, vocab), (args.prompt_len,), generator=gen
+            min(100, vocab - 1), min(30000, vocab), (args.prompt_len,), generator=gen
         ).tolist()
         for _ in range(args.num_requests)
     ]
-    names = list(adapters)  # each request its own adapter: every one needs a load
-    base_prefill_ms = prefill_ms(model_dir, args.dtype, prompts[0], args.device)
+    pick = random.Random(args.seed)
+    names = [pick.choice(list(adapters)) for _ in prompts]
+    split = {"device_cores": args.device_cores, "cpu_cores": args.cpu_cores}
+    base_prefill_ms = prefill_ms(model_dir, args.dtype, prompts[0], args.device,
+                                 load_format=load_format, **split)  # fmt: skip
     link_gbps = args.link_gbps
+    rank64_bytes = adapter_bytes(
+        write_random_adapter(adapter_dir / "probe-r64", model_dir, 64, TARGETS, seed=0),
+        model_dir, dtype,
+    )  # fmt: skip
     if args.device == "cuda":
         link_gbps = 0.0  # the real link
     elif not link_gbps:
-        nbytes = adapter_bytes(adapters["a0"], model_dir, getattr(torch, args.dtype))
-        link_gbps = link_gbps_for(nbytes, base_prefill_ms / 1000)
+        link_gbps = link_gbps_for(rank64_bytes, args.load_to_prefill * base_prefill_ms / 1000)
+    # At least room for two of the largest, so that any request can be admitted beside another.
+    budget = max(int(args.cache_share * sum(sizes.values())), 2 * max(sizes.values()))
 
     def config_for(mode: str) -> EngineConfig:
         return EngineConfig(
-            device=args.device, dtype=args.dtype, lora_mode=mode,
+            device=args.device, dtype=args.dtype, load_format=load_format, lora_mode=mode,
             link_gbps=0.0 if mode == "cached" else link_gbps,
+            link_latency_us=args.link_latency_us,
+            adapter_cache_bytes=0 if mode == "cached" else budget,
             num_cpu_workers=args.cpu_workers if mode == "cpu-assisted" else 0,
             cpu_spin_us=args.cpu_spin_us,
             max_total_tokens=64 * (args.prompt_len + args.new_tokens), max_batch_size=64,
+            **split,
         )  # fmt: skip
 
     capacity = measure_capacity(model_dir, config_for("cached"), adapters, prompts, names,
                                 args.new_tokens)  # fmt: skip
     interval_s = 1.0 / (args.load * capacity)
-    log.info("capacity %.2f req/s: one request every %.0f ms", capacity, 1000 * interval_s)
+    log.info("capacity %.3f req/s: a request every %.0f ms on average", capacity,
+             1000 * interval_s)  # fmt: skip
     # Modes run one engine at a time; rounds alternate their order (forward, reversed, ...) so
     # that neither the first place nor a slow spell of the machine falls on one mode only.
     outs_by_mode: dict[str, list] = {m: [] for m in MODES}
     per_round: dict[str, list[dict]] = {m: [] for m in MODES}
     counts = {m: {"host_lora_calls": 0, "adapter_loads": 0} for m in MODES}
     for round_idx in range(args.rounds):
+        gaps = poisson_gaps(len(prompts), interval_s, seed=args.seed + round_idx)
         for mode in MODES if round_idx % 2 == 0 else MODES[::-1]:
             engine = build_engine(model_dir, config_for(mode), adapters)
             try:
-                run_stream(engine, prompts[:2], [None, None], 0.0, 4)  # warm-up, no adapter
-                outs = run_stream(engine, prompts, names, interval_s, args.new_tokens)
+                run_stream(engine, prompts[:2], [None, None], [0.0, 0.0], 4)  # warm-up
+                outs = run_stream(engine, prompts, names, gaps, args.new_tokens)
                 outs_by_mode[mode] += outs
                 per_round[mode].append(summarise(outs))
                 counts[mode]["host_lora_calls"] += engine.lora.host_stats.calls
@@ -184,12 +276,20 @@ def main(argv: list[str] | None = None) -> None:
         "ttft_p50_cpu_assisted_vs_on_demand": ratios("ttft_p50_ms", "cpu-assisted", "on-demand"),
         "tpt_mean_cpu_assisted_vs_cached": ratios("tpt_mean_ms", "cpu-assisted", "cached"),
     }
+    split_text = (
+        f"device cores {list(args.device_cores)}, host cores {list(args.cpu_cores)}"
+        if args.device_cores
+        else "no device/host split"
+    )
     if args.device == "cuda":
         device = f"{describe_device('cuda')}, real host-to-device link"
         link = "real host-to-device link (not throttled)"
     else:
-        device = f"{describe_device()}, emulated link"
-        link = f"emulated, {link_gbps:.3f} Gbit/s (one adapter load = one 128-token prefill)"
+        device = f"{describe_device()}, emulated link, {split_text}"
+        link = (
+            f"emulated, {link_gbps:.3f} Gbit/s + {args.link_latency_us:g} us per layer group "
+            f"(a rank-64 load = {args.load_to_prefill:g} x one {args.prompt_len}-token prefill)"
+        )
     result = write_result(
         args.out,
         "cpu_assisted",
@@ -198,10 +298,15 @@ def main(argv: list[str] | None = None) -> None:
         argv=argv,
         config={
             **{k: v for k, v in vars(args).items() if k != "out"},
+            "model_dir": model_dir,
+            "load_format": load_format,
+            "split": split_text,
             "link_gbps_used": link_gbps,
+            "rank64_adapter_bytes": rank64_bytes,
+            "adapter_cache_bytes": budget,
             "capacity_rps": capacity,
             "interval_ms": 1000 * interval_s,
-            "prefill_128_ms": base_prefill_ms,
+            "prefill_ms": base_prefill_ms,
             "targets": TARGETS,
             "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "default"),
             "load_average_1min_at_end": os.getloadavg()[0],

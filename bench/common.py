@@ -1,17 +1,21 @@
 """Helpers shared by more than one benchmark driver.
 
 Layer shapes and an adapter record for the CPU LoRA benches (bench_cpu_lora_ipc,
-bench_cpu_lora_parallel), and the emulated link of the load benches (bench_cpu_assisted,
-bench_single_server): its speed is set so that loading one adapter takes one prefill's time.
+bench_cpu_lora_parallel), the emulated link of the load benches (bench_cpu_assisted,
+bench_single_server): its speed is set so that loading one adapter takes one prefill's time,
+and PEFT adapters written from a model's shapes alone (for `--load-format dummy` models, which
+have no weights for the peft library to wrap).
 """
 
 from __future__ import annotations
 
+import json
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 
 from toppings.server.config import EngineConfig
 from toppings.server.requests.request import GenerationRequest, SamplingParams
@@ -48,7 +52,7 @@ def adapter_bytes(path: str | Path, model_dir: str, dtype: torch.dtype) -> int:
     from toppings.gpu_lora.peft_format import load_peft_adapter
     from toppings.server.model.loader import load_checkpoint
 
-    config = load_checkpoint(model_dir).config
+    config = load_checkpoint(model_dir, "dummy").config  # shapes only: no weight is read
     return load_peft_adapter(str(path), config).bytes_at(dtype)
 
 
@@ -57,9 +61,46 @@ def link_gbps_for(nbytes: int, seconds: float) -> float:
     return nbytes * 8 / seconds / 1e9
 
 
-def prefill_ms(model_dir: str, dtype: str, prompt: list[int], device: str = "cpu") -> float:
-    """Median time of a lone 128-token prefill (no adapter) on this machine."""
-    config = EngineConfig(device=device, dtype=dtype, max_total_tokens=4096)
+def write_random_adapter(
+    out_dir: str | Path, model_dir: str, rank: int, targets: tuple[str, ...], seed: int
+) -> Path:
+    """A PEFT LoRA directory of `rank` on `targets` of every layer of the model at `model_dir`,
+    drawn from its config.json alone (bfloat16, small values: outputs stay finite); returns it.
+    """
+    from toppings.gpu_lora.peft_config import CONFIG_FILE, WEIGHTS_FILE, module_name
+    from toppings.server.model.loader import load_checkpoint
+
+    config = load_checkpoint(model_dir, "dummy").config  # shapes only: no weight is drawn
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(config.num_layers):
+        for module in targets:
+            h_in, h_out = config.projection_shape(module)
+            key = f"base_model.model.{module_name(layer, module)}"
+            a = torch.randn(rank, h_in, generator=gen) / h_in**0.5  # [R, H_in]
+            b = torch.randn(h_out, rank, generator=gen) / (8 * rank)  # [H_out, R]
+            tensors[f"{key}.lora_A.weight"] = a.to(torch.bfloat16)
+            tensors[f"{key}.lora_B.weight"] = b.to(torch.bfloat16)
+    save_file(tensors, str(out / WEIGHTS_FILE))
+    (out / CONFIG_FILE).write_text(json.dumps({
+        "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(targets),
+        "bias": "none", "base_model_name_or_path": str(model_dir),
+    }))  # fmt: skip
+    return out
+
+
+def prefill_ms(
+    model_dir: str,
+    dtype: str,
+    prompt: list[int],
+    device: str = "cpu",
+    **config_fields,
+) -> float:
+    """Median time of a lone prefill of `prompt` (no adapter) on this machine. config_fields:
+    more EngineConfig fields (the load format, the device/host split's cores)."""
+    config = EngineConfig(device=device, dtype=dtype, max_total_tokens=4096, **config_fields)
     engine = build_engine(model_dir, config)
     try:
         params = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)

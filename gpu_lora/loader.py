@@ -2,8 +2,10 @@
 
 The engine reads `LoadTicket.layers_ready()` before each layer: layers below it are resident and
 run on the device kernels, the rest go to the CPU workers (cpu-assisted) or wait (on-demand).
-On a CPU device a loader thread does real copies, optionally throttled to `link_gbps` to emulate
-a PCIe link; on CUDA the copies run on a side stream from pinned host memory with one event per
+On a CPU device a loader thread does real copies, optionally throttled to emulate a PCIe link
+(`LinkProfile`: a bandwidth and a per-transfer latency, paid per layer-group copy); with the
+device/host split the thread runs on the host cores only, as a GPU's copy engine runs beside
+its compute; on CUDA the copies run on a side stream from pinned host memory with one event per
 group, and readiness is a non-blocking event query.
 """
 
@@ -11,9 +13,12 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import queue
 import threading
 import time
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
 
 import torch
 
@@ -78,25 +83,53 @@ class LoadTicket:
         return ticket
 
 
-class ThreadCopy:
-    """CPU device: plain copies on the loader thread, throttled to emulate a link if asked."""
+@dataclass(frozen=True)
+class LinkProfile:
+    """An emulated host-to-device bus: `gbps` Gbit/s (0: no emulation, copies run at memory
+    speed) and `latency_us` per transfer. A load's layer groups go over it one after another,
+    each one transfer."""
 
-    def __init__(self, link_gbps: float = 0.0):
-        self.link_bytes_per_s = link_gbps * 1e9 / 8 if link_gbps > 0 else 0.0
+    gbps: float = 0.0
+    latency_us: float = 0.0
+
+    def ready_after_s(self, transfers: int, moved_bytes: int) -> float:
+        """Seconds from a load's start until a link of this profile has moved `moved_bytes` in
+        `transfers` transfers (0 when the link is not emulated)."""
+        if self.gbps <= 0:
+            return 0.0
+        return transfers * self.latency_us * 1e-6 + moved_bytes * 8 / (self.gbps * 1e9)
+
+
+class ThreadCopy:
+    """CPU device: plain copies on the loader thread, each layer group ready no earlier than
+    the emulated link would have delivered it. `clock` and `sleep` are time.perf_counter and
+    time.sleep outside tests."""
+
+    def __init__(
+        self,
+        link: LinkProfile = LinkProfile(),
+        clock: Callable[[], float] = time.perf_counter,
+        sleep: Callable[[float], None] = time.sleep,
+    ):
+        self.link = link
+        self._clock, self._sleep = clock, sleep
         self._start = 0.0
+        self._groups = 0
 
     def begin(self) -> None:
-        self._start = time.perf_counter()
+        self._start = self._clock()
+        self._groups = 0
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)
 
     def group_done(self, ticket: LoadTicket, layers: int, moved_bytes: int) -> None:
-        if self.link_bytes_per_s:
-            # Emulated link: a group is ready when a link of that speed would have moved it.
-            delay = self._start + moved_bytes / self.link_bytes_per_s - time.perf_counter()
+        self._groups += 1
+        ready_s = self.link.ready_after_s(self._groups, moved_bytes)
+        if ready_s:
+            delay = self._start + ready_s - self._clock()
             if delay > 0:
-                time.sleep(delay)
+                self._sleep(delay)
         ticket.mark_ready(layers)
 
 
@@ -120,18 +153,37 @@ class StreamCopy:
 
 
 class PipelinedLoader:
-    """Runs loads in FIFO order on one background thread (the copy engine of the device)."""
+    """Runs loads in FIFO order on one background thread (the copy engine of the device).
 
-    def __init__(self, pool: AdapterPool, layers_per_group: int = 1, link_gbps: float = 0.0):
+    link_gbps, link_latency_us: the emulated link of a CPU device (LinkProfile). cores: the
+    cores the thread runs on (the host side of the device/host split); empty: any."""
+
+    def __init__(
+        self,
+        pool: AdapterPool,
+        layers_per_group: int = 1,
+        link_gbps: float = 0.0,
+        link_latency_us: float = 0.0,
+        cores: Collection[int] = (),
+    ):
         if layers_per_group < 1:
             raise ValueError("layers_per_group must be >= 1")
         self.pool = pool
         self.layers_per_group = layers_per_group
         self.bytes_loaded = 0
-        self._copier = StreamCopy() if pool.device.type == "cuda" else ThreadCopy(link_gbps)
+        if pool.device.type == "cuda":
+            self._copier = StreamCopy()
+        else:
+            self._copier = ThreadCopy(LinkProfile(link_gbps, link_latency_us))
+        self._cores = frozenset(cores)
         self._queue: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="adapter-loader", daemon=True)
         self._thread.start()
+
+    @property
+    def thread_id(self) -> int | None:
+        """The loader thread's kernel id (/proc/<pid>/task/<id>), for diagnostics."""
+        return self._thread.native_id
 
     def submit(self, adapter: LoraAdapter, entry: ResidentAdapter) -> LoadTicket:
         """Start copying `adapter` into the rows of `entry`; returns at once."""
@@ -147,6 +199,8 @@ class PipelinedLoader:
         self._thread.join(timeout=10)
 
     def _run(self) -> None:
+        if self._cores:
+            os.sched_setaffinity(0, self._cores)  # this thread only: affinity is per thread
         while (item := self._queue.get()) is not None:
             adapter, entry, ticket = item
             try:

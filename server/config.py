@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import os
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -31,6 +32,14 @@ DEVICES = ("cpu", "cuda")
 DTYPES = ("float32", "bfloat16", "float16")
 DTYPE_CHOICES = (*DTYPES, "auto")  # auto: resolved for the machine at start-up (runtime.py)
 KERNELS = ("bgmv", "mbgmv")
+# The emulated link's default per-transfer latency (--link-latency-us), after a PCIe 4.0 x16
+# host-to-device copy: the bus of FastLibra's testbed (its Table, "PCIe x16 Gen4.0") and of the
+# A100 that Toppings measures its loads on (Fig. 4, "tens of milliseconds depending on the
+# adapter size and PCIe bandwidth"). Neither paper prints the pair; these are the usual
+# measurements of that bus (CUDA bandwidthTest, pinned memory): about 25 GB/s (200 Gbit/s) of
+# the 31.5 GB/s raw, and about 10 us from the launch of a copy to its first byte.
+PCIE4_X16_GBPS = 200.0
+PCIE4_X16_LATENCY_US = 10.0
 QUEUE_POLICIES = ("fcfs", "chameleon")  # the classes: server.sched.policies
 MEMORY_LAYOUTS = ("pool", "static")  # the layouts: server.memory.layout
 MEMORY_POLICIES = ("lru", "fastlibra")  # the classes: server.memory.policies
@@ -150,9 +159,21 @@ class LoraConfig(Settings):
         0.0,
         bound=Bound.NON_NEGATIVE,
         flag=Flag(
-            "--device cpu only: throttle adapter loads to emulate a link of X GB/s (0: off)",
+            "--device cpu only: throttle adapter loads to emulate a link of X Gbit/s (0: off; "
+            f"{PCIE4_X16_GBPS:g} is a PCIe 4.0 x16 bus as measured)",
             type=float,
             metavar="X",
+        ),
+    )
+    # The emulated link's latency per layer-group copy (only with link_gbps).
+    link_latency_us: float = setting(
+        PCIE4_X16_LATENCY_US,
+        bound=Bound.NON_NEGATIVE,
+        flag=Flag(
+            "--device cpu with --link-gbps: each layer group's copy also pays US microseconds "
+            "of per-transfer latency (default: a PCIe 4.0 x16 bus as measured)",
+            type=float,
+            metavar="US",
         ),
     )
     layers_per_group: int = setting(1, bound=Bound.POSITIVE)  # layers per pipelined load step
@@ -176,6 +197,17 @@ class LoraConfig(Settings):
             metavar="LIST",
         ),
     )
+    # The device side of a CPU-only node's device/host split; (): no split.
+    device_cores: tuple[int, ...] = setting(
+        (),
+        flag=Flag(
+            "pin the engine's forward pass (the engine thread and its OpenMP threads) to these "
+            "cores, e.g. 0-3; the CPU workers and the adapter loader then run on --cpu-cores "
+            "only, which must be given and disjoint from these",
+            type=parse_cores,
+            metavar="LIST",
+        ),
+    )
     # The engine and workers spin this long on a semaphore before sleeping.
     cpu_spin_us: float = setting(
         0.0,
@@ -193,6 +225,37 @@ class LoraConfig(Settings):
     def check(self) -> None:
         if self.cpu_cores and len(self.cpu_cores) < self.num_cpu_workers:
             raise ValueError("cpu_cores must name at least one core per CPU worker")
+        if self.device_cores:
+            self._check_split()
+
+    def _check_split(self) -> None:
+        device, host = _core_list(self.device_cores), _core_list(self.cpu_cores)
+        if not self.cpu_cores:
+            raise ValueError(f"device_cores {device} needs cpu_cores: the host side's cores")
+        both = sorted(set(self.device_cores) & set(self.cpu_cores))
+        if both:
+            raise ValueError(
+                f"device_cores {device} and cpu_cores {host} overlap on {_core_list(both)}: "
+                "the device and the host need disjoint cores"
+            )
+        allowed = os.sched_getaffinity(0)
+        outside = sorted(set(self.device_cores + self.cpu_cores) - allowed)
+        if outside:
+            raise ValueError(
+                f"cores {_core_list(outside)} of device_cores {device} / cpu_cores {host} are "
+                f"not among the cores this process may run on ({_core_list(sorted(allowed))})"
+            )
+        if LORA_MODES[self.lora_mode].host_workers and not self.num_cpu_workers:
+            raise ValueError(
+                f"device_cores with lora_mode {self.lora_mode} needs num_cpu_workers >= 1: "
+                "without workers host LoRA runs on the engine thread, a device core"
+            )
+
+    @property
+    def host_cores(self) -> tuple[int, ...]:
+        """The cores of the host side (CPU workers, adapter loader) when the device/host split
+        is on; () without it (they run anywhere)."""
+        return self.cpu_cores if self.device_cores else ()
 
 
 @dataclass(frozen=True)
@@ -310,6 +373,10 @@ class EngineConfig(RuntimeConfig, LoraConfig, MemoryConfig, SchedulingConfig):
         if cls not in ENGINE_PARTS:
             raise TypeError(f"{cls.__name__} is not a part of EngineConfig")
         return cls(**{f.name: getattr(self, f.name) for f in dataclasses.fields(cls)})
+
+
+def _core_list(cores) -> str:
+    return ",".join(str(c) for c in cores)
 
 
 ENGINE_PARTS: tuple[type[Settings], ...] = (

@@ -1,15 +1,18 @@
 """`toppings-launch`: start the inference servers of one node, keep them up, stop them cleanly.
 
     toppings-launch --model DIR [--num-servers N | --gpus 0,1] [--device cpu|cuda]
-        [--base-port 8100] [--cores 0-15] [--cpu-workers N] [--lora NAME=PATH]...
-        [--lora-dir DIR]... [--scheduler URL | --start-scheduler [--scheduler-port 8000]]
+        [--base-port 8100] [--cores 0-15] [--cpu-workers N] [--device-cores-per-server K]
+        [--lora NAME=PATH]... [--lora-dir DIR]...
+        [--scheduler URL | --start-scheduler [--scheduler-port 8000]]
         [--config node.toml] [-- extra toppings-serve args]
 
 Each server gets its own GPU (CUDA_VISIBLE_DEVICES) or, on CPU, its own share of the node, and
 a disjoint set of cores: the launcher splits the cores it may use (`os.sched_getaffinity(0)`,
 or `--cores`) into contiguous sets, runs each server under `numactl --physcpubind=SET
 --localalloc` (or with `sched_setaffinity` where numactl is missing or not permitted) and tells
-it `--cpu-cores SET --cpu-workers N`, so its CPU LoRA workers pin one per core of its set. The
+it `--cpu-cores SET --cpu-workers N`, so its CPU LoRA workers pin one per core of its set
+(with `--device-cores-per-server K`, the first K cores of the set are its `--device-cores`, for
+the forward pass, and only the rest its `--cpu-cores`: both stay inside the set it is bound to). The
 launcher waits for every `/health`, registers the servers with a scheduler
 (`POST URL/admin/servers`, with the scheduler's admin key when `$TOPPINGS_ADMIN_API_KEY` or
 `--scheduler-arg=--admin-api-key=KEY` gives one; with `--start-scheduler` it runs that
@@ -58,7 +61,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--base-port", type=int, default=8100, help="server i listens on base + i")
     p.add_argument("--cores", type=parse_cores, default=None, help="default: this process's")
-    p.add_argument("--cpu-workers", type=int, default=None, help="per server; default: its cores")
+    p.add_argument("--cpu-workers", type=int, default=None,
+                   help="per server; default: its (host) cores")  # fmt: skip
+    p.add_argument(
+        "--device-cores-per-server",
+        type=int,
+        default=0,
+        metavar="N",
+        help="a device/host split inside each server's core set: its first N cores run the "
+        "forward pass (toppings-serve --device-cores), the rest its CPU workers and adapter "
+        "loader (--cpu-cores); 0: no split",
+    )
     p.add_argument("--lora", action="append", default=[], metavar="NAME=PATH")
     p.add_argument("--lora-dir", action="append", default=[], metavar="DIR")
     p.add_argument("--scheduler", default=None, metavar="URL", help="register servers there")

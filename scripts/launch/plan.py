@@ -43,17 +43,31 @@ def plan_servers(args: argparse.Namespace, log_dir: Path) -> list[ServerProc]:
     if args.device == "cuda" and len(gpus) != num:
         raise ValueError(f"{num} servers but {len(gpus)} GPUs")
     core_sets = split_cores(args.cores or sorted(os.sched_getaffinity(0)), num)
+    num_device = args.device_cores_per_server
+    smallest = min(len(s) for s in core_sets)
+    if num_device and not 0 < num_device < smallest:
+        raise ValueError(
+            f"--device-cores-per-server {num_device} leaves no host core in the smallest core "
+            f"set ({smallest} cores)"
+        )
+    if any(a in ("--device-cores", "--cpu-cores") or a.startswith(("--device-cores=",
+           "--cpu-cores=")) for a in args.serve_args):  # fmt: skip
+        raise ValueError(
+            "--device-cores / --cpu-cores are the launcher's to give: use "
+            "--device-cores-per-server N (each server's first N cores run its forward pass)"
+        )
     workers = args.cpu_workers
-    if workers is not None and not 0 <= workers <= min(len(s) for s in core_sets):
+    if workers is not None and not 0 <= workers <= smallest - num_device:
         raise ValueError(f"--cpu-workers {workers} does not fit the smallest core set")
     return [
         ServerProc(
             index=i,
             url=f"http://{args.host}:{args.base_port + i}",
             cores=cores,
-            num_workers=len(cores) if workers is None else workers,
+            num_workers=len(cores) - num_device if workers is None else workers,
             gpu=gpus[i] if args.device == "cuda" else None,
             log_path=log_dir / f"server-{i}.log",
+            device_cores=cores[:num_device],
         )
         for i, cores in enumerate(core_sets)
     ]
@@ -96,7 +110,9 @@ def serve_command(args: argparse.Namespace, server: ServerProc) -> list[str]:
     cmd = [sys.executable, "-m", "toppings.server.cli", "--model", args.model,
            "--device", args.device, "--host", args.host, "--port", str(server.port),
            "--drain-timeout", str(args.drain_timeout), "--cpu-workers", str(server.num_workers),
-           "--cpu-cores", ",".join(map(str, server.cores))]  # fmt: skip
+           "--cpu-cores", ",".join(map(str, server.host_cores))]  # fmt: skip
+    if server.device_cores:
+        cmd += ["--device-cores", ",".join(map(str, server.device_cores))]
     for spec in args.lora:
         cmd += ["--lora", spec]
     for d in args.lora_dir:

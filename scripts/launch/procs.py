@@ -70,8 +70,14 @@ class ServerProc(ChildProc):
     num_workers: int
     gpu: int | None
     log_path: Path
+    device_cores: tuple[int, ...] = ()  # the first of `cores` when it splits device and host
     next_register: float = 0.0
     registered: bool = False
+
+    @property
+    def host_cores(self) -> tuple[int, ...]:
+        """The cores of its CPU workers (and, with a split, its adapter loader)."""
+        return tuple(c for c in self.cores if c not in self.device_cores)
 
     @property
     def name(self) -> str:

@@ -11,6 +11,7 @@ owns the lifecycle (start, drain, shutdown, adapters) and the reporting (stats, 
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -291,12 +292,18 @@ class Engine:
     # ---- the engine thread ------------------------------------------------------------------
 
     def _loop(self) -> None:
-        if self.config.num_threads:
+        device_cores = self.config.device_cores
+        if device_cores:
+            # The device side of the split: this thread only (affinity is per thread), before
+            # its first torch op, so the OpenMP team it creates inherits the same cores.
+            os.sched_setaffinity(0, device_cores)
+        num_threads = self.config.num_threads or len(device_cores)
+        if num_threads:
             # Per thread: torch.set_num_threads sets the calling thread's OpenMP team size. ATen
             # gives a thread the process-wide count (the last one set, by any thread) at its
             # first parallel op unless it has asked for its count before: ask first, then set.
             torch.get_num_threads()
-            torch.set_num_threads(self.config.num_threads)
+            torch.set_num_threads(num_threads)
         while not self._stopping.is_set():
             self._drain_inbox(block=not (len(self.queue) or self._running))
             if self._stopping.is_set():

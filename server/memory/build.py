@@ -82,7 +82,9 @@ def build_memory(
         swap = HostSwap(kv, tree, HostKV(kv, host_blocks, lora.link_gbps), counters)
     blocks = AdapterBlocks(kv, reclaim) if layout.charges_adapters() else None
     pool = AdapterPool(mc, dtype, device)
-    loader = PipelinedLoader(pool, lora.layers_per_group, lora.link_gbps)
+    loader = PipelinedLoader(
+        pool, lora.layers_per_group, lora.link_gbps, lora.link_latency_us, lora.host_cores
+    )
     cache = AdapterCache(
         pool, loader, make_policy(lora.eviction), lora.adapter_cache_bytes or None, memory=blocks
     )
