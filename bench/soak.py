@@ -1,13 +1,14 @@
-"""A soak of one `toppings-serve`: mixed tenants, adapter churn, disconnects, a poisoned adapter.
+"""A soak of one `toppings-serve`: mixed tenants, adapter churn, disconnects, poisoned adapters.
 
     python -m bench.soak --duration 600 [--clients 6] [--serve-args "--lora-mode cpu-assisted"]
 
 For `--duration` seconds, `--clients` threads send completions and chat requests (streamed or
 not, some cancelled after their first chunk) to the base model and to 8 random rank-8 adapters
 of SmolLM2, while a churn thread unloads one of the 8 and loads it back every second, and one
-client asks for a poisoned adapter (`lora_alpha` 1e308: every product with it overflows) that
-it also tries to load every few seconds. `/health` is polled each second and the server's RSS
-(its CPU workers included) sampled every 10 s.
+client asks for two poisoned adapters every few seconds and tries to load them: one whose
+`lora_alpha` is 1e308 (refused at load), and one that passes the load-time bound but overflows
+on real activations (its requests fail at run time, alone). `/health` is polled each second and
+the server's RSS (its CPU workers included) sampled every 10 s.
 
 What counts as a failure: any answer to a healthy request other than 200, or 404 / 409 for an
 adapter the churn thread has just taken away; a transport error that was not our own cancel; a
@@ -41,17 +42,19 @@ from toppings.server.model.loader import resolve_model_dir
 log = logging.getLogger("soak")
 
 NUM_ADAPTERS = 8
-POISON = "poison"
+POISON = "poison"  # refused at load: its lora_alpha makes every product overflow
+OVERFLOW = "overflow"  # passes the load check, overflows on real activations at run time
+OVERFLOW_BOUND = 1e37  # its scaling x r x max|A| x max|B|: under float32's and bfloat16's max
 PROMPTS = ("Tell me about the sea.", "List three colours.", "What is 2+2?", "Write a haiku.")
 # Answers a healthy request may get while the churn thread has its adapter unloaded.
 CHURN_STATUSES = (404, 409)
 
 
 def make_adapters(root: Path) -> list[str]:
-    """8 rank-8 adapters on q/v/o, and the poisoned one, under `root`; returns the 8 names."""
+    """8 rank-8 adapters on q/v/o and the two poisoned ones under `root`; returns the 8 names."""
     names = [f"tenant-{i}" for i in range(NUM_ADAPTERS)]
     base = None
-    for i, name in enumerate(names + [POISON]):
+    for i, name in enumerate(names + [POISON, OVERFLOW]):
         if (root / name / "adapter_model.safetensors").is_file():
             continue
         base = base or load_base(resolve_model_dir("smollm2"))
@@ -61,7 +64,25 @@ def make_adapters(root: Path) -> list[str]:
     config = json.loads(config_path.read_text())
     config["lora_alpha"] = 1e308
     config_path.write_text(json.dumps(config))
+    scale_to_bound(root / OVERFLOW)
     return names
+
+
+def scale_to_bound(adapter_dir: Path) -> None:
+    """Scale the adapter's B matrices so that scaling x r x max|A| x max|B| is OVERFLOW_BOUND
+    per module: the load-time check (which bounds the product for an input of unit l1 norm)
+    passes, and a hidden state of l1 norm in the hundreds overflows at run time."""
+    from safetensors.torch import load_file, save_file
+
+    config = json.loads((adapter_dir / "adapter_config.json").read_text())
+    rank, scaling = config["r"], config["lora_alpha"] / config["r"]
+    path = adapter_dir / "adapter_model.safetensors"
+    tensors = load_file(path)
+    for key in [k for k in tensors if "lora_B" in k]:
+        a, b = tensors[key.replace("lora_B", "lora_A")], tensors[key]
+        product = scaling * rank * a.abs().max().item() * b.abs().max().item()
+        tensors[key] = b * (OVERFLOW_BOUND / product)
+    save_file(tensors, path)
 
 
 class Tally:
@@ -162,15 +183,19 @@ class Soak:
             self.tally.add(f"{kind}_fail", f"{model}: {type(e).__name__} {e}")
 
     def poison_client(self) -> None:
+        """Every 3 s: try to load both poisoned adapters, and send one request to each (their
+        own failures are expected and counted apart)."""
         while not self.stop.wait(3.0):
-            status = self.load(POISON)
-            self.tally.add(f"poison_load_{status}")
-            body = {"model": POISON, "prompt": "Hello", "max_tokens": 8}
-            try:
-                r = self.post("/v1/completions", body, timeout=60)
-                self.tally.add(f"poison_request_{r.status_code}")
-            except requests.RequestException as e:
-                self.tally.add("poison_request_error", f"poison: {e}")
+            for name in (POISON, OVERFLOW):
+                status = self.load(name)
+                self.tally.add(f"{name}_load_{status}")
+                prompt = self.rng.choice(PROMPTS) * self.rng.randint(1, 8)
+                body = {"model": name, "prompt": prompt, "max_tokens": 8}
+                try:
+                    r = self.post("/v1/completions", body, timeout=60)
+                    self.tally.add(f"{name}_request_{r.status_code}")
+                except requests.RequestException as e:
+                    self.tally.add(f"{name}_request_error", f"{name}: {e}")
 
     def churn(self) -> None:
         while not self.stop.wait(1.0):
@@ -253,7 +278,9 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         stop([proc])
     time.sleep(1.0)
-    leaked_shm = sorted(shm_entries() - shm_before)
+    # Only the server's own segments and semaphores (named after its pid): other processes on
+    # the machine may create and remove theirs meanwhile.
+    leaked_shm = sorted(e for e in shm_entries() - shm_before if f"toppings-{proc.pid}-" in e)
     memory = stats.get("memory", {})
     blocks = memory.get("blocks", {})
     balanced = (
@@ -264,6 +291,8 @@ def main(argv: list[str] | None = None) -> None:
         and blocks.get("adapters_in_use", 0) == 0
     )
     after = [kib for t, kib in rss if t >= args.warmup]
+    half = [(t, kib) for t, kib in rss if t >= args.duration / 2]
+    slope = (half[-1][1] - half[0][1]) / max(half[-1][0] - half[0][0], 1.0) * 60 if half else None
     counts = dict(soak.tally.counts)
     failures = sum(v for k, v in counts.items() if k.endswith("_fail") or k == "health_not_ok")
     metrics = {
@@ -287,6 +316,7 @@ def main(argv: list[str] | None = None) -> None:
             "max": max(after, default=None),
             "median": statistics.median(after) if after else None,
         },
+        "rss_growth_second_half_kib_per_min": slope,
     }
     config = {
         "model": "smollm2",
@@ -294,7 +324,9 @@ def main(argv: list[str] | None = None) -> None:
         "clients": args.clients,
         "serve_args": serve[4:],
         "churn": "unload + reload one adapter every second",
-        "poison": "lora_alpha 1e308, load tried every 3 s",
+        "poison": "lora_alpha 1e308 (refused at load), load tried every 3 s",
+        "overflow": f"B scaled so scaling x r x max|A| x max|B| = {OVERFLOW_BOUND:g} (loads, "
+        "overflows at run time), load tried and one request sent every 3 s",
     }
     write_result(args.out, "soak", "soak", device=describe_device(), config=config, metrics=metrics)
     print(json.dumps(metrics | {"rss_kib_samples": len(rss)}, indent=1))
