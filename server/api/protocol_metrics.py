@@ -10,20 +10,25 @@ that a scrape and the `/stats` of the same instant agree:
     vllm:num_requests_running{model_name}     gauge    requests in the running batch
     vllm:kv_cache_usage_perc{model_name}      gauge    1 - free_kv_tokens / max_total_tokens
                                                        (a fraction in [0, 1], despite the name)
+    vllm:gpu_cache_usage_perc{model_name}     gauge    the same, under the name the protocol
+                                                       document's table and older pickers use
     vllm:lora_requests_info{running_lora_adapters, waiting_lora_adapters, max_lora}
                                               gauge    value: the sample's Unix time
     vllm:prefix_cache_queries{model_name}     counter  prompt tokens looked up in the prefix cache
     vllm:prefix_cache_hits{model_name}        counter  of those, tokens whose KV was cached
 
-`running_lora_adapters` and `waiting_lora_adapters` are the adapter names of the running and
-queued requests, sorted, comma-separated, "" for none. `max_lora` is how many distinct adapters
-one batch may hold: any request of a batch may use its own adapter here (the LoRA kernels
-gather per request), so it is the batch size limit (`--max-batch-size`). vLLM sets the info
+`running_lora_adapters` are the adapters "loaded in GPU memory and ready to serve" (the
+document's words): the resident ones, with those of the running requests;
+`waiting_lora_adapters` those of the queued requests; each sorted, comma-separated, "" for
+none. `max_lora` is how many distinct adapters one batch may hold: any request of a batch may
+use its own adapter here (the LoRA kernels gather per request), so it is the batch size limit
+(`--max-batch-size`). vLLM sets the info
 gauge to the time of its sample so that the picker keeps the newest label set; one set is
 published per scrape here, with the same value.
 
-Written from memory of the protocol document (gateway-api-inference-extension,
-docs/proposals/003-model-server-protocol, the v0.x text), see README "Running on Kubernetes".
+Checked against the protocol document's text (gateway-api-inference-extension,
+docs/proposals/003-model-server-protocol/README.md: TotalQueuedRequests, KVCacheUtilization,
+the LoRA info gauge and its three labels), see README "Running on Kubernetes".
 """
 
 from __future__ import annotations
@@ -47,9 +52,14 @@ class StatsEngine(Protocol):
     def stats(self) -> ServerStats: ...
 
 
+def adapter_names(requests: tuple[RequestView, ...]) -> set[str]:
+    """The distinct adapter names of `requests`."""
+    return {r.adapter for r in requests if r.adapter is not None}
+
+
 def adapter_list(requests: tuple[RequestView, ...]) -> str:
     """The distinct adapter names of `requests`, sorted and comma-separated ("" for none)."""
-    return ",".join(sorted({r.adapter for r in requests if r.adapter is not None}))
+    return ",".join(sorted(adapter_names(requests)))
 
 
 def kv_cache_usage(stats: ServerStats) -> float:
@@ -78,6 +88,8 @@ class ProtocolCollector:
             ("num_requests_running", "Requests in the running batch", len(stats.running)),
             ("kv_cache_usage_perc", "KV cache usage as a fraction (1 = full)",
              kv_cache_usage(stats)),
+            ("gpu_cache_usage_perc", "KV cache usage as a fraction (1 = full)",
+             kv_cache_usage(stats)),
         )  # fmt: skip
         for name, doc, value in gauges:
             family = GaugeMetricFamily(PREFIX + name, doc, labels=[MODEL_LABEL])
@@ -97,8 +109,10 @@ class ProtocolCollector:
             family.add_metric(model, value)
             yield family
         lora = GaugeMetricFamily(PREFIX + "lora_requests_info",
-                                 "Adapters of the running and waiting requests; value: the "
-                                 "sample's time", labels=LORA_INFO_LABELS)  # fmt: skip
-        running, waiting = adapter_list(stats.running), adapter_list(stats.queue)
+                                 "Adapters resident or running, and of the waiting requests; "
+                                 "value: the sample's time", labels=LORA_INFO_LABELS)  # fmt: skip
+        ready = set(stats.resident_adapters) | adapter_names(stats.running)
+        running = ",".join(sorted(ready))
+        waiting = adapter_list(stats.queue)
         lora.add_metric([running, waiting, str(self.max_lora)], time.time())
         yield lora

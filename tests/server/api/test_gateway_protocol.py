@@ -83,7 +83,10 @@ def test_protocol_metrics_of_a_busy_server_match_stats(engine):
     after = time.time()
     stats = client.get("/stats").get_json()
     assert len(stats["running"]) == MAX_BATCH and len(stats["queue"]) == 3
-    running, waiting = adapters_of(stats["running"]), adapters_of(stats["queue"])
+    # running: resident adapters with those of the running requests ("loaded and ready")
+    ready = set(stats["resident_adapters"])
+    ready |= {r["adapter"] for r in stats["running"] if r["adapter"]}
+    running, waiting = ",".join(sorted(ready)), adapters_of(stats["queue"])
     assert running and waiting  # adapters both running and waiting
 
     model = {"model_name": stats["model"]}
@@ -92,6 +95,7 @@ def test_protocol_metrics_of_a_busy_server_match_stats(engine):
         "vllm:num_requests_waiting": len(stats["queue"]),
         "vllm:num_requests_running": len(stats["running"]),
         "vllm:kv_cache_usage_perc": pytest.approx(1.0 - free_fraction),
+        "vllm:gpu_cache_usage_perc": pytest.approx(1.0 - free_fraction),
     }
     for name, value in gauges.items():
         assert fams[name].type == "gauge", name
@@ -116,10 +120,13 @@ def test_protocol_metrics_of_a_busy_server_match_stats(engine):
     assert "toppings:num_requests_running" in fams  # our own series stay
 
 
-def test_idle_server_reports_empty_adapter_lists(engine):
-    fams = families(create_app(engine).test_client())
+def test_idle_server_reports_its_resident_adapters_and_no_waiting(engine):
+    client = create_app(engine).test_client()
+    resident = client.get("/stats").get_json()["resident_adapters"]
+    fams = families(client)
     labels, _ = only_sample(fams["vllm:lora_requests_info"])
-    assert labels["running_lora_adapters"] == labels["waiting_lora_adapters"] == ""
+    assert labels["running_lora_adapters"] == ",".join(sorted(resident))
+    assert labels["waiting_lora_adapters"] == ""
     assert only_sample(fams["vllm:num_requests_running"])[1] == 0
     assert only_sample(fams["vllm:kv_cache_usage_perc"])[1] == 0.0
 
