@@ -11,7 +11,8 @@ Three request schemas share one parsed form, `ParsedBody`:
 - `POST /generate` (native): `adapter`, `prompt` or `input_ids`, `max_new_tokens` (default 16).
 All take `temperature` (default 1.0), `top_p`, `top_k` (0 or -1: off), `seed`, `stop` (a string or
 a list), `stream`, `ignore_eos`, `min_tokens`, `presence_penalty`, `frequency_penalty`,
-`repetition_penalty` and `logit_bias` (token id -> bias in [-100, 100]); OpenAI bodies also `n`
+`repetition_penalty`, `logit_bias` (token id -> bias in [-100, 100]) and the structured-output
+fields (`response_format`, vLLM's `guided_*`; server.api.structured); OpenAI bodies also `n`
 (1 to MAX_N choices per prompt) and `stream_options.include_usage`.
 
 Every function here is pure; a client mistake raises `RequestError` with its HTTP status.
@@ -22,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from toppings.server.api.structured import parse_constraint
 from toppings.server.requests.request import MAX_LOGPROBS, RequestError
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -112,6 +114,7 @@ def _sampling(body: dict) -> dict[str, Any]:
     if seed is not None and not 0 <= seed < MAX_SEED:
         raise RequestError(f"'seed' must be in [0, 2^63), not {seed}")
     top_k = typed_field(body, "top_k", "int", 0)
+    constraint = parse_constraint(body)
     return {
         "temperature": typed_field(body, "temperature", "number", 1.0),
         "top_p": typed_field(body, "top_p", "number", 1.0),
@@ -124,7 +127,7 @@ def _sampling(body: dict) -> dict[str, Any]:
         "repetition_penalty": typed_field(body, "repetition_penalty", "number", 1.0),
         "min_tokens": typed_field(body, "min_tokens", "int", 0),
         "logit_bias": _logit_bias(body.get("logit_bias")),
-    }
+    } | ({} if constraint is None else {"constraint": constraint})
 
 
 def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
