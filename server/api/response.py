@@ -29,6 +29,7 @@ from toppings.server.requests.request import RequestOutput
 SSE_DONE = "data: [DONE]\n\n"
 ID_PREFIX = {"completion": "cmpl", "chat": "chatcmpl", "native": "gen"}
 OBJECT = {"completion": "text_completion", "chat": "chat.completion"}
+TOOL = "tool_calls"  # the finish reason of a reply that is a tool call
 
 
 def sse(obj: dict) -> str:
@@ -91,6 +92,7 @@ class _Choice:
         self.prompt_idx = index // parsed.n
         self.started = False
         self.offset = 0  # characters of this choice's text so far (completions text_offset)
+        self.held = ""  # a streamed reply that may be a tool call, until it ends
 
     def delta(self, out: RequestOutput) -> tuple[str, dict | None]:
         """The text and logprobs object of one output (the first carries the echo)."""
@@ -110,6 +112,14 @@ class _Choice:
         return text, logprobs
 
 
+def _tool_call(parsed: ParsedBody, text: str, finish_reason: str | None) -> dict | None:
+    """The tool call a finished chat choice makes (server.api.tools), or None."""
+    tools = parsed.tools
+    if tools is None or not tools.calls_expected or finish_reason != "stop":
+        return None
+    return tools.parse_call(text)
+
+
 def final_response(parsed: ParsedBody, meta: ResponseMeta, outs: list[RequestOutput]) -> dict:
     """The whole response of a non-streaming request; `outs`: each choice's merged output."""
     num_out = sum(out.output_tokens or len(out.new_token_ids) for out in outs)
@@ -118,11 +128,16 @@ def final_response(parsed: ParsedBody, meta: ResponseMeta, outs: list[RequestOut
     choices = []
     for idx, out in enumerate(outs):
         text, logprobs = _Choice(parsed, meta, idx).delta(out)
+        finish = out.finish_reason
         if parsed.kind == "chat":
-            choice = {"index": idx, "message": {"role": "assistant", "content": text}}
+            message = {"role": "assistant", "content": text}
+            call = _tool_call(parsed, text, finish)
+            if call is not None:
+                message, finish = {"role": "assistant", "content": None, "tool_calls": [call]}, TOOL
+            choice = {"index": idx, "message": message}
         else:
             choice = {"index": idx, "text": text}
-        choice.update(logprobs=logprobs, finish_reason=out.finish_reason)
+        choice.update(logprobs=logprobs, finish_reason=finish)
         choices.append(choice)
     return {
         "id": meta.id,
@@ -198,6 +213,19 @@ def _delta_events(
             yield sse(_native(meta, out, out.output_tokens or num_out))
         return
     text, logprobs = choice.delta(out)
+    if parsed.tools is not None and parsed.tools.calls_expected:
+        # A reply that may be a tool call is held back until it ends, then sent as one
+        # tool-call delta or as its text.
+        choice.held += text
+        if finish is not None:
+            call = _tool_call(parsed, choice.held, finish)
+            delta = (
+                {"content": choice.held} if call is None else {"tool_calls": [{"index": 0, **call}]}
+            )
+            chosen = {"index": choice.index, "delta": delta, "logprobs": None,
+                      "finish_reason": finish if call is None else TOOL}  # fmt: skip
+            yield sse(_chunk(parsed, meta, [chosen]))
+        return
     has_logprobs = logprobs is not None and any(logprobs.get(k) for k in ("content", "tokens"))
     # Tokens whose text is still an incomplete UTF-8 sequence come later as text.
     if text or has_logprobs or finish is not None:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from toppings.server.api.structured import parse_constraint
+from toppings.server.api.tools import Tools, parse_tools, template_message
 from toppings.server.requests.request import MAX_LOGPROBS, RequestError
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -35,10 +36,9 @@ MAX_CHOICES = 256  # prompts x n
 NEUTRAL_FIELDS = {
     "best_of": (None, 1),
     "suffix": (None, ""),
-    "tools": (None, []),
 }
 NEUTRAL_BY_KIND = {
-    "completion": {"top_logprobs": (None, 0)},
+    "completion": {"top_logprobs": (None, 0), "tools": (None, []), "tool_choice": (None,)},
     "chat": {"echo": (None, False)},
 }
 
@@ -55,7 +55,7 @@ class ParsedBody:
     model: str
     adapter: str | None
     prompts: list[str | list[int]] | None  # in the order their choices are answered
-    messages: list[dict[str, str]] | None
+    messages: list[dict[str, Any]] | None
     max_tokens: int | None
     sampling: dict[str, Any]  # SamplingParams keyword arguments except max_new_tokens
     stream: bool = False
@@ -63,6 +63,7 @@ class ParsedBody:
     n: int = 1  # choices per prompt
     echo: bool = False  # completions: the prompt's text (and logprobs) before each choice's
     logprobs: int | None = None  # top alternatives per token; None: no logprobs
+    tools: Tools | None = None  # chat: the tools and tool_choice (server.api.tools)
 
     @property
     def prompt(self) -> str | list[int] | None:
@@ -214,7 +215,7 @@ def parse_completion(body: dict, base_model: str) -> ParsedBody:
     )  # fmt: skip
 
 
-def parse_message(msg: Any, idx: int) -> dict[str, str]:
+def parse_message(msg: Any, idx: int) -> dict[str, Any]:
     if not isinstance(msg, dict):
         raise RequestError(f"messages[{idx}] must be an object, not {json_type(msg)}")
     role = msg.get("role")
@@ -233,7 +234,8 @@ def parse_message(msg: Any, idx: int) -> dict[str, str]:
     if not isinstance(content, str):
         raise RequestError(f"messages[{idx}].content must be a string or a list of text parts")
     # Chat templates know the classic roles; "developer" is OpenAI's new name for "system".
-    return {"role": "system" if role == "developer" else role, "content": content}
+    parsed = {"role": "system" if role == "developer" else role, "content": content}
+    return parsed | template_message(msg, idx)
 
 
 def parse_chat(body: dict, base_model: str) -> ParsedBody:
@@ -254,9 +256,20 @@ def parse_chat(body: dict, base_model: str) -> ParsedBody:
         logprobs = top or 0
     elif top:
         raise RequestError("'top_logprobs' needs 'logprobs': true")
+    tools = parse_tools(body)
+    if tools is not None and tools.calls_expected:
+        if logprobs is not None:
+            raise RequestError("'logprobs' with 'tools' is not supported by this server")
+        call = tools.constraint()
+        if call is not None:
+            if "constraint" in common["sampling"]:
+                raise RequestError("'tool_choice' required or named cannot be combined with a "
+                                   "structured-output field")  # fmt: skip
+            common["sampling"]["constraint"] = call
     return ParsedBody(
-        "chat", prompts=None, messages=parsed, max_tokens=max_tokens, logprobs=logprobs, **common
-    )
+        "chat", prompts=None, messages=parsed, max_tokens=max_tokens, logprobs=logprobs,
+        tools=tools, **common,
+    )  # fmt: skip
 
 
 def parse_native(body: dict, base_model: str) -> ParsedBody:

@@ -61,7 +61,7 @@ def test_text_fields_on_every_endpoint():
         ({"guided_decoding_backend": "xgrammar"}, "guided_decoding_backend"),
         ({"guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
         ({"guided_grammar": "x" * 100_001}, "at most 100000"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"tool_choice": "required"}, "tools"),
     ],
 )
 def test_refused_with_the_field_named(fields, named):
