@@ -5,6 +5,8 @@ OpenAI responses follow the OpenAI schema (`text_completion`, `chat.completion` 
 prompt-major; logprobs in the shapes of `server.openai_logprobs`. `usage.prompt_tokens` counts
 each prompt once (not n times), `completion_tokens` every choice's tokens (as vLLM does).
 With `echo`, a completion choice's text (its first chunk, streamed) starts with the prompt's.
+A chat choice that is a tool call (server.api.tools) has `tool_calls` instead of content; streamed,
+such a choice is held back and sent as one delta when it ends.
 The native `/generate` response is
 `{"text", "token_ids", "prompt_tokens", "output_tokens", "ttft_s", "e2e_s", "finish_reason"}`;
 its stream sends `{"text", "token_ids"}` deltas, then one final object with the same keys as the

@@ -7,15 +7,19 @@ import json
 
 import jsonschema
 import pytest
+import torch
 
 from toppings.server.config import EngineConfig
+from toppings.server.engine.sampler import Sampler
 from toppings.server.requests.request import (
     Constraint,
     ConstraintKind,
     GenerationRequest,
     RequestError,
+    RequestHandle,
     SamplingParams,
 )
+from toppings.server.requests.sequence import Sequence
 from toppings.server.runtime import build_engine
 
 pytestmark = pytest.mark.slow
@@ -191,3 +195,28 @@ def test_compiled_once_per_text(engine):
     )
     assert engine.grammars.num_compiled == before + 1
     assert all(json.loads(o.new_text)["k"] is not None for o in outs)
+
+
+def test_restart_matches_again_from_the_start(engine):
+    """A squashed request computes its tokens again: its grammar starts over with them."""
+    sampler = Sampler(engine.eos_ids, engine.grammars)
+    constraint = Constraint(ConstraintKind.CHOICE, json.dumps(["alpha beta", "gamma"]))
+    logits = torch.randn(
+        1, engine.model_config.vocab_size, generator=torch.Generator().manual_seed(0)
+    )
+
+    def run(restart_after: int | None) -> list[int]:
+        params = SamplingParams(max_new_tokens=16, temperature=0, constraint=constraint)
+        req = GenerationRequest([1, 2, 3], params)
+        seq = Sequence(req, RequestHandle(req, lambda _: None), engine.tokenizer, 0.0)
+        for step in range(32):
+            if step == restart_after:
+                seq.restart()
+            token = sampler.sample([seq], logits)[0]
+            if seq.append(token, engine.eos_ids, 10**6) is not None:
+                return seq.output_ids
+        raise AssertionError("the grammar never ended the request")
+
+    once = run(None)
+    assert engine.tokenizer.decode(once) in ("alpha beta", "gamma")
+    assert run(restart_after=1) == once
