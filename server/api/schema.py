@@ -36,6 +36,8 @@ MAX_CHOICES = 256  # prompts x n
 NEUTRAL_FIELDS = {
     "best_of": (None, 1),
     "suffix": (None, ""),
+    "functions": (None, []),  # OpenAI's older spelling of tools: use `tools`
+    "function_call": (None, "none"),
 }
 NEUTRAL_BY_KIND = {
     "completion": {"top_logprobs": (None, 0), "tools": (None, []), "tool_choice": (None,)},

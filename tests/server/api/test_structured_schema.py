@@ -62,6 +62,7 @@ def test_text_fields_on_every_endpoint():
         ({"guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
         ({"guided_grammar": "x" * 100_001}, "at most 100000"),
         ({"tool_choice": "required"}, "tools"),
+        ({"functions": [{"name": "f"}]}, "functions"),
     ],
 )
 def test_refused_with_the_field_named(fields, named):
