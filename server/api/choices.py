@@ -16,9 +16,11 @@ refused stays bounded (tokenizing megabytes takes seconds and gigabytes of memor
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from toppings.server.api.schema import MAX_SEED, ParsedBody
+from toppings.server.api.tools import check_template_renders_tools
 from toppings.server.requests.request import GenerationRequest, RequestError, SamplingParams
 
 DEFAULT_MAX_TOKENS = {"completion": 16, "chat": 256, "native": 16}
@@ -95,15 +97,21 @@ class RequestLimits:
         return limit
 
 
-def messages_chars(messages: list[dict[str, str]]) -> int:
-    """The characters of chat messages (contents and roles) before the template renders them."""
-    return sum(len(value) for message in messages for value in message.values())
+def messages_chars(messages: list[dict]) -> int:
+    """The characters of chat messages (contents, roles, tool calls as JSON) before the template
+    renders them."""
+    return sum(
+        len(value) if isinstance(value, str) else len(json.dumps(value))
+        for message in messages
+        for value in message.values()
+    )
 
 
 def check_prompt_text(parsed: ParsedBody, limits: RequestLimits) -> None:
     """Refuse, before tokenizing, a text prompt or messages over the character bound."""
     if parsed.messages is not None:
-        limits.check_text(messages_chars(parsed.messages))
+        tools = parsed.tools.functions if parsed.tools is not None else ()
+        limits.check_text(messages_chars(parsed.messages) + sum(len(f) for f in tools))
     for prompt in parsed.prompts or ():
         if isinstance(prompt, str):
             limits.check_text(len(prompt))
@@ -114,9 +122,13 @@ def prompt_ids(parsed: ParsedBody, tokenizer, prompt: str | list[int] | None) ->
     if parsed.messages is not None:
         if not getattr(tokenizer, "chat_template", None):
             raise RequestError("this model has no chat template; use /v1/completions")
+        tools = None
+        if parsed.tools is not None:
+            check_template_renders_tools(tokenizer)
+            tools = parsed.tools.template_tools()
         try:
             text = tokenizer.apply_chat_template(
-                parsed.messages, add_generation_prompt=True, tokenize=False
+                parsed.messages, tools=tools, add_generation_prompt=True, tokenize=False
             )
         except Exception as e:  # jinja raises for conversations the template refuses
             raise RequestError(f"chat template rejected the messages: {e}") from e

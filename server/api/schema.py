@@ -11,7 +11,8 @@ Three request schemas share one parsed form, `ParsedBody`:
 - `POST /generate` (native): `adapter`, `prompt` or `input_ids`, `max_new_tokens` (default 16).
 All take `temperature` (default 1.0), `top_p`, `top_k` (0 or -1: off), `seed`, `stop` (a string or
 a list), `stream`, `ignore_eos`, `min_tokens`, `presence_penalty`, `frequency_penalty`,
-`repetition_penalty` and `logit_bias` (token id -> bias in [-100, 100]); OpenAI bodies also `n`
+`repetition_penalty`, `logit_bias` (token id -> bias in [-100, 100]) and the structured-output
+fields (`response_format`, vLLM's `guided_*`; server.api.structured); OpenAI bodies also `n`
 (1 to MAX_N choices per prompt) and `stream_options.include_usage` (with
 `stream_options.continuous_usage_stats`, as vLLM: usage on every chunk too).
 
@@ -23,6 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from toppings.server.api.structured import parse_constraint
+from toppings.server.api.tools import Tools, parse_tools, template_message
 from toppings.server.requests.request import MAX_LOGPROBS, RequestError
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -34,10 +37,11 @@ MAX_CHOICES = 256  # prompts x n
 NEUTRAL_FIELDS = {
     "best_of": (None, 1),
     "suffix": (None, ""),
-    "tools": (None, []),
+    "functions": (None, []),  # OpenAI's older spelling of tools: use `tools`
+    "function_call": (None, "none"),
 }
 NEUTRAL_BY_KIND = {
-    "completion": {"top_logprobs": (None, 0)},
+    "completion": {"top_logprobs": (None, 0), "tools": (None, []), "tool_choice": (None,)},
     "chat": {"echo": (None, False)},
 }
 
@@ -54,7 +58,7 @@ class ParsedBody:
     model: str
     adapter: str | None
     prompts: list[str | list[int]] | None  # in the order their choices are answered
-    messages: list[dict[str, str]] | None
+    messages: list[dict[str, Any]] | None
     max_tokens: int | None
     sampling: dict[str, Any]  # SamplingParams keyword arguments except max_new_tokens
     stream: bool = False
@@ -63,6 +67,7 @@ class ParsedBody:
     n: int = 1  # choices per prompt
     echo: bool = False  # completions: the prompt's text (and logprobs) before each choice's
     logprobs: int | None = None  # top alternatives per token; None: no logprobs
+    tools: Tools | None = None  # chat: the tools and tool_choice (server.api.tools)
 
     @property
     def prompt(self) -> str | list[int] | None:
@@ -114,6 +119,7 @@ def _sampling(body: dict) -> dict[str, Any]:
     if seed is not None and not 0 <= seed < MAX_SEED:
         raise RequestError(f"'seed' must be in [0, 2^63), not {seed}")
     top_k = typed_field(body, "top_k", "int", 0)
+    constraint = parse_constraint(body)
     return {
         "temperature": typed_field(body, "temperature", "number", 1.0),
         "top_p": typed_field(body, "top_p", "number", 1.0),
@@ -126,7 +132,7 @@ def _sampling(body: dict) -> dict[str, Any]:
         "repetition_penalty": typed_field(body, "repetition_penalty", "number", 1.0),
         "min_tokens": typed_field(body, "min_tokens", "int", 0),
         "logit_bias": _logit_bias(body.get("logit_bias")),
-    }
+    } | ({} if constraint is None else {"constraint": constraint})
 
 
 def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
@@ -214,7 +220,7 @@ def parse_completion(body: dict, base_model: str) -> ParsedBody:
     )  # fmt: skip
 
 
-def parse_message(msg: Any, idx: int) -> dict[str, str]:
+def parse_message(msg: Any, idx: int) -> dict[str, Any]:
     if not isinstance(msg, dict):
         raise RequestError(f"messages[{idx}] must be an object, not {json_type(msg)}")
     role = msg.get("role")
@@ -233,7 +239,8 @@ def parse_message(msg: Any, idx: int) -> dict[str, str]:
     if not isinstance(content, str):
         raise RequestError(f"messages[{idx}].content must be a string or a list of text parts")
     # Chat templates know the classic roles; "developer" is OpenAI's new name for "system".
-    return {"role": "system" if role == "developer" else role, "content": content}
+    parsed = {"role": "system" if role == "developer" else role, "content": content}
+    return parsed | template_message(msg, idx)
 
 
 def parse_chat(body: dict, base_model: str) -> ParsedBody:
@@ -254,9 +261,20 @@ def parse_chat(body: dict, base_model: str) -> ParsedBody:
         logprobs = top or 0
     elif top:
         raise RequestError("'top_logprobs' needs 'logprobs': true")
+    tools = parse_tools(body)
+    if tools is not None and tools.calls_expected:
+        if logprobs is not None:
+            raise RequestError("'logprobs' with 'tools' is not supported by this server")
+        call = tools.constraint()
+        if call is not None:
+            if "constraint" in common["sampling"]:
+                raise RequestError("'tool_choice' required or named cannot be combined with a "
+                                   "structured-output field")  # fmt: skip
+            common["sampling"]["constraint"] = call
     return ParsedBody(
-        "chat", prompts=None, messages=parsed, max_tokens=max_tokens, logprobs=logprobs, **common
-    )
+        "chat", prompts=None, messages=parsed, max_tokens=max_tokens, logprobs=logprobs,
+        tools=tools, **common,
+    )  # fmt: skip
 
 
 def parse_native(body: dict, base_model: str) -> ParsedBody:

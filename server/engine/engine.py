@@ -25,6 +25,7 @@ from toppings.gpu_lora.validate import check_finite_delta
 from toppings.server import native
 from toppings.server.config import EngineConfig, LoraConfig, MemoryConfig, SchedulingConfig
 from toppings.server.engine.adapters import AdapterManager
+from toppings.server.engine.grammar import GrammarCompiler
 from toppings.server.engine.model_runner import ModelRunner
 from toppings.server.memory.build import build_memory
 from toppings.server.model.llama import LlamaModel, free_device_bytes
@@ -93,9 +94,11 @@ class Engine:
         self.eos_ids = set(mc.eos_token_ids) | set(checkpoint.generation_eos_ids)
         if self.tokenizer.eos_token_id is not None:
             self.eos_ids.add(self.tokenizer.eos_token_id)
+        # Structured output: constraints compile here, before their request is queued.
+        self.grammars = GrammarCompiler(self.tokenizer, mc.vocab_size, self.eos_ids)
         self.runner = ModelRunner.create(
             config.use_cuda_graphs, config.max_batch_size, self.model, self.kv, self.lora,
-            self.eos_ids,
+            self.eos_ids, self.grammars,
         )  # fmt: skip
         self.scheduler = Scheduler(
             make_queue_policy(sched_config, config.max_total_tokens), self.memory, self.lora,
@@ -216,6 +219,8 @@ class Engine:
         """Queue requests together (the choices and prompts of one HTTP request): the engine
         picks them up in one iteration, so they share a prefill step. Raises RequestError for
         the first that can never be served, and then queues none."""
+        for constraint in {r.params.constraint for r in requests} - {None}:
+            self.grammars.compile(constraint)  # a spec that cannot compile: 400, nothing queued
         with self._accepting:  # an unload sees these requests from here on
             for request in requests:
                 self._check(request)

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from toppings.server.engine.adapters import AdapterManager
+from toppings.server.engine.grammar import GrammarCompiler
 from toppings.server.engine.sampler import Sampler, logit_rows, score_prompts
 from toppings.server.memory.kv_cache import KVPool
 from toppings.server.model.graph_buckets import GraphBuckets
@@ -66,33 +67,36 @@ class ModelRunner:
         kv: KVPool,
         lora: AdapterManager,
         eos_ids: set[int],
+        grammars: GrammarCompiler | None = None,
     ) -> ModelRunner:
         """A runner that replays decode graphs when `use_cuda_graphs` (the runtime part's), one
-        per batch-size bucket up to `max_batch_size` (the scheduling part's)."""
+        per batch-size bucket up to `max_batch_size` (the scheduling part's); `grammars`
+        compiles the constraints of structured-output requests."""
         graphs = None
         if use_cuda_graphs:
             from toppings.server.model.cuda_graphs import DecodeGraphs  # the device module
 
             buckets = GraphBuckets.for_engine(max_batch_size, kv.max_len)
             graphs = DecodeGraphs(model, kv, lora.pool, lora.kernels.decode, buckets)
-        return cls(model, kv, lora, Sampler(eos_ids), graphs)
+        return cls(model, kv, lora, Sampler(eos_ids, grammars), graphs)
 
     def run(self, plan: StepPlan) -> StepOutcome:
         """Compute the plan's step and sample each request's next token; a request whose logits
         are not all finite gets no token and is in the outcome's `failed`."""
         seqs = list(plan.seqs)
+        masks = self.sampler.start_masks(seqs)  # grammar masks, computed during the forward
         if plan.is_prefill:
             logits, seconds, num_computed = self._prefill(seqs)  # [B, V]
         else:
             logits, seconds, num_computed = self._decode(seqs), 0.0, 0  # [B, V]
         finite = torch.isfinite(logits).all(dim=1)  # [B]
         if bool(finite.all()):
-            return StepOutcome(plan, StepResult(self.sampler.sample(seqs, logits), seconds,
+            return StepOutcome(plan, StepResult(self.sampler.sample(seqs, logits, masks), seconds,
                                                 num_computed))  # fmt: skip
         keep = finite.nonzero().flatten().tolist()
         failed = {s: nonfinite_error(s) for s, ok in zip(seqs, finite.tolist()) if not ok}
         kept = [seqs[i] for i in keep]
-        tokens = self.sampler.sample(kept, logits[keep]) if kept else []
+        tokens = self.sampler.sample(kept, logits[keep], masks) if kept else []
         kept_plan = StepPlan(tuple(kept), plan.is_prefill)
         return StepOutcome(kept_plan, StepResult(tokens, seconds, num_computed), failed)
 

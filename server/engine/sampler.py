@@ -4,18 +4,33 @@ logprobs (the model runner's side of a step; `Sequence` keeps only the results).
 Each sampled request has its own `torch.Generator` (server/engine/sampling.py), made at its
 first sampled token and made again after a restart (`Sequence.num_restarts` moved), so a seeded
 request draws the same tokens in any batch and again after a squash.
+
+A request with a `constraint` has its own grammar matcher (server/engine/grammar.py), made the
+same way: at its first token and again after a restart. Its row's logits (after the processors)
+keep only the tokens the grammar allows; the other rows of the batch are not touched, so a free
+request samples exactly what it would without constrained neighbours. The masks of a step can
+be computed while the model runs (`start_masks` before the forward pass, on the sampler's mask
+thread; llguidance releases the GIL). The sampled token advances the matcher; when the grammar
+is complete and allows nothing more, the sequence is told (`step_ends_grammar`) and stops.
 """
 
 from __future__ import annotations
 
+import logging
 import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
+import llguidance
 import torch
 
+from toppings.server.engine.grammar import GrammarCompiler, apply_masks, fill_masks
 from toppings.server.engine.logits import process_row, token_logprobs
 from toppings.server.engine.sampling import make_generator, sample_next
 from toppings.server.requests.request import TokenLogprob
 from toppings.server.requests.sequence import Sequence
+
+log = logging.getLogger(__name__)
 
 
 def logit_rows(seqs: list[Sequence], seg_starts: list[int]) -> list[int] | None:
@@ -52,15 +67,87 @@ def score_prompts(
     return logits[last]
 
 
-class Sampler:
-    """Next tokens of a batch; holds the random generators of the requests it samples."""
+@dataclass(frozen=True)
+class PendingMasks:
+    """The grammar masks of a step's constrained requests, being computed: `bitmask` gives int32
+    [M, W], row m for `seqs[m]`."""
 
-    def __init__(self, eos_ids: set[int]):
+    seqs: tuple[Sequence, ...]
+    bitmask: Future
+
+
+class Sampler:
+    """Next tokens of a batch; holds the random generators and grammar matchers of the requests
+    it samples. `grammars` compiles constraints (None: a model without structured output)."""
+
+    def __init__(self, eos_ids: set[int], grammars: GrammarCompiler | None = None):
         self.eos_ids = eos_ids
+        self.grammars = grammars
         # request -> (its restart count when made, generator); entries go with their request
         self._generators: weakref.WeakKeyDictionary[
             Sequence, tuple[int, torch.Generator | None]
         ] = weakref.WeakKeyDictionary()
+        # request -> (its restart count when made, grammar matcher)
+        self._matchers: weakref.WeakKeyDictionary[Sequence, tuple[int, llguidance.LLMatcher]] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._mask_thread: ThreadPoolExecutor | None = None
+        self._executor: llguidance.LLExecutor | None = None
+
+    def matcher(self, seq: Sequence) -> llguidance.LLMatcher:
+        """The request's grammar matcher, made anew after a restart."""
+        made = self._matchers.get(seq)
+        if made is None or made[0] != seq.num_restarts:
+            if self.grammars is None:
+                raise RuntimeError("a constrained request reached a sampler without grammars")
+            made = (seq.num_restarts, self.grammars.matcher(seq.request.params.constraint))
+            self._matchers[seq] = made
+        return made[1]
+
+    def start_masks(self, seqs: list[Sequence]) -> PendingMasks | None:
+        """Begin computing the grammar masks of the constrained requests of `seqs` on the mask
+        thread (None when none is constrained)."""
+        constrained = tuple(s for s in seqs if s.request.params.constraint is not None)
+        if not constrained:
+            return None
+        matchers = [self.matcher(s) for s in constrained]
+        if self._mask_thread is None:
+            self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
+            self._executor = llguidance.LLExecutor()
+        vocab = self.grammars.vocab_size
+        future = self._mask_thread.submit(fill_masks, self._executor, matchers, vocab)
+        return PendingMasks(constrained, future)
+
+    def _constrain(
+        self,
+        seqs: list[Sequence],
+        logits: torch.Tensor,
+        chosen_from: torch.Tensor,
+        masks: PendingMasks | None,
+    ) -> None:
+        """Mask the constrained rows of `chosen_from` [B, V] in place (`logits`: the raw ones)."""
+        rows = [i for i, s in enumerate(seqs) if s.request.params.constraint is not None]
+        if masks is None or any(seqs[i] not in masks.seqs for i in rows):
+            masks = self.start_masks(seqs)
+        bitmask = masks.bitmask.result()  # [M, W]
+        order = {s: m for m, s in enumerate(masks.seqs)}
+        picked = bitmask[[order[seqs[i]] for i in rows]]  # [M', W]
+        apply_masks(chosen_from, logits, rows, picked)
+
+    def _advance(self, seqs: list[Sequence], tokens: list[int]) -> None:
+        """Feed each constrained request its token; mark the ones whose grammar is done."""
+        for seq, token in zip(seqs, tokens):
+            if seq.request.params.constraint is None:
+                continue
+            matcher = self.matcher(seq)
+            if not matcher.consume_token(token) or matcher.is_error():
+                log.warning(
+                    "request %s: its grammar refused token %d: %s",
+                    seq.request.request_id, token, matcher.get_error(),
+                )  # fmt: skip
+                seq.step_ends_grammar = True
+            elif matcher.is_stopped():
+                seq.step_ends_grammar = True
 
     def generator(self, seq: Sequence) -> torch.Generator | None:
         """The request's generator (None: greedy), made anew after a restart."""
@@ -70,21 +157,29 @@ class Sampler:
             self._generators[seq] = made
         return made[1]
 
-    def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
+    def sample(
+        self, seqs: list[Sequence], logits: torch.Tensor, masks: PendingMasks | None = None
+    ) -> list[int]:
         """Next token of each sequence from its row of logits [B, V] float32.
 
-        Rows with penalties, a logit bias or min_tokens are processed first; the logprobs asked
-        for are taken from the unprocessed rows (see server/engine/logits.py) and left in each
-        sequence's `step_logprob`."""
+        Rows with penalties, a logit bias or min_tokens are processed first, then constrained
+        rows keep only their grammar's tokens (`masks` from `start_masks`, computed here when
+        None); the logprobs asked for are taken from the unprocessed rows (see
+        server/engine/logits.py) and left in each sequence's `step_logprob`."""
         params = [s.request.params for s in seqs]
         chosen_from = logits
-        if any(p.has_processors for p in params):
+        is_constrained = any(p.constraint is not None for p in params)
+        if is_constrained or any(p.has_processors for p in params):
             chosen_from = logits.clone()
             for i, (seq, p) in enumerate(zip(seqs, params)):
                 if p.has_processors:
                     prompt = seq.request.prompt_ids
                     chosen_from[i] = process_row(logits[i], p, prompt, seq.output_ids, self.eos_ids)
+        if is_constrained:
+            self._constrain(seqs, logits, chosen_from, masks)
         tokens = sample_next(chosen_from, params, [self.generator(s) for s in seqs])
+        if is_constrained:
+            self._advance(seqs, tokens)
         want = [i for i, p in enumerate(params) if p.logprobs is not None]
         if want:
             k = max(params[i].logprobs for i in want)

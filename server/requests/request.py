@@ -13,6 +13,7 @@ import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from enum import Enum
 
 MAX_STOP_STRINGS = 16
 MAX_LOGPROBS = 20  # top alternatives per token (OpenAI's limit for top_logprobs)
@@ -36,6 +37,34 @@ class RequestError(ValueError):
         self.retry_after_s = retry_after_s
 
 
+class ConstraintKind(Enum):
+    """What a constraint's `spec` is written in."""
+
+    JSON_SCHEMA = "json_schema"  # a JSON schema, as JSON text
+    REGEX = "regex"  # a regular expression the whole output matches
+    CHOICE = "choice"  # a JSON array of strings: the output is exactly one of them
+    GRAMMAR = "grammar"  # a context-free grammar (GBNF/EBNF or Lark)
+
+
+MAX_CONSTRAINT_CHARS = 100_000  # the text of one schema, regex or grammar
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """Structured output: the request's text must be derivable from `spec` (see
+    server/engine/grammar.py, which compiles it and masks the request's logits)."""
+
+    kind: ConstraintKind
+    spec: str
+
+    def __post_init__(self) -> None:
+        if len(self.spec) > MAX_CONSTRAINT_CHARS:
+            raise RequestError(
+                f"the {self.kind.value} is {len(self.spec)} characters; this server takes at "
+                f"most {MAX_CONSTRAINT_CHARS}"
+            )
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request decoding settings; temperature 0 means greedy.
@@ -46,6 +75,7 @@ class SamplingParams:
     `logit_bias` adds to the named tokens' logits; EOS is masked until `min_tokens` tokens.
     `logprobs` asks for each output token's log-probability and that many top alternatives
     (None: none), `prompt_logprobs` the same for every prompt token after the first.
+    `constraint` (None: free text) limits every sampled token to those its grammar allows.
     `max_new_tokens` 0 (only with prompt_logprobs) scores the prompt and generates nothing.
     """
 
@@ -63,6 +93,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    constraint: Constraint | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_new_tokens, int) or isinstance(self.max_new_tokens, bool):

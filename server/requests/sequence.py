@@ -38,6 +38,9 @@ class Sequence:
         self._stream = TextStream(tokenizer, request.params.stop)
         self.num_restarts = 0  # a sampler re-creates the request's generator when this moves
         self.step_logprob: TokenLogprob | None = None  # of the token append() records next
+        # Set by the sampler when the request's grammar is complete with the token append()
+        # records next and allows nothing after it: the request stops there.
+        self.step_ends_grammar = False
         self._first_token_at: float | None = None
         self._pending_ids: list[int] = []
         self._pending_text = ""
@@ -66,6 +69,7 @@ class Sequence:
         self.num_restarts += 1
         self._pending_ids, self._pending_text, self._pending_logprobs = [], "", []
         self.step_logprob = None
+        self.step_ends_grammar = False
 
     def describe(self, adapters: dict) -> RequestView:
         """The /stats view of this request."""
@@ -92,6 +96,7 @@ class Sequence:
         if self.step_logprob is not None and not replayed:
             self._pending_logprobs.append(self.step_logprob)
         self.step_logprob = None
+        ends_grammar, self.step_ends_grammar = self.step_ends_grammar, False
         if self._first_token_at is None:
             self._first_token_at = time.monotonic()
         self.output_ids.append(token)
@@ -101,7 +106,7 @@ class Sequence:
             return None  # sent before the restart (it was running, so no stop was hit then)
         self._pending_ids.append(token)
         self._pending_text += text
-        if is_eos or self._stream.stopped:
+        if is_eos or self._stream.stopped or ends_grammar:
             return "stop"
         if len(self.output_ids) >= params.max_new_tokens:
             return "length"

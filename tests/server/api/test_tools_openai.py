@@ -1,0 +1,194 @@
+"""Tool calling with the `openai` client on SmolLM2 given a chat template that renders tools:
+named and required calls (base and adapter), streamed call deltas, a round trip with a `tool`
+message, and the 400s."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import types
+
+import jsonschema
+import openai
+import pytest
+import requests
+import waitress
+
+from toppings.server.api.app import create_app
+from toppings.server.api.tools import ToolChoice, Tools, check_template_renders_tools
+from toppings.server.config import EngineConfig
+from toppings.server.requests.request import RequestError
+from toppings.server.runtime import build_engine
+
+pytestmark = pytest.mark.slow
+ADAPTER = "caller"
+TOOLS_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\nYou may call these functions; to call one, reply with "
+    '{"name": NAME, "arguments": {...}} only.\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}'
+    "<|im_end|>\n{% endif %}"
+    "{%- for message in messages %}<|im_start|>{{ message.role }}\n"
+    "{%- if message.tool_calls %}{% for c in message.tool_calls %}"
+    '{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}'
+    "{% endfor %}{% else %}{{ message.content }}{% endif %}<|im_end|>\n{% endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 20},
+        "unit": {"enum": ["celsius", "fahrenheit"]},
+    },
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+TIME = {
+    "type": "object",
+    "properties": {"zone": {"enum": ["UTC", "CET", "PST"]}},
+    "required": ["zone"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                      "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "get_time", "description": "Time in a zone",
+                                      "parameters": TIME}},
+]  # fmt: skip
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory, smollm2_dir):
+    from toppings.scripts.make_adapters import make_random_adapter
+
+    root = tmp_path_factory.mktemp("tools_model")
+    model = root / "smollm2-tools"
+    model.mkdir()
+    for name in os.listdir(smollm2_dir):
+        if name != "chat_template.jinja":
+            os.symlink(os.path.join(smollm2_dir, name), model / name)
+    (model / "chat_template.jinja").write_text(TOOLS_TEMPLATE)
+    loras = {ADAPTER: str(make_random_adapter(root / ADAPTER, smollm2_dir, rank=8, seed=9))}
+    eng = build_engine(str(model), EngineConfig(dtype="float32", max_total_tokens=8192), loras)
+    yield eng
+    eng.shutdown()
+
+
+@pytest.fixture(scope="module")
+def base_url(engine):
+    server = waitress.create_server(create_app(engine), host="127.0.0.1", port=0, threads=4)
+    threading.Thread(target=server.run, daemon=True).start()
+    yield f"http://127.0.0.1:{server.effective_port}"
+    server.close()
+
+
+@pytest.fixture(scope="module")
+def client(base_url):
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="x", max_retries=0, timeout=300)
+
+
+@pytest.mark.parametrize("adapter", [None, ADAPTER])
+def test_named_call(client, engine, adapter):
+    out = client.chat.completions.create(
+        model=adapter or engine.model_name,
+        messages=ASK,
+        tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        max_tokens=60,
+        temperature=0,
+    )
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER)
+
+
+def test_required_call_picks_a_tool(client, engine):
+    out = client.chat.completions.create(
+        model=ADAPTER, messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=60,
+        temperature=0.9, seed=3, n=3,
+    )  # fmt: skip
+    for choice in out.choices:
+        (call,) = choice.message.tool_calls
+        schema = {"get_weather": WEATHER, "get_time": TIME}[call.function.name]
+        jsonschema.validate(json.loads(call.function.arguments), schema)
+
+
+def test_streamed_call_deltas_reassemble_to_the_call(client, engine):
+    kwargs = dict(
+        model=engine.model_name,
+        messages=ASK,
+        tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        max_tokens=60,
+        temperature=0,
+    )
+    whole = client.chat.completions.create(**kwargs).choices[0].message.tool_calls[0]
+    name, arguments, finish = "", "", None
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        for c in chunk.choices:
+            for delta in c.delta.tool_calls or ():
+                name += delta.function.name or ""
+                arguments += delta.function.arguments or ""
+            finish = c.finish_reason or finish
+    assert (name, arguments, finish) == (whole.function.name, whole.function.arguments,
+                                         "tool_calls")  # fmt: skip
+
+
+def test_round_trip_with_a_tool_message(client, engine):
+    call = client.chat.completions.create(
+        model=engine.model_name, messages=ASK, tools=TOOLS, tool_choice="required",
+        max_tokens=60, temperature=0,
+    ).choices[0].message  # fmt: skip
+    messages = ASK + [
+        call.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.tool_calls[0].id, "content": '{"temp_c": 21}'},
+    ]
+    reply = client.chat.completions.create(
+        model=engine.model_name, messages=messages, tools=TOOLS, tool_choice="none",
+        max_tokens=16, temperature=0,
+    )  # fmt: skip
+    choice = reply.choices[0]
+    assert choice.message.tool_calls is None and isinstance(choice.message.content, str)
+    assert choice.finish_reason in ("stop", "length")
+
+
+@pytest.mark.parametrize(
+    "fields, named",
+    [
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+         "nope"),
+        ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+        ({"tool_choice": "required"}, "tools"),
+        ({"tools": [{"type": "retrieval"}]}, "tools[0]"),
+        ({"tools": TOOLS, "logprobs": True}, "logprobs"),
+        ({"tools": TOOLS, "tool_choice": "required", "guided_regex": "a"}, "structured-output"),
+    ],
+)  # fmt: skip
+def test_bad_tool_input_is_a_400(base_url, engine, fields, named):
+    body = dict({"model": engine.model_name, "messages": ASK}, **fields)
+    reply = requests.post(f"{base_url}/v1/chat/completions", json=body, timeout=60)
+    assert reply.status_code == 400, reply.text
+    assert named in reply.json()["error"]["message"]
+
+
+def test_completions_refuse_tools(base_url, engine):
+    body = {"model": engine.model_name, "prompt": "hi", "tools": TOOLS}
+    reply = requests.post(f"{base_url}/v1/completions", json=body, timeout=60)
+    assert reply.status_code == 400 and "tools" in reply.json()["error"]["message"]
+
+
+def test_template_without_tools_is_refused():
+    with pytest.raises(RequestError, match="does not render tools"):
+        check_template_renders_tools(types.SimpleNamespace(chat_template="{{ messages }}"))
+
+
+def test_auto_reply_parsed_as_a_call_only_when_it_is_one():
+    tools = Tools(tuple(json.dumps(t["function"]) for t in TOOLS), ToolChoice.AUTO)
+    call = tools.parse_call('<tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}'
+                            "</tool_call>")  # fmt: skip
+    assert call["function"] == {"name": "get_time", "arguments": '{"zone": "UTC"}'}
+    assert tools.parse_call('{"name": "get_time", "parameters": {}}')["function"]["name"]
+    assert tools.parse_call('{"name": "unknown", "arguments": {}}') is None
+    assert tools.parse_call("It is sunny.") is None
