@@ -18,8 +18,9 @@ from tests.server.engine.test_exactness import (
     reference_greedy,
 )
 from toppings.server.config import EngineConfig
+from toppings.server.engine.engine import Engine
+from toppings.server.model.loader import load_checkpoint
 from toppings.server.requests.request import GenerationRequest, SamplingParams
-from toppings.server.runtime import build_engine
 
 BUDGET = 20  # tokens per step; with up to 12 decodes, prompt chunks of 8 to 20 tokens
 ADAPTER_BYTES = 64 * (64 + 64) * 4 * 7 * 4  # rank 64, 7 projections of ~64x64, 4 layers, f32
@@ -50,6 +51,14 @@ def second_round(first: list[tuple[list[int], str | None]], vocab: int):
     gen = torch.Generator().manual_seed(8)
     return [(prompt[:48] + torch.randint(3, vocab, (n,), generator=gen).tolist(), a)
             for (prompt, a), n in zip(first, [20, 33, 40, 25])]  # fmt: skip
+
+
+def build_engine(model_dir, config: EngineConfig, adapters: dict[str, str]) -> Engine:
+    """An engine whose thread is not started: the test runs its steps (`Engine.step`)."""
+    engine = Engine(config, load_checkpoint(str(model_dir)))
+    for name, path in adapters.items():
+        engine.add_adapter(name, path)
+    return engine
 
 
 def run_engine(model_dir, adapters, rounds, kernel, mode, workers, chunked: bool):
@@ -116,3 +125,80 @@ def test_chunked_matches_unchunked_and_peft(tmp_path_factory, kernel, mode, work
         what = f"{kernel}/{mode}, adapter {name}, prompt of {len(prompt)}"
         assert_same_greedy(got, ref, margins, what + " (chunked vs PEFT)")
         assert_same_greedy(got, want, margins, what + " (chunked vs whole-prompt prefill)")
+
+
+def test_logprobs_exact_in_mixed_steps(tmp_path_factory, tiny_model_dir):
+    """Output logprobs of decode rows run in mixed steps, and the prompt logprobs of requests
+    that score their prompt (prefilled whole beside others' chunks), equal transformers + PEFT's
+    (test_logprobs_exactness's tolerance)."""
+    from tests.server.engine.test_logprobs_exactness import TOP, check_against_reference
+
+    adapters = make_adapters(tmp_path_factory.mktemp("adapters_lp"), tiny_model_dir)
+    config = EngineConfig(
+        dtype="float32", max_total_tokens=4096, max_batch_size=12, chunked_prefill=True,
+        max_num_batched_tokens=BUDGET,
+    )  # fmt: skip
+    engine = build_engine(str(tiny_model_dir), config, adapters)
+    long = first_round(200)
+    gen = torch.Generator().manual_seed(9)
+    scored = [(torch.randint(3, 200, (n,), generator=gen).tolist(), a)
+              for n, a in [(30, "r16"), (9, None), (14, "r64")]]  # fmt: skip
+    plain = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+    scoring = SamplingParams(
+        max_new_tokens=6, temperature=0.0, ignore_eos=True, logprobs=TOP, prompt_logprobs=TOP
+    )
+    plans = []
+    try:
+        handles = [engine.submit(GenerationRequest(list(p), plain, a)) for p, a in long[:3]]
+        plans.append(engine.step())  # the long prompts start; the scored ones come beside them
+        scored_handles = [engine.submit(GenerationRequest(list(p), scoring, a)) for p, a in scored]
+        while engine.scheduler.has_work() or not plans[-1]:
+            plans.append(engine.step())
+        results = [h.result(timeout_s=5) for h in scored_handles]
+        for h in handles:
+            h.result(timeout_s=5)
+    finally:
+        engine.shutdown()
+    assert any(p is not None and p.is_mixed and not all(p.samples) for p in plans)
+    check_against_reference(tiny_model_dir, adapters, scored, results)
+
+
+def test_long_prompt_does_not_stall_32_decoding_streams(tmp_path_factory):
+    """The stall test on the engine, in step terms (the stated target: every stream gets one
+    token per step): a 1,000-token prompt arrives while 32 streams decode, budget 64 tokens.
+    Every step until its first token gives each stream a token, and the prompt is spread over
+    ceil(1000 / (64 - 32)) steps (the 32 decodes take their 32 tokens of each step first)."""
+    from toppings.scripts.make_tiny_llama import make_tiny_llama
+
+    model_dir = make_tiny_llama(tmp_path_factory.mktemp("tiny_long"), max_position_embeddings=2048)
+    config = EngineConfig(
+        dtype="float32", max_total_tokens=8192, max_batch_size=33, chunked_prefill=True,
+        max_num_batched_tokens=64,
+    )  # fmt: skip
+    engine = build_engine(str(model_dir), config, {})
+    gen = torch.Generator().manual_seed(3)
+    params = SamplingParams(max_new_tokens=100, temperature=0.0, ignore_eos=True)
+    try:
+        for _ in range(32):
+            engine.submit(
+                GenerationRequest(torch.randint(3, 200, (8,), generator=gen).tolist(), params)
+            )
+        while len(engine.scheduler.running) < 32 or not all(
+            s.output_ids for s in engine.scheduler.running
+        ):
+            engine.step()
+        decoding = list(engine.scheduler.running)
+        long_prompt = torch.randint(3, 200, (1000,), generator=gen).tolist()
+        engine.submit(GenerationRequest(long_prompt, SamplingParams(max_new_tokens=2)))
+        steps = 0
+        while True:
+            before = [len(s.output_ids) for s in decoding]
+            plan = engine.step()
+            steps += 1
+            assert [len(s.output_ids) for s in decoding] == [n + 1 for n in before]
+            assert sum(plan.chunks) <= 64
+            if any(s.prompt_len == 1000 and s.output_ids for s in plan.seqs):
+                break
+        assert steps == -(-1000 // 32)
+    finally:
+        engine.shutdown()
