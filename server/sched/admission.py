@@ -140,14 +140,16 @@ class AdmissionGate:
         limits: GateLimits,
         clock: Callable[[], float],
         step_tokens: int = 0,
+        decode_tokens: int = 0,
     ):
         """step_tokens: with chunked prefill, the tokens of the step already planned (the
-        running decodes and the chunks of prompts being prefilled)."""
+        running decodes and the chunks of prompts being prefilled), decode_tokens of them the
+        decodes'."""
         self.running, self.waiting = running, waiting
         self.memory, self.adapters, self.limits, self.clock = memory, adapters, limits, clock
         self.admitted: list[Sequence] = []
         self.prefill_tokens = 0
-        self.step_tokens = step_tokens
+        self.step_tokens, self.decode_tokens = step_tokens, decode_tokens
         self.chunks: dict[Sequence, int] = {}  # chunked prefill: admitted -> tokens this step
         self._queued: frozenset[str] | None = None
         # What the policy asked about last, a request or an adapter: when forming the batch
@@ -198,12 +200,14 @@ class AdmissionGate:
         """Whether the step's token budget takes `seq`'s prompt (its `computed` tokens): without
         chunking, whole prompts up to max_prefill_tokens (the first one always); with it, any
         chunk while the budget lasts, but a request scoring its prompt (prompt logprobs) only
-        whole, where the budget holds it or the step plans nothing else yet."""
+        whole, where the budget holds it or the step plans no other prompt tokens yet (then it
+        may exceed the budget, as the first prompt of an unchunked prefill step may exceed
+        max_prefill_tokens: it never waits for the running decodes to end)."""
         limits = self.limits
         if limits.max_step_tokens is None:
             return not self.admitted or self.prefill_tokens + computed <= limits.max_prefill_tokens
         if _whole(seq):
-            return self.step_tokens == 0 or computed <= self._step_left()
+            return self.step_tokens == self.decode_tokens or computed <= self._step_left()
         return self._step_left() > 0
 
     def queued(self) -> frozenset[str]:

@@ -101,11 +101,12 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(len(self.queue) or self.running)
 
-    def gate(self, step_tokens: int = 0) -> AdmissionGate:
-        """A fresh gate for one iteration's admissions (step_tokens: see AdmissionGate)."""
+    def gate(self, step_tokens: int = 0, decode_tokens: int = 0) -> AdmissionGate:
+        """A fresh gate for one iteration's admissions (the step's tokens planned so far and
+        the decodes' of them: see AdmissionGate)."""
         return AdmissionGate(
             self.running, self.queue, self.memory, self.adapters, self.limits, self.clock,
-            step_tokens,
+            step_tokens, decode_tokens,
         )  # fmt: skip
 
     def schedule(self) -> StepPlan | None:
@@ -132,12 +133,12 @@ class Scheduler:
         prefilled in admission order, then of the newly admitted ones, within `budget` tokens.
         The admitted join `running` at once (a request being prefilled keeps its place there)."""
         chunks: dict[Sequence, int] = {s: 1 for s in self.running if s.is_prefilled}
-        used = len(chunks)
+        used = num_decodes = len(chunks)
         for seq in self.running:
             if not seq.is_prefilled and used < budget:
                 chunks[seq] = min(seq.prompt_len - seq.num_prefilled, budget - used)
                 used += chunks[seq]
-        gate = self.gate(used)
+        gate = self.gate(used, num_decodes)
         admitted = self._admit(gate)
         chunks = {s: n for s, n in chunks.items() if s in self.running}  # a policy may squash
         for seq in admitted:

@@ -85,6 +85,13 @@ def test_prompt_logprobs_requests_are_prefilled_whole():
     sched.add(scored)
     plan = step(sched)
     assert tokens_of(plan) == {scored: 40} and plan.sampled == (scored,)
+    # Beside running decodes, a scored prompt over the budget still goes whole (it does not
+    # wait for them to end), in a step with no other prompt chunk.
+    request = GenerationRequest(list(range(2, 32)), params, None)
+    late = Sequence(request, RequestHandle(request, lambda _id: None), Tokenizer(), 0.0)
+    sched.add(late)
+    plan = step(sched)
+    assert tokens_of(plan) == {scored: 1, late: 30}
 
 
 def test_long_prompt_never_stalls_32_decoding_streams():
