@@ -33,6 +33,13 @@ class StepModel:
     def decode_s(self, batch: int) -> float:
         return (self.decode_ms + self.decode_ms_per_request * batch) / 1000
 
+    def mixed_s(self, num_decodes: int, prompt_tokens: int) -> float:
+        """A chunked-prefill step: its decodes' step (or a prefill's overhead without any)
+        plus the prompt tokens beside them."""
+        if not num_decodes:
+            return self.prefill_s(prompt_tokens)
+        return self.decode_s(num_decodes) + self.prefill_ms_per_token * prompt_tokens / 1000
+
 
 @dataclass
 class _Request:
@@ -260,8 +267,9 @@ def simulate(
         if plan is None:
             clock.now = max(clock.now, seqs[nxt].arrival)
             continue
-        if plan.is_mixed:  # decodes and prompt chunks: every token counted as a prompt token's
-            clock.now += steps.prefill_s(sum(plan.chunks))
+        if plan.is_mixed:
+            decodes = sum(1 for s in plan.seqs if s.is_prefilled)
+            clock.now += steps.mixed_s(decodes, sum(plan.chunks) - decodes)
         elif plan.is_prefill:
             clock.now += steps.prefill_s(sum(s.prompt_len for s in plan.seqs))
         else:

@@ -292,12 +292,12 @@ class SchedulingConfig(Settings):
     )
     # Mixed steps of decodes and prompt chunks under a token budget (server.sched.scheduler).
     chunked_prefill: bool = setting(
-        False,
+        True,
         flag=Flag(
             "chunked prefill: each step runs every decode first, then prompt chunks up to "
             "--max-num-batched-tokens, so a long prompt no longer stalls the running streams",
             choices=ON_OFF,
-            default="off",
+            default="on",
             parse=on_off,
         ),
     )

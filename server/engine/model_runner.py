@@ -99,7 +99,9 @@ class ModelRunner:
         samples = plan.samples or (True,) * len(seqs)
         rows = [i for i in keep if samples[i]]
         sampled = [seqs[i] for i in rows]
-        tokens = self.sampler.sample(sampled, logits[rows]) if sampled else []
+        if len(rows) < len(seqs):
+            logits = logits[rows]  # [S, V], the rows of the requests that sample
+        tokens = self.sampler.sample(sampled, logits) if sampled else []
         return StepOutcome(kept_plan, StepResult(tokens, seconds, num_computed), failed)
 
     def _prefill(self, seqs: list[Sequence]) -> tuple[torch.Tensor, float, int]:
@@ -130,22 +132,23 @@ class ModelRunner:
         starts = [kv.lengths[s.kv_hold.row] for s in seqs]
         past = [kv.req_to_slot[s.kv_hold.row, :n] if n else None for s, n in zip(seqs, starts)]
         slots = torch.cat([kv.extend(s.kv_hold.row, n) for s, n in zip(seqs, chunks)])  # [T]
+        scores = [s.request.params.prompt_logprobs is not None and n == s.prompt_len
+                  for s, n in zip(seqs, chunks)]  # fmt: skip
         ids, positions, seg_starts, rows = [], [], [0], []
-        for seq, start, n in zip(seqs, starts, chunks):
-            tokens = seq.request.prompt_ids[start : start + n]
-            if start + n > seq.prompt_len:  # a decode row: the last sampled token
-                tokens = (list(seq.request.prompt_ids) + seq.output_ids)[start : start + n]
-            ids.extend(tokens)
+        for seq, start, n, whole in zip(seqs, starts, chunks, scores):
+            if start >= seq.prompt_len:  # a decode row (n = 1): its last sampled token
+                ids.append(seq.output_ids[-1])
+            else:
+                ids.extend(seq.request.prompt_ids[start : start + n])
             positions.extend(range(start, start + n))
-            scores = seq.request.params.prompt_logprobs is not None and n == seq.prompt_len
-            rows.extend(range(seg_starts[-1] if scores else seg_starts[-1] + n - 1,
-                              seg_starts[-1] + n))  # fmt: skip
-            seg_starts.append(seg_starts[-1] + n)
+            end = seg_starts[-1] + n
+            rows.extend(range(seg_starts[-1] if whole else end - 1, end))
+            seg_starts.append(end)
         started = time.perf_counter()
         logits = self._forward(seqs, ids, positions, slots, seg_starts, past=past, rows=rows)
         last, offset = [], 0  # [R, V] -> [B, V]
-        for seq, n in zip(seqs, chunks):
-            if seq.request.params.prompt_logprobs is not None and n == seq.prompt_len:
+        for seq, n, whole in zip(seqs, chunks, scores):
+            if whole:
                 score_prompts([seq], logits[offset : offset + n], [0, n])
                 offset += n
             else:

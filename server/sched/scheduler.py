@@ -58,9 +58,11 @@ class StepPlan:
 
     def subset(self, keep: list[int]) -> StepPlan:
         """The plan of the requests at indices `keep` only."""
-        pick = lambda xs: None if xs is None else tuple(xs[i] for i in keep)  # noqa: E731
-        seqs = tuple(self.seqs[i] for i in keep)
-        return StepPlan(seqs, self.is_prefill, pick(self.chunks), pick(self.samples))
+
+        def pick(values: tuple | None) -> tuple | None:
+            return None if values is None else tuple(values[i] for i in keep)
+
+        return StepPlan(pick(self.seqs), self.is_prefill, pick(self.chunks), pick(self.samples))
 
 
 @dataclass(frozen=True)

@@ -1,15 +1,16 @@
 """The token budget of a chunked-prefill step (`--max-num-batched-tokens` when it is 0).
 
-A mixed step's time grows with the tokens it computes; every running stream waits for the whole
-step between two of its tokens. So the budget is the most tokens whose modelled step time stays
-within an inter-token target: `--itl-target-ms`, or by default twice the modelled decode step
-at `--max-batch-size` (a step may then add one decode step's worth of prompt work to the decode
-it would have run anyway). The model is linear, as bench/sim_engine.py's `StepModel` fitted on
-the real engine: a step of T tokens takes `step_ms + ms_per_token * T`, a decode step of B
-requests `decode_ms + decode_ms_per_request * B`. The default numbers are its fit of SmolLM2,
-float32, on a 2-core Xeon VM (bench/sim_engine.py `measure_steps`); the engine does not measure
-its own machine at start-up, so on other hardware `--itl-target-ms` or the budget itself should
-be given. The result is clamped to [MIN_BUDGET, max_prefill_tokens] and above the batch size.
+A mixed step's time grows with the tokens it computes, and every running stream waits for the
+whole step between two of its tokens. So the budget is what a full batch of decodes plus the
+most prompt tokens whose modelled step time stays within an inter-token target take:
+`--itl-target-ms`, or by default twice the modelled decode step at `--max-batch-size` (a step
+may add one decode step's worth of prompt work to the decode it would run anyway). The model
+is linear, as bench/sim_engine.py's `StepModel` fitted on the real engine: a decode step of B
+requests takes `decode_ms + decode_ms_per_request * B`, each prompt token beside it
+`ms_per_token` more. The default numbers are that fit for SmolLM2, float32, on a 2-core Xeon
+VM (bench/sim_engine.py `measure_steps`); the engine does not measure its own machine at
+start-up, so on other hardware `--itl-target-ms` or the budget itself should be given. The
+result is clamped to [max(MIN_BUDGET, batch size + MIN_CHUNK), max_prefill_tokens].
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ MIN_CHUNK = 64  # prompt tokens a full batch of decodes leaves a step at least
 class StepTimeModel:
     """Linear step times in ms (see the module docstring for where the defaults come from)."""
 
-    step_ms: float = 19.7
     ms_per_token: float = 1.09
     decode_ms: float = 64.6
     decode_ms_per_request: float = 2.09
@@ -32,9 +32,9 @@ class StepTimeModel:
     def decode_step_ms(self, batch_size: int) -> float:
         return self.decode_ms + self.decode_ms_per_request * batch_size
 
-    def max_tokens_within(self, target_ms: float) -> int:
-        """The most tokens one step computes within target_ms."""
-        return max(0, int((target_ms - self.step_ms) / self.ms_per_token))
+    def prompt_tokens_within(self, target_ms: float, batch_size: int) -> int:
+        """The most prompt tokens a step of batch_size decodes takes on within target_ms."""
+        return max(0, int((target_ms - self.decode_step_ms(batch_size)) / self.ms_per_token))
 
 
 @dataclass(frozen=True)
@@ -59,13 +59,15 @@ def choose_step_budget(
     target = itl_target_ms or 2 * model.decode_step_ms(max_batch_size)
     if max_num_batched_tokens:
         return StepBudget(max_num_batched_tokens, target, "given by --max-num-batched-tokens")
-    modelled = model.max_tokens_within(target)
+    modelled = max_batch_size + model.prompt_tokens_within(target, max_batch_size)
     floor = max(MIN_BUDGET, max_batch_size + MIN_CHUNK)
-    tokens = max(floor, min(modelled, max(max_prefill_tokens, floor)))
-    source = "--itl-target-ms" if itl_target_ms else f"2x the decode step at {max_batch_size}"
+    ceiling = max(max_prefill_tokens, floor)
+    tokens = max(floor, min(modelled, ceiling))
+    source = "--itl-target-ms" if itl_target_ms else "2x the decode step"
     how = (
-        f"the most tokens whose modelled step time ({model.step_ms} ms + {model.ms_per_token} "
-        f"ms/token) stays within an inter-token target of {target:.0f} ms ({source}): "
-        f"{modelled}, clamped to [{floor}, {max(max_prefill_tokens, floor)}]"
+        f"{max_batch_size} decodes (a {model.decode_step_ms(max_batch_size):.0f} ms step, "
+        f"modelled) and the prompt tokens ({model.ms_per_token} ms each) that keep the step "
+        f"within an inter-token target of {target:.0f} ms ({source}): {modelled}, clamped to "
+        f"[{floor}, {ceiling}]"
     )
     return StepBudget(tokens, target, how)

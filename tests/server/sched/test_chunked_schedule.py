@@ -124,8 +124,9 @@ def test_unchunked_steps_stay_whole_prompt_prefills():
 
 def test_default_budget_is_derived_from_the_step_time_model():
     budget = choose_step_budget(max_batch_size=128, max_prefill_tokens=8192)
-    # 2 x (64.6 + 2.09 * 128) ms = 664.6 ms; (664.6 - 19.7) / 1.09 = 591 tokens
-    assert budget.tokens == 591 and "2x the decode step" in budget.how
+    # a decode step of 128: 64.6 + 2.09 * 128 = 332.1 ms; the target twice that leaves
+    # 332.1 / 1.09 = 304 prompt tokens beside the 128 decodes
+    assert budget.tokens == 128 + 304 and "2x the decode step" in budget.how
     assert choose_step_budget(8, 8192, itl_target_ms=50.0).tokens == MIN_BUDGET
     assert choose_step_budget(8, 8192, max_num_batched_tokens=100).tokens == 100
     assert choose_step_budget(400, 8192).tokens >= 400 + 64
