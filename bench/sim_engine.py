@@ -81,6 +81,7 @@ class SimSeq:
 
     def restart(self) -> None:
         self.output_ids = []
+        self.num_prefilled = 0
 
 
 @dataclass(frozen=True)
