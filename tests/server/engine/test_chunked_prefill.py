@@ -230,3 +230,30 @@ def test_decode_rows_with_a_long_past_attend_natively(monkeypatch):
     got = attention.prefill_attention(*args, plan)
     want = attention.prefill_attention(*args)  # every segment through SDPA
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+])])  # fmt: skip
+def test_graphs_serve_the_pure_decode_steps(tiny_model_dir, tmp_path_factory, device):
+    """With chunked prefill, every pure-decode step goes to the decode graphs (on a CPU the
+    padded forward of test_cuda_graphs' stand-in) and mixed steps run eagerly; the tokens are
+    those of the same chunked engine without graphs."""
+    from tests.server.model.test_cuda_graphs import JOBS, assert_same, generate, start
+
+    adapters = make_adapters(tmp_path_factory.mktemp("graph_chunk_adapters"), tiny_model_dir)
+    outputs = {}
+    for graphs in (False, True):
+        engine = start(tiny_model_dir, adapters, device, graphs, chunked_prefill=True,
+                       max_num_batched_tokens=BUDGET)  # fmt: skip
+        try:
+            outputs[graphs] = generate(engine, JOBS)
+            stats = engine.step_stats
+            if graphs:
+                counters = dict(engine.runner.graphs.counters)
+        finally:
+            engine.shutdown()
+    assert stats.prefill_steps > 1  # the prompts (100 tokens) were spread over mixed steps
+    assert counters["replays"] == stats.decode_steps > 0, counters
+    assert_same(tiny_model_dir, adapters, JOBS, outputs[True], outputs[False])
