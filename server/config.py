@@ -307,8 +307,8 @@ class SchedulingConfig(Settings):
         bound=Bound.NON_NEGATIVE,
         flag=Flag(
             "tokens one chunked-prefill step computes, decodes included (more than "
-            "--max-batch-size); 0: the most whose modelled step time stays within "
-            "--itl-target-ms, logged at start-up",
+            "--max-batch-size); 0: a full batch of decodes plus the prompt tokens that keep "
+            "the modelled step time within --itl-target-ms, logged at start-up",
             type=int,
             metavar="N",
         ),

@@ -140,9 +140,11 @@ class Scheduler:
             if not seq.is_prefilled and used < budget:
                 chunks[seq] = min(seq.prompt_len - seq.num_prefilled, budget - used)
                 used += chunks[seq]
-        gate = self.gate(used, num_decodes)
+        gate, num_running = self.gate(used, num_decodes), len(self.running)
         admitted = self._admit(gate)
-        chunks = {s: n for s, n in chunks.items() if s in self.running}  # a policy may squash
+        if len(self.running) < num_running:  # the policy squashed some: they wait again
+            still = set(self.running)
+            chunks = {s: n for s, n in chunks.items() if s in still}
         for seq in admitted:
             chunks[seq] = gate.chunks[seq]
         self.running.extend(admitted)

@@ -16,12 +16,12 @@ from toppings.server.sched.scheduler import Scheduler, StepPlan, StepResult
 from toppings.server.sched.step_budget import MIN_BUDGET, choose_step_budget
 
 
-def make_chunked(budget: int, max_batch=40, num_blocks=4096, policy="fcfs"):
+def make_chunked(budget: int, max_batch=40, num_blocks=4096, policy="fcfs", queue=None):
     config = SchedulingConfig(queue_policy=policy)
     memory, adapters = Memory(num_blocks), Adapters()
     limits = GateLimits(max_batch, 8192, budget)
     clock = iter(range(1_000_000)).__next__
-    queue = make_queue_policy(config, num_blocks * BLOCK)
+    queue = queue or make_queue_policy(config, num_blocks * BLOCK)
     return Scheduler(queue, memory, adapters, limits, {EOS}, 4096, clock), memory, adapters
 
 
@@ -158,3 +158,35 @@ def test_simulator_runs_chunked_steps():
         assert len(records) == len(trace) and all(t > 0 for t, _, _ in records)
         ttfts[budget] = [t + e.arrival_s for (t, _, _), e in zip(records, trace)]  # first token
     assert all(t >= ttfts[256][0] for t in ttfts[256][1:])
+
+
+def test_a_squashed_partly_prefilled_request_leaves_the_step_and_starts_over():
+    """A policy that squashes a running request mid-prompt (as Chameleon squashes a bypasser):
+    it computes nothing in that step and, admitted again, prefills from the start of what is
+    not cached."""
+    from toppings.server.sched.queueing import FcfsQueue
+
+    class SquashOnce(FcfsQueue):
+        victim = None
+
+        def select(self, gate, running, now):
+            if self.victim is not None and self.victim in running:
+                gate.squash(self.victim)
+                self.push(self.victim, now)
+                self.victim = None
+                return []
+            return super().select(gate, running, now)
+
+    queue = SquashOnce(SchedulingConfig(), 4096 * BLOCK)
+    sched, memory, adapters = make_chunked(budget=20, max_batch=8, queue=queue)
+    long = submit(sched, prompt_len=50, max_new=2, ignore_eos=True)
+    other = submit(sched, prompt_len=10, max_new=2, ignore_eos=True)
+    assert tokens_of(step(sched)) == {long: 20}
+    queue.victim = long
+    plan = step(sched)
+    assert plan is None and long.num_prefilled == 0 and long in queue and not sched.running
+    assert tokens_of(step(sched)) == {other: 10, long: 10}
+    while sched.has_work():
+        step(sched)
+    assert long.output_ids == [5, 5] and other.output_ids == [5, 5]
+    assert memory.reserved == 0 and all(n == 0 for n in adapters.refs.values())
