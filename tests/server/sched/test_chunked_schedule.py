@@ -21,7 +21,8 @@ def make_chunked(budget: int, max_batch=40, num_blocks=4096, policy="fcfs", queu
     memory, adapters = Memory(num_blocks), Adapters()
     limits = GateLimits(max_batch, 8192, budget)
     clock = iter(range(1_000_000)).__next__
-    queue = queue or make_queue_policy(config, num_blocks * BLOCK)
+    if queue is None:
+        queue = make_queue_policy(config, num_blocks * BLOCK)
     return Scheduler(queue, memory, adapters, limits, {EOS}, 4096, clock), memory, adapters
 
 
