@@ -90,7 +90,9 @@ class Engine:
             )  # fmt: skip
             step_budget = budget.tokens
             log.info("chunked prefill: %d tokens per step, %s", budget.tokens, budget.how)
-        max_step_tokens = max(config.max_prefill_tokens, config.max_batch_size, step_budget or 0)
+        max_step_tokens = max(config.max_prefill_tokens, config.max_batch_size)
+        if step_budget is not None:  # a prompt prefilled whole may share a step with the decodes
+            max_step_tokens = max(max_step_tokens + config.max_batch_size, step_budget)
         self.lora = AdapterManager(
             lora_config, config.kernel, config.device, max_step_tokens,
             mc, dtype, self.memory.adapter_cache,
