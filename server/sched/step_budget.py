@@ -28,6 +28,9 @@ class StepTimeModel:
     ms_per_token: float = 1.09
     decode_ms: float = 64.6
     decode_ms_per_request: float = 2.09
+    source: str = (
+        "bench/sim_engine.py's fit of SmolLM2 float32 on a 2-core Xeon VM, not this machine's"
+    )
 
     def decode_step_ms(self, batch_size: int) -> float:
         return self.decode_ms + self.decode_ms_per_request * batch_size
@@ -68,6 +71,6 @@ def choose_step_budget(
         f"{max_batch_size} decodes (a {model.decode_step_ms(max_batch_size):.0f} ms step, "
         f"modelled) and the prompt tokens ({model.ms_per_token} ms each) that keep the step "
         f"within an inter-token target of {target:.0f} ms ({source}): {modelled}, clamped to "
-        f"[{floor}, {ceiling}]"
+        f"[{floor}, {ceiling}]; step model: {model.source}"
     )
     return StepBudget(tokens, target, how)
