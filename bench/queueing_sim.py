@@ -93,6 +93,12 @@ def main(argv: list[str] | None = None) -> None:
         help="an adapter's memory in KV slots per rank (SmolLM2 q,k,v float32: 7)",
     )
     p.add_argument("--max-prefill-tokens", type=int, default=8192)
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=0,
+        help="chunked prefill's step budget (bench/sim_engine.py); 0: whole prompts",
+    )
     p.add_argument("--steps", default="{}", help="StepModel fields as JSON")
     p.add_argument(
         "--measure-steps",
@@ -124,7 +130,8 @@ def main(argv: list[str] | None = None) -> None:
                 trace = trace_for(args, ranks, rps, rnd * 100 + int(rps * 1000), args.duration)
                 limits = SimLimits(args.memory_tokens or args.max_total_tokens,
                                    args.max_batch_size, args.max_prefill_tokens, ranks,
-                                   args.slots_per_rank)  # fmt: skip
+                                   args.slots_per_rank,
+                                   args.max_num_batched_tokens or None)  # fmt: skip
                 policy = POLICIES[pol](config, args.max_total_tokens)
                 records += simulate(policy, limits, trace, steps)
             row = summarise(records, args.slo_ms)

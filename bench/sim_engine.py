@@ -33,6 +33,13 @@ class StepModel:
     def decode_s(self, batch: int) -> float:
         return (self.decode_ms + self.decode_ms_per_request * batch) / 1000
 
+    def mixed_s(self, num_decodes: int, prompt_tokens: int) -> float:
+        """A chunked-prefill step: its decodes' step (or a prefill's overhead without any)
+        plus the prompt tokens beside them."""
+        if not num_decodes:
+            return self.prefill_s(prompt_tokens)
+        return self.decode_s(num_decodes) + self.prefill_ms_per_token * prompt_tokens / 1000
+
 
 @dataclass
 class _Request:
@@ -54,6 +61,11 @@ class SimSeq:
     kv_hold: _Hold | None = None
     cache_entry: str | None = None
     finished: bool = False
+    num_prefilled: int = 0
+
+    @property
+    def is_prefilled(self) -> bool:
+        return self.num_prefilled >= self.prompt_len
 
     def __post_init__(self):
         params = SamplingParams(self.max_new, temperature=0.0)
@@ -69,19 +81,22 @@ class SimSeq:
 
     def restart(self) -> None:
         self.output_ids = []
+        self.num_prefilled = 0
 
 
 @dataclass(frozen=True)
 class SimLimits:
     """One simulated engine: `memory` KV slots shared by KV (prompt + max_new_tokens per
     request) and, with `slots_per_rank`, the adapters in use (`slots_per_rank * rank` slots
-    each); batch rows; the prefill token budget; each adapter's rank."""
+    each); batch rows; the prefill token budget; each adapter's rank; with max_step_tokens,
+    chunked prefill's step budget (None: whole-prompt prefill steps)."""
 
     memory: int
     rows: int
     max_prefill: int
     ranks: dict[str, int]
     slots_per_rank: int = 0
+    max_step_tokens: int | None = None
 
 
 @dataclass
@@ -241,7 +256,7 @@ def simulate(
     adapters = SimAdapters(limits.ranks, limits.slots_per_rank)
     memory = SimMemory(limits.memory, adapters, shared=limits.slots_per_rank > 0)
     clock = _Clock()
-    gate_limits = GateLimits(limits.rows, limits.max_prefill)
+    gate_limits = GateLimits(limits.rows, limits.max_prefill, limits.max_step_tokens)
     sched = Scheduler(policy, memory, adapters, gate_limits, set(), 1 << 62, clock)
     seqs = [SimSeq(len(e.prompt), e.max_tokens, e.arrival_s, e.model) for e in trace]
     nxt = 0
@@ -253,12 +268,15 @@ def simulate(
         if plan is None:
             clock.now = max(clock.now, seqs[nxt].arrival)
             continue
-        if plan.is_prefill:
+        if plan.is_mixed:
+            decodes = sum(1 for s in plan.seqs if s.is_prefilled)
+            clock.now += steps.mixed_s(decodes, sum(plan.chunks) - decodes)
+        elif plan.is_prefill:
             clock.now += steps.prefill_s(sum(s.prompt_len for s in plan.seqs))
         else:
             clock.now += steps.decode_s(len(plan.seqs))
-        sched.update(plan, StepResult([0] * len(plan.seqs)))
-        for s in plan.seqs:
+        sched.update(plan, StepResult([0] * len(plan.sampled)))
+        for s in plan.sampled:
             if s.first_token_s is None:
                 s.first_token_s = clock.now
     return [(s.first_token_s - s.arrival, s.kv_need, limits.ranks[s.adapter]) for s in seqs]

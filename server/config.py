@@ -353,6 +353,40 @@ class SchedulingConfig(Settings):
             "multi-level queues with token quotas"
         ),
     )
+    # Mixed steps of decodes and prompt chunks under a token budget (server.sched.scheduler).
+    chunked_prefill: bool = setting(
+        True,
+        flag=Flag(
+            "chunked prefill: each step runs every decode first, then prompt chunks up to "
+            "--max-num-batched-tokens, so a long prompt no longer stalls the running streams",
+            choices=ON_OFF,
+            default="on",
+            parse=on_off,
+        ),
+    )
+    # The token budget of a chunked-prefill step; 0: derived (server.sched.step_budget).
+    max_num_batched_tokens: int = setting(
+        0,
+        bound=Bound.NON_NEGATIVE,
+        flag=Flag(
+            "tokens one chunked-prefill step computes, decodes included (more than "
+            "--max-batch-size); 0: a full batch of decodes plus the prompt tokens that keep "
+            "the modelled step time within --itl-target-ms, logged at start-up",
+            type=int,
+            metavar="N",
+        ),
+    )
+    # The inter-token latency a chunked-prefill step is sized for; 0: derived.
+    itl_target_ms: float = setting(
+        0.0,
+        bound=Bound.NON_NEGATIVE,
+        flag=Flag(
+            "inter-token target the default --max-num-batched-tokens is sized for; 0: twice "
+            "the modelled decode step at --max-batch-size",
+            type=float,
+            metavar="X",
+        ),
+    )
     # The TTFT SLO Chameleon's queue quotas are sized for.
     ttft_slo_ms: float = setting(
         5000.0,
@@ -361,6 +395,13 @@ class SchedulingConfig(Settings):
             "the TTFT SLO that chameleon's queue quotas are sized for", type=float, metavar="X"
         ),
     )
+
+    def check(self) -> None:
+        if self.chunked_prefill and 0 < self.max_num_batched_tokens <= self.max_batch_size:
+            raise ValueError(
+                "max_num_batched_tokens must exceed max_batch_size: a step's decodes come "
+                "first, and prompt chunks need tokens left after them"
+            )
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,7 @@ from toppings.server.requests.stats_schema import (
 from toppings.server.sched.admission import GateLimits
 from toppings.server.sched.policies import make_queue_policy
 from toppings.server.sched.scheduler import Scheduler, StepPlan
+from toppings.server.sched.step_budget import choose_step_budget
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +84,17 @@ class Engine:
         )  # fmt: skip
         self.kv = self.memory.kv
         # The only LoRA object the engine uses.
+        step_budget = None  # chunked prefill's tokens per step; None: chunked prefill off
+        if config.chunked_prefill:
+            budget = choose_step_budget(
+                config.max_batch_size, config.max_prefill_tokens,
+                config.max_num_batched_tokens, config.itl_target_ms,
+            )  # fmt: skip
+            step_budget = budget.tokens
+            log.info("chunked prefill: %d tokens per step, %s", budget.tokens, budget.how)
         max_step_tokens = max(config.max_prefill_tokens, config.max_batch_size)
+        if step_budget is not None:  # a prompt prefilled whole may share a step with the decodes
+            max_step_tokens = max(max_step_tokens + config.max_batch_size, step_budget)
         self.lora = AdapterManager(
             lora_config, config.kernel, config.device, max_step_tokens,
             mc, dtype, self.memory.adapter_cache,
@@ -102,7 +113,7 @@ class Engine:
         )  # fmt: skip
         self.scheduler = Scheduler(
             make_queue_policy(sched_config, config.max_total_tokens), self.memory, self.lora,
-            GateLimits.from_config(sched_config), self.eos_ids, self.max_model_len,
+            GateLimits.from_config(sched_config, step_budget), self.eos_ids, self.max_model_len,
             on_end=self._request_ended,
         )  # fmt: skip
         self.queue = self.scheduler.queue  # the waiting requests and who goes next

@@ -2,10 +2,15 @@
 
 A prefill plan computes each prompt from the end of its cached prefix (the KV row's length so
 far); a decode plan gives each running request its next KV slot and feeds its last token. Both
-become one `ForwardBatch` (`_forward`). On CUDA with graphs on (`RuntimeConfig.use_cuda_graphs`),
-a decode step replays the graph of its bucket (`cuda_graphs.DecodeGraphs`); steps the graphs
-decline (a batch above the largest bucket, an adapter still loading) and every step on a CPU
-run the model eagerly. The sampler turns the logits into tokens.
+become one `ForwardBatch` (`_forward`). A mixed plan (chunked prefill) is one prefill-style
+batch whose segments each continue their request's KV row: a prompt chunk after its earlier
+chunks (and any reused prefix), a decode row as a segment of one token after its whole past;
+attention reads each segment's past from the pool, exactly as a prefill over a cached prefix.
+Only the requests the plan marks as sampling get a token. On CUDA with graphs on
+(`RuntimeConfig.use_cuda_graphs`), a decode step (never a mixed one) replays the graph of
+its bucket (`cuda_graphs.DecodeGraphs`); steps the graphs decline (a batch above the largest
+bucket, an adapter still loading) and every step on a CPU run the model eagerly. The
+sampler turns the logits into tokens.
 
 A request whose logits hold inf or NaN (an adapter whose product overflows the dtype) is taken
 out before sampling and fails alone (`StepOutcome.failed`); the others of the batch sample as if
@@ -84,20 +89,24 @@ class ModelRunner:
         """Compute the plan's step and sample each request's next token; a request whose logits
         are not all finite gets no token and is in the outcome's `failed`."""
         seqs = list(plan.seqs)
-        masks = self.sampler.start_masks(seqs)  # grammar masks, computed during the forward
-        if plan.is_prefill:
+        samples = plan.samples or (True,) * len(seqs)
+        # grammar masks of the requests that sample, computed during the forward
+        masks = self.sampler.start_masks([s for s, ok in zip(seqs, samples) if ok])
+        if plan.is_mixed:
+            logits, seconds, num_computed = self._mixed(seqs, list(plan.chunks))  # [B, V]
+        elif plan.is_prefill:
             logits, seconds, num_computed = self._prefill(seqs)  # [B, V]
         else:
             logits, seconds, num_computed = self._decode(seqs), 0.0, 0  # [B, V]
-        finite = torch.isfinite(logits).all(dim=1)  # [B]
-        if bool(finite.all()):
-            return StepOutcome(plan, StepResult(self.sampler.sample(seqs, logits, masks), seconds,
-                                                num_computed))  # fmt: skip
-        keep = finite.nonzero().flatten().tolist()
-        failed = {s: nonfinite_error(s) for s, ok in zip(seqs, finite.tolist()) if not ok}
-        kept = [seqs[i] for i in keep]
-        tokens = self.sampler.sample(kept, logits[keep], masks) if kept else []
-        kept_plan = StepPlan(tuple(kept), plan.is_prefill)
+        finite = torch.isfinite(logits).all(dim=1).tolist()  # [B]
+        keep = [i for i, ok in enumerate(finite) if ok]
+        failed = {s: nonfinite_error(s) for s, ok in zip(seqs, finite) if not ok}
+        kept_plan = plan if not failed else plan.subset(keep)
+        rows = [i for i in keep if samples[i]]
+        sampled = [seqs[i] for i in rows]
+        if len(rows) < len(seqs):
+            logits = logits[rows]  # [S, V], the rows of the requests that sample
+        tokens = self.sampler.sample(sampled, logits, masks) if sampled else []
         return StepOutcome(kept_plan, StepResult(tokens, seconds, num_computed), failed)
 
     def _prefill(self, seqs: list[Sequence]) -> tuple[torch.Tensor, float, int]:
@@ -118,6 +127,41 @@ class ModelRunner:
         logits = self._forward(seqs, ids, positions, slots, seg_starts, past=past, rows=rows)
         logits = score_prompts(seqs, logits, seg_starts)  # [R, V] -> [B, V]
         return logits, time.perf_counter() - started, len(ids)
+
+    def _mixed(self, seqs: list[Sequence], chunks: list[int]) -> tuple[torch.Tensor, float, int]:
+        """Logits [B, V] of each segment's last token for a mixed step: request b computes the
+        chunks[b] tokens of its prompt and output after the KV its row holds (its past); the
+        prompt logprobs of a request that scores its prompt (whole in one chunk, see
+        `admission._whole`); the seconds of the forward pass and the prompt tokens computed."""
+        kv = self.kv
+        starts = [kv.lengths[s.kv_hold.row] for s in seqs]
+        past = [kv.req_to_slot[s.kv_hold.row, :n] if n else None for s, n in zip(seqs, starts)]
+        slots = torch.cat([kv.extend(s.kv_hold.row, n) for s, n in zip(seqs, chunks)])  # [T]
+        scores = [s.request.params.prompt_logprobs is not None and n == s.prompt_len
+                  for s, n in zip(seqs, chunks)]  # fmt: skip
+        ids, positions, seg_starts, rows = [], [], [0], []
+        for seq, start, n, whole in zip(seqs, starts, chunks, scores):
+            if start >= seq.prompt_len:  # a decode row (n = 1): its last sampled token
+                ids.append(seq.output_ids[-1])
+            else:
+                ids.extend(seq.request.prompt_ids[start : start + n])
+            positions.extend(range(start, start + n))
+            end = seg_starts[-1] + n
+            rows.extend(range(seg_starts[-1] if whole else end - 1, end))
+            seg_starts.append(end)
+        started = time.perf_counter()
+        logits = self._forward(seqs, ids, positions, slots, seg_starts, past=past, rows=rows)
+        last, offset = [], 0  # [R, V] -> [B, V]
+        for seq, n, whole in zip(seqs, chunks, scores):
+            if whole:
+                score_prompts([seq], logits[offset : offset + n], [0, n])
+                offset += n
+            else:
+                offset += 1
+            last.append(offset - 1)
+        num_prompt = sum(max(0, min(s.prompt_len, b + n) - b)
+                         for s, b, n in zip(seqs, starts, chunks))  # fmt: skip
+        return logits[last], time.perf_counter() - started, num_prompt
 
     def _decode(self, seqs: list[Sequence]) -> torch.Tensor:
         """Logits [B, V] float32 of each request's next token; takes each one's next KV slot."""

@@ -31,6 +31,8 @@ class PrefillPlan:
     Token j of a short segment attends to the first lengths[j] slots at index[row_start[j]:],
     its segment's cached prefix and own tokens in the pool (written before attention runs).
     Tokens of segments longer than NATIVE_MAX_LEN have length 0: SDPA's flash kernel does those.
+    A segment of one token (a decode row of a chunked-prefill step) is never long: its cost is
+    linear in its past, as in a decode step.
     """
 
     index: torch.Tensor  # [S] int64, the short segments' slot lists one after another
@@ -53,7 +55,7 @@ def plan_prefill(
     for i, (start, end) in enumerate(zip(seg_starts[:-1], seg_starts[1:])):
         past = past_slots[i] if past_slots is not None else None
         num_past = 0 if past is None else past.numel()
-        if num_past + end - start > NATIVE_MAX_LEN:
+        if end - start > 1 and num_past + end - start > NATIVE_MAX_LEN:
             long_segments.append(i)
             continue
         lists.append(slots[start:end] if past is None else torch.cat([past, slots[start:end]]))

@@ -32,6 +32,9 @@ class Sequence:
         self.output_ids: list[int] = []
         self._kv_hold = None
         self.num_cached_tokens = 0  # of the latest admission (usage.prompt_tokens_details)
+        # Prompt tokens whose KV the row holds (a reused prefix, then computed chunks); the
+        # prompt is prefilled once this reaches prompt_len (chunked prefill spreads it over steps).
+        self.num_prefilled = 0
         self.cache_entry = None  # gpu_lora.cache.CacheEntry while it holds a reference
         self.finished = False
         self._tokenizer = tokenizer
@@ -65,11 +68,17 @@ class Sequence:
         again (the same ones: only greedy or seeded requests are squashed) but not resent."""
         self._num_sent = len(self.output_ids)
         self.output_ids = []
+        self.num_prefilled = 0
         self._stream = TextStream(self._tokenizer, self.request.params.stop)
         self.num_restarts += 1
         self._pending_ids, self._pending_text, self._pending_logprobs = [], "", []
         self.step_logprob = None
         self.step_ends_grammar = False
+
+    @property
+    def is_prefilled(self) -> bool:
+        """Whether the whole prompt's KV is computed (the request decodes from here on)."""
+        return self.num_prefilled >= self.prompt_len
 
     def describe(self, adapters: dict) -> RequestView:
         """The /stats view of this request."""

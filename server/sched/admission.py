@@ -100,10 +100,16 @@ class GateLimits:
 
     max_batch_size: int
     max_prefill_tokens: int
+    # Chunked prefill: the tokens one step computes (decodes and prompt chunks together);
+    # None: a step prefills whole prompts up to max_prefill_tokens (chunked prefill off).
+    max_step_tokens: int | None = None
 
     @classmethod
-    def from_config(cls, config: SchedulingConfig) -> GateLimits:
-        return cls(config.max_batch_size, config.max_prefill_tokens)
+    def from_config(
+        cls, config: SchedulingConfig, max_step_tokens: int | None = None
+    ) -> GateLimits:
+        """max_step_tokens: the step budget the engine chose (None: chunked prefill off)."""
+        return cls(config.max_batch_size, config.max_prefill_tokens, max_step_tokens)
 
 
 def release(seq: Sequence, memory: Memory, adapters: Adapters, keep_kv: bool, now: float) -> None:
@@ -114,6 +120,12 @@ def release(seq: Sequence, memory: Memory, adapters: Adapters, keep_kv: bool, no
     if seq.cache_entry is not None:
         adapters.release(seq.request.adapter)
         seq.cache_entry = None
+
+
+def _whole(seq: Sequence) -> bool:
+    """Whether a request's prompt is computed in one step even with chunked prefill: one that
+    scores its prompt (prompt logprobs are taken from one forward over the whole prompt)."""
+    return seq.request.params.prompt_logprobs is not None
 
 
 class AdmissionGate:
@@ -127,11 +139,18 @@ class AdmissionGate:
         adapters: Adapters,
         limits: GateLimits,
         clock: Callable[[], float],
+        step_tokens: int = 0,
+        decode_tokens: int = 0,
     ):
+        """step_tokens: with chunked prefill, the tokens of the step already planned (the
+        running decodes and the chunks of prompts being prefilled), decode_tokens of them the
+        decodes'."""
         self.running, self.waiting = running, waiting
         self.memory, self.adapters, self.limits, self.clock = memory, adapters, limits, clock
         self.admitted: list[Sequence] = []
         self.prefill_tokens = 0
+        self.step_tokens, self.decode_tokens = step_tokens, decode_tokens
+        self.chunks: dict[Sequence, int] = {}  # chunked prefill: admitted -> tokens this step
         self._queued: frozenset[str] | None = None
         # What the policy asked about last, a request or an adapter: when forming the batch
         # raises, the scheduler fails that one alone (Scheduler.schedule).
@@ -148,9 +167,7 @@ class AdmissionGate:
         need = mem.kv_need(seq, path)
         if seq.cache_entry is None:
             need += mem.adapter_need(adapter, lora.bytes_of(adapter))
-        if not mem.fits(need) or (
-            self.admitted and self.prefill_tokens + computed > limits.max_prefill_tokens
-        ):
+        if not mem.fits(need) or not self._budget_allows(seq, computed):
             return Verdict.NO_ROOM
         if adapter is not None and seq.cache_entry is None:
             seq.cache_entry = lora.acquire(adapter, self.queued())
@@ -167,9 +184,31 @@ class AdmissionGate:
         if not lora.may_start(seq.cache_entry):
             return Verdict.NOT_READY
         seq.kv_hold = mem.admit(seq, path, self.clock())
+        seq.num_prefilled = seq.prompt_len - computed
         self.prefill_tokens += computed
+        if limits.max_step_tokens is not None:
+            chunk = computed if _whole(seq) else min(computed, self._step_left())
+            self.chunks[seq] = chunk
+            self.step_tokens += chunk
         self.admitted.append(seq)
         return Verdict.ADMITTED
+
+    def _step_left(self) -> int:
+        return self.limits.max_step_tokens - self.step_tokens
+
+    def _budget_allows(self, seq: Sequence, computed: int) -> bool:
+        """Whether the step's token budget takes `seq`'s prompt (its `computed` tokens): without
+        chunking, whole prompts up to max_prefill_tokens (the first one always); with it, any
+        chunk while the budget lasts, but a request scoring its prompt (prompt logprobs) only
+        whole, where the budget holds it or the step plans no other prompt tokens yet (then it
+        may exceed the budget, as the first prompt of an unchunked prefill step may exceed
+        max_prefill_tokens: it never waits for the running decodes to end)."""
+        limits = self.limits
+        if limits.max_step_tokens is None:
+            return not self.admitted or self.prefill_tokens + computed <= limits.max_prefill_tokens
+        if _whole(seq):
+            return self.step_tokens == self.decode_tokens or computed <= self._step_left()
+        return self._step_left() > 0
 
     def queued(self) -> frozenset[str]:
         """Adapters of the waiting requests (eviction spares them while it can)."""

@@ -23,6 +23,11 @@ Deviation in phase 2: the paper redistributes only what queues left of their quo
 tokens per iteration (capacity kept back shortens every iteration). Ours reserve memory, and idle
 memory shortens nothing: it made the large queue's requests wait for each other while memory
 sat unused. The quotas still decide, under contention, which queues memory goes to first.
+With chunked prefill (`--chunked-prefill on`) the paper's per-iteration token limit is the
+step's token budget, which the admission gate enforces for every policy: once the running
+decodes and the prompt chunks fill a step, every queue's head finds no room until the next one,
+and a request admitted with part of the budget computes a chunk of its prompt and keeps its
+place while the rest is prefilled. The quotas stay shares of memory (the deviation above).
 Opportunistic bypass: when a head finds no adapter memory, a younger request of its queue may
 go first, and be squashed later, as server.bypass says.
 """

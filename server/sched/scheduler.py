@@ -2,9 +2,15 @@
 
 Each iteration `schedule` lets the queue policy admit waiting requests through an
 `AdmissionGate`; the admitted ones make a prefill step, else the running batch makes a decode
-step. The plan goes to a model runner (or a simulator's step-time model), whose tokens come back
-to `update`: the prefilled requests join the running batch, every request appends its token,
-and the ones that are done end (`finish`: their KV hold, prefix-tree nodes and adapter
+step. With chunked prefill (`GateLimits.max_step_tokens` set) a step is mixed instead: every
+running decode first, then a chunk of each prompt being prefilled (in admission order: a
+request keeps its place), then chunks of newly admitted prompts, until the step's token budget
+is used; a prompt longer than the budget is spread over steps, and its request samples its
+first token in the step that computes its last chunk.
+
+The plan goes to a model runner (or a simulator's step-time model), whose tokens come back to
+`update`: the prefilled requests join the running batch, every request appends its token, and
+the ones that are done end (`finish`: their KV hold, prefix-tree nodes and adapter
 reference are given back, the last output is sent). One request in a step failing fails that
 step (`fail`), not the others.
 """
@@ -27,15 +33,41 @@ COMPLETED = ("stop", "length")  # finish reasons of a request that ran to its en
 @dataclass(frozen=True)
 class StepPlan:
     """One step: its requests (one adapter's side by side, so the LoRA kernels run once per run
-    of them) and whether it prefills them (the newly admitted) or decodes (the running batch)."""
+    of them) and whether it computes prompt tokens (`is_prefill`) or only decodes.
+
+    A mixed step (chunked prefill) has `chunks`: per request, the tokens it computes this step
+    (1 for a decode; a prompt chunk otherwise, starting at its `num_prefilled`), and `samples`:
+    whether it samples a token (a decode, or the last chunk of its prompt). Without `chunks`
+    every request computes its whole prompt (prefill) or one token (decode), and samples."""
 
     seqs: tuple[Sequence, ...]
     is_prefill: bool
+    chunks: tuple[int, ...] | None = None
+    samples: tuple[bool, ...] | None = None
+
+    @property
+    def is_mixed(self) -> bool:
+        return self.chunks is not None
+
+    @property
+    def sampled(self) -> tuple[Sequence, ...]:
+        """The requests that get a token from this step, in plan order."""
+        if self.samples is None:
+            return self.seqs
+        return tuple(s for s, sample in zip(self.seqs, self.samples) if sample)
+
+    def subset(self, keep: list[int]) -> StepPlan:
+        """The plan of the requests at indices `keep` only."""
+
+        def pick(values: tuple | None) -> tuple | None:
+            return None if values is None else tuple(values[i] for i in keep)
+
+        return StepPlan(pick(self.seqs), self.is_prefill, pick(self.chunks), pick(self.samples))
 
 
 @dataclass(frozen=True)
 class StepResult:
-    """What running a plan gave: one token per request of the plan, in order, and for the
+    """What running a plan gave: one token per request of `plan.sampled`, in order, and for the
     memory's prefill-speed estimate the forward's seconds and the prompt tokens it computed."""
 
     tokens: list[int]
@@ -71,26 +103,60 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(len(self.queue) or self.running)
 
-    def gate(self) -> AdmissionGate:
-        """A fresh gate for one iteration's admissions."""
+    def gate(self, step_tokens: int = 0, decode_tokens: int = 0) -> AdmissionGate:
+        """A fresh gate for one iteration's admissions (the step's tokens planned so far and
+        the decodes' of them: see AdmissionGate)."""
         return AdmissionGate(
-            self.running, self.queue, self.memory, self.adapters, self.limits, self.clock
-        )
+            self.running, self.queue, self.memory, self.adapters, self.limits, self.clock,
+            step_tokens, decode_tokens,
+        )  # fmt: skip
 
     def schedule(self) -> StepPlan | None:
         """The next step, or None when nothing can run now (requests may wait for an adapter
         load or for memory)."""
         self.memory.tick(self.clock())
-        gate = self.gate()
-        try:
-            admitted = self.queue.select(gate, self.running, self.clock())
-        except Exception as exc:  # one request's admission failing fails that request only
-            log.exception("admission failed")
-            admitted = self._recover(gate, f"admission error: {exc}")
+        if self.limits.max_step_tokens is not None:
+            return self._schedule_mixed(self.limits.max_step_tokens)
+        admitted = self._admit(self.gate())
         step = admitted or list(self.running)
         if not step:
             return None
-        return StepPlan(tuple(sorted(step, key=lambda s: s.request.adapter or "")), bool(admitted))
+        return StepPlan(tuple(sorted(step, key=_adapter_key)), bool(admitted))
+
+    def _admit(self, gate: AdmissionGate) -> list[Sequence]:
+        try:
+            return self.queue.select(gate, self.running, self.clock())
+        except Exception as exc:  # one request's admission failing fails that request only
+            log.exception("admission failed")
+            return self._recover(gate, f"admission error: {exc}")
+
+    def _schedule_mixed(self, budget: int) -> StepPlan | None:
+        """A chunked-prefill step: the running decodes, then chunks of the prompts being
+        prefilled in admission order, then of the newly admitted ones, within `budget` tokens.
+        The admitted join `running` at once (a request being prefilled keeps its place there)."""
+        chunks: dict[Sequence, int] = {s: 1 for s in self.running if s.is_prefilled}
+        used = num_decodes = len(chunks)
+        for seq in self.running:
+            if not seq.is_prefilled and used < budget:
+                chunks[seq] = min(seq.prompt_len - seq.num_prefilled, budget - used)
+                used += chunks[seq]
+        gate, num_running = self.gate(used, num_decodes), len(self.running)
+        admitted = self._admit(gate)
+        if len(self.running) < num_running:  # the policy squashed some: they wait again
+            still = set(self.running)
+            chunks = {s: n for s, n in chunks.items() if s in still}
+        for seq in admitted:
+            chunks[seq] = gate.chunks[seq]
+        self.running.extend(admitted)
+        if not chunks:
+            return None
+        seqs = sorted(chunks, key=_adapter_key)
+        if all(s.is_prefilled for s in seqs):
+            return StepPlan(tuple(seqs), False)  # a decode step: CUDA graphs may run it
+        sizes = tuple(chunks[s] for s in seqs)
+        samples = tuple(s.is_prefilled or s.num_prefilled + chunks[s] >= s.prompt_len
+                        for s in seqs)  # fmt: skip
+        return StepPlan(tuple(seqs), True, sizes, samples)
 
     def _recover(self, gate: AdmissionGate, error: str) -> list[Sequence]:
         """After a queue policy raised: the requests the gate admitted go ahead (they hold their
@@ -108,13 +174,31 @@ class Scheduler:
 
     def update(self, plan: StepPlan, result: StepResult) -> None:
         """Take a step's tokens: prefilled requests start running; finished ones end."""
+        if plan.is_mixed:
+            self._update_mixed(plan, result)
+            return
         seqs = list(plan.seqs)
+        for seq in seqs:
+            seq.num_prefilled = seq.prompt_len
         if plan.is_prefill:
             self.running.extend(seqs)
             self.memory.after_prefill(seqs, result.forward_s, result.num_computed, self.clock())
         else:
             self.memory.after_decode(len(seqs), self.clock())
         for seq, token in zip(seqs, result.tokens):
+            reason = seq.append(token, self.eos_ids, self.max_model_len)
+            if reason is not None:
+                self.finish(seq, reason)
+
+    def _update_mixed(self, plan: StepPlan, result: StepResult) -> None:
+        """Advance each chunk's prompt, cache its full blocks, and append the sampled tokens."""
+        chunked = []
+        for seq, n in zip(plan.seqs, plan.chunks):
+            if not seq.is_prefilled:
+                seq.num_prefilled += n
+                chunked.append(seq)
+        self.memory.after_prefill(chunked, result.forward_s, result.num_computed, self.clock())
+        for seq, token in zip(plan.sampled, result.tokens):
             reason = seq.append(token, self.eos_ids, self.max_model_len)
             if reason is not None:
                 self.finish(seq, reason)
@@ -151,3 +235,7 @@ class Scheduler:
     def release(self, seq: Sequence, keep_kv: bool = True) -> None:
         """Give back what a request holds (see `admission.release`)."""
         release(seq, self.memory, self.adapters, keep_kv, self.clock())
+
+
+def _adapter_key(seq: Sequence) -> str:
+    return seq.request.adapter or ""

@@ -1,0 +1,193 @@
+"""Chunked prefill in the Scheduler, without a model: mixed steps put every running decode
+first, then prompt chunks within the step's token budget; a request being prefilled keeps its
+place; a long prompt arriving beside many decoding streams never takes a step from them."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from tests.server.sched.test_scheduler import BLOCK, EOS, Adapters, Memory, Tokenizer, submit
+from toppings.server.config import SchedulingConfig
+from toppings.server.sched.admission import GateLimits
+from toppings.server.sched.policies import make_queue_policy
+from toppings.server.sched.scheduler import Scheduler, StepPlan, StepResult
+from toppings.server.sched.step_budget import MIN_BUDGET, choose_step_budget
+
+
+def make_chunked(budget: int, max_batch=40, num_blocks=4096, policy="fcfs", queue=None):
+    config = SchedulingConfig(queue_policy=policy)
+    memory, adapters = Memory(num_blocks), Adapters()
+    limits = GateLimits(max_batch, 8192, budget)
+    clock = iter(range(1_000_000)).__next__
+    if queue is None:
+        queue = make_queue_policy(config, num_blocks * BLOCK)
+    return Scheduler(queue, memory, adapters, limits, {EOS}, 4096, clock), memory, adapters
+
+
+def step(sched) -> StepPlan | None:
+    plan = sched.schedule()
+    if plan is not None:
+        sched.update(plan, StepResult([5] * len(plan.sampled)))
+    return plan
+
+
+def tokens_of(plan: StepPlan) -> dict:
+    """Each request's tokens this step (1 for every request of a pure decode step)."""
+    return dict(zip(plan.seqs, plan.chunks or (1,) * len(plan.seqs)))
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "chameleon"])
+def test_decodes_first_then_chunks_within_the_budget(policy):
+    sched, memory, adapters = make_chunked(budget=16, max_batch=8, policy=policy)
+    short = [submit(sched, prompt_len=6, max_new=20, ignore_eos=True) for _ in range(3)]
+    plan = step(sched)  # three whole prompts: 18 tokens do not fit 16
+    assert plan.is_mixed and sum(plan.chunks) == 16
+    assert plan.sampled == tuple(s for s in plan.seqs if s.is_prefilled)
+    long = submit(sched, prompt_len=50, max_new=2, ignore_eos=True)
+    for _ in range(6):
+        decoding = [s for s in short if s.output_ids]
+        got = tokens_of(step(sched))
+        assert sum(got.values()) <= 16
+        assert all(got.get(s) == 1 for s in decoding), "a decode missed a step"
+    assert all(s.is_prefilled for s in short)
+    while sched.has_work():
+        step(sched)
+    assert long.output_ids == [5, 5] and all(len(s.output_ids) == 20 for s in short)
+    assert memory.reserved == 0 and all(n == 0 for n in adapters.refs.values())
+
+
+def test_a_partly_prefilled_request_keeps_its_place():
+    sched, _, _ = make_chunked(budget=20, max_batch=8)
+    first = submit(sched, prompt_len=45, max_new=2, ignore_eos=True)
+    second = submit(sched, prompt_len=30, max_new=2, ignore_eos=True)
+    plan = step(sched)
+    assert tokens_of(plan) == {first: 20}  # the budget ends with the first prompt's chunk
+    assert first in sched.running and first not in sched.queue
+    plan = step(sched)
+    assert tokens_of(plan) == {first: 20}  # still first: the second waits behind it
+    plan = step(sched)
+    assert tokens_of(plan) == {first: 5, second: 15}  # first's last chunk, then the second's
+    assert plan.sampled == (first,)
+    plan = step(sched)
+    assert tokens_of(plan) == {first: 1, second: 15}
+    assert set(plan.sampled) == {first, second}
+
+
+def test_prompt_logprobs_requests_are_prefilled_whole():
+    from toppings.server.requests.request import GenerationRequest, RequestHandle, SamplingParams
+    from toppings.server.requests.sequence import Sequence
+
+    sched, _, _ = make_chunked(budget=20, max_batch=8)
+    params = SamplingParams(2, temperature=0.0, prompt_logprobs=1)
+    request = GenerationRequest(list(range(2, 42)), params, None)
+    scored = Sequence(request, RequestHandle(request, lambda _id: None), Tokenizer(), 0.0)
+    sched.add(scored)
+    plan = step(sched)
+    assert tokens_of(plan) == {scored: 40} and plan.sampled == (scored,)
+    # Beside running decodes, a scored prompt over the budget still goes whole (it does not
+    # wait for them to end), in a step with no other prompt chunk.
+    request = GenerationRequest(list(range(2, 32)), params, None)
+    late = Sequence(request, RequestHandle(request, lambda _id: None), Tokenizer(), 0.0)
+    sched.add(late)
+    plan = step(sched)
+    assert tokens_of(plan) == {scored: 1, late: 30}
+
+
+def test_long_prompt_never_stalls_32_decoding_streams():
+    """The stall test in step terms: the stated target is one token per stream per step. A
+    1,000-token prompt arriving while 32 streams decode, budget 64: every step while it is
+    prefilled gives each stream its token, and the prompt takes ceil(1000 / (64 - 32)) steps
+    (the decodes take 32 of each step's 64 tokens)."""
+    budget, streams = 64, 32
+    sched, memory, _ = make_chunked(budget=budget, max_batch=streams + 1)
+    decoding = [submit(sched, prompt_len=8, max_new=200, ignore_eos=True) for _ in range(streams)]
+    while not all(s.output_ids for s in decoding):
+        step(sched)
+    long = submit(sched, prompt_len=1000, max_new=4, ignore_eos=True)
+    steps = 0
+    while not long.output_ids:
+        before = [len(s.output_ids) for s in decoding]
+        plan = step(sched)
+        steps += 1
+        assert [len(s.output_ids) for s in decoding] == [n + 1 for n in before]
+        assert sum(tokens_of(plan).values()) <= budget
+    assert steps == math.ceil(1000 / (budget - streams))
+
+
+def test_unchunked_steps_stay_whole_prompt_prefills():
+    sched, _, _ = make_chunked(budget=None, max_batch=8)
+    seqs = [submit(sched, prompt_len=50, max_new=2) for _ in range(2)]
+    plan = step(sched)
+    assert plan.is_prefill and not plan.is_mixed and set(plan.seqs) == set(seqs)
+
+
+def test_default_budget_is_derived_from_the_step_time_model():
+    budget = choose_step_budget(max_batch_size=128, max_prefill_tokens=8192)
+    # a decode step of 128: 64.6 + 2.09 * 128 = 332.1 ms; the target twice that leaves
+    # 332.1 / 1.09 = 304 prompt tokens beside the 128 decodes
+    assert budget.tokens == 128 + 304 and "2x the decode step" in budget.how
+    assert choose_step_budget(8, 8192, itl_target_ms=50.0).tokens == MIN_BUDGET
+    assert choose_step_budget(8, 8192, max_num_batched_tokens=100).tokens == 100
+    assert choose_step_budget(400, 8192).tokens >= 400 + 64
+
+
+def test_budget_must_exceed_the_batch_size():
+    from toppings.server.settings import validate
+
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        validate(SchedulingConfig(chunked_prefill=True, max_num_batched_tokens=8, max_batch_size=8))
+
+
+def test_simulator_runs_chunked_steps():
+    """bench/sim_engine.py drives the real Scheduler with chunked steps too: every request gets
+    its first token; under FCFS the long prompt keeps its place, so the short requests behind
+    it take only what its chunks leave of a step: none samples before it."""
+    from types import SimpleNamespace
+
+    from bench.sim_engine import SimLimits, StepModel, simulate
+    from toppings.server.sched.queueing import FcfsQueue
+
+    trace = [SimpleNamespace(prompt=[0] * 2000, max_tokens=8, arrival_s=0.0, model="a")]
+    trace += [SimpleNamespace(prompt=[0] * 20, max_tokens=8, arrival_s=0.001 * (i + 1),
+                              model="a") for i in range(8)]  # fmt: skip
+    ttfts = {}
+    for budget in (None, 256):
+        limits = SimLimits(1 << 20, 16, 8192, {"a": 8}, max_step_tokens=budget)
+        records = simulate(FcfsQueue(SchedulingConfig(), 1 << 20), limits, trace, StepModel())
+        assert len(records) == len(trace) and all(t > 0 for t, _, _ in records)
+        ttfts[budget] = [t + e.arrival_s for (t, _, _), e in zip(records, trace)]  # first token
+    assert all(t >= ttfts[256][0] for t in ttfts[256][1:])
+
+
+def test_a_squashed_partly_prefilled_request_leaves_the_step_and_starts_over():
+    """A policy that squashes a running request mid-prompt (as Chameleon squashes a bypasser):
+    it computes nothing in that step and, admitted again, prefills from the start of what is
+    not cached."""
+    from toppings.server.sched.queueing import FcfsQueue
+
+    class SquashOnce(FcfsQueue):
+        victim = None
+
+        def select(self, gate, running, now):
+            if self.victim is not None and self.victim in running:
+                gate.squash(self.victim)
+                self.push(self.victim, now)
+                self.victim = None
+                return []
+            return super().select(gate, running, now)
+
+    queue = SquashOnce(SchedulingConfig(), 4096 * BLOCK)
+    sched, memory, adapters = make_chunked(budget=20, max_batch=8, queue=queue)
+    long = submit(sched, prompt_len=50, max_new=2, ignore_eos=True)
+    other = submit(sched, prompt_len=10, max_new=2, ignore_eos=True)
+    assert tokens_of(step(sched)) == {long: 20}
+    queue.victim = long
+    plan = step(sched)
+    assert plan is None and long.num_prefilled == 0 and long in queue and not sched.running
+    assert tokens_of(step(sched)) == {other: 10, long: 10}
+    while sched.has_work():
+        step(sched)
+    assert long.output_ids == [5, 5] and other.output_ids == [5, 5]
+    assert memory.reserved == 0 and all(n == 0 for n in adapters.refs.values())
