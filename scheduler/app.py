@@ -5,7 +5,7 @@ Request endpoints mirror a server's (`/v1/completions`, `/v1/chat/completions`, 
 server unchanged, see scheduler.router); `GET /v1/models` and `GET /v1/models/{id}` come from
 the registry; until a server is registered they answer 503 with Retry-After. Errors use the
 server's contract (toppings.server.requests.errors). Like a server, the request endpoints share one
-in-flight limit (toppings.server.api.frontend): a proxied request holds a slot until its answer has
+in-flight limit (toppings.server.http.frontend): a proxied request holds a slot until its answer has
 ended, and past the limit a request gets 429 with Retry-After at once. While the scheduler
 drains (`draining` set, scheduler.drain) a new request gets 503 with Retry-After; those in
 flight run on. Operator endpoints:
@@ -49,7 +49,7 @@ from toppings.scheduler.cluster import Cluster
 from toppings.scheduler.metrics import CONTENT_TYPE, PREFIX
 from toppings.scheduler.registry import AdapterRecord, Registry, RegistryError
 from toppings.scheduler.router import Router, SchedulerError
-from toppings.server.api.frontend import InFlightCollector, InFlightLimit, ReleasingBody
+from toppings.server.http.frontend import InFlightCollector, InFlightLimit, ReleasingBody
 from toppings.server.requests.errors import (
     BAD_GATEWAY,
     NO_SERVER_READY,

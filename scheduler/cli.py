@@ -13,7 +13,7 @@ Without --perf-model the policies use the paper's Fig. 6 coefficients (A100, Lla
 do not describe this cluster's hardware; fit a model with bench/fit_perf_model.py.
 
 Waitress runs one thread per proxied request in flight (`--max-concurrent-requests`, 429 past
-it) plus `--threads` more for everything else (see toppings.server.api.frontend).
+it) plus `--threads` more for everything else (see toppings.server.http.frontend).
 
 The first SIGTERM or SIGINT drains: `/health` turns 503, new requests get 503, and requests in
 flight run to their end (at most `--drain-timeout` seconds) while waitress keeps streaming
@@ -46,13 +46,13 @@ from toppings.scheduler.registry import Registry
 from toppings.scheduler.router import PromptCounter, Router, estimate_prompt_tokens
 from toppings.scheduler.server_session import ServerOrigins, ServerSession
 from toppings.scheduler.state import BatchShape
-from toppings.server.api.frontend import (
+from toppings.server.http.frontend import (
     DEFAULT_HEADER_TIMEOUT_S,
     DEFAULT_RESERVE_THREADS,
     raise_open_files_limit,
     waitress_settings,
 )
-from toppings.server.api.waitress_server import GuardedServer
+from toppings.server.http.waitress_server import GuardedServer
 
 log = logging.getLogger("toppings-scheduler")
 STATS_TIMEOUT_S = 1.0

@@ -6,8 +6,8 @@ then waitress and the engine stop and the command exits 0. A second signal kills
 
 Waitress runs one thread per generation request in flight (`--max-concurrent-requests`, 429 past
 it) plus `--threads` more for everything else, so that the front end never caps the batch and
-/health, /stats and /metrics answer however many streams are open (see server.api.frontend).
-It is waitress's server with a header deadline (`--header-timeout`, server.api.waitress_server):
+/health, /stats and /metrics answer however many streams are open (see server.http.frontend).
+It is waitress's server with a header deadline (`--header-timeout`, server.http.waitress_server):
 clients that send half a header and stall cannot hold every connection.
 """
 
@@ -22,13 +22,13 @@ import sys
 import threading
 import time
 
-from toppings.server.api.frontend import (
+from toppings.server.cli_args import build_parser, parse_configs
+from toppings.server.http.frontend import (
     default_max_in_flight,
     raise_open_files_limit,
     waitress_settings,
 )
-from toppings.server.api.waitress_server import GuardedServer
-from toppings.server.cli_args import build_parser, parse_configs
+from toppings.server.http.waitress_server import GuardedServer
 
 logger = logging.getLogger("toppings-serve")
 

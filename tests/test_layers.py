@@ -17,7 +17,18 @@ MAX_MODULES_PER_ROOM = 20
 # Inside server/, each room may import only the rooms listed before it. `config` is the settings
 # every room reads (server/config.py, settings.py, lora_modes.py: they import no room); `top` is
 # what assembles a server (cli.py, cli_args.py, runtime.py).
-SERVER_LAYERS = ("config", "requests", "native", "memory", "model", "sched", "engine", "api", "top")
+SERVER_LAYERS = (
+    "config",
+    "requests",
+    "http",
+    "native",
+    "memory",
+    "model",
+    "sched",
+    "engine",
+    "api",
+    "top",
+)
 CONFIG_MODULES = {f"toppings.server.{m}" for m in ("config", "settings", "lora_modes")}
 
 

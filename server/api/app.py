@@ -11,7 +11,7 @@ generation and tokenizer (server.api.generation), models and adapters (server.ap
 observability (`/health`, `/stats`, `/metrics`, here). `create_app` builds the context, installs
 the API-key check and the error handlers, and registers each group.
 
-The generation endpoints share one in-flight limit (server.api.frontend): a request takes a slot
+The generation endpoints share one in-flight limit (server.http.frontend): a request takes a slot
 before it is submitted and gives it back when its answer ends, on every path; past the limit it
 gets 429 with Retry-After at once. `cli.py` sizes waitress's thread pool from the same limit, so
 streams never wait for a thread and the operator endpoints always find one.
@@ -35,7 +35,6 @@ from flask import Flask, Response, jsonify, request
 
 from toppings.server.api.choices import RequestLimits
 from toppings.server.api.context import ApiContext, ServerState
-from toppings.server.api.frontend import InFlightLimit, default_max_in_flight
 from toppings.server.api.generation import register_generation, register_tokenizer
 from toppings.server.api.lifecycle import AdapterAdmin, AdapterPaths
 from toppings.server.api.logprobs import TokenText
@@ -44,6 +43,7 @@ from toppings.server.api.models import register_adapters, register_models
 from toppings.server.api.options import ApiOptions
 from toppings.server.api.peer_fetch import FetchConfig, PeerFetcher
 from toppings.server.api.tokenizer_pool import TokenizerPool
+from toppings.server.http.frontend import InFlightLimit, default_max_in_flight
 from toppings.server.requests.errors import (
     API_KEY_REQUIRED,
     AUTHENTICATION,

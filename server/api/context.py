@@ -16,12 +16,12 @@ from typing import Any
 from flask import request
 
 from toppings.server.api.choices import RequestLimits
-from toppings.server.api.frontend import InFlightLimit, Slot
 from toppings.server.api.lifecycle import AdapterAdmin
 from toppings.server.api.logprobs import TokenText
 from toppings.server.api.metrics import ServerMetrics
 from toppings.server.api.peer_fetch import PeerFetcher
 from toppings.server.api.tokenizer_pool import TokenizerPool
+from toppings.server.http.frontend import InFlightLimit, Slot
 from toppings.server.requests.errors import (
     RETRY_AFTER_S,
     TOO_MANY_REQUESTS,

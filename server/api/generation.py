@@ -20,7 +20,6 @@ from flask import Flask, Response, jsonify, request
 
 from toppings.server.api.choices import build_requests
 from toppings.server.api.context import ApiContext, json_body
-from toppings.server.api.frontend import ReleasingBody, Slot
 from toppings.server.api.request_group import RequestGroup
 from toppings.server.api.response import (
     SSE_DONE,
@@ -31,6 +30,7 @@ from toppings.server.api.response import (
 )
 from toppings.server.api.schema import ParsedBody, parse_chat, parse_completion, parse_native
 from toppings.server.api.tokenize import detokenize, tokenize
+from toppings.server.http.frontend import ReleasingBody, Slot
 from toppings.server.requests.errors import SERVER_ERROR, error_body, error_response
 from toppings.server.requests.request import RequestError
 

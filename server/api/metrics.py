@@ -4,7 +4,7 @@ Names follow the vLLM / LightLLM ones users already graph, under the prefix `top
 Latencies are observed by the API layer from each request's final output (the paper's time per
 token: e2e / output tokens); everything the engine keeps (queue, batch, KV, adapter cache, CPU
 LoRA) is read at scrape time by `EngineCollector` from `engine.counters()` (EngineCounters), and
-the front end's in-flight limit (server.api.frontend) by its `InFlightCollector`. The
+the front end's in-flight limit (server.http.frontend) by its `InFlightCollector`. The
 inference gateway's model-server protocol (its `vllm:` series) comes from `ProtocolCollector`
 (server.api.protocol_metrics).
 """
@@ -18,8 +18,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, disable_cre
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
-from toppings.server.api.frontend import InFlightCollector
 from toppings.server.api.protocol_metrics import ProtocolCollector
+from toppings.server.http.frontend import InFlightCollector
 from toppings.server.requests.request import RequestOutput
 from toppings.server.requests.stats_schema import EngineCounters
 

@@ -127,8 +127,8 @@ def _toppings_imports(path: Path) -> set[str]:
 HTTP_CONTRACT = (
     "toppings.server.requests.errors",
     "toppings.server.requests.stats_schema",
-    "toppings.server.api.frontend",
-    "toppings.server.api.waitress_server",
+    "toppings.server.http.frontend",
+    "toppings.server.http.waitress_server",
 )
 
 
@@ -143,7 +143,12 @@ def test_scheduler_imports_only_the_http_contract_of_the_server():
 
 @pytest.mark.parametrize(
     "module",
-    ["requests/errors.py", "requests/stats_schema.py", "api/frontend.py", "api/waitress_server.py"],
+    [
+        "requests/errors.py",
+        "requests/stats_schema.py",
+        "http/frontend.py",
+        "http/waitress_server.py",
+    ],
 )
 def test_the_http_contract_imports_nothing_of_toppings(module):
     assert _toppings_imports(SCHEDULER_DIR.parent / "server" / module) == set()

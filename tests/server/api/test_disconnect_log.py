@@ -7,8 +7,8 @@ import socket
 import threading
 import time
 
-from toppings.server.api.frontend import waitress_settings
-from toppings.server.api.waitress_server import DISCONNECT_LINE, GuardedServer
+from toppings.server.http.frontend import waitress_settings
+from toppings.server.http.waitress_server import DISCONNECT_LINE, GuardedServer
 
 BOUND_S = 30  # bounded waits: a broken build fails instead of hanging
 

@@ -17,8 +17,8 @@ import pytest
 import requests
 
 from tests.helpers import wait_healthy
-from toppings.server.api.frontend import waitress_settings
-from toppings.server.api.waitress_server import GuardedServer
+from toppings.server.http.frontend import waitress_settings
+from toppings.server.http.waitress_server import GuardedServer
 
 BOUND_S = 30  # every wait is bounded so that a broken build fails instead of hanging
 HALF_HEADER = b"GET /health HTTP/1.1\r\nHost: x\r\n"

@@ -15,7 +15,7 @@ from werkzeug.test import EnvironBuilder
 from tests.helpers import spy_on_submissions
 from tests.server.api.test_api import start_engine
 from toppings.server.api.app import ApiOptions, create_app
-from toppings.server.api.frontend import (
+from toppings.server.http.frontend import (
     InFlightLimit,
     ReleasingBody,
     default_max_in_flight,

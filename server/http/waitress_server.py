@@ -15,7 +15,7 @@ every other client out, /health included, until they time out.
   accepted now rather than once the stalled ones time out.
 A connection whose request has its headers (running, streaming, sending its body) is never
 closed by these checks; an idle keep-alive one is closed by waitress's `channel_timeout`
-(server.api.frontend.waitress_settings sets it to the same timeout).
+(server.http.frontend.waitress_settings sets it to the same timeout).
 This is a floor, not a shield: in production a reverse proxy with client timeouts and
 per-client connection limits goes in front (README, "In front of the server").
 
