@@ -17,11 +17,13 @@ released), `apply_masks` sets the other tokens' logits to -inf in the given rows
 from __future__ import annotations
 
 import json
+import sys
 import threading
 from collections import OrderedDict
 
 import llguidance
 import llguidance.hf
+import numpy as np
 import torch
 
 from toppings.server.requests.request import Constraint, ConstraintKind, RequestError
@@ -133,6 +135,17 @@ def fill_masks(executor: llguidance.LLExecutor, matchers: list, vocab_size: int)
     return bitmask
 
 
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """The allowed tokens of a bitmask int32 [M, W] (CPU) as bool [M, V]: token 32*w + j is
+    allowed when bit j of word w is set. numpy's unpackbits does it in one C pass over the
+    bytes (shifting a [M, W, 32] int32 tensor cost ~10 ms for 64 rows of a 49k vocabulary)."""
+    words = bitmask.numpy()
+    if sys.byteorder != "little":  # byte k of a word must hold its bits 8k..8k+7
+        words = words.byteswap()
+    bits = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")  # [M, 32 W]
+    return torch.from_numpy(bits[:, :vocab_size]).view(torch.bool)
+
+
 def apply_masks(
     logits: torch.Tensor, raw: torch.Tensor, rows: list[int], bitmask: torch.Tensor
 ) -> None:
@@ -145,14 +158,14 @@ def apply_masks(
     """
     if not rows:
         return
-    vocab = logits.shape[1]
-    shifts = torch.arange(32, dtype=torch.int32)
-    bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # [M, W, 32]
-    allowed = bits.reshape(len(rows), -1)[:, :vocab].to(torch.bool).to(logits.device)  # [M, V]
-    index = torch.tensor(rows, device=logits.device)
-    picked = logits[index].masked_fill(~allowed, float("-inf"))  # [M, V]
-    empty = ~torch.isfinite(picked).any(dim=1)  # [M]
+    forbidden = unpack_bitmask(bitmask, logits.shape[1]).logical_not().to(logits.device)  # [M, V]
+    every_row = rows == list(range(logits.shape[0]))
+    index = None if every_row else torch.tensor(rows, device=logits.device)
+    picked = logits if every_row else logits[index]  # [M, V]
+    picked.masked_fill_(forbidden, float("-inf"))
+    empty = picked.amax(dim=1) == float("-inf")  # [M]
     if bool(empty.any()):
-        fallback = raw[index].masked_fill(~allowed, float("-inf"))
-        picked = torch.where(empty[:, None], fallback, picked)
-    logits[index] = picked
+        fallback = (raw if every_row else raw[index]).masked_fill(forbidden, float("-inf"))
+        picked.copy_(torch.where(empty[:, None], fallback, picked))
+    if not every_row:
+        logits[index] = picked
