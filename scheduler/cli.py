@@ -36,7 +36,7 @@ from toppings.scheduler.adapter_sync import AdapterSync
 from toppings.scheduler.app import DEFAULT_MAX_IN_FLIGHT, create_app
 from toppings.scheduler.auth import AccessKeys, is_loopback_host
 from toppings.scheduler.cluster import Cluster
-from toppings.scheduler.drain import Drainer
+from toppings.scheduler.drain import in_flight_ended
 from toppings.scheduler.loraserve import PlacementConfig
 from toppings.scheduler.paper_models import paper_fig6_models
 from toppings.scheduler.perf_model import PerfModels
@@ -46,6 +46,7 @@ from toppings.scheduler.registry import Registry
 from toppings.scheduler.router import PromptCounter, Router, estimate_prompt_tokens
 from toppings.scheduler.server_session import ServerOrigins, ServerSession
 from toppings.scheduler.state import BatchShape
+from toppings.server.http.drain import Drainer
 from toppings.server.http.frontend import (
     DEFAULT_HEADER_TIMEOUT_S,
     DEFAULT_RESERVE_THREADS,
@@ -236,7 +237,10 @@ def main(argv: list[str] | None = None) -> None:
             )
         _usage_error(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}")
     in_flight = app.extensions["toppings"]
-    drainer = Drainer(draining, in_flight, args.drain_timeout, lambda: server.stop(HANDLER_GRACE_S))
+    drainer = Drainer(
+        draining, in_flight_ended(in_flight), args.drain_timeout,
+        lambda: server.stop(HANDLER_GRACE_S),
+    )  # fmt: skip
     drainer.install_signals()
     warn_if_admin_unreachable(args.host, keys)
     cluster.start()

@@ -16,13 +16,12 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import signal
 import socket
 import sys
 import threading
-import time
 
 from toppings.server.cli_args import build_parser, parse_configs
+from toppings.server.http.drain import Drainer
 from toppings.server.http.frontend import (
     default_max_in_flight,
     raise_open_files_limit,
@@ -89,32 +88,6 @@ def _check_inputs(model: str, loras: dict[str, str]) -> None:
         _usage_error(f"--model {model}: not a model this server runs: {e}")
 
 
-class _Drainer:
-    """Turns the first SIGTERM/SIGINT into a drain, then stops waitress from its own loop."""
-
-    def __init__(self, engine, draining: threading.Event, timeout_s: float):
-        self.engine, self.draining, self.timeout_s = engine, draining, timeout_s
-        self.server = None  # the waitress server, once it exists
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, self._on_signal)
-
-    def _on_signal(self, signum: int, frame) -> None:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, signal.SIG_DFL)  # a second signal kills at once
-        logger.info("%s: draining (up to %.0f s)", signal.Signals(signum).name, self.timeout_s)
-        self.draining.set()
-        threading.Thread(target=self._drain, name="drain", daemon=True).start()
-
-    def _drain(self) -> None:
-        if not self.engine.drain(self.timeout_s):
-            logger.warning("drain timed out after %.0f s; aborting what is left", self.timeout_s)
-        while self.server is None:  # signalled in the instant before waitress was made
-            time.sleep(0.05)
-        # The handlers write the last events of the requests that just ended, then waitress
-        # closes every connection from its loop's thread and server.run() returns.
-        self.server.stop(HANDLER_GRACE_S)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
@@ -166,7 +139,17 @@ def main(argv: list[str] | None = None) -> int:
     app = create_app(engine, options)
     sizing = waitress_settings(max_in_flight, serve.threads, serve.header_timeout)
     raise_open_files_limit(sizing["connection_limit"])
-    drainer = _Drainer(engine, app.extensions["toppings"].draining, serve.drain_timeout)
+    made: list[GuardedServer] = []  # the waitress server, once it exists
+    server_made = threading.Event()
+
+    def stop_server() -> None:
+        server_made.wait()  # signalled in the instant before waitress was made
+        # The handlers write the last events of the requests that just ended, then waitress
+        # closes every connection from its loop's thread and server.run() returns.
+        made[0].stop(HANDLER_GRACE_S)
+
+    draining = app.extensions["toppings"].draining
+    Drainer(draining, engine.drain, serve.drain_timeout, stop_server).install_signals()
     try:
         try:
             server = GuardedServer(
@@ -179,7 +162,8 @@ def main(argv: list[str] | None = None) -> int:
             )
         except OSError as e:  # taken since the check above
             _usage_error(f"--port: {_listen_problem(serve.host, serve.port, e)}")
-        drainer.server = server
+        made.append(server)
+        server_made.set()
         url = f"http://{serve.host}:{server.effective_port}"
         logger.info("serving %s at %s (OpenAI base_url %s/v1); at most %d requests in flight, "
                     "%d waitress threads", engine.model_name, url, url,

@@ -1,2 +1,3 @@
 """The HTTP front shared by toppings-serve and toppings-scheduler: waitress sizing, the
-in-flight limit, and the guarded waitress server. Imports nothing of toppings."""
+in-flight limit, the guarded waitress server and the drain on SIGTERM. Imports nothing of
+toppings."""

@@ -3,8 +3,8 @@
 Every error of either process is answered as `{"error": {"message", "type", "code"}}` with HTTP
 status `code`; a client mistake is a 4xx and the process keeps serving. This module is the
 contract itself, so it imports nothing from toppings: the scheduler, which knows servers only
-through HTTP, imports this module (with stats_schema, frontend and waitress_server, alike
-free of toppings imports) and nothing else of the server package.
+through HTTP, imports this module (with stats_schema and server.http's front, waitress server and
+drain, alike free of toppings imports) and nothing else of the server package.
 
 The messages a client can get from both processes for the same input (a body that is not JSON,
 an unknown model) are made here, so that they read the same whichever process answers, and both

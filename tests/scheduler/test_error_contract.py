@@ -129,6 +129,7 @@ HTTP_CONTRACT = (
     "toppings.server.requests.stats_schema",
     "toppings.server.http.frontend",
     "toppings.server.http.waitress_server",
+    "toppings.server.http.drain",
 )
 
 

@@ -26,11 +26,12 @@ from tests.scheduler.test_app import URL, FakeServers, stats
 from tests.scheduler.test_app_operator import SSE, Answer, Session
 from toppings.scheduler.app import create_app
 from toppings.scheduler.cluster import Cluster
-from toppings.scheduler.drain import Drainer
+from toppings.scheduler.drain import in_flight_ended
 from toppings.scheduler.paper_models import paper_fig6_models
 from toppings.scheduler.policies import make_policy
 from toppings.scheduler.registry import Registry
 from toppings.scheduler.router import Router
+from toppings.server.http.drain import Drainer
 
 BODY = {"model": "sql", "prompt": "hello", "max_tokens": 4}
 STREAM = dict(BODY, stream=True)
@@ -61,7 +62,7 @@ def test_a_stream_in_flight_completes_and_new_requests_get_503(setup):
     chunks = iter(held.response)
     first = next(chunks)
     stopped = threading.Event()
-    drainer = Drainer(draining, in_flight, timeout_s=600.0, stop=stopped.set)
+    drainer = Drainer(draining, in_flight_ended(in_flight), timeout_s=600.0, stop=stopped.set)
     thread = drainer.begin()
 
     for path in ("/v1/completions", "/v1/chat/completions", "/generate", "/tokenize"):
@@ -90,7 +91,7 @@ def test_a_drain_past_its_deadline_stops_anyway(setup, caplog):
     held = client.post("/v1/completions", json=STREAM, buffered=False)
     next(iter(held.response))
     calls = []
-    drainer = Drainer(draining, in_flight, timeout_s=0.0, stop=lambda: calls.append("stop"))
+    drainer = Drainer(draining, in_flight_ended(in_flight), 0.0, stop=lambda: calls.append("stop"))
     with caplog.at_level(logging.WARNING, logger="toppings-scheduler"):
         assert drainer.run() is False
     assert calls == ["stop"] and "drain timed out" in caplog.text
@@ -100,7 +101,8 @@ def test_a_drain_past_its_deadline_stops_anyway(setup, caplog):
 def test_an_idle_drain_stops_at_once(setup):
     app, _, draining = setup
     calls = []
-    drainer = Drainer(draining, app.extensions["toppings"], 600.0, lambda: calls.append(1))
+    wait = in_flight_ended(app.extensions["toppings"])
+    drainer = Drainer(draining, wait, 600.0, lambda: calls.append(1))
     assert drainer.run() is True and calls == [1]
 
 
