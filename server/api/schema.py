@@ -14,7 +14,9 @@ a list), `stream`, `ignore_eos`, `min_tokens`, `presence_penalty`, `frequency_pe
 `repetition_penalty`, `logit_bias` (token id -> bias in [-100, 100]) and the structured-output
 fields (`response_format`, vLLM's `guided_*`; server.api.structured); OpenAI bodies also `n`
 (1 to MAX_N choices per prompt) and `stream_options.include_usage` (with
-`stream_options.continuous_usage_stats`, as vLLM: usage on every chunk too).
+`stream_options.continuous_usage_stats`, as vLLM: usage on every chunk too), and `user` (an
+end-user id, metadata only). Any other field is refused with a 400 naming it (ACCEPTED_FIELDS;
+a field set to null counts as absent): the server never answers without what was asked for.
 
 Every function here is pure; a client mistake raises `RequestError` with its HTTP status.
 """
@@ -24,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from toppings.server.api.structured import parse_constraint
+from toppings.server.api.structured import GUIDED_FIELDS, REFUSED_FIELDS, parse_constraint
 from toppings.server.api.tools import Tools, parse_tools, template_message
 from toppings.server.requests.request import MAX_LOGPROBS, RequestError
 
@@ -39,11 +41,37 @@ NEUTRAL_FIELDS = {
     "suffix": (None, ""),
     "functions": (None, []),  # OpenAI's older spelling of tools: use `tools`
     "function_call": (None, "none"),
+    "store": (None, False),  # OpenAI's stored completions: nothing is stored here
+    "parallel_tool_calls": (None, True),  # OpenAI's default; false would need one call at most
 }
 NEUTRAL_BY_KIND = {
     "completion": {"top_logprobs": (None, 0), "tools": (None, []), "tool_choice": (None,)},
     "chat": {"echo": (None, False)},
 }
+# Every field each endpoint reads. Any other field with a value is a 400 naming it: a client
+# that asked for something the server does not do must not get an answer without it.
+SAMPLING_FIELDS = frozenset({
+    "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos", "min_tokens",
+    "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
+    "response_format", *GUIDED_FIELDS, *REFUSED_FIELDS,  # refused by name in parse_constraint
+})  # fmt: skip
+# `user` is OpenAI's end-user id for abuse tracking: metadata that asks nothing of generation.
+OPENAI_FIELDS = SAMPLING_FIELDS | NEUTRAL_FIELDS.keys() | {
+    "model", "stream", "stream_options", "n", "user",
+}  # fmt: skip
+ACCEPTED_FIELDS = {
+    "completion": OPENAI_FIELDS | NEUTRAL_BY_KIND["completion"].keys()
+    | {"prompt", "max_tokens", "echo", "logprobs"},
+    "chat": OPENAI_FIELDS | NEUTRAL_BY_KIND["chat"].keys() | {
+        "messages", "max_completion_tokens", "max_tokens", "logprobs", "top_logprobs", "tools",
+        "tool_choice",
+    },
+    "native": SAMPLING_FIELDS | {"adapter", "prompt", "input_ids", "max_new_tokens", "stream"},
+}  # fmt: skip
+ENDPOINTS = {"completion": "/v1/completions", "chat": "/v1/chat/completions", "native": "/generate"}
+STREAM_OPTIONS = frozenset({"include_usage", "continuous_usage_stats"})
+# Keys of a chat message; `name` goes to the chat template (templates that know it render it).
+MESSAGE_FIELDS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id"})
 
 
 @dataclass(frozen=True)
@@ -91,6 +119,14 @@ def typed_field(body: dict, key: str, kind: str, default: Any = None) -> Any:
         noun = {"int": "an integer", "number": "a number", "bool": "a boolean", "str": "a string"}
         raise RequestError(f"'{key}' must be {noun[kind]}, not {json_type(value)}")
     return float(value) if kind == "number" else value
+
+
+def check_known_fields(body: dict, known: frozenset[str] | set[str], where: str) -> None:
+    """Refuse the first field of `body` outside `known` (a field set to null counts as absent,
+    as OpenAI's own clients send unset fields)."""
+    for key in body:
+        if key not in known and body[key] is not None:
+            raise RequestError(f"'{key}' is not a field this server accepts in {where}")
 
 
 def json_type(value: Any) -> str:
@@ -162,6 +198,7 @@ def _in_range(value: int, key: str, low: int, high: int) -> int:
 
 def _openai_common(body: dict, base_model: str, kind: str) -> dict[str, Any]:
     """ParsedBody fields every OpenAI body has; rejects what we lack."""
+    check_known_fields(body, ACCEPTED_FIELDS[kind], ENDPOINTS[kind])
     for key, neutral in (NEUTRAL_FIELDS | NEUTRAL_BY_KIND[kind]).items():
         if body.get(key) not in neutral:
             raise RequestError(f"'{key}' is not supported by this server")
@@ -169,6 +206,7 @@ def _openai_common(body: dict, base_model: str, kind: str) -> dict[str, Any]:
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise RequestError(f"'stream_options' must be an object, not {json_type(options)}")
+    check_known_fields(options or {}, STREAM_OPTIONS, "'stream_options'")
     return {
         "model": model,
         "adapter": None if model == base_model else model,
@@ -223,6 +261,7 @@ def parse_completion(body: dict, base_model: str) -> ParsedBody:
 def parse_message(msg: Any, idx: int) -> dict[str, Any]:
     if not isinstance(msg, dict):
         raise RequestError(f"messages[{idx}] must be an object, not {json_type(msg)}")
+    check_known_fields(msg, MESSAGE_FIELDS, f"messages[{idx}]")
     role = msg.get("role")
     if role not in CHAT_ROLES:
         raise RequestError(f"messages[{idx}].role must be one of {', '.join(CHAT_ROLES)}")
@@ -240,6 +279,9 @@ def parse_message(msg: Any, idx: int) -> dict[str, Any]:
         raise RequestError(f"messages[{idx}].content must be a string or a list of text parts")
     # Chat templates know the classic roles; "developer" is OpenAI's new name for "system".
     parsed = {"role": "system" if role == "developer" else role, "content": content}
+    name = typed_field(msg, "name", "str")
+    if name is not None:
+        parsed["name"] = name
     return parsed | template_message(msg, idx)
 
 
@@ -279,6 +321,7 @@ def parse_chat(body: dict, base_model: str) -> ParsedBody:
 
 def parse_native(body: dict, base_model: str) -> ParsedBody:
     """Validate a native `/generate` body."""
+    check_known_fields(body, ACCEPTED_FIELDS["native"], ENDPOINTS["native"])
     adapter = typed_field(body, "adapter", "str")
     prompt, input_ids = body.get("prompt"), body.get("input_ids")
     if (prompt is None) == (input_ids is None):
