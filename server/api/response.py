@@ -9,8 +9,9 @@ each prompt once (not n times), `completion_tokens` every choice's tokens (as vL
 on every chunk and ends with a usage-only chunk; with `continuous_usage_stats` too, every chunk
 carries instead the usage of its own choice so far (its prompt's tokens, its tokens; vLLM's form).
 With `echo`, a completion choice's text (its first chunk, streamed) starts with the prompt's.
-A chat choice that is a tool call (server.api.tools) has `tool_calls` instead of content; streamed,
-such a choice is held back and sent as one delta when it ends.
+A chat choice that is a tool call (server.api.tool_calls) has `tool_calls` instead of content;
+streamed, the call goes out as OpenAI's deltas (the id and name, then fragments of the arguments
+as they are generated) and its last chunk carries the finish reason.
 The native `/generate` response is
 `{"text", "token_ids", "prompt_tokens", "output_tokens", "ttft_s", "e2e_s", "finish_reason"}`;
 its stream sends `{"text", "token_ids"}` deltas, then one final object with the same keys as the
@@ -29,13 +30,13 @@ from typing import Any
 
 from toppings.server.api.logprobs import TokenText, chat_logprobs, completion_logprobs
 from toppings.server.api.schema import ParsedBody
+from toppings.server.api.tool_calls import CallStream, reply_call
 from toppings.server.requests.errors import SERVER_ERROR, error_body
 from toppings.server.requests.request import RequestOutput
 
 SSE_DONE = "data: [DONE]\n\n"
 ID_PREFIX = {"completion": "cmpl", "chat": "chatcmpl", "native": "gen"}
 OBJECT = {"completion": "text_completion", "chat": "chat.completion"}
-TOOL = "tool_calls"  # the finish reason of a reply that is a tool call
 
 
 def sse(obj: dict) -> str:
@@ -102,7 +103,9 @@ class _Choice:
         self.started = False
         self.offset = 0  # characters of this choice's text so far (completions text_offset)
         self.num_tokens = 0  # output tokens of this choice so far (continuous usage)
-        self.held = ""  # a streamed reply that may be a tool call, until it ends
+        tools = parsed.tools if parsed.kind == "chat" else None
+        # The deltas of a reply that may be a tool call.
+        self.calls = CallStream(tools) if tools is not None and tools.calls_expected else None
 
     def usage(self) -> dict | None:
         """This choice's usage so far, for a chunk of a continuous-usage stream; else None."""
@@ -129,14 +132,6 @@ class _Choice:
         return text, logprobs
 
 
-def _tool_call(parsed: ParsedBody, text: str, finish_reason: str | None) -> dict | None:
-    """The tool call a finished chat choice makes (server.api.tools), or None."""
-    tools = parsed.tools
-    if tools is None or not tools.calls_expected or finish_reason != "stop":
-        return None
-    return tools.parse_call(text)
-
-
 def final_response(parsed: ParsedBody, meta: ResponseMeta, outs: list[RequestOutput]) -> dict:
     """The whole response of a non-streaming request; `outs`: each choice's merged output."""
     num_out = sum(out.output_tokens or len(out.new_token_ids) for out in outs)
@@ -148,9 +143,11 @@ def final_response(parsed: ParsedBody, meta: ResponseMeta, outs: list[RequestOut
         finish = out.finish_reason
         if parsed.kind == "chat":
             message = {"role": "assistant", "content": text}
-            call = _tool_call(parsed, text, finish)
+            call = None
+            if parsed.tools is not None:
+                call, finish = reply_call(parsed.tools, text, finish)
             if call is not None:
-                message, finish = {"role": "assistant", "content": None, "tool_calls": [call]}, TOOL
+                message = {"role": "assistant", "content": None, "tool_calls": [call.openai()]}
             choice = {"index": idx, "message": message}
         else:
             choice = {"index": idx, "text": text}
@@ -244,17 +241,20 @@ def _delta_events(
             yield sse(_native(meta, out, out.output_tokens or num_out))
         return
     text, logprobs = choice.delta(out)
-    if parsed.tools is not None and parsed.tools.calls_expected:
-        # A reply that may be a tool call is held back until it ends, then sent as one
-        # tool-call delta or as its text.
-        choice.held += text
+    if choice.calls is not None:
+        # Tools are refused with logprobs (server.api.schema): a delta is text or a call's part.
+        deltas = choice.calls.feed(text)
         if finish is not None:
-            call = _tool_call(parsed, choice.held, finish)
-            delta = (
-                {"content": choice.held} if call is None else {"tool_calls": [{"index": 0, **call}]}
-            )
-            chosen = {"index": choice.index, "delta": delta, "logprobs": None,
-                      "finish_reason": finish if call is None else TOOL}  # fmt: skip
+            last, finish = choice.calls.finish(finish)
+            deltas = deltas + last if deltas or last else [{}]  # the last delta has the reason
+        for i, delta in enumerate(deltas):
+            reason = finish if i == len(deltas) - 1 else None
+            chosen = {
+                "index": choice.index,
+                "delta": delta,
+                "logprobs": None,
+                "finish_reason": reason,
+            }
             yield sse(_chunk(parsed, meta, [chosen], choice.usage()))
         return
     has_logprobs = logprobs is not None and any(logprobs.get(k) for k in ("content", "tokens"))

@@ -11,14 +11,14 @@
   `{"name": NAME, "arguments": ARGS}` with ARGS valid under that function's `parameters` (any
   of the tools for "required"), and the reply is that call.
 A reply with a call has `content: null`, `tool_calls: [{"id", "type": "function", "function":
-{"name", "arguments": JSON text}}]` and `finish_reason: "tool_calls"`.
+{"name", "arguments": JSON text}}]` and `finish_reason: "tool_calls"`; server.api.tool_calls
+reads the call from the reply's text, whole or as it streams.
 """
 
 from __future__ import annotations
 
 import json
 import re
-import uuid
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -27,7 +27,6 @@ from toppings.server.requests.request import Constraint, ConstraintKind, Request
 
 MAX_TOOLS = 128
 TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
-TAGGED = re.compile(r"^\s*<tool_call>(.*)</tool_call>\s*$", re.DOTALL)
 
 
 class ToolChoice(Enum):
@@ -57,9 +56,14 @@ class Tools:
     def names(self) -> list[str]:
         return [json.loads(f)["name"] for f in self.functions]
 
+    @property
+    def is_constrained(self) -> bool:
+        """Whether the output is constrained to a call ("required" or named)."""
+        return self.choice in (ToolChoice.REQUIRED, ToolChoice.NAMED)
+
     def constraint(self) -> Constraint | None:
         """The JSON schema a "required" or named call's output must follow (None otherwise)."""
-        if self.choice not in (ToolChoice.REQUIRED, ToolChoice.NAMED):
+        if not self.is_constrained:
             return None
         calls = []
         for text in self.functions:
@@ -77,24 +81,6 @@ class Tools:
             })  # fmt: skip
         schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
         return Constraint(ConstraintKind.JSON_SCHEMA, json.dumps(schema))
-
-    def parse_call(self, text: str) -> dict | None:
-        """The OpenAI tool call a reply's text makes, or None when it is not one."""
-        tagged = TAGGED.match(text)
-        try:
-            value = json.loads(tagged.group(1) if tagged else text)
-        except json.JSONDecodeError:
-            return None
-        if not isinstance(value, dict) or value.get("name") not in self.names():
-            return None
-        arguments = value.get("arguments", value.get("parameters", {}))
-        if not isinstance(arguments, dict):
-            return None
-        return {
-            "id": f"call_{uuid.uuid4().hex[:24]}",
-            "type": "function",
-            "function": {"name": value["name"], "arguments": json.dumps(arguments)},
-        }
 
 
 def _function(tool: Any, idx: int) -> str:

@@ -16,6 +16,7 @@ import requests
 import waitress
 
 from toppings.server.api.app import create_app
+from toppings.server.api.tool_calls import Call, parse_call
 from toppings.server.api.tools import ToolChoice, Tools, check_template_renders_tools
 from toppings.server.config import EngineConfig
 from toppings.server.requests.request import RequestError
@@ -115,25 +116,58 @@ def test_required_call_picks_a_tool(client, engine):
         jsonschema.validate(json.loads(call.function.arguments), schema)
 
 
-def test_streamed_call_deltas_reassemble_to_the_call(client, engine):
-    kwargs = dict(
-        model=engine.model_name,
-        messages=ASK,
-        tools=TOOLS,
-        tool_choice={"type": "function", "function": {"name": "get_weather"}},
-        max_tokens=60,
-        temperature=0,
-    )
-    whole = client.chat.completions.create(**kwargs).choices[0].message.tool_calls[0]
-    name, arguments, finish = "", "", None
+@pytest.mark.parametrize(
+    "choice", ["required", {"type": "function", "function": {"name": "get_weather"}}]
+)
+def test_streamed_call_deltas_reassemble_to_the_call(client, engine, choice):
+    """The openai client's stream, joined per tool-call index as its users do, gives the
+    non-streamed call; the arguments arrive in several deltas as they are generated."""
+    kwargs = dict(model=engine.model_name, messages=ASK, tools=TOOLS, tool_choice=choice,
+                  max_tokens=60, temperature=0)  # fmt: skip
+    whole = client.chat.completions.create(**kwargs).choices[0].message.tool_calls
+    calls: dict[int, dict] = {}
+    num_argument_deltas, finish = 0, None
     for chunk in client.chat.completions.create(stream=True, **kwargs):
         for c in chunk.choices:
+            assert not c.delta.content
             for delta in c.delta.tool_calls or ():
-                name += delta.function.name or ""
-                arguments += delta.function.arguments or ""
+                call = calls.setdefault(delta.index, {"id": None, "name": "", "arguments": ""})
+                call["id"] = call["id"] or delta.id
+                call["name"] += delta.function.name or ""
+                call["arguments"] += delta.function.arguments or ""
+                num_argument_deltas += bool(delta.function.arguments)
             finish = c.finish_reason or finish
-    assert (name, arguments, finish) == (whole.function.name, whole.function.arguments,
-                                         "tool_calls")  # fmt: skip
+    assert [(c["name"], c["arguments"]) for c in calls.values()] == [
+        (w.function.name, w.function.arguments) for w in whole
+    ]
+    assert calls[0]["id"].startswith("call_") and finish == "tool_calls"
+    assert num_argument_deltas > 1
+
+
+def test_raw_streamed_call_deltas(base_url, engine):
+    """The SSE deltas in OpenAI's form: one header delta with id, type, name and arguments "",
+    then argument fragments with neither id nor name, joining to the non-streamed arguments."""
+    body = {"model": engine.model_name, "messages": ASK, "tools": TOOLS, "max_tokens": 60,
+            "temperature": 0, "tool_choice": {"type": "function", "function": {"name": "get_time"}},
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    url = f"{base_url}/v1/chat/completions"
+    whole = requests.post(url, json=body, timeout=300).json()["choices"][0]["message"]
+    reply = requests.post(url, json=dict(body, stream=True), timeout=300)
+    events = [line[6:] for line in reply.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] > 0
+    choices = [c for chunk in chunks for c in chunk["choices"]]
+    deltas = [d for c in choices for d in c["delta"].get("tool_calls", ())]
+    header, fragments = deltas[0], deltas[1:]
+    assert header == {"index": 0, "id": header["id"], "type": "function",
+                      "function": {"name": "get_time", "arguments": ""}}  # fmt: skip
+    assert len(fragments) > 1
+    assert all(d.keys() == {"index", "function"} and d["function"].keys() == {"arguments"}
+               and d["index"] == 0 for d in fragments)  # fmt: skip
+    (call,) = whole["tool_calls"]
+    assert "".join(d["function"]["arguments"] for d in fragments) == call["function"]["arguments"]
+    assert [c["finish_reason"] for c in choices] == [None] * (len(choices) - 1) + ["tool_calls"]
 
 
 def test_round_trip_with_a_tool_message(client, engine):
@@ -186,9 +220,10 @@ def test_template_without_tools_is_refused():
 
 def test_auto_reply_parsed_as_a_call_only_when_it_is_one():
     tools = Tools(tuple(json.dumps(t["function"]) for t in TOOLS), ToolChoice.AUTO)
-    call = tools.parse_call('<tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}'
-                            "</tool_call>")  # fmt: skip
-    assert call["function"] == {"name": "get_time", "arguments": '{"zone": "UTC"}'}
-    assert tools.parse_call('{"name": "get_time", "parameters": {}}')["function"]["name"]
-    assert tools.parse_call('{"name": "unknown", "arguments": {}}') is None
-    assert tools.parse_call("It is sunny.") is None
+    call = parse_call(tools, '<tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}'
+                             "</tool_call>")  # fmt: skip
+    assert call == Call("get_time", '{"zone": "UTC"}')
+    assert parse_call(tools, '{"name": "get_time", "parameters": {}}') == Call("get_time", "{}")
+    assert parse_call(tools, '{"name": "unknown", "arguments": {}}') is None
+    assert parse_call(tools, '{"name": "get_time", "arguments": {}} and more') is None
+    assert parse_call(tools, "It is sunny.") is None
