@@ -22,7 +22,8 @@ as k gaps of gap/k; the first output's tokens have no gap (that is TTFT). P50/P9
 over requests and rounds, with the per-round P99s for the spread. The SLO knee is the highest
 load at which the unchunked engine's P99 TTFT is within the SLO (the lowest load when none is);
 the headlines are chunked/unchunked there: `itl_p99_ratio`, `ttft_p99_ratio` and
-`throughput_ratio` (output tokens/s).
+`throughput_ratio` (output tokens/s; below both engines' capacity it is near 1 by construction,
+as both finish the same trace), and `capacity_ratio`, the two burst capacities.
 
     python -m bench.bench_chunked_prefill [--loads 0.5,0.7,0.9 --duration 60 --rounds 2]
     python -m bench.bench_chunked_prefill --quick --out /tmp/chunked_prefill_quick.json
@@ -69,7 +70,7 @@ from toppings.server.runtime import build_engine
 from toppings.server.sched.step_budget import choose_step_budget
 
 log = logging.getLogger("bench_chunked_prefill")
-QUICK = {"loads": "0.7", "rounds": 1, "duration": 12.0, "per_rank": 1, "alone": 2, "burst": 6}
+QUICK = {"loads": "0.9", "rounds": 1, "duration": 15.0, "per_rank": 1, "alone": 2, "burst": 6}
 
 
 class Prefill(enum.Enum):
@@ -237,6 +238,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    began = time.monotonic()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     model_dir = resolve_model_dir("smollm2")
     adapters = make_adapters(args.adapter_dir, model_dir, args.per_rank)
@@ -249,17 +251,18 @@ def main(argv: list[str] | None = None) -> None:
 
     startup = StartupLog()
     logging.getLogger(Engine.__module__).addHandler(startup)
-    engines: dict[Prefill, Engine] = {}
-    for mode in Prefill:
-        config = EngineConfig(dtype=args.dtype, max_total_tokens=args.max_total_tokens,
-                              max_batch_size=args.max_batch_size,
-                              max_prefill_tokens=args.max_prefill_tokens,
-                              chunked_prefill=mode is Prefill.CHUNKED,
-                              max_num_batched_tokens=args.max_num_batched_tokens,
-                              itl_target_ms=args.itl_target_ms)  # fmt: skip
-        engines[mode] = build_engine(str(model_dir), config, adapters)
+    config = EngineConfig(dtype=args.dtype, max_total_tokens=args.max_total_tokens,
+                          max_batch_size=args.max_batch_size,
+                          max_prefill_tokens=args.max_prefill_tokens, chunked_prefill=False,
+                          max_num_batched_tokens=args.max_num_batched_tokens,
+                          itl_target_ms=args.itl_target_ms)  # fmt: skip
+    unchunked = build_engine(str(model_dir), config, adapters)
+    # From the first engine's config, "auto" dtype resolved: start-up measures the machine and
+    # could pick another dtype the second time, and the engines must differ only in chunking.
+    chunked_config = dataclasses.replace(unchunked.config, chunked_prefill=True)
+    chunked = build_engine(str(model_dir), chunked_config, adapters)
+    engines = {Prefill.UNCHUNKED: unchunked, Prefill.CHUNKED: chunked}
     logging.getLogger(Engine.__module__).removeHandler(startup)
-    unchunked, chunked = engines[Prefill.UNCHUNKED], engines[Prefill.CHUNKED]
     slo_ms = slo_ms_alone(unchunked, trace(1.0, 999, None, args.alone))
     burst = trace(1.0, 998, None, args.burst)
     capacity = {
@@ -295,6 +298,7 @@ def main(argv: list[str] | None = None) -> None:
                                 "how": budget.how, "startup_log": startup.lines},
         Prefill.UNCHUNKED.value: {"max_prefill_tokens": args.max_prefill_tokens},
     }  # fmt: skip
+    log.info("measured in %.0f s", time.monotonic() - began)
     write(args, argv, dtype, slo_ms, capacity, fractions, loads, per_load, step)
 
 
@@ -312,6 +316,7 @@ def write(args, argv, dtype, slo_ms, capacity, fractions, loads, per_load, step)
         "ratio_load_within_slo": within,
         "slo_ms": slo_ms,
         "capacity_rps": capacity,
+        "capacity_ratio": capacity[Prefill.CHUNKED.value] / capacity[Prefill.UNCHUNKED.value],
         "loads_rps": loads,
         "step_budget": step,
         "per_load": per_load,
