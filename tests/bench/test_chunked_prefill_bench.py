@@ -1,11 +1,13 @@
 """bench_chunked_prefill's pure parts on no model: inter-token gaps from output times, the SLO
-knee, the long prompts mixed into a trace, and the output clock on a bare handle."""
+knee, the long prompts mixed into a trace, the output clock on a bare handle, and the burst
+capacity rule it takes from bench_queueing."""
 
 from __future__ import annotations
 
 import pytest
 
 from bench.bench_chunked_prefill import OutputClock, mix_long_prompts, slo_knee, token_gaps
+from bench.bench_queueing import burst_capacity
 from toppings.scripts.loadgen.workload import LengthSpec, TraceEntry
 from toppings.server.requests.request import (
     GenerationRequest,
@@ -91,3 +93,9 @@ def test_outputs_put_before_the_clock_are_counted_untimed():
     _, gaps, untimed = clock.finish(timeout_s=1.0)
     assert untimed == 1
     assert gaps == pytest.approx([clock.times[1] - clock.times[0]])
+
+
+def test_burst_capacity_counts_the_first_three_quarters_of_a_burst():
+    records = [{"e2e_s": t} for t in (4.0, 1.0, 3.0, 2.0, 9.0, 5.0, 6.0, 7.0)]
+    assert burst_capacity(records) == pytest.approx(6 / 6.0)  # 6 done by 6 s; the tail ignored
+    assert burst_capacity([{"e2e_s": 2.0}]) == pytest.approx(0.5)
