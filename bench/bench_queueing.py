@@ -100,6 +100,20 @@ def replay(engine, trace, burst: bool = False) -> list[dict]:
     return records
 
 
+def slo_ms_alone(engine, trace) -> float:
+    """The SLO in ms (the paper's rule): 5x the mean E2E latency of `trace`'s requests, each
+    served alone."""
+    return 5000 * statistics.fmean(replay(engine, [e], burst=True)[0]["e2e_s"] for e in trace)
+
+
+def burst_capacity(records: list[dict]) -> float:
+    """Requests/s while a burst (`replay(..., burst=True)`'s records) still saturates the
+    server: the first CAPACITY_SHARE of it to complete over the time the last of those took."""
+    done = sorted(r["e2e_s"] for r in records)
+    k = max(1, int(CAPACITY_SHARE * len(done)))
+    return k / done[k - 1]
+
+
 def summarise(runs: list[list[dict]], slo_s: float, duration: float) -> dict:
     """Pooled over rounds: TTFT percentiles (ms), throughput, SLO attainment."""
     records = [r for run in runs for r in run]
@@ -215,16 +229,12 @@ def main(argv: list[str] | None = None) -> None:
         return build_engine(str(model_dir), config, adapters)
 
     engines = {"fcfs": engine("fcfs")}
-    alone = trace_for(args, adapters, 1.0, 999, None, args.alone)
-    e2e = [replay(engines["fcfs"], [e], burst=True)[0]["e2e_s"] for e in alone]
-    slo_ms = 5000 * statistics.fmean(e2e)
+    slo_ms = slo_ms_alone(engines["fcfs"], trace_for(args, adapters, 1.0, 999, None, args.alone))
     burst = trace_for(args, adapters, 1.0, 998, None, args.burst)
     capacity = {}
     engines["chameleon"] = engine("chameleon", slo_ms)
     for policy in POLICIES:  # also the warm-up: chameleon's first queues come from this burst
-        done = sorted(r["e2e_s"] for r in replay(engines[policy], burst, burst=True))
-        k = int(CAPACITY_SHARE * len(done))  # while the burst still saturates the server
-        capacity[policy] = k / done[k - 1]
+        capacity[policy] = burst_capacity(replay(engines[policy], burst, burst=True))
     log.info("SLO %.0f ms; capacity %s", slo_ms, capacity)
     fractions = [float(x) for x in args.loads.split(",")]
     loads = [f * capacity["fcfs"] for f in fractions]
