@@ -49,8 +49,10 @@ def test_openai_metadata_and_neutral_values_are_accepted():
     body = {"messages": CHAT, "user": "tenant-7", "store": False, "parallel_tool_calls": True}
     assert parse_chat(body, BASE).messages == CHAT
     parse_completion({"prompt": "a", "user": "tenant-7", "store": False}, BASE)
-    for body, field in (({"messages": CHAT, "store": True}, "store"),
-                        ({"messages": CHAT, "parallel_tool_calls": False}, "parallel_tool_calls")):
+    for body, field in (
+        ({"messages": CHAT, "store": True}, "store"),
+        ({"messages": CHAT, "parallel_tool_calls": False}, "parallel_tool_calls"),
+    ):
         with pytest.raises(RequestError, match=f"'{field}' is not supported"):
             parse_chat(body, BASE)  # fmt: skip
 
