@@ -3,10 +3,10 @@
 Each iteration `schedule` lets the queue policy admit waiting requests through an
 `AdmissionGate`; the admitted ones make a prefill step, else the running batch makes a decode
 step. With chunked prefill (`GateLimits.max_step_tokens` set) a step is mixed instead: every
-running decode first, then a chunk of each prompt being prefilled (in admission order: a
-request keeps its place), then chunks of newly admitted prompts, until the step's token budget
-is used; a prompt longer than the budget is spread over steps, and its request samples its
-first token in the step that computes its last chunk.
+running decode first, then a chunk of each prompt being prefilled (as the queue policy plans
+them, before any admission: a request keeps its place), then chunks of newly admitted prompts,
+until the step's token budget is used; a prompt longer than the budget is spread over steps,
+and its request samples its first token in the step that computes its last chunk.
 
 The plan goes to a model runner (or a simulator's step-time model), whose tokens come back to
 `update`: the prefilled requests join the running batch, every request appends its token, and
