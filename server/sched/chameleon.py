@@ -18,8 +18,10 @@ recent requests. Here the unit is what bounds a step:
   in KV slots) borrowed from its queue's quota until it ends (sizing.queue_quotas).
 
 Each iteration (`select`):
-0. the oldest waiting request goes first if it fits (with chunked prefill, within its queue's
-   share of the step); if not, it gets a reservation (server.sched.backfill), as does the
+0. the oldest waiting request goes first if it fits (with chunked prefill: after its queue's
+   prompt being prefilled, if any, with a chunk of what its queue's share of the step has left,
+   at least `MIN_CHUNK` tokens of it, so that decodes over its queue's share do not hold it
+   back for long); if not, it gets a reservation (server.sched.backfill), as does the
    oldest queue head its quota entitles to start (or whose queue runs nothing) that finds no
    room: the step from which the memory stays free enough for it, kept until it starts. No
    other request starts if that would delay a reservation;
@@ -84,7 +86,10 @@ class ChameleonQueue(SizeQueues):
                 continue
             cap = None
             if by_step:  # its chunk comes out of its queue's share of the step
-                cap = self._quota_left(gate)[self._queue_of(self._sizes[seq].wrs)]
+                q = self._queue_of(self._sizes[seq].wrs)
+                if q in self._capped(gate):
+                    continue  # its queue's prompt being prefilled goes first
+                cap = max(self._quota_left(gate)[q], min(self.quotas[q], MIN_CHUNK))
                 if cap <= 0:
                     continue
             stop = self._admit(seq, gate, now, batch, reserved, cap) is Verdict.BATCH_FULL

@@ -166,3 +166,21 @@ def test_a_small_request_queue_is_not_starved_by_large_prompts(policy):
     while sched.has_work():
         step(sched)
     assert all(len(b.output_ids) == 2 for b in bigs)
+
+
+def test_a_prompt_advances_every_step_while_its_queues_decodes_take_its_share():
+    """Twenty large requests decode (20 tokens a step, more than their queue's 16); a large
+    prompt started then still gets its queue's 16 tokens a step (at most MIN_CHUNK) while
+    short requests fill the rest of every step."""
+    sched, _, _ = chameleon(budget=64, quotas=[48, 16], max_batch=128)
+    streams = [submit(sched, prompt_len=100, max_new=400, ignore_eos=True) for _ in range(20)]
+    while not all(s.output_ids for s in streams):
+        step(sched)
+    prompt = submit(sched, prompt_len=600, max_new=2, ignore_eos=True)
+    while not prompt.is_prefilled:
+        for _ in range(8):
+            submit(sched, prompt_len=8, max_new=4, ignore_eos=True)
+        got = tokens_of(step(sched))
+        assert all(got[s] == 1 for s in streams)
+        assert got[prompt] >= 16 or prompt.is_prefilled
+        assert sum(got.values()) == 64
