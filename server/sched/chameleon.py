@@ -19,9 +19,9 @@ recent requests. Here the unit is what bounds a step:
 
 Each iteration (`select`):
 0. the oldest waiting request goes first if it fits (with chunked prefill: after its queue's
-   prompt being prefilled, if any, with a chunk of what its queue's share of the step has left,
-   at least `MIN_CHUNK` tokens of it, so that decodes over its queue's share do not hold it
-   back for long); if not, it gets a reservation (server.sched.backfill), as does the
+   prompt being prefilled, if any, with a chunk of what its queue's share of the step has left
+   and at least min(quota, `MIN_CHUNK`), so that decodes over its queue's share do not hold it
+   back until they end); if not, it gets a reservation (server.sched.backfill), as does the
    oldest queue head its quota entitles to start (or whose queue runs nothing) that finds no
    room: the step from which the memory stays free enough for it, kept until it starts. No
    other request starts if that would delay a reservation;
@@ -119,9 +119,9 @@ class ChameleonQueue(SizeQueues):
         self, decodes: list[Sequence], prefilling: list[Sequence], budget: int
     ) -> dict[Sequence, int]:
         """The prompts being prefilled, in admission order, take what their queue's quota of
-        the step has left after the queue's decodes, and at least `MIN_CHUNK` tokens a queue
-        (so that its oldest prompt advances every step even while its decodes take its whole
-        share); what the quotas leave of the step after admission goes to these prompts too,
+        the step has left after the queue's decodes, and at least min(quota, `MIN_CHUNK`) tokens
+        a queue (so that its oldest prompt advances every step even while its decodes take its
+        whole share); what the quotas leave of the step after admission goes to these prompts too,
         oldest first (server.sched.scheduler)."""
         decoding = [0] * len(self.quotas)
         for seq in decodes:
