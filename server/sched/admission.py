@@ -122,7 +122,7 @@ def release(seq: Sequence, memory: Memory, adapters: Adapters, keep_kv: bool, no
         seq.cache_entry = None
 
 
-def _whole(seq: Sequence) -> bool:
+def is_whole(seq: Sequence) -> bool:
     """Whether a request's prompt is computed in one step even with chunked prefill: one that
     scores its prompt (prompt logprobs are taken from one forward over the whole prompt)."""
     return seq.request.params.prompt_logprobs is not None
@@ -139,24 +139,25 @@ class AdmissionGate:
         adapters: Adapters,
         limits: GateLimits,
         clock: Callable[[], float],
-        step_tokens: int = 0,
-        decode_tokens: int = 0,
+        planned: Mapping[Sequence, int] | None = None,
     ):
-        """step_tokens: with chunked prefill, the tokens of the step already planned (the
-        running decodes and the chunks of prompts being prefilled), decode_tokens of them the
-        decodes'."""
+        """planned: with chunked prefill, the tokens of the step already planned per request
+        (1 for each running decode, a chunk for each prompt being prefilled)."""
         self.running, self.waiting = running, waiting
         self.memory, self.adapters, self.limits, self.clock = memory, adapters, limits, clock
         self.admitted: list[Sequence] = []
         self.prefill_tokens = 0
-        self.step_tokens, self.decode_tokens = step_tokens, decode_tokens
-        self.chunks: dict[Sequence, int] = {}  # chunked prefill: admitted -> tokens this step
+        # chunked prefill: every request computing in this step -> its tokens (planned, then
+        # admitted); the decodes' share tells whether the step has a prompt token yet
+        self.chunks: dict[Sequence, int] = dict(planned or {})
+        self.step_tokens = sum(self.chunks.values())
+        self.decode_tokens = sum(n for s, n in self.chunks.items() if s.is_prefilled)
         self._queued: frozenset[str] | None = None
         # What the policy asked about last, a request or an adapter: when forming the batch
         # raises, the scheduler fails that one alone (Scheduler.schedule).
         self.asked: Sequence | str | None = None
 
-    def try_admit(self, seq: Sequence) -> Verdict:
+    def try_admit(self, seq: Sequence, max_chunk: int | None = None) -> Verdict:
         self.asked = seq
         mem, lora, limits = self.memory, self.adapters, self.limits
         if len(self.running) + len(self.admitted) >= limits.max_batch_size:
@@ -167,7 +168,7 @@ class AdmissionGate:
         need = mem.kv_need(seq, path)
         if seq.cache_entry is None:
             need += mem.adapter_need(adapter, lora.bytes_of(adapter))
-        if not mem.fits(need) or not self._budget_allows(seq, computed):
+        if not mem.fits(need) or not self._budget_allows(seq, computed, max_chunk):
             return Verdict.NO_ROOM
         if adapter is not None and seq.cache_entry is None:
             seq.cache_entry = lora.acquire(adapter, self.queued())
@@ -187,7 +188,7 @@ class AdmissionGate:
         seq.num_prefilled = seq.prompt_len - computed
         self.prefill_tokens += computed
         if limits.max_step_tokens is not None:
-            chunk = computed if _whole(seq) else min(computed, self._step_left())
+            chunk = computed if is_whole(seq) else min(computed, self._chunk_left(max_chunk))
             self.chunks[seq] = chunk
             self.step_tokens += chunk
         self.admitted.append(seq)
@@ -196,19 +197,33 @@ class AdmissionGate:
     def _step_left(self) -> int:
         return self.limits.max_step_tokens - self.step_tokens
 
-    def _budget_allows(self, seq: Sequence, computed: int) -> bool:
+    def _chunk_left(self, max_chunk: int | None) -> int:
+        left = self._step_left()
+        return left if max_chunk is None else min(left, max_chunk)
+
+    def step_budget(self) -> int | None:
+        return self.limits.max_step_tokens
+
+    def step_left(self) -> int:
+        return 0 if self.limits.max_step_tokens is None else self._step_left()
+
+    def planned(self, seq: Sequence) -> int:
+        return self.chunks.get(seq, 0)
+
+    def _budget_allows(self, seq: Sequence, computed: int, max_chunk: int | None = None) -> bool:
         """Whether the step's token budget takes `seq`'s prompt (its `computed` tokens): without
         chunking, whole prompts up to max_prefill_tokens (the first one always); with it, any
         chunk while the budget lasts, but a request scoring its prompt (prompt logprobs) only
         whole, where the budget holds it or the step plans no other prompt tokens yet (then it
         may exceed the budget, as the first prompt of an unchunked prefill step may exceed
-        max_prefill_tokens: it never waits for the running decodes to end)."""
+        max_prefill_tokens: it never waits for the running decodes to end). `max_chunk` (a
+        policy's quota) bounds the chunk further; a whole prompt is held to it as to the step."""
         limits = self.limits
         if limits.max_step_tokens is None:
             return not self.admitted or self.prefill_tokens + computed <= limits.max_prefill_tokens
-        if _whole(seq):
-            return self.step_tokens == self.decode_tokens or computed <= self._step_left()
-        return self._step_left() > 0
+        if is_whole(seq):
+            return self.step_tokens == self.decode_tokens or computed <= self._chunk_left(max_chunk)
+        return self._chunk_left(max_chunk) > 0
 
     def queued(self) -> frozenset[str]:
         """Adapters of the waiting requests (eviction spares them while it can)."""
@@ -218,6 +233,7 @@ class AdmissionGate:
 
     def squash(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        self.step_tokens -= self.chunks.pop(seq, 0)  # it computes nothing this step
         release(seq, self.memory, self.adapters, True, self.clock())
         seq.restart()
 

@@ -1,35 +1,50 @@
 """Chameleon's non-preemptive, adapter-aware multi-level queues (MICRO'25, sec. 4.3): which
-waiting requests start, from the queues and quotas of server.size_queues.
+waiting requests start, from the queues and quotas of server.sched.size_queues.
+
+The paper's quota (sec. 4.3, Algorithm 1): each queue has `PQ_Tokens`, tokens covering a
+request's input, output and adapter memory; every iteration's batch formation (phase 1) lets
+each queue, smallest first, put requests in while their needs fit its tokens, then (phase 2)
+hands what the queues with nothing left to put did not use to the queues still waiting,
+smallest first; the quotas come from the M/M/1 bound, recomputed every T_refresh (5 min) over
+recent requests. Here the unit is what bounds a step:
+- chunked prefill (`--chunked-prefill on`, the default): tokens of each step. A queue's quota
+  is its share of the step's token budget; its running requests take it by the tokens they
+  compute in the step (a decode one, a prompt being prefilled its chunk: `plan_chunks`, before
+  any admission), a new request by its first chunk (at most what is left of the share), and
+  the share is whole again at the next step. A large prompt thus takes its queue's share of
+  each step, not the whole budget, and a small-request queue gets its share of every step.
+  Quotas: sizing.step_quotas, refreshed with the queues (server.sched.size_queues);
+- whole-prompt steps: KV slots, a request's charge (prompt plus max_new_tokens plus its adapter
+  in KV slots) borrowed from its queue's quota until it ends (sizing.queue_quotas).
 
 Each iteration (`select`):
-0. the oldest waiting request goes first if it fits; if not, it gets a reservation
-   (server.backfill), as does the oldest queue head its quota entitles to start (or whose queue
-   runs nothing) that finds no room: the step from which the memory stays free enough for it,
-   kept until it starts. No other request starts if that would delay a reservation;
-1. Algorithm 1 of the paper: every queue, smallest first, admits from its head while its
-   unborrowed quota allows; a queue with nothing running may always admit its head (so a
-   request larger than the quota runs);
-2. the memory phase 1 left goes to the queues in the same order, each from its head, while
-   it fits (work-conserving; see below).
-Deviation (step 0): the paper's quotas are tokens per iteration; ours are memory held for a
-request's whole run, so a queue's quota lent to the others by phase 2 comes back only as they
-end, and the quotas alone let a large request wait for the memory indefinitely (sessions 9-12).
-A reserved request waits at most for the requests running or reserved before it; backfilling
-keeps small requests flowing in the memory FCFS leaves idle. Taking a quota back at once by
-squashing the requests beyond theirs (session 13) cost more than it gained in bench/queueing_sim
-(P99 TTFT at FCFS's highest load within the SLO / sustained load vs FCFS, with it and without:
-CPU step model 1.19x / 0.95x and 0.95x / 1.03x; flat-decode model 0.75x / 1.04x and 0.65x / 1.06x).
-Deviation in phase 2: the paper redistributes only what queues left of their quotas, which are
-tokens per iteration (capacity kept back shortens every iteration). Ours reserve memory, and idle
-memory shortens nothing: it made the large queue's requests wait for each other while memory
-sat unused. The quotas still decide, under contention, which queues memory goes to first.
-With chunked prefill (`--chunked-prefill on`) the paper's per-iteration token limit is the
-step's token budget, which the admission gate enforces for every policy: once the running
-decodes and the prompt chunks fill a step, every queue's head finds no room until the next one,
-and a request admitted with part of the budget computes a chunk of its prompt and keeps its
-place while the rest is prefilled. The quotas stay shares of memory (the deviation above).
+0. the oldest waiting request goes first if it fits (with chunked prefill: after its queue's
+   prompt being prefilled, if any, with a chunk of what its queue's share of the step has left
+   and at least min(quota, `MIN_CHUNK`), so that decodes over its queue's share do not hold it
+   back until they end); if not, it gets a reservation (server.sched.backfill), as does the
+   oldest queue head its quota entitles to start (or whose queue runs nothing) that finds no
+   room: the step from which the memory stays free enough for it, kept until it starts. No
+   other request starts if that would delay a reservation;
+1. Algorithm 1's phase 1: every queue, smallest first, admits from its head within what its
+   quota has left; without chunked prefill a queue with nothing running may always admit its
+   head (so a request larger than the quota runs; a chunk never is);
+2. what phase 1 left (memory, or the step's tokens) goes to the queues in the same order, each
+   from its head, while it fits (work-conserving; see below). With chunked prefill a queue
+   whose prompt being prefilled this step leaves unfinished admits nothing here: that prompt
+   keeps its place, and the scheduler gives it the tokens left at the end.
+Deviation (step 0): memory is held for a request's whole run, so a queue's memory lent to the
+others comes back only as they end, and the quotas alone let a large request wait for the
+memory indefinitely. A reserved request waits at most for the requests running or reserved
+before it; backfilling keeps small requests flowing in the memory FCFS leaves idle. Taking
+memory back at once by squashing the requests beyond their quota cost more than it gained in
+bench/queueing_sim (P99 TTFT at FCFS's highest load within the SLO / sustained load vs FCFS,
+with it and without: CPU step model 1.19x / 0.95x and 0.95x / 1.03x; flat-decode model 0.75x /
+1.04x and 0.65x / 1.06x).
+Deviation in phase 2: the paper hands on only the quota of queues with nothing left to put;
+ours hands on everything unused (idle memory or step tokens shorten no one's wait). The quotas
+still decide, under contention, which queues go first.
 Opportunistic bypass: when a head finds no adapter memory, a younger request of its queue may
-go first, and be squashed later, as server.bypass says.
+go first, and be squashed later, as server.sched.bypass says.
 """
 
 from __future__ import annotations
@@ -40,6 +55,7 @@ from toppings.server.sched.backfill import Reservations, allows, reserve, take
 from toppings.server.sched.bypass import SquashBudget, is_deterministic, may_bypass
 from toppings.server.sched.queueing import Gate, Verdict
 from toppings.server.sched.size_queues import SizeQueues
+from toppings.server.sched.step_budget import MIN_CHUNK
 
 MAX_RESERVATIONS = 2  # requests that hold a reservation at once (the oldest, a queue head)
 
@@ -61,35 +77,85 @@ class ChameleonQueue(SizeQueues):
     def select(self, gate: Gate, running: list[Sequence], now: float) -> list[Sequence]:
         self._take_fresh(gate, now)
         self._squash_bypassers(gate)
+        by_step = gate.step_budget() is not None
         batch: list[Sequence] = []
-        reserved = self._reserve(gate, self._borrowed())
+        reserved = self._reserve(gate, by_step)
         stop = False
         for seq in [*reserved.holders, *self._waiting[:1]]:  # step 0
-            if seq in self._sizes:
-                stop = self._admit(seq, gate, now, batch, reserved) is Verdict.BATCH_FULL
+            if seq not in self._sizes:
+                continue
+            cap = None
+            if by_step:  # its chunk comes out of its queue's share of the step
+                q = self._queue_of(self._sizes[seq].wrs)
+                if q in self._capped(gate):
+                    continue  # its queue's prompt being prefilled goes first
+                cap = max(self._quota_left(gate)[q], min(self.quotas[q], MIN_CHUNK))
+                if cap <= 0:
+                    continue
+            stop = self._admit(seq, gate, now, batch, reserved, cap) is Verdict.BATCH_FULL
             if stop:
                 break
-        borrowed = self._borrowed()
+        left, borrowed = self._quota_left(gate), self._borrowed()
         for q, queue in enumerate(self._queues):  # phase 1: each within its quota
             if stop:
                 break
-            unborrowed = max(self.quotas[q] - borrowed[q], 0)
-            stop = self._put(queue, unborrowed, gate, running, now, batch, reserved,
-                             may_exceed=not borrowed[q])  # fmt: skip
-        everything = gate.total_tokens()  # phase 2 has no quota: the gate refuses what won't fit
-        for queue in self._queues:  # phase 2: the memory phase 1 left, smallest requests first
+            may_exceed = not by_step and not borrowed[q]
+            stop = self._put(queue, max(left[q], 0), gate, running, now, batch, reserved,
+                             may_exceed, by_step)  # fmt: skip
+        capped = self._capped(gate) if by_step else set()
+        for q, queue in enumerate(self._queues):  # phase 2: what phase 1 left, smallest first
             if stop:
                 break
-            stop = self._put(queue, everything, gate, running, now, batch, reserved, False)
+            if q in capped:
+                continue  # its prompt being prefilled takes what is left first (keeps its place)
+            # no quota here: the gate refuses what the memory (or the step) does not hold
+            everything = gate.step_left() if by_step else gate.total_tokens()
+            stop = self._put(queue, everything, gate, running, now, batch, reserved, False,
+                             by_step)  # fmt: skip
         self._prefetch(gate)
         return batch
 
-    def _reserve(self, gate: Gate, borrowed: list[int]) -> Reservations:
+    def plan_chunks(
+        self, decodes: list[Sequence], prefilling: list[Sequence], budget: int
+    ) -> dict[Sequence, int]:
+        """The prompts being prefilled, in admission order, take what their queue's quota of
+        the step has left after the queue's decodes, and at least min(quota, `MIN_CHUNK`) tokens
+        a queue (so that its oldest prompt advances every step even while its decodes take its
+        whole share); what the quotas leave of the step after admission goes to these prompts too,
+        oldest first (server.sched.scheduler)."""
+        decoding = [0] * len(self.quotas)
+        for seq in decodes:
+            if seq in self._running:
+                decoding[self._queue_of(self._running[seq].wrs)] += 1
+        share = [max(quota - n, min(quota, MIN_CHUNK)) for quota, n in zip(self.quotas, decoding)]
+        chunks: dict[Sequence, int] = {}
+        for seq in prefilling:
+            if budget <= 0:
+                break
+            rest = seq.prompt_len - seq.num_prefilled
+            if seq in self._running:
+                q = self._queue_of(self._running[seq].wrs)
+                rest = min(rest, max(share[q], 0))
+                share[q] -= rest
+            chunks[seq] = min(rest, budget)
+            budget -= chunks[seq]
+        return chunks
+
+    def _capped(self, gate: Gate) -> set[int]:
+        """The queues with a running prompt that this step, as planned, leaves unfinished."""
+        return {
+            self._queue_of(size.wrs)
+            for seq, size in self._running.items()
+            if seq.num_prefilled + gate.planned(seq) < seq.prompt_len
+        }
+
+    def _reserve(self, gate: Gate, by_step: bool) -> Reservations:
         """This iteration's reservations (step 0); each keeps its place until it starts."""
         self._reserved = [s for s in self._reserved if s in self._sizes]  # still waiting
         free = gate.free_tokens()
+        borrowed = self._borrowed()
         idle = [queue[0] for q, queue in enumerate(self._queues) if queue and not borrowed[q]]
-        entitled = [*self._entitled(borrowed), *idle]
+        entitled = [*self._entitled(self._quota_left(gate), by_step), *idle]
         need = {s: gate.need_tokens(s) for s in [*self._waiting[:1], *entitled]}
         late = sorted((s for s, n in need.items() if n > free), key=lambda s: s.arrival)
         for seq in late[:MAX_RESERVATIONS]:
@@ -114,22 +180,29 @@ class ChameleonQueue(SizeQueues):
         batch: list[Sequence],
         reserved: Reservations,
         may_exceed: bool,
+        by_step: bool,
     ) -> bool:
         """Admit from the head of `queue` within `tokens` (beyond, for its head, `may_exceed`)
-        without delaying a reservation; returns whether to stop all admission."""
+        without delaying a reservation; returns whether to stop all admission. `by_step`:
+        `tokens` are of this step, and each request takes the chunk of its prompt it computes
+        in it (at most what is left of them); else KV slots, each request its whole charge."""
         used = 0
         bypassed: Sequence | None = None
         for seq in list(queue):
-            charge = self._sizes[seq].charge
-            if used + charge > tokens and not (may_exceed and not used and bypassed is None):
+            charge, cap = self._sizes[seq].charge, None
+            if by_step:
+                cap = tokens - used
+                if cap <= 0:
+                    break
+            elif used + charge > tokens and not (may_exceed and not used and bypassed is None):
                 break
             if bypassed is not None and not self._may_bypass(seq, running):
                 continue
-            verdict = self._admit(seq, gate, now, batch, reserved)
+            verdict = self._admit(seq, gate, now, batch, reserved, cap)
             if verdict is None:
                 continue  # it would delay a reserved request; a shorter one may not
             if verdict is Verdict.ADMITTED:
-                used += charge
+                used += gate.planned(seq) if by_step else charge
                 if bypassed is not None:
                     self._bypasses.append((bypassed, seq))
                     self.counters["bypasses"] += 1
@@ -142,23 +215,32 @@ class ChameleonQueue(SizeQueues):
         return False
 
     def _admit(
-        self, seq: Sequence, gate: Gate, now: float, batch: list[Sequence], reserved: Reservations
+        self,
+        seq: Sequence,
+        gate: Gate,
+        now: float,
+        batch: list[Sequence],
+        reserved: Reservations,
+        cap: int | None = None,
     ) -> Verdict | None:
-        """Try `seq` unless it would delay a reservation ahead of it (then None)."""
+        """Try `seq` (its chunk of this step at most `cap` tokens) unless it would delay a
+        reservation ahead of it (then None)."""
         ahead = reserved.ahead_of(seq)
         if ahead:
             need, steps = gate.need_tokens(seq), _steps_left(seq)
             if not allows(ahead, need, steps):
                 return None
-        verdict = self._try(seq, gate, now, batch)
+        verdict = self._try(seq, gate, now, batch, cap)
         if verdict is Verdict.ADMITTED and ahead:
             take(ahead, need, steps)
             if all(seq is not h for h in reserved.holders):
                 self.counters["backfilled"] += 1
         return verdict
 
-    def _try(self, seq: Sequence, gate: Gate, now: float, batch: list[Sequence]) -> Verdict:
-        verdict = gate.try_admit(seq)
+    def _try(
+        self, seq: Sequence, gate: Gate, now: float, batch: list[Sequence], cap: int | None
+    ) -> Verdict:
+        verdict = gate.try_admit(seq) if cap is None else gate.try_admit(seq, cap)
         if verdict is Verdict.ADMITTED:
             size = self._sizes.pop(seq)
             self._waiting.remove(seq)

@@ -6,7 +6,11 @@ fits now (batch room, KV slots, prefill budget, adapter memory, LoRA mode) and, 
 admits it. A policy never touches the model, the KV pool or the adapter cache itself.
 
 - `fcfs`: arrival order; the first request that does not fit stops admission (today's engine).
-- `chameleon`: adapter-aware multi-level queues with token quotas (server.chameleon_queue).
+- `chameleon`: adapter-aware multi-level queues with token quotas (server.sched.chameleon).
+
+With chunked prefill a policy also plans, before any admission, how many tokens of the step each
+request being prefilled computes (`plan_chunks`): those requests were admitted before any
+waiting one, so they are continued first (a request keeps its place) in every policy.
 """
 
 from __future__ import annotations
@@ -33,8 +37,20 @@ class Verdict(enum.Enum):
 class Gate(Protocol):
     """The engine's side of admission, for one iteration."""
 
-    def try_admit(self, seq: Sequence) -> Verdict:
-        """Admit `seq` into this iteration's batch if it fits now."""
+    def try_admit(self, seq: Sequence, max_chunk: int | None = None) -> Verdict:
+        """Admit `seq` into this iteration's batch if it fits now; with chunked prefill, its
+        prompt chunk this step is at most `max_chunk` tokens (None: what the step has left)."""
+
+    def step_budget(self) -> int | None:
+        """Tokens one step computes (chunked prefill), or None: steps are not budgeted."""
+
+    def step_left(self) -> int:
+        """Tokens of the step's budget not planned yet (chunked prefill)."""
+
+    def planned(self, seq: Sequence) -> int:
+        """Tokens a running or just admitted request computes this step as planned so far (1
+        for a decode, its chunk for a prompt; 0 when it computes nothing or steps are not
+        budgeted)."""
 
     def squash(self, seq: Sequence) -> None:
         """Take a running request out of the batch for a later re-execution (it must be pushed
@@ -100,6 +116,21 @@ class QueuePolicy:
     def select(self, gate: Gate, running: list[Sequence], now: float) -> list[Sequence]:
         """Admit requests through `gate`; returns them in admission order."""
         raise NotImplementedError
+
+    def plan_chunks(
+        self, decodes: list[Sequence], prefilling: list[Sequence], budget: int
+    ) -> dict[Sequence, int]:
+        """Chunked prefill: the tokens each request being prefilled (`prefilling`, in admission
+        order) computes this step, out of the `budget` the step's `decodes` leave, planned
+        before any admission. Here: in admission order, each as much of its prompt as is left,
+        so an older prompt is never slowed by a younger one."""
+        chunks: dict[Sequence, int] = {}
+        for seq in prefilling:
+            if budget <= 0:
+                break
+            chunks[seq] = min(seq.prompt_len - seq.num_prefilled, budget)
+            budget -= chunks[seq]
+        return chunks
 
     def finished(self, seq: Sequence, completed: bool, now: float) -> None:
         """An admitted request left the batch; `completed`: it stopped or hit its length."""

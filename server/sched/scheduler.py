@@ -3,10 +3,10 @@
 Each iteration `schedule` lets the queue policy admit waiting requests through an
 `AdmissionGate`; the admitted ones make a prefill step, else the running batch makes a decode
 step. With chunked prefill (`GateLimits.max_step_tokens` set) a step is mixed instead: every
-running decode first, then a chunk of each prompt being prefilled (in admission order: a
-request keeps its place), then chunks of newly admitted prompts, until the step's token budget
-is used; a prompt longer than the budget is spread over steps, and its request samples its
-first token in the step that computes its last chunk.
+running decode first, then a chunk of each prompt being prefilled (as the queue policy plans
+them, before any admission: a request keeps its place), then chunks of newly admitted prompts,
+until the step's token budget is used; a prompt longer than the budget is spread over steps,
+and its request samples its first token in the step that computes its last chunk.
 
 The plan goes to a model runner (or a simulator's step-time model), whose tokens come back to
 `update`: the prefilled requests join the running batch, every request appends its token, and
@@ -23,7 +23,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from toppings.server.requests.sequence import Sequence
-from toppings.server.sched.admission import Adapters, AdmissionGate, GateLimits, Memory, release
+from toppings.server.sched.admission import (
+    Adapters,
+    AdmissionGate,
+    GateLimits,
+    Memory,
+    is_whole,
+    release,
+)
 from toppings.server.sched.queueing import QueuePolicy
 
 log = logging.getLogger(__name__)
@@ -103,12 +110,12 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(len(self.queue) or self.running)
 
-    def gate(self, step_tokens: int = 0, decode_tokens: int = 0) -> AdmissionGate:
-        """A fresh gate for one iteration's admissions (the step's tokens planned so far and
-        the decodes' of them: see AdmissionGate)."""
+    def gate(self, planned: dict[Sequence, int] | None = None) -> AdmissionGate:
+        """A fresh gate for one iteration's admissions (with chunked prefill, the step's tokens
+        planned so far per request: see AdmissionGate)."""
         return AdmissionGate(
             self.running, self.queue, self.memory, self.adapters, self.limits, self.clock,
-            step_tokens, decode_tokens,
+            planned,
         )  # fmt: skip
 
     def schedule(self) -> StepPlan | None:
@@ -132,22 +139,31 @@ class Scheduler:
 
     def _schedule_mixed(self, budget: int) -> StepPlan | None:
         """A chunked-prefill step: the running decodes, then chunks of the prompts being
-        prefilled in admission order, then of the newly admitted ones, within `budget` tokens.
-        The admitted join `running` at once (a request being prefilled keeps its place there)."""
-        chunks: dict[Sequence, int] = {s: 1 for s in self.running if s.is_prefilled}
-        used = num_decodes = len(chunks)
-        for seq in self.running:
-            if not seq.is_prefilled and used < budget:
-                chunks[seq] = min(seq.prompt_len - seq.num_prefilled, budget - used)
-                used += chunks[seq]
-        gate, num_running = self.gate(used, num_decodes), len(self.running)
+        prefilled as the queue policy plans them (before any admission: a request being
+        prefilled keeps its place), then chunks of newly admitted prompts, within `budget`
+        tokens; what the policy's quotas leave of the budget at the end goes to the prompts
+        being prefilled, oldest first. The admitted join `running` at once."""
+        decodes = [s for s in self.running if s.is_prefilled]
+        prefilling = [s for s in self.running if not s.is_prefilled]
+        planned: dict[Sequence, int] = {s: 1 for s in decodes}
+        left = budget - len(decodes)
+        for seq, n in self.queue.plan_chunks(decodes, prefilling, left).items():
+            if n > 0:
+                planned[seq] = n
+        gate = self.gate(planned)
         admitted = self._admit(gate)
-        if len(self.running) < num_running:  # the policy squashed some: they wait again
-            still = set(self.running)
-            chunks = {s: n for s, n in chunks.items() if s in still}
-        for seq in admitted:
-            chunks[seq] = gate.chunks[seq]
         self.running.extend(admitted)
+        still = set(self.running)  # the policy may have squashed some: they wait again
+        chunks = {s: n for s, n in gate.chunks.items() if s in still}
+        left = budget - sum(chunks.values())
+        for seq in self.running:
+            if left <= 0:
+                break
+            if not seq.is_prefilled and not is_whole(seq):
+                more = min(seq.prompt_len - seq.num_prefilled - chunks.get(seq, 0), left)
+                if more > 0:
+                    chunks[seq] = chunks.get(seq, 0) + more
+                    left -= more
         if not chunks:
             return None
         seqs = sorted(chunks, key=_adapter_key)

@@ -1,11 +1,17 @@
 """Waiting requests in multi-level queues by weighted size (Chameleon, MICRO'25, sec. 4.3).
 
-A new request gets a weighted request size (server.queue_sizing) and waits in the queue of its
+A new request gets a weighted request size (server.sched.sizing) and waits in the queue of its
 size range. Every `REFRESH_S` seconds or `REFRESH_COUNT` arrivals, the last `WINDOW` arrivals
 are clustered again (K <= 4 queues, midpoint cutoffs) and each queue gets a quota of tokens from
-the M/M/1 bound. A request's charge on its queue's quota is the KV slots it reserves (prompt plus
-max_new_tokens) plus its adapter's device memory in KV slots; it borrows that while it runs.
-Which requests start is the subclass's (server.chameleon_queue).
+the M/M/1 bound, in the unit admission is bounded by:
+- with chunked prefill (the gate has a step budget), tokens of every step: each step, a
+  queue's running requests take its quota by the tokens they compute in it (one per decode, a
+  chunk per prompt being prefilled), and what is left of it is what the queue may admit; the
+  quota is whole again at the next step (`sizing.step_quotas`);
+- without, KV slots held while a request runs: its charge is the KV slots it reserves (prompt
+  plus max_new_tokens) plus its adapter's device memory in KV slots, borrowed until it ends
+  (`sizing.queue_quotas`).
+Which requests start is the subclass's (server.sched.chameleon).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from toppings.server.sched.sizing import (
     OutputPredictor,
     queue_cutoffs,
     queue_quotas,
+    step_quotas,
     weighted_request_size,
 )
 
@@ -117,8 +124,8 @@ class SizeQueues(QueuePolicy):
         )
 
     def _take_fresh(self, gate: Gate, now: float) -> None:
-        if not self.counters["refreshes"]:
-            self.quotas = [gate.total_tokens()]  # one queue until there is enough to cluster
+        if not self.counters["refreshes"]:  # one queue until there is enough to cluster
+            self.quotas = [gate.step_budget() or gate.total_tokens()]
         for seq in self._fresh:
             size = self._sizes[seq] = self._size(seq, gate, now)
             self._arrivals.append(size)
@@ -149,8 +156,12 @@ class SizeQueues(QueuePolicy):
         self.cutoffs = queue_cutoffs([s.wrs for s in sizes])
         served = [(self._queue_of(s.wrs), t, n) for s, t, n in self._served]
         arrivals = [(self._queue_of(s.wrs), s) for s in sizes]
-        self.quotas = queue_quotas(arrivals, served, len(self.cutoffs) + 1, gate.total_tokens(),
-                                   self.slo_s, now)  # fmt: skip
+        num_queues, budget = len(self.cutoffs) + 1, gate.step_budget()
+        if budget is None:
+            self.quotas = queue_quotas(arrivals, served, num_queues, gate.total_tokens(),
+                                       self.slo_s, now)  # fmt: skip
+        else:
+            self.quotas = step_quotas(arrivals, served, num_queues, budget, self.slo_s, now)
         self._requeue(now)
         log.info("queues: cutoffs %s, quotas %s", [round(c, 4) for c in self.cutoffs], self.quotas)
 
@@ -183,12 +194,26 @@ class SizeQueues(QueuePolicy):
             borrowed[self._queue_of(size.wrs)] += size.charge
         return borrowed
 
-    def _entitled(self, borrowed: list[int]) -> list[Sequence]:
-        """Queue heads within their queue's unborrowed quota."""
+    def _step_used(self, gate: Gate) -> list[int]:
+        """The tokens each queue's running requests compute in this step, as planned so far."""
+        used = [0] * len(self._queues)
+        for seq, size in self._running.items():
+            used[self._queue_of(size.wrs)] += gate.planned(seq)
+        return used
+
+    def _quota_left(self, gate: Gate) -> list[int]:
+        """What each queue's quota has left now: of this step's tokens (chunked prefill), or
+        of the KV slots its running requests borrow."""
+        used = self._borrowed() if gate.step_budget() is None else self._step_used(gate)
+        return [quota - u for quota, u in zip(self.quotas, used)]
+
+    def _entitled(self, left: list[int], by_step: bool) -> list[Sequence]:
+        """Queue heads their quota lets start now: any chunk of a step's tokens left, or their
+        whole charge of the KV slots left."""
         return [
             queue[0]
             for q, queue in enumerate(self._queues)
-            if queue and self._sizes[queue[0]].charge <= self.quotas[q] - borrowed[q]
+            if queue and (left[q] > 0 if by_step else self._sizes[queue[0]].charge <= left[q])
         ]
 
     # ---- completions and views ----------------------------------------------------------------

@@ -10,7 +10,8 @@ Pure functions and one small predictor, no engine state, so each formula is test
 - Queues: 1-D K-means for K = 1..4 over recent WRS values; cutoffs at the midpoints between
   consecutive centroids.
 - Quotas: the M/M/1 bound Tok_min >= S * D * (1/SLO + lambda) per queue; what is left of the
-  total is split in proportion to each queue's token demand.
+  total is split in proportion to each queue's token demand. In KV slots held while a request
+  runs (`queue_quotas`), or in tokens of every step (`step_quotas`, chunked prefill).
 """
 
 from __future__ import annotations
@@ -175,8 +176,7 @@ def queue_quotas(
     charge; minimum Tok_min = S * D * (1/SLO + lambda), floor S, demand lambda * D * mean charge.
     """
     span = max(now - min(s.arrived for _, s in arrivals), 1e-3)
-    token_s = sum(t for _, t, _ in served) / max(sum(n for *_, n in served), 1)
-    token_s = token_s if served else DEFAULT_TOKEN_S
+    token_s = seconds_per_token(served)
     minimums, demands, floors = [], [], []
     for q in range(num_queues):
         mine = [s for i, s in arrivals if i == q]
@@ -196,3 +196,46 @@ def queue_quotas(
         demands.append(rate * duration * sum(s.charge for s in mine) / len(mine))
         floors.append(charge)
     return split_quotas(minimums, demands, total, floors)
+
+
+def seconds_per_token(served: list[tuple[int, float, int]]) -> float:
+    """Seconds per output token of recent completions ((queue, seconds, tokens) each); one
+    token per running request per step, so also the seconds a step takes."""
+    if not served:
+        return DEFAULT_TOKEN_S
+    return sum(t for _, t, _ in served) / max(sum(n for *_, n in served), 1)
+
+
+def step_quotas(
+    arrivals: list[tuple[int, object]],
+    served: list[tuple[int, float, int]],
+    num_queues: int,
+    budget: int,
+    slo_s: float,
+    now: float,
+) -> list[int]:
+    """Each queue's quota of the `budget` tokens one step computes, from recent traffic.
+
+    A queue holding Tok tokens of every step finishes a request of W tokens (its prompt plus
+    its predicted output, each computed once) every W / Tok steps: an M/M/1 server at
+    mu = Tok / (W * tau), tau the seconds a step takes (`seconds_per_token`). So the paper's
+    bound holds with S = W and D = tau: Tok_min = W_max * tau * (1/SLO + lambda); its demand is
+    the tokens its arrivals bring per step, lambda * tau * mean W; its floor one token.
+    arrivals: (queue, size) with `arrived`, `in_tokens` and `out_tokens`; served as in
+    `queue_quotas`.
+    """
+    span = max(now - min(s.arrived for _, s in arrivals), 1e-3)
+    step_s = seconds_per_token(served)
+    minimums, demands, floors = [], [], []
+    for q in range(num_queues):
+        work = [s.in_tokens + s.out_tokens for i, s in arrivals if i == q]
+        if not work:
+            minimums.append(0.0)
+            demands.append(0.0)
+            floors.append(0.0)
+            continue
+        rate = len(work) / span
+        minimums.append(min_quota_tokens(max(work), step_s, slo_s, rate))
+        demands.append(rate * step_s * sum(work) / len(work))
+        floors.append(1.0)
+    return split_quotas(minimums, demands, budget, floors)

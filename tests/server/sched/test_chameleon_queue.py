@@ -117,6 +117,9 @@ class FakeGate:
     def release_tokens(self, seq):
         return seq.kv_need
 
+    def step_budget(self):
+        return None  # steps are not budgeted: the quotas are KV slots
+
 
 def policy(cutoffs, quotas, kv=1000, slo_ms=5000.0):
     config = SchedulingConfig(queue_policy="chameleon", ttft_slo_ms=slo_ms)
