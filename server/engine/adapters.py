@@ -84,7 +84,7 @@ class AdapterManager:
         self.mode = LORA_MODES[config.lora_mode]
         self.kernels = select_lora_backend(kernel, device, dtype)
         self.host_stats = HostLoraStats()
-        self.trace = trace
+        self._trace = trace
         self.registry: dict[str, LoraAdapter] = {}
         self.cache = cache
         self.pool = cache.pool
@@ -264,7 +264,7 @@ class AdapterManager:
             tickets=[e.ticket if e else None for e in entries],
             host=self.host,
             host_stats=self.host_stats,
-            trace=self.trace,
+            trace=self._trace,
         )
 
     # ---- views for /stats and /metrics (any thread) -----------------------------------------
