@@ -25,13 +25,21 @@ x16's, server/config.py). A CPU prefills a 7B layer far more slowly than an A100
 PCIe bandwidth (`--link-gbps 200`) would make every load look free. With `--device cuda` the
 loads go over the real link (no throttle) and the result names the GPU.
 
-The device/host split (`--device-cores 0 --cpu-cores 1`): every mode's forward pass runs on
-the device cores, the adapter loader and (cpu-assisted) the CPU workers on the host cores, so
-the modes differ only in how the adapter arrives. Without it all of them share every core.
+The device/host split (`--split on`, the default on a CPU: `--device-cores` 0, `--cpu-cores`
+1 unless given): every mode's forward pass runs on the device cores, the adapter loader and
+(cpu-assisted) the CPU workers on the host cores, so the modes differ only in how the adapter
+arrives. `--split off` runs the same shape, protocol and number of CPU workers (one per host
+core the split would have had) with nothing pinned: all of them share every core. The result
+goes to bench/results/cpu_assisted_split.json or cpu_assisted_nosplit.json (`--out` to change).
 
-    OMP_WAIT_POLICY=PASSIVE python -m bench.bench_cpu_assisted --device-cores 0 --cpu-cores 1 \
-        --out bench/results/cpu_assisted.json
-    OMP_WAIT_POLICY=PASSIVE python -m bench.bench_cpu_assisted --quick   # checks the driver
+`--trace` adds, per mode, the per-layer trace of one cold request (bench/cold_trace.py): when
+each layer group's copy ran and became resident, each layer's time in the prefill and its host
+LoRA calls, and the totals (copy, host LoRA, forward, their overlap, TTFT). `--rounds 0 --trace`
+runs the traces alone.
+
+    OMP_WAIT_POLICY=PASSIVE python -m bench.bench_cpu_assisted --trace
+    OMP_WAIT_POLICY=PASSIVE python -m bench.bench_cpu_assisted --trace --split off
+    OMP_WAIT_POLICY=PASSIVE python -m bench.bench_cpu_assisted --quick --trace  # checks the driver
 
 `--quick` (2 layers, 6 short requests, one round) writes to /tmp unless `--out` is given.
 """
@@ -50,6 +58,7 @@ from pathlib import Path
 
 import torch
 
+from bench.cold_trace import trace_cold_request
 from bench.common import adapter_bytes, link_gbps_for, prefill_ms, write_random_adapter
 from bench.envelope import describe_device, write_result
 from toppings.scripts.make_dummy_model import PRESETS, make_dummy_model
@@ -63,7 +72,8 @@ log = logging.getLogger("bench_cpu_assisted")
 TARGETS = ("q_proj", "k_proj", "v_proj")
 MODES = ("cached", "on-demand", "cpu-assisted")
 QUICK = {"layers": 2, "num_requests": 6, "num_adapters": 6, "prompt_len": 32, "new_tokens": 4,
-         "rounds": 1, "out": "/tmp/cpu_assisted_quick.json"}  # fmt: skip
+         "rounds": 1}  # fmt: skip
+SPLIT_CORES = ((0,), (1,))  # --split on's device and host cores when neither list is given
 
 
 def dummy_model(preset: str, layers: int) -> Path:
@@ -161,17 +171,28 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--load-to-prefill", type=float, default=1.0,
                    help="a rank-64 load's time over one prefill's (sets the link)")  # fmt: skip
     p.add_argument("--link-latency-us", type=float, default=PCIE4_X16_LATENCY_US)
+    p.add_argument("--split", choices=["on", "off"], default=None,
+                   help="the device/host split (default: on for cpu, off for cuda)")  # fmt: skip
     p.add_argument("--device-cores", type=parse_cores, default=(),
-                   help="the device side of the split (every mode's forward pass)")  # fmt: skip
+                   help="the device side of the split (every mode's forward pass; default "
+                   "0)")  # fmt: skip
     p.add_argument("--cpu-cores", type=parse_cores, default=(),
-                   help="the host side: the loader, and cpu-assisted's workers")  # fmt: skip
+                   help="the host side: loader, cpu-assisted workers (default 1)")  # fmt: skip
     p.add_argument("--cpu-workers", type=int, default=None,
-                   help="cpu-assisted's workers (default: one per --cpu-cores or 0)")  # fmt: skip
+                   help="cpu-assisted's workers (default: one per host core of the split, on "
+                   "or off)")  # fmt: skip
     p.add_argument("--cpu-spin-us", type=float, default=0.0, help="see toppings-serve")
-    p.add_argument("--rounds", type=int, default=3, help="runs of every mode, order alternating")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="runs of every mode, order alternating (0: --trace only)")  # fmt: skip
+    p.add_argument("--trace", action="store_true",
+                   help="add each mode's per-layer trace of one cold request")  # fmt: skip
+    p.add_argument("--trace-rank", type=int, default=64,
+                   help="the rank of the traced request's adapter (one of --ranks)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--adapter-dir", default=None, help="default: under /tmp, per model")
-    p.add_argument("--out", default="bench/results/cpu_assisted.json")
+    p.add_argument("--out", default=None,
+                   help="default: bench/results/cpu_assisted_{split,nosplit}.json (--quick: "
+                   "/tmp/cpu_assisted_quick_{split,nosplit}.json)")  # fmt: skip
     p.add_argument("--quick", action="store_true", help="a smoke test of the driver: " +
                    ", ".join(f"{k}={v}" for k, v in QUICK.items()))  # fmt: skip
     args = p.parse_args(argv)
@@ -180,13 +201,101 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         for key, value in QUICK.items():
             if f"--{key.replace('_', '-')}" not in given:
                 setattr(args, key, value)
+    if args.split is None:
+        args.split = "on" if args.device == "cpu" else "off"
+    if args.split == "on" and not args.device_cores and not args.cpu_cores:
+        args.device_cores, args.cpu_cores = SPLIT_CORES
+    elif args.split == "off" and (args.device_cores or args.cpu_cores):
+        p.error("--split off pins nothing: drop --device-cores and --cpu-cores")
     if args.cpu_workers is None:
-        args.cpu_workers = len(args.cpu_cores) if args.device_cores else 0
+        args.cpu_workers = len(args.cpu_cores or SPLIT_CORES[1])
+    if args.rounds < 0 or (args.rounds == 0 and not args.trace):
+        p.error("--rounds must be >= 1, or 0 with --trace")
+    if args.out is None:
+        name = "split" if args.split == "on" else "nosplit"
+        where = "/tmp/cpu_assisted_quick" if args.quick else "bench/results/cpu_assisted"
+        args.out = f"{where}_{name}.json"
     if args.cpu_workers and args.device == "cpu" and os.environ.get("OMP_WAIT_POLICY") != "PASSIVE":
         # toppings-serve sets it when it starts workers; it must be set before torch starts
         # OpenMP, whose busy-waiting threads would otherwise starve the workers.
         p.error("with --cpu-workers on a CPU run it as OMP_WAIT_POLICY=PASSIVE python -m ...")
     return args
+
+
+def run_rounds(args: argparse.Namespace, model_dir: str, config_for, adapters: dict[str, str],
+               prompts: list[list[int]], names: list[str]) -> tuple[dict, dict]:  # fmt: skip
+    """The alternating rounds of every mode at `args.load` of the measured capacity: (metrics:
+    the headline ratios, per round and per mode; what the run measured for the config)."""
+    capacity = measure_capacity(model_dir, config_for("cached"), adapters, prompts, names,
+                                args.new_tokens)  # fmt: skip
+    interval_s = 1.0 / (args.load * capacity)
+    log.info("capacity %.3f req/s: a request every %.0f ms on average", capacity,
+             1000 * interval_s)  # fmt: skip
+    # Modes run one engine at a time; rounds alternate their order (forward, reversed, ...) so
+    # that neither the first place nor a slow spell of the machine falls on one mode only.
+    outs_by_mode: dict[str, list] = {m: [] for m in MODES}
+    per_round: dict[str, list[dict]] = {m: [] for m in MODES}
+    counts = {m: {"host_lora_calls": 0, "adapter_loads": 0} for m in MODES}
+    for round_idx in range(args.rounds):
+        gaps = poisson_gaps(len(prompts), interval_s, seed=args.seed + round_idx)
+        for mode in MODES if round_idx % 2 == 0 else MODES[::-1]:
+            engine = build_engine(model_dir, config_for(mode), adapters)
+            try:
+                run_stream(engine, prompts[:2], [None, None], [0.0, 0.0], 4)  # warm-up
+                outs = run_stream(engine, prompts, names, gaps, args.new_tokens)
+                outs_by_mode[mode] += outs
+                per_round[mode].append(summarise(outs))
+                counts[mode]["host_lora_calls"] += engine.lora.host_stats.calls
+                counts[mode]["adapter_loads"] += engine.lora.cache.counters.loads
+            finally:
+                engine.shutdown()
+            log.info("round %d, %s: %s", round_idx, mode, per_round[mode][-1])
+    results = {m: {**summarise(outs_by_mode[m]), **counts[m]} for m in MODES}
+
+    def ratios(key: str, mode: str, other: str) -> dict:
+        return spread([a[key] / b[key] for a, b in zip(per_round[mode], per_round[other])])
+
+    by_round = {
+        "ttft_mean_cpu_assisted_vs_cached": ratios("ttft_mean_ms", "cpu-assisted", "cached"),
+        "ttft_p50_cpu_assisted_vs_cached": ratios("ttft_p50_ms", "cpu-assisted", "cached"),
+        "ttft_mean_cpu_assisted_vs_on_demand": ratios("ttft_mean_ms", "cpu-assisted", "on-demand"),
+        "ttft_p50_cpu_assisted_vs_on_demand": ratios("ttft_p50_ms", "cpu-assisted", "on-demand"),
+        "tpt_mean_cpu_assisted_vs_cached": ratios("tpt_mean_ms", "cpu-assisted", "cached"),
+    }
+    metrics = {  # headline ratios: the median over rounds of each round's ratio of means
+        "ttft_ratio_cpu_assisted_vs_cached": by_round["ttft_mean_cpu_assisted_vs_cached"]["median"],
+        "ttft_ratio_cpu_assisted_vs_on_demand": by_round["ttft_mean_cpu_assisted_vs_on_demand"][
+            "median"
+        ],
+        "tpt_ratio_cpu_assisted_vs_cached": by_round["tpt_mean_cpu_assisted_vs_cached"]["median"],
+        "ratios_by_round": by_round,
+        "modes": results,
+        "modes_by_round": per_round,
+    }
+    return metrics, {"capacity_rps": capacity, "interval_ms": 1000 * interval_s}
+
+
+TRACE_TOTALS = ("ttft_ms", "prefill_start_ms", "prefill_ms", "load_ms", "load_resident_ms",
+                "host_lora_ms", "host_lora_calls", "forward_less_host_ms",
+                "load_prefill_overlap_ms")  # fmt: skip
+
+
+def run_traces(args: argparse.Namespace, model_dir: str, config_for, adapters: dict[str, str],
+               ranks: list[int], prompt: list[int]) -> dict:  # fmt: skip
+    """Each mode's trace of one cold request for the first adapter of rank `args.trace_rank`:
+    {"trace_summary": mode -> its totals, "trace": mode -> the whole summary, per layer}."""
+    rank_of = {name: ranks[i % len(ranks)] for i, name in enumerate(adapters)}
+    traced = next((n for n, r in rank_of.items() if r == args.trace_rank), None)
+    if traced is None:
+        raise SystemExit(f"--trace-rank {args.trace_rank} is not one of --ranks {ranks}")
+    traces = {}
+    for mode in MODES:
+        traces[mode] = {"rank": args.trace_rank, **trace_cold_request(
+            model_dir, config_for(mode), adapters, traced, prompt, args.new_tokens
+        )}  # fmt: skip
+        log.info("trace, %s: %s", mode, {k: traces[mode][k] for k in TRACE_TOTALS})
+    summary = {m: {k: t[k] for k in TRACE_TOTALS} for m, t in traces.items()}
+    return {"trace_summary": summary, "trace": traces}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -240,42 +349,13 @@ def main(argv: list[str] | None = None) -> None:
             **split,
         )  # fmt: skip
 
-    capacity = measure_capacity(model_dir, config_for("cached"), adapters, prompts, names,
-                                args.new_tokens)  # fmt: skip
-    interval_s = 1.0 / (args.load * capacity)
-    log.info("capacity %.3f req/s: a request every %.0f ms on average", capacity,
-             1000 * interval_s)  # fmt: skip
-    # Modes run one engine at a time; rounds alternate their order (forward, reversed, ...) so
-    # that neither the first place nor a slow spell of the machine falls on one mode only.
-    outs_by_mode: dict[str, list] = {m: [] for m in MODES}
-    per_round: dict[str, list[dict]] = {m: [] for m in MODES}
-    counts = {m: {"host_lora_calls": 0, "adapter_loads": 0} for m in MODES}
-    for round_idx in range(args.rounds):
-        gaps = poisson_gaps(len(prompts), interval_s, seed=args.seed + round_idx)
-        for mode in MODES if round_idx % 2 == 0 else MODES[::-1]:
-            engine = build_engine(model_dir, config_for(mode), adapters)
-            try:
-                run_stream(engine, prompts[:2], [None, None], [0.0, 0.0], 4)  # warm-up
-                outs = run_stream(engine, prompts, names, gaps, args.new_tokens)
-                outs_by_mode[mode] += outs
-                per_round[mode].append(summarise(outs))
-                counts[mode]["host_lora_calls"] += engine.lora.host_stats.calls
-                counts[mode]["adapter_loads"] += engine.lora.cache.counters.loads
-            finally:
-                engine.shutdown()
-            log.info("round %d, %s: %s", round_idx, mode, per_round[mode][-1])
-    results = {m: {**summarise(outs_by_mode[m]), **counts[m]} for m in MODES}
-
-    def ratios(key: str, mode: str, other: str) -> dict:
-        return spread([a[key] / b[key] for a, b in zip(per_round[mode], per_round[other])])
-
-    by_round = {
-        "ttft_mean_cpu_assisted_vs_cached": ratios("ttft_mean_ms", "cpu-assisted", "cached"),
-        "ttft_p50_cpu_assisted_vs_cached": ratios("ttft_p50_ms", "cpu-assisted", "cached"),
-        "ttft_mean_cpu_assisted_vs_on_demand": ratios("ttft_mean_ms", "cpu-assisted", "on-demand"),
-        "ttft_p50_cpu_assisted_vs_on_demand": ratios("ttft_p50_ms", "cpu-assisted", "on-demand"),
-        "tpt_mean_cpu_assisted_vs_cached": ratios("tpt_mean_ms", "cpu-assisted", "cached"),
-    }
+    metrics: dict = {}
+    measured: dict = {}
+    if args.rounds:
+        metrics, measured = run_rounds(args, model_dir, config_for, adapters, prompts, names)
+    traces = {}
+    if args.trace:
+        traces = run_traces(args, model_dir, config_for, adapters, ranks, prompts[0])
     split_text = (
         f"device cores {list(args.device_cores)}, host cores {list(args.cpu_cores)}"
         if args.device_cores
@@ -304,28 +384,13 @@ def main(argv: list[str] | None = None) -> None:
             "link_gbps_used": link_gbps,
             "rank64_adapter_bytes": rank64_bytes,
             "adapter_cache_bytes": budget,
-            "capacity_rps": capacity,
-            "interval_ms": 1000 * interval_s,
+            **measured,
             "prefill_ms": base_prefill_ms,
             "targets": TARGETS,
             "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "default"),
             "load_average_1min_at_end": os.getloadavg()[0],
         },
-        metrics={  # headline ratios: the median over rounds of each round's ratio of means
-            "ttft_ratio_cpu_assisted_vs_cached": by_round["ttft_mean_cpu_assisted_vs_cached"][
-                "median"
-            ],
-            "ttft_ratio_cpu_assisted_vs_on_demand": by_round["ttft_mean_cpu_assisted_vs_on_demand"][
-                "median"
-            ],
-            "tpt_ratio_cpu_assisted_vs_cached": by_round["tpt_mean_cpu_assisted_vs_cached"][
-                "median"
-            ],
-            "link": link,
-            "ratios_by_round": by_round,
-            "modes": results,
-            "modes_by_round": per_round,
-        },
+        metrics={**metrics, "link": link, **traces},
     )
     print(json.dumps(result["metrics"], indent=2))
 

@@ -24,6 +24,7 @@ import torch
 
 from toppings.gpu_lora.adapter_pool import AdapterPool, ResidentAdapter
 from toppings.gpu_lora.peft_format import LoraAdapter
+from toppings.gpu_lora.trace import CopyEvent, TraceRecorder
 
 log = logging.getLogger(__name__)
 
@@ -156,7 +157,8 @@ class PipelinedLoader:
     """Runs loads in FIFO order on one background thread (the copy engine of the device).
 
     link_gbps, link_latency_us: the emulated link of a CPU device (LinkProfile). cores: the
-    cores the thread runs on (the host side of the device/host split); empty: any."""
+    cores the thread runs on (the host side of the device/host split); empty: any. trace: gets
+    one CopyEvent per layer-group copy (None: no tracing)."""
 
     def __init__(
         self,
@@ -165,6 +167,7 @@ class PipelinedLoader:
         link_gbps: float = 0.0,
         link_latency_us: float = 0.0,
         cores: Collection[int] = (),
+        trace: TraceRecorder | None = None,
     ):
         if layers_per_group < 1:
             raise ValueError("layers_per_group must be >= 1")
@@ -176,6 +179,7 @@ class PipelinedLoader:
         else:
             self._copier = ThreadCopy(LinkProfile(link_gbps, link_latency_us))
         self._cores = frozenset(cores)
+        self._trace = trace
         self._queue: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="adapter-loader", daemon=True)
         self._thread.start()
@@ -221,12 +225,20 @@ class PipelinedLoader:
         moved = 0
         for g in range(math.ceil(num_layers / self.layers_per_group)):
             lo, hi = g * self.layers_per_group, min((g + 1) * self.layers_per_group, num_layers)
+            tracing = self._trace is not None
+            started, moved_before = time.perf_counter() if tracing else 0.0, moved
             for layer in range(lo, hi):
                 for module, a, b in per_layer[layer]:
                     moved += (a.numel() + b.numel()) * elem
                     self._copier.copy(self.pool.lora_a[module][layer, rows], a)
                     self._copier.copy(self.pool.lora_b[module][layer, rows], b.t())
+            copied = time.perf_counter() if tracing else 0.0
             self._copier.group_done(ticket, hi, moved)
+            if tracing:
+                self._trace.copy_group(
+                    CopyEvent(adapter.name, lo, hi, moved - moved_before, started, copied,
+                              time.perf_counter())
+                )  # fmt: skip
         self.bytes_loaded += moved
 
 

@@ -23,6 +23,7 @@ from toppings.gpu_lora.adapter_pool import AdapterPool, ResidentAdapter
 from toppings.gpu_lora.host_lora import HostLoraRunner
 from toppings.gpu_lora.kernels import LoraBackend
 from toppings.gpu_lora.loader import LoadTicket
+from toppings.gpu_lora.trace import HostLoraEvent, TraceRecorder
 
 
 @dataclass
@@ -37,7 +38,8 @@ class LoraBatch:
     """Per-module offsets, ranks and scales of the units of a step (runs or tokens), and tickets.
 
     A unit is a run of consecutive requests of one adapter (prefill, and decode with
-    segment_decode), or one request (per-token decode kernels).
+    segment_decode), or one request (per-token decode kernels). trace: gets a LayerMark at
+    each `add` and a HostLoraEvent per host call (None: no tracing).
     """
 
     def __init__(
@@ -50,10 +52,12 @@ class LoraBatch:
         tickets: list[LoadTicket | None] | None = None,
         host: HostLoraRunner | None = None,
         host_stats: HostLoraStats | None = None,
+        trace: TraceRecorder | None = None,
     ):
         self.pool = pool
         self.host_stats = host_stats if host_stats is not None else HostLoraStats()
         self._host = host
+        self._trace = trace
         tickets = tickets or [None] * len(adapters)
         self._segmented = is_prefill or kernels.segment_decode is not None
         if self._segmented:
@@ -84,6 +88,8 @@ class LoraBatch:
 
     def add(self, layer: int, x: torch.Tensor, outputs) -> None:
         """y += LoRA delta for each (module, y) pair; x [T, H_in], y [T, H_out], in place."""
+        if self._trace is not None:
+            self._trace.layer_mark(layer)
         outputs = [(module, y) for module, y in outputs if module in self._args]
         if not outputs:
             return  # no request of this step adapts these projections
@@ -113,8 +119,12 @@ class LoraBatch:
         # copy=False: the worker pool hands back views of its shared outputs, used at once here.
         # A device x goes as it is: the pool copies it down without a blocking synchronize.
         deltas = self._host.run(layer, x.detach(), segments, modules, copy=False)
-        self.host_stats.seconds += time.perf_counter() - begin
+        end = time.perf_counter()
+        self.host_stats.seconds += end - begin
         self.host_stats.calls += 1
+        if self._trace is not None:
+            names = tuple(name for name, _, _ in segments)
+            self._trace.host_lora(HostLoraEvent(layer, modules, names, begin, end))
         # Rows outside the loading units' span are zero: add only the span.
         lo = min(start for _, start, _ in segments)
         hi = max(end for _, _, end in segments)

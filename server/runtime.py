@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 
+from toppings.gpu_lora.trace import TraceRecorder
 from toppings.server.config import EngineConfig
 from toppings.server.engine.engine import Engine
 from toppings.server.model.dtype import choose_dtype
@@ -13,17 +14,22 @@ from toppings.server.model.loader import load_checkpoint
 log = logging.getLogger(__name__)
 
 
-def build_engine(model: str, config: EngineConfig, loras: dict[str, str] | None = None) -> Engine:
+def build_engine(
+    model: str,
+    config: EngineConfig,
+    loras: dict[str, str] | None = None,
+    trace: TraceRecorder | None = None,
+) -> Engine:
     """Load the base model and adapters and start the engine thread (`dtype="auto"` is
-    resolved here, for the model's own shapes: server.model.dtype). Raises CheckpointError for
-    weights files that cannot be loaded, before any model is built."""
+    resolved here, for the model's own shapes: server.model.dtype; `trace`: see Engine). Raises
+    CheckpointError for weights files that cannot be loaded, before any model is built."""
     checkpoint = load_checkpoint(model, config.load_format)
     if config.dtype == "auto":
         mc = checkpoint.config
         dtype, why = choose_dtype(config.device, mc.hidden_size, mc.intermediate_size)
         log.info("dtype auto: %s (%s)", dtype, why)
         config = dataclasses.replace(config, dtype=dtype)
-    engine = Engine(config, checkpoint)
+    engine = Engine(config, checkpoint, trace)
     for name, path in (loras or {}).items():
         engine.add_adapter(name, path)
     engine.start()

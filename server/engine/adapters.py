@@ -31,6 +31,7 @@ from toppings.gpu_lora.peft_format import (
     load_peft_adapter,
 )
 from toppings.gpu_lora.targets import LORA_TARGETS
+from toppings.gpu_lora.trace import TraceRecorder
 from toppings.server.config import LoraConfig
 from toppings.server.lora_modes import LORA_MODES
 from toppings.server.model.config import ModelConfig
@@ -70,17 +71,20 @@ class AdapterManager:
         model_config: ModelConfig,
         dtype: torch.dtype,
         cache: AdapterCache,
+        trace: TraceRecorder | None = None,
     ):
         """config: the LoRA part of the engine's configuration; kernel, device: the runtime's
         LoRA kernel and device; max_step_tokens: the most tokens one step computes (the CPU
         workers size their buffers for it); cache: the device adapter cache (with its pool and
-        loader), built with the node's memory (server/memory/build.py)."""
+        loader), built with the node's memory (server/memory/build.py); trace: each step's
+        host LoRA calls and layers go to it (None: no tracing)."""
         self.config = config
         self.max_step_tokens = max_step_tokens
         self.model_config = model_config
         self.mode = LORA_MODES[config.lora_mode]
         self.kernels = select_lora_backend(kernel, device, dtype)
         self.host_stats = HostLoraStats()
+        self._trace = trace
         self.registry: dict[str, LoraAdapter] = {}
         self.cache = cache
         self.pool = cache.pool
@@ -260,6 +264,7 @@ class AdapterManager:
             tickets=[e.ticket if e else None for e in entries],
             host=self.host,
             host_stats=self.host_stats,
+            trace=self._trace,
         )
 
     # ---- views for /stats and /metrics (any thread) -----------------------------------------

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from toppings.gpu_lora.peft_format import LoraAdapter
+from toppings.gpu_lora.trace import TraceRecorder
 from toppings.gpu_lora.validate import check_finite_delta
 from toppings.server import native
 from toppings.server.config import EngineConfig, LoraConfig, MemoryConfig, SchedulingConfig
@@ -63,7 +64,11 @@ class StepStats:
 class Engine:
     """One model on one device, serving a stream of requests; see the module docstring."""
 
-    def __init__(self, config: EngineConfig, checkpoint: Checkpoint):
+    def __init__(
+        self, config: EngineConfig, checkpoint: Checkpoint, trace: TraceRecorder | None = None
+    ):
+        """trace: records adapter copies, host LoRA calls and forward passes (benchmarks; None:
+        no tracing, the default)."""
         self.config = config
         self.model_name = checkpoint.name
         self.model_config = mc = checkpoint.config
@@ -80,7 +85,7 @@ class Engine:
         # KV pool, prefix tree, host tier and adapter cache: one owner of device memory.
         self.memory = build_memory(
             config.part(MemoryConfig), lora_config, config.device, config.max_batch_size,
-            mc, dtype, self.max_model_len, self._free_device_bytes,
+            mc, dtype, self.max_model_len, self._free_device_bytes, trace,
         )  # fmt: skip
         self.kv = self.memory.kv
         # The only LoRA object the engine uses.
@@ -97,7 +102,7 @@ class Engine:
             max_step_tokens = max(max_step_tokens + config.max_batch_size, step_budget)
         self.lora = AdapterManager(
             lora_config, config.kernel, config.device, max_step_tokens,
-            mc, dtype, self.memory.adapter_cache,
+            mc, dtype, self.memory.adapter_cache, trace,
         )  # fmt: skip
         self._adapters = self.lora.registry  # read-only here: name -> LoraAdapter
         # Stop tokens: config.json's, the tokenizer's, and generation_config.json's list (where
@@ -109,7 +114,7 @@ class Engine:
         self.grammars = GrammarCompiler(self.tokenizer, mc.vocab_size, self.eos_ids)
         self.runner = ModelRunner.create(
             config.use_cuda_graphs, config.max_batch_size, self.model, self.kv, self.lora,
-            self.eos_ids, self.grammars,
+            self.eos_ids, self.grammars, trace,
         )  # fmt: skip
         self.scheduler = Scheduler(
             make_queue_policy(sched_config, config.max_total_tokens), self.memory, self.lora,

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from toppings.gpu_lora.trace import StepEvent, TraceRecorder
 from toppings.server.engine.adapters import AdapterManager
 from toppings.server.engine.grammar import GrammarCompiler
 from toppings.server.engine.sampler import Sampler, logit_rows, score_prompts
@@ -56,12 +57,20 @@ def nonfinite_error(seq: Sequence) -> str:
 
 class ModelRunner:
     """Runs plans on one model, its KV tensors and its adapters (graphs: None where CUDA graphs
-    are off or the device is not CUDA)."""
+    are off or the device is not CUDA; trace: gets a StepEvent per eager forward pass, None: no
+    tracing)."""
 
     def __init__(
-        self, model: LlamaModel, kv: KVPool, lora: AdapterManager, sampler: Sampler, graphs=None
+        self,
+        model: LlamaModel,
+        kv: KVPool,
+        lora: AdapterManager,
+        sampler: Sampler,
+        graphs=None,
+        trace: TraceRecorder | None = None,
     ):
         self.model, self.kv, self.lora, self.sampler, self.graphs = model, kv, lora, sampler, graphs
+        self._trace = trace
 
     @classmethod
     def create(
@@ -73,17 +82,19 @@ class ModelRunner:
         lora: AdapterManager,
         eos_ids: set[int],
         grammars: GrammarCompiler | None = None,
+        trace: TraceRecorder | None = None,
     ) -> ModelRunner:
         """A runner that replays decode graphs when `use_cuda_graphs` (the runtime part's), one
         per batch-size bucket up to `max_batch_size` (the scheduling part's); `grammars`
-        compiles the constraints of structured-output requests."""
+        compiles the constraints of structured-output requests; `trace` records its forward
+        passes."""
         graphs = None
         if use_cuda_graphs:
             from toppings.server.model.cuda_graphs import DecodeGraphs  # the device module
 
             buckets = GraphBuckets.for_engine(max_batch_size, kv.max_len)
             graphs = DecodeGraphs(model, kv, lora.pool, lora.kernels.decode, buckets)
-        return cls(model, kv, lora, Sampler(eos_ids, grammars), graphs)
+        return cls(model, kv, lora, Sampler(eos_ids, grammars), graphs, trace)
 
     def run(self, plan: StepPlan) -> StepOutcome:
         """Compute the plan's step and sample each request's next token; a request whose logits
@@ -196,6 +207,7 @@ class ModelRunner:
         `past` (each request's cached prefix slots, or None); a decode step (one token each)
         reads every request's KV through the pool's decode index. Returns logits [R, V] of
         `rows` (None: each segment's last token, R = B)."""
+        started = time.perf_counter() if self._trace is not None else 0.0
         device = self.model.device
         is_prefill = past is not None
         kv_index = kv_lengths = None
@@ -214,4 +226,7 @@ class ModelRunner:
             lora=self.lora.step([s.cache_entry for s in seqs], seg_starts, is_prefill),
             logit_rows=None if rows is None else torch.tensor(rows, device=device),
         )
-        return self.model.forward(batch, self.kv)
+        logits = self.model.forward(batch, self.kv)
+        if self._trace is not None:
+            self._trace.step(StepEvent(is_prefill, len(ids), started, time.perf_counter()))
+        return logits

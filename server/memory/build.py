@@ -18,6 +18,7 @@ from toppings.gpu_lora.cache import AdapterCache
 from toppings.gpu_lora.eviction import make_policy
 from toppings.gpu_lora.loader import PipelinedLoader
 from toppings.gpu_lora.targets import ModelShapes
+from toppings.gpu_lora.trace import TraceRecorder
 from toppings.server.config import LoraConfig, MemoryConfig
 from toppings.server.memory.adapter_blocks import AdapterBlocks
 from toppings.server.memory.counters import MemoryCounters
@@ -45,13 +46,14 @@ def build_memory(
     dtype: torch.dtype,
     max_model_len: int,
     free_device_bytes: Callable[[], int],
+    trace: TraceRecorder | None = None,
 ) -> MemoryManager:
     """The engine's memory (its KV pool is `.kv`, its adapter cache `.adapter_cache`).
 
     memory: the memory part of the engine's configuration; lora: its LoRA part (the adapter
     cache's budget and eviction, the loader's layer groups, the emulated link); max_batch_size:
     the KV pool's rows; free_device_bytes: () -> free bytes of the device (asked only on CUDA
-    without a budget).
+    without a budget); trace: the adapter loader's copies go to it (None: no tracing).
     """
     cfg, mc = memory, model_config
     layout = make_layout(
@@ -83,7 +85,7 @@ def build_memory(
     blocks = AdapterBlocks(kv, reclaim) if layout.charges_adapters() else None
     pool = AdapterPool(mc, dtype, device)
     loader = PipelinedLoader(
-        pool, lora.layers_per_group, lora.link_gbps, lora.link_latency_us, lora.host_cores
+        pool, lora.layers_per_group, lora.link_gbps, lora.link_latency_us, lora.host_cores, trace
     )
     cache = AdapterCache(
         pool, loader, make_policy(lora.eviction), lora.adapter_cache_bytes or None, memory=blocks
