@@ -13,10 +13,9 @@ GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture
-def engine(tiny_model_dir):
-    eng = build_engine(str(tiny_model_dir), EngineConfig(dtype="float32", max_total_tokens=2048))
-    yield eng
-    eng.shutdown()
+def engine(tiny_engine):
+    with tiny_engine(max_total_tokens=2048) as eng:
+        yield eng
 
 
 def generate(engine, prompt, params=GREEDY, adapter=None):
