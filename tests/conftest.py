@@ -1,6 +1,6 @@
 """Shared fixtures: a tiny random Llama made on the fly, SmolLM2 (converted once, cached),
-engines on them that shut down on exit, the API served by waitress on a loopback port, and
-free TCP ports for the tests that start servers."""
+engines on the tiny Llama that shut down on exit, the API served by waitress on a loopback
+port, and free TCP ports for the tests that start servers."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import os
 import socket
 import threading
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
@@ -55,36 +54,13 @@ def free_port():
     return _free_port
 
 
-@contextlib.contextmanager
-def _running_engine(
-    model_dir: str | Path, adapters: dict[str, str] | None = None, **config_fields
-) -> Iterator[Engine]:
-    """A started engine on model_dir with the given adapters (name -> directory), shut down on
-    exit. config_fields are EngineConfig fields; dtype is float32 unless they name one, so that
-    outputs compare exactly with a float32 reference."""
-    from toppings.server.config import EngineConfig
-    from toppings.server.runtime import build_engine
-
-    config = EngineConfig(**{"dtype": "float32", **config_fields})
-    engine = build_engine(str(model_dir), config, adapters)
-    try:
-        yield engine
-    finally:
-        engine.shutdown()
-
-
-@pytest.fixture(scope="session")
-def running_engine() -> Callable[..., contextlib.AbstractContextManager[Engine]]:
-    """`with running_engine(model_dir, adapters, **config_fields) as engine:` a started engine
-    (float32 unless config_fields name a dtype), shut down when the block ends."""
-    return _running_engine
-
-
 @pytest.fixture(scope="session")
 def tiny_engine(tiny_model_dir) -> Callable[..., contextlib.AbstractContextManager[Engine]]:
     """`with tiny_engine(adapters, **config_fields) as engine:` a started engine on the tiny
     Llama (float32 unless config_fields name a dtype), shut down when the block ends."""
-    return functools.partial(_running_engine, tiny_model_dir)
+    from tests.helpers import running_engine
+
+    return functools.partial(running_engine, tiny_model_dir)
 
 
 @contextlib.contextmanager

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import requests
 
+from toppings.server.config import EngineConfig
+from toppings.server.engine.engine import Engine
 from toppings.server.model.config import ModelConfig
+from toppings.server.runtime import build_engine
 
 
 def wait_healthy(
@@ -29,6 +34,21 @@ def wait_healthy(
             pass
         assert time.monotonic() < deadline, f"{url} never became healthy:\n{tail()}"
         time.sleep(0.2)
+
+
+@contextlib.contextmanager
+def running_engine(
+    model_dir: str | Path, adapters: dict[str, str] | None = None, **config_fields
+) -> Iterator[Engine]:
+    """A started engine on model_dir with the given adapters (name -> directory), shut down on
+    exit. config_fields are EngineConfig fields; dtype is float32 unless they name one, so that
+    outputs compare exactly with a float32 reference."""
+    config = EngineConfig(**{"dtype": "float32", **config_fields})
+    engine = build_engine(str(model_dir), config, adapters)
+    try:
+        yield engine
+    finally:
+        engine.shutdown()
 
 
 def process_alive(pid: int) -> bool:

@@ -9,6 +9,7 @@ import pytest
 import requests
 from pydantic import BaseModel, Field
 
+from tests.helpers import running_engine
 from toppings.server.api.app import create_app
 
 pytestmark = pytest.mark.slow
@@ -23,7 +24,7 @@ class City(BaseModel):
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory, smollm2_dir, running_engine):
+def engine(tmp_path_factory, smollm2_dir):
     from toppings.scripts.make_adapters import make_random_adapter
 
     root = tmp_path_factory.mktemp("structured_http")
