@@ -17,9 +17,15 @@ from toppings.server.runtime import build_engine
 
 
 def wait_healthy(
-    url: str, proc: subprocess.Popen, log: Path | None = None, timeout_s: float = 120.0
+    url: str,
+    proc: subprocess.Popen,
+    log: Path | None = None,
+    timeout_s: float = 120.0,
+    statuses: tuple[int, ...] = (200,),
 ) -> None:
-    """Poll url/health until 200; fail with the log's tail if the process exits or time runs out."""
+    """Poll url/health until it answers one of statuses (a scheduler with no server registered
+    yet answers 503: pass (200, 503) to wait only until it listens); fail with the log's tail if
+    the process exits or time runs out."""
 
     def tail() -> str:
         return log.read_text()[-3000:] if log is not None and log.exists() else ""
@@ -28,7 +34,7 @@ def wait_healthy(
     while True:
         assert proc.poll() is None, f"{url} exited (code {proc.returncode}):\n{tail()}"
         try:
-            if requests.get(url + "/health", timeout=5).status_code == 200:
+            if requests.get(url + "/health", timeout=5).status_code in statuses:
                 return
         except requests.ConnectionError:
             pass

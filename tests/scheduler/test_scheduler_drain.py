@@ -22,6 +22,7 @@ import requests
 from flask import Flask, Response, jsonify
 from werkzeug.serving import make_server
 
+from tests.helpers import wait_healthy
 from tests.scheduler.test_app import URL, FakeServers, stats
 from tests.scheduler.test_app_operator import SSE, Answer, Session
 from toppings.scheduler.app import create_app
@@ -141,15 +142,7 @@ def test_sigterm_drains_the_running_scheduler_and_exits_0(tmp_path, free_port):
     client = {"Authorization": "Bearer client-key"}
     proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if requests.get(url + "/health", timeout=1).status_code in (200, 503):
-                    break
-            except requests.ConnectionError:
-                pass
-            assert time.monotonic() < deadline and proc.poll() is None, "scheduler did not start"
-            time.sleep(0.2)
+        wait_healthy(url, proc, timeout_s=60, statuses=(200, 503))
         refused = requests.post(url + "/admin/servers", json={"url": server_url}, headers=client,
                                 timeout=10)  # fmt: skip
         assert refused.status_code == 401
