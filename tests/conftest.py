@@ -1,6 +1,6 @@
 """Shared fixtures: a tiny random Llama made on the fly, SmolLM2 (converted once, cached),
 engines on the tiny Llama that shut down on exit, the API served by waitress on a loopback
-port, and free TCP ports for the tests that start servers."""
+port, and free or taken TCP ports for the tests that start servers."""
 
 from __future__ import annotations
 
@@ -52,6 +52,15 @@ def _free_port() -> int:
 def free_port():
     """A function returning a TCP port that is free on 127.0.0.1 when called."""
     return _free_port
+
+
+@pytest.fixture
+def taken_port() -> Iterator[int]:
+    """A port on 127.0.0.1 that a socket listens on for the test's length (a port in use)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")
