@@ -67,13 +67,9 @@ def test_logprobs_match_peft(tmp_path_factory, tiny_model_dir, tiny_engine, kern
     # A slow emulated link keeps loads in flight, so cpu-assisted runs layers on the host.
     link = 64 * 128 * 4 * 7 * 2 * 8 / 0.5 / 1e9 if lora_mode != "cached" else 0.0
     with tiny_engine(
-        adapters,
-        kernel=kernel,
-        lora_mode=lora_mode,
-        max_total_tokens=4096,
-        max_batch_size=16,
+        adapters, kernel=kernel, lora_mode=lora_mode, max_total_tokens=4096, max_batch_size=16,
         link_gbps=link,
-    ) as engine:
+    ) as engine:  # fmt: skip
         prompts = mixed_prompts(200, seed=5)
         results = run_scored(engine, prompts, temperature=0.8)  # sampled: not only argmaxes
         if lora_mode == "cpu-assisted":
