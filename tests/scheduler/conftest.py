@@ -17,6 +17,8 @@ from toppings.scheduler.router import Router
 
 
 class SchedulerParts(NamedTuple):
+    """What a test builds the scheduler's app from (`create_app(router, cluster, ...)`)."""
+
     registry: Registry
     cluster: Cluster
     router: Router
@@ -28,8 +30,8 @@ def _scheduler_parts(
 ) -> Iterator[SchedulerParts]:
     """A registry at root/reg.sqlite, a cluster that polls servers through fetch_json (URL ->
     JSON answer), and a router with rank-aware routing on the paper's Figure 6 models that
-    calls servers through session (default: the router's own, without a key); on exit the
-    cluster stops and the registry closes."""
+    calls servers through session (a ServerSession or a stand-in with its `post`; default: the
+    router's own, without a key); on exit the cluster stops and the registry closes."""
     registry = Registry(root / "reg.sqlite")
     cluster = Cluster(registry, fetch_json)
     policy = make_policy("rank-aware", paper_fig6_models(), 50.0)
