@@ -2,19 +2,30 @@
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import requests
 
+from toppings.server.config import EngineConfig
+from toppings.server.engine.engine import Engine
 from toppings.server.model.config import ModelConfig
+from toppings.server.runtime import build_engine
 
 
 def wait_healthy(
-    url: str, proc: subprocess.Popen, log: Path | None = None, timeout_s: float = 120.0
+    url: str,
+    proc: subprocess.Popen,
+    log: Path | None = None,
+    timeout_s: float = 120.0,
+    statuses: tuple[int, ...] = (200,),
 ) -> None:
-    """Poll url/health until 200; fail with the log's tail if the process exits or time runs out."""
+    """Poll url/health until it answers one of statuses (a scheduler with no server registered
+    yet answers 503: pass (200, 503) to wait only until it listens); fail with the log's tail if
+    the process exits or time runs out."""
 
     def tail() -> str:
         return log.read_text()[-3000:] if log is not None and log.exists() else ""
@@ -23,12 +34,27 @@ def wait_healthy(
     while True:
         assert proc.poll() is None, f"{url} exited (code {proc.returncode}):\n{tail()}"
         try:
-            if requests.get(url + "/health", timeout=5).status_code == 200:
+            if requests.get(url + "/health", timeout=5).status_code in statuses:
                 return
         except requests.ConnectionError:
             pass
         assert time.monotonic() < deadline, f"{url} never became healthy:\n{tail()}"
         time.sleep(0.2)
+
+
+@contextlib.contextmanager
+def running_engine(
+    model_dir: str | Path, adapters: dict[str, str] | None = None, **config_fields
+) -> Iterator[Engine]:
+    """A started engine on model_dir with the given adapters (name -> directory), shut down on
+    exit. config_fields are EngineConfig fields; dtype is float32 unless they name one, so that
+    outputs compare exactly with a float32 reference."""
+    config = EngineConfig(**{"dtype": "float32", **config_fields})
+    engine = build_engine(str(model_dir), config, adapters)
+    try:
+        yield engine
+    finally:
+        engine.shutdown()
 
 
 def process_alive(pid: int) -> bool:

@@ -14,12 +14,12 @@ from bench.hf_peft_peer import attach_adapters, load_base
 from bench.roofline import decode_step_bytes
 from bench.throughput_peer import generate
 from bench.throughput_workload import DUMMY_TARGETS, Model, make_workload
+from tests.helpers import running_engine
 from toppings.scripts.make_adapters import base_from_config
 from toppings.scripts.make_dummy_model import make_dummy_model
-from toppings.server.config import EngineConfig, LoadFormat
+from toppings.server.config import LoadFormat
 from toppings.server.model.loader import load_checkpoint
 from toppings.server.requests.request import GenerationRequest, SamplingParams
-from toppings.server.runtime import build_engine
 
 
 def tiny_dummy(tmp_path_factory, tiny_model_dir, tied: bool):
@@ -66,16 +66,12 @@ def test_ours_and_the_peer_generate_the_same_tokens_with_and_without_an_adapter(
     adapters, prompts, names = make_workload(
         args, Model(dummy_dir, LoadFormat.DUMMY), vocab, DUMMY_TARGETS
     )
-    config = EngineConfig(dtype="float32", max_total_tokens=512, load_format="dummy")
-    engine = build_engine(str(dummy_dir), config, adapters)
     params = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
-    try:
+    with running_engine(dummy_dir, adapters, max_total_tokens=512, load_format="dummy") as engine:
         ours = {
             name: engine.submit(GenerationRequest(prompts[0], params, name)).result(60)
             for name in (None, names[0])
         }
-    finally:
-        engine.shutdown()
     peer = attach_adapters(load_base(dummy_dir, torch.float32, LoadFormat.DUMMY), adapters)
     with peer.disable_adapter():
         theirs_base = generate(peer, [prompts[0]], None, 8)[0].tolist()

@@ -11,10 +11,8 @@ import requests
 
 from toppings.scheduler.app import create_app
 from toppings.scheduler.cluster import Cluster
-from toppings.scheduler.paper_models import paper_fig6_models
-from toppings.scheduler.policies import make_policy
 from toppings.scheduler.registry import Registry
-from toppings.scheduler.router import Router, estimate_prompt_tokens
+from toppings.scheduler.router import estimate_prompt_tokens
 
 URL = "http://10.0.0.1:8100"
 
@@ -63,15 +61,11 @@ class FakeServers:
 
 
 @pytest.fixture
-def setup(tmp_path):
-    registry = Registry(tmp_path / "reg.sqlite")
+def setup(tmp_path, scheduler_parts):
     servers = FakeServers()
-    cluster = Cluster(registry, servers)
-    router = Router(registry, cluster, make_policy("rank-aware", paper_fig6_models(), 50.0))
-    app = create_app(router, cluster, {"perf_model_source": "test"})
-    yield app.test_client(), servers, cluster, registry
-    cluster.stop()
-    registry.close()
+    with scheduler_parts(tmp_path, servers) as (registry, cluster, router):
+        app = create_app(router, cluster, {"perf_model_source": "test"})
+        yield app.test_client(), servers, cluster, registry
 
 
 def assert_error(response, status: int, error_type: str | None = None) -> dict:

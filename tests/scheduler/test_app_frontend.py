@@ -15,32 +15,22 @@ from werkzeug.test import EnvironBuilder
 from tests.scheduler.test_app import URL, FakeServers, stats
 from tests.scheduler.test_app_operator import BODY, SSE, Answer, Session
 from toppings.scheduler.app import create_app
-from toppings.scheduler.cluster import Cluster
-from toppings.scheduler.paper_models import paper_fig6_models
-from toppings.scheduler.policies import make_policy
-from toppings.scheduler.registry import Registry
-from toppings.scheduler.router import Router
 
 URL2 = "http://10.0.0.2:8100"
 STREAM = dict(BODY, stream=True)
 
 
 @pytest.fixture
-def setup(tmp_path):
+def setup(tmp_path, scheduler_parts):
     """A scheduler taking one request in flight at most, with two registered stand-in servers."""
-    registry = Registry(tmp_path / "reg.sqlite")
     servers = FakeServers()
-    cluster = Cluster(registry, servers)
-    router = Router(registry, cluster, make_policy("rank-aware", paper_fig6_models(), 50.0))
-    router.session = Session()
-    app = create_app(router, cluster, {"perf_model_source": "test"}, max_in_flight=1)
-    client = app.test_client()
-    for url in (URL, URL2):
-        servers.set(url, stats())
-        assert client.post("/admin/servers", json={"url": url}).status_code == 201
-    yield app, router.session, cluster
-    cluster.stop()
-    registry.close()
+    with scheduler_parts(tmp_path, servers, Session()) as (_, cluster, router):
+        app = create_app(router, cluster, {"perf_model_source": "test"}, max_in_flight=1)
+        client = app.test_client()
+        for url in (URL, URL2):
+            servers.set(url, stats())
+            assert client.post("/admin/servers", json={"url": url}).status_code == 201
+        yield app, router.session, cluster
 
 
 def metrics(client) -> dict[str, float]:

@@ -15,11 +15,6 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.scheduler.test_app import URL, FakeServers, stats
 from toppings.scheduler.app import create_app
-from toppings.scheduler.cluster import Cluster
-from toppings.scheduler.paper_models import paper_fig6_models
-from toppings.scheduler.policies import make_policy
-from toppings.scheduler.registry import Registry
-from toppings.scheduler.router import Router
 
 SSE = b"".join(b"data: " + json.dumps({"t": i}).encode() + b"\n\n" for i in range(3))
 SSE += b"data: [DONE]\n\n"
@@ -66,16 +61,11 @@ class Session:
 
 
 @pytest.fixture
-def setup(tmp_path):
-    registry = Registry(tmp_path / "reg.sqlite")
+def setup(tmp_path, scheduler_parts):
     servers = FakeServers()
-    cluster = Cluster(registry, servers)
-    router = Router(registry, cluster, make_policy("rank-aware", paper_fig6_models(), 50.0))
-    router.session = Session()
-    app = create_app(router, cluster, {"perf_model_source": "test"})
-    yield app.test_client(), servers, router.session
-    cluster.stop()
-    registry.close()
+    with scheduler_parts(tmp_path, servers, Session()) as (_, cluster, router):
+        app = create_app(router, cluster, {"perf_model_source": "test"})
+        yield app.test_client(), servers, router.session
 
 
 def register(client, servers) -> None:

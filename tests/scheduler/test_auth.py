@@ -6,6 +6,7 @@ another); servers are stand-ins as in test_app (`fetch_json`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 
@@ -14,11 +15,6 @@ import pytest
 from tests.scheduler.test_app import URL, FakeServers, assert_error, stats
 from toppings.scheduler.app import create_app
 from toppings.scheduler.auth import AccessKeys, is_loopback, is_loopback_host
-from toppings.scheduler.cluster import Cluster
-from toppings.scheduler.paper_models import paper_fig6_models
-from toppings.scheduler.policies import make_policy
-from toppings.scheduler.registry import Registry
-from toppings.scheduler.router import Router
 
 CLIENT_KEY = "client-key"
 ADMIN_KEY = "admin-key"
@@ -30,30 +26,30 @@ def bearer(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
 
 
-def make_client(tmp_path, keys: AccessKeys):
-    registry = Registry(tmp_path / "reg.sqlite")
+def ready_servers() -> FakeServers:
+    """Stand-ins with one ready server at URL."""
     servers = FakeServers()
     servers.set(URL, stats())
-    cluster = Cluster(registry, servers)
-    router = Router(registry, cluster, make_policy("rank-aware", paper_fig6_models(), 50.0))
-    app = create_app(router, cluster, {"perf_model_source": "test"}, keys=keys)
-    return app.test_client(), cluster, registry
+    return servers
+
+
+@contextlib.contextmanager
+def make_client(scheduler_parts, root, keys: AccessKeys):
+    """A test client of a scheduler with these keys over ready_servers()."""
+    with scheduler_parts(root, ready_servers()) as (_, cluster, router):
+        yield create_app(router, cluster, {"perf_model_source": "test"}, keys=keys).test_client()
 
 
 @pytest.fixture
-def keyed(tmp_path):
-    client, cluster, registry = make_client(tmp_path, AccessKeys(CLIENT_KEY, ADMIN_KEY))
-    yield client
-    cluster.stop()
-    registry.close()
+def keyed(tmp_path, scheduler_parts):
+    with make_client(scheduler_parts, tmp_path, AccessKeys(CLIENT_KEY, ADMIN_KEY)) as client:
+        yield client
 
 
 @pytest.fixture
-def no_admin_key(tmp_path):
-    client, cluster, registry = make_client(tmp_path, AccessKeys(CLIENT_KEY))
-    yield client
-    cluster.stop()
-    registry.close()
+def no_admin_key(tmp_path, scheduler_parts):
+    with make_client(scheduler_parts, tmp_path, AccessKeys(CLIENT_KEY)) as client:
+        yield client
 
 
 @pytest.mark.parametrize(
@@ -120,17 +116,15 @@ def test_without_an_admin_key_admin_answers_loopback_only(no_admin_key):
     assert ok.status_code == 200
 
 
-def test_without_any_key_the_request_paths_are_open_and_admin_is_loopback(tmp_path):
-    client, cluster, registry = make_client(tmp_path, AccessKeys())
-    try:
+def test_without_any_key_the_request_paths_are_open_and_admin_is_loopback(
+    tmp_path, scheduler_parts
+):
+    with make_client(scheduler_parts, tmp_path, AccessKeys()) as client:
         assert client.get("/stats", environ_base=ELSEWHERE).status_code == 200
         assert client.post("/admin/servers", json={"url": URL}).status_code == 201
         refused = client.delete("/admin/servers", json={"url": URL}, environ_base=ELSEWHERE)
         assert_error(refused, 403, "permission_denied")
         assert client.get("/health").status_code == 200  # the server is still there
-    finally:
-        cluster.stop()
-        registry.close()
 
 
 @pytest.mark.parametrize(
@@ -149,36 +143,30 @@ def test_loopback_hosts():
     assert not is_loopback_host("0.0.0.0") and not is_loopback_host("10.0.0.1")
 
 
-def test_the_launcher_registers_with_the_admin_key(tmp_path, monkeypatch):
+def test_the_launcher_registers_with_the_admin_key(tmp_path, monkeypatch, scheduler_parts):
     from werkzeug.serving import make_server
 
     from toppings.scripts.launch.node import scheduler_admin_key, scheduler_call
 
-    registry = Registry(tmp_path / "reg.sqlite")
-    servers = FakeServers()
-    servers.set(URL, stats())
-    cluster = Cluster(registry, servers)
-    router = Router(registry, cluster, make_policy("rank-aware", paper_fig6_models(), 50.0))
-    app = create_app(router, cluster, {}, keys=AccessKeys(admin_api_key=ADMIN_KEY))
-    http = make_server("127.0.0.1", 0, app, threaded=True)
-    thread = threading.Thread(target=http.serve_forever, daemon=True)
-    thread.start()
-    scheduler = f"http://127.0.0.1:{http.server_port}"
-    try:
-        monkeypatch.delenv("TOPPINGS_ADMIN_API_KEY", raising=False)
-        assert scheduler_admin_key([]) is None
-        assert not scheduler_call("post", scheduler, URL)  # 401 without the key
-        monkeypatch.setenv("TOPPINGS_ADMIN_API_KEY", ADMIN_KEY)
-        assert scheduler_admin_key(["--policy=random"]) == ADMIN_KEY
-        assert scheduler_admin_key(["--admin-api-key=k2"]) == "k2"
-        assert scheduler_admin_key(["--admin-api-key", "k3"]) == "k3"
-        assert scheduler_call("post", scheduler, URL, scheduler_admin_key([]))
-        assert cluster.urls() == [URL]
-        assert scheduler_call("delete", scheduler, URL, ADMIN_KEY) and cluster.urls() == []
-    finally:
-        http.shutdown()
-        cluster.stop()
-        registry.close()
+    with scheduler_parts(tmp_path, ready_servers()) as (_, cluster, router):
+        app = create_app(router, cluster, {}, keys=AccessKeys(admin_api_key=ADMIN_KEY))
+        http = make_server("127.0.0.1", 0, app, threaded=True)
+        thread = threading.Thread(target=http.serve_forever, daemon=True)
+        thread.start()
+        scheduler = f"http://127.0.0.1:{http.server_port}"
+        try:
+            monkeypatch.delenv("TOPPINGS_ADMIN_API_KEY", raising=False)
+            assert scheduler_admin_key([]) is None
+            assert not scheduler_call("post", scheduler, URL)  # 401 without the key
+            monkeypatch.setenv("TOPPINGS_ADMIN_API_KEY", ADMIN_KEY)
+            assert scheduler_admin_key(["--policy=random"]) == ADMIN_KEY
+            assert scheduler_admin_key(["--admin-api-key=k2"]) == "k2"
+            assert scheduler_admin_key(["--admin-api-key", "k3"]) == "k3"
+            assert scheduler_call("post", scheduler, URL, scheduler_admin_key([]))
+            assert cluster.urls() == [URL]
+            assert scheduler_call("delete", scheduler, URL, ADMIN_KEY) and cluster.urls() == []
+        finally:
+            http.shutdown()
 
 
 def test_one_warning_off_loopback_without_an_admin_key(caplog):

@@ -17,14 +17,7 @@ import pytest
 import requests
 
 from toppings.scheduler.app import create_app as create_scheduler
-from toppings.scheduler.cluster import Cluster
-from toppings.scheduler.paper_models import paper_fig6_models
-from toppings.scheduler.policies import make_policy
-from toppings.scheduler.registry import Registry
-from toppings.scheduler.router import Router
 from toppings.server.api.app import create_app as create_server
-from toppings.server.config import EngineConfig
-from toppings.server.runtime import build_engine
 
 URL = "http://server.test:8100"
 SCHEDULER_DIR = Path(__file__).resolve().parents[2] / "scheduler"
@@ -46,24 +39,21 @@ class FlaskSession:
 
 
 @pytest.fixture(scope="module")
-def clients(tmp_path_factory, tiny_model_dir):
+def clients(tmp_path_factory, tiny_model_dir, tiny_engine, scheduler_parts):
     from toppings.scripts.make_adapters import make_random_adapter
 
     root = tmp_path_factory.mktemp("contract")
     lora = make_random_adapter(root / "a8", tiny_model_dir, rank=8, seed=0)
-    config = EngineConfig(dtype="float32", max_total_tokens=2048)
-    engine = build_engine(str(tiny_model_dir), config, {"a8": str(lora)})
-    server = create_server(engine).test_client()
-    registry = Registry(root / "reg.sqlite")
-    cluster = Cluster(registry, lambda url: server.get(urlsplit(url).path).get_json())
-    router = Router(registry, cluster, make_policy("rank-aware", paper_fig6_models(), 50.0))
-    router.session = FlaskSession(server)
-    scheduler = create_scheduler(router, cluster, {}).test_client()
-    assert scheduler.post("/admin/servers", json={"url": URL}).status_code == 201
-    yield scheduler, server
-    cluster.stop()
-    registry.close()
-    engine.shutdown()
+    with tiny_engine({"a8": str(lora)}, max_total_tokens=2048) as engine:
+        server = create_server(engine).test_client()
+
+        def fetch_json(url: str) -> dict:
+            return server.get(urlsplit(url).path).get_json()
+
+        with scheduler_parts(root, fetch_json, FlaskSession(server)) as (_, cluster, router):
+            scheduler = create_scheduler(router, cluster, {}).test_client()
+            assert scheduler.post("/admin/servers", json={"url": URL}).status_code == 201
+            yield scheduler, server
 
 
 CHAT = [{"role": "user", "content": "hi"}]

@@ -11,11 +11,6 @@ import time
 import pytest
 
 from toppings.scheduler.app import create_app
-from toppings.scheduler.cluster import Cluster
-from toppings.scheduler.paper_models import paper_fig6_models
-from toppings.scheduler.policies import make_policy
-from toppings.scheduler.registry import Registry
-from toppings.scheduler.router import Router
 from toppings.server.api.response import models_response
 
 URL = "http://10.0.0.1:8100"
@@ -33,15 +28,11 @@ def server_answers() -> dict[str, dict]:
 
 
 @pytest.fixture
-def client(tmp_path):
-    registry = Registry(tmp_path / "reg.sqlite")
-    cluster = Cluster(registry, server_answers().__getitem__)
-    router = Router(registry, cluster, make_policy("rank-aware", paper_fig6_models(), 50.0))
-    client = create_app(router, cluster, {}).test_client()
-    assert client.post("/admin/servers", json={"url": URL}).status_code == 201
-    yield client
-    cluster.stop()
-    registry.close()
+def client(tmp_path, scheduler_parts):
+    with scheduler_parts(tmp_path, server_answers().__getitem__) as (_, cluster, router):
+        client = create_app(router, cluster, {}).test_client()
+        assert client.post("/admin/servers", json={"url": URL}).status_code == 201
+        yield client
 
 
 def test_cards_have_the_servers_fields(client):

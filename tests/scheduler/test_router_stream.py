@@ -6,11 +6,7 @@ import json
 
 import pytest
 
-from toppings.scheduler.cluster import Cluster
-from toppings.scheduler.paper_models import paper_fig6_models
-from toppings.scheduler.policies import make_policy
-from toppings.scheduler.registry import Registry
-from toppings.scheduler.router import RESP_LEN_EMA, Router
+from toppings.scheduler.router import RESP_LEN_EMA
 
 
 class StreamedAnswer:
@@ -37,11 +33,9 @@ def sse_body(num_tokens: int, done: bool = True) -> bytes:
 
 
 @pytest.fixture
-def router(tmp_path):
-    registry = Registry(tmp_path / "reg.sqlite")
-    cluster = Cluster(registry, lambda url: {})
-    yield Router(registry, cluster, make_policy("rank-aware", paper_fig6_models(), 50.0))
-    registry.close()
+def router(tmp_path, scheduler_parts):
+    with scheduler_parts(tmp_path, lambda url: {}) as parts:
+        yield parts.router
 
 
 @pytest.mark.parametrize("piece", [1, 5, 7, 4096])  # markers split at every possible place

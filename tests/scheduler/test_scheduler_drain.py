@@ -22,15 +22,11 @@ import requests
 from flask import Flask, Response, jsonify
 from werkzeug.serving import make_server
 
+from tests.helpers import wait_healthy
 from tests.scheduler.test_app import URL, FakeServers, stats
 from tests.scheduler.test_app_operator import SSE, Answer, Session
 from toppings.scheduler.app import create_app
-from toppings.scheduler.cluster import Cluster
 from toppings.scheduler.drain import in_flight_ended
-from toppings.scheduler.paper_models import paper_fig6_models
-from toppings.scheduler.policies import make_policy
-from toppings.scheduler.registry import Registry
-from toppings.scheduler.router import Router
 from toppings.server.http.drain import Drainer
 
 BODY = {"model": "sql", "prompt": "hello", "max_tokens": 4}
@@ -38,20 +34,15 @@ STREAM = dict(BODY, stream=True)
 
 
 @pytest.fixture
-def setup(tmp_path):
+def setup(tmp_path, scheduler_parts):
     """(app, stand-in session, drain flag) of a scheduler with one registered stand-in."""
-    registry = Registry(tmp_path / "reg.sqlite")
     servers = FakeServers()
     servers.set(URL, stats())
-    cluster = Cluster(registry, servers)
-    router = Router(registry, cluster, make_policy("rank-aware", paper_fig6_models(), 50.0))
-    router.session = Session()
-    draining = threading.Event()
-    app = create_app(router, cluster, {"perf_model_source": "test"}, draining=draining)
-    assert app.test_client().post("/admin/servers", json={"url": URL}).status_code == 201
-    yield app, router.session, draining
-    cluster.stop()
-    registry.close()
+    with scheduler_parts(tmp_path, servers, Session()) as (_, cluster, router):
+        draining = threading.Event()
+        app = create_app(router, cluster, {"perf_model_source": "test"}, draining=draining)
+        assert app.test_client().post("/admin/servers", json={"url": URL}).status_code == 201
+        yield app, router.session, draining
 
 
 def test_a_stream_in_flight_completes_and_new_requests_get_503(setup):
@@ -151,15 +142,7 @@ def test_sigterm_drains_the_running_scheduler_and_exits_0(tmp_path, free_port):
     client = {"Authorization": "Bearer client-key"}
     proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if requests.get(url + "/health", timeout=1).status_code in (200, 503):
-                    break
-            except requests.ConnectionError:
-                pass
-            assert time.monotonic() < deadline and proc.poll() is None, "scheduler did not start"
-            time.sleep(0.2)
+        wait_healthy(url, proc, timeout_s=60, statuses=(200, 503))
         refused = requests.post(url + "/admin/servers", json={"url": server_url}, headers=client,
                                 timeout=10)  # fmt: skip
         assert refused.status_code == 401

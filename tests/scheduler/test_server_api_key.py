@@ -18,6 +18,8 @@ import requests
 from flask import Flask, jsonify, request
 from werkzeug.serving import make_server
 
+from tests.helpers import wait_healthy
+
 KEY = "s3cret-key"
 
 
@@ -72,16 +74,8 @@ def test_scheduler_sends_the_server_key(stand_in, tmp_path, with_key, free_port)
     proc = subprocess.Popen(cmd, env=env, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                # 503 "no server ready yet" until a server is registered: it is up.
-                if requests.get(url + "/health", timeout=1).status_code in (200, 503):
-                    break
-            except requests.ConnectionError:
-                pass
-            assert time.monotonic() < deadline and proc.poll() is None, "scheduler did not start"
-            time.sleep(0.2)
+        # 503 "no server ready yet" until a server is registered: it is up.
+        wait_healthy(url, proc, timeout_s=60, statuses=(200, 503))
         added = requests.post(url + "/admin/servers", json={"url": server_url}, timeout=10)
         if not with_key:  # the server refuses the scheduler: it cannot be registered
             assert added.status_code >= 400 and "error" in added.json()

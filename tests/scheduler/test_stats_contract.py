@@ -16,9 +16,8 @@ from toppings.server.requests.stats_schema import RequestView, ServerStats
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory, tiny_model_dir):
-    eng = start_engine(tmp_path_factory.mktemp("contract_adapters"), tiny_model_dir)
-    yield eng
-    eng.shutdown()
+    with start_engine(tmp_path_factory.mktemp("contract_adapters"), tiny_model_dir) as eng:
+        yield eng
 
 
 def test_a_busy_servers_stats_parse_on_the_scheduler_side(engine, monkeypatch):

@@ -4,20 +4,10 @@ first time, and suggests greedy calls."""
 from __future__ import annotations
 
 import json
-import socket
 
 import pytest
 
 from toppings.scripts import demo
-
-
-@pytest.fixture
-def taken_port():
-    """A port another process listens on for the test's length."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        s.listen()
-        yield s.getsockname()[1]
 
 
 @pytest.mark.parametrize("flag", ["--port", "--server-port"])

@@ -6,11 +6,9 @@ from __future__ import annotations
 import json
 import random
 import statistics
-import threading
 
 import numpy as np
 import pytest
-import waitress
 
 from toppings.scripts.loadgen import cli as loadgen
 from toppings.scripts.loadgen.client import Journal, request_config
@@ -178,33 +176,28 @@ def test_journal_resumes_and_refuses_another_trace(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory, tiny_model_dir):
+def served(tmp_path_factory, tiny_model_dir, tiny_engine, serve_app):
     """(url, received): a tiny server whose engine records every request it is given."""
     from toppings.scripts.make_adapters import make_random_adapter
     from toppings.server.api.app import create_app
-    from toppings.server.config import EngineConfig
-    from toppings.server.runtime import build_engine
 
     root = tmp_path_factory.mktemp("loadgen_adapters")
     loras = {
         n: str(make_random_adapter(root / n, tiny_model_dir, rank=r, seed=i))
         for i, (n, r) in enumerate(ADAPTERS.items())
     }
-    engine = build_engine(str(tiny_model_dir), EngineConfig(dtype="float32"), loras)
     received: list[tuple] = []
-    submit_all = engine.submit_all
+    with tiny_engine(loras) as engine:
+        submit_all = engine.submit_all
 
-    def recording_submit(reqs):
-        for req in reqs:
-            received.append((req.adapter, tuple(req.prompt_ids), req.params.max_new_tokens))
-        return submit_all(reqs)
+        def recording_submit(reqs):
+            for req in reqs:
+                received.append((req.adapter, tuple(req.prompt_ids), req.params.max_new_tokens))
+            return submit_all(reqs)
 
-    engine.submit_all = recording_submit
-    server = waitress.create_server(create_app(engine), host="127.0.0.1", port=0, threads=8)
-    threading.Thread(target=server.run, daemon=True).start()
-    yield f"http://127.0.0.1:{server.effective_port}", received
-    server.close()
-    engine.shutdown()
+        engine.submit_all = recording_submit
+        with serve_app(create_app(engine), threads=8) as url:
+            yield url, received
 
 
 def read_journal(path) -> list[dict]:

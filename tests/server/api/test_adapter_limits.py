@@ -47,12 +47,12 @@ def root(tmp_path_factory, model):
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_model_dir, root, budget):
-    config = EngineConfig(dtype="float32", max_total_tokens=2048, lora_mode="on-demand",
-                          adapter_cache_bytes=budget)  # fmt: skip
-    eng = build_engine(str(tiny_model_dir), config, {"small": str(root / "small")})
-    yield eng
-    eng.shutdown()
+def engine(tiny_engine, root, budget):
+    loras = {"small": str(root / "small")}
+    with tiny_engine(
+        loras, max_total_tokens=2048, lora_mode="on-demand", adapter_cache_bytes=budget
+    ) as eng:
+        yield eng
 
 
 @pytest.fixture(scope="module")

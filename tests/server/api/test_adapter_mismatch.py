@@ -7,8 +7,6 @@ from __future__ import annotations
 import pytest
 
 from toppings.server.api.app import ApiOptions, create_app
-from toppings.server.config import EngineConfig
-from toppings.server.runtime import build_engine
 
 
 @pytest.fixture(scope="module")
@@ -25,11 +23,9 @@ def roots(tmp_path_factory, tiny_model_dir):
 
 
 @pytest.fixture(scope="module")
-def client(roots, tiny_model_dir):
-    config = EngineConfig(dtype="float32", max_total_tokens=1024)
-    engine = build_engine(str(tiny_model_dir), config, {"fits": str(roots / "fits")})
-    yield create_app(engine, ApiOptions(lora_roots=(str(roots),))).test_client()
-    engine.shutdown()
+def client(roots, tiny_engine):
+    with tiny_engine({"fits": str(roots / "fits")}, max_total_tokens=1024) as engine:
+        yield create_app(engine, ApiOptions(lora_roots=(str(roots),))).test_client()
 
 
 def test_an_adapter_of_another_hidden_size_gets_400_naming_the_mismatch(client, roots):

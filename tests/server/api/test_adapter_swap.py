@@ -10,8 +10,6 @@ import pytest
 
 from toppings.server.api.app import ApiOptions, create_app
 from toppings.server.api.lifecycle import AdapterPaths
-from toppings.server.config import EngineConfig
-from toppings.server.runtime import build_engine
 
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 
@@ -32,10 +30,9 @@ def dirs(tmp_path_factory, tiny_model_dir):
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_model_dir):
-    eng = build_engine(str(tiny_model_dir), EngineConfig(dtype="float32", max_total_tokens=512), {})
-    yield eng
-    eng.shutdown()
+def engine(tiny_engine):
+    with tiny_engine(max_total_tokens=512) as eng:
+        yield eng
 
 
 @pytest.mark.parametrize("name", [CONFIG, WEIGHTS])

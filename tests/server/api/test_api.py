@@ -2,35 +2,36 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+from pathlib import Path
 
 import pytest
 
-from tests.helpers import spy_on_submissions
+from tests.helpers import running_engine, spy_on_submissions
 from toppings.server.api.app import create_app
-from toppings.server.config import EngineConfig
+from toppings.server.engine.engine import Engine
 from toppings.server.requests.request import GenerationRequest, SamplingParams
-from toppings.server.runtime import build_engine
 
 ADAPTERS = {"a8": (8, ("q_proj", "v_proj")), "a16": (16, ("q_proj", "o_proj", "down_proj"))}
 
 
-def start_engine(root, base_dir):
-    """A started engine on the tiny Llama with the two ADAPTERS, made under `root`."""
+def start_engine(root: Path, base_dir: Path) -> contextlib.AbstractContextManager[Engine]:
+    """A started engine on the tiny Llama with the two ADAPTERS, made under `root`; it shuts
+    down when the `with` block ends."""
     from toppings.scripts.make_adapters import make_random_adapter
 
     loras = {
         name: str(make_random_adapter(root / name, base_dir, rank=r, target_modules=t, seed=i))
         for i, (name, (r, t)) in enumerate(ADAPTERS.items())
     }
-    return build_engine(str(base_dir), EngineConfig(dtype="float32", max_total_tokens=4096), loras)
+    return running_engine(base_dir, loras, max_total_tokens=4096)
 
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory, tiny_model_dir):
-    eng = start_engine(tmp_path_factory.mktemp("api_adapters"), tiny_model_dir)
-    yield eng
-    eng.shutdown()
+    with start_engine(tmp_path_factory.mktemp("api_adapters"), tiny_model_dir) as eng:
+        yield eng
 
 
 @pytest.fixture(scope="module")

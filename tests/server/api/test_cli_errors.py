@@ -3,12 +3,9 @@ traceback. Each command runs in a subprocess, as a user would start it."""
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 from pathlib import Path
-
-import pytest
 
 COMMANDS = {
     "toppings-serve": "toppings.server.cli",
@@ -31,15 +28,6 @@ def assert_refused(result: subprocess.CompletedProcess, command: str, *words: st
     assert len(errors) == 1, result.stderr
     for word in words:
         assert word in errors[0], errors[0]
-
-
-@pytest.fixture
-def taken_port():
-    """A port some other process listens on."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        s.listen()
-        yield s.getsockname()[1]
 
 
 def test_serve_wrong_lora_path(tiny_model_dir, tmp_path):

@@ -12,11 +12,10 @@ import time
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.helpers import running_engine
 from toppings.server.api.app import ApiOptions, create_app
 from toppings.server.api.lifecycle import AdapterPaths, discover
-from toppings.server.config import EngineConfig
 from toppings.server.requests.request import GenerationRequest, RequestError, SamplingParams
-from toppings.server.runtime import build_engine
 
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -52,10 +51,9 @@ def dirs(tmp_path_factory, tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def engine(dirs):
-    config = EngineConfig(dtype="float32", max_total_tokens=2048)
-    eng = build_engine(str(dirs["base"]), config, {"r8": str(dirs["root"] / "r8")})
-    yield eng
-    eng.shutdown()
+    loras = {"r8": str(dirs["root"] / "r8")}
+    with running_engine(dirs["base"], loras, max_total_tokens=2048) as eng:
+        yield eng
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,6 @@ By hand, against a running `toppings-serve --model DIR --lora sql=ADAPTER --dtyp
 from __future__ import annotations
 
 import os
-import threading
 from pathlib import Path
 
 import pytest
@@ -28,24 +27,19 @@ lm_eval = pytest.importorskip("lm_eval")
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory, tiny_model_dir):
-    """A waitress server on the tiny model (float32) with adapter `sql`; yields (url, paths)."""
-    import waitress
-
+def served(tmp_path_factory, tiny_model_dir, tiny_engine, serve_app):
+    """A waitress server on the tiny model (float32) with adapter `sql`; yields (url, base model
+    name, adapter directory)."""
     from toppings.scripts.make_adapters import make_random_adapter
     from toppings.server.api.app import create_app
-    from toppings.server.config import EngineConfig
-    from toppings.server.runtime import build_engine
 
     root = tmp_path_factory.mktemp("lm_eval_adapter")
     adapter = make_random_adapter(root / "sql", tiny_model_dir, rank=16, seed=11)
-    config = EngineConfig(dtype="float32", max_total_tokens=8192, max_batch_size=32)
-    engine = build_engine(str(tiny_model_dir), config, {"sql": str(adapter)})
-    server = waitress.create_server(create_app(engine), host="127.0.0.1", port=0, threads=4)
-    threading.Thread(target=server.run, daemon=True).start()
-    yield f"http://127.0.0.1:{server.effective_port}", engine.model_name, Path(adapter)
-    server.close()
-    engine.shutdown()
+    with (
+        tiny_engine({"sql": str(adapter)}, max_total_tokens=8192, max_batch_size=32) as engine,
+        serve_app(create_app(engine)) as url,
+    ):
+        yield url, engine.model_name, Path(adapter)
 
 
 def evaluate(model: str, model_args: str, batch_size: int) -> tuple[float, list[list]]:

@@ -11,8 +11,6 @@ from safetensors.torch import load_file, save_file
 
 from toppings.scripts.make_adapters import make_random_adapter
 from toppings.server.api.app import ApiOptions, create_app
-from toppings.server.config import EngineConfig
-from toppings.server.runtime import build_engine
 
 WEIGHTS = "adapter_model.safetensors"
 
@@ -32,12 +30,10 @@ def root(tiny_model_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_model_dir, root):
-    config = EngineConfig(dtype="float32", max_total_tokens=2048, lora_mode="cached")
+def engine(tiny_engine, root):
     loras = {name: str(root / name) for name in ("good", "bad")}
-    eng = build_engine(str(tiny_model_dir), config, loras)
-    yield eng
-    eng.shutdown()
+    with tiny_engine(loras, max_total_tokens=2048, lora_mode="cached") as eng:
+        yield eng
 
 
 @pytest.fixture(scope="module")

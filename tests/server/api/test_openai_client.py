@@ -10,26 +10,22 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import openai
 import pytest
 import requests
-import waitress
 
 from tests.helpers import spy_on_submissions
 from toppings.server.api.app import create_app
-from toppings.server.config import EngineConfig
 from toppings.server.requests.request import RequestOutput
-from toppings.server.runtime import build_engine
 
 REPO = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory, tiny_model_dir):
+def engine(tmp_path_factory, tiny_model_dir, tiny_engine):
     from toppings.scripts.make_adapters import make_random_adapter
 
     root = tmp_path_factory.mktemp("client_adapters")
@@ -40,27 +36,19 @@ def engine(tmp_path_factory, tiny_model_dir):
             )
         )
     }
-    eng = build_engine(
-        str(tiny_model_dir), EngineConfig(dtype="float32", max_total_tokens=4096), loras
-    )
-    yield eng
-    eng.shutdown()
+    with tiny_engine(loras, max_total_tokens=4096) as eng:
+        yield eng
 
 
 @pytest.fixture(scope="module")
-def base_url(engine):
-    server = waitress.create_server(
-        create_app(engine), host="127.0.0.1", port=0, threads=4, channel_request_lookahead=1
-    )
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.effective_port}"
-    server.close()
+def base_url(engine, serve_app):
+    with serve_app(create_app(engine), channel_request_lookahead=1) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
-def client(base_url):
-    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="x", max_retries=0, timeout=60)
+def client(base_url, openai_client):
+    return openai_client(base_url, 60)
 
 
 def test_models(client, engine):

@@ -4,47 +4,37 @@ against a real waitress server (tiny random Llama, one adapter)."""
 from __future__ import annotations
 
 import math
-import threading
 import time
 
 import openai
 import pytest
 import requests
-import waitress
 
 from toppings.server.api.app import create_app
-from toppings.server.config import EngineConfig
-from toppings.server.runtime import build_engine
 
 GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
 CHAT = [{"role": "user", "content": "Say hi"}]
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory, tiny_model_dir):
+def engine(tmp_path_factory, tiny_model_dir, tiny_engine):
     from toppings.scripts.make_adapters import make_random_adapter
 
     root = tmp_path_factory.mktemp("params_adapters")
     lora = make_random_adapter(root / "sql", tiny_model_dir, rank=8, seed=3)
-    config = EngineConfig(dtype="float32", max_total_tokens=8192, max_batch_size=64)
-    eng = build_engine(str(tiny_model_dir), config, {"sql": str(lora)})
-    yield eng
-    eng.shutdown()
+    with tiny_engine({"sql": str(lora)}, max_total_tokens=8192, max_batch_size=64) as eng:
+        yield eng
 
 
 @pytest.fixture(scope="module")
-def base_url(engine):
-    app = create_app(engine)
-    server = waitress.create_server(app, host="127.0.0.1", port=0, threads=4)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.effective_port}"
-    server.close()
+def base_url(engine, serve_app):
+    with serve_app(create_app(engine)) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
-def client(base_url):
-    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="x", max_retries=0, timeout=60)
+def client(base_url, openai_client):
+    return openai_client(base_url, 60)
 
 
 def test_n_choices_completions_and_chat(client):

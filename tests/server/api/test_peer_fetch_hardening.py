@@ -18,8 +18,6 @@ from werkzeug.wrappers import Request, Response
 from toppings.server.api.adapter_files import FILES, adapter_digest
 from toppings.server.api.app import ApiOptions, create_app
 from toppings.server.api.peer_fetch import FetchConfig, PeerFetcher
-from toppings.server.config import EngineConfig
-from toppings.server.runtime import build_engine
 
 KEY = "cluster-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -72,10 +70,9 @@ def adapter(tmp_path_factory, tiny_model_dir) -> Path:
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_model_dir):
-    eng = build_engine(str(tiny_model_dir), EngineConfig(dtype="float32", max_total_tokens=512), {})
-    yield eng
-    eng.shutdown()
+def engine(tiny_engine):
+    with tiny_engine(max_total_tokens=512) as eng:
+        yield eng
 
 
 @pytest.fixture

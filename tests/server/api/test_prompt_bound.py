@@ -11,17 +11,14 @@ import pytest
 from toppings.server.api.app import ApiOptions, create_app
 from toppings.server.api.choices import max_token_chars
 from toppings.server.api.tokenizer_pool import TokenizerPool
-from toppings.server.config import EngineConfig
-from toppings.server.runtime import build_engine
 
 HANG_GUARD_S = 60  # only so that a broken build fails instead of hanging
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_model_dir):
-    eng = build_engine(str(tiny_model_dir), EngineConfig(dtype="float32", max_total_tokens=2048))
-    yield eng
-    eng.shutdown()
+def engine(tiny_engine):
+    with tiny_engine(max_total_tokens=2048) as eng:
+        yield eng
 
 
 @pytest.fixture(scope="module")

@@ -14,8 +14,6 @@ import waitress
 
 from toppings.cpu_lora import shm
 from toppings.server.api.app import ApiOptions, create_app
-from toppings.server.config import EngineConfig
-from toppings.server.runtime import build_engine
 
 
 @pytest.fixture(scope="module")
@@ -29,13 +27,12 @@ def adapters_dir(tmp_path_factory, tiny_model_dir):
 
 
 @pytest.fixture(scope="module")
-def engine(adapters_dir, tiny_model_dir):
-    config = EngineConfig(
-        dtype="float32", max_total_tokens=2048, lora_mode="cpu-assisted", num_cpu_workers=1
-    )
-    eng = build_engine(str(tiny_model_dir), config, {"old": str(adapters_dir / "old")})
-    yield eng
-    eng.shutdown()
+def engine(adapters_dir, tiny_engine):
+    loras = {"old": str(adapters_dir / "old")}
+    with tiny_engine(
+        loras, max_total_tokens=2048, lora_mode="cpu-assisted", num_cpu_workers=1
+    ) as eng:
+        yield eng
 
 
 def generate(client, adapter: str | None):

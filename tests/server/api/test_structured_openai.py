@@ -4,17 +4,13 @@
 from __future__ import annotations
 
 import json
-import threading
 
-import openai
 import pytest
 import requests
-import waitress
 from pydantic import BaseModel, Field
 
+from tests.helpers import running_engine
 from toppings.server.api.app import create_app
-from toppings.server.config import EngineConfig
-from toppings.server.runtime import build_engine
 
 pytestmark = pytest.mark.slow
 ADAPTER = "extract"
@@ -33,25 +29,19 @@ def engine(tmp_path_factory, smollm2_dir):
 
     root = tmp_path_factory.mktemp("structured_http")
     loras = {ADAPTER: str(make_random_adapter(root / ADAPTER, smollm2_dir, rank=8, seed=5))}
-    eng = build_engine(
-        str(smollm2_dir), EngineConfig(dtype="float32", max_total_tokens=8192), loras
-    )
-    yield eng
-    eng.shutdown()
+    with running_engine(smollm2_dir, loras, max_total_tokens=8192) as eng:
+        yield eng
 
 
 @pytest.fixture(scope="module")
-def base_url(engine):
-    server = waitress.create_server(create_app(engine), host="127.0.0.1", port=0, threads=4)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.effective_port}"
-    server.close()
+def base_url(engine, serve_app):
+    with serve_app(create_app(engine)) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
-def client(base_url):
-    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="x", max_retries=0, timeout=300)
+def client(base_url, openai_client):
+    return openai_client(base_url, 300)
 
 
 @pytest.mark.parametrize("adapter", [None, ADAPTER])

@@ -8,17 +8,14 @@ import json
 import pytest
 
 from toppings.server.api.app import create_app
-from toppings.server.config import EngineConfig
-from toppings.server.runtime import build_engine
 
 BLOCK = 16  # the default KV block: the prefix cache matches whole blocks
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_model_dir):
-    eng = build_engine(str(tiny_model_dir), EngineConfig(dtype="float32", max_total_tokens=2048))
-    yield eng
-    eng.shutdown()
+def engine(tiny_engine):
+    with tiny_engine(max_total_tokens=2048) as eng:
+        yield eng
 
 
 @pytest.fixture(scope="module")

@@ -13,18 +13,18 @@ import os
 
 import pytest
 
+from tests.helpers import running_engine
 from tests.server.engine.test_exactness import (
-    NEW_TOKENS,
     assert_same_greedy,
     make_adapters,
     mixed_prompts,
     reference_greedy,
+    submit_greedy,
 )
 from toppings.server.config import EngineConfig
 from toppings.server.engine.engine import Engine
 from toppings.server.model.loader import load_checkpoint
 from toppings.server.requests.request import GenerationRequest, SamplingParams
-from toppings.server.runtime import build_engine
 
 ALLOWED = sorted(os.sched_getaffinity(0))
 DEVICE, HOST = (ALLOWED[0],), (ALLOWED[-1],)
@@ -134,24 +134,19 @@ def test_outputs_match_peft_with_the_split_on(tmp_path_factory, mode):
 
     model_dir = make_tiny_llama(tmp_path_factory.mktemp(f"tiny_split_{mode}"), num_layers=4)
     adapters = make_adapters(tmp_path_factory.mktemp(f"adapters_split_{mode}"), model_dir)
-    config = EngineConfig(
-        dtype="float32", lora_mode=mode, max_total_tokens=4096, max_batch_size=16,
+    with running_engine(
+        model_dir, adapters, lora_mode=mode, max_total_tokens=4096, max_batch_size=16,
         link_gbps=0.0 if mode == "cached" else ADAPTER_BYTES * 8 / 0.5 / 1e9,
         num_cpu_workers=1 if mode == "cpu-assisted" else 0,
         device_cores=DEVICE, cpu_cores=HOST,
-    )  # fmt: skip
-    engine = build_engine(str(model_dir), config, adapters)
-    try:
+    ) as engine:  # fmt: skip
         prompts = mixed_prompts(200, seed=6)
-        params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-        handles = [engine.submit(GenerationRequest(list(p), params, a)) for p, a in prompts]
+        handles = submit_greedy(engine, prompts)
         ours = [h.result(timeout_s=300).new_token_ids for h in handles]
         if mode == "cpu-assisted":
             assert engine.lora.host_stats.calls > 0, "the loads were not in flight"
         if mode != "cached":
             assert engine.lora.cache.counters.loads == len(adapters)
-    finally:
-        engine.shutdown()
     for (prompt, name), got in zip(prompts, ours):
         ref, margins = reference_greedy(model_dir, adapters, prompt, name)
         assert_same_greedy(got, ref, margins, f"{mode} with the split, adapter {name}")

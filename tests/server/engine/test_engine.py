@@ -7,16 +7,14 @@ import pytest
 from tests.helpers import assert_memory_balanced
 from toppings.server.config import EngineConfig
 from toppings.server.requests.request import GenerationRequest, RequestError, SamplingParams
-from toppings.server.runtime import build_engine
 
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture
-def engine(tiny_model_dir):
-    eng = build_engine(str(tiny_model_dir), EngineConfig(dtype="float32", max_total_tokens=2048))
-    yield eng
-    eng.shutdown()
+def engine(tiny_engine):
+    with tiny_engine(max_total_tokens=2048) as eng:
+        yield eng
 
 
 def generate(engine, prompt, params=GREEDY, adapter=None):
@@ -114,17 +112,14 @@ def test_abort_frees_the_request(engine):
     assert_idle(engine)
 
 
-def test_requests_beyond_the_kv_budget_wait_and_all_finish(tiny_model_dir):
-    eng = build_engine(str(tiny_model_dir), EngineConfig(dtype="float32", max_total_tokens=64))
-    try:
+def test_requests_beyond_the_kv_budget_wait_and_all_finish(tiny_engine):
+    with tiny_engine(max_total_tokens=64) as eng:
         params = SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True)
         handles = [eng.submit(GenerationRequest([7] * 20, params)) for _ in range(6)]
         results = [h.result(timeout_s=120) for h in handles]
         assert all(len(r.new_token_ids) == 20 for r in results)
         assert len({tuple(r.new_token_ids) for r in results}) == 1
         assert_idle(eng)
-    finally:
-        eng.shutdown()
 
 
 @pytest.mark.parametrize(
@@ -179,7 +174,7 @@ def test_requests_submitted_together_share_one_prefill_or_none_is_queued(engine)
     assert engine.stats().to_json()["queue"] == []
 
 
-def test_each_engine_keeps_its_own_thread_count_beside_another(tiny_model_dir, monkeypatch):
+def test_each_engine_keeps_its_own_thread_count_beside_another(tiny_engine, monkeypatch):
     """Two engines in one process, built before either runs: each step runs on the thread count
     of its own engine (ATen would otherwise hand the first engine's thread the count the second
     engine set last, at its first parallel op)."""
@@ -195,15 +190,10 @@ def test_each_engine_keeps_its_own_thread_count_beside_another(tiny_model_dir, m
         return forward(self, batch, kv)
 
     monkeypatch.setattr(LlamaModel, "forward", spy)
-    engines = [
-        build_engine(str(tiny_model_dir),
-                     EngineConfig(dtype="float32", max_total_tokens=512, num_threads=n))
-        for n in (2, 1)
-    ]  # fmt: skip
-    try:
-        for eng in engines:
+    with (
+        tiny_engine(max_total_tokens=512, num_threads=2) as two,
+        tiny_engine(max_total_tokens=512, num_threads=1) as one,
+    ):
+        for eng in (two, one):
             generate(eng, [5, 6, 7], SamplingParams(max_new_tokens=3, ignore_eos=True))
-        assert [seen[id(eng.model)] for eng in engines] == [{2}, {1}]
-    finally:
-        for eng in engines:
-            eng.shutdown()
+        assert [seen[id(eng.model)] for eng in (two, one)] == [{2}, {1}]

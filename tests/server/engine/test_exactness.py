@@ -10,9 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from toppings.server.config import EngineConfig
+from tests.helpers import running_engine
 from toppings.server.requests.request import GenerationRequest, SamplingParams
-from toppings.server.runtime import build_engine
 
 MARGIN = 1e-4
 NEW_TOKENS = 32
@@ -98,19 +97,20 @@ def assert_same_greedy(ours: list[int], ref: list[int], margins: list[float], wh
     assert len(ours) == len(ref) == NEW_TOKENS, what
 
 
+def submit_greedy(engine, prompts: list[tuple[list[int], str | None]]) -> list:
+    """Submit each (prompt, adapter or None) for NEW_TOKENS greedy tokens; their handles."""
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    return [engine.submit(GenerationRequest(list(p), params, a)) for p, a in prompts]
+
+
 def run_mixed_batch(model_dir, adapters: dict[str, str], prompts, kernel: str, device="cpu"):
-    config = EngineConfig(
-        device=device, dtype="float32", kernel=kernel, max_total_tokens=4096, max_batch_size=16
-    )
-    engine = build_engine(str(model_dir), config, adapters)
-    try:
-        params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    with running_engine(
+        model_dir, adapters, device=device, kernel=kernel, max_total_tokens=4096, max_batch_size=16
+    ) as engine:
         # Submit everything before the first step so the requests share prefill and decode.
-        handles = [engine.submit(GenerationRequest(list(p), params, a)) for p, a in prompts]
+        handles = submit_greedy(engine, prompts)
         results = [h.result(timeout_s=300) for h in handles]
         stats = engine.stats().to_json()
-    finally:
-        engine.shutdown()
     assert stats["running"] == [] and stats["queue"] == []
     assert stats["free_kv_tokens"] == stats["max_total_tokens"]
     return [r.new_token_ids for r in results]
@@ -168,17 +168,14 @@ def test_cpu_assisted_matches_peft_while_adapters_load(
     model_dir = make_tiny_llama(tmp_path_factory.mktemp("tiny4"), num_layers=4)
     adapters = make_adapters(tmp_path_factory.mktemp("adapters4"), model_dir)
     adapter_bytes = 64 * (64 + 64) * 4 * 7 * 4  # rank 64, 7 projections of ~64x64, 4 layers, f32
-    config = EngineConfig(
-        dtype="float32", lora_mode="cpu-assisted", max_total_tokens=4096, max_batch_size=16,
+    with running_engine(
+        model_dir, adapters, lora_mode="cpu-assisted", max_total_tokens=4096, max_batch_size=16,
         link_gbps=adapter_bytes * 8 / 1.0 / 1e9, layers_per_group=1,
         num_cpu_workers=num_cpu_workers, cpu_spin_us=cpu_spin_us,
-    )  # fmt: skip
-    engine = build_engine(str(model_dir), config, adapters)
-    try:
+    ) as engine:  # fmt: skip
         assert engine.stats().to_json()["adapters"][0]["resident"] is False  # nothing preloaded
         prompts = mixed_prompts(200, seed=2)
-        params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-        handles = [engine.submit(GenerationRequest(list(p), params, a)) for p, a in prompts]
+        handles = submit_greedy(engine, prompts)
         ours = [h.result(timeout_s=300).new_token_ids for h in handles]
         assert engine.lora.host_stats.calls > 0, (
             "no layer ran on the host: the loads were not in flight"
@@ -186,8 +183,6 @@ def test_cpu_assisted_matches_peft_while_adapters_load(
         assert engine.lora.cache.counters.loads == len(adapters)
         stats = engine.stats().to_json()
         assert [w["alive"] for w in stats["cpu_workers"]] == [True] * num_cpu_workers
-    finally:
-        engine.shutdown()
     assert stats["free_kv_tokens"] == stats["max_total_tokens"]
     for (prompt, name), got in zip(prompts, ours):
         ref, margins = reference_greedy(model_dir, adapters, prompt, name)
@@ -206,19 +201,16 @@ def test_sigkilled_cpu_worker_mid_request_changes_no_token(tmp_path_factory):
     model_dir = make_tiny_llama(tmp_path_factory.mktemp("tiny4k"), num_layers=4)
     adapters = make_adapters(tmp_path_factory.mktemp("adapters4k"), model_dir)
     adapter_bytes = 64 * (64 + 64) * 4 * 7 * 4
-    config = EngineConfig(
-        dtype="float32", lora_mode="cpu-assisted", max_total_tokens=4096, max_batch_size=16,
+    with running_engine(
+        model_dir, adapters, lora_mode="cpu-assisted", max_total_tokens=4096, max_batch_size=16,
         link_gbps=adapter_bytes * 8 / 2.0 / 1e9, num_cpu_workers=2,
-    )  # fmt: skip
-    engine = build_engine(str(model_dir), config, adapters)
-    names = [engine.lora.repository.name, *engine.lora.workers.shm_names()]
-    # POSIX names: "/x" is /dev/shm/x for memory and /dev/shm/sem.x for a semaphore.
-    files = [p for n in names for p in glob.glob(f"/dev/shm/*{n.lstrip('/')}")]
-    try:
+    ) as engine:  # fmt: skip
+        names = [engine.lora.repository.name, *engine.lora.workers.shm_names()]
+        # POSIX names: "/x" is /dev/shm/x for memory and /dev/shm/sem.x for a semaphore.
+        files = [p for n in names for p in glob.glob(f"/dev/shm/*{n.lstrip('/')}")]
         assert len(files) == len(names), "the worker pool's shared memory should exist"
         prompts = mixed_prompts(200, seed=3)
-        params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-        handles = [engine.submit(GenerationRequest(list(p), params, a)) for p, a in prompts]
+        handles = submit_greedy(engine, prompts)
         first = handles[0].events(timeout_s=120)
         got0 = list(next(first).new_token_ids)  # the first step ran: loads are still going
         victim = engine.stats().to_json()["cpu_workers"][0]["pid"]
@@ -228,8 +220,6 @@ def test_sigkilled_cpu_worker_mid_request_changes_no_token(tmp_path_factory):
         workers = engine.stats().to_json()["cpu_workers"]
         assert victim not in [w["pid"] for w in workers] and all(w["alive"] for w in workers)
         assert engine.lora.host_stats.calls > 0
-    finally:
-        engine.shutdown()
     assert [p for p in files if os.path.exists(p)] == []
     for (prompt, name), got in zip(prompts, ours):
         ref, margins = reference_greedy(model_dir, adapters, prompt, name)
@@ -243,20 +233,15 @@ def test_on_demand_waits_for_whole_adapters(tmp_path_factory):
     model_dir = make_tiny_llama(tmp_path_factory.mktemp("tiny4d"), num_layers=4)
     adapters = make_adapters(tmp_path_factory.mktemp("adapters4d"), model_dir)
     adapter_bytes = 64 * (64 + 64) * 4 * 7 * 4
-    config = EngineConfig(
-        dtype="float32", lora_mode="on-demand", max_total_tokens=4096, max_batch_size=16,
+    with running_engine(
+        model_dir, adapters, lora_mode="on-demand", max_total_tokens=4096, max_batch_size=16,
         link_gbps=adapter_bytes * 8 / 0.5 / 1e9,
-    )  # fmt: skip
-    engine = build_engine(str(model_dir), config, adapters)
-    try:
+    ) as engine:  # fmt: skip
         prompts = mixed_prompts(200, seed=4)
-        params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-        handles = [engine.submit(GenerationRequest(list(p), params, a)) for p, a in prompts]
+        handles = submit_greedy(engine, prompts)
         ours = [h.result(timeout_s=300).new_token_ids for h in handles]
         assert engine.lora.host_stats.calls == 0
         assert engine.lora.cache.counters.loads == len(adapters)
-    finally:
-        engine.shutdown()
     for (prompt, name), got in zip(prompts, ours):
         ref, margins = reference_greedy(model_dir, adapters, prompt, name)
         assert_same_greedy(got, ref, margins, f"on-demand, adapter {name}")

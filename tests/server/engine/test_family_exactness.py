@@ -17,6 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.helpers import running_engine
 from tests.server.engine.test_exactness import MARGIN
 from tests.server.engine.test_logprobs_exactness import (
     TOL,
@@ -25,9 +26,7 @@ from tests.server.engine.test_logprobs_exactness import (
     reference_logprobs,
 )
 from tests.server.model.tiny_families import make_tiny_family
-from toppings.server.config import EngineConfig
 from toppings.server.requests.request import GenerationRequest, SamplingParams
-from toppings.server.runtime import build_engine
 
 NEW_TOKENS = 12
 # name -> (rank, use_rslora); every adapter targets all seven projections.
@@ -110,17 +109,15 @@ def test_family_matches_peft(checkpoints, name, kernel, lora_mode, num_cpu_worke
     # A slow emulated link keeps loads in flight (~1 s an adapter of rank 7, ~200 in + out
     # features, 7 projections, 2 layers, float32): cpu-assisted runs layers on the host.
     link = 7 * 200 * 4 * 7 * 2 * 8 / 1.0 / 1e9 if lora_mode != "cached" else 0.0
-    config = EngineConfig(
-        dtype="float32", kernel=kernel, lora_mode=lora_mode, max_total_tokens=4096,
-        max_batch_size=16, link_gbps=link, num_cpu_workers=num_cpu_workers, prefix_cache=True,
-    )  # fmt: skip
-    engine = build_engine(str(model_dir), config, adapters)
     scored = SamplingParams(
         max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=TOP,
         prompt_logprobs=TOP,
     )  # fmt: skip
     greedy = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=1)
-    try:
+    with running_engine(
+        model_dir, adapters, kernel=kernel, lora_mode=lora_mode, max_total_tokens=4096,
+        max_batch_size=16, link_gbps=link, num_cpu_workers=num_cpu_workers, prefix_cache=True,
+    ) as engine:  # fmt: skip
         prompts = first_turn_prompts(engine.model_config.vocab_size)
         first = run(engine, prompts, scored)
         if lora_mode == "cpu-assisted":
@@ -129,8 +126,6 @@ def test_family_matches_peft(checkpoints, name, kernel, lora_mode, num_cpu_worke
         follow = [(p + out.new_token_ids + [7, 8, 9], a) for (p, a), out in zip(prompts, first)]
         second = run(engine, follow, greedy)
         reused = engine.stats().to_json()["memory"]["prefix_hit_tokens"] - hits
-    finally:
-        engine.shutdown()
     assert reused > 0, "the follow-up turns reused no cached prefix"
     check_against_reference(model_dir, adapters, prompts, first)
     for (prompt, a), out in zip(prompts, first):
@@ -161,16 +156,13 @@ def test_sliding_window_caps_the_served_context(tmp_path):
     from toppings.server.requests.request import RequestError
 
     model_dir = make_tiny_family(tmp_path / "m", "mistral", sliding_window=40)
-    engine = build_engine(str(model_dir), EngineConfig(dtype="float32", max_total_tokens=1024))
     prompt = list(range(5, 33))  # 28 tokens + 12 = 40
     params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-    try:
+    with running_engine(model_dir, max_total_tokens=1024) as engine:
         assert engine.max_model_len == 40
         out = engine.submit(GenerationRequest(prompt, params)).result(timeout_s=120)
         with pytest.raises(RequestError, match="exceeds the context of 40 tokens"):
             engine.submit(GenerationRequest(prompt + [5], params))
-    finally:
-        engine.shutdown()
     ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     with torch.inference_mode():
         want = ref.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False)

@@ -9,9 +9,7 @@ import pytest
 
 from tests.helpers import assert_memory_balanced
 from toppings.scripts.make_adapters import make_random_adapter
-from toppings.server.config import EngineConfig
 from toppings.server.requests.request import GenerationRequest, RequestError, SamplingParams
-from toppings.server.runtime import build_engine
 
 GREEDY = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
 
@@ -23,12 +21,10 @@ def adapter_dir(tiny_model_dir, tmp_path_factory):
 
 
 @pytest.fixture(params=["fcfs", "chameleon"])
-def engine(request, tiny_model_dir, adapter_dir):
-    config = EngineConfig(dtype="float32", max_total_tokens=2048, queue_policy=request.param)
-    eng = build_engine(str(tiny_model_dir), config)
-    eng.add_adapter("a", str(adapter_dir))
-    yield eng
-    eng.shutdown()
+def engine(request, tiny_engine, adapter_dir):
+    with tiny_engine(max_total_tokens=2048, queue_policy=request.param) as eng:
+        eng.add_adapter("a", str(adapter_dir))
+        yield eng
 
 
 def submit(engine, adapter=None, prompt=(5, 6, 7)):

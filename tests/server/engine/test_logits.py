@@ -8,10 +8,9 @@ import math
 import pytest
 import torch
 
-from toppings.server.config import EngineConfig
+from tests.helpers import running_engine
 from toppings.server.engine.logits import process_row, token_logprobs
 from toppings.server.requests.request import GenerationRequest, RequestError, SamplingParams
-from toppings.server.runtime import build_engine
 
 
 def naive(logits: list[float], p: SamplingParams, prompt, output, eos_ids) -> list[float]:
@@ -83,8 +82,7 @@ def test_repetition_penalty_matches_transformers(tiny_model_dir):
     prompt = [5, 9, 30, 9, 41, 5]
     new = 24
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-    engine = build_engine(str(tiny_model_dir), EngineConfig(dtype="float32", max_total_tokens=512))
-    try:
+    with running_engine(tiny_model_dir, max_total_tokens=512) as engine:
         for penalty in (1.3, 2.0):
             with torch.inference_mode():
                 ref = model.generate(
@@ -95,5 +93,3 @@ def test_repetition_penalty_matches_transformers(tiny_model_dir):
                                     repetition_penalty=penalty)  # fmt: skip
             ours = engine.submit(GenerationRequest(prompt, params)).result(timeout_s=60)
             assert ours.new_token_ids == ref, penalty
-    finally:
-        engine.shutdown()

@@ -16,9 +16,7 @@ from tests.server.engine.test_exactness import (
     make_adapters,
     mixed_prompts,
 )
-from toppings.server.config import EngineConfig
 from toppings.server.requests.request import GenerationRequest, SamplingParams
-from toppings.server.runtime import build_engine
 
 TOL = 1e-4
 NEW_TOKENS = 6
@@ -64,51 +62,41 @@ def run_scored(engine, prompts, temperature: float):
 
 @pytest.mark.parametrize("lora_mode", ["cached", "on-demand", "cpu-assisted"])
 @pytest.mark.parametrize("kernel", ["mbgmv", "bgmv"])
-def test_logprobs_match_peft(tmp_path_factory, tiny_model_dir, kernel, lora_mode):
+def test_logprobs_match_peft(tmp_path_factory, tiny_model_dir, tiny_engine, kernel, lora_mode):
     adapters = make_adapters(tmp_path_factory.mktemp("adapters"), tiny_model_dir)
     # A slow emulated link keeps loads in flight, so cpu-assisted runs layers on the host.
     link = 64 * 128 * 4 * 7 * 2 * 8 / 0.5 / 1e9 if lora_mode != "cached" else 0.0
-    config = EngineConfig(
-        dtype="float32", kernel=kernel, lora_mode=lora_mode, max_total_tokens=4096,
-        max_batch_size=16, link_gbps=link,
-    )  # fmt: skip
-    engine = build_engine(str(tiny_model_dir), config, adapters)
-    try:
+    with tiny_engine(
+        adapters, kernel=kernel, lora_mode=lora_mode, max_total_tokens=4096, max_batch_size=16,
+        link_gbps=link,
+    ) as engine:  # fmt: skip
         prompts = mixed_prompts(200, seed=5)
         results = run_scored(engine, prompts, temperature=0.8)  # sampled: not only argmaxes
         if lora_mode == "cpu-assisted":
             assert engine.lora.host_stats.calls > 0, "no layer ran on the host"
-    finally:
-        engine.shutdown()
     check_against_reference(tiny_model_dir, adapters, prompts, results)
 
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("kernel", ["mbgmv", "bgmv"])
-def test_logprobs_match_peft_on_cuda(tmp_path_factory, tiny_model_dir, kernel):
+def test_logprobs_match_peft_on_cuda(tmp_path_factory, tiny_model_dir, tiny_engine, kernel):
     """The engine on the GPU (Triton kernels, logits and log-softmax on the device)."""
     adapters = make_adapters(tmp_path_factory.mktemp("adapters_cuda"), tiny_model_dir)
-    config = EngineConfig(device="cuda", dtype="float32", kernel=kernel, max_total_tokens=4096,
-                          max_batch_size=16)  # fmt: skip
-    engine = build_engine(str(tiny_model_dir), config, adapters)
-    try:
+    with tiny_engine(
+        adapters, device="cuda", kernel=kernel, max_total_tokens=4096, max_batch_size=16
+    ) as engine:
         prompts = mixed_prompts(200, seed=6)
         results = run_scored(engine, prompts, temperature=0.8)
-    finally:
-        engine.shutdown()
     check_against_reference(tiny_model_dir, adapters, prompts, results)
 
 
-def test_prompt_only_scoring_generates_nothing(tiny_model_dir):
+def test_prompt_only_scoring_generates_nothing(tiny_engine):
     """max_new_tokens 0: the prompt is scored, no token is generated, the KV row is freed."""
-    engine = build_engine(str(tiny_model_dir), EngineConfig(dtype="float32", max_total_tokens=512))
-    try:
+    with tiny_engine(max_total_tokens=512) as engine:
         params = SamplingParams(max_new_tokens=0, prompt_logprobs=1)
         out = engine.submit(GenerationRequest([5, 9, 30, 7], params)).result(timeout_s=60)
         stats = engine.stats().to_json()
-    finally:
-        engine.shutdown()
     assert out.new_token_ids == [] and out.finish_reason == "length"
     assert out.prompt_logprobs[0] is None and [p.token_id for p in out.prompt_logprobs[1:]] == [
         9,

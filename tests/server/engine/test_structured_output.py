@@ -9,7 +9,7 @@ import jsonschema
 import pytest
 import torch
 
-from toppings.server.config import EngineConfig
+from tests.helpers import running_engine
 from toppings.server.engine.sampler import Sampler
 from toppings.server.requests.request import (
     Constraint,
@@ -20,7 +20,6 @@ from toppings.server.requests.request import (
     SamplingParams,
 )
 from toppings.server.requests.sequence import Sequence
-from toppings.server.runtime import build_engine
 
 pytestmark = pytest.mark.slow
 ADAPTERS = ("a0", "a1", "a2", "a3")
@@ -35,11 +34,8 @@ def engine(tmp_path_factory, smollm2_dir):
         name: str(make_random_adapter(root / name, smollm2_dir, rank=4 + 4 * i, seed=i))
         for i, name in enumerate(ADAPTERS)
     }
-    eng = build_engine(
-        str(smollm2_dir), EngineConfig(dtype="float32", max_total_tokens=32768), loras
-    )
-    yield eng
-    eng.shutdown()
+    with running_engine(smollm2_dir, loras, max_total_tokens=32768) as eng:
+        yield eng
 
 
 def schema_set() -> list[dict]:

@@ -121,9 +121,8 @@ def test_waitress_has_a_thread_per_request_in_flight_and_a_reserve():
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory, tiny_model_dir):
-    eng = start_engine(tmp_path_factory.mktemp("frontend_adapters"), tiny_model_dir)
-    yield eng
-    eng.shutdown()
+    with start_engine(tmp_path_factory.mktemp("frontend_adapters"), tiny_model_dir) as eng:
+        yield eng
 
 
 @pytest.fixture

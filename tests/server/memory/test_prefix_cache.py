@@ -21,9 +21,7 @@ from tests.server.engine.test_exactness import (
     make_adapters,
     reference_greedy,
 )
-from toppings.server.config import EngineConfig
 from toppings.server.requests.request import GenerationRequest, SamplingParams
-from toppings.server.runtime import build_engine
 
 GREEDY = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
 
@@ -46,17 +44,14 @@ def memory(engine) -> dict:
     [("mbgmv", "cached"), ("bgmv", "cached"), ("mbgmv", "on-demand"), ("mbgmv", "cpu-assisted")],
 )
 def test_reused_prefix_gives_each_adapter_its_own_tokens(
-    tiny_model_dir, adapters, kernel, lora_mode
+    tiny_model_dir, tiny_engine, adapters, kernel, lora_mode
 ):
     """Two adapters and the base model send the same 40-token prefix, then a follow-up turn
     (prefix + its answer + more): the follow-ups reuse blocks cached under their own adapter
     only, and every output equals transformers + PEFT's."""
     gen = torch.Generator().manual_seed(7)
     prefix = torch.randint(3, 200, (40,), generator=gen).tolist()
-    config = EngineConfig(dtype="float32", kernel=kernel, lora_mode=lora_mode,
-                          max_total_tokens=4096)  # fmt: skip
-    engine = build_engine(str(tiny_model_dir), config, adapters)
-    try:
+    with tiny_engine(adapters, kernel=kernel, lora_mode=lora_mode, max_total_tokens=4096) as engine:
         first = {a: run(engine, prefix + [5, 6], a).new_token_ids for a in ("r8", "r64", None)}
         hits = memory(engine)["prefix_hit_tokens"]
         # Three adapters, one prefix: nothing crossed from one adapter's tree to another's.
@@ -66,8 +61,6 @@ def test_reused_prefix_gives_each_adapter_its_own_tokens(
         mem = memory(engine)
         # Each follow-up reuses its own first turn's full blocks: (42 + 32 - 1) // 16 = 4.
         assert mem["prefix_hit_tokens"] - hits == 3 * 4 * 16
-    finally:
-        engine.shutdown()
     for a in first:
         ref, margins = reference_greedy(tiny_model_dir, adapters, prefix + [5, 6], a)
         assert_same_greedy(first[a], ref, margins, f"first turn, adapter {a}")
@@ -75,37 +68,35 @@ def test_reused_prefix_gives_each_adapter_its_own_tokens(
         assert_same_greedy(second[a], ref, margins, f"follow-up with reuse, adapter {a}")
 
 
-def test_outputs_with_and_without_prefix_reuse_are_equal(tiny_model_dir, adapters):
+def test_outputs_with_and_without_prefix_reuse_are_equal(tiny_engine, adapters):
     prompts = [([3 + i % 150 for i in range(70)] + [7, j], a) for j, a in
                enumerate(["r8", "r16", None, "r32", "r8", None])]  # fmt: skip
     outs = {}
     for on in (True, False):
-        config = EngineConfig(dtype="float32", max_total_tokens=4096, prefix_cache=on)
-        engine = build_engine(str(tiny_model_dir), config, adapters)
-        try:
+        with tiny_engine(adapters, max_total_tokens=4096, prefix_cache=on) as engine:
             outs[on] = [run(engine, p, a).new_token_ids for p, a in prompts]
             hits = memory(engine)["prefix_hit_tokens"]
             assert (hits > 0) == on
             assert_memory_balanced(engine)
-        finally:
-            engine.shutdown()
     assert outs[True] == outs[False]
 
 
-def _adapter_blocks(engine, name) -> int:
-    return engine.memory.blocks_for_bytes(engine.lora.bytes_of(name))
+def pool_sizes(tiny_engine, adapters: dict[str, str]) -> tuple[int, int, int]:
+    """(bytes of a KV block, tokens of a KV block, blocks the adapters take) in an engine of the
+    default configuration with these adapters."""
+    with tiny_engine(adapters) as probe:
+        adapter_blocks = sum(
+            probe.memory.blocks_for_bytes(probe.lora.bytes_of(n)) for n in adapters
+        )
+        return probe.kv.block_bytes, probe.kv.block_tokens, adapter_blocks
 
 
-def test_kv_pressure_evicts_idle_adapters(tiny_model_dir, adapters):
-    probe = build_engine(str(tiny_model_dir), EngineConfig(dtype="float32"), adapters)
-    block_bytes = probe.kv.block_bytes
-    adapter_blocks = sum(_adapter_blocks(probe, n) for n in adapters)
-    probe.shutdown()
+def test_kv_pressure_evicts_idle_adapters(tiny_engine, adapters):
+    block_bytes, _, adapter_blocks = pool_sizes(tiny_engine, adapters)
     total = adapter_blocks + 12
-    config = EngineConfig(dtype="float32", lora_mode="on-demand", memory_bytes=total * block_bytes,
-                          prefix_cache=False)  # fmt: skip
-    engine = build_engine(str(tiny_model_dir), config, adapters)
-    try:
+    with tiny_engine(
+        adapters, lora_mode="on-demand", memory_bytes=total * block_bytes, prefix_cache=False
+    ) as engine:
         for name in adapters:  # every adapter cached and idle: the pool has 12 blocks free
             run(engine, [4, 5, 6], name, SamplingParams(max_new_tokens=2, temperature=0.0))
         assert memory(engine)["blocks"]["adapters_cached"] == adapter_blocks
@@ -116,53 +107,39 @@ def test_kv_pressure_evicts_idle_adapters(tiny_model_dir, adapters):
         mem = memory(engine)
         assert mem["evictions_adapter"] >= 1
         assert_memory_balanced(engine)
-    finally:
-        engine.shutdown()
 
 
-def test_idle_kv_leaves_room_for_more_adapters_than_a_static_split(tiny_model_dir, adapters):
+def test_idle_kv_leaves_room_for_more_adapters_than_a_static_split(tiny_engine, adapters):
     adapters = {n: p for n, p in adapters.items() if n != "r64"}  # r8, r16, r32
-    probe = build_engine(str(tiny_model_dir), EngineConfig(dtype="float32"), adapters)
-    block_bytes, bt = probe.kv.block_bytes, probe.kv.block_tokens
-    adapter_blocks = sum(_adapter_blocks(probe, n) for n in adapters)
-    probe.shutdown()
+    block_bytes, bt, adapter_blocks = pool_sizes(tiny_engine, adapters)
     budget = (adapter_blocks + 20) * block_bytes
     static_adapters = budget * 2 // 5  # 40% of it: room for the largest adapter alone
     configs = {
-        "pool": EngineConfig(dtype="float32", lora_mode="on-demand", memory_bytes=budget),
-        "static": EngineConfig(
-            dtype="float32",
+        "pool": dict(lora_mode="on-demand", memory_bytes=budget),
+        "static": dict(
             lora_mode="on-demand",
             memory_layout="static",
             max_total_tokens=(budget - static_adapters) * bt // block_bytes,
             adapter_cache_bytes=static_adapters,
-        ),  # fmt: skip
+        ),
     }
     cached = {}
-    for layout, config in configs.items():
-        engine = build_engine(str(tiny_model_dir), config, adapters)
-        try:
+    for layout, fields in configs.items():
+        with tiny_engine(adapters, **fields) as engine:
             for _ in range(2):
                 for name in adapters:
                     run(engine, [4, 5, 6, 7], name, SamplingParams(max_new_tokens=3))
             snap = engine.counters().adapter_cache
             cached[layout] = (len(snap["resident"]), snap["misses"])
-        finally:
-            engine.shutdown()
     assert cached["pool"] == (len(adapters), len(adapters))  # all stay: one miss each
     assert cached["static"][0] < len(adapters) and cached["static"][1] > len(adapters)
 
 
-def test_host_tier_swaps_blocks_out_and_back(tiny_model_dir):
+def test_host_tier_swaps_blocks_out_and_back(tiny_engine):
     """A pool of 12 blocks: a second long prompt pushes the first one's cached blocks to the
     host; asking the first again copies them back, with the same tokens."""
-    probe = build_engine(str(tiny_model_dir), EngineConfig(dtype="float32"))
-    block_bytes = probe.kv.block_bytes
-    probe.shutdown()
-    config = EngineConfig(dtype="float32", memory_bytes=12 * block_bytes,
-                          host_memory_bytes=32 * block_bytes)  # fmt: skip
-    engine = build_engine(str(tiny_model_dir), config)
-    try:
+    block_bytes, _, _ = pool_sizes(tiny_engine, {})
+    with tiny_engine(memory_bytes=12 * block_bytes, host_memory_bytes=32 * block_bytes) as engine:
         params = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
         a, b = [3 + i % 90 for i in range(100)], [7 + i % 80 for i in range(100)]
         first = run(engine, a, None, params).new_token_ids
@@ -173,22 +150,16 @@ def test_host_tier_swaps_blocks_out_and_back(tiny_model_dir):
         assert mem["swaps_in"] >= 1 and mem["prefix_hit_tokens"] >= 16
         assert again == first
         assert_memory_balanced(engine)
-    finally:
-        engine.shutdown()
 
 
-def test_soak_with_cancellations_leaks_no_block(tiny_model_dir, adapters):
-    probe = build_engine(str(tiny_model_dir), EngineConfig(dtype="float32"), adapters)
-    block_bytes = probe.kv.block_bytes
-    adapter_blocks = sum(_adapter_blocks(probe, n) for n in adapters)
-    probe.shutdown()
-    config = EngineConfig(dtype="float32", lora_mode="on-demand",
-                          memory_bytes=(adapter_blocks // 2 + 70) * block_bytes,
-                          host_memory_bytes=16 * block_bytes, queue_policy="chameleon")  # fmt: skip
-    engine = build_engine(str(tiny_model_dir), config, adapters)
+def test_soak_with_cancellations_leaks_no_block(tiny_engine, adapters):
+    block_bytes, _, adapter_blocks = pool_sizes(tiny_engine, adapters)
     rng = random.Random(3)
     shared = [rng.randrange(3, 200) for _ in range(48)]
-    try:
+    with tiny_engine(
+        adapters, lora_mode="on-demand", memory_bytes=(adapter_blocks // 2 + 70) * block_bytes,
+        host_memory_bytes=16 * block_bytes, queue_policy="chameleon",
+    ) as engine:  # fmt: skip
         handles = []
         for i in range(60):
             prompt = (shared if i % 2 else []) + [
@@ -205,15 +176,11 @@ def test_soak_with_cancellations_leaks_no_block(tiny_model_dir, adapters):
         mem = memory(engine)
         assert mem["prefix_hit_tokens"] > 0
         assert_memory_balanced(engine)
-    finally:
-        engine.shutdown()
 
 
-def test_an_unloaded_adapter_takes_its_cached_prefixes_along(tiny_model_dir, adapters):
+def test_an_unloaded_adapter_takes_its_cached_prefixes_along(tiny_engine, adapters):
     """A new adapter under an old name must not find the old one's KV."""
-    config = EngineConfig(dtype="float32", lora_mode="on-demand", max_total_tokens=4096)
-    engine = build_engine(str(tiny_model_dir), config, {"x": adapters["r8"]})
-    try:
+    with tiny_engine({"x": adapters["r8"]}, lora_mode="on-demand", max_total_tokens=4096) as engine:
         prompt = [3 + i % 150 for i in range(50)]
         run(engine, prompt, "x")
         assert memory(engine)["blocks"]["kv_cached"] > 0
@@ -224,5 +191,3 @@ def test_an_unloaded_adapter_takes_its_cached_prefixes_along(tiny_model_dir, ada
         run(engine, prompt, "x")
         assert memory(engine)["prefix_hit_tokens"] == hits
         assert_memory_balanced(engine)
-    finally:
-        engine.shutdown()

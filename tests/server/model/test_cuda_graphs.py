@@ -10,18 +10,20 @@ Greedy tokens must be identical, except at or after a near tie of the PEFT refer
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from tests.helpers import running_engine
 from tests.server.engine.test_exactness import MARGIN, make_adapters, reference_greedy
 from toppings.gpu_lora.loader import LoadTicket
-from toppings.server.config import EngineConfig
+from toppings.server.engine.engine import Engine
 from toppings.server.model.cuda_graphs import DecodeGraphs
 from toppings.server.model.graph_buckets import GraphBuckets, GraphKey
 from toppings.server.requests.request import GenerationRequest, SamplingParams
-from toppings.server.runtime import build_engine
 
 # (prompt length, adapter, new tokens): the batch shrinks 7, 6, ..., 1 as requests end, so it
 # pads to buckets 8, 4 and 2 on the way (odd sizes 7, 5, 3 included).
@@ -50,19 +52,23 @@ def adapters(tmp_path_factory, tiny_model_dir):
     return make_adapters(tmp_path_factory.mktemp("graph_adapters"), tiny_model_dir)
 
 
-def start(model_dir, adapters, device: str, graphs: bool, **changes):
+@contextlib.contextmanager
+def start(model_dir, adapters, device: str, graphs: bool, **changes) -> Iterator[Engine]:
+    """A running engine with decode graphs or without (on the CPU, EagerReplay stands in for
+    them); it shuts down when the `with` block ends."""
     on_gpu = device == "cuda"  # there the pool's default budget is 40% of the free memory
-    config = EngineConfig(device=device, dtype="float32", max_total_tokens=4096,
-                          max_batch_size=16, memory_bytes=(256 << 20) if on_gpu else 0,
-                          cuda_graphs=graphs if on_gpu else None, **changes)  # fmt: skip
-    engine = build_engine(str(model_dir), config, adapters)
-    if device == "cpu" and graphs:
-        buckets = GraphBuckets.for_engine(config.max_batch_size, engine.kv.max_len)
-        lora = engine.lora
-        engine.runner.graphs = EagerReplay(engine.model, engine.kv, lora.pool,
-                                           lora.kernels.decode, buckets)  # fmt: skip
-    assert (engine.runner.graphs is not None) == graphs
-    return engine
+    with running_engine(
+        model_dir, adapters, device=device, max_total_tokens=4096, max_batch_size=16,
+        memory_bytes=(256 << 20) if on_gpu else 0, cuda_graphs=graphs if on_gpu else None,
+        **changes,
+    ) as engine:  # fmt: skip
+        if device == "cpu" and graphs:
+            buckets = GraphBuckets.for_engine(engine.config.max_batch_size, engine.kv.max_len)
+            lora = engine.lora
+            engine.runner.graphs = EagerReplay(engine.model, engine.kv, lora.pool,
+                                               lora.kernels.decode, buckets)  # fmt: skip
+        assert (engine.runner.graphs is not None) == graphs
+        yield engine
 
 
 def generate(engine, jobs, seed: int = 1) -> list[list[int]]:
@@ -95,14 +101,11 @@ def assert_same(model_dir, adapters, jobs, got, want, seed: int = 1) -> None:
 def test_graphs_give_the_eager_tokens(tiny_model_dir, adapters, device, kernel):
     outputs, counters = {}, None
     for graphs in (False, True):
-        engine = start(tiny_model_dir, adapters, device, graphs, kernel=kernel)
-        try:
+        with start(tiny_model_dir, adapters, device, graphs, kernel=kernel) as engine:
             outputs[graphs] = generate(engine, JOBS)
             if graphs:
                 counters = dict(engine.runner.graphs.counters)
                 keys = engine.runner.graphs.keys
-        finally:
-            engine.shutdown()
     assert [len(t) for t in outputs[True]] == [n for _, _, n in JOBS]
     assert_same(tiny_model_dir, adapters, JOBS, outputs[True], outputs[False])
     # Decode batches 7, 6, 5 pad to 8; 4, 3 to 4; then 2 (r8 and the base model) and 1 (the
@@ -126,13 +129,10 @@ def test_an_adapter_still_loading_runs_eagerly(tiny_model_dir, adapters, device,
 
     monkeypatch.setattr(LoadTicket, "layers_ready", slow)
     jobs = [(n, name, 24) for n, name, _ in JOBS[:5]]
-    engine = start(tiny_model_dir, adapters, device, True, lora_mode="cpu-assisted")
-    try:
+    with start(tiny_model_dir, adapters, device, True, lora_mode="cpu-assisted") as engine:
         got = generate(engine, jobs, seed=2)
         counters = dict(engine.runner.graphs.counters)
         assert engine.lora.host_stats.calls > 0
-    finally:
-        engine.shutdown()
     assert counters.get("eager_loading", 0) > 0 and counters.get("replays", 0) > 0, counters
     for (_, name, _), prompt, ours in zip(jobs, prompts(jobs, seed=2), got):
         ref, margins = reference_greedy(tiny_model_dir, adapters, prompt, name)
@@ -145,8 +145,7 @@ def test_a_growing_adapter_pool_drops_the_graphs(tmp_path, tiny_model_dir, adapt
     tensors, which the captured graphs point into: they must be captured again."""
     from toppings.scripts.make_adapters import make_random_adapter
 
-    engine = start(tiny_model_dir, adapters, device, True)
-    try:
+    with start(tiny_model_dir, adapters, device, True) as engine:
         first = generate(engine, JOBS[:3])
         graphs = engine.runner.graphs
         assert graphs.keys and not graphs.counters.get("invalidations")
@@ -156,7 +155,5 @@ def test_a_growing_adapter_pool_drops_the_graphs(tmp_path, tiny_model_dir, adapt
         assert graphs.counters["invalidations"] == 1, graphs.counters
         later = generate(engine, JOBS[:3])  # the old adapters' rows, through new graphs
         assert graphs.counters["invalidations"] == 1 and graphs.counters["replays"] > 0
-    finally:
-        engine.shutdown()
     assert [len(t) for t in again] == [k for _, _, k in JOBS[:3]]
     assert_same(tiny_model_dir, adapters, JOBS[:3], later, first)

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from toppings.server.config import EngineConfig
+from tests.helpers import running_engine
 from toppings.server.model.dtype import choose_dtype, cpu_flags
 from toppings.server.requests.request import GenerationRequest, SamplingParams
-from toppings.server.runtime import build_engine
 
 
 def test_cuda_runs_bfloat16():
@@ -32,11 +31,8 @@ def test_cpu_flags_are_read_from_cpuinfo(tmp_path: Path):
 
 
 def test_an_engine_with_auto_dtype_resolves_it_and_serves(tiny_model_dir):
-    engine = build_engine(str(tiny_model_dir), EngineConfig(device="cpu", dtype="auto"))
-    try:
+    with running_engine(tiny_model_dir, device="cpu", dtype="auto") as engine:
         assert engine.config.dtype in ("float32", "bfloat16")
         params = SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True)
         out = engine.submit(GenerationRequest([5, 6, 7], params, None)).result(timeout_s=60)
         assert len(out.new_token_ids) == 3
-    finally:
-        engine.shutdown()

@@ -8,11 +8,11 @@ import json
 import pytest
 import torch
 
+from tests.helpers import running_engine
 from toppings.scripts.make_dummy_model import PRESETS, make_dummy_model
 from toppings.server.config import EngineConfig
 from toppings.server.model.loader import load_checkpoint
 from toppings.server.requests.request import GenerationRequest, SamplingParams
-from toppings.server.runtime import build_engine
 
 
 @pytest.fixture(scope="module")
@@ -45,15 +45,11 @@ def test_dummy_weights_have_the_checkpoint_shapes_and_follow_the_seed(dummy_dir,
 
 
 def test_a_dummy_model_serves(dummy_dir):
-    config = EngineConfig(dtype="float32", max_total_tokens=512, load_format="dummy")
-    engine = build_engine(str(dummy_dir), config)
-    try:
+    with running_engine(dummy_dir, max_total_tokens=512, load_format="dummy") as engine:
         params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
         out = engine.submit(GenerationRequest([5, 6, 7], params)).result(60)
         assert len(out.new_token_ids) == 6
         assert all(0 <= t < engine.model_config.vocab_size for t in out.new_token_ids)
-    finally:
-        engine.shutdown()
 
 
 def test_a_tied_model_has_no_lm_head_of_its_own(tmp_path, tiny_model_dir):

@@ -8,21 +8,17 @@ import shutil
 
 import pytest
 
-from toppings.server.config import EngineConfig
+from tests.helpers import running_engine
 from toppings.server.model.loader import CheckpointError, generation_eos_ids, load_checkpoint
 from toppings.server.requests.request import GenerationRequest, SamplingParams
-from toppings.server.runtime import build_engine
 
 PROMPT = [5, 17, 42, 9, 3]
 
 
 def generate(model_dir, max_new: int, ignore_eos: bool):
-    engine = build_engine(str(model_dir), EngineConfig(dtype="float32", max_total_tokens=512))
-    try:
+    with running_engine(model_dir, max_total_tokens=512) as engine:
         params = SamplingParams(max_new_tokens=max_new, temperature=0.0, ignore_eos=ignore_eos)
         return engine.submit(GenerationRequest(PROMPT, params)).result(60)
-    finally:
-        engine.shutdown()
 
 
 def test_a_generation_stops_at_the_second_eos_id_of_generation_config(tiny_model_dir, tmp_path):

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers import running_engine
 from toppings.server.config import EngineConfig
 from toppings.server.model.loader import CheckpointError, load_checkpoint
 from toppings.server.model.weights import INDEX_FILE
@@ -45,12 +46,9 @@ def shards(model_dir: Path) -> list[str]:
 
 
 def greedy(model_dir: Path, prompt: list[int], max_new: int) -> list[int]:
-    engine = build_engine(str(model_dir), EngineConfig(dtype="float32", max_total_tokens=512))
-    try:
+    with running_engine(model_dir, max_total_tokens=512) as engine:
         params = SamplingParams(max_new_tokens=max_new, temperature=0.0, ignore_eos=True)
         return engine.submit(GenerationRequest(prompt, params)).result(60).new_token_ids
-    finally:
-        engine.shutdown()
 
 
 def test_shards_hold_the_same_tensors_and_generate_the_same_tokens(sharded_dir, tiny_model_dir):

@@ -7,11 +7,9 @@ import time
 
 import pytest
 
-from tests.helpers import assert_memory_balanced
+from tests.helpers import assert_memory_balanced, running_engine
 from toppings.scripts.make_adapters import make_random_adapter
-from toppings.server.config import EngineConfig
 from toppings.server.requests.request import GenerationRequest, SamplingParams
-from toppings.server.runtime import build_engine
 
 RANKS = (8, 16, 32, 64)
 
@@ -43,14 +41,12 @@ def workload(n: int = 48):
 
 def run(tiny_model_dir, adapters, policy: str):
     # A small KV cache (4 long requests at a time) so that requests queue and the order matters.
-    config = EngineConfig(dtype="float32", max_total_tokens=600, queue_policy=policy)
-    engine = build_engine(str(tiny_model_dir), config, adapters)
-    try:
+    with running_engine(
+        tiny_model_dir, adapters, max_total_tokens=600, queue_policy=policy
+    ) as engine:
         handles = [engine.submit(GenerationRequest(p, s, a)) for p, s, a in workload()]
         tokens = [h.result(timeout_s=300).new_token_ids for h in handles]
         return tokens, engine.stats().to_json()["queueing"]
-    finally:
-        engine.shutdown()
 
 
 def test_chameleon_changes_the_order_not_the_tokens(tiny_model_dir, adapters):
@@ -62,10 +58,8 @@ def test_chameleon_changes_the_order_not_the_tokens(tiny_model_dir, adapters):
     assert len(view["quotas"]) == len(view["cutoffs"]) + 1 == len(view["queue_lengths"])
 
 
-def test_a_squashed_request_streams_each_token_once(tiny_model_dir, adapters):
-    config = EngineConfig(dtype="float32", max_total_tokens=600, queue_policy="chameleon")
-    engine = build_engine(str(tiny_model_dir), config, adapters)
-    try:
+def test_a_squashed_request_streams_each_token_once(tiny_engine, adapters):
+    with tiny_engine(adapters, max_total_tokens=600, queue_policy="chameleon") as engine:
         params = SamplingParams(max_new_tokens=40, temperature=0.9, seed=3, ignore_eos=True)
         alone = engine.submit(GenerationRequest([5, 6, 7], params, "r32")).result(timeout_s=120)
         forward = engine.model.forward
@@ -91,8 +85,6 @@ def test_a_squashed_request_streams_each_token_once(tiny_model_dir, adapters):
         assert "".join(o.new_text for o in outputs) == alone.new_text
         assert engine.stats().to_json()["queueing"]["squashes"] == 1
         assert_memory_balanced(engine)
-    finally:
-        engine.shutdown()
 
 
 @pytest.mark.parametrize(
@@ -101,19 +93,16 @@ def test_a_squashed_request_streams_each_token_once(tiny_model_dir, adapters):
      ("static", {}, False), ("static", {"adapter_cache_bytes": 4 << 20}, True)],
 )  # fmt: skip
 def test_a_request_is_charged_its_adapter_only_where_adapter_memory_counts(
-    tiny_model_dir, adapters, layout, budget, charged
+    tiny_engine, adapters, layout, budget, charged
 ):
     # Chameleon's quota charge includes the adapter's memory only where the engine's memory
     # counts it; otherwise a large adapter's request looks larger than the whole memory and
     # its queue serialises (found by bench_queueing after the pool became the default).
-    config = EngineConfig(dtype="float32", max_total_tokens=600, queue_policy="chameleon",
-                          memory_layout=layout, **budget)  # fmt: skip
-    engine = build_engine(str(tiny_model_dir), config, adapters)
-    try:
+    with tiny_engine(
+        adapters, max_total_tokens=600, queue_policy="chameleon", memory_layout=layout, **budget
+    ) as engine:
         gate = engine.scheduler.gate()
         assert gate.adapter_tokens(None) == 0
         assert (gate.adapter_tokens("r64") > 0) is charged
         if charged:
             assert gate.adapter_tokens("r64") > gate.adapter_tokens("r8")
-    finally:
-        engine.shutdown()
