@@ -1,24 +1,34 @@
-"""FCFS against Chameleon's multi-level queues (`--queue-policy`) on SmolLM2, side by side.
+"""The paper's comparison (Chameleon, MICRO'25) as engine configurations on SmolLM2, side by side.
 
-A heterogeneous trace (PEFT adapters of ranks 8-128 on q, k, v, equal rank shares and Zipf
-popularity within a rank; LMSYS-shaped lognormal lengths, outputs scaled down for a CPU) is
-replayed open-loop (Poisson arrivals) against two in-process engines that differ only in the
-queue policy. The KV cache is small enough to bind (as GPU memory does in the paper), so that
-requests queue. On a CPU a prefill step is slow (SmolLM2 in float32 at the ~200 GFLOP/s of
-engine_throughput_float32.json: ~0.7 s per 500 prompt tokens on 2 cores): with the engine's
-default budget of 8192 prompt tokens a step, every request admitted together waits for the whole
-step; `--max-prefill-tokens` bounds a step. At the start of the run:
-- the SLO is 5x the mean E2E latency of requests served alone (the paper's rule);
-- capacity is the request rate FCFS completes a burst at while it still saturates the server
-  (the first 75% of its completions);
-then loads from half of that capacity to past it are swept; at each load the two policies run
-the same trace one after the other, in alternating order over rounds (a new trace per round).
-Per policy and load: P50/P99 TTFT, throughput and SLO attainment (TTFT within the SLO), pooled
-over the rounds, and the per-round P99s for the spread. Headlines: `p99_ttft_ratio_vs_fcfs` at
-the highest load at which FCFS's P99 TTFT meets the SLO, and `sustained_load_ratio_vs_fcfs`,
-the ratio of the loads each policy sustains within the SLO (linear between sweep points).
+Four configurations (`--configs`, the table `CONFIGS`), each one engine in process, differ in
+the queue policy, and in whether adapters no request holds stay on the device:
+- `slora`: FCFS, adapters loaded on demand over the emulated link, no cache
+  (`--adapter-cache off`: an adapter leaves the device when its last request ends);
+- `chameleon-nocache`: Chameleon's multi-level queues, the same loads and no cache;
+- `chameleon-nosched`: FCFS with the adapter cache (idle adapters stay, Chameleon's eviction);
+- `chameleon`: both.
+All four load adapters on demand (`--lora-mode on-demand`: a prefill waits for its adapter)
+into the same adapter budget beside the same KV (`--memory-layout static`), a share
+`--cache-share` of the adapters' bytes (at least two of the largest), so that the working set
+does not fit and the cache matters; chunked prefill is on (`--chunked-prefill`). The link
+(`--link-gbps`, 0: derived) is set so that loading a rank-64 adapter takes one 128-token
+prefill on this machine (bench/common.py link_gbps_for, as bench_single_server sets it).
 
-    python -m bench.bench_queueing [--loads 0.5,0.8,1.0,1.2,1.4 --duration 40 --rounds 2]
+A heterogeneous trace (`--per-rank` PEFT adapters of each rank 8-128 on q, k, v, equal rank
+shares and Zipf popularity within a rank; LMSYS-shaped lognormal lengths, outputs scaled down for
+a CPU) is replayed open-loop (Poisson arrivals). At the start of the run:
+- the SLO is 5x the mean E2E latency of requests served alone (the paper's rule), on the
+  baseline (`chameleon-nosched`, else the first configuration), each request's second run;
+- capacity per configuration: the request rate it completes a burst at while the burst still
+  saturates the server (the first 75% of its completions);
+then loads, fractions of the baseline's capacity, are swept; at each load every configuration
+runs the same trace, one after the other, in an order that alternates over rounds (a new trace
+per round). Per configuration and load: P50/P99 TTFT, throughput and SLO attainment, pooled over
+the rounds, and the per-round P99s. Headlines (`headlines`): Chameleon against S-LoRA at
+S-LoRA's highest load within the SLO and in sustained load; the scheduler alone (`chameleon`
+against `chameleon-nosched`) in sustained load and at 1.25x the baseline's capacity.
+
+    python -m bench.bench_queueing [--loads 0.25,0.5,0.75,1.0,1.25,1.5 --duration 40 --rounds 2]
 """
 
 from __future__ import annotations
@@ -28,8 +38,10 @@ import logging
 import shutil
 import statistics
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from bench.common import adapter_bytes, link_gbps_for, prefill_ms
 from bench.envelope import describe_device, write_result
 from toppings.scripts.loadgen.stats import percentile
 from toppings.scripts.loadgen.workload import LengthSpec, WorkloadSpec, build_trace
@@ -41,9 +53,67 @@ from toppings.server.runtime import build_engine
 
 log = logging.getLogger("bench_queueing")
 RANKS = (8, 16, 32, 64, 128)
-POLICIES = ("fcfs", "chameleon")
 TARGETS = ("q_proj", "k_proj", "v_proj")
 CAPACITY_SHARE = 0.75  # capacity: completions per second until 75% of a burst has completed
+OVERLOAD = 1.25  # p99_ttft_ratio_vs_fcfs_overload: at this multiple of the baseline's capacity
+LINK_PROMPT_TOKENS = 128  # the link: a rank-64 adapter's load takes one prefill of this many
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """One system of the paper's comparison, as engine settings: the queue policy
+    (`--queue-policy`), how an adapter not on the device starts (`--lora-mode`), whether idle
+    adapters stay on the device (`--adapter-cache`) and which of them leaves first
+    (`--eviction`)."""
+
+    queue_policy: str
+    lora_mode: str
+    adapter_cache: bool
+    eviction: str
+
+
+CONFIGS: dict[str, Comparison] = {
+    "slora": Comparison("fcfs", "on-demand", False, "lru"),
+    "chameleon-nocache": Comparison("chameleon", "on-demand", False, "lru"),
+    "chameleon-nosched": Comparison("fcfs", "on-demand", True, "chameleon"),
+    "chameleon": Comparison("chameleon", "on-demand", True, "chameleon"),
+}
+SLORA, FCFS, CHAMELEON = "slora", "chameleon-nosched", "chameleon"  # the headlines' three
+
+
+def engine_config(
+    name: str, args, link_gbps: float, cache_bytes: int, slo_ms: float
+) -> EngineConfig:
+    """The engine of configuration `name`: its row of CONFIGS over what all of them share (the
+    KV, the adapter budget beside it, the link, the step budget)."""
+    row = CONFIGS[name]
+    return EngineConfig(
+        dtype=args.dtype,
+        max_total_tokens=args.max_total_tokens,
+        max_batch_size=args.max_batch_size,
+        max_prefill_tokens=args.max_prefill_tokens,
+        chunked_prefill=args.chunked_prefill,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        ttft_slo_ms=slo_ms,
+        memory_layout="static",
+        adapter_cache_bytes=cache_bytes,
+        link_gbps=link_gbps,
+        **asdict(row),
+    )
+
+
+def cache_budget(nbytes: dict[int, int], per_rank: int, share: float) -> int:
+    """The adapter budget: `share` of all adapters' bytes (`nbytes`: one adapter's per rank),
+    at least two of the largest (any request can then run beside another)."""
+    return max(int(share * per_rank * sum(nbytes.values())), 2 * max(nbytes.values()))
+
+
+def burst_capacity(e2e_s: list[float]) -> float:
+    """Requests per second while a burst (all submitted at once) still saturates the server:
+    75% of its requests over the time the 75th percent took to complete."""
+    done = sorted(e2e_s)
+    k = max(1, int(CAPACITY_SHARE * len(done)))
+    return k / done[k - 1]
 
 
 def make_adapters(root: Path, model_dir: Path, per_rank: int) -> dict[str, str]:
@@ -151,124 +221,202 @@ def sustained(loads: list[float], p99s: list[float], slo_ms: float) -> tuple[flo
     return loads[-1], True
 
 
-def plot(path: Path, loads: list[float], per_policy: dict, slo_ms: float, title: str) -> None:
+def headlines(loads: list[float], p99: dict[str, list[float]], slo_ms: float,
+              overload_idx: int | None) -> dict:  # fmt: skip
+    """The issue's headline ratios from each configuration's P99 TTFT (ms) per load:
+    `sustained_load_ratio_vs_slora` and `p99_ttft_ratio_vs_slora` (chameleon / slora, the P99 at
+    slora's highest load within the SLO), `sustained_load_ratio_vs_fcfs` (chameleon /
+    chameleon-nosched) and `p99_ttft_ratio_vs_fcfs_overload` (the P99s at loads[overload_idx]).
+    A ratio whose configurations did not run is None; `sustained_*` per configuration."""
+    held = {c: sustained(loads, v, slo_ms) for c, v in p99.items()}
+
+    def ratio(a: float | None, b: float | None) -> float | None:
+        return a / b if a is not None and b else None
+
+    def within(base: str) -> int:
+        ok = [i for i, v in enumerate(p99[base]) if v <= slo_ms]
+        return ok[-1] if ok else 0
+
+    out: dict = {"sustained_rps": {c: v for c, (v, _) in held.items()},
+                 "sustained_is_lower_bound": {c: b for c, (_, b) in held.items()}}  # fmt: skip
+    has = set(p99)
+    if {SLORA, CHAMELEON} <= has:
+        at = within(SLORA)
+        out["sustained_load_ratio_vs_slora"] = ratio(held[CHAMELEON][0], held[SLORA][0])
+        out["p99_ttft_ratio_vs_slora"] = ratio(p99[CHAMELEON][at], p99[SLORA][at])
+        out["slora_ratio_load_rps"] = loads[at]
+    if {FCFS, CHAMELEON} <= has:
+        out["sustained_load_ratio_vs_fcfs"] = ratio(held[CHAMELEON][0], held[FCFS][0])
+        if overload_idx is not None:
+            i = overload_idx
+            out["p99_ttft_ratio_vs_fcfs_overload"] = ratio(p99[CHAMELEON][i], p99[FCFS][i])
+            out["overload_load_rps"] = loads[i]
+    return out
+
+
+COLOURS = {"slora": "tab:red", "chameleon-nocache": "tab:orange",
+           "chameleon-nosched": "tab:green", "chameleon": "tab:blue"}  # fmt: skip
+
+
+def plot(path: Path, series: list[tuple[str, list[float], dict, bool]], slo_ms: float,
+         title: str) -> None:  # fmt: skip
+    """P99 TTFT against load per configuration; series: (label, loads, {config: rows},
+    simulated): real points filled on solid lines, simulated ones hollow on dashed lines."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for policy, style in zip(POLICIES, ("tab:red", "tab:blue")):
-        rows = per_policy[policy]
-        ax.plot(loads, [r["ttft_p99_ms"] / 1000 for r in rows], "o-", color=style,
-                label=f"{policy} P99")  # fmt: skip
-        ax.plot(loads, [r["ttft_p50_ms"] / 1000 for r in rows], "s--", color=style,
-                label=f"{policy} P50", alpha=0.6)  # fmt: skip
+    fig, ax = plt.subplots(figsize=(6.8, 4.4))
+    for label, loads, per_config, simulated in series:
+        for name, rows in per_config.items():
+            style = dict(
+                color=COLOURS.get(name, "k"),
+                ls="--" if simulated else "-",
+                marker="o",
+                mfc="none" if simulated else COLOURS.get(name, "k"),
+            )
+            ax.plot(loads, [r["ttft_p99_ms"] / 1000 for r in rows], label=f"{name} ({label})",
+                    **style)  # fmt: skip
     ax.axhline(slo_ms / 1000, color="k", ls=":", label="SLO")
     ax.set_yscale("log")
     ax.set_xlabel("load (requests/s)")
-    ax.set_ylabel("TTFT (s)")
-    ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=8)
+    ax.set_ylabel("P99 TTFT (s)")
+    ax.set_title(title, fontsize=8)
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--loads", default="0.5,0.8,1.0,1.2,1.4", help="fractions of capacity")
-    p.add_argument("--duration", type=float, default=40.0, help="seconds of arrivals per run")
-    p.add_argument("--rounds", type=int, default=2)
+def parse_configs(text: str, table: dict[str, Comparison] = CONFIGS) -> list[str]:
+    """`--configs`: names of `table`, comma-separated; ValueError naming the choices."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in table]
+    if unknown or not names:
+        raise ValueError(f"unknown configurations {unknown}; choose from {sorted(table)}")
+    return names
+
+
+def sweep_fractions(text: str) -> tuple[list[float], int]:
+    """`--loads` as sorted fractions of the baseline's capacity, OVERLOAD among them; returns
+    them and OVERLOAD's index."""
+    fractions = sorted({float(x) for x in text.split(",")} | {OVERLOAD})
+    return fractions, fractions.index(OVERLOAD)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The trace's and the engines' arguments, shared with bench/queueing_sim.py."""
+    p.add_argument("--configs", default=",".join(CONFIGS), help=f"of {', '.join(CONFIGS)}")
     p.add_argument("--per-rank", type=int, default=4, help="adapters per rank")
     p.add_argument("--max-prompt-len", type=int, default=512)
     p.add_argument("--output-len", default="lognormal:40:1.0")
     p.add_argument("--max-output-len", type=int, default=256)
     p.add_argument("--max-total-tokens", type=int, default=2048)
+    p.add_argument("--max-batch-size", type=int, default=32)
+    p.add_argument("--max-prefill-tokens", type=int, default=8192,
+                   help="prompt tokens a step may take with chunked prefill off")  # fmt: skip
+    p.add_argument("--chunked-prefill", default="on", choices=("on", "off"))
+    p.add_argument("--max-num-batched-tokens", type=int, default=0,
+                   help="chunked prefill's step budget (0: the engine's derived one)")  # fmt: skip
+    p.add_argument("--cache-share", type=float, default=0.25,
+                   help="the adapter budget: this share of all adapters' bytes")  # fmt: skip
+    p.add_argument("--link-gbps", type=float, default=0.0,
+                   help="emulated link (0: a rank-64 load = one 128-token prefill)")  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(p)
+    p.add_argument("--loads", default="0.25,0.5,0.75,1.0,1.25,1.5",
+                   help="fractions of the baseline's capacity (1.25 always added)")  # fmt: skip
+    p.add_argument("--duration", type=float, default=40.0, help="seconds of arrivals per run")
+    p.add_argument("--rounds", type=int, default=2)
     p.add_argument(
         "--dtype",
         default="float32",
         choices=DTYPE_CHOICES,
         help="the engines' dtype (auto: what toppings-serve picks on this machine)",
     )
-    p.add_argument("--max-batch-size", type=int, default=32)
-    p.add_argument(
-        "--max-prefill-tokens",
-        type=int,
-        default=8192,
-        help="prompt tokens one prefill step may take (the engine's default)",
-    )
     p.add_argument("--alone", type=int, default=8, help="requests served alone for the SLO")
     p.add_argument("--burst", type=int, default=32, help="requests of the capacity burst")
     p.add_argument("--adapter-dir", type=Path, default=Path("/tmp/toppings-queueing-adapters"))
     p.add_argument("--out", type=Path, default=Path("bench/results/queueing.json"))
     p.add_argument("--plot", type=Path, default=Path("bench/queueing_ttft.png"))
+    p.add_argument("--sim", type=Path, help="a queueing_sim.json to draw beside (hollow points)")
     args = p.parse_args(argv)
+    args.chunked_prefill = args.chunked_prefill == "on"
+    names = parse_configs(args.configs)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     model_dir = resolve_model_dir("smollm2")
     adapters = make_adapters(args.adapter_dir, model_dir, args.per_rank)
+    nbytes = {r: adapter_bytes(adapters[f"r{r}-0"], str(model_dir), _torch_dtype(args.dtype))
+              for r in RANKS}  # fmt: skip
+    cache_bytes = cache_budget(nbytes, args.per_rank, args.cache_share)
+    link_gbps = args.link_gbps
+    if not link_gbps:
+        prompt = list(range(100, 100 + LINK_PROMPT_TOKENS))
+        link_gbps = link_gbps_for(nbytes[64], prefill_ms(str(model_dir), args.dtype, prompt) / 1000)
+    base = FCFS if FCFS in names else names[0]
 
-    def engine(policy: str, slo_ms: float = 5000.0):
-        config = EngineConfig(dtype=args.dtype, max_total_tokens=args.max_total_tokens,
-                              max_batch_size=args.max_batch_size, queue_policy=policy,
-                              max_prefill_tokens=args.max_prefill_tokens,
-                              ttft_slo_ms=slo_ms)  # fmt: skip
+    def engine(name: str, slo_ms: float = 5000.0):
+        config = engine_config(name, args, link_gbps, cache_bytes, slo_ms)
         return build_engine(str(model_dir), config, adapters)
 
-    engines = {"fcfs": engine("fcfs")}
+    engines = {base: engine(base)}
     alone = trace_for(args, adapters, 1.0, 999, None, args.alone)
-    e2e = [replay(engines["fcfs"], [e], burst=True)[0]["e2e_s"] for e in alone]
+    e2e = [replay(engines[base], [e, e], burst=True)[1]["e2e_s"] for e in alone]
     slo_ms = 5000 * statistics.fmean(e2e)
+    for name in names:
+        engines.setdefault(name, engine(name, slo_ms))
     burst = trace_for(args, adapters, 1.0, 998, None, args.burst)
-    capacity = {}
-    engines["chameleon"] = engine("chameleon", slo_ms)
-    for policy in POLICIES:  # also the warm-up: chameleon's first queues come from this burst
-        done = sorted(r["e2e_s"] for r in replay(engines[policy], burst, burst=True))
-        k = int(CAPACITY_SHARE * len(done))  # while the burst still saturates the server
-        capacity[policy] = k / done[k - 1]
-    log.info("SLO %.0f ms; capacity %s", slo_ms, capacity)
-    fractions = [float(x) for x in args.loads.split(",")]
-    loads = [f * capacity["fcfs"] for f in fractions]
-    raw: dict[str, list[list[list[dict]]]] = {pol: [[] for _ in loads] for pol in POLICIES}
+    capacity = {n: burst_capacity([r["e2e_s"] for r in replay(engines[n], burst, burst=True)])
+                for n in names}  # fmt: skip
+    log.info("SLO %.0f ms; capacity %s; link %.3f Gbit/s; adapter budget %d bytes",
+             slo_ms, capacity, link_gbps, cache_bytes)  # fmt: skip
+    fractions, overload_idx = sweep_fractions(args.loads)
+    loads = [f * capacity[base] for f in fractions]
+    raw: dict[str, list[list[list[dict]]]] = {n: [[] for _ in loads] for n in names}
     for rnd in range(args.rounds):
         for i, rps in enumerate(loads):
             trace = trace_for(args, adapters, rps, seed=rnd * 100 + i, duration=args.duration)
-            order = POLICIES if (rnd + i) % 2 == 0 else POLICIES[::-1]
-            for policy in order:
-                raw[policy][i].append(replay(engines[policy], trace))
-                log.info("round %d load %.2f rps %s: %s", rnd, rps, policy,
-                         summarise(raw[policy][i][-1:], slo_ms / 1000, args.duration))  # fmt: skip
-    views = {pol: engines[pol].stats().to_json()["queueing"] for pol in POLICIES}
+            order = names if (rnd + i) % 2 == 0 else names[::-1]
+            for name in order:
+                raw[name][i].append(replay(engines[name], trace))
+                log.info("round %d load %.2f rps %s: %s", rnd, rps, name,
+                         summarise(raw[name][i][-1:], slo_ms / 1000, args.duration))  # fmt: skip
+    views = {n: engines[n].stats().to_json() for n in names}
+    dtype = engines[base].config.dtype  # "auto" resolved
     for e in engines.values():
         e.shutdown()
-    per_policy = {
-        pol: [summarise(runs, slo_ms / 1000, args.duration) for runs in raw[pol]]
-        for pol in POLICIES
-    }
-    dtype = engines["fcfs"].config.dtype  # "auto" resolved
-    write(args, argv, dtype, slo_ms, capacity, fractions, loads, per_policy, views)
+    per_config = {n: [summarise(runs, slo_ms / 1000, args.duration) for runs in raw[n]]
+                  for n in names}  # fmt: skip
+    run = {"dtype": dtype, "slo_ms": slo_ms, "capacity": capacity, "fractions": fractions,
+           "loads": loads, "overload_idx": overload_idx, "link_gbps": link_gbps,
+           "cache_bytes": cache_bytes, "adapter_bytes_per_rank": nbytes[8] // 8}  # fmt: skip
+    write(args, argv, run, per_config, views)
 
 
-def write(args, argv, dtype, slo_ms, capacity, fractions, loads, per_policy, views) -> None:
-    p99 = {pol: [r["ttft_p99_ms"] for r in per_policy[pol]] for pol in POLICIES}
-    held = {pol: sustained(loads, p99[pol], slo_ms) for pol in POLICIES}
-    within = [i for i, v in enumerate(p99["fcfs"]) if v <= slo_ms]
-    at = within[-1] if within else 0
+def _torch_dtype(name: str):
+    import torch
+
+    return {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(name, torch.float32)
+
+
+def write(args, argv, run: dict, per_config: dict, views: dict) -> None:
+    p99 = {n: [r["ttft_p99_ms"] for r in rows] for n, rows in per_config.items()}
+    loads, slo_ms = run["loads"], run["slo_ms"]
     metrics = {
-        "p99_ttft_ratio_vs_fcfs": p99["chameleon"][at] / p99["fcfs"][at],
-        "p50_ttft_ratio_vs_fcfs": per_policy["chameleon"][at]["ttft_p50_ms"]
-        / per_policy["fcfs"][at]["ttft_p50_ms"],
-        "ratio_load_rps": loads[at],
-        "ratio_load_fraction_of_capacity": fractions[at],
-        "sustained_load_ratio_vs_fcfs": held["chameleon"][0] / held["fcfs"][0]
-        if held["fcfs"][0]
-        else None,
-        "sustained_rps": {pol: held[pol][0] for pol in POLICIES},
-        "sustained_is_lower_bound": {pol: held[pol][1] for pol in POLICIES},
+        **headlines(loads, p99, slo_ms, run["overload_idx"]),
         "slo_ms": slo_ms,
-        "capacity_rps": capacity,
+        "capacity_rps": run["capacity"],
         "loads_rps": loads,
-        "per_load": per_policy,
-        "chameleon_queues_at_end": views["chameleon"],
+        "load_fractions_of_baseline_capacity": run["fractions"],
+        "link_gbps": run["link_gbps"],
+        "adapter_cache_bytes": run["cache_bytes"],
+        "adapter_bytes_per_rank": run["adapter_bytes_per_rank"],
+        "per_load": per_config,
+        "adapter_cache_at_end": {n: v["adapter_cache"] for n, v in views.items()},
+        "queues_at_end": {n: v["queueing"] for n, v in views.items()},
     }
     write_result(
         args.out,
@@ -278,22 +426,38 @@ def write(args, argv, dtype, slo_ms, capacity, fractions, loads, per_policy, vie
         argv=argv,
         config={
             **{k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-            "model": f"SmolLM2-135M-Instruct ({dtype}), in-process engines, lora-mode cached",
+            "model": f"SmolLM2-135M-Instruct ({run['dtype']}), in-process engines",
+            "configs": {n: asdict(CONFIGS[n]) for n in per_config},
+            "shared": "lora-mode on-demand, memory-layout static: --max-total-tokens of KV "
+            "beside the adapter budget (adapter_cache_bytes), the emulated link (link_gbps)",
             "ranks": list(RANKS),
             "targets": list(TARGETS),
             "popularity": "equal rank shares, zipf(1.0) over the adapters of a rank",
             "prompt_len": "lmsys lognormal (mean 69.5, sigma 1)",
-            "slo_rule": f"5x mean E2E of {args.alone} requests served alone",
+            "slo_rule": f"5x mean E2E of {args.alone} requests served alone (second run)",
             "capacity_rule": "a burst submitted at once: 75% of its requests / the time the "
-            "75th percent took to complete, FCFS (the tail of a burst runs unsaturated)",
+            "75th percent took to complete",
+            "link_rule": f"a rank-64 adapter's load takes one {LINK_PROMPT_TOKENS}-token prefill "
+            "unless --link-gbps",
         },
         metrics=metrics,
     )
-    title = (f"SmolLM2 CPU {dtype}, KV {args.max_total_tokens}, prefill "
-             f"{args.max_prefill_tokens} tokens, ranks 8-128, "
+    series = [("real", loads, per_config, False)]
+    if args.sim is not None and args.sim.is_file():
+        series.append(sim_series(args.sim))
+    title = (f"SmolLM2 CPU {run['dtype']}, KV {args.max_total_tokens}, chunked prefill "
+             f"{'on' if args.chunked_prefill else 'off'}, ranks 8-128 x {args.per_rank}, "
              f"{args.rounds} rounds x {args.duration:.0f} s per point")  # fmt: skip
-    plot(args.plot, loads, per_policy, slo_ms, title)
+    plot(args.plot, series, slo_ms, title)
     log.info("%s", {k: v for k, v in metrics.items() if k not in ("per_load",)})
+
+
+def sim_series(path: Path) -> tuple[str, list[float], dict, bool]:
+    """A queueing_sim.json's curves for `plot` (hollow points)."""
+    import json
+
+    metrics = json.loads(path.read_text())["metrics"]
+    return "simulated", metrics["loads_rps"], metrics["per_load"], True
 
 
 if __name__ == "__main__":
