@@ -11,9 +11,9 @@ The run follows bench_queueing's: the SLO is 5x the mean E2E of `--alone` reques
 saturated, and the loads fractions of the baseline's (chameleon-nosched) capacity. With chunked
 prefill on (the default) a step is mixed: d decodes and c prompt tokens cost the modelled decode
 step of d plus c prompt tokens (StepModel.mixed_s, the engine's StepTimeModel), within the step
-budget the engine derives from the same model (server/sched/step_budget.py). `first-fit` is a
-reference order (every request that fits starts; nothing blocks, nothing bounds a wait) with
-chameleon-nosched's cache, not a policy the server offers.
+budget the engine itself chooses (server/sched/step_budget.py, from its default model).
+`first-fit` is a reference order (every request that fits starts; nothing blocks, nothing
+bounds a wait) with chameleon-nosched's cache, not a policy the server offers.
 
 `--validate REAL.json` runs the sim with a real bench_queueing result's SLO, link, adapter budget
 and loads, and compares each configuration's capacity and sustained load with the measured ones
@@ -89,10 +89,12 @@ POLICIES = {**QUEUE_POLICY_CLASSES, FirstFit.name: FirstFit}
 SIM_CONFIGS = {**CONFIGS, "first-fit": Comparison("first-fit", "on-demand", True, "chameleon")}
 
 
-def summarise(seqs: list, slo_ms: float) -> dict:
-    """TTFT percentiles (ms) and SLO attainment of simulated requests (SimSeq)."""
+def summarise(runs: list[list], slo_ms: float) -> dict:
+    """TTFT percentiles (ms), SLO attainment and throughput of simulated runs (lists of SimSeq,
+    each from time 0), pooled."""
+    seqs = [s for run in runs for s in run]
     ttft = [1000 * (s.first_token_s - s.arrival) for s in seqs]
-    span = max(s.finish_s for s in seqs) - min(s.arrival for s in seqs)
+    span = sum(max(s.finish_s for s in run) for run in runs)
     return {
         "num_requests": len(ttft),
         "ttft_p50_ms": percentile(ttft, 50),
@@ -113,9 +115,9 @@ class Sim:
         self.ranks = {f"r{r}-{i}": r for r in RANKS for i in range(args.per_rank)}
         self.link_gbps, self.cache_bytes = link_gbps, cache_bytes
         self.budget = None
-        if args.chunked_prefill:
+        if args.chunked_prefill:  # the budget the engine chooses (its own default step model)
             self.budget = choose_step_budget(args.max_batch_size, args.max_prefill_tokens,
-                                             args.max_num_batched_tokens, 0.0, steps)  # fmt: skip
+                                             args.max_num_batched_tokens)  # fmt: skip
 
     def limits(self, name: str | None) -> SimLimits:
         """The engine of configuration `name` (None: every adapter resident, no loads)."""
@@ -159,12 +161,12 @@ class Sim:
         table: dict[str, list[dict]] = {n: [] for n in names}
         for rps in loads:
             for name in names:
-                seqs = []
+                runs = []
                 for rnd in range(self.args.rounds):
                     seed = rnd * 100 + int(rps * 1000)
                     trace = trace_for(self.args, self.ranks, rps, seed, self.args.duration)
-                    seqs += self.run(name, trace, slo_ms)
-                table[name].append(summarise(seqs, slo_ms))
+                    runs.append(self.run(name, trace, slo_ms))
+                table[name].append(summarise(runs, slo_ms))
                 row = table[name][-1]
                 log.warning("%5.2f req/s %-18s P50 %6.0f  P99 %6.0f  max %6.0f ms  attainment "
                             "%.3f", rps, name, row["ttft_p50_ms"], row["ttft_p99_ms"],
