@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import shutil
 import statistics
 import time
@@ -232,7 +233,10 @@ def headlines(loads: list[float], p99: dict[str, list[float]], slo_ms: float,
     held = {c: sustained(loads, v, slo_ms) for c, v in p99.items()}
 
     def ratio(a: float | None, b: float | None) -> float | None:
-        return a / b if a is not None and b else None
+        """a / b; None without both or where either is infinite (a P99 never reached)."""
+        if a is None or not b or not math.isfinite(a) or not math.isfinite(b):
+            return None
+        return a / b
 
     def within(base: str) -> int:
         ok = [i for i, v in enumerate(p99[base]) if v <= slo_ms]
@@ -253,6 +257,11 @@ def headlines(loads: list[float], p99: dict[str, list[float]], slo_ms: float,
             out["p99_ttft_ratio_vs_fcfs_overload"] = ratio(p99[CHAMELEON][i], p99[FCFS][i])
             out["overload_load_rps"] = loads[i]
     return out
+
+
+def p99_of(rows: list[dict]) -> list[float]:
+    """The P99 TTFTs (ms) of summaries; None (a tail some request never left) is infinite."""
+    return [math.inf if r["ttft_p99_ms"] is None else r["ttft_p99_ms"] for r in rows]
 
 
 COLOURS = {"slora": "tab:red", "chameleon-nocache": "tab:orange",
@@ -277,8 +286,8 @@ def plot(path: Path, series: list[tuple[str, list[float], dict, bool]], slo_ms: 
                 marker="o",
                 mfc="none" if simulated else COLOURS.get(name, "k"),
             )
-            ax.plot(loads, [r["ttft_p99_ms"] / 1000 for r in rows], label=f"{name} ({label})",
-                    **style)  # fmt: skip
+            p99_s = [v / 1000 if math.isfinite(v) else math.nan for v in p99_of(rows)]
+            ax.plot(loads, p99_s, label=f"{name} ({label})", **style)
     ax.axhline(slo_ms / 1000, color="k", ls=":", label="SLO")
     ax.set_yscale("log")
     ax.set_xlabel("load (requests/s)")
@@ -410,7 +419,7 @@ def _torch_dtype(name: str):
 
 
 def write(args, argv, run: dict, per_config: dict, views: dict) -> None:
-    p99 = {n: [r["ttft_p99_ms"] for r in rows] for n, rows in per_config.items()}
+    p99 = {n: p99_of(rows) for n, rows in per_config.items()}
     loads, slo_ms = run["loads"], run["slo_ms"]
     metrics = {
         **headlines(loads, p99, slo_ms, run["overload_idx"]),

@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import statistics
 from dataclasses import asdict
 from pathlib import Path
@@ -43,6 +44,7 @@ from bench.bench_queueing import (
     burst_capacity,
     cache_budget,
     headlines,
+    p99_of,
     parse_configs,
     plot,
     sustained,
@@ -51,7 +53,7 @@ from bench.bench_queueing import (
 )
 from bench.common import link_gbps_for
 from bench.envelope import describe_device, write_result
-from bench.sim_engine import SimCache, SimLimits, StepModel, measure_steps, run
+from bench.sim_engine import SimCache, SimLimits, Stalled, StepModel, measure_steps, run
 from toppings.scripts.loadgen.stats import percentile
 from toppings.server.config import PCIE4_X16_LATENCY_US, SchedulingConfig
 from toppings.server.sched.policies import QUEUE_POLICY_CLASSES
@@ -89,22 +91,38 @@ POLICIES = {**QUEUE_POLICY_CLASSES, FirstFit.name: FirstFit}
 SIM_CONFIGS = {**CONFIGS, "first-fit": Comparison("first-fit", "on-demand", True, "chameleon")}
 
 
-def summarise(runs: list[list], slo_ms: float) -> dict:
+def summarise(runs: list[list], slo_ms: float, num_stalled: int = 0) -> dict:
     """TTFT percentiles (ms), SLO attainment and throughput of simulated runs (lists of SimSeq,
-    each from time 0), pooled."""
+    each from time 0), pooled. A request a stalled run never served counts as an infinite TTFT:
+    a percentile it reaches is None, as is the mean."""
     seqs = [s for run in runs for s in run]
-    ttft = [1000 * (s.first_token_s - s.arrival) for s in seqs]
-    span = sum(max(s.finish_s for s in run) for run in runs)
+    ttft = [math.inf if s.first_token_s is None else 1000 * (s.first_token_s - s.arrival)
+            for s in seqs]  # fmt: skip
+    done = [s for s in seqs if s.finish_s is not None]
+    span = sum(max((s.finish_s for s in run if s.finish_s is not None), default=0.0)
+               for run in runs)  # fmt: skip
+
+    def finite(value: float) -> float | None:
+        return value if math.isfinite(value) else None
+
     return {
         "num_requests": len(ttft),
-        "ttft_p50_ms": percentile(ttft, 50),
-        "ttft_p99_ms": percentile(ttft, 99),
-        "ttft_p999_ms": percentile(ttft, 99.9),
-        "ttft_max_ms": max(ttft),
-        "ttft_mean_ms": statistics.fmean(ttft),
+        "num_unserved": sum(s.first_token_s is None for s in seqs),
+        "num_stalled_runs": num_stalled,
+        "ttft_p50_ms": finite(_percentile(ttft, 50)),
+        "ttft_p99_ms": finite(_percentile(ttft, 99)),
+        "ttft_p999_ms": finite(_percentile(ttft, 99.9)),
+        "ttft_max_ms": finite(max(ttft)),
+        "ttft_mean_ms": finite(statistics.fmean(ttft)),
         "slo_attainment": sum(t <= slo_ms for t in ttft) / len(ttft),
-        "throughput_rps": len(seqs) / span,
+        "throughput_rps": len(done) / span if span else 0.0,
     }
+
+
+def _percentile(values: list[float], q: float) -> float:
+    """percentile() where infinite values may be among them (inf - inf would give nan)."""
+    value = percentile(values, q)
+    return math.inf if math.isnan(value) else value
 
 
 class Sim:
@@ -161,15 +179,20 @@ class Sim:
         table: dict[str, list[dict]] = {n: [] for n in names}
         for rps in loads:
             for name in names:
-                runs = []
+                runs, stalled = [], 0
                 for rnd in range(self.args.rounds):
                     seed = rnd * 100 + int(rps * 1000)
                     trace = trace_for(self.args, self.ranks, rps, seed, self.args.duration)
-                    runs.append(self.run(name, trace, slo_ms))
-                table[name].append(summarise(runs, slo_ms))
+                    try:
+                        runs.append(self.run(name, trace, slo_ms))
+                    except Stalled as exc:
+                        log.warning("%5.2f req/s %s round %d: %s", rps, name, rnd, exc)
+                        runs.append(exc.seqs)
+                        stalled += 1
+                table[name].append(summarise(runs, slo_ms, stalled))
                 row = table[name][-1]
-                log.warning("%5.2f req/s %-18s P50 %6.0f  P99 %6.0f  max %6.0f ms  attainment "
-                            "%.3f", rps, name, row["ttft_p50_ms"], row["ttft_p99_ms"],
+                log.warning("%5.2f req/s %-18s P50 %s  P99 %s  max %s ms  attainment %.3f",
+                            rps, name, row["ttft_p50_ms"], row["ttft_p99_ms"],
                             row["ttft_max_ms"], row["slo_attainment"])  # fmt: skip
         return table
 
@@ -207,7 +230,7 @@ def validate(args, steps: StepModel, real_path: Path) -> dict:
     sim = Sim(args, steps, m["link_gbps"], m["adapter_cache_bytes"])
     capacity = {n: sim.capacity(n, m["slo_ms"]) for n in names}
     table = sim.sweep(names, m["loads_rps"], m["slo_ms"])
-    held = {n: sustained(m["loads_rps"], [r["ttft_p99_ms"] for r in rows], m["slo_ms"])[0]
+    held = {n: sustained(m["loads_rps"], p99_of(rows), m["slo_ms"])[0]
             for n, rows in table.items()}  # fmt: skip
     return {
         "real": str(real_path),
@@ -264,7 +287,7 @@ def main(argv: list[str] | None = None) -> None:
     fractions, overload_idx = sweep_fractions(args.loads)
     loads = [f * capacity[base] for f in fractions]
     table = sim.sweep(names, loads, slo_ms)
-    p99 = {n: [r["ttft_p99_ms"] for r in rows] for n, rows in table.items()}
+    p99 = {n: p99_of(rows) for n, rows in table.items()}
     metrics = {
         **headlines(loads, p99, slo_ms, overload_idx),
         "slo_ms": slo_ms,

@@ -263,6 +263,17 @@ def measure_steps(dtype: str, batches=(1, 4, 8, 16, 32), prompt_len: int = 64) -
     return model, points
 
 
+class Stalled(RuntimeError):
+    """Requests wait and nothing can run, with no arrival or load to come: the real engine, on
+    the same code, would wait for ever. `seqs`: every request (the unserved without
+    first_token_s), `now`: when it stalled."""
+
+    def __init__(self, seqs: list[SimSeq], now: float):
+        unserved = sum(s.first_token_s is None for s in seqs)
+        super().__init__(f"stalled at {now:.1f} s: {unserved} requests never served")
+        self.seqs, self.now = seqs, now
+
+
 def simulate(
     policy: QueuePolicy, limits: SimLimits, trace, steps: StepModel
 ) -> list[tuple[float, int, int]]:
@@ -275,7 +286,7 @@ def simulate(
 def run(policy: QueuePolicy, limits: SimLimits, trace, steps: StepModel) -> list[SimSeq]:
     """Replay `trace` (entries with .prompt, .max_tokens, .arrival_s, .model) through `policy`
     on a simulated engine of `limits`; returns each request, its first token's and its end's
-    times set (`first_token_s`, `finish_s`: seconds since the start)."""
+    times set (`first_token_s`, `finish_s`: seconds since the start). Raises Stalled."""
     clock = _Clock()
     if limits.cache is None:
         adapters = SimAdapters(limits.ranks, limits.slots_per_rank)
@@ -299,7 +310,7 @@ def run(policy: QueuePolicy, limits: SimLimits, trace, steps: StepModel) -> list
             events = [t for t in (adapters.next_ready_s(),) if t is not None]
             events += [seqs[nxt].arrival] if nxt < len(seqs) else []
             if not events:
-                raise RuntimeError("the simulated engine is stuck: requests wait, none can run")
+                raise Stalled(seqs, clock.now)
             clock.now = max(clock.now, min(events))
             continue
         clock.now += step_s(plan, steps)

@@ -171,8 +171,6 @@ class AdmissionGate:
             return Verdict.NO_ROOM
         if adapter is not None and seq.cache_entry is None:
             seq.cache_entry = lora.acquire(adapter, self.queued())
-            if seq.cache_entry is None and self._drop_waiting_holds(seq):
-                seq.cache_entry = lora.acquire(adapter, self.queued())
             if seq.cache_entry is None:
                 return Verdict.NO_ADAPTER_MEMORY  # none until a running request ends
             path = mem.match(seq)  # the load may have taken cached blocks
@@ -194,23 +192,6 @@ class AdmissionGate:
             self.step_tokens += chunk
         self.admitted.append(seq)
         return Verdict.ADMITTED
-
-    def _drop_waiting_holds(self, asking: Sequence) -> bool:
-        """Release the adapters that waiting requests hold from an earlier NOT_READY whose loads
-        have landed (they stay cached while memory allows and are acquired again when their
-        request is asked); True if any was. A policy that asks out of arrival order and then
-        stops at a request needing that adapter memory (Chameleon's reservations) would
-        otherwise wait for requests it never asks again, with nothing running."""
-        dropped = False
-        for seq in self.waiting:
-            if seq is asking or seq.cache_entry is None or seq.kv_hold is not None:
-                continue
-            if seq in self.admitted or not self.adapters.may_start(seq.cache_entry):
-                continue
-            self.adapters.release(seq.request.adapter)
-            seq.cache_entry = None
-            dropped = True
-        return dropped
 
     def _step_left(self) -> int:
         return self.limits.max_step_tokens - self.step_tokens

@@ -105,39 +105,24 @@ def test_every_configuration_serves_every_request_and_no_cache_waits_for_more_lo
     assert waits["chameleon-nocache"] == pytest.approx(waits["slora"])
 
 
-def test_a_request_takes_adapter_memory_that_waiting_requests_hold_for_landed_loads():
-    """The admission gate (server/sched/admission.py) releases what waiting requests hold from
-    an earlier NOT_READY once their loads landed, when the request it asks about finds no
-    adapter memory: a policy that stopped at that request would otherwise wait for requests it
-    never asks again, with nothing running."""
-    from bench.sim_engine import SimSeq, SimStaticMemory
-    from toppings.server.sched.admission import AdmissionGate, GateLimits
-    from toppings.server.sched.queueing import Verdict
+def test_a_run_in_which_nothing_can_ever_run_again_ends_as_stalled_and_counts_its_unserved():
+    """Requests wait, nothing runs, no arrival or load is to come: the real engine would wait for
+    ever, and the sim says so (Stalled) instead of looping; its summary counts the unserved as
+    never served (the P99 they reach is None)."""
+    from bench.queueing_sim import summarise
+    from bench.sim_engine import Stalled
 
-    cache, clock = cache_of(keep_idle=True, budget=300)
-    spec = SimCache(budget_bytes=300, bytes_per_rank=100, slot_bytes=10, link_gbps=1.0)
-    memory = SimStaticMemory(1000, cache, spec)
-    held = [SimSeq(10, 4, 0.0, "a"), SimSeq(10, 4, 0.0, "b")]
-    head = SimSeq(10, 4, 0.0, "c")  # rank 2: 200 bytes, with a and b held only 100 are free
-    waiting = [head, *held]
-    gate = AdmissionGate([], waiting, memory, cache, GateLimits(8, 8192), clock)
-    assert [gate.try_admit(s) for s in held] == [Verdict.NOT_READY] * 2  # loads started
-    gate = AdmissionGate([], waiting, memory, cache, GateLimits(8, 8192), clock)
-    assert gate.try_admit(head) is Verdict.NO_ADAPTER_MEMORY  # a and b still crossing
-    clock.now = 10.0  # both landed
-    assert gate.try_admit(head) in (Verdict.NOT_READY, Verdict.ADMITTED)
-    assert head.cache_entry is not None and all(s.cache_entry is None for s in held)
+    class Never(FcfsQueue):
+        def select(self, gate, running, now):
+            return []
 
-
-def test_chameleon_serves_a_trace_on_which_waiting_holds_once_stalled_it():
-    """A 600 s trace at 1.38 req/s on which the chameleon configuration stopped with nothing
-    running and 24 requests waiting (a reserved head needed adapter memory that requests
-    behind it held), before the gate released such holds."""
-    args = sim_args(per_rank=4, max_prompt_len=512, output_len="lognormal:40:1.0",
-                    max_output_len=256, max_total_tokens=2048, max_batch_size=32)  # fmt: skip
-    sim = Sim(args, StepModel(), link_gbps=1.0372485868609471, cache_bytes=82575360)
-    from bench.bench_queueing import trace_for
-
-    trace = trace_for(args, sim.ranks, 1.38, 100 + 1380, 600)
-    seqs = sim.run("chameleon", trace, 8138.3)
-    assert all(s.finished for s in seqs)
+    limits = SimLimits(4096, 8, 8192, {"a": 4}, max_step_tokens=256)
+    trace = [entry(20, 4, 0.0, "a"), entry(20, 4, 1.0, "a")]
+    with pytest.raises(Stalled) as stalled:
+        run(Never(SchedulingConfig(), 4096), limits, trace, StepModel())
+    assert stalled.value.now == 1.0
+    served = run(FcfsQueue(SchedulingConfig(), 4096), limits, trace, StepModel())
+    row = summarise([served, stalled.value.seqs], slo_ms=5000.0, num_stalled=1)
+    assert row["num_unserved"] == 2 and row["num_stalled_runs"] == 1
+    assert row["ttft_p99_ms"] is None and row["ttft_p50_ms"] is None
+    assert row["slo_attainment"] == 0.5
