@@ -271,7 +271,8 @@ COLOURS = {"slora": "tab:red", "chameleon-nocache": "tab:orange",
 def plot(path: Path, series: list[tuple[str, list[float], dict, bool]], slo_ms: float,
          title: str) -> None:  # fmt: skip
     """P99 TTFT against load per configuration; series: (label, loads, {config: rows},
-    simulated): real points filled on solid lines, simulated ones hollow on dashed lines."""
+    simulated): real points filled on solid lines, simulated ones hollow on dashed lines; a
+    load at which some run stalled (the simulator's num_stalled_runs) is a cross at the top."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -290,6 +291,13 @@ def plot(path: Path, series: list[tuple[str, list[float], dict, bool]], slo_ms: 
             ax.plot(loads, p99_s, label=f"{name} ({label})", **style)
     ax.axhline(slo_ms / 1000, color="k", ls=":", label="SLO")
     ax.set_yscale("log")
+    top = ax.get_ylim()[1]
+    for label, loads, per_config, _ in series:
+        for name, rows in per_config.items():
+            stalled = [x for x, r in zip(loads, rows) if r.get("num_stalled_runs")]
+            if stalled:
+                ax.plot(stalled, [top] * len(stalled), "x", color=COLOURS.get(name, "k"),
+                        label=f"{name} ({label}): a run stalled")  # fmt: skip
     ax.set_xlabel("load (requests/s)")
     ax.set_ylabel("P99 TTFT (s)")
     ax.set_title(title, fontsize=8)
