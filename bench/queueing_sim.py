@@ -15,9 +15,11 @@ budget the engine itself chooses (server/sched/step_budget.py, from its default 
 `first-fit` is a reference order (every request that fits starts; nothing blocks, nothing
 bounds a wait) with chameleon-nosched's cache, not a policy the server offers.
 
-`--validate REAL.json` runs the sim with a real bench_queueing result's SLO, link, adapter budget
-and loads, and compares each configuration's capacity and sustained load with the measured ones
-(the issue's rule: within 10%); the step model should be measured on the real run's machine.
+`--validate REAL.json` runs the sim with a real bench_queueing result's trace settings, SLO,
+link, adapter budget and loads (over the sim's own `--rounds` x `--duration`, longer than the
+real run's) and compares each configuration's burst capacity and sustained load with the
+measured ones (the issue's rule: within 10%); the step model should be measured on the real
+run's machine (`--measure-steps`).
 
     python -m bench.queueing_sim --measure-steps float32 --rounds 4 --duration 600
     python -m bench.queueing_sim --measure-steps float32 --validate bench/results/queueing.json
