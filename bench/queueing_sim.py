@@ -36,25 +36,21 @@ from dataclasses import asdict
 from pathlib import Path
 from types import SimpleNamespace
 
-from bench.bench_queueing import (
+from bench.bench_queueing import LINK_PROMPT_TOKENS, RANKS, add_arguments, plot, trace_for
+from bench.common import link_gbps_for
+from bench.envelope import describe_device, write_result
+from bench.queueing_configs import (
     CONFIGS,
     FCFS,
-    LINK_PROMPT_TOKENS,
-    RANKS,
     Comparison,
-    add_arguments,
     burst_capacity,
     cache_budget,
     headlines,
     p99_of,
     parse_configs,
-    plot,
     sustained,
     sweep_fractions,
-    trace_for,
 )
-from bench.common import link_gbps_for
-from bench.envelope import describe_device, write_result
 from bench.sim_engine import SimCache, SimLimits, Stalled, StepModel, measure_steps, run
 from toppings.scripts.loadgen.stats import percentile
 from toppings.server.config import PCIE4_X16_LATENCY_US, SchedulingConfig

@@ -1,4 +1,4 @@
-"""bench_queueing's table of the paper's comparison (slora, chameleon-nocache,
+"""bench/queueing_configs.py's table of the paper's comparison (slora, chameleon-nocache,
 chameleon-nosched, chameleon), the engine settings each row gives, and the headline ratios."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ import argparse
 
 import pytest
 
-from bench.bench_queueing import (
+from bench.bench_queueing import add_arguments
+from bench.queueing_configs import (
     CONFIGS,
     OVERLOAD,
-    add_arguments,
     burst_capacity,
     cache_budget,
     engine_config,
