@@ -1,49 +1,74 @@
-"""FCFS against Chameleon's multi-level queues (`--queue-policy`) on SmolLM2, side by side.
+"""The paper's comparison (Chameleon, MICRO'25) as engine configurations on SmolLM2, side by side.
 
-A heterogeneous trace (PEFT adapters of ranks 8-128 on q, k, v, equal rank shares and Zipf
-popularity within a rank; LMSYS-shaped lognormal lengths, outputs scaled down for a CPU) is
-replayed open-loop (Poisson arrivals) against two in-process engines that differ only in the
-queue policy. The KV cache is small enough to bind (as GPU memory does in the paper), so that
-requests queue. On a CPU a prefill step is slow (SmolLM2 in float32 at the ~200 GFLOP/s of
-engine_throughput_float32.json: ~0.7 s per 500 prompt tokens on 2 cores): with the engine's
-default budget of 8192 prompt tokens a step, every request admitted together waits for the whole
-step; `--max-prefill-tokens` bounds a step. At the start of the run:
-- the SLO is 5x the mean E2E latency of requests served alone (the paper's rule);
-- capacity is the request rate FCFS completes a burst at while it still saturates the server
-  (the first 75% of its completions);
-then loads from half of that capacity to past it are swept; at each load the two policies run
-the same trace one after the other, in alternating order over rounds (a new trace per round).
-Per policy and load: P50/P99 TTFT, throughput and SLO attainment (TTFT within the SLO), pooled
-over the rounds, and the per-round P99s for the spread. Headlines: `p99_ttft_ratio_vs_fcfs` at
-the highest load at which FCFS's P99 TTFT meets the SLO, and `sustained_load_ratio_vs_fcfs`,
-the ratio of the loads each policy sustains within the SLO (linear between sweep points).
+Four configurations (`--configs`, the table `CONFIGS`), each one engine in process, differ in
+the queue policy, and in whether adapters no request holds stay on the device:
+- `slora`: FCFS, adapters loaded on demand over the emulated link, no cache
+  (`--adapter-cache off`: an adapter leaves the device when its last request ends);
+- `chameleon-nocache`: Chameleon's multi-level queues, the same loads and no cache;
+- `chameleon-nosched`: FCFS with the adapter cache (idle adapters stay, Chameleon's eviction);
+- `chameleon`: both.
+All four load adapters on demand (`--lora-mode on-demand`: a prefill waits for its adapter)
+into the same adapter budget beside the same KV (`--memory-layout static`), a share
+`--cache-share` of the adapters' bytes (at least two of the largest), so that the working set
+does not fit and the cache matters; chunked prefill is on (`--chunked-prefill`). The link
+(`--link-gbps`, 0: derived) is set so that loading a rank-64 adapter takes one 128-token
+prefill on this machine (bench/common.py link_gbps_for, as bench_single_server sets it).
 
-    python -m bench.bench_queueing [--loads 0.5,0.8,1.0,1.2,1.4 --duration 40 --rounds 2]
+A heterogeneous trace (`--per-rank` PEFT adapters of each rank 8-128 on q, k, v, equal rank
+shares and Zipf popularity within a rank; LMSYS-shaped lognormal lengths, outputs scaled down for
+a CPU) is replayed open-loop (Poisson arrivals). At the start of the run:
+- the SLO is 5x the mean E2E latency of requests served alone (the paper's rule), on the
+  baseline (`chameleon-nosched`, else the first configuration), each request's second run;
+- capacity per configuration: the request rate it completes a burst at while the burst still
+  saturates the server (the first 75% of its completions);
+then loads, fractions of the baseline's capacity, are swept; at each load every configuration
+runs the same trace, one after the other, in an order that alternates over rounds (a new trace
+per round). Per configuration and load: P50/P99 TTFT, throughput and SLO attainment, pooled over
+the rounds, and the per-round P99s. Headlines (`headlines`): Chameleon against S-LoRA at
+S-LoRA's highest load within the SLO and in sustained load; the scheduler alone (`chameleon`
+against `chameleon-nosched`) in sustained load and at 1.25x the baseline's capacity.
+
+    python -m bench.bench_queueing [--loads 0.25,0.5,0.75,1.0,1.25,1.5 --duration 40 --rounds 2]
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import math
 import shutil
 import statistics
 import time
+from dataclasses import asdict
 from pathlib import Path
 
+from bench.common import adapter_bytes, link_gbps_for, prefill_ms
 from bench.envelope import describe_device, write_result
+from bench.queueing_configs import (
+    CONFIGS,
+    FCFS,
+    cache_budget,
+    engine_config,
+    headlines,
+    p99_of,
+    parse_configs,
+    sweep_fractions,
+)
+from bench.queueing_configs import burst_capacity as configs_burst_capacity
+from bench.queueing_configs import sustained as sustained  # other drivers import it from here
 from toppings.scripts.loadgen.stats import percentile
 from toppings.scripts.loadgen.workload import LengthSpec, WorkloadSpec, build_trace
 from toppings.scripts.make_adapters import load_base, make_random_adapter
-from toppings.server.config import DTYPE_CHOICES, EngineConfig
-from toppings.server.model.loader import resolve_model_dir
+from toppings.server.config import DTYPE_CHOICES
+from toppings.server.model.dtype import choose_dtype
+from toppings.server.model.loader import load_checkpoint, resolve_model_dir
 from toppings.server.requests.request import GenerationRequest, SamplingParams
 from toppings.server.runtime import build_engine
 
 log = logging.getLogger("bench_queueing")
 RANKS = (8, 16, 32, 64, 128)
-POLICIES = ("fcfs", "chameleon")
 TARGETS = ("q_proj", "k_proj", "v_proj")
-CAPACITY_SHARE = 0.75  # capacity: completions per second until 75% of a burst has completed
+LINK_PROMPT_TOKENS = 128  # the link: a rank-64 adapter's load takes one prefill of this many
 
 
 def make_adapters(root: Path, model_dir: Path, per_rank: int) -> dict[str, str]:
@@ -100,18 +125,19 @@ def replay(engine, trace, burst: bool = False) -> list[dict]:
     return records
 
 
-def slo_ms_alone(engine, trace) -> float:
+def slo_ms_alone(engine, trace, twice: bool = False) -> float:
     """The SLO in ms (the paper's rule): 5x the mean E2E latency of `trace`'s requests, each
-    served alone."""
-    return 5000 * statistics.fmean(replay(engine, [e], burst=True)[0]["e2e_s"] for e in trace)
+    served alone (`twice`: each served twice in a row and the second timed, so that it finds
+    its adapter loaded)."""
+    runs = 2 if twice else 1
+    e2e = [[replay(engine, [e], burst=True) for _ in range(runs)][-1][0]["e2e_s"] for e in trace]
+    return 5000 * statistics.fmean(e2e)
 
 
 def burst_capacity(records: list[dict]) -> float:
     """Requests/s while a burst (`replay(..., burst=True)`'s records) still saturates the
-    server: the first CAPACITY_SHARE of it to complete over the time the last of those took."""
-    done = sorted(r["e2e_s"] for r in records)
-    k = max(1, int(CAPACITY_SHARE * len(done)))
-    return k / done[k - 1]
+    server (queueing_configs.burst_capacity of their E2E latencies)."""
+    return configs_burst_capacity([r["e2e_s"] for r in records])
 
 
 def summarise(runs: list[list[dict]], slo_s: float, duration: float) -> dict:
@@ -153,132 +179,164 @@ def tail_profile(records: list[dict]) -> dict:
     }
 
 
-def sustained(loads: list[float], p99s: list[float], slo_ms: float) -> tuple[float, bool]:
-    """The load at which P99 TTFT crosses the SLO (linear between points); True if it never
-    does within the sweep (the value is then a lower bound: the highest load run)."""
-    if p99s[0] > slo_ms:
-        return 0.0, False
-    for i in range(1, len(loads)):
-        if p99s[i] > slo_ms:
-            a, b = p99s[i - 1], p99s[i]
-            return loads[i - 1] + (loads[i] - loads[i - 1]) * (slo_ms - a) / (b - a), False
-    return loads[-1], True
+COLOURS = {"slora": "tab:red", "chameleon-nocache": "tab:orange",
+           "chameleon-nosched": "tab:green", "chameleon": "tab:blue"}  # fmt: skip
 
 
-def plot(path: Path, loads: list[float], per_policy: dict, slo_ms: float, title: str) -> None:
+def plot(path: Path, series: list[tuple[str, list[float], dict, bool]], slo_ms: float,
+         title: str) -> None:  # fmt: skip
+    """P99 TTFT against load per configuration; series: (label, loads, {config: rows},
+    simulated): real points filled on solid lines, simulated ones hollow on dashed lines; a
+    load at which some run stalled (the simulator's num_stalled_runs) is a cross at the top."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for policy, style in zip(POLICIES, ("tab:red", "tab:blue")):
-        rows = per_policy[policy]
-        ax.plot(loads, [r["ttft_p99_ms"] / 1000 for r in rows], "o-", color=style,
-                label=f"{policy} P99")  # fmt: skip
-        ax.plot(loads, [r["ttft_p50_ms"] / 1000 for r in rows], "s--", color=style,
-                label=f"{policy} P50", alpha=0.6)  # fmt: skip
+    fig, ax = plt.subplots(figsize=(6.8, 4.4))
+    for label, loads, per_config, simulated in series:
+        for name, rows in per_config.items():
+            style = dict(
+                color=COLOURS.get(name, "k"),
+                ls="--" if simulated else "-",
+                marker="o",
+                mfc="none" if simulated else COLOURS.get(name, "k"),
+            )
+            p99_s = [v / 1000 if math.isfinite(v) else math.nan for v in p99_of(rows)]
+            ax.plot(loads, p99_s, label=f"{name} ({label})", **style)
     ax.axhline(slo_ms / 1000, color="k", ls=":", label="SLO")
     ax.set_yscale("log")
+    top = ax.get_ylim()[1]
+    for label, loads, per_config, _ in series:
+        for name, rows in per_config.items():
+            stalled = [x for x, r in zip(loads, rows) if r.get("num_stalled_runs")]
+            if stalled:
+                ax.plot(stalled, [top] * len(stalled), "x", color=COLOURS.get(name, "k"),
+                        label=f"{name} ({label}): a run stalled")  # fmt: skip
     ax.set_xlabel("load (requests/s)")
-    ax.set_ylabel("TTFT (s)")
-    ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=8)
+    ax.set_ylabel("P99 TTFT (s)")
+    ax.set_title(title, fontsize=8)
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--loads", default="0.5,0.8,1.0,1.2,1.4", help="fractions of capacity")
-    p.add_argument("--duration", type=float, default=40.0, help="seconds of arrivals per run")
-    p.add_argument("--rounds", type=int, default=2)
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The trace's and the engines' arguments, shared with bench/queueing_sim.py."""
+    p.add_argument("--configs", default=",".join(CONFIGS), help=f"of {', '.join(CONFIGS)}")
     p.add_argument("--per-rank", type=int, default=4, help="adapters per rank")
     p.add_argument("--max-prompt-len", type=int, default=512)
     p.add_argument("--output-len", default="lognormal:40:1.0")
     p.add_argument("--max-output-len", type=int, default=256)
     p.add_argument("--max-total-tokens", type=int, default=2048)
+    p.add_argument("--max-batch-size", type=int, default=32)
+    p.add_argument("--max-prefill-tokens", type=int, default=8192,
+                   help="prompt tokens a step may take with chunked prefill off")  # fmt: skip
+    p.add_argument("--chunked-prefill", default="on", choices=("on", "off"))
+    p.add_argument("--max-num-batched-tokens", type=int, default=0,
+                   help="chunked prefill's step budget (0: the engine's derived one)")  # fmt: skip
+    p.add_argument("--cache-share", type=float, default=0.25,
+                   help="the adapter budget: this share of all adapters' bytes")  # fmt: skip
+    p.add_argument("--link-gbps", type=float, default=0.0,
+                   help="emulated link (0: a rank-64 load = one 128-token prefill)")  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(p)
+    p.add_argument("--loads", default="0.25,0.5,0.75,1.0,1.25,1.5",
+                   help="fractions of the baseline's capacity (1.25 always added)")  # fmt: skip
+    p.add_argument("--duration", type=float, default=40.0, help="seconds of arrivals per run")
+    p.add_argument("--rounds", type=int, default=2)
     p.add_argument(
         "--dtype",
         default="float32",
         choices=DTYPE_CHOICES,
         help="the engines' dtype (auto: what toppings-serve picks on this machine)",
     )
-    p.add_argument("--max-batch-size", type=int, default=32)
-    p.add_argument(
-        "--max-prefill-tokens",
-        type=int,
-        default=8192,
-        help="prompt tokens one prefill step may take (the engine's default)",
-    )
     p.add_argument("--alone", type=int, default=8, help="requests served alone for the SLO")
     p.add_argument("--burst", type=int, default=32, help="requests of the capacity burst")
     p.add_argument("--adapter-dir", type=Path, default=Path("/tmp/toppings-queueing-adapters"))
     p.add_argument("--out", type=Path, default=Path("bench/results/queueing.json"))
     p.add_argument("--plot", type=Path, default=Path("bench/queueing_ttft.png"))
+    p.add_argument("--sim", type=Path, help="a queueing_sim.json to draw beside (hollow points)")
     args = p.parse_args(argv)
+    args.chunked_prefill = args.chunked_prefill == "on"
+    names = parse_configs(args.configs)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     model_dir = resolve_model_dir("smollm2")
+    if args.dtype == "auto":  # resolved once: the adapters' bytes and every engine use it
+        mc = load_checkpoint(str(model_dir), "dummy").config
+        args.dtype, why = choose_dtype("cpu", mc.hidden_size, mc.intermediate_size)
+        log.info("dtype auto: %s (%s)", args.dtype, why)
     adapters = make_adapters(args.adapter_dir, model_dir, args.per_rank)
+    nbytes = {r: adapter_bytes(adapters[f"r{r}-0"], str(model_dir), _torch_dtype(args.dtype))
+              for r in RANKS}  # fmt: skip
+    cache_bytes = cache_budget(nbytes, args.per_rank, args.cache_share)
+    link_gbps = args.link_gbps
+    if not link_gbps:
+        prompt = list(range(100, 100 + LINK_PROMPT_TOKENS))
+        link_gbps = link_gbps_for(nbytes[64], prefill_ms(str(model_dir), args.dtype, prompt) / 1000)
+    base = FCFS if FCFS in names else names[0]
 
-    def engine(policy: str, slo_ms: float = 5000.0):
-        config = EngineConfig(dtype=args.dtype, max_total_tokens=args.max_total_tokens,
-                              max_batch_size=args.max_batch_size, queue_policy=policy,
-                              max_prefill_tokens=args.max_prefill_tokens,
-                              ttft_slo_ms=slo_ms)  # fmt: skip
+    def engine(name: str, slo_ms: float = 5000.0):
+        config = engine_config(name, args, link_gbps, cache_bytes, slo_ms)
         return build_engine(str(model_dir), config, adapters)
 
-    engines = {"fcfs": engine("fcfs")}
-    slo_ms = slo_ms_alone(engines["fcfs"], trace_for(args, adapters, 1.0, 999, None, args.alone))
+    engines = {base: engine(base)}
+    alone = trace_for(args, adapters, 1.0, 999, None, args.alone)
+    slo_ms = slo_ms_alone(engines[base], alone, twice=True)
+    for name in names:
+        engines.setdefault(name, engine(name, slo_ms))
     burst = trace_for(args, adapters, 1.0, 998, None, args.burst)
-    capacity = {}
-    engines["chameleon"] = engine("chameleon", slo_ms)
-    for policy in POLICIES:  # also the warm-up: chameleon's first queues come from this burst
-        capacity[policy] = burst_capacity(replay(engines[policy], burst, burst=True))
-    log.info("SLO %.0f ms; capacity %s", slo_ms, capacity)
-    fractions = [float(x) for x in args.loads.split(",")]
-    loads = [f * capacity["fcfs"] for f in fractions]
-    raw: dict[str, list[list[list[dict]]]] = {pol: [[] for _ in loads] for pol in POLICIES}
+    capacity = {n: burst_capacity(replay(engines[n], burst, burst=True)) for n in names}
+    log.info("SLO %.0f ms; capacity %s; link %.3f Gbit/s; adapter budget %d bytes",
+             slo_ms, capacity, link_gbps, cache_bytes)  # fmt: skip
+    fractions, overload_idx = sweep_fractions(args.loads)
+    loads = [f * capacity[base] for f in fractions]
+    raw: dict[str, list[list[list[dict]]]] = {n: [[] for _ in loads] for n in names}
     for rnd in range(args.rounds):
         for i, rps in enumerate(loads):
             trace = trace_for(args, adapters, rps, seed=rnd * 100 + i, duration=args.duration)
-            order = POLICIES if (rnd + i) % 2 == 0 else POLICIES[::-1]
-            for policy in order:
-                raw[policy][i].append(replay(engines[policy], trace))
-                log.info("round %d load %.2f rps %s: %s", rnd, rps, policy,
-                         summarise(raw[policy][i][-1:], slo_ms / 1000, args.duration))  # fmt: skip
-    views = {pol: engines[pol].stats().to_json()["queueing"] for pol in POLICIES}
+            order = names if (rnd + i) % 2 == 0 else names[::-1]
+            for name in order:
+                raw[name][i].append(replay(engines[name], trace))
+                log.info("round %d load %.2f rps %s: %s", rnd, rps, name,
+                         summarise(raw[name][i][-1:], slo_ms / 1000, args.duration))  # fmt: skip
+    views = {n: {"queueing": engines[n].stats().to_json()["queueing"],
+                 "adapter_cache": engines[n].counters().adapter_cache} for n in names}  # fmt: skip
+    dtype = args.dtype
     for e in engines.values():
         e.shutdown()
-    per_policy = {
-        pol: [summarise(runs, slo_ms / 1000, args.duration) for runs in raw[pol]]
-        for pol in POLICIES
-    }
-    dtype = engines["fcfs"].config.dtype  # "auto" resolved
-    write(args, argv, dtype, slo_ms, capacity, fractions, loads, per_policy, views)
+    per_config = {n: [summarise(runs, slo_ms / 1000, args.duration) for runs in raw[n]]
+                  for n in names}  # fmt: skip
+    run = {"dtype": dtype, "slo_ms": slo_ms, "capacity": capacity, "fractions": fractions,
+           "loads": loads, "overload_idx": overload_idx, "link_gbps": link_gbps,
+           "cache_bytes": cache_bytes, "adapter_bytes_per_rank": nbytes[8] // 8}  # fmt: skip
+    write(args, argv, run, per_config, views)
 
 
-def write(args, argv, dtype, slo_ms, capacity, fractions, loads, per_policy, views) -> None:
-    p99 = {pol: [r["ttft_p99_ms"] for r in per_policy[pol]] for pol in POLICIES}
-    held = {pol: sustained(loads, p99[pol], slo_ms) for pol in POLICIES}
-    within = [i for i, v in enumerate(p99["fcfs"]) if v <= slo_ms]
-    at = within[-1] if within else 0
+def _torch_dtype(name: str):
+    import torch
+
+    return {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(name, torch.float32)
+
+
+def write(args, argv, run: dict, per_config: dict, views: dict) -> None:
+    p99 = {n: p99_of(rows) for n, rows in per_config.items()}
+    loads, slo_ms = run["loads"], run["slo_ms"]
     metrics = {
-        "p99_ttft_ratio_vs_fcfs": p99["chameleon"][at] / p99["fcfs"][at],
-        "p50_ttft_ratio_vs_fcfs": per_policy["chameleon"][at]["ttft_p50_ms"]
-        / per_policy["fcfs"][at]["ttft_p50_ms"],
-        "ratio_load_rps": loads[at],
-        "ratio_load_fraction_of_capacity": fractions[at],
-        "sustained_load_ratio_vs_fcfs": held["chameleon"][0] / held["fcfs"][0]
-        if held["fcfs"][0]
-        else None,
-        "sustained_rps": {pol: held[pol][0] for pol in POLICIES},
-        "sustained_is_lower_bound": {pol: held[pol][1] for pol in POLICIES},
+        **headlines(loads, p99, slo_ms, run["overload_idx"]),
         "slo_ms": slo_ms,
-        "capacity_rps": capacity,
+        "capacity_rps": run["capacity"],
         "loads_rps": loads,
-        "per_load": per_policy,
-        "chameleon_queues_at_end": views["chameleon"],
+        "load_fractions_of_baseline_capacity": run["fractions"],
+        "link_gbps": run["link_gbps"],
+        "adapter_cache_bytes": run["cache_bytes"],
+        "adapter_bytes_per_rank": run["adapter_bytes_per_rank"],
+        "per_load": per_config,
+        "adapter_cache_at_end": {n: v["adapter_cache"] for n, v in views.items()},
+        "queues_at_end": {n: v["queueing"] for n, v in views.items()},
     }
     write_result(
         args.out,
@@ -288,22 +346,38 @@ def write(args, argv, dtype, slo_ms, capacity, fractions, loads, per_policy, vie
         argv=argv,
         config={
             **{k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-            "model": f"SmolLM2-135M-Instruct ({dtype}), in-process engines, lora-mode cached",
+            "model": f"SmolLM2-135M-Instruct ({run['dtype']}), in-process engines",
+            "configs": {n: asdict(CONFIGS[n]) for n in per_config},
+            "shared": "lora-mode on-demand, memory-layout static: --max-total-tokens of KV "
+            "beside the adapter budget (adapter_cache_bytes), the emulated link (link_gbps)",
             "ranks": list(RANKS),
             "targets": list(TARGETS),
             "popularity": "equal rank shares, zipf(1.0) over the adapters of a rank",
             "prompt_len": "lmsys lognormal (mean 69.5, sigma 1)",
-            "slo_rule": f"5x mean E2E of {args.alone} requests served alone",
+            "slo_rule": f"5x mean E2E of {args.alone} requests served alone (second run)",
             "capacity_rule": "a burst submitted at once: 75% of its requests / the time the "
-            "75th percent took to complete, FCFS (the tail of a burst runs unsaturated)",
+            "75th percent took to complete",
+            "link_rule": f"a rank-64 adapter's load takes one {LINK_PROMPT_TOKENS}-token prefill "
+            "unless --link-gbps",
         },
         metrics=metrics,
     )
-    title = (f"SmolLM2 CPU {dtype}, KV {args.max_total_tokens}, prefill "
-             f"{args.max_prefill_tokens} tokens, ranks 8-128, "
+    series = [("real", loads, per_config, False)]
+    if args.sim is not None and args.sim.is_file():
+        series.append(sim_series(args.sim))
+    title = (f"SmolLM2 CPU {run['dtype']}, KV {args.max_total_tokens}, chunked prefill "
+             f"{'on' if args.chunked_prefill else 'off'}, ranks 8-128 x {args.per_rank}, "
              f"{args.rounds} rounds x {args.duration:.0f} s per point")  # fmt: skip
-    plot(args.plot, loads, per_policy, slo_ms, title)
+    plot(args.plot, series, slo_ms, title)
     log.info("%s", {k: v for k, v in metrics.items() if k not in ("per_load",)})
+
+
+def sim_series(path: Path) -> tuple[str, list[float], dict, bool]:
+    """A queueing_sim.json's curves for `plot` (hollow points)."""
+    import json
+
+    metrics = json.loads(path.read_text())["metrics"]
+    return "simulated", metrics["loads_rps"], metrics["per_load"], True
 
 
 if __name__ == "__main__":

@@ -10,35 +10,39 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench.sim_adapters import SimAdapterCache, SimAdapters, SimEntry, SimLink
+from toppings.gpu_lora.eviction import make_policy
 from toppings.server.config import EngineConfig
 from toppings.server.requests.request import SamplingParams
 from toppings.server.sched.admission import GateLimits
 from toppings.server.sched.queueing import QueuePolicy
 from toppings.server.sched.scheduler import Scheduler, StepResult
+from toppings.server.sched.step_budget import StepTimeModel
 
 
-@dataclass
-class StepModel:
-    """Engine step times in ms; defaults: `measure_steps("float32")` of SmolLM2 on a 2-core
-    Intel Xeon VM (AMX), 2026-11-25."""
+@dataclass(frozen=True)
+class StepModel(StepTimeModel):
+    """Engine step times in ms: the engine's own step-time model (server/sched/step_budget.py:
+    a decode step of B requests, each prompt token beside it), with the intercept of a step that
+    only prefills. Defaults: `measure_steps("float32")` of SmolLM2 on a 2-core Intel Xeon VM
+    (AMX), 2026-11-25."""
 
     prefill_ms: float = 19.7
-    prefill_ms_per_token: float = 1.09
-    decode_ms: float = 64.6
-    decode_ms_per_request: float = 2.09
+    source: str = "measure_steps('float32') of SmolLM2, 2-core Intel Xeon VM (AMX), 2026-11-25"
 
     def prefill_s(self, tokens: int) -> float:
-        return (self.prefill_ms + self.prefill_ms_per_token * tokens) / 1000
+        """A step of `tokens` prompt tokens and no decode."""
+        return (self.prefill_ms + self.ms_per_token * tokens) / 1000
 
     def decode_s(self, batch: int) -> float:
-        return (self.decode_ms + self.decode_ms_per_request * batch) / 1000
+        return self.decode_step_ms(batch) / 1000
 
     def mixed_s(self, num_decodes: int, prompt_tokens: int) -> float:
-        """A chunked-prefill step: its decodes' step (or a prefill's overhead without any)
-        plus the prompt tokens beside them."""
+        """A chunked-prefill step: the decode step of its decodes plus each prompt token beside
+        them, as the step budget is sized (StepTimeModel); without decodes, a prefill step."""
         if not num_decodes:
             return self.prefill_s(prompt_tokens)
-        return self.decode_s(num_decodes) + self.prefill_ms_per_token * prompt_tokens / 1000
+        return (self.decode_step_ms(num_decodes) + self.ms_per_token * prompt_tokens) / 1000
 
 
 @dataclass
@@ -58,8 +62,9 @@ class SimSeq:
     adapter: str
     output_ids: list[int] = field(default_factory=list)
     first_token_s: float | None = None
+    finish_s: float | None = None
     kv_hold: _Hold | None = None
-    cache_entry: str | None = None
+    cache_entry: str | SimEntry | None = None
     finished: bool = False
     num_prefilled: int = 0
 
@@ -85,11 +90,29 @@ class SimSeq:
 
 
 @dataclass(frozen=True)
+class SimCache:
+    """On-demand adapters in a static memory layout (bench/sim_adapters.py SimAdapterCache):
+    `budget_bytes` of adapters beside the KV, `bytes_per_rank` bytes an adapter takes per rank,
+    `slot_bytes` one KV slot's bytes (for the queue policy's adapter sizes in tokens), the link
+    (Gbit/s, seconds of latency per load), the eviction policy's name, and whether idle
+    adapters stay (False: `--adapter-cache off`)."""
+
+    budget_bytes: int
+    bytes_per_rank: int
+    slot_bytes: int
+    link_gbps: float
+    link_latency_s: float = 0.0
+    eviction: str = "lru"
+    keep_idle: bool = True
+
+
+@dataclass(frozen=True)
 class SimLimits:
     """One simulated engine: `memory` KV slots shared by KV (prompt + max_new_tokens per
     request) and, with `slots_per_rank`, the adapters in use (`slots_per_rank * rank` slots
     each); batch rows; the prefill token budget; each adapter's rank; with max_step_tokens,
-    chunked prefill's step budget (None: whole-prompt prefill steps)."""
+    chunked prefill's step budget (None: whole-prompt prefill steps); with `cache`, adapters
+    loaded on demand into their own budget (then `slots_per_rank` is not used)."""
 
     memory: int
     rows: int
@@ -97,6 +120,7 @@ class SimLimits:
     ranks: dict[str, int]
     slots_per_rank: int = 0
     max_step_tokens: int | None = None
+    cache: SimCache | None = None
 
 
 @dataclass
@@ -114,41 +138,10 @@ class _KV:
         self.num_blocks = self.num_slots = num_slots
 
 
-class SimAdapters:
-    """Every adapter fits: an acquired adapter is charged its slots while it has a reference
-    (`SimMemory`); idle ones cost nothing (they are evicted when the room is needed)."""
-
-    def __init__(self, ranks: dict[str, int], slots_per_rank: int):
-        self.registry = ranks
-        self.refs: dict[str, int] = {}
-        # Bytes are memory slots when adapters are charged; else a size proportional to the rank
-        # (the queue policy's size of a request) that is never charged.
-        self._per_rank = max(slots_per_rank, 1)
-
-    def acquire(self, name: str, queued: frozenset[str]) -> str:
-        self.refs[name] = self.refs.get(name, 0) + 1
-        return name
-
-    def release(self, name: str) -> None:
-        self.refs[name] -= 1
-
-    def may_start(self, entry: str | None) -> bool:
-        return True
-
-    def bytes_of(self, name: str | None) -> int:
-        return 0 if name is None else self.registry[name] * self._per_rank
-
-    def prefetch(self, names: list[str], queued: frozenset[str]) -> None:
-        pass
-
-    def fits_if_released(self, name: str | None, held: str | None) -> bool:
-        return False  # an adapter always finds memory: no NO_ADAPTER_MEMORY here
-
-
 class SimMemory:
     """KV reservations and the adapters in use, in one budget of slots; no prefix cache."""
 
-    def __init__(self, num_slots: int, adapters: SimAdapters, shared: bool):
+    def __init__(self, num_slots: int, adapters: SimAdapters | SimAdapterCache, shared: bool):
         self.kv = _KV(num_slots)
         self.shared = shared
         self.adapters = adapters
@@ -201,6 +194,22 @@ class SimMemory:
         pass
 
 
+class SimStaticMemory(SimMemory):
+    """KV slots plus a separate adapter budget (the static layout with --adapter-cache-bytes):
+    adapters are never charged to the KV, but the queue policy sees their size in KV tokens and
+    all memory as the KV plus the adapter budget (server/memory/layout.py StaticLayout)."""
+
+    def __init__(self, num_slots: int, adapters: SimAdapterCache, cache: SimCache):
+        super().__init__(num_slots, adapters, shared=False)
+        self.cache = cache
+
+    def adapter_tokens(self, num_bytes: int) -> int:
+        return -(-num_bytes // self.cache.slot_bytes)
+
+    def total_tokens(self) -> int:
+        return self.kv.num_slots + self.cache.budget_bytes // self.cache.slot_bytes
+
+
 class _Clock:
     def __init__(self):
         self.now = 0.0
@@ -244,8 +253,25 @@ def measure_steps(dtype: str, batches=(1, 4, 8, 16, 32), prompt_len: int = 64) -
         [b * prompt_len for b in points], [p for p, _ in points.values()]
     )
     dec = statistics.linear_regression(list(points), [d for _, d in points.values()])
-    model = StepModel(pre.intercept, pre.slope, dec.intercept, dec.slope)
+    model = StepModel(
+        ms_per_token=pre.slope,
+        decode_ms=dec.intercept,
+        decode_ms_per_request=dec.slope,
+        prefill_ms=pre.intercept,
+        source=f"measure_steps({dtype!r}) of SmolLM2 on this machine",
+    )
     return model, points
+
+
+class Stalled(RuntimeError):
+    """Requests wait and nothing can run, with no arrival or load to come: the real engine, on
+    the same code, would wait for ever. `seqs`: every request (the unserved without
+    first_token_s), `now`: when it stalled."""
+
+    def __init__(self, seqs: list[SimSeq], now: float):
+        unserved = sum(s.first_token_s is None for s in seqs)
+        super().__init__(f"stalled at {now:.1f} s: {unserved} requests never served")
+        self.seqs, self.now = seqs, now
 
 
 def simulate(
@@ -253,9 +279,24 @@ def simulate(
 ) -> list[tuple[float, int, int]]:
     """Replay `trace` through `policy` on a simulated engine of `limits`; returns (TTFT s,
     prompt + max tokens, rank) per request."""
-    adapters = SimAdapters(limits.ranks, limits.slots_per_rank)
-    memory = SimMemory(limits.memory, adapters, shared=limits.slots_per_rank > 0)
+    seqs = run(policy, limits, trace, steps)
+    return [(s.first_token_s - s.arrival, s.kv_need, limits.ranks[s.adapter]) for s in seqs]
+
+
+def run(policy: QueuePolicy, limits: SimLimits, trace, steps: StepModel) -> list[SimSeq]:
+    """Replay `trace` (entries with .prompt, .max_tokens, .arrival_s, .model) through `policy`
+    on a simulated engine of `limits`; returns each request, its first token's and its end's
+    times set (`first_token_s`, `finish_s`: seconds since the start). Raises Stalled."""
     clock = _Clock()
+    if limits.cache is None:
+        adapters = SimAdapters(limits.ranks, limits.slots_per_rank)
+        memory = SimMemory(limits.memory, adapters, shared=limits.slots_per_rank > 0)
+    else:
+        c = limits.cache
+        link = SimLink(c.link_gbps, c.link_latency_s)
+        adapters = SimAdapterCache(limits.ranks, c.bytes_per_rank, c.budget_bytes, link,
+                                   make_policy(c.eviction), c.keep_idle, clock)  # fmt: skip
+        memory = SimStaticMemory(limits.memory, adapters, c)
     gate_limits = GateLimits(limits.rows, limits.max_prefill, limits.max_step_tokens)
     sched = Scheduler(policy, memory, adapters, gate_limits, set(), 1 << 62, clock)
     seqs = [SimSeq(len(e.prompt), e.max_tokens, e.arrival_s, e.model) for e in trace]
@@ -265,18 +306,31 @@ def simulate(
             sched.queue.push(seqs[nxt], seqs[nxt].arrival)
             nxt += 1
         plan = sched.schedule()
-        if plan is None:
-            clock.now = max(clock.now, seqs[nxt].arrival)
+        if plan is None:  # nothing runs until the next arrival or the next load lands
+            events = [t for t in (adapters.next_ready_s(),) if t is not None]
+            events += [seqs[nxt].arrival] if nxt < len(seqs) else []
+            if not events:
+                raise Stalled(seqs, clock.now)
+            clock.now = max(clock.now, min(events))
             continue
-        if plan.is_mixed:
-            decodes = sum(1 for s in plan.seqs if s.is_prefilled)
-            clock.now += steps.mixed_s(decodes, sum(plan.chunks) - decodes)
-        elif plan.is_prefill:
-            clock.now += steps.prefill_s(sum(s.prompt_len for s in plan.seqs))
-        else:
-            clock.now += steps.decode_s(len(plan.seqs))
+        clock.now += step_s(plan, steps)
         sched.update(plan, StepResult([0] * len(plan.sampled)))
         for s in plan.sampled:
             if s.first_token_s is None:
                 s.first_token_s = clock.now
-    return [(s.first_token_s - s.arrival, s.kv_need, limits.ranks[s.adapter]) for s in seqs]
+        for s in plan.seqs:
+            if s.finished and s.finish_s is None:
+                s.finish_s = clock.now
+    return seqs
+
+
+def step_s(plan, steps: StepModel) -> float:
+    """The seconds a step of `plan` (server/sched/scheduler.py StepPlan) takes: a mixed step of
+    d decodes and c prompt tokens (its chunks beside the decodes' one token each), a
+    whole-prompt prefill step, or a decode step."""
+    if plan.is_mixed:
+        decodes = sum(1 for s in plan.seqs if s.is_prefilled)
+        return steps.mixed_s(decodes, sum(plan.chunks) - decodes)
+    if plan.is_prefill:
+        return steps.prefill_s(sum(s.prompt_len for s in plan.seqs))
+    return steps.decode_s(len(plan.seqs))

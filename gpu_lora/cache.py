@@ -11,6 +11,11 @@ the whole `memory` when there is one (eviction also runs until the adapter's row
 room, which may evict cached KV or idle adapters to make it, and an eviction gives the room
 back. The memory pool reads the cache only through its public views (`idle_entries`,
 `is_referenced`, `referenced`, `frequencies`).
+
+With `keep_idle` False the cache keeps nothing (S-LoRA's on-demand loading, the baseline of
+Chameleon's comparison): an adapter leaves the device as soon as no request holds it, once its
+load has landed (one still loading leaves at the next acquire or release, so the engine thread
+never waits for a copy), and nothing is prefetched, which would only load an adapter to drop it.
 """
 
 from __future__ import annotations
@@ -84,12 +89,14 @@ class AdapterCache:
         policy: EvictionPolicy,
         budget_bytes: int | None = None,
         memory: AdapterBudget | None = None,
+        keep_idle: bool = True,
     ):
         self.pool = pool
         self.loader = loader
         self.policy = policy
         self.budget_bytes = budget_bytes
         self.memory = memory  # None: the byte budget above is the only limit
+        self.keep_idle = keep_idle  # False: no cache (see the module docstring)
         self.entries: dict[str, CacheEntry] = {}
         self.counters = CacheCounters()
         self._usage: dict[str, Usage] = {}
@@ -120,6 +127,8 @@ class AdapterCache:
         keep: adapters of queued requests, evicted only when nothing else frees enough room.
         """
         usage = self._usage.setdefault(adapter.name, Usage())
+        if not self.keep_idle:
+            self._drop_idle(spare=adapter.name)
         entry = self.entries.get(adapter.name)
         if entry is not None:
             self.counters.hits += 1
@@ -137,6 +146,15 @@ class AdapterCache:
         if entry.refcount <= 0:
             raise RuntimeError(f"adapter {name!r} released more often than acquired")
         entry.refcount -= 1
+        if not self.keep_idle:
+            self._drop_idle()
+
+    def _drop_idle(self, spare: str | None = None) -> None:
+        """Without a cache: evict every adapter no request holds whose load has landed (but
+        `spare`, about to be acquired)."""
+        for name, entry in list(self.entries.items()):
+            if not entry.refcount and name != spare and entry.ticket.done:
+                self.evict(name)
 
     def evict(self, name: str) -> None:
         """Drop an unreferenced adapter from the device (also used to unload it)."""
@@ -161,7 +179,7 @@ class AdapterCache:
     def prefetch(self, adapter: LoraAdapter, keep: frozenset[str]) -> bool:
         """Start loading the adapter of a queued request, taking no reference, when it fits by
         evicting only adapters that no request holds or waits for; False when it does not."""
-        if adapter.name in self.entries:
+        if adapter.name in self.entries or not self.keep_idle:
             return False
         num_bytes = self.charge(adapter)
         if self.budget_bytes is not None and num_bytes > self.budget_bytes:

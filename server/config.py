@@ -154,6 +154,18 @@ class LoraConfig(Settings):
         ),
     )
     eviction: str = setting("lru", choices=tuple(EVICTION_POLICIES), flag=Flag())
+    # Whether adapters no request holds stay on the device (gpu_lora/cache.py).
+    adapter_cache: bool = setting(
+        True,
+        flag=Flag(
+            "off: an adapter leaves the device when its last request ends and nothing is "
+            "prefetched (on-demand loading without a cache, S-LoRA's; with --lora-mode on-demand "
+            "or cpu-assisted)",
+            choices=ON_OFF,
+            default="on",
+            parse=on_off,
+        ),
+    )
     # CPU device only: throttle adapter loads to emulate a link; 0: off.
     link_gbps: float = setting(
         0.0,
@@ -223,6 +235,11 @@ class LoraConfig(Settings):
     )
 
     def check(self) -> None:
+        if not self.adapter_cache and LORA_MODES[self.lora_mode].preload:
+            raise ValueError(
+                f"adapter_cache off needs lora_mode on-demand or cpu-assisted: {self.lora_mode} "
+                "keeps every adapter on the device"
+            )
         if self.cpu_cores and len(self.cpu_cores) < self.num_cpu_workers:
             raise ValueError("cpu_cores must name at least one core per CPU worker")
         if self.device_cores:

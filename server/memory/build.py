@@ -88,7 +88,12 @@ def build_memory(
         pool, lora.layers_per_group, lora.link_gbps, lora.link_latency_us, lora.host_cores, trace
     )
     cache = AdapterCache(
-        pool, loader, make_policy(lora.eviction), lora.adapter_cache_bytes or None, memory=blocks
+        pool,
+        loader,
+        make_policy(lora.eviction),
+        lora.adapter_cache_bytes or None,
+        memory=blocks,
+        keep_idle=lora.adapter_cache,
     )
     reclaimer = Reclaimer(
         kv, tree, swap, cache, blocks is not None, make_memory_policy(cfg.memory_policy), counters

@@ -33,10 +33,13 @@ def adapter(name: str, rank: int, seed: int = 0, targets=("q_proj", "v_proj")) -
                        num_bytes, None)  # fmt: skip
 
 
-def make_cache(budget_bytes=None, policy="lru", link_gbps=0.0, memory=None):
+def make_cache(budget_bytes=None, policy="lru", link_gbps=0.0, memory=None, keep_idle=True):
     pool = AdapterPool(CONFIG, torch.float32, "cpu", initial_rows=8)
     loader = PipelinedLoader(pool, layers_per_group=1, link_gbps=link_gbps)
-    return AdapterCache(pool, loader, make_policy(policy), budget_bytes, memory=memory), loader
+    cache = AdapterCache(
+        pool, loader, make_policy(policy), budget_bytes, memory=memory, keep_idle=keep_idle
+    )
+    return cache, loader
 
 
 class FakeMemory:

@@ -1,0 +1,30 @@
+"""bench/queueing_sim end to end on a short sweep: the headline keys land in its JSON, and
+`--validate` against a result of the same setup finds every capacity within the 10% rule."""
+
+from __future__ import annotations
+
+import json
+
+from bench.queueing_sim import main
+
+SHORT = ["--per-rank", "1", "--duration", "15", "--rounds", "1", "--loads", "0.5,1.0",
+         "--alone", "2", "--burst", "6", "--max-output-len", "32"]  # fmt: skip
+
+
+def test_a_sweep_writes_the_headlines_and_validates_against_itself(tmp_path):
+    out, plot = tmp_path / "sim.json", tmp_path / "sim.png"
+    main([*SHORT, "--out", str(out), "--plot", str(plot)])
+    metrics = json.loads(out.read_text())["metrics"]
+    for key in ("sustained_load_ratio_vs_slora", "p99_ttft_ratio_vs_slora",
+                "sustained_load_ratio_vs_fcfs", "p99_ttft_ratio_vs_fcfs_overload"):  # fmt: skip
+        assert key in metrics
+    assert set(metrics["per_load"]) == {"slora", "chameleon-nocache", "chameleon-nosched",
+                                        "chameleon"}  # fmt: skip
+    assert metrics["load_fractions_of_baseline_capacity"] == [0.5, 1.0, 1.25]
+    assert plot.stat().st_size > 0
+    checked = tmp_path / "validate.json"
+    main(["--rounds", "1", "--validate", str(out), "--out", str(checked)])
+    validation = json.loads(checked.read_text())["metrics"]
+    assert validation["capacity_rps"]["all_within"]
+    assert set(validation["capacity_rps"]["per_config"]) == set(metrics["per_load"])
+    assert all(r["ratio"] == 1.0 for r in validation["capacity_rps"]["per_config"].values())

@@ -1,0 +1,44 @@
+"""The simulator's step-time model: the engine's own StepTimeModel (server/sched/step_budget.py),
+and a chunked step of d decodes and c prompt tokens costs what that model says."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.sim_engine import SimSeq, StepModel, step_s
+from toppings.server.sched.scheduler import StepPlan
+from toppings.server.sched.step_budget import StepTimeModel, choose_step_budget
+
+MODEL = StepModel(ms_per_token=2.0, decode_ms=50.0, decode_ms_per_request=3.0, prefill_ms=10.0)
+
+
+def test_the_step_model_is_the_engines_step_time_model():
+    assert isinstance(MODEL, StepTimeModel)
+    assert MODEL.decode_s(4) == pytest.approx(MODEL.decode_step_ms(4) / 1000) == 0.062
+    # the step budget the simulator uses is the engine's, derived from the same numbers
+    fast = StepModel(ms_per_token=0.25, decode_ms=50.0, decode_ms_per_request=3.0)
+    assert choose_step_budget(8, 8192, model=fast).tokens == 8 + 74 * 4  # 2x a 74 ms step
+
+
+def test_a_mixed_step_costs_its_decodes_step_plus_each_prompt_token():
+    assert MODEL.mixed_s(4, 100) == pytest.approx((50 + 3 * 4 + 2.0 * 100) / 1000)
+    assert MODEL.mixed_s(0, 100) == pytest.approx(MODEL.prefill_s(100)) == 0.21
+
+
+def prefilled(prompt_len: int) -> SimSeq:
+    seq = SimSeq(prompt_len, 8, 0.0, "a")
+    seq.num_prefilled = prompt_len
+    return seq
+
+
+def test_a_planned_mixed_step_is_timed_by_its_decodes_and_chunks():
+    decodes = [prefilled(30) for _ in range(3)]
+    chunked = [SimSeq(500, 8, 0.0, "a"), SimSeq(40, 8, 0.0, "a")]
+    plan = StepPlan(tuple(decodes + chunked), True, (1, 1, 1, 120, 40), (True,) * 3 + (False, True))
+    assert step_s(plan, MODEL) == pytest.approx(MODEL.mixed_s(3, 160))
+
+
+def test_whole_prompt_and_decode_steps_keep_their_own_costs():
+    seqs = (SimSeq(70, 8, 0.0, "a"), SimSeq(30, 8, 0.0, "a"))
+    assert step_s(StepPlan(seqs, True), MODEL) == pytest.approx(MODEL.prefill_s(100))
+    assert step_s(StepPlan(tuple(prefilled(9) for _ in range(5)), False), MODEL) == 0.065
