@@ -196,14 +196,19 @@ class ChameleonQueue(SizeQueues):
                     break
             elif used + charge > tokens and not (may_exceed and not used and bypassed is None):
                 break
-            if bypassed is not None and not self._may_bypass(seq, running):
+            # A request holding its adapter already (its load was started while it waited)
+            # takes no adapter memory by starting, and its hold ends only once it has run: it
+            # is no bypasser, and passing it over could leave the memory the bypassed request
+            # waits for held by waiting requests forever.
+            holds = bypassed is not None and gate.holds_adapter(seq)
+            if bypassed is not None and not holds and not self._may_bypass(seq, running):
                 continue
             verdict = self._admit(seq, gate, now, batch, reserved, cap)
             if verdict is None:
                 continue  # it would delay a reserved request; a shorter one may not
             if verdict is Verdict.ADMITTED:
                 used += gate.planned(seq) if by_step else charge
-                if bypassed is not None:
+                if bypassed is not None and not holds:
                     self._bypasses.append((bypassed, seq))
                     self.counters["bypasses"] += 1
             elif verdict is Verdict.BATCH_FULL:
