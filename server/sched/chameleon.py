@@ -229,8 +229,12 @@ class ChameleonQueue(SizeQueues):
         cap: int | None = None,
     ) -> Verdict | None:
         """Try `seq` (its chunk of this step at most `cap` tokens) unless it would delay a
-        reservation ahead of it (then None)."""
+        reservation ahead of it (then None). While nothing runs, a request holding its adapter
+        is not held back: no memory frees by waiting then, and the adapter memory it holds
+        (which a reserved request may need) comes back only once it has run."""
         ahead = reserved.ahead_of(seq)
+        if ahead and not self._running and gate.holds_adapter(seq):
+            ahead = []
         if ahead:
             need, steps = gate.need_tokens(seq), _steps_left(seq)
             if not allows(ahead, need, steps):

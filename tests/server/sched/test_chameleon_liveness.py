@@ -124,3 +124,25 @@ def test_no_thrash_while_younger_requests_hold_their_adapters():
     assert sorted(order[:3]) == ["A", "B", "C"] and order[3:] == ["O"]
     assert not len(p) and not gate.running
     assert gate.num_loads == 5  # every adapter loaded once
+
+
+def test_a_reservation_does_not_hold_back_a_request_holding_the_memory_it_waits_for():
+    """The oldest request holds a reservation and then finds its adapter memory held by a
+    waiting request whose KV need the reservation leaves no room for: once nothing runs, that
+    request starts anyway (its memory comes back only once it has run)."""
+    p = policy(cutoffs=[0.5], quotas=[500, 500], kv=400)
+    gate = LoadingGate(kv=400, adapter_slots=100, ranks={"run": 40, "big": 80, "hot": 30})
+    push(p, LoadingSeq("R0", 50, 100, 0, adapter="run"))  # 150 slots for 100 steps
+    assert run(p, gate, 2) == ["R0"]
+    old = LoadingSeq("O", 160, 100, 1, adapter="big")  # 260 slots: waits for R0's end
+    held = LoadingSeq("W", 180, 20, 2, adapter="hot")  # 200 slots, ends before R0
+    push(p, old, held)
+    assert p.select(gate, gate.running, now=3) == []  # W's load starts
+    assert held.holds and not old.holds and p.view()["reserved"] >= 1
+    while gate.running:
+        decode(p, gate, now=4)  # R0 ends before W's load lands
+    # O's reservation leaves 400 - 260 = 140 slots to spare, W needs 200; O finds 30 + 80
+    # adapter slots > 100 held.
+    order = run(p, gate, 150)
+    assert order == ["W", "O"]
+    assert not len(p) and not gate.running
