@@ -45,6 +45,12 @@ ours hands on everything unused (idle memory or step tokens shorten no one's wai
 still decide, under contention, which queues go first.
 Opportunistic bypass: when a head finds no adapter memory, a younger request of its queue may
 go first, and be squashed later, as server.sched.bypass says.
+Liveness with adapters loaded on demand: a waiting request told to wait for its adapter's load
+(NOT_READY) holds that adapter's memory until it has run. Such a request is always asked again
+(behind a head that finds no adapter memory it is no bypasser, and while nothing runs no
+reservation holds it back), so memory held by waiting requests never keeps the oldest waiting
+with nothing running; holds are never dropped to make room, so a no-cache layout does not load,
+drop and reload an adapter.
 """
 
 from __future__ import annotations
