@@ -194,6 +194,9 @@ class AdmissionGate:
         self.admitted.append(seq)
         return Verdict.ADMITTED
 
+    def holds_adapter(self, seq: Sequence) -> bool:
+        return seq.cache_entry is not None
+
     def _step_left(self) -> int:
         return self.limits.max_step_tokens - self.step_tokens
 

@@ -45,6 +45,12 @@ ours hands on everything unused (idle memory or step tokens shorten no one's wai
 still decide, under contention, which queues go first.
 Opportunistic bypass: when a head finds no adapter memory, a younger request of its queue may
 go first, and be squashed later, as server.sched.bypass says.
+Liveness with adapters loaded on demand: a waiting request told to wait for its adapter's load
+(NOT_READY) holds that adapter's memory until it has run. Such a request is always asked again
+(behind a head that finds no adapter memory it is no bypasser, and while nothing runs no
+reservation holds it back), so memory held by waiting requests never keeps the oldest waiting
+with nothing running; holds are never dropped to make room, so a no-cache layout does not load,
+drop and reload an adapter.
 """
 
 from __future__ import annotations
@@ -196,14 +202,19 @@ class ChameleonQueue(SizeQueues):
                     break
             elif used + charge > tokens and not (may_exceed and not used and bypassed is None):
                 break
-            if bypassed is not None and not self._may_bypass(seq, running):
+            # A request holding its adapter already (its load was started while it waited)
+            # takes no adapter memory by starting, and its hold ends only once it has run: it
+            # is no bypasser, and passing it over could leave the memory the bypassed request
+            # waits for held by waiting requests forever.
+            holds = bypassed is not None and gate.holds_adapter(seq)
+            if bypassed is not None and not holds and not self._may_bypass(seq, running):
                 continue
             verdict = self._admit(seq, gate, now, batch, reserved, cap)
             if verdict is None:
                 continue  # it would delay a reserved request; a shorter one may not
             if verdict is Verdict.ADMITTED:
                 used += gate.planned(seq) if by_step else charge
-                if bypassed is not None:
+                if bypassed is not None and not holds:
                     self._bypasses.append((bypassed, seq))
                     self.counters["bypasses"] += 1
             elif verdict is Verdict.BATCH_FULL:
@@ -224,8 +235,12 @@ class ChameleonQueue(SizeQueues):
         cap: int | None = None,
     ) -> Verdict | None:
         """Try `seq` (its chunk of this step at most `cap` tokens) unless it would delay a
-        reservation ahead of it (then None)."""
+        reservation ahead of it (then None). While nothing runs, a request holding its adapter
+        is not held back: no memory frees by waiting then, and the adapter memory it holds
+        (which a reserved request may need) comes back only once it has run."""
         ahead = reserved.ahead_of(seq)
+        if ahead and not self._running and gate.holds_adapter(seq):
+            ahead = []
         if ahead:
             need, steps = gate.need_tokens(seq), _steps_left(seq)
             if not allows(ahead, need, steps):

@@ -41,6 +41,10 @@ class Gate(Protocol):
         """Admit `seq` into this iteration's batch if it fits now; with chunked prefill, its
         prompt chunk this step is at most `max_chunk` tokens (None: what the step has left)."""
 
+    def holds_adapter(self, seq: Sequence) -> bool:
+        """Whether waiting `seq` holds a reference on its adapter already (it was admitted as
+        far as its adapter's load, which it waits for: NOT_READY)."""
+
     def step_budget(self) -> int | None:
         """Tokens one step computes (chunked prefill), or None: steps are not budgeted."""
 

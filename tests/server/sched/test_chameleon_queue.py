@@ -90,6 +90,9 @@ class FakeGate:
         mine = self.ranks[running.adapter] if self.holders.get(running.adapter) == 1 else 0
         return free + mine >= need
 
+    def holds_adapter(self, seq):
+        return False  # an admitted adapter is usable at once: no request waits holding one
+
     def adapter_tokens(self, adapter):
         return 0
 
