@@ -205,9 +205,9 @@ def test_long_prompt_does_not_stall_32_decoding_streams(tmp_path_factory):
 
 
 def test_decode_rows_with_a_long_past_attend_natively(monkeypatch):
-    """A decode row of a mixed step (one token after a past longer than the native kernel's
-    prefill bound) stays on the native kernel, whose cost is linear in its past, and agrees
-    with SDPA; a prompt chunk past the bound still goes to SDPA."""
+    """A decode row and a prompt chunk of a mixed step, each after a past longer than the
+    native kernel's prefill bound, stay on the native kernel (its cost is linear in the past)
+    and agree with SDPA; a chunk of more new tokens than the bound goes to SDPA."""
     from toppings.server import native
     from toppings.server.model import attention
 
@@ -215,17 +215,19 @@ def test_decode_rows_with_a_long_past_attend_natively(monkeypatch):
         pytest.skip("no C compiler here")
     monkeypatch.setattr(attention, "NATIVE_MAX_LEN", 24)
     gen = torch.Generator().manual_seed(5)
-    seg_starts = [0, 1, 4]  # a decode row after 40 past tokens, a chunk of 3 after 30
-    num_tokens, num_slots = seg_starts[-1], 90
+    # a decode row after 40 past tokens, a chunk of 3 after 30, a chunk of 26 after 10
+    seg_starts = [0, 1, 4, 30]
+    num_tokens, num_slots = seg_starts[-1], 120
     q = torch.randn(num_tokens, 6, 16, generator=gen)
     key, val = torch.randn(num_tokens, 2, 16, generator=gen), torch.randn(num_tokens, 2, 16)
     k_cache, v_cache = torch.randn(2, num_slots, 16, generator=gen), torch.randn(2, num_slots, 16)
     perm = torch.randperm(num_slots, generator=gen)
     slots = perm[:num_tokens]
     k_cache[:, slots], v_cache[:, slots] = key.transpose(0, 1), val.transpose(0, 1)
-    past_slots = [perm[num_tokens : num_tokens + 40], perm[num_tokens + 40 : num_tokens + 70]]
+    past = perm[num_tokens:]
+    past_slots = [past[:40], past[40:70], past[70:80]]
     plan = attention.plan_prefill(seg_starts, past_slots, slots)
-    assert plan.long_segments == [1]
+    assert plan.long_segments == [2]
     args = (q, key, val, seg_starts, past_slots, k_cache, v_cache)
     got = attention.prefill_attention(*args, plan)
     want = attention.prefill_attention(*args)  # every segment through SDPA
