@@ -99,14 +99,17 @@ def prefill_ms(
     **config_fields,
 ) -> float:
     """Median time of a lone prefill of `prompt` (no adapter) on this machine. config_fields:
-    more EngineConfig fields (the load format, the device/host split's cores)."""
+    more EngineConfig fields (the load format, the device/host split's cores). Each run's
+    prompt differs in its first token: the same prompt again would hit the prefix cache and
+    time only its last block (4.5x too fast for a 128-token prompt on one core)."""
     config = EngineConfig(device=device, dtype=dtype, max_total_tokens=4096, **config_fields)
     engine = build_engine(model_dir, config)
     try:
         params = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
         times = []
-        for _ in range(5):
-            out = engine.submit(GenerationRequest(prompt, params)).result()
+        for i in range(5):
+            fresh = [prompt[0] + 1 + i, *prompt[1:]]
+            out = engine.submit(GenerationRequest(fresh, params)).result()
             times.append(out.ttft_s)
         return 1000 * statistics.median(times[1:])
     finally:
