@@ -55,6 +55,7 @@ from bench.bench_queueing import (
     burst_capacity,
     make_adapters,
     slo_ms_alone,
+    submit_trace,
     summarise,
     trace_for,
 )
@@ -65,10 +66,8 @@ from toppings.server.config import DTYPE_CHOICES, EngineConfig
 from toppings.server.engine.engine import Engine
 from toppings.server.model.loader import resolve_model_dir
 from toppings.server.requests.request import (
-    GenerationRequest,
     RequestHandle,
     RequestOutput,
-    SamplingParams,
 )
 from toppings.server.runtime import build_engine
 from toppings.server.sched.step_budget import choose_step_budget
@@ -152,13 +151,7 @@ def replay_timed(engine: Engine, trace: list[TraceEntry], burst: bool = False) -
     """bench_queueing.replay's records (TTFT, E2E, tokens, rank, size, span) plus each
     request's token gaps (`gaps_s`), whether its prompt is a long one, and untimed outputs."""
     start = time.monotonic()
-    clocks = []
-    for e in trace:
-        if not burst:
-            time.sleep(max(0.0, start + e.arrival_s - time.monotonic()))
-        params = SamplingParams(max_new_tokens=e.max_tokens, temperature=0.0, ignore_eos=True)
-        request = GenerationRequest(list(e.prompt), params, e.model)
-        clocks.append(OutputClock(engine.submit(request)))
+    clocks = submit_trace(engine, trace, burst, wrap=OutputClock)
     records = []
     for e, clock in zip(trace, clocks):
         final, gaps, untimed = clock.finish(timeout_s=3600)

@@ -105,15 +105,24 @@ def trace_for(
     return build_trace(spec, ranks)
 
 
-def replay(engine, trace, burst: bool = False) -> list[dict]:
-    """Submit each entry at its arrival time (all at once with `burst`); wait for all."""
+def submit_trace(engine, trace, burst: bool = False, wrap=lambda handle: handle) -> list:
+    """Submit each entry (greedy, exactly its max tokens) at its arrival time, all at once with
+    `burst`; `wrap` of each request's handle (applied at once, before its first output can
+    come), in trace order."""
     start = time.monotonic()
     handles = []
     for e in trace:
         if not burst:
             time.sleep(max(0.0, start + e.arrival_s - time.monotonic()))
         params = SamplingParams(max_new_tokens=e.max_tokens, temperature=0.0, ignore_eos=True)
-        handles.append(engine.submit(GenerationRequest(list(e.prompt), params, e.model)))
+        handles.append(wrap(engine.submit(GenerationRequest(list(e.prompt), params, e.model))))
+    return handles
+
+
+def replay(engine, trace, burst: bool = False) -> list[dict]:
+    """Submit each entry at its arrival time (all at once with `burst`); wait for all."""
+    start = time.monotonic()
+    handles = submit_trace(engine, trace, burst)
     records = []
     for e, h in zip(trace, handles):
         out = h.result(timeout_s=3600)
