@@ -247,15 +247,12 @@ def test_graphs_serve_the_pure_decode_steps(tiny_model_dir, tmp_path_factory, de
     adapters = make_adapters(tmp_path_factory.mktemp("graph_chunk_adapters"), tiny_model_dir)
     outputs = {}
     for graphs in (False, True):
-        engine = start(tiny_model_dir, adapters, device, graphs, chunked_prefill=True,
-                       max_num_batched_tokens=BUDGET)  # fmt: skip
-        try:
+        with start(tiny_model_dir, adapters, device, graphs, chunked_prefill=True,
+                   max_num_batched_tokens=BUDGET) as engine:  # fmt: skip
             outputs[graphs] = generate(engine, JOBS)
             stats = engine.step_stats
             if graphs:
                 counters = dict(engine.runner.graphs.counters)
-        finally:
-            engine.shutdown()
     assert stats.prefill_steps > 1  # the prompts (100 tokens) were spread over mixed steps
     assert counters["replays"] == stats.decode_steps > 0, counters
     assert_same(tiny_model_dir, adapters, JOBS, outputs[True], outputs[False])
