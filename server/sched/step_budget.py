@@ -5,20 +5,25 @@ whole step between two of its tokens. So the budget is what a full batch of deco
 most prompt tokens whose modelled step time stays within an inter-token target take:
 `--itl-target-ms`, or by default twice the modelled decode step at `--max-batch-size` (a step
 may add one decode step's worth of prompt work to the decode it would run anyway). The model
-is linear, as bench/sim_engine.py's `StepModel` fitted on the real engine: a decode step of B
-requests takes `decode_ms + decode_ms_per_request * B`, each prompt token beside it
-`ms_per_token` more. The default numbers are that fit for SmolLM2, float32, on a 2-core Xeon
-VM (bench/sim_engine.py `measure_steps`); the engine does not measure its own machine at
-start-up, so on other hardware `--itl-target-ms` or the budget itself should be given. The
-result is clamped to [max(MIN_BUDGET, batch size + MIN_CHUNK), max_prefill_tokens].
+is linear: a decode step of B requests takes `decode_ms + decode_ms_per_request * B`, each
+prompt token beside it `ms_per_token` more. The engine measures it at start-up on its own
+model and machine (server.engine.step_timing); the defaults here are bench/sim_engine.py's fit
+of SmolLM2, float32, on a 2-core Xeon VM, for the simulator and for tests.
+
+The budget is at least a full batch of decodes plus `MIN_CHUNK` prompt tokens, and plus as many
+prompt tokens as a step's fixed cost (`decode_ms`) is worth, so that a chunk's work is never
+smaller than the per-step overhead it pays: on a GPU, where a prompt token costs microseconds,
+that floor is in the thousands; on a CPU, where a prompt token costs about as much as a decode
+row, it is a few dozen and the inter-token target decides. At most `max_prefill_tokens` (or a
+full batch plus `MIN_CHUNK`, where that is more).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
-MIN_BUDGET = 256  # below this, per-step overheads dominate the prompt work (vLLM's floor too)
-MIN_CHUNK = 64  # prompt tokens a full batch of decodes leaves a step at least
+MIN_CHUNK = 16  # prompt tokens a full batch of decodes leaves a step at least
 
 
 @dataclass(frozen=True)
@@ -34,6 +39,10 @@ class StepTimeModel:
 
     def decode_step_ms(self, batch_size: int) -> float:
         return self.decode_ms + self.decode_ms_per_request * batch_size
+
+    def overhead_tokens(self) -> int:
+        """Prompt tokens whose work equals a step's fixed cost (`decode_ms`)."""
+        return math.ceil(max(self.decode_ms, 0.0) / self.ms_per_token)
 
     def prompt_tokens_within(self, target_ms: float, batch_size: int) -> int:
         """The most prompt tokens a step of batch_size decodes takes on within target_ms."""
@@ -63,13 +72,13 @@ def choose_step_budget(
     if max_num_batched_tokens:
         return StepBudget(max_num_batched_tokens, target, "given by --max-num-batched-tokens")
     modelled = max_batch_size + model.prompt_tokens_within(target, max_batch_size)
-    floor = max(MIN_BUDGET, max_batch_size + MIN_CHUNK)
-    ceiling = max(max_prefill_tokens, floor)
+    ceiling = max(max_prefill_tokens, max_batch_size + MIN_CHUNK)
+    floor = min(max_batch_size + max(MIN_CHUNK, model.overhead_tokens()), ceiling)
     tokens = max(floor, min(modelled, ceiling))
     source = "--itl-target-ms" if itl_target_ms else "2x the decode step"
     how = (
         f"{max_batch_size} decodes (a {model.decode_step_ms(max_batch_size):.0f} ms step, "
-        f"modelled) and the prompt tokens ({model.ms_per_token} ms each) that keep the step "
+        f"modelled) and the prompt tokens ({model.ms_per_token:.3g} ms each) that keep the step "
         f"within an inter-token target of {target:.0f} ms ({source}): {modelled}, clamped to "
         f"[{floor}, {ceiling}]; step model: {model.source}"
     )

@@ -13,7 +13,7 @@ from toppings.server.config import SchedulingConfig
 from toppings.server.sched.admission import GateLimits
 from toppings.server.sched.policies import make_queue_policy
 from toppings.server.sched.scheduler import Scheduler, StepPlan, StepResult
-from toppings.server.sched.step_budget import MIN_BUDGET, choose_step_budget
+from toppings.server.sched.step_budget import MIN_CHUNK, StepTimeModel, choose_step_budget
 
 
 def make_chunked(budget: int, max_batch=40, num_blocks=4096, policy="fcfs", queue=None):
@@ -128,9 +128,23 @@ def test_default_budget_is_derived_from_the_step_time_model():
     # a decode step of 128: 64.6 + 2.09 * 128 = 332.1 ms; the target twice that leaves
     # 332.1 / 1.09 = 304 prompt tokens beside the 128 decodes
     assert budget.tokens == 128 + 304 and "2x the decode step" in budget.how
-    assert choose_step_budget(8, 8192, itl_target_ms=50.0).tokens == MIN_BUDGET
+    # a target below the decode step leaves no prompt tokens: the floor, a full batch plus the
+    # prompt tokens a step's fixed cost is worth (64.6 / 1.09 -> 60)
+    assert choose_step_budget(8, 8192, itl_target_ms=50.0).tokens == 8 + 60
     assert choose_step_budget(8, 8192, max_num_batched_tokens=100).tokens == 100
-    assert choose_step_budget(400, 8192).tokens >= 400 + 64
+    assert choose_step_budget(400, 8192).tokens >= 400 + MIN_CHUNK
+
+
+def test_budget_floor_follows_the_cost_of_a_prompt_token():
+    # a CPU: a prompt token costs about a decode row; the target decides, MIN_CHUNK at least
+    cpu = StepTimeModel(ms_per_token=0.85, decode_ms=8.0, decode_ms_per_request=0.5)
+    assert choose_step_budget(32, 8192, model=cpu).tokens == 32 + int(24 / 0.85)
+    assert choose_step_budget(32, 8192, itl_target_ms=10.0, model=cpu).tokens == 32 + MIN_CHUNK
+    # a GPU: a prompt token costs microseconds, so a chunk is at least the step's fixed cost
+    gpu = StepTimeModel(ms_per_token=0.004, decode_ms=6.0, decode_ms_per_request=0.01)
+    assert choose_step_budget(32, 8192, itl_target_ms=6.5, model=gpu).tokens == 32 + 1500
+    # never above max_prefill_tokens
+    assert choose_step_budget(32, 1024, model=gpu).tokens == 1024
 
 
 def test_budget_must_exceed_the_batch_size():
