@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import enum
 import logging
 import math
 import random
@@ -70,17 +69,17 @@ from toppings.server.requests.request import (
     RequestOutput,
 )
 from toppings.server.runtime import build_engine
-from toppings.server.sched.step_budget import choose_step_budget
 
 log = logging.getLogger("bench_chunked_prefill")
 QUICK = {"loads": "0.9", "rounds": 1, "duration": 15.0, "per_rank": 1, "alone": 2, "burst": 6}
 
 
-class Prefill(enum.Enum):
-    """The one difference between the two engines."""
+UNCHUNKED, CHUNKED = "unchunked", "chunked"  # the two engines of the headline ratios
 
-    UNCHUNKED = "unchunked"
-    CHUNKED = "chunked"
+
+def budget_mode(tokens: int) -> str:
+    """The name of a chunked engine run at a given `--max-num-batched-tokens` (`--budgets`)."""
+    return f"chunked-{tokens}"
 
 
 def mix_long_prompts(
@@ -219,6 +218,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-prefill-tokens", type=int, default=8192)
     p.add_argument("--max-num-batched-tokens", type=int, default=0, help="0: the engine's")
     p.add_argument("--itl-target-ms", type=float, default=0.0, help="0: the engine's")
+    p.add_argument("--budgets", type=lambda v: [int(x) for x in v.split(",") if x], default=[],
+                   help="more chunked engines at these fixed budgets, run beside the others "
+                   "(comma list; their ratios go to budget_sweep)")  # fmt: skip
     p.add_argument("--alone", type=int, default=8, help="requests served alone for the SLO")
     p.add_argument("--burst", type=int, default=32, help="requests of the capacity burst")
     p.add_argument("--adapter-dir", type=Path, default=Path("/tmp/toppings-queueing-adapters"))
@@ -257,19 +259,22 @@ def main(argv: list[str] | None = None) -> None:
     # From the first engine's config, "auto" dtype resolved: start-up measures the machine and
     # could pick another dtype the second time, and the engines must differ only in chunking.
     chunked_config = dataclasses.replace(unchunked.config, chunked_prefill=True)
-    chunked = build_engine(str(model_dir), chunked_config, adapters)
-    engines = {Prefill.UNCHUNKED: unchunked, Prefill.CHUNKED: chunked}
+    engines = {
+        UNCHUNKED: unchunked,
+        CHUNKED: build_engine(str(model_dir), chunked_config, adapters),
+    }
+    for tokens in args.budgets:
+        fixed = dataclasses.replace(chunked_config, max_num_batched_tokens=tokens)
+        engines[budget_mode(tokens)] = build_engine(str(model_dir), fixed, adapters)
     logging.getLogger(Engine.__module__).removeHandler(startup)
     slo_ms = slo_ms_alone(unchunked, trace(1.0, 999, None, args.alone))
     burst = trace(1.0, 998, None, args.burst)
-    capacity = {
-        m.value: burst_capacity(replay_timed(e, burst, burst=True)) for m, e in engines.items()
-    }
+    capacity = {m: burst_capacity(replay_timed(e, burst, burst=True)) for m, e in engines.items()}
     log.info("SLO %.0f ms; capacity %s", slo_ms, capacity)
     fractions = [float(x) for x in args.loads.split(",")]
-    loads = [f * capacity[Prefill.UNCHUNKED.value] for f in fractions]
-    raw: dict[Prefill, list[list[list[dict]]]] = {m: [[] for _ in loads] for m in Prefill}
-    modes = list(Prefill)
+    loads = [f * capacity[UNCHUNKED] for f in fractions]
+    raw: dict[str, list[list[list[dict]]]] = {m: [[] for _ in loads] for m in engines}
+    modes = list(engines)
     for rnd in range(args.rounds):
         for i, rps in enumerate(loads):
             run_trace = trace(rps, seed=rnd * 100 + i, duration=args.duration)
@@ -277,45 +282,54 @@ def main(argv: list[str] | None = None) -> None:
                 raw[mode][i].append(replay_timed(engines[mode], run_trace))
                 row = summarise_itl(raw[mode][i][-1:], long_min)
                 log.info("round %d load %.2f rps %s: ITL p99 %.0f ms, %d gaps", rnd, rps,
-                         mode.value, row["itl_p99_ms"], row["num_gaps"])  # fmt: skip
+                         mode, row["itl_p99_ms"], row["num_gaps"])  # fmt: skip
     dtype = unchunked.config.dtype  # "auto" resolved
-    budget = choose_step_budget(
-        chunked.config.max_batch_size, chunked.config.max_prefill_tokens,
-        chunked.config.max_num_batched_tokens, chunked.config.itl_target_ms,
-    )  # fmt: skip
+    step = {m: {"tokens": e.step_budget.tokens, "itl_target_ms": e.step_budget.itl_target_ms,
+                "how": e.step_budget.how}
+            for m, e in engines.items() if e.step_budget is not None}  # fmt: skip
+    step[CHUNKED]["startup_log"] = startup.lines
+    step[UNCHUNKED] = {"max_prefill_tokens": args.max_prefill_tokens}
     for e in engines.values():
         e.shutdown()
     per_load = {
-        m.value: [{**summarise(runs, slo_ms / 1000, args.duration), **summarise_itl(runs, long_min)}
-                  for runs in raw[m]]
-        for m in Prefill
-    }  # fmt: skip
-    step = {
-        Prefill.CHUNKED.value: {"tokens": budget.tokens, "itl_target_ms": budget.itl_target_ms,
-                                "how": budget.how, "startup_log": startup.lines},
-        Prefill.UNCHUNKED.value: {"max_prefill_tokens": args.max_prefill_tokens},
+        m: [{**summarise(runs, slo_ms / 1000, args.duration), **summarise_itl(runs, long_min)}
+            for runs in raw[m]]
+        for m in engines
     }  # fmt: skip
     log.info("measured in %.0f s", time.monotonic() - began)
     write(args, argv, dtype, slo_ms, capacity, fractions, loads, per_load, step)
 
 
+def ratios(chunked: dict, unchunked: dict) -> dict:
+    """A chunked engine's row against the unchunked one's, at one load."""
+    return {
+        "itl_p99_ratio": chunked["itl_p99_ms"] / unchunked["itl_p99_ms"],
+        "ttft_p99_ratio": chunked["ttft_p99_ms"] / unchunked["ttft_p99_ms"],
+        "throughput_ratio": chunked["output_tokens_per_s"] / unchunked["output_tokens_per_s"],
+        "itl_p50_ratio": chunked["itl_p50_ms"] / unchunked["itl_p50_ms"],
+    }
+
+
 def write(args, argv, dtype, slo_ms, capacity, fractions, loads, per_load, step) -> None:
-    rows = {m: per_load[m.value] for m in Prefill}
-    at, within = slo_knee([r["ttft_p99_ms"] for r in rows[Prefill.UNCHUNKED]], slo_ms)
-    c, u = rows[Prefill.CHUNKED][at], rows[Prefill.UNCHUNKED][at]
+    at, within = slo_knee([r["ttft_p99_ms"] for r in per_load[UNCHUNKED]], slo_ms)
+    u = per_load[UNCHUNKED][at]
+    sweep = {
+        m: {"tokens": step[m]["tokens"], **ratios(rows[at], u),
+            "itl_p99_ms": rows[at]["itl_p99_ms"], "ttft_p99_ms": rows[at]["ttft_p99_ms"],
+            "capacity_ratio": capacity[m] / capacity[UNCHUNKED]}
+        for m, rows in per_load.items() if m != UNCHUNKED
+    }  # fmt: skip
     metrics = {
-        "itl_p99_ratio": c["itl_p99_ms"] / u["itl_p99_ms"],
-        "ttft_p99_ratio": c["ttft_p99_ms"] / u["ttft_p99_ms"],
-        "throughput_ratio": c["output_tokens_per_s"] / u["output_tokens_per_s"],
-        "itl_p50_ratio": c["itl_p50_ms"] / u["itl_p50_ms"],
+        **ratios(per_load[CHUNKED][at], u),
         "ratio_load_rps": loads[at],
         "ratio_load_fraction_of_capacity": fractions[at],
         "ratio_load_within_slo": within,
         "slo_ms": slo_ms,
         "capacity_rps": capacity,
-        "capacity_ratio": capacity[Prefill.CHUNKED.value] / capacity[Prefill.UNCHUNKED.value],
+        "capacity_ratio": capacity[CHUNKED] / capacity[UNCHUNKED],
         "loads_rps": loads,
         "step_budget": step,
+        "budget_sweep": sweep,
         "per_load": per_load,
     }
     write_result(
@@ -327,7 +341,8 @@ def write(args, argv, dtype, slo_ms, capacity, fractions, loads, per_load, step)
         config={
             **{k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
             "model": f"SmolLM2-135M-Instruct ({dtype}), in-process engines, lora-mode cached",
-            "engines": "EngineConfigs equal but for chunked_prefill (on / off)",
+            "engines": "EngineConfigs equal but for chunked_prefill (on / off) and, for "
+            "--budgets, max_num_batched_tokens",
             "workload": "bench_queueing's trace (ranks 8-128 on q,k,v, zipf within a rank, "
             "lmsys prompt lengths) with --long-share of the requests given long prompts",
             "itl_rule": "gaps between outputs with new tokens, timed in the engine thread; "

@@ -230,7 +230,9 @@ def measure_steps(dtype: str, batches=(1, 4, 8, 16, 32), prompt_len: int = 64) -
     model_dir = resolve_model_dir("smollm2")
     adapters = make_adapters(Path("/tmp/toppings-queueing-adapters"), model_dir, 4)
     names = sorted(adapters)
-    config = EngineConfig(dtype=dtype, max_total_tokens=8192, max_batch_size=max(batches))
+    # whole-prompt steps: a chunked engine would split the B prompts into budget-sized steps
+    config = EngineConfig(dtype=dtype, max_total_tokens=8192, max_batch_size=max(batches),
+                          chunked_prefill=False)  # fmt: skip
     engine = build_engine(str(model_dir), config, adapters)
     points = {}
     rng = random.Random(0)  # prompts never seen before: no prefix-cache hit shortens a prefill

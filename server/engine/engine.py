@@ -31,6 +31,7 @@ from toppings.server.engine.model_runner import ModelRunner
 from toppings.server.memory.build import build_memory
 from toppings.server.model.llama import LlamaModel, free_device_bytes
 from toppings.server.model.loader import Checkpoint
+from toppings.server.model.step_timing import measure_steps
 from toppings.server.requests.errors import NOT_FOUND, unknown_adapter
 from toppings.server.requests.request import GenerationRequest, RequestError, RequestHandle
 from toppings.server.requests.sequence import Sequence
@@ -43,7 +44,7 @@ from toppings.server.requests.stats_schema import (
 from toppings.server.sched.admission import GateLimits
 from toppings.server.sched.policies import make_queue_policy
 from toppings.server.sched.scheduler import Scheduler, StepPlan
-from toppings.server.sched.step_budget import choose_step_budget
+from toppings.server.sched.step_budget import StepBudget, StepTimeModel, choose_step_budget
 
 log = logging.getLogger(__name__)
 
@@ -89,14 +90,10 @@ class Engine:
         )  # fmt: skip
         self.kv = self.memory.kv
         # The only LoRA object the engine uses.
-        step_budget = None  # chunked prefill's tokens per step; None: chunked prefill off
-        if config.chunked_prefill:
-            budget = choose_step_budget(
-                config.max_batch_size, config.max_prefill_tokens,
-                config.max_num_batched_tokens, config.itl_target_ms,
-            )  # fmt: skip
-            step_budget = budget.tokens
-            log.info("chunked prefill: %d tokens per step, %s", budget.tokens, budget.how)
+        # Chunked prefill's tokens per step (None: chunked prefill off), sized from step times
+        # measured here unless the budget is given.
+        self.step_budget = None if not config.chunked_prefill else self._choose_step_budget()
+        step_budget = self.step_budget.tokens if self.step_budget else None
         max_step_tokens = max(config.max_prefill_tokens, config.max_batch_size)
         if step_budget is not None:  # a prompt prefilled whole may share a step with the decodes
             max_step_tokens = max(max_step_tokens + config.max_batch_size, step_budget)
@@ -134,6 +131,20 @@ class Engine:
         self._stopping = threading.Event()
         self._draining = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
+
+    def _choose_step_budget(self) -> StepBudget:
+        config = self.config
+        model = None
+        if not config.max_num_batched_tokens:
+            times = measure_steps(self.model, self.kv, config.max_batch_size)
+            if times is not None:
+                model = StepTimeModel.fit(times.decode_ms, times.prefill_ms, times.describe())
+        budget = choose_step_budget(
+            config.max_batch_size, config.max_prefill_tokens,
+            config.max_num_batched_tokens, config.itl_target_ms, model,
+        )  # fmt: skip
+        log.info("chunked prefill: %d tokens per step, %s", budget.tokens, budget.how)
+        return budget
 
     def _free_device_bytes(self) -> int:
         return free_device_bytes(self.model.device)

@@ -37,6 +37,15 @@ class StepTimeModel:
         "bench/sim_engine.py's fit of SmolLM2 float32 on a 2-core Xeon VM, not this machine's"
     )
 
+    @classmethod
+    def fit(cls, decode_ms: dict[int, float], prefill_ms: dict[int, float], source: str):
+        """The model through measured points: decode steps {batch size: ms} and prefills
+        {prompt tokens: ms}, two or more of each (least squares); a negative slope (timing
+        noise) counts as free."""
+        per_request, fixed = _line(decode_ms)
+        ms_per_token, _ = _line(prefill_ms)
+        return cls(max(ms_per_token, 1e-6), fixed, max(per_request, 0.0), source)
+
     def decode_step_ms(self, batch_size: int) -> float:
         return self.decode_ms + self.decode_ms_per_request * batch_size
 
@@ -47,6 +56,16 @@ class StepTimeModel:
     def prompt_tokens_within(self, target_ms: float, batch_size: int) -> int:
         """The most prompt tokens a step of batch_size decodes takes on within target_ms."""
         return max(0, int((target_ms - self.decode_step_ms(batch_size)) / self.ms_per_token))
+
+
+def _line(points: dict[int, float]) -> tuple[float, float]:
+    """Slope and intercept of the least-squares line through {x: y}."""
+    xs, ys = list(points), list(points.values())
+    mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / sum(
+        (x - mean_x) ** 2 for x in xs
+    )
+    return slope, mean_y - slope * mean_x
 
 
 @dataclass(frozen=True)
@@ -67,10 +86,11 @@ def choose_step_budget(
 ) -> StepBudget:
     """The step token budget: `max_num_batched_tokens` when given, else derived from the step
     time model and the inter-token target (0: twice the decode step at max_batch_size)."""
+    if max_num_batched_tokens:  # the target is not used (0 unless given)
+        how = "given by --max-num-batched-tokens"
+        return StepBudget(max_num_batched_tokens, itl_target_ms, how)
     model = model or StepTimeModel()
     target = itl_target_ms or 2 * model.decode_step_ms(max_batch_size)
-    if max_num_batched_tokens:
-        return StepBudget(max_num_batched_tokens, target, "given by --max-num-batched-tokens")
     modelled = max_batch_size + model.prompt_tokens_within(target, max_batch_size)
     ceiling = max(max_prefill_tokens, max_batch_size + MIN_CHUNK)
     floor = min(max_batch_size + max(MIN_CHUNK, model.overhead_tokens()), ceiling)

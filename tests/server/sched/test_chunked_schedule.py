@@ -205,3 +205,13 @@ def test_a_squashed_partly_prefilled_request_leaves_the_step_and_starts_over():
         step(sched)
     assert long.output_ids == [5, 5] and other.output_ids == [5, 5]
     assert memory.reserved == 0 and all(n == 0 for n in adapters.refs.values())
+
+
+def test_the_step_model_is_fitted_through_measured_points():
+    model = StepTimeModel.fit({1: 10.5, 16: 18.0, 32: 26.0}, {32: 20.0, 160: 60.0}, "measured")
+    assert model.decode_ms_per_request == pytest.approx(0.5, abs=0.01)
+    assert model.decode_ms == pytest.approx(10.0, abs=0.1)
+    assert model.ms_per_token == pytest.approx(40 / 128)
+    # timing noise that makes a slope negative counts as free, never as a negative cost
+    noisy = StepTimeModel.fit({1: 10.0, 8: 9.9}, {32: 20.0, 160: 19.0}, "noisy")
+    assert noisy.decode_ms_per_request == 0.0 and noisy.ms_per_token > 0

@@ -1,0 +1,124 @@
+"""Step times measured at start-up on the engine's own model and machine.
+
+The chunked-prefill budget (server.sched.step_budget) is sized from a linear model of step
+times: a decode step of B requests, and each prompt token computed beside it. Its points are
+timed here on the base model's forward pass over scratch KV rows, taken from the pool and given
+back before the engine serves: decode steps of one and of `max_batch_size` requests over a
+short past, and prefills of two prompt lengths, each timed best of `REPEATS` after a warm-up.
+LoRA is not in the timed steps (no adapter is on the device at start-up); it adds a few percent
+to a step (bench engine_throughput's decode_step_ratio_lora_vs_base).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from toppings.server.memory.kv_cache import KVPool
+from toppings.server.model.llama import ForwardBatch, LlamaModel
+
+PAST = 48  # tokens each decode row has attended to (a short chat turn)
+PROMPTS = (32, 160)  # the two prefill lengths whose difference gives the cost of a token
+REPEATS = 3
+
+
+@dataclass(frozen=True)
+class StepTimes:
+    """Measured step times in ms: decode steps by batch size, prefills by prompt tokens."""
+
+    decode_ms: dict[int, float]
+    prefill_ms: dict[int, float]
+
+    def describe(self) -> str:
+        def points(times: dict[int, float]) -> str:
+            return "/".join(map(str, times)) + ": " + "/".join(f"{t:.1f}" for t in times.values())
+
+        return (
+            f"measured at start-up, decode steps of {points(self.decode_ms)} ms, prefills of "
+            f"{points(self.prefill_ms)} ms (base model, no LoRA)"
+        )
+
+
+def _timer(device: torch.device) -> Callable[[Callable[[], object]], float]:
+    """A function that times a call in ms, waiting for the device's queued work."""
+
+    def wait() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    def best_ms(call: Callable[[], object]) -> float:
+        call()  # warm-up: kernels picked, buffers allocated
+        best = float("inf")
+        for _ in range(REPEATS):
+            wait()
+            start = time.perf_counter()
+            call()
+            wait()
+            best = min(best, time.perf_counter() - start)
+        return 1000 * best
+
+    return best_ms
+
+
+def _rows_that_fit(kv: KVPool, max_batch_size: int) -> int:
+    """How many decode rows of PAST + 1 tokens the pool holds beside one prompt's blocks."""
+    blocks = lambda n: -(-n // kv.block_tokens)  # noqa: E731
+    spare = kv.num_free_blocks - blocks(max(PROMPTS))
+    return max(0, min(max_batch_size, kv.num_free_rows, spare // blocks(PAST + 1)))
+
+
+def measure_steps(model: LlamaModel, kv: KVPool, max_batch_size: int) -> StepTimes | None:
+    """Step times of `model` on this machine: decode steps of 1, half and all of up to
+    `max_batch_size` requests, a prefill of each of PROMPTS tokens; None where the pool cannot
+    hold two decode rows and a prefill (a tiny test pool). Every row and block taken from `kv`
+    is given back."""
+    num_rows = _rows_that_fit(kv, max_batch_size)
+    if num_rows < 2 or kv.max_len < max(PROMPTS) or kv.max_len < PAST + 1:
+        return None
+    device = torch.device(model.device)
+    best_ms = _timer(device)
+    gen = torch.Generator().manual_seed(0)
+    vocab = model.config.vocab_size
+    rows: list[int] = []
+    prompt_blocks = kv.alloc_blocks(-(-max(PROMPTS) // kv.block_tokens))
+    try:
+        prompt_slots = kv.slots_of(prompt_blocks)  # [P]
+        for _ in range(num_rows):
+            rows.append(kv.new_row())
+            kv.extend(rows[-1], PAST + 1)
+
+        def decode(b: int) -> Callable[[], object]:
+            index, lengths = kv.decode_index(rows[:b])  # [b, PAST + 1], [b]
+            batch = ForwardBatch(
+                input_ids=torch.randint(vocab, (b,), generator=gen).to(device),  # [b]
+                positions=torch.full((b,), PAST, dtype=torch.int64, device=device),  # [b]
+                slots=index[:, PAST].contiguous(),  # [b]
+                seg_starts=list(range(b + 1)),
+                is_prefill=False,
+                kv_index=index,
+                kv_lengths=lengths,
+            )
+            return lambda: model.forward(batch, kv)
+
+        def prefill(n: int) -> Callable[[], object]:
+            batch = ForwardBatch(
+                input_ids=torch.randint(vocab, (n,), generator=gen).to(device),  # [n]
+                positions=torch.arange(n, dtype=torch.int64, device=device),  # [n]
+                slots=prompt_slots[:n],
+                seg_starts=[0, n],
+                is_prefill=True,
+                past_slots=[None],
+            )
+            return lambda: model.forward(batch, kv)
+
+        with torch.inference_mode():
+            decodes = {b: best_ms(decode(b)) for b in sorted({1, num_rows // 2, num_rows})}
+            prefills = {n: best_ms(prefill(n)) for n in PROMPTS}
+    finally:
+        for row in rows:
+            kv.free_row(row)
+        kv.free_blocks(prompt_blocks)
+    return StepTimes(decodes, prefills)

@@ -1,0 +1,51 @@
+"""Step times measured at start-up (server/model/step_timing.py): the chunked-prefill budget
+comes from this machine's measured steps, and measuring leaves the KV pool as it found it."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers import assert_memory_balanced
+from toppings.server.model.step_timing import PROMPTS, measure_steps
+from toppings.server.requests.request import GenerationRequest, SamplingParams
+
+
+def generate(engine, prompts: list[list[int]]) -> list[list[int]]:
+    params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+    handles = engine.submit_all([GenerationRequest(p, params) for p in prompts])
+    return [h.result(timeout_s=60).new_token_ids for h in handles]
+
+
+PROMPTS_IN = [[5 + i, 17, 33 + 2 * i, 9] * (3 + i) for i in range(4)]
+
+
+def test_the_budget_comes_from_steps_measured_at_start_up(tiny_engine):
+    with tiny_engine(chunked_prefill=True, max_batch_size=8) as engine:
+        assert "measured at start-up" in engine.step_budget.how
+        assert engine.step_budget.tokens >= 8 + 16
+        assert_memory_balanced(engine)  # every row and block taken for timing came back
+        measured = generate(engine, PROMPTS_IN)
+    with tiny_engine(chunked_prefill=True, max_batch_size=8, max_num_batched_tokens=64) as given:
+        assert given.step_budget.tokens == 64
+        assert "given by --max-num-batched-tokens" in given.step_budget.how
+        assert generate(given, PROMPTS_IN) == measured
+
+
+def test_the_points_are_timed_and_the_pool_is_given_back(tiny_engine):
+    with tiny_engine(chunked_prefill=False, max_batch_size=8) as engine:
+        free = engine.kv.num_free_blocks
+        times = measure_steps(engine.model, engine.kv, 8)
+        assert sorted(times.decode_ms) == [1, 4, 8]
+        assert sorted(times.prefill_ms) == list(PROMPTS)
+        assert all(t > 0 for t in [*times.decode_ms.values(), *times.prefill_ms.values()])
+        assert engine.kv.num_free_blocks == free
+        assert engine.kv.num_free_rows == len(engine.kv.lengths)
+        assert_memory_balanced(engine)
+
+
+@pytest.mark.parametrize("max_total_tokens", [96])
+def test_a_pool_too_small_to_measure_keeps_the_default_model(tiny_engine, max_total_tokens):
+    with tiny_engine(chunked_prefill=True, max_batch_size=4,
+                     max_total_tokens=max_total_tokens) as engine:  # fmt: skip
+        assert measure_steps(engine.model, engine.kv, 4) is None
+        assert "not this machine's" in engine.step_budget.how
