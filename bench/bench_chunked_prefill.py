@@ -7,7 +7,9 @@ of its requests (`--long-share`) given prompts of `--long-prompt-len` tokens: wi
 the step that prefills such a prompt is one long step, and every running stream waits for it
 between two of its tokens. Two in-process engines are built from EngineConfigs that differ only
 in `chunked_prefill` (the chunked one's step budget is the engine's own choice unless
-`--max-num-batched-tokens` or `--itl-target-ms` is given; its start-up log line is recorded).
+`--max-num-batched-tokens` or `--itl-target-ms` is given; its start-up log line is recorded);
+`--itl-targets` adds chunked engines sized for other inter-token targets, run beside them, to
+show what a tighter or looser target trades (`target_sweep`).
 At the start of the run (bench_queueing's rules):
 - the SLO is 5x the mean E2E latency of requests of this trace served alone (unchunked);
 - capacity is the request rate the unchunked engine completes a burst at while the burst still
@@ -77,9 +79,9 @@ QUICK = {"loads": "0.9", "rounds": 1, "duration": 15.0, "per_rank": 1, "alone": 
 UNCHUNKED, CHUNKED = "unchunked", "chunked"  # the two engines of the headline ratios
 
 
-def budget_mode(tokens: int) -> str:
-    """The name of a chunked engine run at a given `--max-num-batched-tokens` (`--budgets`)."""
-    return f"chunked-{tokens}"
+def target_mode(itl_target_ms: float) -> str:
+    """The name of a chunked engine sized for another inter-token target (`--itl-targets`)."""
+    return f"chunked-itl{itl_target_ms:g}ms"
 
 
 def mix_long_prompts(
@@ -218,9 +220,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-prefill-tokens", type=int, default=8192)
     p.add_argument("--max-num-batched-tokens", type=int, default=0, help="0: the engine's")
     p.add_argument("--itl-target-ms", type=float, default=0.0, help="0: the engine's")
-    p.add_argument("--budgets", type=lambda v: [int(x) for x in v.split(",") if x], default=[],
-                   help="more chunked engines at these fixed budgets, run beside the others "
-                   "(comma list; their ratios go to budget_sweep)")  # fmt: skip
+    p.add_argument(
+        "--itl-targets",
+        type=lambda v: [float(x) for x in v.split(",") if x],
+        default=[],
+        help="more chunked engines sized for these inter-token targets (ms, comma list), run "
+        "beside the others (their ratios: target_sweep)",
+    )
     p.add_argument("--alone", type=int, default=8, help="requests served alone for the SLO")
     p.add_argument("--burst", type=int, default=32, help="requests of the capacity burst")
     p.add_argument("--adapter-dir", type=Path, default=Path("/tmp/toppings-queueing-adapters"))
@@ -263,9 +269,9 @@ def main(argv: list[str] | None = None) -> None:
         UNCHUNKED: unchunked,
         CHUNKED: build_engine(str(model_dir), chunked_config, adapters),
     }
-    for tokens in args.budgets:
-        fixed = dataclasses.replace(chunked_config, max_num_batched_tokens=tokens)
-        engines[budget_mode(tokens)] = build_engine(str(model_dir), fixed, adapters)
+    for target in args.itl_targets:
+        sized = dataclasses.replace(chunked_config, itl_target_ms=target)
+        engines[target_mode(target)] = build_engine(str(model_dir), sized, adapters)
     logging.getLogger(Engine.__module__).removeHandler(startup)
     slo_ms = slo_ms_alone(unchunked, trace(1.0, 999, None, args.alone))
     burst = trace(1.0, 998, None, args.burst)
@@ -314,7 +320,8 @@ def write(args, argv, dtype, slo_ms, capacity, fractions, loads, per_load, step)
     at, within = slo_knee([r["ttft_p99_ms"] for r in per_load[UNCHUNKED]], slo_ms)
     u = per_load[UNCHUNKED][at]
     sweep = {
-        m: {"tokens": step[m]["tokens"], **ratios(rows[at], u),
+        m: {"tokens": step[m]["tokens"], "itl_target_ms": step[m]["itl_target_ms"],
+            **ratios(rows[at], u),
             "itl_p99_ms": rows[at]["itl_p99_ms"], "ttft_p99_ms": rows[at]["ttft_p99_ms"],
             "capacity_ratio": capacity[m] / capacity[UNCHUNKED]}
         for m, rows in per_load.items() if m != UNCHUNKED
@@ -329,7 +336,7 @@ def write(args, argv, dtype, slo_ms, capacity, fractions, loads, per_load, step)
         "capacity_ratio": capacity[CHUNKED] / capacity[UNCHUNKED],
         "loads_rps": loads,
         "step_budget": step,
-        "budget_sweep": sweep,
+        "target_sweep": sweep,
         "per_load": per_load,
     }
     write_result(
@@ -342,7 +349,7 @@ def write(args, argv, dtype, slo_ms, capacity, fractions, loads, per_load, step)
             **{k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
             "model": f"SmolLM2-135M-Instruct ({dtype}), in-process engines, lora-mode cached",
             "engines": "EngineConfigs equal but for chunked_prefill (on / off) and, for "
-            "--budgets, max_num_batched_tokens",
+            "--itl-targets, itl_target_ms",
             "workload": "bench_queueing's trace (ranks 8-128 on q,k,v, zipf within a rank, "
             "lmsys prompt lengths) with --long-share of the requests given long prompts",
             "itl_rule": "gaps between outputs with new tokens, timed in the engine thread; "

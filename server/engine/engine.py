@@ -31,7 +31,7 @@ from toppings.server.engine.model_runner import ModelRunner
 from toppings.server.memory.build import build_memory
 from toppings.server.model.llama import LlamaModel, free_device_bytes
 from toppings.server.model.loader import Checkpoint
-from toppings.server.model.step_timing import measure_steps
+from toppings.server.model.step_timing import PROMPTS, measure_steps
 from toppings.server.requests.errors import NOT_FOUND, unknown_adapter
 from toppings.server.requests.request import GenerationRequest, RequestError, RequestHandle
 from toppings.server.requests.sequence import Sequence
@@ -113,10 +113,11 @@ class Engine:
             config.use_cuda_graphs, config.max_batch_size, self.model, self.kv, self.lora,
             self.eos_ids, self.grammars, trace,
         )  # fmt: skip
+        past_weight = self.step_budget.past_weight if self.step_budget else 0.0
+        limits = GateLimits.from_config(sched_config, step_budget, past_weight)
         self.scheduler = Scheduler(
             make_queue_policy(sched_config, config.max_total_tokens), self.memory, self.lora,
-            GateLimits.from_config(sched_config, step_budget), self.eos_ids, self.max_model_len,
-            on_end=self._request_ended,
+            limits, self.eos_ids, self.max_model_len, on_end=self._request_ended,
         )  # fmt: skip
         self.queue = self.scheduler.queue  # the waiting requests and who goes next
         self._running = self.scheduler.running  # the scheduler's list, read for views
@@ -138,7 +139,8 @@ class Engine:
         if not config.max_num_batched_tokens:
             times = measure_steps(self.model, self.kv, config.max_batch_size)
             if times is not None:
-                model = StepTimeModel.fit(times.decode_ms, times.prefill_ms, times.describe())
+                model = StepTimeModel.fit(times.decode_ms, times.prefill_ms, times.chunk_ms,
+                                          PROMPTS[0], times.describe())  # fmt: skip
         budget = choose_step_budget(
             config.max_batch_size, config.max_prefill_tokens,
             config.max_num_batched_tokens, config.itl_target_ms, model,

@@ -4,7 +4,9 @@ The chunked-prefill budget (server.sched.step_budget) is sized from a linear mod
 times: a decode step of B requests, and each prompt token computed beside it. Its points are
 timed here on the base model's forward pass over scratch KV rows, taken from the pool and given
 back before the engine serves: decode steps of one and of `max_batch_size` requests over a
-short past, and prefills of two prompt lengths, each timed best of `REPEATS` after a warm-up.
+short past, prefills of two prompt lengths, and a chunk of the shorter length after a long
+past (its attention to that past is what a late chunk of a long prompt costs more), each timed
+best of `REPEATS` after a warm-up.
 LoRA is not in the timed steps (no adapter is on the device at start-up); it adds a few percent
 to a step (bench engine_throughput's decode_step_ratio_lora_vs_base).
 """
@@ -22,15 +24,18 @@ from toppings.server.model.llama import ForwardBatch, LlamaModel
 
 PAST = 48  # tokens each decode row has attended to (a short chat turn)
 PROMPTS = (32, 160)  # the two prefill lengths whose difference gives the cost of a token
+LONG_PAST = 1024  # the past of the late chunk (PROMPTS[0] tokens), where the pool allows
 REPEATS = 3
 
 
 @dataclass(frozen=True)
 class StepTimes:
-    """Measured step times in ms: decode steps by batch size, prefills by prompt tokens."""
+    """Measured step times in ms: decode steps by batch size, prefills by prompt tokens, and
+    a chunk of PROMPTS[0] tokens by the length of its past (0 among them)."""
 
     decode_ms: dict[int, float]
     prefill_ms: dict[int, float]
+    chunk_ms: dict[int, float]
 
     def describe(self) -> str:
         def points(times: dict[int, float]) -> str:
@@ -38,7 +43,8 @@ class StepTimes:
 
         return (
             f"measured at start-up, decode steps of {points(self.decode_ms)} ms, prefills of "
-            f"{points(self.prefill_ms)} ms (base model, no LoRA)"
+            f"{points(self.prefill_ms)} ms, {PROMPTS[0]} tokens after "
+            f"{points(self.chunk_ms)} ms (base model, no LoRA)"
         )
 
 
@@ -66,8 +72,13 @@ def _timer(device: torch.device) -> Callable[[Callable[[], object]], float]:
 def _rows_that_fit(kv: KVPool, max_batch_size: int) -> int:
     """How many decode rows of PAST + 1 tokens the pool holds beside one prompt's blocks."""
     blocks = lambda n: -(-n // kv.block_tokens)  # noqa: E731
-    spare = kv.num_free_blocks - blocks(max(PROMPTS))
+    spare = kv.num_free_blocks - blocks(_prompt_slots(kv))
     return max(0, min(max_batch_size, kv.num_free_rows, spare // blocks(PAST + 1)))
+
+
+def _prompt_slots(kv: KVPool) -> int:
+    """Slots of the prompt row: PROMPTS, and the late chunk after its past where it fits."""
+    return max(max(PROMPTS), min(LONG_PAST, kv.max_len - PROMPTS[0]) + PROMPTS[0])
 
 
 def measure_steps(model: LlamaModel, kv: KVPool, max_batch_size: int) -> StepTimes | None:
@@ -83,7 +94,7 @@ def measure_steps(model: LlamaModel, kv: KVPool, max_batch_size: int) -> StepTim
     gen = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
     rows: list[int] = []
-    prompt_blocks = kv.alloc_blocks(-(-max(PROMPTS) // kv.block_tokens))
+    prompt_blocks = kv.alloc_blocks(-(-_prompt_slots(kv) // kv.block_tokens))
     try:
         prompt_slots = kv.slots_of(prompt_blocks)  # [P]
         for _ in range(num_rows):
@@ -103,22 +114,27 @@ def measure_steps(model: LlamaModel, kv: KVPool, max_batch_size: int) -> StepTim
             )
             return lambda: model.forward(batch, kv)
 
-        def prefill(n: int) -> Callable[[], object]:
+        def prefill(n: int, past: int = 0) -> Callable[[], object]:
             batch = ForwardBatch(
                 input_ids=torch.randint(vocab, (n,), generator=gen).to(device),  # [n]
-                positions=torch.arange(n, dtype=torch.int64, device=device),  # [n]
-                slots=prompt_slots[:n],
+                positions=torch.arange(past, past + n, dtype=torch.int64, device=device),  # [n]
+                slots=prompt_slots[past : past + n],
                 seg_starts=[0, n],
                 is_prefill=True,
-                past_slots=[None],
+                past_slots=[prompt_slots[:past] if past else None],
             )
             return lambda: model.forward(batch, kv)
+
+        long_past = min(LONG_PAST, kv.max_len - PROMPTS[0])
 
         with torch.inference_mode():
             decodes = {b: best_ms(decode(b)) for b in sorted({1, num_rows // 2, num_rows})}
             prefills = {n: best_ms(prefill(n)) for n in PROMPTS}
+            chunks = {0: prefills[PROMPTS[0]]}
+            if long_past >= PROMPTS[0]:  # the past's keys are the longer prefill's, or zeros
+                chunks[long_past] = best_ms(prefill(PROMPTS[0], long_past))
     finally:
         for row in rows:
             kv.free_row(row)
         kv.free_blocks(prompt_blocks)
-    return StepTimes(decodes, prefills)
+    return StepTimes(decodes, prefills, chunks)

@@ -13,6 +13,7 @@ numbers of `GateLimits`; it imports nothing of the model.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -103,13 +104,37 @@ class GateLimits:
     # Chunked prefill: the tokens one step computes (decodes and prompt chunks together);
     # None: a step prefills whole prompts up to max_prefill_tokens (chunked prefill off).
     max_step_tokens: int | None = None
+    # Chunked prefill: what a prompt token costs more of the budget for each token of past it
+    # attends to (server.sched.step_budget); 0: every token costs one.
+    past_weight: float = 0.0
 
     @classmethod
     def from_config(
-        cls, config: SchedulingConfig, max_step_tokens: int | None = None
+        cls, config: SchedulingConfig, max_step_tokens: int | None = None, past_weight: float = 0.0
     ) -> GateLimits:
-        """max_step_tokens: the step budget the engine chose (None: chunked prefill off)."""
-        return cls(config.max_batch_size, config.max_prefill_tokens, max_step_tokens)
+        """max_step_tokens: the step budget the engine chose (None: chunked prefill off);
+        past_weight: its weight of a prompt token's past."""
+        return cls(config.max_batch_size, config.max_prefill_tokens, max_step_tokens, past_weight)
+
+    def chunk_cost(self, tokens: int, past: int) -> int:
+        """Budget tokens of a chunk of `tokens` prompt tokens after `past` computed ones: each
+        counts 1 + past_weight x what it attends to before it (the past, its chunk's earlier
+        tokens)."""
+        if not self.past_weight or tokens <= 0:
+            return max(tokens, 0)
+        return math.ceil(tokens * (1 + self.past_weight * (past + (tokens - 1) / 2)))
+
+    def chunk_within(self, cost: int, past: int) -> int:
+        """The most prompt tokens after `past` whose chunk_cost is within `cost` (at least
+        one, so that every planned prompt advances)."""
+        w = self.past_weight
+        if not w:
+            return max(cost, 1)
+        b = 1 + w * (past - 0.5)  # cost(t) = t * b + w * t^2 / 2
+        tokens = max(int((math.sqrt(b * b + 2 * w * cost) - b) / w), 1)
+        while tokens > 1 and self.chunk_cost(tokens, past) > cost:
+            tokens -= 1
+        return tokens
 
 
 def release(seq: Sequence, memory: Memory, adapters: Adapters, keep_kv: bool, now: float) -> None:
@@ -150,7 +175,7 @@ class AdmissionGate:
         # chunked prefill: every request computing in this step -> its tokens (planned, then
         # admitted); the decodes' share tells whether the step has a prompt token yet
         self.chunks: dict[Sequence, int] = dict(planned or {})
-        self.step_tokens = sum(self.chunks.values())
+        self.step_tokens = sum(self.cost(s, n) for s, n in self.chunks.items())  # of the budget
         self.decode_tokens = sum(n for s, n in self.chunks.items() if s.is_prefilled)
         self._queued: frozenset[str] | None = None
         # What the policy asked about last, a request or an adapter: when forming the batch
@@ -188,11 +213,16 @@ class AdmissionGate:
         seq.num_prefilled = seq.prompt_len - computed
         self.prefill_tokens += computed
         if limits.max_step_tokens is not None:
-            chunk = computed if is_whole(seq) else min(computed, self._chunk_left(max_chunk))
+            left = limits.chunk_within(self._chunk_left(max_chunk), seq.num_prefilled)
+            chunk = computed if is_whole(seq) else min(computed, left)
             self.chunks[seq] = chunk
-            self.step_tokens += chunk
+            self.step_tokens += self.cost(seq, chunk)
         self.admitted.append(seq)
         return Verdict.ADMITTED
+
+    def cost(self, seq: Sequence, tokens: int) -> int:
+        """Budget tokens of `seq` computing `tokens` this step (a decode: one)."""
+        return tokens if seq.is_prefilled else self.limits.chunk_cost(tokens, seq.num_prefilled)
 
     def holds_adapter(self, seq: Sequence) -> bool:
         return seq.cache_entry is not None
@@ -236,7 +266,7 @@ class AdmissionGate:
 
     def squash(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.step_tokens -= self.chunks.pop(seq, 0)  # it computes nothing this step
+        self.step_tokens -= self.cost(seq, self.chunks.pop(seq, 0))  # it computes nothing now
         release(seq, self.memory, self.adapters, True, self.clock())
         seq.restart()
 

@@ -145,25 +145,29 @@ class Scheduler:
         being prefilled, oldest first. The admitted join `running` at once."""
         decodes = [s for s in self.running if s.is_prefilled]
         prefilling = [s for s in self.running if not s.is_prefilled]
+        limits = self.limits
         planned: dict[Sequence, int] = {s: 1 for s in decodes}
         left = budget - len(decodes)
         for seq, n in self.queue.plan_chunks(decodes, prefilling, left).items():
-            if n > 0:
-                planned[seq] = n
+            if n > 0:  # the policy plans budget tokens: a chunk after a long past gets fewer
+                planned[seq] = min(n, limits.chunk_within(n, seq.num_prefilled))
         gate = self.gate(planned)
         admitted = self._admit(gate)
         self.running.extend(admitted)
         still = set(self.running)  # the policy may have squashed some: they wait again
         chunks = {s: n for s, n in gate.chunks.items() if s in still}
-        left = budget - sum(chunks.values())
+        left = budget - sum(gate.cost(s, n) for s, n in chunks.items())
         for seq in self.running:
             if left <= 0:
                 break
             if not seq.is_prefilled and not is_whole(seq):
-                more = min(seq.prompt_len - seq.num_prefilled - chunks.get(seq, 0), left)
+                had, past = chunks.get(seq, 0), seq.num_prefilled
+                cost = limits.chunk_cost(had, past)
+                within = limits.chunk_within(cost + left, past)
+                more = min(seq.prompt_len - past - had, within - had)
                 if more > 0:
-                    chunks[seq] = chunks.get(seq, 0) + more
-                    left -= more
+                    chunks[seq] = had + more
+                    left -= limits.chunk_cost(had + more, past) - cost
         if not chunks:
             return None
         seqs = sorted(chunks, key=_adapter_key)

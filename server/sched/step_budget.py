@@ -33,18 +33,34 @@ class StepTimeModel:
     ms_per_token: float = 1.09
     decode_ms: float = 64.6
     decode_ms_per_request: float = 2.09
+    # more per prompt token for each token of its past it attends to (a late chunk of a long
+    # prompt); 0: not measured
+    ms_per_token_past: float = 0.0
     source: str = (
         "bench/sim_engine.py's fit of SmolLM2 float32 on a 2-core Xeon VM, not this machine's"
     )
 
     @classmethod
-    def fit(cls, decode_ms: dict[int, float], prefill_ms: dict[int, float], source: str):
-        """The model through measured points: decode steps {batch size: ms} and prefills
-        {prompt tokens: ms}, two or more of each (least squares); a negative slope (timing
-        noise) counts as free."""
+    def fit(
+        cls,
+        decode_ms: dict[int, float],
+        prefill_ms: dict[int, float],
+        chunk_ms: dict[int, float],
+        chunk_tokens: int,
+        source: str,
+    ):
+        """The model through measured points: decode steps {batch size: ms}, prefills {prompt
+        tokens: ms}, two or more of each, and chunks of `chunk_tokens` {past tokens: ms}, one
+        or more (least squares); a negative slope (timing noise) counts as free."""
         per_request, fixed = _line(decode_ms)
         ms_per_token, _ = _line(prefill_ms)
-        return cls(max(ms_per_token, 1e-6), fixed, max(per_request, 0.0), source)
+        per_past = _line(chunk_ms)[0] / chunk_tokens if len(chunk_ms) > 1 else 0.0
+        return cls(max(ms_per_token, 1e-6), fixed, max(per_request, 0.0), max(per_past, 0.0),
+                   source)  # fmt: skip
+
+    def past_weight(self) -> float:
+        """Budget tokens a prompt token costs more for each token of past it attends to."""
+        return self.ms_per_token_past / self.ms_per_token
 
     def decode_step_ms(self, batch_size: int) -> float:
         return self.decode_ms + self.decode_ms_per_request * batch_size
@@ -75,6 +91,8 @@ class StepBudget:
     tokens: int
     itl_target_ms: float
     how: str
+    # a prompt token counts 1 + past_weight x its past against the budget (GateLimits); 0: 1
+    past_weight: float = 0.0
 
 
 def choose_step_budget(
@@ -100,6 +118,7 @@ def choose_step_budget(
         f"{max_batch_size} decodes (a {model.decode_step_ms(max_batch_size):.0f} ms step, "
         f"modelled) and the prompt tokens ({model.ms_per_token:.3g} ms each) that keep the step "
         f"within an inter-token target of {target:.0f} ms ({source}): {modelled}, clamped to "
-        f"[{floor}, {ceiling}]; step model: {model.source}"
+        f"[{floor}, {ceiling}]; a prompt token after a past of P counts "
+        f"1 + {model.past_weight():.2g} x P; step model: {model.source}"
     )
-    return StepBudget(tokens, target, how)
+    return StepBudget(tokens, target, how, model.past_weight())

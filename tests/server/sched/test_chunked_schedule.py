@@ -16,10 +16,12 @@ from toppings.server.sched.scheduler import Scheduler, StepPlan, StepResult
 from toppings.server.sched.step_budget import MIN_CHUNK, StepTimeModel, choose_step_budget
 
 
-def make_chunked(budget: int, max_batch=40, num_blocks=4096, policy="fcfs", queue=None):
+def make_chunked(
+    budget: int, max_batch=40, num_blocks=4096, policy="fcfs", queue=None, past_weight=0.0
+):
     config = SchedulingConfig(queue_policy=policy)
     memory, adapters = Memory(num_blocks), Adapters()
-    limits = GateLimits(max_batch, 8192, budget)
+    limits = GateLimits(max_batch, 8192, budget, past_weight)
     clock = iter(range(1_000_000)).__next__
     if queue is None:
         queue = make_queue_policy(config, num_blocks * BLOCK)
@@ -208,10 +210,47 @@ def test_a_squashed_partly_prefilled_request_leaves_the_step_and_starts_over():
 
 
 def test_the_step_model_is_fitted_through_measured_points():
-    model = StepTimeModel.fit({1: 10.5, 16: 18.0, 32: 26.0}, {32: 20.0, 160: 60.0}, "measured")
+    model = StepTimeModel.fit(
+        {1: 10.5, 16: 18.0, 32: 26.0}, {32: 20.0, 160: 60.0}, {0: 20.0, 1024: 52.0}, 32, "m"
+    )
     assert model.decode_ms_per_request == pytest.approx(0.5, abs=0.01)
     assert model.decode_ms == pytest.approx(10.0, abs=0.1)
     assert model.ms_per_token == pytest.approx(40 / 128)
+    assert model.ms_per_token_past == pytest.approx(32 / 1024 / 32)
+    assert model.past_weight() == pytest.approx(model.ms_per_token_past / model.ms_per_token)
     # timing noise that makes a slope negative counts as free, never as a negative cost
-    noisy = StepTimeModel.fit({1: 10.0, 8: 9.9}, {32: 20.0, 160: 19.0}, "noisy")
+    noisy = StepTimeModel.fit({1: 10.0, 8: 9.9}, {32: 20.0, 160: 19.0}, {0: 20.0}, 32, "noisy")
     assert noisy.decode_ms_per_request == 0.0 and noisy.ms_per_token > 0
+    assert noisy.ms_per_token_past == 0.0  # one chunk point: no past term
+
+
+def test_a_token_counts_more_of_the_budget_the_longer_its_past():
+    limits = GateLimits(8, 8192, 100, past_weight=0.001)
+    assert limits.chunk_cost(10, 0) == math.ceil(10 * (1 + 0.001 * 4.5))
+    assert limits.chunk_cost(10, 2000) == math.ceil(10 * (1 + 0.001 * 2004.5))  # 3x
+    for past in (0, 100, 2000, 7000):
+        for cost in (1, 16, 100, 500):
+            n = limits.chunk_within(cost, past)
+            assert n >= 1 and (limits.chunk_cost(n, past) <= cost or n == 1)
+            assert limits.chunk_cost(n + 1, past) > cost  # the most that fits
+    plain = GateLimits(8, 8192, 100)
+    assert plain.chunk_cost(10, 2000) == 10 and plain.chunk_within(37, 2000) == 37
+
+
+def test_late_chunks_of_a_long_prompt_are_smaller_and_no_step_costs_more_than_the_budget():
+    sched, _, _ = make_chunked(budget=100, max_batch=8, past_weight=0.002)
+    limits = sched.limits
+    streams = [submit(sched, prompt_len=4, max_new=400, ignore_eos=True) for _ in range(4)]
+    step(sched)
+    long = submit(sched, prompt_len=2000, max_new=1, ignore_eos=True)
+    sizes = []
+    while not long.output_ids:
+        past = long.num_prefilled
+        plan = step(sched)
+        got = tokens_of(plan)
+        cost = sum(n if s is not long else limits.chunk_cost(n, past) for s, n in got.items())
+        assert cost <= 100 and all(got[s] == 1 for s in streams)
+        sizes.append(got[long])
+    assert sizes[0] == limits.chunk_within(96, 0) == 88  # 96 planned, its own tokens' past
+    assert sizes[-2] < sizes[0] / 3  # after ~1900 tokens of past a token counts ~5x
+    assert sum(sizes) == 2000
