@@ -30,6 +30,7 @@ from toppings.server.sched.admission import (
     Memory,
     is_whole,
     release,
+    short_room,
 )
 from toppings.server.sched.queueing import QueuePolicy
 
@@ -142,12 +143,22 @@ class Scheduler:
         prefilled as the queue policy plans them (before any admission: a request being
         prefilled keeps its place), then chunks of newly admitted prompts, within `budget`
         tokens; what the policy's quotas leave of the budget at the end goes to the prompts
-        being prefilled, oldest first. The admitted join `running` at once."""
+        being prefilled, oldest first. The admitted join `running` at once.
+
+        While the first waiting request has a short prompt (one that `short_room` holds: half
+        the step's prompt room),
+        the prompts being prefilled are planned within the other half, so a short request is
+        not held for the whole of a long prompt's prefill (one tenant's long prompts do not
+        set another's time to first token); a short prompt is admitted whole or waits for the
+        next step (admission), and what admission leaves goes back to the prompts being
+        prefilled."""
         decodes = [s for s in self.running if s.is_prefilled]
         prefilling = [s for s in self.running if not s.is_prefilled]
         limits = self.limits
         planned: dict[Sequence, int] = {s: 1 for s in decodes}
         left = budget - len(decodes)
+        if prefilling and self._short_waiting(short_room(left)):
+            left -= short_room(left)
         for seq, n in self.queue.plan_chunks(decodes, prefilling, left).items():
             if n > 0:  # the policy plans budget tokens: a chunk after a long past gets fewer
                 planned[seq] = min(n, limits.chunk_within(n, seq.num_prefilled))
@@ -177,6 +188,12 @@ class Scheduler:
         samples = tuple(s.is_prefilled or s.num_prefilled + chunks[s] >= s.prompt_len
                         for s in seqs)  # fmt: skip
         return StepPlan(tuple(seqs), True, sizes, samples)
+
+    def _short_waiting(self, room: int) -> bool:
+        """Whether the first waiting request (in arrival order) has a prompt of at most `room`
+        tokens: a long one at the head waits its turn in any case."""
+        head = next(iter(self.queue), None)
+        return head is not None and head.prompt_len - head.num_prefilled <= room
 
     def _recover(self, gate: AdmissionGate, error: str) -> list[Sequence]:
         """After a queue policy raised: the requests the gate admitted go ahead (they hold their

@@ -6,14 +6,11 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 import types
 
 import jsonschema
-import openai
 import pytest
 import requests
-import waitress
 
 from toppings.server.api.app import create_app
 from toppings.server.api.tool_calls import Call, parse_call
@@ -76,16 +73,14 @@ def engine(tmp_path_factory, smollm2_dir):
 
 
 @pytest.fixture(scope="module")
-def base_url(engine):
-    server = waitress.create_server(create_app(engine), host="127.0.0.1", port=0, threads=4)
-    threading.Thread(target=server.run, daemon=True).start()
-    yield f"http://127.0.0.1:{server.effective_port}"
-    server.close()
+def base_url(engine, serve_app):
+    with serve_app(create_app(engine)) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
-def client(base_url):
-    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="x", max_retries=0, timeout=300)
+def client(base_url, openai_client):
+    return openai_client(base_url, 300)
 
 
 @pytest.mark.parametrize("adapter", [None, ADAPTER])

@@ -158,8 +158,9 @@ def test_budget_must_exceed_the_batch_size():
 
 def test_simulator_runs_chunked_steps():
     """bench/sim_engine.py drives the real Scheduler with chunked steps too: every request gets
-    its first token; under FCFS the long prompt keeps its place, so the short requests behind
-    it take only what its chunks leave of a step: none samples before it."""
+    its first token; under FCFS the long prompt keeps its place (a chunk every step), and the
+    short requests behind it take the room kept for short prompts: they sample before it does,
+    where whole-prompt steps prefill it first."""
     from types import SimpleNamespace
 
     from bench.sim_engine import SimLimits, StepModel, simulate
@@ -174,7 +175,8 @@ def test_simulator_runs_chunked_steps():
         records = simulate(FcfsQueue(SchedulingConfig(), 1 << 20), limits, trace, StepModel())
         assert len(records) == len(trace) and all(t > 0 for t, _, _ in records)
         ttfts[budget] = [t + e.arrival_s for (t, _, _), e in zip(records, trace)]  # first token
-    assert all(t >= ttfts[256][0] for t in ttfts[256][1:])
+    assert all(t < ttfts[256][0] for t in ttfts[256][1:])
+    assert all(t >= ttfts[None][0] for t in ttfts[None][1:])
 
 
 def test_a_squashed_partly_prefilled_request_leaves_the_step_and_starts_over():
@@ -254,3 +256,35 @@ def test_late_chunks_of_a_long_prompt_are_smaller_and_no_step_costs_more_than_th
     assert sizes[0] == limits.chunk_within(96, 0) == 88  # 96 planned, its own tokens' past
     assert sizes[-2] < sizes[0] / 3  # after ~1900 tokens of past a token counts ~5x
     assert sum(sizes) == 2000
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "chameleon"])
+def test_a_short_prompt_is_not_held_for_a_long_prompts_whole_prefill(policy):
+    sched, memory, adapters = make_chunked(budget=100, max_batch=8, policy=policy)
+    streams = [submit(sched, prompt_len=4, max_new=200, ignore_eos=True) for _ in range(4)]
+    step(sched)
+    long = submit(sched, prompt_len=2000, max_new=1, ignore_eos=True)
+    step(sched)
+    assert 0 < long.num_prefilled < 2000
+    short = submit(sched, prompt_len=30, max_new=1, ignore_eos=True)
+    for steps in range(1, 4):
+        before = long.num_prefilled
+        got = tokens_of(step(sched))
+        assert got[long] > 0 and long.num_prefilled > before, "the long prompt keeps advancing"
+        assert all(got[s] == 1 for s in streams) and sum(got.values()) <= 100
+        if short.output_ids:
+            break
+    assert short.output_ids and not long.output_ids  # served within a few steps, long still going
+    while sched.has_work():
+        step(sched)
+    assert long.output_ids and memory.reserved == 0
+    assert all(n == 0 for n in adapters.refs.values())
+
+
+def test_without_a_short_prompt_waiting_the_long_prompt_takes_the_whole_room():
+    sched, _, _ = make_chunked(budget=100, max_batch=8)
+    long = submit(sched, prompt_len=2000, max_new=1, ignore_eos=True)
+    step(sched)
+    other = submit(sched, prompt_len=500, max_new=1, ignore_eos=True)  # longer than a step
+    got = tokens_of(step(sched))
+    assert got[long] == 100 and other not in got  # FCFS: the older prompt first

@@ -145,8 +145,10 @@ def test_a_prompt_being_prefilled_keeps_its_place_against_later_arrivals(policy)
 def test_a_small_request_queue_is_not_starved_by_large_prompts(policy):
     """Four 1,000-token prompts arrive first, then a short request every step. Under Chameleon's
     quotas (16 of each 64-token step for the small queue) every short request samples its first
-    token within 2 steps of its arrival; in arrival order (FCFS) the first waits for the large
-    prompts' 4,000 tokens, 63 steps."""
+    token within 2 steps of its arrival; in arrival order (FCFS) the first waits until the
+    large prompts ahead of it have started (their first 3,000 tokens), but not for the last
+    one's whole prefill: once it heads the queue it is admitted in the room kept for short
+    prompts (server.sched.scheduler)."""
     sched, _, _ = make_chunked(budget=64, max_batch=64, policy=policy)
     if policy == "chameleon":
         sched.queue.set_queues([CUTOFF], [16, 48], MAXIMA, now=0.0)
@@ -162,7 +164,7 @@ def test_a_small_request_queue_is_not_starved_by_large_prompts(policy):
         assert max(waits) <= 2
         assert any(b.num_prefilled > 0 for b in bigs)  # the large prompts advance meanwhile
     else:
-        assert waits[0] >= 4000 // 64
+        assert 3000 // 64 <= waits[0] < 4000 // 64
     while sched.has_work():
         step(sched)
     assert all(len(b.output_ids) == 2 for b in bigs)
