@@ -131,9 +131,9 @@ class Sim:
         self.ranks = {f"r{r}-{i}": r for r in RANKS for i in range(args.per_rank)}
         self.link_gbps, self.cache_bytes = link_gbps, cache_bytes
         self.budget = None
-        if args.chunked_prefill:  # the budget the engine chooses (its own default step model)
+        if args.chunked_prefill:  # the budget the engine chooses from its measured step model
             self.budget = choose_step_budget(args.max_batch_size, args.max_prefill_tokens,
-                                             args.max_num_batched_tokens)  # fmt: skip
+                                             args.max_num_batched_tokens, model=steps)  # fmt: skip
 
     def limits(self, name: str | None) -> SimLimits:
         """The engine of configuration `name` (None: every adapter resident, no loads)."""
