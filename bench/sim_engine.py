@@ -42,7 +42,7 @@ class StepModel(StepTimeModel):
         them, as the step budget is sized (StepTimeModel); without decodes, a prefill step."""
         if not num_decodes:
             return self.prefill_s(prompt_tokens)
-        return (self.decode_step_ms(num_decodes) + self.ms_per_token * prompt_tokens) / 1000
+        return self.mixed_step_ms(num_decodes, prompt_tokens) / 1000
 
 
 @dataclass

@@ -31,7 +31,7 @@ from toppings.server.engine.model_runner import ModelRunner
 from toppings.server.memory.build import build_memory
 from toppings.server.model.llama import LlamaModel, free_device_bytes
 from toppings.server.model.loader import Checkpoint
-from toppings.server.model.step_timing import PROMPTS, measure_steps
+from toppings.server.model.step_timing import measure_steps
 from toppings.server.requests.errors import NOT_FOUND, unknown_adapter
 from toppings.server.requests.request import GenerationRequest, RequestError, RequestHandle
 from toppings.server.requests.sequence import Sequence
@@ -139,8 +139,7 @@ class Engine:
         if not config.max_num_batched_tokens:
             times = measure_steps(self.model, self.kv, config.max_batch_size)
             if times is not None:
-                model = StepTimeModel.fit(times.decode_ms, times.prefill_ms, times.chunk_ms,
-                                          PROMPTS[0], times.describe())  # fmt: skip
+                model = StepTimeModel.fit(times)
         budget = choose_step_budget(
             config.max_batch_size, config.max_prefill_tokens,
             config.max_num_batched_tokens, config.itl_target_ms, model,

@@ -4,9 +4,10 @@ The chunked-prefill budget (server.sched.step_budget) is sized from a linear mod
 times: a decode step of B requests, and each prompt token computed beside it. Its points are
 timed here on the base model's forward pass over scratch KV rows, taken from the pool and given
 back before the engine serves: decode steps of one and of `max_batch_size` requests over a
-short past, prefills of two prompt lengths, and a chunk of the shorter length after a long
-past (its attention to that past is what a late chunk of a long prompt costs more), each timed
-best of `REPEATS` after a warm-up.
+short past, prefills of two prompt lengths alone and beside those decodes (a mixed step runs a
+decode row as a one-token segment, which costs more than in a decode step), and a chunk of the
+shorter length after a long past (its attention to that past is what a late chunk of a long
+prompt costs more), each timed best of `REPEATS` after a warm-up.
 LoRA is not in the timed steps (no adapter is on the device at start-up); it adds a few percent
 to a step (bench engine_throughput's decode_step_ratio_lora_vs_base).
 """
@@ -30,12 +31,16 @@ REPEATS = 3
 
 @dataclass(frozen=True)
 class StepTimes:
-    """Measured step times in ms: decode steps by batch size, prefills by prompt tokens, and
-    a chunk of PROMPTS[0] tokens by the length of its past (0 among them)."""
+    """Measured step times in ms: decode steps by batch size, prefills by prompt tokens, a
+    chunk of `chunk_tokens` by the length of its past (0 among them), and mixed steps of
+    `mixed_rows` decodes by their prompt tokens."""
 
     decode_ms: dict[int, float]
     prefill_ms: dict[int, float]
     chunk_ms: dict[int, float]
+    mixed_ms: dict[int, float]  # mixed_rows decode rows and each of PROMPTS prompt tokens
+    mixed_rows: int
+    chunk_tokens: int = PROMPTS[0]
 
     def describe(self) -> str:
         def points(times: dict[int, float]) -> str:
@@ -43,8 +48,9 @@ class StepTimes:
 
         return (
             f"measured at start-up, decode steps of {points(self.decode_ms)} ms, prefills of "
-            f"{points(self.prefill_ms)} ms, {PROMPTS[0]} tokens after "
-            f"{points(self.chunk_ms)} ms (base model, no LoRA)"
+            f"{points(self.prefill_ms)} ms, {self.chunk_tokens} tokens after "
+            f"{points(self.chunk_ms)} ms, {self.mixed_rows} decodes beside "
+            f"{points(self.mixed_ms)} ms (base model, no LoRA)"
         )
 
 
@@ -83,7 +89,8 @@ def _prompt_slots(kv: KVPool) -> int:
 
 def measure_steps(model: LlamaModel, kv: KVPool, max_batch_size: int) -> StepTimes | None:
     """Step times of `model` on this machine: decode steps of 1, half and all of up to
-    `max_batch_size` requests, a prefill of each of PROMPTS tokens; None where the pool cannot
+    `max_batch_size` requests, a prefill of each of PROMPTS tokens alone and beside the
+    decodes, a late chunk; None where the pool cannot
     hold two decode rows and a prefill (a tiny test pool). Every row and block taken from `kv`
     is given back."""
     num_rows = _rows_that_fit(kv, max_batch_size)
@@ -114,14 +121,17 @@ def measure_steps(model: LlamaModel, kv: KVPool, max_batch_size: int) -> StepTim
             )
             return lambda: model.forward(batch, kv)
 
-        def prefill(n: int, past: int = 0) -> Callable[[], object]:
+        def step(b: int, n: int, past: int = 0) -> Callable[[], object]:
+            """A step with prompt tokens: b decode rows (one-token segments after PAST, as a
+            mixed step runs them) and n prompt tokens after `past`."""
+            past_rows = [kv.req_to_slot[r, :PAST] for r in rows[:b]]
             batch = ForwardBatch(
-                input_ids=torch.randint(vocab, (n,), generator=gen).to(device),  # [n]
-                positions=torch.arange(past, past + n, dtype=torch.int64, device=device),  # [n]
-                slots=prompt_slots[past : past + n],
-                seg_starts=[0, n],
+                input_ids=torch.randint(vocab, (b + n,), generator=gen).to(device),  # [b + n]
+                positions=torch.tensor([PAST] * b + list(range(past, past + n)), device=device),
+                slots=torch.cat([kv.req_to_slot[rows[:b], PAST], prompt_slots[past : past + n]]),
+                seg_starts=[*range(b + 1), b + n],
                 is_prefill=True,
-                past_slots=[prompt_slots[:past] if past else None],
+                past_slots=[*past_rows, prompt_slots[:past] if past else None],
             )
             return lambda: model.forward(batch, kv)
 
@@ -129,12 +139,13 @@ def measure_steps(model: LlamaModel, kv: KVPool, max_batch_size: int) -> StepTim
 
         with torch.inference_mode():
             decodes = {b: best_ms(decode(b)) for b in sorted({1, num_rows // 2, num_rows})}
-            prefills = {n: best_ms(prefill(n)) for n in PROMPTS}
+            prefills = {n: best_ms(step(0, n)) for n in PROMPTS}
+            mixed = {n: best_ms(step(num_rows, n)) for n in PROMPTS}
             chunks = {0: prefills[PROMPTS[0]]}
             if long_past >= PROMPTS[0]:  # the past's keys are the longer prefill's, or zeros
-                chunks[long_past] = best_ms(prefill(PROMPTS[0], long_past))
+                chunks[long_past] = best_ms(step(0, PROMPTS[0], long_past))
     finally:
         for row in rows:
             kv.free_row(row)
         kv.free_blocks(prompt_blocks)
-    return StepTimes(decodes, prefills, chunks)
+    return StepTimes(decodes, prefills, chunks, mixed, num_rows)

@@ -22,8 +22,21 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Protocol
 
 MIN_CHUNK = 16  # prompt tokens a full batch of decodes leaves a step at least
+
+
+class StepPoints(Protocol):
+    """Measured step times in ms (server.model.step_timing.StepTimes)."""
+
+    decode_ms: dict[int, float]  # decode steps by batch size
+    chunk_ms: dict[int, float]  # a chunk of chunk_tokens by the length of its past
+    mixed_ms: dict[int, float]  # mixed_rows decodes beside prompt tokens, by prompt tokens
+    mixed_rows: int
+    chunk_tokens: int
+
+    def describe(self) -> str: ...
 
 
 @dataclass(frozen=True)
@@ -36,27 +49,31 @@ class StepTimeModel:
     # more per prompt token for each token of its past it attends to (a late chunk of a long
     # prompt); 0: not measured
     ms_per_token_past: float = 0.0
+    # more a decode row costs in a step with prompt tokens than in a decode step
+    mixed_ms_per_request: float = 0.0
     source: str = (
         "bench/sim_engine.py's fit of SmolLM2 float32 on a 2-core Xeon VM, not this machine's"
     )
 
     @classmethod
-    def fit(
-        cls,
-        decode_ms: dict[int, float],
-        prefill_ms: dict[int, float],
-        chunk_ms: dict[int, float],
-        chunk_tokens: int,
-        source: str,
-    ):
-        """The model through measured points: decode steps {batch size: ms}, prefills {prompt
-        tokens: ms}, two or more of each, and chunks of `chunk_tokens` {past tokens: ms}, one
-        or more (least squares); a negative slope (timing noise) counts as free."""
-        per_request, fixed = _line(decode_ms)
-        ms_per_token, _ = _line(prefill_ms)
-        per_past = _line(chunk_ms)[0] / chunk_tokens if len(chunk_ms) > 1 else 0.0
-        return cls(max(ms_per_token, 1e-6), fixed, max(per_request, 0.0), max(per_past, 0.0),
-                   source)  # fmt: skip
+    def fit(cls, points: StepPoints) -> StepTimeModel:
+        """The model through measured points (least squares; a negative slope, timing noise,
+        counts as free): the decode line from the decode steps, a prompt token's cost from
+        the mixed steps, a decode row's extra in them from their intercept, and the past's
+        weight from the chunks (none with one chunk point)."""
+        per_request, fixed = _line(points.decode_ms)
+        ms_per_token, mixed_fixed = _line(points.mixed_ms)
+        chunk_slope = _line(points.chunk_ms)[0] if len(points.chunk_ms) > 1 else 0.0
+        rows = points.mixed_rows
+        extra = (mixed_fixed - fixed - per_request * rows) / rows
+        return cls(
+            ms_per_token=max(ms_per_token, 1e-6),
+            decode_ms=fixed,
+            decode_ms_per_request=max(per_request, 0.0),
+            ms_per_token_past=max(chunk_slope / points.chunk_tokens, 0.0),
+            mixed_ms_per_request=max(extra, 0.0),
+            source=points.describe(),
+        )
 
     def past_weight(self) -> float:
         """Budget tokens a prompt token costs more for each token of past it attends to."""
@@ -69,9 +86,19 @@ class StepTimeModel:
         """Prompt tokens whose work equals a step's fixed cost (`decode_ms`)."""
         return math.ceil(max(self.decode_ms, 0.0) / self.ms_per_token)
 
+    def mixed_step_ms(self, batch_size: int, prompt_tokens: int) -> float:
+        """A step of batch_size decodes and prompt_tokens prompt tokens (at no past)."""
+        if not prompt_tokens:
+            return self.decode_step_ms(batch_size)
+        decodes = self.decode_step_ms(batch_size) + self.mixed_ms_per_request * batch_size
+        return decodes + self.ms_per_token * prompt_tokens
+
     def prompt_tokens_within(self, target_ms: float, batch_size: int) -> int:
         """The most prompt tokens a step of batch_size decodes takes on within target_ms."""
-        return max(0, int((target_ms - self.decode_step_ms(batch_size)) / self.ms_per_token))
+        spare = (
+            target_ms - self.mixed_step_ms(batch_size, 0) - self.mixed_ms_per_request * batch_size
+        )
+        return max(0, int(spare / self.ms_per_token))
 
 
 def _line(points: dict[int, float]) -> tuple[float, float]:

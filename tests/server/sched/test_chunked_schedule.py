@@ -212,16 +212,25 @@ def test_a_squashed_partly_prefilled_request_leaves_the_step_and_starts_over():
 
 
 def test_the_step_model_is_fitted_through_measured_points():
-    model = StepTimeModel.fit(
-        {1: 10.5, 16: 18.0, 32: 26.0}, {32: 20.0, 160: 60.0}, {0: 20.0, 1024: 52.0}, 32, "m"
-    )
-    assert model.decode_ms_per_request == pytest.approx(0.5, abs=0.01)
-    assert model.decode_ms == pytest.approx(10.0, abs=0.1)
-    assert model.ms_per_token == pytest.approx(40 / 128)
-    assert model.ms_per_token_past == pytest.approx(32 / 1024 / 32)
-    assert model.past_weight() == pytest.approx(model.ms_per_token_past / model.ms_per_token)
+    from types import SimpleNamespace
+
+    def points(decode, mixed, chunk):
+        return SimpleNamespace(decode_ms=decode, mixed_ms=mixed, chunk_ms=chunk, mixed_rows=32,
+                               chunk_tokens=32, describe=lambda: "measured")  # fmt: skip
+
+    # decode: 10 + 0.5 B; beside 32 decodes (26 ms) a prompt token 40/128 ms and each decode
+    # row 0.25 ms more than in a decode step; a 32-token chunk 32 ms more after 1,024 tokens
+    got = StepTimeModel.fit(points({1: 10.5, 16: 18.0, 32: 26.0}, {32: 44.0, 160: 84.0},
+                                   {0: 20.0, 1024: 52.0}))  # fmt: skip
+    assert got.decode_ms_per_request == pytest.approx(0.5, abs=0.01)
+    assert got.decode_ms == pytest.approx(10.0, abs=0.1)
+    assert got.ms_per_token == pytest.approx(40 / 128)
+    assert got.mixed_ms_per_request == pytest.approx(0.25, abs=0.01)
+    assert got.mixed_step_ms(32, 100) == pytest.approx(26.0 + 32 * 0.25 + 100 * 40 / 128, 0.01)
+    assert got.ms_per_token_past == pytest.approx(32 / 1024 / 32)
+    assert got.past_weight() == pytest.approx(got.ms_per_token_past / got.ms_per_token)
     # timing noise that makes a slope negative counts as free, never as a negative cost
-    noisy = StepTimeModel.fit({1: 10.0, 8: 9.9}, {32: 20.0, 160: 19.0}, {0: 20.0}, 32, "noisy")
+    noisy = StepTimeModel.fit(points({1: 10.0, 8: 9.9}, {32: 20.0, 160: 19.0}, {0: 20.0}))
     assert noisy.decode_ms_per_request == 0.0 and noisy.ms_per_token > 0
     assert noisy.ms_per_token_past == 0.0  # one chunk point: no past term
 
@@ -267,7 +276,7 @@ def test_a_short_prompt_is_not_held_for_a_long_prompts_whole_prefill(policy):
     step(sched)
     assert 0 < long.num_prefilled < 2000
     short = submit(sched, prompt_len=30, max_new=1, ignore_eos=True)
-    for steps in range(1, 4):
+    for _ in range(3):
         before = long.num_prefilled
         got = tokens_of(step(sched))
         assert got[long] > 0 and long.num_prefilled > before, "the long prompt keeps advancing"
