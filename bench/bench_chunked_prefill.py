@@ -63,7 +63,7 @@ from bench.bench_queueing import (
 from bench.envelope import describe_device, write_result
 from toppings.scripts.loadgen.stats import percentile
 from toppings.scripts.loadgen.workload import LengthSpec, TraceEntry
-from toppings.server.config import DTYPE_CHOICES, EngineConfig
+from toppings.server.config import DTYPE_CHOICES, QUEUE_POLICIES, EngineConfig
 from toppings.server.engine.engine import Engine
 from toppings.server.model.loader import resolve_model_dir
 from toppings.server.requests.request import (
@@ -220,6 +220,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-prefill-tokens", type=int, default=8192)
     p.add_argument("--max-num-batched-tokens", type=int, default=0, help="0: the engine's")
     p.add_argument("--itl-target-ms", type=float, default=0.0, help="0: the engine's")
+    p.add_argument("--queue-policy", default="fcfs", choices=QUEUE_POLICIES,
+                   help="of every engine (the SLO knee is FCFS's)")  # fmt: skip
     p.add_argument(
         "--itl-targets",
         type=lambda v: [float(x) for x in v.split(",") if x],
@@ -260,7 +262,8 @@ def main(argv: list[str] | None = None) -> None:
                           max_batch_size=args.max_batch_size,
                           max_prefill_tokens=args.max_prefill_tokens, chunked_prefill=False,
                           max_num_batched_tokens=args.max_num_batched_tokens,
-                          itl_target_ms=args.itl_target_ms)  # fmt: skip
+                          itl_target_ms=args.itl_target_ms,
+                          queue_policy=args.queue_policy)  # fmt: skip
     unchunked = build_engine(str(model_dir), config, adapters)
     # From the first engine's config, "auto" dtype resolved: start-up measures the machine and
     # could pick another dtype the second time, and the engines must differ only in chunking.
