@@ -288,15 +288,16 @@ def main(argv: list[str] | None = None) -> None:
         link_gbps = link_gbps_for(nbytes[64], prefill_ms(str(model_dir), args.dtype, prompt) / 1000)
     base = FCFS if FCFS in names else names[0]
 
-    def engine(name: str, slo_ms: float = 5000.0):
+    def engine(name: str, slo_ms: float = 5000.0, step_model=None):
         config = engine_config(name, args, link_gbps, cache_bytes, slo_ms)
-        return build_engine(str(model_dir), config, adapters)
+        return build_engine(str(model_dir), config, adapters, step_model=step_model)
 
     engines = {base: engine(base)}
+    shared = engines[base].step_model  # measured once: every configuration has the same budget
     alone = trace_for(args, adapters, 1.0, 999, None, args.alone)
     slo_ms = slo_ms_alone(engines[base], alone, twice=True)
     for name in names:
-        engines.setdefault(name, engine(name, slo_ms))
+        engines.setdefault(name, engine(name, slo_ms, shared))
     burst = trace_for(args, adapters, 1.0, 998, None, args.burst)
     capacity = {n: burst_capacity(replay(engines[n], burst, burst=True)) for n in names}
     log.info("SLO %.0f ms; capacity %s; link %.3f Gbit/s; adapter budget %d bytes",
@@ -321,7 +322,9 @@ def main(argv: list[str] | None = None) -> None:
                   for n in names}  # fmt: skip
     run = {"dtype": dtype, "slo_ms": slo_ms, "capacity": capacity, "fractions": fractions,
            "loads": loads, "overload_idx": overload_idx, "link_gbps": link_gbps,
-           "cache_bytes": cache_bytes, "adapter_bytes_per_rank": nbytes[8] // 8}  # fmt: skip
+           "cache_bytes": cache_bytes, "adapter_bytes_per_rank": nbytes[8] // 8,
+           "step_budget": {n: e.step_budget and e.step_budget.tokens
+                           for n, e in engines.items()}}  # fmt: skip
     write(args, argv, run, per_config, views)
 
 
@@ -343,6 +346,7 @@ def write(args, argv, run: dict, per_config: dict, views: dict) -> None:
         "link_gbps": run["link_gbps"],
         "adapter_cache_bytes": run["cache_bytes"],
         "adapter_bytes_per_rank": run["adapter_bytes_per_rank"],
+        "step_budget_tokens": run["step_budget"],
         "per_load": per_config,
         "adapter_cache_at_end": {n: v["adapter_cache"] for n, v in views.items()},
         "queues_at_end": {n: v["queueing"] for n, v in views.items()},

@@ -363,11 +363,12 @@ class SchedulingConfig(Settings):
     max_prefill_tokens: int = setting(8192, bound=Bound.POSITIVE)
     # Which waiting request goes next (server.sched.policies).
     queue_policy: str = setting(
-        "fcfs",
+        "chameleon",
         choices=QUEUE_POLICIES,
         flag=Flag(
-            "which waiting request is admitted next: fcfs, or chameleon's adapter-aware "
-            "multi-level queues with token quotas"
+            "which waiting request is admitted next: chameleon's adapter-aware multi-level "
+            "queues with token quotas (bench/results/queueing.json: 1.25x the load FCFS "
+            "sustains within the TTFT SLO), or fcfs, arrival order"
         ),
     )
     # Mixed steps of decodes and prompt chunks under a token budget (server.sched.scheduler).

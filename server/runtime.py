@@ -10,6 +10,7 @@ from toppings.server.config import EngineConfig
 from toppings.server.engine.engine import Engine
 from toppings.server.model.dtype import choose_dtype
 from toppings.server.model.loader import load_checkpoint
+from toppings.server.sched.step_budget import StepTimeModel
 
 log = logging.getLogger(__name__)
 
@@ -19,9 +20,11 @@ def build_engine(
     config: EngineConfig,
     loras: dict[str, str] | None = None,
     trace: TraceRecorder | None = None,
+    step_model: StepTimeModel | None = None,
 ) -> Engine:
     """Load the base model and adapters and start the engine thread (`dtype="auto"` is
-    resolved here, for the model's own shapes: server.model.dtype; `trace`: see Engine). Raises
+    resolved here, for the model's own shapes: server.model.dtype; `trace`, `step_model`: see
+    Engine). Raises
     CheckpointError for weights files that cannot be loaded, before any model is built."""
     checkpoint = load_checkpoint(model, config.load_format)
     if config.dtype == "auto":
@@ -29,7 +32,7 @@ def build_engine(
         dtype, why = choose_dtype(config.device, mc.hidden_size, mc.intermediate_size)
         log.info("dtype auto: %s (%s)", dtype, why)
         config = dataclasses.replace(config, dtype=dtype)
-    engine = Engine(config, checkpoint, trace)
+    engine = Engine(config, checkpoint, trace, step_model)
     for name, path in (loras or {}).items():
         engine.add_adapter(name, path)
     engine.start()

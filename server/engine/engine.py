@@ -66,10 +66,17 @@ class Engine:
     """One model on one device, serving a stream of requests; see the module docstring."""
 
     def __init__(
-        self, config: EngineConfig, checkpoint: Checkpoint, trace: TraceRecorder | None = None
+        self,
+        config: EngineConfig,
+        checkpoint: Checkpoint,
+        trace: TraceRecorder | None = None,
+        step_model: StepTimeModel | None = None,
     ):
         """trace: records adapter copies, host LoRA calls and forward passes (benchmarks; None:
-        no tracing, the default)."""
+        no tracing, the default). step_model: the step times chunked prefill's budget is sized
+        from (None: measured at start-up; a benchmark passes one engine's `step_model` to the
+        others it compares, so that they share a budget)."""
+        self.step_model = step_model
         self.config = config
         self.model_name = checkpoint.name
         self.model_config = mc = checkpoint.config
@@ -135,14 +142,13 @@ class Engine:
 
     def _choose_step_budget(self) -> StepBudget:
         config = self.config
-        model = None
-        if not config.max_num_batched_tokens:
+        if self.step_model is None and not config.max_num_batched_tokens:
             times = measure_steps(self.model, self.kv, config.max_batch_size)
             if times is not None:
-                model = StepTimeModel.fit(times)
+                self.step_model = StepTimeModel.fit(times)
         budget = choose_step_budget(
             config.max_batch_size, config.max_prefill_tokens,
-            config.max_num_batched_tokens, config.itl_target_ms, model,
+            config.max_num_batched_tokens, config.itl_target_ms, self.step_model,
         )  # fmt: skip
         log.info("chunked prefill: %d tokens per step, %s", budget.tokens, budget.how)
         return budget
