@@ -274,7 +274,9 @@ def main(argv: list[str] | None = None) -> None:
     }
     for target in args.itl_targets:
         sized = dataclasses.replace(chunked_config, itl_target_ms=target)
-        engines[target_mode(target)] = build_engine(str(model_dir), sized, adapters)
+        engines[target_mode(target)] = build_engine(
+            str(model_dir), sized, adapters, step_model=engines[CHUNKED].step_model
+        )
     logging.getLogger(Engine.__module__).removeHandler(startup)
     slo_ms = slo_ms_alone(unchunked, trace(1.0, 999, None, args.alone))
     burst = trace(1.0, 998, None, args.burst)
