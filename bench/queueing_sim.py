@@ -224,6 +224,9 @@ def validate(args, steps: StepModel, real_path: Path) -> dict:
                 "max_num_batched_tokens", "chunked_prefill", "alone", "burst"):  # fmt: skip
         setattr(args, key, c[key])
     args.adapter_bytes_per_rank = m["adapter_bytes_per_rank"]
+    budgets = {b for b in m.get("step_budget_tokens", {}).values() if b}
+    if len(budgets) == 1 and not args.max_num_batched_tokens:  # the real engines' shared budget
+        args.max_num_batched_tokens = budgets.pop()
     names = list(m["per_load"])
     sim = Sim(args, steps, m["link_gbps"], m["adapter_cache_bytes"])
     capacity = {n: sim.capacity(n, m["slo_ms"]) for n in names}
