@@ -146,12 +146,11 @@ class Scheduler:
         being prefilled, oldest first. The admitted join `running` at once.
 
         While the first waiting request has a short prompt (one that `short_room` holds: half
-        the step's prompt room),
-        the prompts being prefilled are planned within the other half, so a short request is
-        not held for the whole of a long prompt's prefill (one tenant's long prompts do not
-        set another's time to first token); a short prompt is admitted whole or waits for the
-        next step (admission), and what admission leaves goes back to the prompts being
-        prefilled."""
+        the step's prompt room), the prompts being prefilled are planned within the other half,
+        so a short request is not held for the whole of a long prompt's prefill (one tenant's
+        long prompts do not set another's time to first token); a short prompt is admitted
+        whole or waits for the next step (admission), and what admission leaves goes back to
+        the prompts being prefilled."""
         decodes = [s for s in self.running if s.is_prefilled]
         prefilling = [s for s in self.running if not s.is_prefilled]
         limits = self.limits
