@@ -96,7 +96,6 @@ class Engine:
             mc, dtype, self.max_model_len, self._free_device_bytes, trace,
         )  # fmt: skip
         self.kv = self.memory.kv
-        # The only LoRA object the engine uses.
         # Chunked prefill's tokens per step (None: chunked prefill off), sized from step times
         # measured here unless the budget is given.
         self.step_budget = None if not config.chunked_prefill else self._choose_step_budget()
@@ -104,6 +103,7 @@ class Engine:
         max_step_tokens = max(config.max_prefill_tokens, config.max_batch_size)
         if step_budget is not None:  # a prompt prefilled whole may share a step with the decodes
             max_step_tokens = max(max_step_tokens + config.max_batch_size, step_budget)
+        # The only LoRA object the engine uses.
         self.lora = AdapterManager(
             lora_config, config.kernel, config.device, max_step_tokens,
             mc, dtype, self.memory.adapter_cache, trace,
