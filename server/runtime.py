@@ -24,8 +24,8 @@ def build_engine(
 ) -> Engine:
     """Load the base model and adapters and start the engine thread (`dtype="auto"` is
     resolved here, for the model's own shapes: server.model.dtype; `trace`, `step_model`: see
-    Engine). Raises
-    CheckpointError for weights files that cannot be loaded, before any model is built."""
+    Engine). Raises CheckpointError for weights files that cannot be loaded, before any model
+    is built."""
     checkpoint = load_checkpoint(model, config.load_format)
     if config.dtype == "auto":
         mc = checkpoint.config

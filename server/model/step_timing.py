@@ -3,11 +3,11 @@
 The chunked-prefill budget (server.sched.step_budget) is sized from a linear model of step
 times: a decode step of B requests, and each prompt token computed beside it. Its points are
 timed here on the base model's forward pass over scratch KV rows, taken from the pool and given
-back before the engine serves: decode steps of one and of `max_batch_size` requests over a
-short past, prefills of two prompt lengths alone and beside those decodes (a mixed step runs a
-decode row as a one-token segment, which costs more than in a decode step), and a chunk of the
-shorter length after a long past (its attention to that past is what a late chunk of a long
-prompt costs more), each timed best of `REPEATS` after a warm-up.
+back before the engine serves: decode steps of one, half and all of `max_batch_size` requests
+over a short past, prompts of two lengths beside the full batch of decodes (a mixed step runs a
+decode row as a one-token segment, which costs more than in a decode step), and the shorter
+prompt alone, with no past and after a long one (its attention to that past is what a late
+chunk of a long prompt costs more), each timed best of `REPEATS` after a warm-up.
 LoRA is not in the timed steps (no adapter is on the device at start-up); it adds a few percent
 to a step (bench engine_throughput's decode_step_ratio_lora_vs_base).
 """
@@ -24,19 +24,18 @@ from toppings.server.memory.kv_cache import KVPool
 from toppings.server.model.llama import ForwardBatch, LlamaModel
 
 PAST = 48  # tokens each decode row has attended to (a short chat turn)
-PROMPTS = (32, 160)  # the two prefill lengths whose difference gives the cost of a token
+PROMPTS = (32, 160)  # the two prompt lengths whose difference gives the cost of a token
 LONG_PAST = 1024  # the past of the late chunk (PROMPTS[0] tokens), where the pool allows
 REPEATS = 3
 
 
 @dataclass(frozen=True)
 class StepTimes:
-    """Measured step times in ms: decode steps by batch size, prefills by prompt tokens, a
-    chunk of `chunk_tokens` by the length of its past (0 among them), and mixed steps of
-    `mixed_rows` decodes by their prompt tokens."""
+    """Measured step times in ms: decode steps by batch size, a chunk of `chunk_tokens` alone
+    by the length of its past (0 among them), and mixed steps of `mixed_rows` decodes by their
+    prompt tokens."""
 
     decode_ms: dict[int, float]
-    prefill_ms: dict[int, float]
     chunk_ms: dict[int, float]
     mixed_ms: dict[int, float]  # mixed_rows decode rows and each of PROMPTS prompt tokens
     mixed_rows: int
@@ -47,8 +46,8 @@ class StepTimes:
             return "/".join(map(str, times)) + ": " + "/".join(f"{t:.1f}" for t in times.values())
 
         return (
-            f"measured at start-up, decode steps of {points(self.decode_ms)} ms, prefills of "
-            f"{points(self.prefill_ms)} ms, {self.chunk_tokens} tokens after "
+            f"measured at start-up, decode steps of {points(self.decode_ms)} ms, "
+            f"{self.chunk_tokens} tokens after "
             f"{points(self.chunk_ms)} ms, {self.mixed_rows} decodes beside "
             f"{points(self.mixed_ms)} ms (base model, no LoRA)"
         )
@@ -84,15 +83,19 @@ def _rows_that_fit(kv: KVPool, max_batch_size: int) -> int:
 
 def _prompt_slots(kv: KVPool) -> int:
     """Slots of the prompt row: PROMPTS, and the late chunk after its past where it fits."""
-    return max(max(PROMPTS), min(LONG_PAST, kv.max_len - PROMPTS[0]) + PROMPTS[0])
+    return max(max(PROMPTS), _long_past(kv) + PROMPTS[0])
+
+
+def _long_past(kv: KVPool) -> int:
+    """The past of the late chunk: LONG_PAST, or what the pool's longest row leaves."""
+    return min(LONG_PAST, kv.max_len - PROMPTS[0])
 
 
 def measure_steps(model: LlamaModel, kv: KVPool, max_batch_size: int) -> StepTimes | None:
     """Step times of `model` on this machine: decode steps of 1, half and all of up to
-    `max_batch_size` requests, a prefill of each of PROMPTS tokens alone and beside the
-    decodes, a late chunk; None where the pool cannot
-    hold two decode rows and a prefill (a tiny test pool). Every row and block taken from `kv`
-    is given back."""
+    `max_batch_size` requests, each of PROMPTS tokens beside those decodes, the shorter alone
+    with no past and after a long one; None where the pool cannot hold two decode rows and a
+    prompt (a tiny test pool). Every row and block taken from `kv` is given back."""
     num_rows = _rows_that_fit(kv, max_batch_size)
     if num_rows < 2 or kv.max_len < max(PROMPTS) or kv.max_len < PAST + 1:
         return None
@@ -135,17 +138,16 @@ def measure_steps(model: LlamaModel, kv: KVPool, max_batch_size: int) -> StepTim
             )
             return lambda: model.forward(batch, kv)
 
-        long_past = min(LONG_PAST, kv.max_len - PROMPTS[0])
+        long_past = _long_past(kv)
 
         with torch.inference_mode():
             decodes = {b: best_ms(decode(b)) for b in sorted({1, num_rows // 2, num_rows})}
-            prefills = {n: best_ms(step(0, n)) for n in PROMPTS}
             mixed = {n: best_ms(step(num_rows, n)) for n in PROMPTS}
-            chunks = {0: prefills[PROMPTS[0]]}
-            if long_past >= PROMPTS[0]:  # the past's keys are the longer prefill's, or zeros
+            chunks = {0: best_ms(step(0, PROMPTS[0]))}
+            if long_past >= PROMPTS[0]:  # the past's keys are a prompt's, or zeros
                 chunks[long_past] = best_ms(step(0, PROMPTS[0], long_past))
     finally:
         for row in rows:
             kv.free_row(row)
         kv.free_blocks(prompt_blocks)
-    return StepTimes(decodes, prefills, chunks, mixed, num_rows)
+    return StepTimes(decodes, chunks, mixed, num_rows)

@@ -7,7 +7,7 @@ most prompt tokens whose modelled step time stays within an inter-token target t
 may add one decode step's worth of prompt work to the decode it would run anyway). The model
 is linear: a decode step of B requests takes `decode_ms + decode_ms_per_request * B`, each
 prompt token beside it `ms_per_token` more. The engine measures it at start-up on its own
-model and machine (server.engine.step_timing); the defaults here are bench/sim_engine.py's fit
+model and machine (server.model.step_timing); the defaults here are bench/sim_engine.py's fit
 of SmolLM2, float32, on a 2-core Xeon VM, for the simulator and for tests.
 
 The budget is at least a full batch of decodes plus `MIN_CHUNK` prompt tokens, and plus as many
@@ -86,18 +86,19 @@ class StepTimeModel:
         """Prompt tokens whose work equals a step's fixed cost (`decode_ms`)."""
         return math.ceil(max(self.decode_ms, 0.0) / self.ms_per_token)
 
+    def _mixed_decodes_ms(self, batch_size: int) -> float:
+        """What batch_size decodes cost a step that also computes prompt tokens."""
+        return self.decode_step_ms(batch_size) + self.mixed_ms_per_request * batch_size
+
     def mixed_step_ms(self, batch_size: int, prompt_tokens: int) -> float:
         """A step of batch_size decodes and prompt_tokens prompt tokens (at no past)."""
         if not prompt_tokens:
             return self.decode_step_ms(batch_size)
-        decodes = self.decode_step_ms(batch_size) + self.mixed_ms_per_request * batch_size
-        return decodes + self.ms_per_token * prompt_tokens
+        return self._mixed_decodes_ms(batch_size) + self.ms_per_token * prompt_tokens
 
     def prompt_tokens_within(self, target_ms: float, batch_size: int) -> int:
         """The most prompt tokens a step of batch_size decodes takes on within target_ms."""
-        spare = (
-            target_ms - self.mixed_step_ms(batch_size, 0) - self.mixed_ms_per_request * batch_size
-        )
+        spare = target_ms - self._mixed_decodes_ms(batch_size)
         return max(0, int(spare / self.ms_per_token))
 
 

@@ -36,9 +36,9 @@ def test_the_points_are_timed_and_the_pool_is_given_back(tiny_engine):
         free = engine.kv.num_free_blocks
         times = measure_steps(engine.model, engine.kv, 8)
         assert sorted(times.decode_ms) == [1, 4, 8]
-        assert sorted(times.prefill_ms) == sorted(times.mixed_ms) == list(PROMPTS)
+        assert sorted(times.mixed_ms) == list(PROMPTS)
         assert times.mixed_rows == 8 and sorted(times.chunk_ms)[0] == 0
-        measured = [times.decode_ms, times.prefill_ms, times.mixed_ms, times.chunk_ms]
+        measured = [times.decode_ms, times.mixed_ms, times.chunk_ms]
         assert all(t > 0 for points in measured for t in points.values())
         assert engine.kv.num_free_blocks == free
         assert engine.kv.num_free_rows == len(engine.kv.lengths)
