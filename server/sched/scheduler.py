@@ -156,8 +156,9 @@ class Scheduler:
         limits = self.limits
         planned: dict[Sequence, int] = {s: 1 for s in decodes}
         left = budget - len(decodes)
-        if prefilling and self._short_waiting(short_room(left)):
-            left -= short_room(left)
+        short = short_room(left)
+        if prefilling and self._short_waiting(short):
+            left -= short
         for seq, n in self.queue.plan_chunks(decodes, prefilling, left).items():
             if n > 0:  # the policy plans budget tokens: a chunk after a long past gets fewer
                 planned[seq] = min(n, limits.chunk_within(n, seq.num_prefilled))
