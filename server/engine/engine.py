@@ -45,6 +45,7 @@ from toppings.server.sched.admission import GateLimits
 from toppings.server.sched.policies import make_queue_policy
 from toppings.server.sched.scheduler import Scheduler, StepPlan
 from toppings.server.sched.step_budget import StepBudget, StepTimeModel, choose_step_budget
+from toppings.server.sched.step_refit import StepRefit, StepShape, shape_of
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +101,9 @@ class Engine:
         # measured here unless the budget is given.
         self.step_budget = None if not config.chunked_prefill else self._choose_step_budget()
         step_budget = self.step_budget.tokens if self.step_budget else None
+        # A derived budget follows the steps as they really run (a given one stays).
+        derived = step_budget is not None and not config.max_num_batched_tokens
+        self._refit = StepRefit(self.step_model) if derived else None
         max_step_tokens = max(config.max_prefill_tokens, config.max_batch_size)
         if step_budget is not None:  # a prompt prefilled whole may share a step with the decodes
             max_step_tokens = max(max_step_tokens + config.max_batch_size, step_budget)
@@ -144,14 +148,34 @@ class Engine:
         config = self.config
         if self.step_model is None and not config.max_num_batched_tokens:
             times = measure_steps(self.model, self.kv, config.max_batch_size)
-            if times is not None:
-                self.step_model = StepTimeModel.fit(times)
-        budget = choose_step_budget(
-            config.max_batch_size, config.max_prefill_tokens,
-            config.max_num_batched_tokens, config.itl_target_ms, self.step_model,
-        )  # fmt: skip
+            self.step_model = StepTimeModel.fit(times) if times is not None else StepTimeModel()
+        budget = self._budget_of(self.step_model)
         log.info("chunked prefill: %d tokens per step, %s", budget.tokens, budget.how)
         return budget
+
+    def _budget_of(self, model: StepTimeModel | None) -> StepBudget:
+        config = self.config
+        return choose_step_budget(
+            config.max_batch_size, config.max_prefill_tokens,
+            config.max_num_batched_tokens, config.itl_target_ms, model,
+        )  # fmt: skip
+
+    def _refit_step_budget(self, shape: StepShape, started: float) -> None:
+        """Correct the step model by the step just run (server.sched.step_refit) and, when
+        that moves the budget, resize the steps to come."""
+        model = self._refit.observe(shape, 1000 * (time.perf_counter() - started))
+        if model is None:
+            return
+        self.step_model, before = model, self.step_budget
+        self.step_budget = budget = self._budget_of(model)
+        if (budget.tokens, budget.past_weight) != (before.tokens, before.past_weight):
+            self.scheduler.set_step_budget(budget.tokens, budget.past_weight)
+            log.info(
+                "chunked prefill: %d -> %d tokens per step (real steps: decode step of %d "
+                "modelled at %.1f ms, fixed cost of a step with prompt tokens %+.1f ms)",
+                before.tokens, budget.tokens, self.config.max_batch_size,
+                model.decode_step_ms(self.config.max_batch_size), model.mixed_fixed_ms,
+            )  # fmt: skip
 
     def _free_device_bytes(self) -> int:
         return free_device_bytes(self.model.device)
@@ -357,6 +381,7 @@ class Engine:
         test may drive an engine it has not started with it."""
         self._drain_inbox(block=False)
         with self._lock:
+            started = time.perf_counter()  # a stream waits for the scheduling as well
             try:
                 plan = self.scheduler.schedule()
             except Exception:  # the loop outlives any fault of a plan's making
@@ -364,7 +389,7 @@ class Engine:
                 return None
             if plan is None:
                 return None
-            started = time.perf_counter()
+            shape = self._refit and shape_of(plan, self.scheduler.limits)
             try:
                 outcome = self.runner.run(plan)
                 for seq, error in outcome.failed.items():  # fails alone; its neighbours go on
@@ -376,6 +401,8 @@ class Engine:
                 log.exception("engine step failed")
                 self.scheduler.fail(plan, f"engine error: {exc}")
             self._count_step(plan.is_prefill, time.perf_counter() - started)
+            if shape:
+                self._refit_step_budget(shape, started)
         return plan
 
     def _count_step(self, is_prefill: bool, seconds: float) -> None:

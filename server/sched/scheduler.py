@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from toppings.server.requests.sequence import Sequence
 from toppings.server.sched.admission import (
@@ -107,6 +107,11 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         self.queue.push(seq, self.clock())
+
+    def set_step_budget(self, tokens: int, past_weight: float) -> None:
+        """Resize chunked prefill's steps from the next one on (the engine's refit of its step
+        model: server.sched.step_refit)."""
+        self.limits = replace(self.limits, max_step_tokens=tokens, past_weight=past_weight)
 
     def has_work(self) -> bool:
         return bool(len(self.queue) or self.running)

@@ -51,6 +51,9 @@ class StepTimeModel:
     ms_per_token_past: float = 0.0
     # more a decode row costs in a step with prompt tokens than in a decode step
     mixed_ms_per_request: float = 0.0
+    # more a step with prompt tokens costs, fixed (what the forward alone does not show:
+    # server.sched.step_refit measures it on the running engine)
+    mixed_fixed_ms: float = 0.0
     source: str = (
         "bench/sim_engine.py's fit of SmolLM2 float32 on a 2-core Xeon VM, not this machine's"
     )
@@ -88,7 +91,8 @@ class StepTimeModel:
 
     def _mixed_decodes_ms(self, batch_size: int) -> float:
         """What batch_size decodes cost a step that also computes prompt tokens."""
-        return self.decode_step_ms(batch_size) + self.mixed_ms_per_request * batch_size
+        extra = self.mixed_ms_per_request * batch_size + self.mixed_fixed_ms
+        return self.decode_step_ms(batch_size) + extra
 
     def mixed_step_ms(self, batch_size: int, prompt_tokens: int) -> float:
         """A step of batch_size decodes and prompt_tokens prompt tokens (at no past)."""
