@@ -324,6 +324,10 @@ def main(argv: list[str] | None = None) -> None:
            "loads": loads, "overload_idx": overload_idx, "link_gbps": link_gbps,
            "cache_bytes": cache_bytes, "adapter_bytes_per_rank": nbytes[8] // 8,
            "step_budget": {n: e.step_budget and e.step_budget.tokens
+                           for n, e in engines.items()},
+           # as each engine's refit left it (server.sched.step_refit): what the simulator's
+           # validation runs on (queueing_sim --validate)
+           "step_models": {n: e.step_model and asdict(e.step_model)
                            for n, e in engines.items()}}  # fmt: skip
     write(args, argv, run, per_config, views)
 
@@ -347,6 +351,7 @@ def write(args, argv, run: dict, per_config: dict, views: dict) -> None:
         "adapter_cache_bytes": run["cache_bytes"],
         "adapter_bytes_per_rank": run["adapter_bytes_per_rank"],
         "step_budget_tokens": run["step_budget"],
+        "step_models": run["step_models"],
         "per_load": per_config,
         "adapter_cache_at_end": {n: v["adapter_cache"] for n, v in views.items()},
         "queues_at_end": {n: v["queueing"] for n, v in views.items()},

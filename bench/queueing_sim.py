@@ -18,11 +18,12 @@ bounds a wait) with chameleon-nosched's cache, not a policy the server offers.
 `--validate REAL.json` runs the sim with a real bench_queueing result's trace settings, SLO,
 link, adapter budget and loads (over the sim's own `--rounds` x `--duration`, longer than the
 real run's) and compares each configuration's burst capacity and sustained load with the
-measured ones (the issue's rule: within 10%); the step model should be measured on the real
-run's machine (`--measure-steps`).
+measured ones (the issue's rule: within 10%), on the step model the real run's baseline engine
+ended with (corrected by its own steps: server/sched/step_refit.py; recorded as `step_models`
+in the real result) unless `--steps` or `--measure-steps` (on the real run's machine) give one.
 
     python -m bench.queueing_sim --measure-steps float32 --rounds 4 --duration 600
-    python -m bench.queueing_sim --measure-steps float32 --validate bench/results/queueing.json
+    python -m bench.queueing_sim --validate bench/results/queueing.json
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ from toppings.scripts.loadgen.stats import percentile
 from toppings.server.config import PCIE4_X16_LATENCY_US, SchedulingConfig
 from toppings.server.sched.policies import QUEUE_POLICY_CLASSES
 from toppings.server.sched.queueing import FcfsQueue, Verdict
-from toppings.server.sched.step_budget import choose_step_budget
+from toppings.server.sched.step_budget import StepTimeModel, choose_step_budget
 
 log = logging.getLogger("queueing_sim")
 # SmolLM2-135M in float32: 30 layers; an adapter on q, k, v takes (576 + 576) + 2 x (576 + 192)
@@ -214,6 +215,17 @@ def compare(measured: dict[str, float], simulated: dict[str, float]) -> dict:
             "tolerance": VALIDATE_WITHIN}  # fmt: skip
 
 
+def real_steps(real_path: Path) -> StepModel | None:
+    """The step model a real bench_queueing run's baseline engine ended with (corrected by
+    its real steps: server.sched.step_refit); None for a result without one."""
+    m = json.loads(real_path.read_text())["metrics"]
+    models = {n: f for n, f in m.get("step_models", {}).items() if f}
+    if not models:
+        return None
+    name = FCFS if FCFS in models else next(iter(models))
+    return StepModel.of_engine(StepTimeModel(**models[name]), f"the real run's {name} engine")
+
+
 def validate(args, steps: StepModel, real_path: Path) -> dict:
     """The sim at a real bench_queueing run's SLO, link, adapter budget and loads, against its
     measured capacities and sustained loads."""
@@ -225,7 +237,8 @@ def validate(args, steps: StepModel, real_path: Path) -> dict:
         setattr(args, key, c[key])
     args.adapter_bytes_per_rank = m["adapter_bytes_per_rank"]
     budgets = {b for b in m.get("step_budget_tokens", {}).values() if b}
-    if len(budgets) == 1 and not args.max_num_batched_tokens:  # the real engines' shared budget
+    if len(budgets) == 1 and "step_models" not in m and not args.max_num_batched_tokens:
+        # the real engines' shared budget (a run with step models: the budget is the model's)
         args.max_num_batched_tokens = budgets.pop()
     names = list(m["per_load"])
     sim = Sim(args, steps, m["link_gbps"], m["adapter_cache_bytes"])
@@ -271,6 +284,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.measure_steps:
         steps, points = measure_steps(args.measure_steps)
         log.warning("measured on %s: %s -> %s", describe_device(), points, steps)
+    elif args.validate and args.steps == "{}":
+        steps = real_steps(args.validate) or steps
     if args.validate:
         result = validate(args, steps, args.validate)
         _write(args, argv, steps, result)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import random
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from bench.sim_adapters import SimAdapterCache, SimAdapters, SimEntry, SimLink
@@ -18,6 +18,7 @@ from toppings.server.sched.admission import GateLimits
 from toppings.server.sched.queueing import QueuePolicy
 from toppings.server.sched.scheduler import Scheduler, StepResult
 from toppings.server.sched.step_budget import StepTimeModel
+from toppings.server.sched.step_refit import shape_of
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,13 @@ class StepModel(StepTimeModel):
 
     prefill_ms: float = 19.7
     source: str = "measure_steps('float32') of SmolLM2, 2-core Intel Xeon VM (AMX), 2026-11-25"
+
+    @classmethod
+    def of_engine(cls, model: StepTimeModel, source: str) -> StepModel:
+        """The engine's model as the simulator's: a step of prompt tokens alone costs what a
+        step with prompt tokens and no decodes costs in it."""
+        fields = {**asdict(model), "source": source}
+        return cls(**fields, prefill_ms=model.decode_ms + model.mixed_fixed_ms)
 
     def prefill_s(self, tokens: int) -> float:
         """A step of `tokens` prompt tokens and no decode."""
@@ -328,11 +336,12 @@ def run(policy: QueuePolicy, limits: SimLimits, trace, steps: StepModel) -> list
 
 def step_s(plan, steps: StepModel) -> float:
     """The seconds a step of `plan` (server/sched/scheduler.py StepPlan) takes: a mixed step of
-    d decodes and c prompt tokens (its chunks beside the decodes' one token each), a
-    whole-prompt prefill step, or a decode step."""
+    d decodes and c prompt tokens (its chunks beside the decodes' one token each) and the past
+    those attend to, a whole-prompt prefill step, or a decode step."""
     if plan.is_mixed:
-        decodes = sum(1 for s in plan.seqs if s.is_prefilled)
-        return steps.mixed_s(decodes, sum(plan.chunks) - decodes)
+        shape = shape_of(plan)
+        past_s = steps.ms_per_token_past * shape.past_work / 1000
+        return steps.mixed_s(shape.num_decodes, shape.prompt_tokens) + past_s
     if plan.is_prefill:
         return steps.prefill_s(sum(s.prompt_len for s in plan.seqs))
     return steps.decode_s(len(plan.seqs))

@@ -171,10 +171,12 @@ class Engine:
         if (budget.tokens, budget.past_weight) != (before.tokens, before.past_weight):
             self.scheduler.set_step_budget(budget.tokens, budget.past_weight)
             log.info(
-                "chunked prefill: %d -> %d tokens per step (real steps: decode step of %d "
-                "modelled at %.1f ms, fixed cost of a step with prompt tokens %+.1f ms)",
+                "chunked prefill: %d -> %d tokens per step (real steps: a decode step of %d "
+                "%.1f ms, a step with prompt tokens %+.1f ms more, a prompt token after a past "
+                "of P counts 1 + %.2g x P)",
                 before.tokens, budget.tokens, self.config.max_batch_size,
                 model.decode_step_ms(self.config.max_batch_size), model.mixed_fixed_ms,
+                budget.past_weight,
             )  # fmt: skip
 
     def _free_device_bytes(self) -> int:
@@ -389,7 +391,7 @@ class Engine:
                 return None
             if plan is None:
                 return None
-            shape = self._refit and shape_of(plan, self.scheduler.limits)
+            shape = self._refit and shape_of(plan)
             try:
                 outcome = self.runner.run(plan)
                 for seq, error in outcome.failed.items():  # fails alone; its neighbours go on

@@ -100,6 +100,11 @@ class StepTimeModel:
             return self.decode_step_ms(batch_size)
         return self._mixed_decodes_ms(batch_size) + self.ms_per_token * prompt_tokens
 
+    def step_ms(self, batch_size: int, prompt_tokens: int, past_work: float) -> float:
+        """A step of batch_size decodes and prompt_tokens prompt tokens that attend to
+        past_work tokens before them in all (a chunk of n after P: n x (P + (n - 1) / 2))."""
+        return self.mixed_step_ms(batch_size, prompt_tokens) + self.ms_per_token_past * past_work
+
     def prompt_tokens_within(self, target_ms: float, batch_size: int) -> int:
         """The most prompt tokens a step of batch_size decodes takes on within target_ms."""
         spare = target_ms - self._mixed_decodes_ms(batch_size)

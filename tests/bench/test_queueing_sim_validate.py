@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 
 from bench.queueing_sim import main
+from toppings.server.sched.step_budget import StepTimeModel
 
 SHORT = ["--per-rank", "1", "--duration", "15", "--rounds", "1", "--loads", "0.5,1.0",
          "--alone", "2", "--burst", "6", "--max-output-len", "32"]  # fmt: skip
@@ -28,3 +30,19 @@ def test_a_sweep_writes_the_headlines_and_validates_against_itself(tmp_path):
     assert validation["capacity_rps"]["all_within"]
     assert set(validation["capacity_rps"]["per_config"]) == set(metrics["per_load"])
     assert all(r["ratio"] == 1.0 for r in validation["capacity_rps"]["per_config"].values())
+
+
+def test_validation_runs_on_the_step_model_the_real_engines_ended_with(tmp_path):
+    out = tmp_path / "sim.json"
+    main([*SHORT, "--out", str(out), "--plot", str(tmp_path / "sim.png")])
+    real = json.loads(out.read_text())
+    slower = StepTimeModel(ms_per_token=3.0, decode_ms=200.0, decode_ms_per_request=8.0)
+    real["metrics"]["step_models"] = {"slora": None, "chameleon-nosched": asdict(slower)}
+    out.write_text(json.dumps(real))
+    checked = tmp_path / "validate.json"
+    main(["--rounds", "1", "--validate", str(out), "--out", str(checked)])
+    result = json.loads(checked.read_text())
+    assert "chameleon-nosched" in result["config"]["step_model"]["source"]
+    assert result["config"]["step_model"]["decode_ms"] == 200.0
+    per_config = result["metrics"]["capacity_rps"]["per_config"]
+    assert all(r["ratio"] < 0.5 for r in per_config.values())  # slower steps, less capacity

@@ -42,3 +42,23 @@ def test_whole_prompt_and_decode_steps_keep_their_own_costs():
     seqs = (SimSeq(70, 8, 0.0, "a"), SimSeq(30, 8, 0.0, "a"))
     assert step_s(StepPlan(seqs, True), MODEL) == pytest.approx(MODEL.prefill_s(100))
     assert step_s(StepPlan(tuple(prefilled(9) for _ in range(5)), False), MODEL) == 0.065
+
+
+def test_a_late_chunk_costs_the_past_it_attends_to():
+    slow_past = StepModel(ms_per_token=2.0, decode_ms=50.0, decode_ms_per_request=3.0,
+                          ms_per_token_past=0.01)  # fmt: skip
+    decode, late = prefilled(30), SimSeq(2000, 8, 0.0, "a")
+    late.num_prefilled = 1000
+    plan = StepPlan((decode, late), True, (1, 100), (True, False))
+    past_ms = 0.01 * 100 * (1000 + 99 / 2)
+    assert step_s(plan, slow_past) == pytest.approx(slow_past.mixed_s(1, 100) + past_ms / 1000)
+
+
+def test_the_engines_model_runs_the_simulator_as_it_stands():
+    engine = StepTimeModel(ms_per_token=0.3, decode_ms=20.0, decode_ms_per_request=0.5,
+                           mixed_fixed_ms=4.0, ms_per_token_past=0.001)  # fmt: skip
+    sim = StepModel.of_engine(engine, "a real run's engine")
+    assert sim.source == "a real run's engine"
+    assert sim.mixed_s(8, 50) == pytest.approx(engine.mixed_step_ms(8, 50) / 1000)
+    # a step of prompt tokens alone costs what the engine's model says of it
+    assert sim.mixed_s(0, 50) == pytest.approx(engine.mixed_step_ms(0, 50) / 1000)

@@ -1,9 +1,11 @@
 """The step-time model follows the steps the engine really runs (server/sched/step_refit.py):
-each kind's fixed cost moves by the median gap over a window, and the engine resizes its
-chunked-prefill steps when that moves the budget."""
+every window of steps of a kind moves that kind's fixed cost (and the cost of a prompt token's
+past) halfway to what the window shows, and the engine resizes its chunked-prefill steps when
+that moves the budget."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import pytest
@@ -19,35 +21,67 @@ from toppings.server.sched.step_refit import WINDOW, StepRefit, StepShape, shape
 MODEL = StepTimeModel(ms_per_token=0.3, decode_ms=10.0, decode_ms_per_request=0.5)
 
 
-def test_decode_steps_move_the_decode_cost_by_the_median_gap():
+def test_decode_steps_move_the_decode_cost_halfway_to_the_median_gap():
     refit = StepRefit(MODEL, window=9)
     for i in range(8):
-        shape = StepShape(num_decodes=4 * i, prompt_cost=0)
-        assert refit.observe(shape, MODEL.mixed_step_ms(4 * i, 0) + 4.0) is None
+        assert refit.observe(StepShape(4 * i), MODEL.decode_step_ms(4 * i) + 4.0) is None
     # the odd slow step (a page fault) does not move the median
-    model = refit.observe(StepShape(2, 0), MODEL.mixed_step_ms(2, 0) + 500.0)
-    assert model.decode_ms == pytest.approx(14.0)
+    model = refit.observe(StepShape(2), MODEL.decode_step_ms(2) + 500.0)
+    assert model.decode_ms == pytest.approx(12.0)
     assert model.mixed_fixed_ms == 0.0 and model.ms_per_token == MODEL.ms_per_token
     assert refit.model is model and refit.num_refits == 1
+    for _ in range(9):  # the same steps again: halfway from there
+        last = refit.observe(StepShape(4), MODEL.decode_step_ms(4) + 4.0)
+    assert last.decode_ms == pytest.approx(13.0)
 
 
 def test_steps_with_prompt_tokens_move_only_their_own_fixed_cost():
     refit = StepRefit(MODEL, window=4)
-    models = [refit.observe(StepShape(8, 40 + i), MODEL.mixed_step_ms(8, 40 + i) - 3.0)
-              for i in range(4)]  # fmt: skip
-    assert models[:3] == [None] * 3
-    assert models[3].mixed_fixed_ms == pytest.approx(-3.0)
-    assert models[3].decode_ms == MODEL.decode_ms
-    # a window later, measured against the corrected model: no further move
-    for _ in range(4):
-        last = refit.observe(StepShape(8, 40), MODEL.mixed_step_ms(8, 40) - 3.0)
-    assert last.mixed_fixed_ms == pytest.approx(-3.0)
+    for _ in range(6):
+        for i in range(4):
+            model = refit.observe(StepShape(8, 40 + i), MODEL.mixed_step_ms(8, 40 + i) - 3.0)
+    assert model.mixed_fixed_ms == pytest.approx(-3.0, abs=0.1)
+    assert model.decode_ms == MODEL.decode_ms and model.ms_per_token_past == 0.0
+
+
+def true_step_ms(shape: StepShape) -> float:
+    """Steps that cost 6 ms more than MODEL_PAST says, and 4x its cost of the past."""
+    return (
+        MODEL_PAST.mixed_step_ms(shape.num_decodes, shape.prompt_tokens)
+        + 6.0
+        + 0.004 * (shape.past_work)
+    )
+
+
+MODEL_PAST = StepTimeModel(ms_per_token=0.3, decode_ms=10.0, decode_ms_per_request=0.5,
+                           ms_per_token_past=0.001)  # fmt: skip
+
+
+def test_the_cost_of_the_past_is_fitted_where_the_pasts_differ():
+    refit = StepRefit(MODEL_PAST, window=16)
+    for _ in range(12):
+        for i in range(16):
+            shape = StepShape(32, 20 - i, (20 - i) * 300.0 * i)  # later chunks: smaller, later
+            ms = true_step_ms(shape) + (50.0 if i == 7 else 0.0)  # one slow step a window
+            model = refit.observe(shape, ms)
+    assert model.ms_per_token_past == pytest.approx(0.004, rel=0.02)
+    assert model.mixed_fixed_ms == pytest.approx(6.0, abs=0.2)
+    assert model.past_weight() == pytest.approx(0.004 / 0.3, rel=0.02)
+
+
+def test_a_window_of_like_pasts_moves_the_fixed_cost_only():
+    refit = StepRefit(MODEL_PAST, window=8)
+    for i in range(8):
+        shape = StepShape(32, 16, 16 * (1000.0 + i))  # 0.001 x 7 x 16 ms apart: too close
+        model = refit.observe(shape, true_step_ms(shape))
+    assert model.ms_per_token_past == MODEL_PAST.ms_per_token_past
+    assert model.mixed_fixed_ms > 0.0
 
 
 def test_a_stalled_window_corrects_nothing():
     refit = StepRefit(MODEL, window=2)
-    refit.observe(StepShape(1, 0), 5_000.0)
-    assert refit.observe(StepShape(1, 0), 5_000.0) is None
+    refit.observe(StepShape(1), 5_000.0)
+    assert refit.observe(StepShape(1), 5_000.0) is None
     assert refit.model == MODEL and refit.num_refits == 0
 
 
@@ -61,14 +95,14 @@ class _Seq:
         return self.num_prefilled >= self.prompt_len
 
 
-def test_a_steps_shape_counts_decodes_and_weighs_late_chunks():
-    limits = GateLimits(8, 512, 100, past_weight=0.01)
+def test_a_steps_shape_counts_decodes_prompt_tokens_and_their_past():
     decode, early, late = _Seq(10, 10), _Seq(50, 0), _Seq(500, 400)
     plan = StepPlan((decode, early, late), True, (1, 20, 20), (True, False, False))
-    shape = shape_of(plan, limits)
-    assert shape.num_decodes == 1
-    assert shape.prompt_cost == limits.chunk_cost(20, 0) + limits.chunk_cost(20, 400)
-    assert shape_of(StepPlan((decode,), False), limits) == StepShape(1, 0)
+    assert shape_of(plan) == StepShape(1, 40, 20 * 9.5 + 20 * 409.5)
+    assert shape_of(StepPlan((decode,), False)) == StepShape(1)
+    # what the gate charges a chunk is the same past: n + past_weight x its past work
+    limits = GateLimits(8, 512, 100, past_weight=0.01)
+    assert limits.chunk_cost(20, 400) == math.ceil(20 + 0.01 * 20 * 409.5)
 
 
 def generate(engine, prompts):
