@@ -174,3 +174,24 @@ def test_inspect_sees_a_header_rank_above_the_config(tmp_path):
     (path / "adapter_model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{}")
     with pytest.raises(AdapterError, match="safetensors"):
         inspect_peft_adapter(path, CONFIG)
+
+
+def test_a_large_adapter_finds_rows_where_the_budget_has_room_for_it():
+    # Two rank-128 adapters exactly fill the budget. Placed first-fit after a small one, the
+    # first would sit at rows 8-136 and leave no 128 contiguous rows once the small one is
+    # evicted: the second would wait for the first to end though the budget holds both (a
+    # 2.2 s wait at light load in bench_queueing). Aligned to its size it leaves them.
+    layers = [(layer, "q_proj") for layer in range(CONFIG.num_layers)]
+    cache, loader = make_cache(budget_bytes=rows_bytes(256, ["q_proj"]))
+    small = cache.acquire(adapter("small", 8, layers))
+    small.ticket.wait(10)
+    cache.release("small")
+    first = cache.acquire(adapter("first", 128, layers, seed=1))
+    assert first is not None and first.resident.offset % 128 == 0
+    first.ticket.wait(10)
+    second = cache.acquire(adapter("second", 128, layers, seed=2))
+    assert second is not None, "the budget holds both: the small idle one is evicted"
+    second.ticket.wait(10)
+    assert "small" not in cache.entries and cache.pool.nbytes <= rows_bytes(256, ["q_proj"])
+    assert {first.resident.offset, second.resident.offset} == {0, 128}
+    loader.close()
