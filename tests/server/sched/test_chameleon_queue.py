@@ -409,3 +409,15 @@ def test_fcfs_is_the_same_interface():
     push(p, small("a", 0), large("b", 1), small("c", 2))
     assert names(p.select(gate, gate.running, now=3)) == ["a"]  # b blocks c: head-of-line
     assert names(p) == ["b", "c"]
+
+
+def test_adapters_are_prefetched_in_arrival_order():
+    # A younger request of a smaller queue must not have its adapter loaded first: that memory
+    # is what the oldest request's larger adapter waits for (and, wanted, it is not evicted).
+    p = policy(cutoffs=[0.5], quotas=[40, 360], kv=400)
+    gate = FakeGate(kv=400, rows=0)  # nothing is admitted: every request keeps waiting
+    prefetched = []
+    gate.prefetch = prefetched.extend
+    push(p, large("L1", 0, adapter="big"), small("s1", 1, adapter="hot"))
+    p.select(gate, gate.running, now=2)
+    assert prefetched == ["big", "hot"]
