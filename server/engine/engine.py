@@ -104,6 +104,7 @@ class Engine:
         # A derived budget follows the steps as they really run (a given one stays).
         derived = step_budget is not None and not config.max_num_batched_tokens
         self._refit = StepRefit(self.step_model) if derived else None
+        self._logged_budget = step_budget
         max_step_tokens = max(config.max_prefill_tokens, config.max_batch_size)
         if step_budget is not None:  # a prompt prefilled whole may share a step with the decodes
             max_step_tokens = max(max_step_tokens + config.max_batch_size, step_budget)
@@ -170,7 +171,12 @@ class Engine:
         self.step_budget = budget = self._budget_of(model)
         if (budget.tokens, budget.past_weight) != (before.tokens, before.past_weight):
             self.scheduler.set_step_budget(budget.tokens, budget.past_weight)
-            log.info(
+            # every window moves it a little: logged where it moved a tenth since last logged
+            moved = abs(budget.tokens - self._logged_budget) >= self._logged_budget / 10
+            if moved:
+                self._logged_budget = budget.tokens
+            log.log(
+                logging.INFO if moved else logging.DEBUG,
                 "chunked prefill: %d -> %d tokens per step (real steps: a decode step of %d "
                 "%.1f ms, a step with prompt tokens %+.1f ms more, a prompt token after a past "
                 "of P counts 1 + %.2g x P)",

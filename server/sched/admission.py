@@ -137,12 +137,6 @@ class GateLimits:
         return tokens
 
 
-def short_room(room: int) -> int:
-    """Of a mixed step's `room` prompt tokens, those kept for short prompts while one waits
-    (server.sched.scheduler): a prompt that fits them is a short one, admitted whole."""
-    return room // 2
-
-
 def release(seq: Sequence, memory: Memory, adapters: Adapters, keep_kv: bool, now: float) -> None:
     """Give back a request's KV row, reservation and prefix-tree nodes (its computed blocks stay
     cached unless keep_kv is False: after an error) and its adapter reference."""
@@ -262,16 +256,7 @@ class AdmissionGate:
             return not self.admitted or self.prefill_tokens + computed <= limits.max_prefill_tokens
         if is_whole(seq):
             return self.step_tokens == self.decode_tokens or computed <= self._chunk_left(max_chunk)
-        short = short_room(limits.max_step_tokens - self.decode_tokens)
-        if computed <= short and (max_chunk is None or computed <= max_chunk):
-            if self._long_prefilling(short):  # a part would wait behind the long prompt
-                return computed <= self._chunk_left(max_chunk)  # whole, or in the next step
         return self._chunk_left(max_chunk) > 0
-
-    def _long_prefilling(self, short: int) -> bool:
-        """Whether a running request has more than `short` prompt tokens left to compute."""
-        return any(not s.is_prefilled and s.prompt_len - s.num_prefilled > short
-                   for s in self.running)  # fmt: skip
 
     def queued(self) -> frozenset[str]:
         """Adapters of the waiting requests (eviction spares them while it can)."""

@@ -122,19 +122,35 @@ class QueuePolicy:
         raise NotImplementedError
 
     def plan_chunks(
-        self, decodes: list[Sequence], prefilling: list[Sequence], budget: int
+        self,
+        decodes: list[Sequence],
+        prefilling: list[Sequence],
+        budget: int,
+        cap: int | None = None,
     ) -> dict[Sequence, int]:
         """Chunked prefill: the tokens each request being prefilled (`prefilling`, in admission
         order) computes this step, out of the `budget` the step's `decodes` leave, planned
-        before any admission. Here: in admission order, each as much of its prompt as is left,
-        so an older prompt is never slowed by a younger one."""
+        before any admission; each at most `cap` (None: no bound) where the scheduler shares
+        the room between prompts of different lengths (server.sched.scheduler). Here: in
+        admission order, each as much of its prompt as is left, so an older prompt is slowed
+        by no younger one but a shorter one sharing the room."""
         chunks: dict[Sequence, int] = {}
         for seq in prefilling:
             if budget <= 0:
                 break
-            chunks[seq] = min(seq.prompt_len - seq.num_prefilled, budget)
+            chunks[seq] = min(seq.prompt_len - seq.num_prefilled, budget, cap or budget)
             budget -= chunks[seq]
         return chunks
+
+    def head(self) -> Sequence | None:
+        """The first waiting request in arrival order (None: none waits)."""
+        return next(iter(self), None)
+
+    def same_share(self, older: Sequence, younger: Sequence) -> bool:
+        """Whether a shorter `younger` prompt shares a step's prompt room with the `older` one
+        being prefilled (partial prefills: server.sched.scheduler); a policy with quotas of
+        each step may share it its own way between some requests."""
+        return True
 
     def finished(self, seq: Sequence, completed: bool, now: float) -> None:
         """An admitted request left the batch; `completed`: it stopped or hit its length."""
@@ -165,6 +181,9 @@ class FcfsQueue(QueuePolicy):
 
     def __len__(self) -> int:
         return len(self._waiting)
+
+    def head(self) -> Sequence | None:
+        return self._waiting[0] if self._waiting else None
 
     def select(self, gate: Gate, running: list[Sequence], now: float) -> list[Sequence]:
         admitted: list[Sequence] = []

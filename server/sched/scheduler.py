@@ -30,9 +30,9 @@ from toppings.server.sched.admission import (
     Memory,
     is_whole,
     release,
-    short_room,
 )
 from toppings.server.sched.queueing import QueuePolicy
+from toppings.server.sched.step_budget import MIN_CHUNK
 
 log = logging.getLogger(__name__)
 COMPLETED = ("stop", "length")  # finish reasons of a request that ran to its end
@@ -150,21 +150,27 @@ class Scheduler:
         tokens; what the policy's quotas leave of the budget at the end goes to the prompts
         being prefilled, oldest first. The admitted join `running` at once.
 
-        While the first waiting request has a short prompt (one that `short_room` holds: half
-        the step's prompt room), the prompts being prefilled are planned within the other half,
-        so a short request is not held for the whole of a long prompt's prefill (one tenant's
-        long prompts do not set another's time to first token); a short prompt is admitted
-        whole or waits for the next step (admission), and what admission leaves goes back to
-        the prompts being prefilled."""
+        Partial prefills (as vLLM's `--max-num-partial-prefills`): a prompt is not held for the
+        whole of an older, longer prompt's prefill (one tenant's long prompts do not set
+        another's time to first token). While the oldest prompt being prefilled has more left
+        than a younger prompt being prefilled, or than the first waiting request's prompt, the
+        room is shared: each of those prompts (the waiting one counting as one) is planned
+        within an equal share (at least `MIN_CHUNK`), so the shorter ones finish in a few steps
+        and the long one still advances every step; what admission leaves goes back to the
+        prompts being prefilled, oldest first. Prompts of equal or greater length keep their
+        order (FCFS). Under chameleon only prompts of one queue share so (its quotas share a
+        step between queues).
+        """
         decodes = [s for s in self.running if s.is_prefilled]
         prefilling = [s for s in self.running if not s.is_prefilled]
         limits = self.limits
         planned: dict[Sequence, int] = {s: 1 for s in decodes}
         left = budget - len(decodes)
-        short = short_room(left)
-        if prefilling and self._short_waiting(short):
-            left -= short
-        for seq, n in self.queue.plan_chunks(decodes, prefilling, left).items():
+        sharers, num_shares = self._sharers(prefilling)
+        share = None
+        if num_shares > 1:
+            prefilling, share = sharers, max(left // num_shares, MIN_CHUNK)
+        for seq, n in self.queue.plan_chunks(decodes, prefilling, left, share).items():
             if n > 0:  # the policy plans budget tokens: a chunk after a long past gets fewer
                 planned[seq] = min(n, limits.chunk_within(n, seq.num_prefilled))
         gate = self.gate(planned)
@@ -194,11 +200,19 @@ class Scheduler:
                         for s in seqs)  # fmt: skip
         return StepPlan(tuple(seqs), True, sizes, samples)
 
-    def _short_waiting(self, room: int) -> bool:
-        """Whether the first waiting request (in arrival order) has a prompt of at most `room`
-        tokens: a long one at the head waits its turn in any case."""
-        head = next(iter(self.queue), None)
-        return head is not None and head.prompt_len - head.num_prefilled <= room
+    def _sharers(self, prefilling: list[Sequence]) -> tuple[list[Sequence], int]:
+        """The prompts being prefilled that share this step's room (the oldest, and the
+        younger ones with less left than it), and the number of shares: one more when the
+        first waiting request's prompt is shorter than what the oldest has left."""
+        if not prefilling:
+            return [], 0
+        oldest, policy = prefilling[0], self.queue
+        longest = oldest.prompt_len - oldest.num_prefilled
+        sharers = [oldest, *(s for s in prefilling[1:] if s.prompt_len - s.num_prefilled < longest
+                             and policy.same_share(oldest, s))]  # fmt: skip
+        head = policy.head()
+        shares = head is not None and head.prompt_len < longest and policy.same_share(oldest, head)
+        return sharers, len(sharers) + shares
 
     def _recover(self, gate: AdmissionGate, error: str) -> list[Sequence]:
         """After a queue policy raised: the requests the gate admitted go ahead (they hold their

@@ -94,6 +94,9 @@ class SizeQueues(QueuePolicy):
     def __len__(self) -> int:
         return len(self._waiting)
 
+    def head(self) -> Sequence | None:
+        return self._waiting[0] if self._waiting else None
+
     def _insert(self, seq: Sequence) -> None:
         bisect.insort(self._waiting, seq, key=lambda s: s.arrival)
 

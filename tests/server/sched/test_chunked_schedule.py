@@ -290,10 +290,40 @@ def test_a_short_prompt_is_not_held_for_a_long_prompts_whole_prefill(policy):
     assert all(n == 0 for n in adapters.refs.values())
 
 
-def test_without_a_short_prompt_waiting_the_long_prompt_takes_the_whole_room():
+def test_a_medium_prompt_shares_the_room_with_an_older_longer_one():
+    # vLLM's partial prefills: a 300-token prompt behind a 2,000-token one is not held for the
+    # long one's whole prefill (40 steps here), nor does it stop the long one (FCFS; chameleon
+    # shares a step by its queues' quotas: test_step_quotas.py)
+    sched, memory, _ = make_chunked(budget=100, max_batch=8)
+    streams = [submit(sched, prompt_len=4, max_new=300, ignore_eos=True) for _ in range(4)]
+    step(sched)
+    long = submit(sched, prompt_len=2000, max_new=1, ignore_eos=True)
+    step(sched)
+    medium = submit(sched, prompt_len=300, max_new=1, ignore_eos=True)
+    steps = 0
+    while not medium.output_ids:
+        before = long.num_prefilled
+        got = tokens_of(step(sched))
+        steps += 1
+        assert long.num_prefilled > before, "the long prompt keeps advancing"
+        assert all(got[s] == 1 for s in streams) and sum(got.values()) <= 100
+    assert steps <= 2 * math.ceil(300 / 48) and not long.output_ids
+    while sched.has_work():
+        step(sched)
+    assert long.output_ids and memory.reserved == 0
+
+
+def test_a_prompt_no_shorter_than_what_the_older_one_has_left_waits_its_turn():
     sched, _, _ = make_chunked(budget=100, max_batch=8)
     long = submit(sched, prompt_len=2000, max_new=1, ignore_eos=True)
     step(sched)
-    other = submit(sched, prompt_len=500, max_new=1, ignore_eos=True)  # longer than a step
+    other = submit(sched, prompt_len=2500, max_new=1, ignore_eos=True)
     got = tokens_of(step(sched))
     assert got[long] == 100 and other not in got  # FCFS: the older prompt first
+    # two equal prompts admitted together: the older one first, the other from what it leaves
+    sched, _, _ = make_chunked(budget=100, max_batch=8)
+    first, second = (submit(sched, prompt_len=150, max_new=1, ignore_eos=True) for _ in range(2))
+    got = tokens_of(step(sched))
+    assert got == {first: 100}
+    got = tokens_of(step(sched))
+    assert got[first] == 50 and got[second] == 50 and first.output_ids
