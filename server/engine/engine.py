@@ -264,6 +264,7 @@ class Engine:
             memory=self.memory.view(),
             adapter_cache=self.lora.cache.snapshot(),
             adapter_references=self.lora.references(),
+            step_budget_tokens=self.step_budget and self.step_budget.tokens,
         )
 
     def adapters(self) -> list[dict]:

@@ -145,6 +145,8 @@ class EngineCounters:
     memory: dict[str, Any]
     adapter_cache: dict[str, Any]
     adapter_references: int  # references held on device adapters
+    # chunked prefill's tokens per step as the engine resized it last (None: chunked prefill off)
+    step_budget_tokens: int | None = None
 
 
 _NESTED = {"running": RequestView, "queue": RequestView, "adapters": AdapterView,

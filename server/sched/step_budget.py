@@ -7,8 +7,9 @@ most prompt tokens whose modelled step time stays within an inter-token target t
 may add one decode step's worth of prompt work to the decode it would run anyway). The model
 is linear: a decode step of B requests takes `decode_ms + decode_ms_per_request * B`, each
 prompt token beside it `ms_per_token` more. The engine measures it at start-up on its own
-model and machine (server.model.step_timing); the defaults here are bench/sim_engine.py's fit
-of SmolLM2, float32, on a 2-core Xeon VM, for the simulator and for tests.
+model and machine (server.model.step_timing) and keeps it true to its real steps while it runs
+(server.sched.step_refit); the defaults here are bench/sim_engine.py's fit of SmolLM2, float32,
+on a 2-core Xeon VM, for the simulator and for tests.
 
 The budget is at least a full batch of decodes plus `MIN_CHUNK` prompt tokens, and plus as many
 prompt tokens as a step's fixed cost (`decode_ms`) is worth, so that a chunk's work is never
@@ -99,11 +100,6 @@ class StepTimeModel:
         if not prompt_tokens:
             return self.decode_step_ms(batch_size)
         return self._mixed_decodes_ms(batch_size) + self.ms_per_token * prompt_tokens
-
-    def step_ms(self, batch_size: int, prompt_tokens: int, past_work: float) -> float:
-        """A step of batch_size decodes and prompt_tokens prompt tokens that attend to
-        past_work tokens before them in all (a chunk of n after P: n x (P + (n - 1) / 2))."""
-        return self.mixed_step_ms(batch_size, prompt_tokens) + self.ms_per_token_past * past_work
 
     def prompt_tokens_within(self, target_ms: float, batch_size: int) -> int:
         """The most prompt tokens a step of batch_size decodes takes on within target_ms."""

@@ -38,7 +38,7 @@ MIN_PAST_SPREAD_MS = 5.0  # modelled past cost between a window's extremes to fi
 @dataclass(frozen=True)
 class StepShape:
     """What a step computed: its decode rows, its prompt tokens and the past they attend to in
-    all (StepTimeModel.step_ms)."""
+    all (a chunk of n tokens after P: n x (P + (n - 1) / 2), each `ms_per_token_past`)."""
 
     num_decodes: int
     prompt_tokens: int = 0

@@ -261,6 +261,8 @@ def test_metrics_parse_and_move(client, engine):
     assert after[("toppings:kv_cache_reserved_tokens", ())] == 0
     assert after[("toppings:adapter_references", ())] == len(engine.adapters())  # the pins
     assert after[("toppings:adapters_resident", ())] == len(engine.adapters())
+    if engine.step_budget is not None:  # chunked prefill: the budget the steps are sized by
+        assert after[("toppings:step_budget_tokens", ())] == engine.step_budget.tokens
 
 
 def test_stats_lists_ranks_of_a_mixed_batch(client, engine, slow_steps):
