@@ -13,7 +13,7 @@ two of its tokens. Per engine: the decode step before the prompt (median), the s
 the prompt (count, median, max, and max over the engine's inter-token target), and the prompt's
 time to first token. `--rounds` repeats the three in alternating order; the maxima are taken
 over rounds, the medians pooled. Two first, unmeasured passes (`--warmup-steps` decode steps, then
-the prompt) lets the chunked engine correct its step model from its real steps
+the prompt) let the chunked engine correct its step model from its real steps
 (server.sched.step_refit) before the rounds; `chunked-unweighted` then gets the corrected
 budget too. The target is reported both as the engine models it and as twice the decode step
 measured here.
@@ -116,10 +116,9 @@ def main(argv: list[str] | None = None) -> None:
         for engine in engines.values():  # two passes: a window of mixed steps or more
             for seed in (998, 999):
                 run_once(engine, args.streams, args.prompt_len, seed, args.warmup_steps)
-        budget = chunked.step_budget
-        log.info("after the first pass: %d tokens a step (%d at start-up)", budget.tokens,
-                 start_budget.tokens)  # fmt: skip
-        engines[UNWEIGHTED].scheduler.set_step_budget(budget.tokens, 0.0)
+        log.info("after the first passes: %d tokens a step (%d at start-up)",
+                 chunked.step_budget.tokens, start_budget.tokens)  # fmt: skip
+        engines[UNWEIGHTED].scheduler.set_step_budget(chunked.step_budget.tokens, 0.0)
     budget = chunked.step_budget
     runs: dict[str, list[dict]] = {name: [] for name in engines}
     names = list(engines)

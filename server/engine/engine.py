@@ -161,10 +161,10 @@ class Engine:
             config.max_num_batched_tokens, config.itl_target_ms, model,
         )  # fmt: skip
 
-    def _refit_step_budget(self, shape: StepShape, started: float) -> None:
+    def _refit_step_budget(self, shape: StepShape, seconds: float) -> None:
         """Correct the step model by the step just run (server.sched.step_refit) and, when
         that moves the budget, resize the steps to come."""
-        model = self._refit.observe(shape, 1000 * (time.perf_counter() - started))
+        model = self._refit.observe(shape, 1000 * seconds)
         if model is None:
             return
         self.step_model, before = model, self.step_budget
@@ -398,7 +398,7 @@ class Engine:
                 return None
             if plan is None:
                 return None
-            shape = self._refit and shape_of(plan)
+            shape = shape_of(plan) if self._refit is not None else None
             try:
                 outcome = self.runner.run(plan)
                 for seq, error in outcome.failed.items():  # fails alone; its neighbours go on
@@ -409,9 +409,10 @@ class Engine:
             except Exception as exc:  # keep serving: fail this step's requests only
                 log.exception("engine step failed")
                 self.scheduler.fail(plan, f"engine error: {exc}")
-            self._count_step(plan.is_prefill, time.perf_counter() - started)
-            if shape:
-                self._refit_step_budget(shape, started)
+            seconds = time.perf_counter() - started
+            self._count_step(plan.is_prefill, seconds)
+            if shape is not None:
+                self._refit_step_budget(shape, seconds)
         return plan
 
     def _count_step(self, is_prefill: bool, seconds: float) -> None:

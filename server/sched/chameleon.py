@@ -93,8 +93,9 @@ class ChameleonQueue(SizeQueues):
             cap = None
             if by_step:  # its chunk comes out of its queue's share of the step
                 q = self._queue_of(self._sizes[seq].wrs)
-                if seq.prompt_len >= self._capped(gate).get(q, seq.prompt_len + 1):
-                    continue  # its queue's prompt being prefilled goes first, unless longer
+                unfinished = self._capped(gate).get(q)  # its queue's prompt being prefilled
+                if unfinished is not None and seq.prompt_len >= unfinished:
+                    continue  # goes first, unless it has more left than this whole prompt
                 cap = max(self._quota_left(gate)[q], min(self.quotas[q], MIN_CHUNK))
                 if cap <= 0:
                     continue
