@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# The device checks of bench/GPU.md in one script, for one `run` call of the device tool:
+#
+#   bash bench/gpu_checks.sh [STEP ...]     # steps: tests kernels graphs assisted (default: all)
+#
+# Run from the repository root with `carry: [".whl"]` (the wheels GPU.md fetches). Every step has
+# its own time limit, so one that hangs or fails leaves the others' results; logs and JSONs land in
+# $OUT (or /tmp/gpu_checks without it). PEAK_GBPS: the card's HBM bandwidth (default: H100 SXM).
+set -u
+OUT=${OUT:-/tmp/gpu_checks}
+mkdir -p "$OUT"
+steps=${*:-tests kernels graphs assisted}
+peak=${PEAK_GBPS:-3350}
+
+if [ -d .whl ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl || exit 1
+fi
+# The repository installs under `toppings.` through pyproject's package-dir: mirror it with links.
+mkdir -p /tmp/pkg/toppings
+for p in server cpu_lora gpu_lora scheduler scripts; do ln -sfn "$PWD/$p" "/tmp/pkg/toppings/$p"; done
+export PYTHONPATH=/tmp/site:/tmp/pkg:$PWD PYTHONUNBUFFERED=1 OMP_WAIT_POLICY=PASSIVE
+log=$OUT/steps.log
+{ date -u; nvidia-smi -L; nproc; python3 -c "import torch, triton, transformers;
+print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__,
+      'cuda', torch.cuda.is_available(), torch.cuda.get_device_name() if torch.cuda.is_available() else '')"
+} >>"$log" 2>&1
+
+step() {  # step NAME SECONDS COMMAND...: run one check under its limit, its tail in steps.log
+    local name=$1 limit=$2
+    shift 2
+    echo "=== $name (limit ${limit}s) $(date -u +%T)" >>"$log"
+    timeout -k 10 "$limit" "$@" >"$OUT/$name.log" 2>&1
+    echo "=== $name: rc $? $(date -u +%T)" >>"$log"
+    tail -n 40 "$OUT/$name.log" >>"$log"
+    [ "$name" = cuda_tests ] || rm -f "$OUT/$name.log"
+}
+
+for s in $steps; do
+    case $s in
+    tests)
+        step cuda_tests "${TESTS_S:-200}" python3 -m pytest -q -m cuda -p no:cacheprovider \
+            -rA --tb=short tests/gpu_lora/test_kernels_compiled.py tests/cpu_lora/test_cuda_stage.py \
+            tests/server/engine/test_exactness.py tests/server/engine/test_logprobs_exactness.py \
+            tests/server/engine/test_chunked_prefill.py tests/server/model/test_cuda_graphs.py ;;
+    kernels)
+        step kernels "${KERNELS_S:-90}" python3 -m bench.bench_kernels --peak-gbps "$peak" \
+            --out "$OUT/kernels.json" ;;
+    graphs)
+        step graphs "${GRAPHS_S:-110}" bash -c "python3 -m toppings.scripts.make_tiny_llama \
+            /tmp/smol-shaped --layers 30 --hidden 576 --intermediate 1536 --heads 9 --kv-heads 3 \
+            --vocab 49152 --max-positions 2048 && python3 -m bench.bench_cuda_graphs \
+            --model /tmp/smol-shaped --batch-sizes 1,8,32,64 --out $OUT/cuda_graphs_smol.json" ;;
+    assisted)
+        step assisted "${ASSISTED_S:-140}" python3 -m bench.bench_cpu_assisted --device cuda \
+            --cpu-workers 8 --out "$OUT/cpu_assisted_cuda.json" ;;
+    *) echo "unknown step $s" >>"$log" ;;
+    esac
+done
