@@ -3,7 +3,9 @@
 #
 #   bash bench/gpu_checks.sh [STEP ...]     # steps: tests kernels graphs assisted (default: all)
 #
-# Run from the repository root with `carry: [".whl"]` (the wheels GPU.md fetches). Every step has
+# Run from the repository root with `carry: [".whl", ".gpu"]`: the wheels GPU.md fetches, and in
+# .gpu/ the weightless checkpoints (config and tokenizer) the benchmarks make once under /tmp,
+# made here, since the device reaches no package index. Every step has
 # its own time limit, so one that hangs or fails leaves the others' results; logs and JSONs land in
 # $OUT (or /tmp/gpu_checks without it). PEAK_GBPS: the card's HBM bandwidth (default: H100 SXM).
 set -u
@@ -16,6 +18,7 @@ if [ -d .whl ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site .whl/*.whl || exit 1
 fi
+[ -d .gpu ] && cp -r .gpu/. /tmp/
 # The repository installs under `toppings.` through pyproject's package-dir: mirror it with links.
 mkdir -p /tmp/pkg/toppings
 for p in server cpu_lora gpu_lora scheduler scripts; do ln -sfn "$PWD/$p" "/tmp/pkg/toppings/$p"; done
@@ -47,7 +50,7 @@ for s in $steps; do
         step kernels "${KERNELS_S:-90}" python3 -m bench.bench_kernels --peak-gbps "$peak" \
             --out "$OUT/kernels.json" ;;
     graphs)
-        step graphs "${GRAPHS_S:-110}" bash -c "python3 -m toppings.scripts.make_tiny_llama \
+        step graphs "${GRAPHS_S:-150}" bash -c "python3 -m toppings.scripts.make_tiny_llama \
             /tmp/smol-shaped --layers 30 --hidden 576 --intermediate 1536 --heads 9 --kv-heads 3 \
             --vocab 49152 --max-positions 2048 && python3 -m bench.bench_cuda_graphs \
             --model /tmp/smol-shaped --batch-sizes 1,8,32,64 --out $OUT/cuda_graphs_smol.json" ;;

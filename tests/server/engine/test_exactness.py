@@ -112,7 +112,9 @@ def run_mixed_batch(model_dir, adapters: dict[str, str], prompts, kernel: str, d
         results = [h.result(timeout_s=300) for h in handles]
         stats = engine.stats().to_json()
     assert stats["running"] == [] and stats["queue"] == []
-    assert stats["free_kv_tokens"] == stats["max_total_tokens"]
+    # Nothing held: on CUDA the memory pool also keeps the adapters cached (unreferenced).
+    blocks = stats["memory"]["blocks"]
+    assert blocks["kv_in_use"] == 0 and blocks["adapters_in_use"] == 0, blocks
     return [r.new_token_ids for r in results]
 
 

@@ -132,3 +132,32 @@ def test_native_prefill_rows_match_the_sdpa_path(dtype, head_dim, group, monkeyp
     got = attention.prefill_attention(*args, plan)
     want = attention.prefill_attention(*args)  # every segment through SDPA
     torch.testing.assert_close(got, want, rtol=TOL[dtype], atol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_rows_of_a_mixed_step_are_one_batch_on_the_torch_path(dtype, monkeypatch):
+    """Without the native kernel (a GPU) a mixed step's one-token segments after a past go to
+    one batched decode call, the chunk and the fresh prompt to SDPA; all as SDPA alone gives."""
+    monkeypatch.setattr(native, "library", lambda: None)
+    gen = torch.Generator().manual_seed(3)
+    # decode rows after 9 and 20 tokens, a chunk of 4 after 5, a decode row after 1, a prompt of 10
+    seg_starts = [0, 1, 2, 6, 7, 17]
+    num_tokens, num_slots = seg_starts[-1], 80
+    q = torch.randn(num_tokens, 6, 16, generator=gen).to(dtype)
+    key = torch.randn(num_tokens, 2, 16, generator=gen).to(dtype)
+    val = torch.randn(num_tokens, 2, 16, generator=gen).to(dtype)
+    k_cache = torch.randn(2, num_slots, 16, generator=gen).to(dtype)
+    v_cache = torch.randn(2, num_slots, 16, generator=gen).to(dtype)
+    perm = torch.randperm(num_slots, generator=gen)
+    slots, past = perm[:num_tokens], perm[num_tokens:]
+    k_cache[:, slots], v_cache[:, slots] = key.transpose(0, 1), val.transpose(0, 1)
+    past_slots = [past[:9], past[9:29], past[29:34], past[34:35], None]
+    plan = attention.plan_prefill(seg_starts, past_slots, slots)
+    assert isinstance(plan, attention.DecodeRows)
+    assert plan.rows.tolist() == [0, 1, 6] and plan.segments == [2, 4]
+    args = (q, key, val, seg_starts, past_slots, k_cache, v_cache)
+    got = attention.prefill_attention(*args, plan)
+    want = attention.prefill_attention(*args)  # every segment through SDPA
+    torch.testing.assert_close(got, want, rtol=TOL[dtype], atol=TOL[dtype])
+    # a step with at most one decode row has nothing to batch
+    assert attention.plan_prefill([0, 1, 11], [past[:9], None], slots[:11]) is None
