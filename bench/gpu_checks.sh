@@ -6,7 +6,8 @@
 # Run from the repository root with `carry: [".whl", ".gpu"]`: the wheels GPU.md fetches, and in
 # .gpu/ the weightless checkpoints (config and tokenizer) the benchmarks make once under /tmp,
 # made here, since the device reaches no package index. Every step has
-# its own time limit, so one that hangs or fails leaves the others' results; logs and JSONs land in
+# its own time limit (TESTS_S, KERNELS_S, GRAPHS_S, ASSISTED_S; extra arguments of the last two
+# in GRAPHS_ARGS, ASSISTED_ARGS), so one that hangs or fails leaves the others' results; logs and JSONs land in
 # $OUT (or /tmp/gpu_checks without it). PEAK_GBPS: the card's HBM bandwidth (default: H100 SXM).
 set -u
 OUT=${OUT:-/tmp/gpu_checks}
@@ -36,7 +37,6 @@ step() {  # step NAME SECONDS COMMAND...: run one check under its limit, its tai
     timeout -k 10 "$limit" "$@" >"$OUT/$name.log" 2>&1
     echo "=== $name: rc $? $(date -u +%T)" >>"$log"
     tail -n 40 "$OUT/$name.log" >>"$log"
-    [ "$name" = cuda_tests ] || rm -f "$OUT/$name.log"
 }
 
 for s in $steps; do
@@ -53,10 +53,10 @@ for s in $steps; do
         step graphs "${GRAPHS_S:-150}" bash -c "python3 -m toppings.scripts.make_tiny_llama \
             /tmp/smol-shaped --layers 30 --hidden 576 --intermediate 1536 --heads 9 --kv-heads 3 \
             --vocab 49152 --max-positions 2048 && python3 -m bench.bench_cuda_graphs \
-            --model /tmp/smol-shaped --batch-sizes 1,8,32,64 --out $OUT/cuda_graphs_smol.json" ;;
+            --model /tmp/smol-shaped ${GRAPHS_ARGS:---batch-sizes 1,8,32,64} --out $OUT/cuda_graphs_smol.json" ;;
     assisted)
         step assisted "${ASSISTED_S:-140}" python3 -m bench.bench_cpu_assisted --device cuda \
-            --cpu-workers 8 --out "$OUT/cpu_assisted_cuda.json" ;;
+            --cpu-workers 8 --out "$OUT/cpu_assisted_cuda.json" ${ASSISTED_ARGS:-} ;;
     *) echo "unknown step $s" >>"$log" ;;
     esac
 done
