@@ -161,6 +161,43 @@ class AdapterPool:
         self.resident[adapter.name] = entry
         return entry
 
+    def compact(self, fixed: frozenset[str] = frozenset()) -> dict[str, ResidentAdapter]:
+        """Slide resident adapters down to the lowest rows free in all their projections, in
+        order of their offsets, so that free rows gather at the end: a budget with room for an
+        adapter in bytes then has it in rows too. Adapters in `fixed` (a load is writing their
+        rows) stay. Returns the adapters moved at their new places, by name; their rows are
+        copied here, in order on the device's stream with the steps before and after."""
+        moved = {}
+        for entry in sorted(self.resident.values(), key=lambda e: e.offset):
+            if entry.name in fixed:
+                continue
+            rows = [self.rows[m] for m in entry.targets]
+            for allocator in rows:
+                allocator.free(entry.offset)
+            starts = {0, entry.offset, *(end for a in rows for end in a.ends())}
+            new = min(s for s in starts if s <= entry.offset
+                      and all(a.is_free(s, entry.rank) for a in rows))  # fmt: skip
+            for allocator in rows:
+                allocator.take(new, entry.rank)
+            if new != entry.offset:
+                self._move_rows(entry, new)
+                moved[entry.name] = self.resident[entry.name] = ResidentAdapter(
+                    entry.name, new, entry.rank, entry.scale, entry.targets
+                )
+        return moved
+
+    def _move_rows(self, entry: ResidentAdapter, new: int) -> None:
+        """Copy an adapter's rows down to `new` (< its offset) in chunks no longer than the
+        shift, so no chunk reads a row an earlier one wrote, and zero the rows it leaves."""
+        old, rank = entry.offset, entry.rank
+        shift = old - new
+        for module in entry.targets:
+            for table in (self.lora_a[module], self.lora_b[module]):  # [L, C_m, H]
+                for k in range(0, rank, shift):
+                    n = min(shift, rank - k)
+                    table[:, new + k : new + k + n] = table[:, old + k : old + k + n]
+                table[:, max(old, new + rank) : old + rank].zero_()
+
     def remove(self, name: str) -> None:
         entry = self.resident.pop(name)
         for module in entry.targets:

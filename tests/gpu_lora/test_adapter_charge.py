@@ -195,3 +195,55 @@ def test_a_large_adapter_finds_rows_where_the_budget_has_room_for_it():
     assert "small" not in cache.entries and cache.pool.nbytes <= rows_bytes(256, ["q_proj"])
     assert {first.resident.offset, second.resident.offset} == {0, 128}
     loader.close()
+
+
+def assert_rows_hold(pool: AdapterPool, lora: LoraAdapter) -> None:
+    """The adapter's A and B^T sit at its pool rows in every layer it covers."""
+    entry = pool.resident[lora.name]
+    rows = slice(entry.offset, entry.offset + lora.rank)
+    for (layer, module), (a, b) in lora.weights.items():
+        assert torch.equal(pool.lora_a[module][layer, rows], a)
+        assert torch.equal(pool.lora_b[module][layer, rows], b.t())
+
+
+def test_adapters_in_use_are_packed_to_make_room_for_a_load():
+    # x, y, z (rank 64, held by requests) take rows 0-191 of a 256-row budget; y ends and is
+    # evicted: 128 rows are free in bytes, but as 64-127 and 192-255. Without packing the
+    # rank-128 request waits for x or z to end (1.5 s at the head of a burst's FCFS queue).
+    layers = [(layer, "q_proj") for layer in range(CONFIG.num_layers)]
+    cache, loader = make_cache(budget_bytes=rows_bytes(256, ["q_proj"]))
+    adapters = {n: adapter(n, 64, layers, seed=i) for i, n in enumerate("xyz")}
+    for name in "xyz":
+        cache.acquire(adapters[name]).ticket.wait(10)
+    assert [cache.entries[n].resident.offset for n in "xyz"] == [0, 64, 128]
+    cache.release("y")
+    big = adapter("big", 128, layers, seed=9)
+    entry = cache.acquire(big)
+    assert entry is not None, "the budget holds x, z and big once z's rows move down"
+    entry.ticket.wait(10)
+    assert "y" not in cache.entries and cache.counters.compactions == 1
+    assert cache.entries["z"].resident.offset == 64 and entry.resident.offset == 128
+    assert cache.entries["z"].resident is cache.pool.resident["z"]  # what the next step reads
+    for lora in (adapters["x"], adapters["z"], big):
+        assert_rows_hold(cache.pool, lora)
+    assert cache.pool.nbytes <= rows_bytes(256, ["q_proj"])
+    loader.close()
+
+
+def test_packing_keeps_adapters_being_loaded_in_place():
+    pool = AdapterPool(CONFIG, torch.float32, "cpu")
+    pairs = [(layer, m) for layer in range(CONFIG.num_layers) for m in ("q_proj", "v_proj")]
+    adapters = [adapter(f"a{i}", r, pairs, seed=i) for i, r in enumerate((16, 8, 16, 32, 8))]
+    for lora in adapters:
+        pool.add(lora)
+    # offsets a0 0, a1 16, a4 24 (aligned to 8), a2 32, a3 64; a4's load is writing its rows
+    assert [pool.resident[f"a{i}"].offset for i in (0, 1, 4, 2, 3)] == [0, 16, 24, 32, 64]
+    pool.remove("a0")
+    pool.remove("a1")  # rows 0-23 free
+    moved = pool.compact(fixed=frozenset({"a4"}))
+    assert {n: e.offset for n, e in moved.items()} == {"a2": 0, "a3": 32}
+    assert pool.resident["a4"].offset == 24
+    for lora in adapters[2:]:
+        assert_rows_hold(pool, lora)
+    for module in ("q_proj", "v_proj"):
+        assert not pool.lora_a[module][:, 64:].any() and not pool.lora_b[module][:, 64:].any()
