@@ -104,6 +104,8 @@ ENGINE_SERIES: tuple[tuple[str, str, str, Callable[[EngineCounters], float | Non
      lambda c: c.adapter_cache["loads"]),
     ("counter", "adapter_evictions", "Adapters evicted from the device",
      lambda c: c.adapter_cache["evictions"]),
+    ("counter", "adapter_compactions", "Adapter pool packings (rows moved to make room)",
+     lambda c: c.adapter_cache["compactions"]),
     ("counter", "adapter_bytes_loaded", "Adapter bytes loaded to the device",
      lambda c: c.adapter_cache["bytes_loaded"]),
     ("gauge", "adapter_cache_used_bytes", "Device bytes held by adapters",

@@ -125,8 +125,8 @@ class EngineCounters:
 
     `queueing` is the queue policy's view and `memory` the memory manager's (the QUEUEING and
     MEMORY shapes above); `adapter_cache` is the device adapter cache's snapshot: "hits",
-    "misses", "loads", "evictions", "bytes_loaded", "used_bytes", "budget_bytes" (absent without
-    a byte budget), "resident" and "loading" (adapter names).
+    "misses", "loads", "evictions", "compactions", "bytes_loaded", "used_bytes", "budget_bytes"
+    (absent without a byte budget), "resident" and "loading" (adapter names).
     """
 
     finished: dict[str, int]  # requests ended, by finish reason
