@@ -16,11 +16,12 @@ budget the engine itself chooses (server/sched/step_budget.py, from its default 
 bounds a wait) with chameleon-nosched's cache, not a policy the server offers.
 
 `--validate REAL.json` runs the sim with a real bench_queueing result's trace settings, SLO,
-link, adapter budget and loads (over the sim's own `--rounds` x `--duration`, longer than the
-real run's) and compares each configuration's burst capacity and sustained load with the
-measured ones (the issue's rule: within 10%), on the step model the real run's baseline engine
-ended with (corrected by its own steps: server/sched/step_refit.py; recorded as `step_models`
-in the real result) unless `--steps` or `--measure-steps` (on the real run's machine) give one.
+link, adapter budget and loads, on the very traces the real run replayed (its burst, its
+rounds x duration at each load: a bursty 40 s round then weighs in both alike), and compares
+each configuration's burst capacity and sustained load with the measured ones (the issue's
+rule: within 10%), on the step model the real run's baseline engine ended with (corrected by
+its own steps: server/sched/step_refit.py; recorded as `step_models` in the real result)
+unless `--steps` or `--measure-steps` (on the real run's machine) give one.
 
     python -m bench.queueing_sim --measure-steps float32 --rounds 4 --duration 600
     python -m bench.queueing_sim --validate bench/results/queueing.json
@@ -164,10 +165,11 @@ class Sim:
         e2e = [self.run(None, [e], 5000.0)[0].finish_s for e in _at_zero(alone)]
         return 5000 * statistics.fmean(e2e)
 
-    def capacity(self, name: str, slo_ms: float) -> float:
-        """bench_queueing's burst capacity, averaged over `--rounds` bursts."""
+    def capacity(self, name: str, slo_ms: float, bursts: int | None = None) -> float:
+        """bench_queueing's burst capacity, averaged over `bursts` bursts (default `--rounds`;
+        the first is bench_queueing's own)."""
         values = []
-        for rnd in range(self.args.rounds):
+        for rnd in range(bursts or self.args.rounds):
             burst = _at_zero(trace_for(self.args, self.ranks, 1.0, 998 + rnd, None,
                                        self.args.burst))  # fmt: skip
             values.append(burst_capacity([s.finish_s for s in self.run(name, burst, slo_ms)]))
@@ -176,11 +178,11 @@ class Sim:
     def sweep(self, names: list[str], loads: list[float], slo_ms: float) -> dict[str, list]:
         """Per configuration, per load: the summary pooled over `--rounds` traces."""
         table: dict[str, list[dict]] = {n: [] for n in names}
-        for rps in loads:
+        for i, rps in enumerate(loads):
             for name in names:
                 runs, stalled = [], 0
                 for rnd in range(self.args.rounds):
-                    seed = rnd * 100 + int(rps * 1000)
+                    seed = rnd * 100 + i  # bench_queueing's traces, where the loads are its own
                     trace = trace_for(self.args, self.ranks, rps, seed, self.args.duration)
                     try:
                         runs.append(self.run(name, trace, slo_ms))
@@ -215,25 +217,27 @@ def compare(measured: dict[str, float], simulated: dict[str, float]) -> dict:
             "tolerance": VALIDATE_WITHIN}  # fmt: skip
 
 
-def real_steps(real_path: Path) -> StepModel | None:
-    """The step model a real bench_queueing run's baseline engine ended with (corrected by
-    its real steps: server.sched.step_refit); None for a result without one."""
+def real_steps(real_path: Path) -> dict[str, StepModel]:
+    """The step model each configuration's engine of a real bench_queueing run ended with
+    (corrected by its own steps: server.sched.step_refit), by name; {} for a result without
+    them."""
     m = json.loads(real_path.read_text())["metrics"]
-    models = {n: f for n, f in m.get("step_models", {}).items() if f}
-    if not models:
-        return None
-    name = FCFS if FCFS in models else next(iter(models))
-    return StepModel.of_engine(StepTimeModel(**models[name]), f"the real run's {name} engine")
+    return {n: StepModel.of_engine(StepTimeModel(**f), f"the real run's {n} engine")
+            for n, f in m.get("step_models", {}).items() if f}  # fmt: skip
 
 
-def validate(args, steps: StepModel, real_path: Path) -> dict:
+def validate(
+    args, steps: StepModel, real_path: Path, own_steps: dict[str, StepModel] | None = None
+) -> dict:
     """The sim at a real bench_queueing run's SLO, link, adapter budget and loads, against its
-    measured capacities and sustained loads."""
+    measured capacities and sustained loads; each configuration on its own engine's step model
+    where `own_steps` has it (as each real engine ran on its own refit), else on `steps`."""
     real = json.loads(real_path.read_text())
     m, c = real["metrics"], real["config"]
     for key in ("per_rank", "max_prompt_len", "output_len", "max_output_len",
                 "max_total_tokens", "max_batch_size", "max_prefill_tokens",
-                "max_num_batched_tokens", "chunked_prefill", "alone", "burst"):  # fmt: skip
+                "max_num_batched_tokens", "chunked_prefill", "alone", "burst",
+                "duration", "rounds"):  # fmt: skip
         setattr(args, key, c[key])
     args.adapter_bytes_per_rank = m["adapter_bytes_per_rank"]
     budgets = {b for b in m.get("step_budget_tokens", {}).values() if b}
@@ -241,16 +245,21 @@ def validate(args, steps: StepModel, real_path: Path) -> dict:
         # the real engines' shared budget (a run with step models: the budget is the model's)
         args.max_num_batched_tokens = budgets.pop()
     names = list(m["per_load"])
-    sim = Sim(args, steps, m["link_gbps"], m["adapter_cache_bytes"])
-    capacity = {n: sim.capacity(n, m["slo_ms"]) for n in names}
-    table = sim.sweep(names, m["loads_rps"], m["slo_ms"])
+    models = {n: (own_steps or {}).get(n, steps) for n in names}
+    sims = {n: Sim(args, models[n], m["link_gbps"], m["adapter_cache_bytes"]) for n in names}
+    capacity = {n: sims[n].capacity(n, m["slo_ms"], bursts=1) for n in names}
+    table = {n: sims[n].sweep([n], m["loads_rps"], m["slo_ms"])[n] for n in names}
     held = {n: sustained(m["loads_rps"], p99_of(rows), m["slo_ms"])[0]
             for n, rows in table.items()}  # fmt: skip
     return {
         "real": str(real_path),
         "capacity_rps": compare(m["capacity_rps"], capacity),
         "sustained_rps": compare(m["sustained_rps"], held),
-        "slo_ms": {"measured": m["slo_ms"], "simulated": sim.slo_ms()},
+        "slo_ms": {
+            "measured": m["slo_ms"],
+            "simulated": Sim(args, steps, m["link_gbps"], m["adapter_cache_bytes"]).slo_ms(),
+        },
+        "step_models": {n: asdict(model) for n, model in models.items()},
         "loads_rps": m["loads_rps"],
         "per_load": table,
     }
@@ -284,10 +293,12 @@ def main(argv: list[str] | None = None) -> None:
     if args.measure_steps:
         steps, points = measure_steps(args.measure_steps)
         log.warning("measured on %s: %s -> %s", describe_device(), points, steps)
-    elif args.validate and args.steps == "{}":
-        steps = real_steps(args.validate) or steps
+    own_steps = {}
+    if args.validate and args.steps == "{}" and not args.measure_steps:
+        own_steps = real_steps(args.validate)
+        steps = own_steps.get(FCFS) or next(iter(own_steps.values()), steps)
     if args.validate:
-        result = validate(args, steps, args.validate)
+        result = validate(args, steps, args.validate, own_steps)
         _write(args, argv, steps, result)
         log.warning("capacity %s; sustained %s", result["capacity_rps"],
                     result["sustained_rps"])  # fmt: skip
