@@ -217,6 +217,10 @@ def compare(measured: dict[str, float], simulated: dict[str, float]) -> dict:
             "tolerance": VALIDATE_WITHIN}  # fmt: skip
 
 
+SWEEP_PLOT = Path("bench/queueing_sim_ttft.png")
+VALIDATE_PLOT = Path("bench/queueing_validate_ttft.png")
+
+
 def real_steps(real_path: Path) -> dict[str, StepModel]:
     """The step model each configuration's engine of a real bench_queueing run ended with
     (corrected by its own steps: server.sched.step_refit), by name; {} for a result without
@@ -284,7 +288,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--validate", type=Path, metavar="REAL_JSON",
                    help="compare with a real bench_queueing result, no sweep")  # fmt: skip
     p.add_argument("--out", type=Path, default=Path("bench/results/queueing_sim.json"))
-    p.add_argument("--plot", type=Path, default=Path("bench/queueing_sim_ttft.png"))
+    p.add_argument("--plot", type=Path, default=None,
+                   help="default: bench/queueing_sim_ttft.png (--validate: the real points "
+                        "beside the simulated ones, bench/queueing_validate_ttft.png)")  # fmt: skip
     p.add_argument("--real", type=Path, help="a bench_queueing result to draw beside")
     args = p.parse_args(argv)
     args.chunked_prefill = args.chunked_prefill == "on"
@@ -300,6 +306,12 @@ def main(argv: list[str] | None = None) -> None:
     if args.validate:
         result = validate(args, steps, args.validate, own_steps)
         _write(args, argv, steps, result)
+        real = json.loads(args.validate.read_text())["metrics"]
+        series = [("real", real["loads_rps"], real["per_load"], False),
+                  ("simulated", result["loads_rps"], result["per_load"], True)]  # fmt: skip
+        plot(args.plot or VALIDATE_PLOT, series, real["slo_ms"],
+             f"real vs simulated on the real run's traces ({args.rounds} rounds x "
+             f"{args.duration:.0f} s per point), each on its engine's step model")  # fmt: skip
         log.warning("capacity %s; sustained %s", result["capacity_rps"],
                     result["sustained_rps"])  # fmt: skip
         return
@@ -333,8 +345,8 @@ def main(argv: list[str] | None = None) -> None:
         real = json.loads(args.real.read_text())["metrics"]
         if "adapter_cache_bytes" in real:  # a result of these configurations
             series.append(("real", real["loads_rps"], real["per_load"], False))
-    plot(args.plot, series, slo_ms, f"simulated: SmolLM2 step model, {args.rounds} rounds x "
-         f"{args.duration:.0f} s per point, chunked prefill "
+    plot(args.plot or SWEEP_PLOT, series, slo_ms, f"simulated: SmolLM2 step model, "
+         f"{args.rounds} rounds x {args.duration:.0f} s per point, chunked prefill "
          f"{'on' if args.chunked_prefill else 'off'}")  # fmt: skip
     log.warning("%s", {k: v for k, v in metrics.items() if k not in ("per_load", "loads_rps")})
 

@@ -25,8 +25,20 @@ def test_a_sweep_writes_the_headlines_and_validates_against_itself(tmp_path):
     assert metrics["load_fractions_of_baseline_capacity"] == [0.5, 1.0, 1.25]
     assert plot.stat().st_size > 0
     checked = tmp_path / "validate.json"
-    main(["--rounds", "1", "--validate", str(out), "--out", str(checked)])
+    main(
+        [
+            "--rounds",
+            "1",
+            "--validate",
+            str(out),
+            "--out",
+            str(checked),
+            "--plot",
+            str(tmp_path / "validate.png"),
+        ]
+    )
     validation = json.loads(checked.read_text())["metrics"]
+    assert (tmp_path / "validate.png").stat().st_size > 0  # real and simulated points
     assert validation["capacity_rps"]["all_within"]
     assert set(validation["capacity_rps"]["per_config"]) == set(metrics["per_load"])
     assert all(r["ratio"] == 1.0 for r in validation["capacity_rps"]["per_config"].values())
@@ -40,7 +52,18 @@ def test_validation_runs_on_the_step_model_the_real_engines_ended_with(tmp_path)
     real["metrics"]["step_models"] = {"slora": None, "chameleon-nosched": asdict(slower)}
     out.write_text(json.dumps(real))
     checked = tmp_path / "validate.json"
-    main(["--rounds", "1", "--validate", str(out), "--out", str(checked)])
+    main(
+        [
+            "--rounds",
+            "1",
+            "--validate",
+            str(out),
+            "--out",
+            str(checked),
+            "--plot",
+            str(tmp_path / "validate.png"),
+        ]
+    )
     result = json.loads(checked.read_text())
     assert "chameleon-nosched" in result["config"]["step_model"]["source"]
     assert result["config"]["step_model"]["decode_ms"] == 200.0
@@ -58,7 +81,18 @@ def test_each_configuration_is_validated_on_its_own_engines_step_model(tmp_path)
     real["metrics"]["step_models"] = {"slora": asdict(slower), "chameleon-nosched": asdict(same)}
     out.write_text(json.dumps(real))
     checked = tmp_path / "validate.json"
-    main(["--rounds", "1", "--validate", str(out), "--out", str(checked)])
+    main(
+        [
+            "--rounds",
+            "1",
+            "--validate",
+            str(out),
+            "--out",
+            str(checked),
+            "--plot",
+            str(tmp_path / "validate.png"),
+        ]
+    )
     per_config = json.loads(checked.read_text())["metrics"]["capacity_rps"]["per_config"]
     assert per_config["slora"]["ratio"] < 0.5  # its engine's slower steps
     # the others on chameleon-nosched's (the baseline's): the sim's own model but for the cost
