@@ -5,7 +5,7 @@
 Each kernel (bgmv/mbgmv x decode/prefill) runs on H = 4096 with ranks 16 and 64; decode over
 B in {1, 8, 32, 64} requests, prefill over T in {128, 1024} tokens in segments of 128 (one request
 each). Every request has its own adapter, so every adapter row is read (the worst case for
-bandwidth). Time is the median over repeats of CUDA-event timings of back-to-back launches;
+bandwidth). Time is the median over repeats of CUDA-event timings (below: of what);
 effective_GBps counts only the bytes that must move: x, y (read and written) and the adapter rows
 the batch owns. time_us is the kernels' own time, from iters calls captured in one CUDA graph
 (as the engine's decode steps run them); eager_launch_us is the same calls launched back to back

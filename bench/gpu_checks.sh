@@ -5,9 +5,9 @@
 #
 # Run from the repository root with `carry: [".whl", ".gpu"]`: the wheels GPU.md fetches, and in
 # .gpu/ the weightless checkpoints (config and tokenizer) the benchmarks make once under /tmp,
-# made here, since the device reaches no package index. Every step has
-# its own time limit (TESTS_S, KERNELS_S, GRAPHS_S, ASSISTED_S; extra arguments of the last two
-# in GRAPHS_ARGS, ASSISTED_ARGS), so one that hangs or fails leaves the others' results; logs and JSONs land in
+# made here, since the device reaches no package index. Every step has its own time limit
+# (TESTS_S, KERNELS_S, GRAPHS_S, ASSISTED_S; extra arguments of the last two in GRAPHS_ARGS,
+# ASSISTED_ARGS), so one that hangs or fails leaves the others' results; logs and JSONs land in
 # $OUT (or /tmp/gpu_checks without it). PEAK_GBPS: the card's HBM bandwidth (default: H100 SXM).
 set -u
 OUT=${OUT:-/tmp/gpu_checks}
