@@ -86,21 +86,19 @@ def plan_prefill(
 
 
 def _plan_decode_rows(seg_starts, past_slots, slots: torch.Tensor) -> DecodeRows | None:
-    bounds = list(zip(seg_starts[:-1], seg_starts[1:]))
-    past = past_slots if past_slots is not None else [None] * len(bounds)
-    is_row = [end - start == 1 and p is not None and p.numel() > 0
-              for (start, end), p in zip(bounds, past)]  # fmt: skip
-    if sum(is_row) < 2:
+    num_segments = len(seg_starts) - 1
+    past = past_slots if past_slots is not None else [None] * num_segments
+    rows = [i for i, p in enumerate(past)  # one token after a past: a decode row
+            if seg_starts[i + 1] - seg_starts[i] == 1 and p is not None and p.numel()]  # fmt: skip
+    if len(rows) < 2:
         return None
-    starts = [start for (start, _), row in zip(bounds, is_row) if row]
-    lists = [torch.cat([p, slots[start : start + 1]]) for start, p, row in
-             zip(seg_starts, past, is_row) if row]  # fmt: skip
-    device = slots.device
+    lists = [torch.cat([past[i], slots[seg_starts[i] : seg_starts[i] + 1]]) for i in rows]
+    device, is_row = slots.device, set(rows)
     return DecodeRows(
-        rows=torch.tensor(starts, dtype=torch.int64, device=device),
+        rows=torch.tensor([seg_starts[i] for i in rows], dtype=torch.int64, device=device),
         index=torch.nn.utils.rnn.pad_sequence(lists, batch_first=True),
         lengths=torch.tensor([t.numel() for t in lists], dtype=torch.int64, device=device),
-        segments=[i for i, row in enumerate(is_row) if not row],
+        segments=[i for i in range(num_segments) if i not in is_row],
     )
 
 
@@ -127,28 +125,22 @@ def prefill_attention(
     kernel (measured here: 22% of a SmolLM2 prefill) instead of its flash kernel.
     """
     num_tokens = q.shape[0]
+    lib = native.library() if isinstance(plan, PrefillPlan) else None
     if isinstance(plan, DecodeRows):
         out = torch.empty_like(q)  # [T, N, D]
         rows = _decode_torch(q[plan.rows], k_cache, v_cache, plan.index, plan.lengths)
         out[plan.rows] = rows.view(-1, *q.shape[1:])
-        for i in plan.segments:
-            start, end = seg_starts[i], seg_starts[i + 1]
-            past = past_slots[i] if past_slots is not None else None
-            out[start:end] = _segment(q, key, val, start, end, past, k_cache, v_cache)
-        return out.reshape(num_tokens, -1)
-    lib = native.library() if plan is not None else None
-    if lib is not None and q.dtype in _NATIVE_DTYPES and k_cache.is_contiguous():
+        rest = plan.segments
+    elif lib is not None and q.dtype in _NATIVE_DTYPES and k_cache.is_contiguous():
         out = _rows_native(lib, q, k_cache, v_cache, plan)  # [T, N, D]
-        for i in plan.long_segments:
-            start, end = seg_starts[i], seg_starts[i + 1]
-            past = past_slots[i] if past_slots is not None else None
-            out[start:end] = _segment(q, key, val, start, end, past, k_cache, v_cache)
-        return out.reshape(num_tokens, -1)
-    outs = []
-    for i, (start, end) in enumerate(zip(seg_starts[:-1], seg_starts[1:])):
+        rest = plan.long_segments
+    else:
+        out, rest = torch.empty_like(q), range(len(seg_starts) - 1)
+    for i in rest:  # one SDPA each
+        start, end = seg_starts[i], seg_starts[i + 1]
         past = past_slots[i] if past_slots is not None else None
-        outs.append(_segment(q, key, val, start, end, past, k_cache, v_cache))
-    return torch.cat(outs).reshape(num_tokens, -1)
+        out[start:end] = _segment(q, key, val, start, end, past, k_cache, v_cache)
+    return out.reshape(num_tokens, -1)
 
 
 def _segment(q, key, val, start: int, end: int, past, k_cache, v_cache) -> torch.Tensor:
