@@ -26,6 +26,10 @@ load at which the unchunked engine's P99 TTFT is within the SLO (the lowest load
 the headlines are chunked/unchunked there: `itl_p99_ratio`, `ttft_p99_ratio` and
 `throughput_ratio` (output tokens/s; below both engines' capacity it is near 1 by construction,
 as both finish the same trace), and `capacity_ratio`, the two burst capacities.
+`ttft_p99_ratio`'s floor: each request waits at least its own prompt's prefill served alone
+(measured at start-up at a few lengths on both engines, the base model; no prompt of this trace
+shares a prefix with another), so no scheduler's P99 TTFT at a load is below the P99 of those
+alone times; `ttft_p99_floor_ratio` is that floor over the unchunked P99 at the knee.
 
     python -m bench.bench_chunked_prefill [--loads 0.5,0.7,0.9 --duration 60 --rounds 2]
     python -m bench.bench_chunked_prefill --quick --out /tmp/chunked_prefill_quick.json
@@ -123,6 +127,30 @@ def slo_knee(p99s: Sequence[float], slo_ms: float) -> tuple[int, bool]:
     when no load is (the headlines are then at the lowest load)."""
     within = [i for i, v in enumerate(p99s) if v <= slo_ms]
     return (within[-1], True) if within else (0, False)
+
+
+def alone_ttft_ms(engines: dict[str, Engine], lengths: Sequence[int], seed: int) -> dict:
+    """{prompt length: the least TTFT (ms) any of `engines` gives a prompt of it served alone},
+    the base model, one new token, each measured twice and the faster kept."""
+    rng, best = random.Random(seed), {}
+    for n in lengths:
+        entry = TraceEntry(0, 0.0, None, 0, [rng.randrange(100, 250) for _ in range(n)], 1)
+        best[n] = min(1000 * replay_timed(e, [entry], burst=True)[0]["ttft_s"]
+                      for e in engines.values() for _ in range(2))  # fmt: skip
+    return best
+
+
+def ttft_floor(alone_ms: dict[int, float], prompt_lens: Sequence[int]) -> float:
+    """A lower bound of the P99 TTFT of requests of `prompt_lens`: each request's TTFT is at
+    least its prompt's alone, which is at least that of the longest measured length not above
+    it (`alone_ms`; 0 below them all); the k-th longest TTFT is then at least the k-th longest
+    of those bounds."""
+    points = sorted(alone_ms.items())
+
+    def floor(n: int) -> float:
+        return max((ms for length, ms in points if length <= n), default=0.0)
+
+    return percentile([floor(n) for n in prompt_lens], 99)
 
 
 class OutputClock:
@@ -282,6 +310,11 @@ def main(argv: list[str] | None = None) -> None:
     burst = trace(1.0, 998, None, args.burst)
     capacity = {m: burst_capacity(replay_timed(e, burst, burst=True)) for m, e in engines.items()}
     log.info("SLO %.0f ms; capacity %s", slo_ms, capacity)
+    rng = random.Random(997)
+    longs = sorted(long_len.sample(rng) for _ in range(1000))
+    lengths = sorted({64, 256, args.max_prompt_len, *(longs[min(q * 250, 999)] for q in range(5))})
+    alone = alone_ttft_ms({m: engines[m] for m in (UNCHUNKED, CHUNKED)}, lengths, 997)
+    log.info("alone TTFT (ms) by prompt length: %s", alone)
     fractions = [float(x) for x in args.loads.split(",")]
     loads = [f * capacity[UNCHUNKED] for f in fractions]
     raw: dict[str, list[list[list[dict]]]] = {m: [[] for _ in loads] for m in engines}
@@ -307,8 +340,11 @@ def main(argv: list[str] | None = None) -> None:
             for runs in raw[m]]
         for m in engines
     }  # fmt: skip
+    for i, row in enumerate(per_load[UNCHUNKED]):  # the same trace for every engine
+        lens = [r["prompt_len"] for run in raw[UNCHUNKED][i] for r in run]
+        row["ttft_p99_floor_ms"] = ttft_floor(alone, lens)
     log.info("measured in %.0f s", time.monotonic() - began)
-    write(args, argv, dtype, slo_ms, capacity, fractions, loads, per_load, step)
+    write(args, argv, dtype, slo_ms, capacity, fractions, loads, per_load, step, alone)
 
 
 def ratios(chunked: dict, unchunked: dict) -> dict:
@@ -321,7 +357,7 @@ def ratios(chunked: dict, unchunked: dict) -> dict:
     }
 
 
-def write(args, argv, dtype, slo_ms, capacity, fractions, loads, per_load, step) -> None:
+def write(args, argv, dtype, slo_ms, capacity, fractions, loads, per_load, step, alone) -> None:
     at, within = slo_knee([r["ttft_p99_ms"] for r in per_load[UNCHUNKED]], slo_ms)
     u = per_load[UNCHUNKED][at]
     sweep = {
@@ -333,6 +369,10 @@ def write(args, argv, dtype, slo_ms, capacity, fractions, loads, per_load, step)
     }  # fmt: skip
     metrics = {
         **ratios(per_load[CHUNKED][at], u),
+        # no engine's P99 TTFT at the knee can be below this share of the unchunked one's
+        "ttft_p99_floor_ratio": u["ttft_p99_floor_ms"] / u["ttft_p99_ms"],
+        "ratios_per_load": [ratios(c, n) for c, n in zip(per_load[CHUNKED], per_load[UNCHUNKED])],
+        "alone_ttft_ms": alone,
         "ratio_load_rps": loads[at],
         "ratio_load_fraction_of_capacity": fractions[at],
         "ratio_load_within_slo": within,
@@ -362,6 +402,9 @@ def write(args, argv, dtype, slo_ms, capacity, fractions, loads, per_load, step)
             "slo_rule": f"5x mean E2E of {args.alone} requests served alone (unchunked)",
             "capacity_rule": "bench_queueing's burst rule, unchunked engine",
             "knee_rule": "highest load with unchunked P99 TTFT within the SLO",
+            "floor_rule": "ttft_p99_floor_ms: the P99 over a load's requests of the alone TTFT "
+            "(the least of both engines, base model) of the longest measured prompt length not "
+            "above each request's: a request waits at least its own prefill alone",
         },
         metrics=metrics,
     )

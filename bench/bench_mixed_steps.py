@@ -118,7 +118,9 @@ def main(argv: list[str] | None = None) -> None:
                 run_once(engine, args.streams, args.prompt_len, seed, args.warmup_steps)
         log.info("after the first passes: %d tokens a step (%d at start-up)",
                  chunked.step_budget.tokens, start_budget.tokens)  # fmt: skip
-        engines[UNWEIGHTED].scheduler.set_step_budget(chunked.step_budget.tokens, 0.0)
+        engines[UNWEIGHTED].scheduler.set_step_budget(
+            dataclasses.replace(chunked.step_budget, past_weight=0.0)
+        )
     budget = chunked.step_budget
     runs: dict[str, list[dict]] = {name: [] for name in engines}
     names = list(engines)

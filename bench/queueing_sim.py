@@ -148,8 +148,7 @@ class Sim:
                              self.link_gbps, latency_s, row.eviction,
                              row.adapter_cache)  # fmt: skip
         return SimLimits(a.max_total_tokens, a.max_batch_size, a.max_prefill_tokens, self.ranks,
-                         max_step_tokens=self.budget.tokens if self.budget else None,
-                         cache=cache)  # fmt: skip
+                         budget=self.budget, cache=cache)  # fmt: skip
 
     def policy(self, name: str | None, slo_ms: float):
         row = SIM_CONFIGS[name] if name else CONFIGS[FCFS]

@@ -17,7 +17,7 @@ from toppings.server.requests.request import SamplingParams
 from toppings.server.sched.admission import GateLimits
 from toppings.server.sched.queueing import QueuePolicy
 from toppings.server.sched.scheduler import Scheduler, StepResult
-from toppings.server.sched.step_budget import StepTimeModel
+from toppings.server.sched.step_budget import StepBudget, StepTimeModel
 from toppings.server.sched.step_refit import shape_of
 
 
@@ -118,16 +118,16 @@ class SimCache:
 class SimLimits:
     """One simulated engine: `memory` KV slots shared by KV (prompt + max_new_tokens per
     request) and, with `slots_per_rank`, the adapters in use (`slots_per_rank * rank` slots
-    each); batch rows; the prefill token budget; each adapter's rank; with max_step_tokens,
-    chunked prefill's step budget (None: whole-prompt prefill steps); with `cache`, adapters
-    loaded on demand into their own budget (then `slots_per_rank` is not used)."""
+    each); batch rows; the prefill token budget; each adapter's rank; with `budget`, chunked
+    prefill's steps as the engine sizes them (None: whole-prompt prefill steps); with `cache`,
+    adapters loaded on demand into their own budget (then `slots_per_rank` is not used)."""
 
     memory: int
     rows: int
     max_prefill: int
     ranks: dict[str, int]
     slots_per_rank: int = 0
-    max_step_tokens: int | None = None
+    budget: StepBudget | None = None
     cache: SimCache | None = None
 
 
@@ -307,7 +307,7 @@ def run(policy: QueuePolicy, limits: SimLimits, trace, steps: StepModel) -> list
         adapters = SimAdapterCache(limits.ranks, c.bytes_per_rank, c.budget_bytes, link,
                                    make_policy(c.eviction), c.keep_idle, clock)  # fmt: skip
         memory = SimStaticMemory(limits.memory, adapters, c)
-    gate_limits = GateLimits(limits.rows, limits.max_prefill, limits.max_step_tokens)
+    gate_limits = GateLimits(limits.rows, limits.max_prefill).with_budget(limits.budget)
     sched = Scheduler(policy, memory, adapters, gate_limits, set(), 1 << 62, clock)
     seqs = [SimSeq(len(e.prompt), e.max_tokens, e.arrival_s, e.model) for e in trace]
     nxt = 0

@@ -125,8 +125,7 @@ class Engine:
             config.use_cuda_graphs, config.max_batch_size, self.model, self.kv, self.lora,
             self.eos_ids, self.grammars, trace,
         )  # fmt: skip
-        past_weight = self.step_budget.past_weight if self.step_budget else 0.0
-        limits = GateLimits.from_config(sched_config, step_budget, past_weight)
+        limits = GateLimits.from_config(sched_config, self.step_budget)
         self.scheduler = Scheduler(
             make_queue_policy(sched_config, config.max_total_tokens), self.memory, self.lora,
             limits, self.eos_ids, self.max_model_len, on_end=self._request_ended,
@@ -169,8 +168,12 @@ class Engine:
             return
         self.step_model, before = model, self.step_budget
         self.step_budget = budget = self._budget_of(model)
-        if (budget.tokens, budget.past_weight) != (before.tokens, before.past_weight):
-            self.scheduler.set_step_budget(budget.tokens, budget.past_weight)
+        if (budget.tokens, budget.past_weight, budget.by_decodes) != (
+            before.tokens,
+            before.past_weight,
+            before.by_decodes,
+        ):
+            self.scheduler.set_step_budget(budget)
             # every window moves it a little: logged where it moved a tenth since last logged
             moved = abs(budget.tokens - self._logged_budget) >= self._logged_budget / 10
             if moved:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 from toppings.server.requests.sequence import Sequence
@@ -23,6 +23,7 @@ from toppings.server.sched.queueing import Verdict
 
 if TYPE_CHECKING:
     from toppings.server.config import SchedulingConfig
+    from toppings.server.sched.step_budget import StepBudget
 
 
 class KVShape(Protocol):
@@ -107,14 +108,27 @@ class GateLimits:
     # Chunked prefill: what a prompt token costs more of the budget for each token of past it
     # attends to (server.sched.step_budget); 0: every token costs one.
     past_weight: float = 0.0
+    # Chunked prefill: the budget of a step by the decodes in it (StepBudget.by_decodes);
+    # empty: max_step_tokens whatever the decodes.
+    by_decodes: tuple[int, ...] = ()
 
     @classmethod
-    def from_config(
-        cls, config: SchedulingConfig, max_step_tokens: int | None = None, past_weight: float = 0.0
-    ) -> GateLimits:
-        """max_step_tokens: the step budget the engine chose (None: chunked prefill off);
-        past_weight: its weight of a prompt token's past."""
-        return cls(config.max_batch_size, config.max_prefill_tokens, max_step_tokens, past_weight)
+    def from_config(cls, config: SchedulingConfig, budget: StepBudget | None = None) -> GateLimits:
+        """budget: the step budget the engine chose (None: chunked prefill off)."""
+        return cls(config.max_batch_size, config.max_prefill_tokens).with_budget(budget)
+
+    def with_budget(self, budget: StepBudget | None) -> GateLimits:
+        """These limits with chunked prefill's steps sized by `budget` (None: off)."""
+        if budget is None:
+            return replace(self, max_step_tokens=None, past_weight=0.0, by_decodes=())
+        return replace(self, max_step_tokens=budget.tokens, past_weight=budget.past_weight,
+                       by_decodes=budget.by_decodes)  # fmt: skip
+
+    def step_tokens(self, num_decodes: int) -> int:
+        """The budget of a chunked-prefill step with `num_decodes` decodes in it."""
+        if num_decodes < len(self.by_decodes):
+            return self.by_decodes[num_decodes]
+        return self.max_step_tokens
 
     def chunk_cost(self, tokens: int, past: int) -> int:
         """Budget tokens of a chunk of `tokens` prompt tokens after `past` computed ones: each

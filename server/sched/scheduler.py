@@ -32,7 +32,7 @@ from toppings.server.sched.admission import (
     release,
 )
 from toppings.server.sched.queueing import QueuePolicy
-from toppings.server.sched.step_budget import MIN_CHUNK
+from toppings.server.sched.step_budget import MIN_CHUNK, StepBudget
 
 log = logging.getLogger(__name__)
 COMPLETED = ("stop", "length")  # finish reasons of a request that ran to its end
@@ -108,20 +108,23 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.queue.push(seq, self.clock())
 
-    def set_step_budget(self, tokens: int, past_weight: float) -> None:
+    def set_step_budget(self, budget: StepBudget) -> None:
         """Resize chunked prefill's steps from the next one on (the engine's refit of its step
         model: server.sched.step_refit)."""
-        self.limits = replace(self.limits, max_step_tokens=tokens, past_weight=past_weight)
+        self.limits = self.limits.with_budget(budget)
 
     def has_work(self) -> bool:
         return bool(len(self.queue) or self.running)
 
-    def gate(self, planned: dict[Sequence, int] | None = None) -> AdmissionGate:
+    def gate(
+        self, planned: dict[Sequence, int] | None = None, limits: GateLimits | None = None
+    ) -> AdmissionGate:
         """A fresh gate for one iteration's admissions (with chunked prefill, the step's tokens
-        planned so far per request: see AdmissionGate)."""
+        planned so far per request: see AdmissionGate; `limits`: this step's, with its
+        budget)."""
         return AdmissionGate(
-            self.running, self.queue, self.memory, self.adapters, self.limits, self.clock,
-            planned,
+            self.running, self.queue, self.memory, self.adapters, limits or self.limits,
+            self.clock, planned,
         )  # fmt: skip
 
     def schedule(self) -> StepPlan | None:
@@ -129,7 +132,7 @@ class Scheduler:
         load or for memory)."""
         self.memory.tick(self.clock())
         if self.limits.max_step_tokens is not None:
-            return self._schedule_mixed(self.limits.max_step_tokens)
+            return self._schedule_mixed()
         admitted = self._admit(self.gate())
         step = admitted or list(self.running)
         if not step:
@@ -143,12 +146,13 @@ class Scheduler:
             log.exception("admission failed")
             return self._recover(gate, f"admission error: {exc}")
 
-    def _schedule_mixed(self, budget: int) -> StepPlan | None:
+    def _schedule_mixed(self) -> StepPlan | None:
         """A chunked-prefill step: the running decodes, then chunks of the prompts being
         prefilled as the queue policy plans them (before any admission: a request being
-        prefilled keeps its place), then chunks of newly admitted prompts, within `budget`
-        tokens; what the policy's quotas leave of the budget at the end goes to the prompts
-        being prefilled, oldest first. The admitted join `running` at once.
+        prefilled keeps its place), then chunks of newly admitted prompts, within the budget of
+        a step of that many decodes (GateLimits.step_tokens); what the policy's quotas leave
+        of the budget at the end goes to the prompts being prefilled, oldest first. The
+        admitted join `running` at once.
 
         Partial prefills (as vLLM's `--max-num-partial-prefills`): a prompt is not held for the
         whole of an older, longer prompt's prefill (one tenant's long prompts do not set
@@ -163,7 +167,8 @@ class Scheduler:
         """
         decodes = [s for s in self.running if s.is_prefilled]
         prefilling = [s for s in self.running if not s.is_prefilled]
-        limits = self.limits
+        budget = self.limits.step_tokens(len(decodes))
+        limits = replace(self.limits, max_step_tokens=budget)
         planned: dict[Sequence, int] = {s: 1 for s in decodes}
         left = budget - len(decodes)
         sharers, num_shares = self._sharers(prefilling)
@@ -173,7 +178,7 @@ class Scheduler:
         for seq, n in self.queue.plan_chunks(decodes, prefilling, left, share).items():
             if n > 0:  # the policy plans budget tokens: a chunk after a long past gets fewer
                 planned[seq] = min(n, limits.chunk_within(n, seq.num_prefilled))
-        gate = self.gate(planned)
+        gate = self.gate(planned, limits)
         admitted = self._admit(gate)
         self.running.extend(admitted)
         still = set(self.running)  # the policy may have squashed some: they wait again

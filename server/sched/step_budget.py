@@ -17,6 +17,15 @@ smaller than the per-step overhead it pays: on a GPU, where a prompt token costs
 that floor is in the thousands; on a CPU, where a prompt token costs about as much as a decode
 row, it is a few dozen and the inter-token target decides. At most `max_prefill_tokens` (or a
 full batch plus `MIN_CHUNK`, where that is more).
+
+That budget is a full batch's. A step with fewer decodes takes the prompt tokens that keep its own
+modelled time within the target (`StepBudget.by_decodes`): more prompt tokens beside fewer
+decodes. A step with no decode has no stream to keep within the target; its chunk is sized so
+that the step's fixed cost is at most a tenth of it (`LONE_STEP_OVERHEAD`): on a 2-core CPU the
+target's chunks of a long prompt alone (~100 tokens, ~26 of them late in a 2,500-token prompt)
+took 1.5-1.7x an unchunked prefill of it, every step paying its weights' reads again. A request
+arriving meanwhile waits for that step (about ten fixed costs) before its own prompt shares the
+next one.
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 MIN_CHUNK = 16  # prompt tokens a full batch of decodes leaves a step at least
+LONE_STEP_OVERHEAD = 0.1  # most of a step without decodes its fixed cost may be
 
 
 class StepPoints(Protocol):
@@ -126,6 +136,9 @@ class StepBudget:
     how: str
     # a prompt token counts 1 + past_weight x its past against the budget (GateLimits); 0: 1
     past_weight: float = 0.0
+    # the budget of a step by the decodes in it (0 .. max_batch_size; `tokens` at a full
+    # batch); empty: `tokens` whatever the decodes (a budget given by the flag)
+    by_decodes: tuple[int, ...] = ()
 
 
 def choose_step_budget(
@@ -142,16 +155,29 @@ def choose_step_budget(
         return StepBudget(max_num_batched_tokens, itl_target_ms, how)
     model = model or StepTimeModel()
     target = itl_target_ms or 2 * model.decode_step_ms(max_batch_size)
-    modelled = max_batch_size + model.prompt_tokens_within(target, max_batch_size)
     ceiling = max(max_prefill_tokens, max_batch_size + MIN_CHUNK)
-    floor = min(max_batch_size + max(MIN_CHUNK, model.overhead_tokens()), ceiling)
-    tokens = max(floor, min(modelled, ceiling))
+    overhead = model.overhead_tokens()
+
+    def within(decodes: int) -> int:
+        modelled = decodes + model.prompt_tokens_within(target, decodes)
+        floor = min(decodes + max(MIN_CHUNK, overhead), ceiling)
+        return max(floor, min(modelled, ceiling))
+
+    by_decodes = [within(b) for b in range(max_batch_size + 1)]
+    # a step without decodes: its fixed cost (measured in real steps where refit) a tenth of it
+    fixed_ms = max(model.mixed_step_ms(0, 1) - model.ms_per_token, 0.0)
+    lone = math.ceil(fixed_ms / model.ms_per_token * (1 / LONE_STEP_OVERHEAD - 1))
+    by_decodes[0] = max(by_decodes[0], min(lone, ceiling))
+    tokens = by_decodes[max_batch_size]
     source = "--itl-target-ms" if itl_target_ms else "2x the decode step"
     how = (
         f"{max_batch_size} decodes (a {model.decode_step_ms(max_batch_size):.0f} ms step, "
         f"modelled) and the prompt tokens ({model.ms_per_token:.3g} ms each) that keep the step "
-        f"within an inter-token target of {target:.0f} ms ({source}): {modelled}, clamped to "
-        f"[{floor}, {ceiling}]; a prompt token after a past of P counts "
+        f"within an inter-token target of {target:.0f} ms ({source}): "
+        f"{max_batch_size + model.prompt_tokens_within(target, max_batch_size)}, clamped to "
+        f"[{min(max_batch_size + max(MIN_CHUNK, overhead), ceiling)}, {ceiling}]; "
+        f"{by_decodes[1]} beside one decode, {by_decodes[0]} in a step without decodes (its "
+        f"fixed cost at most a tenth); a prompt token after a past of P counts "
         f"1 + {model.past_weight():.2g} x P; step model: {model.source}"
     )
-    return StepBudget(tokens, target, how, model.past_weight())
+    return StepBudget(tokens, target, how, model.past_weight(), tuple(by_decodes))

@@ -6,7 +6,13 @@ from __future__ import annotations
 
 import pytest
 
-from bench.bench_chunked_prefill import OutputClock, mix_long_prompts, slo_knee, token_gaps
+from bench.bench_chunked_prefill import (
+    OutputClock,
+    mix_long_prompts,
+    slo_knee,
+    token_gaps,
+    ttft_floor,
+)
 from bench.bench_queueing import burst_capacity
 from toppings.scripts.loadgen.workload import LengthSpec, TraceEntry
 from toppings.server.requests.request import (
@@ -99,3 +105,10 @@ def test_burst_capacity_counts_the_first_three_quarters_of_a_burst():
     records = [{"e2e_s": t} for t in (4.0, 1.0, 3.0, 2.0, 9.0, 5.0, 6.0, 7.0)]
     assert burst_capacity(records) == pytest.approx(6 / 6.0)  # 6 done by 6 s; the tail ignored
     assert burst_capacity([{"e2e_s": 2.0}]) == pytest.approx(0.5)
+
+
+def test_the_ttft_floor_bounds_each_request_by_the_longest_measured_length_below_it():
+    alone = {64: 10.0, 2000: 1000.0, 3000: 2000.0}
+    lens = [20] * 90 + [2500] * 9 + [3100]  # a P99 among 100 between the 99th and 100th
+    assert ttft_floor(alone, lens) == pytest.approx(1000.0 + 0.01 * 1000.0)
+    assert ttft_floor(alone, [10] * 5) == 0.0  # below every measured length: no bound

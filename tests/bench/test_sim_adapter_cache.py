@@ -14,6 +14,7 @@ from bench.sim_engine import SimCache, SimLimits, StepModel, run
 from toppings.gpu_lora.eviction import make_policy
 from toppings.server.config import SchedulingConfig
 from toppings.server.sched.queueing import FcfsQueue
+from toppings.server.sched.step_budget import StepBudget
 
 
 class Clock:
@@ -74,7 +75,7 @@ def entry(prompt: int, out: int, at: float, adapter: str) -> SimpleNamespace:
 
 def test_a_request_gets_its_first_token_only_after_its_adapter_crossed_the_link():
     cache = SimCache(budget_bytes=10_000, bytes_per_rank=1000, slot_bytes=10, link_gbps=8e-6)
-    limits = SimLimits(4096, 8, 8192, {"a": 4}, max_step_tokens=256, cache=cache)
+    limits = SimLimits(4096, 8, 8192, {"a": 4}, budget=StepBudget(256, 0.0, "test"), cache=cache)
     policy = FcfsQueue(SchedulingConfig(), 4096)
     (seq,) = run(policy, limits, [entry(20, 4, 0.0, "a")], StepModel())
     assert seq.first_token_s >= 4.0  # 4000 bytes at 1000 bytes a second
@@ -116,7 +117,7 @@ def test_a_run_in_which_nothing_can_ever_run_again_ends_as_stalled_and_counts_it
         def select(self, gate, running, now):
             return []
 
-    limits = SimLimits(4096, 8, 8192, {"a": 4}, max_step_tokens=256)
+    limits = SimLimits(4096, 8, 8192, {"a": 4}, budget=StepBudget(256, 0.0, "test"))
     trace = [entry(20, 4, 0.0, "a"), entry(20, 4, 1.0, "a")]
     with pytest.raises(Stalled) as stalled:
         run(Never(SchedulingConfig(), 4096), limits, trace, StepModel())

@@ -5,6 +5,7 @@ place; a long prompt arriving beside many decoding streams never takes a step fr
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -13,7 +14,12 @@ from toppings.server.config import SchedulingConfig
 from toppings.server.sched.admission import GateLimits
 from toppings.server.sched.policies import make_queue_policy
 from toppings.server.sched.scheduler import Scheduler, StepPlan, StepResult
-from toppings.server.sched.step_budget import MIN_CHUNK, StepTimeModel, choose_step_budget
+from toppings.server.sched.step_budget import (
+    MIN_CHUNK,
+    StepBudget,
+    StepTimeModel,
+    choose_step_budget,
+)
 
 
 def make_chunked(
@@ -149,6 +155,42 @@ def test_budget_floor_follows_the_cost_of_a_prompt_token():
     assert choose_step_budget(32, 1024, model=gpu).tokens == 1024
 
 
+def test_a_step_with_fewer_decodes_takes_more_prompt_tokens():
+    """The target bounds each step at the decodes it has: fewer decodes leave more of it to
+    prompt tokens; a step without decodes keeps no stream waiting and is sized so that its
+    fixed cost is at most a tenth of it. A budget given by the flag is the same for all."""
+    cpu = StepTimeModel(ms_per_token=0.25, decode_ms=8.0, decode_ms_per_request=0.4,
+                        mixed_fixed_ms=5.0)  # fmt: skip
+    budget = choose_step_budget(32, 8192, model=cpu)
+    by = budget.by_decodes
+    assert len(by) == 33 and by[32] == budget.tokens
+    prompt_room = [n - b for b, n in enumerate(by)]
+    assert all(a >= b for a, b in zip(prompt_room[1:], prompt_room[2:]))
+    assert prompt_room[1] > prompt_room[32]
+    # a step of one decode and its prompt tokens stays within the target (2x the full batch's)
+    assert cpu.mixed_step_ms(1, by[1] - 1) <= budget.itl_target_ms
+    # without decodes: fixed 8 + 5 ms, nine times that in prompt tokens (0.25 ms each)
+    assert by[0] == math.ceil(13.0 / 0.25 * 9) and "468 in a step without decodes" in budget.how
+    assert choose_step_budget(32, 256, model=cpu).by_decodes[0] == 256  # at most the prefill's
+    assert choose_step_budget(32, 8192, max_num_batched_tokens=100, model=cpu).by_decodes == ()
+
+
+def test_a_lone_prompt_takes_the_bigger_chunks_until_a_decode_runs_beside_it():
+    by_decodes = (400, 60, 58, 56)
+    sched, memory, _ = make_chunked(budget=56, max_batch=3)
+    sched.limits = replace(sched.limits, by_decodes=by_decodes)
+    long = submit(sched, prompt_len=1000, max_new=2, ignore_eos=True)
+    assert tokens_of(step(sched)) == {long: 400}
+    short = submit(sched, prompt_len=10, max_new=20, ignore_eos=True)
+    got = tokens_of(step(sched))  # the short one shares the lone step's room, then decodes
+    assert got[short] == 10 and sum(got.values()) == 400
+    got = tokens_of(step(sched))
+    assert got[short] == 1 and sum(got.values()) == 60
+    while sched.has_work():
+        step(sched)
+    assert memory.reserved == 0
+
+
 def test_budget_must_exceed_the_batch_size():
     from toppings.server.settings import validate
 
@@ -171,7 +213,7 @@ def test_simulator_runs_chunked_steps():
                               model="a") for i in range(8)]  # fmt: skip
     ttfts = {}
     for budget in (None, 256):
-        limits = SimLimits(1 << 20, 16, 8192, {"a": 8}, max_step_tokens=budget)
+        limits = SimLimits(1 << 20, 16, 8192, {"a": 8}, budget=budget and StepBudget(budget, 0.0, "test"))
         records = simulate(FcfsQueue(SchedulingConfig(), 1 << 20), limits, trace, StepModel())
         assert len(records) == len(trace) and all(t > 0 for t, _, _ in records)
         ttfts[budget] = [t + e.arrival_s for (t, _, _), e in zip(records, trace)]  # first token
