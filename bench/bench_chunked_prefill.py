@@ -131,12 +131,16 @@ def slo_knee(p99s: Sequence[float], slo_ms: float) -> tuple[int, bool]:
 
 def alone_ttft_ms(engines: dict[str, Engine], lengths: Sequence[int], seed: int) -> dict:
     """{prompt length: the least TTFT (ms) any of `engines` gives a prompt of it served alone},
-    the base model, one new token, each measured twice and the faster kept."""
+    the base model, one new token, each measured twice and the faster kept (a new prompt each
+    time: a repeated one would find its prefix cached)."""
     rng, best = random.Random(seed), {}
-    for n in lengths:
+
+    def ttft_ms(engine: Engine, n: int) -> float:
         entry = TraceEntry(0, 0.0, None, 0, [rng.randrange(100, 250) for _ in range(n)], 1)
-        best[n] = min(1000 * replay_timed(e, [entry], burst=True)[0]["ttft_s"]
-                      for e in engines.values() for _ in range(2))  # fmt: skip
+        return 1000 * replay_timed(engine, [entry], burst=True)[0]["ttft_s"]
+
+    for n in lengths:
+        best[n] = min(ttft_ms(e, n) for e in engines.values() for _ in range(2))
     return best
 
 
