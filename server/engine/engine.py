@@ -168,10 +168,10 @@ class Engine:
             return
         self.step_model, before = model, self.step_budget
         self.step_budget = budget = self._budget_of(model)
-        if (budget.tokens, budget.past_weight, budget.by_decodes) != (
+        if (budget.tokens, budget.past_weight, budget.lone_tokens) != (
             before.tokens,
             before.past_weight,
-            before.by_decodes,
+            before.lone_tokens,
         ):
             self.scheduler.set_step_budget(budget)
             # every window moves it a little: logged where it moved a tenth since last logged

@@ -108,9 +108,9 @@ class GateLimits:
     # Chunked prefill: what a prompt token costs more of the budget for each token of past it
     # attends to (server.sched.step_budget); 0: every token costs one.
     past_weight: float = 0.0
-    # Chunked prefill: the budget of a step by the decodes in it (StepBudget.by_decodes);
-    # empty: max_step_tokens whatever the decodes.
-    by_decodes: tuple[int, ...] = ()
+    # Chunked prefill: the budget of a step without decodes (StepBudget.lone_tokens); 0:
+    # max_step_tokens.
+    lone_step_tokens: int = 0
 
     @classmethod
     def from_config(cls, config: SchedulingConfig, budget: StepBudget | None = None) -> GateLimits:
@@ -120,14 +120,14 @@ class GateLimits:
     def with_budget(self, budget: StepBudget | None) -> GateLimits:
         """These limits with chunked prefill's steps sized by `budget` (None: off)."""
         if budget is None:
-            return replace(self, max_step_tokens=None, past_weight=0.0, by_decodes=())
+            return replace(self, max_step_tokens=None, past_weight=0.0, lone_step_tokens=0)
         return replace(self, max_step_tokens=budget.tokens, past_weight=budget.past_weight,
-                       by_decodes=budget.by_decodes)  # fmt: skip
+                       lone_step_tokens=budget.lone_tokens)  # fmt: skip
 
     def step_tokens(self, num_decodes: int) -> int:
         """The budget of a chunked-prefill step with `num_decodes` decodes in it."""
-        if num_decodes < len(self.by_decodes):
-            return self.by_decodes[num_decodes]
+        if num_decodes == 0 and self.lone_step_tokens:
+            return self.lone_step_tokens
         return self.max_step_tokens
 
     def chunk_cost(self, tokens: int, past: int) -> int:

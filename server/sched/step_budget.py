@@ -18,14 +18,12 @@ that floor is in the thousands; on a CPU, where a prompt token costs about as mu
 row, it is a few dozen and the inter-token target decides. At most `max_prefill_tokens` (or a
 full batch plus `MIN_CHUNK`, where that is more).
 
-That budget is a full batch's. A step with fewer decodes takes the prompt tokens that keep its own
-modelled time within the target (`StepBudget.by_decodes`): more prompt tokens beside fewer
-decodes. A step with no decode has no stream to keep within the target; its chunk is sized so
-that the step's fixed cost is at most a tenth of it (`LONE_STEP_OVERHEAD`): on a 2-core CPU the
-target's chunks of a long prompt alone (~100 tokens, ~26 of them late in a 2,500-token prompt)
-took 1.5-1.7x an unchunked prefill of it, every step paying its weights' reads again. A request
-arriving meanwhile waits for that step (about ten fixed costs) before its own prompt shares the
-next one.
+A step with no decode has no stream waiting on it: its budget is sized instead so that the step's
+fixed cost is at most a tenth of it (`LONE_STEP_OVERHEAD`). On a 2-core CPU the target's budget
+for every step made a long prompt served alone take 1.5-1.7x its unchunked prefill (~75 steps
+of ~100 tokens, ~26 of them late in a 2,500-token prompt, each step reading the weights again).
+A request arriving meanwhile waits for that step (about ten fixed costs) before its own prompt
+shares the next one.
 """
 
 from __future__ import annotations
@@ -136,9 +134,8 @@ class StepBudget:
     how: str
     # a prompt token counts 1 + past_weight x its past against the budget (GateLimits); 0: 1
     past_weight: float = 0.0
-    # the budget of a step by the decodes in it (0 .. max_batch_size; `tokens` at a full
-    # batch); empty: `tokens` whatever the decodes (a budget given by the flag)
-    by_decodes: tuple[int, ...] = ()
+    # the budget of a step without decodes; 0: `tokens` (a budget given by the flag)
+    lone_tokens: int = 0
 
 
 def choose_step_budget(
@@ -155,29 +152,21 @@ def choose_step_budget(
         return StepBudget(max_num_batched_tokens, itl_target_ms, how)
     model = model or StepTimeModel()
     target = itl_target_ms or 2 * model.decode_step_ms(max_batch_size)
+    modelled = max_batch_size + model.prompt_tokens_within(target, max_batch_size)
     ceiling = max(max_prefill_tokens, max_batch_size + MIN_CHUNK)
-    overhead = model.overhead_tokens()
-
-    def within(decodes: int) -> int:
-        modelled = decodes + model.prompt_tokens_within(target, decodes)
-        floor = min(decodes + max(MIN_CHUNK, overhead), ceiling)
-        return max(floor, min(modelled, ceiling))
-
-    by_decodes = [within(b) for b in range(max_batch_size + 1)]
-    # a step without decodes: its fixed cost (measured in real steps where refit) a tenth of it
+    floor = min(max_batch_size + max(MIN_CHUNK, model.overhead_tokens()), ceiling)
+    tokens = max(floor, min(modelled, ceiling))
+    # a step without decodes: its fixed cost (as refit from real steps) a tenth of it
     fixed_ms = max(model.mixed_step_ms(0, 1) - model.ms_per_token, 0.0)
     lone = math.ceil(fixed_ms / model.ms_per_token * (1 / LONE_STEP_OVERHEAD - 1))
-    by_decodes[0] = max(by_decodes[0], min(lone, ceiling))
-    tokens = by_decodes[max_batch_size]
+    lone = max(tokens, min(lone, ceiling))
     source = "--itl-target-ms" if itl_target_ms else "2x the decode step"
     how = (
         f"{max_batch_size} decodes (a {model.decode_step_ms(max_batch_size):.0f} ms step, "
         f"modelled) and the prompt tokens ({model.ms_per_token:.3g} ms each) that keep the step "
-        f"within an inter-token target of {target:.0f} ms ({source}): "
-        f"{max_batch_size + model.prompt_tokens_within(target, max_batch_size)}, clamped to "
-        f"[{min(max_batch_size + max(MIN_CHUNK, overhead), ceiling)}, {ceiling}]; "
-        f"{by_decodes[1]} beside one decode, {by_decodes[0]} in a step without decodes (its "
-        f"fixed cost at most a tenth); a prompt token after a past of P counts "
-        f"1 + {model.past_weight():.2g} x P; step model: {model.source}"
+        f"within an inter-token target of {target:.0f} ms ({source}): {modelled}, clamped to "
+        f"[{floor}, {ceiling}]; {lone} in a step without decodes (its fixed cost at most a "
+        f"tenth); a prompt token after a past of P counts 1 + {model.past_weight():.2g} x P; "
+        f"step model: {model.source}"
     )
-    return StepBudget(tokens, target, how, model.past_weight(), tuple(by_decodes))
+    return StepBudget(tokens, target, how, model.past_weight(), lone)

@@ -17,6 +17,11 @@ covers only part of a long prompt; halfway damps the swing from one window to th
   enough for a slope to show (else the fixed cost alone).
 The other slopes (a decode row, a prompt token) come from the controlled start-up measurement:
 a running engine's steps are whatever the traffic makes them, too correlated to fit them on.
+Steps of prompt tokens without decodes (server.sched.step_budget's steps without decodes, of
+hundreds of tokens) are left out: the budget's target is for steps streams wait on, and a
+large step's tokens cost less each than the start-up slope says (larger matrix products), so
+such steps pulled the fitted fixed cost below zero (-16 ms) and the budget of steps with
+decodes past the target.
 """
 
 from __future__ import annotations
@@ -58,6 +63,8 @@ class StepRefit:
     def observe(self, shape: StepShape, ms: float) -> StepTimeModel | None:
         """Record a step that took `ms`; returns the corrected model when a window of its kind
         is full (None otherwise)."""
+        if shape.prompt_tokens and not shape.num_decodes:
+            return None  # no stream waits on it: the budget's target is not its (see below)
         steps = self._mixed if shape.prompt_tokens else self._decode
         steps.append((shape, ms))
         if len(steps) < self.window:

@@ -155,37 +155,30 @@ def test_budget_floor_follows_the_cost_of_a_prompt_token():
     assert choose_step_budget(32, 1024, model=gpu).tokens == 1024
 
 
-def test_a_step_with_fewer_decodes_takes_more_prompt_tokens():
-    """The target bounds each step at the decodes it has: fewer decodes leave more of it to
-    prompt tokens; a step without decodes keeps no stream waiting and is sized so that its
-    fixed cost is at most a tenth of it. A budget given by the flag is the same for all."""
+def test_a_step_without_decodes_is_sized_by_its_fixed_cost():
+    """No stream waits on a step without decodes: its budget keeps the step's fixed cost at
+    most a tenth of it, not the target's. A budget given by the flag is the same for all."""
     cpu = StepTimeModel(ms_per_token=0.25, decode_ms=8.0, decode_ms_per_request=0.4,
                         mixed_fixed_ms=5.0)  # fmt: skip
     budget = choose_step_budget(32, 8192, model=cpu)
-    by = budget.by_decodes
-    assert len(by) == 33 and by[32] == budget.tokens
-    prompt_room = [n - b for b, n in enumerate(by)]
-    assert all(a >= b for a, b in zip(prompt_room[1:], prompt_room[2:]))
-    assert prompt_room[1] > prompt_room[32]
-    # a step of one decode and its prompt tokens stays within the target (2x the full batch's)
-    assert cpu.mixed_step_ms(1, by[1] - 1) <= budget.itl_target_ms
-    # without decodes: fixed 8 + 5 ms, nine times that in prompt tokens (0.25 ms each)
-    assert by[0] == math.ceil(13.0 / 0.25 * 9) and "468 in a step without decodes" in budget.how
-    assert choose_step_budget(32, 256, model=cpu).by_decodes[0] == 256  # at most the prefill's
-    assert choose_step_budget(32, 8192, max_num_batched_tokens=100, model=cpu).by_decodes == ()
+    # fixed 8 + 5 ms, nine times that in prompt tokens (0.25 ms each)
+    assert budget.lone_tokens == math.ceil(13.0 / 0.25 * 9) == 468
+    assert "468 in a step without decodes" in budget.how
+    assert choose_step_budget(32, 256, model=cpu).lone_tokens == 256  # at most the prefill's
+    assert choose_step_budget(32, 8192, itl_target_ms=500.0, model=cpu).lone_tokens >= 1000
+    assert choose_step_budget(32, 8192, max_num_batched_tokens=100, model=cpu).lone_tokens == 0
 
 
 def test_a_lone_prompt_takes_the_bigger_chunks_until_a_decode_runs_beside_it():
-    by_decodes = (400, 60, 58, 56)
     sched, memory, _ = make_chunked(budget=56, max_batch=3)
-    sched.limits = replace(sched.limits, by_decodes=by_decodes)
+    sched.limits = replace(sched.limits, lone_step_tokens=400)
     long = submit(sched, prompt_len=1000, max_new=2, ignore_eos=True)
     assert tokens_of(step(sched)) == {long: 400}
     short = submit(sched, prompt_len=10, max_new=20, ignore_eos=True)
     got = tokens_of(step(sched))  # the short one shares the lone step's room, then decodes
     assert got[short] == 10 and sum(got.values()) == 400
     got = tokens_of(step(sched))
-    assert got[short] == 1 and sum(got.values()) == 60
+    assert got[short] == 1 and sum(got.values()) == 56
     while sched.has_work():
         step(sched)
     assert memory.reserved == 0
@@ -213,7 +206,8 @@ def test_simulator_runs_chunked_steps():
                               model="a") for i in range(8)]  # fmt: skip
     ttfts = {}
     for budget in (None, 256):
-        limits = SimLimits(1 << 20, 16, 8192, {"a": 8}, budget=budget and StepBudget(budget, 0.0, "test"))
+        sized = budget and StepBudget(budget, 0.0, "test")
+        limits = SimLimits(1 << 20, 16, 8192, {"a": 8}, budget=sized)
         records = simulate(FcfsQueue(SchedulingConfig(), 1 << 20), limits, trace, StepModel())
         assert len(records) == len(trace) and all(t > 0 for t, _, _ in records)
         ttfts[budget] = [t + e.arrival_s for (t, _, _), e in zip(records, trace)]  # first token

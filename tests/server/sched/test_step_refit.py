@@ -44,6 +44,17 @@ def test_steps_with_prompt_tokens_move_only_their_own_fixed_cost():
     assert model.decode_ms == MODEL.decode_ms and model.ms_per_token_past == 0.0
 
 
+def test_steps_of_prompt_tokens_without_decodes_are_left_out():
+    """Those steps are large and cheaper per token than the start-up slope: fitted on, they
+    would pull the fixed cost of the steps with decodes below what those show."""
+    refit = StepRefit(MODEL, window=4)
+    for _ in range(3):
+        assert refit.observe(StepShape(0, 600), MODEL.mixed_step_ms(0, 600) - 40.0) is None
+    for i in range(4):
+        model = refit.observe(StepShape(8, 40 + i), MODEL.mixed_step_ms(8, 40 + i) + 2.0)
+    assert model.mixed_fixed_ms == pytest.approx(1.0)  # halfway to the steps with decodes' +2
+
+
 def true_step_ms(shape: StepShape) -> float:
     """Steps that cost 6 ms more than MODEL_PAST says, and 4x its cost of the past."""
     return (
