@@ -5,7 +5,6 @@ place; a long prompt arriving beside many decoding streams never takes a step fr
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 
 import pytest
 
@@ -171,7 +170,7 @@ def test_a_step_without_decodes_is_sized_by_its_fixed_cost():
 
 def test_a_lone_prompt_takes_the_bigger_chunks_until_a_decode_runs_beside_it():
     sched, memory, _ = make_chunked(budget=56, max_batch=3)
-    sched.limits = replace(sched.limits, lone_step_tokens=400)
+    sched.set_step_budget(StepBudget(56, 0.0, "test", lone_tokens=400))
     long = submit(sched, prompt_len=1000, max_new=2, ignore_eos=True)
     assert tokens_of(step(sched)) == {long: 400}
     short = submit(sched, prompt_len=10, max_new=20, ignore_eos=True)
