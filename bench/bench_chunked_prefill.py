@@ -57,6 +57,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from bench.bench_queueing import (
+    RANKS,
+    TARGETS,
     burst_capacity,
     make_adapters,
     slo_ms_alone,
@@ -64,6 +66,7 @@ from bench.bench_queueing import (
     summarise,
     trace_for,
 )
+from bench.common import write_random_adapter
 from bench.envelope import describe_device, write_result
 from toppings.scripts.loadgen.stats import percentile
 from toppings.scripts.loadgen.workload import LengthSpec, TraceEntry
@@ -248,6 +251,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-output-len", type=int, default=256)
     p.add_argument("--max-total-tokens", type=int, default=8192, help="the KV budget")
     p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES)
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--model", default="smollm2", help="what toppings-serve --model takes")
+    p.add_argument(
+        "--load-format",
+        default="auto",
+        choices=("auto", "dummy"),
+        help="dummy: random weights of the checkpoint's shapes (a GPU's real sizes)",
+    )
     p.add_argument("--max-batch-size", type=int, default=32)
     p.add_argument("--max-prefill-tokens", type=int, default=8192)
     p.add_argument("--max-num-batched-tokens", type=int, default=0, help="0: the engine's")
@@ -263,12 +274,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--alone", type=int, default=8, help="requests served alone for the SLO")
     p.add_argument("--burst", type=int, default=32, help="requests of the capacity burst")
-    p.add_argument("--adapter-dir", type=Path, default=Path("/tmp/toppings-queueing-adapters"))
+    p.add_argument(
+        "--adapter-dir",
+        type=Path,
+        default=None,
+        help="default /tmp/toppings-queueing-adapters (SmolLM2's), else per model",
+    )
     p.add_argument("--out", type=Path, default=None, help="default bench/results/, or /tmp/")
     args = p.parse_args(argv)
     if args.quick:
         for key, value in QUICK.items():
             setattr(args, key, value)
+    if args.adapter_dir is None:
+        own = "queueing" if args.model == "smollm2" else f"chunked-{Path(args.model).name}"
+        args.adapter_dir = Path(f"/tmp/toppings-{own}-adapters")
     if args.out is None:
         name = "chunked_prefill_quick.json" if args.quick else "chunked_prefill.json"
         args.out = Path("/tmp" if args.quick else "bench/results") / name
@@ -279,8 +298,13 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     began = time.monotonic()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    model_dir = resolve_model_dir("smollm2")
-    adapters = make_adapters(args.adapter_dir, model_dir, args.per_rank)
+    model_dir = resolve_model_dir(args.model)
+    if args.load_format == "dummy":  # a weightless checkpoint: adapters from its shapes alone
+        adapters = {f"r{rank}-{i}": str(write_random_adapter(
+            args.adapter_dir / f"r{rank}-{i}", str(model_dir), rank, TARGETS, seed=rank))
+            for rank in RANKS for i in range(args.per_rank)}  # fmt: skip
+    else:
+        adapters = make_adapters(args.adapter_dir, model_dir, args.per_rank)
     long_len = LengthSpec.parse(args.long_prompt_len, 1 << 30, "prompt")
     long_min = int(long_len.a)  # every long prompt has at least this many tokens
 
@@ -290,7 +314,8 @@ def main(argv: list[str] | None = None) -> None:
 
     startup = StartupLog()
     logging.getLogger(Engine.__module__).addHandler(startup)
-    config = EngineConfig(dtype=args.dtype, max_total_tokens=args.max_total_tokens,
+    config = EngineConfig(device=args.device, dtype=args.dtype, load_format=args.load_format,
+                          max_total_tokens=args.max_total_tokens,
                           max_batch_size=args.max_batch_size,
                           max_prefill_tokens=args.max_prefill_tokens, chunked_prefill=False,
                           max_num_batched_tokens=args.max_num_batched_tokens,
@@ -396,7 +421,8 @@ def write(args, argv, dtype, slo_ms, capacity, fractions, loads, per_load, step,
         argv=argv,
         config={
             **{k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-            "model": f"SmolLM2-135M-Instruct ({dtype}), in-process engines, lora-mode cached",
+            "model": f"{args.model} ({dtype}, {args.device}, weights {args.load_format}), "
+            "in-process engines, lora-mode cached",
             "engines": "EngineConfigs equal but for chunked_prefill (on / off) and, for "
             "--itl-targets, itl_target_ms",
             "workload": "bench_queueing's trace (ranks 8-128 on q,k,v, zipf within a rank, "
