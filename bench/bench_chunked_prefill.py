@@ -132,6 +132,19 @@ def slo_knee(p99s: Sequence[float], slo_ms: float) -> tuple[int, bool]:
     return (within[-1], True) if within else (0, False)
 
 
+def dummy_adapters(root: Path, model_dir: Path, per_rank: int) -> dict[str, str]:
+    """make_adapters' names and ranks for a weightless checkpoint: drawn from its config.json
+    alone (bench.common.write_random_adapter), each made once."""
+    paths = {}
+    for rank in RANKS:
+        for i in range(per_rank):
+            name, path = f"r{rank}-{i}", root / f"r{rank}-{i}"
+            if not (path / "adapter_config.json").is_file():
+                write_random_adapter(path, str(model_dir), rank, TARGETS, seed=rank * 100 + i)
+            paths[name] = str(path)
+    return paths
+
+
 def alone_ttft_ms(engines: dict[str, Engine], lengths: Sequence[int], seed: int) -> dict:
     """{prompt length: the least TTFT (ms) any of `engines` gives a prompt of it served alone},
     the base model, one new token, each measured twice and the faster kept (a new prompt each
@@ -300,9 +313,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     model_dir = resolve_model_dir(args.model)
     if args.load_format == "dummy":  # a weightless checkpoint: adapters from its shapes alone
-        adapters = {f"r{rank}-{i}": str(write_random_adapter(
-            args.adapter_dir / f"r{rank}-{i}", str(model_dir), rank, TARGETS, seed=rank))
-            for rank in RANKS for i in range(args.per_rank)}  # fmt: skip
+        adapters = dummy_adapters(args.adapter_dir, model_dir, args.per_rank)
     else:
         adapters = make_adapters(args.adapter_dir, model_dir, args.per_rank)
     long_len = LengthSpec.parse(args.long_prompt_len, 1 << 30, "prompt")
