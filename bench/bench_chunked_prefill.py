@@ -57,8 +57,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from bench.bench_queueing import (
-    RANKS,
-    TARGETS,
     burst_capacity,
     make_adapters,
     slo_ms_alone,
@@ -66,7 +64,6 @@ from bench.bench_queueing import (
     summarise,
     trace_for,
 )
-from bench.common import write_random_adapter
 from bench.envelope import describe_device, write_result
 from toppings.scripts.loadgen.stats import percentile
 from toppings.scripts.loadgen.workload import LengthSpec, TraceEntry
@@ -130,19 +127,6 @@ def slo_knee(p99s: Sequence[float], slo_ms: float) -> tuple[int, bool]:
     when no load is (the headlines are then at the lowest load)."""
     within = [i for i, v in enumerate(p99s) if v <= slo_ms]
     return (within[-1], True) if within else (0, False)
-
-
-def dummy_adapters(root: Path, model_dir: Path, per_rank: int) -> dict[str, str]:
-    """make_adapters' names and ranks for a weightless checkpoint: drawn from its config.json
-    alone (bench.common.write_random_adapter), each made once."""
-    paths = {}
-    for rank in RANKS:
-        for i in range(per_rank):
-            name, path = f"r{rank}-{i}", root / f"r{rank}-{i}"
-            if not (path / "adapter_config.json").is_file():
-                write_random_adapter(path, str(model_dir), rank, TARGETS, seed=rank * 100 + i)
-            paths[name] = str(path)
-    return paths
 
 
 def alone_ttft_ms(engines: dict[str, Engine], lengths: Sequence[int], seed: int) -> dict:
@@ -312,10 +296,9 @@ def main(argv: list[str] | None = None) -> None:
     began = time.monotonic()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     model_dir = resolve_model_dir(args.model)
-    if args.load_format == "dummy":  # a weightless checkpoint: adapters from its shapes alone
-        adapters = dummy_adapters(args.adapter_dir, model_dir, args.per_rank)
-    else:
-        adapters = make_adapters(args.adapter_dir, model_dir, args.per_rank)
+    # a weightless checkpoint's adapters are drawn from its shapes alone
+    adapters = make_adapters(args.adapter_dir, model_dir, args.per_rank,
+                             from_shapes=args.load_format == "dummy")  # fmt: skip
     long_len = LengthSpec.parse(args.long_prompt_len, 1 << 30, "prompt")
     long_min = int(long_len.a)  # every long prompt has at least this many tokens
 
@@ -407,11 +390,12 @@ def write(args, argv, dtype, slo_ms, capacity, fractions, loads, per_load, step,
             "capacity_ratio": capacity[m] / capacity[UNCHUNKED]}
         for m, rows in per_load.items() if m != UNCHUNKED
     }  # fmt: skip
+    per_ratios = [ratios(c, n) for c, n in zip(per_load[CHUNKED], per_load[UNCHUNKED])]
     metrics = {
-        **ratios(per_load[CHUNKED][at], u),
+        **per_ratios[at],
         # no engine's P99 TTFT at the knee can be below this share of the unchunked one's
         "ttft_p99_floor_ratio": u["ttft_p99_floor_ms"] / u["ttft_p99_ms"],
-        "ratios_per_load": [ratios(c, n) for c, n in zip(per_load[CHUNKED], per_load[UNCHUNKED])],
+        "ratios_per_load": per_ratios,
         "alone_ttft_ms": alone,
         "ratio_load_rps": loads[at],
         "ratio_load_fraction_of_capacity": fractions[at],

@@ -42,7 +42,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from bench.common import adapter_bytes, link_gbps_for, prefill_ms
+from bench.common import adapter_bytes, link_gbps_for, prefill_ms, write_random_adapter
 from bench.envelope import describe_device, write_result
 from bench.queueing_configs import (
     CONFIGS,
@@ -71,14 +71,20 @@ TARGETS = ("q_proj", "k_proj", "v_proj")
 LINK_PROMPT_TOKENS = 128  # the link: a rank-64 adapter's load takes one prefill of this many
 
 
-def make_adapters(root: Path, model_dir: Path, per_rank: int) -> dict[str, str]:
-    """`per_rank` adapters of each rank (one made per rank, the others copies of it)."""
+def make_adapters(
+    root: Path, model_dir: Path, per_rank: int, from_shapes: bool = False
+) -> dict[str, str]:
+    """`per_rank` adapters of each rank (one made per rank, the others copies of it);
+    `from_shapes`: drawn from the checkpoint's config.json alone (a weightless checkpoint,
+    bench.common.write_random_adapter) instead of through its transformers model."""
     paths, base = {}, None
     for rank in RANKS:
         for i in range(per_rank):
             name, path = f"r{rank}-{i}", root / f"r{rank}-{i}"
             if not (path / "adapter_model.safetensors").is_file():
-                if i == 0:
+                if i == 0 and from_shapes:
+                    write_random_adapter(path, str(model_dir), rank, TARGETS, seed=rank)
+                elif i == 0:
                     base = base or load_base(model_dir)
                     make_random_adapter(path, base, rank=rank, target_modules=TARGETS, seed=rank)
                 else:
