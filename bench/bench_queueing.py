@@ -1,13 +1,17 @@
 """The paper's comparison (Chameleon, MICRO'25) as engine configurations on SmolLM2, side by side.
 
-Four configurations (`--configs`, the table `CONFIGS`), each one engine in process, differ in
-the queue policy, and in whether adapters no request holds stay on the device:
+Five configurations (`--configs`, the table `CONFIGS`), each one engine in process, differ in
+the queue policy, in whether adapters no request holds stay on the device, and in whom a load
+makes wait:
 - `slora`: FCFS, adapters loaded on demand over the emulated link, no cache
   (`--adapter-cache off`: an adapter leaves the device when its last request ends);
+- `slora-sync`: the same, but a load stalls the step that needs it (`--lora-mode
+  on-demand-sync`), as S-LoRA's router awaits `load_adapters` before a new batch's prefill
+  (slora/server/router/manager.py) while the others wait only the request;
 - `chameleon-nocache`: Chameleon's multi-level queues, the same loads and no cache;
 - `chameleon-nosched`: FCFS with the adapter cache (idle adapters stay, Chameleon's eviction);
 - `chameleon`: both.
-All four load adapters on demand (`--lora-mode on-demand`: a prefill waits for its adapter)
+The others load adapters on demand (`--lora-mode on-demand`: a prefill waits for its adapter)
 into the same adapter budget beside the same KV (`--memory-layout static`), a share
 `--cache-share` of the adapters' bytes (at least two of the largest), so that the working set
 does not fit and the cache matters; chunked prefill is on (`--chunked-prefill`). The link
@@ -25,8 +29,9 @@ then loads, fractions of the baseline's capacity, are swept; at each load every 
 runs the same trace, one after the other, in an order that alternates over rounds (a new trace
 per round). Per configuration and load: P50/P99 TTFT, throughput and SLO attainment, pooled over
 the rounds, and the per-round P99s. Headlines (`headlines`): Chameleon against S-LoRA at
-S-LoRA's highest load within the SLO and in sustained load; the scheduler alone (`chameleon`
-against `chameleon-nosched`) in sustained load and at 1.25x the baseline's capacity.
+S-LoRA's highest load within the SLO and in sustained load (against either S-LoRA); the
+scheduler alone (`chameleon` against `chameleon-nosched`) in sustained load and at 1.25x the
+baseline's capacity.
 
     python -m bench.bench_queueing [--loads 0.25,0.5,0.75,1.0,1.25,1.5 --duration 40 --rounds 2]
 """

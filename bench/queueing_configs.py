@@ -3,7 +3,10 @@ sweep of them is judged by; bench/bench_queueing.py runs them on the real engine
 bench/queueing_sim.py on the simulated one.
 
 `CONFIGS` is the table of the four systems (queue policy x whether idle adapters stay on the
-device); `engine_config` is one row over the settings all of them share. `headlines` gives the
+device), and S-LoRA a second way (`slora-sync`: its loads stall the step that needs them, as
+S-LoRA's router awaits `load_adapters` before a new batch's prefill; `slora` waits only the
+request, as this engine's on-demand mode does); `engine_config` is one row over the settings
+all of them share. `headlines` gives the
 issue's ratios from each configuration's P99 TTFT per load: Chameleon against S-LoRA at
 S-LoRA's highest load within the SLO and in sustained load (`sustained`: where the P99 crosses
 the SLO), and the scheduler alone against cached FCFS in sustained load and at OVERLOAD times
@@ -36,11 +39,13 @@ class Comparison:
 
 CONFIGS: dict[str, Comparison] = {
     "slora": Comparison("fcfs", "on-demand", False, "lru"),
+    "slora-sync": Comparison("fcfs", "on-demand-sync", False, "lru"),
     "chameleon-nocache": Comparison("chameleon", "on-demand", False, "lru"),
     "chameleon-nosched": Comparison("fcfs", "on-demand", True, "chameleon"),
     "chameleon": Comparison("chameleon", "on-demand", True, "chameleon"),
 }
 SLORA, FCFS, CHAMELEON = "slora", "chameleon-nosched", "chameleon"  # the headlines' three
+SLORA_SYNC = "slora-sync"  # S-LoRA whose loads stall its steps, as its router does
 
 
 def engine_config(
@@ -95,7 +100,8 @@ def headlines(loads: list[float], p99: dict[str, list[float]], slo_ms: float,
     """The issue's headline ratios from each configuration's P99 TTFT (ms) per load:
     `sustained_load_ratio_vs_slora` and `p99_ttft_ratio_vs_slora` (chameleon / slora, the P99 at
     slora's highest load within the SLO), `sustained_load_ratio_vs_fcfs` (chameleon /
-    chameleon-nosched) and `p99_ttft_ratio_vs_fcfs_overload` (the P99s at loads[overload_idx]).
+    chameleon-nosched) and `p99_ttft_ratio_vs_fcfs_overload` (the P99s at loads[overload_idx]);
+    with slora-sync, the two S-LoRA ratios against it too (`*_vs_slora_sync`).
     A ratio whose configurations did not run is None; `sustained_*` per configuration."""
     held = {c: sustained(loads, v, slo_ms) for c, v in p99.items()}
 
@@ -117,6 +123,10 @@ def headlines(loads: list[float], p99: dict[str, list[float]], slo_ms: float,
         out["sustained_load_ratio_vs_slora"] = ratio(held[CHAMELEON][0], held[SLORA][0])
         out["p99_ttft_ratio_vs_slora"] = ratio(p99[CHAMELEON][at], p99[SLORA][at])
         out["slora_ratio_load_rps"] = loads[at]
+    if {SLORA_SYNC, CHAMELEON} <= has:
+        at = within(SLORA_SYNC)
+        out["sustained_load_ratio_vs_slora_sync"] = ratio(held[CHAMELEON][0], held[SLORA_SYNC][0])
+        out["p99_ttft_ratio_vs_slora_sync"] = ratio(p99[CHAMELEON][at], p99[SLORA_SYNC][at])
     if {FCFS, CHAMELEON} <= has:
         out["sustained_load_ratio_vs_fcfs"] = ratio(held[CHAMELEON][0], held[FCFS][0])
         if overload_idx is not None:

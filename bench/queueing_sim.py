@@ -56,6 +56,7 @@ from bench.queueing_configs import (
 from bench.sim_engine import SimCache, SimLimits, Stalled, StepModel, measure_steps, run
 from toppings.scripts.loadgen.stats import percentile
 from toppings.server.config import PCIE4_X16_LATENCY_US, SchedulingConfig
+from toppings.server.lora_modes import LORA_MODES
 from toppings.server.sched.policies import QUEUE_POLICY_CLASSES
 from toppings.server.sched.queueing import FcfsQueue, Verdict
 from toppings.server.sched.step_budget import StepTimeModel, choose_step_budget
@@ -145,8 +146,8 @@ class Sim:
             row = SIM_CONFIGS[name]
             latency_s = SMOLLM2_LAYERS * a.link_latency_us / 1e6  # one copy per layer
             cache = SimCache(self.cache_bytes, a.adapter_bytes_per_rank, a.slot_bytes,
-                             self.link_gbps, latency_s, row.eviction,
-                             row.adapter_cache)  # fmt: skip
+                             self.link_gbps, latency_s, row.eviction, row.adapter_cache,
+                             LORA_MODES[row.lora_mode].stall_for_load)  # fmt: skip
         return SimLimits(a.max_total_tokens, a.max_batch_size, a.max_prefill_tokens, self.ranks,
                          budget=self.budget, cache=cache)  # fmt: skip
 

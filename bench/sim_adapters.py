@@ -10,7 +10,9 @@ the engine's own eviction policies (gpu_lora/eviction.py) over the idle adapters
 waiting requests last), one load at a time over the emulated link (`SimLink`, the
 PipelinedLoader's one thread), and a request's prefill only once its adapter's load has landed.
 Without `keep_idle` nothing stays on the device that no request holds (the cache's no-cache
-mode: `--adapter-cache off`), and nothing is prefetched.
+mode: `--adapter-cache off`), and nothing is prefetched. With `stall_for_load` (the
+`on-demand-sync` mode) a request starts at once and the step that runs it waits for its load
+(`ready_s`): the engine is idle meanwhile.
 """
 
 from __future__ import annotations
@@ -96,10 +98,12 @@ class SimAdapterCache:
         policy: EvictionPolicy,
         keep_idle: bool,
         clock: Callable[[], float],
+        stall_for_load: bool = False,
     ):
         self.registry = ranks
         self.bytes_per_rank, self.budget_bytes = bytes_per_rank, budget_bytes
         self.link, self.policy, self.keep_idle, self.clock = link, policy, keep_idle, clock
+        self.stall_for_load = stall_for_load
         self.entries: dict[str, SimEntry] = {}
         self.usage: dict[str, Usage] = {}
         self.used_bytes = 0
@@ -130,8 +134,13 @@ class SimAdapterCache:
             self._drop_idle()
 
     def may_start(self, entry: SimEntry | None) -> bool:
-        """on-demand: a request prefills once its adapter's load has landed."""
-        return entry is None or entry.ready_s <= self.clock()
+        """on-demand: a request prefills once its adapter's load has landed (on-demand-sync:
+        at once, its step waiting for the load)."""
+        return entry is None or self.stall_for_load or entry.ready_s <= self.clock()
+
+    def ready_s(self, entries: list) -> float:
+        """When the loads of these entries (SimEntry, a name or None) have all landed."""
+        return max((e.ready_s for e in entries if isinstance(e, SimEntry)), default=0.0)
 
     def prefetch(self, names: list[str], queued: frozenset[str]) -> None:
         """The first adapter of `names` not on the device, when the link is idle and it fits

@@ -102,8 +102,9 @@ class SimCache:
     """On-demand adapters in a static memory layout (bench/sim_adapters.py SimAdapterCache):
     `budget_bytes` of adapters beside the KV, `bytes_per_rank` bytes an adapter takes per rank,
     `slot_bytes` one KV slot's bytes (for the queue policy's adapter sizes in tokens), the link
-    (Gbit/s, seconds of latency per load), the eviction policy's name, and whether idle
-    adapters stay (False: `--adapter-cache off`)."""
+    (Gbit/s, seconds of latency per load), the eviction policy's name, whether idle adapters
+    stay (False: `--adapter-cache off`), and whether a step waits for its requests' loads
+    (`--lora-mode on-demand-sync`; else a request waits for its own, the others go on)."""
 
     budget_bytes: int
     bytes_per_rank: int
@@ -112,6 +113,7 @@ class SimCache:
     link_latency_s: float = 0.0
     eviction: str = "lru"
     keep_idle: bool = True
+    stall_for_load: bool = False
 
 
 @dataclass(frozen=True)
@@ -305,7 +307,8 @@ def run(policy: QueuePolicy, limits: SimLimits, trace, steps: StepModel) -> list
         c = limits.cache
         link = SimLink(c.link_gbps, c.link_latency_s)
         adapters = SimAdapterCache(limits.ranks, c.bytes_per_rank, c.budget_bytes, link,
-                                   make_policy(c.eviction), c.keep_idle, clock)  # fmt: skip
+                                   make_policy(c.eviction), c.keep_idle, clock,
+                                   c.stall_for_load)  # fmt: skip
         memory = SimStaticMemory(limits.memory, adapters, c)
     gate_limits = GateLimits(limits.rows, limits.max_prefill).with_budget(limits.budget)
     sched = Scheduler(policy, memory, adapters, gate_limits, set(), 1 << 62, clock)
@@ -323,6 +326,8 @@ def run(policy: QueuePolicy, limits: SimLimits, trace, steps: StepModel) -> list
                 raise Stalled(seqs, clock.now)
             clock.now = max(clock.now, min(events))
             continue
+        if limits.cache is not None and limits.cache.stall_for_load:
+            clock.now = max(clock.now, adapters.ready_s([s.cache_entry for s in plan.seqs]))
         clock.now += step_s(plan, steps)
         sched.update(plan, StepResult([0] * len(plan.sampled)))
         for s in plan.sampled:

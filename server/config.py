@@ -237,7 +237,7 @@ class LoraConfig(Settings):
     def check(self) -> None:
         if not self.adapter_cache and LORA_MODES[self.lora_mode].preload:
             raise ValueError(
-                f"adapter_cache off needs lora_mode on-demand or cpu-assisted: {self.lora_mode} "
+                f"adapter_cache off needs a lora_mode that loads on demand: {self.lora_mode} "
                 "keeps every adapter on the device"
             )
         if self.cpu_cores and len(self.cpu_cores) < self.num_cpu_workers:

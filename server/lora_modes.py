@@ -1,7 +1,7 @@
-"""The three LoRA modes (`--lora-mode`) as one small policy table.
+"""The LoRA modes (`--lora-mode`) as one small policy table.
 
 A mode only says how a server treats an adapter that is not on the device yet; everything else
-(cache, loader, kernels) is the same in all three.
+(cache, loader, kernels) is the same in all of them.
 """
 
 from __future__ import annotations
@@ -13,16 +13,23 @@ from dataclasses import dataclass
 class LoraMode:
     """preload: every adapter is loaded and pinned on the device when it is registered (the
     ideal upper bound); wait_for_load: a request's prefill waits until its adapter is resident
-    (S-LoRA's way); host_workers: layers still loading run on the host, in CPU worker processes
-    when the server has any (Toppings' cpu-assisted mode)."""
+    while the other requests go on; host_workers: layers still loading run on the host, in CPU
+    worker processes when the server has any (Toppings' cpu-assisted mode); stall_for_load: a
+    step waits for the loads of its requests' adapters, and so every request in it waits (S-LoRA
+    as its code runs: the router awaits `load_adapters` before a new batch's prefill; kept for
+    comparisons, `on-demand-sync`)."""
 
     preload: bool
     wait_for_load: bool
     host_workers: bool
+    stall_for_load: bool = False
 
 
 LORA_MODES: dict[str, LoraMode] = {
     "cached": LoraMode(preload=True, wait_for_load=False, host_workers=False),
     "on-demand": LoraMode(preload=False, wait_for_load=True, host_workers=False),
     "cpu-assisted": LoraMode(preload=False, wait_for_load=False, host_workers=True),
+    "on-demand-sync": LoraMode(
+        preload=False, wait_for_load=False, host_workers=False, stall_for_load=True
+    ),
 }

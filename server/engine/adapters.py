@@ -255,6 +255,8 @@ class AdapterManager:
         """
         if not any(entries):
             return None
+        if self.mode.stall_for_load:
+            self._wait_for_loads(entries)
         return LoraBatch(
             self.pool,
             self.kernels,
@@ -266,6 +268,15 @@ class AdapterManager:
             host_stats=self.host_stats,
             trace=self._trace,
         )
+
+    @staticmethod
+    def _wait_for_loads(entries: list[CacheEntry | None]) -> None:
+        """Block the step until every one of its adapters is resident (on-demand-sync)."""
+        for entry in entries:
+            if entry is not None and not entry.ticket.done:
+                entry.ticket.wait()
+                if entry.ticket.error is not None:
+                    raise RuntimeError(f"adapter load failed: {entry.ticket.error}")
 
     # ---- views for /stats and /metrics (any thread) -----------------------------------------
 

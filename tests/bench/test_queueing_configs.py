@@ -29,10 +29,11 @@ def args_of(*argv: str) -> argparse.Namespace:
     return args
 
 
-def test_the_four_rows_differ_only_in_queue_policy_and_cache():
+def test_the_rows_differ_only_in_queue_policy_cache_and_whether_a_load_stalls_the_step():
     rows = {n: (c.queue_policy, c.lora_mode, c.adapter_cache) for n, c in CONFIGS.items()}
     assert rows == {
         "slora": ("fcfs", "on-demand", False),
+        "slora-sync": ("fcfs", "on-demand-sync", False),
         "chameleon-nocache": ("chameleon", "on-demand", False),
         "chameleon-nosched": ("fcfs", "on-demand", True),
         "chameleon": ("chameleon", "on-demand", True),
@@ -92,3 +93,8 @@ def test_headlines_compare_chameleon_with_slora_and_with_cached_fcfs():
     assert out["p99_ttft_ratio_vs_fcfs_overload"] == pytest.approx(0.5)
     assert "p99_ttft_ratio_vs_slora" not in headlines(loads, {"chameleon": p99["chameleon"]},
                                                       1000.0, 3)  # fmt: skip
+    assert "p99_ttft_ratio_vs_slora_sync" not in out
+    # within the SLO up to 1 req/s, crossing it at 1 + 200/1200
+    sync = headlines(loads, {**p99, "slora-sync": [800.0, 2000.0, 3000.0, 5000.0]}, 1000.0, 3)
+    assert sync["p99_ttft_ratio_vs_slora_sync"] == pytest.approx(50 / 800)
+    assert sync["sustained_load_ratio_vs_slora_sync"] == pytest.approx(3.5 / (1 + 200 / 1200))

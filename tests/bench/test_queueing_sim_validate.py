@@ -39,10 +39,11 @@ def test_a_sweep_writes_the_headlines_and_validates_against_itself(tmp_path):
     out, result = sweep(tmp_path)
     metrics = result["metrics"]
     for key in ("sustained_load_ratio_vs_slora", "p99_ttft_ratio_vs_slora",
-                "sustained_load_ratio_vs_fcfs", "p99_ttft_ratio_vs_fcfs_overload"):  # fmt: skip
+                "sustained_load_ratio_vs_fcfs", "p99_ttft_ratio_vs_fcfs_overload",
+                "sustained_load_ratio_vs_slora_sync", "p99_ttft_ratio_vs_slora_sync"):  # fmt: skip
         assert key in metrics
-    assert set(metrics["per_load"]) == {"slora", "chameleon-nocache", "chameleon-nosched",
-                                        "chameleon"}  # fmt: skip
+    assert set(metrics["per_load"]) == {"slora", "slora-sync", "chameleon-nocache",
+                                        "chameleon-nosched", "chameleon"}  # fmt: skip
     assert metrics["load_fractions_of_baseline_capacity"] == [0.5, 1.0, 1.25]
     assert (tmp_path / "sim.png").stat().st_size > 0
     checked = validate(out, tmp_path)

@@ -82,6 +82,22 @@ def test_a_request_gets_its_first_token_only_after_its_adapter_crossed_the_link(
     assert seq.finish_s > seq.first_token_s
 
 
+def test_with_stall_for_load_a_running_stream_waits_for_another_request_s_load():
+    """on-demand: the stream decodes while the newcomer's adapter crosses the link; with
+    on-demand-sync the step that starts the newcomer waits for it, the stream with it."""
+    finish = {}
+    for stall in (False, True):
+        cache = SimCache(budget_bytes=10_000, bytes_per_rank=1000, slot_bytes=10,
+                         link_gbps=8e-6, stall_for_load=stall)  # fmt: skip
+        limits = SimLimits(4096, 8, 8192, {"a": 0, "b": 4}, budget=StepBudget(256, 0.0, "test"),
+                           cache=cache)  # fmt: skip
+        trace = [entry(20, 200, 0.0, "a"), entry(20, 4, 0.5, "b")]  # b: 4 s over the link
+        stream, newcomer = run(FcfsQueue(SchedulingConfig(), 4096), limits, trace, StepModel())
+        assert newcomer.first_token_s >= 4.5
+        finish[stall] = stream.finish_s
+    assert finish[True] > finish[False] + 3.0  # the stream sat out most of the load
+
+
 def sim_args(**over) -> SimpleNamespace:
     args = dict(per_rank=2, max_prompt_len=256, output_len="lognormal:20:0.5", max_output_len=64,
                 max_total_tokens=1024, max_batch_size=16, max_prefill_tokens=8192,
@@ -98,12 +114,14 @@ def test_every_configuration_serves_every_request_and_no_cache_waits_for_more_lo
     for name in SIM_CONFIGS:
         limits = sim.limits(name)
         assert limits.cache.keep_idle is SIM_CONFIGS[name].adapter_cache
+        assert limits.cache.stall_for_load is (SIM_CONFIGS[name].lora_mode == "on-demand-sync")
         seqs = run(sim.policy(name, 5000.0), limits, trace, sim.steps)
         assert all(s.finished and s.first_token_s is not None for s in seqs)
         waits[name] = sum(s.first_token_s - s.arrival for s in seqs)
     # Each request runs alone: without a cache every one waits for its load, with it two do.
     assert waits["slora"] > waits["chameleon-nosched"] + 8 * 0.02
     assert waits["chameleon-nocache"] == pytest.approx(waits["slora"])
+    assert waits["slora-sync"] == pytest.approx(waits["slora"])  # alone, no one else waits
 
 
 def test_a_run_in_which_nothing_can_ever_run_again_ends_as_stalled_and_counts_its_unserved():

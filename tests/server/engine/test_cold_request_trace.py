@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from toppings.gpu_lora.trace import TraceRecorder
+from toppings.gpu_lora.trace import StepEvent, TraceRecorder
 from toppings.server.config import EngineConfig
 from toppings.server.requests.request import GenerationRequest, SamplingParams
 from toppings.server.runtime import build_engine
@@ -34,9 +34,10 @@ def model_and_adapter(tmp_path_factory):
     return str(model_dir), str(adapter)
 
 
-def trace_one_request(model_and_adapter, mode: str) -> TraceRecorder:
+def trace_one_request(model_and_adapter, mode: str, stream_tokens: int = 0) -> TraceRecorder:
     """Run one request for the adapter on an engine that has served only the base model; return
-    its events once the adapter's load has ended."""
+    its events once the adapter's load has ended. `stream_tokens`: a base-model request of that
+    many tokens is decoding when the adapter's request arrives."""
     model_dir, adapter = model_and_adapter
     config = EngineConfig(
         dtype="float32", lora_mode=mode, max_total_tokens=1024, max_batch_size=4,
@@ -49,7 +50,17 @@ def trace_one_request(model_and_adapter, mode: str) -> TraceRecorder:
         params = SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True)
         engine.submit(GenerationRequest(PROMPT, params, None)).result(timeout_s=60)  # warm-up
         trace.clear()
+        stream = None
+        if stream_tokens:
+            long = SamplingParams(max_new_tokens=stream_tokens, temperature=0.0, ignore_eos=True)
+            stream = engine.submit(GenerationRequest(PROMPT, long, None))
+            deadline = time.monotonic() + 60
+            while not any(not s.is_prefill for s in trace.steps):
+                assert time.monotonic() < deadline, "the stream did not start decoding"
+                time.sleep(0.01)
         engine.submit(GenerationRequest(PROMPT, params, "r64")).result(timeout_s=60)
+        if stream is not None:
+            stream.result(timeout_s=120)
         deadline = time.monotonic() + 60
         while mode != "cached" and len(trace.copies) < NUM_LAYERS:
             assert time.monotonic() < deadline, "the load did not end"
@@ -57,6 +68,14 @@ def trace_one_request(model_and_adapter, mode: str) -> TraceRecorder:
     finally:
         engine.shutdown()
     return trace
+
+
+def steps_within_the_load(trace: TraceRecorder) -> list[StepEvent]:
+    """Steps that began after the adapter's first copy started and ended before its last copy
+    was resident."""
+    begin = min(c.start_s for c in trace.copies)
+    end = max(c.ready_s for c in trace.copies)
+    return [s for s in trace.steps if s.start_s >= begin and s.end_s <= end]
 
 
 def prefill_of(trace: TraceRecorder):
@@ -110,3 +129,15 @@ def test_cached_request_copies_nothing(model_and_adapter):
     prefill = prefill_of(trace)
     assert trace.copies == [] and trace.host_calls == []
     assert {m.layer for m in trace.marks if m.at_s <= prefill.end_s} == set(range(NUM_LAYERS))
+
+
+def test_on_demand_sync_stalls_every_request_for_the_load(model_and_adapter):
+    """S-LoRA's way: the step that starts the cold request waits for its adapter, with the base
+    model's stream in it; on-demand lets the stream decode meanwhile."""
+    trace = trace_one_request(model_and_adapter, "on-demand-sync", stream_tokens=400)
+    assert steps_within_the_load(trace) == [] and trace.host_calls == []
+    (cold,) = [s for s in trace.steps if s.is_prefill and s.end_s > trace.copies[0].start_s]
+    assert cold.start_s < max(c.ready_s for c in trace.copies) < cold.end_s
+
+    trace = trace_one_request(model_and_adapter, "on-demand", stream_tokens=400)
+    assert [s for s in steps_within_the_load(trace) if not s.is_prefill]

@@ -229,15 +229,17 @@ def test_sigkilled_cpu_worker_mid_request_changes_no_token(tmp_path_factory):
         assert_same_greedy(got, ref, margins, f"worker killed, adapter {name}")
 
 
-def test_on_demand_waits_for_whole_adapters(tmp_path_factory):
-    """on-demand (the S-LoRA way): no layer ever runs on the host; outputs stay exact."""
+@pytest.mark.parametrize("mode", ["on-demand", "on-demand-sync"])
+def test_on_demand_waits_for_whole_adapters(tmp_path_factory, mode):
+    """on-demand (a request waits for its adapter) and on-demand-sync (its step waits): no
+    layer ever runs on the host; outputs stay exact."""
     from toppings.scripts.make_tiny_llama import make_tiny_llama
 
     model_dir = make_tiny_llama(tmp_path_factory.mktemp("tiny4d"), num_layers=4)
     adapters = make_adapters(tmp_path_factory.mktemp("adapters4d"), model_dir)
     adapter_bytes = 64 * (64 + 64) * 4 * 7 * 4
     with running_engine(
-        model_dir, adapters, lora_mode="on-demand", max_total_tokens=4096, max_batch_size=16,
+        model_dir, adapters, lora_mode=mode, max_total_tokens=4096, max_batch_size=16,
         link_gbps=adapter_bytes * 8 / 0.5 / 1e9,
     ) as engine:  # fmt: skip
         prompts = mixed_prompts(200, seed=4)
@@ -247,4 +249,4 @@ def test_on_demand_waits_for_whole_adapters(tmp_path_factory):
         assert engine.lora.cache.counters.loads == len(adapters)
     for (prompt, name), got in zip(prompts, ours):
         ref, margins = reference_greedy(model_dir, adapters, prompt, name)
-        assert_same_greedy(got, ref, margins, f"on-demand, adapter {name}")
+        assert_same_greedy(got, ref, margins, f"{mode}, adapter {name}")
