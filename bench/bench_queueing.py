@@ -14,9 +14,11 @@ makes wait:
 The others load adapters on demand (`--lora-mode on-demand`: a prefill waits for its adapter)
 into the same adapter budget beside the same KV (`--memory-layout static`), a share
 `--cache-share` of the adapters' bytes (at least two of the largest), so that the working set
-does not fit and the cache matters; chunked prefill is on (`--chunked-prefill`). The link
-(`--link-gbps`, 0: derived) is set so that loading a rank-64 adapter takes one 128-token
-prefill on this machine (bench/common.py link_gbps_for, as bench_single_server sets it).
+does not fit and the cache matters (`--memory-layout pool`: the same bytes as one memory, where
+adapters take what the KV leaves, as in S-LoRA's unified pool that Chameleon caches in);
+chunked prefill is on (`--chunked-prefill`). The link (`--link-gbps`, 0: derived) is set so
+that loading a rank-64 adapter takes one 128-token prefill on this machine (bench/common.py
+link_gbps_for, as bench_single_server sets it).
 
 A heterogeneous trace (`--per-rank` PEFT adapters of each rank 8-128 on q, k, v, equal rank
 shares and Zipf popularity within a rank; LMSYS-shaped lognormal lengths, outputs scaled down for
@@ -259,6 +261,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the adapter budget: this share of all adapters' bytes")  # fmt: skip
     p.add_argument("--link-gbps", type=float, default=0.0,
                    help="emulated link (0: a rank-64 load = one 128-token prefill)")  # fmt: skip
+    p.add_argument("--memory-layout", default="static", choices=("static", "pool"),
+                   help="static: the adapter budget beside --max-total-tokens of KV; pool: "
+                        "both in one memory of the same bytes, adapters cached in what KV "
+                        "leaves free (as S-LoRA's and Chameleon's)")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -285,14 +291,17 @@ def main(argv: list[str] | None = None) -> None:
     names = parse_configs(args.configs)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     model_dir = resolve_model_dir("smollm2")
+    mc = load_checkpoint(str(model_dir), "dummy").config  # shapes only
     if args.dtype == "auto":  # resolved once: the adapters' bytes and every engine use it
-        mc = load_checkpoint(str(model_dir), "dummy").config
         args.dtype, why = choose_dtype("cpu", mc.hidden_size, mc.intermediate_size)
         log.info("dtype auto: %s (%s)", args.dtype, why)
     adapters = make_adapters(args.adapter_dir, model_dir, args.per_rank)
     nbytes = {r: adapter_bytes(adapters[f"r{r}-0"], str(model_dir), _torch_dtype(args.dtype))
               for r in RANKS}  # fmt: skip
     cache_bytes = cache_budget(nbytes, args.per_rank, args.cache_share)
+    slot_bytes = (
+        2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * _torch_dtype(args.dtype).itemsize
+    )
     link_gbps = args.link_gbps
     if not link_gbps:
         prompt = list(range(100, 100 + LINK_PROMPT_TOKENS))
@@ -300,7 +309,7 @@ def main(argv: list[str] | None = None) -> None:
     base = FCFS if FCFS in names else names[0]
 
     def engine(name: str, slo_ms: float = 5000.0, step_model=None):
-        config = engine_config(name, args, link_gbps, cache_bytes, slo_ms)
+        config = engine_config(name, args, link_gbps, cache_bytes, slo_ms, slot_bytes)
         return build_engine(str(model_dir), config, adapters, step_model=step_model)
 
     engines = {base: engine(base)}
@@ -377,8 +386,9 @@ def write(args, argv, run: dict, per_config: dict, views: dict) -> None:
             **{k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
             "model": f"SmolLM2-135M-Instruct ({run['dtype']}), in-process engines",
             "configs": {n: asdict(CONFIGS[n]) for n in per_config},
-            "shared": "lora-mode on-demand, memory-layout static: --max-total-tokens of KV "
-            "beside the adapter budget (adapter_cache_bytes), the emulated link (link_gbps)",
+            "shared": f"memory-layout {args.memory_layout} (static: --max-total-tokens of KV "
+            "beside the adapter budget, adapter_cache_bytes; pool: one memory of both), the "
+            "emulated link (link_gbps)",
             "ranks": list(RANKS),
             "targets": list(TARGETS),
             "popularity": "equal rank shares, zipf(1.0) over the adapters of a rank",

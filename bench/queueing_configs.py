@@ -49,11 +49,17 @@ SLORA_SYNC = "slora-sync"  # S-LoRA whose loads stall its steps, as its router d
 
 
 def engine_config(
-    name: str, args, link_gbps: float, cache_bytes: int, slo_ms: float
+    name: str, args, link_gbps: float, cache_bytes: int, slo_ms: float, slot_bytes: int = 0
 ) -> EngineConfig:
     """The engine of configuration `name`: its row of CONFIGS over what all of them share (the
-    KV, the adapter budget beside it, the link, the step budget)."""
+    KV, the adapter budget beside it, the link, the step budget). With `--memory-layout pool`
+    the KV (`slot_bytes` a token) and the adapter budget are one memory of their bytes summed,
+    adapters taking what the KV leaves."""
     row = CONFIGS[name]
+    memory = {"memory_layout": args.memory_layout, "adapter_cache_bytes": cache_bytes}
+    if args.memory_layout == "pool":
+        memory = {"memory_layout": "pool", "adapter_cache_bytes": 0,
+                  "memory_bytes": args.max_total_tokens * slot_bytes + cache_bytes}  # fmt: skip
     return EngineConfig(
         dtype=args.dtype,
         max_total_tokens=args.max_total_tokens,
@@ -62,8 +68,7 @@ def engine_config(
         chunked_prefill=args.chunked_prefill,
         max_num_batched_tokens=args.max_num_batched_tokens,
         ttft_slo_ms=slo_ms,
-        memory_layout="static",
-        adapter_cache_bytes=cache_bytes,
+        **memory,
         link_gbps=link_gbps,
         **asdict(row),
     )

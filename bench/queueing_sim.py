@@ -238,6 +238,8 @@ def validate(
     where `own_steps` has it (as each real engine ran on its own refit), else on `steps`."""
     real = json.loads(real_path.read_text())
     m, c = real["metrics"], real["config"]
+    if c.get("memory_layout", "static") != "static":
+        raise ValueError(f"{real_path}: the simulator models --memory-layout static only")
     for key in ("per_rank", "max_prompt_len", "output_len", "max_output_len",
                 "max_total_tokens", "max_batch_size", "max_prefill_tokens",
                 "max_num_batched_tokens", "chunked_prefill", "alone", "burst",
@@ -294,6 +296,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--real", type=Path, help="a bench_queueing result to draw beside")
     args = p.parse_args(argv)
     args.chunked_prefill = args.chunked_prefill == "on"
+    if args.memory_layout != "static":
+        p.error("the simulator models --memory-layout static only")
     logging.basicConfig(level=logging.WARNING)
     steps = StepModel(**json.loads(args.steps))
     if args.measure_steps:

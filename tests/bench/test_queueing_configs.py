@@ -48,6 +48,10 @@ def test_each_row_is_an_engine_of_the_shared_memory_link_and_chunked_steps(name)
     assert config.adapter_cache is row.adapter_cache and config.eviction == row.eviction
     assert config.memory_layout == "static" and config.adapter_cache_bytes == 1 << 26
     assert config.link_gbps == 1.5 and config.chunked_prefill and config.ttft_slo_ms == 4000.0
+    pool = engine_config(name, args_of("--memory-layout", "pool"), 1.5, 1 << 26, 4000.0, 100)
+    # the same bytes as one memory: the KV's 2048 slots of 100 bytes and the adapter budget
+    assert pool.memory_layout == "pool" and pool.adapter_cache_bytes == 0
+    assert pool.memory_bytes == 2048 * 100 + (1 << 26)
 
 
 def test_chunked_prefill_off_and_a_step_budget_reach_the_engine():
