@@ -133,12 +133,15 @@ def submit_trace(engine, trace, burst: bool = False, wrap=lambda handle: handle)
 
 
 def replay(engine, trace, burst: bool = False) -> list[dict]:
-    """Submit each entry at its arrival time (all at once with `burst`); wait for all."""
+    """Submit each entry at its arrival time (all at once with `burst`); wait for all. A
+    request the engine failed is a bug, not a data point: RuntimeError naming it."""
     start = time.monotonic()
     handles = submit_trace(engine, trace, burst)
     records = []
     for e, h in zip(trace, handles):
         out = h.result(timeout_s=3600)
+        if out.error is not None:
+            raise RuntimeError(f"the engine failed a request of the trace: {out.error}")
         records.append({"ttft_s": out.ttft_s, "e2e_s": out.e2e_s, "tokens": out.output_tokens,
                         "rank": e.rank, "size": len(e.prompt) + e.max_tokens})  # fmt: skip
     records_span = time.monotonic() - start
@@ -201,7 +204,7 @@ def tail_profile(records: list[dict]) -> dict:
     }
 
 
-COLOURS = {"slora": "tab:red", "chameleon-nocache": "tab:orange",
+COLOURS = {"slora": "tab:red", "slora-sync": "tab:purple", "chameleon-nocache": "tab:orange",
            "chameleon-nosched": "tab:green", "chameleon": "tab:blue"}  # fmt: skip
 
 

@@ -10,7 +10,7 @@ the whole `memory` when there is one (eviction also runs until the adapter's row
 `memory` (an `AdapterBudget`: the server's one memory pool) each load also asks that memory for
 room, which may evict cached KV or idle adapters to make it, and an eviction gives the room
 back. The memory pool reads the cache only through its public views (`idle_entries`,
-`is_referenced`, `referenced`, `frequencies`).
+`is_pinned`, `pinned`, `referenced`, `frequencies`).
 
 With `keep_idle` False the cache keeps nothing (S-LoRA's on-demand loading, the baseline of
 Chameleon's comparison): an adapter leaves the device as soon as no request holds it, once its
@@ -286,6 +286,16 @@ class AdapterCache:
     def referenced(self) -> list[str]:
         """Adapters a request holds, in cache order (one copy of the entries: any thread)."""
         return [n for n, e in list(self.entries.items()) if e.refcount]
+
+    def is_pinned(self, name: str) -> bool:
+        """Whether the adapter cannot leave the device now: a request holds it, or its load
+        (a prefetch's, or one whose request let go) is still running."""
+        entry = self.entries.get(name)
+        return entry is not None and (entry.refcount > 0 or not entry.ticket.done)
+
+    def pinned(self) -> list[str]:
+        """Adapters that cannot leave the device now (`is_pinned`), in cache order."""
+        return [n for n, e in list(self.entries.items()) if e.refcount or not e.ticket.done]
 
     def idle_entries(self) -> list[IdleAdapter]:
         """Loaded adapters no request holds, in cache order: what may leave for other memory."""

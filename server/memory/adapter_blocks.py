@@ -14,14 +14,17 @@ from toppings.server.memory.kv_cache import KVPool
 
 # (num_blocks, keep) -> blocks freed: evict cached KV or idle adapters (those in keep last).
 Reclaim = Callable[[int, frozenset[str]], int]
+# () -> blocks of the pool not promised to anyone (MemoryManager: all but the committed ones).
+Unpromised = Callable[[], int]
 
 
 class AdapterBlocks:
     """Which pool blocks each adapter on the device is charged; see the module docstring."""
 
-    def __init__(self, kv: KVPool, reclaim: Reclaim):
+    def __init__(self, kv: KVPool, reclaim: Reclaim, unpromised: Unpromised):
         self.kv = kv
         self.reclaim = reclaim
+        self.unpromised = unpromised
         self.blocks: dict[str, list[int]] = {}
 
     def blocks_for_bytes(self, num_bytes: int) -> int:
@@ -30,12 +33,14 @@ class AdapterBlocks:
     def take(
         self, name: str, num_bytes: int, keep: frozenset[str] = frozenset(), reclaim: bool = True
     ) -> bool:
-        """Charge an adapter's blocks; with reclaim, evict cached KV or idle adapters first
-        (those in `keep`, wanted by queued requests, last)."""
+        """Charge an adapter's blocks; with reclaim (a request's load, which admission counted
+        in its promises), evict cached KV or idle adapters first (those in `keep`, wanted by
+        queued requests, last); without (a prefetch), free blocks that no admitted request was
+        promised only: its load cannot be evicted to give them back while it runs."""
         need = self.blocks_for_bytes(num_bytes)
         if need > self.kv.num_free_blocks and reclaim:
             self.reclaim(need - self.kv.num_free_blocks, keep)
-        if need > self.kv.num_free_blocks:
+        if need > self.kv.num_free_blocks or (not reclaim and need > self.unpromised()):
             return False
         self.blocks[name] = self.kv.alloc_blocks(need)
         return True

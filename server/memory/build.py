@@ -3,7 +3,8 @@ the adapter cache and the managers that share them.
 
 The KV pool and the adapter blocks call the reclaimer when they run out of blocks, and the
 reclaimer evicts from the adapter cache, which charges the adapter blocks: the reclaimer is
-built last, and the two get its `reclaim` at construction through a forward reference.
+built last, and the two get its `reclaim` at construction through a forward reference; the
+adapter blocks ask the manager, built after them, what is not promised the same way.
 """
 
 from __future__ import annotations
@@ -60,9 +61,13 @@ def build_memory(
         cfg.memory_layout, cfg, device=device, adapter_cache_bytes=lora.adapter_cache_bytes
     )
     reclaimer: Reclaimer | None = None
+    manager: MemoryManager | None = None
 
     def reclaim(num_blocks: int, keep: frozenset[str] = frozenset()) -> int:
         return reclaimer.reclaim(num_blocks, keep)
+
+    def unpromised() -> int:
+        return manager.kv.num_blocks - manager.committed()
 
     kv = KVPool(
         mc.num_layers,
@@ -82,7 +87,7 @@ def build_memory(
     swap = None
     if host_blocks and tree is not None:
         swap = HostSwap(kv, tree, HostKV(kv, host_blocks, lora.link_gbps), counters)
-    blocks = AdapterBlocks(kv, reclaim) if layout.charges_adapters() else None
+    blocks = AdapterBlocks(kv, reclaim, unpromised) if layout.charges_adapters() else None
     pool = AdapterPool(mc, dtype, device)
     loader = PipelinedLoader(
         pool, lora.layers_per_group, lora.link_gbps, lora.link_latency_us, lora.host_cores, trace
@@ -98,4 +103,5 @@ def build_memory(
     reclaimer = Reclaimer(
         kv, tree, swap, cache, blocks is not None, make_memory_policy(cfg.memory_policy), counters
     )
-    return MemoryManager(kv, layout, tree, swap, blocks, cache, reclaimer, counters)
+    manager = MemoryManager(kv, layout, tree, swap, blocks, cache, reclaimer, counters)
+    return manager

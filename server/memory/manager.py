@@ -13,9 +13,10 @@ Layouts (`--memory-layout`, layout.py):
 
 Admission counts blocks that cannot be taken back: each admitted request's reservation (its
 private blocks, worst case), cached prefix blocks that running requests hold after their
-creator ended, and adapters with a reference. Everything else (free blocks, cached prefixes,
-idle adapters) can be reclaimed on demand (reclaim.py), so an admitted request never fails to
-get a block. build.py puts the pieces together.
+creator ended, and adapters with a reference or a load still running. Everything else (free
+blocks, cached prefixes, idle adapters) can be reclaimed on demand (reclaim.py), and a load
+nobody was promised (a prefetch) takes only blocks not promised (adapter_blocks.py), so an
+admitted request never fails to get a block. build.py puts the pieces together.
 """
 
 from __future__ import annotations
@@ -103,13 +104,13 @@ class MemoryManager:
         """Blocks admitting a request of adapter `name` adds to the committed count."""
         if not self.shared or name is None:
             return 0
-        return 0 if self.adapter_cache.is_referenced(name) else self.blocks_for_bytes(num_bytes)
+        return 0 if self.adapter_cache.is_pinned(name) else self.blocks_for_bytes(num_bytes)
 
     def committed(self) -> int:
         """Blocks that cannot be reclaimed now (see the module docstring)."""
         pinned = self.tree.num_pinned_unreserved if self.tree else 0
         if self.adapter_blocks is not None:
-            pinned += self.adapter_blocks.num_blocks_of(self.adapter_cache.referenced())
+            pinned += self.adapter_blocks.num_blocks_of(self.adapter_cache.pinned())
         return self.reserved + pinned
 
     def match(self, seq) -> list[KVNode]:
