@@ -408,8 +408,8 @@ def write(args, argv, run: dict, per_config: dict, views: dict) -> None:
     if args.sim is not None and args.sim.is_file():
         series.append(sim_series(args.sim))
     title = (f"SmolLM2 CPU {run['dtype']}, {args.memory_layout} KV {args.max_total_tokens}, "
-             f"chunked prefill "
-             f"{'on' if args.chunked_prefill else 'off'}, ranks 8-128 x {args.per_rank}, "
+             f"chunked prefill {'on' if args.chunked_prefill else 'off'}, "
+             f"ranks 8-128 x {args.per_rank}, "
              f"{args.rounds} rounds x {args.duration:.0f} s per point")  # fmt: skip
     plot(args.plot, series, slo_ms, title)
     log.info("%s", {k: v for k, v in metrics.items() if k not in ("per_load",)})

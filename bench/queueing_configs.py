@@ -6,11 +6,10 @@ bench/queueing_sim.py on the simulated one.
 device), and S-LoRA a second way (`slora-sync`: its loads stall the step that needs them, as
 S-LoRA's router awaits `load_adapters` before a new batch's prefill; `slora` waits only the
 request, as this engine's on-demand mode does); `engine_config` is one row over the settings
-all of them share. `headlines` gives the
-issue's ratios from each configuration's P99 TTFT per load: Chameleon against S-LoRA at
-S-LoRA's highest load within the SLO and in sustained load (`sustained`: where the P99 crosses
-the SLO), and the scheduler alone against cached FCFS in sustained load and at OVERLOAD times
-the baseline's capacity (`burst_capacity`).
+all of them share. `headlines` gives the issue's ratios from each configuration's P99 TTFT per
+load: Chameleon against S-LoRA at S-LoRA's highest load within the SLO and in sustained load
+(`sustained`: where the P99 crosses the SLO), and the scheduler alone against cached FCFS in
+sustained load and at OVERLOAD times the baseline's capacity (`burst_capacity`).
 """
 
 from __future__ import annotations
