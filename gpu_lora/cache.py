@@ -131,6 +131,9 @@ class AdapterCache:
         if not self.keep_idle:
             self._drop_idle(spare=adapter.name)
         entry = self.entries.get(adapter.name)
+        if entry is not None and entry.ticket.error is not None and not entry.refcount:
+            self.evict(adapter.name)  # its load failed: load it again
+            entry = None
         if entry is not None:
             self.counters.hits += 1
         else:
@@ -154,7 +157,7 @@ class AdapterCache:
         """Without a cache: evict every adapter no request holds whose load has landed (but
         `spare`, about to be acquired)."""
         for name, entry in list(self.entries.items()):
-            if not entry.refcount and name != spare and entry.ticket.done:
+            if not entry.refcount and name != spare and _landed(entry):
                 self.evict(name)
 
     def evict(self, name: str) -> None:
@@ -291,18 +294,19 @@ class AdapterCache:
         """Whether the adapter cannot leave the device now: a request holds it, or its load
         (a prefetch's, or one whose request let go) is still running."""
         entry = self.entries.get(name)
-        return entry is not None and (entry.refcount > 0 or not entry.ticket.done)
+        return entry is not None and (entry.refcount > 0 or not _landed(entry))
 
     def pinned(self) -> list[str]:
         """Adapters that cannot leave the device now (`is_pinned`), in cache order."""
-        return [n for n, e in list(self.entries.items()) if e.refcount or not e.ticket.done]
+        return [n for n, e in list(self.entries.items()) if e.refcount or not _landed(e)]
 
     def idle_entries(self) -> list[IdleAdapter]:
-        """Loaded adapters no request holds, in cache order: what may leave for other memory."""
+        """Loaded adapters no request holds, in cache order: what may leave for other memory
+        (one whose load failed too)."""
         return [
             IdleAdapter(n, e.num_bytes, self.usage(n))
             for n, e in list(self.entries.items())
-            if not e.refcount and e.ticket.done
+            if not e.refcount and _landed(e)
         ]
 
     def _stats(self, name: str) -> CacheStats:
@@ -319,3 +323,8 @@ class AdapterCache:
             "loading": [n for n, e in entries if not e.ticket.done],
             **vars(self.counters),
         }
+
+
+def _landed(entry: CacheEntry) -> bool:
+    """Whether the entry's load has ended: every layer resident, or the load failed."""
+    return entry.ticket.done or entry.ticket.error is not None

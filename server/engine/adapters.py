@@ -239,7 +239,12 @@ class AdapterManager:
         return self.cache.freeable_bytes(extra=held) >= need
 
     def may_start(self, entry: CacheEntry | None) -> bool:
-        """Whether a request holding `entry` may be prefilled now under the LoRA mode."""
+        """Whether a request holding `entry` may be prefilled now under the LoRA mode; raises
+        when its adapter's load failed and the mode waits for whole adapters (the scheduler
+        fails that request alone)."""
+        if entry is not None and self.mode.wait_for_load and entry.ticket.error is not None:
+            raise RuntimeError(f"loading adapter {entry.resident.name!r} failed: "
+                               f"{entry.ticket.error}")  # fmt: skip
         return entry is None or not self.mode.wait_for_load or entry.ticket.done
 
     def release(self, name: str) -> None:
