@@ -67,6 +67,7 @@ from toppings.scripts.loadgen.stats import percentile
 from toppings.scripts.loadgen.workload import LengthSpec, WorkloadSpec, build_trace
 from toppings.scripts.make_adapters import load_base, make_random_adapter
 from toppings.server.config import DTYPE_CHOICES
+from toppings.server.memory.layout import kv_slot_bytes
 from toppings.server.model.dtype import choose_dtype
 from toppings.server.model.loader import load_checkpoint, resolve_model_dir
 from toppings.server.requests.request import GenerationRequest, SamplingParams
@@ -302,9 +303,7 @@ def main(argv: list[str] | None = None) -> None:
     nbytes = {r: adapter_bytes(adapters[f"r{r}-0"], str(model_dir), _torch_dtype(args.dtype))
               for r in RANKS}  # fmt: skip
     cache_bytes = cache_budget(nbytes, args.per_rank, args.cache_share)
-    slot_bytes = (
-        2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * _torch_dtype(args.dtype).itemsize
-    )
+    slot_bytes = kv_slot_bytes(mc, _torch_dtype(args.dtype).itemsize)
     link_gbps = args.link_gbps
     if not link_gbps:
         prompt = list(range(100, 100 + LINK_PROMPT_TOKENS))

@@ -24,6 +24,7 @@ import torch
 from toppings.gpu_lora.peft_format import load_peft_adapter
 from toppings.scripts.make_adapters import load_base, make_random_adapter
 from toppings.server.config import EngineConfig
+from toppings.server.memory.layout import kv_slot_bytes
 from toppings.server.model.config import ModelConfig
 
 log = logging.getLogger("bench_memory")
@@ -64,7 +65,7 @@ class Sizes:
     @classmethod
     def of(cls, mc: ModelConfig, adapters: dict[str, str], budget: int, host: int) -> Sizes:
         item = torch.empty((), dtype=getattr(torch, DTYPE)).element_size()
-        slot = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * item
+        slot = kv_slot_bytes(mc, item)
         by_name = {n: load_peft_adapter(p, mc) for n, p in adapters.items()}
         by_rank = {a.rank: a.bytes_at(getattr(torch, DTYPE)) for a in by_name.values()}
         total = sum(by_rank[a.rank] for a in by_name.values())

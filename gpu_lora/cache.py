@@ -281,11 +281,6 @@ class AdapterCache:
         """Whether the adapter is on the device or on its way there."""
         return name in self.entries
 
-    def is_referenced(self, name: str) -> bool:
-        """Whether a request holds the adapter (False when it is not cached)."""
-        entry = self.entries.get(name)
-        return entry is not None and entry.refcount > 0
-
     def referenced(self) -> list[str]:
         """Adapters a request holds, in cache order (one copy of the entries: any thread)."""
         return [n for n, e in list(self.entries.items()) if e.refcount]
@@ -294,11 +289,11 @@ class AdapterCache:
         """Whether the adapter cannot leave the device now: a request holds it, or its load
         (a prefetch's, or one whose request let go) is still running."""
         entry = self.entries.get(name)
-        return entry is not None and (entry.refcount > 0 or not _landed(entry))
+        return entry is not None and _pinned(entry)
 
     def pinned(self) -> list[str]:
         """Adapters that cannot leave the device now (`is_pinned`), in cache order."""
-        return [n for n, e in list(self.entries.items()) if e.refcount or not _landed(e)]
+        return [n for n, e in list(self.entries.items()) if _pinned(e)]
 
     def idle_entries(self) -> list[IdleAdapter]:
         """Loaded adapters no request holds, in cache order: what may leave for other memory
@@ -328,3 +323,8 @@ class AdapterCache:
 def _landed(entry: CacheEntry) -> bool:
     """Whether the entry's load has ended: every layer resident, or the load failed."""
     return entry.ticket.done or entry.ticket.error is not None
+
+
+def _pinned(entry: CacheEntry) -> bool:
+    """Whether the entry cannot leave the device now: held by a request, or its load running."""
+    return entry.refcount > 0 or not _landed(entry)

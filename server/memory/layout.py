@@ -33,6 +33,11 @@ class KVShape(Protocol):
     head_dim: int
 
 
+def kv_slot_bytes(model: KVShape, itemsize: int) -> int:
+    """Bytes of one token's K and V over all layers, at `itemsize` bytes an element."""
+    return 2 * model.num_layers * model.num_kv_heads * model.head_dim * itemsize
+
+
 class Layout:
     """What the memory side asks of its layout; one subclass per `MemoryLayout`.
 
@@ -72,7 +77,7 @@ class PoolLayout(Layout):
 
     def kv_slots(self, model: KVShape, itemsize: int, free_device_bytes: Callable[[], int]) -> int:
         cfg = self.memory
-        slot_bytes = 2 * model.num_layers * model.num_kv_heads * model.head_dim * itemsize
+        slot_bytes = kv_slot_bytes(model, itemsize)
         budget = cfg.memory_bytes
         if not budget and self.device == "cuda":
             # Adapter weights sit in their own tensors beside the KV ones: leave them as much

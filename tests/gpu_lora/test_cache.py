@@ -161,7 +161,7 @@ def test_a_shared_memory_is_charged_each_load_and_given_back_on_eviction():
     assert cache.acquire(adapter("c", 4)) is None  # the memory refused: nothing was loaded
     assert memory.asked == [("a", True), ("b", True), ("c", True)] and not cache.holds("c")
     cache.release("b")
-    assert cache.is_referenced("a") and not cache.is_referenced("b")
+    assert cache.is_pinned("a") and not cache.is_pinned("b")  # both loads have landed
     assert cache.referenced() == ["a"] and cache.num_entries == 2
     (idle,) = cache.idle_entries()
     assert (idle.name, idle.num_bytes, idle.usage.frequency) == ("b", one, 1)
