@@ -23,7 +23,8 @@ between consecutive outputs that carry new tokens; the gap before an output of k
 as k gaps of gap/k; the first output's tokens have no gap (that is TTFT). P50/P99 ITL pooled
 over requests and rounds, with the per-round P99s for the spread. The SLO knee is the highest
 load at which the unchunked engine's P99 TTFT is within the SLO (the lowest load when none is);
-the headlines are chunked/unchunked there: `itl_p99_ratio`, `ttft_p99_ratio` and
+the headlines are chunked/unchunked there: `itl_p99_ratio`, `itl_max_ratio` (the largest
+gap, pooled over rounds; the per-round largest gaps give its spread), `ttft_p99_ratio` and
 `throughput_ratio` (output tokens/s; below both engines' capacity it is near 1 by construction,
 as both finish the same trace), and `capacity_ratio`, the two burst capacities.
 `ttft_p99_ratio`'s floor: each request waits at least its own prompt's prefill served alone
@@ -214,6 +215,9 @@ def summarise_itl(runs: list[list[dict]], long_min: int) -> dict:
         "itl_p99_ms_per_round": [
             percentile([1000 * g for r in run for g in r["gaps_s"]], 99) for run in runs
         ],
+        "itl_max_ms_per_round": [
+            max((1000 * g for r in run for g in r["gaps_s"]), default=math.nan) for run in runs
+        ],
         "num_gaps": len(gaps),
         "ttft_p99_ms_short_prompts": percentile(ttft["short"], 99) if ttft["short"] else None,
         "ttft_p99_ms_long_prompts": percentile(ttft["long"], 99) if ttft["long"] else None,
@@ -374,6 +378,7 @@ def ratios(chunked: dict, unchunked: dict) -> dict:
     """A chunked engine's row against the unchunked one's, at one load."""
     return {
         "itl_p99_ratio": chunked["itl_p99_ms"] / unchunked["itl_p99_ms"],
+        "itl_max_ratio": chunked["itl_max_ms"] / unchunked["itl_max_ms"],
         "ttft_p99_ratio": chunked["ttft_p99_ms"] / unchunked["ttft_p99_ms"],
         "throughput_ratio": chunked["output_tokens_per_s"] / unchunked["output_tokens_per_s"],
         "itl_p50_ratio": chunked["itl_p50_ms"] / unchunked["itl_p50_ms"],
