@@ -257,7 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="toppings-demo", description=__doc__.splitlines()[0])
     p.add_argument("--adapters", type=Path, default=None,
                    help="train the demo adapters into this folder (those missing there) and serve "
-                   f"them; default: the shipped ones in {SHIPPED}")  # fmt: skip
+                   f"them; default: the shipped ones (scripts/demo_adapters in the package)")  # fmt: skip
     p.add_argument("--port", type=int, default=8000,
                    help="the scheduler's port, where the examples go (default: 8000)")  # fmt: skip
     p.add_argument("--server-port", type=int, default=8100,
@@ -339,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
         ).raise_for_status()
         base = requests.get(server_url + "/v1/models", timeout=10).json()["data"][0]["id"]
         print(
-            f"\nServing {base} with adapters caps, french, terse at {server_url}, "
+            f"\nServing {base} with adapters caps, french, terse at {server_url},\n"
             f"behind the scheduler at {url}.\n\nQ: {QUESTION}"
         )
         for model in ["caps", "french", "terse", base]:

@@ -29,7 +29,9 @@ from toppings.server.settings import (
     setting,
 )
 
-__all__ = ["ServeConfig", "build_parser", "log_level", "parse_configs", "parse_cores"]
+__all__ = [
+    "SETTINGS_CLASSES", "ServeConfig", "build_parser", "log_level", "parse_configs", "parse_cores",
+]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -115,13 +117,18 @@ class ServeConfig(Settings):
     log_level: str = setting("INFO", flag=Flag(type=log_level))
 
 
+# Every settings class whose fields are flags of toppings-serve, in --help's order (the flag
+# reference, docs/flags.md, is generated from them: toppings.scripts.flag_reference).
+SETTINGS_CLASSES: tuple[type[Settings], ...] = (ServeConfig, ApiOptions, *ENGINE_PARTS)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The parser of `toppings-serve`: every flag of every settings class, grouped by class."""
     parser = argparse.ArgumentParser(
         prog="toppings-serve",
         description="Serve one base model and many LoRA adapters over an OpenAI-compatible API.",
     )
-    for cls in (ServeConfig, ApiOptions, *ENGINE_PARTS):
+    for cls in SETTINGS_CLASSES:
         add_flags(parser, cls)
     return parser
 
