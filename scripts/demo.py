@@ -256,8 +256,9 @@ def build_parser() -> argparse.ArgumentParser:
     """The demo's flags, each with its help."""
     p = argparse.ArgumentParser(prog="toppings-demo", description=__doc__.splitlines()[0])
     p.add_argument("--adapters", type=Path, default=None,
-                   help="train the demo adapters into this folder (those missing there) and serve "
-                   f"them; default: the shipped ones (scripts/demo_adapters in the package)")  # fmt: skip
+                   help="train the demo adapters into this folder (those missing there) and "
+                   "serve them; default: the shipped ones (scripts/demo_adapters in the "
+                   "package)")  # fmt: skip
     p.add_argument("--port", type=int, default=8000,
                    help="the scheduler's port, where the examples go (default: 8000)")  # fmt: skip
     p.add_argument("--server-port", type=int, default=8100,
