@@ -109,6 +109,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--keep-logs", type=Path, default=None, help="copy each run's logs here")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    load_before = os.getloadavg()[0]  # the machine may be shared: its load goes in the result
     home = Path(tempfile.mkdtemp(prefix="demo-cold-home-"))
     try:
 
@@ -130,6 +131,8 @@ def main(argv: list[str] | None = None) -> None:
         "cold": cold,
         "warm": warm,
     }
+    metrics["load_average_1min"] = {"before": round(load_before, 2),
+                                     "after": round(os.getloadavg()[0], 2)}  # fmt: skip
     config = {
         "command": " ".join(Path(c).name for c in demo_command()),
         "home": "a fresh temporary directory, " + ", ".join(CLEARED) + " unset",
