@@ -16,8 +16,10 @@ from toppings.server.requests.request import RequestError
 
 CHAT = [{"role": "user", "content": "hello there"}]
 GREEDY = {"max_tokens": 6, "temperature": 0, "ignore_eos": True}
-EXTRA = {"metadata": {"trace": "t-1"}, "user": "u-9", "store": True, "service_tier": "auto",
-         "parallel_tool_calls": False, "reasoning_effort": "low", "modalities": ["text"]}  # fmt: skip
+EXTRA = {
+    "metadata": {"trace": "t-1"}, "user": "u-9", "store": True, "service_tier": "auto",
+    "parallel_tool_calls": False, "reasoning_effort": "low", "modalities": ["text"],
+}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
