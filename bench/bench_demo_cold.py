@@ -49,9 +49,10 @@ def demo_command() -> list[str]:
 
 def run_demo(
     home: Path, port: int, server_port: int, timeout_s: float, keep_logs: Path | None = None
-) -> dict[str, float]:
-    """One demo run on `home`: seconds to each mark, and from Ctrl-C to the exit; the
-    children's logs are copied to `keep_logs` (when given) before the demo removes them."""
+) -> dict:
+    """One demo run on `home`: seconds to each mark, from Ctrl-C to the exit, and the lines it
+    printed from "Serving" to its last answer; the children's logs are copied to `keep_logs`
+    (when given) before the demo removes them."""
     env = {k: v for k, v in os.environ.items() if k not in CLEARED}
     env |= {"HOME": str(home), "PYTHONUNBUFFERED": "1"}  # each line as it is printed
     cmd = [*demo_command(), "--port", str(port), "--server-port", str(server_port)]
@@ -90,7 +91,10 @@ def run_demo(
             proc.wait()
     if proc.returncode != 0:
         raise RuntimeError(f"the demo exited {proc.returncode} after Ctrl-C")
+    first = next(i for i, ln in enumerate(lines) if ln.startswith(MARKS["serving"]))
+    answers = lines[first : lines.index("", first + 3)]  # "Serving ..." to the last answer
     return {
+        "printed": answers,
         "prepare_s": round(seen["starting"], 2),
         "start_s": round(seen["serving"] - seen["starting"], 2),
         "answers_s": round(seen["ready"] - seen["serving"], 2),
