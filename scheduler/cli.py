@@ -94,6 +94,11 @@ def warn_if_admin_unreachable(host: str, keys: AccessKeys) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The scheduler's flags (docs/flags.md is generated from them)."""
     parser = argparse.ArgumentParser(prog="toppings-scheduler", description=__doc__.split("\n")[0])
     parser.add_argument("--registry", required=True, help="SQLite registry file (created if new)")
     parser.add_argument("--host", default="127.0.0.1")
@@ -170,7 +175,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         " estimate them from characters)",
     )
     parser.add_argument("--log-level", default="INFO")
-    return parser.parse_args(argv)
+    return parser
 
 
 def _usage_error(message: str) -> None:

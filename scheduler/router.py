@@ -76,6 +76,11 @@ class SchedulerError(Exception):
         self.retry_after_s = retry_after_s
 
 
+# A server's response headers the client gets through the scheduler too: the request fields the
+# server accepted and ignored (server.api.generation).
+PASSED_ON = ("X-Toppings-Ignored-Fields",)
+
+
 @dataclass
 class Forwarded:
     """A server's answer: `body` is bytes, or an iterator of chunks when streamed."""
@@ -84,6 +89,7 @@ class Forwarded:
     content_type: str
     body: bytes | Iterator[bytes]
     server: str
+    headers: tuple[tuple[str, str], ...] = ()  # the server's PASSED_ON headers it sent
 
 
 def _copies(body: dict[str, Any]) -> int:
@@ -267,9 +273,10 @@ class Router:
         done = done or (lambda outcome: None)
         content_type = answer.headers.get("Content-Type", "application/json")
         status = answer.status_code
+        headers = tuple((h, answer.headers[h]) for h in PASSED_ON if h in answer.headers)
         if stream and answer.ok:
             chunks = _Stream(answer, self._learn_streamed_length, done)
-            return Forwarded(status, content_type, chunks, url)
+            return Forwarded(status, content_type, chunks, url, headers)
         outcome = "disconnected"  # until the body has been read whole
         try:
             data = answer.content
@@ -279,7 +286,7 @@ class Router:
             done(outcome)
         if answer.ok:
             self._learn_response_length(data)
-        return Forwarded(status, content_type, data, url)
+        return Forwarded(status, content_type, data, url, headers)
 
     def _learn_response_length(self, data: bytes) -> None:
         try:

@@ -11,8 +11,14 @@
 The scheduler reads its keys from the environment (`TOPPINGS_SCHEDULER_API_KEY`,
 `TOPPINGS_ADMIN_API_KEY`) and the demo sends them when they are set; without them the
 scheduler's `/admin` takes the registration from this host (loopback).
-Ctrl-C stops both processes (SIGTERM, then SIGKILL after a grace period). Their logs go to files
-under a temporary directory, printed at start and removed after a clean stop.
+Ctrl-C stops both processes: the server finishes the requests in flight (the demo says how many
+and for how long at most), then SIGKILL after the grace period, or at once on a second Ctrl-C.
+Their logs go to files under a temporary directory, printed at start and removed after a clean
+stop. A port in use, a missing `--chat-template` file or adapters missing with `--no-train` are
+one line and exit status 2, as for toppings-serve and toppings-launch.
+While the model is fetched and converted the first time, the native kernels the server will
+load are compiled beside it (a thread of this process), so a cold start pays for one, not both.
+Heavy modules are imported after the arguments are parsed: `--help` answers at once.
 """
 
 from __future__ import annotations
@@ -25,23 +31,21 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
-
-import requests
-
-from toppings.scripts.train_demo_adapters import (
-    DEFAULT_OUT,
-    ESTIMATE_MIN,
-    is_trained,
-    train_demo_adapters,
-)
-from toppings.server.cli import listen_problem
 
 SHIPPED = Path(__file__).resolve().parent / "demo_adapters"
 STYLES = ("caps", "french", "terse")
 QUESTION = "What is the capital of Italy?"
 STOP_GRACE_S = 15.0
+USAGE_ERROR = 2  # exit status of a user's mistake, as argparse and toppings-serve give it
+
+
+def usage_error(message: str) -> None:
+    """One line on stderr and exit status 2."""
+    print(f"toppings-demo: error: {message}", file=sys.stderr)
+    sys.exit(USAGE_ERROR)
 
 
 def wait_healthy(
@@ -49,6 +53,8 @@ def wait_healthy(
 ) -> None:
     """Poll `url/health` until its status is in `up`; exits with the log's tail if the process
     dies. A scheduler answers 503 until a server is registered: it is up then, not ready."""
+    import requests
+
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -74,27 +80,54 @@ def start(module: str, args: list[str], log: Path) -> subprocess.Popen:
 
 
 def stop(procs: list[subprocess.Popen]) -> None:
-    """SIGTERM (the server drains), then SIGKILL what is left after the grace period."""
+    """SIGTERM (the server drains), then SIGKILL what is left after the grace period, or at
+    once when interrupted again (a second Ctrl-C)."""
     for proc in procs:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
     deadline = time.monotonic() + STOP_GRACE_S
+    try:
+        for proc in procs:
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+    except KeyboardInterrupt:
+        print("toppings-demo: killing both now", file=sys.stderr)
     for proc in procs:
-        try:
-            proc.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
+        if proc.poll() is None:
             proc.kill()
             proc.wait()
 
 
+def in_flight(server_url: str) -> int | None:
+    """Generation requests the server holds (running or queued), None when it cannot say."""
+    import requests
+
+    try:
+        return int(requests.get(server_url + "/stats", timeout=1.0).json()["num_in_flight"])
+    except (requests.RequestException, ValueError, KeyError, TypeError):
+        return None
+
+
+def stopping_line(num_in_flight: int | None) -> str:
+    """What the demo says on Ctrl-C: what it waits for, how long at most, how to skip it."""
+    if not num_in_flight:
+        return "Stopping the server and the scheduler ..."
+    plural = "request" if num_in_flight == 1 else "requests"
+    return (f"Stopping: waiting for the server's {num_in_flight} {plural} in flight to finish "
+            f"(at most {STOP_GRACE_S:.0f} s; Ctrl-C again to stop now) ...")  # fmt: skip
+
+
 def check_ports(ports: dict[str, int], host: str = "127.0.0.1") -> None:
-    """Exit with one line per port that cannot be listened on (flag -> port), before anything
-    slow: the children would fail on it only after the model is prepared."""
+    """Exit 2 with one line naming every port that cannot be listened on (flag -> port), before
+    anything slow: the children would fail on it only after the model is prepared."""
+    from toppings.server.cli import listen_problem
+
     problems = [f"{flag}: {p}" for flag, port in ports.items()
                 if (p := listen_problem(host, port)) is not None]  # fmt: skip
     if problems:
-        sys.exit("toppings-demo: " + "; ".join(problems) + " (pick others with --port and "
-                 "--server-port)")  # fmt: skip
+        usage_error("; ".join(problems) + " (pick others with --port and --server-port)")
 
 
 def preparing_line(model_dir: Path) -> str:
@@ -112,6 +145,8 @@ def bearer(variable: str) -> dict[str, str]:
 
 
 def ask(url: str, model: str, question: str = QUESTION) -> str:
+    import requests
+
     body = {
         "model": model,
         "messages": [{"role": "user", "content": question}],
@@ -171,12 +206,19 @@ Ctrl-C stops everything."""
 
 def demo_adapters(train_dir: Path | None, no_train: bool) -> dict[str, Path]:
     """style -> adapter folder: the shipped ones, or trained into `train_dir` where missing."""
+    from toppings.scripts.train_demo_adapters import (
+        DEFAULT_OUT,
+        ESTIMATE_MIN,
+        is_trained,
+        train_demo_adapters,
+    )
+
     if train_dir is None and all(is_trained(SHIPPED / s) for s in STYLES):
         return {s: SHIPPED / s for s in STYLES}
     train_dir = train_dir or DEFAULT_OUT
     missing = [s for s in STYLES if not is_trained(train_dir / s)]
     if missing and no_train:
-        sys.exit(f"toppings-demo: adapters {missing} missing under {train_dir}")
+        usage_error(f"adapters {', '.join(missing)} missing under {train_dir} (--no-train)")
     if missing:
         print(
             f"Training the demo adapters {', '.join(missing)} on the CPU, once: about "
@@ -193,24 +235,66 @@ def _interrupt(signum: int, frame) -> None:
     raise KeyboardInterrupt
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_native_kernels() -> threading.Thread:
+    """Compile (or find cached) the native kernels toppings-serve loads, on a thread of this
+    process, while the main thread prepares the model: both libraries are keyed by their
+    sources and this CPU, so the server finds them built."""
+
+    def build() -> None:
+        from toppings.gpu_lora.kernels import native as lora_native
+        from toppings.server import native
+
+        native.library()
+        lora_native.library()
+
+    thread = threading.Thread(target=build, name="native-build", daemon=True)
+    thread.start()
+    return thread
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The demo's flags, each with its help."""
     p = argparse.ArgumentParser(prog="toppings-demo", description=__doc__.splitlines()[0])
     p.add_argument("--adapters", type=Path, default=None,
-                   help="train the demo adapters into this folder (those missing there) and serve "
-                   f"them; default: the shipped ones in {SHIPPED}")  # fmt: skip
-    p.add_argument("--port", type=int, default=8000, help="scheduler port")
-    p.add_argument("--server-port", type=int, default=8100)
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+                   help="train the demo adapters into this folder (those missing there) and "
+                   "serve them; default: the shipped ones (scripts/demo_adapters in the "
+                   "package)")  # fmt: skip
+    p.add_argument("--port", type=int, default=8000,
+                   help="the scheduler's port, where the examples go (default: 8000)")  # fmt: skip
+    p.add_argument("--server-port", type=int, default=8100,
+                   help="the inference server's port (default: 8100)")  # fmt: skip
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="where the server runs the model: cpu (float32, the answers shown in "
+                   "the README) or cuda (bfloat16)")  # fmt: skip
+    p.add_argument("--chat-template", default=None, metavar="PATH",
+                   help="toppings-serve --chat-template: a Jinja chat template file used "
+                   "instead of SmolLM2's own")  # fmt: skip
     p.add_argument("--no-train", action="store_true", help="fail instead of training")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     check_ports({"--port": args.port, "--server-port": args.server_port})
+    template_args: list[str] = []
+    if args.chat_template is not None:
+        from toppings.server.api.chat_template import read_chat_template
+
+        try:
+            read_chat_template(args.chat_template)
+        except ValueError as e:
+            usage_error(str(e))
+        template_args = ["--chat-template", str(Path(args.chat_template).expanduser().resolve())]
     try:
         paths = demo_adapters(args.adapters, args.no_train)
         from toppings.server.model.loader import SMOLLM2_NAME, cache_dir, resolve_model_dir
 
-        print(preparing_line(cache_dir() / "models" / SMOLLM2_NAME))
-
+        print(preparing_line(cache_dir() / "models" / SMOLLM2_NAME), flush=True)
+        if args.device == "cpu":
+            building = build_native_kernels()
         model_dir = resolve_model_dir("smollm2")
+        if args.device == "cpu":
+            building.join()
     except KeyboardInterrupt:
         print("toppings-demo: interrupted", file=sys.stderr)
         return 130
@@ -224,6 +308,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, _interrupt)
     signal.signal(signal.SIGTERM, _interrupt)
     clean = False
+    import requests
+
     try:
         print(f"Starting toppings-serve and toppings-scheduler (logs in {logs}) ...")
         serve_args = [
@@ -238,6 +324,7 @@ def main(argv: list[str] | None = None) -> int:
             # differently from one CPU to the next
             "--dtype",
             "float32" if args.device == "cpu" else "bfloat16",
+            *template_args,
         ]
         procs.append(start("toppings.server.cli", serve_args, logs / "serve.log"))
         sched_args = ["--registry", str(logs / "registry.sqlite"), "--port", str(args.port),
@@ -253,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
         ).raise_for_status()
         base = requests.get(server_url + "/v1/models", timeout=10).json()["data"][0]["id"]
         print(
-            f"\nServing {base} with adapters caps, french, terse at {server_url}, "
+            f"\nServing {base} with adapters caps, french, terse at {server_url},\n"
             f"behind the scheduler at {url}.\n\nQ: {QUESTION}"
         )
         for model in ["caps", "french", "terse", base]:
@@ -265,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"toppings-demo: {dead.args[2]} exited with {dead.returncode}; stopping")
         return 1
     except KeyboardInterrupt:
-        print("\nStopping ...")
+        print("\n" + stopping_line(in_flight(server_url)), flush=True)
         clean = True
         return 0
     finally:

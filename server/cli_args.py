@@ -3,8 +3,8 @@
 One argparse group per class: the command's own `ServeConfig` (model, adapters, listening,
 draining, logging), the HTTP layer's `ApiOptions`, and the four parts of `EngineConfig`.
 `parse_configs` builds the three objects from what argparse returned; each is validated as it
-is built, before anything loads. The launcher (`scripts/launch/cli.py`) reuses the core-list and
-log-level types for its own flags.
+is built, before anything loads (a `--chat-template` file is read and compiled there too). The
+launcher (`scripts/launch/cli.py`) reuses the core-list and log-level types for its own flags.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+from toppings.server.api.chat_template import read_chat_template
 from toppings.server.api.options import ApiOptions
 from toppings.server.config import ENGINE_PARTS, EngineConfig
 from toppings.server.http.frontend import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_RESERVE_THREADS
@@ -28,7 +29,9 @@ from toppings.server.settings import (
     setting,
 )
 
-__all__ = ["ServeConfig", "build_parser", "log_level", "parse_configs", "parse_cores"]
+__all__ = [
+    "SETTINGS_CLASSES", "ServeConfig", "build_parser", "log_level", "parse_configs", "parse_cores",
+]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -73,6 +76,14 @@ class ServeConfig(Settings):
             parse=tuple,
         ),
     )
+    chat_template: str | None = setting(
+        None,
+        flag=Flag(
+            "a Jinja chat template file used instead of the checkpoint's own (e.g. one that "
+            "renders tools or a system role); checked before the model loads",
+            metavar="PATH",
+        ),
+    )
     host: str = setting("127.0.0.1", flag=Flag())
     port: int = setting(8100, flag=Flag("0 picks a free port", type=int))
     threads: int = setting(
@@ -106,13 +117,18 @@ class ServeConfig(Settings):
     log_level: str = setting("INFO", flag=Flag(type=log_level))
 
 
+# Every settings class whose fields are flags of toppings-serve, in --help's order (the flag
+# reference, docs/flags.md, is generated from them: toppings.scripts.flag_reference).
+SETTINGS_CLASSES: tuple[type[Settings], ...] = (ServeConfig, ApiOptions, *ENGINE_PARTS)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The parser of `toppings-serve`: every flag of every settings class, grouped by class."""
     parser = argparse.ArgumentParser(
         prog="toppings-serve",
         description="Serve one base model and many LoRA adapters over an OpenAI-compatible API.",
     )
-    for cls in (ServeConfig, ApiOptions, *ENGINE_PARTS):
+    for cls in SETTINGS_CLASSES:
         add_flags(parser, cls)
     return parser
 
@@ -122,5 +138,7 @@ def parse_configs(args: argparse.Namespace) -> tuple[ServeConfig, EngineConfig, 
     ValueError naming the first field out of its range."""
     serve = build(ServeConfig, args)
     engine = build(EngineConfig, args)
-    options = build(ApiOptions, args, lora_roots=serve.lora_dirs + serve.allowed_lora_roots)
+    template = None if serve.chat_template is None else read_chat_template(serve.chat_template)
+    options = build(ApiOptions, args, lora_roots=serve.lora_dirs + serve.allowed_lora_roots,
+                    chat_template=template)  # fmt: skip
     return serve, engine, options

@@ -36,11 +36,13 @@ def build_engine(
     for name, path in (loras or {}).items():
         engine.add_adapter(name, path)
     engine.start()
+    num_adapters = len(engine.adapters())
     log.info(
-        "engine ready: %s on %s (%s), %d adapters",
+        "engine ready: %s on %s (%s), %d adapter%s",
         engine.model_name,
         config.device,
         config.dtype,
-        len(engine.adapters()),
+        num_adapters,
+        "" if num_adapters == 1 else "s",
     )
     return engine

@@ -2,7 +2,7 @@
 
     toppings-launch --model DIR [--num-servers N | --gpus 0,1] [--device cpu|cuda]
         [--base-port 8100] [--cores 0-15] [--cpu-workers N] [--device-cores-per-server K]
-        [--lora NAME=PATH]... [--lora-dir DIR]...
+        [--lora NAME=PATH]... [--lora-dir DIR]... [--chat-template PATH]
         [--scheduler URL | --start-scheduler [--scheduler-port 8000]]
         [--config node.toml] [-- extra toppings-serve args]
 
@@ -74,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--lora", action="append", default=[], metavar="NAME=PATH")
     p.add_argument("--lora-dir", action="append", default=[], metavar="DIR")
+    p.add_argument("--chat-template", default=None, metavar="PATH",
+                   help="toppings-serve --chat-template for every server: a Jinja chat template "
+                   "file used instead of the checkpoint's own")  # fmt: skip
     p.add_argument("--scheduler", default=None, metavar="URL", help="register servers there")
     p.add_argument(
         "--start-scheduler",

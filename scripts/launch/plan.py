@@ -97,6 +97,10 @@ def check_inputs(args: argparse.Namespace, servers: list[ServerProc]) -> None:
     for folder in args.lora_dir:
         if not Path(folder).is_dir():
             raise ValueError(f"--lora-dir {folder} is not a directory")
+    if args.chat_template is not None:
+        from toppings.server.api.chat_template import read_chat_template
+
+        read_chat_template(args.chat_template)  # its ValueError names the flag
     ports = [("--base-port", s.port) for s in servers]
     if args.start_scheduler:
         ports.append(("--scheduler-port", args.scheduler_port))
@@ -117,6 +121,8 @@ def serve_command(args: argparse.Namespace, server: ServerProc) -> list[str]:
         cmd += ["--lora", spec]
     for d in args.lora_dir:
         cmd += ["--lora-dir", str(d)]
+    if args.chat_template is not None:
+        cmd += ["--chat-template", str(Path(args.chat_template).expanduser().resolve())]
     return cmd + list(args.serve_args)
 
 

@@ -140,7 +140,7 @@ def _context(engine, options: ApiOptions) -> ApiContext:
         token_text=TokenText(engine.tokenizer),
         admin=admin,
         fetcher=fetcher,
-        tokenizers=TokenizerPool(engine.tokenizer),
+        tokenizers=TokenizerPool(engine.tokenizer, chat_template=options.chat_template),
         started=int(time.time()),
     )
 

@@ -117,11 +117,22 @@ def check_prompt_text(parsed: ParsedBody, limits: RequestLimits) -> None:
             limits.check_text(len(prompt))
 
 
+def template_reasons(tokenizer) -> bool:
+    """Whether the chat template writes a reasoning part (Qwen3's `enable_thinking`, a
+    `<think>` block): there `reasoning_effort` would mean something this server cannot set."""
+    template = str(getattr(tokenizer, "chat_template", None) or "")
+    return "enable_thinking" in template or "<think>" in template
+
+
 def prompt_ids(parsed: ParsedBody, tokenizer, prompt: str | list[int] | None) -> list[int]:
     """Token ids of one prompt: chat-templated messages, encoded text, or the ids as given."""
     if parsed.messages is not None:
         if not getattr(tokenizer, "chat_template", None):
             raise RequestError("this model has no chat template; use /v1/completions")
+        if "reasoning_effort" in parsed.ignored and template_reasons(tokenizer):
+            raise RequestError("'reasoning_effort' is not supported by this server: this "
+                               "model's chat template reasons, and its effort cannot be set "
+                               "here")  # fmt: skip
         tools = None
         if parsed.tools is not None:
             check_template_renders_tools(tokenizer)

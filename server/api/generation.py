@@ -36,6 +36,10 @@ from toppings.server.requests.request import RequestError
 
 logger = logging.getLogger(__name__)
 
+# Names the request fields that were accepted and change nothing (server.api.schema's
+# IGNORED_FIELDS), comma-separated; absent when there were none.
+IGNORED_HEADER = "X-Toppings-Ignored-Fields"
+
 
 def _stream(events: Iterator[str], group: RequestGroup, slot: Slot) -> ReleasingBody:
     """The SSE body; closing it (done, or the client gone) aborts the requests still running
@@ -66,6 +70,14 @@ def register_generation(app: Flask, ctx: ApiContext) -> None:
             raise
 
     def answer(parsed: ParsedBody, slot: Slot) -> Response:
+        response = _answer(parsed, slot)
+        if parsed.ignored:
+            logger.info("%s: ignored %s (they change nothing here)", request.path,
+                        ", ".join(parsed.ignored))  # fmt: skip
+            response.headers[IGNORED_HEADER] = ", ".join(parsed.ignored)
+        return response
+
+    def _answer(parsed: ParsedBody, slot: Slot) -> Response:
         with ctx.tokenizers.borrow() as tokenizer:
             reqs, prompt_ids = build_requests(
                 parsed,

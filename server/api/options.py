@@ -97,6 +97,9 @@ class ApiOptions(Settings):
     # Directories /v1/load_lora_adapter may read from (the command line's --lora-dir and
     # --allowed-lora-root).
     lora_roots: tuple[str, ...] = setting(())
+    # The text of the command line's --chat-template (server.api.chat_template); None: the
+    # checkpoint's own template.
+    chat_template: str | None = setting(None)
 
     def check(self) -> None:
         if self.api_key is not None and not self.api_key:

@@ -14,9 +14,15 @@ a list), `stream`, `ignore_eos`, `min_tokens`, `presence_penalty`, `frequency_pe
 `repetition_penalty`, `logit_bias` (token id -> bias in [-100, 100]) and the structured-output
 fields (`response_format`, vLLM's `guided_*`; server.api.structured); OpenAI bodies also `n`
 (1 to MAX_N choices per prompt) and `stream_options.include_usage` (with
-`stream_options.continuous_usage_stats`, as vLLM: usage on every chunk too), and `user` (an
-end-user id, metadata only). Any other field is refused with a 400 naming it (ACCEPTED_FIELDS;
-a field set to null counts as absent): the server never answers without what was asked for.
+`stream_options.continuous_usage_stats`, as vLLM: usage on every chunk too; only with
+`stream: true`, as OpenAI). `min_p` (vLLM's: tokens under min_p x the top token's probability
+are dropped) is a sampling field of all three.
+OpenAI's metadata-class fields (IGNORED_FIELDS: `metadata`, `service_tier`, `store`, `user`,
+`parallel_tool_calls`, `reasoning_effort`, `modalities: ["text"]`) change nothing here: they are
+type-checked, then accepted and named in `ParsedBody.ignored` (the API logs them and names them
+in the X-Toppings-Ignored-Fields header). Any other field is refused with a 400 naming it
+(ACCEPTED_FIELDS; a field set to null counts as absent): the server never answers without what
+was asked for.
 
 Every function here is pure; a client mistake raises `RequestError` with its HTTP status.
 """
@@ -41,8 +47,6 @@ NEUTRAL_FIELDS = {
     "suffix": (None, ""),
     "functions": (None, []),  # OpenAI's older spelling of tools: use `tools`
     "function_call": (None, "none"),
-    "store": (None, False),  # OpenAI's stored completions: nothing is stored here
-    "parallel_tool_calls": (None, True),  # OpenAI's default; false would need one call at most
 }
 NEUTRAL_BY_KIND = {
     "completion": {"top_logprobs": (None, 0), "tools": (None, []), "tool_choice": (None,)},
@@ -51,14 +55,26 @@ NEUTRAL_BY_KIND = {
 # Every field each endpoint reads. Any other field with a value is a 400 naming it: a client
 # that asked for something the server does not do must not get an answer without it.
 SAMPLING_FIELDS = frozenset({
-    "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos", "min_tokens",
+    "temperature", "top_p", "top_k", "min_p", "seed", "stop", "ignore_eos", "min_tokens",
     "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
     "response_format", *GUIDED_FIELDS, *REFUSED_FIELDS,  # refused by name in parse_constraint
 })  # fmt: skip
-# `user` is OpenAI's end-user id for abuse tracking: metadata that asks nothing of generation.
-OPENAI_FIELDS = SAMPLING_FIELDS | NEUTRAL_FIELDS.keys() | {
-    "model", "stream", "stream_options", "n", "user",
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+MAX_METADATA_PAIRS = 16  # OpenAI's limit
+# OpenAI fields that ask nothing of generation here, with the JSON type each must have.
+# metadata: tags for OpenAI's dashboard; service_tier: OpenAI's processing tier; store: whether
+# OpenAI keeps the completion (nothing is kept here); user: an end-user id for abuse tracking;
+# parallel_tool_calls: a reply holds at most one tool call here, so either value is met;
+# reasoning_effort: for reasoning models (refused where the chat template reasons:
+# server.api.choices); modalities: only ["text"], the one output this server has.
+IGNORED_FIELDS = {
+    "metadata": "object", "service_tier": "str", "store": "bool", "user": "str",
+    "parallel_tool_calls": "bool", "reasoning_effort": "str", "modalities": "list",
 }  # fmt: skip
+OPENAI_FIELDS = SAMPLING_FIELDS | NEUTRAL_FIELDS.keys() | IGNORED_FIELDS.keys() | {
+    "model", "stream", "stream_options", "n",
+}  # fmt: skip
+MAX_NAME_SHOWN = 64  # characters of a client's field name or key echoed in an error
 ACCEPTED_FIELDS = {
     "completion": OPENAI_FIELDS | NEUTRAL_BY_KIND["completion"].keys()
     | {"prompt", "max_tokens", "echo", "logprobs"},
@@ -96,6 +112,7 @@ class ParsedBody:
     echo: bool = False  # completions: the prompt's text (and logprobs) before each choice's
     logprobs: int | None = None  # top alternatives per token; None: no logprobs
     tools: Tools | None = None  # chat: the tools and tool_choice (server.api.tools)
+    ignored: tuple[str, ...] = ()  # IGNORED_FIELDS the body set, in IGNORED_FIELDS' order
 
     @property
     def prompt(self) -> str | list[int] | None:
@@ -126,7 +143,13 @@ def check_known_fields(body: dict, known: frozenset[str] | set[str], where: str)
     as OpenAI's own clients send unset fields)."""
     for key in body:
         if key not in known and body[key] is not None:
-            raise RequestError(f"'{key}' is not a field this server accepts in {where}")
+            raise RequestError(f"'{shown(key)}' is not a field this server accepts in {where}")
+
+
+def shown(name: str, limit: int = MAX_NAME_SHOWN) -> str:
+    """A client's name as an error message echoes it: cut to `limit` characters, so that a
+    megabyte of name does not make a megabyte of error."""
+    return name if len(name) <= limit else f"{name[:limit]}... ({len(name)} characters)"
 
 
 def json_type(value: Any) -> str:
@@ -160,6 +183,7 @@ def _sampling(body: dict) -> dict[str, Any]:
         "temperature": typed_field(body, "temperature", "number", 1.0),
         "top_p": typed_field(body, "top_p", "number", 1.0),
         "top_k": 0 if top_k == -1 else top_k,  # -1 is vLLM's spelling of "off"
+        "min_p": typed_field(body, "min_p", "number", 0.0),
         "seed": seed,
         "stop": tuple(stop or ()),
         "ignore_eos": typed_field(body, "ignore_eos", "bool", False),
@@ -183,7 +207,7 @@ def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
         try:
             token = int(key)
         except ValueError:
-            raise RequestError(f"'logit_bias' keys must be token ids, not {key!r}") from None
+            raise RequestError(f"'logit_bias' keys must be token ids, not {shown(key)!r}") from None
         if isinstance(bias, bool) or not isinstance(bias, (int, float)):
             raise RequestError(f"'logit_bias' values must be numbers, not {json_type(bias)}")
         pairs.append((token, float(bias)))
@@ -203,19 +227,50 @@ def _openai_common(body: dict, base_model: str, kind: str) -> dict[str, Any]:
         if body.get(key) not in neutral:
             raise RequestError(f"'{key}' is not supported by this server")
     model = typed_field(body, "model", "str", base_model)
+    stream = typed_field(body, "stream", "bool", False)
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise RequestError(f"'stream_options' must be an object, not {json_type(options)}")
     check_known_fields(options or {}, STREAM_OPTIONS, "'stream_options'")
+    if options is not None and not stream:
+        raise RequestError("'stream_options' is only allowed with 'stream': true")
     return {
         "model": model,
         "adapter": None if model == base_model else model,
         "sampling": _sampling(body),
-        "stream": typed_field(body, "stream", "bool", False),
+        "stream": stream,
+        "ignored": ignored_fields(body),
         "include_usage": typed_field(options or {}, "include_usage", "bool", False),
         "continuous_usage": typed_field(options or {}, "continuous_usage_stats", "bool", False),
         "n": _in_range(typed_field(body, "n", "int", 1), "n", 1, MAX_N),
     }
+
+
+def ignored_fields(body: dict) -> tuple[str, ...]:
+    """The IGNORED_FIELDS `body` sets (null counts as absent), each checked for its type; a
+    `modalities` other than ["text"] or a `reasoning_effort` OpenAI does not define is a 400."""
+    named = []
+    for key, kind in IGNORED_FIELDS.items():
+        value = body.get(key)
+        if value is None:
+            continue
+        if kind == "object" and not isinstance(value, dict):
+            raise RequestError(f"'{key}' must be an object, not {json_type(value)}")
+        if kind == "list" and not isinstance(value, list):
+            raise RequestError(f"'{key}' must be an array, not {json_type(value)}")
+        if kind not in ("object", "list"):
+            typed_field(body, key, kind)
+        named.append(key)
+    metadata = body.get("metadata") or {}
+    if len(metadata) > MAX_METADATA_PAIRS or not all(isinstance(v, str) for v in metadata.values()):
+        raise RequestError(f"'metadata' must hold at most {MAX_METADATA_PAIRS} string values")
+    if body.get("modalities") not in (None, ["text"]):
+        raise RequestError('\'modalities\' other than ["text"] is not supported by this server: '
+                           "it writes text only")  # fmt: skip
+    effort = body.get("reasoning_effort")
+    if effort is not None and effort not in REASONING_EFFORTS:
+        raise RequestError(f"'reasoning_effort' must be one of {', '.join(REASONING_EFFORTS)}")
+    return tuple(named)
 
 
 def _prompts(value: Any) -> list[str | list[int]]:

@@ -35,13 +35,18 @@ def default_max_copies() -> int:
 
 
 class TokenizerPool:
-    """Lends copies (`copy.deepcopy`) of one tokenizer, each to one borrower at a time."""
+    """Lends copies (`copy.deepcopy`) of one tokenizer, each to one borrower at a time.
+    `chat_template` (None: the tokenizer's own) is the template every copy renders chats with
+    (the operator's --chat-template)."""
 
-    def __init__(self, tokenizer: Any, max_copies: int | None = None):
+    def __init__(
+        self, tokenizer: Any, max_copies: int | None = None, chat_template: str | None = None
+    ):
         self.max_copies = max_copies or default_max_copies()
         if self.max_copies < 1:
             raise ValueError("max_copies must be positive")
         self._original = tokenizer
+        self._chat_template = chat_template
         self._free: list[Any] = []
         self._num_made = 0
         self._cond = threading.Condition()
@@ -70,7 +75,10 @@ class TokenizerPool:
                 return self._free.pop()
             self._num_made += 1
         try:  # outside the lock: a copy takes tens of milliseconds
-            return copy.deepcopy(self._original)
+            made = copy.deepcopy(self._original)
+            if self._chat_template is not None:
+                made.chat_template = self._chat_template  # the copy is this pool's own
+            return made
         except BaseException:
             with self._cond:
                 self._num_made -= 1

@@ -33,8 +33,13 @@ def sample_next(
 
 
 def _sample_row(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator) -> int:
-    """Temperature, then top-k, then top-p (nucleus) over one row [V]."""
+    """Temperature, then min-p, then top-k, then top-p (nucleus) over one row [V], in vLLM's
+    order. Min-p drops the tokens whose probability (after temperature) is under min_p times the
+    most likely token's."""
     scaled = logits / p.temperature
+    if p.min_p > 0.0:
+        probs = torch.softmax(scaled, dim=-1)
+        scaled = scaled.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
     if p.top_k > 0 and p.top_k < scaled.numel():
         kth = torch.topk(scaled, p.top_k).values[-1]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))

@@ -7,6 +7,7 @@ transformers and cached as an ordinary Hugging Face directory under the user's c
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import importlib.util
 import json
@@ -16,7 +17,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -159,6 +160,36 @@ def _smollm2_gguf() -> Path:
     return target
 
 
+@contextlib.contextmanager
+def _gguf_parsed_once() -> Iterator[None]:
+    """Within the block, every `gguf.GGUFReader` of one file shares the first one's parse.
+
+    transformers makes a new reader of the GGUF for the model's config, for its tensors and
+    again for the tokenizer; each parses the whole metadata (for SmolLM2, 49k tokens and their
+    merges), which took most of a cold conversion's time here (`bench.bench_demo_cold`). A
+    reader only sets its state in `__init__` (a read-only memory map and the parsed fields and
+    tensor descriptions), so later readers of the same file and mode take that state as is.
+    """
+    from gguf import GGUFReader
+
+    original = GGUFReader.__init__
+    parsed: dict[tuple[str, str], dict] = {}
+
+    def init(self, path, mode="r"):
+        key = (os.path.realpath(path), mode)
+        if key in parsed:
+            self.__dict__.update(parsed[key])
+            return
+        original(self, path, mode)
+        parsed[key] = dict(self.__dict__)
+
+    GGUFReader.__init__ = init
+    try:
+        yield
+    finally:
+        GGUFReader.__init__ = original
+
+
 def _convert_gguf(gguf: Path, out_dir: Path) -> Path:
     """De-quantize a GGUF into a float32 Hugging Face directory (once; atomic rename)."""
     if (out_dir / "config.json").is_file():
@@ -166,10 +197,11 @@ def _convert_gguf(gguf: Path, out_dir: Path) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     log.info("converting %s to a Hugging Face checkpoint under %s (once)", gguf, out_dir)
-    model = AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
-    )
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    with _gguf_parsed_once():
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+        )
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
     state = {k: v.contiguous() for k, v in model.state_dict().items()}

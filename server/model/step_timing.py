@@ -10,18 +10,34 @@ prompt alone, with no past and after a long one (its attention to that past is w
 chunk of a long prompt costs more), each timed best of `REPEATS` after a warm-up.
 LoRA is not in the timed steps (no adapter is on the device at start-up); it adds a few percent
 to a step (bench engine_throughput's decode_step_ratio_lora_vs_base).
+
+The times are kept under the cache (`~/.cache/toppings/step_times/`, a JSON file per key) and
+read back at the next start-up of the same model shape, dtype, device, batch, pool geometry,
+thread count, CPU, torch and forward-pass source (measured at about 10 to 40 s on a 2-core CPU
+with SmolLM2 at a batch of 128): the engine corrects them from its real steps as it runs
+(server.sched.step_refit). `TOPPINGS_STEP_TIMES=measure` measures again (and keeps the new
+times); deleting the file does too.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import platform
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from toppings.server.memory.kv_cache import KVPool
 from toppings.server.model.llama import ForwardBatch, LlamaModel
+
+log = logging.getLogger(__name__)
 
 PAST = 48  # tokens each decode row has attended to (a short chat turn)
 PROMPTS = (32, 160)  # the two prompt lengths whose difference gives the cost of a token
@@ -40,13 +56,17 @@ class StepTimes:
     mixed_ms: dict[int, float]  # mixed_rows decode rows and each of PROMPTS prompt tokens
     mixed_rows: int
     chunk_tokens: int = PROMPTS[0]
+    cached_in: str | None = None  # the file these were read from (None: measured now)
 
     def describe(self) -> str:
         def points(times: dict[int, float]) -> str:
             return "/".join(map(str, times)) + ": " + "/".join(f"{t:.1f}" for t in times.values())
 
+        when = "measured at start-up" + (
+            "" if self.cached_in is None else f" (an earlier one's, kept in {self.cached_in})"
+        )
         return (
-            f"measured at start-up, decode steps of {points(self.decode_ms)} ms, "
+            f"{when}, decode steps of {points(self.decode_ms)} ms, "
             f"{self.chunk_tokens} tokens after "
             f"{points(self.chunk_ms)} ms, {self.mixed_rows} decodes beside "
             f"{points(self.mixed_ms)} ms (base model, no LoRA)"
@@ -91,14 +111,64 @@ def _long_past(kv: KVPool) -> int:
     return min(LONG_PAST, kv.max_len - PROMPTS[0])
 
 
+def _cache_file(model: LlamaModel, kv: KVPool, num_rows: int) -> Path:
+    """Where the times of this model, pool geometry and machine are kept."""
+    from toppings.server.model import llama
+    from toppings.server.model.loader import cache_dir
+
+    try:
+        cpu = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                    if ln.startswith(("model name", "flags"))), "")  # fmt: skip
+    except OSError:
+        cpu = platform.processor()
+    sources = [Path(__file__).read_bytes(), Path(llama.__file__).read_bytes()]
+    parts = [repr(model.config), str(model.dtype), str(model.device), str(num_rows),
+             str(kv.block_tokens), str(kv.max_len), str(torch.get_num_threads()), cpu,
+             torch.__version__, os.environ.get("TOPPINGS_NATIVE", "1")]  # fmt: skip
+    key = hashlib.sha256(b"\0".join([p.encode() for p in parts] + sources)).hexdigest()[:16]
+    return cache_dir() / "step_times" / f"{key}.json"
+
+
+def _read(path: Path) -> StepTimes | None:
+    try:
+        raw = json.loads(path.read_text())
+        ints = lambda d: {int(k): float(v) for k, v in d.items()}  # noqa: E731
+        return StepTimes(ints(raw["decode_ms"]), ints(raw["chunk_ms"]), ints(raw["mixed_ms"]),
+                         int(raw["mixed_rows"]), int(raw["chunk_tokens"]), str(path))  # fmt: skip
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None  # none kept, or unreadable: measured again
+
+
+def _write(path: Path, times: StepTimes) -> None:
+    raw = dataclasses.asdict(times)
+    raw.pop("cached_in")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+        tmp.write_text(json.dumps(raw))
+        os.replace(tmp, path)  # a concurrent start-up reads a whole file or none
+    except OSError as e:
+        log.warning("could not keep the step times in %s: %s", path, e)
+
+
 def measure_steps(model: LlamaModel, kv: KVPool, max_batch_size: int) -> StepTimes | None:
     """Step times of `model` on this machine: decode steps of 1, half and all of up to
     `max_batch_size` requests, each of PROMPTS tokens beside those decodes, the shorter alone
     with no past and after a long one; None where the pool cannot hold two decode rows and a
-    prompt (a tiny test pool). Every row and block taken from `kv` is given back."""
+    prompt (a tiny test pool). Every row and block taken from `kv` is given back. Times kept
+    from an earlier start-up of the same key are read instead (see the module's docstring)."""
     num_rows = _rows_that_fit(kv, max_batch_size)
     if num_rows < 2 or kv.max_len < max(PROMPTS) or kv.max_len < PAST + 1:
         return None
+    path = _cache_file(model, kv, num_rows)
+    if os.environ.get("TOPPINGS_STEP_TIMES") != "measure" and (kept := _read(path)) is not None:
+        return kept
+    times = _measure(model, kv, num_rows)
+    _write(path, times)
+    return times
+
+
+def _measure(model: LlamaModel, kv: KVPool, num_rows: int) -> StepTimes:
     device = torch.device(model.device)
     best_ms = _timer(device)
     gen = torch.Generator().manual_seed(0)

@@ -83,6 +83,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0: no top-k cut
+    min_p: float = 0.0  # 0: off; else drop tokens under min_p x the top token's probability
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
@@ -121,6 +122,8 @@ class SamplingParams:
             raise RequestError("top_p must be in (0, 1]")
         if self.top_k < 0:
             raise RequestError("top_k must be >= 0")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise RequestError("min_p must be in [0, 1]")
         if len(self.stop) > MAX_STOP_STRINGS or any(not s for s in self.stop):
             raise RequestError(f"stop must hold 1 to {MAX_STOP_STRINGS} non-empty strings")
 

@@ -71,3 +71,17 @@ def test_models_retrieve_tokenize_and_routing_errors(clients):  # noqa: F811
         answers = [c.open(path, method=method) for c in (scheduler, server)]
         assert answers[0].status_code == answers[1].status_code in (404, 405)
         assert answers[0].get_json() == answers[1].get_json()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_ignored_fields_header_comes_through(clients, stream):  # noqa: F811
+    scheduler, server = clients
+    body = {"model": "a8", "prompt": "ab", "max_tokens": 2, "temperature": 0, "stream": stream,
+            "user": "u-1", "metadata": {"k": "v"}}  # fmt: skip
+    direct = server.post("/v1/completions", json=body)
+    routed = scheduler.post("/v1/completions", json=body)
+    assert direct.status_code == routed.status_code == 200
+    header = "X-Toppings-Ignored-Fields"
+    assert routed.headers[header] == direct.headers[header] == "metadata, user"
+    plain = scheduler.post("/v1/completions", json={"model": "a8", "prompt": "ab", "max_tokens": 1})
+    assert header not in plain.headers

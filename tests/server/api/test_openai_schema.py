@@ -31,6 +31,7 @@ def test_completion_defaults_and_model_names():
         "temperature": 1.0,
         "top_p": 1.0,
         "top_k": 0,
+        "min_p": 0.0,
         "seed": None,
         "stop": (),
         "ignore_eos": False,

@@ -92,7 +92,7 @@ def test_a_constrained_call_streams_as_a_header_then_argument_fragments(choice):
     fragments = [d["function"]["arguments"] for d in deltas[1:]]
     assert fragments == ['{"', "zone", '":', ' "', "Europe", "/", "Paris", '"}']
     # The header goes out with the name's closing quote, before the arguments' key.
-    stream = CallStream(parse_chat(request, BASE).tools)
+    stream = CallStream(parse_chat(dict(request, stream=True), BASE).tools)
     sent = [stream.feed(p) for p in CALL]
     assert [i for i, deltas in enumerate(sent) if deltas][:2] == [CALL.index('",'), 10]
     reply = whole(body(choice), [outputs(CALL)])["choices"][0]

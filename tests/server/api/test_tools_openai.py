@@ -144,10 +144,11 @@ def test_raw_streamed_call_deltas(base_url, engine):
     then argument fragments with neither id nor name, joining to the non-streamed arguments."""
     body = {"model": engine.model_name, "messages": ASK, "tools": TOOLS, "max_tokens": 60,
             "temperature": 0, "tool_choice": {"type": "function", "function": {"name": "get_time"}},
-            "stream_options": {"include_usage": True}}  # fmt: skip
+            }  # fmt: skip
     url = f"{base_url}/v1/chat/completions"
     whole = requests.post(url, json=body, timeout=300).json()["choices"][0]["message"]
-    reply = requests.post(url, json=dict(body, stream=True), timeout=300)
+    streamed = dict(body, stream=True, stream_options={"include_usage": True})
+    reply = requests.post(url, json=streamed, timeout=300)
     events = [line[6:] for line in reply.text.splitlines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     chunks = [json.loads(e) for e in events[:-1]]

@@ -88,7 +88,18 @@ def test_a_gguf_converts_to_every_tensor_by_its_hf_name(arch, tmp_path, monkeypa
         assert "model.layers.1.self_attn.k_proj.bias" in state
     path = tmp_path / f"tiny-{arch}.gguf"
     write_gguf(path, arch, state)
+    from gguf import GGUFReader
+
+    parses = []
+    parse = GGUFReader.__init__
+
+    def counted(self, *args, **kwargs):
+        parses.append(args[0])
+        parse(self, *args, **kwargs)
+
+    monkeypatch.setattr(GGUFReader, "__init__", counted)
     model_dir = resolve_model_dir(str(path))
+    assert len(parses) == 1, parses  # config, tensors and tokenizer share one parse
     assert json.loads((model_dir / "config.json").read_text())["model_type"] == arch
     weights = SafetensorsWeights.from_dir(model_dir)
     assert sorted(weights) == sorted(state)

@@ -51,3 +51,21 @@ def test_a_pool_too_small_to_measure_keeps_the_default_model(tiny_engine, max_to
                      max_total_tokens=max_total_tokens) as engine:  # fmt: skip
         assert measure_steps(engine.model, engine.kv, 4) is None
         assert "not this machine's" in engine.step_budget.how
+
+
+def test_the_times_are_kept_and_read_at_the_next_start_up(tiny_engine, tmp_path, monkeypatch):
+    monkeypatch.setenv("TOPPINGS_CACHE", str(tmp_path))
+    monkeypatch.delenv("TOPPINGS_STEP_TIMES", raising=False)
+    with tiny_engine(chunked_prefill=False, max_batch_size=8) as engine:
+        first = measure_steps(engine.model, engine.kv, 8)
+        (kept,) = (tmp_path / "step_times").iterdir()
+        again = measure_steps(engine.model, engine.kv, 8)
+        assert first.cached_in is None and again.cached_in == str(kept)
+        assert (again.decode_ms, again.mixed_ms, again.chunk_ms) == (
+            first.decode_ms, first.mixed_ms, first.chunk_ms)  # fmt: skip
+        assert "an earlier one's" in again.describe()
+        # another batch size is another key; TOPPINGS_STEP_TIMES=measure measures again
+        assert measure_steps(engine.model, engine.kv, 4).cached_in is None
+        monkeypatch.setenv("TOPPINGS_STEP_TIMES", "measure")
+        assert measure_steps(engine.model, engine.kv, 8).cached_in is None
+        assert_memory_balanced(engine)
