@@ -105,9 +105,8 @@ class Engine:
         derived = step_budget is not None and not config.max_num_batched_tokens
         self._refit = StepRefit(self.step_model) if derived else None
         self._logged_budget = step_budget
-        max_step_tokens = max(config.max_prefill_tokens, config.max_batch_size)
-        if step_budget is not None:  # a prompt prefilled whole may share a step with the decodes
-            max_step_tokens = max(max_step_tokens + config.max_batch_size, step_budget)
+        # a prompt prefilled whole may share a step with the decodes
+        max_step_tokens = max(config.max_prefill_tokens + config.max_batch_size, step_budget or 0)
         # The only LoRA object the engine uses.
         self.lora = AdapterManager(
             lora_config, config.kernel, config.device, max_step_tokens,

@@ -155,6 +155,10 @@ class MemoryManager:
 
     # ---- as requests run --------------------------------------------------------------------
 
+    def allocate(self, seq, tokens: int) -> int | None:
+        """The position `seq`'s next `tokens` tokens start at (see admission.Memory)."""
+        return self.kv.lengths[seq.kv_hold.row]
+
     def after_prefill(self, seqs, seconds: float, num_tokens: int, now: float) -> None:
         """Cache the prompt blocks just computed, visible at once to later requests."""
         if self.swap is not None:

@@ -70,6 +70,10 @@ class Memory(Protocol):
     def release(self, seq: Sequence, keep_kv: bool, now: float) -> None:
         """Give back what `seq.kv_hold` holds and clear it."""
 
+    def allocate(self, seq: Sequence, tokens: int) -> int | None:
+        """Reserve the KV slots of `seq`'s next `tokens` tokens (this step's); returns the
+        position they start at (its computed-token count), or None when they cannot be had."""
+
     def tick(self, now: float) -> None: ...
 
     def after_prefill(self, seqs: list, seconds: float, num_tokens: int, now: float) -> None: ...
@@ -180,14 +184,14 @@ class AdmissionGate:
         clock: Callable[[], float],
         planned: Mapping[Sequence, int] | None = None,
     ):
-        """planned: with chunked prefill, the tokens of the step already planned per request
-        (1 for each running decode, a chunk for each prompt being prefilled)."""
+        """planned: the tokens of the step already planned per request (1 for each running
+        decode, with chunked prefill a chunk for each prompt being prefilled)."""
         self.running, self.waiting = running, waiting
         self.memory, self.adapters, self.limits, self.clock = memory, adapters, limits, clock
         self.admitted: list[Sequence] = []
         self.prefill_tokens = 0
-        # chunked prefill: every request computing in this step -> its tokens (planned, then
-        # admitted); the decodes' share tells whether the step has a prompt token yet
+        # every request computing in this step -> its tokens (planned, then admitted); the
+        # decodes' share tells whether the step has a prompt token yet
         self.chunks: dict[Sequence, int] = dict(planned or {})
         self.step_tokens = sum(self.cost(s, n) for s, n in self.chunks.items())  # of the budget
         self.decode_tokens = sum(n for s, n in self.chunks.items() if s.is_prefilled)
@@ -226,11 +230,12 @@ class AdmissionGate:
         seq.kv_hold = mem.admit(seq, path, self.clock())
         seq.num_prefilled = seq.prompt_len - computed
         self.prefill_tokens += computed
-        if limits.max_step_tokens is not None:
+        chunk = computed  # chunked prefill off: the whole prompt, in one step
+        if limits.max_step_tokens is not None and not is_whole(seq):
             left = limits.chunk_within(self._chunk_left(max_chunk), seq.num_prefilled)
-            chunk = computed if is_whole(seq) else min(computed, left)
-            self.chunks[seq] = chunk
-            self.step_tokens += self.cost(seq, chunk)
+            chunk = min(computed, left)
+        self.chunks[seq] = chunk
+        self.step_tokens += self.cost(seq, chunk)
         self.admitted.append(seq)
         return Verdict.ADMITTED
 

@@ -36,6 +36,7 @@ class Hold:
     row: int
     reserved: int
     cached_tokens: int = 0
+    length: int = 0  # tokens whose slots the scheduler reserved
 
 
 class KV:
@@ -94,6 +95,11 @@ class Memory:
         self.reserved -= seq.kv_hold.reserved
         self.released.append((seq.request.request_id, keep_kv))
         seq.kv_hold = None
+
+    def allocate(self, seq, tokens):
+        hold = seq.kv_hold
+        start, hold.length = hold.length, hold.length + tokens
+        return start
 
     def tick(self, now):
         pass
@@ -229,7 +235,8 @@ def test_the_prefill_token_budget_splits_admissions():
     sched, memory, adapters = make(max_prefill=20)
     seqs = [submit(sched, prompt_len=12) for _ in range(3)]
     assert step(sched).seqs == (seqs[0],)  # 12 + 12 > 20: the second waits a step
-    assert step(sched).seqs == (seqs[1],)  # an iteration that admits prefills, no decode
+    plan = step(sched)  # the next prompt, whole, beside the first one's decode
+    assert dict(zip(plan.seqs, plan.tokens)) == {seqs[0]: 1, seqs[1]: 12}
     run_all(sched)
     assert all(s.finished for s in seqs)
     assert_all_given_back(sched, memory, adapters)
@@ -287,15 +294,17 @@ def test_a_failed_step_fails_its_requests_only_and_drops_their_kv():
     first = submit(sched, max_new=5, adapter="a")
     step(sched)
     second = submit(sched, max_new=5, adapter="b")
-    plan = sched.schedule()  # the second's prefill
-    assert plan.seqs == (second,)
+    third = submit(sched, max_new=5, adapter="b")
+    plan = sched.schedule()  # the second's prefill beside the first's decode; the third waits
+    assert set(plan.seqs) == {first, second}
     sched.fail(plan, "engine error: boom")
-    last = outputs(second)[-1]
-    assert last.finish_reason == "error" and last.error == "engine error: boom"
-    assert (second.request.request_id, False) in memory.released
-    assert sched.running == [first] and not first.finished
+    for seq in (first, second):
+        last = outputs(seq)[-1]
+        assert last.finish_reason == "error" and last.error == "engine error: boom"
+        assert (seq.request.request_id, False) in memory.released
+    assert not sched.running and not third.finished
     run_all(sched)
-    assert outputs(first)[-1].finish_reason == "length"
+    assert outputs(third)[-1].finish_reason == "length"
     assert_all_given_back(sched, memory, adapters)
 
 
