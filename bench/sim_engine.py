@@ -194,11 +194,10 @@ class SimMemory:
         self.reserved -= seq.kv_hold.reserved
         seq.kv_hold = None
 
-    def allocate(self, seq: SimSeq, tokens: int) -> int:
-        """Slots are promised at admission (its whole `kv_need`): always there."""
-        if not seq.is_prefilled:
-            return seq.num_prefilled
-        return seq.prompt_len + len(seq.output_ids) - 1
+    def allocate(self, seqs: list[SimSeq], tokens: list[int]) -> list[int]:
+        """Slots are promised at admission (a request's whole `kv_need`): always there."""
+        return [s.num_prefilled if not s.is_prefilled else s.prompt_len + len(s.output_ids) - 1
+                for s in seqs]  # fmt: skip
 
     def tick(self, now: float) -> None:
         pass

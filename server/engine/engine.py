@@ -402,6 +402,7 @@ class Engine:
                 return None
             shape = shape_of(plan) if self._refit is not None else None
             try:
+                self.lora.wait_for_loads([s.cache_entry for s in plan.seqs])
                 outcome = self.runner.run(plan)
                 for seq, error in outcome.failed.items():  # fails alone; its neighbours go on
                     log.warning("request %s failed: %s", seq.request.request_id, error)

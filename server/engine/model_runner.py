@@ -123,11 +123,13 @@ class ModelRunner:
         return StepOutcome(kept_plan, StepResult(tokens, seconds, num_computed), failed)
 
     def _slots(self, plan: StepPlan) -> torch.Tensor:
-        """The KV slots of the plan's tokens, int64 [T], in plan order."""
-        kv = self.kv
+        """The KV slots of the plan's tokens, int64 [T], in plan order: the scheduler reserved
+        them (`Scheduler._reserve`); the runner only reads where they are."""
+        table = self.kv.req_to_slot
+        rows = [s.kv_hold.row for s in plan.seqs]
         if not plan.is_prefill:
-            return kv.extend_each([s.kv_hold.row for s in plan.seqs])
-        return torch.cat([kv.extend(s.kv_hold.row, n) for s, n in zip(plan.seqs, plan.tokens)])
+            return table[rows, list(plan.starts)]  # [B]
+        return torch.cat([table[r, b : b + n] for r, b, n in zip(rows, plan.starts, plan.tokens)])
 
     def _replay(self, plan: StepPlan) -> torch.Tensor | None:
         """A decode step's logits [B, V] from its CUDA graph, or None where the graphs decline

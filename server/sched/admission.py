@@ -70,9 +70,10 @@ class Memory(Protocol):
     def release(self, seq: Sequence, keep_kv: bool, now: float) -> None:
         """Give back what `seq.kv_hold` holds and clear it."""
 
-    def allocate(self, seq: Sequence, tokens: int) -> int | None:
-        """Reserve the KV slots of `seq`'s next `tokens` tokens (this step's); returns the
-        position they start at (its computed-token count), or None when they cannot be had."""
+    def allocate(self, seqs: list[Sequence], tokens: list[int]) -> list[int] | None:
+        """Reserve the KV slots of a step, seqs[i]'s next tokens[i] tokens, all or none;
+        returns where each one's tokens start (its computed-token count), or None when the
+        blocks cannot be had."""
 
     def tick(self, now: float) -> None: ...
 

@@ -217,40 +217,34 @@ class Scheduler:
                     left -= limits.chunk_cost(had + more, past) - cost
 
     def _reserve(self, chunks: dict[Sequence, int]) -> dict[Sequence, int]:
-        """Reserve each planned request's slots for its tokens of this step, in running order
-        (the oldest first); returns where each one's tokens start. A request whose slots
-        cannot be had preempts the youngest running request (recompute: it waits again and is
-        computed from its prompt; only a greedy or seeded one, which computes the same tokens
-        again) and tries again; with no such request left, it fails alone. Admission's
-        worst-case reservations make this a fault path: an admitted request always finds its
-        blocks."""
-        starts: dict[Sequence, int] = {}
-        for seq in list(self.running):
-            n = chunks.get(seq)
-            if n is None or seq not in chunks:
-                continue
-            while True:
-                start = self.memory.allocate(seq, n)
-                if start is not None:
-                    starts[seq] = start
-                    break
-                victim = self._victim(exclude=seq)
-                if victim is None:
-                    chunks.pop(seq)
-                    self.finish(seq, "error", error="no KV memory left for this request")
-                    break
+        """Reserve the planned requests' slots for their tokens of this step through the memory
+        (before the step: the runner only writes them); returns where each one's tokens start.
+        When they cannot be had, the youngest running request is preempted (recompute: it waits
+        again and is computed from its prompt; only a greedy or seeded one, which computes the
+        same tokens again) and the rest tried again; with no such request left, the youngest
+        planned one fails alone. Admission's worst-case reservations make this a fault path:
+        an admitted request always finds its blocks, once cached items have left."""
+        while chunks:
+            seqs = [s for s in self.running if s in chunks]  # the oldest first
+            starts = self.memory.allocate(seqs, [chunks[s] for s in seqs])
+            if starts is not None:
+                return dict(zip(seqs, starts))
+            victim = self._victim()
+            if victim is None:
+                chunks.pop(seqs[-1])
+                self.finish(seqs[-1], "error", error="no KV memory left for this request")
+            else:
                 log.warning("preempting request %s (recompute) for KV memory",
                             victim.request.request_id)  # fmt: skip
                 chunks.pop(victim, None)
-                starts.pop(victim, None)
                 self.preempt(victim)
-        return starts
+        return {}
 
-    def _victim(self, exclude: Sequence) -> Sequence | None:
+    def _victim(self) -> Sequence | None:
         """The running request preemption takes back first: the youngest that computes the
         same tokens when run again (greedy, or seeded)."""
         for seq in reversed(self.running):
-            if seq is not exclude and is_deterministic(seq.request.params):
+            if is_deterministic(seq.request.params):
                 return seq
         return None
 
@@ -258,6 +252,7 @@ class Scheduler:
         """Take a running request back to the queue (recompute): its memory and adapter go
         back (its computed blocks stay cached), and it runs again from its prompt."""
         self.running.remove(seq)
+        self.queue.finished(seq, False, self.clock())
         self.release(seq, keep_kv=True)
         seq.restart()
         self.queue.push(seq, self.clock())

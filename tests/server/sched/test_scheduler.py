@@ -96,10 +96,11 @@ class Memory:
         self.released.append((seq.request.request_id, keep_kv))
         seq.kv_hold = None
 
-    def allocate(self, seq, tokens):
-        hold = seq.kv_hold
-        start, hold.length = hold.length, hold.length + tokens
-        return start
+    def allocate(self, seqs, tokens):
+        starts = [s.kv_hold.length for s in seqs]
+        for seq, n in zip(seqs, tokens):
+            seq.kv_hold.length += n
+        return starts
 
     def tick(self, now):
         pass
@@ -387,3 +388,38 @@ def test_scheduling_and_requests_import_no_torch():
     code += "leaked = [m for m in ('torch', 'triton') if m in sys.modules]\n"
     code += "assert not leaked, leaked\n"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_slots_that_cannot_be_had_preempt_the_youngest_before_the_step():
+    sched, memory, adapters = make(max_batch=4)
+    old, young = submit(sched, max_new=4), submit(sched, max_new=4)
+    step(sched)  # both prefilled, one token each
+    refusals, allocate = [None], memory.allocate
+
+    def refuse_once(seqs, tokens):
+        return refusals.pop() if refusals else allocate(seqs, tokens)
+
+    memory.allocate = refuse_once
+    plan = step(sched)
+    assert plan.seqs == (old,) and sched.preemptions == 1
+    assert young in sched.queue and young.kv_hold is None and not young.output_ids
+    assert (young.request.request_id, True) in memory.released  # its computed KV stays cached
+    run_all(sched)
+    for seq in (old, young):  # the preempted one computed its tokens again, sent once
+        outs = outputs(seq)
+        assert [t for o in outs for t in o.new_token_ids] == [5] * 4
+        assert outs[-1].finish_reason == "length"
+    assert_all_given_back(sched, memory, adapters)
+
+
+def test_a_request_that_cannot_get_its_slots_with_nothing_to_preempt_fails_alone():
+    sched, memory, adapters = make(max_batch=4)
+    params = SamplingParams(4, temperature=1.0)  # random, unseeded: not preempted
+    request = GenerationRequest([2, 3, 4], params, None)
+    seq = Sequence(request, RequestHandle(request, lambda _id: None), Tokenizer(), 0.0)
+    sched.add(seq)
+    memory.allocate = lambda seqs, tokens: None
+    assert sched.schedule() is None
+    last = outputs(seq)[-1]
+    assert last.finish_reason == "error" and "no KV memory" in last.error
+    assert_all_given_back(sched, memory, adapters)
