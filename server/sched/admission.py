@@ -18,11 +18,14 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
+from toppings.server.requests.errors import NOT_FOUND, unknown_adapter
+from toppings.server.requests.request import GenerationRequest, RequestError
 from toppings.server.requests.sequence import Sequence
 from toppings.server.sched.queueing import Verdict
 
 if TYPE_CHECKING:
     from toppings.server.config import SchedulingConfig
+    from toppings.server.memory.manager import MemoryManager
     from toppings.server.sched.step_budget import StepBudget
 
 
@@ -154,6 +157,41 @@ class GateLimits:
         while tokens > 1 and self.chunk_cost(tokens, past) > cost:
             tokens -= 1
         return tokens
+
+
+def check_request(
+    request: GenerationRequest,
+    vocab_size: int,
+    max_model_len: int,
+    memory: MemoryManager,
+    adapters: Adapters,
+) -> None:
+    """Raise RequestError when `request` can never be served: an empty prompt, a token outside
+    the vocabulary, an unknown adapter (404), a prompt plus max_new_tokens beyond the context,
+    or more memory blocks (its worst-case KV and, where adapters take pool blocks, its adapter)
+    than the whole pool has, the most admission could ever promise it."""
+    ids = request.prompt_ids
+    if not ids:
+        raise RequestError("the prompt is empty")
+    if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size for t in ids):
+        raise RequestError(f"token ids must be integers in [0, {vocab_size})")
+    if request.adapter is not None and request.adapter not in adapters.registry:
+        raise RequestError(unknown_adapter(request.adapter), 404, NOT_FOUND)
+    need = len(ids) + request.params.max_new_tokens
+    if need > max_model_len:
+        raise RequestError(
+            f"prompt ({len(ids)} tokens) plus max_new_tokens "
+            f"({request.params.max_new_tokens}) exceeds the context of {max_model_len} tokens"
+        )
+    blocks = memory.blocks_for(need)
+    if memory.shared and request.adapter is not None:
+        blocks += memory.blocks_for_bytes(adapters.bytes_of(request.adapter))
+    kv = memory.kv
+    if blocks > kv.num_blocks:
+        raise RequestError(
+            f"request needs {blocks} memory blocks of {kv.block_tokens} tokens (KV for "
+            f"{need} tokens and its adapter); the server has {kv.num_blocks}"
+        )
 
 
 def release(seq: Sequence, memory: Memory, adapters: Adapters, keep_kv: bool, now: float) -> None:
