@@ -194,6 +194,11 @@ class SimMemory:
         self.reserved -= seq.kv_hold.reserved
         seq.kv_hold = None
 
+    def allocate(self, seqs: list[SimSeq], tokens: list[int]) -> list[int]:
+        """Slots are promised at admission (a request's whole `kv_need`): always there."""
+        return [s.num_prefilled if not s.is_prefilled else s.prompt_len + len(s.output_ids) - 1
+                for s in seqs]  # fmt: skip
+
     def tick(self, now: float) -> None:
         pass
 
@@ -328,7 +333,7 @@ def run(policy: QueuePolicy, limits: SimLimits, trace, steps: StepModel) -> list
             continue
         if limits.cache is not None and limits.cache.stall_for_load:
             clock.now = max(clock.now, adapters.ready_s([s.cache_entry for s in plan.seqs]))
-        clock.now += step_s(plan, steps)
+        clock.now += step_s(plan, steps, limits.budget is not None)
         sched.update(plan, StepResult([0] * len(plan.sampled)))
         for s in plan.sampled:
             if s.first_token_s is None:
@@ -339,14 +344,15 @@ def run(policy: QueuePolicy, limits: SimLimits, trace, steps: StepModel) -> list
     return seqs
 
 
-def step_s(plan, steps: StepModel) -> float:
-    """The seconds a step of `plan` (server/sched/scheduler.py StepPlan) takes: a mixed step of
-    d decodes and c prompt tokens (its chunks beside the decodes' one token each) and the past
-    those attend to, a whole-prompt prefill step, or a decode step."""
-    if plan.is_mixed:
-        shape = shape_of(plan)
-        past_s = steps.ms_per_token_past * shape.past_work / 1000
-        return steps.mixed_s(shape.num_decodes, shape.prompt_tokens) + past_s
-    if plan.is_prefill:
-        return steps.prefill_s(sum(s.prompt_len for s in plan.seqs))
-    return steps.decode_s(len(plan.seqs))
+def step_s(plan, steps: StepModel, chunked: bool = True) -> float:
+    """The seconds a step of `plan` (server/sched/scheduler.py StepPlan) takes: a step of d
+    decodes and c prompt tokens (chunks, or whole prompts beside the decodes' one token each)
+    and the past those attend to, or a decode step; `chunked`: False (chunked prefill off) times
+    a step of whole prompts alone as a prefill of their tokens."""
+    if not plan.is_prefill:
+        return steps.decode_s(len(plan.seqs))
+    shape = shape_of(plan)
+    if not chunked and not shape.num_decodes:
+        return steps.prefill_s(shape.prompt_tokens)
+    past_s = steps.ms_per_token_past * shape.past_work / 1000
+    return steps.mixed_s(shape.num_decodes, shape.prompt_tokens) + past_s

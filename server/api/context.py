@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import threading
 from dataclasses import dataclass
-from typing import Any
 
 from flask import request
 
@@ -21,6 +20,7 @@ from toppings.server.api.logprobs import TokenText
 from toppings.server.api.metrics import ServerMetrics
 from toppings.server.api.peer_fetch import PeerFetcher
 from toppings.server.api.tokenizer_pool import TokenizerPool
+from toppings.server.engine.client import EngineClient
 from toppings.server.http.frontend import InFlightLimit, Slot
 from toppings.server.requests.errors import (
     RETRY_AFTER_S,
@@ -58,7 +58,7 @@ class ApiContext:
     operator gave an adapter store.
     """
 
-    engine: Any
+    engine: EngineClient
     state: ServerState
     limits: RequestLimits
     token_text: TokenText

@@ -260,8 +260,6 @@ class AdapterManager:
         """
         if not any(entries):
             return None
-        if self.mode.stall_for_load:
-            self._wait_for_loads(entries)
         return LoraBatch(
             self.pool,
             self.kernels,
@@ -274,9 +272,12 @@ class AdapterManager:
             trace=self._trace,
         )
 
-    @staticmethod
-    def _wait_for_loads(entries: list[CacheEntry | None]) -> None:
-        """Block the step until every one of its adapters is resident (on-demand-sync)."""
+    def wait_for_loads(self, entries: list[CacheEntry | None]) -> None:
+        """Under a mode that stalls for loads (on-demand-sync), wait until every one of a
+        step's adapters is resident: the engine calls it before the step's forward pass, which
+        never waits on a load; raises when a load failed (the step's requests fail)."""
+        if not self.mode.stall_for_load:
+            return
         for entry in entries:
             if entry is not None and not entry.ticket.done:
                 entry.ticket.wait()

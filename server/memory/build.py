@@ -1,10 +1,11 @@
 """Builds the node's memory side in one place: the KV pool, the prefix tree, the host tier,
 the adapter cache and the managers that share them.
 
-The KV pool and the adapter blocks call the reclaimer when they run out of blocks, and the
-reclaimer evicts from the adapter cache, which charges the adapter blocks: the reclaimer is
-built last, and the two get its `reclaim` at construction through a forward reference; the
-adapter blocks ask the manager, built after them, what is not promised the same way.
+The adapter blocks call the reclaimer when a load runs out of blocks (at admission, in the
+scheduler), and the reclaimer evicts from the adapter cache, which charges the adapter blocks:
+the reclaimer is built last, and the blocks get its `reclaim` at construction through a
+forward reference; they ask the manager, built after them, what is not promised the same way.
+The KV pool calls nothing: the manager makes room before it reserves a step's slots.
 """
 
 from __future__ import annotations
@@ -79,7 +80,6 @@ def build_memory(
         dtype,
         device,
         cfg.block_tokens,
-        reclaim=reclaim,
     )
     counters = MemoryCounters()
     tree = PrefixTree(kv.block_tokens) if cfg.prefix_cache else None

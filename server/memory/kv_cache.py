@@ -11,7 +11,7 @@ step finds every running request's keys through one index (read in place by
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import torch
 
@@ -43,10 +43,9 @@ class KVPool:
         dtype: torch.dtype,
         device: str | torch.device = "cpu",
         block_tokens: int = 16,
-        reclaim: Callable[[int], object] | None = None,
     ):
-        """reclaim: called with a number of blocks when fewer are free; frees what it can
-        (evicts cached items). None: a full pool is an error."""
+        """A full pool is an error: making room (evicting cached items) is the memory
+        manager's, before it asks (server.memory.manager.MemoryManager.allocate)."""
         self.block_tokens = bt = block_tokens
         self.num_blocks = -(-num_slots // bt)
         self.num_slots = self.num_blocks * bt
@@ -58,7 +57,6 @@ class KVPool:
         self.block_bytes = 2 * self.k[:, :, :bt].numel() * self.k.element_size()  # K and V
         self.max_len = max_len
         self._free = list(range(self.num_blocks - 1, -1, -1))  # a stack; the top is the end
-        self._reclaim = reclaim
         self.req_to_slot = torch.zeros(max_requests, max_len, dtype=torch.int64, device=device)
         self.lengths = [0] * max_requests
         self.row_blocks: list[list[int]] = [[] for _ in range(max_requests)]
@@ -108,8 +106,6 @@ class KVPool:
         self.lengths[row] = n
 
     def alloc_blocks(self, n: int) -> list[int]:
-        if n > len(self._free) and self._reclaim is not None:
-            self._reclaim(n - len(self._free))
         if n > len(self._free):
             raise RuntimeError(f"KV cache full: {n} blocks asked, {len(self._free)} free")
         taken = self._free[len(self._free) - n :]
@@ -132,6 +128,43 @@ class KVPool:
         self.req_to_slot[row, start : start + n] = slots
         self.lengths[row] = start + n
         return slots
+
+    def missing_blocks(self, rows: list[int], counts: list[int]) -> int:
+        """Blocks these rows need more to take counts[i] more positions each."""
+        bt = self.block_tokens
+        return sum(max(-(-(self.lengths[r] + n) // bt) - len(self.row_blocks[r]), 0)
+                   for r, n in zip(rows, counts))  # fmt: skip
+
+    def reserve(self, rows: list[int], counts: list[int]) -> list[int]:
+        """Give rows[i] counts[i] more positions (a step's slots, all or none: raises before
+        taking anything when the free blocks are too few). Returns where each one's new
+        positions start; their slots are in `req_to_slot` from there."""
+        bt = self.block_tokens
+        starts = [self.lengths[r] for r in rows]
+        for r, b, n in zip(rows, starts, counts):
+            if b + n > self.max_len:
+                raise RuntimeError(f"request row {r} would exceed {self.max_len} tokens")
+        missing = [max(-(-(b + n) // bt) - len(self.row_blocks[r]), 0)
+                   for r, b, n in zip(rows, starts, counts)]  # fmt: skip
+        taken = self.alloc_blocks(sum(missing))
+        for r, m in zip(rows, missing):
+            if m:
+                self.row_blocks[r].extend(taken[:m])
+                del taken[:m]
+        ones = [i for i, n in enumerate(counts) if n == 1]  # decodes: one write for all
+        if ones:
+            rs, cs = [rows[i] for i in ones], [starts[i] for i in ones]
+            slots = [1 + self.row_blocks[r][c // bt] * bt + c % bt for r, c in zip(rs, cs)]
+            self.req_to_slot[rs, cs] = torch.tensor(slots, dtype=torch.int64,
+                                                    device=self.req_to_slot.device)  # fmt: skip
+        for r, b, n in zip(rows, starts, counts):
+            if n > 1:
+                first, last = b // bt, -(-(b + n) // bt)
+                slots = self.slots_of(self.row_blocks[r][first:last])
+                self.req_to_slot[r, b : b + n] = slots[b - first * bt : b - first * bt + n]
+        for r, n in zip(rows, counts):
+            self.lengths[r] += n
+        return starts
 
     def extend_each(self, rows: list[int]) -> torch.Tensor:
         """One more position for each request (a decode step). Returns int64 [B]."""

@@ -141,9 +141,10 @@ class MemoryManager:
         for node in path:
             self.tree.hold(node, now)
             hold.held.append(node)
-        for node in path:
-            if not node.on_device:
-                self.swap.swap_in(node)
+        on_host = [n for n in path if not n.on_device]
+        self.make_room(len(on_host))  # a copy back takes a free block each
+        for node in on_host:
+            self.swap.swap_in(node)
         hold.num_matched = len(path)
         hold.cached_tokens = len(path) * self.kv.block_tokens
         self.kv.attach_prefix(hold.row, [n.block for n in path])
@@ -154,6 +155,24 @@ class MemoryManager:
         return hold
 
     # ---- as requests run --------------------------------------------------------------------
+
+    def allocate(self, seqs: list, tokens: list[int]) -> list[int] | None:
+        """Reserve the KV slots of a step: seqs[i]'s next tokens[i] tokens, all or none
+        (cached items leave the device first where the free blocks are too few); returns
+        where each one's tokens start, or None when the blocks cannot be had."""
+        kv = self.kv
+        rows = [s.kv_hold.row for s in seqs]
+        need = kv.missing_blocks(rows, tokens)
+        if need > kv.num_free_blocks:
+            self.make_room(need)
+        if need > kv.num_free_blocks:
+            return None
+        return kv.reserve(rows, tokens)
+
+    def make_room(self, num_blocks: int) -> None:
+        """Evict cached items until num_blocks are free (or nothing more may leave)."""
+        if num_blocks > self.kv.num_free_blocks:
+            self.reclaimer.reclaim(num_blocks - self.kv.num_free_blocks)
 
     def after_prefill(self, seqs, seconds: float, num_tokens: int, now: float) -> None:
         """Cache the prompt blocks just computed, visible at once to later requests."""

@@ -3,8 +3,9 @@
 A reclaim frees blocks by moving cached items off the device in the memory policy's order:
 prefix-tree leaves (to the host tier when there is one, else dropped) and, where adapters are
 charged to the pool, idle adapters (no reference, loaded, no device KV below them). Adapters of
-queued requests go last. The KV pool calls `reclaim` when a block is asked for and none is free;
-the adapter blocks call it when a load needs room.
+queued requests go last. The memory manager calls `reclaim` before it reserves a step's KV slots
+(in the scheduler, before the step runs) when too few blocks are free; the adapter blocks call
+it when a load needs room (at admission). Nothing reclaims during a forward pass.
 
 FastLibra's swapper (`tick`, about every 100 ms): above the high watermark cached leaves leave
 the device down to the low one; below the low one, host blocks come back while copying them

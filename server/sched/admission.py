@@ -18,11 +18,14 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
+from toppings.server.requests.errors import NOT_FOUND, unknown_adapter
+from toppings.server.requests.request import GenerationRequest, RequestError
 from toppings.server.requests.sequence import Sequence
 from toppings.server.sched.queueing import Verdict
 
 if TYPE_CHECKING:
     from toppings.server.config import SchedulingConfig
+    from toppings.server.memory.manager import MemoryManager
     from toppings.server.sched.step_budget import StepBudget
 
 
@@ -69,6 +72,11 @@ class Memory(Protocol):
 
     def release(self, seq: Sequence, keep_kv: bool, now: float) -> None:
         """Give back what `seq.kv_hold` holds and clear it."""
+
+    def allocate(self, seqs: list[Sequence], tokens: list[int]) -> list[int] | None:
+        """Reserve the KV slots of a step, seqs[i]'s next tokens[i] tokens, all or none;
+        returns where each one's tokens start (its computed-token count), or None when the
+        blocks cannot be had."""
 
     def tick(self, now: float) -> None: ...
 
@@ -151,6 +159,41 @@ class GateLimits:
         return tokens
 
 
+def check_request(
+    request: GenerationRequest,
+    vocab_size: int,
+    max_model_len: int,
+    memory: MemoryManager,
+    adapters: Adapters,
+) -> None:
+    """Raise RequestError when `request` can never be served: an empty prompt, a token outside
+    the vocabulary, an unknown adapter (404), a prompt plus max_new_tokens beyond the context,
+    or more memory blocks (its worst-case KV and, where adapters take pool blocks, its adapter)
+    than the whole pool has, the most admission could ever promise it."""
+    ids = request.prompt_ids
+    if not ids:
+        raise RequestError("the prompt is empty")
+    if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size for t in ids):
+        raise RequestError(f"token ids must be integers in [0, {vocab_size})")
+    if request.adapter is not None and request.adapter not in adapters.registry:
+        raise RequestError(unknown_adapter(request.adapter), 404, NOT_FOUND)
+    need = len(ids) + request.params.max_new_tokens
+    if need > max_model_len:
+        raise RequestError(
+            f"prompt ({len(ids)} tokens) plus max_new_tokens "
+            f"({request.params.max_new_tokens}) exceeds the context of {max_model_len} tokens"
+        )
+    blocks = memory.blocks_for(need)
+    if memory.shared and request.adapter is not None:
+        blocks += memory.blocks_for_bytes(adapters.bytes_of(request.adapter))
+    kv = memory.kv
+    if blocks > kv.num_blocks:
+        raise RequestError(
+            f"request needs {blocks} memory blocks of {kv.block_tokens} tokens (KV for "
+            f"{need} tokens and its adapter); the server has {kv.num_blocks}"
+        )
+
+
 def release(seq: Sequence, memory: Memory, adapters: Adapters, keep_kv: bool, now: float) -> None:
     """Give back a request's KV row, reservation and prefix-tree nodes (its computed blocks stay
     cached unless keep_kv is False: after an error) and its adapter reference."""
@@ -180,14 +223,14 @@ class AdmissionGate:
         clock: Callable[[], float],
         planned: Mapping[Sequence, int] | None = None,
     ):
-        """planned: with chunked prefill, the tokens of the step already planned per request
-        (1 for each running decode, a chunk for each prompt being prefilled)."""
+        """planned: the tokens of the step already planned per request (1 for each running
+        decode, with chunked prefill a chunk for each prompt being prefilled)."""
         self.running, self.waiting = running, waiting
         self.memory, self.adapters, self.limits, self.clock = memory, adapters, limits, clock
         self.admitted: list[Sequence] = []
         self.prefill_tokens = 0
-        # chunked prefill: every request computing in this step -> its tokens (planned, then
-        # admitted); the decodes' share tells whether the step has a prompt token yet
+        # every request computing in this step -> its tokens (planned, then admitted); the
+        # decodes' share tells whether the step has a prompt token yet
         self.chunks: dict[Sequence, int] = dict(planned or {})
         self.step_tokens = sum(self.cost(s, n) for s, n in self.chunks.items())  # of the budget
         self.decode_tokens = sum(n for s, n in self.chunks.items() if s.is_prefilled)
@@ -226,11 +269,12 @@ class AdmissionGate:
         seq.kv_hold = mem.admit(seq, path, self.clock())
         seq.num_prefilled = seq.prompt_len - computed
         self.prefill_tokens += computed
-        if limits.max_step_tokens is not None:
+        chunk = computed  # chunked prefill off: the whole prompt, in one step
+        if limits.max_step_tokens is not None and not is_whole(seq):
             left = limits.chunk_within(self._chunk_left(max_chunk), seq.num_prefilled)
-            chunk = computed if is_whole(seq) else min(computed, left)
-            self.chunks[seq] = chunk
-            self.step_tokens += self.cost(seq, chunk)
+            chunk = min(computed, left)
+        self.chunks[seq] = chunk
+        self.step_tokens += self.cost(seq, chunk)
         self.admitted.append(seq)
         return Verdict.ADMITTED
 

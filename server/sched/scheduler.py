@@ -1,25 +1,27 @@
 """What the engine runs next, and what becomes of the requests after it ran: no torch here.
 
-Each iteration `schedule` lets the queue policy admit waiting requests through an
-`AdmissionGate`; the admitted ones make a prefill step, else the running batch makes a decode
-step. With chunked prefill (`GateLimits.max_step_tokens` set) a step is mixed instead: every
-running decode first, then a chunk of each prompt being prefilled (as the queue policy plans
-them, before any admission: a request keeps its place), then chunks of newly admitted prompts,
-until the step's token budget is used; a prompt longer than the budget is spread over steps,
-and its request samples its first token in the step that computes its last chunk.
+One plan shape (vLLM v1's): every request carries its computed-token count, and each step gives
+each scheduled request a token count (a decode 1, a prompt its chunk, an unchunked prompt all
+of it) and whether it samples. Each iteration `schedule` plans the running decodes, then the
+prompts being prefilled, then lets the queue policy admit waiting requests through an
+`AdmissionGate`, within the step's token budget (chunked prefill, `GateLimits.max_step_tokens`;
+a prompt longer than the budget is spread over steps, and its request samples its first token
+in the step that computes its last chunk) or, with chunked prefill off, whole prompts up to
+`max_prefill_tokens` beside the decodes (the same path, the prompt budget not bounded by a
+step). It then reserves every planned request's KV slots through the memory, before the step.
 
 The plan goes to a model runner (or a simulator's step-time model), whose tokens come back to
-`update`: the prefilled requests join the running batch, every request appends its token, and
-the ones that are done end (`finish`: their KV hold, prefix-tree nodes and adapter
-reference are given back, the last output is sent). One request in a step failing fails that
-step (`fail`), not the others.
+`update`: each prompt advances by its chunk, every sampling request appends its token, and the
+ones that are done end (`finish`: their KV hold, prefix-tree nodes and adapter reference are
+given back, the last output is sent). One request in a step failing fails that step (`fail`),
+not the others.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
 from toppings.server.requests.sequence import Sequence
@@ -31,6 +33,7 @@ from toppings.server.sched.admission import (
     is_whole,
     release,
 )
+from toppings.server.sched.bypass import is_deterministic
 from toppings.server.sched.queueing import QueuePolicy
 from toppings.server.sched.step_budget import MIN_CHUNK, StepBudget
 
@@ -40,37 +43,45 @@ COMPLETED = ("stop", "length")  # finish reasons of a request that ran to its en
 
 @dataclass(frozen=True)
 class StepPlan:
-    """One step: its requests (one adapter's side by side, so the LoRA kernels run once per run
-    of them) and whether it computes prompt tokens (`is_prefill`) or only decodes.
-
-    A mixed step (chunked prefill) has `chunks`: per request, the tokens it computes this step
-    (1 for a decode; a prompt chunk otherwise, starting at its `num_prefilled`), and `samples`:
-    whether it samples a token (a decode, or the last chunk of its prompt). Without `chunks`
-    every request computes its whole prompt (prefill) or one token (decode), and samples."""
+    """One step, in vLLM v1's single shape: its requests (one adapter's side by side, so the
+    LoRA kernels run once per run of them), the tokens each computes (`tokens`: a decode 1, a
+    prompt its chunk, an unchunked prompt all of what its cached prefix leaves), the position
+    its tokens start at (`starts`: its computed-token count before the step, the slots the
+    scheduler reserved for it following), and whether it samples a token (`samples`: a decode,
+    or the chunk that ends its prompt). `is_prefill`: whether the step computes prompt tokens
+    (else every count is 1 and the step is a decode step, which CUDA graphs may replay)."""
 
     seqs: tuple[Sequence, ...]
+    tokens: tuple[int, ...]
+    samples: tuple[bool, ...]
+    starts: tuple[int, ...]
     is_prefill: bool
-    chunks: tuple[int, ...] | None = None
-    samples: tuple[bool, ...] | None = None
 
-    @property
-    def is_mixed(self) -> bool:
-        return self.chunks is not None
+    @classmethod
+    def of(cls, chunks: Mapping[Sequence, int], starts: Mapping[Sequence, int]) -> StepPlan:
+        """The plan of these requests computing `chunks[seq]` tokens from `starts[seq]`, before
+        any runs (a request not yet prefilled samples when its chunk ends its prompt)."""
+        seqs = tuple(sorted(chunks, key=_adapter_key))
+        tokens = tuple(chunks[s] for s in seqs)
+        samples = tuple(s.is_prefilled or s.num_prefilled + chunks[s] >= s.prompt_len
+                        for s in seqs)  # fmt: skip
+        is_prefill = not all(s.is_prefilled for s in seqs)
+        return cls(seqs, tokens, samples, tuple(starts.get(s, 0) for s in seqs), is_prefill)
 
     @property
     def sampled(self) -> tuple[Sequence, ...]:
         """The requests that get a token from this step, in plan order."""
-        if self.samples is None:
-            return self.seqs
         return tuple(s for s, sample in zip(self.seqs, self.samples) if sample)
 
     def subset(self, keep: list[int]) -> StepPlan:
         """The plan of the requests at indices `keep` only."""
 
-        def pick(values: tuple | None) -> tuple | None:
-            return None if values is None else tuple(values[i] for i in keep)
+        def pick(values: tuple) -> tuple:
+            return tuple(values[i] for i in keep)
 
-        return StepPlan(pick(self.seqs), self.is_prefill, pick(self.chunks), pick(self.samples))
+        seqs = pick(self.seqs)
+        return StepPlan(seqs, pick(self.tokens), pick(self.samples), pick(self.starts),
+                        self.is_prefill)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -104,6 +115,7 @@ class Scheduler:
         self.on_end = on_end
         self.running: list[Sequence] = []
         self.finished: dict[str, int] = {}  # finish reason -> requests
+        self.preemptions = 0  # running requests taken back for memory (`_reserve`)
 
     def add(self, seq: Sequence) -> None:
         self.queue.push(seq, self.clock())
@@ -129,30 +141,16 @@ class Scheduler:
 
     def schedule(self) -> StepPlan | None:
         """The next step, or None when nothing can run now (requests may wait for an adapter
-        load or for memory)."""
-        self.memory.tick(self.clock())
-        if self.limits.max_step_tokens is not None:
-            return self._schedule_mixed()
-        admitted = self._admit(self.gate())
-        step = admitted or list(self.running)
-        if not step:
-            return None
-        return StepPlan(tuple(sorted(step, key=_adapter_key)), bool(admitted))
+        load or for memory).
 
-    def _admit(self, gate: AdmissionGate) -> list[Sequence]:
-        try:
-            return self.queue.select(gate, self.running, self.clock())
-        except Exception as exc:  # one request's admission failing fails that request only
-            log.exception("admission failed")
-            return self._recover(gate, f"admission error: {exc}")
-
-    def _schedule_mixed(self) -> StepPlan | None:
-        """A chunked-prefill step: the running decodes, then chunks of the prompts being
-        prefilled as the queue policy plans them (before any admission: a request being
-        prefilled keeps its place), then chunks of newly admitted prompts, within the budget of
-        a step of that many decodes (GateLimits.step_tokens); what the policy's quotas leave
-        of the budget at the end goes to the prompts being prefilled, oldest first. The
-        admitted join `running` at once.
+        One path for both settings: the running decodes (one token each), then chunks of the
+        prompts being prefilled as the queue policy plans them (before any admission: a request
+        being prefilled keeps its place), then newly admitted prompts, which join `running` at
+        once. With chunked prefill the step holds the budget of a step of that many decodes
+        (GateLimits.step_tokens), and what the policy's quotas leave of it at the end goes to
+        the prompts being prefilled, oldest first; without (`max_step_tokens` None) the prompt
+        budget is unbounded by the step: each admitted prompt is computed whole, up to
+        `max_prefill_tokens` of prompts a step (the first one always).
 
         Partial prefills (as vLLM's `--max-num-partial-prefills`): a prompt is not held for the
         whole of an older, longer prompt's prefill (one tenant's long prompts do not set
@@ -164,26 +162,48 @@ class Scheduler:
         prompts being prefilled, oldest first. Prompts of equal or greater length keep their
         order (FCFS). Under chameleon only prompts of one queue share so (its quotas share a
         step between queues).
+
+        Each planned request's KV slots are reserved here (`Memory.allocate`), before the step
+        runs; see `_reserve`.
         """
+        self.memory.tick(self.clock())
         decodes = [s for s in self.running if s.is_prefilled]
         prefilling = [s for s in self.running if not s.is_prefilled]
-        budget = self.limits.step_tokens(len(decodes))
-        limits = replace(self.limits, max_step_tokens=budget)
         planned: dict[Sequence, int] = {s: 1 for s in decodes}
-        left = budget - len(decodes)
-        sharers, num_shares = self._sharers(prefilling)
-        share = None
-        if num_shares > 1:
-            prefilling, share = sharers, max(left // num_shares, MIN_CHUNK)
-        for seq, n in self.queue.plan_chunks(decodes, prefilling, left, share).items():
-            if n > 0:  # the policy plans budget tokens: a chunk after a long past gets fewer
-                planned[seq] = min(n, limits.chunk_within(n, seq.num_prefilled))
+        limits, budget = self.limits, None
+        if limits.max_step_tokens is not None:
+            budget = limits.step_tokens(len(decodes))
+            limits = replace(limits, max_step_tokens=budget)
+            left = budget - len(decodes)
+            sharers, num_shares = self._sharers(prefilling)
+            share = None
+            if num_shares > 1:
+                prefilling, share = sharers, max(left // num_shares, MIN_CHUNK)
+            for seq, n in self.queue.plan_chunks(decodes, prefilling, left, share).items():
+                if n > 0:  # the policy plans budget tokens: a chunk after a long past gets fewer
+                    planned[seq] = min(n, limits.chunk_within(n, seq.num_prefilled))
         gate = self.gate(planned, limits)
         admitted = self._admit(gate)
         self.running.extend(admitted)
         still = set(self.running)  # the policy may have squashed some: they wait again
         chunks = {s: n for s, n in gate.chunks.items() if s in still}
-        left = budget - sum(gate.cost(s, n) for s, n in chunks.items())
+        if budget is not None:
+            self._fill(chunks, limits, budget - sum(gate.cost(s, n) for s, n in chunks.items()))
+        starts = self._reserve(chunks)
+        if not chunks:
+            return None
+        return StepPlan.of(chunks, starts)
+
+    def _admit(self, gate: AdmissionGate) -> list[Sequence]:
+        try:
+            return self.queue.select(gate, self.running, self.clock())
+        except Exception as exc:  # one request's admission failing fails that request only
+            log.exception("admission failed")
+            return self._recover(gate, f"admission error: {exc}")
+
+    def _fill(self, chunks: dict[Sequence, int], limits: GateLimits, left: int) -> None:
+        """Give what the step's budget has `left` to the prompts being prefilled, oldest
+        first (chunked prefill)."""
         for seq in self.running:
             if left <= 0:
                 break
@@ -195,15 +215,48 @@ class Scheduler:
                 if more > 0:
                     chunks[seq] = had + more
                     left -= limits.chunk_cost(had + more, past) - cost
-        if not chunks:
-            return None
-        seqs = sorted(chunks, key=_adapter_key)
-        if all(s.is_prefilled for s in seqs):
-            return StepPlan(tuple(seqs), False)  # a decode step: CUDA graphs may run it
-        sizes = tuple(chunks[s] for s in seqs)
-        samples = tuple(s.is_prefilled or s.num_prefilled + chunks[s] >= s.prompt_len
-                        for s in seqs)  # fmt: skip
-        return StepPlan(tuple(seqs), True, sizes, samples)
+
+    def _reserve(self, chunks: dict[Sequence, int]) -> dict[Sequence, int]:
+        """Reserve the planned requests' slots for their tokens of this step through the memory
+        (before the step: the runner only writes them); returns where each one's tokens start.
+        When they cannot be had, the youngest running request is preempted (recompute: it waits
+        again and is computed from its prompt; only a greedy or seeded one, which computes the
+        same tokens again) and the rest tried again; with no such request left, the youngest
+        planned one fails alone. Admission's worst-case reservations make this a fault path:
+        an admitted request always finds its blocks, once cached items have left."""
+        while chunks:
+            seqs = [s for s in self.running if s in chunks]  # the oldest first
+            starts = self.memory.allocate(seqs, [chunks[s] for s in seqs])
+            if starts is not None:
+                return dict(zip(seqs, starts))
+            victim = self._victim()
+            if victim is None:
+                chunks.pop(seqs[-1])
+                self.finish(seqs[-1], "error", error="no KV memory left for this request")
+            else:
+                log.warning("preempting request %s (recompute) for KV memory",
+                            victim.request.request_id)  # fmt: skip
+                chunks.pop(victim, None)
+                self.preempt(victim)
+        return {}
+
+    def _victim(self) -> Sequence | None:
+        """The running request preemption takes back first: the youngest that computes the
+        same tokens when run again (greedy, or seeded)."""
+        for seq in reversed(self.running):
+            if is_deterministic(seq.request.params):
+                return seq
+        return None
+
+    def preempt(self, seq: Sequence) -> None:
+        """Take a running request back to the queue (recompute): its memory and adapter go
+        back (its computed blocks stay cached), and it runs again from its prompt."""
+        self.running.remove(seq)
+        self.queue.finished(seq, False, self.clock())
+        self.release(seq, keep_kv=True)
+        seq.restart()
+        self.queue.push(seq, self.clock())
+        self.preemptions += 1
 
     def _sharers(self, prefilling: list[Sequence]) -> tuple[list[Sequence], int]:
         """The prompts being prefilled that share this step's room (the oldest, and the
@@ -234,31 +287,18 @@ class Scheduler:
         return [s for s in gate.admitted if not s.finished]
 
     def update(self, plan: StepPlan, result: StepResult) -> None:
-        """Take a step's tokens: prefilled requests start running; finished ones end."""
-        if plan.is_mixed:
-            self._update_mixed(plan, result)
-            return
-        seqs = list(plan.seqs)
-        for seq in seqs:
-            seq.num_prefilled = seq.prompt_len
-        if plan.is_prefill:
-            self.running.extend(seqs)
-            self.memory.after_prefill(seqs, result.forward_s, result.num_computed, self.clock())
-        else:
-            self.memory.after_decode(len(seqs), self.clock())
-        for seq, token in zip(seqs, result.tokens):
-            reason = seq.append(token, self.eos_ids, self.max_model_len)
-            if reason is not None:
-                self.finish(seq, reason)
-
-    def _update_mixed(self, plan: StepPlan, result: StepResult) -> None:
-        """Advance each chunk's prompt, cache its full blocks, and append the sampled tokens."""
-        chunked = []
-        for seq, n in zip(plan.seqs, plan.chunks):
+        """Take a step's tokens: each prompt advances by its chunk (its full blocks are cached
+        at once), the sampling requests append their token, and finished ones end."""
+        prompted = []
+        for seq, n in zip(plan.seqs, plan.tokens):
             if not seq.is_prefilled:
-                seq.num_prefilled += n
-                chunked.append(seq)
-        self.memory.after_prefill(chunked, result.forward_s, result.num_computed, self.clock())
+                seq.num_prefilled = min(seq.num_prefilled + n, seq.prompt_len)
+                prompted.append(seq)
+        now = self.clock()
+        if prompted:
+            self.memory.after_prefill(prompted, result.forward_s, result.num_computed, now)
+        else:
+            self.memory.after_decode(len(plan.seqs), now)
         for seq, token in zip(plan.sampled, result.tokens):
             reason = seq.append(token, self.eos_ids, self.max_model_len)
             if reason is not None:

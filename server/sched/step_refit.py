@@ -117,19 +117,11 @@ def _theil_sen(points: list[tuple[float, float]]) -> float:
 
 def shape_of(plan: StepPlan) -> StepShape:
     """The shape of `plan` before it runs (its requests' `num_prefilled` not yet advanced)."""
-    if not plan.is_mixed:  # whole prompts, or decodes only
-        if plan.is_prefill:
-            return StepShape(0, sum(s.prompt_len for s in plan.seqs), _past_work(plan.seqs))
-        return StepShape(len(plan.seqs))
     decodes, tokens, past = 0, 0, 0.0
-    for seq, n in zip(plan.seqs, plan.chunks):
+    for seq, n in zip(plan.seqs, plan.tokens):
         if seq.is_prefilled:
             decodes += 1
         else:
             tokens += n
             past += n * (seq.num_prefilled + (n - 1) / 2)
     return StepShape(decodes, tokens, past)
-
-
-def _past_work(seqs) -> float:
-    return sum(s.prompt_len * (s.prompt_len - 1) / 2 for s in seqs)

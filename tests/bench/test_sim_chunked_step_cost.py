@@ -31,17 +31,23 @@ def prefilled(prompt_len: int) -> SimSeq:
     return seq
 
 
+def plan_of(seqs, tokens) -> StepPlan:
+    return StepPlan.of(dict(zip(seqs, tokens)), {})
+
+
 def test_a_planned_mixed_step_is_timed_by_its_decodes_and_chunks():
     decodes = [prefilled(30) for _ in range(3)]
     chunked = [SimSeq(500, 8, 0.0, "a"), SimSeq(40, 8, 0.0, "a")]
-    plan = StepPlan(tuple(decodes + chunked), True, (1, 1, 1, 120, 40), (True,) * 3 + (False, True))
+    plan = plan_of(decodes + chunked, (1, 1, 1, 120, 40))
     assert step_s(plan, MODEL) == pytest.approx(MODEL.mixed_s(3, 160))
 
 
 def test_whole_prompt_and_decode_steps_keep_their_own_costs():
     seqs = (SimSeq(70, 8, 0.0, "a"), SimSeq(30, 8, 0.0, "a"))
-    assert step_s(StepPlan(seqs, True), MODEL) == pytest.approx(MODEL.prefill_s(100))
-    assert step_s(StepPlan(tuple(prefilled(9) for _ in range(5)), False), MODEL) == 0.065
+    assert step_s(plan_of(seqs, (70, 30)), MODEL, chunked=False) == pytest.approx(
+        MODEL.prefill_s(100)
+    )
+    assert step_s(plan_of([prefilled(9) for _ in range(5)], (1,) * 5), MODEL) == 0.065
 
 
 def test_a_late_chunk_costs_the_past_it_attends_to():
@@ -49,7 +55,7 @@ def test_a_late_chunk_costs_the_past_it_attends_to():
                           ms_per_token_past=0.01)  # fmt: skip
     decode, late = prefilled(30), SimSeq(2000, 8, 0.0, "a")
     late.num_prefilled = 1000
-    plan = StepPlan((decode, late), True, (1, 100), (True, False))
+    plan = plan_of([decode, late], (1, 100))
     past_ms = 0.01 * 100 * (1000 + 99 / 2)
     assert step_s(plan, slow_past) == pytest.approx(slow_past.mixed_s(1, 100) + past_ms / 1000)
 

@@ -106,14 +106,15 @@ def test_chunked_matches_unchunked_and_peft(tmp_path_factory, kernel, mode, work
     whole, whole_plans, _, _ = run_engine(
         model_dir, adapters, rounds, kernel, mode, workers, chunked=False
     )
-    assert not any(p.is_mixed for p in whole_plans)
+    # unchunked: every prompt whole in its step (each samples), decodes beside it
+    assert all(all(p.samples) for p in whole_plans)
     # Mixed steps happened: decode rows beside prompt chunks that sample nothing yet, of
     # several adapters, within the budget; the prefix of the second round was reused.
-    mixed = [p for p in plans if p.is_mixed]
-    assert all(sum(p.chunks) <= BUDGET for p in mixed)
+    mixed = [p for p in plans if p.is_prefill]
+    assert all(sum(p.tokens) <= BUDGET for p in mixed)
     assert any(
         not all(p.samples)
-        and any(s.output_ids and n == 1 for s, n in zip(p.seqs, p.chunks))
+        and any(s.output_ids and n == 1 for s, n in zip(p.seqs, p.tokens))
         and len({s.request.adapter for s in p.seqs}) > 1
         for p in mixed
     )
@@ -159,7 +160,7 @@ def test_logprobs_exact_in_mixed_steps(tmp_path_factory, tiny_model_dir):
             h.result(timeout_s=5)
     finally:
         engine.shutdown()
-    assert any(p is not None and p.is_mixed and not all(p.samples) for p in plans)
+    assert any(p is not None and p.is_prefill and not all(p.samples) for p in plans)
     check_against_reference(tiny_model_dir, adapters, scored, results)
 
 
@@ -196,7 +197,7 @@ def test_long_prompt_does_not_stall_32_decoding_streams(tmp_path_factory):
             plan = engine.step()
             steps += 1
             assert [len(s.output_ids) for s in decoding] == [n + 1 for n in before]
-            assert sum(plan.chunks) <= 64
+            assert sum(plan.tokens) <= 64
             if any(s.prompt_len == 1000 and s.output_ids for s in plan.seqs):
                 break
         assert steps == -(-1000 // 32)

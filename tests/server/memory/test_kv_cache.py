@@ -8,9 +8,8 @@ import torch
 from toppings.server.memory.kv_cache import KVPool
 
 
-def make_pool(num_slots=32, max_requests=4, max_len=16, block_tokens=1, reclaim=None) -> KVPool:
-    return KVPool(2, num_slots, 1, 4, max_requests, max_len, torch.float32, "cpu", block_tokens,
-                  reclaim=reclaim)  # fmt: skip
+def make_pool(num_slots=32, max_requests=4, max_len=16, block_tokens=1) -> KVPool:
+    return KVPool(2, num_slots, 1, 4, max_requests, max_len, torch.float32, "cpu", block_tokens)
 
 
 def test_slots_are_unique_and_never_zero():
@@ -81,18 +80,29 @@ def test_blocks_cover_positions_and_borrowed_blocks_are_not_freed():
     assert pool.num_free_blocks == 16 - 1
 
 
-def test_reclaim_is_asked_for_what_is_missing():
-    asked = []
-
-    def reclaim(n):
-        asked.append(n)
-        pool.free_blocks([held.pop()])
-
-    pool = make_pool(num_slots=8, block_tokens=4, reclaim=reclaim)
+def test_a_full_pool_raises_and_reclaims_nothing():
+    pool = make_pool(num_slots=8, block_tokens=4)
     held = pool.alloc_blocks(2)
     row = pool.new_row()
-    pool.extend(row, 3)
-    assert asked == [1] and pool.num_free_blocks == 0
+    with pytest.raises(RuntimeError, match="KV cache full"):
+        pool.extend(row, 3)
+    assert pool.num_free_blocks == 0 and len(held) == 2
+
+
+def test_reserve_gives_a_steps_slots_all_or_none():
+    pool = make_pool(num_slots=16, block_tokens=4)
+    a, b = pool.new_row(), pool.new_row()
+    assert pool.reserve([a, b], [5, 1]) == [0, 0]  # a prompt chunk and a first token
+    assert pool.missing_blocks([a, b], [1, 8]) == 0 + 2
+    assert pool.reserve([a, b], [1, 3]) == [5, 1]  # a decode and a chunk
+    want = [pool.slots_of(pool.row_blocks[r])[: pool.lengths[r]] for r in (a, b)]
+    assert pool.lengths[a] == 6 and pool.lengths[b] == 4
+    for row, slots in zip((a, b), want):
+        assert torch.equal(pool.req_to_slot[row, : pool.lengths[row]], slots)
+    free = pool.num_free_blocks  # 4 - 2 - 1: one block left
+    with pytest.raises(RuntimeError, match="KV cache full"):
+        pool.reserve([a, b], [4, 4])  # two blocks asked: nothing taken
+    assert pool.num_free_blocks == free and pool.lengths[a] == 6 and pool.lengths[b] == 4
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -58,9 +58,9 @@ def test_a_prefetch_never_takes_blocks_promised_to_an_admitted_request(pool):
     promised = memory.kv.num_blocks - need + 2  # leaves need - 2 blocks unpromised
     seq = request(promised * bt)
     assert memory.fits(memory.kv_need(seq, []))
-    hold = memory.admit(seq, [], 0.0)
+    seq.kv_hold = memory.admit(seq, [], 0.0)
     assert not memory.adapter_cache.prefetch(adapter, frozenset())
-    memory.kv.extend(hold.row, promised * bt)  # every promised block is there
+    assert memory.allocate([seq], [promised * bt]) == [0]  # every promised block is there
 
 
 def test_an_adapter_still_loading_counts_as_committed(pool):
@@ -72,5 +72,5 @@ def test_an_adapter_still_loading_counts_as_committed(pool):
     assert not memory.fits(memory.kv_need(too_many, []))
     just = request((memory.kv.num_blocks - need) * bt)
     assert memory.fits(memory.kv_need(just, []))
-    hold = memory.admit(just, [], 0.0)
-    memory.kv.extend(hold.row, just.kv_need)
+    just.kv_hold = memory.admit(just, [], 0.0)
+    assert memory.allocate([just], [just.kv_need]) == [0]

@@ -42,7 +42,7 @@ def step(sched) -> StepPlan | None:
 
 def tokens_of(plan: StepPlan) -> dict:
     """Each request's tokens this step (1 for every request of a pure decode step)."""
-    return dict(zip(plan.seqs, plan.chunks or (1,) * len(plan.seqs)))
+    return dict(zip(plan.seqs, plan.tokens))
 
 
 @pytest.mark.parametrize("policy", ["fcfs", "chameleon"])
@@ -50,7 +50,7 @@ def test_decodes_first_then_chunks_within_the_budget(policy):
     sched, memory, adapters = make_chunked(budget=16, max_batch=8, policy=policy)
     short = [submit(sched, prompt_len=6, max_new=20, ignore_eos=True) for _ in range(3)]
     plan = step(sched)  # three whole prompts: 18 tokens do not fit 16
-    assert plan.is_mixed and sum(plan.chunks) == 16
+    assert plan.is_prefill and sum(plan.tokens) == 16
     assert plan.sampled == tuple(s for s in plan.seqs if s.is_prefilled)
     long = submit(sched, prompt_len=50, max_new=2, ignore_eos=True)
     for _ in range(6):
@@ -127,7 +127,13 @@ def test_unchunked_steps_stay_whole_prompt_prefills():
     sched, _, _ = make_chunked(budget=None, max_batch=8)
     seqs = [submit(sched, prompt_len=50, max_new=2) for _ in range(2)]
     plan = step(sched)
-    assert plan.is_prefill and not plan.is_mixed and set(plan.seqs) == set(seqs)
+    assert plan.is_prefill and set(plan.seqs) == set(seqs)
+    assert plan.tokens == (50, 50) and all(plan.samples) and plan.starts == (0, 0)
+    # the same path as chunked: the running decodes go beside the next whole prompt
+    late = submit(sched, prompt_len=70, max_new=2)
+    plan = step(sched)
+    assert tokens_of(plan) == {seqs[0]: 1, seqs[1]: 1, late: 70} and all(plan.samples)
+    assert dict(zip(plan.seqs, plan.starts)) == {seqs[0]: 50, seqs[1]: 50, late: 0}
 
 
 def test_default_budget_is_derived_from_the_step_time_model():

@@ -36,6 +36,7 @@ class Hold:
     row: int
     reserved: int
     cached_tokens: int = 0
+    length: int = 0  # tokens whose slots the scheduler reserved
 
 
 class KV:
@@ -94,6 +95,12 @@ class Memory:
         self.reserved -= seq.kv_hold.reserved
         self.released.append((seq.request.request_id, keep_kv))
         seq.kv_hold = None
+
+    def allocate(self, seqs, tokens):
+        starts = [s.kv_hold.length for s in seqs]
+        for seq, n in zip(seqs, tokens):
+            seq.kv_hold.length += n
+        return starts
 
     def tick(self, now):
         pass
@@ -229,7 +236,8 @@ def test_the_prefill_token_budget_splits_admissions():
     sched, memory, adapters = make(max_prefill=20)
     seqs = [submit(sched, prompt_len=12) for _ in range(3)]
     assert step(sched).seqs == (seqs[0],)  # 12 + 12 > 20: the second waits a step
-    assert step(sched).seqs == (seqs[1],)  # an iteration that admits prefills, no decode
+    plan = step(sched)  # the next prompt, whole, beside the first one's decode
+    assert dict(zip(plan.seqs, plan.tokens)) == {seqs[0]: 1, seqs[1]: 12}
     run_all(sched)
     assert all(s.finished for s in seqs)
     assert_all_given_back(sched, memory, adapters)
@@ -287,15 +295,17 @@ def test_a_failed_step_fails_its_requests_only_and_drops_their_kv():
     first = submit(sched, max_new=5, adapter="a")
     step(sched)
     second = submit(sched, max_new=5, adapter="b")
-    plan = sched.schedule()  # the second's prefill
-    assert plan.seqs == (second,)
+    third = submit(sched, max_new=5, adapter="b")
+    plan = sched.schedule()  # the second's prefill beside the first's decode; the third waits
+    assert set(plan.seqs) == {first, second}
     sched.fail(plan, "engine error: boom")
-    last = outputs(second)[-1]
-    assert last.finish_reason == "error" and last.error == "engine error: boom"
-    assert (second.request.request_id, False) in memory.released
-    assert sched.running == [first] and not first.finished
+    for seq in (first, second):
+        last = outputs(seq)[-1]
+        assert last.finish_reason == "error" and last.error == "engine error: boom"
+        assert (seq.request.request_id, False) in memory.released
+    assert not sched.running and not third.finished
     run_all(sched)
-    assert outputs(first)[-1].finish_reason == "length"
+    assert outputs(third)[-1].finish_reason == "length"
     assert_all_given_back(sched, memory, adapters)
 
 
@@ -378,3 +388,38 @@ def test_scheduling_and_requests_import_no_torch():
     code += "leaked = [m for m in ('torch', 'triton') if m in sys.modules]\n"
     code += "assert not leaked, leaked\n"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_slots_that_cannot_be_had_preempt_the_youngest_before_the_step():
+    sched, memory, adapters = make(max_batch=4)
+    old, young = submit(sched, max_new=4), submit(sched, max_new=4)
+    step(sched)  # both prefilled, one token each
+    refusals, allocate = [None], memory.allocate
+
+    def refuse_once(seqs, tokens):
+        return refusals.pop() if refusals else allocate(seqs, tokens)
+
+    memory.allocate = refuse_once
+    plan = step(sched)
+    assert plan.seqs == (old,) and sched.preemptions == 1
+    assert young in sched.queue and young.kv_hold is None and not young.output_ids
+    assert (young.request.request_id, True) in memory.released  # its computed KV stays cached
+    run_all(sched)
+    for seq in (old, young):  # the preempted one computed its tokens again, sent once
+        outs = outputs(seq)
+        assert [t for o in outs for t in o.new_token_ids] == [5] * 4
+        assert outs[-1].finish_reason == "length"
+    assert_all_given_back(sched, memory, adapters)
+
+
+def test_a_request_that_cannot_get_its_slots_with_nothing_to_preempt_fails_alone():
+    sched, memory, adapters = make(max_batch=4)
+    params = SamplingParams(4, temperature=1.0)  # random, unseeded: not preempted
+    request = GenerationRequest([2, 3, 4], params, None)
+    seq = Sequence(request, RequestHandle(request, lambda _id: None), Tokenizer(), 0.0)
+    sched.add(seq)
+    memory.allocate = lambda seqs, tokens: None
+    assert sched.schedule() is None
+    last = outputs(seq)[-1]
+    assert last.finish_reason == "error" and "no KV memory" in last.error
+    assert_all_given_back(sched, memory, adapters)

@@ -108,9 +108,9 @@ class _Seq:
 
 def test_a_steps_shape_counts_decodes_prompt_tokens_and_their_past():
     decode, early, late = _Seq(10, 10), _Seq(50, 0), _Seq(500, 400)
-    plan = StepPlan((decode, early, late), True, (1, 20, 20), (True, False, False))
+    plan = StepPlan((decode, early, late), (1, 20, 20), (True, False, False), (10, 0, 400), True)
     assert shape_of(plan) == StepShape(1, 40, 20 * 9.5 + 20 * 409.5)
-    assert shape_of(StepPlan((decode,), False)) == StepShape(1)
+    assert shape_of(StepPlan((decode,), (1,), (True,), (10,), False)) == StepShape(1)
     # what the gate charges a chunk is the same past: n + past_weight x its past work
     limits = GateLimits(8, 512, 100, past_weight=0.01)
     assert limits.chunk_cost(20, 400) == math.ceil(20 + 0.01 * 20 * 409.5)

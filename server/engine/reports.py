@@ -1,0 +1,99 @@
+"""What an engine reports: its counters for /metrics, its state for /stats and the cluster
+scheduler, and its registered adapters for /v1/models. Read from any thread, with no lock:
+each reads snapshots of the engine thread's lists and tables."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from toppings.server.requests.stats_schema import (
+    AdapterView,
+    EngineCounters,
+    ServerStats,
+    WorkerView,
+)
+
+if TYPE_CHECKING:
+    from toppings.server.engine.engine import Engine
+
+
+@dataclass
+class StepStats:
+    """Counts and wall time of engine steps (for benchmarks and metrics): a step that computes
+    prompt tokens counts as a prefill step, one of decodes only as a decode step."""
+
+    prefill_steps: int = 0
+    prefill_s: float = 0.0
+    decode_steps: int = 0
+    decode_s: float = 0.0
+
+    def count(self, is_prefill: bool, seconds: float) -> None:
+        if is_prefill:
+            self.prefill_steps += 1
+            self.prefill_s += seconds
+        else:
+            self.decode_steps += 1
+            self.decode_s += seconds
+
+    def reset(self) -> None:
+        self.prefill_steps, self.prefill_s, self.decode_steps, self.decode_s = 0, 0.0, 0, 0.0
+
+
+def counters(engine: Engine) -> EngineCounters:
+    """Monotonic counters and current gauges, for /metrics."""
+    st, sched, memory = engine.step_stats, engine.scheduler, engine.memory
+    lora, kv = engine.lora, engine.kv
+    budget = engine.budget.budget if engine.budget is not None else None
+    return EngineCounters(
+        finished=dict(sched.finished),
+        prefill_steps=st.prefill_steps,
+        prefill_seconds=st.prefill_s,
+        decode_steps=st.decode_steps,
+        decode_seconds=st.decode_s,
+        host_lora_calls=lora.host_stats.calls,
+        host_lora_seconds=lora.host_stats.seconds,
+        num_running=len(sched.running),
+        num_waiting=len(sched.queue),
+        queueing=sched.queue.view(),
+        kv_reserved_tokens=memory.reserved * kv.block_tokens,
+        kv_used_tokens=kv.num_slots - kv.num_free_slots,
+        max_total_tokens=kv.num_slots,
+        memory=memory.view(),
+        adapter_cache=lora.cache.snapshot(),
+        adapter_references=lora.references(),
+        step_budget_tokens=budget and budget.tokens,
+    )
+
+
+def adapter_list(engine: Engine) -> list[dict]:
+    """The registered adapters: name, rank, path and target modules of each."""
+    return [
+        {"name": a.name, "rank": a.rank, "path": a.path, "target_modules": list(a.target_modules)}
+        for a in list(engine.lora.registry.values())
+    ]
+
+
+def stats(engine: Engine) -> ServerStats:
+    """What the cluster scheduler needs; cheap, no lock (snapshots of the lists)."""
+    lora, sched, config = engine.lora, engine.scheduler, engine.config
+    registry = lora.registry
+    resident, loading = lora.residency()  # one read of the cache entries
+    is_resident = set(resident)
+    return ServerStats(
+        model=engine.model_name,
+        kernel=config.kernel,
+        device=config.device,
+        lora_mode=config.lora_mode,
+        running=tuple(s.describe(registry) for s in list(sched.running)),
+        queue=tuple(s.describe(registry) for s in sched.queue),
+        adapters=tuple(AdapterView(n, a.rank, n in is_resident) for n, a in list(registry.items())),
+        free_kv_tokens=engine.memory.free_tokens(),
+        max_total_tokens=engine.kv.num_slots,
+        memory=engine.memory.view(),
+        healthy=engine.is_healthy(),
+        cpu_workers=tuple(WorkerView(**w) for w in lora.worker_stats()),
+        resident_adapters=tuple(resident),
+        loading_adapters=tuple(loading),
+        queueing=sched.queue.view(),
+    )

@@ -1,0 +1,94 @@
+"""Chunked prefill's step budget over an engine's life: chosen at start-up, kept true to the
+steps the engine really runs.
+
+At start-up the budget comes from `--max-num-batched-tokens` when given, else from a step-time
+model (one a benchmark passes, or one fitted to step times the engine measures on its own model
+and machine) and the inter-token target (server.sched.step_budget). A derived budget then
+follows the steps as they run: the engine hands each step's shape and seconds to `observe`,
+which corrects the model (server.sched.step_refit) and, when that moves the budget, returns the
+new one for the scheduler. The budget is logged when it moves a tenth since it was last logged.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from toppings.server.sched.step_budget import (
+    StepBudget,
+    StepPoints,
+    StepTimeModel,
+    choose_step_budget,
+)
+from toppings.server.sched.step_refit import StepRefit, StepShape
+
+log = logging.getLogger(__name__)
+
+
+class StepBudgetKeeper:
+    """One engine's chunked-prefill budget; see the module docstring."""
+
+    def __init__(
+        self,
+        max_batch_size: int,
+        max_prefill_tokens: int,
+        max_num_batched_tokens: int,
+        itl_target_ms: float,
+        measure: Callable[[], StepPoints | None],
+        step_model: StepTimeModel | None = None,
+    ):
+        """measure: () -> step times measured on the engine's model (None: none could be);
+        asked only when neither `max_num_batched_tokens` nor `step_model` is given."""
+        self.max_batch_size, self.max_prefill_tokens = max_batch_size, max_prefill_tokens
+        self.max_num_batched_tokens, self.itl_target_ms = max_num_batched_tokens, itl_target_ms
+        self.step_model = step_model
+        if self.step_model is None and not max_num_batched_tokens:
+            times = measure()
+            self.step_model = StepTimeModel.fit(times) if times is not None else StepTimeModel()
+        self.budget = self._budget_of(self.step_model)
+        log.info("chunked prefill: %d tokens per step, %s", self.budget.tokens, self.budget.how)
+        # A derived budget follows the steps as they really run (a given one stays).
+        self._refit = StepRefit(self.step_model) if not max_num_batched_tokens else None
+        self._logged = self.budget.tokens
+
+    @property
+    def follows_steps(self) -> bool:
+        """Whether `observe` wants the steps (a derived budget)."""
+        return self._refit is not None
+
+    def _budget_of(self, model: StepTimeModel | None) -> StepBudget:
+        return choose_step_budget(
+            self.max_batch_size, self.max_prefill_tokens,
+            self.max_num_batched_tokens, self.itl_target_ms, model,
+        )  # fmt: skip
+
+    def observe(self, shape: StepShape, seconds: float) -> StepBudget | None:
+        """Correct the step model by the step just run (server.sched.step_refit); returns the
+        new budget when that moves it (the scheduler's from the next step on), else None."""
+        if self._refit is None:
+            return None
+        model = self._refit.observe(shape, 1000 * seconds)
+        if model is None:
+            return None
+        self.step_model, before = model, self.budget
+        self.budget = budget = self._budget_of(model)
+        if (budget.tokens, budget.past_weight, budget.lone_tokens) == (
+            before.tokens,
+            before.past_weight,
+            before.lone_tokens,
+        ):
+            return None
+        # every window moves it a little: logged where it moved a tenth since last logged
+        moved = abs(budget.tokens - self._logged) >= self._logged / 10
+        if moved:
+            self._logged = budget.tokens
+        log.log(
+            logging.INFO if moved else logging.DEBUG,
+            "chunked prefill: %d -> %d tokens per step (real steps: a decode step of %d "
+            "%.1f ms, a step with prompt tokens %+.1f ms more, a prompt token after a past "
+            "of P counts 1 + %.2g x P)",
+            before.tokens, budget.tokens, self.max_batch_size,
+            model.decode_step_ms(self.max_batch_size), model.mixed_fixed_ms,
+            budget.past_weight,
+        )  # fmt: skip
+        return budget
