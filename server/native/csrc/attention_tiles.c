@@ -175,9 +175,10 @@ static inline __attribute__((always_inline)) void tile(
             for (int d = 0; d < D; d++)
                 stv(ot + (size_t)d * M + i, ldv(ot + (size_t)d * M + i) * alpha);
         }
-        /* ot[d, i] += sum_j vb[j, d] sc[j, i] */
-        for (int i0 = 0; i0 < M; i0 += 2 * VW)
-            for (int d0 = 0; d0 < D; d0 += JB) {
+        /* ot[d, i] += sum_j vb[j, d] sc[j, i]: JB head dims at a time, then one at a time */
+        for (int i0 = 0; i0 < M; i0 += 2 * VW) {
+            int d0 = 0;
+            for (; d0 + JB <= D; d0 += JB) {
                 vf a0[JB], a1[JB];
                 for (int dd = 0; dd < JB; dd++) {
                     a0[dd] = ldv(ot + (size_t)(d0 + dd) * M + i0);
@@ -196,6 +197,17 @@ static inline __attribute__((always_inline)) void tile(
                     stv(ot + (size_t)(d0 + dd) * M + i0 + VW, a1[dd]);
                 }
             }
+            for (; d0 < D; d0++) {
+                vf a0 = ldv(ot + (size_t)d0 * M + i0), a1 = ldv(ot + (size_t)d0 * M + i0 + VW);
+                for (int j = 0; j < nb_pad; j++) {
+                    vf b = splat(vb[(size_t)j * D + d0]);
+                    a0 = fma_v(b, ldv(sc + (size_t)j * M + i0), a0);
+                    a1 = fma_v(b, ldv(sc + (size_t)j * M + i0 + VW), a1);
+                }
+                stv(ot + (size_t)d0 * M + i0, a0);
+                stv(ot + (size_t)d0 * M + i0 + VW, a1);
+            }
+        }
     }
     for (int g = 0; g < G; g++)
         for (int j = 0; j < nr; j++) {
@@ -206,13 +218,12 @@ static inline __attribute__((always_inline)) void tile(
         }
 }
 
-/* segs [num_segs, 4]: (tok, t, idx_start, P); see the top of the file. D a multiple of JB. */
+/* segs [num_segs, 4]: (tok, t, idx_start, P); see the top of the file. */
 int attention_tiles(const void *q, const void *k, const void *v, void *out, const int64_t *index,
                     const int64_t *segs, int num_segs, int N, int K, int D,
                     int64_t slots_per_head, int64_t ld_q, float scale, int is_bf16,
                     int num_threads) {
     int G = N / K, M = G * BQ, failed = 0;
-    if (D % JB) return 2;
     int64_t num_items = 0, work = 0;
     for (int s = 0; s < num_segs; s++) {
         int64_t t = segs[4 * s + 1];
