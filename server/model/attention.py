@@ -19,10 +19,15 @@ from toppings.server import native
 
 _NATIVE_DTYPES = {torch.float32: "decode_attention_f32", torch.bfloat16: "decode_attention_bf16"}
 _NATIVE_DTYPES_ROWS = {torch.float32: 0, torch.bfloat16: 1}
-# Fewest new tokens of a segment the blocked kernel (`attention_tiles.c`) attends: it reads the
-# past once per tile of 32 tokens (and pads a shorter segment to a tile), the rows kernel once per
-# token. Shorter segments (a decode row, a short prompt or chunk) go to the rows kernel.
-TILE_MIN_LEN = 16
+# Which segments the blocked kernel (`attention_tiles.c`) attends: it reads the past once per
+# tile of 32 tokens, the rows kernel once per token, but a tile pays a fixed cost (its queries
+# and outputs transposed) and a segment of fewer tokens is padded to one. So at least
+# TILE_MIN_LEN new tokens and TILE_MIN_WORK key reads (t x (P + (t + 1) / 2)); the others (a
+# decode row, a short prompt or a short chunk) go to the rows kernel. Measured on one core
+# (bench/bench_prefill_attention.py, SmolLM2's heads): 128 tokens alone 0.47 ms blocked and
+# 0.36 by rows, 256 alone 1.17 and 1.46, 16 after 2,300 2.3 and 1.8, 32 after 2,300 2.3 and 4.0.
+TILE_MIN_LEN = 32
+TILE_MIN_WORK = 16384
 
 
 @dataclass
@@ -32,7 +37,7 @@ class PrefillPlan:
 
     Every segment's slots (its cached prefix or earlier chunks, then its own tokens, in the pool
     before attention runs) lie one segment after another in `index`. Token j of a short segment
-    (fewer than TILE_MIN_LEN new tokens) attends to the first lengths[j] slots at
+    (see TILE_MIN_LEN) attends to the first lengths[j] slots at
     index[row_start[j]:] (the rows kernel: t x (P + t) row reads in all); each longer segment is
     a row of `tiles` (its first token, its t new tokens, where its slots start in index, its
     past P) for the blocked kernel, and its tokens have length 0 here.
@@ -74,8 +79,9 @@ def plan_prefill(
         past = past_slots[i] if past_slots is not None else None
         num_past = 0 if past is None else past.numel()
         lists.append(slots[start:end] if past is None else torch.cat([past, slots[start:end]]))
-        if end - start >= TILE_MIN_LEN:
-            tiles.append((start, end - start, offset, num_past))
+        t = end - start
+        if t >= TILE_MIN_LEN and t * (num_past + (t + 1) / 2) >= TILE_MIN_WORK:
+            tiles.append((start, t, offset, num_past))
         else:
             row_start[start:end] = offset
             lengths[start:end] = torch.arange(num_past + 1, num_past + 1 + end - start)

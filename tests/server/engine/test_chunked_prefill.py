@@ -214,6 +214,7 @@ def test_decode_rows_with_a_long_past_attend_natively(monkeypatch):
     if native.library() is None:
         pytest.skip("no C compiler here")
     monkeypatch.setattr(attention, "TILE_MIN_LEN", 24)
+    monkeypatch.setattr(attention, "TILE_MIN_WORK", 0)
     gen = torch.Generator().manual_seed(5)
     # a decode row after 40 past tokens, a chunk of 3 after 30, a chunk of 26 after 10
     seg_starts = [0, 1, 4, 30]

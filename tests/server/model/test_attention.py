@@ -115,6 +115,7 @@ def test_native_prefill_rows_match_the_sdpa_path(dtype, head_dim, group, monkeyp
     if native.library() is None:
         pytest.skip("no C compiler here")
     monkeypatch.setattr(attention, "TILE_MIN_LEN", 24)
+    monkeypatch.setattr(attention, "TILE_MIN_WORK", 0)
     gen = torch.Generator().manual_seed(2)
     seg_starts = [0, 5, 35, 36, 47]  # 30 tokens: past the native bound
     num_tokens, num_slots = seg_starts[-1], 90
@@ -191,11 +192,13 @@ def _segments_in_a_pool(dtype, group, head_dim, segments, seed=4, num_kv=2):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [20, 64, 128])  # 20: not a multiple of 8
 @pytest.mark.parametrize("group", [1, 3, 5])  # query heads per kv head
-def test_blocked_prefill_matches_sdpa(dtype, head_dim, group):
+def test_blocked_prefill_matches_sdpa(dtype, head_dim, group, monkeypatch):
     """The blocked kernel over odd segment lengths and pasts (a whole prompt, chunks after a
     past shorter and longer than a key block, a tile's edge either side) as torch's SDPA."""
     if native.library() is None:
         pytest.skip("no C compiler here")
+    monkeypatch.setattr(attention, "TILE_MIN_LEN", 16)  # every segment of 16+ tokens blocked
+    monkeypatch.setattr(attention, "TILE_MIN_WORK", 0)
     segments = [(16, 0), (33, 0), (77, 5), (31, 130), (40, 64), (3, 70), (129, 211)]
     q, key, val, seg_starts, past_slots, k_cache, v_cache, slots = _segments_in_a_pool(
         dtype, group, head_dim, segments
@@ -207,6 +210,17 @@ def test_blocked_prefill_matches_sdpa(dtype, head_dim, group):
     got = attention.prefill_attention(wide, *args, plan)
     want = attention.prefill_attention(q, *args)  # every segment through SDPA
     torch.testing.assert_close(got, want, rtol=TOL[dtype], atol=TOL[dtype])
+
+
+def test_segments_go_to_the_blocked_kernel_by_their_work():
+    """A short prompt or a short chunk to the rows kernel; a long prompt, or a chunk of 32+
+    tokens after a long past, to the blocked one."""
+    segments = [(128, 0), (300, 0), (16, 2300), (40, 2300), (1, 900)]
+    *_, seg_starts, past_slots, _, _, slots = _segments_in_a_pool(torch.float32, 1, 8, segments)
+    plan = attention.plan_prefill(seg_starts, past_slots, slots)
+    if native.library() is None:
+        pytest.skip("no C compiler here")
+    assert plan.tiles[:, :2].tolist() == [[128, 300], [444, 40]] and plan.has_rows
 
 
 def test_blocked_prefill_of_a_long_prompt_matches_sdpa():
