@@ -141,7 +141,8 @@ def main(argv: list[str] | None = None) -> None:
         "itl_target_ms_at_start_up": start_budget.itl_target_ms,
         "step_model": dataclasses.asdict(chunked.step_model),
         "max_step_over_target": rows[CHUNKED]["max_over_itl_target"],
-        "max_step_over_measured_default_target": rows[CHUNKED]["prompt_step_ms_max"] / measured_target,
+        "max_step_over_measured_default_target": rows[CHUNKED]["prompt_step_ms_max"]
+        / measured_target,
         "median_step_over_measured_default_target": rows[CHUNKED]["prompt_step_ms_median"]
         / measured_target,
         "max_step_over_target_unweighted": rows[UNWEIGHTED]["max_over_itl_target"],
