@@ -399,8 +399,9 @@ class SchedulingConfig(Settings):
         0.0,
         bound=Bound.NON_NEGATIVE,
         flag=Flag(
-            "inter-token target the default --max-num-batched-tokens is sized for; 0: twice "
-            "the modelled decode step at --max-batch-size",
+            "inter-token target the default --max-num-batched-tokens is sized for; 0: three "
+            "times the modelled decode step at the batch the engine runs (at --max-batch-size "
+            "until it has run one), said in the log",
             type=float,
             metavar="X",
         ),

@@ -19,31 +19,35 @@ from toppings.server import native
 
 _NATIVE_DTYPES = {torch.float32: "decode_attention_f32", torch.bfloat16: "decode_attention_bf16"}
 _NATIVE_DTYPES_ROWS = {torch.float32: 0, torch.bfloat16: 1}
-# Most new tokens of one segment the native kernel attends in a prefill: a whole prompt's cost
-# grows with t^2 against SDPA's flash kernel's better blocking, which overtakes it near here. A
-# segment after a cached prefix or earlier chunks of its prompt stays native however long that
-# past is: SDPA needs an explicit mask there (no flash kernel) and a gathered copy of the past;
-# measured here (bf16, SmolLM2's heads, one layer): a 256-token chunk after 2,300 tokens 7.1 ms
-# natively against 11.3 ms through SDPA, 64 after 2,300 1.7 against 3.0.
-NATIVE_MAX_LEN = 1024
+# Which segments the blocked kernel (`attention_tiles.c`) attends: it reads the past once per
+# tile of 32 tokens, the rows kernel once per token, but a tile pays a fixed cost (its queries
+# and outputs transposed) and a segment of fewer tokens is padded to one. So at least
+# TILE_MIN_LEN new tokens and TILE_MIN_WORK key reads (t x (P + (t + 1) / 2)); the others (a
+# decode row, a short prompt or a short chunk) go to the rows kernel. Measured on one core
+# (bench/bench_prefill_attention.py, SmolLM2's heads): 128 tokens alone 0.47 ms blocked and
+# 0.36 by rows, 256 alone 1.17 and 1.46, 16 after 2,300 2.3 and 1.8, 32 after 2,300 2.3 and 4.0.
+TILE_MIN_LEN = 32
+TILE_MIN_WORK = 16384
 
 
 @dataclass
 class PrefillPlan:
-    """The prompt tokens of one prefill step that the native kernel attends, built once a step.
+    """The prompt tokens of one prefill step as the native kernels attend them, built once a
+    step.
 
-    Token j of a short segment attends to the first lengths[j] slots at index[row_start[j]:],
-    its segment's cached prefix and own tokens in the pool (written before attention runs).
-    Tokens of segments of more than NATIVE_MAX_LEN new tokens have length 0: SDPA's flash kernel
-    does those. A shorter segment is never long, whatever its past (a decode row or a prompt
-    chunk of a chunked-prefill step, a prompt after a cached prefix): each of its t rows costs
-    what its past and its own earlier tokens are, t x (P + t) in all.
+    Every segment's slots (its cached prefix or earlier chunks, then its own tokens, in the pool
+    before attention runs) lie one segment after another in `index`. Token j of a short segment
+    (see TILE_MIN_LEN) attends to the first lengths[j] slots at
+    index[row_start[j]:] (the rows kernel: t x (P + t) row reads in all); each longer segment is
+    a row of `tiles` (its first token, its t new tokens, where its slots start in index, its
+    past P) for the blocked kernel, and its tokens have length 0 here.
     """
 
-    index: torch.Tensor  # [S] int64, the short segments' slot lists one after another
+    index: torch.Tensor  # [S] int64, the segments' slot lists one after another
     row_start: torch.Tensor  # [T] int64
     lengths: torch.Tensor  # [T] int64
-    long_segments: list[int]
+    tiles: torch.Tensor  # [num_tiled, 4] int64: (first token, new tokens, index start, past)
+    has_rows: bool  # whether any segment is short
 
 
 @dataclass
@@ -70,19 +74,21 @@ def plan_prefill(
     num_tokens = seg_starts[-1]
     row_start = torch.zeros(num_tokens, dtype=torch.int64)
     lengths = torch.zeros(num_tokens, dtype=torch.int64)
-    lists, offset, long_segments = [], 0, []
+    lists, offset, tiles = [], 0, []
     for i, (start, end) in enumerate(zip(seg_starts[:-1], seg_starts[1:])):
         past = past_slots[i] if past_slots is not None else None
         num_past = 0 if past is None else past.numel()
-        if end - start > NATIVE_MAX_LEN:
-            long_segments.append(i)
-            continue
         lists.append(slots[start:end] if past is None else torch.cat([past, slots[start:end]]))
-        row_start[start:end] = offset
-        lengths[start:end] = torch.arange(num_past + 1, num_past + 1 + end - start)
+        t = end - start
+        if t >= TILE_MIN_LEN and t * (num_past + (t + 1) / 2) >= TILE_MIN_WORK:
+            tiles.append((start, t, offset, num_past))
+        else:
+            row_start[start:end] = offset
+            lengths[start:end] = torch.arange(num_past + 1, num_past + 1 + end - start)
         offset += num_past + end - start
     index = torch.cat(lists) if lists else torch.zeros(0, dtype=torch.int64)
-    return PrefillPlan(index, row_start, lengths, long_segments)
+    tiles_t = torch.tensor(tiles, dtype=torch.int64).reshape(-1, 4)
+    return PrefillPlan(index, row_start, lengths, tiles_t, len(tiles) < len(seg_starts) - 1)
 
 
 def _plan_decode_rows(seg_starts, past_slots, slots: torch.Tensor) -> DecodeRows | None:
@@ -116,13 +122,14 @@ def prefill_attention(
 
     past_slots: per segment, the slots [P] of a cached prefix in k_cache, v_cache [K, S, D] (one
     layer of the pool) that its t tokens follow: they attend to those P keys and causally to
-    their own. With a `PrefillPlan` (and k_cache, v_cache holding this step's keys), the plan's
-    short segments run in one native call reading the pool in place: SDPA's per-call cost
-    dominates short prompts (measured here, bf16, 2 threads, one SmolLM2 layer: 64 prompts of
-    128 tokens 31 ms through SDPA, 17 ms natively; 16 of 512, 75 and 46 ms; one of 1024, 12.5
-    and 10.7). With `DecodeRows`, its rows are attended as one decode batch. Inputs go to SDPA
-    as 4-D [1, heads, t, D]: with 3-D ones torch's CPU SDPA falls back to its unfused math
-    kernel (measured here: 22% of a SmolLM2 prefill) instead of its flash kernel.
+    their own. With a `PrefillPlan` (and k_cache, v_cache holding this step's keys), every
+    segment runs natively, reading the pool in place: the short ones in one call of the rows
+    kernel, the others in one call of the blocked kernel. SDPA's per-call cost dominates short
+    prompts, and after a past it needs an explicit mask (no flash kernel) and a gathered copy
+    of the past (bench/bench_prefill_attention.py compares the three). With `DecodeRows`, its
+    rows are attended as one decode batch. Inputs go to SDPA as 4-D [1, heads, t, D]: with 3-D
+    ones torch's CPU SDPA falls back to its unfused math kernel (measured here: 22% of a
+    SmolLM2 prefill) instead of its flash kernel.
     """
     num_tokens = q.shape[0]
     lib = native.library() if isinstance(plan, PrefillPlan) else None
@@ -132,8 +139,7 @@ def prefill_attention(
         out[plan.rows] = rows.view(-1, *q.shape[1:])
         rest = plan.segments
     elif lib is not None and q.dtype in _NATIVE_DTYPES and k_cache.is_contiguous():
-        out = _rows_native(lib, q, k_cache, v_cache, plan)  # [T, N, D]
-        rest = plan.long_segments
+        out, rest = _prefill_native(lib, q, k_cache, v_cache, plan), []  # [T, N, D]
     else:
         out, rest = torch.empty_like(q), range(len(seg_starts) - 1)
     for i in rest:  # one SDPA each
@@ -159,21 +165,27 @@ def _segment(q, key, val, start: int, end: int, past, k_cache, v_cache) -> torch
     return o[0].transpose(0, 1)  # [t, N, D]
 
 
-def _rows_native(lib, q, k_cache, v_cache, plan: PrefillPlan) -> torch.Tensor:
+def _prefill_native(lib, q, k_cache, v_cache, plan: PrefillPlan) -> torch.Tensor:
     t, n, d = q.shape
     if q.stride(2) != 1 or q.stride(1) != d:
         q = q.contiguous()
     out = torch.empty(t, n, d, dtype=q.dtype)
-    failed = lib.attention_rows(
-        ctypes.c_void_p(q.data_ptr()), ctypes.c_void_p(k_cache.data_ptr()),
-        ctypes.c_void_p(v_cache.data_ptr()), ctypes.c_void_p(out.data_ptr()),
-        ctypes.c_void_p(plan.index.data_ptr()), ctypes.c_void_p(plan.row_start.data_ptr()),
-        ctypes.c_void_p(plan.lengths.data_ptr()),
-        t, n, k_cache.shape[0], d, k_cache.shape[1], q.stride(0), d**-0.5,
-        _NATIVE_DTYPES_ROWS[q.dtype], torch.get_num_threads(),
-    )  # fmt: skip
+    ptrs = [ctypes.c_void_p(x.data_ptr()) for x in (q, k_cache, v_cache, out, plan.index)]
+    shape = (n, k_cache.shape[0], d, k_cache.shape[1], q.stride(0), d**-0.5)
+    is_bf16, threads = _NATIVE_DTYPES_ROWS[q.dtype], torch.get_num_threads()
+    failed = 0
+    if plan.has_rows:
+        failed |= lib.attention_rows(
+            *ptrs, ctypes.c_void_p(plan.row_start.data_ptr()),
+            ctypes.c_void_p(plan.lengths.data_ptr()), t, *shape, is_bf16, threads,
+        )  # fmt: skip
+    if plan.tiles.numel():
+        failed |= lib.attention_tiles(
+            *ptrs, ctypes.c_void_p(plan.tiles.data_ptr()), plan.tiles.shape[0], *shape,
+            is_bf16, threads,
+        )  # fmt: skip
     if failed:
-        raise MemoryError("prefill attention could not allocate its score buffers")
+        raise MemoryError("prefill attention could not allocate its buffers")
     return out
 
 

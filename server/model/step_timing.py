@@ -7,7 +7,9 @@ back before the engine serves: decode steps of one, half and all of `max_batch_s
 over a short past, prompts of two lengths beside the full batch of decodes (a mixed step runs a
 decode row as a one-token segment, which costs more than in a decode step), and the shorter
 prompt alone, with no past and after a long one (its attention to that past is what a late
-chunk of a long prompt costs more), each timed best of `REPEATS` after a warm-up.
+chunk of a long prompt costs more), each timed best of `REPEATS` after a warm-up. The result
+is only a prior: whatever else ran on the machine at start-up is in it, and the steps the
+engine really runs correct it within a few dozen steps (server.sched.step_refit).
 LoRA is not in the timed steps (no adapter is on the device at start-up); it adds a few percent
 to a step (bench engine_throughput's decode_step_ratio_lora_vs_base).
 

@@ -2,11 +2,13 @@
 
 torch has no op for decode attention over a token-level KV pool without first gathering every
 request's keys and values into a dense copy; `attention.c` reads them in place, in decode and
-in the prefill of short prompts. `elementwise.c` holds RMSNorm with the residual add, in-place
-RoPE, silu * up (`fused.py`) and the KV write (`kv_cache.py`), `linear.c` the bf16 GEMV, each
-one call where torch needs many small ops. What they share (`common.h`) sits on the include
-path of every native build (`gpu_lora.kernels.native_build`, which also builds, caches and
-loads this library, keyed by its sources); the LoRA kernel is a library of its own
+in the prefill of short segments; `attention_tiles.c` attends longer prompt segments (a whole
+prompt, or a chunk after a long past) in blocks, reading the past once per tile of queries.
+`elementwise.c` holds RMSNorm with the residual add, in-place RoPE, silu * up (`fused.py`) and
+the KV write (`kv_cache.py`), `linear.c` the bf16 GEMV, each one call where torch needs many
+small ops. What they share (`common.h`) sits on the include path of every native build
+(`gpu_lora.kernels.native_build`, which also builds, caches and loads this library, keyed by
+its sources); the LoRA kernel is a library of its own
 (`gpu_lora.kernels.native`). Waking the other OpenMP thread costs tens of microseconds here, so
 small ops (a decode step's norms, RoPE, KV write) run on one (`threads_for` in `common.h`).
 
@@ -24,7 +26,7 @@ from pathlib import Path
 from toppings.gpu_lora.kernels import native_build
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = ("attention.c", "elementwise.c", "linear.c")
+SOURCES = ("attention.c", "attention_tiles.c", "elementwise.c", "linear.c")
 HEADERS = ("attention_bf16.h",)  # what the sources include besides common.h: part of the key
 
 _P, _I, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
@@ -33,6 +35,7 @@ SIGNATURES = {  # every function returns int: 0, or nonzero when it failed
     "decode_attention_f32": _ATTENTION,
     "decode_attention_bf16": _ATTENTION,
     "attention_rows": [_P] * 7 + [_I] * 4 + [_I64] * 2 + [ctypes.c_float, _I, _I],
+    "attention_tiles": [_P] * 6 + [_I] * 4 + [_I64] * 2 + [ctypes.c_float, _I, _I],
     "add_rms_norm": [_P] * 4 + [_I64] * 5 + [ctypes.c_float, _I, _I],
     "rope": [_P] * 3 + [_I64] * 4 + [_I, _I],
     "silu_mul": [_P, _I64, _P, _I64, _I64, _I, _I],

@@ -1,17 +1,21 @@
 """The token budget of a chunked-prefill step (`--max-num-batched-tokens` when it is 0).
 
 A mixed step's time grows with the tokens it computes, and every running stream waits for the
-whole step between two of its tokens. So the budget is what a full batch of decodes plus the
-most prompt tokens whose modelled step time stays within an inter-token target take:
-`--itl-target-ms`, or by default twice the modelled decode step at `--max-batch-size` (a step
-may add one decode step's worth of prompt work to the decode it would run anyway). The model
-is linear: a decode step of B requests takes `decode_ms + decode_ms_per_request * B`, each
-prompt token beside it `ms_per_token` more. The engine measures it at start-up on its own
-model and machine (server.model.step_timing) and keeps it true to its real steps while it runs
-(server.sched.step_refit); the defaults here are bench/sim_engine.py's fit of SmolLM2, float32,
-on a 2-core Xeon VM, for the simulator and for tests.
+whole step between two of its tokens. So the budget is what the batch's decodes plus the most
+prompt tokens whose modelled step time stays within an inter-token target take:
+`--itl-target-ms`, or by default `ITL_MULTIPLE` times the modelled decode step at the batch the
+engine runs now (a step may add two decode steps' worth of prompt work to the decode it would
+run anyway: a stream's largest gap stays within a few of its usual ones, and a long prompt
+beside 16 streams takes a few dozen steps, not hundreds; before any step ran, at
+`--max-batch-size`). The model is linear: a decode step of B requests takes
+`decode_ms + decode_ms_per_request * B`, each prompt token beside it `ms_per_token` more, and
+`ms_per_token_past` more for each token of past it attends to. The engine measures it at
+start-up on its own model and machine (server.model.step_timing), a prior that the steps it
+really runs then correct within a few dozen steps (server.sched.step_refit); the defaults here
+are bench/sim_engine.py's fit of SmolLM2, float32, on a 2-core Xeon VM, for the simulator and
+for tests.
 
-The budget is at least a full batch of decodes plus `MIN_CHUNK` prompt tokens, and plus as many
+The budget is at least the batch's decodes plus `MIN_CHUNK` prompt tokens, and plus as many
 prompt tokens as a step's fixed cost (`decode_ms`) is worth, so that a chunk's work is never
 smaller than the per-step overhead it pays: on a GPU, where a prompt token costs microseconds,
 that floor is in the thousands; on a CPU, where a prompt token costs about as much as a decode
@@ -33,6 +37,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 MIN_CHUNK = 16  # prompt tokens a full batch of decodes leaves a step at least
+ITL_MULTIPLE = 3.0  # the default inter-token target, in decode steps at the current batch
 LONE_STEP_OVERHEAD = 0.1  # most of a step without decodes its fixed cost may be
 
 
@@ -66,6 +71,8 @@ class StepTimeModel:
     source: str = (
         "bench/sim_engine.py's fit of SmolLM2 float32 on a 2-core Xeon VM, not this machine's"
     )
+    # the decode batch the engine runs now (server.sched.step_refit); 0: not seen yet
+    batch_size: int = 0
 
     @classmethod
     def fit(cls, points: StepPoints) -> StepTimeModel:
@@ -146,27 +153,29 @@ def choose_step_budget(
     model: StepTimeModel | None = None,
 ) -> StepBudget:
     """The step token budget: `max_num_batched_tokens` when given, else derived from the step
-    time model and the inter-token target (0: twice the decode step at max_batch_size)."""
+    time model and the inter-token target (0: ITL_MULTIPLE x the decode step at the model's
+    current batch, or at max_batch_size before it has one) for the model's current batch."""
     if max_num_batched_tokens:  # the target is not used (0 unless given)
         how = "given by --max-num-batched-tokens"
         return StepBudget(max_num_batched_tokens, itl_target_ms, how)
     model = model or StepTimeModel()
-    target = itl_target_ms or 2 * model.decode_step_ms(max_batch_size)
-    modelled = max_batch_size + model.prompt_tokens_within(target, max_batch_size)
+    batch = min(max(model.batch_size, 1), max_batch_size) if model.batch_size else max_batch_size
+    target = itl_target_ms or ITL_MULTIPLE * model.decode_step_ms(batch)
+    modelled = batch + model.prompt_tokens_within(target, batch)
     ceiling = max(max_prefill_tokens, max_batch_size + MIN_CHUNK)
-    floor = min(max_batch_size + max(MIN_CHUNK, model.overhead_tokens()), ceiling)
+    floor = min(batch + max(MIN_CHUNK, model.overhead_tokens()), ceiling)
     tokens = max(floor, min(modelled, ceiling))
     # a step without decodes: its fixed cost (as refit from real steps) a tenth of it
     fixed_ms = max(model.mixed_step_ms(0, 1) - model.ms_per_token, 0.0)
     lone = math.ceil(fixed_ms / model.ms_per_token * (1 / LONE_STEP_OVERHEAD - 1))
     lone = max(tokens, min(lone, ceiling))
-    source = "--itl-target-ms" if itl_target_ms else "2x the decode step"
+    source = "--itl-target-ms" if itl_target_ms else f"{ITL_MULTIPLE:g}x the decode step"
     how = (
-        f"{max_batch_size} decodes (a {model.decode_step_ms(max_batch_size):.0f} ms step, "
-        f"modelled) and the prompt tokens ({model.ms_per_token:.3g} ms each) that keep the step "
-        f"within an inter-token target of {target:.0f} ms ({source}): {modelled}, clamped to "
-        f"[{floor}, {ceiling}]; {lone} in a step without decodes (its fixed cost at most a "
-        f"tenth); a prompt token after a past of P counts 1 + {model.past_weight():.2g} x P; "
-        f"step model: {model.source}"
+        f"{batch} decodes (a {model.decode_step_ms(batch):.0f} ms step, modelled) and the "
+        f"prompt tokens ({model.ms_per_token:.3g} ms each) that keep the step within an "
+        f"inter-token target of {target:.0f} ms ({source} at a batch of {batch}): {modelled}, "
+        f"clamped to [{floor}, {ceiling}]; {lone} in a step without decodes (its fixed cost at "
+        f"most a tenth); a prompt token after a past of P counts 1 + "
+        f"{model.past_weight():.2g} x P; step model: {model.source}"
     )
     return StepBudget(tokens, target, how, model.past_weight(), lone)

@@ -1,32 +1,42 @@
 """The step-time model kept true to the steps the engine actually runs.
 
-The start-up measurement (server.model.step_timing) times the base model's forward alone, on
-keys and values it has just written: a real step also schedules, runs the LoRA side and
-samples, and a late chunk of a long prompt reads a past that is no longer in cache. Measured in
-the engine (2-core EPYC, SmolLM2 bf16, 32 streams beside a 4,000-token prompt): steps with
-prompt tokens ran 6 ms longer than modelled at a past of a few hundred tokens and 20 ms longer
-at 3,500, so a budget sized from the start-up model alone let those steps run past the target.
+The start-up measurement (server.model.step_timing) is only a prior: it times the base model's
+forward alone, once, on keys and values it has just written, and whatever else ran on the
+machine then is in it (a server started beside another loading a model measured its decode
+steps 10x too slow, and a refit that moved the model halfway every 64 steps, ignoring windows
+more than a second off as stalls, never recovered). A real step also schedules, runs the LoRA
+side and samples, and a late chunk of a long prompt reads a past that is no longer in cache.
 
-`StepRefit` watches every step's shape and wall time and, every `WINDOW` steps of a kind,
-estimates that kind's costs again from the window and moves the model halfway there (a window
-covers only part of a long prompt; halfway damps the swing from one window to the next):
-- decode steps: the fixed cost `decode_ms`, by the median gap between real and modelled;
-- steps with prompt tokens: their fixed cost `mixed_fixed_ms` and the cost of the past a prompt
-  token attends to, `ms_per_token_past` (Theil-Sen: the median of the slopes between every
-  two steps, robust to the odd slow step), the latter only where the window's pasts differ
-  enough for a slope to show (else the fixed cost alone).
-The other slopes (a decode row, a prompt token) come from the controlled start-up measurement:
-a running engine's steps are whatever the traffic makes them, too correlated to fit them on.
+`StepRefit` keeps the last `WINDOW` steps of each kind (decode steps; steps with prompt tokens
+beside decodes) and every `REFIT_EVERY` steps fits the model to them again, robustly:
+- a step is left out where its time is more than `OUTLIER` times off the median of the recent
+  steps' time against the model (a page fault, a neighbour's burst); the rule is relative to
+  the steps, not to the model, so a model 10x off is corrected, not its steps dropped;
+- decode steps: where their batch sizes spread, the decode line by Theil-Sen (the median of the
+  slopes between every two steps); otherwise the whole line scaled by the median ratio of real
+  to modelled time. While no step with prompt tokens was seen of late, that ratio scales their
+  costs too: what the decode steps show of the machine's speed is the best guess for them;
+- steps with prompt tokens: what they take beyond the decode line, against the modelled cost of
+  their prompt tokens, their past and their decode rows' extra, scaled by the median ratio;
+  then the cost of the past a prompt token attends to (`ms_per_token_past`, Theil-Sen) where the
+  window's pasts differ enough for a slope to show, and the fixed cost (`mixed_fixed_ms`) by
+  the median of what is left;
+- where only steps with prompt tokens were seen of late and the model is more than `GROSS_OFF`
+  times off their median, that ratio scales the whole model first (the decode line, and with
+  it the default target, cannot be seen in them otherwise).
+Medians over a window of a few dozen steps move with a slower machine within `REFIT_EVERY`
+steps of half the window showing it, and one slow step among them moves nothing much.
+The batch the engine runs now (the median decode rows of the last `BATCH_STEPS` steps) goes
+into the model: the default inter-token target follows it (server.sched.step_budget).
 Steps of prompt tokens without decodes (server.sched.step_budget's steps without decodes, of
 hundreds of tokens) are left out: the budget's target is for steps streams wait on, and a
-large step's tokens cost less each than the start-up slope says (larger matrix products), so
-such steps pulled the fitted fixed cost below zero (-16 ms) and the budget of steps with
-decodes past the target.
+large step's tokens cost less each than the start-up slope says (larger matrix products).
 """
 
 from __future__ import annotations
 
 import statistics
+from collections import deque
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -35,9 +45,14 @@ from toppings.server.sched.step_budget import StepTimeModel
 if TYPE_CHECKING:
     from toppings.server.sched.scheduler import StepPlan
 
-WINDOW = 64  # steps of one kind between two corrections
-MAX_GAP_MS = 1000.0  # a window further off than this is a stall, not the model
+WINDOW = 24  # recent steps of one kind a fit looks at
+REFIT_EVERY = 4  # steps between two fits
+MIN_STEPS = 6  # steps of a kind in its window before they are fitted on
+OUTLIER = 3.0  # a step this many times slower or faster than the recent steps' median is out
 MIN_PAST_SPREAD_MS = 5.0  # modelled past cost between a window's extremes to fit its slope
+BATCH_STEPS = 8  # recent steps whose median decode rows are the current batch
+MIN_SCALE = 0.05  # least a fit scales the cost of prompt tokens by at once
+GROSS_OFF = 2.0  # steps with prompt tokens this far off the model alone scale all of it
 
 
 @dataclass(frozen=True)
@@ -50,58 +65,154 @@ class StepShape:
     past_work: float = 0.0
 
 
+def modelled_ms(model: StepTimeModel, shape: StepShape) -> float:
+    """The time `model` gives a step of `shape`, its past included."""
+    ms = model.mixed_step_ms(shape.num_decodes, shape.prompt_tokens)
+    return ms + model.ms_per_token_past * shape.past_work
+
+
+def scaled(model: StepTimeModel, factor: float) -> StepTimeModel:
+    """`model` with every cost `factor` times what it was."""
+    return replace(
+        model,
+        ms_per_token=model.ms_per_token * factor,
+        decode_ms=model.decode_ms * factor,
+        decode_ms_per_request=model.decode_ms_per_request * factor,
+        ms_per_token_past=model.ms_per_token_past * factor,
+        mixed_ms_per_request=model.mixed_ms_per_request * factor,
+        mixed_fixed_ms=model.mixed_fixed_ms * factor,
+    )
+
+
 class StepRefit:
     """Corrects a step-time model from observed steps; see the module docstring."""
 
-    def __init__(self, model: StepTimeModel, window: int = WINDOW):
+    def __init__(self, model: StepTimeModel, window: int = WINDOW, every: int = REFIT_EVERY):
         self.model = model
+        self.prior = model
         self.window = window
+        self.every = every
         self.num_refits = 0
-        self._decode: list[tuple[StepShape, float]] = []
-        self._mixed: list[tuple[StepShape, float]] = []
+        self.num_steps = 0
+        self._decode: deque[tuple[int, StepShape, float]] = deque(maxlen=window)
+        self._mixed: deque[tuple[int, StepShape, float]] = deque(maxlen=window)
+        self._batches: deque[int] = deque(maxlen=BATCH_STEPS)
 
     def observe(self, shape: StepShape, ms: float) -> StepTimeModel | None:
-        """Record a step that took `ms`; returns the corrected model when a window of its kind
-        is full (None otherwise)."""
+        """Record a step that took `ms`; returns the refitted model every `every` steps once
+        a kind has MIN_STEPS steps (None otherwise)."""
         if shape.prompt_tokens and not shape.num_decodes:
-            return None  # no stream waits on it: the budget's target is not its (see below)
+            return None  # no stream waits on it: the budget's target is not its (see above)
+        self.num_steps += 1
         steps = self._mixed if shape.prompt_tokens else self._decode
-        steps.append((shape, ms))
-        if len(steps) < self.window:
+        steps.append((self.num_steps, shape, ms))
+        self._batches.append(shape.num_decodes)
+        if self.num_steps % self.every:
             return None
-        window = list(steps)
-        steps.clear()
-        model = self._mixed_fit(window) if shape.prompt_tokens else self._decode_fit(window)
-        if model is None:
+        recent = self.num_steps - 2 * self.window  # a kind not seen since is not "of late"
+        least = min(MIN_STEPS, self.window)
+        decode = _inliers(self.model, [(s, ms) for _, s, ms in self._decode], least)
+        mixed = _inliers(self.model, [(s, ms) for _, s, ms in self._mixed], least)
+        mixed_lately = bool(self._mixed) and self._mixed[-1][0] > recent
+        decode_lately = bool(self._decode) and self._decode[-1][0] > recent
+        if not decode and not mixed:
             return None
-        self.model = model
+        model = self.model
+        if decode:
+            model = _fit_decode(model, decode, scale_rest=not (mixed and mixed_lately))
+        elif mixed and not GROSS_OFF**-1 < (ratio := _median_ratio(model, mixed)) < GROSS_OFF:
+            model = scaled(model, ratio)  # the machine's speed, from steps with prompt tokens
+        if mixed and (mixed_lately or not decode_lately):
+            model = _fit_mixed(model, mixed)
+        batch = round(statistics.median(self._batches))
+        self.model = replace(model, batch_size=batch, source=self._source())
         self.num_refits += 1
-        return model
+        return self.model
 
-    def _decode_fit(self, window: list[tuple[StepShape, float]]) -> StepTimeModel | None:
-        m = self.model
-        gap = statistics.median(ms - m.decode_step_ms(s.num_decodes) for s, ms in window)
-        if abs(gap) > MAX_GAP_MS:
-            return None
-        return replace(m, decode_ms=m.decode_ms + gap / 2)
-
-    def _mixed_fit(self, window: list[tuple[StepShape, float]]) -> StepTimeModel | None:
-        m = self.model
-        # what the window says of a step's fixed cost plus its past's, the rest as modelled
-        base = [ms - m.mixed_step_ms(s.num_decodes, s.prompt_tokens) for s, ms in window]
-        rest = [(s.past_work, y + m.mixed_fixed_ms) for (s, _), y in zip(window, base)]
-        slope = m.ms_per_token_past
-        pasts = [x for x, _ in rest]
-        if slope and slope * (max(pasts) - min(pasts)) >= MIN_PAST_SPREAD_MS:
-            slope = max(_theil_sen(rest), 0.0)
-        fixed = statistics.median(y - slope * x for x, y in rest)
-        if abs(fixed - m.mixed_fixed_ms) > MAX_GAP_MS:
-            return None
-        return replace(
-            m,
-            mixed_fixed_ms=(m.mixed_fixed_ms + fixed) / 2,
-            ms_per_token_past=(m.ms_per_token_past + slope) / 2,
+    def _source(self) -> str:
+        return (
+            f"refit from the last {len(self._decode)} decode steps and {len(self._mixed)} "
+            f"with prompt tokens; prior: {self.prior.source}"
         )
+
+
+def _median_ratio(model: StepTimeModel, steps: list[tuple[StepShape, float]]) -> float:
+    return statistics.median(ms / max(modelled_ms(model, s), 1e-9) for s, ms in steps)
+
+
+def _inliers(
+    model: StepTimeModel, steps: list[tuple[StepShape, float]], least: int
+) -> list[tuple[StepShape, float]]:
+    """The steps within OUTLIER of the median ratio of real to modelled time; [] where fewer
+    than `least`."""
+    if len(steps) < least:
+        return []
+    ratios = [ms / max(modelled_ms(model, s), 1e-9) for s, ms in steps]
+    mid = statistics.median(ratios)
+    kept = [p for p, r in zip(steps, ratios) if mid / OUTLIER <= r <= mid * OUTLIER]
+    return kept if len(kept) >= least else []
+
+
+def _fit_decode(
+    model: StepTimeModel, steps: list[tuple[StepShape, float]], scale_rest: bool
+) -> StepTimeModel:
+    """The decode line through the decode steps (see the module docstring); with scale_rest
+    the other costs scaled by what it moved at the steps' median batch."""
+    points = [(float(s.num_decodes), ms) for s, ms in steps]
+    batches = sorted({b for b, _ in points})
+    mid = statistics.median(b for b, _ in points)
+    before = model.decode_step_ms(int(mid))
+    if len(batches) >= 3 and batches[-1] >= 2 * max(batches[0], 1.0):
+        slope = max(_theil_sen(points), 0.0)
+        fixed = statistics.median(ms - slope * b for b, ms in points)
+        fitted = replace(model, decode_ms=fixed, decode_ms_per_request=slope)
+    else:
+        ratio = _median_ratio(model, steps)
+        fitted = replace(
+            model,
+            decode_ms=model.decode_ms * ratio,
+            decode_ms_per_request=model.decode_ms_per_request * ratio,
+        )
+    if not scale_rest or before <= 0:
+        return fitted
+    factor = max(fitted.decode_step_ms(int(mid)), 1e-9) / before
+    rest = scaled(model, factor)
+    return replace(fitted, ms_per_token=rest.ms_per_token,
+                   ms_per_token_past=rest.ms_per_token_past,
+                   mixed_ms_per_request=rest.mixed_ms_per_request,
+                   mixed_fixed_ms=rest.mixed_fixed_ms)  # fmt: skip
+
+
+def _fit_mixed(model: StepTimeModel, steps: list[tuple[StepShape, float]]) -> StepTimeModel:
+    """The costs of prompt tokens, their past and their step's fixed extra through the steps
+    with prompt tokens, beyond the decode line (see the module docstring)."""
+    m = model
+    beyond = [ms - m.decode_step_ms(s.num_decodes) for s, ms in steps]  # [n]
+
+    def variable(s: StepShape, m: StepTimeModel) -> float:
+        return (m.mixed_ms_per_request * s.num_decodes + m.ms_per_token * s.prompt_tokens
+                + m.ms_per_token_past * s.past_work)  # fmt: skip
+
+    scale = statistics.median(
+        (y - m.mixed_fixed_ms) / max(variable(s, m), 1e-9) for (s, _), y in zip(steps, beyond)
+    )
+    m = replace(
+        m,
+        ms_per_token=m.ms_per_token * max(scale, MIN_SCALE),
+        ms_per_token_past=m.ms_per_token_past * max(scale, MIN_SCALE),
+        mixed_ms_per_request=m.mixed_ms_per_request * max(scale, MIN_SCALE),
+    )
+    # what is left of each step beyond its tokens' own cost: the fixed extra and the past's
+    rest = [
+        (s.past_work, y - m.mixed_ms_per_request * s.num_decodes - m.ms_per_token * s.prompt_tokens)
+        for (s, _), y in zip(steps, beyond)
+    ]
+    slope = m.ms_per_token_past
+    pasts = [x for x, _ in rest]
+    if slope and slope * (max(pasts) - min(pasts)) >= MIN_PAST_SPREAD_MS:
+        slope = max(_theil_sen(rest), 0.0)
+    fixed = statistics.median(y - slope * x for x, y in rest)
+    return replace(m, ms_per_token_past=slope, mixed_fixed_ms=fixed)
 
 
 def _theil_sen(points: list[tuple[float, float]]) -> float:

@@ -206,15 +206,16 @@ def test_long_prompt_does_not_stall_32_decoding_streams(tmp_path_factory):
 
 
 def test_decode_rows_with_a_long_past_attend_natively(monkeypatch):
-    """A decode row and a prompt chunk of a mixed step, each after a past longer than the
-    native kernel's prefill bound, stay on the native kernel (its cost is linear in the past)
-    and agree with SDPA; a chunk of more new tokens than the bound goes to SDPA."""
+    """A decode row and a short prompt chunk of a mixed step, each after a long past, go to
+    the native rows kernel, a chunk of more new tokens than TILE_MIN_LEN to the blocked one;
+    all agree with SDPA."""
     from toppings.server import native
     from toppings.server.model import attention
 
     if native.library() is None:
         pytest.skip("no C compiler here")
-    monkeypatch.setattr(attention, "NATIVE_MAX_LEN", 24)
+    monkeypatch.setattr(attention, "TILE_MIN_LEN", 24)
+    monkeypatch.setattr(attention, "TILE_MIN_WORK", 0)
     gen = torch.Generator().manual_seed(5)
     # a decode row after 40 past tokens, a chunk of 3 after 30, a chunk of 26 after 10
     seg_starts = [0, 1, 4, 30]
@@ -228,7 +229,7 @@ def test_decode_rows_with_a_long_past_attend_natively(monkeypatch):
     past = perm[num_tokens:]
     past_slots = [past[:40], past[40:70], past[70:80]]
     plan = attention.plan_prefill(seg_starts, past_slots, slots)
-    assert plan.long_segments == [2]
+    assert plan.tiles.tolist() == [[4, 26, 74, 10]] and plan.has_rows
     args = (q, key, val, seg_starts, past_slots, k_cache, v_cache)
     got = attention.prefill_attention(*args, plan)
     want = attention.prefill_attention(*args)  # every segment through SDPA

@@ -110,10 +110,12 @@ def test_prefill_attention_is_causal_per_segment(dtype):
 @pytest.mark.parametrize("head_dim", [16, 64])
 @pytest.mark.parametrize("group", [3, 5])  # query heads per kv head
 def test_native_prefill_rows_match_the_sdpa_path(dtype, head_dim, group, monkeypatch):
-    """Short segments (one after a cached prefix) natively, the long one through SDPA."""
+    """Short segments (one after a cached prefix) in the rows kernel, the long one in the
+    blocked kernel, as SDPA attends them."""
     if native.library() is None:
         pytest.skip("no C compiler here")
-    monkeypatch.setattr(attention, "NATIVE_MAX_LEN", 24)
+    monkeypatch.setattr(attention, "TILE_MIN_LEN", 24)
+    monkeypatch.setattr(attention, "TILE_MIN_WORK", 0)
     gen = torch.Generator().manual_seed(2)
     seg_starts = [0, 5, 35, 36, 47]  # 30 tokens: past the native bound
     num_tokens, num_slots = seg_starts[-1], 90
@@ -127,7 +129,7 @@ def test_native_prefill_rows_match_the_sdpa_path(dtype, head_dim, group, monkeyp
     k_cache[:, slots], v_cache[:, slots] = key.transpose(0, 1), val.transpose(0, 1)
     past_slots = [None, None, None, past]  # the last segment follows a 7-token cached prefix
     plan = attention.plan_prefill(seg_starts, past_slots, slots)
-    assert plan.long_segments == [1]
+    assert plan.tiles.tolist() == [[5, 30, 5, 0]] and plan.has_rows
     args = (q, key, val, seg_starts, past_slots, k_cache, v_cache)
     got = attention.prefill_attention(*args, plan)
     want = attention.prefill_attention(*args)  # every segment through SDPA
@@ -161,3 +163,77 @@ def test_decode_rows_of_a_mixed_step_are_one_batch_on_the_torch_path(dtype, monk
     torch.testing.assert_close(got, want, rtol=TOL[dtype], atol=TOL[dtype])
     # a step with at most one decode row has nothing to batch
     assert attention.plan_prefill([0, 1, 11], [past[:9], None], slots[:11]) is None
+
+
+def _segments_in_a_pool(dtype, group, head_dim, segments, seed=4, num_kv=2):
+    """q, key, val of segments [(t, P)] laid one after another, their keys and values written to
+    scattered slots of a pool after pasts of P scattered slots of it."""
+    gen = torch.Generator().manual_seed(seed)
+    seg_starts = [0]
+    for t, _ in segments:
+        seg_starts.append(seg_starts[-1] + t)
+    num_tokens = seg_starts[-1]
+    num_slots = num_tokens + sum(p for _, p in segments) + 5
+    q = torch.randn(num_tokens, num_kv * group, head_dim, generator=gen).to(dtype)
+    key = torch.randn(num_tokens, num_kv, head_dim, generator=gen).to(dtype)
+    val = torch.randn(num_tokens, num_kv, head_dim, generator=gen).to(dtype)
+    k_cache = torch.randn(num_kv, num_slots, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(num_kv, num_slots, head_dim, generator=gen).to(dtype)
+    perm = torch.randperm(num_slots, generator=gen)
+    slots, rest = perm[:num_tokens], perm[num_tokens:]
+    k_cache[:, slots], v_cache[:, slots] = key.transpose(0, 1), val.transpose(0, 1)
+    past_slots, used = [], 0
+    for _, p in segments:
+        past_slots.append(rest[used : used + p] if p else None)
+        used += p
+    return q, key, val, seg_starts, past_slots, k_cache, v_cache, slots
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [20, 64, 128])  # 20: not a multiple of 8
+@pytest.mark.parametrize("group", [1, 3, 5])  # query heads per kv head
+def test_blocked_prefill_matches_sdpa(dtype, head_dim, group, monkeypatch):
+    """The blocked kernel over odd segment lengths and pasts (a whole prompt, chunks after a
+    past shorter and longer than a key block, a tile's edge either side) as torch's SDPA."""
+    if native.library() is None:
+        pytest.skip("no C compiler here")
+    monkeypatch.setattr(attention, "TILE_MIN_LEN", 16)  # every segment of 16+ tokens blocked
+    monkeypatch.setattr(attention, "TILE_MIN_WORK", 0)
+    segments = [(16, 0), (33, 0), (77, 5), (31, 130), (40, 64), (3, 70), (129, 211)]
+    q, key, val, seg_starts, past_slots, k_cache, v_cache, slots = _segments_in_a_pool(
+        dtype, group, head_dim, segments
+    )
+    plan = attention.plan_prefill(seg_starts, past_slots, slots)
+    assert plan.tiles[:, 1].tolist() == [16, 33, 77, 31, 40, 129]  # all but the 3-token chunk
+    wide = torch.cat([q, q[:, :1]], dim=1)[:, : q.shape[1]]  # q as a strided view
+    args = (key, val, seg_starts, past_slots, k_cache, v_cache)
+    got = attention.prefill_attention(wide, *args, plan)
+    want = attention.prefill_attention(q, *args)  # every segment through SDPA
+    torch.testing.assert_close(got, want, rtol=TOL[dtype], atol=TOL[dtype])
+
+
+def test_segments_go_to_the_blocked_kernel_by_their_work():
+    """A short prompt or a short chunk to the rows kernel; a long prompt, or a chunk of 32+
+    tokens after a long past, to the blocked one."""
+    segments = [(128, 0), (300, 0), (16, 2300), (40, 2300), (1, 900)]
+    *_, seg_starts, past_slots, _, _, slots = _segments_in_a_pool(torch.float32, 1, 8, segments)
+    plan = attention.plan_prefill(seg_starts, past_slots, slots)
+    if native.library() is None:
+        pytest.skip("no C compiler here")
+    assert plan.tiles[:, :2].tolist() == [[128, 300], [444, 40]] and plan.has_rows
+
+
+def test_blocked_prefill_of_a_long_prompt_matches_sdpa():
+    """A whole prompt of several thousand tokens and a chunk after a long past, SmolLM2's heads
+    (9 query heads over 3 kv heads, D = 64): the shapes the engine runs."""
+    if native.library() is None:
+        pytest.skip("no C compiler here")
+    for segments in ([(1500, 0)], [(256, 1300)]):
+        q, key, val, seg_starts, past_slots, k_cache, v_cache, slots = _segments_in_a_pool(
+            torch.float32, 3, 64, segments, seed=5, num_kv=3
+        )
+        plan = attention.plan_prefill(seg_starts, past_slots, slots)
+        args = (q, key, val, seg_starts, past_slots, k_cache, v_cache)
+        got = attention.prefill_attention(*args, plan)
+        want = attention.prefill_attention(*args)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

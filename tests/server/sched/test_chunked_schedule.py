@@ -5,6 +5,7 @@ place; a long prompt arriving beside many decoding streams never takes a step fr
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -138,9 +139,12 @@ def test_unchunked_steps_stay_whole_prompt_prefills():
 
 def test_default_budget_is_derived_from_the_step_time_model():
     budget = choose_step_budget(max_batch_size=128, max_prefill_tokens=8192)
-    # a decode step of 128: 64.6 + 2.09 * 128 = 332.1 ms; the target twice that leaves
-    # 332.1 / 1.09 = 304 prompt tokens beside the 128 decodes
-    assert budget.tokens == 128 + 304 and "2x the decode step" in budget.how
+    # a decode step of 128 (no batch run yet): 64.6 + 2.09 * 128 = 332.1 ms; the target three
+    # times that leaves 2 * 332.1 / 1.09 = 609 prompt tokens beside the 128 decodes
+    assert budget.tokens == 128 + 609 and "3x the decode step at a batch of 128" in budget.how
+    # at the batch the engine runs (16 streams): 3 x (64.6 + 2.09 * 16) = 294.1 ms
+    now = choose_step_budget(128, 8192, model=replace(StepTimeModel(), batch_size=16))
+    assert now.itl_target_ms == pytest.approx(294.12) and now.tokens == 16 + 179
     # a target below the decode step leaves no prompt tokens: the floor, a full batch plus the
     # prompt tokens a step's fixed cost is worth (64.6 / 1.09 -> 60)
     assert choose_step_budget(8, 8192, itl_target_ms=50.0).tokens == 8 + 60
@@ -151,7 +155,7 @@ def test_default_budget_is_derived_from_the_step_time_model():
 def test_budget_floor_follows_the_cost_of_a_prompt_token():
     # a CPU: a prompt token costs about a decode row; the target decides, MIN_CHUNK at least
     cpu = StepTimeModel(ms_per_token=0.85, decode_ms=8.0, decode_ms_per_request=0.5)
-    assert choose_step_budget(32, 8192, model=cpu).tokens == 32 + int(24 / 0.85)
+    assert choose_step_budget(32, 8192, model=cpu).tokens == 32 + int(2 * 24 / 0.85)
     assert choose_step_budget(32, 8192, itl_target_ms=10.0, model=cpu).tokens == 32 + MIN_CHUNK
     # a GPU: a prompt token costs microseconds, so a chunk is at least the step's fixed cost
     gpu = StepTimeModel(ms_per_token=0.004, decode_ms=6.0, decode_ms_per_request=0.01)
