@@ -78,17 +78,17 @@ class StepBudgetKeeper:
             before.lone_tokens,
         ):
             return None
+        batch = model.batch_size or self.max_batch_size  # the batch the engine runs now
         # every window moves it a little: logged where it moved a tenth since last logged
         moved = abs(budget.tokens - self._logged) >= self._logged / 10
         if moved:
             self._logged = budget.tokens
         log.log(
             logging.INFO if moved else logging.DEBUG,
-            "chunked prefill: %d -> %d tokens per step (real steps: a decode step of %d "
-            "%.1f ms, a step with prompt tokens %+.1f ms more, a prompt token after a past "
-            "of P counts 1 + %.2g x P)",
-            before.tokens, budget.tokens, self.max_batch_size,
-            model.decode_step_ms(self.max_batch_size), model.mixed_fixed_ms,
-            budget.past_weight,
+            "chunked prefill: %d -> %d tokens per step, target %.1f ms (real steps: a decode "
+            "step of %d %.1f ms, a step with prompt tokens %+.1f ms more, a prompt token after a "
+            "past of P counts 1 + %.2g x P)",
+            before.tokens, budget.tokens, budget.itl_target_ms, batch,
+            model.decode_step_ms(batch), model.mixed_fixed_ms, budget.past_weight,
         )  # fmt: skip
         return budget
