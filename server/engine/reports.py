@@ -5,17 +5,20 @@ each reads snapshots of the engine thread's lists and tables."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from toppings.server.config import EngineConfig
+from toppings.server.engine.adapters import AdapterManager
+from toppings.server.memory.kv_cache import KVPool
+from toppings.server.memory.manager import MemoryManager
 from toppings.server.requests.stats_schema import (
     AdapterView,
     EngineCounters,
     ServerStats,
     WorkerView,
 )
-
-if TYPE_CHECKING:
-    from toppings.server.engine.engine import Engine
+from toppings.server.sched.scheduler import Scheduler
+from toppings.server.sched.step_budget_keeper import StepBudgetKeeper
 
 
 @dataclass
@@ -40,7 +43,22 @@ class StepStats:
         self.prefill_steps, self.prefill_s, self.decode_steps, self.decode_s = 0, 0.0, 0, 0.0
 
 
-def counters(engine: Engine) -> EngineCounters:
+class Reported(Protocol):
+    """What the reports read of an engine (server.engine.engine.Engine is one)."""
+
+    config: EngineConfig
+    model_name: str
+    scheduler: Scheduler
+    memory: MemoryManager
+    lora: AdapterManager
+    kv: KVPool
+    budget: StepBudgetKeeper | None
+    step_stats: StepStats
+
+    def is_healthy(self) -> bool: ...
+
+
+def counters(engine: Reported) -> EngineCounters:
     """Monotonic counters and current gauges, for /metrics."""
     st, sched, memory = engine.step_stats, engine.scheduler, engine.memory
     lora, kv = engine.lora, engine.kv
@@ -66,7 +84,7 @@ def counters(engine: Engine) -> EngineCounters:
     )
 
 
-def adapter_list(engine: Engine) -> list[dict]:
+def adapter_list(engine: Reported) -> list[dict]:
     """The registered adapters: name, rank, path and target modules of each."""
     return [
         {"name": a.name, "rank": a.rank, "path": a.path, "target_modules": list(a.target_modules)}
@@ -74,7 +92,7 @@ def adapter_list(engine: Engine) -> list[dict]:
     ]
 
 
-def stats(engine: Engine) -> ServerStats:
+def stats(engine: Reported) -> ServerStats:
     """What the cluster scheduler needs; cheap, no lock (snapshots of the lists)."""
     lora, sched, config = engine.lora, engine.scheduler, engine.config
     registry = lora.registry
