@@ -52,7 +52,7 @@ import urllib3
 from toppings.gpu_lora.peft_config import AdapterError
 from toppings.server.api.adapter_files import FILES, MAX_BYTES, Digest, adapter_digest, is_digest
 from toppings.server.api.lifecycle import check_name, is_within
-from toppings.server.requests.errors import NOT_FOUND, unknown_adapter
+from toppings.server.requests.errors import NOT_FOUND, nests_too_deep, unknown_adapter
 from toppings.server.requests.request import RequestError
 from toppings.server.settings import http_origin
 
@@ -247,7 +247,8 @@ class PeerFetcher:
                 raw += chunk
                 if len(raw) > MAX_LIST_BYTES:
                     break
-            body = json.loads(raw) if len(raw) <= MAX_LIST_BYTES else None
+            fits = len(raw) <= MAX_LIST_BYTES and not nests_too_deep(raw)
+            body = json.loads(raw) if fits else None
         except (ValueError, requests.RequestException, urllib3.exceptions.HTTPError, OSError):
             _left(deadline)
             body = None

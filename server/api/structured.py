@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from toppings.server.requests.errors import nests_too_deep, too_deep
 from toppings.server.requests.request import Constraint, ConstraintKind, RequestError
 
 ANY_JSON_OBJECT = '{"type": "object"}'
@@ -36,6 +37,8 @@ REFUSED_FIELDS = (
 def _schema_text(value: Any, key: str) -> str:
     """A JSON schema given as an object (or JSON text of one) as JSON text."""
     if isinstance(value, str):
+        if nests_too_deep(value):
+            raise RequestError(too_deep(f"'{key}'"))
         try:
             value = json.loads(value)
         except json.JSONDecodeError as e:

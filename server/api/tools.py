@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
+from toppings.server.requests.errors import nests_too_deep, too_deep
 from toppings.server.requests.request import Constraint, ConstraintKind, RequestError
 
 MAX_TOOLS = 128
@@ -142,6 +143,8 @@ def template_message(msg: dict, idx: int) -> dict[str, Any]:
             if not isinstance(function, dict) or not isinstance(function.get("name"), str):
                 raise RequestError(f"messages[{idx}].tool_calls need a function name")
             arguments = function.get("arguments", "{}")
+            if isinstance(arguments, str) and nests_too_deep(arguments):
+                raise RequestError(too_deep(f"messages[{idx}] tool call arguments"))
             try:
                 arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
             except json.JSONDecodeError:
