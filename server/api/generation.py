@@ -96,7 +96,8 @@ def register_generation(app: Flask, ctx: ApiContext) -> None:
             slot.release()
         failed = next((out for out in outs if out.finish_reason == "error"), None)
         if failed is not None:
-            return error_response(failed.error or "generation failed", 500, SERVER_ERROR)
+            message = failed.error or "generation failed"
+            return error_response(message, failed.error_code, failed.error_type)
         return jsonify(final_response(parsed, meta, outs))
 
     app.add_url_rule("/generate", "generate", lambda: generate(parse_native), methods=["POST"])

@@ -81,7 +81,7 @@ class Tools:
                 "additionalProperties": False,
             })  # fmt: skip
         schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
-        return Constraint(ConstraintKind.JSON_SCHEMA, json.dumps(schema))
+        return Constraint(ConstraintKind.JSON_SCHEMA, json.dumps(schema), "tools")
 
 
 def _function(tool: Any, idx: int) -> str:

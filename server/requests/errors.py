@@ -35,6 +35,9 @@ UNAVAILABLE = "unavailable"  # 503: draining, shutting down, or no server ready 
 NO_SERVER_AVAILABLE = "no_server_available"  # 503: the scheduler has no server for the model
 BAD_GATEWAY = "bad_gateway"  # 502: the scheduler got no answer from any server
 SERVER_ERROR = "server_error"  # 500: a bug or an engine failure
+# 422: the request's structured-output constraint failed while generating (the grammar engine
+# found no way on, or went past its limits): the output so far does not satisfy it
+CONSTRAINT_FAILED = "constraint_failed"
 
 NO_SERVER_READY = "no server ready yet"
 RETRY_AFTER_S = 1  # the Retry-After of a 503 answered before any server is ready, and of a 429
