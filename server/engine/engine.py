@@ -362,6 +362,7 @@ class Engine:
             resident_adapters=tuple(resident),
             loading_adapters=tuple(loading),
             queueing=self.queue.view(),
+            adapter_host_memory=self.lora.host_memory.view(),
         )
 
     # ---- the engine thread ------------------------------------------------------------------
