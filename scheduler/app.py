@@ -139,7 +139,7 @@ def _proxy(ctx: SchedulerContext, path: str, kind: str) -> Response:
     except BaseException:
         slot.release()
         raise
-    headers = {"X-Toppings-Server": answer.server}
+    headers = {**answer.headers, "X-Toppings-Server": answer.server}
     if isinstance(answer.body, bytes):
         slot.release()  # the server's answer has been read whole
         return Response(answer.body, answer.status, headers, content_type=answer.content_type)

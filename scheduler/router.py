@@ -25,7 +25,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +84,12 @@ class Forwarded:
     content_type: str
     body: bytes | Iterator[bytes]
     server: str
+    headers: dict[str, str] = field(default_factory=dict)  # the server's PASSED_HEADERS
+
+
+# A server's response headers a client reads, passed on as they are (the tool-call format the
+# server used, server.api.generation).
+PASSED_HEADERS = ("X-Toppings-Tool-Format",)
 
 
 def _copies(body: dict[str, Any]) -> int:
@@ -267,9 +273,10 @@ class Router:
         done = done or (lambda outcome: None)
         content_type = answer.headers.get("Content-Type", "application/json")
         status = answer.status_code
+        passed = {h: answer.headers[h] for h in PASSED_HEADERS if h in answer.headers}
         if stream and answer.ok:
             chunks = _Stream(answer, self._learn_streamed_length, done)
-            return Forwarded(status, content_type, chunks, url)
+            return Forwarded(status, content_type, chunks, url, passed)
         outcome = "disconnected"  # until the body has been read whole
         try:
             data = answer.content
@@ -279,7 +286,7 @@ class Router:
             done(outcome)
         if answer.ok:
             self._learn_response_length(data)
-        return Forwarded(status, content_type, data, url)
+        return Forwarded(status, content_type, data, url, passed)
 
     def _learn_response_length(self, data: bytes) -> None:
         try:

@@ -170,3 +170,15 @@ def test_scheduler_imports_only_the_http_contract_of_the_server():
 )
 def test_the_http_contract_imports_nothing_of_toppings(module):
     assert _toppings_imports(SCHEDULER_DIR.parent / "server" / module) == set()
+
+
+def test_the_tool_format_header_passes_through_the_scheduler(clients):
+    # The tiny model's template does not render tools: the server says it used the generic
+    # format, and a client of the scheduler reads the same header.
+    scheduler, server = clients
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    body = {"messages": CHAT, "tools": tools, "tool_choice": "none", "max_tokens": 2}
+    for client in (server, scheduler):
+        answer = client.post("/v1/chat/completions", json=body)
+        assert answer.status_code == 200, answer.get_data(as_text=True)
+        assert answer.headers["X-Toppings-Tool-Format"] == "generic"
