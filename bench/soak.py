@@ -293,6 +293,11 @@ def main(argv: list[str] | None = None) -> None:
     after = [kib for t, kib in rss if t >= args.warmup]
     half = [(t, kib) for t, kib in rss if t >= args.duration / 2]
     slope = (half[-1][1] - half[0][1]) / max(half[-1][0] - half[0][0], 1.0) * 60 if half else None
+    warm = [(t, kib) for t, kib in rss if t >= args.warmup]
+    per_hour = None
+    if len(warm) >= 2:  # least-squares slope of RSS after warm-up, MB an hour
+        per_hour = statistics.linear_regression([t for t, _ in warm], [k for _, k in warm])
+        per_hour = round(per_hour.slope * 3600 / 1024, 1)
     counts = dict(soak.tally.counts)
     failures = sum(v for k, v in counts.items() if k.endswith("_fail") or k == "health_not_ok")
     metrics = {
@@ -306,7 +311,7 @@ def main(argv: list[str] | None = None) -> None:
         "stats_at_end": {
             k: stats.get(k) for k in ("running", "queue", "num_in_flight", "free_kv_tokens")
         }
-        | {"blocks": blocks},
+        | {"blocks": blocks, "adapter_host_memory": stats.get("adapter_host_memory")},
         "leaked_shm": leaked_shm,
         "rss_kib_samples": rss,
         "rss_after_warmup_kib": {
@@ -317,6 +322,7 @@ def main(argv: list[str] | None = None) -> None:
             "median": statistics.median(after) if after else None,
         },
         "rss_growth_second_half_kib_per_min": slope,
+        "rss_growth_after_warmup_mb_per_hour": per_hour,
     }
     config = {
         "model": "smollm2",

@@ -26,6 +26,8 @@ arena costs what it holds and a full /dev/shm fails that add with `shm.SharedMem
 
 One process owns the arena (adds, removes); workers attach and only read. The owner removes an
 adapter only when no job uses it: a removed slot's data may be overwritten by the next add.
+Names of the same content share one block (`add_alias`): their slots point at the same data,
+which is freed with the last of them.
 """
 
 from __future__ import annotations
@@ -84,6 +86,7 @@ class HostRepository:
         self._lock = threading.Lock()
         self._slots: dict[str, int] = {}
         self._space = FirstFit(self._data_offset, self._data_bytes)
+        self._block_users: dict[int, int] = {}  # data offset -> slots reading that block
 
     @classmethod
     def create(
@@ -170,10 +173,33 @@ class HostRepository:
             targets = self._write_block(adapter, offset)
             self._write_entry(slot, READY, adapter, encoded, offset, size, targets)
             self._slots[adapter.name] = slot
+            self._block_users[offset] = 1
+        return slot
+
+    def add_alias(self, adapter: AdapterLike, of: str) -> int:
+        """Serve `adapter` (the same content as adapter `of`, under another name) from `of`'s
+        block: a new slot, no new data. The block is freed when its last name is removed.
+        Raises KeyError when `of` is absent, RepositoryFullError when no slot is free."""
+        self._check_owner()
+        encoded = adapter.name.encode()
+        if not 0 < len(encoded) <= MAX_NAME_BYTES:
+            raise ValueError(f"adapter name must be 1..{MAX_NAME_BYTES} utf-8 bytes")
+        with self._lock:
+            if adapter.name in self._slots:
+                raise ValueError(f"adapter {adapter.name!r} is already in the repository")
+            source = self.entry(self._slots[of])
+            slot = next((s for s in range(self.max_adapters) if self._state(s) == FREE), None)
+            if slot is None:
+                raise RepositoryFullError(f"all {self.max_adapters} adapter slots are in use")
+            offset, size = source["data_offset"], source["data_bytes"]
+            self._write_entry(slot, READY, adapter, encoded, offset, size, source["targets"])
+            self._slots[adapter.name] = slot
+            self._block_users[offset] += 1
         return slot
 
     def remove(self, name: str) -> None:
-        """Free an adapter's slot and data (KeyError if absent)."""
+        """Free an adapter's slot, and its data unless another name shares it (KeyError if
+        absent)."""
         self._check_owner()
         with self._lock:
             slot = self._slots.pop(name)
@@ -181,7 +207,10 @@ class HostRepository:
             struct.pack_into(
                 ENTRY_FMT, self._mm, self._entry_at(slot), FREE, 0, 0, 0, 0.0, 0, 0, 0, b""
             )
-            self._space.release(offset, size)
+            self._block_users[offset] -= 1
+            if not self._block_users[offset]:
+                del self._block_users[offset]
+                self._space.release(offset, size)
 
     def lookup(self, name: str) -> int | None:
         """Slot of a ready adapter, or None."""

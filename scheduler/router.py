@@ -77,8 +77,8 @@ class SchedulerError(Exception):
 
 
 # A server's response headers the client gets through the scheduler too: the request fields the
-# server accepted and ignored (server.api.generation).
-PASSED_ON = ("X-Toppings-Ignored-Fields",)
+# server accepted and ignored, and the tool-call format it used (server.api.generation).
+PASSED_ON = ("X-Toppings-Ignored-Fields", "X-Toppings-Tool-Format")
 
 
 @dataclass

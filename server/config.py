@@ -139,6 +139,19 @@ class LoraConfig(Settings):
             metavar="N",
         ),
     )
+    # Host bytes all registered adapters may hold, one copy per content; 0: a share of the
+    # machine's memory (gpu_lora/host_memory.py).
+    adapter_host_bytes: int = setting(
+        0,
+        bound=Bound.NON_NEGATIVE,
+        flag=Flag(
+            "host bytes the registered adapters may hold together (their weights and CPU "
+            "workers' copies; the same files under several names count once); a load past it "
+            "gets 507. 0 (default): a quarter of this machine's memory",
+            type=int,
+            metavar="N",
+        ),
+    )
     # Largest LoRA rank served; 0: derived from the adapter budget (server/engine/adapters.py).
     max_lora_rank: int = setting(
         0,

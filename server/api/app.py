@@ -20,7 +20,9 @@ Operator endpoints: `/metrics` (Prometheus, see server.api.metrics), `/v1/load_l
 and `/v1/unload_lora_adapter` (see server.api.lifecycle; a load naming `peers` fetches the
 adapter from them, server.api.peer_fetch), `GET /v1/adapters/NAME/files[/FILE]` (the PEFT files
 of an adapter this server holds, for a peer to fetch; server.api.adapter_files). With an API
-key every endpoint but `/health` wants `Authorization: Bearer KEY`. While the server drains
+key every endpoint but `/health` wants `Authorization: Bearer KEY`; with an admin key
+(`--admin-api-key`) adapter load and unload want that key instead, and the client key keeps
+generation and reads. While the server drains
 (SIGTERM), `/health` answers 503 so that a scheduler stops routing here, and the engine refuses
 new requests with 503. The operator's settings are `ApiOptions` (server.api.options).
 """
@@ -64,20 +66,35 @@ logger = logging.getLogger(__name__)
 BYTES_PER_PROMPT_CHAR = 4
 BODY_EXTRA_BYTES = 1 << 20
 OPEN_PATHS = frozenset({"/health"})  # answered without an API key (load balancers probe it)
+# The operator's routes: they change what the server serves for every tenant.
+ADMIN_PATHS = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
+ADMIN_KEY_REQUIRED = (
+    "a valid admin key is required on this route (Authorization: Bearer ADMIN_KEY, the "
+    "server's --admin-api-key)"
+)
 
 
-def _check_key(expected: str) -> None:
-    if not bearer_matches(request.headers.get("Authorization", ""), expected):
-        raise RequestError(API_KEY_REQUIRED, 401, AUTHENTICATION)
-
-
-def _install_auth(app: Flask, api_key: str | None) -> None:
-    """With a key, every path but OPEN_PATHS wants `Authorization: Bearer KEY` (else 401)."""
+def _install_auth(app: Flask, api_key: str | None, admin_api_key: str | None) -> None:
+    """With a client key, every path but OPEN_PATHS wants `Authorization: Bearer KEY` (else 401).
+    With an admin key, ADMIN_PATHS want it and only it; it opens the other paths too."""
+    if api_key is not None and admin_api_key is None:
+        logger.warning("--api-key without --admin-api-key: every holder of the client key may "
+                       "load and unload adapters")  # fmt: skip
 
     @app.before_request
     def authenticate() -> None:
-        if api_key is not None and request.path not in OPEN_PATHS:
-            _check_key(api_key)
+        # The matched rule decides what a request reaches, not the raw path.
+        path = request.url_rule.rule if request.url_rule is not None else request.path
+        if path in OPEN_PATHS:
+            return
+        authorization = request.headers.get("Authorization", "")
+        is_admin = admin_api_key is not None and bearer_matches(authorization, admin_api_key)
+        if path in ADMIN_PATHS and admin_api_key is not None:
+            if not is_admin:
+                raise RequestError(ADMIN_KEY_REQUIRED, 401, AUTHENTICATION)
+            return
+        if api_key is not None and not is_admin and not bearer_matches(authorization, api_key):
+            raise RequestError(API_KEY_REQUIRED, 401, AUTHENTICATION)
 
 
 def register_observability(app: Flask, ctx: ApiContext) -> None:
@@ -167,7 +184,7 @@ def create_app(engine, options: ApiOptions | None = None) -> Flask:
                               "bytes (--max-request-bytes)", 413)  # fmt: skip
 
     app.extensions["toppings"] = ctx.state
-    _install_auth(app, options.api_key)
+    _install_auth(app, options.api_key, options.admin_api_key)
     register_generation(app, ctx)
     register_models(app, ctx)
     register_tokenizer(app, ctx)

@@ -20,7 +20,7 @@ import json
 from dataclasses import dataclass
 
 from toppings.server.api.schema import MAX_SEED, ParsedBody
-from toppings.server.api.tools import check_template_renders_tools
+from toppings.server.api.tools import generic_tool_messages, template_renders_tools
 from toppings.server.requests.request import GenerationRequest, RequestError, SamplingParams
 
 DEFAULT_MAX_TOKENS = {"completion": 16, "chat": 256, "native": 16}
@@ -133,13 +133,14 @@ def prompt_ids(parsed: ParsedBody, tokenizer, prompt: str | list[int] | None) ->
             raise RequestError("'reasoning_effort' is not supported by this server: this "
                                "model's chat template reasons, and its effort cannot be set "
                                "here")  # fmt: skip
-        tools = None
-        if parsed.tools is not None:
-            check_template_renders_tools(tokenizer)
+        tools, messages = None, parsed.messages
+        if parsed.tools is not None and template_renders_tools(tokenizer):
             tools = parsed.tools.template_tools()
+        elif parsed.tools is not None:  # the generic format: the tools in the system message
+            messages = generic_tool_messages(messages, parsed.tools)
         try:
             text = tokenizer.apply_chat_template(
-                parsed.messages, tools=tools, add_generation_prompt=True, tokenize=False
+                messages, tools=tools, add_generation_prompt=True, tokenize=False
             )
         except Exception as e:  # jinja raises for conversations the template refuses
             raise RequestError(f"chat template rejected the messages: {e}") from e

@@ -14,6 +14,7 @@ arrives, which also covers non-streaming requests.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Iterator
 
 from flask import Flask, Response, jsonify, request
@@ -30,6 +31,7 @@ from toppings.server.api.response import (
 )
 from toppings.server.api.schema import ParsedBody, parse_chat, parse_completion, parse_native
 from toppings.server.api.tokenize import detokenize, tokenize
+from toppings.server.api.tools import template_renders_tools
 from toppings.server.http.frontend import ReleasingBody, Slot
 from toppings.server.requests.errors import SERVER_ERROR, error_body, error_response
 from toppings.server.requests.request import RequestError
@@ -57,6 +59,20 @@ def _sse_or_error(events: Iterator[str]) -> Iterator[str]:
         yield SSE_DONE
 
 
+TOOL_FORMAT_HEADER = "X-Toppings-Tool-Format"
+_generic_logged = threading.Event()
+
+
+def _log_generic_once() -> None:
+    if not _generic_logged.is_set():
+        _generic_logged.set()
+        logger.info("the chat template does not render tools: tool calls use the generic "
+                    "format (tools described in a system message, the call read as JSON); "
+                    "responses say so in %s", TOOL_FORMAT_HEADER)  # fmt: skip
+    else:
+        logger.debug("a tool call in the generic format")
+
+
 def register_generation(app: Flask, ctx: ApiContext) -> None:
     """`/generate`, `/v1/completions` and `/v1/chat/completions`: one parser each, one path."""
     engine, state = ctx.engine, ctx.state
@@ -75,6 +91,12 @@ def register_generation(app: Flask, ctx: ApiContext) -> None:
             logger.info("%s: ignored %s (they change nothing here)", request.path,
                         ", ".join(parsed.ignored))  # fmt: skip
             response.headers[IGNORED_HEADER] = ", ".join(parsed.ignored)
+        if parsed.tools is not None:
+            with ctx.tokenizers.borrow() as tokenizer:  # its template is the one in force
+                generic = not template_renders_tools(tokenizer)
+            if generic:
+                response.headers[TOOL_FORMAT_HEADER] = "generic"
+                _log_generic_once()
         return response
 
     def _answer(parsed: ParsedBody, slot: Slot) -> Response:
@@ -108,7 +130,8 @@ def register_generation(app: Flask, ctx: ApiContext) -> None:
             slot.release()
         failed = next((out for out in outs if out.finish_reason == "error"), None)
         if failed is not None:
-            return error_response(failed.error or "generation failed", 500, SERVER_ERROR)
+            message = failed.error or "generation failed"
+            return error_response(message, failed.error_code, failed.error_type)
         return jsonify(final_response(parsed, meta, outs))
 
     app.add_url_rule("/generate", "generate", lambda: generate(parse_native), methods=["POST"])

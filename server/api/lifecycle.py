@@ -31,7 +31,17 @@ MAX_PATH_CHARS = 4096
 
 
 def _real(path: str | os.PathLike) -> str:
-    return os.path.realpath(os.fspath(path))
+    """The resolved path; a 409 when it cannot be resolved because an entry changed under it
+    (a symlink swapped for a file between realpath's lstat and its readlink)."""
+    try:
+        return os.path.realpath(os.fspath(path))
+    except OSError as exc:
+        raise RequestError(_changed(path, exc), 409, "conflict") from None
+
+
+def _changed(path: str | os.PathLike, exc: OSError) -> str:
+    return (f"{os.fspath(path)!r} changed while it was being read ({exc.strerror or exc}); "
+            "retry once it is in place")  # fmt: skip
 
 
 def is_within(path: str, root: str) -> bool:
@@ -138,6 +148,8 @@ class AdapterAdmin:
             adapter = self.engine.add_adapter(name, path)
         except AdapterError as exc:
             raise RequestError(f"cannot load adapter {name!r}: {exc}") from None
+        except OSError as exc:  # a file replaced while it was read, past the loader's checks
+            raise RequestError(_changed(path, exc), 409, "conflict") from None
         log.info("loaded adapter %s from %s", name, path)
         return {"lora_name": name, "rank": adapter.rank, "target_modules": adapter.target_modules}
 

@@ -12,7 +12,8 @@ from toppings.server.settings import Bound, Flag, Settings, http_origin, positiv
 class ApiOptions(Settings):
     """Who may call the HTTP API and how much one request or all of them together may take.
 
-    None: no key, no limit; `max_concurrent_requests` None means frontend.default_max_in_flight
+    None: no key, no limit (without an admin key the operator's routes take the client key, as
+    every other route); `max_concurrent_requests` None means frontend.default_max_in_flight
     (4x the batch).
     """
 
@@ -24,6 +25,16 @@ class ApiOptions(Settings):
             "require Authorization: Bearer KEY on every endpoint but /health "
             "(default: $TOPPINGS_API_KEY; prefer the variable, argv is visible to all users)",
             env="TOPPINGS_API_KEY",
+        ),
+    )
+    admin_api_key: str | None = setting(
+        None,
+        flag=Flag(
+            "the key of the operator's routes (adapter load and unload): with it they want "
+            "Authorization: Bearer ADMIN_KEY and the --api-key no longer opens them; the admin "
+            "key also opens every other route (give it to the scheduler as its "
+            "--server-api-key). Default: $TOPPINGS_SERVER_ADMIN_API_KEY",
+            env="TOPPINGS_SERVER_ADMIN_API_KEY",
         ),
     )
     max_prompt_tokens: int | None = setting(
@@ -104,6 +115,8 @@ class ApiOptions(Settings):
     def check(self) -> None:
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty")
+        if self.admin_api_key is not None and not self.admin_api_key:
+            raise ValueError("admin_api_key must not be empty")
         for peer in self.peers:
             try:
                 http_origin(peer)

@@ -23,7 +23,9 @@ API key as an operator's), so every server the scheduler may name as a holder is
 sent to those peers only. A redirect is a failed peer, never followed. One load, all peers and
 bytes together, takes at most `--peer-fetch-timeout-s` (FetchConfig.total_timeout_s): every
 socket wait is cut to the time left and the clock is checked between chunks, so a peer that
-trickles the bytes of a body cannot hold the fetch lock; past it the load gets a 504. (A listed
+trickles the bytes of a body cannot hold a fetch for longer; past it the load gets a 504. Fetches
+of different adapters run in parallel (one slow peer delays only the loads it serves); two loads
+of the same adapter (name and digest) wait for each other, so that one copy is written. (A listed
 peer trickling its response headers is bounded only per socket read: http.client reads them.)
 The temporary `.partial-*` directories of the store are removed on every failure, when the
 fetcher starts (what a killed server left) and when it closes (at interpreter exit).
@@ -43,6 +45,7 @@ import threading
 import time
 from argparse import ArgumentTypeError
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from urllib.parse import quote
 
@@ -52,7 +55,7 @@ import urllib3
 from toppings.gpu_lora.peft_config import AdapterError
 from toppings.server.api.adapter_files import FILES, MAX_BYTES, Digest, adapter_digest, is_digest
 from toppings.server.api.lifecycle import check_name, is_within
-from toppings.server.requests.errors import NOT_FOUND, unknown_adapter
+from toppings.server.requests.errors import NOT_FOUND, nests_too_deep, unknown_adapter
 from toppings.server.requests.request import RequestError
 from toppings.server.settings import http_origin
 
@@ -97,6 +100,40 @@ def held_adapter_dir(engine, name: str) -> str:
     raise RequestError(unknown_adapter(name), 404, NOT_FOUND)
 
 
+def _store_name(name: str, digest: str) -> str:
+    """The store directory of an adapter: from its validated name and its digest only."""
+    return f"{re.sub(r'[^A-Za-z0-9._-]', '_', name)[:100]}-{digest[:16]}"
+
+
+class KeyedLocks:
+    """One lock per key, made while some thread holds or waits for it, then dropped (so that
+    the table never outgrows the fetches in flight)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._locks: dict[str, tuple[threading.Lock, int]] = {}
+
+    @contextmanager
+    def holding(self, key: str) -> Iterator[None]:
+        with self._lock:
+            lock, users = self._locks.get(key, (None, 0))
+            lock = lock or threading.Lock()
+            self._locks[key] = (lock, users + 1)
+        try:
+            with lock:
+                yield
+        finally:
+            with self._lock:
+                lock, users = self._locks[key]
+                if users == 1:
+                    del self._locks[key]
+                else:
+                    self._locks[key] = (lock, users - 1)
+
+    def __len__(self) -> int:
+        return len(self._locks)
+
+
 class PeerFetcher:
     def __init__(self, engine, config: FetchConfig, session: requests.Session | None = None):
         self.engine = engine
@@ -105,7 +142,7 @@ class PeerFetcher:
         os.makedirs(config.store_dir, exist_ok=True)
         self.store = os.path.realpath(config.store_dir)
         self.session = session or requests.Session()
-        self._lock = threading.Lock()  # one fetch at a time: no two copies of one adapter
+        self._locks = KeyedLocks()  # one fetch at a time per store directory, others in parallel
         _remove_partials(self.store)
         _OPEN_STORES.add(self.store)
 
@@ -125,7 +162,7 @@ class PeerFetcher:
         if not is_digest(digest):
             raise RequestError("'sha256' must be the adapter's SHA-256: 64 lowercase hex digits")
         peers = self._allowed(body.get("peers"))
-        with self._lock:
+        with self._locks.holding(_store_name(name, digest)):  # no two copies of one adapter
             deadline = time.monotonic() + self.config.total_timeout_s  # a queued load's own
             if any(a["name"] == name for a in self.engine.adapters()):
                 raise RequestError(f"adapter {name!r} is already loaded", 409, "conflict")
@@ -188,8 +225,7 @@ class PeerFetcher:
 
     def _fetch(self, peer: str, name: str, digest: str, deadline: float) -> str:
         """Download into a fresh directory of the store; its path once the digest matched."""
-        safe = re.sub(r"[^A-Za-z0-9._-]", "_", name)[:100]
-        final = os.path.join(self.store, f"{safe}-{digest[:16]}")
+        final = os.path.join(self.store, _store_name(name, digest))
         if not is_within(os.path.realpath(final), self.store):  # cannot happen; stay sure
             raise PeerFailed("adapter directory would leave the store")
         if os.path.isdir(final) and _digest_or_none(final) == digest:
@@ -247,7 +283,8 @@ class PeerFetcher:
                 raw += chunk
                 if len(raw) > MAX_LIST_BYTES:
                     break
-            body = json.loads(raw) if len(raw) <= MAX_LIST_BYTES else None
+            fits = len(raw) <= MAX_LIST_BYTES and not nests_too_deep(raw)
+            body = json.loads(raw) if fits else None
         except (ValueError, requests.RequestException, urllib3.exceptions.HTTPError, OSError):
             _left(deadline)
             body = None

@@ -31,7 +31,7 @@ from typing import Any
 from toppings.server.api.logprobs import TokenText, chat_logprobs, completion_logprobs
 from toppings.server.api.schema import ParsedBody
 from toppings.server.api.tool_calls import CallStream, reply_call
-from toppings.server.requests.errors import SERVER_ERROR, error_body
+from toppings.server.requests.errors import error_body
 from toppings.server.requests.request import RequestOutput
 
 SSE_DONE = "data: [DONE]\n\n"
@@ -215,7 +215,7 @@ def stream_events(
         if out.finish_reason == "error":
             if out.new_text or out.new_token_ids:
                 yield from _delta_events(parsed, meta, choices[idx], out, num_out, None)
-            yield sse(error_body(out.error or "generation failed", 500, SERVER_ERROR))
+            yield sse(error_body(out.error or "generation failed", out.error_code, out.error_type))
             break
         yield from _delta_events(parsed, meta, choices[idx], out, num_out, out.finish_reason)
     else:

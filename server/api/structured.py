@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from toppings.server.requests.errors import nests_too_deep, too_deep
 from toppings.server.requests.request import Constraint, ConstraintKind, RequestError
 
 ANY_JSON_OBJECT = '{"type": "object"}'
@@ -36,6 +37,8 @@ REFUSED_FIELDS = (
 def _schema_text(value: Any, key: str) -> str:
     """A JSON schema given as an object (or JSON text of one) as JSON text."""
     if isinstance(value, str):
+        if nests_too_deep(value):
+            raise RequestError(too_deep(f"'{key}'"))
         try:
             value = json.loads(value)
         except json.JSONDecodeError as e:
@@ -52,17 +55,16 @@ def _response_format(value: Any) -> Constraint | None:
     if kind == "text":
         return None
     if kind == "json_object":
-        return Constraint(ConstraintKind.JSON_SCHEMA, ANY_JSON_OBJECT)
+        return Constraint(ConstraintKind.JSON_SCHEMA, ANY_JSON_OBJECT, "response_format")
     if kind == "json_schema":
         spec = value.get("json_schema")
         if not isinstance(spec, dict):
             raise RequestError("'response_format.json_schema' must be an object")
         schema = spec.get("schema")
         if schema is None:  # OpenAI: without a schema the model may write any JSON
-            return Constraint(ConstraintKind.JSON_SCHEMA, "{}")
-        return Constraint(
-            ConstraintKind.JSON_SCHEMA, _schema_text(schema, "response_format.json_schema.schema")
-        )
+            return Constraint(ConstraintKind.JSON_SCHEMA, "{}", "response_format")
+        key = "response_format.json_schema.schema"
+        return Constraint(ConstraintKind.JSON_SCHEMA, _schema_text(schema, key), key)
     raise RequestError(
         f"'response_format.type' must be 'text', 'json_object' or 'json_schema', not {kind!r}"
     )
@@ -71,16 +73,16 @@ def _response_format(value: Any) -> Constraint | None:
 def _guided(key: str, value: Any) -> Constraint:
     kind = GUIDED_FIELDS[key]
     if kind is ConstraintKind.JSON_SCHEMA:
-        return Constraint(kind, _schema_text(value, key))
+        return Constraint(kind, _schema_text(value, key), key)
     if kind is ConstraintKind.CHOICE:
         if not (isinstance(value, list) and value and all(isinstance(c, str) for c in value)):
             raise RequestError(f"'{key}' must be a non-empty list of strings")
         if any(not c for c in value):
             raise RequestError(f"'{key}' must not hold an empty string")
-        return Constraint(kind, json.dumps(value))
+        return Constraint(kind, json.dumps(value), key)
     if not isinstance(value, str) or not value:
         raise RequestError(f"'{key}' must be a non-empty string")
-    return Constraint(kind, value)
+    return Constraint(kind, value, key)
 
 
 def parse_constraint(body: dict) -> Constraint | None:

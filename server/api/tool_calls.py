@@ -30,6 +30,7 @@ import uuid
 from dataclasses import dataclass
 
 from toppings.server.api.tools import ToolChoice, Tools
+from toppings.server.requests.errors import nests_too_deep
 
 TOOL_CALLS = "tool_calls"  # the finish reason of a reply that is a complete tool call
 TAG = "<tool_call>"
@@ -131,6 +132,8 @@ class CallScanner:
 def _members(text: str) -> dict[str, str] | None:
     """The JSON text of each member of the one JSON object that `text` is (a repeated key: its
     last value, as `json.loads` keeps), or None when `text` is not exactly one object."""
+    if nests_too_deep(text):  # a reply nested past what the parser should recurse into
+        return None
     decoder = json.JSONDecoder()
     start = JSON_SPACE.match(text).end()
     try:

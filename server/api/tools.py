@@ -1,8 +1,11 @@
 """Tool calling on `/v1/chat/completions`: `tools`, `tool_choice`, and the calls in the reply.
 
 `tools` is OpenAI's list of `{"type": "function", "function": {"name", "description",
-"parameters"}}`; the checkpoint's chat template renders them (a template that never mentions
-`tools` is refused: the model would not see them). `tool_choice`:
+"parameters"}}`; the checkpoint's chat template renders them. A template that never mentions
+`tools` (SmolLM2's, any written before tools) gets the generic format instead, as other servers
+fall back to: the tools described in the system message, earlier calls written as the JSON they
+were, and the call read from the reply as below (the response says so in its
+`X-Toppings-Tool-Format: generic` header). `tool_choice`:
 - "none": the tools are rendered, the reply is text;
 - "auto" (the default with tools): free text; a reply that is one JSON object
   `{"name": NAME, "arguments": {...}}` (or `"parameters"`, optionally inside
@@ -23,6 +26,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
+from toppings.server.requests.errors import nests_too_deep, too_deep
 from toppings.server.requests.request import Constraint, ConstraintKind, RequestError
 
 MAX_TOOLS = 128
@@ -80,7 +84,7 @@ class Tools:
                 "additionalProperties": False,
             })  # fmt: skip
         schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
-        return Constraint(ConstraintKind.JSON_SCHEMA, json.dumps(schema))
+        return Constraint(ConstraintKind.JSON_SCHEMA, json.dumps(schema), "tools")
 
 
 def _function(tool: Any, idx: int) -> str:
@@ -142,6 +146,8 @@ def template_message(msg: dict, idx: int) -> dict[str, Any]:
             if not isinstance(function, dict) or not isinstance(function.get("name"), str):
                 raise RequestError(f"messages[{idx}].tool_calls need a function name")
             arguments = function.get("arguments", "{}")
+            if isinstance(arguments, str) and nests_too_deep(arguments):
+                raise RequestError(too_deep(f"messages[{idx}] tool call arguments"))
             try:
                 arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
             except json.JSONDecodeError:
@@ -159,8 +165,47 @@ def template_message(msg: dict, idx: int) -> dict[str, Any]:
     return out
 
 
-def check_template_renders_tools(tokenizer) -> None:
-    """Refuse tools when the chat template never reads them: the model would not see them."""
-    if "tools" not in (getattr(tokenizer, "chat_template", None) or ""):
-        raise RequestError("'tools' is not supported for this model: its chat template does not "
-                           "render tools")  # fmt: skip
+def template_renders_tools(tokenizer) -> bool:
+    """Whether the chat template reads `tools` (else the generic format describes them)."""
+    return "tools" in (getattr(tokenizer, "chat_template", None) or "")
+
+
+def _generic_instructions(tools: Tools) -> str:
+    """The system text of the generic format: each tool as JSON, and how to call one."""
+    listed = "\n".join(tools.functions)
+    call = '{"name": <function name>, "arguments": <object of its arguments>}'
+    if tools.choice is ToolChoice.NAMED:
+        how = f"Call the function {tools.named!r} now: reply with only the JSON object {call}."
+    elif tools.choice is ToolChoice.REQUIRED:
+        how = f"Call one of them now: reply with only the JSON object {call}."
+    else:
+        how = (f"To call one, reply with only the JSON object {call} and nothing else; "
+               "otherwise answer in plain text.")  # fmt: skip
+    return f"You can call these functions, each described as JSON:\n{listed}\n{how}"
+
+
+def generic_tool_messages(messages: list[dict], tools: Tools) -> list[dict]:
+    """The conversation for a template that does not render tools (the generic format): the
+    tools described in the system message (one is added in front when there is none), an
+    assistant's earlier calls written as the JSON objects it would have replied, and each tool
+    result as a message of role "tool". `tool_choice` "none" describes no tool."""
+    out = []
+    for msg in messages:
+        msg = dict(msg)
+        calls = msg.pop("tool_calls", None)
+        msg.pop("tool_call_id", None)
+        if calls:
+            written = [json.dumps({"name": c["function"]["name"], "arguments": c["function"][
+                "arguments"]}) for c in calls]  # fmt: skip
+            msg["content"] = "\n".join(filter(None, [msg.get("content"), *written]))
+        if msg.get("content") is None:
+            msg["content"] = ""
+        out.append(msg)
+    if tools.choice is ToolChoice.NONE:
+        return out
+    text = _generic_instructions(tools)
+    if out and out[0].get("role") == "system" and isinstance(out[0].get("content"), str):
+        out[0] = dict(out[0], content=f"{out[0]['content']}\n\n{text}")
+    else:
+        out.insert(0, {"role": "system", "content": text})
+    return out

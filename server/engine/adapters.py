@@ -1,7 +1,8 @@
 """Everything the engine holds for adapters, behind the one interface the engine uses.
 
 Registered adapters live in host memory (their `LoraAdapter` tensors and, with CPU workers, the
-shared-memory `HostRepository` the workers read). The device side is the adapter pool, filled by
+shared-memory `HostRepository` the workers read), one copy per content charged to a host budget
+(gpu_lora/host_memory.py). The device side is the adapter pool, filled by
 the pipelined loader and governed by the byte-budget cache. Layers not yet on the device are
 computed by `host`: the CPU worker pool, or in-process when the server runs no workers.
 
@@ -21,6 +22,12 @@ import torch
 from toppings.gpu_lora.adapter_pool import AdapterPool
 from toppings.gpu_lora.cache import AdapterCache, CacheEntry
 from toppings.gpu_lora.host_lora import HostLora, HostLoraRunner
+from toppings.gpu_lora.host_memory import (
+    DEFAULT_BUDGET_FRACTION,
+    HostAdapterMemory,
+    HostMemoryFull,
+    default_budget_bytes,
+)
 from toppings.gpu_lora.kernels import select as select_lora_backend
 from toppings.gpu_lora.lora_batch import HostLoraStats, LoraBatch
 from toppings.gpu_lora.peft_format import (
@@ -95,6 +102,11 @@ class AdapterManager:
             self.pool, cache.max_adapter_bytes()
         )
         log.info("adapters up to rank %d (--max-lora-rank)", self.max_lora_rank)
+        self.host_memory = HostAdapterMemory(config.adapter_host_bytes or default_budget_bytes())
+        log.info("adapters may hold %.1f MiB of host memory (--adapter-host-bytes%s)",
+                 self.host_memory.budget_bytes / 2**20,
+                 "" if config.adapter_host_bytes else f"; default {DEFAULT_BUDGET_FRACTION:.0%} "
+                 "of this machine's memory")  # fmt: skip
         self.repository = self.workers = None
         if self.mode.host_workers and config.num_cpu_workers:
             self._start_workers(dtype)
@@ -163,12 +175,27 @@ class AdapterManager:
                 )
 
     def register(self, adapter: LoraAdapter) -> None:
-        """Make a validated adapter servable (called with the engine's lock held)."""
+        """Make a validated adapter servable (called with the engine's lock held). Content
+        already held under another name is shared, not copied; a new copy is charged to the
+        host budget (507 past it)."""
         if adapter.name in self.registry:
             raise RequestError(f"adapter {adapter.name!r} is already loaded", 409, "conflict")
+        adapter, digest = self.host_memory.shared(adapter)
+        shares = self.host_memory.name_of_copy(digest)  # a name holding the same content
+        host_bytes = adapter.num_bytes
         if self.repository is not None:
-            self._add_to_repository(adapter)
-        if self.pool.device.type == "cuda":
+            host_bytes += self.repository.block_bytes(adapter)
+        try:
+            self.host_memory.charge(adapter, digest, host_bytes)
+        except HostMemoryFull as exc:
+            raise RequestError(str(exc), 507, INSUFFICIENT_STORAGE) from None
+        try:
+            if self.repository is not None:
+                self._add_to_repository(adapter, shares)
+        except BaseException:
+            self.host_memory.release(adapter.name)
+            raise
+        if self.pool.device.type == "cuda" and shares is None:
             # Pinned host copies: the loader's copies then run asynchronously on its stream.
             for key, (a, b) in adapter.weights.items():
                 adapter.weights[key] = (a.pin_memory(), b.pin_memory())
@@ -181,14 +208,18 @@ class AdapterManager:
                 raise RequestError("the adapter cache is full", 507, INSUFFICIENT_STORAGE)
             entry.ticket.wait()
 
-    def _add_to_repository(self, adapter: LoraAdapter) -> None:
-        """Copy the adapter into the workers' shared arena; no room there is a 507 (the
-        server keeps serving the adapters it has)."""
+    def _add_to_repository(self, adapter: LoraAdapter, shares: str | None) -> None:
+        """Copy the adapter into the workers' shared arena, or point it at the block of
+        `shares` (the same content); no room there is a 507 (the server keeps serving the
+        adapters it has)."""
         from toppings.cpu_lora.repository import RepositoryFullError
         from toppings.cpu_lora.shm import SharedMemoryFull
 
         try:
-            self.repository.add(adapter)
+            if shares is not None:
+                self.repository.add_alias(adapter, of=shares)
+            else:
+                self.repository.add(adapter)
         except (SharedMemoryFull, RepositoryFullError) as exc:
             raise RequestError(
                 f"cannot load adapter {adapter.name!r}: {exc}", 507, INSUFFICIENT_STORAGE
@@ -201,6 +232,7 @@ class AdapterManager:
         if self.repository is not None and self.repository.lookup(name) is not None:
             self.repository.remove(name)
         del self.registry[name]
+        self.host_memory.release(name)
 
     # ---- per request and per step (the engine thread) -----------------------------------------
 

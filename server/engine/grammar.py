@@ -9,7 +9,8 @@ output its schema rejects). See README.md "Structured output".
 
 `GrammarCompiler` turns a constraint into a matcher with nothing consumed yet, once per distinct
 (kind, text) in a bounded LRU cache, and refuses what it cannot compile with a `RequestError`
-before the request is queued; each request then matches on its own deep copy. `fill_masks`
+before the request is queued, the grammars whose first step it cannot take (an empty
+language, a limit passed) included; each request then matches on its own deep copy. `fill_masks`
 computes the allowed tokens of many matchers at once (llguidance's thread pool, the GIL
 released), `apply_masks` sets the other tokens' logits to -inf in the given rows only.
 """
@@ -55,7 +56,12 @@ def grammar_text(constraint: Constraint) -> str:
             )
         return llguidance.grammar_from("grammar", spec)  # GBNF/EBNF, or Lark as is
     except ValueError as e:
-        raise RequestError(f"invalid {kind.value}: {e}") from None
+        raise RequestError(f"invalid {constraint.what}: {e}") from None
+
+
+def matcher_error(matcher: llguidance.LLMatcher) -> str:
+    """A matcher's error without llguidance's markup."""
+    return matcher.get_error().replace("<non-verbose/>", "").strip() or "no reason given"
 
 
 class GrammarCompiler:
@@ -107,10 +113,11 @@ class GrammarCompiler:
             grammar, tokenizer, limits=LIMITS
         )
         if is_error:
-            raise RequestError(f"invalid {constraint.kind.value}: {'; '.join(messages)}")
+            raise RequestError(f"invalid {constraint.what}: {'; '.join(messages)}")
         template = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=LIMITS)
         if template.is_error():
-            raise RequestError(f"invalid {constraint.kind.value}: {template.get_error()}")
+            raise RequestError(f"invalid {constraint.what}: {matcher_error(template)}")
+        _check_first_step(template, constraint)
         with self._lock:
             self.num_compiled += 1
             self._cache[constraint] = template
@@ -122,6 +129,20 @@ class GrammarCompiler:
     def matcher(self, constraint: Constraint) -> llguidance.LLMatcher:
         """A fresh matcher of its own for one request."""
         return self.compile(constraint).deep_copy()
+
+
+def _check_first_step(template: llguidance.LLMatcher, constraint: Constraint) -> None:
+    """Refuse, before anything is queued, a grammar whose first step the engine cannot take:
+    an empty language (`root ::= root`, a `$ref` that only refers to itself) or one past the
+    engine's limits where its first mask is computed. Probed on a copy: the template stays
+    untouched for the requests that copy it."""
+    probe = template.deep_copy()
+    probe.compute_bitmask()
+    if probe.is_error():
+        raise RequestError(
+            f"invalid {constraint.what}: the grammar engine finds no output that satisfies it "
+            f"({matcher_error(probe)})"
+        )
 
 
 def fill_masks(executor: llguidance.LLExecutor, matchers: list, vocab_size: int) -> torch.Tensor:

@@ -114,4 +114,5 @@ def stats(engine: Reported) -> ServerStats:
         resident_adapters=tuple(resident),
         loading_adapters=tuple(loading),
         queueing=sched.queue.view(),
+        adapter_host_memory=lora.host_memory.view(),
     )

@@ -11,7 +11,8 @@ keep only the tokens the grammar allows; the other rows of the batch are not tou
 request samples exactly what it would without constrained neighbours. The masks of a step can
 be computed while the model runs (`start_masks` before the forward pass, on the sampler's mask
 thread; llguidance releases the GIL). The sampled token advances the matcher; when the grammar
-is complete and allows nothing more, the sequence is told (`step_ends_grammar`) and stops.
+is complete and allows nothing more, the sequence is told (`step_ends_grammar`) and stops; when
+the matcher fails (no way on, a limit passed), it ends with an error (`step_grammar_error`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 import llguidance
 import torch
 
-from toppings.server.engine.grammar import GrammarCompiler, apply_masks, fill_masks
+from toppings.server.engine.grammar import GrammarCompiler, apply_masks, fill_masks, matcher_error
 from toppings.server.engine.logits import process_row, token_logprobs
 from toppings.server.engine.sampling import make_generator, sample_next
 from toppings.server.requests.request import TokenLogprob
@@ -141,11 +142,14 @@ class Sampler:
                 continue
             matcher = self.matcher(seq)
             if not matcher.consume_token(token) or matcher.is_error():
-                log.warning(
-                    "request %s: its grammar refused token %d: %s",
-                    seq.request.request_id, token, matcher.get_error(),
-                )  # fmt: skip
-                seq.step_ends_grammar = True
+                constraint = seq.request.params.constraint
+                error = matcher_error(matcher)
+                log.warning("request %s: its grammar failed at token %d: %s",
+                            seq.request.request_id, token, error)  # fmt: skip
+                seq.step_grammar_error = (
+                    f"the {constraint.what} constraint failed while generating: the grammar "
+                    f"engine found no way to go on ({error}); the output does not satisfy it"
+                )
             elif matcher.is_stopped():
                 seq.step_ends_grammar = True
 

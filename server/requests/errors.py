@@ -14,8 +14,10 @@ Flask apps install their error handlers with `install_error_handlers`.
 from __future__ import annotations
 
 import hmac
+import itertools
 import json
 import logging
+import re
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
@@ -33,6 +35,9 @@ UNAVAILABLE = "unavailable"  # 503: draining, shutting down, or no server ready 
 NO_SERVER_AVAILABLE = "no_server_available"  # 503: the scheduler has no server for the model
 BAD_GATEWAY = "bad_gateway"  # 502: the scheduler got no answer from any server
 SERVER_ERROR = "server_error"  # 500: a bug or an engine failure
+# 422: the request's structured-output constraint failed while generating (the grammar engine
+# found no way on, or went past its limits): the output so far does not satisfy it
+CONSTRAINT_FAILED = "constraint_failed"
 
 NO_SERVER_READY = "no server ready yet"
 RETRY_AFTER_S = 1  # the Retry-After of a 503 answered before any server is ready, and of a 429
@@ -71,8 +76,49 @@ def routing_error_body(
     return error_body(description, code, SERVER_ERROR if code >= 500 else INVALID_REQUEST)
 
 
+# How deep JSON a client may send (a body, or JSON text inside one of its fields): deep enough
+# for any schema or tool a person writes, far below what would exhaust the parser's recursion.
+MAX_JSON_DEPTH = 128
+_OPENERS = frozenset(b"[{")
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+_BRACKET_STEP = [1 if b in _OPENERS else -1 if b in b"]}" else 0 for b in range(256)]
+
+
+def nests_too_deep(data: bytes | str) -> bool:
+    """Whether the brackets of JSON text nest past MAX_JSON_DEPTH outside its strings, found by
+    one linear scan before any parsing.
+
+    Valid JSON or not (the parser judges that afterwards): the scan only bounds how deep the
+    parser could recurse. Text with few brackets is passed at C speed; otherwise the strings are
+    cut out and the brackets' running depth is taken, also in C.
+    """
+    raw = data.encode("utf-8", "surrogatepass") if isinstance(data, str) else bytes(data)
+    if raw.count(b"[") + raw.count(b"{") <= MAX_JSON_DEPTH:
+        return False
+    brackets = _STRING.sub(b"", raw).translate(None, _NOT_BRACKETS)
+    depth = max(itertools.accumulate(map(_BRACKET_STEP.__getitem__, brackets)), default=0)
+    return depth > MAX_JSON_DEPTH
+
+
+def too_deep(what: str) -> str:
+    """The 400 message for JSON nested past MAX_JSON_DEPTH."""
+    return f"{what} nests deeper than {MAX_JSON_DEPTH} levels, the limit of this server"
+
+
+def loads_bounded(text: str | bytes, what: str) -> Any:
+    """`json.loads` of client text after checking its depth; raises ValueError (a message for
+    the client naming `what`) when it nests past MAX_JSON_DEPTH or is not JSON."""
+    if nests_too_deep(text):
+        raise ValueError(too_deep(what))
+    return json.loads(text)
+
+
 def parse_json_object(data: bytes) -> dict[str, Any]:
-    """A request body as a JSON object; raises ValueError with the client's message otherwise."""
+    """A request body as a JSON object; raises ValueError with the client's message otherwise
+    (a body nested past MAX_JSON_DEPTH included, refused before it is parsed)."""
+    if nests_too_deep(data):
+        raise ValueError(too_deep("the body"))
     try:
         body = json.loads(data or b"null")
     except (ValueError, UnicodeDecodeError) as exc:

@@ -15,6 +15,8 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from enum import Enum
 
+from toppings.server.requests.errors import SERVER_ERROR
+
 MAX_STOP_STRINGS = 16
 MAX_LOGPROBS = 20  # top alternatives per token (OpenAI's limit for top_logprobs)
 MAX_LOGIT_BIAS = 300  # entries of logit_bias (OpenAI's limit)
@@ -56,11 +58,18 @@ class Constraint:
 
     kind: ConstraintKind
     spec: str
+    # The request field it came from ("guided_json", ...), for messages; not part of its identity
+    source: str = dataclasses.field(default="", compare=False)
+
+    @property
+    def what(self) -> str:
+        """How a message names it: the field and the kind, or the kind alone."""
+        return f"'{self.source}' ({self.kind.value})" if self.source else self.kind.value
 
     def __post_init__(self) -> None:
         if len(self.spec) > MAX_CONSTRAINT_CHARS:
             raise RequestError(
-                f"the {self.kind.value} is {len(self.spec)} characters; this server takes at "
+                f"the {self.what} is {len(self.spec)} characters; this server takes at "
                 f"most {MAX_CONSTRAINT_CHARS}"
             )
 
@@ -182,6 +191,9 @@ class RequestOutput:
     new_text: str
     finish_reason: str | None = None
     error: str | None = None
+    # With finish_reason "error": the HTTP status and error type the client is answered with
+    error_code: int = 500
+    error_type: str = SERVER_ERROR
     prompt_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     output_tokens: int = 0

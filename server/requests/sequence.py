@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 
 from toppings.server.requests.detokenize import TextStream
+from toppings.server.requests.errors import CONSTRAINT_FAILED, SERVER_ERROR
 from toppings.server.requests.request import (
     GenerationRequest,
     RequestHandle,
@@ -44,6 +45,10 @@ class Sequence:
         # Set by the sampler when the request's grammar is complete with the token append()
         # records next and allows nothing after it: the request stops there.
         self.step_ends_grammar = False
+        # Set by the sampler when the request's grammar matcher failed on the token append()
+        # records next: the request ends there with this error (answered 422).
+        self.step_grammar_error: str | None = None
+        self._grammar_failure: str | None = None
         self._first_token_at: float | None = None
         self._pending_ids: list[int] = []
         self._pending_text = ""
@@ -74,6 +79,7 @@ class Sequence:
         self._pending_ids, self._pending_text, self._pending_logprobs = [], "", []
         self.step_logprob = None
         self.step_ends_grammar = False
+        self.step_grammar_error = None
 
     @property
     def is_prefilled(self) -> bool:
@@ -106,6 +112,7 @@ class Sequence:
             self._pending_logprobs.append(self.step_logprob)
         self.step_logprob = None
         ends_grammar, self.step_ends_grammar = self.step_ends_grammar, False
+        grammar_error, self.step_grammar_error = self.step_grammar_error, None
         if self._first_token_at is None:
             self._first_token_at = time.monotonic()
         self.output_ids.append(token)
@@ -115,6 +122,9 @@ class Sequence:
             return None  # sent before the restart (it was running, so no stop was hit then)
         self._pending_ids.append(token)
         self._pending_text += text
+        if grammar_error is not None:
+            self._grammar_failure = grammar_error
+            return "error"
         if is_eos or self._stream.stopped or ends_grammar:
             return "stop"
         if len(self.output_ids) >= params.max_new_tokens:
@@ -131,9 +141,18 @@ class Sequence:
         self.finished = True
         if reason in ("stop", "length"):
             self._pending_text += self._stream.finish()
+        if reason == "error" and self._grammar_failure is not None:
+            self._flush(reason, self._grammar_failure, 422, CONSTRAINT_FAILED)
+            return
         self._flush(reason, error)
 
-    def _flush(self, reason: str | None, error: str | None) -> None:
+    def _flush(
+        self,
+        reason: str | None,
+        error: str | None,
+        error_code: int = 500,
+        error_type: str = SERVER_ERROR,
+    ) -> None:
         if not (self._pending_ids or self._pending_text or reason):
             return
         wants_logprobs = self.request.params.logprobs is not None
@@ -146,6 +165,8 @@ class Sequence:
                 new_text=self._pending_text,
                 finish_reason=reason,
                 error=error,
+                error_code=error_code,
+                error_type=error_type,
                 prompt_tokens=self.prompt_len,
                 cached_tokens=self.num_cached_tokens,
                 output_tokens=len(self.output_ids),

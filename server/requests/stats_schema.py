@@ -85,6 +85,8 @@ class ServerStats:
     max_concurrent_requests: int = 0  # the front end's limit (429 past it); 0: not reported
     queueing: dict[str, Any] = field(default_factory=dict)  # the queue policy's view
     memory: dict[str, Any] = field(default_factory=dict)  # pool blocks by kind, counters
+    # host bytes charged to adapters: budget_bytes, charged_bytes, copies, names
+    adapter_host_memory: dict[str, Any] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:

@@ -93,6 +93,33 @@ def test_same_bad_input_same_error(clients, path, body):
     assert set(error) == {"message", "type", "code"} and error["code"] == direct.status_code
 
 
+DEEP = 100_000
+PROXIED_PATHS = ["/v1/completions", "/v1/chat/completions", "/generate", "/tokenize", "/detokenize"]
+
+
+@pytest.mark.parametrize("path", PROXIED_PATHS)
+def test_deep_body_is_the_same_400_on_both(clients, path):
+    # Issue 48: 100,000 levels of nesting were a 500 RecursionError on every JSON route.
+    scheduler, server = clients
+    body = b"[" * DEEP + b"]" * DEEP
+    via_scheduler, direct = scheduler.post(path, data=body), server.post(path, data=body)
+    assert direct.status_code == 400 == via_scheduler.status_code
+    assert via_scheduler.get_json() == direct.get_json()
+    assert "levels" in direct.get_json()["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [("post", "/admin/servers"), ("delete", "/admin/servers"), ("post", "/admin/adapters")],
+)
+def test_deep_admin_body_is_a_400(clients, method, path):
+    scheduler, _ = clients
+    body = ('{"url": ' + '{"a":' * DEEP + "1" + "}" * DEEP + "}").encode()
+    answer = getattr(scheduler, method)(path, data=body)
+    assert answer.status_code == 400
+    assert "levels" in answer.get_json()["error"]["message"]
+
+
 def test_a_missing_model_means_the_base_model_on_both(clients):
     scheduler, server = clients
     body = {"prompt": "hi", "max_tokens": 2, "ignore_eos": True}
@@ -143,3 +170,15 @@ def test_scheduler_imports_only_the_http_contract_of_the_server():
 )
 def test_the_http_contract_imports_nothing_of_toppings(module):
     assert _toppings_imports(SCHEDULER_DIR.parent / "server" / module) == set()
+
+
+def test_the_tool_format_header_passes_through_the_scheduler(clients):
+    # The tiny model's template does not render tools: the server says it used the generic
+    # format, and a client of the scheduler reads the same header.
+    scheduler, server = clients
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    body = {"messages": CHAT, "tools": tools, "tool_choice": "none", "max_tokens": 2}
+    for client in (server, scheduler):
+        answer = client.post("/v1/chat/completions", json=body)
+        assert answer.status_code == 200, answer.get_data(as_text=True)
+        assert answer.headers["X-Toppings-Tool-Format"] == "generic"

@@ -180,3 +180,55 @@ def test_partial_directories_are_removed_when_the_process_exits(tmp_path):
                           text=True, timeout=120)  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert store.is_dir() and partials(store) == []
+
+
+def test_a_slow_peer_does_not_hold_up_the_fetch_of_another_adapter(
+    engine, adapter, peers, tmp_path
+):
+    # Issue 48: fetches were serialised, so one trickling peer delayed every load of the server
+    # up to the deadline. Here a peer holds its file bytes until the test lets go; meanwhile a
+    # load of another adapter from the good peer completes.
+    files = {f: (adapter / f).read_bytes() for f in FILES}
+    gate = threading.Event()
+
+    def held(request: Request) -> Response:
+        if request.path.endswith("/files"):
+            listing = [{"name": f, "bytes": len(b)} for f, b in files.items()]
+            return Response(json.dumps({"files": listing}), content_type="application/json")
+        data = files[request.path.rsplit("/", 1)[1]]
+
+        def body():
+            yield data[:1]
+            gate.wait(60)
+            yield data[1:]
+
+        return Response(body())
+
+    slow = Peer(held)
+    try:
+        listed = (peers["good"].url, slow.url)
+        options = ApiOptions(api_key=KEY, adapter_store=str(tmp_path / "store"), peers=listed,
+                             peer_fetch_timeout_s=120.0)  # fmt: skip
+        client = create_app(engine, options).test_client()
+        digest = adapter_digest(adapter)
+        answers = {}
+        loading = threading.Thread(
+            target=lambda: answers.update(slow=fetch(client, "held", digest, slow.url))
+        )
+        loading.start()
+        deadline = time.monotonic() + 60
+        while not any("/files/" in r.path for r in slow.seen) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert any("/files/" in r.path for r in slow.seen)  # the slow fetch is under way
+        answer = fetch(client, "other", digest, peers["good"].url)
+        assert answer.status_code == 200, answer.get_data(as_text=True)
+        assert loading.is_alive()  # finished while the slow peer still held its bytes
+        gate.set()
+        loading.join(60)
+        assert answers["slow"].status_code == 200, answers["slow"].get_data(as_text=True)
+        for name in ("held", "other"):
+            unload = client.post("/v1/unload_lora_adapter", json={"lora_name": name}, headers=AUTH)
+            assert unload.status_code == 200
+    finally:
+        gate.set()
+        slow.close()

@@ -132,7 +132,7 @@ def test_length_when_max_tokens_ends_first(client, engine):
         ({"guided_regex": "([a-z]"}, "regex"),
         ({"guided_grammar": "root ::= undefined_rule"}, "grammar"),
         ({"response_format": {"type": "yaml"}}, "response_format"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"tools": [{"type": "funktion", "function": {"name": "f"}}]}, "tools"),
     ],
 )  # fmt: skip
 def test_bad_input_is_a_400_naming_it(base_url, engine, fields, named):

@@ -14,9 +14,8 @@ import requests
 
 from toppings.server.api.app import create_app
 from toppings.server.api.tool_calls import Call, parse_call
-from toppings.server.api.tools import ToolChoice, Tools, check_template_renders_tools
+from toppings.server.api.tools import ToolChoice, Tools, template_renders_tools
 from toppings.server.config import EngineConfig
-from toppings.server.requests.request import RequestError
 from toppings.server.runtime import build_engine
 
 pytestmark = pytest.mark.slow
@@ -209,9 +208,9 @@ def test_completions_refuse_tools(base_url, engine):
     assert reply.status_code == 400 and "tools" in reply.json()["error"]["message"]
 
 
-def test_template_without_tools_is_refused():
-    with pytest.raises(RequestError, match="does not render tools"):
-        check_template_renders_tools(types.SimpleNamespace(chat_template="{{ messages }}"))
+def test_a_template_without_tools_gets_the_generic_format():
+    assert not template_renders_tools(types.SimpleNamespace(chat_template="{{ messages }}"))
+    assert template_renders_tools(types.SimpleNamespace(chat_template=TOOLS_TEMPLATE))
 
 
 def test_auto_reply_parsed_as_a_call_only_when_it_is_one():

@@ -1,0 +1,143 @@
+"""Host memory of registered adapters: one copy per content, all copies within one budget.
+
+Every registered adapter keeps its weights in host memory (the `LoraAdapter` tensors, and a
+block in the CPU workers' shared arena when the server runs workers) for as long as it is
+registered, whether or not any request uses it. This ledger charges those bytes and bounds
+their sum: a load past the budget is refused (`HostMemoryFull`), and the server keeps serving
+the adapters it has.
+
+The same files loaded under several names are one copy: an adapter's content is identified by
+the digest of its loaded weights and the values that shape its delta (rank, alpha, scale,
+targets), so the names share one set of tensors (and one arena block) and the copy is charged
+once; it is freed when its last name is unloaded. Hashing what was loaded, not the files, means
+a file swapped between two reads can never make two different contents share.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import os
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from toppings.gpu_lora.peft_format import LoraAdapter
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BUDGET_FRACTION = 0.25  # of the machine's physical memory, without --adapter-host-bytes
+
+
+class HostMemoryFull(RuntimeError):
+    """A new adapter copy would take the charged host bytes past the budget."""
+
+
+def default_budget_bytes() -> int:
+    """DEFAULT_BUDGET_FRACTION of the machine's physical memory."""
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return int(physical * DEFAULT_BUDGET_FRACTION)
+
+
+def content_digest(adapter: LoraAdapter) -> str:
+    """The digest of what an adapter computes: its weights' bytes and the values that scale
+    and place them (not its name or path)."""
+    h = hashlib.sha256()
+    head = (adapter.rank, adapter.alpha, adapter.scale, adapter.target_modules)
+    h.update(repr(head).encode())
+    for (layer, module), (a, b) in sorted(adapter.weights.items()):
+        h.update(f"{layer}.{module}:{tuple(a.shape)}:{tuple(b.shape)}:{a.dtype}".encode())
+        for t in (a, b):
+            h.update(t.contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+@dataclass
+class HostCopy:
+    """One content held in host memory and the names that share it."""
+
+    adapter: LoraAdapter  # the first name's; later names share its weight tensors
+    num_bytes: int  # what the copy is charged
+    names: set[str] = field(default_factory=set)
+
+
+class HostAdapterMemory:
+    """Charged host bytes of adapters by content, within `budget_bytes` (thread-safe)."""
+
+    def __init__(self, budget_bytes: int):
+        if budget_bytes <= 0:
+            raise ValueError("budget_bytes must be positive")
+        self.budget_bytes = budget_bytes
+        self._copies: dict[str, HostCopy] = {}  # digest -> copy
+        self._digest_of: dict[str, str] = {}  # name -> digest
+        self._lock = threading.Lock()
+
+    @property
+    def charged_bytes(self) -> int:
+        return sum(c.num_bytes for c in list(self._copies.values()))
+
+    def shared(self, adapter: LoraAdapter) -> tuple[LoraAdapter, str]:
+        """`adapter` as it will be held, and its digest: under its own name but with the
+        tensors of the copy of the same content already held, when there is one (then the
+        tensors just loaded are dropped)."""
+        digest = content_digest(adapter)
+        with self._lock:
+            copy = self._copies.get(digest)
+        if copy is None:
+            return adapter, digest
+        return dataclasses.replace(copy.adapter, name=adapter.name, path=adapter.path), digest
+
+    def is_held(self, digest: str) -> bool:
+        with self._lock:
+            return digest in self._copies
+
+    def name_of_copy(self, digest: str) -> str | None:
+        """A name registered with this content now (whose arena block a new name shares)."""
+        with self._lock:
+            copy = self._copies.get(digest)
+            return min(copy.names) if copy is not None and copy.names else None
+
+    def charge(self, adapter: LoraAdapter, digest: str, num_bytes: int) -> None:
+        """Record `adapter` (from `shared`) as held; a new content is charged `num_bytes` and
+        refused with HostMemoryFull past the budget, a held one costs nothing more."""
+        with self._lock:
+            if adapter.name in self._digest_of:
+                raise ValueError(f"adapter {adapter.name!r} is already charged")
+            copy = self._copies.get(digest)
+            if copy is None:
+                charged = sum(c.num_bytes for c in self._copies.values())
+                if charged + num_bytes > self.budget_bytes:
+                    raise HostMemoryFull(
+                        f"adapter {adapter.name!r} needs {num_bytes} bytes of host memory; "
+                        f"{charged} of the {self.budget_bytes} bytes for adapters are held "
+                        f"(--adapter-host-bytes)"
+                    )
+                copy = self._copies[digest] = HostCopy(adapter, num_bytes)
+            copy.names.add(adapter.name)
+            self._digest_of[adapter.name] = digest
+
+    def release(self, name: str) -> bool:
+        """Forget `name`; returns whether its copy is freed (it was the last name)."""
+        with self._lock:
+            digest = self._digest_of.pop(name, None)
+            if digest is None:
+                return False
+            copy = self._copies[digest]
+            copy.names.discard(name)
+            if copy.names:
+                return False
+            del self._copies[digest]
+            return True
+
+    def view(self) -> dict:
+        """For /stats: the budget, the bytes charged, the copies held and the names on them."""
+        with self._lock:
+            copies = list(self._copies.values())
+        return {
+            "budget_bytes": self.budget_bytes,
+            "charged_bytes": sum(c.num_bytes for c in copies),
+            "copies": len(copies),
+            "names": sum(len(c.names) for c in copies),
+        }
