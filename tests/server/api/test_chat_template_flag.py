@@ -1,4 +1,4 @@
-"""`--chat-template PATH` (server.api.chat_template): a Jinja file used instead of the
+"""`--chat-template PATH` (server.api.tokenizer_pool): a Jinja file used instead of the
 checkpoint's own template, read and compiled before the model loads; the rendered prompt is the
 file's. A missing or malformed file is one line and exit status 2."""
 
@@ -8,8 +8,8 @@ import pytest
 
 from tests.server.api.test_cli_errors import assert_refused, run
 from toppings.server.api.app import create_app
-from toppings.server.api.chat_template import read_chat_template
 from toppings.server.api.options import ApiOptions
+from toppings.server.api.tokenizer_pool import read_chat_template
 
 MARKER = "MARKED-BY-THE-OPERATOR"
 MARKED = (
