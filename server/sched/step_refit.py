@@ -53,6 +53,12 @@ MIN_PAST_SPREAD_MS = 5.0  # modelled past cost between a window's extremes to fi
 BATCH_STEPS = 8  # recent steps whose median decode rows are the current batch
 MIN_SCALE = 0.05  # least a fit scales the cost of prompt tokens by at once
 GROSS_OFF = 2.0  # steps with prompt tokens this far off the model alone scale all of it
+# A prompt token's fitted costs (its own, its past's) stay within this factor of the prior's,
+# scaled by how much faster or slower the decode line now is than the prior's. Steps of a few
+# prompt tokens beside decodes are nearly all fixed cost: a fit on them drove the token's cost
+# towards 0, the budget to --max-prefill-tokens, and the resulting multi-second step was then
+# left out as an outlier, so nothing corrected it (bench_chunked_prefill, 2.5 s gaps).
+PROMPT_COST_BAND = 4.0
 
 
 @dataclass(frozen=True)
@@ -125,6 +131,7 @@ class StepRefit:
         if mixed and (mixed_lately or not decode_lately):
             model = _fit_mixed(model, mixed)
         batch = round(statistics.median(self._batches))
+        model = _within_band(model, self.prior, batch)
         self.model = replace(model, batch_size=batch, source=self._source())
         self.num_refits += 1
         return self.model
@@ -213,6 +220,24 @@ def _fit_mixed(model: StepTimeModel, steps: list[tuple[StepShape, float]]) -> St
         slope = max(_theil_sen(rest), 0.0)
     fixed = statistics.median(y - slope * x for x, y in rest)
     return replace(m, ms_per_token_past=slope, mixed_fixed_ms=fixed)
+
+
+def _within_band(model: StepTimeModel, prior: StepTimeModel, batch: int) -> StepTimeModel:
+    """`model` with its prompt-token costs held within PROMPT_COST_BAND of the prior's, scaled by
+    the machine's speed as the decode line shows it at `batch` (see PROMPT_COST_BAND)."""
+    speed = model.decode_step_ms(max(batch, 1)) / max(prior.decode_step_ms(max(batch, 1)), 1e-9)
+
+    def held(value: float, prior_value: float) -> float:
+        if prior_value <= 0:
+            return value
+        centre = prior_value * speed
+        return min(max(value, centre / PROMPT_COST_BAND), centre * PROMPT_COST_BAND)
+
+    return replace(
+        model,
+        ms_per_token=held(model.ms_per_token, prior.ms_per_token),
+        ms_per_token_past=held(model.ms_per_token_past, prior.ms_per_token_past),
+    )
 
 
 def _theil_sen(points: list[tuple[float, float]]) -> float:

@@ -18,6 +18,7 @@ from toppings.server.sched.admission import GateLimits
 from toppings.server.sched.scheduler import StepPlan
 from toppings.server.sched.step_budget import StepBudget, StepTimeModel, choose_step_budget
 from toppings.server.sched.step_refit import (
+    PROMPT_COST_BAND,
     REFIT_EVERY,
     WINDOW,
     StepRefit,
@@ -205,3 +206,16 @@ def test_the_engine_resizes_its_steps_from_the_steps_it_runs(tiny_model_dir):
         assert engine.step_budget.tokens == 64 == engine.scheduler.limits.max_step_tokens
     finally:
         engine.shutdown()
+
+
+def test_steps_of_a_few_prompt_tokens_do_not_drive_the_token_cost_to_zero():
+    """Steps of 4 decodes and a few prompt tokens whose time shows no token cost at all (their
+    fixed cost hides it) must not make the budget explode to --max-prefill-tokens: that step
+    would then run for seconds and, left out as an outlier, never correct the model
+    (bench_chunked_prefill measured 2.5 s gaps so)."""
+    refit, prior_budget = StepRefit(TRUE), budget_of(replace(TRUE, batch_size=4)).tokens
+    fixed = TRUE.mixed_step_ms(4, 1) - TRUE.ms_per_token
+    model = TRUE
+    for i in range(200):
+        model = refit.observe(StepShape(4, 2 + i % 5), fixed) or model
+    assert budget_of(model).tokens <= PROMPT_COST_BAND * prior_budget
