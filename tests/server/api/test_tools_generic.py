@@ -13,6 +13,7 @@ import pytest
 from pydantic import BaseModel, Field
 
 from tests.helpers import running_engine
+from tests.server.api.test_tools_openai import TIME, TOOLS, WEATHER
 from toppings.server.api.app import create_app
 from toppings.server.api.tools import (
     ToolChoice,
@@ -22,27 +23,6 @@ from toppings.server.api.tools import (
 )
 
 pytestmark = pytest.mark.slow
-WEATHER = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "maxLength": 20},
-        "unit": {"enum": ["celsius", "fahrenheit"]},
-    },
-    "required": ["city", "unit"],
-    "additionalProperties": False,
-}
-TIME = {
-    "type": "object",
-    "properties": {"zone": {"enum": ["UTC", "CET", "PST"]}},
-    "required": ["zone"],
-    "additionalProperties": False,
-}
-TOOLS = [
-    {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
-                                      "parameters": WEATHER}},
-    {"type": "function", "function": {"name": "get_time", "description": "Time in a zone",
-                                      "parameters": TIME}},
-]  # fmt: skip
 SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 NAMED = {"type": "function", "function": {"name": "get_time"}}
