@@ -6,7 +6,8 @@ model (one a benchmark passes, or one fitted to step times the engine measures o
 and machine) and the inter-token target (server.sched.step_budget). A derived budget then
 follows the steps as they run: the engine hands each step's shape and seconds to `observe`,
 which corrects the model (server.sched.step_refit) and, when that moves the budget, returns the
-new one for the scheduler. The budget is logged when it moves a tenth since it was last logged.
+new one for the scheduler. The budget is logged at INFO when it moves by a quarter (and by
+`MIN_CHUNK` tokens) since it was last logged there; every move is logged at DEBUG.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import logging
 from collections.abc import Callable
 
 from toppings.server.sched.step_budget import (
+    MIN_CHUNK,
     StepBudget,
     StepPoints,
     StepTimeModel,
@@ -23,6 +25,8 @@ from toppings.server.sched.step_budget import (
 from toppings.server.sched.step_refit import StepRefit, StepShape
 
 log = logging.getLogger(__name__)
+
+LOGGED_MOVE = 0.25  # a move of the budget this fraction of its last logged value goes to INFO
 
 
 class StepBudgetKeeper:
@@ -79,8 +83,10 @@ class StepBudgetKeeper:
         ):
             return None
         batch = model.batch_size or self.max_batch_size  # the batch the engine runs now
-        # every window moves it a little: logged where it moved a tenth since last logged
-        moved = abs(budget.tokens - self._logged) >= self._logged / 10
+        # every window moves it a little, and at budgets of a few dozen tokens by a tenth: an
+        # operator's log gets the moves that change what a step does
+        change = abs(budget.tokens - self._logged)
+        moved = change >= max(self._logged * LOGGED_MOVE, MIN_CHUNK)
         if moved:
             self._logged = budget.tokens
         log.log(

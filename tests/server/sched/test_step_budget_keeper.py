@@ -1,0 +1,54 @@
+"""The budget keeper's log (server/sched/step_budget_keeper.py): an operator's INFO log gets the
+budget's moves that change what a step does, not every refit's few tokens; DEBUG gets them all.
+The steps are drawn from a known model: no timing."""
+
+from __future__ import annotations
+
+import logging
+import random
+
+from toppings.server.sched.step_budget import StepTimeModel
+from toppings.server.sched.step_budget_keeper import StepBudgetKeeper
+from toppings.server.sched.step_refit import StepShape, modelled_ms, scaled
+
+PRIOR = StepTimeModel(ms_per_token=1.0, decode_ms=20.0, decode_ms_per_request=1.0)
+LOGGER = "toppings.server.sched.step_budget_keeper"
+
+
+def run_steps(keeper: StepBudgetKeeper, true: StepTimeModel, num_steps: int, seed: int) -> int:
+    """Small batches of decodes with a few prompt tokens beside them, each step drawn from
+    `true` give or take 10%; returns how often the keeper moved the budget."""
+    rng, moves = random.Random(seed), 0
+    for _ in range(num_steps):
+        shape = StepShape(rng.randint(1, 6), rng.choice([0, 0, 8, 24, 40]), 0.0)
+        ms = modelled_ms(true, shape) * rng.uniform(0.9, 1.1)
+        moves += keeper.observe(shape, ms / 1000) is not None
+    return moves
+
+
+def keeper() -> StepBudgetKeeper:
+    return StepBudgetKeeper(32, 8192, 0, 0.0, measure=lambda: None, step_model=PRIOR)
+
+
+def info_moves(caplog) -> list[str]:
+    return [r.message for r in caplog.records if r.levelno == logging.INFO and "->" in r.message]
+
+
+def test_small_moves_stay_at_debug(caplog):
+    caplog.set_level(logging.DEBUG, logger=LOGGER)
+    kept = keeper()
+    moves = run_steps(kept, PRIOR, 400, seed=1)
+    debug = [r for r in caplog.records if r.levelno == logging.DEBUG and "->" in r.message]
+    assert moves >= 10 and len(debug) + len(info_moves(caplog)) == moves
+    # the batch of a few requests moves the budget by a few tokens each refit: 3 lines in 400 steps
+    assert len(info_moves(caplog)) <= 4
+
+
+def test_a_slower_machine_is_logged_at_info(caplog):
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    kept = keeper()
+    before = kept.budget.tokens
+    run_steps(kept, scaled(PRIOR, 3.0), 200, seed=2)
+    lines = info_moves(caplog)
+    assert lines and kept.budget.tokens != before
+    assert f"-> {kept.budget.tokens} tokens" in lines[-1] or kept.budget.tokens < before / 2
