@@ -18,7 +18,15 @@ the prompt) let the chunked engine correct its step model from its real steps
 budget too. The target is reported both as the engine models it and as the default target
 (`ITL_MULTIPLE` times the decode step) of the decode step measured here.
 
-    python -m bench.bench_mixed_steps [--streams 32 --prompt-len 4000 --rounds 3]
+The issue's bounds are reported as measured: `max_gap_over_median_gap` (the largest step while
+the prompt is prefilled over the median decode step before it, per engine; bound 4) and
+`ttft_ratio_vs_alone` (the prompt's TTFT beside the streams over its TTFT on the unchunked engine
+with no stream running, per engine; bound 1.5). `--itl-multiples` adds chunked engines whose
+inter-token target is that many times the decode step the default engine measured at the
+streams' batch in its first passes (`--itl-target-ms` as an operator would set it), to show
+where the two bounds meet.
+
+    python -m bench.bench_mixed_steps [--streams 16 --prompt-len 3000 --itl-multiples 3.5,4]
 """
 
 from __future__ import annotations
@@ -76,18 +84,43 @@ def run_once(
     return {"decode_ms": decode_ms, "prompt_step_ms": prompt_ms, "ttft_ms": ttft_ms}
 
 
-def summarise(runs: list[dict], itl_target_ms: float | None) -> dict:
+def run_alone(engine: Engine, prompt_len: int, seed: int) -> float:
+    """The prompt's TTFT in ms with nothing else running."""
+    gen = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(100, 40000, (prompt_len,), generator=gen).tolist()
+    start = time.perf_counter()
+    handle = engine.submit(GenerationRequest(prompt, SamplingParams(max_new_tokens=1)))
+    while not any(out.new_token_ids for out in handle.poll()):
+        engine.step()
+    ttft_ms = 1000 * (time.perf_counter() - start)
+    while engine.scheduler.has_work():
+        engine.step()
+    return ttft_ms
+
+
+def summarise(runs: list[dict], itl_target_ms: float | None, alone_ms: float = 0.0) -> dict:
     steps = [ms for r in runs for ms in r["prompt_step_ms"]]
     worst = max(max(r["prompt_step_ms"]) for r in runs)
+    decode = statistics.median(ms for r in runs for ms in r["decode_ms"])
+    ttft = statistics.median(r["ttft_ms"] for r in runs)
     return {
-        "decode_step_ms_median": statistics.median(ms for r in runs for ms in r["decode_ms"]),
+        "decode_step_ms_median": decode,
+        "max_gap_over_median_gap": worst / decode,
+        "ttft_ratio_vs_alone": ttft / alone_ms if alone_ms else None,
         "prompt_steps": len(runs[0]["prompt_step_ms"]),
         "prompt_step_ms_median": statistics.median(steps),
         "prompt_step_ms_max": worst,
         "prompt_step_ms_max_per_round": [max(r["prompt_step_ms"]) for r in runs],
         "max_over_itl_target": worst / itl_target_ms if itl_target_ms else None,
-        "ttft_ms_median": statistics.median(r["ttft_ms"] for r in runs),
+        "ttft_ms_median": ttft,
+        "ttft_ms_per_round": [r["ttft_ms"] for r in runs],
     }
+
+
+def engines_target(engine: Engine, default_ms: float) -> float:
+    """The inter-token target an engine's steps are held to (its --itl-target-ms, or the
+    default engine's)."""
+    return engine.step_budget.itl_target_ms if engine.config.itl_target_ms else default_ms
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -98,6 +131,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--warmup-steps", type=int, default=2 * WINDOW,
                    help="decode steps of the unmeasured first pass (0: no first pass)")  # fmt: skip
     p.add_argument("--dtype", default="bfloat16", choices=DTYPE_CHOICES)
+    p.add_argument("--itl-multiples", default="",
+                   help="comma list: more chunked engines, each with --itl-target-ms that many "
+                        "times the decode step measured at the streams' batch")  # fmt: skip
     p.add_argument("--out", type=Path, default=Path("bench/results/mixed_steps.json"))
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -122,16 +158,28 @@ def main(argv: list[str] | None = None) -> None:
         engines[UNWEIGHTED].scheduler.set_step_budget(
             dataclasses.replace(chunked.step_budget, past_weight=0.0)
         )
+    decode_ms = chunked.step_model.decode_step_ms(args.streams)  # as the refit has it now
+    for multiple in [float(m) for m in args.itl_multiples.split(",") if m]:
+        config = dataclasses.replace(base, itl_target_ms=multiple * decode_ms)
+        engine = engines[f"chunked-x{multiple:g}"] = Engine(config, checkpoint)
+        for seed in (998, 999) if args.warmup_steps else ():
+            run_once(engine, args.streams, args.prompt_len, seed, args.warmup_steps)
     budget = chunked.step_budget
     runs: dict[str, list[dict]] = {name: [] for name in engines}
+    alone: list[float] = []
     names = list(engines)
     for rnd in range(args.rounds):
+        alone.append(run_alone(engines[UNCHUNKED], args.prompt_len, 500 + rnd))
         for name in names if rnd % 2 == 0 else names[::-1]:
             runs[name].append(run_once(engines[name], args.streams, args.prompt_len, rnd))
             log.info("round %d %s: %s", rnd, name, summarise(runs[name][-1:], None))
     for e in engines.values():
         e.shutdown()
-    rows = {name: summarise(r, budget.itl_target_ms) for name, r in runs.items()}
+    alone_ms = statistics.median(alone)
+    rows = {
+        name: summarise(r, engines_target(engines[name], budget.itl_target_ms), alone_ms)
+        for name, r in runs.items()
+    }
     measured_target = ITL_MULTIPLE * rows[CHUNKED]["decode_step_ms_median"]
     metrics = {
         "itl_target_ms": budget.itl_target_ms,
@@ -150,6 +198,11 @@ def main(argv: list[str] | None = None) -> None:
         / rows[UNCHUNKED]["prompt_step_ms_max"],
         "ttft_ratio_vs_unchunked": rows[CHUNKED]["ttft_ms_median"]
         / rows[UNCHUNKED]["ttft_ms_median"],
+        "max_gap_over_median_gap": rows[CHUNKED]["max_gap_over_median_gap"],
+        "ttft_ratio_vs_alone": rows[CHUNKED]["ttft_ratio_vs_alone"],
+        "ttft_alone_ms": alone_ms,
+        "ttft_alone_ms_per_round": alone,
+        "decode_step_ms_for_multiples": decode_ms,
         "per_engine": rows,
     }
     write_result(args.out, "mixed_steps", "bench_mixed_steps", device=describe_device(),
