@@ -98,4 +98,7 @@ def test_the_engine_refuses_a_request_for_an_adapter_unloaded_since_it_was_resol
         out = engine.submit(GenerationRequest([5, 6, 7], params, new)).result(timeout_s=60)
         assert out.finish_reason == "length"
         assert engine.adapter_refs.in_flight(new) == 0  # the ended request let go
+        with pytest.raises(RequestError) as err:  # counted, then refused: the count goes back
+            engine.submit(GenerationRequest([5, 10**9], params, new))
+        assert err.value.code == 400 and engine.adapter_refs.in_flight(new) == 0
         engine.remove_adapter("x")
