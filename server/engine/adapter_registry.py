@@ -55,6 +55,10 @@ class AdapterRegistry:
         """Count one request in flight for each adapter of `refs` (None: the base model), all
         or none: 404 when one was unloaded since it was resolved."""
         wanted = [r for r in refs if r is not None]
+        for ref in wanted:
+            if not isinstance(ref, AdapterRef):  # an in-process caller passing a name
+                raise TypeError(f"a request names its adapter by reference, not {ref!r}: "
+                                "Engine.resolve_adapter(name) gives it")  # fmt: skip
         with self._lock:
             for ref in wanted:
                 if self._by_name.get(ref.name) != ref:

@@ -60,6 +60,8 @@ def test_a_reference_unloaded_since_it_was_resolved_is_refused_all_or_none():
         registry.acquire([a])  # the old registration stays gone under the reused name
     registry.acquire([again])
     assert registry.in_flight(again) == 1 and registry.in_flight(a) == 0
+    with pytest.raises(TypeError):
+        registry.acquire(["a"])  # a name where a reference belongs
 
 
 def test_a_release_without_an_acquire_raises():
