@@ -155,6 +155,8 @@ class Engine:
         the first that can never be served, and then queues none."""
         for constraint in {r.params.constraint for r in requests} - {None}:
             self.grammars.compile(constraint)  # a spec that cannot compile: 400, nothing queued
+        if self._stopping.is_set() or self._draining.is_set():
+            raise RequestError("the server is shutting down", 503, "unavailable")
         refs = [r.adapter for r in requests]
         self.adapter_refs.acquire(refs)  # 404 if unloaded since resolved; no unload from here
         try:
@@ -170,8 +172,6 @@ class Engine:
         return [s.handle for s in seqs]
 
     def _check(self, request: GenerationRequest) -> None:
-        if self._stopping.is_set() or self._draining.is_set():
-            raise RequestError("the server is shutting down", 503, "unavailable")
         vocab = self.model_config.vocab_size
         check_request(request, vocab, self.max_model_len, self.memory, self.lora)
 
