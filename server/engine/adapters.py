@@ -8,10 +8,10 @@ computed by `host`: the CPU worker pool, or in-process when the server runs no w
 
 The engine asks four things: `acquire` a request's adapter (memory and a load), `may_start` it
 under the LoRA mode, `step` (the LoRA side of one forward pass) and `release` it when it ends.
-Requests name adapters by `AdapterRef` (made by `register`, resolved and counted in flight by
-`refs`, the adapter_registry.py of the engine); the device cache, the pool, the
-loader and the workers' arena below (gpu_lora, cpu_lora) key on the registered name, which one
-registration holds at a time: unregistering frees everything held under it.
+Requests name adapters by `AdapterRef` (made by `register`; `refs`, adapter_registry.py,
+resolves names and counts requests in flight); the device cache, the pool, the loader and the
+workers' arena below (gpu_lora, cpu_lora) key on the registered name, which one registration
+holds at a time: unregistering frees everything held under it.
 Before that, `open` reads an adapter directory only once its shapes passed the rank limit
 (`--max-lora-rank`) and what it will occupy fits: in the device pool (its real row layout), in
 the node's memory when adapters are charged to KV blocks, and in the CPU workers' arena.
