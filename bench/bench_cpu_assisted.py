@@ -113,7 +113,9 @@ def run_stream(engine, prompts, names, gaps: list[float], new_tokens: int) -> li
         delay = start + at - time.perf_counter()
         if delay > 0:
             time.sleep(delay)
-        handles.append(engine.submit(GenerationRequest(prompt, params, name)))
+        handles.append(
+            engine.submit(GenerationRequest(prompt, params, engine.resolve_adapter(name)))
+        )
     return [h.result(timeout_s=1800) for h in handles]
 
 

@@ -33,12 +33,12 @@ log = logging.getLogger("bench_cuda_graphs")
 def decode_step_ms(engine, batch: int, args, seed: int) -> float:
     """Mean decode step time of one run of `batch` requests decoding together."""
     gen = torch.Generator().manual_seed(seed)
-    names = [a["name"] for a in engine.adapters()]
+    refs = [engine.resolve_adapter(a["name"]) for a in engine.adapters()]
     vocab = min(engine.model_config.vocab_size, 1000)
     params = SamplingParams(max_new_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
     requests = [
         GenerationRequest(torch.randint(3, vocab, (args.prompt_len,), generator=gen).tolist(),
-                          params, None if i % 4 == 3 else names[i % len(names)])
+                          params, None if i % 4 == 3 else refs[i % len(refs)])
         for i in range(batch)
     ]  # fmt: skip
     engine.step_stats.reset()

@@ -87,7 +87,9 @@ def converse(engine, conv, systems, records: list, errors: list, t0: float) -> N
                 max_new_tokens=conv.output_lens[k], temperature=0.0, ignore_eos=True
             )
             sent = time.monotonic() - t0
-            out = engine.submit(GenerationRequest(prompt, params, conv.adapter)).result(3600)
+            out = engine.submit(
+                GenerationRequest(prompt, params, engine.resolve_adapter(conv.adapter))
+            ).result(3600)
             if out.finish_reason not in ("length", "stop"):
                 raise RuntimeError(f"turn ended with {out.finish_reason}: {out.error}")
             answers.append(list(out.new_token_ids))

@@ -129,7 +129,13 @@ def submit_trace(engine, trace, burst: bool = False, wrap=lambda handle: handle)
         if not burst:
             time.sleep(max(0.0, start + e.arrival_s - time.monotonic()))
         params = SamplingParams(max_new_tokens=e.max_tokens, temperature=0.0, ignore_eos=True)
-        handles.append(wrap(engine.submit(GenerationRequest(list(e.prompt), params, e.model))))
+        handles.append(
+            wrap(
+                engine.submit(
+                    GenerationRequest(list(e.prompt), params, engine.resolve_adapter(e.model))
+                )
+            )
+        )
     return handles
 
 

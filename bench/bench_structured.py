@@ -81,7 +81,7 @@ def run_share(engine, prompts, names, share: float, new_tokens: int, round_idx: 
             constraint = Constraint(ConstraintKind.JSON_SCHEMA, json.dumps(schema))
         params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True,
                                 constraint=constraint)  # fmt: skip
-        reqs.append(GenerationRequest(prompt, params, name))
+        reqs.append(GenerationRequest(prompt, params, engine.resolve_adapter(name)))
     start = time.perf_counter()
     outs = [h.result() for h in engine.submit_all(reqs)]
     elapsed = time.perf_counter() - start

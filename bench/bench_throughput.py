@@ -90,7 +90,10 @@ def run_ours(engine, prompts, names, new_tokens: int) -> dict:
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     engine.step_stats.reset()
     start = time.perf_counter()
-    handles = [engine.submit(GenerationRequest(p, params, n)) for p, n in zip(prompts, names)]
+    handles = [
+        engine.submit(GenerationRequest(p, params, engine.resolve_adapter(n)))
+        for p, n in zip(prompts, names)
+    ]
     outs = [h.result() for h in handles]
     elapsed = time.perf_counter() - start
     tokens = sum(len(o.new_token_ids) for o in outs)
@@ -106,7 +109,11 @@ def run_ours(engine, prompts, names, new_tokens: int) -> dict:
 
 def greedy_ours(engine, prompt: list[int], adapter: str | None, new_tokens: int) -> list[int]:
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-    return list(engine.submit(GenerationRequest(prompt, params, adapter)).result().new_token_ids)
+    return list(
+        engine.submit(GenerationRequest(prompt, params, engine.resolve_adapter(adapter)))
+        .result()
+        .new_token_ids
+    )
 
 
 def run_single(engine, prompt, adapter: str | None, new_tokens: int, rounds: int) -> dict:
@@ -114,7 +121,9 @@ def run_single(engine, prompt, adapter: str | None, new_tokens: int, rounds: int
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     ttft, tpot = [], []
     for _ in range(rounds):
-        out = engine.submit(GenerationRequest(prompt, params, adapter)).result()
+        out = engine.submit(
+            GenerationRequest(prompt, params, engine.resolve_adapter(adapter))
+        ).result()
         ttft.append(out.ttft_s * 1e3)
         tpot.append((out.e2e_s - out.ttft_s) * 1e3 / (new_tokens - 1))
     return {"ttft_ms": statistics.median(ttft), "tpot_ms": statistics.median(tpot)}

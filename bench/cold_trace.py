@@ -39,7 +39,9 @@ def trace_cold_request(
         trace.clear()
         params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
         submitted = time.perf_counter()
-        out = engine.submit(GenerationRequest(prompt, params, adapter)).result(timeout_s=timeout_s)
+        out = engine.submit(
+            GenerationRequest(prompt, params, engine.resolve_adapter(adapter))
+        ).result(timeout_s=timeout_s)
         num_layers = engine.model_config.num_layers
         deadline = time.monotonic() + timeout_s
         # The load may outlive the request (decode steps ran on the host); its last group's

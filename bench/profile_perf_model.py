@@ -132,7 +132,9 @@ class BatchTimer:
         prompts = [[self.rng.randrange(100, self.vocab) for _ in range(n)] for n in run.prompt_lens]
         params = SamplingParams(self.decode_steps + 1, temperature=0.0, ignore_eos=True)
         prefill0, prefill_s0, decode0 = st.prefill_steps, st.prefill_s, st.decode_steps
-        requests = [GenerationRequest(p, params, n) for p, n in zip(prompts, names)]
+        requests = [
+            GenerationRequest(p, params, engine.resolve_adapter(n)) for p, n in zip(prompts, names)
+        ]
         interval = sys.getswitchinterval()
         sys.setswitchinterval(1.0)  # keep the GIL until all B are queued: one prefill step
         try:

@@ -13,6 +13,9 @@ Without `keep_idle` nothing stays on the device that no request holds (the cache
 mode: `--adapter-cache off`), and nothing is prefetched. With `stall_for_load` (the
 `on-demand-sync` mode) a request starts at once and the step that runs it waits for its load
 (`ready_s`): the engine is idle meanwhile.
+
+A simulated request's adapter is its name: it stands in for the engine's `AdapterRef` (which
+the gate only passes on and keys on), as a simulation never loads a name twice.
 """
 
 from __future__ import annotations
@@ -33,6 +36,9 @@ class SimAdapters:
         # Bytes are memory slots when adapters are charged; else a size proportional to the rank
         # (the queue policy's size of a request) that is never charged.
         self._per_rank = max(slots_per_rank, 1)
+
+    def registered(self) -> list[str]:
+        return list(self.registry)
 
     def acquire(self, name: str, queued: frozenset[str]) -> str:
         self.refs[name] = self.refs.get(name, 0) + 1
@@ -108,6 +114,9 @@ class SimAdapterCache:
         self.usage: dict[str, Usage] = {}
         self.used_bytes = 0
         self.num_loads = self.num_hits = 0
+
+    def registered(self) -> list[str]:
+        return list(self.registry)
 
     def bytes_of(self, name: str | None) -> int:
         return 0 if name is None else self.registry[name] * self.bytes_per_rank

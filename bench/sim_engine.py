@@ -255,8 +255,8 @@ def measure_steps(dtype: str, batches=(1, 4, 8, 16, 32), prompt_len: int = 64) -
         for b in [batches[0], *batches]:  # the first pass warms up
             params = SamplingParams(max_new_tokens=33, temperature=0.0, ignore_eos=True)
             prompts = [[rng.randrange(100, 30000) for _ in range(prompt_len)] for _ in range(b)]
-            reqs = [GenerationRequest(prompt, params, names[(7 * i) % len(names)])
-                    for i, prompt in enumerate(prompts)]  # fmt: skip
+            refs = [engine.resolve_adapter(names[(7 * i) % len(names)]) for i in range(b)]
+            reqs = [GenerationRequest(p, params, r) for p, r in zip(prompts, refs)]
             st = engine.step_stats
             before = (st.prefill_s, st.prefill_steps, st.decode_s, st.decode_steps)
             for handle in engine.submit_all(reqs):

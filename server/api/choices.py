@@ -17,10 +17,12 @@ refused stays bounded (tokenizing megabytes takes seconds and gigabytes of memor
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from toppings.server.api.schema import MAX_SEED, ParsedBody
 from toppings.server.api.tools import generic_tool_messages, template_renders_tools
+from toppings.server.requests.adapter_ref import AdapterRef
 from toppings.server.requests.request import GenerationRequest, RequestError, SamplingParams
 
 DEFAULT_MAX_TOKENS = {"completion": 16, "chat": 256, "native": 16}
@@ -187,11 +189,13 @@ def build_requests(
     tokenizer,
     max_model_len: int,
     vocab_size: int,
+    resolve: Callable[[str | None], AdapterRef | None],
     limits: RequestLimits = RequestLimits(),
 ) -> tuple[list[GenerationRequest], list[list[int]]]:
     """Check each prompt's text against the character bound, tokenize it and check it against
-    the context, then against `limits`; returns the engine requests (one per choice, in choice
-    order) and each prompt's token ids."""
+    the context, then against `limits`, then resolve the adapter's name (`resolve`: the
+    engine's, 404 for a name nobody serves) once for all; returns the engine requests (one per
+    choice, in choice order) and each prompt's token ids."""
     check_prompt_text(parsed, limits)
     sampling = _sampling(parsed, vocab_size)
     all_ids, context_max_tokens = [], []
@@ -203,15 +207,17 @@ def build_requests(
             raise RequestError(f"token ids must be in [0, {vocab_size})")
         context_max_tokens.append(_max_tokens(parsed, len(ids), max_model_len))
         all_ids.append(ids)
+    max_tokens_each = [
+        limits.check(parsed, len(ids), context_max)
+        for ids, context_max in zip(all_ids, context_max_tokens)
+    ]
+    adapter = resolve(parsed.adapter)
     requests = []
-    for ids, context_max in zip(all_ids, context_max_tokens):
-        max_tokens = limits.check(parsed, len(ids), context_max)
+    for ids, max_tokens in zip(all_ids, max_tokens_each):
         for copy in range(parsed.n):
             seed = sampling["seed"]
             if seed is not None:
                 seed = (seed + copy) % MAX_SEED
             params = SamplingParams(**dict(sampling, max_new_tokens=max_tokens, seed=seed))
-            requests.append(
-                GenerationRequest(prompt_ids=ids, params=params, adapter=parsed.adapter)
-            )
+            requests.append(GenerationRequest(prompt_ids=ids, params=params, adapter=adapter))
     return requests, all_ids

@@ -106,6 +106,7 @@ def register_generation(app: Flask, ctx: ApiContext) -> None:
                 tokenizer,
                 engine.max_model_len,
                 engine.model_config.vocab_size,
+                engine.resolve_adapter,
                 ctx.limits,
             )
             echo = tuple(

@@ -8,6 +8,10 @@ computed by `host`: the CPU worker pool, or in-process when the server runs no w
 
 The engine asks four things: `acquire` a request's adapter (memory and a load), `may_start` it
 under the LoRA mode, `step` (the LoRA side of one forward pass) and `release` it when it ends.
+Requests name adapters by `AdapterRef` (made by `register`; `refs`, adapter_registry.py,
+resolves names and counts requests in flight); the device cache, the pool, the loader and the
+workers' arena below (gpu_lora, cpu_lora) key on the registered name, which one registration
+holds at a time: unregistering frees everything held under it.
 Before that, `open` reads an adapter directory only once its shapes passed the rank limit
 (`--max-lora-rank`) and what it will occupy fits: in the device pool (its real row layout), in
 the node's memory when adapters are charged to KV blocks, and in the CPU workers' arena.
@@ -40,8 +44,10 @@ from toppings.gpu_lora.peft_format import (
 from toppings.gpu_lora.targets import LORA_TARGETS
 from toppings.gpu_lora.trace import TraceRecorder
 from toppings.server.config import LoraConfig
+from toppings.server.engine.adapter_registry import AdapterRegistry
 from toppings.server.lora_modes import LORA_MODES
 from toppings.server.model.config import ModelConfig
+from toppings.server.requests.adapter_ref import AdapterRef
 from toppings.server.requests.errors import INSUFFICIENT_STORAGE
 from toppings.server.requests.request import RequestError
 
@@ -92,7 +98,8 @@ class AdapterManager:
         self.kernels = select_lora_backend(kernel, device, dtype)
         self.host_stats = HostLoraStats()
         self._trace = trace
-        self.registry: dict[str, LoraAdapter] = {}
+        self.registry: dict[str, LoraAdapter] = {}  # the registered adapters' tensors
+        self.refs = AdapterRegistry()  # their references and in-flight requests
         self.cache = cache
         self.pool = cache.pool
         self.loader = cache.loader
@@ -174,10 +181,10 @@ class AdapterManager:
                     INSUFFICIENT_STORAGE,
                 )
 
-    def register(self, adapter: LoraAdapter) -> None:
-        """Make a validated adapter servable (called with the engine's lock held). Content
-        already held under another name is shared, not copied; a new copy is charged to the
-        host budget (507 past it)."""
+    def register(self, adapter: LoraAdapter) -> AdapterRef:
+        """Make a validated adapter servable (called with the engine's lock held); returns its
+        new reference. Content already held under another name is shared, not copied; a new
+        copy is charged to the host budget (507 past it)."""
         if adapter.name in self.registry:
             raise RequestError(f"adapter {adapter.name!r} is already loaded", 409, "conflict")
         adapter, digest = self.host_memory.shared(adapter)
@@ -200,6 +207,7 @@ class AdapterManager:
             for key, (a, b) in adapter.weights.items():
                 adapter.weights[key] = (a.pin_memory(), b.pin_memory())
         self.registry[adapter.name] = adapter
+        ref = AdapterRef.new(adapter.name, adapter.rank, self.cache.charge(adapter))
         if self.mode.preload:
             # The ideal upper bound: every adapter on the device before any request, pinned.
             entry = self.cache.acquire(adapter)
@@ -207,6 +215,8 @@ class AdapterManager:
                 self.unregister(adapter.name)
                 raise RequestError("the adapter cache is full", 507, INSUFFICIENT_STORAGE)
             entry.ticket.wait()
+        self.refs.add(ref)
+        return ref
 
     def _add_to_repository(self, adapter: LoraAdapter, shares: str | None) -> None:
         """Copy the adapter into the workers' shared arena, or point it at the block of
@@ -236,39 +246,44 @@ class AdapterManager:
 
     # ---- per request and per step (the engine thread) -----------------------------------------
 
-    def acquire(self, name: str, queued: frozenset[str]) -> CacheEntry | None:
-        """Take a reference on adapter `name` and start its load if it is not on the device;
+    def acquire(self, ref: AdapterRef, queued: frozenset[AdapterRef]) -> CacheEntry | None:
+        """Take a reference on the adapter and start its load if it is not on the device;
         None when no adapter memory is free until a running request ends. `queued`: adapters of
         waiting requests, which eviction spares."""
-        return self.cache.acquire(self.registry[name], queued)
+        return self.cache.acquire(self.registry[ref.name], _names(queued))
 
-    def prefetch(self, names: list[str], queued: frozenset[str]) -> None:
+    def prefetch(self, refs: list[AdapterRef], queued: frozenset[AdapterRef]) -> None:
         """Load the first of these adapters of queued requests that is not on the device, when
         the loader is idle (a prefetch never delays an admitted request's load) and it fits
         without evicting an adapter in use or wanted."""
         if self.mode.preload or not self.loader.idle():
             return
-        for name in names:
-            if name in self.registry and name not in self.cache.entries:
-                self.cache.prefetch(self.registry[name], queued)
+        for ref in refs:
+            adapter = self.registry.get(ref.name)
+            if adapter is not None and ref.name not in self.cache.entries:
+                self.cache.prefetch(adapter, _names(queued))
                 return
 
-    def bytes_of(self, name: str | None) -> int:
-        """Device bytes an adapter is charged (0 for the base model)."""
-        return 0 if name is None else self.cache.charge(self.registry[name])
+    def registered(self) -> list[AdapterRef]:
+        """Every registered adapter's reference."""
+        return self.refs.refs()
 
-    def fits_if_released(self, name: str | None, held: str | None) -> bool:
-        """Whether adapter `name` misses device memory now but would find it if the one
+    def bytes_of(self, ref: AdapterRef | None) -> int:
+        """Device bytes an adapter is charged (0 for the base model)."""
+        return 0 if ref is None else ref.nbytes
+
+    def fits_if_released(self, ref: AdapterRef | None, held: AdapterRef | None) -> bool:
+        """Whether adapter `ref` misses device memory now but would find it if the one
         reference a request holds on `held` were dropped."""
-        if name is None or name in self.cache.entries:
+        if ref is None or ref.name in self.cache.entries:
             return False
-        need = self.bytes_of(name)
-        if self.cache.freeable_bytes() >= need or held is None or held == name:
+        need = self.bytes_of(ref)
+        if self.cache.freeable_bytes() >= need or held is None or held == ref:
             return False
-        entry = self.cache.entries.get(held)
+        entry = self.cache.entries.get(held.name)
         if entry is None or entry.refcount != 1:
             return False
-        return self.cache.freeable_bytes(extra=held) >= need
+        return self.cache.freeable_bytes(extra=held.name) >= need
 
     def may_start(self, entry: CacheEntry | None) -> bool:
         """Whether a request holding `entry` may be prefilled now under the LoRA mode; raises
@@ -279,9 +294,9 @@ class AdapterManager:
                                f"{entry.ticket.error}")  # fmt: skip
         return entry is None or not self.mode.wait_for_load or entry.ticket.done
 
-    def release(self, name: str) -> None:
+    def release(self, ref: AdapterRef) -> None:
         """Drop a request's reference taken by `acquire`."""
-        self.cache.release(name)
+        self.cache.release(ref.name)
 
     def step(
         self, entries: list[CacheEntry | None], seg_starts: list[int], is_prefill: bool
@@ -340,3 +355,8 @@ class AdapterManager:
             self.repository.close()
             self.repository.unlink()
             self.repository = None
+
+
+def _names(refs: frozenset[AdapterRef]) -> frozenset[str]:
+    """The names the device cache knows these adapters by."""
+    return frozenset(r.name for r in refs)

@@ -1,7 +1,8 @@
 """How the API sees an engine: the `EngineClient` protocol (server.engine.engine.Engine is one).
 
-The HTTP routes submit generation requests and aborts, manage adapters, read the model's
-identity and the engine's reports, and drain or stop it; nothing else of the engine."""
+The HTTP routes resolve adapter names into references, submit generation requests and aborts,
+manage adapters, read the model's identity and the engine's reports, and drain or stop it;
+nothing else of the engine."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any, Protocol
 from toppings.gpu_lora.peft_format import LoraAdapter
 from toppings.server.config import EngineConfig
 from toppings.server.model.config import ModelConfig
+from toppings.server.requests.adapter_ref import AdapterRef
 from toppings.server.requests.request import GenerationRequest, RequestHandle
 from toppings.server.requests.stats_schema import EngineCounters, ServerStats
 
@@ -22,6 +24,10 @@ class EngineClient(Protocol):
     model_config: ModelConfig
     max_model_len: int
     tokenizer: Any  # a Hugging Face tokenizer
+
+    def resolve_adapter(self, name: str | None) -> AdapterRef | None:
+        """The reference a request for adapter `name` carries (None: the base model); raises
+        RequestError 404 when no adapter has that name."""
 
     def submit(self, request: GenerationRequest) -> RequestHandle:
         """Queue a request; raises RequestError when it can never be served."""

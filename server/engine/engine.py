@@ -16,7 +16,6 @@ import os
 import queue
 import threading
 import time
-from collections import Counter
 
 import torch
 
@@ -27,7 +26,7 @@ from toppings.server.config import EngineConfig
 from toppings.server.engine import reports
 from toppings.server.engine.compose import compose_engine
 from toppings.server.model.loader import Checkpoint
-from toppings.server.requests.errors import NOT_FOUND, unknown_adapter
+from toppings.server.requests.adapter_ref import AdapterRef
 from toppings.server.requests.request import GenerationRequest, RequestError, RequestHandle
 from toppings.server.requests.sequence import Sequence
 from toppings.server.requests.stats_schema import EngineCounters, ServerStats
@@ -65,11 +64,9 @@ class Engine:
         self._inbox: queue.Queue = queue.Queue()
         self.step_stats = reports.StepStats()
         self._lock = threading.Lock()  # held during a step and while the pool changes
-        # Held while requests are checked and queued and while an adapter is removed (taken
-        # after _lock where both are held): a request accepted for an adapter counts in
-        # _adapter_users until it ends, so no unload can pull the adapter from under it.
-        self._accepting = threading.Lock()
-        self._adapter_users: Counter[str] = Counter()
+        # A request accepted for an adapter counts in flight there until it ends: no unload can
+        # pull the adapter from under it (adapter_registry.py).
+        self.adapter_refs = self.lora.refs
         self._stopping = threading.Event()
         self._draining = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
@@ -102,6 +99,11 @@ class Engine:
     def is_healthy(self) -> bool:
         return self._thread.is_alive() and not self._stopping.is_set()
 
+    def resolve_adapter(self, name: str | None) -> AdapterRef | None:
+        """The reference a request for adapter `name` carries (None: the base model); 404
+        when no adapter has that name."""
+        return self.adapter_refs.resolve(name)
+
     def add_adapter(self, name: str, path: str) -> LoraAdapter:
         """Validate a PEFT directory and make it servable (raises AdapterError, also for a
         LoRA product that overflows the model's dtype, or RequestError 507 when it is larger
@@ -109,25 +111,17 @@ class Engine:
         adapter = self.lora.open(path, name)
         check_finite_delta(adapter, self.model.dtype)
         with self._lock:
-            self.lora.register(adapter)
-        log.info(
-            "adapter %s: rank %d, targets %s", name, adapter.rank, ",".join(adapter.target_modules)
-        )
+            ref = self.lora.register(adapter)
+        targets = ",".join(adapter.target_modules)
+        log.info("adapter %s (id %d): rank %d, targets %s", name, ref.id, adapter.rank, targets)
         return adapter
 
     def remove_adapter(self, name: str) -> None:
         """Unregister an adapter; refused (409) while a request accepted for it has not ended."""
-        with self._lock, self._accepting:
-            if name not in self.lora.registry:
-                raise RequestError(unknown_adapter(name), 404, NOT_FOUND)
-            users = self._adapter_users[name]
-            if users:
-                raise RequestError(
-                    f"adapter {name!r} is in use by {users} requests; retry when they end",
-                    409, "conflict",
-                )  # fmt: skip
+        with self._lock:
+            ref = self.adapter_refs.retire(name)  # 404, 409; no request acquires it from here
             self.lora.unregister(name)
-            self.memory.forget_adapter(name)
+            self.memory.forget_adapter(ref)
         log.info("adapter %s removed", name)
 
     def drain(self, timeout_s: float) -> bool:
@@ -161,29 +155,29 @@ class Engine:
         the first that can never be served, and then queues none."""
         for constraint in {r.params.constraint for r in requests} - {None}:
             self.grammars.compile(constraint)  # a spec that cannot compile: 400, nothing queued
-        with self._accepting:  # an unload sees these requests from here on
+        if self._stopping.is_set() or self._draining.is_set():
+            raise RequestError("the server is shutting down", 503, "unavailable")
+        refs = [r.adapter for r in requests]
+        self.adapter_refs.acquire(refs)  # 404 if unloaded since resolved; no unload from here
+        try:
             for request in requests:
                 self._check(request)
             seqs = [Sequence(r, RequestHandle(r, self.abort), self.tokenizer, time.monotonic())
                     for r in requests]  # fmt: skip
-            self._adapter_users.update(r.adapter for r in requests if r.adapter is not None)
-            self._inbox.put(seqs)
+        except BaseException:
+            for ref in refs:
+                self.adapter_refs.release(ref)
+            raise
+        self._inbox.put(seqs)
         return [s.handle for s in seqs]
 
     def _check(self, request: GenerationRequest) -> None:
-        if self._stopping.is_set() or self._draining.is_set():
-            raise RequestError("the server is shutting down", 503, "unavailable")
         vocab = self.model_config.vocab_size
         check_request(request, vocab, self.max_model_len, self.memory, self.lora)
 
     def _request_ended(self, seq: Sequence) -> None:
         """A request ended on any path: it no longer keeps its adapter registered."""
-        if seq.request.adapter is not None:
-            with self._accepting:
-                users = self._adapter_users
-                users[seq.request.adapter] -= 1
-                if not users[seq.request.adapter]:
-                    del users[seq.request.adapter]  # no entry kept per adapter name ever used
+        self.adapter_refs.release(seq.request.adapter)
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(request_id)

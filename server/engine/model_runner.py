@@ -47,7 +47,8 @@ class StepOutcome:
 
 def nonfinite_error(seq: Sequence) -> str:
     """The error of a request whose logits were not finite."""
-    who = "the base model" if seq.request.adapter is None else f"adapter {seq.request.adapter!r}"
+    adapter = seq.request.adapter
+    who = "the base model" if adapter is None else f"adapter {adapter.name!r}"
     return (
         f"{who} produced non-finite logits (inf or NaN) for this request; its LoRA product "
         f"likely overflows the model's dtype"

@@ -32,6 +32,7 @@ from toppings.server.memory.kv_cache import KVPool
 from toppings.server.memory.layout import Layout
 from toppings.server.memory.prefix_tree import KVNode, PrefixTree
 from toppings.server.memory.reclaim import Reclaimer
+from toppings.server.requests.adapter_ref import AdapterRef
 
 log = logging.getLogger(__name__)
 
@@ -100,11 +101,12 @@ class MemoryManager:
     def blocks_for_bytes(self, num_bytes: int) -> int:
         return -(-num_bytes // self.kv.block_bytes)
 
-    def adapter_need(self, name: str | None, num_bytes: int) -> int:
-        """Blocks admitting a request of adapter `name` adds to the committed count."""
-        if not self.shared or name is None:
+    def adapter_need(self, adapter: AdapterRef | None, num_bytes: int) -> int:
+        """Blocks admitting a request of `adapter` adds to the committed count."""
+        if not self.shared or adapter is None:
             return 0
-        return 0 if self.adapter_cache.is_pinned(name) else self.blocks_for_bytes(num_bytes)
+        pinned = self.adapter_cache.is_pinned(adapter.name)  # the device cache's key
+        return 0 if pinned else self.blocks_for_bytes(num_bytes)
 
     def committed(self) -> int:
         """Blocks that cannot be reclaimed now (see the module docstring)."""
@@ -217,12 +219,13 @@ class MemoryManager:
         hold.held.extend(new)
         hold.tail = new[-1] if len(new) == len(blocks) else None  # a duplicate ends the chain
 
-    def forget_adapter(self, name: str) -> None:
-        """An adapter was unregistered: its cached KV is dropped (a new adapter of the same
-        name must not find it). None of it is held: removal waits for its requests."""
-        if self.tree is None or name not in self.tree.roots:
+    def forget_adapter(self, adapter: AdapterRef) -> None:
+        """An adapter was unregistered: its cached KV, which no request can match any more (the
+        tree is keyed by id), gives its blocks back now rather than when evicted. None of it is
+        held: removal waits for its requests."""
+        if self.tree is None or adapter not in self.tree.roots:
             return
-        for node in list(self.tree.roots[name].children.values()):
+        for node in list(self.tree.roots[adapter].children.values()):
             device, host = self.tree.drop_subtree(node)
             self.kv.free_blocks(device)
             if self.swap is not None:

@@ -2,8 +2,10 @@
 
 root -> one node per adapter (None: the base model) -> one node per full KV block of a token
 prefix. A request reuses the longest chain of blocks under its own adapter whose tokens equal
-its prompt's, so a prefix computed under one adapter is never used under another. Bookkeeping
-only: which block (device) or host block holds a node; the memory manager moves the bytes.
+its prompt's, so a prefix computed under one adapter is never used under another. Adapters are
+keyed by `AdapterRef`, that is by id: an adapter loaded again under an earlier one's name never
+finds the earlier one's KV. Bookkeeping only: which block (device) or host block holds a node;
+the memory manager moves the bytes.
 
 Rules that keep the tree valid:
 - a request that holds a node holds its whole path (it matched or created it from the root), so
@@ -25,13 +27,15 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from toppings.server.requests.adapter_ref import AdapterRef
+
 
 @dataclass(eq=False)
 class KVNode:
     """One full block of a prefix (or, at depth 0, an adapter's root)."""
 
     key: tuple[int, ...]  # the block's token ids; () for an adapter root
-    adapter: str | None
+    adapter: AdapterRef | None
     parent: KVNode | None
     depth: int  # blocks from the adapter root (the root is 0)
     block: int | None = None  # device block; None while on the host (or for a root)
@@ -67,7 +71,7 @@ class PrefixTree:
 
     def __init__(self, block_tokens: int):
         self.block_tokens = block_tokens
-        self.roots: dict[str | None, KVNode] = {}
+        self.roots: dict[AdapterRef | None, KVNode] = {}
         self.num_device = 0  # device KV nodes
         self.num_host = 0
         self.num_pinned_unreserved = 0
@@ -78,13 +82,13 @@ class PrefixTree:
         bt = self.block_tokens
         return (tuple(tokens[i * bt : (i + 1) * bt]) for i in range(num_blocks))
 
-    def root(self, adapter: str | None) -> KVNode:
+    def root(self, adapter: AdapterRef | None) -> KVNode:
         node = self.roots.get(adapter)
         if node is None:
             node = self.roots[adapter] = KVNode((), adapter, None, 0)
         return node
 
-    def match(self, adapter: str | None, tokens: list[int], max_blocks: int) -> list[KVNode]:
+    def match(self, adapter: AdapterRef | None, tokens: list[int], max_blocks: int) -> list[KVNode]:
         """The longest chain of cached blocks (device or host) equal to tokens' prefix."""
         node, path = self.roots.get(adapter), []
         if node is None:
@@ -96,9 +100,13 @@ class PrefixTree:
             path.append(node)
         return path
 
-    def has_device_kv(self, adapter: str | None) -> bool:
+    def has_device_kv(self, adapter: AdapterRef | None) -> bool:
         root = self.roots.get(adapter)
         return root is not None and root.num_device_children > 0
+
+    def adapters_with_device_kv(self) -> list[AdapterRef]:
+        """The adapters that device KV depends on (a copy: any thread)."""
+        return [a for a, r in list(self.roots.items()) if a is not None and r.num_device_children]
 
     # ---- references ------------------------------------------------------------------------
 

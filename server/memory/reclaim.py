@@ -65,8 +65,13 @@ class Reclaimer:
             out += [Candidate(ItemKind.KV, n, self.kv.block_bytes, n.visits, n.last_used)
                     for n in self.tree.device_leaves()]  # fmt: skip
         if self.charges_adapters and self.cache is not None:
+            # The device cache keys adapters by name, which one registration holds at a time
+            # (an unload drops the tree's KV of the adapter: memory/manager.py forget_adapter).
+            with_kv = set()
+            if self.tree is not None:
+                with_kv = {a.name for a in self.tree.adapters_with_device_kv()}
             for idle in self.cache.idle_entries():
-                if self.tree is not None and self.tree.has_device_kv(idle.name):
+                if idle.name in with_kv:
                     continue  # its cached KV depends on it: those leave first
                 out.append(Candidate(ItemKind.ADAPTER, idle.name, idle.num_bytes,
                                      idle.usage.frequency, idle.usage.last_used))  # fmt: skip
@@ -133,7 +138,7 @@ class Reclaimer:
     def _swap_in_idle(self, num_blocks: int, now: float) -> None:
         roots = self.swap.idle_returnable()
         if self.charges_adapters:  # a node comes back only with its adapter on the device
-            roots = [n for n in roots if n.adapter is None or self.cache.holds(n.adapter)]
+            roots = [n for n in roots if n.adapter is None or self.cache.holds(n.adapter.name)]
         cands = [Candidate(ItemKind.KV, n, self.kv.block_bytes, n.visits, n.last_used)
                  for n in roots]  # fmt: skip
         for cand in reversed(self.policy.order(cands, self._context(now, cands))[-num_blocks:]):

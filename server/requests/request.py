@@ -1,8 +1,10 @@
 """What crosses between the HTTP layer and the engine: a request in, a stream of outputs back.
 
 The engine thread owns every request's state; handlers only submit, read `RequestHandle.events()`
-and `abort()`. Validation that needs the model (prompt length, adapter names) happens in
-`Engine.submit`, which raises `RequestError` with a message fit for the client.
+and `abort()`. A request names its adapter by reference (adapter_ref.py), resolved from the
+client's name by the API. Validation that needs the model (prompt length, an adapter unloaded
+since it was resolved) happens in `Engine.submit`, which raises `RequestError` with a message fit
+for the client.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from enum import Enum
 
+from toppings.server.requests.adapter_ref import AdapterRef
 from toppings.server.requests.errors import SERVER_ERROR
 
 MAX_STOP_STRINGS = 16
@@ -170,11 +173,12 @@ _ids = itertools.count(1)
 
 @dataclass
 class GenerationRequest:
-    """One generation: token ids in (already templated and tokenized), an adapter name or None."""
+    """One generation: token ids in (already templated and tokenized), an adapter (None: the
+    base model)."""
 
     prompt_ids: list[int]
     params: SamplingParams
-    adapter: str | None = None
+    adapter: AdapterRef | None = None
     request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
 
 

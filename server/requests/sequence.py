@@ -86,13 +86,13 @@ class Sequence:
         """Whether the whole prompt's KV is computed (the request decodes from here on)."""
         return self.num_prefilled >= self.prompt_len
 
-    def describe(self, adapters: dict) -> RequestView:
+    def describe(self) -> RequestView:
         """The /stats view of this request."""
-        name = self.request.adapter
+        adapter = self.request.adapter
         return RequestView(
             id=self.request.request_id,
-            adapter=name,
-            rank=adapters[name].rank if name in adapters else 0,
+            adapter=adapter.name if adapter is not None else None,
+            rank=adapter.rank if adapter is not None else 0,
             prompt_tokens=self.prompt_len,
             output_tokens=len(self.output_ids),
             max_new_tokens=self.request.params.max_new_tokens,

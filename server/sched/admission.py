@@ -8,7 +8,8 @@ waits again (Chameleon's squash of a bypasser).
 
 The gate sees its collaborators through the `Memory` and `Adapters` protocols below (the
 engine's MemoryManager and AdapterManager, or a simulator's pure-Python stand-ins) and the few
-numbers of `GateLimits`; it imports nothing of the model.
+numbers of `GateLimits`; it imports nothing of the model. Adapters are the requests'
+`AdapterRef`s, which the gate only passes on and keys on (by id).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
-from toppings.server.requests.errors import NOT_FOUND, unknown_adapter
+from toppings.server.requests.adapter_ref import AdapterRef
 from toppings.server.requests.request import GenerationRequest, RequestError
 from toppings.server.requests.sequence import Sequence
 from toppings.server.sched.queueing import Verdict
@@ -49,8 +50,8 @@ class Memory(Protocol):
     def kv_need(self, seq: Sequence, path: list) -> int:
         """Blocks admitting `seq` with this prefix adds to the committed count."""
 
-    def adapter_need(self, name: str | None, num_bytes: int) -> int:
-        """Blocks admitting a request of adapter `name` adds to the committed count."""
+    def adapter_need(self, adapter: AdapterRef | None, num_bytes: int) -> int:
+        """Blocks admitting a request of `adapter` adds to the committed count."""
 
     def fits(self, extra_blocks: int) -> bool: ...
 
@@ -88,20 +89,21 @@ class Memory(Protocol):
 class Adapters(Protocol):
     """The adapters as admission and release use them (server/engine/adapters.py)."""
 
-    registry: Mapping[str, Any]  # name -> adapter, every registered one
+    def registered(self) -> list[AdapterRef]:
+        """Every registered adapter."""
 
-    def acquire(self, name: str, queued: frozenset[str]) -> Any | None:
+    def acquire(self, adapter: AdapterRef, queued: frozenset[AdapterRef]) -> Any | None:
         """A reference on the adapter (its cache entry), or None: no adapter memory now."""
 
-    def release(self, name: str) -> None: ...
+    def release(self, adapter: AdapterRef) -> None: ...
 
     def may_start(self, entry: Any | None) -> bool: ...
 
-    def bytes_of(self, name: str | None) -> int: ...
+    def bytes_of(self, adapter: AdapterRef | None) -> int: ...
 
-    def prefetch(self, names: list[str], queued: frozenset[str]) -> None: ...
+    def prefetch(self, adapters: list[AdapterRef], queued: frozenset[AdapterRef]) -> None: ...
 
-    def fits_if_released(self, name: str | None, held: str | None) -> bool: ...
+    def fits_if_released(self, adapter: AdapterRef | None, held: AdapterRef | None) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -167,16 +169,15 @@ def check_request(
     adapters: Adapters,
 ) -> None:
     """Raise RequestError when `request` can never be served: an empty prompt, a token outside
-    the vocabulary, an unknown adapter (404), a prompt plus max_new_tokens beyond the context,
-    or more memory blocks (its worst-case KV and, where adapters take pool blocks, its adapter)
-    than the whole pool has, the most admission could ever promise it."""
+    the vocabulary, a prompt plus max_new_tokens beyond the context, or more memory blocks (its
+    worst-case KV and, where adapters take pool blocks, its adapter) than the whole pool has,
+    the most admission could ever promise it. (An adapter unloaded since the request was
+    resolved is the engine's 404: its registry counts the request in flight atomically.)"""
     ids = request.prompt_ids
     if not ids:
         raise RequestError("the prompt is empty")
     if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size for t in ids):
         raise RequestError(f"token ids must be integers in [0, {vocab_size})")
-    if request.adapter is not None and request.adapter not in adapters.registry:
-        raise RequestError(unknown_adapter(request.adapter), 404, NOT_FOUND)
     need = len(ids) + request.params.max_new_tokens
     if need > max_model_len:
         raise RequestError(
@@ -234,10 +235,10 @@ class AdmissionGate:
         self.chunks: dict[Sequence, int] = dict(planned or {})
         self.step_tokens = sum(self.cost(s, n) for s, n in self.chunks.items())  # of the budget
         self.decode_tokens = sum(n for s, n in self.chunks.items() if s.is_prefilled)
-        self._queued: frozenset[str] | None = None
+        self._queued: frozenset[AdapterRef] | None = None
         # What the policy asked about last, a request or an adapter: when forming the batch
         # raises, the scheduler fails that one alone (Scheduler.schedule).
-        self.asked: Sequence | str | None = None
+        self.asked: Sequence | AdapterRef | None = None
 
     def try_admit(self, seq: Sequence, max_chunk: int | None = None) -> Verdict:
         self.asked = seq
@@ -316,7 +317,7 @@ class AdmissionGate:
             return self.step_tokens == self.decode_tokens or computed <= self._chunk_left(max_chunk)
         return self._chunk_left(max_chunk) > 0
 
-    def queued(self) -> frozenset[str]:
+    def queued(self) -> frozenset[AdapterRef]:
         """Adapters of the waiting requests (eviction spares them while it can)."""
         if self._queued is None:
             self._queued = frozenset(s.request.adapter for s in self.waiting if s.request.adapter)
@@ -332,7 +333,7 @@ class AdmissionGate:
         self.asked = waiting
         return self.adapters.fits_if_released(waiting.request.adapter, running.request.adapter)
 
-    def adapter_tokens(self, adapter: str | None) -> int:
+    def adapter_tokens(self, adapter: AdapterRef | None) -> int:
         """KV tokens' worth of memory the adapter takes (0 while adapter memory is not scarce:
         a static layout without an adapter budget, or a pool that does not charge adapters)."""
         self.asked = adapter
@@ -340,23 +341,23 @@ class AdmissionGate:
             return 0
         return self.memory.adapter_tokens(self.adapters.bytes_of(adapter))
 
-    def adapter_size(self, adapter: str | None) -> float:
+    def adapter_size(self, adapter: AdapterRef | None) -> float:
         """The adapter's bytes; the base model counts as the smallest adapter (its requests
         are sized by their lengths, not put all in the first queue)."""
         self.asked = adapter
         if adapter is not None:
             return float(self.adapters.bytes_of(adapter))
-        sizes = [self.adapters.bytes_of(n) for n in list(self.adapters.registry)]
+        sizes = [self.adapters.bytes_of(a) for a in self.adapters.registered()]
         return float(min(sizes, default=1))
 
     def max_adapter_size(self) -> float:
-        sizes = [self.adapters.bytes_of(n) for n in list(self.adapters.registry)]
+        sizes = [self.adapters.bytes_of(a) for a in self.adapters.registered()]
         return float(max(sizes, default=1))
 
     def total_tokens(self) -> int:
         return self.memory.total_tokens()
 
-    def prefetch(self, adapters: list[str]) -> None:
+    def prefetch(self, adapters: list[AdapterRef]) -> None:
         self.adapters.prefetch(adapters, self.queued())
 
     def free_tokens(self) -> int:

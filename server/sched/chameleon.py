@@ -320,9 +320,9 @@ class ChameleonQueue(SizeQueues):
         queue order a younger request's adapter (of a smaller queue) took the memory the oldest
         request's large adapter needed, and being wanted it was not evicted for it (a rank-128
         request waited 2.2 s at 0.2x load behind rank-16 ones: bench/queueing.json)."""
-        names = [s.request.adapter for s in self._waiting if s.request.adapter]
-        if names:
-            gate.prefetch(list(dict.fromkeys(names)))
+        adapters = [s.request.adapter for s in self._waiting if s.request.adapter]
+        if adapters:
+            gate.prefetch(list(dict.fromkeys(adapters)))
 
     # ---- completions and views ----------------------------------------------------------------
 

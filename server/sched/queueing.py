@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from toppings.server.config import SchedulingConfig
+    from toppings.server.requests.adapter_ref import AdapterRef
     from toppings.server.requests.sequence import Sequence
 
 
@@ -63,10 +64,10 @@ class Gate(Protocol):
     def fits_if_released(self, waiting: Sequence, running: Sequence) -> bool:
         """Whether `waiting`'s adapter would find device memory if `running` released its own."""
 
-    def adapter_tokens(self, adapter: str | None) -> int:
+    def adapter_tokens(self, adapter: AdapterRef | None) -> int:
         """Device memory of an adapter, in KV-slot units (0 when adapter memory is unbounded)."""
 
-    def adapter_size(self, adapter: str | None) -> float:
+    def adapter_size(self, adapter: AdapterRef | None) -> float:
         """An adapter's size for the WRS (its weight bytes); max over all: `max_adapter_size`."""
 
     def max_adapter_size(self) -> float: ...
@@ -74,7 +75,7 @@ class Gate(Protocol):
     def total_tokens(self) -> int:
         """The memory the quotas share, in KV slots: the KV cache plus a bounded adapter budget."""
 
-    def prefetch(self, adapters: list[str]) -> None:
+    def prefetch(self, adapters: list[AdapterRef]) -> None:
         """Start loading these adapters of queued requests while memory is free (best effort)."""
 
     def free_tokens(self) -> int:

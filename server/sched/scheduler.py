@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
+from toppings.server.requests.adapter_ref import AdapterRef
 from toppings.server.requests.sequence import Sequence
 from toppings.server.sched.admission import (
     Adapters,
@@ -338,5 +339,7 @@ class Scheduler:
         release(seq, self.memory, self.adapters, keep_kv, self.clock())
 
 
-def _adapter_key(seq: Sequence) -> str:
-    return seq.request.adapter or ""
+def _adapter_key(seq: Sequence) -> tuple[bool, AdapterRef | None]:
+    """Groups a step's requests by adapter: the base model first, then by id."""
+    adapter = seq.request.adapter
+    return adapter is not None, adapter

@@ -19,6 +19,8 @@ from __future__ import annotations
 import bisect
 from collections import defaultdict, deque
 
+from toppings.server.requests.adapter_ref import AdapterRef
+
 WRS_INPUT_WEIGHT = 0.4  # A in the paper
 WRS_OUTPUT_WEIGHT = 0.6  # B in the paper
 MAX_QUEUES = 4  # K_max
@@ -52,18 +54,18 @@ class OutputPredictor:
     max_new_tokens times the share of max_new_tokens its adapter's recent requests used."""
 
     def __init__(self, history: int = HISTORY):
-        self._per_adapter: dict[str | None, deque[float]] = defaultdict(
+        self._per_adapter: dict[AdapterRef | None, deque[float]] = defaultdict(
             lambda: deque(maxlen=history)
         )
         self._all: deque[float] = deque(maxlen=8 * history)
 
-    def observe(self, adapter: str | None, num_tokens: int, max_new_tokens: int) -> None:
+    def observe(self, adapter: AdapterRef | None, num_tokens: int, max_new_tokens: int) -> None:
         """A request of `adapter` completed with `num_tokens` of its `max_new_tokens`."""
         share = min(num_tokens / max(max_new_tokens, 1), 1.0)
         self._per_adapter[adapter].append(share)
         self._all.append(share)
 
-    def predict(self, adapter: str | None, max_new_tokens: int) -> float:
+    def predict(self, adapter: AdapterRef | None, max_new_tokens: int) -> float:
         seen = self._per_adapter.get(adapter) or self._all
         share = sum(seen) / len(seen) if seen else 1.0
         return share * max_new_tokens

@@ -69,7 +69,9 @@ def test_ours_and_the_peer_generate_the_same_tokens_with_and_without_an_adapter(
     params = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
     with running_engine(dummy_dir, adapters, max_total_tokens=512, load_format="dummy") as engine:
         ours = {
-            name: engine.submit(GenerationRequest(prompts[0], params, name)).result(60)
+            name: engine.submit(
+                GenerationRequest(prompts[0], params, engine.resolve_adapter(name))
+            ).result(60)
             for name in (None, names[0])
         }
     peer = attach_adapters(load_base(dummy_dir, torch.float32, LoadFormat.DUMMY), adapters)

@@ -31,7 +31,7 @@ def test_a_busy_servers_stats_parse_on_the_scheduler_side(engine, monkeypatch):
     client = create_app(engine).test_client()
     params = SamplingParams(max_new_tokens=engine.max_model_len - 4, temperature=0.0,
                             ignore_eos=True)  # fmt: skip
-    handle = engine.submit(GenerationRequest([5, 6, 7], params, "a16"))
+    handle = engine.submit(GenerationRequest([5, 6, 7], params, engine.resolve_adapter("a16")))
     try:
         deadline = time.monotonic() + 60
         while not engine.stats().running:

@@ -111,7 +111,7 @@ def test_an_adapter_that_fits_is_charged_its_rows_and_the_pool_stays_in_budget(
     ok = client.post("/generate", json={"adapter": "fits", "prompt": "hi", "max_new_tokens": 2})
     assert ok.status_code == 200
     lora = engine.lora
-    assert lora.bytes_of("fits") == lora.pool.bytes_for(16, ("v_proj",))
+    assert lora.bytes_of(engine.resolve_adapter("fits")) == lora.pool.bytes_for(16, ("v_proj",))
     assert lora.pool.nbytes <= budget
     assert_serving(client)
 

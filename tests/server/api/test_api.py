@@ -42,7 +42,11 @@ def client(engine):
 def direct(engine, ids: list[int], max_new: int, adapter: str | None = None) -> list[int]:
     """Greedy tokens straight from the engine, to compare the HTTP answers against."""
     params = SamplingParams(max_new_tokens=max_new, temperature=0.0, ignore_eos=True)
-    return engine.submit(GenerationRequest(ids, params, adapter)).result(60).new_token_ids
+    return (
+        engine.submit(GenerationRequest(ids, params, engine.resolve_adapter(adapter)))
+        .result(60)
+        .new_token_ids
+    )
 
 
 def sse_events(body: bytes) -> list[dict]:

@@ -53,7 +53,7 @@ def drive(engine, until, timeout_s: float = 60.0) -> None:
 
 def submit(engine, adapter: str | None, max_new: int):
     params = SamplingParams(max_new_tokens=max_new, temperature=0.0, ignore_eos=True)
-    return engine.submit(GenerationRequest(list(PROMPT), params, adapter))
+    return engine.submit(GenerationRequest(list(PROMPT), params, engine.resolve_adapter(adapter)))
 
 
 def families(client) -> dict:

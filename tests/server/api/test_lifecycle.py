@@ -177,7 +177,11 @@ def test_a_default_max_tokens_is_cut_to_the_limit(engine, dirs):
 
 def greedy(engine, ids: list[int], max_new: int, adapter: str) -> list[int]:
     params = SamplingParams(max_new_tokens=max_new, temperature=0.0, ignore_eos=True)
-    return engine.submit(GenerationRequest(ids, params, adapter)).result(60).new_token_ids
+    return (
+        engine.submit(GenerationRequest(ids, params, engine.resolve_adapter(adapter)))
+        .result(60)
+        .new_token_ids
+    )
 
 
 def test_load_use_unload_then_404(client, engine):

@@ -24,7 +24,8 @@ def test_requests_one_after_another_load_their_adapter_each_time(tiny_model_dir,
                               max_total_tokens=1024, max_batch_size=4)  # fmt: skip
         engine = build_engine(str(tiny_model_dir), config, adapters)
         try:
-            got[keep] = [engine.submit(GenerationRequest(p, params, name)).result(timeout_s=120)
+            ref = engine.resolve_adapter(name)
+            got[keep] = [engine.submit(GenerationRequest(p, params, ref)).result(timeout_s=120)
                          .new_token_ids for p in prompts]  # fmt: skip
             snapshot = engine.lora.cache.snapshot()
             loads[keep], resident[keep] = snapshot["loads"], snapshot["resident"]

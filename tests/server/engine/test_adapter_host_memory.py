@@ -31,7 +31,7 @@ def _generate(engine, name: str) -> list[int]:
     from toppings.server.requests.request import GenerationRequest, SamplingParams
 
     params = SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True)
-    handle = engine.submit(GenerationRequest([1, 2, 3, 4], params, adapter=name))
+    handle = engine.submit(GenerationRequest([1, 2, 3, 4], params, engine.resolve_adapter(name)))
     return handle.result(60).new_token_ids
 
 

@@ -50,7 +50,7 @@ def test_rows_moved_under_running_requests_keep_their_tokens(tmp_path_factory, t
 
     def submit(name: str, new_tokens: int):
         params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-        return engine.submit(GenerationRequest(prompts[name], params, name))
+        return engine.submit(GenerationRequest(prompts[name], params, engine.resolve_adapter(name)))
 
     def busy(name: str) -> bool:
         stats = engine.stats().to_json()

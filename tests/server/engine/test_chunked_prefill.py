@@ -73,7 +73,10 @@ def run_engine(model_dir, adapters, rounds, kernel, mode, workers, chunked: bool
     outputs, plans = [], []
     try:
         for prompts in rounds:
-            handles = [engine.submit(GenerationRequest(list(p), params, a)) for p, a in prompts]
+            handles = [
+                engine.submit(GenerationRequest(list(p), params, engine.resolve_adapter(a)))
+                for p, a in prompts
+            ]
             deadline = time.monotonic() + 300
             while (plan := engine.step()) is not None or engine.scheduler.has_work():
                 assert time.monotonic() < deadline
@@ -150,9 +153,15 @@ def test_logprobs_exact_in_mixed_steps(tmp_path_factory, tiny_model_dir):
     )
     plans = []
     try:
-        handles = [engine.submit(GenerationRequest(list(p), plain, a)) for p, a in long[:3]]
+        handles = [
+            engine.submit(GenerationRequest(list(p), plain, engine.resolve_adapter(a)))
+            for p, a in long[:3]
+        ]
         plans.append(engine.step())  # the long prompts start; the scored ones come beside them
-        scored_handles = [engine.submit(GenerationRequest(list(p), scoring, a)) for p, a in scored]
+        scored_handles = [
+            engine.submit(GenerationRequest(list(p), scoring, engine.resolve_adapter(a)))
+            for p, a in scored
+        ]
         while engine.scheduler.has_work() or not plans[-1]:
             plans.append(engine.step())
         results = [h.result(timeout_s=5) for h in scored_handles]

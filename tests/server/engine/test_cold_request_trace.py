@@ -58,7 +58,9 @@ def trace_one_request(model_and_adapter, mode: str, stream_tokens: int = 0) -> T
             while not any(not s.is_prefill for s in trace.steps):
                 assert time.monotonic() < deadline, "the stream did not start decoding"
                 time.sleep(0.01)
-        engine.submit(GenerationRequest(PROMPT, params, "r64")).result(timeout_s=60)
+        engine.submit(GenerationRequest(PROMPT, params, engine.resolve_adapter("r64"))).result(
+            timeout_s=60
+        )
         if stream is not None:
             stream.result(timeout_s=120)
         deadline = time.monotonic() + 60

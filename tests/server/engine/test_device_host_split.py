@@ -110,7 +110,10 @@ def test_engine_threads_workers_and_loader_run_on_their_side(tmp_path_factory):
         engine.start()
         params = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
         prompts = mixed_prompts(200, seed=5)
-        handles = [engine.submit(GenerationRequest(list(p), params, a)) for p, a in prompts]
+        handles = [
+            engine.submit(GenerationRequest(list(p), params, engine.resolve_adapter(a)))
+            for p, a in prompts
+        ]
         for h in handles:
             h.result(timeout_s=120)
         assert engine.lora.host_stats.calls > 0, "no layer ran on the workers"

@@ -18,7 +18,9 @@ def engine(tiny_engine):
 
 
 def generate(engine, prompt, params=GREEDY, adapter=None):
-    return engine.submit(GenerationRequest(list(prompt), params, adapter)).result(timeout_s=120)
+    return engine.submit(
+        GenerationRequest(list(prompt), params, engine.resolve_adapter(adapter))
+    ).result(timeout_s=120)
 
 
 def assert_idle(engine):
@@ -135,7 +137,7 @@ def test_bad_requests_are_refused_and_the_engine_keeps_serving(
     engine, prompt, params, adapter, code
 ):
     with pytest.raises(RequestError) as err:
-        engine.submit(GenerationRequest(prompt, params, adapter))
+        engine.submit(GenerationRequest(prompt, params, engine.resolve_adapter(adapter)))
     assert err.value.code == code
     assert len(generate(engine, [1, 2, 3]).new_token_ids) == 12
 

@@ -100,7 +100,10 @@ def assert_same_greedy(ours: list[int], ref: list[int], margins: list[float], wh
 def submit_greedy(engine, prompts: list[tuple[list[int], str | None]]) -> list:
     """Submit each (prompt, adapter or None) for NEW_TOKENS greedy tokens; their handles."""
     params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-    return [engine.submit(GenerationRequest(list(p), params, a)) for p, a in prompts]
+    return [
+        engine.submit(GenerationRequest(list(p), params, engine.resolve_adapter(a)))
+        for p, a in prompts
+    ]
 
 
 def run_mixed_batch(model_dir, adapters: dict[str, str], prompts, kernel: str, device="cpu"):

@@ -27,11 +27,15 @@ def test_a_failed_load_fails_its_request_alone_and_the_adapter_loads_again(
             load(adapter, entry, ticket)
 
         monkeypatch.setattr(loader, "_load", fail_once)
-        bad = engine.submit(GenerationRequest([5, 9, 17], PARAMS, name)).result(timeout_s=60)
+        bad = engine.submit(
+            GenerationRequest([5, 9, 17], PARAMS, engine.resolve_adapter(name))
+        ).result(timeout_s=60)
         assert bad.error is not None and "copy failed" in bad.error
         base = engine.submit(GenerationRequest([5, 9, 17], PARAMS, None)).result(timeout_s=60)
         assert base.error is None and len(base.new_token_ids) == 4
-        good = engine.submit(GenerationRequest([5, 9, 17], PARAMS, name)).result(timeout_s=60)
+        good = engine.submit(
+            GenerationRequest([5, 9, 17], PARAMS, engine.resolve_adapter(name))
+        ).result(timeout_s=60)
         assert good.error is None and len(good.new_token_ids) == 4
         assert failures == [name] and engine.lora.cache.counters.loads == 2
         assert_memory_balanced(engine)

@@ -99,7 +99,10 @@ def check_greedy_teacher_forced(model_dir, adapters, prompt, out, name, what: st
 
 
 def run(engine, prompts, params):
-    handles = [engine.submit(GenerationRequest(list(p), params, a)) for p, a in prompts]
+    handles = [
+        engine.submit(GenerationRequest(list(p), params, engine.resolve_adapter(a)))
+        for p, a in prompts
+    ]
     return [h.result(timeout_s=300) for h in handles]
 
 

@@ -28,7 +28,7 @@ def engine(request, tiny_engine, adapter_dir):
 
 
 def submit(engine, adapter=None, prompt=(5, 6, 7)):
-    return engine.submit(GenerationRequest(list(prompt), GREEDY, adapter))
+    return engine.submit(GenerationRequest(list(prompt), GREEDY, engine.resolve_adapter(adapter)))
 
 
 def test_an_unload_racing_a_submission_is_refused_and_the_request_served(engine, monkeypatch):
@@ -65,10 +65,10 @@ def test_an_unload_racing_a_submission_is_refused_and_the_request_served(engine,
 def test_a_fault_in_one_requests_admission_fails_that_request_alone(engine, monkeypatch):
     acquire = engine.lora.acquire
 
-    def faulty(name, queued):
-        if name == "a":
+    def faulty(adapter, queued):
+        if adapter.name == "a":
             raise RuntimeError("injected admission fault")
-        return acquire(name, queued)
+        return acquire(adapter, queued)
 
     monkeypatch.setattr(engine.lora, "acquire", faulty)
     handles = [submit(engine), submit(engine, "a"), submit(engine, prompt=(9, 10))]

@@ -56,7 +56,10 @@ def run_scored(engine, prompts, temperature: float):
         max_new_tokens=NEW_TOKENS, temperature=temperature, seed=7, ignore_eos=True,
         logprobs=TOP, prompt_logprobs=TOP,
     )  # fmt: skip
-    handles = [engine.submit(GenerationRequest(list(p), params, a)) for p, a in prompts]
+    handles = [
+        engine.submit(GenerationRequest(list(p), params, engine.resolve_adapter(a)))
+        for p, a in prompts
+    ]
     return [h.result(timeout_s=300) for h in handles]
 
 

@@ -82,7 +82,9 @@ def drive(engine, on_step=lambda plan: None, timeout_s: float = 60.0) -> None:
 
 
 def submit(engine, jobs):
-    return engine.submit_all([GenerationRequest(list(p), params, a) for p, a, params in jobs])
+    return engine.submit_all(
+        [GenerationRequest(list(p), params, engine.resolve_adapter(a)) for p, a, params in jobs]
+    )
 
 
 def poison(engine) -> None:

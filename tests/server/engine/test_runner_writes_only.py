@@ -71,7 +71,7 @@ def test_the_runner_never_allocates_evicts_or_waits(
             handles = []
             for i, name in enumerate(names):
                 prompt = [7 + i] * 32 + [11 + round_ + j for j in range(9 + 5 * i)]
-                request = GenerationRequest(prompt, GREEDY, name)
+                request = GenerationRequest(prompt, GREEDY, engine.resolve_adapter(name))
                 handles.append(engine.submit(request))
             outs = [h.result(timeout_s=120) for h in handles]
             assert [o.finish_reason for o in outs] == ["length"] * len(names), outs

@@ -93,7 +93,8 @@ def json_request(engine, schema: dict, adapter: str | None, **params) -> Generat
     ids = chat_ids(engine, f"Reply with JSON for this schema: {json.dumps(schema)}")
     constraint = Constraint(ConstraintKind.JSON_SCHEMA, json.dumps(schema))
     params = dict(dict(max_new_tokens=200, temperature=0), **params)
-    return GenerationRequest(ids, SamplingParams(constraint=constraint, **params), adapter)
+    ref = engine.resolve_adapter(adapter)
+    return GenerationRequest(ids, SamplingParams(constraint=constraint, **params), ref)
 
 
 def free_requests(engine) -> list[GenerationRequest]:
@@ -103,7 +104,7 @@ def free_requests(engine) -> list[GenerationRequest]:
         ids = chat_ids(engine, f"Tell me fact number {i} about the sea.")
         params = SamplingParams(max_new_tokens=24, temperature=0.0 if i % 2 else 0.8, seed=i)
         adapter = None if i % 5 == 4 else ADAPTERS[i % 4]
-        reqs.append(GenerationRequest(ids, params, adapter))
+        reqs.append(GenerationRequest(ids, params, engine.resolve_adapter(adapter)))
     return reqs
 
 

@@ -20,6 +20,7 @@ from toppings.gpu_lora.peft_format import load_peft_adapter
 from toppings.server.config import EngineConfig, LoraConfig, MemoryConfig
 from toppings.server.memory.build import build_memory
 from toppings.server.model.loader import load_checkpoint
+from toppings.server.requests.adapter_ref import AdapterRef
 
 SPARE_BLOCKS = 10  # the pool: the adapter's blocks and these
 
@@ -66,7 +67,8 @@ def test_a_prefetch_never_takes_blocks_promised_to_an_admitted_request(pool):
 def test_an_adapter_still_loading_counts_as_committed(pool):
     memory, adapter, need = pool
     assert memory.adapter_cache.prefetch(adapter, frozenset())  # in flight for ~60 s
-    assert memory.adapter_need(adapter.name, adapter.num_bytes) == 0  # counted once
+    ref = AdapterRef.new(adapter.name, adapter.rank, adapter.num_bytes)
+    assert memory.adapter_need(ref, adapter.num_bytes) == 0  # counted once
     bt = memory.kv.block_tokens
     too_many = request((memory.kv.num_blocks - need + 1) * bt)
     assert not memory.fits(memory.kv_need(too_many, []))

@@ -32,7 +32,9 @@ def adapters(tiny_model_dir, tmp_path_factory):
 
 
 def run(engine, prompt, adapter, params=GREEDY):
-    return engine.submit(GenerationRequest(list(prompt), params, adapter)).result(timeout_s=300)
+    return engine.submit(
+        GenerationRequest(list(prompt), params, engine.resolve_adapter(adapter))
+    ).result(timeout_s=300)
 
 
 def memory(engine) -> dict:
@@ -86,7 +88,8 @@ def pool_sizes(tiny_engine, adapters: dict[str, str]) -> tuple[int, int, int]:
     default configuration with these adapters."""
     with tiny_engine(adapters) as probe:
         adapter_blocks = sum(
-            probe.memory.blocks_for_bytes(probe.lora.bytes_of(n)) for n in adapters
+            probe.memory.blocks_for_bytes(probe.lora.bytes_of(probe.resolve_adapter(n)))
+            for n in adapters
         )
         return probe.kv.block_bytes, probe.kv.block_tokens, adapter_blocks
 
@@ -168,7 +171,9 @@ def test_soak_with_cancellations_leaks_no_block(tiny_engine, adapters):
             params = SamplingParams(max_new_tokens=rng.choice((1, 8, 30)), temperature=0.7,
                                     seed=i, ignore_eos=True)  # fmt: skip
             adapter = rng.choice([None, *adapters])
-            handles.append(engine.submit(GenerationRequest(prompt, params, adapter)))
+            handles.append(
+                engine.submit(GenerationRequest(prompt, params, engine.resolve_adapter(adapter)))
+            )
             if i % 7 == 3:
                 handles[rng.randrange(len(handles))].abort()
         for h in handles:
@@ -176,6 +181,29 @@ def test_soak_with_cancellations_leaks_no_block(tiny_engine, adapters):
         mem = memory(engine)
         assert mem["prefix_hit_tokens"] > 0
         assert_memory_balanced(engine)
+
+
+@pytest.mark.parametrize("lora_mode", ["on-demand", "cached"])
+def test_an_adapter_loaded_again_under_its_name_never_reuses_the_old_ones_kv(
+    tiny_model_dir, tiny_engine, adapters, lora_mode
+):
+    """Adapters are keyed by id: load A as "x", run a prompt (its blocks cached: the same prompt
+    again reuses them), unload it, load B as "x": the prompt computes every token under B
+    (cached_tokens 0) and gives transformers + PEFT's tokens for B."""
+    prompt = [3 + i % 150 for i in range(50)]
+    config = dict(lora_mode=lora_mode, max_total_tokens=4096)
+    with tiny_engine({"x": adapters["r8"]}, **config) as engine:
+        assert run(engine, prompt, "x").cached_tokens == 0
+        assert run(engine, prompt, "x").cached_tokens == 48  # 3 full blocks of 16, reused
+        old = engine.resolve_adapter("x")
+        engine.remove_adapter("x")
+        engine.add_adapter("x", adapters["r16"])
+        assert engine.resolve_adapter("x").id != old.id
+        again = run(engine, prompt, "x")
+        assert_memory_balanced(engine)
+    assert again.cached_tokens == 0
+    ref, margins = reference_greedy(tiny_model_dir, adapters, prompt, "r16")
+    assert_same_greedy(again.new_token_ids, ref, margins, "B loaded under A's name")
 
 
 def test_an_unloaded_adapter_takes_its_cached_prefixes_along(tiny_engine, adapters):

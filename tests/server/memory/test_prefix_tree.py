@@ -15,6 +15,7 @@ from toppings.server.memory.policies import (
     make_memory_policy,
 )
 from toppings.server.memory.prefix_tree import KVNode, PrefixTree
+from toppings.server.requests.adapter_ref import AdapterRef
 
 BT = 4
 
@@ -119,6 +120,17 @@ def test_lru_and_unknown_policy():
     assert [c.item for c in policy.order([a, b], _context())] == ["b", "a"]
     with pytest.raises(ValueError, match="unknown memory policy"):
         make_memory_policy("nope")
+
+
+def test_a_new_registration_of_a_name_finds_none_of_the_old_ones_blocks():
+    old, new = AdapterRef.new("x", 8, 100), AdapterRef.new("x", 8, 100)
+    tree = PrefixTree(BT)
+    (node,) = tree.insert(tree.root(old), tokens(4), [1], now=0.0)
+    tree.unhold(node, created=True, now=0.0)
+    assert tree.match(old, tokens(8), 5) == [node]
+    assert tree.match(new, tokens(8), 5) == []  # the same name, another id
+    assert tree.has_device_kv(old) and not tree.has_device_kv(new)
+    assert tree.adapters_with_device_kv() == [old]
 
 
 def test_an_emptied_adapter_root_is_made_again():

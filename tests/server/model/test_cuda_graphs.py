@@ -75,7 +75,8 @@ def generate(engine, jobs, seed: int = 1) -> list[list[int]]:
     """Submitted together (one prefill, shared decode steps); greedy."""
     requests = [
         GenerationRequest(prompt, SamplingParams(max_new_tokens=k, temperature=0.0,
-                                                 ignore_eos=True), adapter)
+                                                 ignore_eos=True),
+                          engine.resolve_adapter(adapter))
         for prompt, (_, adapter, k) in zip(prompts(jobs, seed), jobs)
     ]  # fmt: skip
     return [h.result(timeout_s=300).new_token_ids for h in engine.submit_all(requests)]

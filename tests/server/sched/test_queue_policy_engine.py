@@ -44,7 +44,10 @@ def run(tiny_model_dir, adapters, policy: str):
     with running_engine(
         tiny_model_dir, adapters, max_total_tokens=600, queue_policy=policy
     ) as engine:
-        handles = [engine.submit(GenerationRequest(p, s, a)) for p, s, a in workload()]
+        handles = [
+            engine.submit(GenerationRequest(p, s, engine.resolve_adapter(a)))
+            for p, s, a in workload()
+        ]
         tokens = [h.result(timeout_s=300).new_token_ids for h in handles]
         return tokens, engine.stats().to_json()["queueing"]
 
@@ -61,7 +64,9 @@ def test_chameleon_changes_the_order_not_the_tokens(tiny_model_dir, adapters):
 def test_a_squashed_request_streams_each_token_once(tiny_engine, adapters):
     with tiny_engine(adapters, max_total_tokens=600, queue_policy="chameleon") as engine:
         params = SamplingParams(max_new_tokens=40, temperature=0.9, seed=3, ignore_eos=True)
-        alone = engine.submit(GenerationRequest([5, 6, 7], params, "r32")).result(timeout_s=120)
+        alone = engine.submit(
+            GenerationRequest([5, 6, 7], params, engine.resolve_adapter("r32"))
+        ).result(timeout_s=120)
         forward = engine.model.forward
 
         def slow_forward(*args, **kwargs):  # 5 ms a step: the request is caught mid-run
@@ -69,7 +74,7 @@ def test_a_squashed_request_streams_each_token_once(tiny_engine, adapters):
             return forward(*args, **kwargs)
 
         engine.model.forward = slow_forward
-        handle = engine.submit(GenerationRequest([5, 6, 7], params, "r32"))
+        handle = engine.submit(GenerationRequest([5, 6, 7], params, engine.resolve_adapter("r32")))
         deadline = time.monotonic() + 60
         while True:
             with engine._lock:
@@ -103,6 +108,8 @@ def test_a_request_is_charged_its_adapter_only_where_adapter_memory_counts(
     ) as engine:
         gate = engine.scheduler.gate()
         assert gate.adapter_tokens(None) == 0
-        assert (gate.adapter_tokens("r64") > 0) is charged
+        assert (gate.adapter_tokens(engine.resolve_adapter("r64")) > 0) is charged
         if charged:
-            assert gate.adapter_tokens("r64") > gate.adapter_tokens("r8")
+            assert gate.adapter_tokens(engine.resolve_adapter("r64")) > gate.adapter_tokens(
+                engine.resolve_adapter("r8")
+            )

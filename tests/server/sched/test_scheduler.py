@@ -121,6 +121,9 @@ class Adapters:
         self.refs: dict[str, int] = {}
         self.loading: set[str] = set()
 
+    def registered(self):
+        return list(self.registry)
+
     def acquire(self, name, queued):
         if not self.refs.get(name) and sum(1 for n in self.refs.values() if n) >= self.slots:
             return None

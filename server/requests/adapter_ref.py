@@ -1,0 +1,34 @@
+"""An adapter as the layers below the HTTP API know it: a typed reference with an id.
+
+The API resolves the name a client gives (`model`, `adapter`) once, into the `AdapterRef` of
+the adapter registered under that name now (SGLang's `LoRARef`, vLLM's `lora_int_id`); the
+request carries the reference, and the scheduler, the engine, the memory manager and the prefix
+tree key on it. A reference compares, hashes and orders by its id alone, so a dict keyed by
+references is keyed by ids. Ids are never reused within a process: an adapter unloaded and
+loaded again under the same name gets a new id, so nothing keyed by the old one (cached KV, an
+in-flight count) can ever be taken for the new one. Names stay what users see.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+_ids = itertools.count(1)
+
+
+@dataclass(frozen=True, order=True)
+class AdapterRef:
+    """One registration of an adapter: `id` unique in the process, the `name` it was registered
+    under, its `rank` (the largest over its projections) and `nbytes`, what it is charged in
+    the device adapter memory while resident."""
+
+    id: int
+    name: str = field(compare=False)
+    rank: int = field(compare=False)
+    nbytes: int = field(compare=False)
+
+    @classmethod
+    def new(cls, name: str, rank: int, nbytes: int) -> AdapterRef:
+        """A reference with an id no other reference of this process has had."""
+        return cls(next(_ids), name, rank, nbytes)
