@@ -324,6 +324,20 @@ class AdapterManager:
         resident = [n for n, e in entries if e.ticket.done]
         return resident, [n for n, e in entries if not e.ticket.done]
 
+    def max_device_adapters(self) -> int:
+        """How many adapters of the registered ones' mean charge the device's adapter memory
+        holds when it holds nothing else: every registered one when that memory has no limit;
+        adapters of the rank limit on every target when none is registered."""
+        limit = self.cache.max_adapter_bytes()
+        adapters = list(self.registry.values())
+        if limit is None:
+            return len(adapters)
+        if adapters:
+            mean = sum(self.cache.charge(a) for a in adapters) / len(adapters)
+        else:
+            mean = self.pool.bytes_for(self.max_lora_rank, LORA_TARGETS)
+        return int(limit // mean) if mean > 0 else 0
+
     def references(self) -> int:
         """References held by queued and running requests (and cached mode's pins)."""
         return sum(e.refcount for e in list(self.cache.entries.values()))
