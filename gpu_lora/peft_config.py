@@ -1,8 +1,8 @@
 """adapter_config.json of a PEFT LoRA adapter: parse, reject unsupported features, resolve targets.
 
-Only plain LoRA on the seven Llama projections is served; every PEFT feature that would change
-the math (DoRA, per-module ranks, biases, ...) is rejected by name, so an adapter either loads
-exactly or fails with a message a client can act on.
+Plain LoRA and DoRA (`use_dora`, gpu_lora/dora.py) on the seven Llama projections are served;
+every other PEFT feature that would change the math (per-module ranks, biases, ...) is rejected
+by name, so an adapter either loads exactly or fails with a message a client can act on.
 
 A regex `target_modules` (or `exclude_modules`) is the adapter author's code run on this server:
 it is refused over MAX_PATTERN_CHARS, and matched with the `regex` package (the semantics of
@@ -41,7 +41,6 @@ REGEX_BUDGET_S = 0.25
 
 # Config fields that must stay at their neutral (falsy) value: each changes the forward pass.
 _UNSUPPORTED = {
-    "use_dora": "DoRA",
     "rank_pattern": "per-module ranks (rank_pattern)",
     "alpha_pattern": "per-module alphas (alpha_pattern)",
     "modules_to_save": "fully trained extra modules (modules_to_save)",

@@ -15,12 +15,15 @@ the node's memory when adapters are charged to KV blocks, and in the CPU workers
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+from collections.abc import Mapping
 
 import torch
 
 from toppings.gpu_lora.adapter_pool import AdapterPool
 from toppings.gpu_lora.cache import AdapterCache, CacheEntry
+from toppings.gpu_lora.dora import BaseProjections, DoraScales, dora_scales
 from toppings.gpu_lora.host_lora import HostLora, HostLoraRunner
 from toppings.gpu_lora.host_memory import (
     DEFAULT_BUDGET_FRACTION,
@@ -37,7 +40,7 @@ from toppings.gpu_lora.peft_format import (
     inspect_peft_adapter,
     load_peft_adapter,
 )
-from toppings.gpu_lora.targets import LORA_TARGETS
+from toppings.gpu_lora.targets import ATTN_PROJECTIONS, LORA_TARGETS
 from toppings.gpu_lora.trace import TraceRecorder
 from toppings.server.config import LoraConfig
 from toppings.server.lora_modes import LORA_MODES
@@ -79,12 +82,14 @@ class AdapterManager:
         dtype: torch.dtype,
         cache: AdapterCache,
         trace: TraceRecorder | None = None,
+        base: BaseProjections | None = None,
     ):
         """config: the LoRA part of the engine's configuration; kernel, device: the runtime's
         LoRA kernel and device; max_step_tokens: the most tokens one step computes (the CPU
         workers size their buffers for it); cache: the device adapter cache (with its pool and
         loader), built with the node's memory (server/memory/build.py); trace: each step's
-        host LoRA calls and layers go to it (None: no tracing)."""
+        host LoRA calls and layers go to it (None: no tracing); base: the base model's
+        projection weights, read when a DoRA adapter is opened (None: DoRA is refused)."""
         self.config = config
         self.max_step_tokens = max_step_tokens
         self.model_config = model_config
@@ -93,6 +98,10 @@ class AdapterManager:
         self.host_stats = HostLoraStats()
         self._trace = trace
         self.registry: dict[str, LoraAdapter] = {}
+        self.base = base
+        self.dtype = dtype
+        # DoRA adapters' scales on the device, by name (small: two [L, H_out] per module)
+        self._dora: dict[str, DoraScales] = {}
         self.cache = cache
         self.pool = cache.pool
         self.loader = cache.loader
@@ -148,7 +157,18 @@ class AdapterManager:
                 f"{self.max_lora_rank} (--max-lora-rank)"
             )
         self._check_room(name, shape)
-        return load_peft_adapter(path, self.model_config, name=name)
+        adapter = load_peft_adapter(path, self.model_config, name=name)
+        if adapter.is_dora:
+            adapter = dataclasses.replace(adapter, dora=self._dora_scales(adapter))
+        return adapter
+
+    def _dora_scales(self, adapter: LoraAdapter) -> DoraScales:
+        """The DoRA scales of `adapter`, from the base model's weights (read here, once)."""
+        if self.base is None:
+            raise AdapterError(f"adapter {adapter.name!r} is a DoRA adapter; this server was "
+                               "started without the base weights DoRA needs")  # fmt: skip
+        return dora_scales(adapter.name, adapter.scale, adapter.weights, adapter.magnitudes,
+                           self.base, self.model_config.num_layers)  # fmt: skip
 
     def _check_room(self, name: str, shape: AdapterShape) -> None:
         """507 when the adapter's charges exceed the whole memory it would be charged to."""
@@ -200,6 +220,8 @@ class AdapterManager:
             for key, (a, b) in adapter.weights.items():
                 adapter.weights[key] = (a.pin_memory(), b.pin_memory())
         self.registry[adapter.name] = adapter
+        if adapter.dora is not None:
+            self._dora[adapter.name] = adapter.dora.to(self.pool.device, self.dtype)
         if self.mode.preload:
             # The ideal upper bound: every adapter on the device before any request, pinned.
             entry = self.cache.acquire(adapter)
@@ -232,6 +254,7 @@ class AdapterManager:
         if self.repository is not None and self.repository.lookup(name) is not None:
             self.repository.remove(name)
         del self.registry[name]
+        self._dora.pop(name, None)
         self.host_memory.release(name)
 
     # ---- per request and per step (the engine thread) -----------------------------------------
@@ -299,10 +322,16 @@ class AdapterManager:
             seg_starts,
             is_prefill,
             tickets=[e.ticket if e else None for e in entries],
+            dora=[self._dora.get(e.resident.name) if e else None for e in entries],
             host=self.host,
             host_stats=self.host_stats,
             trace=self._trace,
         )
+
+    def has_dora(self, entries: list[CacheEntry | None]) -> bool:
+        """Whether any of these requests' adapters is a DoRA adapter (decode graphs do not
+        apply DoRA's scales: such a step runs eagerly)."""
+        return any(e is not None and e.resident.name in self._dora for e in entries)
 
     def wait_for_loads(self, entries: list[CacheEntry | None]) -> None:
         """Under a mode that stalls for loads (on-demand-sync), wait until every one of a
@@ -354,3 +383,16 @@ class AdapterManager:
             self.repository.close()
             self.repository.unlink()
             self.repository = None
+
+
+class CheckpointProjections:
+    """`BaseProjections` over a checkpoint's tensors by Hugging Face name (server.model.weights:
+    each read from its file when asked for), for DoRA's scales."""
+
+    def __init__(self, weights: Mapping[str, torch.Tensor]):
+        self.weights = weights
+
+    def projection(self, layer: int, module: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        parent = "self_attn" if module in ATTN_PROJECTIONS else "mlp"
+        prefix = f"model.layers.{layer}.{parent}.{module}."
+        return self.weights[prefix + "weight"], self.weights.get(prefix + "bias")

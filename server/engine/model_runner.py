@@ -136,6 +136,8 @@ class ModelRunner:
         (then the step runs eagerly)."""
         seqs = plan.seqs
         entries = [s.cache_entry for s in seqs]
+        if self.lora.has_dora(entries):
+            return None  # the graphs' LoRA does not scale DoRA rows
         adapters = [e.resident if e else None for e in entries]
         loading = any(e is not None and not e.ticket.done for e in entries)
         ids = [s.output_ids[-1] for s in seqs]

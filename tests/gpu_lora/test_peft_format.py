@@ -131,7 +131,7 @@ def test_default_adapter_name_in_keys_is_accepted(adapter_dir: Path) -> None:
         (dict(target_modules=r".*\.self_attn\.nothing"), "selects no projection"),
         (dict(target_modules="(unclosed"), "regex"),
         (dict(target_modules=[]), "target_modules is empty"),
-        (dict(use_dora=True), "DoRA"),
+        (dict(use_dora=True), "use_dora is set but the DoRA magnitude"),
         (dict(rank_pattern={"q_proj": 8}), "rank_pattern"),
         (dict(alpha_pattern={"q_proj": 8}), "alpha_pattern"),
         (dict(bias="all"), "bias"),
