@@ -63,6 +63,7 @@ class LoraAdapter:
     a projection is `scale * x @ A.T @ B.T`. A DoRA adapter (`use_dora`) also has
     `magnitudes[(layer_idx, module)] = m [out_features]` for the same pairs, and, once the base
     weights were read (`AdapterManager.open`), `dora`: the per-channel scales (gpu_lora.dora).
+    An activated LoRA has its `invocation_tokens` (gpu_lora.alora); () for any other.
     """
 
     name: str
@@ -76,6 +77,7 @@ class LoraAdapter:
     base_model: str | None
     magnitudes: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
     dora: DoraScales | None = None
+    invocation_tokens: tuple[int, ...] = ()
 
     @property
     def is_dora(self) -> bool:
@@ -222,6 +224,7 @@ def load_peft_adapter(
         num_bytes=num_bytes,
         base_model=cfg.get("base_model_name_or_path"),
         magnitudes={pair: m for pair, m in magnitudes.values()},
+        invocation_tokens=tuple(cfg.get("alora_invocation_tokens") or ()),
     )
 
 

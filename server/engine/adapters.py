@@ -22,6 +22,7 @@ from collections.abc import Mapping
 import torch
 
 from toppings.gpu_lora.adapter_pool import AdapterPool
+from toppings.gpu_lora.alora import activation_start, split_rows
 from toppings.gpu_lora.cache import AdapterCache, CacheEntry
 from toppings.gpu_lora.dora import BaseProjections, DoraScales, dora_scales
 from toppings.gpu_lora.host_lora import HostLora, HostLoraRunner
@@ -306,13 +307,38 @@ class AdapterManager:
         """Drop a request's reference taken by `acquire`."""
         self.cache.release(name)
 
+    def lora_start(self, name: str | None, prompt_ids: list[int]) -> int:
+        """The first prompt position adapter `name` applies to: 0, or for an activated LoRA
+        where the last occurrence of its invocation sequence starts (gpu_lora/alora.py). A
+        prompt without that sequence is a 400 naming it."""
+        adapter = self.registry.get(name) if name is not None else None
+        if adapter is None or not adapter.invocation_tokens:
+            return 0
+        start = activation_start(prompt_ids, adapter.invocation_tokens)
+        if start is None:
+            raise RequestError(
+                f"adapter {name!r} is an activated LoRA: the prompt must contain its invocation "
+                f"sequence, token ids {list(adapter.invocation_tokens)} (alora_invocation_tokens)"
+            )
+        return start
+
     def step(
-        self, entries: list[CacheEntry | None], seg_starts: list[int], is_prefill: bool
+        self,
+        entries: list[CacheEntry | None],
+        seg_starts: list[int],
+        is_prefill: bool,
+        positions: list[int] | None = None,
+        lora_starts: list[int] | None = None,
     ) -> LoraBatch | None:
         """The LoRA side of one forward pass over B requests (None: no request has an adapter).
 
-        entries: each request's cache entry (None: base model); seg_starts: B + 1 token offsets.
+        entries: each request's cache entry (None: base model); seg_starts: B + 1 token offsets;
+        positions: each request's first position in this step; lora_starts: where each one's
+        adapter starts to apply (`lora_start`; None: everywhere). A prefill's rows before that
+        get no delta (a decode's row always comes after it).
         """
+        if is_prefill and lora_starts is not None and any(lora_starts):
+            entries, seg_starts = split_rows(entries, seg_starts, positions, lora_starts)
         if not any(entries):
             return None
         return LoraBatch(

@@ -164,8 +164,11 @@ class Engine:
         with self._accepting:  # an unload sees these requests from here on
             for request in requests:
                 self._check(request)
+            lora_starts = [self.lora.lora_start(r.adapter, r.prompt_ids) for r in requests]
             seqs = [Sequence(r, RequestHandle(r, self.abort), self.tokenizer, time.monotonic())
                     for r in requests]  # fmt: skip
+            for seq, lora_start in zip(seqs, lora_starts, strict=True):
+                seq.lora_start = lora_start
             self._adapter_users.update(r.adapter for r in requests if r.adapter is not None)
             self._inbox.put(seqs)
         return [s.handle for s in seqs]

@@ -186,7 +186,13 @@ class ModelRunner:
             kv_index=kv_index,
             kv_lengths=kv_lengths,
             past_slots=past,
-            lora=self.lora.step([s.cache_entry for s in seqs], seg_starts, is_prefill),
+            lora=self.lora.step(
+                [s.cache_entry for s in seqs],
+                seg_starts,
+                is_prefill,
+                list(plan.starts),
+                [s.lora_start for s in seqs],
+            ),  # fmt: skip
             logit_rows=None if not any(scores) else torch.tensor(rows, device=device),
         )
         logits = self.model.forward(batch, kv)  # [R, V]

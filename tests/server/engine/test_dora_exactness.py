@@ -221,3 +221,20 @@ def test_dora_adapter_load_error_is_a_400(llama, tmp_path):
         ok = client.post("/v1/completions", json={"model": "dora3", "prompt": "hello",
                                                   "max_tokens": 2})  # fmt: skip
         assert ok.status_code == 200
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("cuda_graphs", [False, True])
+@pytest.mark.parametrize("kernel", ["mbgmv", "bgmv"])
+def test_dora_matches_peft_on_cuda(llama, kernel, cuda_graphs):
+    """The engine on the GPU (Triton kernels); with decode graphs on, steps with a DoRA row run
+    eagerly and the others may replay."""
+    model_dir, adapters = llama
+    with running_engine(
+        model_dir, adapters, device="cuda", kernel=kernel, max_total_tokens=4096,
+        max_batch_size=16, cuda_graphs=cuda_graphs,
+    ) as engine:  # fmt: skip
+        prompts = prompts_for(256, seed=14)
+        results = run(engine, prompts)
+    check_against_peft(model_dir, adapters, prompts, results)
