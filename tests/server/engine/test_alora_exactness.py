@@ -231,3 +231,18 @@ def test_prompt_without_the_invocation_is_a_400(llama):
         ok = client.post("/generate", json={"adapter": "act3", "input_ids": [30, 11, 12, 31],
                                             "max_new_tokens": 2})  # fmt: skip
         assert ok.status_code == 200, ok.get_data(as_text=True)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("kernel", ["mbgmv", "bgmv"])
+def test_activated_lora_matches_peft_on_cuda(llama, kernel):
+    """The engine on the GPU (Triton kernels, decode graphs: every decode row is activated)."""
+    model_dir, adapters = llama
+    with running_engine(
+        model_dir, adapters, device="cuda", kernel=kernel, max_total_tokens=4096,
+        max_batch_size=16,
+    ) as engine:  # fmt: skip
+        prompts = mixed_prompts(seed=5)
+        results = run(engine, prompts)
+    check_against_peft(model_dir, adapters, prompts, results)
