@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from toppings.gpu_lora.adapter_pool import AdapterPool, ResidentAdapter
 from toppings.gpu_lora.eviction import CacheStats, EvictionPolicy, Usage
@@ -61,6 +61,15 @@ class IdleAdapter:
     name: str
     num_bytes: int
     usage: Usage
+
+
+class EntryState(NamedTuple):
+    """Where one cache entry stands: every layer on the device, or its load still running (a
+    failed load is neither), and whether it cannot leave the device now (`is_pinned`)."""
+
+    on_device: bool
+    loading: bool
+    pinned: bool
 
 
 class AdapterBudget(Protocol):
@@ -303,6 +312,15 @@ class AdapterCache:
             for n, e in list(self.entries.items())
             if not e.refcount and _landed(e)
         ]
+
+    def entry_states(self) -> dict[str, EntryState]:
+        """Each adapter on the device or on its way there, in cache order (one copy of the
+        entries: any thread)."""
+        states = {}
+        for n, e in list(self.entries.items()):
+            done = e.ticket.done
+            states[n] = EntryState(done, not done and e.ticket.error is None, _pinned(e))
+        return states
 
     def _stats(self, name: str) -> CacheStats:
         usage = self._usage.get(name, Usage())

@@ -51,6 +51,9 @@ def content_digest(adapter: LoraAdapter) -> str:
         h.update(f"{layer}.{module}:{tuple(a.shape)}:{tuple(b.shape)}:{a.dtype}".encode())
         for t in (a, b):
             h.update(t.contiguous().view(torch.uint8).numpy().tobytes())
+    for (layer, module), m in sorted(adapter.magnitudes.items()):  # DoRA
+        h.update(f"{layer}.{module}:magnitude:{tuple(m.shape)}".encode())
+        h.update(m.contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 

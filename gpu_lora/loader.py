@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from toppings.gpu_lora.adapter_pool import AdapterPool, ResidentAdapter
+from toppings.gpu_lora.load_times import LoadTimes
 from toppings.gpu_lora.peft_format import LoraAdapter
 from toppings.gpu_lora.trace import CopyEvent, TraceRecorder
 
@@ -34,19 +35,33 @@ class LoadTicket:
 
     The copy strategy moves it forward: `mark_ready` (the CPU thread, after each group's copies)
     or `add_event` (CUDA, one event per group on the side stream, read without blocking).
+    `load_times` gets the seconds from the ticket's creation until its last layer is resident,
+    once (None: not observed).
     """
 
-    def __init__(self, num_layers: int):
+    def __init__(self, num_layers: int, load_times: LoadTimes | None = None):
         self.num_layers = num_layers
         self.error: str | None = None
         self._ready = 0
         self._events: list[tuple[int, object]] = []  # CUDA: (layers ready after, event)
         self._done = threading.Event()
+        self._load_times = load_times
+        self._started_s = time.perf_counter()
+        self._observe_lock = threading.Lock()
 
     def layers_ready(self) -> int:
         while self._events and self._events[0][1].query():
             self._ready = self._events.pop(0)[0]
+            if self._ready >= self.num_layers:
+                self._observe()  # CUDA: the first thread to see the last event complete
         return self._ready
+
+    def _observe(self) -> None:
+        """Record the load's duration once, from whichever thread sees it finish first."""
+        with self._observe_lock:
+            load_times, self._load_times = self._load_times, None
+        if load_times is not None:
+            load_times.observe(time.perf_counter() - self._started_s)
 
     @property
     def done(self) -> bool:
@@ -64,6 +79,7 @@ class LoadTicket:
         """The first `layers` layers are resident now."""
         self._ready = layers
         if layers >= self.num_layers:
+            self._observe()
             self._done.set()
 
     def add_event(self, layers: int, event) -> None:
@@ -174,6 +190,7 @@ class PipelinedLoader:
         self.pool = pool
         self.layers_per_group = layers_per_group
         self.bytes_loaded = 0
+        self.load_times = LoadTimes()  # submission to last layer resident, per finished load
         if pool.device.type == "cuda":
             self._copier = StreamCopy()
         else:
@@ -191,7 +208,7 @@ class PipelinedLoader:
 
     def submit(self, adapter: LoraAdapter, entry: ResidentAdapter) -> LoadTicket:
         """Start copying `adapter` into the rows of `entry`; returns at once."""
-        ticket = LoadTicket(self.pool.config.num_layers)
+        ticket = LoadTicket(self.pool.config.num_layers, self.load_times)
         self._queue.put((adapter, entry, ticket))
         return ticket
 

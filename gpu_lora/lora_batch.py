@@ -10,6 +10,8 @@ adapter is still loading (Toppings' CPU-assisted mode) reads its ticket at every
 already resident run with the others, the rest go to the host (`cpu_lora` workers, or the
 in-process `HostLora`) in one call per layer and input, covering every projection that shares
 that input. Which kernels run is decided once per engine (`kernels.select`), never per step.
+A DoRA adapter's rows are then scaled per output channel (gpu_lora/dora.py), once the delta is
+in y wherever it was computed: one multiply (and add, with a bias) per run of its requests.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from toppings.gpu_lora.adapter_pool import AdapterPool, ResidentAdapter
+from toppings.gpu_lora.dora import DoraScales, apply_dora
 from toppings.gpu_lora.host_lora import HostLoraRunner
 from toppings.gpu_lora.kernels import LoraBackend
 from toppings.gpu_lora.loader import LoadTicket
@@ -38,8 +41,9 @@ class LoraBatch:
     """Per-module offsets, ranks and scales of the units of a step (runs or tokens), and tickets.
 
     A unit is a run of consecutive requests of one adapter (prefill, and decode with
-    segment_decode), or one request (per-token decode kernels). trace: gets a LayerMark at
-    each `add` and a HostLoraEvent per host call (None: no tracing).
+    segment_decode), or one request (per-token decode kernels). dora: each request's DoRA
+    scales on the device (None: not a DoRA adapter). trace: gets a LayerMark at each `add` and
+    a HostLoraEvent per host call (None: no tracing).
     """
 
     def __init__(
@@ -50,6 +54,7 @@ class LoraBatch:
         seg_starts: list[int],
         is_prefill: bool,
         tickets: list[LoadTicket | None] | None = None,
+        dora: list[DoraScales | None] | None = None,
         host: HostLoraRunner | None = None,
         host_stats: HostLoraStats | None = None,
         trace: TraceRecorder | None = None,
@@ -59,6 +64,7 @@ class LoraBatch:
         self._host = host
         self._trace = trace
         tickets = tickets or [None] * len(adapters)
+        self._dora_runs = _dora_runs(dora, seg_starts) if dora and any(dora) else []
         self._segmented = is_prefill or kernels.segment_decode is not None
         if self._segmented:
             first, starts = _runs(adapters, seg_starts)
@@ -109,6 +115,12 @@ class LoraBatch:
                 self._fn(y, x, a, b, *lead, offsets, ranks, scales, max_rank)
         if not_ready:
             self._add_on_host(layer, x, outputs, not_ready)
+        for start, end, scales in self._dora_runs:
+            for module, y in outputs:
+                pair = scales.modules.get(module)
+                if pair is not None:
+                    g, offset = pair
+                    apply_dora(y[start:end], g[layer], None if offset is None else offset[layer])
 
     def _add_on_host(self, layer: int, x: torch.Tensor, outputs, not_ready: list[int]) -> None:
         """One host call for every projection of this input, for the units still loading."""
@@ -132,6 +144,22 @@ class LoraBatch:
             delta = deltas.get(module)
             if delta is not None:
                 y[lo:hi] += delta[lo:hi].to(device=y.device, dtype=y.dtype)
+
+
+def _dora_runs(
+    dora: list[DoraScales | None], seg_starts: list[int]
+) -> list[tuple[int, int, DoraScales]]:
+    """Maximal runs of consecutive requests with the same DoRA scales: (first token, end
+    token, scales) each."""
+    runs: list[tuple[int, int, DoraScales]] = []
+    for i, scales in enumerate(dora):
+        if scales is None:
+            continue
+        if runs and runs[-1][2] is scales and runs[-1][1] == seg_starts[i]:
+            runs[-1] = (runs[-1][0], seg_starts[i + 1], scales)
+        else:
+            runs.append((seg_starts[i], seg_starts[i + 1], scales))
+    return runs
 
 
 def _runs(

@@ -1,8 +1,9 @@
 """adapter_config.json of a PEFT LoRA adapter: parse, reject unsupported features, resolve targets.
 
-Only plain LoRA on the seven Llama projections is served; every PEFT feature that would change
-the math (DoRA, per-module ranks, biases, ...) is rejected by name, so an adapter either loads
-exactly or fails with a message a client can act on.
+Plain LoRA, DoRA (`use_dora`, gpu_lora/dora.py) and activated LoRA (`alora_invocation_tokens`,
+gpu_lora/alora.py) on the seven Llama projections are served;
+every other PEFT feature that would change the math (per-module ranks, biases, ...) is rejected
+by name, so an adapter either loads exactly or fails with a message a client can act on.
 
 A regex `target_modules` (or `exclude_modules`) is the adapter author's code run on this server:
 it is refused over MAX_PATTERN_CHARS, and matched with the `regex` package (the semantics of
@@ -41,7 +42,6 @@ REGEX_BUDGET_S = 0.25
 
 # Config fields that must stay at their neutral (falsy) value: each changes the forward pass.
 _UNSUPPORTED = {
-    "use_dora": "DoRA",
     "rank_pattern": "per-module ranks (rank_pattern)",
     "alpha_pattern": "per-module alphas (alpha_pattern)",
     "modules_to_save": "fully trained extra modules (modules_to_save)",
@@ -54,7 +54,6 @@ _UNSUPPORTED = {
     "use_bdlora": "block-diagonal LoRA",
     "velora_config": "VeLoRA",
     "monteclora_config": "MonteCLoRA",
-    "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens)",
     "arrow_config": "Arrow routing",
     "kasa_config": "KaSA",
     "megatron_config": "Megatron-parallel layers",
@@ -141,6 +140,19 @@ def _check_fields(cfg: dict, cfg_path: Path) -> None:
     for field, feature in _UNSUPPORTED.items():
         if cfg.get(field):
             raise AdapterError(f"{cfg_path}: {feature} is not supported ({field}={cfg[field]!r})")
+    tokens = cfg.get("alora_invocation_tokens")
+    if tokens is not None:
+        if (
+            not isinstance(tokens, list)
+            or not tokens
+            or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens)
+        ):
+            raise AdapterError(
+                f"{cfg_path}: alora_invocation_tokens must be a non-empty list of token ids, "
+                f"got {tokens!r}"
+            )
+        if cfg.get("use_dora"):
+            raise AdapterError(f"{cfg_path}: activated LoRA with DoRA is not supported")
     if cfg.get("layers_pattern") not in (None, "", [], "layers", ["layers"]):
         raise AdapterError(f"{cfg_path}: layers_pattern={cfg['layers_pattern']!r} is not supported")
     layers = cfg.get("layers_to_transform")

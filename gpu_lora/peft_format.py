@@ -12,13 +12,14 @@ import json
 import math
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from safetensors.torch import load, load_file
 
 from toppings.gpu_lora.adapter_dir import UnsafeFile, fd_path, file_size, has_file, open_file
+from toppings.gpu_lora.dora import DoraScales
 from toppings.gpu_lora.peft_config import (
     CONFIG_FILE,
     PICKLE_FILE,
@@ -47,6 +48,11 @@ _KEY_RE = re.compile(
     r"base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])(\.default)?\.weight"
 )
 KEY_FORMAT = "base_model.model.model.layers.{i}.{self_attn|mlp}.{module}.lora_{A|B}.weight"
+# DoRA's magnitude vector m [out_features] of a module (PEFT 0.21 saves it without a suffix).
+_MAGNITUDE_RE = re.compile(
+    r"base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_magnitude_vector"
+    r"(\.default)?(\.weight)?"
+)
 
 
 @dataclass(frozen=True)
@@ -54,7 +60,10 @@ class LoraAdapter:
     """One LoRA adapter in host memory, float32 (glossary: R rank, H hidden).
 
     `weights[(layer_idx, module)] = (A [R, in_features], B [out_features, R])`, so the delta of
-    a projection is `scale * x @ A.T @ B.T`.
+    a projection is `scale * x @ A.T @ B.T`. A DoRA adapter (`use_dora`) also has
+    `magnitudes[(layer_idx, module)] = m [out_features]` for the same pairs, and, once the base
+    weights were read (`AdapterManager.open`), `dora`: the per-channel scales (gpu_lora.dora).
+    An activated LoRA has its `invocation_tokens` (gpu_lora.alora); () for any other.
     """
 
     name: str
@@ -66,6 +75,13 @@ class LoraAdapter:
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
     num_bytes: int
     base_model: str | None
+    magnitudes: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
+    dora: DoraScales | None = None
+    invocation_tokens: tuple[int, ...] = ()
+
+    @property
+    def is_dora(self) -> bool:
+        return bool(self.magnitudes)
 
     def bytes_at(self, dtype: torch.dtype) -> int:
         """Bytes of all A and B when held at `dtype` (what a device copy at that dtype moves)."""
@@ -160,7 +176,10 @@ def load_peft_adapter(
     weights_path = root / WEIGHTS_FILE
     rank = cfg["r"]
     halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    magnitudes = _magnitudes(tensors, cfg, targeted, model_config, weights_path)
     for key, tensor in tensors.items():
+        if key in magnitudes:
+            continue
         pair, half = _parse_key(key, targeted, model_config, weights_path)
         if half in halves.setdefault(pair, {}):
             raise AdapterError(f"{weights_path}: lora_{half} of {module_name(*pair)} appears twice")
@@ -204,7 +223,55 @@ def load_peft_adapter(
         weights=weights,
         num_bytes=num_bytes,
         base_model=cfg.get("base_model_name_or_path"),
+        magnitudes={pair: m for pair, m in magnitudes.values()},
+        invocation_tokens=tuple(cfg.get("alora_invocation_tokens") or ()),
     )
+
+
+def _magnitudes(
+    tensors: dict[str, torch.Tensor],
+    cfg: dict,
+    targeted: set[tuple[int, str]],
+    model_config: ModelShapes,
+    where: Path,
+) -> dict[str, tuple[tuple[int, str], torch.Tensor]]:
+    """DoRA's magnitude vectors by saved name: key -> ((layer_idx, module), m float32
+    [out_features]); one for every targeted module when use_dora, none otherwise."""
+    found: dict[str, tuple[tuple[int, str], torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        match = _MAGNITUDE_RE.fullmatch(key)
+        if match is None:
+            continue
+        if not cfg.get("use_dora"):
+            raise AdapterError(
+                f"{where}: tensor {key!r} is a DoRA magnitude, but {CONFIG_FILE} does not set "
+                f"use_dora"
+            )
+        lora_key = f"{key[: match.start(3)]}{match[3]}.lora_A.weight"
+        pair, _ = _parse_key(lora_key, targeted, model_config, where)
+        want = (model_config.projection_shape(pair[1])[1],)
+        if tuple(tensor.shape) != want:
+            raise AdapterError(
+                f"{where}: tensor {key!r} has shape {list(tensor.shape)}, expected {list(want)} "
+                f"(the out_features of {pair[1]})"
+            )
+        if not tensor.is_floating_point():
+            raise AdapterError(f"{where}: tensor {key!r} has dtype {tensor.dtype}")
+        tensor = tensor.to(torch.float32).contiguous()
+        if not torch.isfinite(tensor).all():
+            raise AdapterError(f"{where}: tensor {key!r} holds NaN or inf")
+        if any(pair == p for p, _ in found.values()):
+            raise AdapterError(f"{where}: the DoRA magnitude of {module_name(*pair)} appears twice")
+        found[key] = (pair, tensor)
+    if cfg.get("use_dora"):
+        have = {pair for pair, _ in found.values()}
+        for pair in sorted(targeted, key=lambda p: (p[0], LORA_TARGETS.index(p[1]))):
+            if pair not in have:
+                raise AdapterError(
+                    f"{where}: use_dora is set but the DoRA magnitude (lora_magnitude_vector) "
+                    f"of {module_name(*pair)} is missing"
+                )
+    return found
 
 
 # What each side of a projection measures, for naming the base an adapter was trained on.

@@ -15,7 +15,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
-from toppings.server.requests.stats_schema import RequestView, ServerStats
+from toppings.server.requests.stats_schema import RequestView, Residency, ServerStats
 
 
 class BatchShape(NamedTuple):
@@ -77,6 +77,8 @@ class ServerState:
     batch: running + queued + routed-since-snapshot, i.e. the decode batch once all are admitted.
     queue: queued + routed-since-snapshot, the requests whose prefill is still pending.
     room_tokens: KV slots left after the queue's reservations (prompt + max_new_tokens each).
+    adapters: the adapters the server holds (in host memory at least); device_adapters and
+    loading_adapters: those of them with every layer on its device, and those on their way.
     """
 
     url: str
@@ -90,6 +92,17 @@ class ServerState:
     adapters: frozenset[str] = frozenset()
     base_model: str = ""
     num_routed: int = 0
+    device_adapters: frozenset[str] = frozenset()
+    loading_adapters: frozenset[str] = frozenset()
+
+    def residency(self, adapter: str | None) -> int:
+        """How far the adapter is from the device, for routing: 0 on the device (or the base
+        model), 1 loading there, 2 in host memory only, 3 not held (it must be fetched)."""
+        if adapter is None or adapter in self.device_adapters:
+            return 0
+        if adapter in self.loading_adapters:
+            return 1
+        return 2 if adapter in self.adapters else 3
 
     @property
     def num_requests(self) -> int:
@@ -132,6 +145,14 @@ class ServerState:
             room_tokens=int(stats.free_kv_tokens) - reserved,
             adapters=frozenset(str(a.name) for a in stats.adapters),
             base_model=str(stats.model),
+            device_adapters=frozenset(
+                {a.name for a in stats.adapters if a.state is Residency.DEVICE or a.resident}
+            ),
+            loading_adapters=frozenset(
+                {a.name for a in stats.adapters if a.state is Residency.LOADING}
+                | set(stats.loading_adapters)
+            )
+            - {a.name for a in stats.adapters if a.resident},
         )
 
 

@@ -77,12 +77,15 @@ def make_random_adapter(
     use_rslora: bool = False,
     init_std: float | None = None,
     delta_ratio: float = 0.2,
+    use_dora: bool = False,
 ) -> Path:
     """Save a random LoRA adapter (PEFT format) for the checkpoint at `base_dir`; returns out_dir.
 
     `alpha` defaults to 2 * rank. With `init_std` set, A and B are drawn from N(0, init_std) and
     kept as drawn; otherwise PEFT's random init is rescaled to `delta_ratio` (see module doc).
-    `base_dir` may also be a model from `load_base`, which is left as it was.
+    `base_dir` may also be a model from `load_base`, which is left as it was. With `use_dora`
+    the adapter is DoRA's: each module's magnitude vector is PEFT's (the row norms of the adapted
+    weight) times a random factor in [0.75, 1.25] per channel, so the scales matter.
     """
     unknown = [m for m in target_modules if m not in LORA_TARGETS]
     if rank <= 0 or not target_modules or unknown:
@@ -94,6 +97,7 @@ def make_random_adapter(
         target_modules=list(target_modules),
         use_rslora=use_rslora,
         init_lora_weights=False,
+        use_dora=use_dora,
     )
     with torch.random.fork_rng(devices=[]):  # leave the caller's RNG stream untouched
         torch.manual_seed(seed)
@@ -102,6 +106,9 @@ def make_random_adapter(
             for module in peft_model.modules():
                 if hasattr(module, "lora_A") and "default" in module.lora_A:
                     _set_weights(module, init_std, delta_ratio)
+                    if use_dora:
+                        m = module.lora_magnitude_vector["default"].weight  # [out]
+                        m.mul_(0.75 + 0.5 * torch.rand(m.shape))
     out = Path(out_dir)
     peft_model.save_pretrained(out)
     peft_model.unload()  # strips the LoRA layers so a loaded base can serve the next adapter

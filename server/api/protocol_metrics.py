@@ -17,6 +17,29 @@ that a scrape and the `/stats` of the same instant agree:
     vllm:prefix_cache_queries{model_name}     counter  prompt tokens looked up in the prefix cache
     vllm:prefix_cache_hits{model_name}        counter  of those, tokens whose KV was cached
 
+Adapter residency, under the names of vLLM's residency metrics (vllm-project/vllm pull
+requests #45411 and #54830, as read by llm-d-router's lora-load-state scorer, llm-d/llm-d-router
+#2792):
+
+    vllm:lora_adapter_loaded{adapter_name, level, pinned, rank}
+                                              gauge    1 per registered adapter: level "gpu"
+                                                       when every layer is on the device, "cpu"
+                                                       when only host memory holds it (a load
+                                                       still running included)
+    vllm:num_gpu_loaded_lora_adapters{model_name}   gauge   adapters at level "gpu"
+    vllm:num_cpu_loaded_lora_adapters{model_name}   gauge   adapters at level "cpu"
+    vllm:max_gpu_lora_adapters{model_name}          gauge   the device's adapter capacity
+                                                            (`/stats` max_device_adapters)
+    vllm:lora_adapter_load_seconds{model_name}      histogram  adapter loads, from the request
+                                                            that asked for it to its last layer
+                                                            on the device
+
+and our three states, which vLLM's two levels fold: `toppings:lora_adapter_state{adapter_name,
+state="device"|"loading"|"host", pinned, rank}` (1 per registered adapter). `pinned` is "true"
+while the adapter cannot leave the device (a request holds it, its load runs, or the LoRA mode
+keeps every adapter there). Every series comes from the `/stats` of the same scrape (its
+`adapters`, `num_*_adapters`, `max_device_adapters` and `adapter_load_seconds`).
+
 `running_lora_adapters` are the adapters "loaded in GPU memory and ready to serve" (the
 document's words): the resident ones, with those of the running requests;
 `waiting_lora_adapters` those of the queued requests; each sorted, comma-separated, "" for
@@ -37,11 +60,20 @@ import time
 from collections.abc import Iterator
 from typing import Protocol
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 
-from toppings.server.requests.stats_schema import RequestView, ServerStats
+from toppings.server.requests.stats_schema import RequestView, Residency, ServerStats
 
 PREFIX = "vllm:"
+OWN_PREFIX = "toppings:"
+LOADED_LABELS = ["adapter_name", "level", "pinned", "rank"]
+STATE_LABELS = ["adapter_name", "state", "pinned", "rank"]
+LEVELS = {Residency.DEVICE: "gpu", Residency.LOADING: "cpu", Residency.HOST: "cpu"}
 MODEL_LABEL = "model_name"
 LORA_INFO_LABELS = ["running_lora_adapters", "waiting_lora_adapters", "max_lora"]
 
@@ -116,3 +148,43 @@ class ProtocolCollector:
         waiting = adapter_list(stats.queue)
         lora.add_metric([running, waiting, str(self.max_lora)], time.time())
         yield lora
+        yield from residency_series(stats)
+
+
+def residency_series(stats: ServerStats) -> Iterator[Metric]:
+    """The adapter residency series of the module docstring, from one `/stats`."""
+    loaded = GaugeMetricFamily(PREFIX + "lora_adapter_loaded",
+                               "Registered adapters by level: gpu (on the device) or cpu (host "
+                               "memory only)", labels=LOADED_LABELS)  # fmt: skip
+    state = GaugeMetricFamily(OWN_PREFIX + "lora_adapter_state",
+                              "Registered adapters by state: device, loading or host",
+                              labels=STATE_LABELS)  # fmt: skip
+    for a in stats.adapters:
+        pinned, rank = str(a.pinned).lower(), str(a.rank)
+        loaded.add_metric([a.name, LEVELS[a.state], pinned, rank], 1)
+        state.add_metric([a.name, a.state.value, pinned, rank], 1)
+    yield loaded
+    yield state
+    model = [stats.model]
+    counts = (
+        ("num_gpu_loaded_lora_adapters", "Adapters with every layer on the device",
+         stats.num_device_adapters),
+        ("num_cpu_loaded_lora_adapters", "Adapters in host memory only (loads running included)",
+         stats.num_host_adapters + stats.num_loading_adapters),
+        ("max_gpu_lora_adapters", "Adapters of the registered ones' mean size the device's "
+         "adapter memory holds", stats.max_device_adapters),
+    )  # fmt: skip
+    for name, doc, value in counts:
+        family = GaugeMetricFamily(PREFIX + name, doc, labels=[MODEL_LABEL])
+        family.add_metric(model, value)
+        yield family
+    times = stats.adapter_load_seconds
+    if times:
+        buckets = [(repr(float(b)), c) for b, c in zip(times["bounds"], times["cumulative"],
+                                                        strict=True)]  # fmt: skip
+        buckets.append(("+Inf", times["count"]))
+        family = HistogramMetricFamily(PREFIX + "lora_adapter_load_seconds",
+                                       "Adapter loads: request to last layer on the device",
+                                       labels=[MODEL_LABEL])  # fmt: skip
+        family.add_metric(model, buckets, times["sum_s"])
+        yield family

@@ -19,12 +19,16 @@ the node's memory when adapters are charged to KV blocks, and in the CPU workers
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+from collections.abc import Mapping
 
 import torch
 
 from toppings.gpu_lora.adapter_pool import AdapterPool
+from toppings.gpu_lora.alora import activation_start, split_rows
 from toppings.gpu_lora.cache import AdapterCache, CacheEntry
+from toppings.gpu_lora.dora import BaseProjections, DoraScales, dora_scales
 from toppings.gpu_lora.host_lora import HostLora, HostLoraRunner
 from toppings.gpu_lora.host_memory import (
     DEFAULT_BUDGET_FRACTION,
@@ -41,7 +45,7 @@ from toppings.gpu_lora.peft_format import (
     inspect_peft_adapter,
     load_peft_adapter,
 )
-from toppings.gpu_lora.targets import LORA_TARGETS
+from toppings.gpu_lora.targets import ATTN_PROJECTIONS, LORA_TARGETS
 from toppings.gpu_lora.trace import TraceRecorder
 from toppings.server.config import LoraConfig
 from toppings.server.engine.adapter_registry import AdapterRegistry
@@ -85,12 +89,14 @@ class AdapterManager:
         dtype: torch.dtype,
         cache: AdapterCache,
         trace: TraceRecorder | None = None,
+        base: BaseProjections | None = None,
     ):
         """config: the LoRA part of the engine's configuration; kernel, device: the runtime's
         LoRA kernel and device; max_step_tokens: the most tokens one step computes (the CPU
         workers size their buffers for it); cache: the device adapter cache (with its pool and
         loader), built with the node's memory (server/memory/build.py); trace: each step's
-        host LoRA calls and layers go to it (None: no tracing)."""
+        host LoRA calls and layers go to it (None: no tracing); base: the base model's
+        projection weights, read when a DoRA adapter is opened (None: DoRA is refused)."""
         self.config = config
         self.max_step_tokens = max_step_tokens
         self.model_config = model_config
@@ -100,6 +106,10 @@ class AdapterManager:
         self._trace = trace
         self.registry: dict[str, LoraAdapter] = {}  # the registered adapters' tensors
         self.refs = AdapterRegistry()  # their references and in-flight requests
+        self.base = base
+        self.dtype = dtype
+        # DoRA adapters' scales on the device, by name (small: two [L, H_out] per module)
+        self._dora: dict[str, DoraScales] = {}
         self.cache = cache
         self.pool = cache.pool
         self.loader = cache.loader
@@ -155,7 +165,18 @@ class AdapterManager:
                 f"{self.max_lora_rank} (--max-lora-rank)"
             )
         self._check_room(name, shape)
-        return load_peft_adapter(path, self.model_config, name=name)
+        adapter = load_peft_adapter(path, self.model_config, name=name)
+        if adapter.is_dora:
+            adapter = dataclasses.replace(adapter, dora=self._dora_scales(adapter))
+        return adapter
+
+    def _dora_scales(self, adapter: LoraAdapter) -> DoraScales:
+        """The DoRA scales of `adapter`, from the base model's weights (read here, once)."""
+        if self.base is None:
+            raise AdapterError(f"adapter {adapter.name!r} is a DoRA adapter; this server was "
+                               "started without the base weights DoRA needs")  # fmt: skip
+        return dora_scales(adapter.name, adapter.scale, adapter.weights, adapter.magnitudes,
+                           self.base, self.model_config.num_layers)  # fmt: skip
 
     def _check_room(self, name: str, shape: AdapterShape) -> None:
         """507 when the adapter's charges exceed the whole memory it would be charged to."""
@@ -208,6 +229,8 @@ class AdapterManager:
                 adapter.weights[key] = (a.pin_memory(), b.pin_memory())
         self.registry[adapter.name] = adapter
         ref = AdapterRef.new(adapter.name, adapter.rank, self.cache.charge(adapter))
+        if adapter.dora is not None:
+            self._dora[adapter.name] = adapter.dora.to(self.pool.device, self.dtype)
         if self.mode.preload:
             # The ideal upper bound: every adapter on the device before any request, pinned.
             entry = self.cache.acquire(adapter)
@@ -242,6 +265,7 @@ class AdapterManager:
         if self.repository is not None and self.repository.lookup(name) is not None:
             self.repository.remove(name)
         del self.registry[name]
+        self._dora.pop(name, None)
         self.host_memory.release(name)
 
     # ---- per request and per step (the engine thread) -----------------------------------------
@@ -298,13 +322,39 @@ class AdapterManager:
         """Drop a request's reference taken by `acquire`."""
         self.cache.release(ref.name)
 
+    def lora_start(self, ref: AdapterRef | None, prompt_ids: list[int]) -> int:
+        """The first prompt position adapter `ref` applies to: 0, or for an activated LoRA
+        where the last occurrence of its invocation sequence starts (gpu_lora/alora.py). A
+        prompt without that sequence is a 400 naming it."""
+        name = ref.name if ref is not None else None
+        adapter = self.registry.get(name) if name is not None else None
+        if adapter is None or not adapter.invocation_tokens:
+            return 0
+        start = activation_start(prompt_ids, adapter.invocation_tokens)
+        if start is None:
+            raise RequestError(
+                f"adapter {name!r} is an activated LoRA: the prompt must contain its invocation "
+                f"sequence, token ids {list(adapter.invocation_tokens)} (alora_invocation_tokens)"
+            )
+        return start
+
     def step(
-        self, entries: list[CacheEntry | None], seg_starts: list[int], is_prefill: bool
+        self,
+        entries: list[CacheEntry | None],
+        seg_starts: list[int],
+        is_prefill: bool,
+        positions: list[int] | None = None,
+        lora_starts: list[int] | None = None,
     ) -> LoraBatch | None:
         """The LoRA side of one forward pass over B requests (None: no request has an adapter).
 
-        entries: each request's cache entry (None: base model); seg_starts: B + 1 token offsets.
+        entries: each request's cache entry (None: base model); seg_starts: B + 1 token offsets;
+        positions: each request's first position in this step; lora_starts: where each one's
+        adapter starts to apply (`lora_start`; None: everywhere). A prefill's rows before that
+        get no delta (a decode's row always comes after it).
         """
+        if is_prefill and lora_starts is not None and any(lora_starts):
+            entries, seg_starts = split_rows(entries, seg_starts, positions, lora_starts)
         if not any(entries):
             return None
         return LoraBatch(
@@ -314,10 +364,16 @@ class AdapterManager:
             seg_starts,
             is_prefill,
             tickets=[e.ticket if e else None for e in entries],
+            dora=[self._dora.get(e.resident.name) if e else None for e in entries],
             host=self.host,
             host_stats=self.host_stats,
             trace=self._trace,
         )
+
+    def has_dora(self, entries: list[CacheEntry | None]) -> bool:
+        """Whether any of these requests' adapters is a DoRA adapter (decode graphs do not
+        apply DoRA's scales: such a step runs eagerly)."""
+        return any(e is not None and e.resident.name in self._dora for e in entries)
 
     def wait_for_loads(self, entries: list[CacheEntry | None]) -> None:
         """Under a mode that stalls for loads (on-demand-sync), wait until every one of a
@@ -338,6 +394,20 @@ class AdapterManager:
         entries = list(self.cache.entries.items())
         resident = [n for n, e in entries if e.ticket.done]
         return resident, [n for n, e in entries if not e.ticket.done]
+
+    def max_device_adapters(self) -> int:
+        """How many adapters of the registered ones' mean charge the device's adapter memory
+        holds when it holds nothing else: every registered one when that memory has no limit;
+        adapters of the rank limit on every target when none is registered."""
+        limit = self.cache.max_adapter_bytes()
+        adapters = list(self.registry.values())
+        if limit is None:
+            return len(adapters)
+        if adapters:
+            mean = sum(self.cache.charge(a) for a in adapters) / len(adapters)
+        else:
+            mean = self.pool.bytes_for(self.max_lora_rank, LORA_TARGETS)
+        return int(limit // mean) if mean > 0 else 0
 
     def references(self) -> int:
         """References held by queued and running requests (and cached mode's pins)."""
@@ -360,3 +430,16 @@ class AdapterManager:
 def _names(refs: frozenset[AdapterRef]) -> frozenset[str]:
     """The names the device cache knows these adapters by."""
     return frozenset(r.name for r in refs)
+
+
+class CheckpointProjections:
+    """`BaseProjections` over a checkpoint's tensors by Hugging Face name (server.model.weights:
+    each read from its file when asked for), for DoRA's scales."""
+
+    def __init__(self, weights: Mapping[str, torch.Tensor]):
+        self.weights = weights
+
+    def projection(self, layer: int, module: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        parent = "self_attn" if module in ATTN_PROJECTIONS else "mlp"
+        prefix = f"model.layers.{layer}.{parent}.{module}."
+        return self.weights[prefix + "weight"], self.weights.get(prefix + "bias")

@@ -13,7 +13,7 @@ import torch
 from toppings.gpu_lora.trace import TraceRecorder
 from toppings.server import native
 from toppings.server.config import EngineConfig, LoraConfig, MemoryConfig, SchedulingConfig
-from toppings.server.engine.adapters import AdapterManager
+from toppings.server.engine.adapters import AdapterManager, CheckpointProjections
 from toppings.server.engine.grammar import GrammarCompiler
 from toppings.server.engine.model_runner import ModelRunner
 from toppings.server.memory.build import build_memory
@@ -86,7 +86,7 @@ def compose_engine(
     # The only LoRA object the engine uses.
     lora = AdapterManager(
         lora_config, config.kernel, config.device, max_step_tokens,
-        mc, dtype, memory.adapter_cache, trace,
+        mc, dtype, memory.adapter_cache, trace, CheckpointProjections(checkpoint.weights),
     )  # fmt: skip
     # Stop tokens: config.json's, the tokenizer's, and generation_config.json's list (where
     # chat checkpoints name their end of turn: Llama 3's <|eot_id|>, Qwen's <|im_end|>).

@@ -162,8 +162,11 @@ class Engine:
         try:
             for request in requests:
                 self._check(request)
+            lora_starts = [self.lora.lora_start(r.adapter, r.prompt_ids) for r in requests]
             seqs = [Sequence(r, RequestHandle(r, self.abort), self.tokenizer, time.monotonic())
                     for r in requests]  # fmt: skip
+            for seq, lora_start in zip(seqs, lora_starts, strict=True):
+                seq.lora_start = lora_start
         except BaseException:
             for ref in refs:
                 self.adapter_refs.release(ref)

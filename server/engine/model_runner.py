@@ -137,6 +137,8 @@ class ModelRunner:
         (then the step runs eagerly)."""
         seqs = plan.seqs
         entries = [s.cache_entry for s in seqs]
+        if self.lora.has_dora(entries):
+            return None  # the graphs' LoRA does not scale DoRA rows
         adapters = [e.resident if e else None for e in entries]
         loading = any(e is not None and not e.ticket.done for e in entries)
         ids = [s.output_ids[-1] for s in seqs]
@@ -185,7 +187,13 @@ class ModelRunner:
             kv_index=kv_index,
             kv_lengths=kv_lengths,
             past_slots=past,
-            lora=self.lora.step([s.cache_entry for s in seqs], seg_starts, is_prefill),
+            lora=self.lora.step(
+                [s.cache_entry for s in seqs],
+                seg_starts,
+                is_prefill,
+                list(plan.starts),
+                [s.lora_start for s in seqs],
+            ),  # fmt: skip
             logit_rows=None if not any(scores) else torch.tensor(rows, device=device),
         )
         logits = self.model.forward(batch, kv)  # [R, V]

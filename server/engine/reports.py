@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+from toppings.gpu_lora.cache import EntryState
 from toppings.server.config import EngineConfig
 from toppings.server.engine.adapters import AdapterManager
 from toppings.server.memory.kv_cache import KVPool
@@ -14,6 +15,7 @@ from toppings.server.memory.manager import MemoryManager
 from toppings.server.requests.stats_schema import (
     AdapterView,
     EngineCounters,
+    Residency,
     ServerStats,
     WorkerView,
 )
@@ -96,8 +98,11 @@ def stats(engine: Reported) -> ServerStats:
     """What the cluster scheduler needs; cheap, no lock (snapshots of the lists)."""
     lora, sched, config = engine.lora, engine.scheduler, engine.config
     registry = lora.registry
-    resident, loading = lora.residency()  # one read of the cache entries
-    is_resident = set(resident)
+    states = lora.cache.entry_states()  # one read of the cache entries
+    resident = [n for n, s in states.items() if s.on_device]
+    loading = [n for n, s in states.items() if not s.on_device]  # a failed load too, as before
+    adapters = tuple(adapter_view(n, a.rank, states.get(n)) for n, a in list(registry.items()))
+    by_state = {r: sum(a.state is r for a in adapters) for r in Residency}
     return ServerStats(
         model=engine.model_name,
         kernel=config.kernel,
@@ -105,7 +110,7 @@ def stats(engine: Reported) -> ServerStats:
         lora_mode=config.lora_mode,
         running=tuple(s.describe() for s in list(sched.running)),
         queue=tuple(s.describe() for s in sched.queue),
-        adapters=tuple(AdapterView(n, a.rank, n in is_resident) for n, a in list(registry.items())),
+        adapters=adapters,
         free_kv_tokens=engine.memory.free_tokens(),
         max_total_tokens=engine.kv.num_slots,
         memory=engine.memory.view(),
@@ -115,4 +120,19 @@ def stats(engine: Reported) -> ServerStats:
         loading_adapters=tuple(loading),
         queueing=sched.queue.view(),
         adapter_host_memory=lora.host_memory.view(),
+        num_device_adapters=by_state[Residency.DEVICE],
+        num_loading_adapters=by_state[Residency.LOADING],
+        num_host_adapters=by_state[Residency.HOST],
+        max_device_adapters=lora.max_device_adapters(),
+        adapter_load_seconds=lora.loader.load_times.view().to_json(),
     )
+
+
+def adapter_view(name: str, rank: int, state: EntryState | None) -> AdapterView:
+    """One registered adapter's residency, from its cache entry (None: host memory only)."""
+    if state is None:
+        return AdapterView(name, rank, False)
+    where = Residency.DEVICE if state.on_device else Residency.HOST
+    if state.loading:
+        where = Residency.LOADING
+    return AdapterView(name, rank, state.on_device, where, state.pinned)

@@ -121,6 +121,8 @@ class MemoryManager:
         recomputing them."""
         if self.tree is None or seq.request.params.prompt_logprobs is not None:
             return []
+        if seq.lora_start:  # an activated LoRA's KV depends on where its prompt activates it
+            return []
         ids = seq.request.prompt_ids
         path = self.tree.match(seq.request.adapter, ids, (len(ids) - 1) // self.kv.block_tokens)
         if self.swap is not None and not self.swap.copy_beats_recompute():

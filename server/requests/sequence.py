@@ -37,6 +37,9 @@ class Sequence:
         # prompt is prefilled once this reaches prompt_len (chunked prefill spreads it over steps).
         self.num_prefilled = 0
         self.cache_entry = None  # gpu_lora.cache.CacheEntry while it holds a reference
+        # The first prompt position its adapter applies to: 0, or past an activated LoRA's
+        # invocation (set by the engine at submission, server/engine/adapters.py lora_start).
+        self.lora_start = 0
         self.finished = False
         self._tokenizer = tokenizer
         self._stream = TextStream(tokenizer, request.params.stop)

@@ -6,17 +6,23 @@ parser. Imports nothing else of the server, so the scheduler may import it.
 
     {"model": str, "kernel": "bgmv"|"mbgmv", "device": str, "lora_mode": str,
      "running": [REQ], "queue": [REQ],
-     "adapters": [{"name": str, "rank": int, "resident": bool}],
+     "adapters": [{"name": str, "rank": int, "resident": bool,
+                   "state": "device"|"loading"|"host", "pinned": bool}],
      "free_kv_tokens": int, "max_total_tokens": int,
      "cpu_workers": [{"pid": int, "core": int, "alive": bool, "restarts": int}],
      "healthy": bool, "resident_adapters": [str], "loading_adapters": [str],
      "draining": bool, "num_in_flight": int, "max_concurrent_requests": int,
+     "num_device_adapters": int, "num_loading_adapters": int, "num_host_adapters": int,
+     "max_device_adapters": int, "adapter_load_seconds": LOAD_TIMES,
      "queueing": QUEUEING, "memory": MEMORY}
     REQ = {"id": str, "adapter": str|null, "rank": int, "prompt_tokens": int,
            "output_tokens": int, "max_new_tokens": int}
     QUEUEING = {"policy": "fcfs"|"chameleon", "queue_lengths": [int], and for chameleon
                 "cutoffs": [float], "quotas": [int], "bypasses": int, "squashes": int,
                 "reserved": int, "backfilled": int, ...}
+    LOAD_TIMES = {"bounds": [float], "cumulative": [int], "sum_s": float, "count": int}
+                 (adapter loads, submission to last layer on the device: how many took at most
+                 each bound in seconds; "count" all of them)
     MEMORY = {"layout": "pool"|"static", "block_tokens": int, "block_bytes": int,
               "blocks": {"total", "free", "kv_in_use", "kv_cached", "adapters_in_use",
                          "adapters_cached": int}, "host_blocks": {"total", "used": int},
@@ -28,8 +34,18 @@ parser. Imports nothing else of the server, so the scheduler may import it.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
+from enum import Enum
 from typing import Any
+
+
+class Residency(str, Enum):
+    """Where a registered adapter is: every layer on the device, on its way there, or in host
+    memory only (every registered adapter is in host memory)."""
+
+    DEVICE = "device"
+    LOADING = "loading"
+    HOST = "host"
 
 
 @dataclass(frozen=True)
@@ -46,11 +62,18 @@ class RequestView:
 
 @dataclass(frozen=True)
 class AdapterView:
-    """One registered adapter; resident: every layer is on the device."""
+    """One registered adapter; resident: every layer is on the device (state DEVICE); pinned:
+    it cannot leave the device now (a request holds it, its load is running, or the LoRA mode
+    keeps every adapter there). A server older than `state` reports HOST for all."""
 
     name: str
     rank: int
     resident: bool
+    state: Residency = Residency.HOST
+    pinned: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "state", Residency(self.state))  # from JSON: a str
 
 
 @dataclass(frozen=True)
@@ -83,6 +106,13 @@ class ServerStats:
     draining: bool = False
     num_in_flight: int = 0  # generation requests the HTTP front end holds (running or queued)
     max_concurrent_requests: int = 0  # the front end's limit (429 past it); 0: not reported
+    # Registered adapters by Residency (they sum to len(adapters)), and how many adapters of the
+    # registered ones' mean size the device's adapter memory holds when it holds nothing else.
+    num_device_adapters: int = 0
+    num_loading_adapters: int = 0
+    num_host_adapters: int = 0
+    max_device_adapters: int = 0
+    adapter_load_seconds: dict[str, Any] = field(default_factory=dict)  # LOAD_TIMES
     queueing: dict[str, Any] = field(default_factory=dict)  # the queue policy's view
     memory: dict[str, Any] = field(default_factory=dict)  # pool blocks by kind, counters
     # host bytes charged to adapters: budget_bytes, charged_bytes, copies, names
@@ -114,7 +144,7 @@ class ServerStats:
             view = _NESTED.get(name)
             if view is not None:
                 value = tuple(view(**_exact(view, item)) for item in value)
-            elif name.endswith("_adapters"):
+            elif name in _NAME_LISTS:
                 value = tuple(str(v) for v in value)
             args[name] = value
         extra = {k: v for k, v in body.items() if k not in known}
@@ -151,12 +181,18 @@ class EngineCounters:
     step_budget_tokens: int | None = None
 
 
+_NAME_LISTS = ("resident_adapters", "loading_adapters")
 _NESTED = {"running": RequestView, "queue": RequestView, "adapters": AdapterView,
            "cpu_workers": WorkerView}  # fmt: skip
 
 
 def _exact(view: type, item: dict[str, Any]) -> dict[str, Any]:
-    """The fields of `view` from one JSON object (unknown keys dropped, missing ones raise)."""
+    """The fields of `view` from one JSON object (unknown keys dropped, missing ones raise
+    unless the field has a default: an older server)."""
     if not isinstance(item, dict):
         raise TypeError(f"expected an object for {view.__name__}, got {type(item).__name__}")
-    return {f.name: item[f.name] for f in fields(view)}
+    return {
+        f.name: item[f.name]
+        for f in fields(view)
+        if f.name in item or (f.default is MISSING and f.default_factory is MISSING)
+    }

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from toppings.scheduler.paper_models import paper_fig6_models
@@ -197,3 +199,33 @@ def test_routed_count_spreads_a_burst(name, kernel, num_requests, expected):
 def test_unknown_policy_name():
     with pytest.raises(ValueError, match="unknown policy"):
         make_policy("round-robin", paper_fig6_models(), 50.0)
+
+
+@pytest.mark.parametrize("running", [[], [8, 16]])
+@pytest.mark.parametrize("name", ["rank-aware", "loraserve"])
+def test_rank_aware_prefers_the_server_with_the_adapter_on_its_device(name, running):
+    """At equal load, the only server holding the adapter on its device wins over one holding
+    it in host memory, and one where it is loading over one where it is in host memory, in
+    either server order; the base model's requests see no difference."""
+    policy = make_policy(name, paper_fig6_models(), slo_ms=1000.0)
+    adapters = frozenset({"a", "b"})
+    host = server("host", running, adapters=adapters)
+    device = replace(server("device", running, adapters=adapters),
+                     device_adapters=frozenset({"a"}))  # fmt: skip
+    loading = replace(server("loading", running, adapters=adapters),
+                      loading_adapters=frozenset({"a"}))  # fmt: skip
+    request = RouteRequest(adapter="a", rank=8, prompt_tokens=PROMPT, max_new_tokens=16)
+    assert policy.order(request, [host, device]) == [1, 0]
+    assert policy.order(request, [device, host]) == [0, 1]
+    assert policy.order(request, [host, loading, device]) == [2, 1, 0]
+    base = RouteRequest(adapter=None, rank=0, prompt_tokens=PROMPT, max_new_tokens=16)
+    assert policy.order(base, [host, device]) == [0, 1]  # server order, as before
+
+
+def test_residency_does_not_outweigh_load():
+    """A server with the adapter on its device but a heavier batch loses to a lighter one."""
+    policy = make_policy("rank-aware", models(1 / 256, 30.0, 0.6 / 256, 30.0), slo_ms=1000.0)
+    light = server("light", [8])
+    heavy = replace(server("heavy", [64] * 8), device_adapters=frozenset({"a"}))
+    request = RouteRequest(adapter="a", rank=8, prompt_tokens=PROMPT, max_new_tokens=16)
+    assert policy.choose(request, [heavy, light]) == 1
