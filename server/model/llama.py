@@ -187,7 +187,9 @@ class LlamaModel:
                     o=proj(names(attn, ("o_proj",)), bias(attn, ("o_proj",), config.o_bias)),
                     post_norm=w(p + "post_attention_layernorm.weight"),
                     gate_up=proj(names(mlp, gate_up), bias(mlp, gate_up, config.mlp_bias)),
-                    down=proj(names(mlp, ("down_proj",)), bias(mlp, ("down_proj",), config.mlp_bias)),
+                    down=proj(
+                        names(mlp, ("down_proj",)), bias(mlp, ("down_proj",), config.mlp_bias)
+                    ),
                     q_norm=w(attn + "q_norm.weight") if config.has_qk_norm else None,
                     k_norm=w(attn + "k_norm.weight") if config.has_qk_norm else None,
                 )

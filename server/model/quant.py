@@ -106,7 +106,8 @@ def concat(weights: list[QuantizedWeight]) -> QuantizedWeight:
     first = weights[0]
     if isinstance(first, Int8Weight):
         return Int8Weight(torch.cat([w.q for w in weights]), torch.cat([w.scales for w in weights]))
-    return Int4Weight(*(torch.cat([getattr(w, f) for w in weights]) for f in ("q", "scales", "zeros")))
+    fields = ("q", "scales", "zeros")
+    return Int4Weight(*(torch.cat([getattr(w, f) for w in weights]) for f in fields))
 
 
 def _check_int4_shape(out_features: int, in_features: int) -> None:

@@ -22,7 +22,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
 from safetensors.torch import load_file, save_file
 
 from tests.helpers import running_engine
