@@ -112,8 +112,8 @@ def load_checkpoint(
         elif gguf is not None and quantization is Quantization.INT8:
             log.info(
                 "int8 from %s: every projection requantized per output channel from the "
-                "converted float32 weights (a round trip: Q8_0's per-32 scales do not fit a "
-                "per-channel kernel)",
+                "converted float32 weights (a round trip through float: GGUF blocks scale "
+                "groups of 32, the int8 kernel takes one scale per channel)",
                 gguf.name,
             )
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

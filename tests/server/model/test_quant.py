@@ -58,7 +58,7 @@ def test_int4_groups_of_32_min_max():
 
 @pytest.mark.parametrize("scheme", [Quantization.INT8, Quantization.INT4])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("rows", [1, 3, 17])
+@pytest.mark.parametrize("rows", [1, 2, 3, 16, 17])
 def test_quantized_linear_equals_f_linear_on_the_dequantized_weight(scheme, dtype, rows):
     gen = torch.Generator().manual_seed(2)
     w, bias = torch.randn(80, 576, generator=gen), torch.randn(80, generator=gen)
@@ -84,10 +84,26 @@ def test_concat_stacks_output_channels(scheme):
 
 
 def test_int4_refuses_a_shape_in_one_line():
-    with pytest.raises(QuantizationError, match=r"groups of 32.*\[48, 40\]"):
+    with pytest.raises(QuantizationError, match=r"groups of 32; \[48, 40\] has 40"):
         quantize_int4(torch.randn(48, 40))
-    with pytest.raises(QuantizationError, match="multiples of 16"):
-        QuantizedLinear(quantize_int4(torch.randn(40, 64)[:40]), torch.float32)
+
+
+@pytest.mark.parametrize("scheme", [Quantization.INT8, Quantization.INT4])
+def test_prefill_rows_dequantize_in_slices(scheme, monkeypatch):
+    """Past kernel_max_rows the weight is dequantized DEQUANT_ROWS channels at a time (here 64,
+    over 200 channels: 4 slices, the last one short); both paths give F.linear's product."""
+    from toppings.server.model import quant
+
+    monkeypatch.setattr(quant, "DEQUANT_ROWS", 64)
+    gen = torch.Generator().manual_seed(4)
+    w, x = torch.randn(200, 96, generator=gen), torch.randn(9, 96, generator=gen)
+    q = quantize(w, scheme)
+    linear = QuantizedLinear(q, torch.float32)
+    assert linear.max_kernel_rows < 9
+    want = F.linear(x, q.dequantize())
+    assert torch.allclose(linear(x), want, rtol=1e-5, atol=1e-5)  # dequantized
+    assert torch.allclose(linear(x[:1]), want[:1], rtol=1e-5, atol=1e-5)  # the kernel
+    assert torch.equal(linear.dequantize_rows(128, 200), q.dequantize()[128:200])
 
 
 def test_quantization_is_cpu_only_and_refused_before_loading():
