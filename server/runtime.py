@@ -29,7 +29,10 @@ def build_engine(
     checkpoint = load_checkpoint(model, config.load_format, quantization=config.quantization_scheme)
     if config.dtype == "auto":
         mc = checkpoint.config
-        dtype, why = choose_dtype(config.device, mc.hidden_size, mc.intermediate_size)
+        dtype, why = choose_dtype(
+            config.device, mc.hidden_size, mc.intermediate_size,
+            quantization=config.quantization_scheme,
+        )  # fmt: skip
         log.info("dtype auto: %s (%s)", dtype, why)
         config = dataclasses.replace(config, dtype=dtype)
     engine = Engine(config, checkpoint, trace, step_model)
