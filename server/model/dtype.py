@@ -7,8 +7,9 @@ this project's VMs: a 2-core Intel Xeon with avx512_bf16 ran the engine faster i
 choice is measured once at start-up: the model's largest projections (gate/up, [I, H]) through
 the same packed linear the engine uses (server.linear), at a decode batch and a prefill chunk,
 in both dtypes, alternating; bfloat16 wins only when it takes under `MARGIN` of float32's time.
-With `--quantization int8/int4` the timed projection is the quantized one (server.model.quant):
-torch's packed kernels run far faster with bfloat16 activations than with float32 ones.
+With `--quantization int8/int4` the timed projection is the quantized one (server.model.quant),
+at decode rows (QUANTIZED_ROWS): torch's packed kernels run far faster with bfloat16 activations
+than with float32 ones.
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ from toppings.server.model.quant import QuantizedLinear, quantize
 
 NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 ROWS = (16, 128)  # a decode step's batch and a prefill chunk
+# Quantized: one stream's decode and a batch's; a prefill multiplies by the dequantized float32
+# weight in either dtype (server.model.quant), so it does not tell them apart.
+QUANTIZED_ROWS = (1, 16)
 ROUNDS = 5
 MARGIN = 0.9  # bfloat16 must be at least 10% faster: the rest of a step gains less
 
@@ -50,11 +54,13 @@ def projections(
     input x [rows, H] per row count."""
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(intermediate, hidden, generator=gen)
+    rows_timed = ROWS
     if quantization is Quantization.NONE:
         linear: Linear | QuantizedLinear = Linear(weight.to(dtype))
     else:
         linear = QuantizedLinear(quantize(weight, quantization), dtype)
-    inputs = [torch.randn(rows, hidden, generator=gen).to(dtype) for rows in ROWS]
+        rows_timed = QUANTIZED_ROWS
+    inputs = [torch.randn(rows, hidden, generator=gen).to(dtype) for rows in rows_timed]
     for x in inputs:
         linear(x)  # warm-up: oneDNN picks its kernel on the first call
     return linear, inputs

@@ -120,17 +120,20 @@ def _check_int4_shape(out_features: int, in_features: int) -> None:
         )
 
 
-def kernel_max_rows(dtype: torch.dtype) -> int:
-    """The most rows a product runs through torch's packed kernel in `dtype`; more rows
-    dequantize the weight (float32, DEQUANT_ROWS channels at a time) and multiply in float32.
+def kernel_max_rows(dtype: torch.dtype, scheme: Quantization) -> int:
+    """The most rows a product runs through torch's packed kernel; more rows multiply by the
+    weight dequantized to float32 (DEQUANT_ROWS channels at a time).
 
-    The kernels multiply row after row, each row streaming the whole weight: measured on this
-    project's 2-core AMD EPYC (shared, 2 threads), a [3072, 576] int8 product at 1 / 4 / 16 rows
-    took 0.78 / 3.0 / 60 ms in float32 (the float32 kernel is not vectorized) against 1.7 /
-    2.1 / 2.4 ms dequantized, while bfloat16's kernel stayed near bfloat16's own product up
-    to 16 rows and fell to half its speed at 128.
+    The kernels multiply row after row, each row streaming the whole weight, and only their
+    bfloat16 path is vectorized. Measured on this project's 2-core AMD EPYC (shared, one
+    thread), a [3072, 576] product at 1 / 8 / 32 rows: bfloat16 int8 kernel 0.12 / 0.42 / 1.68
+    ms against 0.55 / 1.00 / 1.96 dequantized, int4 0.14 / 0.39 / 1.38 against 2.7 / 6.5 / 8.3;
+    float32 int8 kernel 1.48 ms at one row against 0.42 dequantized, int4 3.0 against 7.0 at
+    one row and 10.5 against 2.9 at two.
     """
-    return 16 if dtype == torch.bfloat16 else 2
+    if dtype == torch.bfloat16:
+        return 32
+    return 1 if scheme is Quantization.INT4 else 0
 
 
 DEQUANT_ROWS = 4096  # output channels dequantized at a time past kernel_max_rows: bounded memory
@@ -141,10 +144,10 @@ class QuantizedLinear:
     """y = x @ W.T (+ b) for a weight-only int8 or int4 W [out, in]; x [T, in] float32,
     bfloat16 or float16 (the `dtype` given) -> y [T, out] in that dtype.
 
-    Up to `kernel_max_rows(dtype)` rows (decode) go through torch's packed kernel, which reads
-    the quantized weight only; a prefill's rows multiply by the weight dequantized to float32,
-    DEQUANT_ROWS output channels at a time. Both multiply by the same values (the scales as
-    kept in `dtype`) and accumulate in float32.
+    Up to `kernel_max_rows(dtype, scheme)` rows (bfloat16 decode) go through torch's packed
+    kernel, which reads the quantized weight only; more rows (prefill, and float32 models)
+    multiply by the weight dequantized to float32, DEQUANT_ROWS output channels at a time.
+    Both multiply by the same values (the scales as kept in `dtype`) and accumulate in float32.
     """
 
     def __init__(
@@ -157,7 +160,8 @@ class QuantizedLinear:
             raise ValueError(f"bias {tuple(bias.shape)} does not fit a weight of {weight.q.shape}")
         self.bias = bias
         self.dtype = dtype
-        self.max_kernel_rows = kernel_max_rows(dtype)
+        scheme = Quantization.INT8 if isinstance(weight, Int8Weight) else Quantization.INT4
+        self.max_kernel_rows = kernel_max_rows(dtype, scheme)
         if isinstance(weight, Int8Weight):
             self.scheme = Quantization.INT8
             self._q = weight.q.contiguous()  # [out, in] int8

@@ -58,13 +58,18 @@ def test_int4_groups_of_32_min_max():
 
 @pytest.mark.parametrize("scheme", [Quantization.INT8, Quantization.INT4])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("rows", [1, 2, 3, 16, 17])
-def test_quantized_linear_equals_f_linear_on_the_dequantized_weight(scheme, dtype, rows):
+@pytest.mark.parametrize("rows", [1, 2, 3, 17, 33])
+@pytest.mark.parametrize("path", ["kernel", "dequantized", "chosen"])
+def test_quantized_linear_equals_f_linear_on_the_dequantized_weight(scheme, dtype, rows, path):
+    """Each path (torch's packed kernel, the dequantized product, and the one chosen for the
+    rows) gives F.linear's product on the dequantized weight."""
     gen = torch.Generator().manual_seed(2)
     w, bias = torch.randn(80, 576, generator=gen), torch.randn(80, generator=gen)
     x = torch.randn(rows, 576, generator=gen).to(dtype)
     q = quantize(w, scheme)
     linear = QuantizedLinear(q, dtype, bias.to(dtype))
+    if path != "chosen":
+        linear.max_kernel_rows = rows if path == "kernel" else 0
     got = linear(x)
     want = F.linear(x.float(), q.dequantize(dtype), bias.to(dtype).float())
     assert got.dtype == dtype and got.shape == (rows, 80)

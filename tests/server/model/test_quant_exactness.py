@@ -148,15 +148,19 @@ def test_the_quantized_model_is_not_the_float_model(checkpoints, scheme):
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
-def test_one_stream_through_the_packed_kernel_matches_peft(checkpoints, scheme):
-    """One request at a time (decode steps of one row, where the packed kernel runs rather than
-    the dequantized product of batches), base and adapter rows alike."""
+def test_one_stream_through_the_packed_kernel_matches_peft(checkpoints, scheme, monkeypatch):
+    """One request at a time, each decode step's one row through torch's packed kernel (float32
+    int8 runs every row dequantized unless told otherwise: quant.kernel_max_rows), base and
+    adapter rows alike."""
+    from toppings.server.model import quant
+
+    monkeypatch.setattr(quant, "kernel_max_rows", lambda dtype, scheme: 1)
     model_dir, ref_dir, adapters = checkpoints("llama3", scheme)
     scored = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True,
                             logprobs=TOP, prompt_logprobs=TOP)  # fmt: skip
     prompts = first_turn_prompts(256)[:3] + first_turn_prompts(256)[-1:]  # a3, a5, a7rs, base
     with running_engine(model_dir, adapters, quantization=scheme, max_total_tokens=4096) as engine:
-        assert engine.model.layers[0].gate_up.max_kernel_rows >= 1
+        assert engine.model.layers[0].gate_up.max_kernel_rows == 1
         results = [run(engine, [p], scored)[0] for p in prompts]
     check_against_reference(ref_dir, adapters, prompts, results)
     for (prompt, a), out in zip(prompts, results):
