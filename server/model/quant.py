@@ -129,10 +129,11 @@ def kernel_max_rows(dtype: torch.dtype, scheme: Quantization) -> int:
     thread), a [3072, 576] product at 1 / 8 / 32 rows: bfloat16 int8 kernel 0.12 / 0.42 / 1.68
     ms against 0.55 / 1.00 / 1.96 dequantized, int4 0.14 / 0.39 / 1.38 against 2.7 / 6.5 / 8.3;
     float32 int8 kernel 1.48 ms at one row against 0.42 dequantized, int4 3.0 against 7.0 at
-    one row and 10.5 against 2.9 at two.
+    one row and 10.5 against 2.9 at two; bfloat16 int4 at 64 / 256 rows 2.8 / 36 ms against
+    14 / 54 dequantized (unpacking the kernel's int4 layout is the slow part).
     """
-    if dtype == torch.bfloat16:
-        return 32
+    if dtype == torch.bfloat16:  # int4 dequantizes slowly (unpacking the kernel's layout)
+        return 32 if scheme is Quantization.INT8 else 256
     return 1 if scheme is Quantization.INT4 else 0
 
 
