@@ -58,6 +58,17 @@ class LoadFormat(enum.Enum):
 LOAD_FORMATS = tuple(f.value for f in LoadFormat)
 
 
+class Quantization(enum.Enum):
+    """How the base model's projections hold their weights (server.model.quant)."""
+
+    NONE = "none"  # in the activation dtype (--dtype)
+    INT8 = "int8"  # weight-only int8, one symmetric scale per output channel
+    INT4 = "int4"  # weight-only int4, groups of 32 inputs with a scale and a zero each
+
+
+QUANTIZATIONS = tuple(q.value for q in Quantization)
+
+
 @dataclass(frozen=True)
 class RuntimeConfig(Settings):
     """Where and how the model runs."""
@@ -82,6 +93,17 @@ class RuntimeConfig(Settings):
             "auto/safetensors: the checkpoint's safetensors (one file, or the shards of "
             "model.safetensors.index.json); dummy: random weights of the checkpoint's shapes "
             "from its config.json alone, for benchmarks"
+        ),
+    )
+    quantization: str = setting(
+        "none",
+        choices=QUANTIZATIONS,
+        flag=Flag(
+            "weight-only quantization of the base model's projections (q/k/v/o/gate/up/down and "
+            "lm_head; embeddings and norms stay in --dtype, LoRA runs in --dtype): int8, one "
+            "scale per output channel; int4, groups of 32 inputs (lm_head int8); from the "
+            "checkpoint's float weights at load, or a GGUF's Q8_0 / Q4_0 / Q4_1 blocks. "
+            "--device cpu only",
         ),
     )
     # Decode steps replay CUDA graphs; None: on for cuda.
@@ -111,6 +133,16 @@ class RuntimeConfig(Settings):
     def check(self) -> None:
         if self.cuda_graphs and self.device != "cuda":
             raise ValueError("cuda_graphs needs device cuda (a CPU has no graphs to capture)")
+        if self.quantization != Quantization.NONE.value and self.device != "cpu":
+            raise ValueError(
+                f"quantization {self.quantization} runs on device cpu only (torch's packed "
+                "int8/int4 CPU kernels); use quantization none on cuda"
+            )
+
+    @property
+    def quantization_scheme(self) -> Quantization:
+        """The quantization as its Enum."""
+        return Quantization(self.quantization)
 
     @property
     def use_cuda_graphs(self) -> bool:

@@ -26,10 +26,13 @@ def build_engine(
     resolved here, for the model's own shapes: server.model.dtype; `trace`, `step_model`: see
     Engine). Raises CheckpointError for weights files that cannot be loaded, before any model
     is built."""
-    checkpoint = load_checkpoint(model, config.load_format)
+    checkpoint = load_checkpoint(model, config.load_format, quantization=config.quantization_scheme)
     if config.dtype == "auto":
         mc = checkpoint.config
-        dtype, why = choose_dtype(config.device, mc.hidden_size, mc.intermediate_size)
+        dtype, why = choose_dtype(
+            config.device, mc.hidden_size, mc.intermediate_size,
+            quantization=config.quantization_scheme,
+        )  # fmt: skip
         log.info("dtype auto: %s (%s)", dtype, why)
         config = dataclasses.replace(config, dtype=dtype)
     engine = Engine(config, checkpoint, trace, step_model)
@@ -38,10 +41,11 @@ def build_engine(
     engine.start()
     num_adapters = len(engine.adapters())
     log.info(
-        "engine ready: %s on %s (%s), %d adapter%s",
+        "engine ready: %s on %s (%s, base weights %s), %d adapter%s",
         engine.model_name,
         config.device,
         config.dtype,
+        "float" if config.quantization == "none" else config.quantization,
         num_adapters,
         "" if num_adapters == 1 else "s",
     )

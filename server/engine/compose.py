@@ -62,7 +62,10 @@ def compose_engine(
     dtype = getattr(torch, config.dtype)
     if config.device == "cpu":
         native.keep_freed_memory()
-    model = LlamaModel(mc, checkpoint.weights, dtype, config.device, max_model_len)
+    model = LlamaModel(
+        mc, checkpoint.weights, dtype, config.device, max_model_len,
+        quantization=config.quantization_scheme,
+    )  # fmt: skip
     lora_config, sched_config = config.part(LoraConfig), config.part(SchedulingConfig)
     # KV pool, prefix tree, host tier and adapter cache: one owner of device memory.
     memory = build_memory(

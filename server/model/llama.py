@@ -14,12 +14,14 @@ from dataclasses import dataclass
 
 import torch
 
+from toppings.server.config import Quantization
 from toppings.server.memory.kv_cache import KVPool
 from toppings.server.model.attention import decode_attention, plan_prefill, prefill_attention
 from toppings.server.model.config import ModelConfig
 from toppings.server.model.family import RopeType
 from toppings.server.model.fused import add_rms_norm, rms_norm_heads_, rope_, silu_mul
 from toppings.server.model.linear import Linear, plain_copy_affordable
+from toppings.server.model.quant import QuantizedLinear, concat, quantize
 
 log = logging.getLogger(__name__)
 
@@ -44,14 +46,17 @@ class ForwardBatch:
     logit_rows: torch.Tensor | None = None
 
 
+Projection = Linear | QuantizedLinear
+
+
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor  # [H]
-    qkv: Linear  # [(N+2K)*D, H], with the bias [(N+2K)*D] where the family has one
-    o: Linear  # [H, N*D]
+    qkv: Projection  # [(N+2K)*D, H], with the bias [(N+2K)*D] where the family has one
+    o: Projection  # [H, N*D]
     post_norm: torch.Tensor  # [H]
-    gate_up: Linear  # [2*I, H]
-    down: Linear  # [H, I]
+    gate_up: Projection  # [2*I, H]
+    down: Projection  # [H, I]
     q_norm: torch.Tensor | None = None  # [D], families with q/k norm (ModelConfig.has_qk_norm)
     k_norm: torch.Tensor | None = None  # [D]
 
@@ -112,14 +117,21 @@ class LlamaModel:
         max_len: int,
         pack_cpu_weights: bool = True,
         plain_gemv: bool | None = None,
+        quantization: Quantization = Quantization.NONE,
     ):
         """pack_cpu_weights: on a CPU, run the projections through oneDNN (linear.py);
         plain_gemv: where linear.py's bf16 GEMV runs here, keep a plain copy of each weight for
         steps of 1-4 rows (twice the projections' memory; a tied lm_head shares the embedding);
-        None: where that copy is affordable (`linear.plain_copy_affordable`)."""
+        None: where that copy is affordable (`linear.plain_copy_affordable`);
+        quantization: int8 / int4 projections (quant.py; lm_head int8 in both), each quantized
+        from the checkpoint's own weight (a float tensor, or a GGUF's blocks) at load."""
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
+        self.quantization = quantization
+        quantized = quantization is not Quantization.NONE
+        if quantized and self.device.type != "cpu":
+            raise ValueError(f"quantization {quantization.value} runs on a cpu only")
 
         def w(name: str) -> torch.Tensor:
             if name not in weights:
@@ -130,23 +142,40 @@ class LlamaModel:
         self.norm = w("model.norm.weight")
         tied = config.tie_word_embeddings or "lm_head.weight" not in weights
 
-        if plain_gemv is None:
+        if plain_gemv is None and not quantized:
             plain_gemv = plain_copy_affordable(projection_bytes(config, dtype))
             if dtype == torch.bfloat16 and self.device.type == "cpu" and not plain_gemv:
                 log.info("no plain weight copy for the bf16 GEMV: it would not fit in memory")
 
-        def proj(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
+        def proj(
+            names: list[str], bias: torch.Tensor | None = None, scheme: Quantization = quantization
+        ) -> Projection:
+            """The projection of these weights stacked along their outputs."""
+            if quantized:
+                parts = [quantize(weights[n], scheme) for n in names]
+                return QuantizedLinear(concat(parts), dtype, bias)
+            parts = [w(n) for n in names]
+            weight = torch.cat(parts) if len(parts) > 1 else parts[0]
             return Linear(weight, pack_cpu_weights, plain_gemv, bias)
 
         def cat(prefix: str, modules: tuple[str, ...], suffix: str) -> torch.Tensor:
             return torch.cat([w(prefix + m + suffix) for m in modules])
+
+        def names(prefix: str, modules: tuple[str, ...]) -> list[str]:
+            return [prefix + m + ".weight" for m in modules]
 
         def bias(prefix: str, modules: tuple[str, ...], present: bool) -> torch.Tensor | None:
             """The modules' biases, one after another, where the family has them."""
             return cat(prefix, modules, ".bias") if present else None
 
         qkv, gate_up = ("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")
-        self.lm_head = proj(self.embed if tied else w("lm_head.weight"))  # [V, H]
+        # [V, H]; int8 in int4 models too: the logits are the most sensitive product
+        if quantized:
+            head = "model.embed_tokens.weight" if tied else "lm_head.weight"
+            self.lm_head = proj([head], scheme=Quantization.INT8)
+        else:
+            head_weight = self.embed if tied else w("lm_head.weight")
+            self.lm_head = Linear(head_weight, pack_cpu_weights, plain_gemv)
         self.layers = []
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
@@ -154,12 +183,12 @@ class LlamaModel:
             self.layers.append(
                 LayerWeights(
                     input_norm=w(p + "input_layernorm.weight"),
-                    qkv=proj(cat(attn, qkv, ".weight"), bias(attn, qkv, config.qkv_bias)),
-                    o=proj(w(attn + "o_proj.weight"), bias(attn, ("o_proj",), config.o_bias)),
+                    qkv=proj(names(attn, qkv), bias(attn, qkv, config.qkv_bias)),
+                    o=proj(names(attn, ("o_proj",)), bias(attn, ("o_proj",), config.o_bias)),
                     post_norm=w(p + "post_attention_layernorm.weight"),
-                    gate_up=proj(cat(mlp, gate_up, ".weight"), bias(mlp, gate_up, config.mlp_bias)),
+                    gate_up=proj(names(mlp, gate_up), bias(mlp, gate_up, config.mlp_bias)),
                     down=proj(
-                        w(mlp + "down_proj.weight"), bias(mlp, ("down_proj",), config.mlp_bias)
+                        names(mlp, ("down_proj",)), bias(mlp, ("down_proj",), config.mlp_bias)
                     ),
                     q_norm=w(attn + "q_norm.weight") if config.has_qk_norm else None,
                     k_norm=w(attn + "k_norm.weight") if config.has_qk_norm else None,

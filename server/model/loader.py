@@ -24,8 +24,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from toppings.server.config import LoadFormat
+from toppings.server.config import LoadFormat, Quantization
 from toppings.server.model.config import ModelConfig
+from toppings.server.model.gguf_blocks import GgufInt4Weights
 from toppings.server.model.weights import CheckpointError, DummyWeights, SafetensorsWeights
 
 __all__ = ["Checkpoint", "CheckpointError", "LoadFormat", "load_checkpoint", "resolve_model_dir"]
@@ -46,7 +47,9 @@ class Checkpoint:
     name: str
     config: ModelConfig
     tokenizer: object  # transformers PreTrainedTokenizerFast
-    weights: Mapping[str, torch.Tensor]  # CPU, in the checkpoint's dtype
+    # CPU, in the checkpoint's dtype; with int4 from a GGUF, its Q4_0 / Q4_1 projections are
+    # quant.Int4Weight (server.model.gguf_blocks)
+    weights: Mapping[str, torch.Tensor]
     generation_eos_ids: tuple[int, ...] = ()
 
 
@@ -57,13 +60,21 @@ def cache_dir() -> Path:
     return Path(root)
 
 
+def gguf_file(model: str) -> Path | None:
+    """The GGUF a --model argument names (the `smollm2` alias's included), else None."""
+    if model == "smollm2":
+        return _smollm2_gguf()
+    path = Path(model).expanduser()
+    return path if path.is_file() and path.suffix == ".gguf" else None
+
+
 def resolve_model_dir(model: str) -> Path:
     """Turn a --model argument into a Hugging Face directory, converting GGUF once if needed."""
-    if model == "smollm2":
-        return _convert_gguf(_smollm2_gguf(), cache_dir() / "models" / SMOLLM2_NAME)
+    gguf = gguf_file(model)
+    if gguf is not None:
+        name = SMOLLM2_NAME if model == "smollm2" else gguf.stem
+        return _convert_gguf(gguf, cache_dir() / "models" / name)
     path = Path(model).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
-        return _convert_gguf(path, cache_dir() / "models" / path.stem)
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"{path} has no config.json: not a Hugging Face checkpoint")
@@ -72,11 +83,16 @@ def resolve_model_dir(model: str) -> Path:
 
 
 def load_checkpoint(
-    model: str, load_format: LoadFormat | str = LoadFormat.AUTO, seed: int = 0
+    model: str,
+    load_format: LoadFormat | str = LoadFormat.AUTO,
+    seed: int = 0,
+    quantization: Quantization = Quantization.NONE,
 ) -> Checkpoint:
     """Config, tokenizer and weights of `model` (see resolve_model_dir). The weights' files are
     checked here, before any model is built (CheckpointError, one line naming the file); their
-    tensors are read when the model takes them. `seed` draws the dummy format's weights."""
+    tensors are read when the model takes them. `seed` draws the dummy format's weights.
+    quantization int4 of a GGUF: its Q4_0 / Q4_1 projections come as their blocks (no round
+    trip through float); everything else, int8 included, from the converted float checkpoint."""
     from transformers import AutoConfig, AutoTokenizer
 
     load_format = LoadFormat(load_format)
@@ -90,6 +106,16 @@ def load_checkpoint(
         )
     else:
         weights = SafetensorsWeights.from_dir(model_dir)
+        gguf = gguf_file(model)
+        if gguf is not None and quantization is Quantization.INT4:
+            weights = GgufInt4Weights(gguf, weights, hf_config)
+        elif gguf is not None and quantization is Quantization.INT8:
+            log.info(
+                "int8 from %s: every projection requantized per output channel from the "
+                "converted float32 weights (a round trip through float: GGUF blocks scale "
+                "groups of 32, the int8 kernel takes one scale per channel)",
+                gguf.name,
+            )
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     return Checkpoint(
         name=name,

@@ -124,7 +124,8 @@ def _cache_file(model: LlamaModel, kv: KVPool, num_rows: int) -> Path:
     except OSError:
         cpu = platform.processor()
     sources = [Path(__file__).read_bytes(), Path(llama.__file__).read_bytes()]
-    parts = [repr(model.config), str(model.dtype), str(model.device), str(num_rows),
+    parts = [repr(model.config), str(model.dtype), str(model.quantization), str(model.device),
+             str(num_rows),
              str(kv.block_tokens), str(kv.max_len), str(torch.get_num_threads()), cpu,
              torch.__version__, os.environ.get("TOPPINGS_NATIVE", "1")]  # fmt: skip
     key = hashlib.sha256(b"\0".join([p.encode() for p in parts] + sources)).hexdigest()[:16]

@@ -37,8 +37,11 @@ def llama_cpp_permute(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     )
 
 
-def write_gguf(path: Path, arch: str, state: dict[str, torch.Tensor]) -> None:
-    """A float32 GGUF of `state` (Hugging Face names) with the hyper-parameters of SHAPES."""
+def write_gguf(
+    path: Path, arch: str, state: dict[str, torch.Tensor], types: dict[str, object] | None = None
+) -> None:
+    """A float32 GGUF of `state` (Hugging Face names) with the hyper-parameters of SHAPES;
+    `types` stores the tensors it names in those GGML types instead (gguf's own quantizer)."""
     model_arch = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2}[arch]
     names = gguf.get_tensor_name_map(model_arch, SHAPES["num_hidden_layers"])
     writer = gguf.GGUFWriter(str(path), arch)
@@ -63,7 +66,13 @@ def write_gguf(path: Path, arch: str, state: dict[str, torch.Tensor]) -> None:
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = SHAPES["num_attention_heads" if "q_proj" in name else "num_key_value_heads"]
             tensor = llama_cpp_permute(tensor, heads)
-        writer.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), tensor.numpy())
+        gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        qtype = (types or {}).get(name)
+        if qtype is None:
+            writer.add_tensor(gguf_name, tensor.numpy())
+        else:
+            writer.add_tensor(gguf_name, gguf.quants.quantize(tensor.numpy(), qtype),
+                              raw_dtype=qtype)  # fmt: skip
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

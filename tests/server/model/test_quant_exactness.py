@@ -1,0 +1,167 @@
+"""int8 / int4 base weights (`--quantization`) with LoRA adapters in full precision give, in
+mixed-adapter batches, the tokens and logprobs of transformers + PEFT run on the same
+dequantized weights.
+
+The reference checkpoint is the family's tiny checkpoint (tests/server/model/tiny_families.py)
+with every projection weight replaced by dequant(quant(W)) as the engine multiplies by it
+(q/k/v/o/gate/up/down in the scheme, lm_head in int8; a tied lm_head is untied, since the
+embedding lookup stays float), saved as an ordinary Hugging Face directory; the engine serves the
+original float checkpoint with `quantization` set and quantizes at load. The checks are
+test_family_exactness.py's: the mixed batch's prompt and output logprobs within TOL of the
+reference (fp32, the same tolerance as the float path: torch's int8/int4 CPU kernels accumulate
+in float32, so only the summation order differs), and greedy tokens teacher-forced equal (near
+ties aside), for the first turns and for follow-up turns that reuse cached KV. Llama 3 runs every
+kernel x LoRA mode in int8 and int4; every other family runs one pair per scheme, CPU worker
+processes included.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from tests.helpers import running_engine
+from tests.server.engine.test_family_exactness import (
+    ALL_TARGETS,
+    NEW_TOKENS,
+    TOP,
+    check_greedy_teacher_forced,
+    first_turn_prompts,
+    run,
+)
+from tests.server.engine.test_logprobs_exactness import check_against_reference
+from tests.server.model.tiny_families import make_tiny_family
+from toppings.server.config import Quantization
+from toppings.server.model.quant import quantize
+from toppings.server.requests.request import SamplingParams
+
+ADAPTERS = {"a3": (3, False), "a5": (5, False), "a7rs": (7, True)}
+LORA_MODES = ("cached", "on-demand", "cpu-assisted")
+KERNELS = ("mbgmv", "bgmv")
+
+# (checkpoint, kernel, lora mode, CPU worker processes)
+ALL_PAIRS = [("llama3", k, m, 0) for k in KERNELS for m in LORA_MODES]
+ONE_PAIR_EACH = [
+    ("llama-bias", "bgmv", "cpu-assisted", 0),
+    ("mistral", "mbgmv", "on-demand", 0),
+    ("qwen2", "mbgmv", "cpu-assisted", 2),
+    ("qwen3", "bgmv", "cached", 0),
+]
+CASES = [(s, *case) for s in ("int8", "int4") for case in ALL_PAIRS + ONE_PAIR_EACH]
+
+
+def dequantized_reference(model_dir: Path, scheme: Quantization, out_dir: Path) -> Path:
+    """A copy of the checkpoint at model_dir whose projections hold dequant(quant(W)) (lm_head
+    int8, untied from the embedding where they were tied)."""
+    shutil.copytree(model_dir, out_dir)
+    (path,) = out_dir.glob("*.safetensors")
+    state = load_file(str(path))
+    for name, weight in list(state.items()):
+        if name.endswith(".weight") and name.split(".")[-2] in ALL_TARGETS:
+            state[name] = quantize(weight, scheme).dequantize()
+    head = state.get("lm_head.weight", state["model.embed_tokens.weight"])
+    state["lm_head.weight"] = quantize(head, Quantization.INT8).dequantize()
+    save_file(state, str(path), metadata={"format": "pt"})
+    config = json.loads((out_dir / "config.json").read_text())
+    config["tie_word_embeddings"] = False
+    (out_dir / "config.json").write_text(json.dumps(config))
+    return out_dir
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """(name, scheme) -> (model dir, reference dir, {adapter: path}), made once per module."""
+    made: dict = {}
+    bases: dict = {}
+
+    def get(name: str, scheme: str):
+        if name not in bases:
+            from toppings.scripts.make_adapters import load_base, make_random_adapter
+
+            root = tmp_path_factory.mktemp(name)
+            model_dir = make_tiny_family(root / "model", name)
+            base = load_base(model_dir)
+            adapters = {}
+            for seed, (a, (rank, rslora)) in enumerate(ADAPTERS.items()):
+                path = make_random_adapter(
+                    root / a, base, rank=rank, target_modules=ALL_TARGETS, seed=seed,
+                    use_rslora=rslora,
+                )  # fmt: skip
+                adapters[a] = str(path)
+            bases[name] = (root, model_dir, adapters)
+        if (name, scheme) not in made:
+            root, model_dir, adapters = bases[name]
+            ref = dequantized_reference(model_dir, Quantization(scheme), root / f"ref_{scheme}")
+            made[name, scheme] = (model_dir, ref, adapters)
+        return made[name, scheme]
+
+    return get
+
+
+@pytest.mark.parametrize(("scheme", "name", "kernel", "lora_mode", "num_cpu_workers"), CASES)
+def test_quantized_family_matches_peft_on_dequantized_weights(
+    checkpoints, scheme, name, kernel, lora_mode, num_cpu_workers
+):
+    model_dir, ref_dir, adapters = checkpoints(name, scheme)
+    link = 7 * 200 * 4 * 7 * 2 * 8 / 1.0 / 1e9 if lora_mode != "cached" else 0.0
+    scored = SamplingParams(
+        max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=TOP,
+        prompt_logprobs=TOP,
+    )  # fmt: skip
+    greedy = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=1)
+    with running_engine(
+        model_dir, adapters, kernel=kernel, lora_mode=lora_mode, max_total_tokens=4096,
+        max_batch_size=16, link_gbps=link, num_cpu_workers=num_cpu_workers, prefix_cache=True,
+        quantization=scheme,
+    ) as engine:  # fmt: skip
+        assert engine.model.quantization is Quantization(scheme)
+        prompts = first_turn_prompts(engine.model_config.vocab_size)
+        first = run(engine, prompts, scored)
+        if lora_mode == "cpu-assisted":
+            assert engine.lora.host_stats.calls > 0, "no layer ran on the host"
+        follow = [(p + out.new_token_ids + [7, 8, 9], a) for (p, a), out in zip(prompts, first)]
+        second = run(engine, follow, greedy)
+    check_against_reference(ref_dir, adapters, prompts, first)
+    for (prompt, a), out in zip(prompts, first):
+        check_greedy_teacher_forced(ref_dir, adapters, prompt, out, a, f"{scheme} {name}, {a}")
+    for (prompt, a), out in zip(follow, second):
+        what = f"{scheme} {name}, {a}, follow-up of {len(prompt)} tokens"
+        check_greedy_teacher_forced(ref_dir, adapters, prompt, out, a, what)
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_the_quantized_model_is_not_the_float_model(checkpoints, scheme):
+    """The reference above differs from the float checkpoint by more than the tolerance, so the
+    test compares against the quantized weights, not by luck against the float ones."""
+    from tests.server.engine.test_logprobs_exactness import TOL, reference_logprobs
+
+    model_dir, ref_dir, adapters = checkpoints("llama3", scheme)
+    ids = first_turn_prompts(256)[0][0]
+    diff = reference_logprobs(ref_dir, adapters, ids, "a3") - reference_logprobs(
+        model_dir, adapters, ids, "a3"
+    )
+    assert diff.abs().max() > 100 * TOL
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_one_stream_through_the_packed_kernel_matches_peft(checkpoints, scheme, monkeypatch):
+    """One request at a time, each decode step's one row through torch's packed kernel (float32
+    int8 runs every row dequantized unless told otherwise: quant.kernel_max_rows), base and
+    adapter rows alike."""
+    from toppings.server.model import quant
+
+    monkeypatch.setattr(quant, "kernel_max_rows", lambda dtype, scheme: 1)
+    model_dir, ref_dir, adapters = checkpoints("llama3", scheme)
+    scored = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True,
+                            logprobs=TOP, prompt_logprobs=TOP)  # fmt: skip
+    prompts = first_turn_prompts(256)[:3] + first_turn_prompts(256)[-1:]  # a3, a5, a7rs, base
+    with running_engine(model_dir, adapters, quantization=scheme, max_total_tokens=4096) as engine:
+        assert engine.model.layers[0].gate_up.max_kernel_rows == 1
+        results = [run(engine, [p], scored)[0] for p in prompts]
+    check_against_reference(ref_dir, adapters, prompts, results)
+    for (prompt, a), out in zip(prompts, results):
+        check_greedy_teacher_forced(ref_dir, adapters, prompt, out, a, f"{scheme} one stream, {a}")
