@@ -42,6 +42,7 @@ def test_serve_int8_end_to_end(tmp_path, tiny_model_dir, free_port):
     params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
     with running_engine(tiny_model_dir, {"q8": str(adapter)}, quantization="int8") as engine:
         for name in ("q8", None):
-            want = engine.submit(GenerationRequest(prompt, params, name)).result(timeout_s=120)
+            ref = engine.resolve_adapter(name)
+            want = engine.submit(GenerationRequest(prompt, params, ref)).result(timeout_s=120)
             assert got[name] == want.new_token_ids, name
     assert got["q8"] != got[None], "the adapter changed nothing"
