@@ -219,8 +219,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--max-tokens", type=int, default=64, help="new tokens per request (ignore_eos)")
     add("--rank", type=int, default=16, help="the adapter's rank (every projection, every layer)")
     add("--no-adapter", action="store_true", help="base rows only")
-    add("--threads", type=int, default=len(os.sched_getaffinity(0)),
-        help="torch threads here (bandwidth), toppings-serve --torch-threads, llama-server -t")
+    add(
+        "--threads",
+        type=int,
+        default=len(os.sched_getaffinity(0)),
+        help="torch threads here (bandwidth), toppings-serve --torch-threads, llama-server -t",
+    )
     add("--bandwidth-repeats", type=int, default=8, help="timed 1 GiB reads, best taken")
     add("--serve-args", default="", help="more toppings-serve arguments, one string")
     add("--baseline-python", default=None,
@@ -280,7 +284,8 @@ def main(argv: list[str] | None = None) -> int:
                 port = free_port()
                 log_path = work / f"toppings_{label}_{side}.log"
                 serve = ["--model", args.model, "--port", str(port), "--torch-threads",
-                         str(args.threads), *flags, *adapter_args, *args.serve_args.split()]  # fmt: skip
+                         str(args.threads), *flags, *adapter_args,
+                         *args.serve_args.split()]  # fmt: skip
                 procs.append(start_server(exe, serve, log_path))
                 wait_healthy(f"http://127.0.0.1:{port}", procs[-1], log_path, 900.0)
                 servers[(label, side)] = f"http://127.0.0.1:{port}"
@@ -310,8 +315,9 @@ def main(argv: list[str] | None = None) -> int:
                                          generator=gen).tolist() for _ in range(batch)]  # fmt: skip
                 model = None if side == "llama" else ADAPTER if with_adapter else base_name
                 result = run_row(servers[(label, side)], model, prompts, args.max_tokens)
-                log.info("round %d %s %s %s B=%d: %.2f ms/token", round_idx, label, side,
-                         "adapter" if with_adapter else "base", batch, result["tpot_ms"])  # fmt: skip
+                kind = "adapter" if with_adapter else "base"
+                log.info("round %d %s %s %s B=%d: %.2f ms/token", round_idx, label, side, kind,
+                         batch, result["tpot_ms"])  # fmt: skip
                 if round_idx:
                     times[row].append(result)
     finally:
@@ -341,7 +347,8 @@ def main(argv: list[str] | None = None) -> int:
 def summarize(args, precisions, times: dict, bandwidth: float, skipped: dict) -> dict:
     """The result's metrics: per precision and side, TPOT per row; the headline keys."""
     metrics: dict = {"tpot_ms_batch1": {}, "roofline_fraction_batch1": {},
-                     "tpot_ratio_adapter_vs_base_batch1": {}, "weight_bytes_per_step": {}}  # fmt: skip
+                     "tpot_ratio_adapter_vs_base_batch1": {},
+                     "weight_bytes_per_step": {}}  # fmt: skip
     med = {row: statistics.median(r["tpot_ms"] for r in rs) for row, rs in times.items()}
     for label, _flags, nbytes in precisions:
         metrics["weight_bytes_per_step"][label] = nbytes
@@ -349,7 +356,8 @@ def summarize(args, precisions, times: dict, bandwidth: float, skipped: dict) ->
         for (lab, side, with_adapter, batch), results in times.items():
             if lab != label:
                 continue
-            key = f"{side}_{'adapter' if with_adapter else 'base'}_batch{batch}"
+            kind = "adapter" if with_adapter else "base"
+            key = f"{side}_{kind}_batch{batch}"
             per[key] = spread([r["tpot_ms"] for r in results])
             if side == "llama":
                 reported = [r["reported_ms"] for r in results if r["reported_ms"] is not None]
@@ -357,13 +365,15 @@ def summarize(args, precisions, times: dict, bandwidth: float, skipped: dict) ->
                     per[f"llama_reported_batch{batch}"] = spread(reported)
             if side == "baseline":
                 new = med[(lab, "new", with_adapter, batch)]
-                per[f"ratio_new_vs_baseline_{'adapter' if with_adapter else 'base'}_batch{batch}"] = (
-                    round(new / med[(lab, side, with_adapter, batch)], 3))  # fmt: skip
+                ratio = new / med[(lab, side, with_adapter, batch)]
+                per[f"ratio_new_vs_baseline_{kind}_batch{batch}"] = round(ratio, 3)
         base1 = med.get((label, "new", False, 1))
         if base1 is None:
             continue
         metrics["tpot_ms_batch1"][label] = round(base1, 2)
-        metrics["roofline_fraction_batch1"][label] = round(nbytes / bandwidth / 1e9 * 1e3 / base1, 3)
+        metrics["roofline_fraction_batch1"][label] = round(
+            nbytes / bandwidth / 1e9 * 1e3 / base1, 3
+        )
         adapter1 = med.get((label, "new", True, 1))
         if adapter1 is not None:
             metrics["tpot_ratio_adapter_vs_base_batch1"][label] = round(adapter1 / base1, 3)

@@ -114,8 +114,9 @@ class LlamaModel:
         plain_gemv: bool | None = None,
     ):
         """pack_cpu_weights: on a CPU, run the projections through oneDNN (linear.py);
-        plain_gemv: where linear.py's bf16 GEMV runs here, keep a plain copy of each weight for
-        steps of 1-4 rows (twice the projections' memory; a tied lm_head shares the embedding);
+        plain_gemv: where linear.py's GEMV (bf16 or float32) runs here, keep a plain copy of
+        each weight for steps of 1-4 rows (twice the projections' memory; a tied lm_head shares
+        the embedding);
         None: where that copy is affordable (`linear.plain_copy_affordable`)."""
         self.config = config
         self.dtype = dtype
@@ -132,8 +133,8 @@ class LlamaModel:
 
         if plain_gemv is None:
             plain_gemv = plain_copy_affordable(projection_bytes(config, dtype))
-            if dtype == torch.bfloat16 and self.device.type == "cpu" and not plain_gemv:
-                log.info("no plain weight copy for the bf16 GEMV: it would not fit in memory")
+            if self.device.type == "cpu" and not plain_gemv:
+                log.info("no plain weight copy for the GEMV: it would not fit in memory")
 
         def proj(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
             return Linear(weight, pack_cpu_weights, plain_gemv, bias)
