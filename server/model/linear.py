@@ -152,10 +152,11 @@ def _gemv(x: torch.Tensor, plain: torch.Tensor) -> torch.Tensor | None:
     kernel declines."""
     if x.dim() != 2 or x.shape[1] != plain.shape[1]:
         raise ValueError(f"x {tuple(x.shape)} does not fit a weight of {tuple(plain.shape)}")
-    if x.dtype != plain.dtype or plain.dtype not in _GEMV or x.stride(-1) != 1:
+    lib = native.library()  # None where the native kernels are off (TOPPINGS_NATIVE=0)
+    if lib is None or x.dtype != plain.dtype or plain.dtype not in _GEMV or x.stride(-1) != 1:
         return None
     y = torch.empty(x.shape[0], plain.shape[0], dtype=plain.dtype)
-    failed = getattr(native.library(), _GEMV[plain.dtype][0])(
+    failed = getattr(lib, _GEMV[plain.dtype][0])(
         ctypes.c_void_p(x.data_ptr()), x.stride(0), ctypes.c_void_p(plain.data_ptr()),
         plain.shape[0], plain.shape[1], ctypes.c_void_p(y.data_ptr()), y.stride(0), x.shape[0],
         torch.get_num_threads(),
