@@ -154,7 +154,9 @@ def stream_tpot(url: str, body: dict, is_llama: bool) -> dict:
                     stamps.append(time.perf_counter())
                 if event.get("timings"):
                     reported = event["timings"].get("predicted_per_token_ms")
-            elif event["choices"][0].get("text"):
+            elif "error" in event:
+                raise RuntimeError(f"{url}: {event['error'].get('message')}")
+            elif (event.get("choices") or [{}])[0].get("text"):  # not the usage chunk
                 stamps.append(time.perf_counter())
     if len(stamps) < 2:
         raise RuntimeError(f"{url}: {len(stamps)} streamed tokens, too few to time")
@@ -307,6 +309,7 @@ def main(argv: list[str] | None = None) -> int:
                     rows.append((label, side, True, batch))
         gen = torch.Generator().manual_seed(args.seed)
         times: dict[tuple, list[dict]] = {row: [] for row in rows}
+        failures: list[str] = []  # rows that failed (a server that died): reported, not timed
         for round_idx in range(args.rounds + 1):  # round 0: warm-up
             order = rows if round_idx % 2 == 0 else rows[::-1]
             for row in order:
@@ -314,7 +317,12 @@ def main(argv: list[str] | None = None) -> int:
                 prompts = [torch.randint(100, vocab - 100, (args.prompt_len,),
                                          generator=gen).tolist() for _ in range(batch)]  # fmt: skip
                 model = None if side == "llama" else ADAPTER if with_adapter else base_name
-                result = run_row(servers[(label, side)], model, prompts, args.max_tokens)
+                try:
+                    result = run_row(servers[(label, side)], model, prompts, args.max_tokens)
+                except (RuntimeError, requests.RequestException) as exc:
+                    log.warning("round %d %s %s: failed (%s)", round_idx, label, side, exc)
+                    failures.append(f"round {round_idx} {row}: {exc}")
+                    continue
                 kind = "adapter" if with_adapter else "base"
                 log.info("round %d %s %s %s B=%d: %.2f ms/token", round_idx, label, side, kind,
                          batch, result["tpot_ms"])  # fmt: skip
@@ -324,7 +332,9 @@ def main(argv: list[str] | None = None) -> int:
         stop_all(procs)
     bandwidth.append(memory_bandwidth_gbps(args.bandwidth_repeats))
     best_bw = max(bandwidth)
-    metrics = summarize(args, precisions, times, best_bw, skipped)
+    metrics = summarize(args, precisions, {r: t for r, t in times.items() if t}, best_bw, skipped)
+    if failures:
+        metrics["failed_rows"] = failures
     metrics["bandwidth_GBps"] = round(best_bw, 2)
     metrics["bandwidth_GBps_before_after"] = [round(b, 2) for b in bandwidth]
     config = {
@@ -363,8 +373,8 @@ def summarize(args, precisions, times: dict, bandwidth: float, skipped: dict) ->
                 reported = [r["reported_ms"] for r in results if r["reported_ms"] is not None]
                 if reported:
                     per[f"llama_reported_batch{batch}"] = spread(reported)
-            if side == "baseline":
-                new = med[(lab, "new", with_adapter, batch)]
+            new = med.get((lab, "new", with_adapter, batch))
+            if side == "baseline" and new is not None:
                 ratio = new / med[(lab, side, with_adapter, batch)]
                 per[f"ratio_new_vs_baseline_{kind}_batch{batch}"] = round(ratio, 3)
         base1 = med.get((label, "new", False, 1))
