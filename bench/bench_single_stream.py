@@ -199,14 +199,18 @@ def spread(values: list[float]) -> dict:
             "max": round(max(values), 2), "all": [round(v, 2) for v in values]}  # fmt: skip
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The module docstring as written, and each option's default."""
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        epilog="Example (the lead's rerun on a quiet machine): python -m "
-        "bench.bench_single_stream --llama-server /work/llama-build/build/bin/llama-server "
-        "--gguf-f32 /work/llama-build/SmolLM2-135M-Instruct-f32.gguf --gguf-bf16 "
-        "/work/llama-build/SmolLM2-135M-Instruct-bf16.gguf. The module docstring says what is "
-        "timed and how (python -c 'import bench.bench_single_stream as b; print(b.__doc__)').",
+        description=__doc__,
+        formatter_class=HelpFormatter,
+        epilog="Example, every row with llama-server beside: python -m "
+        "bench.bench_single_stream --llama-server /work/llama-build/build/bin/llama-server \\\n"
+        "  --gguf-f32 /work/llama-build/SmolLM2-135M-Instruct-f32.gguf \\\n"
+        "  --gguf-bf16 /work/llama-build/SmolLM2-135M-Instruct-bf16.gguf",
     )
     add = parser.add_argument
     add("--model", default="smollm2", help="what toppings-serve --model takes (default smollm2)")
@@ -235,9 +239,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--llama-server", type=Path, default=None, help="llama.cpp's llama-server binary")
     add("--gguf-f32", type=Path, default=None, help="F32 GGUF of the model, for llama-server")
     add("--gguf-bf16", type=Path, default=None, help="BF16 GGUF of the model, for llama-server")
-    add("--seed", type=int, default=0)
-    add("--work-dir", type=Path, default=None, help="adapter and logs (default: a temp dir)")
-    add("--out", type=Path, default=Path("bench/results/single_stream.json"))
+    add("--seed", type=int, default=0, help="seeds the prompts and the adapter's weights")
+    add("--work-dir", type=Path, default=None, help="where the adapter and the server logs go; none: a temp dir")
+    add("--out", type=Path, default=Path("bench/results/single_stream.json"), help="result file")
     return parser.parse_args(argv)
 
 
