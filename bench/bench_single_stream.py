@@ -240,7 +240,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--gguf-f32", type=Path, default=None, help="F32 GGUF of the model, for llama-server")
     add("--gguf-bf16", type=Path, default=None, help="BF16 GGUF of the model, for llama-server")
     add("--seed", type=int, default=0, help="seeds the prompts and the adapter's weights")
-    add("--work-dir", type=Path, default=None, help="where the adapter and the server logs go; none: a temp dir")
+    add("--work-dir", type=Path, default=None, help="the adapter and server logs; none: a temp dir")
     add("--out", type=Path, default=Path("bench/results/single_stream.json"), help="result file")
     return parser.parse_args(argv)
 
