@@ -118,8 +118,8 @@ class StepTimeModel:
 
     def prompt_tokens_within(self, target_ms: float, batch_size: int) -> int:
         """The most prompt tokens a step of batch_size decodes takes on within target_ms."""
-        spare = target_ms - self._mixed_decodes_ms(batch_size)
-        return max(0, int(spare / self.ms_per_token))
+        tokens = (target_ms - self._mixed_decodes_ms(batch_size)) / self.ms_per_token
+        return max(0, int(tokens)) if math.isfinite(tokens) else 0  # 0: the budget's floor
 
 
 def _line(points: dict[int, float]) -> tuple[float, float]:

@@ -35,6 +35,7 @@ large step's tokens cost less each than the start-up slope says (larger matrix p
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import deque
 from dataclasses import dataclass, replace
@@ -109,6 +110,8 @@ class StepRefit:
         a kind has MIN_STEPS steps (None otherwise)."""
         if shape.prompt_tokens and not shape.num_decodes:
             return None  # no stream waits on it: the budget's target is not its (see above)
+        if not (math.isfinite(ms) and ms > 0):
+            return None  # a clock that stepped, not a step's time
         self.num_steps += 1
         steps = self._mixed if shape.prompt_tokens else self._decode
         steps.append((self.num_steps, shape, ms))
@@ -132,6 +135,8 @@ class StepRefit:
             model = _fit_mixed(model, mixed)
         batch = round(statistics.median(self._batches))
         model = _within_band(model, self.prior, batch)
+        if not is_sane(model):
+            return None  # a degenerate window (steps of one shape, extreme times): keep the last
         self.model = replace(model, batch_size=batch, source=self._source())
         self.num_refits += 1
         return self.model
@@ -141,6 +146,15 @@ class StepRefit:
             f"refit from the last {len(self._decode)} decode steps and {len(self._mixed)} "
             f"with prompt tokens; prior: {self.prior.source}"
         )
+
+
+def is_sane(model: StepTimeModel) -> bool:
+    """Whether every cost of `model` is finite, none negative, and a prompt token and a decode
+    step cost something (what the budget divides by)."""
+    costs = (model.ms_per_token, model.decode_ms, model.decode_ms_per_request,
+             model.ms_per_token_past, model.mixed_ms_per_request)  # fmt: skip
+    finite = all(math.isfinite(c) for c in (*costs, model.mixed_fixed_ms))
+    return finite and min(costs) >= 0 and model.ms_per_token > 0 and model.decode_step_ms(1) > 0
 
 
 def _median_ratio(model: StepTimeModel, steps: list[tuple[StepShape, float]]) -> float:

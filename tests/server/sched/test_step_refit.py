@@ -219,3 +219,17 @@ def test_steps_of_a_few_prompt_tokens_do_not_drive_the_token_cost_to_zero():
     for i in range(200):
         model = refit.observe(StepShape(4, 2 + i % 5), fixed) or model
     assert budget_of(model).tokens <= PROMPT_COST_BAND * prior_budget
+
+
+@pytest.mark.parametrize("ms", [0.0, float("inf"), float("nan"), -5.0])
+def test_a_step_time_no_step_takes_never_breaks_the_budget(ms):
+    """Steps timed 0, inf, NaN or negative (a clock that stepped, a suspended VM) leave the
+    model finite and the budget computable: before, the refit divided by 0 or carried a NaN
+    into `int()`, and the exception ended the engine thread."""
+    refit, rng = StepRefit(MODEL), random.Random(7)
+    for i in range(6 * WINDOW):
+        shape = StepShape(rng.randint(1, 8), rng.choice([0, 0, 16, 64]), rng.choice([0.0, 5e4]))
+        model = refit.observe(shape, ms if i % 3 else step_time(shape, rng))
+        if model is not None:
+            assert budget_of(model).tokens > 0
+    assert all(math.isfinite(v) for v in vars(refit.model).values() if isinstance(v, float))
