@@ -25,8 +25,10 @@ roofline_fraction = (weight bytes per step / bandwidth) / measured TPOT at batch
 step takes exactly the time to read its weights once).
 
 Optional, side by side in the same rounds:
-- llama.cpp's `llama-server` (`--llama-server PATH --gguf-f32 FILE --gguf-bf16 FILE`, see
-  bench/bench_long_prompt.py for the recipe of the GGUFs): the same prompts, one request at a
+- llama.cpp's `llama-server` (`--llama-server PATH --gguf-f32 FILE --gguf-bf16 FILE`, and
+  `--gguf-q8 FILE` beside the int8 rows: its 8-bit format, Q8_0, made by the same
+  convert_hf_to_gguf.py with `--outtype q8_0`; see bench/bench_long_prompt.py for the recipe of
+  the GGUFs): the same prompts, one request at a
   time, base rows at batch 1 only (it serves no LoRA here); its own reported
   `predicted_per_token_ms` and the client-side TPOT measured as for toppings.
 - a baseline toppings-serve run by another interpreter (`--baseline-python`, e.g. the Python of
@@ -239,6 +241,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--llama-server", type=Path, default=None, help="llama.cpp's llama-server binary")
     add("--gguf-f32", type=Path, default=None, help="F32 GGUF of the model, for llama-server")
     add("--gguf-bf16", type=Path, default=None, help="BF16 GGUF of the model, for llama-server")
+    add("--gguf-q8", type=Path, default=None,
+        help="Q8_0 GGUF of the model, for llama-server beside the int8 rows")  # fmt: skip
     add("--seed", type=int, default=0, help="seeds the prompts and the adapter's weights")
     add("--work-dir", type=Path, default=None, help="the adapter and server logs; none: a temp dir")
     add("--out", type=Path, default=Path("bench/results/single_stream.json"), help="result file")
@@ -281,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
 
     servers = {}  # (precision, side) -> url, side "new" | "baseline" | "llama"
     procs: list[subprocess.Popen] = []
-    ggufs = {"float32": args.gguf_f32, "bfloat16": args.gguf_bf16}
+    ggufs = {"float32": args.gguf_f32, "bfloat16": args.gguf_bf16, "int8": args.gguf_q8}
     try:
         for label, flags, _ in precisions:
             sides = [("new", python)] + ([("baseline", args.baseline_python)]
