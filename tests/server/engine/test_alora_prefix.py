@@ -177,3 +177,44 @@ def test_the_block_holding_the_activation_is_never_shared(llama, served):  # noq
     assert all(node.adapter is None for node in tree.nodes())
     assert_greedy_as_peft(llama, inside, steps.tokens[tuple(inside)][:NEW_TOKENS], "act3")
     assert_memory_balanced(engine)
+
+
+@pytest.mark.parametrize("activated_first", [True, False])
+def test_the_same_weights_as_plain_and_activated_lora_keep_their_own_kind(
+    llama,  # noqa: F811
+    tmp_path,
+    activated_first,
+):
+    """One content under two names (one host copy): the activated name still needs its
+    invocation and shares the base model's KV, the plain one applies everywhere, whichever was
+    registered first."""
+    import json
+    import shutil
+
+    from toppings.server.requests.request import GenerationRequest, RequestError, SamplingParams
+
+    model_dir, adapters = llama
+    plain = tmp_path / "plain"
+    shutil.copytree(adapters["act5"], plain)
+    config = json.loads((plain / "adapter_config.json").read_text())
+    del config["alora_invocation_tokens"]
+    (plain / "adapter_config.json").write_text(json.dumps(config))
+    order = [("act5", adapters["act5"]), ("plain5", str(plain))]
+    with running_engine(model_dir, {}, max_total_tokens=4096, prefix_cache=True) as engine:
+        for name, path in order if activated_first else order[::-1]:
+            engine.add_adapter(name, path)
+        assert engine.stats().adapter_host_memory["copies"] == 1
+        params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+        gen = torch.Generator().manual_seed(15)
+        prompt = noise(gen, 20)  # no invocation
+        with pytest.raises(RequestError):
+            engine.submit(GenerationRequest(prompt, params, engine.resolve_adapter("act5")))
+        out = engine.submit(
+            GenerationRequest(prompt, params, engine.resolve_adapter("plain5"))
+        ).result(300)
+        model_dirs = (model_dir, {**adapters, "plain5": str(plain)})
+        assert_greedy_as_peft(model_dirs, prompt, out.new_token_ids, "plain5")
+        engine.submit(GenerationRequest(prompt, params, None)).result(300)
+        checker = prompt + INVOKE["act5"] + noise(gen, 20)
+        run = engine.submit(GenerationRequest(checker, params, engine.resolve_adapter("act5")))
+        assert run.result(300).cached_tokens == 16  # the base model's block before position 20
