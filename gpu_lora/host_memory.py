@@ -84,13 +84,16 @@ class HostAdapterMemory:
     def shared(self, adapter: LoraAdapter) -> tuple[LoraAdapter, str]:
         """`adapter` as it will be held, and its digest: under its own name but with the
         tensors of the copy of the same content already held, when there is one (then the
-        tensors just loaded are dropped)."""
+        tensors just loaded are dropped). What is per name stays its own: the same weights
+        may be served as plain LoRA under one name and as an activated LoRA under another."""
         digest = content_digest(adapter)
         with self._lock:
             copy = self._copies.get(digest)
         if copy is None:
             return adapter, digest
-        return dataclasses.replace(copy.adapter, name=adapter.name, path=adapter.path), digest
+        own = {"name": adapter.name, "path": adapter.path,
+               "invocation_tokens": adapter.invocation_tokens}  # fmt: skip
+        return dataclasses.replace(copy.adapter, **own), digest
 
     def is_held(self, digest: str) -> bool:
         with self._lock:

@@ -368,7 +368,8 @@ class MemoryConfig(Settings):
     prefix_cache: bool = setting(
         True,
         flag=Flag(
-            "reuse cached KV of a prompt's prefix, under the request's own adapter only",
+            "reuse cached KV of a prompt's prefix, under the request's own adapter only (an "
+            "activated LoRA's blocks before its activation: under the base model)",
             choices=ON_OFF,
             default="on",
             parse=on_off,

@@ -322,6 +322,11 @@ class AdapterManager:
         """Drop a request's reference taken by `acquire`."""
         self.cache.release(ref.name)
 
+    def is_activated(self, ref: AdapterRef | None) -> bool:
+        """Whether `ref` is an activated LoRA (its KV before `lora_start` is the base model's)."""
+        adapter = self.registry.get(ref.name) if ref is not None else None
+        return adapter is not None and bool(adapter.invocation_tokens)
+
     def lora_start(self, ref: AdapterRef | None, prompt_ids: list[int]) -> int:
         """The first prompt position adapter `ref` applies to: 0, or for an activated LoRA
         where the last occurrence of its invocation sequence starts (gpu_lora/alora.py). A

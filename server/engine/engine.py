@@ -168,6 +168,7 @@ class Engine:
                     for r in requests]  # fmt: skip
             for seq, lora_start in zip(seqs, lora_starts, strict=True):
                 seq.lora_start = lora_start
+                seq.is_activated = self.lora.is_activated(seq.request.adapter)
         except BaseException:
             for ref in refs:
                 self.adapter_refs.release(ref)

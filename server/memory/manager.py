@@ -47,6 +47,7 @@ class KVHold:
     num_matched: int = 0  # held[:num_matched] were cached before it came
     cached_tokens: int = 0  # prompt tokens whose KV came from the cache (the matched blocks)
     tail: KVNode | None = None  # where its next blocks go in the tree; None: not inserted
+    max_blocks: int | None = None  # how many of its blocks the tree may keep (None: all)
 
 
 class MemoryManager:
@@ -115,16 +116,28 @@ class MemoryManager:
             pinned += self.adapter_blocks.num_blocks_of(self.adapter_cache.pinned())
         return self.reserved + pinned
 
+    def tree_key(self, seq) -> tuple[AdapterRef | None, int | None]:
+        """Under which adapter the tree keeps a request's blocks, and how many of them at most
+        (None: all). An activated LoRA's blocks wholly before its activation are the base
+        model's KV: they are matched and cached under the base model (None), shared with base
+        requests and every other activated adapter. Its later blocks, the one holding the
+        activation included, depend on where its prompt activates it and are not cached."""
+        if seq.is_activated:
+            return None, seq.lora_start // self.kv.block_tokens
+        return seq.request.adapter, None
+
     def match(self, seq) -> list[KVNode]:
-        """The cached prefix a request would reuse: full blocks under its own adapter, leaving
-        at least its last prompt token to compute; host blocks only when a copy beats
+        """The cached prefix a request would reuse: full blocks under its adapter (`tree_key`),
+        leaving at least its last prompt token to compute; host blocks only when a copy beats
         recomputing them."""
         if self.tree is None or seq.request.params.prompt_logprobs is not None:
             return []
-        if seq.lora_start:  # an activated LoRA's KV depends on where its prompt activates it
-            return []
         ids = seq.request.prompt_ids
-        path = self.tree.match(seq.request.adapter, ids, (len(ids) - 1) // self.kv.block_tokens)
+        adapter, max_blocks = self.tree_key(seq)
+        num_blocks = (len(ids) - 1) // self.kv.block_tokens
+        if max_blocks is not None:
+            num_blocks = min(num_blocks, max_blocks)
+        path = self.tree.match(adapter, ids, num_blocks)
         if self.swap is not None and not self.swap.copy_beats_recompute():
             path = [n for n in path if n.on_device]  # device nodes come first on any path
         return path  # without a host tier every cached node is on the device
@@ -153,7 +166,8 @@ class MemoryManager:
         hold.cached_tokens = len(path) * self.kv.block_tokens
         self.kv.attach_prefix(hold.row, [n.block for n in path])
         if self.tree is not None:
-            hold.tail = path[-1] if path else self.tree.root(seq.request.adapter)
+            adapter, hold.max_blocks = self.tree_key(seq)
+            hold.tail = path[-1] if path else self.tree.root(adapter)
         self.counters.prompt_tokens += seq.prompt_len
         self.counters.prefix_hit_tokens += hold.cached_tokens
         return hold
@@ -211,6 +225,8 @@ class MemoryManager:
             return
         done = len(hold.held)
         full = min(len(ids), self.kv.lengths[hold.row]) // self.kv.block_tokens
+        if hold.max_blocks is not None:
+            full = min(full, hold.max_blocks)
         if full <= done:
             return
         bt = self.kv.block_tokens

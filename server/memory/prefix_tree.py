@@ -2,10 +2,11 @@
 
 root -> one node per adapter (None: the base model) -> one node per full KV block of a token
 prefix. A request reuses the longest chain of blocks under its own adapter whose tokens equal
-its prompt's, so a prefix computed under one adapter is never used under another. Adapters are
-keyed by `AdapterRef`, that is by id: an adapter loaded again under an earlier one's name never
-finds the earlier one's KV. Bookkeeping only: which block (device) or host block holds a node;
-the memory manager moves the bytes.
+its prompt's, so a prefix computed under one adapter is never used under another (an activated
+LoRA's blocks before its activation are base-model KV: the memory manager keys them under None,
+server/memory/manager.py `tree_key`). Adapters are keyed by `AdapterRef`, that is by id: an
+adapter loaded again under an earlier one's name never finds the earlier one's KV. Bookkeeping
+only: which block (device) or host block holds a node; the memory manager moves the bytes.
 
 Rules that keep the tree valid:
 - a request that holds a node holds its whole path (it matched or created it from the root), so

@@ -40,6 +40,9 @@ class Sequence:
         # The first prompt position its adapter applies to: 0, or past an activated LoRA's
         # invocation (set by the engine at submission, server/engine/adapters.py lora_start).
         self.lora_start = 0
+        # Whether its adapter is an activated LoRA: its KV before lora_start is the base
+        # model's, cached and matched as such (server/memory/manager.py).
+        self.is_activated = False
         self.finished = False
         self._tokenizer = tokenizer
         self._stream = TextStream(tokenizer, request.params.stop)

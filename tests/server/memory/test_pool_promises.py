@@ -50,7 +50,9 @@ def build(config, engine: EngineConfig):
 def request(tokens: int) -> SimpleNamespace:
     params = SimpleNamespace(prompt_logprobs=None)
     req = SimpleNamespace(prompt_ids=[1] * 8, adapter=None, params=params)
-    return SimpleNamespace(request=req, prompt_len=8, kv_need=tokens, output_ids=[], lora_start=0)
+    return SimpleNamespace(
+        request=req, prompt_len=8, kv_need=tokens, output_ids=[], lora_start=0, is_activated=False
+    )
 
 
 def test_a_prefetch_never_takes_blocks_promised_to_an_admitted_request(pool):
