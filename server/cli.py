@@ -108,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     from toppings.server.api.app import create_app
     from toppings.server.api.lifecycle import discover
     from toppings.server.http.allocator import tune_allocator
+    from toppings.server.http.memory_probe import start_memory_probe
     from toppings.server.model.loader import CheckpointError
     from toppings.server.requests.request import RequestError
     from toppings.server.runtime import build_engine
@@ -133,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         tune_allocator()
+        start_memory_probe()
         engine = build_engine(serve.model, config, loras)
     # An adapter that does not fit the model, a missing shard or tensor of its checkpoint.
     # /dev/shm full, or an adapter refused (its rank, its size, non-finite weights).
