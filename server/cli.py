@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     from toppings.gpu_lora.peft_config import AdapterError
     from toppings.server.api.app import create_app
     from toppings.server.api.lifecycle import discover
-    from toppings.server.http.allocator import tune_allocator
+    from toppings.server.http.allocator import bound_onednn_caches, tune_allocator
     from toppings.server.http.memory_probe import start_memory_probe
     from toppings.server.model.loader import CheckpointError
     from toppings.server.requests.request import RequestError
@@ -134,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         tune_allocator()
+        bound_onednn_caches()  # before the model's first oneDNN op
         start_memory_probe()
         engine = build_engine(serve.model, config, loras)
     # An adapter that does not fit the model, a missing shard or tensor of its checkpoint.

@@ -56,3 +56,14 @@ def _heaps(mode: str) -> int:
 def test_handler_threads_share_a_few_arenas():
     assert _heaps("tuned") <= MAX_ARENAS
     assert _heaps("default") > MAX_ARENAS  # glibc's own default: an arena per thread
+
+
+def test_onednn_caches_bounded_unless_the_operator_set_them(monkeypatch):
+    from toppings.server.http.allocator import ONEDNN_CACHE_ENTRIES, bound_onednn_caches
+
+    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
+    monkeypatch.setenv("LRU_CACHE_CAPACITY", "64")  # the operator's
+    bound_onednn_caches()
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == str(ONEDNN_CACHE_ENTRIES)
+    assert os.environ["LRU_CACHE_CAPACITY"] == "64"
+
