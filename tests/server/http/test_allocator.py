@@ -66,4 +66,3 @@ def test_onednn_caches_bounded_unless_the_operator_set_them(monkeypatch):
     bound_onednn_caches()
     assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == str(ONEDNN_CACHE_ENTRIES)
     assert os.environ["LRU_CACHE_CAPACITY"] == "64"
-
