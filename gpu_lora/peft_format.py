@@ -242,7 +242,8 @@ def _read_weights(dir_fd: int, root: Path) -> dict[str, torch.Tensor]:
             try:
                 # From bytes, not load_file(path): safetensors 0.8's file reader keeps about 10
                 # KiB of Python objects per file read, never freed (the soak's loads, issue 48).
-                return load(f.read())
+                # By name, as load_file gives them (the first bad tensor named is layer 0's).
+                return dict(sorted(load(f.read()).items()))
             except Exception as exc:  # the Rust reader raises its own type for corrupt files
                 message = f"{weights_path} is not a readable safetensors file: {exc}"
                 raise AdapterError(message) from exc
