@@ -70,9 +70,3 @@ def file_size(f: BinaryIO) -> int:
     """The size of an opened file, from its descriptor."""
     return os.fstat(f.fileno()).st_size
 
-
-def fd_path(f: BinaryIO) -> str | None:
-    """A path that opens the very file `f` holds (Linux's /proc/self/fd), for readers that take
-    only a path; None where the system has no such path."""
-    path = f"/proc/self/fd/{f.fileno()}"
-    return path if os.path.exists(path) else None

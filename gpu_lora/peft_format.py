@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors.torch import load, load_file
+from safetensors.torch import load
 
-from toppings.gpu_lora.adapter_dir import UnsafeFile, fd_path, file_size, has_file, open_file
+from toppings.gpu_lora.adapter_dir import UnsafeFile, file_size, has_file, open_file
 from toppings.gpu_lora.dora import DoraScales
 from toppings.gpu_lora.peft_config import (
     CONFIG_FILE,
@@ -306,9 +306,11 @@ def _read_weights(dir_fd: int, root: Path) -> dict[str, torch.Tensor]:
     _check_not_pickle_only(dir_fd, root)
     try:
         with open_file(dir_fd, WEIGHTS_FILE) as f:
-            path = fd_path(f)
             try:
-                return load_file(path) if path is not None else load(f.read())
+                # From bytes, not load_file(path): safetensors 0.8's file reader keeps about 10
+                # KiB of Python objects per file read, never freed (the soak's loads, issue 48).
+                # By name, as load_file gives them (the first bad tensor named is layer 0's).
+                return dict(sorted(load(f.read()).items()))
             except Exception as exc:  # the Rust reader raises its own type for corrupt files
                 message = f"{weights_path} is not a readable safetensors file: {exc}"
                 raise AdapterError(message) from exc

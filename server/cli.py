@@ -89,6 +89,10 @@ def _check_inputs(model: str, loras: dict[str, str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:  # the command itself (not a caller's main(argv)): glibc's setting first
+        from toppings.server.http.allocator import restart_without_tcache
+
+        restart_without_tcache()
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -107,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     from toppings.gpu_lora.peft_config import AdapterError
     from toppings.server.api.app import create_app
     from toppings.server.api.lifecycle import discover
-    from toppings.server.http.allocator import tune_allocator
+    from toppings.server.http.allocator import bound_onednn_caches, tune_allocator
+    from toppings.server.http.memory_probe import start_memory_probe
     from toppings.server.model.loader import CheckpointError
     from toppings.server.requests.request import RequestError
     from toppings.server.runtime import build_engine
@@ -133,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         tune_allocator()
+        bound_onednn_caches()  # before the model's first oneDNN op
+        start_memory_probe()
         engine = build_engine(serve.model, config, loras)
     # An adapter that does not fit the model, a missing shard or tensor of its checkpoint.
     # /dev/shm full, or an adapter refused (its rank, its size, non-finite weights).

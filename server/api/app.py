@@ -144,7 +144,7 @@ def _context(engine, options: ApiOptions) -> ApiContext:
     if options.adapter_store is not None:
         fetch = FetchConfig(options.adapter_store, options.api_key, peers=options.peers,
                             total_timeout_s=options.peer_fetch_timeout_s)  # fmt: skip
-        fetcher = PeerFetcher(engine, fetch)
+        fetcher = PeerFetcher(engine, fetch, thread=admin.thread)
     return ApiContext(
         engine=engine,
         state=state,

@@ -17,13 +17,17 @@ from __future__ import annotations
 import logging
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TypeVar
 
 from toppings.gpu_lora.peft_config import CONFIG_FILE, WEIGHTS_FILE, AdapterError
 from toppings.server.requests.request import RequestError
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 # Names clients put in `model`: letters, digits and a few separators (an org/name form included).
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}")
@@ -128,12 +132,33 @@ def discover(lora_dir: str | os.PathLike) -> dict[str, str]:
     return found
 
 
+class AdapterThread:
+    """The one thread on which adapters are registered and unregistered at run time.
+
+    A load and an unload run torch ops on the adapter pool's rows (an unload zeroes the
+    adapter's rows in every layer) large enough for torch to run them in parallel, and OpenMP
+    gives every thread that starts a parallel region a team of worker threads of its own, kept
+    for that thread's life. On the HTTP handler threads (hundreds, long-lived, woken in turn),
+    every handler that ever loaded or unloaded an adapter kept a team: the soak's thread count
+    and memory grew for an hour (bench/soak.py, issue 48). Here there is one team. Loads and
+    unloads run one at a time, as they did in effect: they take the engine's lock."""
+
+    def __init__(self) -> None:
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="adapter-admin")
+
+    def run(self, fn: Callable[..., T], *args: object) -> T:
+        """fn(*args) on the adapter thread; its result or its exception."""
+        return self._executor.submit(fn, *args).result()
+
+
 class AdapterAdmin:
     """The logic behind /v1/load_lora_adapter and /v1/unload_lora_adapter."""
 
-    def __init__(self, engine, paths: AdapterPaths):
+    def __init__(self, engine, paths: AdapterPaths, thread: AdapterThread | None = None):
+        """thread: where the engine's adapter table changes (shared with the peer fetcher)."""
         self.engine = engine
         self.paths = paths
+        self.thread = thread or AdapterThread()
 
     def load(self, body: dict) -> dict:
         """Register `lora_name` from `lora_path`; returns the adapter's card."""
@@ -145,7 +170,7 @@ class AdapterAdmin:
         if any(a["name"] == name for a in self.engine.adapters()):
             raise RequestError(f"adapter {name!r} is already loaded", 409, "conflict")
         try:
-            adapter = self.engine.add_adapter(name, path)
+            adapter = self.thread.run(self.engine.add_adapter, name, path)
         except AdapterError as exc:
             raise RequestError(f"cannot load adapter {name!r}: {exc}") from None
         except OSError as exc:  # a file replaced while it was read, past the loader's checks
@@ -160,6 +185,6 @@ class AdapterAdmin:
         name = body.get("lora_name")
         if not isinstance(name, str) or not name:
             raise RequestError("'lora_name' must be a non-empty string")
-        self.engine.remove_adapter(name)  # RequestError 404 or 409
+        self.thread.run(self.engine.remove_adapter, name)  # RequestError 404 or 409
         log.info("unloaded adapter %s", name)
         return {"lora_name": name, "unloaded": True}

@@ -54,7 +54,7 @@ import urllib3
 
 from toppings.gpu_lora.peft_config import AdapterError
 from toppings.server.api.adapter_files import FILES, MAX_BYTES, Digest, adapter_digest, is_digest
-from toppings.server.api.lifecycle import check_name, is_within
+from toppings.server.api.lifecycle import AdapterThread, check_name, is_within
 from toppings.server.requests.errors import NOT_FOUND, nests_too_deep, unknown_adapter
 from toppings.server.requests.request import RequestError
 from toppings.server.settings import http_origin
@@ -135,8 +135,16 @@ class KeyedLocks:
 
 
 class PeerFetcher:
-    def __init__(self, engine, config: FetchConfig, session: requests.Session | None = None):
+    def __init__(
+        self,
+        engine,
+        config: FetchConfig,
+        session: requests.Session | None = None,
+        thread: AdapterThread | None = None,
+    ):
+        """thread: where fetched adapters are registered (the adapter admin's)."""
         self.engine = engine
+        self.thread = thread or AdapterThread()
         self.config = config
         self.peers = frozenset(http_origin(p) for p in config.peers)
         os.makedirs(config.store_dir, exist_ok=True)
@@ -215,7 +223,7 @@ class PeerFetcher:
 
     def _register(self, name: str, directory: str, digest: str, peer: str) -> dict:
         try:
-            adapter = self.engine.add_adapter(name, directory)
+            adapter = self.thread.run(self.engine.add_adapter, name, directory)
         except AdapterError as exc:  # intact bytes of a bad adapter: the registry's mistake
             shutil.rmtree(directory, ignore_errors=True)
             raise RequestError(f"fetched adapter {name!r} is not valid: {exc}") from None

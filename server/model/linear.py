@@ -23,7 +23,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import os
 
 import torch
 import torch.nn.functional as F
@@ -31,28 +30,6 @@ import torch.nn.functional as F
 from toppings.server import native
 
 log = logging.getLogger(__name__)
-
-# oneDNN, and ideep above it in torch, keep a compiled primitive for each input shape they meet
-# in an LRU cache each (1024 entries by default). The rows of a projection are the step's token
-# count, so a server meets new shapes for hours and every one stays: that was the RSS growth of
-# the soak (bench/soak.py, issue 48). Bounded to this many entries each: a server fills them
-# within its first minute (at 128 the soak's RSS still grew after 40 minutes: an entry's size
-# grows with the rows, and the large shapes displace the small). A shape missing from the cache
-# costs one primitive creation per weight shape of the step, small beside the product at the
-# rows where oneDNN runs (decode's few rows go to `gemv_bf16`). An operator's own values of the
-# variables are kept.
-ONEDNN_CACHE_ENTRIES = 16
-ONEDNN_CACHE_VARIABLES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
-
-
-def bound_onednn_caches() -> None:
-    """Set the oneDNN and ideep shape caches to ONEDNN_CACHE_ENTRIES unless set already; both
-    read their variable at their first use, so this must run before the first oneDNN op."""
-    for variable in ONEDNN_CACHE_VARIABLES:
-        os.environ.setdefault(variable, str(ONEDNN_CACHE_ENTRIES))
-
-
-bound_onednn_caches()
 
 
 class Linear:

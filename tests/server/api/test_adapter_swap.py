@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import pytest
 
@@ -72,11 +73,15 @@ def test_a_config_swapped_between_symlink_and_file_during_loads_gives_4xx_only(d
     target, stop = racing / CONFIG, threading.Event()
 
     def swap() -> None:
+        # Each state is held for a moment (the sleeps give the loads the interpreter in it):
+        # without them the loads, run on the server's adapter thread, met the link nearly always.
         while not stop.is_set():
             os.symlink("real.json", racing / "link.tmp")
             os.replace(racing / "link.tmp", target)
+            time.sleep(0.0005)
             (racing / "file.tmp").write_bytes((racing / "real.json").read_bytes())
             os.replace(racing / "file.tmp", target)
+            time.sleep(0.0005)
 
     client = create_app(engine, ApiOptions(lora_roots=(str(dirs["root"]),))).test_client()
     swapper = threading.Thread(target=swap)
