@@ -69,4 +69,3 @@ def has_file(dir_fd: int, name: str) -> bool:
 def file_size(f: BinaryIO) -> int:
     """The size of an opened file, from its descriptor."""
     return os.fstat(f.fileno()).st_size
-
