@@ -118,7 +118,10 @@ class StepTimeModel:
 
     def prompt_tokens_within(self, target_ms: float, batch_size: int) -> int:
         """The most prompt tokens a step of batch_size decodes takes on within target_ms."""
-        tokens = (target_ms - self._mixed_decodes_ms(batch_size)) / self.ms_per_token
+        # never less than their decode step: a fit's negative fixed extra is the noise of a
+        # window, and taken as it was it gave a whole long prompt one multi-second step
+        decodes = max(self._mixed_decodes_ms(batch_size), self.decode_step_ms(batch_size))
+        tokens = (target_ms - decodes) / self.ms_per_token
         return max(0, int(tokens)) if math.isfinite(tokens) else 0  # 0: the budget's floor
 
 

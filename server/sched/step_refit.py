@@ -210,12 +210,8 @@ def _fit_mixed(model: StepTimeModel, steps: list[tuple[StepShape, float]]) -> St
     m = model
     beyond = [ms - m.decode_step_ms(s.num_decodes) for s, ms in steps]  # [n]
 
-    def variable(s: StepShape, m: StepTimeModel) -> float:
-        return (m.mixed_ms_per_request * s.num_decodes + m.ms_per_token * s.prompt_tokens
-                + m.ms_per_token_past * s.past_work)  # fmt: skip
-
     scale = statistics.median(
-        (y - m.mixed_fixed_ms) / max(variable(s, m), 1e-9) for (s, _), y in zip(steps, beyond)
+        (y - m.mixed_fixed_ms) / max(_variable_ms(s, m), 1e-9) for (s, _), y in zip(steps, beyond)
     )
     m = replace(
         m,
@@ -234,6 +230,12 @@ def _fit_mixed(model: StepTimeModel, steps: list[tuple[StepShape, float]]) -> St
         slope = max(_theil_sen(rest), 0.0)
     fixed = statistics.median(y - slope * x for x, y in rest)
     return replace(m, ms_per_token_past=slope, mixed_fixed_ms=fixed)
+
+
+def _variable_ms(s: StepShape, m: StepTimeModel) -> float:
+    """What a step with prompt tokens costs beyond the decode line and its fixed extra."""
+    return (m.mixed_ms_per_request * s.num_decodes + m.ms_per_token * s.prompt_tokens
+            + m.ms_per_token_past * s.past_work)  # fmt: skip
 
 
 def _within_band(model: StepTimeModel, prior: StepTimeModel, batch: int) -> StepTimeModel:

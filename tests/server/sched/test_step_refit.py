@@ -233,3 +233,12 @@ def test_a_step_time_no_step_takes_never_breaks_the_budget(ms):
         if model is not None:
             assert budget_of(model).tokens > 0
     assert all(math.isfinite(v) for v in vars(refit.model).values() if isinstance(v, float))
+
+
+def test_a_negative_fixed_extra_never_widens_the_budget():
+    """A window's fit can leave a step with prompt tokens a negative fixed extra (bench_mixed_steps
+    logged -2,420 ms); taken as it was, the budget went to --max-prefill-tokens and a whole
+    3,000-token prompt ran in one 3.6 s step beside 16 streams."""
+    model = replace(TRUE, batch_size=STREAMS, mixed_fixed_ms=0.0)
+    widest = budget_of(replace(model, mixed_ms_per_request=0.0)).tokens  # decodes cost their step
+    assert budget_of(replace(model, mixed_fixed_ms=-2400.0)).tokens <= widest
