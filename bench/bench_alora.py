@@ -79,8 +79,9 @@ def invocation(i: int) -> list[int]:
 class Pipeline:
     """One round: every conversation's turns, each conversation in its own thread."""
 
-    def __init__(self, engine, args, mode: str, seed: int):
+    def __init__(self, engine, args, mode: str, seed: int, probe_base_first: bool = False):
         self.engine, self.args, self.mode = engine, args, mode
+        self.probe_base_first = probe_base_first
         self.gen = torch.Generator().manual_seed(seed)
         vocab = min(engine.model_config.vocab_size, 40000)
         self.vocab = vocab
@@ -150,8 +151,9 @@ class Pipeline:
         return out
 
     def probe(self) -> dict:
-        """Every conversation's checker at once, then base requests on the same prompts at
-        once: both find the same cached prefix (the blocks before the invocation)."""
+        """Every conversation's checker at once, and base requests on the same prompts at
+        once (which first alternates by round): both find the same cached prefix (the blocks
+        before the invocation)."""
         prompts, names = [], []
         for c, conv in enumerate(self.convs):
             name, invoke = self.checker(c, self.args.turns)
@@ -169,8 +171,12 @@ class Pipeline:
             ]
             return [h.result(3600) for h in handles]
 
-        checks = batch(names)
-        bases = batch([None] * len(prompts))
+        if self.probe_base_first:
+            bases = batch([None] * len(prompts))
+            checks = batch(names)
+        else:
+            checks = batch(names)
+            bases = batch([None] * len(prompts))
         return {
             "probe_checker_ttft_ms_p50": 1000 * statistics.median(o.ttft_s for o in checks),
             "probe_base_ttft_ms_p50": 1000 * statistics.median(o.ttft_s for o in bases),
@@ -229,7 +235,8 @@ def main(argv: list[str] | None = None) -> dict:
         for r in range(args.rounds):
             order = MODES if r % 2 == 0 else MODES[::-1]
             for mode in order:
-                result = Pipeline(engine, args, mode, seed=100 + r * 2 + MODES.index(mode)).run()
+                seed = 100 + r * 2 + MODES.index(mode)
+                result = Pipeline(engine, args, mode, seed, probe_base_first=r % 2 == 1).run()
                 log.info("round %d %s: %s", r, mode, result)
                 rounds[mode].append(result)
         device = describe_device("cpu")
