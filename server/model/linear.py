@@ -12,8 +12,8 @@ are missing or disagree. On a GPU nothing is packed.
 At 1-4 rows (decode of a few requests) a bf16 projection only streams its weight, and oneDNN's
 packed GEMM streamed SmolLM2's at about 17 GB/s on two threads (12 on one): there `gemv_bf16`
 (`csrc/linear.c`, 25 and 18 GB/s) reads a plain copy of the weight instead, where the CPU has
-avx512_bf16. The
-plain copy doubles the weights' memory (a tied lm_head shares the embedding's), which is why
+avx512_bf16; float32 likewise has `gemv_f32` where the CPU has AVX-512. The plain copy
+doubles the weights' memory (a tied lm_head shares the embedding's), which is why
 `LlamaModel(plain_gemv=...)` decides it once for the whole model (by default: only where the
 copy takes at most a quarter of the host memory available, `plain_copy_affordable`).
 """
@@ -67,7 +67,7 @@ class Linear:
         bias: torch.Tensor | None = None,
     ):
         """pack: a CPU weight goes through oneDNN, packed once; plain_gemv: also keep the plain
-        bf16 weight for `gemv_bf16` at up to GEMV_MAX_ROWS rows (where it can run); bias: added
+        weight for the native GEMV at up to GEMV_MAX_ROWS rows (where it can run); bias: added
         to every row after the product, on every path (as nn.Linear's addmm adds it)."""
         self.out_features, self.in_features = weight.shape
         if bias is not None and bias.shape != (self.out_features,):
@@ -112,40 +112,51 @@ def plain_copy_affordable(num_bytes: int) -> bool:
     return num_bytes <= PLAIN_COPY_MAX_SHARE * available
 
 
+# The GEMV of each dtype (csrc/linear.c) and what `in` must be a multiple of: bf16 with
+# avx512_bf16, float32 with AVX-512 (at one row it streamed SmolLM2's float32 weights 1.7x
+# faster than oneDNN's packed GEMM, bench/bench_single_stream.py).
+_GEMV = {torch.bfloat16: ("gemv_bf16", 32), torch.float32: ("gemv_f32", 16)}
+
+
 def gemv_fits(weight: torch.Tensor) -> bool:
-    """Whether `gemv_bf16` can run this weight here (bf16 on a CPU, 32 | in, 16 | out)."""
+    """Whether a native GEMV can run this weight here (bf16 or float32 on a CPU, 16 | out, and
+    32 | in for bf16, 16 | in for float32)."""
     out_features, in_features = weight.shape
     return (
         weight.device.type == "cpu"
-        and weight.dtype == torch.bfloat16
-        and in_features % 32 == 0
+        and weight.dtype in _GEMV
+        and in_features % _GEMV[weight.dtype][1] == 0
         and out_features % 16 == 0
-        and gemv_works()
+        and gemv_works(weight.dtype)
     )
 
 
 @functools.cache
-def gemv_works() -> bool:
-    """Whether `gemv_bf16` was built with avx512_bf16 here and agrees with F.linear."""
-    if native.library() is None:
+def gemv_works(dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether the GEMV of `dtype` was built here (avx512_bf16 for bf16, AVX-512 for float32)
+    and agrees with F.linear."""
+    if native.library() is None or dtype not in _GEMV:
         return False
     gen = torch.Generator().manual_seed(0)
-    weight = torch.randn(32, 64, generator=gen).to(torch.bfloat16)
-    x = torch.randn(3, 64, generator=gen).to(torch.bfloat16)
+    weight = torch.randn(32, 64, generator=gen).to(dtype)
+    x = torch.randn(3, 64, generator=gen).to(dtype)
     got = _gemv(x, weight)
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
     return got is not None and torch.allclose(
-        got.float(), F.linear(x.float(), weight.float()), rtol=2e-2, atol=2e-2
+        got.float(), F.linear(x.float(), weight.float()), rtol=tol, atol=tol
     )
 
 
 def _gemv(x: torch.Tensor, plain: torch.Tensor) -> torch.Tensor | None:
-    """x [T, in] bf16 @ plain.T -> [T, out], or None where the kernel declines."""
+    """x [T, in] @ plain.T -> [T, out] in plain's dtype (bf16 or float32), or None where the
+    kernel declines."""
     if x.dim() != 2 or x.shape[1] != plain.shape[1]:
         raise ValueError(f"x {tuple(x.shape)} does not fit a weight of {tuple(plain.shape)}")
-    if x.dtype != torch.bfloat16 or x.stride(-1) != 1:
+    lib = native.library()  # None where the native kernels are off (TOPPINGS_NATIVE=0)
+    if lib is None or x.dtype != plain.dtype or plain.dtype not in _GEMV or x.stride(-1) != 1:
         return None
-    y = torch.empty(x.shape[0], plain.shape[0], dtype=torch.bfloat16)
-    failed = native.library().gemv_bf16(
+    y = torch.empty(x.shape[0], plain.shape[0], dtype=plain.dtype)
+    failed = getattr(lib, _GEMV[plain.dtype][0])(
         ctypes.c_void_p(x.data_ptr()), x.stride(0), ctypes.c_void_p(plain.data_ptr()),
         plain.shape[0], plain.shape[1], ctypes.c_void_p(y.data_ptr()), y.stride(0), x.shape[0],
         torch.get_num_threads(),

@@ -120,9 +120,9 @@ class LlamaModel:
         quantization: Quantization = Quantization.NONE,
     ):
         """pack_cpu_weights: on a CPU, run the projections through oneDNN (linear.py);
-        plain_gemv: where linear.py's bf16 GEMV runs here, keep a plain copy of each weight for
-        steps of 1-4 rows (twice the projections' memory; a tied lm_head shares the embedding);
-        None: where that copy is affordable (`linear.plain_copy_affordable`);
+        plain_gemv: where linear.py's GEMV (bf16 or float32) runs here, keep a plain copy of
+        each weight for steps of 1-4 rows (twice the projections' memory; a tied lm_head shares
+        the embedding); None: where that copy is affordable (`linear.plain_copy_affordable`);
         quantization: int8 / int4 projections (quant.py; lm_head int8 in both), each quantized
         from the checkpoint's own weight (a float tensor, or a GGUF's blocks) at load."""
         self.config = config
@@ -144,8 +144,8 @@ class LlamaModel:
 
         if plain_gemv is None and not quantized:
             plain_gemv = plain_copy_affordable(projection_bytes(config, dtype))
-            if dtype == torch.bfloat16 and self.device.type == "cpu" and not plain_gemv:
-                log.info("no plain weight copy for the bf16 GEMV: it would not fit in memory")
+            if self.device.type == "cpu" and not plain_gemv:
+                log.info("no plain weight copy for the GEMV: it would not fit in memory")
 
         def proj(
             names: list[str], bias: torch.Tensor | None = None, scheme: Quantization = quantization

@@ -5,8 +5,8 @@ request's keys and values into a dense copy; `attention.c` reads them in place, 
 in the prefill of short segments; `attention_tiles.c` attends longer prompt segments (a whole
 prompt, or a chunk after a long past) in blocks, reading the past once per tile of queries.
 `elementwise.c` holds RMSNorm with the residual add, in-place RoPE, silu * up (`fused.py`) and
-the KV write (`kv_cache.py`), `linear.c` the bf16 GEMV, each one call where torch needs many
-small ops. What they share (`common.h`) sits on the include path of every native build
+the KV write (`kv_cache.py`), `linear.c` the bf16 and float32 GEMVs, each one call where torch
+needs many small ops. What they share (`common.h`) sits on the include path of every native build
 (`gpu_lora.kernels.native_build`, which also builds, caches and loads this library, keyed by
 its sources); the LoRA kernel is a library of its own
 (`gpu_lora.kernels.native`). Waking the other OpenMP thread costs tens of microseconds here, so
@@ -41,6 +41,7 @@ SIGNATURES = {  # every function returns int: 0, or nonzero when it failed
     "silu_mul": [_P, _I64, _P, _I64, _I64, _I, _I],
     "kv_write": [_P, _P, _I64, _P, _P, _P] + [_I64] * 5 + [_I],
     "gemv_bf16": [_P, _I64, _P, _I64, _I64, _P, _I64, _I64, _I],
+    "gemv_f32": [_P, _I64, _P, _I64, _I64, _P, _I64, _I64, _I],
 }
 
 

@@ -1,9 +1,15 @@
-"""Incremental detokenization with stop strings, for streaming text as tokens arrive."""
+"""Incremental detokenization with stop strings, for streaming text as tokens arrive.
+
+Each token costs two decodes of a short window, whatever the output's length: the tokens since
+the last text was released plus the one before them (TGI's and vLLM's prefix and read offsets).
+Decoding the window with and without its new tokens and keeping the difference gives the new
+text exactly where a tokenizer's decode of a lone token differs from its decode in context
+(SentencePiece's Metaspace drops the leading space of the first token it decodes: a window that
+only re-decoded its newest tokens would never agree with the full text there, and an earlier
+version of this module then decoded the whole output at every token).
+"""
 
 from __future__ import annotations
-
-# Decoding restarts from this many tokens back, so each step costs O(window), not O(output).
-_WINDOW = 8
 
 
 class TextStream:
@@ -17,51 +23,48 @@ class TextStream:
         self._tok = tokenizer
         self._stop = stop
         self._hold = max((len(s) for s in stop), default=1) - 1
+        # The window: the token whose text was released last (its context), then the tokens
+        # not yet turned into text; _read of them are the context.
         self._ids: list[int] = []
-        self._prefix_idx = 0  # ids before this are decoded into _done_text for good
-        self._done_text = ""
-        self._text = ""  # all text so far
-        self._emitted = 0  # characters of _text already returned
+        self._read = 0
+        self._pending = ""  # text decoded but not yet returned (held back)
         self.stopped = False
 
     def push(self, token_id: int) -> str:
         """Add one token; return the text that became final (possibly empty)."""
         self._ids.append(token_id)
-        window = self._ids[self._prefix_idx :]
-        tail = self._tok.decode(window, skip_special_tokens=True)
-        if tail.endswith("\ufffd"):
+        context = self._decode(self._ids[: self._read])
+        text = self._decode(self._ids)
+        if text.endswith("\ufffd"):
             return ""  # a multi-byte character is not complete yet
-        self._text = self._done_text + tail
-        if len(window) > _WINDOW:
-            # Freeze the oldest tokens; decoding them alone must give the same text prefix.
-            frozen = self._tok.decode(window[:-_WINDOW], skip_special_tokens=True)
-            rest = self._tok.decode(window[-_WINDOW:], skip_special_tokens=True)
-            if frozen + rest == tail:
-                self._done_text += frozen
-                self._prefix_idx += len(window) - _WINDOW
+        if len(text) <= len(context):
+            del self._ids[self._read :]  # no text (a skipped special token): not kept
+            return ""
+        self._pending += text[len(context) :]
+        self._ids = self._ids[self._read :]  # the new tokens; the last is the next context
+        self._read = len(self._ids)
         return self._release()
 
     def finish(self) -> str:
         """The request ended: return whatever text is still held back."""
         if self.stopped:
             return ""
-        out = self._text[self._emitted :]
-        self._emitted = len(self._text)
+        out, self._pending = self._pending, ""
         return out
 
+    def _decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=True) if ids else ""
+
     def _release(self) -> str:
-        for s in self._stop:
-            # Only the new part (plus a stop string's length back) can hold a new match.
-            pos = self._text.find(s, max(0, self._emitted - len(s)))
-            if pos != -1:
-                self._text = self._text[:pos]
-                self.stopped = True
-                out = self._text[self._emitted :]
-                self._emitted = len(self._text)
-                return out
-        safe = len(self._text) - self._hold
-        if safe <= self._emitted:
+        # Held text is at least a stop string's length less one, so a stop string that the new
+        # text completes starts within the pending text.
+        found = [pos for s in self._stop if (pos := self._pending.find(s)) != -1]
+        if found:  # cut before the earliest stop string
+            self.stopped = True
+            out, self._pending = self._pending[: min(found)], ""
+            return out
+        safe = len(self._pending) - self._hold
+        if safe <= 0:
             return ""
-        out = self._text[self._emitted : safe]
-        self._emitted = safe
+        out, self._pending = self._pending[:safe], self._pending[safe:]
         return out

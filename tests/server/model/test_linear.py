@@ -60,12 +60,40 @@ def test_bf16_gemv_matches_f_linear(rows):
         linear(torch.zeros(1, 64, dtype=torch.bfloat16))
 
 
+@pytest.mark.parametrize("rows", [1, 2, 4, 5])  # 5: past the GEMV bound, the packed path
+def test_f32_gemv_matches_f_linear(rows):
+    """The float32 GEMV (80 inputs: two 32-column steps and a 16-column tail) against float64,
+    closer than the float32 product's own rounding allows oneDNN."""
+    from toppings.server import native
+    from toppings.server.model.dtype import cpu_flags
+    from toppings.server.model.linear import gemv_works
+
+    if "avx512f" not in cpu_flags() or native.library() is None:
+        pytest.skip("no AVX-512 float32 GEMV here")
+    assert gemv_works(torch.float32)
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(208, 80, generator=gen)
+    x = torch.randn(rows, 80, generator=gen)
+    linear = Linear(weight.clone(), pack=True, plain_gemv=True)
+    assert linear._plain is not None  # the GEMV's copy is kept
+    got = linear(x)
+    assert got.dtype == torch.float32 and got.shape == (rows, 208)
+    want = F.linear(x.double(), weight.double())
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    wide = torch.cat([x, torch.zeros(rows, 16)], dim=1)[:, :80]  # strided rows
+    torch.testing.assert_close(linear(wide), got, rtol=0, atol=0)
+    with pytest.raises((ValueError, RuntimeError)):  # a row of the wrong width is refused
+        linear(torch.zeros(1, 64))
+
+
 @pytest.mark.parametrize(
     "shape, dtype",
-    [((208, 72), torch.bfloat16), ((200, 96), torch.bfloat16), ((208, 96), torch.float32)],
-)
+    [((208, 72), torch.bfloat16), ((200, 96), torch.bfloat16), ((208, 72), torch.float32),
+     ((200, 96), torch.float32), ((208, 96), torch.float64)],
+)  # fmt: skip
 def test_no_plain_copy_where_the_gemv_cannot_run(shape, dtype):
-    """72 inputs (not 32 | in), 200 outputs (not 16 | out), float32: oneDNN's path only."""
+    """72 inputs (not 32 | in for bf16, not 16 | in for float32), 200 outputs (not 16 | out),
+    float64 (no GEMV): oneDNN's path only."""
     linear = Linear(torch.randn(*shape).to(dtype), pack=True, plain_gemv=True)
     assert linear._plain is None
     assert linear(torch.randn(2, shape[1]).to(dtype)).shape == (2, shape[0])

@@ -1,0 +1,79 @@
+"""TextStream (server/requests/detokenize.py): streamed text equals the tokenizer's decode of the
+whole output, and each token decodes a bounded window whatever the output's length."""
+
+from __future__ import annotations
+
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from toppings.server.requests.detokenize import TextStream
+
+WORDS = ("hello", "world", "foo", "bar", "baz", "é")
+
+
+class CountingTokenizer:
+    """A tokenizer that records the length of every window it decodes."""
+
+    def __init__(self, tok):
+        self.tok, self.lengths = tok, []
+
+    def decode(self, ids, skip_special_tokens=False):
+        self.lengths.append(len(ids))
+        return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def metaspace_tokenizer() -> PreTrainedTokenizerFast:
+    """Llama-2 / Mistral style: SentencePiece's Metaspace, whose decode drops the leading space
+    of the first token it decodes (so a lone token decodes differently than in context)."""
+    vocab = {"<unk>": 0, "</s>": 1}
+    for word in WORDS:
+        vocab["\u2581" + word] = len(vocab)
+        vocab[word] = len(vocab)
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
+    tk.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="first")
+    return PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", eos_token="</s>")
+
+
+def byte_level_tokenizer() -> PreTrainedTokenizerFast:
+    """GPT-2 style byte-level BPE over single bytes: 'é' takes two tokens, the first of which
+    decodes alone to U+FFFD."""
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {"</s>": 0, **{c: i + 1 for i, c in enumerate(sorted(alphabet))}}
+    tk = Tokenizer(models.BPE(vocab, [], unk_token=None))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="</s>")
+
+
+def stream(tok, ids, stop=()) -> tuple[str, TextStream]:
+    s = TextStream(tok, stop)
+    out = []
+    for token in ids:
+        out.append(s.push(token))
+        if s.stopped:
+            break
+    return "".join(out) + s.finish(), s
+
+
+@pytest.mark.parametrize("make", [metaspace_tokenizer, byte_level_tokenizer])
+def test_streamed_text_is_the_whole_decode_in_a_bounded_window(make):
+    tok = make()
+    text = " ".join(WORDS[i % len(WORDS)] for i in range(400))
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    ids = ids[:40] + [tok.eos_token_id] + ids[40:]  # a skipped special token on the way
+    counting = CountingTokenizer(tok)
+    got, _ = stream(counting, ids)
+    assert got == tok.decode(ids, skip_special_tokens=True)
+    assert len(ids) > 400 and max(counting.lengths) <= 4  # not the whole output every token
+
+
+@pytest.mark.parametrize("make", [metaspace_tokenizer, byte_level_tokenizer])
+def test_stop_strings_cut_at_the_earliest_and_across_tokens(make):
+    tok = make()
+    ids = tok("hello world foo bar baz hello world", add_special_tokens=False)["input_ids"]
+    got, s = stream(tok, ids, stop=("baz", "o b"))
+    assert s.stopped and got == "hello world fo"
+    got, s = stream(tok, ids, stop=("nowhere",))
+    assert not s.stopped and got == tok.decode(ids)
