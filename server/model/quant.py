@@ -19,11 +19,14 @@ as for a float projection.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from toppings.server import native
 from toppings.server.config import Quantization
 
 INT4_GROUP = 32  # divides every hidden and head size served, and is GGUF's block of 32
@@ -137,6 +140,70 @@ def kernel_max_rows(dtype: torch.dtype, scheme: Quantization) -> int:
     return 1 if scheme is Quantization.INT4 else 0
 
 
+GEMV_ROWS = 4  # csrc/gemv_int8.c's bound: one pass over the weight for every row
+GEMV_ISA = {"best": 0, "avx2": 1, "c": 2, "avx512": 512}  # gemv_int8's `isa` argument
+
+
+def int8_gemv(
+    x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, isa: str = "best"
+) -> torch.Tensor | None:
+    """x [T, in] (float32 or bfloat16, T <= GEMV_ROWS) @ (q * scales[:, None]).T -> [T, out] in
+    x's dtype, through the native int8 GEMV (csrc/gemv_int8.c); q [out, in] int8 contiguous,
+    scales [out] float32. None where it declines (no native library, a shape or dtype it does
+    not take, or `isa` not built here)."""
+    lib = native.library()
+    if (
+        lib is None
+        or x.dim() != 2
+        or x.dtype not in (torch.float32, torch.bfloat16)
+        or x.stride(-1) != 1
+        or q.dtype != torch.int8
+        or not q.is_contiguous()
+        or scales.dtype != torch.float32
+        or not scales.is_contiguous()
+        or x.shape[1] != q.shape[1]
+        or scales.shape != q.shape[:1]
+    ):
+        return None
+    y = torch.empty(x.shape[0], q.shape[0], dtype=x.dtype)
+    failed = lib.gemv_int8(
+        ctypes.c_void_p(x.data_ptr()), x.stride(0), int(x.dtype == torch.bfloat16),
+        ctypes.c_void_p(q.data_ptr()), ctypes.c_void_p(scales.data_ptr()), q.shape[0],
+        q.shape[1], ctypes.c_void_p(y.data_ptr()), y.stride(0), x.shape[0], GEMV_ISA[isa],
+        torch.get_num_threads(),
+    )  # fmt: skip
+    return None if failed else y
+
+
+@functools.cache
+def int8_gemv_works(dtype: torch.dtype) -> bool:
+    """Whether the native int8 GEMV runs here for activations in `dtype` and agrees with F.linear
+    on the dequantized weight (checked once per dtype)."""
+    if dtype not in (torch.float32, torch.bfloat16):
+        return False
+    gen = torch.Generator().manual_seed(0)
+    weight = quantize_int8(torch.randn(32, 64, generator=gen))
+    x = torch.randn(3, 64, generator=gen).to(dtype)
+    scales = weight.scales.to(dtype).float()
+    got = int8_gemv(x, weight.q, scales)
+    want = F.linear(x.float(), weight.dequantize(dtype))
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    return got is not None and torch.allclose(got.float(), want, rtol=tol, atol=tol)
+
+
+def gemv_rows(dtype: torch.dtype, scheme: Quantization, out_features: int, in_features: int) -> int:
+    """The most rows a product of this weight runs through the native GEMV: GEMV_ROWS for int8
+    with float32 or bfloat16 activations where it runs here and 16 divides both sizes, else 0.
+
+    Measured on this project's 2-core AMD EPYC (shared, one thread, bench_single_stream's
+    decode step at batch 1): see docs/serving.md; it reads each int8 row once for all the
+    rows, where torch's int8 kernel streams the weight once per row and only vectorizes bf16.
+    """
+    if scheme is not Quantization.INT8 or out_features % 16 or in_features % 16:
+        return 0
+    return GEMV_ROWS if int8_gemv_works(dtype) else 0
+
+
 DEQUANT_ROWS = 4096  # output channels dequantized at a time past kernel_max_rows: bounded memory
 INT4_BLOCK_ROWS = 64  # the CPU int4 pack's block of output rows: [out / 64, in, 32] bytes
 
@@ -145,8 +212,10 @@ class QuantizedLinear:
     """y = x @ W.T (+ b) for a weight-only int8 or int4 W [out, in]; x [T, in] float32,
     bfloat16 or float16 (the `dtype` given) -> y [T, out] in that dtype.
 
-    Up to `kernel_max_rows(dtype, scheme)` rows (bfloat16 decode) go through torch's packed
-    kernel, which reads the quantized weight only; more rows (prefill, and float32 models)
+    int8 up to `gemv_rows` rows (decode of 1-4 requests, float32 or bfloat16) goes through the
+    native int8 GEMV (csrc/gemv_int8.c); else up to `kernel_max_rows(dtype, scheme)` rows
+    (bfloat16 decode) go through torch's packed kernel, which reads the quantized weight only;
+    more rows (prefill, and float32 models)
     multiply by the weight dequantized to float32, DEQUANT_ROWS output channels at a time.
     Both multiply by the same values (the scales as kept in `dtype`) and accumulate in float32.
     """
@@ -167,9 +236,13 @@ class QuantizedLinear:
             self.scheme = Quantization.INT8
             self._q = weight.q.contiguous()  # [out, in] int8
             self._scales = weight.scales.to(dtype)  # [out]
+            # the native GEMV's rows, and its scales: those in `dtype`, as float32
+            self.gemv_rows = gemv_rows(dtype, self.scheme, self.out_features, self.in_features)
+            self._gemv_scales = self._scales.float().contiguous()
             return
         _check_int4_shape(self.out_features, self.in_features)
         self.scheme = Quantization.INT4
+        self.gemv_rows = 0  # no native int4 GEMV (yet)
         # Output rows padded to the pack's block of 64 (padding: q 8, scale 1, zero 0, i.e. 0),
         # so that the packed bytes have one known layout the prefill path unpacks.
         padded = -(-self.out_features // INT4_BLOCK_ROWS) * INT4_BLOCK_ROWS
@@ -192,7 +265,12 @@ class QuantizedLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()
-        if x.shape[0] > self.max_kernel_rows:
+        y = None
+        if x.shape[0] <= self.gemv_rows:
+            y = int8_gemv(x, self._q, self._gemv_scales)
+        if y is not None:
+            pass
+        elif x.shape[0] > self.max_kernel_rows:
             y = self._dequantized_product(x)
         elif self.scheme is Quantization.INT8:
             y = torch.ops.aten._weight_int8pack_mm(x, self._q, self._scales)
