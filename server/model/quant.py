@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from toppings.server import native
 from toppings.server.config import Quantization
+from toppings.server.model.linear import plain_copy_affordable
 
 INT4_GROUP = 32  # divides every hidden and head size served, and is GGUF's block of 32
 INT8_MAX = 127
@@ -191,17 +192,87 @@ def int8_gemv_works(dtype: torch.dtype) -> bool:
     return got is not None and torch.allclose(got.float(), want, rtol=tol, atol=tol)
 
 
-def gemv_rows(dtype: torch.dtype, scheme: Quantization, out_features: int, in_features: int) -> int:
-    """The most rows a product of this weight runs through the native GEMV: GEMV_ROWS for int8
-    with float32 or bfloat16 activations where it runs here and 16 divides both sizes, else 0.
+def int4_gemv_layout(weight: Int4Weight, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """The native int4 GEMV's own copy of `weight` (csrc/gemv_int8.c, gemv_int4): the values
+    [out, in / 2] uint8, a group of 32 inputs in 16 bytes (input k in the low nibble of byte k,
+    input k + 16 in its high nibble); the scales and offsets [out, in / 32] float32 with
+    W = scale * q + offset (offset = zero - 8 scale), scale and zero as kept in `dtype`."""
+    out_features, in_features = weight.q.shape
+    groups = weight.q.view(out_features, -1, INT4_GROUP)  # [out, G, 32]
+    packed = groups[..., :16] | (groups[..., 16:] << 4)
+    scales = weight.scales.to(dtype).float()
+    offsets = weight.zeros.to(dtype).float() - 8 * scales
+    return packed.reshape(out_features, in_features // 2).contiguous(), scales, offsets
 
-    Measured on this project's 2-core AMD EPYC (shared, one thread, bench_single_stream's
-    decode step at batch 1): see docs/serving.md; it reads each int8 row once for all the
-    rows, where torch's int8 kernel streams the weight once per row and only vectorizes bf16.
+
+def int4_gemv(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    offsets: torch.Tensor,
+    isa: str = "best",
+) -> torch.Tensor | None:
+    """x [T, in] (float32 or bfloat16, T <= GEMV_ROWS) @ W.T -> [T, out] in x's dtype through
+    the native int4 GEMV, W as `int4_gemv_layout` gave (packed, scales, offsets). None where it
+    declines (as int8_gemv)."""
+    lib = native.library()
+    groups = packed.shape[1] * 2 // INT4_GROUP
+    if (
+        lib is None
+        or x.dim() != 2
+        or x.dtype not in (torch.float32, torch.bfloat16)
+        or x.stride(-1) != 1
+        or packed.dtype != torch.uint8
+        or not packed.is_contiguous()
+        or x.shape[1] != packed.shape[1] * 2
+        or any(t.dtype != torch.float32 or not t.is_contiguous() for t in (scales, offsets))
+        or scales.shape != (packed.shape[0], groups)
+        or offsets.shape != scales.shape
+    ):
+        return None
+    y = torch.empty(x.shape[0], packed.shape[0], dtype=x.dtype)
+    failed = lib.gemv_int4(
+        ctypes.c_void_p(x.data_ptr()), x.stride(0), int(x.dtype == torch.bfloat16),
+        ctypes.c_void_p(packed.data_ptr()), ctypes.c_void_p(scales.data_ptr()),
+        ctypes.c_void_p(offsets.data_ptr()), packed.shape[0], x.shape[1],
+        ctypes.c_void_p(y.data_ptr()), y.stride(0), x.shape[0], GEMV_ISA[isa],
+        torch.get_num_threads(),
+    )  # fmt: skip
+    return None if failed else y
+
+
+@functools.cache
+def int4_gemv_works(dtype: torch.dtype) -> bool:
+    """Whether the native int4 GEMV runs here for activations in `dtype` and agrees with
+    F.linear on the dequantized weight (checked once per dtype)."""
+    if dtype not in (torch.float32, torch.bfloat16):
+        return False
+    gen = torch.Generator().manual_seed(0)
+    weight = quantize_int4(torch.randn(32, 64, generator=gen))
+    x = torch.randn(3, 64, generator=gen).to(dtype)
+    got = int4_gemv(x, *int4_gemv_layout(weight, dtype))
+    want = F.linear(x.float(), weight.dequantize(dtype))
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    return got is not None and torch.allclose(got.float(), want, rtol=tol, atol=tol)
+
+
+def gemv_rows(dtype: torch.dtype, scheme: Quantization, out_features: int, in_features: int) -> int:
+    """The most rows a product of this weight runs through the native GEMV: GEMV_ROWS where the
+    scheme's GEMV runs here with float32 or bfloat16 activations and takes the shape (16 | out;
+    16 | in for int8, 32 | in for int4), else 0. int4 keeps its GEMV copy beside torch's packed
+    one (which the prefill unpacks): only where `plain_copy_affordable` allows it.
+
+    The GEMVs read each quantized row once for all the rows, where torch's kernels stream the
+    weight once per row and vectorize bfloat16 only (docs/serving.md has the measurements).
     """
-    if scheme is not Quantization.INT8 or out_features % 16 or in_features % 16:
+    if out_features % 16 or dtype not in (torch.float32, torch.bfloat16):
         return 0
-    return GEMV_ROWS if int8_gemv_works(dtype) else 0
+    if scheme is Quantization.INT8:
+        return GEMV_ROWS if in_features % 16 == 0 and int8_gemv_works(dtype) else 0
+    copy_bytes = out_features * in_features // 2 + 8 * out_features * (in_features // INT4_GROUP)
+    if in_features % INT4_GROUP or not plain_copy_affordable(copy_bytes):
+        return 0
+    return GEMV_ROWS if int4_gemv_works(dtype) else 0
 
 
 DEQUANT_ROWS = 4096  # output channels dequantized at a time past kernel_max_rows: bounded memory
@@ -212,8 +283,8 @@ class QuantizedLinear:
     """y = x @ W.T (+ b) for a weight-only int8 or int4 W [out, in]; x [T, in] float32,
     bfloat16 or float16 (the `dtype` given) -> y [T, out] in that dtype.
 
-    int8 up to `gemv_rows` rows (decode of 1-4 requests, float32 or bfloat16) goes through the
-    native int8 GEMV (csrc/gemv_int8.c); else up to `kernel_max_rows(dtype, scheme)` rows
+    Up to `gemv_rows` rows (decode of 1-4 requests, float32 or bfloat16) go through the native
+    int8 / int4 GEMV (csrc/gemv_int8.c); else up to `kernel_max_rows(dtype, scheme)` rows
     (bfloat16 decode) go through torch's packed kernel, which reads the quantized weight only;
     more rows (prefill, and float32 models)
     multiply by the weight dequantized to float32, DEQUANT_ROWS output channels at a time.
@@ -242,7 +313,8 @@ class QuantizedLinear:
             return
         _check_int4_shape(self.out_features, self.in_features)
         self.scheme = Quantization.INT4
-        self.gemv_rows = 0  # no native int4 GEMV (yet)
+        self.gemv_rows = gemv_rows(dtype, self.scheme, self.out_features, self.in_features)
+        self._gemv_int4 = int4_gemv_layout(weight, dtype) if self.gemv_rows else None
         # Output rows padded to the pack's block of 64 (padding: q 8, scale 1, zero 0, i.e. 0),
         # so that the packed bytes have one known layout the prefill path unpacks.
         padded = -(-self.out_features // INT4_BLOCK_ROWS) * INT4_BLOCK_ROWS
@@ -267,7 +339,10 @@ class QuantizedLinear:
         x = x.contiguous()
         y = None
         if x.shape[0] <= self.gemv_rows:
-            y = int8_gemv(x, self._q, self._gemv_scales)
+            if self.scheme is Quantization.INT8:
+                y = int8_gemv(x, self._q, self._gemv_scales)
+            else:
+                y = int4_gemv(x, *self._gemv_int4)
         if y is not None:
             pass
         elif x.shape[0] > self.max_kernel_rows:

@@ -46,6 +46,7 @@ SIGNATURES = {  # every function returns int: 0, or nonzero when it failed
     "gemv_f32_avx2": [_P, _I64, _P, _I64, _I64, _P, _I64, _I64, _I],
     "gemv_bf16_avx2": [_P, _I64, _P, _I64, _I64, _P, _I64, _I64, _I],
     "gemv_int8": [_P, _I64, _I, _P, _P, _I64, _I64, _P, _I64, _I64, _I, _I],
+    "gemv_int4": [_P, _I64, _I, _P, _P, _P, _I64, _I64, _P, _I64, _I64, _I, _I],
 }
 
 

@@ -174,6 +174,144 @@ int gemv_int8(const void *x, int64_t ld_x, int x_is_bf16, const int8_t *q, const
     return 0;
 }
 
+/* gemv_int4: y[t, o] = sum_g sum_k x[t, 32 g + k] * (scale[o, g] * q[o, 32 g + k] + offset[o, g])
+ * for t < T (1-4); q in [0, 15] as this file's own layout, packed [out, in / 2] uint8: the 16
+ * bytes of a group of 32 inputs hold input k in the low nibble of byte k and input k + 16 in its
+ * high nibble; scale, offset [out, in / 32] float32 (offset = zero - 8 scale of quant.py's
+ * Int4Weight). x float32 or bf16 (x_is_bf16), y in x's dtype; 32 | in, 16 | out. Each group's
+ * weights are dequantized once in registers (one FMA) for all T rows, and FMA'd with x in
+ * float32. isa as gemv_int8's. Returns 2 where it does not suit (nothing written). */
+static inline float nibble(const uint8_t *g, int k) {
+    return (float)(k < 16 ? g[k] & 15 : g[k - 16] >> 4);
+}
+
+static void rows_int4_c(const float *xf, int64_t in, const uint8_t *q, const float *scale,
+                        const float *offset, int64_t o0, int64_t o1, void *y, int y_bf16,
+                        int64_t ld_y, int64_t T) {
+    int64_t groups = in / 32;
+    for (int64_t o = o0; o < o1; o++) {
+        float acc[4][16] = {{0}};
+        for (int64_t g = 0; g < groups; g++) {
+            const uint8_t *b = q + o * (in / 2) + g * 16;
+            float s = scale[o * groups + g], c = offset[o * groups + g];
+            for (int k = 0; k < 32; k++) {
+                float w = s * nibble(b, k) + c;
+                for (int64_t t = 0; t < T; t++) acc[t][k % 16] += w * xf[t * in + g * 32 + k];
+            }
+        }
+        for (int64_t t = 0; t < T; t++) {
+            float sum = 0;
+            for (int k = 0; k < 16; k++) sum += acc[t][k];
+            st(y, y_bf16, t * ld_y + o, sum);
+        }
+    }
+}
+
+#ifdef HAVE_AVX2
+static void rows_int4_avx2(const float *xf, int64_t in, const uint8_t *q, const float *scale,
+                           const float *offset, int64_t o0, int64_t o1, void *y, int y_bf16,
+                           int64_t ld_y, int64_t T) {
+    int64_t groups = in / 32;
+    const __m256i low = _mm256_set1_epi32(15);
+    for (int64_t o = o0; o < o1; o++) {
+        __m256 acc[4][2];
+        for (int64_t t = 0; t < T; t++) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+        for (int64_t g = 0; g < groups; g++) {
+            const uint8_t *b = q + o * (in / 2) + g * 16;
+            __m256 s = _mm256_set1_ps(scale[o * groups + g]);
+            __m256 c = _mm256_set1_ps(offset[o * groups + g]);
+            for (int h = 0; h < 2; h++) { /* bytes 8h .. 8h + 8: inputs 8h + k and 16 + 8h + k */
+                __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(b + 8 * h)));
+                __m256 lo = _mm256_fmadd_ps(
+                    _mm256_cvtepi32_ps(_mm256_and_si256(bytes, low)), s, c);
+                __m256 hi = _mm256_fmadd_ps(
+                    _mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4)), s, c);
+                for (int64_t t = 0; t < T; t++) {
+                    const float *xg = xf + t * in + g * 32 + 8 * h;
+                    acc[t][0] = _mm256_fmadd_ps(lo, _mm256_loadu_ps(xg), acc[t][0]);
+                    acc[t][1] = _mm256_fmadd_ps(hi, _mm256_loadu_ps(xg + 16), acc[t][1]);
+                }
+            }
+        }
+        for (int64_t t = 0; t < T; t++)
+            st(y, y_bf16, t * ld_y + o, hsum8(_mm256_add_ps(acc[t][0], acc[t][1])));
+    }
+}
+#endif
+
+#ifdef __AVX512F__
+static inline __attribute__((always_inline)) void block_int4_avx512(
+    const float *xf, int64_t in, const uint8_t *q, const float *scale, const float *offset,
+    int64_t blk, void *y, int y_bf16, int64_t ld_y, int64_t T) {
+    int64_t groups = in / 32;
+    const __m512i low = _mm512_set1_epi32(15);
+    __m512 part[4][16];
+    for (int j = 0; j < 16; j++) {
+        int64_t o = blk * 16 + j;
+        __m512 lo_acc[4], hi_acc[4];
+        for (int64_t t = 0; t < T; t++) lo_acc[t] = hi_acc[t] = _mm512_setzero_ps();
+        for (int64_t g = 0; g < groups; g++) {
+            __m512i bytes = _mm512_cvtepu8_epi32(
+                _mm_loadu_si128((const __m128i *)(q + o * (in / 2) + g * 16)));
+            __m512 s = _mm512_set1_ps(scale[o * groups + g]);
+            __m512 c = _mm512_set1_ps(offset[o * groups + g]);
+            __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(bytes, low)), s, c);
+            __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4)), s, c);
+            for (int64_t t = 0; t < T; t++) {
+                const float *xg = xf + t * in + g * 32;
+                lo_acc[t] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xg), lo_acc[t]);
+                hi_acc[t] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xg + 16), hi_acc[t]);
+            }
+        }
+        for (int64_t t = 0; t < T; t++)
+            part[t][TRANSPOSED(j)] = _mm512_add_ps(lo_acc[t], hi_acc[t]);
+    }
+    for (int64_t t = 0; t < T; t++) store16(y, y_bf16, t * ld_y + blk * 16, reduce16(part[t]));
+}
+#endif
+
+int gemv_int4(const void *x, int64_t ld_x, int x_is_bf16, const uint8_t *q, const float *scale,
+              const float *offset, int64_t out, int64_t in, void *y, int64_t ld_y, int64_t T,
+              int isa, int num_threads) {
+    if (T < 1 || T > 4 || in % 32 != 0 || out % 16 != 0 || in < 32) return 2;
+#ifdef __AVX512F__
+    if (isa == ISA_BEST) isa = ISA_AVX512;
+#elif defined(HAVE_AVX2)
+    if (isa == ISA_BEST) isa = ISA_AVX2;
+#else
+    if (isa == ISA_BEST) isa = ISA_C;
+#endif
+#ifndef __AVX512F__
+    if (isa == ISA_AVX512) return 2;
+#endif
+#ifndef HAVE_AVX2
+    if (isa == ISA_AVX2) return 2;
+#endif
+    if (isa != ISA_AVX512 && isa != ISA_AVX2 && isa != ISA_C) return 2;
+    float *xf = x_as_f32(x, ld_x, x_is_bf16, T, in);
+    if (!xf) return 1;
+    int64_t blocks = out / 16;
+#pragma omp parallel for num_threads(threads_for(out * in / 2, num_threads)) schedule(static)
+    for (int64_t blk = 0; blk < blocks; blk++) {
+#ifdef __AVX512F__
+        if (isa == ISA_AVX512) {
+            block_int4_avx512(xf, in, q, scale, offset, blk, y, x_is_bf16, ld_y, T);
+            continue;
+        }
+#endif
+#ifdef HAVE_AVX2
+        if (isa == ISA_AVX2) {
+            rows_int4_avx2(xf, in, q, scale, offset, blk * 16, blk * 16 + 16, y, x_is_bf16, ld_y,
+                           T);
+            continue;
+        }
+#endif
+        rows_int4_c(xf, in, q, scale, offset, blk * 16, blk * 16 + 16, y, x_is_bf16, ld_y, T);
+    }
+    free(xf);
+    return 0;
+}
+
 /* linear.c's GEMV over a plain float32 (is_bf16 0) or bf16 weight, with AVX2 + FMA. */
 static int gemv_float_avx2(const void *x, int64_t ld_x, const void *W, int64_t out, int64_t in,
                            void *y, int64_t ld_y, int64_t T, int is_bf16, int num_threads) {

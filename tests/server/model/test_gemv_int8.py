@@ -1,8 +1,8 @@
-"""The native int8 GEMV (csrc/gemv_int8.c, `quant.int8_gemv`) and the AVX2 + FMA float32 /
-bf16 GEMVs beside it, against float torch references: every ISA variant this machine runs
-(AVX-512, AVX2 + FMA, plain C), float32 and bfloat16 activations, 1-4 rows, SmolLM2's shapes,
-the shapes they must decline, and builds of the library without AVX-512 (as on an AVX2-only
-AMD EPYC) and without AVX2, which this CPU runs as well."""
+"""The native int8 and int4 GEMVs (csrc/gemv_int8.c, `quant.int8_gemv`, `quant.int4_gemv`) and
+the AVX2 + FMA float32 / bf16 GEMVs beside them, against float torch references: every ISA
+variant this machine runs (AVX-512, AVX2 + FMA, plain C), float32 and bfloat16 activations, 1-4
+rows, SmolLM2's shapes, the shapes they must decline, and builds of the library without AVX-512
+(as on an AVX2-only AMD EPYC) and without AVX2, which this CPU runs as well."""
 
 from __future__ import annotations
 
@@ -16,12 +16,18 @@ import torch.nn.functional as F
 
 from toppings.gpu_lora.kernels import native_build
 from toppings.server import native
-from toppings.server.config import Quantization
 from toppings.server.model import linear as linear_module
 from toppings.server.model import quant
 from toppings.server.model.dtype import cpu_flags
 from toppings.server.model.linear import Linear
-from toppings.server.model.quant import QuantizedLinear, int8_gemv, quantize_int8
+from toppings.server.model.quant import (
+    QuantizedLinear,
+    int4_gemv,
+    int4_gemv_layout,
+    int8_gemv,
+    quantize_int4,
+    quantize_int8,
+)
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason="no native library here")
 
@@ -119,9 +125,70 @@ def test_quantized_linear_runs_the_gemv_at_one_to_four_rows(dtype, monkeypatch):
     assert calls == [1, 3, 4]
 
 
-def test_int4_has_no_gemv():
-    linear = QuantizedLinear(quant.quantize(torch.randn(64, 64), Quantization.INT4), torch.float32)
-    assert linear.gemv_rows == 0
+# int4: 96 inputs are 3 groups of 32
+INT4_SHAPES = [(576, 576), (1536, 576), (576, 1536), (49152, 576), (48, 96)]
+
+
+@pytest.mark.parametrize("shape", INT4_SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("isa", isas())
+def test_int4_gemv_matches_the_dequantized_product(shape, dtype, isa):
+    out_features, in_features = shape
+    gen = torch.Generator().manual_seed(out_features + in_features)
+    weight = quantize_int4(torch.randn(shape, generator=gen) * 0.05)
+    layout = int4_gemv_layout(weight, dtype)
+    plain = weight.dequantize(dtype).double()  # scales and zeros as kept in `dtype`
+    for rows in (1, 2, 3, 4):
+        x = torch.randn(rows, in_features, generator=gen).to(dtype)
+        got = int4_gemv(x, *layout, isa)
+        assert got is not None and got.dtype == dtype and got.shape == (rows, out_features)
+        check_close(got, F.linear(x.double(), plain), dtype)
+        wide = torch.cat([x, torch.ones(rows, 16, dtype=dtype)], dim=1)[:, :in_features]
+        assert torch.equal(int4_gemv(wide, *layout, isa), got)
+
+
+@pytest.mark.parametrize(
+    "shape, rows, dtype",
+    [((200, 96), 1, torch.float32), ((208, 96), 5, torch.float32), ((208, 96), 1, torch.float16)],
+)  # fmt: skip
+def test_int4_gemv_declines_what_it_does_not_take(shape, rows, dtype):
+    """200 outputs (not 16 | out), 5 rows, float16: None, and torch's paths in QuantizedLinear
+    (int4 refuses inputs that are not groups of 32 at quantization: test_quant.py)."""
+    weight = quantize_int4(torch.randn(shape))
+    x = torch.randn(rows, shape[1]).to(dtype)
+    layout = int4_gemv_layout(weight, torch.float32)
+    for isa in isas():
+        assert int4_gemv(x, *layout, isa) is None
+    linear = QuantizedLinear(weight, dtype)
+    if shape[0] % 16 or dtype == torch.float16:
+        assert linear.gemv_rows == 0
+    want = F.linear(x.float(), weight.dequantize(dtype))
+    torch.testing.assert_close(linear(x).float(), want, rtol=2e-3, atol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantized_linear_runs_the_int4_gemv_at_one_to_four_rows(dtype, monkeypatch):
+    if not quant.int4_gemv_works(dtype):
+        pytest.skip("the native int4 GEMV does not run here")
+    calls = []
+    gemv = quant.int4_gemv
+
+    def counted(x, *args, **kwargs):
+        calls.append(x.shape[0])
+        return gemv(x, *args, **kwargs)
+
+    monkeypatch.setattr(quant, "int4_gemv", counted)
+    gen = torch.Generator().manual_seed(8)
+    weight = quantize_int4(torch.randn(200 + 8, 576, generator=gen))
+    linear = QuantizedLinear(weight, dtype)
+    assert linear.gemv_rows == 4
+    for rows in (1, 4, 5):
+        x = torch.randn(rows, 576, generator=gen).to(dtype)
+        check_close(linear(x), F.linear(x.double(), weight.dequantize(dtype).double()), dtype)
+    assert calls == [1, 4]
+    linear.gemv_rows = 0  # torch's int4 paths give the same product
+    want = F.linear(x[:1].double(), weight.dequantize(dtype).double())
+    torch.testing.assert_close(linear(x[:1]).double(), want, rtol=2**-7, atol=1e-2)
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -212,6 +279,16 @@ def call_int8(lib, x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, isa: 
     return None if failed else y
 
 
+def call_int4(lib, x, packed, scales, offsets):
+    y = torch.empty(x.shape[0], packed.shape[0], dtype=x.dtype)
+    failed = lib.gemv_int4(
+        x.data_ptr(), x.stride(0), int(x.dtype == torch.bfloat16), packed.data_ptr(),
+        scales.data_ptr(), offsets.data_ptr(), packed.shape[0], x.shape[1], y.data_ptr(),
+        y.stride(0), x.shape[0], 0, 2,
+    )  # fmt: skip
+    return None if failed else y
+
+
 @pytest.mark.parametrize("build", ["avx2", "plain"])
 def test_builds_without_avx512_run_and_match(tmp_path, build):
     """The library built with -mno-avx512f (what -march=native gives on an AVX2-only EPYC): the
@@ -224,13 +301,17 @@ def test_builds_without_avx512_run_and_match(tmp_path, build):
         tmp_path, ["-mno-avx512f"] if build == "avx2" else ["-mno-avx2", "-mno-fma"]
     )
     gen = torch.Generator().manual_seed(7)
-    for out_features, in_features in [(1536, 576), (576, 1536), (48, 80)]:
+    for out_features, in_features in [(1536, 576), (576, 1536), (48, 96)]:
         weight = quantize_int8(torch.randn(out_features, in_features, generator=gen) * 0.05)
         plain = weight.dequantize()
         for dtype in (torch.float32, torch.bfloat16):
             scales = weight.scales.to(dtype).float()
             for rows in (1, 3, 4):
                 x = torch.randn(rows, in_features, generator=gen).to(dtype)
+                w4 = quantize_int4(plain)
+                layout = int4_gemv_layout(w4, dtype)
+                y4 = call_int4(lib, x, *layout)
+                check_close(y4, F.linear(x.double(), w4.dequantize(dtype).double()), dtype)
                 best = call_int8(lib, x, weight.q, scales, quant.GEMV_ISA["best"])
                 check_close(best, reference(x, weight.q, scales), dtype)
                 assert call_int8(lib, x, weight.q, scales, quant.GEMV_ISA["avx512"]) is None
