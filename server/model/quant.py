@@ -1,5 +1,6 @@
-"""Weight-only int8 / int4 base projections on a CPU (`--quantization`), through torch's packed
-CPU kernels.
+"""Weight-only int8 / int4 base projections on a CPU (`--quantization`), through the engine's
+own GEMVs at 1-4 rows (csrc/gemv_int8.c) and torch's packed CPU kernels or a dequantized product
+at more.
 
 - int8: one symmetric scale per output channel, `W[o, i] ~ q[o, i] * scale[o]`, q in
   [-127, 127]; `torch.ops.aten._weight_int8pack_mm`.
@@ -9,7 +10,7 @@ CPU kernels.
   float weights: min/max of each group (asymmetric). GGUF's Q4_0 (`d * (q - 8)`) and Q4_1
   (`d * q + m`) blocks are groups of 32 of this form (zero 0, resp. m + 8 d), taken as they are.
 
-Both kernels take the activation in float32, bfloat16 or float16 and the scales in that same
+torch's kernels take the activation in float32, bfloat16 or float16 and the scales in that same
 dtype (a bfloat16 model rounds its scales to bfloat16: `dequantize(dtype)` gives the weight the
 kernel multiplies by). The product accumulates in float32 and returns the activation's dtype.
 The kernels suit a decode step's few rows only (`kernel_max_rows`): a prefill's rows multiply
