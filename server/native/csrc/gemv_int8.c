@@ -24,6 +24,18 @@
 #define ISA_C 2
 #define ISA_AVX512 512
 
+/* CALL(t) with t a constant 1-4 equal to T: the kernels are inlined with their row count known,
+ * so that their per-row accumulators stay in registers (a runtime count kept them in memory). */
+#define WITH_CONST_T(T, CALL)                                                                  \
+    do {                                                                                       \
+        switch (T) {                                                                           \
+        case 1: CALL(1); break;                                                                \
+        case 2: CALL(2); break;                                                                \
+        case 3: CALL(3); break;                                                                \
+        default: CALL(4); break;                                                               \
+        }                                                                                      \
+    } while (0)
+
 /* x [T, in] (either dtype, row stride ld_x) as float32 [T, in] contiguous, in a fresh buffer. */
 static float *x_as_f32(const void *x, int64_t ld_x, int is_bf16, int64_t T, int64_t in) {
     float *xf = malloc(sizeof(float) * (size_t)(T * in));
@@ -117,7 +129,7 @@ static inline __attribute__((always_inline)) void block_int8_avx512(
 #endif
 
 /* Plain C: the same sums in float32, one output row at a time. */
-static void rows_c(const float *xf, int64_t in, const int8_t *q, const float *scale, int64_t o0,
+static inline __attribute__((always_inline)) void rows_c(const float *xf, int64_t in, const int8_t *q, const float *scale, int64_t o0,
                    int64_t o1, void *y, int y_bf16, int64_t ld_y, int64_t T) {
     for (int64_t o = o0; o < o1; o++) {
         const int8_t *w = q + o * in;
@@ -158,17 +170,23 @@ int gemv_int8(const void *x, int64_t ld_x, int x_is_bf16, const int8_t *q, const
     for (int64_t blk = 0; blk < blocks; blk++) {
 #ifdef __AVX512F__
         if (isa == ISA_AVX512) {
-            block_int8_avx512(xf, in, q, scale, blk, y, x_is_bf16, ld_y, T);
+#define CALL(t) block_int8_avx512(xf, in, q, scale, blk, y, x_is_bf16, ld_y, t)
+            WITH_CONST_T(T, CALL);
+#undef CALL
             continue;
         }
 #endif
 #ifdef HAVE_AVX2
         if (isa == ISA_AVX2) {
-            rows_avx2(xf, in, q, 0, scale, blk * 16, blk * 16 + 16, y, x_is_bf16, ld_y, T);
+#define CALL(t) rows_avx2(xf, in, q, 0, scale, blk * 16, blk * 16 + 16, y, x_is_bf16, ld_y, t)
+            WITH_CONST_T(T, CALL);
+#undef CALL
             continue;
         }
 #endif
-        rows_c(xf, in, q, scale, blk * 16, blk * 16 + 16, y, x_is_bf16, ld_y, T);
+#define CALL(t) rows_c(xf, in, q, scale, blk * 16, blk * 16 + 16, y, x_is_bf16, ld_y, t)
+        WITH_CONST_T(T, CALL);
+#undef CALL
     }
     free(xf);
     return 0;
@@ -185,7 +203,7 @@ static inline float nibble(const uint8_t *g, int k) {
     return (float)(k < 16 ? g[k] & 15 : g[k - 16] >> 4);
 }
 
-static void rows_int4_c(const float *xf, int64_t in, const uint8_t *q, const float *scale,
+static inline __attribute__((always_inline)) void rows_int4_c(const float *xf, int64_t in, const uint8_t *q, const float *scale,
                         const float *offset, int64_t o0, int64_t o1, void *y, int y_bf16,
                         int64_t ld_y, int64_t T) {
     int64_t groups = in / 32;
@@ -208,7 +226,7 @@ static void rows_int4_c(const float *xf, int64_t in, const uint8_t *q, const flo
 }
 
 #ifdef HAVE_AVX2
-static void rows_int4_avx2(const float *xf, int64_t in, const uint8_t *q, const float *scale,
+static inline __attribute__((always_inline)) void rows_int4_avx2(const float *xf, int64_t in, const uint8_t *q, const float *scale,
                            const float *offset, int64_t o0, int64_t o1, void *y, int y_bf16,
                            int64_t ld_y, int64_t T) {
     int64_t groups = in / 32;
@@ -295,18 +313,24 @@ int gemv_int4(const void *x, int64_t ld_x, int x_is_bf16, const uint8_t *q, cons
     for (int64_t blk = 0; blk < blocks; blk++) {
 #ifdef __AVX512F__
         if (isa == ISA_AVX512) {
-            block_int4_avx512(xf, in, q, scale, offset, blk, y, x_is_bf16, ld_y, T);
+#define CALL(t) block_int4_avx512(xf, in, q, scale, offset, blk, y, x_is_bf16, ld_y, t)
+            WITH_CONST_T(T, CALL);
+#undef CALL
             continue;
         }
 #endif
 #ifdef HAVE_AVX2
         if (isa == ISA_AVX2) {
-            rows_int4_avx2(xf, in, q, scale, offset, blk * 16, blk * 16 + 16, y, x_is_bf16, ld_y,
-                           T);
+#define CALL(t)                                                                                \
+    rows_int4_avx2(xf, in, q, scale, offset, blk * 16, blk * 16 + 16, y, x_is_bf16, ld_y, t)
+            WITH_CONST_T(T, CALL);
+#undef CALL
             continue;
         }
 #endif
-        rows_int4_c(xf, in, q, scale, offset, blk * 16, blk * 16 + 16, y, x_is_bf16, ld_y, T);
+#define CALL(t) rows_int4_c(xf, in, q, scale, offset, blk * 16, blk * 16 + 16, y, x_is_bf16, ld_y, t)
+        WITH_CONST_T(T, CALL);
+#undef CALL
     }
     free(xf);
     return 0;
@@ -321,9 +345,17 @@ static int gemv_float_avx2(const void *x, int64_t ld_x, const void *W, int64_t o
     if (!xf) return 1;
     int64_t blocks = out / 16;
 #pragma omp parallel for num_threads(threads_for(out * in, num_threads)) schedule(static)
-    for (int64_t blk = 0; blk < blocks; blk++)
-        rows_avx2(xf, in, W, is_bf16 ? 2 : 1, NULL, blk * 16, blk * 16 + 16, y, is_bf16, ld_y,
-                  T);
+    for (int64_t blk = 0; blk < blocks; blk++) {
+        if (is_bf16) {
+#define CALL(t) rows_avx2(xf, in, W, 2, NULL, blk * 16, blk * 16 + 16, y, 1, ld_y, t)
+            WITH_CONST_T(T, CALL);
+#undef CALL
+        } else {
+#define CALL(t) rows_avx2(xf, in, W, 1, NULL, blk * 16, blk * 16 + 16, y, 0, ld_y, t)
+            WITH_CONST_T(T, CALL);
+#undef CALL
+        }
+    }
     free(xf);
     return 0;
 #else
