@@ -265,8 +265,8 @@ def gemv_rows(dtype: torch.dtype, scheme: Quantization, out_features: int, in_fe
     `plain_copy_affordable` allows it.
 
     One stream of SmolLM2 on this project's shared 2-core AMD EPYC, one thread
-    (bench_single_stream, alternating rounds against torch's paths): int8 float32 36.7 -> 16.3
-    ms per token, bfloat16 23.7 -> 14.7; int4 float32 207 -> 18.8; int4 bfloat16 15.1 -> 17.1,
+    (bench_single_stream, alternating rounds against torch's paths): int8 float32 52.9 -> 12.5
+    ms per token, bfloat16 24.3 -> 12.0; int4 float32 205 -> 14.1; int4 bfloat16 15.1 -> 17.1,
     slower (torch's bfloat16 int4 kernel is vectorized and reads bfloat16 scales), so not there.
     """
     if out_features % 16 or dtype not in (torch.float32, torch.bfloat16):
