@@ -12,7 +12,8 @@ are missing or disagree. On a GPU nothing is packed.
 At 1-4 rows (decode of a few requests) a bf16 projection only streams its weight, and oneDNN's
 packed GEMM streamed SmolLM2's at about 17 GB/s on two threads (12 on one): there `gemv_bf16`
 (`csrc/linear.c`, 25 and 18 GB/s) reads a plain copy of the weight instead, where the CPU has
-avx512_bf16; float32 likewise has `gemv_f32` where the CPU has AVX-512. The plain copy
+avx512_bf16; float32 likewise has `gemv_f32` where the CPU has AVX-512; a CPU with AVX2 + FMA
+only (AMD EPYC before Zen 4) gets float32 GEMVs of either dtype (`csrc/gemv_int8.c`). The plain copy
 doubles the weights' memory (a tied lm_head shares the embedding's), which is why
 `LlamaModel(plain_gemv=...)` decides it once for the whole model (by default: only where the
 copy takes at most a quarter of the host memory available, `plain_copy_affordable`).
@@ -89,51 +90,65 @@ def plain_copy_affordable(num_bytes: int) -> bool:
     return num_bytes <= PLAIN_COPY_MAX_SHARE * available
 
 
-# The GEMV of each dtype (csrc/linear.c) and what `in` must be a multiple of: bf16 with
-# avx512_bf16, float32 with AVX-512 (at one row it streamed SmolLM2's float32 weights 1.7x
-# faster than oneDNN's packed GEMM, bench/bench_single_stream.py).
-_GEMV = {torch.bfloat16: ("gemv_bf16", 32), torch.float32: ("gemv_f32", 16)}
+# The GEMVs of each dtype, best first, and what `in` must be a multiple of: bf16 with
+# avx512_bf16, float32 with AVX-512 (csrc/linear.c; at one row it streamed SmolLM2's float32
+# weights 1.7x faster than oneDNN's packed GEMM, bench/bench_single_stream.py); else either with
+# AVX2 + FMA in float32 (csrc/gemv_int8.c), for CPUs without AVX-512. `gemv_kernel` picks the
+# first that was built here and agrees with F.linear.
+_GEMV = {
+    torch.bfloat16: (("gemv_bf16", 32), ("gemv_bf16_avx2", 16)),
+    torch.float32: (("gemv_f32", 16), ("gemv_f32_avx2", 16)),
+}
 
 
 def gemv_fits(weight: torch.Tensor) -> bool:
     """Whether a native GEMV can run this weight here (bf16 or float32 on a CPU, 16 | out, and
-    32 | in for bf16, 16 | in for float32)."""
+    `in` a multiple of what the dtype's kernel here needs: 32 for avx512_bf16, else 16)."""
     out_features, in_features = weight.shape
-    return (
-        weight.device.type == "cpu"
-        and weight.dtype in _GEMV
-        and in_features % _GEMV[weight.dtype][1] == 0
-        and out_features % 16 == 0
-        and gemv_works(weight.dtype)
-    )
+    if weight.device.type != "cpu" or out_features % 16:
+        return False
+    kernel = gemv_kernel(weight.dtype)
+    return kernel is not None and in_features % kernel[1] == 0
+
+
+def gemv_works(dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether a GEMV of `dtype` was built here and agrees with F.linear (`gemv_kernel`)."""
+    return gemv_kernel(dtype) is not None
 
 
 @functools.cache
-def gemv_works(dtype: torch.dtype = torch.bfloat16) -> bool:
-    """Whether the GEMV of `dtype` was built here (avx512_bf16 for bf16, AVX-512 for float32)
-    and agrees with F.linear."""
+def gemv_kernel(dtype: torch.dtype) -> tuple[str, int] | None:
+    """The first of `_GEMV[dtype]` built here that agrees with F.linear: (its name, what `in`
+    must be a multiple of), or None (no native library, or no kernel of this dtype runs)."""
     if native.library() is None or dtype not in _GEMV:
-        return False
+        return None
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(32, 64, generator=gen).to(dtype)
     x = torch.randn(3, 64, generator=gen).to(dtype)
-    got = _gemv(x, weight)
+    want = F.linear(x.float(), weight.float())
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
-    return got is not None and torch.allclose(
-        got.float(), F.linear(x.float(), weight.float()), rtol=tol, atol=tol
-    )
+    for name, multiple in _GEMV[dtype]:
+        got = _gemv(x, weight, name)
+        if got is not None and torch.allclose(got.float(), want, rtol=tol, atol=tol):
+            return name, multiple
+    return None
 
 
-def _gemv(x: torch.Tensor, plain: torch.Tensor) -> torch.Tensor | None:
+def _gemv(x: torch.Tensor, plain: torch.Tensor, kernel: str | None = None) -> torch.Tensor | None:
     """x [T, in] @ plain.T -> [T, out] in plain's dtype (bf16 or float32), or None where the
-    kernel declines."""
+    kernel declines; kernel: a name of `_GEMV[plain.dtype]`, by default `gemv_kernel`'s."""
     if x.dim() != 2 or x.shape[1] != plain.shape[1]:
         raise ValueError(f"x {tuple(x.shape)} does not fit a weight of {tuple(plain.shape)}")
     lib = native.library()  # None where the native kernels are off (TOPPINGS_NATIVE=0)
     if lib is None or x.dtype != plain.dtype or plain.dtype not in _GEMV or x.stride(-1) != 1:
         return None
+    if kernel is None:
+        chosen = gemv_kernel(plain.dtype)
+        if chosen is None:
+            return None
+        kernel = chosen[0]
     y = torch.empty(x.shape[0], plain.shape[0], dtype=plain.dtype)
-    failed = getattr(lib, _GEMV[plain.dtype][0])(
+    failed = getattr(lib, kernel)(
         ctypes.c_void_p(x.data_ptr()), x.stride(0), ctypes.c_void_p(plain.data_ptr()),
         plain.shape[0], plain.shape[1], ctypes.c_void_p(y.data_ptr()), y.stride(0), x.shape[0],
         torch.get_num_threads(),

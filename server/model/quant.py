@@ -1,5 +1,6 @@
-"""Weight-only int8 / int4 base projections on a CPU (`--quantization`), through torch's packed
-CPU kernels.
+"""Weight-only int8 / int4 base projections on a CPU (`--quantization`), through the engine's
+own GEMVs at 1-4 rows (csrc/gemv_int8.c) and torch's packed CPU kernels or a dequantized product
+at more.
 
 - int8: one symmetric scale per output channel, `W[o, i] ~ q[o, i] * scale[o]`, q in
   [-127, 127]; `torch.ops.aten._weight_int8pack_mm`.
@@ -9,7 +10,7 @@ CPU kernels.
   float weights: min/max of each group (asymmetric). GGUF's Q4_0 (`d * (q - 8)`) and Q4_1
   (`d * q + m`) blocks are groups of 32 of this form (zero 0, resp. m + 8 d), taken as they are.
 
-Both kernels take the activation in float32, bfloat16 or float16 and the scales in that same
+torch's kernels take the activation in float32, bfloat16 or float16 and the scales in that same
 dtype (a bfloat16 model rounds its scales to bfloat16: `dequantize(dtype)` gives the weight the
 kernel multiplies by). The product accumulates in float32 and returns the activation's dtype.
 The kernels suit a decode step's few rows only (`kernel_max_rows`): a prefill's rows multiply
@@ -19,12 +20,16 @@ as for a float projection.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from toppings.server import native
 from toppings.server.config import Quantization
+from toppings.server.model.linear import plain_copy_affordable
 
 INT4_GROUP = 32  # divides every hidden and head size served, and is GGUF's block of 32
 INT8_MAX = 127
@@ -137,6 +142,143 @@ def kernel_max_rows(dtype: torch.dtype, scheme: Quantization) -> int:
     return 1 if scheme is Quantization.INT4 else 0
 
 
+GEMV_ROWS = 4  # csrc/gemv_int8.c's bound: one pass over the weight for every row
+GEMV_ISA = {"best": 0, "avx2": 1, "c": 2, "avx512": 512}  # gemv_int8's `isa` argument
+
+
+def int8_gemv(
+    x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, isa: str = "best"
+) -> torch.Tensor | None:
+    """x [T, in] (float32 or bfloat16, T <= GEMV_ROWS) @ (q * scales[:, None]).T -> [T, out] in
+    x's dtype, through the native int8 GEMV (csrc/gemv_int8.c); q [out, in] int8 contiguous,
+    scales [out] float32. None where it declines (no native library, a shape or dtype it does
+    not take, or `isa` not built here)."""
+    lib = native.library()
+    if (
+        lib is None
+        or x.dim() != 2
+        or x.dtype not in (torch.float32, torch.bfloat16)
+        or x.stride(-1) != 1
+        or q.dtype != torch.int8
+        or not q.is_contiguous()
+        or scales.dtype != torch.float32
+        or not scales.is_contiguous()
+        or x.shape[1] != q.shape[1]
+        or scales.shape != q.shape[:1]
+    ):
+        return None
+    y = torch.empty(x.shape[0], q.shape[0], dtype=x.dtype)
+    failed = lib.gemv_int8(
+        ctypes.c_void_p(x.data_ptr()), x.stride(0), int(x.dtype == torch.bfloat16),
+        ctypes.c_void_p(q.data_ptr()), ctypes.c_void_p(scales.data_ptr()), q.shape[0],
+        q.shape[1], ctypes.c_void_p(y.data_ptr()), y.stride(0), x.shape[0], GEMV_ISA[isa],
+        torch.get_num_threads(),
+    )  # fmt: skip
+    return None if failed else y
+
+
+@functools.cache
+def int8_gemv_works(dtype: torch.dtype) -> bool:
+    """Whether the native int8 GEMV runs here for activations in `dtype` and agrees with F.linear
+    on the dequantized weight (checked once per dtype)."""
+    if dtype not in (torch.float32, torch.bfloat16):
+        return False
+    gen = torch.Generator().manual_seed(0)
+    weight = quantize_int8(torch.randn(32, 64, generator=gen))
+    x = torch.randn(3, 64, generator=gen).to(dtype)
+    scales = weight.scales.to(dtype).float()
+    got = int8_gemv(x, weight.q, scales)
+    want = F.linear(x.float(), weight.dequantize(dtype))
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    return got is not None and torch.allclose(got.float(), want, rtol=tol, atol=tol)
+
+
+def int4_gemv_layout(weight: Int4Weight, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """The native int4 GEMV's own copy of `weight` (csrc/gemv_int8.c, gemv_int4): the values
+    [out, in / 2] uint8, a group of 32 inputs in 16 bytes (input k in the low nibble of byte k,
+    input k + 16 in its high nibble); the scales and offsets [out, in / 32] float32 with
+    W = scale * q + offset (offset = zero - 8 scale), scale and zero as kept in `dtype`."""
+    out_features, in_features = weight.q.shape
+    groups = weight.q.view(out_features, -1, INT4_GROUP)  # [out, G, 32]
+    packed = groups[..., :16] | (groups[..., 16:] << 4)
+    scales = weight.scales.to(dtype).float()
+    offsets = weight.zeros.to(dtype).float() - 8 * scales
+    return packed.reshape(out_features, in_features // 2).contiguous(), scales, offsets
+
+
+def int4_gemv(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    offsets: torch.Tensor,
+    isa: str = "best",
+) -> torch.Tensor | None:
+    """x [T, in] (float32 or bfloat16, T <= GEMV_ROWS) @ W.T -> [T, out] in x's dtype through
+    the native int4 GEMV, W as `int4_gemv_layout` gave (packed, scales, offsets). None where it
+    declines (as int8_gemv)."""
+    lib = native.library()
+    groups = packed.shape[1] * 2 // INT4_GROUP
+    if (
+        lib is None
+        or x.dim() != 2
+        or x.dtype not in (torch.float32, torch.bfloat16)
+        or x.stride(-1) != 1
+        or packed.dtype != torch.uint8
+        or not packed.is_contiguous()
+        or x.shape[1] != packed.shape[1] * 2
+        or any(t.dtype != torch.float32 or not t.is_contiguous() for t in (scales, offsets))
+        or scales.shape != (packed.shape[0], groups)
+        or offsets.shape != scales.shape
+    ):
+        return None
+    y = torch.empty(x.shape[0], packed.shape[0], dtype=x.dtype)
+    failed = lib.gemv_int4(
+        ctypes.c_void_p(x.data_ptr()), x.stride(0), int(x.dtype == torch.bfloat16),
+        ctypes.c_void_p(packed.data_ptr()), ctypes.c_void_p(scales.data_ptr()),
+        ctypes.c_void_p(offsets.data_ptr()), packed.shape[0], x.shape[1],
+        ctypes.c_void_p(y.data_ptr()), y.stride(0), x.shape[0], GEMV_ISA[isa],
+        torch.get_num_threads(),
+    )  # fmt: skip
+    return None if failed else y
+
+
+@functools.cache
+def int4_gemv_works(dtype: torch.dtype) -> bool:
+    """Whether the native int4 GEMV runs here for activations in `dtype` and agrees with
+    F.linear on the dequantized weight (checked once per dtype)."""
+    if dtype not in (torch.float32, torch.bfloat16):
+        return False
+    gen = torch.Generator().manual_seed(0)
+    weight = quantize_int4(torch.randn(32, 64, generator=gen))
+    x = torch.randn(3, 64, generator=gen).to(dtype)
+    got = int4_gemv(x, *int4_gemv_layout(weight, dtype))
+    want = F.linear(x.float(), weight.dequantize(dtype))
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    return got is not None and torch.allclose(got.float(), want, rtol=tol, atol=tol)
+
+
+def gemv_rows(dtype: torch.dtype, scheme: Quantization, out_features: int, in_features: int) -> int:
+    """The most rows a product of this weight runs through the native GEMV: GEMV_ROWS where the
+    scheme's GEMV runs here and takes the shape (16 | out; 16 | in for int8, 32 | in for int4),
+    for int8 with float32 or bfloat16 activations, for int4 with float32 only; else 0. int4
+    keeps its GEMV copy beside torch's packed one (which the prefill unpacks): only where
+    `plain_copy_affordable` allows it.
+
+    One stream of SmolLM2 on this project's shared 2-core AMD EPYC, one thread
+    (bench_single_stream, alternating rounds against torch's paths): int8 float32 52.9 -> 12.5
+    ms per token, bfloat16 24.3 -> 12.0; int4 float32 205 -> 14.1; int4 bfloat16 15.1 -> 17.1,
+    slower (torch's bfloat16 int4 kernel is vectorized and reads bfloat16 scales), so not there.
+    """
+    if out_features % 16 or dtype not in (torch.float32, torch.bfloat16):
+        return 0
+    if scheme is Quantization.INT8:
+        return GEMV_ROWS if in_features % 16 == 0 and int8_gemv_works(dtype) else 0
+    copy_bytes = out_features * in_features // 2 + 8 * out_features * (in_features // INT4_GROUP)
+    if dtype != torch.float32 or in_features % INT4_GROUP or not plain_copy_affordable(copy_bytes):
+        return 0
+    return GEMV_ROWS if int4_gemv_works(dtype) else 0
+
+
 DEQUANT_ROWS = 4096  # output channels dequantized at a time past kernel_max_rows: bounded memory
 INT4_BLOCK_ROWS = 64  # the CPU int4 pack's block of output rows: [out / 64, in, 32] bytes
 
@@ -145,8 +287,10 @@ class QuantizedLinear:
     """y = x @ W.T (+ b) for a weight-only int8 or int4 W [out, in]; x [T, in] float32,
     bfloat16 or float16 (the `dtype` given) -> y [T, out] in that dtype.
 
-    Up to `kernel_max_rows(dtype, scheme)` rows (bfloat16 decode) go through torch's packed
-    kernel, which reads the quantized weight only; more rows (prefill, and float32 models)
+    Up to `gemv_rows` rows (decode of 1-4 requests, float32 or bfloat16) go through the native
+    int8 / int4 GEMV (csrc/gemv_int8.c); else up to `kernel_max_rows(dtype, scheme)` rows
+    (bfloat16 decode) go through torch's packed kernel, which reads the quantized weight only;
+    more rows (prefill, and float32 models)
     multiply by the weight dequantized to float32, DEQUANT_ROWS output channels at a time.
     Both multiply by the same values (the scales as kept in `dtype`) and accumulate in float32.
     """
@@ -167,9 +311,14 @@ class QuantizedLinear:
             self.scheme = Quantization.INT8
             self._q = weight.q.contiguous()  # [out, in] int8
             self._scales = weight.scales.to(dtype)  # [out]
+            # the native GEMV's rows, and its scales: those in `dtype`, as float32
+            self.gemv_rows = gemv_rows(dtype, self.scheme, self.out_features, self.in_features)
+            self._gemv_scales = self._scales.float().contiguous()
             return
         _check_int4_shape(self.out_features, self.in_features)
         self.scheme = Quantization.INT4
+        self.gemv_rows = gemv_rows(dtype, self.scheme, self.out_features, self.in_features)
+        self._gemv_int4 = int4_gemv_layout(weight, dtype) if self.gemv_rows else None
         # Output rows padded to the pack's block of 64 (padding: q 8, scale 1, zero 0, i.e. 0),
         # so that the packed bytes have one known layout the prefill path unpacks.
         padded = -(-self.out_features // INT4_BLOCK_ROWS) * INT4_BLOCK_ROWS
@@ -192,7 +341,15 @@ class QuantizedLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()
-        if x.shape[0] > self.max_kernel_rows:
+        y = None
+        if x.shape[0] <= self.gemv_rows:
+            if self.scheme is Quantization.INT8:
+                y = int8_gemv(x, self._q, self._gemv_scales)
+            else:
+                y = int4_gemv(x, *self._gemv_int4)
+        if y is not None:
+            pass
+        elif x.shape[0] > self.max_kernel_rows:
             y = self._dequantized_product(x)
         elif self.scheme is Quantization.INT8:
             y = torch.ops.aten._weight_int8pack_mm(x, self._q, self._scales)

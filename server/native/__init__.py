@@ -5,10 +5,11 @@ request's keys and values into a dense copy; `attention.c` reads them in place, 
 in the prefill of short segments; `attention_tiles.c` attends longer prompt segments (a whole
 prompt, or a chunk after a long past) in blocks, reading the past once per tile of queries.
 `elementwise.c` holds RMSNorm with the residual add, in-place RoPE, silu * up (`fused.py`) and
-the KV write (`kv_cache.py`), `linear.c` the bf16 and float32 GEMVs, each one call where torch
-needs many small ops. What they share (`common.h`) sits on the include path of every native build
-(`gpu_lora.kernels.native_build`, which also builds, caches and loads this library, keyed by
-its sources); the LoRA kernel is a library of its own
+the KV write (`kv_cache.py`), `linear.c` the bf16 and float32 GEMVs (AVX-512), `gemv_int8.c`
+the int8 GEMV of `--quantization int8` and the AVX2 + FMA float32 / bf16 GEMVs for CPUs without
+AVX-512, each one call where torch needs many small ops. What they share (`common.h`) sits on
+the include path of every native build (`gpu_lora.kernels.native_build`, which also builds,
+caches and loads this library, keyed by its sources); the LoRA kernel is a library of its own
 (`gpu_lora.kernels.native`). Waking the other OpenMP thread costs tens of microseconds here, so
 small ops (a decode step's norms, RoPE, KV write) run on one (`threads_for` in `common.h`).
 
@@ -26,7 +27,7 @@ from pathlib import Path
 from toppings.gpu_lora.kernels import native_build
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = ("attention.c", "attention_tiles.c", "elementwise.c", "linear.c")
+SOURCES = ("attention.c", "attention_tiles.c", "elementwise.c", "linear.c", "gemv_int8.c")
 HEADERS = ("attention_bf16.h",)  # what the sources include besides common.h: part of the key
 
 _P, _I, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
@@ -42,6 +43,10 @@ SIGNATURES = {  # every function returns int: 0, or nonzero when it failed
     "kv_write": [_P, _P, _I64, _P, _P, _P] + [_I64] * 5 + [_I],
     "gemv_bf16": [_P, _I64, _P, _I64, _I64, _P, _I64, _I64, _I],
     "gemv_f32": [_P, _I64, _P, _I64, _I64, _P, _I64, _I64, _I],
+    "gemv_f32_avx2": [_P, _I64, _P, _I64, _I64, _P, _I64, _I64, _I],
+    "gemv_bf16_avx2": [_P, _I64, _P, _I64, _I64, _P, _I64, _I64, _I],
+    "gemv_int8": [_P, _I64, _I, _P, _P, _I64, _I64, _P, _I64, _I64, _I, _I],
+    "gemv_int4": [_P, _I64, _I, _P, _P, _P, _I64, _I64, _P, _I64, _I64, _I, _I],
 }
 
 

@@ -62,13 +62,15 @@ def test_int4_groups_of_32_min_max():
 @pytest.mark.parametrize("path", ["kernel", "dequantized", "chosen"])
 def test_quantized_linear_equals_f_linear_on_the_dequantized_weight(scheme, dtype, rows, path):
     """Each path (torch's packed kernel, the dequantized product, and the one chosen for the
-    rows) gives F.linear's product on the dequantized weight."""
+    rows: the native int8 GEMV where it runs) gives F.linear's product on the dequantized
+    weight."""
     gen = torch.Generator().manual_seed(2)
     w, bias = torch.randn(80, 576, generator=gen), torch.randn(80, generator=gen)
     x = torch.randn(rows, 576, generator=gen).to(dtype)
     q = quantize(w, scheme)
     linear = QuantizedLinear(q, dtype, bias.to(dtype))
     if path != "chosen":
+        linear.gemv_rows = 0
         linear.max_kernel_rows = rows if path == "kernel" else 0
     got = linear(x)
     want = F.linear(x.float(), q.dequantize(dtype), bias.to(dtype).float())
@@ -104,6 +106,7 @@ def test_prefill_rows_dequantize_in_slices(scheme, monkeypatch):
     w, x = torch.randn(200, 96, generator=gen), torch.randn(9, 96, generator=gen)
     q = quantize(w, scheme)
     linear = QuantizedLinear(q, torch.float32)
+    linear.gemv_rows = 0  # torch's paths only (tests/server/model/test_gemv_int8.py: the GEMV)
     assert linear.max_kernel_rows < 9
     want = F.linear(x, q.dequantize())
     assert torch.allclose(linear(x), want, rtol=1e-5, atol=1e-5)  # dequantized

@@ -22,6 +22,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file, save_file
 
 from tests.helpers import running_engine
@@ -155,13 +156,48 @@ def test_one_stream_through_the_packed_kernel_matches_peft(checkpoints, scheme, 
     from toppings.server.model import quant
 
     monkeypatch.setattr(quant, "kernel_max_rows", lambda dtype, scheme: 1)
+    monkeypatch.setattr(quant, "gemv_rows", lambda *args: 0)  # torch's kernel, not the GEMV
     model_dir, ref_dir, adapters = checkpoints("llama3", scheme)
     scored = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True,
                             logprobs=TOP, prompt_logprobs=TOP)  # fmt: skip
     prompts = first_turn_prompts(256)[:3] + first_turn_prompts(256)[-1:]  # a3, a5, a7rs, base
     with running_engine(model_dir, adapters, quantization=scheme, max_total_tokens=4096) as engine:
         assert engine.model.layers[0].gate_up.max_kernel_rows == 1
+        assert engine.model.layers[0].gate_up.gemv_rows == 0
         results = [run(engine, [p], scored)[0] for p in prompts]
     check_against_reference(ref_dir, adapters, prompts, results)
     for (prompt, a), out in zip(prompts, results):
         check_greedy_teacher_forced(ref_dir, adapters, prompt, out, a, f"{scheme} one stream, {a}")
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_one_stream_through_the_native_gemv_matches_peft(checkpoints, scheme, monkeypatch):
+    """float32, one request at a time: each decode step's projections (and lm_head) run the
+    native int8 / int4 GEMV (csrc/gemv_int8.c), base and adapter rows alike; the tokens and
+    logprobs are PEFT's on the dequantized weights. (bfloat16 activations: test_gemv_int8.py,
+    per op.)"""
+    from toppings.server.model import quant
+
+    if not quant.int8_gemv_works(torch.float32) or not quant.int4_gemv_works(torch.float32):
+        pytest.skip("the native GEMVs do not run here")
+    calls = {"int8": [], "int4": []}
+    for kind in calls:
+        gemv = getattr(quant, f"{kind}_gemv")
+
+        def counted(x, *args, _gemv=gemv, _calls=calls[kind], **kwargs):
+            _calls.append(x.shape[0])
+            return _gemv(x, *args, **kwargs)
+
+        monkeypatch.setattr(quant, f"{kind}_gemv", counted)
+    model_dir, ref_dir, adapters = checkpoints("llama3", scheme)
+    scored = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True,
+                            logprobs=TOP, prompt_logprobs=TOP)  # fmt: skip
+    prompts = first_turn_prompts(256)[:3] + first_turn_prompts(256)[-1:]  # a3, a5, a7rs, base
+    with running_engine(model_dir, adapters, quantization=scheme, max_total_tokens=4096) as engine:
+        assert engine.model.layers[0].gate_up.gemv_rows == quant.GEMV_ROWS
+        results = [run(engine, [p], scored)[0] for p in prompts]
+    assert calls[scheme] and set(calls[scheme]) == {1}, "the decode steps did not run the GEMV"
+    assert set(calls["int8"]) == {1}  # lm_head is int8 in both schemes
+    check_against_reference(ref_dir, adapters, prompts, results)
+    for (prompt, a), out in zip(prompts, results):
+        check_greedy_teacher_forced(ref_dir, adapters, prompt, out, a, f"{scheme} GEMV, {a}")
