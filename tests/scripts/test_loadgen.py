@@ -192,7 +192,8 @@ def served(tmp_path_factory, tiny_model_dir, tiny_engine, serve_app):
 
         def recording_submit(reqs):
             for req in reqs:
-                received.append((req.adapter, tuple(req.prompt_ids), req.params.max_new_tokens))
+                name = req.adapter.name if req.adapter is not None else None
+                received.append((name, tuple(req.prompt_ids), req.params.max_new_tokens))
             return submit_all(reqs)
 
         engine.submit_all = recording_submit
