@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from tests.helpers import running_engine
+from tests.server.engine.test_dora_exactness import run as run_dora
 from tests.server.engine.test_exactness import _peft_model
 from toppings.server.requests.request import GenerationRequest, RequestError, SamplingParams
 
@@ -77,13 +78,7 @@ def mixed_prompts(seed: int) -> list[tuple[list[int], str | None]]:
 
 
 def run(engine, prompts):
-    params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True,
-                            logprobs=TOP, prompt_logprobs=TOP)  # fmt: skip
-    handles = [
-        engine.submit(GenerationRequest(list(p), params, engine.resolve_adapter(a)))
-        for p, a in prompts
-    ]
-    return [h.result(timeout_s=300) for h in handles]
+    return run_dora(engine, prompts, NEW_TOKENS)
 
 
 def reference(model_dir, adapters, prompt: list[int], ids: list[int], name: str | None):

@@ -65,8 +65,9 @@ def prompts_for(vocab: int, seed: int) -> list[tuple[list[int], str | None]]:
             for n, name in zip(lengths, names)]  # fmt: skip
 
 
-def run(engine, prompts):
-    params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True,
+def run(engine, prompts, new_tokens: int = NEW_TOKENS):
+    """Greedy results of (prompt, adapter name) pairs, with TOP logprobs of prompt and output."""
+    params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True,
                             logprobs=TOP, prompt_logprobs=TOP)  # fmt: skip
     handles = [
         engine.submit(GenerationRequest(list(p), params, engine.resolve_adapter(a)))
