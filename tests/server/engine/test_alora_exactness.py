@@ -18,6 +18,7 @@ import torch
 
 from tests.helpers import running_engine
 from tests.server.engine.test_dora_exactness import run as run_dora
+from tests.server.engine.test_dora_exactness import slow_link
 from tests.server.engine.test_exactness import _peft_model
 from toppings.server.requests.request import GenerationRequest, RequestError, SamplingParams
 
@@ -120,16 +121,6 @@ def check_against_peft(model_dir, adapters, prompts, results) -> None:
             if ids[pos + 1] != int(logits[pos].argmax()):
                 assert float(top2[0] - top2[1]) < MARGIN, (name, pos, "greedy token differs")
                 break
-
-
-def slow_link(adapters: dict[str, str], seconds: float) -> float:
-    from safetensors import safe_open
-
-    largest = 0
-    for path in adapters.values():
-        with safe_open(f"{path}/adapter_model.safetensors", "pt") as f:
-            largest = max(largest, sum(f.get_tensor(k).numel() * 4 for k in f.keys()))
-    return largest * 8 / seconds / 1e9
 
 
 def test_activation_starts_at_the_last_invocation_as_peft_finds_it(llama):
