@@ -107,10 +107,13 @@ def main(argv: list[str] | None = None) -> int:
         # It must be set before torch starts OpenMP.
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     # Imported here so that `--help` answers without loading torch.
+    import torch
+
     from toppings.cpu_lora.shm import SharedMemoryFull
     from toppings.gpu_lora.peft_config import AdapterError
     from toppings.server.api.app import create_app
     from toppings.server.api.lifecycle import discover
+    from toppings.server.engine.threads import run_in_passing_thread, torch_on_this_thread_only
     from toppings.server.http.allocator import bound_onednn_caches, tune_allocator
     from toppings.server.http.memory_probe import start_memory_probe
     from toppings.server.model.loader import CheckpointError
@@ -140,7 +143,11 @@ def main(argv: list[str] | None = None) -> int:
         tune_allocator()
         bound_onednn_caches()  # before the model's first oneDNN op
         start_memory_probe()
-        engine = build_engine(serve.model, config, loras)
+        # One OpenMP team in the process, the engine's: the model is built on a thread that
+        # ends, and this thread (waitress's loop from here) runs torch alone (threads.py).
+        threads = config.num_threads or len(config.device_cores) or torch.get_num_threads()
+        torch_on_this_thread_only()
+        engine = run_in_passing_thread(build_engine, serve.model, config, loras, threads=threads)
     # An adapter that does not fit the model, a missing shard or tensor of its checkpoint.
     # /dev/shm full, or an adapter refused (its rank, its size, non-finite weights).
     except (AdapterError, CheckpointError, FileNotFoundError, SharedMemoryFull, RequestError) as e:

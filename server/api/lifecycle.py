@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from toppings.gpu_lora.peft_config import CONFIG_FILE, WEIGHTS_FILE, AdapterError
+from toppings.server.engine.threads import torch_on_this_thread_only
 from toppings.server.requests.request import RequestError
 
 log = logging.getLogger(__name__)
@@ -140,11 +141,14 @@ class AdapterThread:
     gives every thread that starts a parallel region a team of worker threads of its own, kept
     for that thread's life. On the HTTP handler threads (hundreds, long-lived, woken in turn),
     every handler that ever loaded or unloaded an adapter kept a team: the soak's thread count
-    and memory grew for an hour (bench/soak.py, issue 48). Here there is one team. Loads and
-    unloads run one at a time, as they did in effect: they take the engine's lock."""
+    and memory grew for an hour (bench/soak.py, issue 48). Here torch runs on this thread
+    alone, so it starts no team at all (a second team slows every decode step: threads.py).
+    Loads and unloads run one at a time, as they did in effect: they take the engine's lock."""
 
     def __init__(self) -> None:
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="adapter-admin")
+        self._executor = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="adapter-admin", initializer=torch_on_this_thread_only
+        )
 
     def run(self, fn: Callable[..., T], *args: object) -> T:
         """fn(*args) on the adapter thread; its result or its exception."""

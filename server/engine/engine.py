@@ -25,6 +25,7 @@ from toppings.gpu_lora.validate import check_finite_delta
 from toppings.server.config import EngineConfig
 from toppings.server.engine import reports
 from toppings.server.engine.compose import compose_engine
+from toppings.server.engine.threads import set_torch_threads
 from toppings.server.model.loader import Checkpoint
 from toppings.server.requests.adapter_ref import AdapterRef
 from toppings.server.requests.request import GenerationRequest, RequestError, RequestHandle
@@ -70,6 +71,11 @@ class Engine:
         self.adapter_refs = self.lora.refs
         self._stopping = threading.Event()
         self._draining = threading.Event()
+        # The engine thread's OpenMP team: set, else the cores it is bound to, else the count
+        # torch gives the thread that builds the engine (threads.py).
+        self._num_threads = (
+            config.num_threads or len(config.device_cores) or torch.get_num_threads()
+        )
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
 
     @property
@@ -195,13 +201,9 @@ class Engine:
             # The device side of the split: this thread only (affinity is per thread), before
             # its first torch op, so the OpenMP team it creates inherits the same cores.
             os.sched_setaffinity(0, device_cores)
-        num_threads = self.config.num_threads or len(device_cores)
-        if num_threads:
-            # Per thread: torch.set_num_threads sets the calling thread's OpenMP team size. ATen
-            # gives a thread the process-wide count (the last one set, by any thread) at its
-            # first parallel op unless it has asked for its count before: ask first, then set.
-            torch.get_num_threads()
-            torch.set_num_threads(num_threads)
+        # Per thread, and always: another thread may have set the process-wide count to 1
+        # (threads.py) before this thread's first op.
+        set_torch_threads(self._num_threads)
         while not self._stopping.is_set():
             self._drain_inbox(block=not self.scheduler.has_work())
             if self._stopping.is_set():

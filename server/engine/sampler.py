@@ -28,6 +28,7 @@ import torch
 from toppings.server.engine.grammar import GrammarCompiler, apply_masks, fill_masks, matcher_error
 from toppings.server.engine.logits import process_row, token_logprobs
 from toppings.server.engine.sampling import make_generator, sample_next
+from toppings.server.engine.threads import torch_on_this_thread_only
 from toppings.server.requests.request import TokenLogprob
 from toppings.server.requests.sequence import Sequence
 
@@ -113,7 +114,9 @@ class Sampler:
             return None
         matchers = [self.matcher(s) for s in constrained]
         if self._mask_thread is None:
-            self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
+            self._mask_thread = ThreadPoolExecutor(
+                1, thread_name_prefix="grammar-masks", initializer=torch_on_this_thread_only
+            )  # no OpenMP team beside the engine's (threads.py)
             self._executor = llguidance.LLExecutor()
         vocab = self.grammars.vocab_size
         future = self._mask_thread.submit(fill_masks, self._executor, matchers, vocab)
