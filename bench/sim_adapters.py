@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from toppings.gpu_lora.eviction import CacheStats, EvictionPolicy, Usage
+from toppings.gpu_lora.eviction import Candidate, EvictionPolicy, Usage
 
 
 class SimAdapters:
@@ -209,12 +209,12 @@ class SimAdapterCache:
         for group in groups[:1] if spare_keep else groups:
             if group:
                 stats = [self._stats(n) for n in group]
-                return self.policy.order(stats)[0].name
+                return self.policy.order(stats)[0].name  # the candidates' names
         return None
 
-    def _stats(self, name: str) -> CacheStats:
+    def _stats(self, name: str) -> Candidate:
         usage = self.usage.get(name, Usage())
-        return CacheStats(name, self.entries[name].num_bytes, usage.last_used, usage.frequency)
+        return Candidate.adapter(name, name, self.entries[name].num_bytes, usage)
 
     def _evict(self, name: str) -> None:
         self.used_bytes -= self.entries.pop(name).num_bytes

@@ -9,8 +9,9 @@ pool's dtype), before anything is allocated; the pool's tensors never outgrow th
 the whole `memory` when there is one (eviction also runs until the adapter's rows fit). With a
 `memory` (an `AdapterBudget`: the server's one memory pool) each load also asks that memory for
 room, which may evict cached KV or idle adapters to make it, and an eviction gives the room
-back. The memory pool reads the cache only through its public views (`idle_entries`,
-`is_pinned`, `pinned`, `referenced`, `frequencies`).
+back. The memory pool reads the cache only through its public views (`idle_candidates`,
+`is_pinned`, `pinned`, `referenced`, `frequencies`) and asks it for the node's eviction order
+(`order`: one `Eviction` of gpu_lora/eviction.py decides for both memory layouts).
 
 With `keep_idle` False the cache keeps nothing (S-LoRA's on-demand loading, the baseline of
 Chameleon's comparison): an adapter leaves the device as soon as no request holds it, once its
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
 from toppings.gpu_lora.adapter_pool import AdapterPool, ResidentAdapter
-from toppings.gpu_lora.eviction import CacheStats, EvictionPolicy, Usage
+from toppings.gpu_lora.eviction import Candidate, Eviction, EvictionPolicy, Usage
 from toppings.gpu_lora.loader import LoadTicket, PipelinedLoader
 from toppings.gpu_lora.peft_format import LoraAdapter
 
@@ -51,16 +52,6 @@ class CacheCounters:
     evictions: int = 0
     bytes_loaded: int = 0
     compactions: int = 0  # the pool's rows packed to make room for a load
-
-
-@dataclass(frozen=True)
-class IdleAdapter:
-    """An adapter on the device that no request holds and whose load has finished: what the
-    memory pool may evict."""
-
-    name: str
-    num_bytes: int
-    usage: Usage
 
 
 class EntryState(NamedTuple):
@@ -96,14 +87,15 @@ class AdapterCache:
         self,
         pool: AdapterPool,
         loader: PipelinedLoader,
-        policy: EvictionPolicy,
+        policy: Eviction | EvictionPolicy,
         budget_bytes: int | None = None,
         memory: AdapterBudget | None = None,
         keep_idle: bool = True,
     ):
         self.pool = pool
         self.loader = loader
-        self.policy = policy
+        # The node's one eviction table (shared with the memory pool's reclaimer).
+        self.eviction = policy if isinstance(policy, Eviction) else Eviction(policy)
         self.budget_bytes = budget_bytes
         self.memory = memory  # None: the byte budget above is the only limit
         self.keep_idle = keep_idle  # False: no cache (see the module docstring)
@@ -262,13 +254,29 @@ class AdapterCache:
         return bool(moved)
 
     def _victim(self, keep: frozenset[str], spare_keep: bool = False) -> str | None:
-        free = [n for n, e in self.entries.items() if e.refcount == 0]
+        order = self.eviction_order(keep, spare_keep)
+        return order[0] if order else None
+
+    def eviction_order(
+        self, keep: frozenset[str] = frozenset(), spare_keep: bool = False
+    ) -> list[str]:
+        """The adapters no request holds, first to leave first: those no queued request wants
+        (not in `keep`) in the eviction policy's order, then (unless `spare_keep`) the others."""
+        free = [n for n, e in list(self.entries.items()) if e.refcount == 0]
         groups = [[n for n in free if n not in keep], [n for n in free if n in keep]]
+        order: list[str] = []
         for group in groups[:1] if spare_keep else groups:
             if group:
-                stats = [self._stats(n) for n in group]
-                return self.policy.order(stats)[0].name
-        return None
+                cands = [self._candidate(n) for n in group]
+                order += [c.item for c in self.order(cands)]
+        return order
+
+    def order(self, candidates: list[Candidate]) -> list[Candidate]:
+        """`candidates` (adapters of this cache and, from the memory pool, KV) in the node's
+        eviction order, first to leave first."""
+        return self.eviction.order(
+            candidates, time.monotonic(), self.frequencies(), self.num_entries
+        )
 
     # ---- read-only views (the memory pool's, and /stats') ---------------------------------
 
@@ -304,15 +312,6 @@ class AdapterCache:
         """Adapters that cannot leave the device now (`is_pinned`), in cache order."""
         return [n for n, e in list(self.entries.items()) if _pinned(e)]
 
-    def idle_entries(self) -> list[IdleAdapter]:
-        """Loaded adapters no request holds, in cache order: what may leave for other memory
-        (one whose load failed too)."""
-        return [
-            IdleAdapter(n, e.num_bytes, self.usage(n))
-            for n, e in list(self.entries.items())
-            if not e.refcount and _landed(e)
-        ]
-
     def entry_states(self) -> dict[str, EntryState]:
         """Each adapter on the device or on its way there, in cache order (one copy of the
         entries: any thread)."""
@@ -322,9 +321,16 @@ class AdapterCache:
             states[n] = EntryState(done, not done and e.ticket.error is None, _pinned(e))
         return states
 
-    def _stats(self, name: str) -> CacheStats:
-        usage = self._usage.get(name, Usage())
-        return CacheStats(name, self.entries[name].num_bytes, usage.last_used, usage.frequency)
+    def _candidate(self, name: str) -> Candidate:
+        entry = self.entries[name]
+        return Candidate.adapter(name, name, entry.num_bytes, self.usage(name),
+                                 entry.resident.rank)  # fmt: skip
+
+    def idle_candidates(self) -> list[Candidate]:
+        """Loaded adapters no request holds, in cache order, as eviction candidates: what may
+        leave for other memory (one whose load failed too)."""
+        return [self._candidate(n) for n, e in list(self.entries.items())
+                if not e.refcount and _landed(e)]  # fmt: skip
 
     def snapshot(self) -> dict:
         """Counters and lists for /stats and /metrics (safe from other threads: one list copy)."""

@@ -63,7 +63,8 @@ def serve_section() -> list[str]:
             help_text = flag.help or ""
             if flag.env:
                 help_text += f" (environment: `${flag.env}`)"
-            row = [f"`{flag_name(field, flag)}`", _default(field, flag), values.strip(),
+            names = " / ".join(f"`{n}`" for n in (flag_name(field, flag), *flag.aliases))
+            row = [names, _default(field, flag), values.strip(),
                    help_text or "—"]  # fmt: skip
             lines.append("| " + " | ".join(_cell(c) for c in row) + " |")
         lines.append("")

@@ -42,7 +42,8 @@ PCIE4_X16_GBPS = 200.0
 PCIE4_X16_LATENCY_US = 10.0
 QUEUE_POLICIES = ("fcfs", "chameleon")  # the classes: server.sched.policies
 MEMORY_LAYOUTS = ("pool", "static")  # the layouts: server.memory.layout
-MEMORY_POLICIES = ("lru", "fastlibra")  # the classes: server.memory.policies
+AUTO_EVICTION = "auto"  # the memory layout's own policy (server.memory.layout)
+EVICTIONS = (AUTO_EVICTION, *EVICTION_POLICIES)  # the classes: gpu_lora.eviction
 
 Part = TypeVar("Part", bound=Settings)
 
@@ -198,7 +199,6 @@ class LoraConfig(Settings):
             metavar="R",
         ),
     )
-    eviction: str = setting("lru", choices=tuple(EVICTION_POLICIES), flag=Flag())
     # Whether adapters no request holds stay on the device (gpu_lora/cache.py).
     adapter_cache: bool = setting(
         True,
@@ -386,11 +386,17 @@ class MemoryConfig(Settings):
             metavar="N",
         ),
     )
-    # What leaves the pool first (server.memory.policies).
-    memory_policy: str = setting(
-        "fastlibra",
-        choices=MEMORY_POLICIES,
-        flag=Flag("what leaves the pool first: fastlibra's cost model, or lru"),
+    # What leaves the device first, adapters and KV alike, in either layout (gpu_lora.eviction).
+    eviction: str = setting(
+        AUTO_EVICTION,
+        choices=EVICTIONS,
+        flag=Flag(
+            "which cached item leaves the device first when room is needed, idle adapters and "
+            "cached KV blocks alike, in either --memory-layout: lru, chameleon (frequency, "
+            "recency and size), or fastlibra's cost model; auto: fastlibra with the pool "
+            "layout, lru with the static one. --memory-policy is the same flag",
+            aliases=("--memory-policy",),
+        ),
     )
     block_tokens: int = setting(
         16,

@@ -42,7 +42,8 @@ class Flag:
     name: the flag (default: `--` and the field name with dashes); type: argparse's parse
     function; choices: the values argparse accepts (default: the setting's own choices);
     default: argparse's default when it differs from the field's (e.g. "auto"); parse: turns the
-    parsed value into the field's value; env: an environment variable read as the default.
+    parsed value into the field's value; env: an environment variable read as the default;
+    aliases: other names of the same flag (an old name kept working).
     """
 
     help: str | None = None
@@ -54,6 +55,7 @@ class Flag:
     default: Any = FIELD_DEFAULT
     parse: Callable[[Any], Any] | None = None
     env: str | None = None
+    aliases: tuple[str, ...] = ()
 
 
 def setting(
@@ -129,7 +131,7 @@ def add_flags(parser: argparse.ArgumentParser, cls: type[Settings]) -> None:
         for key in ("type", "metavar", "action"):
             if getattr(flag, key) is not None:
                 kwargs[key] = getattr(flag, key)
-        group.add_argument(name, **kwargs)
+        group.add_argument(name, *flag.aliases, **kwargs)
 
 
 def build(cls: type[Settings], args: argparse.Namespace, **given: Any) -> Any:

@@ -17,7 +17,7 @@ import torch
 
 from toppings.gpu_lora.adapter_pool import AdapterPool
 from toppings.gpu_lora.cache import AdapterCache
-from toppings.gpu_lora.eviction import make_policy
+from toppings.gpu_lora.eviction import Eviction
 from toppings.gpu_lora.loader import PipelinedLoader
 from toppings.gpu_lora.targets import ModelShapes
 from toppings.gpu_lora.trace import TraceRecorder
@@ -29,7 +29,6 @@ from toppings.server.memory.host_tier import HostKV
 from toppings.server.memory.kv_cache import KVPool
 from toppings.server.memory.layout import KVShape, make_layout
 from toppings.server.memory.manager import MemoryManager
-from toppings.server.memory.policies import make_memory_policy
 from toppings.server.memory.prefix_tree import PrefixTree
 from toppings.server.memory.reclaim import Reclaimer
 
@@ -52,10 +51,11 @@ def build_memory(
 ) -> MemoryManager:
     """The engine's memory (its KV pool is `.kv`, its adapter cache `.adapter_cache`).
 
-    memory: the memory part of the engine's configuration; lora: its LoRA part (the adapter
-    cache's budget and eviction, the loader's layer groups, the emulated link); max_batch_size:
-    the KV pool's rows; free_device_bytes: () -> free bytes of the device (asked only on CUDA
-    without a budget); trace: the adapter loader's copies go to it (None: no tracing).
+    memory: the memory part of the engine's configuration (with the eviction policy); lora:
+    its LoRA part (the adapter cache's budget, the loader's layer groups, the emulated link);
+    max_batch_size: the KV pool's rows; free_device_bytes: () -> free bytes of the device
+    (asked only on CUDA without a budget); trace: the adapter loader's copies go to it (None:
+    no tracing).
     """
     cfg, mc = memory, model_config
     layout = make_layout(
@@ -95,13 +95,11 @@ def build_memory(
     cache = AdapterCache(
         pool,
         loader,
-        make_policy(lora.eviction),
+        Eviction.named(layout.eviction()),  # the one table both layouts ask
         lora.adapter_cache_bytes or None,
         memory=blocks,
         keep_idle=lora.adapter_cache,
     )
-    reclaimer = Reclaimer(
-        kv, tree, swap, cache, blocks is not None, make_memory_policy(cfg.memory_policy), counters
-    )
+    reclaimer = Reclaimer(kv, tree, swap, cache, blocks is not None, counters)
     manager = MemoryManager(kv, layout, tree, swap, blocks, cache, reclaimer, counters)
     return manager

@@ -15,7 +15,7 @@ import enum
 from collections.abc import Callable
 from typing import Protocol
 
-from toppings.server.config import MemoryConfig
+from toppings.server.config import AUTO_EVICTION, MemoryConfig
 
 POOL_SHARE_OF_FREE = 0.4  # CUDA: the memory pool's default share of the free device memory
 
@@ -46,6 +46,8 @@ class Layout:
     """
 
     kind: MemoryLayout
+    # The eviction policy `--eviction auto` means here (gpu_lora/eviction.py's table).
+    default_eviction: str
 
     def __init__(self, memory: MemoryConfig, device: str, adapter_cache_bytes: int):
         self.memory = memory
@@ -61,6 +63,12 @@ class Layout:
         """Whether adapter weights take blocks of the KV pool."""
         raise NotImplementedError
 
+    def eviction(self) -> str:
+        """The name of the eviction policy of `EVICTION_POLICIES` that orders what leaves the
+        device, adapters and KV alike (`--eviction`; auto: the layout's default)."""
+        name = self.memory.eviction
+        return self.default_eviction if name == AUTO_EVICTION else name
+
     def adapter_memory_is_scarce(self) -> bool:
         """Whether an adapter's weights compete for memory admission should count."""
         raise NotImplementedError
@@ -74,6 +82,7 @@ class PoolLayout(Layout):
     """One budget for KV and adapters (memory_bytes; see MemoryConfig for its defaults)."""
 
     kind = MemoryLayout.POOL
+    default_eviction = "fastlibra"  # FastLibra's cost model, KV and adapters in one pool
 
     def kv_slots(self, model: KVShape, itemsize: int, free_device_bytes: Callable[[], int]) -> int:
         cfg = self.memory
@@ -102,6 +111,7 @@ class StaticLayout(Layout):
     """max_total_tokens of KV; adapters in the cache's own adapter_cache_bytes (0: no limit)."""
 
     kind = MemoryLayout.STATIC
+    default_eviction = "lru"  # what its adapter cache always used
 
     def kv_slots(self, model: KVShape, itemsize: int, free_device_bytes: Callable[[], int]) -> int:
         return self.memory.max_total_tokens

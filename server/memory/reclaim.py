@@ -14,20 +14,11 @@ beats recomputing them.
 
 from __future__ import annotations
 
-import time
-from collections import deque
-
 from toppings.gpu_lora.cache import AdapterCache
+from toppings.gpu_lora.eviction import Candidate, ItemKind
 from toppings.server.memory.counters import MemoryCounters
 from toppings.server.memory.host_swap import HostSwap
 from toppings.server.memory.kv_cache import KVPool
-from toppings.server.memory.policies import (
-    Candidate,
-    ItemKind,
-    MemoryPolicy,
-    PoolContext,
-    expected_adapters,
-)
 from toppings.server.memory.prefix_tree import PrefixTree
 
 HIGH_WATERMARK, LOW_WATERMARK = 0.95, 0.70  # FastLibra's busy / idle thresholds
@@ -43,65 +34,53 @@ class Reclaimer:
         kv: KVPool,
         tree: PrefixTree | None,
         swap: HostSwap | None,
-        cache: AdapterCache | None,
+        cache: AdapterCache,
         charges_adapters: bool,
-        policy: MemoryPolicy,
         counters: MemoryCounters,
     ):
+        """cache: the device adapter cache, whose idle adapters are candidates when
+        `charges_adapters`, and whose `order` (the node's one eviction table) orders every
+        candidate."""
         self.kv, self.tree, self.swap, self.cache = kv, tree, swap, cache
         self.charges_adapters = charges_adapters  # idle adapters are candidates too
-        self.policy = policy
         self.counters = counters
-        self._batch_sizes: deque[tuple[float, int]] = deque(maxlen=256)
         self._next_tick = 0.0
 
     def observe_batch(self, now: float, batch_size: int) -> None:
         """A step ran `batch_size` requests (FastLibra's expected adapters use the recent size)."""
-        self._batch_sizes.append((now, batch_size))
+        self.cache.eviction.observe_batch(now, batch_size)
 
     def _candidates(self) -> list[Candidate]:
         out = []
         if self.tree is not None:
             out += [Candidate(ItemKind.KV, n, self.kv.block_bytes, n.visits, n.last_used)
                     for n in self.tree.device_leaves()]  # fmt: skip
-        if self.charges_adapters and self.cache is not None:
-            # The device cache keys adapters by name, which one registration holds at a time
-            # (an unload drops the tree's KV of the adapter: memory/manager.py forget_adapter).
+        if self.charges_adapters:
+            # Adapters whose cached KV is on the device stay: those blocks leave first.
             with_kv = set()
             if self.tree is not None:
                 with_kv = {a.name for a in self.tree.adapters_with_device_kv()}
-            for idle in self.cache.idle_entries():
-                if idle.name in with_kv:
-                    continue  # its cached KV depends on it: those leave first
-                out.append(Candidate(ItemKind.ADAPTER, idle.name, idle.num_bytes,
-                                     idle.usage.frequency, idle.usage.last_used))  # fmt: skip
+            out += [c for c in self.cache.idle_candidates() if c.name not in with_kv]
         return out
 
-    def _context(self, now: float, candidates: list[Candidate]) -> PoolContext:
-        kv_visits = sum(c.visits for c in candidates if c.kind is ItemKind.KV)
-        visits = {ItemKind.KV: kv_visits, ItemKind.ADAPTER: 0}
-        adapters: dict[str, int] = {}
-        if self.cache is not None:
-            adapters = self.cache.frequencies()
-            visits[ItemKind.ADAPTER] = sum(adapters.values())
-        recent = [b for t, b in self._batch_sizes if now - t <= 5.0]
-        batch = sum(recent) / len(recent) if recent else 1.0
-        cached = self.cache.num_entries if self.cache is not None else 0
-        return PoolContext(now, visits, expected_adapters(adapters, batch), cached)
+    def order(self, keep: frozenset[str] = frozenset()) -> list[Candidate]:
+        """Every item that may leave the device now, first to leave first (the node's eviction
+        policy; adapters in `keep`, wanted by queued requests, last)."""
+        ordered = self.cache.order(self._candidates())
+        ordered.sort(key=lambda c: c.kind is ItemKind.ADAPTER and c.item in keep)  # stable
+        return ordered
 
     def reclaim(self, num_blocks: int, keep: frozenset[str] = frozenset()) -> int:
         """Free at least num_blocks by moving cached items off the device; returns how many
         it freed (fewer only when nothing more may leave)."""
-        freed, now = 0, time.monotonic()
+        freed = 0
         # Free a little more than asked: each round orders every candidate, and decode steps
         # ask for a block at a time.
         num_blocks = max(num_blocks, self.kv.num_blocks // RECLAIM_SHARE)
         while freed < num_blocks:
-            cands = self._candidates()
-            ordered = self.policy.order(cands, self._context(now, cands))
+            ordered = self.order(keep)
             if not ordered:
                 break
-            ordered.sort(key=lambda c: c.kind is ItemKind.ADAPTER and c.item in keep)  # stable
             for cand in ordered:
                 if freed >= num_blocks:
                     break
@@ -141,7 +120,7 @@ class Reclaimer:
             roots = [n for n in roots if n.adapter is None or self.cache.holds(n.adapter.name)]
         cands = [Candidate(ItemKind.KV, n, self.kv.block_bytes, n.visits, n.last_used)
                  for n in roots]  # fmt: skip
-        for cand in reversed(self.policy.order(cands, self._context(now, cands))[-num_blocks:]):
+        for cand in reversed(self.cache.order(cands)[-num_blocks:]):
             if not self.kv.num_free_blocks:
                 break
             self.swap.swap_in(cand.item)

@@ -8,7 +8,7 @@ import torch
 from tests.helpers import tiny_model_config
 from toppings.gpu_lora.adapter_pool import AdapterPool
 from toppings.gpu_lora.cache import AdapterCache
-from toppings.gpu_lora.eviction import CacheStats, ChameleonPolicy, LRUPolicy, make_policy
+from toppings.gpu_lora.eviction import Candidate, ChameleonPolicy, LRUPolicy, Usage, make_policy
 from toppings.gpu_lora.loader import PipelinedLoader
 from toppings.gpu_lora.peft_format import LoraAdapter
 
@@ -141,9 +141,9 @@ def test_throttled_load_reports_layers_in_order():
 
 def test_lru_and_chameleon_orders():
     stats = [
-        CacheStats("small_hot", 100, last_used=5.0, frequency=50),
-        CacheStats("big_cold", 1000, last_used=1.0, frequency=1),
-        CacheStats("small_cold", 100, last_used=2.0, frequency=2),
+        Candidate.adapter("small_hot", "small_hot", 100, Usage(last_used=5.0, frequency=50)),
+        Candidate.adapter("big_cold", "big_cold", 1000, Usage(last_used=1.0, frequency=1)),
+        Candidate.adapter("small_cold", "small_cold", 100, Usage(last_used=2.0, frequency=2)),
     ]
     assert [s.name for s in LRUPolicy().order(stats)] == ["big_cold", "small_cold", "small_hot"]
     # Chameleon keeps the big adapter (costly to reload): the small cold one goes first.
@@ -163,8 +163,8 @@ def test_a_shared_memory_is_charged_each_load_and_given_back_on_eviction():
     cache.release("b")
     assert cache.is_pinned("a") and not cache.is_pinned("b")  # both loads have landed
     assert cache.referenced() == ["a"] and cache.num_entries == 2
-    (idle,) = cache.idle_entries()
-    assert (idle.name, idle.num_bytes, idle.usage.frequency) == ("b", one, 1)
+    (idle,) = cache.idle_candidates()
+    assert (idle.name, idle.num_bytes, idle.visits, idle.rank) == ("b", one, 1, 4)
     cache.evict("b")
     assert memory.free == one and "b" not in memory.charged
     assert cache.prefetch(adapter("c", 4), keep=frozenset())  # a prefetch never reclaims

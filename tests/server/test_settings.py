@@ -64,13 +64,13 @@ def test_code_gets_the_same_checks():
 
 
 def test_each_choice_list_names_its_table():
+    from toppings.gpu_lora.eviction import EVICTION_POLICIES
     from toppings.server import config
     from toppings.server.memory.layout import MemoryLayout
-    from toppings.server.memory.policies import MEMORY_POLICY_CLASSES
     from toppings.server.sched.policies import QUEUE_POLICY_CLASSES
 
     assert config.QUEUE_POLICIES == tuple(QUEUE_POLICY_CLASSES)
-    assert config.MEMORY_POLICIES == tuple(MEMORY_POLICY_CLASSES)
+    assert config.EVICTIONS == (config.AUTO_EVICTION, *EVICTION_POLICIES)
     assert config.MEMORY_LAYOUTS == tuple(m.value for m in MemoryLayout)
 
 

@@ -1,4 +1,4 @@
-"""The prefix tree's bookkeeping and the memory policies' order, without a model."""
+"""The prefix tree's bookkeeping and the eviction policies' order, without a model."""
 
 from __future__ import annotations
 
@@ -7,12 +7,12 @@ import random
 
 import pytest
 
-from toppings.server.memory.policies import (
+from toppings.gpu_lora.eviction import (
     Candidate,
+    EvictionContext,
     ItemKind,
-    PoolContext,
     expected_adapters,
-    make_memory_policy,
+    make_policy,
 )
 from toppings.server.memory.prefix_tree import KVNode, PrefixTree
 from toppings.server.requests.adapter_ref import AdapterRef
@@ -86,14 +86,14 @@ def test_a_host_block_comes_back_held():
     assert tree.num_held == 1 and tree.num_pinned_unreserved == 1
 
 
-def _context(**kw) -> PoolContext:
+def _context(**kw) -> EvictionContext:
     visits = {ItemKind.KV: 10, ItemKind.ADAPTER: 10}
     base = dict(now=100.0, visits_by_kind=visits, expected_adapters=1.0, cached_adapters=4)
-    return PoolContext(**{**base, **kw})
+    return EvictionContext(**{**base, **kw})
 
 
 def test_fastlibra_keeps_recent_frequent_and_costly_items():
-    policy = make_memory_policy("fastlibra")
+    policy = make_policy("fastlibra")
     old = Candidate(ItemKind.KV, "old", 1000, visits=5, last_used=90.0)
     recent = Candidate(ItemKind.KV, "recent", 1000, visits=5, last_used=99.9)
     rare = Candidate(ItemKind.KV, "rare", 1000, visits=1, last_used=99.9)
@@ -103,7 +103,7 @@ def test_fastlibra_keeps_recent_frequent_and_costly_items():
 
 
 def test_fastlibra_rewards_adapters_while_fewer_are_cached_than_batches_use():
-    policy = make_memory_policy("fastlibra")
+    policy = make_policy("fastlibra")
     kv = Candidate(ItemKind.KV, "kv", 1000, visits=5, last_used=99.0)
     adapter = Candidate(ItemKind.ADAPTER, "ad", 1000, visits=5, last_used=99.0)
     few = policy.order([adapter, kv], _context(expected_adapters=8.0, cached_adapters=2))
@@ -114,12 +114,12 @@ def test_fastlibra_rewards_adapters_while_fewer_are_cached_than_batches_use():
 
 
 def test_lru_and_unknown_policy():
-    policy = make_memory_policy("lru")
+    policy = make_policy("lru")
     a = Candidate(ItemKind.KV, "a", 1, 100, last_used=5.0)
     b = Candidate(ItemKind.ADAPTER, "b", 1, 1, last_used=1.0)
     assert [c.item for c in policy.order([a, b], _context())] == ["b", "a"]
-    with pytest.raises(ValueError, match="unknown memory policy"):
-        make_memory_policy("nope")
+    with pytest.raises(ValueError, match="unknown eviction policy"):
+        make_policy("nope")
 
 
 def test_a_new_registration_of_a_name_finds_none_of_the_old_ones_blocks():

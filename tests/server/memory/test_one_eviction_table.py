@@ -1,0 +1,85 @@
+"""One eviction table decides for adapters in both memory layouts.
+
+The static layout's adapter cache (its own byte budget) and the pool layout's reclaimer (KV and
+adapters in one pool) ask the same `Eviction` for an order: the same policy name orders the
+same idle adapters alike in both, and `--eviction` (old name `--memory-policy`) picks it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.gpu_lora.test_cache import CONFIG, adapter
+from toppings.gpu_lora.eviction import EVICTION_POLICIES, FastLibraPolicy, LRUPolicy
+from toppings.server.cli_args import build_parser, parse_configs
+from toppings.server.config import EngineConfig, LoraConfig, MemoryConfig
+from toppings.server.memory.build import build_memory
+
+# (name, rank, uses): sizes, frequencies and recency that the three policies order differently.
+ADAPTERS = (("big_rare", 16, 1), ("small_hot", 2, 5), ("mid_warm", 8, 2), ("small_cold", 2, 1))
+
+
+def build(engine: EngineConfig):
+    return build_memory(engine.part(MemoryConfig), engine.part(LoraConfig), "cpu", 4, CONFIG,
+                        torch.float32, 256, lambda: 0)  # fmt: skip
+
+
+def layouts(policy: str) -> dict[str, object]:
+    """The memory of each layout, large enough for every adapter, no prefix cache (adapters
+    are the only candidates), with `policy`."""
+    common = dict(eviction=policy, prefix_cache=False, link_gbps=0.0)
+    return {
+        "static": build(
+            EngineConfig(memory_layout="static", adapter_cache_bytes=1 << 24, **common)
+        ),  # fmt: skip
+        "pool": build(EngineConfig(memory_layout="pool", memory_bytes=1 << 24, **common)),
+    }
+
+
+def use_adapters(memories: dict[str, object]) -> None:
+    """Each adapter is used `uses` times (the same calls on every memory, interleaved, so the
+    recency of each adapter is the same relative order in each), then left idle."""
+    loaded = {name: adapter(name, rank, seed=i) for i, (name, rank, _) in enumerate(ADAPTERS)}
+    for name, _, uses in ADAPTERS:
+        for _ in range(uses):
+            for memory in memories.values():
+                cache = memory.adapter_cache
+                entry = cache.acquire(loaded[name])
+                assert entry is not None and entry.ticket.wait(10)
+                cache.release(name)
+
+
+@pytest.mark.parametrize("policy", list(EVICTION_POLICIES))
+def test_the_same_policy_orders_idle_adapters_alike_in_both_layouts(policy):
+    memories = layouts(policy)
+    try:
+        use_adapters(memories)
+        static = memories["static"].adapter_cache.eviction_order()
+        pool = [c.name for c in memories["pool"].reclaimer.order()]
+        assert sorted(static) == sorted(name for name, _, _ in ADAPTERS)
+        assert static == pool
+        for memory in memories.values():
+            assert type(memory.adapter_cache.eviction.policy) is EVICTION_POLICIES[policy]
+        if policy == "lru":  # used last to first: small_cold went last
+            assert static == ["big_rare", "small_hot", "mid_warm", "small_cold"]
+    finally:
+        for memory in memories.values():
+            memory.adapter_cache.loader.close()
+
+
+def test_auto_is_the_layouts_own_policy_and_memory_policy_names_the_same_flag():
+    memories = layouts("auto")
+    try:
+        assert type(memories["static"].adapter_cache.eviction.policy) is LRUPolicy
+        assert type(memories["pool"].adapter_cache.eviction.policy) is FastLibraPolicy
+    finally:
+        for memory in memories.values():
+            memory.adapter_cache.loader.close()
+    parser = build_parser()
+    for flag in ("--eviction", "--memory-policy"):
+        args = parser.parse_args(["--model", "m", flag, "chameleon"])
+        assert parse_configs(args)[1].eviction == "chameleon"
+    assert parse_configs(parser.parse_args(["--model", "m"]))[1].eviction == "auto"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--model", "m", "--eviction", "fifo"])
