@@ -90,7 +90,7 @@ def time_paths(kernel: str, dtype: torch.dtype, args) -> dict[str, float]:
     for a in adapters:
         pool.add(a)
     rng = random.Random(0)
-    batch = [pool.resident[adapters[rng.randrange(len(adapters))].name] for _ in range(args.batch)]
+    batch = [pool.resident[adapters[rng.randrange(len(adapters))].id] for _ in range(args.batch)]
     x = torch.randn(args.batch, config.hidden_size, dtype=dtype)
     offsets = torch.tensor([a.offset for a in batch], dtype=torch.int32)
     ranks_t = torch.tensor([a.rank for a in batch], dtype=torch.int32)

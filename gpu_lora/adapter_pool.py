@@ -17,7 +17,7 @@ cut to their last used row when that is what makes room.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -27,13 +27,14 @@ from toppings.gpu_lora.targets import LORA_TARGETS, ModelShapes
 
 @dataclass(frozen=True)
 class ResidentAdapter:
-    """Where an adapter sits in the pool."""
+    """Where an adapter sits in the pool (`id`: the pool's key, `LoraAdapter.id`)."""
 
     name: str
     offset: int
     rank: int
     scale: float
     targets: frozenset[str]
+    id: int = 0
 
 
 class RowAllocator:
@@ -72,7 +73,7 @@ class _Plan:
 
 
 class AdapterPool:
-    """The engine's adapter weights on its device, by name; see the module docstring."""
+    """The engine's adapter weights on its device, by adapter id; see the module docstring."""
 
     def __init__(
         self,
@@ -90,7 +91,7 @@ class AdapterPool:
         self.rows: dict[str, RowAllocator] = {m: RowAllocator() for m in LORA_TARGETS}
         self.lora_a: dict[str, torch.Tensor] = {}  # module -> [L, C_m, H_in]
         self.lora_b: dict[str, torch.Tensor] = {}  # module -> [L, C_m, H_out]
-        self.resident: dict[str, ResidentAdapter] = {}
+        self.resident: dict[int, ResidentAdapter] = {}  # by LoraAdapter.id
         self._item = torch.empty((), dtype=dtype).element_size()
 
     # ---- sizes ------------------------------------------------------------------------------
@@ -139,8 +140,8 @@ class AdapterPool:
     def reserve(self, adapter: LoraAdapter, max_bytes: int | None = None) -> ResidentAdapter:
         """Take rows for an adapter (reallocating tensors if needed, the pool staying at most
         `max_bytes`); its rows still hold zeros. Raises MemoryError when it cannot fit."""
-        if adapter.name in self.resident:
-            raise KeyError(f"adapter {adapter.name!r} is already resident")
+        if adapter.id in self.resident:
+            raise KeyError(f"adapter {adapter.name!r} (id {adapter.id}) is already resident")
         plan = self._plan(adapter, max_bytes)
         if plan is None:
             raise MemoryError(
@@ -157,19 +158,21 @@ class AdapterPool:
             adapter.rank,
             adapter.scale,
             frozenset(adapter.target_modules),
+            adapter.id,
         )
-        self.resident[adapter.name] = entry
+        self.resident[adapter.id] = entry
         return entry
 
-    def compact(self, fixed: frozenset[str] = frozenset()) -> dict[str, ResidentAdapter]:
+    def compact(self, fixed: frozenset[int] = frozenset()) -> dict[int, ResidentAdapter]:
         """Slide resident adapters down to the lowest rows free in all their projections, in
         order of their offsets, so that free rows gather at the end: a budget with room for an
         adapter in bytes then has it in rows too. Adapters in `fixed` (a load is writing their
         rows) stay. Returns the adapters moved at their new places, by name; their rows are
-        copied here, in order on the device's stream with the steps before and after."""
+        copied here, in order on the device's stream with the steps before and after; both
+        by adapter id."""
         moved = {}
         for entry in sorted(self.resident.values(), key=lambda e: e.offset):
-            if entry.name in fixed:
+            if entry.id in fixed:
                 continue
             rows = [self.rows[m] for m in entry.targets]
             for allocator in rows:
@@ -181,9 +184,7 @@ class AdapterPool:
                 allocator.take(new, entry.rank)
             if new != entry.offset:
                 self._move_rows(entry, new)
-                moved[entry.name] = self.resident[entry.name] = ResidentAdapter(
-                    entry.name, new, entry.rank, entry.scale, entry.targets
-                )
+                moved[entry.id] = self.resident[entry.id] = replace(entry, offset=new)
         return moved
 
     def _move_rows(self, entry: ResidentAdapter, new: int) -> None:
@@ -198,8 +199,9 @@ class AdapterPool:
                     table[:, new + k : new + k + n] = table[:, old + k : old + k + n]
                 table[:, max(old, new + rank) : old + rank].zero_()
 
-    def remove(self, name: str) -> None:
-        entry = self.resident.pop(name)
+    def remove(self, adapter_id: int) -> None:
+        """Free the rows of the adapter of this id (zeroed)."""
+        entry = self.resident.pop(adapter_id)
         for module in entry.targets:
             self.rows[module].free(entry.offset)
             # Zero the rows so a layer the adapter did not cover can never leak into another.

@@ -1,5 +1,9 @@
 """Device adapter cache: a byte budget over the adapter pool, reference counts, eviction, loads.
 
+Adapters are keyed by id (`LoraAdapter.id`: the registration's `AdapterRef.id` in a server),
+never by name: an adapter unloaded and loaded again under its name is another adapter, and
+rows still cached for the first can never be taken for the second.
+
 `acquire` is called when a request is admitted: a hit takes a reference; a miss makes room
 (evicting unreferenced adapters in the policy's order, those wanted by queued requests last),
 takes pool rows and starts a pipelined load, whose ticket tells which layers are resident. An
@@ -58,6 +62,7 @@ class EntryState(NamedTuple):
     """Where one cache entry stands: every layer on the device, or its load still running (a
     failed load is neither), and whether it cannot leave the device now (`is_pinned`)."""
 
+    name: str
     on_device: bool
     loading: bool
     pinned: bool
@@ -66,13 +71,13 @@ class EntryState(NamedTuple):
 class AdapterBudget(Protocol):
     """The memory adapters are charged to beside the cache's own byte budget."""
 
-    def take(self, name: str, num_bytes: int, keep: frozenset[str], reclaim: bool) -> bool:
-        """Charge `num_bytes` for adapter `name`; with reclaim, evict cached items to make room
-        (those of adapters in `keep` last). False when the room cannot be had."""
+    def take(self, adapter_id: int, num_bytes: int, keep: frozenset[int], reclaim: bool) -> bool:
+        """Charge `num_bytes` for the adapter of this id; with reclaim, evict cached items to
+        make room (those of adapters in `keep` last). False when the room cannot be had."""
         ...
 
-    def give(self, name: str) -> None:
-        """Adapter `name` left the device: its charge is free again."""
+    def give(self, adapter_id: int) -> None:
+        """The adapter of this id left the device: its charge is free again."""
         ...
 
     def capacity_bytes(self) -> int:
@@ -99,9 +104,9 @@ class AdapterCache:
         self.budget_bytes = budget_bytes
         self.memory = memory  # None: the byte budget above is the only limit
         self.keep_idle = keep_idle  # False: no cache (see the module docstring)
-        self.entries: dict[str, CacheEntry] = {}
+        self.entries: dict[int, CacheEntry] = {}  # by adapter id (`LoraAdapter.id`)
         self.counters = CacheCounters()
-        self._usage: dict[str, Usage] = {}
+        self._usage: dict[int, Usage] = {}
         self._used_bytes = 0
         # The pool's tensors never hold more than the most adapters can be charged.
         self.max_pool_bytes = self.max_adapter_bytes()
@@ -122,18 +127,19 @@ class AdapterCache:
         return min(limits, default=None)
 
     def acquire(
-        self, adapter: LoraAdapter, keep: frozenset[str] = frozenset()
+        self, adapter: LoraAdapter, keep: frozenset[int] = frozenset()
     ) -> CacheEntry | None:
         """Take a reference on `adapter`, loading it if needed; None when no room can be made.
 
-        keep: adapters of queued requests, evicted only when nothing else frees enough room.
+        keep: ids of adapters of queued requests, evicted only when nothing else frees enough
+        room.
         """
-        usage = self._usage.setdefault(adapter.name, Usage())
+        usage = self._usage.setdefault(adapter.id, Usage())
         if not self.keep_idle:
-            self._drop_idle(spare=adapter.name)
-        entry = self.entries.get(adapter.name)
+            self._drop_idle(spare=adapter.id)
+        entry = self.entries.get(adapter.id)
         if entry is not None and entry.ticket.error is not None and not entry.refcount:
-            self.evict(adapter.name)  # its load failed: load it again
+            self.evict(adapter.id)  # its load failed: load it again
             entry = None
         if entry is not None:
             self.counters.hits += 1
@@ -146,55 +152,57 @@ class AdapterCache:
         usage.touch(time.monotonic())
         return entry
 
-    def release(self, name: str) -> None:
-        entry = self.entries[name]
+    def release(self, adapter_id: int) -> None:
+        """Drop a reference taken by `acquire` on the adapter of this id."""
+        entry = self.entries[adapter_id]
         if entry.refcount <= 0:
-            raise RuntimeError(f"adapter {name!r} released more often than acquired")
+            raise RuntimeError(f"adapter {entry.resident.name!r} released more often than acquired")
         entry.refcount -= 1
         if not self.keep_idle:
             self._drop_idle()
 
-    def _drop_idle(self, spare: str | None = None) -> None:
+    def _drop_idle(self, spare: int | None = None) -> None:
         """Without a cache: evict every adapter no request holds whose load has landed (but
-        `spare`, about to be acquired)."""
-        for name, entry in list(self.entries.items()):
-            if not entry.refcount and name != spare and _landed(entry):
-                self.evict(name)
+        the one of id `spare`, about to be acquired)."""
+        for adapter_id, entry in list(self.entries.items()):
+            if not entry.refcount and adapter_id != spare and _landed(entry):
+                self.evict(adapter_id)
 
-    def evict(self, name: str) -> None:
+    def evict(self, adapter_id: int) -> None:
         """Drop an unreferenced adapter from the device (also used to unload it)."""
-        entry = self.entries[name]
+        entry = self.entries[adapter_id]
         if entry.refcount:
-            raise RuntimeError(f"adapter {name!r} is in use ({entry.refcount} references)")
+            raise RuntimeError(f"adapter {entry.resident.name!r} is in use "
+                               f"({entry.refcount} references)")  # fmt: skip
         if not entry.ticket.done:
             entry.ticket.wait()  # rows being written cannot be handed to another adapter yet
-        del self.entries[name]
-        self.pool.remove(name)
+        del self.entries[adapter_id]
+        self.pool.remove(adapter_id)
         self._used_bytes -= entry.num_bytes
         self.counters.evictions += 1
         if self.memory is not None:
-            self.memory.give(name)
+            self.memory.give(adapter_id)
 
-    def forget(self, name: str) -> None:
-        """An adapter was unregistered: drop its usage history too."""
-        if name in self.entries:
-            self.evict(name)
-        self._usage.pop(name, None)
+    def forget(self, adapter_id: int) -> None:
+        """An adapter was unregistered: drop it from the device and its usage history."""
+        if adapter_id in self.entries:
+            self.evict(adapter_id)
+        self._usage.pop(adapter_id, None)
 
-    def prefetch(self, adapter: LoraAdapter, keep: frozenset[str]) -> bool:
+    def prefetch(self, adapter: LoraAdapter, keep: frozenset[int]) -> bool:
         """Start loading the adapter of a queued request, taking no reference, when it fits by
         evicting only adapters that no request holds or waits for; False when it does not."""
-        if adapter.name in self.entries or not self.keep_idle:
+        if adapter.id in self.entries or not self.keep_idle:
             return False
         num_bytes = self.charge(adapter)
         if self.budget_bytes is not None and num_bytes > self.budget_bytes:
             return False
-        self._usage.setdefault(adapter.name, Usage())
+        self._usage.setdefault(adapter.id, Usage())
         return self._load(adapter, keep, spare_keep=True) is not None
 
-    def freeable_bytes(self, extra: str | None = None) -> float:
+    def freeable_bytes(self, extra: int | None = None) -> float:
         """Bytes a load could have now: free budget plus unreferenced adapters (inf without a
-        budget); `extra`: count that adapter as unreferenced too."""
+        budget); `extra`: count the adapter of that id as unreferenced too."""
         if self.budget_bytes is None:
             return float("inf")
         idle = sum(
@@ -203,7 +211,7 @@ class AdapterCache:
         return self.budget_bytes - self._used_bytes + idle
 
     def _load(
-        self, adapter: LoraAdapter, keep: frozenset[str], spare_keep: bool = False
+        self, adapter: LoraAdapter, keep: frozenset[int], spare_keep: bool = False
     ) -> CacheEntry | None:
         num_bytes = self.charge(adapter)
         if self.budget_bytes is not None and num_bytes > self.budget_bytes:
@@ -221,13 +229,13 @@ class AdapterCache:
         if self.pool.must_grow(adapter, self.max_pool_bytes) and not self.loader.idle():
             return None  # the pool must reallocate, which cannot happen under a running load
         if self.memory is not None and not self.memory.take(
-            adapter.name, num_bytes, keep, reclaim=not spare_keep
+            adapter.id, num_bytes, keep, reclaim=not spare_keep
         ):
             return None  # a prefetch takes free blocks only
         resident = self.pool.reserve(adapter, self.max_pool_bytes)
         ticket = self.loader.submit(adapter, resident)
         entry = CacheEntry(resident, ticket, num_bytes)
-        self.entries[adapter.name] = entry
+        self.entries[adapter.id] = entry
         self._used_bytes += num_bytes
         self.counters.loads += 1
         self.counters.bytes_loaded += num_bytes
@@ -248,23 +256,24 @@ class AdapterCache:
         until an adapter in the middle of the rows ended (seen at 1.5 s in a burst)."""
         loading = frozenset(n for n, e in self.entries.items() if not e.ticket.done)
         moved = self.pool.compact(loading)
-        for name, resident in moved.items():
-            self.entries[name].resident = resident
+        for adapter_id, resident in moved.items():
+            self.entries[adapter_id].resident = resident
         self.counters.compactions += bool(moved)
         return bool(moved)
 
-    def _victim(self, keep: frozenset[str], spare_keep: bool = False) -> str | None:
+    def _victim(self, keep: frozenset[int], spare_keep: bool = False) -> int | None:
         order = self.eviction_order(keep, spare_keep)
         return order[0] if order else None
 
     def eviction_order(
-        self, keep: frozenset[str] = frozenset(), spare_keep: bool = False
-    ) -> list[str]:
-        """The adapters no request holds, first to leave first: those no queued request wants
-        (not in `keep`) in the eviction policy's order, then (unless `spare_keep`) the others."""
+        self, keep: frozenset[int] = frozenset(), spare_keep: bool = False
+    ) -> list[int]:
+        """The ids of the adapters no request holds, first to leave first: those no queued
+        request wants (not in `keep`) in the eviction policy's order, then (unless
+        `spare_keep`) the others."""
         free = [n for n, e in list(self.entries.items()) if e.refcount == 0]
         groups = [[n for n in free if n not in keep], [n for n in free if n in keep]]
-        order: list[str] = []
+        order: list[int] = []
         for group in groups[:1] if spare_keep else groups:
             if group:
                 cands = [self._candidate(n) for n in group]
@@ -280,13 +289,13 @@ class AdapterCache:
 
     # ---- read-only views (the memory pool's, and /stats') ---------------------------------
 
-    def usage(self, name: str) -> Usage:
+    def usage(self, adapter_id: int) -> Usage:
         """When the adapter was last used and by how many requests (a copy)."""
-        usage = self._usage.get(name, Usage())
+        usage = self._usage.get(adapter_id, Usage())
         return Usage(usage.last_used, usage.frequency)
 
-    def frequencies(self) -> dict[str, int]:
-        """Requests per adapter since it was registered, resident or not."""
+    def frequencies(self) -> dict[int, int]:
+        """Requests per adapter id since it was registered, resident or not."""
         return {n: u.frequency for n, u in list(self._usage.items())}
 
     @property
@@ -294,37 +303,39 @@ class AdapterCache:
         """Adapters on the device or on their way there."""
         return len(self.entries)
 
-    def holds(self, name: str) -> bool:
+    def holds(self, adapter_id: int) -> bool:
         """Whether the adapter is on the device or on its way there."""
-        return name in self.entries
+        return adapter_id in self.entries
 
-    def referenced(self) -> list[str]:
-        """Adapters a request holds, in cache order (one copy of the entries: any thread)."""
+    def referenced(self) -> list[int]:
+        """Ids of the adapters a request holds, in cache order (one copy of the entries: any
+        thread)."""
         return [n for n, e in list(self.entries.items()) if e.refcount]
 
-    def is_pinned(self, name: str) -> bool:
+    def is_pinned(self, adapter_id: int) -> bool:
         """Whether the adapter cannot leave the device now: a request holds it, or its load
         (a prefetch's, or one whose request let go) is still running."""
-        entry = self.entries.get(name)
+        entry = self.entries.get(adapter_id)
         return entry is not None and _pinned(entry)
 
-    def pinned(self) -> list[str]:
-        """Adapters that cannot leave the device now (`is_pinned`), in cache order."""
+    def pinned(self) -> list[int]:
+        """Ids of the adapters that cannot leave the device now (`is_pinned`), in cache order."""
         return [n for n, e in list(self.entries.items()) if _pinned(e)]
 
-    def entry_states(self) -> dict[str, EntryState]:
-        """Each adapter on the device or on its way there, in cache order (one copy of the
-        entries: any thread)."""
+    def entry_states(self) -> dict[int, EntryState]:
+        """Each adapter on the device or on its way there, by id, in cache order (one copy of
+        the entries: any thread)."""
         states = {}
         for n, e in list(self.entries.items()):
             done = e.ticket.done
-            states[n] = EntryState(done, not done and e.ticket.error is None, _pinned(e))
+            states[n] = EntryState(e.resident.name, done, not done and e.ticket.error is None,
+                                   _pinned(e))  # fmt: skip
         return states
 
-    def _candidate(self, name: str) -> Candidate:
-        entry = self.entries[name]
-        return Candidate.adapter(name, name, entry.num_bytes, self.usage(name),
-                                 entry.resident.rank)  # fmt: skip
+    def _candidate(self, adapter_id: int) -> Candidate:
+        entry = self.entries[adapter_id]
+        return Candidate.adapter(adapter_id, entry.resident.name, entry.num_bytes,
+                                 self.usage(adapter_id), entry.resident.rank)  # fmt: skip
 
     def idle_candidates(self) -> list[Candidate]:
         """Loaded adapters no request holds, in cache order, as eviction candidates: what may
@@ -338,8 +349,8 @@ class AdapterCache:
         return {
             "used_bytes": self._used_bytes,
             "budget_bytes": self.budget_bytes,
-            "resident": [n for n, e in entries if e.ticket.done],
-            "loading": [n for n, e in entries if not e.ticket.done],
+            "resident": [e.resident.name for _, e in entries if e.ticket.done],
+            "loading": [e.resident.name for _, e in entries if not e.ticket.done],
             **vars(self.counters),
         }
 

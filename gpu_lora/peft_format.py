@@ -8,6 +8,7 @@ opened relative to the directory without following a symlink and checked on the 
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -44,6 +45,16 @@ __all__ = [
 
 
 # PEFT's names for the tensors it saves; `.default` appears when the adapter name was kept.
+# Ids of adapters not registered with a server (tests, benchmarks): negative, so that they never
+# equal a registration's id (server/requests/adapter_ref.py counts up from 1).
+_unregistered_ids = itertools.count(-1, -1)
+
+
+def unregistered_id() -> int:
+    """An adapter id no other adapter of this process has had, for one not registered."""
+    return next(_unregistered_ids)
+
+
 _KEY_RE = re.compile(
     r"base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])(\.default)?\.weight"
 )
@@ -64,6 +75,9 @@ class LoraAdapter:
     `magnitudes[(layer_idx, module)] = m [out_features]` for the same pairs, and, once the base
     weights were read (`AdapterManager.open`), `dora`: the per-channel scales (gpu_lora.dora).
     An activated LoRA has its `invocation_tokens` (gpu_lora.alora); () for any other.
+    `id` is what the device cache and pool key it by: its registration's id (the server's
+    `AdapterRef.id`, set when it is registered), else one made for it alone; never its name,
+    which a later registration may hold.
     """
 
     name: str
@@ -78,6 +92,7 @@ class LoraAdapter:
     magnitudes: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
     dora: DoraScales | None = None
     invocation_tokens: tuple[int, ...] = ()
+    id: int = field(default_factory=unregistered_id)
 
     @property
     def is_dora(self) -> bool:

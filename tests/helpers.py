@@ -107,3 +107,12 @@ def spy_on_submissions(engine, monkeypatch, on_submit) -> None:
         return handles
 
     monkeypatch.setattr(engine, "submit_all", spied)
+
+
+_ADAPTER_IDS: dict[str, int] = {}
+
+
+def adapter_id(name: str) -> int:
+    """The id the device-cache tests give their adapter of this name: one registration per
+    name, as a server has at a time (far from the ids a server's registrations count up to)."""
+    return _ADAPTER_IDS.setdefault(name, 10**9 + len(_ADAPTER_IDS))

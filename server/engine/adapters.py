@@ -9,9 +9,11 @@ computed by `host`: the CPU worker pool, or in-process when the server runs no w
 The engine asks four things: `acquire` a request's adapter (memory and a load), `may_start` it
 under the LoRA mode, `step` (the LoRA side of one forward pass) and `release` it when it ends.
 Requests name adapters by `AdapterRef` (made by `register`; `refs`, adapter_registry.py,
-resolves names and counts requests in flight); the device cache, the pool, the loader and the
-workers' arena below (gpu_lora, cpu_lora) key on the registered name, which one registration
-holds at a time: unregistering frees everything held under it.
+resolves names and counts requests in flight). The device cache and pool (gpu_lora) key on the
+reference's id, which `register` gives the adapter (`LoraAdapter.id`): rows cached for an
+adapter since unloaded are never taken for one registered later under its name. The host side
+(the registered tensors, DoRA's scales on the device by id, the CPU workers' arena by name)
+holds one registration per name, and unregistering frees everything held for it.
 Before that, `open` reads an adapter directory only once its shapes passed the rank limit
 (`--max-lora-rank`) and what it will occupy fits: in the device pool (its real row layout), in
 the node's memory when adapters are charged to KV blocks, and in the CPU workers' arena.
@@ -108,8 +110,8 @@ class AdapterManager:
         self.refs = AdapterRegistry()  # their references and in-flight requests
         self.base = base
         self.dtype = dtype
-        # DoRA adapters' scales on the device, by name (small: two [L, H_out] per module)
-        self._dora: dict[str, DoraScales] = {}
+        # DoRA adapters' scales on the device, by adapter id (small: two [L, H_out] per module)
+        self._dora: dict[int, DoraScales] = {}
         self.cache = cache
         self.pool = cache.pool
         self.loader = cache.loader
@@ -227,10 +229,11 @@ class AdapterManager:
             # Pinned host copies: the loader's copies then run asynchronously on its stream.
             for key, (a, b) in adapter.weights.items():
                 adapter.weights[key] = (a.pin_memory(), b.pin_memory())
-        self.registry[adapter.name] = adapter
         ref = AdapterRef.new(adapter.name, adapter.rank, self.cache.charge(adapter))
+        adapter = dataclasses.replace(adapter, id=ref.id)  # what the device cache keys it by
+        self.registry[adapter.name] = adapter
         if adapter.dora is not None:
-            self._dora[adapter.name] = adapter.dora.to(self.pool.device, self.dtype)
+            self._dora[adapter.id] = adapter.dora.to(self.pool.device, self.dtype)
         if self.mode.preload:
             # The ideal upper bound: every adapter on the device before any request, pinned.
             entry = self.cache.acquire(adapter)
@@ -259,14 +262,24 @@ class AdapterManager:
             ) from None
 
     def unregister(self, name: str) -> None:
-        if self.mode.preload and name in self.cache.entries:
-            self.cache.release(name)  # the registration pin
-        self.cache.forget(name)
+        """Drop the adapter registered as `name` from the device and the host."""
+        adapter_id = self.registry[name].id
+        if self.mode.preload and self.cache.holds(adapter_id):
+            self.cache.release(adapter_id)  # the registration pin
+        self.cache.forget(adapter_id)
         if self.repository is not None and self.repository.lookup(name) is not None:
             self.repository.remove(name)
         del self.registry[name]
-        self._dora.pop(name, None)
+        self._dora.pop(adapter_id, None)
         self.host_memory.release(name)
+
+    def _adapter(self, ref: AdapterRef) -> LoraAdapter:
+        """The registered adapter of this reference (KeyError once it was unregistered, even
+        if another one holds its name now)."""
+        adapter = self.registry.get(ref.name)
+        if adapter is None or adapter.id != ref.id:
+            raise KeyError(f"adapter {ref.name!r} (id {ref.id}) is not registered")
+        return adapter
 
     # ---- per request and per step (the engine thread) -----------------------------------------
 
@@ -274,7 +287,7 @@ class AdapterManager:
         """Take a reference on the adapter and start its load if it is not on the device;
         None when no adapter memory is free until a running request ends. `queued`: adapters of
         waiting requests, which eviction spares."""
-        return self.cache.acquire(self.registry[ref.name], _names(queued))
+        return self.cache.acquire(self._adapter(ref), _ids(queued))
 
     def prefetch(self, refs: list[AdapterRef], queued: frozenset[AdapterRef]) -> None:
         """Load the first of these adapters of queued requests that is not on the device, when
@@ -284,8 +297,8 @@ class AdapterManager:
             return
         for ref in refs:
             adapter = self.registry.get(ref.name)
-            if adapter is not None and ref.name not in self.cache.entries:
-                self.cache.prefetch(adapter, _names(queued))
+            if adapter is not None and adapter.id == ref.id and not self.cache.holds(ref.id):
+                self.cache.prefetch(adapter, _ids(queued))
                 return
 
     def registered(self) -> list[AdapterRef]:
@@ -299,15 +312,15 @@ class AdapterManager:
     def fits_if_released(self, ref: AdapterRef | None, held: AdapterRef | None) -> bool:
         """Whether adapter `ref` misses device memory now but would find it if the one
         reference a request holds on `held` were dropped."""
-        if ref is None or ref.name in self.cache.entries:
+        if ref is None or self.cache.holds(ref.id):
             return False
         need = self.bytes_of(ref)
         if self.cache.freeable_bytes() >= need or held is None or held == ref:
             return False
-        entry = self.cache.entries.get(held.name)
+        entry = self.cache.entries.get(held.id)
         if entry is None or entry.refcount != 1:
             return False
-        return self.cache.freeable_bytes(extra=held.name) >= need
+        return self.cache.freeable_bytes(extra=held.id) >= need
 
     def may_start(self, entry: CacheEntry | None) -> bool:
         """Whether a request holding `entry` may be prefilled now under the LoRA mode; raises
@@ -320,7 +333,7 @@ class AdapterManager:
 
     def release(self, ref: AdapterRef) -> None:
         """Drop a request's reference taken by `acquire`."""
-        self.cache.release(ref.name)
+        self.cache.release(ref.id)
 
     def is_activated(self, ref: AdapterRef | None) -> bool:
         """Whether `ref` is an activated LoRA (its KV before `lora_start` is the base model's)."""
@@ -369,7 +382,7 @@ class AdapterManager:
             seg_starts,
             is_prefill,
             tickets=[e.ticket if e else None for e in entries],
-            dora=[self._dora.get(e.resident.name) if e else None for e in entries],
+            dora=[self._dora.get(e.resident.id) if e else None for e in entries],
             host=self.host,
             host_stats=self.host_stats,
             trace=self._trace,
@@ -378,7 +391,7 @@ class AdapterManager:
     def has_dora(self, entries: list[CacheEntry | None]) -> bool:
         """Whether any of these requests' adapters is a DoRA adapter (decode graphs do not
         apply DoRA's scales: such a step runs eagerly)."""
-        return any(e is not None and e.resident.name in self._dora for e in entries)
+        return any(e is not None and e.resident.id in self._dora for e in entries)
 
     def wait_for_loads(self, entries: list[CacheEntry | None]) -> None:
         """Under a mode that stalls for loads (on-demand-sync), wait until every one of a
@@ -396,9 +409,9 @@ class AdapterManager:
 
     def residency(self) -> tuple[list[str], list[str]]:
         """(resident, loading) adapter names on the device."""
-        entries = list(self.cache.entries.items())
-        resident = [n for n, e in entries if e.ticket.done]
-        return resident, [n for n, e in entries if not e.ticket.done]
+        entries = list(self.cache.entries.values())
+        resident = [e.resident.name for e in entries if e.ticket.done]
+        return resident, [e.resident.name for e in entries if not e.ticket.done]
 
     def max_device_adapters(self) -> int:
         """How many adapters of the registered ones' mean charge the device's adapter memory
@@ -432,9 +445,9 @@ class AdapterManager:
             self.repository = None
 
 
-def _names(refs: frozenset[AdapterRef]) -> frozenset[str]:
-    """The names the device cache knows these adapters by."""
-    return frozenset(r.name for r in refs)
+def _ids(refs: frozenset[AdapterRef]) -> frozenset[int]:
+    """The ids the device cache knows these adapters by."""
+    return frozenset(r.id for r in refs)
 
 
 class CheckpointProjections:

@@ -98,10 +98,10 @@ def stats(engine: Reported) -> ServerStats:
     """What the cluster scheduler needs; cheap, no lock (snapshots of the lists)."""
     lora, sched, config = engine.lora, engine.scheduler, engine.config
     registry = lora.registry
-    states = lora.cache.entry_states()  # one read of the cache entries
-    resident = [n for n, s in states.items() if s.on_device]
-    loading = [n for n, s in states.items() if not s.on_device]  # a failed load too, as before
-    adapters = tuple(adapter_view(n, a.rank, states.get(n)) for n, a in list(registry.items()))
+    states = lora.cache.entry_states()  # one read of the cache entries, by adapter id
+    resident = [s.name for s in states.values() if s.on_device]
+    loading = [s.name for s in states.values() if not s.on_device]  # a failed load too
+    adapters = tuple(adapter_view(n, a.rank, states.get(a.id)) for n, a in list(registry.items()))
     by_state = {r: sum(a.state is r for a in adapters) for r in Residency}
     return ServerStats(
         model=engine.model_name,

@@ -12,26 +12,32 @@ from collections.abc import Callable
 
 from toppings.server.memory.kv_cache import KVPool
 
-# (num_blocks, keep) -> blocks freed: evict cached KV or idle adapters (those in keep last).
-Reclaim = Callable[[int, frozenset[str]], int]
+# (num_blocks, keep) -> blocks freed: evict cached KV or idle adapters (those whose ids are in
+# keep last).
+Reclaim = Callable[[int, frozenset[int]], int]
 # () -> blocks of the pool not promised to anyone (MemoryManager: all but the committed ones).
 Unpromised = Callable[[], int]
 
 
 class AdapterBlocks:
-    """Which pool blocks each adapter on the device is charged; see the module docstring."""
+    """Which pool blocks each adapter on the device is charged, by adapter id; see the module
+    docstring."""
 
     def __init__(self, kv: KVPool, reclaim: Reclaim, unpromised: Unpromised):
         self.kv = kv
         self.reclaim = reclaim
         self.unpromised = unpromised
-        self.blocks: dict[str, list[int]] = {}
+        self.blocks: dict[int, list[int]] = {}  # adapter id -> its blocks
 
     def blocks_for_bytes(self, num_bytes: int) -> int:
         return -(-num_bytes // self.kv.block_bytes)
 
     def take(
-        self, name: str, num_bytes: int, keep: frozenset[str] = frozenset(), reclaim: bool = True
+        self,
+        adapter_id: int,
+        num_bytes: int,
+        keep: frozenset[int] = frozenset(),
+        reclaim: bool = True,
     ) -> bool:
         """Charge an adapter's blocks; with reclaim (a request's load, which admission counted
         in its promises), evict cached KV or idle adapters first (those in `keep`, wanted by
@@ -42,20 +48,20 @@ class AdapterBlocks:
             self.reclaim(need - self.kv.num_free_blocks, keep)
         if need > self.kv.num_free_blocks or (not reclaim and need > self.unpromised()):
             return False
-        self.blocks[name] = self.kv.alloc_blocks(need)
+        self.blocks[adapter_id] = self.kv.alloc_blocks(need)
         return True
 
-    def give(self, name: str) -> None:
-        self.kv.free_blocks(self.blocks.pop(name, ()))
+    def give(self, adapter_id: int) -> None:
+        self.kv.free_blocks(self.blocks.pop(adapter_id, ()))
 
     def capacity_bytes(self) -> int:
         """Bytes of the whole pool: the most adapters could be charged, with no KV at all."""
         return self.kv.num_blocks * self.kv.block_bytes
 
-    def num_blocks_of(self, names: list[str]) -> int:
-        """Blocks charged to these adapters (0 for one not charged)."""
+    def num_blocks_of(self, adapter_ids: list[int]) -> int:
+        """Blocks charged to the adapters of these ids (0 for one not charged)."""
         blocks = self.blocks
-        return sum(len(blocks.get(n, ())) for n in names)
+        return sum(len(blocks.get(i, ())) for i in adapter_ids)
 
     def num_blocks(self) -> int:
         """Blocks charged to all adapters (one copy of the table: any thread)."""

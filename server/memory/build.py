@@ -64,7 +64,7 @@ def build_memory(
     reclaimer: Reclaimer | None = None
     manager: MemoryManager | None = None
 
-    def reclaim(num_blocks: int, keep: frozenset[str] = frozenset()) -> int:
+    def reclaim(num_blocks: int, keep: frozenset[int] = frozenset()) -> int:
         return reclaimer.reclaim(num_blocks, keep)
 
     def unpromised() -> int:

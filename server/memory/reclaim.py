@@ -56,21 +56,22 @@ class Reclaimer:
             out += [Candidate(ItemKind.KV, n, self.kv.block_bytes, n.visits, n.last_used)
                     for n in self.tree.device_leaves()]  # fmt: skip
         if self.charges_adapters:
-            # Adapters whose cached KV is on the device stay: those blocks leave first.
+            # Adapters whose cached KV is on the device stay: those blocks leave first. The
+            # tree and the cache both key adapters by id.
             with_kv = set()
             if self.tree is not None:
-                with_kv = {a.name for a in self.tree.adapters_with_device_kv()}
-            out += [c for c in self.cache.idle_candidates() if c.name not in with_kv]
+                with_kv = {a.id for a in self.tree.adapters_with_device_kv()}
+            out += [c for c in self.cache.idle_candidates() if c.item not in with_kv]
         return out
 
-    def order(self, keep: frozenset[str] = frozenset()) -> list[Candidate]:
+    def order(self, keep: frozenset[int] = frozenset()) -> list[Candidate]:
         """Every item that may leave the device now, first to leave first (the node's eviction
-        policy; adapters in `keep`, wanted by queued requests, last)."""
+        policy; adapters whose ids are in `keep`, wanted by queued requests, last)."""
         ordered = self.cache.order(self._candidates())
         ordered.sort(key=lambda c: c.kind is ItemKind.ADAPTER and c.item in keep)  # stable
         return ordered
 
-    def reclaim(self, num_blocks: int, keep: frozenset[str] = frozenset()) -> int:
+    def reclaim(self, num_blocks: int, keep: frozenset[int] = frozenset()) -> int:
         """Free at least num_blocks by moving cached items off the device; returns how many
         it freed (fewer only when nothing more may leave)."""
         freed = 0
@@ -117,7 +118,7 @@ class Reclaimer:
     def _swap_in_idle(self, num_blocks: int, now: float) -> None:
         roots = self.swap.idle_returnable()
         if self.charges_adapters:  # a node comes back only with its adapter on the device
-            roots = [n for n in roots if n.adapter is None or self.cache.holds(n.adapter.name)]
+            roots = [n for n in roots if n.adapter is None or self.cache.holds(n.adapter.id)]
         cands = [Candidate(ItemKind.KV, n, self.kv.block_bytes, n.visits, n.last_used)
                  for n in roots]  # fmt: skip
         for cand in reversed(self.cache.order(cands)[-num_blocks:]):

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tests.gpu_lora.peft_dirs import write_peft_adapter
+from tests.helpers import adapter_id as key
 from tests.helpers import tiny_model_config
 from toppings.gpu_lora.adapter_pool import AdapterPool
 from toppings.gpu_lora.cache import AdapterCache
@@ -38,7 +39,8 @@ def adapter(name: str, rank: int, pairs: list[tuple[int, str]], seed: int = 0) -
         )
     modules = tuple(m for m in LORA_TARGETS if any(m == p[1] for p in pairs))
     num_bytes = sum((a.numel() + b.numel()) * ITEM for a, b in weights.values())
-    return LoraAdapter(name, "/nowhere", rank, 2.0 * rank, 2.0, modules, weights, num_bytes, None)
+    return LoraAdapter(name, "/nowhere", rank, 2.0 * rank, 2.0, modules, weights, num_bytes, None,
+                       id=key(name))  # fmt: skip
 
 
 def rows_bytes(rank: int, modules) -> int:
@@ -82,7 +84,7 @@ def test_pool_stays_within_the_budget_through_loads_and_evictions():
         entry = cache.acquire(adapter(f"a{i}", rank, pairs, seed=i))
         assert entry is not None
         entry.ticket.wait(10)
-        cache.release(f"a{i}")
+        cache.release(key(f"a{i}"))
         assert cache.used_bytes <= budget
         assert cache.pool.nbytes <= budget, (i, cache.pool.nbytes, budget)
     loader.close()
@@ -124,7 +126,7 @@ def test_pool_stays_within_the_memory_it_is_charged_to():
         entry = cache.acquire(adapter(f"a{i}", rank, [(0, m) for m in modules], seed=i))
         assert entry is not None
         entry.ticket.wait(10)
-        cache.release(f"a{i}")
+        cache.release(key(f"a{i}"))
         assert pool.nbytes <= memory.num_bytes, (i, pool.nbytes)
         assert sum(memory.charged.values()) == cache.used_bytes <= pool.nbytes
     loader.close()
@@ -143,8 +145,8 @@ def test_adapters_with_disjoint_targets_share_rows_and_are_exact():
         rows = slice(entry.resident.offset, entry.resident.offset + 8)
         for (layer, module), (a, _) in ad.weights.items():
             assert torch.equal(cache.pool.lora_a[module][layer, rows], a)
-    cache.release("q")
-    cache.evict("q")
+    cache.release(key("q"))
+    cache.evict(key("q"))
     assert not cache.pool.lora_a["q_proj"].any()  # freed rows are zero for the next adapter
     assert torch.equal(cache.pool.lora_a["k_proj"][0, :8], k.weights[(0, "k_proj")][0])
     loader.close()
@@ -185,21 +187,21 @@ def test_a_large_adapter_finds_rows_where_the_budget_has_room_for_it():
     cache, loader = make_cache(budget_bytes=rows_bytes(256, ["q_proj"]))
     small = cache.acquire(adapter("small", 8, layers))
     small.ticket.wait(10)
-    cache.release("small")
+    cache.release(key("small"))
     first = cache.acquire(adapter("first", 128, layers, seed=1))
     assert first is not None and first.resident.offset % 128 == 0
     first.ticket.wait(10)
     second = cache.acquire(adapter("second", 128, layers, seed=2))
     assert second is not None, "the budget holds both: the small idle one is evicted"
     second.ticket.wait(10)
-    assert "small" not in cache.entries and cache.pool.nbytes <= rows_bytes(256, ["q_proj"])
+    assert key("small") not in cache.entries and cache.pool.nbytes <= rows_bytes(256, ["q_proj"])
     assert {first.resident.offset, second.resident.offset} == {0, 128}
     loader.close()
 
 
 def assert_rows_hold(pool: AdapterPool, lora: LoraAdapter) -> None:
     """The adapter's A and B^T sit at its pool rows in every layer it covers."""
-    entry = pool.resident[lora.name]
+    entry = pool.resident[lora.id]
     rows = slice(entry.offset, entry.offset + lora.rank)
     for (layer, module), (a, b) in lora.weights.items():
         assert torch.equal(pool.lora_a[module][layer, rows], a)
@@ -215,15 +217,16 @@ def test_adapters_in_use_are_packed_to_make_room_for_a_load():
     adapters = {n: adapter(n, 64, layers, seed=i) for i, n in enumerate("xyz")}
     for name in "xyz":
         cache.acquire(adapters[name]).ticket.wait(10)
-    assert [cache.entries[n].resident.offset for n in "xyz"] == [0, 64, 128]
-    cache.release("y")
+    assert [cache.entries[key(n)].resident.offset for n in "xyz"] == [0, 64, 128]
+    cache.release(key("y"))
     big = adapter("big", 128, layers, seed=9)
     entry = cache.acquire(big)
     assert entry is not None, "the budget holds x, z and big once z's rows move down"
     entry.ticket.wait(10)
-    assert "y" not in cache.entries and cache.counters.compactions == 1
-    assert cache.entries["z"].resident.offset == 64 and entry.resident.offset == 128
-    assert cache.entries["z"].resident is cache.pool.resident["z"]  # what the next step reads
+    assert key("y") not in cache.entries and cache.counters.compactions == 1
+    assert cache.entries[key("z")].resident.offset == 64 and entry.resident.offset == 128
+    # what the next step reads:
+    assert cache.entries[key("z")].resident is cache.pool.resident[key("z")]
     for lora in (adapters["x"], adapters["z"], big):
         assert_rows_hold(cache.pool, lora)
     assert cache.pool.nbytes <= rows_bytes(256, ["q_proj"])
@@ -237,12 +240,12 @@ def test_packing_keeps_adapters_being_loaded_in_place():
     for lora in adapters:
         pool.add(lora)
     # offsets a0 0, a1 16, a4 24 (aligned to 8), a2 32, a3 64; a4's load is writing its rows
-    assert [pool.resident[f"a{i}"].offset for i in (0, 1, 4, 2, 3)] == [0, 16, 24, 32, 64]
-    pool.remove("a0")
-    pool.remove("a1")  # rows 0-23 free
-    moved = pool.compact(fixed=frozenset({"a4"}))
-    assert {n: e.offset for n, e in moved.items()} == {"a2": 0, "a3": 32}
-    assert pool.resident["a4"].offset == 24
+    assert [pool.resident[key(f"a{i}")].offset for i in (0, 1, 4, 2, 3)] == [0, 16, 24, 32, 64]
+    pool.remove(key("a0"))
+    pool.remove(key("a1"))  # rows 0-23 free
+    moved = pool.compact(fixed=frozenset({key("a4")}))
+    assert {e.name: e.offset for e in moved.values()} == {"a2": 0, "a3": 32}
+    assert pool.resident[key("a4")].offset == 24
     for lora in adapters[2:]:
         assert_rows_hold(pool, lora)
     for module in ("q_proj", "v_proj"):

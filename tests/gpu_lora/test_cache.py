@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
+from tests.helpers import adapter_id as key
 from tests.helpers import tiny_model_config
 from toppings.gpu_lora.adapter_pool import AdapterPool
 from toppings.gpu_lora.cache import AdapterCache
@@ -30,7 +33,7 @@ def adapter(name: str, rank: int, seed: int = 0, targets=("q_proj", "v_proj")) -
             )
     num_bytes = sum((a.numel() + b.numel()) * 4 for a, b in weights.values())
     return LoraAdapter(name, "/nowhere", rank, 2.0 * rank, 2.0, tuple(targets), weights,
-                       num_bytes, None)  # fmt: skip
+                       num_bytes, None, id=key(name))  # fmt: skip
 
 
 def make_cache(budget_bytes=None, policy="lru", link_gbps=0.0, memory=None, keep_idle=True):
@@ -47,19 +50,19 @@ class FakeMemory:
 
     def __init__(self, num_bytes: int):
         self.free = num_bytes
-        self.charged: dict[str, int] = {}
-        self.asked: list[tuple[str, bool]] = []
+        self.charged: dict[int, int] = {}
+        self.asked: list[tuple[int, bool]] = []
 
-    def take(self, name: str, num_bytes: int, keep: frozenset[str], reclaim: bool) -> bool:
-        self.asked.append((name, reclaim))
+    def take(self, adapter_id: int, num_bytes: int, keep: frozenset[int], reclaim: bool) -> bool:
+        self.asked.append((adapter_id, reclaim))
         if num_bytes > self.free:
             return False
         self.free -= num_bytes
-        self.charged[name] = num_bytes
+        self.charged[adapter_id] = num_bytes
         return True
 
-    def give(self, name: str) -> None:
-        self.free += self.charged.pop(name)
+    def give(self, adapter_id: int) -> None:
+        self.free += self.charged.pop(adapter_id)
 
     def capacity_bytes(self) -> int:
         # The whole memory, KV included: more than adapters can be charged at the moment.
@@ -86,9 +89,9 @@ def test_budget_evicts_unreferenced_adapters_and_never_referenced_ones():
     cache.acquire(adapter("b", 4))
     # Full, both referenced: no room can be made.
     assert cache.acquire(adapter("c", 4)) is None
-    cache.release("b")
+    cache.release(key("b"))
     ec = cache.acquire(adapter("c", 4))
-    assert ec is not None and "b" not in cache.entries and "a" in cache.entries
+    assert ec is not None and key("b") not in cache.entries and key("a") in cache.entries
     assert cache.used_bytes <= 2 * one
     assert cache.counters.evictions == 1
     ea.ticket.wait(10)
@@ -105,9 +108,9 @@ def test_adapters_of_queued_requests_are_evicted_last():
     cache, loader = make_cache(budget_bytes=2 * one)
     for name in ("old", "new"):
         cache.acquire(adapter(name, 4))
-        cache.release(name)
-    cache.acquire(adapter("c", 4), keep=frozenset({"old"}))
-    assert set(cache.entries) == {"old", "c"}
+        cache.release(key(name))
+    cache.acquire(adapter("c", 4), keep=frozenset({key("old")}))
+    assert set(cache.entries) == {key("old"), key("c")}
     loader.close()
 
 
@@ -117,10 +120,10 @@ def test_hits_share_one_load_and_release_is_checked():
     e1, e2 = cache.acquire(a), cache.acquire(a)
     assert e1 is e2 and e1.refcount == 2
     assert (cache.counters.hits, cache.counters.misses) == (1, 1)
-    cache.release("a")
-    cache.release("a")
+    cache.release(key("a"))
+    cache.release(key("a"))
     with pytest.raises(RuntimeError):
-        cache.release("a")
+        cache.release(key("a"))
     with pytest.raises(ValueError):
         make_cache(budget_bytes=10)[0].acquire(a)
     loader.close()
@@ -159,15 +162,38 @@ def test_a_shared_memory_is_charged_each_load_and_given_back_on_eviction():
     for name in ("a", "b"):
         cache.acquire(adapter(name, 4)).ticket.wait(10)
     assert cache.acquire(adapter("c", 4)) is None  # the memory refused: nothing was loaded
-    assert memory.asked == [("a", True), ("b", True), ("c", True)] and not cache.holds("c")
-    cache.release("b")
-    assert cache.is_pinned("a") and not cache.is_pinned("b")  # both loads have landed
-    assert cache.referenced() == ["a"] and cache.num_entries == 2
+    asked = [(key("a"), True), (key("b"), True), (key("c"), True)]
+    assert memory.asked == asked and not cache.holds(key("c"))
+    cache.release(key("b"))
+    assert cache.is_pinned(key("a")) and not cache.is_pinned(key("b"))  # both loads have landed
+    assert cache.referenced() == [key("a")] and cache.num_entries == 2
     (idle,) = cache.idle_candidates()
     assert (idle.name, idle.num_bytes, idle.visits, idle.rank) == ("b", one, 1, 4)
-    cache.evict("b")
-    assert memory.free == one and "b" not in memory.charged
+    cache.evict(key("b"))
+    assert memory.free == one and key("b") not in memory.charged
     assert cache.prefetch(adapter("c", 4), keep=frozenset())  # a prefetch never reclaims
-    assert memory.asked[-1] == ("c", False)
-    assert cache.frequencies() == {"a": 1, "b": 1, "c": 0}
+    assert memory.asked[-1] == (key("c"), False)
+    assert cache.frequencies() == {key("a"): 1, key("b"): 1, key("c"): 0}
+    loader.close()
+
+
+def test_an_adapter_loaded_again_under_its_name_never_gets_the_old_ones_rows():
+    """The cache keys adapters by id: A registered as "x" stays cached (idle) when B is
+    registered as "x" (another id); B misses and gets its own rows, and A's stay A's."""
+    cache, loader = make_cache()
+    old = adapter("x", 4, seed=1)
+    cache.acquire(old).ticket.wait(10)
+    cache.release(old.id)
+    new = dataclasses.replace(adapter("x", 4, seed=2), id=key("x, registered again"))
+    entry = cache.acquire(new)
+    assert entry.ticket.wait(10)
+    assert (cache.counters.hits, cache.counters.misses) == (0, 2)
+    assert entry is not cache.entries[old.id] and entry.resident.id == new.id
+    rows = slice(entry.resident.offset, entry.resident.offset + 4)
+    for (layer, module), (wa, wb) in new.weights.items():
+        assert torch.equal(cache.pool.lora_a[module][layer, rows], wa)
+        assert torch.equal(cache.pool.lora_b[module][layer, rows], wb.t())
+    cache.release(new.id)
+    cache.forget(old.id)
+    assert list(cache.entries) == [new.id] and cache.frequencies() == {new.id: 1}
     loader.close()

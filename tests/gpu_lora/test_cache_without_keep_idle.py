@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from tests.gpu_lora.test_cache import CONFIG, adapter, make_cache
+from tests.helpers import adapter_id as key
 from toppings.gpu_lora.adapter_pool import AdapterPool
 from toppings.gpu_lora.cache import AdapterCache
 from toppings.gpu_lora.eviction import make_policy
@@ -19,10 +20,10 @@ def test_an_adapter_leaves_when_its_last_reference_ends():
     a = adapter("a", 4)
     cache.acquire(a).ticket.wait(10)
     cache.acquire(a)
-    cache.release("a")
-    assert cache.holds("a")  # one request still holds it
-    cache.release("a")
-    assert not cache.holds("a") and cache.used_bytes == 0
+    cache.release(key("a"))
+    assert cache.holds(key("a"))  # one request still holds it
+    cache.release(key("a"))
+    assert not cache.holds(key("a")) and cache.used_bytes == 0
     assert cache.acquire(a) is not None and cache.counters.loads == 2  # loaded again
     loader.close()
 
@@ -31,7 +32,7 @@ def test_with_keep_idle_the_same_adapter_stays():
     cache, loader = make_cache()
     a = adapter("a", 4)
     cache.acquire(a).ticket.wait(10)
-    cache.release("a")
+    cache.release(key("a"))
     cache.acquire(a)
     assert cache.counters.loads == 1 and cache.counters.hits == 1
     loader.close()
@@ -60,19 +61,19 @@ def test_a_still_loading_adapter_leaves_at_the_next_acquire_after_it_landed():
     pool = AdapterPool(CONFIG, torch.float32, "cpu", initial_rows=8)
     cache = AdapterCache(pool, loader, make_policy("lru"), keep_idle=False)
     cache.acquire(adapter("a", 4))
-    cache.release("a")
-    assert cache.holds("a")  # its rows are being written: not taken from under the copy
+    cache.release(key("a"))
+    assert cache.holds(key("a"))  # its rows are being written: not taken from under the copy
     cache.acquire(adapter("b", 4, seed=1))
-    assert cache.holds("a")
+    assert cache.holds(key("a"))
     loader.land()
     cache.acquire(adapter("c", 4, seed=2))
-    assert not cache.holds("a") and cache.holds("b") and cache.holds("c")
+    assert not cache.holds(key("a")) and cache.holds(key("b")) and cache.holds(key("c"))
 
 
 def test_nothing_is_prefetched():
     cache, loader = make_cache(keep_idle=False)
     assert cache.prefetch(adapter("a", 4), frozenset()) is False
-    assert not cache.holds("a")
+    assert not cache.holds(key("a"))
     loader.close()
 
 

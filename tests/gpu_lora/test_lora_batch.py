@@ -61,7 +61,7 @@ def test_partly_loaded_adapter_mixes_device_and_host_layers(is_prefill, backend,
     order = [loaded, None, loading]
     batch = LoraBatch(
         pool, cpu_backend(backend, kernel),
-        [pool.resident[a.name] if a else None for a in order], seg_starts, is_prefill,
+        [pool.resident[a.id] if a else None for a in order], seg_starts, is_prefill,
         tickets=[LoadTicket.resident(CONFIG.num_layers), None, ticket], host=host,
     )  # fmt: skip
     x = torch.randn(seg_starts[-1], CONFIG.hidden_size)

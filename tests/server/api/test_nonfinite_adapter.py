@@ -60,7 +60,8 @@ def test_an_overflowing_adapter_is_refused_at_load(client, engine, root, name):
 
 def test_non_finite_logits_fail_the_request_and_the_server_keeps_serving(client, engine):
     pool = engine.lora.pool
-    resident = pool.resident["bad"]  # cached mode: on the device since its registration
+    # cached mode: on the device since its registration
+    resident = pool.resident[engine.resolve_adapter("bad").id]
     for module in resident.targets:
         pool.lora_a[module][:, resident.offset : resident.offset + resident.rank].fill_(3e38)
     failed = completion(client, "bad")

@@ -61,13 +61,13 @@ def test_rows_moved_under_running_requests_keep_their_tokens(tmp_path_factory, t
         drive(engine, lambda: busy("y"))  # submitted requests reach the queue at a step
         drive(engine, lambda: not busy("y"))
         assert busy("x") and busy("z"), "x and z must still be decoding when big arrives"
-        offsets = {n: e.resident.offset for n, e in engine.lora.cache.entries.items()}
+        offsets = {e.resident.name: e.resident.offset for e in engine.lora.cache.entries.values()}
         assert offsets == {"x": 0, "y": 64, "z": 128}, offsets
         handles["big"] = submit("big", NEW_TOKENS)
         drive(engine, lambda: not engine.scheduler.has_work())
         outputs = {n: h.result(timeout_s=5).new_token_ids for n, h in handles.items()}
         compactions = engine.lora.cache.counters.compactions
-        offsets = {n: e.resident.offset for n, e in engine.lora.cache.entries.items()}
+        offsets = {e.resident.name: e.resident.offset for e in engine.lora.cache.entries.values()}
     finally:
         engine.shutdown()
     assert compactions == 1 and offsets == {"x": 0, "z": 64, "big": 128}, (compactions, offsets)

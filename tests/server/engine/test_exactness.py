@@ -115,7 +115,8 @@ def run_mixed_batch(model_dir, adapters: dict[str, str], prompts, kernel: str, d
         results = [h.result(timeout_s=300) for h in handles]
         stats = engine.stats().to_json()
         pin = int(engine.lora.mode.preload)  # a preloaded adapter keeps its registration pin
-        held = {n: e.refcount for n, e in engine.lora.cache.entries.items() if e.refcount != pin}
+        held = {e.resident.name: e.refcount for e in engine.lora.cache.entries.values()
+                if e.refcount != pin}  # fmt: skip
     assert stats["running"] == [] and stats["queue"] == []
     # Nothing held (on CUDA the memory pool also keeps adapters and KV blocks cached).
     assert stats["memory"]["blocks"]["kv_in_use"] == 0 and held == {}, (stats["memory"], held)

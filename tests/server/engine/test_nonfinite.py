@@ -90,7 +90,7 @@ def submit(engine, jobs):
 def poison(engine) -> None:
     """Set the bad adapter's A rows on the device to HUGE in every projection and layer."""
     pool = engine.lora.pool
-    resident = pool.resident["bad"]
+    resident = pool.resident[engine.resolve_adapter("bad").id]
     rows = slice(resident.offset, resident.offset + resident.rank)
     for module in resident.targets:
         pool.lora_a[module][:, rows].fill_(HUGE)

@@ -47,7 +47,7 @@ def use_adapters(memories: dict[str, object]) -> None:
                 cache = memory.adapter_cache
                 entry = cache.acquire(loaded[name])
                 assert entry is not None and entry.ticket.wait(10)
-                cache.release(name)
+                cache.release(loaded[name].id)
 
 
 @pytest.mark.parametrize("policy", list(EVICTION_POLICIES))
@@ -55,7 +55,8 @@ def test_the_same_policy_orders_idle_adapters_alike_in_both_layouts(policy):
     memories = layouts(policy)
     try:
         use_adapters(memories)
-        static = memories["static"].adapter_cache.eviction_order()
+        cache = memories["static"].adapter_cache
+        static = [cache.entries[i].resident.name for i in cache.eviction_order()]
         pool = [c.name for c in memories["pool"].reclaimer.order()]
         assert sorted(static) == sorted(name for name, _, _ in ADAPTERS)
         assert static == pool

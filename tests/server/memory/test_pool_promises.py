@@ -69,7 +69,7 @@ def test_a_prefetch_never_takes_blocks_promised_to_an_admitted_request(pool):
 def test_an_adapter_still_loading_counts_as_committed(pool):
     memory, adapter, need = pool
     assert memory.adapter_cache.prefetch(adapter, frozenset())  # in flight for ~60 s
-    ref = AdapterRef.new(adapter.name, adapter.rank, adapter.num_bytes)
+    ref = AdapterRef(adapter.id, adapter.name, adapter.rank, adapter.num_bytes)  # its id
     assert memory.adapter_need(ref, adapter.num_bytes) == 0  # counted once
     bt = memory.kv.block_tokens
     too_many = request((memory.kv.num_blocks - need + 1) * bt)

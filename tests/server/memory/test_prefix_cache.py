@@ -206,6 +206,30 @@ def test_an_adapter_loaded_again_under_its_name_never_reuses_the_old_ones_kv(
     assert_same_greedy(again.new_token_ids, ref, margins, "B loaded under A's name")
 
 
+@pytest.mark.parametrize("lora_mode", ["on-demand", "cached"])
+def test_an_adapter_loaded_again_under_its_name_never_gets_the_old_ones_rows(
+    tiny_model_dir, tiny_engine, adapters, lora_mode, monkeypatch
+):
+    """The device adapter cache is keyed by id: with the purge on unload switched off, A's rows
+    stay cached (idle) under "x" when B is loaded as "x"; B's requests still get B's rows
+    (transformers + PEFT's tokens for B), and once A's entry is dropped nothing is held."""
+    prompt = [3 + i % 150 for i in range(20)]
+    with tiny_engine({"x": adapters["r8"]}, lora_mode=lora_mode, max_total_tokens=4096) as engine:
+        cache = engine.lora.cache
+        run(engine, prompt, "x")
+        old = engine.resolve_adapter("x")
+        monkeypatch.setattr(cache, "forget", lambda adapter_id: None)  # A stays on the device
+        engine.remove_adapter("x")
+        engine.add_adapter("x", adapters["r16"])
+        again = run(engine, prompt, "x")
+        assert cache.holds(old.id) and cache.holds(engine.resolve_adapter("x").id)
+        monkeypatch.undo()
+        cache.forget(old.id)
+        assert_memory_balanced(engine, pinned_adapter_blocks=0)
+    ref, margins = reference_greedy(tiny_model_dir, adapters, prompt, "r16")
+    assert_same_greedy(again.new_token_ids, ref, margins, "B loaded under A's name")
+
+
 def test_an_unloaded_adapter_takes_its_cached_prefixes_along(tiny_engine, adapters):
     """A new adapter under an old name must not find the old one's KV."""
     with tiny_engine({"x": adapters["r8"]}, lora_mode="on-demand", max_total_tokens=4096) as engine:
