@@ -32,7 +32,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
 RECENT_BATCH_S = 5.0  # FastLibra's BS: the mean batch of the steps of the last seconds
@@ -212,14 +212,14 @@ def expected_adapters(adapter_counts: Mapping[Hashable, int], batch_size: float)
     return sum(1.0 - (1.0 - n / total) ** batch_size for n in adapter_counts.values())
 
 
-@dataclass
 class Eviction:
     """One policy of the table and what it may know of the node: the recent batch sizes. The
     adapter cache and the memory pool's reclaimer of one server share one, so the order of
     the same candidates does not depend on which of them asks."""
 
-    policy: EvictionPolicy
-    _batch_sizes: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=256))
+    def __init__(self, policy: EvictionPolicy):
+        self.policy = policy
+        self._batch_sizes: deque[tuple[float, int]] = deque(maxlen=256)  # (when, requests)
 
     @classmethod
     def named(cls, name: str) -> Eviction:
