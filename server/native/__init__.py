@@ -27,7 +27,10 @@ from pathlib import Path
 from toppings.gpu_lora.kernels import native_build
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = ("attention.c", "attention_tiles.c", "elementwise.c", "linear.c", "gemv_int8.c")
+SOURCES = (
+    "attention.c", "attention_tiles.c", "elementwise.c", "linear.c", "gemv_int8.c",
+    "decode_layer.c",
+)
 HEADERS = ("attention_bf16.h",)  # what the sources include besides common.h: part of the key
 
 _P, _I, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
@@ -47,6 +50,10 @@ SIGNATURES = {  # every function returns int: 0, or nonzero when it failed
     "gemv_bf16_avx2": [_P, _I64, _P, _I64, _I64, _P, _I64, _I64, _I],
     "gemv_int8": [_P, _I64, _I, _P, _P, _I64, _I64, _P, _I64, _I64, _I, _I],
     "gemv_int4": [_P, _I64, _I, _P, _P, _P, _I64, _I64, _P, _I64, _I64, _I, _I],
+    # decode_layer.c: the Proj arguments are struct addresses (model/decode_path.py)
+    "norm_proj": [_P] * 6 + [_I64] * 3 + [ctypes.c_float, _I, _I],
+    "attend_proj": [_P] * 8 + [_I64] * 2 + [_P] * 3 + [_I64] * 4 + [ctypes.c_float, _I, _I],
+    "act_proj": [_P] * 4 + [_I64, _I, _I],
 }
 
 
