@@ -30,7 +30,7 @@ CSRC = Path(__file__).with_name("csrc")
 SOURCES = (
     "attention.c", "attention_tiles.c", "elementwise.c", "linear.c", "gemv_int8.c",
     "decode_layer.c",
-)
+)  # fmt: skip
 HEADERS = ("attention_bf16.h",)  # what the sources include besides common.h: part of the key
 
 _P, _I, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
