@@ -10,7 +10,6 @@ step finds every running request's keys through one index (read in place by
 
 from __future__ import annotations
 
-import ctypes
 from collections.abc import Iterable
 
 import torch
@@ -196,10 +195,9 @@ class KVPool:
         lib = native.library() if kc.device.type == "cpu" else None
         if lib is not None and _rows_fit(k, v, kc) and slots.dtype == torch.int64:
             slots = slots.contiguous()
-            failed = lib.kv_write(
-                ctypes.c_void_p(k.data_ptr()), ctypes.c_void_p(v.data_ptr()), k.stride(0),
-                ctypes.c_void_p(kc.data_ptr()), ctypes.c_void_p(vc.data_ptr()),
-                ctypes.c_void_p(slots.data_ptr()), k.shape[0], k.shape[1], k.shape[2],
+            failed = lib.kv_write(  # pointers as ints: the argtypes are c_void_p
+                k.data_ptr(), v.data_ptr(), k.stride(0), kc.data_ptr(), vc.data_ptr(),
+                slots.data_ptr(), k.shape[0], k.shape[1], k.shape[2],
                 kc.shape[1], kc.element_size(), torch.get_num_threads(),
             )  # fmt: skip
             if failed:

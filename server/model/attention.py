@@ -213,14 +213,10 @@ def _decode_native(lib, q, k_cache, v_cache, index, lengths) -> torch.Tensor:
         q = q.contiguous()  # rows may be strided (a view of the qkv projection), heads not
     index, lengths = index.contiguous(), lengths.contiguous()
     out = torch.empty(b, n, d, dtype=q.dtype)
-    failed = getattr(lib, _NATIVE_DTYPES[q.dtype])(
-        ctypes.c_void_p(q.data_ptr()),
-        ctypes.c_void_p(k_cache.data_ptr()),
-        ctypes.c_void_p(v_cache.data_ptr()),
-        ctypes.c_void_p(out.data_ptr()),
-        ctypes.c_void_p(index.data_ptr()),
-        ctypes.c_void_p(lengths.data_ptr()),
-        b, n, k_cache.shape[0], d, index.shape[1], k_cache.shape[1], q.stride(0),
+    failed = getattr(lib, _NATIVE_DTYPES[q.dtype])(  # pointers as ints: argtypes c_void_p
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), index.data_ptr(),
+        lengths.data_ptr(), b, n, k_cache.shape[0], d, index.shape[1], k_cache.shape[1],
+        q.stride(0),
         d**-0.5, torch.get_num_threads(),
     )  # fmt: skip
     if failed:

@@ -10,8 +10,6 @@ compares them).
 
 from __future__ import annotations
 
-import ctypes
-
 import torch
 import torch.nn.functional as F
 
@@ -23,15 +21,18 @@ _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 def _lib(*tensors: torch.Tensor):
     """The native library when every tensor is a float32/bfloat16 CPU tensor of one dtype."""
     first = tensors[0]
-    if first.device.type != "cpu" or first.dtype not in _DTYPES:
+    dtype = first.dtype
+    if dtype not in _DTYPES or first.device.type != "cpu":
         return None
-    if any(t.dtype != first.dtype for t in tensors):
-        return None
+    for t in tensors:
+        if t.dtype != dtype:
+            return None
     return native.library()
 
 
-def _ptr(t: torch.Tensor) -> ctypes.c_void_p:
-    return ctypes.c_void_p(t.data_ptr())
+def _ptr(t: torch.Tensor) -> int:
+    """A tensor's data address, as the kernels' pointer arguments take it (c_void_p)."""
+    return t.data_ptr()
 
 
 def add_rms_norm(
@@ -41,9 +42,9 @@ def add_rms_norm(
 
     h, delta [T, H] (rows may be strided, columns contiguous); weight [H]. Returns [T, H].
     """
-    parts = (h, weight) if delta is None else (h, delta, weight)
-    lib = _lib(*parts)
-    if lib is None or any(t.stride(-1) != 1 for t in parts) or not weight.is_contiguous():
+    lib = _lib(h, weight) if delta is None else _lib(h, delta, weight)
+    strided = h.stride(-1) != 1 or (delta is not None and delta.stride(-1) != 1)
+    if lib is None or strided or not weight.is_contiguous():
         if delta is not None:
             h += delta
         return rms_norm_torch(h, weight, eps)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -55,6 +56,9 @@ class Linear:
         # Only the packed copy is kept here (a tied lm_head's embedding stays, for the lookup).
         self._weight = _pack(weight) if self.is_packed else weight
         self._plain = weight.contiguous() if plain_gemv and gemv_fits(weight) else None
+        # The GEMV's kernel and weight bound once: a decode step makes ~120 of these calls, and
+        # looking both up per call cost about 4 us each (SmolLM2, 0.5 ms a step).
+        self._gemv = _bound_gemv(self._plain) if self._plain is not None else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         y = self._product(x)
@@ -64,10 +68,15 @@ class Linear:
 
     def _product(self, x: torch.Tensor) -> torch.Tensor:
         """x @ W.T, [T, out], a fresh tensor."""
-        if self._plain is not None and x.shape[0] <= GEMV_MAX_ROWS:
-            y = _gemv(x, self._plain)
-            if y is not None:
-                return y
+        rows = x.shape[0]
+        if self._gemv is not None and rows <= GEMV_MAX_ROWS and x.dtype == self._plain.dtype:
+            if x.dim() != 2 or x.shape[1] != self.in_features:
+                raise ValueError(f"x {tuple(x.shape)} does not fit a weight of "
+                                 f"{tuple(self._plain.shape)}")  # fmt: skip
+            if x.stride(-1) == 1:
+                y = torch.empty(rows, self.out_features, dtype=x.dtype)
+                if not self._gemv(x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0), rows):
+                    return y
         if self.is_packed:
             return _packed_linear(x, self._weight)
         return F.linear(x, self._weight)
@@ -154,6 +163,27 @@ def _gemv(x: torch.Tensor, plain: torch.Tensor, kernel: str | None = None) -> to
         torch.get_num_threads(),
     )  # fmt: skip
     return None if failed else y
+
+
+def _bound_gemv(plain: torch.Tensor) -> Callable[[int, int, int, int, int], int] | None:
+    """`gemv_kernel`'s kernel for this plain weight, its pointer and shape bound: a call
+    (x pointer, x row stride, y pointer, y row stride, rows) -> 0, or nonzero where the kernel
+    declined (nothing written); None where no kernel runs here. The threads are the calling
+    thread's torch count at each call."""
+    lib, chosen = native.library(), gemv_kernel(plain.dtype)
+    if lib is None or chosen is None:
+        return None
+    kernel, weight, (out_features, in_features) = (
+        getattr(lib, chosen[0]),
+        plain.data_ptr(),
+        plain.shape,
+    )
+    get_threads = torch.get_num_threads
+
+    def call(x: int, ld_x: int, y: int, ld_y: int, rows: int) -> int:
+        return kernel(x, ld_x, weight, out_features, in_features, y, ld_y, rows, get_threads())
+
+    return call
 
 
 def _pack(weight: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,7 @@ from toppings.server.config import Quantization
 from toppings.server.memory.kv_cache import KVPool
 from toppings.server.model.attention import decode_attention, plan_prefill, prefill_attention
 from toppings.server.model.config import ModelConfig
+from toppings.server.model.decode_path import DecodePath
 from toppings.server.model.family import RopeType
 from toppings.server.model.fused import add_rms_norm, rms_norm_heads_, rope_, silu_mul
 from toppings.server.model.linear import Linear, plain_copy_affordable
@@ -199,17 +200,35 @@ class LlamaModel:
         angles = torch.cat((angles, angles), dim=-1)  # [max_len, D]
         self.cos = angles.cos().to(self.device, dtype)
         self.sin = angles.sin().to(self.device, dtype)
+        # Decode steps of a few requests in four native calls a layer where every projection
+        # has a native GEMV here (decode_path.py); None: op by op.
+        self.decode_path = DecodePath.build(self)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: KVPool) -> torch.Tensor:
         """Run one step; returns float32 logits of each request's last token, [B, V], or of
         `batch.logit_rows` when set, [R, V]."""
         cfg = self.config
+        cos, sin = self.cos[batch.positions], self.sin[batch.positions]  # [T, D]
+        h = self.embed[batch.input_ids]  # [T, H], fresh: the residual stream, added in place
+        if self.decode_path is not None and self.decode_path.fits(self, batch, kv):
+            residual = self.decode_path.run(self, batch, kv, h, cos, sin)  # four calls a layer
+        else:
+            residual = self._layers(batch, kv, h, cos, sin)
+        h += residual
+        rows = batch.logit_rows
+        if rows is None:
+            rows = torch.tensor(batch.seg_starts[1:], device=self.device) - 1
+        h = add_rms_norm(h[rows], None, self.norm, cfg.rms_norm_eps)  # [R, H]
+        return self.lm_head(h).float()  # [R, V]
+
+    def _layers(self, batch: ForwardBatch, kv: KVPool, h: torch.Tensor, cos, sin) -> torch.Tensor:
+        """Every layer, op by op, on the residual stream h [T, H] (added into in place); returns
+        the last layer's output [T, H], which the caller adds into h."""
+        cfg = self.config
         n, k, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         num_tokens = batch.input_ids.shape[0]
         lora = batch.lora
-        cos, sin = self.cos[batch.positions], self.sin[batch.positions]  # [T, D]
-        h = self.embed[batch.input_ids]  # [T, H], fresh: the residual stream, added in place
         residual = None  # the last block's output, added into h by the next norm
         plan = None
         if batch.is_prefill:  # which prompts the native kernel attends, the same in every layer
@@ -246,9 +265,4 @@ class LlamaModel:
             residual = layer.down(act)  # [T, H]
             if lora is not None:
                 lora.add(idx, act, (("down_proj", residual),))
-        h += residual
-        rows = batch.logit_rows
-        if rows is None:
-            rows = torch.tensor(batch.seg_starts[1:], device=self.device) - 1
-        h = add_rms_norm(h[rows], None, self.norm, cfg.rms_norm_eps)  # [R, H]
-        return self.lm_head(h).float()  # [R, V]
+        return residual

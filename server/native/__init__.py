@@ -7,7 +7,8 @@ prompt, or a chunk after a long past) in blocks, reading the past once per tile 
 `elementwise.c` holds RMSNorm with the residual add, in-place RoPE, silu * up (`fused.py`) and
 the KV write (`kv_cache.py`), `linear.c` the bf16 and float32 GEMVs (AVX-512), `gemv_int8.c`
 the int8 GEMV of `--quantization int8` and the AVX2 + FMA float32 / bf16 GEMVs for CPUs without
-AVX-512, each one call where torch needs many small ops. What they share (`common.h`) sits on
+AVX-512, each one call where torch needs many small ops; `decode_layer.c` chains them into four
+calls a layer for decode steps of a few requests (`server/model/decode_path.py`). What they share (`common.h`) sits on
 the include path of every native build (`gpu_lora.kernels.native_build`, which also builds,
 caches and loads this library, keyed by its sources); the LoRA kernel is a library of its own
 (`gpu_lora.kernels.native`). Waking the other OpenMP thread costs tens of microseconds here, so
@@ -27,7 +28,10 @@ from pathlib import Path
 from toppings.gpu_lora.kernels import native_build
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = ("attention.c", "attention_tiles.c", "elementwise.c", "linear.c", "gemv_int8.c")
+SOURCES = (
+    "attention.c", "attention_tiles.c", "elementwise.c", "linear.c", "gemv_int8.c",
+    "decode_layer.c",
+)  # fmt: skip
 HEADERS = ("attention_bf16.h",)  # what the sources include besides common.h: part of the key
 
 _P, _I, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
@@ -47,6 +51,10 @@ SIGNATURES = {  # every function returns int: 0, or nonzero when it failed
     "gemv_bf16_avx2": [_P, _I64, _P, _I64, _I64, _P, _I64, _I64, _I],
     "gemv_int8": [_P, _I64, _I, _P, _P, _I64, _I64, _P, _I64, _I64, _I, _I],
     "gemv_int4": [_P, _I64, _I, _P, _P, _P, _I64, _I64, _P, _I64, _I64, _I, _I],
+    # decode_layer.c: the Proj arguments are struct addresses (model/decode_path.py)
+    "norm_proj": [_P] * 6 + [_I64] * 3 + [ctypes.c_float, _I, _I],
+    "attend_proj": [_P] * 8 + [_I64] * 2 + [_P] * 3 + [_I64] * 4 + [ctypes.c_float, _I, _I],
+    "act_proj": [_P] * 4 + [_I64, _I, _I],
 }
 
 

@@ -172,11 +172,12 @@ def test_one_stream_through_the_packed_kernel_matches_peft(checkpoints, scheme, 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 def test_one_stream_through_the_native_gemv_matches_peft(checkpoints, scheme, monkeypatch):
-    """float32, one request at a time: each decode step's projections (and lm_head) run the
-    native int8 / int4 GEMV (csrc/gemv_int8.c), base and adapter rows alike; the tokens and
-    logprobs are PEFT's on the dequantized weights. (bfloat16 activations: test_gemv_int8.py,
-    per op.)"""
+    """float32, one request at a time: each decode step's projections (through the native
+    decode path, server/model/decode_path.py) and lm_head run the native int8 / int4 GEMV
+    (csrc/gemv_int8.c), base and adapter rows alike; the tokens and logprobs are PEFT's on the
+    dequantized weights. (bfloat16 activations: test_gemv_int8.py, per op.)"""
     from toppings.server.model import quant
+    from toppings.server.model.decode_path import DecodePath
 
     if not quant.int8_gemv_works(torch.float32) or not quant.int4_gemv_works(torch.float32):
         pytest.skip("the native GEMVs do not run here")
@@ -189,14 +190,25 @@ def test_one_stream_through_the_native_gemv_matches_peft(checkpoints, scheme, mo
             return _gemv(x, *args, **kwargs)
 
         monkeypatch.setattr(quant, f"{kind}_gemv", counted)
+    rows = []
+    run_path = DecodePath.run
+
+    def counted_path(self, model, batch, kv, h, cos, sin):
+        rows.append(h.shape[0])
+        return run_path(self, model, batch, kv, h, cos, sin)
+
+    monkeypatch.setattr(DecodePath, "run", counted_path)
     model_dir, ref_dir, adapters = checkpoints("llama3", scheme)
     scored = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True,
                             logprobs=TOP, prompt_logprobs=TOP)  # fmt: skip
     prompts = first_turn_prompts(256)[:3] + first_turn_prompts(256)[-1:]  # a3, a5, a7rs, base
     with running_engine(model_dir, adapters, quantization=scheme, max_total_tokens=4096) as engine:
         assert engine.model.layers[0].gate_up.gemv_rows == quant.GEMV_ROWS
+        path = engine.model.decode_path
+        kinds = {s.kind for layer in path._layers for s in layer.structs}
+        assert kinds == {4 if scheme == "int8" else 5}  # decode_layer.c's GEMV_INT8 / GEMV_INT4
         results = [run(engine, [p], scored)[0] for p in prompts]
-    assert calls[scheme] and set(calls[scheme]) == {1}, "the decode steps did not run the GEMV"
+    assert rows and set(rows) == {1}, "the decode steps did not run the native decode path"
     assert set(calls["int8"]) == {1}  # lm_head is int8 in both schemes
     check_against_reference(ref_dir, adapters, prompts, results)
     for (prompt, a), out in zip(prompts, results):
