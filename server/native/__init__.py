@@ -8,9 +8,10 @@ prompt, or a chunk after a long past) in blocks, reading the past once per tile 
 the KV write (`kv_cache.py`), `linear.c` the bf16 and float32 GEMVs (AVX-512), `gemv_int8.c`
 the int8 GEMV of `--quantization int8` and the AVX2 + FMA float32 / bf16 GEMVs for CPUs without
 AVX-512, each one call where torch needs many small ops; `decode_layer.c` chains them into four
-calls a layer for decode steps of a few requests (`server/model/decode_path.py`). What they share (`common.h`) sits on
-the include path of every native build (`gpu_lora.kernels.native_build`, which also builds,
-caches and loads this library, keyed by its sources); the LoRA kernel is a library of its own
+calls a layer for decode steps of a few requests (`server/model/decode_path.py`). What they
+share (`common.h`) sits on the include path of every native build
+(`gpu_lora.kernels.native_build`, which also builds, caches and loads this library, keyed by
+its sources); the LoRA kernel is a library of its own
 (`gpu_lora.kernels.native`). Waking the other OpenMP thread costs tens of microseconds here, so
 small ops (a decode step's norms, RoPE, KV write) run on one (`threads_for` in `common.h`).
 
