@@ -8,7 +8,8 @@ of SmolLM2, while a churn thread unloads one of the 8 and loads it back every se
 client asks for two poisoned adapters every few seconds and tries to load them: one whose
 `lora_alpha` is 1e308 (refused at load), and one that passes the load-time bound but overflows
 on real activations (its requests fail at run time, alone). `/health` is polled each second and
-the server's RSS (its CPU workers included) sampled every 10 s.
+the server's RSS (its CPU workers included) sampled every 10 s, with each process's anonymous and
+file-backed memory and thread count.
 
 What counts as a failure: any answer to a healthy request other than 200, or 404 / 409 for an
 adapter the churn thread has just taken away; a transport error that was not our own cancel; a
@@ -100,9 +101,8 @@ class Tally:
                 self.failures.append(failure)
 
 
-def rss_kib(pid: int) -> int:
-    """Resident set of `pid` and its children (the CPU workers), KiB."""
-    total = 0
+def family(pid: int) -> list[int]:
+    """`pid` and its children (the CPU workers)."""
     pids = [pid]
     try:
         for tid in os.listdir(f"/proc/{pid}/task"):
@@ -110,14 +110,32 @@ def rss_kib(pid: int) -> int:
             pids += [int(c) for c in children]
     except OSError:
         pass
-    for p in pids:
-        try:
-            for line in Path(f"/proc/{p}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    total += int(line.split()[1])
-        except OSError:
-            pass
-    return total
+    return pids
+
+
+def process_memory(pid: int) -> dict[str, int]:
+    """One process as the kernel sees it: resident KiB, anonymous and file-backed KiB
+    (smaps_rollup), and its thread count; {} once it is gone."""
+    out: dict[str, int] = {}
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(("VmRSS:", "Threads:")):
+                key, value = line.split(":")
+                out["rss_kib" if key == "VmRSS" else "threads"] = int(value.split()[0])
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()[1:]:
+            key, _, rest = line.partition(":")
+            if key == "Anonymous":
+                out["anon_kib"] = int(rest.split()[0])
+            elif key in ("Shared_Clean", "Private_Clean"):
+                out["file_kib"] = out.get("file_kib", 0) + int(rest.split()[0])
+    except OSError:
+        return {}
+    return out
+
+
+def rss_kib(pid: int) -> int:
+    """Resident set of `pid` and its children (the CPU workers), KiB."""
+    return sum(process_memory(p).get("rss_kib", 0) for p in family(pid))
 
 
 class Soak:
@@ -208,7 +226,9 @@ class Soak:
                 if status != 200:
                     self.tally.add("churn_fail", f"reload {name}: {status}")
 
-    def watch(self, pid: int, rss: list[tuple[float, int]], t0: float) -> None:
+    def watch(self, pid: int, rss: list[tuple[float, int]], detail: list[dict], t0: float) -> None:
+        """Poll /health each second; every 10 s sample RSS (server and CPU workers summed, into
+        `rss`) and each process's anonymous / file-backed KiB and threads (into `detail`)."""
         last_rss = 0.0
         while not self.stop.wait(1.0):
             try:
@@ -219,7 +239,10 @@ class Soak:
                 self.tally.add("health_not_ok", f"/health: {status}")
             if time.monotonic() - last_rss >= 10.0:
                 last_rss = time.monotonic()
-                rss.append((round(last_rss - t0, 1), rss_kib(pid)))
+                processes = {str(p): process_memory(p) for p in family(pid)}
+                t = round(last_rss - t0, 1)
+                rss.append((t, sum(m.get("rss_kib", 0) for m in processes.values())))
+                detail.append({"t": t, "processes": processes})
 
 
 def shm_entries() -> set[str]:
@@ -261,10 +284,11 @@ def main(argv: list[str] | None = None) -> None:
             if soak.load(name) != 200:
                 raise SystemExit(f"could not load {name}; see {logfile}")
         rss: list[tuple[float, int]] = []
+        detail: list[dict] = []
         t0 = time.monotonic()
         threads = [threading.Thread(target=soak.client, args=(i,)) for i in range(args.clients)]
         threads += [threading.Thread(target=f) for f in (soak.churn, soak.poison_client)]
-        threads.append(threading.Thread(target=soak.watch, args=(proc.pid, rss, t0)))
+        threads.append(threading.Thread(target=soak.watch, args=(proc.pid, rss, detail, t0)))
         for t in threads:
             t.start()
         while time.monotonic() - t0 < args.duration and proc.poll() is None:
@@ -298,6 +322,9 @@ def main(argv: list[str] | None = None) -> None:
     if len(warm) >= 2:  # least-squares slope of RSS after warm-up, MB an hour
         per_hour = statistics.linear_regression([t for t, _ in warm], [k for _, k in warm])
         per_hour = round(per_hour.slope * 3600 / 1024, 1)
+    server = str(proc.pid)
+    threads = [d["processes"][server]["threads"] for d in detail if d["t"] >= args.warmup
+               and "threads" in d["processes"].get(server, {})]  # fmt: skip
     counts = dict(soak.tally.counts)
     failures = sum(v for k, v in counts.items() if k.endswith("_fail") or k == "health_not_ok")
     metrics = {
@@ -321,6 +348,11 @@ def main(argv: list[str] | None = None) -> None:
             "max": max(after, default=None),
             "median": statistics.median(after) if after else None,
         },
+        "server_threads_after_warmup": {
+            "min": min(threads, default=None),
+            "max": max(threads, default=None),
+        },
+        "process_samples": detail,
         "rss_growth_second_half_kib_per_min": slope,
         "rss_growth_after_warmup_mb_per_hour": per_hour,
     }
@@ -335,7 +367,11 @@ def main(argv: list[str] | None = None) -> None:
         "overflows at run time), load tried and one request sent every 3 s",
     }
     write_result(args.out, "soak", "soak", device=describe_device(), config=config, metrics=metrics)
-    print(json.dumps(metrics | {"rss_kib_samples": len(rss)}, indent=1))
+    print(
+        json.dumps(
+            metrics | {"rss_kib_samples": len(rss), "process_samples": len(detail)}, indent=1
+        )
+    )
 
 
 if __name__ == "__main__":

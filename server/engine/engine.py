@@ -129,6 +129,7 @@ class Engine:
             ref = self.adapter_refs.retire(name)  # 404, 409; no request acquires it from here
             self.lora.unregister(name)
             self.memory.forget_adapter(ref)
+            self.queue.forget_adapter(ref)
         log.info("adapter %s removed", name)
 
     def drain(self, timeout_s: float) -> bool:

@@ -27,7 +27,8 @@ only after the handler threads have stopped. Closing it with the rest, as
 "Bad file descriptor" traceback at SIGTERM, or a byte into whatever file reused the number),
 and cut the last bytes of the responses that were ending.
 
-Its connections log a client that went away mid-response at DEBUG (`DisconnectsAtDebug`).
+Its connections log a client that went away mid-response at DEBUG (`DisconnectsAtDebug`). Its
+handler threads are woken last-in first-out (server.http.dispatcher).
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ from waitress import wasyncore
 from waitress.adjustments import Adjustments
 from waitress.channel import HTTPChannel
 from waitress.server import TcpWSGIServer
+
+from toppings.server.http.dispatcher import LifoTaskDispatcher
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +97,10 @@ class GuardedServer(TcpWSGIServer):
 
     def __init__(self, application: Any, header_timeout_s: float, **settings: Any):
         self.header_timeout_s = header_timeout_s
-        super().__init__(application, adj=Adjustments(**settings))
+        adj = Adjustments(**settings)
+        dispatcher = LifoTaskDispatcher()  # the fewest handler threads do the work
+        dispatcher.set_thread_count(adj.threads)
+        super().__init__(application, adj=adj, dispatcher=dispatcher)
 
     def maintenance(self, now: float) -> None:
         """Waitress's idle timeout, then the header deadline."""

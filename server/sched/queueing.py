@@ -156,6 +156,10 @@ class QueuePolicy:
     def finished(self, seq: Sequence, completed: bool, now: float) -> None:
         """An admitted request left the batch; `completed`: it stopped or hit its length."""
 
+    def forget_adapter(self, adapter: AdapterRef) -> None:
+        """`adapter` was unloaded (none of its requests is waiting or running): drop whatever
+        the policy keeps of it, so that what it holds does not grow with every reload."""
+
     def view(self) -> dict:
         """Queue lengths, cutoffs, quotas and counters for /stats and /metrics."""
         return {"policy": self.name, "queue_lengths": [len(self)]}

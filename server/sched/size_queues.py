@@ -22,6 +22,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from toppings.server.config import SchedulingConfig
+from toppings.server.requests.adapter_ref import AdapterRef
 from toppings.server.requests.sequence import Sequence
 from toppings.server.sched.queueing import Gate, QueuePolicy
 from toppings.server.sched.sizing import (
@@ -106,6 +107,9 @@ class SizeQueues(QueuePolicy):
     def _enqueue(self, seq: Sequence) -> None:
         queue = self._queues[self._queue_of(self._sizes[seq].wrs)]
         bisect.insort(queue, seq, key=lambda s: s.arrival)
+
+    def forget_adapter(self, adapter: AdapterRef) -> None:
+        self.predictor.forget(adapter)
 
     # ---- sizing, clustering, quotas -----------------------------------------------------------
 

@@ -65,6 +65,15 @@ class OutputPredictor:
         self._per_adapter[adapter].append(share)
         self._all.append(share)
 
+    @property
+    def num_adapters(self) -> int:
+        """Adapters (the base model counts as one) with a history kept."""
+        return len(self._per_adapter)
+
+    def forget(self, adapter: AdapterRef) -> None:
+        """`adapter` was unloaded: its history goes (a reload has a new reference)."""
+        self._per_adapter.pop(adapter, None)
+
     def predict(self, adapter: AdapterRef | None, max_new_tokens: int) -> float:
         seen = self._per_adapter.get(adapter) or self._all
         share = sum(seen) / len(seen) if seen else 1.0

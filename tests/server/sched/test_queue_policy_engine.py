@@ -113,3 +113,20 @@ def test_a_request_is_charged_its_adapter_only_where_adapter_memory_counts(
             assert gate.adapter_tokens(engine.resolve_adapter("r64")) > gate.adapter_tokens(
                 engine.resolve_adapter("r8")
             )
+
+
+def test_reloads_of_an_adapter_leave_no_history_in_the_chameleon_predictor(
+    tiny_model_dir, adapters
+):
+    """Each load makes a new reference; an unload drops the predictor's history of the old one
+    (it kept one entry per reload for as long as the server ran: issue 48's soak)."""
+    params = SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True)
+    with running_engine(tiny_model_dir, queue_policy="chameleon") as engine:
+        for _ in range(5):
+            engine.add_adapter("r8", adapters["r8"])
+            ref = engine.resolve_adapter("r8")
+            out = engine.submit(GenerationRequest([5, 6, 7], params, ref)).result(timeout_s=60)
+            assert out.finish_reason == "length"
+            assert engine.queue.predictor.num_adapters == 1  # this reference's history
+            engine.remove_adapter("r8")
+        assert engine.queue.predictor.num_adapters == 0

@@ -95,3 +95,13 @@ def test_overloaded_quotas_keep_room_for_each_queues_largest_request():
     assert split_quotas([300, 900], [1, 1], 600, floors=[200, 300]) == [214, 385]
     # Floors that do not fit either are scaled down together.
     assert split_quotas([300, 900], [1, 1], 400, floors=[200, 600]) == [100, 300]
+
+
+def test_output_predictor_forgets_an_adapter():
+    p = OutputPredictor()
+    p.observe("a", 10, 100)
+    p.observe("b", 50, 100)
+    p.forget("a")
+    p.forget("never seen")
+    assert p.num_adapters == 1
+    assert p.predict("a", 100) == pytest.approx(100 * (0.1 + 0.5) / 2)  # all adapters' share
