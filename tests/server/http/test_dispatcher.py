@@ -11,8 +11,7 @@ import threading
 import pytest
 import requests
 
-from toppings.server.http.dispatcher import LifoCondition
-from toppings.server.http.waitress_server import GuardedServer, HeaderTimedChannel
+from toppings.server.http.waitress_server import GuardedServer, HeaderTimedChannel, LifoCondition
 
 BOUND_S = 30
 NUM_THREADS = 8
