@@ -54,7 +54,7 @@ def run_in_passing_thread(fn: Callable[..., T], *args: object, threads: int) -> 
         except BaseException as exc:  # noqa: BLE001 - re-raised on the calling thread
             box["error"] = exc
 
-    thread = threading.Thread(target=run, name="model-load")
+    thread = threading.Thread(target=run, name="model-load", daemon=True)  # Ctrl-C: no wait
     thread.start()
     thread.join()
     if "error" in box:
