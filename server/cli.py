@@ -107,13 +107,15 @@ def main(argv: list[str] | None = None) -> int:
         # It must be set before torch starts OpenMP.
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     # Imported here so that `--help` answers without loading torch.
-    import torch
-
     from toppings.cpu_lora.shm import SharedMemoryFull
     from toppings.gpu_lora.peft_config import AdapterError
     from toppings.server.api.app import create_app
     from toppings.server.api.lifecycle import discover
-    from toppings.server.engine.threads import run_in_passing_thread, torch_on_this_thread_only
+    from toppings.server.engine.threads import (
+        engine_thread_count,
+        run_in_passing_thread,
+        torch_on_this_thread_only,
+    )
     from toppings.server.http.allocator import bound_onednn_caches, tune_allocator
     from toppings.server.http.memory_probe import start_memory_probe
     from toppings.server.model.loader import CheckpointError
@@ -145,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         start_memory_probe()
         # One OpenMP team in the process, the engine's: the model is built on a thread that
         # ends, and this thread (waitress's loop from here) runs torch alone (threads.py).
-        threads = config.num_threads or len(config.device_cores) or torch.get_num_threads()
+        threads = engine_thread_count(config)  # before this thread's count becomes 1
         torch_on_this_thread_only()
         engine = run_in_passing_thread(build_engine, serve.model, config, loras, threads=threads)
     # An adapter that does not fit the model, a missing shard or tensor of its checkpoint.

@@ -17,15 +17,13 @@ import queue
 import threading
 import time
 
-import torch
-
 from toppings.gpu_lora.peft_format import LoraAdapter
 from toppings.gpu_lora.trace import TraceRecorder
 from toppings.gpu_lora.validate import check_finite_delta
 from toppings.server.config import EngineConfig
 from toppings.server.engine import reports
 from toppings.server.engine.compose import compose_engine
-from toppings.server.engine.threads import set_torch_threads
+from toppings.server.engine.threads import engine_thread_count, set_torch_threads
 from toppings.server.model.loader import Checkpoint
 from toppings.server.requests.adapter_ref import AdapterRef
 from toppings.server.requests.request import GenerationRequest, RequestError, RequestHandle
@@ -71,11 +69,8 @@ class Engine:
         self.adapter_refs = self.lora.refs
         self._stopping = threading.Event()
         self._draining = threading.Event()
-        # The engine thread's OpenMP team: set, else the cores it is bound to, else the count
-        # torch gives the thread that builds the engine (threads.py).
-        self._num_threads = (
-            config.num_threads or len(config.device_cores) or torch.get_num_threads()
-        )
+        # The engine thread's OpenMP team, as the thread that builds the engine sees it
+        self._num_threads = engine_thread_count(config)
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
 
     @property

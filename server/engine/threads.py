@@ -25,7 +25,15 @@ from typing import TypeVar
 
 import torch
 
+from toppings.server.config import EngineConfig
+
 T = TypeVar("T")
+
+
+def engine_thread_count(config: EngineConfig) -> int:
+    """The engine thread's OpenMP team: `--torch-threads` where set, else the cores it is bound
+    to, else the count torch gives the calling thread."""
+    return config.num_threads or len(config.device_cores) or torch.get_num_threads()
 
 
 def set_torch_threads(count: int) -> None:
