@@ -25,6 +25,7 @@ from toppings.gpu_lora.adapter_pool import AdapterPool, ResidentAdapter
 from toppings.gpu_lora.dora import DoraScales, apply_dora
 from toppings.gpu_lora.host_lora import HostLoraRunner
 from toppings.gpu_lora.kernels import LoraBackend
+from toppings.gpu_lora.kernels.native import RunsLayout, RunsStep
 from toppings.gpu_lora.loader import LoadTicket
 from toppings.gpu_lora.trace import HostLoraEvent, TraceRecorder
 
@@ -91,6 +92,15 @@ class LoraBatch:
         if self._segmented and kernels.runs_step is not None:
             tables = {m: (pool.lora_a[m], pool.lora_b[m], a[1]) for m, a in self._args.items()}
             self._step = kernels.runs_step(tables, self._seg_starts, offsets, scales)
+
+    def native_runs(self) -> RunsLayout | None:
+        """The step's runs for a native caller that adds every layer's deltas itself (the CPU
+        decode path), where nothing of the step's LoRA needs Python: no adapter still loading, no
+        DoRA, no trace, the native runs kernel; else None (then `add`, layer by layer)."""
+        native = isinstance(self._step, RunsStep)
+        if not native or self._loading or self._dora_runs or self._trace is not None:
+            return None
+        return self._step.layout()
 
     def add(self, layer: int, x: torch.Tensor, outputs) -> None:
         """y += LoRA delta for each (module, y) pair; x [T, H_in], y [T, H_out], in place."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import functools
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -139,6 +140,38 @@ def _check_status(failed: int) -> None:
         raise MemoryError("lora_runs could not allocate its buffers")
 
 
+@dataclass(frozen=True)
+class ModuleLayout:
+    """One module's tables in a RunsLayout: layer l's A [rows, h_in] at a0 + l * a_step bytes,
+    its B [rows, h_out] at b0 + l * b_step, each run's rank at `ranks` (int32 [B])."""
+
+    a0: int
+    b0: int
+    a_step: int
+    b_step: int
+    h_in: int
+    h_out: int
+    rows: int
+    ranks: int
+
+
+@dataclass(frozen=True)
+class RunsLayout:
+    """A step's runs for a native caller that calls `lora_runs` itself, layer by layer (the CPU
+    decode path, server/model/decode_path.py): the function's address, the addresses of the
+    runs' starts [B + 1], offsets [B] (int32) and scales [B] (float32), the tables' dtype and
+    layers, and per module its `ModuleLayout`. Valid while the RunsStep that made it lives."""
+
+    function: int
+    starts: int
+    offsets: int
+    scales: int
+    num_runs: int
+    dtype: torch.dtype
+    num_layers: int
+    modules: Mapping[str, ModuleLayout]
+
+
 class RunsStep:
     """`mbgmv_runs_multi` for every layer of one step, its per-step arguments built once.
 
@@ -216,6 +249,22 @@ class RunsStep:
             self._num_runs, _DTYPES[x.dtype], self._threads,
         )  # fmt: skip
         _check_status(failed)
+
+    def layout(self) -> RunsLayout | None:
+        """The step for a native caller (see RunsLayout); None where the library is not built
+        or a module's tables have no native layout (the caller then calls this object)."""
+        lib = library()
+        if lib is None or not self._tables or any(m not in self._layout for m in self._tables):
+            return None
+        modules = {
+            m: ModuleLayout(*self._layout[m], self._tables[m][2].data_ptr())
+            for m in self._tables
+        }  # fmt: skip
+        function = ctypes.cast(lib.lora_runs, ctypes.c_void_p).value
+        return RunsLayout(
+            function, self._starts.data_ptr(), self._offsets.data_ptr(),
+            self._scales.data_ptr(), self._num_runs, self._dtype, self._num_layers, modules,
+        )  # fmt: skip
 
     def _prepare(self, modules: tuple[str, ...]):
         """(the C structs, each one's layout) for this tuple of modules, or None when one of

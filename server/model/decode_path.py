@@ -1,26 +1,31 @@
-"""A decode step's layers in four native calls each (`csrc/decode_layer.c`), LoRA between them.
+"""A decode step's layers in one native call (`csrc/decode_layer.c`), its LoRA included.
 
 At batch 1-4 a CPU decode step of SmolLM2 makes about ten native calls a layer (the norms, the
 GEMVs, RoPE, the KV write, attention, silu), each costing some 6 us of Python around it (ctypes,
 checks, a fresh tensor): ~2 ms of a 15 ms bfloat16 step (measured in process on the project's
-2-core AMD EPYC, cProfile). `decode_layer.c` chains the same kernels in the same order on the
-same buffers, so the numbers are bit for bit the per-op path's (tests/server/model/
-test_decode_path.py), in four calls a layer:
+2-core AMD EPYC, cProfile), and an adapter targeting all seven projections adds four LoRA calls
+a layer at 20-26 us each. `decode_layer.c` chains the same kernels in the same order on the same
+buffers, so the numbers are bit for bit the per-op path's (tests/server/model/
+test_decode_path.py). A layer:
 
     x, qkv   = norm_proj(h, residual)          then LoRA q, k, v on qkv (from x)
     attn, o  = attend_proj(qkv)                then LoRA o on o (from attn)
     x, gu    = norm_proj(h, o)                 then LoRA gate, up on gu (from x)
     act, res = act_proj(gu)                    then LoRA down on res (from act)
 
+`decode_layers` runs every layer so, the LoRA kernel (`gpu_lora.kernels.native.lora_runs`)
+called from C on the step's runs (`LoraBatch.native_runs`). Where the step's LoRA needs Python
+(an adapter still loading, DoRA, a trace) or there is no AVX-512 (silu's kernel), the layers run
+as four calls each from here instead, LoRA between them, `act_proj` then per op where it declines.
 `DecodePath.build` returns None (the model keeps its per-op path) where any projection has no
-native GEMV here, the family normalizes q and k per head (Qwen3), or the native library is off;
-`act_proj` declines without AVX-512 (silu's kernel), and that part then runs per op.
+native GEMV here, the family normalizes q and k per head (Qwen3), or the native library is off.
 """
 
 from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -29,6 +34,9 @@ from toppings.server.config import Quantization
 from toppings.server.model.fused import silu_mul
 from toppings.server.model.linear import GEMV_MAX_ROWS, Linear, gemv_kernel
 from toppings.server.model.quant import QuantizedLinear
+
+if TYPE_CHECKING:
+    from toppings.gpu_lora.kernels.native import RunsLayout
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 # decode_layer.c's GEMV_* kinds, by linear.py's kernel names
@@ -48,6 +56,61 @@ class Proj(ctypes.Structure):
         ("out", ctypes.c_int64),
         ("in_", ctypes.c_int64),
     ]
+
+
+class LoraTable(ctypes.Structure):
+    """One projection's adapter tables of a step (decode_layer.c's struct, field for field)."""
+
+    _fields_ = [
+        ("a0", ctypes.c_void_p),
+        ("b0", ctypes.c_void_p),
+        ("a_step", ctypes.c_int64),
+        ("b_step", ctypes.c_int64),
+        ("ranks", ctypes.c_void_p),
+        ("rows", ctypes.c_int64),
+    ]
+
+
+# decode_layer.c's LORA_* slots, by module
+_LORA_SLOTS = {
+    m: i for i, m in enumerate(("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                "down_proj"))
+}  # fmt: skip
+
+
+class LoraStep(ctypes.Structure):
+    """The step's adapter runs and tables (decode_layer.c's struct, field for field)."""
+
+    _fields_ = [
+        ("run", ctypes.c_void_p),
+        ("starts", ctypes.c_void_p),
+        ("offsets", ctypes.c_void_p),
+        ("scales", ctypes.c_void_p),
+        ("num_runs", ctypes.c_int64),
+        ("tables", LoraTable * len(_LORA_SLOTS)),
+    ]
+
+
+class DecodeLayer(ctypes.Structure):
+    """One layer's weights and KV pool layer (decode_layer.c's struct, field for field)."""
+
+    _fields_ = [(name, ctypes.c_void_p) for name in (
+        "input_norm", "post_norm", "qkv", "o", "gate_up", "down", "kc", "vc"
+    )]  # fmt: skip
+
+
+class DecodeStep(ctypes.Structure):
+    """A step's tokens, buffers and shapes (decode_layer.c's struct, field for field)."""
+
+    _fields_ = [
+        *((name, ctypes.c_void_p) for name in (
+            "h", "x", "qkv", "attn", "out", "gate_up", "act", "residual", "cos", "sin", "slots",
+            "index", "lengths",
+        )),
+        *((name, ctypes.c_int64) for name in ("L", "S", "T", "H", "N", "K", "D", "I")),
+        ("eps", ctypes.c_float),
+        ("scale", ctypes.c_float),
+    ]  # fmt: skip
 
 
 def native_proj(proj: Linear | QuantizedLinear, dtype: torch.dtype) -> tuple[Proj, int] | None:
@@ -94,6 +157,8 @@ class DecodePath:
     def __init__(self, lib, layers: list[_LayerProjs], max_rows: int, dtype: torch.dtype):
         self._lib, self._layers, self.max_rows, self.dtype = lib, layers, max_rows, dtype
         self._is_bf16 = _DTYPES[dtype]
+        self._one_call = True  # decode_layers runs here (False once it declined: no AVX-512)
+        self._pool_layers: tuple[tuple[int, int], ctypes.Array] | None = None  # (pool, layers)
 
     @classmethod
     def build(cls, model) -> DecodePath | None:
@@ -118,10 +183,9 @@ class DecodePath:
         """Every layer of a decode step of T <= max_rows tokens on the residual stream h [T, H]
         (contiguous, added into in place); returns the last layer's output [T, H], which the
         caller adds into h. cos, sin [T, D]: the step's RoPE rows."""
-        cfg, lib, lora = model.config, self._lib, batch.lora
+        cfg, lora = model.config, batch.lora
         n, k, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         t, hidden, inter = h.shape[0], cfg.hidden_size, cfg.intermediate_size
-        is_bf16, threads, eps = self._is_bf16, torch.get_num_threads(), cfg.rms_norm_eps
         dtype = h.dtype
         # Buffers of every layer: each is read before the next layer writes it again.
         x, qkv = torch.empty(t, hidden, dtype=dtype), torch.empty(t, (n + 2 * k) * d, dtype=dtype)
@@ -130,26 +194,89 @@ class DecodePath:
         residual = torch.empty(t, hidden, dtype=dtype)
         index, lengths = batch.kv_index.contiguous(), batch.kv_lengths.contiguous()
         slots, cos, sin = batch.slots.contiguous(), cos.contiguous(), sin.contiguous()
+        buffers = (h, x, qkv, attn, out, gate_up, act, residual, cos, sin, slots, index, lengths)
+        step = DecodeStep(
+            *(b.data_ptr() for b in buffers), index.shape[1], kv.k.shape[2], t, hidden, n, k, d,
+            inter, cfg.rms_norm_eps, d**-0.5,
+        )  # fmt: skip
+        if self._one_call:
+            lora_step = None if lora is None else self._lora_step(lora.native_runs(), model)
+            if lora is None or lora_step is not None:
+                failed = self._lib.decode_layers(
+                    ctypes.byref(step), self._layers_of(model, kv), len(self._layers),
+                    None if lora_step is None else ctypes.byref(lora_step), self._is_bf16,
+                    torch.get_num_threads(),
+                )  # fmt: skip
+                if failed != 1:
+                    _check(failed, "step")
+                    return residual
+                self._one_call = False  # declined before writing anything: not here
+        self._layer_by_layer(model, lora, kv, step, (x, qkv, attn, out, gate_up, act, residual))
+        return residual
+
+    def _layers_of(self, model, kv) -> ctypes.Array:
+        """The layers' C structs over this KV pool (built again when the pool is another)."""
+        pool = (kv.k.data_ptr(), kv.v.data_ptr())
+        if self._pool_layers is None or self._pool_layers[0] != pool:
+            k_step = kv.k.stride(0) * kv.k.element_size()
+            v_step = kv.v.stride(0) * kv.v.element_size()
+            layers = (DecodeLayer * len(self._layers))(*(
+                DecodeLayer(layer.input_norm.data_ptr(), layer.post_norm.data_ptr(), projs.qkv,
+                            projs.o, projs.gate_up, projs.down, pool[0] + idx * k_step,
+                            pool[1] + idx * v_step)
+                for idx, (layer, projs) in enumerate(zip(model.layers, self._layers))
+            ))  # fmt: skip
+            self._pool_layers = (pool, layers)
+        return self._pool_layers[1]
+
+    def _lora_step(self, runs: RunsLayout | None, model) -> LoraStep | None:
+        """The step's LoRA for decode_layers, or None where it must run from Python (no native
+        runs, or tables that are not this model's shapes)."""
+        if runs is None or runs.dtype != self.dtype or runs.num_layers != len(self._layers):
+            return None
+        cfg = model.config
+        hidden, inter = cfg.hidden_size, cfg.intermediate_size
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        shapes = {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv),
+                  "o_proj": (q, hidden), "gate_proj": (hidden, inter), "up_proj": (hidden, inter),
+                  "down_proj": (inter, hidden)}  # fmt: skip
+        step = LoraStep(runs.function, runs.starts, runs.offsets, runs.scales, runs.num_runs)
+        for module, m in runs.modules.items():
+            if shapes.get(module) != (m.h_in, m.h_out):
+                return None
+            step.tables[_LORA_SLOTS[module]] = LoraTable(
+                m.a0, m.b0, m.a_step, m.b_step, m.ranks, m.rows
+            )
+        return step
+
+    def _layer_by_layer(self, model, lora, kv, step: DecodeStep, buffers: tuple) -> None:
+        """decode_layers' work as four native calls a layer, the LoRA added between them by
+        `lora.add` (see the module doc), on the step's buffers (x, qkv, attn, out, gate_up, act,
+        residual: the tensors of step's pointers)."""
+        x, qkv, attn, out, gate_up, act, residual = buffers
+        lib, n, k, d, t, hidden = self._lib, step.N, step.K, step.D, step.T, step.H
+        is_bf16, threads = self._is_bf16, torch.get_num_threads()
         hp, xp, qkvp, attnp, outp, gup, actp, resp = (
-            b.data_ptr() for b in (h, x, qkv, attn, out, gate_up, act, residual)
-        )
-        rope_and_pool = (cos.data_ptr(), sin.data_ptr())
-        rows = (slots.data_ptr(), index.data_ptr(), lengths.data_ptr(), index.shape[1])
+            step.h, step.x, step.qkv, step.attn, step.out, step.gate_up, step.act, step.residual
+        )  # fmt: skip
+        rope_and_pool = (step.cos, step.sin)
+        rows = (step.slots, step.index, step.lengths, step.L)
         for idx, (layer, projs) in enumerate(zip(model.layers, self._layers, strict=True)):
             delta = None if idx == 0 else resp  # the previous layer's output, added into h
             _check(lib.norm_proj(hp, delta, layer.input_norm.data_ptr(), xp, projs.qkv, qkvp, t,
-                                 hidden, hidden, eps, is_bf16, threads), "qkv")  # fmt: skip
+                                 hidden, hidden, step.eps, is_bf16, threads), "qkv")  # fmt: skip
             if lora is not None:
                 q, key, val = qkv.split([n * d, k * d, k * d], dim=-1)
                 lora.add(idx, x, (("q_proj", q), ("k_proj", key), ("v_proj", val)))
             kc, vc = kv.k[idx], kv.v[idx]  # [K, S, D]
             _check(lib.attend_proj(qkvp, *rope_and_pool, kc.data_ptr(), vc.data_ptr(), *rows,
-                                   kc.shape[1], attnp, projs.o, outp, t, n, k, d, d**-0.5,
+                                   step.S, attnp, projs.o, outp, t, n, k, d, step.scale,
                                    is_bf16, threads), "attention")  # fmt: skip
             if lora is not None:
                 lora.add(idx, attn, (("o_proj", out),))
-            _check(lib.norm_proj(hp, outp, layer.post_norm.data_ptr(), xp, projs.gate_up, gup, t,
-                                 hidden, hidden, eps, is_bf16, threads), "gate_up")  # fmt: skip
+            norm = layer.post_norm.data_ptr()
+            _check(lib.norm_proj(hp, outp, norm, xp, projs.gate_up, gup, t, hidden, hidden,
+                                 step.eps, is_bf16, threads), "gate_up")  # fmt: skip
             if lora is not None:
                 gate, up = gate_up.chunk(2, dim=-1)
                 lora.add(idx, x, (("gate_proj", gate), ("up_proj", up)))
@@ -159,7 +286,6 @@ class DecodePath:
                 residual.copy_(layer.down(activation))
             if lora is not None:
                 lora.add(idx, activation, (("down_proj", residual),))
-        return residual
 
     def fits(self, model, batch, kv) -> bool:
         """Whether this step can run here: a decode of at most max_rows tokens, in the model's

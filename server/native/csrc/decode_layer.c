@@ -1,16 +1,23 @@
-/* A decode step's layer in four calls instead of ten (server/model/decode_path.py): each call
- * chains kernels of this library that Python called one by one, in the same order on the same
- * buffers, so that the results are bit for bit the per-op path's. What a call saves is the
- * Python side of every kernel it chains (about 6 us each: ctypes, checks, a fresh tensor), 180
- * a SmolLM2 step. Between the calls Python adds the LoRA deltas of the projection just made.
+/* A decode step's layers in one call (server/model/decode_path.py): `decode_layers` chains kernels
+ * of this library that Python called one by one, in the same order on the same buffers, so that
+ * the results are bit for bit the per-op path's. What it saves is the Python side of every kernel
+ * it chains (about 6 us each: ctypes, checks, a fresh tensor), 180 a SmolLM2 step, and of every
+ * LoRA call (20-26 us each in the engine against 4-7 us for the kernel itself, 120 a step when an
+ * adapter targets all seven projections): it calls the LoRA kernel (gpu_lora/kernels/csrc/
+ * lora.c's `lora_runs`, a library of its own, reached through its address) itself. A layer:
  *
  *   norm_proj:   h += delta; x = RMSNorm(h); y = x @ W.T (+ bias)          (qkv, gate_up)
+ *                then LoRA q, k, v on qkv (from x), or gate, up on gate_up (from x)
  *   attend_proj: RoPE on q and k; k, v into the pool; a = attention(q); y = a @ Wo.T (+ bias)
+ *                then LoRA o on y (from a)
  *   act_proj:    a = silu(gate) * up; y = a @ Wd.T (+ bias)
+ *                then LoRA down on y (from a)
  *
- * Every call returns 0, or nonzero having left the step to the per-op path when a kernel
- * declined before writing (a shape or ISA it does not take); 2 when a KV slot lies outside the
- * pool, 3 when attention could not allocate. */
+ * The three are also called one by one from Python (decode_path.py's layer-by-layer path, for
+ * steps whose LoRA needs Python: an adapter still loading, DoRA, a trace).
+ * Every function returns 0, or nonzero having left the step to the per-op path when a kernel
+ * declined before writing (a shape or ISA it does not take); 2 when a KV slot (or a LoRA run)
+ * lies outside the pool, 3 when attention could not allocate, 4 when the LoRA kernel could not. */
 #include "common.h"
 
 /* The kernels chained here (elementwise.c, attention.c, linear.c, gemv_int8.c). */
@@ -133,4 +140,116 @@ int act_proj(const void *gate_up, void *a, const Proj *down, void *y, int64_t T,
     int64_t I = down->in;
     if (silu_mul(gate_up, 2 * I, a, T, I, is_bf16, num_threads)) return 1;
     return proj_gemv(down, a, I, y, down->out, T, is_bf16, num_threads);
+}
+
+/* lora.c's LoraProj, field for field: one projection of a `lora_runs` call. */
+typedef struct {
+    const void *A, *Bt;
+    void *y;
+    const int32_t *ranks;
+    int64_t ld_y, H_out, pool_rows;
+} LoraProj;
+typedef int (*lora_runs_fn)(const void *x, int64_t ld_x, int64_t H_in, int64_t num_tokens,
+                            const LoraProj *proj, int64_t num_proj, const int32_t *starts,
+                            const int32_t *offsets, const float *scales, int64_t num_runs,
+                            int is_bf16, int num_threads);
+
+/* One projection's adapter tables of a step (decode_path.py's `LoraTable`): layer l's A rows
+ * [pool_rows, H_in] at A0 + l * a_step bytes, its B rows [pool_rows, H_out] at B0 + l * b_step;
+ * A0 NULL: no request of the step adapts the projection. */
+typedef struct {
+    const char *A0, *B0;
+    int64_t a_step, b_step;
+    const int32_t *ranks; /* [num_runs] */
+    int64_t pool_rows;
+} LoraTable;
+
+enum { LORA_Q, LORA_K, LORA_V, LORA_O, LORA_GATE, LORA_UP, LORA_DOWN, LORA_MODULES };
+
+/* The step's adapter runs (gpu_lora's RunsStep): tokens starts[g] .. starts[g + 1] read rows
+ * offsets[g] .. offsets[g] + ranks[g] of each table, scaled by scales[g]. */
+typedef struct {
+    lora_runs_fn run;
+    const int32_t *starts, *offsets;
+    const float *scales;
+    int64_t num_runs;
+    LoraTable tables[LORA_MODULES];
+} LoraStep;
+
+/* y_m (columns col_m.. of a [T, ld_y] buffer) += LoRA of modules m in [first, first + count)
+ * from x [T, H_in] contiguous, at layer l; nothing when no module is adapted. */
+static int lora_add(const LoraStep *lora, int64_t l, int first, int count, const void *x,
+                    int64_t H_in, void *y, int64_t ld_y, const int64_t *col, const int64_t *width,
+                    int64_t T, int is_bf16, int num_threads) {
+    LoraProj procs[3];
+    int64_t n = 0, elem = is_bf16 ? 2 : 4;
+    if (lora == NULL) return 0;
+    for (int i = 0; i < count; i++) {
+        const LoraTable *t = &lora->tables[first + i];
+        if (t->A0 == NULL) continue;
+        procs[n++] = (LoraProj){t->A0 + l * t->a_step, t->B0 + l * t->b_step,
+                                (char *)y + col[i] * elem, t->ranks, ld_y, width[i],
+                                t->pool_rows};
+    }
+    if (n == 0) return 0;
+    int failed = lora->run(x, H_in, H_in, T, procs, n, lora->starts, lora->offsets, lora->scales,
+                           lora->num_runs, is_bf16, num_threads);
+    return failed == 2 ? 2 : failed ? 4 : 0;
+}
+
+/* One layer's weights and its layer of the KV pool (decode_path.py's `DecodeLayer`). */
+typedef struct {
+    const void *input_norm, *post_norm; /* [H] */
+    const Proj *qkv, *o, *gate_up, *down;
+    void *kc, *vc; /* [K, S, D] */
+} DecodeLayer;
+
+/* The step (decode_path.py's `DecodeStep`): its tokens, buffers and shapes. */
+typedef struct {
+    void *h; /* [T, H]: the residual stream, added into in place */
+    void *x, *qkv, *attn, *out, *gate_up, *act, *residual; /* the layers' buffers, contiguous */
+    const void *cos, *sin;                                  /* [T, D] */
+    const int64_t *slots, *index, *lengths;                 /* [T], [T, L], [T] */
+    int64_t L, S, T, H, N, K, D, I;
+    float eps, scale;
+} DecodeStep;
+
+/* Every layer of a decode step: s->residual [T, H] = the last layer's output (the caller adds
+ * it into h). Returns 1, nothing written, without AVX-512 (silu_mul's rule) or where the
+ * intermediate size is no multiple of 16; 5 when a kernel declined mid-step (h already
+ * written: not to be redone per op); else as above. */
+#define STEP(call)                                                                              \
+    if ((failed = (call))) return failed == 1 ? 5 : failed
+int decode_layers(const DecodeStep *s, const DecodeLayer *layers, int64_t num_layers,
+                  const LoraStep *lora, int is_bf16, int num_threads) {
+#ifndef __AVX512F__
+    (void)s, (void)layers, (void)num_layers, (void)lora, (void)is_bf16, (void)num_threads;
+    return 1;
+#else
+    if (s->I % 16 != 0) return 1;
+    int64_t T = s->T, H = s->H, I = s->I, nd = s->N * s->D, kd = s->K * s->D;
+    const int64_t qkv_col[3] = {0, nd, nd + kd}, qkv_width[3] = {nd, kd, kd};
+    const int64_t zero[1] = {0}, hidden[1] = {H}, gu_col[2] = {0, I}, inter[2] = {I, I};
+    int failed;
+    for (int64_t l = 0; l < num_layers; l++) {
+        const DecodeLayer *y = &layers[l];
+        STEP(norm_proj(s->h, l ? s->residual : NULL, y->input_norm, s->x, y->qkv, s->qkv, T, H,
+                       H, s->eps, is_bf16, num_threads));
+        STEP(lora_add(lora, l, LORA_Q, 3, s->x, H, s->qkv, nd + 2 * kd, qkv_col, qkv_width, T,
+                      is_bf16, num_threads));
+        STEP(attend_proj(s->qkv, s->cos, s->sin, y->kc, y->vc, s->slots, s->index, s->lengths,
+                         s->L, s->S, s->attn, y->o, s->out, T, s->N, s->K, s->D, s->scale,
+                         is_bf16, num_threads));
+        STEP(lora_add(lora, l, LORA_O, 1, s->attn, nd, s->out, H, zero, hidden, T, is_bf16,
+                      num_threads));
+        STEP(norm_proj(s->h, s->out, y->post_norm, s->x, y->gate_up, s->gate_up, T, H, H, s->eps,
+                       is_bf16, num_threads));
+        STEP(lora_add(lora, l, LORA_GATE, 2, s->x, H, s->gate_up, 2 * I, gu_col, inter, T,
+                      is_bf16, num_threads));
+        STEP(act_proj(s->gate_up, s->act, y->down, s->residual, T, is_bf16, num_threads));
+        STEP(lora_add(lora, l, LORA_DOWN, 1, s->act, I, s->residual, H, zero, hidden, T, is_bf16,
+                      num_threads));
+    }
+    return 0;
+#endif
 }

@@ -1,6 +1,7 @@
 """The native decode path (server/model/decode_path.py) gives, step for step, the per-op path's
-logits bit for bit: every decode step of mixed base / adapter batches of 1-4 requests runs both
-on the same batch and KV (the KV write is the same bytes either way). Against transformers +
+logits bit for bit, in one call a step (its LoRA called from C) and layer by layer (its LoRA from
+Python): every decode step of mixed base / adapter batches of 1-4 requests runs the three on the
+same batch and KV (the KV write is the same bytes every way). Against transformers +
 PEFT the path is checked by the family exactness tests, which run it by default."""
 
 from __future__ import annotations
@@ -41,19 +42,30 @@ def test_decode_path_equals_the_per_op_path(tmp_path, family, dtype, quantizatio
         path = model.decode_path
         if path is None:
             pytest.skip("no native GEMV for these weights here")
-        forward, compared = model.forward, []
+        forward, compared, layered = model.forward, [], []
+        layer_by_layer = path._layer_by_layer
 
-        def both(batch, kv):
+        def spy(*args):
+            layered.append(path._one_call)
+            layer_by_layer(*args)
+
+        path._layer_by_layer = spy
+
+        def all_three(batch, kv):
             if batch.is_prefill or not path.fits(model, batch, kv):
                 return forward(batch, kv)
             model.decode_path = None
             per_op = forward(batch, kv)
             model.decode_path = path
+            path._one_call = False
+            by_layer = forward(batch, kv)
+            path._one_call = True
             native = forward(batch, kv)
-            compared.append((batch.input_ids.shape[0], torch.equal(per_op, native)))
+            equal = torch.equal(per_op, native) and torch.equal(per_op, by_layer)
+            compared.append((batch.input_ids.shape[0], equal))
             return native
 
-        model.forward = both
+        model.forward = all_three
         params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
         for names in ([None], ["a4"], [None, "a4", "a8", "a4"], ["a8", None, None]):
             requests = [
@@ -67,3 +79,7 @@ def test_decode_path_equals_the_per_op_path(tmp_path, family, dtype, quantizatio
         model.forward = forward
     assert {rows for rows, _ in compared} >= {1, 3}
     assert all(equal for _, equal in compared), compared
+    # every step ran layer by layer when asked, and in one call (its LoRA from C included)
+    # otherwise, unless decode_layers declined here (no AVX-512: then layer by layer again)
+    assert not any(layered)  # never layer by layer for a step's LoRA
+    assert len(layered) == len(compared) * (1 if path._one_call else 2)
