@@ -84,9 +84,22 @@ def projection_case(dtype, runs, ranks, h_outs, seed=0):
 # 32 | H_out: bf16 pairs of B rows (odd ranks leave one row unpaired); 48, 16: float32 strips;
 # 40: the scalar path
 @pytest.mark.parametrize("h_outs", [(64, 32, 96), (48, 16, 16), (40, 32), (64,)])
-@pytest.mark.parametrize("ranks", [[8, 16, 64, 8, 32], [7, 1, 33, 5, 2]])
-def test_every_projection_of_one_input_matches_the_reference(dtype, h_outs, ranks):
-    x, projections, starts, offsets, scales = projection_case(dtype, [4, 1, 7, 0, 2], ranks, h_outs)
+# one run of one token (a decode step of one request: fewer blocks of tokens than threads, so
+# the blocks are split by projection over the threads) or several runs
+@pytest.mark.parametrize(("runs", "ranks"), [
+    ([1], [16]), ([4, 1, 7, 0, 2], [8, 16, 64, 8, 32]), ([4, 1, 7, 0, 2], [7, 1, 33, 5, 2]),
+])  # fmt: skip
+def test_every_projection_of_one_input_matches_the_reference(dtype, h_outs, runs, ranks):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # the kernel takes the caller's count
+    try:
+        check_every_projection(dtype, h_outs, runs, ranks)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def check_every_projection(dtype, h_outs, runs, ranks):
+    x, projections, starts, offsets, scales = projection_case(dtype, runs, ranks, h_outs)
     wants = []
     for y, a, b, ranks in projections:
         want = y.clone()

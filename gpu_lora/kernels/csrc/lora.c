@@ -263,7 +263,7 @@ static void lora_token(const void *x, int64_t ld_x, const LoraProj *p, int64_t H
         st(p->y, is_bf16, t * p->ld_y + o, ld(p->y, is_bf16, t * p->ld_y + o) + acc[o]);
 }
 
-/* The largest rank of pair k (see lora_runs: a run on the vector path, else a projection's run). */
+/* The largest rank of pair k (see lora_runs: a run when grouped, else a projection's run). */
 static inline int64_t pair_rank(const LoraProj *proj, int64_t num_proj, int64_t num_runs,
                                 int vector, int64_t k) {
     int64_t r = 0;
@@ -296,16 +296,28 @@ int lora_runs(const void *x, int64_t ld_x, int64_t H_in, int64_t num_tokens,
     vector = 0;
 #endif
     /* Pairs: on the vector path run k, an item 4 of its tokens for every projection; on the
-     * scalar path k = p * num_runs + g, an item one token of run g in projection p.
+     * scalar path k = p * num_runs + g, an item one token of run g in projection p. When the
+     * vector path has fewer items than threads (a decode step of one or two requests), its
+     * items are split by projection as the scalar path's are (`split`), so that the threads
+     * share them: each projection's arithmetic is the same either way.
      * items[k]: the work items before the k-th pair of order that have an adapter (rank > 0). */
-    int64_t per = vector ? 4 : 1, num_pairs = vector ? num_runs : num_proj * num_runs;
+    int split = 0;
+    if (vector && num_proj > 1) {
+        int64_t blocks = 0;
+        for (int64_t g = 0; g < num_runs; g++)
+            if (pair_rank(proj, num_proj, num_runs, 1, g) > 0)
+                blocks += (starts[g + 1] - starts[g] + 3) / 4;
+        split = blocks < num_threads;
+    }
+    int grouped = vector && !split; /* a pair covers every projection */
+    int64_t per = vector ? 4 : 1, num_pairs = grouped ? num_runs : num_proj * num_runs;
     int64_t *items = malloc(sizeof(int64_t) * (size_t)(3 * num_pairs + 1));
     if (items == NULL) return 1;
     int64_t *order = items + num_pairs + 1, *rank = order + num_pairs;
     /* order: the pairs by decreasing largest rank, so that the threads end on small items */
     for (int64_t k = 0; k < num_pairs; k++) {
         int64_t at = k;
-        rank[k] = pair_rank(proj, num_proj, num_runs, vector, k);
+        rank[k] = pair_rank(proj, num_proj, num_runs, grouped, k);
         for (; at > 0 && rank[order[at - 1]] < rank[k]; at--) order[at] = order[at - 1];
         order[at] = k;
     }
@@ -314,7 +326,9 @@ int lora_runs(const void *x, int64_t ld_x, int64_t H_in, int64_t num_tokens,
         int64_t g = order[k] % num_runs, n = starts[g + 1] - starts[g];
         items[k + 1] = items[k] + (rank[order[k]] > 0 ? (n + per - 1) / per : 0);
     }
-#pragma omp parallel num_threads(threads_for(work * max_rank, num_threads)) reduction(| : failed)
+    int threads = threads_for(work * max_rank, num_threads);
+    if (threads > items[num_pairs]) threads = items[num_pairs] > 1 ? (int)items[num_pairs] : 1;
+#pragma omp parallel num_threads(threads) reduction(| : failed)
     {
         size_t floats = 4 * H_in + max_out + 4 * num_proj * max_rank + 2 * max_rank + 4;
         float *buf = malloc(sizeof(float) * floats);
@@ -335,8 +349,9 @@ int lora_runs(const void *x, int64_t ld_x, int64_t H_in, int64_t num_tokens,
                 int64_t n = starts[g + 1] - t < per ? starts[g + 1] - t : per;
 #ifdef __AVX512F__
                 if (vector) {
-                    lora_block(x, ld_x, proj, num_proj, H_in, t, n, g, offsets[g], scales[g],
-                               max_rank, is_bf16, xf, h, hp);
+                    const LoraProj *first = grouped ? proj : proj + pair / num_runs;
+                    lora_block(x, ld_x, first, grouped ? num_proj : 1, H_in, t, n, g, offsets[g],
+                               scales[g], max_rank, is_bf16, xf, h, hp);
                     continue;
                 }
 #endif
