@@ -31,14 +31,13 @@ import torch
 
 from toppings.server import native
 from toppings.server.config import Quantization
-from toppings.server.model.fused import silu_mul
+from toppings.server.model.fused import NATIVE_DTYPES, silu_mul
 from toppings.server.model.linear import GEMV_MAX_ROWS, Linear, gemv_kernel
 from toppings.server.model.quant import QuantizedLinear
 
 if TYPE_CHECKING:
     from toppings.gpu_lora.kernels.native import RunsLayout
 
-_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 # decode_layer.c's GEMV_* kinds, by linear.py's kernel names
 _KINDS = {"gemv_f32": 0, "gemv_bf16": 1, "gemv_f32_avx2": 2, "gemv_bf16_avx2": 3}
 _INT8, _INT4 = 4, 5
@@ -121,22 +120,19 @@ def native_proj(proj: Linear | QuantizedLinear, dtype: torch.dtype) -> tuple[Pro
         return None
     bias_ptr = None if bias is None else bias.data_ptr()
     if isinstance(proj, Linear):
-        plain, kernel = proj._plain, gemv_kernel(dtype)
-        if plain is None or proj._gemv is None or kernel is None or plain.dtype != dtype:
+        plain, kernel = proj.gemv_weight, gemv_kernel(dtype)
+        if plain is None or kernel is None or plain.dtype != dtype:
             return None
         struct = Proj(_KINDS[kernel[0]], plain.data_ptr(), None, None, bias_ptr, *plain.shape)
         return struct, GEMV_MAX_ROWS
     if proj.gemv_rows == 0 or proj.dtype != dtype:
         return None
-    out_features, in_features = proj.out_features, proj.in_features
+    shape = (proj.out_features, proj.in_features)
     if proj.scheme is Quantization.INT8:
-        scales = proj._gemv_scales.data_ptr()
-        struct = Proj(_INT8, proj._q.data_ptr(), scales, None, bias_ptr, out_features, in_features)
-        return struct, proj.gemv_rows
-    packed, scales, offsets = proj._gemv_int4
-    struct = Proj(_INT4, packed.data_ptr(), scales.data_ptr(), offsets.data_ptr(), bias_ptr,
-                  out_features, in_features)  # fmt: skip
-    return struct, proj.gemv_rows
+        values, scales = (t.data_ptr() for t in proj.gemv_tensors())
+        return Proj(_INT8, values, scales, None, bias_ptr, *shape), proj.gemv_rows
+    packed, scales, offsets = (t.data_ptr() for t in proj.gemv_tensors())
+    return Proj(_INT4, packed, scales, offsets, bias_ptr, *shape), proj.gemv_rows
 
 
 @dataclass
@@ -156,7 +152,7 @@ class DecodePath:
 
     def __init__(self, lib, layers: list[_LayerProjs], max_rows: int, dtype: torch.dtype):
         self._lib, self._layers, self.max_rows, self.dtype = lib, layers, max_rows, dtype
-        self._is_bf16 = _DTYPES[dtype]
+        self._is_bf16 = NATIVE_DTYPES[dtype]
         self._one_call = True  # decode_layers runs here (False once it declined: no AVX-512)
         self._pool_layers: tuple[tuple[int, int], ctypes.Array] | None = None  # (pool, layers)
 
@@ -165,7 +161,7 @@ class DecodePath:
         """The model's decode path, or None where it cannot run here (see the module doc)."""
         lib = native.library()
         dtype = model.dtype
-        if lib is None or model.device.type != "cpu" or dtype not in _DTYPES:
+        if lib is None or model.device.type != "cpu" or dtype not in NATIVE_DTYPES:
             return None
         if model.config.has_qk_norm:
             return None

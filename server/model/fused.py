@@ -15,14 +15,14 @@ import torch.nn.functional as F
 
 from toppings.server import native
 
-_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+NATIVE_DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the native kernels' is_bf16 flag, by dtype
 
 
 def _lib(*tensors: torch.Tensor):
     """The native library when every tensor is a float32/bfloat16 CPU tensor of one dtype."""
     first = tensors[0]
     dtype = first.dtype
-    if dtype not in _DTYPES or first.device.type != "cpu":
+    if dtype not in NATIVE_DTYPES or first.device.type != "cpu":
         return None
     for t in tensors:
         if t.dtype != dtype:
@@ -52,7 +52,7 @@ def add_rms_norm(
     lib.add_rms_norm(
         _ptr(h), None if delta is None else _ptr(delta), _ptr(weight), _ptr(out),
         h.shape[0], h.shape[1], h.stride(0), 0 if delta is None else delta.stride(0),
-        out.stride(0), eps, _DTYPES[h.dtype], torch.get_num_threads(),
+        out.stride(0), eps, NATIVE_DTYPES[h.dtype], torch.get_num_threads(),
     )  # fmt: skip
     return out
 
@@ -90,7 +90,7 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
         x.copy_(rope_torch(x, cos, sin))
         return x
     lib.rope(_ptr(x), _ptr(cos), _ptr(sin), x.shape[0], x.shape[1], d, x.stride(0),
-             _DTYPES[x.dtype], torch.get_num_threads())  # fmt: skip
+             NATIVE_DTYPES[x.dtype], torch.get_num_threads())  # fmt: skip
     return x
 
 
@@ -108,7 +108,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         num_tokens, inter = gate_up.shape[0], gate_up.shape[1] // 2
         out = torch.empty(num_tokens, inter, dtype=gate_up.dtype)
         failed = lib.silu_mul(_ptr(gate_up), gate_up.stride(0), _ptr(out), num_tokens, inter,
-                              _DTYPES[gate_up.dtype], torch.get_num_threads())  # fmt: skip
+                              NATIVE_DTYPES[gate_up.dtype], torch.get_num_threads())  # fmt: skip
         if not failed:
             return out
     return silu_mul_torch(gate_up)

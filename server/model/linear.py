@@ -60,6 +60,12 @@ class Linear:
         # looking both up per call cost about 4 us each (SmolLM2, 0.5 ms a step).
         self._gemv = _bound_gemv(self._plain) if self._plain is not None else None
 
+    @property
+    def gemv_weight(self) -> torch.Tensor | None:
+        """The plain weight [out, in] the native GEMV reads (decode of up to GEMV_MAX_ROWS rows),
+        contiguous; None where this projection has no native GEMV."""
+        return self._plain if self._gemv is not None else None
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         y = self._product(x)
         if self.bias is not None:

@@ -331,6 +331,13 @@ class QuantizedLinear:
         # [in / 32, padded, 2]: each group's scale and zero, as the kernel reads them
         self._scales = torch.stack([scales, zeros], dim=-1).transpose(0, 1).to(dtype).contiguous()
 
+    def gemv_tensors(self) -> tuple[torch.Tensor, ...]:
+        """What the native GEMV reads (`gemv_rows` > 0): int8 (values [out, in], float32
+        scales [out]); int4 `int4_gemv_layout`'s (packed values, scales, offsets)."""
+        if self.scheme is Quantization.INT8:
+            return self._q, self._gemv_scales
+        return self._gemv_int4
+
     @property
     def weight_bytes(self) -> int:
         """Bytes a decode step's product reads: the quantized values and their scales (and
