@@ -13,7 +13,8 @@ what all kernels share (bfloat16 conversions with torch's rounding, AVX-512 load
 the thread count for an amount of work).
 
 Where no compiler is found, the build fails, or `TOPPINGS_NATIVE=0`, `load` returns None (logged)
-and callers use their torch path.
+and callers use their torch path. `TOPPINGS_NATIVE_CFLAGS` adds compiler flags (part of the key):
+`-mno-avx512f` builds what an AVX2-only CPU runs, so that its paths are tested on any machine.
 """
 
 from __future__ import annotations
@@ -85,12 +86,13 @@ def load(
         log.warning("no C compiler found: %s", fallback)
         return None
     files = [csrc / f for f in (*sources, *headers)] + [INCLUDE_DIR / f for f in COMMON_HEADERS]
-    parts = [f.read_bytes() for f in files] + [compiler.encode(), " ".join(FLAGS).encode()]
+    flags = (*FLAGS, *os.environ.get("TOPPINGS_NATIVE_CFLAGS", "").split())
+    parts = [f.read_bytes() for f in files] + [compiler.encode(), " ".join(flags).encode()]
     key = hashlib.sha256(b"\0".join([*parts, _cpu_flags().encode()])).hexdigest()[:16]
     path = cache_dir() / f"{name}-{key}.so"
     if not path.is_file():
         try:
-            _build(compiler, [csrc / s for s in sources], path)
+            _build(compiler, flags, [csrc / s for s in sources], path)
         except (OSError, subprocess.CalledProcessError) as exc:
             detail = getattr(exc, "stderr", "") or exc
             log.warning("building the native kernels %s failed (%s): %s", name, detail, fallback)
@@ -102,13 +104,13 @@ def load(
     return lib
 
 
-def _build(compiler: str, sources: list[Path], path: Path) -> None:
+def _build(compiler: str, flags: Sequence[str], sources: list[Path], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     # Build beside the target and rename: concurrent servers never load a half-written file.
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
         out = Path(tmp) / path.name
         subprocess.run(
-            [compiler, *FLAGS, f"-I{INCLUDE_DIR}", *map(str, sources), "-o", str(out), "-lm"],
+            [compiler, *flags, f"-I{INCLUDE_DIR}", *map(str, sources), "-o", str(out), "-lm"],
             check=True,
             capture_output=True,
             text=True,

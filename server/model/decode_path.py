@@ -15,8 +15,9 @@ test_decode_path.py). A layer:
 
 `decode_layers` runs every layer so, the LoRA kernel (`gpu_lora.kernels.native.lora_runs`)
 called from C on the step's runs (`LoraBatch.native_runs`). Where the step's LoRA needs Python
-(an adapter still loading, DoRA, a trace) or there is no AVX-512 (silu's kernel), the layers run
-as four calls each from here instead, LoRA between them, `act_proj` then per op where it declines.
+(an adapter still loading, DoRA, a trace) or there is no vector silu (neither AVX-512 nor AVX2 +
+FMA), the layers run as four calls each from here instead, LoRA between them, `act_proj` then
+per op where it declines.
 `DecodePath.build` returns None (the model keeps its per-op path) where any projection has no
 native GEMV here, the family normalizes q and k per head (Qwen3), or the native library is off.
 """
@@ -153,7 +154,7 @@ class DecodePath:
     def __init__(self, lib, layers: list[_LayerProjs], max_rows: int, dtype: torch.dtype):
         self._lib, self._layers, self.max_rows, self.dtype = lib, layers, max_rows, dtype
         self._is_bf16 = NATIVE_DTYPES[dtype]
-        self._one_call = True  # decode_layers runs here (False once it declined: no AVX-512)
+        self._one_call = True  # decode_layers runs here (False once it declined: no vector silu)
         self._pool_layers: tuple[tuple[int, int], ctypes.Array] | None = None  # (pool, layers)
 
     @classmethod
@@ -278,7 +279,7 @@ class DecodePath:
                 lora.add(idx, x, (("gate_proj", gate), ("up_proj", up)))
             activation = act
             if lib.act_proj(gup, actp, projs.down, resp, t, is_bf16, threads):
-                activation = silu_mul(gate_up)  # no AVX-512 for silu here: per op
+                activation = silu_mul(gate_up)  # no vector silu here: per op
                 residual.copy_(layer.down(activation))
             if lora is not None:
                 lora.add(idx, activation, (("down_proj", residual),))

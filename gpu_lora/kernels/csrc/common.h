@@ -6,7 +6,7 @@
 #define TOPPINGS_COMMON_H
 #include <math.h>
 #include <stdint.h>
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 #include <stdlib.h>
@@ -152,5 +152,63 @@ static inline void st(void *p, int is_bf16, int64_t i, float f) {
 static inline int threads_for(int64_t elements, int num_threads) {
     return elements >= (1 << 16) ? num_threads : 1;
 }
+
+#if defined(__AVX2__) && defined(__FMA__)
+/* exp16's arithmetic on 8 lanes (AVX2 + FMA), bit for bit: the same reduction, polynomial and
+ * scaling; 2^n applied in two exact powers of two so that the one rounding (to a subnormal, or
+ * to infinity) is the one scalef makes. */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-104.f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);
+    __m256 p = _mm256_set1_ps(1.f / 5040.f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 720.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+    /* n in [-151, 256] (x >= -104; above, 2^n overflows either way; NaN: p is NaN) */
+    n = _mm256_min_ps(n, _mm256_set1_ps(256.f));
+    __m256i e = _mm256_cvtps_epi32(n);
+    __m256i e1 = _mm256_srai_epi32(e, 1), e2 = _mm256_sub_epi32(e, e1);
+    __m256 s1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(e1, _mm256_set1_epi32(127)), 23));
+    __m256 s2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(e2, _mm256_set1_epi32(127)), 23));
+    return _mm256_mul_ps(_mm256_mul_ps(p, s1), s2);
+}
+
+/* 8 values of a row at element offset off, as float32. */
+static inline __m256 load8(const void *base, int is_bf16, int64_t off) {
+    if (!is_bf16) return _mm256_loadu_ps((const float *)base + off);
+    __m128i half = _mm_loadu_si128((const __m128i *)((const uint16_t *)base + off));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+}
+
+/* f rounded to bfloat16 and widened back: round16's rule (nearest even, NaN kept quiet). */
+static inline __m256 round8(__m256 f) {
+    __m256i u = _mm256_castps_si256(f);
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
+    __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(f, f, _CMP_UNORD_Q));
+    __m256i quiet = _mm256_or_si256(u, _mm256_set1_epi32(0x400000));
+    r = _mm256_blendv_epi8(r, quiet, nan);
+    return _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32((int)0xffff0000u)));
+}
+
+/* 8 float32 values to a row at element offset off, rounded as bf16_store where bf16. */
+static inline void store8(void *base, int is_bf16, int64_t off, __m256 f) {
+    if (!is_bf16) {
+        _mm256_storeu_ps((float *)base + off, f);
+        return;
+    }
+    __m256i bits = _mm256_srli_epi32(_mm256_castps_si256(round8(f)), 16);
+    __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(bits),
+                                      _mm256_extracti128_si256(bits, 1));
+    _mm_storeu_si128((__m128i *)((uint16_t *)base + off), packed);
+}
+#endif
 
 #endif

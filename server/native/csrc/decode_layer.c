@@ -134,7 +134,7 @@ int attend_proj(void *qkv, const void *cos_t, const void *sin_t, void *kc, void 
 }
 
 /* gate_up [T, 2I] contiguous: a [T, I] contiguous = silu(gate) * up; y [T, out] contiguous =
- * a @ Wd.T (+ bias). Returns 1, nothing written, without AVX-512 (silu_mul's own rule). */
+ * a @ Wd.T (+ bias). Returns 1, nothing written, where silu_mul declines (its own rule). */
 int act_proj(const void *gate_up, void *a, const Proj *down, void *y, int64_t T, int is_bf16,
              int num_threads) {
     int64_t I = down->in;
@@ -215,14 +215,14 @@ typedef struct {
 } DecodeStep;
 
 /* Every layer of a decode step: s->residual [T, H] = the last layer's output (the caller adds
- * it into h). Returns 1, nothing written, without AVX-512 (silu_mul's rule) or where the
- * intermediate size is no multiple of 16; 5 when a kernel declined mid-step (h already
+ * it into h). Returns 1, nothing written, without AVX-512 or AVX2 + FMA (silu_mul's rule) or
+ * where the intermediate size is no multiple of 16; 5 when a kernel declined mid-step (h already
  * written: not to be redone per op); else as above. */
 #define STEP(call)                                                                              \
     if ((failed = (call))) return failed == 1 ? 5 : failed
 int decode_layers(const DecodeStep *s, const DecodeLayer *layers, int64_t num_layers,
                   const LoraStep *lora, int is_bf16, int num_threads) {
-#ifndef __AVX512F__
+#if !defined(__AVX512F__) && !(defined(__AVX2__) && defined(__FMA__))
     (void)s, (void)layers, (void)num_layers, (void)lora, (void)is_bf16, (void)num_threads;
     return 1;
 #else

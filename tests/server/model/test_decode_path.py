@@ -6,12 +6,17 @@ PEFT the path is checked by the family exactness tests, which run it by default.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
 from tests.helpers import running_engine
 from tests.server.model.tiny_families import make_tiny_family
 from toppings.scripts.make_adapters import make_random_adapter
+from toppings.server import native
 from toppings.server.requests.request import GenerationRequest, SamplingParams
 
 ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -80,6 +85,31 @@ def test_decode_path_equals_the_per_op_path(tmp_path, family, dtype, quantizatio
     assert {rows for rows, _ in compared} >= {1, 3}
     assert all(equal for _, equal in compared), compared
     # every step ran layer by layer when asked, and in one call (its LoRA from C included)
-    # otherwise, unless decode_layers declined here (no AVX-512: then layer by layer again)
+    # otherwise, wherever the native silu runs (AVX-512, or AVX2 + FMA)
+    assert path._one_call == silu_runs_natively()
     assert not any(layered)  # never layer by layer for a step's LoRA
     assert len(layered) == len(compared) * (1 if path._one_call else 2)
+
+
+def silu_runs_natively() -> bool:
+    """Whether the native silu_mul (which decode_layers needs) runs in this build."""
+    gate_up, out = torch.zeros(1, 32), torch.empty(1, 16)
+    lib = native.library()
+    return lib.silu_mul(gate_up.data_ptr(), 32, out.data_ptr(), 1, 16, 0, 1) == 0
+
+
+@pytest.mark.skipif(os.environ.get("TOPPINGS_NATIVE_CFLAGS") is not None, reason="the inner run")
+def test_the_avx2_build_runs_the_step_in_one_call_and_exactly(tmp_path):
+    """The library as an AVX2-only CPU builds it (-mno-avx512f: the AVX2 GEMVs, the AVX2 silu,
+    the LoRA kernel's scalar path) runs the exactness test above, one call a step included."""
+    flags = set(open("/proc/cpuinfo").read().split())
+    if not {"avx2", "fma"} <= flags:
+        pytest.skip("this CPU cannot run the AVX2 build")
+    env = dict(os.environ, TOPPINGS_NATIVE_CFLAGS="-mno-avx512f", TOPPINGS_CACHE_DIR=str(tmp_path))
+    cases = "llama3-bfloat16-none or qwen2-float32-int8"
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", cases],
+        env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    assert "2 passed" in result.stdout

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from toppings.gpu_lora.kernels import native_build
 from toppings.server import native
 from toppings.server.model import fused
 
@@ -67,3 +68,41 @@ def test_torch_path_where_native_is_off(monkeypatch):
     h, weight = rand(4, 8, dtype=torch.float32), rand(8, dtype=torch.float32, seed=1)
     want = fused.rms_norm_torch(h, weight, 1e-5)
     assert torch.equal(fused.add_rms_norm(h, None, weight, 1e-5), want)
+
+
+def cpu_flags() -> set[str]:
+    for line in open("/proc/cpuinfo"):
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_of_the_avx2_build_is_the_avx512_builds_bit_for_bit(tmp_path, monkeypatch, dtype):
+    """What an AVX2-only CPU runs (the library built with -mno-avx512f) gives the same bits as
+    the AVX-512 build, over the whole range: large and small gates, results that underflow to
+    subnormals and zero, overflow, infinities and NaN."""
+    if not {"avx512f", "avx2", "fma"} <= cpu_flags():
+        pytest.skip("needs a CPU that runs both builds")
+    monkeypatch.setenv("TOPPINGS_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("TOPPINGS_NATIVE_CFLAGS", "-mno-avx512f")
+    avx2 = native_build.load("avx2_kernels", native.CSRC, native.SOURCES, native.HEADERS,
+                             native.SIGNATURES, fallback="none")  # fmt: skip
+    assert avx2 is not None
+    special = [0.0, -0.0, 1e-30, -1e-30, 88.0, 89.0, -88.0, -89.0, -103.9, -104.0, -150.0, 104.0,
+               150.0, 1e30, -1e30, float("inf"), float("-inf"), float("nan")]  # fmt: skip
+    gate = torch.cat(
+        [torch.tensor(special), rand(3 * 1024 - len(special), dtype=torch.float32) * 30]
+    )
+    gate = torch.cat([gate, torch.linspace(-110, 110, 1024)]).to(dtype)  # 4,096 values
+    gate_up = torch.cat([gate, rand(gate.numel(), dtype=dtype) * 3]).view(1, -1)
+    inter = gate.numel()
+    outs = []
+    for lib in (native.library(), avx2):
+        out = torch.empty(1, inter, dtype=dtype)
+        failed = lib.silu_mul(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), 1, inter,
+                              fused.NATIVE_DTYPES[dtype], 1)  # fmt: skip
+        assert failed == 0
+        outs.append(out)
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+    assert torch.equal(outs[0].view(bits), outs[1].view(bits))
