@@ -72,6 +72,10 @@ class StaticLora:
                 a, b = self.pool.lora_a[module][layer], self.pool.lora_b[module][layer]
                 self._decode(y, x, a, b, self._offsets, ranks, self._scales, self._max_rank)
 
+    def native_runs(self) -> None:
+        """None: a graph's LoRA is its kernel's, called by `add` (server.model.llama.StepLora)."""
+        return None
+
 
 class DecodeGraphs:
     """The captured decode graphs of one engine and the buffers they read and write."""

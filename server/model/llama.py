@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -24,7 +25,23 @@ from toppings.server.model.fused import add_rms_norm, rms_norm_heads_, rope_, si
 from toppings.server.model.linear import Linear, plain_copy_affordable
 from toppings.server.model.quant import QuantizedLinear, concat, quantize
 
+if TYPE_CHECKING:
+    from toppings.gpu_lora.kernels.native import RunsLayout
+
 log = logging.getLogger(__name__)
+
+
+class StepLora(Protocol):
+    """The LoRA side of one step, as the model calls it (gpu_lora.lora_batch.LoraBatch, or the
+    CUDA graphs' StaticLora)."""
+
+    def add(self, layer: int, x: torch.Tensor, outputs) -> None:
+        """y += every request's LoRA delta for each (module, y) of outputs; x [T, H_in], y
+        [T, H_out], in place."""
+
+    def native_runs(self) -> RunsLayout | None:
+        """The step's runs for the native decode path to add itself (decode_path.py); None:
+        it calls `add` layer by layer."""
 
 
 @dataclass
@@ -41,7 +58,7 @@ class ForwardBatch:
     # prefill: per request, the slots [P] of its cached prefix (its segment holds the tokens
     # after it), or None when the whole prompt is computed
     past_slots: list[torch.Tensor | None] | None = None
-    lora: object | None = None  # gpu_lora.lora_batch.LoraBatch, or None: no adapter in batch
+    lora: StepLora | None = None  # None: no adapter in the batch
     # [R] int64 rows of the T tokens whose logits forward returns; None: each segment's last
     # token (R = B). Prefill asks for every prompt row of a request that scores its prompt.
     logit_rows: torch.Tensor | None = None
