@@ -158,9 +158,12 @@ class Scheduler:
         another's time to first token). While the oldest prompt being prefilled has more left
         than a younger prompt being prefilled, or than the first waiting request's prompt, the
         room is shared: each of those prompts (the waiting one counting as one) is planned
-        within an equal share (at least `MIN_CHUNK`), so the shorter ones finish in a few steps
-        and the long one still advances every step; what admission leaves goes back to the
-        prompts being prefilled, oldest first. Prompts of equal or greater length keep their
+        within an equal share, so the shorter ones finish in a few steps and the long one still
+        advances every step; what admission leaves goes back to the prompts being prefilled,
+        oldest first. A share is at least `MIN_CHUNK` only where that is at most half the room:
+        the floor alone gave the oldest prompt all of a small room (16 prompt tokens beside 2
+        decodes, where a busy machine's refit put the budget), and the short prompts behind it
+        waited for its whole prefill. Prompts of equal or greater length keep their
         order (FCFS). Under chameleon only prompts of one queue share so (its quotas share a
         step between queues).
 
@@ -179,7 +182,7 @@ class Scheduler:
             sharers, num_shares = self._sharers(prefilling)
             share = None
             if num_shares > 1:
-                prefilling, share = sharers, max(left // num_shares, MIN_CHUNK)
+                prefilling, share = sharers, max(left // num_shares, min(MIN_CHUNK, left // 2), 1)
             for seq, n in self.queue.plan_chunks(decodes, prefilling, left, share).items():
                 if n > 0:  # the policy plans budget tokens: a chunk after a long past gets fewer
                     planned[seq] = min(n, limits.chunk_within(n, seq.num_prefilled))

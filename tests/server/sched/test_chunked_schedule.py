@@ -372,3 +372,27 @@ def test_a_prompt_no_shorter_than_what_the_older_one_has_left_waits_its_turn():
     assert got == {first: 100}
     got = tokens_of(step(sched))
     assert got[first] == 50 and got[second] == 50 and first.output_ids
+
+
+@pytest.mark.parametrize("past_weight", [0.0, 0.001])
+def test_a_short_prompt_shares_even_a_budget_smaller_than_two_min_chunks(past_weight):
+    # 16 prompt tokens beside 2 decodes (a busy machine's refit put the budget at its floor):
+    # the short prompt gets half of them, not nothing until the long one's last chunk
+    sched, memory, _ = make_chunked(budget=2 + MIN_CHUNK, max_batch=8, past_weight=past_weight)
+    streams = [submit(sched, prompt_len=4, max_new=400, ignore_eos=True) for _ in range(2)]
+    step(sched)
+    long = submit(sched, prompt_len=2000, max_new=1, ignore_eos=True)
+    step(sched)
+    short = submit(sched, prompt_len=24, max_new=1, ignore_eos=True)
+    steps = 0
+    while not short.output_ids:
+        before = long.num_prefilled
+        got = tokens_of(step(sched))
+        steps += 1
+        assert long.num_prefilled > before, "the long prompt keeps advancing"
+        assert all(got[s] == 1 for s in streams) and sum(got.values()) <= 2 + MIN_CHUNK
+    # half the room a step (a token less of it after a past), once admitted
+    assert steps <= math.ceil(24 / (MIN_CHUNK // 2 - 1)) + 1 and not long.output_ids
+    while sched.has_work():
+        step(sched)
+    assert long.output_ids and memory.reserved == 0
