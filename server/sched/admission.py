@@ -223,10 +223,15 @@ class AdmissionGate:
         limits: GateLimits,
         clock: Callable[[], float],
         planned: Mapping[Sequence, int] | None = None,
+        waits_turn: Callable[[Sequence], bool] | None = None,
     ):
         """planned: the tokens of the step already planned per request (1 for each running
-        decode, with chunked prefill a chunk for each prompt being prefilled)."""
+        decode, with chunked prefill a chunk for each prompt being prefilled); waits_turn:
+        whether a waiting prompt is one the step's room is not kept for (chunked prefill's
+        partial prefills: server.sched.scheduler), refused `Verdict.WAITS_TURN` before it
+        takes anything."""
         self.running, self.waiting = running, waiting
+        self.waits_turn = waits_turn
         self.memory, self.adapters, self.limits, self.clock = memory, adapters, limits, clock
         self.admitted: list[Sequence] = []
         self.prefill_tokens = 0
@@ -245,6 +250,8 @@ class AdmissionGate:
         mem, lora, limits = self.memory, self.adapters, self.limits
         if len(self.running) + len(self.admitted) >= limits.max_batch_size:
             return Verdict.BATCH_FULL
+        if self.waits_turn is not None and self.waits_turn(seq):
+            return Verdict.WAITS_TURN
         adapter = seq.request.adapter
         path = mem.match(seq)
         computed = seq.prompt_len - len(path) * mem.kv.block_tokens

@@ -427,3 +427,27 @@ def test_a_step_of_few_decodes_keeps_its_fixed_cost_a_small_share_of_it():
     while sched.has_work():
         step(sched)
     assert long.output_ids and memory.reserved == 0
+
+
+def test_a_short_prompt_is_not_held_behind_a_second_long_one_waiting():
+    # a long prompt being prefilled, a longer one waiting behind it, then a short one: the short
+    # one shares the room within a few steps, not after the first long prompt's whole prefill
+    sched, memory, _ = make_chunked(budget=100, max_batch=8)
+    streams = [submit(sched, prompt_len=4, max_new=300, ignore_eos=True) for _ in range(4)]
+    step(sched)
+    first = submit(sched, prompt_len=2000, max_new=1, ignore_eos=True)
+    step(sched)
+    second = submit(sched, prompt_len=2500, max_new=1, ignore_eos=True)
+    step(sched)
+    short = submit(sched, prompt_len=30, max_new=1, ignore_eos=True)
+    steps = 0
+    while not short.output_ids:
+        before = first.num_prefilled
+        got = tokens_of(step(sched))
+        steps += 1
+        assert first.num_prefilled > before, "the first long prompt keeps advancing"
+        assert all(got[s] == 1 for s in streams) and sum(got.values()) <= 100
+    assert steps <= 4 and not first.output_ids and not second.output_ids
+    while sched.has_work():
+        step(sched)
+    assert first.output_ids and second.output_ids and memory.reserved == 0
