@@ -171,9 +171,11 @@ class Scheduler:
         behind the first held every short one behind it for the first one's whole prefill.
         The share is kept for such a prompt: a waiting one no shorter than what the oldest has
         left waits its turn (`Verdict.WAITS_TURN`; FCFS passes over it), as it would get no
-        token before the oldest's last chunk anyway. Prompts of equal or greater length keep
-        their order (FCFS). Under chameleon only prompts of one queue share so (its quotas share a
-        step between queues).
+        token before the oldest's last chunk anyway. It is not starved: a prompt that passes it
+        is shorter than what the oldest has left, so each one that passes it while the next is
+        prefilled is shorter than the last, and the chain ends within a few prompts. Prompts of
+        equal or greater length keep their order (FCFS). Under chameleon only prompts of one
+        queue share so (its quotas share a step between queues).
 
         Each planned request's KV slots are reserved here (`Memory.allocate`), before the step
         runs; see `_reserve`.
