@@ -453,7 +453,8 @@ class SchedulingConfig(Settings):
         flag=Flag(
             "inter-token target the default --max-num-batched-tokens is sized for; 0: three "
             "times the modelled decode step at the batch the engine runs (at --max-batch-size "
-            "until it has run one), said in the log",
+            "until it has run one), and beside fewer than 9 decodes what keeps the step's fixed "
+            "cost a small share of it, said in the log; given, it bounds every step with decodes",
             type=float,
             metavar="X",
         ),

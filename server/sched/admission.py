@@ -118,9 +118,9 @@ class GateLimits:
     # Chunked prefill: what a prompt token costs more of the budget for each token of past it
     # attends to (server.sched.step_budget); 0: every token costs one.
     past_weight: float = 0.0
-    # Chunked prefill: the budget of a step without decodes (StepBudget.lone_tokens); 0:
-    # max_step_tokens.
-    lone_step_tokens: int = 0
+    # Chunked prefill: the budgets of steps of 0, 1, ... decodes (StepBudget.few_decodes); a
+    # step of more decodes: max_step_tokens.
+    few_decode_tokens: tuple[int, ...] = ()
 
     @classmethod
     def from_config(cls, config: SchedulingConfig, budget: StepBudget | None = None) -> GateLimits:
@@ -130,14 +130,14 @@ class GateLimits:
     def with_budget(self, budget: StepBudget | None) -> GateLimits:
         """These limits with chunked prefill's steps sized by `budget` (None: off)."""
         if budget is None:
-            return replace(self, max_step_tokens=None, past_weight=0.0, lone_step_tokens=0)
+            return replace(self, max_step_tokens=None, past_weight=0.0, few_decode_tokens=())
         return replace(self, max_step_tokens=budget.tokens, past_weight=budget.past_weight,
-                       lone_step_tokens=budget.lone_tokens)  # fmt: skip
+                       few_decode_tokens=budget.few_decodes)  # fmt: skip
 
     def step_tokens(self, num_decodes: int) -> int:
         """The budget of a chunked-prefill step with `num_decodes` decodes in it."""
-        if num_decodes == 0 and self.lone_step_tokens:
-            return self.lone_step_tokens
+        if num_decodes < len(self.few_decode_tokens):
+            return self.few_decode_tokens[num_decodes]
         return self.max_step_tokens
 
     def chunk_cost(self, tokens: int, past: int) -> int:
@@ -223,10 +223,15 @@ class AdmissionGate:
         limits: GateLimits,
         clock: Callable[[], float],
         planned: Mapping[Sequence, int] | None = None,
+        waits_turn: Callable[[Sequence], bool] | None = None,
     ):
         """planned: the tokens of the step already planned per request (1 for each running
-        decode, with chunked prefill a chunk for each prompt being prefilled)."""
+        decode, with chunked prefill a chunk for each prompt being prefilled); waits_turn:
+        whether a waiting prompt is one the step's room is not kept for (chunked prefill's
+        partial prefills: server.sched.scheduler), refused `Verdict.WAITS_TURN` before it
+        takes anything."""
         self.running, self.waiting = running, waiting
+        self.waits_turn = waits_turn
         self.memory, self.adapters, self.limits, self.clock = memory, adapters, limits, clock
         self.admitted: list[Sequence] = []
         self.prefill_tokens = 0
@@ -245,6 +250,8 @@ class AdmissionGate:
         mem, lora, limits = self.memory, self.adapters, self.limits
         if len(self.running) + len(self.admitted) >= limits.max_batch_size:
             return Verdict.BATCH_FULL
+        if self.waits_turn is not None and self.waits_turn(seq):
+            return Verdict.WAITS_TURN
         adapter = seq.request.adapter
         path = mem.match(seq)
         computed = seq.prompt_len - len(path) * mem.kv.block_tokens

@@ -33,6 +33,9 @@ class Verdict(enum.Enum):
     NO_ROOM = "no_room"  # its KV slots or prefill tokens do not fit now
     NO_ADAPTER_MEMORY = "no_adapter_memory"  # its adapter finds no device memory until one ends
     NOT_READY = "not_ready"  # its adapter is still loading and the LoRA mode waits for it
+    # a prompt no shorter than what the one being prefilled has left, while the step's room is
+    # kept for a shorter one (server.sched.scheduler): it waits its turn, the next may go
+    WAITS_TURN = "waits_turn"
 
 
 class Gate(Protocol):
@@ -167,7 +170,8 @@ class QueuePolicy:
 
 class FcfsQueue(QueuePolicy):
     """First come, first served; the first request that does not fit blocks the ones behind it
-    (only a request whose adapter is still loading lets the next ones go)."""
+    (only a request whose adapter is still loading, or a long prompt waiting its turn behind
+    the one being prefilled, lets the next ones go)."""
 
     name = "fcfs"
 
@@ -194,7 +198,7 @@ class FcfsQueue(QueuePolicy):
         admitted: list[Sequence] = []
         for seq in list(self._waiting):
             verdict = gate.try_admit(seq)
-            if verdict is Verdict.NOT_READY:
+            if verdict in (Verdict.NOT_READY, Verdict.WAITS_TURN):
                 continue
             if verdict is not Verdict.ADMITTED:
                 break

@@ -130,14 +130,17 @@ class Scheduler:
         return bool(len(self.queue) or self.running)
 
     def gate(
-        self, planned: dict[Sequence, int] | None = None, limits: GateLimits | None = None
+        self,
+        planned: dict[Sequence, int] | None = None,
+        limits: GateLimits | None = None,
+        waits_turn: Callable[[Sequence], bool] | None = None,
     ) -> AdmissionGate:
         """A fresh gate for one iteration's admissions (with chunked prefill, the step's tokens
-        planned so far per request: see AdmissionGate; `limits`: this step's, with its
-        budget)."""
+        planned so far per request, and which waiting prompts the step's room is not kept for:
+        see AdmissionGate; `limits`: this step's, with its budget)."""
         return AdmissionGate(
             self.running, self.queue, self.memory, self.adapters, limits or self.limits,
-            self.clock, planned,
+            self.clock, planned, waits_turn,
         )  # fmt: skip
 
     def schedule(self) -> StepPlan | None:
@@ -156,13 +159,23 @@ class Scheduler:
         Partial prefills (as vLLM's `--max-num-partial-prefills`): a prompt is not held for the
         whole of an older, longer prompt's prefill (one tenant's long prompts do not set
         another's time to first token). While the oldest prompt being prefilled has more left
-        than a younger prompt being prefilled, or than the first waiting request's prompt, the
-        room is shared: each of those prompts (the waiting one counting as one) is planned
-        within an equal share (at least `MIN_CHUNK`), so the shorter ones finish in a few steps
-        and the long one still advances every step; what admission leaves goes back to the
-        prompts being prefilled, oldest first. Prompts of equal or greater length keep their
-        order (FCFS). Under chameleon only prompts of one queue share so (its quotas share a
-        step between queues).
+        than a younger prompt being prefilled, or than a waiting request's prompt, the room is
+        shared: each of those prompts (the waiting one counting as one) is planned
+        within an equal share, so the shorter ones finish in a few steps and the long one still
+        advances every step; what admission leaves goes back to the prompts being prefilled,
+        oldest first. A share is at least `MIN_CHUNK` only where that is at most half the room:
+        the floor alone gave the oldest prompt all of a small room (16 prompt tokens beside 2
+        decodes, where a busy machine's refit put the budget), and the short prompts behind it
+        waited for its whole prefill. The waiting request that counts is the first one shorter
+        than what the oldest has left, not only the first in line: a second long prompt waiting
+        behind the first held every short one behind it for the first one's whole prefill.
+        The share is kept for such a prompt: a waiting one no shorter than what the oldest has
+        left waits its turn (`Verdict.WAITS_TURN`; FCFS passes over it), as it would get no
+        token before the oldest's last chunk anyway. It is not starved: a prompt that passes it
+        is shorter than what the oldest has left, so each one that passes it while the next is
+        prefilled is shorter than the last, and the chain ends within a few prompts. Prompts of
+        equal or greater length keep their order (FCFS). Under chameleon only prompts of one
+        queue share so (its quotas share a step between queues).
 
         Each planned request's KV slots are reserved here (`Memory.allocate`), before the step
         runs; see `_reserve`.
@@ -171,7 +184,7 @@ class Scheduler:
         decodes = [s for s in self.running if s.is_prefilled]
         prefilling = [s for s in self.running if not s.is_prefilled]
         planned: dict[Sequence, int] = {s: 1 for s in decodes}
-        limits, budget = self.limits, None
+        limits, budget, waits_turn = self.limits, None, None
         if limits.max_step_tokens is not None:
             budget = limits.step_tokens(len(decodes))
             limits = replace(limits, max_step_tokens=budget)
@@ -179,11 +192,13 @@ class Scheduler:
             sharers, num_shares = self._sharers(prefilling)
             share = None
             if num_shares > 1:
-                prefilling, share = sharers, max(left // num_shares, MIN_CHUNK)
+                prefilling, share = sharers, max(left // num_shares, min(MIN_CHUNK, left // 2), 1)
+            if num_shares > len(sharers):  # a share kept for a shorter waiting prompt
+                waits_turn = self._waits_turn(sharers[0])
             for seq, n in self.queue.plan_chunks(decodes, prefilling, left, share).items():
                 if n > 0:  # the policy plans budget tokens: a chunk after a long past gets fewer
                     planned[seq] = min(n, limits.chunk_within(n, seq.num_prefilled))
-        gate = self.gate(planned, limits)
+        gate = self.gate(planned, limits, waits_turn)
         admitted = self._admit(gate)
         self.running.extend(admitted)
         still = set(self.running)  # the policy may have squashed some: they wait again
@@ -261,17 +276,22 @@ class Scheduler:
 
     def _sharers(self, prefilling: list[Sequence]) -> tuple[list[Sequence], int]:
         """The prompts being prefilled that share this step's room (the oldest, and the
-        younger ones with less left than it), and the number of shares: one more when the
-        first waiting request's prompt is shorter than what the oldest has left."""
+        younger ones with less left than it), and the number of shares: one more when a
+        waiting request's prompt is shorter than what the oldest has left."""
         if not prefilling:
             return [], 0
         oldest, policy = prefilling[0], self.queue
         longest = oldest.prompt_len - oldest.num_prefilled
         sharers = [oldest, *(s for s in prefilling[1:] if s.prompt_len - s.num_prefilled < longest
                              and policy.same_share(oldest, s))]  # fmt: skip
-        head = policy.head()
-        shares = head is not None and head.prompt_len < longest and policy.same_share(oldest, head)
-        return sharers, len(sharers) + shares
+        shorter = any(s.prompt_len < longest and policy.same_share(oldest, s) for s in policy)
+        return sharers, len(sharers) + shorter
+
+    def _waits_turn(self, oldest: Sequence) -> Callable[[Sequence], bool]:
+        """Whether a waiting prompt waits its turn behind `oldest` (it is no shorter than what
+        `oldest` has left, and shares with it): the share kept for a shorter one is not its."""
+        longest, policy = oldest.prompt_len - oldest.num_prefilled, self.queue
+        return lambda seq: seq.prompt_len >= longest and policy.same_share(oldest, seq)
 
     def _recover(self, gate: AdmissionGate, error: str) -> list[Sequence]:
         """After a queue policy raised: the requests the gate admitted go ahead (they hold their

@@ -22,12 +22,21 @@ that floor is in the thousands; on a CPU, where a prompt token costs about as mu
 row, it is a few dozen and the inter-token target decides. At most `max_prefill_tokens` (or a
 full batch plus `MIN_CHUNK`, where that is more).
 
-A step with no decode has no stream waiting on it: its budget is sized instead so that the step's
-fixed cost is at most a tenth of it (`LONE_STEP_OVERHEAD`). On a 2-core CPU the target's budget
-for every step made a long prompt served alone take 1.5-1.7x its unchunked prefill (~75 steps
-of ~100 tokens, ~26 of them late in a 2,500-token prompt, each step reading the weights again).
-A request arriving meanwhile waits for that step (about ten fixed costs) before its own prompt
-shares the next one.
+A step of few decodes has few streams waiting on it, and a prompt being chunked pays the step's
+fixed cost (the decodes beside it, a step's extra for prompt tokens) once per chunk: a step of
+`b` decodes is sized so that its fixed cost is at most `(b + 1) x FIXED_SHARE` of it, where that
+gives more than the target does. Every request waiting on the step has a say: without decodes
+the fixed cost is at most a tenth of the step (the prompt's wait alone decides), beside one
+stream a fifth, and from nine decodes on the target alone. Measured on a 2-core CPU, the target's
+budget for every step made a long prompt served alone take 1.5-1.7x its unchunked prefill (~75
+steps of ~100 tokens, each step reading the weights again); beside one or two streams, 3x a
+26 ms decode step left a 2,500-token prompt 40-180 steps of 14-65 tokens (the cost of its past
+shrinks each chunk further, and a busy machine's refit put the budget at its floor), so every
+prompt behind it waited seconds for its first token. Beside one stream the step is then about
+5x its fixed cost: the stream's gap grows from one decode step to five, still a small part of
+the multi-second step an unchunked long prompt takes. A target given by `--itl-target-ms` is
+the operator's bound on every step a stream waits on: it is kept there (steps without decodes
+are still sized by their fixed cost).
 """
 
 from __future__ import annotations
@@ -38,7 +47,8 @@ from typing import Protocol
 
 MIN_CHUNK = 16  # prompt tokens a full batch of decodes leaves a step at least
 ITL_MULTIPLE = 3.0  # the default inter-token target, in decode steps at the current batch
-LONE_STEP_OVERHEAD = 0.1  # most of a step without decodes its fixed cost may be
+# most of a step its fixed cost may be, for each request waiting on it (its decodes and the prompt)
+FIXED_SHARE = 0.1
 
 
 class StepPoints(Protocol):
@@ -144,8 +154,25 @@ class StepBudget:
     how: str
     # a prompt token counts 1 + past_weight x its past against the budget (GateLimits); 0: 1
     past_weight: float = 0.0
-    # the budget of a step without decodes; 0: `tokens` (a budget given by the flag)
-    lone_tokens: int = 0
+    # the budgets of steps of 0, 1, ... decodes, where their fixed cost's share sizes them
+    # (FIXED_SHARE); a step of more decodes: `tokens`. (): `tokens` for all (a given budget)
+    few_decodes: tuple[int, ...] = ()
+
+    @property
+    def lone_tokens(self) -> int:
+        """The budget of a step without decodes (0: `tokens`, a budget given by the flag)."""
+        return self.few_decodes[0] if self.few_decodes else 0
+
+
+def fixed_share_tokens(model: StepTimeModel, num_decodes: int) -> int | None:
+    """The budget of a step of `num_decodes` decodes whose fixed cost (what it takes beside its
+    prompt tokens) is `(num_decodes + 1) x FIXED_SHARE` of it; None from where that share is
+    the whole step (the target alone sizes it)."""
+    share = (num_decodes + 1) * FIXED_SHARE
+    if share >= 1:
+        return None
+    fixed_ms = max(model.mixed_step_ms(num_decodes, 1) - model.ms_per_token, 0.0)
+    return num_decodes + math.ceil(fixed_ms / model.ms_per_token * (1 / share - 1))
 
 
 def choose_step_budget(
@@ -157,7 +184,8 @@ def choose_step_budget(
 ) -> StepBudget:
     """The step token budget: `max_num_batched_tokens` when given, else derived from the step
     time model and the inter-token target (0: ITL_MULTIPLE x the decode step at the model's
-    current batch, or at max_batch_size before it has one) for the model's current batch."""
+    current batch, or at max_batch_size before it has one) for the model's current batch, and
+    for steps of few decodes from their fixed cost's share (see the module docstring)."""
     if max_num_batched_tokens:  # the target is not used (0 unless given)
         how = "given by --max-num-batched-tokens"
         return StepBudget(max_num_batched_tokens, itl_target_ms, how)
@@ -168,17 +196,25 @@ def choose_step_budget(
     ceiling = max(max_prefill_tokens, max_batch_size + MIN_CHUNK)
     floor = min(batch + max(MIN_CHUNK, model.overhead_tokens()), ceiling)
     tokens = max(floor, min(modelled, ceiling))
-    # a step without decodes: its fixed cost (as refit from real steps) a tenth of it
-    fixed_ms = max(model.mixed_step_ms(0, 1) - model.ms_per_token, 0.0)
-    lone = math.ceil(fixed_ms / model.ms_per_token * (1 / LONE_STEP_OVERHEAD - 1))
-    lone = max(tokens, min(lone, ceiling))
+    few: list[int] = []
+    # an operator's target binds every step a stream waits on: then only a step without
+    # decodes is sized by its fixed cost
+    for num_decodes in range(1 if itl_target_ms else max_batch_size + 1):
+        sized = fixed_share_tokens(model, num_decodes)
+        if sized is None:
+            break
+        few.append(max(tokens, min(sized, ceiling)))
+    while len(few) > 1 and few[-1] == tokens:
+        few.pop()  # steps of that many decodes take `tokens` anyway
     source = "--itl-target-ms" if itl_target_ms else f"{ITL_MULTIPLE:g}x the decode step"
+    sizes = "/".join(str(n) for n in few)
+    decodes = f"0..{len(few) - 1}" if len(few) > 1 else "0"
     how = (
         f"{batch} decodes (a {model.decode_step_ms(batch):.0f} ms step, modelled) and the "
         f"prompt tokens ({model.ms_per_token:.3g} ms each) that keep the step within an "
         f"inter-token target of {target:.0f} ms ({source} at a batch of {batch}): {modelled}, "
-        f"clamped to [{floor}, {ceiling}]; {lone} in a step without decodes (its fixed cost at "
-        f"most a tenth); a prompt token after a past of P counts 1 + "
-        f"{model.past_weight():.2g} x P; step model: {model.source}"
+        f"clamped to [{floor}, {ceiling}]; {sizes} in a step of {decodes} decodes (its fixed "
+        f"cost at most {FIXED_SHARE:g} of it for each request waiting on it); a prompt token "
+        f"after a past of P counts 1 + {model.past_weight():.2g} x P; step model: {model.source}"
     )
-    return StepBudget(tokens, target, how, model.past_weight(), lone)
+    return StepBudget(tokens, target, how, model.past_weight(), tuple(few))

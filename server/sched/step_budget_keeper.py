@@ -76,10 +76,10 @@ class StepBudgetKeeper:
             return None
         self.step_model, before = model, self.budget
         self.budget = budget = self._budget_of(model)
-        if (budget.tokens, budget.past_weight, budget.lone_tokens) == (
+        if (budget.tokens, budget.past_weight, budget.few_decodes) == (
             before.tokens,
             before.past_weight,
-            before.lone_tokens,
+            before.few_decodes,
         ):
             return None
         batch = model.batch_size or self.max_batch_size  # the batch the engine runs now

@@ -19,7 +19,9 @@ from toppings.server.config import EngineConfig
 from toppings.server.engine.engine import Engine
 from toppings.server.model.loader import load_checkpoint
 from toppings.server.requests.request import GenerationRequest, SamplingParams
+from toppings.server.requests.sequence import Sequence
 from toppings.server.sched.admission import GateLimits
+from toppings.server.sched.scheduler import StepPlan
 from toppings.server.sched.step_budget import StepTimeModel
 from toppings.server.sched.step_refit import StepRefit, StepShape, modelled_ms, scaled
 
@@ -90,3 +92,68 @@ def test_a_long_prompt_beside_16_streams_keeps_every_step_within_the_target(
         assert math.ceil(work / spare) <= steps <= math.ceil(1.15 * work / spare)
     finally:
         engine.shutdown()
+
+
+def test_short_prompts_behind_a_long_one_beside_one_stream_get_their_first_tokens_at_once(
+    long_model_dir, monkeypatch
+):
+    """One stream decodes, a 3,000-token prompt arrives, then three short prompts: each short one
+    has its first token within a few steps of arriving (not after the long prompt), and the long
+    one is computed in steps whose fixed cost (the decode beside it, a step's extra for prompt
+    tokens) is at most a fifth of each (server.sched.step_budget), not in chunks that cost less
+    than that fixed cost; no step is more than a quarter of the long prompt's unchunked step."""
+    observe = StepRefit.observe
+
+    def observe_true(self, shape: StepShape, ms: float) -> StepTimeModel | None:
+        return observe(self, shape, modelled_ms(TRUE, shape))
+
+    monkeypatch.setattr(StepRefit, "observe", observe_true)
+    config = EngineConfig(dtype="float32", max_total_tokens=8192, max_batch_size=32,
+                          chunked_prefill=True, max_prefill_tokens=4096)  # fmt: skip
+    engine = Engine(config, load_checkpoint(str(long_model_dir)), step_model=TRUE)
+    gen = torch.Generator().manual_seed(5)
+    try:
+        stream_params = SamplingParams(max_new_tokens=400, temperature=0.0, ignore_eos=True)
+        engine.submit(GenerationRequest(torch.randint(3, 200, (8,), generator=gen).tolist(),
+                                        stream_params))  # fmt: skip
+        for _ in range(12):
+            engine.step()
+        (stream,) = engine.scheduler.running
+        long_prompt = torch.randint(3, 200, (PROMPT,), generator=gen).tolist()
+        engine.submit(GenerationRequest(long_prompt, SamplingParams(max_new_tokens=2)))
+        engine.step()
+        engine.step()
+        shorts = [torch.randint(3, 200, (40,), generator=gen).tolist() for _ in range(3)]
+        for prompt in shorts:
+            engine.submit(GenerationRequest(prompt, SamplingParams(max_new_tokens=2)))
+        first: dict[Sequence, int] = {}  # each prompt -> the step that gave its first token
+        whole_ms = modelled_ms(TRUE, StepShape(1, PROMPT, PROMPT * (PROMPT - 1) / 2))
+        steps = 2
+        while not any(s.prompt_len == PROMPT for s in first):
+            before = len(stream.output_ids)
+            plan = engine.step()
+            steps += 1
+            assert len(stream.output_ids) == before + 1  # the stream decodes every step
+            assert modelled_ms(TRUE, shape_run(plan)) <= 0.25 * whole_ms
+            for seq, start, sampled in zip(plan.seqs, plan.starts, plan.samples):
+                if sampled and start < seq.prompt_len:
+                    first[seq] = steps
+        short_steps = sorted(n for s, n in first.items() if s.prompt_len == 40)
+        long_steps = max(first.values())
+        assert len(short_steps) == 3 and short_steps[-1] <= 2 + 4 < long_steps
+        # beside one decode the prompt work of a step is 4x its fixed cost (67.3 ms)
+        fixed = TRUE.mixed_step_ms(1, 1) - TRUE.ms_per_token
+        work = PROMPT * TRUE.ms_per_token + TRUE.ms_per_token_past * PROMPT**2 / 2
+        work += 3 * 40 * TRUE.ms_per_token
+        assert long_steps - 2 <= math.ceil(1.2 * work / (4 * fixed))
+    finally:
+        engine.shutdown()
+
+
+def shape_run(plan: StepPlan) -> StepShape:
+    """The shape of a plan that has run (`starts`: each request's computed tokens before it)."""
+    decodes = sum(1 for s, start in zip(plan.seqs, plan.starts) if start >= s.prompt_len)
+    chunks = [(n, start) for s, n, start in zip(plan.seqs, plan.tokens, plan.starts)
+              if start < s.prompt_len]  # fmt: skip
+    past = sum(n * (start + (n - 1) / 2) for n, start in chunks)
+    return StepShape(decodes, sum(n for n, _ in chunks), past)

@@ -172,7 +172,7 @@ def test_a_step_without_decodes_is_sized_by_its_fixed_cost():
     budget = choose_step_budget(32, 8192, model=cpu)
     # fixed 8 + 5 ms, nine times that in prompt tokens (0.25 ms each)
     assert budget.lone_tokens == math.ceil(13.0 / 0.25 * 9) == 468
-    assert "468 in a step without decodes" in budget.how
+    assert "468/216 in a step of 0..1 decodes" in budget.how
     assert choose_step_budget(32, 256, model=cpu).lone_tokens == 256  # at most the prefill's
     assert choose_step_budget(32, 8192, itl_target_ms=500.0, model=cpu).lone_tokens >= 1000
     assert choose_step_budget(32, 8192, max_num_batched_tokens=100, model=cpu).lone_tokens == 0
@@ -180,7 +180,7 @@ def test_a_step_without_decodes_is_sized_by_its_fixed_cost():
 
 def test_a_lone_prompt_takes_the_bigger_chunks_until_a_decode_runs_beside_it():
     sched, memory, _ = make_chunked(budget=56, max_batch=3)
-    sched.set_step_budget(StepBudget(56, 0.0, "test", lone_tokens=400))
+    sched.set_step_budget(StepBudget(56, 0.0, "test", few_decodes=(400,)))
     long = submit(sched, prompt_len=1000, max_new=2, ignore_eos=True)
     assert tokens_of(step(sched)) == {long: 400}
     short = submit(sched, prompt_len=10, max_new=20, ignore_eos=True)
@@ -372,3 +372,82 @@ def test_a_prompt_no_shorter_than_what_the_older_one_has_left_waits_its_turn():
     assert got == {first: 100}
     got = tokens_of(step(sched))
     assert got[first] == 50 and got[second] == 50 and first.output_ids
+
+
+@pytest.mark.parametrize("past_weight", [0.0, 0.001])
+def test_a_short_prompt_shares_even_a_budget_smaller_than_two_min_chunks(past_weight):
+    # 16 prompt tokens beside 2 decodes (a busy machine's refit put the budget at its floor):
+    # the short prompt gets half of them, not nothing until the long one's last chunk
+    sched, memory, _ = make_chunked(budget=2 + MIN_CHUNK, max_batch=8, past_weight=past_weight)
+    streams = [submit(sched, prompt_len=4, max_new=400, ignore_eos=True) for _ in range(2)]
+    step(sched)
+    long = submit(sched, prompt_len=2000, max_new=1, ignore_eos=True)
+    step(sched)
+    short = submit(sched, prompt_len=24, max_new=1, ignore_eos=True)
+    steps = 0
+    while not short.output_ids:
+        before = long.num_prefilled
+        got = tokens_of(step(sched))
+        steps += 1
+        assert long.num_prefilled > before, "the long prompt keeps advancing"
+        assert all(got[s] == 1 for s in streams) and sum(got.values()) <= 2 + MIN_CHUNK
+    # half the room a step (a token less of it after a past), once admitted
+    assert steps <= math.ceil(24 / (MIN_CHUNK // 2 - 1)) + 1 and not long.output_ids
+    while sched.has_work():
+        step(sched)
+    assert long.output_ids and memory.reserved == 0
+
+
+def test_a_step_of_few_decodes_keeps_its_fixed_cost_a_small_share_of_it():
+    """Beside b decodes a step's fixed cost (its decodes and a step's extra for prompt tokens)
+    is at most (b + 1) tenths of it where that gives more than the target: a long prompt beside
+    one stream is not cut into chunks that cost less than its step's fixed cost each."""
+    cpu = StepTimeModel(ms_per_token=0.6, decode_ms=20.0, decode_ms_per_request=2.0,
+                        mixed_fixed_ms=10.0, batch_size=1)  # fmt: skip
+    budget = choose_step_budget(32, 8192, model=cpu)
+    # the target: 3 x 22 ms, beside one decode step (22 ms) and the extra (10 ms): 56 tokens
+    assert budget.tokens == 1 + int((66 - 32) / 0.6)
+    fixed = [30.0, 32.0, 34.0, 36.0, 38.0]  # 20 + 10 + 2 b ms: the step's cost beside its prompt
+    expected = [b + math.ceil(f / 0.6 * (1 / (0.1 * (b + 1)) - 1)) for b, f in enumerate(fixed)]
+    assert budget.few_decodes == tuple(expected) == (450, 215, 135, 93, 68)
+    limits = GateLimits(32, 8192).with_budget(budget)
+    assert [limits.step_tokens(b) for b in range(7)] == [*expected, 57, 57]
+    # an operator's target binds every step a stream waits on: only a step without decodes
+    given = choose_step_budget(32, 8192, itl_target_ms=66.0, model=cpu)
+    assert given.few_decodes == (450,)
+    assert GateLimits(32, 8192).with_budget(given).step_tokens(1) == given.tokens == 57
+    # the scheduler: a long prompt beside one stream gets the one-decode step's budget
+    sched, memory, _ = make_chunked(budget=57, max_batch=8)
+    sched.set_step_budget(budget)
+    stream = submit(sched, prompt_len=4, max_new=400, ignore_eos=True)
+    step(sched)
+    long = submit(sched, prompt_len=2000, max_new=1, ignore_eos=True)
+    got = tokens_of(step(sched))
+    assert got == {stream: 1, long: 215 - 1}
+    while sched.has_work():
+        step(sched)
+    assert long.output_ids and memory.reserved == 0
+
+
+def test_a_short_prompt_is_not_held_behind_a_second_long_one_waiting():
+    # a long prompt being prefilled, a longer one waiting behind it, then a short one: the short
+    # one shares the room within a few steps, not after the first long prompt's whole prefill
+    sched, memory, _ = make_chunked(budget=100, max_batch=8)
+    streams = [submit(sched, prompt_len=4, max_new=300, ignore_eos=True) for _ in range(4)]
+    step(sched)
+    first = submit(sched, prompt_len=2000, max_new=1, ignore_eos=True)
+    step(sched)
+    second = submit(sched, prompt_len=2500, max_new=1, ignore_eos=True)
+    step(sched)
+    short = submit(sched, prompt_len=30, max_new=1, ignore_eos=True)
+    steps = 0
+    while not short.output_ids:
+        before = first.num_prefilled
+        got = tokens_of(step(sched))
+        steps += 1
+        assert first.num_prefilled > before, "the first long prompt keeps advancing"
+        assert all(got[s] == 1 for s in streams) and sum(got.values()) <= 100
+    assert steps <= 4 and not first.output_ids and not second.output_ids
+    while sched.has_work():
+        step(sched)
+    assert first.output_ids and second.output_ids and memory.reserved == 0
