@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 
 # decode_layer.c's GEMV_* kinds, by linear.py's kernel names
 _KINDS = {"gemv_f32": 0, "gemv_bf16": 1, "gemv_f32_avx2": 2, "gemv_bf16_avx2": 3}
-_INT8, _INT4 = 4, 5
+_INT8, _INT4, _INT4_BF16 = 4, 5, 6
 
 
 class Proj(ctypes.Structure):
@@ -132,6 +132,9 @@ def native_proj(proj: Linear | QuantizedLinear, dtype: torch.dtype) -> tuple[Pro
     if proj.scheme is Quantization.INT8:
         values, scales = (t.data_ptr() for t in proj.gemv_tensors())
         return Proj(_INT8, values, scales, None, bias_ptr, *shape), proj.gemv_rows
+    if dtype == torch.bfloat16:  # the bf16 int4 GEMV: packed values, scale-zero pairs
+        packed, pairs = (t.data_ptr() for t in proj.gemv_tensors())
+        return Proj(_INT4_BF16, packed, pairs, None, bias_ptr, *shape), proj.gemv_rows
     packed, scales, offsets = (t.data_ptr() for t in proj.gemv_tensors())
     return Proj(_INT4, packed, scales, offsets, bias_ptr, *shape), proj.gemv_rows
 

@@ -20,18 +20,26 @@ as for a float projection.
 
 from __future__ import annotations
 
-import ctypes
-import functools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from toppings.server import native
 from toppings.server.config import Quantization
 from toppings.server.model.linear import plain_copy_affordable
+from toppings.server.model.quant_gemv import (
+    GEMV_ROWS,
+    INT4_GROUP,  # divides every hidden and head size served, and is GGUF's block of 32
+    int4_bf16_gemv,
+    int4_bf16_gemv_layout,
+    int4_bf16_gemv_works,
+    int4_gemv,
+    int4_gemv_layout,
+    int4_gemv_works,
+    int8_gemv,
+    int8_gemv_works,
+)
 
-INT4_GROUP = 32  # divides every hidden and head size served, and is GGUF's block of 32
 INT8_MAX = 127
 
 
@@ -142,141 +150,29 @@ def kernel_max_rows(dtype: torch.dtype, scheme: Quantization) -> int:
     return 1 if scheme is Quantization.INT4 else 0
 
 
-GEMV_ROWS = 4  # csrc/gemv_int8.c's bound: one pass over the weight for every row
-GEMV_ISA = {"best": 0, "avx2": 1, "c": 2, "avx512": 512}  # gemv_int8's `isa` argument
-
-
-def int8_gemv(
-    x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, isa: str = "best"
-) -> torch.Tensor | None:
-    """x [T, in] (float32 or bfloat16, T <= GEMV_ROWS) @ (q * scales[:, None]).T -> [T, out] in
-    x's dtype, through the native int8 GEMV (csrc/gemv_int8.c); q [out, in] int8 contiguous,
-    scales [out] float32. None where it declines (no native library, a shape or dtype it does
-    not take, or `isa` not built here)."""
-    lib = native.library()
-    if (
-        lib is None
-        or x.dim() != 2
-        or x.dtype not in (torch.float32, torch.bfloat16)
-        or x.stride(-1) != 1
-        or q.dtype != torch.int8
-        or not q.is_contiguous()
-        or scales.dtype != torch.float32
-        or not scales.is_contiguous()
-        or x.shape[1] != q.shape[1]
-        or scales.shape != q.shape[:1]
-    ):
-        return None
-    y = torch.empty(x.shape[0], q.shape[0], dtype=x.dtype)
-    failed = lib.gemv_int8(
-        ctypes.c_void_p(x.data_ptr()), x.stride(0), int(x.dtype == torch.bfloat16),
-        ctypes.c_void_p(q.data_ptr()), ctypes.c_void_p(scales.data_ptr()), q.shape[0],
-        q.shape[1], ctypes.c_void_p(y.data_ptr()), y.stride(0), x.shape[0], GEMV_ISA[isa],
-        torch.get_num_threads(),
-    )  # fmt: skip
-    return None if failed else y
-
-
-@functools.cache
-def int8_gemv_works(dtype: torch.dtype) -> bool:
-    """Whether the native int8 GEMV runs here for activations in `dtype` and agrees with F.linear
-    on the dequantized weight (checked once per dtype)."""
-    if dtype not in (torch.float32, torch.bfloat16):
-        return False
-    gen = torch.Generator().manual_seed(0)
-    weight = quantize_int8(torch.randn(32, 64, generator=gen))
-    x = torch.randn(3, 64, generator=gen).to(dtype)
-    scales = weight.scales.to(dtype).float()
-    got = int8_gemv(x, weight.q, scales)
-    want = F.linear(x.float(), weight.dequantize(dtype))
-    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
-    return got is not None and torch.allclose(got.float(), want, rtol=tol, atol=tol)
-
-
-def int4_gemv_layout(weight: Int4Weight, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-    """The native int4 GEMV's own copy of `weight` (csrc/gemv_int8.c, gemv_int4): the values
-    [out, in / 2] uint8, a group of 32 inputs in 16 bytes (input k in the low nibble of byte k,
-    input k + 16 in its high nibble); the scales and offsets [out, in / 32] float32 with
-    W = scale * q + offset (offset = zero - 8 scale), scale and zero as kept in `dtype`."""
-    out_features, in_features = weight.q.shape
-    groups = weight.q.view(out_features, -1, INT4_GROUP)  # [out, G, 32]
-    packed = groups[..., :16] | (groups[..., 16:] << 4)
-    scales = weight.scales.to(dtype).float()
-    offsets = weight.zeros.to(dtype).float() - 8 * scales
-    return packed.reshape(out_features, in_features // 2).contiguous(), scales, offsets
-
-
-def int4_gemv(
-    x: torch.Tensor,
-    packed: torch.Tensor,
-    scales: torch.Tensor,
-    offsets: torch.Tensor,
-    isa: str = "best",
-) -> torch.Tensor | None:
-    """x [T, in] (float32 or bfloat16, T <= GEMV_ROWS) @ W.T -> [T, out] in x's dtype through
-    the native int4 GEMV, W as `int4_gemv_layout` gave (packed, scales, offsets). None where it
-    declines (as int8_gemv)."""
-    lib = native.library()
-    groups = packed.shape[1] * 2 // INT4_GROUP
-    if (
-        lib is None
-        or x.dim() != 2
-        or x.dtype not in (torch.float32, torch.bfloat16)
-        or x.stride(-1) != 1
-        or packed.dtype != torch.uint8
-        or not packed.is_contiguous()
-        or x.shape[1] != packed.shape[1] * 2
-        or any(t.dtype != torch.float32 or not t.is_contiguous() for t in (scales, offsets))
-        or scales.shape != (packed.shape[0], groups)
-        or offsets.shape != scales.shape
-    ):
-        return None
-    y = torch.empty(x.shape[0], packed.shape[0], dtype=x.dtype)
-    failed = lib.gemv_int4(
-        ctypes.c_void_p(x.data_ptr()), x.stride(0), int(x.dtype == torch.bfloat16),
-        ctypes.c_void_p(packed.data_ptr()), ctypes.c_void_p(scales.data_ptr()),
-        ctypes.c_void_p(offsets.data_ptr()), packed.shape[0], x.shape[1],
-        ctypes.c_void_p(y.data_ptr()), y.stride(0), x.shape[0], GEMV_ISA[isa],
-        torch.get_num_threads(),
-    )  # fmt: skip
-    return None if failed else y
-
-
-@functools.cache
-def int4_gemv_works(dtype: torch.dtype) -> bool:
-    """Whether the native int4 GEMV runs here for activations in `dtype` and agrees with
-    F.linear on the dequantized weight (checked once per dtype)."""
-    if dtype not in (torch.float32, torch.bfloat16):
-        return False
-    gen = torch.Generator().manual_seed(0)
-    weight = quantize_int4(torch.randn(32, 64, generator=gen))
-    x = torch.randn(3, 64, generator=gen).to(dtype)
-    got = int4_gemv(x, *int4_gemv_layout(weight, dtype))
-    want = F.linear(x.float(), weight.dequantize(dtype))
-    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
-    return got is not None and torch.allclose(got.float(), want, rtol=tol, atol=tol)
-
-
 def gemv_rows(dtype: torch.dtype, scheme: Quantization, out_features: int, in_features: int) -> int:
-    """The most rows a product of this weight runs through the native GEMV: GEMV_ROWS where the
-    scheme's GEMV runs here and takes the shape (16 | out; 16 | in for int8, 32 | in for int4),
-    for int8 with float32 or bfloat16 activations, for int4 with float32 only; else 0. int4
+    """The most rows a product of this weight runs through a native GEMV (quant_gemv.py):
+    GEMV_ROWS where the scheme's GEMV for `dtype` runs here and takes the shape (16 | out; 16 | in
+    for int8, 32 | in for int4); else 0. int8: float32 or bfloat16 activations; int4: float32
+    (`int4_gemv`), bfloat16 where the CPU has AVX512_BF16 (`int4_bf16_gemv`; without it torch's
+    bfloat16 int4 kernel ran one stream faster than `int4_gemv`: 15.1 against 17.1 ms a token). int4
     keeps its GEMV copy beside torch's packed one (which the prefill unpacks): only where
     `plain_copy_affordable` allows it.
 
     One stream of SmolLM2 on this project's shared 2-core AMD EPYC, one thread
     (bench_single_stream, alternating rounds against torch's paths): int8 float32 52.9 -> 12.5
-    ms per token, bfloat16 24.3 -> 12.0; int4 float32 205 -> 14.1; int4 bfloat16 15.1 -> 17.1,
-    slower (torch's bfloat16 int4 kernel is vectorized and reads bfloat16 scales), so not there.
+    ms per token, bfloat16 24.3 -> 12.0; int4 float32 205 -> 14.1.
     """
     if out_features % 16 or dtype not in (torch.float32, torch.bfloat16):
         return 0
     if scheme is Quantization.INT8:
         return GEMV_ROWS if in_features % 16 == 0 and int8_gemv_works(dtype) else 0
-    copy_bytes = out_features * in_features // 2 + 8 * out_features * (in_features // INT4_GROUP)
-    if dtype != torch.float32 or in_features % INT4_GROUP or not plain_copy_affordable(copy_bytes):
+    if in_features % INT4_GROUP:
         return 0
-    return GEMV_ROWS if int4_gemv_works(dtype) else 0
+    scale_bytes = 4 if dtype == torch.bfloat16 else 8  # per group: bf16 or float32 pairs
+    copy_bytes = out_features * (in_features // 2 + scale_bytes * (in_features // INT4_GROUP))
+    works = int4_bf16_gemv_works() if dtype == torch.bfloat16 else int4_gemv_works(dtype)
+    return GEMV_ROWS if works and plain_copy_affordable(copy_bytes) else 0
 
 
 DEQUANT_ROWS = 4096  # output channels dequantized at a time past kernel_max_rows: bounded memory
@@ -288,7 +184,7 @@ class QuantizedLinear:
     bfloat16 or float16 (the `dtype` given) -> y [T, out] in that dtype.
 
     Up to `gemv_rows` rows (decode of 1-4 requests, float32 or bfloat16) go through the native
-    int8 / int4 GEMV (csrc/gemv_int8.c); else up to `kernel_max_rows(dtype, scheme)` rows
+    int8 / int4 GEMV (quant_gemv.py); else up to `kernel_max_rows(dtype, scheme)` rows
     (bfloat16 decode) go through torch's packed kernel, which reads the quantized weight only;
     more rows (prefill, and float32 models)
     multiply by the weight dequantized to float32, DEQUANT_ROWS output channels at a time.
@@ -318,7 +214,11 @@ class QuantizedLinear:
         _check_int4_shape(self.out_features, self.in_features)
         self.scheme = Quantization.INT4
         self.gemv_rows = gemv_rows(dtype, self.scheme, self.out_features, self.in_features)
-        self._gemv_int4 = int4_gemv_layout(weight, dtype) if self.gemv_rows else None
+        self._gemv_int4: tuple[torch.Tensor, ...] | None = None
+        if self.gemv_rows and dtype == torch.bfloat16:
+            self._gemv_int4 = int4_bf16_gemv_layout(weight)
+        elif self.gemv_rows:
+            self._gemv_int4 = int4_gemv_layout(weight, dtype)
         # Output rows padded to the pack's block of 64 (padding: q 8, scale 1, zero 0, i.e. 0),
         # so that the packed bytes have one known layout the prefill path unpacks.
         padded = -(-self.out_features // INT4_BLOCK_ROWS) * INT4_BLOCK_ROWS
@@ -333,7 +233,8 @@ class QuantizedLinear:
 
     def gemv_tensors(self) -> tuple[torch.Tensor, ...]:
         """What the native GEMV reads (`gemv_rows` > 0): int8 (values [out, in], float32
-        scales [out]); int4 `int4_gemv_layout`'s (packed values, scales, offsets)."""
+        scales [out]); int4 `int4_gemv_layout`'s (packed values, scales, offsets), or with
+        bfloat16 activations `int4_bf16_gemv_layout`'s (packed values, scale-zero pairs)."""
         if self.scheme is Quantization.INT8:
             return self._q, self._gemv_scales
         return self._gemv_int4
@@ -352,6 +253,8 @@ class QuantizedLinear:
         if x.shape[0] <= self.gemv_rows:
             if self.scheme is Quantization.INT8:
                 y = int8_gemv(x, self._q, self._gemv_scales)
+            elif self.dtype == torch.bfloat16:
+                y = int4_bf16_gemv(x, *self._gemv_int4)
             else:
                 y = int4_gemv(x, *self._gemv_int4)
         if y is not None:

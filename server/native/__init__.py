@@ -7,7 +7,8 @@ prompt, or a chunk after a long past) in blocks, reading the past once per tile 
 `elementwise.c` holds RMSNorm with the residual add, in-place RoPE, silu * up (`fused.py`) and
 the KV write (`kv_cache.py`), `linear.c` the bf16 and float32 GEMVs (AVX-512), `gemv_int8.c`
 the int8 GEMV of `--quantization int8` and the AVX2 + FMA float32 / bf16 GEMVs for CPUs without
-AVX-512, each one call where torch needs many small ops; `decode_layer.c` chains them (and the
+AVX-512, `gemv_int4_bf16.c` the int4 GEMV for bf16 activations (AVX512_BF16), each one call
+where torch needs many small ops; `decode_layer.c` chains them (and the
 LoRA kernel) into one call a step for decode steps of a few requests
 (`server/model/decode_path.py`). What they share (`common.h`) sits on the include path of every
 native build (`gpu_lora.kernels.native_build`, which also builds, caches and loads this library,
@@ -31,7 +32,7 @@ from toppings.gpu_lora.kernels import native_build
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = (
     "attention.c", "attention_tiles.c", "elementwise.c", "linear.c", "gemv_int8.c",
-    "decode_layer.c",
+    "gemv_int4_bf16.c", "decode_layer.c",
 )  # fmt: skip
 HEADERS = ("attention_bf16.h",)  # what the sources include besides common.h: part of the key
 
@@ -52,6 +53,7 @@ SIGNATURES = {  # every function returns int: 0, or nonzero when it failed
     "gemv_bf16_avx2": [_P, _I64, _P, _I64, _I64, _P, _I64, _I64, _I],
     "gemv_int8": [_P, _I64, _I, _P, _P, _I64, _I64, _P, _I64, _I64, _I, _I],
     "gemv_int4": [_P, _I64, _I, _P, _P, _P, _I64, _I64, _P, _I64, _I64, _I, _I],
+    "gemv_int4_bf16": [_P, _I64, _P, _P, _I64, _I64, _P, _I64, _I64, _I],
     # decode_layer.c: the Proj arguments are struct addresses (model/decode_path.py)
     "norm_proj": [_P] * 6 + [_I64] * 3 + [ctypes.c_float, _I, _I],
     "attend_proj": [_P] * 8 + [_I64] * 2 + [_P] * 3 + [_I64] * 4 + [ctypes.c_float, _I, _I],

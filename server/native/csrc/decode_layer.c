@@ -52,13 +52,17 @@ int gemv_int8(const void *x, int64_t ld_x, int x_is_bf16, const int8_t *q, const
 int gemv_int4(const void *x, int64_t ld_x, int x_is_bf16, const uint8_t *q, const float *scale,
               const float *offset, int64_t out, int64_t in, void *y, int64_t ld_y, int64_t T,
               int isa, int num_threads);
+int gemv_int4_bf16(const uint16_t *x, int64_t ld_x, const uint8_t *q, const uint32_t *sz,
+                   int64_t out, int64_t in, uint16_t *y, int64_t ld_y, int64_t T,
+                   int num_threads);
 
 /* One projection and the GEMV that runs it (decode_path.py's `Proj`, field for field). */
-enum { GEMV_F32, GEMV_BF16, GEMV_F32_AVX2, GEMV_BF16_AVX2, GEMV_INT8, GEMV_INT4 };
+enum { GEMV_F32, GEMV_BF16, GEMV_F32_AVX2, GEMV_BF16_AVX2, GEMV_INT8, GEMV_INT4, GEMV_INT4_BF16 };
 typedef struct {
     int64_t kind;        /* one of the GEMV_* above */
     const void *w;       /* the plain weight [out, in], or int8 values / packed int4 values */
-    const float *scale;  /* int8: [out]; int4: [out, in / 32]; else NULL */
+    const float *scale;  /* int8: [out]; int4: [out, in / 32]; int4 bf16: its uint32 scale-zero
+                            pairs [out, in / 32]; else NULL */
     const float *offset; /* int4: [out, in / 32]; else NULL */
     const void *bias;    /* [out] in the activation dtype, or NULL */
     int64_t out, in;
@@ -89,6 +93,11 @@ static int proj_gemv(const Proj *p, const void *x, int64_t ld_x, void *y, int64_
     case GEMV_INT4:
         failed = gemv_int4(x, ld_x, is_bf16, p->w, p->scale, p->offset, p->out, p->in, y, ld_y,
                            T, 0, num_threads);
+        break;
+    case GEMV_INT4_BF16:
+        failed = is_bf16 ? gemv_int4_bf16(x, ld_x, p->w, (const uint32_t *)p->scale, p->out,
+                                          p->in, y, ld_y, T, num_threads)
+                         : 1;
         break;
     default:
         return 1;

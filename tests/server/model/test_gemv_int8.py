@@ -1,4 +1,4 @@
-"""The native int8 and int4 GEMVs (csrc/gemv_int8.c, `quant.int8_gemv`, `quant.int4_gemv`) and
+"""The native int8 and int4 GEMVs (csrc/gemv_int8.c, csrc/gemv_int4_bf16.c, quant_gemv.py) and
 the AVX2 + FMA float32 / bf16 GEMVs beside them, against float torch references: every ISA
 variant this machine runs (AVX-512, AVX2 + FMA, plain C), float32 and bfloat16 activations, 1-4
 rows, SmolLM2's shapes, the shapes they must decline, and builds of the library without AVX-512
@@ -17,17 +17,11 @@ import torch.nn.functional as F
 from toppings.gpu_lora.kernels import native_build
 from toppings.server import native
 from toppings.server.model import linear as linear_module
-from toppings.server.model import quant
+from toppings.server.model import quant, quant_gemv
 from toppings.server.model.dtype import cpu_flags
 from toppings.server.model.linear import Linear
-from toppings.server.model.quant import (
-    QuantizedLinear,
-    int4_gemv,
-    int4_gemv_layout,
-    int8_gemv,
-    quantize_int4,
-    quantize_int8,
-)
+from toppings.server.model.quant import QuantizedLinear, quantize_int4, quantize_int8
+from toppings.server.model.quant_gemv import int4_gemv, int4_gemv_layout, int8_gemv
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason="no native library here")
 
@@ -166,24 +160,52 @@ def test_int4_gemv_declines_what_it_does_not_take(shape, rows, dtype):
     torch.testing.assert_close(linear(x).float(), want, rtol=2e-3, atol=2e-2)
 
 
-def test_bfloat16_int4_keeps_torch_kernel():
-    """torch's bfloat16 int4 kernel ran one stream faster than the GEMV (quant.gemv_rows)."""
+def test_bfloat16_int4_takes_the_bf16_gemv_where_it_runs():
+    """bfloat16 int4 runs the AVX512_BF16 GEMV where it works here, else torch's kernel (which ran
+    one stream faster than `int4_gemv`: quant.gemv_rows)."""
     weight = quantize_int4(torch.randn(64, 64))
-    assert QuantizedLinear(weight, torch.bfloat16).gemv_rows == 0
+    want = 4 if quant_gemv.int4_bf16_gemv_works() else 0
+    assert QuantizedLinear(weight, torch.bfloat16).gemv_rows == want
 
 
-@pytest.mark.parametrize("dtype", [torch.float32])
+@pytest.mark.parametrize("shape", INT4_SHAPES + [(32, 32), (64, 160)])
+def test_int4_bf16_gemv_matches_the_dequantized_product(shape):
+    """The bf16 GEMV (vdpbf16ps against 128 + q, corrected per group) against float64 on the
+    weight as a bfloat16 model keeps it; 1-4 rows; a row stride wider than the row; 1 and 5
+    groups (the masked last block of four)."""
+    if not {"avx512f", "avx512bw", "avx512_bf16"} <= cpu_flags():
+        pytest.skip("no AVX512_BF16 here")
+    assert quant_gemv.int4_bf16_gemv_works()
+    out_features, in_features = shape
+    gen = torch.Generator().manual_seed(out_features + in_features)
+    weight = quantize_int4(torch.randn(shape, generator=gen) * 0.05)
+    layout = quant_gemv.int4_bf16_gemv_layout(weight)
+    plain = weight.dequantize(torch.bfloat16).double()
+    for rows in (1, 2, 3, 4):
+        x = torch.randn(rows, in_features, generator=gen).bfloat16()
+        got = quant_gemv.int4_bf16_gemv(x, *layout)
+        assert got is not None and got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
+        check_close(got, F.linear(x.double(), plain), torch.bfloat16)
+        wide = torch.cat([x, torch.ones(rows, 16, dtype=torch.bfloat16)], dim=1)[:, :in_features]
+        assert torch.equal(quant_gemv.int4_bf16_gemv(wide, *layout), got)
+    assert quant_gemv.int4_bf16_gemv(torch.randn(5, in_features).bfloat16(), *layout) is None
+    assert quant_gemv.int4_bf16_gemv(torch.randn(1, in_features), *layout) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_quantized_linear_runs_the_int4_gemv_at_one_to_four_rows(dtype, monkeypatch):
-    if not quant.int4_gemv_works(dtype):
+    name = "int4_gemv" if dtype == torch.float32 else "int4_bf16_gemv"
+    works = quant.int4_gemv_works(dtype) if dtype == torch.float32 else quant.int4_bf16_gemv_works()
+    if not works:
         pytest.skip("the native int4 GEMV does not run here")
     calls = []
-    gemv = quant.int4_gemv
+    gemv = getattr(quant, name)
 
     def counted(x, *args, **kwargs):
         calls.append(x.shape[0])
         return gemv(x, *args, **kwargs)
 
-    monkeypatch.setattr(quant, "int4_gemv", counted)
+    monkeypatch.setattr(quant, name, counted)
     gen = torch.Generator().manual_seed(8)
     weight = quantize_int4(torch.randn(200 + 8, 576, generator=gen))
     linear = QuantizedLinear(weight, dtype)
@@ -248,12 +270,13 @@ def test_the_avx512_kernels_come_first_where_the_cpu_has_them():
 
 
 def build_without(tmp_path, flags: list[str]) -> ctypes.CDLL:
-    """linear.c and gemv_int8.c built as the library is, plus `flags` (an older ISA)."""
+    """linear.c, gemv_int8.c and gemv_int4_bf16.c built as the library is, plus `flags` (an
+    older ISA)."""
     compiler = shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         pytest.skip("no C compiler")
     out = tmp_path / "gemv.so"
-    sources = [str(native.CSRC / s) for s in ("linear.c", "gemv_int8.c")]
+    sources = [str(native.CSRC / s) for s in ("linear.c", "gemv_int8.c", "gemv_int4_bf16.c")]
     subprocess.run(
         [compiler, *native_build.FLAGS, *flags, f"-I{native_build.INCLUDE_DIR}", *sources,
          "-o", str(out), "-lm"],
@@ -318,10 +341,10 @@ def test_builds_without_avx512_run_and_match(tmp_path, build):
                 layout = int4_gemv_layout(w4, dtype)
                 y4 = call_int4(lib, x, *layout)
                 check_close(y4, F.linear(x.double(), w4.dequantize(dtype).double()), dtype)
-                best = call_int8(lib, x, weight.q, scales, quant.GEMV_ISA["best"])
+                best = call_int8(lib, x, weight.q, scales, quant_gemv.GEMV_ISA["best"])
                 check_close(best, reference(x, weight.q, scales), dtype)
-                assert call_int8(lib, x, weight.q, scales, quant.GEMV_ISA["avx512"]) is None
-                avx2 = call_int8(lib, x, weight.q, scales, quant.GEMV_ISA["avx2"])
+                assert call_int8(lib, x, weight.q, scales, quant_gemv.GEMV_ISA["avx512"]) is None
+                avx2 = call_int8(lib, x, weight.q, scales, quant_gemv.GEMV_ISA["avx2"])
                 assert (avx2 is not None) == (build == "avx2")
                 w = plain.to(dtype)
                 avx512_name = "gemv_f32" if dtype == torch.float32 else "gemv_bf16"
@@ -332,3 +355,12 @@ def test_builds_without_avx512_run_and_match(tmp_path, build):
                     assert got is None
                 else:
                     check_close(got, F.linear(x.double(), w.double()), dtype)
+        x = torch.randn(1, in_features, generator=gen).bfloat16()
+        packed, pairs = quant_gemv.int4_bf16_gemv_layout(quantize_int4(plain))
+        y = torch.empty(1, out_features, dtype=torch.bfloat16)
+        declined = lib.gemv_int4_bf16(
+            ctypes.c_void_p(x.data_ptr()), in_features, ctypes.c_void_p(packed.data_ptr()),
+            ctypes.c_void_p(pairs.data_ptr()), out_features, in_features,
+            ctypes.c_void_p(y.data_ptr()), out_features, 1, 1,
+        )  # fmt: skip
+        assert declined == 2  # the bf16 int4 GEMV needs AVX-512 (AVX512_BF16)
