@@ -86,12 +86,21 @@ class StepTimeModel:
 
     @classmethod
     def fit(cls, points: StepPoints) -> StepTimeModel:
-        """The model through measured points (least squares; a negative slope, timing noise,
-        counts as free): the decode line from the decode steps, a prompt token's cost from
-        the mixed steps, a decode row's extra in them from their intercept, and the past's
-        weight from the chunks (none with one chunk point)."""
+        """The model through measured points (least squares): the decode line from the decode
+        steps, a prompt token's cost from the mixed steps, a decode row's extra in them from
+        their intercept, and the past's weight from the chunks (none with one chunk point).
+
+        A negative slope of the mixed steps (timing noise: a start-up beside a busy neighbour
+        measured 128 decodes beside 160 prompt tokens faster than beside 32) does not make a
+        prompt token free: its cost is then what the chunk after no past took beyond a decode
+        step of one. A free token made the past's weight (a ratio to it) 720 and the budget one
+        token a step: a 128-token prompt took 128 steps, and the refit, which keeps a prompt
+        token's cost within a band of the prior's, could not correct it."""
         per_request, fixed = _line(points.decode_ms)
         ms_per_token, mixed_fixed = _line(points.mixed_ms)
+        if ms_per_token <= 0 and points.chunk_ms:
+            one = points.decode_ms[min(points.decode_ms)]  # the smallest decode step measured
+            ms_per_token = (points.chunk_ms[min(points.chunk_ms)] - one) / points.chunk_tokens
         chunk_slope = _line(points.chunk_ms)[0] if len(points.chunk_ms) > 1 else 0.0
         rows = points.mixed_rows
         extra = (mixed_fixed - fixed - per_request * rows) / rows
