@@ -1,17 +1,18 @@
-"""What glibc's per-thread caches off (`tcache_count=0`, toppings-serve's default) cost in decode
-speed: client TPOT at batch 1 and over 16 concurrent streams, with the caches off and on.
+"""What glibc's per-thread caches off (`tcache_count=0`) cost in decode speed against glibc's
+default (on, as toppings-serve runs): client TPOT at batch 1 and over 16 concurrent streams.
 
     python -m bench.bench_tcache [--rounds 3] [--max-tokens 48]
 
-Two `toppings-serve --model smollm2` run side by side: one as shipped (it re-executes itself
-with `GLIBC_TUNABLES=glibc.malloc.tcache_count=0`), one started with glibc's default count (7)
-named in GLIBC_TUNABLES, which toppings-serve then leaves alone. Rounds alternate: in each round
-both servers run both rows (batch 1: `--single` requests one after the other; batch 16: 16
-streamed requests at once), in an order that flips every round, so that a shared machine's
-neighbours weigh on both alike. A request is a fresh prompt of random token ids (no prefix cache
-hit) and `--max-tokens` new tokens with `ignore_eos`; its TPOT is the client's time from its first
-streamed token to its last over the tokens between (bench_single_stream.stream_tpot). Reported:
-per row and server the median over rounds of the round's median TPOT, and the ratio off / on.
+Two `toppings-serve --model smollm2` run side by side: one started with
+`GLIBC_TUNABLES=glibc.malloc.tcache_count=0`, one as shipped (no GLIBC_TUNABLES: glibc's default
+count, 7; until session 27 toppings-serve turned the caches off itself, re-executing with that
+variable). Rounds alternate: in each round both servers run both rows (batch 1: `--single`
+requests one after the other; batch 16: 16 streamed requests at once), in an order that flips
+every round, so that a shared machine's neighbours weigh on both alike. A request is a fresh
+prompt of random token ids (no prefix cache hit) and `--max-tokens` new tokens with `ignore_eos`;
+its TPOT is the client's time from its first streamed token to its last over the tokens between
+(bench_single_stream.stream_tpot). Reported: per row and server the median over rounds of the
+round's median TPOT, and the ratio off / on.
 Writes bench/results/tcache.json.
 """
 
@@ -35,11 +36,11 @@ from bench.envelope import describe_device, write_result
 log = logging.getLogger("bench_tcache")
 
 TUNABLE = "glibc.malloc.tcache_count"
-VARIANTS = {"tcache_off": None, "tcache_on": f"{TUNABLE}=7"}  # None: toppings-serve's default
+VARIANTS = {"tcache_off": f"{TUNABLE}=0", "tcache_on": None}  # None: as shipped
 
 
 def server_tunables(pid: int) -> str:
-    """GLIBC_TUNABLES as the server process has it after its re-exec."""
+    """GLIBC_TUNABLES as the server process has it."""
     environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
     found = [e.split(b"=", 1)[1].decode() for e in environ if e.startswith(b"GLIBC_TUNABLES=")]
     return found[0] if found else ""

@@ -73,7 +73,7 @@ class LoraAdapter:
     `weights[(layer_idx, module)] = (A [R, in_features], B [out_features, R])`, so the delta of
     a projection is `scale * x @ A.T @ B.T`. A DoRA adapter (`use_dora`) also has
     `magnitudes[(layer_idx, module)] = m [out_features]` for the same pairs, and, once the base
-    weights were read (`AdapterManager.open`), `dora`: the per-channel scales (gpu_lora.dora).
+    weights were read (`AdapterReader.open`), `dora`: the per-channel scales (gpu_lora.dora).
     An activated LoRA has its `invocation_tokens` (gpu_lora.alora); () for any other.
     `id` is what the device cache and pool key it by: its registration's id (the server's
     `AdapterRef.id`, set when it is registered), else one made for it alone; never its name,

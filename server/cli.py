@@ -89,10 +89,6 @@ def _check_inputs(model: str, loras: dict[str, str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    if argv is None:  # the command itself (not a caller's main(argv)): glibc's setting first
-        from toppings.server.http.allocator import restart_without_tcache
-
-        restart_without_tcache()
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"

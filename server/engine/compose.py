@@ -13,7 +13,8 @@ import torch
 from toppings.gpu_lora.trace import TraceRecorder
 from toppings.server import native
 from toppings.server.config import EngineConfig, LoraConfig, MemoryConfig, SchedulingConfig
-from toppings.server.engine.adapters import AdapterManager, CheckpointProjections
+from toppings.server.engine.adapter_reader import CheckpointProjections
+from toppings.server.engine.adapters import AdapterManager
 from toppings.server.engine.grammar import GrammarCompiler
 from toppings.server.engine.model_runner import ModelRunner
 from toppings.server.memory.build import build_memory
@@ -99,8 +100,9 @@ def compose_engine(
     # Structured output: constraints compile before their request is queued.
     grammars = GrammarCompiler(checkpoint.tokenizer, mc.vocab_size, eos_ids)
     runner = ModelRunner.create(
-        config.use_cuda_graphs, config.max_batch_size, model, kv, lora, eos_ids, grammars, trace
-    )
+        config.use_cuda_graphs, config.max_batch_size, model, kv, lora.steps, eos_ids, grammars,
+        trace,
+    )  # fmt: skip
     limits = GateLimits.from_config(sched_config, step_budget)
     scheduler = Scheduler(
         make_queue_policy(sched_config, config.max_total_tokens), memory, lora,

@@ -165,12 +165,12 @@ class Engine:
         try:
             for request in requests:
                 self._check(request)
-            lora_starts = [self.lora.lora_start(r.adapter, r.prompt_ids) for r in requests]
+            lora_starts = [self.lora.steps.lora_start(r.adapter, r.prompt_ids) for r in requests]
             seqs = [Sequence(r, RequestHandle(r, self.abort), self.tokenizer, time.monotonic())
                     for r in requests]  # fmt: skip
             for seq, lora_start in zip(seqs, lora_starts, strict=True):
                 seq.lora_start = lora_start
-                seq.is_activated = self.lora.is_activated(seq.request.adapter)
+                seq.is_activated = self.lora.steps.is_activated(seq.request.adapter)
         except BaseException:
             for ref in refs:
                 self.adapter_refs.release(ref)
@@ -225,7 +225,7 @@ class Engine:
             budget = self.budget if self.budget is not None and self.budget.follows_steps else None
             shape = shape_of(plan) if budget is not None else None
             try:
-                self.lora.wait_for_loads([s.cache_entry for s in plan.seqs])  # on-demand-sync
+                self.lora.steps.wait_for_loads([s.cache_entry for s in plan.seqs])  # on-demand-sync
                 outcome = self.runner.run(plan)
                 for seq, error in outcome.failed.items():  # fails alone; its neighbours go on
                     log.warning("request %s failed: %s", seq.request.request_id, error)

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from toppings.gpu_lora.trace import StepEvent, TraceRecorder
-from toppings.server.engine.adapters import AdapterManager
+from toppings.server.engine.adapter_step import AdapterStep
 from toppings.server.engine.grammar import GrammarCompiler
 from toppings.server.engine.sampler import Sampler, score_prompts
 from toppings.server.memory.kv_cache import KVPool
@@ -56,15 +56,15 @@ def nonfinite_error(seq: Sequence) -> str:
 
 
 class ModelRunner:
-    """Runs plans on one model, its KV tensors and its adapters (graphs: None where CUDA graphs
-    are off or the device is not CUDA; trace: gets a StepEvent per eager forward pass, None: no
-    tracing)."""
+    """Runs plans on one model, its KV tensors and its adapters (lora: the LoRA side of each
+    step, adapter_step.py; graphs: None where CUDA graphs are off or the device is not CUDA;
+    trace: gets a StepEvent per eager forward pass, None: no tracing)."""
 
     def __init__(
         self,
         model: LlamaModel,
         kv: KVPool,
-        lora: AdapterManager,
+        lora: AdapterStep,
         sampler: Sampler,
         graphs=None,
         trace: TraceRecorder | None = None,
@@ -79,7 +79,7 @@ class ModelRunner:
         max_batch_size: int,
         model: LlamaModel,
         kv: KVPool,
-        lora: AdapterManager,
+        lora: AdapterStep,
         eos_ids: set[int],
         grammars: GrammarCompiler | None = None,
         trace: TraceRecorder | None = None,

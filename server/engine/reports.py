@@ -90,14 +90,14 @@ def adapter_list(engine: Reported) -> list[dict]:
     """The registered adapters: name, rank, path and target modules of each."""
     return [
         {"name": a.name, "rank": a.rank, "path": a.path, "target_modules": list(a.target_modules)}
-        for a in list(engine.lora.registry.values())
+        for a in list(engine.lora.host.registry.values())
     ]
 
 
 def stats(engine: Reported) -> ServerStats:
     """What the cluster scheduler needs; cheap, no lock (snapshots of the lists)."""
     lora, sched, config = engine.lora, engine.scheduler, engine.config
-    registry = lora.registry
+    registry = lora.host.registry
     states = lora.cache.entry_states()  # one read of the cache entries, by adapter id
     resident = [s.name for s in states.values() if s.on_device]
     loading = [s.name for s in states.values() if not s.on_device]  # a failed load too
@@ -115,11 +115,11 @@ def stats(engine: Reported) -> ServerStats:
         max_total_tokens=engine.kv.num_slots,
         memory=engine.memory.view(),
         healthy=engine.is_healthy(),
-        cpu_workers=tuple(WorkerView(**w) for w in lora.worker_stats()),
+        cpu_workers=tuple(WorkerView(**w) for w in lora.host.worker_stats()),
         resident_adapters=tuple(resident),
         loading_adapters=tuple(loading),
         queueing=sched.queue.view(),
-        adapter_host_memory=lora.host_memory.view(),
+        adapter_host_memory=lora.host.memory.view(),
         num_device_adapters=by_state[Residency.DEVICE],
         num_loading_adapters=by_state[Residency.LOADING],
         num_host_adapters=by_state[Residency.HOST],

@@ -18,14 +18,12 @@ entry's size grows with the rows, and the large shapes displace the small). A sh
 the cache costs one primitive creation per weight shape of the step, small beside the product at
 the rows where oneDNN runs. An operator's own values of the variables are kept.
 
-glibc also keeps a cache of freed small blocks in every thread (tcache: up to 7 blocks of each of
-64 sizes up to 1 KiB), which it counts in use and neither trims nor shares. waitress's handler
-threads (one per request in flight, 520 by default) wake in turn, so each slowly fills its own:
-the soak's heap grew about 3 MB a minute with the thread count flat, and stayed flat with the
-caches off (issue 48). `tcache_off_environment` gives the environment that turns them off
-(`GLIBC_TUNABLES=glibc.malloc.tcache_count=0`); glibc reads it only when a process starts, so
-`toppings-serve` re-executes itself with it (same pid and command line) unless the operator set
-`glibc.malloc.tcache_count` already.
+glibc also keeps a cache of freed small blocks in every thread (tcache), which it counts in use
+and neither trims nor shares. It is left as glibc sets it: when waitress woke its handler threads
+in turn, each filled a cache of its own and the heap grew (issue 48); now that they are woken
+last-in first-out (server/http/waitress_server.py), a soak with the caches on stays flat
+(bench/results/soak_tcache_on.json), and turning them off made decoding over many streams
+slower (bench/results/tcache_single_stream.json). An operator's GLIBC_TUNABLES still applies.
 """
 
 from __future__ import annotations
@@ -34,7 +32,6 @@ import ctypes
 import ctypes.util
 import logging
 import os
-import sys
 import threading
 
 log = logging.getLogger(__name__)
@@ -44,31 +41,6 @@ MAX_ARENAS = 2
 TRIM_INTERVAL_S = 60.0
 ONEDNN_CACHE_ENTRIES = 16
 ONEDNN_CACHE_VARIABLES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
-
-
-TCACHE_TUNABLE = "glibc.malloc.tcache_count"
-
-
-def tcache_off_environment(env: dict[str, str]) -> dict[str, str] | None:
-    """`env` with glibc's per-thread caches turned off, or None where there is nothing to do:
-    not glibc, or GLIBC_TUNABLES names the tcache already (the operator's, or set by us)."""
-    if _glibc() is None:
-        return None
-    tunables = env.get("GLIBC_TUNABLES", "")
-    if TCACHE_TUNABLE in tunables:
-        return None
-    return env | {"GLIBC_TUNABLES": ":".join(filter(None, (tunables, f"{TCACHE_TUNABLE}=0")))}
-
-
-def restart_without_tcache() -> None:
-    """Re-execute this process's command line with glibc's per-thread caches off, where
-    `tcache_off_environment` says so; returns where it does not. Call it first thing, before
-    any thread or file is opened."""
-    env = tcache_off_environment(dict(os.environ))
-    if env is not None:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os.execve(sys.executable, sys.orig_argv, env)
 
 
 def bound_onednn_caches() -> None:

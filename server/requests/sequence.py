@@ -38,7 +38,7 @@ class Sequence:
         self.num_prefilled = 0
         self.cache_entry = None  # gpu_lora.cache.CacheEntry while it holds a reference
         # The first prompt position its adapter applies to: 0, or past an activated LoRA's
-        # invocation (set by the engine at submission, server/engine/adapters.py lora_start).
+        # invocation (set by the engine at submission, server/engine/adapter_step.py lora_start).
         self.lora_start = 0
         # Whether its adapter is an activated LoRA: its KV before lora_start is the base
         # model's, cached and matched as such (server/memory/manager.py).

@@ -17,8 +17,8 @@ from toppings.gpu_lora.targets import LORA_TARGETS
 from toppings.server.api.adapter_files import adapter_digest
 from toppings.server.api.app import ApiOptions, create_app
 from toppings.server.config import EngineConfig
-from toppings.server.engine import adapters as adapters_module
-from toppings.server.engine.adapters import derived_max_rank
+from toppings.server.engine import adapter_reader
+from toppings.server.engine.adapter_reader import derived_max_rank
 from toppings.server.model.loader import load_checkpoint
 from toppings.server.runtime import build_engine
 
@@ -149,7 +149,7 @@ def test_nothing_is_read_before_the_limits_pass(engine, root, monkeypatch):
     def no_read(*args, **kwargs):
         raise AssertionError("tensors read before the limits were checked")
 
-    monkeypatch.setattr(adapters_module, "load_peft_adapter", no_read)
+    monkeypatch.setattr(adapter_reader, "load_peft_adapter", no_read)
     with pytest.raises(AdapterError, match="--max-lora-rank"):
         engine.add_adapter("rank128", str(root / "rank128"))
 

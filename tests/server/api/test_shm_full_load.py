@@ -45,7 +45,7 @@ def generate(client, adapter: str | None):
 def test_load_with_dev_shm_full_is_507_and_the_server_keeps_serving(
     engine, adapters_dir, monkeypatch
 ):
-    assert engine.lora.repository is not None  # the workers' shared arena is in use
+    assert engine.lora.host.repository is not None  # the workers' shared arena is in use
     client = create_app(engine, ApiOptions(lora_roots=(str(adapters_dir),))).test_client()
     st = os.statvfs(shm.SHM_DIR)
     beyond = st.f_blocks * st.f_frsize + (1 << 30)

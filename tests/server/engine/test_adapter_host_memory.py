@@ -39,7 +39,7 @@ def test_one_copy_for_the_same_files_under_50_names(tiny_engine, adapter_dirs):
     _, dirs = adapter_dirs
     config = dict(max_total_tokens=1024, lora_mode="cpu-assisted", num_cpu_workers=1)
     with tiny_engine({}, **config) as engine:
-        repository = engine.lora.repository
+        repository = engine.lora.host.repository
         empty = repository.free_bytes
         first = engine.add_adapter("n0", str(dirs[0]))
         one_copy = engine.stats().adapter_host_memory["charged_bytes"]
@@ -50,7 +50,7 @@ def test_one_copy_for_the_same_files_under_50_names(tiny_engine, adapter_dirs):
         held = engine.stats().adapter_host_memory
         assert (held["copies"], held["names"], held["charged_bytes"]) == (1, NUM_NAMES, one_copy)
         assert repository.free_bytes == empty - block  # one arena block for all 50
-        registry = engine.lora.registry
+        registry = engine.lora.host.registry
         assert all(registry[f"n{i}"].weights is registry["n0"].weights for i in range(NUM_NAMES))
         assert content_digest(registry["n7"]) == content_digest(first)
         # A name that shares computes what the first does; it outlives the first's unload.

@@ -123,7 +123,7 @@ def test_engine_threads_workers_and_loader_run_on_their_side(tmp_path_factory):
         assert len(engine_side) >= 2, "expected the engine thread and its OpenMP thread"
         assert all(m == set(DEVICE) for m in engine_side.values()), engine_side
         assert masks[engine.lora.loader.thread_id] == set(HOST)
-        pids = engine.lora.workers.worker_pids()
+        pids = engine.lora.host.workers.worker_pids()
         assert pids and all(cpus_allowed(f"/proc/{pid}/status") == set(HOST) for pid in pids)
         assert os.sched_getaffinity(0) == main_mask  # the caller's thread stays unpinned
     finally:

@@ -212,7 +212,7 @@ def test_sigkilled_cpu_worker_mid_request_changes_no_token(tmp_path_factory):
         model_dir, adapters, lora_mode="cpu-assisted", max_total_tokens=4096, max_batch_size=16,
         link_gbps=adapter_bytes * 8 / 2.0 / 1e9, num_cpu_workers=2,
     ) as engine:  # fmt: skip
-        names = [engine.lora.repository.name, *engine.lora.workers.shm_names()]
+        names = [engine.lora.host.repository.name, *engine.lora.host.workers.shm_names()]
         # POSIX names: "/x" is /dev/shm/x for memory and /dev/shm/sem.x for a semaphore.
         files = [p for n in names for p in glob.glob(f"/dev/shm/*{n.lstrip('/')}")]
         assert len(files) == len(names), "the worker pool's shared memory should exist"

@@ -47,7 +47,7 @@ def forbid_during_run(engine, monkeypatch) -> list[str]:
     guard(memory.reclaimer, "reclaim")
     guard(memory.adapter_cache, "evict")
     guard(memory.adapter_cache, "acquire")
-    guard(engine.lora, "wait_for_loads")
+    guard(engine.lora.steps, "wait_for_loads")
     if memory.swap is not None:
         guard(memory.swap, "swap_in")
         guard(memory.swap, "swap_out")

@@ -66,30 +66,3 @@ def test_onednn_caches_bounded_unless_the_operator_set_them(monkeypatch):
     bound_onednn_caches()
     assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == str(ONEDNN_CACHE_ENTRIES)
     assert os.environ["LRU_CACHE_CAPACITY"] == "64"
-
-
-@pytest.mark.skipif(_glibc() is None, reason="glibc only")
-def test_tcache_turned_off_once_keeping_other_tunables():
-    from toppings.server.http.allocator import tcache_off_environment
-
-    env = tcache_off_environment({"GLIBC_TUNABLES": "glibc.malloc.mxfast=64"})
-    assert env == {"GLIBC_TUNABLES": "glibc.malloc.mxfast=64:glibc.malloc.tcache_count=0"}
-    assert tcache_off_environment(env) is None  # the re-executed process goes on
-    assert tcache_off_environment({"GLIBC_TUNABLES": "glibc.malloc.tcache_count=3"}) is None
-
-
-@pytest.mark.skipif(_glibc() is None, reason="glibc only")
-def test_the_process_restarts_itself_with_the_tcache_off():
-    # Issue 48: waitress's hundreds of handler threads each filled a cache of freed blocks.
-    script = (
-        "import os, sys\n"
-        "from toppings.server.http.allocator import restart_without_tcache\n"
-        "print('start', os.getpid(), flush=True)\n"
-        "restart_without_tcache()\n"
-        "print('tunables', os.getpid(), os.environ['GLIBC_TUNABLES'])\n"
-    )
-    env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                         timeout=120, check=True, env=env).stdout.split()  # fmt: skip
-    pid = out[1]
-    assert out == ["start", pid, "start", pid, "tunables", pid, "glibc.malloc.tcache_count=0"]

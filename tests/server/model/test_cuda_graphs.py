@@ -66,7 +66,7 @@ def start(model_dir, adapters, device: str, graphs: bool, **changes) -> Iterator
             buckets = GraphBuckets.for_engine(engine.config.max_batch_size, engine.kv.max_len)
             lora = engine.lora
             engine.runner.graphs = EagerReplay(engine.model, engine.kv, lora.pool,
-                                               lora.kernels.decode, buckets)  # fmt: skip
+                                               lora.steps.kernels.decode, buckets)  # fmt: skip
         assert (engine.runner.graphs is not None) == graphs
         yield engine
 
