@@ -37,7 +37,7 @@ Projection = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 class LoraProj(ctypes.Structure):
-    """One projection of a `lora_runs` call: the C struct of csrc/lora.c, field for field."""
+    """One projection of a `lora_runs` call: the C struct of csrc/lora_runs.h, field for field."""
 
     _fields_ = [
         ("A", ctypes.c_void_p),

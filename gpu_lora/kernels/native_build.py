@@ -33,7 +33,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 INCLUDE_DIR = Path(__file__).with_name("csrc")
-COMMON_HEADERS = ("common.h",)  # in INCLUDE_DIR: part of every build's key
+COMMON_HEADERS = ("common.h", "lora_runs.h")  # in INCLUDE_DIR: part of every build's key
 FLAGS = (
     "-O3",
     "-ffp-contract=off",  # round each product as torch's unfused ops do

@@ -154,10 +154,14 @@ class DecodePath:
     """The native decode layers of one model: each layer's projections as C structs, built once
     (they point into the model's weights, which live as long as the model)."""
 
-    def __init__(self, lib, layers: list[_LayerProjs], max_rows: int, dtype: torch.dtype):
+    def __init__(
+        self, lib, layers: list[_LayerProjs], max_rows: int, dtype: torch.dtype,
+        intermediate_size: int,
+    ):  # fmt: skip
         self._lib, self._layers, self.max_rows, self.dtype = lib, layers, max_rows, dtype
         self._is_bf16 = NATIVE_DTYPES[dtype]
-        self._one_call = True  # decode_layers runs here (False once it declined: no vector silu)
+        # decode_layers runs here: its silu takes the model's intermediate size in this build
+        self._one_call = bool(lib.silu_mul_takes(intermediate_size))
         self._pool_layers: tuple[tuple[int, int], ctypes.Array] | None = None  # (pool, layers)
 
     @classmethod
@@ -177,7 +181,9 @@ class DecodePath:
             rows = min([rows] + [r for _, r in made])
             structs = tuple(struct for struct, _ in made)
             layers.append(_LayerProjs(*(ctypes.addressof(c) for c in structs), structs))
-        return cls(lib, layers, rows, dtype) if rows > 0 else None
+        if rows == 0:
+            return None
+        return cls(lib, layers, rows, dtype, model.config.intermediate_size)
 
     def run(self, model, batch, kv, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """Every layer of a decode step of T <= max_rows tokens on the residual stream h [T, H]

@@ -46,6 +46,7 @@ SIGNATURES = {  # every function returns int: 0, or nonzero when it failed
     "add_rms_norm": [_P] * 4 + [_I64] * 5 + [ctypes.c_float, _I, _I],
     "rope": [_P] * 3 + [_I64] * 4 + [_I, _I],
     "silu_mul": [_P, _I64, _P, _I64, _I64, _I, _I],
+    "silu_mul_takes": [_I64],
     "kv_write": [_P, _P, _I64, _P, _P, _P] + [_I64] * 5 + [_I],
     "gemv_bf16": [_P, _I64, _P, _I64, _I64, _P, _I64, _I64, _I],
     "gemv_f32": [_P, _I64, _P, _I64, _I64, _P, _I64, _I64, _I],

@@ -22,13 +22,7 @@
  * / in cache): one call per projection with 16-column strips took 9.1 / 3.6 ms on 1 thread and
  * 5.2 / 2.7 ms on 2; now about 6.0 / 2.8 and 3.3 / 1.5. */
 #include "common.h"
-
-typedef struct {
-    const void *A, *Bt;
-    void *y;
-    const int32_t *ranks; /* [num_runs] */
-    int64_t ld_y, H_out, pool_rows;
-} LoraProj;
+#include "lora_runs.h"
 
 #ifdef __AVX512F__
 /* The nv (1-4) 16-column vectors at column c of the n (1-4) tokens' sums h [n, r] @ Bt rows

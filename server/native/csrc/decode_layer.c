@@ -19,6 +19,7 @@
  * declined before writing (a shape or ISA it does not take); 2 when a KV slot (or a LoRA run)
  * lies outside the pool, 3 when attention could not allocate, 4 when the LoRA kernel could not. */
 #include "common.h"
+#include "lora_runs.h" /* LoraProj and lora_runs_fn, as lora.c defines them */
 
 /* The kernels chained here (elementwise.c, attention.c, linear.c, gemv_int8.c). */
 int add_rms_norm(void *h, const void *delta, const void *w, void *out, int64_t T, int64_t H,
@@ -28,6 +29,7 @@ int rope(void *x, const void *cos_t, const void *sin_t, int64_t T, int64_t heads
          int64_t ld_x, int is_bf16, int num_threads);
 int silu_mul(const void *gu, int64_t ld_gu, void *out, int64_t T, int64_t I, int is_bf16,
              int num_threads);
+int silu_mul_takes(int64_t I);
 int kv_write(const void *k, const void *v, int64_t ld, void *kc, void *vc, const int64_t *slots,
              int64_t T, int64_t K, int64_t D, int64_t S, int64_t elem_bytes, int num_threads);
 int decode_attention_f32(const float *q, const float *k, const float *v, float *out,
@@ -151,18 +153,6 @@ int act_proj(const void *gate_up, void *a, const Proj *down, void *y, int64_t T,
     return proj_gemv(down, a, I, y, down->out, T, is_bf16, num_threads);
 }
 
-/* lora.c's LoraProj, field for field: one projection of a `lora_runs` call. */
-typedef struct {
-    const void *A, *Bt;
-    void *y;
-    const int32_t *ranks;
-    int64_t ld_y, H_out, pool_rows;
-} LoraProj;
-typedef int (*lora_runs_fn)(const void *x, int64_t ld_x, int64_t H_in, int64_t num_tokens,
-                            const LoraProj *proj, int64_t num_proj, const int32_t *starts,
-                            const int32_t *offsets, const float *scales, int64_t num_runs,
-                            int is_bf16, int num_threads);
-
 /* One projection's adapter tables of a step (decode_path.py's `LoraTable`): layer l's A rows
  * [pool_rows, H_in] at A0 + l * a_step bytes, its B rows [pool_rows, H_out] at B0 + l * b_step;
  * A0 NULL: no request of the step adapts the projection. */
@@ -224,18 +214,14 @@ typedef struct {
 } DecodeStep;
 
 /* Every layer of a decode step: s->residual [T, H] = the last layer's output (the caller adds
- * it into h). Returns 1, nothing written, without AVX-512 or AVX2 + FMA (silu_mul's rule) or
- * where the intermediate size is no multiple of 16; 5 when a kernel declined mid-step (h already
- * written: not to be redone per op); else as above. */
+ * it into h). Returns 1, nothing written, where silu_mul does not take the intermediate size
+ * (`silu_mul_takes`: no AVX-512 nor AVX2 + FMA, or 16 does not divide it); 5 when a kernel
+ * declined mid-step (h already written: not to be redone per op); else as above. */
 #define STEP(call)                                                                              \
     if ((failed = (call))) return failed == 1 ? 5 : failed
 int decode_layers(const DecodeStep *s, const DecodeLayer *layers, int64_t num_layers,
                   const LoraStep *lora, int is_bf16, int num_threads) {
-#if !defined(__AVX512F__) && !(defined(__AVX2__) && defined(__FMA__))
-    (void)s, (void)layers, (void)num_layers, (void)lora, (void)is_bf16, (void)num_threads;
-    return 1;
-#else
-    if (s->I % 16 != 0) return 1;
+    if (!silu_mul_takes(s->I)) return 1;
     int64_t T = s->T, H = s->H, I = s->I, nd = s->N * s->D, kd = s->K * s->D;
     const int64_t qkv_col[3] = {0, nd, nd + kd}, qkv_width[3] = {nd, kd, kd};
     const int64_t zero[1] = {0}, hidden[1] = {H}, gu_col[2] = {0, I}, inter[2] = {I, I};
@@ -260,5 +246,4 @@ int decode_layers(const DecodeStep *s, const DecodeLayer *layers, int64_t num_la
                       num_threads));
     }
     return 0;
-#endif
 }

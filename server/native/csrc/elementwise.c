@@ -107,15 +107,26 @@ int rope(void *x, const void *cos_t, const void *sin_t, int64_t T, int64_t heads
     return 0;
 }
 
+/* Whether silu_mul runs for an intermediate size I in this build: AVX-512, or AVX2 + FMA, and
+ * 16 | I. The one rule its callers ask (decode_layer.c's `decode_layers`, decode_path.py). */
+int silu_mul_takes(int64_t I) {
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+    return I > 0 && I % 16 == 0;
+#else
+    (void)I;
+    return 0;
+#endif
+}
+
 /* SwiGLU: out[t, i] = round(silu(gate[t, i])) * up[t, i], gate = gu[t, :I], up = gu[t, I:]
  * (gu [T, 2I] with row stride ld_gu, out [T, I] contiguous), silu rounded as torch's own op
  * rounds it before the product. AVX-512, or AVX2 + FMA (8 lanes, the same arithmetic: the same
- * bits). Returns 1, having written nothing, where I % 16 != 0 or neither is there (the caller's
- * torch path runs instead). */
+ * bits). Returns 1, having written nothing, where it does not take I (`silu_mul_takes`; the
+ * caller's torch path runs instead). */
 int silu_mul(const void *gu, int64_t ld_gu, void *out, int64_t T, int64_t I, int is_bf16,
              int num_threads) {
+    if (!silu_mul_takes(I)) return 1;
 #if defined(__AVX512F__)
-    if (I % 16 != 0) return 1;
 #pragma omp parallel for num_threads(threads_for(T * I * 8, num_threads)) schedule(static)
     for (int64_t t = 0; t < T; t++) {
         for (int64_t i = 0; i < I; i += 16) {
@@ -129,7 +140,6 @@ int silu_mul(const void *gu, int64_t ld_gu, void *out, int64_t T, int64_t I, int
     }
     return 0;
 #elif defined(__AVX2__) && defined(__FMA__)
-    if (I % 16 != 0) return 1;
 #pragma omp parallel for num_threads(threads_for(T * I * 8, num_threads)) schedule(static)
     for (int64_t t = 0; t < T; t++) {
         for (int64_t i = 0; i < I; i += 8) {
