@@ -25,9 +25,11 @@ roofline_fraction = (weight bytes per step / bandwidth) / measured TPOT at batch
 step takes exactly the time to read its weights once).
 
 Optional, side by side in the same rounds:
-- llama.cpp's `llama-server` (`--llama-server PATH --gguf-f32 FILE --gguf-bf16 FILE`, and
+- llama.cpp's `llama-server` (`--llama-server PATH --gguf-f32 FILE --gguf-bf16 FILE`,
   `--gguf-q8 FILE` beside the int8 rows: its 8-bit format, Q8_0, made by the same
-  convert_hf_to_gguf.py with `--outtype q8_0`; see bench/bench_long_prompt.py for the recipe of
+  convert_hf_to_gguf.py with `--outtype q8_0`, and `--gguf-q4 FILE` beside the int4 rows: Q4_1
+  (groups of 32 with a scale and a minimum, as our int4's scale and zero), made from the F32
+  GGUF by its `llama-quantize ... Q4_1`; see bench/bench_long_prompt.py for the recipe of
   the GGUFs): the same prompts, one request at a
   time, base rows at batch 1 only (it serves no LoRA here); its own reported
   `predicted_per_token_ms` and the client-side TPOT measured as for toppings.
@@ -243,6 +245,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--gguf-bf16", type=Path, default=None, help="BF16 GGUF of the model, for llama-server")
     add("--gguf-q8", type=Path, default=None,
         help="Q8_0 GGUF of the model, for llama-server beside the int8 rows")  # fmt: skip
+    add("--gguf-q4", type=Path, default=None,
+        help="Q4_1 GGUF of the model, for llama-server beside the int4 rows")  # fmt: skip
     add("--seed", type=int, default=0, help="seeds the prompts and the adapter's weights")
     add("--work-dir", type=Path, default=None, help="the adapter and server logs; none: a temp dir")
     add("--out", type=Path, default=Path("bench/results/single_stream.json"), help="result file")
@@ -285,7 +289,8 @@ def main(argv: list[str] | None = None) -> int:
 
     servers = {}  # (precision, side) -> url, side "new" | "baseline" | "llama"
     procs: list[subprocess.Popen] = []
-    ggufs = {"float32": args.gguf_f32, "bfloat16": args.gguf_bf16, "int8": args.gguf_q8}
+    ggufs = {"float32": args.gguf_f32, "bfloat16": args.gguf_bf16, "int8": args.gguf_q8,
+             "int4": args.gguf_q4}  # fmt: skip
     try:
         for label, flags, _ in precisions:
             sides = [("new", python)] + ([("baseline", args.baseline_python)]
