@@ -31,8 +31,13 @@ Optional, side by side in the same rounds:
   (groups of 32 with a scale and a minimum, as our int4's scale and zero), made from the F32
   GGUF by its `llama-quantize ... Q4_1`; see bench/bench_long_prompt.py for the recipe of
   the GGUFs): the same prompts, one request at a
-  time, base rows at batch 1 only (it serves no LoRA here); its own reported
-  `predicted_per_token_ms` and the client-side TPOT measured as for toppings.
+  time, rows at batch 1 only; its own reported `predicted_per_token_ms` and the client-side
+  TPOT measured as for toppings. With `--llama-lora-converter` (llama.cpp's
+  convert_lora_to_gguf.py, its gguf-py beside it) the bench's adapter is converted to a GGUF
+  LoRA (F32 beside the float32 rows, BF16 beside the others: the precision our LoRA computes
+  in) and loaded with `--lora`: its adapter rows ask for it at scale 1 and its base rows at
+  scale 0 (llama-server's per-request `lora` field; a scale of 0 leaves the adapter out of the
+  graph), so that both kinds of row run on one server.
 - a baseline toppings-serve run by another interpreter (`--baseline-python`, e.g. the Python of
   a checkout before a change): every row also runs against it; the ratio new / baseline is
   reported per row. Before/after pairs this way share their rounds.
@@ -108,9 +113,11 @@ def start_server(python: str, args: list[str], log_path: Path) -> subprocess.Pop
                                 stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
 
 
-def start_llama(binary: Path, gguf: Path, port: int, ctx: int, threads: int, log_path: Path):
+def start_llama(binary: Path, gguf: Path, port: int, ctx: int, threads: int, log_path: Path,
+                lora: Path | None = None):  # fmt: skip
     cmd = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
-           "-c", str(ctx), "-t", str(threads), "-tb", str(threads), "-np", "1"]  # fmt: skip
+           "-c", str(ctx), "-t", str(threads), "-tb", str(threads), "-np", "1",
+           *(["--lora", str(lora)] if lora else [])]  # fmt: skip
     with open(log_path, "w") as f:
         return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -168,8 +175,10 @@ def stream_tpot(url: str, body: dict, is_llama: bool) -> dict:
             "events": len(stamps), "reported_ms": reported}  # fmt: skip
 
 
-def run_row(url: str, model: str | None, prompts: list[list[int]], max_tokens: int) -> dict:
-    """B streamed requests at once (one per prompt); the median TPOT over them."""
+def run_row(url: str, model: str | None, prompts: list[list[int]], max_tokens: int,
+            lora_scale: float | None = None) -> dict:  # fmt: skip
+    """B streamed requests at once (one per prompt); the median TPOT over them. model None:
+    llama-server, its loaded LoRA at `lora_scale` (None: it has none)."""
     results: list[dict | Exception] = [None] * len(prompts)  # type: ignore[list-item]
     is_llama = model is None
 
@@ -177,6 +186,8 @@ def run_row(url: str, model: str | None, prompts: list[list[int]], max_tokens: i
         if is_llama:
             body = {"prompt": prompts[i], "n_predict": max_tokens, "cache_prompt": False,
                     "temperature": 0.0, "ignore_eos": True, "stream": True}  # fmt: skip
+            if lora_scale is not None:
+                body["lora"] = [{"id": 0, "scale": lora_scale}]
         else:
             body = {"model": model, "prompt": prompts[i], "max_tokens": max_tokens,
                     "temperature": 0.0, "ignore_eos": True, "stream": True}  # fmt: skip
@@ -196,6 +207,25 @@ def run_row(url: str, model: str | None, prompts: list[list[int]], max_tokens: i
     reported = [r["reported_ms"] for r in results if r["reported_ms"] is not None]
     return {"tpot_ms": statistics.median(r["tpot_ms"] for r in results),
             "reported_ms": statistics.median(reported) if reported else None}  # fmt: skip
+
+
+def convert_lora(converter: Path, model_dir: str, adapter: Path, outtype: str, out: Path) -> Path:
+    """The PEFT adapter as a GGUF LoRA of `outtype` (f32 / bf16), by llama.cpp's converter. It
+    reads the base's config.json, and needs its `architectures` (ours may hold null: filled
+    in from transformers' causal-LM class of its model_type, in a copy beside `out`)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    if not config.get("architectures"):
+        config["architectures"] = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config["model_type"]]]
+    base = out.with_suffix(".base")
+    base.mkdir(exist_ok=True)
+    (base / "config.json").write_text(json.dumps(config))
+    env = {**os.environ, "PYTHONPATH": str(converter.parent / "gguf-py")}
+    subprocess.run([sys.executable, str(converter), "--base", str(base), "--outtype", outtype,
+                    "--outfile", str(out), str(adapter)],
+                   check=True, capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
+    return out
 
 
 def spread(values: list[float]) -> dict:
@@ -245,6 +275,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--gguf-bf16", type=Path, default=None, help="BF16 GGUF of the model, for llama-server")
     add("--gguf-q8", type=Path, default=None,
         help="Q8_0 GGUF of the model, for llama-server beside the int8 rows")  # fmt: skip
+    add(
+        "--llama-lora-converter",
+        type=Path,
+        default=None,
+        help="llama.cpp's convert_lora_to_gguf.py: llama-server serves the adapter rows too",
+    )
     add("--gguf-q4", type=Path, default=None,
         help="Q4_1 GGUF of the model, for llama-server beside the int4 rows")  # fmt: skip
     add("--seed", type=int, default=0, help="seeds the prompts and the adapter's weights")
@@ -280,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         flags = ["--dtype", args.quantization_dtype, "--quantization", q]
         precisions.append((q, flags, weight_bytes_per_step(args.model, torch.int8, q)))
-    adapter_args = []
+    adapter_args, path = [], None
     if not args.no_adapter:
         path = write_random_adapter(work / "adapter", model_dir, args.rank, TARGETS, args.seed)
         adapter_args = ["--lora", f"{ADAPTER}={path}"]
@@ -291,6 +327,8 @@ def main(argv: list[str] | None = None) -> int:
     procs: list[subprocess.Popen] = []
     ggufs = {"float32": args.gguf_f32, "bfloat16": args.gguf_bf16, "int8": args.gguf_q8,
              "int4": args.gguf_q4}  # fmt: skip
+    llama_loras: dict[str, Path] = {}  # GGUF LoRA by outtype
+    llama_lora: dict[str, bool] = {}  # precision -> its llama-server has the adapter
     try:
         for label, flags, _ in precisions:
             sides = [("new", python)] + ([("baseline", args.baseline_python)]
@@ -307,9 +345,17 @@ def main(argv: list[str] | None = None) -> int:
             if args.llama_server and ggufs.get(label):
                 port = free_port()
                 log_path = work / f"llama_{label}.log"
+                lora = None
+                if args.llama_lora_converter and adapter_args:
+                    outtype = "f32" if label == "float32" else "bf16"
+                    lora = llama_loras.get(outtype) or convert_lora(
+                        args.llama_lora_converter, model_dir, path, outtype,
+                        work / f"adapter-{outtype}.gguf")  # fmt: skip
+                    llama_loras[outtype] = lora
                 procs.append(start_llama(args.llama_server, ggufs[label], port,
                                          args.prompt_len + args.max_tokens + 64, args.threads,
-                                         log_path))  # fmt: skip
+                                         log_path, lora))  # fmt: skip
+                llama_lora[label] = lora is not None
                 wait_healthy(f"http://127.0.0.1:{port}", procs[-1], log_path, 300.0)
                 servers[(label, "llama")] = f"http://127.0.0.1:{port}"
         base_name = requests.get(servers[(precisions[0][0], "new")] + "/v1/models",
@@ -318,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
         for (label, side), _url in servers.items():
             for batch in batches if side != "llama" else [1]:
                 rows.append((label, side, False, batch))
-                if side != "llama" and adapter_args:
+                if adapter_args and (side != "llama" or llama_lora.get(label)):
                     rows.append((label, side, True, batch))
         gen = torch.Generator().manual_seed(args.seed)
         times: dict[tuple, list[dict]] = {row: [] for row in rows}
@@ -330,8 +376,10 @@ def main(argv: list[str] | None = None) -> int:
                 prompts = [torch.randint(100, vocab - 100, (args.prompt_len,),
                                          generator=gen).tolist() for _ in range(batch)]  # fmt: skip
                 model = None if side == "llama" else ADAPTER if with_adapter else base_name
+                scale = float(with_adapter) if side == "llama" and llama_lora.get(label) else None
                 try:
-                    result = run_row(servers[(label, side)], model, prompts, args.max_tokens)
+                    result = run_row(servers[(label, side)], model, prompts, args.max_tokens,
+                                     scale)  # fmt: skip
                 except (RuntimeError, requests.RequestException) as exc:
                     log.warning("round %d %s %s: failed (%s)", round_idx, label, side, exc)
                     failures.append(f"round {round_idx} {row}: {exc}")
@@ -384,8 +432,9 @@ def summarize(args, precisions, times: dict, bandwidth: float, skipped: dict) ->
             per[key] = spread([r["tpot_ms"] for r in results])
             if side == "llama":
                 reported = [r["reported_ms"] for r in results if r["reported_ms"] is not None]
-                if reported:
-                    per[f"llama_reported_batch{batch}"] = spread(reported)
+                if reported:  # llama_reported_batch1: base rows (the key earlier results have)
+                    name = "" if kind == "base" else "adapter_"
+                    per[f"llama_reported_{name}batch{batch}"] = spread(reported)
             new = med.get((lab, "new", with_adapter, batch))
             if side == "baseline" and new is not None:
                 ratio = new / med[(lab, side, with_adapter, batch)]
@@ -404,6 +453,10 @@ def summarize(args, precisions, times: dict, bandwidth: float, skipped: dict) ->
         if llama1 is not None:
             metrics.setdefault("tpot_ratio_vs_llama_server_batch1", {})[label] = round(
                 base1 / llama1, 3)  # fmt: skip
+        llama_adapter1 = med.get((label, "llama", True, 1))
+        if llama_adapter1 is not None and adapter1 is not None:
+            metrics.setdefault("tpot_ratio_vs_llama_server_adapter_batch1", {})[label] = round(
+                adapter1 / llama_adapter1, 3)  # fmt: skip
     floats = [label for label in DTYPES if label in metrics["tpot_ms_batch1"]]
     if "int8" in metrics["tpot_ms_batch1"] and floats:
         best = min(metrics["tpot_ms_batch1"][f] for f in floats)
