@@ -91,11 +91,12 @@ class StepTimeModel:
         their intercept, and the past's weight from the chunks (none with one chunk point).
 
         A negative slope of the mixed steps (timing noise: a start-up beside a busy neighbour
-        measured 128 decodes beside 160 prompt tokens faster than beside 32) does not make a
-        prompt token free: its cost is then what the chunk after no past took beyond a decode
-        step of one. A free token made the past's weight (a ratio to it) 720 and the budget one
-        token a step: a 128-token prompt took 128 steps, and the refit, which keeps a prompt
-        token's cost within a band of the prior's, could not correct it."""
+        measured the full batch of decodes beside more prompt tokens faster than beside fewer)
+        does not make a prompt token free: its cost is then what the chunk after no past took
+        beyond the smallest decode step. A free token made the past's weight (a ratio to it)
+        hundreds of times too large and the budget one prompt token a step, and the refit,
+        which keeps a prompt token's cost within a band of the prior's, could not correct it
+        (tests/server/sched/test_chunked_schedule.py has the points)."""
         per_request, fixed = _line(points.decode_ms)
         ms_per_token, mixed_fixed = _line(points.mixed_ms)
         if ms_per_token <= 0 and points.chunk_ms:
