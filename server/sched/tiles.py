@@ -26,7 +26,9 @@ and the refit then measured that rate and cut the chunks further (server.sched.s
 - a chunk that does not end its prompt and runs on the blocked kernel drops a last partial tile
   of fewer than half a tile's tokens: that tile would read the whole past again for them (the
   next step's chunk starts with them instead).
-A prompt's last chunk is what is left of it, whatever its size.
+A prompt's last chunk is what is left of it, whatever its size. The refit prices the past by
+the keys the kernel reads (`key_reads`: a partial tile reads as a whole one), so what it fits is
+the blocked kernel's rate, not one blurred by padding.
 """
 
 from __future__ import annotations
@@ -43,6 +45,16 @@ TILE_STALL = 2.0  # most a tile floor may take a step's cost to, in multiples of
 def runs_tiled(tokens: int, past: int) -> bool:
     """Whether a segment of `tokens` new tokens after `past` goes to the blocked kernel."""
     return tokens >= ATTENTION_TILE and tokens * (past + (tokens + 1) / 2) >= TILE_MIN_WORK
+
+
+def key_reads(tokens: int, past: int) -> float:
+    """The keys before it that each token of a chunk of `tokens` after `past` is scored against,
+    summed as the kernel reads them: on the rows kernel each token's own, on the blocked kernel
+    each tile's as if it were whole (a partial tile's padded lanes read as much)."""
+    if not runs_tiled(tokens, past):
+        return tokens * (past + (tokens - 1) / 2)
+    tiles, t = -(-tokens // ATTENTION_TILE), ATTENTION_TILE
+    return t * tiles * (past + (t * tiles - 1) / 2)
 
 
 def whole_tiles(tokens: int, past: int, left: int) -> int:
