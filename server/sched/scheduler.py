@@ -209,7 +209,7 @@ class Scheduler:
         chunks = {s: n for s, n in gate.chunks.items() if s in still}
         if budget is not None:
             self._fill(chunks, limits, budget - sum(gate.cost(s, n) for s, n in chunks.items()))
-            in_tiles(chunks, self.running, gate.cost, budget, is_whole)
+            in_tiles(chunks, self.running, gate.cost, budget * limits.tile_stall, is_whole)
         starts = self._reserve(chunks)
         if not chunks:
             return None

@@ -19,11 +19,13 @@ takes 2.7 s alone. The rows kernel's cost per token of past is about 1.7x the bl
 - a chunk cut below a tile, after a past long enough for a tile to go to the blocked kernel
   (after a shorter one the rows kernel is the faster: the budget's cut stands), is raised to a
   whole tile (to its prompt's end, where that is nearer), oldest prompt first, while the step's
-  cost stays within `TILE_STALL` times its budget (a budget given by --max-num-batched-tokens
-  too: it is the same stall bound). A stream's gap in such a step is at most twice the
-  inter-token target (the budget's own floor, MIN_CHUNK tokens, is a step's least prompt work in
-  the same way), far below the multi-second step of an unchunked long prompt, and the tile does
-  in one step what the rows kernel did in two or three, each paying the step's fixed cost;
+  cost stays within `TILE_STALL` times its budget. A stream's gap in such a step is at most
+  twice the default inter-token target (the budget's own floor, MIN_CHUNK tokens, is a step's
+  least prompt work in the same way), far below the multi-second step of an unchunked long
+  prompt, and the tile does in one step what the rows kernel did in two or three, each paying
+  the step's fixed cost. Where the operator bounded the steps (--max-num-batched-tokens,
+  --itl-target-ms) the bound is the budget itself (StepBudget.tile_stall): a tile only where
+  it fits;
 - a chunk that does not end its prompt and runs on the blocked kernel drops a last partial tile
   of fewer than half a tile's tokens: that tile would read the whole past again for them (the
   next step's chunk starts with them instead).
@@ -73,13 +75,13 @@ def in_tiles(
     chunks: dict[Sequence, int],
     oldest_first: Iterable[Sequence],
     cost: Callable[[Sequence, int], int],
-    budget: int,
+    bound: float,
     whole: Callable[[Sequence], bool],
 ) -> None:
     """Make the prompt chunks of a planned step whole tiles (see the module docstring), in
     place: `chunks` the step's tokens per request (a decode 1), `cost` a request's budget
-    tokens for so many, `budget` the step's budget, `whole` whether a prompt is computed in one
-    step anyway."""
+    tokens for so many, `bound` the most budget tokens the step may cost with a chunk raised to
+    a tile, `whole` whether a prompt is computed in one step anyway."""
     prompts = [s for s in oldest_first
                if chunks.get(s, 0) > 0 and not s.is_prefilled and not whole(s)]  # fmt: skip
     for seq in prompts:
@@ -92,6 +94,6 @@ def in_tiles(
         floor = min(left, ATTENTION_TILE)
         if n >= floor or not runs_tiled(ATTENTION_TILE, seq.num_prefilled):
             continue  # after a short past the rows kernel is the faster one
-        if spent - cost(seq, n) + cost(seq, floor) <= TILE_STALL * budget:
+        if spent - cost(seq, n) + cost(seq, floor) <= bound:
             spent += cost(seq, floor) - cost(seq, n)
             chunks[seq] = floor

@@ -24,11 +24,13 @@ from toppings.server.sched.tiles import ATTENTION_TILE, TILE_STALL
 
 
 def make_chunked(
-    budget: int, max_batch=40, num_blocks=4096, policy="fcfs", queue=None, past_weight=0.0
-):
+    budget: int, max_batch=40, num_blocks=4096, policy="fcfs", queue=None, past_weight=0.0,
+    tile_stall=1.0,
+):  # fmt: skip
+    """tile_stall: StepBudget.tile_stall (1: a given budget; TILE_STALL: a derived one)."""
     config = SchedulingConfig(queue_policy=policy)
     memory, adapters = Memory(num_blocks), Adapters()
-    limits = GateLimits(max_batch, 8192, budget, past_weight)
+    limits = GateLimits(max_batch, 8192, budget, past_weight, tile_stall=tile_stall)
     clock = iter(range(1_000_000)).__next__
     if queue is None:
         queue = make_queue_policy(config, num_blocks * BLOCK)
@@ -296,7 +298,7 @@ def test_a_token_counts_more_of_the_budget_the_longer_its_past():
 
 
 def test_late_chunks_of_a_long_prompt_are_smaller_and_no_step_costs_more_than_the_budget():
-    sched, _, _ = make_chunked(budget=100, max_batch=8, past_weight=0.002)
+    sched, _, _ = make_chunked(budget=100, max_batch=8, past_weight=0.002, tile_stall=TILE_STALL)
     limits = sched.limits
     streams = [submit(sched, prompt_len=4, max_new=400, ignore_eos=True) for _ in range(4)]
     step(sched)

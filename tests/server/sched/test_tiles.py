@@ -8,6 +8,7 @@ from __future__ import annotations
 from tests.server.sched.test_chunked_schedule import make_chunked, step, tokens_of
 from tests.server.sched.test_scheduler import submit
 from toppings.server.model import attention
+from toppings.server.sched.step_budget import StepTimeModel, choose_step_budget
 from toppings.server.sched.tiles import (
     ATTENTION_TILE,
     TILE_MIN_WORK,
@@ -44,7 +45,9 @@ def test_a_chunk_is_raised_to_a_tile_only_within_the_stall_bound():
     11 (rows); with a weight of 0.001 the budget leaves 17, a tile costs 65: 69 <= 80 is raised
     to a tile."""
     for weight, want in ((0.002, 11), (0.001, ATTENTION_TILE)):
-        sched, _, _ = make_chunked(budget=40, max_batch=8, past_weight=weight)
+        sched, _, _ = make_chunked(
+            budget=40, max_batch=8, past_weight=weight, tile_stall=TILE_STALL
+        )
         streams = [submit(sched, prompt_len=4, max_new=400, ignore_eos=True) for _ in range(4)]
         step(sched)
         long = submit(sched, prompt_len=3000, max_new=1, ignore_eos=True)
@@ -59,3 +62,24 @@ def test_a_chunk_is_raised_to_a_tile_only_within_the_stall_bound():
         assert got[long] == want and cost <= TILE_STALL * 40
         if want == ATTENTION_TILE:
             assert 4 + limits.chunk_cost(ATTENTION_TILE, past) > 40  # over the budget itself
+
+
+def test_a_budget_the_operator_bounded_is_not_exceeded_for_a_tile():
+    """--max-num-batched-tokens or --itl-target-ms: the budget is the stall bound itself, so
+    the chunk the budget leaves (17 tokens, a tile would cost 69 of 40) stays on the rows
+    kernel; a derived budget allows the tile (TILE_STALL)."""
+    given = choose_step_budget(32, 8192, max_num_batched_tokens=40)
+    assert given.tile_stall == 1.0
+    target = choose_step_budget(32, 8192, itl_target_ms=200.0, model=StepTimeModel())
+    assert target.tile_stall == 1.0
+    assert choose_step_budget(32, 8192, model=StepTimeModel()).tile_stall == TILE_STALL
+    sched, _, _ = make_chunked(budget=40, max_batch=8, past_weight=0.001)
+    assert sched.limits.tile_stall == 1.0
+    for _ in range(4):
+        submit(sched, prompt_len=4, max_new=400, ignore_eos=True)
+    step(sched)
+    long = submit(sched, prompt_len=3000, max_new=1, ignore_eos=True)
+    while long.num_prefilled < 1000:
+        step(sched)
+    got = tokens_of(step(sched))
+    assert got[long] == 17 and 4 + sched.limits.chunk_cost(17, long.num_prefilled - 17) <= 40
