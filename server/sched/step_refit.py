@@ -30,8 +30,11 @@ beside decodes) and every `REFIT_EVERY` steps fits the model to them again, robu
   high: 1.1-1.7x too high, a token 25-31% too cheap), and one too low was never refitted. Beside
   few streams the budget's chunks shrink as their past grows, so a window's past work hardly
   differs and nothing moved it back. (The weights of 0.0011-0.0033 seen beside decodes, 2-5x
-  what chunks of 64-256 tokens alone show, were mostly the rows kernel's rate: chunks cut below
-  a tile re-read the past once per token, server.sched.tiles);
+  what chunks of 64-256 tokens alone show, were that and the rows kernel's rate together:
+  chunks cut below a tile re-read the past once per token, server.sched.tiles. With chunks in
+  whole tiles the real engine's refit read medians of 0.00045-0.00084 over a 2,500-token
+  prompt beside 1-16 streams, 0.0003-0.0013 at the extremes; before, 0.0005-0.0019, swinging
+  from 0.00014 to 0.0037: bench/probe_long_prompt_steps.py);
 - where only steps with prompt tokens were seen of late and the model is more than `GROSS_OFF`
   times off their median, that ratio scales the whole model first (the decode line, and with
   it the default target, cannot be seen in them otherwise).
