@@ -121,6 +121,9 @@ class GateLimits:
     # Chunked prefill: the budgets of steps of 0, 1, ... decodes (StepBudget.few_decodes); a
     # step of more decodes: max_step_tokens.
     few_decode_tokens: tuple[int, ...] = ()
+    # Chunked prefill: most a chunk raised to a tile may take a step's cost to, in multiples of
+    # its budget (StepBudget.tile_stall)
+    tile_stall: float = 1.0
 
     @classmethod
     def from_config(cls, config: SchedulingConfig, budget: StepBudget | None = None) -> GateLimits:
@@ -130,9 +133,11 @@ class GateLimits:
     def with_budget(self, budget: StepBudget | None) -> GateLimits:
         """These limits with chunked prefill's steps sized by `budget` (None: off)."""
         if budget is None:
-            return replace(self, max_step_tokens=None, past_weight=0.0, few_decode_tokens=())
+            return replace(self, max_step_tokens=None, past_weight=0.0, few_decode_tokens=(),
+                           tile_stall=1.0)  # fmt: skip
         return replace(self, max_step_tokens=budget.tokens, past_weight=budget.past_weight,
-                       few_decode_tokens=budget.few_decodes)  # fmt: skip
+                       few_decode_tokens=budget.few_decodes,
+                       tile_stall=budget.tile_stall)  # fmt: skip
 
     def step_tokens(self, num_decodes: int) -> int:
         """The budget of a chunked-prefill step with `num_decodes` decodes in it."""

@@ -37,6 +37,7 @@ from toppings.server.sched.admission import (
 from toppings.server.sched.bypass import is_deterministic
 from toppings.server.sched.queueing import QueuePolicy
 from toppings.server.sched.step_budget import MIN_CHUNK, StepBudget
+from toppings.server.sched.tiles import in_tiles
 
 log = logging.getLogger(__name__)
 COMPLETED = ("stop", "length")  # finish reasons of a request that ran to its end
@@ -177,6 +178,9 @@ class Scheduler:
         equal or greater length keep their order (FCFS). Under chameleon only prompts of one
         queue share so (its quotas share a step between queues).
 
+        The prompt chunks are then made whole tiles of the blocked attention kernel, a chunk
+        cut below a tile raised to one within a stall bound (server.sched.tiles).
+
         Each planned request's KV slots are reserved here (`Memory.allocate`), before the step
         runs; see `_reserve`.
         """
@@ -205,6 +209,7 @@ class Scheduler:
         chunks = {s: n for s, n in gate.chunks.items() if s in still}
         if budget is not None:
             self._fill(chunks, limits, budget - sum(gate.cost(s, n) for s, n in chunks.items()))
+            in_tiles(chunks, self.running, gate.cost, budget * limits.tile_stall, is_whole)
         starts = self._reserve(chunks)
         if not chunks:
             return None

@@ -45,6 +45,8 @@ import math
 from dataclasses import dataclass
 from typing import Protocol
 
+from toppings.server.sched.tiles import TILE_STALL
+
 MIN_CHUNK = 16  # prompt tokens a full batch of decodes leaves a step at least
 ITL_MULTIPLE = 3.0  # the default inter-token target, in decode steps at the current batch
 # most of a step its fixed cost may be, for each request waiting on it (its decodes and the prompt)
@@ -167,6 +169,10 @@ class StepBudget:
     # the budgets of steps of 0, 1, ... decodes, where their fixed cost's share sizes them
     # (FIXED_SHARE); a step of more decodes: `tokens`. (): `tokens` for all (a given budget)
     few_decodes: tuple[int, ...] = ()
+    # most a long prompt's chunk raised to a tile may take its step's cost to, in multiples of
+    # the step's budget (server.sched.tiles): TILE_STALL for a derived budget, 1 where the
+    # operator bounded the steps (--max-num-batched-tokens, --itl-target-ms)
+    tile_stall: float = 1.0
 
     @property
     def lone_tokens(self) -> int:
@@ -227,4 +233,5 @@ def choose_step_budget(
         f"cost at most {FIXED_SHARE:g} of it for each request waiting on it); a prompt token "
         f"after a past of P counts 1 + {model.past_weight():.2g} x P; step model: {model.source}"
     )
-    return StepBudget(tokens, target, how, model.past_weight(), tuple(few))
+    stall = 1.0 if itl_target_ms else TILE_STALL
+    return StepBudget(tokens, target, how, model.past_weight(), tuple(few), stall)

@@ -16,11 +16,25 @@ beside decodes) and every `REFIT_EVERY` steps fits the model to them again, robu
   slopes between every two steps); otherwise the whole line scaled by the median ratio of real
   to modelled time. While no step with prompt tokens was seen of late, that ratio scales their
   costs too: what the decode steps show of the machine's speed is the best guess for them;
-- steps with prompt tokens: what they take beyond the decode line, against the modelled cost of
-  their prompt tokens, their past and their decode rows' extra, scaled by the median ratio;
-  then the cost of the past a prompt token attends to (`ms_per_token_past`, Theil-Sen) where the
-  window's pasts differ enough for a slope to show, and the fixed cost (`mixed_fixed_ms`) by
-  the median of what is left;
+- steps with prompt tokens: what they take beyond the decode line and their decode rows'
+  extra, fitted at once on a fixed cost (`mixed_fixed_ms`), a cost per prompt token
+  (`ms_per_token`) and one per key of the past it is scored against (`ms_per_token_past`; the
+  keys as the attention kernel reads them: server.sched.tiles), by least squares, again without
+  the steps that fit leaves more than `RESIDUAL_OUT` median absolute deviations off. The two
+  costs are held to the model's by `PRIOR_STEPS` steps' worth of weight each (ridge regression):
+  a window whose chunks all have one size cannot tell a token's cost from the fixed one, nor
+  a window of one past the past's from a token's, and there the model keeps what it had. The
+  fit of before scaled every prompt cost by the window's median misfit, then fitted the past's
+  slope only where the model's own slope made the window's pasts differ by 5 ms: a past weight
+  too high was taken out of the token's cost instead (beside 4 streams, from a weight 3x too
+  high: 1.1-1.7x too high, a token 25-31% too cheap), and one too low was never refitted. Beside
+  few streams the budget's chunks shrink as their past grows, so a window's past work hardly
+  differs and nothing moved it back. (The weights of 0.0011-0.0033 seen beside decodes, 2-5x
+  what chunks of 64-256 tokens alone show, were that and the rows kernel's rate together:
+  chunks cut below a tile re-read the past once per token, server.sched.tiles. With chunks in
+  whole tiles the real engine's refit read medians of 0.00045-0.00084 over a 2,500-token
+  prompt beside 1-16 streams, 0.0003-0.0013 at the extremes; before, 0.0005-0.0019, swinging
+  from 0.00014 to 0.0037: bench/probe_long_prompt_steps.py);
 - where only steps with prompt tokens were seen of late and the model is more than `GROSS_OFF`
   times off their median, that ratio scales the whole model first (the decode line, and with
   it the default target, cannot be seen in them otherwise).
@@ -42,6 +56,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from toppings.server.sched.step_budget import StepTimeModel
+from toppings.server.sched.tiles import key_reads
 
 if TYPE_CHECKING:
     from toppings.server.sched.scheduler import StepPlan
@@ -50,9 +65,10 @@ WINDOW = 24  # recent steps of one kind a fit looks at
 REFIT_EVERY = 4  # steps between two fits
 MIN_STEPS = 6  # steps of a kind in its window before they are fitted on
 OUTLIER = 3.0  # a step this many times slower or faster than the recent steps' median is out
-MIN_PAST_SPREAD_MS = 5.0  # modelled past cost between a window's extremes to fit its slope
 BATCH_STEPS = 8  # recent steps whose median decode rows are the current batch
-MIN_SCALE = 0.05  # least a fit scales the cost of prompt tokens by at once
+MIN_SCALE = 0.05  # least a fit takes the cost of a prompt token to at once, of what it was
+PRIOR_STEPS = 4.0  # steps' worth of weight that holds each cost of steps with prompt tokens
+RESIDUAL_OUT = 4.0  # a step this many median absolute deviations off the joint fit is left out
 GROSS_OFF = 2.0  # steps with prompt tokens this far off the model alone scale all of it
 # A prompt token's fitted costs (its own, its past's) stay within this factor of the prior's,
 # scaled by how much faster or slower the decode line now is than the prior's. Steps of a few
@@ -205,37 +221,60 @@ def _fit_decode(
 
 
 def _fit_mixed(model: StepTimeModel, steps: list[tuple[StepShape, float]]) -> StepTimeModel:
-    """The costs of prompt tokens, their past and their step's fixed extra through the steps
-    with prompt tokens, beyond the decode line (see the module docstring)."""
+    """The fixed extra of steps with prompt tokens and the costs of their prompt tokens and
+    past, fitted jointly to what the steps take beyond the decode line and their decode rows'
+    extra (see the module docstring), once more without the steps the first fit leaves far off
+    (RESIDUAL_OUT times the residuals' median absolute deviation)."""
     m = model
-    beyond = [ms - m.decode_step_ms(s.num_decodes) for s, ms in steps]  # [n]
-
-    scale = statistics.median(
-        (y - m.mixed_fixed_ms) / max(_variable_ms(s, m), 1e-9) for (s, _), y in zip(steps, beyond)
-    )
-    m = replace(
-        m,
-        ms_per_token=m.ms_per_token * max(scale, MIN_SCALE),
-        ms_per_token_past=m.ms_per_token_past * max(scale, MIN_SCALE),
-        mixed_ms_per_request=m.mixed_ms_per_request * max(scale, MIN_SCALE),
-    )
-    # what is left of each step beyond its tokens' own cost: the fixed extra and the past's
-    rest = [
-        (s.past_work, y - m.mixed_ms_per_request * s.num_decodes - m.ms_per_token * s.prompt_tokens)
-        for (s, _), y in zip(steps, beyond)
-    ]
-    slope = m.ms_per_token_past
-    pasts = [x for x, _ in rest]
-    if slope and slope * (max(pasts) - min(pasts)) >= MIN_PAST_SPREAD_MS:
-        slope = max(_theil_sen(rest), 0.0)
-    fixed = statistics.median(y - slope * x for x, y in rest)
-    return replace(m, ms_per_token_past=slope, mixed_fixed_ms=fixed)
+    columns = [(1.0, float(s.prompt_tokens), s.past_work) for s, _ in steps]
+    beyond = [ms - m.decode_step_ms(s.num_decodes) - m.mixed_ms_per_request * s.num_decodes
+              for s, ms in steps]  # fmt: skip
+    prior = (m.mixed_fixed_ms, m.ms_per_token, m.ms_per_token_past)
+    theta = _ridge(columns, beyond, prior)
+    residuals = [y - sum(t * x for t, x in zip(theta, c)) for c, y in zip(columns, beyond)]
+    spread = RESIDUAL_OUT * max(statistics.median(abs(r) for r in residuals), 1e-6)
+    kept = [i for i, r in enumerate(residuals) if abs(r) <= spread]
+    if len(kept) < len(columns):
+        columns, beyond = [columns[i] for i in kept], [beyond[i] for i in kept]
+        theta = _ridge(columns, beyond, prior)
+    if theta[2] < 0:  # a past that costs nothing: the others fitted without it
+        theta = [*_ridge([c[:2] for c in columns], beyond, prior[:2]), 0.0]
+    fixed, per_token, per_past = theta
+    return replace(m, mixed_fixed_ms=fixed, ms_per_token=max(per_token, m.ms_per_token * MIN_SCALE),
+                   ms_per_token_past=per_past)  # fmt: skip
 
 
-def _variable_ms(s: StepShape, m: StepTimeModel) -> float:
-    """What a step with prompt tokens costs beyond the decode line and its fixed extra."""
-    return (m.mixed_ms_per_request * s.num_decodes + m.ms_per_token * s.prompt_tokens
-            + m.ms_per_token_past * s.past_work)  # fmt: skip
+def _ridge(
+    columns: list[tuple[float, ...]], ys: list[float], prior: tuple[float, ...]
+) -> list[float]:
+    """Least squares of ys on the columns (the first one all ones: the intercept), each other
+    coefficient held to its prior value by the weight of PRIOR_STEPS rows of its column's
+    typical size (ridge regression towards the prior: (X'X + L) theta = X'y + L prior)."""
+    k = len(prior)
+    lhs = [[sum(c[i] * c[j] for c in columns) for j in range(k)] for i in range(k)]
+    rhs = [sum(c[i] * y for c, y in zip(columns, ys)) for i in range(k)]
+    for i in range(1, k):  # the first column, the intercept, is not held
+        weight = PRIOR_STEPS * max(sum(c[i] ** 2 for c in columns) / len(columns), 1e-12)
+        lhs[i][i] += weight
+        rhs[i] += weight * prior[i]
+    return _solve(lhs, rhs)
+
+
+def _solve(lhs: list[list[float]], rhs: list[float]) -> list[float]:
+    """x of lhs x = rhs (Gaussian elimination with partial pivoting; lhs is positive
+    definite here: the ridge's weight is on its diagonal)."""
+    n = len(rhs)
+    a = [row[:] + [b] for row, b in zip(lhs, rhs)]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(a[r][col]))
+        a[col], a[pivot] = a[pivot], a[col]
+        for r in range(col + 1, n):
+            f = a[r][col] / a[col][col]
+            a[r] = [x - f * y for x, y in zip(a[r], a[col])]
+    x = [0.0] * n
+    for r in reversed(range(n)):
+        x[r] = (a[r][n] - sum(a[r][c] * x[c] for c in range(r + 1, n))) / a[r][r]
+    return x
 
 
 def _within_band(model: StepTimeModel, prior: StepTimeModel, batch: int) -> StepTimeModel:
@@ -275,5 +314,5 @@ def shape_of(plan: StepPlan) -> StepShape:
             decodes += 1
         else:
             tokens += n
-            past += n * (seq.num_prefilled + (n - 1) / 2)
+            past += key_reads(n, seq.num_prefilled)
     return StepShape(decodes, tokens, past)

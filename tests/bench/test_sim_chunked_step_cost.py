@@ -8,6 +8,7 @@ import pytest
 from bench.sim_engine import SimSeq, StepModel, step_s
 from toppings.server.sched.scheduler import StepPlan
 from toppings.server.sched.step_budget import StepTimeModel, choose_step_budget
+from toppings.server.sched.tiles import key_reads
 
 MODEL = StepModel(ms_per_token=2.0, decode_ms=50.0, decode_ms_per_request=3.0, prefill_ms=10.0)
 
@@ -56,7 +57,9 @@ def test_a_late_chunk_costs_the_past_it_attends_to():
     decode, late = prefilled(30), SimSeq(2000, 8, 0.0, "a")
     late.num_prefilled = 1000
     plan = plan_of([decode, late], (1, 100))
-    past_ms = 0.01 * 100 * (1000 + 99 / 2)
+    # the keys the blocked kernel reads: 4 tiles of 32, the last one padded (server.sched.tiles)
+    past_ms = 0.01 * 128 * (1000 + 127 / 2)
+    assert key_reads(100, 1000) == 128 * (1000 + 127 / 2)
     assert step_s(plan, slow_past) == pytest.approx(slow_past.mixed_s(1, 100) + past_ms / 1000)
 
 

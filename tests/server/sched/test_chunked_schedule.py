@@ -20,14 +20,17 @@ from toppings.server.sched.step_budget import (
     StepTimeModel,
     choose_step_budget,
 )
+from toppings.server.sched.tiles import ATTENTION_TILE, TILE_STALL
 
 
 def make_chunked(
-    budget: int, max_batch=40, num_blocks=4096, policy="fcfs", queue=None, past_weight=0.0
-):
+    budget: int, max_batch=40, num_blocks=4096, policy="fcfs", queue=None, past_weight=0.0,
+    tile_stall=1.0,
+):  # fmt: skip
+    """tile_stall: StepBudget.tile_stall (1: a given budget; TILE_STALL: a derived one)."""
     config = SchedulingConfig(queue_policy=policy)
     memory, adapters = Memory(num_blocks), Adapters()
-    limits = GateLimits(max_batch, 8192, budget, past_weight)
+    limits = GateLimits(max_batch, 8192, budget, past_weight, tile_stall=tile_stall)
     clock = iter(range(1_000_000)).__next__
     if queue is None:
         queue = make_queue_policy(config, num_blocks * BLOCK)
@@ -185,7 +188,8 @@ def test_a_lone_prompt_takes_the_bigger_chunks_until_a_decode_runs_beside_it():
     assert tokens_of(step(sched)) == {long: 400}
     short = submit(sched, prompt_len=10, max_new=20, ignore_eos=True)
     got = tokens_of(step(sched))  # the short one shares the lone step's room, then decodes
-    assert got[short] == 10 and sum(got.values()) == 400
+    # the long one's 390 in whole tiles of the blocked attention kernel (server.sched.tiles)
+    assert got[short] == 10 and got[long] == 384
     got = tokens_of(step(sched))
     assert got[short] == 1 and sum(got.values()) == 56
     while sched.has_work():
@@ -316,7 +320,7 @@ def test_a_token_counts_more_of_the_budget_the_longer_its_past():
 
 
 def test_late_chunks_of_a_long_prompt_are_smaller_and_no_step_costs_more_than_the_budget():
-    sched, _, _ = make_chunked(budget=100, max_batch=8, past_weight=0.002)
+    sched, _, _ = make_chunked(budget=100, max_batch=8, past_weight=0.002, tile_stall=TILE_STALL)
     limits = sched.limits
     streams = [submit(sched, prompt_len=4, max_new=400, ignore_eos=True) for _ in range(4)]
     step(sched)
@@ -327,10 +331,17 @@ def test_late_chunks_of_a_long_prompt_are_smaller_and_no_step_costs_more_than_th
         plan = step(sched)
         got = tokens_of(plan)
         cost = sum(n if s is not long else limits.chunk_cost(n, past) for s, n in got.items())
-        assert cost <= 100 and all(got[s] == 1 for s in streams)
+        assert all(got[s] == 1 for s in streams)
+        # within the budget, but for a chunk raised to a tile (server.sched.tiles): 2x at most
+        raised = got[long] == min(ATTENTION_TILE, 2000 - past)
+        assert cost <= 100 or (raised and cost <= TILE_STALL * 100)
         sizes.append(got[long])
     assert sizes[0] == limits.chunk_within(96, 0) == 88  # 96 planned, its own tokens' past
-    assert sizes[-2] < sizes[0] / 3  # after ~1900 tokens of past a token counts ~5x
+    # after ~1900 tokens of past a token counts ~5x: the budget's 19 are raised to a tile
+    # the last ~1,500 tokens in whole tiles, and the tail of under a tile in one step
+    assert limits.chunk_within(96, 1900) < ATTENTION_TILE == sizes[-2] < sizes[0] / 2
+    assert sizes[-1] < ATTENTION_TILE and set(sizes[-40:-1]) == {ATTENTION_TILE}
+    assert len(sizes) == 55  # before: 64, in rows chunks of 19-46 tokens from a past of 500 on
     assert sum(sizes) == 2000
 
 

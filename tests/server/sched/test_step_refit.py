@@ -87,6 +87,41 @@ def test_a_prior_10x_off_is_corrected_within_a_few_dozen_steps(factor, first):
     assert model.decode_step_ms(STREAMS) == pytest.approx(TRUE.decode_step_ms(STREAMS), rel=0.1)
 
 
+# bf16 SmolLM2 on a 2-core CPU beside 4 streams, roughly (a decode step of 27 ms; a prompt token
+# 1.2 ms and 0.0008 ms more for each token of its past: a past weight of 0.00067)
+FEW = StepTimeModel(
+    ms_per_token=1.2, decode_ms=22.0, decode_ms_per_request=1.2, ms_per_token_past=0.0008,
+    mixed_ms_per_request=0.3, mixed_fixed_ms=3.0,
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("past_factor", [3.0, 1 / 3])
+def test_a_past_weight_3x_off_is_corrected_beside_few_streams(past_factor, seed):
+    """A prior whose cost of the past is 3x too high or too low (the start-up measurement took
+    its two chunk points beside a neighbour's burst): over a 2,500-token prompt chunked beside 4
+    streams, as the budget of the refitted model plans it, the fit finds the past weight and a
+    prompt token's cost the steps show (this fit: the weight within 2%, the token's cost 3-17%).
+    The fit of before took the window's misfit out of every prompt cost by one factor and
+    fitted the past's slope only where the model's own slope made the window's pasts differ by
+    5 ms (late in a prefill the chunks shrink as their past grows, so a window's past work
+    hardly differs): from a weight 3x too high it ended 1.1-1.7x too high with a prompt token
+    25-31% too cheap, from one 3x too low 0.04-0.9x with a token 1.5-2.7x too dear."""
+    rng = random.Random(seed)
+    refit = StepRefit(replace(FEW, ms_per_token_past=FEW.ms_per_token_past * past_factor))
+    for _ in range(24):
+        refit.observe(StepShape(4), modelled_ms(FEW, StepShape(4)) * rng.uniform(0.95, 1.05))
+    past = 0
+    while past < 2500:
+        limits = GateLimits(32, 8192).with_budget(choose_step_budget(32, 8192, model=refit.model))
+        tokens = min(limits.chunk_within(limits.step_tokens(4) - 4, past), 2500 - past)
+        shape = StepShape(4, tokens, tokens * (past + (tokens - 1) / 2))
+        refit.observe(shape, modelled_ms(FEW, shape) * rng.uniform(0.95, 1.05))
+        past += tokens
+    assert refit.model.past_weight() == pytest.approx(FEW.past_weight(), rel=0.2)
+    assert refit.model.ms_per_token == pytest.approx(FEW.ms_per_token, rel=0.2)
+
+
 def test_one_slow_step_among_normal_ones_moves_the_budget_little():
     """One step of a second (a page fault storm, a neighbour's burst) among ~200 ms steps, or
     a burst of three: the steps after it still take what the target allows (within 12%)."""
