@@ -149,6 +149,18 @@ static inline void st(void *p, int is_bf16, int64_t i, float f) {
         ((float *)p)[i] = f;
 }
 
+/* CALL(t) with t a constant 1-4 equal to T: the kernels are inlined with their row count known,
+ * so that their per-row accumulators stay in registers (a runtime count kept them in memory). */
+#define WITH_CONST_T(T, CALL)                                                                  \
+    do {                                                                                       \
+        switch (T) {                                                                           \
+        case 1: CALL(1); break;                                                                \
+        case 2: CALL(2); break;                                                                \
+        case 3: CALL(3); break;                                                                \
+        default: CALL(4); break;                                                               \
+        }                                                                                      \
+    } while (0)
+
 static inline int threads_for(int64_t elements, int num_threads) {
     return elements >= (1 << 16) ? num_threads : 1;
 }

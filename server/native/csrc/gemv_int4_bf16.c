@@ -30,17 +30,6 @@
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define HAVE_DPBF16 1
 
-/* CALL(t) with t a constant 1-4 equal to T (the accumulators then stay in registers). */
-#define WITH_CONST_T(T, CALL)                                                                  \
-    do {                                                                                       \
-        switch (T) {                                                                           \
-        case 1: CALL(1); break;                                                                \
-        case 2: CALL(2); break;                                                                \
-        case 3: CALL(3); break;                                                                \
-        default: CALL(4); break;                                                               \
-        }                                                                                      \
-    } while (0)
-
 /* 16 output rows blk * 16 .. + 16. xp [T, G4 * 32]: x in the order the weights unpack (below),
  * zero past `in`; sums [T, G4]: each group's sum of x, zero past G. */
 static inline __attribute__((always_inline)) void block_int4_bf16(

@@ -24,18 +24,6 @@
 #define ISA_C 2
 #define ISA_AVX512 512
 
-/* CALL(t) with t a constant 1-4 equal to T: the kernels are inlined with their row count known,
- * so that their per-row accumulators stay in registers (a runtime count kept them in memory). */
-#define WITH_CONST_T(T, CALL)                                                                  \
-    do {                                                                                       \
-        switch (T) {                                                                           \
-        case 1: CALL(1); break;                                                                \
-        case 2: CALL(2); break;                                                                \
-        case 3: CALL(3); break;                                                                \
-        default: CALL(4); break;                                                               \
-        }                                                                                      \
-    } while (0)
-
 /* x [T, in] (either dtype, row stride ld_x) as float32 [T, in] contiguous, in a fresh buffer. */
 static float *x_as_f32(const void *x, int64_t ld_x, int is_bf16, int64_t T, int64_t in) {
     float *xf = malloc(sizeof(float) * (size_t)(T * in));
