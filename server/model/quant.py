@@ -30,6 +30,7 @@ from toppings.server.model.linear import plain_copy_affordable
 from toppings.server.model.quant_gemv import (
     GEMV_ROWS,
     INT4_GROUP,  # divides every hidden and head size served, and is GGUF's block of 32
+    Int4Weight,
     int4_bf16_gemv,
     int4_bf16_gemv_layout,
     int4_bf16_gemv_works,
@@ -57,23 +58,6 @@ class Int8Weight:
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight the kernel multiplies by in `dtype`'s model, as float32 [out, in]."""
         return self.q.float() * self.scales.to(dtype).float()[:, None]
-
-
-@dataclass
-class Int4Weight:
-    """q [out, in] uint8 in [0, 15], scales and zeros [out, in / INT4_GROUP] float32:
-    W ~ (q - 8) * scale + zero, per group of INT4_GROUP inputs."""
-
-    q: torch.Tensor
-    scales: torch.Tensor
-    zeros: torch.Tensor
-
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The weight the kernel multiplies by in `dtype`'s model, as float32 [out, in]."""
-        out_features, in_features = self.q.shape
-        groups = self.q.view(out_features, -1, INT4_GROUP).float() - 8  # [out, G, 32]
-        scales, zeros = (t.to(dtype).float()[..., None] for t in (self.scales, self.zeros))
-        return (groups * scales + zeros).view(out_features, in_features)
 
 
 QuantizedWeight = Int8Weight | Int4Weight

@@ -10,6 +10,9 @@ runs it once against F.linear before the engine relies on it.
   `int4_gemv_layout`.
 - `int4_bf16_gemv`: bfloat16 activations on CPUs with AVX512_BF16, the weight multiplied as bf16
   (vdpbf16ps): `int4_bf16_gemv_layout` (the same packed values, scales and zeros as bf16 pairs).
+
+`Int4Weight`, the int4 weight both int4 layouts are made from (quant.py quantizes into it), lives
+here so that the `*_works` checks build one without importing quant.py (which imports this).
 """
 
 from __future__ import annotations
@@ -17,25 +20,30 @@ from __future__ import annotations
 import ctypes
 import functools
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
 from toppings.server import native
 
-INT4_GROUP = 32  # quant.INT4_GROUP: a group of inputs sharing a scale and a zero
+INT4_GROUP = 32  # inputs of a group that shares a scale and a zero
 
 
-class Int4Groups(Protocol):
-    """quant.Int4Weight as these functions read it: q [out, in] uint8 in [0, 15], scales and
-    zeros [out, in / 32] float32, W = (q - 8) * scale + zero per group of 32 inputs."""
+@dataclass
+class Int4Weight:
+    """q [out, in] uint8 in [0, 15], scales and zeros [out, in / INT4_GROUP] float32:
+    W ~ (q - 8) * scale + zero, per group of INT4_GROUP inputs."""
 
     q: torch.Tensor
     scales: torch.Tensor
     zeros: torch.Tensor
 
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor: ...
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight the kernel multiplies by in `dtype`'s model, as float32 [out, in]."""
+        out_features, in_features = self.q.shape
+        groups = self.q.view(out_features, -1, INT4_GROUP).float() - 8  # [out, G, 32]
+        scales, zeros = (t.to(dtype).float()[..., None] for t in (self.scales, self.zeros))
+        return (groups * scales + zeros).view(out_features, in_features)
 
 
 GEMV_ROWS = 4  # csrc/gemv_int8.c's bound: one pass over the weight for every row
@@ -89,17 +97,21 @@ def int8_gemv_works(dtype: torch.dtype) -> bool:
     return got is not None and torch.allclose(got.float(), want, rtol=tol, atol=tol)
 
 
-def int4_gemv_layout(weight: Int4Groups, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+def int4_gemv_layout(weight: Int4Weight, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
     """The native int4 GEMV's own copy of `weight` (csrc/gemv_int8.c, gemv_int4): the values
     [out, in / 2] uint8, a group of 32 inputs in 16 bytes (input k in the low nibble of byte k,
     input k + 16 in its high nibble); the scales and offsets [out, in / 32] float32 with
     W = scale * q + offset (offset = zero - 8 scale), scale and zero as kept in `dtype`."""
-    out_features, in_features = weight.q.shape
-    groups = weight.q.view(out_features, -1, INT4_GROUP)  # [out, G, 32]
-    packed = groups[..., :16] | (groups[..., 16:] << 4)
     scales = weight.scales.to(dtype).float()
     offsets = weight.zeros.to(dtype).float() - 8 * scales
-    return packed.reshape(out_features, in_features // 2).contiguous(), scales, offsets
+    return _packed(weight.q), scales, offsets
+
+
+def _packed(q: torch.Tensor) -> torch.Tensor:
+    """q [out, in] in [0, 15] as both int4 GEMVs read it: [out, in / 2] uint8, a group of 32
+    inputs in 16 bytes, input k in the low nibble of byte k and input k + 16 in its high one."""
+    groups = q.view(q.shape[0], -1, INT4_GROUP)  # [out, G, 32]
+    return (groups[..., :16] | (groups[..., 16:] << 4)).reshape(q.shape[0], -1).contiguous()
 
 
 def int4_gemv(
@@ -151,15 +163,14 @@ def int4_gemv_works(dtype: torch.dtype) -> bool:
     return got is not None and torch.allclose(got.float(), want, rtol=tol, atol=tol)
 
 
-def int4_bf16_gemv_layout(weight: Int4Groups) -> tuple[torch.Tensor, torch.Tensor]:
+def int4_bf16_gemv_layout(weight: Int4Weight) -> tuple[torch.Tensor, torch.Tensor]:
     """The bf16 int4 GEMV's copy of `weight` (csrc/gemv_int4_bf16.c): the packed values as
     `int4_gemv_layout`'s [out, in / 2] uint8, and sz [out, in / 32] int32 holding each group's
     scale (low 16 bits) and zero (high 16 bits) as bf16 bits: a bfloat16 model's scales and zeros
     are bf16 numbers, so nothing is rounded."""
-    packed = int4_gemv_layout(weight, torch.bfloat16)[0]
     halves = [t.to(torch.bfloat16).view(torch.int16).to(torch.int32) & 0xFFFF
               for t in (weight.scales, weight.zeros)]  # fmt: skip
-    return packed, (halves[0] | (halves[1] << 16)).contiguous()
+    return _packed(weight.q), (halves[0] | (halves[1] << 16)).contiguous()
 
 
 def int4_bf16_gemv(x: torch.Tensor, packed: torch.Tensor, sz: torch.Tensor) -> torch.Tensor | None:
@@ -199,23 +210,9 @@ def int4_bf16_gemv_works() -> bool:
     return got is not None and torch.allclose(got.float(), want, rtol=2e-2, atol=2e-2)
 
 
-@dataclass
-class _Int4:
-    """A random int4 weight for the `*_works` checks (Int4Groups)."""
-
-    q: torch.Tensor
-    scales: torch.Tensor
-    zeros: torch.Tensor
-
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        groups = self.q.view(self.q.shape[0], -1, INT4_GROUP).float() - 8
-        scales, zeros = (t.to(dtype).float()[..., None] for t in (self.scales, self.zeros))
-        return (groups * scales + zeros).view(self.q.shape)
-
-
-def _random_int4(dtype: torch.dtype) -> tuple[_Int4, torch.Tensor]:
+def _random_int4(dtype: torch.dtype) -> tuple[Int4Weight, torch.Tensor]:
     """32 x 96 (three groups: an odd last one) and x [3, 96] in `dtype`."""
     gen = torch.Generator().manual_seed(0)
     q = torch.randint(0, 16, (32, 96), generator=gen, dtype=torch.uint8)
     scales, zeros = (torch.randn(32, 3, generator=gen) / 16 for _ in range(2))
-    return _Int4(q, scales, zeros), torch.randn(3, 96, generator=gen).to(dtype)
+    return Int4Weight(q, scales, zeros), torch.randn(3, 96, generator=gen).to(dtype)
