@@ -213,10 +213,8 @@ class DecodePath:
                     None if lora_step is None else ctypes.byref(lora_step), self._is_bf16,
                     torch.get_num_threads(),
                 )  # fmt: skip
-                if failed != 1:
-                    _check(failed, "step")
-                    return residual
-                self._one_call = False  # declined before writing anything: not here
+                _check(failed, "step")  # it declines only where silu_mul_takes says: not here
+                return residual
         self._layer_by_layer(model, lora, kv, step, (x, qkv, attn, out, gate_up, act, residual))
         return residual
 
