@@ -50,11 +50,22 @@ class LoraProj(ctypes.Structure):
     ]
 
 
+def _parts_functions(lib: ctypes.CDLL) -> tuple[int, int]:
+    """The addresses of lora_parts.c's `lora_shrink_part` and `lora_expand_part`, or (0, 0)
+    where this build has no AVX-512 (lora_parts.c then defines neither)."""
+    try:
+        shrink, expand = lib.lora_shrink_part, lib.lora_expand_part
+    except AttributeError:
+        return 0, 0
+    return ctypes.cast(shrink, ctypes.c_void_p).value, ctypes.cast(expand, ctypes.c_void_p).value
+
+
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The compiled `csrc/lora.c`, or None where it cannot be built here (logged once)."""
     return native_build.load(
-        "lora_kernels", Path(__file__).with_name("csrc"), ("lora.c",), (), SIGNATURES,
+        "lora_kernels", Path(__file__).with_name("csrc"), ("lora.c", "lora_parts.c"),
+        ("lora_vec.h",), SIGNATURES,
         fallback="LoRA over runs uses the torch segment kernel",
     )  # fmt: skip
 
@@ -158,11 +169,14 @@ class ModuleLayout:
 @dataclass(frozen=True)
 class RunsLayout:
     """A step's runs for a native caller that calls `lora_runs` itself, layer by layer (the CPU
-    decode path, server/model/decode_path.py): the function's address, the addresses of the
+    decode path, server/model/decode_path.py): the function's address, csrc/lora_parts.c's two
+    (0 where the build has none: no AVX-512), the addresses of the
     runs' starts [B + 1], offsets [B] (int32) and scales [B] (float32), the tables' dtype and
     layers, and per module its `ModuleLayout`. Valid while the RunsStep that made it lives."""
 
     function: int
+    shrink_part: int
+    expand_part: int
     starts: int
     offsets: int
     scales: int
@@ -262,7 +276,7 @@ class RunsStep:
         }  # fmt: skip
         function = ctypes.cast(lib.lora_runs, ctypes.c_void_p).value
         return RunsLayout(
-            function, self._starts.data_ptr(), self._offsets.data_ptr(),
+            function, *_parts_functions(lib), self._starts.data_ptr(), self._offsets.data_ptr(),
             self._scales.data_ptr(), self._num_runs, self._dtype, self._num_layers, modules,
         )  # fmt: skip
 

@@ -83,6 +83,8 @@ class LoraStep(ctypes.Structure):
 
     _fields_ = [
         ("run", ctypes.c_void_p),
+        ("shrink", ctypes.c_void_p),
+        ("expand", ctypes.c_void_p),
         ("starts", ctypes.c_void_p),
         ("offsets", ctypes.c_void_p),
         ("scales", ctypes.c_void_p),
@@ -244,7 +246,10 @@ class DecodePath:
         shapes = {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv),
                   "o_proj": (q, hidden), "gate_proj": (hidden, inter), "up_proj": (hidden, inter),
                   "down_proj": (inter, hidden)}  # fmt: skip
-        step = LoraStep(runs.function, runs.starts, runs.offsets, runs.scales, runs.num_runs)
+        step = LoraStep(
+            runs.function, runs.shrink_part or None, runs.expand_part or None, runs.starts,
+            runs.offsets, runs.scales, runs.num_runs,
+        )  # fmt: skip
         for module, m in runs.modules.items():
             if shapes.get(module) != (m.h_in, m.h_out):
                 return None

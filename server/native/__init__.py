@@ -32,9 +32,10 @@ from toppings.gpu_lora.kernels import native_build
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = (
     "attention.c", "attention_tiles.c", "elementwise.c", "linear.c", "gemv_int8.c",
-    "gemv_int4_bf16.c", "decode_layer.c",
+    "gemv_int4_bf16.c", "decode_proj.c", "decode_layer.c",
 )  # fmt: skip
-HEADERS = ("attention_bf16.h",)  # what the sources include besides common.h: part of the key
+# what the sources include besides common.h: part of the key
+HEADERS = ("attention_bf16.h", "decode_proj.h")
 
 _P, _I, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 _ATTENTION = [_P] * 6 + [_I] * 4 + [_I64] * 3 + [ctypes.c_float, _I]

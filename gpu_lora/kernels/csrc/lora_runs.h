@@ -24,4 +24,15 @@ typedef int (*lora_runs_fn)(const void *x, int64_t ld_x, int64_t H_in, int64_t n
                             const int32_t *offsets, const float *scales, int64_t num_runs,
                             int is_bf16, int num_threads);
 
+/* lora_parts.c's split of a decode step's LoRA between a GEMV's threads (see there). */
+typedef int (*lora_shrink_part_fn)(const void *x, int64_t ld_x, int64_t H_in, int64_t num_tokens,
+                                   const LoraProj *proj, int64_t num_proj, const int32_t *starts,
+                                   const int32_t *offsets, const float *scales, int64_t num_runs,
+                                   int is_bf16, int64_t max_rank, float *h, float *xf, int part,
+                                   int parts);
+typedef void (*lora_expand_part_fn)(const LoraProj *proj, int64_t num_proj, const int64_t *c0,
+                                    const int64_t *c1, const int32_t *starts,
+                                    const int32_t *offsets, int64_t num_runs, int is_bf16,
+                                    int64_t max_rank, const float *h, uint32_t *hp);
+
 #endif

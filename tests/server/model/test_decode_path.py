@@ -32,9 +32,29 @@ CASES = [
 ]
 
 
+# Wide enough that every projection's GEMV runs on two threads (csrc/common.h's threads_for), so
+# that an adapter's LoRA is shared between them (csrc/decode_proj.c, gpu_lora's lora_parts.c).
+WIDE = {"hidden_size": 256, "intermediate_size": 512}
+WIDE_CASES = [
+    ("llama3", "bfloat16", "none"),
+    ("llama-bias", "float32", "int8"),
+    ("llama3", "bfloat16", "int4"),
+]
+
+
 @pytest.mark.parametrize(("family", "dtype", "quantization"), CASES)
 def test_decode_path_equals_the_per_op_path(tmp_path, family, dtype, quantization):
-    model_dir = make_tiny_family(tmp_path / family, family)
+    check_decode_path(tmp_path, family, dtype, quantization)
+
+
+@pytest.mark.parametrize(("family", "dtype", "quantization"), WIDE_CASES)
+def test_decode_path_with_lora_in_the_gemv_threads(tmp_path, family, dtype, quantization):
+    check_decode_path(tmp_path, family, dtype, quantization, num_threads=2, **WIDE)
+
+
+def check_decode_path(tmp_path, family, dtype, quantization, num_threads=0, **shape) -> None:
+    """Every decode step's logits, per op, layer by layer and in one call, are equal."""
+    model_dir = make_tiny_family(tmp_path / family, family, **shape)
     adapters = {
         name: str(
             make_random_adapter(
@@ -43,7 +63,9 @@ def test_decode_path_equals_the_per_op_path(tmp_path, family, dtype, quantizatio
         )  # fmt: skip
         for name, rank in (("a4", 4), ("a8", 8))
     }
-    with running_engine(model_dir, adapters, dtype=dtype, quantization=quantization) as engine:
+    with running_engine(
+        model_dir, adapters, dtype=dtype, quantization=quantization, num_threads=num_threads
+    ) as engine:
         model = engine.model
         path = model.decode_path
         if path is None:
@@ -102,7 +124,8 @@ def silu_runs_natively() -> bool:
 @pytest.mark.skipif(os.environ.get("TOPPINGS_NATIVE_CFLAGS") is not None, reason="the inner run")
 def test_the_avx2_build_runs_the_step_in_one_call_and_exactly(tmp_path):
     """The library as an AVX2-only CPU builds it (-mno-avx512f: the AVX2 GEMVs, the AVX2 silu,
-    the LoRA kernel's scalar path) runs the exactness test above, one call a step included."""
+    the LoRA kernel's scalar path, no lora_parts.c) runs the exactness tests above, one call a
+    step included: the wide case's LoRA then runs after each GEMV instead of within it."""
     flags = set(open("/proc/cpuinfo").read().split())
     if not {"avx2", "fma"} <= flags:
         pytest.skip("this CPU cannot run the AVX2 build")
@@ -113,4 +136,4 @@ def test_the_avx2_build_runs_the_step_in_one_call_and_exactly(tmp_path):
         env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
-    assert "2 passed" in result.stdout
+    assert "3 passed" in result.stdout  # the two cases, and the wide bfloat16 one
