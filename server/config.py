@@ -129,11 +129,25 @@ class RuntimeConfig(Settings):
             metavar="N",
         ),
     )
+    # The engine's thread count chosen from its decode steps (engine/thread_governor.py);
+    # None: on for cpu.
+    adapt_threads: bool | None = setting(
+        None,
+        flag=Flag(
+            "run the engine's steps on half its threads while that measures faster (a "
+            "neighbour taking a core), all of them again when that does: decode steps are "
+            "compared now and then (default: on with --device cpu)",
+            choices=ON_OFF,
+            parse=on_off,
+        ),
+    )
     max_model_len: int = setting(0, bound=Bound.NON_NEGATIVE)  # 0: max_position_embeddings
 
     def check(self) -> None:
         if self.cuda_graphs and self.device != "cuda":
             raise ValueError("cuda_graphs needs device cuda (a CPU has no graphs to capture)")
+        if self.adapt_threads and self.device != "cpu":
+            raise ValueError("adapt_threads needs device cpu (it sizes the CPU's OpenMP team)")
         if self.quantization != Quantization.NONE.value and self.device != "cpu":
             raise ValueError(
                 f"quantization {self.quantization} runs on device cpu only (torch's packed "
@@ -144,6 +158,11 @@ class RuntimeConfig(Settings):
     def quantization_scheme(self) -> Quantization:
         """The quantization as its Enum."""
         return Quantization(self.quantization)
+
+    @property
+    def use_thread_governor(self) -> bool:
+        """Whether the engine's thread count follows its steps (engine/thread_governor.py)."""
+        return self.device == "cpu" and self.adapt_threads is not False
 
     @property
     def use_cuda_graphs(self) -> bool:

@@ -23,6 +23,7 @@ from toppings.gpu_lora.validate import check_finite_delta
 from toppings.server.config import EngineConfig
 from toppings.server.engine import reports
 from toppings.server.engine.compose import compose_engine
+from toppings.server.engine.thread_governor import ThreadGovernor
 from toppings.server.engine.threads import engine_thread_count, set_torch_threads
 from toppings.server.model.loader import Checkpoint
 from toppings.server.requests.adapter_ref import AdapterRef
@@ -71,6 +72,7 @@ class Engine:
         self._draining = threading.Event()
         # The engine thread's OpenMP team, as the thread that builds the engine sees it
         self._num_threads = engine_thread_count(config)
+        self.governor = ThreadGovernor(self._num_threads) if config.use_thread_governor else None
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
 
     @property
@@ -224,6 +226,8 @@ class Engine:
                 return None
             budget = self.budget if self.budget is not None and self.budget.follows_steps else None
             shape = shape_of(plan) if budget is not None else None
+            if self.governor is not None:
+                self.governor.apply()
             try:
                 self.lora.steps.wait_for_loads([s.cache_entry for s in plan.seqs])  # on-demand-sync
                 outcome = self.runner.run(plan)
@@ -237,6 +241,8 @@ class Engine:
                 self.scheduler.fail(plan, f"engine error: {exc}")
             seconds = time.perf_counter() - started
             self.step_stats.count(plan.is_prefill, seconds)
+            if self.governor is not None and not plan.is_prefill:
+                self.governor.observe(len(plan.seqs), seconds)
             if budget is not None:
                 self._observe_step(budget, shape, seconds)
         return plan
