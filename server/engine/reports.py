@@ -10,6 +10,7 @@ from typing import Protocol
 from toppings.gpu_lora.cache import EntryState
 from toppings.server.config import EngineConfig
 from toppings.server.engine.adapters import AdapterManager
+from toppings.server.engine.thread_governor import ThreadGovernor
 from toppings.server.memory.kv_cache import KVPool
 from toppings.server.memory.manager import MemoryManager
 from toppings.server.requests.stats_schema import (
@@ -55,6 +56,7 @@ class Reported(Protocol):
     lora: AdapterManager
     kv: KVPool
     budget: StepBudgetKeeper | None
+    governor: ThreadGovernor | None
     step_stats: StepStats
 
     def is_healthy(self) -> bool: ...
@@ -83,6 +85,8 @@ def counters(engine: Reported) -> EngineCounters:
         adapter_cache=lora.cache.snapshot(),
         adapter_references=lora.references(),
         step_budget_tokens=budget and budget.tokens,
+        engine_threads=engine.governor and engine.governor.threads,
+        thread_switches=engine.governor.switches if engine.governor is not None else 0,
     )
 
 

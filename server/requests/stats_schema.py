@@ -179,6 +179,10 @@ class EngineCounters:
     adapter_references: int  # references held on device adapters
     # chunked prefill's tokens per step as the engine resized it last (None: chunked prefill off)
     step_budget_tokens: int | None = None
+    # the OpenMP threads the engine's steps run on now, and how often the governor changed it
+    # (engine/thread_governor.py; None / 0 without it)
+    engine_threads: int | None = None
+    thread_switches: int = 0
 
 
 _NAME_LISTS = ("resident_adapters", "loading_adapters")

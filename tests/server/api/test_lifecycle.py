@@ -265,6 +265,8 @@ def test_metrics_parse_and_move(client, engine):
     assert after[("toppings:kv_cache_reserved_tokens", ())] == 0
     assert after[("toppings:adapter_references", ())] == len(engine.adapters())  # the pins
     assert after[("toppings:adapters_resident", ())] == len(engine.adapters())
+    if engine.governor is not None:  # cpu: the threads the steps run on
+        assert after[("toppings:engine_threads", ())] == engine.governor.threads
     if engine.step_budget is not None:  # chunked prefill: the budget the steps are sized by
         assert after[("toppings:step_budget_tokens", ())] == engine.step_budget.tokens
 
