@@ -14,6 +14,8 @@ the minute, so the governor measures rather than guesses:
   they had at the last decision (a neighbour arrived), it runs `probe_steps` steps at the other
   count (half the threads from all of them; all of them from fewer) and keeps whichever's median
   is lower, the other only when faster by `gain`: a probe that is no better costs its steps.
+  Each probe that changes nothing doubles the interval to the next, up to 8 x `probe_every`
+  (a steady machine pays a probe's steps in thousands); a change sets it back.
 - Prefill and mixed steps run at the chosen count and teach it nothing.
 """
 
@@ -46,6 +48,7 @@ class ThreadGovernor:
         self._level: dict[int, float] = {}  # batch -> their median at the last decision
         self._probe: dict[int, list[float]] | None = None  # batch -> the probe's steps
         self._since_probe = 0
+        self._every = probe_every  # decode steps between probes now
         self._applied = 0  # the count this thread was last set to (0: not yet)
 
     def apply(self) -> None:
@@ -76,7 +79,7 @@ class ThreadGovernor:
         median = statistics.median(recent)
         level = self._level.setdefault(batch, median)
         slowed = median > self._slow * level and self._since_probe >= 2 * self._probe_steps
-        if self._since_probe >= self._probe_every or slowed:
+        if self._since_probe >= self._every or slowed:
             self._probe, self.threads = {}, self.alternative()
 
     def _decide(self) -> None:
@@ -92,5 +95,8 @@ class ThreadGovernor:
                      statistics.median(ratios), self._chosen)  # fmt: skip
             self._chosen, self.switches = self.threads, self.switches + 1
             self._recent = {b: deque(t, maxlen=self._probe_steps) for b, t in probe.items()}
+            self._every = self._probe_every
+        else:
+            self._every = min(2 * self._every, 8 * self._probe_every)
         self._level = {b: statistics.median(t) for b, t in self._recent.items() if t}
         self.threads = self._chosen

@@ -101,3 +101,10 @@ def test_the_engine_runs_its_steps_on_the_governors_count(tiny_model_dir):
     assert all(now == wanted for now, wanted, _ in ran)
     assert {now for now, _, prefill in ran if not prefill} == {1, 2}
     assert len(told) == sum(not prefill for _, _, prefill in ran)
+
+
+def test_a_steady_machine_is_probed_less_and_less():
+    """Each probe that changes nothing doubles the interval: 6,000 quiet steps hold 4 probes
+    (at 400, 1,200, 2,800 and 6,000 steps), not 15."""
+    counts = run(ThreadGovernor(2), QUIET, 6000, random.Random(3))
+    assert counts.count(1) <= 4 * 8
