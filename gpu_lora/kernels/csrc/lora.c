@@ -35,18 +35,8 @@
 static void lora_block(const void *x, int64_t ld_x, const LoraProj *proj, int64_t num_proj,
                        int64_t H_in, int64_t t, int64_t n, int64_t g, int64_t off, float scale,
                        int64_t max_rank, int is_bf16, float *xf, float *h, uint32_t *hp) {
-    const uint16_t *rows[4], *const *xb = NULL;
-#ifdef __AVX512BF16__
-    if (is_bf16 && H_in % 32 == 0) {
-        for (int64_t i = 0; i < 4; i++)
-            rows[i] = (const uint16_t *)x + (t + (i < n ? i : 0)) * ld_x;
-        xb = rows;
-    }
-#endif
-    if (xb == NULL)
-        for (int64_t i = 0; i < n; i++)
-            for (int64_t c = 0; c < H_in; c += 16)
-                _mm512_storeu_ps(xf + i * H_in + c, load16(x, is_bf16, (t + i) * ld_x + c));
+    const uint16_t *rows[4];
+    const uint16_t *const *xb = block_rows(x, ld_x, H_in, t, n, is_bf16, rows, xf);
     int64_t r_max = 0;
     for (int64_t p = 0; p < num_proj; p++)
         r_max = proj[p].ranks[g] > r_max ? proj[p].ranks[g] : r_max;

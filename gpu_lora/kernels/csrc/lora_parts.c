@@ -75,18 +75,8 @@ int lora_shrink_part(const void *x, int64_t ld_x, int64_t H_in, int64_t num_toke
                             prefetch_row(proj[p].A, H_in * (is_bf16 ? 2 : 4), offsets[g] + j);
                 continue;
             }
-            const uint16_t *rows[4], *const *xb = NULL;
-#ifdef __AVX512BF16__
-            if (is_bf16 && H_in % 32 == 0) {
-                for (int64_t i = 0; i < 4; i++)
-                    rows[i] = (const uint16_t *)x + (t + (i < n ? i : 0)) * ld_x;
-                xb = rows;
-            }
-#endif
-            if (xb == NULL)
-                for (int64_t i = 0; i < n; i++)
-                    for (int64_t c = 0; c < H_in; c += 16)
-                        _mm512_storeu_ps(xf + i * H_in + c, load16(x, is_bf16, (t + i) * ld_x + c));
+            const uint16_t *rows[4];
+            const uint16_t *const *xb = block_rows(x, ld_x, H_in, t, n, is_bf16, rows, xf);
             for (int64_t j = 0; j < r_max; j++)
                 for (int64_t p = 0; p < num_proj; p++, item++) {
                     int64_t r = proj[p].ranks[g];

@@ -130,6 +130,25 @@ static inline void prefetch_row(const void *Bt, int64_t row_bytes, int64_t j) {
     for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T1);
 }
 
+/* The rows of a block's n (<= 4) tokens from t as shrink_row takes them: the bf16 rows as they
+ * are (rows, returned) with avx512_bf16 and 32 | H_in, else converted to float32 into xf
+ * [4, H_in] (NULL returned). */
+static inline const uint16_t *const *block_rows(const void *x, int64_t ld_x, int64_t H_in,
+                                                int64_t t, int64_t n, int is_bf16,
+                                                const uint16_t **rows, float *xf) {
+#ifdef __AVX512BF16__
+    if (is_bf16 && H_in % 32 == 0) {
+        for (int64_t i = 0; i < 4; i++)
+            rows[i] = (const uint16_t *)x + (t + (i < n ? i : 0)) * ld_x;
+        return rows;
+    }
+#endif
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t c = 0; c < H_in; c += 16)
+            _mm512_storeu_ps(xf + i * H_in + c, load16(x, is_bf16, (t + i) * ld_x + c));
+    return NULL;
+}
+
 /* h[i * r + j] = scale * (A[row j] . x[t + i]) for the n (<= 4) tokens of a block: bf16 pairs
  * multiplied and summed in float32 at once (xb: the tokens' rows), or float32 rows xf [4, H_in]. */
 static inline __attribute__((always_inline)) void shrink_row(
