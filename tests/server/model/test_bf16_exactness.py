@@ -1,0 +1,248 @@
+"""bfloat16 end to end: the engine served in `dtype="bfloat16"` with `quantization` none, int8
+and int4 gives, in mixed-adapter batches and one request at a time, the logprobs and greedy
+tokens of transformers + PEFT loaded in bfloat16 on the same weights.
+
+Here beside test_quant_exactness.py, whose dequantized reference checkpoint it reuses: what it
+checks is the model's bfloat16 paths (torch's bf16 kernels, the native bf16 / int8 / int4 GEMVs
+and the one-call decode step), which every other end-to-end exactness test runs in float32.
+
+The reference: the family's tiny checkpoint (tests/server/model/tiny_families.py), for int8 /
+int4 with every projection replaced by the weight the engine multiplies by in a bfloat16 model
+(`dequantize(torch.bfloat16)`: the scales, and int4's zeros, rounded to bfloat16 as the engine
+keeps them: quant.py, quant_gemv.int4_bf16_gemv_layout), loaded with `dtype=torch.bfloat16` and
+the adapters kept in bfloat16 (`autocast_adapter_dtype=False`), as the engine keeps them.
+Measured on the llama3 checkpoint (the project's shared 2-core machine, AVX512_BF16): the
+engine in float32 against that bfloat16-scale reference run in float32 differs by 0.011 mean,
+0.07 max in logprob, against 0.02 mean for the float32-scale reference: about half of bf16's
+own spread, so the reference dequantizes as the engine multiplies instead of widening TOL.
+
+Tolerances. bf16 keeps 8 significant bits (unit roundoff u = 2^-8 relative, 2^-9 for one
+rounding to nearest). The tiny checkpoints' logits span about 12 within a row (|logit| up to
+~8), where one bf16 rounding of a logit moves it by up to 2^-5 = 0.031 (ulp 2^-4 in [8, 16));
+the reference and the engine round differently at every op of two layers (norms, projections,
+attention, residual adds, LoRA), so their logprobs differ by a few such steps. Measured (every
+family, none / int8 / int4, mixed batch and one stream, engine bf16 or float32 against this
+bf16 reference; see the report of issue 47's session 28): at most 0.18 at a position, at most
+0.028 averaged over a request's positions. TOL (one position) is 0.35 and MEAN_TOL (the mean
+over all scored positions of a run) is 0.05: about twice the measured spread. A real error is
+far outside: the bf16 int4 GEMV's zero correction off by one moves single-stream logprobs by
+more than 1, a dropped LoRA scale (alpha / r) moves the mean by more than 0.1 (both shown
+failing when this test was written). Greedy tokens are checked teacher-forced: ours must be
+the reference's argmax given the same ids unless the reference's logprob of ours is within
+MARGIN = TOL of its best (bf16 logits tie outright: margins of 0 and 2^-5 were measured).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from contextlib import nullcontext
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tests.helpers import running_engine
+from tests.server.engine.test_family_exactness import (
+    ALL_TARGETS,
+    NEW_TOKENS,
+    TOP,
+    first_turn_prompts,
+    run,
+)
+from tests.server.model.tiny_families import CHECKPOINTS, make_tiny_family
+from toppings.server.config import Quantization
+from toppings.server.model.quant import quantize
+from toppings.server.requests.request import SamplingParams
+
+ADAPTERS = {"a3": (3, False), "a5": (5, False), "a7rs": (7, True)}
+TOL = 0.35  # one position's logprob, against the bf16 reference
+MEAN_TOL = 0.05  # the mean over a run's scored positions
+MARGIN = TOL  # a greedy token may differ where the reference's best is within MARGIN of ours
+SCHEMES = ("none", "int8", "int4")
+CASES = [(name, s) for name in CHECKPOINTS for s in SCHEMES]
+
+
+def bf16_reference(model_dir: Path, scheme: Quantization, out_dir: Path) -> Path:
+    """A copy of the checkpoint at model_dir whose projections hold the weight a bfloat16
+    engine multiplies by (lm_head int8, untied from the embedding where they were tied)."""
+    shutil.copytree(model_dir, out_dir)
+    (path,) = out_dir.glob("*.safetensors")
+    state = load_file(str(path))
+    for name, weight in list(state.items()):
+        if name.endswith(".weight") and name.split(".")[-2] in ALL_TARGETS:
+            state[name] = quantize(weight, scheme).dequantize(torch.bfloat16)
+    head = state.get("lm_head.weight", state["model.embed_tokens.weight"])
+    state["lm_head.weight"] = quantize(head, Quantization.INT8).dequantize(torch.bfloat16)
+    save_file(state, str(path), metadata={"format": "pt"})
+    config = json.loads((out_dir / "config.json").read_text())
+    config["tie_word_embeddings"] = False
+    (out_dir / "config.json").write_text(json.dumps(config))
+    return out_dir
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """(name, scheme) -> (model dir, reference dir, {adapter: path}), made once per module."""
+    made: dict = {}
+    bases: dict = {}
+
+    def get(name: str, scheme: str):
+        if name not in bases:
+            from toppings.scripts.make_adapters import load_base, make_random_adapter
+
+            root = tmp_path_factory.mktemp(name)
+            model_dir = make_tiny_family(root / "model", name)
+            base = load_base(model_dir)
+            adapters = {}
+            for seed, (a, (rank, rslora)) in enumerate(ADAPTERS.items()):
+                path = make_random_adapter(
+                    root / a, base, rank=rank, target_modules=ALL_TARGETS, seed=seed,
+                    use_rslora=rslora,
+                )  # fmt: skip
+                adapters[a] = str(path)
+            bases[name] = (root, model_dir, adapters)
+        if (name, scheme) not in made:
+            root, model_dir, adapters = bases[name]
+            ref = model_dir
+            if scheme != "none":
+                ref = bf16_reference(model_dir, Quantization(scheme), root / f"ref_{scheme}")
+            made[name, scheme] = (model_dir, ref, adapters)
+        return made[name, scheme]
+
+    return get
+
+
+_REFERENCE: dict = {}
+
+
+def reference_logprobs(model_dir, adapters, ids: list[int], adapter: str | None) -> torch.Tensor:
+    """log_softmax of transformers + PEFT's logits in bfloat16 at every position of `ids`
+    (computed in float32 from the bf16 logits), [len, V]."""
+    key = (str(model_dir), tuple(sorted(adapters.items())))
+    if key not in _REFERENCE:
+        from peft import PeftModel
+        from transformers import AutoModelForCausalLM
+
+        base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
+        (first, first_path), *rest = key[1]
+        model = PeftModel.from_pretrained(
+            base, first_path, adapter_name=first, autocast_adapter_dtype=False
+        )
+        for name, path in rest:
+            model.load_adapter(path, adapter_name=name, autocast_adapter_dtype=False)
+        _REFERENCE.clear()
+        _REFERENCE[key] = model.eval()
+    model = _REFERENCE[key]
+    assert model.base_model.model.lm_head.weight.dtype == torch.bfloat16
+    if adapter is not None:
+        model.set_adapter(adapter)
+    with model.disable_adapter() if adapter is None else nullcontext(), torch.inference_mode():
+        logits = model(input_ids=torch.tensor([ids])).logits[0].float()
+    return torch.log_softmax(logits, dim=-1)
+
+
+def check_against_bf16_reference(model_dir, adapters, prompts, results, what: str) -> None:
+    """Every scored position's logprob and top-TOP logprobs within TOL of the reference's, their
+    mean difference within MEAN_TOL, and every greedy token the reference's argmax after the
+    same ids unless the reference's best is within MARGIN of ours."""
+    diffs = []
+    for (prompt, name), out in zip(prompts, results):
+        ids = prompt + out.new_token_ids
+        ref = reference_logprobs(model_dir, adapters, ids, name)  # [len, V]
+        assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+        scored = out.prompt_logprobs[1:] + out.logprobs  # predicts ids[1:]
+        assert [s.token_id for s in scored] == ids[1:]
+        for pos, s in enumerate(scored):
+            want = ref[pos]
+            diff = abs(s.logprob - float(want[ids[pos + 1]]))
+            assert diff < TOL, f"{what}, {name}: position {pos} off by {diff:.3f}"
+            diffs.append(diff)
+            top_ids = [t for t, _ in s.top]
+            got_top = torch.tensor([lp for _, lp in s.top])
+            assert len(top_ids) == TOP
+            assert torch.allclose(got_top, want[top_ids], atol=TOL), (what, name, pos)
+            assert torch.allclose(got_top, want.topk(TOP).values, atol=TOL), (what, name, pos)
+        for j, token in enumerate(out.new_token_ids):
+            row = ref[len(prompt) - 1 + j]
+            short = float(row.max() - row[token])
+            assert short < MARGIN, f"{what}, {name}: token {j} is {token}, {short:.3f} below best"
+    mean = sum(diffs) / len(diffs)
+    assert mean < MEAN_TOL, f"{what}: mean logprob difference {mean:.4f}"
+
+
+@pytest.mark.parametrize(("name", "scheme"), CASES)
+def test_bf16_engine_matches_bf16_peft(checkpoints, name, scheme, monkeypatch):
+    """A mixed batch (two requests per adapter, two base ones, scored prompt and output), then
+    an adapter request of each adapter and a base request alone: their decode steps at batch 1,
+    through the native decode path where the model built one, in one call a step where this
+    build's silu takes the model (counted)."""
+    from toppings.server.model.decode_path import DecodePath
+
+    rows: list[int] = []
+    run_path = DecodePath.run
+
+    def counted_path(self, model, batch, kv, h, cos, sin):
+        rows.append(h.shape[0])
+        return run_path(self, model, batch, kv, h, cos, sin)
+
+    split: list[int] = []  # steps whose layers ran as four calls each, not one call
+    by_layer = DecodePath._layer_by_layer
+
+    def counted_split(self, model, lora, kv, step, buffers):
+        split.append(step.T)
+        return by_layer(self, model, lora, kv, step, buffers)
+
+    monkeypatch.setattr(DecodePath, "run", counted_path)
+    monkeypatch.setattr(DecodePath, "_layer_by_layer", counted_split)
+    model_dir, ref_dir, adapters = checkpoints(name, scheme)
+    scored = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True,
+                            logprobs=TOP, prompt_logprobs=TOP)  # fmt: skip
+    prompts = first_turn_prompts(256)
+    alone = prompts[:3] + prompts[-1:]  # a3, a5, a7rs, base
+    with running_engine(
+        model_dir, adapters, dtype="bfloat16", quantization=scheme, max_total_tokens=4096,
+        max_batch_size=16,
+    ) as engine:  # fmt: skip
+        assert engine.model.dtype == torch.bfloat16
+        assert engine.model.quantization is Quantization(scheme)
+        mixed = run(engine, prompts, scored)
+        rows.clear(), split.clear()
+        single = [run(engine, [p], scored)[0] for p in alone]
+        path = engine.model.decode_path
+    if path is not None:
+        assert rows and set(rows) == {1}, "the single-stream steps skipped the native path"
+        if path._one_call:
+            assert split == [], "a single-stream step ran layer by layer, not in one call"
+    check_against_bf16_reference(ref_dir, adapters, prompts, mixed, f"{name} {scheme} mixed")
+    check_against_bf16_reference(ref_dir, adapters, alone, single, f"{name} {scheme} alone")
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_native_bf16_decode_path_is_built_where_its_kernels_run(checkpoints, scheme):
+    """Where this CPU runs the bf16 GEMVs natively, the test above ran the one-call decode step
+    with the bf16 kernels (decode_layer.c's kinds): plain bf16 GEMV, the int8 GEMV with bf16
+    activations, the bf16 int4 GEMV (AVX512_BF16). Elsewhere (no native library, an AVX2 CPU
+    without AVX512_BF16 for int4) the per-op path with torch's bf16 kernels is what it checked."""
+    from toppings.server.model import quant_gemv
+    from toppings.server.model.decode_path import _INT4_BF16, _INT8, _KINDS
+    from toppings.server.model.linear import gemv_kernel
+
+    kernel = gemv_kernel(torch.bfloat16)
+    runs = {
+        "none": kernel is not None,
+        "int8": kernel is not None and quant_gemv.int8_gemv_works(torch.bfloat16),
+        "int4": kernel is not None and quant_gemv.int4_bf16_gemv_works(),
+    }[scheme]
+    if not runs:
+        pytest.skip(f"no native bf16 GEMV for {scheme} on this CPU: the per-op path ran")
+    model_dir, _, adapters = checkpoints("llama3", scheme)
+    with running_engine(
+        model_dir, adapters, dtype="bfloat16", quantization=scheme, max_total_tokens=1024
+    ) as engine:  # fmt: skip
+        path = engine.model.decode_path
+        assert path is not None
+        kinds = {s.kind for layer in path._layers for s in layer.structs}
+    want = {"none": {_KINDS[kernel[0]]}, "int8": {_INT8}, "int4": {_INT4_BF16}}[scheme]
+    assert kinds == want
