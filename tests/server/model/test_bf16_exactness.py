@@ -222,27 +222,32 @@ def test_bf16_engine_matches_bf16_peft(checkpoints, name, scheme, monkeypatch):
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_native_bf16_decode_path_is_built_where_its_kernels_run(checkpoints, scheme):
     """Where this CPU runs the bf16 GEMVs natively, the test above ran the one-call decode step
-    with the bf16 kernels (decode_layer.c's kinds): plain bf16 GEMV, the int8 GEMV with bf16
-    activations, the bf16 int4 GEMV (AVX512_BF16). Elsewhere (no native library, an AVX2 CPU
-    without AVX512_BF16 for int4) the per-op path with torch's bf16 kernels is what it checked."""
+    on the bf16 kernels (decode_layer.c's kinds): the plain bf16 GEMV (AVX-512 or AVX2), the int8
+    GEMV with bf16 activations, the bf16 int4 GEMV (AVX512_BF16). A kernel the CPU should run
+    that declines or disagrees with F.linear (its `*_works` check: the engine then falls back to
+    torch, silently) fails here. Elsewhere (no native library, no AVX2, int4 without
+    AVX512_BF16) the per-op path on torch's bf16 kernels is what the test above checked."""
+    from toppings.server import native
     from toppings.server.model import quant_gemv
     from toppings.server.model.decode_path import _INT4_BF16, _INT8, _KINDS
+    from toppings.server.model.dtype import cpu_flags
     from toppings.server.model.linear import gemv_kernel
 
+    needs = {"none": "avx2", "int8": "avx2", "int4": "avx512_bf16"}[scheme]
+    if native.library() is None or needs not in cpu_flags():
+        pytest.skip(f"no native bf16 GEMV for {scheme} here (needs {needs}): the per-op path ran")
     kernel = gemv_kernel(torch.bfloat16)
-    runs = {
-        "none": kernel is not None,
-        "int8": kernel is not None and quant_gemv.int8_gemv_works(torch.bfloat16),
-        "int4": kernel is not None and quant_gemv.int4_bf16_gemv_works(),
-    }[scheme]
-    if not runs:
-        pytest.skip(f"no native bf16 GEMV for {scheme} on this CPU: the per-op path ran")
+    assert kernel is not None, "the native bf16 GEMV declined or disagreed with F.linear"
+    if scheme == "int8":
+        assert quant_gemv.int8_gemv_works(torch.bfloat16), "the int8 GEMV failed its check"
+    if scheme == "int4":
+        assert quant_gemv.int4_bf16_gemv_works(), "the bf16 int4 GEMV failed its check"
     model_dir, _, adapters = checkpoints("llama3", scheme)
     with running_engine(
         model_dir, adapters, dtype="bfloat16", quantization=scheme, max_total_tokens=1024
     ) as engine:  # fmt: skip
         path = engine.model.decode_path
-        assert path is not None
+        assert path is not None and path._one_call
         kinds = {s.kind for layer in path._layers for s in layer.structs}
     want = {"none": {_KINDS[kernel[0]]}, "int8": {_INT8}, "int4": {_INT4_BF16}}[scheme]
     assert kinds == want
