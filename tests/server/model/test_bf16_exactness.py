@@ -188,6 +188,48 @@ def test_bf16_engine_matches_bf16_peft(checkpoints, name, scheme, monkeypatch):
     an adapter request of each adapter and a base request alone: their decode steps at batch 1,
     through the native decode path where the model built one, in one call a step where this
     build's silu takes the model (counted)."""
+    serve_and_check(checkpoints, name, scheme, monkeypatch)
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_bf16_engine_on_an_avx2_cpus_kernels_matches_bf16_peft(checkpoints, scheme, monkeypatch):
+    """The kernels an AVX2 CPU without AVX-512 picks in bfloat16, on this one: the AVX2 bf16
+    GEMV for float projections (in the native decode step), and for int4 torch's bf16 int4
+    kernel op by op (no AVX512_BF16: no native int4 GEMV for bf16). (int8's GEMV picks its ISA
+    in C, AVX-512 where there is one: its AVX2 path is test_gemv_int8.py's, per op.)"""
+    from toppings.server.model import linear, quant
+    from toppings.server.model.decode_path import _KINDS
+    from toppings.server.model.dtype import cpu_flags
+
+    if native_library() is None or not {"avx2", "fma"} <= cpu_flags():
+        pytest.skip("no native library or no AVX2 + FMA here")
+    avx2_only = {
+        k: tuple(v for v in kernels if "avx2" in v[0]) for k, kernels in linear._GEMV.items()
+    }
+    monkeypatch.setattr(linear, "_GEMV", avx2_only)
+    monkeypatch.setattr(quant, "int4_bf16_gemv_works", lambda: False)
+    linear.gemv_kernel.cache_clear()
+    try:
+        assert linear.gemv_kernel(torch.bfloat16)[0] == "gemv_bf16_avx2"
+        kinds = serve_and_check(checkpoints, "llama3", scheme, monkeypatch)
+    finally:
+        linear.gemv_kernel.cache_clear()
+    if scheme == "none":
+        assert kinds == {_KINDS["gemv_bf16_avx2"]}
+    if scheme == "int4":
+        assert kinds is None  # op by op
+
+
+def native_library():
+    from toppings.server import native
+
+    return native.library()
+
+
+def serve_and_check(checkpoints, name: str, scheme: str, monkeypatch) -> set[int] | None:
+    """Serve `name` in bfloat16 with `scheme`: the mixed batch, then the four requests alone
+    (checked to run the native decode path at batch 1 where the model built one); both against
+    the bf16 reference. Returns the decode path's projection kinds, None where it had none."""
     from toppings.server.model.decode_path import DecodePath
 
     rows: list[int] = []
@@ -221,12 +263,15 @@ def test_bf16_engine_matches_bf16_peft(checkpoints, name, scheme, monkeypatch):
         rows.clear(), split.clear()
         single = [run(engine, [p], scored)[0] for p in alone]
         path = engine.model.decode_path
+    kinds = None
     if path is not None:
         assert rows and set(rows) == {1}, "the single-stream steps skipped the native path"
         if path._one_call:
             assert split == [], "a single-stream step ran layer by layer, not in one call"
+        kinds = {s.kind for layer in path._layers for s in layer.structs}
     check_against_bf16_reference(ref_dir, adapters, prompts, mixed, f"{name} {scheme} mixed")
     check_against_bf16_reference(ref_dir, adapters, alone, single, f"{name} {scheme} alone")
+    return kinds
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
@@ -237,14 +282,15 @@ def test_native_bf16_decode_path_is_built_where_its_kernels_run(checkpoints, sch
     that declines or disagrees with F.linear (its `*_works` check: the engine then falls back to
     torch, silently) fails here. Elsewhere (no native library, no AVX2, int4 without
     AVX512_BF16) the per-op path on torch's bf16 kernels is what the test above checked."""
-    from toppings.server import native
     from toppings.server.model import quant_gemv
     from toppings.server.model.decode_path import _INT4_BF16, _INT8, _KINDS
     from toppings.server.model.dtype import cpu_flags
     from toppings.server.model.linear import gemv_kernel
 
     needs = {"none": "avx2", "int8": "avx2", "int4": "avx512_bf16"}[scheme]
-    if native.library() is None or needs not in cpu_flags():
+    if native_library() is None:
+        pytest.skip("no native library here: the per-op path on torch's bf16 kernels ran")
+    if needs not in cpu_flags():
         pytest.skip(f"no native bf16 GEMV for {scheme} here (needs {needs}): the per-op path ran")
     kernel = gemv_kernel(torch.bfloat16)
     assert kernel is not None, "the native bf16 GEMV declined or disagreed with F.linear"
