@@ -23,8 +23,9 @@ rounding to nearest). The tiny checkpoints' logits span about 12 within a row (|
 ~8), where one bf16 rounding of a logit moves it by up to 2^-5 = 0.031 (ulp 2^-4 in [8, 16));
 the reference and the engine round differently at every op of two layers (norms, projections,
 attention, residual adds, LoRA), so their logprobs differ by a few such steps. Measured here
-(every family x none / int8 / int4, mixed batch and one stream, AVX512_BF16 CPU): at most 0.14
-at one position and at most 0.025 averaged over a run's positions; the engine in float32
+(every family x none / int8 / int4, mixed batch, follow-up turns and one stream, AVX512_BF16
+CPU): at most 0.154 at one position and at most 0.027 averaged over a run's positions; the
+engine in float32
 against the same bf16 reference, at most 0.18 and 0.028. TOL (one position) is 0.35 and
 MEAN_TOL (the mean over a run's scored positions) 0.05: about twice the measured spread.
 Greedy tokens are checked teacher-forced: ours must be the reference's argmax given the same
@@ -156,15 +157,20 @@ def reference_logprobs(model_dir, adapters, ids: list[int], adapter: str | None)
 def check_against_bf16_reference(model_dir, adapters, prompts, results, what: str) -> None:
     """Every scored position's logprob and top-TOP logprobs within TOL of the reference's, their
     mean difference within MEAN_TOL, and every greedy token the reference's argmax after the
-    same ids unless the reference's best is within MARGIN of ours."""
+    same ids unless the reference's best is within MARGIN of ours. The prompt's positions are
+    scored where the request asked for prompt logprobs, the output's always."""
     diffs = []
     for (prompt, name), out in zip(prompts, results):
         ids = prompt + out.new_token_ids
         ref = reference_logprobs(model_dir, adapters, ids, name)  # [len, V]
-        assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
-        scored = out.prompt_logprobs[1:] + out.logprobs  # predicts ids[1:]
-        assert [s.token_id for s in scored] == ids[1:]
-        for pos, s in enumerate(scored):
+        first = 0  # the first position scored (predicting ids[first + 1])
+        if out.prompt_logprobs is None:
+            first, scored = len(prompt) - 1, out.logprobs
+        else:
+            assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+            scored = out.prompt_logprobs[1:] + out.logprobs  # predicts ids[1:]
+        assert [s.token_id for s in scored] == ids[first + 1 :]
+        for pos, s in enumerate(scored, start=first):
             want = ref[pos]
             diff = abs(s.logprob - float(want[ids[pos + 1]]))
             assert diff < TOL, f"{what}, {name}: position {pos} off by {diff:.3f}"
@@ -184,8 +190,9 @@ def check_against_bf16_reference(model_dir, adapters, prompts, results, what: st
 
 @pytest.mark.parametrize(("name", "scheme"), CASES)
 def test_bf16_engine_matches_bf16_peft(checkpoints, name, scheme, monkeypatch):
-    """A mixed batch (two requests per adapter, two base ones, scored prompt and output), then
-    an adapter request of each adapter and a base request alone: their decode steps at batch 1,
+    """A mixed batch (two requests per adapter, two base ones, scored prompt and output), each
+    request's follow-up turn on its cached KV (output scored), then an adapter request of each
+    adapter and a base request alone: their decode steps at batch 1,
     through the native decode path where the model built one, in one call a step where this
     build's silu takes the model (counted)."""
     serve_and_check(checkpoints, name, scheme, monkeypatch)
@@ -227,7 +234,8 @@ def native_library():
 
 
 def serve_and_check(checkpoints, name: str, scheme: str, monkeypatch) -> set[int] | None:
-    """Serve `name` in bfloat16 with `scheme`: the mixed batch, then the four requests alone
+    """Serve `name` in bfloat16 with `scheme`: the mixed batch, its follow-up turns (reusing the
+    first turns' cached KV), then the four requests alone
     (checked to run the native decode path at batch 1 where the model built one); both against
     the bf16 reference. Returns the decode path's projection kinds, None where it had none."""
     from toppings.server.model.decode_path import DecodePath
@@ -251,15 +259,22 @@ def serve_and_check(checkpoints, name: str, scheme: str, monkeypatch) -> set[int
     model_dir, ref_dir, adapters = checkpoints(name, scheme)
     scored = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True,
                             logprobs=TOP, prompt_logprobs=TOP)  # fmt: skip
+    greedy = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True,
+                            logprobs=TOP)  # fmt: skip
     prompts = first_turn_prompts(256)
     alone = prompts[:3] + prompts[-1:]  # a3, a5, a7rs, base
     with running_engine(
         model_dir, adapters, dtype="bfloat16", quantization=scheme, max_total_tokens=4096,
-        max_batch_size=16,
+        max_batch_size=16, prefix_cache=True,
     ) as engine:  # fmt: skip
         assert engine.model.dtype == torch.bfloat16
         assert engine.model.quantization is Quantization(scheme)
         mixed = run(engine, prompts, scored)
+        # each request's next turn, on the first turn's KV (cached in bf16) under its adapter
+        follow = [(p + out.new_token_ids + [7, 8, 9], a) for (p, a), out in zip(prompts, mixed)]
+        hits = engine.stats().to_json()["memory"]["prefix_hit_tokens"]
+        second = run(engine, follow, greedy)
+        assert engine.stats().to_json()["memory"]["prefix_hit_tokens"] > hits, "no KV reused"
         rows.clear(), split.clear()
         single = [run(engine, [p], scored)[0] for p in alone]
         path = engine.model.decode_path
@@ -270,6 +285,7 @@ def serve_and_check(checkpoints, name: str, scheme: str, monkeypatch) -> set[int
             assert split == [], "a single-stream step ran layer by layer, not in one call"
         kinds = {s.kind for layer in path._layers for s in layer.structs}
     check_against_bf16_reference(ref_dir, adapters, prompts, mixed, f"{name} {scheme} mixed")
+    check_against_bf16_reference(ref_dir, adapters, follow, second, f"{name} {scheme} follow-up")
     check_against_bf16_reference(ref_dir, adapters, alone, single, f"{name} {scheme} alone")
     return kinds
 
