@@ -25,9 +25,9 @@ the reference and the engine round differently at every op of two layers (norms,
 attention, residual adds, LoRA), so their logprobs differ by a few such steps. Measured here
 (every family x none / int8 / int4, mixed batch, follow-up turns and one stream, AVX512_BF16
 CPU): at most 0.154 at one position and at most 0.027 averaged over a run's positions; the
-engine in float32
-against the same bf16 reference, at most 0.18 and 0.028. TOL (one position) is 0.35 and
-MEAN_TOL (the mean over a run's scored positions) 0.05: about twice the measured spread.
+engine in float32 against the same bf16 reference, at most 0.18 and 0.028. TOL (one
+position) is 0.35 and MEAN_TOL (the mean over a run's scored positions) 0.05: about twice the
+measured spread.
 Greedy tokens are checked teacher-forced: ours must be the reference's argmax given the same
 ids unless the reference's logprob of ours is within MARGIN = TOL of its best (bf16 logits tie
 outright: flips at reference margins of 0 to 0.125 were measured).
