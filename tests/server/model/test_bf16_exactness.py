@@ -23,24 +23,26 @@ rounding to nearest). The tiny checkpoints' logits span about 12 within a row (|
 ~8), where one bf16 rounding of a logit moves it by up to 2^-5 = 0.031 (ulp 2^-4 in [8, 16));
 the reference and the engine round differently at every op of two layers (norms, projections,
 attention, residual adds, LoRA), so their logprobs differ by a few such steps. Measured here
-(every family x none / int8 / int4, mixed batch, follow-up turns and one stream, AVX512_BF16
-CPU): at most 0.154 at one position and at most 0.027 averaged over a run's positions; the
-engine in float32 against the same bf16 reference, at most 0.18 and 0.028. TOL (one
-position) is 0.35 and MEAN_TOL (the mean over a run's scored positions) 0.05: about twice the
-measured spread.
-Greedy tokens are checked teacher-forced: ours must be the reference's argmax given the same
-ids unless the reference's logprob of ours is within MARGIN = TOL of its best (bf16 logits tie
-outright: flips at reference margins of 0 to 0.125 were measured).
+(every family and a SmolLM2-wide llama3 x none / int8 / int4, mixed batch, follow-up turns and
+one stream, AVX512_BF16 CPU, 1 and 2 threads): at most 0.154 at one position and at most 0.027
+averaged over a run's positions; the engine in float32 against the same bf16 reference, at most
+0.18 and 0.028. TOL (one position) is 0.35 and MEAN_TOL (the mean over a run's scored positions)
+0.05: about twice the measured spread. Greedy tokens are checked teacher-forced: ours must be
+the reference's argmax given the same ids unless the reference's logprob of ours is within
+MARGIN = TOL of its best (bf16 logits tie outright: flips at reference margins of 0 to 0.125
+were measured).
 
-Real errors land far outside (each made on purpose, run, and undone when this was written):
-the bf16 int4 GEMV's zero correction off by one at one row (csrc/gemv_int4_bf16.c, -137 for
--136 when T == 1) moves single-stream logprobs by 0.8 to 5.7; off by one at every row its
-works check catches, and the engine falls back to torch silently, which the kinds test below
-fails on; the LoRA scale dropped (gpu_lora/peft_format.py, scale 1) moves the mean by 0.48 to
-0.57; rsLoRA scaled as plain LoRA (one adapter of three) by 0.11 to 0.15; the LoRA skipped in
-the native decode step at one row (csrc/decode_proj.c) moves single-stream logprobs by 0.4 to
-1.9. int8 against the float model is below bf16's resolution (see the last test): at bf16 this
-checks int8's bf16 paths run right, not that they quantize (test_quant_exactness.py does that).
+Real errors land far outside (each made on purpose, run, and undone when this was written): the
+bf16 int4 GEMV's zero correction off by one at one row (csrc/gemv_int4_bf16.c, -137 for -136
+when T == 1) moves single-stream logprobs by 0.8 to 5.7; off by one at every row its works check
+catches, and the engine falls back to torch silently, which the kinds test below fails on; its
+zero correction skipped past the first 16 groups of a row (the works check and the tiny
+checkpoints have at most 4 groups) moves the wide checkpoint's logprobs by 5; the LoRA scale dropped
+(gpu_lora/peft_format.py, scale 1) moves the mean by 0.48 to 0.57; rsLoRA scaled as plain LoRA
+(one adapter of three) by 0.11 to 0.15; the LoRA skipped in the native decode step at one row
+(csrc/decode_proj.c) moves single-stream logprobs by 0.4 to 1.9. int8 against the float model is
+below bf16's resolution (see the last test): at bf16 this checks int8's bf16 paths run right,
+not that they quantize (test_quant_exactness.py does that).
 """
 
 from __future__ import annotations
@@ -72,7 +74,14 @@ TOL = 0.35  # one position's logprob, against the bf16 reference
 MEAN_TOL = 0.05  # the mean over a run's scored positions
 MARGIN = TOL  # a greedy token may differ where the reference's best is within MARGIN of ours
 SCHEMES = ("none", "int8", "int4")
-CASES = [(name, s) for name in CHECKPOINTS for s in SCHEMES]
+# llama3 as wide as SmolLM2 (H 576, I 1536, 9 heads of 64, 3 kv heads), initialized 3x narrower
+# so that its logits span what the tiny ones do: the GEMVs' multi-block paths (more than 16
+# groups of 32 inputs, several blocks of output rows, the projections split between threads).
+WIDE = dict(
+    hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
+    initializer_range=0.2 / 3,
+)  # fmt: skip
+CASES = [(name, s) for name in (*CHECKPOINTS, "llama3-wide") for s in SCHEMES]
 
 
 def bf16_reference(model_dir: Path, scheme: Quantization, out_dir: Path) -> Path:
@@ -104,7 +113,10 @@ def checkpoints(tmp_path_factory):
             from toppings.scripts.make_adapters import load_base, make_random_adapter
 
             root = tmp_path_factory.mktemp(name)
-            model_dir = make_tiny_family(root / "model", name)
+            if name == "llama3-wide":
+                model_dir = make_tiny_family(root / "model", "llama3", **WIDE)
+            else:
+                model_dir = make_tiny_family(root / "model", name)
             base = load_base(model_dir)
             adapters = {}
             for seed, (a, (rank, rslora)) in enumerate(ADAPTERS.items()):
