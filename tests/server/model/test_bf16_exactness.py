@@ -161,8 +161,13 @@ def reference_logprobs(model_dir, adapters, ids: list[int], adapter: str | None)
     assert model.base_model.model.lm_head.weight.dtype == torch.bfloat16
     if adapter is not None:
         model.set_adapter(adapter)
-    with model.disable_adapter() if adapter is None else nullcontext(), torch.inference_mode():
-        logits = model(input_ids=torch.tensor([ids])).logits[0].float()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a tiny model: a second thread only waits (a loaded CI, 2 cores)
+    try:
+        with model.disable_adapter() if adapter is None else nullcontext(), torch.inference_mode():
+            logits = model(input_ids=torch.tensor([ids])).logits[0].float()
+    finally:
+        torch.set_num_threads(threads)
     return torch.log_softmax(logits, dim=-1)
 
 
