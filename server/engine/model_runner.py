@@ -48,10 +48,12 @@ class StepOutcome:
 def nonfinite_error(seq: Sequence) -> str:
     """The error of a request whose logits were not finite."""
     adapter = seq.request.adapter
-    who = "the base model" if adapter is None else f"adapter {adapter.name!r}"
+    if adapter is None:
+        return ("the base model produced non-finite logits (inf or NaN) for this request; its "
+                "activations likely overflow the model's dtype")  # fmt: skip
     return (
-        f"{who} produced non-finite logits (inf or NaN) for this request; its LoRA product "
-        f"likely overflows the model's dtype"
+        f"adapter {adapter.name!r} produced non-finite logits (inf or NaN) for this request; its "
+        f"LoRA product likely overflows the model's dtype"
     )
 
 
