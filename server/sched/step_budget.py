@@ -34,7 +34,14 @@ steps of ~100 tokens, each step reading the weights again); beside one or two st
 shrinks each chunk further, and a busy machine's refit put the budget at its floor), so every
 prompt behind it waited seconds for its first token. Beside one stream the step is then about
 5x its fixed cost: the stream's gap grows from one decode step to five, still a small part of
-the multi-second step an unchunked long prompt takes. A target given by `--itl-target-ms` is
+the multi-second step an unchunked long prompt takes. A step with decodes is held within the
+stall bound all the same, `TILE_STALL` times the inter-token target (the bound a chunk raised to
+a tile keeps, server.sched.tiles), whatever its fixed cost: that cost is the refit's, and a
+misfit lands in its intercept (`mixed_fixed_ms`: a long prompt's first chunks slower than
+modelled, beside a busy neighbour, moved it several-fold at once), which this rule alone turned
+into a larger budget, a multi-second step beside one stream, and the steps after it larger
+again (docs/features.md, chunked prefill, has the trace). A step found slower must shrink the steps, never
+grow them. A target given by `--itl-target-ms` is
 the operator's bound on every step a stream waits on: it is kept there (steps without decodes
 are still sized by their fixed cost).
 """
@@ -213,12 +220,15 @@ def choose_step_budget(
     floor = min(batch + max(MIN_CHUNK, model.overhead_tokens()), ceiling)
     tokens = max(floor, min(modelled, ceiling))
     few: list[int] = []
+    stall_ms = TILE_STALL * target  # the most a step a stream waits on is modelled to take
     # an operator's target binds every step a stream waits on: then only a step without
     # decodes is sized by its fixed cost
     for num_decodes in range(1 if itl_target_ms else max_batch_size + 1):
         sized = fixed_share_tokens(model, num_decodes)
         if sized is None:
             break
+        if num_decodes:  # streams wait on it: within the stall bound, whatever its fixed cost
+            sized = min(sized, num_decodes + model.prompt_tokens_within(stall_ms, num_decodes))
         few.append(max(tokens, min(sized, ceiling)))
     while len(few) > 1 and few[-1] == tokens:
         few.pop()  # steps of that many decodes take `tokens` anyway
@@ -230,7 +240,8 @@ def choose_step_budget(
         f"prompt tokens ({model.ms_per_token:.3g} ms each) that keep the step within an "
         f"inter-token target of {target:.0f} ms ({source} at a batch of {batch}): {modelled}, "
         f"clamped to [{floor}, {ceiling}]; {sizes} in a step of {decodes} decodes (its fixed "
-        f"cost at most {FIXED_SHARE:g} of it for each request waiting on it); a prompt token "
+        f"cost at most {FIXED_SHARE:g} of it for each request waiting on it, a step with "
+        f"decodes within {TILE_STALL:g}x the target); a prompt token "
         f"after a past of P counts 1 + {model.past_weight():.2g} x P; step model: {model.source}"
     )
     stall = 1.0 if itl_target_ms else TILE_STALL
