@@ -40,10 +40,10 @@ a tile keeps, server.sched.tiles), whatever its fixed cost: that cost is the ref
 misfit lands in its intercept (`mixed_fixed_ms`: a long prompt's first chunks slower than
 modelled, beside a busy neighbour, moved it several-fold at once), which this rule alone turned
 into a larger budget, a multi-second step beside one stream, and the steps after it larger
-again (docs/features.md, chunked prefill, has the trace). A step found slower must shrink the steps, never
-grow them. A target given by `--itl-target-ms` is
-the operator's bound on every step a stream waits on: it is kept there (steps without decodes
-are still sized by their fixed cost).
+again (docs/features.md, chunked prefill, has the trace): past where the bound binds, a step
+found slower makes the steps streams wait on smaller, not larger. A target given by
+`--itl-target-ms` is the operator's bound on every step a stream waits on: it is kept there
+(steps without decodes are still sized by their fixed cost).
 """
 
 from __future__ import annotations
