@@ -115,8 +115,14 @@ class StepTimeModel:
         mixed step of 160 prompt tokens at 2.1 s: 15.8 ms a token, where a row of the 32-row
         decode step took 1.6 ms; the refit's band, centred on the prior, then held the token at
         6-9 ms for the engine's life, every budget at its floor, and a 3,000-token prompt in
-        ~180 steps (tests/server/sched/test_step_refit.py has the points)."""
+        ~180 steps (tests/server/sched/test_step_refit.py has the points).
+
+        A decode step of no request takes no less than nothing: a line through disturbed decode
+        points (the largest step 30x its neighbours) crossed zero at 5 rows, and the refit,
+        which reads the machine's speed as real decode steps over the prior's, took that speed
+        as infinite and let a prompt token's cost run to 1e10 ms."""
         per_request, fixed = _line(points.decode_ms)
+        fixed = max(fixed, 0.0)
         ms_per_token, mixed_fixed = _line(points.mixed_ms)
         if ms_per_token <= 0 and points.chunk_ms:
             one = points.decode_ms[min(points.decode_ms)]  # the smallest decode step measured
