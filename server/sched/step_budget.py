@@ -16,8 +16,9 @@ are bench/sim_engine.py's fit of SmolLM2, float32, on a 2-core Xeon VM, for the 
 for tests.
 
 The budget is at least the batch's decodes plus `MIN_CHUNK` prompt tokens, and plus as many
-prompt tokens as a step's fixed cost (`decode_ms`) is worth, so that a chunk's work is never
-smaller than the per-step overhead it pays: on a GPU, where a prompt token costs microseconds,
+prompt tokens as a step's fixed cost (`decode_ms`, and a step with prompt tokens' extra,
+`mixed_fixed_ms`) is worth, so that a chunk's work is never smaller than the per-step overhead
+it pays: on a GPU, where a prompt token costs microseconds,
 that floor is in the thousands; on a CPU, where a prompt token costs about as much as a decode
 row, it is a few dozen and the inter-token target decides. At most `max_prefill_tokens` (or a
 full batch plus `MIN_CHUNK`, where that is more).
@@ -41,7 +42,11 @@ misfit lands in its intercept (`mixed_fixed_ms`: a long prompt's first chunks sl
 modelled, beside a busy neighbour, moved it several-fold at once), which this rule alone turned
 into a larger budget, a multi-second step beside one stream, and the steps after it larger
 again (docs/features.md, chunked prefill, has the trace): past where the bound binds, a step
-found slower makes the steps streams wait on smaller, not larger. A target given by
+found slower makes the steps streams wait on smaller, not larger. Only the budget's floor goes
+past the bound, where a step's fixed cost alone exceeds it: a step is then at most twice its
+fixed cost (a chunk's work equal to it), as a step of smaller chunks would pay more overhead
+than work, and a prompt held at `MIN_CHUNK` tokens a step (where a busy machine's steps with
+prompt tokens cost far more than its decode steps) took seconds past its prefill. A target given by
 `--itl-target-ms` is the operator's bound on every step a stream waits on: it is kept there
 (steps without decodes are still sized by their fixed cost).
 """
@@ -151,8 +156,10 @@ class StepTimeModel:
         return self.decode_ms + self.decode_ms_per_request * batch_size
 
     def overhead_tokens(self) -> int:
-        """Prompt tokens whose work equals a step's fixed cost (`decode_ms`)."""
-        return math.ceil(max(self.decode_ms, 0.0) / self.ms_per_token)
+        """Prompt tokens whose work equals a step's fixed cost (`decode_ms`, and the extra of a
+        step with prompt tokens, `mixed_fixed_ms`, where it is positive)."""
+        fixed = max(self.decode_ms, 0.0) + max(self.mixed_fixed_ms, 0.0)
+        return math.ceil(fixed / self.ms_per_token)
 
     def _mixed_decodes_ms(self, batch_size: int) -> float:
         """What batch_size decodes cost a step that also computes prompt tokens."""

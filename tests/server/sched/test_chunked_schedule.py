@@ -507,6 +507,27 @@ def test_every_step_with_decodes_is_planned_within_the_stall_bound(fixed_ms):
     assert memory.reserved == 0
 
 
+def test_a_step_whose_fixed_cost_alone_passes_the_stall_bound_does_work_worth_it():
+    """The refit's model of a real engine (bf16 SmolLM2, 2-core EPYC at a load of 3): steps with
+    prompt tokens cost 126 ms more than decode steps of 17-21 ms, beyond the stall bound (2 x a
+    63 ms target) before any prompt token. The budget held the long prompt at its floor (16
+    prompt tokens a step: 20.8 s to its first token where unchunked took 4.4 s); its floor is now
+    the prompt tokens whose work equals the step's fixed cost, the extra of a step with prompt
+    tokens included: such a step is at most twice its fixed cost."""
+    busy = StepTimeModel(
+        ms_per_token=1.61669, decode_ms=16.33613, decode_ms_per_request=2.39658,
+        ms_per_token_past=0.00025, mixed_fixed_ms=126.49033, batch_size=2,
+    )  # fmt: skip
+    budget = choose_step_budget(32, 8192, model=busy)
+    assert busy.mixed_step_ms(2, 1) > TILE_STALL * budget.itl_target_ms
+    limits = GateLimits(32, 8192).with_budget(budget)
+    # beside the batch the engine runs, a chunk's work is worth the step's overhead
+    work = (limits.step_tokens(2) - 2) * busy.ms_per_token
+    assert work >= busy.decode_ms + busy.mixed_fixed_ms
+    for b in (1, 2, 3):
+        assert busy.mixed_step_ms(b, limits.step_tokens(b) - b) <= 2.1 * busy.mixed_step_ms(b, 1)
+
+
 def test_a_short_prompt_is_not_held_behind_a_second_long_one_waiting():
     # a long prompt being prefilled, a longer one waiting behind it, then a short one: the short
     # one shares the room within a few steps, not after the first long prompt's whole prefill
