@@ -18,9 +18,9 @@ for tests.
 The budget is at least the batch's decodes plus `MIN_CHUNK` prompt tokens, and plus as many
 prompt tokens as a step's fixed cost (`decode_ms`, and a step with prompt tokens' extra,
 `mixed_fixed_ms`) is worth, so that a chunk's work is never smaller than the per-step overhead
-it pays: on a GPU, where a prompt token costs microseconds,
-that floor is in the thousands; on a CPU, where a prompt token costs about as much as a decode
-row, it is a few dozen and the inter-token target decides. At most `max_prefill_tokens` (or a
+it pays: on a GPU, where a prompt token costs microseconds, that floor is in the thousands; on a
+CPU, where a prompt token costs about as much as a decode row, it is a few dozen and the
+inter-token target decides. At most `max_prefill_tokens` (or a
 full batch plus `MIN_CHUNK`, where that is more).
 
 A step of few decodes has few streams waiting on it, and a prompt being chunked pays the step's
@@ -46,9 +46,9 @@ found slower makes the steps streams wait on smaller, not larger. Only the budge
 past the bound, where a step's fixed cost alone exceeds it: a step is then at most twice its
 fixed cost (a chunk's work equal to it), as a step of smaller chunks would pay more overhead
 than work, and a prompt held at `MIN_CHUNK` tokens a step (where a busy machine's steps with
-prompt tokens cost far more than its decode steps) took seconds past its prefill. A target given by
-`--itl-target-ms` is the operator's bound on every step a stream waits on: it is kept there
-(steps without decodes are still sized by their fixed cost).
+prompt tokens cost far more than its decode steps) took seconds past its prefill. A target
+given by `--itl-target-ms` is the operator's bound on every step a stream waits on: it is kept
+there (steps without decodes are still sized by their fixed cost; the floor holds there too).
 """
 
 from __future__ import annotations
