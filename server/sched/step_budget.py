@@ -16,10 +16,11 @@ are bench/sim_engine.py's fit of SmolLM2, float32, on a 2-core Xeon VM, for the 
 for tests.
 
 The budget is at least the batch's decodes plus `MIN_CHUNK` prompt tokens, and plus as many
-prompt tokens as a step's fixed cost (`decode_ms`) is worth, so that a chunk's work is never
-smaller than the per-step overhead it pays: on a GPU, where a prompt token costs microseconds,
-that floor is in the thousands; on a CPU, where a prompt token costs about as much as a decode
-row, it is a few dozen and the inter-token target decides. At most `max_prefill_tokens` (or a
+prompt tokens as a step's fixed cost (`decode_ms`, and a step with prompt tokens' extra,
+`mixed_fixed_ms`) is worth, so that a chunk's work is never smaller than the per-step overhead
+it pays: on a GPU, where a prompt token costs microseconds, that floor is in the thousands; on a
+CPU, where a prompt token costs about as much as a decode row, it is a few dozen and the
+inter-token target decides. At most `max_prefill_tokens` (or a
 full batch plus `MIN_CHUNK`, where that is more).
 
 A step of few decodes has few streams waiting on it, and a prompt being chunked pays the step's
@@ -34,9 +35,20 @@ steps of ~100 tokens, each step reading the weights again); beside one or two st
 shrinks each chunk further, and a busy machine's refit put the budget at its floor), so every
 prompt behind it waited seconds for its first token. Beside one stream the step is then about
 5x its fixed cost: the stream's gap grows from one decode step to five, still a small part of
-the multi-second step an unchunked long prompt takes. A target given by `--itl-target-ms` is
-the operator's bound on every step a stream waits on: it is kept there (steps without decodes
-are still sized by their fixed cost).
+the multi-second step an unchunked long prompt takes. A step with decodes is held within the
+stall bound all the same, `TILE_STALL` times the inter-token target (the bound a chunk raised to
+a tile keeps, server.sched.tiles), whatever its fixed cost: that cost is the refit's, and a
+misfit lands in its intercept (`mixed_fixed_ms`: a long prompt's first chunks slower than
+modelled, beside a busy neighbour, moved it several-fold at once), which this rule alone turned
+into a larger budget, a multi-second step beside one stream, and the steps after it larger
+again (docs/features.md, chunked prefill, has the trace): past where the bound binds, a step
+found slower makes the steps streams wait on smaller, not larger. Only the budget's floor goes
+past the bound, where a step's fixed cost alone exceeds it: a step is then at most twice its
+fixed cost (a chunk's work equal to it), as a step of smaller chunks would pay more overhead
+than work, and a prompt held at `MIN_CHUNK` tokens a step (where a busy machine's steps with
+prompt tokens cost far more than its decode steps) took seconds past its prefill. A target
+given by `--itl-target-ms` is the operator's bound on every step a stream waits on: it is kept
+there (steps without decodes are still sized by their fixed cost; the floor holds there too).
 """
 
 from __future__ import annotations
@@ -98,15 +110,35 @@ class StepTimeModel:
         beyond the smallest decode step. A free token made the past's weight (a ratio to it)
         hundreds of times too large and the budget one prompt token a step, and the refit,
         which keeps a prompt token's cost within a band of the prior's, could not correct it
-        (tests/server/sched/test_chunked_schedule.py has the points)."""
+        (tests/server/sched/test_chunked_schedule.py has the points).
+
+        Nor does a slope far too steep make a prompt token dear: it costs at most what a row of
+        the largest decode step measured costs (that step's time over its rows). A decode row
+        is one more token through every weight, as a prompt token is, and it also attends to
+        its past and goes through the LM head, which a prompt token that samples nothing does
+        not; so this holds on any device. A start-up beside a neighbour's burst measured the
+        mixed step of 160 prompt tokens at 2.1 s: 15.8 ms a token, where a row of the 32-row
+        decode step took 1.6 ms; the refit's band, centred on the prior, then held the token at
+        6-9 ms for the engine's life, every budget at its floor, and a 3,000-token prompt in
+        ~180 steps (tests/server/sched/test_step_refit.py has the points).
+
+        A decode step of no request takes no less than nothing: a line through disturbed decode
+        points (the largest step 30x its neighbours) crossed zero at 5 rows, and the refit,
+        which reads the machine's speed as real decode steps over the prior's, took that speed
+        as infinite and let a prompt token's cost run to 1e10 ms."""
         per_request, fixed = _line(points.decode_ms)
+        fixed = max(fixed, 0.0)
         ms_per_token, mixed_fixed = _line(points.mixed_ms)
         if ms_per_token <= 0 and points.chunk_ms:
             one = points.decode_ms[min(points.decode_ms)]  # the smallest decode step measured
             ms_per_token = (points.chunk_ms[min(points.chunk_ms)] - one) / points.chunk_tokens
+        rows = max(points.decode_ms)
+        if ms_per_token > (per_row := points.decode_ms[rows] / rows):
+            least = min(points.mixed_ms)  # the line through the less disturbed point
+            ms_per_token, mixed_fixed = per_row, points.mixed_ms[least] - per_row * least
         chunk_slope = _line(points.chunk_ms)[0] if len(points.chunk_ms) > 1 else 0.0
-        rows = points.mixed_rows
-        extra = (mixed_fixed - fixed - per_request * rows) / rows
+        mixed_rows = points.mixed_rows
+        extra = (mixed_fixed - fixed - per_request * mixed_rows) / mixed_rows
         return cls(
             ms_per_token=max(ms_per_token, 1e-6),
             decode_ms=fixed,
@@ -124,8 +156,10 @@ class StepTimeModel:
         return self.decode_ms + self.decode_ms_per_request * batch_size
 
     def overhead_tokens(self) -> int:
-        """Prompt tokens whose work equals a step's fixed cost (`decode_ms`)."""
-        return math.ceil(max(self.decode_ms, 0.0) / self.ms_per_token)
+        """Prompt tokens whose work equals a step's fixed cost (`decode_ms`, and the extra of a
+        step with prompt tokens, `mixed_fixed_ms`, where it is positive)."""
+        fixed = max(self.decode_ms, 0.0) + max(self.mixed_fixed_ms, 0.0)
+        return math.ceil(fixed / self.ms_per_token)
 
     def _mixed_decodes_ms(self, batch_size: int) -> float:
         """What batch_size decodes cost a step that also computes prompt tokens."""
@@ -213,12 +247,15 @@ def choose_step_budget(
     floor = min(batch + max(MIN_CHUNK, model.overhead_tokens()), ceiling)
     tokens = max(floor, min(modelled, ceiling))
     few: list[int] = []
+    stall_ms = TILE_STALL * target  # the most a step a stream waits on is modelled to take
     # an operator's target binds every step a stream waits on: then only a step without
     # decodes is sized by its fixed cost
     for num_decodes in range(1 if itl_target_ms else max_batch_size + 1):
         sized = fixed_share_tokens(model, num_decodes)
         if sized is None:
             break
+        if num_decodes:  # streams wait on it: within the stall bound, whatever its fixed cost
+            sized = min(sized, num_decodes + model.prompt_tokens_within(stall_ms, num_decodes))
         few.append(max(tokens, min(sized, ceiling)))
     while len(few) > 1 and few[-1] == tokens:
         few.pop()  # steps of that many decodes take `tokens` anyway
@@ -230,7 +267,8 @@ def choose_step_budget(
         f"prompt tokens ({model.ms_per_token:.3g} ms each) that keep the step within an "
         f"inter-token target of {target:.0f} ms ({source} at a batch of {batch}): {modelled}, "
         f"clamped to [{floor}, {ceiling}]; {sizes} in a step of {decodes} decodes (its fixed "
-        f"cost at most {FIXED_SHARE:g} of it for each request waiting on it); a prompt token "
+        f"cost at most {FIXED_SHARE:g} of it for each request waiting on it, a step with "
+        f"decodes within {TILE_STALL:g}x the target); a prompt token "
         f"after a past of P counts 1 + {model.past_weight():.2g} x P; step model: {model.source}"
     )
     stall = 1.0 if itl_target_ms else TILE_STALL

@@ -7,7 +7,11 @@ and machine) and the inter-token target (server.sched.step_budget). A derived bu
 follows the steps as they run: the engine hands each step's shape and seconds to `observe`,
 which corrects the model (server.sched.step_refit) and, when that moves the budget, returns the
 new one for the scheduler. The budget is logged at INFO when it moves by a quarter (and by
-`MIN_CHUNK` tokens) since it was last logged there; every move is logged at DEBUG.
+`MIN_CHUNK` tokens) since it was last logged there; every move is logged at DEBUG. So is a step
+that streams waited on and that took more than `STALL_LOGGED` times the stall bound (the most a
+step with decodes is planned to take: `StepBudget.tile_stall` times the inter-token target),
+with its shape, what the model said it would take and the budget it was planned with: the
+line that names a stall in a benchmark's log (off by default).
 """
 
 from __future__ import annotations
@@ -22,11 +26,12 @@ from toppings.server.sched.step_budget import (
     StepTimeModel,
     choose_step_budget,
 )
-from toppings.server.sched.step_refit import StepRefit, StepShape
+from toppings.server.sched.step_refit import StepRefit, StepShape, modelled_ms
 
 log = logging.getLogger(__name__)
 
 LOGGED_MOVE = 0.25  # a move of the budget this fraction of its last logged value goes to INFO
+STALL_LOGGED = 1.5  # a step this many times the stall bound goes to DEBUG with its shape
 
 
 class StepBudgetKeeper:
@@ -71,6 +76,8 @@ class StepBudgetKeeper:
         new budget when that moves it (the scheduler's from the next step on), else None."""
         if self._refit is None:
             return None
+        if shape.num_decodes and log.isEnabledFor(logging.DEBUG):
+            self._log_stall(shape, 1000 * seconds)
         model = self._refit.observe(shape, 1000 * seconds)
         if model is None:
             return None
@@ -98,3 +105,22 @@ class StepBudgetKeeper:
             model.decode_step_ms(batch), model.mixed_fixed_ms, budget.past_weight,
         )  # fmt: skip
         return budget
+
+    def _log_stall(self, shape: StepShape, ms: float) -> None:
+        """A DEBUG line for a step streams waited on that took over STALL_LOGGED x the stall
+        bound (the budget and model it was planned with: observe has not refitted yet)."""
+        budget, model = self.budget, self.step_model
+        bound = budget.tile_stall * budget.itl_target_ms
+        if model is None or not bound or ms <= STALL_LOGGED * bound:
+            return
+        few = budget.few_decodes
+        tokens = few[shape.num_decodes] if shape.num_decodes < len(few) else budget.tokens
+        log.debug(
+            "a step streams waited on took %.0f ms, %.1fx the stall bound (%.0f ms: %g x the "
+            "%.0f ms target): %d decodes, %d prompt tokens scored against %.0f keys of past; "
+            "modelled %.0f ms, planned within %d budget tokens (a prompt token after a past of P "
+            "counts 1 + %.2g x P)",
+            ms, ms / bound, bound, budget.tile_stall, budget.itl_target_ms, shape.num_decodes,
+            shape.prompt_tokens, shape.past_work, modelled_ms(model, shape), tokens,
+            budget.past_weight,
+        )  # fmt: skip

@@ -280,7 +280,9 @@ def _solve(lhs: list[list[float]], rhs: list[float]) -> list[float]:
 def _within_band(model: StepTimeModel, prior: StepTimeModel, batch: int) -> StepTimeModel:
     """`model` with its prompt-token costs held within PROMPT_COST_BAND of the prior's, scaled by
     the machine's speed as the decode line shows it at `batch` (see PROMPT_COST_BAND)."""
-    speed = model.decode_step_ms(max(batch, 1)) / max(prior.decode_step_ms(max(batch, 1)), 1e-9)
+    before = prior.decode_step_ms(max(batch, 1))
+    # a prior without a decode step (none measured) says nothing of the machine's speed
+    speed = model.decode_step_ms(max(batch, 1)) / before if before > 0 else 1.0
 
     def held(value: float, prior_value: float) -> float:
         if prior_value <= 0:

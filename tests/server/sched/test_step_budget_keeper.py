@@ -52,3 +52,22 @@ def test_a_slower_machine_is_logged_at_info(caplog):
     lines = info_moves(caplog)
     assert lines and kept.budget.tokens != before
     assert f"-> {kept.budget.tokens} tokens" in lines[-1] or kept.budget.tokens < before / 2
+
+
+def test_a_step_far_over_the_stall_bound_is_named_at_debug(caplog):
+    """A step streams waited on that took more than STALL_LOGGED x the stall bound (TILE_STALL
+    x the target for a derived budget) gets a DEBUG line with its shape and the model's
+    prediction; steps within it, and steps no stream waited on, get none."""
+    caplog.set_level(logging.DEBUG, logger=LOGGER)
+    kept = keeper()
+    bound = kept.budget.tile_stall * kept.budget.itl_target_ms
+    within = StepShape(2, 40, 0.0)
+    kept.observe(within, modelled_ms(PRIOR, within) / 1000)
+    kept.observe(StepShape(0, 600, 0.0), 10 * bound / 1000)  # no stream waits on it
+    assert not [r for r in caplog.records if "stall bound" in r.message]
+    slow = StepShape(1, 480, 480 * 1500.0)
+    kept.observe(slow, 3 * bound / 1000)
+    (line,) = [r for r in caplog.records if "stall bound" in r.message]
+    assert line.levelno == logging.DEBUG
+    assert "1 decodes, 480 prompt tokens" in line.message and "3.0x the stall bound" in line.message
+    assert f"modelled {modelled_ms(PRIOR, slow):.0f} ms" in line.message

@@ -277,3 +277,47 @@ def test_a_negative_fixed_extra_never_widens_the_budget():
     model = replace(TRUE, batch_size=STREAMS, mixed_fixed_ms=0.0)
     widest = budget_of(replace(model, mixed_ms_per_request=0.0)).tokens  # decodes cost their step
     assert budget_of(replace(model, mixed_fixed_ms=-2400.0)).tokens <= widest
+
+
+# Start-ups beside a neighbour's burst (bf16 SmolLM2, 2-core EPYC): decode steps, 32-token
+# chunks after a past of 0 / 1,024, 32 decodes beside 32 / 160 prompt tokens (ms)
+DISTURBED_START_UPS = {
+    # decode steps right, steps with prompt tokens 10-20x too slow: a prompt token at 15.8 ms;
+    # the refit's band, centred on it, held the token at 6-9 ms for the engine's life, every
+    # budget at its floor
+    "prompt steps": ({1: 10.2, 16: 33.6, 32: 49.6}, {0: 268.5, 1024: 146.1},
+                     {32: 96.2, 160: 2120.3}),
+    # all of it disturbed, the largest decode step 30x its neighbours: the decode line crossed
+    # zero at 5 rows, the refit read the machine as infinitely fast and let a prompt token's
+    # cost run to 1e10 ms
+    "everything": ({1: 13.9, 16: 91.6, 32: 1606.4}, {0: 1596.1, 1024: 1532.0},
+                   {32: 1513.8, 160: 2588.3}),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", DISTURBED_START_UPS)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_disturbed_start_up_is_corrected_within_a_few_dozen_steps(case, seed):
+    """A prompt token costs at most a row of the largest decode step measured, a decode step of
+    no request no less than nothing; from such a prior the refit finds the machine's costs
+    within a few dozen steps, and never runs a cost above the prior's."""
+    from types import SimpleNamespace
+
+    decode, chunk, mixed = DISTURBED_START_UPS[case]
+    measured = SimpleNamespace(decode_ms=decode, chunk_ms=chunk, mixed_ms=mixed, mixed_rows=32,
+                               chunk_tokens=32, describe=lambda: "measured")  # fmt: skip
+    prior = StepTimeModel.fit(measured)
+    assert prior.ms_per_token <= decode[32] / 32 and prior.decode_ms >= 0
+    # the machine, as its refit read it when undisturbed (a few streams, bursts of prompts)
+    true = StepTimeModel(ms_per_token=0.7, decode_ms=10.0, decode_ms_per_request=1.2,
+                         ms_per_token_past=0.0005, mixed_fixed_ms=8.0)  # fmt: skip
+    refit, rng = StepRefit(prior), random.Random(seed)
+    for i in range(72):
+        decodes = rng.randint(1, 10)
+        tokens = 0 if i % 3 == 0 else rng.choice([16, 32, 64, 128])
+        shape = StepShape(decodes, tokens, tokens * (rng.randint(0, 400) + (tokens - 1) / 2))
+        refit.observe(shape, modelled_ms(true, shape) * rng.uniform(0.95, 1.05))
+        assert refit.model.ms_per_token <= prior.ms_per_token
+        if i >= 48:
+            assert refit.model.ms_per_token == pytest.approx(true.ms_per_token, rel=0.3)
+            assert refit.model.decode_step_ms(4) == pytest.approx(true.decode_step_ms(4), rel=0.2)
