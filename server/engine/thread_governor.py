@@ -16,6 +16,13 @@ the minute, so the governor measures rather than guesses:
   is lower, the other only when faster by `gain`: a probe that is no better costs its steps.
   Each probe that changes nothing doubles the interval to the next, up to 8 x `probe_every`
   (a steady machine pays a probe's steps in thousands); a change sets it back.
+- A probe step slower than `abort` x the chosen count's median ends the probe at once: all the
+  threads beside a neighbour that still holds a core take many times longer (a stall of that
+  one step, not of `probe_steps`).
+- Below all the threads, a neighbour's leaving does not show in the steps (fewer threads run as
+  fast beside it as alone), so every `probe_every / 8` steps the governor also reads how many
+  tasks the kernel is running (/proc/stat `procs_running`, where there is one): where they are
+  no more than its own threads, the cores are free and it probes all of them at once.
 - Prefill and mixed steps run at the chosen count and teach it nothing.
 """
 
@@ -24,6 +31,7 @@ from __future__ import annotations
 import logging
 import statistics
 from collections import deque
+from collections.abc import Callable
 
 from toppings.server.engine.threads import set_torch_threads
 
@@ -36,14 +44,17 @@ class ThreadGovernor:
 
     def __init__(
         self, max_threads: int, probe_every: int = 400, probe_steps: int = 8,
-        gain: float = 0.85, slow: float = 1.5,
+        gain: float = 0.85, slow: float = 1.5, abort: float = 3.0,
+        running: Callable[[], int | None] | None = None,
     ) -> None:  # fmt: skip
+        """running: the tasks the kernel runs now (None: unknown); default /proc/stat's."""
         self.max_threads = max_threads
         self.threads = max_threads  # the count steps run on now (a probe's, during one)
         self.switches = 0  # times the chosen count changed
         self._chosen = max_threads  # the count probes are measured against
         self._probe_every, self._probe_steps = probe_every, probe_steps
-        self._gain, self._slow = gain, slow
+        self._gain, self._slow, self._abort = gain, slow, abort
+        self._running = running or procs_running
         self._recent: dict[int, deque[float]] = {}  # batch -> the chosen count's last steps
         self._level: dict[int, float] = {}  # batch -> their median at the last decision
         self._probe: dict[int, list[float]] | None = None  # batch -> the probe's steps
@@ -68,7 +79,11 @@ class ThreadGovernor:
             return
         if self._probe is not None:
             self._probe.setdefault(batch, []).append(seconds)
-            if sum(map(len, self._probe.values())) >= self._probe_steps:
+            recent = self._recent.get(batch)
+            if recent and seconds > self._abort * statistics.median(recent):
+                self._probe = {}  # far slower: no more such steps, nothing learned
+                self._decide()
+            elif sum(map(len, self._probe.values())) >= self._probe_steps:
                 self._decide()
             return
         recent = self._recent.setdefault(batch, deque(maxlen=self._probe_steps))
@@ -78,8 +93,11 @@ class ThreadGovernor:
             return
         median = statistics.median(recent)
         level = self._level.setdefault(batch, median)
-        slowed = median > self._slow * level and self._since_probe >= 2 * self._probe_steps
-        if self._since_probe >= self._every or slowed:
+        probe = median > self._slow * level and self._since_probe >= 2 * self._probe_steps
+        if self._chosen < self.max_threads and not self._since_probe % (self._probe_every // 8):
+            running = self._running()  # the cores free again?
+            probe = probe or (running is not None and running <= self._chosen)
+        if self._since_probe >= self._every or probe:
             self._probe, self.threads = {}, self.alternative()
 
     def _decide(self) -> None:
@@ -100,3 +118,16 @@ class ThreadGovernor:
             self._every = min(2 * self._every, 8 * self._probe_every)
         self._level = {b: statistics.median(t) for b, t in self._recent.items() if t}
         self.threads = self._chosen
+
+
+def procs_running() -> int | None:
+    """The tasks the kernel is running now (/proc/stat's `procs_running`, this thread among
+    them), or None where it cannot be read."""
+    try:
+        with open("/proc/stat") as f:
+            for line in f:
+                if line.startswith("procs_running "):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        return None
+    return None
