@@ -20,9 +20,11 @@ the minute, so the governor measures rather than guesses:
   threads beside a neighbour that still holds a core take many times longer (a stall of that
   one step, not of `probe_steps`).
 - Below all the threads, a neighbour's leaving does not show in the steps (fewer threads run as
-  fast beside it as alone), so every `probe_every / 8` steps the governor also reads how many
-  tasks the kernel is running (/proc/stat `procs_running`, where there is one): where they are
-  no more than its own threads, the cores are free and it probes all of them at once.
+  fast beside it as alone), so the governor also reads how many tasks the kernel is running
+  after each decode step (/proc/stat `procs_running`, where there is one): where the fewest of
+  the last `probe_steps` readings is no more than its own threads (a neighbour runs all the
+  time; the HTTP threads and their client only now and then), the cores are free, and every
+  `probe_every / 8` steps it then probes all of them.
 - Prefill and mixed steps run at the chosen count and teach it nothing.
 """
 
@@ -59,6 +61,7 @@ class ThreadGovernor:
         self._level: dict[int, float] = {}  # batch -> their median at the last decision
         self._probe: dict[int, list[float]] | None = None  # batch -> the probe's steps
         self._since_probe = 0
+        self._tasks: deque[int] = deque(maxlen=probe_steps)  # the last readings of `running`
         self._every = probe_every  # decode steps between probes now
         self._applied = 0  # the count this thread was last set to (0: not yet)
 
@@ -94,9 +97,10 @@ class ThreadGovernor:
         median = statistics.median(recent)
         level = self._level.setdefault(batch, median)
         probe = median > self._slow * level and self._since_probe >= 2 * self._probe_steps
-        if self._chosen < self.max_threads and not self._since_probe % (self._probe_every // 8):
-            running = self._running()  # the cores free again?
-            probe = probe or (running is not None and running <= self._chosen)
+        if self._chosen < self.max_threads and (running := self._running()) is not None:
+            self._tasks.append(running)  # the cores free again?
+            free = len(self._tasks) == self._tasks.maxlen and min(self._tasks) <= self._chosen
+            probe = probe or (free and not self._since_probe % (self._probe_every // 8))
         if self._since_probe >= self._every or probe:
             self._probe, self.threads = {}, self.alternative()
 
@@ -114,6 +118,7 @@ class ThreadGovernor:
             self._chosen, self.switches = self.threads, self.switches + 1
             self._recent = {b: deque(t, maxlen=self._probe_steps) for b, t in probe.items()}
             self._every = self._probe_every
+            self._tasks.clear()
         else:
             self._every = min(2 * self._every, 8 * self._probe_every)
         self._level = {b: statistics.median(t) for b, t in self._recent.items() if t}
