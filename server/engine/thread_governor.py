@@ -19,14 +19,13 @@ the minute, so the governor measures rather than guesses:
 - A probe step slower than `abort` x the chosen count's median ends the probe at once: all the
   threads beside a neighbour that still holds a core take many times longer (a stall of that
   one step, not of `probe_steps`).
-- It also reads how many tasks the kernel is running after each decode step (/proc/stat
-  `procs_running`, where there is one; its own threads among them). A neighbour runs all the
-  time, the HTTP threads and their client only now and then, so the fewest of the last few
-  readings counts the neighbours: more than its own threads in the last 3 (a neighbour
-  arrived) starts a probe at once, as the steps would only after several slow ones; below all
-  the threads, no more than its own in the last `probe_steps` (the cores are free again:
-  fewer threads run as fast beside a neighbour as alone, so the steps do not show its
-  leaving) starts one, either no sooner than `probe_every / 8` steps after the last.
+- Below all the threads, a neighbour's leaving does not show in the steps (fewer threads run as
+  fast beside it as alone), so there the governor also reads how many tasks the kernel is
+  running after each decode step (/proc/stat `procs_running`, where there is one; its own
+  threads among them). A neighbour runs all the time, the HTTP threads and their client only
+  now and then: where the fewest of the last `probe_steps` readings is no more than its own
+  threads, the cores are free, and it probes all of them. (At all the threads the readings do
+  not tell a neighbour apart: a team's idle worker is counted only while it spins.)
 - Prefill and mixed steps run at the chosen count and teach it nothing.
 """
 
@@ -58,7 +57,7 @@ class ThreadGovernor:
         self._chosen = max_threads  # the count probes are measured against
         self._probe_every, self._probe_steps = probe_every, probe_steps
         self._gain, self._slow, self._abort = gain, slow, abort
-        self._few = min(3, probe_steps)  # steps enough to compare, readings to see a neighbour
+        self._few = min(3, probe_steps)  # steps enough to compare
         self._running = running or procs_running
         self._recent: dict[int, deque[float]] = {}  # batch -> the chosen count's last steps
         self._level: dict[int, float] = {}  # batch -> their median at the last decision
@@ -99,14 +98,11 @@ class ThreadGovernor:
             return
         median = statistics.median(recent)
         level = self._level.setdefault(batch, median)
-        probe = median > self._slow * level and self._since_probe >= 2 * self._probe_steps
-        if (running := self._running()) is not None:
-            self._tasks.append(running)
-            tasks = list(self._tasks)
-            crowded = len(tasks) >= self._few and min(tasks[-self._few :]) > self._chosen
-            free = len(tasks) == self._tasks.maxlen and min(tasks) <= self._chosen
-            due = self._since_probe >= self._every // 8
-            probe = probe or due and (crowded if self._chosen == self.max_threads else free)
+        probe = median > self._slow * level and self._since_probe >= self._probe_steps
+        if self._chosen < self.max_threads and (running := self._running()) is not None:
+            self._tasks.append(running)  # cleared at each decision: readings since
+            probe = probe or (len(self._tasks) == self._tasks.maxlen
+                              and min(self._tasks) <= self._chosen)  # fmt: skip
         if self._since_probe >= self._every or probe:
             self._probe, self.threads = {}, self.alternative()
 

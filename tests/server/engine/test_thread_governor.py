@@ -69,17 +69,15 @@ def test_it_follows_a_neighbour_arriving_and_leaving():
     assert back.index(2) <= 800 and back[-200:].count(1) <= 8
 
 
-def test_the_kernels_tasks_show_a_neighbour_coming_and_going():
-    """Where it reads the kernel's tasks, a neighbour's arrival is seen within a few steps,
-    before they slow, and the cores' freeing within 50."""
+def test_free_cores_bring_the_threads_back_at_once():
+    """Where it reads the kernel's tasks, the cores' freeing is seen within a few dozen steps."""
     rng, machine = random.Random(4), Machine()
     governor = governed(machine)
     run(governor, QUIET, 500, rng, machine=machine)
     busy = run(governor, BUSY, 1000, rng, machine=machine)
-    assert busy.index(1) <= 4
     assert busy[40:].count(2) <= 1  # no probe of all the threads while the neighbour runs
     back = run(governor, QUIET, 200, rng, machine=machine)
-    assert back.index(2) <= 60 and governor.threads == 2
+    assert back.index(2) <= 24 and governor.threads == 2
 
 
 def test_a_probe_far_slower_stops_after_one_step():
