@@ -25,13 +25,11 @@ from tests.server.engine.test_logprobs_exactness import (
     check_against_reference,
     reference_logprobs,
 )
+from tests.server.model.family_checkpoints import ADAPTERS, family_with_adapters
 from tests.server.model.tiny_families import make_tiny_family
 from toppings.server.requests.request import GenerationRequest, SamplingParams
 
 NEW_TOKENS = 12
-# name -> (rank, use_rslora); every adapter targets all seven projections.
-ADAPTERS = {"a3": (3, False), "a5": (5, False), "a7rs": (7, True)}
-ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 LORA_MODES = ("cached", "on-demand", "cpu-assisted")
 KERNELS = ("mbgmv", "bgmv")
 
@@ -55,19 +53,7 @@ def checkpoints(tmp_path_factory):
 
     def get(name: str):
         if name not in made:
-            from toppings.scripts.make_adapters import load_base, make_random_adapter
-
-            root = tmp_path_factory.mktemp(name)
-            model_dir = make_tiny_family(root / "model", name)
-            base = load_base(model_dir)
-            adapters = {}
-            for seed, (a, (rank, rslora)) in enumerate(ADAPTERS.items()):
-                path = make_random_adapter(
-                    root / a, base, rank=rank, target_modules=ALL_TARGETS, seed=seed,
-                    use_rslora=rslora,
-                )  # fmt: skip
-                adapters[a] = str(path)
-            made[name] = (model_dir, adapters)
+            made[name] = family_with_adapters(tmp_path_factory.mktemp(name), name)
         return made[name]
 
     return get

@@ -14,12 +14,12 @@ import pytest
 import torch
 
 from tests.helpers import running_engine
+from tests.server.model.family_checkpoints import ALL_TARGETS
 from tests.server.model.tiny_families import make_tiny_family
 from toppings.scripts.make_adapters import make_random_adapter
 from toppings.server import native
 from toppings.server.requests.request import GenerationRequest, SamplingParams
 
-ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # (family, dtype, base weights): biases on every projection, tied embeddings, each GEMV kind
 CASES = [
     ("llama3", "float32", "none"),

@@ -17,17 +17,11 @@ processes included.
 
 from __future__ import annotations
 
-import json
-import shutil
-from pathlib import Path
-
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from tests.helpers import running_engine
 from tests.server.engine.test_family_exactness import (
-    ALL_TARGETS,
     NEW_TOKENS,
     TOP,
     check_greedy_teacher_forced,
@@ -35,12 +29,10 @@ from tests.server.engine.test_family_exactness import (
     run,
 )
 from tests.server.engine.test_logprobs_exactness import check_against_reference
-from tests.server.model.tiny_families import make_tiny_family
+from tests.server.model.family_checkpoints import quantized_checkpoints
 from toppings.server.config import Quantization
-from toppings.server.model.quant import quantize
 from toppings.server.requests.request import SamplingParams
 
-ADAPTERS = {"a3": (3, False), "a5": (5, False), "a7rs": (7, True)}
 LORA_MODES = ("cached", "on-demand", "cpu-assisted")
 KERNELS = ("mbgmv", "bgmv")
 
@@ -55,52 +47,10 @@ ONE_PAIR_EACH = [
 CASES = [(s, *case) for s in ("int8", "int4") for case in ALL_PAIRS + ONE_PAIR_EACH]
 
 
-def dequantized_reference(model_dir: Path, scheme: Quantization, out_dir: Path) -> Path:
-    """A copy of the checkpoint at model_dir whose projections hold dequant(quant(W)) (lm_head
-    int8, untied from the embedding where they were tied)."""
-    shutil.copytree(model_dir, out_dir)
-    (path,) = out_dir.glob("*.safetensors")
-    state = load_file(str(path))
-    for name, weight in list(state.items()):
-        if name.endswith(".weight") and name.split(".")[-2] in ALL_TARGETS:
-            state[name] = quantize(weight, scheme).dequantize()
-    head = state.get("lm_head.weight", state["model.embed_tokens.weight"])
-    state["lm_head.weight"] = quantize(head, Quantization.INT8).dequantize()
-    save_file(state, str(path), metadata={"format": "pt"})
-    config = json.loads((out_dir / "config.json").read_text())
-    config["tie_word_embeddings"] = False
-    (out_dir / "config.json").write_text(json.dumps(config))
-    return out_dir
-
-
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """(name, scheme) -> (model dir, reference dir, {adapter: path}), made once per module."""
-    made: dict = {}
-    bases: dict = {}
-
-    def get(name: str, scheme: str):
-        if name not in bases:
-            from toppings.scripts.make_adapters import load_base, make_random_adapter
-
-            root = tmp_path_factory.mktemp(name)
-            model_dir = make_tiny_family(root / "model", name)
-            base = load_base(model_dir)
-            adapters = {}
-            for seed, (a, (rank, rslora)) in enumerate(ADAPTERS.items()):
-                path = make_random_adapter(
-                    root / a, base, rank=rank, target_modules=ALL_TARGETS, seed=seed,
-                    use_rslora=rslora,
-                )  # fmt: skip
-                adapters[a] = str(path)
-            bases[name] = (root, model_dir, adapters)
-        if (name, scheme) not in made:
-            root, model_dir, adapters = bases[name]
-            ref = dequantized_reference(model_dir, Quantization(scheme), root / f"ref_{scheme}")
-            made[name, scheme] = (model_dir, ref, adapters)
-        return made[name, scheme]
-
-    return get
+    return quantized_checkpoints(tmp_path_factory, torch.float32)
 
 
 @pytest.mark.parametrize(("scheme", "name", "kernel", "lora_mode", "num_cpu_workers"), CASES)
