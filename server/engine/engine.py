@@ -12,7 +12,6 @@ chunked-prefill budget is server/sched/step_budget_keeper.py's, its reports are 
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 import time
@@ -24,7 +23,7 @@ from toppings.server.config import EngineConfig
 from toppings.server.engine import reports
 from toppings.server.engine.compose import compose_engine
 from toppings.server.engine.thread_governor import ThreadGovernor
-from toppings.server.engine.threads import engine_thread_count, set_torch_threads
+from toppings.server.engine.threads import engine_thread_count, enter_engine_thread
 from toppings.server.model.loader import Checkpoint
 from toppings.server.requests.adapter_ref import AdapterRef
 from toppings.server.requests.request import GenerationRequest, RequestError, RequestHandle
@@ -33,7 +32,6 @@ from toppings.server.requests.stats_schema import EngineCounters, ServerStats
 from toppings.server.sched.admission import check_request
 from toppings.server.sched.scheduler import StepPlan
 from toppings.server.sched.step_budget import StepBudget, StepTimeModel
-from toppings.server.sched.step_refit import shape_of
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +61,6 @@ class Engine:
         self.queue = self.scheduler.queue  # the waiting requests and who goes next
         self._inbox: queue.Queue = queue.Queue()
         self.step_stats = reports.StepStats()
-        self._budget_faults = 0  # steps whose budget refit raised (logged, not fatal)
         self._lock = threading.Lock()  # held during a step and while the pool changes
         # A request accepted for an adapter counts in flight there until it ends: no unload can
         # pull the adapter from under it (adapter_registry.py).
@@ -194,14 +191,7 @@ class Engine:
     # ---- the engine thread ------------------------------------------------------------------
 
     def _loop(self) -> None:
-        device_cores = self.config.device_cores
-        if device_cores:
-            # The device side of the split: this thread only (affinity is per thread), before
-            # its first torch op, so the OpenMP team it creates inherits the same cores.
-            os.sched_setaffinity(0, device_cores)
-        # Per thread, and always: another thread may have set the process-wide count to 1
-        # (threads.py) before this thread's first op.
-        set_torch_threads(self._num_threads)
+        enter_engine_thread(self._num_threads, self.config.device_cores)
         while not self._stopping.is_set():
             self._drain_inbox(block=not self.scheduler.has_work())
             if self._stopping.is_set():
@@ -224,8 +214,7 @@ class Engine:
                 return None
             if plan is None:
                 return None
-            budget = self.budget if self.budget is not None and self.budget.follows_steps else None
-            shape = shape_of(plan) if budget is not None else None
+            shape = self.budget.shape_of(plan) if self.budget is not None else None
             if self.governor is not None:
                 self.governor.apply()
             try:
@@ -243,23 +232,9 @@ class Engine:
             self.step_stats.count(plan.is_prefill, seconds)
             if self.governor is not None and not plan.is_prefill:
                 self.governor.observe(len(plan.seqs), seconds)
-            if budget is not None:
-                self._observe_step(budget, shape, seconds)
+            if shape is not None and (moved := self.budget.observe(shape, seconds)) is not None:
+                self.scheduler.set_step_budget(moved)
         return plan
-
-    def _observe_step(self, budget, shape, seconds: float) -> None:
-        """Let chunked prefill's budget follow the step just run; a fault of its refit keeps
-        the budget it had, and the loop serving (tests/server/engine/test_budget_fault.py)."""
-        try:
-            moved = budget.observe(shape, seconds)
-        except Exception:
-            self._budget_faults += 1
-            if self._budget_faults in (1, 10, 100) or not self._budget_faults % 1000:
-                log.exception("the step budget's refit failed (%d times); the budget stays "
-                              "as it was", self._budget_faults)  # fmt: skip
-            return
-        if moved is not None:
-            self.scheduler.set_step_budget(moved)
 
     def _drain_inbox(self, block: bool) -> None:
         try:

@@ -19,6 +19,7 @@ the model is up) runs torch on itself alone (`torch_on_this_thread_only`).
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable
 from typing import TypeVar
@@ -42,6 +43,16 @@ def set_torch_threads(count: int) -> None:
     its own count before: ask first, then set."""
     torch.get_num_threads()
     torch.set_num_threads(count)
+
+
+def enter_engine_thread(count: int, cores: tuple[int, ...] | None) -> None:
+    """Set up the calling thread as the engine thread, before its first torch op: bound to
+    `cores` when given (the device side of a CPU split; affinity is per thread, and the OpenMP
+    team the thread creates inherits it), its torch ops on `count` threads (always: another
+    thread may have set the process-wide count to 1 before)."""
+    if cores:
+        os.sched_setaffinity(0, cores)
+    set_torch_threads(count)
 
 
 def torch_on_this_thread_only() -> None:

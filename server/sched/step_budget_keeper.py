@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from toppings.server.sched.step_budget import (
     MIN_CHUNK,
@@ -26,7 +27,10 @@ from toppings.server.sched.step_budget import (
     StepTimeModel,
     choose_step_budget,
 )
-from toppings.server.sched.step_refit import StepRefit, StepShape, modelled_ms
+from toppings.server.sched.step_refit import StepRefit, StepShape, modelled_ms, shape_of
+
+if TYPE_CHECKING:
+    from toppings.server.sched.scheduler import StepPlan
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +63,7 @@ class StepBudgetKeeper:
         # A derived budget follows the steps as they really run (a given one stays).
         self._refit = StepRefit(self.step_model) if not max_num_batched_tokens else None
         self._logged = self.budget.tokens
+        self._faults = 0  # refits that raised
 
     @property
     def follows_steps(self) -> bool:
@@ -71,9 +76,26 @@ class StepBudgetKeeper:
             self.max_num_batched_tokens, self.itl_target_ms, model,
         )  # fmt: skip
 
+    def shape_of(self, plan: StepPlan) -> StepShape | None:
+        """What `observe` needs of a plan, taken before the step runs (it moves the plan's
+        requests on); None when the budget does not follow the steps."""
+        return shape_of(plan) if self._refit is not None else None
+
     def observe(self, shape: StepShape, seconds: float) -> StepBudget | None:
         """Correct the step model by the step just run (server.sched.step_refit); returns the
-        new budget when that moves it (the scheduler's from the next step on), else None."""
+        new budget when that moves it (the scheduler's from the next step on), else None. A
+        fault of the refit is logged and keeps the budget as it was: the engine goes on
+        serving (tests/server/engine/test_budget_fault.py)."""
+        try:
+            return self._follow(shape, seconds)
+        except Exception:
+            self._faults += 1
+            if self._faults in (1, 10, 100) or not self._faults % 1000:
+                log.exception("the step budget's refit failed (%d times); the budget stays as "
+                              "it was", self._faults)  # fmt: skip
+            return None
+
+    def _follow(self, shape: StepShape, seconds: float) -> StepBudget | None:
         if self._refit is None:
             return None
         if shape.num_decodes and log.isEnabledFor(logging.DEBUG):

@@ -10,6 +10,7 @@ from toppings.server.engine.engine import Engine
 from toppings.server.model.loader import load_checkpoint
 from toppings.server.requests.request import GenerationRequest, SamplingParams
 from toppings.server.sched.step_budget import StepTimeModel
+from toppings.server.sched.step_refit import StepRefit
 
 
 def test_a_failing_budget_refit_leaves_the_engine_serving(tiny_model_dir, monkeypatch):
@@ -18,11 +19,11 @@ def test_a_failing_budget_refit_leaves_the_engine_serving(tiny_model_dir, monkey
     assert engine.budget is not None and engine.budget.follows_steps
     calls = []
 
-    def broken(shape, seconds):
-        calls.append(seconds)
+    def broken(self, shape, ms):
+        calls.append(ms)
         raise ValueError("cannot convert float NaN to integer")
 
-    monkeypatch.setattr(engine.budget, "observe", broken)
+    monkeypatch.setattr(StepRefit, "observe", broken)
     params = SamplingParams(max_new_tokens=5, temperature=0.0, ignore_eos=True)
     try:
         handle = engine.submit(GenerationRequest([3, 4, 5, 6], params))
