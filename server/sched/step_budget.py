@@ -28,14 +28,12 @@ fixed cost (the decodes beside it, a step's extra for prompt tokens) once per ch
 `b` decodes is sized so that its fixed cost is at most `(b + 1) x FIXED_SHARE` of it, where that
 gives more than the target does. Every request waiting on the step has a say: without decodes
 the fixed cost is at most a tenth of the step (the prompt's wait alone decides), beside one
-stream a fifth, and from nine decodes on the target alone. Measured on a 2-core CPU, the target's
-budget for every step made a long prompt served alone take 1.5-1.7x its unchunked prefill (~75
-steps of ~100 tokens, each step reading the weights again); beside one or two streams, 3x a
-26 ms decode step left a 2,500-token prompt 40-180 steps of 14-65 tokens (the cost of its past
-shrinks each chunk further, and a busy machine's refit put the budget at its floor), so every
-prompt behind it waited seconds for its first token. Beside one stream the step is then about
-5x its fixed cost: the stream's gap grows from one decode step to five, still a small part of
-the multi-second step an unchunked long prompt takes. A step with decodes is held within the
+stream a fifth, and from nine decodes on the target alone. On a CPU the target's budget for
+every step cut a long prompt into many small chunks, each reading the weights again (the cost
+of its past shrinks each chunk further), so the prompt and every prompt behind it waited
+several times its unchunked prefill (docs/features.md, chunked prefill, has the measurements).
+Beside one stream the step is then about 5x its fixed cost: the stream's gap grows from one
+decode step to five, still a small part of the step an unchunked long prompt takes. A step with decodes is held within the
 stall bound all the same, `TILE_STALL` times the inter-token target (the bound a chunk raised to
 a tile keeps, server.sched.tiles), whatever its fixed cost: that cost is the refit's, and a
 misfit lands in its intercept (`mixed_fixed_ms`: a long prompt's first chunks slower than
@@ -116,16 +114,15 @@ class StepTimeModel:
         the largest decode step measured costs (that step's time over its rows). A decode row
         is one more token through every weight, as a prompt token is, and it also attends to
         its past and goes through the LM head, which a prompt token that samples nothing does
-        not; so this holds on any device. A start-up beside a neighbour's burst measured the
-        mixed step of 160 prompt tokens at 2.1 s: 15.8 ms a token, where a row of the 32-row
-        decode step took 1.6 ms; the refit's band, centred on the prior, then held the token at
-        6-9 ms for the engine's life, every budget at its floor, and a 3,000-token prompt in
-        ~180 steps (tests/server/sched/test_step_refit.py has the points).
+        not; so this holds on any device. A start-up beside a neighbour's burst measured a prompt
+        token ten times a decode row, and the refit's band, centred on the prior, then held it
+        there for the engine's life, every budget at its floor
+        (tests/server/sched/test_step_refit.py has the points).
 
         A decode step of no request takes no less than nothing: a line through disturbed decode
-        points (the largest step 30x its neighbours) crossed zero at 5 rows, and the refit,
-        which reads the machine's speed as real decode steps over the prior's, took that speed
-        as infinite and let a prompt token's cost run to 1e10 ms."""
+        points (one step far slower than its neighbours) can cross zero at a few rows, and the
+        refit, which reads the machine's speed as real decode steps over the prior's, would take
+        that speed as infinite and a prompt token's cost as unbounded."""
         per_request, fixed = _line(points.decode_ms)
         fixed = max(fixed, 0.0)
         ms_per_token, mixed_fixed = _line(points.mixed_ms)

@@ -12,15 +12,12 @@
  * is computed over its own adapter's rows only. Returns 2, having written nothing, when a run
  * lies outside y or a pool; 1 when out of memory.
  *
- * A decode step reads every resident adapter's rows from DRAM once (16 adapters of ranks 8-64
- * on SmolLM2's q/k/v: 2.6 MB a layer), and the reads, not the arithmetic, set its time: one
- * OpenMP region for all projections; work items of 4 tokens of one run covering every
- * projection, whose A rows are read side by side (several streams in flight), largest ranks
- * first so that the threads end together; the expansion rows prefetched into L2 while the
- * shrinkage reads A (prefetching A itself in software was slower); B read in strips whose sums
- * stay in registers. Measured on that decode step (30 layers, bf16, the kernel alone, rows cold
- * / in cache): one call per projection with 16-column strips took 9.1 / 3.6 ms on 1 thread and
- * 5.2 / 2.7 ms on 2; now about 6.0 / 2.8 and 3.3 / 1.5. */
+ * A decode step reads every resident adapter's rows from DRAM once, and the reads, not the
+ * arithmetic, set its time: one OpenMP region for all projections; work items of 4 tokens of
+ * one run covering every projection, whose A rows are read side by side (several streams in
+ * flight), largest ranks first so that the threads end together; the expansion rows prefetched
+ * into L2 while the shrinkage reads A (prefetching A itself in software was slower); B read in
+ * strips whose sums stay in registers (docs/benchmarks.md has the kernel's timings). */
 #include "common.h"
 #include "lora_runs.h"
 #include "lora_vec.h"
