@@ -22,7 +22,9 @@ precision (`--quantization`: int8 1 byte, int4 half a byte per weight, scales no
 The bandwidth is the best of `--bandwidth-repeats` timed `torch.sum`s over a 1 GiB float32
 tensor, taken in this process before and after the servers run, with `--threads` torch threads.
 roofline_fraction = (weight bytes per step / bandwidth) / measured TPOT at batch 1 (1.0: the
-step takes exactly the time to read its weights once).
+step takes exactly the time to read its weights once). The adapter's rows add their own read:
+tpot_ratio_adapter_vs_base_floor_batch1 = 1 + (adapter bytes per step / bandwidth) / base TPOT,
+the adapter / base ratio no serving path can go under at that bandwidth.
 
 Optional, side by side in the same rounds:
 - llama.cpp's `llama-server` (`--llama-server PATH --gguf-f32 FILE --gguf-bf16 FILE`,
@@ -98,6 +100,23 @@ def weight_bytes_per_step(model: str, dtype: torch.dtype, quantization: str | No
     if quantization is None:
         return projection_bytes(mc, dtype)
     return int(projection_bytes(mc, torch.int8) * QUANT_BYTES[quantization])
+
+
+def adapter_bytes_per_step(model: str, rank: int, dtype: torch.dtype) -> int:
+    """Bytes of the bench's adapter (rank `rank` on every projection of every layer, A and B in
+    the activation dtype) one decode step reads."""
+    from bench.bench_long_prompt import model_config
+
+    mc = model_config(model)
+    h, i, q, kv = (
+        mc.hidden_size,
+        mc.intermediate_size,
+        mc.num_heads * mc.head_dim,
+        (mc.num_kv_heads * mc.head_dim),
+    )
+    # (in + out) of q, k, v, o, gate, up, down
+    per_layer = (h + q) + 2 * (h + kv) + (q + h) + 2 * (h + i) + (i + h)
+    return rank * per_layer * mc.num_layers * dtype.itemsize
 
 
 def has_flag(python: str, flag: str) -> bool:
@@ -394,6 +413,8 @@ def main(argv: list[str] | None = None) -> int:
     bandwidth.append(memory_bandwidth_gbps(args.bandwidth_repeats))
     best_bw = max(bandwidth)
     metrics = summarize(args, precisions, {r: t for r, t in times.items() if t}, best_bw, skipped)
+    if path is not None:
+        add_adapter_floor(metrics, args, [label for label, _, _ in precisions], best_bw)
     if failures:
         metrics["failed_rows"] = failures
     metrics["bandwidth_GBps"] = round(best_bw, 2)
@@ -464,6 +485,21 @@ def summarize(args, precisions, times: dict, bandwidth: float, skipped: dict) ->
     if skipped:
         metrics["skipped"] = skipped
     return metrics
+
+
+def add_adapter_floor(metrics: dict, args, labels: list[str], bandwidth: float) -> None:
+    """The adapter / base ratio at batch 1 that reading the adapter's rows alone sets: 1 +
+    (adapter bytes / bandwidth) / base TPOT. A serving path that added nothing but that read
+    would measure it; the adapter's rows cannot be read for less."""
+    floors, sizes = {}, {}
+    for label in labels:
+        base1 = metrics["tpot_ms_batch1"].get(label)
+        dtype = DTYPES.get(label, DTYPES.get(args.quantization_dtype, torch.bfloat16))
+        sizes[label] = adapter_bytes_per_step(args.model, args.rank, dtype)
+        if base1:
+            floors[label] = round(1 + sizes[label] / bandwidth / 1e9 * 1e3 / base1, 3)
+    metrics["adapter_bytes_per_step"] = sizes
+    metrics["tpot_ratio_adapter_vs_base_floor_batch1"] = floors
 
 
 if __name__ == "__main__":

@@ -1,0 +1,33 @@
+"""bench_single_stream's adapter floor: the adapter bytes a decode step reads are the bytes of
+the adapter the bench writes (every projection, every layer), and the floor follows from them."""
+
+from __future__ import annotations
+
+import torch
+from safetensors.torch import load_file
+
+from bench.bench_single_stream import TARGETS, adapter_bytes_per_step, add_adapter_floor
+from bench.common import write_random_adapter
+
+
+def test_adapter_bytes_are_the_written_adapters(tiny_model_dir, tmp_path):
+    path = write_random_adapter(tmp_path / "ad", str(tiny_model_dir), 5, TARGETS, seed=0)
+    (weights,) = path.glob("*.safetensors")
+    stored = load_file(str(weights))
+    elements = sum(t.numel() for t in stored.values())
+    assert adapter_bytes_per_step(str(tiny_model_dir), 5, torch.float32) == 4 * elements
+    assert adapter_bytes_per_step(str(tiny_model_dir), 5, torch.bfloat16) == 2 * elements
+
+
+def test_the_floor_is_the_adapter_read_over_the_base_step(tiny_model_dir):
+    class Args:
+        model, rank, quantization_dtype = str(tiny_model_dir), 8, "bfloat16"
+
+    metrics = {"tpot_ms_batch1": {"float32": 2.0, "int8": 1.0}}
+    add_adapter_floor(metrics, Args, ["float32", "int8", "int4"], bandwidth=10.0)
+    f32 = adapter_bytes_per_step(Args.model, 8, torch.float32)
+    assert metrics["adapter_bytes_per_step"]["int8"] == f32 // 2  # bf16 activations
+    ms = f32 / 10e9 * 1e3
+    assert metrics["tpot_ratio_adapter_vs_base_floor_batch1"] == {
+        "float32": round(1 + ms / 2.0, 3), "int8": round(1 + ms / 2 / 1.0, 3),
+    }  # fmt: skip
