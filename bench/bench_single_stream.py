@@ -385,6 +385,9 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append((label, side, False, batch))
                 if adapter_args and (side != "llama" or llama_lora.get(label)):
                     rows.append((label, side, True, batch))
+        # rows compared side by side run next to each other: the machine's speed drifts
+        order_of = {label: i for i, (label, _, _) in enumerate(precisions)}
+        rows.sort(key=lambda row: (order_of[row[0]], row[3], row[2]))
         gen = torch.Generator().manual_seed(args.seed)
         times: dict[tuple, list[dict]] = {row: [] for row in rows}
         failures: list[str] = []  # rows that failed (a server that died): reported, not timed
@@ -407,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
                 log.info("round %d %s %s %s B=%d: %.2f ms/token", round_idx, label, side, kind,
                          batch, result["tpot_ms"])  # fmt: skip
                 if round_idx:
-                    times[row].append(result)
+                    times[row].append({**result, "round": round_idx})
     finally:
         stop_all(procs)
     bandwidth.append(memory_bandwidth_gbps(args.bandwidth_repeats))
@@ -428,6 +431,8 @@ def main(argv: list[str] | None = None) -> int:
         "niceness": os.nice(0),
         "tpot": "client time from first to last streamed token over the tokens between; "
         "median over a row's requests, median round reported",
+        "ratios": "the tpot_ratio_* keys: median over rounds of the two rows' ratio in the same "
+        "round (rows compared run next to each other)",
     }  # fmt: skip
     write_result(args.out, "single_stream", "bench_single_stream", device=describe_device(),
                  config=config, metrics=metrics, argv=argv)  # fmt: skip
@@ -436,8 +441,18 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def paired_ratio(times: dict, row: tuple, other: tuple) -> float | None:
+    """The median over rounds of row's TPOT / other's in the same round (None: no round ran
+    both): a ratio of rows run minutes apart would carry the machine's drift between them."""
+    by_round = {r["round"]: r["tpot_ms"] for r in times.get(other, [])}
+    ratios = [r["tpot_ms"] / by_round[r["round"]] for r in times.get(row, [])
+              if r["round"] in by_round]  # fmt: skip
+    return round(statistics.median(ratios), 3) if ratios else None
+
+
 def summarize(args, precisions, times: dict, bandwidth: float, skipped: dict) -> dict:
-    """The result's metrics: per precision and side, TPOT per row; the headline keys."""
+    """The result's metrics: per precision and side, TPOT per row; the headline keys (ratios
+    paired by round)."""
     metrics: dict = {"tpot_ms_batch1": {}, "roofline_fraction_batch1": {},
                      "tpot_ratio_adapter_vs_base_batch1": {},
                      "weight_bytes_per_step": {}}  # fmt: skip
@@ -467,21 +482,21 @@ def summarize(args, precisions, times: dict, bandwidth: float, skipped: dict) ->
         metrics["roofline_fraction_batch1"][label] = round(
             nbytes / bandwidth / 1e9 * 1e3 / base1, 3
         )
-        adapter1 = med.get((label, "new", True, 1))
-        if adapter1 is not None:
-            metrics["tpot_ratio_adapter_vs_base_batch1"][label] = round(adapter1 / base1, 3)
-        llama1 = med.get((label, "llama", False, 1))
-        if llama1 is not None:
-            metrics.setdefault("tpot_ratio_vs_llama_server_batch1", {})[label] = round(
-                base1 / llama1, 3)  # fmt: skip
-        llama_adapter1 = med.get((label, "llama", True, 1))
-        if llama_adapter1 is not None and adapter1 is not None:
-            metrics.setdefault("tpot_ratio_vs_llama_server_adapter_batch1", {})[label] = round(
-                adapter1 / llama_adapter1, 3)  # fmt: skip
+        new_base, new_adapter = (label, "new", False, 1), (label, "new", True, 1)
+        for key, row, other in (
+            ("tpot_ratio_adapter_vs_base_batch1", new_adapter, new_base),
+            ("tpot_ratio_vs_llama_server_batch1", new_base, (label, "llama", False, 1)),
+            ("tpot_ratio_vs_llama_server_adapter_batch1", new_adapter, (label, "llama", True, 1)),
+        ):
+            ratio = paired_ratio(times, row, other)
+            if ratio is not None:
+                metrics.setdefault(key, {})[label] = ratio
     floats = [label for label in DTYPES if label in metrics["tpot_ms_batch1"]]
     if "int8" in metrics["tpot_ms_batch1"] and floats:
-        best = min(metrics["tpot_ms_batch1"][f] for f in floats)
-        metrics["tpot_ratio_int8_vs_float"] = round(metrics["tpot_ms_batch1"]["int8"] / best, 3)
+        best = min(floats, key=lambda f: metrics["tpot_ms_batch1"][f])
+        ratio = paired_ratio(times, ("int8", "new", False, 1), (best, "new", False, 1))
+        if ratio is not None:
+            metrics["tpot_ratio_int8_vs_float"] = ratio
     if skipped:
         metrics["skipped"] = skipped
     return metrics

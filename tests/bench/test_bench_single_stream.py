@@ -6,7 +6,12 @@ from __future__ import annotations
 import torch
 from safetensors.torch import load_file
 
-from bench.bench_single_stream import TARGETS, adapter_bytes_per_step, add_adapter_floor
+from bench.bench_single_stream import (
+    TARGETS,
+    adapter_bytes_per_step,
+    add_adapter_floor,
+    paired_ratio,
+)
 from bench.common import write_random_adapter
 
 
@@ -31,3 +36,17 @@ def test_the_floor_is_the_adapter_read_over_the_base_step(tiny_model_dir):
     assert metrics["tpot_ratio_adapter_vs_base_floor_batch1"] == {
         "float32": round(1 + ms / 2.0, 3), "int8": round(1 + ms / 2 / 1.0, 3),
     }  # fmt: skip
+
+
+def test_ratios_are_paired_by_round():
+    # the machine slows 2x in round 2 and 3x in round 3: the ratio of the rows' medians would
+    # read 10 / 15, the rows' ratio within each round is 0.5
+    new, llama = ("bfloat16", "new", False, 1), ("bfloat16", "llama", False, 1)
+    times = {
+        new: [{"round": 1, "tpot_ms": 5.0}, {"round": 2, "tpot_ms": 10.0},
+              {"round": 3, "tpot_ms": 15.0}],
+        llama: [{"round": 1, "tpot_ms": 10.0}, {"round": 2, "tpot_ms": 20.0},
+                {"round": 3, "tpot_ms": 30.0}, {"round": 4, "tpot_ms": 1.0}],
+    }  # fmt: skip
+    assert paired_ratio(times, new, llama) == 0.5
+    assert paired_ratio(times, new, ("bfloat16", "llama", True, 1)) is None
