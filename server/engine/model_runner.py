@@ -112,10 +112,11 @@ class ModelRunner:
             logits, seconds, num_computed = self._forward(plan, slots)  # [B, V]
         else:
             seconds, num_computed = 0.0, 0
-        # A row is finite iff its min and max are (both propagate NaN): one pass, where
-        # isfinite would write and scan a [B, V] bool tensor every step (measured ~18x slower).
-        low, high = torch.aminmax(logits, dim=1)  # [B] each
-        finite = (low.isfinite() & high.isfinite()).tolist()  # [B]
+        # A row is finite iff its max and min are (both propagate NaN), where isfinite would
+        # write and scan a [B, V] bool tensor every step. Two reductions, not torch.aminmax: on
+        # a CPU its reduction over a dimension runs several times slower than amax and amin
+        # together (docs/benchmarks.md).
+        finite = (logits.amax(dim=1).isfinite() & logits.amin(dim=1).isfinite()).tolist()  # [B]
         keep = [i for i, ok in enumerate(finite) if ok]
         failed = {s: nonfinite_error(s) for s, ok in zip(seqs, finite) if not ok}
         kept_plan = plan if not failed else plan.subset(keep)
