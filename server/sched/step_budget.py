@@ -24,29 +24,29 @@ inter-token target decides. At most `max_prefill_tokens` (or a
 full batch plus `MIN_CHUNK`, where that is more).
 
 A step of few decodes has few streams waiting on it, and a prompt being chunked pays the step's
-fixed cost (the decodes beside it, a step's extra for prompt tokens) once per chunk: a step of
-`b` decodes is sized so that its fixed cost is at most `(b + 1) x FIXED_SHARE` of it, where that
-gives more than the target does. Every request waiting on the step has a say: without decodes
-the fixed cost is at most a tenth of the step (the prompt's wait alone decides), beside one
-stream a fifth, and from nine decodes on the target alone. On a CPU the target's budget for
-every step cut a long prompt into many small chunks, each reading the weights again (the cost
-of its past shrinks each chunk further), so the prompt and every prompt behind it waited
-several times its unchunked prefill (docs/features.md, chunked prefill, has the measurements).
-Beside one stream the step is then about 5x its fixed cost: the stream's gap grows from one
-decode step to five, still a small part of the step an unchunked long prompt takes. A step with decodes is held within the
-stall bound all the same, `TILE_STALL` times the inter-token target (the bound a chunk raised to
-a tile keeps, server.sched.tiles), whatever its fixed cost: that cost is the refit's, and a
-misfit lands in its intercept (`mixed_fixed_ms`: a long prompt's first chunks slower than
-modelled, beside a busy neighbour, moved it several-fold at once), which this rule alone turned
-into a larger budget, a multi-second step beside one stream, and the steps after it larger
-again (docs/features.md, chunked prefill, has the trace): past where the bound binds, a step
-found slower makes the steps streams wait on smaller, not larger. Only the budget's floor goes
-past the bound, where a step's fixed cost alone exceeds it: a step is then at most twice its
-fixed cost (a chunk's work equal to it), as a step of smaller chunks would pay more overhead
-than work, and a prompt held at `MIN_CHUNK` tokens a step (where a busy machine's steps with
-prompt tokens cost far more than its decode steps) took seconds past its prefill. A target
-given by `--itl-target-ms` is the operator's bound on every step a stream waits on: it is kept
-there (steps without decodes are still sized by their fixed cost; the floor holds there too).
+fixed cost (the decodes beside it, a step's extra for prompt tokens) once per chunk: a step of `b`
+decodes is sized so that its fixed cost is at most `(b + 1) x FIXED_SHARE` of it, where that gives
+more than the target does. Every request waiting on the step has a say: without decodes the fixed
+cost is at most a tenth of the step (the prompt's wait alone decides), beside one stream a fifth,
+and from nine decodes on the target alone. On a CPU the target's budget for every step cut a long
+prompt into many small chunks, each reading the weights again (the cost of its past shrinks each
+chunk further), so the prompt and every prompt behind it waited several times its unchunked prefill
+(docs/features.md, chunked prefill, has the measurements). Beside one stream the step is then about
+5x its fixed cost: the stream's gap grows from one decode step to five, still a small part of the
+step an unchunked long prompt takes. A step with decodes is held within the stall bound all the
+same, `TILE_STALL` times the inter-token target (the bound a chunk raised to a tile keeps,
+server.sched.tiles), whatever its fixed cost: that cost is the refit's, and a misfit lands in its
+intercept (`mixed_fixed_ms`: a long prompt's first chunks slower than modelled, beside a busy
+neighbour, moved it several-fold at once), which this rule alone turned into a larger budget, a
+multi-second step beside one stream, and the steps after it larger again (docs/features.md, chunked
+prefill, has the trace): past where the bound binds, a step found slower makes the steps streams
+wait on smaller, not larger. Only the budget's floor goes past the bound, where a step's fixed cost
+alone exceeds it: a step is then at most twice its fixed cost (a chunk's work equal to it), as a
+step of smaller chunks would pay more overhead than work, and a prompt held at `MIN_CHUNK` tokens a
+step (where a busy machine's steps with prompt tokens cost far more than its decode steps) took
+seconds past its prefill. A target given by `--itl-target-ms` is the operator's bound on every step
+a stream waits on: it is kept there (steps without decodes are still sized by their fixed cost; the
+floor holds there too).
 """
 
 from __future__ import annotations

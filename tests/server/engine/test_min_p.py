@@ -45,13 +45,19 @@ def test_min_p_keeps_what_the_reference_keeps_and_samples_its_distribution(min_p
 
 
 def test_min_p_draws_the_reference_token_for_the_same_seed():
-    """With the same generator state, our sampler and the reference pick the same token."""
+    """With the same generator state, our sampler and the reference pick the same token: one
+    uniform number u in [0, 1) from the request's generator, the first token whose cumulative
+    probability passes u."""
     logits = torch.randn(500, generator=torch.Generator().manual_seed(7)) * 2
-    ref = reference_probs(logits, 0.8, 0.1).float()
+    ref = reference_probs(logits, 0.8, 0.1).tolist()
     params = SamplingParams(temperature=0.8, min_p=0.1)
     for seed in range(200):
-        expected = torch.multinomial(ref, 1, generator=torch.Generator().manual_seed(seed))
-        assert draw(logits, params, seed) == int(expected)
+        u = torch.rand((), dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+        expected, mass = 0, ref[0]
+        while mass <= u:  # the reference's probabilities sum to 1
+            expected += 1
+            mass += ref[expected]
+        assert draw(logits, params, seed) == expected
 
 
 def test_min_p_zero_is_off_and_one_keeps_the_top_token():
