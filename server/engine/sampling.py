@@ -68,8 +68,9 @@ def nucleus(probs: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tens
 
 def draw(probs: torch.Tensor, gen: torch.Generator) -> int:
     """An index of probs [n] (>= 0, not all 0) drawn with probability proportional to its
-    value, by one uniform number through the float64 cumulative sum (torch.multinomial draws an
-    exponential for every entry: about 1.5 ms over a 49,152-token vocabulary on a CPU)."""
+    value, by one uniform number through the float64 cumulative sum: torch.multinomial draws an
+    exponential for every entry, which over a whole vocabulary costs more than the rest of the
+    sampling together (docs/benchmarks.md)."""
     cdf = probs.double().cumsum(-1)
     u = torch.rand((), dtype=torch.float64, generator=gen) * cdf[-1]
     # the first index whose cumulative sum passes u: never a zero-probability entry
