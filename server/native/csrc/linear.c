@@ -10,7 +10,8 @@
  *
  * At these rows a projection only streams its weight: oneDNN's packed bf16 GEMM read SmolLM2's
  * weights at about 17 GB/s on two threads at one row (12 on one); this reads each 16-row block
- * of W in order, once per token, one sequential stream per thread (25 and 18 GB/s). */
+ * of W in order, once per token, one sequential stream per thread (25 and 18 GB/s), and asks L2
+ * for the next block while it sums this one. */
 #include "common.h"
 
 int gemv_bf16(const uint16_t *x, int64_t ld_x, const uint16_t *W, int64_t out, int64_t in,
@@ -29,6 +30,7 @@ int gemv_bf16(const uint16_t *x, int64_t ld_x, const uint16_t *W, int64_t out, i
                 for (int64_t c = 0; c < in; c += 32)
                     acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(w + j * in + c),
                                            (__m512bh)_mm512_loadu_si512(xt + c));
+                if (t == 0 && blk + 1 < blocks) prefetch_l2(w + (16 + j) * in, in * 2);
                 part[TRANSPOSED(j)] = acc;
             }
             store16(y, 1, t * ld_y + blk * 16, reduce16(part));
@@ -73,6 +75,7 @@ int gemv_f32(const float *x, int64_t ld_x, const float *W, int64_t out, int64_t 
                 for (int64_t t = 0; t < T; t++)
                     even[t] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + t * ld_x + c), even[t]);
             }
+            if (blk + 1 < blocks) prefetch_l2(wj + 16 * in, in * 4);
             for (int64_t t = 0; t < T; t++) part[t][TRANSPOSED(j)] = _mm512_add_ps(even[t], odd[t]);
         }
         for (int64_t t = 0; t < T; t++) store16(y, 0, t * ld_y + blk * 16, reduce16(part[t]));
