@@ -126,8 +126,7 @@ static void lora_expand_bf16(void *y, int64_t ld_y, const void *Bt, int64_t H_ou
 
 /* Bt row j of the block into L2 (its expansion follows the shrinkage). */
 static inline void prefetch_row(const void *Bt, int64_t row_bytes, int64_t j) {
-    const char *p = (const char *)Bt + j * row_bytes;
-    for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T1);
+    prefetch_l2((const char *)Bt + j * row_bytes, row_bytes);
 }
 
 /* The rows of a block's n (<= 4) tokens from t as shrink_row takes them: the bf16 rows as they

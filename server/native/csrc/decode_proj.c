@@ -110,7 +110,7 @@ static void prefetch_cols(const LoraProj *p, int64_t c0, int64_t c1, const int32
     for (int64_t g = 0; g < num_runs && c1 > c0; g++)
         for (int64_t j = 0; j < p->ranks[g]; j++) {
             const char *row = (const char *)p->Bt + ((int64_t)offsets[g] + j) * p->H_out * elem;
-            for (int64_t b = c0 * elem; b < c1 * elem; b += 64) _mm_prefetch(row + b, _MM_HINT_T1);
+            prefetch_l2(row + c0 * elem, (c1 - c0) * elem);
         }
 }
 
