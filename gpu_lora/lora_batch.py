@@ -89,6 +89,7 @@ class LoraBatch:
             ranks_t = torch.tensor(ranks, dtype=torch.int32, device=device)
             self._args[module] = (offsets, ranks_t, scales, max(ranks))
         self._step = None
+        self._layout: RunsLayout | None = None  # native_runs', made once
         if self._segmented and kernels.runs_step is not None:
             tables = {m: (pool.lora_a[m], pool.lora_b[m], a[1]) for m, a in self._args.items()}
             self._step = kernels.runs_step(tables, self._seg_starts, offsets, scales)
@@ -100,7 +101,9 @@ class LoraBatch:
         native = isinstance(self._step, RunsStep)
         if not native or self._loading or self._dora_runs or self._trace is not None:
             return None
-        return self._step.layout()
+        if self._layout is None:  # the same for every call (a batch may serve several steps)
+            self._layout = self._step.layout()
+        return self._layout
 
     def add(self, layer: int, x: torch.Tensor, outputs) -> None:
         """y += LoRA delta for each (module, y) pair; x [T, H_in], y [T, H_out], in place."""

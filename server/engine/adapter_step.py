@@ -9,6 +9,8 @@ step before its forward pass, which itself never waits on a load.
 
 from __future__ import annotations
 
+import torch
+
 from toppings.gpu_lora.adapter_pool import AdapterPool
 from toppings.gpu_lora.alora import activation_start, split_rows
 from toppings.gpu_lora.cache import CacheEntry
@@ -43,6 +45,10 @@ class AdapterStep:
         self.host = host
         self.host_stats = host_stats
         self._trace = trace
+        # A decode step whose adapters, rows and pool tables are the last one's (one stream,
+        # or a batch whose members did not change) runs the last LoraBatch again: building it
+        # is a dozen small tensors and the native step's structs (see `_decode_key`).
+        self._last: tuple[tuple, LoraBatch, tuple] | None = None
 
     def is_activated(self, ref: AdapterRef | None) -> bool:
         """Whether `ref` is an activated LoRA (its KV before `lora_start` is the base model's)."""
@@ -84,18 +90,42 @@ class AdapterStep:
             entries, seg_starts = split_rows(entries, seg_starts, positions, lora_starts)
         if not any(entries):
             return None
-        return LoraBatch(
+        adapters = [e.resident if e else None for e in entries]
+        dora = [self.host.dora_scales(e.resident.id) if e else None for e in entries]
+        key = None
+        if (
+            not is_prefill
+            and self._trace is None
+            and all(e is None or e.ticket.done for e in entries)
+        ):
+            key = self._decode_key(adapters, seg_starts, dora)
+            if self._last is not None and self._last[0] == key:
+                return self._last[1]
+        batch = LoraBatch(
             self.pool,
             self.kernels,
-            [e.resident if e else None for e in entries],
+            adapters,
             seg_starts,
             is_prefill,
             tickets=[e.ticket if e else None for e in entries],
-            dora=[self.host.dora_scales(e.resident.id) if e else None for e in entries],
+            dora=dora,
             host=self.host.runner,
             host_stats=self.host_stats,
             trace=self._trace,
         )
+        self._last = (key, batch, self._tables()) if key is not None else None
+        return batch
+
+    def _tables(self) -> tuple[torch.Tensor, ...]:
+        return (*self.pool.lora_a.values(), *self.pool.lora_b.values())
+
+    def _decode_key(self, adapters: list, seg_starts: list[int], dora: list) -> tuple:
+        """What a decode step's LoraBatch is made of: a step of the same key may run the last
+        one again (every adapter resident, no trace; the last batch holds its tables, so their
+        ids are not reused while it is kept)."""
+        tables = tuple(id(t) for t in self._tables())
+        threads = torch.get_num_threads()  # the governor's (the native step keeps its own)
+        return tuple(adapters), tuple(seg_starts), tuple(id(d) for d in dora), tables, threads
 
     def has_dora(self, entries: list[CacheEntry | None]) -> bool:
         """Whether any of these requests' adapters is a DoRA adapter (decode graphs do not

@@ -27,6 +27,7 @@ import torch
 from toppings.gpu_lora.trace import StepEvent, TraceRecorder
 from toppings.server.engine.adapter_step import AdapterStep
 from toppings.server.engine.grammar import GrammarCompiler
+from toppings.server.engine.logits_scan import scan_logits
 from toppings.server.engine.sampler import Sampler, score_prompts
 from toppings.server.memory.kv_cache import KVPool
 from toppings.server.model.graph_buckets import GraphBuckets
@@ -112,11 +113,7 @@ class ModelRunner:
             logits, seconds, num_computed = self._forward(plan, slots)  # [B, V]
         else:
             seconds, num_computed = 0.0, 0
-        # A row is finite iff its max and min are (both propagate NaN), where isfinite would
-        # write and scan a [B, V] bool tensor every step. Two reductions, not torch.aminmax: on
-        # a CPU its reduction over a dimension runs several times slower than amax and amin
-        # together (docs/benchmarks.md).
-        finite = (logits.amax(dim=1).isfinite() & logits.amin(dim=1).isfinite()).tolist()  # [B]
+        finite, best = scan_logits(logits)  # [B] each: finite rows, argmax (logits_scan.py)
         keep = [i for i, ok in enumerate(finite) if ok]
         failed = {s: nonfinite_error(s) for s, ok in zip(seqs, finite) if not ok}
         kept_plan = plan if not failed else plan.subset(keep)
@@ -124,16 +121,17 @@ class ModelRunner:
         sampled = [seqs[i] for i in rows]
         if len(rows) < len(seqs):
             logits = logits[rows]  # [S, V], the rows of the requests that sample
-        tokens = self.sampler.sample(sampled, logits, masks) if sampled else []
+        argmax = [best[i] for i in rows]
+        tokens = self.sampler.sample(sampled, logits, masks, argmax) if sampled else []
         return StepOutcome(kept_plan, StepResult(tokens, seconds, num_computed), failed)
 
     def _slots(self, plan: StepPlan) -> torch.Tensor:
         """The KV slots of the plan's tokens, int64 [T], in plan order: the scheduler reserved
         them (`Scheduler._reserve`); the runner only reads where they are."""
-        table = self.kv.req_to_slot
         rows = [s.kv_hold.row for s in plan.seqs]
         if not plan.is_prefill:
-            return table[rows, list(plan.starts)]  # [B]
+            return self.kv.slots_at(rows, list(plan.starts))  # [B]
+        table = self.kv.req_to_slot
         return torch.cat([table[r, b : b + n] for r, b, n in zip(rows, plan.starts, plan.tokens)])
 
     def _replay(self, plan: StepPlan) -> torch.Tensor | None:

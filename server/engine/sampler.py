@@ -165,9 +165,14 @@ class Sampler:
         return made[1]
 
     def sample(
-        self, seqs: list[Sequence], logits: torch.Tensor, masks: PendingMasks | None = None
+        self,
+        seqs: list[Sequence],
+        logits: torch.Tensor,
+        masks: PendingMasks | None = None,
+        argmax: list[int] | None = None,
     ) -> list[int]:
-        """Next token of each sequence from its row of logits [B, V] float32.
+        """Next token of each sequence from its row of logits [B, V] float32 (argmax: each
+        row's, where the caller has it: the greedy rows that nothing processes take it).
 
         Rows with penalties, a logit bias or min_tokens are processed first, then constrained
         rows keep only their grammar's tokens (`masks` from `start_masks`, computed here when
@@ -184,7 +189,9 @@ class Sampler:
                     chosen_from[i] = process_row(logits[i], p, prompt, seq.output_ids, self.eos_ids)
         if is_constrained:
             self._constrain(seqs, logits, chosen_from, masks)
-        tokens = sample_next(chosen_from, params, [self.generator(s) for s in seqs])
+        if chosen_from is not logits:
+            argmax = None  # processed or constrained: the argmax of what they left
+        tokens = sample_next(chosen_from, params, [self.generator(s) for s in seqs], argmax)
         if is_constrained:
             self._advance(seqs, tokens)
         want = [i for i, p in enumerate(params) if p.logprobs is not None]

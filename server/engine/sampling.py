@@ -23,9 +23,11 @@ def sample_next(
     logits: torch.Tensor,
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
+    argmax: list[int] | None = None,
 ) -> list[int]:
-    """Pick one token per row. logits float32 [B, V]; returns B token ids."""
-    chosen = logits.argmax(dim=-1).tolist()
+    """Pick one token per row. logits float32 [B, V]; argmax: each row's, where the caller has
+    it (else computed here); returns B token ids."""
+    chosen = list(argmax) if argmax is not None else logits.argmax(dim=-1).tolist()
     for row, (p, gen) in enumerate(zip(params, generators)):
         if not p.is_greedy:
             chosen[row] = _sample_row(logits[row].cpu(), p, gen)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import numpy
 import torch
 
 from toppings.server import native
@@ -57,6 +58,10 @@ class KVPool:
         self.max_len = max_len
         self._free = list(range(self.num_blocks - 1, -1, -1))  # a stack; the top is the end
         self.req_to_slot = torch.zeros(max_requests, max_len, dtype=torch.int64, device=device)
+        # On a CPU the same memory as numpy: a decode step's few reads and writes of the table
+        # as numpy indexing, not torch ops (each costs several times more, run cold after a
+        # step's weights have streamed through the caches: docs/benchmarks.md).
+        self._table = self.req_to_slot.numpy() if self.req_to_slot.device.type == "cpu" else None
         self.lengths = [0] * max_requests
         self.row_blocks: list[list[int]] = [[] for _ in range(max_requests)]
         self.num_borrowed = [0] * max_requests  # leading blocks of a row it does not own
@@ -154,8 +159,11 @@ class KVPool:
         if ones:
             rs, cs = [rows[i] for i in ones], [starts[i] for i in ones]
             slots = [1 + self.row_blocks[r][c // bt] * bt + c % bt for r, c in zip(rs, cs)]
-            self.req_to_slot[rs, cs] = torch.tensor(slots, dtype=torch.int64,
-                                                    device=self.req_to_slot.device)  # fmt: skip
+            if self._table is not None:
+                self._table[rs, cs] = slots
+            else:
+                self.req_to_slot[rs, cs] = torch.tensor(slots, dtype=torch.int64,
+                                                        device=self.req_to_slot.device)  # fmt: skip
         for r, b, n in zip(rows, starts, counts):
             if n > 1:
                 first, last = b // bt, -(-(b + n) // bt)
@@ -211,6 +219,15 @@ class KVPool:
 
         Entries of a row past its length are stale: readers mask them by length.
         """
-        lengths = torch.tensor([self.lengths[r] for r in rows], dtype=torch.int64)
-        index = self.req_to_slot[rows, : int(lengths.max())]  # [B, Lmax]
-        return index, lengths.to(self.k.device)
+        lengths = [self.lengths[r] for r in rows]
+        if self._table is not None:
+            index = self._table[rows, : max(lengths)]  # [B, Lmax], a copy
+            return torch.from_numpy(index), torch.from_numpy(numpy.array(lengths, numpy.int64))
+        index = self.req_to_slot[rows, : max(lengths)]  # [B, Lmax]
+        return index, torch.tensor(lengths, dtype=torch.int64, device=self.k.device)
+
+    def slots_at(self, rows: list[int], positions: list[int]) -> torch.Tensor:
+        """The slots of position positions[i] of rows[i], int64 [B]."""
+        if self._table is not None:
+            return torch.from_numpy(self._table[rows, positions])
+        return self.req_to_slot[rows, positions]

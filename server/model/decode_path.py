@@ -165,6 +165,8 @@ class DecodePath:
         # decode_layers runs here: its silu takes the model's intermediate size in this build
         self._one_call = bool(lib.silu_mul_takes(intermediate_size))
         self._pool_layers: tuple[tuple[int, int], ctypes.Array] | None = None  # (pool, layers)
+        self._last_lora: tuple[RunsLayout, LoraStep] | None = None  # _lora_step's last
+        self._scratch: dict[int, tuple[torch.Tensor, ...]] = {}  # _buffers', by token count
 
     @classmethod
     def build(cls, model) -> DecodePath | None:
@@ -194,12 +196,10 @@ class DecodePath:
         cfg, lora = model.config, batch.lora
         n, k, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         t, hidden, inter = h.shape[0], cfg.hidden_size, cfg.intermediate_size
-        dtype = h.dtype
-        # Buffers of every layer: each is read before the next layer writes it again.
-        x, qkv = torch.empty(t, hidden, dtype=dtype), torch.empty(t, (n + 2 * k) * d, dtype=dtype)
-        attn, out = torch.empty(t, n * d, dtype=dtype), torch.empty(t, hidden, dtype=dtype)
-        gate_up, act = torch.empty(t, 2 * inter, dtype=dtype), torch.empty(t, inter, dtype=dtype)
-        residual = torch.empty(t, hidden, dtype=dtype)
+        # Buffers of every layer, each read before the next layer writes it again, kept for the
+        # next step of t tokens; the output (residual) is the caller's, new each step.
+        x, qkv, attn, out, gate_up, act = self._buffers(t, cfg)
+        residual = torch.empty(t, hidden, dtype=h.dtype)
         index, lengths = batch.kv_index.contiguous(), batch.kv_lengths.contiguous()
         slots, cos, sin = batch.slots.contiguous(), cos.contiguous(), sin.contiguous()
         buffers = (h, x, qkv, attn, out, gate_up, act, residual, cos, sin, slots, index, lengths)
@@ -219,6 +219,17 @@ class DecodePath:
                 return residual
         self._layer_by_layer(model, lora, kv, step, (x, qkv, attn, out, gate_up, act, residual))
         return residual
+
+    def _buffers(self, t: int, cfg) -> tuple[torch.Tensor, ...]:
+        """x [t, H], qkv [t, (N + 2K) D], attn [t, N D], out [t, H], gate_up [t, 2I], act
+        [t, I] of the model's dtype: made once per token count."""
+        made = self._scratch.get(t)
+        if made is None:
+            n, k, d, hidden = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
+            widths = (hidden, (n + 2 * k) * d, n * d, hidden, 2 * cfg.intermediate_size,
+                      cfg.intermediate_size)  # fmt: skip
+            made = self._scratch[t] = tuple(torch.empty(t, w, dtype=self.dtype) for w in widths)
+        return made
 
     def _layers_of(self, model, kv) -> ctypes.Array:
         """The layers' C structs over this KV pool (built again when the pool is another)."""
@@ -240,6 +251,8 @@ class DecodePath:
         runs, or tables that are not this model's shapes)."""
         if runs is None or runs.dtype != self.dtype or runs.num_layers != len(self._layers):
             return None
+        if self._last_lora is not None and self._last_lora[0] is runs:  # a batch run again
+            return self._last_lora[1]
         cfg = model.config
         hidden, inter = cfg.hidden_size, cfg.intermediate_size
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
@@ -256,6 +269,7 @@ class DecodePath:
             step.tables[_LORA_SLOTS[module]] = LoraTable(
                 m.a0, m.b0, m.a_step, m.b_step, m.ranks, m.rows
             )
+        self._last_lora = (runs, step)  # runs kept: `is` above compares the live object
         return step
 
     def _layer_by_layer(self, model, lora, kv, step: DecodeStep, buffers: tuple) -> None:

@@ -232,8 +232,11 @@ class LlamaModel:
             residual = self.decode_path.run(self, batch, kv, h, cos, sin)  # four calls a layer
         else:
             residual = self._layers(batch, kv, h, cos, sin)
-        h += residual
         rows = batch.logit_rows
+        if rows is None and len(batch.seg_starts) - 1 == h.shape[0]:  # one token a request
+            h = add_rms_norm(h, residual, self.norm, cfg.rms_norm_eps)  # [B, H], every row
+            return self.lm_head(h).float()  # [B, V]
+        h += residual
         if rows is None:
             rows = torch.tensor(batch.seg_starts[1:], device=self.device) - 1
         h = add_rms_norm(h[rows], None, self.norm, cfg.rms_norm_eps)  # [R, H]

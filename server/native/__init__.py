@@ -8,13 +8,14 @@ prompt, or a chunk after a long past) in blocks, reading the past once per tile 
 the KV write (`kv_cache.py`), `linear.c` the bf16 and float32 GEMVs (AVX-512), `gemv_int8.c`
 the int8 GEMV of `--quantization int8` and the AVX2 + FMA float32 / bf16 GEMVs for CPUs without
 AVX-512, `gemv_int4_bf16.c` the int4 GEMV for bf16 activations (AVX512_BF16), each one call
-where torch needs many small ops; `decode_layer.c` chains them (and the
-LoRA kernel) into one call a step for decode steps of a few requests
-(`server/model/decode_path.py`). What they share (`common.h`) sits on the include path of every
-native build (`gpu_lora.kernels.native_build`, which also builds, caches and loads this library,
-keyed by its sources); the LoRA kernel is a library of its own (`gpu_lora.kernels.native`).
-Waking the other OpenMP thread costs tens of microseconds here, so
-small ops (a decode step's norms, RoPE, KV write) run on one (`threads_for` in `common.h`).
+where torch needs many small ops; `decode_layer.c` chains them (and the LoRA kernel) into one
+call a step for decode steps of a few requests (`server/model/decode_path.py`); `logits.c`
+checks a step's logits and finds its greedy tokens in one pass (`server/engine/logits_scan.py`).
+What they share (`common.h`) sits on the include path of every native build
+(`gpu_lora.kernels.native_build`, which also builds, caches and loads this library, keyed by its
+sources); the LoRA kernel is a library of its own (`gpu_lora.kernels.native`). Waking the other
+OpenMP thread costs tens of microseconds here, so small ops (a decode step's norms, RoPE, KV
+write) run on one (`threads_for` in `common.h`).
 
 Where no compiler is found, the build fails, or `TOPPINGS_NATIVE=0`, `library()` returns None
 and callers use their torch path (the same results: tests/server/model/test_attention.py and
@@ -32,7 +33,7 @@ from toppings.gpu_lora.kernels import native_build
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = (
     "attention.c", "attention_tiles.c", "elementwise.c", "linear.c", "gemv_int8.c",
-    "gemv_int4_bf16.c", "decode_proj.c", "decode_layer.c",
+    "gemv_int4_bf16.c", "decode_proj.c", "decode_layer.c", "logits.c",
 )  # fmt: skip
 # what the sources include besides common.h: part of the key
 HEADERS = ("attention_bf16.h", "decode_proj.h")
@@ -61,6 +62,7 @@ SIGNATURES = {  # every function returns int: 0, or nonzero when it failed
     "attend_proj": [_P] * 8 + [_I64] * 2 + [_P] * 3 + [_I64] * 4 + [ctypes.c_float, _I, _I],
     "act_proj": [_P] * 4 + [_I64, _I, _I],
     "decode_layers": [_P, _P, _I64, _P, _I, _I],
+    "logits_scan": [_P, _I64, _I64, _I64, _P, _P, _I],
 }
 
 
