@@ -31,10 +31,11 @@
 #define HAVE_DPBF16 1
 
 /* 16 output rows blk * 16 .. + 16. xp [T, G4 * 32]: x in the order the weights unpack (below),
- * zero past `in`; sums [T, G4]: each group's sum of x, zero past G. */
+ * zero past `in`; sums [T, G4]: each group's sum of x, zero past G; has_next: whether the
+ * thread's next block follows (its rows are prefetched). */
 static inline __attribute__((always_inline)) void block_int4_bf16(
     const uint16_t *xp, const float *sums, int64_t G4, int64_t in, const uint8_t *q,
-    const uint32_t *sz, int64_t blk, uint16_t *y, int64_t ld_y, int64_t T) {
+    const uint32_t *sz, int64_t blk, uint16_t *y, int64_t ld_y, int64_t T, int has_next) {
     int64_t G = in / 32;
     const __m512i low4 = _mm512_set1_epi8(0x0F), bias = _mm512_set1_epi8(0x43);
     const __m512i high = _mm512_set1_epi32((int)0xffff0000u);
@@ -45,6 +46,10 @@ static inline __attribute__((always_inline)) void block_int4_bf16(
         int64_t o = blk * 16 + j;
         const uint8_t *qo = q + o * (in / 2);
         const uint32_t *szo = sz + o * G;
+        if (has_next) { /* the next block's row j into L2 while this one is summed (linear.c) */
+            prefetch_l2(qo + 16 * (in / 2), in / 2);
+            prefetch_l2(szo + 16 * G, G * 4);
+        }
         __m512 acc[4];
         for (int64_t t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
         /* Four groups a vector: each 128-bit lane holds one group's 16 bytes; its low nibbles
@@ -120,7 +125,7 @@ int gemv_int4_bf16(const uint16_t *x, int64_t ld_x, const uint8_t *q, const uint
     int64_t blocks = out / 16;
 #pragma omp parallel for num_threads(threads_for(out * in / 2, num_threads)) schedule(static)
     for (int64_t blk = 0; blk < blocks; blk++) {
-#define CALL(t) block_int4_bf16(xp, sums, G4, in, q, sz, blk, y, ld_y, t)
+#define CALL(t) block_int4_bf16(xp, sums, G4, in, q, sz, blk, y, ld_y, t, blk + 1 < blocks)
         WITH_CONST_T(T, CALL);
 #undef CALL
     }
