@@ -235,11 +235,11 @@ class LlamaModel:
         rows = batch.logit_rows
         if rows is None and len(batch.seg_starts) - 1 == h.shape[0]:  # one token a request
             h = add_rms_norm(h, residual, self.norm, cfg.rms_norm_eps)  # [B, H], every row
-            return self.lm_head(h).float()  # [B, V]
-        h += residual
-        if rows is None:
-            rows = torch.tensor(batch.seg_starts[1:], device=self.device) - 1
-        h = add_rms_norm(h[rows], None, self.norm, cfg.rms_norm_eps)  # [R, H]
+        else:
+            h += residual
+            if rows is None:
+                rows = torch.tensor(batch.seg_starts[1:], device=self.device) - 1
+            h = add_rms_norm(h[rows], None, self.norm, cfg.rms_norm_eps)  # [R, H]
         return self.lm_head(h).float()  # [R, V]
 
     def _layers(self, batch: ForwardBatch, kv: KVPool, h: torch.Tensor, cos, sin) -> torch.Tensor:

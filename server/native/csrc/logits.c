@@ -28,7 +28,7 @@ static void scan_row(const float *row, int64_t V, uint8_t *finite, int64_t *argm
     __mmask16 tops = _mm512_cmp_ps_mask(best, _mm512_set1_ps(top), _CMP_EQ_OQ);
     int64_t first = _mm512_mask_reduce_min_epi32(tops, best_at);
     *finite = ok == 0xFFFF;
-    *argmax = *finite ? (tops ? first : 0) : -1; /* tops empty: every entry -inf is not finite */
+    *argmax = *finite ? first : -1; /* a finite row's maximum is one of its entries */
 }
 #elif defined(__AVX2__)
 static void scan_row(const float *row, int64_t V, uint8_t *finite, int64_t *argmax) {
