@@ -14,8 +14,9 @@ torch's kernels take the activation in float32, bfloat16 or float16 and the scal
 dtype (a bfloat16 model rounds its scales to bfloat16: `dequantize(dtype)` gives the weight the
 kernel multiplies by). The product accumulates in float32 and returns the activation's dtype.
 The kernels suit a decode step's few rows only (`kernel_max_rows`): a prefill's rows multiply
-by the weight dequantized a slice at a time. LoRA deltas are added to the output by the caller,
-as for a float projection.
+by the weight dequantized a slice at a time, in the activation's dtype (torch's float GEMM, the
+one a float model's prefill runs). LoRA deltas are added to the output by the caller, as for a
+float projection.
 """
 
 from __future__ import annotations
@@ -119,18 +120,15 @@ def _check_int4_shape(out_features: int, in_features: int) -> None:
 
 def kernel_max_rows(dtype: torch.dtype, scheme: Quantization) -> int:
     """The most rows a product runs through torch's packed kernel; more rows multiply by the
-    weight dequantized to float32 (DEQUANT_ROWS channels at a time).
+    weight dequantized to `dtype` (DEQUANT_ROWS channels at a time) through torch's GEMM.
 
     The kernels multiply row after row, each row streaming the whole weight, and only their
-    bfloat16 path is vectorized. Measured on this project's 2-core AMD EPYC (shared, one
-    thread), a [3072, 576] product at 1 / 8 / 32 rows: bfloat16 int8 kernel 0.12 / 0.42 / 1.68
-    ms against 0.55 / 1.00 / 1.96 dequantized, int4 0.14 / 0.39 / 1.38 against 2.7 / 6.5 / 8.3;
-    float32 int8 kernel 1.48 ms at one row against 0.42 dequantized, int4 3.0 against 7.0 at
-    one row and 10.5 against 2.9 at two; bfloat16 int4 at 64 / 256 rows 2.8 / 36 ms against
-    14 / 54 dequantized (unpacking the kernel's int4 layout is the slow part).
+    bfloat16 path is vectorized: past a few dozen rows the dequantized weight and the float GEMM
+    win (the crossovers measured on SmolLM2's projections: docs/benchmarks.md, "Quantized
+    prefill").
     """
-    if dtype == torch.bfloat16:  # int4 dequantizes slowly (unpacking the kernel's layout)
-        return 32 if scheme is Quantization.INT8 else 256
+    if dtype == torch.bfloat16:
+        return 32 if scheme is Quantization.INT8 else 128
     return 1 if scheme is Quantization.INT4 else 0
 
 
@@ -170,9 +168,11 @@ class QuantizedLinear:
     Up to `gemv_rows` rows (decode of 1-4 requests, float32 or bfloat16) go through the native
     int8 / int4 GEMV (quant_gemv.py); else up to `kernel_max_rows(dtype, scheme)` rows
     (bfloat16 decode) go through torch's packed kernel, which reads the quantized weight only;
-    more rows (prefill, and float32 models)
-    multiply by the weight dequantized to float32, DEQUANT_ROWS output channels at a time.
-    Both multiply by the same values (the scales as kept in `dtype`) and accumulate in float32.
+    more rows (prefill, and float32 models) multiply by the weight dequantized to `dtype`,
+    DEQUANT_ROWS output channels at a time, through torch's GEMM for `dtype`. All multiply by
+    the same values (the scales as kept in `dtype`; a bfloat16 prefill by their products with
+    q rounded to bfloat16, as a bfloat16 model of the dequantized weights holds them) and
+    accumulate in float32.
     """
 
     def __init__(
@@ -256,19 +256,25 @@ class QuantizedLinear:
         return y
 
     def _dequantized_product(self, x: torch.Tensor) -> torch.Tensor:
-        """x @ W.T with W dequantized to float32 a slice of output channels at a time."""
-        xf = x.float()
+        """x @ W.T with W dequantized to x's dtype a slice of output channels at a time."""
+        if self.out_features <= DEQUANT_ROWS:
+            return F.linear(x, self.dequantize_rows(0, self.out_features).to(x.dtype))
         y = torch.empty(x.shape[0], self.out_features, dtype=x.dtype)
         for start in range(0, self.out_features, DEQUANT_ROWS):
             stop = min(start + DEQUANT_ROWS, self.out_features)
-            y[:, start:stop] = F.linear(xf, self.dequantize_rows(start, stop))
+            y[:, start:stop] = F.linear(x, self.dequantize_rows(start, stop).to(x.dtype))
         return y
 
     def dequantize_rows(self, start: int, stop: int) -> torch.Tensor:
-        """Rows start:stop of W as the kernel multiplies by it, float32 [stop - start, in];
-        start a multiple of DEQUANT_ROWS (of 64)."""
+        """Rows start:stop of W, [stop - start, in]: int8 in the model's dtype (q * scale, each
+        product rounded once to it: what a float model holding the dequantized weight multiplies
+        by), int4 in float32 as the kernel multiplies by it; start a multiple of DEQUANT_ROWS
+        (of 64)."""
         if self.scheme is Quantization.INT8:
-            return self._q[start:stop].float().mul_(self._scales[start:stop, None].float())
+            q, scales = self._q[start:stop], self._scales[start:stop, None]
+            if self.dtype == torch.float32:
+                return q.float().mul_(scales)
+            return torch.mul(q, scales)  # one pass (torch's fastest form for 16-bit dtypes)
         blocks = self._q.view(-1, self.in_features, INT4_BLOCK_ROWS // 2)  # [out/64, in, 32]
         first, last = start // INT4_BLOCK_ROWS, -(-stop // INT4_BLOCK_ROWS)
         packed = blocks[first:last]

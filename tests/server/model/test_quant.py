@@ -114,6 +114,20 @@ def test_prefill_rows_dequantize_in_slices(scheme, monkeypatch):
     assert torch.equal(linear.dequantize_rows(128, 200), q.dequantize()[128:200])
 
 
+def test_a_bfloat16_prefill_multiplies_by_the_weights_a_bfloat16_model_holds():
+    """bfloat16 int8 rows past the kernel's multiply by q * scale rounded once to bfloat16 (the
+    weights transformers holds when a bfloat16 model loads the dequantized checkpoint), through
+    torch's bfloat16 GEMM."""
+    gen = torch.Generator().manual_seed(5)
+    w, x = torch.randn(96, 64, generator=gen), torch.randn(40, 64, generator=gen).bfloat16()
+    q = quantize_int8(w)
+    linear = QuantizedLinear(q, torch.bfloat16)
+    assert linear.max_kernel_rows < 40
+    held = q.dequantize(torch.bfloat16).bfloat16()
+    assert torch.equal(linear.dequantize_rows(0, 96), held)
+    assert torch.equal(linear(x), F.linear(x, held))
+
+
 def test_quantization_is_cpu_only_and_refused_before_loading():
     with pytest.raises(ValueError, match="quantization int8 runs on device cpu only"):
         EngineConfig(device="cuda", quantization="int8")
