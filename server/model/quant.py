@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from toppings.server.config import Quantization
 from toppings.server.model.linear import plain_copy_affordable
+from toppings.server.model.quant_dequant import INT4_BLOCK_ROWS, dequantize_int4_pack
 from toppings.server.model.quant_gemv import (
     GEMV_ROWS,
     INT4_GROUP,  # divides every hidden and head size served, and is GGUF's block of 32
@@ -128,7 +129,7 @@ def kernel_max_rows(dtype: torch.dtype, scheme: Quantization) -> int:
     prefill").
     """
     if dtype == torch.bfloat16:
-        return 32 if scheme is Quantization.INT8 else 128
+        return 32
     return 1 if scheme is Quantization.INT4 else 0
 
 
@@ -158,7 +159,6 @@ def gemv_rows(dtype: torch.dtype, scheme: Quantization, out_features: int, in_fe
 
 
 DEQUANT_ROWS = 4096  # output channels dequantized at a time past kernel_max_rows: bounded memory
-INT4_BLOCK_ROWS = 64  # the CPU int4 pack's block of output rows: [out / 64, in, 32] bytes
 
 
 class QuantizedLinear:
@@ -258,12 +258,21 @@ class QuantizedLinear:
     def _dequantized_product(self, x: torch.Tensor) -> torch.Tensor:
         """x @ W.T with W dequantized to x's dtype a slice of output channels at a time."""
         if self.out_features <= DEQUANT_ROWS:
-            return F.linear(x, self.dequantize_rows(0, self.out_features).to(x.dtype))
+            return self._product_rows(x, 0, self.out_features)
         y = torch.empty(x.shape[0], self.out_features, dtype=x.dtype)
         for start in range(0, self.out_features, DEQUANT_ROWS):
             stop = min(start + DEQUANT_ROWS, self.out_features)
-            y[:, start:stop] = F.linear(x, self.dequantize_rows(start, stop).to(x.dtype))
+            y[:, start:stop] = self._product_rows(x, start, stop)
         return y
+
+    def _product_rows(self, x: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        """x @ W[start:stop].T in x's dtype: int4 through the native dequantizer where it runs
+        (W.T in the pack's order, quant_dequant.py), else through `dequantize_rows`."""
+        if self.scheme is Quantization.INT4:
+            wt = dequantize_int4_pack(self._q, self._scales, self.in_features, start, stop, x.dtype)
+            if wt is not None:
+                return x @ wt
+        return F.linear(x, self.dequantize_rows(start, stop).to(x.dtype))
 
     def dequantize_rows(self, start: int, stop: int) -> torch.Tensor:
         """Rows start:stop of W, [stop - start, in]: int8 in the model's dtype (q * scale, each

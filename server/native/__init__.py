@@ -10,7 +10,8 @@ the int8 GEMV of `--quantization int8` and the AVX2 + FMA float32 / bf16 GEMVs f
 AVX-512, `gemv_int4_bf16.c` the int4 GEMV for bf16 activations (AVX512_BF16), each one call
 where torch needs many small ops; `decode_layer.c` chains them (and the LoRA kernel) into one
 call a step for decode steps of a few requests (`server/model/decode_path.py`); `logits.c`
-checks a step's logits and finds its greedy tokens in one pass (`server/engine/logits_scan.py`).
+checks a step's logits and finds its greedy tokens in one pass (`server/engine/logits_scan.py`);
+`dequant_int4.c` unpacks torch's int4 pack for a prompt's GEMM (`server/model/quant_dequant.py`).
 What they share (`common.h`) sits on the include path of every native build
 (`gpu_lora.kernels.native_build`, which also builds, caches and loads this library, keyed by its
 sources); the LoRA kernel is a library of its own (`gpu_lora.kernels.native`). Waking the other
@@ -33,7 +34,7 @@ from toppings.gpu_lora.kernels import native_build
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = (
     "attention.c", "attention_tiles.c", "elementwise.c", "linear.c", "gemv_int8.c",
-    "gemv_int4_bf16.c", "decode_proj.c", "decode_layer.c", "logits.c",
+    "gemv_int4_bf16.c", "decode_proj.c", "decode_layer.c", "logits.c", "dequant_int4.c",
 )  # fmt: skip
 # what the sources include besides common.h: part of the key
 HEADERS = ("attention_bf16.h", "decode_proj.h")
@@ -57,6 +58,7 @@ SIGNATURES = {  # every function returns int: 0, or nonzero when it failed
     "gemv_int8": [_P, _I64, _I, _P, _P, _I64, _I64, _P, _I64, _I64, _I, _I],
     "gemv_int4": [_P, _I64, _I, _P, _P, _P, _I64, _I64, _P, _I64, _I64, _I, _I],
     "gemv_int4_bf16": [_P, _I64, _P, _P, _I64, _I64, _P, _I64, _I64, _I],
+    "dequant_int4_pack": [_P, _P, _I, _I64, _I64, _I64, _I64, _P, _I, _I64, _I],
     # decode_layer.c: the Proj arguments are struct addresses (model/decode_path.py)
     "norm_proj": [_P] * 6 + [_I64] * 3 + [ctypes.c_float, _I, _I],
     "attend_proj": [_P] * 8 + [_I64] * 2 + [_P] * 3 + [_I64] * 4 + [ctypes.c_float, _I, _I],
