@@ -14,10 +14,13 @@ test_decode_path.py). A layer:
     act, res = act_proj(gu)                    then LoRA down on res (from act)
 
 `decode_layers` runs every layer so, the LoRA kernel (`gpu_lora.kernels.native.lora_runs`)
-called from C on the step's runs (`LoraBatch.native_runs`). Where the step's LoRA needs Python
-(an adapter still loading, DoRA, a trace) or there is no vector silu (neither AVX-512 nor AVX2 +
-FMA), the layers run as four calls each from here instead, LoRA between them, `act_proj` then
-per op where it declines.
+called from C on the step's runs (`LoraBatch.native_runs`); where each request computes one
+token and lm_head's GEMV is native too, the same call also gathers the embedding and RoPE rows
+and ends with the final norm and lm_head (`run_to_logits`): their Python around a step runs cold
+after the weights' stream (bench/profile_cold_ops.py; what it saves: docs/benchmarks.md). Where
+the step's LoRA needs Python (an adapter still loading, DoRA, a trace) or there is no vector
+silu (neither AVX-512 nor AVX2 + FMA), the layers run as four calls each from here instead,
+LoRA between them, `act_proj` then per op where it declines.
 `DecodePath.build` returns None (the model keeps its per-op path) where any projection has no
 native GEMV here, the family normalizes q and k per head (Qwen3), or the native library is off.
 """
@@ -31,114 +34,20 @@ from typing import TYPE_CHECKING
 import torch
 
 from toppings.server import native
-from toppings.server.config import Quantization
+from toppings.server.model.decode_structs import (
+    LORA_SLOTS,
+    DecodeLayer,
+    DecodeStep,
+    LoraStep,
+    LoraTable,
+    Proj,
+    native_proj,
+)
 from toppings.server.model.fused import NATIVE_DTYPES, silu_mul
-from toppings.server.model.linear import GEMV_MAX_ROWS, Linear, gemv_kernel
-from toppings.server.model.quant import QuantizedLinear
+from toppings.server.model.linear import GEMV_MAX_ROWS
 
 if TYPE_CHECKING:
     from toppings.gpu_lora.kernels.native import RunsLayout
-
-# decode_layer.c's GEMV_* kinds, by linear.py's kernel names
-_KINDS = {"gemv_f32": 0, "gemv_bf16": 1, "gemv_f32_avx2": 2, "gemv_bf16_avx2": 3}
-_INT8, _INT4, _INT4_BF16 = 4, 5, 6
-
-
-class Proj(ctypes.Structure):
-    """One projection of a decode_layer.c call: its C struct, field for field."""
-
-    _fields_ = [
-        ("kind", ctypes.c_int64),
-        ("w", ctypes.c_void_p),
-        ("scale", ctypes.c_void_p),
-        ("offset", ctypes.c_void_p),
-        ("bias", ctypes.c_void_p),
-        ("out", ctypes.c_int64),
-        ("in_", ctypes.c_int64),
-    ]
-
-
-class LoraTable(ctypes.Structure):
-    """One projection's adapter tables of a step (decode_layer.c's struct, field for field)."""
-
-    _fields_ = [
-        ("a0", ctypes.c_void_p),
-        ("b0", ctypes.c_void_p),
-        ("a_step", ctypes.c_int64),
-        ("b_step", ctypes.c_int64),
-        ("ranks", ctypes.c_void_p),
-        ("rows", ctypes.c_int64),
-    ]
-
-
-# decode_layer.c's LORA_* slots, by module
-_LORA_SLOTS = {
-    m: i for i, m in enumerate(("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                                "down_proj"))
-}  # fmt: skip
-
-
-class LoraStep(ctypes.Structure):
-    """The step's adapter runs and tables (decode_layer.c's struct, field for field)."""
-
-    _fields_ = [
-        ("run", ctypes.c_void_p),
-        ("shrink", ctypes.c_void_p),
-        ("expand", ctypes.c_void_p),
-        ("starts", ctypes.c_void_p),
-        ("offsets", ctypes.c_void_p),
-        ("scales", ctypes.c_void_p),
-        ("num_runs", ctypes.c_int64),
-        ("tables", LoraTable * len(_LORA_SLOTS)),
-    ]
-
-
-class DecodeLayer(ctypes.Structure):
-    """One layer's weights and KV pool layer (decode_layer.c's struct, field for field)."""
-
-    _fields_ = [(name, ctypes.c_void_p) for name in (
-        "input_norm", "post_norm", "qkv", "o", "gate_up", "down", "kc", "vc"
-    )]  # fmt: skip
-
-
-class DecodeStep(ctypes.Structure):
-    """A step's tokens, buffers and shapes (decode_layer.c's struct, field for field)."""
-
-    _fields_ = [
-        *((name, ctypes.c_void_p) for name in (
-            "h", "x", "qkv", "attn", "out", "gate_up", "act", "residual", "cos", "sin", "slots",
-            "index", "lengths",
-        )),
-        *((name, ctypes.c_int64) for name in ("L", "S", "T", "H", "N", "K", "D", "I")),
-        ("eps", ctypes.c_float),
-        ("scale", ctypes.c_float),
-    ]  # fmt: skip
-
-
-def native_proj(proj: Linear | QuantizedLinear, dtype: torch.dtype) -> tuple[Proj, int] | None:
-    """The C struct of a projection whose decode GEMV is native here, and the most rows it
-    takes; None where its GEMV is not native (then the model keeps the per-op path)."""
-    bias = proj.bias
-    if bias is not None and (bias.dtype != dtype or not bias.is_contiguous()):
-        return None
-    bias_ptr = None if bias is None else bias.data_ptr()
-    if isinstance(proj, Linear):
-        plain, kernel = proj.gemv_weight, gemv_kernel(dtype)
-        if plain is None or kernel is None or plain.dtype != dtype:
-            return None
-        struct = Proj(_KINDS[kernel[0]], plain.data_ptr(), None, None, bias_ptr, *plain.shape)
-        return struct, GEMV_MAX_ROWS
-    if proj.gemv_rows == 0 or proj.dtype != dtype:
-        return None
-    shape = (proj.out_features, proj.in_features)
-    if proj.scheme is Quantization.INT8:
-        values, scales = (t.data_ptr() for t in proj.gemv_tensors())
-        return Proj(_INT8, values, scales, None, bias_ptr, *shape), proj.gemv_rows
-    if dtype == torch.bfloat16:  # the bf16 int4 GEMV: packed values, scale-zero pairs
-        packed, pairs = (t.data_ptr() for t in proj.gemv_tensors())
-        return Proj(_INT4_BF16, packed, pairs, None, bias_ptr, *shape), proj.gemv_rows
-    packed, scales, offsets = (t.data_ptr() for t in proj.gemv_tensors())
-    return Proj(_INT4, packed, scales, offsets, bias_ptr, *shape), proj.gemv_rows
 
 
 @dataclass
@@ -158,15 +67,18 @@ class DecodePath:
 
     def __init__(
         self, lib, layers: list[_LayerProjs], max_rows: int, dtype: torch.dtype,
-        intermediate_size: int,
+        intermediate_size: int, head: Proj | None = None,
     ):  # fmt: skip
+        """head: lm_head's C struct where its GEMV is native here (`run_to_logits`), else None."""
         self._lib, self._layers, self.max_rows, self.dtype = lib, layers, max_rows, dtype
+        self._head = head
         self._is_bf16 = NATIVE_DTYPES[dtype]
         # decode_layers runs here: its silu takes the model's intermediate size in this build
         self._one_call = bool(lib.silu_mul_takes(intermediate_size))
         self._pool_layers: tuple[tuple[int, int], ctypes.Array] | None = None  # (pool, layers)
         self._last_lora: tuple[RunsLayout, LoraStep] | None = None  # _lora_step's last
         self._scratch: dict[int, tuple[torch.Tensor, ...]] = {}  # _buffers', by token count
+        self._ends: dict[int, tuple[torch.Tensor, ...]] = {}  # run_to_logits' buffers, by count
 
     @classmethod
     def build(cls, model) -> DecodePath | None:
@@ -187,26 +99,49 @@ class DecodePath:
             layers.append(_LayerProjs(*(ctypes.addressof(c) for c in structs), structs))
         if rows == 0:
             return None
-        return cls(lib, layers, rows, dtype, model.config.intermediate_size)
+        head = native_proj(model.lm_head, dtype)
+        head = head[0] if head is not None and head[1] >= rows else None
+        return cls(lib, layers, rows, dtype, model.config.intermediate_size, head)
+
+    def run_to_logits(self, model, batch, kv) -> torch.Tensor | None:
+        """A whole decode step of one token a request (fits, no logit_rows) in one native call:
+        the embedding and RoPE rows, every layer, the final norm and lm_head, as `forward` would
+        call them; returns the logits [B, V] in the model's dtype, a fresh tensor. None, having
+        done nothing, where lm_head's GEMV is not native here, the layers do not run in one call
+        or the step's LoRA needs Python."""
+        cfg, lora, t = model.config, batch.lora, batch.input_ids.shape[0]
+        if self._head is None or not self._one_call or len(batch.seg_starts) - 1 != t:
+            return None
+        if model.embed.dtype != self.dtype or not model.embed.is_contiguous():
+            return None
+        lora_step = None if lora is None else self._lora_step(lora.native_runs(), model)
+        if lora is not None and lora_step is None:
+            return None
+        h, residual, normed, cos, sin = self._end_buffers(t, cfg)
+        logits = torch.empty(t, self._head.out, dtype=self.dtype)
+        step, alive = self._step(cfg, batch, kv, h, cos, sin, residual)
+        ids, positions = batch.input_ids.contiguous(), batch.positions.contiguous()
+        step.embed, step.ids = model.embed.data_ptr(), ids.data_ptr()
+        step.cos_table, step.sin_table = model.cos.data_ptr(), model.sin.data_ptr()
+        step.positions, step.final_norm = positions.data_ptr(), model.norm.data_ptr()
+        step.lm_head = ctypes.addressof(self._head)
+        step.normed, step.logits = normed.data_ptr(), logits.data_ptr()
+        failed = self._lib.decode_layers(
+            ctypes.byref(step), self._layers_of(model, kv), len(self._layers),
+            None if lora_step is None else ctypes.byref(lora_step), self._is_bf16,
+            torch.get_num_threads(),
+        )  # fmt: skip
+        _check(failed, "step")
+        return logits
 
     def run(self, model, batch, kv, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """Every layer of a decode step of T <= max_rows tokens on the residual stream h [T, H]
         (contiguous, added into in place); returns the last layer's output [T, H], which the
         caller adds into h. cos, sin [T, D]: the step's RoPE rows."""
-        cfg, lora = model.config, batch.lora
-        n, k, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        t, hidden, inter = h.shape[0], cfg.hidden_size, cfg.intermediate_size
-        # Buffers of every layer, each read before the next layer writes it again, kept for the
-        # next step of t tokens; the output (residual) is the caller's, new each step.
-        x, qkv, attn, out, gate_up, act = self._buffers(t, cfg)
-        residual = torch.empty(t, hidden, dtype=h.dtype)
-        index, lengths = batch.kv_index.contiguous(), batch.kv_lengths.contiguous()
-        slots, cos, sin = batch.slots.contiguous(), cos.contiguous(), sin.contiguous()
-        buffers = (h, x, qkv, attn, out, gate_up, act, residual, cos, sin, slots, index, lengths)
-        step = DecodeStep(
-            *(b.data_ptr() for b in buffers), index.shape[1], kv.k.shape[2], t, hidden, n, k, d,
-            inter, cfg.rms_norm_eps, d**-0.5,
-        )  # fmt: skip
+        cfg, lora, t = model.config, batch.lora, h.shape[0]
+        # the output (residual) is the caller's, new each step
+        residual = torch.empty(t, cfg.hidden_size, dtype=h.dtype)
+        step, alive = self._step(cfg, batch, kv, h, cos, sin, residual)
         if self._one_call:
             lora_step = None if lora is None else self._lora_step(lora.native_runs(), model)
             if lora is None or lora_step is not None:
@@ -217,8 +152,34 @@ class DecodePath:
                 )  # fmt: skip
                 _check(failed, "step")  # it declines only where silu_mul_takes says: not here
                 return residual
-        self._layer_by_layer(model, lora, kv, step, (x, qkv, attn, out, gate_up, act, residual))
+        self._layer_by_layer(model, lora, kv, step, (*self._buffers(t, cfg), residual))
         return residual
+
+    def _step(self, cfg, batch, kv, h, cos, sin, residual) -> tuple[DecodeStep, tuple]:
+        """The step's C struct over h, cos, sin, residual and the layers' buffers (the ends
+        left to the caller), and the tensors it points into: kept alive by the caller until the
+        native call returns."""
+        n, k, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        # Buffers of every layer, each read before the next layer writes it again, kept for the
+        # next step of t tokens.
+        x, qkv, attn, out, gate_up, act = self._buffers(h.shape[0], cfg)
+        index, lengths = batch.kv_index.contiguous(), batch.kv_lengths.contiguous()
+        slots, cos, sin = batch.slots.contiguous(), cos.contiguous(), sin.contiguous()
+        buffers = (h, x, qkv, attn, out, gate_up, act, residual, cos, sin, slots, index, lengths)
+        step = DecodeStep(
+            *(b.data_ptr() for b in buffers), index.shape[1], kv.k.shape[2], h.shape[0],
+            cfg.hidden_size, n, k, d, cfg.intermediate_size, cfg.rms_norm_eps, d**-0.5,
+        )  # fmt: skip
+        return step, buffers
+
+    def _end_buffers(self, t: int, cfg) -> tuple[torch.Tensor, ...]:
+        """run_to_logits' h, residual, normed [t, H] and cos, sin [t, D] of the model's dtype:
+        made once per token count (nothing in them outlives the step)."""
+        made = self._ends.get(t)
+        if made is None:
+            widths = (cfg.hidden_size,) * 3 + (cfg.head_dim,) * 2
+            made = self._ends[t] = tuple(torch.empty(t, w, dtype=self.dtype) for w in widths)
+        return made
 
     def _buffers(self, t: int, cfg) -> tuple[torch.Tensor, ...]:
         """x [t, H], qkv [t, (N + 2K) D], attn [t, N D], out [t, H], gate_up [t, 2I], act
@@ -266,7 +227,7 @@ class DecodePath:
         for module, m in runs.modules.items():
             if shapes.get(module) != (m.h_in, m.h_out):
                 return None
-            step.tables[_LORA_SLOTS[module]] = LoraTable(
+            step.tables[LORA_SLOTS[module]] = LoraTable(
                 m.a0, m.b0, m.a_step, m.b_step, m.ranks, m.rows
             )
         self._last_lora = (runs, step)  # runs kept: `is` above compares the live object

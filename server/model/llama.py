@@ -226,9 +226,14 @@ class LlamaModel:
         """Run one step; returns float32 logits of each request's last token, [B, V], or of
         `batch.logit_rows` when set, [R, V]."""
         cfg = self.config
+        native = self.decode_path is not None and self.decode_path.fits(self, batch, kv)
+        if native and batch.logit_rows is None:  # the whole step in one call where it can
+            logits = self.decode_path.run_to_logits(self, batch, kv)  # [B, V]
+            if logits is not None:
+                return logits.float()
         cos, sin = self.cos[batch.positions], self.sin[batch.positions]  # [T, D]
         h = self.embed[batch.input_ids]  # [T, H], fresh: the residual stream, added in place
-        if self.decode_path is not None and self.decode_path.fits(self, batch, kv):
+        if native:
             residual = self.decode_path.run(self, batch, kv, h, cos, sin)  # four calls a layer
         else:
             residual = self._layers(batch, kv, h, cos, sin)

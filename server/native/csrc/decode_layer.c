@@ -112,18 +112,35 @@ typedef struct {
     void *kc, *vc; /* [K, S, D] */
 } DecodeLayer;
 
-/* The step (decode_path.py's `DecodeStep`): its tokens, buffers and shapes. */
+/* The step (decode_path.py's `DecodeStep`): its tokens, buffers and shapes, and its two ends
+ * where the caller leaves them to this call (NULL pointers: the caller's):
+ *   embed:   h[t] = embed[ids[t]] ([V, H] rows) before the layers;
+ *   cos_table / sin_table: cos[t] = cos_table[positions[t]] ([max_len, D] rows), sin alike;
+ *   lm_head: after the layers, h += residual, normed = RMSNorm(h) * final_norm, logits [T, V] =
+ *            normed @ W.T, the calls the caller makes (llama.py's forward) in its order. */
 typedef struct {
     void *h; /* [T, H]: the residual stream, added into in place */
     void *x, *qkv, *attn, *out, *gate_up, *act, *residual; /* the layers' buffers, contiguous */
-    const void *cos, *sin;                                  /* [T, D] */
+    void *cos, *sin;                                        /* [T, D] */
     const int64_t *slots, *index, *lengths;                 /* [T], [T, L], [T] */
     int64_t L, S, T, H, N, K, D, I;
     float eps, scale;
+    const void *embed, *cos_table, *sin_table, *final_norm;
+    const int64_t *ids, *positions; /* [T] */
+    const Proj *lm_head;
+    void *normed, *logits; /* [T, H], [T, V] contiguous */
 } DecodeStep;
 
+/* Rows idx[t] of table [*, width] (elem bytes each) into dst [T, width], for t < T. */
+static void gather_rows(void *dst, const void *table, const int64_t *idx, int64_t T,
+                        int64_t width, int64_t elem) {
+    for (int64_t t = 0; t < T; t++)
+        memcpy((char *)dst + t * width * elem, (const char *)table + idx[t] * width * elem,
+               (size_t)(width * elem));
+}
+
 /* Every layer of a decode step: s->residual [T, H] = the last layer's output (the caller adds
- * it into h). Returns 1, nothing written, where silu_mul does not take the intermediate size
+ * it into h), and the step's ends where s asks for them (above). Returns 1, nothing written, where silu_mul does not take the intermediate size
  * (`silu_mul_takes`: no AVX-512 nor AVX2 + FMA, or 16 does not divide it); 5 when a kernel
  * declined mid-step (h already written: not to be redone per op); else as above. */
 #define STEP(call)                                                                              \
@@ -132,6 +149,12 @@ int decode_layers(const DecodeStep *s, const DecodeLayer *layers, int64_t num_la
                   const LoraStep *lora, int is_bf16, int num_threads) {
     if (!silu_mul_takes(s->I)) return 1;
     int64_t T = s->T, H = s->H, I = s->I, nd = s->N * s->D, kd = s->K * s->D;
+    int64_t elem = is_bf16 ? 2 : 4;
+    if (s->embed != NULL) gather_rows(s->h, s->embed, s->ids, T, H, elem);
+    if (s->cos_table != NULL) {
+        gather_rows(s->cos, s->cos_table, s->positions, T, s->D, elem);
+        gather_rows(s->sin, s->sin_table, s->positions, T, s->D, elem);
+    }
     const int64_t qkv_col[3] = {0, nd, nd + kd}, qkv_width[3] = {nd, kd, kd};
     const int64_t zero[1] = {0}, hidden[1] = {H}, gu_col[2] = {0, I}, inter[2] = {I, I};
     int failed;
@@ -152,5 +175,10 @@ int decode_layers(const DecodeStep *s, const DecodeLayer *layers, int64_t num_la
         STEP(act_proj_at(s->gate_up, s->act, y->down, s->residual, T, is_bf16, num_threads,
                          adapted ? &down : NULL));
     }
+    if (s->lm_head == NULL) return 0;
+    add_rms_norm(s->h, s->residual, s->final_norm, s->normed, T, H, H, H, H, s->eps, is_bf16,
+                 num_threads);
+    STEP(proj_lora(s->lm_head, s->normed, H, s->logits, s->lm_head->out, T, is_bf16,
+                   num_threads, NULL));
     return 0;
 }

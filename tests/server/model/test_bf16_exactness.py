@@ -171,7 +171,7 @@ def test_bf16_engine_on_an_avx2_cpus_kernels_matches_bf16_peft(checkpoints, sche
     kernel op by op (no AVX512_BF16: no native int4 GEMV for bf16). (int8's GEMV picks its ISA
     in C, AVX-512 where there is one: its AVX2 path is test_gemv_int8.py's, per op.)"""
     from toppings.server.model import linear, quant
-    from toppings.server.model.decode_path import _KINDS
+    from toppings.server.model.decode_structs import GEMV_KINDS
     from toppings.server.model.dtype import cpu_flags
 
     if native_library() is None or not {"avx2", "fma"} <= cpu_flags():
@@ -188,7 +188,7 @@ def test_bf16_engine_on_an_avx2_cpus_kernels_matches_bf16_peft(checkpoints, sche
     finally:
         linear.gemv_kernel.cache_clear()
     if scheme == "none":
-        assert kinds == {_KINDS["gemv_bf16_avx2"]}
+        assert kinds == {GEMV_KINDS["gemv_bf16_avx2"]}
     if scheme == "int4":
         assert kinds is None  # op by op
 
@@ -213,6 +213,14 @@ def serve_and_check(checkpoints, name: str, scheme: str, monkeypatch) -> set[int
         rows.append(h.shape[0])
         return run_path(self, model, batch, kv, h, cos, sin)
 
+    to_logits = DecodePath.run_to_logits
+
+    def counted_whole(self, model, batch, kv):
+        logits = to_logits(self, model, batch, kv)
+        if logits is not None:  # the whole step in one call
+            rows.append(batch.input_ids.shape[0])
+        return logits
+
     split: list[int] = []  # steps whose layers ran as four calls each, not one call
     by_layer = DecodePath._layer_by_layer
 
@@ -221,6 +229,7 @@ def serve_and_check(checkpoints, name: str, scheme: str, monkeypatch) -> set[int
         return by_layer(self, model, lora, kv, step, buffers)
 
     monkeypatch.setattr(DecodePath, "run", counted_path)
+    monkeypatch.setattr(DecodePath, "run_to_logits", counted_whole)
     monkeypatch.setattr(DecodePath, "_layer_by_layer", counted_split)
     model_dir, ref_dir, adapters = checkpoints(name, scheme)
     scored = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True,
@@ -265,7 +274,7 @@ def test_native_bf16_decode_path_is_built_where_its_kernels_run(checkpoints, sch
     torch, silently) fails here. Elsewhere (no native library, no AVX2, int4 without
     AVX512_BF16) the per-op path on torch's bf16 kernels is what the test above checked."""
     from toppings.server.model import quant_gemv
-    from toppings.server.model.decode_path import _INT4_BF16, _INT8, _KINDS
+    from toppings.server.model.decode_structs import GEMV_INT4_BF16, GEMV_INT8, GEMV_KINDS
     from toppings.server.model.dtype import cpu_flags
     from toppings.server.model.linear import gemv_kernel
 
@@ -287,7 +296,7 @@ def test_native_bf16_decode_path_is_built_where_its_kernels_run(checkpoints, sch
         path = engine.model.decode_path
         assert path is not None and path._one_call
         kinds = {s.kind for layer in path._layers for s in layer.structs}
-    want = {"none": {_KINDS[kernel[0]]}, "int8": {_INT8}, "int4": {_INT4_BF16}}[scheme]
+    want = {"none": {GEMV_KINDS[kernel[0]]}, "int8": {GEMV_INT8}, "int4": {GEMV_INT4_BF16}}[scheme]
     assert kinds == want
 
 

@@ -1,8 +1,9 @@
 """The native decode path (server/model/decode_path.py) gives, step for step, the per-op path's
-logits bit for bit, in one call a step (its LoRA called from C) and layer by layer (its LoRA from
-Python): every decode step of mixed base / adapter batches of 1-4 requests runs the three on the
-same batch and KV (the KV write is the same bytes every way). Against transformers +
-PEFT the path is checked by the family exactness tests, which run it by default."""
+logits bit for bit, in one call a step (its LoRA called from C, and from the embedding rows to
+lm_head's logits) and layer by layer (its LoRA from Python): every decode step of mixed base /
+adapter batches of 1-4 requests runs the three on the same batch and KV (the KV write is the
+same bytes every way). Against transformers + PEFT the path is checked by the family exactness
+tests, which run it by default."""
 
 from __future__ import annotations
 
@@ -78,6 +79,14 @@ def check_decode_path(tmp_path, family, dtype, quantization, num_threads=0, **sh
             layer_by_layer(*args)
 
         path._layer_by_layer = spy
+        to_logits, whole = path.run_to_logits, []
+
+        def whole_step(*args):
+            logits = to_logits(*args)
+            whole.append((path._one_call, logits is not None))
+            return logits
+
+        path.run_to_logits = whole_step
 
         def all_three(batch, kv):
             if batch.is_prefill or not path.fits(model, batch, kv):
@@ -111,6 +120,10 @@ def check_decode_path(tmp_path, family, dtype, quantization, num_threads=0, **sh
     # otherwise, wherever the native silu runs (AVX-512, or AVX2 + FMA)
     assert path._one_call == silu_runs_natively()
     assert not any(layered)  # never layer by layer for a step's LoRA
+    # in one call, the embedding rows to the logits too (run_to_logits) where lm_head has a
+    # native GEMV: every tiny family's here
+    assert path._head is not None or not path._one_call
+    assert whole and all(ran == one_call for one_call, ran in whole), whole
     assert len(layered) == len(compared) * (1 if path._one_call else 2)
 
 

@@ -123,23 +123,14 @@ def test_one_stream_through_the_packed_kernel_matches_peft(checkpoints, scheme, 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 def test_one_stream_through_the_native_gemv_matches_peft(checkpoints, scheme, monkeypatch):
     """float32, one request at a time: each decode step's projections (through the native
-    decode path, server/model/decode_path.py) and lm_head run the native int8 / int4 GEMV
-    (csrc/gemv_int8.c), base and adapter rows alike; the tokens and logprobs are PEFT's on the
-    dequantized weights. (bfloat16 activations: test_gemv_int8.py, per op.)"""
+    decode path, server/model/decode_path.py) and lm_head (in the same call) run the native
+    int8 / int4 GEMV (csrc/gemv_int8.c), base and adapter rows alike; the tokens and logprobs
+    are PEFT's on the dequantized weights. (bfloat16 activations: test_gemv_int8.py, per op.)"""
     from toppings.server.model import quant
     from toppings.server.model.decode_path import DecodePath
 
     if not quant.int8_gemv_works(torch.float32) or not quant.int4_gemv_works(torch.float32):
         pytest.skip("the native GEMVs do not run here")
-    calls = {"int8": [], "int4": []}
-    for kind in calls:
-        gemv = getattr(quant, f"{kind}_gemv")
-
-        def counted(x, *args, _gemv=gemv, _calls=calls[kind], **kwargs):
-            _calls.append(x.shape[0])
-            return _gemv(x, *args, **kwargs)
-
-        monkeypatch.setattr(quant, f"{kind}_gemv", counted)
     rows = []
     run_path = DecodePath.run
 
@@ -147,7 +138,16 @@ def test_one_stream_through_the_native_gemv_matches_peft(checkpoints, scheme, mo
         rows.append(h.shape[0])
         return run_path(self, model, batch, kv, h, cos, sin)
 
+    to_logits = DecodePath.run_to_logits
+
+    def counted_whole(self, model, batch, kv):
+        logits = to_logits(self, model, batch, kv)
+        if logits is not None:  # the whole step in one call, lm_head's GEMV included
+            rows.append(batch.input_ids.shape[0])
+        return logits
+
     monkeypatch.setattr(DecodePath, "run", counted_path)
+    monkeypatch.setattr(DecodePath, "run_to_logits", counted_whole)
     model_dir, ref_dir, adapters = checkpoints("llama3", scheme)
     scored = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True,
                             logprobs=TOP, prompt_logprobs=TOP)  # fmt: skip
@@ -157,9 +157,9 @@ def test_one_stream_through_the_native_gemv_matches_peft(checkpoints, scheme, mo
         path = engine.model.decode_path
         kinds = {s.kind for layer in path._layers for s in layer.structs}
         assert kinds == {4 if scheme == "int8" else 5}  # decode_layer.c's GEMV_INT8 / GEMV_INT4
+        assert path._head.kind == 4  # lm_head is int8 in both schemes, in the same call
         results = [run(engine, [p], scored)[0] for p in prompts]
     assert rows and set(rows) == {1}, "the decode steps did not run the native decode path"
-    assert set(calls["int8"]) == {1}  # lm_head is int8 in both schemes
     check_against_reference(ref_dir, adapters, prompts, results)
     for (prompt, a), out in zip(prompts, results):
         check_greedy_teacher_forced(ref_dir, adapters, prompt, out, a, f"{scheme} GEMV, {a}")
