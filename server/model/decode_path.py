@@ -126,6 +126,7 @@ class DecodePath:
         step.positions, step.final_norm = positions.data_ptr(), model.norm.data_ptr()
         step.lm_head = ctypes.addressof(self._head)
         step.normed, step.logits = normed.data_ptr(), logits.data_ptr()
+        step.embed_rows, step.table_rows = model.embed.shape[0], model.cos.shape[0]
         failed = self._lib.decode_layers(
             ctypes.byref(step), self._layers_of(model, kv), len(self._layers),
             None if lora_step is None else ctypes.byref(lora_step), self._is_bf16,
@@ -290,5 +291,7 @@ def _check(failed: int, what: str) -> None:
         raise IndexError("a KV slot lies outside the pool")
     if failed == 3:
         raise MemoryError("decode attention could not allocate its score buffers")
+    if failed == 6:
+        raise IndexError("a token id or a position lies outside the model's tables")
     if failed:
         raise RuntimeError(f"the native decode path's {what} step failed ({failed})")

@@ -90,6 +90,8 @@ class DecodeStep(ctypes.Structure):
             "embed", "cos_table", "sin_table", "final_norm", "ids", "positions", "lm_head",
             "normed", "logits",
         )),
+        ("embed_rows", ctypes.c_int64),
+        ("table_rows", ctypes.c_int64),
     ]  # fmt: skip
 
 

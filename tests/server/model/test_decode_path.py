@@ -150,3 +150,32 @@ def test_the_avx2_build_runs_the_step_in_one_call_and_exactly(tmp_path):
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
     assert "3 passed" in result.stdout  # the two cases, and the wide bfloat16 one
+
+
+def test_a_token_id_or_position_outside_the_tables_is_refused_not_read(tmp_path):
+    """The one-call step gathers the embedding and RoPE rows in C: an id or position past their
+    tables raises IndexError as the per-op path's indexing does, instead of reading past them."""
+    from dataclasses import replace
+
+    model_dir = make_tiny_family(tmp_path / "llama3", "llama3")
+    with running_engine(model_dir, {}, dtype="bfloat16") as engine:
+        model = engine.model
+        if model.decode_path is None or model.decode_path._head is None:
+            pytest.skip("no whole-step native call here")
+        forward, refused = model.forward, []
+
+        def bad_first(batch, kv):
+            if not refused and not batch.is_prefill:
+                vocab, positions = model.embed.shape[0], model.cos.shape[0]
+                for bad in (replace(batch, input_ids=batch.input_ids + vocab),
+                            replace(batch, positions=batch.positions + positions)):  # fmt: skip
+                    with pytest.raises(IndexError):
+                        forward(bad, kv)
+                    refused.append(True)
+            return forward(batch, kv)
+
+        model.forward = bad_first
+        params = SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True)
+        out = engine.submit(GenerationRequest([3, 9, 27], params, None)).result(timeout_s=120)
+        model.forward = forward
+    assert refused == [True, True] and len(out.new_token_ids) == 3
