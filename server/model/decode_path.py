@@ -72,6 +72,8 @@ class DecodePath:
         """head: lm_head's C struct where its GEMV is native here (`run_to_logits`), else None."""
         self._lib, self._layers, self.max_rows, self.dtype = lib, layers, max_rows, dtype
         self._head = head
+        # whether run_to_logits runs a step whole (bench/pair_steps.py pairs steps without it)
+        self.whole_step = head is not None
         self._is_bf16 = NATIVE_DTYPES[dtype]
         # decode_layers runs here: its silu takes the model's intermediate size in this build
         self._one_call = bool(lib.silu_mul_takes(intermediate_size))
@@ -110,7 +112,7 @@ class DecodePath:
         done nothing, where lm_head's GEMV is not native here, the layers do not run in one call
         or the step's LoRA needs Python."""
         cfg, lora, t = model.config, batch.lora, batch.input_ids.shape[0]
-        if self._head is None or not self._one_call or len(batch.seg_starts) - 1 != t:
+        if not self.whole_step or not self._one_call or len(batch.seg_starts) - 1 != t:
             return None
         if model.embed.dtype != self.dtype or not model.embed.is_contiguous():
             return None

@@ -122,7 +122,7 @@ def check_decode_path(tmp_path, family, dtype, quantization, num_threads=0, **sh
     assert not any(layered)  # never layer by layer for a step's LoRA
     # in one call, the embedding rows to the logits too (run_to_logits) where lm_head has a
     # native GEMV: every tiny family's here
-    assert path._head is not None or not path._one_call
+    assert path.whole_step or not path._one_call
     assert whole and all(ran == one_call for one_call, ran in whole), whole
     assert len(layered) == len(compared) * (1 if path._one_call else 2)
 
@@ -160,7 +160,7 @@ def test_a_token_id_or_position_outside_the_tables_is_refused_not_read(tmp_path)
     model_dir = make_tiny_family(tmp_path / "llama3", "llama3")
     with running_engine(model_dir, {}, dtype="bfloat16") as engine:
         model = engine.model
-        if model.decode_path is None or model.decode_path._head is None:
+        if model.decode_path is None or not model.decode_path.whole_step:
             pytest.skip("no whole-step native call here")
         forward, refused = model.forward, []
 

@@ -1,0 +1,150 @@
+"""One change to a decode step, measured in one process whose steps alternate without it (A)
+and with it (B): a shared host's drift (its read rate moves 25-45 GB/s within minutes here)
+weighs on both sides of each pair alike, so that a few percent are resolved where separate runs,
+or two servers through HTTP, are not (bench_single_stream's A/A control: 10% on adapter rows).
+
+One request decodes `--new-tokens` after a `--prompt-len` prompt, `--rounds` times (the first a
+warm-up); decode steps after the prompt go in pairs, A then B, then B then A (so that neither
+side is always second), and the result is the median of the pairs' ratios B / A, with its
+quartiles and the median step of each side.
+`--change none` toggles nothing: the harness's own reading (it should read 1.00).
+
+Changes:
+  none        nothing
+  whole-step  the decode step whole in one native call (server/model/decode_path.py,
+              `run_to_logits`: the embedding and RoPE rows, the layers, the final norm and
+              lm_head) against the layers alone with the rest from Python
+
+    python -m bench.pair_steps --change whole-step --precisions float32,bfloat16,int8,int4 \
+        --adapter-ranks 0,16
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from bench.common import write_random_adapter
+from bench.envelope import describe_device, write_result
+from toppings.server.config import EngineConfig
+from toppings.server.engine.engine import Engine
+from toppings.server.model.loader import load_checkpoint, resolve_model_dir
+from toppings.server.requests.request import GenerationRequest, SamplingParams
+
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _nothing(engine: Engine):
+    return lambda on: None
+
+
+def _whole_step(engine: Engine):
+    path = engine.model.decode_path
+    if path is None or not path.whole_step:
+        raise SystemExit("pair_steps: this model has no whole-step native call here")
+    return lambda on: setattr(path, "whole_step", on)
+
+
+CHANGES = {"none": _nothing, "whole-step": _whole_step}  # name -> engine -> toggle(on)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--change", choices=sorted(CHANGES), default="whole-step")
+    p.add_argument("--model", default="smollm2", help="what toppings-serve --model takes")
+    p.add_argument("--precisions", default="bfloat16",
+                   help="comma list of float32, bfloat16, int8, int4 (int8 / int4: "
+                   "--quantization with bfloat16 activations); one engine each")  # fmt: skip
+    p.add_argument("--adapter-ranks", default="0",
+                   help="comma list: the request's adapter rank (every projection), 0: the base "
+                   "model; each precision runs each")  # fmt: skip
+    p.add_argument("--threads", type=int, default=0, help="the engine's (0: every core)")
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=130)
+    p.add_argument("--rounds", type=int, default=6, help="requests, the first a warm-up")
+    p.add_argument("--out", type=Path, default=Path("bench/results/pair_steps.json"))
+    return p.parse_args(argv)
+
+
+def pair(engine: Engine, toggle, args: argparse.Namespace, adapter) -> dict:
+    """Step `args.rounds` requests, decode steps alternating A / B; the per-pair ratios."""
+    gen = torch.Generator().manual_seed(0)
+    params = SamplingParams(max_new_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
+    times: dict[bool, list[float]] = {False: [], True: []}
+    ratios: list[float] = []
+    for round_idx in range(args.rounds):
+        ids = torch.randint(100, 30000, (args.prompt_len,), generator=gen).tolist()
+        engine.submit(GenerationRequest(ids, params, adapter))
+        toggle(True)
+        while engine.step().is_prefill:  # the prompt, in as many steps as the budget makes it
+            pass
+        step, first = 0, 0.0
+        while engine.scheduler.has_work():
+            pair_idx, second = divmod(step, 2)
+            on = (second == 1) != (pair_idx % 2 == 1)  # A then B, then B then A, ...
+            toggle(on)
+            began = time.perf_counter()
+            engine.step()
+            seconds = time.perf_counter() - began
+            if round_idx:
+                times[on].append(seconds)
+                if second:
+                    ratios.append(seconds / first if on else first / seconds)
+            first, step = seconds, step + 1
+    toggle(True)
+    q1, median, q3 = statistics.quantiles(ratios, n=4)
+    return {
+        "ratio_b_vs_a": round(median, 4), "ratio_quartiles": [round(q1, 4), round(q3, 4)],
+        "pairs": len(ratios), "step_ms_a": round(1000 * statistics.median(times[False]), 3),
+        "step_ms_b": round(1000 * statistics.median(times[True]), 3),
+    }  # fmt: skip
+
+
+PRECISIONS = {  # name -> (dtype, quantization)
+    "float32": ("float32", "none"), "bfloat16": ("bfloat16", "none"),
+    "int8": ("bfloat16", "int8"), "int4": ("bfloat16", "int4"),
+}  # fmt: skip
+
+
+def run_one(args: argparse.Namespace, model_dir: str, precision: str, rank: int) -> dict:
+    """One engine of `precision`, its request with an adapter of `rank` (0: none), paired."""
+    dtype, quantization = PRECISIONS[precision]
+    config = EngineConfig(dtype=dtype, quantization=quantization, num_threads=args.threads,
+                          adapt_threads=False)  # fmt: skip
+    engine = Engine(config, load_checkpoint(model_dir))
+    try:
+        adapter = None
+        if rank:
+            work = Path(tempfile.mkdtemp(prefix="pair_steps_"))
+            path = write_random_adapter(work / "adapter", model_dir, rank, TARGETS, 0)
+            engine.add_adapter("adapter", str(path))
+            adapter = engine.resolve_adapter("adapter")
+        return pair(engine, CHANGES[args.change](engine), args, adapter)
+    finally:
+        engine.shutdown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    model_dir = str(resolve_model_dir(args.model))
+    metrics = {}
+    for precision in args.precisions.split(","):
+        for rank in (int(r) for r in args.adapter_ranks.split(",")):
+            key = precision + (f"_adapter_r{rank}" if rank else "")
+            metrics[key] = m = run_one(args, model_dir, precision, rank)
+            print(f"{args.change} {key}: B / A {m['ratio_b_vs_a']} (quartiles "
+                  f"{m['ratio_quartiles']}, {m['pairs']} pairs), step A {m['step_ms_a']} ms, "
+                  f"B {m['step_ms_b']} ms", flush=True)  # fmt: skip
+    config_out = {k: v for k, v in vars(args).items() if k != "out"}
+    write_result(args.out, "pair_steps", "pair_steps", device=describe_device(),
+                 config=config_out, metrics=metrics, argv=argv)  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
