@@ -132,21 +132,25 @@ typedef struct {
     int64_t embed_rows, table_rows;   /* the rows of embed and of cos_table / sin_table */
 } DecodeStep;
 
-/* Rows idx[t] of table [rows, width] (elem bytes each) into dst [T, width], for t < T; 6,
- * nothing written, where an index lies outside the table. */
-static int gather_rows(void *dst, const void *table, int64_t rows, const int64_t *idx, int64_t T,
-                       int64_t width, int64_t elem) {
+/* Whether idx[0 .. T) all lie in [0, rows). */
+static int in_table(const int64_t *idx, int64_t T, int64_t rows) {
     for (int64_t t = 0; t < T; t++)
-        if (idx[t] < 0 || idx[t] >= rows) return 6;
+        if (idx[t] < 0 || idx[t] >= rows) return 0;
+    return 1;
+}
+
+/* Rows idx[t] of table [*, width] (elem bytes each) into dst [T, width], for t < T. */
+static void gather_rows(void *dst, const void *table, const int64_t *idx, int64_t T,
+                        int64_t width, int64_t elem) {
     for (int64_t t = 0; t < T; t++)
         memcpy((char *)dst + t * width * elem, (const char *)table + idx[t] * width * elem,
                (size_t)(width * elem));
-    return 0;
 }
 
 /* Every layer of a decode step: s->residual [T, H] = the last layer's output (the caller adds
- * it into h), and the step's ends where s asks for them (above). Returns 1, nothing written, where silu_mul does not take the intermediate size
- * (`silu_mul_takes`: no AVX-512 nor AVX2 + FMA, or 16 does not divide it); 5 when a kernel
+ * it into h), and the step's ends where s asks for them (above). Returns 1, nothing written,
+ * where silu_mul does not take the intermediate size (`silu_mul_takes`: no AVX-512 nor AVX2 +
+ * FMA, or 16 does not divide it); 5 when a kernel
  * declined mid-step (h already written: not to be redone per op); 6, nothing written, when a
  * token id or a position lies outside its table; else as above. */
 #define STEP(call)                                                                              \
@@ -156,12 +160,14 @@ int decode_layers(const DecodeStep *s, const DecodeLayer *layers, int64_t num_la
     if (!silu_mul_takes(s->I)) return 1;
     int64_t T = s->T, H = s->H, I = s->I, nd = s->N * s->D, kd = s->K * s->D;
     int64_t elem = is_bf16 ? 2 : 4;
-    if (s->embed != NULL && gather_rows(s->h, s->embed, s->embed_rows, s->ids, T, H, elem))
+    if ((s->embed != NULL && !in_table(s->ids, T, s->embed_rows)) ||
+        (s->cos_table != NULL && !in_table(s->positions, T, s->table_rows)))
         return 6;
-    if (s->cos_table != NULL &&
-        (gather_rows(s->cos, s->cos_table, s->table_rows, s->positions, T, s->D, elem) ||
-         gather_rows(s->sin, s->sin_table, s->table_rows, s->positions, T, s->D, elem)))
-        return 6;
+    if (s->embed != NULL) gather_rows(s->h, s->embed, s->ids, T, H, elem);
+    if (s->cos_table != NULL) {
+        gather_rows(s->cos, s->cos_table, s->positions, T, s->D, elem);
+        gather_rows(s->sin, s->sin_table, s->positions, T, s->D, elem);
+    }
     const int64_t qkv_col[3] = {0, nd, nd + kd}, qkv_width[3] = {nd, kd, kd};
     const int64_t zero[1] = {0}, hidden[1] = {H}, gu_col[2] = {0, I}, inter[2] = {I, I};
     int failed;
