@@ -78,11 +78,13 @@ def pair(engine: Engine, toggle, args: argparse.Namespace, adapter) -> dict:
     times: dict[bool, list[float]] = {False: [], True: []}
     ratios: list[float] = []
     for round_idx in range(args.rounds):
-        ids = torch.randint(100, 30000, (args.prompt_len,), generator=gen).tolist()
+        high = min(30000, engine.model_config.vocab_size)
+        ids = torch.randint(3, high, (args.prompt_len,), generator=gen).tolist()
         engine.submit(GenerationRequest(ids, params, adapter))
         toggle(True)
-        while engine.step().is_prefill:  # the prompt, in as many steps as the budget makes it
-            pass
+        engine.step()  # the prompt, in as many steps as the budget makes it
+        while any(not seq.is_prefilled for seq in engine.scheduler.running):
+            engine.step()
         step, first = 0, 0.0
         while engine.scheduler.has_work():
             pair_idx, second = divmod(step, 2)
