@@ -102,19 +102,19 @@ class DecodePath:
         if rows == 0:
             return None
         head = native_proj(model.lm_head, dtype)
-        head = head[0] if head is not None and head[1] >= rows else None
+        takes_embed = model.embed.dtype == dtype and model.embed.is_contiguous()
+        head = head[0] if head is not None and head[1] >= rows and takes_embed else None
         return cls(lib, layers, rows, dtype, model.config.intermediate_size, head)
 
     def run_to_logits(self, model, batch, kv) -> torch.Tensor | None:
         """A whole decode step of one token a request (fits, no logit_rows) in one native call:
         the embedding and RoPE rows, every layer, the final norm and lm_head, as `forward` would
         call them; returns the logits [B, V] in the model's dtype, a fresh tensor. None, having
-        done nothing, where lm_head's GEMV is not native here, the layers do not run in one call
-        or the step's LoRA needs Python."""
+        done nothing, where lm_head's GEMV is not native here (or the embedding is not a
+        contiguous table of the model's dtype), the layers do not run in one call or the step's
+        LoRA needs Python."""
         cfg, lora, t = model.config, batch.lora, batch.input_ids.shape[0]
         if not self.whole_step or not self._one_call or len(batch.seg_starts) - 1 != t:
-            return None
-        if model.embed.dtype != self.dtype or not model.embed.is_contiguous():
             return None
         lora_step = None if lora is None else self._lora_step(lora.native_runs(), model)
         if lora is not None and lora_step is None:
@@ -129,12 +129,7 @@ class DecodePath:
         step.lm_head = ctypes.addressof(self._head)
         step.normed, step.logits = normed.data_ptr(), logits.data_ptr()
         step.embed_rows, step.table_rows = model.embed.shape[0], model.cos.shape[0]
-        failed = self._lib.decode_layers(
-            ctypes.byref(step), self._layers_of(model, kv), len(self._layers),
-            None if lora_step is None else ctypes.byref(lora_step), self._is_bf16,
-            torch.get_num_threads(),
-        )  # fmt: skip
-        _check(failed, "step")
+        _check(self._decode_layers(step, model, kv, lora_step), "step")
         return logits
 
     def run(self, model, batch, kv, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
@@ -148,15 +143,20 @@ class DecodePath:
         if self._one_call:
             lora_step = None if lora is None else self._lora_step(lora.native_runs(), model)
             if lora is None or lora_step is not None:
-                failed = self._lib.decode_layers(
-                    ctypes.byref(step), self._layers_of(model, kv), len(self._layers),
-                    None if lora_step is None else ctypes.byref(lora_step), self._is_bf16,
-                    torch.get_num_threads(),
-                )  # fmt: skip
-                _check(failed, "step")  # it declines only where silu_mul_takes says: not here
+                # it declines only where silu_mul_takes says: not here
+                _check(self._decode_layers(step, model, kv, lora_step), "step")
                 return residual
         self._layer_by_layer(model, lora, kv, step, (*self._buffers(t, cfg), residual))
         return residual
+
+    def _decode_layers(self, step: DecodeStep, model, kv, lora_step: LoraStep | None) -> int:
+        """decode_layers on the step, this model's layers over kv's pool and the step's LoRA
+        (None: no adapter); its return code (`_check`)."""
+        return self._lib.decode_layers(
+            ctypes.byref(step), self._layers_of(model, kv), len(self._layers),
+            None if lora_step is None else ctypes.byref(lora_step), self._is_bf16,
+            torch.get_num_threads(),
+        )  # fmt: skip
 
     def _step(self, cfg, batch, kv, h, cos, sin, residual) -> tuple[DecodeStep, tuple]:
         """The step's C struct over h, cos, sin, residual and the layers' buffers (the ends

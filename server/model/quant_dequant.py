@@ -14,6 +14,7 @@ import ctypes
 import torch
 
 from toppings.server import native
+from toppings.server.model.quant_gemv import INT4_GROUP
 
 INT4_BLOCK_ROWS = 64  # the CPU int4 pack's block of output rows: [out / 64, in, 32] bytes
 
@@ -36,7 +37,7 @@ def dequantize_int4_pack(
         or sz.dtype not in (torch.float32, torch.bfloat16)
         or not (packed.is_contiguous() and sz.is_contiguous())
         or packed.shape[1] * 2 != in_features
-        or sz.shape != (in_features // 32, padded, 2)
+        or sz.shape != (in_features // INT4_GROUP, padded, 2)
         or start % INT4_BLOCK_ROWS
         or not 0 <= start < stop <= padded
     ):
