@@ -14,6 +14,8 @@ Changes:
   whole-step  the decode step whole in one native call (server/model/decode_path.py,
               `run_to_logits`: the embedding and RoPE rows, the layers, the final norm and
               lm_head) against the layers alone with the rest from Python
+  huge-pages  the GEMVs' weights in 2 MiB pages (server/model/huge_pages.py) against a second
+              engine's, built without, in 4 KiB pages (its decode path swapped in)
 
     python -m bench.pair_steps --change whole-step --precisions float32,bfloat16,int8,int4 \
         --adapter-ranks 0,16
@@ -25,6 +27,7 @@ import argparse
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -33,30 +36,47 @@ from bench.common import write_random_adapter
 from bench.envelope import describe_device, write_result
 from toppings.server.config import EngineConfig
 from toppings.server.engine.engine import Engine
+from toppings.server.model import huge_pages
 from toppings.server.model.loader import load_checkpoint, resolve_model_dir
 from toppings.server.requests.request import GenerationRequest, SamplingParams
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def _nothing(engine: Engine):
+def _nothing(engine: Engine, build: Callable[[], Engine], keep: list) -> Callable[[bool], None]:
     return lambda on: None
 
 
-def _whole_step(engine: Engine):
+def _whole_step(engine: Engine, build, keep: list) -> Callable[[bool], None]:
     path = engine.model.decode_path
     if path is None or not path.whole_step:
         raise SystemExit("pair_steps: this model has no whole-step native call here")
     return lambda on: setattr(path, "whole_step", on)
 
 
-CHANGES = {"none": _nothing, "whole-step": _whole_step}  # name -> engine -> toggle(on)
+def _huge_pages(engine: Engine, build, keep: list) -> Callable[[bool], None]:
+    """A second engine built with its weights where they were loaded (4 KiB pages); its decode
+    path (the C structs over its weights) swapped into the first engine for A steps."""
+    with huge_pages.disabled():
+        plain = build()
+    keep.append(plain)
+    placed, unplaced = engine.model.decode_path, plain.model.decode_path
+    if placed is None or unplaced is None:
+        raise SystemExit("pair_steps: this model has no native decode path here")
+    return lambda on: setattr(engine.model, "decode_path", placed if on else unplaced)
+
+
+# name -> (engine, build another, engines to shut down) -> toggle(on)
+CHANGES = {"none": _nothing, "whole-step": _whole_step, "huge-pages": _huge_pages}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--change", choices=sorted(CHANGES), default="whole-step")
     p.add_argument("--model", default="smollm2", help="what toppings-serve --model takes")
+    p.add_argument("--load-format", default="auto", choices=("auto", "dummy"),
+                   help="dummy: random weights of the checkpoint's shapes (a real size: "
+                   "toppings.scripts.make_dummy_model)")  # fmt: skip
     p.add_argument("--precisions", default="bfloat16",
                    help="comma list of float32, bfloat16, int8, int4 (int8 / int4: "
                    "--quantization with bfloat16 activations); one engine each")  # fmt: skip
@@ -118,7 +138,11 @@ def run_one(args: argparse.Namespace, model_dir: str, precision: str, rank: int)
     dtype, quantization = PRECISIONS[precision]
     config = EngineConfig(dtype=dtype, quantization=quantization, num_threads=args.threads,
                           adapt_threads=False)  # fmt: skip
-    engine = Engine(config, load_checkpoint(model_dir))
+
+    def build() -> Engine:
+        return Engine(config, load_checkpoint(model_dir, args.load_format))
+
+    engine, keep = build(), []
     try:
         adapter = None
         if rank:
@@ -126,9 +150,10 @@ def run_one(args: argparse.Namespace, model_dir: str, precision: str, rank: int)
             path = write_random_adapter(work / "adapter", model_dir, rank, TARGETS, 0)
             engine.add_adapter("adapter", str(path))
             adapter = engine.resolve_adapter("adapter")
-        return pair(engine, CHANGES[args.change](engine), args, adapter)
+        return pair(engine, CHANGES[args.change](engine, build, keep), args, adapter)
     finally:
-        engine.shutdown()
+        for made in (engine, *keep):
+            made.shutdown()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from toppings.server import native
+from toppings.server.model.huge_pages import place
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +56,10 @@ class Linear:
         self.is_packed = pack and weight.device.type == "cpu" and packing_works(weight.dtype)
         # Only the packed copy is kept here (a tied lm_head's embedding stays, for the lookup).
         self._weight = _pack(weight) if self.is_packed else weight
-        self._plain = weight.contiguous() if plain_gemv and gemv_fits(weight) else None
+        # the plain copy in 2 MiB pages (huge_pages.py); unpacked, the products read it too
+        self._plain = place(weight.contiguous()) if plain_gemv and gemv_fits(weight) else None
+        if not self.is_packed and self._plain is not None:
+            self._weight = self._plain
         # The GEMV's kernel and weight bound once: a decode step makes ~120 of these calls, and
         # looking both up per call cost about 4 us each (SmolLM2, 0.5 ms a step).
         self._gemv = _bound_gemv(self._plain) if self._plain is not None else None

@@ -194,6 +194,8 @@ class LlamaModel:
         else:
             head_weight = self.embed if tied else w("lm_head.weight")
             self.lm_head = Linear(head_weight, pack_cpu_weights, plain_gemv)
+            if tied and self.lm_head.gemv_weight is not None:  # one copy: the GEMV's placed one
+                self.embed = self.lm_head.gemv_weight
         self.layers = []
         for i in range(config.num_layers):
             p = f"model.layers.{i}."

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from toppings.server.config import Quantization
+from toppings.server.model.huge_pages import place
 from toppings.server.model.linear import plain_copy_affordable
 from toppings.server.model.quant_dequant import INT4_BLOCK_ROWS, dequantize_int4_pack
 from toppings.server.model.quant_gemv import (
@@ -189,7 +190,7 @@ class QuantizedLinear:
         self.max_kernel_rows = kernel_max_rows(dtype, scheme)
         if isinstance(weight, Int8Weight):
             self.scheme = Quantization.INT8
-            self._q = weight.q.contiguous()  # [out, in] int8
+            self._q = place(weight.q.contiguous())  # [out, in] int8, in 2 MiB pages
             self._scales = weight.scales.to(dtype)  # [out]
             # the native GEMV's rows, and its scales: those in `dtype`, as float32
             self.gemv_rows = gemv_rows(dtype, self.scheme, self.out_features, self.in_features)
@@ -200,9 +201,9 @@ class QuantizedLinear:
         self.gemv_rows = gemv_rows(dtype, self.scheme, self.out_features, self.in_features)
         self._gemv_int4: tuple[torch.Tensor, ...] | None = None
         if self.gemv_rows and dtype == torch.bfloat16:
-            self._gemv_int4 = int4_bf16_gemv_layout(weight)
+            self._gemv_int4 = tuple(map(place, int4_bf16_gemv_layout(weight)))
         elif self.gemv_rows:
-            self._gemv_int4 = int4_gemv_layout(weight, dtype)
+            self._gemv_int4 = tuple(map(place, int4_gemv_layout(weight, dtype)))
         # Output rows padded to the pack's block of 64 (padding: q 8, scale 1, zero 0, i.e. 0),
         # so that the packed bytes have one known layout the prefill path unpacks.
         padded = -(-self.out_features // INT4_BLOCK_ROWS) * INT4_BLOCK_ROWS

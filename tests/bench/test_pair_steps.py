@@ -1,6 +1,7 @@
 """bench/pair_steps.py pairs one side's decode step with the other's: each pair has one step of
 each side, the warm-up round counts none, and the change is left on; the whole-step change flips
-the decode path's one-call step."""
+the decode path's one-call step; the huge-pages change swaps in a second engine's decode path for
+the A steps, and shuts that engine down."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from bench import pair_steps
 from tests.server.model.tiny_families import make_tiny_family
 
 
-@pytest.mark.parametrize(("change", "rank"), [("none", 0), ("whole-step", 4)])
+@pytest.mark.parametrize(("change", "rank"), [("none", 0), ("whole-step", 4), ("huge-pages", 0)])
 def test_pairs_hold_one_step_of_each_side(tmp_path, monkeypatch, change, rank):
     model_dir = str(make_tiny_family(tmp_path / "llama3", "llama3"))
     args = pair_steps.parse_args(
@@ -19,15 +20,26 @@ def test_pairs_hold_one_step_of_each_side(tmp_path, monkeypatch, change, rank):
     sides = []
     make_toggle = pair_steps.CHANGES[change]
 
-    def spy(engine):
+    engines, stopped = [], []
+
+    def spy(engine, build, keep):
         path = engine.model.decode_path
         if change == "whole-step" and (path is None or not path.whole_step):
             pytest.skip("no whole-step native call here")
-        toggle = make_toggle(engine)
+        if change == "huge-pages" and path is None:
+            pytest.skip("no native decode path here")
+        toggle = make_toggle(engine, build, keep)
+        engines.extend([engine, *keep])
+        for made in engines:
+            stop = made.shutdown
+            made.shutdown = lambda made=made, stop=stop: (stopped.append(made), stop())
 
         def recorded(on):
             toggle(on)
-            sides.append((on, path.whole_step if path is not None else None))
+            if change == "huge-pages":  # which engine's decode path the step runs
+                sides.append((on, engine.model.decode_path is path))
+            else:
+                sides.append((on, path.whole_step if path is not None else None))
 
         return recorded
 
@@ -41,6 +53,9 @@ def test_pairs_hold_one_step_of_each_side(tmp_path, monkeypatch, change, rank):
         assert [on for on, _ in sides[7 * r : 7 * r + 7]] == [True, False, True, True, False,
                                                                False, True]  # fmt: skip
     assert sides[-1][0] is True  # the change is left on
-    if change == "whole-step":
-        assert {on for on, _ in sides} == {whole for _, whole in sides} == {True, False}
-        assert all(on == whole for on, whole in sides)
+    if change in ("whole-step", "huge-pages"):
+        assert {on for on, _ in sides} == {flag for _, flag in sides} == {True, False}
+        assert all(on == flag for on, flag in sides)
+    if change == "huge-pages":  # the second engine was made, and shut down with the first
+        assert len(engines) == 2 and engines[1] is not engines[0]
+        assert stopped == engines
