@@ -16,6 +16,8 @@ Changes:
               lm_head) against the layers alone with the rest from Python
   huge-pages  the GEMVs' weights in 2 MiB pages (server/model/huge_pages.py) against a second
               engine's, built without, in 4 KiB pages (its decode path swapped in)
+  int8-weights  a second engine's int8 weights against the first's (`--precisions bfloat16`):
+              int8 / bf16 of the whole step with the same Python around it
 
     python -m bench.pair_steps --change whole-step --precisions float32,bfloat16,int8,int4 \
         --adapter-ranks 0,16
@@ -28,6 +30,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -43,7 +46,7 @@ from toppings.server.requests.request import GenerationRequest, SamplingParams
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def _nothing(engine: Engine, build: Callable[[], Engine], keep: list) -> Callable[[bool], None]:
+def _nothing(engine: Engine, build: Callable[..., Engine], keep: list) -> Callable[[bool], None]:
     return lambda on: None
 
 
@@ -66,8 +69,24 @@ def _huge_pages(engine: Engine, build, keep: list) -> Callable[[bool], None]:
     return lambda on: setattr(engine.model, "decode_path", placed if on else unplaced)
 
 
-# name -> (engine, build another, engines to shut down) -> toggle(on)
-CHANGES = {"none": _nothing, "whole-step": _whole_step, "huge-pages": _huge_pages}
+def _int8_weights(engine: Engine, build, keep: list) -> Callable[[bool], None]:
+    """A second engine of int8 weights (same activations); its decode path swapped into the
+    first for B steps: int8 / the first's weights of a whole step, the same Python around it."""
+    if engine.config.quantization != "none":
+        raise SystemExit("pair_steps: --change int8-weights pairs against unquantized weights")
+    quantized = build(quantization="int8")
+    keep.append(quantized)
+    own, int8 = engine.model.decode_path, quantized.model.decode_path
+    if own is None or int8 is None:
+        raise SystemExit("pair_steps: this model has no native decode path here")
+    return lambda on: setattr(engine.model, "decode_path", int8 if on else own)
+
+
+# name -> (engine, build another (EngineConfig fields changed), engines to shut down) -> toggle
+CHANGES = {
+    "none": _nothing, "whole-step": _whole_step, "huge-pages": _huge_pages,
+    "int8-weights": _int8_weights,
+}  # fmt: skip
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -139,8 +158,8 @@ def run_one(args: argparse.Namespace, model_dir: str, precision: str, rank: int)
     config = EngineConfig(dtype=dtype, quantization=quantization, num_threads=args.threads,
                           adapt_threads=False)  # fmt: skip
 
-    def build() -> Engine:
-        return Engine(config, load_checkpoint(model_dir, args.load_format))
+    def build(**fields) -> Engine:
+        return Engine(replace(config, **fields), load_checkpoint(model_dir, args.load_format))
 
     engine, keep = build(), []
     try:
