@@ -1,12 +1,12 @@
 """Host memory in 2 MiB pages for the weights a decode step streams.
 
 A decode step of a few tokens reads every projection weight once. In Linux's ordinary 4 KiB
-pages that is one TLB entry per 4 KiB read (tens of thousands a step for SmolLM2, more than any
-TLB holds), and a GEMV thread crosses a page boundary every few hundred cycles; in 2 MiB pages
-the whole model is a few hundred entries. `place` copies a weight into memory advised
+pages that is one TLB entry per 4 KiB read, far more entries a step than a TLB holds; in 2 MiB
+pages a model of a few GB is a few thousand. `place` copies a weight into memory advised
 MADV_HUGEPAGE (transparent huge pages), packed one after another in chunks of CHUNK_BYTES, so
-that the native GEMVs read it from 2 MiB pages (what it gained here: docs/benchmarks.md, "huge
-pages"). The linear layers place their GEMV copies at load (linear.py, quant.py).
+that the native GEMVs read it from 2 MiB pages (what it gained, small at SmolLM2's size and a few
+percent at 1B: docs/benchmarks.md, "the GEMVs' weights in 2 MiB pages"). The linear layers place
+their GEMV copies at load (linear.py, quant.py).
 
 The kernel grants 2 MiB pages to advised anonymous memory when
 /sys/kernel/mm/transparent_hugepage/enabled is `always` or `madvise` (the usual default); with
