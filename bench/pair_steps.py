@@ -57,16 +57,22 @@ def _whole_step(engine: Engine, build, keep: list) -> Callable[[bool], None]:
     return lambda on: setattr(path, "whole_step", on)
 
 
+def _swap_paths(engine: Engine, other: Engine, keep: list, with_other: bool):
+    """Steps of the change's side (on) run `other`'s decode path (with_other) or engine's own;
+    the other side's steps the other one. `other` is shut down with engine (keep)."""
+    keep.append(other)
+    own, theirs = engine.model.decode_path, other.model.decode_path
+    if own is None or theirs is None:
+        raise SystemExit("pair_steps: this model has no native decode path here")
+    return lambda on: setattr(engine.model, "decode_path", theirs if on == with_other else own)
+
+
 def _huge_pages(engine: Engine, build, keep: list) -> Callable[[bool], None]:
     """A second engine built with its weights where they were loaded (4 KiB pages); its decode
     path (the C structs over its weights) swapped into the first engine for A steps."""
     with huge_pages.disabled():
         plain = build()
-    keep.append(plain)
-    placed, unplaced = engine.model.decode_path, plain.model.decode_path
-    if placed is None or unplaced is None:
-        raise SystemExit("pair_steps: this model has no native decode path here")
-    return lambda on: setattr(engine.model, "decode_path", placed if on else unplaced)
+    return _swap_paths(engine, plain, keep, with_other=False)
 
 
 def _int8_weights(engine: Engine, build, keep: list) -> Callable[[bool], None]:
@@ -74,12 +80,7 @@ def _int8_weights(engine: Engine, build, keep: list) -> Callable[[bool], None]:
     first for B steps: int8 / the first's weights of a whole step, the same Python around it."""
     if engine.config.quantization != "none":
         raise SystemExit("pair_steps: --change int8-weights pairs against unquantized weights")
-    quantized = build(quantization="int8")
-    keep.append(quantized)
-    own, int8 = engine.model.decode_path, quantized.model.decode_path
-    if own is None or int8 is None:
-        raise SystemExit("pair_steps: this model has no native decode path here")
-    return lambda on: setattr(engine.model, "decode_path", int8 if on else own)
+    return _swap_paths(engine, build(quantization="int8"), keep, with_other=True)
 
 
 # name -> (engine, build another (EngineConfig fields changed), engines to shut down) -> toggle

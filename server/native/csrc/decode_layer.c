@@ -150,9 +150,9 @@ static void gather_rows(void *dst, const void *table, const int64_t *idx, int64_
 /* Every layer of a decode step: s->residual [T, H] = the last layer's output (the caller adds
  * it into h), and the step's ends where s asks for them (above). Returns 1, nothing written,
  * where silu_mul does not take the intermediate size (`silu_mul_takes`: no AVX-512 nor AVX2 +
- * FMA, or 16 does not divide it); 5 when a kernel
- * declined mid-step (h already written: not to be redone per op); 6, nothing written, when a
- * token id or a position lies outside its table; else as above. */
+ * FMA, or 16 does not divide it); 5 when a kernel declined mid-step (h already written: not to
+ * be redone per op); 6, nothing written, when a token id or a position lies outside its table;
+ * else as above. */
 #define STEP(call)                                                                              \
     if ((failed = (call))) return failed == 1 ? 5 : failed
 int decode_layers(const DecodeStep *s, const DecodeLayer *layers, int64_t num_layers,
