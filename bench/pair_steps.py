@@ -14,6 +14,8 @@ Changes:
   whole-step  the decode step whole in one native call (server/model/decode_path.py,
               `run_to_logits`: the embedding and RoPE rows, the layers, the final norm and
               lm_head) against the layers alone with the rest from Python
+  scan-in-step  the one-call step's logits widened to float32 and scanned (finite rows,
+              argmax) in that call against `.float()` and `scan_logits` from Python after it
   huge-pages  the GEMVs' weights in 2 MiB pages (server/model/huge_pages.py) against a second
               engine's, built without, in 4 KiB pages (its decode path swapped in)
   int8-weights  a second engine's int8 weights against the first's (`--precisions bfloat16`):
@@ -57,6 +59,12 @@ def _whole_step(engine: Engine, build, keep: list) -> Callable[[bool], None]:
     return lambda on: setattr(path, "whole_step", on)
 
 
+def _scan_in_step(engine: Engine, build, keep: list) -> Callable[[bool], None]:
+    _whole_step(engine, build, keep)  # refuses a model without the one-call step
+    path = engine.model.decode_path
+    return lambda on: setattr(path, "scan_in_step", on)
+
+
 def _swap_paths(engine: Engine, other: Engine, keep: list, with_other: bool):
     """Steps of the change's side (on) run `other`'s decode path (with_other) or engine's own;
     the other side's steps the other one. `other` is shut down with engine (keep)."""
@@ -85,8 +93,8 @@ def _int8_weights(engine: Engine, build, keep: list) -> Callable[[bool], None]:
 
 # name -> (engine, build another (EngineConfig fields changed), engines to shut down) -> toggle
 CHANGES = {
-    "none": _nothing, "whole-step": _whole_step, "huge-pages": _huge_pages,
-    "int8-weights": _int8_weights,
+    "none": _nothing, "whole-step": _whole_step, "scan-in-step": _scan_in_step,
+    "huge-pages": _huge_pages, "int8-weights": _int8_weights,
 }  # fmt: skip
 
 

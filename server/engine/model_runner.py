@@ -30,6 +30,7 @@ from toppings.server.engine.grammar import GrammarCompiler
 from toppings.server.engine.logits_scan import scan_logits
 from toppings.server.engine.sampler import Sampler, score_prompts
 from toppings.server.memory.kv_cache import KVPool
+from toppings.server.model.decode_path import Scanned
 from toppings.server.model.graph_buckets import GraphBuckets
 from toppings.server.model.llama import ForwardBatch, LlamaModel
 from toppings.server.requests.sequence import Sequence
@@ -106,14 +107,15 @@ class ModelRunner:
         # grammar masks of the requests that sample, computed during the forward
         masks = self.sampler.start_masks(list(plan.sampled))
         slots = self._slots(plan)  # [T]
-        logits = None
+        logits = scanned = None
         if self.graphs is not None and not plan.is_prefill:  # every count 1: a graph may run it
             logits = self._replay(plan)
         if logits is None:
-            logits, seconds, num_computed = self._forward(plan, slots)  # [B, V]
+            logits, scanned, seconds, num_computed = self._forward(plan, slots)  # [B, V]
         else:
             seconds, num_computed = 0.0, 0
-        finite, best = scan_logits(logits)  # [B] each: finite rows, argmax (logits_scan.py)
+        # [B] each: finite rows, argmax (logits_scan.py; scanned: by the native step itself)
+        finite, best = scanned if scanned is not None else scan_logits(logits)
         keep = [i for i, ok in enumerate(finite) if ok]
         failed = {s: nonfinite_error(s) for s, ok in zip(seqs, finite) if not ok}
         kept_plan = plan if not failed else plan.subset(keep)
@@ -147,13 +149,16 @@ class ModelRunner:
         rows = [s.kv_hold.row for s in seqs]
         return self.graphs.run(rows, ids, list(plan.starts), adapters, loading)
 
-    def _forward(self, plan: StepPlan, slots: torch.Tensor) -> tuple[torch.Tensor, float, int]:
+    def _forward(
+        self, plan: StepPlan, slots: torch.Tensor
+    ) -> tuple[torch.Tensor, Scanned | None, float, int]:
         """The one `ForwardBatch` of a step and its forward pass: request b computes its
         plan.tokens[b] tokens from position plan.starts[b] (its prompt's next chunk, or its
         last sampled token) after the KV its row holds (its past). Returns the logits [B, V]
         of each request's last token (and keeps the prompt logprobs of a request that scores
-        its prompt, whole in one step: see `admission.is_whole`), the seconds of the forward
-        pass and the prompt tokens it computed.
+        its prompt, whole in one step: see `admission.is_whole`), their scan where the model's
+        native step scanned them (else None), the seconds of the forward pass and
+        the prompt tokens it computed.
 
         A decode step (every count 1, no prompt token) reads every request's KV through the
         pool's decode index; a step with prompt tokens reads each segment's past from the
@@ -198,7 +203,7 @@ class ModelRunner:
             ),  # fmt: skip
             logit_rows=None if not any(scores) else torch.tensor(rows, device=device),
         )
-        logits = self.model.forward(batch, kv)  # [R, V]
+        logits, scanned = self.model.forward(batch, kv)  # [R, V]
         seconds = time.perf_counter() - started
         if self._trace is not None:
             self._trace.step(StepEvent(is_prefill, len(ids), started, started + seconds))
@@ -214,4 +219,4 @@ class ModelRunner:
             logits = logits[last]
         num_prompt = sum(max(0, min(s.prompt_len, b + n) - b)
                          for s, b, n in zip(seqs, plan.starts, plan.tokens))  # fmt: skip
-        return logits, seconds, num_prompt
+        return logits, scanned, seconds, num_prompt

@@ -236,4 +236,4 @@ class DecodeGraphs:
             lora=lora,
             logit_rows=self._rows[:b],
         )
-        self._logits[:b].copy_(self.model.forward(batch, self.kv))  # [B, V]
+        self._logits[:b].copy_(self.model.forward(batch, self.kv)[0])  # [B, V]

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -48,6 +48,14 @@ from toppings.server.model.linear import GEMV_MAX_ROWS
 
 if TYPE_CHECKING:
     from toppings.gpu_lora.kernels.native import RunsLayout
+
+
+class Scanned(NamedTuple):
+    """Each row of a step's logits: whether it is finite, and its argmax (-1 where not
+    finite), as `scan_logits` gives them."""
+
+    finite: list[bool]
+    argmax: list[int]
 
 
 @dataclass
@@ -74,6 +82,8 @@ class DecodePath:
         self._head = head
         # whether run_to_logits runs a step whole (bench/pair_steps.py pairs steps without it)
         self.whole_step = head is not None
+        # whether that call also widens and scans the logits (pair_steps pairs steps without)
+        self.scan_in_step = True
         self._is_bf16 = NATIVE_DTYPES[dtype]
         # decode_layers runs here: its silu takes the model's intermediate size in this build
         self._one_call = bool(lib.silu_mul_takes(intermediate_size))
@@ -81,6 +91,7 @@ class DecodePath:
         self._last_lora: tuple[RunsLayout, LoraStep] | None = None  # _lora_step's last
         self._scratch: dict[int, tuple[torch.Tensor, ...]] = {}  # _buffers', by token count
         self._ends: dict[int, tuple[torch.Tensor, ...]] = {}  # run_to_logits' buffers, by count
+        self._heads: dict[int, torch.Tensor] = {}  # run_to_logits' bf16 logits, by count
 
     @classmethod
     def build(cls, model) -> DecodePath | None:
@@ -106,13 +117,15 @@ class DecodePath:
         head = head[0] if head is not None and head[1] >= rows and takes_embed else None
         return cls(lib, layers, rows, dtype, model.config.intermediate_size, head)
 
-    def run_to_logits(self, model, batch, kv) -> torch.Tensor | None:
+    def run_to_logits(self, model, batch, kv) -> tuple[torch.Tensor, Scanned | None] | None:
         """A whole decode step of one token a request (fits, no logit_rows) in one native call:
         the embedding and RoPE rows, every layer, the final norm and lm_head, as `forward` would
-        call them; returns the logits [B, V] in the model's dtype, a fresh tensor. None, having
-        done nothing, where lm_head's GEMV is not native here (or the embedding is not a
-        contiguous table of the model's dtype), the layers do not run in one call or the step's
-        LoRA needs Python."""
+        call them, then the logits widened to float32 and scanned as `scan_logits` scans them
+        (server/engine/logits_scan.py); returns the logits [B, V] float32, a fresh tensor, and
+        each row's finiteness and argmax (None where `scan_in_step` is off: the caller scans).
+        None, having done nothing, where lm_head's GEMV is not native here (or the embedding is
+        not a contiguous table of the model's dtype), the layers do not run in one call or the
+        step's LoRA needs Python."""
         cfg, lora, t = model.config, batch.lora, batch.input_ids.shape[0]
         if not self.whole_step or not self._one_call or len(batch.seg_starts) - 1 != t:
             return None
@@ -120,7 +133,10 @@ class DecodePath:
         if lora is not None and lora_step is None:
             return None
         h, residual, normed, cos, sin = self._end_buffers(t, cfg)
-        logits = torch.empty(t, self._head.out, dtype=self.dtype)
+        scan = self.scan_in_step
+        out = torch.empty(t, self._head.out, dtype=torch.float32 if scan else self.dtype)
+        logits = self._head_buffer(t) if scan and self._is_bf16 else out  # lm_head's output
+        finite, best = (ctypes.c_bool * t)(), (ctypes.c_int64 * t)()
         step, alive = self._step(cfg, batch, kv, h, cos, sin, residual)
         ids, positions = batch.input_ids.contiguous(), batch.positions.contiguous()
         step.embed, step.ids = model.embed.data_ptr(), ids.data_ptr()
@@ -129,8 +145,13 @@ class DecodePath:
         step.lm_head = ctypes.addressof(self._head)
         step.normed, step.logits = normed.data_ptr(), logits.data_ptr()
         step.embed_rows, step.table_rows = model.embed.shape[0], model.cos.shape[0]
+        if scan:
+            step.logits_f32, step.finite = out.data_ptr(), ctypes.addressof(finite)
+            step.argmax = ctypes.addressof(best)
         _check(self._decode_layers(step, model, kv, lora_step), "step")
-        return logits
+        if not scan:
+            return out.float(), None
+        return out, Scanned(list(finite), list(best))
 
     def run(self, model, batch, kv, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """Every layer of a decode step of T <= max_rows tokens on the residual stream h [T, H]
@@ -182,6 +203,14 @@ class DecodePath:
         if made is None:
             widths = (cfg.hidden_size,) * 3 + (cfg.head_dim,) * 2
             made = self._ends[t] = tuple(torch.empty(t, w, dtype=self.dtype) for w in widths)
+        return made
+
+    def _head_buffer(self, t: int) -> torch.Tensor:
+        """lm_head's output [t, V] in bf16, before run_to_logits widens it: made once per
+        token count."""
+        made = self._heads.get(t)
+        if made is None:
+            made = self._heads[t] = torch.empty(t, self._head.out, dtype=self.dtype)
         return made
 
     def _buffers(self, t: int, cfg) -> tuple[torch.Tensor, ...]:
@@ -282,9 +311,9 @@ class DecodePath:
             not batch.is_prefill
             and 0 < t <= self.max_rows
             and batch.kv_index is not None
-            and kv.k[0].dtype == self.dtype
-            and kv.k[0].is_contiguous()
-            and kv.v[0].is_contiguous()
+            and kv.k.dtype == self.dtype
+            and kv.k.is_contiguous()  # every layer's too, without a view a step of each
+            and kv.v.is_contiguous()
         )
 
 

@@ -92,6 +92,7 @@ class DecodeStep(ctypes.Structure):
         )),
         ("embed_rows", ctypes.c_int64),
         ("table_rows", ctypes.c_int64),
+        *((name, ctypes.c_void_p) for name in ("logits_f32", "finite", "argmax")),
     ]  # fmt: skip
 
 

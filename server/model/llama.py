@@ -19,7 +19,7 @@ from toppings.server.config import Quantization
 from toppings.server.memory.kv_cache import KVPool
 from toppings.server.model.attention import decode_attention, plan_prefill, prefill_attention
 from toppings.server.model.config import ModelConfig
-from toppings.server.model.decode_path import DecodePath
+from toppings.server.model.decode_path import DecodePath, Scanned
 from toppings.server.model.family import RopeType
 from toppings.server.model.fused import add_rms_norm, rms_norm_heads_, rope_, silu_mul
 from toppings.server.model.linear import Linear, plain_copy_affordable
@@ -224,15 +224,17 @@ class LlamaModel:
         self.decode_path = DecodePath.build(self)
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, kv: KVPool) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch, kv: KVPool) -> tuple[torch.Tensor, Scanned | None]:
         """Run one step; returns float32 logits of each request's last token, [B, V], or of
-        `batch.logit_rows` when set, [R, V]."""
+        `batch.logit_rows` when set, [R, V]; and where the whole step ran in one native call,
+        each row's finiteness and argmax from that call (decode_path.py's `run_to_logits`),
+        None otherwise (the caller scans the logits)."""
         cfg = self.config
         native = self.decode_path is not None and self.decode_path.fits(self, batch, kv)
         if native and batch.logit_rows is None:  # the whole step in one call where it can
-            logits = self.decode_path.run_to_logits(self, batch, kv)  # [B, V]
-            if logits is not None:
-                return logits.float()
+            made = self.decode_path.run_to_logits(self, batch, kv)  # [B, V], its scan
+            if made is not None:
+                return made
         cos, sin = self.cos[batch.positions], self.sin[batch.positions]  # [T, D]
         h = self.embed[batch.input_ids]  # [T, H], fresh: the residual stream, added in place
         if native:
@@ -247,7 +249,7 @@ class LlamaModel:
             if rows is None:
                 rows = torch.tensor(batch.seg_starts[1:], device=self.device) - 1
             h = add_rms_norm(h[rows], None, self.norm, cfg.rms_norm_eps)  # [R, H]
-        return self.lm_head(h).float()  # [R, V]
+        return self.lm_head(h).float(), None  # [R, V]
 
     def _layers(self, batch: ForwardBatch, kv: KVPool, h: torch.Tensor, cos, sin) -> torch.Tensor:
         """Every layer, op by op, on the residual stream h [T, H] (added into in place); returns

@@ -1,7 +1,8 @@
 """bench/pair_steps.py pairs one side's decode step with the other's: each pair has one step of
 each side, the warm-up round counts none, and the change is left on; the whole-step change flips
-the decode path's one-call step; the huge-pages and int8-weights changes swap in a second engine's
-decode path for one side's steps, and shut that engine down with the first."""
+the decode path's one-call step, the scan-in-step change that call's scan of the logits; the
+huge-pages and int8-weights changes swap in a second engine's decode path for one side's steps,
+and shut that engine down with the first."""
 
 from __future__ import annotations
 
@@ -11,11 +12,19 @@ from bench import pair_steps
 from tests.server.model.tiny_families import make_tiny_family
 
 SWAPS = ("huge-pages", "int8-weights")  # changes that swap in a second engine's decode path
+ONE_CALL = ("whole-step", "scan-in-step")  # changes of the one-call step's
 
 
 @pytest.mark.parametrize(
     ("change", "rank"),
-    [("none", 0), ("whole-step", 4), ("huge-pages", 0), ("int8-weights", 0), ("int8-weights", 4)],
+    [
+        ("none", 0),
+        ("whole-step", 4),
+        ("scan-in-step", 0),
+        ("huge-pages", 0),
+        ("int8-weights", 0),
+        ("int8-weights", 4),
+    ],  # fmt: skip
 )
 def test_pairs_hold_one_step_of_each_side(tmp_path, monkeypatch, change, rank):
     model_dir = str(make_tiny_family(tmp_path / "llama3", "llama3"))
@@ -29,7 +38,7 @@ def test_pairs_hold_one_step_of_each_side(tmp_path, monkeypatch, change, rank):
 
     def spy(engine, build, keep):
         path = engine.model.decode_path
-        if change == "whole-step" and (path is None or not path.whole_step):
+        if change in ONE_CALL and (path is None or not path.whole_step):
             pytest.skip("no whole-step native call here")
         if change in SWAPS and path is None:
             pytest.skip("no native decode path here")
@@ -47,6 +56,8 @@ def test_pairs_hold_one_step_of_each_side(tmp_path, monkeypatch, change, rank):
             if change in SWAPS:  # whether the step runs the changed side's decode path
                 own = engine.model.decode_path is path
                 sides.append((on, own if change == "huge-pages" else not own))
+            elif change == "scan-in-step":
+                sides.append((on, path.scan_in_step))
             else:
                 sides.append((on, path.whole_step if path is not None else None))
 
@@ -62,7 +73,7 @@ def test_pairs_hold_one_step_of_each_side(tmp_path, monkeypatch, change, rank):
         assert [on for on, _ in sides[7 * r : 7 * r + 7]] == [True, False, True, True, False,
                                                                False, True]  # fmt: skip
     assert sides[-1][0] is True  # the change is left on
-    if change in ("whole-step", *SWAPS):
+    if change in (*ONE_CALL, *SWAPS):
         assert {on for on, _ in sides} == {flag for _, flag in sides} == {True, False}
         assert all(on == flag for on, flag in sides)
     if change in SWAPS:  # the second engine was made, and shut down with the first

@@ -30,6 +30,8 @@ int rope(void *x, const void *cos_t, const void *sin_t, int64_t T, int64_t heads
 int silu_mul(const void *gu, int64_t ld_gu, void *out, int64_t T, int64_t I, int is_bf16,
              int num_threads);
 int silu_mul_takes(int64_t I);
+int logits_scan(const float *logits, int64_t ld, int64_t B, int64_t V, uint8_t *finite,
+                int64_t *argmax, int num_threads);
 int kv_write(const void *k, const void *v, int64_t ld, void *kc, void *vc, const int64_t *slots,
              int64_t T, int64_t K, int64_t D, int64_t S, int64_t elem_bytes, int num_threads);
 int decode_attention_f32(const float *q, const float *k, const float *v, float *out,
@@ -117,7 +119,10 @@ typedef struct {
  *   embed:   h[t] = embed[ids[t]] ([V, H] rows) before the layers;
  *   cos_table / sin_table: cos[t] = cos_table[positions[t]] ([max_len, D] rows), sin alike;
  *   lm_head: after the layers, h += residual, normed = RMSNorm(h) * final_norm, logits [T, V] =
- *            normed @ W.T, the calls the caller makes (llama.py's forward) in its order. */
+ *            normed @ W.T, the calls the caller makes (llama.py's forward) in its order;
+ *   finite / argmax: then logits_f32 [T, V] = logits widened to float32 (where bf16; float32
+ *            logits are logits_f32 already) and each row scanned as logits_scan does (logits.c):
+ *            the caller's `.float()` and scan, which run cold after the weights' stream. */
 typedef struct {
     void *h; /* [T, H]: the residual stream, added into in place */
     void *x, *qkv, *attn, *out, *gate_up, *act, *residual; /* the layers' buffers, contiguous */
@@ -130,6 +135,9 @@ typedef struct {
     const Proj *lm_head;
     void *normed, *logits;            /* [T, H], [T, V] contiguous */
     int64_t embed_rows, table_rows;   /* the rows of embed and of cos_table / sin_table */
+    float *logits_f32;                /* [T, V] contiguous */
+    uint8_t *finite;                  /* [T] */
+    int64_t *argmax;                  /* [T] */
 } DecodeStep;
 
 /* Whether idx[0 .. T) all lie in [0, rows). */
@@ -152,7 +160,7 @@ static void gather_rows(void *dst, const void *table, const int64_t *idx, int64_
  * where silu_mul does not take the intermediate size (`silu_mul_takes`: no AVX-512 nor AVX2 +
  * FMA, or 16 does not divide it); 5 when a kernel declined mid-step (h already written: not to
  * be redone per op); 6, nothing written, when a token id or a position lies outside its table;
- * else as above. */
+ * 7 when the logits could not be scanned (a shape logits_scan refuses); else as above. */
 #define STEP(call)                                                                              \
     if ((failed = (call))) return failed == 1 ? 5 : failed
 int decode_layers(const DecodeStep *s, const DecodeLayer *layers, int64_t num_layers,
@@ -191,7 +199,16 @@ int decode_layers(const DecodeStep *s, const DecodeLayer *layers, int64_t num_la
     if (s->lm_head == NULL) return 0;
     add_rms_norm(s->h, s->residual, s->final_norm, s->normed, T, H, H, H, H, s->eps, is_bf16,
                  num_threads);
-    STEP(proj_lora(s->lm_head, s->normed, H, s->logits, s->lm_head->out, T, is_bf16,
-                   num_threads, NULL));
-    return 0;
+    int64_t V = s->lm_head->out;
+    STEP(proj_lora(s->lm_head, s->normed, H, s->logits, V, T, is_bf16, num_threads, NULL));
+    if (s->finite == NULL) return 0;
+    if (is_bf16) {
+#pragma omp parallel for num_threads(threads_for(T * V, num_threads)) schedule(static)
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t v = 0; v < V; v += 1 << 20) /* bf16_row takes an int length */
+                bf16_row((const uint16_t *)s->logits + t * V + v, s->logits_f32 + t * V + v,
+                         (int)(V - v < (1 << 20) ? V - v : 1 << 20));
+    }
+    return logits_scan(is_bf16 ? s->logits_f32 : s->logits, V, T, V, s->finite, s->argmax,
+                       num_threads) ? 7 : 0;
 }

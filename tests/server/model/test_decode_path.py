@@ -19,6 +19,7 @@ from tests.server.model.family_checkpoints import ALL_TARGETS
 from tests.server.model.tiny_families import make_tiny_family
 from toppings.scripts.make_adapters import make_random_adapter
 from toppings.server import native
+from toppings.server.engine.logits_scan import scan_logits
 from toppings.server.requests.request import GenerationRequest, SamplingParams
 
 # (family, dtype, base weights): biases on every projection, tied embeddings, each GEMV kind
@@ -92,15 +93,17 @@ def check_decode_path(tmp_path, family, dtype, quantization, num_threads=0, **sh
             if batch.is_prefill or not path.fits(model, batch, kv):
                 return forward(batch, kv)
             model.decode_path = None
-            per_op = forward(batch, kv)
+            per_op = forward(batch, kv)[0]
             model.decode_path = path
             path._one_call = False
-            by_layer = forward(batch, kv)
+            by_layer = forward(batch, kv)[0]
             path._one_call = True
-            native = forward(batch, kv)
+            native, scanned = forward(batch, kv)
             equal = torch.equal(per_op, native) and torch.equal(per_op, by_layer)
-            compared.append((batch.input_ids.shape[0], equal))
-            return native
+            if scanned is not None:  # the one-call step's own scan: scan_logits' answers
+                equal &= scanned == scan_logits(per_op)
+            compared.append((batch.input_ids.shape[0], equal, scanned is not None))
+            return native, scanned
 
         model.forward = all_three
         params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
@@ -114,8 +117,8 @@ def check_decode_path(tmp_path, family, dtype, quantization, num_threads=0, **sh
             for handle in engine.submit_all(requests):
                 handle.result(timeout_s=120)
         model.forward = forward
-    assert {rows for rows, _ in compared} >= {1, 3}
-    assert all(equal for _, equal in compared), compared
+    assert {rows for rows, _, _ in compared} >= {1, 3}
+    assert all(equal for _, equal, _ in compared), compared
     # every step ran layer by layer when asked, and in one call (its LoRA from C included)
     # otherwise, wherever the native silu runs (AVX-512, or AVX2 + FMA)
     assert path._one_call == silu_runs_natively()
@@ -124,6 +127,7 @@ def check_decode_path(tmp_path, family, dtype, quantization, num_threads=0, **sh
     # native GEMV: every tiny family's here
     assert path.whole_step or not path._one_call
     assert whole and all(ran == one_call for one_call, ran in whole), whole
+    assert all(was_scanned == path._one_call for _, _, was_scanned in compared)
     assert len(layered) == len(compared) * (1 if path._one_call else 2)
 
 
