@@ -62,6 +62,9 @@ class KVPool:
         # as numpy indexing, not torch ops (each costs several times more, run cold after a
         # step's weights have streamed through the caches: docs/benchmarks.md).
         self._table = self.req_to_slot.numpy() if self.req_to_slot.device.type == "cpu" else None
+        # ... and as a flat memoryview: a decode's one write a row as an item assignment, which
+        # costs a tenth of a numpy fancy assignment run cold (docs/benchmarks.md)
+        self._cells = None if self._table is None else memoryview(self._table).cast("B").cast("q")
         self.lengths = [0] * max_requests
         self.row_blocks: list[list[int]] = [[] for _ in range(max_requests)]
         self.num_borrowed = [0] * max_requests  # leading blocks of a row it does not own
@@ -159,8 +162,9 @@ class KVPool:
         if ones:
             rs, cs = [rows[i] for i in ones], [starts[i] for i in ones]
             slots = [1 + self.row_blocks[r][c // bt] * bt + c % bt for r, c in zip(rs, cs)]
-            if self._table is not None:
-                self._table[rs, cs] = slots
+            if self._cells is not None:
+                for r, c, slot in zip(rs, cs, slots):
+                    self._cells[r * self.max_len + c] = slot
             else:
                 self.req_to_slot[rs, cs] = torch.tensor(slots, dtype=torch.int64,
                                                         device=self.req_to_slot.device)  # fmt: skip

@@ -182,9 +182,17 @@ class Scheduler:
         cut below a tile raised to one within a stall bound (server.sched.tiles).
 
         Each planned request's KV slots are reserved here (`Memory.allocate`), before the step
-        runs; see `_reserve`.
+        runs; see `_reserve`. A step of decodes alone with nothing waiting is that plan with
+        neither the queue policy nor the gate asked (they would plan and admit nothing).
         """
         self.memory.tick(self.clock())
+        if not len(self.queue) and all(s.is_prefilled for s in self.running):
+            # Decodes alone, nothing waiting: nothing to plan nor admit, so the gate and the
+            # queue policy are left out (their Python runs cold after a step's weights have
+            # streamed through the caches: docs/benchmarks.md).
+            chunks = {s: 1 for s in self.running}
+            starts = self._reserve(chunks)
+            return StepPlan.of(chunks, starts) if chunks else None
         decodes = [s for s in self.running if s.is_prefilled]
         prefilling = [s for s in self.running if not s.is_prefilled]
         planned: dict[Sequence, int] = {s: 1 for s in decodes}

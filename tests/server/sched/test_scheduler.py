@@ -426,3 +426,26 @@ def test_a_request_that_cannot_get_its_slots_with_nothing_to_preempt_fails_alone
     last = outputs(seq)[-1]
     assert last.finish_reason == "error" and "no KV memory" in last.error
     assert_all_given_back(sched, memory, adapters)
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "chameleon"])
+def test_decodes_alone_skip_the_queue_policy_until_a_request_waits(policy, monkeypatch):
+    """A step of decodes with nothing waiting is every running request's next token, planned
+    without the queue policy; a request that arrives is admitted through it at the next step."""
+    sched, memory, adapters = make(policy=policy)
+    selects = []
+    select = sched.queue.select
+    monkeypatch.setattr(sched.queue, "select", lambda *a: selects.append(1) or select(*a))
+    first = [submit(sched, max_new=6, adapter=name) for name in ("a", None)]
+    assert step(sched).is_prefill and len(selects) == 1
+    for _ in range(2):
+        plan = step(sched)
+        assert not plan.is_prefill and set(plan.seqs) == set(first)
+        assert plan.tokens == (1, 1) and plan.samples == (True, True)
+    assert len(selects) == 1  # decodes alone: the policy was not asked
+    late = submit(sched, max_new=2)
+    plan = step(sched)
+    assert len(selects) == 2 and late in plan.seqs and plan.is_prefill
+    run_all(sched)
+    assert [len(s.output_ids) for s in (*first, late)] == [6, 6, 2]
+    assert_all_given_back(sched, memory, adapters)
