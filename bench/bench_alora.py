@@ -22,7 +22,7 @@ An activated round ends with a probe: every conversation's checker, all at once,
 request on the very same prompts, all at once: the checker's TTFT against a base-model request
 on the same cached prefix (`ttft_ratio_alora_vs_base_cached`).
 
-    OMP_WAIT_POLICY=PASSIVE python -m bench.bench_alora
+    GOMP_SPINCOUNT=30000 python -m bench.bench_alora
     python -m bench.bench_alora --quick  # checks the driver (writes to /tmp)
 """
 

@@ -37,9 +37,9 @@ each layer group's copy ran and became resident, each layer's time in the prefil
 LoRA calls, and the totals (copy, host LoRA, forward, their overlap, TTFT). `--rounds 0 --trace`
 runs the traces alone.
 
-    OMP_WAIT_POLICY=PASSIVE python -m bench.bench_cpu_assisted --trace
-    OMP_WAIT_POLICY=PASSIVE python -m bench.bench_cpu_assisted --trace --split off
-    OMP_WAIT_POLICY=PASSIVE python -m bench.bench_cpu_assisted --quick --trace  # checks the driver
+    GOMP_SPINCOUNT=30000 python -m bench.bench_cpu_assisted --trace
+    GOMP_SPINCOUNT=30000 python -m bench.bench_cpu_assisted --trace --split off
+    GOMP_SPINCOUNT=30000 python -m bench.bench_cpu_assisted --quick --trace  # checks the driver
 
 `--quick` (2 layers, 6 short requests, one round) writes to /tmp unless `--out` is given.
 """
@@ -217,10 +217,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         name = "split" if args.split == "on" else "nosplit"
         where = "/tmp/cpu_assisted_quick" if args.quick else "bench/results/cpu_assisted"
         args.out = f"{where}_{name}.json"
-    if args.cpu_workers and args.device == "cpu" and os.environ.get("OMP_WAIT_POLICY") != "PASSIVE":
-        # toppings-serve sets it when it starts workers; it must be set before torch starts
-        # OpenMP, whose busy-waiting threads would otherwise starve the workers.
-        p.error("with --cpu-workers on a CPU run it as OMP_WAIT_POLICY=PASSIVE python -m ...")
+    passive = os.environ.get("OMP_WAIT_POLICY") == "PASSIVE" or "GOMP_SPINCOUNT" in os.environ
+    if args.cpu_workers and args.device == "cpu" and not passive:
+        # toppings-serve sets a short spin when it starts workers; it must be set before torch
+        # starts OpenMP, whose busy-waiting threads would otherwise starve the workers.
+        p.error(
+            "with --cpu-workers on a CPU run it as GOMP_SPINCOUNT=N python -m ... (or "
+            "OMP_WAIT_POLICY=PASSIVE)"
+        )
     return args
 
 
@@ -390,6 +394,7 @@ def main(argv: list[str] | None = None) -> None:
             "prefill_ms": base_prefill_ms,
             "targets": TARGETS,
             "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "default"),
+            "gomp_spincount": os.environ.get("GOMP_SPINCOUNT", "default"),
             "load_average_1min_at_end": os.getloadavg()[0],
         },
         metrics={**metrics, "link": link, **traces},

@@ -31,6 +31,9 @@ from toppings.server.http.waitress_server import GuardedServer
 
 logger = logging.getLogger("toppings-serve")
 
+# libgomp's spin rounds before an idle OpenMP thread sleeps, with --cpu-workers (its default is
+# 300,000; each round a pause instruction)
+SPIN_BEFORE_SLEEP = "30000"
 HANDLER_GRACE_S = 10.0  # after the drain, how long handlers may take to write their last bytes
 
 
@@ -98,10 +101,13 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         _usage_error(str(e))
     if config.num_cpu_workers:
-        # The workers share cores with the engine's OpenMP threads, whose busy-waiting starves
-        # them (measured: cpu-assisted TTFT 1.98x cached with it, 1.08x without, on 2 cores).
-        # It must be set before torch starts OpenMP.
-        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        # The workers share cores with the engine's OpenMP threads, which busy-wait after each
+        # parallel region (libgomp's default spin starved them: cpu-assisted TTFT twice
+        # cached's on 2 cores). A short spin before they sleep leaves the cores to the workers
+        # when the engine waits on them, and keeps the threads awake between a decode step's
+        # regions, which OMP_WAIT_POLICY=PASSIVE did not (docs/benchmarks.md). It must be set
+        # before torch starts OpenMP.
+        os.environ.setdefault("GOMP_SPINCOUNT", SPIN_BEFORE_SLEEP)
     # Imported here so that `--help` answers without loading torch.
     from toppings.cpu_lora.shm import SharedMemoryFull
     from toppings.gpu_lora.peft_config import AdapterError

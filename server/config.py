@@ -258,7 +258,9 @@ class LoraConfig(Settings):
         0,
         bound=Bound.NON_NEGATIVE,
         flag=Flag(
-            "CPU worker processes for cpu-assisted LoRA (0: host LoRA runs in-process)",
+            "CPU worker processes for cpu-assisted LoRA (0: host LoRA runs in-process); with "
+            "workers, toppings-serve sets GOMP_SPINCOUNT=30000 unless it is set, so that the "
+            "engine's idle OpenMP threads soon sleep and leave the cores to them",
             name="--cpu-workers",
             type=int,
             metavar="N",

@@ -16,8 +16,9 @@ test_decode_path.py). A layer:
 `decode_layers` runs every layer so, the LoRA kernel (`gpu_lora.kernels.native.lora_runs`)
 called from C on the step's runs (`LoraBatch.native_runs`); where each request computes one
 token and lm_head's GEMV is native too, the same call also gathers the embedding and RoPE rows
-and ends with the final norm and lm_head (`run_to_logits`): their Python around a step runs cold
-after the weights' stream (bench/profile_cold_ops.py; what it saves: docs/benchmarks.md). Where
+and ends with the final norm, lm_head and the logits' widening to float32 and scan (finite rows,
+argmax: `run_to_logits`): their Python around a step runs cold after the weights' stream
+(bench/profile_cold_ops.py, bench/probe_step_glue.py; what it saves: docs/benchmarks.md). Where
 the step's LoRA needs Python (an adapter still loading, DoRA, a trace) or there is no vector
 silu (neither AVX-512 nor AVX2 + FMA), the layers run as four calls each from here instead,
 LoRA between them, `act_proj` then per op where it declines.

@@ -84,7 +84,9 @@ def test_dev_shm_full_at_start_up_is_one_error_line(tiny_model_dir, monkeypatch,
         shm, "create_shm", lambda name, size, reserve=None: real(name, beyond, reserve=beyond)
     )
     monkeypatch.setattr(waitress, "create_server", started)  # a start that passes ends here
-    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")  # cli sets it for the workers; keep ours
+    monkeypatch.setenv("GOMP_SPINCOUNT", "0")
+    monkeypatch.delenv("GOMP_SPINCOUNT")  # cli sets it for the workers; unset after the test
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     before = shm.leftovers()
     argv = ["--model", str(tiny_model_dir), "--port", "0", "--dtype", "float32",
             "--lora-mode", "cpu-assisted", "--cpu-workers", "1"]  # fmt: skip
@@ -96,3 +98,6 @@ def test_dev_shm_full_at_start_up_is_one_error_line(tiny_model_dir, monkeypatch,
     assert len(lines) == 1 and "shared memory is full" in lines[0], err
     assert "Traceback" not in err
     assert shm.leftovers() == before
+    # with workers, a short spin for the engine's OpenMP threads, not PASSIVE (a slow decode)
+    assert os.environ.get("GOMP_SPINCOUNT") == cli.SPIN_BEFORE_SLEEP
+    assert "OMP_WAIT_POLICY" not in os.environ
