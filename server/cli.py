@@ -102,11 +102,10 @@ def main(argv: list[str] | None = None) -> int:
         _usage_error(str(e))
     if config.num_cpu_workers:
         # The workers share cores with the engine's OpenMP threads, which busy-wait after each
-        # parallel region (libgomp's default spin starved them: cpu-assisted TTFT twice
-        # cached's on 2 cores). A short spin before they sleep leaves the cores to the workers
-        # when the engine waits on them, and keeps the threads awake between a decode step's
-        # regions, which OMP_WAIT_POLICY=PASSIVE did not (docs/benchmarks.md). It must be set
-        # before torch starts OpenMP.
+        # parallel region (libgomp's default spin starved them). A short spin before they sleep
+        # leaves the cores to the workers when the engine waits on them, and keeps the threads
+        # awake between a decode step's regions, which OMP_WAIT_POLICY=PASSIVE did not (what
+        # each costs: docs/benchmarks.md). It must be set before torch starts OpenMP.
         os.environ.setdefault("GOMP_SPINCOUNT", SPIN_BEFORE_SLEEP)
     # Imported here so that `--help` answers without loading torch.
     from toppings.cpu_lora.shm import SharedMemoryFull

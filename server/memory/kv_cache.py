@@ -62,8 +62,8 @@ class KVPool:
         # as numpy indexing, not torch ops (each costs several times more, run cold after a
         # step's weights have streamed through the caches: docs/benchmarks.md).
         self._table = self.req_to_slot.numpy() if self.req_to_slot.device.type == "cpu" else None
-        # ... and as a flat memoryview: a decode's one write a row as an item assignment, which
-        # costs a tenth of a numpy fancy assignment run cold (docs/benchmarks.md)
+        # ... and as a flat memoryview: a decode's one write a row as an item assignment, far
+        # cheaper run cold than a numpy fancy assignment (docs/benchmarks.md)
         self._cells = None if self._table is None else memoryview(self._table).cast("B").cast("q")
         self.lengths = [0] * max_requests
         self.row_blocks: list[list[int]] = [[] for _ in range(max_requests)]

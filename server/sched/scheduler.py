@@ -188,8 +188,7 @@ class Scheduler:
         self.memory.tick(self.clock())
         if not len(self.queue) and all(s.is_prefilled for s in self.running):
             # Decodes alone, nothing waiting: nothing to plan nor admit, so the gate and the
-            # queue policy are left out (their Python runs cold after a step's weights have
-            # streamed through the caches: docs/benchmarks.md).
+            # queue policy are left out (what it saves: docs/benchmarks.md).
             chunks = {s: 1 for s in self.running}
             starts = self._reserve(chunks)
             return StepPlan.of(chunks, starts) if chunks else None
