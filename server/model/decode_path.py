@@ -92,7 +92,6 @@ class DecodePath:
         self._last_lora: tuple[RunsLayout, LoraStep] | None = None  # _lora_step's last
         self._scratch: dict[int, tuple[torch.Tensor, ...]] = {}  # _buffers', by token count
         self._ends: dict[int, tuple[torch.Tensor, ...]] = {}  # run_to_logits' buffers, by count
-        self._heads: dict[int, torch.Tensor] = {}  # run_to_logits' bf16 logits, by count
 
     @classmethod
     def build(cls, model) -> DecodePath | None:
@@ -133,10 +132,10 @@ class DecodePath:
         lora_step = None if lora is None else self._lora_step(lora.native_runs(), model)
         if lora is not None and lora_step is None:
             return None
-        h, residual, normed, cos, sin = self._end_buffers(t, cfg)
+        h, residual, normed, cos, sin, *head = self._end_buffers(t, cfg)
         scan = self.scan_in_step
         out = torch.empty(t, self._head.out, dtype=torch.float32 if scan else self.dtype)
-        logits = self._head_buffer(t) if scan and self._is_bf16 else out  # lm_head's output
+        logits = head[0] if scan and head else out  # lm_head's output
         finite, best = (ctypes.c_bool * t)(), (ctypes.c_int64 * t)()
         step, alive = self._step(cfg, batch, kv, h, cos, sin, residual)
         ids, positions = batch.input_ids.contiguous(), batch.positions.contiguous()
@@ -198,20 +197,14 @@ class DecodePath:
         return step, buffers
 
     def _end_buffers(self, t: int, cfg) -> tuple[torch.Tensor, ...]:
-        """run_to_logits' h, residual, normed [t, H] and cos, sin [t, D] of the model's dtype:
-        made once per token count (nothing in them outlives the step)."""
+        """run_to_logits' h, residual, normed [t, H] and cos, sin [t, D] of the model's dtype,
+        and where that is bf16 lm_head's output [t, V] before it is widened: made once per token
+        count (nothing in them outlives the step)."""
         made = self._ends.get(t)
         if made is None:
             widths = (cfg.hidden_size,) * 3 + (cfg.head_dim,) * 2
+            widths += (self._head.out,) if self._is_bf16 else ()
             made = self._ends[t] = tuple(torch.empty(t, w, dtype=self.dtype) for w in widths)
-        return made
-
-    def _head_buffer(self, t: int) -> torch.Tensor:
-        """lm_head's output [t, V] in bf16, before run_to_logits widens it: made once per
-        token count."""
-        made = self._heads.get(t)
-        if made is None:
-            made = self._heads[t] = torch.empty(t, self._head.out, dtype=self.dtype)
         return made
 
     def _buffers(self, t: int, cfg) -> tuple[torch.Tensor, ...]:
