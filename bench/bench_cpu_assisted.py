@@ -217,8 +217,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         name = "split" if args.split == "on" else "nosplit"
         where = "/tmp/cpu_assisted_quick" if args.quick else "bench/results/cpu_assisted"
         args.out = f"{where}_{name}.json"
-    passive = os.environ.get("OMP_WAIT_POLICY") == "PASSIVE" or "GOMP_SPINCOUNT" in os.environ
-    if args.cpu_workers and args.device == "cpu" and not passive:
+    waits_set = os.environ.get("OMP_WAIT_POLICY") == "PASSIVE" or "GOMP_SPINCOUNT" in os.environ
+    if args.cpu_workers and args.device == "cpu" and not waits_set:
         # toppings-serve sets a short spin when it starts workers; it must be set before torch
         # starts OpenMP, whose busy-waiting threads would otherwise starve the workers.
         p.error(

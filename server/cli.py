@@ -21,6 +21,7 @@ import sys
 import threading
 
 from toppings.server.cli_args import build_parser, parse_configs
+from toppings.server.config import WORKER_SPINCOUNT
 from toppings.server.http.drain import Drainer
 from toppings.server.http.frontend import (
     default_max_in_flight,
@@ -31,9 +32,6 @@ from toppings.server.http.waitress_server import GuardedServer
 
 logger = logging.getLogger("toppings-serve")
 
-# libgomp's spin rounds before an idle OpenMP thread sleeps, with --cpu-workers (its default is
-# 300,000; each round a pause instruction)
-SPIN_BEFORE_SLEEP = "30000"
 HANDLER_GRACE_S = 10.0  # after the drain, how long handlers may take to write their last bytes
 
 
@@ -106,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         # leaves the cores to the workers when the engine waits on them, and keeps the threads
         # awake between a decode step's regions, which OMP_WAIT_POLICY=PASSIVE did not (what
         # each costs: docs/benchmarks.md). It must be set before torch starts OpenMP.
-        os.environ.setdefault("GOMP_SPINCOUNT", SPIN_BEFORE_SLEEP)
+        os.environ.setdefault("GOMP_SPINCOUNT", WORKER_SPINCOUNT)
     # Imported here so that `--help` answers without loading torch.
     from toppings.cpu_lora.shm import SharedMemoryFull
     from toppings.gpu_lora.peft_config import AdapterError

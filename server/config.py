@@ -44,6 +44,9 @@ QUEUE_POLICIES = ("fcfs", "chameleon")  # the classes: server.sched.policies
 MEMORY_LAYOUTS = ("pool", "static")  # the layouts: server.memory.layout
 AUTO_EVICTION = "auto"  # the memory layout's own policy (server.memory.layout)
 EVICTIONS = (AUTO_EVICTION, *EVICTION_POLICIES)  # the classes: gpu_lora.eviction
+# libgomp's spin rounds before an idle OpenMP thread sleeps, which toppings-serve sets with
+# --cpu-workers (its default is 300,000; each round a pause instruction)
+WORKER_SPINCOUNT = "30000"
 
 Part = TypeVar("Part", bound=Settings)
 
@@ -259,8 +262,8 @@ class LoraConfig(Settings):
         bound=Bound.NON_NEGATIVE,
         flag=Flag(
             "CPU worker processes for cpu-assisted LoRA (0: host LoRA runs in-process); with "
-            "workers, toppings-serve sets GOMP_SPINCOUNT=30000 unless it is set, so that the "
-            "engine's idle OpenMP threads soon sleep and leave the cores to them",
+            f"workers, toppings-serve sets GOMP_SPINCOUNT={WORKER_SPINCOUNT} unless it is set, so "
+            "that the engine's idle OpenMP threads soon sleep and leave the cores to them",
             name="--cpu-workers",
             type=int,
             metavar="N",

@@ -14,6 +14,7 @@ import waitress
 
 from toppings.cpu_lora import shm
 from toppings.server.api.app import ApiOptions, create_app
+from toppings.server.config import WORKER_SPINCOUNT
 
 
 @pytest.fixture(scope="module")
@@ -99,5 +100,5 @@ def test_dev_shm_full_at_start_up_is_one_error_line(tiny_model_dir, monkeypatch,
     assert "Traceback" not in err
     assert shm.leftovers() == before
     # with workers, a short spin for the engine's OpenMP threads, not PASSIVE (a slow decode)
-    assert os.environ.get("GOMP_SPINCOUNT") == cli.SPIN_BEFORE_SLEEP
+    assert os.environ.get("GOMP_SPINCOUNT") == WORKER_SPINCOUNT
     assert "OMP_WAIT_POLICY" not in os.environ
