@@ -20,6 +20,9 @@ Changes:
               engine's, built without, in 4 KiB pages (its decode path swapped in)
   int8-weights  a second engine's int8 weights against the first's (`--precisions bfloat16`):
               int8 / bf16 of the whole step with the same Python around it
+  adapter     the request's adapter applied (B) against its steps as the base model's (A), the
+              same request (`--adapter-ranks` above 0): adapter / base of a whole step, its
+              LoRA batch and native rows included (use `--block`)
 
     python -m bench.pair_steps --change whole-step --precisions float32,bfloat16,int8,int4 \
         --adapter-ranks 0,16
@@ -91,10 +94,22 @@ def _int8_weights(engine: Engine, build, keep: list) -> Callable[[bool], None]:
     return _swap_paths(engine, build(quantization="int8"), keep, with_other=True)
 
 
+def _adapter(engine: Engine, build, keep: list) -> Callable[[bool], None]:
+    """Steps of the off side see every request as the base model's: the runner's LoRA step is
+    asked with no cache entries (it then returns None, as for a base request)."""
+    step, on_side = engine.runner.lora.step, [True]
+
+    def lora_step(entries, *args, **kwargs):
+        return step(entries if on_side[0] else [None] * len(entries), *args, **kwargs)
+
+    engine.runner.lora.step = lora_step
+    return lambda on: on_side.__setitem__(0, on)
+
+
 # name -> (engine, build another (EngineConfig fields changed), engines to shut down) -> toggle
 CHANGES = {
     "none": _nothing, "whole-step": _whole_step, "scan-in-step": _scan_in_step,
-    "huge-pages": _huge_pages, "int8-weights": _int8_weights,
+    "huge-pages": _huge_pages, "int8-weights": _int8_weights, "adapter": _adapter,
 }  # fmt: skip
 
 
@@ -115,16 +130,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=130)
     p.add_argument("--rounds", type=int, default=6, help="requests, the first a warm-up")
+    p.add_argument("--block", type=int, default=1,
+                   help="steps of one side in a row (module doc; 1: single steps)")  # fmt: skip
     p.add_argument("--out", type=Path, default=Path("bench/results/pair_steps.json"))
     return p.parse_args(argv)
 
 
 def pair(engine: Engine, toggle, args: argparse.Namespace, adapter) -> dict:
-    """Step `args.rounds` requests, decode steps alternating A / B; the per-pair ratios."""
+    """Step `args.rounds` requests, decode steps alternating A / B in runs of `args.block`; the
+    per-pair ratios."""
     gen = torch.Generator().manual_seed(0)
     params = SamplingParams(max_new_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
     times: dict[bool, list[float]] = {False: [], True: []}
     ratios: list[float] = []
+    block = args.block
     for round_idx in range(args.rounds):
         high = min(30000, engine.model_config.vocab_size)
         ids = torch.randint(3, high, (args.prompt_len,), generator=gen).tolist()
@@ -133,19 +152,23 @@ def pair(engine: Engine, toggle, args: argparse.Namespace, adapter) -> dict:
         engine.step()  # the prompt, in as many steps as the budget makes it
         while any(not seq.is_prefilled for seq in engine.scheduler.running):
             engine.step()
-        step, first = 0, 0.0
+        run, first, run_idx = [], 0.0, 0
         while engine.scheduler.has_work():
-            pair_idx, second = divmod(step, 2)
+            pair_idx, second = divmod(run_idx, 2)
             on = (second == 1) != (pair_idx % 2 == 1)  # A then B, then B then A, ...
             toggle(on)
             began = time.perf_counter()
             engine.step()
-            seconds = time.perf_counter() - began
+            run.append(time.perf_counter() - began)
+            if len(run) < block:
+                continue  # a run the request's end cuts short is not counted
+            kept = run[1:] if block > 2 else run
+            seconds = statistics.median(kept)
             if round_idx:
-                times[on].append(seconds)
+                times[on].extend(kept)
                 if second:
                     ratios.append(seconds / first if on else first / seconds)
-            first, step = seconds, step + 1
+            first, run, run_idx = seconds, [], run_idx + 1
     toggle(True)
     q1, median, q3 = statistics.quantiles(ratios, n=4)
     return {

@@ -79,3 +79,33 @@ def test_pairs_hold_one_step_of_each_side(tmp_path, monkeypatch, change, rank):
     if change in SWAPS:  # the second engine was made, and shut down with the first
         assert len(engines) == 2 and engines[1] is not engines[0]
         assert stopped == engines
+
+
+def test_adapter_change_drops_the_rows_of_one_side_in_runs(tmp_path, monkeypatch):
+    """--change adapter --block 2: the runner's LoRA step gets the request's entry on B steps
+    and none on A steps, in runs of two (A A B B, B B A A, ...), and a pair is two runs."""
+    model_dir = str(make_tiny_family(tmp_path / "llama3", "llama3"))
+    args = pair_steps.parse_args(["--change", "adapter", "--rounds", "2", "--new-tokens", "9",
+                                  "--prompt-len", "8", "--block", "2"])  # fmt: skip
+    asked = []  # per forward pass: (the toggle's side, whether an adapter's entry was given)
+    side = [True]
+    make_toggle = pair_steps.CHANGES["adapter"]
+
+    def spy(engine, build, keep):
+        step = engine.runner.lora.step
+
+        def recorded(entries, *a, **k):
+            asked.append((side[0], any(entries)))
+            return step(entries, *a, **k)
+
+        engine.runner.lora.step = recorded
+        toggle = make_toggle(engine, build, keep)
+        return lambda on: (side.__setitem__(0, on), toggle(on))
+
+    monkeypatch.setitem(pair_steps.CHANGES, "adapter", spy)
+    metrics = pair_steps.run_one(args, model_dir, "bfloat16", 4)
+    # 9 new tokens: the prompt's step gives the first, then 8 decode steps: 4 runs, 2 pairs
+    assert metrics["pairs"] == 2
+    assert all(on == has_entry for on, has_entry in asked)
+    decode = [on for on, _ in asked[1:9]]  # round 0's decode steps
+    assert decode == [False, False, True, True, True, True, False, False]
