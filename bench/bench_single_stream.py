@@ -20,11 +20,13 @@ Roofline: the weights a decode step of one request reads are every projection we
 o, gate/up, down of every layer and the LM head, the embedding when tied) once, in the served
 precision (`--quantization`: int8 1 byte, int4 half a byte per weight, scales not counted).
 The bandwidth is the best of `--bandwidth-repeats` timed `torch.sum`s over a 1 GiB float32
-tensor, taken in this process before and after the servers run, with `--threads` torch threads.
-roofline_fraction = (weight bytes per step / bandwidth) / measured TPOT at batch 1 (1.0: the
-step takes exactly the time to read its weights once). The adapter's rows add their own read:
-tpot_ratio_adapter_vs_base_floor_batch1 = 1 + (adapter bytes per step / bandwidth) / base TPOT,
-the adapter / base ratio no serving path can go under at that bandwidth.
+tensor, taken in this process at the start of every round (a shared host's rate moves by half
+within minutes), with `--threads` torch threads. roofline_fraction = (weight bytes per step /
+bandwidth) / measured TPOT at batch 1 (1.0: the step takes exactly the time to read its weights
+once), taken in each round with that round's bandwidth, the median over rounds reported. The
+adapter's rows add their own read: tpot_ratio_adapter_vs_base_floor_batch1 = 1 + (adapter
+bytes per step / bandwidth) / base TPOT (the rounds' median bandwidth), the adapter / base
+ratio no serving path can go under at that bandwidth.
 
 Optional, side by side in the same rounds:
 - llama.cpp's `llama-server` (`--llama-server PATH --gguf-f32 FILE --gguf-bf16 FILE`,
@@ -80,9 +82,13 @@ TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 ADAPTER = "bench-adapter"
 
 
-def memory_bandwidth_gbps(repeats: int, gib: float = 1.0) -> float:
-    """Best read rate (GB/s) of `torch.sum` over a `gib` GiB float32 tensor, `repeats` times."""
-    x = torch.ones(int(gib * (1 << 30)) // 4, dtype=torch.float32)
+def bandwidth_probe(gib: float = 1.0) -> torch.Tensor:
+    """The float32 tensor of `gib` GiB that read_rate_gbps reads."""
+    return torch.ones(int(gib * (1 << 30)) // 4, dtype=torch.float32)
+
+
+def read_rate_gbps(x: torch.Tensor, repeats: int) -> float:
+    """Best read rate (GB/s) of `torch.sum` over x (bandwidth_probe), `repeats` times."""
     best = 0.0
     for _ in range(repeats):
         start = time.perf_counter()
@@ -339,8 +345,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_adapter:
         path = write_random_adapter(work / "adapter", model_dir, args.rank, TARGETS, args.seed)
         adapter_args = ["--lora", f"{ADAPTER}={path}"]
-    bandwidth = [memory_bandwidth_gbps(args.bandwidth_repeats)]
-    log.info("memory read bandwidth: %.1f GB/s", bandwidth[0])
+    probe = bandwidth_probe()
+    bandwidths: dict[int, float] = {}  # round -> GB/s at its start
 
     servers = {}  # (precision, side) -> url, side "new" | "baseline" | "llama"
     procs: list[subprocess.Popen] = []
@@ -393,6 +399,9 @@ def main(argv: list[str] | None = None) -> int:
         failures: list[str] = []  # rows that failed (a server that died): reported, not timed
         for round_idx in range(args.rounds + 1):  # round 0: warm-up
             order = rows if round_idx % 2 == 0 else rows[::-1]
+            bandwidths[round_idx] = read_rate_gbps(probe, args.bandwidth_repeats)
+            log.info("round %d: memory read bandwidth %.1f GB/s", round_idx,
+                     bandwidths[round_idx])  # fmt: skip
             for row in order:
                 label, side, with_adapter, batch = row
                 prompts = [torch.randint(100, vocab - 100, (args.prompt_len,),
@@ -413,15 +422,15 @@ def main(argv: list[str] | None = None) -> int:
                     times[row].append({**result, "round": round_idx})
     finally:
         stop_all(procs)
-    bandwidth.append(memory_bandwidth_gbps(args.bandwidth_repeats))
-    best_bw = max(bandwidth)
-    metrics = summarize(args, precisions, {r: t for r, t in times.items() if t}, best_bw, skipped)
+    timed = {r: bw for r, bw in bandwidths.items() if r}  # round 0 is the warm-up
+    median_bw = statistics.median(timed.values())
+    metrics = summarize(args, precisions, {r: t for r, t in times.items() if t}, timed, skipped)
     if path is not None:
-        add_adapter_floor(metrics, args, [label for label, _, _ in precisions], best_bw)
+        add_adapter_floor(metrics, args, [label for label, _, _ in precisions], median_bw)
     if failures:
         metrics["failed_rows"] = failures
-    metrics["bandwidth_GBps"] = round(best_bw, 2)
-    metrics["bandwidth_GBps_before_after"] = [round(b, 2) for b in bandwidth]
+    metrics["bandwidth_GBps"] = round(median_bw, 2)  # the rounds' median
+    metrics["bandwidth_GBps_rounds"] = [round(timed[r], 2) for r in sorted(timed)]
     config = {
         "model": args.model, "batches": batches, "rounds": args.rounds,
         "prompt_len": args.prompt_len, "max_tokens": args.max_tokens, "rank": args.rank,
@@ -450,9 +459,17 @@ def paired_ratio(times: dict, row: tuple, other: tuple) -> float | None:
     return round(statistics.median(ratios), 3) if ratios else None
 
 
-def summarize(args, precisions, times: dict, bandwidth: float, skipped: dict) -> dict:
+def roofline_fraction(times: dict, row: tuple, nbytes: int, bandwidths: dict) -> float | None:
+    """The median over rounds of (nbytes at that round's bandwidth, GB/s) / row's TPOT in it
+    (None: no round both timed the row and read the bandwidth)."""
+    fractions = [nbytes / bandwidths[r["round"]] / 1e6 / r["tpot_ms"]
+                 for r in times.get(row, []) if r["round"] in bandwidths]  # fmt: skip
+    return round(statistics.median(fractions), 3) if fractions else None
+
+
+def summarize(args, precisions, times: dict, bandwidths: dict, skipped: dict) -> dict:
     """The result's metrics: per precision and side, TPOT per row; the headline keys (ratios
-    paired by round)."""
+    and roofline fractions paired by round; bandwidths: round -> GB/s)."""
     metrics: dict = {"tpot_ms_batch1": {}, "roofline_fraction_batch1": {},
                      "tpot_ratio_adapter_vs_base_batch1": {},
                      "weight_bytes_per_step": {}}  # fmt: skip
@@ -479,10 +496,10 @@ def summarize(args, precisions, times: dict, bandwidth: float, skipped: dict) ->
         if base1 is None:
             continue
         metrics["tpot_ms_batch1"][label] = round(base1, 2)
-        metrics["roofline_fraction_batch1"][label] = round(
-            nbytes / bandwidth / 1e9 * 1e3 / base1, 3
-        )
         new_base, new_adapter = (label, "new", False, 1), (label, "new", True, 1)
+        fraction = roofline_fraction(times, new_base, nbytes, bandwidths)
+        if fraction is not None:
+            metrics["roofline_fraction_batch1"][label] = fraction
         for key, row, other in (
             ("tpot_ratio_adapter_vs_base_batch1", new_adapter, new_base),
             ("tpot_ratio_vs_llama_server_batch1", new_base, (label, "llama", False, 1)),

@@ -1,5 +1,6 @@
 """bench_single_stream's adapter floor: the adapter bytes a decode step reads are the bytes of
-the adapter the bench writes (every projection, every layer), and the floor follows from them."""
+the adapter the bench writes (every projection, every layer), and the floor follows from them;
+its ratios and roofline fractions are taken within each round."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from bench.bench_single_stream import (
     adapter_bytes_per_step,
     add_adapter_floor,
     paired_ratio,
+    roofline_fraction,
 )
 from bench.common import write_random_adapter
 
@@ -50,3 +52,15 @@ def test_ratios_are_paired_by_round():
     }  # fmt: skip
     assert paired_ratio(times, new, llama) == 0.5
     assert paired_ratio(times, new, ("bfloat16", "llama", True, 1)) is None
+
+
+def test_roofline_fractions_take_each_rounds_bandwidth():
+    # 1 GB a step; round 1 reads at 100 GB/s and steps in 20 ms (0.5 of its roofline), round 2
+    # at 50 GB/s in 25 ms (0.8), round 3 at 100 GB/s in 12.5 ms (0.8): the median is 0.8, where
+    # the best bandwidth against the median step (20 ms) would read 0.5
+    row = ("bfloat16", "new", False, 1)
+    times = {row: [{"round": 1, "tpot_ms": 20.0}, {"round": 2, "tpot_ms": 25.0},
+                   {"round": 3, "tpot_ms": 12.5}, {"round": 4, "tpot_ms": 1.0}]}  # fmt: skip
+    bandwidths = {1: 100.0, 2: 50.0, 3: 100.0}  # round 4 read none: left out
+    assert roofline_fraction(times, row, 10**9, bandwidths) == 0.8
+    assert roofline_fraction(times, ("int8", "new", False, 1), 10**9, bandwidths) is None
