@@ -162,7 +162,7 @@ def pair(engine: Engine, toggle, args: argparse.Namespace, adapter) -> dict:
             run.append(time.perf_counter() - began)
             if len(run) < block:
                 continue  # a run the request's end cuts short is not counted
-            kept = run[1:] if block > 2 else run
+            kept = run[1:] if block > 1 else run
             seconds = statistics.median(kept)
             if round_idx:
                 times[on].extend(kept)
@@ -209,6 +209,8 @@ def run_one(args: argparse.Namespace, model_dir: str, precision: str, rank: int)
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.change == "adapter" and "0" in args.adapter_ranks.split(","):
+        raise SystemExit("pair_steps: --change adapter needs adapter ranks above 0")
     model_dir = str(resolve_model_dir(args.model))
     metrics = {}
     for precision in args.precisions.split(","):
