@@ -422,7 +422,8 @@ def main(argv: list[str] | None = None) -> int:
                     times[row].append({**result, "round": round_idx})
     finally:
         stop_all(procs)
-    timed = {r: bw for r, bw in bandwidths.items() if r}  # round 0 is the warm-up
+    # round 0 is the warm-up (with --rounds 0, the only reading there is)
+    timed = {r: bw for r, bw in bandwidths.items() if r} or bandwidths
     median_bw = statistics.median(timed.values())
     metrics = summarize(args, precisions, {r: t for r, t in times.items() if t}, timed, skipped)
     if path is not None:
