@@ -73,6 +73,7 @@ import torch
 from bench.bench_long_prompt import cpu_flags, free_port, llama_version
 from bench.common import write_random_adapter
 from bench.envelope import describe_device, write_result
+from bench.roofline import read_rate_gbps
 
 log = logging.getLogger(__name__)
 
@@ -85,16 +86,6 @@ ADAPTER = "bench-adapter"
 def bandwidth_probe(gib: float = 1.0) -> torch.Tensor:
     """The float32 tensor of `gib` GiB that read_rate_gbps reads."""
     return torch.ones(int(gib * (1 << 30)) // 4, dtype=torch.float32)
-
-
-def read_rate_gbps(x: torch.Tensor, repeats: int) -> float:
-    """Best read rate (GB/s) of `torch.sum` over x (bandwidth_probe), `repeats` times."""
-    best = 0.0
-    for _ in range(repeats):
-        start = time.perf_counter()
-        x.sum()
-        best = max(best, x.numel() * 4 / (time.perf_counter() - start) / 1e9)
-    return best
 
 
 def weight_bytes_per_step(model: str, dtype: torch.dtype, quantization: str | None) -> int:
