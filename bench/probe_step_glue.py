@@ -12,7 +12,7 @@ What real and cold take beyond warm is cache misses: the weights' stream evicts 
 working set every step (docs/benchmarks.md, session 33). The real steps' native call is reported
 too (`native_ms_real`), and the OpenMP environment it ran under.
 
-    python -m bench.probe_step_glue [--precision bfloat16] [--stream-mb 256]
+    python -m bench.probe_step_glue [--precision bfloat16] [--quantization none] [--stream-mb 256]
 """
 
 from __future__ import annotations
@@ -53,12 +53,18 @@ def fake_step(stream: torch.Tensor | None):
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--precision", default="bfloat16", choices=("float32", "bfloat16"))
+    p.add_argument(
+        "--quantization",
+        default="none",
+        choices=("none", "int8", "int4"),
+        help="weight-only quantization of the base weights",
+    )
     p.add_argument("--stream-mb", type=int, default=256)
     p.add_argument("--new-tokens", type=int, default=200)
     p.add_argument("--rounds", type=int, default=4, help="per mode; the first a warm-up")
     p.add_argument("--out", default="bench/results/step_glue.json")
     args = p.parse_args()
-    config = EngineConfig(dtype=args.precision, adapt_threads=False)
+    config = EngineConfig(dtype=args.precision, quantization=args.quantization, adapt_threads=False)
     engine = Engine(config, load_checkpoint(str(resolve_model_dir("smollm2"))))
     lib = native.library()
     if engine.model.decode_path is None or not engine.model.decode_path.whole_step:
