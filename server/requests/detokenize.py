@@ -6,10 +6,18 @@ Decoding the window with and without its new tokens and keeping the difference g
 text exactly where a tokenizer's decode of a lone token differs from its decode in context
 (SentencePiece's Metaspace drops the leading space of the first token it decodes: a window that
 only re-decoded its newest tokens would never agree with the full text there, and an earlier
-version of this module then decoded the whole output at every token).
+version of this module then decoded the whole output at every token). A window whose text ends
+in an incomplete character waits for the rest of it: tokens that add no text meanwhile are not
+kept in it, and it holds at most MAX_HELD tokens (without both, a split character followed by
+skipped special tokens, or bytes that never form a character, grew it by a token every step).
 """
 
 from __future__ import annotations
+
+# Tokens a window may hold while its text ends in an incomplete character: a UTF-8 character
+# is at most 4 bytes and a byte-level token at least one, so a window still ending in U+FFFD
+# after this many tokens holds bytes that never form one (they are released as U+FFFD).
+MAX_HELD = 8
 
 
 class TextStream:
@@ -28,6 +36,9 @@ class TextStream:
         self._ids: list[int] = []
         self._read = 0
         self._pending = ""  # text decoded but not yet returned (held back)
+        # While the window's text ends in an incomplete character: that text, and its part past
+        # the context (what finish() releases if the request ends there)
+        self._held = self._held_new = ""
         self.stopped = False
 
     def push(self, token_id: int) -> str:
@@ -35,8 +46,13 @@ class TextStream:
         self._ids.append(token_id)
         context = self._decode(self._ids[: self._read])
         text = self._decode(self._ids)
-        if text.endswith("\ufffd"):
+        if self._held and text == self._held:  # a token with no text after an incomplete one
+            self._ids.pop()
+            return ""
+        if text.endswith("\ufffd") and len(self._ids) - self._read < MAX_HELD:
+            self._held, self._held_new = text, text[len(context) :]
             return ""  # a multi-byte character is not complete yet
+        self._held = self._held_new = ""
         if len(text) <= len(context):
             del self._ids[self._read :]  # no text (a skipped special token): not kept
             return ""
@@ -49,7 +65,7 @@ class TextStream:
         """The request ended: return whatever text is still held back."""
         if self.stopped:
             return ""
-        out, self._pending = self._pending, ""
+        out, self._pending, self._held_new = self._pending + self._held_new, "", ""
         return out
 
     def _decode(self, ids: list[int]) -> str:

@@ -77,3 +77,26 @@ def test_stop_strings_cut_at_the_earliest_and_across_tokens(make):
     assert s.stopped and got == "hello world fo"
     got, s = stream(tok, ids, stop=("nowhere",))
     assert not s.stopped and got == tok.decode(ids)
+
+
+def test_skipped_tokens_after_a_split_character_keep_the_window_bounded():
+    tok = byte_level_tokenizer()
+    first, second = tok("é", add_special_tokens=False)["input_ids"]  # U+FFFD alone, then é
+    ids = [*tok("hi ", add_special_tokens=False)["input_ids"], first]
+    ids += [tok.eos_token_id] * 200 + [second]  # skipped special tokens inside the character
+    counting = CountingTokenizer(tok)
+    got, _ = stream(counting, ids)
+    assert got == tok.decode(ids, skip_special_tokens=True) == "hi é"
+    assert max(counting.lengths) <= 4
+
+
+def test_bytes_that_never_form_a_character_are_released():
+    tok = byte_level_tokenizer()
+    (lone,) = tok("é", add_special_tokens=False)["input_ids"][1:]  # a continuation byte
+    ids = [*tok("ok", add_special_tokens=False)["input_ids"], *[lone] * 100]
+    counting = CountingTokenizer(tok)
+    s = TextStream(counting)
+    streamed = "".join(s.push(token) for token in ids)
+    assert streamed.startswith("ok\ufffd") and len(streamed) >= 90  # out before the request ends
+    assert streamed + s.finish() == tok.decode(ids)
+    assert max(counting.lengths) <= 16  # the context (at most 8 tokens) and 8 held
