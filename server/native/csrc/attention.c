@@ -218,6 +218,9 @@ static int decode_attention(const void *q, const void *k, const void *v, void *o
     /* One thread for a small step (one request's decode over a short context): waking the
      * other costs more than its share of the work. */
     if ((int64_t)B * N * max_len * D < (1 << 18)) num_threads = 1;
+    /* Items (request, kv head) in chunks of 4 where there are many; one at a time where there
+     * are few (one request over SmolLM2's 3 kv heads: chunks of 4 gave one thread them all). */
+    int chunk = (int64_t)B * K >= 8 * (int64_t)num_threads ? 4 : 1;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
         size_t floats = (size_t)G * max_len + (size_t)max_len * D + 2 * (size_t)G * D;
@@ -227,7 +230,7 @@ static int decode_attention(const void *q, const void *k, const void *v, void *o
         } else {
             float *rows = scores + (size_t)G * max_len, *qf = rows + (size_t)max_len * D;
             float *acc = qf + (size_t)G * D;
-#pragma omp for schedule(dynamic, 4)
+#pragma omp for schedule(dynamic, chunk)
             for (int64_t bh = 0; bh < (int64_t)B * K; bh++) {
                 int b = (int)(bh / K), h = (int)(bh % K);
                 if (lengths[b] <= 0) continue;
