@@ -73,7 +73,7 @@ import torch
 from bench.bench_long_prompt import cpu_flags, free_port, llama_version
 from bench.common import write_random_adapter
 from bench.envelope import describe_device, write_result
-from bench.roofline import read_rate_gbps
+from bench.roofline import bandwidth_probe, read_rate_gbps
 
 log = logging.getLogger(__name__)
 
@@ -81,11 +81,6 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 QUANT_BYTES = {"int8": 1.0, "int4": 0.5}  # per weight, scales not counted
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ADAPTER = "bench-adapter"
-
-
-def bandwidth_probe(gib: float = 1.0) -> torch.Tensor:
-    """The float32 tensor of `gib` GiB that read_rate_gbps reads."""
-    return torch.ones(int(gib * (1 << 30)) // 4, dtype=torch.float32)
 
 
 def weight_bytes_per_step(model: str, dtype: torch.dtype, quantization: str | None) -> int:
@@ -336,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_adapter:
         path = write_random_adapter(work / "adapter", model_dir, args.rank, TARGETS, args.seed)
         adapter_args = ["--lora", f"{ADAPTER}={path}"]
-    probe = bandwidth_probe()
+    probe = bandwidth_probe(1 << 30)  # 1 GiB
     bandwidths: dict[int, float] = {}  # round -> GB/s at its start
 
     servers = {}  # (precision, side) -> url, side "new" | "baseline" | "llama"

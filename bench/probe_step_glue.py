@@ -27,7 +27,7 @@ import torch
 
 from bench.envelope import describe_device, write_result
 from toppings.server import native
-from toppings.server.config import EngineConfig
+from toppings.server.config import EngineConfig, Quantization
 from toppings.server.engine.engine import Engine
 from toppings.server.model.loader import load_checkpoint, resolve_model_dir
 from toppings.server.requests.request import GenerationRequest, SamplingParams
@@ -56,7 +56,7 @@ def main() -> None:
     p.add_argument(
         "--quantization",
         default="none",
-        choices=("none", "int8", "int4"),
+        choices=[q.value for q in Quantization],
         help="weight-only quantization of the base weights",
     )
     p.add_argument("--stream-mb", type=int, default=256)

@@ -65,6 +65,11 @@ def decode_step_bytes(
     return {"weights": weights * itemsize, "kv": kv * itemsize, "adapters": lora * itemsize}
 
 
+def bandwidth_probe(nbytes: int = BANDWIDTH_BYTES) -> torch.Tensor:
+    """The float32 tensor of `nbytes` bytes that read_rate_gbps reads."""
+    return torch.ones(nbytes // 4, dtype=torch.float32)
+
+
 def read_rate_gbps(x: torch.Tensor, repeats: int) -> float:
     """Best read rate (GB/s) of `torch.sum` over the float32 tensor x, `repeats` times, with the
     current torch thread count (what the engine's kernels get)."""
@@ -78,7 +83,7 @@ def read_rate_gbps(x: torch.Tensor, repeats: int) -> float:
 
 def memory_bandwidth_gbs(rounds: int = 5) -> float:
     """Read bandwidth in GB/s: `read_rate_gbps` of a fresh 512 MiB float32 buffer."""
-    x = torch.ones(BANDWIDTH_BYTES // 4, dtype=torch.float32)
+    x = bandwidth_probe()
     x.sum()  # warm-up: pages faulted in
     return read_rate_gbps(x, rounds)
 
