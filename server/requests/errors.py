@@ -2,9 +2,10 @@
 
 Every error of either process is answered as `{"error": {"message", "type", "code"}}` with HTTP
 status `code`; a client mistake is a 4xx and the process keeps serving. This module is the
-contract itself, so it imports nothing from toppings: the scheduler, which knows servers only
-through HTTP, imports this module (with stats_schema and server.http's front, waitress server and
-drain, alike free of toppings imports) and nothing else of the server package.
+contract itself, so it imports nothing from toppings but its sibling json_depth (the bound on
+client JSON, alike free of toppings imports): the scheduler, which knows servers only through
+HTTP, imports this module (with stats_schema and server.http's front, waitress server and drain)
+and nothing else of the server package.
 
 The messages a client can get from both processes for the same input (a body that is not JSON,
 an unknown model) are made here, so that they read the same whichever process answers, and both
@@ -14,11 +15,11 @@ Flask apps install their error handlers with `install_error_handlers`.
 from __future__ import annotations
 
 import hmac
-import itertools
 import json
 import logging
-import re
 from typing import TYPE_CHECKING, Any, Protocol
+
+from toppings.server.requests.json_depth import MAX_JSON_DEPTH, nests_too_deep
 
 if TYPE_CHECKING:
     from flask import Flask, Response
@@ -74,31 +75,6 @@ def routing_error_body(
         message = f"{method} is not allowed on {path}; it takes {allowed_text or 'no method'}"
         return error_body(message, 405)
     return error_body(description, code, SERVER_ERROR if code >= 500 else INVALID_REQUEST)
-
-
-# How deep JSON a client may send (a body, or JSON text inside one of its fields): deep enough
-# for any schema or tool a person writes, far below what would exhaust the parser's recursion.
-MAX_JSON_DEPTH = 128
-_OPENERS = frozenset(b"[{")
-_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
-_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
-_BRACKET_STEP = [1 if b in _OPENERS else -1 if b in b"]}" else 0 for b in range(256)]
-
-
-def nests_too_deep(data: bytes | str) -> bool:
-    """Whether the brackets of JSON text nest past MAX_JSON_DEPTH outside its strings, found by
-    one linear scan before any parsing.
-
-    Valid JSON or not (the parser judges that afterwards): the scan only bounds how deep the
-    parser could recurse. Text with few brackets is passed at C speed; otherwise the strings are
-    cut out and the brackets' running depth is taken, also in C.
-    """
-    raw = data.encode("utf-8", "surrogatepass") if isinstance(data, str) else bytes(data)
-    if raw.count(b"[") + raw.count(b"{") <= MAX_JSON_DEPTH:
-        return False
-    brackets = _STRING.sub(b"", raw).translate(None, _NOT_BRACKETS)
-    depth = max(itertools.accumulate(map(_BRACKET_STEP.__getitem__, brackets)), default=0)
-    return depth > MAX_JSON_DEPTH
 
 
 def too_deep(what: str) -> str:

@@ -21,6 +21,9 @@ from toppings.server.requests.adapter_ref import AdapterRef
 from toppings.server.requests.errors import SERVER_ERROR
 
 MAX_STOP_STRINGS = 16
+# Characters of one stop string: the detokenizer holds back that much text and searches it at
+# every token, so an unbounded stop string made each token cost the whole output so far.
+MAX_STOP_CHARS = 1024
 MAX_LOGPROBS = 20  # top alternatives per token (OpenAI's limit for top_logprobs)
 MAX_LOGIT_BIAS = 300  # entries of logit_bias (OpenAI's limit)
 
@@ -138,6 +141,8 @@ class SamplingParams:
             raise RequestError("min_p must be in [0, 1]")
         if len(self.stop) > MAX_STOP_STRINGS or any(not s for s in self.stop):
             raise RequestError(f"stop must hold 1 to {MAX_STOP_STRINGS} non-empty strings")
+        if any(len(s) > MAX_STOP_CHARS for s in self.stop):
+            raise RequestError(f"a stop string may hold at most {MAX_STOP_CHARS} characters")
 
     @property
     def is_greedy(self) -> bool:
