@@ -199,6 +199,12 @@ class AdapterPool:
                     table[:, new + k : new + k + n] = table[:, old + k : old + k + n]
                 table[:, max(old, new + rank) : old + rank].zero_()
 
+    def rename(self, adapter_id: int, name: str) -> ResidentAdapter:
+        """The adapter of this id now goes by `name` (its rows serve several names and the one
+        it had was unloaded): host compute finds its weights under the new name."""
+        entry = self.resident[adapter_id] = replace(self.resident[adapter_id], name=name)
+        return entry
+
     def remove(self, adapter_id: int) -> None:
         """Free the rows of the adapter of this id (zeroed)."""
         entry = self.resident.pop(adapter_id)

@@ -183,6 +183,12 @@ class AdapterCache:
         if self.memory is not None:
             self.memory.give(adapter_id)
 
+    def rename(self, adapter_id: int, name: str) -> None:
+        """The adapter of this id goes by `name` now (AdapterPool.rename), if it is here."""
+        entry = self.entries.get(adapter_id)
+        if entry is not None:
+            entry.resident = self.pool.rename(adapter_id, name)
+
     def forget(self, adapter_id: int) -> None:
         """An adapter was unregistered: drop it from the device and its usage history."""
         if adapter_id in self.entries:

@@ -11,6 +11,10 @@ the digest of its loaded weights and the values that shape its delta (rank, alph
 targets), so the names share one set of tensors (and one arena block) and the copy is charged
 once; it is freed when its last name is unloaded. Hashing what was loaded, not the files, means
 a file swapped between two reads can never make two different contents share.
+
+A name itself holds almost nothing (its registration and reference: under 1 KB measured,
+tests/server/engine/test_adapter_host_memory.py), but names are not free, so their number is
+bounded too: one per NAME_BYTES of the budget (at least MIN_NAMES).
 """
 
 from __future__ import annotations
@@ -29,6 +33,10 @@ from toppings.gpu_lora.peft_format import LoraAdapter
 log = logging.getLogger(__name__)
 
 DEFAULT_BUDGET_FRACTION = 0.25  # of the machine's physical memory, without --adapter-host-bytes
+# What the name bound allows each name (many times what one holds): a budget of B bytes takes
+# B // NAME_BYTES names at most (about 100,000 at a 6 GiB budget), and never fewer than MIN_NAMES.
+NAME_BYTES = 64 << 10
+MIN_NAMES = 256
 
 
 class HostMemoryFull(RuntimeError):
@@ -73,6 +81,7 @@ class HostAdapterMemory:
         if budget_bytes <= 0:
             raise ValueError("budget_bytes must be positive")
         self.budget_bytes = budget_bytes
+        self.max_names = max(MIN_NAMES, budget_bytes // NAME_BYTES)
         self._copies: dict[str, HostCopy] = {}  # digest -> copy
         self._digest_of: dict[str, str] = {}  # name -> digest
         self._lock = threading.Lock()
@@ -107,10 +116,17 @@ class HostAdapterMemory:
 
     def charge(self, adapter: LoraAdapter, digest: str, num_bytes: int) -> None:
         """Record `adapter` (from `shared`) as held; a new content is charged `num_bytes` and
-        refused with HostMemoryFull past the budget, a held one costs nothing more."""
+        refused with HostMemoryFull past the budget, a held one costs nothing more; a name past
+        `max_names` is refused alike."""
         with self._lock:
             if adapter.name in self._digest_of:
                 raise ValueError(f"adapter {adapter.name!r} is already charged")
+            if len(self._digest_of) >= self.max_names:
+                raise HostMemoryFull(
+                    f"adapter {adapter.name!r} would be name {len(self._digest_of) + 1}; the "
+                    f"{self.budget_bytes} bytes for adapters (--adapter-host-bytes) take "
+                    f"{self.max_names} names"
+                )
             copy = self._copies.get(digest)
             if copy is None:
                 charged = sum(c.num_bytes for c in self._copies.values())
@@ -146,4 +162,5 @@ class HostAdapterMemory:
             "charged_bytes": sum(c.num_bytes for c in copies),
             "copies": len(copies),
             "names": sum(len(c.names) for c in copies),
+            "max_names": self.max_names,
         }

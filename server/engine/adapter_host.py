@@ -5,9 +5,11 @@ charged to a host budget (gpu_lora/host_memory.py), and with CPU workers a block
 `HostRepository` arena the workers read (an alias of the block of a name with the same content).
 Layers not yet on the device are computed by `runner`: the CPU worker pool, or in-process
 (`HostLora` over the registered tensors) when the server runs no workers. A DoRA adapter's
-scales are copied to the device once, at registration, by adapter id. Registering is two calls
-(`hold`, then `add` once the device cache gave the adapter its id); `drop` frees everything held
-for a name. The reference, the device charge and the load are adapters.py's.
+scales are copied to the device once, at registration, by weights id. Names registered with the
+same weights share all of it (tensors, arena block, DoRA scales) and the id the device cache
+holds their rows under (`AdapterRef.weights_id`). Registering is two calls (`hold`, then `add`
+once the adapter has its reference); `drop` frees everything held for a name, and what it
+shared with no other name left. The reference, the device charge and the load are adapters.py's.
 """
 
 from __future__ import annotations
@@ -56,8 +58,10 @@ class AdapterHost:
         self.model_config = model_config
         self.dtype = dtype
         self.device = device
-        self.registry: dict[str, LoraAdapter] = {}  # the registered adapters' tensors
-        # DoRA adapters' scales on the device, by adapter id (small: two [L, H_out] per module)
+        # The registered adapters' tensors by name, each carrying its weights id as `id`
+        self.registry: dict[str, LoraAdapter] = {}
+        self._ref_ids: dict[str, int] = {}  # name -> the id of its registration's reference
+        # DoRA adapters' scales on the device, by weights id (small: two [L, H_out] per module)
         self._dora: dict[int, DoraScales] = {}
         self.runner: HostLoraRunner = HostLora(self.registry)
         self.memory = HostAdapterMemory(config.adapter_host_bytes or default_budget_bytes())
@@ -108,9 +112,10 @@ class AdapterHost:
                 INSUFFICIENT_STORAGE,
             )
 
-    def hold(self, adapter: LoraAdapter) -> LoraAdapter:
+    def hold(self, adapter: LoraAdapter) -> tuple[LoraAdapter, int]:
         """Charge a validated adapter to the host budget and put it in the workers' arena;
-        returns it as held (content already held under another name is shared, not copied).
+        returns it as held and the weights id of the registered name it shares its content
+        with (0: a new content; content already held under another name is shared, not copied).
         409 when its name is registered; 507 past the budget or the arena (nothing held)."""
         if adapter.name in self.registry:
             raise RequestError(f"adapter {adapter.name!r} is already loaded", 409, "conflict")
@@ -133,7 +138,7 @@ class AdapterHost:
             # Pinned host copies: the loader's copies then run asynchronously on its stream.
             for key, (a, b) in adapter.weights.items():
                 adapter.weights[key] = (a.pin_memory(), b.pin_memory())
-        return adapter
+        return adapter, 0 if shares is None else self.registry[shares].id
 
     def _add_to_repository(self, adapter: LoraAdapter, shares: str | None) -> None:
         """Copy the adapter into the workers' shared arena, or point it at the block of
@@ -152,31 +157,40 @@ class AdapterHost:
                 f"cannot load adapter {adapter.name!r}: {exc}", 507, INSUFFICIENT_STORAGE
             ) from None
 
-    def add(self, adapter: LoraAdapter) -> None:
-        """Register a held adapter, now carrying its id: requests can find it by name, and a
-        DoRA adapter's scales go to the device."""
+    def add(self, adapter: LoraAdapter, ref: AdapterRef) -> None:
+        """Register a held adapter under its reference (`adapter.id` is `ref.weights_id`):
+        requests can find it by name, and a DoRA adapter's scales go to the device once per
+        weights."""
         self.registry[adapter.name] = adapter
-        if adapter.dora is not None:
+        self._ref_ids[adapter.name] = ref.id
+        if adapter.dora is not None and adapter.id not in self._dora:
             self._dora[adapter.id] = adapter.dora.to(self.device, self.dtype)
 
+    def names_of(self, weights_id: int) -> list[str]:
+        """The registered names whose rows are those of `weights_id`."""
+        return [n for n, a in list(self.registry.items()) if a.id == weights_id]
+
     def drop(self, name: str) -> None:
-        """Free everything held for the adapter registered as `name`."""
-        adapter_id = self.registry[name].id
+        """Free everything held for the adapter registered as `name` (what it shares with
+        another registered name stays for that one)."""
+        weights_id = self.registry[name].id
         if self.repository is not None and self.repository.lookup(name) is not None:
             self.repository.remove(name)
         del self.registry[name]
-        self._dora.pop(adapter_id, None)
+        del self._ref_ids[name]
+        if not self.names_of(weights_id):
+            self._dora.pop(weights_id, None)
         self.memory.release(name)
 
     def lookup(self, ref: AdapterRef) -> LoraAdapter | None:
         """The registered adapter of this reference (None once it was unregistered, even if
         another one holds its name now)."""
         adapter = self.registry.get(ref.name)
-        return adapter if adapter is not None and adapter.id == ref.id else None
+        return adapter if adapter is not None and self._ref_ids[ref.name] == ref.id else None
 
-    def dora_scales(self, adapter_id: int) -> DoraScales | None:
+    def dora_scales(self, weights_id: int) -> DoraScales | None:
         """The device copy of a DoRA adapter's scales (None: not a registered DoRA adapter)."""
-        return self._dora.get(adapter_id)
+        return self._dora.get(weights_id)
 
     def worker_stats(self) -> list[dict]:
         return [] if self.workers is None else self.workers.workers_info()

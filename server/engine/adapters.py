@@ -4,11 +4,13 @@ The engine asks four things: `acquire` a request's adapter (memory and a load), 
 under the LoRA mode, the LoRA side of each step (`steps`, adapter_step.py) and `release` it when
 it ends. Requests name adapters by `AdapterRef` (made by `register`; `refs`, adapter_registry.py,
 resolves names and counts requests in flight). The device cache and pool (gpu_lora) key on the
-reference's id, which `register` gives the adapter (`LoraAdapter.id`): rows cached for an
-adapter since unloaded are never taken for one registered later under its name. The host side
-(`host`, adapter_host.py: the registered tensors, DoRA's scales on the device by id, the CPU
-workers' arena by name) holds one registration per name, and unregistering frees everything held
-for it. Before that, `open` (`reader`, adapter_reader.py) reads an adapter directory only once
+reference's `weights_id`, which `register` gives the adapter (`LoraAdapter.id`): a new id for
+new weights, so rows cached for an adapter since unloaded are never taken for one registered
+later under its name, and the id of the name already holding them for the same weights under
+another name, so that they are one copy on the device. The host side (`host`, adapter_host.py:
+the registered tensors, DoRA's scales on the device, the CPU workers' arena by name) holds one
+registration per name, and unregistering frees everything held for it and shared with no other
+name. Before that, `open` (`reader`, adapter_reader.py) reads an adapter directory only once
 its rank passed the limit and what it will occupy fits.
 """
 
@@ -88,10 +90,11 @@ class AdapterManager:
         """Make a validated adapter servable (called with the engine's lock held); returns its
         new reference. Content already held under another name is shared, not copied; a new
         copy is charged to the host budget (507 past it)."""
-        adapter = self.host.hold(adapter)
-        ref = AdapterRef.new(adapter.name, adapter.rank, self.cache.charge(adapter))
-        adapter = dataclasses.replace(adapter, id=ref.id)  # what the device cache keys it by
-        self.host.add(adapter)
+        adapter, shared_weights_id = self.host.hold(adapter)
+        nbytes = self.cache.charge(adapter)
+        ref = AdapterRef.new(adapter.name, adapter.rank, nbytes, shared_weights_id)
+        adapter = dataclasses.replace(adapter, id=ref.weights_id)  # the device cache's key
+        self.host.add(adapter, ref)
         if self.mode.preload:
             # The ideal upper bound: every adapter on the device before any request, pinned.
             entry = self.cache.acquire(adapter)
@@ -103,11 +106,16 @@ class AdapterManager:
         return ref
 
     def unregister(self, name: str) -> None:
-        """Drop the adapter registered as `name` from the device and the host."""
-        adapter_id = self.host.registry[name].id
-        if self.mode.preload and self.cache.holds(adapter_id):
-            self.cache.release(adapter_id)  # the registration pin
-        self.cache.forget(adapter_id)
+        """Drop the adapter registered as `name` from the host, and from the device unless
+        another registered name computes with the same rows."""
+        weights_id = self.host.registry[name].id
+        if self.mode.preload and self.cache.holds(weights_id):
+            self.cache.release(weights_id)  # this name's registration pin
+        others = [n for n in self.host.names_of(weights_id) if n != name]
+        if others:
+            self.cache.rename(weights_id, others[0])  # its rows stay, under a name still held
+        else:
+            self.cache.forget(weights_id)
         self.host.drop(name)
 
     # ---- per request (the engine thread) -----------------------------------------------------
@@ -129,7 +137,7 @@ class AdapterManager:
             return
         for ref in refs:
             adapter = self.host.lookup(ref)
-            if adapter is not None and not self.cache.holds(ref.id):
+            if adapter is not None and not self.cache.holds(ref.weights_id):
                 self.cache.prefetch(adapter, _ids(queued))
                 return
 
@@ -144,15 +152,15 @@ class AdapterManager:
     def fits_if_released(self, ref: AdapterRef | None, held: AdapterRef | None) -> bool:
         """Whether adapter `ref` misses device memory now but would find it if the one
         reference a request holds on `held` were dropped."""
-        if ref is None or self.cache.holds(ref.id):
+        if ref is None or self.cache.holds(ref.weights_id):
             return False
         need = self.bytes_of(ref)
         if self.cache.freeable_bytes() >= need or held is None or held == ref:
             return False
-        entry = self.cache.entries.get(held.id)
+        entry = self.cache.entries.get(held.weights_id)
         if entry is None or entry.refcount != 1:
             return False
-        return self.cache.freeable_bytes(extra=held.id) >= need
+        return self.cache.freeable_bytes(extra=held.weights_id) >= need
 
     def may_start(self, entry: CacheEntry | None) -> bool:
         """Whether a request holding `entry` may be prefilled now under the LoRA mode; raises
@@ -165,24 +173,28 @@ class AdapterManager:
 
     def release(self, ref: AdapterRef) -> None:
         """Drop a request's reference taken by `acquire`."""
-        self.cache.release(ref.id)
+        self.cache.release(ref.weights_id)
 
     # ---- views for /stats and /metrics (any thread) -----------------------------------------
 
     def residency(self) -> tuple[list[str], list[str]]:
-        """(resident, loading) adapter names on the device."""
-        entries = list(self.cache.entries.values())
-        resident = [e.resident.name for e in entries if e.ticket.done]
-        return resident, [e.resident.name for e in entries if not e.ticket.done]
+        """(resident, loading) adapter names on the device (every name of shared rows)."""
+        names: dict[int, list[str]] = {}
+        for name, adapter in list(self.host.registry.items()):
+            names.setdefault(adapter.id, []).append(name)
+        resident, loading = [], []
+        for weights_id, entry in list(self.cache.entries.items()):
+            (resident if entry.ticket.done else loading).extend(names.get(weights_id, ()))
+        return resident, loading
 
     def max_device_adapters(self) -> int:
         """How many adapters of the registered ones' mean charge the device's adapter memory
         holds when it holds nothing else: every registered one when that memory has no limit;
         adapters of the rank limit on every target when none is registered."""
         limit = self.cache.max_adapter_bytes()
-        adapters = list(self.host.registry.values())
+        adapters = list({a.id: a for a in list(self.host.registry.values())}.values())
         if limit is None:
-            return len(adapters)
+            return len(self.host.registry)
         if adapters:
             mean = sum(self.cache.charge(a) for a in adapters) / len(adapters)
         else:
@@ -201,4 +213,4 @@ class AdapterManager:
 
 def _ids(refs: frozenset[AdapterRef]) -> frozenset[int]:
     """The ids the device cache knows these adapters by."""
-    return frozenset(r.id for r in refs)
+    return frozenset(r.weights_id for r in refs)

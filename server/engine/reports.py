@@ -102,10 +102,12 @@ def stats(engine: Reported) -> ServerStats:
     """What the cluster scheduler needs; cheap, no lock (snapshots of the lists)."""
     lora, sched, config = engine.lora, engine.scheduler, engine.config
     registry = lora.host.registry
-    states = lora.cache.entry_states()  # one read of the cache entries, by adapter id
-    resident = [s.name for s in states.values() if s.on_device]
-    loading = [s.name for s in states.values() if not s.on_device]  # a failed load too
-    adapters = tuple(adapter_view(n, a.rank, states.get(a.id)) for n, a in list(registry.items()))
+    states = lora.cache.entry_states()  # one read of the cache entries, by weights id
+    # Every name of rows several names share is resident with them.
+    named = [(n, a.rank, states.get(a.id)) for n, a in list(registry.items())]
+    resident = [n for n, _, s in named if s is not None and s.on_device]
+    loading = [n for n, _, s in named if s is not None and not s.on_device]  # a failed load too
+    adapters = tuple(adapter_view(n, rank, s) for n, rank, s in named)
     by_state = {r: sum(a.state is r for a in adapters) for r in Residency}
     return ServerStats(
         model=engine.model_name,

@@ -106,7 +106,7 @@ class MemoryManager:
         """Blocks admitting a request of `adapter` adds to the committed count."""
         if not self.shared or adapter is None:
             return 0
-        pinned = self.adapter_cache.is_pinned(adapter.id)
+        pinned = self.adapter_cache.is_pinned(adapter.weights_id)
         return 0 if pinned else self.blocks_for_bytes(num_bytes)
 
     def committed(self) -> int:

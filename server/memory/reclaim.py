@@ -57,10 +57,10 @@ class Reclaimer:
                     for n in self.tree.device_leaves()]  # fmt: skip
         if self.charges_adapters:
             # Adapters whose cached KV is on the device stay: those blocks leave first. The
-            # tree and the cache both key adapters by id.
+            # tree keys adapters by reference, the cache by the reference's weights id.
             with_kv = set()
             if self.tree is not None:
-                with_kv = {a.id for a in self.tree.adapters_with_device_kv()}
+                with_kv = {a.weights_id for a in self.tree.adapters_with_device_kv()}
             out += [c for c in self.cache.idle_candidates() if c.item not in with_kv]
         return out
 
@@ -118,7 +118,8 @@ class Reclaimer:
     def _swap_in_idle(self, num_blocks: int, now: float) -> None:
         roots = self.swap.idle_returnable()
         if self.charges_adapters:  # a node comes back only with its adapter on the device
-            roots = [n for n in roots if n.adapter is None or self.cache.holds(n.adapter.id)]
+            roots = [n for n in roots
+                     if n.adapter is None or self.cache.holds(n.adapter.weights_id)]  # fmt: skip
         cands = [Candidate(ItemKind.KV, n, self.kv.block_bytes, n.visits, n.last_used)
                  for n in roots]  # fmt: skip
         for cand in reversed(self.cache.order(cands)[-num_blocks:]):

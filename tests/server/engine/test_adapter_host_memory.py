@@ -10,6 +10,10 @@ import pytest
 
 from toppings.gpu_lora.host_memory import (
     DEFAULT_BUDGET_FRACTION,
+    MIN_NAMES,
+    NAME_BYTES,
+    HostAdapterMemory,
+    HostMemoryFull,
     content_digest,
     default_budget_bytes,
 )
@@ -91,7 +95,7 @@ def test_the_sum_stops_at_the_budget_with_a_507(tiny_engine, tiny_model_dir, ada
             assert load(f"a{i}", dirs[i % 2]).status_code == 200
         stats = client.get("/stats").get_json()["adapter_host_memory"]
         assert stats == {"budget_bytes": budget, "charged_bytes": 2 * one_copy, "copies": 2,
-                         "names": 22}  # fmt: skip
+                         "names": 22, "max_names": MIN_NAMES}  # fmt: skip
         assert "c" not in {m["id"] for m in client.get("/v1/models").get_json()["data"]}
         # freeing one content makes room for another
         for name in ["b"] + [f"a{i}" for i in range(1, 20, 2)]:
@@ -109,3 +113,73 @@ def test_the_default_budget_is_a_share_of_the_machine(tiny_engine):
     with tiny_engine({}, max_total_tokens=1024) as engine:
         held = engine.stats().to_json()["adapter_host_memory"]
         assert held["budget_bytes"] == default_budget_bytes() and held["charged_bytes"] == 0
+
+
+def _resident_bytes() -> int:
+    """This process's RSS once glibc has handed its free heap pages back."""
+    import ctypes
+
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.parametrize("lora_mode", ["cached", "cpu-assisted"])
+def test_one_device_copy_for_the_same_files_under_12_names(tiny_engine, adapter_dirs, lora_mode):
+    _, dirs = adapter_dirs
+    with tiny_engine({}, max_total_tokens=1024, lora_mode=lora_mode) as engine:
+        cache = engine.lora.cache
+        engine.add_adapter("n0", str(dirs[0]))
+        want = _generate(engine, "n0")
+        one_copy = cache.used_bytes
+        for i in range(1, 12):
+            engine.add_adapter(f"n{i}", str(dirs[0]))
+            assert _generate(engine, f"n{i}") == want
+        assert (len(cache.entries), cache.used_bytes) == (1, one_copy) and one_copy > 0
+        names = {f"n{i}" for i in range(12)}
+        assert set(engine.stats().to_json()["resident_adapters"]) >= names
+        # The first name goes; its rows stay for the others, which compute what it did.
+        engine.remove_adapter("n0")
+        assert (len(cache.entries), cache.used_bytes) == (1, one_copy)
+        assert next(iter(cache.entries.values())).resident.name != "n0"
+        assert _generate(engine, "n5") == want
+        engine.add_adapter("other", str(dirs[1]))  # other weights: their own rows
+        assert _generate(engine, "other") != want and len(cache.entries) == 2
+        for i in range(1, 12):
+            engine.remove_adapter(f"n{i}")
+        assert list(e.resident.name for e in cache.entries.values()) == ["other"]
+
+
+def test_rss_of_12_names_of_one_directory_is_one_copy(tiny_engine, tmp_path):
+    from toppings.scripts.make_adapters import make_random_adapter
+    from toppings.scripts.make_tiny_llama import make_tiny_llama
+
+    model = make_tiny_llama(tmp_path / "wide", hidden_size=512, intermediate_size=512,
+                            num_heads=8, num_kv_heads=8)  # fmt: skip
+    adapter = make_random_adapter(tmp_path / "r256", model, rank=256, seed=0)
+    from tests.helpers import running_engine
+
+    with running_engine(model, {}, max_total_tokens=1024) as engine:
+        engine.add_adapter("n0", str(adapter))
+        one_copy = engine.lora.cache.used_bytes
+        after_one = _resident_bytes()
+        for i in range(1, 12):
+            engine.add_adapter(f"n{i}", str(adapter))
+        grown = _resident_bytes() - after_one
+        assert grown < one_copy, (grown, one_copy)
+
+
+def test_names_are_bounded_by_the_budget():
+    from types import SimpleNamespace
+
+    memory = HostAdapterMemory((MIN_NAMES + 44) * NAME_BYTES)
+    assert memory.max_names == MIN_NAMES + 44
+    memory.charge(SimpleNamespace(name="n0"), "digest", 1000)
+    for i in range(1, memory.max_names):
+        memory.charge(SimpleNamespace(name=f"n{i}"), "digest", 1000)  # the same content
+    with pytest.raises(HostMemoryFull, match=f"take {memory.max_names} names"):
+        memory.charge(SimpleNamespace(name="one-more"), "digest", 1000)
+    memory.release("n3")
+    memory.charge(SimpleNamespace(name="one-more"), "digest", 1000)
+    assert memory.view()["charged_bytes"] == 1000
+    assert HostAdapterMemory(NAME_BYTES).max_names == MIN_NAMES
