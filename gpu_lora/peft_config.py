@@ -28,6 +28,7 @@ from pathlib import Path
 import regex
 
 from toppings.gpu_lora.adapter_dir import UnsafeFile, open_dir, open_file
+from toppings.gpu_lora.brief import brief
 from toppings.gpu_lora.targets import ATTN_PROJECTIONS, LORA_TARGETS, ModelShapes
 
 CONFIG_FILE = "adapter_config.json"
@@ -39,6 +40,10 @@ MAX_PATTERN_CHARS = 1000  # a PEFT target regex is a line; a longer one is refus
 # budget bounds only the loading thread; an 80-layer model's 560 names match a plain pattern in
 # about 10 ms, so a legitimate pattern stays far below it even on a busy host.
 REGEX_BUDGET_S = 0.25
+# An invocation sequence is a chat template's role marker, a few tokens (PEFT's examples use
+# "<|start_of_role|>assistant<|end_of_role|>"). 256 leaves room for any such marker and bounds
+# what each request's activation search compares and what an error about the sequence shows.
+MAX_INVOCATION_TOKENS = 256
 
 # Config fields that must stay at their neutral (falsy) value: each changes the forward pass.
 _UNSUPPORTED = {
@@ -125,21 +130,23 @@ def read_config_at(dir_fd: int, root: Path) -> dict:
 def _check_fields(cfg: dict, cfg_path: Path) -> None:
     if cfg.get("peft_type") != "LORA":
         raise AdapterError(
-            f"{cfg_path}: peft_type is {cfg.get('peft_type')!r}, only 'LORA' is served"
+            f"{cfg_path}: peft_type is {brief(cfg.get('peft_type'))}, only 'LORA' is served"
         )
     r = cfg.get("r")
     if isinstance(r, bool) or not isinstance(r, int) or r <= 0:
-        raise AdapterError(f"{cfg_path}: r must be a positive integer, got {r!r}")
+        raise AdapterError(f"{cfg_path}: r must be a positive integer, got {brief(r)}")
     alpha = cfg.get("lora_alpha")
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
-        raise AdapterError(f"{cfg_path}: lora_alpha must be a number, got {alpha!r}")
+        raise AdapterError(f"{cfg_path}: lora_alpha must be a number, got {brief(alpha)}")
     if alpha <= 0:
-        raise AdapterError(f"{cfg_path}: lora_alpha must be positive, got {alpha!r}")
+        raise AdapterError(f"{cfg_path}: lora_alpha must be positive, got {brief(alpha)}")
     if cfg.get("bias", "none") not in (None, "none"):
-        raise AdapterError(f"{cfg_path}: bias={cfg['bias']!r} is not supported (only 'none')")
+        raise AdapterError(f"{cfg_path}: bias={brief(cfg['bias'])} is not supported (only 'none')")
     for field, feature in _UNSUPPORTED.items():
         if cfg.get(field):
-            raise AdapterError(f"{cfg_path}: {feature} is not supported ({field}={cfg[field]!r})")
+            raise AdapterError(
+                f"{cfg_path}: {feature} is not supported ({field}={brief(cfg[field])})"
+            )
     tokens = cfg.get("alora_invocation_tokens")
     if tokens is not None:
         if (
@@ -149,19 +156,28 @@ def _check_fields(cfg: dict, cfg_path: Path) -> None:
         ):
             raise AdapterError(
                 f"{cfg_path}: alora_invocation_tokens must be a non-empty list of token ids, "
-                f"got {tokens!r}"
+                f"got {brief(tokens)}"
+            )
+        if len(tokens) > MAX_INVOCATION_TOKENS:
+            raise AdapterError(
+                f"{cfg_path}: alora_invocation_tokens holds {len(tokens)} token ids; at most "
+                f"{MAX_INVOCATION_TOKENS} are accepted"
             )
         if cfg.get("use_dora"):
             raise AdapterError(f"{cfg_path}: activated LoRA with DoRA is not supported")
     if cfg.get("layers_pattern") not in (None, "", [], "layers", ["layers"]):
-        raise AdapterError(f"{cfg_path}: layers_pattern={cfg['layers_pattern']!r} is not supported")
+        raise AdapterError(
+            f"{cfg_path}: layers_pattern={brief(cfg['layers_pattern'])} is not supported"
+        )
     layers = cfg.get("layers_to_transform")
     layer_list = [layers] if isinstance(layers, int) else layers
     if layers is not None and (
         not isinstance(layer_list, list)
         or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in layer_list)
     ):
-        raise AdapterError(f"{cfg_path}: layers_to_transform must be layer indices, got {layers!r}")
+        raise AdapterError(
+            f"{cfg_path}: layers_to_transform must be layer indices, got {brief(layers)}"
+        )
     for field in ("target_modules", "exclude_modules"):
         spec = cfg.get(field)
         if spec is None and field == "exclude_modules":
@@ -175,7 +191,9 @@ def _check_fields(cfg: dict, cfg_path: Path) -> None:
             try:
                 regex.compile(spec)
             except regex.error as exc:
-                raise AdapterError(f"{cfg_path}: {field} regex {spec!r} is invalid: {exc}") from exc
+                raise AdapterError(
+                    f"{cfg_path}: {field} regex {brief(spec)} is invalid: {exc}"
+                ) from exc
         elif not isinstance(spec, list) or not all(isinstance(t, str) for t in spec):
             raise AdapterError(f"{cfg_path}: {field} must be a list of names or a regex string")
         elif field == "target_modules" and not spec:
@@ -184,7 +202,7 @@ def _check_fields(cfg: dict, cfg_path: Path) -> None:
             for entry in spec:
                 if entry.rsplit(".", 1)[-1] not in LORA_TARGETS:
                     raise AdapterError(
-                        f"{cfg_path}: target_modules names unknown module {entry!r}; only "
+                        f"{cfg_path}: target_modules names unknown module {brief(entry)}; only "
                         f"{', '.join(LORA_TARGETS)} can carry LoRA here"
                     )
 
@@ -215,6 +233,18 @@ class _Matcher:
             ) from None
 
 
+def check_invocation_tokens(cfg: dict, vocab_size: int, where: str) -> None:
+    """Refuse an activated LoRA whose invocation tokens are not all ids of the base model's
+    vocabulary (`vocab_size`): no prompt could hold them, so the adapter could never apply."""
+    tokens = cfg.get("alora_invocation_tokens") or ()
+    beyond = [t for t in tokens if t >= vocab_size]
+    if beyond:
+        raise AdapterError(
+            f"{where}: alora_invocation_tokens holds token id {beyond[0]}, past the base "
+            f"model's vocabulary of {vocab_size} ids ({len(beyond)} such ids in all)"
+        )
+
+
 def resolve_targets(cfg: dict, model_config: ModelShapes, where: str) -> set[tuple[int, str]]:
     """The (layer_idx, module) pairs an adapter config targets on this model, as PEFT decides."""
     names = {
@@ -230,12 +260,12 @@ def resolve_targets(cfg: dict, model_config: ModelShapes, where: str) -> set[tup
         unserved = [n for n in _UNSERVED_MODULES if matches(one, n)]
         if unserved:
             raise AdapterError(
-                f"{where}: target_modules {entry!r} selects {unserved[0]}; only "
+                f"{where}: target_modules {brief(entry)} selects {unserved[0]}; only "
                 f"{', '.join(LORA_TARGETS)} can carry LoRA here"
             )
         if not isinstance(spec, str) and not any(matches(one, n) for n in names):
             raise AdapterError(
-                f"{where}: target_modules entry {entry!r} is not a projection of this "
+                f"{where}: target_modules entry {brief(entry)} is not a projection of this "
                 f"{model_config.num_layers}-layer model (known: {', '.join(LORA_TARGETS)})"
             )
     targeted = {pair for name, pair in names.items() if matches(spec, name)}
@@ -254,6 +284,6 @@ def resolve_targets(cfg: dict, model_config: ModelShapes, where: str) -> set[tup
         targeted = {p for p in targeted if p[0] in layer_set}
     if not targeted:
         raise AdapterError(
-            f"{where}: target_modules {cfg['target_modules']!r} selects no projection"
+            f"{where}: target_modules {brief(cfg['target_modules'])} selects no projection"
         )
     return targeted

@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import load
 
 from toppings.gpu_lora.adapter_dir import UnsafeFile, file_size, has_file, open_file
+from toppings.gpu_lora.brief import brief
 from toppings.gpu_lora.dora import DoraScales
 from toppings.gpu_lora.peft_config import (
     CONFIG_FILE,
@@ -27,6 +28,7 @@ from toppings.gpu_lora.peft_config import (
     WEIGHTS_FILE,
     AdapterError,
     adapter_dir,
+    check_invocation_tokens,
     module_name,
     read_adapter_config,
     read_config_at,
@@ -127,6 +129,7 @@ def inspect_peft_adapter(path: str | os.PathLike, model_config: ModelShapes) -> 
     with adapter_dir(root) as dir_fd:  # both files from the one directory opened here
         cfg = read_config_at(dir_fd, root)
         targeted = resolve_targets(cfg, model_config, str(root / CONFIG_FILE))
+        check_invocation_tokens(cfg, model_config.vocab_size, str(root / CONFIG_FILE))
         header = _read_header(dir_fd, root)
     ranks = [cfg["r"]]
     for key, info in header.items():
@@ -187,6 +190,7 @@ def load_peft_adapter(
     with adapter_dir(root) as dir_fd:  # both files from the one directory opened here
         cfg = read_config_at(dir_fd, root)
         targeted = resolve_targets(cfg, model_config, str(root / CONFIG_FILE))
+        check_invocation_tokens(cfg, model_config.vocab_size, str(root / CONFIG_FILE))
         tensors = _read_weights(dir_fd, root)
     weights_path = root / WEIGHTS_FILE
     rank = cfg["r"]
@@ -202,15 +206,15 @@ def load_peft_adapter(
         want = (rank, in_f) if half == "A" else (out_f, rank)
         if tuple(tensor.shape) != want:
             raise AdapterError(
-                f"{weights_path}: tensor {key!r} has shape {list(tensor.shape)}, expected "
+                f"{weights_path}: tensor {brief(key)} has shape {list(tensor.shape)}, expected "
                 f"{list(want)} (r={rank}, base model {model_config.name!r}): "
                 f"{_mismatch_cause(pair[1], half, tensor.shape, want)}"
             )
         if not tensor.is_floating_point():
-            raise AdapterError(f"{weights_path}: tensor {key!r} has dtype {tensor.dtype}")
+            raise AdapterError(f"{weights_path}: tensor {brief(key)} has dtype {tensor.dtype}")
         tensor = tensor.to(torch.float32).contiguous()
         if not torch.isfinite(tensor).all():
-            raise AdapterError(f"{weights_path}: tensor {key!r} holds NaN or inf")
+            raise AdapterError(f"{weights_path}: tensor {brief(key)} holds NaN or inf")
         halves[pair][half] = tensor
 
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -259,7 +263,7 @@ def _magnitudes(
             continue
         if not cfg.get("use_dora"):
             raise AdapterError(
-                f"{where}: tensor {key!r} is a DoRA magnitude, but {CONFIG_FILE} does not set "
+                f"{where}: tensor {brief(key)} is a DoRA magnitude, but {CONFIG_FILE} does not set "
                 f"use_dora"
             )
         lora_key = f"{key[: match.start(3)]}{match[3]}.lora_A.weight"
@@ -267,14 +271,14 @@ def _magnitudes(
         want = (model_config.projection_shape(pair[1])[1],)
         if tuple(tensor.shape) != want:
             raise AdapterError(
-                f"{where}: tensor {key!r} has shape {list(tensor.shape)}, expected {list(want)} "
-                f"(the out_features of {pair[1]})"
+                f"{where}: tensor {brief(key)} has shape {list(tensor.shape)}, expected "
+                f"{list(want)} (the out_features of {pair[1]})"
             )
         if not tensor.is_floating_point():
-            raise AdapterError(f"{where}: tensor {key!r} has dtype {tensor.dtype}")
+            raise AdapterError(f"{where}: tensor {brief(key)} has dtype {tensor.dtype}")
         tensor = tensor.to(torch.float32).contiguous()
         if not torch.isfinite(tensor).all():
-            raise AdapterError(f"{where}: tensor {key!r} holds NaN or inf")
+            raise AdapterError(f"{where}: tensor {brief(key)} holds NaN or inf")
         if any(pair == p for p, _ in found.values()):
             raise AdapterError(f"{where}: the DoRA magnitude of {module_name(*pair)} appears twice")
         found[key] = (pair, tensor)
@@ -343,18 +347,18 @@ def _parse_key(
     """Map a saved tensor name to ((layer_idx, module), "A" | "B"), or raise naming it."""
     match = _KEY_RE.fullmatch(key)
     if match is None:
-        raise AdapterError(f"{where}: unexpected tensor {key!r} (expected {KEY_FORMAT})")
+        raise AdapterError(f"{where}: unexpected tensor {brief(key)} (expected {KEY_FORMAT})")
     layer_idx, parent, module, half = int(match[1]), match[2], match[3], match[4]
     if module not in LORA_TARGETS or (parent == "self_attn") != (module in ATTN_PROJECTIONS):
-        raise AdapterError(f"{where}: tensor {key!r} is for unknown module {parent}.{module}")
+        raise AdapterError(f"{where}: tensor {brief(key)} is for unknown module {parent}.{module}")
     if layer_idx >= model_config.num_layers:
         raise AdapterError(
-            f"{where}: tensor {key!r} is for layer {layer_idx}, but the base model has "
+            f"{where}: tensor {brief(key)} is for layer {layer_idx}, but the base model has "
             f"{model_config.num_layers} layers"
         )
     if (layer_idx, module) not in targeted:
         raise AdapterError(
-            f"{where}: tensor {key!r} is for {module_name(layer_idx, module)}, which "
+            f"{where}: tensor {brief(key)} is for {module_name(layer_idx, module)}, which "
             f"target_modules does not select"
         )
     return (layer_idx, module), half

@@ -21,6 +21,7 @@ class ModelShapes(Protocol):
 
     name: str
     num_layers: int  # L
+    vocab_size: int  # a prompt's token ids are below it
 
     def projection_shape(self, module: str) -> tuple[int, int]:
         """(in_features, out_features) of a targetable projection, as nn.Linear would have it."""

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
+from toppings.server.engine.schema_refs import rebase_refs
 from toppings.server.requests.errors import nests_too_deep, too_deep
 from toppings.server.requests.request import Constraint, ConstraintKind, RequestError
 
@@ -66,24 +67,33 @@ class Tools:
         return self.choice in (ToolChoice.REQUIRED, ToolChoice.NAMED)
 
     def constraint(self) -> Constraint | None:
-        """The JSON schema a "required" or named call's output must follow (None otherwise)."""
+        """The JSON schema a "required" or named call's output must follow (None otherwise).
+
+        Each function's `parameters` moves to `$defs` of that schema, its local `$ref`s
+        rebased there, so that `#/$defs/City` (what pydantic writes) or `#` still point into
+        the parameters they were written in, as they do under `response_format`."""
         if not self.is_constrained:
             return None
-        calls = []
-        for text in self.functions:
+        calls, defs = [], {}
+        for idx, text in enumerate(self.functions):
             function = json.loads(text)
             if self.named is not None and function["name"] != self.named:
                 continue
+            parameters = dict(function.get("parameters") or {"type": "object"})
+            for key in ("$id", "$schema"):  # a resource of its own would change the base of refs
+                parameters.pop(key, None)
+            defs[f"tool_{idx}"] = rebase_refs(parameters, f"/$defs/tool_{idx}")
             calls.append({
                 "type": "object",
                 "properties": {
                     "name": {"const": function["name"]},
-                    "arguments": function.get("parameters") or {"type": "object"},
+                    "arguments": {"$ref": f"#/$defs/tool_{idx}"},
                 },
                 "required": ["name", "arguments"],
                 "additionalProperties": False,
             })  # fmt: skip
-        schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
+        schema = dict(calls[0]) if len(calls) == 1 else {"anyOf": calls}
+        schema["$defs"] = defs
         return Constraint(ConstraintKind.JSON_SCHEMA, json.dumps(schema), "tools")
 
 

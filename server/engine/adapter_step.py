@@ -13,6 +13,7 @@ import torch
 
 from toppings.gpu_lora.adapter_pool import AdapterPool
 from toppings.gpu_lora.alora import activation_start, split_rows
+from toppings.gpu_lora.brief import brief
 from toppings.gpu_lora.cache import CacheEntry
 from toppings.gpu_lora.kernels import LoraBackend
 from toppings.gpu_lora.lora_batch import HostLoraStats, LoraBatch
@@ -67,7 +68,7 @@ class AdapterStep:
         if start is None:
             raise RequestError(
                 f"adapter {name!r} is an activated LoRA: the prompt must contain its invocation "
-                f"sequence, token ids {list(adapter.invocation_tokens)} (alora_invocation_tokens)"
+                f"sequence, token ids {brief(adapter.invocation_tokens)} (alora_invocation_tokens)"
             )
         return start
 

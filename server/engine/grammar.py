@@ -10,8 +10,9 @@ output its schema rejects). See README.md "Structured output".
 `GrammarCompiler` turns a constraint into a matcher with nothing consumed yet, once per distinct
 (kind, text) in a bounded LRU cache, and refuses what it cannot compile with a `RequestError`
 before the request is queued, the grammars whose first step it cannot take (an empty
-language, a limit passed) included; each request then matches on its own deep copy. `fill_masks`
-computes the allowed tokens of many matchers at once (llguidance's thread pool, the GIL
+language, a limit passed) and the JSON schemas that allow no finite value
+(server/engine/schema_finite.py) included; each request then matches on its own deep copy.
+`fill_masks` computes the allowed tokens of many matchers at once (llguidance's thread pool, the GIL
 released), `apply_masks` sets the other tokens' logits to -inf in the given rows only.
 """
 
@@ -27,6 +28,7 @@ import llguidance.hf
 import numpy as np
 import torch
 
+from toppings.server.engine.schema_finite import has_finite_instance
 from toppings.server.requests.request import Constraint, ConstraintKind, RequestError
 
 MAX_CACHED_GRAMMARS = 256
@@ -118,6 +120,7 @@ class GrammarCompiler:
         if template.is_error():
             raise RequestError(f"invalid {constraint.what}: {matcher_error(template)}")
         _check_first_step(template, constraint)
+        _check_finite(constraint)
         with self._lock:
             self.num_compiled += 1
             self._cache[constraint] = template
@@ -142,6 +145,16 @@ def _check_first_step(template: llguidance.LLMatcher, constraint: Constraint) ->
         raise RequestError(
             f"invalid {constraint.what}: the grammar engine finds no output that satisfies it "
             f"({matcher_error(probe)})"
+        )
+
+
+def _check_finite(constraint: Constraint) -> None:
+    """Refuse a JSON schema whose every value nests without end: llguidance would let the model
+    write a prefix of one until `max_tokens` (see server/engine/schema_finite.py)."""
+    if constraint.kind is ConstraintKind.JSON_SCHEMA and not has_finite_instance(constraint.spec):
+        raise RequestError(
+            f"invalid {constraint.what}: the grammar engine finds no output that satisfies it "
+            "(every value it allows nests without end: a $ref cycle each value must follow)"
         )
 
 

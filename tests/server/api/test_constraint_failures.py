@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 
+import jsonschema
 import llguidance
 import pytest
 
@@ -20,6 +21,11 @@ pytestmark = pytest.mark.slow  # llguidance needs a real tokenizer: SmolLM2's
 
 CHAT = [{"role": "user", "content": "hi"}]
 SELF_REF = {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}
+# Every value nests without end: llguidance takes `{"a": ` and would run to max_tokens.
+ENDLESS_JSON = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}
+# The schema of issue 67 as the probe sent it: without "type", any value that is not an object
+# satisfies it (null, "x", 1), so "stop" is an honest end.
+UNTYPED = {"properties": {"a": {"$ref": "#"}}, "required": ["a"]}
 # Each token must be "a" and the language has no end: llguidance fails on the first token.
 ENDLESS = 'root ::= "a" root'
 
@@ -48,13 +54,46 @@ def _error(answer, code: int) -> dict:
           "schema": SELF_REF}}}, "'response_format.json_schema.schema'"),
         ({"guided_grammar": "root ::= root"}, "'guided_grammar'"),
         ({"guided_grammar": "start: start"}, "'guided_grammar'"),
+        ({"guided_json": ENDLESS_JSON}, "'guided_json'"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x",
+          "schema": ENDLESS_JSON}}}, "'response_format.json_schema.schema'"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": ENDLESS_JSON}}],
+          "tool_choice": "required"}, "'tools'"),
     ],
-    ids=["guided_json", "json_schema", "gbnf", "lark"],
+    ids=["guided_json", "json_schema", "gbnf", "lark", "endless_guided_json",
+         "endless_json_schema", "endless_tool"],
 )  # fmt: skip
 def test_an_empty_language_is_a_400_at_compile_time(client, fields, named):
     body = {"messages": CHAT, "max_tokens": 8, **fields}
     error = _error(client.post("/v1/chat/completions", json=body), 400)
     assert named in error["message"] and "no output that satisfies it" in error["message"]
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+@pytest.mark.parametrize("field", ["guided_json", "response_format"])
+def test_stop_only_ends_output_that_satisfies_the_schema(client, endpoint, field):
+    """The probe's request (max_tokens 24): "stop" only on output the schema accepts under the
+    `jsonschema` package, "length" on a prefix the token limit cut."""
+    if field == "guided_json":
+        fields = {"guided_json": UNTYPED}
+    else:
+        fields = {"response_format": {"type": "json_schema", "json_schema": {"name": "x",
+                  "schema": UNTYPED}}}  # fmt: skip
+    body = {"max_tokens": 24, "temperature": 0, **fields}
+    if endpoint == "chat":
+        body["messages"] = [{"role": "user", "content": "Write a JSON value."}]
+    else:
+        body["prompt"] = "A JSON value:"
+    answer = client.post(f"/v1/{endpoint.replace('chat', 'chat/completions')}", json=body)
+    assert answer.status_code == 200, answer.get_data()[:400]
+    reply = answer.get_json()
+    choice = reply["choices"][0]
+    text = choice["message"]["content"] if endpoint == "chat" else choice["text"]
+    if choice["finish_reason"] == "stop":
+        jsonschema.validate(json.loads(text), UNTYPED)
+    else:
+        assert choice["finish_reason"] == "length"
+        assert reply["usage"]["completion_tokens"] == 24
 
 
 def test_a_regex_past_the_engines_limits_is_a_400(client, monkeypatch):
