@@ -13,7 +13,7 @@ import argparse
 from dataclasses import dataclass
 
 from toppings.server.api.options import ApiOptions
-from toppings.server.api.tokenizer_pool import read_chat_template
+from toppings.server.api.template_file import read_chat_template
 from toppings.server.config import ENGINE_PARTS, EngineConfig
 from toppings.server.http.frontend import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_RESERVE_THREADS
 from toppings.server.settings import (
