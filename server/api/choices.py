@@ -20,9 +20,9 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from toppings.server.api.chat_render import render_chat
 from toppings.server.api.schema import MAX_SEED, ParsedBody
 from toppings.server.api.tools import generic_tool_messages, template_renders_tools
+from toppings.server.chat_template.render import render_chat
 from toppings.server.requests.adapter_ref import AdapterRef
 from toppings.server.requests.request import GenerationRequest, RequestError, SamplingParams
 
@@ -131,7 +131,7 @@ def prompt_ids(
     parsed: ParsedBody, tokenizer, prompt: str | list[int] | None, max_chars: int | None = None
 ) -> list[int]:
     """Token ids of one prompt: chat-templated messages (rendered under a budget whose size
-    bound is `max_chars`, server.api.chat_render), encoded text, or the ids as given."""
+    bound is `max_chars`, server.chat_template.render), encoded text, or the ids as given."""
     if parsed.messages is not None:
         if not getattr(tokenizer, "chat_template", None):
             raise RequestError("this model has no chat template; use /v1/completions")

@@ -8,16 +8,16 @@
 `model` (the base model or an adapter; all share the tokenizer) is checked like a generation's,
 and a prompt (or the messages' text) over the server's character bound gets a 400 before it is
 tokenized, as a generation's does (server.api.choices). Messages render as a chat's do
-(server.api.chat_render): a template that fails or runs past its budget is the same 400.
+(server.chat_template.render): a template that fails or runs past its budget is the same 400.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from toppings.server.api.chat_render import render_chat
 from toppings.server.api.choices import RequestLimits, messages_chars
 from toppings.server.api.schema import parse_message, parse_token_ids, typed_field
+from toppings.server.chat_template.render import render_chat
 from toppings.server.requests.errors import NOT_FOUND, unknown_adapter
 from toppings.server.requests.request import RequestError
 

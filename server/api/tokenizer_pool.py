@@ -14,8 +14,8 @@ on, 4 to 16: tokenizing is CPU work, and a copy costs memory: measured for SmolL
 0.1 s each). A borrower past that waits for a copy to come back; the prompt's character bound
 (server.api.choices) keeps each tokenization short, so that wait is bounded too.
 
-Every copy carries the operator's `--chat-template` (server.api.template_file) when there is
-one. A chat renders on the copy it borrowed under a budget (server.api.template_sandbox), so a
+Every copy carries the operator's `--chat-template` (server.chat_template.file) when there is
+one. A chat renders on the copy it borrowed under a budget (server.chat_template.sandbox), so a
 runaway template fails its own request and its copy comes back, as on any other error.
 """
 

@@ -1,4 +1,4 @@
-"""`--chat-template PATH` (server.api.template_file): a Jinja file used instead of the
+"""`--chat-template PATH` (server.chat_template.file): a Jinja file used instead of the
 checkpoint's own template, read and compiled before the model loads; the rendered prompt is the
 file's. A missing or malformed file, or anything but a regular file of bounded size (a /proc
 file, a fifo, a link out of its directory), is one line and exit status 2."""
@@ -12,7 +12,7 @@ import pytest
 from tests.server.api.test_cli_errors import assert_refused, run
 from toppings.server.api.app import create_app
 from toppings.server.api.options import ApiOptions
-from toppings.server.api.template_file import MAX_TEMPLATE_BYTES, read_chat_template
+from toppings.server.chat_template.file import MAX_TEMPLATE_BYTES, read_chat_template
 
 MARKER = "MARKED-BY-THE-OPERATOR"
 MARKED = (

@@ -1,4 +1,4 @@
-"""A runaway chat template on a serving app (server.api.template_sandbox): the chat that sets it
+"""A runaway chat template on a serving app (server.chat_template.sandbox): the chat that sets it
 off (here by its own message: the client controls what a template loops over) gets a 400 and its
 tokenizer copy goes back to the pool, while chats and completions beside it are answered; a
 template that raises or touches a blocked attribute is a 400 on /tokenize as on chat."""

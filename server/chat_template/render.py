@@ -2,7 +2,7 @@
 
 The chat completions path and `/tokenize` both render here, so a template that raises
 (`raise_exception`, a conversation it refuses), touches what the sandbox blocks, or runs past its
-budget (server.api.template_sandbox) is the same 400 on both, and the tokenizer copy that
+budget (server.chat_template.sandbox) is the same 400 on both, and the tokenizer copy that
 rendered is back in its pool when the error returns.
 
 The template sees what transformers' `apply_chat_template` gives it: the messages (keys whose
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from toppings.server.api.template_sandbox import render_template
+from toppings.server.chat_template.sandbox import render_template
 from toppings.server.requests.request import RequestError
 
 

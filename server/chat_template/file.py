@@ -4,7 +4,7 @@ system role, or renders them badly).
 
 The file is read and compiled when the command line is parsed, before the model loads, so a
 missing, unreadable or malformed template is one line and exit status 2. It compiles in the
-environment chat templates render in (server.api.template_sandbox); the tokenizer copies that
+environment chat templates render in (server.chat_template.sandbox); the tokenizer copies that
 tokenize chat requests carry it (server.api.tokenizer_pool).
 
 Only a regular file of at most MAX_TEMPLATE_BYTES is taken. The path is the operator's, but a
@@ -70,7 +70,7 @@ def read_chat_template(path: str) -> str:
     MAX_TEMPLATE_BYTES, not UTF-8 text, empty or not valid Jinja."""
     import jinja2
 
-    from toppings.server.api.template_sandbox import compile_template
+    from toppings.server.chat_template.sandbox import compile_template
 
     where = f"--chat-template {path}"
     try:

@@ -1,4 +1,4 @@
-"""Chat templates render under a budget (server.api.template_sandbox, server.api.chat_render):
+"""Chat templates render under a budget (server.chat_template.sandbox, server.chat_template.render):
 an ordinary template renders exactly as transformers' apply_chat_template does, and a runaway one
 (nested loops, loops over the client's messages, doubling strings, giant widths or powers) stops
 with RenderBudgetError instead of running on."""
@@ -9,8 +9,8 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from toppings.server.api.chat_render import render_chat
-from toppings.server.api.template_sandbox import MAX_STEPS, RenderBudgetError, render_template
+from toppings.server.chat_template.render import render_chat
+from toppings.server.chat_template.sandbox import MAX_STEPS, RenderBudgetError, render_template
 from toppings.server.requests.request import RequestError
 
 CHATML = (
