@@ -278,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     check_ports({"--port": args.port, "--server-port": args.server_port})
     template_args: list[str] = []
     if args.chat_template is not None:
-        from toppings.server.api.tokenizer_pool import read_chat_template
+        from toppings.server.chat_template.file import read_chat_template
 
         try:
             read_chat_template(args.chat_template)

@@ -13,7 +13,7 @@ import argparse
 from dataclasses import dataclass
 
 from toppings.server.api.options import ApiOptions
-from toppings.server.api.tokenizer_pool import read_chat_template
+from toppings.server.chat_template.file import read_chat_template
 from toppings.server.config import ENGINE_PARTS, EngineConfig
 from toppings.server.http.frontend import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_RESERVE_THREADS
 from toppings.server.settings import (
@@ -80,7 +80,8 @@ class ServeConfig(Settings):
         None,
         flag=Flag(
             "a Jinja chat template file used instead of the checkpoint's own (e.g. one that "
-            "renders tools or a system role); checked before the model loads",
+            "renders tools or a system role); a regular file of at most 1 MiB (nothing under "
+            "/proc, /sys or /dev, no link out of its directory), checked before the model loads",
             metavar="PATH",
         ),
     )

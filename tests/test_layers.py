@@ -20,6 +20,7 @@ MAX_MODULES_PER_ROOM = 20
 SERVER_LAYERS = (
     "config",
     "requests",
+    "chat_template",
     "http",
     "native",
     "memory",

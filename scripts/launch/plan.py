@@ -98,7 +98,7 @@ def check_inputs(args: argparse.Namespace, servers: list[ServerProc]) -> None:
         if not Path(folder).is_dir():
             raise ValueError(f"--lora-dir {folder} is not a directory")
     if args.chat_template is not None:
-        from toppings.server.api.tokenizer_pool import read_chat_template
+        from toppings.server.chat_template.file import read_chat_template
 
         read_chat_template(args.chat_template)  # its ValueError names the flag
     ports = [("--base-port", s.port) for s in servers]

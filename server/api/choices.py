@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from toppings.server.api.schema import MAX_SEED, ParsedBody
 from toppings.server.api.tools import generic_tool_messages, template_renders_tools
+from toppings.server.chat_template.render import render_chat
 from toppings.server.requests.adapter_ref import AdapterRef
 from toppings.server.requests.request import GenerationRequest, RequestError, SamplingParams
 
@@ -126,8 +127,11 @@ def template_reasons(tokenizer) -> bool:
     return "enable_thinking" in template or "<think>" in template
 
 
-def prompt_ids(parsed: ParsedBody, tokenizer, prompt: str | list[int] | None) -> list[int]:
-    """Token ids of one prompt: chat-templated messages, encoded text, or the ids as given."""
+def prompt_ids(
+    parsed: ParsedBody, tokenizer, prompt: str | list[int] | None, max_chars: int | None = None
+) -> list[int]:
+    """Token ids of one prompt: chat-templated messages (rendered under a budget whose size
+    bound is `max_chars`, server.chat_template.render), encoded text, or the ids as given."""
     if parsed.messages is not None:
         if not getattr(tokenizer, "chat_template", None):
             raise RequestError("this model has no chat template; use /v1/completions")
@@ -140,12 +144,7 @@ def prompt_ids(parsed: ParsedBody, tokenizer, prompt: str | list[int] | None) ->
             tools = parsed.tools.template_tools()
         elif parsed.tools is not None:  # the generic format: the tools in the system message
             messages = generic_tool_messages(messages, parsed.tools)
-        try:
-            text = tokenizer.apply_chat_template(
-                messages, tools=tools, add_generation_prompt=True, tokenize=False
-            )
-        except Exception as e:  # jinja raises for conversations the template refuses
-            raise RequestError(f"chat template rejected the messages: {e}") from e
+        text = render_chat(tokenizer, messages, tools, max_chars=max_chars)
         # The rendered template already holds the BOS token where the model wants one.
         return list(tokenizer.encode(text, add_special_tokens=False))
     if isinstance(prompt, str):
@@ -200,7 +199,7 @@ def build_requests(
     sampling = _sampling(parsed, vocab_size)
     all_ids, context_max_tokens = [], []
     for prompt in parsed.prompts or [None]:
-        ids = prompt_ids(parsed, tokenizer, prompt)
+        ids = prompt_ids(parsed, tokenizer, prompt, limits.max_prompt_chars)
         if not ids:
             raise RequestError("the prompt is empty")
         if any(not 0 <= t < vocab_size for t in ids):

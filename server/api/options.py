@@ -108,7 +108,7 @@ class ApiOptions(Settings):
     # Directories /v1/load_lora_adapter may read from (the command line's --lora-dir and
     # --allowed-lora-root).
     lora_roots: tuple[str, ...] = setting(())
-    # The text of the command line's --chat-template (server.api.tokenizer_pool); None: the
+    # The text of the command line's --chat-template (server.chat_template.file); None: the
     # checkpoint's own template.
     chat_template: str | None = setting(None)
 

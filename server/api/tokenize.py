@@ -7,7 +7,8 @@
 
 `model` (the base model or an adapter; all share the tokenizer) is checked like a generation's,
 and a prompt (or the messages' text) over the server's character bound gets a 400 before it is
-tokenized, as a generation's does (server.api.choices).
+tokenized, as a generation's does (server.api.choices). Messages render as a chat's do
+(server.chat_template.render): a template that fails or runs past its budget is the same 400.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 
 from toppings.server.api.choices import RequestLimits, messages_chars
 from toppings.server.api.schema import parse_message, parse_token_ids, typed_field
+from toppings.server.chat_template.render import render_chat
 from toppings.server.requests.errors import NOT_FOUND, unknown_adapter
 from toppings.server.requests.request import RequestError
 
@@ -39,9 +41,7 @@ def tokenize(body: dict, engine, tokenizer, limits: RequestLimits) -> dict[str, 
         if not getattr(tokenizer, "chat_template", None):
             raise RequestError("this model has no chat template")
         generation_prompt = typed_field(body, "add_generation_prompt", "bool", True)
-        text = tokenizer.apply_chat_template(
-            parsed, add_generation_prompt=generation_prompt, tokenize=False
-        )
+        text = render_chat(tokenizer, parsed, None, generation_prompt, limits.max_prompt_chars)
         ids = list(tokenizer.encode(text, add_special_tokens=False))
     else:
         prompt = typed_field(body, "prompt", "str")

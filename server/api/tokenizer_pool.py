@@ -14,14 +14,9 @@ on, 4 to 16: tokenizing is CPU work, and a copy costs memory: measured for SmolL
 0.1 s each). A borrower past that waits for a copy to come back; the prompt's character bound
 (server.api.choices) keeps each tokenization short, so that wait is bounded too.
 
-`--chat-template PATH`: a Jinja chat template used instead of the checkpoint's own, as vLLM's
-and llama.cpp's `--chat-template` take it (for a checkpoint whose template lacks tools or a
-system role, or renders them badly).
-
-The file is read and compiled when the command line is parsed, before the model loads, so a
-missing, unreadable or malformed template is one line and exit status 2. It compiles in the
-sandboxed Jinja environment transformers renders chat templates in (with its loop controls);
-the tokenizer copies that tokenize chat requests carry it.
+Every copy carries the operator's `--chat-template` (server.chat_template.file) when there is
+one. A chat renders on the copy it borrowed under a budget (server.chat_template.sandbox), so a
+runaway template fails its own request and its copy comes back, as on any other error.
 """
 
 from __future__ import annotations
@@ -31,10 +26,8 @@ import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
-MAX_TEMPLATE_BYTES = 1 << 20  # a chat template is kilobytes; this bounds a wrong path's read
 MIN_COPIES = 4  # even on a small machine: a long tokenization never holds up the next ones
 MAX_COPIES = 16  # copies cost memory: 8 MiB each for SmolLM2's 49k tokens, more for larger ones
 
@@ -67,6 +60,12 @@ class TokenizerPool:
         """Copies made so far (at most `max_copies`)."""
         return self._num_made
 
+    @property
+    def num_lent(self) -> int:
+        """Copies a borrower holds now."""
+        with self._cond:
+            return self._num_made - len(self._free)
+
     @contextmanager
     def borrow(self) -> Iterator[Any]:
         """A copy nobody else uses until the `with` block ends."""
@@ -95,34 +94,3 @@ class TokenizerPool:
                 self._num_made -= 1
                 self._cond.notify()
             raise
-
-
-def read_chat_template(path: str) -> str:
-    """The template text of the file at `path`; raises ValueError (one line, naming the flag)
-    when it is missing, unreadable, not UTF-8 text, empty or not valid Jinja."""
-    import jinja2
-    from jinja2.ext import loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    where = f"--chat-template {path}"
-    file = Path(path).expanduser()
-    try:
-        if not file.is_file():
-            raise ValueError(f"{where}: no such file")
-        if file.stat().st_size > MAX_TEMPLATE_BYTES:
-            raise ValueError(f"{where}: over {MAX_TEMPLATE_BYTES} bytes: not a chat template")
-        text = file.read_text(encoding="utf-8")
-    except OSError as e:
-        raise ValueError(f"{where}: cannot read it: {e.strerror or e}") from None
-    except UnicodeDecodeError:
-        raise ValueError(f"{where}: not UTF-8 text") from None
-    if not text.strip():
-        raise ValueError(f"{where}: the file is empty")
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[loopcontrols])  # fmt: skip
-    try:
-        env.parse(text)
-    except jinja2.TemplateSyntaxError as e:
-        problem = f"line {e.lineno}: {e.message}"
-        raise ValueError(f"{where}: not a valid Jinja template: {problem}") from None
-    return text

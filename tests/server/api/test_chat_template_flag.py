@@ -1,15 +1,18 @@
-"""`--chat-template PATH` (server.api.tokenizer_pool): a Jinja file used instead of the
+"""`--chat-template PATH` (server.chat_template.file): a Jinja file used instead of the
 checkpoint's own template, read and compiled before the model loads; the rendered prompt is the
-file's. A missing or malformed file is one line and exit status 2."""
+file's. A missing or malformed file, or anything but a regular file of bounded size (a /proc
+file, a fifo, a link out of its directory), is one line and exit status 2."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 
 from tests.server.api.test_cli_errors import assert_refused, run
 from toppings.server.api.app import create_app
 from toppings.server.api.options import ApiOptions
-from toppings.server.api.tokenizer_pool import read_chat_template
+from toppings.server.chat_template.file import MAX_TEMPLATE_BYTES, read_chat_template
 
 MARKER = "MARKED-BY-THE-OPERATOR"
 MARKED = (
@@ -90,3 +93,37 @@ def test_launch_checks_the_template_and_passes_it_to_every_server(tmp_path, tiny
 
     cmd = serve_command(args, Server())
     assert cmd[cmd.index("--chat-template") + 1] == str(good.resolve())
+
+
+def test_only_a_regular_file_of_bounded_size_is_read(tmp_path):
+    fifo = tmp_path / "fifo.jinja"
+    os.mkfifo(fifo)  # opening it must not wait for a writer
+    big = tmp_path / "big.jinja"
+    big.write_text("x" * (MAX_TEMPLATE_BYTES + 1))
+    inside = tmp_path / "link.jinja"
+    inside.symlink_to("marked.jinja")  # a link beside its target is the file it names
+    (tmp_path / "marked.jinja").write_text(MARKED)
+    assert read_chat_template(str(inside)) == MARKED
+    cases = [(fifo, "not a regular file"), (big, "over"), ("/dev/zero", "under /dev"),
+             ("/proc/self/environ", "under /proc"), ("/sys/kernel/mm", "under /sys")]  # fmt: skip
+    for path, words in cases:
+        with pytest.raises(ValueError, match=words) as info:
+            read_chat_template(str(path))
+        assert str(info.value).startswith(f"--chat-template {path}:")
+
+
+def test_serve_refuses_proc_files_and_links_out_of_their_directory(tmp_path):
+    secret = tmp_path / "secret"
+    secret.mkdir()
+    (secret / "passwd").write_text(MARKED)  # valid Jinja: only where it lies refuses it
+    templates = tmp_path / "templates"
+    templates.mkdir()
+    (templates / "chat.jinja").symlink_to(secret / "passwd")
+    (templates / "up.jinja").symlink_to("../secret/passwd")
+    cases = [("/proc/self/environ", "under /proc"),
+             (str(templates / "chat.jinja"), "outside its directory"),
+             (str(templates / "up.jinja"), "outside its directory")]  # fmt: skip
+    for path, words in cases:
+        result = run("toppings-serve", "--model", str(tmp_path / "no-model"), "--port", "0",
+                     "--chat-template", path)  # fmt: skip
+        assert_refused(result, "toppings-serve", f"--chat-template {path}:", words)

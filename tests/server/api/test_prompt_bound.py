@@ -36,7 +36,7 @@ class TokenizerSpy:
         self.blocked = threading.Event()
         self.release = threading.Event()
         cls = type(tokenizer)
-        encode, template = cls.encode, cls.apply_chat_template
+        encode, template = cls.encode, cls.get_chat_template  # every chat render asks it first
 
         def spy_encode(tok, text, *args, **kwargs):
             self.calls += 1
@@ -50,7 +50,7 @@ class TokenizerSpy:
             return template(tok, *args, **kwargs)
 
         monkeypatch.setattr(cls, "encode", spy_encode)
-        monkeypatch.setattr(cls, "apply_chat_template", spy_template)
+        monkeypatch.setattr(cls, "get_chat_template", spy_template)
 
 
 def over_bound(engine) -> str:
