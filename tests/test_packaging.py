@@ -89,3 +89,15 @@ def test_adapter_side_never_imports_the_server(package):
     for path in (REPO / package).rglob("*.py"):
         bad = {n for n in _imports(path) if n.startswith("toppings.server")}
         assert not bad, f"{path.relative_to(REPO)} imports {bad}"
+
+
+def test_every_package_folder_is_installed():
+    # A folder missing from pyproject's list works in an editable install and is absent from a
+    # wheel (server/http was, until issue 67's session).
+    tomllib = pytest.importorskip("tomllib")
+    setuptools = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(setuptools["packages"])
+    for name, folder in setuptools["package-dir"].items():
+        for init in (REPO / folder).rglob("__init__.py"):
+            parts = init.parent.relative_to(REPO / folder).parts
+            assert ".".join((name, *parts)) in listed, init.parent

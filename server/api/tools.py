@@ -31,7 +31,7 @@ from toppings.server.requests.errors import nests_too_deep, too_deep
 from toppings.server.requests.request import Constraint, ConstraintKind, RequestError
 
 MAX_TOOLS = 128
-TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 class ToolChoice(Enum):
@@ -104,7 +104,7 @@ def _function(tool: Any, idx: int) -> str:
     if not isinstance(function, dict):
         raise RequestError(f"tools[{idx}].function must be an object")
     name = function.get("name")
-    if not isinstance(name, str) or not TOOL_NAME.match(name):
+    if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
         raise RequestError(f"tools[{idx}].function.name must be 1-64 letters, digits, _ or -")
     parameters = function.get("parameters")
     if parameters is not None and not isinstance(parameters, dict):
