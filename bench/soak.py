@@ -245,6 +245,19 @@ class Soak:
                 detail.append({"t": t, "processes": processes})
 
 
+def glibc_tcache(pid: int) -> str:
+    """Whether glibc's per-thread caches are on in process `pid`, from its GLIBC_TUNABLES."""
+    try:
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return "unknown"
+    tunables = next((e[len(b"GLIBC_TUNABLES=") :].decode() for e in environ
+                     if e.startswith(b"GLIBC_TUNABLES=")), "")  # fmt: skip
+    if "tcache_count=0" in tunables:
+        return f"off ({tunables})"
+    return f"on ({tunables})" if tunables else "on (glibc's default)"
+
+
 def shm_entries() -> set[str]:
     try:
         return set(os.listdir("/dev/shm"))
@@ -274,6 +287,7 @@ def main(argv: list[str] | None = None) -> None:
     serve += ["--api-key", key, *shlex.split(args.serve_args)]
     logfile = work / "server.log"
     proc = start("toppings.server.cli", serve, logfile)
+    tcache = glibc_tcache(proc.pid)
     url = f"http://127.0.0.1:{args.port}"
     try:
         wait_healthy(url, proc, logfile, 900.0)
@@ -361,6 +375,7 @@ def main(argv: list[str] | None = None) -> None:
         "adapters": NUM_ADAPTERS,
         "clients": args.clients,
         "serve_args": serve[4:],
+        "glibc_tcache": tcache,
         "churn": "unload + reload one adapter every second",
         "poison": "lora_alpha 1e308 (refused at load), load tried every 3 s",
         "overflow": f"B scaled so scaling x r x max|A| x max|B| = {OVERFLOW_BOUND:g} (loads, "
