@@ -187,8 +187,10 @@ PRECISIONS = {  # name -> (dtype, quantization)
 def run_one(args: argparse.Namespace, model_dir: str, precision: str, rank: int) -> dict:
     """One engine of `precision`, its request with an adapter of `rank` (0: none), paired."""
     dtype, quantization = PRECISIONS[precision]
+    # cached: the adapter's rows are in place before the first step, so each side's steps are
+    # steady-state steps.
     config = EngineConfig(dtype=dtype, quantization=quantization, num_threads=args.threads,
-                          adapt_threads=False)  # fmt: skip
+                          adapt_threads=False, lora_mode="cached")  # fmt: skip
 
     def build(**fields) -> Engine:
         return Engine(replace(config, **fields), load_checkpoint(model_dir, args.load_format))

@@ -180,7 +180,7 @@ class LoraConfig(Settings):
     title = "LoRA adapters"
 
     lora_mode: str = setting(
-        "cached",
+        "on-demand",
         choices=LORA_MODES,
         flag=Flag("how a request whose adapter is not on the device starts"),
     )

@@ -83,7 +83,8 @@ def test_an_error_echoing_a_field_is_short(copy, field, value):
     assert field in message and len(message) < SHORT
     if isinstance(value, list):
         assert f"({len(value)} in all)" in message
-        assert message.count(repr(value[0])) == MAX_SHOWN_ITEMS
+        shown = message.rsplit("got ", 1)[-1]  # after the path, which may hold the same digits
+        assert shown.count(repr(value[0])) == MAX_SHOWN_ITEMS
 
 
 def _edit_magnitudes(path: Path, fn) -> None:

@@ -56,13 +56,16 @@ def test_a_typo_is_still_a_400_naming_it(client):
 
 
 class Tokenizer:
-    """What prompt_ids reads of a tokenizer: its template, rendering, encoding."""
+    """What prompt_ids reads of a tokenizer: its template (rendered by
+    server.chat_template.render), its special tokens, encoding."""
+
+    special_tokens_map: dict[str, str] = {}
 
     def __init__(self, template: str):
         self.chat_template = template
 
-    def apply_chat_template(self, messages, **kwargs) -> str:
-        return messages[0]["content"]
+    def get_chat_template(self, name, tools) -> str:
+        return self.chat_template
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return [len(text)]
@@ -74,4 +77,5 @@ def test_reasoning_effort_is_refused_where_the_template_reasons(template):
     with pytest.raises(RequestError, match="'reasoning_effort' is not supported") as info:
         prompt_ids(parsed, Tokenizer(template), None)
     assert info.value.code == 400
-    assert prompt_ids(parsed, Tokenizer("{{ messages }}"), None) == [len("hello there")]
+    text = prompt_ids(parsed, Tokenizer("{{ messages[0].content }}"), None)
+    assert text == [len("hello there")]

@@ -52,7 +52,8 @@ def dirs(tmp_path_factory, tiny_model_dir):
 @pytest.fixture(scope="module")
 def engine(dirs):
     loras = {"r8": str(dirs["root"] / "r8")}
-    with running_engine(dirs["base"], loras, max_total_tokens=2048) as eng:
+    # cached: registered adapters are pinned and resident (the metrics test counts the pins)
+    with running_engine(dirs["base"], loras, max_total_tokens=2048, lora_mode="cached") as eng:
         yield eng
 
 

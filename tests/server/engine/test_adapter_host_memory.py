@@ -159,7 +159,7 @@ def test_rss_of_12_names_of_one_directory_is_one_copy(tiny_engine, tmp_path):
     adapter = make_random_adapter(tmp_path / "r256", model, rank=256, seed=0)
     from tests.helpers import running_engine
 
-    with running_engine(model, {}, max_total_tokens=1024) as engine:
+    with running_engine(model, {}, max_total_tokens=1024, lora_mode="cached") as engine:
         engine.add_adapter("n0", str(adapter))
         one_copy = engine.lora.cache.used_bytes
         after_one = _resident_bytes()

@@ -24,7 +24,9 @@ def test_decode_steps_reuse_the_lora_batch_only_while_nothing_changed(
                                       target_modules=("q_proj", "v_proj"), seed=i))
         for i, (name, rank) in enumerate((("x", 8), ("z", 8)))
     }  # fmt: skip
-    engine = build_engine(tiny_model_dir, EngineConfig(dtype="float32"), adapters)
+    engine = build_engine(
+        tiny_model_dir, EngineConfig(dtype="float32", lora_mode="cached"), adapters
+    )
 
     def load(name: str) -> None:  # a request of the adapter, run to its end
         params = SamplingParams(max_new_tokens=2, temperature=0.0)

@@ -57,6 +57,7 @@ def start(model_dir, adapters, device: str, graphs: bool, **changes) -> Iterator
     """A running engine with decode graphs or without (on the CPU, EagerReplay stands in for
     them); it shuts down when the `with` block ends."""
     on_gpu = device == "cuda"  # there the pool's default budget is 40% of the free memory
+    changes = {"lora_mode": "cached", **changes}  # steps counted from the first: no loads
     with running_engine(
         model_dir, adapters, device=device, max_total_tokens=4096, max_batch_size=16,
         memory_bytes=(256 << 20) if on_gpu else 0, cuda_graphs=graphs if on_gpu else None,
