@@ -53,7 +53,9 @@ class DirSource:
         self.root = os.path.realpath(arg)
 
     def locate(self, name: str) -> str:
-        if not is_component_name(name):
+        # A missing directory is a 404 before any room is made for it (no eviction for it);
+        # the load checks the path again, symlinks included.
+        if not is_component_name(name) or not os.path.isdir(os.path.join(self.root, name)):
             raise RequestError(unknown_adapter(name), 404, NOT_FOUND)
         return name  # relative: resolved under `root` by the load's path checks
 

@@ -62,6 +62,8 @@ class FakeEngine:
 
 
 def make(tmp_path, fake, max_adapters=64, max_loading=4) -> ResolvedAdapters:
+    for name in ("a", "b", "c", "d"):  # the source finds these (the fake loads no files)
+        (tmp_path / name).mkdir()
     metrics = ResolverMetrics(CollectorRegistry(), "toppings:")
     return ResolvedAdapters(fake, DirSource(str(tmp_path)), fake, metrics, max_adapters,
                             max_loading)  # fmt: skip
@@ -149,6 +151,9 @@ def test_a_name_that_is_not_one_path_component_is_not_looked_up(tmp_path):
         with pytest.raises(RequestError) as err:
             resolve(resolver, name)
         assert (err.value.code, err.value.error_type) == (404, NOT_FOUND), name
+    with pytest.raises(RequestError) as err:
+        resolve(resolver, "e")  # one component, no such directory
+    assert (err.value.code, err.value.error_type) == (404, NOT_FOUND)
     assert fake.loads == []
 
 
@@ -195,3 +200,12 @@ def test_an_adapter_unloaded_by_the_operator_is_resolved_again(tmp_path):
     fake.unload({"lora_name": "a"})
     second = resolve(resolver, "a")
     assert second != first and fake.loads == ["a", "a"]
+
+
+def test_a_name_not_found_evicts_nothing(tmp_path):
+    fake = FakeEngine()
+    resolver = make(tmp_path, fake, max_adapters=1)
+    resolve(resolver, "a")
+    with pytest.raises(RequestError):
+        resolve(resolver, "e")
+    assert fake.unloads == [] and resolver.resolved_names() == ["a"]
