@@ -27,6 +27,7 @@ SERVER_LAYERS = (
     "model",
     "sched",
     "engine",
+    "resolver",
     "api",
     "top",
 )

@@ -40,7 +40,7 @@ from toppings.server.api.context import ApiContext, ServerState
 from toppings.server.api.generation import register_generation, register_tokenizer
 from toppings.server.api.lifecycle import AdapterAdmin, AdapterPaths
 from toppings.server.api.logprobs import TokenText
-from toppings.server.api.metrics import CONTENT_TYPE, ServerMetrics
+from toppings.server.api.metrics import CONTENT_TYPE, PREFIX, ServerMetrics
 from toppings.server.api.models import register_adapters, register_models
 from toppings.server.api.options import ApiOptions
 from toppings.server.api.peer_fetch import FetchConfig, PeerFetcher
@@ -56,6 +56,10 @@ from toppings.server.requests.errors import (
     install_error_handlers,
 )
 from toppings.server.requests.request import RequestError
+from toppings.server.resolver.metrics import ResolverMetrics
+from toppings.server.resolver.names import AdapterNames, RegisteredNames
+from toppings.server.resolver.resolved import ResolvedAdapters
+from toppings.server.resolver.sources import make_source
 
 __all__ = ["ApiOptions", "create_app"]
 
@@ -148,6 +152,7 @@ def _context(engine, options: ApiOptions) -> ApiContext:
     return ApiContext(
         engine=engine,
         state=state,
+        names=_names(engine, options, admin, state.metrics),
         limits=RequestLimits.for_model(
             engine.tokenizer,
             engine.max_model_len,
@@ -159,6 +164,25 @@ def _context(engine, options: ApiOptions) -> ApiContext:
         fetcher=fetcher,
         tokenizers=TokenizerPool(engine.tokenizer, chat_template=options.chat_template),
         started=int(time.time()),
+    )
+
+
+def _names(
+    engine, options: ApiOptions, admin: AdapterAdmin, metrics: ServerMetrics
+) -> AdapterNames:
+    """Registered names, and with --lora-resolver names its source finds, loaded through an
+    admin of their own whose only allowed root is the source's (on the adapter thread)."""
+    if options.lora_resolver is None:
+        return RegisteredNames(engine)
+    source = make_source(options.lora_resolver)
+    registrar = AdapterAdmin(engine, AdapterPaths([source.root]), thread=admin.thread)
+    return ResolvedAdapters(
+        engine,
+        source,
+        registrar,
+        ResolverMetrics(metrics.registry, PREFIX),
+        max_adapters=options.lora_resolver_max_adapters,
+        max_loading=options.lora_resolver_max_loading,
     )
 
 

@@ -29,6 +29,7 @@ from toppings.server.requests.errors import (
     too_many_requests,
 )
 from toppings.server.requests.request import RequestError
+from toppings.server.resolver.names import AdapterNames
 
 
 @dataclass
@@ -55,7 +56,8 @@ class ApiContext:
     `tokenizers` lends the generation and tokenizer routes (handlers run on many waitress
     threads) copies of the engine's tokenizer, one thread per copy (server.api.tokenizer_pool);
     `started` is the creation time that `/v1/models` reports; `fetcher` is None unless the
-    operator gave an adapter store.
+    operator gave an adapter store; `names` resolves a request's adapter name (registered
+    names, and with --lora-resolver names found on first use: server.resolver).
     """
 
     engine: EngineClient
@@ -63,6 +65,7 @@ class ApiContext:
     limits: RequestLimits
     token_text: TokenText
     admin: AdapterAdmin
+    names: AdapterNames
     fetcher: PeerFetcher | None
     tokenizers: TokenizerPool
     started: int

@@ -100,20 +100,23 @@ def register_generation(app: Flask, ctx: ApiContext) -> None:
         return response
 
     def _answer(parsed: ParsedBody, slot: Slot) -> Response:
-        with ctx.tokenizers.borrow() as tokenizer:
-            reqs, prompt_ids = build_requests(
-                parsed,
-                tokenizer,
-                engine.max_model_len,
-                engine.model_config.vocab_size,
-                engine.resolve_adapter,
-                ctx.limits,
-            )
-            echo = tuple(
-                p if isinstance(p, str) else tokenizer.decode(p, skip_special_tokens=True)
-                for p in (parsed.prompts if parsed.echo else ())
-            )
-        group = RequestGroup(engine, reqs)
+        with ctx.names.lease() as resolve:  # the adapter stays registered until submitted
+            # Resolved before a tokenizer copy is borrowed: a first use may wait on a load.
+            adapter = resolve(parsed.adapter)
+            with ctx.tokenizers.borrow() as tokenizer:
+                reqs, prompt_ids = build_requests(
+                    parsed,
+                    tokenizer,
+                    engine.max_model_len,
+                    engine.model_config.vocab_size,
+                    lambda _: adapter,
+                    ctx.limits,
+                )
+                echo = tuple(
+                    p if isinstance(p, str) else tokenizer.decode(p, skip_special_tokens=True)
+                    for p in (parsed.prompts if parsed.echo else ())
+                )
+            group = RequestGroup(engine, reqs)
         meta = ResponseMeta.new(parsed, prompt_ids, ctx.token_text, echo)
         gone = request.environ.get("waitress.client_disconnected") or (lambda: False)
         on_final = state.metrics.requests.observe_final

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -24,14 +23,13 @@ from typing import TypeVar
 
 from toppings.gpu_lora.peft_config import CONFIG_FILE, WEIGHTS_FILE, AdapterError
 from toppings.server.engine.threads import torch_on_this_thread_only
+from toppings.server.requests.adapter_ref import NAME_RE
 from toppings.server.requests.request import RequestError
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-# Names clients put in `model`: letters, digits and a few separators (an org/name form included).
-NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}")
 MAX_PATH_CHARS = 4096
 
 

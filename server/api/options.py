@@ -5,6 +5,7 @@ from __future__ import annotations
 from argparse import ArgumentTypeError
 from dataclasses import dataclass
 
+from toppings.server.resolver.sources import make_source, resolver_spec
 from toppings.server.settings import Bound, Flag, Settings, http_origin, positive, setting
 
 
@@ -105,6 +106,39 @@ class ApiOptions(Settings):
             metavar="S",
         ),
     )
+    # Where a request's unregistered adapter name is looked up (server.resolver); None: nowhere.
+    lora_resolver: str | None = setting(
+        None,
+        flag=Flag(
+            "load an adapter a request names but nobody registered on its first use, from "
+            "KIND:ARG; dir:PATH looks for the PEFT directory PATH/<name> (one path component), "
+            "checked as /v1/load_lora_adapter checks a path under an allowed root. Concurrent "
+            "first requests for a name share one load",
+            type=resolver_spec,
+            metavar="KIND:ARG",
+        ),
+    )
+    lora_resolver_max_adapters: int = setting(
+        64,
+        bound=Bound.POSITIVE,
+        flag=Flag(
+            "resolved adapters registered at once; past it the least recently used one that no "
+            "request holds is unloaded (503 with Retry-After when every one is held). Adapters "
+            "of --lora, --lora-dir and /v1/load_lora_adapter are never unloaded by the resolver",
+            type=positive,
+            metavar="N",
+        ),
+    )
+    lora_resolver_max_loading: int = setting(
+        4,
+        bound=Bound.POSITIVE,
+        flag=Flag(
+            "adapter names resolved at once (each waits on a load); a request for one more "
+            "gets 503 with Retry-After",
+            type=positive,
+            metavar="N",
+        ),
+    )
     # Directories /v1/load_lora_adapter may read from (the command line's --lora-dir and
     # --allowed-lora-root).
     lora_roots: tuple[str, ...] = setting(())
@@ -117,6 +151,8 @@ class ApiOptions(Settings):
             raise ValueError("api_key must not be empty")
         if self.admin_api_key is not None and not self.admin_api_key:
             raise ValueError("admin_api_key must not be empty")
+        if self.lora_resolver is not None:
+            make_source(self.lora_resolver)  # a bad kind or a missing directory: ValueError
         for peer in self.peers:
             try:
                 http_origin(peer)

@@ -1,0 +1,278 @@
+"""Adapters loaded on first use: a name nobody registered is looked up in a source and loaded.
+
+A fleet of a thousand adapters cannot register each on each server ahead of time, so a request
+naming an unregistered adapter resolves it here (vLLM's LoRA resolvers, Dynamo's load-on-miss):
+
+- One load per name: the first request for a name starts it (on its own handler thread, the
+  registration itself on the adapter thread as every load); requests for the same name meanwhile
+  wait for it and share its result. A failed load fails every one of them with its error and
+  leaves nothing behind, so a later request tries again.
+- At most `max_loading` names resolve at once; one more gets 503 with Retry-After. 503, not 429:
+  the client sent nothing wrong and is not over a rate, this server has no room for another
+  cold adapter now (another server, or this one a moment later, may serve it), and 429 already
+  means the process's --max-concurrent-requests here.
+- At most `max_adapters` resolved adapters are registered at once. A load past it first unloads
+  the least recently used resolved adapter that no request holds (neither leased here nor in
+  flight in the engine); when every one is held it gets 503 with Retry-After. Adapters the
+  operator registered are never counted nor unloaded here.
+- A resolved adapter stays registered and serving until it is evicted, even if its directory is
+  removed; the next resolution of that name, after the eviction, is then a clean 404.
+
+`lease()` (server.resolver.names) holds the adapters a request resolved until it has been
+submitted, so that an eviction never pulls an adapter from between resolution and submission.
+Loads go through `Registrar.load`, the very method behind /v1/load_lora_adapter, with the
+source's root as the only allowed root: the same name, path, size and dedupe checks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Protocol
+
+from toppings.server.requests.adapter_ref import AdapterRef
+from toppings.server.requests.errors import (
+    NOT_FOUND,
+    RETRY_AFTER_S,
+    SERVER_ERROR,
+    UNAVAILABLE,
+    unknown_adapter,
+)
+from toppings.server.requests.request import RequestError
+from toppings.server.resolver.metrics import Outcome, ResolverMetrics
+from toppings.server.resolver.names import NameTable, Resolve
+from toppings.server.resolver.sources import AdapterSource
+
+log = logging.getLogger(__name__)
+
+
+class Registrar(Protocol):
+    """Registers and unregisters adapters as the operator's endpoints do (server.api.lifecycle's
+    AdapterAdmin: `{"lora_name", "lora_path"}` and `{"lora_name"}`; RequestError on refusal)."""
+
+    def load(self, body: dict) -> dict: ...
+
+    def unload(self, body: dict) -> dict: ...
+
+
+@dataclass
+class _Held:
+    """A resolved adapter registered now; `leases`: requests between resolving and submitting."""
+
+    ref: AdapterRef
+    leases: int
+
+
+class _Load:
+    """One resolution in flight, shared by every request that asked for its name meanwhile."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.ref: AdapterRef | None = None
+        self.error: RequestError | None = None
+        self.num_waiting = 1  # the requests that get a lease when it lands, its starter included
+
+
+class ResolvedAdapters:
+    """Registered names, and names a source finds, loaded on first use (module docstring)."""
+
+    def __init__(
+        self,
+        table: NameTable,
+        source: AdapterSource,
+        registrar: Registrar,
+        metrics: ResolverMetrics,
+        max_adapters: int,
+        max_loading: int,
+    ):
+        """registrar: loads with `source.root` as its only allowed root."""
+        if max_adapters < 1 or max_loading < 1:
+            raise ValueError("max_adapters and max_loading must be positive")
+        self.table, self.source, self.registrar = table, source, registrar
+        self.metrics = metrics
+        self.max_adapters, self.max_loading = max_adapters, max_loading
+        self._lock = threading.Lock()
+        self._held: OrderedDict[str, _Held] = OrderedDict()  # least recently used first
+        self._loading: dict[str, _Load] = {}
+        self._evicting: dict[str, threading.Event] = {}  # set once the unload ended
+        self._num_reserved = 0  # loads that made room and will register
+
+    # ---- the routes' side -----------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def lease(self) -> Iterator[Resolve]:
+        taken: list[AdapterRef] = []
+
+        def resolve(name: str | None) -> AdapterRef | None:
+            ref, leased = self._resolve(name)
+            if leased:
+                taken.append(ref)
+            return ref
+
+        try:
+            yield resolve
+        finally:
+            with self._lock:
+                for ref in taken:
+                    held = self._held.get(ref.name)
+                    if held is not None and held.ref == ref:
+                        held.leases -= 1
+
+    def resolved_names(self) -> list[str]:
+        """The resolved adapters registered now, least recently used first."""
+        with self._lock:
+            return list(self._held)
+
+    def _resolve(self, name: str | None) -> tuple[AdapterRef | None, bool]:
+        """The reference for `name` and whether a lease was taken on it."""
+        if name is None:
+            return None, False
+        while True:
+            starts = False
+            with self._lock:
+                held = self._held.get(name)
+                if held is not None:
+                    if self._still_registered(held.ref):
+                        held.leases += 1
+                        self._held.move_to_end(name)
+                        return held.ref, True
+                    del self._held[name]  # the operator unloaded it: resolve it again
+                    self._count_held()
+                load = self._loading.get(name)
+                evicted = self._evicting.get(name)
+                if load is not None:
+                    load.num_waiting += 1
+                elif evicted is None:
+                    try:
+                        return self.table.resolve_adapter(name), False  # the operator's
+                    except RequestError as exc:
+                        if exc.code != 404:
+                            raise
+                    load, starts = self._start(name), True
+            if evicted is not None:
+                evicted.wait()  # then resolve it afresh
+                continue
+            if starts:
+                self._run(name, load)
+            load.done.wait()
+            if load.error is not None:
+                e = load.error
+                raise RequestError(str(e), e.code, e.error_type, e.retry_after_s)
+            return load.ref, True
+
+    def _still_registered(self, ref: AdapterRef) -> bool:
+        try:
+            return self.table.resolve_adapter(ref.name) == ref
+        except RequestError:
+            return False
+
+    # ---- one resolution --------------------------------------------------------------------
+
+    def _start(self, name: str) -> _Load:
+        """A new resolution of `name` (lock held); 503 past max_loading."""
+        if len(self._loading) >= self.max_loading:
+            self.metrics.observe(Outcome.BUSY, None)
+            raise _busy(f"{self.max_loading} adapters are being resolved, the most this server "
+                        "resolves at once (--lora-resolver-max-loading)")  # fmt: skip
+        load = _Load()
+        self._loading[name] = load
+        return load
+
+    def _run(self, name: str, load: _Load) -> None:
+        """Locate, make room, register; then wake every request waiting for `name`."""
+        started = time.monotonic()
+        outcome, reserved = Outcome.FAILED, 0
+        try:
+            path = self.source.locate(name)
+            reserved = self._make_room()  # 1 from here: released when the load lands
+            self.registrar.load({"lora_name": name, "lora_path": path})
+            load.ref = self.table.resolve_adapter(name)
+            outcome = Outcome.LOADED
+            log.info("resolved adapter %s from %s", name, self.source.root)
+        except RequestError as exc:
+            load.error = _as_client_error(name, exc)
+            outcome = Outcome.of(load.error)
+        except Exception as exc:
+            log.exception("resolving adapter %s failed", name)
+            load.error = RequestError(f"resolving adapter {name!r} failed: {exc}", 500,
+                                      SERVER_ERROR)  # fmt: skip
+        finally:
+            if load.ref is None and load.error is None:  # interrupted
+                load.error = RequestError(f"resolving adapter {name!r} was interrupted", 500,
+                                          SERVER_ERROR)  # fmt: skip
+            with self._lock:
+                del self._loading[name]
+                self._num_reserved -= reserved
+                if load.error is None:
+                    self._held[name] = _Held(load.ref, load.num_waiting)
+                self._count_held()
+            load.done.set()
+            self.metrics.observe(outcome, time.monotonic() - started)
+
+    def _make_room(self) -> int:
+        """Reserve a place among `max_adapters`, unloading the least recently used unheld
+        resolved adapters as needed; 503 when every one is held. Returns the places reserved."""
+        tried: set[AdapterRef] = set()
+        while True:
+            with self._lock:
+                registered = len(self._held) + len(self._evicting) + self._num_reserved
+                if registered < self.max_adapters:
+                    self._num_reserved += 1
+                    return 1
+                victim = next((h for h in self._held.values()
+                               if h.leases == 0 and h.ref not in tried), None)  # fmt: skip
+                if victim is None:
+                    pending = next(iter(self._evicting.values()), None)
+                    if pending is None:
+                        raise _busy(f"all {self.max_adapters} resolved adapters are in use "
+                                    "(--lora-resolver-max-adapters)")  # fmt: skip
+                else:
+                    del self._held[victim.ref.name]
+                    self._evicting[victim.ref.name] = threading.Event()
+            if victim is None:
+                pending.wait()  # another load's eviction ends: look again
+                continue
+            tried.add(victim.ref)
+            self._evict(victim)
+
+    def _evict(self, victim: _Held) -> None:
+        """Unload `victim`, or put it back when a request in flight in the engine holds it."""
+        name = victim.ref.name
+        unloaded = False
+        try:
+            self.registrar.unload({"lora_name": name})
+            unloaded = True
+        except RequestError as exc:
+            unloaded = exc.code == 404  # gone already (the operator unloaded it)
+            if exc.code != 409:
+                log.warning("evicting resolved adapter %s: %s", name, exc)
+        finally:
+            with self._lock:
+                event = self._evicting.pop(name)
+                if not unloaded:
+                    self._held[name] = victim  # in use: the most recently used in effect
+                self._count_held()
+            event.set()
+        if unloaded:
+            self.metrics.evictions.inc()
+            log.info("evicted resolved adapter %s (least recently used)", name)
+
+    def _count_held(self) -> None:
+        self.metrics.resolved.set(len(self._held))
+
+
+def _busy(message: str) -> RequestError:
+    return RequestError(message + "; retry after the Retry-After delay", 503, UNAVAILABLE,
+                        retry_after_s=RETRY_AFTER_S)  # fmt: skip
+
+
+def _as_client_error(name: str, exc: RequestError) -> RequestError:
+    """A loader's 404 names a directory; the client named an adapter."""
+    if exc.code == 404:
+        return RequestError(unknown_adapter(name), 404, NOT_FOUND)
+    return exc
