@@ -50,7 +50,7 @@ def fake_step(stream: torch.Tensor | None):
     return decode_layers
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--precision", default="bfloat16", choices=("float32", "bfloat16"))
     p.add_argument(
@@ -63,7 +63,7 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=200)
     p.add_argument("--rounds", type=int, default=4, help="per mode; the first a warm-up")
     p.add_argument("--out", default="bench/results/step_glue.json")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     config = EngineConfig(dtype=args.precision, quantization=args.quantization, adapt_threads=False)
     engine = Engine(config, load_checkpoint(str(resolve_model_dir("smollm2"))))
     lib = native.library()
@@ -112,7 +112,7 @@ def main() -> None:
         env: os.environ.get(env, "default") for env in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
     }  # what OpenMP's threads do between the step's parallel regions
     write_result(args.out, "step_glue", "probe_step_glue", device=describe_device(),
-                 config=config, metrics=metrics)  # fmt: skip
+                 config=config, metrics=metrics, argv=argv)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -62,12 +62,12 @@ def median_us(op, repeats: int, stream: torch.Tensor | None) -> float:
     return round(statistics.median(times) * 1e6, 2)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--stream-mb", type=int, default=256, help="memory read before a cold op")
     parser.add_argument("--repeats", type=int, default=60, help="timings per op and state")
     parser.add_argument("--out", default="bench/results/cold_ops.json")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     stream = torch.ones(args.stream_mb * (1 << 20) // 4)
     metrics: dict = {}
     for name, op in ops().items():
@@ -79,7 +79,7 @@ def main() -> None:
     config = vars(args) | {"torch_threads": torch.get_num_threads()}
     write_result(
         args.out, "cold_ops", "profile_cold_ops", device=describe_device(), config=config,
-        metrics=metrics,
+        metrics=metrics, argv=argv,
     )  # fmt: skip
 
 

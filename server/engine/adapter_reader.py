@@ -114,7 +114,8 @@ class AdapterReader:
 
 class CheckpointProjections:
     """`BaseProjections` over a checkpoint's tensors by Hugging Face name (server.model.weights:
-    each read from its file when asked for), for DoRA's scales."""
+    each read from its file when asked for), for DoRA's scales, on the host where those are
+    computed (dummy weights of a CUDA model are drawn there: `Checkpoint.weights_on`)."""
 
     def __init__(self, weights: Mapping[str, torch.Tensor]):
         self.weights = weights
@@ -122,4 +123,5 @@ class CheckpointProjections:
     def projection(self, layer: int, module: str) -> tuple[torch.Tensor, torch.Tensor | None]:
         parent = "self_attn" if module in ATTN_PROJECTIONS else "mlp"
         prefix = f"model.layers.{layer}.{parent}.{module}."
-        return self.weights[prefix + "weight"], self.weights.get(prefix + "bias")
+        bias = self.weights.get(prefix + "bias")
+        return self.weights[prefix + "weight"].cpu(), None if bias is None else bias.cpu()

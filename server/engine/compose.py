@@ -63,8 +63,9 @@ def compose_engine(
     dtype = getattr(torch, config.dtype)
     if config.device == "cpu":
         native.keep_freed_memory()
+    weights = checkpoint.weights_on(config.device, dtype)  # dummy ones drawn on the device
     model = LlamaModel(
-        mc, checkpoint.weights, dtype, config.device, max_model_len,
+        mc, weights, dtype, config.device, max_model_len,
         quantization=config.quantization_scheme,
     )  # fmt: skip
     lora_config, sched_config = config.part(LoraConfig), config.part(SchedulingConfig)
@@ -90,7 +91,7 @@ def compose_engine(
     # The only LoRA object the engine uses.
     lora = AdapterManager(
         lora_config, config.kernel, config.device, max_step_tokens,
-        mc, dtype, memory.adapter_cache, trace, CheckpointProjections(checkpoint.weights),
+        mc, dtype, memory.adapter_cache, trace, CheckpointProjections(weights),
     )  # fmt: skip
     # Stop tokens: config.json's, the tokenizer's, and generation_config.json's list (where
     # chat checkpoints name their end of turn: Llama 3's <|eot_id|>, Qwen's <|im_end|>).

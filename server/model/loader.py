@@ -52,6 +52,15 @@ class Checkpoint:
     weights: Mapping[str, torch.Tensor]
     generation_eos_ids: tuple[int, ...] = ()
 
+    def weights_on(
+        self, device: str | torch.device, dtype: torch.dtype
+    ) -> Mapping[str, torch.Tensor]:
+        """The weights as a model on `device` in `dtype` takes them: dummy weights are drawn
+        there (`DummyWeights.placed`), read ones come from the host as they are."""
+        if isinstance(self.weights, DummyWeights):
+            return self.weights.placed(device, dtype)
+        return self.weights
+
 
 def cache_dir() -> Path:
     root = os.environ.get("TOPPINGS_CACHE") or os.path.join(

@@ -9,7 +9,10 @@ tensor, however many shards the checkpoint has. Two sources behave the same way:
   before anything is read, so a missing shard or tensor is one error naming the file, raised
   before the model is built.
 - `DummyWeights`: random tensors of the checkpoint's shapes (`--load-format dummy`), drawn per
-  name from a seed, so a benchmark runs a real-size shape with nothing but config.json.
+  name from a seed, so a benchmark runs a real-size shape with nothing but config.json. For a
+  model off the CPU they are drawn where the model keeps them (`DummyWeights.placed`): drawing
+  billions of values on the host and copying them over the link is what a 7B shape's start-up
+  would otherwise wait for.
 
 Every tensor of the checkpoint is there by its own name (biases, q/k norms, whatever the family
 has), so model code reads what it needs without the loader knowing the family.
@@ -130,15 +133,24 @@ def _files_from_index(index: Path) -> dict[str, Path]:
 
 
 class DummyWeights(Mapping[str, torch.Tensor]):
-    """Random tensors of given shapes (a benchmark's stand-in for real weights).
+    """Random tensors of given shapes (a benchmark's stand-in for real weights), on `device`
+    in `dtype`.
 
     A name ending in `norm.weight` (layer norms, q/k norms) is all ones; every other tensor is
-    N(0, 0.02). Each tensor is drawn from its own generator, seeded by `seed` and its name, so a
-    tensor is the same whatever order the model asks for the others in.
+    N(0, 0.02). Each tensor is drawn from its own generator on `device`, seeded by `seed` and
+    its name, so a tensor is the same whatever order the model asks for the others in. Devices
+    draw different values from one seed (their generators differ).
     """
 
-    def __init__(self, shapes: Mapping[str, tuple[int, ...]], dtype: torch.dtype, seed: int = 0):
+    def __init__(
+        self,
+        shapes: Mapping[str, tuple[int, ...]],
+        dtype: torch.dtype,
+        seed: int = 0,
+        device: str | torch.device = "cpu",
+    ):
         self.shapes, self.dtype, self.seed = dict(shapes), dtype, seed
+        self.device = torch.device(device)
 
     @classmethod
     def for_config(cls, hf_config, dtype: torch.dtype, seed: int = 0) -> DummyWeights:
@@ -151,12 +163,23 @@ class DummyWeights(Mapping[str, torch.Tensor]):
         # named_parameters lists a tied lm_head once, as the embedding: not a tensor of its own.
         return cls({n: tuple(p.shape) for n, p in model.named_parameters()}, dtype, seed)
 
+    def placed(self, device: str | torch.device, dtype: torch.dtype) -> DummyWeights:
+        """These weights as a model on `device` in `dtype` takes them. On a CPU they stay as
+        drawn here (the checkpoint's dtype, converted by the model), so a host-side peer of the
+        same seed holds the engine's very tensors; elsewhere each is drawn there, in `dtype`,
+        and nothing crosses the link."""
+        if torch.device(device).type == "cpu":
+            return self
+        return DummyWeights(self.shapes, dtype, self.seed, device)
+
     def __getitem__(self, name: str) -> torch.Tensor:
         shape = self.shapes[name]
         if name.endswith("norm.weight"):
-            return torch.ones(shape, dtype=self.dtype)
-        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + zlib.crc32(name.encode()))
-        return torch.empty(shape, dtype=self.dtype).normal_(0.0, DUMMY_STD, generator=gen)
+            return torch.ones(shape, dtype=self.dtype, device=self.device)
+        gen = torch.Generator(device=self.device)
+        gen.manual_seed(self.seed * 1_000_003 + zlib.crc32(name.encode()))
+        weight = torch.empty(shape, dtype=self.dtype, device=self.device)
+        return weight.normal_(0.0, DUMMY_STD, generator=gen)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.shapes)

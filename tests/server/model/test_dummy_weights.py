@@ -99,3 +99,50 @@ def test_load_format_is_a_serve_flag():
     assert default.load_format == "auto"
     with pytest.raises(ValueError, match="load_format"):
         EngineConfig(load_format="pickle")
+
+
+def test_a_cpu_model_takes_the_weights_as_drawn_on_the_host(dummy_dir):
+    """On a CPU the engine's tensors are those `load_checkpoint` draws (a host-side peer of the
+    same seed holds them), whatever dtype the model runs in."""
+    checkpoint = load_checkpoint(str(dummy_dir), "dummy", seed=1)
+    assert checkpoint.weights_on("cpu", torch.bfloat16) is checkpoint.weights
+
+
+def test_weights_drawn_in_the_model_dtype_keep_the_shapes_and_the_seed(dummy_dir):
+    """The draw a CUDA model gets (each tensor where the model keeps it, in its dtype), on the
+    CPU: the same names and shapes, in that dtype, norms all ones, N(0, 0.02), one seed one
+    draw."""
+    from toppings.server.model.weights import DummyWeights
+
+    host = load_checkpoint(str(dummy_dir), "dummy", seed=1).weights
+    direct = DummyWeights(host.shapes, torch.bfloat16, seed=1, device="cpu")
+    assert sorted(direct) == sorted(host)
+    for name, tensor in direct.items():
+        assert tensor.shape == host[name].shape and tensor.dtype == torch.bfloat16, name
+        assert tensor.device.type == "cpu" and torch.isfinite(tensor).all(), name
+    assert torch.equal(direct["model.norm.weight"], torch.ones(64, dtype=torch.bfloat16))
+    q = "model.layers.1.self_attn.q_proj.weight"
+    assert 0.01 < direct[q].float().std().item() < 0.04
+    assert torch.equal(direct[q], DummyWeights(host.shapes, torch.bfloat16, 1)[q])
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_dummy_weights_of_a_cuda_model_are_drawn_on_the_device(dummy_dir):
+    checkpoint = load_checkpoint(str(dummy_dir), "dummy", seed=1)
+    placed = checkpoint.weights_on("cuda", torch.bfloat16)
+    again = checkpoint.weights_on("cuda", torch.bfloat16)
+    q = "model.layers.1.self_attn.q_proj.weight"
+    for name in checkpoint.weights:
+        tensor = placed[name]
+        assert tensor.device.type == "cuda" and tensor.dtype == torch.bfloat16, name
+        assert tensor.shape == checkpoint.weights[name].shape, name
+    assert torch.equal(placed[q], again[q])
+    assert 0.01 < placed[q].float().std().item() < 0.04
+    with running_engine(
+        dummy_dir, max_total_tokens=512, load_format="dummy", device="cuda", dtype="bfloat16"
+    ) as engine:
+        params = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
+        assert (
+            len(engine.submit(GenerationRequest([5, 6, 7], params)).result(60).new_token_ids) == 4
+        )

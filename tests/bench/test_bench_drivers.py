@@ -1,0 +1,72 @@
+"""Every benchmark driver under bench/ imports on a CPU and parses its arguments, so a refactor
+that breaks one fails here rather than on a GPU session's few minutes; bench_cuda_graphs, whose
+GPU run is the only one it has, also runs its CPU `--quick` (the eager engine, a few steps).
+
+A driver is a module of bench/ with a top-level `main`; each is imported once, in process, and
+`main(["--help"])` must print its usage and exit 0."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+import json
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+def drivers() -> list[str]:
+    """The modules of bench/ that define a top-level `main` (read from their source, so that a
+    driver that no longer imports is still listed, and fails)."""
+    names = []
+    for path in sorted(BENCH.glob("*.py")):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        if any(isinstance(n, ast.FunctionDef) and n.name == "main" for n in tree.body):
+            names.append(path.stem)
+    return names
+
+
+DRIVERS = drivers()
+
+
+def test_the_drivers_are_found():
+    assert {"bench_cuda_graphs", "bench_kernels", "bench_cpu_assisted"} <= set(DRIVERS)
+
+
+@pytest.mark.parametrize("name", DRIVERS)
+def test_a_driver_imports_and_prints_its_usage(name, capsys):
+    module = importlib.import_module(f"bench.{name}")
+    params = list(inspect.signature(module.main).parameters)
+    assert params[:1] == ["argv"], f"bench.{name}.main takes no argv: a test cannot drive it"
+    source = (BENCH / f"{name}.py").read_text()
+    assert 'if __name__ == "__main__":' in source, f"bench.{name} cannot run as python -m"
+    with pytest.raises(SystemExit) as exit_info:
+        module.main(["--help"])
+    assert exit_info.value.code in (0, None)
+    assert "usage:" in capsys.readouterr().out
+
+
+def test_cuda_graphs_quick_runs_the_eager_engine_on_a_cpu(tiny_model_dir, tmp_path):
+    from bench import bench_cuda_graphs
+
+    out = tmp_path / "cuda_graphs.json"
+    argv = ["--device", "cpu", "--quick", "--dtype", "float32", "--model", str(tiny_model_dir),
+            "--adapter-dir", str(tmp_path / "adapters"), "--out", str(out)]  # fmt: skip
+    returned = bench_cuda_graphs.main(argv)
+    result = json.loads(out.read_text())
+    assert result == returned
+    assert result["name"] == "cuda_graphs"
+    assert result["device"].startswith("cpu")
+    assert result["config"]["quick"] and result["config"]["device"] == "cpu"
+    metrics = result["metrics"]
+    new_tokens = bench_cuda_graphs.QUICK["new_tokens"]
+    assert set(metrics) == {"batch_1", "batch_2"}  # no graphs on a CPU: no capture counters
+    for batch in metrics.values():
+        assert "decode_step_ms_eager" in batch
+        # the prompts fit one prefill step, which samples the first token: the rest are decodes
+        assert batch["decode_steps_eager"] == [new_tokens - 1]
+        assert not any("graphs" in key for key in batch)
+    assert len(list((tmp_path / "adapters").iterdir())) == bench_cuda_graphs.QUICK["num_adapters"]
