@@ -1,7 +1,8 @@
 """`toppings-loadgen`: open-loop load against a toppings server or scheduler, with latency stats.
 
     toppings-loadgen --url http://127.0.0.1:8000 --rps 2 --duration 120 \
-        [--arrivals poisson|gamma --cv 2] [--popularity uniform|zipf|power|azure --alpha 1.0]
+        [--arrivals poisson|gamma --cv 2] [--alpha 1.0]
+        [--popularity uniform|zipf|power|azure|identical|distinct]
         [--ranks 32,64 | 32:0.7,64:0.3] [--prompt-len 32|uniform:8:64|lmsys] [--output-len ...]
         [--num-requests N] [--seed S] [--save-trace T.jsonl | --trace T.jsonl]
         [--out RUN.jsonl] [--summary RUN.json] [--slo-tpt-ms X] [--plot CDF.png]

@@ -13,7 +13,10 @@ not move the arrivals.
   power(alpha) on [0, 1), adapter floor(x * n), so P(i) = ((i+1)/n)^a - (i/n)^a (alpha < 1
   favours the first adapters, alpha = 1 is uniform); `azure`, lognormal weights with sigma 3.55,
   chosen so that the top 18.6% of adapters take 99.6% of requests, the skew Shahrad et al. report
-  for Azure Functions invocations ("Serverless in the Wild", ATC'20).
+  for Azure Functions invocations ("Serverless in the Wild", ATC'20); `identical`, every request
+  the one most popular adapter; `distinct`, the adapters in turn (round robin), so consecutive
+  requests never share one while there are two or more: the adapter assignments of `vllm bench
+  serve` and `sglang.bench_serving`, between which the cold-adapter cost shows.
 - Rank mix: a request first draws a rank from the mix, then an adapter of that rank.
 - Lengths: `N` or `fixed:N`; `uniform:LO:HI` (inclusive); `lognormal:MEAN:SIGMA`; `lmsys`, the
   lognormal of scheduler.trace (means from the LMSYS-Chat-1M paper, Zheng et al. 2023: 69.5
@@ -35,7 +38,7 @@ from pathlib import Path
 from toppings.scheduler.sim.trace import TraceConfig, lognormal_mu
 
 ARRIVALS = ("poisson", "gamma", "constant")
-POPULARITY = ("uniform", "zipf", "power", "azure")
+POPULARITY = ("uniform", "zipf", "power", "azure", "identical", "distinct")
 AZURE_SIGMA = 3.55  # top 18.6% of lognormal(0, 3.55) weights hold 99.6% of the mass
 LMSYS = {"prompt": TraceConfig.prompt_mean, "output": TraceConfig.output_mean}
 LMSYS_SIGMA = TraceConfig.prompt_sigma
@@ -160,6 +163,8 @@ def popularity_weights(kind: str, num: int, alpha: float, rng: random.Random) ->
         weights = [((i + 1) / num) ** alpha - (i / num) ** alpha for i in range(num)]
     elif kind == "azure":
         weights = sorted((rng.lognormvariate(0.0, AZURE_SIGMA) for _ in range(num)), reverse=True)
+    elif kind in ("identical", "distinct"):  # distinct: drawn in turn by build_trace, not by weight
+        weights = [1.0] + [0.0 if kind == "identical" else 1.0] * (num - 1)
     else:
         raise ValueError(f"popularity must be one of {POPULARITY}, not {kind!r}")
     total = sum(weights)
@@ -193,10 +198,15 @@ def build_trace(
         for r, g in groups.items()
     }
     lo, hi = spec.token_range
+    turns = dict.fromkeys(groups, 0)  # `distinct`: each group's next adapter
     trace = []
     for idx, when in enumerate(arrival_times(spec, arrive_rng)):
         rank = pick_rng.choices(rank_keys, rank_weights)[0]
-        model = pick_rng.choices(groups[rank], weights[rank])[0]
+        if spec.popularity == "distinct":
+            model = groups[rank][turns[rank] % len(groups[rank])]
+            turns[rank] += 1
+        else:
+            model = pick_rng.choices(groups[rank], weights[rank])[0]
         prompt_len = spec.prompt_len.sample(len_rng)
         max_tokens = spec.output_len.sample(len_rng)
         prompt = [prompt_rng.randrange(lo, hi) for _ in range(prompt_len)]

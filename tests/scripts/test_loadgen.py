@@ -3,6 +3,7 @@ against a tiny-model server on loopback."""
 
 from __future__ import annotations
 
+import collections
 import json
 import random
 import statistics
@@ -118,6 +119,20 @@ def test_trace_is_deterministic_and_follows_the_rank_mix():
     with pytest.raises(ValueError, match="rank"):
         build_trace(spec(rank_mix=((64, 1.0),)), ADAPTERS)
     assert {e.model for e in build_trace(spec(), {}, "base")} == {"base"}
+
+
+def test_identical_and_distinct_assignments():
+    identical = build_trace(spec(popularity="identical"), ADAPTERS)
+    assert len({e.model for e in identical}) == 1
+    distinct = build_trace(spec(popularity="distinct"), ADAPTERS)
+    models = [e.model for e in distinct]
+    assert all(a != b for a, b in zip(models, models[1:]))  # never twice in a row
+    counts = collections.Counter(models)
+    assert set(counts) == set(ADAPTERS) and max(counts.values()) - min(counts.values()) <= 1
+    # within a rank mix, each rank's adapters in turn
+    mixed = build_trace(spec(popularity="distinct", rank_mix=((8, 1.0),)), ADAPTERS)
+    eights = sorted(n for n, r in ADAPTERS.items() if r == 8)
+    assert collections.Counter(e.model for e in mixed) == {n: 400 // len(eights) for n in eights}
 
 
 def test_trace_jsonl_round_trip(tmp_path):
