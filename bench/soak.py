@@ -188,7 +188,7 @@ class Soak:
                     return
                 if stream:
                     for i, line in enumerate(r.iter_lines()):
-                        if b'"error"' in line:
+                        if is_error_event(line):
                             self.tally.add(f"{kind}_fail", f"{model}: stream error {line[:200]}")
                             return
                         if cancel and i >= 1:
@@ -243,6 +243,15 @@ class Soak:
                 t = round(last_rss - t0, 1)
                 rss.append((t, sum(m.get("rss_kib", 0) for m in processes.values())))
                 detail.append({"t": t, "processes": processes})
+
+
+def is_error_event(line: bytes) -> bool:
+    """Whether a server-sent line is an error event (`data: {"error": ...}`): a chunk whose
+    text is "error" is not (a model may write that word; the soak counted one as a failure)."""
+    if not line.startswith(b"data: ") or line == b"data: [DONE]":
+        return False
+    event = json.loads(line[len(b"data: ") :])
+    return isinstance(event, dict) and "error" in event
 
 
 def glibc_tcache(pid: int) -> str:
