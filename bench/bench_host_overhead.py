@@ -1,0 +1,167 @@
+"""The engine loop's host time per decode step, with a forward pass that costs nothing; writes
+bench/results/host_overhead.json.
+
+On a GPU the device runs a decode step of an 8B model in a few milliseconds; everything the host
+does around it (schedule, build the step's inputs, sample, update each request, detokenize and
+stream) is on the critical path while the loop is synchronous (issue 63). This bench measures
+that host time on a model that computes nearly nothing: a tiny Llama (2 layers, 64 wide) with
+its own forward ("real": the forward's Python and kernel calls are host work too), and the same
+engine with the forward replaced by one that returns zero logits at once ("none": the loop
+alone). Each engine is driven step by step on this thread (no engine thread); for each batch
+size B, B requests are admitted and prefilled, then `--steps` decode steps are timed one by one.
+Rounds alternate the order of the (forward, batch) runs; per run the median step is kept.
+
+Reported per forward: the median step (us) per batch size with its spread over rounds, and the
+least-squares line through them, `host_fixed_us` + `host_us_per_request` x B; the top-level
+pair is the "real" one (issue 63's bound: <= 150 us fixed, <= 10 us per request).
+
+    python -m bench.bench_host_overhead [--batches 1,64,256] [--steps 32] [--rounds 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from bench.envelope import describe_device, write_result
+from toppings.server.config import EngineConfig
+from toppings.server.engine.engine import Engine
+from toppings.server.model.loader import load_checkpoint
+from toppings.server.requests.request import GenerationRequest, SamplingParams
+
+log = logging.getLogger(__name__)
+
+PROMPT = [5, 6, 7, 8]
+FORWARDS = ("real", "none")  # the tiny model's own forward; one returning zero logits at once
+
+
+def free_forward(model) -> None:
+    """Replace `model.forward` by one that returns zero logits [R, V] at once (R: the rows the
+    step asks for), leaving everything around it as it runs."""
+    vocab = model.config.vocab_size
+
+    def forward(batch, kv):
+        rows = len(batch.seg_starts) - 1 if batch.logit_rows is None else len(batch.logit_rows)
+        return torch.zeros(rows, vocab), None
+
+    model.forward = forward
+
+
+def drive_until(engine: Engine, done, deadline_s: float = 120.0) -> None:
+    deadline = time.monotonic() + deadline_s
+    while not done():
+        if time.monotonic() > deadline:
+            sched = engine.scheduler
+            state = f"{len(sched.running)} running, {len(sched.queue)} queued"
+            raise TimeoutError(f"the engine did not get there in {deadline_s:.0f} s: {state}")
+        engine.step()
+
+
+def decode_steps_us(engine: Engine, batch: int, steps: int) -> list[float]:
+    """Wall time (us) of `steps` decode steps of `batch` requests, each request admitted and
+    prefilled first (64 tokens to spare, so that none ends before its last timed step); then
+    aborted."""
+    params = SamplingParams(max_new_tokens=steps + 64, temperature=0.0, ignore_eos=True)
+    requests = [GenerationRequest(list(PROMPT), params, None) for _ in range(batch)]
+    for request in requests:
+        engine.submit(request)
+    sched = engine.scheduler
+    drive_until(engine, lambda: len(sched.running) == batch and not sched.queue
+                and all(s.output_ids for s in sched.running))  # fmt: skip
+    times = []
+    for _ in range(steps):
+        started = time.perf_counter()
+        plan = engine.step()
+        times.append((time.perf_counter() - started) * 1e6)
+        assert plan is not None and not plan.is_prefill and len(plan.seqs) == batch
+    for request in requests:
+        engine.abort(request.request_id)
+    drive_until(engine, lambda: not sched.has_work())
+    return times
+
+
+def fit_line(points: list[tuple[int, float]]) -> tuple[float, float]:
+    """(intercept, slope) of the least-squares line through (B, us) points."""
+    if len(points) < 2:
+        return points[0][1], 0.0
+    fit = statistics.linear_regression([b for b, _ in points], [us for _, us in points])
+    return fit.intercept, fit.slope
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--batches", default="1,64,256", help="batch sizes, comma-separated")
+    p.add_argument("--steps", type=int, default=32, help="decode steps timed per batch size")
+    p.add_argument("--rounds", type=int, default=5, help="rounds, the batch order alternating")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--quick", action="store_true", help="batches 1,8, 4 steps, 1 round")
+    p.add_argument("--out", default="bench/results/host_overhead.json")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    args = parse_args(argv)
+    if args.quick:
+        args.batches, args.steps, args.rounds = "1,8", 4, 1
+    batches = [int(b) for b in args.batches.split(",") if b]
+    from toppings.scripts.make_tiny_llama import make_tiny_llama
+
+    model_dir = make_tiny_llama(Path(tempfile.mkdtemp(prefix="host_overhead_")) / "tiny")
+    tokens = max(batches) * 2 * (len(PROMPT) + args.steps + 64)  # room past block rounding
+    config = EngineConfig(dtype="float32", max_batch_size=max(batches), adapt_threads=False,
+                          num_threads=args.threads, max_total_tokens=tokens)  # fmt: skip
+    engines = {}
+    for forward in FORWARDS:
+        engines[forward] = Engine(config, load_checkpoint(str(model_dir), "auto"))
+        if forward == "none":
+            free_forward(engines[forward].model)
+    medians = {f: {b: [] for b in batches} for f in FORWARDS}
+    try:
+        for engine in engines.values():
+            decode_steps_us(engine, batches[0], 2)  # warm-up
+        for round_idx in range(args.rounds):
+            order = [(f, b) for f in FORWARDS for b in batches]
+            for forward, batch in order if round_idx % 2 == 0 else order[::-1]:
+                median = statistics.median(decode_steps_us(engines[forward], batch, args.steps))
+                medians[forward][batch].append(median)
+                log.info("round %d, forward %s, batch %d: median step %.0f us", round_idx,
+                         forward, batch, median)  # fmt: skip
+    finally:
+        for engine in engines.values():
+            engine.shutdown()
+    metrics = {}
+    for forward, by_batch in medians.items():
+        fixed, per_request = fit_line([(b, statistics.median(m)) for b, m in by_batch.items()])
+        metrics[forward] = {
+            "host_fixed_us": round(fixed, 1),
+            "host_us_per_request": round(per_request, 2),
+            "per_batch": {
+                str(b): {"step_us": statistics.median(m), "min": min(m), "max": max(m), "rounds": m}
+                for b, m in by_batch.items()
+            },  # fmt: skip
+        }
+        log.info("forward %s: %.0f us + %.1f us per request a decode step", forward, fixed,
+                 per_request)  # fmt: skip
+    # The headline: the loop and the forward's own host code on a model that computes nearly
+    # nothing (what issue 63 measured); "none" is the loop alone, without the model's code.
+    metrics["host_fixed_us"] = metrics["real"]["host_fixed_us"]
+    metrics["host_us_per_request"] = metrics["real"]["host_us_per_request"]
+    return write_result(args.out, "host_overhead", "bench_host_overhead",
+                        device=describe_device("cpu"),
+                        config={"batches": batches, "steps": args.steps, "rounds": args.rounds,
+                                "model": "tiny Llama (2 layers, 64 wide, vocab 256)",
+                                "forwards": {"real": "its own forward (compute nearly nothing)",
+                                             "none": "forward replaced by zero logits"},
+                                "threads": torch.get_num_threads()},
+                        metrics=metrics, argv=argv)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
