@@ -16,7 +16,7 @@ import pytest
 
 from tests.server.kv_events.vllm_structs import vllm_structs
 from toppings.scheduler.kv_index.block_hash import request_block_hashes
-from toppings.scheduler.kv_index.index import KVIndex
+from toppings.scheduler.kv_index.index import KVIndex, decode_batch
 from toppings.scheduler.kv_index.subscriber import KVEventSubscriber
 from toppings.server.config import EngineConfig
 from toppings.server.engine.engine import Engine
@@ -149,16 +149,10 @@ def test_the_run_swapped_and_evicted(recorded):
 def stored_events(batches) -> list[dict]:
     out = []
     for _, payload in batches:
-        for tag, fields in _decode(payload):
+        for tag, fields in decode_batch(payload):
             if tag == "BlockStored":
                 out.append(fields)
     return out
-
-
-def _decode(payload):
-    from toppings.scheduler.kv_index.index import decode_batch
-
-    return decode_batch(payload)
 
 
 def test_two_adapters_never_share_a_hash_and_hashes_follow_the_published_rule(recorded):
