@@ -44,6 +44,7 @@ QUEUE_POLICIES = ("fcfs", "chameleon")  # the classes: server.sched.policies
 MEMORY_LAYOUTS = ("pool", "static")  # the layouts: server.memory.layout
 AUTO_EVICTION = "auto"  # the memory layout's own policy (server.memory.layout)
 EVICTIONS = (AUTO_EVICTION, *EVICTION_POLICIES)  # the classes: gpu_lora.eviction
+KV_EVENT_ENCODINGS = ("array", "map")  # server.kv_events.schema.EventEncoding
 # libgomp's spin rounds before an idle OpenMP thread sleeps, which toppings-serve sets with
 # --cpu-workers (its default is 300,000; each round a pause instruction)
 WORKER_SPINCOUNT = "30000"
@@ -427,6 +428,41 @@ class MemoryConfig(Settings):
         bound=Bound.POSITIVE,
         flag=Flag("tokens per KV block", type=positive, metavar="N"),
     )
+    # Where the prefix cache's KV events go, in vLLM's schema (server/kv_events); None: off.
+    kv_events_endpoint: str | None = setting(
+        None,
+        flag=Flag(
+            "publish the prefix cache's KV cache events (vLLM's BlockStored / BlockRemoved / "
+            "AllBlocksCleared, each block hashed with its adapter's name) on a ZMQ PUB socket "
+            "bound here, e.g. tcp://*:5557, for KV-aware routers (llm-d, Dynamo); off by default",
+            metavar="ENDPOINT",
+        ),
+    )
+    kv_events_replay_endpoint: str | None = setting(
+        None,
+        flag=Flag(
+            "a ZMQ ROUTER socket bound here, e.g. tcp://*:5558, answers a consumer that missed "
+            "batches with those kept since the sequence number it sends (vLLM's replay)",
+            metavar="ENDPOINT",
+        ),
+    )
+    kv_events_topic: str = setting(
+        "kv-events", flag=Flag("the topic frame of each published KV events batch")
+    )
+    kv_events_encoding: str = setting(
+        "array",
+        choices=KV_EVENT_ENCODINGS,
+        flag=Flag(
+            "array: every event positional, the layout all vLLM consumers decode; map: each "
+            "event a map tagged under 'type', as vLLM sends since its PR #42892"
+        ),
+    )
+
+    def check(self) -> None:
+        if self.kv_events_endpoint and not self.prefix_cache:
+            raise ValueError("kv_events_endpoint needs prefix_cache on: the events are its own")
+        if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
+            raise ValueError("kv_events_replay_endpoint needs kv_events_endpoint")
 
 
 @dataclass(frozen=True)

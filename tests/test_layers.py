@@ -23,6 +23,7 @@ SERVER_LAYERS = (
     "chat_template",
     "http",
     "native",
+    "kv_events",
     "memory",
     "model",
     "sched",

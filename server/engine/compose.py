@@ -17,6 +17,7 @@ from toppings.server.engine.adapter_reader import CheckpointProjections
 from toppings.server.engine.adapters import AdapterManager
 from toppings.server.engine.grammar import GrammarCompiler
 from toppings.server.engine.model_runner import ModelRunner
+from toppings.server.kv_events.publisher import Sink
 from toppings.server.memory.build import build_memory
 from toppings.server.memory.kv_cache import KVPool
 from toppings.server.memory.manager import MemoryManager
@@ -53,9 +54,10 @@ def compose_engine(
     on_end: Callable[[Sequence], None],
     trace: TraceRecorder | None = None,
     step_model: StepTimeModel | None = None,
+    kv_sink: Sink | None = None,
 ) -> EngineParts:
     """The parts of an engine of `config` on `checkpoint`; on_end: called once for each
-    request when it ends, on any path; trace, step_model: see Engine."""
+    request when it ends, on any path; trace, step_model, kv_sink: see Engine."""
     mc = checkpoint.config
     max_model_len = min(
         config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
@@ -72,7 +74,7 @@ def compose_engine(
     # KV pool, prefix tree, host tier and adapter cache: one owner of device memory.
     memory = build_memory(
         config.part(MemoryConfig), lora_config, config.device, config.max_batch_size,
-        mc, dtype, max_model_len, lambda: free_device_bytes(model.device), trace,
+        mc, dtype, max_model_len, lambda: free_device_bytes(model.device), trace, kv_sink,
     )  # fmt: skip
     kv = memory.kv
     # Chunked prefill's tokens per step, sized from step times measured here unless given.

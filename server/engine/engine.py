@@ -24,6 +24,7 @@ from toppings.server.engine import reports
 from toppings.server.engine.compose import compose_engine
 from toppings.server.engine.thread_governor import ThreadGovernor
 from toppings.server.engine.threads import engine_thread_count, enter_engine_thread
+from toppings.server.kv_events.publisher import Sink
 from toppings.server.model.loader import Checkpoint
 from toppings.server.requests.adapter_ref import AdapterRef
 from toppings.server.requests.request import GenerationRequest, RequestError, RequestHandle
@@ -45,15 +46,18 @@ class Engine:
         checkpoint: Checkpoint,
         trace: TraceRecorder | None = None,
         step_model: StepTimeModel | None = None,
+        kv_sink: Sink | None = None,
     ):
         """trace: records adapter copies, host LoRA calls and forward passes (benchmarks; None:
         no tracing, the default). step_model: the step times chunked prefill's budget is sized
         from (None: measured at start-up; a benchmark passes one engine's `step_model` to the
-        others it compares, so that they share a budget)."""
+        others it compares, so that they share a budget). kv_sink: where the prefix cache's KV
+        events go instead of --kv-events-endpoint (tests capture them in-process; None: the
+        endpoint, if any)."""
         self.config = config
         self.model_name, self.model_config = checkpoint.name, checkpoint.config
         self.tokenizer = checkpoint.tokenizer
-        parts = compose_engine(config, checkpoint, self._request_ended, trace, step_model)
+        parts = compose_engine(config, checkpoint, self._request_ended, trace, step_model, kv_sink)
         self.max_model_len, self.model, self.memory = parts.max_model_len, parts.model, parts.memory
         self.kv, self.lora, self.budget = parts.kv, parts.lora, parts.budget
         self.eos_ids, self.grammars = parts.eos_ids, parts.grammars
@@ -96,6 +100,7 @@ class Engine:
         self._drain_inbox(block=False)
         self.scheduler.abort_all()
         self.lora.close()
+        self.memory.close()
 
     def is_healthy(self) -> bool:
         return self._thread.is_alive() and not self._stopping.is_set()

@@ -22,6 +22,8 @@ from toppings.gpu_lora.loader import PipelinedLoader
 from toppings.gpu_lora.targets import ModelShapes
 from toppings.gpu_lora.trace import TraceRecorder
 from toppings.server.config import LoraConfig, MemoryConfig
+from toppings.server.kv_events.build import start_kv_events
+from toppings.server.kv_events.publisher import Sink
 from toppings.server.memory.adapter_blocks import AdapterBlocks
 from toppings.server.memory.counters import MemoryCounters
 from toppings.server.memory.host_swap import HostSwap
@@ -48,6 +50,7 @@ def build_memory(
     max_model_len: int,
     free_device_bytes: Callable[[], int],
     trace: TraceRecorder | None = None,
+    kv_sink: Sink | None = None,
 ) -> MemoryManager:
     """The engine's memory (its KV pool is `.kv`, its adapter cache `.adapter_cache`).
 
@@ -55,7 +58,8 @@ def build_memory(
     its LoRA part (the adapter cache's budget, the loader's layer groups, the emulated link);
     max_batch_size: the KV pool's rows; free_device_bytes: () -> free bytes of the device
     (asked only on CUDA without a budget); trace: the adapter loader's copies go to it (None:
-    no tracing).
+    no tracing); kv_sink: where the prefix cache's KV events go instead of
+    `memory.kv_events_endpoint` (tests capture them in-process).
     """
     cfg, mc = memory, model_config
     layout = make_layout(
@@ -82,7 +86,10 @@ def build_memory(
         cfg.block_tokens,
     )
     counters = MemoryCounters()
-    tree = PrefixTree(kv.block_tokens) if cfg.prefix_cache else None
+    tree: PrefixTree | None = None
+    events = start_kv_events(cfg, kv.block_tokens, lambda: tree.nodes(), kv_sink)
+    if cfg.prefix_cache:
+        tree = PrefixTree(kv.block_tokens, events.recorder if events is not None else None)
     host_blocks = cfg.host_memory_bytes // kv.block_bytes
     swap = None
     if host_blocks and tree is not None:
@@ -101,5 +108,5 @@ def build_memory(
         keep_idle=lora.adapter_cache,
     )
     reclaimer = Reclaimer(kv, tree, swap, cache, blocks is not None, counters)
-    manager = MemoryManager(kv, layout, tree, swap, blocks, cache, reclaimer, counters)
+    manager = MemoryManager(kv, layout, tree, swap, blocks, cache, reclaimer, counters, events)
     return manager

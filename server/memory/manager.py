@@ -25,6 +25,7 @@ import logging
 from dataclasses import dataclass, field
 
 from toppings.gpu_lora.cache import AdapterCache
+from toppings.server.kv_events.publisher import KVEventPublisher
 from toppings.server.memory.adapter_blocks import AdapterBlocks
 from toppings.server.memory.counters import MemoryCounters
 from toppings.server.memory.host_swap import HostSwap
@@ -63,7 +64,10 @@ class MemoryManager:
         adapter_cache: AdapterCache,
         reclaimer: Reclaimer,
         counters: MemoryCounters,
+        kv_events: KVEventPublisher | None = None,
     ):
+        """kv_events: the publisher of the tree's KV events (None: off); closed by `close`."""
+        self.kv_events = kv_events
         self.kv, self.layout, self.tree, self.swap = kv, layout, tree, swap
         self.adapter_blocks = adapter_blocks  # None: adapters take no blocks of this pool
         self.adapter_cache = adapter_cache
@@ -248,6 +252,11 @@ class MemoryManager:
             self.kv.free_blocks(device)
             if self.swap is not None:
                 self.swap.free(host)
+
+    def close(self) -> None:
+        """Send the KV events still queued and stop their publisher (the engine's shutdown)."""
+        if self.kv_events is not None:
+            self.kv_events.close()
 
     # ---- views ------------------------------------------------------------------------------
 

@@ -19,6 +19,13 @@ The evictable leaves (device nodes without a reference or device children) are k
 updated wherever a node is inserted, held, released, moved or removed, so a reclaim round finds
 them without walking the tree.
 
+With a KV event recorder (server/kv_events), each node carries the hash it is announced under
+(chained from its parent's, salted by its adapter's name: kv_events/block_hash.py) and every
+change is announced: blocks inserted (BlockStored), moved between the device and the host tier
+(BlockRemoved from one medium, BlockStored in the other) and dropped (BlockRemoved). An
+activated LoRA's blocks before its activation sit under the base model's root, so they hash and
+are announced as the base model's.
+
 `num_pinned_unreserved` counts device nodes that running requests hold and whose creator has
 ended: blocks the admission budget must count apart from the requests' own reservations.
 """
@@ -28,6 +35,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from toppings.server.kv_events.block_hash import block_hash
+from toppings.server.kv_events.recorder import KVEventRecorder
+from toppings.server.kv_events.schema import MEDIUM_DEVICE, MEDIUM_HOST
 from toppings.server.requests.adapter_ref import AdapterRef
 
 
@@ -41,6 +51,7 @@ class KVNode:
     depth: int  # blocks from the adapter root (the root is 0)
     block: int | None = None  # device block; None while on the host (or for a root)
     host_block: int | None = None
+    block_hash: int | None = None  # announced under (None: a root, or no events)
     children: dict[tuple[int, ...], KVNode] = field(default_factory=dict)
     num_device_children: int = 0
     refcount: int = 0
@@ -68,10 +79,12 @@ class KVNode:
 
 
 class PrefixTree:
-    """See the module docstring. `block_tokens` tokens per node."""
+    """See the module docstring. `block_tokens` tokens per node; events: where changes are
+    announced (None: nowhere, and nodes are not hashed)."""
 
-    def __init__(self, block_tokens: int):
+    def __init__(self, block_tokens: int, events: KVEventRecorder | None = None):
         self.block_tokens = block_tokens
+        self.events = events
         self.roots: dict[AdapterRef | None, KVNode] = {}
         self.num_device = 0  # device KV nodes
         self.num_host = 0
@@ -150,6 +163,9 @@ class PrefixTree:
             if key in parent.children:
                 break
             node = KVNode(key, parent.adapter, parent, parent.depth + 1, block=block)
+            if self.events is not None:
+                name = parent.adapter.name if parent.adapter is not None else None
+                node.block_hash = block_hash(parent.block_hash, key, name)
             node.refcount, node.creator_active = 1, True
             node.visits, node.last_used = 1, now
             parent.children[key] = node
@@ -159,6 +175,8 @@ class PrefixTree:
             self.num_held += 1
             new.append(node)
             parent = node
+        if self.events is not None:
+            self.events.stored(new, MEDIUM_DEVICE)
         return new
 
     # ---- moves (the memory manager copies the bytes) ----------------------------------------
@@ -186,6 +204,8 @@ class PrefixTree:
         self.num_host += 1
         self._leaves.pop(node, None)
         self._refresh(node.parent)
+        if self.events is not None:
+            self.events.moved(node, MEDIUM_DEVICE, MEDIUM_HOST)
         return block
 
     def to_device(self, node: KVNode, block: int) -> int:
@@ -199,6 +219,8 @@ class PrefixTree:
         self.num_pinned_unreserved += node.pinned_unreserved
         self._leaves.pop(node.parent, None)
         self._refresh(node)
+        if self.events is not None:
+            self.events.moved(node, MEDIUM_HOST, MEDIUM_DEVICE)
         return host
 
     def drop(self, node: KVNode) -> tuple[list[int], list[int]]:
@@ -212,12 +234,14 @@ class PrefixTree:
         """Remove a node and everything below it, none of it referenced (an unregistered
         adapter's KV). Returns (device blocks, host blocks) they held."""
         device, host, stack = [], [], [node]
+        gone: list[KVNode] = []
         while stack:
             n = stack.pop()
             if n.refcount:
                 raise RuntimeError("a referenced prefix block cannot be dropped")
             stack.extend(n.children.values())
             self._leaves.pop(n, None)
+            gone.append(n)
             if n.on_device:
                 device.append(n.block)
                 self.num_device -= 1
@@ -230,4 +254,7 @@ class PrefixTree:
             self._refresh(node.parent)
         if not node.parent.children and node.parent.parent is None:
             del self.roots[node.parent.adapter]  # an adapter root with nothing below
+        if self.events is not None:
+            self.events.removed([n for n in gone if n.on_device], MEDIUM_DEVICE)
+            self.events.removed([n for n in gone if not n.on_device], MEDIUM_HOST)
         return device, host
