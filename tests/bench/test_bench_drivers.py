@@ -70,3 +70,17 @@ def test_cuda_graphs_quick_runs_the_eager_engine_on_a_cpu(tiny_model_dir, tmp_pa
         assert batch["decode_steps_eager"] == [new_tokens - 1]
         assert not any("graphs" in key for key in batch)
     assert len(list((tmp_path / "adapters").iterdir())) == bench_cuda_graphs.QUICK["num_adapters"]
+
+
+def test_host_overhead_quick_times_decode_steps_of_both_forwards(tmp_path):
+    from bench import bench_host_overhead
+
+    out = tmp_path / "host_overhead.json"
+    result = bench_host_overhead.main(["--quick", "--out", str(out)])
+    assert json.loads(out.read_text()) == result
+    metrics = result["metrics"]
+    for forward in bench_host_overhead.FORWARDS:
+        per_batch = metrics[forward]["per_batch"]
+        assert set(per_batch) == {"1", "8"}
+        assert all(b["step_us"] > 0 and len(b["rounds"]) == 1 for b in per_batch.values())
+    assert metrics["host_us_per_request"] == metrics["real"]["host_us_per_request"]
