@@ -1,5 +1,8 @@
 """The hash a KV block is announced under: chained from its parent's, salted by its adapter.
 
+Part of the HTTP contract (it imports nothing of toppings): the scheduler's KV index hashes a
+prompt with `prompt_hashes` to match what servers announce.
+
 A router that keeps an index of blocks per server must never take one adapter's KV for
 another's (vllm#44250: a key without the adapter made adapter B hit adapter A's KV), so the
 adapter's name is part of every block's hash, as vLLM puts `lora_name` in its block keys, and is

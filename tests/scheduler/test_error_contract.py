@@ -138,12 +138,13 @@ def _toppings_imports(path: Path) -> set[str]:
     return {n for n in names if n.startswith("toppings.")}
 
 
-# The error body, the bound on client JSON, the /stats body, the front end that refuses past the
-# in-flight limit with 429 + Retry-After, and the waitress server with its header deadline (shared
-# so that both processes bound and refuse alike).
+# The error body, the bound on client JSON, the KV events' block hash, the /stats body, the
+# front end that refuses past the in-flight limit with 429 + Retry-After, and the waitress server
+# with its header deadline (shared so that both processes bound, refuse and hash alike).
 HTTP_CONTRACT = (
     "toppings.server.requests.errors",
     "toppings.server.requests.json_depth",
+    "toppings.server.kv_events.block_hash",
     "toppings.server.requests.stats_schema",
     "toppings.server.http.frontend",
     "toppings.server.http.waitress_server",
@@ -165,6 +166,7 @@ def test_scheduler_imports_only_the_http_contract_of_the_server():
     [
         "requests/errors.py",
         "requests/json_depth.py",
+        "kv_events/block_hash.py",
         "requests/stats_schema.py",
         "http/frontend.py",
         "http/waitress_server.py",

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import msgpack
 
-from toppings.scheduler.kv_index.block_hash import request_block_hashes
 from toppings.scheduler.kv_index.index import KVIndex
+from toppings.server.kv_events.block_hash import prompt_hashes
 
 
 def stored(hashes, medium="GPU", name=None):
@@ -40,12 +40,12 @@ def test_skip_to_forgets_the_server_and_resumes_there():
 
 def test_longest_prefix_per_server_and_medium_and_cleared():
     index = KVIndex()
-    hashes = request_block_hashes(list(range(12)), 4, "a")
+    hashes = prompt_hashes(list(range(12)), 4, "a")
     index.apply("s1", 0, batch(stored(hashes[:2])))
     index.apply("s2", 0, batch(stored(hashes[:1]), stored(hashes[1:], medium="CPU")))
     assert index.matches(hashes) == {"s1": 2, "s2": 3}
     assert index.longest_prefix("s2", hashes, medium="GPU") == 1
-    assert index.longest_prefix("s1", request_block_hashes(list(range(12)), 4, "b")) == 0
+    assert index.longest_prefix("s1", prompt_hashes(list(range(12)), 4, "b")) == 0
     index.apply("s1", 1, batch(["AllBlocksCleared"]))
     assert index.longest_prefix("s1", hashes) == 0
 

@@ -15,11 +15,11 @@ import msgspec
 import pytest
 
 from tests.server.kv_events.vllm_structs import vllm_structs
-from toppings.scheduler.kv_index.block_hash import request_block_hashes
 from toppings.scheduler.kv_index.index import KVIndex, decode_batch
 from toppings.scheduler.kv_index.subscriber import KVEventSubscriber
 from toppings.server.config import EngineConfig
 from toppings.server.engine.engine import Engine
+from toppings.server.kv_events.block_hash import prompt_hashes
 from toppings.server.model.loader import load_checkpoint
 from toppings.server.requests.request import GenerationRequest, SamplingParams
 
@@ -157,7 +157,7 @@ def stored_events(batches) -> list[dict]:
 
 def test_two_adapters_never_share_a_hash_and_hashes_follow_the_published_rule(recorded):
     shared = recorded["shared"]
-    expected = {name: request_block_hashes(shared, BLOCK, name) for name in ("a", "b", None)}
+    expected = {name: prompt_hashes(shared, BLOCK, name) for name in ("a", "b", None)}
     first = recorded["steps"]["stored"][1]
     by_name: dict[str | None, list[int]] = {}
     for event in stored_events(first):
@@ -178,11 +178,11 @@ def test_activated_adapter_blocks_before_its_invocation_are_the_base_models(reco
     assert all(e["lora_name"] is None and e["lora_id"] is None for e in events)
     hashes = [h for e in events for h in e["block_hashes"]]
     # the two blocks wholly before the invocation, as a base request's
-    assert hashes == request_block_hashes(act_prompt[: 2 * BLOCK], BLOCK, None)
+    assert hashes == prompt_hashes(act_prompt[: 2 * BLOCK], BLOCK, None)
 
 
 def test_unload_removes_and_reload_under_the_name_stores_the_same_hashes(recorded):
-    a_hashes = set(request_block_hashes(recorded["shared"], BLOCK, "a"))
+    a_hashes = set(prompt_hashes(recorded["shared"], BLOCK, "a"))
     unloaded = recorded["steps"]["unloaded"][0]
     reloaded = recorded["steps"]["reloaded"][0]
     assert not a_hashes & unloaded.keys()
