@@ -10,14 +10,50 @@ version of this module then decoded the whole output at every token). A window w
 in an incomplete character waits for the rest of it: tokens that add no text meanwhile are not
 kept in it, and it holds at most MAX_HELD tokens (without both, a split character followed by
 skipped special tokens, or bytes that never form a character, grew it by a token every step).
+
+A window is decoded by the Rust tokenizer itself where that is all transformers' `decode` would
+do (`window_decoder`): its Python wrapper cost several times the decode of a short window, and
+this runs for every request at every step on the engine thread.
 """
 
 from __future__ import annotations
+
+import functools
+from collections.abc import Callable
 
 # Tokens a window may hold while its text ends in an incomplete character: a UTF-8 character
 # is at most 4 bytes and a byte-level token at least one, so a window still ending in U+FFFD
 # after this many tokens holds bytes that never form one (they are released as U+FFFD).
 MAX_HELD = 8
+
+
+def window_decoder(tokenizer) -> Callable[[list[int]], str]:
+    """`tokenizer.decode(ids, skip_special_tokens=True)` as a function of ids: the backend
+    `tokenizers.Tokenizer`'s own decode when the tokenizer is transformers' `TokenizersBackend`
+    with its `decode` not overridden and no clean-up of spaces applied after it (what
+    `TokenizersBackend._decode` does then); the tokenizer's `decode` otherwise."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and _decodes_as_backend(tokenizer, backend):
+        return functools.partial(backend.decode, skip_special_tokens=True)
+    return functools.partial(tokenizer.decode, skip_special_tokens=True)
+
+
+def _decodes_as_backend(tokenizer, backend) -> bool:
+    try:
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:  # another transformers layout: its decode, as it is
+        return False
+    cls = type(tokenizer)
+    if not isinstance(tokenizer, TokenizersBackend) or (cls.decode, cls._decode) != (
+        TokenizersBackend.decode,
+        TokenizersBackend._decode,
+    ):
+        return False
+    if not getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return True
+    # transformers skips the clean-up for a BPE model unless told to corrupt its output
+    forced = "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output"
+    return type(backend.model).__name__ == "BPE" and not getattr(tokenizer, forced, False)
 
 
 class TextStream:
@@ -28,7 +64,7 @@ class TextStream:
     """
 
     def __init__(self, tokenizer, stop: tuple[str, ...] = ()):
-        self._tok = tokenizer
+        self._decode_ids = window_decoder(tokenizer)
         self._stop = stop
         self._hold = max((len(s) for s in stop), default=1) - 1
         # The window: the token whose text was released last (its context), then the tokens
@@ -69,7 +105,7 @@ class TextStream:
         return out
 
     def _decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids, skip_special_tokens=True) if ids else ""
+        return self._decode_ids(ids) if ids else ""
 
     def _release(self) -> str:
         # Held text is at least a stop string's length less one, so a stop string that the new

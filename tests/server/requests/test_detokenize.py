@@ -3,11 +3,13 @@ whole output, and each token decodes a bounded window whatever the output's leng
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from toppings.server.requests.detokenize import TextStream
+from toppings.server.requests.detokenize import TextStream, window_decoder
 
 WORDS = ("hello", "world", "foo", "bar", "baz", "é")
 
@@ -100,3 +102,27 @@ def test_bytes_that_never_form_a_character_are_released():
     assert streamed.startswith("ok\ufffd") and len(streamed) >= 90  # out before the request ends
     assert streamed + s.finish() == tok.decode(ids)
     assert max(counting.lengths) <= 16  # the context (at most 8 tokens) and 8 held
+
+
+@pytest.mark.parametrize("make", [metaspace_tokenizer, byte_level_tokenizer])
+@pytest.mark.parametrize("clean_up", [False, True])
+def test_the_window_decoder_decodes_as_the_tokenizer(make, clean_up):
+    """The fast path (the Rust tokenizer's own decode) gives transformers' decode wherever it is
+    taken, and a tokenizer whose decode cleans up spaces afterwards (a WordLevel model: not
+    skipped as BPE's is) keeps its own decode."""
+    tok = make()
+    tok.clean_up_tokenization_spaces = clean_up
+    ids = tok("hello , world é foo 's bar", add_special_tokens=False)["input_ids"]
+    ids = ids[:3] + [tok.eos_token_id] + ids[3:]
+    decode = window_decoder(tok)
+    for start in range(len(ids)):
+        for end in range(start + 1, min(start + 5, len(ids)) + 1):
+            assert decode(ids[start:end]) == tok.decode(ids[start:end], skip_special_tokens=True)
+    takes_backend = isinstance(decode, functools.partial) and decode.func == tok._tokenizer.decode
+    assert takes_backend == (not clean_up or make is byte_level_tokenizer)
+
+
+def test_a_tokenizer_with_its_own_decode_is_called():
+    counting = CountingTokenizer(byte_level_tokenizer())
+    assert window_decoder(counting)([5, 6]) == counting.tok.decode([5, 6])
+    assert counting.lengths == [2]
