@@ -85,7 +85,7 @@ class SimSeq:
         self.request = _Request(str(id(self)), self.adapter, params)
         self.kv_need = self.prompt_len + self.max_new
 
-    def append(self, token: int, eos_ids: set[int], max_model_len: int) -> str | None:
+    def append(self, token: int, eos_ids: set[int], max_model_len: int, logprob=None) -> str | None:
         self.output_ids.append(token)
         return "length" if len(self.output_ids) >= self.max_new else None
 

@@ -121,6 +121,18 @@ class RuntimeConfig(Settings):
             parse=on_off,
         ),
     )
+    # The next step planned while the device runs this one (engine/step_pipeline.py); None: on
+    # for cuda.
+    async_scheduling: bool | None = setting(
+        None,
+        flag=Flag(
+            "plan the next step and read its inputs while the device runs this one; the model "
+            "runs on a thread of its own (default: on with --device cuda; off on a cpu, where "
+            "the host's work and the model's share the cores)",
+            choices=ON_OFF,
+            parse=on_off,
+        ),
+    )
     # torch (OpenMP) threads of the engine thread; 0: every core.
     num_threads: int = setting(
         0,
@@ -152,6 +164,11 @@ class RuntimeConfig(Settings):
             raise ValueError("cuda_graphs needs device cuda (a CPU has no graphs to capture)")
         if self.adapt_threads and self.device != "cpu":
             raise ValueError("adapt_threads needs device cpu (it sizes the CPU's OpenMP team)")
+        if self.adapt_threads and self.async_scheduling:
+            raise ValueError(
+                "adapt_threads sizes the engine thread's team; with "
+                "async_scheduling the model runs on the device lane: choose one"
+            )
         if self.quantization != Quantization.NONE.value and self.device != "cpu":
             raise ValueError(
                 f"quantization {self.quantization} runs on device cpu only (torch's packed "
@@ -165,8 +182,16 @@ class RuntimeConfig(Settings):
 
     @property
     def use_thread_governor(self) -> bool:
-        """Whether the engine's thread count follows its steps (engine/thread_governor.py)."""
-        return self.device == "cpu" and self.adapt_threads is not False
+        """Whether the engine's thread count follows its steps (engine/thread_governor.py;
+        not with async scheduling, where the model runs on the device lane's thread)."""
+        return self.device == "cpu" and self.adapt_threads is not False and not self.use_async
+
+    @property
+    def use_async(self) -> bool:
+        """Whether the engine plans ahead of the device (server/engine/step_pipeline.py)."""
+        if self.async_scheduling is None:
+            return self.device == "cuda"
+        return self.async_scheduling
 
     @property
     def use_cuda_graphs(self) -> bool:

@@ -77,9 +77,19 @@ def tiny_model_config(**changes) -> ModelConfig:
     return ModelConfig(**fields)
 
 
+def wait_steps_back(engine, timeout_s: float = 30.0) -> None:
+    """Wait until no step is on the device (with async scheduling a request's last output is
+    sent while a step computed for it may still run; what it holds comes back after)."""
+    deadline = time.monotonic() + timeout_s
+    while engine.scheduler.has_steps_on_device:
+        assert time.monotonic() < deadline, "a launched step never came back"
+        time.sleep(0.01)
+
+
 def assert_memory_balanced(engine, pinned_adapter_blocks: int = 0) -> None:
-    """Nothing is held after the requests ended: every pool block is free or cached (a KV
-    prefix, an idle adapter) and the counts add up to the pool."""
+    """Nothing is held after the requests ended (and their steps are back): every pool block
+    is free or cached (a KV prefix, an idle adapter) and the counts add up to the pool."""
+    wait_steps_back(engine)
     mem = engine.stats().to_json()["memory"]
     blocks = mem["blocks"]
     assert blocks["kv_in_use"] == 0, blocks

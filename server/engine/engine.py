@@ -4,9 +4,11 @@ One thread owns all request state. Each iteration it takes new requests and abor
 inbox, asks the scheduler (server/sched/scheduler.py) for a step (each scheduled request's
 token count: the running decodes, prompt chunks, or whole prompts after their cached prefix,
 its KV slots reserved), has the model runner (model_runner.py) compute it, and gives the tokens
-back to the scheduler, which streams them to each request's handle. The engine owns the loop and
-the lifecycle (start, drain, shutdown, adapters); its parts are built by compose.py, the
-chunked-prefill budget is server/sched/step_budget_keeper.py's, its reports are reports.py's.
+back to the scheduler, which streams them to each request's handle. With async scheduling
+(`--async-scheduling`, on with cuda) the model runs each step on a thread of its own while the
+engine thread plans the next one (step_pipeline.py). The engine owns the loop and the lifecycle
+(start, drain, shutdown, adapters); its parts are built by compose.py, the chunked-prefill
+budget is server/sched/step_budget_keeper.py's, its reports are reports.py's.
 """
 
 from __future__ import annotations
@@ -22,8 +24,14 @@ from toppings.gpu_lora.validate import check_finite_delta
 from toppings.server.config import EngineConfig
 from toppings.server.engine import reports
 from toppings.server.engine.compose import compose_engine
+from toppings.server.engine.model_runner import StepOutcome
+from toppings.server.engine.step_pipeline import Launched, StepPipeline
 from toppings.server.engine.thread_governor import ThreadGovernor
-from toppings.server.engine.threads import engine_thread_count, enter_engine_thread
+from toppings.server.engine.threads import (
+    engine_thread_count,
+    enter_engine_thread,
+    torch_on_this_thread_only,
+)
 from toppings.server.kv_events.publisher import Sink
 from toppings.server.model.loader import Checkpoint
 from toppings.server.requests.adapter_ref import AdapterRef
@@ -74,6 +82,19 @@ class Engine:
         # The engine thread's OpenMP team, as the thread that builds the engine sees it
         self._num_threads = engine_thread_count(config)
         self.governor = ThreadGovernor(self._num_threads) if config.use_thread_governor else None
+        self.pipeline = None
+        if config.use_async:
+            cores = config.device_cores
+
+            def wait_for_loads(plan: StepPlan) -> None:
+                self.lora.steps.wait_for_loads([s.cache_entry for s in plan.seqs])
+
+            self.pipeline = StepPipeline(
+                self.runner,
+                self.scheduler,
+                wait_for_loads,
+                lambda: enter_engine_thread(self._num_threads, cores),
+            )
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
 
     @property
@@ -99,6 +120,8 @@ class Engine:
             self._thread.join()
         self._drain_inbox(block=False)
         self.scheduler.abort_all()
+        if self.pipeline is not None:
+            self.pipeline.close()
         self.lora.close()
         self.memory.close()
 
@@ -196,14 +219,85 @@ class Engine:
     # ---- the engine thread ------------------------------------------------------------------
 
     def _loop(self) -> None:
-        enter_engine_thread(self._num_threads, self.config.device_cores)
-        while not self._stopping.is_set():
-            self._drain_inbox(block=not self.scheduler.has_work())
-            if self._stopping.is_set():
-                break
-            if self.step() is None:
-                # Requests wait for an adapter load or for adapter memory: poll, don't spin.
-                time.sleep(0.002)
+        if self.pipeline is None:
+            enter_engine_thread(self._num_threads, self.config.device_cores)
+        else:
+            torch_on_this_thread_only()  # the model runs on the device lane, with its team
+        try:
+            while not self._stopping.is_set():
+                idle = not self.scheduler.has_work() and self._pending() is None
+                self._drain_inbox(block=idle)
+                if self._stopping.is_set():
+                    break
+                plan = self.step() if self.pipeline is None else self._step_ahead()
+                if plan is None and self._pending() is None:
+                    # Requests wait for an adapter load or for adapter memory: poll, don't spin.
+                    time.sleep(0.002)
+        finally:
+            if (pending := self._pending()) is not None:
+                with self._lock:
+                    self._take_back(pending)
+
+    def _pending(self) -> Launched | None:
+        return self.pipeline.pending if self.pipeline is not None else None
+
+    def _step_ahead(self) -> StepPlan | None:
+        """One iteration with async scheduling (step_pipeline.py): plan the next step while the
+        one on the device runs (ahead of a decode step only), launch it, then take the one
+        before back. Returns the plan launched, or None."""
+        with self._lock:
+            pending = self.pipeline.pending
+            if pending is not None and not pending.is_chainable:
+                self._take_back(pending)
+                pending = None
+            try:
+                plan = self.scheduler.schedule()  # its KV slots reserved
+            except Exception:  # the loop outlives any fault of a plan's making
+                log.exception("scheduling failed")
+                plan = None
+            if plan is not None:
+                if pending is not None and any(s.request.params.constraint is not None
+                                               for s in plan.seqs):  # fmt: skip
+                    self._take_back(pending)  # a grammar advances on the tokens before
+                    pending = None
+                try:
+                    self.pipeline.launch(plan)
+                except Exception as exc:
+                    log.exception("engine step failed")
+                    self.scheduler.fail(plan, f"engine error: {exc}")
+            if pending is not None:
+                self._take_back(pending)
+        return plan
+
+    def _take_back(self, launched: Launched) -> None:
+        """Wait for a launched step and give its tokens to the scheduler (under the lock)."""
+        outcome, seconds, error = self.pipeline.take_back(launched)
+        plan = launched.plan
+        try:
+            if error is not None:
+                log.error("engine step failed", exc_info=error)
+                self.scheduler.fail(plan, f"engine error: {error}")
+            else:
+                self._apply(outcome)
+        finally:
+            self.scheduler.returned(plan)
+        self._observe(plan, self.budget.shape_of(plan) if self.budget is not None else None,
+                      seconds)  # fmt: skip
+
+    def _apply(self, outcome: StepOutcome) -> None:
+        for seq, error in outcome.failed.items():  # fails alone; its neighbours go on
+            log.warning("request %s failed: %s", seq.request.request_id, error)
+            self.scheduler.finish(seq, "error", error=error)
+        if outcome.plan.seqs:
+            self.scheduler.update(outcome.plan, outcome.result)
+
+    def _observe(self, plan: StepPlan, shape, seconds: float) -> None:
+        """A step's time, for the reports, the thread governor and the step budget's refit."""
+        self.step_stats.count(plan.is_prefill, seconds)
+        if self.governor is not None and not plan.is_prefill:
+            self.governor.observe(len(plan.seqs), seconds)
+        if shape is not None and (moved := self.budget.observe(shape, seconds)) is not None:
+            self.scheduler.set_step_budget(moved)
 
     def step(self) -> StepPlan | None:
         """One iteration of the loop: take what was submitted, schedule a step and run it.
@@ -224,21 +318,11 @@ class Engine:
                 self.governor.apply()
             try:
                 self.lora.steps.wait_for_loads([s.cache_entry for s in plan.seqs])  # on-demand-sync
-                outcome = self.runner.run(plan)
-                for seq, error in outcome.failed.items():  # fails alone; its neighbours go on
-                    log.warning("request %s failed: %s", seq.request.request_id, error)
-                    self.scheduler.finish(seq, "error", error=error)
-                if outcome.plan.seqs:
-                    self.scheduler.update(outcome.plan, outcome.result)
+                self._apply(self.runner.run(plan))
             except Exception as exc:  # keep serving: fail this step's requests only
                 log.exception("engine step failed")
                 self.scheduler.fail(plan, f"engine error: {exc}")
-            seconds = time.perf_counter() - started
-            self.step_stats.count(plan.is_prefill, seconds)
-            if self.governor is not None and not plan.is_prefill:
-                self.governor.observe(len(plan.seqs), seconds)
-            if shape is not None and (moved := self.budget.observe(shape, seconds)) is not None:
-                self.scheduler.set_step_budget(moved)
+            self._observe(plan, shape, time.perf_counter() - started)
         return plan
 
     def _drain_inbox(self, block: bool) -> None:

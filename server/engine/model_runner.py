@@ -20,6 +20,7 @@ requests (attention reads each request's own keys, the LoRA kernels each request
 from __future__ import annotations
 
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import torch
@@ -45,6 +46,33 @@ class StepOutcome:
     plan: StepPlan
     result: StepResult
     failed: dict[Sequence, str] = field(default_factory=dict)
+
+    def tokens_by_request(self) -> dict[Sequence, int]:
+        """Each sampling request's new token."""
+        return dict(zip(self.plan.sampled, self.result.tokens))
+
+
+@dataclass
+class PreparedStep:
+    """A plan and what its forward pass reads from the requests and the KV tables (T tokens,
+    B requests): input `ids` [T] (a token still in flight is 0 here, its index and request in
+    `in_flight`), `positions` [T], `seg_starts` [B+1], the logit `rows` [R] and which requests
+    score their prompt (`scores` [B]), each request's KV row (`kv_rows` [B]), the KV slots the
+    tokens are written to (`slots` int64 [T]); a decode step's `kv_index` [B, Lmax] and
+    `kv_lengths` [B], a prefill's `past` (each request's cached-prefix slots [P], or None)."""
+
+    plan: StepPlan
+    ids: list[int]
+    in_flight: list[tuple[int, Sequence]]
+    positions: list[int]
+    seg_starts: list[int]
+    rows: list[int]
+    scores: list[bool]
+    kv_rows: list[int]
+    slots: torch.Tensor
+    kv_index: torch.Tensor | None
+    kv_lengths: torch.Tensor | None
+    past: list[torch.Tensor | None] | None
 
 
 def nonfinite_error(seq: Sequence) -> str:
@@ -103,15 +131,64 @@ class ModelRunner:
     def run(self, plan: StepPlan) -> StepOutcome:
         """Compute the plan's step and sample each request's next token; a request whose logits
         are not all finite gets no token and is in the outcome's `failed`."""
+        return self.execute(self.prepare(plan))
+
+    def prepare(self, plan: StepPlan, in_flight: Collection[Sequence] = ()) -> PreparedStep:
+        """What the step reads from the requests and the KV tables, read now (the engine
+        thread, before the next plan reserves more slots). in_flight: the requests whose last
+        token a step still on the device samples (async scheduling): their input is taken from
+        that step's result when this one executes."""
+        seqs, kv = plan.seqs, self.kv
+        ids, positions, seg_starts, rows, scores, waiting = [], [], [0], [], [], []
+        for seq, start, n in zip(seqs, plan.starts, plan.tokens):
+            if start >= seq.prompt_len:  # a decode row (n = 1): its last sampled token
+                if seq in in_flight:
+                    waiting.append((len(ids), seq))
+                    ids.append(0)
+                else:
+                    ids.append(seq.output_ids[-1])
+                whole = False
+            else:
+                ids.extend(seq.request.prompt_ids[start : start + n])
+                whole = seq.request.params.prompt_logprobs is not None
+            positions.extend(range(start, start + n))
+            end = seg_starts[-1] + n
+            rows.extend(range(seg_starts[-1] if whole else end - 1, end))
+            seg_starts.append(end)
+            scores.append(whole)
+        kv_rows = [s.kv_hold.row for s in seqs]
+        kv_index = kv_lengths = past = None
+        if plan.is_prefill:
+            table = kv.req_to_slot
+            slots = torch.cat(
+                [table[r, b : b + n] for r, b, n in zip(kv_rows, plan.starts, plan.tokens)]
+            )  # [T]
+            past = [table[r, :b] if b else None
+                    for r, b in zip(kv_rows, plan.starts)]  # fmt: skip
+        else:
+            slots = kv.slots_at(kv_rows, list(plan.starts))  # [B]
+            kv_index, kv_lengths = kv.decode_index(kv_rows)  # [B, Lmax], [B]
+        return PreparedStep(plan, ids, waiting, positions, seg_starts, rows, scores, kv_rows,
+                            slots, kv_index, kv_lengths, past)  # fmt: skip
+
+    def execute(self, step: PreparedStep, previous: StepOutcome | None = None) -> StepOutcome:
+        """Run a prepared step: its forward pass and each sampling request's next token
+        (`previous`: the outcome of the step before it, whose tokens are the inputs of
+        `step.in_flight`; a request that got none there, having failed, computes token 0,
+        dropped with it)."""
+        plan = step.plan
+        if step.in_flight:
+            tokens = previous.tokens_by_request() if previous is not None else {}
+            for i, seq in step.in_flight:
+                step.ids[i] = tokens.get(seq, 0)
         seqs, samples = list(plan.seqs), plan.samples
         # grammar masks of the requests that sample, computed during the forward
         masks = self.sampler.start_masks(list(plan.sampled))
-        slots = self._slots(plan)  # [T]
         logits = scanned = None
         if self.graphs is not None and not plan.is_prefill:  # every count 1: a graph may run it
-            logits = self._replay(plan)
+            logits = self._replay(step)
         if logits is None:
-            logits, scanned, seconds, num_computed = self._forward(plan, slots)  # [B, V]
+            logits, scanned, seconds, num_computed = self._forward(step)  # [B, V]
         else:
             seconds, num_computed = 0.0, 0
         # [B] each: finite rows, argmax (logits_scan.py; scanned: by the native step itself)
@@ -124,34 +201,23 @@ class ModelRunner:
         if len(rows) < len(seqs):
             logits = logits[rows]  # [S, V], the rows of the requests that sample
         argmax = [best[i] for i in rows]
-        tokens = self.sampler.sample(sampled, logits, masks, argmax) if sampled else []
-        return StepOutcome(kept_plan, StepResult(tokens, seconds, num_computed), failed)
+        if not sampled:
+            return StepOutcome(kept_plan, StepResult([], seconds, num_computed), failed)
+        drawn = self.sampler.sample(sampled, logits, masks, argmax)
+        result = StepResult(drawn.tokens, seconds, num_computed, drawn.logprobs)
+        return StepOutcome(kept_plan, result, failed)
 
-    def _slots(self, plan: StepPlan) -> torch.Tensor:
-        """The KV slots of the plan's tokens, int64 [T], in plan order: the scheduler reserved
-        them (`Scheduler._reserve`); the runner only reads where they are."""
-        rows = [s.kv_hold.row for s in plan.seqs]
-        if not plan.is_prefill:
-            return self.kv.slots_at(rows, list(plan.starts))  # [B]
-        table = self.kv.req_to_slot
-        return torch.cat([table[r, b : b + n] for r, b, n in zip(rows, plan.starts, plan.tokens)])
-
-    def _replay(self, plan: StepPlan) -> torch.Tensor | None:
+    def _replay(self, step: PreparedStep) -> torch.Tensor | None:
         """A decode step's logits [B, V] from its CUDA graph, or None where the graphs decline
         (then the step runs eagerly)."""
-        seqs = plan.seqs
-        entries = [s.cache_entry for s in seqs]
+        entries = [s.cache_entry for s in step.plan.seqs]
         if self.lora.has_dora(entries):
             return None  # the graphs' LoRA does not scale DoRA rows
         adapters = [e.resident if e else None for e in entries]
         loading = any(e is not None and not e.ticket.done for e in entries)
-        ids = [s.output_ids[-1] for s in seqs]
-        rows = [s.kv_hold.row for s in seqs]
-        return self.graphs.run(rows, ids, list(plan.starts), adapters, loading)
+        return self.graphs.run(step.kv_rows, step.ids, list(step.plan.starts), adapters, loading)
 
-    def _forward(
-        self, plan: StepPlan, slots: torch.Tensor
-    ) -> tuple[torch.Tensor, Scanned | None, float, int]:
+    def _forward(self, step: PreparedStep) -> tuple[torch.Tensor, Scanned | None, float, int]:
         """The one `ForwardBatch` of a step and its forward pass: request b computes its
         plan.tokens[b] tokens from position plan.starts[b] (its prompt's next chunk, or its
         last sampled token) after the KV its row holds (its past). Returns the logits [B, V]
@@ -163,50 +229,31 @@ class ModelRunner:
         A decode step (every count 1, no prompt token) reads every request's KV through the
         pool's decode index; a step with prompt tokens reads each segment's past from the
         pool, exactly as a prefill over a cached prefix."""
-        seqs, device, kv = plan.seqs, self.model.device, self.kv
-        is_prefill = plan.is_prefill
-        ids, positions, seg_starts, rows, scores = [], [], [0], [], []
-        for seq, start, n in zip(seqs, plan.starts, plan.tokens):
-            if start >= seq.prompt_len:  # a decode row (n = 1): its last sampled token
-                ids.append(seq.output_ids[-1])
-                whole = False
-            else:
-                ids.extend(seq.request.prompt_ids[start : start + n])
-                whole = seq.request.params.prompt_logprobs is not None
-            positions.extend(range(start, start + n))
-            end = seg_starts[-1] + n
-            rows.extend(range(seg_starts[-1] if whole else end - 1, end))
-            seg_starts.append(end)
-            scores.append(whole)
-        kv_index = kv_lengths = past = None
-        if is_prefill:
-            past = [kv.req_to_slot[s.kv_hold.row, :b] if b else None
-                    for s, b in zip(seqs, plan.starts)]  # fmt: skip
-        else:
-            kv_index, kv_lengths = kv.decode_index([s.kv_hold.row for s in seqs])  # [B, Lmax], [B]
+        plan, device = step.plan, self.model.device
+        seqs, seg_starts, scores = plan.seqs, step.seg_starts, step.scores
         started = time.perf_counter()
         batch = ForwardBatch(
-            input_ids=torch.tensor(ids, dtype=torch.int64, device=device),  # [T]
-            positions=torch.tensor(positions, dtype=torch.int64, device=device),  # [T]
-            slots=slots,  # [T]
+            input_ids=torch.tensor(step.ids, dtype=torch.int64, device=device),  # [T]
+            positions=torch.tensor(step.positions, dtype=torch.int64, device=device),  # [T]
+            slots=step.slots,  # [T]
             seg_starts=seg_starts,
-            is_prefill=is_prefill,
-            kv_index=kv_index,
-            kv_lengths=kv_lengths,
-            past_slots=past,
+            is_prefill=plan.is_prefill,
+            kv_index=step.kv_index,
+            kv_lengths=step.kv_lengths,
+            past_slots=step.past,
             lora=self.lora.step(
                 [s.cache_entry for s in seqs],
                 seg_starts,
-                is_prefill,
+                plan.is_prefill,
                 list(plan.starts),
                 [s.lora_start for s in seqs],
             ),  # fmt: skip
-            logit_rows=None if not any(scores) else torch.tensor(rows, device=device),
+            logit_rows=None if not any(scores) else torch.tensor(step.rows, device=device),
         )
-        logits, scanned = self.model.forward(batch, kv)  # [R, V]
+        logits, scanned = self.model.forward(batch, self.kv)  # [R, V]
         seconds = time.perf_counter() - started
         if self._trace is not None:
-            self._trace.step(StepEvent(is_prefill, len(ids), started, started + seconds))
+            self._trace.step(StepEvent(plan.is_prefill, len(step.ids), started, started + seconds))
         if any(scores):  # [R, V] -> [B, V]
             last, offset = [], 0
             for seq, n, whole in zip(seqs, plan.tokens, scores):

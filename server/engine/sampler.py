@@ -70,6 +70,14 @@ def score_prompts(
 
 
 @dataclass(frozen=True)
+class Sampled:
+    """A batch's next tokens, and each one's logprob where its request asked (None: none did)."""
+
+    tokens: list[int]
+    logprobs: list[TokenLogprob | None] | None
+
+
+@dataclass(frozen=True)
 class PendingMasks:
     """The grammar masks of a step's constrained requests, being computed: `bitmask` gives int32
     [M, W], row m for `seqs[m]`."""
@@ -170,14 +178,14 @@ class Sampler:
         logits: torch.Tensor,
         masks: PendingMasks | None = None,
         argmax: list[int] | None = None,
-    ) -> list[int]:
+    ) -> Sampled:
         """Next token of each sequence from its row of logits [B, V] float32 (argmax: each
         row's, where the caller has it: the greedy rows that nothing processes take it).
 
         Rows with penalties, a logit bias or min_tokens are processed first, then constrained
         rows keep only their grammar's tokens (`masks` from `start_masks`, computed here when
         None); the logprobs asked for are taken from the unprocessed rows (see
-        server/engine/logits.py) and left in each sequence's `step_logprob`."""
+        server/engine/logits.py) and returned beside the tokens."""
         params = [s.request.params for s in seqs]
         chosen_from = logits
         is_constrained = any(p.constraint is not None for p in params)
@@ -195,10 +203,11 @@ class Sampler:
         if is_constrained:
             self._advance(seqs, tokens)
         want = [i for i, p in enumerate(params) if p.logprobs is not None]
-        if want:
-            k = max(params[i].logprobs for i in want)
-            scored = token_logprobs(logits[want], [tokens[i] for i in want], k)
-            for i, lp in zip(want, scored):
-                top = lp.top[: params[i].logprobs]
-                seqs[i].step_logprob = TokenLogprob(lp.token_id, lp.logprob, top)
-        return tokens
+        if not want:
+            return Sampled(tokens, None)
+        logprobs: list[TokenLogprob | None] = [None] * len(seqs)
+        k = max(params[i].logprobs for i in want)
+        scored = token_logprobs(logits[want], [tokens[i] for i in want], k)
+        for i, lp in zip(want, scored):
+            logprobs[i] = TokenLogprob(lp.token_id, lp.logprob, lp.top[: params[i].logprobs])
+        return Sampled(tokens, logprobs)

@@ -47,7 +47,6 @@ class Sequence:
         self._tokenizer = tokenizer
         self._stream = TextStream(tokenizer, request.params.stop)
         self.num_restarts = 0  # a sampler re-creates the request's generator when this moves
-        self.step_logprob: TokenLogprob | None = None  # of the token append() records next
         # Set by the sampler when the request's grammar is complete with the token append()
         # records next and allows nothing after it: the request stops there.
         self.step_ends_grammar = False
@@ -83,7 +82,6 @@ class Sequence:
         self._stream = TextStream(self._tokenizer, self.request.params.stop)
         self.num_restarts += 1
         self._pending_ids, self._pending_text, self._pending_logprobs = [], "", []
-        self.step_logprob = None
         self.step_ends_grammar = False
         self.step_grammar_error = None
 
@@ -108,15 +106,21 @@ class Sequence:
         """The prompt's token logprobs (the first token has none); sent with the next output."""
         self._prompt_logprobs = [None, *scored]
 
-    def append(self, token: int, eos_ids: set[int], max_model_len: int) -> str | None:
-        """Record a new token and stream it; returns a finish reason when the request is done."""
+    def append(
+        self,
+        token: int,
+        eos_ids: set[int],
+        max_model_len: int,
+        logprob: TokenLogprob | None = None,
+    ) -> str | None:
+        """Record a new token (with its logprob, where the request asked for them) and stream
+        it; returns a finish reason when the request is done."""
         params = self.request.params
         if params.max_new_tokens == 0:
             return "length"  # the prompt was only scored
         replayed = len(self.output_ids) < self._num_sent
-        if self.step_logprob is not None and not replayed:
-            self._pending_logprobs.append(self.step_logprob)
-        self.step_logprob = None
+        if logprob is not None and not replayed:
+            self._pending_logprobs.append(logprob)
         ends_grammar, self.step_ends_grammar = self.step_ends_grammar, False
         grammar_error, self.step_grammar_error = self.step_grammar_error, None
         if self._first_token_at is None:

@@ -15,16 +15,27 @@ The plan goes to a model runner (or a simulator's step-time model), whose tokens
 ones that are done end (`finish`: their KV hold, prefix-tree nodes and adapter reference are
 given back, the last output is sent). One request in a step failing fails that step (`fail`),
 not the others.
+
+With async scheduling (server/engine/step_pipeline.py) the engine plans the next step while the
+device runs a decode step: `launched` and `returned` bracket each step on the device. A request
+with a token in flight is planned as a decode (its input is that token, which the runner takes
+from the step before), except where that token is its last by length; a request that ends while
+a step of its is on the device (a stop, an abort) ends for its client at once, and gives back
+its KV and adapter when the step is back (a step computed for it then is dropped: vLLM's "one
+step late"). A plan made ahead takes nothing back: where the slots cannot be had, there is no
+plan until the device's step is back.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
 from toppings.server.requests.adapter_ref import AdapterRef
+from toppings.server.requests.request import TokenLogprob
 from toppings.server.requests.sequence import Sequence
 from toppings.server.sched.admission import (
     Adapters,
@@ -88,12 +99,14 @@ class StepPlan:
 
 @dataclass(frozen=True)
 class StepResult:
-    """What running a plan gave: one token per request of `plan.sampled`, in order, and for the
+    """What running a plan gave: one token per request of `plan.sampled`, in order (with its
+    logprob where the request asked for them: `logprobs`, None when none did), and for the
     memory's prefill-speed estimate the forward's seconds and the prompt tokens it computed."""
 
     tokens: list[int]
     forward_s: float = 0.0
     num_computed: int = 0
+    logprobs: list[TokenLogprob | None] | None = None
 
 
 class Scheduler:
@@ -118,6 +131,11 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.finished: dict[str, int] = {}  # finish reason -> requests
         self.preemptions = 0  # running requests taken back for memory (`_reserve`)
+        # Requests in steps launched and not yet returned (async scheduling), with how many
+        self._on_device: Counter[Sequence] = Counter()
+        # Requests that ended while on the device, with whether their KV stays cached: given
+        # back when their last step is returned
+        self._ended_on_device: dict[Sequence, bool] = {}
 
     def add(self, seq: Sequence) -> None:
         self.queue.push(seq, self.clock())
@@ -189,10 +207,10 @@ class Scheduler:
         if not len(self.queue) and all(s.is_prefilled for s in self.running):
             # Decodes alone, nothing waiting: nothing to plan nor admit, so the gate and the
             # queue policy are left out (what it saves: docs/benchmarks.md).
-            chunks = {s: 1 for s in self.running}
+            chunks = {s: 1 for s in self.running if not self._ends_in_flight(s)}
             starts = self._reserve(chunks)
-            return StepPlan.of(chunks, starts) if chunks else None
-        decodes = [s for s in self.running if s.is_prefilled]
+            return StepPlan.of(chunks, starts) if chunks and starts is not None else None
+        decodes = [s for s in self.running if s.is_prefilled and not self._ends_in_flight(s)]
         prefilling = [s for s in self.running if not s.is_prefilled]
         planned: dict[Sequence, int] = {s: 1 for s in decodes}
         limits, budget, waits_turn = self.limits, None, None
@@ -218,9 +236,39 @@ class Scheduler:
             self._fill(chunks, limits, budget - sum(gate.cost(s, n) for s, n in chunks.items()))
             in_tiles(chunks, self.running, gate.cost, budget * limits.tile_stall, is_whole)
         starts = self._reserve(chunks)
-        if not chunks:
+        if not chunks or starts is None:
             return None
         return StepPlan.of(chunks, starts)
+
+    def _ends_in_flight(self, seq: Sequence) -> bool:
+        """Whether a token of the request in flight on the device is its last by length (async
+        scheduling: it is not planned again)."""
+        if not self._on_device:
+            return False
+        num_tokens = len(seq.output_ids) + self._on_device[seq]
+        return (num_tokens >= seq.request.params.max_new_tokens
+                or seq.prompt_len + num_tokens >= self.max_model_len)  # fmt: skip
+
+    @property
+    def has_steps_on_device(self) -> bool:
+        """Whether a launched step is not yet returned (async scheduling)."""
+        return bool(self._on_device)
+
+    def launched(self, plan: StepPlan) -> None:
+        """A plan went to the device (async scheduling): its requests are on it until
+        `returned`."""
+        self._on_device.update(plan.seqs)
+
+    def returned(self, plan: StepPlan) -> None:
+        """A launched plan's step is done on the device: the requests that ended meanwhile and
+        have no other step there give back what they hold."""
+        self._on_device.subtract(plan.seqs)
+        for seq in plan.seqs:
+            if self._on_device[seq] <= 0:
+                del self._on_device[seq]
+                if seq in self._ended_on_device:
+                    self.release(seq, keep_kv=self._ended_on_device.pop(seq))
+                    self.on_end(seq)
 
     def _admit(self, gate: AdmissionGate) -> list[Sequence]:
         try:
@@ -244,19 +292,22 @@ class Scheduler:
                     chunks[seq] = had + more
                     left -= limits.chunk_cost(had + more, past) - cost
 
-    def _reserve(self, chunks: dict[Sequence, int]) -> dict[Sequence, int]:
+    def _reserve(self, chunks: dict[Sequence, int]) -> dict[Sequence, int] | None:
         """Reserve the planned requests' slots for their tokens of this step through the memory
         (before the step: the runner only writes them); returns where each one's tokens start.
         When they cannot be had, the youngest running request is preempted (recompute: it waits
         again and is computed from its prompt; only a greedy or seeded one, which computes the
         same tokens again) and the rest tried again; with no such request left, the youngest
         planned one fails alone. Admission's worst-case reservations make this a fault path:
-        an admitted request always finds its blocks, once cached items have left."""
+        an admitted request always finds its blocks, once cached items have left. While a step
+        is on the device (a plan made ahead) nothing is taken back: None, no plan now."""
         while chunks:
             seqs = [s for s in self.running if s in chunks]  # the oldest first
             starts = self.memory.allocate(seqs, [chunks[s] for s in seqs])
             if starts is not None:
                 return dict(zip(seqs, starts))
+            if self._on_device:
+                return None
             victim = self._victim()
             if victim is None:
                 chunks.pop(seqs[-1])
@@ -324,7 +375,7 @@ class Scheduler:
         at once), the sampling requests append their token, and finished ones end."""
         prompted = []
         for seq, n in zip(plan.seqs, plan.tokens):
-            if not seq.is_prefilled:
+            if not seq.is_prefilled and not seq.finished:
                 seq.num_prefilled = min(seq.num_prefilled + n, seq.prompt_len)
                 prompted.append(seq)
         now = self.clock()
@@ -332,8 +383,11 @@ class Scheduler:
             self.memory.after_prefill(prompted, result.forward_s, result.num_computed, now)
         else:
             self.memory.after_decode(len(plan.seqs), now)
-        for seq, token in zip(plan.sampled, result.tokens):
-            reason = seq.append(token, self.eos_ids, self.max_model_len)
+        logprobs = result.logprobs or [None] * len(result.tokens)
+        for seq, token, logprob in zip(plan.sampled, result.tokens, logprobs):
+            if seq.finished:
+                continue  # it ended while its step ran (async scheduling): the token is dropped
+            reason = seq.append(token, self.eos_ids, self.max_model_len, logprob)
             if reason is not None:
                 self.finish(seq, reason)
 
@@ -362,6 +416,10 @@ class Scheduler:
             self.queue.remove(seq)
         if seq.kv_hold is not None:
             self.queue.finished(seq, reason in COMPLETED, self.clock())
+        if seq in self._on_device:  # a step of it still runs: given back when it returns
+            self._ended_on_device[seq] = reason != "error"
+            seq.finish(reason, error)
+            return
         self.release(seq, keep_kv=reason != "error")
         seq.finish(reason, error)
         self.on_end(seq)

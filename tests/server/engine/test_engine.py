@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers import assert_memory_balanced
+from tests.helpers import assert_memory_balanced, wait_steps_back
 from toppings.server.config import EngineConfig
 from toppings.server.requests.request import GenerationRequest, RequestError, SamplingParams
 
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
 
 
-@pytest.fixture
-def engine(tiny_engine):
-    with tiny_engine(max_total_tokens=2048) as eng:
+@pytest.fixture(params=[False, True], ids=["sync", "async"])
+def engine(tiny_engine, request):
+    """Every behaviour holds with async scheduling too (the model on the device lane's thread,
+    the next step planned while it runs: server/engine/step_pipeline.py)."""
+    with tiny_engine(max_total_tokens=2048, async_scheduling=request.param) as eng:
         yield eng
 
 
@@ -24,6 +26,7 @@ def generate(engine, prompt, params=GREEDY, adapter=None):
 
 
 def assert_idle(engine):
+    wait_steps_back(engine)
     stats = engine.stats().to_json()
     assert stats["running"] == [] and stats["queue"] == []
     assert stats["free_kv_tokens"] == stats["max_total_tokens"]

@@ -106,10 +106,13 @@ def submit_greedy(engine, prompts: list[tuple[list[int], str | None]]) -> list:
     ]
 
 
-def run_mixed_batch(model_dir, adapters: dict[str, str], prompts, kernel: str, device="cpu"):
+def run_mixed_batch(
+    model_dir, adapters: dict[str, str], prompts, kernel: str, device="cpu", **config
+):
     with running_engine(
-        model_dir, adapters, device=device, kernel=kernel, max_total_tokens=4096, max_batch_size=16
-    ) as engine:
+        model_dir, adapters, device=device, kernel=kernel, max_total_tokens=4096,
+        max_batch_size=16, **config,
+    ) as engine:  # fmt: skip
         # Submit everything before the first step so the requests share prefill and decode.
         handles = submit_greedy(engine, prompts)
         results = [h.result(timeout_s=300) for h in handles]
@@ -134,18 +137,20 @@ def mixed_prompts(vocab: int, seed: int) -> list[tuple[list[int], str | None]]:
     ]
 
 
-def check_model(model_dir, adapters, vocab, kernel, device="cpu"):
+def check_model(model_dir, adapters, vocab, kernel, device="cpu", **config):
     prompts = mixed_prompts(vocab, seed=1)
-    ours = run_mixed_batch(model_dir, adapters, prompts, kernel, device)
+    ours = run_mixed_batch(model_dir, adapters, prompts, kernel, device, **config)
     for (prompt, name), got in zip(prompts, ours):
         ref, margins = reference_greedy(model_dir, adapters, prompt, name)
         assert_same_greedy(got, ref, margins, f"adapter {name}, prompt of {len(prompt)}")
 
 
-@pytest.mark.parametrize("kernel", ["mbgmv", "bgmv"])
-def test_mixed_batch_matches_peft_tiny(tmp_path_factory, tiny_model_dir, kernel):
+@pytest.mark.parametrize(("kernel", "async_scheduling"),
+                         [("mbgmv", False), ("bgmv", False), ("mbgmv", True)])  # fmt: skip
+def test_mixed_batch_matches_peft_tiny(tmp_path_factory, tiny_model_dir, kernel, async_scheduling):
     adapters = make_adapters(tmp_path_factory.mktemp("adapters"), tiny_model_dir)
-    check_model(tiny_model_dir, adapters, vocab=200, kernel=kernel)
+    check_model(tiny_model_dir, adapters, vocab=200, kernel=kernel,
+                async_scheduling=async_scheduling)  # fmt: skip
 
 
 @pytest.mark.cuda
@@ -163,13 +168,16 @@ def test_mixed_batch_matches_peft_smollm2(tmp_path_factory, smollm2_dir):
     check_model(smollm2_dir, adapters, vocab=49152, kernel="mbgmv")
 
 
-@pytest.mark.parametrize(("num_cpu_workers", "cpu_spin_us"), [(0, 0.0), (2, 0.0), (1, 2000.0)])
+@pytest.mark.parametrize(
+    ("num_cpu_workers", "cpu_spin_us", "async_scheduling"),
+    [(0, 0.0, False), (2, 0.0, False), (1, 2000.0, False), (2, 0.0, True)],
+)
 def test_cpu_assisted_matches_peft_while_adapters_load(
-    tmp_path_factory, num_cpu_workers, cpu_spin_us
+    tmp_path_factory, num_cpu_workers, cpu_spin_us, async_scheduling
 ):
     """Loads throttled to take ~1 s each: prefill and early decode run partly on the host path
     (in-process with 0 workers, else the shared-memory CPU worker pool, sleeping or spinning
-    on its semaphores)."""
+    on its semaphores), also with the model on the device lane (async scheduling)."""
     from toppings.scripts.make_tiny_llama import make_tiny_llama
 
     model_dir = make_tiny_llama(tmp_path_factory.mktemp("tiny4"), num_layers=4)
@@ -179,6 +187,7 @@ def test_cpu_assisted_matches_peft_while_adapters_load(
         model_dir, adapters, lora_mode="cpu-assisted", max_total_tokens=4096, max_batch_size=16,
         link_gbps=adapter_bytes * 8 / 1.0 / 1e9, layers_per_group=1,
         num_cpu_workers=num_cpu_workers, cpu_spin_us=cpu_spin_us,
+        async_scheduling=async_scheduling,
     ) as engine:  # fmt: skip
         assert engine.stats().to_json()["adapters"][0]["resident"] is False  # nothing preloaded
         prompts = mixed_prompts(200, seed=2)

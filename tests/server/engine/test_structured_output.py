@@ -209,7 +209,7 @@ def test_restart_matches_again_from_the_start(engine):
         for step in range(32):
             if step == restart_after:
                 seq.restart()
-            token = sampler.sample([seq], logits)[0]
+            token = sampler.sample([seq], logits).tokens[0]
             if seq.append(token, engine.eos_ids, 10**6) is not None:
                 return seq.output_ids
         raise AssertionError("the grammar never ended the request")
