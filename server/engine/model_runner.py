@@ -56,15 +56,16 @@ class StepOutcome:
 class PreparedStep:
     """A plan and what its forward pass reads from the requests and the KV tables (T tokens,
     B requests): input `ids` [T] (a token still in flight is 0 here, its index and request in
-    `in_flight`), `positions` [T], `seg_starts` [B+1], the logit `rows` [R] and which requests
-    score their prompt (`scores` [B]), each request's KV row (`kv_rows` [B]), the KV slots the
-    tokens are written to (`slots` int64 [T]); a decode step's `kv_index` [B, Lmax] and
-    `kv_lengths` [B], a prefill's `past` (each request's cached-prefix slots [P], or None)."""
+    `in_flight`), `positions` int64 [T] on the model's device, `seg_starts` [B+1], the logit
+    `rows` [R] and which requests score their prompt (`scores` [B]), each request's KV row
+    (`kv_rows` [B]), the KV slots the tokens are written to (`slots` int64 [T]); a decode
+    step's `kv_index` [B, Lmax] and `kv_lengths` [B], a prefill's `past` (each request's
+    cached-prefix slots [P], or None)."""
 
     plan: StepPlan
     ids: list[int]
     in_flight: list[tuple[int, Sequence]]
-    positions: list[int]
+    positions: torch.Tensor
     seg_starts: list[int]
     rows: list[int]
     scores: list[bool]
@@ -73,6 +74,8 @@ class PreparedStep:
     kv_index: torch.Tensor | None
     kv_lengths: torch.Tensor | None
     past: list[torch.Tensor | None] | None
+    num_prompt: int  # the prompt tokens it computes
+    has_constraint: bool  # whether a request of it is constrained (grammar masks)
 
 
 def nonfinite_error(seq: Sequence) -> str:
@@ -168,8 +171,14 @@ class ModelRunner:
         else:
             slots = kv.slots_at(kv_rows, list(plan.starts))  # [B]
             kv_index, kv_lengths = kv.decode_index(kv_rows)  # [B, Lmax], [B]
-        return PreparedStep(plan, ids, waiting, positions, seg_starts, rows, scores, kv_rows,
-                            slots, kv_index, kv_lengths, past)  # fmt: skip
+        num_prompt = 0
+        if plan.is_prefill:
+            num_prompt = sum(max(0, min(s.prompt_len, b + n) - b)
+                             for s, b, n in zip(seqs, plan.starts, plan.tokens))  # fmt: skip
+        positions_t = torch.tensor(positions, dtype=torch.int64, device=self.model.device)  # [T]
+        return PreparedStep(plan, ids, waiting, positions_t, seg_starts, rows, scores, kv_rows,
+                            slots, kv_index, kv_lengths, past, num_prompt,
+                            any(s.request.params.constraint is not None for s in seqs))  # fmt: skip
 
     def execute(self, step: PreparedStep, previous: StepOutcome | None = None) -> StepOutcome:
         """Run a prepared step: its forward pass and each sampling request's next token
@@ -183,7 +192,7 @@ class ModelRunner:
                 step.ids[i] = tokens.get(seq, 0)
         seqs, samples = list(plan.seqs), plan.samples
         # grammar masks of the requests that sample, computed during the forward
-        masks = self.sampler.start_masks(list(plan.sampled))
+        masks = self.sampler.start_masks(list(plan.sampled)) if step.has_constraint else None
         logits = scanned = None
         if self.graphs is not None and not plan.is_prefill:  # every count 1: a graph may run it
             logits = self._replay(step)
@@ -234,7 +243,7 @@ class ModelRunner:
         started = time.perf_counter()
         batch = ForwardBatch(
             input_ids=torch.tensor(step.ids, dtype=torch.int64, device=device),  # [T]
-            positions=torch.tensor(step.positions, dtype=torch.int64, device=device),  # [T]
+            positions=step.positions,  # [T]
             slots=step.slots,  # [T]
             seg_starts=seg_starts,
             is_prefill=plan.is_prefill,
@@ -264,6 +273,4 @@ class ModelRunner:
                     offset += 1
                 last.append(offset - 1)
             logits = logits[last]
-        num_prompt = sum(max(0, min(s.prompt_len, b + n) - b)
-                         for s, b, n in zip(seqs, plan.starts, plan.tokens))  # fmt: skip
-        return logits, scanned, seconds, num_prompt
+        return logits, scanned, seconds, step.num_prompt

@@ -199,7 +199,8 @@ class Sampler:
             self._constrain(seqs, logits, chosen_from, masks)
         if chosen_from is not logits:
             argmax = None  # processed or constrained: the argmax of what they left
-        tokens = sample_next(chosen_from, params, [self.generator(s) for s in seqs], argmax)
+        generators = [None if p.is_greedy else self.generator(s) for s, p in zip(seqs, params)]
+        tokens = sample_next(chosen_from, params, generators, argmax)
         if is_constrained:
             self._advance(seqs, tokens)
         want = [i for i, p in enumerate(params) if p.logprobs is not None]

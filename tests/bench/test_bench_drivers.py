@@ -84,3 +84,18 @@ def test_host_overhead_quick_times_decode_steps_of_both_forwards(tmp_path):
         assert set(per_batch) == {"1", "8"}
         assert all(b["step_us"] > 0 and len(b["rounds"]) == 1 for b in per_batch.values())
     assert metrics["host_us_per_request"] == metrics["real"]["host_us_per_request"]
+
+
+def test_async_scheduling_quick_compares_both_loops_on_a_stand_in_device(tmp_path):
+    from bench import bench_async_scheduling
+
+    out = tmp_path / "async_scheduling.json"
+    result = bench_async_scheduling.main(["--quick", "--out", str(out)])
+    assert json.loads(out.read_text()) == result
+    metrics = result["metrics"]
+    assert set(metrics["cases"]) == {"device_2ms_batch_1", "device_2ms_batch_8"}
+    for case in metrics["cases"].values():
+        assert case["sync_ms"] > 0 and case["async_ms"] > 0 and case["host_ms"] > 0
+    assert metrics["step_ratio_async_vs_bound"] == max(
+        round(c["async_vs_bound"], 3) for c in metrics["cases"].values()
+    )
