@@ -25,7 +25,7 @@ from toppings.server.config import EngineConfig
 from toppings.server.engine import reports
 from toppings.server.engine.compose import compose_engine
 from toppings.server.engine.model_runner import StepOutcome
-from toppings.server.engine.step_pipeline import Launched, StepPipeline
+from toppings.server.engine.step_pipeline import Launched, StepPipeline, reads_its_output
 from toppings.server.engine.thread_governor import ThreadGovernor
 from toppings.server.engine.threads import (
     engine_thread_count,
@@ -256,12 +256,12 @@ class Engine:
                 log.exception("scheduling failed")
                 plan = None
             if plan is not None:
-                if pending is not None and any(s.request.params.constraint is not None
-                                               for s in plan.seqs):  # fmt: skip
-                    self._take_back(pending)  # a grammar advances on the tokens before
+                if pending is not None and any(map(reads_its_output, plan.seqs)):
+                    self._take_back(pending)  # its sampling reads the tokens before
                     pending = None
                 try:
-                    self.pipeline.launch(plan)
+                    shape = self.budget.shape_of(plan) if self.budget is not None else None
+                    self.pipeline.launch(plan, shape)
                 except Exception as exc:
                     log.exception("engine step failed")
                     self.scheduler.fail(plan, f"engine error: {exc}")
@@ -281,8 +281,7 @@ class Engine:
                 self._apply(outcome)
         finally:
             self.scheduler.returned(plan)
-        self._observe(plan, self.budget.shape_of(plan) if self.budget is not None else None,
-                      seconds)  # fmt: skip
+        self._observe(plan, launched.shape, seconds)
 
     def _apply(self, outcome: StepOutcome) -> None:
         for seq, error in outcome.failed.items():  # fails alone; its neighbours go on

@@ -12,9 +12,10 @@ on the lane (`PreparedStep.in_flight`), so the device never waits for the host's
 
 The step time is then the larger of the device's and the host's, not their sum. A plan is made
 ahead of a decode step only: a prompt chunk in flight would move the prompt's progress that
-the next plan starts from, and a constrained request's grammar is advanced by its sampling
-(both are taken back first, and the next step planned after them). The scheduler keeps what
-ends meanwhile until its step is back (`Scheduler.launched` / `returned`).
+the next plan starts from. A request whose sampling reads its own output so far (a grammar, a
+penalty, min_tokens: `reads_its_output`) is not planned ahead of its own token either: the
+step with it is taken back first, and a plan with it waits for the step before. The scheduler
+keeps what ends meanwhile until its step is back (`Scheduler.launched` / `returned`).
 """
 
 from __future__ import annotations
@@ -26,25 +27,35 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from toppings.server.engine.model_runner import ModelRunner, PreparedStep, StepOutcome
+from toppings.server.requests.sequence import Sequence
 from toppings.server.sched.scheduler import Scheduler, StepPlan
+from toppings.server.sched.step_refit import StepShape
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class Launched:
-    """A step on the device lane: its plan and its outcome to come (with the lane's seconds)."""
+    """A step on the device lane: its plan, its outcome to come (with the lane's seconds), and
+    its shape as the step budget's refit takes it before the step runs (None: not followed)."""
 
     plan: StepPlan
     outcome: Future  # -> (StepOutcome, seconds)
+    shape: StepShape | None = None
 
     @property
     def is_chainable(self) -> bool:
-        """Whether the next step may be planned before this one is back: a decode step with no
-        constrained request."""
-        return not self.plan.is_prefill and all(
-            s.request.params.constraint is None for s in self.plan.seqs
-        )
+        """Whether the next step may be planned before this one is back: a decode step none of
+        whose requests samples from its own output so far."""
+        return not self.plan.is_prefill and not any(map(reads_its_output, self.plan.seqs))
+
+
+def reads_its_output(seq: Sequence) -> bool:
+    """Whether the request's sampling reads its output so far (a grammar advanced by each
+    token; penalties, min_tokens and the like: `SamplingParams.has_processors`), which is not
+    all there while a step of it is in flight."""
+    params = seq.request.params
+    return params.constraint is not None or params.has_processors
 
 
 class StepPipeline:
@@ -63,7 +74,7 @@ class StepPipeline:
         self._lane = ThreadPoolExecutor(1, thread_name_prefix="device-lane", initializer=enter_lane)
         self.pending: Launched | None = None
 
-    def launch(self, plan: StepPlan) -> None:
+    def launch(self, plan: StepPlan, shape: StepShape | None = None) -> None:
         """Read the plan's inputs now and run it on the lane after the step there (whose
         sampled tokens are the inputs of the requests it has in flight)."""
         previous = self.pending
@@ -75,7 +86,7 @@ class StepPipeline:
             self.scheduler.returned(plan)
             raise
         before = previous.outcome if previous is not None else None
-        self.pending = Launched(plan, self._lane.submit(self._run, step, before))
+        self.pending = Launched(plan, self._lane.submit(self._run, step, before), shape)
 
     def take_back(self, launched: Launched) -> tuple[StepOutcome | None, float, Exception | None]:
         """Wait for a launched step: its outcome and the lane's seconds for it, or the error it

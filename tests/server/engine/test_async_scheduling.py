@@ -4,9 +4,9 @@ any mix of requests, the next step planned while the device runs this one, nothi
 
 from __future__ import annotations
 
-import threading
 import time
 
+import pytest
 import torch
 
 from tests.helpers import assert_memory_balanced, running_engine
@@ -22,7 +22,7 @@ def workload(engine) -> list[tuple[float, GenerationRequest]]:
     """(delay before submitting, request): greedy and seeded sampling, lengths from 1 token,
     EOS honoured, logprobs, prompt logprobs, a stop string, an adapter, arrivals while others
     decode."""
-    adapter = engine.resolve_adapter("a")
+    adapter, eos = engine.resolve_adapter("a"), min(engine.eos_ids)
     items = []
     for i in range(14):
         params = SamplingParams(
@@ -33,17 +33,20 @@ def workload(engine) -> list[tuple[float, GenerationRequest]]:
             logprobs=2 if i % 5 == 0 else None,
             prompt_logprobs=1 if i == 7 else None,
             stop=("e",) if i == 9 else (),
+            # two requests stop at EOS after 2 tokens, while their neighbours decode on
+            min_tokens=2 if i in (3, 11) else 0,
+            logit_bias=((eos, 100.0),) if i in (3, 11) else (),
         )
-        prompt = [3 + (i * 7 + j) % 150 for j in range(4 + i % 9)]
+        prompt = [3 + (i * 7 + j) % 150 for j in range(4 + i % 9 + (50 if i % 4 == 1 else 0))]
         items.append(
             (0.0 if i < 6 else 0.01, GenerationRequest(prompt, params, adapter if i % 2 else None))
         )
     return items
 
 
-def run_workload(model_dir, adapters, async_scheduling: bool) -> list[tuple]:
+def run_workload(model_dir, adapters, async_scheduling: bool, **config) -> list[tuple]:
     with running_engine(model_dir, adapters, max_total_tokens=4096, max_batch_size=8,
-                        async_scheduling=async_scheduling) as engine:  # fmt: skip
+                        async_scheduling=async_scheduling, **config) as engine:  # fmt: skip
         handles = []
         for delay, request in workload(engine):
             time.sleep(delay)
@@ -64,40 +67,41 @@ def run_workload(model_dir, adapters, async_scheduling: bool) -> list[tuple]:
     return outputs
 
 
-def test_async_scheduling_gives_the_synchronous_loops_outputs(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("chunked", [False, True], ids=["whole-prompts", "chunked-32"])
+def test_async_scheduling_gives_the_synchronous_loops_outputs(tiny_model_dir, tmp_path, chunked):
+    """Prompts of up to 62 tokens, in chunks of a 32-token step budget or whole."""
     from toppings.scripts.make_adapters import make_random_adapter
 
     adapters = {"a": str(make_random_adapter(tmp_path / "a", tiny_model_dir, rank=8, seed=3))}
-    sync = run_workload(tiny_model_dir, adapters, async_scheduling=False)
-    ahead = run_workload(tiny_model_dir, adapters, async_scheduling=True)
+    config = {"chunked_prefill": chunked, "max_num_batched_tokens": 32 if chunked else 0}
+    sync = run_workload(tiny_model_dir, adapters, async_scheduling=False, **config)
+    ahead = run_workload(tiny_model_dir, adapters, async_scheduling=True, **config)
     assert ahead == sync
     reasons = {out[2] for out in sync}
     assert {"length", "stop"} <= reasons  # requests ended on several paths, mid-batch
 
 
 def planned_during_forward(model_dir, async_scheduling: bool) -> int:
-    """How many times the scheduler planned a step while a stand-in device ran one: a forward
-    that sleeps (without the GIL) and returns zero logits."""
+    """How many times the scheduler planned a step while one was on a stand-in device (a
+    forward that sleeps without the GIL and returns zero logits): launched and not yet back."""
     with running_engine(model_dir, max_total_tokens=2048,
                         async_scheduling=async_scheduling) as engine:  # fmt: skip
-        running = threading.Event()
         overlaps = []
         vocab = engine.model_config.vocab_size
-        schedule = engine.scheduler.schedule
+        scheduler = engine.scheduler
+        schedule = scheduler.schedule
 
         def forward(batch, kv):
-            running.set()
             time.sleep(0.02)
-            running.clear()
             rows = len(batch.seg_starts) - 1 if batch.logit_rows is None else len(batch.logit_rows)
             return torch.zeros(rows, vocab), None
 
         def spied_schedule():
-            overlaps.append(running.is_set())
+            overlaps.append(scheduler.has_steps_on_device)
             return schedule()
 
         engine.model.forward = forward
-        engine.scheduler.schedule = spied_schedule
+        scheduler.schedule = spied_schedule
         params = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
         handles = [engine.submit(GenerationRequest([5, 6, 7], params)) for _ in range(4)]
         results = [h.result(timeout_s=120) for h in handles]
@@ -110,7 +114,9 @@ def test_the_next_step_is_planned_while_the_device_runs(tiny_model_dir):
     """With async scheduling the scheduler plans a step while the one before is on the device;
     the synchronous loop never does."""
     assert planned_during_forward(tiny_model_dir, async_scheduling=False) == 0
-    assert planned_during_forward(tiny_model_dir, async_scheduling=True) >= 4  # of 8 decodes
+    # the prefill step is taken back before the next plan; then each decode step is planned
+    # while the one before runs, the last two ending the requests
+    assert planned_during_forward(tiny_model_dir, async_scheduling=True) >= 6
 
 
 def test_constrained_and_free_requests_side_by_side(smollm2_dir):
