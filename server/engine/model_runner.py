@@ -54,26 +54,22 @@ class StepOutcome:
 
 @dataclass
 class PreparedStep:
-    """A plan and what its forward pass reads from the requests and the KV tables (T tokens,
-    B requests): input `ids` [T] (a token still in flight is 0 here, its index and request in
-    `in_flight`), `positions` int64 [T] on the model's device, `seg_starts` [B+1], the logit
-    `rows` [R] and which requests score their prompt (`scores` [B]), each request's KV row
-    (`kv_rows` [B]), the KV slots the tokens are written to (`slots` int64 [T]); a decode
-    step's `kv_index` [B, Lmax] and `kv_lengths` [B], a prefill's `past` (each request's
-    cached-prefix slots [P], or None)."""
+    """A plan and what its forward pass reads from the requests, read on the engine thread
+    before the next plan moves them on (T tokens, B requests): input `ids` [T] (a token still
+    in flight is 0 here, its index and request in `in_flight`), `positions` [T], `seg_starts`
+    [B+1], the logit `rows` [R] and which requests score their prompt (`scores` [B]), each
+    request's KV row (`kv_rows` [B]) and, for a decode step, its KV length (`lengths` [B]: the
+    next plan's reservations lengthen the row before this step runs)."""
 
     plan: StepPlan
     ids: list[int]
     in_flight: list[tuple[int, Sequence]]
-    positions: torch.Tensor
+    positions: list[int]
     seg_starts: list[int]
     rows: list[int]
     scores: list[bool]
     kv_rows: list[int]
-    slots: torch.Tensor
-    kv_index: torch.Tensor | None
-    kv_lengths: torch.Tensor | None
-    past: list[torch.Tensor | None] | None
+    lengths: list[int] | None
     num_prompt: int  # the prompt tokens it computes
     has_constraint: bool  # whether a request of it is constrained (grammar masks)
 
@@ -160,25 +156,16 @@ class ModelRunner:
             seg_starts.append(end)
             scores.append(whole)
         kv_rows = [s.kv_hold.row for s in seqs]
-        kv_index = kv_lengths = past = None
-        if plan.is_prefill:
-            table = kv.req_to_slot
-            slots = torch.cat(
-                [table[r, b : b + n] for r, b, n in zip(kv_rows, plan.starts, plan.tokens)]
-            )  # [T]
-            past = [table[r, :b] if b else None
-                    for r, b in zip(kv_rows, plan.starts)]  # fmt: skip
-        else:
-            slots = kv.slots_at(kv_rows, list(plan.starts))  # [B]
-            kv_index, kv_lengths = kv.decode_index(kv_rows)  # [B, Lmax], [B]
+        # A decode reads its KV up to its length now: the next plan may reserve more slots
+        # (async scheduling) before this step runs.
+        lengths = None if plan.is_prefill else [kv.lengths[r] for r in kv_rows]
         num_prompt = 0
         if plan.is_prefill:
             num_prompt = sum(max(0, min(s.prompt_len, b + n) - b)
                              for s, b, n in zip(seqs, plan.starts, plan.tokens))  # fmt: skip
-        positions_t = torch.tensor(positions, dtype=torch.int64, device=self.model.device)  # [T]
-        return PreparedStep(plan, ids, waiting, positions_t, seg_starts, rows, scores, kv_rows,
-                            slots, kv_index, kv_lengths, past, num_prompt,
-                            any(s.request.params.constraint is not None for s in seqs))  # fmt: skip
+        has_constraint = any(s.request.params.constraint is not None for s in seqs)
+        return PreparedStep(plan, ids, waiting, positions, seg_starts, rows, scores, kv_rows,
+                            lengths, num_prompt, has_constraint)  # fmt: skip
 
     def execute(self, step: PreparedStep, previous: StepOutcome | None = None) -> StepOutcome:
         """Run a prepared step: its forward pass and each sampling request's next token
@@ -238,18 +225,31 @@ class ModelRunner:
         A decode step (every count 1, no prompt token) reads every request's KV through the
         pool's decode index; a step with prompt tokens reads each segment's past from the
         pool, exactly as a prefill over a cached prefix."""
-        plan, device = step.plan, self.model.device
-        seqs, seg_starts, scores = plan.seqs, step.seg_starts, step.scores
+        plan, device, kv = step.plan, self.model.device, self.kv
+        seqs, seg_starts, scores, kv_rows = plan.seqs, step.seg_starts, step.scores, step.kv_rows
+        # The KV tables are read here, in stream order on a device: the slots of the step and
+        # of each request's past were reserved before it and stay put while it holds its row.
+        kv_index = kv_lengths = past = None
+        if plan.is_prefill:
+            table = kv.req_to_slot
+            slots = torch.cat(
+                [table[r, b : b + n] for r, b, n in zip(kv_rows, plan.starts, plan.tokens)]
+            )  # [T]
+            past = [table[r, :b] if b else None
+                    for r, b in zip(kv_rows, plan.starts)]  # fmt: skip
+        else:
+            slots = kv.slots_at(kv_rows, list(plan.starts))  # [B]
+            kv_index, kv_lengths = kv.decode_index(kv_rows, step.lengths)  # [B, Lmax], [B]
         started = time.perf_counter()
         batch = ForwardBatch(
             input_ids=torch.tensor(step.ids, dtype=torch.int64, device=device),  # [T]
-            positions=step.positions,  # [T]
-            slots=step.slots,  # [T]
+            positions=torch.tensor(step.positions, dtype=torch.int64, device=device),  # [T]
+            slots=slots,  # [T]
             seg_starts=seg_starts,
             is_prefill=plan.is_prefill,
-            kv_index=step.kv_index,
-            kv_lengths=step.kv_lengths,
-            past_slots=step.past,
+            kv_index=kv_index,
+            kv_lengths=kv_lengths,
+            past_slots=past,
             lora=self.lora.step(
                 [s.cache_entry for s in seqs],
                 seg_starts,

@@ -218,12 +218,17 @@ class KVPool:
         kc.index_copy_(1, slots, k.transpose(0, 1))
         vc.index_copy_(1, slots, v.transpose(0, 1))
 
-    def decode_index(self, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Slot index [B, Lmax] of every position of each request, and lengths [B] int64.
+    def decode_index(
+        self, rows: list[int], lengths: list[int] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Slot index [B, Lmax] of every position of each request, and lengths [B] int64 (the
+        rows' lengths now, or `lengths` read earlier: a step planned before more slots were
+        reserved).
 
         Entries of a row past its length are stale: readers mask them by length.
         """
-        lengths = [self.lengths[r] for r in rows]
+        if lengths is None:
+            lengths = [self.lengths[r] for r in rows]
         if self._table is not None:
             index = self._table[rows, : max(lengths)]  # [B, Lmax], a copy
             return torch.from_numpy(index), torch.from_numpy(numpy.array(lengths, numpy.int64))
