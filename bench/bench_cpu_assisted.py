@@ -119,15 +119,33 @@ def run_stream(engine, prompts, names, gaps: list[float], new_tokens: int) -> li
     return [h.result(timeout_s=1800) for h in handles]
 
 
+def warm_up(engine, prompts, names, ranks_of: dict[str, int]) -> float:
+    """One burst with a request for an adapter of each rank and one for the base model, prompt
+    and decode steps: on a GPU the Triton kernels compile per rank bound and shape on first use
+    (process-wide: later engines of the run find them compiled). Returns its seconds."""
+    first_of_rank = {}
+    for name in names:
+        first_of_rank.setdefault(ranks_of[name], name)
+    burst = [None, *first_of_rank.values()]
+    started = time.perf_counter()
+    run_stream(engine, prompts[: len(burst)], burst, [0.0] * len(burst), 4)
+    return time.perf_counter() - started
+
+
 def measure_capacity(model_dir: str, config: EngineConfig, adapters: dict, prompts, names,
-                     new_tokens: int) -> float:  # fmt: skip
-    """Requests per second of a cached engine given every request at once (its best rate)."""
+                     new_tokens: int, ranks_of: dict[str, int],
+                     setup: dict[str, float]) -> float:  # fmt: skip
+    """Requests per second of a cached engine given every request at once (its best rate),
+    after a warm-up burst; `setup` gets the seconds of the engine's build and the warm-up."""
+    started = time.perf_counter()
     engine = build_engine(model_dir, config, adapters)
+    setup["capacity_engine_build_s"] = time.perf_counter() - started
     try:
-        run_stream(engine, prompts[:2], [None, None], [0.0, 0.0], 4)  # warm-up
+        setup["first_burst_warm_up_s"] = warm_up(engine, prompts, names, ranks_of)
         start = time.perf_counter()
         run_stream(engine, prompts, names, [0.0] * len(prompts), new_tokens)
-        return len(prompts) / (time.perf_counter() - start)
+        setup["capacity_burst_s"] = time.perf_counter() - start
+        return len(prompts) / setup["capacity_burst_s"]
     finally:
         engine.shutdown()
 
@@ -232,8 +250,12 @@ def run_rounds(args: argparse.Namespace, model_dir: str, config_for, adapters: d
                prompts: list[list[int]], names: list[str]) -> tuple[dict, dict]:  # fmt: skip
     """The alternating rounds of every mode at `args.load` of the measured capacity: (metrics:
     the headline ratios, per round and per mode; what the run measured for the config)."""
+    ranks = [int(r) for r in args.ranks.split(",")]
+    ranks_of = {name: ranks[i % len(ranks)] for i, name in enumerate(adapters)}
+    setup: dict[str, float] = {}
     capacity = measure_capacity(model_dir, config_for("cached"), adapters, prompts, names,
-                                args.new_tokens)  # fmt: skip
+                                args.new_tokens, ranks_of, setup)  # fmt: skip
+    log.info("set-up: %s", {k: round(v, 2) for k, v in setup.items()})
     interval_s = 1.0 / (args.load * capacity)
     log.info("capacity %.3f req/s: a request every %.0f ms on average", capacity,
              1000 * interval_s)  # fmt: skip
@@ -245,7 +267,11 @@ def run_rounds(args: argparse.Namespace, model_dir: str, config_for, adapters: d
     for round_idx in range(args.rounds):
         gaps = poisson_gaps(len(prompts), interval_s, seed=args.seed + round_idx)
         for mode in MODES if round_idx % 2 == 0 else MODES[::-1]:
+            started = time.perf_counter()
             engine = build_engine(model_dir, config_for(mode), adapters)
+            setup["engine_builds_s"] = setup.get("engine_builds_s", 0.0) + (
+                time.perf_counter() - started
+            )
             try:
                 run_stream(engine, prompts[:2], [None, None], [0.0, 0.0], 4)  # warm-up
                 outs = run_stream(engine, prompts, names, gaps, args.new_tokens)
@@ -278,7 +304,8 @@ def run_rounds(args: argparse.Namespace, model_dir: str, config_for, adapters: d
         "modes": results,
         "modes_by_round": per_round,
     }
-    return metrics, {"capacity_rps": capacity, "interval_ms": 1000 * interval_s}
+    return metrics, {"capacity_rps": capacity, "interval_ms": 1000 * interval_s,
+                     "setup_s": setup}  # fmt: skip
 
 
 TRACE_TOTALS = ("ttft_ms", "prefill_start_ms", "prefill_ms", "load_ms", "load_resident_ms",
@@ -315,7 +342,9 @@ def main(argv: list[str] | None = None) -> None:
         load_format = args.load_format or "auto"
     ranks = [int(r) for r in args.ranks.split(",")]
     adapter_dir = Path(args.adapter_dir or f"/tmp/toppings-assist-adapters/{Path(model_dir).name}")
+    started = time.perf_counter()
     adapters = make_adapters(adapter_dir, model_dir, args.num_adapters, ranks)
+    log.info("adapters ready in %.1f s", time.perf_counter() - started)
     dtype = getattr(torch, args.dtype)
     sizes = {n: adapter_bytes(p, model_dir, dtype) for n, p in adapters.items()}
     vocab = load_checkpoint(model_dir, "dummy").config.vocab_size
