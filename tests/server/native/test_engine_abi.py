@@ -7,6 +7,7 @@ failing on broken copies."""
 from __future__ import annotations
 
 import ctypes
+import os
 import shutil
 from pathlib import Path
 
@@ -70,9 +71,12 @@ def test_enums_agree(header):
 
 
 def test_the_library_exports_only_what_the_header_declares(header):
+    """Built with the project's flags (a definition that disagrees with its declaration fails
+    the build, and so this test, where a compiler is found), it exports nothing undeclared."""
+    if shutil.which("cc") is None or os.environ.get("TOPPINGS_NATIVE") == "0":
+        pytest.skip("no native build here")
     lib = native.library()
-    if lib is None:
-        pytest.skip("the native kernels are not built here")
+    assert lib is not None, "the engine's kernels did not build: see the log for the compiler"
     exported = native_abi.exported_functions(Path(lib._name))
     if exported is None:
         pytest.skip("no nm")
