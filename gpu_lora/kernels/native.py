@@ -28,7 +28,9 @@ from toppings.gpu_lora.kernels import cpu, native_build
 from toppings.gpu_lora.kernels.checks import check_prefill, check_shapes
 
 _P, _I, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+# csrc/lora_api.h's functions that Python calls (tests/gpu_lora/test_native_abi.py compares)
 SIGNATURES = {"lora_runs": [_P, _I64, _I64, _I64, _P, _I64, _P, _P, _P, _I64, _I, _I]}
+SOURCES = ("lora.c", "lora_parts.c")  # in csrc/, each including lora_api.h
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 # (y, lora_a, lora_b, ranks): one projection of a call; y [T, H_out] (rows may be strided),
@@ -37,7 +39,7 @@ Projection = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 class LoraProj(ctypes.Structure):
-    """One projection of a `lora_runs` call: the C struct of csrc/lora_runs.h, field for field."""
+    """One projection of a `lora_runs` call: the C struct of csrc/lora_api.h, field for field."""
 
     _fields_ = [
         ("A", ctypes.c_void_p),
@@ -64,8 +66,7 @@ def _parts_functions(lib: ctypes.CDLL) -> tuple[int, int]:
 def library() -> ctypes.CDLL | None:
     """The compiled `csrc/lora.c`, or None where it cannot be built here (logged once)."""
     return native_build.load(
-        "lora_kernels", Path(__file__).with_name("csrc"), ("lora.c", "lora_parts.c"),
-        ("lora_vec.h",), SIGNATURES,
+        "lora_kernels", Path(__file__).with_name("csrc"), SOURCES, ("lora_vec.h",), SIGNATURES,
         fallback="LoRA over runs uses the torch segment kernel",
     )  # fmt: skip
 
@@ -144,8 +145,8 @@ def mbgmv_runs_multi(
 
 
 def _check_status(failed: int) -> None:
-    """Raise what a nonzero `lora_runs` status means (2: bad runs, nothing written)."""
-    if failed == 2:
+    """Raise what a nonzero `lora_runs` status means (out of range: bad runs, nothing written)."""
+    if failed == native_build.Status.OUT_OF_RANGE:
         raise ValueError("seg_starts, offsets or ranks point outside y or the pool")
     if failed:
         raise MemoryError("lora_runs could not allocate its buffers")

@@ -10,7 +10,9 @@ loaded (same soname), so every library and torch share one thread pool.
 
 `INCLUDE_DIR` (this module's `csrc/`) is on every build's include path: its `common.h` holds
 what all kernels share (bfloat16 conversions with torch's rounding, AVX-512 loads and stores,
-the thread count for an amount of work).
+the thread count for an amount of work), its `lora_api.h` the LoRA library's interface and the
+`NativeStatus` every native function returns (`Status` here). Each library's functions are
+declared in its one interface header and compared with the Python side by tests (`native_abi`).
 
 Where no compiler is found, the build fails, or `TOPPINGS_NATIVE=0`, `load` returns None (logged)
 and callers use their torch path. `TOPPINGS_NATIVE_CFLAGS` adds compiler flags (part of the key):
@@ -20,6 +22,7 @@ and callers use their torch path. `TOPPINGS_NATIVE_CFLAGS` adds compiler flags (
 from __future__ import annotations
 
 import ctypes
+import enum
 import hashlib
 import logging
 import os
@@ -33,7 +36,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 INCLUDE_DIR = Path(__file__).with_name("csrc")
-COMMON_HEADERS = ("common.h", "lora_runs.h")  # in INCLUDE_DIR: part of every build's key
+COMMON_HEADERS = ("common.h", "lora_api.h")  # in INCLUDE_DIR: part of every build's key
 FLAGS = (
     "-O3",
     "-ffp-contract=off",  # round each product as torch's unfused ops do
@@ -44,7 +47,23 @@ FLAGS = (
     "-shared",
     "-fPIC",
     "-std=c11",
+    # Every exported function is declared in its library's interface header (lora_api.h,
+    # native_api.h), which tests compare with the Python side: one defined without a declaration,
+    # or called undeclared, is an error.
+    "-Werror=missing-prototypes",
+    "-Werror=implicit-function-declaration",
 )
+
+
+class Status(enum.IntEnum):
+    """What every native function returns: csrc/lora_api.h's `NativeStatus`, member for member
+    (tests/gpu_lora/test_native_abi.py compares the two)."""
+
+    OK = 0
+    DECLINED = 1  # the shapes, the build or the CPU do not suit: nothing written, use torch's path
+    OUT_OF_RANGE = 2  # an index (LoRA run, KV slot, token id, position) outside its table
+    NO_MEMORY = 3  # a scratch buffer could not be allocated
+    DECLINED_MID_STEP = 4  # decode_layers: a kernel declined after the step wrote h
 
 
 def cache_dir() -> Path:
@@ -74,9 +93,10 @@ def load(
     """The library `name` built from csrc/sources, or None where it cannot be built here.
 
     headers: the files of csrc the sources include (with INCLUDE_DIR's common headers, part of
-    the build key); signatures: function -> ctypes argtypes, every function returning int (0,
-    or nonzero when it failed); fallback: what runs instead, for the log line. Callers cache
-    the result (one build and one log line per process).
+    the build key); signatures: function -> ctypes argtypes, every function returning int (a
+    `Status`), as the library's interface header declares them (a test compares); fallback:
+    what runs instead, for the log line. Callers cache the result (one build and one log line
+    per process).
     """
     if os.environ.get("TOPPINGS_NATIVE", "1") == "0":
         log.info("native CPU kernels (%s) disabled by TOPPINGS_NATIVE=0", name)

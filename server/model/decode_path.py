@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+from toppings.gpu_lora.kernels.native_build import Status
 from toppings.server import native
 from toppings.server.model.decode_structs import (
     LORA_SLOTS,
@@ -312,11 +313,9 @@ class DecodePath:
 
 
 def _check(failed: int, what: str) -> None:
-    if failed == 2:
-        raise IndexError("a KV slot lies outside the pool")
-    if failed == 3:
-        raise MemoryError("decode attention could not allocate its score buffers")
-    if failed == 6:
-        raise IndexError("a token id or a position lies outside the model's tables")
+    if failed == Status.OUT_OF_RANGE:
+        raise IndexError("a KV slot, a LoRA run, a token id or a position lies outside its table")
+    if failed == Status.NO_MEMORY:
+        raise MemoryError(f"the native decode path's {what} step could not allocate its buffers")
     if failed:
         raise RuntimeError(f"the native decode path's {what} step failed ({failed})")

@@ -1,11 +1,13 @@
-"""The C structs of a native decode step (`csrc/decode_layer.c`, `csrc/decode_proj.h`), field
-for field, and `native_proj`, which makes a projection's: what `decode_path.DecodePath` hands the
-native library each step.
+"""The C structs and enums of a native decode step (`server/native/csrc/native_api.h`), field for
+field and member for member (tests/server/native/test_native_abi.py compares them with the header
+and with the C compiler's layout), and `native_proj`, which makes a projection's: what
+`decode_path.DecodePath` hands the native library each step.
 """
 
 from __future__ import annotations
 
 import ctypes
+import enum
 
 import torch
 
@@ -13,13 +15,28 @@ from toppings.server.config import Quantization
 from toppings.server.model.linear import GEMV_MAX_ROWS, Linear, gemv_kernel
 from toppings.server.model.quant import QuantizedLinear
 
-# decode_layer.c's GEMV_* kinds, by linear.py's kernel names
-GEMV_KINDS = {"gemv_f32": 0, "gemv_bf16": 1, "gemv_f32_avx2": 2, "gemv_bf16_avx2": 3}
-GEMV_INT8, GEMV_INT4, GEMV_INT4_BF16 = 4, 5, 6
+
+class GemvKind(enum.IntEnum):
+    """The GEMV that runs a projection (native_api.h's GemvKind: GEMV_F32 ...)."""
+
+    F32 = 0
+    BF16 = 1
+    F32_AVX2 = 2
+    BF16_AVX2 = 3
+    INT8 = 4
+    INT4 = 5
+    INT4_BF16 = 6
+
+
+# the plain weights' kinds, by linear.py's kernel names
+GEMV_KINDS = {
+    "gemv_f32": GemvKind.F32, "gemv_bf16": GemvKind.BF16, "gemv_f32_avx2": GemvKind.F32_AVX2,
+    "gemv_bf16_avx2": GemvKind.BF16_AVX2,
+}  # fmt: skip
 
 
 class Proj(ctypes.Structure):
-    """One projection of a decode_layer.c call: its C struct, field for field."""
+    """One projection of a decode step: native_api.h's `Proj`, field for field."""
 
     _fields_ = [
         ("kind", ctypes.c_int64),
@@ -33,19 +50,19 @@ class Proj(ctypes.Structure):
 
 
 class LoraTable(ctypes.Structure):
-    """One projection's adapter tables of a step (decode_layer.c's struct, field for field)."""
+    """One projection's adapter tables of a step (native_api.h's, field for field)."""
 
     _fields_ = [
-        ("a0", ctypes.c_void_p),
-        ("b0", ctypes.c_void_p),
+        ("A0", ctypes.c_void_p),
+        ("B0", ctypes.c_void_p),
         ("a_step", ctypes.c_int64),
         ("b_step", ctypes.c_int64),
         ("ranks", ctypes.c_void_p),
-        ("rows", ctypes.c_int64),
+        ("pool_rows", ctypes.c_int64),
     ]
 
 
-# decode_layer.c's LORA_* slots, by module
+# native_api.h's LoraSlot (LORA_Q ...: the module's name without `_proj`), by module
 LORA_SLOTS = {
     m: i for i, m in enumerate(("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                                 "down_proj"))
@@ -53,7 +70,7 @@ LORA_SLOTS = {
 
 
 class LoraStep(ctypes.Structure):
-    """The step's adapter runs and tables (decode_layer.c's struct, field for field)."""
+    """The step's adapter runs and tables (native_api.h's, field for field)."""
 
     _fields_ = [
         ("run", ctypes.c_void_p),
@@ -68,7 +85,7 @@ class LoraStep(ctypes.Structure):
 
 
 class DecodeLayer(ctypes.Structure):
-    """One layer's weights and KV pool layer (decode_layer.c's struct, field for field)."""
+    """One layer's weights and KV pool layer (native_api.h's, field for field)."""
 
     _fields_ = [(name, ctypes.c_void_p) for name in (
         "input_norm", "post_norm", "qkv", "o", "gate_up", "down", "kc", "vc"
@@ -76,7 +93,7 @@ class DecodeLayer(ctypes.Structure):
 
 
 class DecodeStep(ctypes.Structure):
-    """A step's tokens, buffers and shapes (decode_layer.c's struct, field for field)."""
+    """A step's tokens, buffers and shapes (native_api.h's, field for field)."""
 
     _fields_ = [
         *((name, ctypes.c_void_p) for name in (
@@ -114,9 +131,9 @@ def native_proj(proj: Linear | QuantizedLinear, dtype: torch.dtype) -> tuple[Pro
     shape = (proj.out_features, proj.in_features)
     if proj.scheme is Quantization.INT8:
         values, scales = (t.data_ptr() for t in proj.gemv_tensors())
-        return Proj(GEMV_INT8, values, scales, None, bias_ptr, *shape), proj.gemv_rows
+        return Proj(GemvKind.INT8, values, scales, None, bias_ptr, *shape), proj.gemv_rows
     if dtype == torch.bfloat16:  # the bf16 int4 GEMV: packed values, scale-zero pairs
         packed, pairs = (t.data_ptr() for t in proj.gemv_tensors())
-        return Proj(GEMV_INT4_BF16, packed, pairs, None, bias_ptr, *shape), proj.gemv_rows
+        return Proj(GemvKind.INT4_BF16, packed, pairs, None, bias_ptr, *shape), proj.gemv_rows
     packed, scales, offsets = (t.data_ptr() for t in proj.gemv_tensors())
-    return Proj(GEMV_INT4, packed, scales, offsets, bias_ptr, *shape), proj.gemv_rows
+    return Proj(GemvKind.INT4, packed, scales, offsets, bias_ptr, *shape), proj.gemv_rows

@@ -47,7 +47,8 @@ class Int4Weight:
 
 
 GEMV_ROWS = 4  # csrc/gemv_int8.c's bound: one pass over the weight for every row
-GEMV_ISA = {"best": 0, "avx2": 1, "c": 2, "avx512": 512}  # gemv_int8's `isa` argument
+# gemv_int8's `isa` argument: native_api.h's GemvIsa (ISA_BEST ...), by its lowercase name
+GEMV_ISA = {"best": 0, "avx2": 1, "c": 2, "avx512": 512}
 
 
 def int8_gemv(

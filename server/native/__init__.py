@@ -12,9 +12,13 @@ where torch needs many small ops; `decode_layer.c` chains them (and the LoRA ker
 call a step for decode steps of a few requests (`server/model/decode_path.py`); `logits.c`
 checks a step's logits and finds its greedy tokens in one pass (`server/engine/logits_scan.py`);
 `dequant_int4.c` unpacks torch's int4 pack for a prompt's GEMM (`server/model/quant_dequant.py`).
-What they share (`common.h`) sits on the include path of every native build
+Every function, struct and enum Python reaches is declared in `csrc/native_api.h`, which every
+source includes; `SIGNATURES` below, the structs of `server/model/decode_structs.py` and the
+enums' tables are compared with it by tests/server/native/test_engine_abi.py. What the sources
+share (`common.h`) sits on the include path of every native build
 (`gpu_lora.kernels.native_build`, which also builds, caches and loads this library, keyed by its
-sources); the LoRA kernel is a library of its own (`gpu_lora.kernels.native`). Waking the other
+sources); the LoRA kernel is a library of its own (`gpu_lora.kernels.native`, declared in its
+`lora_api.h`, which native_api.h includes). Waking the other
 OpenMP thread costs tens of microseconds here, so small ops (a decode step's norms, RoPE, KV
 write) run on one (`threads_for` in `common.h`).
 
@@ -37,11 +41,11 @@ SOURCES = (
     "gemv_int4_bf16.c", "decode_proj.c", "decode_layer.c", "logits.c", "dequant_int4.c",
 )  # fmt: skip
 # what the sources include besides common.h: part of the key
-HEADERS = ("attention_bf16.h", "decode_proj.h")
+HEADERS = ("attention_bf16.h", "native_api.h")
 
 _P, _I, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 _ATTENTION = [_P] * 6 + [_I] * 4 + [_I64] * 3 + [ctypes.c_float, _I]
-SIGNATURES = {  # every function returns int: 0, or nonzero when it failed
+SIGNATURES = {  # as native_api.h declares them; each returns an int, a native_build.Status
     "decode_attention_f32": _ATTENTION,
     "decode_attention_bf16": _ATTENTION,
     "attention_rows": [_P] * 7 + [_I] * 4 + [_I64] * 2 + [ctypes.c_float, _I, _I],

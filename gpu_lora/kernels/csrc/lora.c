@@ -9,8 +9,8 @@
  * place, A [pool_rows, H_in] and Bt [pool_rows, H_out] contiguous; all float32 or all bfloat16.
  * Arithmetic in float32, y rounded once; in bfloat16 with avx512_bf16 and 32 | H_out, h is
  * rounded to bfloat16 before the expansion, as PEFT's bf16 LoRA rounds its A output. Each token
- * is computed over its own adapter's rows only. Returns 2, having written nothing, when a run
- * lies outside y or a pool; 1 when out of memory.
+ * is computed over its own adapter's rows only. Returns NATIVE_OUT_OF_RANGE, having written
+ * nothing, when a run lies outside y or a pool; NATIVE_NO_MEMORY.
  *
  * A decode step reads every resident adapter's rows from DRAM once, and the reads, not the
  * arithmetic, set its time: one OpenMP region for all projections; work items of 4 tokens of
@@ -18,8 +18,8 @@
  * flight), largest ranks first so that the threads end together; the expansion rows prefetched
  * into L2 while the shrinkage reads A (prefetching A itself in software was slower); B read in
  * strips whose sums stay in registers (docs/benchmarks.md has the kernel's timings). */
+#include "lora_api.h"
 #include "common.h"
-#include "lora_runs.h"
 #include "lora_vec.h"
 
 #ifdef __AVX512F__
@@ -113,15 +113,16 @@ int lora_runs(const void *x, int64_t ld_x, int64_t H_in, int64_t num_tokens,
               const int32_t *offsets, const float *scales, int64_t num_runs, int is_bf16,
               int num_threads) {
     int64_t max_rank = 0, max_out = 0, work = 0, tokens = starts[num_runs] - starts[0];
-    int vector = H_in % 16 == 0, failed = 0;
-    for (int64_t g = 0; g < num_runs; g++) /* 2: arguments outside the tensors, nothing done */
-        if (starts[g] < 0 || starts[g] > starts[g + 1] || starts[g + 1] > num_tokens) return 2;
+    int vector = H_in % 16 == 0, failed = NATIVE_OK;
+    for (int64_t g = 0; g < num_runs; g++) /* nothing done */
+        if (starts[g] < 0 || starts[g] > starts[g + 1] || starts[g + 1] > num_tokens)
+            return NATIVE_OUT_OF_RANGE;
     for (int64_t p = 0; p < num_proj; p++) {
         const int32_t *ranks = proj[p].ranks;
         for (int64_t g = 0; g < num_runs; g++) {
             if (ranks[g] < 0 || (ranks[g] > 0 && (offsets[g] < 0 ||
                                                   offsets[g] + ranks[g] > proj[p].pool_rows)))
-                return 2;
+                return NATIVE_OUT_OF_RANGE;
             max_rank = ranks[g] > max_rank ? ranks[g] : max_rank;
         }
         max_out = proj[p].H_out > max_out ? proj[p].H_out : max_out;
@@ -148,7 +149,7 @@ int lora_runs(const void *x, int64_t ld_x, int64_t H_in, int64_t num_tokens,
     int grouped = vector && !split; /* a pair covers every projection */
     int64_t per = vector ? 4 : 1, num_pairs = grouped ? num_runs : num_proj * num_runs;
     int64_t *items = malloc(sizeof(int64_t) * (size_t)(3 * num_pairs + 1));
-    if (items == NULL) return 1;
+    if (items == NULL) return NATIVE_NO_MEMORY;
     int64_t *order = items + num_pairs + 1, *rank = order + num_pairs;
     /* order: the pairs by decreasing largest rank, so that the threads end on small items */
     for (int64_t k = 0; k < num_pairs; k++) {
@@ -169,7 +170,7 @@ int lora_runs(const void *x, int64_t ld_x, int64_t H_in, int64_t num_tokens,
         size_t floats = 4 * H_in + max_out + 4 * num_proj * max_rank + 2 * max_rank + 4;
         float *buf = malloc(sizeof(float) * floats);
         if (buf == NULL) {
-            failed = 1;
+            failed = NATIVE_NO_MEMORY;
         } else {
             float *xf = buf, *acc = buf + 4 * H_in, *h = acc + max_out;
             uint32_t *hp = (uint32_t *)(h + 4 * num_proj * max_rank);

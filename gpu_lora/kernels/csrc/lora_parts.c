@@ -18,8 +18,8 @@
  * to 4 tokens of one run, in order; h [blocks, num_proj, 4, max_rank] float32 holds each block's
  * [n, r] sums per projection, blocks <= num_tokens. Compiled only with AVX-512 (without it the
  * symbols are absent and the caller keeps `lora_runs`). */
+#include "lora_api.h"
 #include "common.h"
-#include "lora_runs.h"
 #include "lora_vec.h"
 
 #ifdef __AVX512F__
@@ -48,13 +48,14 @@ static inline int64_t run_rank(const LoraProj *proj, int64_t num_proj, int64_t g
  * share; h as above. x [num_tokens, H_in] (row stride ld_x), 16 | H_in; xf: 4 * H_in floats of
  * scratch. xf NULL: only ask for the part's A rows (into L2), nothing computed: a caller does
  * so before its GEMV so that the rows, short reads that one at a time wait on DRAM's latency,
- * arrive while the GEMV streams. Returns 2, nothing written, when a run lies outside the
- * tokens or a pool. */
+ * arrive while the GEMV streams. Returns NATIVE_OUT_OF_RANGE, nothing written, when a run lies
+ * outside the tokens or a pool. */
 int lora_shrink_part(const void *x, int64_t ld_x, int64_t H_in, int64_t num_tokens,
                      const LoraProj *proj, int64_t num_proj, const int32_t *starts,
                      const int32_t *offsets, const float *scales, int64_t num_runs,
                      int is_bf16, int64_t max_rank, float *h, float *xf, int part, int parts) {
-    if (!runs_valid(proj, num_proj, num_tokens, starts, offsets, num_runs)) return 2;
+    if (!runs_valid(proj, num_proj, num_tokens, starts, offsets, num_runs))
+        return NATIVE_OUT_OF_RANGE;
     int64_t total = 0;
     for (int64_t g = 0; g < num_runs; g++)
         total += (starts[g + 1] - starts[g] + 3) / 4 * run_rank(proj, num_proj, g) * num_proj;
@@ -86,7 +87,7 @@ int lora_shrink_part(const void *x, int64_t ld_x, int64_t H_in, int64_t num_toke
                 }
         }
     }
-    return 0;
+    return NATIVE_OK;
 }
 
 /* Columns c0[p] .. c1[p] of each projection p (16 | both; 32 | both in bfloat16 when 32 |

@@ -10,6 +10,7 @@
  * k, v [K, S, D] contiguous (one layer of the pool);
  * index [B, ld_index] int64 slots; lengths [B] int64, each >= 1 and <= ld_index.
  */
+#include "native_api.h"
 #include "attention_bf16.h"
 #include "common.h"
 
@@ -212,7 +213,7 @@ static int decode_attention(const void *q, const void *k, const void *v, void *o
                             const int64_t *lengths, int is_bf16, int B, int N, int K, int D,
                             int64_t ld_index, int64_t slots_per_head, int64_t ld_q, float scale,
                             int num_threads) {
-    int G = N / K, failed = 0;
+    int G = N / K, failed = NATIVE_OK;
     int64_t max_len = 0;
     for (int b = 0; b < B; b++) max_len = lengths[b] > max_len ? lengths[b] : max_len;
     /* One thread for a small step (one request's decode over a short context): waking the
@@ -226,7 +227,7 @@ static int decode_attention(const void *q, const void *k, const void *v, void *o
         size_t floats = (size_t)G * max_len + (size_t)max_len * D + 2 * (size_t)G * D;
         float *scores = malloc(sizeof(float) * floats);
         if (scores == NULL) {
-            failed = 1;
+            failed = NATIVE_NO_MEMORY;
         } else {
             float *rows = scores + (size_t)G * max_len, *qf = rows + (size_t)max_len * D;
             float *acc = qf + (size_t)G * D;

@@ -21,6 +21,7 @@
  * the CPU has AVX-512, 8-wide with AVX (AVX2), 4-wide otherwise, FMA
  * through intrinsics where the CPU has it (the build turns off contraction).
  */
+#include "native_api.h"
 #include "common.h"
 #if defined(__AVX__)
 #include <immintrin.h>
@@ -223,7 +224,7 @@ int attention_tiles(const void *q, const void *k, const void *v, void *out, cons
                     const int64_t *segs, int num_segs, int N, int K, int D,
                     int64_t slots_per_head, int64_t ld_q, float scale, int is_bf16,
                     int num_threads) {
-    int G = N / K, M = G * BQ, failed = 0;
+    int G = N / K, M = G * BQ, failed = NATIVE_OK;
     int64_t num_items = 0, work = 0;
     for (int s = 0; s < num_segs; s++) {
         int64_t t = segs[4 * s + 1];
@@ -231,7 +232,7 @@ int attention_tiles(const void *q, const void *k, const void *v, void *out, cons
         work += t * (segs[4 * s + 3] + t);
     }
     int64_t *items = malloc(sizeof(int64_t) * 2 * (size_t)(num_items ? num_items : 1));
-    if (items == NULL) return 1;
+    if (items == NULL) return NATIVE_NO_MEMORY;
     int64_t n = 0;
     for (int s = 0; s < num_segs; s++) /* the last tiles of a segment (the most keys) first */
         for (int64_t r0 = (segs[4 * s + 1] - 1) / BQ * BQ; r0 >= 0; r0 -= BQ)
@@ -246,7 +247,7 @@ int attention_tiles(const void *q, const void *k, const void *v, void *out, cons
         size_t floats = 2 * (size_t)D * M + (size_t)BK * M + 2 * (size_t)BK * D + 2 * (size_t)M;
         float *buf = aligned_alloc(64, (sizeof(float) * floats + 63) / 64 * 64);
         if (buf == NULL) {
-            failed = 1;
+            failed = NATIVE_NO_MEMORY;
         } else {
             float *qt = buf, *ot = qt + (size_t)D * M, *sc = ot + (size_t)D * M;
             float *kb = sc + (size_t)BK * M, *vb = kb + (size_t)BK * D, *m = vb + (size_t)BK * D;

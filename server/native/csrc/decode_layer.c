@@ -16,32 +16,12 @@
  *
  * The three are also called one by one from Python (decode_path.py's layer-by-layer path, for
  * steps whose LoRA needs Python: an adapter still loading, DoRA, a trace).
- * Every function returns 0, or nonzero having left the step to the per-op path when a kernel
- * declined before writing (a shape or ISA it does not take); 2 when a KV slot (or a LoRA run)
- * lies outside the pool, 3 when attention could not allocate, 4 when the LoRA kernel could not. */
-#include "decode_proj.h"
-
-/* The kernels chained here (elementwise.c, attention.c, linear.c, gemv_int8.c). */
-int add_rms_norm(void *h, const void *delta, const void *w, void *out, int64_t T, int64_t H,
-                 int64_t ld_h, int64_t ld_delta, int64_t ld_out, float eps, int is_bf16,
-                 int num_threads);
-int rope(void *x, const void *cos_t, const void *sin_t, int64_t T, int64_t heads, int64_t D,
-         int64_t ld_x, int is_bf16, int num_threads);
-int silu_mul(const void *gu, int64_t ld_gu, void *out, int64_t T, int64_t I, int is_bf16,
-             int num_threads);
-int silu_mul_takes(int64_t I);
-int logits_scan(const float *logits, int64_t ld, int64_t B, int64_t V, uint8_t *finite,
-                int64_t *argmax, int num_threads);
-int kv_write(const void *k, const void *v, int64_t ld, void *kc, void *vc, const int64_t *slots,
-             int64_t T, int64_t K, int64_t D, int64_t S, int64_t elem_bytes, int num_threads);
-int decode_attention_f32(const float *q, const float *k, const float *v, float *out,
-                         const int64_t *index, const int64_t *lengths, int B, int N, int K, int D,
-                         int64_t ld_index, int64_t slots_per_head, int64_t ld_q, float scale,
-                         int num_threads);
-int decode_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, uint16_t *out,
-                          const int64_t *index, const int64_t *lengths, int B, int N, int K,
-                          int D, int64_t ld_index, int64_t slots_per_head, int64_t ld_q,
-                          float scale, int num_threads);
+ * Every function returns a NativeStatus: NATIVE_DECLINED having left the step to the per-op path
+ * when a kernel declined before writing (a shape or ISA it does not take); NATIVE_OUT_OF_RANGE
+ * when a KV slot (or a LoRA run) lies outside the pool, NATIVE_NO_MEMORY when attention or the
+ * LoRA kernel could not allocate. */
+#include "native_api.h"
+#include "common.h"
 
 /* h [T, H] (row stride ld_h) += delta (row stride ld_delta; NULL: none), x [T, H] contiguous =
  * RMSNorm(h) * norm, y [T, out] contiguous = x @ W.T (+ bias) (+ at's LoRA from x). */
@@ -73,14 +53,14 @@ static int attend_proj_at(void *qkv, const void *cos_t, const void *sin_t, void 
     int64_t ld = (N + 2 * K) * D, elem = is_bf16 ? 2 : 4;
     char *base = qkv;
     rope(qkv, cos_t, sin_t, T, N + K, D, ld, is_bf16, num_threads);
-    if (kv_write(base + N * D * elem, base + (N + K) * D * elem, ld, kc, vc, slots, T, K, D, S,
-                 elem, num_threads))
-        return 2;
-    int failed = is_bf16 ? decode_attention_bf16(qkv, kc, vc, a, index, lengths, (int)T, (int)N,
+    int failed = kv_write(base + N * D * elem, base + (N + K) * D * elem, ld, kc, vc, slots, T, K,
+                          D, S, elem, num_threads);
+    if (failed) return failed;
+    failed = is_bf16 ? decode_attention_bf16(qkv, kc, vc, a, index, lengths, (int)T, (int)N,
                                                  (int)K, (int)D, L, S, ld, scale, num_threads)
                          : decode_attention_f32(qkv, kc, vc, a, index, lengths, (int)T, (int)N,
                                                 (int)K, (int)D, L, S, ld, scale, num_threads);
-    if (failed) return 3;
+    if (failed) return failed;
     return proj_lora(o, a, N * D, y, o->out, T, is_bf16, num_threads, at);
 }
 
@@ -93,12 +73,13 @@ int attend_proj(void *qkv, const void *cos_t, const void *sin_t, void *kc, void 
 }
 
 /* gate_up [T, 2I] contiguous: a [T, I] contiguous = silu(gate) * up; y [T, out] contiguous =
- * a @ Wd.T (+ bias) (+ at's LoRA from a). Returns 1, nothing written, where silu_mul declines
- * (its own rule). */
+ * a @ Wd.T (+ bias) (+ at's LoRA from a). Returns NATIVE_DECLINED, nothing written, where silu_mul
+ * declines (its own rule). */
 static int act_proj_at(const void *gate_up, void *a, const Proj *down, void *y, int64_t T,
                        int is_bf16, int num_threads, const LoraAt *at) {
     int64_t I = down->in;
-    if (silu_mul(gate_up, 2 * I, a, T, I, is_bf16, num_threads)) return 1;
+    int failed = silu_mul(gate_up, 2 * I, a, T, I, is_bf16, num_threads);
+    if (failed) return failed;
     return proj_lora(down, a, I, y, down->out, T, is_bf16, num_threads, at);
 }
 
@@ -106,39 +87,6 @@ int act_proj(const void *gate_up, void *a, const Proj *down, void *y, int64_t T,
              int num_threads) {
     return act_proj_at(gate_up, a, down, y, T, is_bf16, num_threads, NULL);
 }
-
-/* One layer's weights and its layer of the KV pool (decode_path.py's `DecodeLayer`). */
-typedef struct {
-    const void *input_norm, *post_norm; /* [H] */
-    const Proj *qkv, *o, *gate_up, *down;
-    void *kc, *vc; /* [K, S, D] */
-} DecodeLayer;
-
-/* The step (decode_path.py's `DecodeStep`): its tokens, buffers and shapes, and its two ends
- * where the caller leaves them to this call (NULL pointers: the caller's):
- *   embed:   h[t] = embed[ids[t]] ([V, H] rows) before the layers;
- *   cos_table / sin_table: cos[t] = cos_table[positions[t]] ([max_len, D] rows), sin alike;
- *   lm_head: after the layers, h += residual, normed = RMSNorm(h) * final_norm, logits [T, V] =
- *            normed @ W.T, the calls the caller makes (llama.py's forward) in its order;
- *   finite / argmax: then logits_f32 [T, V] = logits widened to float32 (where bf16; float32
- *            logits are logits_f32 already) and each row scanned as logits_scan does (logits.c):
- *            the caller's `.float()` and scan, which run cold after the weights' stream. */
-typedef struct {
-    void *h; /* [T, H]: the residual stream, added into in place */
-    void *x, *qkv, *attn, *out, *gate_up, *act, *residual; /* the layers' buffers, contiguous */
-    void *cos, *sin;                                        /* [T, D] */
-    const int64_t *slots, *index, *lengths;                 /* [T], [T, L], [T] */
-    int64_t L, S, T, H, N, K, D, I;
-    float eps, scale;
-    const void *embed, *cos_table, *sin_table, *final_norm;
-    const int64_t *ids, *positions; /* [T] */
-    const Proj *lm_head;
-    void *normed, *logits;            /* [T, H], [T, V] contiguous */
-    int64_t embed_rows, table_rows;   /* the rows of embed and of cos_table / sin_table */
-    float *logits_f32;                /* [T, V] contiguous */
-    uint8_t *finite;                  /* [T] */
-    int64_t *argmax;                  /* [T] */
-} DecodeStep;
 
 /* Whether idx[0 .. T) all lie in [0, rows). */
 static int in_table(const int64_t *idx, int64_t T, int64_t rows) {
@@ -156,21 +104,22 @@ static void gather_rows(void *dst, const void *table, const int64_t *idx, int64_
 }
 
 /* Every layer of a decode step: s->residual [T, H] = the last layer's output (the caller adds
- * it into h), and the step's ends where s asks for them (above). Returns 1, nothing written,
- * where silu_mul does not take the intermediate size (`silu_mul_takes`: no AVX-512 nor AVX2 +
- * FMA, or 16 does not divide it); 5 when a kernel declined mid-step (h already written: not to
- * be redone per op); 6, nothing written, when a token id or a position lies outside its table;
- * 7 when the logits could not be scanned (a shape logits_scan refuses); else as above. */
+ * it into h), and the step's ends where s asks for them (DecodeStep in native_api.h). Returns
+ * NATIVE_DECLINED, nothing written, where silu_mul does not take the intermediate size
+ * (`silu_mul_takes`: no AVX-512 nor AVX2 + FMA, or 16 does not divide it);
+ * NATIVE_DECLINED_MID_STEP when a kernel declined mid-step (h already written: not to be redone
+ * per op; logits_scan refusing the logits' shape included); NATIVE_OUT_OF_RANGE, nothing
+ * written, when a token id or a position lies outside its table; else as above. */
 #define STEP(call)                                                                              \
-    if ((failed = (call))) return failed == 1 ? 5 : failed
+    if ((failed = (call))) return failed == NATIVE_DECLINED ? NATIVE_DECLINED_MID_STEP : failed
 int decode_layers(const DecodeStep *s, const DecodeLayer *layers, int64_t num_layers,
                   const LoraStep *lora, int is_bf16, int num_threads) {
-    if (!silu_mul_takes(s->I)) return 1;
+    if (!silu_mul_takes(s->I)) return NATIVE_DECLINED;
     int64_t T = s->T, H = s->H, I = s->I, nd = s->N * s->D, kd = s->K * s->D;
     int64_t elem = is_bf16 ? 2 : 4;
     if ((s->embed != NULL && !in_table(s->ids, T, s->embed_rows)) ||
         (s->cos_table != NULL && !in_table(s->positions, T, s->table_rows)))
-        return 6;
+        return NATIVE_OUT_OF_RANGE;
     if (s->embed != NULL) gather_rows(s->h, s->embed, s->ids, T, H, elem);
     if (s->cos_table != NULL) {
         gather_rows(s->cos, s->cos_table, s->positions, T, s->D, elem);
@@ -196,12 +145,12 @@ int decode_layers(const DecodeStep *s, const DecodeLayer *layers, int64_t num_la
         STEP(act_proj_at(s->gate_up, s->act, y->down, s->residual, T, is_bf16, num_threads,
                          adapted ? &down : NULL));
     }
-    if (s->lm_head == NULL) return 0;
+    if (s->lm_head == NULL) return NATIVE_OK;
     add_rms_norm(s->h, s->residual, s->final_norm, s->normed, T, H, H, H, H, s->eps, is_bf16,
                  num_threads);
     int64_t V = s->lm_head->out;
     STEP(proj_lora(s->lm_head, s->normed, H, s->logits, V, T, is_bf16, num_threads, NULL));
-    if (s->finite == NULL) return 0;
+    if (s->finite == NULL) return NATIVE_OK;
     if (is_bf16) {
 #pragma omp parallel for num_threads(threads_for(T * V, num_threads)) schedule(static)
         for (int64_t t = 0; t < T; t++)
@@ -209,6 +158,7 @@ int decode_layers(const DecodeStep *s, const DecodeLayer *layers, int64_t num_la
                 bf16_row((const uint16_t *)s->logits + t * V + v, s->logits_f32 + t * V + v,
                          (int)(V - v < (1 << 20) ? V - v : 1 << 20));
     }
-    return logits_scan(is_bf16 ? s->logits_f32 : s->logits, V, T, V, s->finite, s->argmax,
-                       num_threads) ? 7 : 0;
+    STEP(logits_scan(is_bf16 ? s->logits_f32 : s->logits, V, T, V, s->finite, s->argmax,
+                     num_threads));
+    return NATIVE_OK;
 }

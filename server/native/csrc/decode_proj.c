@@ -1,30 +1,12 @@
-/* A decode step's projection and its LoRA (decode_proj.h). Where an adapter's LoRA is small
+/* A decode step's projection and its LoRA (native_api.h). Where an adapter's LoRA is small
  * beside a fork (one or two tokens: `lora_runs` then reads it on one thread, at what one core
  * streams), the GEMV's own threads share it (gpu_lora's lora_parts.c): each computes its rows of
  * the GEMV, its share of the A rows, waits for the others, and adds the expansion into the
  * columns it wrote. Results are bit for bit those of the GEMV followed by `lora_runs`: the GEMV's
  * rows are independent, and lora_parts.c sums as lora_runs does. */
-#include "decode_proj.h"
+#include "native_api.h"
+#include "common.h"
 #include <omp.h>
-
-/* The GEMVs (linear.c, gemv_int8.c, gemv_int4_bf16.c). */
-int gemv_bf16(const uint16_t *x, int64_t ld_x, const uint16_t *W, int64_t out, int64_t in,
-              uint16_t *y, int64_t ld_y, int64_t T, int num_threads);
-int gemv_f32(const float *x, int64_t ld_x, const float *W, int64_t out, int64_t in, float *y,
-             int64_t ld_y, int64_t T, int num_threads);
-int gemv_f32_avx2(const float *x, int64_t ld_x, const float *W, int64_t out, int64_t in, float *y,
-                  int64_t ld_y, int64_t T, int num_threads);
-int gemv_bf16_avx2(const uint16_t *x, int64_t ld_x, const uint16_t *W, int64_t out, int64_t in,
-                   uint16_t *y, int64_t ld_y, int64_t T, int num_threads);
-int gemv_int8(const void *x, int64_t ld_x, int x_is_bf16, const int8_t *q, const float *scale,
-              int64_t out, int64_t in, void *y, int64_t ld_y, int64_t T, int isa,
-              int num_threads);
-int gemv_int4(const void *x, int64_t ld_x, int x_is_bf16, const uint8_t *q, const float *scale,
-              const float *offset, int64_t out, int64_t in, void *y, int64_t ld_y, int64_t T,
-              int isa, int num_threads);
-int gemv_int4_bf16(const uint16_t *x, int64_t ld_x, const uint8_t *q, const uint32_t *sz,
-                   int64_t out, int64_t in, uint16_t *y, int64_t ld_y, int64_t T,
-                   int num_threads);
 
 /* y [T, out] (row stride ld_y) = x [T, in] (row stride ld_x) @ W.T, then += bias rounded as
  * torch's in-place add rounds it. */
@@ -55,10 +37,10 @@ static int proj_gemv(const Proj *p, const void *x, int64_t ld_x, void *y, int64_
     case GEMV_INT4_BF16:
         failed = is_bf16 ? gemv_int4_bf16(x, ld_x, p->w, (const uint32_t *)p->scale, p->out,
                                           p->in, y, ld_y, T, num_threads)
-                         : 1;
+                         : NATIVE_DECLINED;
         break;
     default:
-        return 1;
+        return NATIVE_DECLINED;
     }
     if (failed || p->bias == NULL) return failed;
     for (int64_t t = 0; t < T; t++)
@@ -125,8 +107,8 @@ static int proj_lora_parts(const Proj *p, const void *x, int64_t ld_x, void *y, 
             max_rank = procs[i].ranks[g] > max_rank ? procs[i].ranks[g] : max_rank;
     int64_t h_len = T * n * 4 * max_rank, xf_len = 4 * p->in, hp_len = 2 * max_rank + 4;
     float *h = malloc(sizeof(float) * (size_t)(h_len + parts * (xf_len + hp_len)));
-    if (h == NULL) return 4;
-    int failed = 0;
+    if (h == NULL) return NATIVE_NO_MEMORY;
+    int failed = NATIVE_OK;
 #pragma omp parallel num_threads(parts) reduction(max : failed)
     {
         int k = omp_get_thread_num(), got = omp_get_num_threads();
@@ -143,7 +125,7 @@ static int proj_lora_parts(const Proj *p, const void *x, int64_t ld_x, void *y, 
                      lora->num_runs, is_bf16, max_rank, h, NULL, k, got);
         Proj rows = proj_rows(p, r0, r1, is_bf16);
         failed = r1 > r0 ? proj_gemv(&rows, x, ld_x, (char *)y + r0 * elem, ld_y, T, is_bf16, 1)
-                         : 0;
+                         : NATIVE_OK;
         int shrunk = lora->shrink(x, ld_x, p->in, T, procs, n, lora->starts, lora->offsets,
                                   lora->scales, lora->num_runs, is_bf16, max_rank, h, xf, k, got);
         failed = failed > shrunk ? failed : shrunk;
@@ -170,7 +152,6 @@ int proj_lora(const Proj *p, const void *x, int64_t ld_x, void *y, int64_t ld_y,
     int failed = proj_gemv(p, x, ld_x, y, ld_y, T, is_bf16, num_threads);
     if (failed || n == 0) return failed;
     const LoraStep *lora = at->lora;
-    failed = lora->run(x, ld_x, p->in, T, procs, n, lora->starts, lora->offsets, lora->scales,
-                       lora->num_runs, is_bf16, num_threads);
-    return failed == 2 ? 2 : failed ? 4 : 0;
+    return lora->run(x, ld_x, p->in, T, procs, n, lora->starts, lora->offsets, lora->scales,
+                     lora->num_runs, is_bf16, num_threads);
 }

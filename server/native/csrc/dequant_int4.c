@@ -10,7 +10,8 @@
  * input i holding row 64 b + r in its low nibble and row 64 b + r + 32 in its high one;
  * sz [in / 32, out, 2] (scale, zero) pairs, float32 or bf16 (sz_bf16); out a multiple of 64
  * (the pack's padding included), 32 | in; wt [in, 64 (b1 - b0)] float32 or bf16 (row stride
- * ld_wt). Returns 2 where the shapes do not suit (nothing written). */
+ * ld_wt). Returns NATIVE_DECLINED where the shapes do not suit (nothing written). */
+#include "native_api.h"
 #include "common.h"
 
 #define BLOCK 64
@@ -51,7 +52,7 @@ int dequant_int4_pack(const uint8_t *packed, const void *sz, int sz_bf16, int64_
                       int num_threads) {
     if (in % GROUP || out % BLOCK || b0 < 0 || b1 > out / BLOCK || b0 >= b1 ||
         ld_wt < (b1 - b0) * BLOCK)
-        return 2;
+        return NATIVE_DECLINED;
     int64_t groups = in / GROUP, items = (b1 - b0) * groups;
 #pragma omp parallel for num_threads(threads_for(items * GROUP * BLOCK, num_threads)) \
     schedule(static)

@@ -4,6 +4,7 @@
  * path's up to float32 summation order (and, in silu, exp16's last bit). Rows run in parallel
  * only when there is enough work to pay for waking the other threads (a decode step's rows are
  * few). */
+#include "native_api.h"
 #include "common.h"
 
 /* If delta: h[t] += delta[t] (rounded to h's dtype, in place). Then
@@ -121,11 +122,11 @@ int silu_mul_takes(int64_t I) {
 /* SwiGLU: out[t, i] = round(silu(gate[t, i])) * up[t, i], gate = gu[t, :I], up = gu[t, I:]
  * (gu [T, 2I] with row stride ld_gu, out [T, I] contiguous), silu rounded as torch's own op
  * rounds it before the product. AVX-512, or AVX2 + FMA (8 lanes, the same arithmetic: the same
- * bits). Returns 1, having written nothing, where it does not take I (`silu_mul_takes`; the
- * caller's torch path runs instead). */
+ * bits). Returns NATIVE_DECLINED, having written nothing, where it does not take I
+ * (`silu_mul_takes`; the caller's torch path runs instead). */
 int silu_mul(const void *gu, int64_t ld_gu, void *out, int64_t T, int64_t I, int is_bf16,
              int num_threads) {
-    if (!silu_mul_takes(I)) return 1;
+    if (!silu_mul_takes(I)) return NATIVE_DECLINED;
 #if defined(__AVX512F__)
 #pragma omp parallel for num_threads(threads_for(T * I * 8, num_threads)) schedule(static)
     for (int64_t t = 0; t < T; t++) {
@@ -154,18 +155,19 @@ int silu_mul(const void *gu, int64_t ld_gu, void *out, int64_t T, int64_t I, int
     return 0;
 #else
     (void)gu, (void)ld_gu, (void)out, (void)T, (void)I, (void)is_bf16, (void)num_threads;
-    return 1;
+    return NATIVE_DECLINED;
 #endif
 }
 
 
 /* Keys and values of T tokens into one layer of the pool: kc[h, slots[t]] = k[t, h] and the same
  * for v, k and v [T, K, D] with row stride ld (heads contiguous), kc and vc [K, S, D] contiguous,
- * elem_bytes 2 or 4. Returns 2, having written nothing, when a slot lies outside [0, S). */
+ * elem_bytes 2 or 4. Returns NATIVE_OUT_OF_RANGE, having written nothing, when a slot lies outside
+ * [0, S). */
 int kv_write(const void *k, const void *v, int64_t ld, void *kc, void *vc, const int64_t *slots,
              int64_t T, int64_t K, int64_t D, int64_t S, int64_t elem_bytes, int num_threads) {
     for (int64_t t = 0; t < T; t++)
-        if (slots[t] < 0 || slots[t] >= S) return 2;
+        if (slots[t] < 0 || slots[t] >= S) return NATIVE_OUT_OF_RANGE;
     size_t row = (size_t)(D * elem_bytes);
 #pragma omp parallel for num_threads(threads_for(T * K * D * 4, num_threads)) schedule(static)
     for (int64_t t = 0; t < T; t++) {

@@ -24,7 +24,9 @@
  * odd group keeps its 16 bytes in order. sz [out, in / 32] uint32: a group's scale s (low half)
  * and zero z (high half) as bf16 bits (exact: bf16 activations keep their scales in bf16).
  * x [T, in] bf16 (row stride ld_x), y [T, out] bf16 (row stride ld_y, rounded once); T 1-4,
- * 32 | in, 16 | out. Returns 2 where it does not suit (nothing written), 1 when out of memory. */
+ * 32 | in, 16 | out. Returns NATIVE_DECLINED where it does not suit (nothing written),
+ * NATIVE_NO_MEMORY. */
+#include "native_api.h"
 #include "common.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
@@ -98,15 +100,15 @@ int gemv_int4_bf16(const uint16_t *x, int64_t ld_x, const uint8_t *q, const uint
 #ifndef HAVE_DPBF16
     (void)x, (void)ld_x, (void)q, (void)sz, (void)out, (void)in, (void)y, (void)ld_y, (void)T,
         (void)num_threads;
-    return 2;
+    return NATIVE_DECLINED;
 #else
-    if (T < 1 || T > 4 || in % 32 != 0 || out % 16 != 0 || in < 32) return 2;
+    if (T < 1 || T > 4 || in % 32 != 0 || out % 16 != 0 || in < 32) return NATIVE_DECLINED;
     int64_t G = in / 32, G4 = (G + 3) / 4 * 4;
     uint16_t *xp = calloc((size_t)(T * G4 * 32), sizeof(uint16_t)); /* zero past `in` */
     float *sums = malloc(sizeof(float) * (size_t)(T * G4));
     if (!xp || !sums) {
         free(xp), free(sums);
-        return 1;
+        return NATIVE_NO_MEMORY;
     }
     for (int64_t t = 0; t < T; t++) {
         const uint16_t *xt = x + t * ld_x;

@@ -7,22 +7,19 @@
  * float32, y [T, out] in x's dtype (row stride ld_y, bf16 rounded once); 16 | in, 16 | out.
  * The int8 values are widened to float32 and FMA'd with x in float32 (x is converted once per
  * call), each q row read once for all T rows, in order, one sequential stream per thread (the
- * threads split the output rows). isa: 0 the best this build has, 1 AVX2 + FMA, 2 plain C (the
- * tests run each); 512 AVX-512 only. Returns 2 where the shapes, the build or the CPU do not
- * suit it (nothing written): the caller takes torch's path.
+ * threads split the output rows). isa (a GemvIsa): the best this build has, AVX2 + FMA, plain C
+ * (the tests run each), or AVX-512 only. Returns NATIVE_DECLINED where the shapes, the build or
+ * the CPU do not suit it (nothing written): the caller takes torch's path.
  *
  * gemv_f32_avx2 / gemv_bf16_avx2: linear.c's contract (x and W of one dtype, y = x @ W.T in
  * it; 16 | in, 16 | out), 8-wide FMAs in float32; bf16 x and W widened, y rounded once. */
+#include "native_api.h"
 #include "common.h"
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define HAVE_AVX2 1
 #endif
 
-#define ISA_BEST 0
-#define ISA_AVX2 1
-#define ISA_C 2
-#define ISA_AVX512 512
 
 /* x [T, in] (either dtype, row stride ld_x) as float32 [T, in] contiguous, in a fresh buffer. */
 static float *x_as_f32(const void *x, int64_t ld_x, int is_bf16, int64_t T, int64_t in) {
@@ -136,7 +133,7 @@ static inline __attribute__((always_inline)) void rows_c(const float *xf, int64_
 int gemv_int8(const void *x, int64_t ld_x, int x_is_bf16, const int8_t *q, const float *scale,
               int64_t out, int64_t in, void *y, int64_t ld_y, int64_t T, int isa,
               int num_threads) {
-    if (T < 1 || T > 4 || in % 16 != 0 || out % 16 != 0 || in < 16) return 2;
+    if (T < 1 || T > 4 || in % 16 != 0 || out % 16 != 0 || in < 16) return NATIVE_DECLINED;
 #ifdef __AVX512F__
     if (isa == ISA_BEST) isa = ISA_AVX512;
 #elif defined(HAVE_AVX2)
@@ -145,14 +142,14 @@ int gemv_int8(const void *x, int64_t ld_x, int x_is_bf16, const int8_t *q, const
     if (isa == ISA_BEST) isa = ISA_C;
 #endif
 #ifndef __AVX512F__
-    if (isa == ISA_AVX512) return 2;
+    if (isa == ISA_AVX512) return NATIVE_DECLINED;
 #endif
 #ifndef HAVE_AVX2
-    if (isa == ISA_AVX2) return 2;
+    if (isa == ISA_AVX2) return NATIVE_DECLINED;
 #endif
-    if (isa != ISA_AVX512 && isa != ISA_AVX2 && isa != ISA_C) return 2;
+    if (isa != ISA_AVX512 && isa != ISA_AVX2 && isa != ISA_C) return NATIVE_DECLINED;
     float *xf = x_as_f32(x, ld_x, x_is_bf16, T, in);
-    if (!xf) return 1;
+    if (!xf) return NATIVE_NO_MEMORY;
     int64_t blocks = out / 16;
 #pragma omp parallel for num_threads(threads_for(out * in, num_threads)) schedule(static)
     for (int64_t blk = 0; blk < blocks; blk++) {
@@ -186,7 +183,7 @@ int gemv_int8(const void *x, int64_t ld_x, int x_is_bf16, const int8_t *q, const
  * high nibble; scale, offset [out, in / 32] float32 (offset = zero - 8 scale of quant.py's
  * Int4Weight). x float32 or bf16 (x_is_bf16), y in x's dtype; 32 | in, 16 | out. Each group's
  * weights are dequantized once in registers (one FMA) for all T rows, and FMA'd with x in
- * float32. isa as gemv_int8's. Returns 2 where it does not suit (nothing written). */
+ * float32. isa as gemv_int8's. Returns NATIVE_DECLINED where it does not suit (nothing written). */
 static inline float nibble(const uint8_t *g, int k) {
     return (float)(k < 16 ? g[k] & 15 : g[k - 16] >> 4);
 }
@@ -279,7 +276,7 @@ static inline __attribute__((always_inline)) void block_int4_avx512(
 int gemv_int4(const void *x, int64_t ld_x, int x_is_bf16, const uint8_t *q, const float *scale,
               const float *offset, int64_t out, int64_t in, void *y, int64_t ld_y, int64_t T,
               int isa, int num_threads) {
-    if (T < 1 || T > 4 || in % 32 != 0 || out % 16 != 0 || in < 32) return 2;
+    if (T < 1 || T > 4 || in % 32 != 0 || out % 16 != 0 || in < 32) return NATIVE_DECLINED;
 #ifdef __AVX512F__
     if (isa == ISA_BEST) isa = ISA_AVX512;
 #elif defined(HAVE_AVX2)
@@ -288,14 +285,14 @@ int gemv_int4(const void *x, int64_t ld_x, int x_is_bf16, const uint8_t *q, cons
     if (isa == ISA_BEST) isa = ISA_C;
 #endif
 #ifndef __AVX512F__
-    if (isa == ISA_AVX512) return 2;
+    if (isa == ISA_AVX512) return NATIVE_DECLINED;
 #endif
 #ifndef HAVE_AVX2
-    if (isa == ISA_AVX2) return 2;
+    if (isa == ISA_AVX2) return NATIVE_DECLINED;
 #endif
-    if (isa != ISA_AVX512 && isa != ISA_AVX2 && isa != ISA_C) return 2;
+    if (isa != ISA_AVX512 && isa != ISA_AVX2 && isa != ISA_C) return NATIVE_DECLINED;
     float *xf = x_as_f32(x, ld_x, x_is_bf16, T, in);
-    if (!xf) return 1;
+    if (!xf) return NATIVE_NO_MEMORY;
     int64_t blocks = out / 16;
 #pragma omp parallel for num_threads(threads_for(out * in / 2, num_threads)) schedule(static)
     for (int64_t blk = 0; blk < blocks; blk++) {
@@ -328,9 +325,9 @@ int gemv_int4(const void *x, int64_t ld_x, int x_is_bf16, const uint8_t *q, cons
 static int gemv_float_avx2(const void *x, int64_t ld_x, const void *W, int64_t out, int64_t in,
                            void *y, int64_t ld_y, int64_t T, int is_bf16, int num_threads) {
 #ifdef HAVE_AVX2
-    if (T < 1 || T > 4 || in % 16 != 0 || out % 16 != 0 || in < 16) return 2;
+    if (T < 1 || T > 4 || in % 16 != 0 || out % 16 != 0 || in < 16) return NATIVE_DECLINED;
     float *xf = x_as_f32(x, ld_x, is_bf16, T, in);
-    if (!xf) return 1;
+    if (!xf) return NATIVE_NO_MEMORY;
     int64_t blocks = out / 16;
 #pragma omp parallel for num_threads(threads_for(out * in, num_threads)) schedule(static)
     for (int64_t blk = 0; blk < blocks; blk++) {
@@ -349,7 +346,7 @@ static int gemv_float_avx2(const void *x, int64_t ld_x, const void *W, int64_t o
 #else
     (void)x, (void)ld_x, (void)W, (void)out, (void)in, (void)y, (void)ld_y, (void)T;
     (void)is_bf16, (void)num_threads;
-    return 2;
+    return NATIVE_DECLINED;
 #endif
 }
 

@@ -5,19 +5,20 @@
  * gemv_bf16: y[t, o] = bf16(sum_i x[t, i] * W[o, i]) for t < T (1-4), o < out; x [T, in] (row
  * stride ld_x), W [out, in] contiguous, y [T, out] (row stride ld_y); 32 | in, 16 | out.
  * Products of bf16 pairs are exact in float32 and summed in float32, y rounded once (what
- * torch's bf16 linear does up to summation order). Returns 2 where the shapes or the CPU do not
- * suit it (nothing written): the caller takes oneDNN's path.
+ * torch's bf16 linear does up to summation order). Returns NATIVE_DECLINED where the shapes or
+ * the CPU do not suit it (nothing written): the caller takes oneDNN's path.
  *
  * At these rows a projection only streams its weight: oneDNN's packed bf16 GEMM read SmolLM2's
  * weights at about 17 GB/s on two threads at one row (12 on one); this reads each 16-row block
  * of W in order, once per token, one sequential stream per thread (25 and 18 GB/s), and asks L2
  * for the next block while it sums this one. */
+#include "native_api.h"
 #include "common.h"
 
 int gemv_bf16(const uint16_t *x, int64_t ld_x, const uint16_t *W, int64_t out, int64_t in,
               uint16_t *y, int64_t ld_y, int64_t T, int num_threads) {
 #ifdef __AVX512BF16__
-    if (T < 1 || T > 4 || in % 32 != 0 || out % 16 != 0) return 2;
+    if (T < 1 || T > 4 || in % 32 != 0 || out % 16 != 0) return NATIVE_DECLINED;
     int64_t blocks = out / 16;
 #pragma omp parallel for num_threads(threads_for(out * in, num_threads)) schedule(static)
     for (int64_t blk = 0; blk < blocks; blk++) {
@@ -40,19 +41,19 @@ int gemv_bf16(const uint16_t *x, int64_t ld_x, const uint16_t *W, int64_t out, i
 #else
     (void)x, (void)ld_x, (void)W, (void)out, (void)in, (void)y, (void)ld_y, (void)T;
     (void)num_threads;
-    return 2;
+    return NATIVE_DECLINED;
 #endif
 }
 
 /* gemv_f32: y[t, o] = sum_i x[t, i] * W[o, i] in float32 for t < T (1-4), o < out; x [T, in]
  * (row stride ld_x), W [out, in] contiguous, y [T, out] (row stride ld_y); 16 | in, 16 | out.
- * Returns 2 where the shapes or the CPU do not suit it (nothing written): the caller takes
- * oneDNN's path. Each W row is read once for all T rows, in order (one stream per thread), two
- * partial sums per row so that the FMA chain's latency does not bound the read. */
+ * Returns NATIVE_DECLINED where the shapes or the CPU do not suit it (nothing written): the
+ * caller takes oneDNN's path. Each W row is read once for all T rows, in order (one stream per
+ * thread), two partial sums per row so that the FMA chain's latency does not bound the read. */
 int gemv_f32(const float *x, int64_t ld_x, const float *W, int64_t out, int64_t in, float *y,
              int64_t ld_y, int64_t T, int num_threads) {
 #ifdef __AVX512F__
-    if (T < 1 || T > 4 || in % 16 != 0 || out % 16 != 0) return 2;
+    if (T < 1 || T > 4 || in % 16 != 0 || out % 16 != 0) return NATIVE_DECLINED;
     int64_t blocks = out / 16;
 #pragma omp parallel for num_threads(threads_for(out * in, num_threads)) schedule(static)
     for (int64_t blk = 0; blk < blocks; blk++) {
@@ -84,6 +85,6 @@ int gemv_f32(const float *x, int64_t ld_x, const float *W, int64_t out, int64_t 
 #else
     (void)x, (void)ld_x, (void)W, (void)out, (void)in, (void)y, (void)ld_y, (void)T;
     (void)num_threads;
-    return 2;
+    return NATIVE_DECLINED;
 #endif
 }

@@ -8,6 +8,7 @@
  *
  * A row that is not finite gets argmax -1 (its request fails: model_runner.py). logits float32
  * [B, V], row stride ld. Rows are shared between threads when there are many. */
+#include "native_api.h"
 #include "common.h"
 
 #if defined(__AVX512F__)
@@ -75,7 +76,7 @@ static void scan_row(const float *row, int64_t V, uint8_t *finite, int64_t *argm
 
 int logits_scan(const float *logits, int64_t ld, int64_t B, int64_t V, uint8_t *finite,
                 int64_t *argmax, int num_threads) {
-    if (B < 0 || V < 1 || ld < V) return 1;
+    if (B < 0 || V < 1 || ld < V) return NATIVE_DECLINED;
 #pragma omp parallel for num_threads(threads_for(B * V, num_threads)) schedule(static)
     for (int64_t b = 0; b < B; b++) scan_row(logits + b * ld, V, finite + b, argmax + b);
     return 0;

@@ -274,7 +274,7 @@ def test_native_bf16_decode_path_is_built_where_its_kernels_run(checkpoints, sch
     torch, silently) fails here. Elsewhere (no native library, no AVX2, int4 without
     AVX512_BF16) the per-op path on torch's bf16 kernels is what the test above checked."""
     from toppings.server.model import quant_gemv
-    from toppings.server.model.decode_structs import GEMV_INT4_BF16, GEMV_INT8, GEMV_KINDS
+    from toppings.server.model.decode_structs import GEMV_KINDS, GemvKind
     from toppings.server.model.dtype import cpu_flags
     from toppings.server.model.linear import gemv_kernel
 
@@ -296,8 +296,8 @@ def test_native_bf16_decode_path_is_built_where_its_kernels_run(checkpoints, sch
         path = engine.model.decode_path
         assert path is not None and path._one_call
         kinds = {s.kind for layer in path._layers for s in layer.structs}
-    want = {"none": {GEMV_KINDS[kernel[0]]}, "int8": {GEMV_INT8}, "int4": {GEMV_INT4_BF16}}[scheme]
-    assert kinds == want
+    want = {"none": GEMV_KINDS[kernel[0]], "int8": GemvKind.INT8, "int4": GemvKind.INT4_BF16}
+    assert kinds == {want[scheme]}
 
 
 def test_the_int4_reference_is_not_the_float_model(checkpoints):

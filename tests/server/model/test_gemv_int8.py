@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from toppings.gpu_lora.kernels import native_build
+from toppings.gpu_lora.kernels.native_build import Status
 from toppings.server import native
 from toppings.server.model import linear as linear_module
 from toppings.server.model import quant, quant_gemv
@@ -363,4 +364,4 @@ def test_builds_without_avx512_run_and_match(tmp_path, build):
             ctypes.c_void_p(pairs.data_ptr()), out_features, in_features,
             ctypes.c_void_p(y.data_ptr()), out_features, 1, 1,
         )  # fmt: skip
-        assert declined == 2  # the bf16 int4 GEMV needs AVX-512 (AVX512_BF16)
+        assert declined == Status.DECLINED  # the bf16 int4 GEMV needs AVX-512 (AVX512_BF16)

@@ -31,6 +31,7 @@ from tests.server.engine.test_family_exactness import (
 from tests.server.engine.test_logprobs_exactness import check_against_reference
 from tests.server.model.family_checkpoints import quantized_checkpoints
 from toppings.server.config import Quantization
+from toppings.server.model.decode_structs import GemvKind
 from toppings.server.requests.request import SamplingParams
 
 LORA_MODES = ("cached", "on-demand", "cpu-assisted")
@@ -156,8 +157,8 @@ def test_one_stream_through_the_native_gemv_matches_peft(checkpoints, scheme, mo
         assert engine.model.layers[0].gate_up.gemv_rows == quant.GEMV_ROWS
         path = engine.model.decode_path
         kinds = {s.kind for layer in path._layers for s in layer.structs}
-        assert kinds == {4 if scheme == "int8" else 5}  # decode_layer.c's GEMV_INT8 / GEMV_INT4
-        assert path._head.kind == 4  # lm_head is int8 in both schemes, in the same call
+        assert kinds == {GemvKind.INT8 if scheme == "int8" else GemvKind.INT4}
+        assert path._head.kind == GemvKind.INT8  # lm_head is int8 in both schemes, in the same call
         results = [run(engine, [p], scored)[0] for p in prompts]
     assert rows and set(rows) == {1}, "the decode steps did not run the native decode path"
     check_against_reference(ref_dir, adapters, prompts, results)
