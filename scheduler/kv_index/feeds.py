@@ -117,9 +117,11 @@ class KVFeeds:
                 feed = self._feeds[url] = _Feed(endpoint, stream, 0, subscription)
                 log.info("KV events of %s: subscribed to %s", url, endpoint)
             feed.block_size = int(kv_events["block_size"])
-            if self.index.status(url)[0] >= published:
+            next_seq = self.index.status(url)[0]
+            if next_seq >= published:
                 feed.behind_since = None
-            elif feed.behind_since is None:
+            elif feed.behind_since is None or next_seq >= feed.behind_target:
+                # behind from now on (or again, past what it caught up with since)
                 feed.behind_target, feed.behind_since = published, self._clock()
         if old is not None:
             old.subscription.close()
