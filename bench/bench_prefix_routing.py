@@ -129,9 +129,15 @@ class Round:
         self.lock = threading.Lock()
 
     def record(self, kind: str, step: int, ttft: float, server: str, previous: str | None):
+        hit = None if previous is None else server == previous
+        entry = {"kind": kind, "step": step, "ttft_ms": ttft, "hit": hit}
+        if hit is False:  # what the scheduler saw: were its feeds fresh, how busy the servers
+            state = requests.get(self.scheduler + "/admin/state", timeout=30).json()
+            entry["feeds_fresh"] = [f["fresh"] for f in (state["kv_events"] or {}).values()]
+            entry["servers_running_queued"] = [(s["running"], s["queued"], s["in_flight"])
+                                               for s in state["servers"]]  # fmt: skip
         with self.lock:
-            hit = None if previous is None else server == previous
-            self.records.append({"kind": kind, "step": step, "ttft_ms": ttft, "hit": hit})
+            self.records.append(entry)
 
     def conversation(self, c: int) -> None:
         a, rng = self.args, random.Random(self.seed * 1000 + c)
@@ -198,6 +204,8 @@ def summarise(records: list[dict]) -> dict:
         "later_turn_ttft_ms_p50": median("turn", True),
         "checker_ttft_ms_p50": median("checker", True),
         "base_same_prefix_ttft_ms_p50": median("base_same_prefix", True),
+        "misses": [{k: v for k, v in r.items() if k != "hit"} for r in records
+                   if r["hit"] is False],  # fmt: skip
         "records": records,
     }
 

@@ -13,7 +13,7 @@ import math
 import random
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar, Protocol
 
 from toppings.scheduler.kv_index.prefix_key import PrefixKey
@@ -68,6 +68,12 @@ class Policy(ABC):
         the version changing with each new placement; None for routing-only policies. The
         simulator has servers prefetch and keep these adapters (scheduler/sim/adapter_pool.py)."""
         return None
+
+    def routed_as(self, request: RouteRequest, url: str) -> RouteRequest:
+        """`request` as the server at `url` will run it, for the scheduler to count among that
+        server's queued requests until its next /stats (the same request, unless the policy
+        knows the server holds part of its prompt)."""
+        return request
 
     def decode_after(self, request: RouteRequest, server: ServerState) -> float:
         """Predicted decode iteration latency (ms) of `server` once `request` joins its batch."""
@@ -198,12 +204,14 @@ class PrefixAware(RankAware):
         super().__init__(*args, **kwargs)
         self.prefix = prefix
         self.weights = weights or PrefixWeights()
+        self._last_matched: tuple[RouteRequest | None, Mapping[str, int | None]] = (None, {})
 
     def order(self, request: RouteRequest, servers: Sequence[ServerState]) -> list[int]:
         served = candidates(request, servers)
         matched: Mapping[str, int | None] = {}
         if self.prefix is not None and request.prefix is not None and served:
             matched = self.prefix.matched_tokens(request.prefix, [servers[i].url for i in served])
+        self._last_matched = (request, matched)
         keyed = [(self._score(request, servers[i], matched.get(servers[i].url)), i) for i in served]
         keyed.sort()
         return [i for _, i in keyed]
@@ -211,6 +219,17 @@ class PrefixAware(RankAware):
     def choose(self, request: RouteRequest, servers: Sequence[ServerState]) -> int | None:
         ranked = self.order(request, servers)
         return ranked[0] if ranked else None
+
+    def routed_as(self, request: RouteRequest, url: str) -> RouteRequest:
+        """With only what `url` does not hold left to prefill: a request just routed to the
+        holder of its prefix must not look, until the next /stats, like a whole prompt of
+        pending prefill there (the next turn of its conversation would then be sent away).
+        Reads the matches of the last `order` (the router ranks and notes under one lock)."""
+        last, matched = self._last_matched
+        cached = matched.get(url) if last is request else None
+        if not cached:
+            return request
+        return replace(request, prompt_tokens=max(1, request.prompt_tokens - cached))
 
     def _score(
         self, request: RouteRequest, server: ServerState, matched: int | None

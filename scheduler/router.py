@@ -270,7 +270,7 @@ class Router:
             states = self.cluster.states()
             ranked = [states[i].url for i in self.policy.order(request, states)]
             if ranked:
-                self.cluster.note_routed(ranked[0], request)
+                self.cluster.note_routed(ranked[0], self.policy.routed_as(request, ranked[0]))
         self.metrics.decision.observe(time.perf_counter() - began)
         if not ranked:
             raise SchedulerError(
@@ -283,7 +283,8 @@ class Router:
         stream = bool(body.get("stream"))
         for attempt, url in enumerate(ranked):
             if attempt:
-                self.cluster.note_routed(url, request)
+                with self._choose_lock:
+                    self.cluster.note_routed(url, self.policy.routed_as(request, url))
             self.metrics.routed.labels(url, self.policy.name).inc()
             done = _Done(self, url)
             try:

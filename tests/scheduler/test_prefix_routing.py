@@ -177,3 +177,20 @@ def test_a_longer_prefix_wins_between_equal_servers():
 def test_negative_weights_are_refused():
     with pytest.raises(ValueError):
         PrefixWeights(load=-1.0)
+
+
+def test_a_request_routed_to_its_prefix_counts_only_what_is_left_to_prefill():
+    request = RouteRequest("a", 8, 2000, 16, prefix=PrefixKey(tuple(range(1999)), "a"))
+    servers = [server("idle"), server("busy", running=3)]
+    policy = make_policy("prefix-aware", perf(), 1000.0, prefix=Fixed({"busy": 1984}))
+    assert policy.order(request, servers) == [1, 0]
+    assert policy.routed_as(request, "busy").prompt_tokens == 16
+    assert policy.routed_as(request, "idle") is request
+    other = RouteRequest("a", 8, 2000, 16)
+    assert policy.routed_as(other, "busy") is other  # not the request just ranked
+    # The next turn, while the first is still counted as queued on "busy": it stays there.
+    noted = servers[1].with_routed(8, policy.routed_as(request, "busy").prompt_tokens, 16)
+    follow = RouteRequest("a", 8, 2100, 16, prefix=PrefixKey(tuple(range(2099)), "a"))
+    assert policy.order(follow, [servers[0], noted]) == [1, 0]
+    whole = servers[1].with_routed(8, 2000, 16)  # as it was counted before
+    assert policy.order(follow, [servers[0], whole]) == [0, 1]
