@@ -204,8 +204,9 @@ def summarise(records: list[dict]) -> dict:
         "later_turn_ttft_ms_p50": median("turn", True),
         "checker_ttft_ms_p50": median("checker", True),
         "base_same_prefix_ttft_ms_p50": median("base_same_prefix", True),
-        "misses": [{k: v for k, v in r.items() if k != "hit"} for r in records
-                   if r["hit"] is False],  # fmt: skip
+        "misses": [
+            {k: v for k, v in r.items() if k != "hit"} for r in records if r["hit"] is False
+        ],  # fmt: skip
         "records": records,
     }
 
