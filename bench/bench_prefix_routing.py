@@ -134,7 +134,7 @@ class Round:
         if hit is False:  # what the scheduler saw: were its feeds fresh, how busy the servers
             state = requests.get(self.scheduler + "/admin/state", timeout=30).json()
             entry["feeds_fresh"] = [f["fresh"] for f in (state["kv_events"] or {}).values()]
-            entry["servers_running_queued"] = [(s["running"], s["queued"], s["in_flight"])
+            entry["servers_running_queued"] = [[s["running"], s["queued"], s["in_flight"]]
                                                for s in state["servers"]]  # fmt: skip
         with self.lock:
             self.records.append(entry)
