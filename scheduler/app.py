@@ -22,8 +22,10 @@ Admin endpoints manage the cluster:
                              "path"?, "bytes"?, "state"?, "sha256"?, "servers"?: [url]}
                             record an adapter; with "servers" (each one registered, else
                             400 and nothing recorded), ask each to load it from "path"
-    GET    /admin/state                        servers, health, policy, perf-model source, and
-                                               loraserve's last placement step (else null)
+    GET    /admin/state                        servers, health, policy, perf-model source,
+                                               loraserve's last placement step (else null), and
+                                               with prefix-aware routing each server's KV events
+                                               feed (endpoint, blocks, fresh) (else null)
 
 Who may call which path (the client key, the admin key, loopback-only admin) is
 scheduler.auth; the calls to servers go through scheduler.server_session, which attaches the
@@ -295,6 +297,7 @@ def _register_admin(app: Flask, ctx: SchedulerContext) -> None:
             "avg_resp_len": router.policy.avg_resp_len,
             "servers": cluster.describe(),
             "adapters": [a.name for a in registry.list_adapters()],
+            "kv_events": cluster.kv_feeds.describe() if cluster.kv_feeds is not None else None,
         })  # fmt: skip
 
 

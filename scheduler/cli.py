@@ -1,7 +1,8 @@
 """`toppings-scheduler`: the cluster scheduler, served by waitress.
 
     toppings-scheduler --registry FILE.sqlite [--host 127.0.0.1] [--port 8000]
-        [--policy rank-aware|loraserve|random|first-fit|least-loaded] [--perf-model FILE.json]
+        [--policy rank-aware|prefix-aware|loraserve|random|first-fit|least-loaded]
+        [--perf-model FILE.json] [--tokenizer DIR] [--prefix-weight W] [--kv-index-stale-s S]
         [--slo-tpt-ms X] [--placement-interval-s S] [--max-concurrent-requests N] [--threads N]
         [--api-key KEY] [--admin-api-key KEY] [--server-api-key KEY] [--drain-timeout S]
 
@@ -11,6 +12,12 @@ reach `/admin/*`); the servers' key goes only to the servers registered (schedul
 scheduler.server_session).
 Without --perf-model the policies use the paper's Fig. 6 coefficients (A100, Llama-7B), which
 do not describe this cluster's hardware; fit a model with bench/fit_perf_model.py.
+
+`--policy prefix-aware` adds to the rank-aware cost what each server has cached of the prompt:
+the scheduler follows the KV cache events of every server whose /stats names them
+(toppings-serve --kv-events-endpoint; scheduler/kv_index/feeds.py) and hashes each prompt as
+the servers do, from its token ids (given as ids, or from `--tokenizer`, the servers'
+checkpoint directory).
 
 Waitress runs one thread per proxied request in flight (`--max-concurrent-requests`, 429 past
 it) plus `--threads` more for everything else (see toppings.server.http.frontend).
@@ -37,11 +44,18 @@ from toppings.scheduler.app import DEFAULT_MAX_IN_FLIGHT, create_app
 from toppings.scheduler.auth import AccessKeys, is_loopback_host
 from toppings.scheduler.cluster import Cluster
 from toppings.scheduler.drain import in_flight_ended
+from toppings.scheduler.kv_index.feeds import DEFAULT_STALE_S, KVFeeds
 from toppings.scheduler.loraserve import PlacementConfig
 from toppings.scheduler.paper_models import paper_fig6_models
 from toppings.scheduler.perf_model import PerfModels
 from toppings.scheduler.placement_loop import PlacementLoop
-from toppings.scheduler.policies import POLICIES, LoRAServe, make_policy
+from toppings.scheduler.policies import (
+    POLICIES,
+    LoRAServe,
+    PrefixAware,
+    PrefixWeights,
+    make_policy,
+)
 from toppings.scheduler.registry import Registry
 from toppings.scheduler.router import PromptCounter, Router, estimate_prompt_tokens
 from toppings.scheduler.server_session import ServerOrigins, ServerSession
@@ -174,6 +188,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="the base model's Hugging Face directory: count prompt tokens exactly (default:"
         " estimate them from characters)",
     )
+    parser.add_argument(
+        "--prefix-weight",
+        type=float,
+        default=PrefixWeights.prefix,
+        metavar="W",
+        help="prefix-aware: weight of the prefill a server's cached prefix saves the request"
+        " (1: its predicted milliseconds; 0: the events are followed but not used)",
+    )
+    parser.add_argument(
+        "--kv-index-stale-s",
+        type=float,
+        default=DEFAULT_STALE_S,
+        metavar="S",
+        help="prefix-aware: a server whose KV events lag what its /stats says it published for"
+        " longer than this counts as holding an unknown prefix",
+    )
     parser.add_argument("--log-level", default="INFO")
     return parser
 
@@ -215,9 +245,18 @@ def main(argv: list[str] | None = None) -> None:
         _usage_error(f"--registry {args.registry}: {e}")
     origins = ServerOrigins()  # the cluster's servers: the only origins the server key goes to
     session = ServerSession(origins, args.server_api_key)  # /stats polling and adapter sync
-    cluster = Cluster(registry, make_fetch_json(session), args.refresh_ms / 1000.0, origins)
+    options: dict[str, Any] = {}
+    feeds = None
+    if issubclass(POLICIES[args.policy], PrefixAware):
+        if args.kv_index_stale_s <= 0 or args.prefix_weight < 0:
+            _usage_error("--kv-index-stale-s must be positive, --prefix-weight not negative")
+        feeds = KVFeeds(stale_s=args.kv_index_stale_s)
+        options.update(prefix=feeds, weights=PrefixWeights(prefix=args.prefix_weight))
+        if not args.tokenizer:
+            log.warning("prefix-aware without --tokenizer: only prompts given as token ids are"
+                        " matched against the servers' caches")  # fmt: skip
+    cluster = Cluster(registry, make_fetch_json(session), args.refresh_ms / 1000.0, origins, feeds)
     slo_ms = args.slo_tpt_ms or default_slo_ms(perf)
-    options = {}
     if issubclass(POLICIES[args.policy], LoRAServe):
         if args.placement_interval_s <= 0:
             _usage_error("--placement-interval-s must be positive")

@@ -6,6 +6,11 @@ server's state as queued (`ServerState.with_routed`), so a burst between two sna
 pile onto the server the last snapshot favoured. A server whose fetch fails, or that refuses a
 proxied request, is unhealthy until a fetch succeeds again.
 
+With `kv_feeds` (prefix routing), each `/stats` also tells the feeds where the server
+publishes its KV cache events (its `kv_events` field, scheduler/kv_index/feeds.py), and the
+activated adapters' invocation sequences are kept for hashing their prompts
+(`invocation_tokens`).
+
 The cluster keeps `origins` (scheduler.server_session) in step with its membership: the servers'
 key goes to a server from the moment an operator registers it (its first /v1/models and /stats
 carry the key) until it is removed.
@@ -21,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from toppings.scheduler.kv_index.feeds import KVFeeds
 from toppings.scheduler.registry import AdapterRecord, Registry, ServerRecord
 from toppings.scheduler.server_session import ServerOrigins
 from toppings.scheduler.state import RouteRequest, ServerState
@@ -53,9 +59,13 @@ class Cluster:
         fetch_json: FetchJson,
         refresh_s: float = 0.1,
         origins: ServerOrigins | None = None,
+        kv_feeds: KVFeeds | None = None,
     ):
         """origins: where the servers' key may go, kept to this cluster's servers (the same
-        object the fetch_json's and the router's ServerSession ask)."""
+        object the fetch_json's and the router's ServerSession ask); kv_feeds: the KV events
+        subscriptions to keep in step with each server's /stats (None: none)."""
+        self.kv_feeds = kv_feeds
+        self._invocations: dict[str, tuple[int, ...]] = {}
         self.registry = registry
         self.fetch_json = fetch_json
         self.refresh_s = refresh_s
@@ -96,6 +106,7 @@ class Cluster:
             if not known:
                 self.origins.discard(url)
             raise
+        self._learn(url, stats)
         adapters = [AdapterRecord(name, base, rank) for name, rank in sorted(ranks.items())]
         record = ServerRecord(url, base, state.kernel, str(stats.get("device", "unknown")),
                               healthy=state.healthy, last_seen=time.time())  # fmt: skip
@@ -112,6 +123,8 @@ class Cluster:
         with self._lock:
             known = self._entries.pop(url, None) is not None
         self.origins.discard(url)
+        if self.kv_feeds is not None:
+            self.kv_feeds.remove(url)
         return self.registry.remove_server(url) or known
 
     def urls(self) -> list[str]:
@@ -140,6 +153,27 @@ class Cluster:
                 state = replace(state, healthy=entry.healthy)
             result.append(state)
         return result
+
+    def _learn(self, url: str, stats: dict[str, Any]) -> None:
+        """What prefix routing takes from a parsed /stats: the KV events feed, and the
+        activated adapters' invocation sequences."""
+        for adapter in stats.get("adapters", ()):
+            tokens = adapter.get("invocation_tokens")
+            if tokens:
+                self._invocations[str(adapter["name"])] = tuple(int(t) for t in tokens)
+            else:  # a plain adapter (perhaps loaded again under an activated one's name)
+                self._invocations.pop(str(adapter["name"]), None)
+        if self.kv_feeds is not None:
+            try:
+                self.kv_feeds.update(url, stats.get("kv_events") or {})
+            except (KeyError, TypeError, ValueError) as exc:  # a malformed field: no feed
+                log.warning("server %s: unusable kv_events in /stats: %s", url, exc)
+                self.kv_feeds.remove(url)
+
+    def invocation_tokens(self, adapter: str) -> tuple[int, ...]:
+        """An activated adapter's invocation sequence as its servers report it; () for any
+        other adapter."""
+        return self._invocations.get(adapter, ())
 
     def hosting(self) -> dict[str, frozenset[str]]:
         """Healthy server url -> the adapters its last /stats (or a confirmed fetch) showed."""
@@ -218,6 +252,10 @@ class Cluster:
             return
         now = time.time()
         with self._lock:
+            removed = url not in self._entries
+        if not removed:
+            self._learn(url, stats)
+        with self._lock:
             entry = self._entries.get(url)
             if entry is None:  # removed meanwhile
                 return
@@ -256,3 +294,5 @@ class Cluster:
         if self._thread is not None:
             self._thread.join(timeout=5)
         self._pool.shutdown(wait=False)
+        if self.kv_feeds is not None:
+            self.kv_feeds.close()

@@ -32,6 +32,7 @@ from typing import Any
 import requests
 
 from toppings.scheduler.cluster import Cluster
+from toppings.scheduler.kv_index.prefix_key import PrefixKey
 from toppings.scheduler.metrics import SchedulerMetrics
 from toppings.scheduler.policies import Policy
 from toppings.scheduler.registry import Registry
@@ -123,12 +124,27 @@ def estimate_prompt_tokens(body: dict[str, Any]) -> int:
     return max(1, total) * _copies(body)
 
 
+def given_token_ids(body: dict[str, Any], kind: str) -> list[int] | None:
+    """The one prompt's token ids when the body gives them as ids (a completions `prompt` of
+    ints, a native `input_ids`); None otherwise."""
+    ids = body.get("input_ids") if kind == "native" else body.get("prompt")
+    if kind == "chat" or not isinstance(ids, list) or not ids:
+        return None
+    if all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        return ids
+    return None
+
+
 class PromptCounter:
-    """Exact prompt lengths with the base model's tokenizer (and chat template).
+    """Exact prompt lengths and token ids with the base model's tokenizer (and chat template),
+    loaded from the servers' checkpoint directory (`--tokenizer`).
 
     Costs a tokenization per routed request (well under a millisecond for chat-sized prompts);
-    without it the router estimates from characters. A body the tokenizer cannot take falls
-    back to the estimate: the server, not the router, reports bad input.
+    without it the router estimates lengths from characters. The ids are the server's: a text
+    prompt encoded with special tokens, messages rendered by the chat template with the
+    generation prompt and encoded without (server/api/choices.py `prompt_ids`), so that prefix
+    routing hashes the blocks the server will announce. A body the tokenizer cannot take falls
+    back to the estimate (and no ids): the server, not the router, reports bad input.
     """
 
     def __init__(self, tokenizer_dir: str):
@@ -137,6 +153,32 @@ class PromptCounter:
         if not Path(tokenizer_dir).is_dir():  # never a hub id: nothing is fetched at run time
             raise ValueError("not a directory")
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
+
+    def token_ids(self, body: dict[str, Any], kind: str) -> list[int] | None:
+        """The ids the server will compute for the body's one prompt; None for several
+        prompts, tools (the server may render them its own way) or a body it cannot take."""
+        given = given_token_ids(body, kind)
+        if given is not None:
+            return given
+        try:
+            if "messages" in body:
+                messages = body["messages"]
+                if "tools" in body or not all(
+                    isinstance(m, dict) and isinstance(m.get("content", ""), str) for m in messages
+                ):
+                    return None
+                text = self.tokenizer.apply_chat_template(
+                    messages, add_generation_prompt=True, tokenize=False
+                )
+                return list(self.tokenizer.encode(text, add_special_tokens=False))
+            prompt = body.get("prompt")
+            if isinstance(prompt, list) and len(prompt) == 1:
+                prompt = prompt[0]
+            if isinstance(prompt, str):
+                return list(self.tokenizer.encode(prompt))
+        except Exception:  # malformed messages, a template error: no ids
+            pass
+        return None
 
     def __call__(self, body: dict[str, Any]) -> int:
         try:
@@ -166,12 +208,17 @@ class Router:
         count_prompt: Callable[[dict[str, Any]], int] = estimate_prompt_tokens,
         session: ServerSession | None = None,
     ):
-        """count_prompt: prompt tokens of a request body (PromptCounter for exact counts);
-        session: the calls to servers (with the servers' key, if any; default: without)."""
+        """count_prompt: prompt tokens of a request body (a PromptCounter gives exact counts,
+        and the token ids prefix routing hashes; without one, only prompts given as token ids
+        are hashed); session: the calls to servers (with the servers' key, if any; default:
+        without)."""
         self.registry = registry
         self.cluster = cluster
         self.policy = policy
         self.count_prompt = count_prompt
+        self.token_ids: Callable[[dict[str, Any], str], list[int] | None] = getattr(
+            count_prompt, "token_ids", given_token_ids
+        )
         self.session = session if session is not None else ServerSession(cluster.origins)
         self.metrics = SchedulerMetrics(cluster, registry)
         self.started = int(time.time())  # the `created` of the model cards, as a server's
@@ -195,14 +242,26 @@ class Router:
             max_tokens = DEFAULT_MAX_TOKENS[kind]
         adapter = self.registry.get_adapter(model)
         if adapter is not None and adapter.state == "active":
-            return RouteRequest(
-                model, adapter.rank, self.count_prompt(body), max_tokens, adapter.base_model
-            )
+            count, prefix = self._prompt(body, kind, model)
+            return RouteRequest(model, adapter.rank, count, max_tokens, adapter.base_model, prefix)
         if adapter is None and model in self.registry.base_models():
-            return RouteRequest(None, 0, self.count_prompt(body), max_tokens, model)
+            count, prefix = self._prompt(body, kind, None)
+            return RouteRequest(None, 0, count, max_tokens, model, prefix)
         if adapter is not None:
             raise SchedulerError(f"adapter {model!r} is disabled", 404, NOT_FOUND)
         raise SchedulerError(unknown_adapter(model), 404, NOT_FOUND)
+
+    def _prompt(
+        self, body: dict[str, Any], kind: str, adapter: str | None
+    ) -> tuple[int, PrefixKey | None]:
+        """The prompt's tokens (all prompts, times n) and, when its ids are known, the blocks a
+        server may hold of it under `adapter` (an activated one's: the base model's before its
+        invocation, from the servers' /stats)."""
+        ids = self.token_ids(body, kind)
+        if ids is None:
+            return self.count_prompt(body), None
+        invocation = self.cluster.invocation_tokens(adapter) if adapter is not None else ()
+        return len(ids) * _copies(body), PrefixKey.of(ids, adapter, invocation)
 
     def forward(self, path: str, body: dict[str, Any], kind: str) -> Forwarded:
         request = self.route_request(body, kind)
@@ -211,7 +270,7 @@ class Router:
             states = self.cluster.states()
             ranked = [states[i].url for i in self.policy.order(request, states)]
             if ranked:
-                self.cluster.note_routed(ranked[0], request)
+                self.cluster.note_routed(ranked[0], self.policy.routed_as(request, ranked[0]))
         self.metrics.decision.observe(time.perf_counter() - began)
         if not ranked:
             raise SchedulerError(
@@ -224,7 +283,8 @@ class Router:
         stream = bool(body.get("stream"))
         for attempt, url in enumerate(ranked):
             if attempt:
-                self.cluster.note_routed(url, request)
+                with self._choose_lock:
+                    self.cluster.note_routed(url, self.policy.routed_as(request, url))
             self.metrics.routed.labels(url, self.policy.name).inc()
             done = _Done(self, url)
             try:

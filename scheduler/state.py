@@ -15,6 +15,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
+from toppings.scheduler.kv_index.prefix_key import PrefixKey
 from toppings.server.requests.stats_schema import RequestView, Residency, ServerStats
 
 
@@ -61,13 +62,15 @@ class BatchShape(NamedTuple):
 
 @dataclass(frozen=True, slots=True)
 class RouteRequest:
-    """A request to place. rank 0 and adapter None mean the base model alone."""
+    """A request to place. rank 0 and adapter None mean the base model alone. prefix: the
+    blocks a server may hold of its prompt (None: its token ids are not known, scheduler.router)."""
 
     adapter: str | None
     rank: int
     prompt_tokens: int
     max_new_tokens: int
     base_model: str = ""
+    prefix: PrefixKey | None = None
 
 
 @dataclass(frozen=True, slots=True)

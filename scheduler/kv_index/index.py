@@ -7,6 +7,9 @@ the first number missing, for the subscriber to ask the server's replay socket. 
 server no longer keeps the missing batches, `skip_to` accepts the loss: that server's blocks
 are forgotten (the index then under-counts it, never over-counts) and the stream resumes at
 what is there; the server's next resync or restart (AllBlocksCleared) makes it exact again.
+`exact` says which: a server's entry is exact from its first AllBlocksCleared (every server
+sends one first, and again with each resync) until a loss. `forget` drops a server (removed,
+or restarted: its numbering starts again).
 
 Decodes both wire layouts vLLM has used (docs/production.md): events as positional arrays
 with the tag first, or as maps with the tag under "type".
@@ -15,6 +18,7 @@ with the tag first, or as maps with the tag under "type".
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -28,10 +32,14 @@ _REMOVED = ("block_hashes", "medium")
 
 @dataclass
 class ServerBlocks:
-    """What one server holds: hash -> the media it is in; `next_seq`: the batch expected."""
+    """What one server holds: hash -> the media it is in; `next_seq`: the batch expected;
+    `exact`: whether blocks are all it holds (see the module docstring); `applied_at`: the
+    time.monotonic() of the last batch applied (0: none yet)."""
 
     blocks: dict[int, set[str]] = field(default_factory=dict)
     next_seq: int = 0
+    exact: bool = False
+    applied_at: float = 0.0
 
 
 def _fields(event: list | dict, names: tuple[str, ...]) -> tuple[str, dict]:
@@ -71,6 +79,7 @@ class KVIndex:
             for tag, fields in decode_batch(payload):
                 self._apply_event(state, tag, fields)
             state.next_seq = seq + 1
+            state.applied_at = time.monotonic()
             return None
 
     def skip_to(self, server: str, seq: int) -> None:
@@ -78,10 +87,24 @@ class KVIndex:
         with self._lock:
             self.servers[server] = ServerBlocks(next_seq=seq)
 
+    def forget(self, server: str) -> None:
+        """Drop everything of `server` (removed, or a new process whose batches number from 0)."""
+        with self._lock:
+            self.servers.pop(server, None)
+
+    def status(self, server: str) -> tuple[int, bool, float]:
+        """(next_seq, exact, applied_at) of `server`; (0, False, 0.0) when nothing is known."""
+        with self._lock:
+            state = self.servers.get(server)
+            if state is None:
+                return 0, False, 0.0
+            return state.next_seq, state.exact, state.applied_at
+
     @staticmethod
     def _apply_event(state: ServerBlocks, tag: str, fields: dict) -> None:
         if tag == "AllBlocksCleared":
             state.blocks.clear()
+            state.exact = True
             return
         medium = fields.get("medium") or DEFAULT_MEDIUM
         for h in fields["block_hashes"]:

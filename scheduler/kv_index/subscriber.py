@@ -4,7 +4,10 @@ DEALER on its replay endpoint (vLLM's transport; the server side is server/kv_ev
 Frames are (topic, sequence number as 8 bytes big-endian, payload). A gap (a batch numbered
 past the one expected, which is also how a subscriber that joins late starts) is filled by
 asking the replay socket for everything from the first missing number: it answers with the
-batches it keeps, then -1 as the end. Batches it no longer keeps are lost (`KVIndex.skip_to`).
+batches it keeps, then -1 as the end. Batches it no longer keeps are lost (`KVIndex.skip_to`;
+the server answers such a request with a resync soon after, server/kv_events/zmq_sink.py).
+With a replay endpoint, a subscriber asks for everything kept as soon as it starts, so that a
+server that publishes nothing for a while (idle) is known at once.
 """
 
 from __future__ import annotations
@@ -51,6 +54,8 @@ class KVEventSubscriber:
 
     def _run(self) -> None:
         try:
+            if self._replay_endpoint is not None:
+                self._replay(self.index.status(self.server)[0])
             while not self._stop.is_set():
                 if not self._sub.poll(POLL_MS):
                     continue

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from toppings.scheduler.perf_model import PerfModels
 from toppings.scheduler.sim.adapter_pool import AdapterStoreConfig
+from toppings.scheduler.sim.prefix_cache import SimPrefixCaches
 from toppings.scheduler.sim.trace import TraceRequest
 from toppings.scheduler.state import BatchShape, ServerState
 
@@ -52,6 +53,7 @@ class SimRequest:
     first_token_s: float = math.nan
     finish_s: float = math.nan
     fetch_wait_s: float = 0.0  # waited for its adapter to reach host memory
+    cached_tokens: int = 0  # of its prompt, found in its server's prefix cache
 
 
 class _RankSet:
@@ -78,8 +80,17 @@ class _RankSet:
 class SimServer:
     """One server's queue, running batch and iteration clock."""
 
-    def __init__(self, idx: int, config: SimConfig, perf: PerfModels, adapters: frozenset[str]):
+    def __init__(
+        self,
+        idx: int,
+        config: SimConfig,
+        perf: PerfModels,
+        adapters: frozenset[str],
+        prefix: SimPrefixCaches | None = None,
+    ):
+        """prefix: the servers' cached conversation prefixes (None: no prefix cache)."""
         self.idx = idx
+        self.prefix = prefix
         self.config = config
         self.decode_model = perf.decode(config.kernel)
         self.prefill_model = perf.prefill(config.kernel)
@@ -144,8 +155,13 @@ class SimServer:
             self.queued_tokens -= need
             num_tokens += trace.prompt_tokens
         if admitted:
+            if self.prefix is not None:
+                url = self.state().url
+                for r in admitted:
+                    r.cached_tokens = self.prefix.cached(url, r.trace)
             shape = BatchShape.of(
-                (r.trace.rank for r in admitted), (r.trace.prompt_tokens for r in admitted)
+                (r.trace.rank for r in admitted),
+                (r.trace.prompt_tokens - r.cached_tokens for r in admitted),
             )
             self.prefilling = admitted
             duration_ms = self.prefill_model.predict(shape)
@@ -164,6 +180,8 @@ class SimServer:
             for request in self.prefilling:
                 request.first_token_s = now
                 trace = request.trace
+                if self.prefix is not None:
+                    self.prefix.store(self.state().url, trace)
                 if trace.output_tokens <= 1:
                     self._finish(request, now, done)
                     continue

@@ -57,12 +57,17 @@ class TraceConfig:
 
 @dataclass(frozen=True, slots=True)
 class TraceRequest:
+    """One request; a conversation's (prefix_id >= 0) shares its first prefix_tokens tokens
+    with that conversation's earlier turns (scheduler/sim/prefix_cache.py)."""
+
     idx: int
     arrival_s: float
     adapter: str
     rank: int
     prompt_tokens: int
     output_tokens: int
+    prefix_id: int = -1
+    prefix_tokens: int = 0
 
 
 def lognormal_mu(mean: float, sigma: float) -> float:
@@ -129,3 +134,36 @@ def trace_summary(requests: list[TraceRequest]) -> dict[str, object]:
         "share_top1_adapter": top[0] / num,
         "share_top100_adapters": sum(top[:100]) / num,
     }
+
+
+def conversation_trace(
+    num_conversations: int,
+    turns: int,
+    context_tokens: int,
+    turn_tokens: int,
+    output_tokens: int,
+    duration_s: float,
+    think_s: float,
+    adapters: dict[str, int],
+    seed: int = 0,
+) -> list[TraceRequest]:
+    """Multi-turn conversations: each starts at a uniform time in [0, duration_s) under one
+    adapter (in turn from `adapters`, name -> rank), its first prompt `context_tokens` long;
+    turn t arrives `think_s` after turn t - 1 and its prompt is the previous one plus its
+    answer and `turn_tokens` more, the previous prompt and answer being its shared prefix."""
+    rng = random.Random(seed)
+    names = sorted(adapters)
+    items = []
+    for c in range(num_conversations):
+        start = rng.uniform(0.0, duration_s)
+        adapter = names[c % len(names)]
+        prompt, shared = context_tokens, 0
+        for t in range(turns):
+            items.append((start + t * think_s, c, adapter, prompt, shared))
+            shared = prompt + output_tokens
+            prompt = shared + turn_tokens
+    items.sort()
+    return [
+        TraceRequest(i, at, adapter, adapters[adapter], prompt, output_tokens, c, shared)
+        for i, (at, c, adapter, prompt, shared) in enumerate(items)
+    ]

@@ -153,6 +153,14 @@ ENGINE_SERIES: tuple[tuple[str, str, str, Callable[[EngineCounters], float | Non
      lambda c: c.memory["evictions_kv"]),
     ("counter", "memory_evictions_adapter", "Idle adapters evicted to make room in the pool",
      lambda c: c.memory["evictions_adapter"]),
+    ("counter", "kv_events_batches", "KV cache event batches published (--kv-events-endpoint)",
+     lambda c: c.memory.get("kv_events_batches")),
+    ("counter", "kv_events_dropped",
+     "Prefix-cache changes whose KV events were dropped to a full queue (each followed by a "
+     "resync)", lambda c: c.memory.get("kv_events_dropped")),
+    ("counter", "kv_events_resyncs_asked",
+     "Replays that asked for KV event batches no longer kept (each answered by a resync)",
+     lambda c: c.memory.get("kv_events_resyncs_asked")),
     *(("gauge", f"memory_blocks_{kind}", f"Memory pool blocks: {kind.replace('_', ' ')}",
        (lambda k: lambda c: c.memory["blocks"][k])(kind))
       for kind in ("total", "free", "kv_in_use", "kv_cached", "adapters_in_use",

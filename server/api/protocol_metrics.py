@@ -16,6 +16,12 @@ that a scrape and the `/stats` of the same instant agree:
                                               gauge    value: the sample's Unix time
     vllm:prefix_cache_queries{model_name}     counter  prompt tokens looked up in the prefix cache
     vllm:prefix_cache_hits{model_name}        counter  of those, tokens whose KV was cached
+    vllm:cache_config_info{block_size, num_gpu_blocks}
+                                              gauge    1; the KV block size in tokens (the
+                                                       size KV events hash blocks of) and the
+                                                       pool's blocks, read by the prefix-cache
+                                                       scorers (the protocol's optional
+                                                       BlockSize and NumGPUBlocks)
 
 Adapter residency, under the names of vLLM's residency metrics (vllm-project/vllm pull
 requests #45411 and #54830, as read by llm-d-router's lora-load-state scorer, llm-d/llm-d-router
@@ -140,6 +146,13 @@ class ProtocolCollector:
             family = CounterMetricFamily(PREFIX + name, doc, labels=[MODEL_LABEL])
             family.add_metric(model, value)
             yield family
+        if "block_tokens" in memory:
+            config = GaugeMetricFamily(PREFIX + "cache_config_info",
+                                       "KV cache configuration: block size in tokens, blocks",
+                                       labels=["block_size", "num_gpu_blocks"])  # fmt: skip
+            blocks = memory.get("blocks", {}).get("total", 0)
+            config.add_metric([str(memory["block_tokens"]), str(blocks)], 1)
+            yield config
         lora = GaugeMetricFamily(PREFIX + "lora_requests_info",
                                  "Adapters resident or running, and of the waiting requests; "
                                  "value: the sample's time", labels=LORA_INFO_LABELS)  # fmt: skip

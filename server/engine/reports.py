@@ -104,10 +104,10 @@ def stats(engine: Reported) -> ServerStats:
     registry = lora.host.registry
     states = lora.cache.entry_states()  # one read of the cache entries, by weights id
     # Every name of rows several names share is resident with them.
-    named = [(n, a.rank, states.get(a.id)) for n, a in list(registry.items())]
+    named = [(n, a, states.get(a.id)) for n, a in list(registry.items())]
     resident = [n for n, _, s in named if s is not None and s.on_device]
     loading = [n for n, _, s in named if s is not None and not s.on_device]  # a failed load too
-    adapters = tuple(adapter_view(n, rank, s) for n, rank, s in named)
+    adapters = tuple(adapter_view(n, a.rank, s, tuple(a.invocation_tokens)) for n, a, s in named)
     by_state = {r: sum(a.state is r for a in adapters) for r in Residency}
     return ServerStats(
         model=engine.model_name,
@@ -131,14 +131,34 @@ def stats(engine: Reported) -> ServerStats:
         num_host_adapters=by_state[Residency.HOST],
         max_device_adapters=lora.max_device_adapters(),
         adapter_load_seconds=lora.loader.load_times.view().to_json(),
+        kv_events=kv_events_view(engine),
     )
 
 
-def adapter_view(name: str, rank: int, state: EntryState | None) -> AdapterView:
-    """One registered adapter's residency, from its cache entry (None: host memory only)."""
+def kv_events_view(engine: Reported) -> dict:
+    """Where the server's KV cache events are published and how far the stream got
+    (stats_schema KV_EVENTS); {} when they are off."""
+    publisher, config = engine.memory.kv_events, engine.config
+    if publisher is None:
+        return {}
+    return {
+        "endpoint": config.kv_events_endpoint,
+        "replay_endpoint": config.kv_events_replay_endpoint,
+        "topic": config.kv_events_topic,
+        "encoding": config.kv_events_encoding,
+        "block_size": engine.kv.block_tokens,
+        **publisher.describe(),
+    }
+
+
+def adapter_view(
+    name: str, rank: int, state: EntryState | None, invocation: tuple[int, ...] = ()
+) -> AdapterView:
+    """One registered adapter's residency, from its cache entry (None: host memory only), and
+    an activated LoRA's invocation sequence."""
     if state is None:
-        return AdapterView(name, rank, False)
+        return AdapterView(name, rank, False, invocation_tokens=invocation)
     where = Residency.DEVICE if state.on_device else Residency.HOST
     if state.loading:
         where = Residency.LOADING
-    return AdapterView(name, rank, state.on_device, where, state.pinned)
+    return AdapterView(name, rank, state.on_device, where, state.pinned, invocation)

@@ -25,10 +25,13 @@ def start_kv_events(
     a resync; sink: where batches go instead of the configured endpoint (tests)."""
     if not memory.prefix_cache or (sink is None and not memory.kv_events_endpoint):
         return None
+    recorder = KVEventRecorder(block_size, snapshot)
     if sink is None:
         sink = ZmqSink(
-            memory.kv_events_endpoint, memory.kv_events_replay_endpoint, memory.kv_events_topic
+            memory.kv_events_endpoint,
+            memory.kv_events_replay_endpoint,
+            memory.kv_events_topic,
+            on_miss=recorder.request_resync,
         )
-    recorder = KVEventRecorder(block_size, snapshot)
     recorder.reset()
     return KVEventPublisher(recorder, sink, EventEncoding(memory.kv_events_encoding))

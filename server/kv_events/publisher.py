@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import secrets
 import threading
 import time
 from typing import Protocol
@@ -47,8 +48,17 @@ class KVEventPublisher:
         self.recorder, self.sink, self.encoding = recorder, sink, encoding
         self.data_parallel_rank = data_parallel_rank
         self.num_batches = 0  # the next batch's sequence number
+        # Names this publisher's numbering (a restarted server numbers from 0 again): /stats
+        # shows it, so that a consumer that sees it change forgets the old stream.
+        self.stream_id = secrets.token_hex(8)
         self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
         self._thread.start()
+
+    def describe(self) -> dict:
+        """The stream's identity and counts for /stats (stats_schema KV_EVENTS, with the
+        addresses added by the caller)."""
+        return {"stream": self.stream_id, "batches": self.num_batches,
+                "dropped": self.recorder.num_dropped}  # fmt: skip
 
     def flush(self, timeout_s: float = 30.0) -> bool:
         """Wait until every change queued before this call is sent (not on the engine thread:

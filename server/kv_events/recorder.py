@@ -63,6 +63,7 @@ class KVEventRecorder:
         self.snapshot = snapshot
         self.queue: queue.Queue[list[Event]] = queue.Queue(maxsize=max_queued)
         self.num_dropped = 0  # changes lost to a full queue (each followed by a resync)
+        self.num_resyncs_asked = 0  # replays that asked for batches no longer kept
         self._lost = False
         self._lock = threading.Lock()  # the tree's changes come from the engine thread only;
         # this guards the resync flag against `reset`, called at start-up
@@ -71,6 +72,14 @@ class KVEventRecorder:
         """Announce that this server holds nothing (start-up): consumers drop what an earlier
         process of the same endpoint announced."""
         self._put([AllBlocksCleared()])
+
+    def request_resync(self) -> None:
+        """Have the next change be preceded by a resync, as after a loss: a consumer asked the
+        replay for batches no longer kept (it joined late), and only a resync makes its index
+        exact. From the publisher thread; the snapshot is still taken on the engine thread."""
+        with self._lock:
+            self._lost = True
+            self.num_resyncs_asked += 1
 
     def stored(self, blocks: Sequence[Block], medium: str) -> None:
         """A chain of blocks (each the parent of the next) now held in `medium`."""

@@ -287,4 +287,17 @@ class MemoryManager:
             "reserved_blocks": self.reserved,
             "committed_blocks": self.committed(),
             **vars(self.counters),
+            **self._kv_events_counts(),
+        }
+
+    def _kv_events_counts(self) -> dict:
+        """The KV events stream's counts (none when events are off): batches published, tree
+        changes dropped to a full queue, resyncs a late consumer's replay asked for."""
+        if self.kv_events is None:
+            return {}
+        recorder = self.kv_events.recorder
+        return {
+            "kv_events_batches": self.kv_events.num_batches,
+            "kv_events_dropped": recorder.num_dropped,
+            "kv_events_resyncs_asked": recorder.num_resyncs_asked,
         }

@@ -7,14 +7,15 @@ parser. Imports nothing else of the server, so the scheduler may import it.
     {"model": str, "kernel": "bgmv"|"mbgmv", "device": str, "lora_mode": str,
      "running": [REQ], "queue": [REQ],
      "adapters": [{"name": str, "rank": int, "resident": bool,
-                   "state": "device"|"loading"|"host", "pinned": bool}],
+                   "state": "device"|"loading"|"host", "pinned": bool,
+                   "invocation_tokens": [int]}],
      "free_kv_tokens": int, "max_total_tokens": int,
      "cpu_workers": [{"pid": int, "core": int, "alive": bool, "restarts": int}],
      "healthy": bool, "resident_adapters": [str], "loading_adapters": [str],
      "draining": bool, "num_in_flight": int, "max_concurrent_requests": int,
      "num_device_adapters": int, "num_loading_adapters": int, "num_host_adapters": int,
      "max_device_adapters": int, "adapter_load_seconds": LOAD_TIMES,
-     "queueing": QUEUEING, "memory": MEMORY}
+     "queueing": QUEUEING, "memory": MEMORY, "kv_events": KV_EVENTS}
     REQ = {"id": str, "adapter": str|null, "rank": int, "prompt_tokens": int,
            "output_tokens": int, "max_new_tokens": int}
     QUEUEING = {"policy": "fcfs"|"chameleon", "queue_lengths": [int], and for chameleon
@@ -29,6 +30,16 @@ parser. Imports nothing else of the server, so the scheduler may import it.
               "reserved_blocks": int, "committed_blocks": int, "prompt_tokens": int,
               "prefix_hit_tokens": int, "swaps_in": int, "swaps_out": int,
               "evictions_kv": int, "evictions_adapter": int}
+    KV_EVENTS = {} (no KV cache events) or {"endpoint": str, "replay_endpoint": str|null,
+                 "topic": str, "encoding": "array"|"map", "block_size": int, "stream": str,
+                 "batches": int, "dropped": int}
+                (the server's --kv-events-* addresses as bound, e.g. "tcp://*:5557": a consumer
+                puts the server's host for a wildcard one; `stream` names this publisher, a
+                new one per server process, so that a consumer sees a restart; `batches`
+                published and tree changes `dropped` to a full queue so far)
+
+`invocation_tokens` is an activated LoRA's invocation sequence ([] for any other adapter): a
+router hashes such a request's prompt before it as the base model's (server/kv_events).
 """
 
 from __future__ import annotations
@@ -71,9 +82,11 @@ class AdapterView:
     resident: bool
     state: Residency = Residency.HOST
     pinned: bool = False
+    invocation_tokens: tuple[int, ...] = ()  # an activated LoRA's; () for any other
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "state", Residency(self.state))  # from JSON: a str
+        object.__setattr__(self, "invocation_tokens", tuple(int(t) for t in self.invocation_tokens))
 
 
 @dataclass(frozen=True)
@@ -117,6 +130,7 @@ class ServerStats:
     memory: dict[str, Any] = field(default_factory=dict)  # pool blocks by kind, counters
     # host bytes charged to adapters: budget_bytes, charged_bytes, copies, names
     adapter_host_memory: dict[str, Any] = field(default_factory=dict)
+    kv_events: dict[str, Any] = field(default_factory=dict)  # KV_EVENTS; {} when off
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:

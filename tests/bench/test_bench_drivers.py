@@ -99,3 +99,21 @@ def test_async_scheduling_quick_compares_both_loops_on_a_stand_in_device(tmp_pat
     assert metrics["step_ratio_async_vs_bound"] == max(
         round(c["async_vs_bound"], 3) for c in metrics["cases"].values()
     )
+
+
+def test_prefix_routing_quick_runs_a_fleet_and_writes_its_metrics(tmp_path):
+    from bench import bench_prefix_routing
+
+    out = tmp_path / "prefix_routing.json"
+    argv = ["--quick", "--adapter-dir", str(tmp_path / "adapters"), "--out", str(out)]
+    result = bench_prefix_routing.main(argv)
+    assert json.loads(out.read_text()) == result
+    metrics = result["metrics"]
+    assert 0.0 <= metrics["prefix_hit_rate"] <= 1.0
+    assert 0.0 <= metrics["prefix_hit_rate_off"] <= 1.0
+    for key in ("ttft_ratio_prefix_routing_vs_off", "checker_ttft_ratio_vs_base_same_prefix"):
+        assert metrics[key]["median"] > 0 and len(metrics[key]["rounds"]) == 1
+    quick = bench_prefix_routing.QUICK
+    (on,) = metrics["rounds"]["on"]
+    later = quick["adapters"] * (quick["turns"] - 1) + 2 * quick["pipelines"]
+    assert on["num_later"] == later

@@ -168,3 +168,16 @@ def test_the_dockerfile_installs_as_the_readme_does():
     docker = [line for line in (DEPLOY / "Dockerfile").read_text().splitlines()
               if line.startswith("RUN python3 -m pip install")]  # fmt: skip
     assert [" ".join(shlex.split(line.removeprefix("RUN "))) for line in docker] == [setup]
+
+
+def test_the_server_names_its_kv_events_endpoints_and_exposes_their_ports():
+    _, container = serve_container()
+    args = container["args"]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    for option, port_name in (("--kv-events-endpoint", "kv-events"),
+                              ("--kv-events-replay-endpoint", "kv-replay")):  # fmt: skip
+        endpoint = flag(args, option)
+        assert endpoint.startswith("tcp://*:")  # reached at the pod's IP (feeds.connect_address)
+        assert int(endpoint.rsplit(":", 1)[1]) == ports[port_name]
+    (scheduler,) = [c for _, c in containers() if c["command"] == ["toppings-scheduler"]]
+    assert flag(scheduler["args"], "--policy") == "prefix-aware"
