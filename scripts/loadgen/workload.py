@@ -125,6 +125,26 @@ class TraceEntry:
     max_tokens: int
 
 
+def parse_assignment(text: str, alpha: float = 1.0) -> tuple[str, float]:
+    """An adapter assignment, as `vllm bench serve --lora-assignment` and `sglang.bench_serving
+    --lora-request-distribution` name them, -> (popularity, alpha): `identical`, `distinct`,
+    `uniform`, `azure`, `zipf` or `power` with `alpha`, or `zipf:ALPHA` / `power:ALPHA`."""
+    kind, sep, exponent = text.partition(":")
+    if kind not in POPULARITY or (sep and kind not in ("zipf", "power")):
+        raise ValueError(
+            f"bad adapter assignment {text!r}: one of {', '.join(POPULARITY)}, or zipf:ALPHA / "
+            "power:ALPHA"
+        )
+    if sep:
+        try:
+            alpha = float(exponent)
+        except ValueError:
+            raise ValueError(f"bad exponent in {text!r}: a positive number") from None
+        if not alpha > 0:
+            raise ValueError(f"bad exponent in {text!r}: a positive number")
+    return kind, alpha
+
+
 def parse_rank_mix(text: str) -> tuple[tuple[int, float], ...]:
     """`32,64` (equal shares) or `32:0.7,64:0.3` -> ((32, 0.7), (64, 0.3))."""
     mix = []
