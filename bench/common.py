@@ -62,15 +62,23 @@ def link_gbps_for(nbytes: int, seconds: float) -> float:
 
 
 def write_random_adapter(
-    out_dir: str | Path, model_dir: str, rank: int, targets: tuple[str, ...], seed: int
+    out_dir: str | Path,
+    model_dir: str,
+    rank: int,
+    targets: tuple[str, ...],
+    seed: int,
+    config=None,
 ) -> Path:
     """A PEFT LoRA directory of `rank` on `targets` of every layer of the model at `model_dir`,
     drawn from its config.json alone (bfloat16, small values: outputs stay finite); returns it.
+    `config`: that model's config when the caller has it already (reading it takes seconds, the
+    adapter itself a fraction of one: a driver writing a thousand passes it).
     """
     from toppings.gpu_lora.peft_config import CONFIG_FILE, WEIGHTS_FILE, module_name
     from toppings.server.model.loader import load_checkpoint
 
-    config = load_checkpoint(model_dir, "dummy").config  # shapes only: no weight is drawn
+    if config is None:
+        config = load_checkpoint(model_dir, "dummy").config  # shapes only: no weight is drawn
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     gen = torch.Generator().manual_seed(seed)

@@ -1,12 +1,15 @@
 """`toppings-loadgen`: open-loop load against a toppings server or scheduler, with latency stats.
 
     toppings-loadgen --url http://127.0.0.1:8000 --rps 2 --duration 120 \
-        [--arrivals poisson|gamma --cv 2] [--alpha 1.0]
-        [--popularity uniform|zipf|power|azure|identical|distinct]
+        [--arrivals poisson|gamma|constant|azure-code|azure-conv] [--cv 2]
+        [--lora-assignment identical|distinct|uniform|zipf[:ALPHA]|power[:ALPHA]|azure]
         [--ranks 32,64 | 32:0.7,64:0.3] [--prompt-len 32|uniform:8:64|lmsys] [--output-len ...]
         [--num-requests N] [--seed S] [--save-trace T.jsonl | --trace T.jsonl]
         [--out RUN.jsonl] [--summary RUN.json] [--slo-tpt-ms X] [--plot CDF.png]
 
+`--lora-assignment` (`--popularity` is the same option) picks each request's adapter, the cases
+multi-LoRA serving benchmarks drive: `distinct` a different one every request (round robin),
+`identical` always one, `uniform`, `zipf:1.0`; `--alpha` is the exponent when the spec gives none.
 The adapters are those the target lists in `/v1/models` (ranks from there or from `/stats`);
 workload options are described in scripts.workload, measurements in scripts.loadgen_client.
 `--trace` replays a saved trace exactly (same adapters, prompts, lengths and arrival offsets);
@@ -36,6 +39,7 @@ from toppings.scripts.loadgen.workload import (
     WorkloadSpec,
     build_trace,
     load_trace,
+    parse_assignment,
     parse_rank_mix,
     save_trace,
 )
@@ -62,11 +66,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--url", default="http://127.0.0.1:8000", help="server or scheduler base URL")
     w = p.add_argument_group("workload")
     w.add_argument("--rps", type=float, default=1.0, help="mean arrival rate (requests/s)")
-    w.add_argument("--arrivals", choices=ARRIVALS, default="poisson")
-    w.add_argument("--cv", type=float, default=1.0, help="coefficient of variation of gaps")
+    w.add_argument(
+        "--arrivals",
+        choices=ARRIVALS,
+        default="poisson",
+        help="azure-code / azure-conv: bursts shaped like the Azure LLM inference trace 2023's "
+        "services (a model of its shape, not the trace)",
+    )
+    w.add_argument("--cv", type=float, default=1.0, help="coefficient of variation of gamma gaps")
     w.add_argument("--duration", type=float, help="seconds of arrivals")
     w.add_argument("--num-requests", type=int, help="at most this many requests")
-    w.add_argument("--popularity", choices=POPULARITY, default="uniform")
+    w.add_argument(
+        "--lora-assignment",
+        "--popularity",
+        dest="popularity",
+        default="uniform",
+        metavar="SPEC",
+        help=f"which adapter each request names: {' | '.join(POPULARITY)}, or zipf:ALPHA / "
+        "power:ALPHA",
+    )
     w.add_argument("--alpha", type=float, default=1.0, help="exponent of zipf / power")
     w.add_argument(
         "--ranks",
@@ -113,14 +131,15 @@ def make_trace(args: argparse.Namespace) -> list[TraceEntry]:
             trace = [e for e in trace if e.arrival_s < args.duration]
         return trace[: args.num_requests] if args.num_requests is not None else trace
     lo, _, hi = args.token_range.partition(":")
+    popularity, alpha = parse_assignment(args.popularity, args.alpha)
     spec = WorkloadSpec(
         rps=args.rps,
         arrivals=args.arrivals,
         cv=args.cv,
         duration_s=args.duration,
         num_requests=args.num_requests,
-        popularity=args.popularity,
-        alpha=args.alpha,
+        popularity=popularity,
+        alpha=alpha,
         rank_mix=args.ranks,
         seed=args.seed,
         token_range=(int(lo), int(hi)),

@@ -7,7 +7,9 @@ not move the arrivals.
 
 - Arrivals: Poisson (exponential gaps at `rps`), or Gamma gaps with mean 1/rps and coefficient
   of variation `cv` (shape 1/cv^2, as S-LoRA's trace generator; cv = 1 is Poisson), or
-  `constant` gaps of exactly 1/rps.
+  `constant` gaps of exactly 1/rps, or `azure-code` / `azure-conv`: bursts shaped like the Azure
+  LLM inference trace 2023's code and conversation services (scripts.loadgen.bursts: a model of
+  the trace's shape with parameters measured on it, not the trace; `cv` does not apply).
 - Popularity over adapters, most popular first (the order is a seeded shuffle of the names):
   `uniform`; `zipf` (weight of the i-th = 1/i^alpha); `power`, S-LoRA's: x ~ numpy's
   power(alpha) on [0, 1), adapter floor(x * n), so P(i) = ((i+1)/n)^a - (i/n)^a (alpha < 1
@@ -36,8 +38,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from toppings.scheduler.sim.trace import TraceConfig, lognormal_mu
+from toppings.scripts.loadgen.bursts import AZURE_SHAPES, burst_arrivals
 
-ARRIVALS = ("poisson", "gamma", "constant")
+ARRIVALS = ("poisson", "gamma", "constant", *AZURE_SHAPES)
 POPULARITY = ("uniform", "zipf", "power", "azure", "identical", "distinct")
 AZURE_SIGMA = 3.55  # top 18.6% of lognormal(0, 3.55) weights hold 99.6% of the mass
 LMSYS = {"prompt": TraceConfig.prompt_mean, "output": TraceConfig.output_mean}
@@ -125,6 +128,26 @@ class TraceEntry:
     max_tokens: int
 
 
+def parse_assignment(text: str, alpha: float = 1.0) -> tuple[str, float]:
+    """An adapter assignment, as `vllm bench serve --lora-assignment` and `sglang.bench_serving
+    --lora-request-distribution` name them, -> (popularity, alpha): `identical`, `distinct`,
+    `uniform`, `azure`, `zipf` or `power` with `alpha`, or `zipf:ALPHA` / `power:ALPHA`."""
+    kind, sep, exponent = text.partition(":")
+    if kind not in POPULARITY or (sep and kind not in ("zipf", "power")):
+        raise ValueError(
+            f"bad adapter assignment {text!r}: one of {', '.join(POPULARITY)}, or zipf:ALPHA / "
+            "power:ALPHA"
+        )
+    if sep:
+        try:
+            alpha = float(exponent)
+        except ValueError:
+            raise ValueError(f"bad exponent in {text!r}: a positive number") from None
+        if not alpha > 0:
+            raise ValueError(f"bad exponent in {text!r}: a positive number")
+    return kind, alpha
+
+
 def parse_rank_mix(text: str) -> tuple[tuple[int, float], ...]:
     """`32,64` (equal shares) or `32:0.7,64:0.3` -> ((32, 0.7), (64, 0.3))."""
     mix = []
@@ -136,6 +159,9 @@ def parse_rank_mix(text: str) -> tuple[tuple[int, float], ...]:
 
 def arrival_times(spec: WorkloadSpec, rng: random.Random) -> list[float]:
     """Arrival offsets in seconds from 0, within the spec's bounds."""
+    if spec.arrivals in AZURE_SHAPES:
+        shape = AZURE_SHAPES[spec.arrivals]
+        return burst_arrivals(shape, spec.rps, rng, spec.num_requests, spec.duration_s)
     shape = 1.0 / (spec.cv * spec.cv)
     times: list[float] = []
     now = 0.0

@@ -117,3 +117,39 @@ def test_prefix_routing_quick_runs_a_fleet_and_writes_its_metrics(tmp_path):
     (on,) = metrics["rounds"]["on"]
     later = quick["adapters"] * (quick["turns"] - 1) + 2 * quick["pipelines"]
     assert on["num_later"] == later
+
+
+def test_adapter_scale_quick_runs_every_mode_and_assignment(tiny_model_dir, tmp_path):
+    from bench import bench_adapter_scale as bench
+
+    out = tmp_path / "adapter_scale.json"
+    argv = ["--quick", "--model", str(tiny_model_dir), "--dtype", "float32",
+            "--adapter-dir", str(tmp_path / "adapters"), "--out", str(out)]  # fmt: skip
+    result = bench.main(argv)
+    assert json.loads(out.read_text()) == result
+    quick = bench.QUICK
+    adapters = sorted(p.name for p in (tmp_path / "adapters").iterdir())
+    assert adapters == sorted(bench.adapter_names(quick["num_adapters"]))
+    contents = {(tmp_path / "adapters" / n / "adapter_model.safetensors").read_bytes()
+                for n in adapters}  # fmt: skip
+    assert len(contents) == len(adapters)  # each its own weights: no host copy is shared
+    metrics = result["metrics"]
+    assert set(metrics["modes"]) == {bench.DEFAULT_MODE, "cpu-assisted"}
+    for key in ("p99_ttft_ratio_distinct_vs_identical", "p99_ttft_ratio_zipf_vs_identical",
+                "throughput_ratio_distinct_vs_identical"):  # fmt: skip
+        assert key in metrics and key in metrics["modes"]["cpu-assisted"]
+    num = quick["num_requests"]
+    for mode in metrics["modes"].values():
+        runs = {a: mode["assignments"][a]["runs"] for a in bench.ASSIGNMENTS}
+        assert all(len(r) == quick["rounds"] for r in runs.values())
+        for run in (r for rs in runs.values() for r in rs):
+            assert run["num_requests"] == num
+        # identical: every request names one adapter, so one resolution loads it for all
+        assert runs["identical"][0]["server"]["lora_resolutions_loaded"] == 1
+        # distinct: every request names an adapter no earlier one did
+        distinct = runs["distinct"][0]["server"]
+        tried = sum(v for k, v in distinct.items() if k.startswith("lora_resolutions_"))
+        assert tried == num
+    refused = sum(p["num_refused"] for m in metrics["modes"].values()
+                  for p in m["assignments"].values())  # fmt: skip
+    assert metrics["num_refused"] == refused

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from toppings.scripts.loadgen import cli as loadgen
+from toppings.scripts.loadgen.bursts import AZURE_SHAPES
 from toppings.scripts.loadgen.client import Journal, request_config
 from toppings.scripts.loadgen.stats import percentile, summarise
 from toppings.scripts.loadgen.workload import (
@@ -20,6 +21,7 @@ from toppings.scripts.loadgen.workload import (
     arrival_times,
     build_trace,
     load_trace,
+    parse_assignment,
     parse_rank_mix,
     popularity_weights,
     save_trace,
@@ -39,6 +41,38 @@ def test_poisson_and_gamma_arrivals_have_the_asked_rate_and_cv():
     gaps = np.diff([0.0] + gamma)
     assert gaps.mean() == pytest.approx(0.25, rel=0.1)
     assert gaps.std() / gaps.mean() == pytest.approx(3.0, rel=0.1)
+
+
+def window_counts(times: list[float], window_s: float) -> np.ndarray:
+    return np.bincount((np.asarray(times) // window_s).astype(int))
+
+
+@pytest.mark.parametrize("kind", sorted(AZURE_SHAPES))
+def test_azure_shaped_arrivals_keep_the_rate_and_are_bursty(kind):
+    shape = AZURE_SHAPES[kind]
+    rps = 3.0
+    spec_ = WorkloadSpec(rps=rps, arrivals=kind, num_requests=200_000)
+    times = arrival_times(spec_, random.Random(2))
+    assert len(times) == 200_000 and times == sorted(times) and times[0] >= 0
+    # the long-run rate asked for (over seeds, the rate of 30,000 has a spread of 9%)
+    assert len(times) / times[-1] == pytest.approx(rps, rel=0.12)
+    window_s = shape.window_requests / rps  # the shape's window at this rate
+    counts = window_counts(times, window_s)
+    # Poisson's counts have variance = mean; these are far burstier at the window's scale ...
+    assert counts.var() / counts.mean() > 3
+    # ... and a window is empty about as often as the chain is off
+    assert np.mean(counts == 0) == pytest.approx(1 - shape.share_on, abs=0.08)
+    poisson = arrival_times(WorkloadSpec(rps=rps, num_requests=200_000), random.Random(2))
+    counts = window_counts(poisson, window_s)
+    assert counts.var() / counts.mean() < 1.5 and not np.any(counts == 0)
+    # a duration bounds them as it bounds the others
+    timed = arrival_times(WorkloadSpec(rps=rps, arrivals=kind, duration_s=60.0), random.Random(2))
+    assert timed and max(timed) < 60.0
+
+
+def test_azure_code_shape_has_silent_windows_and_conv_none():
+    assert AZURE_SHAPES["azure-code"].share_on == pytest.approx(0.437, abs=0.01)
+    assert AZURE_SHAPES["azure-conv"].share_on == 1.0
 
 
 def test_constant_arrivals():
@@ -133,6 +167,23 @@ def test_identical_and_distinct_assignments():
     mixed = build_trace(spec(popularity="distinct", rank_mix=((8, 1.0),)), ADAPTERS)
     eights = sorted(n for n, r in ADAPTERS.items() if r == 8)
     assert collections.Counter(e.model for e in mixed) == {n: 400 // len(eights) for n in eights}
+
+
+def test_assignment_spellings():
+    assert parse_assignment("identical") == ("identical", 1.0)
+    assert parse_assignment("distinct") == ("distinct", 1.0)
+    assert parse_assignment("uniform") == ("uniform", 1.0)
+    assert parse_assignment("zipf") == ("zipf", 1.0)
+    assert parse_assignment("zipf", alpha=1.3) == ("zipf", 1.3)  # the old --alpha still counts
+    assert parse_assignment("zipf:1.5", alpha=1.3) == ("zipf", 1.5)  # the spec's own wins
+    assert parse_assignment("power:0.3") == ("power", 0.3)
+    for bad in ("zipf:", "zipf:0", "zipf:-1", "zipf:x", "uniform:2", "skewed", "distinct:1"):
+        with pytest.raises(ValueError):
+            parse_assignment(bad)
+    popularity, alpha = parse_assignment("zipf:2.0")
+    trace = build_trace(spec(popularity=popularity, alpha=alpha, num_requests=4000), ADAPTERS)
+    counts = sorted(collections.Counter(e.model for e in trace).values(), reverse=True)
+    assert counts[0] / counts[1] == pytest.approx(4.0, rel=0.2)  # 1/1^2 : 1/2^2
 
 
 def test_trace_jsonl_round_trip(tmp_path):
@@ -255,3 +306,23 @@ def test_replayed_trace_sends_the_same_requests(served, tmp_path):
     argv = ["--url", url, "--trace", str(trace_path), "--out", str(tmp_path / "one.jsonl")]
     assert loadgen.main(argv + ["--no-progress"]) == 0
     assert not received and len(read_journal(tmp_path / "one.jsonl")) == 8
+
+
+def test_lora_assignment_and_its_old_spelling_make_the_same_trace(served, tmp_path):
+    url, received = served
+    args = ["--url", url, "--rps", "5", "--num-requests", "12", "--dry-run"]
+    traces = {}
+    for name, extra in {
+        "new": ["--lora-assignment", "zipf:1.5", "--arrivals", "azure-conv"],
+        "old": ["--popularity", "zipf", "--alpha", "1.5", "--arrivals", "azure-conv"],
+        "distinct": ["--lora-assignment", "distinct"],
+    }.items():
+        path = tmp_path / f"{name}.jsonl"
+        assert loadgen.main(args + extra + ["--save-trace", str(path)]) == 0
+        traces[name] = load_trace(path)
+    assert traces["new"] == traces["old"] and len(traces["new"]) == 12
+    models = [e.model for e in traces["distinct"]]
+    assert all(a != b for a, b in zip(models, models[1:])) and set(models) == set(ADAPTERS)
+    assert not received  # a dry run sends nothing
+    with pytest.raises(SystemExit, match="adapter assignment"):
+        loadgen.main(args + ["--lora-assignment", "skewed"])
