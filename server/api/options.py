@@ -134,7 +134,7 @@ class ApiOptions(Settings):
         bound=Bound.POSITIVE,
         flag=Flag(
             "adapter names resolved at once (each waits on a load); a request for one more "
-            "gets 503 with Retry-After",
+            "waits for one of them to end (30 s at most), then gets 503 with Retry-After",
             type=positive,
             metavar="N",
         ),

@@ -7,10 +7,14 @@ naming an unregistered adapter resolves it here (vLLM's LoRA resolvers, Dynamo's
   registration itself on the adapter thread as every load); requests for the same name meanwhile
   wait for it and share its result. A failed load fails every one of them with its error and
   leaves nothing behind, so a later request tries again.
-- At most `max_loading` names resolve at once; one more gets 503 with Retry-After. 503, not 429:
-  the client sent nothing wrong and is not over a rate, this server has no room for another
-  cold adapter now (another server, or this one a moment later, may serve it), and 429 already
-  means the process's --max-concurrent-requests here.
+- At most `max_loading` names resolve at once; one more waits for one of them to end, up to
+  `max_wait_s` (`SLOT_WAIT_S`: a resolution takes a fraction of a second to a few seconds, so a
+  burst of cold names is served in turn rather than refused: with a thousand adapters drawn at
+  random most requests of a busy spell are cold, bench/results/adapter_scale.json), and past
+  that gets 503 with Retry-After. 503, not 429: the client sent nothing wrong and is not over a
+  rate, this server has no room for another cold adapter now (another server, or this one a
+  moment later, may serve it), and 429 already means the process's --max-concurrent-requests
+  here.
 - At most `max_adapters` resolved adapters are registered at once. A load past it first unloads
   the least recently used resolved adapter that no request holds (neither leased here nor in
   flight in the engine); when every one is held it gets 503 with Retry-After. Adapters the
@@ -78,6 +82,9 @@ class _Load:
         self.num_waiting = 1  # the requests that get a lease when it lands, its starter included
 
 
+SLOT_WAIT_S = 30.0  # how long a resolution waits for a slot before its 503
+
+
 class ResolvedAdapters:
     """Registered names, and names a source finds, loaded on first use (module docstring)."""
 
@@ -89,14 +96,18 @@ class ResolvedAdapters:
         metrics: ResolverMetrics,
         max_adapters: int,
         max_loading: int,
+        max_wait_s: float = SLOT_WAIT_S,
     ):
-        """registrar: loads with `source.root` as its only allowed root."""
+        """registrar: loads with `source.root` as its only allowed root; max_wait_s: how long a
+        resolution waits for one of the `max_loading` to end before its 503."""
         if max_adapters < 1 or max_loading < 1:
             raise ValueError("max_adapters and max_loading must be positive")
         self.table, self.source, self.registrar = table, source, registrar
         self.metrics = metrics
         self.max_adapters, self.max_loading = max_adapters, max_loading
+        self.max_wait_s = max_wait_s
         self._lock = threading.Lock()
+        self._slot_freed = threading.Condition(self._lock)  # a resolution ended
         self._held: OrderedDict[str, _Held] = OrderedDict()  # least recently used first
         self._loading: dict[str, _Load] = {}
         self._evicting: dict[str, threading.Event] = {}  # set once the unload ended
@@ -132,8 +143,9 @@ class ResolvedAdapters:
         """The reference for `name` and whether a lease was taken on it."""
         if name is None:
             return None, False
+        deadline = time.monotonic() + self.max_wait_s
         while True:
-            starts = False
+            starts = slot_taken = False
             with self._lock:
                 held = self._held.get(name)
                 if held is not None:
@@ -153,7 +165,16 @@ class ResolvedAdapters:
                     except RequestError as exc:
                         if exc.code != 404:
                             raise
-                    load, starts = self._start(name), True
+                    if len(self._loading) < self.max_loading:
+                        load, starts = self._start(name), True
+                    else:  # every slot taken: wait for one, then look again
+                        slot_taken = True
+                        left = deadline - time.monotonic()
+                        freed = left > 0 and self._slot_freed.wait(left)
+                        if not freed and len(self._loading) >= self.max_loading:
+                            self._refuse()
+            if slot_taken:
+                continue
             if evicted is not None:
                 evicted.wait()  # then resolve it afresh
                 continue
@@ -173,12 +194,15 @@ class ResolvedAdapters:
 
     # ---- one resolution --------------------------------------------------------------------
 
+    def _refuse(self) -> None:
+        """503: every resolution slot stayed taken for as long as a request waits."""
+        self.metrics.observe(Outcome.BUSY, None)
+        raise _busy(f"{self.max_loading} adapters are being resolved, the most this server "
+                    f"resolves at once (--lora-resolver-max-loading), and none ended within "
+                    f"{self.max_wait_s:g} s")  # fmt: skip
+
     def _start(self, name: str) -> _Load:
-        """A new resolution of `name` (lock held); 503 past max_loading."""
-        if len(self._loading) >= self.max_loading:
-            self.metrics.observe(Outcome.BUSY, None)
-            raise _busy(f"{self.max_loading} adapters are being resolved, the most this server "
-                        "resolves at once (--lora-resolver-max-loading)")  # fmt: skip
+        """A new resolution of `name` (lock held, a slot free)."""
         load = _Load()
         self._loading[name] = load
         return load
@@ -207,6 +231,7 @@ class ResolvedAdapters:
                                           SERVER_ERROR)  # fmt: skip
             with self._lock:
                 del self._loading[name]
+                self._slot_freed.notify_all()
                 self._num_reserved -= reserved
                 if load.error is None:
                     self._held[name] = _Held(load.ref, load.num_waiting)

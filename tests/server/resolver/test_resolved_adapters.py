@@ -61,12 +61,12 @@ class FakeEngine:
         return {}
 
 
-def make(tmp_path, fake, max_adapters=64, max_loading=4) -> ResolvedAdapters:
+def make(tmp_path, fake, max_adapters=64, max_loading=4, max_wait_s=0.0) -> ResolvedAdapters:
     for name in ("a", "b", "c", "d"):  # the source finds these (the fake loads no files)
         (tmp_path / name).mkdir()
     metrics = ResolverMetrics(CollectorRegistry(), "toppings:")
     return ResolvedAdapters(fake, DirSource(str(tmp_path)), fake, metrics, max_adapters,
-                            max_loading)  # fmt: skip
+                            max_loading, max_wait_s)  # fmt: skip
 
 
 def resolve(resolver, name):
@@ -171,6 +171,24 @@ def test_resolutions_in_flight_are_bounded_with_503_retry_after(tmp_path):
     fake.gate.set()
     threads[0].join()
     assert isinstance(resolve(resolver, "b"), AdapterRef)  # room again
+
+
+def test_a_resolution_past_the_bound_waits_for_a_slot(tmp_path):
+    """Every slot taken: the next cold name waits for one to end, then loads (no 503)."""
+    fake = FakeEngine()
+    resolver = make(tmp_path, fake, max_loading=1, max_wait_s=30.0)
+    fake.gate.clear()
+    threads, _ = run_threads(1, lambda: resolve(resolver, "a"))
+    wait_until(lambda: fake.loads == ["a"], "a loading")
+    got = []
+    waiting, _ = run_threads(1, lambda: got.append(resolve(resolver, "b")))
+    time.sleep(0.2)
+    assert fake.loads == ["a"] and not got  # "b" waits while "a" holds the only slot
+    fake.gate.set()
+    for thread in threads + waiting:
+        thread.join()
+    assert fake.loads == ["a", "b"] and isinstance(got[0], AdapterRef)
+    assert outcome_count(resolver, "busy") == 0
 
 
 def test_eviction_spares_leased_and_in_flight_adapters(tmp_path):
