@@ -13,7 +13,7 @@ def test_outputs_follow_out(tmp_path):
     assert main([*args, "--kernels", "bgmv", "--workers", "1", "--out", str(out)]) in (0, None)
     result = json.loads(out.read_text())
     assert set(result["metrics"]["slo_attainment"]) == {
-        "rank-aware", "random", "first-fit", "least-loaded"
+        "rank-aware", "prefix-aware", "random", "first-fit", "least-loaded"
     }  # fmt: skip
     assert all(0.0 <= v <= 1.0 for v in result["metrics"]["slo_attainment"].values())
     assert (tmp_path / "tiny_sim_slo.png").stat().st_size > 0
