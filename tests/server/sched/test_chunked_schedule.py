@@ -15,6 +15,9 @@ from toppings.server.sched.admission import GateLimits
 from toppings.server.sched.policies import make_queue_policy
 from toppings.server.sched.scheduler import Scheduler, StepPlan, StepResult
 from toppings.server.sched.step_budget import (
+    FEW_DECODES,
+    GEMM_TOKENS,
+    ITL_TARGET_MS,
     MIN_CHUNK,
     StepBudget,
     StepTimeModel,
@@ -140,16 +143,21 @@ def test_unchunked_steps_stay_whole_prompt_prefills():
     assert dict(zip(plan.seqs, plan.starts)) == {seqs[0]: 50, seqs[1]: 50, late: 0}
 
 
-def test_default_budget_is_derived_from_the_step_time_model():
-    budget = choose_step_budget(max_batch_size=128, max_prefill_tokens=8192)
-    # a decode step of 128 (no batch run yet): 64.6 + 2.09 * 128 = 332.1 ms; the target three
-    # times that leaves 2 * 332.1 / 1.09 = 609 prompt tokens beside the 128 decodes
-    assert budget.tokens == 128 + 609 and "3x the decode step at a batch of 128" in budget.how
-    # at the batch the engine runs (16 streams): 3 x (64.6 + 2.09 * 16) = 294.1 ms
-    now = choose_step_budget(128, 8192, model=replace(StepTimeModel(), batch_size=16))
-    assert now.itl_target_ms == pytest.approx(294.12) and now.tokens == 16 + 179
-    # a target below the decode step leaves no prompt tokens: the floor, a full batch plus the
-    # prompt tokens a step's fixed cost is worth (64.6 / 1.09 -> 60)
+def test_the_default_budget_follows_a_fixed_inter_token_target():
+    """The target is ITL_TARGET_MS whatever the batch (not a multiple of its decode step); the
+    budget is the batch's decodes plus the prompt tokens whose modelled step stays within it."""
+    model = StepTimeModel()  # a decode step of B: 64.6 + 2.09 B ms, a prompt token 1.09 ms
+    budget = choose_step_budget(max_batch_size=128, max_prefill_tokens=8192, model=model)
+    assert budget.itl_target_ms == ITL_TARGET_MS == SchedulingConfig().itl_target_ms
+    # no batch run yet: at 128 the decode step (332 ms) is over the target; the floor holds
+    assert budget.tokens == 128 + math.ceil(64.6 / 1.09)
+    for batch in (4, 8):
+        now = choose_step_budget(128, 8192, model=replace(model, batch_size=batch))
+        assert now.itl_target_ms == ITL_TARGET_MS
+        step_ms = model.decode_step_ms(batch)
+        assert now.tokens == batch + int((ITL_TARGET_MS - step_ms) / 1.09)
+        assert "150 ms target" in now.how and now.how.count(".") == 0  # one short sentence
+    # a given target, below the decode step: the fixed-cost floor (64.6 / 1.09 -> 60)
     assert choose_step_budget(8, 8192, itl_target_ms=50.0).tokens == 8 + 60
     assert choose_step_budget(8, 8192, max_num_batched_tokens=100).tokens == 100
     assert choose_step_budget(400, 8192).tokens >= 400 + MIN_CHUNK
@@ -158,7 +166,7 @@ def test_default_budget_is_derived_from_the_step_time_model():
 def test_budget_floor_follows_the_cost_of_a_prompt_token():
     # a CPU: a prompt token costs about a decode row; the target decides, MIN_CHUNK at least
     cpu = StepTimeModel(ms_per_token=0.85, decode_ms=8.0, decode_ms_per_request=0.5)
-    assert choose_step_budget(32, 8192, model=cpu).tokens == 32 + int(2 * 24 / 0.85)
+    assert choose_step_budget(32, 8192, model=cpu).tokens == 32 + int((150 - 24) / 0.85)
     assert choose_step_budget(32, 8192, itl_target_ms=10.0, model=cpu).tokens == 32 + MIN_CHUNK
     # a GPU: a prompt token costs microseconds, so a chunk is at least the step's fixed cost
     gpu = StepTimeModel(ms_per_token=0.004, decode_ms=6.0, decode_ms_per_request=0.01)
@@ -167,18 +175,20 @@ def test_budget_floor_follows_the_cost_of_a_prompt_token():
     assert choose_step_budget(32, 1024, model=gpu).tokens == 1024
 
 
-def test_a_step_without_decodes_is_sized_by_its_fixed_cost():
-    """No stream waits on a step without decodes: its budget keeps the step's fixed cost at
-    most a tenth of it, not the target's. A budget given by the flag is the same for all."""
+def test_a_step_without_decodes_takes_whole_prompts():
+    """No stream waits on a step without decodes: its budget is max_prefill_tokens, whatever
+    the target. A budget given by the flag is the same for all."""
     cpu = StepTimeModel(ms_per_token=0.25, decode_ms=8.0, decode_ms_per_request=0.4,
                         mixed_fixed_ms=5.0)  # fmt: skip
-    budget = choose_step_budget(32, 8192, model=cpu)
-    # fixed 8 + 5 ms, nine times that in prompt tokens (0.25 ms each)
-    assert budget.lone_tokens == math.ceil(13.0 / 0.25 * 9) == 468
-    assert "468/216 in a step of 0..1 decodes" in budget.how
+    assert choose_step_budget(32, 8192, model=cpu).lone_tokens == 8192
+    assert choose_step_budget(32, 8192, itl_target_ms=20.0, model=cpu).lone_tokens == 8192
     assert choose_step_budget(32, 256, model=cpu).lone_tokens == 256  # at most the prefill's
-    assert choose_step_budget(32, 8192, itl_target_ms=500.0, model=cpu).lone_tokens >= 1000
     assert choose_step_budget(32, 8192, max_num_batched_tokens=100, model=cpu).lone_tokens == 0
+    # the scheduler: a 3,000-token prompt with no stream beside it runs in one step
+    sched, _, _ = make_chunked(budget=60, max_batch=8)
+    sched.set_step_budget(choose_step_budget(8, 8192, model=cpu))
+    long = submit(sched, prompt_len=3000, max_new=2, ignore_eos=True)
+    assert tokens_of(step(sched)) == {long: 3000} and long.output_ids
 
 
 def test_a_lone_prompt_takes_the_bigger_chunks_until_a_decode_runs_beside_it():
@@ -431,35 +441,37 @@ def test_a_short_prompt_shares_even_a_budget_smaller_than_two_min_chunks(past_we
     assert long.output_ids and memory.reserved == 0
 
 
-def test_a_step_of_few_decodes_keeps_its_fixed_cost_a_small_share_of_it():
-    """Beside b decodes a step's fixed cost (its decodes and a step's extra for prompt tokens)
-    is at most (b + 1) tenths of it where that gives more than the target: a long prompt beside
-    one stream is not cut into chunks that cost less than its step's fixed cost each."""
+def test_beside_few_decodes_a_chunk_keeps_the_gemms_efficient_size():
+    """Beside at most FEW_DECODES decodes a chunk is at least GEMM_TOKENS prompt tokens where the
+    target leaves fewer (within TILE_STALL x the target); beside more the target alone sizes
+    the step, its fixed-cost floor under it."""
     cpu = StepTimeModel(ms_per_token=0.6, decode_ms=20.0, decode_ms_per_request=2.0,
-                        mixed_fixed_ms=10.0, batch_size=1)  # fmt: skip
+                        mixed_fixed_ms=10.0, batch_size=4)  # fmt: skip
     budget = choose_step_budget(32, 8192, model=cpu)
-    # the target: 3 x 22 ms, beside one decode step (22 ms) and the extra (10 ms): 56 tokens
-    assert budget.tokens == 1 + int((66 - 32) / 0.6)
-    fixed = [30.0, 32.0, 34.0, 36.0, 38.0]  # 20 + 10 + 2 b ms: the step's cost beside its prompt
-    expected = [b + math.ceil(f / 0.6 * (1 / (0.1 * (b + 1)) - 1)) for b, f in enumerate(fixed)]
-    # beside one decode the share (215 tokens, a 160 ms step) is held to the stall bound, twice
-    # the target: 1 + (132 - 32) / 0.6 tokens
-    expected[1] = 1 + int((TILE_STALL * 66 - 32) / 0.6)
-    assert budget.few_decodes == tuple(expected) == (450, 167, 135, 93, 68)
+    target = [b + int((ITL_TARGET_MS - 30 - 2 * b) / 0.6) for b in range(33)]  # 150 ms a step
+    assert budget.tokens == target[4] == 4 + 186
     limits = GateLimits(32, 8192).with_budget(budget)
-    assert [limits.step_tokens(b) for b in range(7)] == [*expected, 57, 57]
-    # an operator's target binds every step a stream waits on: only a step without decodes
-    given = choose_step_budget(32, 8192, itl_target_ms=66.0, model=cpu)
-    assert given.few_decodes == (450,)
-    assert GateLimits(32, 8192).with_budget(given).step_tokens(1) == given.tokens == 57
-    # the scheduler: a long prompt beside one stream gets the one-decode step's budget
-    sched, memory, _ = make_chunked(budget=57, max_batch=8)
+    want = [8192, 1 + GEMM_TOKENS, 2 + GEMM_TOKENS, *target[3:]]
+    assert FEW_DECODES == 2 and [limits.step_tokens(b) for b in range(33)] == want
+    # within twice the target: a GEMM_TOKENS chunk that would pass it is cut to the bound
+    slow = replace(cpu, ms_per_token=1.5)
+    stall = 1 + int((TILE_STALL * ITL_TARGET_MS - 32) / 1.5)
+    assert stall < 1 + GEMM_TOKENS
+    assert (
+        GateLimits(32, 8192).with_budget(choose_step_budget(32, 8192, model=slow)).step_tokens(1)
+        == stall
+    )
+    # a given target is the same rule (a tighter one, a smaller GEMM floor's bound)
+    tight = choose_step_budget(32, 8192, itl_target_ms=66.0, model=cpu)
+    assert tight.few_decodes[1] == 1 + int((2 * 66 - 32) / 0.6) and tight.lone_tokens == 8192
+    # the scheduler: a long prompt beside one stream gets the GEMM floor's chunk
+    sched, memory, _ = make_chunked(budget=budget.tokens, max_batch=8)
     sched.set_step_budget(budget)
     stream = submit(sched, prompt_len=4, max_new=400, ignore_eos=True)
     step(sched)
     long = submit(sched, prompt_len=2000, max_new=1, ignore_eos=True)
     got = tokens_of(step(sched))
-    assert got == {stream: 1, long: 167 - 1}
+    assert got == {stream: 1, long: GEMM_TOKENS}
     while sched.has_work():
         step(sched)
     assert long.output_ids and memory.reserved == 0
@@ -479,14 +491,17 @@ def test_every_step_with_decodes_is_planned_within_the_stall_bound(fixed_ms):
     """Whatever a step's fitted fixed cost, a step a stream waits on is given no more prompt
     tokens than keep its modelled time within TILE_STALL x the inter-token target (or the
     budget's own floor): the fixed-share rule for steps of few decodes turned a larger fitted
-    fixed cost into a larger budget (1,059 tokens beside one stream: a 1.4 s gap)."""
+    fixed cost into a larger budget (1,059 tokens beside one stream: a 1.4 s gap). The GEMM
+    floor beside few decodes is held there too."""
     model = replace(DISTURBED, mixed_fixed_ms=fixed_ms)
     budget = choose_step_budget(32, 8192, model=model)
     stall_ms = TILE_STALL * budget.itl_target_ms
     limits = GateLimits(32, 8192).with_budget(budget)
     for b in range(1, 33):
         tokens = limits.step_tokens(b)
-        if tokens > budget.tokens:  # above the target's own budget: the fixed-share rule's
+        target = b + model.prompt_tokens_within(budget.itl_target_ms, b)
+        floor = b + max(MIN_CHUNK, model.overhead_tokens())
+        if tokens > max(target, floor):  # above the target and the floor: the GEMM floor's
             assert model.mixed_step_ms(b, tokens - b) <= stall_ms
     if model.mixed_step_ms(1, 1) > stall_ms:  # no prompt token fits: the target's budget
         assert limits.step_tokens(1) == budget.tokens
@@ -518,7 +533,7 @@ def test_a_step_whose_fixed_cost_alone_passes_the_stall_bound_does_work_worth_it
         ms_per_token=1.61669, decode_ms=16.33613, decode_ms_per_request=2.39658,
         ms_per_token_past=0.00025, mixed_fixed_ms=126.49033, batch_size=2,
     )  # fmt: skip
-    budget = choose_step_budget(32, 8192, model=busy)
+    budget = choose_step_budget(32, 8192, itl_target_ms=63.0, model=busy)
     assert busy.mixed_step_ms(2, 1) > TILE_STALL * budget.itl_target_ms
     limits = GateLimits(32, 8192).with_budget(budget)
     # beside the batch the engine runs, a chunk's work is worth the step's overhead

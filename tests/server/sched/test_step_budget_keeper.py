@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import random
 
-from toppings.server.sched.step_budget import StepTimeModel
+from toppings.server.sched.step_budget import ITL_TARGET_MS, StepTimeModel
 from toppings.server.sched.step_budget_keeper import StepBudgetKeeper
 from toppings.server.sched.step_refit import StepShape, modelled_ms, scaled
 
@@ -27,7 +27,7 @@ def run_steps(keeper: StepBudgetKeeper, true: StepTimeModel, num_steps: int, see
 
 
 def keeper() -> StepBudgetKeeper:
-    return StepBudgetKeeper(32, 8192, 0, 0.0, measure=lambda: None, step_model=PRIOR)
+    return StepBudgetKeeper(32, 8192, 0, ITL_TARGET_MS, measure=lambda: None, step_model=PRIOR)
 
 
 def info_moves(caplog) -> list[str]:
