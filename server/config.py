@@ -513,9 +513,9 @@ class SchedulingConfig(Settings):
         bound=Bound.POSITIVE,
         flag=Flag(
             "inter-token SLO the default --max-num-batched-tokens is sized for: a step with "
-            "decodes takes the prompt tokens that keep its modelled time within it; beside 1-2 "
-            "decodes a chunk is at least 256 tokens (within twice the target), and a step "
-            "without decodes takes whole prompts",
+            "decodes takes the prompt tokens that keep its modelled time within it; beside at "
+            "most 8 decodes a chunk is at least 256 tokens, and a step without decodes takes "
+            "whole prompts",
             type=float,
             metavar="X",
         ),

@@ -17,9 +17,13 @@ the steps where the target is the wrong rule:
   `max_prefill_tokens` (a waiting prompt goes whole, as without chunking);
 - `GEMM floor`: beside at most `FEW_DECODES` decodes a chunk is at least `GEMM_TOKENS` prompt
   tokens, the rows from which a matrix product runs near its best rate per row (on a 2-core
-  EPYC, bf16 SmolLM2 shapes: ~35 us a row and layer at 16-32 rows, ~15 at 128-512), as long as
-  the step stays within `TILE_STALL` times the target: a couple of streams pay a longer gap so
-  that the prompt is not cut into many inefficient chunks that each read the weights again;
+  EPYC, bf16 SmolLM2 shapes: ~35 us a row and layer at 16-32 rows, ~15 at 128-512): a few
+  streams pay a longer gap (on that CPU about 220-240 ms beside 1-8 decodes) so that a prompt
+  is not cut into many inefficient chunks that each read the weights again. It is a number of
+  tokens, not of milliseconds: on a machine slowed by a neighbour (decode steps 4x their usual
+  time) a target in milliseconds alone cut chunks to 20-80 tokens, the chunked engine fell
+  behind its arrivals and its P99 TTFT went to 4.6x the unchunked one's (issue 64's first run);
+  and, a constant, it cannot feed on a misfit fixed cost as session 28's fixed-share floor did;
 - `fixed-cost floor`: a chunk's work is at least the step's fixed cost (`MIN_CHUNK` tokens at
   the least), where a busy machine's steps with prompt tokens cost so much more than its decode
   steps that the target leaves no room: a step is then at most twice its fixed cost;
@@ -45,7 +49,7 @@ from toppings.server.sched.tiles import TILE_STALL
 MIN_CHUNK = 16  # prompt tokens a full batch of decodes leaves a step at least
 ITL_TARGET_MS = 150.0  # the default inter-token SLO (--itl-target-ms)
 GEMM_TOKENS = 256  # prompt rows from which a matrix product runs near its best rate per row
-FEW_DECODES = 2  # steps of at most this many decodes keep a chunk at GEMM_TOKENS
+FEW_DECODES = 8  # steps of at most this many decodes keep a chunk at GEMM_TOKENS
 GEMM = "GEMM floor"  # the name of that adjustment
 
 
@@ -208,11 +212,8 @@ def tokens_for(
     fixed = num_decodes + max(MIN_CHUNK, model.overhead_tokens())
     if fixed > tokens:
         tokens, rule = fixed, "fixed-cost floor"
-    if num_decodes <= FEW_DECODES:
-        stall = num_decodes + model.prompt_tokens_within(TILE_STALL * target_ms, num_decodes)
-        gemm = min(num_decodes + GEMM_TOKENS, stall)
-        if gemm > tokens:
-            tokens, rule = gemm, GEMM
+    if num_decodes <= FEW_DECODES and num_decodes + GEMM_TOKENS > tokens:
+        tokens, rule = num_decodes + GEMM_TOKENS, GEMM
     if tokens >= ceiling:
         return ceiling, "ceiling"
     return tokens, rule

@@ -22,9 +22,8 @@ from toppings.server.requests.request import GenerationRequest, SamplingParams
 from toppings.server.requests.sequence import Sequence
 from toppings.server.sched.admission import GateLimits
 from toppings.server.sched.scheduler import StepPlan
-from toppings.server.sched.step_budget import GEMM_TOKENS, ITL_TARGET_MS, StepTimeModel
+from toppings.server.sched.step_budget import GEMM_TOKENS, StepTimeModel
 from toppings.server.sched.step_refit import StepRefit, StepShape, modelled_ms, scaled
-from toppings.server.sched.tiles import TILE_STALL
 
 TRUE = StepTimeModel(
     ms_per_token=1.0, decode_ms=60.0, decode_ms_per_request=2.0, ms_per_token_past=0.0004,
@@ -104,10 +103,9 @@ def test_short_prompts_behind_a_long_one_beside_one_stream_get_their_first_token
 ):
     """One stream decodes, a 3,000-token prompt arrives, then three short prompts: each short one
     has its first token within a few steps of arriving (not after the long prompt), and the long
-    one is computed in chunks of the GEMM floor beside one decode (GEMM_TOKENS, or what twice
-    the inter-token target holds: server.sched.step_budget), not in chunks that cost little
-    more than the step's fixed cost; no step is more than a quarter of the long prompt's
-    unchunked step."""
+    one is computed in chunks of the GEMM floor beside one decode (GEMM_TOKENS:
+    server.sched.step_budget), not in chunks that cost little more than the step's fixed cost;
+    no step is more than a quarter of the long prompt's unchunked step."""
     observe = StepRefit.observe
 
     def observe_true(self, shape: StepShape, ms: float) -> StepTimeModel | None:
@@ -147,10 +145,8 @@ def test_short_prompts_behind_a_long_one_beside_one_stream_get_their_first_token
         short_steps = sorted(n for s, n in first.items() if s.prompt_len == 40)
         long_steps = max(first.values())
         assert len(short_steps) == 3 and short_steps[-1] <= 2 + 4 < long_steps
-        # beside one decode a step's prompt work is what twice the target leaves after its
-        # fixed cost (67.3 ms): 232.7 ms, fewer than GEMM_TOKENS tokens of TRUE's
-        fixed = TRUE.mixed_step_ms(1, 1) - TRUE.ms_per_token
-        chunk_ms = min(TILE_STALL * ITL_TARGET_MS - fixed, GEMM_TOKENS * TRUE.ms_per_token)
+        # beside one decode a step's prompt work is GEMM_TOKENS tokens' (less after a past)
+        chunk_ms = GEMM_TOKENS * TRUE.ms_per_token
         work = PROMPT * TRUE.ms_per_token + TRUE.ms_per_token_past * PROMPT**2 / 2
         work += 3 * 40 * TRUE.ms_per_token
         assert long_steps - 2 <= math.ceil(1.2 * work / chunk_ms)

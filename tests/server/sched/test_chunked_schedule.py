@@ -23,6 +23,7 @@ from toppings.server.sched.step_budget import (
     StepTimeModel,
     choose_step_budget,
 )
+from toppings.server.sched.step_refit import scaled
 from toppings.server.sched.tiles import ATTENTION_TILE, TILE_STALL
 
 
@@ -151,14 +152,14 @@ def test_the_default_budget_follows_a_fixed_inter_token_target():
     assert budget.itl_target_ms == ITL_TARGET_MS == SchedulingConfig().itl_target_ms
     # no batch run yet: at 128 the decode step (332 ms) is over the target; the floor holds
     assert budget.tokens == 128 + math.ceil(64.6 / 1.09)
-    for batch in (4, 8):
-        now = choose_step_budget(128, 8192, model=replace(model, batch_size=batch))
+    cpu = StepTimeModel(ms_per_token=0.5, decode_ms=20.0, decode_ms_per_request=1.0)
+    for batch in (12, 16):  # past FEW_DECODES: the target alone
+        now = choose_step_budget(128, 8192, model=replace(cpu, batch_size=batch))
         assert now.itl_target_ms == ITL_TARGET_MS
-        step_ms = model.decode_step_ms(batch)
-        assert now.tokens == batch + int((ITL_TARGET_MS - step_ms) / 1.09)
+        assert now.tokens == batch + int((ITL_TARGET_MS - cpu.decode_step_ms(batch)) / 0.5)
         assert "150 ms target" in now.how and now.how.count(".") == 0  # one short sentence
     # a given target, below the decode step: the fixed-cost floor (64.6 / 1.09 -> 60)
-    assert choose_step_budget(8, 8192, itl_target_ms=50.0).tokens == 8 + 60
+    assert choose_step_budget(12, 8192, itl_target_ms=50.0).tokens == 12 + 60
     assert choose_step_budget(8, 8192, max_num_batched_tokens=100).tokens == 100
     assert choose_step_budget(400, 8192).tokens >= 400 + MIN_CHUNK
 
@@ -443,27 +444,22 @@ def test_a_short_prompt_shares_even_a_budget_smaller_than_two_min_chunks(past_we
 
 def test_beside_few_decodes_a_chunk_keeps_the_gemms_efficient_size():
     """Beside at most FEW_DECODES decodes a chunk is at least GEMM_TOKENS prompt tokens where the
-    target leaves fewer (within TILE_STALL x the target); beside more the target alone sizes
-    the step, its fixed-cost floor under it."""
+    target leaves fewer; beside more the target alone sizes the step, its fixed-cost floor under
+    it. The floor is a number of tokens: a machine 4x slower keeps it (the target's budget,
+    in milliseconds, shrinks there)."""
     cpu = StepTimeModel(ms_per_token=0.6, decode_ms=20.0, decode_ms_per_request=2.0,
                         mixed_fixed_ms=10.0, batch_size=4)  # fmt: skip
     budget = choose_step_budget(32, 8192, model=cpu)
     target = [b + int((ITL_TARGET_MS - 30 - 2 * b) / 0.6) for b in range(33)]  # 150 ms a step
-    assert budget.tokens == target[4] == 4 + 186
+    assert target[4] < 4 + GEMM_TOKENS == budget.tokens
     limits = GateLimits(32, 8192).with_budget(budget)
-    want = [8192, 1 + GEMM_TOKENS, 2 + GEMM_TOKENS, *target[3:]]
-    assert FEW_DECODES == 2 and [limits.step_tokens(b) for b in range(33)] == want
-    # within twice the target: a GEMM_TOKENS chunk that would pass it is cut to the bound
-    slow = replace(cpu, ms_per_token=1.5)
-    stall = 1 + int((TILE_STALL * ITL_TARGET_MS - 32) / 1.5)
-    assert stall < 1 + GEMM_TOKENS
-    assert (
-        GateLimits(32, 8192).with_budget(choose_step_budget(32, 8192, model=slow)).step_tokens(1)
-        == stall
-    )
-    # a given target is the same rule (a tighter one, a smaller GEMM floor's bound)
+    want = [8192, *(b + GEMM_TOKENS for b in range(1, FEW_DECODES + 1)), *target[FEW_DECODES + 1 :]]
+    assert FEW_DECODES == 8 and [limits.step_tokens(b) for b in range(33)] == want
+    slow = GateLimits(32, 8192).with_budget(choose_step_budget(32, 8192, model=scaled(cpu, 4.0)))
+    assert slow.step_tokens(1) == 1 + GEMM_TOKENS and slow.step_tokens(12) < target[12] / 2
+    # a given target is the same rule
     tight = choose_step_budget(32, 8192, itl_target_ms=66.0, model=cpu)
-    assert tight.few_decodes[1] == 1 + int((2 * 66 - 32) / 0.6) and tight.lone_tokens == 8192
+    assert tight.few_decodes[1] == 1 + GEMM_TOKENS and tight.lone_tokens == 8192
     # the scheduler: a long prompt beside one stream gets the GEMM floor's chunk
     sched, memory, _ = make_chunked(budget=budget.tokens, max_batch=8)
     sched.set_step_budget(budget)
@@ -491,20 +487,21 @@ def test_every_step_with_decodes_is_planned_within_the_stall_bound(fixed_ms):
     """Whatever a step's fitted fixed cost, a step a stream waits on is given no more prompt
     tokens than keep its modelled time within TILE_STALL x the inter-token target (or the
     budget's own floor): the fixed-share rule for steps of few decodes turned a larger fitted
-    fixed cost into a larger budget (1,059 tokens beside one stream: a 1.4 s gap). The GEMM
-    floor beside few decodes is held there too."""
+    fixed cost into a larger budget (1,059 tokens beside one stream: a 1.4 s gap). Now a step
+    has the tokens of the target, of the fixed-cost floor or of the GEMM floor (a constant),
+    whichever is more: a larger fitted fixed cost moves only the fixed-cost floor, by what the
+    cost is worth in tokens (a step at most twice its fixed cost), never past that."""
     model = replace(DISTURBED, mixed_fixed_ms=fixed_ms)
     budget = choose_step_budget(32, 8192, model=model)
     stall_ms = TILE_STALL * budget.itl_target_ms
     limits = GateLimits(32, 8192).with_budget(budget)
     for b in range(1, 33):
-        tokens = limits.step_tokens(b)
         target = b + model.prompt_tokens_within(budget.itl_target_ms, b)
         floor = b + max(MIN_CHUNK, model.overhead_tokens())
-        if tokens > max(target, floor):  # above the target and the floor: the GEMM floor's
-            assert model.mixed_step_ms(b, tokens - b) <= stall_ms
-    if model.mixed_step_ms(1, 1) > stall_ms:  # no prompt token fits: the target's budget
-        assert limits.step_tokens(1) == budget.tokens
+        gemm = b + GEMM_TOKENS if b <= FEW_DECODES else 0
+        assert limits.step_tokens(b) == max(target, floor, gemm)
+        if limits.step_tokens(b) == target > max(floor, gemm):
+            assert model.mixed_step_ms(b, target - b) <= stall_ms
     # the scheduler: a long prompt arriving beside one stream
     sched, memory, _ = make_chunked(budget=budget.tokens, max_batch=8)
     sched.set_step_budget(budget)
@@ -536,10 +533,11 @@ def test_a_step_whose_fixed_cost_alone_passes_the_stall_bound_does_work_worth_it
     budget = choose_step_budget(32, 8192, itl_target_ms=63.0, model=busy)
     assert busy.mixed_step_ms(2, 1) > TILE_STALL * budget.itl_target_ms
     limits = GateLimits(32, 8192).with_budget(budget)
-    # beside the batch the engine runs, a chunk's work is worth the step's overhead
-    work = (limits.step_tokens(2) - 2) * busy.ms_per_token
-    assert work >= busy.decode_ms + busy.mixed_fixed_ms
-    for b in (1, 2, 3):
+    # beside few decodes the GEMM floor; beside more, a chunk's work is worth the step's overhead
+    assert all(limits.step_tokens(b) == b + GEMM_TOKENS for b in (1, 2, 3))
+    for b in (9, 10, 12):
+        work = (limits.step_tokens(b) - b) * busy.ms_per_token
+        assert work >= busy.decode_ms + busy.mixed_fixed_ms
         assert busy.mixed_step_ms(b, limits.step_tokens(b) - b) <= 2.1 * busy.mixed_step_ms(b, 1)
 
 

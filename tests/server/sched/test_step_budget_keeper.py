@@ -16,11 +16,12 @@ LOGGER = "toppings.server.sched.step_budget_keeper"
 
 
 def run_steps(keeper: StepBudgetKeeper, true: StepTimeModel, num_steps: int, seed: int) -> int:
-    """Small batches of decodes with a few prompt tokens beside them, each step drawn from
+    """Batches of 9-14 decodes (more than FEW_DECODES: the target sizes their steps) with a few
+    prompt tokens beside them, each step drawn from
     `true` give or take 10%; returns how often the keeper moved the budget."""
     rng, moves = random.Random(seed), 0
     for _ in range(num_steps):
-        shape = StepShape(rng.randint(1, 6), rng.choice([0, 0, 8, 24, 40]), 0.0)
+        shape = StepShape(rng.randint(9, 14), rng.choice([0, 0, 8, 24, 40]), 0.0)
         ms = modelled_ms(true, shape) * rng.uniform(0.9, 1.1)
         moves += keeper.observe(shape, ms / 1000) is not None
     return moves
