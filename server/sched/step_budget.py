@@ -18,7 +18,7 @@ the steps where the target is the wrong rule:
 - `GEMM floor`: beside at most `FEW_DECODES` decodes a chunk is at least `GEMM_TOKENS` prompt
   tokens, the rows from which a matrix product runs near its best rate per row (on a 2-core
   EPYC, bf16 SmolLM2 shapes: ~35 us a row and layer at 16-32 rows, ~15 at 128-512): a few
-  streams pay a longer gap (on that CPU about 220-240 ms beside 1-8 decodes) so that a prompt
+  streams pay a longer gap (a step of GEMM_TOKENS prompt tokens beside theirs) so that a prompt
   is not cut into many inefficient chunks that each read the weights again. It is a number of
   tokens, not of milliseconds: on a machine slowed by a neighbour (decode steps 4x their usual
   time) a target in milliseconds alone cut chunks to 20-80 tokens, the chunked engine fell
