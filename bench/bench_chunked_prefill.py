@@ -21,18 +21,27 @@ Inter-token latency: each output's time is taken in the engine's thread when it 
 request's handle (the handle's `on_put` hook), so a reader's lag does not enter. The gaps are
 between consecutive outputs that carry new tokens; the gap before an output of k tokens counts
 as k gaps of gap/k; the first output's tokens have no gap (that is TTFT). P50/P99 ITL pooled
-over requests and rounds, with the per-round P99s for the spread. The SLO knee is the highest
-load at which the unchunked engine's P99 TTFT is within the SLO (the lowest load when none is);
-the headlines are chunked/unchunked there: `itl_p99_ratio`, `itl_max_ratio` (the largest
-gap, pooled over rounds; the per-round largest gaps give its spread), `ttft_p99_ratio` and
-`throughput_ratio` (output tokens/s; below both engines' capacity it is near 1 by construction,
-as both finish the same trace), and `capacity_ratio`, the two burst capacities.
+over requests and rounds, with the per-round P99s for the spread. The headlines are
+chunked/unchunked, each the worst over the loads (`ratios_per_load` has each load's):
+`ttft_p99_ratio`, `itl_p50_ratio` (median gap), `itl_p99_ratio`, `itl_max_ratio` (the largest
+gap, pooled over rounds; the per-round largest gaps give its spread) and `throughput_ratio`
+(output tokens/s, the lowest; below both engines' capacity it is near 1 by construction, as both
+finish the same trace), and `capacity_ratio`, the two burst capacities. The SLO knee (the
+highest load at which the unchunked engine's P99 TTFT is within the SLO) is recorded.
 `ttft_p99_ratio`'s floor: each request waits at least its own prompt's prefill served alone
 (measured at start-up at a few lengths on both engines, the base model; no prompt of this trace
 shares a prefix with another), so no scheduler's P99 TTFT at a load is below the P99 of those
-alone times; `ttft_p99_floor_ratio` is that floor over the unchunked P99 at the knee.
+alone times; `ttft_p99_floor_ratio_per_load` is that floor over the unchunked P99.
+
+With `--llama-server` (and `--llama-gguf`, of the engines' precision) llama.cpp's server is a
+third arm in the same alternating rounds on the same traces (bench/llama_replay.py): its default
+batch sizes (-b 2048, -ub 512), as many slots as `--max-batch-size`, one KV pool of
+`--llama-ctx` tokens; the base model (it serves no adapter), timed by the client over HTTP.
+`*_vs_llama_server` are the chunked engine's ratios to it, the worst over the loads.
 
     python -m bench.bench_chunked_prefill [--loads 0.5,0.7,0.9 --duration 60 --rounds 2]
+    python -m bench.bench_chunked_prefill --loads 0.3,0.5,0.7 --duration 40 --dtype bfloat16 \
+        --llama-server /work/llama-build/build/bin/llama-server
     python -m bench.bench_chunked_prefill --quick --out /tmp/chunked_prefill_quick.json
 
 Time: the full run should take 15-20 minutes on 2 quiet cores, within the 25 asked for. A load
@@ -57,6 +66,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from bench.bench_long_prompt import free_port, llama_version, start_llama_server
 from bench.bench_queueing import (
     burst_capacity,
     make_adapters,
@@ -66,6 +76,8 @@ from bench.bench_queueing import (
     trace_for,
 )
 from bench.envelope import describe_device, write_result
+from bench.llama_replay import replay_llama, stream_one
+from toppings.scripts.demo import stop, wait_healthy
 from toppings.scripts.loadgen.stats import percentile
 from toppings.scripts.loadgen.workload import LengthSpec, TraceEntry
 from toppings.server.config import DTYPE_CHOICES, QUEUE_POLICIES, EngineConfig
@@ -82,6 +94,11 @@ QUICK = {"loads": "0.9", "rounds": 1, "duration": 15.0, "per_rank": 1, "alone": 
 
 
 UNCHUNKED, CHUNKED = "unchunked", "chunked"  # the two engines of the headline ratios
+BUDGET_LOGGER = "toppings.server.sched.step_budget_keeper"  # its start-up line
+LLAMA = "llama-server"  # llama.cpp's server on the same trace (--llama-server)
+# ratio -> whether a larger one is worse (the top-level ratio is the worst over the loads)
+WORSE_IF_LARGER = {"itl_p99_ratio": True, "itl_max_ratio": True, "ttft_p99_ratio": True,
+                   "throughput_ratio": False, "itl_p50_ratio": True}  # fmt: skip
 
 
 def target_mode(itl_target_ms: float) -> str:
@@ -263,7 +280,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-batch-size", type=int, default=32)
     p.add_argument("--max-prefill-tokens", type=int, default=8192)
     p.add_argument("--max-num-batched-tokens", type=int, default=0, help="0: the engine's")
-    p.add_argument("--itl-target-ms", type=float, default=0.0, help="0: the engine's")
+    p.add_argument("--itl-target-ms", type=float, default=None,
+                   help="of the chunked engine (default: the engine's default)")  # fmt: skip
     p.add_argument("--queue-policy", default="fcfs", choices=QUEUE_POLICIES,
                    help="of every engine (the SLO knee is FCFS's)")  # fmt: skip
     p.add_argument(
@@ -273,6 +291,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="more chunked engines sized for these inter-token targets (ms, comma list), run "
         "beside the others (their ratios: target_sweep)",
     )
+    p.add_argument("--llama-server", type=Path, default=None,
+                   help="llama.cpp's llama-server binary: an arm on the same trace")  # fmt: skip
+    p.add_argument("--llama-gguf", type=Path,
+                   default=Path("/work/llama-build/SmolLM2-135M-Instruct-bf16.gguf"),
+                   help="its GGUF, of the engines' precision (bench/README.md)")  # fmt: skip
+    p.add_argument(
+        "--llama-slots",
+        type=int,
+        default=None,
+        help="its -np (default --max-batch-size, as many streams as the engines)",
+    )
+    p.add_argument("--llama-ctx", type=int, default=16384,
+                   help="its -c, one KV for all slots (-kvu); more than the engines' KV, so that "
+                   "no request of the trace is refused for room")  # fmt: skip
+    p.add_argument("--threads", default="1,2",
+                   help="llama-server's -t and -tb; a comma list: each is timed on one request "
+                   "(500 prompt tokens, 16 new) and the fastest kept (on a shared 2-core VM "
+                   "its 2 threads, spinning on each other, ran 5-30x slower than 1)")  # fmt: skip
     p.add_argument("--alone", type=int, default=8, help="requests served alone for the SLO")
     p.add_argument("--burst", type=int, default=32, help="requests of the capacity burst")
     p.add_argument(
@@ -311,14 +347,15 @@ def main(argv: list[str] | None = None) -> None:
         return mix_long_prompts(base, args.long_share, long_len, seed)
 
     startup = StartupLog()
-    logging.getLogger(Engine.__module__).addHandler(startup)
+    logging.getLogger(BUDGET_LOGGER).addHandler(startup)
     config = EngineConfig(device=args.device, dtype=args.dtype, load_format=args.load_format,
                           max_total_tokens=args.max_total_tokens,
                           max_batch_size=args.max_batch_size,
                           max_prefill_tokens=args.max_prefill_tokens, chunked_prefill=False,
                           max_num_batched_tokens=args.max_num_batched_tokens,
-                          itl_target_ms=args.itl_target_ms,
                           queue_policy=args.queue_policy)  # fmt: skip
+    if args.itl_target_ms is not None:
+        config = dataclasses.replace(config, itl_target_ms=args.itl_target_ms)
     unchunked = build_engine(str(model_dir), config, adapters)
     # From the first engine's config, "auto" dtype resolved: start-up measures the machine and
     # could pick another dtype the second time, and the engines must differ only in chunking.
@@ -332,7 +369,7 @@ def main(argv: list[str] | None = None) -> None:
         engines[target_mode(target)] = build_engine(
             str(model_dir), sized, adapters, step_model=engines[CHUNKED].step_model
         )
-    logging.getLogger(Engine.__module__).removeHandler(startup)
+    logging.getLogger(BUDGET_LOGGER).removeHandler(startup)
     slo_ms = slo_ms_alone(unchunked, trace(1.0, 999, None, args.alone))
     burst = trace(1.0, 998, None, args.burst)
     capacity = {m: burst_capacity(replay_timed(e, burst, burst=True)) for m, e in engines.items()}
@@ -344,16 +381,18 @@ def main(argv: list[str] | None = None) -> None:
     log.info("alone TTFT (ms) by prompt length: %s", alone)
     fractions = [float(x) for x in args.loads.split(",")]
     loads = [f * capacity[UNCHUNKED] for f in fractions]
-    raw: dict[str, list[list[list[dict]]]] = {m: [[] for _ in loads] for m in engines}
-    modes = list(engines)
-    for rnd in range(args.rounds):
-        for i, rps in enumerate(loads):
-            run_trace = trace(rps, seed=rnd * 100 + i, duration=args.duration)
-            for mode in modes if (rnd + i) % 2 == 0 else modes[::-1]:
-                raw[mode][i].append(replay_timed(engines[mode], run_trace))
-                row = summarise_itl(raw[mode][i][-1:], long_min)
-                log.info("round %d load %.2f rps %s: ITL p99 %.0f ms, %d gaps", rnd, rps,
-                         mode, row["itl_p99_ms"], row["num_gaps"])  # fmt: skip
+    replays = {m: (lambda tr, e=e: replay_timed(e, tr)) for m, e in engines.items()}
+    failed: dict[str, str] = {}
+    llama = start_llama(args, unchunked.config.dtype) if args.llama_server else None
+    try:
+        if llama is not None:
+            url = llama[1]
+            replays[LLAMA] = lambda tr: replay_llama(url, tr, token_gaps)
+            replays[LLAMA](trace(1.0, 996, None, 2))  # a warm-up, not kept
+        raw = run_rounds(args, replays, loads, trace, long_min, failed)
+    finally:
+        if llama is not None:
+            stop([llama[0]])
     dtype = unchunked.config.dtype  # "auto" resolved
     step = {m: {"tokens": e.step_budget.tokens, "itl_target_ms": e.step_budget.itl_target_ms,
                 "how": e.step_budget.how}
@@ -362,16 +401,94 @@ def main(argv: list[str] | None = None) -> None:
     step[UNCHUNKED] = {"max_prefill_tokens": args.max_prefill_tokens}
     for e in engines.values():
         e.shutdown()
+    if llama is not None:
+        step[LLAMA] = {"version": llama[2], "command": llama[3], "error": failed.get(LLAMA),
+                       "threads_probe_s": llama[4]}  # fmt: skip
     per_load = {
         m: [{**summarise(runs, slo_ms / 1000, args.duration), **summarise_itl(runs, long_min)}
             for runs in raw[m]]
-        for m in engines
+        for m in raw
     }  # fmt: skip
     for i, row in enumerate(per_load[UNCHUNKED]):  # the same trace for every engine
         lens = [r["prompt_len"] for run in raw[UNCHUNKED][i] for r in run]
         row["ttft_p99_floor_ms"] = ttft_floor(alone, lens)
     log.info("measured in %.0f s", time.monotonic() - began)
     write(args, argv, dtype, slo_ms, capacity, fractions, loads, per_load, step, alone)
+
+
+def run_rounds(args, replays: dict, loads: list[float], trace, long_min: int, failed: dict) -> dict:
+    """Every arm (`replays`: name -> trace -> records) on the same trace at each load, in an
+    order that alternates by round and load; records by arm, load, round. An arm of llama-server
+    that fails is dropped (`failed`: its error)."""
+    raw: dict[str, list[list[list[dict]]]] = {m: [[] for _ in loads] for m in replays}
+    modes = list(replays)
+    for rnd in range(args.rounds):
+        for i, rps in enumerate(loads):
+            run_trace = trace(rps, seed=rnd * 100 + i, duration=args.duration)
+            for mode in modes if (rnd + i) % 2 == 0 else modes[::-1]:
+                if mode not in raw:
+                    continue
+                try:
+                    raw[mode][i].append(replays[mode](run_trace))
+                except Exception as exc:  # llama-server failing ends its arm, not the run
+                    if mode != LLAMA:
+                        raise
+                    log.exception("llama-server's arm failed; the run goes on without it")
+                    failed[mode] = f"round {rnd} load {rps:.2f} rps: {exc}"
+                    del raw[mode]
+                    continue
+                row = summarise_itl(raw[mode][i][-1:], long_min)
+                log.info("round %d load %.2f rps %s: ITL p99 %.0f ms, %d gaps", rnd, rps,
+                         mode, row["itl_p99_ms"], row["num_gaps"])  # fmt: skip
+    return raw
+
+
+def start_llama(args, dtype: str) -> tuple:
+    """llama-server for the run: (process, url, version, command, thread probe), healthy. Its
+    slots are the engines' batch, its KV one pool (-kvu) of --llama-ctx tokens, its batch sizes
+    its own; its thread count the fastest of --threads on one request."""
+    suffix = {"bfloat16": "bf16", "float32": "f32"}.get(dtype)
+    if suffix is None or f"-{suffix}." not in args.llama_gguf.name:
+        raise SystemExit(f"bench_chunked_prefill: {args.llama_gguf} is not the engines' {dtype}")
+    candidates = [int(t) for t in str(args.threads).split(",") if t]
+    probe: dict[int, float] = {}
+    for threads in candidates if len(candidates) > 1 else ():
+        proc, url = launch_llama(args, threads)
+        try:
+            probe[threads] = time_llama(url)
+        finally:
+            stop([proc])
+    threads = min(probe, key=probe.get) if probe else candidates[0]
+    log.info("llama-server: %d threads (one request's seconds by threads: %s)", threads, probe)
+    proc, url = launch_llama(args, threads)
+    command = " ".join(map(str, proc.args))
+    return proc, url, llama_version(args.llama_server), command, probe
+
+
+def launch_llama(args, threads: int) -> tuple:
+    port = free_port()
+    log_path = Path("/tmp") / f"bench_chunked_prefill_llama_{port}.log"
+    slots = args.llama_slots or args.max_batch_size
+    proc = start_llama_server(args.llama_server, args.llama_gguf, port, args.llama_ctx,
+                              threads, log_path, slots, ("-kvu",))  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy(url, proc, log_path, 300.0)
+    return proc, url
+
+
+def time_llama(url: str) -> float:
+    """Seconds of one request (500 random prompt tokens, 16 new) after a warm-up one."""
+    rng = random.Random(995)
+    for n in (64, 500):
+        entry = TraceEntry(0, 0.0, "", 0, [rng.randrange(100, 250) for _ in range(n)], 16)
+        began = time.monotonic()
+        stream_one(url, entry)
+    return time.monotonic() - began
+
+
+def worst(rows: list[dict]) -> dict:
+    """Each ratio of `rows` (one per load) at its worst over them (WORSE_IF_LARGER)."""
+    return {k: (max if WORSE_IF_LARGER[k] else min)(r[k] for r in rows) for k in rows[0]}
 
 
 def ratios(chunked: dict, unchunked: dict) -> dict:
@@ -387,32 +504,38 @@ def ratios(chunked: dict, unchunked: dict) -> dict:
 
 def write(args, argv, dtype, slo_ms, capacity, fractions, loads, per_load, step, alone) -> None:
     at, within = slo_knee([r["ttft_p99_ms"] for r in per_load[UNCHUNKED]], slo_ms)
-    u = per_load[UNCHUNKED][at]
+    u = per_load[UNCHUNKED]
+    chunked_modes = [m for m in per_load if m not in (UNCHUNKED, LLAMA)]
     sweep = {
         m: {"tokens": step[m]["tokens"], "itl_target_ms": step[m]["itl_target_ms"],
-            **ratios(rows[at], u),
-            "itl_p99_ms": rows[at]["itl_p99_ms"], "ttft_p99_ms": rows[at]["ttft_p99_ms"],
+            **worst([ratios(c, n) for c, n in zip(per_load[m], u)]),
+            "itl_p99_ms": [r["itl_p99_ms"] for r in per_load[m]],
+            "ttft_p99_ms": [r["ttft_p99_ms"] for r in per_load[m]],
             "capacity_ratio": capacity[m] / capacity[UNCHUNKED]}
-        for m, rows in per_load.items() if m != UNCHUNKED
+        for m in chunked_modes
     }  # fmt: skip
-    per_ratios = [ratios(c, n) for c, n in zip(per_load[CHUNKED], per_load[UNCHUNKED])]
+    per_ratios = [ratios(c, n) for c, n in zip(per_load[CHUNKED], u)]
     metrics = {
-        **per_ratios[at],
-        # no engine's P99 TTFT at the knee can be below this share of the unchunked one's
-        "ttft_p99_floor_ratio": u["ttft_p99_floor_ms"] / u["ttft_p99_ms"],
+        **worst(per_ratios),  # the worst over the loads; each load's beside
         "ratios_per_load": per_ratios,
+        # no engine's P99 TTFT at a load can be below this share of the unchunked one's
+        "ttft_p99_floor_ratio_per_load": [r["ttft_p99_floor_ms"] / r["ttft_p99_ms"] for r in u],
         "alone_ttft_ms": alone,
-        "ratio_load_rps": loads[at],
-        "ratio_load_fraction_of_capacity": fractions[at],
-        "ratio_load_within_slo": within,
+        "loads_fraction_of_capacity": fractions,
+        "loads_rps": loads,
+        "slo_knee_load_fraction": fractions[at],
+        "slo_knee_within_slo": within,
         "slo_ms": slo_ms,
         "capacity_rps": capacity,
         "capacity_ratio": capacity[CHUNKED] / capacity[UNCHUNKED],
-        "loads_rps": loads,
         "step_budget": step,
         "target_sweep": sweep,
         "per_load": per_load,
     }
+    if LLAMA in per_load:  # chunked / llama-server, same trace, same rounds
+        vs_llama = [ratios(c, q) for c, q in zip(per_load[CHUNKED], per_load[LLAMA])]
+        metrics.update({f"{k}_vs_llama_server": v for k, v in worst(vs_llama).items()})
+        metrics["ratios_vs_llama_server_per_load"] = vs_llama
     write_result(
         args.out,
         "chunked_prefill",
@@ -431,7 +554,11 @@ def write(args, argv, dtype, slo_ms, capacity, fractions, loads, per_load, step,
             "k tokens in one output: k gaps of gap/k",
             "slo_rule": f"5x mean E2E of {args.alone} requests served alone (unchunked)",
             "capacity_rule": "bench_queueing's burst rule, unchunked engine",
-            "knee_rule": "highest load with unchunked P99 TTFT within the SLO",
+            "knee_rule": "highest load with unchunked P99 TTFT within the SLO (recorded only: "
+            "the top-level ratios are the worst over the loads)",
+            "llama_server": "the same trace replayed against llama.cpp's llama-server in the "
+            "same alternating rounds when --llama-server is given (bench/llama_replay.py: "
+            "client-side times over HTTP, the base model: it serves no adapter)",
             "floor_rule": "ttft_p99_floor_ms: the P99 over a load's requests of the alone TTFT "
             "(the least of both engines, base model) of the longest measured prompt length not "
             "above each request's: a request waits at least its own prefill alone",

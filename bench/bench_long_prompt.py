@@ -120,9 +120,13 @@ def free_port() -> int:
 
 
 def start_llama_server(binary: Path, gguf: Path, port: int, ctx: int, threads: int,
-                       log_path: Path) -> subprocess.Popen:  # fmt: skip
+                       log_path: Path, slots: int = 1,
+                       extra: tuple[str, ...] = ()) -> subprocess.Popen:  # fmt: skip
+    """llama-server on `port` with `slots` parallel slots (-np) and its default batch sizes;
+    `extra`: more of its flags."""
     cmd = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
-           "-c", str(ctx), "-t", str(threads), "-tb", str(threads), "-np", "1"]  # fmt: skip
+           "-c", str(ctx), "-t", str(threads), "-tb", str(threads), "-np", str(slots),
+           *extra]  # fmt: skip
     with open(log_path, "w") as f:
         return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
 

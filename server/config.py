@@ -525,21 +525,22 @@ class SchedulingConfig(Settings):
         bound=Bound.NON_NEGATIVE,
         flag=Flag(
             "tokens one chunked-prefill step computes, decodes included (more than "
-            "--max-batch-size); 0: a full batch of decodes plus the prompt tokens that keep "
-            "the modelled step time within --itl-target-ms, logged at start-up",
+            "--max-batch-size); 0: sized for --itl-target-ms from the modelled step time, "
+            "per number of decodes, logged at start-up",
             type=int,
             metavar="N",
         ),
     )
-    # The inter-token latency a chunked-prefill step is sized for; 0: derived.
+    # The inter-token SLO a chunked-prefill step is sized for (server.sched.step_budget's
+    # ITL_TARGET_MS: a fixed value, not a multiple of the step the engine runs).
     itl_target_ms: float = setting(
-        0.0,
-        bound=Bound.NON_NEGATIVE,
+        150.0,
+        bound=Bound.POSITIVE,
         flag=Flag(
-            "inter-token target the default --max-num-batched-tokens is sized for; 0: three "
-            "times the modelled decode step at the batch the engine runs (at --max-batch-size "
-            "until it has run one), and beside fewer than 9 decodes what keeps the step's fixed "
-            "cost a small share of it, said in the log; given, it bounds every step with decodes",
+            "inter-token SLO the default --max-num-batched-tokens is sized for: a step with "
+            "decodes takes the prompt tokens that keep its modelled time within it; beside at "
+            "most 8 decodes a chunk is at least 256 tokens, and a step without decodes takes "
+            "whole prompts",
             type=float,
             metavar="X",
         ),

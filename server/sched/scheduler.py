@@ -278,19 +278,27 @@ class Scheduler:
             return self._recover(gate, f"admission error: {exc}")
 
     def _fill(self, chunks: dict[Sequence, int], limits: GateLimits, left: int) -> None:
-        """Give what the step's budget has `left` to the prompts being prefilled, oldest
-        first (chunked prefill)."""
-        for seq in self.running:
+        """Give what the step's budget has `left` to the prompts being prefilled: first to
+        those it finishes (a short prompt's last tokens, which a queue's quota or a chunk's
+        rounding left over, wait no step more for an older long prompt), then oldest first
+        (chunked prefill)."""
+        prompts = [s for s in self.running if not s.is_prefilled and not is_whole(s)]
+
+        def rest_cost(seq: Sequence) -> int:  # what finishing its prompt costs more
+            past, had = seq.num_prefilled, chunks.get(seq, 0)
+            return limits.chunk_cost(seq.prompt_len - past, past) - limits.chunk_cost(had, past)
+
+        finishing = [s for s in prompts if rest_cost(s) <= left]
+        for seq in [*finishing, *(s for s in prompts if s not in finishing)]:
             if left <= 0:
                 break
-            if not seq.is_prefilled and not is_whole(seq):
-                had, past = chunks.get(seq, 0), seq.num_prefilled
-                cost = limits.chunk_cost(had, past)
-                within = limits.chunk_within(cost + left, past)
-                more = min(seq.prompt_len - past - had, within - had)
-                if more > 0:
-                    chunks[seq] = had + more
-                    left -= limits.chunk_cost(had + more, past) - cost
+            had, past = chunks.get(seq, 0), seq.num_prefilled
+            cost = limits.chunk_cost(had, past)
+            within = limits.chunk_within(cost + left, past)
+            more = min(seq.prompt_len - past - had, within - had)
+            if more > 0:
+                chunks[seq] = had + more
+                left -= limits.chunk_cost(had + more, past) - cost
 
     def _reserve(self, chunks: dict[Sequence, int]) -> dict[Sequence, int] | None:
         """Reserve the planned requests' slots for their tokens of this step through the memory

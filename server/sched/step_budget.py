@@ -1,52 +1,41 @@
 """The token budget of a chunked-prefill step (`--max-num-batched-tokens` when it is 0).
 
-A mixed step's time grows with the tokens it computes, and every running stream waits for the
-whole step between two of its tokens. So the budget is what the batch's decodes plus the most
-prompt tokens whose modelled step time stays within an inter-token target take:
-`--itl-target-ms`, or by default `ITL_MULTIPLE` times the modelled decode step at the batch the
-engine runs now (a step may add two decode steps' worth of prompt work to the decode it would
-run anyway: a stream's largest gap stays within a few of its usual ones, and a long prompt
-beside 16 streams takes a few dozen steps, not hundreds; before any step ran, at
-`--max-batch-size`). The model is linear: a decode step of B requests takes
-`decode_ms + decode_ms_per_request * B`, each prompt token beside it `ms_per_token` more, and
-`ms_per_token_past` more for each token of past it attends to. The engine measures it at
-start-up on its own model and machine (server.model.step_timing), a prior that the steps it
-really runs then correct within a few dozen steps (server.sched.step_refit); the defaults here
-are bench/sim_engine.py's fit of SmolLM2, float32, on a 2-core Xeon VM, for the simulator and
-for tests.
+Every running stream waits for the whole step between two of its tokens, so the budget follows a
+stated inter-token SLO, `--itl-target-ms` (`ITL_TARGET_MS` by default): a step of `d` decodes
+takes the most prompt tokens whose modelled step time stays within it. The default is a fixed
+number, not a multiple of the step the engine runs: a multiple of a fast step gave a few dozen
+prompt tokens a step beside a few streams, and each chunk paid the step's fixed cost again
+(bench/results/chunked_prefill.json before issue 64: P99 TTFT 1.7-3.2x unchunked). The value:
+150 ms a gap is 6-7 tokens a second, about as fast as people read, and it is a bound on the
+slowest gaps (those of steps that carry a prompt chunk), not on the median gap, which stays a
+decode step; llama.cpp's server (CPU users' pick) puts up to 2,048 prompt tokens beside its
+decodes with no bound at all.
 
-The budget is at least the batch's decodes plus `MIN_CHUNK` prompt tokens, and plus as many
-prompt tokens as a step's fixed cost (`decode_ms`, and a step with prompt tokens' extra,
-`mixed_fixed_ms`) is worth, so that a chunk's work is never smaller than the per-step overhead
-it pays: on a GPU, where a prompt token costs microseconds, that floor is in the thousands; on a
-CPU, where a prompt token costs about as much as a decode row, it is a few dozen and the
-inter-token target decides. At most `max_prefill_tokens` (or a
-full batch plus `MIN_CHUNK`, where that is more).
+One number, `tokens`, the budget at the batch the engine runs now, and named adjustments for
+the steps where the target is the wrong rule:
+- `whole prompts`: a step without decodes has no stream waiting on it; its budget is
+  `max_prefill_tokens` (a waiting prompt goes whole, as without chunking);
+- `GEMM floor`: beside at most `FEW_DECODES` decodes a chunk is at least `GEMM_TOKENS` prompt
+  tokens, the rows from which a matrix product runs near its best rate per row (on a 2-core
+  EPYC, bf16 SmolLM2 shapes: ~35 us a row and layer at 16-32 rows, ~15 at 128-512): a few
+  streams pay a longer gap (a step of GEMM_TOKENS prompt tokens beside theirs) so that a prompt
+  is not cut into many inefficient chunks that each read the weights again. It is a number of
+  tokens, not of milliseconds: on a machine slowed by a neighbour (decode steps 4x their usual
+  time) a target in milliseconds alone cut chunks to 20-80 tokens, the chunked engine fell
+  behind its arrivals and its P99 TTFT went to 4.6x the unchunked one's (issue 64's first run);
+  and, a constant, it cannot feed on a misfit fixed cost as session 28's fixed-share floor did;
+- `fixed-cost floor`: a chunk's work is at least the step's fixed cost (`MIN_CHUNK` tokens at
+  the least), where a busy machine's steps with prompt tokens cost so much more than its decode
+  steps that the target leaves no room: a step is then at most twice its fixed cost;
+- `ceiling`: at most `max_prefill_tokens` (or a full batch plus `MIN_CHUNK`, where that is more).
 
-A step of few decodes has few streams waiting on it, and a prompt being chunked pays the step's
-fixed cost (the decodes beside it, a step's extra for prompt tokens) once per chunk: a step of `b`
-decodes is sized so that its fixed cost is at most `(b + 1) x FIXED_SHARE` of it, where that gives
-more than the target does. Every request waiting on the step has a say: without decodes the fixed
-cost is at most a tenth of the step (the prompt's wait alone decides), beside one stream a fifth,
-and from nine decodes on the target alone. On a CPU the target's budget for every step cut a long
-prompt into many small chunks, each reading the weights again (the cost of its past shrinks each
-chunk further), so the prompt and every prompt behind it waited several times its unchunked prefill
-(docs/features.md, chunked prefill, has the measurements). Beside one stream the step is then about
-5x its fixed cost: the stream's gap grows from one decode step to five, still a small part of the
-step an unchunked long prompt takes. A step with decodes is held within the stall bound all the
-same, `TILE_STALL` times the inter-token target (the bound a chunk raised to a tile keeps,
-server.sched.tiles), whatever its fixed cost: that cost is the refit's, and a misfit lands in its
-intercept (`mixed_fixed_ms`: a long prompt's first chunks slower than modelled, beside a busy
-neighbour, moved it several-fold at once), which this rule alone turned into a larger budget, a
-multi-second step beside one stream, and the steps after it larger again (docs/features.md, chunked
-prefill, has the trace): past where the bound binds, a step found slower makes the steps streams
-wait on smaller, not larger. Only the budget's floor goes past the bound, where a step's fixed cost
-alone exceeds it: a step is then at most twice its fixed cost (a chunk's work equal to it), as a
-step of smaller chunks would pay more overhead than work, and a prompt held at `MIN_CHUNK` tokens a
-step (where a busy machine's steps with prompt tokens cost far more than its decode steps) took
-seconds past its prefill. A target given by `--itl-target-ms` is the operator's bound on every step
-a stream waits on: it is kept there (steps without decodes are still sized by their fixed cost; the
-floor holds there too).
+The step-time model is linear: a decode step of B requests takes `decode_ms +
+decode_ms_per_request * B`, each prompt token beside it `ms_per_token` more, and
+`ms_per_token_past` more for each token of past it attends to. The engine measures it at start-up
+on its own model and machine (server.model.step_timing), a prior that the steps it really runs
+then correct within a few dozen steps (server.sched.step_refit); the defaults here are
+bench/sim_engine.py's fit of SmolLM2, float32, on a 2-core Xeon VM, for the simulator and for
+tests. The refit moves the budget: the target is fixed, the step's cost is what is learnt.
 """
 
 from __future__ import annotations
@@ -58,9 +47,10 @@ from typing import Protocol
 from toppings.server.sched.tiles import TILE_STALL
 
 MIN_CHUNK = 16  # prompt tokens a full batch of decodes leaves a step at least
-ITL_MULTIPLE = 3.0  # the default inter-token target, in decode steps at the current batch
-# most of a step its fixed cost may be, for each request waiting on it (its decodes and the prompt)
-FIXED_SHARE = 0.1
+ITL_TARGET_MS = 150.0  # the default inter-token SLO (--itl-target-ms)
+GEMM_TOKENS = 256  # prompt rows from which a matrix product runs near its best rate per row
+FEW_DECODES = 8  # steps of at most this many decodes keep a chunk at GEMM_TOKENS
+GEMM = "GEMM floor"  # the name of that adjustment
 
 
 class StepPoints(Protocol):
@@ -197,12 +187,12 @@ class StepBudget:
     how: str
     # a prompt token counts 1 + past_weight x its past against the budget (GateLimits); 0: 1
     past_weight: float = 0.0
-    # the budgets of steps of 0, 1, ... decodes, where their fixed cost's share sizes them
-    # (FIXED_SHARE); a step of more decodes: `tokens`. (): `tokens` for all (a given budget)
+    # the budgets of steps of 0, 1, ... decodes (the adjustments of the module docstring); a
+    # step of more decodes: `tokens`. (): `tokens` for all (a given budget)
     few_decodes: tuple[int, ...] = ()
     # most a long prompt's chunk raised to a tile may take its step's cost to, in multiples of
-    # the step's budget (server.sched.tiles): TILE_STALL for a derived budget, 1 where the
-    # operator bounded the steps (--max-num-batched-tokens, --itl-target-ms)
+    # the step's budget (server.sched.tiles): TILE_STALL for a derived budget, 1 for one given
+    # by --max-num-batched-tokens
     tile_stall: float = 1.0
 
     @property
@@ -211,62 +201,50 @@ class StepBudget:
         return self.few_decodes[0] if self.few_decodes else 0
 
 
-def fixed_share_tokens(model: StepTimeModel, num_decodes: int) -> int | None:
-    """The budget of a step of `num_decodes` decodes whose fixed cost (what it takes beside its
-    prompt tokens) is `(num_decodes + 1) x FIXED_SHARE` of it; None from where that share is
-    the whole step (the target alone sizes it)."""
-    share = (num_decodes + 1) * FIXED_SHARE
-    if share >= 1:
-        return None
-    fixed_ms = max(model.mixed_step_ms(num_decodes, 1) - model.ms_per_token, 0.0)
-    return num_decodes + math.ceil(fixed_ms / model.ms_per_token * (1 / share - 1))
+def tokens_for(
+    model: StepTimeModel, num_decodes: int, target_ms: float, ceiling: int
+) -> tuple[int, str]:
+    """The budget of a step of `num_decodes` decodes under an inter-token target of
+    `target_ms`, at most `ceiling`, and the name of the rule that set it (module docstring)."""
+    if not num_decodes:
+        return ceiling, "whole prompts"
+    tokens, rule = num_decodes + model.prompt_tokens_within(target_ms, num_decodes), "target"
+    fixed = num_decodes + max(MIN_CHUNK, model.overhead_tokens())
+    if fixed > tokens:
+        tokens, rule = fixed, "fixed-cost floor"
+    if num_decodes <= FEW_DECODES and num_decodes + GEMM_TOKENS > tokens:
+        tokens, rule = num_decodes + GEMM_TOKENS, GEMM
+    if tokens >= ceiling:
+        return ceiling, "ceiling"
+    return tokens, rule
 
 
 def choose_step_budget(
     max_batch_size: int,
     max_prefill_tokens: int,
     max_num_batched_tokens: int = 0,
-    itl_target_ms: float = 0.0,
+    itl_target_ms: float = ITL_TARGET_MS,
     model: StepTimeModel | None = None,
 ) -> StepBudget:
     """The step token budget: `max_num_batched_tokens` when given, else derived from the step
-    time model and the inter-token target (0: ITL_MULTIPLE x the decode step at the model's
-    current batch, or at max_batch_size before it has one) for the model's current batch, and
-    for steps of few decodes from their fixed cost's share (see the module docstring)."""
-    if max_num_batched_tokens:  # the target is not used (0 unless given)
-        how = "given by --max-num-batched-tokens"
+    time model and the inter-token target for every number of decodes a step may have; its
+    `tokens` at the model's current batch (max_batch_size before it has one). See the module
+    docstring."""
+    if max_num_batched_tokens:  # the target is not used
+        how = f"{max_num_batched_tokens} tokens a step, given by --max-num-batched-tokens"
         return StepBudget(max_num_batched_tokens, itl_target_ms, how)
     model = model or StepTimeModel()
     batch = min(max(model.batch_size, 1), max_batch_size) if model.batch_size else max_batch_size
-    target = itl_target_ms or ITL_MULTIPLE * model.decode_step_ms(batch)
-    modelled = batch + model.prompt_tokens_within(target, batch)
     ceiling = max(max_prefill_tokens, max_batch_size + MIN_CHUNK)
-    floor = min(batch + max(MIN_CHUNK, model.overhead_tokens()), ceiling)
-    tokens = max(floor, min(modelled, ceiling))
-    few: list[int] = []
-    stall_ms = TILE_STALL * target  # the most a step a stream waits on is modelled to take
-    # an operator's target binds every step a stream waits on: then only a step without
-    # decodes is sized by its fixed cost
-    for num_decodes in range(1 if itl_target_ms else max_batch_size + 1):
-        sized = fixed_share_tokens(model, num_decodes)
-        if sized is None:
-            break
-        if num_decodes:  # streams wait on it: within the stall bound, whatever its fixed cost
-            sized = min(sized, num_decodes + model.prompt_tokens_within(stall_ms, num_decodes))
-        few.append(max(tokens, min(sized, ceiling)))
+    sized = [tokens_for(model, d, itl_target_ms, ceiling) for d in range(max_batch_size + 1)]
+    tokens, rule = sized[batch]
+    few = [n for n, _ in sized]
     while len(few) > 1 and few[-1] == tokens:
         few.pop()  # steps of that many decodes take `tokens` anyway
-    source = "--itl-target-ms" if itl_target_ms else f"{ITL_MULTIPLE:g}x the decode step"
-    sizes = "/".join(str(n) for n in few)
-    decodes = f"0..{len(few) - 1}" if len(few) > 1 else "0"
-    how = (
-        f"{batch} decodes (a {model.decode_step_ms(batch):.0f} ms step, modelled) and the "
-        f"prompt tokens ({model.ms_per_token:.3g} ms each) that keep the step within an "
-        f"inter-token target of {target:.0f} ms ({source} at a batch of {batch}): {modelled}, "
-        f"clamped to [{floor}, {ceiling}]; {sizes} in a step of {decodes} decodes (its fixed "
-        f"cost at most {FIXED_SHARE:g} of it for each request waiting on it, a step with "
-        f"decodes within {TILE_STALL:g}x the target); a prompt token "
-        f"after a past of P counts 1 + {model.past_weight():.2g} x P; step model: {model.source}"
-    )
-    stall = 1.0 if itl_target_ms else TILE_STALL
-    return StepBudget(tokens, target, how, model.past_weight(), tuple(few), stall)
+    floor = ""
+    if gemm := [d for d in range(1, FEW_DECODES + 1) if sized[d:][:1] == [(d + GEMM_TOKENS, GEMM)]]:
+        floor = f", {GEMM_TOKENS}-token chunks beside up to {gemm[-1]}"
+    beside = f"{batch} decode" + ("s" if batch > 1 else "")
+    how = (f"{tokens} tokens a step beside {beside} ({rule}, {itl_target_ms:g} ms target), "
+           f"whole prompts with no decodes{floor}")  # fmt: skip
+    return StepBudget(tokens, itl_target_ms, how, model.past_weight(), tuple(few), TILE_STALL)

@@ -59,10 +59,12 @@ class StepBudgetKeeper:
             times = measure()
             self.step_model = StepTimeModel.fit(times) if times is not None else StepTimeModel()
         self.budget = self._budget_of(self.step_model)
-        log.info("chunked prefill: %d tokens per step, %s", self.budget.tokens, self.budget.how)
+        log.info("chunked prefill: %s.", self.budget.how)
+        if self.step_model is not None:
+            log.debug("chunked prefill's step model: %s", self.step_model.source)
         # A derived budget follows the steps as they really run (a given one stays).
         self._refit = StepRefit(self.step_model) if not max_num_batched_tokens else None
-        self._logged = self.budget.tokens
+        self._logged = self.budget  # the budget last logged at INFO
         self._faults = 0  # refits that raised
 
     @property
@@ -113,18 +115,17 @@ class StepBudgetKeeper:
             return None
         batch = model.batch_size or self.max_batch_size  # the batch the engine runs now
         # every window moves it a little, and at budgets of a few dozen tokens by a tenth: an
-        # operator's log gets the moves that change what a step does
-        change = abs(budget.tokens - self._logged)
-        moved = change >= max(self._logged * LOGGED_MOVE, MIN_CHUNK)
+        # operator's log gets the moves that change what a step does. Compared at the batch the
+        # engine runs now: a batch that crosses FEW_DECODES changes the one number, not a step
+        was = steps_of(self._logged, batch)
+        moved = abs(budget.tokens - was) >= max(was * LOGGED_MOVE, MIN_CHUNK)
         if moved:
-            self._logged = budget.tokens
+            self._logged = budget
         log.log(
             logging.INFO if moved else logging.DEBUG,
-            "chunked prefill: %d -> %d tokens per step, target %.1f ms (real steps: a decode "
-            "step of %d %.1f ms, a step with prompt tokens %+.1f ms more, a prompt token after a "
-            "past of P counts 1 + %.2g x P)",
-            before.tokens, budget.tokens, budget.itl_target_ms, batch,
-            model.decode_step_ms(batch), model.mixed_fixed_ms, budget.past_weight,
+            "chunked prefill: %d -> %d tokens a step beside %d decodes (real steps: %.0f ms "
+            "beside no prompt, a prompt token %.2g ms more)",
+            was, budget.tokens, batch, model.decode_step_ms(batch), model.ms_per_token,
         )  # fmt: skip
         return budget
 
@@ -135,8 +136,7 @@ class StepBudgetKeeper:
         bound = budget.tile_stall * budget.itl_target_ms
         if model is None or not bound or ms <= STALL_LOGGED * bound:
             return
-        few = budget.few_decodes
-        tokens = few[shape.num_decodes] if shape.num_decodes < len(few) else budget.tokens
+        tokens = steps_of(budget, shape.num_decodes)
         log.debug(
             "a step streams waited on took %.0f ms, %.1fx the stall bound (%.0f ms: %g x the "
             "%.0f ms target): %d decodes, %d prompt tokens scored against %.0f keys of past; "
@@ -146,3 +146,9 @@ class StepBudgetKeeper:
             shape.prompt_tokens, shape.past_work, modelled_ms(model, shape), tokens,
             budget.past_weight,
         )  # fmt: skip
+
+
+def steps_of(budget: StepBudget, num_decodes: int) -> int:
+    """The budget of a step of `num_decodes` decodes under `budget` (GateLimits.step_tokens)."""
+    few = budget.few_decodes
+    return few[num_decodes] if num_decodes < len(few) else budget.tokens

@@ -41,7 +41,7 @@ beside decodes) and every `REFIT_EVERY` steps fits the model to them again, robu
 Medians over a window of a few dozen steps move with a slower machine within `REFIT_EVERY`
 steps of half the window showing it, and one slow step among them moves nothing much.
 The batch the engine runs now (the median decode rows of the last `BATCH_STEPS` steps) goes
-into the model: the default inter-token target follows it (server.sched.step_budget).
+into the model: the budget's one number is the one at that batch (server.sched.step_budget).
 Steps of prompt tokens without decodes (server.sched.step_budget's steps without decodes, of
 hundreds of tokens) are left out: the budget's target is for steps streams wait on, and a
 large step's tokens cost less each than the start-up slope says (larger matrix products).
@@ -148,7 +148,7 @@ class StepRefit:
         elif mixed and not GROSS_OFF**-1 < (ratio := _median_ratio(model, mixed)) < GROSS_OFF:
             model = scaled(model, ratio)  # the machine's speed, from steps with prompt tokens
         if mixed and (mixed_lately or not decode_lately):
-            model = _fit_mixed(model, mixed)
+            model = _fit_mixed(model, mixed, decode_seen=bool(decode))
         batch = round(statistics.median(self._batches))
         model = _within_band(model, self.prior, batch)
         if not is_sane(model):
@@ -220,11 +220,20 @@ def _fit_decode(
                    mixed_fixed_ms=rest.mixed_fixed_ms)  # fmt: skip
 
 
-def _fit_mixed(model: StepTimeModel, steps: list[tuple[StepShape, float]]) -> StepTimeModel:
+def _fit_mixed(
+    model: StepTimeModel, steps: list[tuple[StepShape, float]], decode_seen: bool = False
+) -> StepTimeModel:
     """The fixed extra of steps with prompt tokens and the costs of their prompt tokens and
     past, fitted jointly to what the steps take beyond the decode line and their decode rows'
     extra (see the module docstring), once more without the steps the first fit leaves far off
-    (RESIDUAL_OUT times the residuals' median absolute deviation)."""
+    (RESIDUAL_OUT times the residuals' median absolute deviation).
+
+    With the decode line fitted on real decode steps (`decode_seen`), a negative fixed extra is
+    not the machine's (a step with prompt tokens costs no less than its decodes) but two costs
+    the window cannot tell apart: chunks that shrink as their past grows (a budget's chunks
+    beside a few streams) let the intercept go to -30 ms and a prompt token 1.3x too dear, the
+    steps' times fitted all the same; the fit is then made again without an intercept. Without
+    decode steps the decode line is the prior's, scaled, and the intercept is what it misses."""
     m = model
     columns = [(1.0, float(s.prompt_tokens), s.past_work) for s, _ in steps]
     beyond = [ms - m.decode_step_ms(s.num_decodes) - m.mixed_ms_per_request * s.num_decodes
@@ -239,21 +248,29 @@ def _fit_mixed(model: StepTimeModel, steps: list[tuple[StepShape, float]]) -> St
         theta = _ridge(columns, beyond, prior)
     if theta[2] < 0:  # a past that costs nothing: the others fitted without it
         theta = [*_ridge([c[:2] for c in columns], beyond, prior[:2]), 0.0]
+    if theta[0] < 0 and decode_seen:  # no less than its decodes: fitted without an intercept
+        theta = [0.0, *_ridge([c[1:] for c in columns], beyond, prior[1:], held_from=0)]
+        if theta[2] < 0:
+            theta = [0.0, *_ridge([c[1:2] for c in columns], beyond, prior[1:2], held_from=0), 0.0]
     fixed, per_token, per_past = theta
     return replace(m, mixed_fixed_ms=fixed, ms_per_token=max(per_token, m.ms_per_token * MIN_SCALE),
                    ms_per_token_past=per_past)  # fmt: skip
 
 
 def _ridge(
-    columns: list[tuple[float, ...]], ys: list[float], prior: tuple[float, ...]
+    columns: list[tuple[float, ...]],
+    ys: list[float],
+    prior: tuple[float, ...],
+    held_from: int = 1,
 ) -> list[float]:
-    """Least squares of ys on the columns (the first one all ones: the intercept), each other
-    coefficient held to its prior value by the weight of PRIOR_STEPS rows of its column's
-    typical size (ridge regression towards the prior: (X'X + L) theta = X'y + L prior)."""
+    """Least squares of ys on the columns (the first one all ones: the intercept, unless
+    `held_from` is 0), each coefficient from `held_from` on held to its prior value by the
+    weight of PRIOR_STEPS rows of its column's typical size (ridge regression towards the
+    prior: (X'X + L) theta = X'y + L prior)."""
     k = len(prior)
     lhs = [[sum(c[i] * c[j] for c in columns) for j in range(k)] for i in range(k)]
     rhs = [sum(c[i] * y for c, y in zip(columns, ys)) for i in range(k)]
-    for i in range(1, k):  # the first column, the intercept, is not held
+    for i in range(held_from, k):  # the intercept is not held
         weight = PRIOR_STEPS * max(sum(c[i] ** 2 for c in columns) / len(columns), 1e-12)
         lhs[i][i] += weight
         rhs[i] += weight * prior[i]

@@ -20,12 +20,11 @@ takes 2.7 s alone. The rows kernel's cost per token of past is about 1.7x the bl
   (after a shorter one the rows kernel is the faster: the budget's cut stands), is raised to a
   whole tile (to its prompt's end, where that is nearer), oldest prompt first, while the step's
   cost stays within `TILE_STALL` times its budget. A stream's gap in such a step is at most
-  twice the default inter-token target (the budget's own floor, MIN_CHUNK tokens, is a step's
-  least prompt work in the same way), far below the multi-second step of an unchunked long
-  prompt, and the tile does in one step what the rows kernel did in two or three, each paying
-  the step's fixed cost. Where the operator bounded the steps (--max-num-batched-tokens,
-  --itl-target-ms) the bound is the budget itself (StepBudget.tile_stall): a tile only where
-  it fits;
+  twice the inter-token target (the budget's own floor, MIN_CHUNK tokens, is a step's least
+  prompt work in the same way), far below the multi-second step of an unchunked long prompt,
+  and the tile does in one step what the rows kernel did in two or three, each paying the
+  step's fixed cost. Where the operator gave the budget (--max-num-batched-tokens) the bound
+  is the budget itself (StepBudget.tile_stall): a tile only where it fits;
 - a chunk that does not end its prompt and runs on the blocked kernel drops a last partial tile
   of fewer than half a tile's tokens: that tile would read the whole past again for them (the
   next step's chunk starts with them instead).

@@ -18,7 +18,8 @@ def test_the_step_model_is_the_engines_step_time_model():
     assert MODEL.decode_s(4) == pytest.approx(MODEL.decode_step_ms(4) / 1000) == 0.062
     # the step budget the simulator uses is the engine's, derived from the same numbers
     fast = StepModel(ms_per_token=0.25, decode_ms=50.0, decode_ms_per_request=3.0)
-    assert choose_step_budget(8, 8192, model=fast).tokens == 8 + 74 * 8  # 3x a 74 ms step
+    # a 74 ms decode step beside 8: what the 150 ms target leaves, at 0.25 ms a prompt token
+    assert choose_step_budget(8, 8192, model=fast).tokens == 8 + int((150 - 74) / 0.25)
 
 
 def test_a_mixed_step_costs_its_decodes_step_plus_each_prompt_token():

@@ -22,7 +22,7 @@ from toppings.server.requests.request import GenerationRequest, SamplingParams
 from toppings.server.requests.sequence import Sequence
 from toppings.server.sched.admission import GateLimits
 from toppings.server.sched.scheduler import StepPlan
-from toppings.server.sched.step_budget import StepTimeModel
+from toppings.server.sched.step_budget import GEMM_TOKENS, StepTimeModel
 from toppings.server.sched.step_refit import StepRefit, StepShape, modelled_ms, scaled
 
 TRUE = StepTimeModel(
@@ -30,6 +30,7 @@ TRUE = StepTimeModel(
     mixed_ms_per_request=0.3, mixed_fixed_ms=5.0,
 )  # fmt: skip
 STREAMS, PROMPT = 16, 3000
+TARGET_MS = 3 * TRUE.decode_step_ms(STREAMS)
 
 
 @pytest.fixture(scope="module")
@@ -49,8 +50,11 @@ def test_a_long_prompt_beside_16_streams_keeps_every_step_within_the_target(
         return observe(self, shape, modelled_ms(TRUE, shape))  # the step as TRUE times it
 
     monkeypatch.setattr(StepRefit, "observe", observe_true)
+    # a target of 3x TRUE's decode step beside 16 streams (276 ms), which prompt tokens fit
+    # under: at the default (150 ms) TRUE's fixed-cost floor sizes these steps, not the target
     config = EngineConfig(dtype=dtype, max_total_tokens=8192, max_batch_size=32,
-                          chunked_prefill=True, max_prefill_tokens=4096)  # fmt: skip
+                          chunked_prefill=True, max_prefill_tokens=4096,
+                          itl_target_ms=TARGET_MS)  # fmt: skip
     engine = Engine(config, load_checkpoint(str(long_model_dir)), step_model=scaled(TRUE, 10.0))
     gen = torch.Generator().manual_seed(3)
     params = SamplingParams(max_new_tokens=200, temperature=0.0, ignore_eos=True)
@@ -80,7 +84,7 @@ def test_a_long_prompt_beside_16_streams_keeps_every_step_within_the_target(
             assert STREAMS + cost <= budget.tokens  # the prompt tokens within the budget
             assert modelled_ms(model, shape) <= budget.itl_target_ms * 1.01  # and the target
             # the model the step was planned with is the machine's: so is the step's time
-            assert modelled_ms(TRUE, shape) <= 1.1 * 3 * TRUE.decode_step_ms(STREAMS)
+            assert modelled_ms(TRUE, shape) <= 1.1 * TARGET_MS
             past = long_seq.num_prefilled
             if long_seq.output_ids:
                 break
@@ -99,9 +103,9 @@ def test_short_prompts_behind_a_long_one_beside_one_stream_get_their_first_token
 ):
     """One stream decodes, a 3,000-token prompt arrives, then three short prompts: each short one
     has its first token within a few steps of arriving (not after the long prompt), and the long
-    one is computed in steps whose fixed cost (the decode beside it, a step's extra for prompt
-    tokens) is at most a fifth of each (server.sched.step_budget), not in chunks that cost less
-    than that fixed cost; no step is more than a quarter of the long prompt's unchunked step."""
+    one is computed in chunks of the GEMM floor beside one decode (GEMM_TOKENS:
+    server.sched.step_budget), not in chunks that cost little more than the step's fixed cost;
+    no step is more than a quarter of the long prompt's unchunked step."""
     observe = StepRefit.observe
 
     def observe_true(self, shape: StepShape, ms: float) -> StepTimeModel | None:
@@ -141,11 +145,11 @@ def test_short_prompts_behind_a_long_one_beside_one_stream_get_their_first_token
         short_steps = sorted(n for s, n in first.items() if s.prompt_len == 40)
         long_steps = max(first.values())
         assert len(short_steps) == 3 and short_steps[-1] <= 2 + 4 < long_steps
-        # beside one decode the prompt work of a step is 4x its fixed cost (67.3 ms)
-        fixed = TRUE.mixed_step_ms(1, 1) - TRUE.ms_per_token
+        # beside one decode a step's prompt work is GEMM_TOKENS tokens' (less after a past)
+        chunk_ms = GEMM_TOKENS * TRUE.ms_per_token
         work = PROMPT * TRUE.ms_per_token + TRUE.ms_per_token_past * PROMPT**2 / 2
         work += 3 * 40 * TRUE.ms_per_token
-        assert long_steps - 2 <= math.ceil(1.2 * work / (4 * fixed))
+        assert long_steps - 2 <= math.ceil(1.2 * work / chunk_ms)
     finally:
         engine.shutdown()
 

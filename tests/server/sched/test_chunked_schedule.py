@@ -15,11 +15,15 @@ from toppings.server.sched.admission import GateLimits
 from toppings.server.sched.policies import make_queue_policy
 from toppings.server.sched.scheduler import Scheduler, StepPlan, StepResult
 from toppings.server.sched.step_budget import (
+    FEW_DECODES,
+    GEMM_TOKENS,
+    ITL_TARGET_MS,
     MIN_CHUNK,
     StepBudget,
     StepTimeModel,
     choose_step_budget,
 )
+from toppings.server.sched.step_refit import scaled
 from toppings.server.sched.tiles import ATTENTION_TILE, TILE_STALL
 
 
@@ -140,17 +144,22 @@ def test_unchunked_steps_stay_whole_prompt_prefills():
     assert dict(zip(plan.seqs, plan.starts)) == {seqs[0]: 50, seqs[1]: 50, late: 0}
 
 
-def test_default_budget_is_derived_from_the_step_time_model():
-    budget = choose_step_budget(max_batch_size=128, max_prefill_tokens=8192)
-    # a decode step of 128 (no batch run yet): 64.6 + 2.09 * 128 = 332.1 ms; the target three
-    # times that leaves 2 * 332.1 / 1.09 = 609 prompt tokens beside the 128 decodes
-    assert budget.tokens == 128 + 609 and "3x the decode step at a batch of 128" in budget.how
-    # at the batch the engine runs (16 streams): 3 x (64.6 + 2.09 * 16) = 294.1 ms
-    now = choose_step_budget(128, 8192, model=replace(StepTimeModel(), batch_size=16))
-    assert now.itl_target_ms == pytest.approx(294.12) and now.tokens == 16 + 179
-    # a target below the decode step leaves no prompt tokens: the floor, a full batch plus the
-    # prompt tokens a step's fixed cost is worth (64.6 / 1.09 -> 60)
-    assert choose_step_budget(8, 8192, itl_target_ms=50.0).tokens == 8 + 60
+def test_the_default_budget_follows_a_fixed_inter_token_target():
+    """The target is ITL_TARGET_MS whatever the batch (not a multiple of its decode step); the
+    budget is the batch's decodes plus the prompt tokens whose modelled step stays within it."""
+    model = StepTimeModel()  # a decode step of B: 64.6 + 2.09 B ms, a prompt token 1.09 ms
+    budget = choose_step_budget(max_batch_size=128, max_prefill_tokens=8192, model=model)
+    assert budget.itl_target_ms == ITL_TARGET_MS == SchedulingConfig().itl_target_ms
+    # no batch run yet: at 128 the decode step (332 ms) is over the target; the floor holds
+    assert budget.tokens == 128 + math.ceil(64.6 / 1.09)
+    cpu = StepTimeModel(ms_per_token=0.5, decode_ms=20.0, decode_ms_per_request=1.0)
+    for batch in (12, 16):  # past FEW_DECODES: the target alone
+        now = choose_step_budget(128, 8192, model=replace(cpu, batch_size=batch))
+        assert now.itl_target_ms == ITL_TARGET_MS
+        assert now.tokens == batch + int((ITL_TARGET_MS - cpu.decode_step_ms(batch)) / 0.5)
+        assert "150 ms target" in now.how and now.how.count(".") == 0  # one short sentence
+    # a given target, below the decode step: the fixed-cost floor (64.6 / 1.09 -> 60)
+    assert choose_step_budget(12, 8192, itl_target_ms=50.0).tokens == 12 + 60
     assert choose_step_budget(8, 8192, max_num_batched_tokens=100).tokens == 100
     assert choose_step_budget(400, 8192).tokens >= 400 + MIN_CHUNK
 
@@ -158,7 +167,7 @@ def test_default_budget_is_derived_from_the_step_time_model():
 def test_budget_floor_follows_the_cost_of_a_prompt_token():
     # a CPU: a prompt token costs about a decode row; the target decides, MIN_CHUNK at least
     cpu = StepTimeModel(ms_per_token=0.85, decode_ms=8.0, decode_ms_per_request=0.5)
-    assert choose_step_budget(32, 8192, model=cpu).tokens == 32 + int(2 * 24 / 0.85)
+    assert choose_step_budget(32, 8192, model=cpu).tokens == 32 + int((150 - 24) / 0.85)
     assert choose_step_budget(32, 8192, itl_target_ms=10.0, model=cpu).tokens == 32 + MIN_CHUNK
     # a GPU: a prompt token costs microseconds, so a chunk is at least the step's fixed cost
     gpu = StepTimeModel(ms_per_token=0.004, decode_ms=6.0, decode_ms_per_request=0.01)
@@ -167,18 +176,20 @@ def test_budget_floor_follows_the_cost_of_a_prompt_token():
     assert choose_step_budget(32, 1024, model=gpu).tokens == 1024
 
 
-def test_a_step_without_decodes_is_sized_by_its_fixed_cost():
-    """No stream waits on a step without decodes: its budget keeps the step's fixed cost at
-    most a tenth of it, not the target's. A budget given by the flag is the same for all."""
+def test_a_step_without_decodes_takes_whole_prompts():
+    """No stream waits on a step without decodes: its budget is max_prefill_tokens, whatever
+    the target. A budget given by the flag is the same for all."""
     cpu = StepTimeModel(ms_per_token=0.25, decode_ms=8.0, decode_ms_per_request=0.4,
                         mixed_fixed_ms=5.0)  # fmt: skip
-    budget = choose_step_budget(32, 8192, model=cpu)
-    # fixed 8 + 5 ms, nine times that in prompt tokens (0.25 ms each)
-    assert budget.lone_tokens == math.ceil(13.0 / 0.25 * 9) == 468
-    assert "468/216 in a step of 0..1 decodes" in budget.how
+    assert choose_step_budget(32, 8192, model=cpu).lone_tokens == 8192
+    assert choose_step_budget(32, 8192, itl_target_ms=20.0, model=cpu).lone_tokens == 8192
     assert choose_step_budget(32, 256, model=cpu).lone_tokens == 256  # at most the prefill's
-    assert choose_step_budget(32, 8192, itl_target_ms=500.0, model=cpu).lone_tokens >= 1000
     assert choose_step_budget(32, 8192, max_num_batched_tokens=100, model=cpu).lone_tokens == 0
+    # the scheduler: a 3,000-token prompt with no stream beside it runs in one step
+    sched, _, _ = make_chunked(budget=60, max_batch=8)
+    sched.set_step_budget(choose_step_budget(8, 8192, model=cpu))
+    long = submit(sched, prompt_len=3000, max_new=2, ignore_eos=True)
+    assert tokens_of(step(sched)) == {long: 3000} and long.output_ids
 
 
 def test_a_lone_prompt_takes_the_bigger_chunks_until_a_decode_runs_beside_it():
@@ -431,35 +442,32 @@ def test_a_short_prompt_shares_even_a_budget_smaller_than_two_min_chunks(past_we
     assert long.output_ids and memory.reserved == 0
 
 
-def test_a_step_of_few_decodes_keeps_its_fixed_cost_a_small_share_of_it():
-    """Beside b decodes a step's fixed cost (its decodes and a step's extra for prompt tokens)
-    is at most (b + 1) tenths of it where that gives more than the target: a long prompt beside
-    one stream is not cut into chunks that cost less than its step's fixed cost each."""
+def test_beside_few_decodes_a_chunk_keeps_the_gemms_efficient_size():
+    """Beside at most FEW_DECODES decodes a chunk is at least GEMM_TOKENS prompt tokens where the
+    target leaves fewer; beside more the target alone sizes the step, its fixed-cost floor under
+    it. The floor is a number of tokens: a machine 4x slower keeps it (the target's budget,
+    in milliseconds, shrinks there)."""
     cpu = StepTimeModel(ms_per_token=0.6, decode_ms=20.0, decode_ms_per_request=2.0,
-                        mixed_fixed_ms=10.0, batch_size=1)  # fmt: skip
+                        mixed_fixed_ms=10.0, batch_size=4)  # fmt: skip
     budget = choose_step_budget(32, 8192, model=cpu)
-    # the target: 3 x 22 ms, beside one decode step (22 ms) and the extra (10 ms): 56 tokens
-    assert budget.tokens == 1 + int((66 - 32) / 0.6)
-    fixed = [30.0, 32.0, 34.0, 36.0, 38.0]  # 20 + 10 + 2 b ms: the step's cost beside its prompt
-    expected = [b + math.ceil(f / 0.6 * (1 / (0.1 * (b + 1)) - 1)) for b, f in enumerate(fixed)]
-    # beside one decode the share (215 tokens, a 160 ms step) is held to the stall bound, twice
-    # the target: 1 + (132 - 32) / 0.6 tokens
-    expected[1] = 1 + int((TILE_STALL * 66 - 32) / 0.6)
-    assert budget.few_decodes == tuple(expected) == (450, 167, 135, 93, 68)
+    target = [b + int((ITL_TARGET_MS - 30 - 2 * b) / 0.6) for b in range(33)]  # 150 ms a step
+    assert target[4] < 4 + GEMM_TOKENS == budget.tokens
     limits = GateLimits(32, 8192).with_budget(budget)
-    assert [limits.step_tokens(b) for b in range(7)] == [*expected, 57, 57]
-    # an operator's target binds every step a stream waits on: only a step without decodes
-    given = choose_step_budget(32, 8192, itl_target_ms=66.0, model=cpu)
-    assert given.few_decodes == (450,)
-    assert GateLimits(32, 8192).with_budget(given).step_tokens(1) == given.tokens == 57
-    # the scheduler: a long prompt beside one stream gets the one-decode step's budget
-    sched, memory, _ = make_chunked(budget=57, max_batch=8)
+    want = [8192, *(b + GEMM_TOKENS for b in range(1, FEW_DECODES + 1)), *target[FEW_DECODES + 1 :]]
+    assert FEW_DECODES == 8 and [limits.step_tokens(b) for b in range(33)] == want
+    slow = GateLimits(32, 8192).with_budget(choose_step_budget(32, 8192, model=scaled(cpu, 4.0)))
+    assert slow.step_tokens(1) == 1 + GEMM_TOKENS and slow.step_tokens(12) < target[12] / 2
+    # a given target is the same rule
+    tight = choose_step_budget(32, 8192, itl_target_ms=66.0, model=cpu)
+    assert tight.few_decodes[1] == 1 + GEMM_TOKENS and tight.lone_tokens == 8192
+    # the scheduler: a long prompt beside one stream gets the GEMM floor's chunk
+    sched, memory, _ = make_chunked(budget=budget.tokens, max_batch=8)
     sched.set_step_budget(budget)
     stream = submit(sched, prompt_len=4, max_new=400, ignore_eos=True)
     step(sched)
     long = submit(sched, prompt_len=2000, max_new=1, ignore_eos=True)
     got = tokens_of(step(sched))
-    assert got == {stream: 1, long: 167 - 1}
+    assert got == {stream: 1, long: GEMM_TOKENS}
     while sched.has_work():
         step(sched)
     assert long.output_ids and memory.reserved == 0
@@ -479,17 +487,21 @@ def test_every_step_with_decodes_is_planned_within_the_stall_bound(fixed_ms):
     """Whatever a step's fitted fixed cost, a step a stream waits on is given no more prompt
     tokens than keep its modelled time within TILE_STALL x the inter-token target (or the
     budget's own floor): the fixed-share rule for steps of few decodes turned a larger fitted
-    fixed cost into a larger budget (1,059 tokens beside one stream: a 1.4 s gap)."""
+    fixed cost into a larger budget (1,059 tokens beside one stream: a 1.4 s gap). Now a step
+    has the tokens of the target, of the fixed-cost floor or of the GEMM floor (a constant),
+    whichever is more: a larger fitted fixed cost moves only the fixed-cost floor, by what the
+    cost is worth in tokens (a step at most twice its fixed cost), never past that."""
     model = replace(DISTURBED, mixed_fixed_ms=fixed_ms)
     budget = choose_step_budget(32, 8192, model=model)
     stall_ms = TILE_STALL * budget.itl_target_ms
     limits = GateLimits(32, 8192).with_budget(budget)
     for b in range(1, 33):
-        tokens = limits.step_tokens(b)
-        if tokens > budget.tokens:  # above the target's own budget: the fixed-share rule's
-            assert model.mixed_step_ms(b, tokens - b) <= stall_ms
-    if model.mixed_step_ms(1, 1) > stall_ms:  # no prompt token fits: the target's budget
-        assert limits.step_tokens(1) == budget.tokens
+        target = b + model.prompt_tokens_within(budget.itl_target_ms, b)
+        floor = b + max(MIN_CHUNK, model.overhead_tokens())
+        gemm = b + GEMM_TOKENS if b <= FEW_DECODES else 0
+        assert limits.step_tokens(b) == max(target, floor, gemm)
+        if limits.step_tokens(b) == target > max(floor, gemm):
+            assert model.mixed_step_ms(b, target - b) <= stall_ms
     # the scheduler: a long prompt arriving beside one stream
     sched, memory, _ = make_chunked(budget=budget.tokens, max_batch=8)
     sched.set_step_budget(budget)
@@ -518,13 +530,14 @@ def test_a_step_whose_fixed_cost_alone_passes_the_stall_bound_does_work_worth_it
         ms_per_token=1.61669, decode_ms=16.33613, decode_ms_per_request=2.39658,
         ms_per_token_past=0.00025, mixed_fixed_ms=126.49033, batch_size=2,
     )  # fmt: skip
-    budget = choose_step_budget(32, 8192, model=busy)
+    budget = choose_step_budget(32, 8192, itl_target_ms=63.0, model=busy)
     assert busy.mixed_step_ms(2, 1) > TILE_STALL * budget.itl_target_ms
     limits = GateLimits(32, 8192).with_budget(budget)
-    # beside the batch the engine runs, a chunk's work is worth the step's overhead
-    work = (limits.step_tokens(2) - 2) * busy.ms_per_token
-    assert work >= busy.decode_ms + busy.mixed_fixed_ms
-    for b in (1, 2, 3):
+    # beside few decodes the GEMM floor; beside more, a chunk's work is worth the step's overhead
+    assert all(limits.step_tokens(b) == b + GEMM_TOKENS for b in (1, 2, 3))
+    for b in (9, 10, 12):
+        work = (limits.step_tokens(b) - b) * busy.ms_per_token
+        assert work >= busy.decode_ms + busy.mixed_fixed_ms
         assert busy.mixed_step_ms(b, limits.step_tokens(b) - b) <= 2.1 * busy.mixed_step_ms(b, 1)
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import random
 
-from toppings.server.sched.step_budget import StepTimeModel
+from toppings.server.sched.step_budget import ITL_TARGET_MS, StepTimeModel
 from toppings.server.sched.step_budget_keeper import StepBudgetKeeper
 from toppings.server.sched.step_refit import StepShape, modelled_ms, scaled
 
@@ -16,18 +16,19 @@ LOGGER = "toppings.server.sched.step_budget_keeper"
 
 
 def run_steps(keeper: StepBudgetKeeper, true: StepTimeModel, num_steps: int, seed: int) -> int:
-    """Small batches of decodes with a few prompt tokens beside them, each step drawn from
+    """Batches of 9-14 decodes (more than FEW_DECODES: the target sizes their steps) with a few
+    prompt tokens beside them, each step drawn from
     `true` give or take 10%; returns how often the keeper moved the budget."""
     rng, moves = random.Random(seed), 0
     for _ in range(num_steps):
-        shape = StepShape(rng.randint(1, 6), rng.choice([0, 0, 8, 24, 40]), 0.0)
+        shape = StepShape(rng.randint(9, 14), rng.choice([0, 0, 8, 24, 40]), 0.0)
         ms = modelled_ms(true, shape) * rng.uniform(0.9, 1.1)
         moves += keeper.observe(shape, ms / 1000) is not None
     return moves
 
 
 def keeper() -> StepBudgetKeeper:
-    return StepBudgetKeeper(32, 8192, 0, 0.0, measure=lambda: None, step_model=PRIOR)
+    return StepBudgetKeeper(32, 8192, 0, ITL_TARGET_MS, measure=lambda: None, step_model=PRIOR)
 
 
 def info_moves(caplog) -> list[str]:
