@@ -21,7 +21,7 @@ PROMPTS_IN = [[5 + i, 17, 33 + 2 * i, 9] * (3 + i) for i in range(4)]
 
 def test_the_budget_comes_from_steps_measured_at_start_up(tiny_engine):
     with tiny_engine(chunked_prefill=True, max_batch_size=8) as engine:
-        assert "measured at start-up" in engine.step_budget.how
+        assert "measured at start-up" in engine.step_model.source
         assert engine.step_budget.tokens >= 8 + 16
         assert_memory_balanced(engine)  # every row and block taken for timing came back
         measured = generate(engine, PROMPTS_IN)
@@ -50,7 +50,7 @@ def test_a_pool_too_small_to_measure_keeps_the_default_model(tiny_engine, max_to
     with tiny_engine(chunked_prefill=True, max_batch_size=4,
                      max_total_tokens=max_total_tokens) as engine:  # fmt: skip
         assert measure_steps(engine.model, engine.kv, 4) is None
-        assert "not this machine's" in engine.step_budget.how
+        assert "not this machine's" in engine.step_model.source
 
 
 def test_the_times_are_kept_and_read_at_the_next_start_up(tiny_engine, tmp_path, monkeypatch):
