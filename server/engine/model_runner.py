@@ -11,6 +11,11 @@ on (`RuntimeConfig.use_cuda_graphs`), a decode step replays the graph of its buc
 adapter still loading) and every step on a CPU run the model eagerly. The sampler turns the
 logits into tokens.
 
+A step runs in two parts (`run` is both): `prepare` reads what the step needs from the requests
+on the engine thread, before the next plan moves them on; `execute` makes its tensors, reads the
+KV tables, runs the forward pass and samples, on the device lane with async scheduling
+(step_pipeline.py), where a decode's input may be the token the step before samples.
+
 A request whose logits hold inf or NaN (an adapter whose product overflows the dtype) is taken
 out before sampling and fails alone (`StepOutcome.failed`); the others of the batch sample as if
 it had not been there, which holds because nothing of the forward mixes rows of different
