@@ -176,9 +176,12 @@ def _base_model(fleet) -> str:
 def test_later_turns_follow_their_prefix(fleet):
     """Each conversation's first turn goes to server c % 2 directly; its later turns, through
     the scheduler, go there too (with no prefix known, both idle servers tie and the first
-    registered one would win, so half of these would fail without the prefix term)."""
+    registered one would win, so half of these would fail without the prefix term). A turn may
+    still go the other way where the scheduler's last /stats of its home counts the turn before
+    as running there (the bench's misses: prefix_routing.json): at most one of the 8 may."""
     _wait_for(lambda: _fresh(fleet), "fresh feeds of both servers")
     conversations = [[{"role": "user", "content": _words(c, 120)}] for c in range(4)]
+    misses = []
     for turn in range(3):
         for c, messages in enumerate(conversations):
             body = {"model": "a", "messages": messages, "max_tokens": 4, "temperature": 0}
@@ -186,13 +189,15 @@ def test_later_turns_follow_their_prefix(fleet):
             if turn == 0:
                 answer = _direct(fleet, home, "/v1/chat/completions", body)
             else:
-                before = _feeds(fleet)[home]["blocks"]
+                before = {url: feed["blocks"] for url, feed in _feeds(fleet).items()}
                 server, answer = _post(fleet, "/v1/chat/completions", body)
-                assert server == home, f"conversation {c}, turn {turn}"
-                _settled(fleet, server, before)
+                if server != home:
+                    misses.append((c, turn))
+                _settled(fleet, server, before[server])
             reply = answer["choices"][0]["message"]["content"]
             messages += [{"role": "assistant", "content": reply},
                          {"role": "user", "content": _words(100 + c + turn, 20)}]  # fmt: skip
+    assert len(misses) <= 1, f"(conversation, turn) routed away from their prefix: {misses}"
 
 
 def test_token_id_prompts_follow_their_prefix_and_adapters_do_not_share(fleet):
