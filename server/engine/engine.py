@@ -85,14 +85,10 @@ class Engine:
         self.pipeline = None
         if config.use_async:
             cores = config.device_cores
-
-            def wait_for_loads(plan: StepPlan) -> None:
-                self.lora.steps.wait_for_loads([s.cache_entry for s in plan.seqs])
-
             self.pipeline = StepPipeline(
                 self.runner,
                 self.scheduler,
-                wait_for_loads,
+                self._wait_for_loads,
                 lambda: enter_engine_thread(self._num_threads, cores),
             )
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
@@ -283,6 +279,10 @@ class Engine:
             self.scheduler.returned(plan)
         self._observe(plan, launched.shape, seconds)
 
+    def _wait_for_loads(self, plan: StepPlan) -> None:
+        """Under on-demand-sync, wait until the plan's adapters are loaded (else at once)."""
+        self.lora.steps.wait_for_loads([s.cache_entry for s in plan.seqs])
+
     def _apply(self, outcome: StepOutcome) -> None:
         for seq, error in outcome.failed.items():  # fails alone; its neighbours go on
             log.warning("request %s failed: %s", seq.request.request_id, error)
@@ -316,7 +316,7 @@ class Engine:
             if self.governor is not None:
                 self.governor.apply()
             try:
-                self.lora.steps.wait_for_loads([s.cache_entry for s in plan.seqs])  # on-demand-sync
+                self._wait_for_loads(plan)
                 self._apply(self.runner.run(plan))
             except Exception as exc:  # keep serving: fail this step's requests only
                 log.exception("engine step failed")
