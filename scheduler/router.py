@@ -78,7 +78,7 @@ class SchedulerError(Exception):
 
 
 # A server's response headers the client gets through the scheduler too: the request fields the
-# server accepted and ignored, and the tool-call format it used (server.api.generation).
+# server accepted and ignored, and the tool-call format it used (server.api.openai.generation).
 PASSED_ON = ("X-Toppings-Ignored-Fields", "X-Toppings-Tool-Format")
 
 
@@ -142,9 +142,9 @@ class PromptCounter:
     Costs a tokenization per routed request (well under a millisecond for chat-sized prompts);
     without it the router estimates lengths from characters. The ids are the server's: a text
     prompt encoded with special tokens, messages rendered by the chat template with the
-    generation prompt and encoded without (server/api/choices.py `prompt_ids`), so that prefix
-    routing hashes the blocks the server will announce. A body the tokenizer cannot take falls
-    back to the estimate (and no ids): the server, not the router, reports bad input.
+    generation prompt and encoded without (server/api/openai/choices.py `prompt_ids`), so
+    that prefix routing hashes the blocks the server will announce. A body the tokenizer cannot
+    take falls back to the estimate (and no ids): the server, not the router, reports bad input.
     """
 
     def __init__(self, tokenizer_dir: str):
@@ -364,7 +364,8 @@ class Router:
 
     def models(self) -> dict[str, Any]:
         """`GET /v1/models`: base models, then active adapters with `parent`; each card has the
-        fields of a server's (`created`, `root`, `parent`: server.api.response.models_response)."""
+        fields of a server's (`created`, `root`, `parent`:
+        server.api.openai.response.models_response)."""
 
         def card(name: str, parent: str | None) -> dict[str, Any]:
             return {"id": name, "object": "model", "created": self.started,

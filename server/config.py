@@ -145,7 +145,7 @@ class RuntimeConfig(Settings):
             metavar="N",
         ),
     )
-    # The engine's thread count chosen from its decode steps (engine/thread_governor.py);
+    # The engine's thread count chosen from its decode steps (process/thread_governor.py);
     # None: on for cpu.
     adapt_threads: bool | None = setting(
         None,
@@ -182,7 +182,7 @@ class RuntimeConfig(Settings):
 
     @property
     def use_thread_governor(self) -> bool:
-        """Whether the engine's thread count follows its steps (engine/thread_governor.py;
+        """Whether the engine's thread count follows its steps (process/thread_governor.py;
         not with async scheduling, where the model runs on the device lane's thread)."""
         return self.device == "cpu" and self.adapt_threads is not False and not self.use_async
 
@@ -233,7 +233,7 @@ class LoraConfig(Settings):
             metavar="N",
         ),
     )
-    # Largest LoRA rank served; 0: derived from the adapter budget (engine/adapter_reader.py).
+    # Largest LoRA rank served; 0: derived from the adapter budget (adapters/reader.py).
     max_lora_rank: int = setting(
         0,
         bound=Bound.NON_NEGATIVE,

@@ -60,7 +60,7 @@ MAX_CONSTRAINT_CHARS = 100_000  # the text of one schema, regex or grammar
 @dataclass(frozen=True)
 class Constraint:
     """Structured output: the request's text must be derivable from `spec` (see
-    server/engine/grammar.py, which compiles it and masks the request's logits)."""
+    server/sampling/grammar.py, which compiles it and masks the request's logits)."""
 
     kind: ConstraintKind
     spec: str
