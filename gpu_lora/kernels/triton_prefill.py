@@ -30,8 +30,8 @@ from toppings.gpu_lora.kernels.triton_decode import (
     MAX_SPLITS,
     RANK_CHUNK,
     TARGET_PROGRAMS,
-    lora_jit,
     check_launch,
+    lora_jit,
     rank_bound,
 )
 from toppings.gpu_lora.kernels.variants import (

@@ -131,7 +131,8 @@ def dtype_name(dtype: torch.dtype) -> str:
 class Launch:
     """A launch that reaches one variant: the kernel module's public function is called on
     tensors of these operands (`warmup.py` makes them), `num_tokens` tokens in `num_segments`
-    segments (decode: one token each), index tensors of `index_dtype`, rank bound `max_rank`."""
+    equal segments (decode: one token each), index tensors of `index_dtype`, rank bound
+    `max_rank`."""
 
     operands: Operands
     index_dtype: torch.dtype
@@ -146,18 +147,16 @@ class LaunchSpace:
 
     padded: --kernel bgmv; max_rank: --max-lora-rank (the largest rank a step can hold);
     operands: every `Operands` the model hands the kernels (server/model/lora_operands.py);
-    max_step_tokens: the most tokens one step computes; decode_index_dtypes: of the decode
-    launches' offsets and ranks (int32 from a step's batch, int64 too where CUDA graphs hold them
-    in their int64 step buffer); prefill_index_dtypes: the same for prefill; device: where the
-    launches run (the interpreter's bfloat16 dot is upcast on a CPU).
+    max_step_tokens: the most tokens one step computes; index_dtype: of offsets, ranks and
+    seg_starts (int32: a step's LoraBatch, and the CUDA graphs' decode, make them so); device:
+    where the launches run (the interpreter's bfloat16 dot is upcast on a CPU).
     """
 
     padded: bool
     max_rank: int
     operands: tuple[Operands, ...]
     max_step_tokens: int
-    decode_index_dtypes: tuple[torch.dtype, ...] = (torch.int32,)
-    prefill_index_dtypes: tuple[torch.dtype, ...] = (torch.int32,)
+    index_dtype: torch.dtype = torch.int32
     device: str = "cuda"
 
     def rank_bounds(self) -> list[int]:
@@ -171,12 +170,11 @@ class LaunchSpace:
         return pow2_buckets(self.max_step_tokens)
 
     def launches(self, prefill: bool) -> Iterator[Launch]:
-        """A covering set of launches of one kernel module (its `variants` keys each)."""
-        dtypes = self.prefill_index_dtypes if prefill else self.decode_index_dtypes
+        """A covering set of launches of one kernel module (its `variants` keys each). Two
+        segments each: a launch of one token passes its row strides as widths (`row_stride`)."""
         bounds = self.rank_bounds() if self.padded else [self.max_rank]
         per_segment = self.tokens_per_segment() if prefill else [1]
         for ops in self.operands:
-            for index_dtype in dtypes:
-                for bound in bounds:
-                    for n in per_segment:
-                        yield Launch(ops, index_dtype, bound, n, 1)
+            for bound in bounds:
+                for n in per_segment:
+                    yield Launch(ops, self.index_dtype, bound, 2 * n, 2)

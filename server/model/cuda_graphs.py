@@ -59,8 +59,8 @@ class StaticLora:
     0 where a row's adapter does not target it (the kernels skip those rows)."""
 
     def __init__(self, pool: AdapterPool, decode, offsets, ranks: dict, scales, max_rank: int):
-        """decode: the engine's Triton decode kernel; offsets [B] int64; ranks: module -> [B]
-        int64; scales [B] float32; max_rank: the bucket's rank bound (a Python int)."""
+        """decode: the engine's Triton decode kernel; offsets [B] int32; ranks: module -> [B]
+        int32; scales [B] float32; max_rank: the bucket's rank bound (a Python int)."""
         self.pool, self._decode, self._max_rank = pool, decode, max_rank
         self._offsets, self._ranks, self._scales = offsets, ranks, scales
 
@@ -222,9 +222,12 @@ class DecodeGraphs:
         slots = req_to_slot[kv_rows, positions] * meta[VALID]  # [B]; padding rows: slot 0
         lora = None
         if rank:
-            ranks = {m: meta[RANKS + i] for i, m in enumerate(LORA_TARGETS)
+            # int32, as a step's LoraBatch passes them: the same kernel variants as eager decode
+            # (one cast in the graph, not a second set of variants compiled for int64 indices).
+            rows = meta[OFFSETS:].to(torch.int32)  # [1 + len(LORA_TARGETS), B]
+            ranks = {m: rows[RANKS - OFFSETS + i] for i, m in enumerate(LORA_TARGETS)
                      if m in self.pool.lora_a}  # fmt: skip
-            lora = StaticLora(self.pool, self._decode, meta[OFFSETS], ranks, self._scales[:b], rank)
+            lora = StaticLora(self.pool, self._decode, rows[0], ranks, self._scales[:b], rank)
         batch = ForwardBatch(
             input_ids=meta[IDS],
             positions=positions,
