@@ -13,12 +13,19 @@ Capture is lazy, on the first step that needs a bucket, not at start-up: the key
 context bucket and the batch's rank bound, which depend on the requests and on adapters
 registered at run time (capturing every combination at start-up would take longer than most
 runs use), and an adapter pool that grows reallocates its tensors, after which every graph must
-be captured again anyway. Each capture is logged with its time; the first step of a new bucket
-pays it (tens of ms, once). All graphs share one memory pool: each graph's output is copied
-into a buffer outside that pool and consumed before the next replay, so their temporaries may
-overlap. The graphs hold raw pointers to the KV pool and the adapter pool's tensors: before every
-replay the pointers and shapes of those tensors are compared with the captured ones, and any
-change (the adapter pool grew, or a new projection appeared in it) drops every graph.
+be captured again anyway. Not even the base model's buckets (rank 0) are captured at start-up:
+a graph keeps its temporaries in the graphs' memory pool, and the largest buckets' (attention
+gathers the batch's KV, [K, B, L, D] a layer) would be held from start-up out of the memory the
+KV budget was sized on, for steps that may never come; and the first adapter load, which makes
+the adapter pool's tensors, drops every graph (below). What a capture would otherwise compile
+is compiled before: the Triton kernels it launches are warmed at start-up
+(server/model/kernel_warmup.py), so a capture costs only itself. Each capture is logged with its
+time; the first step of a new bucket pays it (tens of ms, once). All graphs share one memory
+pool: each graph's output is copied into a buffer outside that pool and consumed before the
+next replay, so their temporaries may overlap. The graphs hold raw pointers to the KV pool and
+the adapter pool's tensors: before every replay the pointers and shapes of those tensors are
+compared with the captured ones, and any change (the adapter pool grew, or a new projection
+appeared in it) drops every graph.
 
 Written for a GPU but never yet run on one (no GPU has been lent to this project): see
 tests/server/model/test_cuda_graphs.py, marked `cuda`.
@@ -201,7 +208,7 @@ class DecodeGraphs:
         side = torch.cuda.Stream(device)
         side.wait_stream(current)
         with torch.cuda.stream(side):
-            self._forward(key)  # warm-up: compiles the Triton kernels, sets up cuBLAS
+            self._forward(key)  # warm-up: sets up cuBLAS (the Triton kernels were compiled)
         current.wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         # thread_local: the adapter loader's thread keeps copying on its own stream meanwhile.
