@@ -96,7 +96,7 @@ def _compiled() -> int:
 def test_nothing_compiles_after_the_warm_up(tiny_model_dir, adapters, kernel):
     """A burst of every rank, prefill and decode (graphs on), after a start-up warm-up."""
     with start(tiny_model_dir, adapters, "cuda", True, kernel=kernel, dtype="bfloat16",
-               max_num_batched_tokens=MAX_STEP_TOKENS) as engine:  # fmt: skip
+               max_num_batched_tokens=MAX_STEP_TOKENS, warmup=True) as engine:  # fmt: skip
         before = _compiled()
         assert before > 0  # the warm-up compiled (or loaded) the variants
         generate(engine, JOBS)
