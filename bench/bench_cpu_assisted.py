@@ -121,8 +121,10 @@ def run_stream(engine, prompts, names, gaps: list[float], new_tokens: int) -> li
 
 def warm_up(engine, prompts, names, ranks_of: dict[str, int]) -> float:
     """One burst with a request for an adapter of each rank and one for the base model, prompt
-    and decode steps: on a GPU the Triton kernels compile per rank bound and shape on first use
-    (process-wide: later engines of the run find them compiled). Returns its seconds."""
+    and decode steps: on a GPU it captures the CUDA graphs of the burst's buckets and sets up
+    cuBLAS. The Triton kernels are no longer compiled here: the engine's start-up warm-up
+    (--warmup, on with cuda) compiled every variant inside `build_engine`, so that time is in
+    `capacity_engine_build_s` (and a kept TRITON_CACHE_DIR loads them). Returns its seconds."""
     first_of_rank = {}
     for name in names:
         first_of_rank.setdefault(ranks_of[name], name)

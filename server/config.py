@@ -121,6 +121,20 @@ class RuntimeConfig(Settings):
             parse=on_off,
         ),
     )
+    # Every Triton LoRA kernel variant compiled before /health answers (model/kernel_warmup.py);
+    # None: on for cuda.
+    warmup: bool | None = setting(
+        None,
+        flag=Flag(
+            "compile every Triton LoRA kernel variant the server can launch (each rank bucket, "
+            "token tile and projection shape, decode and prefill) at start-up, before /health "
+            "answers, and log their count and time; a kept TRITON_CACHE_DIR makes the next "
+            "start-up load them (default: on with --device cuda; refused with --device cpu, "
+            "which runs no Triton)",
+            choices=ON_OFF,
+            parse=on_off,
+        ),
+    )
     # The next step planned while the device runs this one (engine/step_pipeline.py); None: on
     # for cuda.
     async_scheduling: bool | None = setting(
@@ -162,6 +176,8 @@ class RuntimeConfig(Settings):
     def check(self) -> None:
         if self.cuda_graphs and self.device != "cuda":
             raise ValueError("cuda_graphs needs device cuda (a CPU has no graphs to capture)")
+        if self.warmup and self.device != "cuda":
+            raise ValueError("warmup needs device cuda (a CPU runs no Triton kernels)")
         if self.adapt_threads and self.device != "cpu":
             raise ValueError("adapt_threads needs device cpu (it sizes the CPU's OpenMP team)")
         if self.adapt_threads and self.async_scheduling:
@@ -192,6 +208,11 @@ class RuntimeConfig(Settings):
         if self.async_scheduling is None:
             return self.device == "cuda"
         return self.async_scheduling
+
+    @property
+    def use_warmup(self) -> bool:
+        """Whether the Triton LoRA kernels are compiled at start-up (model/kernel_warmup.py)."""
+        return self.device == "cuda" and self.warmup is not False
 
     @property
     def use_cuda_graphs(self) -> bool:

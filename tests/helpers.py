@@ -48,8 +48,12 @@ def running_engine(
 ) -> Iterator[Engine]:
     """A started engine on model_dir with the given adapters (name -> directory), shut down on
     exit. config_fields are EngineConfig fields; dtype is float32 unless they name one, so that
-    outputs compare exactly with a float32 reference."""
-    config = EngineConfig(**{"dtype": "float32", **config_fields})
+    outputs compare exactly with a float32 reference; on cuda the start-up warm-up is off unless
+    they turn it on (each test compiles the kernel variants it launches, not all of them)."""
+    defaults = {"dtype": "float32"}
+    if config_fields.get("device") == "cuda":
+        defaults["warmup"] = False
+    config = EngineConfig(**{**defaults, **config_fields})
     engine = build_engine(str(model_dir), config, adapters)
     try:
         yield engine

@@ -9,28 +9,57 @@ block) would recompute the shrink, re-reading all of A, once per H_out block.
 BGMV works on one constexpr tile of next_pow2(max_rank) rows per token with rows >= r masked, so
 its arithmetic grows with max_rank (Punica's padding) while the masked rows are never loaded (they
 may hold NaN or lie past the pool). MBGMV loops over its own r rows in chunks of RANK_CHUNK.
-All math is float32; partials live in a float32 workspace [S, B, max_rank]. A rank above the
-max_rank bound breaks the contract; the kernels clamp it (wrong numbers, never a write past the
-workspace) because checking it would cost a device sync.
+All math is float32; partials live in a float32 workspace [S, B, W], W the rank bound rounded up
+to 16. A rank above the max_rank bound breaks the contract; the kernels clamp it (wrong numbers,
+never a write past the workspace) because checking it would cost a device sync.
+
+Which variant a launch compiles is `plan`'s key, from which the launcher takes its constexprs;
+`variants` lists every key an engine can reach (gpu_lora/kernels/variants.py says why).
 """
 
 from __future__ import annotations
 
+import functools
 import os
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
 from toppings.gpu_lora.kernels.checks import check_decode
+from toppings.gpu_lora.kernels.variants import (
+    Launch,
+    LaunchSpace,
+    Operands,
+    VariantKey,
+    dtype_name,
+    next_pow2,
+    spec_of,
+    workspace_width,
+)
 
 RANK_CHUNK = 16  # MBGMV rows per step (and the smallest tile tl.dot accepts in prefill)
 TILE_ELEMS = 4096  # elements of one [rows, cols] weight tile: bounds registers per program
 TARGET_PROGRAMS = 256  # shrink programs worth launching: a few per SM of an H100/H200
 MAX_SPLITS = 16
+# Values that change from step to step are not specialized, so that they never make a variant:
+# the rank bound and the split count (ints), and the index pointers (read one scalar at a time).
+VARYING = ("max_rank", "num_splits")
+INDEX_POINTERS = ("offsets_ptr", "ranks_ptr", "scales_ptr", "seg_starts_ptr")
 
 
-@triton.jit
+def lora_jit(fn):
+    """triton.jit, less the specializations that VARYING and INDEX_POINTERS name."""
+    names = set(fn.__code__.co_varnames[: fn.__code__.co_argcount])
+    return triton.jit(
+        fn,
+        do_not_specialize=[n for n in VARYING if n in names],
+        do_not_specialize_on_alignment=[n for n in INDEX_POINTERS if n in names],
+    )
+
+
+@lora_jit
 def _shrink_kernel(
     h_ptr, x_ptr, a_ptr, offsets_ptr, ranks_ptr, max_rank,
     H_in, k_per_split, stride_x, stride_a, stride_hs, stride_ht,
@@ -65,7 +94,7 @@ def _shrink_kernel(
         tl.store(h_row + rows, acc, mask=row_ok)
 
 
-@triton.jit
+@lora_jit
 def _expand_kernel(
     y_ptr, h_ptr, b_ptr, offsets_ptr, ranks_ptr, scales_ptr, max_rank,
     H_out, num_splits, stride_y, stride_b, stride_hs, stride_ht,
@@ -119,29 +148,68 @@ def rank_bound(ranks: torch.Tensor, max_rank: int | None) -> int:
     return int(ranks.max()) if ranks.numel() else 0
 
 
-def _launch(y, x, lora_a, lora_b, offsets, ranks, scales, max_rank: int, padded: bool) -> None:
-    check_launch(y, x, lora_a, lora_b)
-    num_tokens, h_in = x.shape
-    h_out = y.shape[1]
-    if num_tokens == 0 or max_rank <= 0:
-        return
-    offsets, ranks, scales = offsets.contiguous(), ranks.contiguous(), scales.contiguous()
-    block_r = triton.next_power_of_2(max_rank) if padded else RANK_CHUNK
-    block_k = min(triton.next_power_of_2(h_in), max(32, TILE_ELEMS // block_r))
+class Plan(NamedTuple):
+    """A launch's variant and its runtime values: the split-K count, the K slice of each split
+    and the workspace's columns."""
+
+    key: VariantKey
+    splits: int
+    k_per_split: int
+    width: int
+
+
+@functools.lru_cache(maxsize=4096)
+def plan(
+    operands: Operands, index_dtypes: tuple[torch.dtype, ...], max_rank: int, padded: bool,
+    num_tokens: int,
+) -> Plan:  # fmt: skip
+    """The variant a decode launch compiles and how it splits: operands of x, y and the pool,
+    index_dtypes of (offsets, ranks), the rank bound (> 0), BGMV or not, B tokens (> 0)."""
+    h_in, h_out = operands.h_in, operands.h_out
+    block_r = next_pow2(max_rank) if padded else RANK_CHUNK
+    block_k = min(next_pow2(h_in), max(32, TILE_ELEMS // block_r))
     splits = min(MAX_SPLITS, triton.cdiv(h_in, block_k), triton.cdiv(TARGET_PROGRAMS, num_tokens))
     k_per_split = triton.cdiv(triton.cdiv(h_in, splits), block_k) * block_k
     splits = triton.cdiv(h_in, k_per_split)
-    h = torch.empty(splits, num_tokens, max_rank, dtype=torch.float32, device=y.device)
+    block_n = min(next_pow2(h_out), max(32, TILE_ELEMS // block_r))
+    width = workspace_width(max_rank)
+    key = VariantKey(
+        "decode", padded, dtype_name(operands.dtype), tuple(map(dtype_name, index_dtypes)),
+        0, block_r, block_k, block_n, False, spec_of(operands, k_per_split, width, num_tokens),
+    )  # fmt: skip
+    return Plan(key, splits, k_per_split, width)
+
+
+def variants(space: LaunchSpace) -> dict[VariantKey, Launch]:
+    """Every variant the decode kernels compile in `space`, each with a launch that reaches it."""
+    found: dict[VariantKey, Launch] = {}
+    for launch in space.launches(prefill=False):
+        dtypes = (launch.index_dtype,) * 2
+        key = plan(launch.operands, dtypes, launch.max_rank, space.padded, launch.num_tokens).key
+        found.setdefault(key, launch)
+    return found
+
+
+def _launch(y, x, lora_a, lora_b, offsets, ranks, scales, max_rank: int, padded: bool) -> None:
+    check_launch(y, x, lora_a, lora_b)
+    num_tokens = x.shape[0]
+    if num_tokens == 0 or max_rank <= 0:
+        return
+    offsets, ranks, scales = offsets.contiguous(), ranks.contiguous(), scales.contiguous()
+    operands = Operands.of(y, x, lora_a, lora_b)
+    p = plan(operands, (offsets.dtype, ranks.dtype), max_rank, padded, num_tokens)
+    key, splits, width = p.key, p.splits, p.width
+    h = torch.empty(splits, num_tokens, width, dtype=torch.float32, device=y.device)
     _shrink_kernel[(num_tokens, splits)](
         h, x, lora_a, offsets, ranks, max_rank,
-        h_in, k_per_split, x.stride(0), lora_a.stride(0), h.stride(0), h.stride(1),
-        BLOCK_R=block_r, BLOCK_K=block_k, PADDED=padded,
+        operands.h_in, p.k_per_split, operands.stride_x, operands.stride_a,
+        num_tokens * width, width,
+        BLOCK_R=key.block_r, BLOCK_K=key.block_k, PADDED=padded,
     )  # fmt: skip
-    block_n = min(triton.next_power_of_2(h_out), max(32, TILE_ELEMS // block_r))
-    _expand_kernel[(num_tokens, triton.cdiv(h_out, block_n))](
+    _expand_kernel[(num_tokens, triton.cdiv(operands.h_out, key.block_n))](
         y, h, lora_b, offsets, ranks, scales, max_rank,
-        h_out, splits, y.stride(0), lora_b.stride(0), h.stride(0), h.stride(1),
-        BLOCK_R=block_r, BLOCK_N=block_n, PADDED=padded,
+        operands.h_out, splits, operands.stride_y, operands.stride_b, num_tokens * width, width,
+        BLOCK_R=key.block_r, BLOCK_N=key.block_n, PADDED=padded,
     )  # fmt: skip
 
 

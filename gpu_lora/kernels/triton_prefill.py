@@ -2,16 +2,24 @@
 
 Same two-step plan as decode, over token tiles of a segment. Shrink, grid (M, B, S): program
 (m, b, s) takes tile m of segment b (BLOCK_M tokens) and writes the partial
-h_s = x[tile, K_s] @ lora_a[rows_b, K_s].T into a float32 workspace [S, T, R_stride]. Expand,
+h_s = x[tile, K_s] @ lora_a[rows_b, K_s].T into a float32 workspace [S, T, W] (W: the rank bound
+rounded up to 16). Expand,
 grid (M, B, H_out / BLOCK_N): sums the partials and adds scale_b * h @ lora_b[rows_b, n-block]
 into y. M = cdiv(T, BLOCK_M) bounds every segment's tile count without reading seg_starts on the
 host; tiles past the end of their segment return at once.
 
 BGMV multiplies one tile of max(16, next_pow2(max_rank)) rows (masked beyond r: never loaded);
 MBGMV steps through its own r rows RANK_CHUNK at a time (16 is tl.dot's smallest tile).
+
+Which variant a launch compiles is `plan`'s key, from which the launcher takes its constexprs;
+`variants` lists every key an engine can reach (gpu_lora/kernels/variants.py says why). BLOCK_M
+follows the tokens per segment in power-of-two buckets (16, 32, 64), so it is one of three.
 """
 
 from __future__ import annotations
+
+import functools
+from typing import NamedTuple
 
 import torch
 import triton
@@ -23,11 +31,22 @@ from toppings.gpu_lora.kernels.triton_decode import (
     RANK_CHUNK,
     TARGET_PROGRAMS,
     check_launch,
+    lora_jit,
     rank_bound,
+)
+from toppings.gpu_lora.kernels.variants import (
+    Launch,
+    LaunchSpace,
+    Operands,
+    VariantKey,
+    dtype_name,
+    next_pow2,
+    spec_of,
+    workspace_width,
 )
 
 
-@triton.jit
+@lora_jit
 def _shrink_kernel(
     h_ptr, x_ptr, a_ptr, seg_starts_ptr, offsets_ptr, ranks_ptr, max_rank,
     H_in, k_per_split, stride_x, stride_a, stride_hs, stride_ht,
@@ -69,7 +88,7 @@ def _shrink_kernel(
         tl.store(h_rows + rows[None, :], acc, mask=tok_ok[:, None] & row_ok[None, :])
 
 
-@triton.jit
+@lora_jit
 def _expand_kernel(
     y_ptr, h_ptr, b_ptr, seg_starts_ptr, offsets_ptr, ranks_ptr, scales_ptr, max_rank,
     H_out, num_splits, stride_y, stride_b, stride_hs, stride_ht,
@@ -115,17 +134,29 @@ def _expand_kernel(
     tl.store(y_ptrs, (y + scale * acc).to(y_ptr.dtype.element_ty), mask=y_mask)
 
 
-def _launch(y, x, lora_a, lora_b, seg_starts, offsets, ranks, scales, max_rank, padded) -> None:
-    check_launch(y, x, lora_a, lora_b)
-    num_tokens, h_in = x.shape
-    h_out, num_segments = y.shape[1], offsets.shape[0]
-    if num_tokens == 0 or num_segments == 0 or max_rank <= 0:
-        return
-    seg_starts, offsets = seg_starts.contiguous(), offsets.contiguous()
-    ranks, scales = ranks.contiguous(), scales.contiguous()
-    block_m = min(64, max(16, triton.next_power_of_2(num_tokens // num_segments)))
-    block_r = max(16, triton.next_power_of_2(max_rank)) if padded else RANK_CHUNK
-    block_k = max(16, min(triton.next_power_of_2(h_in), 64 if block_r >= 64 else 128))
+class Plan(NamedTuple):
+    """A launch's variant and its runtime values: token tiles, the split-K count, the K slice of
+    each split and the workspace's columns."""
+
+    key: VariantKey
+    num_tiles: int
+    splits: int
+    k_per_split: int
+    width: int
+
+
+@functools.lru_cache(maxsize=4096)
+def plan(
+    operands: Operands, index_dtypes: tuple[torch.dtype, ...], max_rank: int, padded: bool,
+    num_tokens: int, num_segments: int, upcast: bool,
+) -> Plan:  # fmt: skip
+    """The variant a prefill launch compiles and how it tiles: operands of x, y and the pool,
+    index_dtypes of (seg_starts, offsets, ranks), the rank bound (> 0), BGMV or not, T tokens in
+    B segments (T >= B > 0), upcast: the interpreter's float32 dot for bfloat16."""
+    h_in, h_out = operands.h_in, operands.h_out
+    block_m = min(64, max(16, next_pow2(num_tokens // num_segments)))
+    block_r = max(16, next_pow2(max_rank)) if padded else RANK_CHUNK
+    block_k = max(16, min(next_pow2(h_in), 64 if block_r >= 64 else 128))
     num_tiles = triton.cdiv(num_tokens, block_m)
     splits = min(
         MAX_SPLITS,
@@ -134,19 +165,60 @@ def _launch(y, x, lora_a, lora_b, seg_starts, offsets, ranks, scales, max_rank, 
     )
     k_per_split = triton.cdiv(triton.cdiv(h_in, splits), block_k) * block_k
     splits = triton.cdiv(h_in, k_per_split)
-    # Triton's interpreter multiplies bfloat16 tiles as raw integers in tl.dot; feed it float32.
-    upcast = x.device.type == "cpu" and x.dtype == torch.bfloat16
-    h = torch.empty(splits, num_tokens, max_rank, dtype=torch.float32, device=y.device)
-    _shrink_kernel[(num_tiles, num_segments, splits)](
-        h, x, lora_a, seg_starts, offsets, ranks, max_rank,
-        h_in, k_per_split, x.stride(0), lora_a.stride(0), h.stride(0), h.stride(1),
-        BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k, PADDED=padded, UPCAST=upcast,
+    block_n = max(16, min(next_pow2(h_out), 64 if block_r >= 64 else 128))
+    width = workspace_width(max_rank)
+    key = VariantKey(
+        "prefill", padded, dtype_name(operands.dtype), tuple(map(dtype_name, index_dtypes)),
+        block_m, block_r, block_k, block_n, upcast,
+        spec_of(operands, k_per_split, width, num_tokens),
     )  # fmt: skip
-    block_n = max(16, min(triton.next_power_of_2(h_out), 64 if block_r >= 64 else 128))
-    _expand_kernel[(num_tiles, num_segments, triton.cdiv(h_out, block_n))](
+    return Plan(key, num_tiles, splits, k_per_split, width)
+
+
+def variants(space: LaunchSpace) -> dict[VariantKey, Launch]:
+    """Every variant the prefill kernels compile in `space`, each with a launch reaching it."""
+    found: dict[VariantKey, Launch] = {}
+    for launch in space.launches(prefill=True):
+        ops = launch.operands
+        upcast = _upcast(space.device, ops.dtype)
+        key = plan(
+            ops, (launch.index_dtype,) * 3, launch.max_rank, space.padded, launch.num_tokens,
+            launch.num_segments, upcast,
+        ).key  # fmt: skip
+        found.setdefault(key, launch)
+    return found
+
+
+def _upcast(device: str, dtype: torch.dtype) -> bool:
+    """Triton's interpreter multiplies bfloat16 tiles as raw integers in tl.dot; feed it float32."""
+    return device == "cpu" and dtype == torch.bfloat16
+
+
+def _launch(y, x, lora_a, lora_b, seg_starts, offsets, ranks, scales, max_rank, padded) -> None:
+    check_launch(y, x, lora_a, lora_b)
+    num_tokens, num_segments = x.shape[0], offsets.shape[0]
+    if num_tokens == 0 or num_segments == 0 or max_rank <= 0:
+        return
+    seg_starts, offsets = seg_starts.contiguous(), offsets.contiguous()
+    ranks, scales = ranks.contiguous(), scales.contiguous()
+    operands = Operands.of(y, x, lora_a, lora_b)
+    upcast = _upcast(x.device.type, x.dtype)
+    index_dtypes = (seg_starts.dtype, offsets.dtype, ranks.dtype)
+    p = plan(operands, index_dtypes, max_rank, padded, num_tokens, num_segments, upcast)
+    key, splits, width = p.key, p.splits, p.width
+    h = torch.empty(splits, num_tokens, width, dtype=torch.float32, device=y.device)
+    _shrink_kernel[(p.num_tiles, num_segments, splits)](
+        h, x, lora_a, seg_starts, offsets, ranks, max_rank,
+        operands.h_in, p.k_per_split, operands.stride_x, operands.stride_a,
+        num_tokens * width, width,
+        BLOCK_M=key.block_m, BLOCK_R=key.block_r, BLOCK_K=key.block_k, PADDED=padded,
+        UPCAST=upcast,
+    )  # fmt: skip
+    _expand_kernel[(p.num_tiles, num_segments, triton.cdiv(operands.h_out, key.block_n))](
         y, h, lora_b, seg_starts, offsets, ranks, scales, max_rank,
-        h_out, splits, y.stride(0), lora_b.stride(0), h.stride(0), h.stride(1),
-        BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_N=block_n, PADDED=padded, UPCAST=upcast,
+        operands.h_out, splits, operands.stride_y, operands.stride_b, num_tokens * width, width,
+        BLOCK_M=key.block_m, BLOCK_R=key.block_r, BLOCK_N=key.block_n, PADDED=padded,
+        UPCAST=upcast,
     )  # fmt: skip
 
 

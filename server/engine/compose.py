@@ -20,6 +20,7 @@ from toppings.server.kv_events.publisher import Sink
 from toppings.server.memory.build import build_memory
 from toppings.server.memory.kv_cache import KVPool
 from toppings.server.memory.manager import MemoryManager
+from toppings.server.model.kernel_warmup import launch_space, warm_up_kernels
 from toppings.server.model.llama import LlamaModel, free_device_bytes
 from toppings.server.model.loader import Checkpoint
 from toppings.server.model.step_timing import measure_steps
@@ -95,6 +96,11 @@ def compose_engine(
         lora_config, config.kernel, config.device, max_step_tokens,
         mc, dtype, memory.adapter_cache, trace, CheckpointProjections(weights),
     )  # fmt: skip
+    if config.use_warmup:  # every LoRA kernel variant compiled before the first request
+        space = launch_space(
+            mc, dtype, config.kernel, lora.max_lora_rank, max_step_tokens, config.device
+        )
+        warm_up_kernels(space, model.device)
     # Stop tokens: config.json's, the tokenizer's, and generation_config.json's list (where
     # chat checkpoints name their end of turn: Llama 3's <|eot_id|>, Qwen's <|im_end|>).
     eos_ids = set(mc.eos_token_ids) | set(checkpoint.generation_eos_ids)

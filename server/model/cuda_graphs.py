@@ -13,12 +13,19 @@ Capture is lazy, on the first step that needs a bucket, not at start-up: the key
 context bucket and the batch's rank bound, which depend on the requests and on adapters
 registered at run time (capturing every combination at start-up would take longer than most
 runs use), and an adapter pool that grows reallocates its tensors, after which every graph must
-be captured again anyway. Each capture is logged with its time; the first step of a new bucket
-pays it (tens of ms, once). All graphs share one memory pool: each graph's output is copied
-into a buffer outside that pool and consumed before the next replay, so their temporaries may
-overlap. The graphs hold raw pointers to the KV pool and the adapter pool's tensors: before every
-replay the pointers and shapes of those tensors are compared with the captured ones, and any
-change (the adapter pool grew, or a new projection appeared in it) drops every graph.
+be captured again anyway. Not even the base model's buckets (rank 0) are captured at start-up:
+a graph keeps its temporaries in the graphs' memory pool, and the largest buckets' (attention
+gathers the batch's KV, [K, B, L, D] a layer) would be held from start-up out of the memory the
+KV budget was sized on, for steps that may never come; and the first adapter load, which makes
+the adapter pool's tensors, drops every graph (below). What a capture would otherwise compile
+is compiled before: the Triton kernels it launches are warmed at start-up
+(server/model/kernel_warmup.py), so a capture costs only itself. Each capture is logged with its
+time; the first step of a new bucket pays it (tens of ms, once). All graphs share one memory
+pool: each graph's output is copied into a buffer outside that pool and consumed before the
+next replay, so their temporaries may overlap. The graphs hold raw pointers to the KV pool and
+the adapter pool's tensors: before every replay the pointers and shapes of those tensors are
+compared with the captured ones, and any change (the adapter pool grew, or a new projection
+appeared in it) drops every graph.
 
 Written for a GPU but never yet run on one (no GPU has been lent to this project): see
 tests/server/model/test_cuda_graphs.py, marked `cuda`.
@@ -59,8 +66,8 @@ class StaticLora:
     0 where a row's adapter does not target it (the kernels skip those rows)."""
 
     def __init__(self, pool: AdapterPool, decode, offsets, ranks: dict, scales, max_rank: int):
-        """decode: the engine's Triton decode kernel; offsets [B] int64; ranks: module -> [B]
-        int64; scales [B] float32; max_rank: the bucket's rank bound (a Python int)."""
+        """decode: the engine's Triton decode kernel; offsets [B] int32; ranks: module -> [B]
+        int32; scales [B] float32; max_rank: the bucket's rank bound (a Python int)."""
         self.pool, self._decode, self._max_rank = pool, decode, max_rank
         self._offsets, self._ranks, self._scales = offsets, ranks, scales
 
@@ -201,7 +208,7 @@ class DecodeGraphs:
         side = torch.cuda.Stream(device)
         side.wait_stream(current)
         with torch.cuda.stream(side):
-            self._forward(key)  # warm-up: compiles the Triton kernels, sets up cuBLAS
+            self._forward(key)  # warm-up: sets up cuBLAS (the Triton kernels were compiled)
         current.wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         # thread_local: the adapter loader's thread keeps copying on its own stream meanwhile.
@@ -222,9 +229,12 @@ class DecodeGraphs:
         slots = req_to_slot[kv_rows, positions] * meta[VALID]  # [B]; padding rows: slot 0
         lora = None
         if rank:
-            ranks = {m: meta[RANKS + i] for i, m in enumerate(LORA_TARGETS)
+            # int32, as a step's LoraBatch passes them: the same kernel variants as eager decode
+            # (one cast in the graph, not a second set of variants compiled for int64 indices).
+            rows = meta[OFFSETS:].to(torch.int32)  # [1 + len(LORA_TARGETS), B]
+            ranks = {m: rows[RANKS - OFFSETS + i] for i, m in enumerate(LORA_TARGETS)
                      if m in self.pool.lora_a}  # fmt: skip
-            lora = StaticLora(self.pool, self._decode, meta[OFFSETS], ranks, self._scales[:b], rank)
+            lora = StaticLora(self.pool, self._decode, rows[0], ranks, self._scales[:b], rank)
         batch = ForwardBatch(
             input_ids=meta[IDS],
             positions=positions,
