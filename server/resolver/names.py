@@ -2,7 +2,7 @@
 
 A route opens one `lease()` per HTTP request, resolves the name through the callable it yields,
 submits the engine requests, and leaves the block. From the moment the engine accepts a request
-its in-flight count keeps the adapter registered (server.engine.adapter_registry); the lease
+its in-flight count keeps the adapter registered (server.adapters.registry); the lease
 covers the moment before, between the name's resolution and the submission, so that nothing
 unloads an adapter a request has resolved but not yet submitted.
 

@@ -17,8 +17,8 @@ from tests.gpu_lora.kernel_spy import KERNELS, KernelSpy
 from tests.server.model.test_cuda_graphs import EagerReplay, generate, start
 from toppings.gpu_lora.kernels import LoraBackend, get_kernels, triton_decode, triton_prefill
 from toppings.gpu_lora.kernels.warmup import warm_up
+from toppings.server.adapters import manager as adapter_manager
 from toppings.server.config import EngineConfig
-from toppings.server.engine import adapters as adapter_manager
 from toppings.server.model.graph_buckets import GraphBuckets
 from toppings.server.model.kernel_warmup import launch_space
 
