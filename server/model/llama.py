@@ -123,6 +123,65 @@ def free_device_bytes(device: torch.device) -> int:
     return int(free)
 
 
+class WeightReader:
+    """Takes a checkpoint's tensors as the model holds them: on its device in its dtype, the
+    projections stacked along their outputs (q, k, v as one; gate and up as one) and packed or
+    quantized as the model runs them (pack: oneDNN's packing on a CPU; plain_gemv: a plain copy
+    for the native GEMV; quantization: int8 / int4 from the checkpoint's own weight)."""
+
+    def __init__(
+        self,
+        weights: dict[str, torch.Tensor],
+        dtype: torch.dtype,
+        device: torch.device,
+        pack: bool,
+        plain_gemv: bool,
+        quantization: Quantization,
+    ):
+        self.weights, self.dtype, self.device = weights, dtype, device
+        self.pack, self.plain_gemv, self.quantization = pack, plain_gemv, quantization
+
+    def tensor(self, name: str) -> torch.Tensor:
+        if name not in self.weights:
+            raise KeyError(f"checkpoint has no tensor {name!r}")
+        return self.weights[name].to(device=self.device, dtype=self.dtype).contiguous()
+
+    def projection(
+        self, names: list[str], bias: torch.Tensor | None = None, scheme: Quantization | None = None
+    ) -> Projection:
+        """The projection of these weights stacked along their outputs."""
+        scheme = self.quantization if scheme is None else scheme
+        if scheme is not Quantization.NONE:
+            parts = [quantize(self.weights[n], scheme) for n in names]
+            return QuantizedLinear(concat(parts), self.dtype, bias)
+        parts = [self.tensor(n) for n in names]
+        weight = torch.cat(parts) if len(parts) > 1 else parts[0]
+        return Linear(weight, self.pack, self.plain_gemv, bias)
+
+    def _stacked(self, prefix: str, modules: tuple[str, ...], has_bias: bool) -> Projection:
+        """The modules' projection with their biases, one after another, where the family has
+        them."""
+        bias = None
+        if has_bias:
+            bias = torch.cat([self.tensor(prefix + m + ".bias") for m in modules])
+        return self.projection([prefix + m + ".weight" for m in modules], bias)
+
+    def layer(self, config: ModelConfig, i: int) -> LayerWeights:
+        """Layer i's weights."""
+        p = f"model.layers.{i}."
+        attn, mlp = p + "self_attn.", p + "mlp."
+        return LayerWeights(
+            input_norm=self.tensor(p + "input_layernorm.weight"),
+            qkv=self._stacked(attn, ("q_proj", "k_proj", "v_proj"), config.qkv_bias),
+            o=self._stacked(attn, ("o_proj",), config.o_bias),
+            post_norm=self.tensor(p + "post_attention_layernorm.weight"),
+            gate_up=self._stacked(mlp, ("gate_proj", "up_proj"), config.mlp_bias),
+            down=self._stacked(mlp, ("down_proj",), config.mlp_bias),
+            q_norm=self.tensor(attn + "q_norm.weight") if config.has_qk_norm else None,
+            k_norm=self.tensor(attn + "k_norm.weight") if config.has_qk_norm else None,
+        )
+
+
 class LlamaModel:
     """Weights on one device and the forward pass; holds no per-request state."""
 
@@ -150,70 +209,25 @@ class LlamaModel:
         quantized = quantization is not Quantization.NONE
         if quantized and self.device.type != "cpu":
             raise ValueError(f"quantization {quantization.value} runs on a cpu only")
-
-        def w(name: str) -> torch.Tensor:
-            if name not in weights:
-                raise KeyError(f"checkpoint has no tensor {name!r}")
-            return weights[name].to(device=self.device, dtype=dtype).contiguous()
-
-        self.embed = w("model.embed_tokens.weight")  # [V, H]
-        self.norm = w("model.norm.weight")
-        tied = config.tie_word_embeddings or "lm_head.weight" not in weights
-
         if plain_gemv is None and not quantized:
             plain_gemv = plain_copy_affordable(projection_bytes(config, dtype))
             if self.device.type == "cpu" and not plain_gemv:
                 log.info("no plain weight copy for the GEMV: it would not fit in memory")
-
-        def proj(
-            names: list[str], bias: torch.Tensor | None = None, scheme: Quantization = quantization
-        ) -> Projection:
-            """The projection of these weights stacked along their outputs."""
-            if quantized:
-                parts = [quantize(weights[n], scheme) for n in names]
-                return QuantizedLinear(concat(parts), dtype, bias)
-            parts = [w(n) for n in names]
-            weight = torch.cat(parts) if len(parts) > 1 else parts[0]
-            return Linear(weight, pack_cpu_weights, plain_gemv, bias)
-
-        def cat(prefix: str, modules: tuple[str, ...], suffix: str) -> torch.Tensor:
-            return torch.cat([w(prefix + m + suffix) for m in modules])
-
-        def names(prefix: str, modules: tuple[str, ...]) -> list[str]:
-            return [prefix + m + ".weight" for m in modules]
-
-        def bias(prefix: str, modules: tuple[str, ...], present: bool) -> torch.Tensor | None:
-            """The modules' biases, one after another, where the family has them."""
-            return cat(prefix, modules, ".bias") if present else None
-
-        qkv, gate_up = ("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")
+        read = WeightReader(weights, dtype, self.device, pack_cpu_weights, bool(plain_gemv),
+                            quantization)  # fmt: skip
+        self.embed = read.tensor("model.embed_tokens.weight")  # [V, H]
+        self.norm = read.tensor("model.norm.weight")
+        tied = config.tie_word_embeddings or "lm_head.weight" not in weights
         # [V, H]; int8 in int4 models too: the logits are the most sensitive product
         if quantized:
             head = "model.embed_tokens.weight" if tied else "lm_head.weight"
-            self.lm_head = proj([head], scheme=Quantization.INT8)
+            self.lm_head = read.projection([head], scheme=Quantization.INT8)
         else:
-            head_weight = self.embed if tied else w("lm_head.weight")
+            head_weight = self.embed if tied else read.tensor("lm_head.weight")
             self.lm_head = Linear(head_weight, pack_cpu_weights, plain_gemv)
             if tied and self.lm_head.gemv_weight is not None:  # one copy: the GEMV's placed one
                 self.embed = self.lm_head.gemv_weight
-        self.layers = []
-        for i in range(config.num_layers):
-            p = f"model.layers.{i}."
-            attn, mlp = p + "self_attn.", p + "mlp."
-            self.layers.append(
-                LayerWeights(
-                    input_norm=w(p + "input_layernorm.weight"),
-                    qkv=proj(names(attn, qkv), bias(attn, qkv, config.qkv_bias)),
-                    o=proj(names(attn, ("o_proj",)), bias(attn, ("o_proj",), config.o_bias)),
-                    post_norm=w(p + "post_attention_layernorm.weight"),
-                    gate_up=proj(names(mlp, gate_up), bias(mlp, gate_up, config.mlp_bias)),
-                    down=proj(
-                        names(mlp, ("down_proj",)), bias(mlp, ("down_proj",), config.mlp_bias)
-                    ),
-                    q_norm=w(attn + "q_norm.weight") if config.has_qk_norm else None,
-                    k_norm=w(attn + "k_norm.weight") if config.has_qk_norm else None,
-                )
-            )
+        self.layers = [read.layer(config, i) for i in range(config.num_layers)]
         inv_freq = rope_inv_freq(config)  # [D/2]
         angles = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)
         angles = torch.cat((angles, angles), dim=-1)  # [max_len, D]
