@@ -55,8 +55,9 @@ from toppings.scheduler.paper_models import paper_fig6_models
 from toppings.scheduler.perf_model import PerfModels
 from toppings.scheduler.placement_loop import PlacementLoop
 from toppings.scheduler.policies import PrefixWeights, make_policy
+from toppings.scheduler.prompt_tokens import PromptCounter, estimate_prompt_tokens
 from toppings.scheduler.registry import Registry
-from toppings.scheduler.router import PromptCounter, Router, estimate_prompt_tokens
+from toppings.scheduler.router import Router
 from toppings.scheduler.server_session import ServerOrigins, ServerSession
 from toppings.scheduler.state import BatchShape
 from toppings.server.http.drain import Drainer
