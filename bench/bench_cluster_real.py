@@ -27,7 +27,7 @@ import requests
 
 from bench.envelope import write_result
 from toppings.scripts.loadgen.stats import summarise
-from toppings.server.api.adapter_files import adapter_digest
+from toppings.server.api.admin.files import adapter_digest
 
 log = logging.getLogger("bench_cluster_real")
 RANKS = (8, 8, 16, 32, 64, 64)

@@ -1,5 +1,5 @@
 """One stream beside a busy neighbour: time per output token (TPOT) of `toppings-serve` with
-its thread governor (`--adapt-threads on`, server/engine/thread_governor.py) and without, on a
+its thread governor (`--adapt-threads on`, server/process/thread_governor.py) and without, on a
 quiet machine and beside `--neighbours` processes that each keep a core busy; writes
 bench/results/neighbour.json.
 

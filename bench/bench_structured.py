@@ -32,7 +32,6 @@ import torch
 from bench.envelope import describe_device, write_result
 from toppings.scripts.make_adapters import make_random_adapter
 from toppings.server.config import EngineConfig
-from toppings.server.engine.grammar import GrammarCompiler
 from toppings.server.model.loader import resolve_model_dir
 from toppings.server.requests.request import (
     Constraint,
@@ -41,6 +40,7 @@ from toppings.server.requests.request import (
     SamplingParams,
 )
 from toppings.server.runtime import build_engine
+from toppings.server.sampling.grammar import GrammarCompiler
 
 log = logging.getLogger("bench_structured")
 RANKS = (8, 16, 32, 64)

@@ -20,7 +20,7 @@ import time
 import torch
 
 from bench.envelope import describe_device, write_result
-from toppings.server.engine.logits_scan import scan_logits
+from toppings.server.sampling.logits_scan import scan_logits
 
 VOCAB = 49152  # SmolLM2's
 

@@ -13,7 +13,7 @@ once; it is freed when its last name is unloaded. Hashing what was loaded, not t
 a file swapped between two reads can never make two different contents share.
 
 A name itself holds almost nothing (its registration and reference: under 1 KB measured,
-tests/server/engine/test_adapter_host_memory.py), but names are not free, so their number is
+tests/server/adapters/test_adapter_host_memory.py), but names are not free, so their number is
 bounded too: one per NAME_BYTES of the budget (at least MIN_NAMES).
 """
 

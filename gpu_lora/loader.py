@@ -223,7 +223,7 @@ class PipelinedLoader:
         if self._cores:
             os.sched_setaffinity(0, self._cores)  # this thread only: affinity is per thread
         # Copies of a few rows, on this thread alone: an OpenMP team of its own beside the
-        # engine's would slow every decode step (server/engine/threads.py). Ask, then set:
+        # engine's would slow every decode step (server/process/threads.py). Ask, then set:
         # ATen gives a thread the process-wide count at its first op unless it has asked.
         torch.get_num_threads()
         torch.set_num_threads(1)

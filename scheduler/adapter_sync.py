@@ -3,7 +3,7 @@
 After a placement step, each server of an adapter's row that does not hold the adapter yet is
 asked to fetch it from the healthy servers that do:
     POST SERVER/v1/load_lora_adapter {"lora_name", "sha256", "peers": [holders]}
-(server/api/peer_fetch.py), with the SHA-256 the registry records for the adapter; an adapter
+(server/api/admin/peer_fetch.py), with the SHA-256 the registry records for the adapter; an adapter
 without a recorded digest is not moved (register it with `/admin/adapters {"sha256"}`), so no
 server ever takes bytes nobody vouched for. Once a server confirmed, the registry records it as
 a host at once (its next /stats says so too). Then a server that holds an adapter outside its

@@ -63,9 +63,9 @@ class PromptCounter:
     Costs a tokenization per routed request (well under a millisecond for chat-sized prompts);
     without it the router estimates lengths from characters. The ids are the server's: a text
     prompt encoded with special tokens, messages rendered by the chat template with the
-    generation prompt and encoded without (server/api/choices.py `prompt_ids`), so that prefix
-    routing hashes the blocks the server will announce. A body the tokenizer cannot take falls
-    back to the estimate (and no ids): the server, not the router, reports bad input.
+    generation prompt and encoded without (server/api/openai/choices.py `prompt_ids`), so
+    that prefix routing hashes the blocks the server will announce. A body the tokenizer cannot
+    take falls back to the estimate (and no ids): the server, not the router, reports bad input.
     """
 
     def __init__(self, tokenizer_dir: str):

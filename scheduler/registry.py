@@ -55,7 +55,7 @@ class AdapterRecord:
     path: str | None = None
     num_bytes: int | None = None
     state: str = "active"
-    sha256: str | None = None  # hex digest of the PEFT files (server/api/peer_fetch.py)
+    sha256: str | None = None  # hex digest of the PEFT files (server/api/admin/peer_fetch.py)
 
     def __post_init__(self) -> None:
         if not self.name or not self.base_model:

@@ -76,7 +76,7 @@ class SchedulerError(Exception):
 
 
 # A server's response headers the client gets through the scheduler too: the request fields the
-# server accepted and ignored, and the tool-call format it used (server.api.generation).
+# server accepted and ignored, and the tool-call format it used (server.api.openai.generation).
 PASSED_ON = ("X-Toppings-Ignored-Fields", "X-Toppings-Tool-Format")
 
 
@@ -258,7 +258,8 @@ class Router:
 
     def models(self) -> dict[str, Any]:
         """`GET /v1/models`: base models, then active adapters with `parent`; each card has the
-        fields of a server's (`created`, `root`, `parent`: server.api.response.models_response)."""
+        fields of a server's (`created`, `root`, `parent`:
+        server.api.openai.response.models_response)."""
 
         def card(name: str, parent: str | None) -> dict[str, Any]:
             return {"id": name, "object": "model", "created": self.started,

@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
 def served_adapters(serve: ServeConfig) -> dict[str, str]:
     """name -> PEFT directory: those under every --lora-dir, then every --lora; a name given
     twice is a usage error."""
-    from toppings.server.api.lifecycle import discover
+    from toppings.server.api.admin.lifecycle import discover
 
     try:
         found = [item for d in serve.lora_dirs for item in discover(d).items()]
@@ -149,14 +149,14 @@ def load_engine(serve: ServeConfig, config: EngineConfig, loras: dict[str, str])
     or adapter it refuses is a usage error."""
     from toppings.cpu_lora.shm import SharedMemoryFull
     from toppings.gpu_lora.peft_config import AdapterError
-    from toppings.server.engine.threads import (
+    from toppings.server.model.loader import CheckpointError
+    from toppings.server.process.allocator import bound_onednn_caches, tune_allocator
+    from toppings.server.process.memory_probe import start_memory_probe
+    from toppings.server.process.threads import (
         engine_thread_count,
         run_in_passing_thread,
         torch_on_this_thread_only,
     )
-    from toppings.server.http.allocator import bound_onednn_caches, tune_allocator
-    from toppings.server.http.memory_probe import start_memory_probe
-    from toppings.server.model.loader import CheckpointError
     from toppings.server.requests.request import RequestError
     from toppings.server.runtime import build_engine
 

@@ -20,6 +20,7 @@ MAX_MODULES_PER_ROOM = 20
 # what assembles a server (cli.py, cli_args.py, runtime.py).
 SERVER_LAYERS = (
     "config",
+    "process",
     "requests",
     "chat_template",
     "http",
@@ -27,6 +28,8 @@ SERVER_LAYERS = (
     "kv_events",
     "memory",
     "model",
+    "adapters",
+    "sampling",
     "sched",
     "engine",
     "resolver",

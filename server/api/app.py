@@ -4,12 +4,13 @@ Handlers run on waitress worker threads; they only tokenize, call `engine.submit
 requests' output queue, so a slow client never stalls the engine thread. One response may be many
 engine requests (n choices, a list of prompts: a `RequestGroup`). Unknown routes and methods get
 the JSON error of every other endpoint. `/tokenize` and `/detokenize` are vLLM's (see
-server.api.tokenize).
+server.api.openai.tokenize).
 
 The routes come in groups, each registered given one `ApiContext` (server.api.context):
-generation and tokenizer (server.api.generation), models and adapters (server.api.models), and
-observability (`/health`, `/stats`, `/metrics`, here). `create_app` builds the context, installs
-the API-key check and the error handlers, and registers each group.
+generation and tokenizer (server.api.openai.generation), models (server.api.openai.models),
+adapters (server.api.admin.routes) and observability (`/health`, `/stats`, `/metrics`, here).
+`create_app` builds the context, installs the API-key check and the error handlers, and
+registers each group.
 
 The generation endpoints share one in-flight limit (server.http.frontend): a request takes a slot
 before it is submitted and gives it back when its answer ends, on every path; past the limit it
@@ -17,9 +18,9 @@ gets 429 with Retry-After at once. `cli.py` sizes waitress's thread pool from th
 streams never wait for a thread and the operator endpoints always find one.
 
 Operator endpoints: `/metrics` (Prometheus, see server.api.metrics), `/v1/load_lora_adapter`
-and `/v1/unload_lora_adapter` (see server.api.lifecycle; a load naming `peers` fetches the
-adapter from them, server.api.peer_fetch), `GET /v1/adapters/NAME/files[/FILE]` (the PEFT files
-of an adapter this server holds, for a peer to fetch; server.api.adapter_files). With an API
+and `/v1/unload_lora_adapter` (see server.api.admin.lifecycle; a load naming `peers` fetches the
+adapter from them, server.api.admin.peer_fetch), `GET /v1/adapters/NAME/files[/FILE]` (the PEFT
+files of an adapter this server holds, for a peer to fetch; server.api.admin.files). With an API
 key every endpoint but `/health` wants `Authorization: Bearer KEY`; with an admin key
 (`--admin-api-key`) adapter load and unload want that key instead, and the client key keeps
 generation and reads. While the server drains
@@ -35,15 +36,16 @@ import time
 
 from flask import Flask, Response, jsonify, request
 
-from toppings.server.api.choices import RequestLimits
+from toppings.server.api.admin.lifecycle import AdapterAdmin, AdapterPaths
+from toppings.server.api.admin.peer_fetch import FetchConfig, PeerFetcher
+from toppings.server.api.admin.routes import register_adapters
 from toppings.server.api.context import ApiContext, ServerState
-from toppings.server.api.generation import register_generation, register_tokenizer
-from toppings.server.api.lifecycle import AdapterAdmin, AdapterPaths
-from toppings.server.api.logprobs import TokenText
 from toppings.server.api.metrics import CONTENT_TYPE, PREFIX, ServerMetrics
-from toppings.server.api.models import register_adapters, register_models
+from toppings.server.api.openai.choices import RequestLimits
+from toppings.server.api.openai.generation import register_generation, register_tokenizer
+from toppings.server.api.openai.logprobs import TokenText
+from toppings.server.api.openai.models import register_models
 from toppings.server.api.options import ApiOptions
-from toppings.server.api.peer_fetch import FetchConfig, PeerFetcher
 from toppings.server.api.tokenizer_pool import TokenizerPool
 from toppings.server.http.frontend import InFlightLimit, default_max_in_flight
 from toppings.server.requests.errors import (

@@ -1,9 +1,10 @@
 """What the server's route groups share: one `ApiContext` built by `create_app`.
 
-Each group (server.api.generation, server.api.models, the observability routes of server.api.app)
-registers its routes given this context and reads only the fields it needs, so no route depends
-on another group's state. `ServerState` is the part the command line and tests also reach
-(`app.extensions["toppings"]`): the in-flight limit, the metrics and the drain flag.
+Each group (server.api.openai.generation, server.api.openai.models, server.api.admin.routes,
+the observability routes of server.api.app) registers its routes given this context and reads
+only the fields it needs, so no route depends on another group's state. `ServerState` is the
+part the command line and tests also reach (`app.extensions["toppings"]`): the in-flight limit,
+the metrics and the drain flag.
 """
 
 from __future__ import annotations
@@ -14,11 +15,11 @@ from dataclasses import dataclass
 
 from flask import request
 
-from toppings.server.api.choices import RequestLimits
-from toppings.server.api.lifecycle import AdapterAdmin
-from toppings.server.api.logprobs import TokenText
+from toppings.server.api.admin.lifecycle import AdapterAdmin
+from toppings.server.api.admin.peer_fetch import PeerFetcher
 from toppings.server.api.metrics import ServerMetrics
-from toppings.server.api.peer_fetch import PeerFetcher
+from toppings.server.api.openai.choices import RequestLimits
+from toppings.server.api.openai.logprobs import TokenText
 from toppings.server.api.tokenizer_pool import TokenizerPool
 from toppings.server.engine.client import EngineClient
 from toppings.server.http.frontend import InFlightLimit, Slot

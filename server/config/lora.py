@@ -64,7 +64,7 @@ class LoraConfig(Settings):
             metavar="N",
         ),
     )
-    # Largest LoRA rank served; 0: derived from the adapter budget (engine/adapter_reader.py).
+    # Largest LoRA rank served; 0: derived from the adapter budget (adapters/reader.py).
     max_lora_rank: int = setting(
         0,
         bound=Bound.NON_NEGATIVE,

@@ -114,7 +114,7 @@ class RuntimeConfig(Settings):
             metavar="N",
         ),
     )
-    # The engine's thread count chosen from its decode steps (engine/thread_governor.py);
+    # The engine's thread count chosen from its decode steps (process/thread_governor.py);
     # None: on for cpu.
     adapt_threads: bool | None = setting(
         None,
@@ -151,7 +151,7 @@ class RuntimeConfig(Settings):
 
     @property
     def use_thread_governor(self) -> bool:
-        """Whether the engine's thread count follows its steps (engine/thread_governor.py;
+        """Whether the engine's thread count follows its steps (process/thread_governor.py;
         not with async scheduling, where the model runs on the device lane's thread)."""
         return self.device == "cpu" and self.adapt_threads is not False and not self.use_async
 

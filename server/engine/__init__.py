@@ -1,1 +1,2 @@
-"""The engine loop: continuous batching, adapter residency, sampling."""
+"""The engine loop: continuous batching over the scheduler's plans, the model runner, the
+async step pipeline and the engine's reports."""

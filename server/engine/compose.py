@@ -12,10 +12,9 @@ import torch
 
 from toppings.gpu_lora.trace import TraceRecorder
 from toppings.server import native
+from toppings.server.adapters.manager import AdapterManager
+from toppings.server.adapters.reader import CheckpointProjections
 from toppings.server.config import EngineConfig, LoraConfig, MemoryConfig, SchedulingConfig
-from toppings.server.engine.adapter_reader import CheckpointProjections
-from toppings.server.engine.adapters import AdapterManager
-from toppings.server.engine.grammar import GrammarCompiler
 from toppings.server.engine.model_runner import ModelRunner
 from toppings.server.kv_events.publisher import Sink
 from toppings.server.memory.build import build_memory
@@ -25,6 +24,7 @@ from toppings.server.model.llama import LlamaModel, free_device_bytes
 from toppings.server.model.loader import Checkpoint
 from toppings.server.model.step_timing import measure_steps
 from toppings.server.requests.sequence import Sequence
+from toppings.server.sampling.grammar import GrammarCompiler
 from toppings.server.sched.admission import GateLimits
 from toppings.server.sched.policies import make_queue_policy
 from toppings.server.sched.scheduler import Scheduler

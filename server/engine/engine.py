@@ -26,14 +26,14 @@ from toppings.server.engine import reports
 from toppings.server.engine.compose import compose_engine
 from toppings.server.engine.model_runner import StepOutcome
 from toppings.server.engine.step_pipeline import Launched, StepPipeline, reads_its_output
-from toppings.server.engine.thread_governor import ThreadGovernor
-from toppings.server.engine.threads import (
+from toppings.server.kv_events.publisher import Sink
+from toppings.server.model.loader import Checkpoint
+from toppings.server.process.thread_governor import ThreadGovernor
+from toppings.server.process.threads import (
     engine_thread_count,
     enter_engine_thread,
     torch_on_this_thread_only,
 )
-from toppings.server.kv_events.publisher import Sink
-from toppings.server.model.loader import Checkpoint
 from toppings.server.requests.adapter_ref import AdapterRef
 from toppings.server.requests.request import GenerationRequest, RequestError, RequestHandle
 from toppings.server.requests.sequence import Sequence
@@ -75,7 +75,7 @@ class Engine:
         self.step_stats = reports.StepStats()
         self._lock = threading.Lock()  # held during a step and while the pool changes
         # A request accepted for an adapter counts in flight there until it ends: no unload can
-        # pull the adapter from under it (adapter_registry.py).
+        # pull the adapter from under it (server/adapters/registry.py).
         self.adapter_refs = self.lora.refs
         self._stopping = threading.Event()
         self._draining = threading.Event()

@@ -31,15 +31,15 @@ from dataclasses import dataclass, field
 import torch
 
 from toppings.gpu_lora.trace import StepEvent, TraceRecorder
-from toppings.server.engine.adapter_step import AdapterStep
-from toppings.server.engine.grammar import GrammarCompiler
-from toppings.server.engine.logits_scan import scan_logits
-from toppings.server.engine.sampler import Sampler, score_prompts
+from toppings.server.adapters.step import AdapterStep
 from toppings.server.memory.kv_cache import KVPool
 from toppings.server.model.decode_path import Scanned
 from toppings.server.model.graph_buckets import GraphBuckets
 from toppings.server.model.llama import ForwardBatch, LlamaModel
 from toppings.server.requests.sequence import Sequence
+from toppings.server.sampling.grammar import GrammarCompiler
+from toppings.server.sampling.logits_scan import scan_logits
+from toppings.server.sampling.sampler import Sampler, score_prompts
 from toppings.server.sched.scheduler import StepPlan, StepResult
 
 
@@ -93,7 +93,7 @@ def nonfinite_error(seq: Sequence) -> str:
 
 class ModelRunner:
     """Runs plans on one model, its KV tensors and its adapters (lora: the LoRA side of each
-    step, adapter_step.py; graphs: None where CUDA graphs are off or the device is not CUDA;
+    step, server/adapters/step.py; graphs: None where CUDA graphs are off or the device is not CUDA;
     trace: gets a StepEvent per eager forward pass, None: no tracing)."""
 
     def __init__(
@@ -192,7 +192,7 @@ class ModelRunner:
             logits, scanned, seconds, num_computed = self._forward(step)  # [B, V]
         else:
             seconds, num_computed = 0.0, 0
-        # [B] each: finite rows, argmax (logits_scan.py; scanned: by the native step itself)
+        # [B] each: finite rows, argmax (sampling/logits_scan.py; scanned: by the native step)
         finite, best = scanned if scanned is not None else scan_logits(logits)
         keep = [i for i, ok in enumerate(finite) if ok]
         failed = {s: nonfinite_error(s) for s, ok in zip(seqs, finite) if not ok}

@@ -8,11 +8,11 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from toppings.gpu_lora.cache import EntryState
+from toppings.server.adapters.manager import AdapterManager
 from toppings.server.config import EngineConfig
-from toppings.server.engine.adapters import AdapterManager
-from toppings.server.engine.thread_governor import ThreadGovernor
 from toppings.server.memory.kv_cache import KVPool
 from toppings.server.memory.manager import MemoryManager
+from toppings.server.process.thread_governor import ThreadGovernor
 from toppings.server.requests.stats_schema import (
     AdapterView,
     EngineCounters,

@@ -122,7 +122,7 @@ class DecodePath:
         """A whole decode step of one token a request (fits, no logit_rows) in one native call:
         the embedding and RoPE rows, every layer, the final norm and lm_head, as `forward` would
         call them, then the logits widened to float32 and scanned as `scan_logits` scans them
-        (server/engine/logits_scan.py); returns the logits [B, V] float32, a fresh tensor, and
+        (server/sampling/logits_scan.py); returns the logits [B, V] float32, a fresh tensor, and
         each row's finiteness and argmax (None where `scan_in_step` is off: the caller scans).
         None, having done nothing, where lm_head's GEMV is not native here (or the embedding is
         not a contiguous table of the model's dtype), the layers do not run in one call or the

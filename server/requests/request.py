@@ -60,7 +60,7 @@ MAX_CONSTRAINT_CHARS = 100_000  # the text of one schema, regex or grammar
 @dataclass(frozen=True)
 class Constraint:
     """Structured output: the request's text must be derivable from `spec` (see
-    server/engine/grammar.py, which compiles it and masks the request's logits)."""
+    server/sampling/grammar.py, which compiles it and masks the request's logits)."""
 
     kind: ConstraintKind
     spec: str
@@ -217,7 +217,9 @@ class RequestHandle:
 
     def __init__(self, request: GenerationRequest, abort_fn):
         self.request = request
-        self._outputs: queue.Queue[RequestOutput] = queue.Queue()
+        # SimpleQueue: the engine puts one output per request and step, and Queue's put (a
+        # condition, its lock and notify in Python) cost more than the rest of it
+        self._outputs: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()
         # Called after each put: lets one reader wait on many handles (server.request_group).
         self.on_put: Callable[[], None] | None = None
         self._abort_fn = abort_fn

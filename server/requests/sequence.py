@@ -1,7 +1,7 @@
 """Per-request state the engine thread keeps: tokens so far, text stream, timings, finish.
 
 Pure Python (the scheduler runs without torch): sampling and logprobs live with the model
-runner (server/engine/sampler.py), which keys each request's random generator on
+runner (server/sampling/sampler.py), which keys each request's random generator on
 `num_restarts` so that a restarted request samples its tokens again from the seed."""
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ class Sequence:
         self.num_prefilled = 0
         self.cache_entry = None  # gpu_lora.cache.CacheEntry while it holds a reference
         # The first prompt position its adapter applies to: 0, or past an activated LoRA's
-        # invocation (set by the engine at submission, server/engine/adapter_step.py lora_start).
+        # invocation (set by the engine at submission, server/adapters/step.py lora_start).
         self.lora_start = 0
         # Whether its adapter is an activated LoRA: its KV before lora_start is the base
         # model's, cached and matched as such (server/memory/manager.py).

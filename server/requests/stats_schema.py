@@ -194,7 +194,7 @@ class EngineCounters:
     # chunked prefill's tokens per step as the engine resized it last (None: chunked prefill off)
     step_budget_tokens: int | None = None
     # the OpenMP threads the engine's steps run on now, and how often the governor changed it
-    # (engine/thread_governor.py; None / 0 without it)
+    # (process/thread_governor.py; None / 0 without it)
     engine_threads: int | None = None
     thread_switches: int = 0
 

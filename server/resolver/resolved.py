@@ -56,8 +56,9 @@ log = logging.getLogger(__name__)
 
 
 class Registrar(Protocol):
-    """Registers and unregisters adapters as the operator's endpoints do (server.api.lifecycle's
-    AdapterAdmin: `{"lora_name", "lora_path"}` and `{"lora_name"}`; RequestError on refusal)."""
+    """Registers and unregisters adapters as the operator's endpoints do
+    (server.api.admin.lifecycle's AdapterAdmin: `{"lora_name", "lora_path"}` and `{"lora_name"}`;
+    RequestError on refusal)."""
 
     def load(self, body: dict) -> dict: ...
 

@@ -3,8 +3,8 @@
 `--lora-resolver KIND:ARG` picks a row of `SOURCE_KINDS` by its prefix (vLLM's resolver plugins
 are the model: a directory, a hub, a bucket). A source maps a name to a directory under its
 `root`, and that directory is then loaded exactly as `/v1/load_lora_adapter` loads one with
-`root` as the only allowed root (server.api.lifecycle: the `..` and symlink checks on the path,
-the loader's O_NOFOLLOW opens, the rank and size limits, the digest dedupe of registration).
+`root` as the only allowed root (server.api.admin.lifecycle: the `..` and symlink checks on the
+path, the loader's O_NOFOLLOW opens, the rank and size limits, the digest dedupe of registration).
 A source that fetches (a hub, S3) would download into `root` in `locate` and return the
 directory it wrote; the checks after it stay the same.
 

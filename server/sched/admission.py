@@ -87,7 +87,7 @@ class Memory(Protocol):
 
 
 class Adapters(Protocol):
-    """The adapters as admission and release use them (server/engine/adapters.py)."""
+    """The adapters as admission and release use them (server/adapters/manager.py)."""
 
     def registered(self) -> list[AdapterRef]:
         """Every registered adapter."""

@@ -36,7 +36,7 @@ from tests.helpers import wait_healthy
 from tests.scheduler.test_cluster_loopback import _perf_models
 from tests.server.engine.test_exactness import NEW_TOKENS, assert_same_greedy, reference_greedy
 from toppings.scheduler.registry import Registry
-from toppings.server.api.adapter_files import FILES, WEIGHTS_FILE, adapter_digest
+from toppings.server.api.admin.files import FILES, WEIGHTS_FILE, adapter_digest
 
 KEY = "cluster-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}

@@ -2,7 +2,7 @@
 `parent`): a client that reads them works against either.
 
 The server stand-in answers its `/v1/models` with the server's own card builder
-(server.api.response.models_response)."""
+(server.api.openai.response.models_response)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import time
 import pytest
 
 from toppings.scheduler.app import create_app
-from toppings.server.api.response import models_response
+from toppings.server.api.openai.response import models_response
 
 URL = "http://10.0.0.1:8100"
 BASE = "tiny-llama"

@@ -14,11 +14,11 @@ from tests.gpu_lora.peft_dirs import write_peft_adapter
 from tests.server.api.test_cli_errors import assert_refused, run
 from toppings.gpu_lora.peft_format import AdapterError
 from toppings.gpu_lora.targets import LORA_TARGETS
-from toppings.server.api.adapter_files import adapter_digest
+from toppings.server.adapters import reader as adapter_reader
+from toppings.server.adapters.reader import derived_max_rank
+from toppings.server.api.admin.files import adapter_digest
 from toppings.server.api.app import ApiOptions, create_app
 from toppings.server.config import EngineConfig
-from toppings.server.engine import adapter_reader
-from toppings.server.engine.adapter_reader import derived_max_rank
 from toppings.server.model.loader import load_checkpoint
 from toppings.server.runtime import build_engine
 

@@ -9,8 +9,8 @@ import time
 
 import pytest
 
+from toppings.server.api.admin.lifecycle import AdapterPaths
 from toppings.server.api.app import ApiOptions, create_app
-from toppings.server.api.lifecycle import AdapterPaths
 
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 

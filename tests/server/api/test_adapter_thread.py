@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from toppings.server.api.lifecycle import AdapterAdmin, AdapterPaths
+from toppings.server.api.admin.lifecycle import AdapterAdmin, AdapterPaths
 
 NUM_CALLERS = 8
 

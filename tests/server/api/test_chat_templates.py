@@ -1,4 +1,4 @@
-"""Each checkpoint's own chat template renders through the chat path (server.api.choices): a
+"""Each checkpoint's own chat template renders through the chat path (server.api.openai.choices): a
 Llama-3-style template (header tokens, <|eot_id|>) and a Qwen-style ChatML one (<|im_end|>),
 each end-of-turn marker encoded as its one special token, the id generation_config.json lists
 as a stop token."""
@@ -9,8 +9,8 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from toppings.server.api.choices import prompt_ids
-from toppings.server.api.schema import ParsedBody
+from toppings.server.api.openai.choices import prompt_ids
+from toppings.server.api.openai.schema import ParsedBody
 
 LLAMA3 = (
     "{{ bos_token }}{% for m in messages %}"

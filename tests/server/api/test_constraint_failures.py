@@ -15,7 +15,7 @@ import pytest
 
 from tests.helpers import running_engine
 from toppings.server.api.app import create_app
-from toppings.server.engine import grammar
+from toppings.server.sampling import grammar
 
 pytestmark = pytest.mark.slow  # llguidance needs a real tokenizer: SmolLM2's
 

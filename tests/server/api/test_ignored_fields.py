@@ -9,9 +9,9 @@ import logging
 import pytest
 
 from toppings.server.api.app import create_app
-from toppings.server.api.choices import prompt_ids
-from toppings.server.api.generation import IGNORED_HEADER
-from toppings.server.api.schema import parse_chat
+from toppings.server.api.openai.choices import prompt_ids
+from toppings.server.api.openai.generation import IGNORED_HEADER
+from toppings.server.api.openai.schema import parse_chat
 from toppings.server.requests.request import RequestError
 
 CHAT = [{"role": "user", "content": "hello there"}]
@@ -31,7 +31,7 @@ def client(tiny_engine):
 def test_ignored_fields_change_nothing_and_are_named(client, caplog):
     plain = client.post("/v1/chat/completions", json={"messages": CHAT, **GREEDY})
     assert plain.status_code == 200 and IGNORED_HEADER not in plain.headers
-    with caplog.at_level(logging.INFO, logger="toppings.server.api.generation"):
+    with caplog.at_level(logging.INFO, logger="toppings.server.api.openai.generation"):
         extra = client.post("/v1/chat/completions", json={"messages": CHAT, **GREEDY, **EXTRA})
     assert extra.status_code == 200, extra.get_json()
     text = lambda r: r.get_json()["choices"][0]["message"]["content"]  # noqa: E731

@@ -13,8 +13,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.helpers import running_engine
+from toppings.server.api.admin.lifecycle import AdapterPaths, discover
 from toppings.server.api.app import ApiOptions, create_app
-from toppings.server.api.lifecycle import AdapterPaths, discover
 from toppings.server.requests.request import GenerationRequest, RequestError, SamplingParams
 
 KEY = "test-key"

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import json
 
-from toppings.server.api.logprobs import TokenText
-from toppings.server.api.response import ResponseMeta, final_response, stream_events
-from toppings.server.api.schema import parse_chat, parse_completion
+from toppings.server.api.openai.logprobs import TokenText
+from toppings.server.api.openai.response import ResponseMeta, final_response, stream_events
+from toppings.server.api.openai.schema import parse_chat, parse_completion
 from toppings.server.requests.request import RequestOutput, TokenLogprob
 
 BASE = "tiny"

@@ -6,13 +6,13 @@ import json
 
 import pytest
 
-from toppings.server.api.response import (
+from toppings.server.api.openai.response import (
     ResponseMeta,
     final_response,
     models_response,
     stream_events,
 )
-from toppings.server.api.schema import parse_chat, parse_completion, parse_native
+from toppings.server.api.openai.schema import parse_chat, parse_completion, parse_native
 from toppings.server.requests.request import RequestError, RequestOutput
 
 BASE = "tiny-llama"

@@ -15,9 +15,9 @@ import pytest
 from werkzeug.serving import make_server
 from werkzeug.wrappers import Request, Response
 
-from toppings.server.api.adapter_files import FILES, adapter_digest
+from toppings.server.api.admin.files import FILES, adapter_digest
+from toppings.server.api.admin.peer_fetch import FetchConfig, PeerFetcher
 from toppings.server.api.app import ApiOptions, create_app
-from toppings.server.api.peer_fetch import FetchConfig, PeerFetcher
 
 KEY = "cluster-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -172,7 +172,7 @@ def test_partial_directories_are_removed_when_the_process_exits(tmp_path):
     store = tmp_path / "store"
     script = (
         "import os, sys\n"
-        "from toppings.server.api.peer_fetch import FetchConfig, PeerFetcher\n"
+        "from toppings.server.api.admin.peer_fetch import FetchConfig, PeerFetcher\n"
         "PeerFetcher(None, FetchConfig(sys.argv[1]))\n"
         "os.mkdir(os.path.join(sys.argv[1], '.partial-cut-by-the-exit'))\n"
     )

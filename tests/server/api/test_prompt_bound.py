@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from toppings.server.api.app import ApiOptions, create_app
-from toppings.server.api.choices import max_token_chars
+from toppings.server.api.openai.choices import max_token_chars
 from toppings.server.api.tokenizer_pool import TokenizerPool
 
 HANG_GUARD_S = 60  # only so that a broken build fails instead of hanging

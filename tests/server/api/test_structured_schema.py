@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from toppings.server.api.schema import parse_chat, parse_completion, parse_native
+from toppings.server.api.openai.schema import parse_chat, parse_completion, parse_native
 from toppings.server.requests.request import ConstraintKind, RequestError
 
 BASE = "base"

@@ -1,11 +1,12 @@
-"""A tool's name is 1-64 letters, digits, `_` or `-` and nothing else (server/api/tools.py): a
-name with a trailing newline passed a `^...$` pattern, since `$` also matches before one."""
+"""A tool's name is 1-64 letters, digits, `_` or `-` and nothing else
+(server/api/openai/tools.py): a name with a trailing newline passed a `^...$` pattern,
+since `$` also matches before one."""
 
 from __future__ import annotations
 
 import pytest
 
-from toppings.server.api.tools import parse_tools
+from toppings.server.api.openai.tools import parse_tools
 from toppings.server.requests.request import RequestError
 
 

@@ -9,9 +9,9 @@ import json
 
 import pytest
 
-from toppings.server.api.response import ResponseMeta, final_response, stream_events
-from toppings.server.api.schema import parse_chat
-from toppings.server.api.tool_calls import CallScanner, CallStream
+from toppings.server.api.openai.response import ResponseMeta, final_response, stream_events
+from toppings.server.api.openai.schema import parse_chat
+from toppings.server.api.openai.tool_calls import CallScanner, CallStream
 from toppings.server.requests.request import RequestOutput
 
 BASE = "tiny"

@@ -15,7 +15,7 @@ from pydantic import BaseModel, Field
 from tests.helpers import running_engine
 from tests.server.api.test_tools_openai import TIME, TOOLS, WEATHER
 from toppings.server.api.app import create_app
-from toppings.server.api.tools import (
+from toppings.server.api.openai.tools import (
     ToolChoice,
     Tools,
     generic_tool_messages,

@@ -13,8 +13,8 @@ import pytest
 import requests
 
 from toppings.server.api.app import create_app
-from toppings.server.api.tool_calls import Call, parse_call
-from toppings.server.api.tools import ToolChoice, Tools, template_renders_tools
+from toppings.server.api.openai.tool_calls import Call, parse_call
+from toppings.server.api.openai.tools import ToolChoice, Tools, template_renders_tools
 from toppings.server.config import EngineConfig
 from toppings.server.runtime import build_engine
 

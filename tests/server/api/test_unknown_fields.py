@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from toppings.server.api.schema import parse_chat, parse_completion, parse_native
+from toppings.server.api.openai.schema import parse_chat, parse_completion, parse_native
 from toppings.server.requests.request import RequestError
 
 BASE = "tiny-llama"

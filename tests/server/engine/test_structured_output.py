@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from tests.helpers import running_engine
-from toppings.server.engine.sampler import Sampler
 from toppings.server.requests.request import (
     Constraint,
     ConstraintKind,
@@ -20,6 +19,7 @@ from toppings.server.requests.request import (
     SamplingParams,
 )
 from toppings.server.requests.sequence import Sequence
+from toppings.server.sampling.sampler import Sampler
 
 pytestmark = pytest.mark.slow
 ADAPTERS = ("a0", "a1", "a2", "a3")

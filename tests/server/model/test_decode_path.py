@@ -19,8 +19,8 @@ from tests.server.model.family_checkpoints import ALL_TARGETS
 from tests.server.model.tiny_families import make_tiny_family
 from toppings.scripts.make_adapters import make_random_adapter
 from toppings.server import native
-from toppings.server.engine.logits_scan import scan_logits
 from toppings.server.requests.request import GenerationRequest, SamplingParams
+from toppings.server.sampling.logits_scan import scan_logits
 
 # (family, dtype, base weights): biases on every projection, tied embeddings, each GEMV kind
 CASES = [

@@ -15,7 +15,7 @@ from toppings.server.model.linear import packing_works
 
 SCRIPT = """
 import ctypes, json
-from toppings.server.http.allocator import bound_onednn_caches
+from toppings.server.process.allocator import bound_onednn_caches
 bound_onednn_caches()  # as toppings-serve does, before the first oneDNN op
 import torch
 from toppings.server.model.linear import Linear

@@ -1,15 +1,24 @@
 """TextStream (server/requests/detokenize.py): streamed text equals the tokenizer's decode of the
-whole output, and each token decodes a bounded window whatever the output's length."""
+whole output, and each token decodes a bounded window whatever the output's length, both through
+the Rust tokenizer's stream (a fast tokenizer) and through windows of the tokenizer's decode (any
+other, here a wrapper that counts the windows)."""
 
 from __future__ import annotations
 
 import functools
+import random
 
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from toppings.server.requests.detokenize import TextStream, window_decoder
+from toppings.server.requests.detokenize import (
+    RustChunks,
+    TextStream,
+    WindowChunks,
+    text_chunks,
+    window_decoder,
+)
 
 WORDS = ("hello", "world", "foo", "bar", "baz", "é")
 
@@ -126,3 +135,41 @@ def test_a_tokenizer_with_its_own_decode_is_called():
     counting = CountingTokenizer(byte_level_tokenizer())
     assert window_decoder(counting)([5, 6]) == counting.tok.decode([5, 6])
     assert counting.lengths == [2]
+
+
+@pytest.mark.parametrize("path", ["rust", "windows"])
+def test_characters_of_three_and_four_bytes_over_single_byte_tokens(path):
+    """A CJK character takes three byte tokens and an emoji four: the middle ones leave the
+    window's text ending in the same U+FFFD, and must be kept (they were dropped once)."""
+    tok = byte_level_tokenizer()
+    rng = random.Random(0)
+    pieces = ["a", " b", "é", "你", "好", "🎉", "𝄞", " ", "ok"]
+    for _ in range(20):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(1, 30)))
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        if rng.random() < 0.5:  # a skipped special token somewhere, maybe inside a character
+            ids.insert(rng.randrange(len(ids) + 1), tok.eos_token_id)
+        got, _ = stream(tok if path == "rust" else CountingTokenizer(tok), ids)
+        assert got == tok.decode(ids, skip_special_tokens=True) == text
+
+
+def test_the_rust_stream_bounds_what_it_holds():
+    """Through the Rust stream too, bytes that never form a character come out before the
+    request ends, and skipped tokens inside a character neither break nor grow it."""
+    tok = byte_level_tokenizer()
+    (lone,) = tok("é", add_special_tokens=False)["input_ids"][1:]  # a continuation byte
+    ids = [*tok("ok", add_special_tokens=False)["input_ids"], *[lone] * 100]
+    s = TextStream(tok)
+    streamed = "".join(s.push(token) for token in ids)
+    assert streamed.startswith("ok\ufffd") and len(streamed) >= 90
+    assert streamed + s.finish() == tok.decode(ids)
+    first, *rest = tok("🎉", add_special_tokens=False)["input_ids"]
+    ids = [first, *[tok.eos_token_id] * 50, *rest]
+    got, _ = stream(tok, ids)
+    assert got == "🎉"
+
+
+def test_the_rust_stream_is_taken_where_decode_only_wraps_it():
+    tok = byte_level_tokenizer()
+    assert isinstance(text_chunks(tok), RustChunks)
+    assert isinstance(text_chunks(CountingTokenizer(tok)), WindowChunks)

@@ -1,0 +1,140 @@
+"""How many OpenMP threads the engine's steps run on, chosen from the steps it runs.
+
+A CPU decode step is some 150 parallel regions (the GEMVs, attention, norms), each ending in a
+barrier: with one thread per core, a neighbour that takes a core (another process; on Linux
+with autogroup, `nice` does not rank processes of different sessions) deschedules one of the
+team at some barrier, and the others wait a scheduler slice for it, region after region. Steps
+then take several times what fewer threads take beside the neighbour (docs/serving.md: the
+numbers), while on a quiet machine all of them are about twice as fast. Which holds changes by
+the minute, so the governor measures rather than guesses:
+
+- It compares decode steps only (each request one token), of the same batch size: their cost
+  is the same work from one step to the next, whatever the prompts.
+- Every `probe_every` such steps, or sooner when the recent steps run over `slow` x the level
+  they had at the last decision (a neighbour arrived), it runs `probe_steps` steps at the other
+  count (half the threads from all of them; all of them from fewer) and keeps whichever's median
+  is lower, the other only when faster by `gain`: a probe that is no better costs its steps.
+  Each probe that changes nothing doubles the interval to the next, up to 8 x `probe_every`
+  (a steady machine pays a probe's steps in thousands); a change sets it back.
+- A probe step slower than `abort` x the chosen count's median ends the probe at once: all the
+  threads beside a neighbour that still holds a core take many times longer (a stall of that
+  one step, not of `probe_steps`).
+- Below all the threads, a neighbour's leaving does not show in the steps (fewer threads run as
+  fast beside it as alone), so there the governor also reads how many tasks the kernel is
+  running after each decode step (/proc/stat `procs_running`, where there is one; its own
+  threads among them). A neighbour runs all the time, the HTTP threads and their client only
+  now and then: where the fewest of the last `probe_steps` readings is no more than its own
+  threads, the cores are free, and it probes all of them. (At all the threads the readings do
+  not tell a neighbour apart: a team's idle worker is counted only while it spins.)
+- Prefill and mixed steps run at the chosen count and teach it nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+from collections import deque
+from collections.abc import Callable
+
+from toppings.server.process.threads import set_torch_threads
+
+log = logging.getLogger(__name__)
+
+
+class ThreadGovernor:
+    """The engine thread's OpenMP count for the next step (`apply`), told each decode step's
+    time (`observe`)."""
+
+    def __init__(
+        self, max_threads: int, probe_every: int = 400, probe_steps: int = 8,
+        gain: float = 0.85, slow: float = 1.5, abort: float = 3.0,
+        running: Callable[[], int | None] | None = None,
+    ) -> None:  # fmt: skip
+        """running: the tasks the kernel runs now (None: unknown); default /proc/stat's."""
+        self.max_threads = max_threads
+        self.threads = max_threads  # the count steps run on now (a probe's, during one)
+        self.switches = 0  # times the chosen count changed
+        self._chosen = max_threads  # the count probes are measured against
+        self._probe_every, self._probe_steps = probe_every, probe_steps
+        self._gain, self._slow, self._abort = gain, slow, abort
+        self._few = min(3, probe_steps)  # steps enough to compare
+        self._running = running or procs_running
+        self._recent: dict[int, deque[float]] = {}  # batch -> the chosen count's last steps
+        self._level: dict[int, float] = {}  # batch -> their median at the last decision
+        self._probe: dict[int, list[float]] | None = None  # batch -> the probe's steps
+        self._since_probe = 0
+        self._tasks: deque[int] = deque(maxlen=probe_steps)  # the last readings of `running`
+        self._every = probe_every  # decode steps between probes now
+        self._applied = 0  # the count this thread was last set to (0: not yet)
+
+    def apply(self) -> None:
+        """Set the calling thread's torch count to `threads` where it is not already."""
+        if self._applied != self.threads:
+            set_torch_threads(self.threads)
+            self._applied = self.threads
+
+    def alternative(self) -> int:
+        """The count a probe tries: half the threads from all of them, all of them from fewer."""
+        top = self.max_threads
+        return max(1, top // 2) if self._chosen == top else top
+
+    def observe(self, batch: int, seconds: float) -> None:
+        """A decode step of `batch` requests (one token each) ran in `seconds` on `threads`."""
+        if self.max_threads <= 1:
+            return
+        if self._probe is not None:
+            self._probe.setdefault(batch, []).append(seconds)
+            recent = self._recent.get(batch)
+            if recent and seconds > self._abort * statistics.median(recent):
+                self._probe = {}  # far slower: no more such steps, nothing learned
+                self._decide()
+            elif sum(map(len, self._probe.values())) >= self._probe_steps:
+                self._decide()
+            return
+        recent = self._recent.setdefault(batch, deque(maxlen=self._probe_steps))
+        recent.append(seconds)
+        self._since_probe += 1
+        if len(recent) < self._few:
+            return
+        median = statistics.median(recent)
+        level = self._level.setdefault(batch, median)
+        probe = median > self._slow * level and self._since_probe >= self._probe_steps
+        if self._chosen < self.max_threads and (running := self._running()) is not None:
+            self._tasks.append(running)  # cleared at each decision: readings since
+            probe = probe or (len(self._tasks) == self._tasks.maxlen
+                              and min(self._tasks) <= self._chosen)  # fmt: skip
+        if self._since_probe >= self._every or probe:
+            self._probe, self.threads = {}, self.alternative()
+
+    def _decide(self) -> None:
+        """End the probe: keep the count whose steps were faster (the probe's by `gain`)."""
+        probe, self._probe, self._since_probe = self._probe or {}, None, 0
+        ratios = [
+            statistics.median(times) / statistics.median(self._recent[batch])
+            for batch, times in probe.items()
+            if len(self._recent.get(batch, ())) >= self._few
+        ]  # fmt: skip
+        if ratios and statistics.median(ratios) < self._gain:
+            log.info("steps run on %d threads: %.2fx the time of %d here now", self.threads,
+                     statistics.median(ratios), self._chosen)  # fmt: skip
+            self._chosen, self.switches = self.threads, self.switches + 1
+            self._recent = {b: deque(t, maxlen=self._probe_steps) for b, t in probe.items()}
+            self._every = self._probe_every
+        else:
+            self._every = min(2 * self._every, 8 * self._probe_every)
+        self._tasks.clear()  # readings at the count decided on from here
+        self._level = {b: statistics.median(t) for b, t in self._recent.items() if t}
+        self.threads = self._chosen
+
+
+def procs_running() -> int | None:
+    """The tasks the kernel is running now (/proc/stat's `procs_running`, this thread among
+    them), or None where it cannot be read."""
+    try:
+        with open("/proc/stat") as f:
+            for line in f:
+                if line.startswith("procs_running "):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        return None
+    return None

@@ -1,0 +1,154 @@
+"""The thread governor (server/process/thread_governor.py) keeps the count whose decode steps are
+faster, and follows the machine when that changes: a neighbour taking a core, then leaving.
+Step times are synthetic (a model of each count's cost, with noise), never measured here."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tests.helpers import running_engine
+from toppings.server.config import EngineConfig
+from toppings.server.process.thread_governor import ThreadGovernor
+from toppings.server.requests.request import GenerationRequest, SamplingParams
+
+# seconds of a batch-4 decode step by thread count: a quiet machine, and beside a neighbour
+# that holds one of the two cores (the team's barriers then wait for a descheduled thread)
+QUIET = {2: 0.010, 1: 0.018}
+BUSY = {2: 0.060, 1: 0.013}
+
+
+class Machine:
+    """The tasks the kernel runs, as the governor reads them: its own threads, one more while a
+    neighbour runs, and at a tenth of the readings a passing one (an HTTP thread)."""
+
+    def __init__(self) -> None:
+        self.busy, self.governor, self.rng = False, None, random.Random(9)
+
+    def running(self) -> int:
+        return self.governor.threads + self.busy + (self.rng.random() < 0.1)
+
+
+def governed(machine: Machine | None = None, **kwargs) -> ThreadGovernor:
+    """A governor on two threads; reading `machine`'s tasks (None: it cannot read them)."""
+    governor = ThreadGovernor(2, running=machine.running if machine else lambda: None, **kwargs)
+    if machine is not None:
+        machine.governor = governor
+    return governor
+
+
+def run(governor: ThreadGovernor, cost: dict[int, float], steps: int, rng, batch=4,
+        machine: Machine | None = None) -> list[int]:  # fmt: skip
+    """Feed `steps` decode steps whose time is cost[threads] with 20% noise and a 5x outlier
+    now and then; returns the thread count each ran on."""
+    if machine is not None:
+        machine.busy = cost is BUSY
+    counts = []
+    for _ in range(steps):
+        counts.append(governor.threads)
+        seconds = cost[governor.threads] * rng.lognormvariate(0.0, 0.2)
+        if rng.random() < 0.02:
+            seconds *= 5.0
+        governor.observe(batch, seconds)
+    return counts
+
+
+def test_it_follows_a_neighbour_arriving_and_leaving():
+    """Where it cannot read the kernel's tasks, its periodic probe brings the threads back."""
+    rng, governor = random.Random(0), governed()
+    quiet = run(governor, QUIET, 1000, rng)
+    assert governor.threads == 2 and governor.switches == 0
+    assert quiet.count(1) <= 3 * 8  # the probes: a few dozen steps of 1,000
+    busy = run(governor, BUSY, 400, rng)
+    assert governor.threads == 1
+    assert busy.index(1) <= 32 and busy[40:].count(2) <= 1  # moved within a few dozen steps
+    back = run(governor, QUIET, 800, rng)
+    assert governor.threads == 2 and governor.switches == 2
+    assert back.index(2) <= 800 and back[-200:].count(1) <= 8
+
+
+def test_free_cores_bring_the_threads_back_at_once():
+    """Where it reads the kernel's tasks, the cores' freeing is seen within a few dozen steps."""
+    rng, machine = random.Random(4), Machine()
+    governor = governed(machine)
+    run(governor, QUIET, 500, rng, machine=machine)
+    busy = run(governor, BUSY, 1000, rng, machine=machine)
+    assert busy[40:].count(2) <= 1  # no probe of all the threads while the neighbour runs
+    back = run(governor, QUIET, 200, rng, machine=machine)
+    assert back.index(2) <= 24 and governor.threads == 2
+
+
+def test_a_probe_far_slower_stops_after_one_step():
+    """Beside a neighbour, the periodic probe of all the threads costs one slow step."""
+    rng, governor = random.Random(5), governed()
+    run(governor, BUSY, 500, rng)  # a busy start-up: its first periodic probe moves it
+    assert governor.threads == 1
+    busy = run(governor, BUSY, 3000, rng)
+    probes = sum(1 for a, b in zip([1] + busy, busy) if (a, b) == (1, 2))
+    assert probes >= 2 and busy.count(2) == probes
+
+
+def test_a_neighbour_at_start_up_is_left_behind():
+    """A disturbed start: the first steps run beside the neighbour, at every core."""
+    rng, governor = random.Random(1), governed(probe_every=200)
+    counts = run(governor, BUSY, 300, rng)
+    assert counts[-100:].count(1) >= 90
+    run(governor, QUIET, 400, rng)
+    assert governor.threads == 2
+
+
+def test_only_steps_of_the_same_batch_size_are_compared():
+    """A probe whose steps are of another batch size than the chosen count's decides nothing."""
+    governor = governed(probe_every=8, probe_steps=4)
+    for _ in range(8):
+        governor.observe(1, 0.010)
+    assert governor.threads == 1  # a probe
+    for _ in range(4):
+        governor.observe(32, 0.001)  # far faster, but 32 rows are not 1 row
+    assert governor.threads == 2 and governor.switches == 0
+
+
+def test_one_thread_has_nothing_to_choose():
+    governor = ThreadGovernor(1, running=lambda: None)
+    run(governor, {1: 0.01}, 1000, random.Random(2))
+    assert governor.threads == 1 and governor.switches == 0
+
+
+def test_cpu_only():
+    assert EngineConfig(device="cpu").use_thread_governor
+    assert not EngineConfig(device="cpu", adapt_threads=False).use_thread_governor
+    with pytest.raises(ValueError, match="adapt_threads"):
+        EngineConfig(device="cuda", adapt_threads=True)
+
+
+def test_the_engine_runs_its_steps_on_the_governors_count(tiny_model_dir):
+    """Decode steps (only they) are told to the governor, and each step runs on the count it
+    says: a governor that probes every 4 steps makes some decode steps run on one thread."""
+    with running_engine(tiny_model_dir, num_threads=2) as engine:
+        governor = engine.governor = governed(probe_every=4, probe_steps=2)
+        ran, told = [], []
+        run_plan, observe = engine.runner.run, governor.observe
+
+        def counted_run(plan):
+            ran.append((torch.get_num_threads(), governor.threads, plan.is_prefill))
+            return run_plan(plan)
+
+        def counted_observe(batch, seconds):
+            told.append(batch)
+            observe(batch, seconds)
+
+        engine.runner.run, governor.observe = counted_run, counted_observe
+        params = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
+        engine.submit(GenerationRequest([5, 6, 7, 8], params)).result(timeout_s=120)
+    assert all(now == wanted for now, wanted, _ in ran)
+    assert {now for now, _, prefill in ran if not prefill} == {1, 2}
+    assert len(told) == sum(not prefill for _, _, prefill in ran)
+
+
+def test_a_steady_machine_is_probed_less_and_less():
+    """Each probe that changes nothing doubles the interval: 6,000 quiet steps hold 4 probes
+    (at 400, 1,200, 2,800 and 6,000 steps), not 15."""
+    counts = run(governed(), QUIET, 6000, random.Random(3))
+    assert counts.count(1) <= 4 * 8

@@ -1,0 +1,117 @@
+"""A tool's `parameters` placed inside the schema of a constrained call keep their meaning: the
+`jsonschema` package (the oracle) gives every instance the same verdict under the parameters
+alone and, as a call's `arguments`, under the combined schema (issue 67)."""
+
+from __future__ import annotations
+
+import json
+from typing import Literal
+
+import jsonschema
+import pytest
+from pydantic import BaseModel
+
+from toppings.server.api.openai.tools import parse_tools
+from toppings.server.sampling.schema_refs import rebase_refs, resolve_pointer, subschemas
+
+
+class City(BaseModel):
+    name: str
+    country: Literal["FR", "DE"]
+
+
+class Trip(BaseModel):
+    """What pydantic emits for nested models: `$defs` and `#/$defs/...` refs."""
+
+    start: City
+    stops: list[City]
+    back: City | None = None
+
+
+RECURSIVE = {  # a tree whose nodes refer to the parameters' root ("#")
+    "type": "object",
+    "properties": {"v": {"type": "integer"}, "kids": {"type": "array", "items": {"$ref": "#"}}},
+    "required": ["v"],
+    "additionalProperties": False,
+}
+DRAFT7 = {  # `definitions`, an escaped pointer, and a const whose data looks like a $ref
+    "definitions": {"a/b": {"enum": ["x", "y"]}},
+    "properties": {"k": {"$ref": "#/definitions/a~1b"}, "c": {"const": {"$ref": "#/nowhere"}}},
+    "required": ["k"],
+}
+PARIS = {"name": "Paris", "country": "FR"}
+INSTANCES = {
+    "trip": [
+        {"start": PARIS, "stops": []},
+        {"start": PARIS, "stops": [PARIS, {"name": "Bonn", "country": "DE"}], "back": None},
+        {"start": PARIS, "stops": [{"name": "Rome", "country": "IT"}]},
+        {"start": {"name": "Paris"}, "stops": []},
+        {"start": PARIS, "stops": [], "back": {"name": 3, "country": "FR"}},
+        {"stops": []},
+    ],
+    "tree": [
+        {"v": 1},
+        {"v": 1, "kids": [{"v": 2, "kids": [{"v": 3}]}]},
+        {"v": 1, "kids": [{"v": 2, "kids": [{"w": 3}]}]},
+        {"v": 1, "kids": [{"v": "2"}]},
+    ],
+    "draft7": [
+        {"k": "x"},
+        {"k": "z"},
+        {"k": "y", "c": {"$ref": "#/nowhere"}},
+        {"k": "y", "c": {"$ref": "#/$defs/tool_2/nowhere"}},
+    ],
+}
+
+
+def _tools() -> list[dict]:
+    params = {"trip": Trip.model_json_schema(), "tree": RECURSIVE, "draft7": DRAFT7}
+    return [{"type": "function", "function": {"name": n, "parameters": p}}
+            for n, p in params.items()]  # fmt: skip
+
+
+def _valid(instance, schema) -> bool:
+    return jsonschema.Draft202012Validator(schema).is_valid(instance)
+
+
+@pytest.mark.parametrize("choice", ["required", "named"])
+@pytest.mark.parametrize("name", list(INSTANCES))
+def test_a_calls_arguments_are_judged_as_under_the_parameters_alone(choice, name):
+    tools = _tools()
+    assert "$defs" in tools[0]["function"]["parameters"]  # pydantic's shape, as the issue had
+    tool_choice = {"type": "function", "function": {"name": name}} if choice == "named" else choice
+    combined = json.loads(parse_tools({"tools": tools, "tool_choice": tool_choice})
+                          .constraint().spec)  # fmt: skip
+    jsonschema.Draft202012Validator.check_schema(combined)
+    params = next(t["function"]["parameters"] for t in tools if t["function"]["name"] == name)
+    verdicts = [_valid(i, params) for i in INSTANCES[name]]
+    assert True in verdicts and False in verdicts  # the instances tell the schemas apart
+    calls = [{"name": name, "arguments": i} for i in INSTANCES[name]]
+    assert [_valid(c, combined) for c in calls] == verdicts
+
+
+def test_rebase_moves_only_local_pointers_in_schema_positions():
+    schema = {
+        "$ref": "#",
+        "anyOf": [{"$ref": "#/$defs/A"}, {"$ref": "#anchor"}, {"$ref": "other.json#/x"}],
+        "items": [{"$ref": "#/$defs/A"}],
+        "default": {"$ref": "#/$defs/A"},
+        "$defs": {"A": {"type": "string"}},
+    }
+    out = rebase_refs(schema, "/$defs/t")
+    assert out["$ref"] == "#/$defs/t"
+    assert [s["$ref"] for s in out["anyOf"]] == ["#/$defs/t/$defs/A", "#anchor", "other.json#/x"]
+    assert out["items"] == [{"$ref": "#/$defs/t/$defs/A"}]
+    assert out["default"] == {"$ref": "#/$defs/A"} and schema["$ref"] == "#"  # data; no change
+
+
+def test_resolve_pointer_and_subschema_paths_agree():
+    schema = {"properties": {"a/b": {"type": "string"}, "m~n": {"items": [{"const": 1}]}}}
+    paths = dict(subschemas(schema))
+    assert set(paths) == {"/properties/a~1b", "/properties/m~0n"}
+    for path, sub in paths.items():
+        assert resolve_pointer(schema, "#" + path) is sub
+    assert resolve_pointer(schema, "#/properties/m~0n/items/0") == {"const": 1}
+    assert resolve_pointer(schema, "#/properties/a%7E1b") == {"type": "string"}
+    with pytest.raises(KeyError):
+        resolve_pointer(schema, "#/properties/nope")
