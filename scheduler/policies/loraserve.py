@@ -34,10 +34,11 @@ class LoRAServe(RankAware):
     one that does not pad, whose bound is higher.
 
     Why the row's probabilities do not steer the choice (they did before: `loraserve-row`):
-    in the simulated cluster (bench/bench_cluster_placement.py) the draw from the row
-    sustained 0.93x the load of rank-aware routing, this order 1.24x, and a fixed split of the
-    servers by rank told the true demand 0.92x: separating ranks by placement loses to
-    routing each request by cost within the operating points.
+    in the simulated cluster (bench/bench_cluster_placement.py, its results in
+    bench/results/cluster_placement.json) the draw from the row and a fixed split of the
+    servers by rank both sustained less load than rank-aware routing, and this order more:
+    separating ranks by placement loses to routing each request by cost within the operating
+    points.
     """
 
     name = "loraserve"

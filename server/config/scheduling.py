@@ -31,7 +31,7 @@ class SchedulingConfig(Settings):
         choices=QUEUE_POLICIES,
         flag=Flag(
             "which waiting request is admitted next: chameleon's adapter-aware multi-level "
-            "queues with token quotas (bench/results/queueing.json: 1.12x the load FCFS "
+            "queues with token quotas (bench/results/queueing.json compares the load each "
             "sustains within the TTFT SLO), or fcfs, arrival order"
         ),
     )
