@@ -51,7 +51,7 @@ from bench.bench_single_server import OtherCpu
 from bench.common import adapter_bytes, write_random_adapter
 from bench.envelope import describe_device, write_result
 from bench.queueing_configs import burst_capacity
-from toppings.scripts.demo import start, stop, wait_healthy
+from toppings.scripts.children import start, stop, wait_healthy
 from toppings.scripts.loadgen.cli import list_models
 from toppings.scripts.loadgen.client import run_open_loop
 from toppings.scripts.loadgen.stats import percentile, summarise

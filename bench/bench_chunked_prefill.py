@@ -77,7 +77,7 @@ from bench.bench_queueing import (
 )
 from bench.envelope import describe_device, write_result
 from bench.llama_replay import replay_llama, stream_one
-from toppings.scripts.demo import stop, wait_healthy
+from toppings.scripts.children import stop, wait_healthy
 from toppings.scripts.loadgen.stats import percentile
 from toppings.scripts.loadgen.workload import LengthSpec, TraceEntry
 from toppings.server.config import DTYPE_CHOICES, QUEUE_POLICIES, EngineConfig

@@ -21,7 +21,7 @@ The link (on a CPU): by default its bandwidth is set so that loading a rank-64 a
 `--load-to-prefill` (1.0) times one prefill of the prompt (the regime of the paper's Fig. 4:
 a rank-64 7B adapter takes milliseconds to tens of milliseconds over PCIe against 44 ms for a
 256-token prefill on an A100); each layer-group copy also pays `--link-latency-us` (PCIe 4.0
-x16's, server/config.py). A CPU prefills a 7B layer far more slowly than an A100, so the real
+x16's, server/config/lora.py). A CPU prefills a 7B layer far more slowly than an A100, so the real
 PCIe bandwidth (`--link-gbps 200`) would make every load look free. With `--device cuda` the
 loads go over the real link (no throttle) and the result names the GPU.
 

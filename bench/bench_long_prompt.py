@@ -42,7 +42,7 @@ import requests
 import torch
 
 from bench.envelope import describe_device, write_result
-from toppings.scripts.demo import start, stop, wait_healthy
+from toppings.scripts.children import start, stop, wait_healthy
 
 log = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ import torch
 
 from bench.common import adapter_bytes, link_gbps_for, prefill_ms
 from bench.envelope import describe_device, write_result
-from toppings.scripts.demo import start, stop, wait_healthy
+from toppings.scripts.children import start, stop, wait_healthy
 from toppings.scripts.loadgen.cli import list_models
 from toppings.scripts.loadgen.client import run_open_loop
 from toppings.scripts.loadgen.stats import plot_cdfs, summarise

@@ -36,7 +36,7 @@ from pathlib import Path
 import requests
 
 from bench.envelope import describe_device, write_result
-from toppings.scripts.demo import start, stop, wait_healthy
+from toppings.scripts.children import start, stop, wait_healthy
 from toppings.scripts.make_adapters import load_base, make_random_adapter
 from toppings.server.model.loader import resolve_model_dir
 

@@ -48,10 +48,11 @@ from flask import Flask, Response, jsonify, request
 
 from toppings.scheduler.auth import AccessKeys, install_auth
 from toppings.scheduler.cluster import Cluster
-from toppings.scheduler.metrics import CONTENT_TYPE, PREFIX
+from toppings.scheduler.metrics import PREFIX
 from toppings.scheduler.registry import AdapterRecord, Registry, RegistryError
 from toppings.scheduler.router import Router, SchedulerError
 from toppings.server.http.frontend import InFlightCollector, InFlightLimit, ReleasingBody
+from toppings.server.http.metrics import install_metrics
 from toppings.server.requests.errors import (
     BAD_GATEWAY,
     NO_SERVER_READY,
@@ -220,15 +221,7 @@ def _register_observability(app: Flask, ctx: SchedulerContext) -> None:
             "draining": ctx.draining.is_set(),
         })  # fmt: skip
 
-    @app.get("/metrics")
-    def metrics() -> Response:
-        return Response(router.metrics.render(), content_type=CONTENT_TYPE)
-
-    @app.after_request
-    def count(response: Response) -> Response:
-        endpoint = request.url_rule.endpoint if request.url_rule else "unmatched"
-        router.metrics.http.labels(endpoint, str(response.status_code)).inc()
-        return response
+    install_metrics(app, router.metrics.registry, PREFIX)
 
 
 def _register_admin(app: Flask, ctx: SchedulerContext) -> None:

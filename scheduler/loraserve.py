@@ -1,6 +1,6 @@
 """LoRAServe's control loop: observe demand, re-place every `interval_s`, keep the routing table.
 
-The `Placer` is what the `loraserve` policy (scheduler/policies.py) routes with and what the
+The `Placer` is what the `loraserve` policy (scheduler/policies/) routes with and what the
 scheduler's placement loop (scheduler/placement_loop.py) and the simulator drive through
 `maybe_step(now_s, servers, adapters)`:
 - the first call starts the clock; until the first step there is no table, and requests go by

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
+from prometheus_client import Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
-from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+from toppings.server.http.metrics import new_registry
 
 PREFIX = "toppings_scheduler:"
-CONTENT_TYPE = CONTENT_TYPE_LATEST
 DECISION_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
                     0.1, 0.25, 0.5, 1.0)  # fmt: skip
 # How a proxied request ended: answered 2xx, answered otherwise, or cut before its end.
@@ -47,11 +47,8 @@ class SchedulerMetrics:
     """The registry of one scheduler app."""
 
     def __init__(self, cluster, registry):
-        disable_created_metrics()  # process-wide; no *_created series, as on the server
-        self.registry = CollectorRegistry()
+        self.registry = new_registry()  # its /metrics route: server.http.metrics
         p = PREFIX
-        self.http = Counter(p + "http_requests", "HTTP requests answered, by endpoint and status",
-                            ["endpoint", "status"], registry=self.registry)  # fmt: skip
         self.routed = Counter(p + "requests_routed", "Requests sent to a server, by policy",
                               ["server", "policy"], registry=self.registry)  # fmt: skip
         self.finished = Counter(p + "requests_finished",
@@ -61,6 +58,3 @@ class SchedulerMetrics:
                                   "Time to rank the servers for one request",
                                   buckets=DECISION_BUCKETS, registry=self.registry)  # fmt: skip
         self.registry.register(ClusterCollector(cluster, registry))
-
-    def render(self) -> bytes:
-        return generate_latest(self.registry)

@@ -77,7 +77,7 @@ def batch_at(perf: PerfModels, config: OperatingPointConfig, rank: int, tokens_p
     """The batch size n at which the model above delivers `tokens_per_s` with rank-`rank`
     requests: the smallest n whose n (P + O) / T(n) reaches it (the largest allowed n when none
     does). By Little's law, a server kept above it holds more requests than its operating point
-    can turn over; the router reads it as "past the operating point" (scheduler/policies.py)."""
+    can turn over; the router reads it as "past the operating point" (scheduler/policies/)."""
     decode = perf.decode(config.kernel)
     prompt = max(1, round(config.mean_prompt_tokens))
     out = config.mean_output_tokens

@@ -28,7 +28,7 @@ One step, for S servers:
    Every adapter is always on some server.
 
 The result maps each adapter to {server: probability}, probabilities summing to 1; routing draws
-from it (scheduler/policies.py, LoRAServe).
+from it (scheduler/policies/loraserve.py).
 """
 
 from __future__ import annotations

@@ -33,12 +33,15 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
+
+from toppings.scripts.children import STOP_GRACE_S, start, stop, wait_healthy
+from toppings.server.settings import Flag, Settings, build, command_parser, setting
 
 SHIPPED = Path(__file__).resolve().parent / "demo_adapters"
 STYLES = ("caps", "french", "terse")
 QUESTION = "What is the capital of Italy?"
-STOP_GRACE_S = 15.0
 USAGE_ERROR = 2  # exit status of a user's mistake, as argparse and toppings-serve give it
 
 
@@ -46,58 +49,6 @@ def usage_error(message: str) -> None:
     """One line on stderr and exit status 2."""
     print(f"toppings-demo: error: {message}", file=sys.stderr)
     sys.exit(USAGE_ERROR)
-
-
-def wait_healthy(
-    url: str, proc: subprocess.Popen, log: Path, timeout_s: float, up: tuple[int, ...] = (200,)
-) -> None:
-    """Poll `url/health` until its status is in `up`; exits with the log's tail if the process
-    dies. A scheduler answers 503 until a server is registered: it is up then, not ready."""
-    import requests
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            tail = "\n".join(log.read_text(errors="replace").splitlines()[-20:])
-            sys.exit(f"toppings-demo: {proc.args[2]} exited with {proc.returncode}:\n{tail}")
-        try:
-            if requests.get(url + "/health", timeout=1.0).status_code in up:
-                return
-        except requests.RequestException:
-            pass
-        time.sleep(0.3)
-    sys.exit(f"toppings-demo: {url} did not become healthy in {timeout_s:.0f} s (log: {log})")
-
-
-def start(module: str, args: list[str], log: Path) -> subprocess.Popen:
-    with open(log, "w") as f:  # the child keeps its own copy of the descriptor
-        return subprocess.Popen(
-            [sys.executable, "-m", module, *args],
-            stdout=f,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-
-
-def stop(procs: list[subprocess.Popen]) -> None:
-    """SIGTERM (the server drains), then SIGKILL what is left after the grace period, or at
-    once when interrupted again (a second Ctrl-C)."""
-    for proc in procs:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + STOP_GRACE_S
-    try:
-        for proc in procs:
-            try:
-                proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-    except KeyboardInterrupt:
-        print("toppings-demo: killing both now", file=sys.stderr)
-    for proc in procs:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 def in_flight(server_url: str) -> int | None:
@@ -252,100 +203,142 @@ def build_native_kernels() -> threading.Thread:
     return thread
 
 
+@dataclass(frozen=True)
+class DemoSettings(Settings):
+    """Where the demo's two processes listen, on which device, with which adapters."""
+
+    title = "demo"
+
+    adapters: Path | None = setting(
+        None,
+        flag=Flag(
+            "train the demo adapters into this folder (those missing there) and serve them; "
+            "default: the shipped ones (scripts/demo_adapters in the package)",
+            type=Path,
+        ),
+    )
+    port: int = setting(
+        8000, flag=Flag("the scheduler's port, where the examples go (default: 8000)", type=int)
+    )
+    server_port: int = setting(
+        8100, flag=Flag("the inference server's port (default: 8100)", type=int)
+    )
+    device: str = setting(
+        "cpu",
+        choices=("cpu", "cuda"),
+        flag=Flag(
+            "where the server runs the model: cpu (float32, the answers shown in the README) or "
+            "cuda (bfloat16)"
+        ),
+    )
+    chat_template: str | None = setting(
+        None,
+        flag=Flag(
+            "toppings-serve --chat-template: a Jinja chat template file used instead of "
+            "SmolLM2's own",
+            metavar="PATH",
+        ),
+    )
+    no_train: bool = setting(False, flag=Flag("fail instead of training", action="store_true"))
+
+
+SETTINGS_CLASSES: tuple[type[Settings], ...] = (DemoSettings,)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The demo's flags, each with its help."""
-    p = argparse.ArgumentParser(prog="toppings-demo", description=__doc__.splitlines()[0])
-    p.add_argument("--adapters", type=Path, default=None,
-                   help="train the demo adapters into this folder (those missing there) and "
-                   "serve them; default: the shipped ones (scripts/demo_adapters in the "
-                   "package)")  # fmt: skip
-    p.add_argument("--port", type=int, default=8000,
-                   help="the scheduler's port, where the examples go (default: 8000)")  # fmt: skip
-    p.add_argument("--server-port", type=int, default=8100,
-                   help="the inference server's port (default: 8100)")  # fmt: skip
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
-                   help="where the server runs the model: cpu (float32, the answers shown in "
-                   "the README) or cuda (bfloat16)")  # fmt: skip
-    p.add_argument("--chat-template", default=None, metavar="PATH",
-                   help="toppings-serve --chat-template: a Jinja chat template file used "
-                   "instead of SmolLM2's own")  # fmt: skip
-    p.add_argument("--no-train", action="store_true", help="fail instead of training")
-    return p
+    """The demo's flags, each with its help (docs/flags.md is generated from the same class)."""
+    return command_parser("toppings-demo", __doc__.splitlines()[0], SETTINGS_CLASSES)
+
+
+def template_args(chat_template: str | None) -> list[str]:
+    """toppings-serve's --chat-template flag for the file given, checked here first."""
+    if chat_template is None:
+        return []
+    from toppings.server.chat_template.file import read_chat_template
+
+    try:
+        read_chat_template(chat_template)
+    except ValueError as e:
+        usage_error(str(e))
+    return ["--chat-template", str(Path(chat_template).expanduser().resolve())]
+
+
+def prepare(args: DemoSettings) -> tuple[dict[str, Path], Path]:
+    """The adapters' folders and the model's, trained or fetched as needed; the native kernels
+    build meanwhile on a CPU."""
+    paths = demo_adapters(args.adapters, args.no_train)
+    from toppings.server.model.loader import SMOLLM2_NAME, cache_dir, resolve_model_dir
+
+    print(preparing_line(cache_dir() / "models" / SMOLLM2_NAME), flush=True)
+    building = build_native_kernels() if args.device == "cpu" else None
+    model_dir = resolve_model_dir("smollm2")
+    if building is not None:
+        building.join()
+    return paths, model_dir
+
+
+def serve_args(args: DemoSettings, paths: dict[str, Path], template: list[str]) -> list[str]:
+    """The server's command line: SmolLM2 with the three adapters, on the demo's port."""
+    loras = [a for style, path in paths.items() for a in ("--lora", f"{style}={path}")]
+    # The answers the README shows were recorded in float32; bfloat16 would round differently
+    # from one CPU to the next.
+    dtype = "float32" if args.device == "cpu" else "bfloat16"
+    return ["--model", "smollm2", *loras, "--port", str(args.server_port),
+            "--device", args.device, "--dtype", dtype, *template]  # fmt: skip
+
+
+def show_answers(url: str, server_url: str) -> None:
+    """Register the server with the scheduler, then print each adapter's answer and the
+    instructions."""
+    import requests
+
+    requests.post(
+        url + "/admin/servers",
+        json={"url": server_url},
+        headers=bearer("TOPPINGS_ADMIN_API_KEY"),
+        timeout=10,
+    ).raise_for_status()
+    base = requests.get(server_url + "/v1/models", timeout=10).json()["data"][0]["id"]
+    print(
+        f"\nServing {base} with adapters caps, french, terse at {server_url},\n"
+        f"behind the scheduler at {url}.\n\nQ: {QUESTION}"
+    )
+    for model in ["caps", "french", "terse", base]:
+        print(f"  {model:>22}: {ask(url, model)!r}")
+    print(instructions(url, base), flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    check_ports({"--port": args.port, "--server-port": args.server_port})
-    template_args: list[str] = []
-    if args.chat_template is not None:
-        from toppings.server.chat_template.file import read_chat_template
-
-        try:
-            read_chat_template(args.chat_template)
-        except ValueError as e:
-            usage_error(str(e))
-        template_args = ["--chat-template", str(Path(args.chat_template).expanduser().resolve())]
     try:
-        paths = demo_adapters(args.adapters, args.no_train)
-        from toppings.server.model.loader import SMOLLM2_NAME, cache_dir, resolve_model_dir
-
-        print(preparing_line(cache_dir() / "models" / SMOLLM2_NAME), flush=True)
-        if args.device == "cpu":
-            building = build_native_kernels()
-        model_dir = resolve_model_dir("smollm2")
-        if args.device == "cpu":
-            building.join()
+        args = build(DemoSettings, build_parser().parse_args(argv))
+    except ValueError as e:
+        usage_error(str(e))
+    check_ports({"--port": args.port, "--server-port": args.server_port})
+    template = template_args(args.chat_template)
+    try:
+        paths, model_dir = prepare(args)
     except KeyboardInterrupt:
         print("toppings-demo: interrupted", file=sys.stderr)
         return 130
     logs = Path(tempfile.mkdtemp(prefix="toppings-demo-"))
     server_url = f"http://127.0.0.1:{args.server_port}"
     url = f"http://127.0.0.1:{args.port}"
-    loras = [a for style, path in paths.items() for a in ("--lora", f"{style}={path}")]
     procs: list[subprocess.Popen] = []
     # Ctrl-C and SIGTERM stop the children, also when started as a background job (which
     # ignores SIGINT unless it is set back).
     signal.signal(signal.SIGINT, _interrupt)
     signal.signal(signal.SIGTERM, _interrupt)
     clean = False
-    import requests
-
     try:
         print(f"Starting toppings-serve and toppings-scheduler (logs in {logs}) ...")
-        serve_args = [
-            "--model",
-            "smollm2",
-            *loras,
-            "--port",
-            str(args.server_port),
-            "--device",
-            args.device,
-            # the answers the README shows were recorded in float32; bfloat16 would round
-            # differently from one CPU to the next
-            "--dtype",
-            "float32" if args.device == "cpu" else "bfloat16",
-            *template_args,
-        ]
-        procs.append(start("toppings.server.cli", serve_args, logs / "serve.log"))
+        procs.append(start("toppings.server.cli", serve_args(args, paths, template),
+                           logs / "serve.log"))  # fmt: skip
         sched_args = ["--registry", str(logs / "registry.sqlite"), "--port", str(args.port),
                       "--tokenizer", str(model_dir)]  # fmt: skip
         procs.append(start("toppings.scheduler.cli", sched_args, logs / "scheduler.log"))
         wait_healthy(server_url, procs[0], logs / "serve.log", 300.0)
         wait_healthy(url, procs[1], logs / "scheduler.log", 60.0, up=(200, 503))
-        requests.post(
-            url + "/admin/servers",
-            json={"url": server_url},
-            headers=bearer("TOPPINGS_ADMIN_API_KEY"),
-            timeout=10,
-        ).raise_for_status()
-        base = requests.get(server_url + "/v1/models", timeout=10).json()["data"][0]["id"]
-        print(
-            f"\nServing {base} with adapters caps, french, terse at {server_url},\n"
-            f"behind the scheduler at {url}.\n\nQ: {QUESTION}"
-        )
-        for model in ["caps", "french", "terse", base]:
-            print(f"  {model:>22}: {ask(url, model)!r}")
-        print(instructions(url, base), flush=True)
+        show_answers(url, server_url)
         while all(proc.poll() is None for proc in procs):
             time.sleep(0.5)
         dead = next(proc for proc in procs if proc.poll() is not None)

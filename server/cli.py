@@ -19,9 +19,10 @@ import os
 import socket
 import sys
 import threading
+from typing import TYPE_CHECKING, NoReturn
 
-from toppings.server.cli_args import build_parser, parse_configs
-from toppings.server.config import WORKER_SPINCOUNT
+from toppings.server.cli_args import ServeConfig, build_parser, parse_configs
+from toppings.server.config import WORKER_SPINCOUNT, EngineConfig
 from toppings.server.http.drain import Drainer
 from toppings.server.http.frontend import (
     default_max_in_flight,
@@ -30,12 +31,17 @@ from toppings.server.http.frontend import (
 )
 from toppings.server.http.waitress_server import GuardedServer
 
+if TYPE_CHECKING:
+    from flask import Flask
+
+    from toppings.server.engine.engine import Engine
+
 logger = logging.getLogger("toppings-serve")
 
 HANDLER_GRACE_S = 10.0  # after the drain, how long handlers may take to write their last bytes
 
 
-def _usage_error(message: str) -> None:
+def _usage_error(message: str) -> NoReturn:
     """A user mistake: one line on stderr and exit status 2, as argparse does (no traceback)."""
     print(f"toppings-serve: error: {message}", file=sys.stderr)
     sys.exit(2)
@@ -105,11 +111,44 @@ def main(argv: list[str] | None = None) -> int:
         # awake between a decode step's regions, which OMP_WAIT_POLICY=PASSIVE did not (what
         # each costs: docs/benchmarks.md). It must be set before torch starts OpenMP.
         os.environ.setdefault("GOMP_SPINCOUNT", WORKER_SPINCOUNT)
-    # Imported here so that `--help` answers without loading torch.
+    loras = served_adapters(serve)
+    if problem := listen_problem(serve.host, serve.port):  # before the model loads, not after
+        _usage_error(f"--port: {problem}")
+    _check_inputs(serve.model, loras)
+    engine = load_engine(serve, config, loras)
+    from toppings.server.api.app import create_app  # after parsing: `--help` loads no torch
+
+    app = create_app(engine, options)
+    max_in_flight = options.max_concurrent_requests or default_max_in_flight(config.max_batch_size)
+    try:
+        serve_until_drained(app, engine, serve, max_in_flight)
+    finally:
+        logger.info("shutting down the engine")
+        engine.shutdown()
+        logger.info("stopped")
+    return 0
+
+
+def served_adapters(serve: ServeConfig) -> dict[str, str]:
+    """name -> PEFT directory: those under every --lora-dir, then every --lora; a name given
+    twice is a usage error."""
+    from toppings.server.api.admin.lifecycle import discover
+
+    try:
+        found = [item for d in serve.lora_dirs for item in discover(d).items()]
+    except ValueError as e:
+        _usage_error(str(e))
+    loras = dict(found + list(serve.loras))
+    if len(loras) != len(found) + len(serve.loras):
+        _usage_error("two adapters share a name (--lora and --lora-dir)")
+    return loras
+
+
+def load_engine(serve: ServeConfig, config: EngineConfig, loras: dict[str, str]) -> Engine:
+    """The engine, built on a thread that ends (the process tuned for it first); a checkpoint
+    or adapter it refuses is a usage error."""
     from toppings.cpu_lora.shm import SharedMemoryFull
     from toppings.gpu_lora.peft_config import AdapterError
-    from toppings.server.api.admin.lifecycle import discover
-    from toppings.server.api.app import create_app
     from toppings.server.model.loader import CheckpointError
     from toppings.server.process.allocator import bound_onednn_caches, tune_allocator
     from toppings.server.process.memory_probe import start_memory_probe
@@ -121,25 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     from toppings.server.requests.request import RequestError
     from toppings.server.runtime import build_engine
 
-    max_in_flight = options.max_concurrent_requests or default_max_in_flight(config.max_batch_size)
-    try:
-        found = [item for d in serve.lora_dirs for item in discover(d).items()]
-    except ValueError as e:
-        _usage_error(str(e))
-    loras = dict(found + list(serve.loras))
-    if len(loras) != len(found) + len(serve.loras):
-        _usage_error("two adapters share a name (--lora and --lora-dir)")
-    if problem := listen_problem(serve.host, serve.port):  # before the model loads, not after
-        _usage_error(f"--port: {problem}")
-    _check_inputs(serve.model, loras)
-
-    logger.info(
-        "loading %s with %d adapter(s), %s (cpu workers: %d)",
-        serve.model,
-        len(loras),
-        config,
-        config.num_cpu_workers,
-    )
+    logger.info("loading %s with %d adapter(s), %s (cpu workers: %d)",
+                serve.model, len(loras), config, config.num_cpu_workers)  # fmt: skip
     try:
         tune_allocator()
         bound_onednn_caches()  # before the model's first oneDNN op
@@ -148,12 +170,15 @@ def main(argv: list[str] | None = None) -> int:
         # ends, and this thread (waitress's loop from here) runs torch alone (threads.py).
         threads = engine_thread_count(config)  # before this thread's count becomes 1
         torch_on_this_thread_only()
-        engine = run_in_passing_thread(build_engine, serve.model, config, loras, threads=threads)
+        return run_in_passing_thread(build_engine, serve.model, config, loras, threads=threads)
     # An adapter that does not fit the model, a missing shard or tensor of its checkpoint.
     # /dev/shm full, or an adapter refused (its rank, its size, non-finite weights).
     except (AdapterError, CheckpointError, FileNotFoundError, SharedMemoryFull, RequestError) as e:
         _usage_error(str(e))
-    app = create_app(engine, options)
+
+
+def serve_until_drained(app: Flask, engine: Engine, serve: ServeConfig, max_in_flight: int) -> None:
+    """Serve `app` with waitress until a SIGTERM's drain (or a second signal) closes it."""
     sizing = waitress_settings(max_in_flight, serve.threads, serve.header_timeout)
     raise_open_files_limit(sizing["connection_limit"])
     made: list[GuardedServer] = []  # the waitress server, once it exists
@@ -168,30 +193,24 @@ def main(argv: list[str] | None = None) -> int:
     draining = app.extensions["toppings"].draining
     Drainer(draining, engine.drain, serve.drain_timeout, stop_server).install_signals()
     try:
-        try:
-            server = GuardedServer(
-                app,
-                serve.header_timeout,
-                host=serve.host,
-                port=serve.port,
-                channel_request_lookahead=1,  # lets waitress see a client hang up mid-stream
-                **sizing,
-            )
-        except OSError as e:  # taken since the check above
-            _usage_error(f"--port: {_listen_problem(serve.host, serve.port, e)}")
-        made.append(server)
-        server_made.set()
-        url = f"http://{serve.host}:{server.effective_port}"
-        logger.info("serving %s at %s (OpenAI base_url %s/v1); at most %d requests in flight, "
-                    "%d waitress threads", engine.model_name, url, url,
-                    max_in_flight, sizing["threads"])  # fmt: skip
-        server.run()  # returns once the drain has closed waitress's sockets
-        server.release()
-    finally:
-        logger.info("shutting down the engine")
-        engine.shutdown()
-        logger.info("stopped")
-    return 0
+        server = GuardedServer(
+            app,
+            serve.header_timeout,
+            host=serve.host,
+            port=serve.port,
+            channel_request_lookahead=1,  # lets waitress see a client hang up mid-stream
+            **sizing,
+        )
+    except OSError as e:  # taken since the check above
+        _usage_error(f"--port: {_listen_problem(serve.host, serve.port, e)}")
+    made.append(server)
+    server_made.set()
+    url = f"http://{serve.host}:{server.effective_port}"
+    logger.info("serving %s at %s (OpenAI base_url %s/v1); at most %d requests in flight, "
+                "%d waitress threads", engine.model_name, url, url,
+                max_in_flight, sizing["threads"])  # fmt: skip
+    server.run()  # returns once the drain has closed waitress's sockets
+    server.release()
 
 
 if __name__ == "__main__":

@@ -1,10 +1,10 @@
 """`toppings-serve`'s command line, generated from the settings classes (server.settings).
 
-One argparse group per class: the command's own `ServeConfig` (model, adapters, listening,
-draining, logging), the HTTP layer's `ApiOptions`, and the four parts of `EngineConfig`.
+One argparse group per class: the command's own `ServeConfig` (model, adapters, logging, and
+the HTTP front's listening and draining, server.http.listen), the HTTP layer's `ApiOptions`,
+and the four parts of `EngineConfig`.
 `parse_configs` builds the three objects from what argparse returned; each is validated as it
-is built, before anything loads (a `--chat-template` file is read and compiled there too). The
-launcher (`scripts/launch/cli.py`) reuses the core-list and log-level types for its own flags.
+is built, before anything loads (a `--chat-template` file is read and compiled there too).
 """
 
 from __future__ import annotations
@@ -15,28 +15,22 @@ from dataclasses import dataclass
 from toppings.server.api.options import ApiOptions
 from toppings.server.chat_template.file import read_chat_template
 from toppings.server.config import ENGINE_PARTS, EngineConfig
-from toppings.server.http.frontend import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_RESERVE_THREADS
+from toppings.server.http.listen import ListenSettings
 from toppings.server.settings import (
-    Bound,
     Flag,
     Settings,
-    add_flags,
     build,
+    command_parser,
     log_level,
     name_path,
-    parse_cores,
-    positive,
     setting,
 )
 
-__all__ = [
-    "SETTINGS_CLASSES", "ServeConfig", "build_parser", "log_level", "parse_configs", "parse_cores",
-]  # fmt: skip
 
-
-@dataclass(frozen=True)
-class ServeConfig(Settings):
-    """What to serve, where to listen, how to stop."""
+@dataclass(frozen=True, kw_only=True)
+class ServeConfig(ListenSettings):
+    """What to serve, where to listen (the front's flags, shared with the scheduler), how to
+    stop."""
 
     title = "server"
 
@@ -85,36 +79,6 @@ class ServeConfig(Settings):
             metavar="PATH",
         ),
     )
-    host: str = setting("127.0.0.1", flag=Flag())
-    port: int = setting(8100, flag=Flag("0 picks a free port", type=int))
-    threads: int = setting(
-        DEFAULT_RESERVE_THREADS,
-        bound=Bound.POSITIVE,
-        flag=Flag(
-            "waitress threads beyond --max-concurrent-requests, kept for /health, /stats, "
-            "/metrics, adapter load/unload and quick 429s",
-            type=positive,
-            metavar="N",
-        ),
-    )
-    header_timeout: int = setting(
-        DEFAULT_HEADER_TIMEOUT_S,
-        bound=Bound.POSITIVE,
-        flag=Flag(
-            "a connection whose request headers are not complete S seconds after they began (or "
-            "that sends nothing for S seconds with no request running) is closed; at the "
-            "connection limit the longest-waiting incomplete header is closed to make room",
-            type=positive,
-            metavar="S",
-        ),
-    )
-    drain_timeout: float = setting(
-        30.0,
-        bound=Bound.NON_NEGATIVE,
-        flag=Flag(
-            "on SIGTERM, how long requests in flight may take to finish", type=float, metavar="S"
-        ),
-    )
     log_level: str = setting("INFO", flag=Flag(type=log_level))
 
 
@@ -125,13 +89,11 @@ SETTINGS_CLASSES: tuple[type[Settings], ...] = (ServeConfig, ApiOptions, *ENGINE
 
 def build_parser() -> argparse.ArgumentParser:
     """The parser of `toppings-serve`: every flag of every settings class, grouped by class."""
-    parser = argparse.ArgumentParser(
-        prog="toppings-serve",
-        description="Serve one base model and many LoRA adapters over an OpenAI-compatible API.",
+    return command_parser(
+        "toppings-serve",
+        "Serve one base model and many LoRA adapters over an OpenAI-compatible API.",
+        SETTINGS_CLASSES,
     )
-    for cls in SETTINGS_CLASSES:
-        add_flags(parser, cls)
-    return parser
 
 
 def parse_configs(args: argparse.Namespace) -> tuple[ServeConfig, EngineConfig, ApiOptions]:

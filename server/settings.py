@@ -6,10 +6,12 @@ environment fallback) and the checks its value must pass (`choices`, a `Bound`).
 parsed namespace, and `validate` (run by every settings object's `__post_init__`, whether built
 from the command line or in code) refuses a bad value with a ValueError that names the field.
 A class checks what involves several of its fields in its own `check` method, which `validate`
-calls after the per-field checks.
+calls after the per-field checks. `command_parser` is a whole command's parser from its classes:
+every console command (toppings-serve, -scheduler, -launch, -loadgen, -demo) makes its flags so,
+and the flag reference (docs/flags.md) is generated from the same classes.
 
-Imports nothing else of toppings: the configuration modules, the HTTP options and the serve
-command's flags (cli_args.py) use it.
+Imports nothing else of toppings: the configuration modules, the HTTP options and every
+command's flags use it.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import dataclasses
 import enum
 import logging
 import os
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import MISSING, dataclass
 from typing import Any, ClassVar
 from urllib.parse import urlsplit
@@ -110,9 +112,15 @@ def flag_name(f: dataclasses.Field, flag: Flag) -> str:
     return flag.name or "--" + f.name.replace("_", "-")
 
 
+def summary(cls: type) -> str:
+    """The first paragraph of `cls`'s docstring on one line: its group's description."""
+    paragraph = (cls.__doc__ or "").strip().split("\n\n")[0]
+    return " ".join(line.strip() for line in paragraph.splitlines())
+
+
 def add_flags(parser: argparse.ArgumentParser, cls: type[Settings]) -> None:
     """Add the flags of `cls`'s fields to `parser`, in one group titled `cls.title`."""
-    group = parser.add_argument_group(cls.title, (cls.__doc__ or "").splitlines()[0] or None)
+    group = parser.add_argument_group(cls.title, summary(cls) or None)
     for f, flag in _flag_fields(cls):
         name = flag_name(f, flag)
         kwargs: dict[str, Any] = {"dest": f.name, "help": flag.help}
@@ -132,6 +140,19 @@ def add_flags(parser: argparse.ArgumentParser, cls: type[Settings]) -> None:
             if getattr(flag, key) is not None:
                 kwargs[key] = getattr(flag, key)
         group.add_argument(name, *flag.aliases, **kwargs)
+
+
+def command_parser(
+    prog: str,
+    description: str,
+    classes: Iterable[type[Settings]],
+    epilog: str | None = None,
+) -> argparse.ArgumentParser:
+    """A command's parser: one group of flags per settings class, in the order given."""
+    parser = argparse.ArgumentParser(prog=prog, description=description, epilog=epilog)
+    for cls in classes:
+        add_flags(parser, cls)
+    return parser
 
 
 def build(cls: type[Settings], args: argparse.Namespace, **given: Any) -> Any:

@@ -16,7 +16,7 @@ PACKAGES = ("server", "cpu_lora", "gpu_lora", "scheduler", "scripts")
 MAX_MODULES_PER_ROOM = 20
 
 # Inside server/, each room may import only the rooms listed before it. `config` is the settings
-# every room reads (server/config.py, settings.py, lora_modes.py: they import no room); `top` is
+# every room reads (server/config/, settings.py, lora_modes.py: they import no room); `top` is
 # what assembles a server (cli.py, cli_args.py, runtime.py).
 SERVER_LAYERS = (
     "config",

@@ -133,82 +133,119 @@ def simulate(
     if config.adapter_store is not None:
         pool = AdapterPool(config.num_servers, config.adapter_store)
         pool.seed(adapters)
-    by_url = {s.state().url: s.idx for s in servers}
-    holdings_version = None
-    # (time, server idx, is_end): an iteration ends, or an idle server starts one. A start is an
-    # event at the arrival time, not an immediate call, so that requests arriving at the same
-    # instant share one prefill.
-    events: list[tuple[float, int, bool]] = []
-    # (adapter in host memory, request idx, server idx, request)
-    fetches: list[tuple[float, int, int, SimRequest]] = []
-    done: list[SimRequest] = []
-    per_server = [0] * config.num_servers
-    num_unrouted = 0
+    run = _Run(policy, config, adapters, servers, pool, prefix)
     arrival_idx = 0
-    views: list[ServerState] = []
-    next_refresh_s = -math.inf
-    while arrival_idx < len(trace) or events or fetches:
+    while arrival_idx < len(trace) or run.events or run.fetches:
         t_arrival = trace[arrival_idx].arrival_s if arrival_idx < len(trace) else math.inf
-        t_event = events[0][0] if events else math.inf
-        t_fetch = fetches[0][0] if fetches else math.inf
+        t_event = run.events[0][0] if run.events else math.inf
+        t_fetch = run.fetches[0][0] if run.fetches else math.inf
         if t_arrival <= t_event and t_arrival <= t_fetch:
-            item = trace[arrival_idx]
+            run.arrive(trace[arrival_idx])
             arrival_idx += 1
-            now = item.arrival_s
-            key = prefix.key(item) if prefix is not None else None
-            route = RouteRequest(item.adapter, item.rank, item.prompt_tokens, item.output_tokens,
-                                 prefix=key)  # fmt: skip
-            if item.arrival_s >= next_refresh_s:
-                views = [s.state() for s in servers]
-                policy.tick(item.arrival_s, views, adapters)
-                if pool is not None:
-                    holdings_version = _prefetch(policy, pool, by_url, adapters,
-                                                 holdings_version, now)  # fmt: skip
-                next_refresh_s = (
-                    item.arrival_s
-                    if config.refresh_s == 0
-                    else (math.floor(item.arrival_s / config.refresh_s) + 1) * config.refresh_s
-                )
-            target = policy.choose(route, views)
-            if target is None:
-                num_unrouted += 1
-                continue
-            views[target] = views[target].with_routed(
-                item.rank, item.prompt_tokens, item.output_tokens
-            )
-            per_server[target] += 1
-            server = servers[target]
-            request = SimRequest(item)
-            ready = item.arrival_s
-            if pool is not None and item.rank > 0:  # rank 0: the base model, no adapter
-                ready = pool.acquire(target, item.adapter, item.rank, item.arrival_s)
-            if ready > item.arrival_s:
-                request.fetch_wait_s = ready - item.arrival_s
-                server.enqueue(request, fetching=True)
-                heapq.heappush(fetches, (ready, item.idx, target, request))
-                continue
-            server.enqueue(request)
         elif t_fetch <= t_event:
-            now, _, target, request = heapq.heappop(fetches)
-            server = servers[target]
-            server.release(request)
+            run.fetched()
         else:
-            now, target, is_end = heapq.heappop(events)
-            server = servers[target]
-            if is_end:
-                server.finish_iteration(now, done)
-            end = server.start_iteration(now)
-            if end is not None:
-                heapq.heappush(events, (end, target, True))
-            continue
-        if not server.busy:
-            server.busy = True
-            heapq.heappush(events, (now, target, False))
+            run.iterate()
     duration = trace[-1].arrival_s if trace else 0.0
     memory = memory_summary(pool) if pool is not None else {}
     return SimResult(
-        done, config.warmup_fraction * duration, num_unrouted, per_server, memory, pool
+        run.done, config.warmup_fraction * duration, run.num_unrouted, run.per_server, memory, pool
     )
+
+
+class _Run:
+    """One simulation's moving parts: the servers, the two event heaps (iterations, adapter
+    fetches) and what the policy sees of the servers between snapshots."""
+
+    def __init__(
+        self,
+        policy: Policy,
+        config: SimConfig,
+        adapters: Mapping[str, int],
+        servers: list[SimServer],
+        pool: AdapterPool | None,
+        prefix: SimPrefixCaches | None,
+    ) -> None:
+        self.policy, self.config, self.adapters = policy, config, adapters
+        self.servers, self.pool, self.prefix = servers, pool, prefix
+        self.by_url = {s.state().url: s.idx for s in servers}
+        self.holdings_version: int | None = None
+        # (time, server idx, is_end): an iteration ends, or an idle server starts one. A start
+        # is an event at the arrival time, not an immediate call, so that requests arriving at
+        # the same instant share one prefill.
+        self.events: list[tuple[float, int, bool]] = []
+        # (adapter in host memory, request idx, server idx, request)
+        self.fetches: list[tuple[float, int, int, SimRequest]] = []
+        self.done: list[SimRequest] = []
+        self.per_server = [0] * config.num_servers
+        self.num_unrouted = 0
+        self.views: list[ServerState] = []
+        self.next_refresh_s = -math.inf
+
+    def arrive(self, item: TraceRequest) -> None:
+        """Route one arrival (after a snapshot when one is due) and queue it on its server, or
+        behind its adapter's fetch."""
+        now = item.arrival_s
+        if now >= self.next_refresh_s:
+            self._snapshot(now)
+        key = self.prefix.key(item) if self.prefix is not None else None
+        route = RouteRequest(item.adapter, item.rank, item.prompt_tokens, item.output_tokens,
+                             prefix=key)  # fmt: skip
+        target = self.policy.choose(route, self.views)
+        if target is None:
+            self.num_unrouted += 1
+            return
+        self.views[target] = self.views[target].with_routed(
+            item.rank, item.prompt_tokens, item.output_tokens
+        )
+        self.per_server[target] += 1
+        request = SimRequest(item)
+        ready = now
+        if self.pool is not None and item.rank > 0:  # rank 0: the base model, no adapter
+            ready = self.pool.acquire(target, item.adapter, item.rank, now)
+        if ready > now:
+            request.fetch_wait_s = ready - now
+            self.servers[target].enqueue(request, fetching=True)
+            heapq.heappush(self.fetches, (ready, item.idx, target, request))
+            return
+        self.servers[target].enqueue(request)
+        self._wake(now, target)
+
+    def fetched(self) -> None:
+        """The earliest adapter fetch ends: its request may run."""
+        now, _, target, request = heapq.heappop(self.fetches)
+        self.servers[target].release(request)
+        self._wake(now, target)
+
+    def iterate(self) -> None:
+        """The earliest iteration event: finish the server's iteration, start its next."""
+        now, target, is_end = heapq.heappop(self.events)
+        server = self.servers[target]
+        if is_end:
+            server.finish_iteration(now, self.done)
+        end = server.start_iteration(now)
+        if end is not None:
+            heapq.heappush(self.events, (end, target, True))
+
+    def _snapshot(self, now: float) -> None:
+        """What the real scheduler's /stats poll gives the policy, and its tick."""
+        self.views = [s.state() for s in self.servers]
+        self.policy.tick(now, self.views, self.adapters)
+        if self.pool is not None:
+            self.holdings_version = _prefetch(
+                self.policy, self.pool, self.by_url, self.adapters, self.holdings_version, now
+            )
+        refresh_s = self.config.refresh_s
+        self.next_refresh_s = (
+            now if refresh_s == 0 else (math.floor(now / refresh_s) + 1) * refresh_s
+        )
+
+    def _wake(self, now: float, target: int) -> None:
+        """An idle server starts an iteration at `now`."""
+        server = self.servers[target]
+        if not server.busy:
+            server.busy = True
+            heapq.heappush(self.events, (now, target, False))
 
 
 def _prefetch(

@@ -31,7 +31,6 @@ a port in use) are refused at once, in one line, with exit status 2.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import shutil
 import signal
@@ -39,88 +38,16 @@ import sys
 import tempfile
 from pathlib import Path
 
+from toppings.scripts.launch.cli_args import LaunchConfig, build_parser
 from toppings.scripts.launch.node import Launcher
 from toppings.scripts.launch.plan import check_inputs, numactl_usable, plan_servers
 from toppings.scripts.launch.procs import kill_servers
 from toppings.scripts.launch.supervisor import USAGE_ERROR, Limits
+from toppings.server.settings import build
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from toppings.server.cli_args import log_level, parse_cores
-
-    p = argparse.ArgumentParser(
-        prog="toppings-launch",
-        description="Start a node's inference servers on disjoint cores and keep them running.",
-        epilog="Arguments after `--` go to every toppings-serve unchanged.",
-    )
-    p.add_argument("--config", type=Path, help="TOML file with the same keys as the flags")
-    p.add_argument("--model", help="what toppings-serve --model takes")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--num-servers", type=int, default=None, help="default: 1, or one per --gpus")
-    p.add_argument("--gpus", type=parse_cores, default=None, help="GPU ids, one server each")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--base-port", type=int, default=8100, help="server i listens on base + i")
-    p.add_argument("--cores", type=parse_cores, default=None, help="default: this process's")
-    p.add_argument("--cpu-workers", type=int, default=None,
-                   help="per server; default: its (host) cores")  # fmt: skip
-    p.add_argument(
-        "--device-cores-per-server",
-        type=int,
-        default=0,
-        metavar="N",
-        help="a device/host split inside each server's core set: its first N cores run the "
-        "forward pass (toppings-serve --device-cores), the rest its CPU workers and adapter "
-        "loader (--cpu-cores); 0: no split",
-    )
-    p.add_argument("--lora", action="append", default=[], metavar="NAME=PATH")
-    p.add_argument("--lora-dir", action="append", default=[], metavar="DIR")
-    p.add_argument("--chat-template", default=None, metavar="PATH",
-                   help="toppings-serve --chat-template for every server: a Jinja chat template "
-                   "file used instead of the checkpoint's own")  # fmt: skip
-    p.add_argument("--scheduler", default=None, metavar="URL", help="register servers there")
-    p.add_argument(
-        "--start-scheduler",
-        action="store_true",
-        help="also run toppings-scheduler here and register the servers with it",
-    )
-    p.add_argument("--scheduler-port", type=int, default=8000)
-    p.add_argument(
-        "--registry",
-        type=Path,
-        default=None,
-        help="the started scheduler's SQLite registry (default: in the log dir)",
-    )
-    p.add_argument(
-        "--scheduler-arg",
-        action="append",
-        default=[],
-        metavar="ARG",
-        help="passed to the started scheduler, e.g. --scheduler-arg=--policy=random",
-    )
-    p.add_argument("--drain-timeout", type=float, default=30.0)
-    p.add_argument("--start-timeout", type=float, default=600.0, help="seconds to first /health")
-    p.add_argument(
-        "--unhealthy-timeout",
-        type=float,
-        default=60.0,
-        help="restart a running server (or the started scheduler) whose /health has failed "
-        "this long (0: never)",
-    )
-    p.add_argument("--max-restarts", type=int, default=5, help="per server")
-    p.add_argument("--restart-backoff", type=float, default=1.0, help="first delay, doubling")
-    p.add_argument(
-        "--log-dir",
-        type=Path,
-        default=None,
-        help="servers' and scheduler's logs (and the default registry), kept; default: a new "
-        "temporary directory, removed after a clean stop, kept (and printed) if anything failed",
-    )
-    p.add_argument("--numactl", choices=("auto", "never"), default="auto")
-    p.add_argument("--log-level", type=log_level, default="INFO")
-    return p
-
-
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None) -> LaunchConfig:
+    """The launch's settings: the flags, over the `--config` file's keys, over the defaults."""
     argv = list(sys.argv[1:] if argv is None else argv)
     serve_args: list[str] = []
     if "--" in argv:
@@ -138,13 +65,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         if unknown:
             parser.error(f"{first.config}: unknown keys {', '.join(unknown)}")
         parser.set_defaults(**table)
-    args = parser.parse_args(argv)
-    args.serve_args = serve_args
-    if not args.model:
-        parser.error("--model is required (flag or config file)")
-    if args.start_scheduler and args.scheduler:
-        parser.error("--scheduler URL and --start-scheduler exclude each other")
-    return args
+    try:
+        return build(LaunchConfig, parser.parse_args(argv), serve_args=tuple(serve_args))
+    except ValueError as e:
+        parser.error(str(e))
 
 
 def _usage_error(message: str) -> None:

@@ -8,7 +8,6 @@ here reads too); without one, a scheduler on this host takes registrations from 
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import logging
 import os
@@ -19,6 +18,7 @@ from pathlib import Path
 
 import requests
 
+from toppings.scripts.launch.cli_args import LaunchConfig
 from toppings.scripts.launch.plan import serve_command
 from toppings.scripts.launch.procs import (
     SchedulerProc,
@@ -46,7 +46,7 @@ class ServerRole:
 
     def __init__(
         self,
-        args: argparse.Namespace,
+        args: LaunchConfig,
         use_numactl: bool,
         scheduler_url: str | None,
         admin_api_key: str | None = None,
@@ -91,7 +91,7 @@ class Launcher:
 
     def __init__(
         self,
-        args: argparse.Namespace,
+        args: LaunchConfig,
         servers: list[ServerProc],
         limits: Limits,
         use_numactl: bool,

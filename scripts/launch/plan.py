@@ -3,7 +3,6 @@ the checks every server would otherwise fail at start."""
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import subprocess
@@ -11,6 +10,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from toppings.scripts.launch.cli_args import LaunchConfig
 from toppings.scripts.launch.procs import ServerProc
 
 
@@ -33,7 +33,7 @@ def split_cores(cores: Sequence[int], num_sets: int) -> list[tuple[int, ...]]:
     return sets
 
 
-def plan_servers(args: argparse.Namespace, log_dir: Path) -> list[ServerProc]:
+def plan_servers(args: LaunchConfig, log_dir: Path) -> list[ServerProc]:
     """The node's servers: one per GPU (or --num-servers), each on its own set of cores
     (raises ValueError when they cannot be placed)."""
     gpus = list(args.gpus or [])
@@ -73,7 +73,7 @@ def plan_servers(args: argparse.Namespace, log_dir: Path) -> list[ServerProc]:
     ]
 
 
-def check_inputs(args: argparse.Namespace, servers: list[ServerProc]) -> None:
+def check_inputs(args: LaunchConfig, servers: list[ServerProc]) -> None:
     """Refuse at once what every server would refuse at start (raises ValueError): a missing
     model, adapter or adapter folder, a port in use. toppings-serve checks the rest."""
     from toppings.gpu_lora.peft_config import AdapterError, read_adapter_config
@@ -109,7 +109,7 @@ def check_inputs(args: argparse.Namespace, servers: list[ServerProc]) -> None:
             raise ValueError(f"{flag}: {problem}")
 
 
-def serve_command(args: argparse.Namespace, server: ServerProc) -> list[str]:
+def serve_command(args: LaunchConfig, server: ServerProc) -> list[str]:
     """The toppings-serve command line of one server (without the numactl prefix)."""
     cmd = [sys.executable, "-m", "toppings.server.cli", "--model", args.model,
            "--device", args.device, "--host", args.host, "--port", str(server.port),

@@ -19,30 +19,29 @@ the workload options are then ignored, except that --duration and --num-requests
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import logging
 import sys
+from dataclasses import fields
 from pathlib import Path
 
 import requests
 from tqdm import tqdm
 
+from toppings.scripts.loadgen.cli_args import LoadgenConfig, build_parser
 from toppings.scripts.loadgen.client import Journal, run_open_loop
 from toppings.scripts.loadgen.stats import format_summary, plot_cdfs, summarise
 from toppings.scripts.loadgen.workload import (
-    ARRIVALS,
-    POPULARITY,
     LengthSpec,
     TraceEntry,
     WorkloadSpec,
     build_trace,
     load_trace,
     parse_assignment,
-    parse_rank_mix,
     save_trace,
 )
+from toppings.server.settings import build
 
 log = logging.getLogger("toppings-loadgen")
 
@@ -61,70 +60,7 @@ def list_models(url: str, timeout_s: float = 10.0) -> tuple[str | None, dict[str
     return base, {name: int(rank or 0) for name, rank in ranks.items()}
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="toppings-loadgen", description=__doc__.split("\n")[0])
-    p.add_argument("--url", default="http://127.0.0.1:8000", help="server or scheduler base URL")
-    w = p.add_argument_group("workload")
-    w.add_argument("--rps", type=float, default=1.0, help="mean arrival rate (requests/s)")
-    w.add_argument(
-        "--arrivals",
-        choices=ARRIVALS,
-        default="poisson",
-        help="azure-code / azure-conv: bursts shaped like the Azure LLM inference trace 2023's "
-        "services (a model of its shape, not the trace)",
-    )
-    w.add_argument("--cv", type=float, default=1.0, help="coefficient of variation of gamma gaps")
-    w.add_argument("--duration", type=float, help="seconds of arrivals")
-    w.add_argument("--num-requests", type=int, help="at most this many requests")
-    w.add_argument(
-        "--lora-assignment",
-        "--popularity",
-        dest="popularity",
-        default="uniform",
-        metavar="SPEC",
-        help=f"which adapter each request names: {' | '.join(POPULARITY)}, or zipf:ALPHA / "
-        "power:ALPHA",
-    )
-    w.add_argument("--alpha", type=float, default=1.0, help="exponent of zipf / power")
-    w.add_argument(
-        "--ranks",
-        type=parse_rank_mix,
-        default=(),
-        metavar="MIX",
-        help="rank mix, e.g. 32,64 or 32:0.7,64:0.3 (default: any adapter)",
-    )
-    w.add_argument(
-        "--prompt-len",
-        default="32",
-        metavar="SPEC",
-        help="N, uniform:LO:HI, lognormal:MEAN:SIGMA or lmsys",
-    )
-    w.add_argument("--output-len", default="32", metavar="SPEC", help="as --prompt-len")
-    w.add_argument("--max-prompt-len", type=int, default=2048)
-    w.add_argument("--max-output-len", type=int, default=1024)
-    w.add_argument(
-        "--token-range",
-        default="100:250",
-        metavar="LO:HI",
-        help="prompt token ids are drawn from [LO, HI)",
-    )
-    w.add_argument("--seed", type=int, default=0)
-    w.add_argument("--trace", help="replay this JSONL trace instead of generating one")
-    w.add_argument("--save-trace", help="write the trace to this JSONL file")
-    o = p.add_argument_group("run and output")
-    o.add_argument("--out", help="JSONL of {config, result}, one line per request (resumable)")
-    o.add_argument("--summary", help="write the summary as a benchmark JSON file")
-    o.add_argument("--slo-tpt-ms", type=float, help="SLO on time per token, for attainment")
-    o.add_argument("--plot", help="draw CDFs of TTFT, time per token and E2E to this PNG")
-    o.add_argument("--temperature", type=float, default=0.0)
-    o.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
-    o.add_argument("--max-concurrency", type=int, default=512, help="requests in flight at most")
-    o.add_argument("--dry-run", action="store_true", help="make (and save) the trace, send none")
-    o.add_argument("--no-progress", action="store_true")
-    return p
-
-
-def make_trace(args: argparse.Namespace) -> list[TraceEntry]:
+def make_trace(args: LoadgenConfig) -> list[TraceEntry]:
     if args.trace:
         trace = load_trace(args.trace)
         if args.duration is not None:
@@ -166,12 +102,9 @@ def describe(trace: list[TraceEntry]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    args.url = args.url.rstrip("/")
-    if not args.trace and args.duration is None and args.num_requests is None:
-        sys.exit("toppings-loadgen: give --duration and/or --num-requests (or --trace)")
     try:
+        args = build(LoadgenConfig, build_parser().parse_args(argv))
         trace = make_trace(args)
     except (ValueError, OSError, requests.RequestException) as e:
         sys.exit(f"toppings-loadgen: {e}")
@@ -222,8 +155,9 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if summary["num_ok"] or not records else 1
 
 
-def write_summary(args: argparse.Namespace, trace: list[TraceEntry], summary: dict) -> None:
-    config = {k: v for k, v in vars(args).items() if k not in ("summary", "plot", "no_progress")}
+def write_summary(args: LoadgenConfig, trace: list[TraceEntry], summary: dict) -> None:
+    skipped = ("summary", "plot", "no_progress")
+    config = {f.name: getattr(args, f.name) for f in fields(args) if f.name not in skipped}
     result = {
         "name": Path(args.summary).stem,
         "device": f"client of {args.url}",

@@ -40,7 +40,7 @@ from toppings.server.api.admin.lifecycle import AdapterAdmin, AdapterPaths
 from toppings.server.api.admin.peer_fetch import FetchConfig, PeerFetcher
 from toppings.server.api.admin.routes import register_adapters
 from toppings.server.api.context import ApiContext, ServerState
-from toppings.server.api.metrics import CONTENT_TYPE, PREFIX, ServerMetrics
+from toppings.server.api.metrics import PREFIX, ServerMetrics
 from toppings.server.api.openai.choices import RequestLimits
 from toppings.server.api.openai.generation import register_generation, register_tokenizer
 from toppings.server.api.openai.logprobs import TokenText
@@ -48,6 +48,7 @@ from toppings.server.api.openai.models import register_models
 from toppings.server.api.options import ApiOptions
 from toppings.server.api.tokenizer_pool import TokenizerPool
 from toppings.server.http.frontend import InFlightLimit, default_max_in_flight
+from toppings.server.http.metrics import install_metrics
 from toppings.server.requests.errors import (
     API_KEY_REQUIRED,
     AUTHENTICATION,
@@ -126,15 +127,7 @@ def register_observability(app: Flask, ctx: ApiContext) -> None:
         )
         return jsonify(body.to_json())
 
-    @app.get("/metrics")
-    def metrics() -> Response:
-        return Response(state.metrics.render(), content_type=CONTENT_TYPE)
-
-    @app.after_request
-    def count(response: Response) -> Response:
-        endpoint = request.url_rule.endpoint if request.url_rule else "unmatched"
-        state.metrics.requests.observe_http(endpoint, response.status_code)
-        return response
+    install_metrics(app, state.metrics.registry, PREFIX)
 
 
 def _context(engine, options: ApiOptions) -> ApiContext:

@@ -14,18 +14,17 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Protocol
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from toppings.server.api.protocol_metrics import ProtocolCollector
 from toppings.server.http.frontend import InFlightCollector
+from toppings.server.http.metrics import new_registry
 from toppings.server.requests.errors import CONSTRAINT_FAILED
 from toppings.server.requests.request import RequestOutput
 from toppings.server.requests.stats_schema import EngineCounters
 
 PREFIX = "toppings:"
-CONTENT_TYPE = CONTENT_TYPE_LATEST
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                 7.5, 10.0, 20.0, 40.0)  # fmt: skip
 TPT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
@@ -40,8 +39,6 @@ class RequestMetrics:
 
     def __init__(self, registry: CollectorRegistry):
         p = PREFIX
-        self.http = Counter(p + "http_requests", "HTTP requests answered, by endpoint and status",
-                            ["endpoint", "status"], registry=registry)  # fmt: skip
         self.ttft = Histogram(p + "time_to_first_token_seconds", "Time to first token",
                               buckets=TTFT_BUCKETS, registry=registry)  # fmt: skip
         self.tpt = Histogram(p + "time_per_output_token_seconds",
@@ -60,9 +57,6 @@ class RequestMetrics:
             "while generating",
             registry=registry,
         )
-
-    def observe_http(self, endpoint: str, status: int) -> None:
-        self.http.labels(endpoint, str(status)).inc()
 
     def observe_final(self, out: RequestOutput) -> None:
         """Record a request's last output (the one carrying finish_reason)."""
@@ -235,10 +229,7 @@ class ServerMetrics:
     collectors."""
 
     def __init__(self, engine, in_flight):
-        # No *_created series (a timestamp per counter that dashboards do not use); this is a
-        # process-wide setting of prometheus-client and must precede the metrics' creation.
-        disable_created_metrics()
-        self.registry = CollectorRegistry()
+        self.registry = new_registry()  # its /metrics route: server.http.metrics
         self.requests = RequestMetrics(self.registry)
         self.registry.register(EngineCollector(engine))
         # One batch may hold as many distinct adapters as requests.
@@ -249,6 +240,3 @@ class ServerMetrics:
             InFlightCollector(in_flight, PREFIX, "num_requests_in_flight",
                               "Generation requests taken by the HTTP front end and not ended")
         )  # fmt: skip
-
-    def render(self) -> bytes:
-        return generate_latest(self.registry)

@@ -11,8 +11,8 @@ import requests
 
 from toppings.scheduler.app import create_app
 from toppings.scheduler.cluster import Cluster
+from toppings.scheduler.prompt_tokens import estimate_prompt_tokens
 from toppings.scheduler.registry import Registry
-from toppings.scheduler.router import estimate_prompt_tokens
 
 URL = "http://10.0.0.1:8100"
 

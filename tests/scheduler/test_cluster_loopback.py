@@ -30,7 +30,7 @@ import requests
 from tests.helpers import wait_healthy
 from toppings.scheduler.perf_model import LinearPerfModel, PerfModels
 from toppings.scheduler.policies import make_policy
-from toppings.scheduler.router import estimate_prompt_tokens
+from toppings.scheduler.prompt_tokens import estimate_prompt_tokens
 from toppings.scheduler.state import RouteRequest, ServerState
 
 START_TIMEOUT_S = 90.0

@@ -26,7 +26,7 @@ import requests
 
 from tests.helpers import wait_healthy
 from toppings.scheduler.perf_model import LinearPerfModel, PerfModels
-from toppings.scheduler.router import PromptCounter
+from toppings.scheduler.prompt_tokens import PromptCounter
 
 START_TIMEOUT_S = 90.0
 HEADER = "X-Toppings-Server"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from toppings.scheduler.router import PromptCounter, estimate_prompt_tokens
+from toppings.scheduler.prompt_tokens import PromptCounter, estimate_prompt_tokens
 
 
 def test_counts_match_the_tokenizer(tiny_model_dir):

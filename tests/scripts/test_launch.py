@@ -54,7 +54,7 @@ def test_flags_toml_and_serve_args(tmp_path):
     args = parse_args(["--config", str(config), "--base-port", "9100", "--", "--kernel", "bgmv"])
     assert args.model == "/models/base" and args.num_servers == 2
     assert args.base_port == 9100  # the flag wins over the file
-    assert args.serve_args == ["--lora-mode", "cpu-assisted", "--kernel", "bgmv"]
+    assert args.serve_args == ("--lora-mode", "cpu-assisted", "--kernel", "bgmv")
     servers = plan_servers(args, tmp_path)
     assert [s.cores for s in servers] == [(0, 1, 2), (3, 4, 5)]
     assert [s.url for s in servers] == ["http://127.0.0.1:9100", "http://127.0.0.1:9101"]
