@@ -1,24 +1,31 @@
 """Causal attention of one engine step: prefill segments, or one query per request in decode.
 
-Decode reads keys and values in place from the token-level pool with the native kernel
-(`native.py`); where it is not available, the torch path gathers them into a dense copy first
-(the two agree: tests/server/model/test_attention.py). Prefill attends to each request's own new
-tokens and, when part of its prompt came from the prefix cache, to that prefix's keys in the
-pool.
+Decode reads keys and values in place from the token-level pool: on a CPU with the native kernel
+(`native.py`), on a GPU with the Triton kernels of `paged_attention.py`; elsewhere (a CPU without
+a compiler, or a GPU without Triton) the torch path `_decode_torch` gathers them into a dense
+copy first, and stays the reference the others are tested against
+(tests/server/model/test_attention.py, test_paged_attention.py). Prefill attends to each
+request's own new tokens and, when part of its prompt came from the prefix cache, to that
+prefix's keys in the pool.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
+import logging
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 
 from toppings.server import native
 
+log = logging.getLogger(__name__)
 _NATIVE_DTYPES = {torch.float32: "decode_attention_f32", torch.bfloat16: "decode_attention_bf16"}
 _NATIVE_DTYPES_ROWS = {torch.float32: 0, torch.bfloat16: 1}
+_PAGED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Which segments the blocked kernel (`attention_tiles.c`) attends: it reads the past once per
 # tile of 32 tokens, the rows kernel once per token, but a tile pays a fixed cost (its queries
 # and outputs transposed) and a segment of fewer tokens is padded to one. So at least
@@ -135,7 +142,7 @@ def prefill_attention(
     lib = native.library() if isinstance(plan, PrefillPlan) else None
     if isinstance(plan, DecodeRows):
         out = torch.empty_like(q)  # [T, N, D]
-        rows = _decode_torch(q[plan.rows], k_cache, v_cache, plan.index, plan.lengths)
+        rows = decode_attention(q[plan.rows], k_cache, v_cache, plan.index, plan.lengths)
         out[plan.rows] = rows.view(-1, *q.shape[1:])
         rest = plan.segments
     elif lib is not None and q.dtype in _NATIVE_DTYPES and k_cache.is_contiguous():
@@ -201,10 +208,27 @@ def decode_attention(
     q [B, N, D]; k_cache, v_cache [K, S, D] (one layer of the pool); index [B, Lmax] int64 slots
     of each request's positions (entries past its length are ignored); lengths [B] int64 >= 1.
     """
-    lib = native.library() if q.device.type == "cpu" else None
+    if q.device.type == "cuda":
+        paged = _paged()
+        if paged is not None and q.dtype in _PAGED_DTYPES:
+            return paged.paged_decode_attention(q, k_cache, v_cache, index, lengths)
+        return _decode_torch(q, k_cache, v_cache, index, lengths)
+    lib = native.library()
     if lib is not None and q.dtype in _NATIVE_DTYPES and k_cache.is_contiguous():
         return _decode_native(lib, q, k_cache, v_cache, index, lengths)
     return _decode_torch(q, k_cache, v_cache, index, lengths)
+
+
+@functools.cache
+def _paged() -> ModuleType | None:
+    """The Triton kernels of the GPU path, imported on first use (only a GPU imports triton);
+    None where Triton is not installed, and the torch path gathers."""
+    try:
+        from toppings.server.model import paged_attention
+    except ImportError as e:
+        log.warning("no Triton (%s): GPU attention gathers the paged KV (torch path)", e)
+        return None
+    return paged_attention
 
 
 def _decode_native(lib, q, k_cache, v_cache, index, lengths) -> torch.Tensor:
@@ -225,7 +249,8 @@ def _decode_native(lib, q, k_cache, v_cache, index, lengths) -> torch.Tensor:
 
 
 def _decode_torch(q, k_cache, v_cache, index, lengths) -> torch.Tensor:
-    """The same by a gather and batched matmuls over (kv head, request)."""
+    """The same by a gather and batched matmuls over (kv head, request): the reference of the
+    native and Triton paths, and the fallback where neither runs."""
     b, n, d = q.shape
     num_kv, lmax = k_cache.shape[0], index.shape[1]
     mask = torch.arange(lmax, device=q.device)[None, :] < lengths[:, None]  # [B, Lmax]
