@@ -1,5 +1,5 @@
-"""The Triton decode attention over the paged KV (`paged_attention.py`) against the torch path
-(`attention._decode_torch`) and a float64 softmax reference.
+"""The Triton attention over the paged KV (`server/model/paged/`) against the torch paths
+(`attention._decode_torch`, one SDPA per prefill segment) and float64 softmax references.
 
 On a CPU the kernels run in Triton's interpreter (conftest sets TRITON_INTERPRET=1 before triton
 is imported), small shapes only; the tests marked `cuda` run the compiled kernels, inside a CUDA
@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.server.model.test_attention import reference_decode
-from toppings.server.model import attention, paged_attention
+from tests.server.model.test_attention import _segments_in_a_pool, reference_decode
+from toppings.server.model import attention, paged
 
 TOL = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
 
@@ -66,7 +66,7 @@ LENGTHS = (1, 7, 300, 2, 64, 129, 65)  # odd batch, blocks' edges either side, o
 @pytest.mark.parametrize("splits", [1, 3])  # one program per (request, kv head), or merged
 def test_decode_matches_the_references(dtype, head_dim, group, splits):
     args = poisoned_pool(dtype, LENGTHS, group=group, d=head_dim)
-    got = paged_attention.paged_decode_attention(*args, splits=splits)
+    got = paged.paged_decode_attention(*args, splits=splits)
     assert_matches(got, args, dtype)
 
 
@@ -75,31 +75,91 @@ def test_default_splits_and_odd_head_dims(dtype):
     """The split rule's own choice (one request: split), a head dim not a power of two, a batch
     of requests of one position each."""
     args = poisoned_pool(dtype, (290,), num_kv=1, group=5, d=80, seed=1)
-    assert paged_attention.num_splits(1, 1, args[3].shape[1]) == 2
-    assert_matches(paged_attention.paged_decode_attention(*args), args, dtype)
+    assert paged.num_splits(1, 1, args[3].shape[1]) == 2
+    assert_matches(paged.paged_decode_attention(*args), args, dtype)
     args = poisoned_pool(dtype, (1,) * 9, group=2, d=16, seed=2)
-    assert_matches(paged_attention.paged_decode_attention(*args, splits=4), args, dtype)
+    assert_matches(paged.paged_decode_attention(*args, splits=4), args, dtype)
 
 
 def test_split_rule_follows_the_shapes():
     """Split only when B * K programs would leave the GPU idle, never into chunks shorter than
     MIN_CHUNK, at most MAX_SPLITS."""
-    assert paged_attention.num_splits(64, 8, 4096) == 1  # 512 programs already
-    assert paged_attention.num_splits(1, 8, 4096) == paged_attention.MAX_SPLITS
-    assert (
-        paged_attention.num_splits(4, 2, 4096) == 16 and paged_attention.num_splits(8, 4, 4096) == 8
-    )
-    assert paged_attention.num_splits(1, 1, 100) == 1  # shorter than a chunk
-    assert paged_attention.num_splits(1, 1, 3 * paged_attention.MIN_CHUNK) == 3
+    assert paged.num_splits(64, 8, 4096) == 1  # 512 programs already
+    assert paged.num_splits(1, 8, 4096) == paged.decode.MAX_SPLITS
+    assert paged.num_splits(4, 2, 4096) == 16 and paged.num_splits(8, 4, 4096) == 8
+    assert paged.num_splits(1, 1, 100) == 1  # shorter than a chunk
+    assert paged.num_splits(1, 1, 3 * paged.decode.MIN_CHUNK) == 3
 
 
 def test_decode_attention_dispatch_keeps_the_cpu_paths(monkeypatch):
     """A CPU tensor never reaches the Triton kernel: the native C path or the torch one runs."""
     called = []
-    monkeypatch.setattr(paged_attention, "paged_decode_attention", lambda *a: called.append(a))
+    monkeypatch.setattr(paged, "paged_decode_attention", lambda *a: called.append(a))
     args = poisoned_pool(torch.float32, (3, 5), group=2, d=16)
     attention.decode_attention(*args)
     assert not called
+
+
+def reference_prefill(q, k_cache, v_cache, seg_starts, past_slots, slots):
+    """Per segment, token and head: softmax over its past and its own keys up to itself, float64."""
+    num_tokens, n, d = q.shape
+    group = n // k_cache.shape[0]
+    out = torch.empty(num_tokens, n, d, dtype=torch.float64)
+    for i, (start, end) in enumerate(zip(seg_starts[:-1], seg_starts[1:])):
+        past = past_slots[i] if past_slots[i] is not None else slots[:0]
+        for t in range(start, end):
+            seen = torch.cat([past, slots[start : t + 1]])
+            for h in range(n):
+                keys, vals = k_cache[h // group, seen].double(), v_cache[h // group, seen].double()
+                p = torch.softmax(keys @ q[t, h].double() / d**0.5, dim=0)
+                out[t, h] = p @ vals
+    return out.reshape(num_tokens, n * d)
+
+
+# (new tokens, past): whole prompts, chunks after a past (a tile's and a key block's edges either
+# side), and a mixed step's decode rows (one token after a past)
+SEGMENTS = [(16, 0), (33, 0), (77, 5), (1, 40), (31, 130), (3, 70), (1, 9), (1, 200), (65, 64)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group", [1, 3, 4])
+def test_prefill_matches_the_references(dtype, head_dim, group):
+    q, key, val, seg_starts, past_slots, k_cache, v_cache, slots = _segments_in_a_pool(
+        dtype, group, head_dim, SEGMENTS, seed=head_dim + group
+    )
+    unused = torch.ones(k_cache.shape[1], dtype=torch.bool)
+    unused[slots] = False
+    for past in past_slots:
+        if past is not None:
+            unused[past] = False
+    k_cache[:, unused], v_cache[:, unused] = float("nan"), float("nan")  # never read
+    wide = torch.cat([q, q[:, :1]], dim=1)[:, : q.shape[1]]  # q as a strided view
+    plan = paged.plan_paged(seg_starts, past_slots, slots, group)
+    got = paged.paged_prefill_attention(wide, k_cache, v_cache, plan)
+    assert got.dtype == dtype and got.shape == (q.shape[0], q.shape[1] * head_dim)
+    want = reference_prefill(q, k_cache, v_cache, seg_starts, past_slots, slots)
+    torch.testing.assert_close(got.double(), want, rtol=TOL[dtype], atol=TOL[dtype])
+    sdpa = attention.prefill_attention(q, key, val, seg_starts, past_slots, k_cache, v_cache)
+    torch.testing.assert_close(got, sdpa, rtol=TOL[dtype], atol=TOL[dtype])
+
+
+def test_prefill_plan_tiles_the_segments():
+    """Tiles of BLOCK_R // G tokens per segment; each segment's list its past then its slots."""
+    segments = [(50, 0), (1, 3), (22, 4)]
+    *_, seg_starts, past_slots, _, _, slots = _segments_in_a_pool(torch.float32, 3, 8, segments)
+    plan = paged.plan_paged(seg_starts, past_slots, slots, group=3)
+    assert plan.tile_tokens == 21  # 63 of the 64 rows
+    assert plan.tiles.tolist() == [
+        [0, 50, 0, 0, 0], [0, 50, 0, 0, 21], [0, 50, 0, 0, 42],
+        [50, 1, 50, 3, 0],
+        [51, 22, 54, 4, 0], [51, 22, 54, 4, 21],
+    ]  # fmt: skip
+    want = [slots[:50], past_slots[1], slots[50:51], past_slots[2], slots[51:]]
+    assert torch.equal(plan.index, torch.cat(want))
+    with pytest.raises(ValueError, match="another group"):
+        q = torch.zeros(73, 2 * 8, 8)  # a model of G = 8 with a plan for G = 3
+        paged.paged_prefill_attention(q, torch.zeros(2, 80, 8), torch.zeros(2, 80, 8), plan)
 
 
 @needs_cuda
@@ -112,7 +172,7 @@ def test_compiled_decode_matches_the_references(dtype, batch, max_len, group):
     lengths[0] = max_len
     args = poisoned_pool(dtype, lengths.tolist(), num_kv=2, group=group, d=128, device="cuda")
     for splits in (None, 1, 5):
-        got = paged_attention.paged_decode_attention(*args, splits=splits)
+        got = paged.paged_decode_attention(*args, splits=splits)
         assert_matches(got, args, dtype)
     assert_matches(attention.decode_attention(*args), args, dtype)  # as the model calls it
 
@@ -123,15 +183,15 @@ def test_compiled_decode_replays_in_a_cuda_graph():
     queries written into the same buffers, as the engine's decode graphs do."""
     q, k_cache, v_cache, index, lengths = poisoned_pool(torch.bfloat16, [600, 3, 200, 1],
                                                         device="cuda")  # fmt: skip
-    assert paged_attention.num_splits(4, 2, index.shape[1]) > 1
+    assert paged.num_splits(4, 2, index.shape[1]) > 1
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # compiles the kernels outside the capture
-        paged_attention.paged_decode_attention(q, k_cache, v_cache, index, lengths)
+        paged.paged_decode_attention(q, k_cache, v_cache, index, lengths)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = paged_attention.paged_decode_attention(q, k_cache, v_cache, index, lengths)
+        out = paged.paged_decode_attention(q, k_cache, v_cache, index, lengths)
     for step in range(3):
         index.copy_(index.roll(step + 1, 0))
         lengths.copy_(lengths.roll(step + 1, 0))
@@ -148,27 +208,34 @@ def adapters(tmp_path_factory, tiny_model_dir):
 
 
 @needs_cuda
-@pytest.mark.parametrize("min_chunk", [paged_attention.MIN_CHUNK, 32])  # 32: split in the graphs
-def test_engine_with_the_kernel_in_decode_graphs_gives_the_torch_paths_tokens(
-    tiny_model_dir, adapters, min_chunk, monkeypatch
+@pytest.mark.parametrize(
+    ("min_chunk", "budget"),
+    [
+        (paged.decode.MIN_CHUNK, 4096),  # every prompt in one step, then the decode graphs
+        (32, 4096),  # the decode kernel split inside the graphs
+        (paged.decode.MIN_CHUNK, 24),  # chunks after their earlier chunks, mixed steps
+    ],
+)
+def test_engine_on_the_kernels_gives_the_torch_paths_tokens(
+    tiny_model_dir, adapters, min_chunk, budget, monkeypatch
 ):
+    """Decode graphs on, the Triton kernels in them and in every prefill or mixed step: the
+    tokens of the same engine on the torch path (gather + SDPA), eager."""
     from tests.server.model.test_cuda_graphs import JOBS, assert_same, generate, start
 
-    monkeypatch.setattr(paged_attention, "MIN_CHUNK", min_chunk)
-    kernel, calls = paged_attention.paged_decode_attention, []
-
-    def counted(*args, **kwargs):
-        calls.append(args[0].shape[0])
-        return kernel(*args, **kwargs)
-
-    monkeypatch.setattr(paged_attention, "paged_decode_attention", counted)
-    with start(tiny_model_dir, adapters, "cuda", True, max_num_batched_tokens=4096) as engine:
+    monkeypatch.setattr(paged.decode, "MIN_CHUNK", min_chunk)
+    calls: list[str] = []
+    for name in ("paged_decode_attention", "paged_prefill_attention"):
+        kernel = getattr(paged, name)
+        monkeypatch.setattr(paged, name, lambda *a, k=kernel, n=name: calls.append(n) or k(*a))
+    engine_args = dict(max_num_batched_tokens=budget)  # above the batch bound of 16
+    with start(tiny_model_dir, adapters, "cuda", True, **engine_args) as engine:
         got = generate(engine, JOBS)
         replays = engine.runner.graphs.counters["replays"]
-    assert calls and replays > 0  # the kernel was captured, and its graphs replayed
+    assert set(calls) == {"paged_decode_attention", "paged_prefill_attention"} and replays > 0
     monkeypatch.setattr(attention, "_paged", lambda: None)  # the torch path gathers again
     calls.clear()
-    with start(tiny_model_dir, adapters, "cuda", False, max_num_batched_tokens=4096) as engine:
+    with start(tiny_model_dir, adapters, "cuda", False, **engine_args) as engine:
         want = generate(engine, JOBS)
     assert not calls
     assert_same(tiny_model_dir, adapters, JOBS, got, want)

@@ -1,5 +1,5 @@
-"""Decode attention over the token-level KV pool in Triton, reading each key and value row by its
-slot inside the kernel (the GPU's decode path: `attention.decode_attention`).
+"""Decode attention over the token-level KV pool in Triton, one query per request, reading each
+key and value row by its slot inside the kernel (the GPU's path of `attention.decode_attention`).
 
 The torch path gathers every request's keys and values into a dense [K, B, Lmax, D] copy first:
 on an H200 profile of a decode run that gather was the largest kernel (36% of device time).
@@ -123,6 +123,26 @@ def _merge_kernel(
     tl.store(o_ptrs, merged.to(out_ptr.dtype.element_ty), mask=d < D)
 
 
+def check_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> int:
+    """The group G = N / K of q [*, N, D] over k_cache, v_cache [K, S, D], once their shapes,
+    strides and device are checked."""
+    n, d = q.shape[1:]
+    num_kv = k_cache.shape[0]
+    if n % num_kv or k_cache.shape[2] != d or v_cache.shape != k_cache.shape:
+        raise ValueError(f"q {tuple(q.shape)} does not fit k/v {tuple(k_cache.shape)}")
+    if q.stride(2) != 1 or k_cache.stride(2) != 1 or v_cache.stride(2) != 1:
+        raise ValueError("paged attention needs stride 1 along the head dim")
+    if q.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("Triton kernels on CPU tensors need TRITON_INTERPRET=1 before import")
+    return n // num_kv
+
+
+def upcast(q: torch.Tensor) -> bool:
+    """Whether tiles go to tl.dot as float32: Triton's interpreter multiplies 16-bit tiles as raw
+    integers there (16-bit products are exact in float32, so the compiled kernel's sums agree)."""
+    return q.device.type == "cpu" and q.dtype != torch.float32
+
+
 def num_splits(batch: int, num_kv: int, max_len: int) -> int:
     """Splits of the padded width: enough programs for the GPU, each at least MIN_CHUNK long."""
     wanted = triton.cdiv(TARGET_PROGRAMS, batch * num_kv)
@@ -153,13 +173,7 @@ def paged_decode_attention(
     """
     b, n, d = q.shape
     num_kv, lmax = k_cache.shape[0], index.shape[1]
-    group = n // num_kv
-    if n != group * num_kv or k_cache.shape[2] != d or v_cache.shape != k_cache.shape:
-        raise ValueError(f"q {tuple(q.shape)} does not fit k/v {tuple(k_cache.shape)}")
-    if q.stride(2) != 1 or k_cache.stride(2) != 1 or v_cache.stride(2) != 1:
-        raise ValueError("paged attention needs stride 1 along the head dim")
-    if q.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise RuntimeError("Triton kernels on CPU tensors need TRITON_INTERPRET=1 before import")
+    group = check_launch(q, k_cache, v_cache)
     out = torch.empty(b, n * d, dtype=q.dtype, device=q.device)
     if b == 0:
         return out
@@ -168,8 +182,6 @@ def paged_decode_attention(
     chunk = triton.cdiv(triton.cdiv(lmax, s), BLOCK_N) * BLOCK_N
     s = triton.cdiv(lmax, chunk)  # no split left empty by the rounding
     block_g, block_d = max(16, triton.next_power_of_2(group)), max(16, triton.next_power_of_2(d))
-    # Triton's interpreter multiplies 16-bit tiles as raw integers in tl.dot; feed it float32.
-    upcast = q.device.type == "cpu" and q.dtype != torch.float32
     part_o = part_lse = out  # unused unless split
     if s > 1:
         part_o = torch.empty(b, n, s, d, dtype=torch.float32, device=q.device)
@@ -180,7 +192,7 @@ def paged_decode_attention(
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), index.stride(0),
         out.stride(0), n * s, s, 1,
-        BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=BLOCK_N, FINAL=s == 1, UPCAST=upcast,
+        BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=BLOCK_N, FINAL=s == 1, UPCAST=upcast(q),
     )  # fmt: skip
     if s > 1:
         _merge_kernel[(b, n)](
