@@ -46,13 +46,28 @@ def poisoned_pool(dtype, lengths, num_kv=2, group=3, d=64, seed=0, device="cpu")
     return (q, *(t.to(device) for t in tensors))
 
 
-def assert_matches(got, args, dtype) -> None:
-    """got [B, N*D] agrees with the float64 reference and with the torch path."""
+def reference_by_request(q, k_cache, v_cache, index, lengths):
+    """softmax(q . k / sqrt(D)) @ v over each request's own slots in float64, one request at a
+    time on q's device (test_attention's `reference_decode`, batched over heads)."""
+    b, n, d = q.shape
+    num_kv = k_cache.shape[0]
+    out = torch.empty(b, num_kv, n // num_kv, d, dtype=torch.float64, device=q.device)
+    for i in range(b):
+        slots = index[i, : int(lengths[i])]
+        keys, vals = k_cache[:, slots].double(), v_cache[:, slots].double()  # [K, L, D]
+        scores = q[i].double().view(num_kv, -1, d) @ keys.transpose(1, 2) / d**0.5  # [K, G, L]
+        out[i] = torch.softmax(scores, dim=-1) @ vals
+    return out.reshape(b, n * d)
+
+
+def assert_matches(got, args, dtype, want=None) -> None:
+    """got [B, N*D] agrees with the float64 reference (`want`, else computed here) and with
+    the torch path."""
     q = args[0]
     assert got.dtype == dtype and got.shape == (q.shape[0], q.shape[1] * q.shape[2])
     assert torch.isfinite(got).all()  # no NaN slot past a length was read
-    want = reference_decode(*(t.cpu() for t in args))
-    torch.testing.assert_close(got.cpu().double(), want, rtol=TOL[dtype], atol=TOL[dtype])
+    want = reference_by_request(*args) if want is None else want
+    torch.testing.assert_close(got.double(), want, rtol=TOL[dtype], atol=TOL[dtype])
     torch_path = attention._decode_torch(*args)
     torch.testing.assert_close(got, torch_path, rtol=TOL[dtype], atol=TOL[dtype])
 
@@ -68,6 +83,11 @@ def test_decode_matches_the_references(dtype, head_dim, group, splits):
     args = poisoned_pool(dtype, LENGTHS, group=group, d=head_dim)
     got = paged.paged_decode_attention(*args, splits=splits)
     assert_matches(got, args, dtype)
+
+
+def test_the_batched_reference_is_the_plain_one():
+    args = poisoned_pool(torch.float32, LENGTHS, group=3, d=16)
+    torch.testing.assert_close(reference_by_request(*args), reference_decode(*args))
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -103,16 +123,15 @@ def test_decode_attention_dispatch_keeps_the_cpu_paths(monkeypatch):
 def reference_prefill(q, k_cache, v_cache, seg_starts, past_slots, slots):
     """Per segment, token and head: softmax over its past and its own keys up to itself, float64."""
     num_tokens, n, d = q.shape
-    group = n // k_cache.shape[0]
-    out = torch.empty(num_tokens, n, d, dtype=torch.float64)
+    num_kv = k_cache.shape[0]
+    out = torch.empty(num_tokens, num_kv, n // num_kv, d, dtype=torch.float64)
     for i, (start, end) in enumerate(zip(seg_starts[:-1], seg_starts[1:])):
         past = past_slots[i] if past_slots[i] is not None else slots[:0]
         for t in range(start, end):
             seen = torch.cat([past, slots[start : t + 1]])
-            for h in range(n):
-                keys, vals = k_cache[h // group, seen].double(), v_cache[h // group, seen].double()
-                p = torch.softmax(keys @ q[t, h].double() / d**0.5, dim=0)
-                out[t, h] = p @ vals
+            keys, vals = k_cache[:, seen].double(), v_cache[:, seen].double()  # [K, L, D]
+            scores = q[t].double().view(num_kv, -1, d) @ keys.transpose(1, 2) / d**0.5
+            out[t] = torch.softmax(scores, dim=-1) @ vals  # [K, G, D]
     return out.reshape(num_tokens, n * d)
 
 
@@ -122,9 +141,8 @@ SEGMENTS = [(16, 0), (33, 0), (77, 5), (1, 40), (31, 130), (3, 70), (1, 9), (1, 
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("group", [1, 3, 4])
-def test_prefill_matches_the_references(dtype, head_dim, group):
+@pytest.mark.parametrize(("group", "head_dim"), [(1, 64), (3, 128), (4, 64)])
+def test_prefill_matches_the_references(dtype, group, head_dim):
     q, key, val, seg_starts, past_slots, k_cache, v_cache, slots = _segments_in_a_pool(
         dtype, group, head_dim, SEGMENTS, seed=head_dim + group
     )
@@ -164,17 +182,39 @@ def test_prefill_plan_tiles_the_segments():
 
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize(("batch", "max_len"), [(1, 4096), (5, 700), (48, 1500)])
-@pytest.mark.parametrize("group", [1, 4, 7])
+@pytest.mark.parametrize(("batch", "max_len", "group"), [(1, 4096, 4), (5, 700, 1), (48, 1500, 7)])
 def test_compiled_decode_matches_the_references(dtype, batch, max_len, group):
     gen = torch.Generator().manual_seed(batch)
     lengths = torch.randint(1, max_len + 1, (batch,), generator=gen)
     lengths[0] = max_len
     args = poisoned_pool(dtype, lengths.tolist(), num_kv=2, group=group, d=128, device="cuda")
+    want = reference_by_request(*args)
     for splits in (None, 1, 5):
         got = paged.paged_decode_attention(*args, splits=splits)
-        assert_matches(got, args, dtype)
-    assert_matches(attention.decode_attention(*args), args, dtype)  # as the model calls it
+        assert_matches(got, args, dtype, want)
+    assert_matches(attention.decode_attention(*args), args, dtype, want)  # as the model calls it
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_prefill_matches_sdpa(dtype):
+    """A long prompt, a chunk after a long past, decode rows after long pasts, a short chunk:
+    the engine's shapes (G = 4, D = 128), against one SDPA per segment."""
+    segments = [(1500, 0), (256, 1300), (40, 64)] + [(1, 2000)] * 5
+    q, key, val, seg_starts, past_slots, k_cache, v_cache, slots = (
+        t.cuda() if isinstance(t, torch.Tensor) else t
+        for t in _segments_in_a_pool(dtype, 4, 128, segments, seed=7, num_kv=2)
+    )
+    past_slots = [p.cuda() if p is not None else None for p in past_slots]
+    plan = paged.plan_paged(seg_starts, past_slots, slots, group=4)
+    got = paged.paged_prefill_attention(q, k_cache, v_cache, plan)
+    sdpa = attention.prefill_attention(q, key, val, seg_starts, past_slots, k_cache, v_cache)
+    torch.testing.assert_close(got, sdpa, rtol=TOL[dtype], atol=TOL[dtype])
+    through = attention.prefill_attention(
+        q, key, val, seg_starts, past_slots, k_cache, v_cache,
+        attention.plan_prefill(seg_starts, past_slots, slots, 4),
+    )  # fmt: skip
+    torch.testing.assert_close(through, got, rtol=0, atol=0)  # the model's call: the kernel
 
 
 @needs_cuda
