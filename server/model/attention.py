@@ -230,7 +230,7 @@ def decode_attention(
         if paged is not None and q.dtype in _PAGED_DTYPES:
             return paged.paged_decode_attention(q, k_cache, v_cache, index, lengths)
         return _decode_torch(q, k_cache, v_cache, index, lengths)
-    lib = native.library()
+    lib = native.library() if q.device.type == "cpu" else None
     if lib is not None and q.dtype in _NATIVE_DTYPES and k_cache.is_contiguous():
         return _decode_native(lib, q, k_cache, v_cache, index, lengths)
     return _decode_torch(q, k_cache, v_cache, index, lengths)
