@@ -279,3 +279,48 @@ def test_engine_on_the_kernels_gives_the_torch_paths_tokens(
         want = generate(engine, JOBS)
     assert not calls
     assert_same(tiny_model_dir, adapters, JOBS, got, want)
+
+
+def test_engine_through_the_interpreted_kernels_gives_the_torch_paths_tokens(
+    tiny_model_dir, monkeypatch
+):
+    """The model's calls routed to the Triton kernels on the CPU (interpreted), as a GPU routes
+    them: the plan built once a step for the model's group, q as a view of the qkv projection,
+    whole prompts, chunks after their earlier chunks and mixed steps under a small budget.
+    Greedy tokens equal the torch path's (float32; the tiny model: G = 2, D = 16)."""
+    from tests.helpers import running_engine
+    from toppings.server import native
+    from toppings.server.model import llama
+    from toppings.server.requests.request import GenerationRequest, SamplingParams
+
+    monkeypatch.setattr(native, "library", lambda: None)  # op by op, the torch path
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 200, (n,), generator=gen).tolist() for n in (5, 23, 9, 40, 2)]
+
+    def run() -> list[list[int]]:
+        with running_engine(tiny_model_dir, max_batch_size=8, max_num_batched_tokens=16) as e:
+            params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+            handles = e.submit_all([GenerationRequest(p, params, None) for p in prompts])
+            return [h.result(timeout_s=300).new_token_ids for h in handles]
+
+    want = run()
+    calls: list[str] = []
+
+    def plan(seg_starts, past_slots, slots, group):
+        calls.append("plan")
+        return paged.plan_paged(seg_starts, past_slots, slots, group)
+
+    def prefill(q, key, val, seg_starts, past_slots, k_cache, v_cache, plan):
+        calls.append("prefill")
+        return paged.paged_prefill_attention(q, k_cache, v_cache, plan)
+
+    def decode(*args):
+        calls.append("decode")
+        return paged.paged_decode_attention(*args)
+
+    monkeypatch.setattr(llama, "plan_prefill", plan)
+    monkeypatch.setattr(llama, "prefill_attention", prefill)
+    monkeypatch.setattr(llama, "decode_attention", decode)
+    got = run()
+    assert {"plan", "prefill", "decode"} <= set(calls)
+    assert got == want
