@@ -2,15 +2,16 @@
 # The device checks of bench/GPU.md in one script, for one `run` call of the device tool:
 #
 #   bash bench/gpu_checks.sh [STEP ...]     # steps: tests kernels graphs assisted (the default),
-#                                           # and chunked (by name only)
+#                                           # and chunked, attention (by name only)
 #
 # Run from the repository root with `carry: [".whl", ".gpu"]`: the wheels of bench/gpu_wheels.txt
 # that GPU.md fetches, and in .gpu/ the weightless checkpoints (config and tokenizer) the
 # benchmarks make once under /tmp, made here, since the device reaches no package index. The
 # `tests` step runs every CUDA-marked test of the tree. Every step has its own time limit
-# (TESTS_S, KERNELS_S, GRAPHS_S, ASSISTED_S, CHUNKED_S; arguments in GRAPHS_ARGS, ASSISTED_ARGS,
-# CHUNKED_ARGS), so one that hangs or fails leaves the others' results; logs and JSONs land in
-# $OUT (or /tmp/gpu_checks without it). PEAK_GBPS: the card's HBM bandwidth (default: H100 SXM).
+# (TESTS_S, KERNELS_S, GRAPHS_S, ASSISTED_S, CHUNKED_S, ATTENTION_S; arguments in GRAPHS_ARGS,
+# ASSISTED_ARGS, CHUNKED_ARGS), so one that hangs or fails leaves the others' results; logs and
+# JSONs land in $OUT (or /tmp/gpu_checks without it). PEAK_GBPS: the card's HBM bandwidth
+# (default: H100 SXM).
 set -u
 OUT=${OUT:-/tmp/gpu_checks}
 mkdir -p "$OUT"
@@ -62,6 +63,9 @@ for s in $steps; do
     assisted)
         step assisted "${ASSISTED_S:-140}" python3 -m bench.bench_cpu_assisted --device cuda \
             --cpu-workers 8 --out "$OUT/cpu_assisted_cuda.json" ${ASSISTED_ARGS:-} ;;
+    attention)  # one layer's attention: the gather / SDPA path against the paged Triton kernels
+        step attention "${ATTENTION_S:-60}" python3 -m bench.bench_paged_attention \
+            --out "$OUT/paged_attention.json" ;;
     chunked)  # chunked prefill under load on Llama-2-7B's shapes (random weights)
         step chunked "${CHUNKED_S:-300}" python3 -m bench.bench_chunked_prefill --device cuda \
             --model /tmp/toppings-dummy-llama-2-7b-32l --load-format dummy \

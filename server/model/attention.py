@@ -1,24 +1,36 @@
 """Causal attention of one engine step: prefill segments, or one query per request in decode.
 
-Decode reads keys and values in place from the token-level pool with the native kernel
-(`native.py`); where it is not available, the torch path gathers them into a dense copy first
-(the two agree: tests/server/model/test_attention.py). Prefill attends to each request's own new
-tokens and, when part of its prompt came from the prefix cache, to that prefix's keys in the
-pool.
+Both read keys and values in place from the token-level pool: on a CPU with the native kernels
+(`native.py`), on a GPU with the Triton kernels of `paged/` (decode with flash-decoding splits;
+a prefill or mixed step's segments in one launch per layer). Elsewhere (a CPU without a
+compiler, or a GPU without Triton) the torch path gathers them into a dense copy first: decode
+in `_decode_torch`, prefill in one SDPA per segment; it stays the reference the others are
+tested against (tests/server/model/test_attention.py, test_paged_attention.py). Prefill attends
+to each request's own new tokens and, when part of its prompt came from the prefix cache or
+earlier chunks, to that past's keys in the pool.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
+import logging
 from dataclasses import dataclass
+from types import ModuleType
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from toppings.server import native
 
+if TYPE_CHECKING:
+    from toppings.server.model.paged import PagedPrefill
+
+log = logging.getLogger(__name__)
 _NATIVE_DTYPES = {torch.float32: "decode_attention_f32", torch.bfloat16: "decode_attention_bf16"}
 _NATIVE_DTYPES_ROWS = {torch.float32: 0, torch.bfloat16: 1}
+_PAGED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Which segments the blocked kernel (`attention_tiles.c`) attends: it reads the past once per
 # tile of 32 tokens, the rows kernel once per token, but a tile pays a fixed cost (its queries
 # and outputs transposed) and a segment of fewer tokens is padded to one. So at least
@@ -53,9 +65,10 @@ class PrefillPlan:
 @dataclass
 class DecodeRows:
     """The one-token segments after a past (a mixed step's decode rows) on the torch path (a
-    GPU, or no native kernel), attended in one batched decode call instead of one SDPA chain
-    per segment and layer: on an H100 a mixed step of 64 decodes and 32 prompt tokens of a
-    30-layer model ran 220 ms that way against 14 ms for the 64 decodes alone, launch bound."""
+    GPU without Triton, or a CPU without the native kernel), attended in one batched decode call
+    instead of one SDPA chain per segment and layer: on an H100 a mixed step of 64 decodes and
+    32 prompt tokens of a 30-layer model ran 220 ms that way against 14 ms for the 64 decodes
+    alone, launch bound."""
 
     rows: torch.Tensor  # [Bd] int64, the rows' token indices in the step
     index: torch.Tensor  # [Bd, Lmax] int64, each row's past and own slot, padded
@@ -64,11 +77,18 @@ class DecodeRows:
 
 
 def plan_prefill(
-    seg_starts: list[int], past_slots: list[torch.Tensor | None] | None, slots: torch.Tensor
-) -> PrefillPlan | DecodeRows | None:
+    seg_starts: list[int],
+    past_slots: list[torch.Tensor | None] | None,
+    slots: torch.Tensor,
+    group: int = 1,
+) -> PrefillPlan | DecodeRows | PagedPrefill | None:
     """The plan of a prefill or mixed step whose tokens went to `slots` [T] int64, the same in
-    every layer: natively attended rows on a CPU with the native kernel, else the decode rows
-    to batch (None where there are fewer than two)."""
+    every layer, for `group` query heads per kv head: every segment in one Triton launch on a
+    GPU, natively attended rows on a CPU with the native kernel, else the decode rows to batch
+    (None where there are fewer than two)."""
+    paged = _paged() if slots.device.type == "cuda" else None
+    if paged is not None:
+        return paged.plan_paged(seg_starts, past_slots, slots, group)
     if slots.device.type != "cpu" or native.library() is None:
         return _plan_decode_rows(seg_starts, past_slots, slots)
     num_tokens = seg_starts[-1]
@@ -116,7 +136,7 @@ def prefill_attention(
     past_slots: list[torch.Tensor | None] | None = None,
     k_cache: torch.Tensor | None = None,
     v_cache: torch.Tensor | None = None,
-    plan: PrefillPlan | DecodeRows | None = None,
+    plan: PrefillPlan | DecodeRows | PagedPrefill | None = None,
 ) -> torch.Tensor:
     """Causal self-attention within each segment. q [T, N, D]; key, val [T, K, D] -> [T, N*D].
 
@@ -126,16 +146,20 @@ def prefill_attention(
     segment runs natively, reading the pool in place: the short ones in one call of the rows
     kernel, the others in one call of the blocked kernel. SDPA's per-call cost dominates short
     prompts, and after a past it needs an explicit mask (no flash kernel) and a gathered copy
-    of the past (bench/bench_prefill_attention.py compares the three). With `DecodeRows`, its
-    rows are attended as one decode batch. Inputs go to SDPA as 4-D [1, heads, t, D]: with 3-D
+    of the past (bench/bench_prefill_attention.py compares the three). With a `PagedPrefill` (a
+    GPU), every segment runs in one Triton launch reading the pool in place. With `DecodeRows`,
+    its rows are attended as one decode batch. Inputs go to SDPA as 4-D [1, heads, t, D]: with 3-D
     ones torch's CPU SDPA falls back to its unfused math kernel (measured here: 22% of a
     SmolLM2 prefill) instead of its flash kernel.
     """
     num_tokens = q.shape[0]
+    paged = _paged() if q.device.type == "cuda" else None
+    if paged is not None and isinstance(plan, paged.PagedPrefill) and q.dtype in _PAGED_DTYPES:
+        return paged.paged_prefill_attention(q, k_cache, v_cache, plan)
     lib = native.library() if isinstance(plan, PrefillPlan) else None
     if isinstance(plan, DecodeRows):
         out = torch.empty_like(q)  # [T, N, D]
-        rows = _decode_torch(q[plan.rows], k_cache, v_cache, plan.index, plan.lengths)
+        rows = decode_attention(q[plan.rows], k_cache, v_cache, plan.index, plan.lengths)
         out[plan.rows] = rows.view(-1, *q.shape[1:])
         rest = plan.segments
     elif lib is not None and q.dtype in _NATIVE_DTYPES and k_cache.is_contiguous():
@@ -201,10 +225,27 @@ def decode_attention(
     q [B, N, D]; k_cache, v_cache [K, S, D] (one layer of the pool); index [B, Lmax] int64 slots
     of each request's positions (entries past its length are ignored); lengths [B] int64 >= 1.
     """
+    if q.device.type == "cuda":
+        paged = _paged()
+        if paged is not None and q.dtype in _PAGED_DTYPES:
+            return paged.paged_decode_attention(q, k_cache, v_cache, index, lengths)
+        return _decode_torch(q, k_cache, v_cache, index, lengths)
     lib = native.library() if q.device.type == "cpu" else None
     if lib is not None and q.dtype in _NATIVE_DTYPES and k_cache.is_contiguous():
         return _decode_native(lib, q, k_cache, v_cache, index, lengths)
     return _decode_torch(q, k_cache, v_cache, index, lengths)
+
+
+@functools.cache
+def _paged() -> ModuleType | None:
+    """The Triton kernels of the GPU path, imported on first use (only a GPU imports triton);
+    None where Triton is not installed, and the torch path gathers."""
+    try:
+        from toppings.server.model import paged
+    except ImportError as e:
+        log.warning("no Triton (%s): GPU attention gathers the paged KV (torch path)", e)
+        return None
+    return paged
 
 
 def _decode_native(lib, q, k_cache, v_cache, index, lengths) -> torch.Tensor:
@@ -225,7 +266,8 @@ def _decode_native(lib, q, k_cache, v_cache, index, lengths) -> torch.Tensor:
 
 
 def _decode_torch(q, k_cache, v_cache, index, lengths) -> torch.Tensor:
-    """The same by a gather and batched matmuls over (kv head, request)."""
+    """The same by a gather and batched matmuls over (kv head, request): the reference of the
+    native and Triton paths, and the fallback where neither runs."""
     b, n, d = q.shape
     num_kv, lmax = k_cache.shape[0], index.shape[1]
     mask = torch.arange(lmax, device=q.device)[None, :] < lengths[:, None]  # [B, Lmax]

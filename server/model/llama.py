@@ -275,7 +275,7 @@ class LlamaModel:
         residual = None  # the last block's output, added into h by the next norm
         plan = None
         if batch.is_prefill:  # which prompts the native kernel attends, the same in every layer
-            plan = plan_prefill(batch.seg_starts, batch.past_slots, batch.slots)
+            plan = plan_prefill(batch.seg_starts, batch.past_slots, batch.slots, n // k)
         for idx, layer in enumerate(self.layers):
             x = add_rms_norm(h, residual, layer.input_norm, cfg.rms_norm_eps)
             qkv = layer.qkv(x)  # [T, (N+2K)*D]
