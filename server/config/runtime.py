@@ -90,6 +90,18 @@ class RuntimeConfig(Settings):
             parse=on_off,
         ),
     )
+    # Attention over the paged KV by the Triton kernels of model/paged/ on a GPU; None: on for cuda.
+    paged_attention: bool | None = setting(
+        None,
+        flag=Flag(
+            "on a GPU, attention reads the paged KV in place with the Triton kernels (decode and "
+            "prefill); off: the torch path, which gathers each step's KV into a dense copy "
+            "first (default: on with --device cuda; refused with --device cpu, whose native "
+            "kernels read the pool in place)",
+            choices=ON_OFF,
+            parse=on_off,
+        ),
+    )
     # Every Triton LoRA kernel variant compiled before /health answers (model/kernel_warmup.py);
     # None: on for cuda.
     warmup: bool | None = setting(
@@ -145,6 +157,8 @@ class RuntimeConfig(Settings):
     def check(self) -> None:
         if self.cuda_graphs and self.device != "cuda":
             raise ValueError("cuda_graphs needs device cuda (a CPU has no graphs to capture)")
+        if self.paged_attention and self.device != "cuda":
+            raise ValueError("paged_attention needs device cuda (a CPU reads the pool natively)")
         if self.warmup and self.device != "cuda":
             raise ValueError("warmup needs device cuda (a CPU runs no Triton kernels)")
         if self.adapt_threads and self.device != "cpu":
@@ -177,6 +191,11 @@ class RuntimeConfig(Settings):
         if self.async_scheduling is None:
             return self.device == "cuda"
         return self.async_scheduling
+
+    @property
+    def use_paged_attention(self) -> bool:
+        """Whether GPU attention runs the Triton kernels over the paged KV (model/paged/)."""
+        return self.device == "cuda" and self.paged_attention is not False
 
     @property
     def use_warmup(self) -> bool:

@@ -69,7 +69,7 @@ def compose_engine(
     weights = checkpoint.weights_on(config.device, dtype)  # dummy ones drawn on the device
     model = LlamaModel(
         mc, weights, dtype, config.device, max_model_len,
-        quantization=config.quantization_scheme,
+        quantization=config.quantization_scheme, paged_attention=config.use_paged_attention,
     )  # fmt: skip
     lora_config, sched_config = config.part(LoraConfig), config.part(SchedulingConfig)
     # KV pool, prefix tree, host tier and adapter cache: one owner of device memory.

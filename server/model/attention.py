@@ -81,14 +81,15 @@ def plan_prefill(
     past_slots: list[torch.Tensor | None] | None,
     slots: torch.Tensor,
     group: int = 1,
+    paged: bool = True,
 ) -> PrefillPlan | DecodeRows | PagedPrefill | None:
     """The plan of a prefill or mixed step whose tokens went to `slots` [T] int64, the same in
     every layer, for `group` query heads per kv head: every segment in one Triton launch on a
     GPU, natively attended rows on a CPU with the native kernel, else the decode rows to batch
-    (None where there are fewer than two)."""
-    paged = _paged() if slots.device.type == "cuda" else None
-    if paged is not None:
-        return paged.plan_paged(seg_starts, past_slots, slots, group)
+    (None where there are fewer than two). paged: False takes the torch path on a GPU."""
+    kernels = _paged() if paged and slots.device.type == "cuda" else None
+    if kernels is not None:
+        return kernels.plan_paged(seg_starts, past_slots, slots, group)
     if slots.device.type != "cpu" or native.library() is None:
         return _plan_decode_rows(seg_starts, past_slots, slots)
     num_tokens = seg_starts[-1]
@@ -159,7 +160,7 @@ def prefill_attention(
     lib = native.library() if isinstance(plan, PrefillPlan) else None
     if isinstance(plan, DecodeRows):
         out = torch.empty_like(q)  # [T, N, D]
-        rows = decode_attention(q[plan.rows], k_cache, v_cache, plan.index, plan.lengths)
+        rows = decode_attention(q[plan.rows], k_cache, v_cache, plan.index, plan.lengths, False)
         out[plan.rows] = rows.view(-1, *q.shape[1:])
         rest = plan.segments
     elif lib is not None and q.dtype in _NATIVE_DTYPES and k_cache.is_contiguous():
@@ -219,16 +220,18 @@ def decode_attention(
     v_cache: torch.Tensor,
     index: torch.Tensor,
     lengths: torch.Tensor,
+    paged: bool = True,
 ) -> torch.Tensor:
     """One query token per request over its cached keys. Returns [B, N*D] in q's dtype.
 
     q [B, N, D]; k_cache, v_cache [K, S, D] (one layer of the pool); index [B, Lmax] int64 slots
-    of each request's positions (entries past its length are ignored); lengths [B] int64 >= 1.
+    of each request's positions (entries past its length are ignored); lengths [B] int64 >= 1;
+    paged: False takes the torch path on a GPU.
     """
     if q.device.type == "cuda":
-        paged = _paged()
-        if paged is not None and q.dtype in _PAGED_DTYPES:
-            return paged.paged_decode_attention(q, k_cache, v_cache, index, lengths)
+        kernels = _paged() if paged else None
+        if kernels is not None and q.dtype in _PAGED_DTYPES:
+            return kernels.paged_decode_attention(q, k_cache, v_cache, index, lengths)
         return _decode_torch(q, k_cache, v_cache, index, lengths)
     lib = native.library() if q.device.type == "cpu" else None
     if lib is not None and q.dtype in _NATIVE_DTYPES and k_cache.is_contiguous():

@@ -195,17 +195,21 @@ class LlamaModel:
         pack_cpu_weights: bool = True,
         plain_gemv: bool | None = None,
         quantization: Quantization = Quantization.NONE,
+        paged_attention: bool = True,
     ):
         """pack_cpu_weights: on a CPU, run the projections through oneDNN (linear.py);
         plain_gemv: where linear.py's GEMV (bf16 or float32) runs here, keep a plain copy of
         each weight for steps of 1-4 rows (twice the projections' memory; a tied lm_head shares
         the embedding); None: where that copy is affordable (`linear.plain_copy_affordable`);
         quantization: int8 / int4 projections (quant.py; lm_head int8 in both), each quantized
-        from the checkpoint's own weight (a float tensor, or a GGUF's blocks) at load."""
+        from the checkpoint's own weight (a float tensor, or a GGUF's blocks) at load;
+        paged_attention: on a GPU, attention by the Triton kernels over the paged KV (else the
+        torch path, which gathers it)."""
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
         self.quantization = quantization
+        self.paged_attention = paged_attention
         quantized = quantization is not Quantization.NONE
         if quantized and self.device.type != "cpu":
             raise ValueError(f"quantization {quantization.value} runs on a cpu only")
@@ -275,7 +279,9 @@ class LlamaModel:
         residual = None  # the last block's output, added into h by the next norm
         plan = None
         if batch.is_prefill:  # which prompts the native kernel attends, the same in every layer
-            plan = plan_prefill(batch.seg_starts, batch.past_slots, batch.slots, n // k)
+            plan = plan_prefill(
+                batch.seg_starts, batch.past_slots, batch.slots, n // k, self.paged_attention
+            )
         for idx, layer in enumerate(self.layers):
             x = add_rms_norm(h, residual, layer.input_norm, cfg.rms_norm_eps)
             qkv = layer.qkv(x)  # [T, (N+2K)*D]
@@ -295,7 +301,10 @@ class LlamaModel:
                     q, key, val, batch.seg_starts, batch.past_slots, kv.k[idx], kv.v[idx], plan
                 )  # [T, N*D]
             else:
-                attn = decode_attention(q, kv.k[idx], kv.v[idx], batch.kv_index, batch.kv_lengths)
+                attn = decode_attention(
+                    q, kv.k[idx], kv.v[idx], batch.kv_index, batch.kv_lengths,
+                    self.paged_attention,
+                )  # fmt: skip
             out = layer.o(attn)  # [T, H]
             if lora is not None:
                 lora.add(idx, attn, (("o_proj", out),))

@@ -297,30 +297,49 @@ def test_engine_through_the_interpreted_kernels_gives_the_torch_paths_tokens(
     gen = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 200, (n,), generator=gen).tolist() for n in (5, 23, 9, 40, 2)]
 
-    def run() -> list[list[int]]:
+    def run(paged_attention: bool | None = None) -> list[list[int]]:
         with running_engine(tiny_model_dir, max_batch_size=8, max_num_batched_tokens=16) as e:
+            if paged_attention is not None:  # what `--paged-attention` sets on a GPU
+                e.model.paged_attention = paged_attention
             params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
             handles = e.submit_all([GenerationRequest(p, params, None) for p in prompts])
             return [h.result(timeout_s=300).new_token_ids for h in handles]
 
     want = run()
     calls: list[str] = []
+    takes: list[bool] = []  # the model's `paged` argument at each call
 
-    def plan(seg_starts, past_slots, slots, group):
+    def plan(seg_starts, past_slots, slots, group, on):
         calls.append("plan")
+        takes.append(on)
         return paged.plan_paged(seg_starts, past_slots, slots, group)
 
     def prefill(q, key, val, seg_starts, past_slots, k_cache, v_cache, plan):
         calls.append("prefill")
         return paged.paged_prefill_attention(q, k_cache, v_cache, plan)
 
-    def decode(*args):
+    def decode(q, k_cache, v_cache, index, lengths, on):
         calls.append("decode")
-        return paged.paged_decode_attention(*args)
+        takes.append(on)
+        return paged.paged_decode_attention(q, k_cache, v_cache, index, lengths)
 
     monkeypatch.setattr(llama, "plan_prefill", plan)
     monkeypatch.setattr(llama, "prefill_attention", prefill)
     monkeypatch.setattr(llama, "decode_attention", decode)
-    got = run()
+    got = run(paged_attention=True)
     assert {"plan", "prefill", "decode"} <= set(calls)
     assert got == want
+    assert all(takes)
+    takes.clear()
+    run(paged_attention=False)  # `--paged-attention off`: the model asks for the torch path
+    assert takes and not any(takes)
+
+
+def test_paged_attention_is_on_with_cuda_and_refused_on_a_cpu():
+    from toppings.server.config import EngineConfig
+
+    assert EngineConfig(device="cuda").use_paged_attention
+    assert not EngineConfig(device="cuda", paged_attention=False).use_paged_attention
+    assert not EngineConfig(device="cpu").use_paged_attention
+    with pytest.raises(ValueError, match="paged_attention needs device cuda"):
+        EngineConfig(device="cpu", paged_attention=True)
