@@ -187,8 +187,8 @@ class GenerationRequest:
     request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
 
 
-@dataclass(frozen=True)
-class RequestOutput:
+@dataclass(slots=True)  # not frozen: that sets each field through object.__setattr__, and the
+class RequestOutput:  # engine makes one per request and step (read-only by convention)
     """One step of a request's stream: the new tokens and text since the previous output.
 
     `finish_reason` is set on the last output only: "stop" (EOS or a stop string), "length"
