@@ -140,7 +140,8 @@ def _toppings_imports(path: Path) -> set[str]:
 
 # The error body, the bound on client JSON, the KV events' block hash, the /stats body, the
 # front end that refuses past the in-flight limit with 429 + Retry-After, and the waitress server
-# with its header deadline (shared so that both processes bound, refuse and hash alike).
+# with its header deadline (shared so that both processes bound, refuse and hash alike); the
+# listen flags, the one /metrics route and the flag generator both commands are built from.
 HTTP_CONTRACT = (
     "toppings.server.requests.errors",
     "toppings.server.requests.json_depth",
@@ -149,6 +150,9 @@ HTTP_CONTRACT = (
     "toppings.server.http.frontend",
     "toppings.server.http.waitress_server",
     "toppings.server.http.drain",
+    "toppings.server.http.listen",
+    "toppings.server.http.metrics",
+    "toppings.server.settings",
 )
 
 
@@ -170,6 +174,9 @@ def test_scheduler_imports_only_the_http_contract_of_the_server():
         "requests/stats_schema.py",
         "http/frontend.py",
         "http/waitress_server.py",
+        "http/listen.py",
+        "http/metrics.py",
+        "settings.py",
     ],
 )
 def test_the_http_contract_imports_nothing_of_toppings_but_itself(module):
