@@ -15,8 +15,9 @@ from toppings.gpu_lora.eviction import make_policy
 from toppings.server.config import EngineConfig
 from toppings.server.requests.request import SamplingParams
 from toppings.server.sched.admission import GateLimits
+from toppings.server.sched.plan import StepResult
 from toppings.server.sched.queueing import QueuePolicy
-from toppings.server.sched.scheduler import Scheduler, StepResult
+from toppings.server.sched.scheduler import Scheduler
 from toppings.server.sched.step_budget import StepBudget, StepTimeModel
 from toppings.server.sched.step_refit import shape_of
 

@@ -39,7 +39,7 @@ from toppings.server.requests.request import GenerationRequest, RequestError, Re
 from toppings.server.requests.sequence import Sequence
 from toppings.server.requests.stats_schema import EngineCounters, ServerStats
 from toppings.server.sched.admission import check_request
-from toppings.server.sched.scheduler import StepPlan
+from toppings.server.sched.plan import StepPlan
 from toppings.server.sched.step_budget import StepBudget, StepTimeModel
 
 log = logging.getLogger(__name__)

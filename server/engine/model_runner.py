@@ -40,7 +40,7 @@ from toppings.server.requests.sequence import Sequence
 from toppings.server.sampling.grammar import GrammarCompiler
 from toppings.server.sampling.logits_scan import scan_logits
 from toppings.server.sampling.sampler import Sampler, score_prompts
-from toppings.server.sched.scheduler import StepPlan, StepResult
+from toppings.server.sched.plan import StepPlan, StepResult
 
 
 @dataclass(frozen=True)

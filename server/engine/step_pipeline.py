@@ -28,7 +28,8 @@ from dataclasses import dataclass
 
 from toppings.server.engine.model_runner import ModelRunner, PreparedStep, StepOutcome
 from toppings.server.requests.sequence import Sequence
-from toppings.server.sched.scheduler import Scheduler, StepPlan
+from toppings.server.sched.plan import StepPlan
+from toppings.server.sched.scheduler import Scheduler
 from toppings.server.sched.step_refit import StepShape
 
 log = logging.getLogger(__name__)

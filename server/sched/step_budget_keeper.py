@@ -30,7 +30,7 @@ from toppings.server.sched.step_budget import (
 from toppings.server.sched.step_refit import StepRefit, StepShape, modelled_ms, shape_of
 
 if TYPE_CHECKING:
-    from toppings.server.sched.scheduler import StepPlan
+    from toppings.server.sched.plan import StepPlan
 
 log = logging.getLogger(__name__)
 

@@ -59,7 +59,7 @@ from toppings.server.sched.step_budget import StepTimeModel
 from toppings.server.sched.tiles import key_reads
 
 if TYPE_CHECKING:
-    from toppings.server.sched.scheduler import StepPlan
+    from toppings.server.sched.plan import StepPlan
 
 WINDOW = 24  # recent steps of one kind a fit looks at
 REFIT_EVERY = 4  # steps between two fits

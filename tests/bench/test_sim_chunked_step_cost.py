@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from bench.sim_engine import SimSeq, StepModel, step_s
-from toppings.server.sched.scheduler import StepPlan
+from toppings.server.sched.plan import StepPlan
 from toppings.server.sched.step_budget import StepTimeModel, choose_step_budget
 from toppings.server.sched.tiles import key_reads
 

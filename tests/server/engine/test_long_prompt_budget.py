@@ -21,7 +21,7 @@ from toppings.server.model.loader import load_checkpoint
 from toppings.server.requests.request import GenerationRequest, SamplingParams
 from toppings.server.requests.sequence import Sequence
 from toppings.server.sched.admission import GateLimits
-from toppings.server.sched.scheduler import StepPlan
+from toppings.server.sched.plan import StepPlan
 from toppings.server.sched.step_budget import GEMM_TOKENS, StepTimeModel
 from toppings.server.sched.step_refit import StepRefit, StepShape, modelled_ms, scaled
 

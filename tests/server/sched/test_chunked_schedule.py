@@ -12,8 +12,9 @@ import pytest
 from tests.server.sched.test_scheduler import BLOCK, EOS, Adapters, Memory, Tokenizer, submit
 from toppings.server.config import SchedulingConfig
 from toppings.server.sched.admission import GateLimits
+from toppings.server.sched.plan import StepPlan, StepResult
 from toppings.server.sched.policies import make_queue_policy
-from toppings.server.sched.scheduler import Scheduler, StepPlan, StepResult
+from toppings.server.sched.scheduler import Scheduler
 from toppings.server.sched.step_budget import (
     FEW_DECODES,
     GEMM_TOKENS,

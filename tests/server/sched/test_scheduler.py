@@ -16,9 +16,10 @@ from toppings.server.config import SchedulingConfig
 from toppings.server.requests.request import GenerationRequest, RequestHandle, SamplingParams
 from toppings.server.requests.sequence import Sequence
 from toppings.server.sched.admission import GateLimits
+from toppings.server.sched.plan import StepPlan, StepResult
 from toppings.server.sched.policies import make_queue_policy
 from toppings.server.sched.queueing import Verdict
-from toppings.server.sched.scheduler import Scheduler, StepPlan, StepResult
+from toppings.server.sched.scheduler import Scheduler
 
 EOS = 1
 BLOCK = 4  # tokens per block
