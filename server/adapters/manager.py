@@ -105,7 +105,11 @@ class AdapterManager:
                 self.unregister(ref)
                 raise RequestError("the adapter cache is full", 507, INSUFFICIENT_STORAGE)
             entry.ticket.wait()
-        self.refs.add(ref)
+        try:
+            self.refs.add(ref)
+        except BaseException:
+            self.unregister(ref)  # nothing held for a registration no name resolves to
+            raise
         return ref
 
     def unregister(self, ref: AdapterRef) -> None:
