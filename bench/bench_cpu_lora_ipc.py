@@ -34,6 +34,7 @@ REPO = Path(__file__).resolve().parents[1]  # socket workers run `-m bench.…` 
 HEADLINE = "shm_spin_views"  # the engine's call (x copied in, outputs in place), spinning
 SOCK_REQ = struct.Struct("<III")  # row_start, row_end, hidden
 SOCK_REPLY = struct.Struct("<Q")  # compute ns
+BENCH_ID = 1  # the one adapter's id in the repository
 
 
 def make_repository(shapes: Shapes, rank: int) -> HostRepository:
@@ -46,7 +47,7 @@ def make_repository(shapes: Shapes, rank: int) -> HostRepository:
             torch.randn(h_out, rank, generator=gen) / rank**0.5,
         )
     repo = HostRepository.create(shapes, capacity_bytes=64 << 20, max_adapters=4)
-    repo.add(Adapter("bench", rank, 2.0, weights))
+    repo.add(Adapter(BENCH_ID, "bench", rank, 2.0, weights))
     return repo
 
 
@@ -55,7 +56,7 @@ def socket_worker(fd: int, repo_name: str, core: int) -> None:
     os.sched_setaffinity(0, {core})
     torch.set_num_threads(1)
     repo = HostRepository.attach(repo_name)
-    rank, scale, views = repo.layer_tensors(repo.lookup("bench"), 0)
+    rank, scale, views = repo.layer_tensors(repo.lookup(BENCH_ID), 0)
     sock = socket.socket(fileno=fd)
     x_buf = torch.empty(1 << 22, dtype=torch.float32)
     head = bytearray(SOCK_REQ.size)
@@ -131,7 +132,7 @@ def measure(args, repo, shapes, n: int, cores: list[int]) -> dict:
     """Overhead, round trip and compute samples (us) of each transport with n workers."""
     x = torch.randn(args.tokens, shapes.hidden)
     widths = [shapes.projection_shape(m)[1] for m in QKV]
-    segments = [("bench", 0, args.tokens)]
+    segments = [(BENCH_ID, 0, args.tokens)]
     per_worker = -(-args.tokens // n)
 
     def make_pool(spin_us: float) -> CpuLoraPool:

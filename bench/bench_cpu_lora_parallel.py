@@ -35,15 +35,15 @@ def make_repository(shapes: Shapes, rank: int, count: int, dtype: torch.dtype):
             h_in, h_out = shapes.projection_shape(module)
             a = torch.randn(rank, h_in, generator=gen) / h_in**0.5
             weights[(0, module)] = (a, torch.randn(h_out, rank, generator=gen) / rank**0.5)
-        repo.add(Adapter(f"a{i}", rank, 2.0, weights))
+        repo.add(Adapter(i + 1, f"a{i}", rank, 2.0, weights))
     return repo
 
 
 def threads_call(repo: HostRepository, x: torch.Tensor, segments) -> dict[str, torch.Tensor]:
     """The same arithmetic in-process, parallelised by torch's intra-op threads."""
     outs = {m: torch.zeros(x.shape[0], repo.shapes[m][1], dtype=x.dtype) for m in QKV}
-    for name, start, end in segments:
-        _, scale, views = repo.layer_tensors(repo.lookup(name), 0)
+    for adapter_id, start, end in segments:
+        _, scale, views = repo.layer_tensors(repo.lookup(adapter_id), 0)
         for module in QKV:
             a, bt = views[module]
             torch.mm(torch.mm(x[start:end], a.T).mul_(scale), bt, out=outs[module][start:end])
@@ -91,8 +91,8 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(len(cores))
     quarter = args.tokens // 4
     workloads = {
-        "1_request": [("a0", 0, args.tokens)],
-        "4_requests": [(f"a{i}", i * quarter, (i + 1) * quarter) for i in range(4)],
+        "1_request": [(1, 0, args.tokens)],  # adapter ids (make_repository: 1..count)
+        "4_requests": [(i + 1, i * quarter, (i + 1) * quarter) for i in range(4)],
     }
     runs, profiles = {}, {}
     for dtype in (torch.float32, torch.bfloat16):

@@ -39,8 +39,10 @@ class Shapes:
 
 @dataclass(frozen=True)
 class Adapter:
-    """What HostRepository.add reads: {(layer, module): (A [R, H_in], B [H_out, R])}."""
+    """What HostRepository.add reads: {(layer, module): (A [R, H_in], B [H_out, R])}, under
+    `id`."""
 
+    id: int
     name: str
     rank: int
     scale: float

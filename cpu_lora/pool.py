@@ -108,7 +108,7 @@ class CpuLoraPool:
         self,
         layer: int,
         x: torch.Tensor,
-        segments: list[tuple[str | None, int, int]],
+        segments: list[tuple[int | None, int, int]],
         modules: tuple[str, ...],
         *,
         copy: bool = True,
@@ -118,8 +118,8 @@ class CpuLoraPool:
         Semantics:
             for module in modules:
                 y[module] = zeros(T, H_out)
-                for name, start, end in segments:
-                    if name is not None and the adapter targets (layer, module):
+                for adapter_id, start, end in segments:
+                    if adapter_id is not None and that adapter targets (layer, module):
                         A, B = adapter.weights[(layer, module)]
                         y[module][start:end] = scale * (x[start:end] @ A.T) @ B.T
 
@@ -130,7 +130,8 @@ class CpuLoraPool:
                 arena); when x is `input_buffer(T, H_in)` (filled by the caller) nothing is
                 copied. A CUDA x is copied into the arena on its current stream without a host
                 synchronize (cuda_stage.py); the workers start once it has landed.
-            segments: (adapter name or None, start, end); non-overlapping token ranges.
+            segments: (adapter id in the repository or None, start, end); non-overlapping
+                token ranges.
             modules: projections with the same H_in, e.g. ("q_proj", "k_proj", "v_proj").
             copy: False returns views of the shared outputs, in the arena dtype, valid until
                 the next call (saves a copy when the caller consumes them at once). Ignored
@@ -236,18 +237,18 @@ class CpuLoraPool:
     def _resolve(self, segments, num_tokens: int) -> list[tuple[int, int, int, int]]:
         """(slot, start, end, rank) of the segments with an adapter, sorted, checked."""
         work, last_end = [], 0
-        for name, start, end in sorted(segments, key=lambda s: s[1]):
+        for adapter_id, start, end in sorted(segments, key=lambda s: s[1]):
             if not 0 <= start <= end <= num_tokens or start < last_end:
                 raise ValueError(
-                    f"segment ({name!r}, {start}, {end}) is out of [0, "
+                    f"segment ({adapter_id!r}, {start}, {end}) is out of [0, "
                     f"{num_tokens}) or overlaps another"
                 )
             last_end = end
-            if name is None or end == start:
+            if adapter_id is None or end == start:
                 continue
-            slot = self.repository.lookup(name)
+            slot = self.repository.lookup(adapter_id)
             if slot is None:
-                raise KeyError(f"adapter {name!r} is not in the host repository")
+                raise KeyError(f"adapter id {adapter_id} is not in the host repository")
             work.append((slot, start, end, self.repository.rank(slot)))
         if len(work) > self.io.max_segments:
             raise ValueError(f"{len(work)} segments; the pool holds {self.io.max_segments}")

@@ -6,9 +6,9 @@ Binary layout of the arena (little endian; offsets in bytes from the start of th
                    num_layers L, max_adapters, entry size, reserved, table offset, data offset,
                    data bytes, then (H_in, H_out) of each projection in LORA_TARGETS order;
                    padded to 128
-    128   table    max_adapters entries of ENTRY_FMT (128 bytes), one per slot: state (0 free,
-                   1 writing, 2 ready), rank R, targets bitmask (union over layers), name length,
-                   scale (float64), name hash (blake2b-64), data offset, data bytes, name (utf-8)
+    128   table    max_adapters entries of ENTRY_FMT (48 bytes), one per slot: state (0 free,
+                   1 writing, 2 ready), rank R, targets bitmask (union over layers), reserved,
+                   scale (float64), adapter id, data offset, data bytes
     data  area     one block per adapter at its entry's data offset (first-fit, 64-aligned):
                    L layer records of LAYER_FMT (modules bitmask of that layer, offset of the
                    layer's tensors from the block start), then per layer, per module present in
@@ -24,15 +24,17 @@ The data area is sparse: /dev/shm backs only the header and table at creation, a
 adapter's block when it is added (`shm.reserve_shm` before the block is written), so a large
 arena costs what it holds and a full /dev/shm fails that add with `shm.SharedMemoryFull`.
 
+Adapters are keyed by their integer id (`AdapterLike.id`: in a server, the weights id of the
+registrations that compute with them), never by name: an adapter unloaded and loaded again under
+its name has another id, so a job can never read the first one's block for the second. Names
+that share one content share one id (the server keeps one copy), hence one slot and one block.
+
 One process owns the arena (adds, removes); workers attach and only read. The owner removes an
 adapter only when no job uses it: a removed slot's data may be overwritten by the next add.
-Names of the same content share one block (`add_alias`): their slots point at the same data,
-which is freed with the last of them.
 """
 
 from __future__ import annotations
 
-import hashlib
 import struct
 import threading
 from collections.abc import Iterable
@@ -51,24 +53,19 @@ from toppings.cpu_lora.shapes import (
 )
 
 MAGIC = b"TOPREPO1"
-VERSION = 1
+VERSION = 2  # 2: entries keyed by adapter id (1 keyed them by name)
 HEADER_FMT = "<8sIIIIIIQQQ" + "II" * len(LORA_TARGETS)
 HEADER = ArenaHeader(HEADER_FMT, MAGIC, VERSION, "adapter repository")
 HEADER_BYTES = 128
-ENTRY_FMT = "<IIIIdQQQ80s"
+ENTRY_FMT = "<IIIIdQQQ"
 ENTRY_BYTES = struct.calcsize(ENTRY_FMT)
 LAYER_FMT = "<IIQ"
 LAYER_BYTES = struct.calcsize(LAYER_FMT)
-MAX_NAME_BYTES = 80
 FREE, WRITING, READY = 0, 1, 2
 
 
 class RepositoryFullError(RuntimeError):
     """No table slot or no contiguous free range large enough for an adapter."""
-
-
-def name_hash(name: bytes) -> int:
-    return int.from_bytes(hashlib.blake2b(name, digest_size=8).digest(), "little")
 
 
 class HostRepository:
@@ -84,9 +81,8 @@ class HostRepository:
         self._item = torch.empty((), dtype=self.dtype).element_size()
         self._elems = torch.frombuffer(mapping, dtype=self.dtype)  # the whole arena, typed
         self._lock = threading.Lock()
-        self._slots: dict[str, int] = {}
+        self._slots: dict[int, int] = {}  # adapter id -> slot (the owner's index of the table)
         self._space = FirstFit(self._data_offset, self._data_bytes)
-        self._block_users: dict[int, int] = {}  # data offset -> slots reading that block
 
     @classmethod
     def create(
@@ -142,19 +138,19 @@ class HostRepository:
         return self._data_bytes
 
     def add(self, adapter: AdapterLike) -> int:
-        """Copy an adapter into the arena (converted to the arena dtype); returns its slot.
+        """Copy an adapter into the arena under `adapter.id` (converted to the arena dtype);
+        returns its slot.
 
         Raises RepositoryFullError (no slot or range) or shm.SharedMemoryFull (/dev/shm cannot
         back the block); either leaves the arena as it was."""
         self._check_owner()
-        encoded = adapter.name.encode()
-        if not 0 < len(encoded) <= MAX_NAME_BYTES:
-            raise ValueError(f"adapter name must be 1..{MAX_NAME_BYTES} utf-8 bytes")
+        if not 0 < adapter.id < 2**64:
+            raise ValueError(f"adapter id {adapter.id} is not a positive 64-bit integer")
         self._check_weights(adapter)
         size = self.block_bytes(adapter)
         with self._lock:
-            if adapter.name in self._slots:
-                raise ValueError(f"adapter {adapter.name!r} is already in the repository")
+            if adapter.id in self._slots:
+                raise ValueError(f"adapter id {adapter.id} is already in the repository")
             slot = next((s for s in range(self.max_adapters) if self._state(s) == FREE), None)
             if slot is None:
                 raise RepositoryFullError(f"all {self.max_adapters} adapter slots are in use")
@@ -169,73 +165,43 @@ class HostRepository:
             except BaseException:
                 self._space.release(offset, size)
                 raise
-            self._write_entry(slot, WRITING, adapter, encoded, offset, size, 0)
+            self._write_entry(slot, WRITING, adapter, offset, size, 0)
             targets = self._write_block(adapter, offset)
-            self._write_entry(slot, READY, adapter, encoded, offset, size, targets)
-            self._slots[adapter.name] = slot
-            self._block_users[offset] = 1
+            self._write_entry(slot, READY, adapter, offset, size, targets)
+            self._slots[adapter.id] = slot
         return slot
 
-    def add_alias(self, adapter: AdapterLike, of: str) -> int:
-        """Serve `adapter` (the same content as adapter `of`, under another name) from `of`'s
-        block: a new slot, no new data. The block is freed when its last name is removed.
-        Raises KeyError when `of` is absent, RepositoryFullError when no slot is free."""
-        self._check_owner()
-        encoded = adapter.name.encode()
-        if not 0 < len(encoded) <= MAX_NAME_BYTES:
-            raise ValueError(f"adapter name must be 1..{MAX_NAME_BYTES} utf-8 bytes")
-        with self._lock:
-            if adapter.name in self._slots:
-                raise ValueError(f"adapter {adapter.name!r} is already in the repository")
-            source = self.entry(self._slots[of])
-            slot = next((s for s in range(self.max_adapters) if self._state(s) == FREE), None)
-            if slot is None:
-                raise RepositoryFullError(f"all {self.max_adapters} adapter slots are in use")
-            offset, size = source["data_offset"], source["data_bytes"]
-            self._write_entry(slot, READY, adapter, encoded, offset, size, source["targets"])
-            self._slots[adapter.name] = slot
-            self._block_users[offset] += 1
-        return slot
-
-    def remove(self, name: str) -> None:
-        """Free an adapter's slot, and its data unless another name shares it (KeyError if
-        absent)."""
+    def remove(self, adapter_id: int) -> None:
+        """Free the slot and the data of the adapter of this id (KeyError if absent)."""
         self._check_owner()
         with self._lock:
-            slot = self._slots.pop(name)
+            slot = self._slots.pop(adapter_id)
             offset, size = self.entry(slot)["data_offset"], self.entry(slot)["data_bytes"]
-            struct.pack_into(
-                ENTRY_FMT, self._mm, self._entry_at(slot), FREE, 0, 0, 0, 0.0, 0, 0, 0, b""
-            )
-            self._block_users[offset] -= 1
-            if not self._block_users[offset]:
-                del self._block_users[offset]
-                self._space.release(offset, size)
+            struct.pack_into(ENTRY_FMT, self._mm, self._entry_at(slot), FREE, 0, 0, 0, 0.0, 0, 0, 0)
+            self._space.release(offset, size)
 
-    def lookup(self, name: str) -> int | None:
-        """Slot of a ready adapter, or None."""
+    def lookup(self, adapter_id: int) -> int | None:
+        """Slot of the ready adapter of this id, or None."""
         if self.is_owner:
-            return self._slots.get(name)
-        encoded = name.encode()
-        wanted = name_hash(encoded)
+            return self._slots.get(adapter_id)
         for slot in range(self.max_adapters):
             e = self.entry(slot)
-            if e["state"] == READY and e["name_hash"] == wanted and e["name"] == name:
+            if e["state"] == READY and e["adapter_id"] == adapter_id:
                 return slot
         return None
 
-    def names(self) -> list[str]:
-        """Names of the adapters held, by slot."""
+    def ids(self) -> list[int]:
+        """Ids of the adapters held, by slot."""
         ready = [self.entry(s) for s in range(self.max_adapters) if self._state(s) == READY]
-        return [e["name"] for e in ready]
+        return [e["adapter_id"] for e in ready]
 
     def rank(self, slot: int) -> int:
         """Rank of the adapter in a slot (0 when free)."""
         return struct.unpack_from("<I", self._mm, self._entry_at(slot) + 4)[0]
 
     def entry(self, slot: int) -> dict:
-        """The table entry of a slot as a dict (state, rank, targets, scale, name, ...)."""
-        state, rank, targets, name_len, scale, h, off, size, raw = struct.unpack_from(
+        """The table entry of a slot as a dict (state, rank, targets, scale, adapter_id, ...)."""
+        state, rank, targets, _, scale, adapter_id, off, size = struct.unpack_from(
             ENTRY_FMT, self._mm, self._entry_at(slot)
         )
         return {
@@ -243,10 +209,9 @@ class HostRepository:
             "rank": rank,
             "targets": targets,
             "scale": scale,
-            "name_hash": h,
+            "adapter_id": adapter_id,
             "data_offset": off,
             "data_bytes": size,
-            "name": raw[:name_len].decode(),
         }
 
     def layer_tensors(self, slot: int, layer: int) -> tuple[int, float, dict]:
@@ -254,7 +219,7 @@ class HostRepository:
 
         Raises KeyError when the slot holds no ready adapter.
         """
-        state, rank, _, _, scale, _, offset, _, _ = struct.unpack_from(
+        state, rank, _, _, scale, _, offset, _ = struct.unpack_from(
             ENTRY_FMT, self._mm, self._entry_at(slot)
         )
         if state != READY:
@@ -343,7 +308,7 @@ class HostRepository:
                 at += align(rank * (h_in + h_out) * self._item)
         return union
 
-    def _write_entry(self, slot, state, adapter, encoded, offset, size, targets) -> None:
+    def _write_entry(self, slot, state, adapter, offset, size, targets) -> None:
         struct.pack_into(
             ENTRY_FMT,
             self._mm,
@@ -351,12 +316,11 @@ class HostRepository:
             state,
             adapter.rank,
             targets,
-            len(encoded),
+            0,
             float(adapter.scale),
-            name_hash(encoded),
+            adapter.id,
             offset,
             size,
-            encoded,
         )
 
     def _entry_at(self, slot: int) -> int:

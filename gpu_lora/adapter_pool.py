@@ -27,7 +27,8 @@ from toppings.gpu_lora.targets import LORA_TARGETS, ModelShapes
 
 @dataclass(frozen=True)
 class ResidentAdapter:
-    """Where an adapter sits in the pool (`id`: the pool's key, `LoraAdapter.id`)."""
+    """Where an adapter sits in the pool (`id`: the pool's key, `LoraAdapter.id`, also the host
+    runner's; `name`: what logs and /stats show, never a key)."""
 
     name: str
     offset: int
@@ -201,7 +202,8 @@ class AdapterPool:
 
     def rename(self, adapter_id: int, name: str) -> ResidentAdapter:
         """The adapter of this id now goes by `name` (its rows serve several names and the one
-        it had was unloaded): host compute finds its weights under the new name."""
+        it had was unloaded): /stats and logs show a name still registered (nothing looks it up
+        by name)."""
         entry = self.resident[adapter_id] = replace(self.resident[adapter_id], name=name)
         return entry
 

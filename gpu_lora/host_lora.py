@@ -4,7 +4,9 @@
 computes it in the engine's own process from the host copies of the adapters (a server with
 `--cpu-workers 0`); `cpu_lora.pool.CpuLoraPool` computes it in pinned worker processes over shared
 memory (and, when a worker dies mid-call, recomputes that job itself with `cpu_lora.compute`).
-Both compute each segment with the same kernel, `gpu_lora.kernels.cpu.lora_rows`.
+Both compute each segment with the same kernel, `gpu_lora.kernels.cpu.lora_rows`. Segments name
+their adapter by id (`LoraAdapter.id`, the key of its rows in the device pool), never by name: a
+name may be unloaded and loaded again with other weights while a step runs.
 """
 
 from __future__ import annotations
@@ -24,33 +26,33 @@ class HostLoraRunner(Protocol):
         self,
         layer: int,
         x: torch.Tensor,
-        segments: list[tuple[str, int, int]],
+        segments: list[tuple[int, int, int]],
         modules: tuple[str, ...],
         *,
         copy: bool = True,
     ) -> dict[str, torch.Tensor]:
-        """Deltas of `modules` at `layer` for token segments (adapter, start, end) of x [T, H_in]:
-        module -> float32 [T, H_out], zero outside every segment. copy=False lets the result be
-        a view that is valid until the next call."""
+        """Deltas of `modules` at `layer` for token segments (adapter id, start, end) of
+        x [T, H_in]: module -> float32 [T, H_out], zero outside every segment. copy=False lets
+        the result be a view that is valid until the next call."""
         ...
 
 
 class HostLora:
-    """`run(layer, x, segments, modules)` over a name -> LoraAdapter table (read live)."""
+    """`run(layer, x, segments, modules)` over an id -> LoraAdapter table (read live)."""
 
-    def __init__(self, adapters: dict[str, LoraAdapter]):
+    def __init__(self, adapters: dict[int, LoraAdapter]):
         self.adapters = adapters
 
     def run(
         self,
         layer: int,
         x: torch.Tensor,
-        segments: list[tuple[str, int, int]],
+        segments: list[tuple[int, int, int]],
         modules: tuple[str, ...],
         *,
         copy: bool = True,
     ) -> dict[str, torch.Tensor]:
-        """Deltas of `modules` at `layer` for token segments (adapter, start, end) of x [T, H_in].
+        """Deltas of `modules` at `layer` for segments (adapter id, start, end) of x [T, H_in].
 
         Returns module -> float32 [T, H_out]; rows outside every segment are zero. `copy` is
         accepted for the worker pool's signature; these tensors are always fresh.
@@ -59,8 +61,8 @@ class HostLora:
         xf = x.detach().to("cpu", torch.float32)
         for module in modules:
             y = None
-            for name, start, end in segments:
-                adapter = self.adapters[name]
+            for adapter_id, start, end in segments:
+                adapter = self.adapters[adapter_id]
                 weights = adapter.weights.get((layer, module))
                 if weights is None:
                     continue

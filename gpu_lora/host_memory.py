@@ -9,7 +9,10 @@ the adapters it has.
 The same files loaded under several names are one copy: an adapter's content is identified by
 the digest of its loaded weights and the values that shape its delta (rank, alpha, scale,
 targets), so the names share one set of tensors (and one arena block) and the copy is charged
-once; it is freed when its last name is unloaded. Hashing what was loaded, not the files, means
+once; it is freed when its last name is unloaded. A copy is held under one adapter id, its
+`LoraAdapter.id` (in a server the weights id of the registrations that share it), which keys its
+rows on the device, its host tensors and its arena block; the names holding it are known here
+by their registrations' ids, never by name. Hashing what was loaded, not the files, means
 a file swapped between two reads can never make two different contents share.
 
 A name itself holds almost nothing (its registration and reference: under 1 KB measured,
@@ -67,11 +70,11 @@ def content_digest(adapter: LoraAdapter) -> str:
 
 @dataclass
 class HostCopy:
-    """One content held in host memory and the names that share it."""
+    """One content held in host memory and the registrations (by id) that share it."""
 
-    adapter: LoraAdapter  # the first name's; later names share its weight tensors
+    adapter: LoraAdapter  # the first registration's; later ones share its tensors and its id
     num_bytes: int  # what the copy is charged
-    names: set[str] = field(default_factory=set)
+    holders: set[int] = field(default_factory=set)
 
 
 class HostAdapterMemory:
@@ -83,7 +86,7 @@ class HostAdapterMemory:
         self.budget_bytes = budget_bytes
         self.max_names = max(MIN_NAMES, budget_bytes // NAME_BYTES)
         self._copies: dict[str, HostCopy] = {}  # digest -> copy
-        self._digest_of: dict[str, str] = {}  # name -> digest
+        self._digest_of: dict[int, str] = {}  # registration id -> digest
         self._lock = threading.Lock()
 
     @property
@@ -108,19 +111,21 @@ class HostAdapterMemory:
         with self._lock:
             return digest in self._copies
 
-    def name_of_copy(self, digest: str) -> str | None:
-        """A name registered with this content now (whose arena block a new name shares)."""
+    def held_id(self, digest: str) -> int | None:
+        """The id the copy of this content is held under (`LoraAdapter.id` of its first
+        registration), None when no registration holds it."""
         with self._lock:
             copy = self._copies.get(digest)
-            return min(copy.names) if copy is not None and copy.names else None
+            return None if copy is None else copy.adapter.id
 
-    def charge(self, adapter: LoraAdapter, digest: str, num_bytes: int) -> None:
-        """Record `adapter` (from `shared`) as held; a new content is charged `num_bytes` and
-        refused with HostMemoryFull past the budget, a held one costs nothing more; a name past
-        `max_names` is refused alike."""
+    def charge(self, holder: int, adapter: LoraAdapter, digest: str, num_bytes: int) -> bool:
+        """Record registration `holder` as holding `adapter` (from `shared`; a new content is
+        held under `adapter.id`); returns whether it is a new copy. A new content is charged
+        `num_bytes` and refused with HostMemoryFull past the budget, a held one costs nothing
+        more; a name past `max_names` is refused alike."""
         with self._lock:
-            if adapter.name in self._digest_of:
-                raise ValueError(f"adapter {adapter.name!r} is already charged")
+            if holder in self._digest_of:
+                raise ValueError(f"registration {holder} of {adapter.name!r} is already charged")
             if len(self._digest_of) >= self.max_names:
                 raise HostMemoryFull(
                     f"adapter {adapter.name!r} would be name {len(self._digest_of) + 1}; the "
@@ -137,18 +142,21 @@ class HostAdapterMemory:
                         f"(--adapter-host-bytes)"
                     )
                 copy = self._copies[digest] = HostCopy(adapter, num_bytes)
-            copy.names.add(adapter.name)
-            self._digest_of[adapter.name] = digest
+            is_new = not copy.holders
+            copy.holders.add(holder)
+            self._digest_of[holder] = digest
+            return is_new
 
-    def release(self, name: str) -> bool:
-        """Forget `name`; returns whether its copy is freed (it was the last name)."""
+    def release(self, holder: int) -> bool:
+        """Forget registration `holder`; returns whether its copy is freed (it was the last
+        one holding it)."""
         with self._lock:
-            digest = self._digest_of.pop(name, None)
+            digest = self._digest_of.pop(holder, None)
             if digest is None:
                 return False
             copy = self._copies[digest]
-            copy.names.discard(name)
-            if copy.names:
+            copy.holders.discard(holder)
+            if copy.holders:
                 return False
             del self._copies[digest]
             return True
@@ -161,6 +169,6 @@ class HostAdapterMemory:
             "budget_bytes": self.budget_bytes,
             "charged_bytes": sum(c.num_bytes for c in copies),
             "copies": len(copies),
-            "names": sum(len(c.names) for c in copies),
+            "names": sum(len(c.holders) for c in copies),  # one registration per name
             "max_names": self.max_names,
         }

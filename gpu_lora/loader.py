@@ -258,7 +258,7 @@ class PipelinedLoader:
             self._copier.group_done(ticket, hi, moved)
             if tracing:
                 self._trace.copy_group(
-                    CopyEvent(adapter.name, lo, hi, moved - moved_before, started, copied,
+                    CopyEvent(adapter.id, lo, hi, moved - moved_before, started, copied,
                               time.perf_counter())
                 )  # fmt: skip
         self.bytes_loaded += moved

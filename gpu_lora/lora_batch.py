@@ -138,7 +138,7 @@ class LoraBatch:
     def _add_on_host(self, layer: int, x: torch.Tensor, outputs, not_ready: list[int]) -> None:
         """One host call for every projection of this input, for the units still loading."""
         starts = self._starts
-        segments = [(self._adapters[i].name, starts[i], starts[i + 1]) for i in not_ready]
+        segments = [(self._adapters[i].id, starts[i], starts[i + 1]) for i in not_ready]
         modules = tuple(m for m, _ in outputs)
         begin = time.perf_counter()
         # copy=False: the worker pool hands back views of its shared outputs, used at once here.
@@ -148,8 +148,8 @@ class LoraBatch:
         self.host_stats.seconds += end - begin
         self.host_stats.calls += 1
         if self._trace is not None:
-            names = tuple(name for name, _, _ in segments)
-            self._trace.host_lora(HostLoraEvent(layer, modules, names, begin, end))
+            ids = tuple(adapter_id for adapter_id, _, _ in segments)
+            self._trace.host_lora(HostLoraEvent(layer, modules, ids, begin, end))
         # Rows outside the loading units' span are zero: add only the span.
         lo = min(start for _, start, _ in segments)
         hi = max(end for _, _, end in segments)

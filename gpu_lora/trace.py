@@ -11,6 +11,9 @@ forward (its overhead would be part of the very times traced), `record_function`
 into the dispatcher per range even when no profiler runs, and the events wanted here (which
 layer group was resident when, which layer went to the host) are ours, not torch's.
 
+Adapters are named by id (`LoraAdapter.id`, the key of their rows), as the layers that record
+them know them: a reload under the same name is another adapter here too.
+
 Times are `time.perf_counter()` seconds. Appends to a list are atomic under the GIL, so the
 loader thread and the engine thread write without a lock; read the events once the traced
 request has ended.
@@ -24,12 +27,12 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class CopyEvent:
-    """Layers [first_layer, end_layer) of `adapter` copied into their pool rows: the loader
-    started at `start_s`, the copies returned at `copied_s`, the group was marked resident at
+    """Layers [first_layer, end_layer) of adapter `adapter_id` copied into their pool rows: the
+    loader started at `start_s`, the copies returned at `copied_s`, the group was marked resident at
     `ready_s` (after the emulated link's delay; on CUDA both are enqueue times of the side
     stream's asynchronous copies)."""
 
-    adapter: str
+    adapter_id: int
     first_layer: int
     end_layer: int
     num_bytes: int
@@ -40,12 +43,13 @@ class CopyEvent:
 
 @dataclass(frozen=True)
 class HostLoraEvent:
-    """One host LoRA call at `layer` for `modules` (one input), as the engine saw it: from the
-    submit to the CPU workers (or the in-process computation) until the deltas were back."""
+    """One host LoRA call at `layer` for `modules` (one input) of adapters `adapter_ids`, as the
+    engine saw it: from the submit to the CPU workers (or the in-process computation) until the
+    deltas were back."""
 
     layer: int
     modules: tuple[str, ...]
-    adapters: tuple[str, ...]
+    adapter_ids: tuple[int, ...]
     start_s: float
     end_s: float
 

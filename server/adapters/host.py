@@ -1,15 +1,18 @@
-"""What a registered adapter holds outside the device cache, one registration per name.
+"""What a registered adapter holds outside the device cache, by id.
 
 Registered adapters live in host memory: their `LoraAdapter` tensors, one copy per content
 charged to a host budget (gpu_lora/host_memory.py), and with CPU workers a block in the shared
-`HostRepository` arena the workers read (an alias of the block of a name with the same content).
-Layers not yet on the device are computed by `runner`: the CPU worker pool, or in-process
-(`HostLora` over the registered tensors) when the server runs no workers. A DoRA adapter's
-scales are copied to the device once, at registration, by weights id. Names registered with the
-same weights share all of it (tensors, arena block, DoRA scales) and the id the device cache
-holds their rows under (`AdapterRef.weights_id`). Registering is two calls (`hold`, then `add`
-once the adapter has its reference); `drop` frees everything held for a name, and what it
-shared with no other name left. The reference, the device charge and the load are adapters.py's.
+`HostRepository` arena the workers read. Layers not yet on the device are computed by `runner`:
+the CPU worker pool, or in-process (`HostLora` over the held copies) when the server runs no
+workers. A DoRA adapter's scales are copied to the device once, at registration. Names
+registered with the same weights share all of it (tensors, arena block, DoRA scales) under one
+id, the weights id the device cache holds their rows under (`AdapterRef.weights_id`): the host
+copies, the arena and the runner key on that id, and each registration is known by its
+`AdapterRef.id`. Nothing here looks an adapter up by name: the API resolved the name once
+(registry.py), and a name unloaded and loaded again with other weights is another id all the
+way down. Registering is `shared` (which held copy, if any, an adapter's content is) then `add`
+once the adapter has its reference; `drop` frees everything held for a registration, and what
+it shared with no other one left. The reference, the device charge and the load are manager.py's.
 """
 
 from __future__ import annotations
@@ -58,12 +61,13 @@ class AdapterHost:
         self.model_config = model_config
         self.dtype = dtype
         self.device = device
-        # The registered adapters' tensors by name, each carrying its weights id as `id`
-        self.registry: dict[str, LoraAdapter] = {}
-        self._ref_ids: dict[str, int] = {}  # name -> the id of its registration's reference
+        # Each registration's adapter by `AdapterRef.id` (its `id` is the weights id), in
+        # registration order; and each held copy by weights id (what the runner computes with).
+        self._registered: dict[int, LoraAdapter] = {}
+        self._copies: dict[int, LoraAdapter] = {}
         # DoRA adapters' scales on the device, by weights id (small: two [L, H_out] per module)
         self._dora: dict[int, DoraScales] = {}
-        self.runner: HostLoraRunner = HostLora(self.registry)
+        self.runner: HostLoraRunner = HostLora(self._copies)
         self.memory = HostAdapterMemory(config.adapter_host_bytes or default_budget_bytes())
         log.info("adapters may hold %.1f MiB of host memory (--adapter-host-bytes%s)",
                  self.memory.budget_bytes / 2**20,
@@ -99,7 +103,8 @@ class AdapterHost:
                  self.workers.tokens_per_core)  # fmt: skip
 
     def check_room(self, name: str, shape: AdapterShape) -> None:
-        """507 when an adapter of `shape` would not fit in the workers' arena now."""
+        """507 when an adapter of `shape` would not fit in the workers' arena now (`name`: for
+        the message)."""
         if self.repository is None:
             return
         host_bytes = self.repository.block_bytes_for(shape.rank, shape.targeted)
@@ -112,81 +117,79 @@ class AdapterHost:
                 INSUFFICIENT_STORAGE,
             )
 
-    def hold(self, adapter: LoraAdapter) -> tuple[LoraAdapter, int]:
-        """Charge a validated adapter to the host budget and put it in the workers' arena;
-        returns it as held and the weights id of the registered name it shares its content
-        with (0: a new content; content already held under another name is shared, not copied).
-        409 when its name is registered; 507 past the budget or the arena (nothing held)."""
-        if adapter.name in self.registry:
-            raise RequestError(f"adapter {adapter.name!r} is already loaded", 409, "conflict")
+    def shared(self, adapter: LoraAdapter) -> tuple[LoraAdapter, str, int]:
+        """A validated adapter as it will be held, its content digest, and the weights id of
+        the copy of that content already held (0: a new content; then the returned adapter's
+        tensors are its own, else the copy's)."""
         adapter, digest = self.memory.shared(adapter)
-        shares = self.memory.name_of_copy(digest)  # a name holding the same content
-        host_bytes = adapter.num_bytes
+        return adapter, digest, self.memory.held_id(digest) or 0
+
+    def add(self, adapter: LoraAdapter, digest: str, ref: AdapterRef) -> None:
+        """Hold `adapter` (from `shared`, its `id` set to `ref.weights_id`) for registration
+        `ref`: a new content is charged to the host budget and put in the workers' arena, a
+        held one is shared. 507 past the budget or the arena (nothing held)."""
+        if ref.id in self._registered:
+            raise ValueError(f"registration {ref.id} of {ref.name!r} is already held")
+        host_bytes = adapter.num_bytes  # what a new copy is charged (a held one: nothing)
         if self.repository is not None:
             host_bytes += self.repository.block_bytes(adapter)
         try:
-            self.memory.charge(adapter, digest, host_bytes)
+            is_new = self.memory.charge(ref.id, adapter, digest, host_bytes)
         except HostMemoryFull as exc:
             raise RequestError(str(exc), 507, INSUFFICIENT_STORAGE) from None
-        try:
-            if self.repository is not None:
-                self._add_to_repository(adapter, shares)
-        except BaseException:
-            self.memory.release(adapter.name)
-            raise
-        if self.device.type == "cuda" and shares is None:
-            # Pinned host copies: the loader's copies then run asynchronously on its stream.
-            for key, (a, b) in adapter.weights.items():
-                adapter.weights[key] = (a.pin_memory(), b.pin_memory())
-        return adapter, 0 if shares is None else self.registry[shares].id
-
-    def _add_to_repository(self, adapter: LoraAdapter, shares: str | None) -> None:
-        """Copy the adapter into the workers' shared arena, or point it at the block of
-        `shares` (the same content); no room there is a 507 (the server keeps serving the
-        adapters it has)."""
-        from toppings.cpu_lora.repository import RepositoryFullError
-        from toppings.cpu_lora.shm import SharedMemoryFull
-
-        try:
-            if shares is not None:
-                self.repository.add_alias(adapter, of=shares)
-            else:
-                self.repository.add(adapter)
-        except (SharedMemoryFull, RepositoryFullError) as exc:
-            raise RequestError(
-                f"cannot load adapter {adapter.name!r}: {exc}", 507, INSUFFICIENT_STORAGE
-            ) from None
-
-    def add(self, adapter: LoraAdapter, ref: AdapterRef) -> None:
-        """Register a held adapter under its reference (`adapter.id` is `ref.weights_id`):
-        requests can find it by name, and a DoRA adapter's scales go to the device once per
-        weights."""
-        self.registry[adapter.name] = adapter
-        self._ref_ids[adapter.name] = ref.id
+        if is_new:
+            try:
+                self._add_copy(adapter)
+            except BaseException:
+                self.memory.release(ref.id)
+                raise
+        self._registered[ref.id] = adapter
         if adapter.dora is not None and adapter.id not in self._dora:
             self._dora[adapter.id] = adapter.dora.to(self.device, self.dtype)
 
-    def names_of(self, weights_id: int) -> list[str]:
-        """The registered names whose rows are those of `weights_id`."""
-        return [n for n, a in list(self.registry.items()) if a.id == weights_id]
+    def _add_copy(self, adapter: LoraAdapter) -> None:
+        """Hold a new content under its weights id: in the workers' shared arena (no room
+        there is a 507: the server keeps serving the adapters it has), pinned on CUDA, and in
+        the table the in-process runner reads."""
+        from toppings.cpu_lora.repository import RepositoryFullError
+        from toppings.cpu_lora.shm import SharedMemoryFull
 
-    def drop(self, name: str) -> None:
-        """Free everything held for the adapter registered as `name` (what it shares with
-        another registered name stays for that one)."""
-        weights_id = self.registry[name].id
-        if self.repository is not None and self.repository.lookup(name) is not None:
-            self.repository.remove(name)
-        del self.registry[name]
-        del self._ref_ids[name]
-        if not self.names_of(weights_id):
+        if self.repository is not None:
+            try:
+                self.repository.add(adapter)
+            except (SharedMemoryFull, RepositoryFullError) as exc:
+                raise RequestError(
+                    f"cannot load adapter {adapter.name!r}: {exc}", 507, INSUFFICIENT_STORAGE
+                ) from None
+        if self.device.type == "cuda":
+            # Pinned host copies: the loader's copies then run asynchronously on its stream.
+            for key, (a, b) in adapter.weights.items():
+                adapter.weights[key] = (a.pin_memory(), b.pin_memory())
+        self._copies[adapter.id] = adapter
+
+    def sharing(self, ref: AdapterRef) -> list[LoraAdapter]:
+        """The adapters of the other registrations that compute with `ref`'s rows."""
+        items = list(self._registered.items())
+        return [a for i, a in items if a.id == ref.weights_id and i != ref.id]
+
+    def registered(self) -> list[LoraAdapter]:
+        """Every registration's adapter, in registration order (a copy: any thread)."""
+        return list(self._registered.values())
+
+    def drop(self, ref: AdapterRef) -> None:
+        """Free everything held for registration `ref` (what it shares with another
+        registration stays for that one)."""
+        weights_id = self._registered.pop(ref.id).id
+        if self.memory.release(ref.id):  # the last registration of its content
+            self._copies.pop(weights_id, None)
             self._dora.pop(weights_id, None)
-        self.memory.release(name)
+            if self.repository is not None and self.repository.lookup(weights_id) is not None:
+                self.repository.remove(weights_id)
 
     def lookup(self, ref: AdapterRef) -> LoraAdapter | None:
-        """The registered adapter of this reference (None once it was unregistered, even if
-        another one holds its name now)."""
-        adapter = self.registry.get(ref.name)
-        return adapter if adapter is not None and self._ref_ids[ref.name] == ref.id else None
+        """The adapter of registration `ref` (None once it was unregistered, even if another
+        one holds its name now)."""
+        return self._registered.get(ref.id)
 
     def dora_scales(self, weights_id: int) -> DoraScales | None:
         """The device copy of a DoRA adapter's scales (None: not a registered DoRA adapter)."""

@@ -1,17 +1,19 @@
 """Everything the engine holds for adapters, behind the one interface the engine uses.
 
 The engine asks four things: `acquire` a request's adapter (memory and a load), `may_start` it
-under the LoRA mode, the LoRA side of each step (`steps`, adapter_step.py) and `release` it when
-it ends. Requests name adapters by `AdapterRef` (made by `register`; `refs`, adapter_registry.py,
+under the LoRA mode, the LoRA side of each step (`steps`, step.py) and `release` it when
+it ends. Requests name adapters by `AdapterRef` (made by `register`; `refs`, registry.py,
 resolves names and counts requests in flight). The device cache and pool (gpu_lora) key on the
 reference's `weights_id`, which `register` gives the adapter (`LoraAdapter.id`): a new id for
 new weights, so rows cached for an adapter since unloaded are never taken for one registered
 later under its name, and the id of the name already holding them for the same weights under
-another name, so that they are one copy on the device. The host side (`host`, adapter_host.py:
-the registered tensors, DoRA's scales on the device, the CPU workers' arena by name) holds one
-registration per name, and unregistering frees everything held for it and shared with no other
-name. Before that, `open` (`reader`, adapter_reader.py) reads an adapter directory only once
-its rank passed the limit and what it will occupy fits.
+another name, so that they are one copy on the device. The host side (`host`, host.py: the
+registered tensors, DoRA's scales on the device, the CPU workers' arena) keys on the same ids:
+registrations by `AdapterRef.id`, what they compute with by `weights_id`; unregistering a
+reference frees everything held for it and shared with no other registration. Names are
+resolved once (registry.py); below that, nothing here looks an adapter up by name. Before that,
+`open` (`reader`, reader.py) reads an adapter directory only once its rank passed the limit and
+what it will occupy fits.
 """
 
 from __future__ import annotations
@@ -88,35 +90,40 @@ class AdapterManager:
 
     def register(self, adapter: LoraAdapter) -> AdapterRef:
         """Make a validated adapter servable (called with the engine's lock held); returns its
-        new reference. Content already held under another name is shared, not copied; a new
-        copy is charged to the host budget (507 past it)."""
-        adapter, shared_weights_id = self.host.hold(adapter)
+        new reference (409 when its name is registered). Content already held under another
+        name is shared, not copied; a new copy is charged to the host budget (507 past it)."""
+        self.refs.check_free(adapter.name)  # the engine's lock keeps it free until `refs.add`
+        adapter, digest, shared_weights_id = self.host.shared(adapter)
         nbytes = self.cache.charge(adapter)
         ref = AdapterRef.new(adapter.name, adapter.rank, nbytes, shared_weights_id)
-        adapter = dataclasses.replace(adapter, id=ref.weights_id)  # the device cache's key
-        self.host.add(adapter, ref)
+        adapter = dataclasses.replace(adapter, id=ref.weights_id)  # every layer's key below
+        self.host.add(adapter, digest, ref)
         if self.mode.preload:
             # The ideal upper bound: every adapter on the device before any request, pinned.
             entry = self.cache.acquire(adapter)
             if entry is None:
-                self.unregister(adapter.name)
+                self.unregister(ref)
                 raise RequestError("the adapter cache is full", 507, INSUFFICIENT_STORAGE)
             entry.ticket.wait()
-        self.refs.add(ref)
+        try:
+            self.refs.add(ref)
+        except BaseException:
+            self.unregister(ref)  # nothing held for a registration no name resolves to
+            raise
         return ref
 
-    def unregister(self, name: str) -> None:
-        """Drop the adapter registered as `name` from the host, and from the device unless
-        another registered name computes with the same rows."""
-        weights_id = self.host.registry[name].id
+    def unregister(self, ref: AdapterRef) -> None:
+        """Drop registration `ref` from the host, and its rows from the device unless another
+        registration computes with them."""
+        weights_id = ref.weights_id
         if self.mode.preload and self.cache.holds(weights_id):
-            self.cache.release(weights_id)  # this name's registration pin
-        others = [n for n in self.host.names_of(weights_id) if n != name]
+            self.cache.release(weights_id)  # this registration's pin
+        others = self.host.sharing(ref)
         if others:
-            self.cache.rename(weights_id, others[0])  # its rows stay, under a name still held
+            self.cache.rename(weights_id, others[0].name)  # its rows stay; shown by a held name
         else:
             self.cache.forget(weights_id)
-        self.host.drop(name)
+        self.host.drop(ref)
 
     # ---- per request (the engine thread) -----------------------------------------------------
 
@@ -180,8 +187,8 @@ class AdapterManager:
     def residency(self) -> tuple[list[str], list[str]]:
         """(resident, loading) adapter names on the device (every name of shared rows)."""
         names: dict[int, list[str]] = {}
-        for name, adapter in list(self.host.registry.items()):
-            names.setdefault(adapter.id, []).append(name)
+        for adapter in self.host.registered():
+            names.setdefault(adapter.id, []).append(adapter.name)
         resident, loading = [], []
         for weights_id, entry in list(self.cache.entries.items()):
             (resident if entry.ticket.done else loading).extend(names.get(weights_id, ()))
@@ -192,9 +199,10 @@ class AdapterManager:
         holds when it holds nothing else: every registered one when that memory has no limit;
         adapters of the rank limit on every target when none is registered."""
         limit = self.cache.max_adapter_bytes()
-        adapters = list({a.id: a for a in list(self.host.registry.values())}.values())
+        registered = self.host.registered()
+        adapters = list({a.id: a for a in registered}.values())
         if limit is None:
-            return len(self.host.registry)
+            return len(registered)
         if adapters:
             mean = sum(self.cache.charge(a) for a in adapters) / len(adapters)
         else:

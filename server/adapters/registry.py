@@ -28,6 +28,12 @@ class AdapterRegistry:
         self._by_name: dict[str, AdapterRef] = {}
         self._in_flight: Counter[int] = Counter()  # ref id -> accepted requests not ended
 
+    def check_free(self, name: str) -> None:
+        """409 when `name` is registered (a load checks before it reads and holds anything)."""
+        with self._lock:
+            if name in self._by_name:
+                raise RequestError(f"adapter {name!r} is already loaded", 409, "conflict")
+
     def add(self, ref: AdapterRef) -> None:
         """Make `ref` what its name resolves to (409 when the name is registered)."""
         with self._lock:

@@ -53,22 +53,22 @@ class AdapterStep:
 
     def is_activated(self, ref: AdapterRef | None) -> bool:
         """Whether `ref` is an activated LoRA (its KV before `lora_start` is the base model's)."""
-        adapter = self.host.registry.get(ref.name) if ref is not None else None
+        adapter = self.host.lookup(ref) if ref is not None else None
         return adapter is not None and bool(adapter.invocation_tokens)
 
     def lora_start(self, ref: AdapterRef | None, prompt_ids: list[int]) -> int:
         """The first prompt position adapter `ref` applies to: 0, or for an activated LoRA
         where the last occurrence of its invocation sequence starts (gpu_lora/alora.py). A
         prompt without that sequence is a 400 naming it."""
-        name = ref.name if ref is not None else None
-        adapter = self.host.registry.get(name) if name is not None else None
+        adapter = self.host.lookup(ref) if ref is not None else None
         if adapter is None or not adapter.invocation_tokens:
             return 0
         start = activation_start(prompt_ids, adapter.invocation_tokens)
         if start is None:
             raise RequestError(
-                f"adapter {name!r} is an activated LoRA: the prompt must contain its invocation "
-                f"sequence, token ids {brief(adapter.invocation_tokens)} (alora_invocation_tokens)"
+                f"adapter {ref.name!r} is an activated LoRA: the prompt must contain its "
+                f"invocation sequence, token ids {brief(adapter.invocation_tokens)} "
+                "(alora_invocation_tokens)"
             )
         return start
 

@@ -145,7 +145,7 @@ class Engine:
         """Unregister an adapter; refused (409) while a request accepted for it has not ended."""
         with self._lock:
             ref = self.adapter_refs.retire(name)  # 404, 409; no request acquires it from here
-            self.lora.unregister(name)
+            self.lora.unregister(ref)
             self.memory.forget_adapter(ref)
             self.queue.forget_adapter(ref)
         log.info("adapter %s removed", name)

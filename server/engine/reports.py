@@ -94,17 +94,16 @@ def adapter_list(engine: Reported) -> list[dict]:
     """The registered adapters: name, rank, path and target modules of each."""
     return [
         {"name": a.name, "rank": a.rank, "path": a.path, "target_modules": list(a.target_modules)}
-        for a in list(engine.lora.host.registry.values())
+        for a in engine.lora.host.registered()
     ]
 
 
 def stats(engine: Reported) -> ServerStats:
     """What the cluster scheduler needs; cheap, no lock (snapshots of the lists)."""
     lora, sched, config = engine.lora, engine.scheduler, engine.config
-    registry = lora.host.registry
     states = lora.cache.entry_states()  # one read of the cache entries, by weights id
     # Every name of rows several names share is resident with them.
-    named = [(n, a, states.get(a.id)) for n, a in list(registry.items())]
+    named = [(a.name, a, states.get(a.id)) for a in lora.host.registered()]
     resident = [n for n, _, s in named if s is not None and s.on_device]
     loading = [n for n, _, s in named if s is not None and not s.on_device]  # a failed load too
     adapters = tuple(adapter_view(n, a.rank, s, tuple(a.invocation_tokens)) for n, a, s in named)

@@ -18,14 +18,14 @@ def two_layer_trace() -> TraceRecorder:
     """Submitted at 0: layer 0 resident at 0.03 s, layer 1 at 0.25 s; the prefill runs
     0.01-0.20 s, layer 0 on the device, layer 1 on the host (0.12-0.15 s); one decode step."""
     trace = TraceRecorder()
-    trace.copy_group(CopyEvent("a", 0, 1, 100, 0.002, 0.004, 0.03))
-    trace.copy_group(CopyEvent("a", 1, 2, 100, 0.03, 0.032, 0.25))
+    trace.copy_group(CopyEvent(7, 0, 1, 100, 0.002, 0.004, 0.03))
+    trace.copy_group(CopyEvent(7, 1, 2, 100, 0.03, 0.032, 0.25))
     trace.step(StepEvent(True, 16, 0.01, 0.20))
     for layer, at in ((0, 0.02), (0, 0.09), (1, 0.11), (1, 0.18)):
         trace.marks.append(LayerMark(layer, at))
-    trace.host_lora(HostLoraEvent(1, ("q_proj", "v_proj"), ("a",), 0.12, 0.15))
+    trace.host_lora(HostLoraEvent(1, ("q_proj", "v_proj"), (7,), 0.12, 0.15))
     trace.step(StepEvent(False, 1, 0.21, 0.26))
-    trace.host_lora(HostLoraEvent(1, ("q_proj",), ("a",), 0.22, 0.23))
+    trace.host_lora(HostLoraEvent(1, ("q_proj",), (7,), 0.22, 0.23))
     return trace
 
 

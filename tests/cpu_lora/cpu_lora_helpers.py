@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from tests.helpers import tiny_model_config
+from tests.helpers import adapter_id, tiny_model_config
 from toppings.gpu_lora.kernels.reference import mbgmv_prefill
 from toppings.gpu_lora.peft_format import LoraAdapter
 from toppings.server.model.config import ModelConfig
@@ -41,25 +41,26 @@ def make_adapter(
         weights=weights,
         num_bytes=num_bytes,
         base_model=None,
+        id=adapter_id(name),
     )
 
 
 def reference(adapters, layer, x, segments, modules):
     """float32 oracle: gpu_lora's mbgmv_prefill over a column pool of the segments' adapters."""
-    by_name = {a.name: a for a in adapters}
+    by_id = {a.id: a for a in adapters}
     cuts, covered = [], 0
-    for name, start, end in sorted(segments, key=lambda s: s[1]):
+    for adapter, start, end in sorted(segments, key=lambda s: s[1]):
         if start > covered:
             cuts.append((None, covered, start))
-        cuts.append((name, start, end))
+        cuts.append((adapter, start, end))
         covered = end
     cuts.append((None, covered, x.shape[0]))
     cfg, outs = tiny_config(), {}
     for module in modules:
         h_in, h_out = cfg.projection_shape(module)
         cols_a, cols_b, rows, off = [torch.zeros(0, h_in)], [torch.zeros(0, h_out)], [], 0
-        for name, _, _ in cuts:
-            ad = by_name.get(name)
+        for adapter, _, _ in cuts:
+            ad = by_id.get(adapter)
             if ad is None or (layer, module) not in ad.weights:
                 rows.append((0, 0, 0.0))  # rank 0: no adapter, rows stay zero
                 continue

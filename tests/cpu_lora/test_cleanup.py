@@ -21,9 +21,10 @@ import json, sys, time, torch
 from toppings.cpu_lora import CpuLoraPool, HostRepository
 from cpu_lora_helpers import QKV, make_adapter, tiny_config
 repo = HostRepository.create(tiny_config(), 1 << 20)
-repo.add(make_adapter("a", 4, QKV))
+adapter = make_adapter("a", 4, QKV)
+repo.add(adapter)
 pool = CpuLoraPool(repo, tiny_config(), 1, max_tokens=16, modules=QKV, tokens_per_core=4)
-pool.run(0, torch.randn(8, 128), [("a", 0, 8)], QKV)
+pool.run(0, torch.randn(8, 128), [(adapter.id, 0, 8)], QKV)
 print(json.dumps({"workers": pool.worker_pids()}), flush=True)
 time.sleep(120)
 """

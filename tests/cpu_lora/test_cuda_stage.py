@@ -6,9 +6,15 @@ import pytest
 import torch
 from cpu_lora_helpers import QKV, reference, tiny_config
 
+from tests.helpers import adapter_id
 from toppings.cpu_lora import CpuLoraPool
 
-SEGMENTS = [("a4", 0, 5), (None, 5, 9), ("b8", 12, 25), ("c16", 25, 33)]
+SEGMENTS = [
+    (adapter_id("a4"), 0, 5),
+    (None, 5, 9),
+    (adapter_id("b8"), 12, 25),
+    (adapter_id("c16"), 25, 33),
+]
 
 
 @pytest.mark.cuda

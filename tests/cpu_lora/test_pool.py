@@ -12,11 +12,18 @@ import pytest
 import torch
 from cpu_lora_helpers import QKV, reference, tiny_config
 
+from tests.helpers import adapter_id
 from toppings.cpu_lora import CpuLoraPool, HostRepository
 
 # Mixed ranks 4/8/16, a segment with no adapter (5-9), tokens in no segment (9-12, 40-45),
 # and an adapter without LoRA on k_proj (c16) or without LoRA on layer 1 ("late").
-SEGMENTS = [("a4", 0, 5), (None, 5, 9), ("b8", 12, 25), ("c16", 25, 33), ("late", 33, 40)]
+SEGMENTS = [
+    (adapter_id("a4"), 0, 5),
+    (None, 5, 9),
+    (adapter_id("b8"), 12, 25),
+    (adapter_id("c16"), 25, 33),
+    (adapter_id("late"), 33, 40),
+]
 NUM_TOKENS = 45
 
 
@@ -44,7 +51,8 @@ def test_matches_reference(pool2, adapters, workers_used, layer):
 
 def test_rows_without_adapter_are_zero_after_a_full_call(pool2, adapters):
     pool2.tokens_per_core = 4
-    pool2.run(1, torch.randn(NUM_TOKENS, 128), [("b8", 0, NUM_TOKENS)], QKV)  # dirties every row
+    dirty = [(adapter_id("b8"), 0, NUM_TOKENS)]  # every row
+    pool2.run(1, torch.randn(NUM_TOKENS, 128), dirty, QKV)
     got = _check(pool2, adapters, seed=5)
     assert not got["v_proj"][5:12].any() and not got["v_proj"][40:].any()
 
@@ -66,7 +74,12 @@ def test_only_the_segments_span_of_x_is_copied(pool2, adapters):
     staged = pool2.input_buffer(NUM_TOKENS, 128)
     staged.fill_(7.0)
     x = torch.randn(NUM_TOKENS, 128)
-    segments = [(None, 0, 12), ("b8", 12, 25), ("c16", 25, 33), (None, 33, NUM_TOKENS)]
+    segments = [
+        (None, 0, 12),
+        (adapter_id("b8"), 12, 25),
+        (adapter_id("c16"), 25, 33),
+        (None, 33, NUM_TOKENS),
+    ]
     got = pool2.run(1, x, segments, QKV)
     want = reference(adapters, 1, x, segments, QKV)
     for module in QKV:
@@ -87,12 +100,12 @@ def test_mlp_and_o_proj_groups(pool2, adapters):
 def test_no_adapter_tokens_give_zeros_and_errors_are_clear(pool2):
     got = pool2.run(0, torch.randn(6, 128), [(None, 0, 6)], QKV)
     assert all(y.shape[0] == 6 and not y.any() for y in got.values())
-    with pytest.raises(KeyError, match="nope"):
-        pool2.run(0, torch.randn(6, 128), [("nope", 0, 6)], QKV)
+    with pytest.raises(KeyError, match=f"adapter id {adapter_id('nope')} is not"):
+        pool2.run(0, torch.randn(6, 128), [(adapter_id("nope"), 0, 6)], QKV)
     with pytest.raises(ValueError, match="overlaps"):
-        pool2.run(0, torch.randn(6, 128), [("a4", 0, 4), ("b8", 3, 6)], QKV)
+        pool2.run(0, torch.randn(6, 128), [(adapter_id("a4"), 0, 4), (adapter_id("b8"), 3, 6)], QKV)
     with pytest.raises(ValueError, match="different inputs"):
-        pool2.run(0, torch.randn(6, 128), [("a4", 0, 6)], ("q_proj", "down_proj"))
+        pool2.run(0, torch.randn(6, 128), [(adapter_id("a4"), 0, 6)], ("q_proj", "down_proj"))
 
 
 def _kill(pid: int, sig=signal.SIGKILL) -> None:
@@ -166,7 +179,7 @@ def test_one_worker_pool_and_close(repo, adapters):
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
     with pytest.raises(RuntimeError, match="closed"):
-        pool.run(0, torch.randn(2, 128), [("a4", 0, 2)], QKV)
+        pool.run(0, torch.randn(2, 128), [(adapter_id("a4"), 0, 2)], QKV)
 
 
 def test_spinning_pool_matches_reference_and_survives_a_kill(repo, adapters):

@@ -1,4 +1,5 @@
-"""HostRepository: layout round trip, slot and space reuse, errors, attach by name."""
+"""HostRepository: layout round trip, slot and space reuse, errors, attach by name; adapters
+keyed by id."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import pytest
 import torch
 from cpu_lora_helpers import make_adapter, tiny_config
 
+from tests.helpers import adapter_id
 from toppings.cpu_lora import LORA_TARGETS, HostRepository, RepositoryFullError, shm
 
 
@@ -25,14 +27,14 @@ def test_round_trip_and_reuse_after_remove(adapters):
     repo = HostRepository.create(tiny_config(), capacity_bytes=1 << 20, max_adapters=4)
     try:
         slots = [repo.add(a) for a in adapters]
-        assert slots == [0, 1, 2, 3] and repo.names() == [a.name for a in adapters]
+        assert slots == [0, 1, 2, 3] and repo.ids() == [a.id for a in adapters]
         for adapter, slot in zip(adapters, slots):
             _assert_holds(repo, adapter, slot)
             entry = repo.entry(slot)
             assert (entry["rank"], entry["scale"]) == (adapter.rank, adapter.scale)
         free_before = repo.free_bytes
-        repo.remove("b8")
-        assert repo.lookup("b8") is None and repo.free_bytes > free_before
+        repo.remove(adapter_id("b8"))
+        assert repo.lookup(adapter_id("b8")) is None and repo.free_bytes > free_before
         newcomer = make_adapter("d8", 8, ("q_proj", "down_proj"), seed=9)
         assert repo.add(newcomer) == slots[1]  # the freed slot, and first fit reuses its range
         assert (
@@ -80,13 +82,14 @@ def test_rejects_wrong_shapes(repo):
 def test_attach_reads_the_same_bytes(repo, adapters):
     other = HostRepository.attach(repo.name)
     try:
-        assert other.lookup("c16") == repo.lookup("c16") and other.lookup("nope") is None
-        _assert_holds(other, adapters[2], other.lookup("c16"))
+        c16 = adapter_id("c16")
+        assert other.lookup(c16) == repo.lookup(c16) and other.lookup(adapter_id("nope")) is None
+        _assert_holds(other, adapters[2], other.lookup(c16))
         with pytest.raises(PermissionError):
-            other.remove("c16")
+            other.remove(c16)
     finally:
         other.close()
-    assert repo.lookup("c16") is not None  # attaching and closing leaves the owner's name
+    assert repo.lookup(c16) is not None  # attaching and closing leaves the owner's adapter
 
 
 def test_bfloat16_arena(adapters):

@@ -41,18 +41,19 @@ def test_a_full_dev_shm_fails_the_add_and_leaves_the_arena_usable(monkeypatch):
     try:
         first = make_adapter("first", 4, ("q_proj", "v_proj"), seed=1)
         repo.add(first)
-        free, names = repo.free_bytes, repo.names()
+        free, ids = repo.free_bytes, repo.ids()
         real = shm.reserve_shm
         monkeypatch.setattr(
             shm, "reserve_shm", lambda name, at, n: real(name, at, n + more_than_the_tmpfs())
         )
         with pytest.raises(shm.SharedMemoryFull, match="shared memory is full"):
             repo.add(make_adapter("second", 8, ("q_proj",), seed=2))
-        assert repo.free_bytes == free and repo.names() == names
-        assert repo.lookup("second") is None
+        second = make_adapter("second", 8, ("q_proj",), seed=2)
+        assert repo.free_bytes == free and repo.ids() == ids
+        assert repo.lookup(second.id) is None
         monkeypatch.setattr(shm, "reserve_shm", real)
-        repo.add(make_adapter("second", 8, ("q_proj",), seed=2))
-        assert sorted(repo.names()) == ["first", "second"]
+        repo.add(second)
+        assert sorted(repo.ids()) == sorted([first.id, second.id])
     finally:
         repo.close()
 

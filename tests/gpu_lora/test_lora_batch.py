@@ -54,7 +54,7 @@ def test_partly_loaded_adapter_mixes_device_and_host_layers(is_prefill, backend,
     pool = AdapterPool(CONFIG, torch.float32, "cpu")
     pool.add(loaded)
     pool.add(loading)  # its rows are all there; the ticket alone says which layers may be used
-    host = CountingHost({"loaded": loaded, "loading": loading})
+    host = CountingHost({loaded.id: loaded, loading.id: loading})
     ticket = LoadTicket(CONFIG.num_layers)
     ticket.mark_ready(1)
     seg_starts = [0, 3, 5, 9] if is_prefill else [0, 1, 2, 3]
@@ -73,4 +73,4 @@ def test_partly_loaded_adapter_mixes_device_and_host_layers(is_prefill, backend,
         for m in MODULES:
             torch.testing.assert_close(outs[m], expected(x, order, seg_starts, m, layer))
     # Layer 1 alone ran on the host, for the loading request, in one call for q, k and v.
-    assert host.calls == [(1, ("loading",), ("q_proj", "k_proj", "v_proj"))]
+    assert host.calls == [(1, (loading.id,), ("q_proj", "k_proj", "v_proj"))]

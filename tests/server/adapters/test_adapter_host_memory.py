@@ -54,7 +54,7 @@ def test_one_copy_for_the_same_files_under_50_names(tiny_engine, adapter_dirs):
         held = engine.stats().adapter_host_memory
         assert (held["copies"], held["names"], held["charged_bytes"]) == (1, NUM_NAMES, one_copy)
         assert repository.free_bytes == empty - block  # one arena block for all 50
-        registry = engine.lora.host.registry
+        registry = {a.name: a for a in engine.lora.host.registered()}
         assert all(registry[f"n{i}"].weights is registry["n0"].weights for i in range(NUM_NAMES))
         assert content_digest(registry["n7"]) == content_digest(first)
         # A name that shares computes what the first does; it outlives the first's unload.
@@ -174,12 +174,12 @@ def test_names_are_bounded_by_the_budget():
 
     memory = HostAdapterMemory((MIN_NAMES + 44) * NAME_BYTES)
     assert memory.max_names == MIN_NAMES + 44
-    memory.charge(SimpleNamespace(name="n0"), "digest", 1000)
-    for i in range(1, memory.max_names):
-        memory.charge(SimpleNamespace(name=f"n{i}"), "digest", 1000)  # the same content
+    for i in range(memory.max_names):  # registrations 0.. of the same content
+        memory.charge(i, SimpleNamespace(name=f"n{i}", id=1), "digest", 1000)
+    more = memory.max_names
     with pytest.raises(HostMemoryFull, match=f"take {memory.max_names} names"):
-        memory.charge(SimpleNamespace(name="one-more"), "digest", 1000)
-    memory.release("n3")
-    memory.charge(SimpleNamespace(name="one-more"), "digest", 1000)
+        memory.charge(more, SimpleNamespace(name="one-more", id=1), "digest", 1000)
+    memory.release(3)
+    memory.charge(more, SimpleNamespace(name="one-more", id=1), "digest", 1000)
     assert memory.view()["charged_bytes"] == 1000
     assert HostAdapterMemory(NAME_BYTES).max_names == MIN_NAMES

@@ -96,7 +96,7 @@ def test_the_engine_refuses_a_request_for_an_adapter_unloaded_since_it_was_resol
         assert err.value.code == 404
         new = engine.resolve_adapter("x")
         assert new.id != old.id and new.name == "x" and new.rank == 8
-        assert new.nbytes == engine.lora.cache.charge(engine.lora.host.registry["x"])
+        assert new.nbytes == engine.lora.cache.charge(engine.lora.host.lookup(new))
         out = engine.submit(GenerationRequest([5, 6, 7], params, new)).result(timeout_s=60)
         assert out.finish_reason == "length"
         assert engine.adapter_refs.in_flight(new) == 0  # the ended request let go

@@ -122,7 +122,7 @@ def test_dora_mixed_batch_matches_peft(llama, kernel, lora_mode):
         model_dir, adapters, kernel=kernel, lora_mode=lora_mode, max_total_tokens=4096,
         max_batch_size=16, link_gbps=link,
     ) as engine:  # fmt: skip
-        assert sum(a.is_dora for a in engine.lora.host.registry.values()) == 3
+        assert sum(a.is_dora for a in engine.lora.host.registered()) == 3
         prompts = prompts_for(256, seed=11)
         results = run(engine, prompts)
         if lora_mode == "cpu-assisted":
