@@ -194,14 +194,17 @@ class ModelRunner:
             seconds, num_computed = 0.0, 0
         # [B] each: finite rows, argmax (sampling/logits_scan.py; scanned: by the native step)
         finite, best = scanned if scanned is not None else scan_logits(logits)
-        keep = [i for i, ok in enumerate(finite) if ok]
-        failed = {s: nonfinite_error(s) for s, ok in zip(seqs, finite) if not ok}
-        kept_plan = plan if not failed else plan.subset(keep)
-        rows = [i for i in keep if samples[i]]
-        sampled = [seqs[i] for i in rows]
-        if len(rows) < len(seqs):
-            logits = logits[rows]  # [S, V], the rows of the requests that sample
-        argmax = [best[i] for i in rows]
+        if all(finite) and all(samples):  # a decode step's usual case: every row as it is
+            failed, kept_plan, sampled, argmax = {}, plan, seqs, best
+        else:
+            keep = [i for i, ok in enumerate(finite) if ok]
+            failed = {s: nonfinite_error(s) for s, ok in zip(seqs, finite) if not ok}
+            kept_plan = plan if not failed else plan.subset(keep)
+            rows = [i for i in keep if samples[i]]
+            sampled = [seqs[i] for i in rows]
+            if len(rows) < len(seqs):
+                logits = logits[rows]  # [S, V], the rows of the requests that sample
+            argmax = [best[i] for i in rows]
         if not sampled:
             return StepOutcome(kept_plan, StepResult([], seconds, num_computed), failed)
         drawn = self.sampler.sample(sampled, logits, masks, argmax)

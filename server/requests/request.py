@@ -10,6 +10,7 @@ for the client.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import queue
 import threading
@@ -147,6 +148,17 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @functools.cached_property
+    def takes_argmax(self) -> bool:
+        """Whether the token is the raw logits' argmax and nothing else is read from them: greedy,
+        no processors, no grammar, no logprobs (the sampler's fast path; computed once)."""
+        return (
+            self.is_greedy
+            and not self.has_processors
+            and self.constraint is None
+            and self.logprobs is None
+        )
 
     @property
     def has_processors(self) -> bool:

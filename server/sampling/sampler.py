@@ -186,6 +186,8 @@ class Sampler:
         rows keep only their grammar's tokens (`masks` from `start_masks`, computed here when
         None); the logprobs asked for are taken from the unprocessed rows (see
         server/sampling/logits.py) and returned beside the tokens."""
+        if argmax is not None and all(s.request.params.takes_argmax for s in seqs):
+            return Sampled(list(argmax), None)  # every row greedy as it stands
         params = [s.request.params for s in seqs]
         chosen_from = logits
         is_constrained = any(p.constraint is not None for p in params)
