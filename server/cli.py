@@ -117,8 +117,10 @@ def main(argv: list[str] | None = None) -> int:
     _check_inputs(serve.model, loras)
     engine = load_engine(serve, config, loras)
     from toppings.server.api.app import create_app  # after parsing: `--help` loads no torch
+    from toppings.server.process.gc_heap import freeze_startup_heap
 
     app = create_app(engine, options)
+    freeze_startup_heap()  # the model, tokenizer, engine and app: out of every collection
     max_in_flight = options.max_concurrent_requests or default_max_in_flight(config.max_batch_size)
     try:
         serve_until_drained(app, engine, serve, max_in_flight)
