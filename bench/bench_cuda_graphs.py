@@ -126,10 +126,10 @@ def graph_metrics(engines: dict[bool, Engine]) -> dict:
         graphs = engine.runner.graphs
         if graphs is None:
             continue
-        if not graphs.counters["replays"]:
+        if not graphs.counters.replays:
             log.warning("graphs on (%s), but no decode step replayed one: %s", on, graphs.counters)
-        return {"captures": graphs.counters["captures"], "capture_s": graphs.capture_s,
-                "graph_counters": dict(graphs.counters)}  # fmt: skip
+        return {"captures": graphs.counters.captures, "capture_s": graphs.capture_s,
+                "graph_counters": graphs.counters.to_json()}  # fmt: skip
     return {}
 
 

@@ -342,7 +342,8 @@ def main(argv: list[str] | None = None) -> None:
                 log.info("round %d load %.2f rps %s: %s", rnd, rps, name,
                          summarise(raw[name][i][-1:], slo_ms / 1000, args.duration))  # fmt: skip
     views = {n: {"queueing": engines[n].stats().to_json()["queueing"],
-                 "adapter_cache": engines[n].counters().adapter_cache} for n in names}  # fmt: skip
+                 "adapter_cache": asdict(engines[n].counters().adapter_cache)}
+             for n in names}  # fmt: skip
     dtype = args.dtype
     for e in engines.values():
         e.shutdown()

@@ -1,10 +1,10 @@
 """Copies and fills that stay on the calling thread.
 
-torch runs an op over more than GRAIN_SIZE elements as an OpenMP parallel region; its helper
-threads then spin on the very cores the CPU LoRA workers need while the caller waits for them
-(measured on a 2-core machine: a 16 x 4096 float32 copy_ took 12 ms at the median instead of
-9 us). The pool's own copies therefore go through numpy, or through torch in chunks below the
-grain size when a dtype conversion is needed.
+torch runs an op over more than GRAIN_SIZE elements as an OpenMP parallel region; its helper threads
+then spin on the very cores the CPU LoRA workers need while the caller waits for them (a small copy_
+then takes orders of magnitude longer: docs/benchmarks.md, "Measurements behind the code"). The
+pool's own copies therefore go through numpy, or through torch in chunks below the grain size when a
+dtype conversion is needed.
 """
 
 from __future__ import annotations

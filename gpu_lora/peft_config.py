@@ -38,7 +38,7 @@ MAX_CONFIG_BYTES = 1 << 20  # a PEFT config is a few kB; a larger one is refused
 MAX_PATTERN_CHARS = 1000  # a PEFT target regex is a line; a longer one is refused uncompiled
 # All regex matches of one adapter together. The GIL is released while a match runs, so the
 # budget bounds only the loading thread; an 80-layer model's 560 names match a plain pattern in
-# about 10 ms, so a legitimate pattern stays far below it even on a busy host.
+# a small fraction of it, so a legitimate pattern stays far below it even on a busy host.
 REGEX_BUDGET_S = 0.25
 # An invocation sequence is a chat template's role marker, a few tokens (PEFT's examples use
 # "<|start_of_role|>assistant<|end_of_role|>"). 256 leaves room for any such marker and bounds

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from bench import results_table
 from toppings.scripts import flag_reference
 from toppings.server.cli_args import build_parser
 
@@ -106,3 +107,35 @@ def test_the_flag_reference_check_fails_on_drift(tmp_path):
     assert flag_reference.main(["--out", str(stale), "--check"]) == 1
     assert flag_reference.main(["--out", str(stale)]) == 0
     assert flag_reference.main(["--out", str(stale), "--check"]) == 0
+
+
+def test_the_results_table_is_what_the_result_files_make():
+    """docs/benchmarks.md's table drifted from bench/results: regenerate it with
+    `python -m bench.results_table` (a new file goes into its CURRENT or EARLIER first)."""
+    assert not results_table.unclassified(), (
+        "result files in neither bench/results_table.py CURRENT nor EARLIER (or listed there "
+        f"without a file): {results_table.unclassified()}"
+    )
+    page = results_table.PAGE.read_text()
+    assert results_table.with_table(page, results_table.table()) == page, (
+        "docs/benchmarks.md's table is stale: run python -m bench.results_table"
+    )
+
+
+def test_the_results_table_check_fails_on_drift_and_unknown_files(tmp_path, monkeypatch):
+    results = tmp_path / "results"
+    results.mkdir()
+    for name in results_table.CURRENT:
+        (results / name).write_text((results_table.RESULTS / name).read_text())
+    for name in results_table.EARLIER:
+        (results / name).write_text("{}")
+    page = tmp_path / "benchmarks.md"
+    page.write_text(f"# B\n\n{results_table.BEGIN}\n{results_table.END}\n")
+    monkeypatch.setattr(results_table, "RESULTS", results)
+    monkeypatch.setattr(results_table, "PAGE", page)
+    assert results_table.main(["--check"]) == 1  # the table is missing
+    assert results_table.main([]) == 0
+    assert results_table.main(["--check"]) == 0
+    assert "`engine_throughput.json`" in page.read_text()
+    (results / "new_bench.json").write_text("{}")
+    assert results_table.main(["--check"]) == 1  # a file in neither list

@@ -5,8 +5,8 @@ The engine orders a step's requests by adapter, so each adapter's tokens are one
 adapter's rows are read once per projection and every token is computed over its own adapter's
 rows only (nothing is assumed of the pool's other rows; they may hold NaN). The decode kernels,
 for tokens in any order, sort them into such runs first. Arithmetic is in float32 and y is
-rounded once: torch's bfloat16 matmuls of these small shapes took 35-45 us each where float32
-took 4-8 us and converting first 20 us (1 thread, Xeon with avx512_bf16, no AMX).
+rounded once: torch's bfloat16 matmuls of these small shapes took several times longer than
+converting to float32 and multiplying there (docs/benchmarks.md, "Measurements behind the code").
 
 BGMV keeps its cost model on CPU: each run's weights are zero-padded to the batch's max_rank, so
 its work grows with B x max_rank as on the GPU, and bgmv/mbgmv comparisons made on a CPU engine

@@ -1,17 +1,16 @@
 """MBGMV over runs of one adapter's tokens in one native call: the CPU engine's LoRA (MBGMV).
 
-A CPU decode step has few tokens per adapter, so the torch segment kernel's two small matmuls
-per run cost more in dispatch than in arithmetic (16 runs x 3 projections x 30 layers are 1440
-pairs a step). `lora_runs` in `csrc/lora.c` (built and cached by `native_build`) does every run
-of every projection that shares an input (q, k and v) in one call, reading each token's own
-adapter rows only, in blocks of 4 tokens spread over the threads. It serves prefill too:
-measured here (2 threads, bf16, q_proj shapes), one 128-token prompt at rank 8 took 0.05 ms
-against the torch kernel's 0.21, at rank 64 0.17 against 0.28, and 16 runs of 512 tokens (ranks
-8-64) 4.5 ms against 5.6. Same semantics as `gpu_lora.kernels.reference.mbgmv_prefill`
-(tests/gpu_lora/test_native_lora.py checks it against that reference); BGMV keeps the torch
-kernels, whose zero-padding is its cost model. Where the library cannot be built (no compiler,
-`TOPPINGS_NATIVE=0`), `library()` is None, `available` says False and every function here runs
-the torch segment kernel (`gpu_lora.kernels.cpu`).
+A CPU decode step has few tokens per adapter, so the torch segment kernel's two small matmuls per
+run cost more in dispatch than in arithmetic (16 runs x 3 projections x 30 layers are 1440 pairs a
+step). `lora_runs` in `csrc/lora.c` (built and cached by `native_build`) does every run of every
+projection that shares an input (q, k and v) in one call, reading each token's own adapter rows
+only, in blocks of 4 tokens spread over the threads. It serves prefill too, faster than the torch
+kernel at every rank measured (bench_cpu_decode_paths and docs/benchmarks.md, "Measurements behind
+the code"). Same semantics as `gpu_lora.kernels.reference.mbgmv_prefill`
+(tests/gpu_lora/test_native_lora.py checks it against that reference); BGMV keeps the torch kernels,
+whose zero-padding is its cost model. Where the library cannot be built (no compiler,
+`TOPPINGS_NATIVE=0`), `library()` is None, `available` says False and every function here runs the
+torch segment kernel (`gpu_lora.kernels.cpu`).
 """
 
 from __future__ import annotations
@@ -193,9 +192,9 @@ class RunsStep:
     The runs, offsets, scales and each projection's ranks are the same in every layer of a step;
     only the layer's rows of the pool, its input and its outputs change. Built once a step by
     `gpu_lora.lora_batch.LoraBatch`, called once a layer and input: a few field writes and the
-    native call (the general function re-checks and rebuilds everything: ~18 us a call, 30
-    calls a SmolLM2 decode step). Holds the pool's tables of the step (a table the pool
-    reallocates later stays alive until the step ends).
+    native call (the general function re-checks and rebuilds everything, once per layer and input of
+    every step). Holds the pool's tables of the step (a table the pool reallocates later stays alive
+    until the step ends).
     """
 
     def __init__(

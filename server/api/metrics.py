@@ -12,6 +12,7 @@ inference gateway's model-server protocol (its `vllm:` series) comes from `Proto
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import fields
 from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -20,9 +21,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from toppings.server.api.protocol_metrics import ProtocolCollector
 from toppings.server.http.frontend import InFlightCollector
 from toppings.server.http.metrics import new_registry
+from toppings.server.requests.engine_counters import BlockCounts, EngineCounters, QueueView
 from toppings.server.requests.errors import CONSTRAINT_FAILED
 from toppings.server.requests.request import RequestOutput
-from toppings.server.requests.stats_schema import EngineCounters
 
 PREFIX = "toppings:"
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -105,60 +106,59 @@ ENGINE_SERIES: tuple[tuple[str, str, str, Callable[[EngineCounters], float | Non
      lambda c: c.host_lora_calls),
     ("counter", "cpu_lora_seconds", "Time spent in host (CPU) LoRA invocations",
      lambda c: c.host_lora_seconds),
-    ("counter", "adapter_cache_hits", "Adapter cache hits", lambda c: c.adapter_cache["hits"]),
+    ("counter", "adapter_cache_hits", "Adapter cache hits", lambda c: c.adapter_cache.hits),
     ("counter", "adapter_cache_misses", "Adapter cache misses",
-     lambda c: c.adapter_cache["misses"]),
+     lambda c: c.adapter_cache.misses),
     ("counter", "adapter_loads", "Adapter loads to the device",
-     lambda c: c.adapter_cache["loads"]),
+     lambda c: c.adapter_cache.loads),
     ("counter", "adapter_evictions", "Adapters evicted from the device",
-     lambda c: c.adapter_cache["evictions"]),
+     lambda c: c.adapter_cache.evictions),
     ("counter", "adapter_compactions", "Adapter pool packings (rows moved to make room)",
-     lambda c: c.adapter_cache["compactions"]),
+     lambda c: c.adapter_cache.compactions),
     ("counter", "adapter_bytes_loaded", "Adapter bytes loaded to the device",
-     lambda c: c.adapter_cache["bytes_loaded"]),
+     lambda c: c.adapter_cache.bytes_loaded),
     ("gauge", "adapter_cache_used_bytes", "Device bytes held by adapters",
-     lambda c: c.adapter_cache["used_bytes"]),
+     lambda c: c.adapter_cache.used_bytes),
     ("gauge", "adapter_cache_budget_bytes", "Device byte budget for adapters",
-     lambda c: c.adapter_cache.get("budget_bytes")),
+     lambda c: c.adapter_cache.budget_bytes),
     ("gauge", "adapters_resident", "Adapters fully on the device",
-     lambda c: len(c.adapter_cache["resident"])),
+     lambda c: len(c.adapter_cache.resident)),
     ("gauge", "adapters_loading", "Adapters being loaded",
-     lambda c: len(c.adapter_cache["loading"])),
+     lambda c: len(c.adapter_cache.loading)),
     ("counter", "queue_bypasses", "Requests admitted ahead of one waiting for adapter memory",
-     lambda c: c.queueing.get("bypasses")),
+     lambda c: c.queueing.bypasses),
     ("counter", "queue_squashes", "Bypassing requests squashed to run again later",
-     lambda c: c.queueing.get("squashes")),
+     lambda c: c.queueing.squashes),
     ("counter", "queue_reservations", "Iterations in which a waiting request held a reservation",
-     lambda c: c.queueing.get("reserved")),
+     lambda c: c.queueing.reserved),
     ("counter", "queue_backfilled", "Requests admitted while another held a reservation",
-     lambda c: c.queueing.get("backfilled")),
+     lambda c: c.queueing.backfilled),
     ("gauge", "adapter_references",
      "References held on device adapters (requests, plus registration pins in cached mode)",
      lambda c: c.adapter_references),
     ("counter", "prefix_cache_hit_tokens", "Prompt tokens whose KV came from the prefix cache",
-     lambda c: c.memory["prefix_hit_tokens"]),
+     lambda c: c.memory.prefix_hit_tokens),
     ("counter", "prefix_cache_prompt_tokens", "Prompt tokens of admitted requests",
-     lambda c: c.memory["prompt_tokens"]),
+     lambda c: c.memory.prompt_tokens),
     ("counter", "kv_swaps_in", "KV blocks copied back from the host tier",
-     lambda c: c.memory["swaps_in"]),
+     lambda c: c.memory.swaps_in),
     ("counter", "kv_swaps_out", "KV blocks moved to the host tier",
-     lambda c: c.memory["swaps_out"]),
+     lambda c: c.memory.swaps_out),
     ("counter", "memory_evictions_kv", "Cached KV blocks dropped",
-     lambda c: c.memory["evictions_kv"]),
+     lambda c: c.memory.evictions_kv),
     ("counter", "memory_evictions_adapter", "Idle adapters evicted to make room in the pool",
-     lambda c: c.memory["evictions_adapter"]),
+     lambda c: c.memory.evictions_adapter),
     ("counter", "kv_events_batches", "KV cache event batches published (--kv-events-endpoint)",
-     lambda c: c.memory.get("kv_events_batches")),
+     lambda c: c.memory.kv_events_batches),
     ("counter", "kv_events_dropped",
      "Prefix-cache changes whose KV events were dropped to a full queue (each followed by a "
-     "resync)", lambda c: c.memory.get("kv_events_dropped")),
+     "resync)", lambda c: c.memory.kv_events_dropped),
     ("counter", "kv_events_resyncs_asked",
      "Replays that asked for KV event batches no longer kept (each answered by a resync)",
-     lambda c: c.memory.get("kv_events_resyncs_asked")),
+     lambda c: c.memory.kv_events_resyncs_asked),
     *(("gauge", f"memory_blocks_{kind}", f"Memory pool blocks: {kind.replace('_', ' ')}",
-       (lambda k: lambda c: c.memory["blocks"][k])(kind))
-      for kind in ("total", "free", "kv_in_use", "kv_cached", "adapters_in_use",
-                   "adapters_cached")),
+       (lambda k: lambda c: getattr(c.memory.blocks, k))(kind))
+      for kind in (f.name for f in fields(BlockCounts))),
 )  # fmt: skip
 _FAMILIES = {"counter": CounterMetricFamily, "gauge": GaugeMetricFamily}
 
@@ -196,13 +196,13 @@ class EngineCollector:
         yield from queue_series(c.queueing)
 
 
-def queue_series(view: dict) -> Iterator[Metric]:
+def queue_series(view: QueueView) -> Iterator[Metric]:
     """Per-queue gauges of the queue policy: length, token quota, upper WRS cutoff."""
     per_queue = (
-        ("queue_length", "Requests waiting in each queue", view.get("queue_lengths")),
-        ("queue_quota_tokens", "Token quota of each queue", view.get("quotas")),
+        ("queue_length", "Requests waiting in each queue", view.queue_lengths),
+        ("queue_quota_tokens", "Token quota of each queue", view.quotas),
         ("queue_cutoff_wrs", "Upper weighted-request-size cutoff of each queue (the last has "
-         "none)", view.get("cutoffs")),
+         "none)", view.cutoffs),
     )  # fmt: skip
     for name, doc, values in per_queue:
         if values is None:

@@ -73,6 +73,7 @@ from prometheus_client.core import (
     Metric,
 )
 
+from toppings.server.requests.engine_counters import MemoryView
 from toppings.server.requests.stats_schema import RequestView, Residency, ServerStats
 
 PREFIX = "vllm:"
@@ -98,6 +99,30 @@ def adapter_names(requests: tuple[RequestView, ...]) -> set[str]:
 def adapter_list(requests: tuple[RequestView, ...]) -> str:
     """The distinct adapter names of `requests`, sorted and comma-separated ("" for none)."""
     return ",".join(sorted(adapter_names(requests)))
+
+
+def memory_series(view: dict, model: list[str]) -> Iterator[Metric]:
+    """The prefix cache's counters and the KV block configuration, from /stats' MEMORY (none
+    when a server reports no memory view)."""
+    if not view:
+        return
+    memory = MemoryView.from_view(view)
+    counters = (
+        ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+         memory.prompt_tokens),
+        ("prefix_cache_hits", "Prompt tokens whose KV came from the prefix cache",
+         memory.prefix_hit_tokens),
+    )  # fmt: skip
+    for name, doc, value in counters:
+        family = CounterMetricFamily(PREFIX + name, doc, labels=[MODEL_LABEL])
+        family.add_metric(model, value)
+        yield family
+    if memory.block_tokens is not None:
+        config = GaugeMetricFamily(PREFIX + "cache_config_info",
+                                   "KV cache configuration: block size in tokens, blocks",
+                                   labels=["block_size", "num_gpu_blocks"])  # fmt: skip
+        config.add_metric([str(memory.block_tokens), str(memory.blocks.total)], 1)
+        yield config
 
 
 def kv_cache_usage(stats: ServerStats) -> float:
@@ -133,26 +158,7 @@ class ProtocolCollector:
             family = GaugeMetricFamily(PREFIX + name, doc, labels=[MODEL_LABEL])
             family.add_metric(model, value)
             yield family
-        memory = stats.memory
-        counters = (
-            ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
-             memory.get("prompt_tokens")),
-            ("prefix_cache_hits", "Prompt tokens whose KV came from the prefix cache",
-             memory.get("prefix_hit_tokens")),
-        )  # fmt: skip
-        for name, doc, value in counters:
-            if value is None:
-                continue
-            family = CounterMetricFamily(PREFIX + name, doc, labels=[MODEL_LABEL])
-            family.add_metric(model, value)
-            yield family
-        if "block_tokens" in memory:
-            config = GaugeMetricFamily(PREFIX + "cache_config_info",
-                                       "KV cache configuration: block size in tokens, blocks",
-                                       labels=["block_size", "num_gpu_blocks"])  # fmt: skip
-            blocks = memory.get("blocks", {}).get("total", 0)
-            config.add_metric([str(memory["block_tokens"]), str(blocks)], 1)
-            yield config
+        yield from memory_series(stats.memory, model)
         lora = GaugeMetricFamily(PREFIX + "lora_requests_info",
                                  "Adapters resident or running, and of the waiting requests; "
                                  "value: the sample's time", labels=LORA_INFO_LABELS)  # fmt: skip

@@ -9,10 +9,10 @@ tokenization behind the slowest one. Each copy here is used by one thread at a t
 tokenize in parallel whatever they ask of their copy. The engine's own tokenizer is only decoded
 with (stop strings, streamed text, logprob token texts), and decoding sets no state.
 
-Copies are made on demand, up to `max_copies` (by default one per core this process may run
-on, 4 to 16: tokenizing is CPU work, and a copy costs memory: measured for SmolLM2, 8 MiB and
-0.1 s each). A borrower past that waits for a copy to come back; the prompt's character bound
-(server.api.openai.choices) keeps each tokenization short, so that wait is bounded too.
+Copies are made on demand, up to `max_copies` (by default one per core this process may run on, 4 to
+16: tokenizing is CPU work, and a copy costs memory and time to make). A borrower past that waits
+for a copy to come back; the prompt's character bound (server.api.openai.choices) keeps each
+tokenization short, so that wait is bounded too.
 
 Every copy carries the operator's `--chat-template` (server.chat_template.file) when there is
 one. A chat renders on the copy it borrowed under a budget (server.chat_template.sandbox), so a

@@ -12,8 +12,9 @@ from toppings.gpu_lora.peft_format import LoraAdapter
 from toppings.server.config import EngineConfig
 from toppings.server.model.config import ModelConfig
 from toppings.server.requests.adapter_ref import AdapterRef
+from toppings.server.requests.engine_counters import EngineCounters
 from toppings.server.requests.request import GenerationRequest, RequestHandle
-from toppings.server.requests.stats_schema import EngineCounters, ServerStats
+from toppings.server.requests.stats_schema import ServerStats
 
 
 class EngineClient(Protocol):

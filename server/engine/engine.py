@@ -35,9 +35,10 @@ from toppings.server.process.threads import (
     torch_on_this_thread_only,
 )
 from toppings.server.requests.adapter_ref import AdapterRef
+from toppings.server.requests.engine_counters import EngineCounters
 from toppings.server.requests.request import GenerationRequest, RequestError, RequestHandle
 from toppings.server.requests.sequence import Sequence
-from toppings.server.requests.stats_schema import EngineCounters, ServerStats
+from toppings.server.requests.stats_schema import ServerStats
 from toppings.server.sched.admission import check_request
 from toppings.server.sched.plan import StepPlan
 from toppings.server.sched.step_budget import StepBudget, StepTimeModel

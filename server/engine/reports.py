@@ -13,9 +13,14 @@ from toppings.server.config import EngineConfig
 from toppings.server.memory.kv_cache import KVPool
 from toppings.server.memory.manager import MemoryManager
 from toppings.server.process.thread_governor import ThreadGovernor
+from toppings.server.requests.engine_counters import (
+    AdapterCacheView,
+    EngineCounters,
+    MemoryView,
+    QueueView,
+)
 from toppings.server.requests.stats_schema import (
     AdapterView,
-    EngineCounters,
     Residency,
     ServerStats,
     WorkerView,
@@ -77,12 +82,12 @@ def counters(engine: Reported) -> EngineCounters:
         host_lora_seconds=lora.host_stats.seconds,
         num_running=len(sched.running),
         num_waiting=len(sched.queue),
-        queueing=sched.queue.view(),
+        queueing=QueueView.from_view(sched.queue.view()),
         kv_reserved_tokens=memory.reserved * kv.block_tokens,
         kv_used_tokens=kv.num_slots - kv.num_free_slots,
         max_total_tokens=kv.num_slots,
-        memory=memory.view(),
-        adapter_cache=lora.cache.snapshot(),
+        memory=MemoryView.from_view(memory.view()),
+        adapter_cache=AdapterCacheView.from_snapshot(lora.cache.snapshot()),
         adapter_references=lora.references(),
         step_budget_tokens=budget and budget.tokens,
         engine_threads=engine.governor and engine.governor.threads,

@@ -35,9 +35,9 @@ _PAGED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # tile of 32 tokens, the rows kernel once per token, but a tile pays a fixed cost (its queries
 # and outputs transposed) and a segment of fewer tokens is padded to one. So at least
 # TILE_MIN_LEN new tokens and TILE_MIN_WORK key reads (t x (P + (t + 1) / 2)); the others (a
-# decode row, a short prompt or a short chunk) go to the rows kernel. Measured on one core
-# (bench/bench_prefill_attention.py, SmolLM2's heads): 128 tokens alone 0.47 ms blocked and
-# 0.36 by rows, 256 alone 1.17 and 1.46, 16 after 2,300 2.3 and 1.8, 32 after 2,300 2.3 and 4.0.
+# decode row, a short prompt or a short chunk) go to the rows kernel. The bounds are where the
+# two kernels' times cross in bench/bench_prefill_attention.py (prefill_attention.json; the
+# crossings: docs/benchmarks.md, "Measurements behind the code").
 TILE_MIN_LEN = 32
 TILE_MIN_WORK = 16384
 
@@ -66,9 +66,8 @@ class PrefillPlan:
 class DecodeRows:
     """The one-token segments after a past (a mixed step's decode rows) on the torch path (a
     GPU without Triton, or a CPU without the native kernel), attended in one batched decode call
-    instead of one SDPA chain per segment and layer: on an H100 a mixed step of 64 decodes and
-    32 prompt tokens of a 30-layer model ran 220 ms that way against 14 ms for the 64 decodes
-    alone, launch bound."""
+    instead of one SDPA chain per segment and layer, which left a GPU's mixed step launch bound
+    (bench/GPU.md's first run; docs/benchmarks.md, "GPU")."""
 
     rows: torch.Tensor  # [Bd] int64, the rows' token indices in the step
     index: torch.Tensor  # [Bd, Lmax] int64, each row's past and own slot, padded
@@ -150,8 +149,8 @@ def prefill_attention(
     of the past (bench/bench_prefill_attention.py compares the three). With a `PagedPrefill` (a
     GPU), every segment runs in one Triton launch reading the pool in place. With `DecodeRows`,
     its rows are attended as one decode batch. Inputs go to SDPA as 4-D [1, heads, t, D]: with 3-D
-    ones torch's CPU SDPA falls back to its unfused math kernel (measured here: 22% of a
-    SmolLM2 prefill) instead of its flash kernel.
+    ones torch's CPU SDPA falls back to its unfused math kernel (a large share of a prefill:
+    docs/benchmarks.md, "Measurements behind the code") instead of its flash kernel.
     """
     num_tokens = q.shape[0]
     paged = _paged() if q.device.type == "cuda" else None

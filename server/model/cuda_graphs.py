@@ -37,6 +37,7 @@ import functools
 import logging
 import time
 from collections import Counter
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -84,6 +85,27 @@ class StaticLora:
         return None
 
 
+@dataclass
+class GraphCounters:
+    """What the decode graphs did since start (read by tests and bench_cuda_graphs): steps
+    replayed, graphs captured, times every graph was dropped because a tensor it points into
+    moved, and steps run eagerly by the reason the bucket plan gave ("loading", ...)."""
+
+    replays: int = 0
+    captures: int = 0
+    invalidations: int = 0
+    eager: Counter[str] = field(default_factory=Counter)
+
+    def copy(self) -> GraphCounters:
+        return replace(self, eager=Counter(self.eager))
+
+    def to_json(self) -> dict[str, int]:
+        """One flat object: the three counts and `eager_<reason>` per reason."""
+        counts = {"replays": self.replays, "captures": self.captures}
+        counts["invalidations"] = self.invalidations
+        return counts | {"eager_" + reason: n for reason, n in self.eager.items()}
+
+
 class DecodeGraphs:
     """The captured decode graphs of one engine and the buffers they read and write."""
 
@@ -109,7 +131,7 @@ class DecodeGraphs:
         self._mempool = None
         self._pointers = self._pointer_state()
         self._disabled = False  # a capture failed: every step runs eagerly from then on
-        self.counters: Counter = Counter()  # replays, captures, invalidations, eager_<reason>
+        self.counters = GraphCounters()
         self.capture_s = 0.0
 
     def run(
@@ -129,7 +151,7 @@ class DecodeGraphs:
         max_rank = max((a.rank for a in adapters if a is not None), default=0)
         plan = self.buckets.plan(len(ids), max(positions) + 1, max_rank, loading)
         if plan.key is None or self._disabled:
-            self.counters["eager_" + (plan.reason or "disabled")] += 1
+            self.counters.eager[plan.reason or "disabled"] += 1
             return None
         self._check_pointers()
         graph = self._graphs.get(plan.key)
@@ -137,7 +159,7 @@ class DecodeGraphs:
             return None
         self._fill(kv_rows, ids, positions, adapters)
         graph.replay()
-        self.counters["replays"] += 1
+        self.counters.replays += 1
         return self._logits[: len(ids)].clone()
 
     def drop(self) -> None:
@@ -164,7 +186,7 @@ class DecodeGraphs:
         if self._graphs:
             log.info("the adapter pool or KV pool was reallocated: dropping %d decode graphs",
                      len(self._graphs))  # fmt: skip
-            self.counters["invalidations"] += 1
+            self.counters.invalidations += 1
         self.drop()
         self._pointers = state
 
@@ -197,7 +219,7 @@ class DecodeGraphs:
             return None
         seconds = time.perf_counter() - started
         self.capture_s += seconds
-        self.counters["captures"] += 1
+        self.counters.captures += 1
         log.info("decode graph %s captured in %.0f ms (%d graphs now, %.2f s of captures so far)",
                  tuple(key), 1000 * seconds, len(self._graphs), self.capture_s)  # fmt: skip
         return graph

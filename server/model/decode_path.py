@@ -1,12 +1,12 @@
 """A decode step's layers in one native call (`csrc/decode_layer.c`), its LoRA included.
 
 At batch 1-4 a CPU decode step of SmolLM2 makes about ten native calls a layer (the norms, the
-GEMVs, RoPE, the KV write, attention, silu), each costing some 6 us of Python around it (ctypes,
-checks, a fresh tensor): ~2 ms of a 15 ms bfloat16 step (measured in process on the project's
-2-core AMD EPYC, cProfile), and an adapter targeting all seven projections adds four LoRA calls
-a layer at 20-26 us each. `decode_layer.c` chains the same kernels in the same order on the same
-buffers, so the numbers are bit for bit the per-op path's (tests/server/model/
-test_decode_path.py). A layer:
+GEMVs, RoPE, the KV write, attention, silu), each paying Python around it (ctypes, checks, a fresh
+tensor), and an adapter targeting all seven projections adds four LoRA calls a layer: a sizeable
+share of a small model's step (measured with cProfile and bench/probe_step_glue.py:
+docs/benchmarks.md, "Measurements behind the code"). `decode_layer.c` chains the same kernels in
+the same order on the same buffers, so the numbers are bit for bit the per-op path's
+(tests/server/model/test_decode_path.py). A layer:
 
     x, qkv   = norm_proj(h, residual)          then LoRA q, k, v on qkv (from x)
     attn, o  = attend_proj(qkv)                then LoRA o on o (from attn)

@@ -1,15 +1,14 @@
 """`--dtype auto`: the dtype the base model runs fastest in on this machine.
 
 On CUDA: bfloat16. On a CPU, bfloat16 only pays where the CPU multiplies it natively (the
-`avx512_bf16` or `amx_bf16` flags); even then it is not always faster than float32 (measured on
-this project's VMs: a 2-core Intel Xeon with avx512_bf16 ran the engine faster in float32, a
-2-core AMD EPYC with it ran a bfloat16 GEMM of SmolLM2's shapes at 2.8x the float32 rate). So the
-choice is measured once at start-up: the model's largest projections (gate/up, [I, H]) through
-the same packed linear the engine uses (server.linear), at a decode batch and a prefill chunk,
-in both dtypes, alternating; bfloat16 wins only when it takes under `MARGIN` of float32's time.
-With `--quantization int8/int4` the timed projection is the quantized one (server.model.quant),
-at decode rows (QUANTIZED_ROWS): torch's packed kernels run far faster with bfloat16 activations
-than with float32 ones.
+`avx512_bf16` or `amx_bf16` flags); even then it is not always faster than float32 (an Intel Xeon
+with avx512_bf16 ran the engine faster in float32, an AMD EPYC with it far faster in bfloat16:
+docs/benchmarks.md, "Measurements behind the code"). So the choice is measured once at start-up: the
+model's largest projections (gate/up, [I, H]) through the same packed linear the engine uses
+(server.linear), at a decode batch and a prefill chunk, in both dtypes, alternating; bfloat16 wins
+only when it takes under `MARGIN` of float32's time. With `--quantization int8/int4` the timed
+projection is the quantized one (server.model.quant), at decode rows (QUANTIZED_ROWS): torch's
+packed kernels run far faster with bfloat16 activations than with float32 ones.
 """
 
 from __future__ import annotations

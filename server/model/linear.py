@@ -1,17 +1,16 @@
 """The base model's projections: `F.linear`, or oneDNN with a pre-packed weight on a CPU.
 
 On a CPU, torch's float32 `F.linear` calls MKL's sgemm, which streams the weight far below
-memory bandwidth at the few rows of a decode step (measured on this project's 2-core AMD VM,
-2 threads: SmolLM2's lm_head [49152, 576] float32 at 4 rows, 23.1 ms with `F.linear` against
-5.5 ms with oneDNN and a weight reordered once into its blocked layout; gate+up [3072, 576]
-0.66 ms against 0.14 ms; bfloat16 gains 1.1-3x too). The packed path uses torch's own mkldnn
-ops, the ones its compiler uses to pre-pack CPU weights. They are private, so `packing_works`
-checks them once per dtype against `F.linear` and every weight stays on `F.linear` when they
-are missing or disagree. On a GPU nothing is packed.
+memory bandwidth at the few rows of a decode step, where oneDNN with a weight reordered once into
+its blocked layout runs several times faster, in float32 and bfloat16 (bench_cpu_linear,
+`cpu_linear.json`; docs/benchmarks.md, "Measurements behind the code"). The packed path uses torch's
+own mkldnn ops, the ones its compiler uses to pre-pack CPU weights. They are private, so
+`packing_works` checks them once per dtype against `F.linear` and every weight stays on `F.linear`
+when they are missing or disagree. On a GPU nothing is packed.
 
-At 1-4 rows (decode of a few requests) a bf16 projection only streams its weight, and oneDNN's
-packed GEMM streamed SmolLM2's at about 17 GB/s on two threads (12 on one): there `gemv_bf16`
-(`csrc/linear.c`, 25 and 18 GB/s) reads a plain copy of the weight instead, where the CPU has
+At 1-4 rows (decode of a few requests) a bf16 projection only streams its weight, which
+oneDNN's packed GEMM does well below the memory's bandwidth: there `gemv_bf16` (`csrc/linear.c`,
+faster at it: bench_single_stream) reads a plain copy of the weight instead, where the CPU has
 avx512_bf16; float32 likewise has `gemv_f32` where the CPU has AVX-512; a CPU with AVX2 + FMA
 only (AMD EPYC before Zen 4) gets float32 GEMVs of either dtype (`csrc/gemv_int8.c`). The plain copy
 doubles the weights' memory (a tied lm_head shares the embedding's), which is why
@@ -61,7 +60,7 @@ class Linear:
         if not self.is_packed and self._plain is not None:
             self._weight = self._plain
         # The GEMV's kernel and weight bound once: a decode step makes ~120 of these calls, and
-        # looking both up per call cost about 4 us each (SmolLM2, 0.5 ms a step).
+        # looking both up per call was a visible share of the step's host time (probe_step_glue).
         self._gemv = _bound_gemv(self._plain) if self._plain is not None else None
 
     @property
@@ -110,8 +109,8 @@ def plain_copy_affordable(num_bytes: int) -> bool:
 
 
 # The GEMVs of each dtype, best first, and what `in` must be a multiple of: bf16 with
-# avx512_bf16, float32 with AVX-512 (csrc/linear.c; at one row it streamed SmolLM2's float32
-# weights 1.7x faster than oneDNN's packed GEMM, bench/bench_single_stream.py); else either with
+# avx512_bf16, float32 with AVX-512 (csrc/linear.c; at one row it streams float32 weights faster
+# than oneDNN's packed GEMM, bench/bench_single_stream.py); else either with
 # AVX2 + FMA in float32 (csrc/gemv_int8.c), for CPUs without AVX-512. `gemv_kernel` picks the
 # first that was built here and agrees with F.linear.
 _GEMV = {

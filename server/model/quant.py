@@ -139,13 +139,10 @@ def gemv_rows(dtype: torch.dtype, scheme: Quantization, out_features: int, in_fe
     GEMV_ROWS where the scheme's GEMV for `dtype` runs here and takes the shape (16 | out; 16 | in
     for int8, 32 | in for int4); else 0. int8: float32 or bfloat16 activations; int4: float32
     (`int4_gemv`), bfloat16 where the CPU has AVX512_BF16 (`int4_bf16_gemv`; without it torch's
-    bfloat16 int4 kernel ran one stream faster than `int4_gemv`: 15.1 against 17.1 ms a token). int4
-    keeps its GEMV copy beside torch's packed one (which the prefill unpacks): only where
-    `plain_copy_affordable` allows it.
-
-    One stream of SmolLM2 on this project's shared 2-core AMD EPYC, one thread
-    (bench_single_stream, alternating rounds against torch's paths): int8 float32 52.9 -> 12.5
-    ms per token, bfloat16 24.3 -> 12.0; int4 float32 205 -> 14.1.
+    bfloat16 int4 kernel ran one stream faster than `int4_gemv`). int4 keeps its GEMV copy beside
+    torch's packed one (which the prefill unpacks): only where `plain_copy_affordable` allows it.
+    The GEMVs against torch's paths, one stream (bench_single_stream, alternating rounds):
+    docs/benchmarks.md, "Measurements behind the code".
     """
     if out_features % 16 or dtype not in (torch.float32, torch.bfloat16):
         return 0

@@ -14,10 +14,10 @@ LoRA is not in the timed steps (no adapter is on the device at start-up); it add
 to a step (bench engine_throughput's decode_step_ratio_lora_vs_base).
 
 The times are kept under the cache (`~/.cache/toppings/step_times/`, a JSON file per key) and
-read back at the next start-up of the same model shape, dtype, device, batch, pool geometry,
-thread count, CPU, torch and forward-pass source (measured at about 10 to 40 s on a 2-core CPU
-with SmolLM2 at a batch of 128): the engine corrects them from its real steps as it runs
-(server.sched.step_refit). `TOPPINGS_STEP_TIMES=measure` measures again (and keeps the new
+read back at the next start-up of the same model shape, dtype, device, batch, pool geometry, thread
+count, CPU, torch and forward-pass source (measuring them is most of a small machine's start-up:
+docs/benchmarks.md, "The demo, cold and warm"): the engine corrects them from its real steps as it
+runs (server.sched.step_refit). `TOPPINGS_STEP_TIMES=measure` measures again (and keeps the new
 times); deleting the file does too.
 """
 

@@ -89,10 +89,10 @@ def keep_freed_memory() -> bool:
     """Let glibc reuse freed memory for large tensors instead of returning it to the OS.
 
     By default glibc serves every allocation over its mmap threshold (128 KiB to 32 MiB) with a
-    fresh mmap, so each step's large activations fault in and zero their pages again: measured
-    here, `F.silu(gate) * up` on [8192, 1536] float32 took 37 ms with the default and 17 ms with
-    these settings, on the engine's own thread. The cost is that the process keeps its peak
-    heap. Process-wide; a no-op (False) where the C library is not glibc.
+    fresh mmap, so each step's large activations fault in and zero their pages again (a large
+    elementwise op ran about twice as fast with these settings: docs/benchmarks.md, "Measurements
+    behind the code"). The cost is that the process keeps its peak heap. Process-wide; a no-op
+    (False) where the C library is not glibc.
     """
     try:
         libc = ctypes.CDLL("libc.so.6")

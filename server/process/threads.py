@@ -2,13 +2,12 @@
 
 torch (and the native kernels, `server/native`) run parallel ops on OpenMP, and libgomp gives
 every thread that starts a parallel region a team of worker threads of its own, kept for that
-thread's life. While the process holds more such workers than it has cores, libgomp stops
-letting idle workers spin (`gomp_throttled_spin_count_var`, 100 spins instead of about 3 ms'
-worth): every parallel region of a decode step (about 150: the GEMVs, attention, norms) then
-wakes its worker through the kernel. Measured on a 2-core AMD EPYC, SmolLM2 float32 at batch 1:
-a decode step took 29-31 ms on a thread of its own after the main thread had loaded the model
-with two threads, and 22-25 ms when the main thread had never started a team (22-25 ms too when
-the model was loaded on a thread that had ended: a thread's team ends with it).
+thread's life. While the process holds more such workers than it has cores, libgomp stops letting
+idle workers spin (`gomp_throttled_spin_count_var`: a handful of spins instead of milliseconds'
+worth): every parallel region of a decode step (the GEMVs, attention, norms) then wakes its worker
+through the kernel, and a decode step on a thread of its own ran markedly slower after the main
+thread had started a team than when none had (or when the model was loaded on a thread that had
+ended: a thread's team ends with it; docs/benchmarks.md, "Measurements behind the code").
 
 So the server keeps one team: the engine thread's (`Engine._loop` sets its count explicitly,
 whatever another thread set last). The model is loaded on a thread that ends

@@ -165,40 +165,6 @@ class ServerStats:
         return cls(**args, extra=extra)
 
 
-@dataclass(frozen=True)
-class EngineCounters:
-    """The engine's counters (monotonic) and gauges at one instant, read by `/metrics`.
-
-    `queueing` is the queue policy's view and `memory` the memory manager's (the QUEUEING and
-    MEMORY shapes above); `adapter_cache` is the device adapter cache's snapshot: "hits",
-    "misses", "loads", "evictions", "compactions", "bytes_loaded", "used_bytes", "budget_bytes"
-    (absent without a byte budget), "resident" and "loading" (adapter names).
-    """
-
-    finished: dict[str, int]  # requests ended, by finish reason
-    prefill_steps: int
-    prefill_seconds: float
-    decode_steps: int
-    decode_seconds: float
-    host_lora_calls: int  # CPU LoRA invocations
-    host_lora_seconds: float
-    num_running: int
-    num_waiting: int
-    queueing: dict[str, Any]
-    kv_reserved_tokens: int  # KV token slots promised to admitted requests
-    kv_used_tokens: int  # KV token slots holding tokens
-    max_total_tokens: int  # KV token slots in all
-    memory: dict[str, Any]
-    adapter_cache: dict[str, Any]
-    adapter_references: int  # references held on device adapters
-    # chunked prefill's tokens per step as the engine resized it last (None: chunked prefill off)
-    step_budget_tokens: int | None = None
-    # the OpenMP threads the engine's steps run on now, and how often the governor changed it
-    # (process/thread_governor.py; None / 0 without it)
-    engine_threads: int | None = None
-    thread_switches: int = 0
-
-
 _NAME_LISTS = ("resident_adapters", "loading_adapters")
 _NESTED = {"running": RequestView, "queue": RequestView, "adapters": AdapterView,
            "cpu_workers": WorkerView}  # fmt: skip

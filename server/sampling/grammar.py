@@ -1,11 +1,11 @@
 """Structured output: a request's `Constraint` compiled into a grammar, matched token by token.
 
-The grammar engine is llguidance (measured against xgrammar 0.2.8 on SmolLM2's tokenizer, one
-core: llguidance builds a JSON-schema matcher in about 1 ms where xgrammar compiles in 4 to 170
-ms; xgrammar's mask is faster, about 1 against 9 microseconds a token at the median, both far
-below a decode step; and llguidance refuses the schema keywords it does not implement, `not`,
-`if`/`then`, `uniqueItems`, which xgrammar 0.2.8 accepts and then ignores, so a client would get
-output its schema rejects). See README.md "Structured output".
+The grammar engine is llguidance (compared with xgrammar 0.2.8 on SmolLM2's tokenizer: llguidance
+builds a JSON-schema matcher far faster than xgrammar compiles one; xgrammar's mask is faster, both
+far below a decode step: docs/benchmarks.md, "Measurements behind the code"; and llguidance refuses
+the schema keywords it does not implement, `not`, `if`/`then`, `uniqueItems`, which xgrammar 0.2.8
+accepts and then ignores, so a client would get output its schema rejects). See README.md
+"Structured output".
 
 `GrammarCompiler` turns a constraint into a matcher with nothing consumed yet, once per distinct
 (kind, text) in a bounded LRU cache, and refuses what it cannot compile with a `RequestError`
@@ -172,7 +172,7 @@ def fill_masks(executor: llguidance.LLExecutor, matchers: list, vocab_size: int)
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """The allowed tokens of a bitmask int32 [M, W] (CPU) as bool [M, V]: token 32*w + j is
     allowed when bit j of word w is set. numpy's unpackbits does it in one C pass over the
-    bytes (shifting a [M, W, 32] int32 tensor cost ~10 ms for 64 rows of a 49k vocabulary)."""
+    bytes (shifting a [M, W, 32] int32 tensor was far slower for a batch of rows)."""
     words = bitmask.numpy()
     if sys.byteorder != "little":  # byte k of a word must hold its bits 8k..8k+7
         words = words.byteswap()

@@ -37,9 +37,7 @@ others comes back only as they end, and the quotas alone let a large request wai
 memory indefinitely. A reserved request waits at most for the requests running or reserved
 before it; backfilling keeps small requests flowing in the memory FCFS leaves idle. Taking
 memory back at once by squashing the requests beyond their quota cost more than it gained in
-bench/queueing_sim (P99 TTFT at FCFS's highest load within the SLO / sustained load vs FCFS,
-with it and without: CPU step model 1.19x / 0.95x and 0.95x / 1.03x; flat-decode model 0.75x /
-1.04x and 0.65x / 1.06x).
+bench/queueing_sim, with either step model (docs/benchmarks.md, "Measurements behind the code").
 Deviation in phase 2: the paper hands on only the quota of queues with nothing left to put;
 ours hands on everything unused (idle memory or step tokens shorten no one's wait). The quotas
 still decide, under contention, which queues go first.
@@ -319,7 +317,8 @@ class ChameleonQueue(SizeQueues):
         """Start the load of the first waiting adapter not on the device, in arrival order: in
         queue order a younger request's adapter (of a smaller queue) took the memory the oldest
         request's large adapter needed, and being wanted it was not evicted for it (a rank-128
-        request waited 2.2 s at 0.2x load behind rank-16 ones: bench/queueing.json)."""
+        request waited behind rank-16 ones even at a light load: bench_queueing,
+        docs/benchmarks.md, "Measurements behind the code")."""
         adapters = [s.request.adapter for s in self._waiting if s.request.adapter]
         if adapters:
             gate.prefetch(list(dict.fromkeys(adapters)))

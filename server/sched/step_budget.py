@@ -5,25 +5,24 @@ stated inter-token SLO, `--itl-target-ms` (`ITL_TARGET_MS` by default): a step o
 takes the most prompt tokens whose modelled step time stays within it. The default is a fixed
 number, not a multiple of the step the engine runs: a multiple of a fast step gave a few dozen
 prompt tokens a step beside a few streams, and each chunk paid the step's fixed cost again
-(bench/results/chunked_prefill.json before issue 64: P99 TTFT 1.7-3.2x unchunked). The value:
-150 ms a gap is 6-7 tokens a second, about as fast as people read, and it is a bound on the
-slowest gaps (those of steps that carry a prompt chunk), not on the median gap, which stays a
-decode step; llama.cpp's server (CPU users' pick) puts up to 2,048 prompt tokens beside its
-decodes with no bound at all.
+(bench_chunked_prefill before issue 64: P99 TTFT well above unchunked; docs/benchmarks.md,
+"Measurements behind the code"). The value: 150 ms a gap is 6-7 tokens a second, about as fast as
+people read, and it is a bound on the slowest gaps (those of steps that carry a prompt chunk), not
+on the median gap, which stays a decode step; llama.cpp's server (CPU users' pick) puts up to 2,048
+prompt tokens beside its decodes with no bound at all.
 
 One number, `tokens`, the budget at the batch the engine runs now, and named adjustments for
 the steps where the target is the wrong rule:
 - `whole prompts`: a step without decodes has no stream waiting on it; its budget is
   `max_prefill_tokens` (a waiting prompt goes whole, as without chunking);
 - `GEMM floor`: beside at most `FEW_DECODES` decodes a chunk is at least `GEMM_TOKENS` prompt
-  tokens, the rows from which a matrix product runs near its best rate per row (on a 2-core
-  EPYC, bf16 SmolLM2 shapes: ~35 us a row and layer at 16-32 rows, ~15 at 128-512): a few
-  streams pay a longer gap (a step of GEMM_TOKENS prompt tokens beside theirs) so that a prompt
-  is not cut into many inefficient chunks that each read the weights again. It is a number of
-  tokens, not of milliseconds: on a machine slowed by a neighbour (decode steps 4x their usual
-  time) a target in milliseconds alone cut chunks to 20-80 tokens, the chunked engine fell
-  behind its arrivals and its P99 TTFT went to 4.6x the unchunked one's (issue 64's first run);
-  and, a constant, it cannot feed on a misfit fixed cost as session 28's fixed-share floor did;
+  tokens, the rows from which a matrix product runs near its best rate per row (the rate per row by
+  batch: docs/benchmarks.md, "Measurements behind the code"): a few streams pay a longer gap (a step
+  of GEMM_TOKENS prompt tokens beside theirs) so that a prompt is not cut into many inefficient
+  chunks that each read the weights again. It is a number of tokens, not of milliseconds: on a
+  machine slowed by a neighbour a target in milliseconds alone cut chunks so small that the chunked
+  engine fell behind its arrivals (`chunked_prefill_issue64_run1.json`); and, a constant, it cannot
+  feed on a misfit fixed cost as session 28's fixed-share floor did;
 - `fixed-cost floor`: a chunk's work is at least the step's fixed cost (`MIN_CHUNK` tokens at
   the least), where a busy machine's steps with prompt tokens cost so much more than its decode
   steps that the target leaves no room: a step is then at most twice its fixed cost;

@@ -2,10 +2,10 @@
 
 The start-up measurement (server.model.step_timing) is only a prior: it times the base model's
 forward alone, once, on keys and values it has just written, and whatever else ran on the
-machine then is in it (a server started beside another loading a model measured its decode
-steps 10x too slow, and a refit that moved the model halfway every 64 steps, ignoring windows
-more than a second off as stalls, never recovered). A real step also schedules, runs the LoRA
-side and samples, and a late chunk of a long prompt reads a past that is no longer in cache.
+machine then is in it (a server started beside another loading a model measured its decode steps an
+order of magnitude too slow, and a refit that moved the model halfway every 64 steps, ignoring
+windows more than a second off as stalls, never recovered). A real step also schedules, runs the
+LoRA side and samples, and a late chunk of a long prompt reads a past that is no longer in cache.
 
 `StepRefit` keeps the last `WINDOW` steps of each kind (decode steps; steps with prompt tokens
 beside decodes) and every `REFIT_EVERY` steps fits the model to them again, robustly:
@@ -25,16 +25,13 @@ beside decodes) and every `REFIT_EVERY` steps fits the model to them again, robu
   a window whose chunks all have one size cannot tell a token's cost from the fixed one, nor
   a window of one past the past's from a token's, and there the model keeps what it had. The
   fit of before scaled every prompt cost by the window's median misfit, then fitted the past's
-  slope only where the model's own slope made the window's pasts differ by 5 ms: a past weight
-  too high was taken out of the token's cost instead (beside 4 streams, from a weight 3x too
-  high: 1.1-1.7x too high, a token 25-31% too cheap), and one too low was never refitted. Beside
-  few streams the budget's chunks shrink as their past grows, so a window's past work hardly
-  differs and nothing moved it back. (The weights of 0.0011-0.0033 seen beside decodes, 2-5x
-  what chunks of 64-256 tokens alone show, were that and the rows kernel's rate together:
-  chunks cut below a tile re-read the past once per token, server.sched.tiles. With chunks in
-  whole tiles the real engine's refit read medians of 0.00045-0.00084 over a 2,500-token
-  prompt beside 1-16 streams, 0.0003-0.0013 at the extremes; before, 0.0005-0.0019, swinging
-  from 0.00014 to 0.0037: bench/probe_long_prompt_steps.py);
+  slope only where the model's own slope made the window's pasts differ enough: a past weight
+  too high was taken out of the token's cost instead, and one too low was never refitted.
+  Beside few streams the budget's chunks shrink as their past grows, so a window's past work
+  hardly differs and nothing moved it back. (The high past weights seen beside decodes were
+  that and the rows kernel's rate together: chunks cut below a tile re-read the past once per
+  token, server.sched.tiles. With chunks in whole tiles the refit's weights are steadier:
+  bench/probe_long_prompt_steps.py, docs/benchmarks.md, "Measurements behind the code");
 - where only steps with prompt tokens were seen of late and the model is more than `GROSS_OFF`
   times off their median, that ratio scales the whole model first (the decode line, and with
   it the default target, cannot be seen in them otherwise).
@@ -231,7 +228,7 @@ def _fit_mixed(
     With the decode line fitted on real decode steps (`decode_seen`), a negative fixed extra is
     not the machine's (a step with prompt tokens costs no less than its decodes) but two costs
     the window cannot tell apart: chunks that shrink as their past grows (a budget's chunks
-    beside a few streams) let the intercept go to -30 ms and a prompt token 1.3x too dear, the
+    beside a few streams) let the intercept go well below zero and a prompt token too dear, the
     steps' times fitted all the same; the fit is then made again without an intercept. Without
     decode steps the decode line is the prior's, scaled, and the intercept is what it misses."""
     m = model

@@ -8,14 +8,13 @@ it is the faster one), reads the whole past once per token. server/model/attenti
 between them by these numbers (tests/server/sched/test_tiles.py checks that they agree; the
 scheduler runs without torch, so it cannot import them from there).
 
-The step budget prices a prompt token at 1 + w x its past (server.sched.step_budget), so late
-chunks of a long prompt come out small: stepping the real engine (bf16 SmolLM2, a 2-core EPYC,
-4 streams decoding, a 2,500-token prompt) the budget cut its chunks below a tile from a past
-of 600 on (31 tokens, down to 11 at the end): 126 of its 130 steps ran the rows kernel, each
-about 45 ms of which 18 ms were the decode step it rode on, 6.3 s to its first token where it
-takes 2.7 s alone. The rows kernel's cost per token of past is about 1.7x the blocked one's
-(at 2,300), and the refit then measured that rate and cut the chunks further
-(server.sched.step_refit). So:
+The step budget prices a prompt token at 1 + w x its past (server.sched.step_budget), so late chunks
+of a long prompt come out small: stepping the real engine beside a few decoding streams
+(bench/probe_long_prompt_steps.py), the budget cut a long prompt's chunks below a tile early on,
+almost all its steps ran the rows kernel and its first token came far later than alone
+(docs/benchmarks.md, "Measurements behind the code"). The rows kernel's cost per token of a long
+past is well above the blocked one's, and the refit then measured that rate and cut the chunks
+further (server.sched.step_refit). So:
 - a chunk cut below a tile, after a past long enough for a tile to go to the blocked kernel
   (after a shorter one the rows kernel is the faster: the budget's cut stands), is raised to a
   whole tile (to its prompt's end, where that is nearer), oldest prompt first, while the step's

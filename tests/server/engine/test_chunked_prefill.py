@@ -263,7 +263,7 @@ def test_graphs_serve_the_pure_decode_steps(tiny_model_dir, tmp_path_factory, de
             outputs[graphs] = generate(engine, JOBS)
             stats = engine.step_stats
             if graphs:
-                counters = dict(engine.runner.graphs.counters)
+                counters = engine.runner.graphs.counters.copy()
     assert stats.prefill_steps > 1  # the prompts (100 tokens) were spread over mixed steps
-    assert counters["replays"] == stats.decode_steps > 0, counters
+    assert counters.replays == stats.decode_steps > 0, counters
     assert_same(tiny_model_dir, adapters, JOBS, outputs[True], outputs[False])

@@ -133,7 +133,7 @@ def test_idle_kv_leaves_room_for_more_adapters_than_a_static_split(tiny_engine, 
                 for name in adapters:
                     run(engine, [4, 5, 6, 7], name, SamplingParams(max_new_tokens=3))
             snap = engine.counters().adapter_cache
-            cached[layout] = (len(snap["resident"]), snap["misses"])
+            cached[layout] = (len(snap.resident), snap.misses)
     assert cached["pool"] == (len(adapters), len(adapters))  # all stay: one miss each
     assert cached["static"][0] < len(adapters) and cached["static"][1] > len(adapters)
 

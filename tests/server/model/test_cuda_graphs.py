@@ -110,7 +110,7 @@ def test_graphs_give_the_eager_tokens(tiny_model_dir, adapters, device, kernel):
                    max_num_batched_tokens=4096) as engine:  # fmt: skip
             outputs[graphs] = generate(engine, JOBS)
             if graphs:
-                counters = dict(engine.runner.graphs.counters)
+                counters = engine.runner.graphs.counters.copy()
                 keys = engine.runner.graphs.keys
     assert [len(t) for t in outputs[True]] == [n for _, _, n in JOBS]
     assert_same(tiny_model_dir, adapters, JOBS, outputs[True], outputs[False])
@@ -118,8 +118,8 @@ def test_graphs_give_the_eager_tokens(tiny_model_dir, adapters, device, kernel):
     # base model alone: no LoRA calls). Contexts stay under 128 positions.
     assert keys == {GraphKey(8, 128, 64), GraphKey(4, 128, 64), GraphKey(2, 128, 8),
                     GraphKey(1, 128, 0)}, keys  # fmt: skip
-    assert counters["replays"] == max(n for _, _, n in JOBS) - 1, counters  # every decode step
-    assert counters["captures"] == len(keys) and not counters.get("invalidations"), counters
+    assert counters.replays == max(n for _, _, n in JOBS) - 1, counters  # every decode step
+    assert counters.captures == len(keys) and not counters.invalidations, counters
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -137,9 +137,9 @@ def test_an_adapter_still_loading_runs_eagerly(tiny_model_dir, adapters, device,
     jobs = [(n, name, 24) for n, name, _ in JOBS[:5]]
     with start(tiny_model_dir, adapters, device, True, lora_mode="cpu-assisted") as engine:
         got = generate(engine, jobs, seed=2)
-        counters = dict(engine.runner.graphs.counters)
+        counters = engine.runner.graphs.counters.copy()
         assert engine.lora.host_stats.calls > 0
-    assert counters.get("eager_loading", 0) > 0 and counters.get("replays", 0) > 0, counters
+    assert counters.eager["loading"] > 0 and counters.replays > 0, counters
     for (_, name, _), prompt, ours in zip(jobs, prompts(jobs, seed=2), got):
         ref, margins = reference_greedy(tiny_model_dir, adapters, prompt, name)
         assert_same(tiny_model_dir, adapters, [(0, name, 0)], [ours], [ref[: len(ours)]])
@@ -154,12 +154,12 @@ def test_a_growing_adapter_pool_drops_the_graphs(tmp_path, tiny_model_dir, adapt
     with start(tiny_model_dir, adapters, device, True) as engine:
         first = generate(engine, JOBS[:3])
         graphs = engine.runner.graphs
-        assert graphs.keys and not graphs.counters.get("invalidations")
+        assert graphs.keys and not graphs.counters.invalidations
         path = make_random_adapter(tmp_path / "big", tiny_model_dir, rank=64, seed=9)
         engine.add_adapter("big", str(path))  # cached mode: resident at once, the pool grew
         again = generate(engine, [(n, "big" if a else None, k) for n, a, k in JOBS[:3]], seed=3)
-        assert graphs.counters["invalidations"] == 1, graphs.counters
+        assert graphs.counters.invalidations == 1, graphs.counters
         later = generate(engine, JOBS[:3])  # the old adapters' rows, through new graphs
-        assert graphs.counters["invalidations"] == 1 and graphs.counters["replays"] > 0
+        assert graphs.counters.invalidations == 1 and graphs.counters.replays > 0
     assert [len(t) for t in again] == [k for _, _, k in JOBS[:3]]
     assert_same(tiny_model_dir, adapters, JOBS[:3], later, first)

@@ -60,7 +60,7 @@ def test_a_served_burst_launches_only_warmed_variants(
         space = launch_space(engine.model_config, engine.model.dtype, kernel,
                              engine.lora.max_lora_rank, MAX_STEP_TOKENS, "cpu")  # fmt: skip
         if graphs:
-            assert engine.runner.graphs.counters["replays"] > 0
+            assert engine.runner.graphs.counters.replays > 0
     assert [len(t) for t in outputs] == [n for _, _, n in JOBS]
     warmed = KernelSpy()
     with warmed.installed(monkeypatch):
@@ -101,5 +101,5 @@ def test_nothing_compiles_after_the_warm_up(tiny_model_dir, adapters, kernel):
         assert before > 0  # the warm-up compiled (or loaded) the variants
         generate(engine, JOBS)
         generate(engine, JOBS[::-1], seed=2)
-        assert engine.runner.graphs.counters["replays"] > 0
+        assert engine.runner.graphs.counters.replays > 0
         assert _compiled() == before

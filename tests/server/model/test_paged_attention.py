@@ -271,7 +271,7 @@ def test_engine_on_the_kernels_gives_the_torch_paths_tokens(
     engine_args = dict(max_num_batched_tokens=budget)  # above the batch bound of 16
     with start(tiny_model_dir, adapters, "cuda", True, **engine_args) as engine:
         got = generate(engine, JOBS)
-        replays = engine.runner.graphs.counters["replays"]
+        replays = engine.runner.graphs.counters.replays
     assert set(calls) == {"paged_decode_attention", "paged_prefill_attention"} and replays > 0
     monkeypatch.setattr(attention, "_paged", lambda: None)  # the torch path gathers again
     calls.clear()

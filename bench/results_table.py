@@ -1,0 +1,270 @@
+"""The table of current results in docs/benchmarks.md, made from bench/results/*.json.
+
+    python -m bench.results_table          # rewrite the table between the page's markers
+    python -m bench.results_table --check  # exit 1 when the page's table is stale
+
+Every file under bench/results/ is either CURRENT (a row: what it measures and the metric keys
+that are its headline, read from the file's `metrics`) or EARLIER (a run the notes of the page
+cite: a rerun, a control, a before/after pair, a superseded configuration). A new result file
+that is neither fails tests/test_docs.py, so the table cannot fall behind the results.
+
+A headline key is a path into `metrics`: "a.b" reads metrics["a"]["b"], "*" every key of one
+level that has the rest of the path ("*.ratio_b_vs_a": that ratio per precision); a dict of
+numbers prints as `key: value`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+PAGE = ROOT / "docs" / "benchmarks.md"
+BEGIN = "<!-- results-table:begin (python -m bench.results_table) -->"
+END = "<!-- results-table:end -->"
+
+_TPUT = ("tokens_per_s", "ratio_vs_hf_peft", "decode_step_ratio_lora_vs_base", "roofline_fraction")
+_CPU_ASSISTED = ("ttft_ratio_cpu_assisted_vs_cached", "ttft_ratio_cpu_assisted_vs_on_demand",
+                 "tpt_ratio_cpu_assisted_vs_cached", "link")  # fmt: skip
+_QUEUEING = ("sustained_load_ratio_vs_slora", "p99_ttft_ratio_vs_slora",
+             "sustained_load_ratio_vs_fcfs", "p99_ttft_ratio_vs_fcfs_overload")  # fmt: skip
+_LOADGEN = ("ttft_p50_ms", "tpt_p50_ms", "requests_per_s", "num_failed")
+_ATTENTION = ("bfloat16_new128_past0.*.ms_median", "bfloat16_new256_past2300.*.ms_median")
+
+# file -> (what it measures, headline metric paths)
+CURRENT: dict[str, tuple[str, tuple[str, ...]]] = {
+    "engine_throughput.json": ("SmolLM2 bf16, 16 adapters, 64 requests: the engine against "
+                               "transformers + PEFT in the same run",
+                               (*_TPUT, "threads_speedup", "ttft_ms_single", "tpot_ms_single")),
+    "engine_throughput_1b.json": ("the same on a Llama-3.2-1B-shaped dummy model", _TPUT),
+    "engine_throughput_1b_hf64.json": ("1B shapes, transformers + PEFT at batch 64",
+                                       ("tokens_per_s", "tokens_per_s_hf_peft",
+                                        "ratio_vs_hf_peft")),
+    "engine_throughput_qwen1.5b.json": ("the same on a Qwen2.5-1.5B-shaped dummy model", _TPUT),
+    "single_stream.json": ("one stream's time per token by precision, beside llama-server",
+                           ("tpot_ms_batch1", "tpot_ratio_vs_llama_server_batch1",
+                            "tpot_ratio_adapter_vs_base_batch1")),
+    "long_prompt.json": ("a long prompt's first token by precision, beside llama-server",
+                         ("*.toppings_ttft_ms.median", "*.llama_server_ttft_ms.median")),
+    "prefill_attention.json": ("prefill attention kernels (tiles, rows, SDPA), 1 thread",
+                               _ATTENTION),
+    "prefill_attention_2threads.json": ("the same on 2 threads", _ATTENTION),
+    "cpu_linear.json": ("packed (oneDNN) against plain linear layers, decode rows",
+                        ("decode_speedup_packed_vs_plain.*.4",)),
+    "cpu_decode_paths.json": ("CPU LoRA decode paths: native runs, runs, dense",
+                              ("*.native_runs_ms", "*.dense_vs_runs")),
+    "cpu_lora_ipc.json": ("host LoRA job overhead through shared memory",
+                          ("overhead_p50_us", "overhead_p99_us",
+                           "shm_vs_socket_ratio_at_max_workers")),
+    "cpu_lora_parallel.json": ("CPU LoRA worker pool against threads in one process",
+                               ("speedup_pool_vs_threads", "speedup_pool_vs_threads_bf16")),
+    "cpu_assisted.json": ("CPU-assisted prefill against cached and on-demand adapters",
+                          _CPU_ASSISTED),
+    "cpu_assisted_split.json": ("the same with the engine and the workers on separate cores",
+                                _CPU_ASSISTED),
+    "cpu_assisted_nosplit.json": ("the same, engine and workers sharing both cores",
+                                  _CPU_ASSISTED),
+    "single_server.json": ("one server under a trace, by LoRA mode (TTFT / cached)",
+                           ("ratios.*.ttft_ratio_vs_cached",)),
+    "single_server_rps1.json": ("the same at 1 request/s", ("ratios.*.ttft_ratio_vs_cached",)),
+    "single_server_evict.json": ("the same with an adapter cache of 5% (evictions)",
+                                 ("ratios.*.ttft_ratio_vs_cached",)),
+    "adapter_scale.json": ("distinct, zipf and identical adapters per request (on-demand)",
+                           ("p99_ttft_ratio_distinct_vs_identical",
+                            "throughput_ratio_distinct_vs_identical",
+                            "p99_ttft_ratio_zipf_vs_identical")),
+    "adapter_scale_cpu_assisted.json": ("the same in cpu-assisted mode",
+                                        ("modes.cpu-assisted.p99_ttft_ratio_distinct_vs_identical",
+                                         "modes.cpu-assisted.p99_ttft_ratio_zipf_vs_identical")),
+    "memory.json": ("one memory pool with prefix reuse against static partitions",
+                    ("ttft_p50_ratio_vs_static", "ttft_p99_ratio_vs_static",
+                     "tpt_ratio_vs_static")),
+    "chunked_prefill.json": ("chunked against unchunked prefill, and against llama-server",
+                             ("itl_p99_ratio", "ttft_p99_ratio", "throughput_ratio",
+                              "ttft_p99_ratio_vs_llama_server")),
+    "mixed_steps.json": ("step budget: the longest step against its inter-token target",
+                         ("budget_tokens", "max_step_over_target")),
+    "queueing.json": ("queue policies (Chameleon, S-LoRA, FCFS) on the engine", _QUEUEING),
+    "queueing_pool.json": ("the same with the memory pool", _QUEUEING),
+    "queueing_long.json": ("Chameleon's scheduling on or off, longer runs",
+                           ("p99_ttft_ratio_vs_fcfs_overload",)),
+    "queueing_sim.json": ("queue policies in the simulator, CPU step model",
+                          ("sustained_load_ratio_vs_fcfs", "p99_ttft_ratio_vs_fcfs")),
+    "queueing_sim_flat.json": ("the same, flat-decode step model",
+                               ("sustained_load_ratio_vs_fcfs", "p99_ttft_ratio_vs_fcfs")),
+    "queueing_sim_configs.json": ("the engine's configurations in the simulator", _QUEUEING),
+    "queueing_sim_validate.json": ("the simulator against queueing.json (capacity)",
+                                   ("capacity_rps.per_config.*.ratio",)),
+    "structured_output.json": ("constrained against free decoding, grammar compile times",
+                               ("tpot_ratio_constrained_vs_free", "compile.cold.p50_ms",
+                                "compile.cold.p99_ms")),
+    "alora_pipeline.json": ("activated LoRA checker turns against plain LoRA ones",
+                            ("ttft_ratio_alora_vs_lora", "turn_e2e_ratio_alora_vs_lora.median")),
+    "prefix_routing.json": ("prefix-aware routing on or off",
+                            ("prefix_hit_rate", "prefix_hit_rate_off",
+                             "ttft_ratio_prefix_routing_vs_off.median")),
+    "async_scheduling.json": ("planning the next step while this one runs",
+                              ("step_ratio_async_vs_bound", "speedup_async_vs_sync_min")),
+    "host_overhead.json": ("the host's cost of a step, fixed and per request",
+                           ("host_fixed_us", "host_us_per_request")),
+    "step_glue.json": ("the Python between native calls of a decode step",
+                       ("glue_us_real", "glue_us_warm", "native_ms_real")),
+    "cold_ops.json": ("small tensor ops with cold and warm caches",
+                      ("scan_logits.cold_over_warm", "torch_index_write.cold_over_warm")),
+    "pair_steps.json": ("paired decode steps, whole step B against A, by precision",
+                        ("*.ratio_b_vs_a",)),
+    "pair_steps_adapter.json": ("paired steps: an adapter against none", ("*.ratio_b_vs_a",)),
+    "pair_steps_control.json": ("paired steps: no change (the method's noise)",
+                                ("*.ratio_b_vs_a",)),
+    "pair_steps_huge_pages.json": ("paired steps: huge pages on", ("*.ratio_b_vs_a",)),
+    "pair_steps_huge_pages_1b.json": ("paired steps: huge pages on, 1B shapes",
+                                      ("*.ratio_b_vs_a",)),
+    "pair_steps_int8_vs_bf16.json": ("paired steps: int8 weights against bf16",
+                                     ("*.ratio_b_vs_a",)),
+    "pair_steps_int8_vs_bf16_scan.json": ("the same with the logits scan", ("*.ratio_b_vs_a",)),
+    "pair_steps_scan_in_step.json": ("paired steps: the logits scan inside the step",
+                                     ("*.ratio_b_vs_a",)),
+    "tcache.json": ("the allocator's thread cache off against on", ("ratio_off_over_on",)),
+    "neighbour.json": ("one stream beside a busy neighbour, thread governor on or off",
+                       ("busy_over_quiet", "governor_on_over_off_busy")),
+    "soak.json": ("30 minutes of churn, poison and overflow against one server",
+                  ("engine_deaths", "failures_healthy_requests",
+                   "rss_growth_after_warmup_mb_per_hour")),
+    "hostile_body.json": ("deeply nested bodies: refusal time, /health meanwhile",
+                          ("server/body.seconds_max", "server/body.health_max_ms")),
+    "demo_cold.json": ("the demo from a cold and a warm cache", ("cold_total_s", "warm_total_s")),
+    "demo_loadgen.json": ("the demo cluster under toppings-loadgen, 1 request/s", _LOADGEN),
+    "demo_loadgen_replay.json": ("the same trace replayed", _LOADGEN),
+    "gguf_convert.json": ("GGUF conversion, parsed once against plain",
+                          ("ratio_parsed_once_vs_plain",)),
+    "perf_model.json": ("the scheduler's fitted kernel latency models", ("r2", "predict_us")),
+    "cluster_sim.json": ("placement policies in the cluster simulator (paper's models)",
+                         ("slo_attainment", "tpt_reduction_rank_aware_vs")),
+    "cluster_sim_smollm2_cpu.json": ("the same with SmolLM2-on-CPU latency models",
+                                     ("slo_attainment",)),
+    "cluster_placement.json": ("LoRAServe placement against rank-aware, 40,000 adapters",
+                               ("sustained_rps_ratio_vs_rank_aware",
+                                "adapter_moves_per_step.loraserve.fraction_of_adapters_after_first")),
+    "cluster_placement_seed1.json": ("the same, another seed",
+                                     ("sustained_rps_ratio_vs_rank_aware",)),
+    "cluster_real.json": ("three real servers behind the scheduler, LoRAServe against rank-aware",
+                          ("ttft_p50_ratio_loraserve_vs_rank_aware",)),
+    "kernels.json": ("Triton BGMV / MBGMV kernels, decode at batch 64 rank 64 (GPU)",
+                     ("*.B64_r64.time_us", "*.B64_r64.fraction_of_peak")),
+}  # fmt: skip
+
+# Runs the notes cite (reruns, controls, before/after pairs, superseded configurations), and the
+# fitted perf models `toppings-scheduler --perf-model` reads (not result envelopes).
+EARLIER = frozenset({
+    "adapter_scale_shared_machine.json", "chunked_prefill_band.json",
+    "chunked_prefill_issue64_run1.json", "chunked_prefill_pre_s26.json",
+    "chunked_prefill_targets.json", "cpu_assisted_nosplit_passive.json",
+    "cpu_assisted_nosplit_spin30k.json", "cpu_assisted_workers1.json",
+    "cpu_lora_ipc_rerun1.json", "cpu_lora_ipc_rerun2.json", "cpu_lora_ipc_v2_run1.json",
+    "cpu_lora_ipc_v2_run2.json", "cpu_lora_ipc_v2_run3.json", "engine_step_before_after.json",
+    "engine_throughput_float32.json", "host_overhead_after.json", "host_overhead_b374232.json",
+    "house_before_after.json", "long_prompt_quant_before.json",
+    "perf_model_smollm2_cpu.json", "perf_model_smollm2_cpu_eq2.json",
+    "prefix_routing_before_routed_as.json", "queueing_dense.json",
+    "single_stream_aa_control.json", "single_stream_glue_before_after.json",
+    "single_stream_loaded.json", "single_stream_quant_prefill_before_after.json",
+    "soak_onednn128.json", "soak_run1_cached.json", "soak_run2.json", "soak_short.json",
+    "soak_tcache_on.json", "step_glue_int8.json", "step_glue_omp_passive.json",
+    "step_glue_omp_spin30k.json", "tcache_single_stream.json", "throughput_before_after.json",
+})  # fmt: skip
+
+
+def unclassified(results: Path = RESULTS) -> list[str]:
+    """Result files in neither CURRENT nor EARLIER, and names in them with no file."""
+    on_disk = {p.name for p in results.glob("*.json")}
+    listed = set(CURRENT) | EARLIER
+    return sorted(on_disk ^ listed)
+
+
+def read(metrics: object, path: str) -> object:
+    """The value at `path` ("a.b", "*" for every key of a level) in `metrics`."""
+    head, _, rest = path.partition(".")
+    if head == "*":  # the keys whose values have the rest of the path
+        found = {k: _read_or_none(v, rest) for k, v in metrics.items()}
+        found = {k: v for k, v in found.items() if v is not None}
+        if not found:
+            raise KeyError(path)
+        return found
+    value = metrics[head]
+    return read(value, rest) if rest else value
+
+
+def _read_or_none(metrics: object, path: str) -> object:
+    if not path:
+        return metrics
+    try:
+        return read(metrics, path)
+    except (KeyError, TypeError):
+        return None
+
+
+def show(value: object) -> str:
+    """A value for a table cell: numbers to 3 significant digits (whole ones from
+    1,000 on), a dict as `key: value`."""
+    if isinstance(value, bool) or value is None:
+        return str(value).lower()
+    if isinstance(value, float):
+        return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.3g}"
+    if isinstance(value, dict):
+        return ", ".join(f"{k}: {show(v)}" for k, v in value.items())
+    if isinstance(value, list):
+        return "[" + ", ".join(show(v) for v in value) + "]"
+    return str(value)
+
+
+def cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def row(name: str, what: str, keys: tuple[str, ...], results: Path = RESULTS) -> str:
+    envelope = json.loads((results / name).read_text())
+    headline = "<br>".join(f"`{k}` {show(read(envelope['metrics'], k))}" for k in keys)
+    parts = (f"`{name}`", what, headline, envelope["device"], envelope["date"][:10],
+             f"`{envelope['command'].strip()}`")  # fmt: skip
+    return "| " + " | ".join(cell(p) for p in parts) + " |"
+
+
+def table(results: Path = RESULTS) -> str:
+    """The generated block: the table of current results, then the earlier runs by name."""
+    lines = ["| file | measures | headline | device | date | command |",
+             "| --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    lines += [row(name, what, keys, results) for name, (what, keys) in CURRENT.items()]
+    lines += ["", "Earlier runs, controls and before/after pairs the notes below cite: "
+              + ", ".join(f"`{n}`" for n in sorted(EARLIER)) + "."]  # fmt: skip
+    return "\n".join(lines)
+
+
+def with_table(page: str, block: str) -> str:
+    """`page` with the text between the markers replaced by `block`."""
+    start, end = page.index(BEGIN) + len(BEGIN), page.index(END)
+    return page[:start] + "\n" + block + "\n" + page[end:]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="exit 1 if the page is stale")
+    args = parser.parse_args(argv)
+    if missing := unclassified(RESULTS):
+        print("neither CURRENT nor EARLIER (or no such file): " + ", ".join(missing))
+        return 1
+    page = PAGE.read_text()
+    new = with_table(page, table(RESULTS))
+    if args.check:
+        if new != page:
+            print(f"{PAGE} is stale: run python -m bench.results_table")
+            return 1
+        return 0
+    PAGE.write_text(new)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
