@@ -1,8 +1,10 @@
-"""One eviction table decides for adapters in both memory layouts.
+"""One owner of eviction decides for adapters in both memory layouts.
 
-The static layout's adapter cache (its own byte budget) and the pool layout's reclaimer (KV and
-adapters in one pool) ask the same `Eviction` for an order: the same policy name orders the
-same idle adapters alike in both, and `--eviction` (old name `--memory-policy`) picks it.
+The reclaimer holds the node's one `Eviction` table, in the static layout (adapters in the
+cache's own byte budget) as in the pool layout (KV and adapters in one pool): the same policy
+name orders the same idle adapters alike in both, and `--eviction` (old name
+`--memory-policy`) picks it. The adapter cache only offers candidates: admission asks the
+memory to make room, then the cache allocates.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ def use_adapters(memories: dict[str, object]) -> None:
         for _ in range(uses):
             for memory in memories.values():
                 cache = memory.adapter_cache
+                assert memory.make_adapter_room(loaded[name], frozenset())
                 entry = cache.acquire(loaded[name])
                 assert entry is not None and entry.ticket.wait(10)
                 cache.release(loaded[name].id)
@@ -55,13 +58,14 @@ def test_the_same_policy_orders_idle_adapters_alike_in_both_layouts(policy):
     memories = layouts(policy)
     try:
         use_adapters(memories)
-        cache = memories["static"].adapter_cache
-        static = [cache.entries[i].resident.name for i in cache.eviction_order()]
+        static = [c.name for c in memories["static"].reclaimer.adapter_order()]
         pool = [c.name for c in memories["pool"].reclaimer.order()]
         assert sorted(static) == sorted(name for name, _, _ in ADAPTERS)
         assert static == pool
+        assert not memories["static"].reclaimer.order()  # adapters take no blocks there
         for memory in memories.values():
-            assert type(memory.adapter_cache.eviction.policy) is EVICTION_POLICIES[policy]
+            assert type(memory.reclaimer.eviction.policy) is EVICTION_POLICIES[policy]
+            assert not hasattr(memory.adapter_cache, "eviction")
         if policy == "lru":  # used last to first: small_cold went last
             assert static == ["big_rare", "small_hot", "mid_warm", "small_cold"]
     finally:
@@ -72,8 +76,8 @@ def test_the_same_policy_orders_idle_adapters_alike_in_both_layouts(policy):
 def test_auto_is_the_layouts_own_policy_and_memory_policy_names_the_same_flag():
     memories = layouts("auto")
     try:
-        assert type(memories["static"].adapter_cache.eviction.policy) is LRUPolicy
-        assert type(memories["pool"].adapter_cache.eviction.policy) is FastLibraPolicy
+        assert type(memories["static"].reclaimer.eviction.policy) is LRUPolicy
+        assert type(memories["pool"].reclaimer.eviction.policy) is FastLibraPolicy
     finally:
         for memory in memories.values():
             memory.adapter_cache.loader.close()
