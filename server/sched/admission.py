@@ -93,7 +93,9 @@ class Adapters(Protocol):
         """Every registered adapter."""
 
     def acquire(self, adapter: AdapterRef, queued: frozenset[AdapterRef]) -> Any | None:
-        """A reference on the adapter (its cache entry), or None: no adapter memory now."""
+        """A reference on the adapter (its cache entry), or None: no adapter memory now. The
+        memory makes room first (its reclaimer, the one owner of eviction, sparing `queued`
+        longest); the device cache then only allocates."""
 
     def release(self, adapter: AdapterRef) -> None: ...
 

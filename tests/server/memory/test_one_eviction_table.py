@@ -88,3 +88,68 @@ def test_auto_is_the_layouts_own_policy_and_memory_policy_names_the_same_flag():
     assert parse_configs(parser.parse_args(["--model", "m"]))[1].eviction == "auto"
     with pytest.raises(SystemExit):
         parser.parse_args(["--model", "m", "--eviction", "fifo"])
+
+
+def pool_of(num_adapters: int, policy: str):
+    """A pool layout whose blocks hold `num_adapters` rank-8 adapters and nothing more."""
+    probe = build(EngineConfig(memory_layout="pool", memory_bytes=1 << 24, prefix_cache=False))
+    need = probe.blocks_for_bytes(probe.adapter_cache.charge(adapter("x", 8)))
+    probe.adapter_cache.loader.close()
+    nbytes = num_adapters * need * probe.kv.block_bytes
+    engine = EngineConfig(memory_layout="pool", memory_bytes=nbytes, eviction=policy,
+                          prefix_cache=False, link_gbps=0.0)  # fmt: skip
+    return build(engine), need
+
+
+def test_admission_makes_room_then_the_cache_only_allocates():
+    """Pool layout, full of idle adapters: the cache alone evicts nothing and refuses the load;
+    the owner evicts in the table's order (least recently used first), then the load takes the
+    freed blocks; every block comes back when the adapters go."""
+    memory, need = pool_of(2, "lru")
+    cache, kv = memory.adapter_cache, memory.kv
+    try:
+        loras = [adapter(n, 8, seed=i) for i, n in enumerate(("old", "new", "third"))]
+        for lora in loras[:2]:
+            assert memory.make_adapter_room(lora, frozenset())
+            assert cache.acquire(lora).ticket.wait(10)
+            cache.release(lora.id)
+        assert kv.num_free_blocks < need
+        assert cache.acquire(loras[2]) is None  # allocation only allocates
+        assert cache.counters.evictions == 0 and memory.counters.evictions_adapter == 0
+        assert [c.name for c in memory.reclaimer.order()] == ["old", "new"]
+        assert memory.make_adapter_room(loras[2], frozenset())
+        assert not cache.holds(loras[0].id) and cache.holds(loras[1].id)
+        assert memory.counters.evictions_adapter == 1 == cache.counters.evictions
+        entry = cache.acquire(loras[2])
+        assert entry is not None and entry.ticket.wait(10)
+        assert memory.adapter_blocks.num_blocks() == 2 * need
+        # Both held: no room can be made, and nothing is evicted trying.
+        assert cache.acquire(loras[1]) is not None
+        assert not memory.make_adapter_room(loras[0], frozenset())
+        assert cache.counters.evictions == 1
+        for lora in loras[1:]:
+            cache.release(lora.id)
+            cache.forget(lora.id)
+        assert kv.num_free_blocks == kv.num_blocks and not memory.adapter_blocks.blocks
+    finally:
+        cache.loader.close()
+
+
+def test_adapters_wanted_by_queued_requests_leave_last_in_the_pool_layout():
+    memory, _ = pool_of(2, "lru")
+    cache = memory.adapter_cache
+    try:
+        loras = [adapter(n, 8, seed=i) for i, n in enumerate(("old", "new", "third"))]
+        for lora in loras[:2]:
+            assert memory.make_adapter_room(lora, frozenset())
+            assert cache.acquire(lora).ticket.wait(10)
+            cache.release(lora.id)
+        # A prefetch spares what queued requests want: with both wanted, nothing may leave.
+        keep = frozenset({loras[0].id, loras[1].id})
+        assert not memory.make_adapter_room(loras[2], keep, prefetch=True)
+        assert not cache.prefetch(loras[2]) and cache.counters.evictions == 0
+        # A request's load takes them too, the wanted ones last.
+        assert memory.make_adapter_room(loras[2], frozenset({loras[0].id}))
+        assert cache.holds(loras[0].id) and not cache.holds(loras[1].id)
+    finally:
+        cache.loader.close()
