@@ -4,8 +4,8 @@ Adapters are keyed by id (`LoraAdapter.id`: the registration's `AdapterRef.id` i
 never by name: an adapter unloaded and loaded again under its name is another adapter, and
 rows still cached for the first can never be taken for the second.
 
-The cache never decides what leaves the device: the node's one owner of eviction (the memory
-pool's reclaimer, which holds the `Eviction` table of gpu_lora/eviction.py) makes room first,
+The cache never decides what leaves the device: the node's one owner of eviction (the server
+memory's reclaimer, which holds the `Eviction` table of gpu_lora/eviction.py) makes room first,
 asking `has_room` and evicting the cache's `candidates` through `evict`; `acquire` then only
 allocates. `acquire` is called when a request is admitted: a hit takes a reference; a miss
 takes pool rows and starts a pipelined load, whose ticket tells which layers are resident, or
@@ -231,6 +231,11 @@ class AdapterCache:
             return True
         return self._compact() and self.pool.can_reserve(adapter, self.max_pool_bytes)
 
+    def waits_for_loader(self, adapter: LoraAdapter) -> bool:
+        """Whether the pool must reallocate its tensors for the adapter's rows, which cannot
+        happen under a running load: it is not loaded until the loader is idle."""
+        return self.pool.must_grow(adapter, self.max_pool_bytes) and not self.loader.idle()
+
     def _load(self, adapter: LoraAdapter, promised: bool) -> CacheEntry | None:
         num_bytes = self.charge(adapter)
         if not self.can_ever_hold(adapter):
@@ -240,8 +245,8 @@ class AdapterCache:
             )
         if not self.has_room(adapter):
             return None
-        if self.pool.must_grow(adapter, self.max_pool_bytes) and not self.loader.idle():
-            return None  # the pool must reallocate, which cannot happen under a running load
+        if self.waits_for_loader(adapter):
+            return None
         if self.memory is not None and not self.memory.take(adapter.id, num_bytes, promised):
             return None
         resident = self.pool.reserve(adapter, self.max_pool_bytes)

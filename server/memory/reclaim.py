@@ -100,6 +100,8 @@ class Reclaimer:
             if not order:
                 return False
             self._evict(order[0])
+        if cache.waits_for_loader(adapter):
+            return False  # no cached KV leaves for a load that cannot start yet
         if self.blocks is None or prefetch:
             return True
         need = self.blocks.blocks_for_bytes(cache.charge(adapter))
