@@ -145,17 +145,22 @@ class AdapterManager:
 
     # ---- per request (the engine thread) -----------------------------------------------------
 
-    def acquire(self, ref: AdapterRef, queued: frozenset[AdapterRef]) -> CacheEntry | None:
+    def make_room(self, ref: AdapterRef, queued: frozenset[AdapterRef]) -> bool:
+        """Ask the memory (the one owner of eviction) to evict until the adapter's load fits,
+        adapters of waiting requests (`queued`) last; whether it fits. Admission calls it
+        before `acquire`."""
+        return self.room.make_adapter_room(self._lookup(ref), _ids(queued))
+
+    def acquire(self, ref: AdapterRef) -> CacheEntry | None:
         """Take a reference on the adapter and start its load if it is not on the device;
-        None when no adapter memory is free until a running request ends. The memory makes
-        room first (evicting, `queued`: adapters of waiting requests last), then the cache only
-        allocates."""
+        None when the room is not there (`make_room` comes first: nothing is evicted here)."""
+        return self.cache.acquire(self._lookup(ref))
+
+    def _lookup(self, ref: AdapterRef) -> LoraAdapter:
         adapter = self.host.lookup(ref)
         if adapter is None:
             raise KeyError(f"adapter {ref.name!r} (id {ref.id}) is not registered")
-        if not self.room.make_adapter_room(adapter, _ids(queued)):
-            return None
-        return self.cache.acquire(adapter)
+        return adapter
 
     def prefetch(self, refs: list[AdapterRef], queued: frozenset[AdapterRef]) -> None:
         """Load the first of these adapters of queued requests that is not on the device, when

@@ -2,9 +2,10 @@
 
 One `AdmissionGate` per iteration. `try_admit` checks a request against what is free now (batch
 rows, the memory not yet promised (memory/manager.py), the prefill token budget, adapter memory,
-the LoRA mode) and, when it fits, takes its adapter reference, its KV row, its cached prefix and
-the reservation of the rest. `squash` undoes all of that for a running request, which then
-waits again (Chameleon's squash of a bypasser).
+the LoRA mode) and, when it fits, takes its adapter reference (room made first, by the node's
+one owner of eviction; the adapter's allocation then only allocates), its KV row, its cached
+prefix and the reservation of the rest. `squash` undoes all of that for a running request,
+which then waits again (Chameleon's squash of a bypasser).
 
 The gate sees its collaborators through the `Memory` and `Adapters` protocols below (the
 engine's MemoryManager and AdapterManager, or a simulator's pure-Python stand-ins) and the few
@@ -92,10 +93,13 @@ class Adapters(Protocol):
     def registered(self) -> list[AdapterRef]:
         """Every registered adapter."""
 
-    def acquire(self, adapter: AdapterRef, queued: frozenset[AdapterRef]) -> Any | None:
-        """A reference on the adapter (its cache entry), or None: no adapter memory now. The
-        memory makes room first (its reclaimer, the one owner of eviction, sparing `queued`
-        longest); the device cache then only allocates."""
+    def make_room(self, adapter: AdapterRef, queued: frozenset[AdapterRef]) -> bool:
+        """Have the node's memory (its reclaimer, the one owner of eviction) evict until the
+        adapter's load fits, adapters of `queued` requests last; whether it fits."""
+
+    def acquire(self, adapter: AdapterRef) -> Any | None:
+        """A reference on the adapter (its cache entry), allocating its load on a miss, or None:
+        the room is not there. Nothing is evicted here: `make_room` comes first."""
 
     def release(self, adapter: AdapterRef) -> None: ...
 
@@ -268,7 +272,9 @@ class AdmissionGate:
         if not mem.fits(need) or not self._budget_allows(seq, computed, max_chunk):
             return Verdict.NO_ROOM
         if adapter is not None and seq.cache_entry is None:
-            seq.cache_entry = lora.acquire(adapter, self.queued())
+            # Admission makes room (one owner decides what leaves), then the cache allocates.
+            if lora.make_room(adapter, self.queued()):
+                seq.cache_entry = lora.acquire(adapter)
             if seq.cache_entry is None:
                 return Verdict.NO_ADAPTER_MEMORY  # none until a running request ends
             path = mem.match(seq)  # the load may have taken cached blocks
