@@ -94,12 +94,10 @@ class Adapters(Protocol):
         """Every registered adapter."""
 
     def make_room(self, adapter: AdapterRef, queued: frozenset[AdapterRef]) -> bool:
-        """Have the node's memory (its reclaimer, the one owner of eviction) evict until the
-        adapter's load fits, adapters of `queued` requests last; whether it fits."""
+        """Evict (the one owner of eviction) until the adapter fits, `queued` ones last."""
 
     def acquire(self, adapter: AdapterRef) -> Any | None:
-        """A reference on the adapter (its cache entry), allocating its load on a miss, or None:
-        the room is not there. Nothing is evicted here: `make_room` comes first."""
+        """A reference on the adapter (its cache entry), or None; only allocates."""
 
     def release(self, adapter: AdapterRef) -> None: ...
 
