@@ -151,7 +151,8 @@ class Reclaimer:
         before = self.kv.num_free_blocks
         if cand.kind is ItemKind.ADAPTER:
             self.cache.evict(cand.item)  # gives its blocks back
-            self.counters.evictions_adapter += 1
+            if self.charges_adapters:  # the pool's count; the cache counts in either layout
+                self.counters.evictions_adapter += 1
         elif self.swap is not None and self.swap.make_room():
             self.swap.swap_out(cand.item)
         else:

@@ -153,3 +153,33 @@ def test_adapters_wanted_by_queued_requests_leave_last_in_the_pool_layout():
         assert cache.holds(loras[0].id) and not cache.holds(loras[1].id)
     finally:
         cache.loader.close()
+
+
+def test_in_the_static_layout_the_owner_evicts_within_the_adapter_budget():
+    """The adapter cache's own byte budget, full of idle adapters: the cache alone refuses the
+    load; the owner evicts the least recently used one (the cache counts it, the pool's
+    counter stays at 0: no pool blocks are charged to adapters); no byte is left charged."""
+    probe = build(EngineConfig(memory_layout="static", adapter_cache_bytes=1 << 24))
+    one = probe.adapter_cache.charge(adapter("x", 8))
+    probe.adapter_cache.loader.close()
+    memory = build(EngineConfig(memory_layout="static", adapter_cache_bytes=2 * one,
+                                eviction="lru", prefix_cache=False, link_gbps=0.0))  # fmt: skip
+    cache = memory.adapter_cache
+    try:
+        loras = [adapter(n, 8, seed=i) for i, n in enumerate(("old", "new", "third"))]
+        for lora in loras[:2]:
+            assert memory.make_adapter_room(lora, frozenset())
+            assert cache.acquire(lora).ticket.wait(10)
+            cache.release(lora.id)
+        assert cache.acquire(loras[2]) is None and cache.counters.evictions == 0
+        assert [c.name for c in memory.reclaimer.adapter_order()] == ["old", "new"]
+        assert memory.make_adapter_room(loras[2], frozenset())
+        assert [cache.entries[i].resident.name for i in cache.entries] == ["new"]
+        assert cache.counters.evictions == 1 and memory.counters.evictions_adapter == 0
+        assert cache.acquire(loras[2]).ticket.wait(10) and cache.used_bytes == 2 * one
+        cache.release(loras[2].id)
+        for lora in loras[1:]:
+            cache.forget(lora.id)
+        assert cache.used_bytes == 0 and not cache.pool.resident
+    finally:
+        cache.loader.close()
