@@ -5,10 +5,12 @@ gate asks of the engine's AdapterManager (server/sched/admission.py `Adapters`),
 memory (`SimMemory.shared`) an adapter is charged its slots while a request holds it.
 
 `SimAdapterCache`: the on-demand mode of bench_queueing's configurations, as gpu_lora/cache.py
-runs it under a static memory layout: a byte budget for adapters beside the KV, reference counts,
-the engine's own eviction policies (gpu_lora/eviction.py) over the idle adapters (those of
-waiting requests last), one load at a time over the emulated link (`SimLink`, the
-PipelinedLoader's one thread), and a request's prefill only once its adapter's load has landed.
+and its owner of eviction (server/memory/reclaim.py) run it under a static memory layout: a byte
+budget for adapters beside the KV, reference counts, the engine's own eviction policies
+(gpu_lora/eviction.py) over the idle adapters (those of waiting requests last) when admission
+makes room (`make_room`) before `acquire` allocates, one load at a time over the emulated
+link (`SimLink`, the PipelinedLoader's one thread), and a request's prefill only once its
+adapter's load has landed.
 Without `keep_idle` nothing stays on the device that no request holds (the cache's no-cache
 mode: `--adapter-cache off`), and nothing is prefetched. With `stall_for_load` (the
 `on-demand-sync` mode) a request starts at once and the step that runs it waits for its load
@@ -40,7 +42,10 @@ class SimAdapters:
     def registered(self) -> list[str]:
         return list(self.registry)
 
-    def acquire(self, name: str, queued: frozenset[str]) -> str:
+    def make_room(self, name: str, queued: frozenset[str]) -> bool:
+        return True  # every adapter fits
+
+    def acquire(self, name: str) -> str:
         self.refs[name] = self.refs.get(name, 0) + 1
         return name
 
@@ -121,14 +126,17 @@ class SimAdapterCache:
     def bytes_of(self, name: str | None) -> int:
         return 0 if name is None else self.registry[name] * self.bytes_per_rank
 
-    def acquire(self, name: str, queued: frozenset[str]) -> SimEntry | None:
+    def make_room(self, name: str, queued: frozenset[str]) -> bool:
+        """Evict idle adapters (those `queued` requests want last) until the adapter's load
+        fits, as the engine's memory does before its cache allocates; whether it fits."""
+        return self._make_room(name, queued, spare_keep=False)
+
+    def acquire(self, name: str) -> SimEntry | None:
         """A reference on the adapter, starting its load on a miss; None: no room until a
-        running request ends."""
-        if not self.keep_idle:
-            self._drop_idle(spare=name)
+        running request ends (`make_room` first: nothing is evicted here)."""
         entry = self.entries.get(name)
         if entry is None:
-            entry = self._load(name, queued, spare_keep=False)
+            entry = self._load(name)
             if entry is None:
                 return None
         else:
@@ -159,7 +167,8 @@ class SimAdapterCache:
         for name in names:
             if name in self.registry and name not in self.entries:
                 if self.bytes_of(name) <= self.budget_bytes:
-                    self._load(name, queued, spare_keep=True)
+                    if self._make_room(name, queued, spare_keep=True):
+                        self._load(name)
                 return
 
     def fits_if_released(self, name: str | None, held: str | None) -> bool:
@@ -185,16 +194,25 @@ class SimAdapterCache:
         idle = sum(e.num_bytes for n, e in self.entries.items() if not e.refcount or n == extra)
         return self.budget_bytes - self.used_bytes + idle
 
-    def _load(self, name: str, keep: frozenset[str], spare_keep: bool) -> SimEntry | None:
+    def _make_room(self, name: str, keep: frozenset[str], spare_keep: bool) -> bool:
+        if not self.keep_idle:
+            self._drop_idle(spare=name)
+        if name in self.entries or self.bytes_of(name) > self.budget_bytes:
+            return True  # a hit needs no room; one too large is refused by `_load`
+        while self.used_bytes + self.bytes_of(name) > self.budget_bytes:
+            victim = self._victim(keep, spare_keep)
+            if victim is None:
+                return False
+            self._evict(victim)
+        return True
+
+    def _load(self, name: str) -> SimEntry | None:
         num_bytes = self.bytes_of(name)
         if num_bytes > self.budget_bytes:
             raise ValueError(f"adapter {name!r} needs {num_bytes} bytes; the cache holds "
                              f"{self.budget_bytes}")  # fmt: skip
-        while self.used_bytes + num_bytes > self.budget_bytes:
-            victim = self._victim(keep, spare_keep)
-            if victim is None:
-                return None
-            self._evict(victim)
+        if self.used_bytes + num_bytes > self.budget_bytes:
+            return None
         now = self.clock()
         entry = SimEntry(name, num_bytes, self.link.start(num_bytes, now))
         self.entries[name] = entry

@@ -1,26 +1,29 @@
-"""Device adapter cache: a byte budget over the adapter pool, reference counts, eviction, loads.
+"""Device adapter cache: a byte budget over the adapter pool, reference counts, loads.
 
 Adapters are keyed by id (`LoraAdapter.id`: the registration's `AdapterRef.id` in a server),
 never by name: an adapter unloaded and loaded again under its name is another adapter, and
 rows still cached for the first can never be taken for the second.
 
-`acquire` is called when a request is admitted: a hit takes a reference; a miss makes room
-(evicting unreferenced adapters in the policy's order, those wanted by queued requests last),
-takes pool rows and starts a pipelined load, whose ticket tells which layers are resident. An
-adapter with a reference is never evicted. Each adapter is charged what it occupies in the pool
-(`AdapterPool.bytes_for`: its rank's rows in every layer of each projection it targets, at the
-pool's dtype), before anything is allocated; the pool's tensors never outgrow the budget, nor
-the whole `memory` when there is one (eviction also runs until the adapter's rows fit). With a
-`memory` (an `AdapterBudget`: the server's one memory pool) each load also asks that memory for
-room, which may evict cached KV or idle adapters to make it, and an eviction gives the room
-back. The memory pool reads the cache only through its public views (`idle_candidates`,
-`is_pinned`, `pinned`, `referenced`, `frequencies`) and asks it for the node's eviction order
-(`order`: one `Eviction` of gpu_lora/eviction.py decides for both memory layouts).
+The cache never decides what leaves the device: the node's one owner of eviction (the server
+memory's reclaimer, which holds the `Eviction` table of gpu_lora/eviction.py) makes room first,
+asking `has_room` and evicting the cache's `candidates` through `evict`; `acquire` then only
+allocates. `acquire` is called when a request is admitted: a hit takes a reference; a miss
+takes pool rows and starts a pipelined load, whose ticket tells which layers are resident, or
+returns None when the room is not there. Allocation and eviction stay apart so that two
+deciders never call into each other. An adapter with a reference is never evicted. Each
+adapter is charged what it occupies in the pool (`AdapterPool.bytes_for`: its rank's rows in
+every layer of each projection it targets, at the pool's dtype), before anything is allocated;
+the pool's tensors never outgrow the budget, nor the whole `memory` when there is one. With a
+`memory` (an `AdapterBudget`: the server's one memory pool) each load also takes its charge
+there, from blocks already free, and an eviction gives it back. The memory pool reads the
+cache only through its public views (`candidates`, `idle_candidates`, `is_pinned`, `pinned`,
+`referenced`, `frequencies`).
 
 With `keep_idle` False the cache keeps nothing (S-LoRA's on-demand loading, the baseline of
 Chameleon's comparison): an adapter leaves the device as soon as no request holds it, once its
-load has landed (one still loading leaves at the next acquire or release, so the engine thread
-never waits for a copy), and nothing is prefetched, which would only load an adapter to drop it.
+load has landed (one still loading leaves at the next `drop_idle` or release, so the engine
+thread never waits for a copy), and nothing is prefetched, which would only load an adapter to
+drop it. That is no eviction (no order is asked): without a cache nothing idle is kept.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
 from toppings.gpu_lora.adapter_pool import AdapterPool, ResidentAdapter
-from toppings.gpu_lora.eviction import Candidate, Eviction, EvictionPolicy, Usage
+from toppings.gpu_lora.eviction import Candidate, Usage
 from toppings.gpu_lora.loader import LoadTicket, PipelinedLoader
 from toppings.gpu_lora.peft_format import LoraAdapter
 
@@ -71,9 +74,10 @@ class EntryState(NamedTuple):
 class AdapterBudget(Protocol):
     """The memory adapters are charged to beside the cache's own byte budget."""
 
-    def take(self, adapter_id: int, num_bytes: int, keep: frozenset[int], reclaim: bool) -> bool:
-        """Charge `num_bytes` for the adapter of this id; with reclaim, evict cached items to
-        make room (those of adapters in `keep` last). False when the room cannot be had."""
+    def take(self, adapter_id: int, num_bytes: int, promised: bool) -> bool:
+        """Charge `num_bytes` for the adapter of this id from what is free now (nothing is
+        evicted here: room was made before); `promised`: a request's load, which admission
+        counted, rather than a prefetch. False when the room is not there."""
         ...
 
     def give(self, adapter_id: int) -> None:
@@ -92,15 +96,12 @@ class AdapterCache:
         self,
         pool: AdapterPool,
         loader: PipelinedLoader,
-        policy: Eviction | EvictionPolicy,
         budget_bytes: int | None = None,
         memory: AdapterBudget | None = None,
         keep_idle: bool = True,
     ):
         self.pool = pool
         self.loader = loader
-        # The node's one eviction table (shared with the memory pool's reclaimer).
-        self.eviction = policy if isinstance(policy, Eviction) else Eviction(policy)
         self.budget_bytes = budget_bytes
         self.memory = memory  # None: the byte budget above is the only limit
         self.keep_idle = keep_idle  # False: no cache (see the module docstring)
@@ -126,25 +127,21 @@ class AdapterCache:
             limits.append(self.memory.capacity_bytes())
         return min(limits, default=None)
 
-    def acquire(
-        self, adapter: LoraAdapter, keep: frozenset[int] = frozenset()
-    ) -> CacheEntry | None:
-        """Take a reference on `adapter`, loading it if needed; None when no room can be made.
-
-        keep: ids of adapters of queued requests, evicted only when nothing else frees enough
-        room.
-        """
+    def acquire(self, adapter: LoraAdapter) -> CacheEntry | None:
+        """Take a reference on `adapter`, loading it if needed; None when the room for its load
+        is not there (the owner of eviction makes room before: nothing is evicted here). Raises
+        ValueError when it is larger than the cache's whole budget."""
         usage = self._usage.setdefault(adapter.id, Usage())
-        if not self.keep_idle:
-            self._drop_idle(spare=adapter.id)
         entry = self.entries.get(adapter.id)
         if entry is not None and entry.ticket.error is not None and not entry.refcount:
-            self.evict(adapter.id)  # its load failed: load it again
-            entry = None
-        if entry is not None:
+            entry.ticket = self.loader.submit(adapter, entry.resident)  # failed: load it again
+            self.counters.loads += 1
+            self.counters.bytes_loaded += entry.num_bytes
+            self.counters.misses += 1
+        elif entry is not None:
             self.counters.hits += 1
         else:
-            entry = self._load(adapter, keep)
+            entry = self._load(adapter, promised=True)
             if entry is None:
                 return None
             self.counters.misses += 1
@@ -159,17 +156,20 @@ class AdapterCache:
             raise RuntimeError(f"adapter {entry.resident.name!r} released more often than acquired")
         entry.refcount -= 1
         if not self.keep_idle:
-            self._drop_idle()
+            self.drop_idle()
 
-    def _drop_idle(self, spare: int | None = None) -> None:
-        """Without a cache: evict every adapter no request holds whose load has landed (but
-        the one of id `spare`, about to be acquired)."""
+    def drop_idle(self, spare: int | None = None) -> None:
+        """Without a cache (`keep_idle` False): drop every adapter no request holds whose load
+        has landed (but the one of id `spare`, about to be acquired); with one, nothing."""
+        if self.keep_idle:
+            return
         for adapter_id, entry in list(self.entries.items()):
             if not entry.refcount and adapter_id != spare and _landed(entry):
                 self.evict(adapter_id)
 
     def evict(self, adapter_id: int) -> None:
-        """Drop an unreferenced adapter from the device (also used to unload it)."""
+        """Drop an unreferenced adapter from the device: the owner of eviction's choice, an
+        unload, or no cache's release (see the module docstring)."""
         entry = self.entries[adapter_id]
         if entry.refcount:
             raise RuntimeError(f"adapter {entry.resident.name!r} is in use "
@@ -195,16 +195,14 @@ class AdapterCache:
             self.evict(adapter_id)
         self._usage.pop(adapter_id, None)
 
-    def prefetch(self, adapter: LoraAdapter, keep: frozenset[int]) -> bool:
-        """Start loading the adapter of a queued request, taking no reference, when it fits by
-        evicting only adapters that no request holds or waits for; False when it does not."""
-        if adapter.id in self.entries or not self.keep_idle:
-            return False
-        num_bytes = self.charge(adapter)
-        if self.budget_bytes is not None and num_bytes > self.budget_bytes:
+    def prefetch(self, adapter: LoraAdapter) -> bool:
+        """Start loading the adapter of a queued request, taking no reference, where the room is
+        there now (made by the owner of eviction, sparing adapters in use or wanted); False
+        when it is not, or without a cache."""
+        if adapter.id in self.entries or not self.keep_idle or not self.can_ever_hold(adapter):
             return False
         self._usage.setdefault(adapter.id, Usage())
-        return self._load(adapter, keep, spare_keep=True) is not None
+        return self._load(adapter, promised=False) is not None
 
     def freeable_bytes(self, extra: int | None = None) -> float:
         """Bytes a load could have now: free budget plus unreferenced adapters (inf without a
@@ -216,28 +214,41 @@ class AdapterCache:
         )
         return self.budget_bytes - self._used_bytes + idle
 
-    def _load(
-        self, adapter: LoraAdapter, keep: frozenset[int], spare_keep: bool = False
-    ) -> CacheEntry | None:
+    def can_ever_hold(self, adapter: LoraAdapter) -> bool:
+        """Whether the adapter's charge is within the cache's whole budget."""
+        return self.budget_bytes is None or self.charge(adapter) <= self.budget_bytes
+
+    def has_room(self, adapter: LoraAdapter) -> bool:
+        """Whether a load of the adapter fits the cache's own limits now: its byte budget, and
+        rows in the pool without outgrowing max_pool_bytes (packing the rows when the bytes are
+        there but no row range is: moving rows evicts nothing). The memory it is charged to is
+        not asked here. True for an adapter already here."""
+        if adapter.id in self.entries:
+            return True
+        if not self._within_budget(self.charge(adapter)):
+            return False
+        if self.pool.can_reserve(adapter, self.max_pool_bytes):
+            return True
+        return self._compact() and self.pool.can_reserve(adapter, self.max_pool_bytes)
+
+    def waits_for_loader(self, adapter: LoraAdapter) -> bool:
+        """Whether the pool must reallocate its tensors for the adapter's rows, which cannot
+        happen under a running load: it is not loaded until the loader is idle."""
+        return self.pool.must_grow(adapter, self.max_pool_bytes) and not self.loader.idle()
+
+    def _load(self, adapter: LoraAdapter, promised: bool) -> CacheEntry | None:
         num_bytes = self.charge(adapter)
-        if self.budget_bytes is not None and num_bytes > self.budget_bytes:
+        if not self.can_ever_hold(adapter):
             raise ValueError(
                 f"adapter {adapter.name!r} needs {num_bytes} bytes; the cache holds "
                 f"{self.budget_bytes}"
             )
-        while not self._fits(adapter, num_bytes):
-            if self._within_budget(num_bytes) and self._compact():
-                continue  # room in bytes but not in a row range: packing the rows may be enough
-            victim = self._victim(keep, spare_keep)
-            if victim is None:
-                return None
-            self.evict(victim)
-        if self.pool.must_grow(adapter, self.max_pool_bytes) and not self.loader.idle():
-            return None  # the pool must reallocate, which cannot happen under a running load
-        if self.memory is not None and not self.memory.take(
-            adapter.id, num_bytes, keep, reclaim=not spare_keep
-        ):
-            return None  # a prefetch takes free blocks only
+        if not self.has_room(adapter):
+            return None
+        if self.waits_for_loader(adapter):
+            return None
+        if self.memory is not None and not self.memory.take(adapter.id, num_bytes, promised):
+            return None
         resident = self.pool.reserve(adapter, self.max_pool_bytes)
         ticket = self.loader.submit(adapter, resident)
         entry = CacheEntry(resident, ticket, num_bytes)
@@ -247,51 +258,19 @@ class AdapterCache:
         self.counters.bytes_loaded += num_bytes
         return entry
 
-    def _fits(self, adapter: LoraAdapter, num_bytes: int) -> bool:
-        """Within the budget, and the pool finds its rows without outgrowing max_pool_bytes."""
-        if not self._within_budget(num_bytes):
-            return False
-        return self.pool.can_reserve(adapter, self.max_pool_bytes)
-
     def _within_budget(self, num_bytes: int) -> bool:
         return self.budget_bytes is None or self._used_bytes + num_bytes <= self.budget_bytes
 
     def _compact(self) -> bool:
         """Pack the pool's rows (adapters whose load is running stay where it writes); whether
         any adapter moved. Without it a budget with room in bytes could hold a request back
-        until an adapter in the middle of the rows ended (seen at 1.5 s in a burst)."""
+        until an adapter in the middle of the rows ended."""
         loading = frozenset(n for n, e in self.entries.items() if not e.ticket.done)
         moved = self.pool.compact(loading)
         for adapter_id, resident in moved.items():
             self.entries[adapter_id].resident = resident
         self.counters.compactions += bool(moved)
         return bool(moved)
-
-    def _victim(self, keep: frozenset[int], spare_keep: bool = False) -> int | None:
-        order = self.eviction_order(keep, spare_keep)
-        return order[0] if order else None
-
-    def eviction_order(
-        self, keep: frozenset[int] = frozenset(), spare_keep: bool = False
-    ) -> list[int]:
-        """The ids of the adapters no request holds, first to leave first: those no queued
-        request wants (not in `keep`) in the eviction policy's order, then (unless
-        `spare_keep`) the others."""
-        free = [n for n, e in list(self.entries.items()) if e.refcount == 0]
-        groups = [[n for n in free if n not in keep], [n for n in free if n in keep]]
-        order: list[int] = []
-        for group in groups[:1] if spare_keep else groups:
-            if group:
-                cands = [self._candidate(n) for n in group]
-                order += [c.item for c in self.order(cands)]
-        return order
-
-    def order(self, candidates: list[Candidate]) -> list[Candidate]:
-        """`candidates` (adapters of this cache and, from the memory pool, KV) in the node's
-        eviction order, first to leave first."""
-        return self.eviction.order(
-            candidates, time.monotonic(), self.frequencies(), self.num_entries
-        )
 
     # ---- read-only views (the memory pool's, and /stats') ---------------------------------
 
@@ -342,6 +321,12 @@ class AdapterCache:
         entry = self.entries[adapter_id]
         return Candidate.adapter(adapter_id, entry.resident.name, entry.num_bytes,
                                  self.usage(adapter_id), entry.resident.rank)  # fmt: skip
+
+    def candidates(self) -> list[Candidate]:
+        """Adapters no request holds, in cache order, as eviction candidates: what may leave to
+        make room for another adapter in the cache's own limits (`has_room`; one still loading
+        too: evicting it waits for its copy)."""
+        return [self._candidate(n) for n, e in list(self.entries.items()) if not e.refcount]
 
     def idle_candidates(self) -> list[Candidate]:
         """Loaded adapters no request holds, in cache order, as eviction candidates: what may

@@ -3,12 +3,13 @@
 A candidate is one cached item that may leave: a prefix-tree block of KV or an idle adapter
 (`ItemKind`), with its bytes, visits and last use, and for an adapter its id (the key the
 device cache and pool know it by), name and rank. A policy only orders candidates, least
-valuable first; the owner of the memory decides who is a candidate and moves the bytes. Both
-memory layouts ask the same table: the adapter cache orders its idle adapters when its own
-byte budget is full (`--memory-layout static`), and the memory pool's reclaimer orders KV
-leaves and idle adapters together when they share one pool (`--memory-layout pool`). Both ask
-through one `Eviction` (a policy of `EVICTION_POLICIES` and what it may know of the node), so
-the same adapters in the same state come out in the same order whichever layout asks.
+valuable first; the owner of the memory decides who is a candidate and moves the bytes. One
+owner holds the node's one `Eviction` (a policy of `EVICTION_POLICIES` and what it may know of
+the node): the server's memory reclaimer, in both memory layouts. It orders idle adapters when
+an adapter's load needs room in the adapter cache's own byte budget (`--memory-layout static`),
+and KV leaves and idle adapters together when they share one pool (`--memory-layout pool`);
+the adapter cache only offers its candidates. So the same adapters in the same state come out
+in the same order whichever layout asks, and no two deciders call into each other.
 
 `fastlibra` is FastLibra's cost model (see ../shared/papers/fastlibra.txt, section 5):
     Eval_i = LoRA_Eval_i * cost_i * prob_i * (1 - sigmoid(t_i))
@@ -213,9 +214,9 @@ def expected_adapters(adapter_counts: Mapping[Hashable, int], batch_size: float)
 
 
 class Eviction:
-    """One policy of the table and what it may know of the node: the recent batch sizes. The
-    adapter cache and the memory pool's reclaimer of one server share one, so the order of
-    the same candidates does not depend on which of them asks."""
+    """One policy of the table and what it may know of the node: the recent batch sizes. A
+    server has one, held by the one owner of eviction (its memory's reclaimer), so the order
+    of the same candidates does not depend on the memory layout."""
 
     def __init__(self, policy: EvictionPolicy):
         self.policy = policy

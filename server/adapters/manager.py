@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from typing import Protocol
 
 import torch
 
@@ -44,6 +45,18 @@ from toppings.server.requests.request import RequestError
 log = logging.getLogger(__name__)
 
 
+class AdapterRoom(Protocol):
+    """The node's memory as the owner of eviction (server/memory/manager.py): it makes room for
+    an adapter's load, so that the device cache then only allocates."""
+
+    def make_adapter_room(
+        self, adapter: LoraAdapter, keep: frozenset[int], prefetch: bool = False
+    ) -> bool:
+        """Evict until a load of `adapter` fits; whether it does. keep: ids of adapters of
+        queued requests, evicted last; prefetch: a load no request waits for."""
+        ...
+
+
 class AdapterManager:
     """Registry, device cache and host compute of one engine's adapters."""
 
@@ -56,13 +69,15 @@ class AdapterManager:
         model_config: ModelConfig,
         dtype: torch.dtype,
         cache: AdapterCache,
+        room: AdapterRoom,
         trace: TraceRecorder | None = None,
         base: BaseProjections | None = None,
     ):
         """config: the LoRA part of the engine's configuration; kernel, device: the runtime's
         LoRA kernel and device; max_step_tokens: the most tokens one step computes (the CPU
         workers size their buffers for it); cache: the device adapter cache (with its pool and
-        loader), built with the node's memory (server/memory/build.py); trace: each step's
+        loader), built with the node's memory (server/memory/build.py); room: that memory,
+        which makes room before the cache allocates (the one owner of eviction); trace: each step's
         host LoRA calls and layers go to it (None: no tracing); base: the base model's
         projection weights, read when a DoRA adapter is opened (None: DoRA is refused)."""
         self.config = config
@@ -71,6 +86,7 @@ class AdapterManager:
         self.host_stats = HostLoraStats()
         self.refs = AdapterRegistry()  # the registered adapters' references, requests in flight
         self.cache = cache
+        self.room = room
         self.pool = cache.pool
         self.loader = cache.loader
         # The largest rank served (a runtime value: the configured 0 stays in the config).
@@ -100,7 +116,9 @@ class AdapterManager:
         self.host.add(adapter, digest, ref)
         if self.mode.preload:
             # The ideal upper bound: every adapter on the device before any request, pinned.
-            entry = self.cache.acquire(adapter)
+            entry = None
+            if self.room.make_adapter_room(adapter, frozenset()):
+                entry = self.cache.acquire(adapter)
             if entry is None:
                 self.unregister(ref)
                 raise RequestError("the adapter cache is full", 507, INSUFFICIENT_STORAGE)
@@ -127,25 +145,34 @@ class AdapterManager:
 
     # ---- per request (the engine thread) -----------------------------------------------------
 
-    def acquire(self, ref: AdapterRef, queued: frozenset[AdapterRef]) -> CacheEntry | None:
+    def make_room(self, ref: AdapterRef, queued: frozenset[AdapterRef]) -> bool:
+        """Ask the memory (the one owner of eviction) to evict until the adapter's load fits,
+        adapters of waiting requests (`queued`) last; whether it fits. Admission calls it
+        before `acquire`."""
+        return self.room.make_adapter_room(self._lookup(ref), _ids(queued))
+
+    def acquire(self, ref: AdapterRef) -> CacheEntry | None:
         """Take a reference on the adapter and start its load if it is not on the device;
-        None when no adapter memory is free until a running request ends. `queued`: adapters of
-        waiting requests, which eviction spares."""
+        None when the room is not there (`make_room` comes first: nothing is evicted here)."""
+        return self.cache.acquire(self._lookup(ref))
+
+    def _lookup(self, ref: AdapterRef) -> LoraAdapter:
         adapter = self.host.lookup(ref)
         if adapter is None:
             raise KeyError(f"adapter {ref.name!r} (id {ref.id}) is not registered")
-        return self.cache.acquire(adapter, _ids(queued))
+        return adapter
 
     def prefetch(self, refs: list[AdapterRef], queued: frozenset[AdapterRef]) -> None:
         """Load the first of these adapters of queued requests that is not on the device, when
         the loader is idle (a prefetch never delays an admitted request's load) and it fits
         without evicting an adapter in use or wanted."""
-        if self.mode.preload or not self.loader.idle():
-            return
+        if self.mode.preload or not self.cache.keep_idle or not self.loader.idle():
+            return  # without a cache nothing is prefetched (it would only be dropped)
         for ref in refs:
             adapter = self.host.lookup(ref)
             if adapter is not None and not self.cache.holds(ref.weights_id):
-                self.cache.prefetch(adapter, _ids(queued))
+                if self.room.make_adapter_room(adapter, _ids(queued), prefetch=True):
+                    self.cache.prefetch(adapter)
                 return
 
     def registered(self) -> list[AdapterRef]:

@@ -94,7 +94,7 @@ def compose_engine(
     # The only LoRA object the engine uses.
     lora = AdapterManager(
         lora_config, config.kernel, config.device, max_step_tokens,
-        mc, dtype, memory.adapter_cache, trace, CheckpointProjections(weights),
+        mc, dtype, memory.adapter_cache, memory, trace, CheckpointProjections(weights),
     )  # fmt: skip
     if config.use_warmup:  # every LoRA kernel variant compiled before the first request
         space = launch_space(

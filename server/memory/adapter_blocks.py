@@ -3,7 +3,8 @@
 An adapter is charged ceil(bytes / block bytes) blocks while it is on the device, its bytes being
 what it occupies in the adapter pool (`AdapterPool.bytes_for`), charged before the pool allocates
 its rows. The weights themselves sit in the adapter pool's tensors: the blocks only keep KV from
-using that memory.
+using that memory. Taking blocks never evicts: the reclaimer (reclaim.py, the node's one owner
+of eviction) frees them first, at admission.
 """
 
 from __future__ import annotations
@@ -12,9 +13,6 @@ from collections.abc import Callable
 
 from toppings.server.memory.kv_cache import KVPool
 
-# (num_blocks, keep) -> blocks freed: evict cached KV or idle adapters (those whose ids are in
-# keep last).
-Reclaim = Callable[[int, frozenset[int]], int]
 # () -> blocks of the pool not promised to anyone (MemoryManager: all but the committed ones).
 Unpromised = Callable[[], int]
 
@@ -23,30 +21,21 @@ class AdapterBlocks:
     """Which pool blocks each adapter on the device is charged, by adapter id; see the module
     docstring."""
 
-    def __init__(self, kv: KVPool, reclaim: Reclaim, unpromised: Unpromised):
+    def __init__(self, kv: KVPool, unpromised: Unpromised):
         self.kv = kv
-        self.reclaim = reclaim
         self.unpromised = unpromised
         self.blocks: dict[int, list[int]] = {}  # adapter id -> its blocks
 
     def blocks_for_bytes(self, num_bytes: int) -> int:
         return -(-num_bytes // self.kv.block_bytes)
 
-    def take(
-        self,
-        adapter_id: int,
-        num_bytes: int,
-        keep: frozenset[int] = frozenset(),
-        reclaim: bool = True,
-    ) -> bool:
-        """Charge an adapter's blocks; with reclaim (a request's load, which admission counted
-        in its promises), evict cached KV or idle adapters first (those in `keep`, wanted by
-        queued requests, last); without (a prefetch), free blocks that no admitted request was
-        promised only: its load cannot be evicted to give them back while it runs."""
+    def take(self, adapter_id: int, num_bytes: int, promised: bool = True) -> bool:
+        """Charge an adapter's blocks from the free ones; `promised` (a request's load, which
+        admission counted in its promises): any free block; else (a prefetch) only blocks that
+        no admitted request was promised: its load cannot be evicted to give them back while
+        it runs."""
         need = self.blocks_for_bytes(num_bytes)
-        if need > self.kv.num_free_blocks and reclaim:
-            self.reclaim(need - self.kv.num_free_blocks, keep)
-        if need > self.kv.num_free_blocks or (not reclaim and need > self.unpromised()):
+        if need > self.kv.num_free_blocks or (not promised and need > self.unpromised()):
             return False
         self.blocks[adapter_id] = self.kv.alloc_blocks(need)
         return True

@@ -1,11 +1,11 @@
 """Builds the node's memory side in one place: the KV pool, the prefix tree, the host tier,
 the adapter cache and the managers that share them.
 
-The adapter blocks call the reclaimer when a load runs out of blocks (at admission, in the
-scheduler), and the reclaimer evicts from the adapter cache, which charges the adapter blocks:
-the reclaimer is built last, and the blocks get its `reclaim` at construction through a
-forward reference; they ask the manager, built after them, what is not promised the same way.
-The KV pool calls nothing: the manager makes room before it reserves a step's slots.
+Calls point one way: the reclaimer (the node's one owner of eviction, holding the `Eviction`
+table) evicts from the adapter cache and the prefix tree; the adapter cache charges the adapter
+blocks, which take only free blocks and call nothing back. The blocks ask the manager, built
+after them, what is not promised, through a forward reference. The KV pool calls nothing: the
+manager makes room before it reserves a step's slots, and before an adapter's load.
 """
 
 from __future__ import annotations
@@ -65,11 +65,7 @@ def build_memory(
     layout = make_layout(
         cfg.memory_layout, cfg, device=device, adapter_cache_bytes=lora.adapter_cache_bytes
     )
-    reclaimer: Reclaimer | None = None
     manager: MemoryManager | None = None
-
-    def reclaim(num_blocks: int, keep: frozenset[int] = frozenset()) -> int:
-        return reclaimer.reclaim(num_blocks, keep)
 
     def unpromised() -> int:
         return manager.kv.num_blocks - manager.committed()
@@ -94,19 +90,16 @@ def build_memory(
     swap = None
     if host_blocks and tree is not None:
         swap = HostSwap(kv, tree, HostKV(kv, host_blocks, lora.link_gbps), counters)
-    blocks = AdapterBlocks(kv, reclaim, unpromised) if layout.charges_adapters() else None
+    blocks = AdapterBlocks(kv, unpromised) if layout.charges_adapters() else None
     pool = AdapterPool(mc, dtype, device)
     loader = PipelinedLoader(
         pool, lora.layers_per_group, lora.link_gbps, lora.link_latency_us, lora.host_cores, trace
     )
     cache = AdapterCache(
-        pool,
-        loader,
-        Eviction.named(layout.eviction()),  # the one table both layouts ask
-        lora.adapter_cache_bytes or None,
-        memory=blocks,
-        keep_idle=lora.adapter_cache,
+        pool, loader, lora.adapter_cache_bytes or None, memory=blocks, keep_idle=lora.adapter_cache
     )
-    reclaimer = Reclaimer(kv, tree, swap, cache, blocks is not None, counters)
+    # The one owner of eviction, with the one table both layouts ask.
+    eviction = Eviction.named(layout.eviction())
+    reclaimer = Reclaimer(kv, tree, swap, cache, blocks, counters, eviction)
     manager = MemoryManager(kv, layout, tree, swap, blocks, cache, reclaimer, counters, events)
     return manager

@@ -25,6 +25,7 @@ import logging
 from dataclasses import dataclass, field
 
 from toppings.gpu_lora.cache import AdapterCache
+from toppings.gpu_lora.peft_format import LoraAdapter
 from toppings.server.kv_events.publisher import KVEventPublisher
 from toppings.server.memory.adapter_blocks import AdapterBlocks
 from toppings.server.memory.counters import MemoryCounters
@@ -190,6 +191,14 @@ class MemoryManager:
         if need > kv.num_free_blocks:
             return None
         return kv.reserve(rows, tokens)
+
+    def make_adapter_room(
+        self, adapter: LoraAdapter, keep: frozenset[int], prefetch: bool = False
+    ) -> bool:
+        """Evict until a load of `adapter` fits, before the adapter cache allocates it (the
+        reclaimer decides, reclaim.py); whether it does. keep: ids of adapters of queued
+        requests, evicted last; prefetch: a load no request waits for (spares them all)."""
+        return self.reclaimer.make_adapter_room(adapter, keep, prefetch)
 
     def make_room(self, num_blocks: int) -> None:
         """Evict cached items until num_blocks are free (or nothing more may leave)."""

@@ -1,11 +1,16 @@
-"""Making room in the pool: which cached items leave the device, and the host tier's watermarks.
+"""Making room on the device: the node's one owner of eviction, and the host tier's watermarks.
 
-A reclaim frees blocks by moving cached items off the device in the memory policy's order:
-prefix-tree leaves (to the host tier when there is one, else dropped) and, where adapters are
-charged to the pool, idle adapters (no reference, loaded, no device KV below them). Adapters of
-queued requests go last. The memory manager calls `reclaim` before it reserves a step's KV slots
-(in the scheduler, before the step runs) when too few blocks are free; the adapter blocks call
-it when a load needs room (at admission). Nothing reclaims during a forward pass.
+The reclaimer holds the node's `Eviction` table (gpu_lora/eviction.py) and is the only one that
+decides what leaves the device, in both memory layouts; the adapter cache offers candidates and
+evicts only what it is told to. A reclaim frees blocks by moving cached items off the device in
+the table's order: prefix-tree leaves (to the host tier when there is one, else dropped) and,
+where adapters are charged to the pool, idle adapters (no reference, loaded, no device KV below
+them). Adapters of queued requests go last. The memory manager calls `reclaim` before it
+reserves a step's KV slots (in the scheduler, before the step runs) when too few blocks are
+free. At admission, `make_adapter_room` makes room for a request's adapter before the cache
+allocates it: idle adapters leave until the cache's own limits (its byte budget, its pool's
+rows) hold the load, then, where adapters are charged to the pool, a reclaim frees its blocks.
+Nothing reclaims during a forward pass.
 
 FastLibra's swapper (`tick`, about every 100 ms): above the high watermark cached leaves leave
 the device down to the low one; below the low one, host blocks come back while copying them
@@ -14,8 +19,12 @@ beats recomputing them.
 
 from __future__ import annotations
 
+import time
+
 from toppings.gpu_lora.cache import AdapterCache
-from toppings.gpu_lora.eviction import Candidate, ItemKind
+from toppings.gpu_lora.eviction import Candidate, Eviction, ItemKind
+from toppings.gpu_lora.peft_format import LoraAdapter
+from toppings.server.memory.adapter_blocks import AdapterBlocks
 from toppings.server.memory.counters import MemoryCounters
 from toppings.server.memory.host_swap import HostSwap
 from toppings.server.memory.kv_cache import KVPool
@@ -35,20 +44,70 @@ class Reclaimer:
         tree: PrefixTree | None,
         swap: HostSwap | None,
         cache: AdapterCache,
-        charges_adapters: bool,
+        blocks: AdapterBlocks | None,
         counters: MemoryCounters,
+        eviction: Eviction,
     ):
-        """cache: the device adapter cache, whose idle adapters are candidates when
-        `charges_adapters`, and whose `order` (the node's one eviction table) orders every
-        candidate."""
+        """cache: the device adapter cache, whose unreferenced adapters are candidates; blocks:
+        the pool blocks charged to adapters (None: adapters take no blocks, and only an
+        adapter's load makes them leave); eviction: the node's one eviction table."""
         self.kv, self.tree, self.swap, self.cache = kv, tree, swap, cache
-        self.charges_adapters = charges_adapters  # idle adapters are candidates too
+        self.blocks = blocks
+        self.charges_adapters = blocks is not None  # idle adapters are pool candidates too
         self.counters = counters
+        self.eviction = eviction
         self._next_tick = 0.0
 
     def observe_batch(self, now: float, batch_size: int) -> None:
         """A step ran `batch_size` requests (FastLibra's expected adapters use the recent size)."""
-        self.cache.eviction.observe_batch(now, batch_size)
+        self.eviction.observe_batch(now, batch_size)
+
+    def _ordered(self, candidates: list[Candidate]) -> list[Candidate]:
+        """`candidates` in the table's order, first to leave first, with what it may know of
+        the node: the adapters' request counts and how many are on the device."""
+        cache = self.cache
+        return self.eviction.order(
+            candidates, time.monotonic(), cache.frequencies(), cache.num_entries
+        )
+
+    def adapter_order(
+        self, keep: frozenset[int] = frozenset(), spare_keep: bool = False
+    ) -> list[Candidate]:
+        """The adapters no request holds, first to leave first: those no queued request wants
+        (ids not in `keep`) in the table's order, then (unless `spare_keep`) the others."""
+        free = self.cache.candidates()
+        groups = [[c for c in free if c.item not in keep], [c for c in free if c.item in keep]]
+        order: list[Candidate] = []
+        for group in groups[:1] if spare_keep else groups:
+            if group:
+                order += self._ordered(group)
+        return order
+
+    def make_adapter_room(
+        self, adapter: LoraAdapter, keep: frozenset[int], prefetch: bool = False
+    ) -> bool:
+        """Evict until a load of `adapter` fits, so that the cache's `acquire` (or `prefetch`)
+        then only allocates; whether it does (an adapter already cached always does). keep:
+        ids of adapters of queued requests, evicted only when nothing else frees enough room;
+        prefetch: a load no request waits for, which evicts only adapters no one holds or
+        wants and takes only free blocks (adapter_blocks.py)."""
+        cache = self.cache
+        cache.drop_idle(spare=adapter.id)  # without a cache, idle adapters leave first
+        if cache.holds(adapter.id) or not cache.can_ever_hold(adapter):
+            return True  # a hit needs no room; one too large is refused by the cache, by name
+        while not cache.has_room(adapter):  # only an adapter leaving frees the cache's room
+            order = self.adapter_order(keep, spare_keep=prefetch)
+            if not order:
+                return False
+            self._evict(order[0])
+        if cache.waits_for_loader(adapter):
+            return False  # no cached KV leaves for a load that cannot start yet
+        if self.blocks is None or prefetch:
+            return True
+        need = self.blocks.blocks_for_bytes(cache.charge(adapter))
+        if need > self.kv.num_free_blocks:
+            self.reclaim(need - self.kv.num_free_blocks, keep)
+        return need <= self.kv.num_free_blocks
 
     def _candidates(self) -> list[Candidate]:
         out = []
@@ -67,7 +126,7 @@ class Reclaimer:
     def order(self, keep: frozenset[int] = frozenset()) -> list[Candidate]:
         """Every item that may leave the device now, first to leave first (the node's eviction
         policy; adapters whose ids are in `keep`, wanted by queued requests, last)."""
-        ordered = self.cache.order(self._candidates())
+        ordered = self._ordered(self._candidates())
         ordered.sort(key=lambda c: c.kind is ItemKind.ADAPTER and c.item in keep)  # stable
         return ordered
 
@@ -92,7 +151,8 @@ class Reclaimer:
         before = self.kv.num_free_blocks
         if cand.kind is ItemKind.ADAPTER:
             self.cache.evict(cand.item)  # gives its blocks back
-            self.counters.evictions_adapter += 1
+            if self.charges_adapters:  # the pool's count; the cache counts in either layout
+                self.counters.evictions_adapter += 1
         elif self.swap is not None and self.swap.make_room():
             self.swap.swap_out(cand.item)
         else:
@@ -122,7 +182,7 @@ class Reclaimer:
                      if n.adapter is None or self.cache.holds(n.adapter.weights_id)]  # fmt: skip
         cands = [Candidate(ItemKind.KV, n, self.kv.block_bytes, n.visits, n.last_used)
                  for n in roots]  # fmt: skip
-        for cand in reversed(self.cache.order(cands)[-num_blocks:]):
+        for cand in reversed(self._ordered(cands)[-num_blocks:]):
             if not self.kv.num_free_blocks:
                 break
             self.swap.swap_in(cand.item)

@@ -2,9 +2,10 @@
 
 One `AdmissionGate` per iteration. `try_admit` checks a request against what is free now (batch
 rows, the memory not yet promised (memory/manager.py), the prefill token budget, adapter memory,
-the LoRA mode) and, when it fits, takes its adapter reference, its KV row, its cached prefix and
-the reservation of the rest. `squash` undoes all of that for a running request, which then
-waits again (Chameleon's squash of a bypasser).
+the LoRA mode) and, when it fits, takes its adapter reference (room made first, by the node's
+one owner of eviction; the adapter's allocation then only allocates), its KV row, its cached
+prefix and the reservation of the rest. `squash` undoes all of that for a running request,
+which then waits again (Chameleon's squash of a bypasser).
 
 The gate sees its collaborators through the `Memory` and `Adapters` protocols below (the
 engine's MemoryManager and AdapterManager, or a simulator's pure-Python stand-ins) and the few
@@ -92,8 +93,11 @@ class Adapters(Protocol):
     def registered(self) -> list[AdapterRef]:
         """Every registered adapter."""
 
-    def acquire(self, adapter: AdapterRef, queued: frozenset[AdapterRef]) -> Any | None:
-        """A reference on the adapter (its cache entry), or None: no adapter memory now."""
+    def make_room(self, adapter: AdapterRef, queued: frozenset[AdapterRef]) -> bool:
+        """Evict (the one owner of eviction) until the adapter fits, `queued` ones last."""
+
+    def acquire(self, adapter: AdapterRef) -> Any | None:
+        """A reference on the adapter (its cache entry), or None; only allocates."""
 
     def release(self, adapter: AdapterRef) -> None: ...
 
@@ -266,7 +270,9 @@ class AdmissionGate:
         if not mem.fits(need) or not self._budget_allows(seq, computed, max_chunk):
             return Verdict.NO_ROOM
         if adapter is not None and seq.cache_entry is None:
-            seq.cache_entry = lora.acquire(adapter, self.queued())
+            # Admission makes room (one owner decides what leaves), then the cache allocates.
+            if lora.make_room(adapter, self.queued()):
+                seq.cache_entry = lora.acquire(adapter)
             if seq.cache_entry is None:
                 return Verdict.NO_ADAPTER_MEMORY  # none until a running request ends
             path = mem.match(seq)  # the load may have taken cached blocks

@@ -24,6 +24,12 @@ class Clock:
         return self.now
 
 
+def take(cache: SimAdapterCache, name: str):
+    """Admission's order: make room, then acquire (which only allocates)."""
+    cache.make_room(name, frozenset())
+    return cache.acquire(name)
+
+
 def cache_of(keep_idle: bool, budget: int = 300) -> tuple[SimAdapterCache, Clock]:
     clock = Clock()
     link = SimLink(gbps=8e-9 * 100, latency_s=0.0)  # 100 bytes a second
@@ -33,7 +39,7 @@ def cache_of(keep_idle: bool, budget: int = 300) -> tuple[SimAdapterCache, Clock
 
 def test_loads_run_one_after_another_and_a_request_starts_once_its_load_landed():
     cache, clock = cache_of(keep_idle=True)
-    a, b = cache.acquire("a", frozenset()), cache.acquire("b", frozenset())
+    a, b = take(cache, "a"), take(cache, "b")
     assert (a.ready_s, b.ready_s) == pytest.approx((1.0, 2.0))
     assert not cache.may_start(b) and cache.next_ready_s() == pytest.approx(1.0)
     clock.now = 2.0
@@ -43,23 +49,24 @@ def test_loads_run_one_after_another_and_a_request_starts_once_its_load_landed()
 def test_without_a_cache_an_adapter_leaves_with_its_last_request_and_is_loaded_again():
     for keep_idle, loads in ((False, 2), (True, 1)):
         cache, clock = cache_of(keep_idle)
-        cache.acquire("a", frozenset())
+        take(cache, "a")
         clock.now = 5.0
         cache.release("a")
         assert ("a" in cache.entries) is keep_idle
-        cache.acquire("a", frozenset())
+        take(cache, "a")
         assert cache.num_loads == loads
 
 
 def test_the_budget_evicts_idle_adapters_and_waits_when_all_are_held():
     cache, clock = cache_of(keep_idle=True, budget=300)
-    cache.acquire("a", frozenset())
-    cache.acquire("b", frozenset())
-    assert cache.acquire("c", frozenset()) is None  # 200 more bytes: both others are held
+    take(cache, "a")
+    take(cache, "b")
+    assert not cache.make_room("c", frozenset())  # 200 more bytes: both others are held
+    assert cache.acquire("c") is None and cache.used_bytes == 200  # nothing evicted
     clock.now = 10.0
     cache.release("a")
     assert cache.fits_if_released("c", "b") is False  # a's release already made the room
-    assert cache.acquire("c", frozenset()) is not None and "a" not in cache.entries
+    assert take(cache, "c") is not None and "a" not in cache.entries
 
 
 def test_nothing_is_prefetched_without_a_cache():

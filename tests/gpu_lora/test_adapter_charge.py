@@ -14,7 +14,7 @@ from tests.helpers import adapter_id as key
 from tests.helpers import tiny_model_config
 from toppings.gpu_lora.adapter_pool import AdapterPool
 from toppings.gpu_lora.cache import AdapterCache
-from toppings.gpu_lora.eviction import make_policy
+from toppings.gpu_lora.eviction import Eviction
 from toppings.gpu_lora.loader import PipelinedLoader
 from toppings.gpu_lora.peft_format import (
     AdapterError,
@@ -23,6 +23,9 @@ from toppings.gpu_lora.peft_format import (
     load_peft_adapter,
 )
 from toppings.gpu_lora.targets import LORA_TARGETS
+from toppings.server.memory.counters import MemoryCounters
+from toppings.server.memory.kv_cache import KVPool
+from toppings.server.memory.reclaim import Reclaimer
 
 CONFIG = tiny_model_config()  # L 3, H 128, I 256
 ITEM = 4  # float32
@@ -51,7 +54,19 @@ def rows_bytes(rank: int, modules) -> int:
 def make_cache(budget_bytes=None):
     pool = AdapterPool(CONFIG, torch.float32, "cpu")
     loader = PipelinedLoader(pool)
-    return AdapterCache(pool, loader, make_policy("lru"), budget_bytes), loader
+    return AdapterCache(pool, loader, budget_bytes), loader
+
+
+def make_owner(cache: AdapterCache) -> Reclaimer:
+    """The node's owner of eviction over `cache` (the static layout's: no KV candidates)."""
+    kv = KVPool(CONFIG.num_layers, 16, CONFIG.num_kv_heads, CONFIG.head_dim, 1, 16, torch.float32)
+    return Reclaimer(kv, None, None, cache, None, MemoryCounters(), Eviction.named("lru"))
+
+
+def take(owner: Reclaimer, lora: LoraAdapter):
+    """Admission's order: the owner makes room, then the cache only allocates."""
+    owner.make_adapter_room(lora, frozenset())
+    return owner.cache.acquire(lora)
 
 
 def test_one_projection_of_one_layer_takes_rows_of_that_projection_only():
@@ -74,6 +89,7 @@ def test_one_projection_of_one_layer_takes_rows_of_that_projection_only():
 def test_pool_stays_within_the_budget_through_loads_and_evictions():
     budget = rows_bytes(48, ["q_proj", "v_proj"])
     cache, loader = make_cache(budget_bytes=budget)
+    owner = make_owner(cache)
     rng = random.Random(5)
     for i in range(40):
         rank = rng.choice((1, 4, 8, 16, 32))
@@ -81,7 +97,7 @@ def test_pool_stays_within_the_budget_through_loads_and_evictions():
         if rows_bytes(rank, modules) > budget:
             continue
         pairs = [(rng.randrange(CONFIG.num_layers), m) for m in modules]
-        entry = cache.acquire(adapter(f"a{i}", rank, pairs, seed=i))
+        entry = take(owner, adapter(f"a{i}", rank, pairs, seed=i))
         assert entry is not None
         entry.ticket.wait(10)
         cache.release(key(f"a{i}"))
@@ -97,7 +113,7 @@ class FixedMemory:
         self.num_bytes = num_bytes
         self.charged: dict[str, int] = {}
 
-    def take(self, name: str, num_bytes: int, keep: frozenset[str], reclaim: bool) -> bool:
+    def take(self, name: str, num_bytes: int, promised: bool) -> bool:
         if sum(self.charged.values()) + num_bytes > self.num_bytes:
             return False
         self.charged[name] = num_bytes
@@ -116,14 +132,15 @@ def test_pool_stays_within_the_memory_it_is_charged_to():
     memory = FixedMemory(rows_bytes(40, ["q_proj", "up_proj"]))
     pool = AdapterPool(CONFIG, torch.float32, "cpu")
     loader = PipelinedLoader(pool)
-    cache = AdapterCache(pool, loader, make_policy("lru"), None, memory=memory)
+    cache = AdapterCache(pool, loader, None, memory=memory)
+    owner = make_owner(cache)
     rng = random.Random(7)
     for i in range(40):
         rank = rng.choice((2, 8, 16, 32))
         modules = rng.sample(LORA_TARGETS, rng.choice((1, 2)))
         if rows_bytes(rank, modules) > memory.num_bytes:
             continue
-        entry = cache.acquire(adapter(f"a{i}", rank, [(0, m) for m in modules], seed=i))
+        entry = take(owner, adapter(f"a{i}", rank, [(0, m) for m in modules], seed=i))
         assert entry is not None
         entry.ticket.wait(10)
         cache.release(key(f"a{i}"))
@@ -185,13 +202,14 @@ def test_a_large_adapter_finds_rows_where_the_budget_has_room_for_it():
     # 2.2 s wait at light load in bench_queueing). Aligned to its size it leaves them.
     layers = [(layer, "q_proj") for layer in range(CONFIG.num_layers)]
     cache, loader = make_cache(budget_bytes=rows_bytes(256, ["q_proj"]))
-    small = cache.acquire(adapter("small", 8, layers))
+    owner = make_owner(cache)
+    small = take(owner, adapter("small", 8, layers))
     small.ticket.wait(10)
     cache.release(key("small"))
-    first = cache.acquire(adapter("first", 128, layers, seed=1))
+    first = take(owner, adapter("first", 128, layers, seed=1))
     assert first is not None and first.resident.offset % 128 == 0
     first.ticket.wait(10)
-    second = cache.acquire(adapter("second", 128, layers, seed=2))
+    second = take(owner, adapter("second", 128, layers, seed=2))
     assert second is not None, "the budget holds both: the small idle one is evicted"
     second.ticket.wait(10)
     assert key("small") not in cache.entries and cache.pool.nbytes <= rows_bytes(256, ["q_proj"])
@@ -214,13 +232,14 @@ def test_adapters_in_use_are_packed_to_make_room_for_a_load():
     # rank-128 request waits for x or z to end (1.5 s at the head of a burst's FCFS queue).
     layers = [(layer, "q_proj") for layer in range(CONFIG.num_layers)]
     cache, loader = make_cache(budget_bytes=rows_bytes(256, ["q_proj"]))
+    owner = make_owner(cache)
     adapters = {n: adapter(n, 64, layers, seed=i) for i, n in enumerate("xyz")}
     for name in "xyz":
-        cache.acquire(adapters[name]).ticket.wait(10)
+        take(owner, adapters[name]).ticket.wait(10)
     assert [cache.entries[key(n)].resident.offset for n in "xyz"] == [0, 64, 128]
     cache.release(key("y"))
     big = adapter("big", 128, layers, seed=9)
-    entry = cache.acquire(big)
+    entry = take(owner, big)
     assert entry is not None, "the budget holds x, z and big once z's rows move down"
     entry.ticket.wait(10)
     assert key("y") not in cache.entries and cache.counters.compactions == 1

@@ -1,4 +1,5 @@
-"""Device adapter cache: byte budget, reference counts, eviction order, pipelined loads."""
+"""Device adapter cache: byte budget, reference counts, pipelined loads, and eviction through
+the node's one owner (the reclaimer): it makes room, then the cache only allocates."""
 
 from __future__ import annotations
 
@@ -11,9 +12,19 @@ from tests.helpers import adapter_id as key
 from tests.helpers import tiny_model_config
 from toppings.gpu_lora.adapter_pool import AdapterPool
 from toppings.gpu_lora.cache import AdapterCache
-from toppings.gpu_lora.eviction import Candidate, ChameleonPolicy, LRUPolicy, Usage, make_policy
+from toppings.gpu_lora.eviction import (
+    Candidate,
+    ChameleonPolicy,
+    Eviction,
+    LRUPolicy,
+    Usage,
+    make_policy,
+)
 from toppings.gpu_lora.loader import PipelinedLoader
 from toppings.gpu_lora.peft_format import LoraAdapter
+from toppings.server.memory.counters import MemoryCounters
+from toppings.server.memory.kv_cache import KVPool
+from toppings.server.memory.reclaim import Reclaimer
 
 CONFIG = tiny_model_config(
     name="t", vocab_size=32, hidden_size=16, intermediate_size=32, num_heads=2, num_kv_heads=1,
@@ -36,13 +47,24 @@ def adapter(name: str, rank: int, seed: int = 0, targets=("q_proj", "v_proj")) -
                        num_bytes, None, id=key(name))  # fmt: skip
 
 
-def make_cache(budget_bytes=None, policy="lru", link_gbps=0.0, memory=None, keep_idle=True):
+def make_cache(budget_bytes=None, link_gbps=0.0, memory=None, keep_idle=True):
     pool = AdapterPool(CONFIG, torch.float32, "cpu", initial_rows=8)
     loader = PipelinedLoader(pool, layers_per_group=1, link_gbps=link_gbps)
-    cache = AdapterCache(
-        pool, loader, make_policy(policy), budget_bytes, memory=memory, keep_idle=keep_idle
-    )
+    cache = AdapterCache(pool, loader, budget_bytes, memory=memory, keep_idle=keep_idle)
     return cache, loader
+
+
+def make_owner(cache: AdapterCache, policy: str = "lru") -> Reclaimer:
+    """The node's owner of eviction over `cache` as the static layout builds it: adapters take
+    no blocks of the (small, unused) KV pool, and there is no prefix cache."""
+    kv = KVPool(CONFIG.num_layers, 16, CONFIG.num_kv_heads, CONFIG.head_dim, 1, 16, torch.float32)
+    return Reclaimer(kv, None, None, cache, None, MemoryCounters(), Eviction.named(policy))
+
+
+def take(owner: Reclaimer, lora: LoraAdapter, keep: frozenset[int] = frozenset()):
+    """Admission's order: the owner makes room for the load, then the cache only allocates."""
+    owner.make_adapter_room(lora, keep)
+    return owner.cache.acquire(lora)
 
 
 class FakeMemory:
@@ -53,8 +75,8 @@ class FakeMemory:
         self.charged: dict[int, int] = {}
         self.asked: list[tuple[int, bool]] = []
 
-    def take(self, adapter_id: int, num_bytes: int, keep: frozenset[int], reclaim: bool) -> bool:
-        self.asked.append((adapter_id, reclaim))
+    def take(self, adapter_id: int, num_bytes: int, promised: bool) -> bool:
+        self.asked.append((adapter_id, promised))
         if num_bytes > self.free:
             return False
         self.free -= num_bytes
@@ -82,15 +104,32 @@ def test_load_copies_every_layer_into_the_pool_rows():
     loader.close()
 
 
+def test_the_cache_alone_never_evicts():
+    one = adapter("x", 4).num_bytes
+    cache, loader = make_cache(budget_bytes=2 * one)
+    for name in ("a", "b"):
+        cache.acquire(adapter(name, 4)).ticket.wait(10)
+        cache.release(key(name))
+    assert not cache.has_room(adapter("c", 4))
+    assert cache.acquire(adapter("c", 4)) is None  # allocation only allocates
+    assert set(cache.entries) == {key("a"), key("b")} and cache.counters.evictions == 0
+    owner = make_owner(cache)
+    assert owner.make_adapter_room(adapter("c", 4), frozenset())
+    assert cache.counters.evictions == 1 and cache.acquire(adapter("c", 4)) is not None
+    loader.close()
+
+
 def test_budget_evicts_unreferenced_adapters_and_never_referenced_ones():
     one = adapter("x", 4).num_bytes
     cache, loader = make_cache(budget_bytes=2 * one)
-    ea = cache.acquire(adapter("a", 4))
-    cache.acquire(adapter("b", 4))
+    owner = make_owner(cache)
+    ea = take(owner, adapter("a", 4))
+    take(owner, adapter("b", 4))
     # Full, both referenced: no room can be made.
-    assert cache.acquire(adapter("c", 4)) is None
+    assert not owner.make_adapter_room(adapter("c", 4), frozenset())
+    assert take(owner, adapter("c", 4)) is None
     cache.release(key("b"))
-    ec = cache.acquire(adapter("c", 4))
+    ec = take(owner, adapter("c", 4))
     assert ec is not None and key("b") not in cache.entries and key("a") in cache.entries
     assert cache.used_bytes <= 2 * one
     assert cache.counters.evictions == 1
@@ -106,10 +145,11 @@ def test_budget_evicts_unreferenced_adapters_and_never_referenced_ones():
 def test_adapters_of_queued_requests_are_evicted_last():
     one = adapter("x", 4).num_bytes
     cache, loader = make_cache(budget_bytes=2 * one)
+    owner = make_owner(cache)
     for name in ("old", "new"):
-        cache.acquire(adapter(name, 4))
+        take(owner, adapter(name, 4))
         cache.release(key(name))
-    cache.acquire(adapter("c", 4), keep=frozenset({key("old")}))
+    take(owner, adapter("c", 4), keep=frozenset({key("old")}))
     assert set(cache.entries) == {key("old"), key("c")}
     loader.close()
 
@@ -162,7 +202,7 @@ def test_a_shared_memory_is_charged_each_load_and_given_back_on_eviction():
     for name in ("a", "b"):
         cache.acquire(adapter(name, 4)).ticket.wait(10)
     assert cache.acquire(adapter("c", 4)) is None  # the memory refused: nothing was loaded
-    asked = [(key("a"), True), (key("b"), True), (key("c"), True)]
+    asked = [(key("a"), True), (key("b"), True), (key("c"), True)]  # (id, promised)
     assert memory.asked == asked and not cache.holds(key("c"))
     cache.release(key("b"))
     assert cache.is_pinned(key("a")) and not cache.is_pinned(key("b"))  # both loads have landed
@@ -171,7 +211,7 @@ def test_a_shared_memory_is_charged_each_load_and_given_back_on_eviction():
     assert (idle.name, idle.num_bytes, idle.visits, idle.rank) == ("b", one, 1, 4)
     cache.evict(key("b"))
     assert memory.free == one and key("b") not in memory.charged
-    assert cache.prefetch(adapter("c", 4), keep=frozenset())  # a prefetch never reclaims
+    assert cache.prefetch(adapter("c", 4))  # a prefetch takes no promised room
     assert memory.asked[-1] == (key("c"), False)
     assert cache.frequencies() == {key("a"): 1, key("b"): 1, key("c"): 0}
     loader.close()

@@ -6,11 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.gpu_lora.test_cache import CONFIG, adapter, make_cache
+from tests.gpu_lora.test_cache import CONFIG, adapter, make_cache, make_owner, take
 from tests.helpers import adapter_id as key
 from toppings.gpu_lora.adapter_pool import AdapterPool
 from toppings.gpu_lora.cache import AdapterCache
-from toppings.gpu_lora.eviction import make_policy
 from toppings.gpu_lora.loader import LoadTicket
 from toppings.server.config import EngineConfig
 
@@ -59,20 +58,21 @@ class HeldLoader:
 def test_a_still_loading_adapter_leaves_at_the_next_acquire_after_it_landed():
     loader = HeldLoader()
     pool = AdapterPool(CONFIG, torch.float32, "cpu", initial_rows=8)
-    cache = AdapterCache(pool, loader, make_policy("lru"), keep_idle=False)
-    cache.acquire(adapter("a", 4))
+    cache = AdapterCache(pool, loader, keep_idle=False)
+    owner = make_owner(cache)
+    take(owner, adapter("a", 4))
     cache.release(key("a"))
     assert cache.holds(key("a"))  # its rows are being written: not taken from under the copy
-    cache.acquire(adapter("b", 4, seed=1))
+    take(owner, adapter("b", 4, seed=1))
     assert cache.holds(key("a"))
     loader.land()
-    cache.acquire(adapter("c", 4, seed=2))
+    take(owner, adapter("c", 4, seed=2))
     assert not cache.holds(key("a")) and cache.holds(key("b")) and cache.holds(key("c"))
 
 
 def test_nothing_is_prefetched():
     cache, loader = make_cache(keep_idle=False)
-    assert cache.prefetch(adapter("a", 4), frozenset()) is False
+    assert cache.prefetch(adapter("a", 4)) is False
     assert not cache.holds(key("a"))
     loader.close()
 

@@ -15,7 +15,6 @@ import torch
 from tests.gpu_lora.test_cache import CONFIG, adapter
 from toppings.gpu_lora.adapter_pool import AdapterPool
 from toppings.gpu_lora.cache import AdapterCache
-from toppings.gpu_lora.eviction import make_policy
 from toppings.gpu_lora.loader import LinkProfile, LoadTicket, PipelinedLoader, ThreadCopy
 
 
@@ -99,7 +98,7 @@ def test_loader_thread_runs_on_its_host_cores_only():
     main_before = os.sched_getaffinity(0)
     pool = AdapterPool(CONFIG, torch.float32, "cpu", initial_rows=8)
     loader = PipelinedLoader(pool, link_gbps=80.0, link_latency_us=10.0, cores=host)
-    cache = AdapterCache(pool, loader, make_policy("lru"), None)
+    cache = AdapterCache(pool, loader, None)
     try:
         assert cache.acquire(adapter("x", 4)).ticket.wait(30)
         assert _cpus_allowed(loader.thread_id) == host

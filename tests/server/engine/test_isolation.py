@@ -65,10 +65,10 @@ def test_an_unload_racing_a_submission_is_refused_and_the_request_served(engine,
 def test_a_fault_in_one_requests_admission_fails_that_request_alone(engine, monkeypatch):
     acquire = engine.lora.acquire
 
-    def faulty(adapter, queued):
+    def faulty(adapter):
         if adapter.name == "a":
             raise RuntimeError("injected admission fault")
-        return acquire(adapter, queued)
+        return acquire(adapter)
 
     monkeypatch.setattr(engine.lora, "acquire", faulty)
     handles = [submit(engine), submit(engine, "a"), submit(engine, prompt=(9, 10))]

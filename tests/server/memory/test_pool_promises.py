@@ -62,13 +62,15 @@ def test_a_prefetch_never_takes_blocks_promised_to_an_admitted_request(pool):
     seq = request(promised * bt)
     assert memory.fits(memory.kv_need(seq, []))
     seq.kv_hold = memory.admit(seq, [], 0.0)
-    assert not memory.adapter_cache.prefetch(adapter, frozenset())
+    assert memory.make_adapter_room(adapter, frozenset(), prefetch=True)  # reclaims nothing
+    assert not memory.adapter_cache.prefetch(adapter)
     assert memory.allocate([seq], [promised * bt]) == [0]  # every promised block is there
 
 
 def test_an_adapter_still_loading_counts_as_committed(pool):
     memory, adapter, need = pool
-    assert memory.adapter_cache.prefetch(adapter, frozenset())  # in flight for ~60 s
+    assert memory.make_adapter_room(adapter, frozenset(), prefetch=True)
+    assert memory.adapter_cache.prefetch(adapter)  # in flight for ~60 s
     ref = AdapterRef(adapter.id, adapter.name, adapter.rank, adapter.num_bytes)  # its id
     assert memory.adapter_need(ref, adapter.num_bytes) == 0  # counted once
     bt = memory.kv.block_tokens

@@ -125,8 +125,11 @@ class Adapters:
     def registered(self):
         return list(self.registry)
 
-    def acquire(self, name, queued):
-        if not self.refs.get(name) and sum(1 for n in self.refs.values() if n) >= self.slots:
+    def make_room(self, name, queued):
+        return bool(self.refs.get(name)) or sum(1 for n in self.refs.values() if n) < self.slots
+
+    def acquire(self, name):
+        if not self.make_room(name, frozenset()):
             return None
         self.refs[name] = self.refs.get(name, 0) + 1
         return name
