@@ -168,6 +168,15 @@ def _direct(fleet, server: str, path: str, body: dict) -> dict:
     return answer.json()
 
 
+def _idle(fleet) -> bool:
+    """Whether no server runs or queues a request (their own /stats)."""
+    for url in fleet["servers"]:
+        stats = requests.get(url + "/stats", timeout=10).json()
+        if stats["running"] or stats["queue"] or stats.get("num_in_flight"):
+            return False
+    return True
+
+
 def _base_model(fleet) -> str:
     models = requests.get(fleet["scheduler"] + "/v1/models", timeout=10).json()["data"]
     return next(m["id"] for m in models if m["parent"] is None)
@@ -211,6 +220,10 @@ def test_token_id_prompts_follow_their_prefix_and_adapters_do_not_share(fleet):
     server, _ = _post(fleet, "/v1/completions",
                       {"model": "a", "prompt": prompt + [5, 6], "max_tokens": 2})  # fmt: skip
     assert server == second
+    # The tie-break below needs both servers idle in the scheduler's view too: on a loaded
+    # machine the last answer's /stats may still show it running (polled every 100 ms).
+    _wait_for(lambda: _idle(fleet), "both servers idle")
+    time.sleep(0.5)
     server, _ = _post(fleet, "/v1/completions",
                       {"model": base, "prompt": prompt + [5, 6], "max_tokens": 2})  # fmt: skip
     assert server == fleet["servers"][0]  # nothing of the base model's cached: the tie-break
