@@ -112,14 +112,15 @@ class AdapterHost:
                 INSUFFICIENT_STORAGE,
             )
 
-    def hold(self, adapter: LoraAdapter) -> tuple[LoraAdapter, int]:
+    def hold(self, adapter: LoraAdapter, digest: str | None = None) -> tuple[LoraAdapter, int]:
         """Charge a validated adapter to the host budget and put it in the workers' arena;
         returns it as held and the weights id of the registered name it shares its content
         with (0: a new content; content already held under another name is shared, not copied).
-        409 when its name is registered; 507 past the budget or the arena (nothing held)."""
+        409 when its name is registered; 507 past the budget or the arena (nothing held).
+        `digest`: the adapter's content digest when the caller has it (None: computed here)."""
         if adapter.name in self.registry:
             raise RequestError(f"adapter {adapter.name!r} is already loaded", 409, "conflict")
-        adapter, digest = self.memory.shared(adapter)
+        adapter, digest = self.memory.shared(adapter, digest)
         shares = self.memory.name_of_copy(digest)  # a name holding the same content
         host_bytes = adapter.num_bytes
         if self.repository is not None:

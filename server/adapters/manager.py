@@ -86,11 +86,12 @@ class AdapterManager:
         """Read the adapter directory at `path` as adapter `name` (AdapterReader.open)."""
         return self.reader.open(path, name)
 
-    def register(self, adapter: LoraAdapter) -> AdapterRef:
+    def register(self, adapter: LoraAdapter, digest: str | None = None) -> AdapterRef:
         """Make a validated adapter servable (called with the engine's lock held); returns its
         new reference. Content already held under another name is shared, not copied; a new
-        copy is charged to the host budget (507 past it)."""
-        adapter, shared_weights_id = self.host.hold(adapter)
+        copy is charged to the host budget (507 past it). `digest`: the adapter's content digest
+        when the caller has it (None: computed here)."""
+        adapter, shared_weights_id = self.host.hold(adapter, digest)
         nbytes = self.cache.charge(adapter)
         ref = AdapterRef.new(adapter.name, adapter.rank, nbytes, shared_weights_id)
         adapter = dataclasses.replace(adapter, id=ref.weights_id)  # the device cache's key
@@ -105,10 +106,11 @@ class AdapterManager:
         self.refs.add(ref)
         return ref
 
-    def unregister(self, name: str) -> None:
+    def unregister(self, name: str) -> LoraAdapter:
         """Drop the adapter registered as `name` from the host, and from the device unless
-        another registered name computes with the same rows."""
-        weights_id = self.host.registry[name].id
+        another registered name computes with the same rows; returns it as it was held."""
+        held = self.host.registry[name]
+        weights_id = held.id
         if self.mode.preload and self.cache.holds(weights_id):
             self.cache.release(weights_id)  # this name's registration pin
         others = [n for n in self.host.names_of(weights_id) if n != name]
@@ -117,6 +119,7 @@ class AdapterManager:
         else:
             self.cache.forget(weights_id)
         self.host.drop(name)
+        return held
 
     # ---- per request (the engine thread) -----------------------------------------------------
 

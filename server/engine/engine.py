@@ -133,22 +133,39 @@ class Engine:
         """Validate a PEFT directory and make it servable (raises AdapterError, also for a
         LoRA product that overflows the model's dtype, or RequestError 507 when it is larger
         than the memory it would live in)."""
-        adapter = self.lora.open(path, name)
-        check_finite_delta(adapter, self.model.dtype)
-        with self._lock:
-            ref = self.lora.register(adapter)
-        targets = ",".join(adapter.target_modules)
-        log.info("adapter %s (id %d): rank %d, targets %s", name, ref.id, adapter.rank, targets)
+        adapter = self.open_adapter(name, path)
+        self.register_adapter(adapter)
         return adapter
 
-    def remove_adapter(self, name: str) -> None:
-        """Unregister an adapter; refused (409) while a request accepted for it has not ended."""
+    def open_adapter(self, name: str, path: str) -> LoraAdapter:
+        """Read and check a PEFT directory as `add_adapter` does, without registering it: the
+        slow part of a load (the file read, the checks), which needs no lock, so that a caller
+        may run several at once and register each when it is read (the resolver does)."""
+        adapter = self.lora.open(path, name)
+        check_finite_delta(adapter, self.model.dtype)
+        return adapter
+
+    def register_adapter(self, adapter: LoraAdapter, digest: str | None = None) -> AdapterRef:
+        """Make an adapter from `open_adapter` (or one `remove_adapter` returned) servable;
+        `digest`: its content digest when the caller computed it (gpu_lora.host_memory's
+        `content_digest` of this very adapter), else it is computed here."""
+        with self._lock:
+            ref = self.lora.register(adapter, digest)
+        targets = ",".join(adapter.target_modules)
+        log.info("adapter %s (id %d): rank %d, targets %s", adapter.name, ref.id, adapter.rank,
+                 targets)  # fmt: skip
+        return ref
+
+    def remove_adapter(self, name: str) -> LoraAdapter:
+        """Unregister an adapter; refused (409) while a request accepted for it has not ended.
+        Returns the adapter as it was held (its host tensors, which it no longer charges)."""
         with self._lock:
             ref = self.adapter_refs.retire(name)  # 404, 409; no request acquires it from here
-            self.lora.unregister(name)
+            adapter = self.lora.unregister(name)
             self.memory.forget_adapter(ref)
             self.queue.forget_adapter(ref)
         log.info("adapter %s removed", name)
+        return adapter
 
     def drain(self, timeout_s: float) -> bool:
         """Stop admitting new requests and wait for queued and running ones to end."""
