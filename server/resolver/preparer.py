@@ -10,14 +10,16 @@ and hand the adapter thread an adapter that only needs registering, with its dig
 (registration does not hash it again). The readers run torch on their own thread alone
 (`torch_on_this_thread_only`: no OpenMP team per reader, the reason the adapter thread exists).
 
-An adapter the resolver unloaded and still keeps in its host tier (host_tier.py) is not read
-at all while its files are unchanged.
+A read is started, not waited for (`start` gives a future): the resolver makes room for the
+adapter (an eviction, which waits for the engine's step) while it runs. An adapter the resolver
+unloaded and still keeps in its host tier (host_tier.py) is not read at all while its files are
+unchanged.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Protocol
 
 from toppings.gpu_lora.host_memory import content_digest
@@ -46,19 +48,23 @@ class Preparer:
                                            thread_name_prefix="adapter-read",
                                            initializer=torch_on_this_thread_only)  # fmt: skip
 
-    def prepare(self, name: str, directory: str) -> tuple[Prepared, bool]:
-        """The adapter in the checked `directory`, ready to register as `name`, and whether it
-        came from the host tier (no read); RequestError when the read refuses it."""
+    def start(self, name: str, directory: str) -> Future[tuple[Prepared, bool]]:
+        """Get the adapter in the checked `directory` ready to register as `name`: a future of
+        it and whether it came from the host tier (done already then; else read on the pool,
+        and the caller does what else it must meanwhile). Its result raises RequestError when
+        the read refuses the adapter."""
         key = FileKey.of(directory)  # before the read: a later change makes it stale
         kept = self.tier.take(directory, key)
-        if kept is not None:
-            adapter = dataclasses.replace(kept.adapter, name=name)
-            return Prepared(adapter, kept.digest, directory, key), True
-        return self._readers.submit(self._read, name, directory, key).result(), False
+        if kept is None:
+            return self._readers.submit(self._read, name, directory, key)
+        done: Future[tuple[Prepared, bool]] = Future()
+        adapter = dataclasses.replace(kept.adapter, name=name)
+        done.set_result((Prepared(adapter, kept.digest, directory, key), True))
+        return done
 
-    def _read(self, name: str, directory: str, key: FileKey | None) -> Prepared:
+    def _read(self, name: str, directory: str, key: FileKey | None) -> tuple[Prepared, bool]:
         adapter = self.opener.open(name, directory)
-        return Prepared(adapter, content_digest(adapter), directory, key)
+        return Prepared(adapter, content_digest(adapter), directory, key), False
 
     def close(self) -> None:
         """Let the readers end once their reads do."""

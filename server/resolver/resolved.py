@@ -17,8 +17,10 @@ naming an unregistered adapter resolves it here (vLLM's LoRA resolvers, Dynamo's
   here.
 - At most `max_adapters` resolved adapters are registered at once. A load past it first unloads
   the least recently used resolved adapter that no request holds (neither leased here nor in
-  flight in the engine); when every one is held it gets 503 with Retry-After. Adapters the
-  operator registered are never counted nor unloaded here.
+  flight in the engine), while its own files are read (an unload waits for the engine's step:
+  not after the read); when every one is held it gets 503 with Retry-After. Adapters the
+  operator registered are never counted nor unloaded here; a name with no directory unloads
+  nothing (an adapter its read refuses may have).
 - A resolved adapter stays registered and serving until it is evicted, even if its directory is
   removed; the next resolution of that name, after the eviction, is then a clean 404.
 - An evicted adapter stays in host memory, within `--lora-resolver-host-bytes`, while its files
@@ -39,6 +41,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -240,8 +243,13 @@ class ResolvedAdapters:
         try:
             path = self.source.locate(name)
             _, directory = self.registrar.check({"lora_name": name, "lora_path": path})
-            prepared, kept = self.preparer.prepare(name, directory)
-            reserved = self._make_room()  # 1 from here: released when the load lands
+            reading = self.preparer.start(name, directory)
+            try:
+                reserved = self._make_room()  # 1 from here: released when the load lands
+            except BaseException:
+                self._keep_when_read(reading)
+                raise
+            prepared, kept = reading.result()  # the read's RequestError
             load.ref = self.registrar.register(prepared.adapter, prepared.digest)
             outcome = Outcome.LOADED
             if kept:
@@ -329,6 +337,14 @@ class ResolvedAdapters:
         if unloaded:
             self.metrics.evictions.inc()
             log.info("evicted resolved adapter %s (least recently used)", name)
+
+    def _keep_when_read(self, reading: Future[tuple[Prepared, bool]]) -> None:
+        """Wait for a read whose adapter will not be registered now; keep it if it succeeded."""
+        try:
+            prepared, _ = reading.result()
+        except Exception:  # noqa: BLE001 - its error is not this resolution's outcome
+            return
+        self._keep(prepared)
 
     def _keep(self, prepared: Prepared) -> None:
         """Keep an adapter read but not registered in the host tier, when it has room."""

@@ -45,6 +45,9 @@ class FakeEngine:
         self.gate.set()
         self.register_gate = threading.Event()
         self.register_gate.set()
+        self.removing: list[str] = []  # unloads begun (they wait on remove_gate)
+        self.remove_gate = threading.Event()
+        self.remove_gate.set()
         self.loads: list[str] = []
         self.registers: list[str] = []
         self.unloads: list[str] = []
@@ -83,6 +86,9 @@ class FakeEngine:
         return ref
 
     def remove(self, name: str) -> LoraAdapter:
+        with self._lock:
+            self.removing.append(name)
+        assert self.remove_gate.wait(30)
         if name in self.in_use:
             raise RequestError(f"adapter {name!r} is in use", 409, "conflict")
         with self._lock:
@@ -334,3 +340,22 @@ def test_an_adapter_in_use_is_not_kept_when_its_eviction_is_refused(tmp_path):
     resolve(resolver, "b")  # room now: "a" to the tier, "b" from it
     assert fake.loads == ["a", "b"] and fake.unloads == ["a"]
     assert resolver.tier.charged_bytes == ADAPTER_BYTES  # "a" now
+
+
+def test_the_eviction_for_a_load_runs_while_its_files_are_read(tmp_path):
+    """An unload waits for the engine's step; the read does not wait for it, nor it for the
+    read, and the registration waits for both."""
+    fake = FakeEngine()
+    resolver = make(tmp_path, fake, max_adapters=1)
+    resolve(resolver, "a")
+    fake.gate.clear()
+    fake.remove_gate.clear()
+    threads, results = run_threads(1, lambda: resolve(resolver, "b"))
+    wait_until(lambda: fake.loads == ["a", "b"] and fake.removing == ["a"],
+               "the read of b and the unload of a under way together")  # fmt: skip
+    fake.remove_gate.set()
+    wait_until(lambda: fake.unloads == ["a"], "a unloaded")
+    assert fake.registers == ["a"]  # b's read has not ended: no registration yet
+    fake.gate.set()
+    threads[0].join()
+    assert isinstance(results[0], AdapterRef) and fake.registers == ["a", "b"]
