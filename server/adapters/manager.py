@@ -87,10 +87,11 @@ class AdapterManager:
         return self.reader.open(path, name)
 
     def register(self, adapter: LoraAdapter, digest: str | None = None) -> AdapterRef:
-        """Make a validated adapter servable (called with the engine's lock held); returns its
-        new reference. Content already held under another name is shared, not copied; a new
-        copy is charged to the host budget (507 past it). `digest`: the adapter's content digest
-        when the caller has it (None: computed here)."""
+        """Make a validated adapter servable (with the engine's lock held when the mode
+        preloads; Engine.register_adapter says why not otherwise); returns its new reference.
+        Content already held under another name is shared, not copied; a new copy is charged
+        to the host budget (507 past it). `digest`: the adapter's content digest when the
+        caller has it (None: computed here)."""
         adapter, shared_weights_id = self.host.hold(adapter, digest)
         nbytes = self.cache.charge(adapter)
         ref = AdapterRef.new(adapter.name, adapter.rank, nbytes, shared_weights_id)

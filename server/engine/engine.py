@@ -13,6 +13,7 @@ budget is server/sched/step_budget_keeper.py's, its reports are reports.py's.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -148,8 +149,17 @@ class Engine:
     def register_adapter(self, adapter: LoraAdapter, digest: str | None = None) -> AdapterRef:
         """Make an adapter from `open_adapter` (or one `remove_adapter` returned) servable;
         `digest`: its content digest when the caller computed it (gpu_lora.host_memory's
-        `content_digest` of this very adapter), else it is computed here."""
-        with self._lock:
+        `content_digest` of this very adapter), else it is computed here.
+
+        Only a LoRA mode that preloads (cached) puts the adapter on the device here, which a
+        step owns: it takes the engine's lock. Otherwise registering touches the host side
+        alone (host memory, the workers' arena and the name table, each behind its own lock;
+        the step reads the host tables by name, never in the middle of this adapter's entry,
+        since no request can name it before the name table has it, its last step), so it does
+        not wait for a running step: a cold adapter's registration used to wait for a whole
+        step, its device loads included."""
+        lock = self._lock if self.lora.mode.preload else contextlib.nullcontext()
+        with lock:
             ref = self.lora.register(adapter, digest)
         targets = ",".join(adapter.target_modules)
         log.info("adapter %s (id %d): rank %d, targets %s", adapter.name, ref.id, adapter.rank,
