@@ -65,7 +65,3 @@ class Preparer:
     def _read(self, name: str, directory: str, key: FileKey | None) -> tuple[Prepared, bool]:
         adapter = self.opener.open(name, directory)
         return Prepared(adapter, content_digest(adapter), directory, key), False
-
-    def close(self) -> None:
-        """Let the readers end once their reads do."""
-        self._readers.shutdown(wait=False)
