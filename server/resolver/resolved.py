@@ -269,6 +269,7 @@ class ResolvedAdapters:
                                           SERVER_ERROR)  # fmt: skip
             if load.error is not None and prepared is not None:
                 self._keep(prepared)  # read but not registered: the next try need not read it
+            self._count_tier()  # a take from the tier, a keep
             with self._lock:
                 del self._loading[name]
                 self._slot_freed.notify_all()
