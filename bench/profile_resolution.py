@@ -18,6 +18,13 @@ bytes), `parse` (safetensors), `load_peft` (read, parse, checks and the float32 
 `finite_delta` (`check_finite_delta`). `--cold` first drops each adapter's files from the page
 cache (posix_fadvise DONTNEED, those files only) so that `open` reads from the disk.
 
+Last, whole resolutions through the server's resolver (`ResolvedAdapters` with the load
+endpoint's registrar, room for one resolved adapter, so that each evicts the one before), each
+name in turn: `resolve_read` without a host tier (the evicted adapter's memory is freed, and the
+next read reuses it), then with the default host tier `resolve_read_tier_filling` (the files
+read while the tier keeps every evicted adapter: the read's memory is new, and its first touch
+costs page faults until the tier is full) and, each name again, `resolve_kept` (from the tier).
+
     python -m bench.profile_resolution --num 64 [--cold] --out bench/results/resolution_profile.json
 """
 
@@ -30,6 +37,7 @@ import time
 from pathlib import Path
 
 import torch
+from prometheus_client import CollectorRegistry
 from safetensors.torch import load
 
 from bench.bench_adapter_scale import RANKS, adapter_names
@@ -39,13 +47,19 @@ from toppings.gpu_lora.host_memory import content_digest
 from toppings.gpu_lora.peft_config import WEIGHTS_FILE
 from toppings.gpu_lora.peft_format import load_peft_adapter
 from toppings.gpu_lora.validate import check_finite_delta
-from toppings.server.api.admin.lifecycle import AdapterPaths
+from toppings.server.api.admin.lifecycle import AdapterAdmin, AdapterPaths
+from toppings.server.api.options import ApiOptions
 from toppings.server.config import EngineConfig
 from toppings.server.model.loader import resolve_model_dir
+from toppings.server.resolver.metrics import ResolverMetrics
+from toppings.server.resolver.resolved import ResolvedAdapters
+from toppings.server.resolver.sources import DirSource
 from toppings.server.runtime import build_engine
 
 STAGES = ("paths", "open", "digest", "register", "copy", "remove")
 PARTS = ("read", "parse", "load_peft", "finite_delta")
+RESOLUTIONS = ("resolve_read", "resolve_read_tier_filling", "resolve_kept")
+EVERY = STAGES + PARTS + RESOLUTIONS
 
 
 def drop_from_page_cache(directory: Path) -> None:
@@ -85,7 +99,7 @@ def profile(engine, root: Path, names: list[str], cold: bool) -> dict[str, dict[
         room.release(ref.weights_id)
         engine.remove_adapter(name)
         clock.append(time.perf_counter())
-        rank = times.setdefault(str(adapter.rank), {k: [] for k in STAGES + PARTS})
+        rank = times.setdefault(str(adapter.rank), {k: [] for k in EVERY})
         for stage, (t0, t1) in zip(STAGES, zip(clock, clock[1:]), strict=True):
             rank[stage].append(1000 * (t1 - t0))
         # `open` taken apart, on the files just read
@@ -100,6 +114,27 @@ def profile(engine, root: Path, names: list[str], cold: bool) -> dict[str, dict[
         t4 = time.perf_counter()
         for part, ms in zip(PARTS, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), strict=True):
             rank[part].append(1000 * ms)
+    for kind in RESOLUTIONS:
+        if kind != "resolve_kept":
+            host_bytes = ApiOptions().lora_resolver_host_bytes if "tier" in kind else 0
+            resolver = ResolvedAdapters(engine, DirSource(str(root)),
+                                        AdapterAdmin(engine, AdapterPaths([root])),
+                                        ResolverMetrics(CollectorRegistry(), "toppings:"),
+                                        max_adapters=1, max_loading=1,
+                                        host_bytes=host_bytes)  # fmt: skip
+        for name in names:
+            if cold and kind != "resolve_kept":
+                drop_from_page_cache(root / name)
+            t0 = time.perf_counter()
+            with resolver.lease() as resolve:
+                ref = resolve(name)
+            times[str(ref.rank)][kind].append(1000 * (time.perf_counter() - t0))
+        if kind == "resolve_read":
+            engine.remove_adapter(names[-1])  # the next resolver starts from nothing
+    hits = resolver.metrics.host_hits._value.get()
+    if hits != len(names):
+        raise SystemExit(f"{hits:g} of the {len(names)} second resolutions came from the host "
+                         "tier: it holds fewer adapters than --num")  # fmt: skip
     return times
 
 
@@ -133,7 +168,7 @@ def main(argv: list[str] | None = None) -> dict:
         times = profile(engine, args.adapter_dir, names, args.cold)
     finally:
         engine.shutdown()
-    every = {k: [v for rank in times.values() for v in rank[k]] for k in STAGES + PARTS}
+    every = {k: [v for rank in times.values() for v in rank[k]] for k in EVERY}
     metrics = {
         "all": {k: summary(v) for k, v in every.items()},
         "per_rank": {r: {k: summary(v) for k, v in t.items()} for r, t in sorted(times.items())},
@@ -146,7 +181,7 @@ def main(argv: list[str] | None = None) -> dict:
                                   "load_average_at_start_and_end": [load_start,
                                                                     os.getloadavg()]},
                           metrics=metrics)  # fmt: skip
-    for k in STAGES + PARTS:
+    for k in EVERY:
         m = metrics["all"][k]
         print(f"{k:13s} median {m['median_ms']:6.1f} ms  mean {m['mean_ms']:6.1f}")
     return result
