@@ -75,7 +75,8 @@ QUICK = {"num_adapters": 16, "slots": 3, "num_requests": 8, "rounds": 1, "burst"
          "max_prompt_len": 48, "max_output_len": 8}  # fmt: skip
 SERIES = ("adapter_cache_hits", "adapter_cache_misses", "adapter_loads", "adapter_evictions",
           "cpu_lora_invocations", "lora_resolutions", "lora_resolution_seconds_sum",
-          "lora_resolution_seconds_count", "lora_resolver_evictions")  # fmt: skip
+          "lora_resolution_seconds_count", "lora_resolver_evictions",
+          "lora_resolver_host_hits")  # fmt: skip
 
 
 def adapter_names(num: int) -> dict[str, int]:

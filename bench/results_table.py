@@ -79,6 +79,9 @@ CURRENT: dict[str, tuple[str, tuple[str, ...]]] = {
     "adapter_scale_cpu_assisted.json": ("the same in cpu-assisted mode",
                                         ("modes.cpu-assisted.p99_ttft_ratio_distinct_vs_identical",
                                          "modes.cpu-assisted.p99_ttft_ratio_zipf_vs_identical")),
+    "resolution_profile.json": ("where a cold adapter's resolution goes (read, digest, "
+                                "registration, copy; the host tier)",
+                                ("resolution_mean_ms", "all.open.mean_ms", "all.digest.mean_ms")),
     "memory.json": ("one memory pool with prefix reuse against static partitions",
                     ("ttft_p50_ratio_vs_static", "ttft_p99_ratio_vs_static",
                      "tpt_ratio_vs_static")),
@@ -159,7 +162,8 @@ CURRENT: dict[str, tuple[str, tuple[str, ...]]] = {
 # Runs the notes cite (reruns, controls, before/after pairs, superseded configurations), and the
 # fitted perf models `toppings-scheduler --perf-model` reads (not result envelopes).
 EARLIER = frozenset({
-    "adapter_scale_shared_machine.json", "chunked_prefill_band.json",
+    "adapter_scale_shared_machine.json", "adapter_scale_rerun.json",
+    "adapter_scale_before_reads_off_thread.json", "chunked_prefill_band.json",
     "chunked_prefill_issue64_run1.json", "chunked_prefill_pre_s26.json",
     "chunked_prefill_targets.json", "cpu_assisted_nosplit_passive.json",
     "cpu_assisted_nosplit_spin30k.json", "cpu_assisted_workers1.json",

@@ -93,12 +93,13 @@ class HostAdapterMemory:
     def charged_bytes(self) -> int:
         return sum(c.num_bytes for c in list(self._copies.values()))
 
-    def shared(self, adapter: LoraAdapter) -> tuple[LoraAdapter, str]:
+    def shared(self, adapter: LoraAdapter, digest: str | None = None) -> tuple[LoraAdapter, str]:
         """`adapter` as it will be held, and its digest: under its own name but with the
         tensors of the copy of the same content already held, when there is one (then the
         tensors just loaded are dropped). What is per name stays its own: the same weights
-        may be served as plain LoRA under one name and as an activated LoRA under another."""
-        digest = content_digest(adapter)
+        may be served as plain LoRA under one name and as an activated LoRA under another.
+        `digest`: `content_digest(adapter)` when the caller computed it already."""
+        digest = digest or content_digest(adapter)
         with self._lock:
             copy = self._copies.get(digest)
         if copy is None:

@@ -117,11 +117,14 @@ class AdapterHost:
                 INSUFFICIENT_STORAGE,
             )
 
-    def shared(self, adapter: LoraAdapter) -> tuple[LoraAdapter, str, int]:
+    def shared(
+        self, adapter: LoraAdapter, digest: str | None = None
+    ) -> tuple[LoraAdapter, str, int]:
         """A validated adapter as it will be held, its content digest, and the weights id of
         the copy of that content already held (0: a new content; then the returned adapter's
-        tensors are its own, else the copy's)."""
-        adapter, digest = self.memory.shared(adapter)
+        tensors are its own, else the copy's). `digest`: the adapter's content digest when the
+        caller has it (None: computed here)."""
+        adapter, digest = self.memory.shared(adapter, digest)
         return adapter, digest, self.memory.held_id(digest) or 0
 
     def add(self, adapter: LoraAdapter, digest: str, ref: AdapterRef) -> None:

@@ -104,12 +104,15 @@ class AdapterManager:
         """Read the adapter directory at `path` as adapter `name` (AdapterReader.open)."""
         return self.reader.open(path, name)
 
-    def register(self, adapter: LoraAdapter) -> AdapterRef:
-        """Make a validated adapter servable (called with the engine's lock held); returns its
-        new reference (409 when its name is registered). Content already held under another
-        name is shared, not copied; a new copy is charged to the host budget (507 past it)."""
-        self.refs.check_free(adapter.name)  # the engine's lock keeps it free until `refs.add`
-        adapter, digest, shared_weights_id = self.host.shared(adapter)
+    def register(self, adapter: LoraAdapter, digest: str | None = None) -> AdapterRef:
+        """Make a validated adapter servable (with the engine's lock held when the mode
+        preloads; Engine.register_adapter says why not otherwise; registrations come one at a
+        time, from the adapter thread); returns its new reference (409 when its name is
+        registered). Content already held under another name is shared, not copied; a new copy
+        is charged to the host budget (507 past it). `digest`: the adapter's content digest
+        when the caller has it (None: computed here)."""
+        self.refs.check_free(adapter.name)  # a name taken meanwhile: `refs.add` refuses it below
+        adapter, digest, shared_weights_id = self.host.shared(adapter, digest)
         nbytes = self.cache.charge(adapter)
         ref = AdapterRef.new(adapter.name, adapter.rank, nbytes, shared_weights_id)
         adapter = dataclasses.replace(adapter, id=ref.weights_id)  # every layer's key below
@@ -130,9 +133,10 @@ class AdapterManager:
             raise
         return ref
 
-    def unregister(self, ref: AdapterRef) -> None:
+    def unregister(self, ref: AdapterRef) -> LoraAdapter | None:
         """Drop registration `ref` from the host, and its rows from the device unless another
-        registration computes with them."""
+        registration computes with them; returns its adapter as it was held."""
+        held = self.host.lookup(ref)
         weights_id = ref.weights_id
         if self.mode.preload and self.cache.holds(weights_id):
             self.cache.release(weights_id)  # this registration's pin
@@ -142,6 +146,7 @@ class AdapterManager:
         else:
             self.cache.forget(weights_id)
         self.host.drop(ref)
+        return held
 
     # ---- per request (the engine thread) -----------------------------------------------------
 

@@ -178,6 +178,7 @@ def _names(
         ResolverMetrics(metrics.registry, PREFIX),
         max_adapters=options.lora_resolver_max_adapters,
         max_loading=options.lora_resolver_max_loading,
+        host_bytes=options.lora_resolver_host_bytes,
     )
 
 

@@ -139,6 +139,17 @@ class ApiOptions(Settings):
             metavar="N",
         ),
     )
+    lora_resolver_host_bytes: int = setting(
+        1 << 30,
+        bound=Bound.NON_NEGATIVE,
+        flag=Flag(
+            "host memory for resolved adapters the resolver unloaded (their checked tensors, "
+            "least recently unloaded out first): resolving one again while its files are "
+            "unchanged reads nothing. 0 keeps none",
+            type=int,
+            metavar="N",
+        ),
+    )
     # Directories /v1/load_lora_adapter may read from (the command line's --lora-dir and
     # --allowed-lora-root).
     lora_roots: tuple[str, ...] = setting(())

@@ -40,7 +40,13 @@ class EngineClient(Protocol):
 
     def add_adapter(self, name: str, path: str) -> LoraAdapter: ...
 
-    def remove_adapter(self, name: str) -> None: ...
+    def open_adapter(self, name: str, path: str) -> LoraAdapter:
+        """Read and check an adapter directory without registering it (any thread)."""
+
+    def register_adapter(self, adapter: LoraAdapter, digest: str | None = None) -> AdapterRef:
+        """Register an adapter `open_adapter` read (or `remove_adapter` returned)."""
+
+    def remove_adapter(self, name: str) -> LoraAdapter: ...
 
     def adapters(self) -> list[dict]:
         """The registered adapters: name, rank, path, target modules."""

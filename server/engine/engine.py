@@ -13,6 +13,7 @@ budget is server/sched/step_budget_keeper.py's, its reports are reports.py's.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -134,22 +135,48 @@ class Engine:
         """Validate a PEFT directory and make it servable (raises AdapterError, also for a
         LoRA product that overflows the model's dtype, or RequestError 507 when it is larger
         than the memory it would live in)."""
-        adapter = self.lora.open(path, name)
-        check_finite_delta(adapter, self.model.dtype)
-        with self._lock:
-            ref = self.lora.register(adapter)
-        targets = ",".join(adapter.target_modules)
-        log.info("adapter %s (id %d): rank %d, targets %s", name, ref.id, adapter.rank, targets)
+        adapter = self.open_adapter(name, path)
+        self.register_adapter(adapter)
         return adapter
 
-    def remove_adapter(self, name: str) -> None:
-        """Unregister an adapter; refused (409) while a request accepted for it has not ended."""
+    def open_adapter(self, name: str, path: str) -> LoraAdapter:
+        """Read and check a PEFT directory as `add_adapter` does, without registering it: the
+        slow part of a load (the file read, the checks), which needs no lock, so that a caller
+        may run several at once and register each when it is read (the resolver does)."""
+        adapter = self.lora.open(path, name)
+        check_finite_delta(adapter, self.model.dtype)
+        return adapter
+
+    def register_adapter(self, adapter: LoraAdapter, digest: str | None = None) -> AdapterRef:
+        """Make an adapter from `open_adapter` (or one `remove_adapter` returned) servable;
+        `digest`: its content digest when the caller computed it (gpu_lora.host_memory's
+        `content_digest` of this very adapter), else it is computed here.
+
+        Only a LoRA mode that preloads (cached) puts the adapter on the device here, which a
+        step owns: it takes the engine's lock. Otherwise registering touches the host side
+        alone (host memory, the workers' arena and the name table, each behind its own lock;
+        the step reads the host tables by name, never in the middle of this adapter's entry,
+        since no request can name it before the name table has it, its last step), so it does
+        not wait for a running step: a cold adapter's registration used to wait for a whole
+        step, its device loads included."""
+        lock = self._lock if self.lora.mode.preload else contextlib.nullcontext()
+        with lock:
+            ref = self.lora.register(adapter, digest)
+        targets = ",".join(adapter.target_modules)
+        log.info("adapter %s (id %d): rank %d, targets %s", adapter.name, ref.id, adapter.rank,
+                 targets)  # fmt: skip
+        return ref
+
+    def remove_adapter(self, name: str) -> LoraAdapter:
+        """Unregister an adapter; refused (409) while a request accepted for it has not ended.
+        Returns the adapter as it was held (its host tensors, which it no longer charges)."""
         with self._lock:
             ref = self.adapter_refs.retire(name)  # 404, 409; no request acquires it from here
-            self.lora.unregister(ref)
+            adapter = self.lora.unregister(ref)
             self.memory.forget_adapter(ref)
             self.queue.forget_adapter(ref)
         log.info("adapter %s removed", name)
+        return adapter
 
     def drain(self, timeout_s: float) -> bool:
         """Stop admitting new requests and wait for queued and running ones to end."""

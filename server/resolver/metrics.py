@@ -36,7 +36,8 @@ class Outcome(enum.Enum):
 
 
 class ResolverMetrics:
-    """Resolutions by outcome, their time, resolver evictions and resolved adapters held."""
+    """Resolutions by outcome, their time, resolver evictions, resolved adapters held, and
+    the host tier's hits and bytes."""
 
     def __init__(self, registry: CollectorRegistry, prefix: str):
         """prefix: the server's series prefix (`toppings:`)."""
@@ -55,6 +56,14 @@ class ResolverMetrics:
         self.resolved = Gauge(prefix + "lora_resolved_adapters",
                               "Adapters the resolver registered and still holds",
                               registry=registry)  # fmt: skip
+        self.host_hits = Counter(prefix + "lora_resolver_host_hits",
+                                 "Resolutions of an adapter kept in host memory since its "
+                                 "eviction (registered without reading its files)",
+                                 registry=registry)  # fmt: skip
+        self.host_bytes = Gauge(prefix + "lora_resolver_host_bytes",
+                                "Host bytes of evicted resolved adapters kept for their next "
+                                "resolution (--lora-resolver-host-bytes)",
+                                registry=registry)  # fmt: skip
 
     def observe(self, outcome: Outcome, seconds: float | None) -> None:
         """One resolution ended; `seconds` None for one refused before it began (busy)."""

@@ -3,10 +3,10 @@
 A fleet of a thousand adapters cannot register each on each server ahead of time, so a request
 naming an unregistered adapter resolves it here (vLLM's LoRA resolvers, Dynamo's load-on-miss):
 
-- One load per name: the first request for a name starts it (on its own handler thread, the
-  registration itself on the adapter thread as every load); requests for the same name meanwhile
-  wait for it and share its result. A failed load fails every one of them with its error and
-  leaves nothing behind, so a later request tries again.
+- One load per name: the first request for a name starts it (the read on the resolver's reader
+  pool, server.resolver.preparer, the registration on the adapter thread as every load);
+  requests for the same name meanwhile wait for it and share its result. A failed load fails
+  every one of them with its error and leaves nothing behind, so a later request tries again.
 - At most `max_loading` names resolve at once; one more waits for one of them to end, up to
   `max_wait_s` (`SLOT_WAIT_S`: a resolution takes a fraction of a second to a few seconds, so a
   burst of cold names is served in turn rather than refused: with a thousand adapters drawn at
@@ -17,15 +17,20 @@ naming an unregistered adapter resolves it here (vLLM's LoRA resolvers, Dynamo's
   here.
 - At most `max_adapters` resolved adapters are registered at once. A load past it first unloads
   the least recently used resolved adapter that no request holds (neither leased here nor in
-  flight in the engine); when every one is held it gets 503 with Retry-After. Adapters the
-  operator registered are never counted nor unloaded here.
+  flight in the engine), while its own files are read (an unload waits for the engine's step:
+  not after the read); when every one is held it gets 503 with Retry-After. Adapters the
+  operator registered are never counted nor unloaded here; a name with no directory unloads
+  nothing (an adapter its read refuses may have).
 - A resolved adapter stays registered and serving until it is evicted, even if its directory is
   removed; the next resolution of that name, after the eviction, is then a clean 404.
+- An evicted adapter stays in host memory, within `--lora-resolver-host-bytes`, while its files
+  do not change (server.resolver.host_tier): resolving it again registers it without a read.
 
 `lease()` (server.resolver.names) holds the adapters a request resolved until it has been
 submitted, so that an eviction never pulls an adapter from between resolution and submission.
-Loads go through `Registrar.load`, the very method behind /v1/load_lora_adapter, with the
-source's root as the only allowed root: the same name, path, size and dedupe checks.
+Loads go through the parts of /v1/load_lora_adapter's own load (`Registrar`: check, open,
+register), with the source's root as the only allowed root: the same name, path, size and
+dedupe checks.
 """
 
 from __future__ import annotations
@@ -36,9 +41,11 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Protocol
 
+from toppings.gpu_lora.peft_format import LoraAdapter
 from toppings.server.requests.adapter_ref import AdapterRef
 from toppings.server.requests.errors import (
     NOT_FOUND,
@@ -48,29 +55,45 @@ from toppings.server.requests.errors import (
     unknown_adapter,
 )
 from toppings.server.requests.request import RequestError
+from toppings.server.resolver.host_tier import FileKey, HostTier, Prepared
 from toppings.server.resolver.metrics import Outcome, ResolverMetrics
 from toppings.server.resolver.names import NameTable, Resolve
+from toppings.server.resolver.preparer import Preparer
 from toppings.server.resolver.sources import AdapterSource
 
 log = logging.getLogger(__name__)
 
 
 class Registrar(Protocol):
-    """Registers and unregisters adapters as the operator's endpoints do
-    (server.api.admin.lifecycle's AdapterAdmin: `{"lora_name", "lora_path"}` and `{"lora_name"}`;
-    RequestError on refusal)."""
+    """Registers and unregisters adapters in the steps of the operator's endpoints
+    (server.api.admin.lifecycle's AdapterAdmin; RequestError on refusal)."""
 
-    def load(self, body: dict) -> dict: ...
+    def check(self, body: dict) -> tuple[str, str]:
+        """`{"lora_name", "lora_path"}` -> the name and the real directory, checked."""
+        ...
 
-    def unload(self, body: dict) -> dict: ...
+    def open(self, name: str, path: str) -> LoraAdapter:
+        """Read and check a checked directory (any thread: the reader pool's)."""
+        ...
+
+    def register(self, adapter: LoraAdapter, digest: str | None = None) -> AdapterRef: ...
+
+    def remove(self, name: str) -> LoraAdapter:
+        """Unregister `name` (404, or 409 while in use); the adapter as it was held."""
+        ...
 
 
 @dataclass
 class _Held:
-    """A resolved adapter registered now; `leases`: requests between resolving and submitting."""
+    """A resolved adapter registered now; `leases`: requests between resolving and submitting;
+    where it was read from and its digest, to keep it in the host tier once evicted."""
 
     ref: AdapterRef
     leases: int
+    directory: str
+    key: FileKey | None
+    digest: str
+    host_bytes: int
 
 
 class _Load:
@@ -98,13 +121,17 @@ class ResolvedAdapters:
         max_adapters: int,
         max_loading: int,
         max_wait_s: float = SLOT_WAIT_S,
+        host_bytes: int = 0,
     ):
         """registrar: loads with `source.root` as its only allowed root; max_wait_s: how long a
-        resolution waits for one of the `max_loading` to end before its 503."""
+        resolution waits for one of the `max_loading` to end before its 503; host_bytes: the
+        host tier's bound (0: evicted adapters are not kept)."""
         if max_adapters < 1 or max_loading < 1:
             raise ValueError("max_adapters and max_loading must be positive")
         self.table, self.source, self.registrar = table, source, registrar
         self.metrics = metrics
+        self.tier = HostTier(host_bytes)
+        self.preparer = Preparer(registrar, self.tier, max_loading)
         self.max_adapters, self.max_loading = max_adapters, max_loading
         self.max_wait_s = max_wait_s
         self._lock = threading.Lock()
@@ -209,16 +236,26 @@ class ResolvedAdapters:
         return load
 
     def _run(self, name: str, load: _Load) -> None:
-        """Locate, make room, register; then wake every request waiting for `name`."""
+        """Locate, read (or take from the host tier), make room, register; then wake every
+        request waiting for `name`."""
         started = time.monotonic()
-        outcome, reserved = Outcome.FAILED, 0
+        outcome, reserved, prepared = Outcome.FAILED, 0, None
         try:
             path = self.source.locate(name)
-            reserved = self._make_room()  # 1 from here: released when the load lands
-            self.registrar.load({"lora_name": name, "lora_path": path})
-            load.ref = self.table.resolve_adapter(name)
+            _, directory = self.registrar.check({"lora_name": name, "lora_path": path})
+            reading = self.preparer.start(name, directory)
+            try:
+                reserved = self._make_room()  # 1 from here: released when the load lands
+            except BaseException:
+                self._keep_when_read(reading)
+                raise
+            prepared, kept = reading.result()  # the read's RequestError
+            load.ref = self.registrar.register(prepared.adapter, prepared.digest)
             outcome = Outcome.LOADED
-            log.info("resolved adapter %s from %s", name, self.source.root)
+            if kept:
+                self.metrics.host_hits.inc()
+            log.info("resolved adapter %s from %s%s", name, self.source.root,
+                     " (kept in host memory)" if kept else "")  # fmt: skip
         except RequestError as exc:
             load.error = _as_client_error(name, exc)
             outcome = Outcome.of(load.error)
@@ -230,12 +267,17 @@ class ResolvedAdapters:
             if load.ref is None and load.error is None:  # interrupted
                 load.error = RequestError(f"resolving adapter {name!r} was interrupted", 500,
                                           SERVER_ERROR)  # fmt: skip
+            if load.error is not None and prepared is not None:
+                self._keep(prepared)  # read but not registered: the next try need not read it
+            self._count_tier()  # a take from the tier, a keep
             with self._lock:
                 del self._loading[name]
                 self._slot_freed.notify_all()
                 self._num_reserved -= reserved
                 if load.error is None:
-                    self._held[name] = _Held(load.ref, load.num_waiting)
+                    self._held[name] = _Held(load.ref, load.num_waiting, prepared.directory,
+                                             prepared.key, prepared.digest,
+                                             prepared.host_bytes)  # fmt: skip
                 self._count_held()
             load.done.set()
             self.metrics.observe(outcome, time.monotonic() - started)
@@ -267,17 +309,26 @@ class ResolvedAdapters:
             self._evict(victim)
 
     def _evict(self, victim: _Held) -> None:
-        """Unload `victim`, or put it back when a request in flight in the engine holds it."""
+        """Unload `victim` into the host tier, or put it back when a request in flight in the
+        engine holds it."""
         name = victim.ref.name
         unloaded = False
+        placed = self.tier.reserve(victim.host_bytes)  # charged before the tier holds it
         try:
-            self.registrar.unload({"lora_name": name})
+            held = self.registrar.remove(name)
             unloaded = True
+            if placed and held.id == victim.ref.weights_id:  # what this resolver registered
+                prepared = Prepared(held, victim.digest, victim.directory, victim.key)
+                self.tier.fill(victim.host_bytes, prepared)
+                placed = False
         except RequestError as exc:
             unloaded = exc.code == 404  # gone already (the operator unloaded it)
             if exc.code != 409:
                 log.warning("evicting resolved adapter %s: %s", name, exc)
         finally:
+            if placed:
+                self.tier.cancel(victim.host_bytes)
+            self._count_tier()
             with self._lock:
                 event = self._evicting.pop(name)
                 if not unloaded:
@@ -288,8 +339,25 @@ class ResolvedAdapters:
             self.metrics.evictions.inc()
             log.info("evicted resolved adapter %s (least recently used)", name)
 
+    def _keep_when_read(self, reading: Future[tuple[Prepared, bool]]) -> None:
+        """Wait for a read whose adapter will not be registered now; keep it if it succeeded."""
+        try:
+            prepared, _ = reading.result()
+        except Exception:  # noqa: BLE001 - its error is not this resolution's outcome
+            return
+        self._keep(prepared)
+
+    def _keep(self, prepared: Prepared) -> None:
+        """Keep an adapter read but not registered in the host tier, when it has room."""
+        if self.tier.reserve(prepared.host_bytes):
+            self.tier.fill(prepared.host_bytes, prepared)
+        self._count_tier()
+
     def _count_held(self) -> None:
         self.metrics.resolved.set(len(self._held))
+
+    def _count_tier(self) -> None:
+        self.metrics.host_bytes.set(self.tier.charged_bytes)
 
 
 def _busy(message: str) -> RequestError:

@@ -14,7 +14,12 @@ from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from toppings.gpu_lora.peft_format import AdapterError, load_peft_adapter, read_adapter_config
+from toppings.gpu_lora.peft_format import (
+    AdapterError,
+    is_all_finite,
+    load_peft_adapter,
+    read_adapter_config,
+)
 from toppings.server.model.config import LORA_TARGETS, ModelConfig
 
 HF_CONFIG = LlamaConfig(
@@ -257,3 +262,19 @@ def test_all_linear_shorthand_in_config(tmp_path: Path) -> None:
     edit_config(tmp_path / "ad", target_modules="all-linear")
     adapter = load_peft_adapter(tmp_path / "ad", MODEL)
     assert set(adapter.weights) == set(expected) and adapter.target_modules == LORA_TARGETS
+
+
+def test_is_all_finite_matches_isfinite_all():
+    """The float64 sum that checks a tensor is exact: a NaN, either infinity or both, and the
+    largest finite float32 values added up many times, against `isfinite(t).all()`."""
+    big = torch.finfo(torch.float32).max
+    cases = [torch.randn(64, 576), torch.full((4096,), big), torch.full((4096,), -big)]
+    for bad in (math.nan, math.inf, -math.inf):
+        t = torch.randn(64, 576)
+        t[17, 300] = bad
+        cases.append(t)
+    both = torch.zeros(8)
+    both[0], both[1] = math.inf, -math.inf
+    cases.append(both)
+    for t in cases:
+        assert is_all_finite(t) == bool(torch.isfinite(t).all())

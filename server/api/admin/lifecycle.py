@@ -14,16 +14,18 @@ adapters).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TypeVar
 
 from toppings.gpu_lora.peft_config import CONFIG_FILE, WEIGHTS_FILE, AdapterError
+from toppings.gpu_lora.peft_format import LoraAdapter
 from toppings.server.process.threads import torch_on_this_thread_only
-from toppings.server.requests.adapter_ref import NAME_RE
+from toppings.server.requests.adapter_ref import NAME_RE, AdapterRef
 from toppings.server.requests.request import RequestError
 
 log = logging.getLogger(__name__)
@@ -164,6 +166,15 @@ class AdapterAdmin:
 
     def load(self, body: dict) -> dict:
         """Register `lora_name` from `lora_path`; returns the adapter's card."""
+        name, path = self.check(body)
+        with _read_errors(name, path):
+            adapter = self.thread.run(self.engine.add_adapter, name, path)
+        log.info("loaded adapter %s from %s", name, path)
+        return {"lora_name": name, "rank": adapter.rank, "target_modules": adapter.target_modules}
+
+    def check(self, body: dict) -> tuple[str, str]:
+        """The name and real directory of a load body `{"lora_name", "lora_path"}`, once the
+        name follows the rule and is not loaded and the path lies under an allowed root."""
         unknown = set(body) - {"lora_name", "lora_path"}
         if unknown:
             raise RequestError(f"unknown fields: {', '.join(sorted(unknown))}")
@@ -171,14 +182,19 @@ class AdapterAdmin:
         path = self.paths.resolve(body.get("lora_path"))
         if any(a["name"] == name for a in self.engine.adapters()):
             raise RequestError(f"adapter {name!r} is already loaded", 409, "conflict")
-        try:
-            adapter = self.thread.run(self.engine.add_adapter, name, path)
-        except AdapterError as exc:
-            raise RequestError(f"cannot load adapter {name!r}: {exc}") from None
-        except OSError as exc:  # a file replaced while it was read, past the loader's checks
-            raise RequestError(_changed(path, exc), 409, "conflict") from None
-        log.info("loaded adapter %s from %s", name, path)
-        return {"lora_name": name, "rank": adapter.rank, "target_modules": adapter.target_modules}
+        return name, path
+
+    def open(self, name: str, path: str) -> LoraAdapter:
+        """Read and check the adapter at `path` (from `check`) without registering it, on the
+        calling thread, which must start no OpenMP team (torch_on_this_thread_only): the slow
+        part of a load, several at once (the resolver's readers)."""
+        with _read_errors(name, path):
+            return self.engine.open_adapter(name, path)
+
+    def register(self, adapter: LoraAdapter, digest: str | None = None) -> AdapterRef:
+        """Register an adapter `open` read, or one `remove` returned, on the adapter thread;
+        `digest`: its content digest when the caller computed it."""
+        return self.thread.run(self.engine.register_adapter, adapter, digest)
 
     def unload(self, body: dict) -> dict:
         unknown = set(body) - {"lora_name"}
@@ -187,6 +203,23 @@ class AdapterAdmin:
         name = body.get("lora_name")
         if not isinstance(name, str) or not name:
             raise RequestError("'lora_name' must be a non-empty string")
-        self.thread.run(self.engine.remove_adapter, name)  # RequestError 404 or 409
-        log.info("unloaded adapter %s", name)
+        self.remove(name)
         return {"lora_name": name, "unloaded": True}
+
+    def remove(self, name: str) -> LoraAdapter:
+        """Unregister `name` (RequestError 404 or 409); returns the adapter as it was held."""
+        adapter = self.thread.run(self.engine.remove_adapter, name)
+        log.info("unloaded adapter %s", name)
+        return adapter
+
+
+@contextlib.contextmanager
+def _read_errors(name: str, path: str) -> Iterator[None]:
+    """A loader's refusal as the client's error: a bad adapter is a 400, a file replaced while
+    it was read (past the loader's checks) a 409."""
+    try:
+        yield
+    except AdapterError as exc:
+        raise RequestError(f"cannot load adapter {name!r}: {exc}") from None
+    except OSError as exc:
+        raise RequestError(_changed(path, exc), 409, "conflict") from None

@@ -1,16 +1,21 @@
-"""The load-on-miss table alone, with an in-memory name table and a registrar whose loads wait
+"""The load-on-miss table alone, with an in-memory name table and a registrar whose reads wait
 on a gate: one load per name however many requests wait for it, a failure shared by all of them
-and retried by the next, the bound on resolutions in flight, and eviction that spares leased
-adapters and adapters in use."""
+and retried by the next, the bound on resolutions in flight, eviction that spares leased
+adapters and adapters in use, reads that run beside a registration, and the host tier that
+keeps evicted adapters (no second read while their files are unchanged, within its bytes)."""
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import threading
 import time
 
 import pytest
+import torch
 from prometheus_client import CollectorRegistry
 
+from toppings.gpu_lora.peft_format import LoraAdapter
 from toppings.server.requests.adapter_ref import AdapterRef
 from toppings.server.requests.errors import NOT_FOUND, UNAVAILABLE, unknown_adapter
 from toppings.server.requests.request import RequestError
@@ -18,15 +23,33 @@ from toppings.server.resolver.metrics import ResolverMetrics
 from toppings.server.resolver.resolved import ResolvedAdapters
 from toppings.server.resolver.sources import DirSource
 
+ADAPTER_BYTES = 2 * 4 * 4 * 64  # the fake adapter's two float32 [4, 64] tensors
+
+
+def fake_adapter(name: str, path: str) -> LoraAdapter:
+    """An adapter of 2 KiB whose content (so digest) is its directory's name."""
+    a = torch.full((4, 64), float(len(path)))
+    weights = {(0, "q_proj"): (a, torch.full((64, 4), float(ord(path[-1]))))}
+    return LoraAdapter(name, path, 4, 8.0, 2.0, ("q_proj",), weights, ADAPTER_BYTES, None)
+
 
 class FakeEngine:
-    """A name table and a registrar in one: loads wait on `gate`, and `fail` makes them fail."""
+    """A name table and a registrar in one: reads (`open`) wait on `gate`, and `fail` makes
+    them fail; `loads` lists the reads, `registers` the registrations."""
 
     def __init__(self, operator_names=()):
         self.refs = {n: AdapterRef.new(n, 8, 1) for n in operator_names}
+        self.held: dict[str, LoraAdapter] = {}
+        self.root = None  # set by make(): check() resolves paths under it
         self.gate = threading.Event()
         self.gate.set()
+        self.register_gate = threading.Event()
+        self.register_gate.set()
+        self.removing: list[str] = []  # unloads begun (they wait on remove_gate)
+        self.remove_gate = threading.Event()
+        self.remove_gate.set()
         self.loads: list[str] = []
+        self.registers: list[str] = []
         self.unloads: list[str] = []
         self.in_use: set[str] = set()  # names with a request in flight in the "engine"
         self.fail: RequestError | None = None
@@ -41,32 +64,55 @@ class FakeEngine:
             raise RequestError(unknown_adapter(name), 404, NOT_FOUND)
         return ref
 
-    def load(self, body: dict) -> dict:
+    def check(self, body: dict) -> tuple[str, str]:
+        return body["lora_name"], str(self.root / body["lora_path"])
+
+    def open(self, name: str, path: str) -> LoraAdapter:
         with self._lock:
-            self.loads.append(body["lora_name"])
+            self.loads.append(name)
         assert self.gate.wait(30)
         if self.fail is not None:
             raise self.fail
-        with self._lock:
-            self.refs[body["lora_name"]] = AdapterRef.new(body["lora_name"], 8, 1)
-        return {}
+        return fake_adapter(name, path)
 
-    def unload(self, body: dict) -> dict:
-        name = body["lora_name"]
+    def register(self, adapter: LoraAdapter, digest: str | None = None) -> AdapterRef:
+        assert digest is not None  # computed by the reader, not on the adapter thread
+        assert self.register_gate.wait(30)
+        ref = AdapterRef.new(adapter.name, 8, 1)
+        with self._lock:
+            self.registers.append(adapter.name)
+            self.refs[adapter.name] = ref
+            self.held[adapter.name] = dataclasses.replace(adapter, id=ref.weights_id)
+        return ref
+
+    def remove(self, name: str) -> LoraAdapter:
+        with self._lock:
+            self.removing.append(name)
+        assert self.remove_gate.wait(30)
         if name in self.in_use:
             raise RequestError(f"adapter {name!r} is in use", 409, "conflict")
         with self._lock:
             self.unloads.append(name)
             del self.refs[name]
-        return {}
+            return self.held.pop(name)
+
+    def unload(self, body: dict) -> None:
+        """The operator's /v1/unload_lora_adapter, not the resolver's eviction."""
+        with self._lock:
+            del self.refs[body["lora_name"]]
+            self.held.pop(body["lora_name"])
 
 
-def make(tmp_path, fake, max_adapters=64, max_loading=4, max_wait_s=0.0) -> ResolvedAdapters:
-    for name in ("a", "b", "c", "d"):  # the source finds these (the fake loads no files)
+def make(tmp_path, fake, max_adapters=64, max_loading=4, max_wait_s=0.0,
+         host_bytes=0) -> ResolvedAdapters:  # fmt: skip
+    for name in ("a", "b", "c", "d"):  # the source finds these (the fake reads no tensors)
         (tmp_path / name).mkdir()
+        for file in ("adapter_config.json", "adapter_model.safetensors"):
+            (tmp_path / name / file).write_text(name)  # what the host tier's file key stats
+    fake.root = tmp_path
     metrics = ResolverMetrics(CollectorRegistry(), "toppings:")
     return ResolvedAdapters(fake, DirSource(str(tmp_path)), fake, metrics, max_adapters,
-                            max_loading, max_wait_s)  # fmt: skip
+                            max_loading, max_wait_s, host_bytes)  # fmt: skip
 
 
 def resolve(resolver, name):
@@ -227,3 +273,89 @@ def test_a_name_not_found_evicts_nothing(tmp_path):
     with pytest.raises(RequestError):
         resolve(resolver, "e")
     assert fake.unloads == [] and resolver.resolved_names() == ["a"]
+
+
+def test_an_evicted_adapter_is_registered_again_without_a_read(tmp_path):
+    fake = FakeEngine()
+    resolver = make(tmp_path, fake, max_adapters=1, host_bytes=4 * ADAPTER_BYTES)
+    first = resolve(resolver, "a")
+    first_weights = fake.held["a"].weights
+    resolve(resolver, "b")  # evicts "a" into the host tier
+    assert fake.unloads == ["a"] and resolver.tier.charged_bytes == ADAPTER_BYTES
+    again = resolve(resolver, "a")  # evicts "b"; "a" from the tier
+    assert fake.loads == ["a", "b"] and fake.registers == ["a", "b", "a"]
+    assert again != first and fake.held["a"].weights is first_weights  # the very tensors
+    assert resolver.metrics.host_hits._value.get() == 1
+    assert resolver.tier.charged_bytes == ADAPTER_BYTES  # "b" now, "a" taken out
+    assert resolver.metrics.host_bytes._value.get() == ADAPTER_BYTES
+
+
+def test_an_adapter_whose_files_changed_is_read_again(tmp_path):
+    fake = FakeEngine()
+    resolver = make(tmp_path, fake, max_adapters=1, host_bytes=4 * ADAPTER_BYTES)
+    resolve(resolver, "a")
+    resolve(resolver, "b")
+    weights = tmp_path / "a" / "adapter_model.safetensors"
+    replaced = tmp_path / "a" / "new.safetensors"
+    replaced.write_text("other weights")
+    os.replace(replaced, weights)  # a new file in its place
+    resolve(resolver, "a")
+    assert fake.loads == ["a", "b", "a"] and resolver.metrics.host_hits._value.get() == 0
+    resolve(resolver, "b")  # "b"'s files did not change: kept
+    assert fake.loads == ["a", "b", "a"] and resolver.metrics.host_hits._value.get() == 1
+
+
+def test_the_host_tier_keeps_the_latest_evicted_within_its_bytes(tmp_path):
+    fake = FakeEngine()
+    resolver = make(tmp_path, fake, max_adapters=1, host_bytes=2 * ADAPTER_BYTES)
+    for name in ("a", "b", "c", "d"):  # evicts a, b, c in turn; the tier keeps two of them
+        resolve(resolver, name)
+        assert resolver.tier.charged_bytes <= 2 * ADAPTER_BYTES
+    assert len(resolver.tier) == 2
+    resolve(resolver, "a")  # dropped from the tier for "c": read again
+    assert fake.loads == ["a", "b", "c", "d", "a"]
+    resolve(resolver, "c")  # kept
+    assert fake.loads == ["a", "b", "c", "d", "a"] and fake.registers[-1] == "c"
+
+
+def test_without_host_bytes_an_evicted_adapter_is_read_again(tmp_path):
+    fake = FakeEngine()
+    resolver = make(tmp_path, fake, max_adapters=1, host_bytes=0)
+    for name in ("a", "b", "a"):
+        resolve(resolver, name)
+    assert fake.loads == ["a", "b", "a"] and resolver.tier.charged_bytes == 0
+
+
+def test_an_adapter_in_use_is_not_kept_when_its_eviction_is_refused(tmp_path):
+    """The tier's place is charged before the unload and given back when it is refused."""
+    fake = FakeEngine()
+    resolver = make(tmp_path, fake, max_adapters=1, host_bytes=4 * ADAPTER_BYTES)
+    resolve(resolver, "a")
+    fake.in_use.add("a")
+    with pytest.raises(RequestError) as err:
+        resolve(resolver, "b")  # read, then no room: "a" in use
+    assert err.value.code == 503
+    assert len(resolver.tier) == 1 and resolver.tier.charged_bytes == ADAPTER_BYTES  # "b", read
+    fake.in_use.clear()
+    resolve(resolver, "b")  # room now: "a" to the tier, "b" from it
+    assert fake.loads == ["a", "b"] and fake.unloads == ["a"]
+    assert resolver.tier.charged_bytes == ADAPTER_BYTES  # "a" now
+
+
+def test_the_eviction_for_a_load_runs_while_its_files_are_read(tmp_path):
+    """An unload waits for the engine's step; the read does not wait for it, nor it for the
+    read, and the registration waits for both."""
+    fake = FakeEngine()
+    resolver = make(tmp_path, fake, max_adapters=1)
+    resolve(resolver, "a")
+    fake.gate.clear()
+    fake.remove_gate.clear()
+    threads, results = run_threads(1, lambda: resolve(resolver, "b"))
+    wait_until(lambda: fake.loads == ["a", "b"] and fake.removing == ["a"],
+               "the read of b and the unload of a under way together")  # fmt: skip
+    fake.remove_gate.set()
+    wait_until(lambda: fake.unloads == ["a"], "a unloaded")
+    assert fake.registers == ["a"]  # b's read has not ended: no registration yet
+    fake.gate.set()
+    threads[0].join()
+    assert isinstance(results[0], AdapterRef) and fake.registers == ["a", "b"]

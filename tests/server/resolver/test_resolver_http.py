@@ -1,6 +1,8 @@
 """`--lora-resolver dir:PATH` through HTTP on the tiny Llama: a first use gives PEFT's tokens,
 concurrent first requests make one load, names outside the directory are refused, the bound on
-resolved adapters holds over 200 names, and a directory removed later is a clean 404."""
+resolved adapters holds over 200 names, a directory removed later is a clean 404, an evicted
+adapter comes back from host memory unread and gives the same tokens, and a resolution's read
+does not wait for the adapter thread."""
 
 from __future__ import annotations
 
@@ -8,15 +10,22 @@ import json
 import os
 import shutil
 import threading
+import time
 import urllib.error
 import urllib.request
 
 import pytest
+from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.helpers import running_engine
 from tests.server.engine.test_exactness import NEW_TOKENS, assert_same_greedy, reference_greedy
+from toppings.server.api.admin.lifecycle import AdapterAdmin, AdapterPaths, AdapterThread
 from toppings.server.api.app import ApiOptions, create_app
+from toppings.server.requests.adapter_ref import AdapterRef
+from toppings.server.resolver.metrics import ResolverMetrics
+from toppings.server.resolver.resolved import ResolvedAdapters
+from toppings.server.resolver.sources import DirSource
 
 WEIGHTS = "adapter_model.safetensors"
 
@@ -172,3 +181,66 @@ def test_a_directory_removed_later_is_a_clean_404(engine, dirs, tmp_path):
     assert generate(client, "other").status_code == 200
     assert resolutions(client) == {"loaded": 2, "not_found": 1, "refused": 0, "busy": 0,
                                    "failed": 0}  # fmt: skip
+
+
+def counting_reads(engine, monkeypatch) -> list[str]:
+    """The names the engine read from disk from now on (`open_adapter` returned), in order."""
+    reads: list[str] = []
+    open_adapter = engine.open_adapter
+
+    def reading(name, path):
+        adapter = open_adapter(name, path)
+        reads.append(name)
+        return adapter
+
+    monkeypatch.setattr(engine, "open_adapter", reading)
+    return reads
+
+
+def test_an_evicted_adapter_comes_back_from_host_memory(engine, dirs, monkeypatch):
+    reads = counting_reads(engine, monkeypatch)
+    client = app_for(engine, dirs["root"], lora_resolver_max_adapters=1).test_client()
+    body = {"input_ids": [5, 17, 42, 99, 3], "max_new_tokens": NEW_TOKENS, "temperature": 0,
+            "ignore_eos": True}  # fmt: skip
+    first = generate(client, "r16", **body)
+    assert generate(client, "q8").status_code == 200  # evicts r16 (kept in host memory)
+    again = generate(client, "r16", **body)  # evicts q8; r16 registered again, unread
+    assert first.status_code == again.status_code == 200
+    assert again.get_json()["token_ids"] == first.get_json()["token_ids"]
+    assert reads == ["r16", "q8"] and names_in(engine) == {"ops", "r16"}
+    text = client.get("/metrics").get_data(as_text=True)
+    assert "toppings:lora_resolver_host_hits_total 1.0" in text
+    assert resolutions(client)["loaded"] == 3
+
+
+def test_a_read_does_not_wait_for_the_adapter_thread(engine, dirs, monkeypatch):
+    """The adapter thread busy (another adapter's registration, say): a resolution reads its
+    files meanwhile, and only its registration waits."""
+    reads = counting_reads(engine, monkeypatch)
+    thread = AdapterThread()
+    registrar = AdapterAdmin(engine, AdapterPaths([dirs["root"]]), thread=thread)
+    resolver = ResolvedAdapters(engine, DirSource(str(dirs["root"])), registrar,
+                                ResolverMetrics(CollectorRegistry(), "toppings:"),
+                                max_adapters=8, max_loading=2)  # fmt: skip
+    busy = threading.Event()
+    blocker = threading.Thread(target=thread.run, args=(busy.wait,))
+    blocker.start()
+    got: list = []
+
+    def first_use():
+        with resolver.lease() as resolve:
+            got.append(resolve("r16"))
+
+    user = threading.Thread(target=first_use)
+    user.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not reads and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert reads == ["r16"], "the read waited for the adapter thread"
+        assert "r16" not in names_in(engine) and not got  # its registration waits
+    finally:
+        busy.set()
+        user.join()
+        blocker.join()
+    assert isinstance(got[0], AdapterRef) and "r16" in names_in(engine)

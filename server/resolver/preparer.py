@@ -1,0 +1,67 @@
+"""Getting a resolved adapter ready to register, off the adapter thread: `Preparer`.
+
+Registering an adapter is quick; reading it is not: the PEFT files from disk, their parse, the
+shape, rank, size and finiteness checks, and the content digest that registration's dedupe
+needs. A load through /v1/load_lora_adapter does all of it on the one adapter thread
+(server.api.admin.lifecycle.AdapterThread), so with a thousand adapters drawn at random every
+cold request waited behind the reads of the cold requests before it. Here the reads run on a
+pool of their own, as many at once as the resolver resolves (`--lora-resolver-max-loading`),
+and hand the adapter thread an adapter that only needs registering, with its digest computed
+(registration does not hash it again). The readers run torch on their own thread alone
+(`torch_on_this_thread_only`: no OpenMP team per reader, the reason the adapter thread exists).
+
+A read is started, not waited for (`start` gives a future): the resolver makes room for the
+adapter (an eviction, which waits for the engine's step) while it runs. An adapter the resolver
+unloaded and still keeps in its host tier (host_tier.py) is not read at all while its files are
+unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Protocol
+
+from toppings.gpu_lora.host_memory import content_digest
+from toppings.gpu_lora.peft_format import LoraAdapter
+from toppings.server.process.threads import torch_on_this_thread_only
+from toppings.server.resolver.host_tier import FileKey, HostTier, Prepared
+
+
+class Opener(Protocol):
+    """Reads and checks an adapter directory without registering it
+    (server.api.admin.lifecycle's AdapterAdmin.open; RequestError on refusal)."""
+
+    def open(self, name: str, path: str) -> LoraAdapter: ...
+
+
+class Preparer:
+    """Adapters ready to register: from the host tier, else read on the reader pool."""
+
+    def __init__(self, opener: Opener, tier: HostTier, max_reading: int):
+        """max_reading: reads at once (the resolver's bound on resolutions in flight)."""
+        if max_reading < 1:
+            raise ValueError("max_reading must be positive")
+        self.opener = opener
+        self.tier = tier
+        self._readers = ThreadPoolExecutor(max_workers=max_reading,
+                                           thread_name_prefix="adapter-read",
+                                           initializer=torch_on_this_thread_only)  # fmt: skip
+
+    def start(self, name: str, directory: str) -> Future[tuple[Prepared, bool]]:
+        """Get the adapter in the checked `directory` ready to register as `name`: a future of
+        it and whether it came from the host tier (done already then; else read on the pool,
+        and the caller does what else it must meanwhile). Its result raises RequestError when
+        the read refuses the adapter."""
+        key = FileKey.of(directory)  # before the read: a later change makes it stale
+        kept = self.tier.take(directory, key)
+        if kept is None:
+            return self._readers.submit(self._read, name, directory, key)
+        done: Future[tuple[Prepared, bool]] = Future()
+        adapter = dataclasses.replace(kept.adapter, name=name)
+        done.set_result((Prepared(adapter, kept.digest, directory, key), True))
+        return done
+
+    def _read(self, name: str, directory: str, key: FileKey | None) -> tuple[Prepared, bool]:
+        adapter = self.opener.open(name, directory)
+        return Prepared(adapter, content_digest(adapter), directory, key), False
