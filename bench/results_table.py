@@ -170,7 +170,7 @@ EARLIER = frozenset({
     "cpu_lora_ipc_rerun1.json", "cpu_lora_ipc_rerun2.json", "cpu_lora_ipc_v2_run1.json",
     "cpu_lora_ipc_v2_run2.json", "cpu_lora_ipc_v2_run3.json", "engine_step_before_after.json",
     "engine_throughput_float32.json", "host_overhead_after.json", "host_overhead_b374232.json",
-    "house_before_after.json", "long_prompt_quant_before.json",
+    "house_before_after.json", "house4_before_after.json", "long_prompt_quant_before.json",
     "perf_model_smollm2_cpu.json", "perf_model_smollm2_cpu_eq2.json",
     "prefix_routing_before_routed_as.json", "queueing_dense.json",
     "single_stream_aa_control.json", "single_stream_glue_before_after.json",
