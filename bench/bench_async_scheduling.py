@@ -10,8 +10,11 @@ this one: a step should take about max(D, H) (issue 63: within 1.1x of it).
 The stand-in device is the tiny Llama's forward replaced by one that sleeps D ms without holding
 the GIL (as a thread waiting on a CUDA event does) and returns zero logits: everything else is
 the real engine on its own thread, requests submitted as a client would. H is measured by the
-same engine with D = 0 and the synchronous loop. For each (D, batch, loop) B requests decode
-`--steps` tokens; a step's time is the median over requests of (e2e - ttft) / (tokens - 1).
+same engine with D = 0 and the synchronous loop. The start-up heap is frozen once the engines
+are built, as `toppings-serve` freezes it (server/process/gc_heap.py): otherwise a collection of
+the oldest generation, every few hundred requests here, stalls the loop for the whole walk.
+For each (D, batch, loop) B requests decode `--steps` tokens; a step's time is the median over
+requests of (e2e - ttft) / (tokens - 1).
 Rounds alternate the order of the runs.
 
     python -m bench.bench_async_scheduling [--device-ms 2,5] [--batches 1,64,256] [--rounds 3]
@@ -32,6 +35,7 @@ from bench.envelope import describe_device, write_result
 from toppings.server.config import EngineConfig
 from toppings.server.engine.engine import Engine
 from toppings.server.model.loader import load_checkpoint
+from toppings.server.process.gc_heap import freeze_startup_heap, thaw_heap
 from toppings.server.requests.request import GenerationRequest, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -96,6 +100,7 @@ def main(argv: list[str] | None = None) -> dict:
         stand_in_device(engine.model, d)
         engine.start()
         engines[loop, d] = engine
+    freeze_startup_heap()  # as toppings-serve does once built: no full collection walks it
     times = {key: {b: [] for b in batches} for key in engines}
     try:
         for engine in engines.values():
@@ -110,6 +115,7 @@ def main(argv: list[str] | None = None) -> dict:
     finally:
         for engine in engines.values():
             engine.shutdown()
+        thaw_heap()
     host = {b: statistics.median(times["sync", 0.0][b]) for b in batches}
     cases, worst_bound, worst_sync = {}, 0.0, float("inf")
     for d in device_ms:

@@ -39,6 +39,7 @@ from bench.envelope import describe_device, write_result
 from toppings.server.config import EngineConfig
 from toppings.server.engine.engine import Engine
 from toppings.server.model.loader import load_checkpoint
+from toppings.server.process.gc_heap import freeze_startup_heap, thaw_heap
 from toppings.server.requests.request import GenerationRequest, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -138,6 +139,7 @@ def main(argv: list[str] | None = None) -> dict:
         engines[forward] = Engine(config, load_checkpoint(str(model_dir), "auto"))
         if forward == "none":
             free_forward(engines[forward].model)
+    freeze_startup_heap()  # as toppings-serve does once built (server/process/gc_heap.py)
     medians = {f: {b: [] for b in batches} for f in FORWARDS}
     try:
         for engine in engines.values():
@@ -152,6 +154,7 @@ def main(argv: list[str] | None = None) -> dict:
     finally:
         for engine in engines.values():
             engine.shutdown()
+        thaw_heap()
     metrics = {}
     for forward, by_batch in medians.items():
         fixed, per_request = fit_line([(b, statistics.median(m)) for b, m in by_batch.items()])

@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     _check_inputs(serve.model, loras)
     engine = load_engine(serve, config, loras)
     from toppings.server.api.app import create_app  # after parsing: `--help` loads no torch
-    from toppings.server.process.gc_heap import freeze_startup_heap
+    from toppings.server.process.gc_heap import freeze_startup_heap, thaw_heap
 
     app = create_app(engine, options)
     freeze_startup_heap()  # the model, tokenizer, engine and app: out of every collection
@@ -127,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         logger.info("shutting down the engine")
         engine.shutdown()
+        thaw_heap()
         logger.info("stopped")
     return 0
 

@@ -32,3 +32,10 @@ def freeze_startup_heap() -> int:
     log.info("froze %d start-up objects out of the garbage collector's walk (a full collection "
              "over them took %.0f ms)", frozen, took * 1e3)  # fmt: skip
     return frozen
+
+
+def thaw_heap() -> None:
+    """Give the frozen objects back to the collector (at shutdown): the interpreter's last
+    collection then frees the cycles start-up made, which extension modules (Triton's nanobind)
+    otherwise report as leaked at exit."""
+    gc.unfreeze()

@@ -8,7 +8,7 @@ import weakref
 
 import pytest
 
-from toppings.server.process.gc_heap import freeze_startup_heap
+from toppings.server.process.gc_heap import freeze_startup_heap, thaw_heap
 
 
 class Node:
@@ -40,3 +40,11 @@ def test_what_is_made_later_is_still_collected(unfrozen):
     del later
     gc.collect()
     assert ref() is None
+
+
+def test_thawed_the_collector_walks_them_again(unfrozen):
+    kept = Node()
+    freeze_startup_heap()
+    thaw_heap()
+    assert gc.get_freeze_count() == 0
+    assert id(kept) in {id(o) for o in gc.get_objects()}
