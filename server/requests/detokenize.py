@@ -135,11 +135,11 @@ class RustChunks:
         return self._release_held() if self._held else ""
 
     def _release_held(self) -> str:
-        """The held tokens' text as the decode gives it, the stream restarted after them."""
-        window = self._context + self._held
-        context, text = self._decode(self._context), self._decode(window)
-        self._stream = DecodeStream(ids=window, skip_special_tokens=True)
-        self._context, self._held = window, []
+        """The held tokens' text as the decode gives it, the stream restarted with them as its
+        context (as the stream itself does after a text: its window stays bounded)."""
+        context, text = self._decode(self._context), self._decode(self._context + self._held)
+        self._stream = DecodeStream(ids=self._held, skip_special_tokens=True)
+        self._context, self._held = self._held, []
         return text[len(context) :] if text.startswith(context) else text
 
     def _decode(self, ids: list[int]) -> str:
