@@ -34,6 +34,44 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def attend_block(
+    q, acc, m, l_sum, k_base, v_base, slots, d, d_ok, col_ok, keep,
+    stride_ks, stride_vs, qk_scale, UPCAST: tl.constexpr,
+):  # fmt: skip
+    """One block of key positions into the online softmax of the R query rows of q (the split
+    kernel's heads of one kv head, the prefill kernel's tokens x heads of a tile).
+
+    Semantics: s = qk_scale * q @ k[slots].T (log2 units), -inf where not `keep`; m' = max(m,
+    rowmax s); l' = l * 2^(m - m') + rowsum 2^(s - m'); acc' = acc * 2^(m - m') +
+    2^(s - m') @ v[slots], the probabilities in the cache's dtype as the torch path has them.
+    q [R, BLOCK_D]; acc [R, BLOCK_D], m, l_sum [R] float32; k_base, v_base: one kv head of the
+    pool; slots [BLOCK_N] int64; col_ok [BLOCK_N]: positions that exist (the others are not
+    loaded); keep [R, BLOCK_N]: what each row attends. Returns (acc', m', l')."""
+    kt = tl.load(  # [BLOCK_D, BLOCK_N]
+        k_base + slots[None, :] * stride_ks + d[:, None],
+        mask=d_ok[:, None] & col_ok[None, :], other=0.0,
+    )  # fmt: skip
+    if UPCAST:
+        kt = kt.to(tl.float32)
+    # ieee: float32 tiles without TF32 rounding (16-bit ones multiply exactly either way)
+    scores = tl.dot(q, kt, input_precision="ieee") * qk_scale  # [R, BLOCK_N], log2
+    scores = tl.where(keep, scores, float("-inf"))
+    m_new = tl.maximum(m, tl.max(scores, axis=1))
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(scores - m_new[:, None])
+    l_sum = l_sum * alpha + tl.sum(p, axis=1)
+    vals = tl.load(  # [BLOCK_N, BLOCK_D]
+        v_base + slots[:, None] * stride_vs + d[None, :],
+        mask=col_ok[:, None] & d_ok[None, :], other=0.0,
+    )  # fmt: skip
+    p = p.to(v_base.dtype.element_ty)  # as the torch path: probabilities in the cache's dtype
+    if UPCAST:
+        p, vals = p.to(tl.float32), vals.to(tl.float32)
+    acc = acc * alpha[:, None] + tl.dot(p, vals, input_precision="ieee")
+    return acc, m_new, l_sum
+
+
+@triton.jit
 def _split_kernel(
     out_ptr, part_o_ptr, part_lse_ptr, q_ptr, k_ptr, v_ptr, index_ptr, lengths_ptr,
     qk_scale, chunk, G, D,
@@ -68,28 +106,10 @@ def _split_kernel(
         pos = start + tl.arange(0, BLOCK_N)
         pos_ok = pos < hi
         slots = tl.load(index_row + pos, mask=pos_ok, other=0).to(tl.int64)  # [BLOCK_N]
-        kt = tl.load(  # [BLOCK_D, BLOCK_N]
-            k_base + slots[None, :] * stride_ks + d[:, None],
-            mask=d_ok[:, None] & pos_ok[None, :], other=0.0,
+        acc, m, l_sum = attend_block(  # [BLOCK_G, BLOCK_D], [BLOCK_G], [BLOCK_G]
+            q, acc, m, l_sum, k_base, v_base, slots, d, d_ok, pos_ok, pos_ok[None, :],
+            stride_ks, stride_vs, qk_scale, UPCAST,
         )  # fmt: skip
-        if UPCAST:
-            kt = kt.to(tl.float32)
-        # ieee: float32 tiles without TF32 rounding (16-bit ones multiply exactly either way)
-        scores = tl.dot(q, kt, input_precision="ieee") * qk_scale  # [BLOCK_G, BLOCK_N], log2
-        scores = tl.where(pos_ok[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, axis=1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        l_sum = l_sum * alpha + tl.sum(p, axis=1)
-        vals = tl.load(  # [BLOCK_N, BLOCK_D]
-            v_base + slots[:, None] * stride_vs + d[None, :],
-            mask=pos_ok[:, None] & d_ok[None, :], other=0.0,
-        )  # fmt: skip
-        p = p.to(v_ptr.dtype.element_ty)  # as the torch path: probabilities in the cache's dtype
-        if UPCAST:
-            p, vals = p.to(tl.float32), vals.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p, vals, input_precision="ieee")
-        m = m_new
     acc = acc / l_sum[:, None]
     mask = g_ok[:, None] & d_ok[None, :]
     if FINAL:

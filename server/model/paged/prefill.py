@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from toppings.server.model.paged.decode import LOG2E, check_launch, upcast
+from toppings.server.model.paged.decode import LOG2E, attend_block, check_launch, upcast
 
 BLOCK_R = 64  # query rows (tokens x heads of one kv group) of a tile
 BLOCK_N = 64  # slots per step of a tile's loop
@@ -104,28 +104,11 @@ def _prefill_kernel(
         cols = start + tl.arange(0, BLOCK_N)
         col_ok = cols < hi
         slots = tl.load(index_ptr + index_start + cols, mask=col_ok, other=0).to(tl.int64)
-        kt = tl.load(  # [BLOCK_D, BLOCK_N]
-            k_base + slots[None, :] * stride_ks + d[:, None],
-            mask=d_ok[:, None] & col_ok[None, :], other=0.0,
-        )  # fmt: skip
-        if UPCAST:
-            kt = kt.to(tl.float32)
-        scores = tl.dot(q, kt, input_precision="ieee") * qk_scale  # [BLOCK_R, BLOCK_N], log2
         causal = col_ok[None, :] & (cols[None, :] <= last[:, None])
-        scores = tl.where(causal, scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, axis=1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        l_sum = l_sum * alpha + tl.sum(p, axis=1)
-        vals = tl.load(  # [BLOCK_N, BLOCK_D]
-            v_base + slots[:, None] * stride_vs + d[None, :],
-            mask=col_ok[:, None] & d_ok[None, :], other=0.0,
+        acc, m, l_sum = attend_block(  # [BLOCK_R, BLOCK_D], [BLOCK_R], [BLOCK_R]
+            q, acc, m, l_sum, k_base, v_base, slots, d, d_ok, col_ok, causal,
+            stride_ks, stride_vs, qk_scale, UPCAST,
         )  # fmt: skip
-        p = p.to(v_ptr.dtype.element_ty)
-        if UPCAST:
-            p, vals = p.to(tl.float32), vals.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p, vals, input_precision="ieee")
-        m = m_new
     acc = acc / l_sum[:, None]
     o_ptrs = out_ptr + toks[:, None] * stride_ot + heads[:, None] * D + d[None, :]
     tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
