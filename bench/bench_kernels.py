@@ -81,13 +81,13 @@ def time_us(fn, iters: int, repeats: int) -> float:
     return statistics.median(samples)
 
 
-def time_graph_us(fn, iters: int, repeats: int) -> float | None:
-    """GPU time per call: iters calls captured in one CUDA graph and replayed, so the host's
-    launch cost (tens of microseconds a Triton launch) drops out; None where the launcher
-    cannot be captured (it reads the device)."""
+def replayer(fn, iters: int):
+    """A callable running `iters` calls of fn: one replay of a CUDA graph that captured them, or
+    the calls launched eagerly where fn cannot be captured (its launcher reads the device); and
+    whether it is a graph."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up off the capture stream, as torch asks
+    with torch.cuda.stream(side):  # warm-up (compiles the kernels) off the capture stream
         for _ in range(3):
             fn()
     torch.cuda.current_stream().wait_stream(side)
@@ -97,9 +97,17 @@ def time_graph_us(fn, iters: int, repeats: int) -> float | None:
             for _ in range(iters):
                 fn()
     except RuntimeError as e:
-        log.warning("not captured in a graph (%s): timed from the host only", e)
-        return None
-    return time_us(graph.replay, 1, repeats) / iters
+        log.warning("not captured in a graph (%s): launched eagerly", e)
+        return (lambda: [fn() for _ in range(iters)]), False
+    return graph.replay, True
+
+
+def time_graph_us(fn, iters: int, repeats: int) -> float | None:
+    """GPU time per call: iters calls captured in one CUDA graph and replayed, so the host's
+    launch cost (tens of microseconds a Triton launch) drops out; None where the launcher
+    cannot be captured (then only the host's timing of it stands)."""
+    replay, is_graph = replayer(fn, iters)
+    return time_us(replay, 1, repeats) / iters if is_graph else None
 
 
 def bench_one(kernels, kernel, phase, num, rank, args, dtype) -> dict:

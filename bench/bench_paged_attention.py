@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from bench.bench_kernels import time_us
+from bench.bench_kernels import replayer, time_us
 from bench.envelope import describe_device, write_result
 
 log = logging.getLogger("bench_paged_attention")
@@ -66,26 +66,6 @@ def mixed_case(segments, dtype, gen):
     slots = perm[:num_tokens]
     k[:, slots], v[:, slots] = key.transpose(0, 1), val.transpose(0, 1)
     return q, key, val, seg_starts, past_slots, k, v, slots
-
-
-def replayer(fn, iters: int):
-    """A callable running `iters` calls of fn: one replay of a CUDA graph that captured them, or
-    the calls launched eagerly where fn cannot be captured; and whether it is a graph."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up (compiles the kernels) off the capture stream
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    try:
-        with torch.cuda.graph(graph):
-            for _ in range(iters):
-                fn()
-    except RuntimeError as e:
-        log.warning("not captured in a graph (%s): launched eagerly", e)
-        return (lambda: [fn() for _ in range(iters)]), False
-    return graph.replay, True
 
 
 def compare(torch_fn, paged_fn, args) -> dict:
