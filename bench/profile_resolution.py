@@ -8,7 +8,8 @@ in the order a resolution runs them (server/resolver):
 - `paths`: the path checks of the load (`AdapterPaths.resolve`: realpath under the root)
 - `open`: `Engine.open_adapter`, the read: the safetensors header and rank and room checks, the
   file read and parse, the shape and finiteness checks, the LoRA-product overflow check
-- `digest`: `content_digest`, the sha256 of the weights registration dedupes by
+- `digest`: `ContentKey`, what registration dedupes by (the sha256 of the weights only where
+  its probe matches a held copy's)
 - `register`: `Engine.register_adapter` with that digest (host memory, the name table)
 - `copy`: the copy into the device room (`AdapterCache.acquire` until its load is done)
 - `remove`: `Engine.remove_adapter`
@@ -43,7 +44,7 @@ from safetensors.torch import load
 from bench.bench_adapter_scale import RANKS, adapter_names
 from bench.common import adapter_bytes
 from bench.envelope import describe_device, write_result
-from toppings.gpu_lora.host_memory import content_digest
+from toppings.gpu_lora.host_memory import ContentKey
 from toppings.gpu_lora.peft_config import WEIGHTS_FILE
 from toppings.gpu_lora.peft_format import load_peft_adapter
 from toppings.gpu_lora.validate import check_finite_delta
@@ -89,7 +90,7 @@ def profile(engine, root: Path, names: list[str], cold: bool) -> dict[str, dict[
         clock.append(time.perf_counter())
         adapter = engine.open_adapter(name, real)
         clock.append(time.perf_counter())
-        digest = content_digest(adapter)
+        digest = ContentKey(adapter)
         clock.append(time.perf_counter())
         ref = engine.register_adapter(adapter, digest)
         clock.append(time.perf_counter())

@@ -25,6 +25,7 @@ from toppings.gpu_lora.dora import DoraScales
 from toppings.gpu_lora.host_lora import HostLora, HostLoraRunner
 from toppings.gpu_lora.host_memory import (
     DEFAULT_BUDGET_FRACTION,
+    ContentKey,
     HostAdapterMemory,
     HostMemoryFull,
     default_budget_bytes,
@@ -118,16 +119,16 @@ class AdapterHost:
             )
 
     def shared(
-        self, adapter: LoraAdapter, digest: str | None = None
-    ) -> tuple[LoraAdapter, str, int]:
-        """A validated adapter as it will be held, its content digest, and the weights id of
-        the copy of that content already held (0: a new content; then the returned adapter's
-        tensors are its own, else the copy's). `digest`: the adapter's content digest when the
-        caller has it (None: computed here)."""
-        adapter, digest = self.memory.shared(adapter, digest)
-        return adapter, digest, self.memory.held_id(digest) or 0
+        self, adapter: LoraAdapter, content: ContentKey | None = None
+    ) -> tuple[LoraAdapter, ContentKey, int]:
+        """A validated adapter as it will be held, its content key, and the weights id of the
+        copy of that content already held (0: a new content; then the returned adapter's
+        tensors are its own, else the copy's). `content`: the adapter's content key when the
+        caller has it (None: made here)."""
+        adapter, content = self.memory.shared(adapter, content)
+        return adapter, content, self.memory.held_id(content) or 0
 
-    def add(self, adapter: LoraAdapter, digest: str, ref: AdapterRef) -> None:
+    def add(self, adapter: LoraAdapter, content: ContentKey, ref: AdapterRef) -> None:
         """Hold `adapter` (from `shared`, its `id` set to `ref.weights_id`) for registration
         `ref`: a new content is charged to the host budget and put in the workers' arena, a
         held one is shared. 507 past the budget or the arena (nothing held)."""
@@ -137,7 +138,7 @@ class AdapterHost:
         if self.repository is not None:
             host_bytes += self.repository.block_bytes(adapter)
         try:
-            is_new = self.memory.charge(ref.id, adapter, digest, host_bytes)
+            is_new = self.memory.charge(ref.id, adapter, content, host_bytes)
         except HostMemoryFull as exc:
             raise RequestError(str(exc), 507, INSUFFICIENT_STORAGE) from None
         if is_new:

@@ -26,6 +26,7 @@ import torch
 
 from toppings.gpu_lora.cache import AdapterCache, CacheEntry
 from toppings.gpu_lora.dora import BaseProjections
+from toppings.gpu_lora.host_memory import ContentKey
 from toppings.gpu_lora.kernels import select as select_lora_backend
 from toppings.gpu_lora.lora_batch import HostLoraStats
 from toppings.gpu_lora.peft_format import LoraAdapter
@@ -104,19 +105,19 @@ class AdapterManager:
         """Read the adapter directory at `path` as adapter `name` (AdapterReader.open)."""
         return self.reader.open(path, name)
 
-    def register(self, adapter: LoraAdapter, digest: str | None = None) -> AdapterRef:
+    def register(self, adapter: LoraAdapter, content: ContentKey | None = None) -> AdapterRef:
         """Make a validated adapter servable (with the engine's lock held when the mode
         preloads; Engine.register_adapter says why not otherwise; registrations come one at a
         time, from the adapter thread); returns its new reference (409 when its name is
         registered). Content already held under another name is shared, not copied; a new copy
-        is charged to the host budget (507 past it). `digest`: the adapter's content digest
-        when the caller has it (None: computed here)."""
+        is charged to the host budget (507 past it). `content`: the adapter's content key when
+        the caller has it (None: made here)."""
         self.refs.check_free(adapter.name)  # a name taken meanwhile: `refs.add` refuses it below
-        adapter, digest, shared_weights_id = self.host.shared(adapter, digest)
+        adapter, content, shared_weights_id = self.host.shared(adapter, content)
         nbytes = self.cache.charge(adapter)
         ref = AdapterRef.new(adapter.name, adapter.rank, nbytes, shared_weights_id)
         adapter = dataclasses.replace(adapter, id=ref.weights_id)  # every layer's key below
-        self.host.add(adapter, digest, ref)
+        self.host.add(adapter, content, ref)
         if self.mode.preload:
             # The ideal upper bound: every adapter on the device before any request, pinned.
             entry = None

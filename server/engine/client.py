@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+from toppings.gpu_lora.host_memory import ContentKey
 from toppings.gpu_lora.peft_format import LoraAdapter
 from toppings.server.config import EngineConfig
 from toppings.server.model.config import ModelConfig
@@ -43,7 +44,9 @@ class EngineClient(Protocol):
     def open_adapter(self, name: str, path: str) -> LoraAdapter:
         """Read and check an adapter directory without registering it (any thread)."""
 
-    def register_adapter(self, adapter: LoraAdapter, digest: str | None = None) -> AdapterRef:
+    def register_adapter(
+        self, adapter: LoraAdapter, content: ContentKey | None = None
+    ) -> AdapterRef:
         """Register an adapter `open_adapter` read (or `remove_adapter` returned)."""
 
     def remove_adapter(self, name: str) -> LoraAdapter: ...

@@ -19,6 +19,7 @@ import queue
 import threading
 import time
 
+from toppings.gpu_lora.host_memory import ContentKey
 from toppings.gpu_lora.peft_format import LoraAdapter
 from toppings.gpu_lora.trace import TraceRecorder
 from toppings.gpu_lora.validate import check_finite_delta
@@ -147,10 +148,12 @@ class Engine:
         check_finite_delta(adapter, self.model.dtype)
         return adapter
 
-    def register_adapter(self, adapter: LoraAdapter, digest: str | None = None) -> AdapterRef:
+    def register_adapter(
+        self, adapter: LoraAdapter, content: ContentKey | None = None
+    ) -> AdapterRef:
         """Make an adapter from `open_adapter` (or one `remove_adapter` returned) servable;
-        `digest`: its content digest when the caller computed it (gpu_lora.host_memory's
-        `content_digest` of this very adapter), else it is computed here.
+        `content`: its content key (gpu_lora.host_memory's `ContentKey` of this very adapter)
+        when the caller made it, else it is made here.
 
         Only a LoRA mode that preloads (cached) puts the adapter on the device here, which a
         step owns: it takes the engine's lock. Otherwise registering touches the host side
@@ -161,7 +164,7 @@ class Engine:
         step, its device loads included."""
         lock = self._lock if self.lora.mode.preload else contextlib.nullcontext()
         with lock:
-            ref = self.lora.register(adapter, digest)
+            ref = self.lora.register(adapter, content)
         targets = ",".join(adapter.target_modules)
         log.info("adapter %s (id %d): rank %d, targets %s", adapter.name, ref.id, adapter.rank,
                  targets)  # fmt: skip

@@ -4,7 +4,7 @@ The resolver registers at most `--lora-resolver-max-adapters` adapters and unloa
 recently used one to make room for another; with a thousand adapters in use, a name unloaded a
 minute ago is often asked for again. Without this tier, that request reads its PEFT files from
 disk, parses and checks them and hashes the weights again, all on its way to the first token.
-Here the unloaded adapter's tensors (as the engine held them, checked) and their content digest
+Here the unloaded adapter's tensors (as the engine held them, checked) and their content key
 stay in host memory, least recently kept first out, within `max_bytes`; the next resolution of
 that directory registers them again without a read.
 
@@ -27,6 +27,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from toppings.gpu_lora.host_memory import ContentKey
 from toppings.gpu_lora.peft_config import CONFIG_FILE, WEIGHTS_FILE
 from toppings.gpu_lora.peft_format import LoraAdapter
 
@@ -54,11 +55,11 @@ class FileKey:
 
 @dataclass
 class Prepared:
-    """An adapter read and checked, ready to register: its content digest, and the directory
-    and file key it was read from."""
+    """An adapter read and checked, ready to register: its content key, and the directory and
+    file key it was read from."""
 
     adapter: LoraAdapter
-    digest: str
+    content: ContentKey
     directory: str
     key: FileKey | None  # None: its files could not be keyed; never kept
 

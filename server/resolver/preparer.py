@@ -1,13 +1,13 @@
 """Getting a resolved adapter ready to register, off the adapter thread: `Preparer`.
 
 Registering an adapter is quick; reading it is not: the PEFT files from disk, their parse, the
-shape, rank, size and finiteness checks, and the content digest that registration's dedupe
+shape, rank, size and finiteness checks, and the content key that registration's dedupe
 needs. A load through /v1/load_lora_adapter does all of it on the one adapter thread
 (server.api.admin.lifecycle.AdapterThread), so with a thousand adapters drawn at random every
 cold request waited behind the reads of the cold requests before it. Here the reads run on a
 pool of their own, as many at once as the resolver resolves (`--lora-resolver-max-loading`),
-and hand the adapter thread an adapter that only needs registering, with its digest computed
-(registration does not hash it again). The readers run torch on their own thread alone
+and hand the adapter thread an adapter that only needs registering, with its content key made
+(registration does not make it again). The readers run torch on their own thread alone
 (`torch_on_this_thread_only`: no OpenMP team per reader, the reason the adapter thread exists).
 
 A read is started, not waited for (`start` gives a future): the resolver makes room for the
@@ -22,7 +22,7 @@ import dataclasses
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Protocol
 
-from toppings.gpu_lora.host_memory import content_digest
+from toppings.gpu_lora.host_memory import ContentKey
 from toppings.gpu_lora.peft_format import LoraAdapter
 from toppings.server.process.threads import torch_on_this_thread_only
 from toppings.server.resolver.host_tier import FileKey, HostTier, Prepared
@@ -59,9 +59,9 @@ class Preparer:
             return self._readers.submit(self._read, name, directory, key)
         done: Future[tuple[Prepared, bool]] = Future()
         adapter = dataclasses.replace(kept.adapter, name=name)
-        done.set_result((Prepared(adapter, kept.digest, directory, key), True))
+        done.set_result((Prepared(adapter, kept.content, directory, key), True))
         return done
 
     def _read(self, name: str, directory: str, key: FileKey | None) -> tuple[Prepared, bool]:
         adapter = self.opener.open(name, directory)
-        return Prepared(adapter, content_digest(adapter), directory, key), False
+        return Prepared(adapter, ContentKey(adapter), directory, key), False

@@ -45,6 +45,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Protocol
 
+from toppings.gpu_lora.host_memory import ContentKey
 from toppings.gpu_lora.peft_format import LoraAdapter
 from toppings.server.requests.adapter_ref import AdapterRef
 from toppings.server.requests.errors import (
@@ -76,7 +77,7 @@ class Registrar(Protocol):
         """Read and check a checked directory (any thread: the reader pool's)."""
         ...
 
-    def register(self, adapter: LoraAdapter, digest: str | None = None) -> AdapterRef: ...
+    def register(self, adapter: LoraAdapter, content: ContentKey | None = None) -> AdapterRef: ...
 
     def remove(self, name: str) -> LoraAdapter:
         """Unregister `name` (404, or 409 while in use); the adapter as it was held."""
@@ -86,13 +87,12 @@ class Registrar(Protocol):
 @dataclass
 class _Held:
     """A resolved adapter registered now; `leases`: requests between resolving and submitting;
-    where it was read from and its digest, to keep it in the host tier once evicted."""
+    where it was read from, to keep it in the host tier once evicted."""
 
     ref: AdapterRef
     leases: int
     directory: str
     key: FileKey | None
-    digest: str
     host_bytes: int
 
 
@@ -250,7 +250,7 @@ class ResolvedAdapters:
                 self._keep_when_read(reading)
                 raise
             prepared, kept = reading.result()  # the read's RequestError
-            load.ref = self.registrar.register(prepared.adapter, prepared.digest)
+            load.ref = self.registrar.register(prepared.adapter, prepared.content)
             outcome = Outcome.LOADED
             if kept:
                 self.metrics.host_hits.inc()
@@ -276,8 +276,7 @@ class ResolvedAdapters:
                 self._num_reserved -= reserved
                 if load.error is None:
                     self._held[name] = _Held(load.ref, load.num_waiting, prepared.directory,
-                                             prepared.key, prepared.digest,
-                                             prepared.host_bytes)  # fmt: skip
+                                             prepared.key, prepared.host_bytes)  # fmt: skip
                 self._count_held()
             load.done.set()
             self.metrics.observe(outcome, time.monotonic() - started)
@@ -318,7 +317,7 @@ class ResolvedAdapters:
             held = self.registrar.remove(name)
             unloaded = True
             if placed and held.id == victim.ref.weights_id:  # what this resolver registered
-                prepared = Prepared(held, victim.digest, victim.directory, victim.key)
+                prepared = Prepared(held, ContentKey(held), victim.directory, victim.key)
                 self.tier.fill(victim.host_bytes, prepared)
                 placed = False
         except RequestError as exc:

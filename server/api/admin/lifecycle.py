@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TypeVar
 
+from toppings.gpu_lora.host_memory import ContentKey
 from toppings.gpu_lora.peft_config import CONFIG_FILE, WEIGHTS_FILE, AdapterError
 from toppings.gpu_lora.peft_format import LoraAdapter
 from toppings.server.process.threads import torch_on_this_thread_only
@@ -191,10 +192,10 @@ class AdapterAdmin:
         with _read_errors(name, path):
             return self.engine.open_adapter(name, path)
 
-    def register(self, adapter: LoraAdapter, digest: str | None = None) -> AdapterRef:
+    def register(self, adapter: LoraAdapter, content: ContentKey | None = None) -> AdapterRef:
         """Register an adapter `open` read, or one `remove` returned, on the adapter thread;
-        `digest`: its content digest when the caller computed it."""
-        return self.thread.run(self.engine.register_adapter, adapter, digest)
+        `content`: its content key when the caller made it."""
+        return self.thread.run(self.engine.register_adapter, adapter, content)
 
     def unload(self, body: dict) -> dict:
         unknown = set(body) - {"lora_name"}
