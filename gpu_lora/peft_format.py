@@ -77,6 +77,8 @@ class LoraAdapter:
     `magnitudes[(layer_idx, module)] = m [out_features]` for the same pairs, and, once the base
     weights were read (`AdapterReader.open`), `dora`: the per-channel scales (gpu_lora.dora).
     An activated LoRA has its `invocation_tokens` (gpu_lora.alora); () for any other.
+    `weight_bounds[(layer_idx, module)] = (max |A|, max |B|)` as read (empty: not known), for
+    the overflow check (gpu_lora.validate) without another pass over the weights.
     `id` is what the device cache and pool key it by: its registration's id (the server's
     `AdapterRef.id`, set when it is registered), else one made for it alone; never its name,
     which a later registration may hold.
@@ -95,6 +97,7 @@ class LoraAdapter:
     dora: DoraScales | None = None
     invocation_tokens: tuple[int, ...] = ()
     id: int = field(default_factory=unregistered_id)
+    weight_bounds: dict[tuple[int, str], tuple[float, float]] = field(default_factory=dict)
 
     @property
     def is_dora(self) -> bool:
@@ -182,12 +185,19 @@ def _check_not_pickle_only(dir_fd: int, root: Path) -> None:
         )
 
 
+def abs_max(tensor: torch.Tensor) -> float:
+    """The largest magnitude in a float tensor: NaN where it holds a NaN, inf where an inf.
+    One reduction (`aminmax`) and no boolean mask per tensor: an adapter has hundreds of small
+    tensors, and `isfinite(t).all()` on each was the largest part of reading one; the bound
+    also serves the overflow check (gpu_lora.validate)."""
+    low, high = torch.aminmax(tensor)
+    low, high = low.item(), high.item()
+    return high if math.isnan(high) else max(-low, high)
+
+
 def is_all_finite(tensor: torch.Tensor) -> bool:
-    """Whether every value of a float tensor is finite: its sum in float64 is, exactly (a NaN or
-    an inf makes the sum one; finite float32 values cannot overflow float64 in any tensor that
-    fits in memory). One reduction and no boolean mask per tensor: an adapter has hundreds of
-    small tensors, and `isfinite(t).all()` on each was the largest part of reading one."""
-    return math.isfinite(tensor.sum(dtype=torch.float64).item())
+    """Whether every value of a float tensor is finite."""
+    return math.isfinite(abs_max(tensor))
 
 
 def load_peft_adapter(
@@ -203,6 +213,7 @@ def load_peft_adapter(
     weights_path = root / WEIGHTS_FILE
     rank = cfg["r"]
     halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    bounds: dict[tuple[int, str], dict[str, float]] = {}  # max |A|, max |B| of each pair
     magnitudes = _magnitudes(tensors, cfg, targeted, model_config, weights_path)
     for key, tensor in tensors.items():
         if key in magnitudes:
@@ -221,9 +232,11 @@ def load_peft_adapter(
         if not tensor.is_floating_point():
             raise AdapterError(f"{weights_path}: tensor {brief(key)} has dtype {tensor.dtype}")
         tensor = tensor.to(torch.float32).contiguous()
-        if not is_all_finite(tensor):
+        bound = abs_max(tensor)
+        if not math.isfinite(bound):
             raise AdapterError(f"{weights_path}: tensor {brief(key)} holds NaN or inf")
         halves[pair][half] = tensor
+        bounds.setdefault(pair, {})[half] = bound
 
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
     for pair in sorted(targeted, key=lambda p: (p[0], LORA_TARGETS.index(p[1]))):
@@ -252,6 +265,7 @@ def load_peft_adapter(
         base_model=cfg.get("base_model_name_or_path"),
         magnitudes={pair: m for pair, m in magnitudes.values()},
         invocation_tokens=tuple(cfg.get("alora_invocation_tokens") or ()),
+        weight_bounds={pair: (bounds[pair]["A"], bounds[pair]["B"]) for pair in weights},
     )
 
 

@@ -3,7 +3,8 @@
 A LoRA delta is `scale * (x @ A.T) @ B.T`; with weights or a `lora_alpha` large enough the
 product overflows to inf (then NaN through the softmax) although every stored number is finite,
 and every generation with the adapter fails. The check here is cheap (one max per tensor) and
-lenient enough for any trained adapter in float16: it bounds the delta of an input of unit
+lenient enough for any trained adapter in float16 (and no pass over the weights at all where the
+read kept their maxima, `LoraAdapter.weight_bounds`): it bounds the delta of an input of unit
 l1 norm,
 
     |delta_j| <= scale * sum_r |B_jr| |A_r . x| <= scale * R * max|A| * max|B|   (|x|_1 <= 1),
@@ -20,7 +21,7 @@ import math
 import torch
 
 from toppings.gpu_lora.peft_config import AdapterError, module_name
-from toppings.gpu_lora.peft_format import LoraAdapter
+from toppings.gpu_lora.peft_format import LoraAdapter, abs_max
 
 
 def check_finite_delta(adapter: LoraAdapter, dtype: torch.dtype) -> None:
@@ -36,7 +37,8 @@ def check_finite_delta(adapter: LoraAdapter, dtype: torch.dtype) -> None:
             f"(largest finite value {limit:g})"
         )
     for (layer, module), (a, b) in adapter.weights.items():
-        max_a, max_b = a.abs().max().item(), b.abs().max().item()
+        known = adapter.weight_bounds.get((layer, module))
+        max_a, max_b = known if known is not None else (abs_max(a), abs_max(b))
         what = f"{where}, {module_name(layer, module)}"
         if not (math.isfinite(max_a) and math.isfinite(max_b)):
             raise AdapterError(f"{what}: lora_A or lora_B holds NaN or inf")

@@ -16,6 +16,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from toppings.gpu_lora.peft_format import (
     AdapterError,
+    abs_max,
     is_all_finite,
     load_peft_adapter,
     read_adapter_config,
@@ -76,6 +77,8 @@ def test_matches_peft(tmp_path: Path, kwargs: dict) -> None:
         assert a.dtype == torch.float32 and a.is_contiguous() and b.is_contiguous()
         assert torch.equal(a, a_ref) and torch.equal(b, b_ref)
         assert adapter.scale == pytest.approx(scale_ref)
+        # what the read kept for the overflow check: each tensor's largest magnitude
+        assert adapter.weight_bounds[pair] == (a.abs().max().item(), b.abs().max().item())
     want_scale = adapter.alpha / (
         math.sqrt(adapter.rank) if kwargs.get("use_rslora") else adapter.rank
     )
@@ -265,8 +268,9 @@ def test_all_linear_shorthand_in_config(tmp_path: Path) -> None:
 
 
 def test_is_all_finite_matches_isfinite_all():
-    """The float64 sum that checks a tensor is exact: a NaN, either infinity or both, and the
-    largest finite float32 values added up many times, against `isfinite(t).all()`."""
+    """The one reduction that checks a tensor (`abs_max`) is exact: a NaN, either infinity or
+    both, and the largest finite float32 values, against `isfinite(t).all()`; its bound is
+    `t.abs().max()`."""
     big = torch.finfo(torch.float32).max
     cases = [torch.randn(64, 576), torch.full((4096,), big), torch.full((4096,), -big)]
     for bad in (math.nan, math.inf, -math.inf):
@@ -278,3 +282,9 @@ def test_is_all_finite_matches_isfinite_all():
     cases.append(both)
     for t in cases:
         assert is_all_finite(t) == bool(torch.isfinite(t).all())
+        want = t.abs().max().item()
+        got = abs_max(t)
+        assert got == want or (math.isnan(got) and math.isnan(want))
+    peak = torch.randn(64, 576)
+    peak[3, 4] = -7.5  # the largest magnitude negative
+    assert abs_max(peak) == 7.5

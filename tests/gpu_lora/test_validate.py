@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -49,6 +51,32 @@ def test_an_overflowing_adapter_is_refused_naming_the_module(kwargs, words):
         check_finite_delta(adapter(**kwargs), torch.float32)
     for word in words:
         assert word in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{}, {"scale": 1e36, "a_max": 1e5}, {"a_max": 3e38, "b_max": 3e38}, {"a_max": float("nan")}],
+)
+def test_the_bounds_kept_by_the_read_decide_as_the_weights_do(kwargs):
+    """An adapter whose read kept its weights' maxima (`weight_bounds`) is judged on them, with
+    the same verdict and words as on a pass over its weights."""
+    plain = adapter(**kwargs)
+    bounds = {
+        pair: (a.abs().max().item(), b.abs().max().item()) for pair, (a, b) in plain.weights.items()
+    }
+    kept = dataclasses.replace(plain, weight_bounds=bounds)
+    verdicts = []
+    for each in (plain, kept):
+        try:
+            check_finite_delta(each, torch.float16)
+            verdicts.append(None)
+        except AdapterError as exc:
+            verdicts.append(str(exc))
+    assert verdicts[0] == verdicts[1]
+    # the bounds are what is read: a wrong one decides
+    lying = dataclasses.replace(plain, weight_bounds={p: (1e30, 1e30) for p in bounds})
+    with pytest.raises(AdapterError, match="overflows"):
+        check_finite_delta(lying, torch.float16)
 
 
 def test_a_weight_beyond_float16_is_refused_there_only():
