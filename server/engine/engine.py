@@ -77,6 +77,9 @@ class Engine:
         self._inbox: queue.Queue = queue.Queue()
         self.step_stats = reports.StepStats()
         self._lock = threading.Lock()  # held during a step and while the pool changes
+        # Registrations and removals change the adapter tables one at a time; a removal takes
+        # it after the step lock (register_adapter says why a registration may not need that).
+        self._registering = threading.Lock()
         # A request accepted for an adapter counts in flight there until it ends: no unload can
         # pull the adapter from under it (server/adapters/registry.py).
         self.adapter_refs = self.lora.refs
@@ -163,7 +166,7 @@ class Engine:
         not wait for a running step: a cold adapter's registration used to wait for a whole
         step, its device loads included."""
         lock = self._lock if self.lora.mode.preload else contextlib.nullcontext()
-        with lock:
+        with lock, self._registering:
             ref = self.lora.register(adapter, content)
         targets = ",".join(adapter.target_modules)
         log.info("adapter %s (id %d): rank %d, targets %s", adapter.name, ref.id, adapter.rank,
@@ -173,7 +176,7 @@ class Engine:
     def remove_adapter(self, name: str) -> LoraAdapter:
         """Unregister an adapter; refused (409) while a request accepted for it has not ended.
         Returns the adapter as it was held (its host tensors, which it no longer charges)."""
-        with self._lock:
+        with self._lock, self._registering:
             ref = self.adapter_refs.retire(name)  # 404, 409; no request acquires it from here
             adapter = self.lora.unregister(ref)
             self.memory.forget_adapter(ref)

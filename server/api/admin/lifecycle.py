@@ -135,7 +135,8 @@ def discover(lora_dir: str | os.PathLike) -> dict[str, str]:
 
 
 class AdapterThread:
-    """The one thread on which adapters are registered and unregistered at run time.
+    """The threads on which adapters are registered and unregistered at run time: one for
+    loads, one for unloads.
 
     A load and an unload run torch ops on the adapter pool's rows (an unload zeroes the
     adapter's rows in every layer) large enough for torch to run them in parallel, and OpenMP
@@ -144,16 +145,27 @@ class AdapterThread:
     every handler that ever loaded or unloaded an adapter kept a team: the soak's thread count
     and memory grew for an hour (bench/soak.py, issue 48). Here torch runs on this thread
     alone, so it starts no team at all (a second team slows every decode step: threads.py).
-    Loads and unloads run one at a time, as they did in effect: they take the engine's lock."""
+    An unload waits for the engine's step (it takes the engine's lock); a registration, outside
+    the cached mode, touches the host side only and does not: on one thread, every first use of
+    a resolved adapter waited behind the unload that made room for another one. So unloads have
+    a thread of their own, and the engine orders the two (Engine.register_adapter)."""
 
     def __init__(self) -> None:
-        self._executor = ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="adapter-admin", initializer=torch_on_this_thread_only
-        )
+        self._loads = _torch_thread("adapter-admin")
+        self._unloads = _torch_thread("adapter-unload")
 
     def run(self, fn: Callable[..., T], *args: object) -> T:
-        """fn(*args) on the adapter thread; its result or its exception."""
-        return self._executor.submit(fn, *args).result()
+        """fn(*args) on the loads' thread; its result or its exception."""
+        return self._loads.submit(fn, *args).result()
+
+    def run_unload(self, fn: Callable[..., T], *args: object) -> T:
+        """fn(*args) on the unloads' thread; its result or its exception."""
+        return self._unloads.submit(fn, *args).result()
+
+
+def _torch_thread(name: str) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix=name,
+                              initializer=torch_on_this_thread_only)  # fmt: skip
 
 
 class AdapterAdmin:
@@ -209,7 +221,7 @@ class AdapterAdmin:
 
     def remove(self, name: str) -> LoraAdapter:
         """Unregister `name` (RequestError 404 or 409); returns the adapter as it was held."""
-        adapter = self.thread.run(self.engine.remove_adapter, name)
+        adapter = self.thread.run_unload(self.engine.remove_adapter, name)
         log.info("unloaded adapter %s", name)
         return adapter
 

@@ -1,6 +1,7 @@
-"""Adapter loads and unloads run on one thread, not on the HTTP handler thread that asked (issue
-48's soak): OpenMP keeps a team of worker threads for every thread that ran a parallel torch op,
-so hundreds of long-lived handler threads that each loaded an adapter kept hundreds of teams."""
+"""Adapter loads run on one thread and unloads on another, not on the HTTP handler thread that
+asked (issue 48's soak): OpenMP keeps a team of worker threads for every thread that ran a
+parallel torch op, so hundreds of long-lived handler threads that each loaded an adapter kept
+hundreds of teams."""
 
 from __future__ import annotations
 
@@ -29,22 +30,22 @@ class RecordingEngine:
     def __init__(self, engine, parallel_op: bool = False):
         self._engine = engine
         self._parallel_op = parallel_op
-        self.threads: list[int] = []
+        self.threads: dict[str, list[int]] = {"load": [], "unload": []}
 
     def __getattr__(self, name: str):
         return getattr(self._engine, name)
 
-    def _record(self) -> None:
-        self.threads.append(threading.get_ident())
+    def _record(self, kind: str) -> None:
+        self.threads[kind].append(threading.get_ident())
         if self._parallel_op:
             torch.ones(1 << 22).mul_(2.0)
 
     def add_adapter(self, name: str, path: str):
-        self._record()
+        self._record("load")
         return self._engine.add_adapter(name, path)
 
     def remove_adapter(self, name: str) -> None:
-        self._record()
+        self._record("unload")
         self._engine.remove_adapter(name)
 
 
@@ -86,14 +87,15 @@ def _from_live_threads(admin: AdapterAdmin, root) -> tuple[list[int], int]:
             t.join()
 
 
-def test_loads_and_unloads_run_on_one_thread(tiny_engine, adapter_root):
+def test_loads_and_unloads_run_on_the_adapter_threads(tiny_engine, adapter_root):
     with tiny_engine() as engine:
         recording = RecordingEngine(engine)
         admin = AdapterAdmin(recording, AdapterPaths([str(adapter_root)]))
         callers, _ = _from_live_threads(admin, adapter_root)
-        assert len(recording.threads) == 2 * NUM_CALLERS
-        assert len(set(recording.threads)) == 1
-        assert recording.threads[0] not in callers
+        loads, unloads = recording.threads["load"], recording.threads["unload"]
+        assert len(loads) == len(unloads) == NUM_CALLERS
+        assert len(set(loads)) == len(set(unloads)) == 1  # one thread each, for every caller
+        assert not {*loads, *unloads} & set(callers)
         assert engine.adapters() == []
 
 

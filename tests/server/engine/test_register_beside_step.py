@@ -9,6 +9,7 @@ import pytest
 
 from tests.helpers import running_engine
 from toppings.server.requests.adapter_ref import AdapterRef
+from toppings.server.requests.request import RequestError
 
 
 @pytest.fixture(scope="module")
@@ -47,3 +48,36 @@ def test_a_cached_registration_waits_for_the_step(tiny_model_dir, adapter_dir):
             assert not got  # the device is the step's while it runs
         thread.join(timeout=60)
         assert got and engine.resolve_adapter("a") == got[0]
+
+
+def test_a_registration_does_not_wait_behind_an_unload_waiting_for_a_step(
+    tiny_model_dir, adapter_dir
+):
+    """An unload waits for the step (it takes the engine's lock); the registration of another
+    adapter through the same admin (the resolver's eviction and its next first use) does not
+    wait behind it."""
+    from toppings.server.api.admin.lifecycle import AdapterAdmin, AdapterPaths
+
+    config = dict(max_total_tokens=1024, lora_mode="on-demand")
+    with running_engine(tiny_model_dir, {}, **config) as engine:
+        admin = AdapterAdmin(engine, AdapterPaths([]))
+        admin.register(engine.open_adapter("old", adapter_dir))
+        unloaded: list = []
+        with engine._lock:  # a step runs
+            unload = threading.Thread(target=lambda: unloaded.append(admin.remove("old")))
+            unload.start()
+            unload.join(timeout=0.5)
+            assert not unloaded  # the unload waits for the step
+            new = engine.open_adapter("new", adapter_dir)
+            registered: list = []
+            register = threading.Thread(target=lambda: registered.append(admin.register(new)))
+            register.start()
+            register.join(timeout=60)
+            assert registered, "the registration waited behind the unload"
+            ref = registered[0]
+            assert engine.resolve_adapter("new") == ref
+        unload.join(timeout=60)
+        assert unloaded and unloaded[0].name == "old"
+        with pytest.raises(RequestError):
+            engine.resolve_adapter("old")
+        assert engine.resolve_adapter("new") == ref  # it shared the content: still held
