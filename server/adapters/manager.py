@@ -137,17 +137,27 @@ class AdapterManager:
     def unregister(self, ref: AdapterRef) -> LoraAdapter | None:
         """Drop registration `ref` from the host, and its rows from the device unless another
         registration computes with them; returns its adapter as it was held."""
+        if self.mode.preload and self.cache.holds(ref.weights_id):
+            self.cache.release(ref.weights_id)  # this registration's pin
+        held = self.unregister_host(ref)
+        self.forget_rows(ref.weights_id)
+        return held
+
+    def unregister_host(self, ref: AdapterRef) -> LoraAdapter | None:
+        """The host side of `unregister` alone (in a mode that does not preload: no pin to
+        let go); its rows then go by `forget_rows`, on the engine thread."""
         held = self.host.lookup(ref)
-        weights_id = ref.weights_id
-        if self.mode.preload and self.cache.holds(weights_id):
-            self.cache.release(weights_id)  # this registration's pin
-        others = self.host.sharing(ref)
-        if others:
-            self.cache.rename(weights_id, others[0].name)  # its rows stay; shown by a held name
-        else:
-            self.cache.forget(weights_id)
         self.host.drop(ref)
         return held
+
+    def forget_rows(self, weights_id: int) -> None:
+        """Drop the device rows of `weights_id`, unless a registration still computes with
+        them (then they stay, shown by its name)."""
+        others = [a for a in self.host.registered() if a.id == weights_id]
+        if others:
+            self.cache.rename(weights_id, others[0].name)
+        else:
+            self.cache.forget(weights_id)
 
     # ---- per request (the engine thread) -----------------------------------------------------
 

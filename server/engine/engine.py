@@ -179,10 +179,28 @@ class Engine:
         with self._lock, self._registering:
             ref = self.adapter_refs.retire(name)  # 404, 409; no request acquires it from here
             adapter = self.lora.unregister(ref)
-            self.memory.forget_adapter(ref)
-            self.queue.forget_adapter(ref)
+            self._forget(ref)
         log.info("adapter %s removed", name)
         return adapter
+
+    def retire_adapter(self, name: str) -> LoraAdapter:
+        """`remove_adapter` without waiting for a running step, outside the cached mode: the
+        name and the host side go now, what the engine thread owns (the adapter's device rows,
+        its cached KV, the queue policy's record) before its next plan. The resolver's
+        evictions take it: they are on a first use's way to its first token."""
+        if self.lora.mode.preload:
+            return self.remove_adapter(name)  # the device is the step's
+        with self._registering:
+            ref = self.adapter_refs.retire(name)  # 404, 409; no request acquires it from here
+            adapter = self.lora.unregister_host(ref)
+        self._inbox.put(ref)  # the rest: _drain_inbox
+        log.info("adapter %s removed (its device rows before the next step)", name)
+        return adapter
+
+    def _forget(self, ref: AdapterRef) -> None:
+        """What the engine keeps of an unregistered adapter, beside its rows."""
+        self.memory.forget_adapter(ref)
+        self.queue.forget_adapter(ref)
 
     def drain(self, timeout_s: float) -> bool:
         """Stop admitting new requests and wait for queued and running ones to end."""
@@ -367,6 +385,10 @@ class Engine:
                         self.scheduler.add(seq)
                 elif isinstance(item, str):
                     self.scheduler.abort(item)
+                elif isinstance(item, AdapterRef):  # retired (retire_adapter)
+                    with self._lock:
+                        self.lora.forget_rows(item.weights_id)
+                        self._forget(item)
                 item = self._inbox.get_nowait()
         except queue.Empty:
             pass

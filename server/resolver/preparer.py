@@ -11,7 +11,7 @@ and hand the adapter thread an adapter that only needs registering, with its con
 (`torch_on_this_thread_only`: no OpenMP team per reader, the reason the adapter thread exists).
 
 A read is started, not waited for (`start` gives a future): the resolver makes room for the
-adapter (an eviction, which waits for the engine's step) while it runs. An adapter the resolver
+adapter (an eviction) while it runs. An adapter the resolver
 unloaded and still keeps in its host tier (host_tier.py) is not read at all while its files are
 unchanged.
 """

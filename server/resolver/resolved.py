@@ -17,8 +17,9 @@ naming an unregistered adapter resolves it here (vLLM's LoRA resolvers, Dynamo's
   here.
 - At most `max_adapters` resolved adapters are registered at once. A load past it first unloads
   the least recently used resolved adapter that no request holds (neither leased here nor in
-  flight in the engine), while its own files are read (an unload waits for the engine's step:
-  not after the read); when every one is held it gets 503 with Retry-After. Adapters the
+  flight in the engine), while its own files are read; the unload does not wait for the
+  engine's step (its device rows go at the next one: Engine.retire_adapter). When every one
+  is held it gets 503 with Retry-After. Adapters the
   operator registered are never counted nor unloaded here; a name with no directory unloads
   nothing (an adapter its read refuses may have).
 - A resolved adapter stays registered and serving until it is evicted, even if its directory is
@@ -79,8 +80,9 @@ class Registrar(Protocol):
 
     def register(self, adapter: LoraAdapter, content: ContentKey | None = None) -> AdapterRef: ...
 
-    def remove(self, name: str) -> LoraAdapter:
-        """Unregister `name` (404, or 409 while in use); the adapter as it was held."""
+    def retire(self, name: str) -> LoraAdapter:
+        """Unregister `name` (404, or 409 while in use) without waiting for the engine's
+        step; the adapter as it was held."""
         ...
 
 
@@ -314,7 +316,7 @@ class ResolvedAdapters:
         unloaded = False
         placed = self.tier.reserve(victim.host_bytes)  # charged before the tier holds it
         try:
-            held = self.registrar.remove(name)
+            held = self.registrar.retire(name)
             unloaded = True
             if placed and held.id == victim.ref.weights_id:  # what this resolver registered
                 prepared = Prepared(held, ContentKey(held), victim.directory, victim.key)

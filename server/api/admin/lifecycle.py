@@ -225,6 +225,12 @@ class AdapterAdmin:
         log.info("unloaded adapter %s", name)
         return adapter
 
+    def retire(self, name: str) -> LoraAdapter:
+        """`remove`, without waiting for a running step (Engine.retire_adapter)."""
+        adapter = self.thread.run_unload(self.engine.retire_adapter, name)
+        log.info("unloaded adapter %s", name)
+        return adapter
+
 
 @contextlib.contextmanager
 def _read_errors(name: str, path: str) -> Iterator[None]:

@@ -1,5 +1,7 @@
 """Registering an adapter in a LoRA mode that loads on demand does not wait for a running step
-(it touches the host side only); in cached mode, which puts the adapter on the device, it does."""
+(it touches the host side only); in cached mode, which puts the adapter on the device, it does.
+Nor does a registration wait behind an unload, nor the resolver's retirement of an adapter
+for a step (its device rows go before the next one)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import pytest
 
 from tests.helpers import running_engine
 from toppings.server.requests.adapter_ref import AdapterRef
-from toppings.server.requests.request import RequestError
+from toppings.server.requests.request import GenerationRequest, RequestError, SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -81,3 +83,42 @@ def test_a_registration_does_not_wait_behind_an_unload_waiting_for_a_step(
         with pytest.raises(RequestError):
             engine.resolve_adapter("old")
         assert engine.resolve_adapter("new") == ref  # it shared the content: still held
+
+
+@pytest.mark.parametrize("mode", ["on-demand", "cpu-assisted"])
+def test_a_retirement_does_not_wait_for_a_step_and_its_rows_go_before_the_next(
+    tiny_model_dir, adapter_dir, mode
+):
+    """The resolver's eviction (Engine.retire_adapter): the name and host side go at once, beside
+    a running step; the device rows before the engine's next plan."""
+    with running_engine(tiny_model_dir, {}, max_total_tokens=1024, lora_mode=mode) as engine:
+        ref = engine.register_adapter(engine.open_adapter("a", adapter_dir))
+        prompt = GenerationRequest([1, 2, 3], SamplingParams(max_new_tokens=2), ref)
+        assert engine.submit(prompt).result(timeout_s=60).finish_reason == "length"
+        assert engine.lora.cache.holds(ref.weights_id)  # its rows are on the device
+        with engine._lock:  # a step runs
+            retired: list = []
+            thread = threading.Thread(target=lambda: retired.append(engine.retire_adapter("a")))
+            thread.start()
+            thread.join(timeout=60)
+            assert retired, "the retirement waited for the step"
+            with pytest.raises(RequestError):
+                engine.resolve_adapter("a")  # no request can name it from here
+            assert engine.lora.cache.holds(ref.weights_id)  # the step's, until it ends
+        base = GenerationRequest([1, 2, 3], SamplingParams(max_new_tokens=2), None)
+        assert engine.submit(base).result(timeout_s=60).finish_reason == "length"
+        assert not engine.lora.cache.holds(ref.weights_id)
+        assert engine.stats().adapter_host_memory["copies"] == 0
+
+
+def test_a_cached_retirement_waits_for_the_step(tiny_model_dir, adapter_dir):
+    with running_engine(tiny_model_dir, {}, max_total_tokens=1024, lora_mode="cached") as engine:
+        engine.register_adapter(engine.open_adapter("a", adapter_dir))
+        with engine._lock:
+            retired: list = []
+            thread = threading.Thread(target=lambda: retired.append(engine.retire_adapter("a")))
+            thread.start()
+            thread.join(timeout=0.5)
+            assert not retired  # the device is the step's while it runs
+        thread.join(timeout=60)
+        assert retired and not engine.adapters()

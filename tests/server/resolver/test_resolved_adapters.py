@@ -15,6 +15,7 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
+from toppings.gpu_lora.host_memory import ContentKey
 from toppings.gpu_lora.peft_format import LoraAdapter
 from toppings.server.requests.adapter_ref import AdapterRef
 from toppings.server.requests.errors import NOT_FOUND, UNAVAILABLE, unknown_adapter
@@ -75,8 +76,8 @@ class FakeEngine:
             raise self.fail
         return fake_adapter(name, path)
 
-    def register(self, adapter: LoraAdapter, digest: str | None = None) -> AdapterRef:
-        assert digest is not None  # computed by the reader, not on the adapter thread
+    def register(self, adapter: LoraAdapter, content: ContentKey | None = None) -> AdapterRef:
+        assert content is not None  # made by the reader, not on the adapter thread
         assert self.register_gate.wait(30)
         ref = AdapterRef.new(adapter.name, 8, 1)
         with self._lock:
@@ -85,7 +86,7 @@ class FakeEngine:
             self.held[adapter.name] = dataclasses.replace(adapter, id=ref.weights_id)
         return ref
 
-    def remove(self, name: str) -> LoraAdapter:
+    def retire(self, name: str) -> LoraAdapter:
         with self._lock:
             self.removing.append(name)
         assert self.remove_gate.wait(30)
