@@ -235,8 +235,18 @@ class KVPool:
         index = self.req_to_slot[rows, : max(lengths)]  # [B, Lmax]
         return index, torch.tensor(lengths, dtype=torch.int64, device=self.k.device)
 
-    def slots_at(self, rows: list[int], positions: list[int]) -> torch.Tensor:
-        """The slots of position positions[i] of rows[i], int64 [B]."""
+    def decode_table(self, rows, max_length: int) -> torch.Tensor:
+        """The slot index [B, max_length] of every position of each of `rows` (int64: a numpy
+        array or list where the table is host memory, else a tensor on the pool's device): a
+        decode step's `kv_index`, a copy. Entries of a row past its length are stale: readers
+        mask them by length."""
+        if self._table is not None:
+            return torch.from_numpy(self._table[rows, :max_length])  # [B, Lmax]
+        return self.req_to_slot[rows, :max_length]  # [B, Lmax]
+
+    def slots_at(self, rows, positions) -> torch.Tensor:
+        """The slots of position positions[i] of rows[i], int64 [B] (rows, positions: lists or
+        numpy arrays where the table is host memory, else lists or tensors on its device)."""
         if self._table is not None:
             return torch.from_numpy(self._table[rows, positions])
         return self.req_to_slot[rows, positions]
