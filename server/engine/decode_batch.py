@@ -17,7 +17,7 @@ Two sets of buffers alternate: the step on the device lane (step_pipeline.py) re
 while the engine thread writes the next step's into the other, which the step before that one
 read and is done with (at most one step is on the lane while the next is prepared). On CUDA
 the sets are pinned and the runner copies the step's set into one device mirror with one
-non-blocking copy, in stream order after the step before (`DecodeRows.to_device`); on a CPU the
+non-blocking copy, in stream order after the step before (`DecodeBatch.device_fields`); on a CPU the
 mirror is the set itself. The continuing rows' input tokens are known only once the step
 before has sampled (with async scheduling, after this step was prepared): `token_dst` and
 `token_src` say where each comes from, filled on the lane before the forward (`fill`).
@@ -45,17 +45,34 @@ NUM_FIELDS = 5
 
 
 @dataclass(frozen=True)
+class Views:
+    """A set's (or the mirror's) first B rows: `host` [F, B] int64, the same as a numpy array
+    (`array`; None on a device) and as one [B] tensor per field (`fields`), made once per set
+    and B (each view costs a microsecond or two to make, a few per step)."""
+
+    host: torch.Tensor
+    array: numpy.ndarray | None
+    fields: tuple[torch.Tensor, ...]
+
+    @classmethod
+    def of(cls, table: torch.Tensor, b: int) -> Views:
+        host = table[:, :b]
+        array = host.numpy() if host.device.type == "cpu" else None
+        return cls(host, array, tuple(host[f] for f in range(NUM_FIELDS)))
+
+
+@dataclass(slots=True)
 class DecodeRows:
-    """One decode step's rows (B requests, in `seqs`' order, the plan's). host [F, B] int64:
-    the step's set (pinned on CUDA), `IDS` of the continuing rows still to `fill`; token_dst
-    [C], token_src [C]: the rows whose input is a token of `source` (the decode plan before)
-    and its index in that step's tokens (None: no such row); in_flight: whether `source` was
-    still on the device when the rows were read; in_order: whether the rows are the source's,
-    in its order; entries: each request's adapter cache entry;
+    """One decode step's rows (B requests, in `seqs`' order, the plan's), written by its owner
+    only. views: the step's set [F, B] (pinned on CUDA), `IDS` of the continuing rows still to
+    `fill`; token_dst [C], token_src [C]: the rows whose input is a token of `source` (the
+    decode plan before) and its index in that step's tokens (None: no such row); in_flight:
+    whether `source` was still on the device when the rows were read; in_order: whether the
+    rows are the source's, in its order; entries: each request's adapter cache entry;
     seg_starts: [0, 1, ..., B]; max_length: the longest KV length."""
 
     seqs: tuple[Sequence, ...]
-    host: torch.Tensor
+    views: Views
     generation: int
     source: StepPlan | None
     token_dst: numpy.ndarray | None
@@ -68,41 +85,31 @@ class DecodeRows:
     max_length: int
 
     @property
-    def num_rows(self) -> int:
-        return len(self.seqs)
+    def host(self) -> torch.Tensor:
+        """The step's set [F, B] int64."""
+        return self.views.host
 
     def fill(self, tokens: list[int]) -> None:
         """The continuing rows' input tokens from `tokens`, the source step's (every row of it
         sampled and none failed: its tokens are in its rows' order); in place."""
-        ids = self.host[IDS].numpy()
-        taken = numpy.asarray(tokens, dtype=numpy.int64)
+        ids = self.views.array[IDS]
         if self.in_order:  # the source's rows in its order: its tokens as they are
-            ids[:] = taken
+            ids[:] = tokens
         else:
-            ids[self.token_dst] = taken[self.token_src]
+            ids[self.token_dst] = numpy.asarray(tokens, dtype=numpy.int64)[self.token_src]
 
     def fill_each(self, tokens: dict[Sequence, int] | None) -> None:
         """The continuing rows' input tokens one by one: from `tokens` (the source step's, by
         request; a request it has none of failed there and computes token 0, dropped with it),
         else, the source's outcome unknown, 0 while it was in flight (its requests failed)
         or the request's last token."""
-        ids = self.host[IDS].numpy()
+        ids = self.views.array[IDS]
         for j in self.token_dst.tolist():
             seq = self.seqs[j]
             if tokens is not None:
                 ids[j] = tokens.get(seq, 0)
             else:
                 ids[j] = 0 if self.in_flight else seq.output_ids[-1]
-
-    def to_device(self, mirror: torch.Tensor | None) -> torch.Tensor:
-        """The step's fields where the forward reads them [F, B]: the host set itself on a
-        CPU, else `mirror` [F, R] on the device after one non-blocking copy of the set (stream
-        order: after the step before, which read the mirror)."""
-        if mirror is None:
-            return self.host
-        b = self.num_rows
-        mirror[:, :b].copy_(self.host, non_blocking=True)
-        return mirror[:, :b]
 
 
 class DecodeBatch:
@@ -114,17 +121,42 @@ class DecodeBatch:
         pin = device.type == "cuda"
         sets = [torch.zeros(NUM_FIELDS, rows, dtype=torch.int64) for _ in range(2)]
         self._sets = [s.pin_memory() for s in sets] if pin else sets
-        self._arrays = [s.numpy() for s in self._sets]
-        self.mirror = torch.zeros(NUM_FIELDS, rows, dtype=torch.int64, device=device) if pin \
+        self._mirror = torch.zeros(NUM_FIELDS, rows, dtype=torch.int64, device=device) if pin \
             else None  # fmt: skip
+        self._views: dict[tuple[int, int], Views] = {}  # by (set, B); set -1: the mirror
+        self._arange = numpy.arange(rows, dtype=numpy.int64)
+        self._seg_starts = [0]
         self._current = 0  # the set of the last update
         self._seqs: tuple[Sequence, ...] = ()
         self._entries: list = []
         self._constrained: list[bool] = []
+        self._max_length = 0
         self._plan: StepPlan | None = None  # the last update's (None: none yet)
         self._stale = True  # whether the rows' values are not to be advanced (`reset`)
         self.generation = 0
         self.counts = {"same": 0, "changed": 0, "read": 0}  # updates by path (tests, benches)
+
+    @property
+    def on_host(self) -> bool:
+        """Whether the forward reads the host sets themselves (a CPU: no mirror, no copy)."""
+        return self._mirror is None
+
+    def device_fields(self, rows: DecodeRows) -> tuple[torch.Tensor, ...]:
+        """The step's fields where the forward reads them, one [B] tensor each: the set's own on
+        a CPU, else the device mirror's after one non-blocking copy of the set (in stream order
+        after the step before, which read the mirror)."""
+        if self._mirror is None:
+            return rows.views.fields
+        mirror = self._view(-1, len(rows.seqs))
+        mirror.host.copy_(rows.views.host, non_blocking=True)
+        return mirror.fields
+
+    def _view(self, which: int, b: int) -> Views:
+        made = self._views.get((which, b))
+        if made is None:
+            table = self._mirror if which < 0 else self._sets[which]
+            made = self._views[(which, b)] = Views.of(table, b)
+        return made
 
     def reset(self) -> None:
         """Forget the rows' values: the next decode step reads every request (a prefill or
@@ -146,29 +178,38 @@ class DecodeBatch:
 
     def _update(self, plan: StepPlan, pending: StepPlan | None) -> DecodeRows:
         source, old, seqs = self._plan, self._seqs, plan.seqs
-        current = 1 - self._current  # the set the step before did not use
-        src, dst = self._arrays[self._current], self._arrays[current]
-        b = len(seqs)
-        if b > dst.shape[1]:
-            raise RuntimeError(f"a decode step of {b} requests: the KV pool has {dst.shape[1]}")
+        current, b = 1 - self._current, len(seqs)  # the set the step before did not use
+        if b > len(self._arange):
+            raise RuntimeError(
+                f"a decode step of {b} requests: the KV pool has {len(self._arange)}"
+            )
+        views = self._view(current, b)
+        dst = views.array
         in_order = not self._stale and seqs == old
         if in_order:  # the same rows: each advances
             self.counts["same"] += 1
-            dst[:, :b] = src[:, :b]
-            dst[POSITIONS : LENGTHS + 1, :b] += 1
-            moved: tuple | None = (numpy.arange(b), numpy.arange(b))
+            dst[...] = self._view(self._current, b).array
+            dst[POSITIONS : LENGTHS + 1] += 1
+            moved: tuple = (self._arange[:b], self._arange[:b])
+            max_length = self._max_length + 1
         else:
+            src = self._view(self._current, len(old)).array
             moved = None if self._stale else self._changed(plan, src, dst, old)
             if moved is None:
                 moved = self._read(plan, dst, old)
             self.generation += 1
-        self._slots(dst, b)
+            max_length = int(dst[LENGTHS].max(initial=0))
+        if self._mirror is None and b:  # the table is host memory: each row's new slot now
+            self._kv.slots_into(dst[KV_ROWS], dst[POSITIONS], dst[SLOTS])
+        if len(self._seg_starts) != b + 1:
+            self._seg_starts = list(range(b + 1))
         self._plan, self._seqs, self._current, self._stale = plan, seqs, current, False
+        self._max_length = max_length
         token_dst, token_src = moved if len(moved[0]) else (None, None)
         return DecodeRows(
-            seqs, self._sets[current][:, :b], self.generation, source, token_dst, token_src,
-            pending is not None and pending is source, in_order, self._entries,
-            list(range(b + 1)), any(self._constrained), int(dst[LENGTHS, :b].max(initial=0)),
+            seqs, views, self.generation, source, token_dst, token_src,
+            pending is not None and pending is source, in_order, self._entries, self._seg_starts,
+            any(self._constrained), max_length,
         )  # fmt: skip
 
     def _changed(self, plan: StepPlan, src, dst, old: tuple) -> tuple | None:
@@ -228,9 +269,3 @@ class DecodeBatch:
         row = seq.kv_hold.row
         dst[IDS, j] = seq.output_ids[-1] if seq.output_ids else 0
         dst[POSITIONS, j], dst[LENGTHS, j], dst[KV_ROWS, j] = start, self._kv.lengths[row], row
-
-    def _slots(self, dst, b: int) -> None:
-        """Each row's new slot, read from the pool's table where it is host memory (on a
-        device the runner gathers it there, `KVPool.decode_rows`)."""
-        if self.mirror is None and b:
-            dst[SLOTS, :b] = self._kv.slots_at(dst[KV_ROWS, :b], dst[POSITIONS, :b]).numpy()

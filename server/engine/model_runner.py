@@ -160,8 +160,8 @@ class ModelRunner:
         if not plan.is_prefill:
             rows = self.rows.update(plan, pending)
             index = None
-            if self.rows.mirror is None:  # the table is host memory: read it now, off the lane
-                index = self.kv.decode_table(rows.host[KV_ROWS].numpy(), rows.max_length)
+            if self.rows.on_host:  # the table is host memory: read it now, off the lane
+                index = self.kv.decode_table(rows.views.array[KV_ROWS], rows.max_length)
             return PreparedStep(plan, 0, rows.has_constraint, rows, index)
         self.rows.reset()  # its decodes move on without the decode batch
         in_flight = frozenset(pending.sampled) if pending is not None else frozenset()
@@ -291,7 +291,7 @@ class ModelRunner:
         device (on a CPU: the rows themselves); it reads every request's KV through the pool's
         decode index, gathered on the device there (read in `prepare` on a CPU)."""
         rows = step.decode
-        fields = rows.to_device(self.rows.mirror)  # [F, B]
+        fields = self.rows.device_fields(rows)  # [B] each
         slots, kv_index = fields[SLOTS], step.kv_index
         if kv_index is None:  # in stream order: the slots were reserved before this step
             slots = self.kv.slots_at(fields[KV_ROWS], fields[POSITIONS])  # [B]

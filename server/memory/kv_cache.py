@@ -244,6 +244,11 @@ class KVPool:
             return torch.from_numpy(self._table[rows, :max_length])  # [B, Lmax]
         return self.req_to_slot[rows, :max_length]  # [B, Lmax]
 
+    def slots_into(self, rows: numpy.ndarray, positions: numpy.ndarray, out: numpy.ndarray) -> None:
+        """out[i] = the slot of position positions[i] of rows[i] (int64 arrays [B]; in place),
+        where the table is host memory (a decode batch's rows, read on the host)."""
+        out[:] = self._table[rows, positions]
+
     def slots_at(self, rows, positions) -> torch.Tensor:
         """The slots of position positions[i] of rows[i], int64 [B] (rows, positions: lists or
         numpy arrays where the table is host memory, else lists or tensors on its device)."""

@@ -121,6 +121,8 @@ def run_random_plans(seed: int, in_flight: bool, steps: int = 300) -> DecodeBatc
             rows.fill(before[1])  # the source step's tokens, in its order
         assert rows.seqs == plan.seqs
         assert kept(rows) == fresh(plan, kv)
+        assert rows.max_length == max(fresh(plan, kv)["lengths"])
+        assert rows.seg_starts == list(range(len(plan.seqs) + 1))
         tokens = [rng.randrange(1, 200) for _ in plan.seqs]
         if not in_flight:
             for seq, token in zip(plan.seqs, tokens):
