@@ -216,7 +216,7 @@ class DecodeBatch:
         """Rows that left taken out and rows that joined put in at their places, the staying
         ones moved (advanced) as one; None where the staying rows come in another order (then
         the plan is read whole). Returns (rows of the staying ones now, their rows before)."""
-        seqs, was = plan.seqs, {s: i for i, s in enumerate(old)}
+        seqs, was = plan.seqs, dict(zip(old, range(len(old))))
         left = sorted(was[s] for s in set(old).difference(seqs))
         joined = sorted(seqs.index(s) for s in set(seqs).difference(old))
         order = list(old)
@@ -251,7 +251,7 @@ class DecodeBatch:
         """Every row read from its request; a row of `old` (the last update's rows) takes its
         input from that step's tokens. Returns (those rows, their rows before)."""
         self.counts["read"] += 1
-        was = {s: i for i, s in enumerate(old)}
+        was = dict(zip(old, range(len(old))))
         stay_new, stay_old = [], []
         for j, (seq, start) in enumerate(zip(plan.seqs, plan.starts)):
             self._write(dst, j, seq, start)
