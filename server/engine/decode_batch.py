@@ -50,6 +50,7 @@ class Views:
     (`array`; None on a device) and as one [B] tensor per field (`fields`), made once per set
     and B (each view costs a microsecond or two to make, a few per step)."""
 
+    table: torch.Tensor  # the whole set [F, R]
     host: torch.Tensor
     array: numpy.ndarray | None
     fields: tuple[torch.Tensor, ...]
@@ -58,7 +59,7 @@ class Views:
     def of(cls, table: torch.Tensor, b: int) -> Views:
         host = table[:, :b]
         array = host.numpy() if host.device.type == "cpu" else None
-        return cls(host, array, tuple(host[f] for f in range(NUM_FIELDS)))
+        return cls(table, host, array, tuple(host[f] for f in range(NUM_FIELDS)))
 
 
 @dataclass(slots=True)
@@ -116,12 +117,14 @@ class DecodeBatch:
     """The owner of the decode step's rows (see the module docstring): `update` from each
     decode plan, `reset` when another kind of step ran or an update failed."""
 
-    def __init__(self, kv: KVPool, device: torch.device):
+    def __init__(self, kv: KVPool, device: torch.device, mirror: bool | None = None):
+        """device: the model's; mirror: whether the forward reads a device copy of the sets
+        (None: on CUDA; a CPU test may ask for one, to run the device's path)."""
         rows, self._kv = kv.req_to_slot.shape[0], kv
-        pin = device.type == "cuda"
+        mirror = device.type == "cuda" if mirror is None else mirror
         sets = [torch.zeros(NUM_FIELDS, rows, dtype=torch.int64) for _ in range(2)]
-        self._sets = [s.pin_memory() for s in sets] if pin else sets
-        self._mirror = torch.zeros(NUM_FIELDS, rows, dtype=torch.int64, device=device) if pin \
+        self._sets = [s.pin_memory() for s in sets] if device.type == "cuda" else sets
+        self._mirror = torch.zeros(NUM_FIELDS, rows, dtype=torch.int64, device=device) if mirror \
             else None  # fmt: skip
         self._views: dict[tuple[int, int], Views] = {}  # by (set, B); set -1: the mirror
         self._arange = numpy.arange(rows, dtype=numpy.int64)
@@ -143,13 +146,14 @@ class DecodeBatch:
 
     def device_fields(self, rows: DecodeRows) -> tuple[torch.Tensor, ...]:
         """The step's fields where the forward reads them, one [B] tensor each: the set's own on
-        a CPU, else the device mirror's after one non-blocking copy of the set (in stream order
-        after the step before, which read the mirror)."""
+        a CPU, else the device mirror's after one non-blocking copy of the whole set (in stream
+        order after the step before, which read the mirror; the whole set, [F, R], is one
+        contiguous block: its first B columns are not, and a strided copy would go through a
+        pageable temporary)."""
         if self._mirror is None:
             return rows.views.fields
-        mirror = self._view(-1, len(rows.seqs))
-        mirror.host.copy_(rows.views.host, non_blocking=True)
-        return mirror.fields
+        self._mirror.copy_(rows.views.table, non_blocking=True)
+        return self._view(-1, len(rows.seqs)).fields
 
     def _view(self, which: int, b: int) -> Views:
         made = self._views.get((which, b))

@@ -29,6 +29,12 @@ def _rows_fit(k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor) -> bool:
     )
 
 
+def _host_index(index):
+    """An index into the host table: a host tensor as its array (numpy reads a one-element
+    tensor as a scalar, which would drop the batch dimension)."""
+    return index.numpy() if isinstance(index, torch.Tensor) else index
+
+
 class KVPool:
     """KV tensors [L, K, S+1, D], the block free list and the request-to-slot table."""
 
@@ -241,7 +247,7 @@ class KVPool:
         decode step's `kv_index`, a copy. Entries of a row past its length are stale: readers
         mask them by length."""
         if self._table is not None:
-            return torch.from_numpy(self._table[rows, :max_length])  # [B, Lmax]
+            return torch.from_numpy(self._table[_host_index(rows), :max_length])  # [B, Lmax]
         return self.req_to_slot[rows, :max_length]  # [B, Lmax]
 
     def slots_into(self, rows: numpy.ndarray, positions: numpy.ndarray, out: numpy.ndarray) -> None:
@@ -253,5 +259,5 @@ class KVPool:
         """The slots of position positions[i] of rows[i], int64 [B] (rows, positions: lists or
         numpy arrays where the table is host memory, else lists or tensors on its device)."""
         if self._table is not None:
-            return torch.from_numpy(self._table[rows, positions])
+            return torch.from_numpy(self._table[_host_index(rows), _host_index(positions)])
         return self.req_to_slot[rows, positions]

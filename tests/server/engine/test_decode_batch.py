@@ -185,7 +185,7 @@ def test_an_update_that_fails_halfway_spares_the_step_in_flight():
     assert kept(rows) == fresh(plan, kv)
 
 
-def decode_run(model_dir, adapters: dict[str, str], async_scheduling: bool):
+def decode_run(model_dir, adapters: dict[str, str], async_scheduling: bool, mirror: bool = False):
     """Requests of the base model and two adapters of other ranks, of random lengths, arriving
     while others decode; every decode step's rows checked against a fresh read when prepared.
     Returns each request's tokens, the rows the forward passes read (request, position, input
@@ -194,19 +194,26 @@ def decode_run(model_dir, adapters: dict[str, str], async_scheduling: bool):
     with running_engine(model_dir, adapters, max_total_tokens=4096, max_batch_size=6,
                         async_scheduling=async_scheduling) as engine:  # fmt: skip
         runner, mismatches, inputs = engine.runner, [], []
+        if mirror:  # the device's path on a CPU: a copy of the set, the table read there
+            runner.rows = DecodeBatch(runner.kv, engine.model.device, mirror=True)
         prepare, decode_batch = runner.prepare, runner._decode_batch
 
         def checked_prepare(plan, pending=None):
             step = prepare(plan, pending)
             if step.decode is not None:  # input tokens in flight: checked by `inputs`
                 rows, read = kept(step.decode), fresh(plan, runner.kv)
-                del rows["ids"], read["ids"]
+                del rows["ids"], read["ids"]  # the slots: checked where the forward reads them
+                del rows["slots"], read["slots"]
                 if rows != read or step.decode.seqs != plan.seqs:
                     mismatches.append((rows, read))
             return step
 
         def recorded_batch(step):
             batch = decode_batch(step)
+            table = runner.kv.req_to_slot
+            slots = [int(table[s.kv_hold.row, p]) for s, p in zip(step.plan.seqs, step.plan.starts)]
+            if batch.slots.tolist() != slots:
+                mismatches.append(("slots", batch.slots.tolist(), slots))
             inputs.extend(zip(step.decode.seqs, batch.positions.tolist(),
                               batch.input_ids.tolist()))  # fmt: skip
             return batch
@@ -234,7 +241,8 @@ def test_an_engine_decodes_the_same_tokens_with_async_scheduling_on_and_off(
                                               seed=i))
                 for i, (name, rank) in enumerate((("a", 4), ("b", 16)))}  # fmt: skip
     runs = {mode: decode_run(tiny_model_dir, adapters, mode) for mode in (False, True)}
-    assert runs[True][0] == runs[False][0]
+    runs["mirror"] = decode_run(tiny_model_dir, adapters, True, mirror=True)
+    assert runs[True][0] == runs[False][0] == runs["mirror"][0]
     for _, inputs, mismatches, counts in runs.values():
         assert not mismatches
         assert counts["same"] and counts["changed"], counts
