@@ -17,10 +17,11 @@ Two sets of buffers alternate: the step on the device lane (step_pipeline.py) re
 while the engine thread writes the next step's into the other, which the step before that one
 read and is done with (at most one step is on the lane while the next is prepared). On CUDA
 the sets are pinned and the runner copies the step's set into one device mirror with one
-non-blocking copy, in stream order after the step before (`DecodeBatch.device_fields`); on a CPU the
-mirror is the set itself. The continuing rows' input tokens are known only once the step
-before has sampled (with async scheduling, after this step was prepared): `token_dst` and
-`token_src` say where each comes from, filled on the lane before the forward (`fill`).
+non-blocking copy, in stream order after the step before (`DecodeBatch.device_fields`; written
+for a GPU, not yet run on one); on a CPU the mirror is the set itself, no copy. The continuing
+rows' input tokens are known only once the step before has sampled (with async scheduling,
+after this step was prepared): `token_dst` and `token_src` say where each comes from, filled on
+the lane before the forward (`fill`).
 
 `generation` changes whenever the rows do: a decode step of the same generation has the same
 requests in the same order as the last one, so it may run the LoRA batch it built then
