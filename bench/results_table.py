@@ -163,13 +163,15 @@ CURRENT: dict[str, tuple[str, tuple[str, ...]]] = {
 # fitted perf models `toppings-scheduler --perf-model` reads (not result envelopes).
 EARLIER = frozenset({
     "adapter_scale_shared_machine.json", "adapter_scale_rerun.json",
-    "adapter_scale_before_reads_off_thread.json", "chunked_prefill_band.json",
+    "adapter_scale_before_reads_off_thread.json", "async_scheduling_persistent_batch.json",
+    "async_scheduling_persistent_batch_before.json", "chunked_prefill_band.json",
     "chunked_prefill_issue64_run1.json", "chunked_prefill_pre_s26.json",
     "chunked_prefill_targets.json", "cpu_assisted_nosplit_passive.json",
     "cpu_assisted_nosplit_spin30k.json", "cpu_assisted_workers1.json",
     "cpu_lora_ipc_rerun1.json", "cpu_lora_ipc_rerun2.json", "cpu_lora_ipc_v2_run1.json",
     "cpu_lora_ipc_v2_run2.json", "cpu_lora_ipc_v2_run3.json", "engine_step_before_after.json",
     "engine_throughput_float32.json", "host_overhead_after.json", "host_overhead_b374232.json",
+    "host_overhead_persistent_batch.json", "host_overhead_persistent_batch_before.json",
     "house_before_after.json", "house4_before_after.json", "long_prompt_quant_before.json",
     "perf_model_smollm2_cpu.json", "perf_model_smollm2_cpu_eq2.json",
     "prefix_routing_before_routed_as.json", "queueing_dense.json",

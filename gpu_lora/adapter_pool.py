@@ -94,6 +94,9 @@ class AdapterPool:
         self.lora_b: dict[str, torch.Tensor] = {}  # module -> [L, C_m, H_out]
         self.resident: dict[int, ResidentAdapter] = {}  # by LoraAdapter.id
         self._item = torch.empty((), dtype=dtype).element_size()
+        # Moves whenever an adapter's rows or a projection's tensors may have: a step's LoRA
+        # batch built before it (offsets, ranks, the tables' addresses) may be stale after.
+        self.generation = 0
 
     # ---- sizes ------------------------------------------------------------------------------
 
@@ -149,6 +152,7 @@ class AdapterPool:
                 f"adapter {adapter.name!r} ({self.charge(adapter)} bytes) does not fit in the "
                 f"adapter pool of at most {max_bytes} bytes"
             )
+        self.generation += 1
         for module, capacity in plan.capacities.items():
             self._resize(module, capacity)
         for module in adapter.target_modules:
@@ -184,6 +188,7 @@ class AdapterPool:
             for allocator in rows:
                 allocator.take(new, entry.rank)
             if new != entry.offset:
+                self.generation += 1
                 self._move_rows(entry, new)
                 moved[entry.id] = self.resident[entry.id] = replace(entry, offset=new)
         return moved
@@ -204,11 +209,13 @@ class AdapterPool:
         """The adapter of this id now goes by `name` (its rows serve several names and the one
         it had was unloaded): /stats and logs show a name still registered (nothing looks it up
         by name)."""
+        self.generation += 1
         entry = self.resident[adapter_id] = replace(self.resident[adapter_id], name=name)
         return entry
 
     def remove(self, adapter_id: int) -> None:
         """Free the rows of the adapter of this id (zeroed)."""
+        self.generation += 1
         entry = self.resident.pop(adapter_id)
         for module in entry.targets:
             self.rows[module].free(entry.offset)
@@ -276,6 +283,7 @@ class AdapterPool:
         keep = min(capacity, self.rows[module].capacity)
         if keep < self.rows[module].used_end:
             raise RuntimeError(f"{module}: cutting to {capacity} rows would drop rows in use")
+        self.generation += 1
         h_in, h_out = self.config.projection_shape(module)
         for table, width in ((self.lora_a, h_in), (self.lora_b, h_out)):
             bigger = torch.zeros(

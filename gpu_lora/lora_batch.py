@@ -44,7 +44,7 @@ class LoraBatch:
     A unit is a run of consecutive requests of one adapter (prefill, and decode with
     segment_decode), or one request (per-token decode kernels). dora: each request's DoRA
     scales on the device (None: not a DoRA adapter). trace: gets a LayerMark at each `add` and
-    a HostLoraEvent per host call (None: no tracing).
+    a HostLoraEvent per host call (None: no tracing). version: see `self.version`.
     """
 
     def __init__(
@@ -59,8 +59,12 @@ class LoraBatch:
         host: HostLoraRunner | None = None,
         host_stats: HostLoraStats | None = None,
         trace: TraceRecorder | None = None,
+        version: int | None = None,
     ):
         self.pool = pool
+        # An id of this batch where it may serve several steps (its builder's; None: one step):
+        # a caller keeping something made from it (the native decode path's structs) keys it so.
+        self.version = version
         self.host_stats = host_stats if host_stats is not None else HostLoraStats()
         self._host = host
         self._trace = trace

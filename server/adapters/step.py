@@ -9,6 +9,8 @@ step before its forward pass, which itself never waits on a load.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from toppings.gpu_lora.adapter_pool import AdapterPool
@@ -46,10 +48,12 @@ class AdapterStep:
         self.host = host
         self.host_stats = host_stats
         self._trace = trace
-        # A decode step whose adapters, rows and pool tables are the last one's (one stream,
-        # or a batch whose members did not change) runs the last LoraBatch again: building it
-        # is a dozen small tensors and the native step's structs (see `_decode_key`).
-        self._last: tuple[tuple, LoraBatch, tuple] | None = None
+        # A decode step whose rows are the last one's (the decode batch's generation, which
+        # moves whenever its requests do: server/engine/decode_batch.py) over the same pool
+        # (its generation) and thread count runs the last LoraBatch again: building it is a
+        # dozen small tensors and the native step's structs. Kept with its key.
+        self._last: tuple[tuple, LoraBatch] | None = None
+        self._versions = itertools.count(1)  # of the LoraBatches that may serve several steps
 
     def is_activated(self, ref: AdapterRef | None) -> bool:
         """Whether `ref` is an activated LoRA (its KV before `lora_start` is the base model's)."""
@@ -79,54 +83,43 @@ class AdapterStep:
         is_prefill: bool,
         positions: list[int] | None = None,
         lora_starts: list[int] | None = None,
+        generation: int | None = None,
     ) -> LoraBatch | None:
         """The LoRA side of one forward pass over B requests (None: no request has an adapter).
 
         entries: each request's cache entry (None: base model); seg_starts: B + 1 token offsets;
         positions: each request's first position in this step; lora_starts: where each one's
         adapter starts to apply (`lora_start`; None: everywhere). A prefill's rows before that
-        get no delta (a decode's row always comes after it).
+        get no delta (a decode's row always comes after it). generation: a decode step's rows'
+        generation (`DecodeBatch.generation`): a step of the last one's runs the LoraBatch built
+        then, where every adapter of it was resident (None: built for this step alone).
         """
         if is_prefill and lora_starts is not None and any(lora_starts):
             entries, seg_starts = split_rows(entries, seg_starts, positions, lora_starts)
         if not any(entries):
             return None
-        adapters = [e.resident if e else None for e in entries]
-        dora = [self.host.dora_scales(e.resident.id) if e else None for e in entries]
         key = None
-        if (
-            not is_prefill
-            and self._trace is None
-            and all(e is None or e.ticket.done for e in entries)
-        ):
-            key = self._decode_key(adapters, seg_starts, dora)
+        if not is_prefill and generation is not None and self._trace is None:
+            key = (generation, self.pool.generation, torch.get_num_threads())
             if self._last is not None and self._last[0] == key:
                 return self._last[1]
+            if not all(e is None or e.ticket.done for e in entries):
+                key = None  # a loading adapter's rows change layer by layer: this step's
         batch = LoraBatch(
             self.pool,
             self.kernels,
-            adapters,
+            [e.resident if e else None for e in entries],
             seg_starts,
             is_prefill,
             tickets=[e.ticket if e else None for e in entries],
-            dora=dora,
+            dora=[self.host.dora_scales(e.resident.id) if e else None for e in entries],
             host=self.host.runner,
             host_stats=self.host_stats,
             trace=self._trace,
+            version=next(self._versions) if key is not None else None,
         )
-        self._last = (key, batch, self._tables()) if key is not None else None
+        self._last = (key, batch) if key is not None else None
         return batch
-
-    def _tables(self) -> tuple[torch.Tensor, ...]:
-        return (*self.pool.lora_a.values(), *self.pool.lora_b.values())
-
-    def _decode_key(self, adapters: list, seg_starts: list[int], dora: list) -> tuple:
-        """What a decode step's LoraBatch is made of: a step of the same key may run the last
-        one again (every adapter resident, no trace; the last batch holds its tables, so their
-        ids are not reused while it is kept)."""
-        tables = tuple(id(t) for t in self._tables())
-        threads = torch.get_num_threads()  # the governor's (the native step keeps its own)
-        return tuple(adapters), tuple(seg_starts), tuple(id(d) for d in dora), tables, threads
 
     def has_dora(self, entries: list[CacheEntry | None]) -> bool:
         """Whether any of these requests' adapters is a DoRA adapter (decode graphs do not

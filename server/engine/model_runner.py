@@ -14,7 +14,11 @@ logits into tokens.
 A step runs in two parts (`run` is both): `prepare` reads what the step needs from the requests
 on the engine thread, before the next plan moves them on; `execute` makes its tensors, reads the
 KV tables, runs the forward pass and samples, on the device lane with async scheduling
-(step_pipeline.py), where a decode's input may be the token the step before samples.
+(step_pipeline.py), where a decode's input may be the token the step before samples. A decode
+step's rows are not rebuilt: the runner's `DecodeBatch` (decode_batch.py) keeps them from step to
+step, updated from each plan's changes in `prepare` (on a CPU the KV index is read there too);
+`execute` fills the continuing rows' tokens from the step before, copies the rows to the device
+(one copy, none on a CPU) and runs them.
 
 A request whose logits hold inf or NaN (an adapter whose product overflows the dtype) is taken
 out before sampling and fails alone (`StepOutcome.failed`); the others of the batch sample as if
@@ -25,13 +29,21 @@ requests (attention reads each request's own keys, the LoRA kernels each request
 from __future__ import annotations
 
 import time
-from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import torch
 
 from toppings.gpu_lora.trace import StepEvent, TraceRecorder
 from toppings.server.adapters.step import AdapterStep
+from toppings.server.engine.decode_batch import (
+    IDS,
+    KV_ROWS,
+    LENGTHS,
+    POSITIONS,
+    SLOTS,
+    DecodeBatch,
+    DecodeRows,
+)
 from toppings.server.memory.kv_cache import KVPool
 from toppings.server.model.decode_path import Scanned
 from toppings.server.model.graph_buckets import GraphBuckets
@@ -60,23 +72,24 @@ class StepOutcome:
 @dataclass
 class PreparedStep:
     """A plan and what its forward pass reads from the requests, read on the engine thread
-    before the next plan moves them on (T tokens, B requests): input `ids` [T] (a token still
-    in flight is 0 here, its index and request in `in_flight`), `positions` [T], `seg_starts`
-    [B+1], the logit `rows` [R] and which requests score their prompt (`scores` [B]), each
-    request's KV row (`kv_rows` [B]) and, for a decode step, its KV length (`lengths` [B]: the
-    next plan's reservations lengthen the row before this step runs)."""
+    before the next plan moves them on (T tokens, B requests). A decode step: its rows
+    (`decode`, the runner's DecodeBatch's) and on a CPU its KV index (`kv_index` [B, Lmax]).
+    A prefill or mixed step: input `ids` [T] (a token still in flight is 0 here, its index and
+    request in `in_flight`), `positions` [T], `seg_starts` [B+1], the logit `rows` [R] and which
+    requests score their prompt (`scores` [B]), each request's KV row (`kv_rows` [B])."""
 
     plan: StepPlan
-    ids: list[int]
-    in_flight: list[tuple[int, Sequence]]
-    positions: list[int]
-    seg_starts: list[int]
-    rows: list[int]
-    scores: list[bool]
-    kv_rows: list[int]
-    lengths: list[int] | None
     num_prompt: int  # the prompt tokens it computes
     has_constraint: bool  # whether a request of it is constrained (grammar masks)
+    decode: DecodeRows | None = None
+    kv_index: torch.Tensor | None = None
+    ids: list[int] = field(default_factory=list)
+    in_flight: list[tuple[int, Sequence]] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    seg_starts: list[int] = field(default_factory=list)
+    rows: list[int] = field(default_factory=list)
+    scores: list[bool] = field(default_factory=list)
+    kv_rows: list[int] = field(default_factory=list)
 
 
 def nonfinite_error(seq: Sequence) -> str:
@@ -107,6 +120,8 @@ class ModelRunner:
     ):
         self.model, self.kv, self.lora, self.sampler, self.graphs = model, kv, lora, sampler, graphs
         self._trace = trace
+        self.rows = DecodeBatch(kv, model.device)  # the decode step's rows, step to step
+        self._last: tuple[StepPlan, StepOutcome] | None = None  # execute's last plan, outcome
 
     @classmethod
     def create(
@@ -137,17 +152,27 @@ class ModelRunner:
         are not all finite gets no token and is in the outcome's `failed`."""
         return self.execute(self.prepare(plan))
 
-    def prepare(self, plan: StepPlan, in_flight: Collection[Sequence] = ()) -> PreparedStep:
+    def prepare(self, plan: StepPlan, pending: StepPlan | None = None) -> PreparedStep:
         """What the step reads from the requests and the KV tables, read now (the engine
-        thread, before the next plan reserves more slots). in_flight: the requests whose last
-        token a step still on the device samples (async scheduling): their input is taken from
-        that step's result when this one executes."""
-        seqs, kv = plan.seqs, self.kv
-        ids, positions, seg_starts, rows, scores, waiting = [], [], [0], [], [], []
+        thread, before the next plan reserves more slots). pending: the plan of the step still
+        on the device (async scheduling), whose sampled tokens are the inputs of its requests
+        here: they are taken from its result when this one executes."""
+        if not plan.is_prefill:
+            rows = self.rows.update(plan, pending)
+            index = None
+            if self.rows.on_host:  # the table is host memory: read it now, off the lane
+                index = self.kv.decode_table(rows.views.array[KV_ROWS], rows.max_length)
+            return PreparedStep(plan, 0, rows.has_constraint, rows, index)
+        self.rows.reset()  # its decodes move on without the decode batch
+        in_flight = frozenset(pending.sampled) if pending is not None else frozenset()
+        seqs = plan.seqs
+        step = PreparedStep(plan, 0, any(s.request.params.constraint is not None for s in seqs))
+        ids, positions, seg_starts, rows = step.ids, step.positions, step.seg_starts, step.rows
+        seg_starts.append(0)
         for seq, start, n in zip(seqs, plan.starts, plan.tokens):
             if start >= seq.prompt_len:  # a decode row (n = 1): its last sampled token
                 if seq in in_flight:
-                    waiting.append((len(ids), seq))
+                    step.in_flight.append((len(ids), seq))
                     ids.append(0)
                 else:
                     ids.append(seq.output_ids[-1])
@@ -159,18 +184,11 @@ class ModelRunner:
             end = seg_starts[-1] + n
             rows.extend(range(seg_starts[-1] if whole else end - 1, end))
             seg_starts.append(end)
-            scores.append(whole)
-        kv_rows = [s.kv_hold.row for s in seqs]
-        # A decode reads its KV up to its length now: the next plan may reserve more slots
-        # (async scheduling) before this step runs.
-        lengths = None if plan.is_prefill else [kv.lengths[r] for r in kv_rows]
-        num_prompt = 0
-        if plan.is_prefill:
-            num_prompt = sum(max(0, min(s.prompt_len, b + n) - b)
-                             for s, b, n in zip(seqs, plan.starts, plan.tokens))  # fmt: skip
-        has_constraint = any(s.request.params.constraint is not None for s in seqs)
-        return PreparedStep(plan, ids, waiting, positions, seg_starts, rows, scores, kv_rows,
-                            lengths, num_prompt, has_constraint)  # fmt: skip
+            step.scores.append(whole)
+        step.kv_rows.extend(s.kv_hold.row for s in seqs)
+        step.num_prompt = sum(max(0, min(s.prompt_len, b + n) - b)
+                              for s, b, n in zip(seqs, plan.starts, plan.tokens))  # fmt: skip
+        return step
 
     def execute(self, step: PreparedStep, previous: StepOutcome | None = None) -> StepOutcome:
         """Run a prepared step: its forward pass and each sampling request's next token
@@ -182,12 +200,14 @@ class ModelRunner:
             tokens = previous.tokens_by_request() if previous is not None else {}
             for i, seq in step.in_flight:
                 step.ids[i] = tokens.get(seq, 0)
+        if step.decode is not None:
+            self._fill_tokens(step.decode)
         seqs, samples = list(plan.seqs), plan.samples
         # grammar masks of the requests that sample, computed during the forward
         masks = self.sampler.start_masks(list(plan.sampled)) if step.has_constraint else None
         logits = scanned = None
-        if self.graphs is not None and not plan.is_prefill:  # every count 1: a graph may run it
-            logits = self._replay(step)
+        if self.graphs is not None and step.decode is not None:  # a graph may run it
+            logits = self._replay(step.decode)
         if logits is None:
             logits, scanned, seconds, num_computed = self._forward(step)  # [B, V]
         else:
@@ -206,20 +226,37 @@ class ModelRunner:
                 logits = logits[rows]  # [S, V], the rows of the requests that sample
             argmax = [best[i] for i in rows]
         if not sampled:
-            return StepOutcome(kept_plan, StepResult([], seconds, num_computed), failed)
-        drawn = self.sampler.sample(sampled, logits, masks, argmax)
-        result = StepResult(drawn.tokens, seconds, num_computed, drawn.logprobs)
-        return StepOutcome(kept_plan, result, failed)
+            outcome = StepOutcome(kept_plan, StepResult([], seconds, num_computed), failed)
+        else:
+            drawn = self.sampler.sample(sampled, logits, masks, argmax)
+            result = StepResult(drawn.tokens, seconds, num_computed, drawn.logprobs)
+            outcome = StepOutcome(kept_plan, result, failed)
+        self._last = (plan, outcome)
+        return outcome
 
-    def _replay(self, step: PreparedStep) -> torch.Tensor | None:
+    def _fill_tokens(self, rows: DecodeRows) -> None:
+        """The continuing rows' inputs: the tokens of the step before (the one this runner
+        executed last, when it is the rows' source)."""
+        if rows.token_dst is None:
+            return
+        ran, outcome = self._last if self._last is not None else (None, None)
+        if ran is None or ran is not rows.source:  # the step before failed: its rows with it
+            rows.fill_each(None)
+        elif outcome.plan is ran:  # every row of it sampled, none failed
+            rows.fill(outcome.result.tokens)
+        else:
+            rows.fill_each(outcome.tokens_by_request())
+
+    def _replay(self, rows: DecodeRows) -> torch.Tensor | None:
         """A decode step's logits [B, V] from its CUDA graph, or None where the graphs decline
         (then the step runs eagerly)."""
-        entries = [s.cache_entry for s in step.plan.seqs]
+        entries = rows.entries
         if self.lora.has_dora(entries):
             return None  # the graphs' LoRA does not scale DoRA rows
         adapters = [e.resident if e else None for e in entries]
         loading = any(e is not None and not e.ticket.done for e in entries)
-        return self.graphs.run(step.kv_rows, step.ids, list(step.plan.starts), adapters, loading)
+        kv_rows, ids, positions = (rows.host[f].tolist() for f in (KV_ROWS, IDS, POSITIONS))
+        return self.graphs.run(kv_rows, ids, positions, adapters, loading)
 
     def _forward(self, step: PreparedStep) -> tuple[torch.Tensor, Scanned | None, float, int]:
         """The one `ForwardBatch` of a step and its forward pass: request b computes its
@@ -228,52 +265,18 @@ class ModelRunner:
         of each request's last token (and keeps the prompt logprobs of a request that scores
         its prompt, whole in one step: see `admission.is_whole`), their scan where the model's
         native step scanned them (else None), the seconds of the forward pass and
-        the prompt tokens it computed.
-
-        A decode step (every count 1, no prompt token) reads every request's KV through the
-        pool's decode index; a step with prompt tokens reads each segment's past from the
-        pool, exactly as a prefill over a cached prefix."""
-        plan, device, kv = step.plan, self.model.device, self.kv
-        seqs, seg_starts, scores, kv_rows = plan.seqs, step.seg_starts, step.scores, step.kv_rows
-        # The KV tables are read here, in stream order on a device: the slots of the step and
-        # of each request's past were reserved before it and stay put while it holds its row.
-        kv_index = kv_lengths = past = None
-        if plan.is_prefill:
-            table = kv.req_to_slot
-            slots = torch.cat(
-                [table[r, b : b + n] for r, b, n in zip(kv_rows, plan.starts, plan.tokens)]
-            )  # [T]
-            past = [table[r, :b] if b else None
-                    for r, b in zip(kv_rows, plan.starts)]  # fmt: skip
-        else:
-            slots = kv.slots_at(kv_rows, list(plan.starts))  # [B]
-            kv_index, kv_lengths = kv.decode_index(kv_rows, step.lengths)  # [B, Lmax], [B]
+        the prompt tokens it computed."""
+        plan = step.plan
+        batch = self._decode_batch(step) if step.decode is not None else self._prefill_batch(step)
         started = time.perf_counter()
-        batch = ForwardBatch(
-            input_ids=torch.tensor(step.ids, dtype=torch.int64, device=device),  # [T]
-            positions=torch.tensor(step.positions, dtype=torch.int64, device=device),  # [T]
-            slots=slots,  # [T]
-            seg_starts=seg_starts,
-            is_prefill=plan.is_prefill,
-            kv_index=kv_index,
-            kv_lengths=kv_lengths,
-            past_slots=past,
-            lora=self.lora.step(
-                [s.cache_entry for s in seqs],
-                seg_starts,
-                plan.is_prefill,
-                list(plan.starts),
-                [s.lora_start for s in seqs],
-            ),  # fmt: skip
-            logit_rows=None if not any(scores) else torch.tensor(step.rows, device=device),
-        )
         logits, scanned = self.model.forward(batch, self.kv)  # [R, V]
         seconds = time.perf_counter() - started
         if self._trace is not None:
-            self._trace.step(StepEvent(plan.is_prefill, len(step.ids), started, started + seconds))
-        if any(scores):  # [R, V] -> [B, V]
+            num_tokens = batch.input_ids.shape[0]
+            self._trace.step(StepEvent(plan.is_prefill, num_tokens, started, started + seconds))
+        if any(step.scores):  # [R, V] -> [B, V]
             last, offset = [], 0
-            for seq, n, whole in zip(seqs, plan.tokens, scores):
+            for seq, n, whole in zip(plan.seqs, plan.tokens, step.scores):
                 if whole:
                     score_prompts([seq], logits[offset : offset + n], [0, n])
                     offset += n
@@ -282,3 +285,51 @@ class ModelRunner:
                 last.append(offset - 1)
             logits = logits[last]
         return logits, scanned, seconds, step.num_prompt
+
+    def _decode_batch(self, step: PreparedStep) -> ForwardBatch:
+        """A decode step's batch (every count 1, no prompt token) over its rows, copied to the
+        device (on a CPU: the rows themselves); it reads every request's KV through the pool's
+        decode index, gathered on the device there (read in `prepare` on a CPU)."""
+        rows = step.decode
+        fields = self.rows.device_fields(rows)  # [B] each
+        slots, kv_index = fields[SLOTS], step.kv_index
+        if kv_index is None:  # in stream order: the slots were reserved before this step
+            slots = self.kv.slots_at(fields[KV_ROWS], fields[POSITIONS])  # [B]
+            kv_index = self.kv.decode_table(fields[KV_ROWS], rows.max_length)  # [B, Lmax]
+        lora = self.lora.step(rows.entries, rows.seg_starts, False, generation=rows.generation)
+        return ForwardBatch(
+            input_ids=fields[IDS],  # [B]
+            positions=fields[POSITIONS],  # [B]
+            slots=slots,  # [B]
+            seg_starts=rows.seg_starts,
+            is_prefill=False,
+            kv_index=kv_index,  # [B, Lmax]
+            kv_lengths=fields[LENGTHS],  # [B]
+            lora=lora,
+        )
+
+    def _prefill_batch(self, step: PreparedStep) -> ForwardBatch:
+        """A step with prompt tokens: each segment reads its past from the pool, exactly as a
+        prefill over a cached prefix."""
+        plan, device, table = step.plan, self.model.device, self.kv.req_to_slot
+        kv_rows, seqs = step.kv_rows, plan.seqs
+        # The KV tables are read here, in stream order on a device: the slots of the step and
+        # of each request's past were reserved before it and stay put while it holds its row.
+        slots = torch.cat(
+            [table[r, b : b + n] for r, b, n in zip(kv_rows, plan.starts, plan.tokens)]
+        )  # [T]
+        past = [table[r, :b] if b else None for r, b in zip(kv_rows, plan.starts)]
+        lora = self.lora.step(
+            [s.cache_entry for s in seqs], step.seg_starts, True, list(plan.starts),
+            [s.lora_start for s in seqs],
+        )  # fmt: skip
+        return ForwardBatch(
+            input_ids=torch.tensor(step.ids, dtype=torch.int64, device=device),  # [T]
+            positions=torch.tensor(step.positions, dtype=torch.int64, device=device),  # [T]
+            slots=slots,  # [T]
+            seg_starts=step.seg_starts,
+            is_prefill=True,
+            past_slots=past,
+            lora=lora,
+            logit_rows=None if not any(step.scores) else torch.tensor(step.rows, device=device),
+        )

@@ -8,7 +8,8 @@ runs steps one after the other in launch order as a CUDA stream runs kernels. Wh
 step N, the engine thread plans step N+1, reads its inputs from the KV tables and the requests
 (`ModelRunner.prepare`) and launches it, and only then waits for step N's tokens and gives them
 to the scheduler. A decode of step N+1 whose token step N samples takes it from step N's result
-on the lane (`PreparedStep.in_flight`), so the device never waits for the host's update.
+on the lane (`DecodeRows.fill`, `PreparedStep.in_flight` in a mixed step), so the device never
+waits for the host's update.
 
 The step time is then the larger of the device's and the host's, not their sum. A plan is made
 ahead of a decode step only: a prompt chunk in flight would move the prompt's progress that
@@ -79,10 +80,9 @@ class StepPipeline:
         """Read the plan's inputs now and run it on the lane after the step there (whose
         sampled tokens are the inputs of the requests it has in flight)."""
         previous = self.pending
-        in_flight = frozenset(previous.plan.sampled) if previous is not None else frozenset()
         self.scheduler.launched(plan)
         try:
-            step = self.runner.prepare(plan, in_flight)
+            step = self.runner.prepare(plan, previous.plan if previous is not None else None)
         except BaseException:
             self.scheduler.returned(plan)
             raise

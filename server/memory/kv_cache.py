@@ -29,6 +29,12 @@ def _rows_fit(k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor) -> bool:
     )
 
 
+def _host_index(index):
+    """An index into the host table: a host tensor as its array (numpy reads a one-element
+    tensor as a scalar, which would drop the batch dimension)."""
+    return index.numpy() if isinstance(index, torch.Tensor) else index
+
+
 class KVPool:
     """KV tensors [L, K, S+1, D], the block free list and the request-to-slot table."""
 
@@ -235,8 +241,23 @@ class KVPool:
         index = self.req_to_slot[rows, : max(lengths)]  # [B, Lmax]
         return index, torch.tensor(lengths, dtype=torch.int64, device=self.k.device)
 
-    def slots_at(self, rows: list[int], positions: list[int]) -> torch.Tensor:
-        """The slots of position positions[i] of rows[i], int64 [B]."""
+    def decode_table(self, rows, max_length: int) -> torch.Tensor:
+        """The slot index [B, max_length] of every position of each of `rows` (int64: a numpy
+        array or list where the table is host memory, else a tensor on the pool's device): a
+        decode step's `kv_index`, a copy. Entries of a row past its length are stale: readers
+        mask them by length."""
         if self._table is not None:
-            return torch.from_numpy(self._table[rows, positions])
+            return torch.from_numpy(self._table[_host_index(rows), :max_length])  # [B, Lmax]
+        return self.req_to_slot[rows, :max_length]  # [B, Lmax]
+
+    def slots_into(self, rows: numpy.ndarray, positions: numpy.ndarray, out: numpy.ndarray) -> None:
+        """out[i] = the slot of position positions[i] of rows[i] (int64 arrays [B]; in place),
+        where the table is host memory (a decode batch's rows, read on the host)."""
+        out[:] = self._table[rows, positions]
+
+    def slots_at(self, rows, positions) -> torch.Tensor:
+        """The slots of position positions[i] of rows[i], int64 [B] (rows, positions: lists or
+        numpy arrays where the table is host memory, else lists or tensors on its device)."""
+        if self._table is not None:
+            return torch.from_numpy(self._table[_host_index(rows), _host_index(positions)])
         return self.req_to_slot[rows, positions]

@@ -71,6 +71,7 @@ class StaticLora:
         int32; scales [B] float32; max_rank: the bucket's rank bound (a Python int)."""
         self.pool, self._decode, self._max_rank = pool, decode, max_rank
         self._offsets, self._ranks, self._scales = offsets, ranks, scales
+        self.version = None  # a graph's LoRA runs no native decode path (`native_runs`)
 
     def add(self, layer: int, x: torch.Tensor, outputs) -> None:
         """y += LoRA delta for each (module, y); x [B, H_in], y [B, H_out], in place."""

@@ -90,7 +90,7 @@ class DecodePath:
         # decode_layers runs here: its silu takes the model's intermediate size in this build
         self._one_call = bool(lib.silu_mul_takes(intermediate_size))
         self._pool_layers: tuple[tuple[int, int], ctypes.Array] | None = None  # (pool, layers)
-        self._last_lora: tuple[RunsLayout, LoraStep] | None = None  # _lora_step's last
+        self._last_lora: tuple[int, LoraStep] | None = None  # _lora_step's last, by version
         self._scratch: dict[int, tuple[torch.Tensor, ...]] = {}  # _buffers', by token count
         self._ends: dict[int, tuple[torch.Tensor, ...]] = {}  # run_to_logits' buffers, by count
 
@@ -130,7 +130,7 @@ class DecodePath:
         cfg, lora, t = model.config, batch.lora, batch.input_ids.shape[0]
         if not self.whole_step or not self._one_call or len(batch.seg_starts) - 1 != t:
             return None
-        lora_step = None if lora is None else self._lora_step(lora.native_runs(), model)
+        lora_step = None if lora is None else self._lora_step(lora, model)
         if lora is not None and lora_step is None:
             return None
         h, residual, normed, cos, sin, *head = self._end_buffers(t, cfg)
@@ -163,7 +163,7 @@ class DecodePath:
         residual = torch.empty(t, cfg.hidden_size, dtype=h.dtype)
         step, alive = self._step(cfg, batch, kv, h, cos, sin, residual)
         if self._one_call:
-            lora_step = None if lora is None else self._lora_step(lora.native_runs(), model)
+            lora_step = None if lora is None else self._lora_step(lora, model)
             if lora is None or lora_step is not None:
                 # it declines only where silu_mul_takes says: not here
                 _check(self._decode_layers(step, model, kv, lora_step), "step")
@@ -234,13 +234,17 @@ class DecodePath:
             self._pool_layers = (pool, layers)
         return self._pool_layers[1]
 
-    def _lora_step(self, runs: RunsLayout | None, model) -> LoraStep | None:
+    def _lora_step(self, lora, model) -> LoraStep | None:
         """The step's LoRA for decode_layers, or None where it must run from Python (no native
-        runs, or tables that are not this model's shapes)."""
+        runs, or tables that are not this model's shapes). The struct of a LoRA batch that
+        serves several steps (its `version`: the same one while the decode batch's rows and
+        the adapter pool stay as they were, server/adapters/step.py) is made once."""
+        version = lora.version
+        if version is not None and self._last_lora is not None and self._last_lora[0] == version:
+            return self._last_lora[1]  # the batch run again
+        runs: RunsLayout | None = lora.native_runs()
         if runs is None or runs.dtype != self.dtype or runs.num_layers != len(self._layers):
             return None
-        if self._last_lora is not None and self._last_lora[0] is runs:  # a batch run again
-            return self._last_lora[1]
         cfg = model.config
         hidden, inter = cfg.hidden_size, cfg.intermediate_size
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
@@ -257,7 +261,7 @@ class DecodePath:
             step.tables[LORA_SLOTS[module]] = LoraTable(
                 m.a0, m.b0, m.a_step, m.b_step, m.ranks, m.rows
             )
-        self._last_lora = (runs, step)  # runs kept: `is` above compares the live object
+        self._last_lora = (version, step) if version is not None else None
         return step
 
     def _layer_by_layer(self, model, lora, kv, step: DecodeStep, buffers: tuple) -> None:

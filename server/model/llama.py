@@ -35,6 +35,10 @@ class StepLora(Protocol):
     """The LoRA side of one step, as the model calls it (gpu_lora.lora_batch.LoraBatch, or the
     CUDA graphs' StaticLora)."""
 
+    # the same int while the same batch serves several steps (what is made from it may be
+    # kept); None: it serves this step alone
+    version: int | None
+
     def add(self, layer: int, x: torch.Tensor, outputs) -> None:
         """y += every request's LoRA delta for each (module, y) of outputs; x [T, H_in], y
         [T, H_out], in place."""

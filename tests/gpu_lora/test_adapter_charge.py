@@ -269,3 +269,32 @@ def test_packing_keeps_adapters_being_loaded_in_place():
         assert_rows_hold(pool, lora)
     for module in ("q_proj", "v_proj"):
         assert not pool.lora_a[module][:, 64:].any() and not pool.lora_b[module][:, 64:].any()
+
+
+def test_the_pool_generation_moves_with_every_change_a_lora_batch_reads():
+    """A decode step's LoRA batch is run again while the pool's generation stays
+    (server/adapters/step.py): every change of where an adapter sits moves it, a compaction
+    that moves nothing does not."""
+    pool = AdapterPool(CONFIG, torch.float32, "cpu", initial_rows=8)
+    pairs = [(0, "q_proj"), (1, "v_proj")]
+    a, b, c = (adapter(n, r, pairs, seed=i) for i, (n, r) in enumerate((("a", 8), ("b", 8),
+                                                                       ("c", 8))))  # fmt: skip
+    seen = [pool.generation]
+
+    def moved() -> bool:
+        seen.append(pool.generation)
+        return seen[-1] != seen[-2]
+
+    pool.reserve(a)
+    assert moved()
+    tables = dict(pool.lora_a)
+    pool.reserve(b)  # past the 8 initial rows: the tables grow
+    assert moved() and pool.lora_a["q_proj"] is not tables["q_proj"]
+    pool.reserve(c)
+    assert moved()
+    assert not pool.compact() and not moved()  # packed already
+    pool.remove(key("a"))
+    assert moved()
+    assert pool.compact() and moved()  # b and c slide down
+    pool.rename(key("b"), "b2")
+    assert moved()

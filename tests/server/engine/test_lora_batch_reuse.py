@@ -1,10 +1,9 @@
-"""A decode step runs the last step's LoraBatch again only when it would be built the same:
-the same adapters at the same pool rows, the same runs, the same pool tables and thread count;
-a prefill, a step of other adapters or rows, moved rows or grown tables get a new one."""
+"""A decode step runs the last step's LoraBatch again only when nothing it is made of moved: the
+decode batch's rows (their generation), the adapter pool (its generation: an adapter placed,
+moved, renamed or removed, tables grown) and the thread count; a prefill, a step without a
+generation, other rows, a pool that moved or another thread count get a new one."""
 
 from __future__ import annotations
-
-from dataclasses import replace
 
 import torch
 
@@ -36,31 +35,31 @@ def test_decode_steps_reuse_the_lora_batch_only_while_nothing_changed(
     try:
         load("x")
         load("z")
-        step, cache = engine.runner.lora, engine.lora.cache
+        step, cache, pool = engine.runner.lora, engine.lora.cache, engine.runner.lora.pool
         x, z = (next(e for e in cache.entries.values() if e.resident.name == n) for n in "xz")
-        first = step.step([x, z], [0, 1, 2], False)
-        assert step.step([x, z], [0, 1, 2], False) is first
-        x.resident = replace(x.resident)  # equal: still the same rows
-        assert step.step([x, z], [0, 1, 2], False) is first
-        assert step.step([x, z], [0, 1, 2], True) is not first  # a prefill: built anew
-        second = step.step([x, z], [0, 1, 2], False)
-        assert second is not first  # the last one was the prefill's
-        assert step.step([z, x], [0, 1, 2], False) is not second
-        third = step.step([x, None], [0, 1, 2], False)
-        assert step.step([x, None], [0, 1, 3], False) is not third  # other runs
-        fourth = step.step([x, z], [0, 1, 2], False)
-        x.resident = replace(x.resident, offset=x.resident.offset + 1)  # rows moved
-        fifth = step.step([x, z], [0, 1, 2], False)
+        seg = [0, 1, 2]
+        first = step.step([x, z], seg, False, generation=1007)
+        assert first.version is not None
+        assert step.step([x, z], seg, False, generation=1007) is first
+        assert step.step([x, z], seg, False) is not first  # no generation: this step alone
+        assert step.step([x, z], seg, False, generation=1007) is not first  # the last was that
+        second = step.step([x, z], seg, False, generation=1007)
+        assert step.step([x, z], seg, True, generation=1007) is not second  # a prefill: anew
+        third = step.step([x, z], seg, False, generation=1007)
+        assert third is not second and third.version != second.version
+        assert step.step([z, x], seg, False, generation=1008) is not third  # the rows changed
+        fourth = step.step([x, z], seg, False, generation=1009)
+        pool.rename(x.resident.id, "x2")  # the pool moved on: its generation with it
+        fifth = step.step([x, z], seg, False, generation=1009)
         assert fifth is not fourth
         threads = torch.get_num_threads()
         torch.set_num_threads(1 if threads > 1 else 2)
         try:
-            assert step.step([x, z], [0, 1, 2], False) is not fifth
+            assert step.step([x, z], seg, False, generation=1009) is not fifth
         finally:
             torch.set_num_threads(threads)
-        sixth = step.step([x, z], [0, 1, 2], False)
-        tables = step.pool.lora_a
-        tables["q_proj"] = tables["q_proj"].clone()  # as the pool's `_resize` replaces them
-        assert step.step([x, z], [0, 1, 2], False) is not sixth
+        sixth = step.step([x, z], seg, False, generation=1009)
+        assert step.step([x, z], seg, False, generation=1009) is sixth
+        assert step.step([None, None], seg, False, generation=1009) is None  # base rows only
     finally:
         engine.shutdown()
