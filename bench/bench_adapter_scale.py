@@ -63,13 +63,14 @@ from toppings.scripts.loadgen.workload import (
     parse_assignment,
 )
 from toppings.server.config import LoraConfig
+from toppings.server.lora_modes import pick_mode
 from toppings.server.model.loader import load_checkpoint, resolve_model_dir
 
 log = logging.getLogger("bench_adapter_scale")
 RANKS = (8, 16, 32, 64)
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 ASSIGNMENTS = ("identical", "zipf:1.0", "distinct")
-DEFAULT_MODE = LoraConfig().lora_mode
+DEFAULT_MODE = pick_mode(LoraConfig().lora_mode, "cpu")  # what the servers here run by default
 REFUSED = (429, 503, 507)  # no room now: for requests, for a resolution, for host bytes
 QUICK = {"num_adapters": 16, "slots": 3, "num_requests": 8, "rounds": 1, "burst": 4,
          "max_prompt_len": 48, "max_output_len": 8}  # fmt: skip
@@ -245,7 +246,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dtype", default="bfloat16", help="the servers' --dtype")
     p.add_argument("--num-adapters", type=int, default=1024)
     p.add_argument("--slots", type=int, default=8, help="device room, in mean adapters")
-    p.add_argument("--modes", default=f"{DEFAULT_MODE},cpu-assisted")
+    p.add_argument("--modes", default="on-demand,cpu-assisted")
     p.add_argument("--assignments", default=",".join(ASSIGNMENTS))
     p.add_argument("--load", type=float, default=0.5, help="fraction of the measured capacity")
     p.add_argument(

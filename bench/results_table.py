@@ -163,7 +163,8 @@ CURRENT: dict[str, tuple[str, tuple[str, ...]]] = {
 # fitted perf models `toppings-scheduler --perf-model` reads (not result envelopes).
 EARLIER = frozenset({
     "adapter_scale_shared_machine.json", "adapter_scale_rerun.json",
-    "adapter_scale_before_reads_off_thread.json", "async_scheduling_persistent_batch.json",
+    "adapter_scale_before_reads_off_thread.json", "adapter_scale_on_demand_default.json",
+    "async_scheduling_persistent_batch.json",
     "async_scheduling_persistent_batch_before.json", "chunked_prefill_band.json",
     "chunked_prefill_issue64_run1.json", "chunked_prefill_pre_s26.json",
     "chunked_prefill_targets.json", "cpu_assisted_nosplit_passive.json",

@@ -1,7 +1,11 @@
-"""The LoRA modes (`--lora-mode`) as one small policy table.
+"""The LoRA modes (`--lora-mode`) as one small policy table, and `auto`, the default.
 
 A mode only says how a server treats an adapter that is not on the device yet; everything else
-(cache, loader, kernels) is the same in all of them.
+(cache, loader, kernels) is the same in all of them. `auto` is the mode measured best where
+the server runs (`pick_mode`): cpu-assisted where the host computes a loading adapter's layers
+beside the device (a CPU device whose host LoRA runs in process, or on workers of its own),
+on-demand on a GPU, where cpu-assisted has not been measured yet (docs/benchmarks.md,
+adapter_scale.json).
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ class LoraMode:
     stall_for_load: bool = False
 
 
+AUTO = "auto"
+
 LORA_MODES: dict[str, LoraMode] = {
     "cached": LoraMode(preload=True, wait_for_load=False, host_workers=False),
     "on-demand": LoraMode(preload=False, wait_for_load=True, host_workers=False),
@@ -33,3 +39,13 @@ LORA_MODES: dict[str, LoraMode] = {
         preload=False, wait_for_load=False, host_workers=False, stall_for_load=True
     ),
 }
+
+
+def pick_mode(name: str, device: str, split_without_workers: bool = False) -> str:
+    """The mode `name` stands for on `device`: itself, or for AUTO cpu-assisted on a CPU device
+    and on-demand elsewhere. split_without_workers: the CPU device's cores are split between the
+    device and the host (--device-cores) but no worker runs on the host's: host LoRA would run
+    on a device core, so AUTO is on-demand there too."""
+    if name != AUTO:
+        return name
+    return "cpu-assisted" if device == "cpu" and not split_without_workers else "on-demand"

@@ -82,7 +82,8 @@ class AdapterManager:
         host LoRA calls and layers go to it (None: no tracing); base: the base model's
         projection weights, read when a DoRA adapter is opened (None: DoRA is refused)."""
         self.config = config
-        self.mode = LORA_MODES[config.lora_mode]
+        self.mode_name = config.mode_on(device)  # `auto` picked
+        self.mode = LORA_MODES[self.mode_name]
         kernels = select_lora_backend(kernel, device, dtype)  # raises before any worker starts
         self.host_stats = HostLoraStats()
         self.refs = AdapterRegistry()  # the registered adapters' references, requests in flight

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from toppings.server.lora_modes import LORA_MODES
+from toppings.server.lora_modes import AUTO, LORA_MODES, pick_mode
 from toppings.server.settings import (
     ON_OFF,
     Bound,
@@ -37,9 +37,12 @@ class LoraConfig(Settings):
     title = "LoRA adapters"
 
     lora_mode: str = setting(
-        "on-demand",
-        choices=LORA_MODES,
-        flag=Flag("how a request whose adapter is not on the device starts"),
+        AUTO,
+        choices=(*LORA_MODES, AUTO),
+        flag=Flag(
+            "how a request whose adapter is not on the device starts; auto: cpu-assisted on a "
+            "CPU device (without --device-cores, or with --cpu-workers), on-demand on cuda"
+        ),
     )
     # Device bytes for adapter weights; 0: no limit.
     adapter_cache_bytes: int = setting(
@@ -161,7 +164,7 @@ class LoraConfig(Settings):
     )
 
     def check(self) -> None:
-        if not self.adapter_cache and LORA_MODES[self.lora_mode].preload:
+        if not self.adapter_cache and self.lora_mode != AUTO and LORA_MODES[self.lora_mode].preload:
             raise ValueError(
                 f"adapter_cache off needs a lora_mode that loads on demand: {self.lora_mode} "
                 "keeps every adapter on the device"
@@ -188,11 +191,20 @@ class LoraConfig(Settings):
                 f"cores {_core_list(outside)} of device_cores {device} / cpu_cores {host} are "
                 f"not among the cores this process may run on ({_core_list(sorted(allowed))})"
             )
-        if LORA_MODES[self.lora_mode].host_workers and not self.num_cpu_workers:
+        if (
+            self.lora_mode != AUTO
+            and LORA_MODES[self.lora_mode].host_workers
+            and not (self.num_cpu_workers)
+        ):
             raise ValueError(
                 f"device_cores with lora_mode {self.lora_mode} needs num_cpu_workers >= 1: "
                 "without workers host LoRA runs on the engine thread, a device core"
             )
+
+    def mode_on(self, device: str) -> str:
+        """The LoRA mode this config runs on `device` (`lora_mode`, `auto` picked)."""
+        split_without_workers = bool(self.device_cores) and not self.num_cpu_workers
+        return pick_mode(self.lora_mode, device, split_without_workers)
 
     @property
     def host_cores(self) -> tuple[int, ...]:

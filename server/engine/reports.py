@@ -117,7 +117,7 @@ def stats(engine: Reported) -> ServerStats:
         model=engine.model_name,
         kernel=config.kernel,
         device=config.device,
-        lora_mode=config.lora_mode,
+        lora_mode=lora.mode_name,
         running=tuple(s.describe() for s in list(sched.running)),
         queue=tuple(s.describe() for s in sched.queue),
         adapters=adapters,

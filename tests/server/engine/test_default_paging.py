@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from toppings.server.config import EngineConfig
+from toppings.server.lora_modes import LORA_MODES
 from toppings.server.requests.request import GenerationRequest, RequestError, SamplingParams
 
 NUM_ADAPTERS = 6
@@ -28,7 +29,8 @@ def _tokens(engine, name: str) -> list[int]:
 
 
 def test_the_default_pages_adapters_past_the_device_room(tiny_engine, adapter_dirs):
-    assert EngineConfig().lora_mode == "on-demand"
+    default = EngineConfig()
+    assert not any(LORA_MODES[default.mode_on(d)].preload for d in ("cpu", "cuda"))  # it pages
     with tiny_engine({"a0": adapter_dirs["a0"]}, max_total_tokens=1024) as probe:
         _tokens(probe, "a0")
         one = probe.lora.cache.used_bytes  # what one adapter occupies on the device
@@ -37,7 +39,8 @@ def test_the_default_pages_adapters_past_the_device_room(tiny_engine, adapter_di
     with tiny_engine(adapter_dirs, max_total_tokens=1024, lora_mode="cached") as roomy:
         for name in adapter_dirs:
             want[name] = _tokens(roomy, name)
-    with tiny_engine(adapter_dirs, max_total_tokens=1024, adapter_cache_bytes=room) as engine:
+    paging = dict(max_total_tokens=1024, adapter_cache_bytes=room, lora_mode="auto")
+    with tiny_engine(adapter_dirs, **paging) as engine:
         assert len(engine.adapters()) == NUM_ADAPTERS
         for _ in range(2):  # every adapter evicted and loaded again on the second pass
             for name in adapter_dirs:
