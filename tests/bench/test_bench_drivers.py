@@ -134,7 +134,8 @@ def test_adapter_scale_quick_runs_every_mode_and_assignment(tiny_model_dir, tmp_
                 for n in adapters}  # fmt: skip
     assert len(contents) == len(adapters)  # each its own weights: no host copy is shared
     metrics = result["metrics"]
-    assert set(metrics["modes"]) == {bench.DEFAULT_MODE, "cpu-assisted"}
+    assert set(metrics["modes"]) == {"on-demand", "cpu-assisted"}
+    assert bench.DEFAULT_MODE == "cpu-assisted"  # what auto picks on a CPU: the top-level ratios
     for key in ("p99_ttft_ratio_distinct_vs_identical", "p99_ttft_ratio_zipf_vs_identical",
                 "throughput_ratio_distinct_vs_identical"):  # fmt: skip
         assert key in metrics and key in metrics["modes"]["cpu-assisted"]
