@@ -72,13 +72,13 @@ CURRENT: dict[str, tuple[str, tuple[str, ...]]] = {
     "single_server_rps1.json": ("the same at 1 request/s", ("ratios.*.ttft_ratio_vs_cached",)),
     "single_server_evict.json": ("the same with an adapter cache of 5% (evictions)",
                                  ("ratios.*.ttft_ratio_vs_cached",)),
-    "adapter_scale.json": ("distinct, zipf and identical adapters per request (on-demand)",
+    "adapter_scale.json": ("distinct, zipf and identical adapters per request: the default "
+                           "(auto: cpu-assisted on a CPU), on-demand beside it",
                            ("p99_ttft_ratio_distinct_vs_identical",
                             "throughput_ratio_distinct_vs_identical",
-                            "p99_ttft_ratio_zipf_vs_identical")),
-    "adapter_scale_cpu_assisted.json": ("the same in cpu-assisted mode",
-                                        ("modes.cpu-assisted.p99_ttft_ratio_distinct_vs_identical",
-                                         "modes.cpu-assisted.p99_ttft_ratio_zipf_vs_identical")),
+                            "p99_ttft_ratio_zipf_vs_identical",
+                            "modes.on-demand.p99_ttft_ratio_distinct_vs_identical",
+                            "modes.on-demand.p99_ttft_ratio_zipf_vs_identical")),
     "resolution_profile.json": ("where a cold adapter's resolution goes (read, digest, "
                                 "registration, copy; the host tier)",
                                 ("resolution_mean_ms", "all.open.mean_ms", "all.digest.mean_ms")),
@@ -164,6 +164,9 @@ CURRENT: dict[str, tuple[str, tuple[str, ...]]] = {
 EARLIER = frozenset({
     "adapter_scale_shared_machine.json", "adapter_scale_rerun.json",
     "adapter_scale_before_reads_off_thread.json", "adapter_scale_on_demand_default.json",
+    "adapter_scale_session38.json", "adapter_scale_cpu_assisted.json",
+    "resolution_profile_session38.json", "async_scheduling_session38.json",
+    "host_overhead_session38.json",
     "async_scheduling_persistent_batch.json",
     "async_scheduling_persistent_batch_before.json", "chunked_prefill_band.json",
     "chunked_prefill_issue64_run1.json", "chunked_prefill_pre_s26.json",
