@@ -171,11 +171,6 @@ class AdapterHost:
                 adapter.weights[key] = (a.pin_memory(), b.pin_memory())
         self._copies[adapter.id] = adapter
 
-    def sharing(self, ref: AdapterRef) -> list[LoraAdapter]:
-        """The adapters of the other registrations that compute with `ref`'s rows."""
-        items = list(self._registered.items())
-        return [a for i, a in items if a.id == ref.weights_id and i != ref.id]
-
     def registered(self) -> list[LoraAdapter]:
         """Every registration's adapter, in registration order (a copy: any thread)."""
         return list(self._registered.values())

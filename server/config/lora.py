@@ -164,7 +164,8 @@ class LoraConfig(Settings):
     )
 
     def check(self) -> None:
-        if not self.adapter_cache and self.lora_mode != AUTO and LORA_MODES[self.lora_mode].preload:
+        named = LORA_MODES.get(self.lora_mode)  # None: auto, which never preloads
+        if not self.adapter_cache and named is not None and named.preload:
             raise ValueError(
                 f"adapter_cache off needs a lora_mode that loads on demand: {self.lora_mode} "
                 "keeps every adapter on the device"
@@ -191,11 +192,8 @@ class LoraConfig(Settings):
                 f"cores {_core_list(outside)} of device_cores {device} / cpu_cores {host} are "
                 f"not among the cores this process may run on ({_core_list(sorted(allowed))})"
             )
-        if (
-            self.lora_mode != AUTO
-            and LORA_MODES[self.lora_mode].host_workers
-            and not (self.num_cpu_workers)
-        ):
+        named = LORA_MODES.get(self.lora_mode)  # None: auto, which picks on-demand here
+        if named is not None and named.host_workers and not self.num_cpu_workers:
             raise ValueError(
                 f"device_cores with lora_mode {self.lora_mode} needs num_cpu_workers >= 1: "
                 "without workers host LoRA runs on the engine thread, a device core"
