@@ -122,8 +122,8 @@ def _bytes(t: torch.Tensor):
 def _probe(adapter: LoraAdapter) -> str:
     h = hashlib.sha256(repr(_head(adapter)).encode())
     pairs = sorted(adapter.weights)
-    shapes = [(p, tuple(a.shape), tuple(b.shape), a.dtype) for p, (a, b) in
-              zip(pairs, (adapter.weights[p] for p in pairs))]  # fmt: skip
+    shapes = [(p, tuple(a.shape), tuple(b.shape), a.dtype)
+              for p, (a, b) in sorted(adapter.weights.items())]  # fmt: skip
     magnitudes = sorted((p, tuple(m.shape)) for p, m in adapter.magnitudes.items())
     h.update(repr((shapes, magnitudes)).encode())
     for pair in dict.fromkeys(pairs[:1] + pairs[-1:]):
@@ -176,10 +176,6 @@ class HostAdapterMemory:
         own = {"name": adapter.name, "path": adapter.path,
                "invocation_tokens": adapter.invocation_tokens}  # fmt: skip
         return dataclasses.replace(copy.adapter, **own), copy.key
-
-    def is_held(self, key: ContentKey) -> bool:
-        with self._lock:
-            return key in self._copies
 
     def held_id(self, key: ContentKey) -> int | None:
         """The id the copy of this content is held under (`LoraAdapter.id` of its first

@@ -235,10 +235,9 @@ class KVPool:
         """
         if lengths is None:
             lengths = [self.lengths[r] for r in rows]
+        index = self.decode_table(rows, max(lengths))  # [B, Lmax], a copy
         if self._table is not None:
-            index = self._table[rows, : max(lengths)]  # [B, Lmax], a copy
-            return torch.from_numpy(index), torch.from_numpy(numpy.array(lengths, numpy.int64))
-        index = self.req_to_slot[rows, : max(lengths)]  # [B, Lmax]
+            return index, torch.from_numpy(numpy.array(lengths, numpy.int64))
         return index, torch.tensor(lengths, dtype=torch.int64, device=self.k.device)
 
     def decode_table(self, rows, max_length: int) -> torch.Tensor:
