@@ -13,6 +13,8 @@ from tests.helpers import running_engine
 from toppings.server.requests.adapter_ref import AdapterRef
 from toppings.server.requests.request import GenerationRequest, RequestError, SamplingParams
 
+TWO_TOKENS = SamplingParams(max_new_tokens=2, temperature=0, ignore_eos=True)  # finish: length
+
 
 @pytest.fixture(scope="module")
 def adapter_dir(tiny_model_dir, tmp_path_factory):
@@ -93,7 +95,7 @@ def test_a_retirement_does_not_wait_for_a_step_and_its_rows_go_before_the_next(
     a running step; the device rows before the engine's next plan."""
     with running_engine(tiny_model_dir, {}, max_total_tokens=1024, lora_mode=mode) as engine:
         ref = engine.register_adapter(engine.open_adapter("a", adapter_dir))
-        prompt = GenerationRequest([1, 2, 3], SamplingParams(max_new_tokens=2), ref)
+        prompt = GenerationRequest([1, 2, 3], TWO_TOKENS, ref)
         assert engine.submit(prompt).result(timeout_s=60).finish_reason == "length"
         assert engine.lora.cache.holds(ref.weights_id)  # its rows are on the device
         with engine._lock:  # a step runs
@@ -105,7 +107,7 @@ def test_a_retirement_does_not_wait_for_a_step_and_its_rows_go_before_the_next(
             with pytest.raises(RequestError):
                 engine.resolve_adapter("a")  # no request can name it from here
             assert engine.lora.cache.holds(ref.weights_id)  # the step's, until it ends
-        base = GenerationRequest([1, 2, 3], SamplingParams(max_new_tokens=2), None)
+        base = GenerationRequest([1, 2, 3], TWO_TOKENS, None)
         assert engine.submit(base).result(timeout_s=60).finish_reason == "length"
         assert not engine.lora.cache.holds(ref.weights_id)
         assert engine.stats().adapter_host_memory["copies"] == 0
