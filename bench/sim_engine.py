@@ -14,7 +14,7 @@ from bench.sim_adapters import SimAdapterCache, SimAdapters, SimEntry, SimLink
 from toppings.gpu_lora.eviction import make_policy
 from toppings.server.config import EngineConfig
 from toppings.server.requests.request import SamplingParams
-from toppings.server.sched.admission import GateLimits
+from toppings.server.sched.gate_limits import GateLimits
 from toppings.server.sched.plan import StepResult
 from toppings.server.sched.queueing import QueuePolicy
 from toppings.server.sched.scheduler import Scheduler

@@ -26,7 +26,7 @@ from toppings.server.model.loader import Checkpoint
 from toppings.server.model.step_timing import measure_steps
 from toppings.server.requests.sequence import Sequence
 from toppings.server.sampling.grammar import GrammarCompiler
-from toppings.server.sched.admission import GateLimits
+from toppings.server.sched.gate_limits import GateLimits
 from toppings.server.sched.policies import make_queue_policy
 from toppings.server.sched.scheduler import Scheduler
 from toppings.server.sched.step_budget import StepTimeModel

@@ -9,26 +9,23 @@ which then waits again (Chameleon's squash of a bypasser).
 
 The gate sees its collaborators through the `Memory` and `Adapters` protocols below (the
 engine's MemoryManager and AdapterManager, or a simulator's pure-Python stand-ins) and the few
-numbers of `GateLimits`; it imports nothing of the model. Adapters are the requests'
-`AdapterRef`s, which the gate only passes on and keys on (by id).
+numbers of `GateLimits` (gate_limits.py); it imports nothing of the model. Adapters are the
+requests' `AdapterRef`s, which the gate only passes on and keys on (by id).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 from toppings.server.requests.adapter_ref import AdapterRef
 from toppings.server.requests.request import GenerationRequest, RequestError
 from toppings.server.requests.sequence import Sequence
+from toppings.server.sched.gate_limits import GateLimits
 from toppings.server.sched.queueing import Verdict
 
 if TYPE_CHECKING:
-    from toppings.server.config import SchedulingConfig
     from toppings.server.memory.manager import MemoryManager
-    from toppings.server.sched.step_budget import StepBudget
 
 
 class KVShape(Protocol):
@@ -108,66 +105,6 @@ class Adapters(Protocol):
     def prefetch(self, adapters: list[AdapterRef], queued: frozenset[AdapterRef]) -> None: ...
 
     def fits_if_released(self, adapter: AdapterRef | None, held: AdapterRef | None) -> bool: ...
-
-
-@dataclass(frozen=True)
-class GateLimits:
-    """The configuration numbers admission reads."""
-
-    max_batch_size: int
-    max_prefill_tokens: int
-    # Chunked prefill: the tokens one step computes (decodes and prompt chunks together);
-    # None: a step prefills whole prompts up to max_prefill_tokens (chunked prefill off).
-    max_step_tokens: int | None = None
-    # Chunked prefill: what a prompt token costs more of the budget for each token of past it
-    # attends to (server.sched.step_budget); 0: every token costs one.
-    past_weight: float = 0.0
-    # Chunked prefill: the budgets of steps of 0, 1, ... decodes (StepBudget.few_decodes); a
-    # step of more decodes: max_step_tokens.
-    few_decode_tokens: tuple[int, ...] = ()
-    # Chunked prefill: most a chunk raised to a tile may take a step's cost to, in multiples of
-    # its budget (StepBudget.tile_stall)
-    tile_stall: float = 1.0
-
-    @classmethod
-    def from_config(cls, config: SchedulingConfig, budget: StepBudget | None = None) -> GateLimits:
-        """budget: the step budget the engine chose (None: chunked prefill off)."""
-        return cls(config.max_batch_size, config.max_prefill_tokens).with_budget(budget)
-
-    def with_budget(self, budget: StepBudget | None) -> GateLimits:
-        """These limits with chunked prefill's steps sized by `budget` (None: off)."""
-        if budget is None:
-            return replace(self, max_step_tokens=None, past_weight=0.0, few_decode_tokens=(),
-                           tile_stall=1.0)  # fmt: skip
-        return replace(self, max_step_tokens=budget.tokens, past_weight=budget.past_weight,
-                       few_decode_tokens=budget.few_decodes,
-                       tile_stall=budget.tile_stall)  # fmt: skip
-
-    def step_tokens(self, num_decodes: int) -> int:
-        """The budget of a chunked-prefill step with `num_decodes` decodes in it."""
-        if num_decodes < len(self.few_decode_tokens):
-            return self.few_decode_tokens[num_decodes]
-        return self.max_step_tokens
-
-    def chunk_cost(self, tokens: int, past: int) -> int:
-        """Budget tokens of a chunk of `tokens` prompt tokens after `past` computed ones: each
-        counts 1 + past_weight x what it attends to before it (the past, its chunk's earlier
-        tokens)."""
-        if not self.past_weight or tokens <= 0:
-            return max(tokens, 0)
-        return math.ceil(tokens * (1 + self.past_weight * (past + (tokens - 1) / 2)))
-
-    def chunk_within(self, cost: int, past: int) -> int:
-        """The most prompt tokens after `past` whose chunk_cost is within `cost` (at least
-        one, so that every planned prompt advances)."""
-        w = self.past_weight
-        if not w:
-            return max(cost, 1)
-        b = 1 + w * (past - 0.5)  # cost(t) = t * b + w * t^2 / 2
-        tokens = max(int((math.sqrt(b * b + 2 * w * cost) - b) / w), 1)
-        while tokens > 1 and self.chunk_cost(tokens, past) > cost:
-            tokens -= 1
-        return tokens
 
 
 def check_request(

@@ -96,7 +96,7 @@ def test_modules_built_from_their_parts():
     from tests.helpers import tiny_model_config
     from toppings.server.config import LoraConfig, MemoryConfig, SchedulingConfig
     from toppings.server.memory.layout import MemoryLayout, make_layout
-    from toppings.server.sched.admission import GateLimits
+    from toppings.server.sched.gate_limits import GateLimits
     from toppings.server.sched.policies import make_queue_policy
 
     engine = EngineConfig(

@@ -20,7 +20,7 @@ from toppings.server.engine.engine import Engine
 from toppings.server.model.loader import load_checkpoint
 from toppings.server.requests.request import GenerationRequest, SamplingParams
 from toppings.server.requests.sequence import Sequence
-from toppings.server.sched.admission import GateLimits
+from toppings.server.sched.gate_limits import GateLimits
 from toppings.server.sched.plan import StepPlan
 from toppings.server.sched.step_budget import GEMM_TOKENS, StepTimeModel
 from toppings.server.sched.step_refit import StepRefit, StepShape, modelled_ms, scaled

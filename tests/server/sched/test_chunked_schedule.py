@@ -11,7 +11,7 @@ import pytest
 
 from tests.server.sched.test_scheduler import BLOCK, EOS, Adapters, Memory, Tokenizer, submit
 from toppings.server.config import SchedulingConfig
-from toppings.server.sched.admission import GateLimits
+from toppings.server.sched.gate_limits import GateLimits
 from toppings.server.sched.plan import StepPlan, StepResult
 from toppings.server.sched.policies import make_queue_policy
 from toppings.server.sched.scheduler import Scheduler

@@ -15,7 +15,7 @@ import pytest
 from toppings.server.config import SchedulingConfig
 from toppings.server.requests.request import GenerationRequest, RequestHandle, SamplingParams
 from toppings.server.requests.sequence import Sequence
-from toppings.server.sched.admission import GateLimits
+from toppings.server.sched.gate_limits import GateLimits
 from toppings.server.sched.plan import StepPlan, StepResult
 from toppings.server.sched.policies import make_queue_policy
 from toppings.server.sched.queueing import Verdict

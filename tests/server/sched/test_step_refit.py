@@ -14,7 +14,7 @@ import pytest
 from toppings.server.config import EngineConfig
 from toppings.server.requests.request import GenerationRequest, SamplingParams
 from toppings.server.runtime import build_engine
-from toppings.server.sched.admission import GateLimits
+from toppings.server.sched.gate_limits import GateLimits
 from toppings.server.sched.plan import StepPlan
 from toppings.server.sched.step_budget import (
     FEW_DECODES,
