@@ -49,8 +49,14 @@ class SimAdapters:
         self.refs[name] = self.refs.get(name, 0) + 1
         return name
 
-    def release(self, name: str) -> None:
+    def release(self, name: str, entry: str) -> None:
         self.refs[name] -= 1
+
+    def serve_on_host(self, name: str) -> None:
+        return None  # every adapter fits: admission never asks
+
+    def promote(self, queued) -> None:
+        pass
 
     def may_start(self, entry: str | None) -> bool:
         return True
@@ -145,10 +151,16 @@ class SimAdapterCache:
         self.usage.setdefault(name, Usage()).touch(self.clock())
         return entry
 
-    def release(self, name: str) -> None:
+    def release(self, name: str, entry: SimEntry) -> None:
         self.entries[name].refcount -= 1
         if not self.keep_idle:
             self._drop_idle()
+
+    def serve_on_host(self, name: str) -> None:
+        return None  # the simulated modes wait for room (on-demand, on-demand-sync)
+
+    def promote(self, queued) -> None:
+        pass
 
     def may_start(self, entry: SimEntry | None) -> bool:
         """on-demand: a request prefills once its adapter's load has landed (on-demand-sync:

@@ -127,10 +127,12 @@ class AdapterCache:
             limits.append(self.memory.capacity_bytes())
         return min(limits, default=None)
 
-    def acquire(self, adapter: LoraAdapter) -> CacheEntry | None:
+    def acquire(self, adapter: LoraAdapter, promised: bool = True) -> CacheEntry | None:
         """Take a reference on `adapter`, loading it if needed; None when the room for its load
         is not there (the owner of eviction makes room before: nothing is evicted here). Raises
-        ValueError when it is larger than the cache's whole budget."""
+        ValueError when it is larger than the cache's whole budget. promised: a load admission
+        counted (False: one that takes only memory no admitted request was promised, as a
+        prefetch; `AdapterBudget.take`)."""
         usage = self._usage.setdefault(adapter.id, Usage())
         entry = self.entries.get(adapter.id)
         if entry is not None and entry.ticket.error is not None and not entry.refcount:
@@ -141,7 +143,7 @@ class AdapterCache:
         elif entry is not None:
             self.counters.hits += 1
         else:
-            entry = self._load(adapter, promised=True)
+            entry = self._load(adapter, promised)
             if entry is None:
                 return None
             self.counters.misses += 1

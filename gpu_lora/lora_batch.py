@@ -92,6 +92,12 @@ class LoraBatch:
                 continue  # no request of this step adapts this projection
             ranks_t = torch.tensor(ranks, dtype=torch.int32, device=device)
             self._args[module] = (offsets, ranks_t, scales, max(ranks))
+        # What the host computes for the units still loading: every module they target, the
+        # ones the pool has no tensors for yet too (an adapter served on the host with no rows
+        # on the device: server/adapters/host_served.py)
+        self._host_modules = frozenset(
+            m for i, _ in self._loading if adapters[i] is not None for m in adapters[i].targets
+        )
         self._step = None
         self._layout: RunsLayout | None = None  # native_runs', made once
         if self._segmented and kernels.runs_step is not None:
@@ -113,13 +119,14 @@ class LoraBatch:
         """y += LoRA delta for each (module, y) pair; x [T, H_in], y [T, H_out], in place."""
         if self._trace is not None:
             self._trace.layer_mark(layer)
-        outputs = [(module, y) for module, y in outputs if module in self._args]
-        if not outputs:
+        adapted = [(m, y) for m, y in outputs if m in self._args or m in self._host_modules]
+        if not adapted:
             return  # no request of this step adapts these projections
+        outputs = [(module, y) for module, y in adapted if module in self._args]
         not_ready = [i for i, t in self._loading if t.layers_ready() <= layer]
-        if self._step is not None:
+        if outputs and self._step is not None:  # (none: only units on the host adapt them)
             self._step(layer, x, outputs, not_ready)
-        else:
+        elif outputs:
             for module, y in outputs:
                 offsets, ranks, scales, max_rank = self._args[module]
                 if not_ready:
@@ -131,9 +138,9 @@ class LoraBatch:
                 # max_rank: BGMV's padding; for MBGMV only a bound that spares a device sync.
                 self._fn(y, x, a, b, *lead, offsets, ranks, scales, max_rank)
         if not_ready:
-            self._add_on_host(layer, x, outputs, not_ready)
+            self._add_on_host(layer, x, adapted, not_ready)
         for start, end, scales in self._dora_runs:
-            for module, y in outputs:
+            for module, y in adapted:
                 pair = scales.modules.get(module)
                 if pair is not None:
                     g, offset = pair

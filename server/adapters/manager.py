@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -33,6 +34,7 @@ from toppings.gpu_lora.peft_format import LoraAdapter
 from toppings.gpu_lora.targets import LORA_TARGETS
 from toppings.gpu_lora.trace import TraceRecorder
 from toppings.server.adapters.host import AdapterHost
+from toppings.server.adapters.host_served import HostServed
 from toppings.server.adapters.reader import AdapterReader, derived_max_rank
 from toppings.server.adapters.registry import AdapterRegistry
 from toppings.server.adapters.step import AdapterStep
@@ -101,6 +103,11 @@ class AdapterManager:
         )
         self.reader = AdapterReader(model_config, self.max_lora_rank, cache, self.host, base)
         self.steps = AdapterStep(self.pool, kernels, self.mode, self.host, self.host_stats, trace)
+        # Requests served on the host for want of device room (host_served.py), oldest first,
+        # and counts since start: such admissions, and those moved to the device since.
+        self._on_host: list[HostServed] = []
+        self.num_host_served = 0
+        self.num_promoted = 0
 
     def open(self, path: str, name: str) -> LoraAdapter:
         """Read the adapter directory at `path` as adapter `name` (AdapterReader.open)."""
@@ -222,8 +229,46 @@ class AdapterManager:
                                f"{entry.ticket.error}")  # fmt: skip
         return entry is None or not self.mode.wait_for_load or entry.ticket.done
 
-    def release(self, ref: AdapterRef) -> None:
-        """Drop a request's reference taken by `acquire`."""
+    def serve_on_host(self, ref: AdapterRef) -> HostServed | None:
+        """A reference that computes adapter `ref` on the host, for a request admission found
+        no device room for (host_served.py); None where the mode waits for room instead."""
+        if not self.mode.host_workers:
+            return None
+        entry = HostServed(self._lookup(ref), self.pool.config.num_layers)
+        self._on_host.append(entry)
+        self.num_host_served += 1
+        return entry
+
+    def promote(self, queued: Callable[[], frozenset[AdapterRef]]) -> None:
+        """Move requests served on the host to the device, oldest first, while room is there
+        without evicting an adapter in use or wanted by `queued()` (a prefetch's room: blocks
+        no admitted request was promised) and the loader is idle (a move never delays an
+        admitted request's load). The scheduler calls it each iteration."""
+        if not self._on_host or not self.loader.idle():
+            return
+        keep = _ids(queued())
+        while self._on_host:
+            served = self._on_host[0]
+            if not self.room.make_adapter_room(served.adapter, keep, prefetch=True):
+                return
+            entry = self.cache.acquire(served.adapter, promised=False)
+            if entry is None:
+                return
+            served.device = entry
+            del self._on_host[0]
+            self.num_promoted += 1
+
+    @property
+    def num_on_host(self) -> int:
+        """Requests served on the host now (not moved to the device yet)."""
+        return len(self._on_host)
+
+    def release(self, ref: AdapterRef, entry: CacheEntry | HostServed) -> None:
+        """Drop a request's reference `entry` on adapter `ref`, taken by `acquire` or
+        `serve_on_host`."""
+        if isinstance(entry, HostServed) and entry.device is None:
+            self._on_host.remove(entry)
+            return
         self.cache.release(ref.weights_id)
 
     # ---- views for /stats and /metrics (any thread) -----------------------------------------

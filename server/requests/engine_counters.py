@@ -126,6 +126,11 @@ class EngineCounters:
     memory: MemoryView
     adapter_cache: AdapterCacheView
     adapter_references: int  # references held on device adapters
+    # requests served on the host for want of device room (cpu-assisted): admitted so, moved to
+    # the device since, and so now (server/adapters/host_served.py)
+    host_served: int = 0
+    host_promoted: int = 0
+    num_host_served: int = 0
     # chunked prefill's tokens per step as the engine resized it last (None: chunked prefill off)
     step_budget_tokens: int | None = None
     # the OpenMP threads the engine's steps run on now, and how often the governor changed it

@@ -96,7 +96,15 @@ class Adapters(Protocol):
     def acquire(self, adapter: AdapterRef) -> Any | None:
         """A reference on the adapter (its cache entry), or None; only allocates."""
 
-    def release(self, adapter: AdapterRef) -> None: ...
+    def release(self, adapter: AdapterRef, entry: Any) -> None:
+        """Drop a request's reference `entry` (from `acquire` or `serve_on_host`)."""
+
+    def serve_on_host(self, adapter: AdapterRef) -> Any | None:
+        """A reference that computes the adapter on the host, for a request that found no
+        device room (server/adapters/host_served.py); None where the LoRA mode waits for room."""
+
+    def promote(self, queued: Callable[[], frozenset[AdapterRef]]) -> None:
+        """Move requests served on the host to the device where room is there."""
 
     def may_start(self, entry: Any | None) -> bool: ...
 
@@ -147,7 +155,7 @@ def release(seq: Sequence, memory: Memory, adapters: Adapters, keep_kv: bool, no
     if seq.kv_hold is not None:
         memory.release(seq, keep_kv, now)
     if seq.cache_entry is not None:
-        adapters.release(seq.request.adapter)
+        adapters.release(seq.request.adapter, seq.cache_entry)
         seq.cache_entry = None
 
 
@@ -211,13 +219,15 @@ class AdmissionGate:
             if lora.make_room(adapter, self.queued()):
                 seq.cache_entry = lora.acquire(adapter)
             if seq.cache_entry is None:
+                seq.cache_entry = lora.serve_on_host(adapter)  # cpu-assisted: no wait
+            if seq.cache_entry is None:
                 return Verdict.NO_ADAPTER_MEMORY  # none until a running request ends
             path = mem.match(seq)  # the load may have taken cached blocks
             computed = seq.prompt_len - len(path) * mem.kv.block_tokens
             if not mem.fits(mem.kv_need(seq, path)):
                 # Holding the adapter while waiting for KV room could pin the pool full of
                 # adapters no one runs: let it go (it stays cached while memory allows).
-                lora.release(adapter)
+                lora.release(adapter, seq.cache_entry)
                 seq.cache_entry = None
                 return Verdict.NO_ROOM
         if not lora.may_start(seq.cache_entry):

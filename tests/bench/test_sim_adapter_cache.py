@@ -49,9 +49,9 @@ def test_loads_run_one_after_another_and_a_request_starts_once_its_load_landed()
 def test_without_a_cache_an_adapter_leaves_with_its_last_request_and_is_loaded_again():
     for keep_idle, loads in ((False, 2), (True, 1)):
         cache, clock = cache_of(keep_idle)
-        take(cache, "a")
+        entry = take(cache, "a")
         clock.now = 5.0
-        cache.release("a")
+        cache.release("a", entry)
         assert ("a" in cache.entries) is keep_idle
         take(cache, "a")
         assert cache.num_loads == loads
@@ -59,12 +59,12 @@ def test_without_a_cache_an_adapter_leaves_with_its_last_request_and_is_loaded_a
 
 def test_the_budget_evicts_idle_adapters_and_waits_when_all_are_held():
     cache, clock = cache_of(keep_idle=True, budget=300)
-    take(cache, "a")
+    a = take(cache, "a")
     take(cache, "b")
     assert not cache.make_room("c", frozenset())  # 200 more bytes: both others are held
     assert cache.acquire("c") is None and cache.used_bytes == 200  # nothing evicted
     clock.now = 10.0
-    cache.release("a")
+    cache.release("a", a)
     assert cache.fits_if_released("c", "b") is False  # a's release already made the room
     assert take(cache, "c") is not None and "a" not in cache.entries
 

@@ -134,8 +134,14 @@ class Adapters:
         self.refs[name] = self.refs.get(name, 0) + 1
         return name
 
-    def release(self, name):
+    def release(self, name, entry):
         self.refs[name] -= 1
+
+    def serve_on_host(self, name):
+        return None
+
+    def promote(self, queued):
+        pass
 
     def may_start(self, entry):
         return entry is None or entry not in self.loading
