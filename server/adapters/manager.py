@@ -231,10 +231,16 @@ class AdapterManager:
 
     def serve_on_host(self, ref: AdapterRef) -> HostServed | None:
         """A reference that computes adapter `ref` on the host, for a request admission found
-        no device room for (host_served.py); None where the mode waits for room instead."""
+        no device room for (host_served.py); None where the mode waits for room instead, and
+        where the room is there but the pool must grow for it once the running load ends (a
+        moment's wait: on a CPU device an adapter in the pool computes faster than on the
+        host, which pays the framework's overhead per projection)."""
+        adapter = self._lookup(ref)
         if not self.mode.host_workers:
             return None
-        entry = HostServed(self._lookup(ref), self.pool.config.num_layers)
+        if self.cache.has_room(adapter) and self.cache.waits_for_loader(adapter):
+            return None
+        entry = HostServed(adapter, self.pool.config.num_layers)
         self._on_host.append(entry)
         self.num_host_served += 1
         return entry

@@ -218,7 +218,7 @@ class AdmissionGate:
             # Admission makes room (one owner decides what leaves), then the cache allocates.
             if lora.make_room(adapter, self.queued()):
                 seq.cache_entry = lora.acquire(adapter)
-            if seq.cache_entry is None:
+            else:  # none while the running requests hold what is there (or a load runs)
                 seq.cache_entry = lora.serve_on_host(adapter)  # cpu-assisted: no wait
             if seq.cache_entry is None:
                 return Verdict.NO_ADAPTER_MEMORY  # none until a running request ends

@@ -268,7 +268,10 @@ def test_soak_then_idle_then_clean_stop(node, scheduler, tiny_model_dir):
         assert m[("toppings:adapter_references", ())] == 0  # no pins in cpu-assisted mode
         assert m[("toppings:num_requests_running", ())] == 0
         assert m[("toppings:kv_cache_reserved_tokens", ())] == 0
-        assert m[("toppings:adapter_evictions_total", ())] >= 1
+        # the third adapter found room by an eviction, or ran on the host while the others
+        # held the room (server/adapters/host_served.py)
+        paged = m[("toppings:adapter_evictions_total", ())]
+        assert paged + m[("toppings:requests_host_served_total", ())] >= 1
         finished += sum(v - old.get(k, 0) for k, v in m.items()
                         if k[0] == "toppings:request_finished_total")  # fmt: skip
     assert finished == NUM_REQUESTS
