@@ -1,7 +1,7 @@
 """The engine: continuous batching of many requests over one model and many adapters.
 
 One thread owns all request state. Each iteration it takes new requests and aborts from its
-inbox, asks the scheduler (server/sched/scheduler.py) for a step (each scheduled request's
+inbox (inbox.py), asks the scheduler (server/sched/scheduler.py) for a step (each scheduled request's
 token count: the running decodes, prompt chunks, or whole prompts after their cached prefix,
 its KV slots reserved), has the model runner (model_runner.py) compute it, and gives the tokens
 back to the scheduler, which streams them to each request's handle. With async scheduling
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import queue
 import threading
 import time
 
@@ -26,6 +25,7 @@ from toppings.gpu_lora.validate import check_finite_delta
 from toppings.server.config import EngineConfig
 from toppings.server.engine import reports
 from toppings.server.engine.compose import compose_engine
+from toppings.server.engine.inbox import Inbox
 from toppings.server.engine.model_runner import StepOutcome
 from toppings.server.engine.step_pipeline import Launched, StepPipeline, reads_its_output
 from toppings.server.kv_events.publisher import Sink
@@ -74,7 +74,7 @@ class Engine:
         self.eos_ids, self.grammars = parts.eos_ids, parts.grammars
         self.runner, self.scheduler = parts.runner, parts.scheduler
         self.queue = self.scheduler.queue  # the waiting requests and who goes next
-        self._inbox: queue.Queue = queue.Queue()
+        self.inbox = Inbox(self.scheduler, self._forget_retired)
         self.step_stats = reports.StepStats()
         self._lock = threading.Lock()  # held during a step and while the pool changes
         # Registrations and removals change the adapter tables one at a time; a removal takes
@@ -117,10 +117,10 @@ class Engine:
     def shutdown(self) -> None:
         """Stop the loop; every unfinished request ends with finish_reason "abort"."""
         self._stopping.set()
-        self._inbox.put(None)
+        self.inbox.wake()
         if self._thread.is_alive():
             self._thread.join()
-        self._drain_inbox(block=False)
+        self.inbox.drain(block=False)
         self.scheduler.abort_all()
         if self.pipeline is not None:
             self.pipeline.close()
@@ -193,7 +193,7 @@ class Engine:
         with self._registering:
             ref = self.adapter_refs.retire(name)  # 404, 409; no request acquires it from here
             adapter = self.lora.unregister_host(ref)
-        self._inbox.put(ref)  # the rest: _drain_inbox
+        self.inbox.retired(ref)  # the rest: _forget_retired
         log.info("adapter %s removed (its device rows before the next step)", name)
         return adapter
 
@@ -202,12 +202,18 @@ class Engine:
         self.memory.forget_adapter(ref)
         self.queue.forget_adapter(ref)
 
+    def _forget_retired(self, ref: AdapterRef) -> None:
+        """A retired adapter's device rows and the rest (the inbox calls it, engine thread)."""
+        with self._lock:
+            self.lora.forget_rows(ref.weights_id)
+            self._forget(ref)
+
     def drain(self, timeout_s: float) -> bool:
         """Stop admitting new requests and wait for queued and running ones to end."""
         self._draining.set()
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if not self.scheduler.has_work() and self._inbox.empty():
+            if not self.scheduler.has_work() and self.inbox.empty():
                 return True
             time.sleep(0.05)
         return False
@@ -250,7 +256,7 @@ class Engine:
             for ref in refs:
                 self.adapter_refs.release(ref)
             raise
-        self._inbox.put(seqs)
+        self.inbox.submit(seqs)
         return [s.handle for s in seqs]
 
     def _check(self, request: GenerationRequest) -> None:
@@ -262,7 +268,7 @@ class Engine:
         self.adapter_refs.release(seq.request.adapter)
 
     def abort(self, request_id: str) -> None:
-        self._inbox.put(request_id)
+        self.inbox.abort(request_id)
 
     # ---- the engine thread ------------------------------------------------------------------
 
@@ -274,7 +280,7 @@ class Engine:
         try:
             while not self._stopping.is_set():
                 idle = not self.scheduler.has_work() and self._pending() is None
-                self._drain_inbox(block=idle)
+                self.inbox.drain(block=idle)
                 if self._stopping.is_set():
                     break
                 plan = self.step() if self.pipeline is None else self._step_ahead()
@@ -354,7 +360,7 @@ class Engine:
         """One iteration of the loop: take what was submitted, schedule a step and run it.
         Returns the plan run, or None when nothing could run. The engine thread calls it; a
         test may drive an engine it has not started with it."""
-        self._drain_inbox(block=False)
+        self.inbox.drain(block=False)
         with self._lock:
             started = time.perf_counter()  # a stream waits for the scheduling as well
             try:
@@ -375,20 +381,3 @@ class Engine:
                 self.scheduler.fail(plan, f"engine error: {exc}")
             self._observe(plan, shape, time.perf_counter() - started)
         return plan
-
-    def _drain_inbox(self, block: bool) -> None:
-        try:
-            item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
-            while True:
-                if isinstance(item, list):  # requests submitted together
-                    for seq in item:
-                        self.scheduler.add(seq)
-                elif isinstance(item, str):
-                    self.scheduler.abort(item)
-                elif isinstance(item, AdapterRef):  # retired (retire_adapter)
-                    with self._lock:
-                        self.lora.forget_rows(item.weights_id)
-                        self._forget(item)
-                item = self._inbox.get_nowait()
-        except queue.Empty:
-            pass
