@@ -1,19 +1,19 @@
 """The engine: continuous batching of many requests over one model and many adapters.
 
 One thread owns all request state. Each iteration it takes new requests and aborts from its
-inbox (inbox.py), asks the scheduler (server/sched/scheduler.py) for a step (each scheduled request's
-token count: the running decodes, prompt chunks, or whole prompts after their cached prefix,
-its KV slots reserved), has the model runner (model_runner.py) compute it, and gives the tokens
-back to the scheduler, which streams them to each request's handle. With async scheduling
+inbox (inbox.py), asks the scheduler (server/sched/scheduler.py) for a step (each scheduled
+request's token count: the running decodes, prompt chunks, or whole prompts after their cached
+prefix, its KV slots reserved), has the model runner (model_runner.py) compute it, and gives the
+tokens back to the scheduler, which streams them to each request's handle. With async scheduling
 (`--async-scheduling`, on with cuda) the model runs each step on a thread of its own while the
 engine thread plans the next one (step_pipeline.py). The engine owns the loop and the lifecycle
-(start, drain, shutdown, adapters); its parts are built by compose.py, the chunked-prefill
-budget is server/sched/step_budget_keeper.py's, its reports are reports.py's.
+(start, drain, shutdown; adapters through adapter_admin.py); its parts are built by
+compose.py, the chunked-prefill budget is server/sched/step_budget_keeper.py's, its reports
+are reports.py's.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
@@ -21,9 +21,9 @@ import time
 from toppings.gpu_lora.host_memory import ContentKey
 from toppings.gpu_lora.peft_format import LoraAdapter
 from toppings.gpu_lora.trace import TraceRecorder
-from toppings.gpu_lora.validate import check_finite_delta
 from toppings.server.config import EngineConfig
 from toppings.server.engine import reports
+from toppings.server.engine.adapter_admin import AdapterAdmin
 from toppings.server.engine.compose import compose_engine
 from toppings.server.engine.inbox import Inbox
 from toppings.server.engine.model_runner import StepOutcome
@@ -74,12 +74,17 @@ class Engine:
         self.eos_ids, self.grammars = parts.eos_ids, parts.grammars
         self.runner, self.scheduler = parts.runner, parts.scheduler
         self.queue = self.scheduler.queue  # the waiting requests and who goes next
-        self.inbox = Inbox(self.scheduler, self._forget_retired)
         self.step_stats = reports.StepStats()
         self._lock = threading.Lock()  # held during a step and while the pool changes
-        # Registrations and removals change the adapter tables one at a time; a removal takes
-        # it after the step lock (register_adapter says why a registration may not need that).
-        self._registering = threading.Lock()
+        self.admin = AdapterAdmin(
+            self.lora,
+            self.memory,
+            self.queue,
+            self._lock,
+            self.model.dtype,
+            lambda ref: self.inbox.retired(ref),  # the inbox is built with the admin's forget
+        )
+        self.inbox = Inbox(self.scheduler, self.admin.forget_retired)
         # A request accepted for an adapter counts in flight there until it ends: no unload can
         # pull the adapter from under it (server/adapters/registry.py).
         self.adapter_refs = self.lora.refs
@@ -139,74 +144,27 @@ class Engine:
         """Validate a PEFT directory and make it servable (raises AdapterError, also for a
         LoRA product that overflows the model's dtype, or RequestError 507 when it is larger
         than the memory it would live in)."""
-        adapter = self.open_adapter(name, path)
-        self.register_adapter(adapter)
+        adapter = self.admin.open(name, path)
+        self.admin.register(adapter)
         return adapter
 
     def open_adapter(self, name: str, path: str) -> LoraAdapter:
-        """Read and check a PEFT directory as `add_adapter` does, without registering it: the
-        slow part of a load (the file read, the checks), which needs no lock, so that a caller
-        may run several at once and register each when it is read (the resolver does)."""
-        adapter = self.lora.open(path, name)
-        check_finite_delta(adapter, self.model.dtype)
-        return adapter
+        """`add_adapter`'s read and checks, without registering (AdapterAdmin.open)."""
+        return self.admin.open(name, path)
 
     def register_adapter(
         self, adapter: LoraAdapter, content: ContentKey | None = None
     ) -> AdapterRef:
-        """Make an adapter from `open_adapter` (or one `remove_adapter` returned) servable;
-        `content`: its content key (gpu_lora.host_memory's `ContentKey` of this very adapter)
-        when the caller made it, else it is made here.
-
-        Only a LoRA mode that preloads (cached) puts the adapter on the device here, which a
-        step owns: it takes the engine's lock. Otherwise registering touches the host side
-        alone (host memory, the workers' arena and the name table, each behind its own lock;
-        the step reads the host tables by name, never in the middle of this adapter's entry,
-        since no request can name it before the name table has it, its last step), so it does
-        not wait for a running step: a cold adapter's registration used to wait for a whole
-        step, its device loads included."""
-        lock = self._lock if self.lora.mode.preload else contextlib.nullcontext()
-        with lock, self._registering:
-            ref = self.lora.register(adapter, content)
-        targets = ",".join(adapter.target_modules)
-        log.info("adapter %s (id %d): rank %d, targets %s", adapter.name, ref.id, adapter.rank,
-                 targets)  # fmt: skip
-        return ref
+        """Make an adapter from `open_adapter` servable (AdapterAdmin.register)."""
+        return self.admin.register(adapter, content)
 
     def remove_adapter(self, name: str) -> LoraAdapter:
-        """Unregister an adapter; refused (409) while a request accepted for it has not ended.
-        Returns the adapter as it was held (its host tensors, which it no longer charges)."""
-        with self._lock, self._registering:
-            ref = self.adapter_refs.retire(name)  # 404, 409; no request acquires it from here
-            adapter = self.lora.unregister(ref)
-            self._forget(ref)
-        log.info("adapter %s removed", name)
-        return adapter
+        """Unregister an adapter, waiting for a running step (AdapterAdmin.remove)."""
+        return self.admin.remove(name)
 
     def retire_adapter(self, name: str) -> LoraAdapter:
-        """`remove_adapter` without waiting for a running step, outside the cached mode: the
-        name and the host side go now, what the engine thread owns (the adapter's device rows,
-        its cached KV, the queue policy's record) before its next plan. The resolver's
-        evictions take it: they are on a first use's way to its first token."""
-        if self.lora.mode.preload:
-            return self.remove_adapter(name)  # the device is the step's
-        with self._registering:
-            ref = self.adapter_refs.retire(name)  # 404, 409; no request acquires it from here
-            adapter = self.lora.unregister_host(ref)
-        self.inbox.retired(ref)  # the rest: _forget_retired
-        log.info("adapter %s removed (its device rows before the next step)", name)
-        return adapter
-
-    def _forget(self, ref: AdapterRef) -> None:
-        """What the engine keeps of an unregistered adapter, beside its rows."""
-        self.memory.forget_adapter(ref)
-        self.queue.forget_adapter(ref)
-
-    def _forget_retired(self, ref: AdapterRef) -> None:
-        """A retired adapter's device rows and the rest (the inbox calls it, engine thread)."""
-        with self._lock:
-            self.lora.forget_rows(ref.weights_id)
-            self._forget(ref)
+        """Unregister an adapter, its device side before the next plan (AdapterAdmin.retire)."""
+        return self.admin.retire(name)
 
     def drain(self, timeout_s: float) -> bool:
         """Stop admitting new requests and wait for queued and running ones to end."""
