@@ -128,6 +128,19 @@ class RuntimeConfig(Settings):
             parse=on_off,
         ),
     )
+    # Detokenizing, stop strings and streaming on a thread of their own
+    # (engine/output_processor.py); off: on the engine thread, each step.
+    output_thread: bool = setting(
+        True,
+        flag=Flag(
+            "detokenize, check stop strings and stream outputs on a thread of their own, fed "
+            "token ids by the engine thread (a request whose text hits a stop string ends a "
+            "step or a few later, its tokens past the stop not sent); off: on the engine "
+            "thread, inside each step",
+            choices=ON_OFF,
+            parse=on_off,
+        ),
+    )
     # torch (OpenMP) threads of the engine thread; 0: every core.
     num_threads: int = setting(
         0,

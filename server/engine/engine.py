@@ -4,7 +4,9 @@ One thread owns all request state. Each iteration it takes new requests and abor
 inbox (inbox.py), asks the scheduler (server/sched/scheduler.py) for a step (each scheduled
 request's token count: the running decodes, prompt chunks, or whole prompts after their cached
 prefix, its KV slots reserved), has the model runner (model_runner.py) compute it, and gives the
-tokens back to the scheduler, which streams them to each request's handle. With async scheduling
+tokens back to the scheduler, which hands each request's new token to its text side: the output
+processor's thread (output_processor.py: detokenizing, stop strings, streaming to the handle),
+or the engine thread itself with `--output-thread off`. With async scheduling
 (`--async-scheduling`, on with cuda) the model runs each step on a thread of its own while the
 engine thread plans the next one (step_pipeline.py). The engine owns the loop and the lifecycle
 (start, drain, shutdown; adapters through adapter_admin.py); its parts are built by
@@ -27,6 +29,7 @@ from toppings.server.engine.adapter_admin import AdapterAdmin
 from toppings.server.engine.compose import compose_engine
 from toppings.server.engine.inbox import Inbox
 from toppings.server.engine.model_runner import StepOutcome
+from toppings.server.engine.output_processor import OutputProcessor
 from toppings.server.engine.step_pipeline import Launched, StepPipeline, reads_its_output
 from toppings.server.kv_events.publisher import Sink
 from toppings.server.model.loader import Checkpoint
@@ -85,6 +88,8 @@ class Engine:
             lambda ref: self.inbox.retired(ref),  # the inbox is built with the admin's forget
         )
         self.inbox = Inbox(self.scheduler, self.admin.forget_retired)
+        # Detokenizing, stop strings and streaming (None: inside each step, on the engine thread)
+        self.outputs = OutputProcessor(self.inbox.end) if config.output_thread else None
         # A request accepted for an adapter counts in flight there until it ends: no unload can
         # pull the adapter from under it (server/adapters/registry.py).
         self.adapter_refs = self.lora.refs
@@ -127,13 +132,16 @@ class Engine:
             self._thread.join()
         self.inbox.drain(block=False)
         self.scheduler.abort_all()
+        if self.outputs is not None:
+            self.outputs.close()  # every final output put, the thread joined
         if self.pipeline is not None:
             self.pipeline.close()
         self.lora.close()
         self.memory.close()
 
     def is_healthy(self) -> bool:
-        return self._thread.is_alive() and not self._stopping.is_set()
+        outputs_alive = self.outputs is None or self.outputs.is_alive
+        return self._thread.is_alive() and not self._stopping.is_set() and outputs_alive
 
     def resolve_adapter(self, name: str | None) -> AdapterRef | None:
         """The reference a request for adapter `name` carries (None: the base model); 404
@@ -205,8 +213,8 @@ class Engine:
             for request in requests:
                 self._check(request)
             lora_starts = [self.lora.steps.lora_start(r.adapter, r.prompt_ids) for r in requests]
-            seqs = [Sequence(r, RequestHandle(r, self.abort), self.tokenizer, time.monotonic())
-                    for r in requests]  # fmt: skip
+            seqs = [Sequence(r, RequestHandle(r, self.abort), self.tokenizer, time.monotonic(),
+                             self.outputs) for r in requests]  # fmt: skip
             for seq, lora_start in zip(seqs, lora_starts, strict=True):
                 seq.lora_start = lora_start
                 seq.is_activated = self.lora.steps.is_activated(seq.request.adapter)
@@ -279,6 +287,7 @@ class Engine:
                     self.scheduler.fail(plan, f"engine error: {exc}")
             if pending is not None:
                 self._take_back(pending)
+        self._flush_outputs()
         return plan
 
     def _take_back(self, launched: Launched) -> None:
@@ -294,6 +303,11 @@ class Engine:
         finally:
             self.scheduler.returned(plan)
         self._observe(plan, launched.shape, seconds)
+
+    def _flush_outputs(self) -> None:
+        """The step's output records to the output processor, one batch a step."""
+        if self.outputs is not None:
+            self.outputs.flush()
 
     def _wait_for_loads(self, plan: StepPlan) -> None:
         """Under on-demand-sync, wait until the plan's adapters are loaded (else at once)."""
@@ -325,17 +339,21 @@ class Engine:
                 plan = self.scheduler.schedule()  # its KV slots reserved
             except Exception:  # the loop outlives any fault of a plan's making
                 log.exception("scheduling failed")
-                return None
-            if plan is None:
-                return None
-            shape = self.budget.shape_of(plan) if self.budget is not None else None
-            if self.governor is not None:
-                self.governor.apply()
-            try:
-                self._wait_for_loads(plan)
-                self._apply(self.runner.run(plan))
-            except Exception as exc:  # keep serving: fail this step's requests only
-                log.exception("engine step failed")
-                self.scheduler.fail(plan, f"engine error: {exc}")
-            self._observe(plan, shape, time.perf_counter() - started)
+                plan = None
+            if plan is not None:
+                self._run(plan, started)
+        self._flush_outputs()  # also an abort's final output when nothing ran
         return plan
+
+    def _run(self, plan: StepPlan, started: float) -> None:
+        """Run a plan on this thread and give its tokens to the scheduler (under the lock)."""
+        shape = self.budget.shape_of(plan) if self.budget is not None else None
+        if self.governor is not None:
+            self.governor.apply()
+        try:
+            self._wait_for_loads(plan)
+            self._apply(self.runner.run(plan))
+        except Exception as exc:  # keep serving: fail this step's requests only
+            log.exception("engine step failed")
+            self.scheduler.fail(plan, f"engine error: {exc}")
+        self._observe(plan, shape, time.perf_counter() - started)

@@ -10,14 +10,26 @@ from __future__ import annotations
 
 import queue
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from toppings.server.requests.adapter_ref import AdapterRef
 from toppings.server.requests.sequence import Sequence
 from toppings.server.sched.scheduler import Scheduler
 
 
+@dataclass(frozen=True)
+class EndRequest:
+    """A request the output processor ended (output_processor.py: its text reached a stop
+    string, or failed): the engine finishes it, its KV and adapter reference given back."""
+
+    seq: Sequence
+    reason: str
+    error: str | None = None
+
+
 class Inbox:
-    """Items for the engine thread: submitted requests, aborts, retired adapters."""
+    """Items for the engine thread: submitted requests, aborts, retired adapters, requests the
+    output processor ended."""
 
     def __init__(self, scheduler: Scheduler, forget: Callable[[AdapterRef], None]):
         """forget: what the engine does with a retired adapter (its device rows, its cached KV,
@@ -36,6 +48,10 @@ class Inbox:
     def retired(self, ref: AdapterRef) -> None:
         """An adapter whose name and host side are gone: the rest goes on the engine thread."""
         self._items.put(ref)
+
+    def end(self, seq: Sequence, reason: str, error: str | None = None) -> None:
+        """The output processor ended a request (a stop string, its text failing)."""
+        self._items.put(EndRequest(seq, reason, error))
 
     def wake(self) -> None:
         """Wake an engine thread waiting on an empty inbox (shutdown)."""
@@ -56,6 +72,8 @@ class Inbox:
                     self._scheduler.abort(item)
                 elif isinstance(item, AdapterRef):
                     self._forget(item)
+                elif isinstance(item, EndRequest):  # a no-op where it ended meanwhile
+                    self._scheduler.finish(item.seq, item.reason, error=item.error)
                 item = self._items.get_nowait()
         except queue.Empty:
             pass
