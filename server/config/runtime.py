@@ -129,14 +129,16 @@ class RuntimeConfig(Settings):
         ),
     )
     # Detokenizing, stop strings and streaming on a thread of their own
-    # (engine/output_processor.py); off: on the engine thread, each step.
-    output_thread: bool = setting(
-        True,
+    # (engine/output_processor.py); None: on for cuda.
+    output_thread: bool | None = setting(
+        None,
         flag=Flag(
             "detokenize, check stop strings and stream outputs on a thread of their own, fed "
-            "token ids by the engine thread (a request whose text hits a stop string ends a "
-            "step or a few later, its tokens past the stop not sent); off: on the engine "
-            "thread, inside each step",
+            "token ids by the engine thread, while it waits on the device (a request whose "
+            "text hits a stop string ends a step or a few later, its tokens past the stop not "
+            "sent); off: on the engine thread, inside each step (default: on with --device "
+            "cuda; off on a cpu, where the engine thread does not wait on a device and the two "
+            "threads would take turns at the interpreter)",
             choices=ON_OFF,
             parse=on_off,
         ),
@@ -204,6 +206,13 @@ class RuntimeConfig(Settings):
         if self.async_scheduling is None:
             return self.device == "cuda"
         return self.async_scheduling
+
+    @property
+    def use_output_thread(self) -> bool:
+        """Whether outputs are made on the output processor's thread (output_processor.py)."""
+        if self.output_thread is None:
+            return self.device == "cuda"
+        return self.output_thread
 
     @property
     def use_paged_attention(self) -> bool:

@@ -6,7 +6,7 @@ request's token count: the running decodes, prompt chunks, or whole prompts afte
 prefix, its KV slots reserved), has the model runner (model_runner.py) compute it, and gives the
 tokens back to the scheduler, which hands each request's new token to its text side: the output
 processor's thread (output_processor.py: detokenizing, stop strings, streaming to the handle),
-or the engine thread itself with `--output-thread off`. With async scheduling
+or the engine thread itself (`--output-thread off`, the default on a CPU). With async scheduling
 (`--async-scheduling`, on with cuda) the model runs each step on a thread of its own while the
 engine thread plans the next one (step_pipeline.py). The engine owns the loop and the lifecycle
 (start, drain, shutdown; adapters through adapter_admin.py); its parts are built by
@@ -89,7 +89,7 @@ class Engine:
         )
         self.inbox = Inbox(self.scheduler, self.admin.forget_retired)
         # Detokenizing, stop strings and streaming (None: inside each step, on the engine thread)
-        self.outputs = OutputProcessor(self.inbox.end) if config.output_thread else None
+        self.outputs = OutputProcessor(self.inbox.end) if config.use_output_thread else None
         # A request accepted for an adapter counts in flight there until it ends: no unload can
         # pull the adapter from under it (server/adapters/registry.py).
         self.adapter_refs = self.lora.refs

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from tests.helpers import assert_memory_balanced, running_engine, wait_steps_back
+from toppings.server.config import EngineConfig
 from toppings.server.requests.request import GenerationRequest, SamplingParams
 from toppings.server.requests.sequence import Sequence
 from toppings.server.requests.text_output import OutputRecord, TextOutput
@@ -90,7 +91,7 @@ def test_outputs_equal_the_engine_thread_path(tiny_model_dir, async_scheduling):
 def test_a_stop_string_ends_the_request_in_the_engine(tiny_model_dir):
     """The processor finds the stop string after the engine moved on; the engine then ends the
     request ("stop", not run to its length) and gives its KV back."""
-    with running_engine(tiny_model_dir, max_total_tokens=2048) as engine:
+    with running_engine(tiny_model_dir, max_total_tokens=2048, output_thread=True) as engine:
         stop = mid_token_stop(engine)
         wait_steps_back(engine)
         free_before = engine.stats().to_json()["free_kv_tokens"]
@@ -108,7 +109,7 @@ def test_a_stop_string_ends_the_request_in_the_engine(tiny_model_dir):
 
 
 def test_shutdown_ends_every_request_once_and_joins_the_thread(tiny_model_dir):
-    with running_engine(tiny_model_dir, max_total_tokens=2048) as engine:
+    with running_engine(tiny_model_dir, max_total_tokens=2048, output_thread=True) as engine:
         thread = engine.outputs
         handle = engine.submit(GenerationRequest([1] * 10, params(max_new_tokens=500)))
         events = handle.events(timeout_s=120)
@@ -117,6 +118,14 @@ def test_shutdown_ends_every_request_once_and_joins_the_thread(tiny_model_dir):
     reasons = [o.finish_reason for o in events]
     assert reasons[-1] == "abort" and reasons.count("abort") == 1
     assert handle.poll() == []
+
+
+def test_the_thread_is_on_by_default_with_cuda_only():
+    """On a CPU the engine thread waits on no device: the two threads would only take turns
+    at the interpreter (docs/benchmarks.md, the output processor's entry)."""
+    assert not EngineConfig().use_output_thread
+    assert EngineConfig(device="cuda").use_output_thread
+    assert EngineConfig(output_thread=True).use_output_thread
 
 
 class Handle:
