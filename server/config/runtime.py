@@ -129,16 +129,17 @@ class RuntimeConfig(Settings):
         ),
     )
     # Detokenizing, stop strings and streaming on a thread of their own
-    # (engine/output_processor.py); None: on for cuda.
+    # (engine/output_processor.py); None: on for cuda without async scheduling.
     output_thread: bool | None = setting(
         None,
         flag=Flag(
             "detokenize, check stop strings and stream outputs on a thread of their own, fed "
-            "token ids by the engine thread, while it waits on the device (a request whose "
+            "token ids by the engine thread, while that waits on the device (a request whose "
             "text hits a stop string ends a step or a few later, its tokens past the stop not "
             "sent); off: on the engine thread, inside each step (default: on with --device "
-            "cuda; off on a cpu, where the engine thread does not wait on a device and the two "
-            "threads would take turns at the interpreter)",
+            "cuda and --async-scheduling off; off with async scheduling, where the engine "
+            "thread's work already runs beside the device's and the two threads would take "
+            "turns at the interpreter, and on a cpu)",
             choices=ON_OFF,
             parse=on_off,
         ),
@@ -209,9 +210,12 @@ class RuntimeConfig(Settings):
 
     @property
     def use_output_thread(self) -> bool:
-        """Whether outputs are made on the output processor's thread (output_processor.py)."""
+        """Whether outputs are made on the output processor's thread (output_processor.py):
+        where the engine thread waits on the device inside each step (docs/benchmarks.md, the
+        output processor's entry, measured a synchronous loop faster with it, the async one
+        and the CPU slower)."""
         if self.output_thread is None:
-            return self.device == "cuda"
+            return self.device == "cuda" and not self.use_async
         return self.output_thread
 
     @property

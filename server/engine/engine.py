@@ -5,10 +5,10 @@ inbox (inbox.py), asks the scheduler (server/sched/scheduler.py) for a step (eac
 request's token count: the running decodes, prompt chunks, or whole prompts after their cached
 prefix, its KV slots reserved), has the model runner (model_runner.py) compute it, and gives the
 tokens back to the scheduler, which hands each request's new token to its text side: the output
-processor's thread (output_processor.py: detokenizing, stop strings, streaming to the handle),
-or the engine thread itself (`--output-thread off`, the default on a CPU). With async scheduling
-(`--async-scheduling`, on with cuda) the model runs each step on a thread of its own while the
-engine thread plans the next one (step_pipeline.py). The engine owns the loop and the lifecycle
+processor's thread (output_processor.py: detokenizing, stop strings, streaming to the handle;
+`--output-thread`) or the engine thread itself. With async scheduling (`--async-scheduling`, on
+with cuda) the model runs each step on a thread of its own while the engine thread plans the
+next one (step_pipeline.py). The engine owns the loop and the lifecycle
 (start, drain, shutdown; adapters through adapter_admin.py); its parts are built by
 compose.py, the chunked-prefill budget is server/sched/step_budget_keeper.py's, its reports
 are reports.py's.

@@ -120,11 +120,13 @@ def test_shutdown_ends_every_request_once_and_joins_the_thread(tiny_model_dir):
     assert handle.poll() == []
 
 
-def test_the_thread_is_on_by_default_with_cuda_only():
-    """On a CPU the engine thread waits on no device: the two threads would only take turns
-    at the interpreter (docs/benchmarks.md, the output processor's entry)."""
+def test_the_thread_is_on_by_default_only_where_the_engine_waits_on_a_device():
+    """On where the engine thread waits on the device inside each step (cuda, synchronous
+    loop); elsewhere the threads would only take turns at the interpreter (docs/benchmarks.md,
+    the output processor's entry)."""
     assert not EngineConfig().use_output_thread
-    assert EngineConfig(device="cuda").use_output_thread
+    assert EngineConfig(device="cuda", async_scheduling=False).use_output_thread
+    assert not EngineConfig(device="cuda").use_output_thread  # async scheduling on
     assert EngineConfig(output_thread=True).use_output_thread
 
 
