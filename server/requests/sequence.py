@@ -141,10 +141,15 @@ class Sequence:
         elif (len(self.output_ids) >= params.max_new_tokens
               or self.prompt_len + len(self.output_ids) >= max_model_len):  # fmt: skip
             reason = "length"
-        record = OutputRecord(self, self.output, token, logprob, is_eos, replayed, reason)
-        if self._emit(record) and reason != "error":
-            return "stop"  # a stop string, found at once
-        return reason
+        if self._outputs is not None:
+            self._emit(OutputRecord(self, self.output, token, logprob, is_eos, replayed, reason))
+            return reason
+        # At once, on this thread, without a record (the engine thread's hot path)
+        if self._prompt_logprobs is not None:
+            self.output.add_prompt_logprobs(self._prompt_logprobs)
+            self._prompt_logprobs = None
+        hit = self.output.take(token, logprob, is_eos, replayed, reason, self.num_cached_tokens)
+        return "stop" if hit and reason != "error" else reason  # a stop string, found at once
 
     def finish(self, reason: str, error: str | None = None) -> None:
         """Send the final output (with any held-back text) exactly once."""

@@ -95,45 +95,68 @@ class TextOutput:
             return False
         if record.prompt_logprobs is not None:
             self._prompt_logprobs = record.prompt_logprobs
-        self._cached_tokens = record.cached_tokens
         if record.finish is not None:
+            self._cached_tokens = record.cached_tokens
             self._finish(record)
             return False
-        if self._ends is not None:
-            return False  # the engine made it past its end (a stop it did not know yet)
         if record.restart:
-            self._stream = TextStream(self._tokenizer, self._request.params.stop)
-            self._num_tokens = 0
-            self._pending_ids, self._pending_text, self._pending_logprobs = [], "", []
+            self._restart()
             return False
-        return self._take(record)
+        return self.take(
+            record.token, record.logprob, record.is_eos, record.replayed, record.ends,
+            record.cached_tokens,
+        )  # fmt: skip
+
+    def take(
+        self,
+        token: int,
+        logprob: TokenLogprob | None,
+        is_eos: bool,
+        replayed: bool,
+        ends: str | None,
+        cached_tokens: int,
+    ) -> bool:
+        """A token record's fields (`OutputRecord`), without the record: how the engine thread
+        applies a token at once. True when it completed a stop string."""
+        if self._ends is not None or self.finished:
+            return False  # the engine made it past its end (a stop it did not know yet)
+        self._cached_tokens = cached_tokens
+        if logprob is not None and not replayed:
+            self._pending_logprobs.append(logprob)
+        if self._first_token_at is None:
+            self._first_token_at = time.monotonic()
+        self._num_tokens += 1
+        text = "" if is_eos else self._stream.push(token)
+        if replayed:
+            return False  # sent before the restart (it was running, so no stop was hit then)
+        self._pending_ids.append(token)
+        self._pending_text += text
+        if ends == "error":  # a grammar failure: it wins over a stop on the same token
+            self._ends = "error"
+        elif self._stream.stopped:
+            self._ends = "stop"
+            return True
+        elif ends is not None:
+            self._ends = ends
+        else:
+            self._flush(None, None)
+        return False
+
+    def add_prompt_logprobs(self, scored: list[TokenLogprob | None]) -> None:
+        """The prompt's logprobs, sent with the next output (the engine thread, at once)."""
+        self._prompt_logprobs = scored
 
     def fail(self, error: str) -> None:
         """End it with an error now (its text could not be made); later records are dropped."""
         self.finished = True
         self._flush("error", error)
 
-    def _take(self, record: OutputRecord) -> bool:
-        if record.logprob is not None and not record.replayed:
-            self._pending_logprobs.append(record.logprob)
-        if self._first_token_at is None:
-            self._first_token_at = time.monotonic()
-        self._num_tokens += 1
-        text = "" if record.is_eos else self._stream.push(record.token)
-        if record.replayed:
-            return False  # sent before the restart (it was running, so no stop was hit then)
-        self._pending_ids.append(record.token)
-        self._pending_text += text
-        if record.ends == "error":  # a grammar failure: it wins over a stop on the same token
-            self._ends = "error"
-        elif self._stream.stopped:
-            self._ends = "stop"
-            return True
-        elif record.ends is not None:
-            self._ends = record.ends
-        else:
-            self._flush(None, None)
-        return False
+    def _restart(self) -> None:
+        if self._ends is not None:
+            return  # ended by a stop the engine did not know yet: nothing more is sent
+        self._stream = TextStream(self._tokenizer, self._request.params.stop)
+        self._num_tokens = 0
+        self._pending_ids, self._pending_text, self._pending_logprobs = [], "", []
 
     def _finish(self, record: OutputRecord) -> None:
         """The final output, exactly once: the finish its tokens decided, else the engine's."""
