@@ -4,6 +4,8 @@ hit a stop string in the engine (its KV given back), and stop with the engine.""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from tests.helpers import assert_memory_balanced, running_engine, wait_steps_back
@@ -117,6 +119,31 @@ def test_shutdown_ends_every_request_once_and_joins_the_thread(tiny_model_dir):
     assert not thread.is_alive
     reasons = [o.finish_reason for o in events]
     assert reasons[-1] == "abort" and reasons.count("abort") == 1
+    assert handle.poll() == []
+
+
+def test_a_request_whose_text_fails_ends_with_an_error_once(tiny_model_dir, monkeypatch):
+    """A fault in a request's text on the output thread ends that request (one final output,
+    "error"), and the engine ends it too (its KV given back)."""
+    from toppings.server.requests import detokenize
+
+    def push(self, token_id):
+        raise RuntimeError("undecodable")
+
+    with running_engine(tiny_model_dir, max_total_tokens=2048, output_thread=True) as engine:
+        finished_before = engine.scheduler.finished.get("error", 0)
+        monkeypatch.setattr(detokenize.TextStream, "push", push)
+        handle = engine.submit(GenerationRequest(list(PROMPT), params(max_new_tokens=400)))
+        outs = list(handle.events(timeout_s=120))
+        assert [o.finish_reason for o in outs] == ["error"]
+        assert "undecodable" in outs[0].error
+        wait_steps_back(engine)
+        deadline = time.monotonic() + 30
+        while engine.scheduler.has_work():  # ended a step or a few later
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert engine.scheduler.finished.get("error", 0) == finished_before + 1
+        assert_memory_balanced(engine)
     assert handle.poll() == []
 
 
