@@ -5,17 +5,19 @@ request's token-level state (sequence.py: its output ids and the finishes it kno
 a grammar's end or failure) and describes what happened to it in `OutputRecord`s: a new token,
 a restart, the finish. A `TextOutput` takes the records in order, turns the tokens into text
 (detokenize.py's `TextStream`), cuts it at a stop string and puts each `RequestOutput` on the
-request's handle. The records are applied either at once on the engine thread or on the output
-processor's thread (server/engine/output_processor.py), which takes this work off the step's
-critical path.
+request's handle. The records are applied either at once on the engine thread (a token's
+fields then go to `take` without a record) or on the output processor's thread
+(server/engine/output_processor.py), which takes this work off the step's critical path where
+the engine thread waits on a device.
 
 A stop string is known only here. Applied at once, the engine ends the request on the token
 that completed it, as before the split. Applied on the output thread, the engine has moved on by
 then: the request is `stopped` (nothing after the stop string is sent; its token ids and counts
 end at the token that completed it), the processor asks the engine to end it, and the final
-output goes out with the engine's finish record, a step or a few later. The final output comes
-after the engine's own release on every path, so a client that has it finds the request's KV
-and adapter reference given back (or, with async scheduling, given back when its step returns).
+output goes out with the engine's finish record, a step or a few later. So on every path the
+final output follows the engine's release of the request's KV, as before the split (with async
+scheduling: its release when its step returns), and on the output thread its adapter
+reference's release too.
 """
 
 from __future__ import annotations
