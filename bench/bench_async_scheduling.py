@@ -73,6 +73,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=48, help="tokens each request decodes")
     p.add_argument("--rounds", type=int, default=3, help="rounds, the run order alternating")
     p.add_argument(
+        "--output-thread",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="detokenizing and streaming on the output processor's thread (on) or inside each "
+        "step on the engine thread (off); auto: the server's default (off on a cpu)",
+    )
+    p.add_argument(
         "--quick", action="store_true", help="device 2 ms, batches 1,8, 8 steps, 1 round"
     )
     p.add_argument("--out", default="bench/results/async_scheduling.json")
@@ -91,11 +98,12 @@ def main(argv: list[str] | None = None) -> dict:
     model_dir = make_tiny_llama(Path(tempfile.mkdtemp(prefix="async_sched_")) / "tiny")
     tokens = max(batches) * 2 * (len(PROMPT) + args.steps + 32)
     runs = [("sync", 0.0)] + [(loop, d) for d in device_ms for loop in ("sync", "async")]
+    output_thread = {"on": True, "off": False}.get(args.output_thread)  # auto: None
     engines = {}
     for loop, d in runs:
         config = EngineConfig(dtype="float32", max_batch_size=max(batches), num_threads=1,
                               max_total_tokens=tokens, async_scheduling=loop == "async",
-                              adapt_threads=False)  # fmt: skip
+                              adapt_threads=False, output_thread=output_thread)  # fmt: skip
         engine = Engine(config, load_checkpoint(str(model_dir), "auto"))
         stand_in_device(engine.model, d)
         engine.start()
@@ -143,7 +151,7 @@ def main(argv: list[str] | None = None) -> dict:
                                 "rounds": args.rounds,
                                 "model": "tiny Llama (2 layers, 64 wide, vocab 256), forward "
                                          "replaced by a sleep of D ms (stand-in device)",
-                                "threads": 1},
+                                "threads": 1, "output_thread": args.output_thread},
                         metrics=metrics, argv=argv)  # fmt: skip
 
 

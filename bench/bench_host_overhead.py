@@ -113,6 +113,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=1,
         help="attention heads of the 64-wide model (kv heads: half, at least 1)",
     )
+    p.add_argument(
+        "--output-thread",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="detokenizing and streaming on the output processor's thread (on) or inside each "
+        "step on the engine thread (off); auto: the server's default (off on a cpu)",
+    )
     p.add_argument("--quick", action="store_true", help="batches 1,8, 4 steps, 1 round")
     p.add_argument("--out", default="bench/results/host_overhead.json")
     return p.parse_args(argv)
@@ -132,8 +139,10 @@ def main(argv: list[str] | None = None) -> dict:
         num_kv_heads=max(1, args.heads // 2),
     )
     tokens = max(batches) * 2 * (len(PROMPT) + args.steps + 64)  # room past block rounding
+    output_thread = {"on": True, "off": False}.get(args.output_thread)  # auto: None
     config = EngineConfig(dtype="float32", max_batch_size=max(batches), adapt_threads=False,
-                          num_threads=args.threads, max_total_tokens=tokens)  # fmt: skip
+                          num_threads=args.threads, max_total_tokens=tokens,
+                          output_thread=output_thread)  # fmt: skip
     engines = {}
     for forward in FORWARDS:
         engines[forward] = Engine(config, load_checkpoint(str(model_dir), "auto"))
@@ -179,7 +188,8 @@ def main(argv: list[str] | None = None) -> dict:
                                          f"{64 // args.heads} dims, vocab 256)",
                                 "forwards": {"real": "its own forward (compute nearly nothing)",
                                              "none": "forward replaced by zero logits"},
-                                "threads": torch.get_num_threads()},
+                                "threads": torch.get_num_threads(),
+                                "output_thread": args.output_thread},
                         metrics=metrics, argv=argv)  # fmt: skip
 
 

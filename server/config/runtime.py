@@ -128,6 +128,22 @@ class RuntimeConfig(Settings):
             parse=on_off,
         ),
     )
+    # Detokenizing, stop strings and streaming on a thread of their own
+    # (engine/output_processor.py); None: on for cuda without async scheduling.
+    output_thread: bool | None = setting(
+        None,
+        flag=Flag(
+            "detokenize, check stop strings and stream outputs on a thread of their own, fed "
+            "token ids by the engine thread, while that waits on the device (a request whose "
+            "text hits a stop string ends a step or a few later, its tokens past the stop not "
+            "sent); off: on the engine thread, inside each step (default: on with --device "
+            "cuda and --async-scheduling off; off with async scheduling, where the engine "
+            "thread's work already runs beside the device's and the two threads would take "
+            "turns at the interpreter, and on a cpu)",
+            choices=ON_OFF,
+            parse=on_off,
+        ),
+    )
     # torch (OpenMP) threads of the engine thread; 0: every core.
     num_threads: int = setting(
         0,
@@ -191,6 +207,16 @@ class RuntimeConfig(Settings):
         if self.async_scheduling is None:
             return self.device == "cuda"
         return self.async_scheduling
+
+    @property
+    def use_output_thread(self) -> bool:
+        """Whether outputs are made on the output processor's thread (output_processor.py):
+        where the engine thread waits on the device inside each step (docs/benchmarks.md, the
+        output processor's entry, measured a synchronous loop faster with it, the async one
+        and the CPU slower)."""
+        if self.output_thread is None:
+            return self.device == "cuda" and not self.use_async
+        return self.output_thread
 
     @property
     def use_paged_attention(self) -> bool:

@@ -1,32 +1,35 @@
 """The engine: continuous batching of many requests over one model and many adapters.
 
 One thread owns all request state. Each iteration it takes new requests and aborts from its
-inbox, asks the scheduler (server/sched/scheduler.py) for a step (each scheduled request's
-token count: the running decodes, prompt chunks, or whole prompts after their cached prefix,
-its KV slots reserved), has the model runner (model_runner.py) compute it, and gives the tokens
-back to the scheduler, which streams them to each request's handle. With async scheduling
-(`--async-scheduling`, on with cuda) the model runs each step on a thread of its own while the
-engine thread plans the next one (step_pipeline.py). The engine owns the loop and the lifecycle
-(start, drain, shutdown, adapters); its parts are built by compose.py, the chunked-prefill
-budget is server/sched/step_budget_keeper.py's, its reports are reports.py's.
+inbox (inbox.py), asks the scheduler (server/sched/scheduler.py) for a step (each scheduled
+request's token count: the running decodes, prompt chunks, or whole prompts after their cached
+prefix, its KV slots reserved), has the model runner (model_runner.py) compute it, and gives the
+tokens back to the scheduler, which hands each request's new token to its text side: the output
+processor's thread (output_processor.py: detokenizing, stop strings, streaming to the handle;
+`--output-thread`) or the engine thread itself. With async scheduling (`--async-scheduling`, on
+with cuda) the model runs each step on a thread of its own while the engine thread plans the
+next one (step_pipeline.py). The engine owns the loop and the lifecycle
+(start, drain, shutdown; adapters through adapter_admin.py); its parts are built by
+compose.py, the chunked-prefill budget is server/sched/step_budget_keeper.py's, its reports
+are reports.py's.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import queue
 import threading
 import time
 
 from toppings.gpu_lora.host_memory import ContentKey
 from toppings.gpu_lora.peft_format import LoraAdapter
 from toppings.gpu_lora.trace import TraceRecorder
-from toppings.gpu_lora.validate import check_finite_delta
 from toppings.server.config import EngineConfig
 from toppings.server.engine import reports
+from toppings.server.engine.adapter_admin import AdapterAdmin
 from toppings.server.engine.compose import compose_engine
+from toppings.server.engine.inbox import Inbox
 from toppings.server.engine.model_runner import StepOutcome
+from toppings.server.engine.output_processor import OutputProcessor
 from toppings.server.engine.step_pipeline import Launched, StepPipeline, reads_its_output
 from toppings.server.kv_events.publisher import Sink
 from toppings.server.model.loader import Checkpoint
@@ -74,12 +77,19 @@ class Engine:
         self.eos_ids, self.grammars = parts.eos_ids, parts.grammars
         self.runner, self.scheduler = parts.runner, parts.scheduler
         self.queue = self.scheduler.queue  # the waiting requests and who goes next
-        self._inbox: queue.Queue = queue.Queue()
         self.step_stats = reports.StepStats()
         self._lock = threading.Lock()  # held during a step and while the pool changes
-        # Registrations and removals change the adapter tables one at a time; a removal takes
-        # it after the step lock (register_adapter says why a registration may not need that).
-        self._registering = threading.Lock()
+        self.admin = AdapterAdmin(
+            self.lora,
+            self.memory,
+            self.queue,
+            self._lock,
+            self.model.dtype,
+            lambda ref: self.inbox.retired(ref),  # the inbox is built with the admin's forget
+        )
+        self.inbox = Inbox(self.scheduler, self.admin.forget_retired)
+        # Detokenizing, stop strings and streaming (None: inside each step, on the engine thread)
+        self.outputs = OutputProcessor(self.inbox.end) if config.use_output_thread else None
         # A request accepted for an adapter counts in flight there until it ends: no unload can
         # pull the adapter from under it (server/adapters/registry.py).
         self.adapter_refs = self.lora.refs
@@ -117,18 +127,21 @@ class Engine:
     def shutdown(self) -> None:
         """Stop the loop; every unfinished request ends with finish_reason "abort"."""
         self._stopping.set()
-        self._inbox.put(None)
+        self.inbox.wake()
         if self._thread.is_alive():
             self._thread.join()
-        self._drain_inbox(block=False)
+        self.inbox.drain(block=False)
         self.scheduler.abort_all()
+        if self.outputs is not None:
+            self.outputs.close()  # every final output put, the thread joined
         if self.pipeline is not None:
             self.pipeline.close()
         self.lora.close()
         self.memory.close()
 
     def is_healthy(self) -> bool:
-        return self._thread.is_alive() and not self._stopping.is_set()
+        outputs_alive = self.outputs is None or self.outputs.is_alive
+        return self._thread.is_alive() and not self._stopping.is_set() and outputs_alive
 
     def resolve_adapter(self, name: str | None) -> AdapterRef | None:
         """The reference a request for adapter `name` carries (None: the base model); 404
@@ -139,75 +152,34 @@ class Engine:
         """Validate a PEFT directory and make it servable (raises AdapterError, also for a
         LoRA product that overflows the model's dtype, or RequestError 507 when it is larger
         than the memory it would live in)."""
-        adapter = self.open_adapter(name, path)
-        self.register_adapter(adapter)
+        adapter = self.admin.open(name, path)
+        self.admin.register(adapter)
         return adapter
 
     def open_adapter(self, name: str, path: str) -> LoraAdapter:
-        """Read and check a PEFT directory as `add_adapter` does, without registering it: the
-        slow part of a load (the file read, the checks), which needs no lock, so that a caller
-        may run several at once and register each when it is read (the resolver does)."""
-        adapter = self.lora.open(path, name)
-        check_finite_delta(adapter, self.model.dtype)
-        return adapter
+        """`add_adapter`'s read and checks, without registering (AdapterAdmin.open)."""
+        return self.admin.open(name, path)
 
     def register_adapter(
         self, adapter: LoraAdapter, content: ContentKey | None = None
     ) -> AdapterRef:
-        """Make an adapter from `open_adapter` (or one `remove_adapter` returned) servable;
-        `content`: its content key (gpu_lora.host_memory's `ContentKey` of this very adapter)
-        when the caller made it, else it is made here.
-
-        Only a LoRA mode that preloads (cached) puts the adapter on the device here, which a
-        step owns: it takes the engine's lock. Otherwise registering touches the host side
-        alone (host memory, the workers' arena and the name table, each behind its own lock;
-        the step reads the host tables by name, never in the middle of this adapter's entry,
-        since no request can name it before the name table has it, its last step), so it does
-        not wait for a running step: a cold adapter's registration used to wait for a whole
-        step, its device loads included."""
-        lock = self._lock if self.lora.mode.preload else contextlib.nullcontext()
-        with lock, self._registering:
-            ref = self.lora.register(adapter, content)
-        targets = ",".join(adapter.target_modules)
-        log.info("adapter %s (id %d): rank %d, targets %s", adapter.name, ref.id, adapter.rank,
-                 targets)  # fmt: skip
-        return ref
+        """Make an adapter from `open_adapter` servable (AdapterAdmin.register)."""
+        return self.admin.register(adapter, content)
 
     def remove_adapter(self, name: str) -> LoraAdapter:
-        """Unregister an adapter; refused (409) while a request accepted for it has not ended.
-        Returns the adapter as it was held (its host tensors, which it no longer charges)."""
-        with self._lock, self._registering:
-            ref = self.adapter_refs.retire(name)  # 404, 409; no request acquires it from here
-            adapter = self.lora.unregister(ref)
-            self._forget(ref)
-        log.info("adapter %s removed", name)
-        return adapter
+        """Unregister an adapter, waiting for a running step (AdapterAdmin.remove)."""
+        return self.admin.remove(name)
 
     def retire_adapter(self, name: str) -> LoraAdapter:
-        """`remove_adapter` without waiting for a running step, outside the cached mode: the
-        name and the host side go now, what the engine thread owns (the adapter's device rows,
-        its cached KV, the queue policy's record) before its next plan. The resolver's
-        evictions take it: they are on a first use's way to its first token."""
-        if self.lora.mode.preload:
-            return self.remove_adapter(name)  # the device is the step's
-        with self._registering:
-            ref = self.adapter_refs.retire(name)  # 404, 409; no request acquires it from here
-            adapter = self.lora.unregister_host(ref)
-        self._inbox.put(ref)  # the rest: _drain_inbox
-        log.info("adapter %s removed (its device rows before the next step)", name)
-        return adapter
-
-    def _forget(self, ref: AdapterRef) -> None:
-        """What the engine keeps of an unregistered adapter, beside its rows."""
-        self.memory.forget_adapter(ref)
-        self.queue.forget_adapter(ref)
+        """Unregister an adapter, its device side before the next plan (AdapterAdmin.retire)."""
+        return self.admin.retire(name)
 
     def drain(self, timeout_s: float) -> bool:
         """Stop admitting new requests and wait for queued and running ones to end."""
         self._draining.set()
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if not self.scheduler.has_work() and self._inbox.empty():
+            if not self.scheduler.has_work() and self.inbox.empty():
                 return True
             time.sleep(0.05)
         return False
@@ -241,8 +213,8 @@ class Engine:
             for request in requests:
                 self._check(request)
             lora_starts = [self.lora.steps.lora_start(r.adapter, r.prompt_ids) for r in requests]
-            seqs = [Sequence(r, RequestHandle(r, self.abort), self.tokenizer, time.monotonic())
-                    for r in requests]  # fmt: skip
+            seqs = [Sequence(r, RequestHandle(r, self.abort), self.tokenizer, time.monotonic(),
+                             self.outputs) for r in requests]  # fmt: skip
             for seq, lora_start in zip(seqs, lora_starts, strict=True):
                 seq.lora_start = lora_start
                 seq.is_activated = self.lora.steps.is_activated(seq.request.adapter)
@@ -250,7 +222,7 @@ class Engine:
             for ref in refs:
                 self.adapter_refs.release(ref)
             raise
-        self._inbox.put(seqs)
+        self.inbox.submit(seqs)
         return [s.handle for s in seqs]
 
     def _check(self, request: GenerationRequest) -> None:
@@ -262,7 +234,7 @@ class Engine:
         self.adapter_refs.release(seq.request.adapter)
 
     def abort(self, request_id: str) -> None:
-        self._inbox.put(request_id)
+        self.inbox.abort(request_id)
 
     # ---- the engine thread ------------------------------------------------------------------
 
@@ -274,7 +246,7 @@ class Engine:
         try:
             while not self._stopping.is_set():
                 idle = not self.scheduler.has_work() and self._pending() is None
-                self._drain_inbox(block=idle)
+                self.inbox.drain(block=idle)
                 if self._stopping.is_set():
                     break
                 plan = self.step() if self.pipeline is None else self._step_ahead()
@@ -315,6 +287,7 @@ class Engine:
                     self.scheduler.fail(plan, f"engine error: {exc}")
             if pending is not None:
                 self._take_back(pending)
+        self._flush_outputs()
         return plan
 
     def _take_back(self, launched: Launched) -> None:
@@ -330,6 +303,11 @@ class Engine:
         finally:
             self.scheduler.returned(plan)
         self._observe(plan, launched.shape, seconds)
+
+    def _flush_outputs(self) -> None:
+        """The step's output records to the output processor, one batch a step."""
+        if self.outputs is not None:
+            self.outputs.flush()
 
     def _wait_for_loads(self, plan: StepPlan) -> None:
         """Under on-demand-sync, wait until the plan's adapters are loaded (else at once)."""
@@ -354,41 +332,28 @@ class Engine:
         """One iteration of the loop: take what was submitted, schedule a step and run it.
         Returns the plan run, or None when nothing could run. The engine thread calls it; a
         test may drive an engine it has not started with it."""
-        self._drain_inbox(block=False)
+        self.inbox.drain(block=False)
         with self._lock:
             started = time.perf_counter()  # a stream waits for the scheduling as well
             try:
                 plan = self.scheduler.schedule()  # its KV slots reserved
             except Exception:  # the loop outlives any fault of a plan's making
                 log.exception("scheduling failed")
-                return None
-            if plan is None:
-                return None
-            shape = self.budget.shape_of(plan) if self.budget is not None else None
-            if self.governor is not None:
-                self.governor.apply()
-            try:
-                self._wait_for_loads(plan)
-                self._apply(self.runner.run(plan))
-            except Exception as exc:  # keep serving: fail this step's requests only
-                log.exception("engine step failed")
-                self.scheduler.fail(plan, f"engine error: {exc}")
-            self._observe(plan, shape, time.perf_counter() - started)
+                plan = None
+            if plan is not None:
+                self._run(plan, started)
+        self._flush_outputs()  # also an abort's final output when nothing ran
         return plan
 
-    def _drain_inbox(self, block: bool) -> None:
+    def _run(self, plan: StepPlan, started: float) -> None:
+        """Run a plan on this thread and give its tokens to the scheduler (under the lock)."""
+        shape = self.budget.shape_of(plan) if self.budget is not None else None
+        if self.governor is not None:
+            self.governor.apply()
         try:
-            item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
-            while True:
-                if isinstance(item, list):  # requests submitted together
-                    for seq in item:
-                        self.scheduler.add(seq)
-                elif isinstance(item, str):
-                    self.scheduler.abort(item)
-                elif isinstance(item, AdapterRef):  # retired (retire_adapter)
-                    with self._lock:
-                        self.lora.forget_rows(item.weights_id)
-                        self._forget(item)
-                item = self._inbox.get_nowait()
-        except queue.Empty:
-            pass
+            self._wait_for_loads(plan)
+            self._apply(self.runner.run(plan))
+        except Exception as exc:  # keep serving: fail this step's requests only
+            log.exception("engine step failed")
+            self.scheduler.fail(plan, f"engine error: {exc}")
+        self._observe(plan, shape, time.perf_counter() - started)

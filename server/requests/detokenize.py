@@ -17,7 +17,8 @@ byte-level tokens, and an earlier version dropped the middle ones.
 Where the tokenizer is a Rust `tokenizers.Tokenizer` that transformers' `decode` only wraps
 (`window_decoder`), the windows are the Rust tokenizer's own `DecodeStream` (the same offsets,
 one call a token); otherwise `WindowChunks` runs them here through the tokenizer's `decode`.
-This runs for every request at every step on the engine thread.
+This runs for every request at every step: on the output processor's thread
+(server/engine/output_processor.py), or on the engine thread with `--output-thread off`.
 """
 
 from __future__ import annotations

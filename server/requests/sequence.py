@@ -1,30 +1,41 @@
-"""Per-request state the engine thread keeps: tokens so far, text stream, timings, finish.
+"""Per-request state the engine thread keeps: tokens so far, timings, the finishes it knows.
 
 Pure Python (the scheduler runs without torch): sampling and logprobs live with the model
 runner (server/sampling/sampler.py), which keys each request's random generator on
-`num_restarts` so that a restarted request samples its tokens again from the seed."""
+`num_restarts` so that a restarted request samples its tokens again from the seed. The text
+side (detokenizing, stop strings, the outputs on the handle) is text_output.py's: each new
+token, restart and finish goes there as an `OutputRecord`, applied at once on this thread or
+handed to an output sink (the engine's output processor thread)."""
 
 from __future__ import annotations
 
-import time
+from typing import Protocol
 
-from toppings.server.requests.detokenize import TextStream
-from toppings.server.requests.errors import CONSTRAINT_FAILED, SERVER_ERROR
-from toppings.server.requests.request import (
-    GenerationRequest,
-    RequestHandle,
-    RequestOutput,
-    TokenLogprob,
-)
+from toppings.server.requests.errors import CONSTRAINT_FAILED
+from toppings.server.requests.request import GenerationRequest, RequestHandle, TokenLogprob
 from toppings.server.requests.stats_schema import RequestView
+from toppings.server.requests.text_output import OutputRecord, TextOutput
+
+
+class OutputSink(Protocol):
+    """Where a request's records go when they are not applied at once (the output processor,
+    server/engine/output_processor.py): applied later, in order, on another thread."""
+
+    def emit(self, record: OutputRecord) -> None: ...
 
 
 class Sequence:
     """One request inside the engine, from queueing to its final output."""
 
     def __init__(
-        self, request: GenerationRequest, handle: RequestHandle, tokenizer, arrival: float
+        self,
+        request: GenerationRequest,
+        handle: RequestHandle,
+        tokenizer,
+        arrival: float,
+        outputs: OutputSink | None = None,
     ):
+        """outputs: where its records go (None: applied at once, on the caller's thread)."""
         self.request = request
         self.handle = handle
         self.arrival = arrival
@@ -44,8 +55,8 @@ class Sequence:
         # model's, cached and matched as such (server/memory/manager.py).
         self.is_activated = False
         self.finished = False
-        self._tokenizer = tokenizer
-        self._stream = TextStream(tokenizer, request.params.stop)
+        self.output = TextOutput(request, handle, tokenizer, arrival)
+        self._outputs = outputs
         self.num_restarts = 0  # a sampler re-creates the request's generator when this moves
         # Set by the sampler when the request's grammar is complete with the token append()
         # records next and allows nothing after it: the request stops there.
@@ -54,10 +65,6 @@ class Sequence:
         # records next: the request ends there with this error (answered 422).
         self.step_grammar_error: str | None = None
         self._grammar_failure: str | None = None
-        self._first_token_at: float | None = None
-        self._pending_ids: list[int] = []
-        self._pending_text = ""
-        self._pending_logprobs: list[TokenLogprob] = []
         self._prompt_logprobs: list[TokenLogprob | None] | None = None  # sent once, first
         self._num_sent = 0  # tokens streamed before a restart, not sent again when replayed
 
@@ -79,9 +86,8 @@ class Sequence:
         self._num_sent = len(self.output_ids)
         self.output_ids = []
         self.num_prefilled = 0
-        self._stream = TextStream(self._tokenizer, self.request.params.stop)
         self.num_restarts += 1
-        self._pending_ids, self._pending_text, self._pending_logprobs = [], "", []
+        self._emit(OutputRecord(self, self.output, restart=True))
         self.step_ends_grammar = False
         self.step_grammar_error = None
 
@@ -113,78 +119,54 @@ class Sequence:
         max_model_len: int,
         logprob: TokenLogprob | None = None,
     ) -> str | None:
-        """Record a new token (with its logprob, where the request asked for them) and stream
-        it; returns a finish reason when the request is done."""
+        """Record a new token (with its logprob, where the request asked for them) and send it
+        to the text side; returns a finish reason when the request is done (a stop string's
+        only where the records are applied at once)."""
         params = self.request.params
         if params.max_new_tokens == 0:
             return "length"  # the prompt was only scored
         replayed = len(self.output_ids) < self._num_sent
-        if logprob is not None and not replayed:
-            self._pending_logprobs.append(logprob)
         ends_grammar, self.step_ends_grammar = self.step_ends_grammar, False
         grammar_error, self.step_grammar_error = self.step_grammar_error, None
-        if self._first_token_at is None:
-            self._first_token_at = time.monotonic()
         self.output_ids.append(token)
         is_eos = token in eos_ids and not params.ignore_eos
-        text = "" if is_eos else self._stream.push(token)
+        reason = None
         if replayed:
-            return None  # sent before the restart (it was running, so no stop was hit then)
-        self._pending_ids.append(token)
-        self._pending_text += text
-        if grammar_error is not None:
+            pass  # sent before the restart (it was running, so it had not ended then)
+        elif grammar_error is not None:
             self._grammar_failure = grammar_error
-            return "error"
-        if is_eos or self._stream.stopped or ends_grammar:
-            return "stop"
-        if len(self.output_ids) >= params.max_new_tokens:
-            return "length"
-        if self.prompt_len + len(self.output_ids) >= max_model_len:
-            return "length"
-        self._flush(None, None)
-        return None
+            reason = "error"
+        elif is_eos or ends_grammar:
+            reason = "stop"
+        elif (len(self.output_ids) >= params.max_new_tokens
+              or self.prompt_len + len(self.output_ids) >= max_model_len):  # fmt: skip
+            reason = "length"
+        if self._outputs is not None:
+            self._emit(OutputRecord(self, self.output, token, logprob, is_eos, replayed, reason))
+            return reason
+        # At once, on this thread, without a record (the engine thread's hot path)
+        if self._prompt_logprobs is not None:
+            self.output.add_prompt_logprobs(self._prompt_logprobs)
+            self._prompt_logprobs = None
+        hit = self.output.take(token, logprob, is_eos, replayed, reason, self.num_cached_tokens)
+        return "stop" if hit and reason != "error" else reason  # a stop string, found at once
 
     def finish(self, reason: str, error: str | None = None) -> None:
         """Send the final output (with any held-back text) exactly once."""
         if self.finished:
             return
         self.finished = True
-        if reason in ("stop", "length"):
-            self._pending_text += self._stream.finish()
+        record = OutputRecord(self, self.output, finish=reason, error=error)
         if reason == "error" and self._grammar_failure is not None:
-            self._flush(reason, self._grammar_failure, 422, CONSTRAINT_FAILED)
-            return
-        self._flush(reason, error)
+            record.error, record.error_code = self._grammar_failure, 422
+            record.error_type = CONSTRAINT_FAILED
+        self._emit(record)
 
-    def _flush(
-        self,
-        reason: str | None,
-        error: str | None,
-        error_code: int = 500,
-        error_type: str = SERVER_ERROR,
-    ) -> None:
-        if not (self._pending_ids or self._pending_text or reason):
-            return
-        wants_logprobs = self.request.params.logprobs is not None
-        now = time.monotonic()
-        ttft = None if self._first_token_at is None else self._first_token_at - self.arrival
-        self.handle.put(
-            RequestOutput(
-                request_id=self.request.request_id,
-                new_token_ids=self._pending_ids,
-                new_text=self._pending_text,
-                finish_reason=reason,
-                error=error,
-                error_code=error_code,
-                error_type=error_type,
-                prompt_tokens=self.prompt_len,
-                cached_tokens=self.num_cached_tokens,
-                output_tokens=len(self.output_ids),
-                ttft_s=ttft,
-                e2e_s=now - self.arrival if reason else None,
-                logprobs=self._pending_logprobs if wants_logprobs else None,
-                prompt_logprobs=self._prompt_logprobs,
-            )
-        )
-        self._pending_ids, self._pending_text, self._pending_logprobs = [], "", []
-        self._prompt_logprobs = None
+    def _emit(self, record: OutputRecord) -> bool:
+        """Hand a record to the text side; True when it found a stop string at once."""
+        record.cached_tokens = self.num_cached_tokens
+        record.prompt_logprobs, self._prompt_logprobs = self._prompt_logprobs, None
+        if self._outputs is None:
+            return self.output.apply(record)
+        self._outputs.emit(record)
+        return False

@@ -11,11 +11,18 @@ from toppings.server.requests.request import GenerationRequest, RequestError, Sa
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
 
 
-@pytest.fixture(params=[False, True], ids=["sync", "async"])
+@pytest.fixture(
+    params=[(False, False), (True, False), (False, True), (True, True)],
+    ids=["sync", "async", "sync-output-thread", "async-output-thread"],
+)
 def engine(tiny_engine, request):
     """Every behaviour holds with async scheduling too (the model on the device lane's thread,
-    the next step planned while it runs: server/engine/step_pipeline.py)."""
-    with tiny_engine(max_total_tokens=2048, async_scheduling=request.param) as eng:
+    the next step planned while it runs: server/engine/step_pipeline.py), and with the outputs
+    made on the output processor's thread (server/engine/output_processor.py)."""
+    async_scheduling, output_thread = request.param
+    with tiny_engine(
+        max_total_tokens=2048, async_scheduling=async_scheduling, output_thread=output_thread
+    ) as eng:
         yield eng
 
 
