@@ -77,8 +77,9 @@ QUICK = {"num_adapters": 16, "slots": 3, "num_requests": 8, "rounds": 1, "burst"
 SERIES = ("adapter_cache_hits", "adapter_cache_misses", "adapter_loads", "adapter_evictions",
           "cpu_lora_invocations", "lora_resolutions", "lora_resolution_seconds_sum",
           "lora_resolution_seconds_count", "lora_resolver_evictions",
-          "lora_resolver_host_hits", "requests_host_served",
-          "requests_host_promoted")  # fmt: skip
+          "lora_resolver_host_hits", "requests_host_served", "requests_host_promoted",
+          "prefill_steps", "prefill_seconds", "decode_steps", "decode_seconds",
+          "prefix_cache_hit_tokens", "prefix_cache_prompt_tokens")  # fmt: skip
 
 
 def adapter_names(num: int) -> dict[str, int]:

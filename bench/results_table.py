@@ -165,6 +165,7 @@ EARLIER = frozenset({
     "adapter_scale_shared_machine.json", "adapter_scale_rerun.json",
     "adapter_scale_before_reads_off_thread.json", "adapter_scale_on_demand_default.json",
     "adapter_scale_session38.json", "adapter_scale_cpu_assisted.json", "adapter_scale_run3.json",
+    "adapter_scale_session39.json",
     "resolution_profile_session38.json", "async_scheduling_session38.json",
     "host_overhead_session38.json", "host_overhead_output_thread_before.json",
     "host_overhead_output_thread_off.json", "host_overhead_output_thread_on.json",
