@@ -5,8 +5,10 @@ does? P99 TTFT and throughput of `toppings-serve` under three adapter assignment
 each its own random weights (bench.common.write_random_adapter: distinct contents, so no two
 share a host copy), written once under `--adapter-dir` (~/.cache/toppings/bench_adapters/...),
 about 7 GB. A server finds them on first use (`--lora-resolver dir:ADAPTER_DIR`), as a fleet of
-a thousand adapters would; registering them all at start-up (`--lora-dir`) would read every file
-and hold every adapter in host memory. The device room (`--adapter-cache-bytes`) is `--slots` (8)
+a thousand adapters would, so a cold adapter is read from disk on its request's path; with
+`--adapters registered` it registers them all at start-up instead (`--lora-dir`: every file read
+once, every adapter in host memory, as Toppings keeps them), so a cold adapter only loads from
+host memory to the device room. The device room (`--adapter-cache-bytes`) is `--slots` (8)
 times the mean adapter's bytes at the server's dtype, in the static memory layout, so that the
 room is that and no more (in the default pool layout, adapters also take whatever KV blocks are
 not in use). Everything else is the server's default: no emulated link (a load is a copy), the
@@ -72,6 +74,10 @@ TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 ASSIGNMENTS = ("identical", "zipf:1.0", "distinct")
 DEFAULT_MODE = pick_mode(LoraConfig().lora_mode, "cpu")  # what the servers here run by default
 REFUSED = (429, 503, 507)  # no room now: for requests, for a resolution, for host bytes
+# --adapters registered: host bytes the server may hold them in (1,024 float32 adapters of
+# ranks 8-64 on q, k, v, o of SmolLM2 are charged about 14 GB; the default is a quarter of the
+# memory)
+REGISTERED_HOST_BYTES = 16 * 2**30
 QUICK = {"num_adapters": 16, "slots": 3, "num_requests": 8, "rounds": 1, "burst": 4,
          "max_prompt_len": 48, "max_output_len": 8}  # fmt: skip
 SERIES = ("adapter_cache_hits", "adapter_cache_misses", "adapter_loads", "adapter_evictions",
@@ -131,8 +137,13 @@ class Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
+        if args.adapters == "registered":  # every adapter in host memory from the start
+            found = ["--lora-dir", str(args.adapter_dir), "--adapter-host-bytes",
+                     str(REGISTERED_HOST_BYTES)]  # fmt: skip
+        else:
+            found = ["--lora-resolver", f"dir:{args.adapter_dir}"]
         self.argv = ["--model", args.model, "--dtype", args.dtype, "--lora-mode", mode,
-                     "--lora-resolver", f"dir:{args.adapter_dir}", "--memory-layout", "static",
+                     *found, "--memory-layout", "static",
                      "--adapter-cache-bytes", str(room_bytes), "--max-total-tokens",
                      str(args.max_total_tokens), "--port", str(self.port),
                      "--torch-threads", str(args.torch_threads)]  # fmt: skip
@@ -277,6 +288,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=Path,
         default=Path.home() / ".cache/toppings/bench_adapters/smollm2-qkvo-1024",
     )
+    p.add_argument(
+        "--adapters",
+        choices=("resolver", "registered"),
+        default="resolver",
+        help="how the servers find the adapters: on first use from --adapter-dir (the resolver; "
+        "a cold adapter is read from disk), or all registered at start-up (--lora-dir: every "
+        "adapter in host memory, as Toppings keeps them; a cold adapter only loads to the "
+        "device)",
+    )
     p.add_argument("--quick", action="store_true",
                    help=f"a smoke run: {json.dumps(QUICK)}")  # fmt: skip
     p.add_argument("--out", type=Path, default=Path("bench/results/adapter_scale.json"))
@@ -348,7 +368,9 @@ def main(argv: list[str] | None = None) -> dict:
         "cached_mode": f"not run: it pins every adapter a server registers, and the "
         f"{len(ranks)} adapters ({total_bytes / 1e6:.0f} MB) do not fit the room for "
         f"{args.slots} ({room / 1e6:.1f} MB)",
-        "registration": "--lora-resolver dir:ADAPTER_DIR (found on first use)",
+        "registration": "--lora-dir ADAPTER_DIR (all registered at start-up)"
+        if args.adapters == "registered"
+        else "--lora-resolver dir:ADAPTER_DIR (found on first use)",
         "memory_layout": "static (the room is exactly --adapter-cache-bytes)",
         "capacity_per_round": capacities,
         "capacity_rule": "a burst of --burst requests for one warm adapter on the default mode's "

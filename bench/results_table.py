@@ -72,13 +72,20 @@ CURRENT: dict[str, tuple[str, tuple[str, ...]]] = {
     "single_server_rps1.json": ("the same at 1 request/s", ("ratios.*.ttft_ratio_vs_cached",)),
     "single_server_evict.json": ("the same with an adapter cache of 5% (evictions)",
                                  ("ratios.*.ttft_ratio_vs_cached",)),
-    "adapter_scale.json": ("distinct, zipf and identical adapters per request: the default "
-                           "(auto: cpu-assisted on a CPU), on-demand beside it",
+    "adapter_scale.json": ("distinct, zipf and identical adapters per request, found on "
+                           "first use (read from disk): the default (auto: cpu-assisted on a "
+                           "CPU), on-demand beside it",
                            ("p99_ttft_ratio_distinct_vs_identical",
                             "throughput_ratio_distinct_vs_identical",
                             "p99_ttft_ratio_zipf_vs_identical",
                             "modes.on-demand.p99_ttft_ratio_distinct_vs_identical",
                             "modes.on-demand.p99_ttft_ratio_zipf_vs_identical")),
+    "adapter_scale_registered.json": ("the same with every adapter registered at start-up "
+                                      "(in host memory, as Toppings keeps them)",
+                                      ("p99_ttft_ratio_distinct_vs_identical",
+                                       "p99_ttft_ratio_zipf_vs_identical",
+                                       "modes.on-demand.p99_ttft_ratio_distinct_vs_identical",
+                                       "modes.on-demand.p99_ttft_ratio_zipf_vs_identical")),
     "resolution_profile.json": ("where a cold adapter's resolution goes (read, digest, "
                                 "registration, copy; the host tier)",
                                 ("resolution_mean_ms", "all.open.mean_ms", "all.digest.mean_ms")),
