@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from bench.common import add_output_thread_flag, output_thread_setting
 from bench.envelope import describe_device, write_result
 from toppings.server.config import EngineConfig
 from toppings.server.engine.engine import Engine
@@ -72,13 +73,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--batches", default="1,64,256", help="batch sizes, comma-separated")
     p.add_argument("--steps", type=int, default=48, help="tokens each request decodes")
     p.add_argument("--rounds", type=int, default=3, help="rounds, the run order alternating")
-    p.add_argument(
-        "--output-thread",
-        choices=("auto", "on", "off"),
-        default="auto",
-        help="detokenizing and streaming on the output processor's thread (on) or inside each "
-        "step on the engine thread (off); auto: the server's default (off on a cpu)",
-    )
+    add_output_thread_flag(p)
     p.add_argument(
         "--quick", action="store_true", help="device 2 ms, batches 1,8, 8 steps, 1 round"
     )
@@ -98,7 +93,7 @@ def main(argv: list[str] | None = None) -> dict:
     model_dir = make_tiny_llama(Path(tempfile.mkdtemp(prefix="async_sched_")) / "tiny")
     tokens = max(batches) * 2 * (len(PROMPT) + args.steps + 32)
     runs = [("sync", 0.0)] + [(loop, d) for d in device_ms for loop in ("sync", "async")]
-    output_thread = {"on": True, "off": False}.get(args.output_thread)  # auto: None
+    output_thread = output_thread_setting(args.output_thread)
     engines = {}
     for loop, d in runs:
         config = EngineConfig(dtype="float32", max_batch_size=max(batches), num_threads=1,

@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from bench.common import add_output_thread_flag, output_thread_setting
 from bench.envelope import describe_device, write_result
 from toppings.server.config import EngineConfig
 from toppings.server.engine.engine import Engine
@@ -113,13 +114,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=1,
         help="attention heads of the 64-wide model (kv heads: half, at least 1)",
     )
-    p.add_argument(
-        "--output-thread",
-        choices=("auto", "on", "off"),
-        default="auto",
-        help="detokenizing and streaming on the output processor's thread (on) or inside each "
-        "step on the engine thread (off); auto: the server's default (off on a cpu)",
-    )
+    add_output_thread_flag(p)
     p.add_argument("--quick", action="store_true", help="batches 1,8, 4 steps, 1 round")
     p.add_argument("--out", default="bench/results/host_overhead.json")
     return p.parse_args(argv)
@@ -139,7 +134,7 @@ def main(argv: list[str] | None = None) -> dict:
         num_kv_heads=max(1, args.heads // 2),
     )
     tokens = max(batches) * 2 * (len(PROMPT) + args.steps + 64)  # room past block rounding
-    output_thread = {"on": True, "off": False}.get(args.output_thread)  # auto: None
+    output_thread = output_thread_setting(args.output_thread)
     config = EngineConfig(dtype="float32", max_batch_size=max(batches), adapt_threads=False,
                           num_threads=args.threads, max_total_tokens=tokens,
                           output_thread=output_thread)  # fmt: skip

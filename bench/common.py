@@ -124,3 +124,19 @@ def prefill_ms(
         return 1000 * statistics.median(times[1:])
     finally:
         engine.shutdown()
+
+
+def add_output_thread_flag(parser) -> None:
+    """`--output-thread auto|on|off` of a bench that runs an engine (`output_thread_setting`)."""
+    parser.add_argument(
+        "--output-thread",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="detokenizing and streaming on the output processor's thread (on) or inside each "
+        "step on the engine thread (off); auto: the server's default (off on a cpu)",
+    )
+
+
+def output_thread_setting(choice: str) -> bool | None:
+    """The engine's `output_thread` for an `--output-thread` choice (auto: None, the default)."""
+    return {"on": True, "off": False}.get(choice)
