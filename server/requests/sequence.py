@@ -149,7 +149,7 @@ class Sequence:
             self.output.add_prompt_logprobs(self._prompt_logprobs)
             self._prompt_logprobs = None
         hit = self.output.take(token, logprob, is_eos, replayed, reason, self.num_cached_tokens)
-        return "stop" if hit and reason != "error" else reason  # a stop string, found at once
+        return "stop" if hit else reason  # a stop string, found at once (never over an error)
 
     def finish(self, reason: str, error: str | None = None) -> None:
         """Send the final output (with any held-back text) exactly once."""
@@ -162,11 +162,11 @@ class Sequence:
             record.error_type = CONSTRAINT_FAILED
         self._emit(record)
 
-    def _emit(self, record: OutputRecord) -> bool:
-        """Hand a record to the text side; True when it found a stop string at once."""
+    def _emit(self, record: OutputRecord) -> None:
+        """Hand a restart, finish or (with the output thread) token record to the text side."""
         record.cached_tokens = self.num_cached_tokens
         record.prompt_logprobs, self._prompt_logprobs = self._prompt_logprobs, None
         if self._outputs is None:
-            return self.output.apply(record)
-        self._outputs.emit(record)
-        return False
+            self.output.apply(record)
+        else:
+            self._outputs.emit(record)

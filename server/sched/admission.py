@@ -159,6 +159,11 @@ def release(seq: Sequence, memory: Memory, adapters: Adapters, keep_kv: bool, no
         seq.cache_entry = None
 
 
+def queued_adapters(waiting: Iterable[Sequence]) -> frozenset[AdapterRef]:
+    """The adapters the waiting requests name (eviction spares them while it can)."""
+    return frozenset(s.request.adapter for s in waiting if s.request.adapter is not None)
+
+
 def is_whole(seq: Sequence) -> bool:
     """Whether a request's prompt is computed in one step even with chunked prefill: one that
     scores its prompt (prompt logprobs are taken from one forward over the whole prompt)."""
@@ -285,7 +290,7 @@ class AdmissionGate:
     def queued(self) -> frozenset[AdapterRef]:
         """Adapters of the waiting requests (eviction spares them while it can)."""
         if self._queued is None:
-            self._queued = frozenset(s.request.adapter for s in self.waiting if s.request.adapter)
+            self._queued = queued_adapters(self.waiting)
         return self._queued
 
     def squash(self, seq: Sequence) -> None:

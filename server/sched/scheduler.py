@@ -41,6 +41,7 @@ from toppings.server.sched.admission import (
     GateLimits,
     Memory,
     is_whole,
+    queued_adapters,
     release,
 )
 from toppings.server.sched.bypass import is_deterministic
@@ -80,10 +81,6 @@ class Scheduler:
         # Requests that ended while on the device, with whether their KV stays cached: given
         # back when their last step is returned
         self._ended_on_device: dict[Sequence, bool] = {}
-
-    def _queued_adapters(self) -> frozenset:
-        """The adapters of the waiting requests."""
-        return frozenset(s.request.adapter for s in self.queue if s.request.adapter is not None)
 
     def add(self, seq: Sequence) -> None:
         self.queue.push(seq, self.clock())
@@ -152,7 +149,8 @@ class Scheduler:
         neither the queue policy nor the gate asked (they would plan and admit nothing).
         """
         self.memory.tick(self.clock())
-        self.adapters.promote(self._queued_adapters)  # requests served on the host, to the device
+        # requests served on the host, to the device where room is there
+        self.adapters.promote(lambda: queued_adapters(self.queue))
         if not len(self.queue) and all(s.is_prefilled for s in self.running):
             # Decodes alone, nothing waiting: nothing to plan nor admit, so the gate and the
             # queue policy are left out (what it saves: docs/benchmarks.md).
