@@ -72,8 +72,11 @@ class Inbox:
                     self._scheduler.abort(item)
                 elif isinstance(item, AdapterRef):
                     self._forget(item)
-                elif isinstance(item, EndRequest):  # a no-op where it ended meanwhile
-                    self._scheduler.finish(item.seq, item.reason, error=item.error)
+                elif isinstance(item, EndRequest):
+                    if item.seq.finished:  # ended meanwhile; its client saw the text's reason
+                        self._scheduler.recount(item.seq, item.reason)
+                    else:
+                        self._scheduler.finish(item.seq, item.reason, error=item.error)
                 item = self._items.get_nowait()
         except queue.Empty:
             pass

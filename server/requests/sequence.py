@@ -55,6 +55,7 @@ class Sequence:
         # model's, cached and matched as such (server/memory/manager.py).
         self.is_activated = False
         self.finished = False
+        self.finish_reason: str | None = None  # as the engine ended it
         self.output = TextOutput(request, handle, tokenizer, arrival)
         self._outputs = outputs
         self.num_restarts = 0  # a sampler re-creates the request's generator when this moves
@@ -155,7 +156,7 @@ class Sequence:
         """Send the final output (with any held-back text) exactly once."""
         if self.finished:
             return
-        self.finished = True
+        self.finished, self.finish_reason = True, reason
         record = OutputRecord(self, self.output, finish=reason, error=error)
         if reason == "error" and self._grammar_failure is not None:
             record.error, record.error_code = self._grammar_failure, 422

@@ -379,6 +379,15 @@ class Scheduler:
         seq.finish(reason, error)
         self.on_end(seq)
 
+    def recount(self, seq: Sequence, reason: str) -> None:
+        """Count an ended request under `reason`, the one its client saw: the output thread
+        found a stop string (or a text failure) in tokens the engine had already ended it
+        after, by its length or an abort."""
+        if seq.finish_reason is not None and seq.finish_reason != reason:
+            self.finished[seq.finish_reason] -= 1
+            self.finished[reason] = self.finished.get(reason, 0) + 1
+            seq.finish_reason = reason
+
     def release(self, seq: Sequence, keep_kv: bool = True) -> None:
         """Give back what a request holds (see `admission.release`)."""
         release(seq, self.memory, self.adapters, keep_kv, self.clock())

@@ -110,6 +110,33 @@ def test_a_stop_string_ends_the_request_in_the_engine(tiny_model_dir):
         assert_memory_balanced(engine)
 
 
+def test_a_stop_found_after_the_length_end_counts_as_stop(tiny_model_dir):
+    """The stop string completes at the last token a request may make: the engine ends it by
+    its length before the processor finds the stop. The client sees "stop", and so does the
+    count of finished requests (/metrics), not "length"."""
+    with running_engine(tiny_model_dir, max_total_tokens=2048, output_thread=True) as engine:
+        stop = mid_token_stop(engine)
+        full = outputs_of(engine, PROMPT, params())
+        end = "".join(text for _, text, *_ in full).find(stop) + len(stop)
+        text, num_tokens = "", 0
+        for ids, piece, *_ in full:  # the tokens up to the one that completes the stop
+            text, num_tokens = text + piece, num_tokens + len(ids)
+            if len(text) >= end:
+                break
+        wait_steps_back(engine)
+        before = dict(engine.scheduler.finished)
+        outs = outputs_of(engine, PROMPT, params(max_new_tokens=num_tokens, stop=(stop,)))
+        assert outs[-1][2] == "stop" and outs[-1][3] == num_tokens
+        deadline = time.monotonic() + 30
+        while True:  # the processor's end comes after the engine's
+            ended = {r: n - before.get(r, 0) for r, n in engine.scheduler.finished.items()}
+            if ended.get("stop") == 1 or time.monotonic() > deadline:
+                break
+            time.sleep(0.01)
+        assert {r: n for r, n in ended.items() if n} == {"stop": 1}
+        assert_memory_balanced(engine)
+
+
 def test_shutdown_ends_every_request_once_and_joins_the_thread(tiny_model_dir):
     with running_engine(tiny_model_dir, max_total_tokens=2048, output_thread=True) as engine:
         thread = engine.outputs
