@@ -29,8 +29,10 @@ adapter a server registers, and 1,024 adapters do not fit in a room for 8 (the c
 both sizes). Pooled over rounds per mode and assignment: P99 TTFT, throughput, failures and
 refusals (429 / 503 / 507 answers: no room for a request or an adapter); the headline ratios
 distinct / identical and zipf / identical, per mode and per round (the spread), at top level for
-the default mode. Each run also records the server's adapter-cache and resolver counters and the
-share of the machine other processes used while it ran.
+the default mode. Each run also records the server's adapter-cache and resolver counters, the
+share of its span the engine's steps took (`engine_busy_fraction`: not the load, since a decode
+step costs nearly the same for one request as for eight; at half of a burst's rate it was 0.84-0.89,
+at a quarter 0.77) and the share of the machine other processes used while it ran.
 
     python -m bench.bench_adapter_scale [--rounds 2 --num-requests 400]
     python -m bench.bench_adapter_scale --quick --out /tmp/adapter_scale_quick.json
@@ -211,6 +213,9 @@ def run_summary(records: list[dict], series: dict, other_cpu: float) -> dict:
     summary["errors"] = sorted({str(r["result"]["error"])[:160] for r in records
                                 if not r["result"]["ok"]})[:5]  # fmt: skip
     summary["server"] = series
+    if summary.get("span_s"):  # the share of the run a step ran: not the load of a batching engine
+        busy = series.get("prefill_seconds", 0.0) + series.get("decode_seconds", 0.0)
+        summary["engine_busy_fraction"] = busy / summary["span_s"]
     summary["other_processes_cpu_share"] = other_cpu
     return summary
 
