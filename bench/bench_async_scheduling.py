@@ -10,7 +10,9 @@ this one: a step should take about max(D, H) (issue 63: within 1.1x of it).
 The stand-in device is the tiny Llama's forward replaced by one that sleeps D ms without holding
 the GIL (as a thread waiting on a CUDA event does) and returns zero logits: everything else is
 the real engine on its own thread, requests submitted as a client would. H is measured by the
-same engine with D = 0 and the synchronous loop. The start-up heap is frozen once the engines
+same engine with D = 0 and the synchronous loop. D is the stand-in's own time as measured (a
+sleep overshoots what it asks by the kernel's timer slack and the thread's wake-up), with D as
+asked beside it (`step_ratio_async_vs_bound_nominal`). The start-up heap is frozen once the engines
 are built, as `toppings-serve` freezes it (server/process/gc_heap.py): otherwise a collection of
 the oldest generation, every few hundred requests here, stalls the loop for the whole walk.
 For each (D, batch, loop) B requests decode `--steps` tokens; a step's time is the median over
@@ -44,18 +46,24 @@ log = logging.getLogger(__name__)
 PROMPT = [5, 6, 7, 8]
 
 
-def stand_in_device(model, device_ms: float) -> None:
+def stand_in_device(model, device_ms: float) -> list[float]:
     """Replace `model.forward` by one that sleeps `device_ms` (the GIL released) and returns
-    zero logits [R, V]."""
+    zero logits [R, V]. Returns the list each forward appends its seconds to: a sleep overshoots
+    (the kernel's timer slack and the thread's wake-up), so the device's time is measured."""
     vocab, seconds = model.config.vocab_size, device_ms / 1e3
+    took: list[float] = []
 
     def forward(batch, kv):
+        started = time.perf_counter()
         if seconds:
             time.sleep(seconds)
         rows = len(batch.seg_starts) - 1 if batch.logit_rows is None else len(batch.logit_rows)
-        return torch.zeros(rows, vocab), None
+        logits = torch.zeros(rows, vocab)
+        took.append(time.perf_counter() - started)
+        return logits, None
 
     model.forward = forward
+    return took
 
 
 def step_ms(engine: Engine, batch: int, steps: int) -> float:
@@ -94,13 +102,13 @@ def main(argv: list[str] | None = None) -> dict:
     tokens = max(batches) * 2 * (len(PROMPT) + args.steps + 32)
     runs = [("sync", 0.0)] + [(loop, d) for d in device_ms for loop in ("sync", "async")]
     output_thread = output_thread_setting(args.output_thread)
-    engines = {}
+    engines, device_s = {}, {}
     for loop, d in runs:
         config = EngineConfig(dtype="float32", max_batch_size=max(batches), num_threads=1,
                               max_total_tokens=tokens, async_scheduling=loop == "async",
                               adapt_threads=False, output_thread=output_thread)  # fmt: skip
         engine = Engine(config, load_checkpoint(str(model_dir), "auto"))
-        stand_in_device(engine.model, d)
+        device_s[loop, d] = stand_in_device(engine.model, d)
         engine.start()
         engines[loop, d] = engine
     freeze_startup_heap()  # as toppings-serve does once built: no full collection walks it
@@ -120,26 +128,32 @@ def main(argv: list[str] | None = None) -> dict:
             engine.shutdown()
         thaw_heap()
     host = {b: statistics.median(times["sync", 0.0][b]) for b in batches}
-    cases, worst_bound, worst_sync = {}, 0.0, float("inf")
+    cases, worst_bound, worst_nominal, worst_sync = {}, 0.0, 0.0, float("inf")
     for d in device_ms:
+        measured = 1e3 * statistics.median(device_s["async", d])  # the stand-in's own time
         for b in batches:
             sync, ahead = (statistics.median(times[loop, d][b]) for loop in ("sync", "async"))
-            bound = max(d, host[b])
+            bound, nominal = max(measured, host[b]), max(d, host[b])
             cases[f"device_{d:g}ms_batch_{b}"] = {
-                "host_ms": host[b], "sync_ms": sync, "async_ms": ahead,
-                "async_vs_bound": ahead / bound, "async_vs_sync": ahead / sync,
+                "host_ms": host[b], "device_measured_ms": measured, "sync_ms": sync,
+                "async_ms": ahead, "async_vs_bound": ahead / bound,
+                "async_vs_bound_nominal": ahead / nominal, "async_vs_sync": ahead / sync,
                 "sync_rounds": times["sync", d][b], "async_rounds": times["async", d][b],
             }  # fmt: skip
             worst_bound = max(worst_bound, ahead / bound)
+            worst_nominal = max(worst_nominal, ahead / nominal)
             worst_sync = min(worst_sync, sync / ahead)
     metrics = {
-        "step_ratio_async_vs_bound": round(worst_bound, 3),  # worst case; target <= 1.1
+        # worst case, target <= 1.1: D as the stand-in measured (its sleeps overshoot), and
+        # as asked of it (nominal)
+        "step_ratio_async_vs_bound": round(worst_bound, 3),
+        "step_ratio_async_vs_bound_nominal": round(worst_nominal, 3),
         "speedup_async_vs_sync_min": round(worst_sync, 3),
         "host_ms": {str(b): ms for b, ms in host.items()},
         "cases": cases,
     }
-    log.info("async / max(D, H): at most %.2f; sync / async: at least %.2f", worst_bound,
-             worst_sync)  # fmt: skip
+    log.info("async / max(D, H): at most %.2f (D as asked: %.2f); sync / async: at least %.2f",
+             worst_bound, worst_nominal, worst_sync)  # fmt: skip
     return write_result(args.out, "async_scheduling", "bench_async_scheduling",
                         device=describe_device("cpu"),
                         config={"device_ms": device_ms, "batches": batches, "steps": args.steps,
