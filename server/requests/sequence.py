@@ -54,8 +54,7 @@ class Sequence:
         # Whether its adapter is an activated LoRA: its KV before lora_start is the base
         # model's, cached and matched as such (server/memory/manager.py).
         self.is_activated = False
-        self.finished = False
-        self.finish_reason: str | None = None  # as the engine ended it
+        self.finish_reason: str | None = None  # as the engine ended it (None: running)
         self.output = TextOutput(request, handle, tokenizer, arrival)
         self._outputs = outputs
         self.num_restarts = 0  # a sampler re-creates the request's generator when this moves
@@ -152,11 +151,16 @@ class Sequence:
         hit = self.output.take(token, logprob, is_eos, replayed, reason, self.num_cached_tokens)
         return "stop" if hit else reason  # a stop string, found at once (never over an error)
 
+    @property
+    def finished(self) -> bool:
+        """Whether the engine ended it (its final output sent or on its way)."""
+        return self.finish_reason is not None
+
     def finish(self, reason: str, error: str | None = None) -> None:
         """Send the final output (with any held-back text) exactly once."""
         if self.finished:
             return
-        self.finished, self.finish_reason = True, reason
+        self.finish_reason = reason
         record = OutputRecord(self, self.output, finish=reason, error=error)
         if reason == "error" and self._grammar_failure is not None:
             record.error, record.error_code = self._grammar_failure, 422

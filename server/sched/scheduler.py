@@ -383,7 +383,7 @@ class Scheduler:
         """Count an ended request under `reason`, the one its client saw: the output thread
         found a stop string (or a text failure) in tokens the engine had already ended it
         after, by its length or an abort."""
-        if seq.finish_reason is not None and seq.finish_reason != reason:
+        if seq.finished and seq.finish_reason != reason:
             self.finished[seq.finish_reason] -= 1
             self.finished[reason] = self.finished.get(reason, 0) + 1
             seq.finish_reason = reason
