@@ -38,13 +38,13 @@ from toppings.server.requests.sequence import Sequence
 from toppings.server.sched.admission import (
     Adapters,
     AdmissionGate,
-    GateLimits,
     Memory,
     is_whole,
     queued_adapters,
     release,
 )
 from toppings.server.sched.bypass import is_deterministic
+from toppings.server.sched.gate_limits import GateLimits
 from toppings.server.sched.plan import StepPlan, StepResult
 from toppings.server.sched.queueing import QueuePolicy
 from toppings.server.sched.step_budget import MIN_CHUNK, StepBudget
