@@ -76,9 +76,9 @@ TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 ASSIGNMENTS = ("identical", "zipf:1.0", "distinct")
 DEFAULT_MODE = pick_mode(LoraConfig().lora_mode, "cpu")  # what the servers here run by default
 REFUSED = (429, 503, 507)  # no room now: for requests, for a resolution, for host bytes
-# --adapters registered: host bytes the server may hold them in (1,024 float32 adapters of
-# ranks 8-64 on q, k, v, o of SmolLM2 are charged about 14 GB; the default is a quarter of the
-# memory)
+# --adapters registered: host bytes the server may hold them in (1,024 adapters of ranks 8-64 on
+# q, k, v, o of SmolLM2 are charged about 7 GB at a bfloat16 server's bfloat16, 14 at float32;
+# the default is a quarter of the memory)
 REGISTERED_HOST_BYTES = 16 * 2**30
 QUICK = {"num_adapters": 16, "slots": 3, "num_requests": 8, "rounds": 1, "burst": 4,
          "max_prompt_len": 48, "max_output_len": 8}  # fmt: skip

@@ -15,9 +15,10 @@ in the order a resolution runs them (server/resolver):
 - `remove`: `Engine.remove_adapter`
 
 and then, on the same files (now in the page cache), `open` taken apart: `read` (the file's
-bytes), `parse` (safetensors), `load_peft` (read, parse, checks and the float32 copies) and
-`finite_delta` (`check_finite_delta`). `--cold` first drops each adapter's files from the page
-cache (posix_fadvise DONTNEED, those files only) so that `open` reads from the disk.
+bytes), `parse` (safetensors), `load_peft` (read, parse, checks, and the copies at the dtype the
+engine holds adapters at) and `finite_delta` (`check_finite_delta`). `--cold` first drops each
+adapter's files from the page cache (posix_fadvise DONTNEED, those files only) so that `open`
+reads from the disk.
 
 Last, whole resolutions through the server's resolver (`ResolvedAdapters` with the load
 endpoint's registrar, room for one resolved adapter, so that each evicts the one before), each
@@ -109,7 +110,8 @@ def profile(engine, root: Path, names: list[str], cold: bool) -> dict[str, dict[
         t1 = time.perf_counter()
         load(data)
         t2 = time.perf_counter()
-        loaded = load_peft_adapter(real, engine.model_config, name=name)
+        loaded = load_peft_adapter(real, engine.model_config, name=name,
+                                   dtype=engine.lora.host.weights_dtype)
         t3 = time.perf_counter()
         check_finite_delta(loaded, engine.model.dtype)
         t4 = time.perf_counter()

@@ -54,8 +54,10 @@ class HostLora:
     ) -> dict[str, torch.Tensor]:
         """Deltas of `modules` at `layer` for segments (adapter id, start, end) of x [T, H_in].
 
-        Returns module -> float32 [T, H_out]; rows outside every segment are zero. `copy` is
-        accepted for the worker pool's signature; these tensors are always fresh.
+        Returns module -> float32 [T, H_out]; rows outside every segment are zero. Arithmetic is
+        in float32 whatever the adapters are held at (gpu_lora.kernels.cpu: torch's bfloat16
+        matmuls of these shapes are slower than widening them first). `copy` is accepted for the
+        worker pool's signature; these tensors are always fresh.
         """
         out: dict[str, torch.Tensor] = {}
         xf = x.detach().to("cpu", torch.float32)
@@ -69,7 +71,7 @@ class HostLora:
                 a, b = weights  # A [r, H_in], B [H_out, r]
                 if y is None:
                     y = torch.zeros(x.shape[0], b.shape[0])
-                lora_rows(y[start:end], xf[start:end], a, b.T, adapter.scale)
+                lora_rows(y[start:end], xf[start:end], a.float(), b.float().T, adapter.scale)
             if y is not None:
                 out[module] = y
         return out

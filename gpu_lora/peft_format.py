@@ -70,7 +70,9 @@ _MAGNITUDE_RE = re.compile(
 
 @dataclass(frozen=True)
 class LoraAdapter:
-    """One LoRA adapter in host memory, float32 (glossary: R rank, H hidden).
+    """One LoRA adapter in host memory (glossary: R rank, H hidden), its A and B at one dtype:
+    float32, or a bfloat16 engine's bfloat16 (`load_peft_adapter`'s `dtype`; never written in
+    place: at the file's own dtype they may share the read's buffers).
 
     `weights[(layer_idx, module)] = (A [R, in_features], B [out_features, R])`, so the delta of
     a projection is `scale * x @ A.T @ B.T`. A DoRA adapter (`use_dora`) also has
@@ -106,7 +108,7 @@ class LoraAdapter:
     def bytes_at(self, dtype: torch.dtype) -> int:
         """Bytes of all A and B when held at `dtype` (what a device copy at that dtype moves)."""
         item = torch.empty((), dtype=dtype).element_size()
-        return self.num_bytes // 4 * item
+        return sum(a.numel() + b.numel() for a, b in self.weights.values()) * item
 
 
 @dataclass(frozen=True)
@@ -201,9 +203,18 @@ def is_all_finite(tensor: torch.Tensor) -> bool:
 
 
 def load_peft_adapter(
-    path: str | os.PathLike, model_config: ModelShapes, name: str | None = None
+    path: str | os.PathLike,
+    model_config: ModelShapes,
+    name: str | None = None,
+    dtype: torch.dtype = torch.float32,
 ) -> LoraAdapter:
-    """Load a PEFT LoRA dir, checked against the base model's shapes. Raises AdapterError."""
+    """Load a PEFT LoRA dir, checked against the base model's shapes. Raises AdapterError.
+
+    dtype: what A and B are held at, float32 or bfloat16 (a bfloat16 engine's: every copy it
+    makes of them, device rows and the CPU workers' arena, is bfloat16 anyway, so holding them
+    so changes no result and halves the memory, the copies and the bytes a device load moves).
+    A DoRA adapter is held at float32 whatever `dtype` says: its scales are computed from it.
+    """
     root = Path(path)
     with adapter_dir(root) as dir_fd:  # both files from the one directory opened here
         cfg = read_config_at(dir_fd, root)
@@ -215,6 +226,9 @@ def load_peft_adapter(
     halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     bounds: dict[tuple[int, str], dict[str, float]] = {}  # max |A|, max |B| of each pair
     magnitudes = _magnitudes(tensors, cfg, targeted, model_config, weights_path)
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"adapters are held at float32 or bfloat16, not {dtype}")
+    hold = torch.float32 if cfg.get("use_dora") else dtype
     for key, tensor in tensors.items():
         if key in magnitudes:
             continue
@@ -231,7 +245,7 @@ def load_peft_adapter(
             )
         if not tensor.is_floating_point():
             raise AdapterError(f"{weights_path}: tensor {brief(key)} has dtype {tensor.dtype}")
-        tensor = tensor.to(torch.float32).contiguous()
+        tensor = tensor.to(hold).contiguous()
         bound = abs_max(tensor)
         if not math.isfinite(bound):
             raise AdapterError(f"{weights_path}: tensor {brief(key)} holds NaN or inf")
@@ -252,7 +266,7 @@ def load_peft_adapter(
     alpha = float(cfg["lora_alpha"])
     scale = alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank
     modules = {m for _, m in targeted}
-    num_bytes = sum(4 * (a.numel() + b.numel()) for a, b in weights.values())
+    num_bytes = sum(t.numel() * t.element_size() for pair in weights.values() for t in pair)
     return LoraAdapter(
         name=name or root.resolve().name,
         path=str(root),

@@ -27,7 +27,8 @@ from toppings.gpu_lora.peft_format import LoraAdapter, abs_max
 def check_finite_delta(adapter: LoraAdapter, dtype: torch.dtype) -> None:
     """Raise AdapterError naming the first module whose LoRA product is not finite at `dtype`.
 
-    adapter.weights: (A [R, in_features], B [out_features, R]) float32 per (layer, module).
+    adapter.weights: (A [R, in_features], B [out_features, R]) per (layer, module), float32 or
+    bfloat16.
     """
     limit = torch.finfo(dtype).max
     where = f"adapter {adapter.name!r}"

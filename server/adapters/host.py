@@ -62,6 +62,9 @@ class AdapterHost:
         self.model_config = model_config
         self.dtype = dtype
         self.device = device
+        # What registered adapters are held at (`load_peft_adapter`'s dtype), here and in the
+        # workers' arena: a bfloat16 model's every copy of them is bfloat16 (float32 otherwise).
+        self.weights_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
         # Each registration's adapter by `AdapterRef.id` (its `id` is the weights id), in
         # registration order; and each held copy by weights id (what the runner computes with).
         self._registered: dict[int, LoraAdapter] = {}
@@ -82,9 +85,8 @@ class AdapterHost:
         from toppings.cpu_lora.pool import CpuLoraPool
         from toppings.cpu_lora.repository import HostRepository
 
-        host_dtype = torch.bfloat16 if self.dtype == torch.bfloat16 else torch.float32
         self.repository = HostRepository.create(
-            self.model_config, HOST_REPOSITORY_BYTES, dtype=host_dtype
+            self.model_config, HOST_REPOSITORY_BYTES, dtype=self.weights_dtype
         )
         try:
             self.workers = CpuLoraPool(

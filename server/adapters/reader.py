@@ -83,7 +83,8 @@ class AdapterReader:
                 f"{self.max_lora_rank} (--max-lora-rank)"
             )
         self._check_room(name, shape)
-        adapter = load_peft_adapter(path, self.model_config, name=name)
+        adapter = load_peft_adapter(path, self.model_config, name=name,
+                                    dtype=self.host.weights_dtype)  # fmt: skip
         if adapter.is_dora:
             adapter = dataclasses.replace(adapter, dora=self._dora_scales(adapter))
         return adapter

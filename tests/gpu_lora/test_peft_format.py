@@ -89,6 +89,28 @@ def test_matches_peft(tmp_path: Path, kwargs: dict) -> None:
     assert read_adapter_config(tmp_path / "ad")["r"] == kwargs["r"]
 
 
+def test_held_at_bfloat16_as_every_copy_of_a_bfloat16_engine(tmp_path: Path) -> None:
+    """dtype=bfloat16 holds A and B as a bfloat16 engine's device rows and workers' arena get
+    them (PEFT's float32 weights rounded once), charged their own bytes; a DoRA adapter stays
+    float32 (its scales are computed from it); no other dtype is taken."""
+    expected = save_adapter(tmp_path / "ad", r=4, target_modules="all-linear")
+    wide = load_peft_adapter(tmp_path / "ad", MODEL)
+    held = load_peft_adapter(tmp_path / "ad", MODEL, dtype=torch.bfloat16)
+    for pair, (a_ref, b_ref, _) in expected.items():
+        a, b = held.weights[pair]
+        assert a.dtype == b.dtype == torch.bfloat16
+        assert torch.equal(a, a_ref.to(torch.bfloat16)) and torch.equal(b, b_ref.to(torch.bfloat16))
+        assert held.weight_bounds[pair] == (a.abs().max().item(), b.abs().max().item())
+    assert held.num_bytes * 2 == wide.num_bytes
+    assert held.bytes_at(torch.bfloat16) == wide.bytes_at(torch.bfloat16) == held.num_bytes
+    assert held.bytes_at(torch.float32) == wide.num_bytes
+    save_adapter(tmp_path / "dora", r=4, target_modules=["q_proj", "v_proj"], use_dora=True)
+    dora = load_peft_adapter(tmp_path / "dora", MODEL, dtype=torch.bfloat16)
+    assert {t.dtype for pair in dora.weights.values() for t in pair} == {torch.float32}
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        load_peft_adapter(tmp_path / "ad", MODEL, dtype=torch.float16)
+
+
 @pytest.fixture(scope="module")
 def good_adapter(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("good") / "qv"

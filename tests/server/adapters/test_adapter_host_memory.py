@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
 from toppings.gpu_lora.host_memory import (
     DEFAULT_BUDGET_FRACTION,
@@ -66,6 +67,21 @@ def test_one_copy_for_the_same_files_under_50_names(tiny_engine, adapter_dirs):
         held = engine.stats().adapter_host_memory
         assert (held["copies"], held["names"], held["charged_bytes"]) == (0, 0, 0)
         assert repository.free_bytes == empty
+
+
+def test_a_bfloat16_engine_holds_and_charges_its_adapters_at_bfloat16(tiny_engine, adapter_dirs):
+    """Every copy a bfloat16 engine makes of an adapter is bfloat16, so its host copy is too:
+    half the float32 engine's charge for the same files."""
+    _, dirs = adapter_dirs
+    charged = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        config = dict(max_total_tokens=1024, lora_mode="on-demand", dtype=str(dtype)[6:])
+        with tiny_engine({}, **config) as engine:
+            engine.add_adapter("a", str(dirs[0]))
+            (held,) = engine.lora.host.registered()
+            assert {t.dtype for pair in held.weights.values() for t in pair} == {dtype}
+            charged[dtype] = engine.stats().adapter_host_memory["charged_bytes"]
+    assert charged[torch.bfloat16] * 2 == charged[torch.float32] > 0
 
 
 def test_the_sum_stops_at_the_budget_with_a_507(tiny_engine, tiny_model_dir, adapter_dirs):
