@@ -192,17 +192,29 @@ def measure_capacity(args, ranks: dict[str, int], room: int, log_path: Path) -> 
     `requests_per_s`, all its requests over the time the last one took; and, beside it,
     `burst_rule_rps`, bench_queueing's rule (75% of them over the time the 75th percent took),
     which the short requests of a lognormal length mix finish first: here it read twice the
-    rate at which the server saturated, so the runs are sized on the first."""
+    rate at which the server saturated, so the runs are sized on the first. Then, on the same
+    server, the same requests for as many distinct adapters it has not met
+    (`distinct_requests_per_s`, measured alike): what a burst of cold adapters gets, which the
+    runs do not size on (every assignment runs at the same rate)."""
     burst = workload(args, "identical", ranks, 1.0, 998, args.burst)
     burst = [TraceEntry(e.idx, 0.0, e.model, e.rank, e.prompt, e.max_tokens) for e in burst]
+    others = [e for e in workload(args, "distinct", ranks, 1.0, 998, 2 * args.burst)
+              if e.model != burst[0].model][: args.burst]  # fmt: skip
+    cold = [TraceEntry(e.idx, 0.0, d.model, d.rank, e.prompt, e.max_tokens)
+            for e, d in zip(burst, others, strict=True)]  # fmt: skip
     with Server(args, DEFAULT_MODE, room, log_path) as server:
         server.replay(burst[:1])  # resolve and load the adapter: a warm burst
         records = server.replay(burst)
-    done = [r["result"]["e2e_s"] for r in records if r["result"]["ok"]]
-    if len(done) < len(records):
-        errors = {str(r["result"]["error"])[:200] for r in records if not r["result"]["ok"]}
-        raise SystemExit(f"capacity burst: {len(records) - len(done)} requests failed: {errors}")
-    capacity = {"requests_per_s": len(done) / max(done), "burst_rule_rps": burst_capacity(done)}
+        cold_records = server.replay(cold)
+    capacity = {}
+    for key, recs in (("requests_per_s", records), ("distinct_requests_per_s", cold_records)):
+        done = [r["result"]["e2e_s"] for r in recs if r["result"]["ok"]]
+        if len(done) < len(recs):
+            errors = {str(r["result"]["error"])[:200] for r in recs if not r["result"]["ok"]}
+            raise SystemExit(f"capacity burst: {len(recs) - len(done)} requests failed: {errors}")
+        capacity[key] = len(done) / max(done)
+        if key == "requests_per_s":
+            capacity["burst_rule_rps"] = burst_capacity(done)
     return capacity, burst[0].model
 
 
@@ -380,7 +392,8 @@ def main(argv: list[str] | None = None) -> dict:
         "capacity_per_round": capacities,
         "capacity_rule": "a burst of --burst requests for one warm adapter on the default mode's "
         "server at the start of each round: all of them over the time the last took "
-        "(burst_rule_rps beside it)",
+        "(burst_rule_rps beside it; distinct_requests_per_s: the same requests for as many cold "
+        "adapters, alike, not used to size the runs)",
         "rps_per_round": rates,
         "run_order": "per round, for each assignment each mode; odd rounds reversed",
         "load_average_1min_at_start_and_end": [load_start, os.getloadavg()[0]],
