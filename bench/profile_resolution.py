@@ -110,8 +110,9 @@ def profile(engine, root: Path, names: list[str], cold: bool) -> dict[str, dict[
         t1 = time.perf_counter()
         load(data)
         t2 = time.perf_counter()
-        loaded = load_peft_adapter(real, engine.model_config, name=name,
-                                   dtype=engine.lora.host.weights_dtype)
+        loaded = load_peft_adapter(
+            real, engine.model_config, name=name, dtype=engine.lora.host.weights_dtype
+        )
         t3 = time.perf_counter()
         check_finite_delta(loaded, engine.model.dtype)
         t4 = time.perf_counter()
