@@ -55,9 +55,10 @@ class HostLora:
         """Deltas of `modules` at `layer` for segments (adapter id, start, end) of x [T, H_in].
 
         Returns module -> float32 [T, H_out]; rows outside every segment are zero. Arithmetic is
-        in float32 whatever the adapters are held at (gpu_lora.kernels.cpu: torch's bfloat16
-        matmuls of these shapes are slower than widening them first). `copy` is accepted for the
-        worker pool's signature; these tensors are always fresh.
+        in float32 whatever the adapters are held at: torch's bfloat16 matmul on a CPU has a
+        fixed cost a call that a decode's few tokens never repay (docs/benchmarks.md,
+        "Measurements behind the code"). `copy` is accepted for the worker pool's signature;
+        these tensors are always fresh.
         """
         out: dict[str, torch.Tensor] = {}
         xf = x.detach().to("cpu", torch.float32)

@@ -210,11 +210,13 @@ def load_peft_adapter(
 ) -> LoraAdapter:
     """Load a PEFT LoRA dir, checked against the base model's shapes. Raises AdapterError.
 
-    dtype: what A and B are held at, float32 or bfloat16 (a bfloat16 engine's: every copy it
-    makes of them, device rows and the CPU workers' arena, is bfloat16 anyway, so holding them
-    so changes no result and halves the memory, the copies and the bytes a device load moves).
-    A DoRA adapter is held at float32 whatever `dtype` says: its scales are computed from it.
+    dtype: what A and B are held at, float32 or bfloat16 (a bfloat16 engine's: the copies it
+    computes from, device rows and the CPU workers' arena, are bfloat16 anyway; held so, they
+    take half the memory, and a device load is a plain copy of half the bytes). A DoRA adapter
+    is held at float32 whatever `dtype` says: its scales are computed from it.
     """
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"adapters are held at float32 or bfloat16, not {dtype}")
     root = Path(path)
     with adapter_dir(root) as dir_fd:  # both files from the one directory opened here
         cfg = read_config_at(dir_fd, root)
@@ -226,8 +228,6 @@ def load_peft_adapter(
     halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     bounds: dict[tuple[int, str], dict[str, float]] = {}  # max |A|, max |B| of each pair
     magnitudes = _magnitudes(tensors, cfg, targeted, model_config, weights_path)
-    if dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"adapters are held at float32 or bfloat16, not {dtype}")
     hold = torch.float32 if cfg.get("use_dora") else dtype
     for key, tensor in tensors.items():
         if key in magnitudes:
