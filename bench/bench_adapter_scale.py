@@ -206,16 +206,19 @@ def measure_capacity(args, ranks: dict[str, int], room: int, log_path: Path) -> 
         server.replay(burst[:1])  # resolve and load the adapter: a warm burst
         records = server.replay(burst)
         cold_records = server.replay(cold)
-    capacity = {}
-    for key, recs in (("requests_per_s", records), ("distinct_requests_per_s", cold_records)):
-        done = [r["result"]["e2e_s"] for r in recs if r["result"]["ok"]]
-        if len(done) < len(recs):
-            errors = {str(r["result"]["error"])[:200] for r in recs if not r["result"]["ok"]}
-            raise SystemExit(f"capacity burst: {len(recs) - len(done)} requests failed: {errors}")
-        capacity[key] = len(done) / max(done)
-        if key == "requests_per_s":
-            capacity["burst_rule_rps"] = burst_capacity(done)
+    done, cold_done = burst_e2e(records), burst_e2e(cold_records)
+    capacity = {"requests_per_s": len(done) / max(done), "burst_rule_rps": burst_capacity(done),
+                "distinct_requests_per_s": len(cold_done) / max(cold_done)}  # fmt: skip
     return capacity, burst[0].model
+
+
+def burst_e2e(records: list[dict]) -> list[float]:
+    """Each request's end-to-end seconds in a capacity burst; SystemExit when any failed."""
+    done = [r["result"]["e2e_s"] for r in records if r["result"]["ok"]]
+    if len(done) < len(records):
+        errors = {str(r["result"]["error"])[:200] for r in records if not r["result"]["ok"]}
+        raise SystemExit(f"capacity burst: {len(records) - len(done)} requests failed: {errors}")
+    return done
 
 
 def run_summary(records: list[dict], series: dict, other_cpu: float) -> dict:
