@@ -27,6 +27,7 @@ from toppings.cpu_lora.serial_copy import copy_serial, zeros_serial
 from toppings.cpu_lora.shapes import LORA_TARGETS, ModelShapes, module_mask
 from toppings.cpu_lora.split import num_parts, split_rows
 from toppings.cpu_lora.workers import WorkerProcess
+from toppings.gpu_lora.host_lora import add_deltas
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +105,11 @@ class CpuLoraPool:
             raise
 
     # ----------------------------------------------------------------- the hot path
+    def add(self, layer: int, x: torch.Tensor, segments, outputs) -> None:
+        """y += each segment's delta (`run`'s) for each (module, y) of outputs, in place
+        (`gpu_lora.host_lora.HostLoraRunner.add`)."""
+        add_deltas(self, layer, x, segments, outputs)
+
     def run(
         self,
         layer: int,

@@ -150,24 +150,15 @@ class LoraBatch:
         """One host call for every projection of this input, for the units still loading."""
         starts = self._starts
         segments = [(self._adapters[i].id, starts[i], starts[i + 1]) for i in not_ready]
-        modules = tuple(m for m, _ in outputs)
         begin = time.perf_counter()
-        # copy=False: the worker pool hands back views of its shared outputs, used at once here.
-        # A device x goes as it is: the pool copies it down without a blocking synchronize.
-        deltas = self._host.run(layer, x.detach(), segments, modules, copy=False)
+        self._host.add(layer, x.detach(), segments, outputs)
         end = time.perf_counter()
         self.host_stats.seconds += end - begin
         self.host_stats.calls += 1
         if self._trace is not None:
             ids = tuple(adapter_id for adapter_id, _, _ in segments)
+            modules = tuple(m for m, _ in outputs)
             self._trace.host_lora(HostLoraEvent(layer, modules, ids, begin, end))
-        # Rows outside the loading units' span are zero: add only the span.
-        lo = min(start for _, start, _ in segments)
-        hi = max(end for _, _, end in segments)
-        for module, y in outputs:
-            delta = deltas.get(module)
-            if delta is not None:
-                y[lo:hi] += delta[lo:hi].to(device=y.device, dtype=y.dtype)
 
 
 def _dora_runs(

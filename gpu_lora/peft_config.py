@@ -287,3 +287,31 @@ def resolve_targets(cfg: dict, model_config: ModelShapes, where: str) -> set[tup
             f"{where}: target_modules {brief(cfg['target_modules'])} selects no projection"
         )
     return targeted
+
+
+# What each side of a projection measures, for naming the base an adapter was trained on.
+_IN_WIDTH = {"o_proj": "attention width (heads x head_dim)", "down_proj": "intermediate size"}
+_OUT_WIDTH = {
+    "q_proj": "attention width (heads x head_dim)",
+    "k_proj": "key/value width (kv heads x head_dim)",
+    "v_proj": "key/value width (kv heads x head_dim)",
+    "gate_proj": "intermediate size",
+    "up_proj": "intermediate size",
+}
+
+
+def shape_mismatch_cause(
+    module: str, half: str, found: tuple[int, ...], want: tuple[int, int]
+) -> str:
+    """The likely cause of a lora_A [R, in] or lora_B [out, R] that does not fit the base."""
+    if len(found) != 2:
+        return f"a LoRA matrix is 2-D, this one is {len(found)}-D"
+    rank_dim, width_dim = (0, 1) if half == "A" else (1, 0)
+    if found[width_dim] != want[width_dim]:
+        widths = _IN_WIDTH if half == "A" else _OUT_WIDTH
+        width = widths.get(module, "hidden size")
+        return (
+            f"the adapter was likely trained on a base with {width} {found[width_dim]}, "
+            f"not {want[width_dim]}"
+        )
+    return f"its rank {found[rank_dim]} differs from r={want[rank_dim]} in {CONFIG_FILE}"

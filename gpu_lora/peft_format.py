@@ -33,6 +33,7 @@ from toppings.gpu_lora.peft_config import (
     read_adapter_config,
     read_config_at,
     resolve_targets,
+    shape_mismatch_cause,
 )
 from toppings.gpu_lora.targets import ATTN_PROJECTIONS, LORA_TARGETS, ModelShapes
 
@@ -75,9 +76,11 @@ class LoraAdapter:
     place: at the file's own dtype they may share the read's buffers).
 
     `weights[(layer_idx, module)] = (A [R, in_features], B [out_features, R])`, so the delta of
-    a projection is `scale * x @ A.T @ B.T`. A DoRA adapter (`use_dora`) also has
-    `magnitudes[(layer_idx, module)] = m [out_features]` for the same pairs, and, once the base
-    weights were read (`AdapterReader.open`), `dora`: the per-channel scales (gpu_lora.dora).
+    a projection is `scale * x @ A.T @ B.T`; a loaded B is the transpose of a contiguous B^T,
+    the layout of the pool's rows and the kernels' (`B.T` is contiguous: no copy transposes).
+    A DoRA adapter (`use_dora`) also has `magnitudes[(layer_idx, module)] = m [out_features]`
+    for the same pairs, and, once the base weights were read (`AdapterReader.open`), `dora`:
+    the per-channel scales (gpu_lora.dora).
     An activated LoRA has its `invocation_tokens` (gpu_lora.alora); () for any other.
     `weight_bounds[(layer_idx, module)] = (max |A|, max |B|)` as read (empty: not known), for
     the overflow check (gpu_lora.validate) without another pass over the weights.
@@ -241,11 +244,14 @@ def load_peft_adapter(
             raise AdapterError(
                 f"{weights_path}: tensor {brief(key)} has shape {list(tensor.shape)}, expected "
                 f"{list(want)} (r={rank}, base model {model_config.name!r}): "
-                f"{_mismatch_cause(pair[1], half, tensor.shape, want)}"
+                f"{shape_mismatch_cause(pair[1], half, tensor.shape, want)}"
             )
         if not tensor.is_floating_point():
             raise AdapterError(f"{weights_path}: tensor {brief(key)} has dtype {tensor.dtype}")
-        tensor = tensor.to(hold).contiguous()
+        if half == "A":
+            tensor = tensor.to(hold).contiguous()
+        else:  # held as the transpose of a contiguous B^T [R, out]: the pool's rows' layout
+            tensor = torch.empty(tensor.shape[::-1], dtype=hold).copy_(tensor.T).T
         bound = abs_max(tensor)
         if not math.isfinite(bound):
             raise AdapterError(f"{weights_path}: tensor {brief(key)} holds NaN or inf")
@@ -327,32 +333,6 @@ def _magnitudes(
                     f"of {module_name(*pair)} is missing"
                 )
     return found
-
-
-# What each side of a projection measures, for naming the base an adapter was trained on.
-_IN_WIDTH = {"o_proj": "attention width (heads x head_dim)", "down_proj": "intermediate size"}
-_OUT_WIDTH = {
-    "q_proj": "attention width (heads x head_dim)",
-    "k_proj": "key/value width (kv heads x head_dim)",
-    "v_proj": "key/value width (kv heads x head_dim)",
-    "gate_proj": "intermediate size",
-    "up_proj": "intermediate size",
-}
-
-
-def _mismatch_cause(module: str, half: str, found: tuple[int, ...], want: tuple[int, int]) -> str:
-    """The likely cause of a lora_A [R, in] or lora_B [out, R] that does not fit the base."""
-    if len(found) != 2:
-        return f"a LoRA matrix is 2-D, this one is {len(found)}-D"
-    rank_dim, width_dim = (0, 1) if half == "A" else (1, 0)
-    if found[width_dim] != want[width_dim]:
-        widths = _IN_WIDTH if half == "A" else _OUT_WIDTH
-        width = widths.get(module, "hidden size")
-        return (
-            f"the adapter was likely trained on a base with {width} {found[width_dim]}, "
-            f"not {want[width_dim]}"
-        )
-    return f"its rank {found[rank_dim]} differs from r={want[rank_dim]} in {CONFIG_FILE}"
 
 
 def _read_weights(dir_fd: int, root: Path) -> dict[str, torch.Tensor]:

@@ -143,6 +143,22 @@ def mbgmv_runs_multi(
     _check_status(failed)
 
 
+def call_runs(
+    x: torch.Tensor, procs: ctypes.Array, starts: torch.Tensor, offsets: torch.Tensor,
+    scales: torch.Tensor,
+) -> None:  # fmt: skip
+    """One `lora_runs` call over `LoraProj` structs a caller made and keeps the tables of alive
+    (checked by it: shapes, dtypes, contiguous rows; the kernel checks the runs). x [T, H_in]
+    on the CPU, float32/bfloat16, rows contiguous; starts [G + 1], offsets [G] int32 and
+    scales [G] float32, contiguous. Needs the library (`available`)."""
+    failed = library().lora_runs(
+        x.data_ptr(), x.stride(0), x.shape[1], x.shape[0], procs, len(procs),
+        starts.data_ptr(), offsets.data_ptr(), scales.data_ptr(), offsets.shape[0],
+        _DTYPES[x.dtype], torch.get_num_threads(),
+    )  # fmt: skip
+    _check_status(failed)
+
+
 def _check_status(failed: int) -> None:
     """Raise what a nonzero `lora_runs` status means (out of range: bad runs, nothing written)."""
     if failed == native_build.Status.OUT_OF_RANGE:

@@ -71,7 +71,8 @@ class AdapterHost:
         self._copies: dict[int, LoraAdapter] = {}
         # DoRA adapters' scales on the device, by weights id (small: two [L, H_out] per module)
         self._dora: dict[int, DoraScales] = {}
-        self.runner: HostLoraRunner = HostLora(self._copies)
+        self._in_process = HostLora(self._copies)  # the runner unless workers start
+        self.runner: HostLoraRunner = self._in_process
         self.memory = HostAdapterMemory(config.adapter_host_bytes or default_budget_bytes())
         log.info("adapters may hold %.1f MiB of host memory (--adapter-host-bytes%s)",
                  self.memory.budget_bytes / 2**20,
@@ -183,6 +184,7 @@ class AdapterHost:
         weights_id = self._registered.pop(ref.id).id
         if self.memory.release(ref.id):  # the last registration of its content
             self._copies.pop(weights_id, None)
+            self._in_process.forget(weights_id)
             self._dora.pop(weights_id, None)
             if self.repository is not None and self.repository.lookup(weights_id) is not None:
                 self.repository.remove(weights_id)

@@ -31,9 +31,9 @@ class CountingHost(HostLora):
         super().__init__(adapters)
         self.calls = []
 
-    def run(self, layer, x, segments, modules, copy=True):
-        self.calls.append((layer, tuple(s[0] for s in segments), modules))
-        return super().run(layer, x, segments, modules, copy=copy)
+    def add(self, layer, x, segments, outputs):
+        self.calls.append((layer, tuple(s[0] for s in segments), tuple(m for m, _ in outputs)))
+        return super().add(layer, x, segments, outputs)
 
 
 def cpu_backend(name: str, kernel: str):
