@@ -248,10 +248,7 @@ def load_peft_adapter(
             )
         if not tensor.is_floating_point():
             raise AdapterError(f"{weights_path}: tensor {brief(key)} has dtype {tensor.dtype}")
-        if half == "A":
-            tensor = tensor.to(hold).contiguous()
-        else:  # held as the transpose of a contiguous B^T [R, out]: the pool's rows' layout
-            tensor = torch.empty(tensor.shape[::-1], dtype=hold).copy_(tensor.T).T
+        tensor = _held(tensor, half, hold)
         bound = abs_max(tensor)
         if not math.isfinite(bound):
             raise AdapterError(f"{weights_path}: tensor {brief(key)} holds NaN or inf")
@@ -287,6 +284,14 @@ def load_peft_adapter(
         invocation_tokens=tuple(cfg.get("alora_invocation_tokens") or ()),
         weight_bounds={pair: (bounds[pair]["A"], bounds[pair]["B"]) for pair in weights},
     )
+
+
+def _held(tensor: torch.Tensor, half: str, dtype: torch.dtype) -> torch.Tensor:
+    """A read tensor at `dtype`: A contiguous (the read's own buffer where it is so already), B
+    as the transpose of a contiguous B^T [R, out], the layout of the pool's rows."""
+    if half == "A":
+        return tensor.to(dtype).contiguous()
+    return torch.empty(tensor.shape[::-1], dtype=dtype).copy_(tensor.T).T
 
 
 def _magnitudes(
