@@ -311,3 +311,35 @@ def test_the_int4_reference_is_not_the_float_model(checkpoints):
         model_dir, adapters, ids, "a3"
     )
     assert diff.abs().mean() > 4 * MEAN_TOL
+
+
+def test_bf16_adapters_served_on_the_host_match_bf16_peft(checkpoints, monkeypatch):
+    """cpu-assisted with device room for the largest adapter alone: the mixed batch's others
+    are served on the host (`HostLora.add`, its native call over the host tensors
+    where this build has the kernel) at bfloat16, and give the bf16 reference's tokens and
+    logprobs as the pool's rows do. On SmolLM2's widths (the kernel's vector paths)."""
+    from toppings.gpu_lora.adapter_pool import AdapterPool
+    from toppings.gpu_lora.kernels import native
+    from toppings.gpu_lora.peft_format import inspect_peft_adapter
+    from toppings.server.model.loader import load_checkpoint
+
+    calls = []
+    call_runs = native.call_runs
+    monkeypatch.setattr(native, "call_runs", lambda *a: calls.append(1) or call_runs(*a))
+    model_dir, ref_dir, adapters = checkpoints("llama3-wide", "none")
+    shapes = load_checkpoint(str(model_dir), "dummy").config
+    pool = AdapterPool(shapes, torch.bfloat16, "cpu")
+    sizes = [inspect_peft_adapter(path, shapes) for path in adapters.values()]
+    room = max(pool.bytes_for(s.rank, s.modules) for s in sizes)  # every one fits, not two
+    scored = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True,
+                            logprobs=TOP, prompt_logprobs=TOP)  # fmt: skip
+    prompts = first_turn_prompts(256)
+    with running_engine(
+        model_dir, adapters, dtype="bfloat16", lora_mode="cpu-assisted",
+        adapter_cache_bytes=room, max_total_tokens=4096, max_batch_size=16,
+    ) as engine:  # fmt: skip
+        mixed = run(engine, prompts, scored)
+        assert engine.lora.num_host_served >= 2  # two adapters' requests at least
+    if native.available(torch.bfloat16):
+        assert calls, "the host-served requests did not run the native host call"
+    check_against_bf16_reference(ref_dir, adapters, prompts, mixed, "served on the host")
