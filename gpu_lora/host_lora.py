@@ -12,9 +12,9 @@ name may be unloaded and loaded again with other weights while a step runs.
 segment of every projection of the call in one call of the native runs kernel
 (`gpu_lora.kernels.native`), reading each adapter's host tensors where they lie (a loaded B is
 the transpose of a contiguous B^T, the pool's layout) and adding into y as the pool's rows do,
-with the same arithmetic: a request served from the host costs what one served from the pool
-does, not a few small matmuls per segment, projection and layer (120 a token at 30 layers and
-four projections).
+with the same arithmetic: a request served from the host costs about what one served from the
+pool does (its structs' pointers are set in Python each call), not a few small matmuls per
+segment, projection and layer (120 a token at 30 layers and four projections).
 """
 
 from __future__ import annotations
