@@ -19,6 +19,7 @@ segment, projection and layer (120 a token at 30 layers and four projections).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -91,6 +92,9 @@ class HostLora:
         # (segments, modules, dtype, device) -> (the native call, segments it leaves): a step's
         # layers share one; the last MAX_PLANS kept
         self._plans: dict[tuple, tuple[HostRuns | None, list]] = {}
+        # Both tables change on the engine thread (a new plan) and on the adapter thread
+        # (`forget`): under this lock; a plan is read without it (a dict lookup)
+        self._lock = threading.Lock()
 
     def run(
         self,
@@ -140,9 +144,10 @@ class HostLora:
         key = (tuple(segments), modules, x.dtype, x.device.type)
         plan = self._plans.get(key)
         if plan is None:
-            plan = self._plans[key] = self._plan(x, segments, modules)
-            while len(self._plans) > MAX_PLANS:  # the oldest out: a step makes one an input
-                del self._plans[next(iter(self._plans))]
+            with self._lock:
+                plan = self._plans[key] = self._plan(x, segments, modules)
+                while len(self._plans) > MAX_PLANS:  # the oldest out: a step makes one an input
+                    del self._plans[next(iter(self._plans))]
         runs, slow = plan
         if runs is not None and not runs(layer, x, outputs):
             slow = segments  # outputs it cannot write: all on the general path
@@ -151,14 +156,16 @@ class HostLora:
 
     def forget(self, adapter_id: int) -> None:
         """Let go of what this runner keeps of an adapter no longer in `adapters` (its native
-        calls hold its tensors)."""
-        self._layouts.pop(adapter_id, None)
-        self._plans = {
-            k: v for k, v in self._plans.items() if all(s[0] != adapter_id for s in k[0])
-        }
+        calls hold its tensors). Any thread."""
+        with self._lock:
+            self._layouts.pop(adapter_id, None)
+            self._plans = {
+                k: v for k, v in self._plans.items() if all(s[0] != adapter_id for s in k[0])
+            }
 
     def _plan(self, x: torch.Tensor, segments, modules) -> tuple[HostRuns | None, list]:
-        """The native call for the segments it can compute and the rest (see `add`)."""
+        """The native call for the segments it can compute and the rest (see `add`; under the
+        lock)."""
         native_ok = x.device.type == "cpu" and native.available(x.dtype)
         fast, slow = [], []
         for adapter_id, start, end in segments:
