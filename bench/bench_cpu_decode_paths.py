@@ -8,6 +8,10 @@
   a gather and a scatter per projection).
 - dense: the masked dense product the engine used before (every token times the rows of every
   adapter of the batch, other adapters' columns zeroed), kept here as the baseline.
+- host_native / host_matmuls (MBGMV rows): the same step with every request served from the
+  host (cpu-assisted, no device room), from the adapters' host copies as a load holds them: the
+  native call over them (`HostLora.add`, gpu_lora/host_runs.py) against the torch matmul pair
+  per segment and projection it replaced (`HostLora.run`, then added).
 
 Shapes: SmolLM2's q/k/v (H 576, kv 192) over 30 layers, B requests over A adapters of ranks
 8/16/32/64, one thread. Rounds alternate the order of the paths; medians are reported.
@@ -27,6 +31,7 @@ import torch
 
 from bench.envelope import describe_device, write_result
 from toppings.gpu_lora.adapter_pool import AdapterPool
+from toppings.gpu_lora.host_lora import HostLora, add_deltas
 from toppings.gpu_lora.kernels import BACKENDS, LoraKernel, native
 from toppings.gpu_lora.kernels import cpu as cpu_kernels
 from toppings.gpu_lora.lora_batch import LoraBatch
@@ -55,6 +60,14 @@ def random_adapter(config: ModelConfig, name: str, rank: int, seed: int) -> Lora
                                 torch.randn(h_out, rank, generator=gen) / rank**0.5)  # fmt: skip
     num_bytes = sum((a.numel() + b.numel()) * 4 for a, b in weights.values())
     return LoraAdapter(name, "/random", rank, 2.0 * rank, 2.0, QKV, weights, num_bytes, None)
+
+
+def held_as_loaded(adapter: LoraAdapter, dtype: torch.dtype) -> LoraAdapter:
+    """The adapter's host copy as `load_peft_adapter` holds it: at `dtype`, each B over a
+    contiguous B^T."""
+    weights = {key: (a.to(dtype).contiguous(), b.T.to(dtype).contiguous().T)
+               for key, (a, b) in adapter.weights.items()}  # fmt: skip
+    return dataclasses.replace(adapter, weights=weights)
 
 
 def dense_delta(pool: AdapterPool, batch: list, padded: bool):
@@ -125,9 +138,27 @@ def time_paths(kernel: str, dtype: torch.dtype, args) -> dict[str, float]:
             for m in QKV:
                 add(m, x, outs[m])
 
+    host = HostLora({a.id: held_as_loaded(a, dtype) for a in adapters})
+    segments = []  # (adapter id, start, end) per run of one adapter's tokens, as LoraBatch's
+    for i, a in enumerate(sorted(batch, key=lambda a: a.name)):
+        if segments and segments[-1][0] == a.id:
+            segments[-1] = (a.id, segments[-1][1], i + 1)
+        else:
+            segments.append((a.id, i, i + 1))
+
+    def host_native() -> None:
+        for _ in range(LAYERS):
+            host.add(0, x, segments, tuple(outs.items()))
+
+    def host_matmuls() -> None:
+        for _ in range(LAYERS):
+            add_deltas(host, 0, x, segments, tuple(outs.items()))
+
     paths = [("runs", runs), ("unsorted", unsorted), ("dense", dense)]
+    if kernel == "mbgmv":
+        paths.append(("host_matmuls", host_matmuls))
     if kernel == "mbgmv" and native.available(dtype):
-        paths.append(("native_runs", native_runs))
+        paths += [("native_runs", native_runs), ("host_native", host_native)]
     times: dict[str, list[float]] = {name: [] for name, _ in paths}
     for _, fn in paths:
         fn()  # warm-up
@@ -155,6 +186,13 @@ def main(argv: list[str] | None = None) -> None:
             key = f"{kernel}_{str(dtype).removeprefix('torch.')}"
             metrics[key] = {f"{name}_ms": round(v * 1e3, 2) for name, v in t.items()}
             metrics[key]["dense_vs_runs"] = round(t["dense"] / t["runs"], 3)
+            if "host_native" in t:  # a host-served step against the same step from the pool
+                metrics[key]["host_native_vs_native_runs"] = round(
+                    t["host_native"] / t["native_runs"], 3
+                )
+                metrics[key]["host_native_vs_host_matmuls"] = round(
+                    t["host_native"] / t["host_matmuls"], 3
+                )
             print(key, metrics[key])
     config = {"batch": args.batch, "adapters": args.adapters, "ranks": [8, 16, 32, 64],
               "layers": LAYERS, "modules": list(QKV), "rounds": args.rounds,

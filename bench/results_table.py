@@ -54,8 +54,10 @@ CURRENT: dict[str, tuple[str, tuple[str, ...]]] = {
     "prefill_attention_2threads.json": ("the same on 2 threads", _ATTENTION),
     "cpu_linear.json": ("packed (oneDNN) against plain linear layers, decode rows",
                         ("decode_speedup_packed_vs_plain.*.4",)),
-    "cpu_decode_paths.json": ("CPU LoRA decode paths: native runs, runs, dense",
-                              ("*.native_runs_ms", "*.dense_vs_runs")),
+    "cpu_decode_paths.json": ("CPU LoRA decode paths: native runs, runs, dense; every request "
+                              "served from the host",
+                              ("*.native_runs_ms", "*.dense_vs_runs",
+                               "*.host_native_vs_native_runs", "*.host_native_vs_host_matmuls")),
     "cpu_lora_ipc.json": ("host LoRA job overhead through shared memory",
                           ("overhead_p50_us", "overhead_p99_us",
                            "shm_vs_socket_ratio_at_max_workers")),

@@ -4,14 +4,16 @@
 pool's kernel, `lora_runs` (gpu_lora/kernels/native.py), over the adapters' host tensors where
 they lie: each (segment, module) is a projection of its own, whose A and B^T are that adapter's
 tensors of the layer and whose ranks are the segment's rank in its run and 0 in every other run.
-What stays the same over a step's layers (the runs, their scales, the ranks, the structs) is made
-once here; a layer only writes each struct's table and output pointers (as `RunsStep` does for
-the pool's rows): a decode step's host LoRA with 18 segments took 0.54 ms a call built every
-call, 0.14 ms of it in the kernel.
+What stays the same over a step's layers (the runs, their scales, the ranks) is made once here,
+each layer's structs the first time it is called (a decode step's plan serves the steps after it
+while its requests stay), and a call writes only the outputs' pointers (as `RunsStep` does for
+the pool's rows): bench_cpu_decode_paths has a host-served decode step against the same step
+from the pool.
 """
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Sequence
 
 import torch
@@ -56,9 +58,9 @@ class HostRuns:
         self._ranks = ranks  # [P + 1, runs]; the last row all 0: a module not adapted here
         row = ranks.stride(0) * ranks.element_size()
         self._rank_rows = [ranks.data_ptr() + p * row for p in range(len(self._entries) + 1)]
-        self._procs = (native.LoraProj * len(self._entries))()
-        for p, (adapter, _) in zip(self._procs, self._entries):
-            p.pool_rows = adapter.rank
+        self._module_of = [i for _, i in self._entries]
+        self._layers: dict[int, ctypes.Array] = {}  # layer -> its structs (see `_layer`)
+        self._widths: tuple[int, ...] = ()  # (H_in, each module's H_out) they were made for
         self.tokens = starts[-1]
 
     def __call__(
@@ -72,19 +74,33 @@ class HostRuns:
         for _, y in outputs:
             if y.dim() != 2 or y.dtype != x.dtype or y.stride(1) != 1 or y.shape[0] != x.shape[0]:
                 return False
-        ys = [y for _, y in outputs]
-        zero = self._rank_rows[-1]
-        for p, rank_row, (adapter, i) in zip(self._procs, self._rank_rows, self._entries):
-            weights = adapter.weights.get((layer, self.modules[i]))
-            y = ys[i]
-            if weights is None:  # this adapter leaves the module alone in this layer
-                p.A = p.Bt = p.y = 0
-                p.ranks, p.ld_y, p.H_out = zero, y.stride(0), y.shape[1]
-                continue
-            a, b = weights  # A [r, H_in], B [H_out, r] over a contiguous B^T
-            if a.shape[1] != x.shape[1] or b.shape[0] != y.shape[1]:
-                return False
-            p.A, p.Bt, p.y, p.ranks = a.data_ptr(), b.data_ptr(), y.data_ptr(), rank_row
-            p.ld_y, p.H_out = y.stride(0), y.shape[1]
-        native.call_runs(x, self._procs, self._starts, self._offsets, self._scales)
+        widths = (x.shape[1], *(y.shape[1] for _, y in outputs))
+        procs = self._layers.get(layer) if widths == self._widths else None
+        if procs is None and (procs := self._layer(layer, widths)) is None:
+            return False
+        pointers = [(y.data_ptr(), y.stride(0)) for _, y in outputs]
+        for p, i in zip(procs, self._module_of):
+            p.y, p.ld_y = pointers[i]
+        native.call_runs(x, procs, self._starts, self._offsets, self._scales)
         return True
+
+    def _layer(self, layer: int, widths: tuple[int, ...]) -> ctypes.Array | None:
+        """The structs of `layer`, made once: each projection's tables, its rank row and width
+        (a module its adapter leaves alone here: the zero row, no tables); None, keeping
+        nothing, where a table does not fit `widths` (H_in, each module's H_out)."""
+        if widths != self._widths:
+            self._layers.clear()
+        procs = (native.LoraProj * len(self._entries))()
+        zero = self._rank_rows[-1]
+        for p, rank_row, (adapter, i) in zip(procs, self._rank_rows, self._entries):
+            p.pool_rows, p.H_out, p.ranks = adapter.rank, widths[1 + i], zero
+            weights = adapter.weights.get((layer, self.modules[i]))
+            if weights is None:
+                continue  # rank 0 in every run: the kernel reads no table of it
+            a, b = weights  # A [r, H_in], B [H_out, r] over a contiguous B^T
+            if a.shape[1] != widths[0] or b.shape[0] != widths[1 + i]:
+                return None
+            p.A, p.Bt, p.ranks = a.data_ptr(), b.data_ptr(), rank_row
+        self._widths = widths
+        self._layers[layer] = procs
+        return procs
