@@ -134,13 +134,7 @@ def mbgmv_runs_multi(
                  y.shape[1], a.shape[0])
         for (y, a, b, _), r in zip(projections, ranks)
     ))  # fmt: skip
-    failed = lib.lora_runs(
-        ctypes.c_void_p(x.data_ptr()), x.stride(0), x.shape[1], x.shape[0], procs,
-        len(projections), ctypes.c_void_p(starts.data_ptr()), ctypes.c_void_p(offs.data_ptr()),
-        ctypes.c_void_p(scales.data_ptr()), offsets.shape[0], _DTYPES[x.dtype],
-        torch.get_num_threads(),
-    )  # fmt: skip
-    _check_status(failed)
+    call_runs(x, procs, starts, offs, scales)
 
 
 def call_runs(
