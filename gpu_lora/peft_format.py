@@ -194,7 +194,10 @@ def abs_max(tensor: torch.Tensor) -> float:
     """The largest magnitude in a float tensor: NaN where it holds a NaN, inf where an inf.
     One reduction (`aminmax`) and no boolean mask per tensor: an adapter has hundreds of small
     tensors, and `isfinite(t).all()` on each was the largest part of reading one; the bound
-    also serves the overflow check (gpu_lora.validate)."""
+    also serves the overflow check (gpu_lora.validate). A held B (the transpose of a contiguous
+    B^T) is reduced as B^T, in memory order: the same values, about 10x faster than strided."""
+    if tensor.dim() == 2 and not tensor.is_contiguous() and tensor.T.is_contiguous():
+        tensor = tensor.T
     low, high = torch.aminmax(tensor)
     low, high = low.item(), high.item()
     return high if math.isnan(high) else max(-low, high)

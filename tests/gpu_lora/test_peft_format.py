@@ -293,7 +293,7 @@ def test_all_linear_shorthand_in_config(tmp_path: Path) -> None:
 def test_is_all_finite_matches_isfinite_all():
     """The one reduction that checks a tensor (`abs_max`) is exact: a NaN, either infinity or
     both, and the largest finite float32 values, against `isfinite(t).all()`; its bound is
-    `t.abs().max()`."""
+    `t.abs().max()`; the same over transposed and strided views."""
     big = torch.finfo(torch.float32).max
     cases = [torch.randn(64, 576), torch.full((4096,), big), torch.full((4096,), -big)]
     for bad in (math.nan, math.inf, -math.inf):
@@ -303,6 +303,8 @@ def test_is_all_finite_matches_isfinite_all():
     both = torch.zeros(8)
     both[0], both[1] = math.inf, -math.inf
     cases.append(both)
+    # B is held as the transpose of a contiguous B^T (reduced as B^T); a strided view as it is
+    cases += [t.T for t in cases if t.dim() == 2] + [cases[3][:, ::3], cases[0][::2]]
     for t in cases:
         assert is_all_finite(t) == bool(torch.isfinite(t).all())
         want = t.abs().max().item()
