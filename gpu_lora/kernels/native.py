@@ -31,6 +31,7 @@ _P, _I, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 SIGNATURES = {"lora_runs": [_P, _I64, _I64, _I64, _P, _I64, _P, _P, _P, _I64, _I, _I]}
 SOURCES = ("lora.c", "lora_parts.c")  # in csrc/, each including lora_api.h
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+MAX_PREPARED = 64  # RunsStep's C structs kept, by (modules, runs skipped)
 
 # (y, lora_a, lora_b, ranks): one projection of a call; y [T, H_out] (rows may be strided),
 # lora_a [C, H_in], lora_b [C, H_out] contiguous, ranks [B] int32 (0: the run skips it).
@@ -221,7 +222,7 @@ class RunsStep:
         first = next(iter(self._tables.values()), None)
         self._dtype = None if first is None else first[0].dtype
         self._num_layers = 0 if first is None else first[0].shape[0]
-        self._procs: dict[tuple[str, ...], tuple] = {}  # see _prepare
+        self._procs: dict[tuple[tuple[str, ...], tuple[int, ...]], tuple] = {}  # see _prepare
         self._layout: dict[str, tuple[int, int, int, int, int, int, int]] = {}
         for module, (a, b, r) in self._tables.items():
             fast = (
@@ -244,14 +245,15 @@ class RunsStep:
         """y += each run's delta for every (module, y) of outputs, in place; x [T, H_in], y
         [T, H_out] of the tables' dtype; skip: runs left out at this layer (rank 0)."""
         modules = tuple(m for m, _ in outputs)
-        entry = self._procs.get(modules) or self._prepare(modules)
+        key = (modules, tuple(skip))
+        entry = self._procs.get(key) or self._prepare(*key)
         lib = library()
         fast = (
-            entry is not None and lib is not None and not skip
+            entry is not None and lib is not None
             and 0 <= layer < self._num_layers and x.dim() == 2 and x.stride(1) == 1
             and x.dtype == self._dtype
         )  # fmt: skip
-        procs, layouts = entry if fast else ((), ())
+        procs, layouts = entry[:2] if fast else ((), ())
         num_tokens, h_in = x.shape if fast else (0, 0)
         for p, (_, y), (a0, b0, a_step, b_step, in_features, out_features) in zip(
             procs, outputs, layouts
@@ -290,16 +292,25 @@ class RunsStep:
             self._scales.data_ptr(), self._num_runs, self._dtype, self._num_layers, modules,
         )  # fmt: skip
 
-    def _prepare(self, modules: tuple[str, ...]):
-        """(the C structs, each one's layout) for this tuple of modules, or None when one of
-        them has no native layout (its tables are not contiguous float32/bfloat16)."""
+    def _prepare(self, modules: tuple[str, ...], skip: tuple[int, ...]):
+        """(the C structs, each one's layout) for this tuple of modules with the runs `skip` at
+        rank 0 (a step with an adapter still loading or served on the host: the same few sets
+        layer after layer), or None when one of them has no native layout (its tables are not
+        contiguous float32/bfloat16)."""
         if not all(m in self._layout for m in modules):
             return None
+        if len(self._procs) >= MAX_PREPARED:  # skip sets of loads that moved on
+            self._procs.clear()
         procs = (LoraProj * len(modules))()
-        for p, m in zip(procs, modules):
-            p.ranks, p.H_out, p.pool_rows = self._tables[m][2].data_ptr(), *self._layout[m][5:]
-        entry = procs, [self._layout[m][:6] for m in modules]
-        self._procs[modules] = entry
+        ranks = [self._tables[m][2] for m in modules]
+        if skip:
+            ranks = [r.clone() for r in ranks]
+            for r in ranks:
+                r[list(skip)] = 0  # these runs' rows of this layer are not there yet
+        for p, m, r in zip(procs, modules, ranks):
+            p.ranks, p.H_out, p.pool_rows = r.data_ptr(), *self._layout[m][5:]
+        entry = procs, [self._layout[m][:6] for m in modules], ranks  # ranks: kept alive
+        self._procs[(modules, skip)] = entry
         return entry
 
     def _general(self, layer, x, outputs, skip) -> None:

@@ -177,6 +177,38 @@ def test_a_prepared_step_matches_the_reference_at_every_layer(dtype, skip):
             )
 
 
+def test_runs_skipped_layer_by_layer_stay_on_the_native_call(monkeypatch):
+    """A step with an adapter still loading (or served on the host) skips its runs at the layers
+    not on the device: the native call with those ranks at 0, the sets switching between calls,
+    never the general path, and no set's ranks leak into another's."""
+    dtype = torch.bfloat16
+    tables, x, (starts, offsets, scales) = step_case(dtype)
+    step = native_lora.RunsStep(tables, starts, offsets, scales)
+    before = {m: r.clone() for m, (_, _, r) in tables.items()}
+
+    def general(*args):
+        raise AssertionError("the general path ran")
+
+    monkeypatch.setattr(step, "_general", general)
+    for layer, skip in [(0, (2,)), (0, ()), (1, (0, 3)), (1, (2,)), (2, ()), (2, (0, 3))]:
+        outputs, want = [], []
+        for module, (a, b, ranks) in tables.items():
+            y = torch.randn(x.shape[0], b.shape[2]).to(dtype)
+            expected = y.clone()
+            kept = ranks.clone()
+            kept[list(skip)] = 0
+            reference.mbgmv_prefill(expected, x, a[layer], b[layer], starts, offsets, kept, scales)
+            outputs.append((module, y))
+            want.append(expected)
+        step(layer, x, outputs, skip)
+        for (module, y), expected in zip(outputs, want):
+            torch.testing.assert_close(
+                y.float(), expected.float(), rtol=TOL[dtype], atol=TOL[dtype], msg=module
+            )
+    for module, (_, _, ranks) in tables.items():  # the step's own tables untouched
+        assert torch.equal(ranks, before[module])
+
+
 def test_a_prepared_step_takes_strided_outputs_and_refuses_wrong_widths():
     tables, x, meta = step_case(torch.float32)
     step = native_lora.RunsStep(tables, *meta)
