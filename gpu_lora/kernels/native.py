@@ -6,7 +6,8 @@ step). `lora_runs` in `csrc/lora.c` (built and cached by `native_build`) does ev
 projection that shares an input (q, k and v) in one call, reading each token's own adapter rows
 only, in blocks of 4 tokens spread over the threads. It serves prefill too, faster than the torch
 kernel at every rank measured (bench_cpu_decode_paths and docs/benchmarks.md, "Measurements behind
-the code"). Same semantics as `gpu_lora.kernels.reference.mbgmv_prefill`
+the code"), except on a CPU with AMX, where a prompt's long runs go to oneDNN's products instead
+(`PRODUCT_MIN_WORK`). Same semantics as `gpu_lora.kernels.reference.mbgmv_prefill`
 (tests/gpu_lora/test_native_lora.py checks it against that reference); BGMV keeps the torch kernels,
 whose zero-padding is its cost model. Where the library cannot be built (no compiler,
 `TOPPINGS_NATIVE=0`), `library()` is None, `available` says False and every function here runs the
@@ -32,6 +33,22 @@ SIGNATURES = {"lora_runs": [_P, _I64, _I64, _I64, _P, _I64, _P, _P, _P, _I64, _I
 SOURCES = ("lora.c", "lora_parts.c")  # in csrc/, each including lora_api.h
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 MAX_PREPARED = 64  # RunsStep's C structs kept, by (modules, runs skipped)
+# A bfloat16 run of T tokens at rank r with T * r at least this runs as two oneDNN products on a
+# CPU with AMX (a prompt's LoRA, where the tile unit beats the kernel's blocks of 4 tokens; below
+# it the products' fixed cost, ~25 us each, is the larger). A SmolLM2 prefill with a q, k, v, o
+# adapter on one thread (Xeon with AMX): 400 tokens at rank 64 224-228 ms against 278, at rank
+# 32 220 against 223-235, 150 at rank 64 104-109 against 116-119; 400 at rank 16 (6,400) and
+# 150 at rank 32 (4,800) measured no faster with the products.
+PRODUCT_MIN_WORK = 8192
+# (run, first token, end token, first pool row, rank, scale) of a run on oneDNN's products
+ProductRun = tuple[int, int, int, int, int, float]
+
+
+@functools.cache
+def default_product_min_work() -> int:
+    """PRODUCT_MIN_WORK where the CPU has AMX (amx_bf16), else 0: never (unmeasured there)."""
+    return PRODUCT_MIN_WORK if "amx_bf16" in native_build.cpu_flags() else 0
+
 
 # (y, lora_a, lora_b, ranks): one projection of a call; y [T, H_out] (rows may be strided),
 # lora_a [C, H_in], lora_b [C, H_out] contiguous, ranks [B] int32 (0: the run skips it).
@@ -211,9 +228,12 @@ class RunsStep:
     def __init__(
         self, tables: Mapping[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
         seg_starts: torch.Tensor, offsets: torch.Tensor, scales: torch.Tensor,
+        product_min_work: int | None = None,
     ) -> None:  # fmt: skip
         """tables: module -> (lora_a [L, C, H_in], lora_b [L, C, H_out], ranks [B] int32);
-        seg_starts [B + 1], offsets [B] int32/int64; scales [B] float32."""
+        seg_starts [B + 1], offsets [B] int32/int64; scales [B] float32; product_min_work: a
+        bfloat16 run of T tokens at rank r with T * r at least this runs as two oneDNN products
+        (`_add_products`; None: `default_product_min_work()`, 0: never)."""
         self._tables = {m: (a, b, _int32(r)) for m, (a, b, r) in tables.items()}
         self._starts, self._offsets = _int32(seg_starts), _int32(offsets)
         self._scales = scales
@@ -222,6 +242,11 @@ class RunsStep:
         first = next(iter(self._tables.values()), None)
         self._dtype = None if first is None else first[0].dtype
         self._num_layers = 0 if first is None else first[0].shape[0]
+        if product_min_work is None:
+            product_min_work = default_product_min_work()
+        self._products = self._product_runs(product_min_work)
+        self._product_skip = tuple(sorted({g for runs in self._products.values()
+                                           for g, *_ in runs}))  # fmt: skip
         self._procs: dict[tuple[tuple[str, ...], tuple[int, ...]], tuple] = {}  # see _prepare
         self._layout: dict[str, tuple[int, int, int, int, int, int, int]] = {}
         for module, (a, b, r) in self._tables.items():
@@ -244,8 +269,20 @@ class RunsStep:
     ) -> None:  # fmt: skip
         """y += each run's delta for every (module, y) of outputs, in place; x [T, H_in], y
         [T, H_out] of the tables' dtype; skip: runs left out at this layer (rank 0)."""
+        products = self._product_skip if x.dtype == self._dtype else ()
+        if not products:
+            self._runs(layer, x, outputs, tuple(skip))
+            return
+        self._runs(layer, x, outputs, tuple(sorted({*skip, *products})))  # all but those
+        self._add_products(layer, x, outputs, skip)
+
+    def _runs(
+        self, layer: int, x: torch.Tensor, outputs: Sequence[tuple[str, torch.Tensor]],
+        skip: tuple[int, ...],
+    ) -> None:  # fmt: skip
+        """The native call (or the general function) for every run but `skip`."""
         modules = tuple(m for m, _ in outputs)
-        key = (modules, tuple(skip))
+        key = (modules, skip)
         entry = self._procs.get(key) or self._prepare(*key)
         lib = library()
         fast = (
@@ -282,6 +319,8 @@ class RunsStep:
         lib = library()
         if lib is None or not self._tables or any(m not in self._layout for m in self._tables):
             return None
+        if self._product_skip:  # runs the C caller would not know to leave out
+            return None
         modules = {
             m: ModuleLayout(*self._layout[m], self._tables[m][2].data_ptr())
             for m in self._tables
@@ -312,6 +351,38 @@ class RunsStep:
         entry = procs, [self._layout[m][:6] for m in modules], ranks  # ranks: kept alive
         self._procs[(modules, skip)] = entry
         return entry
+
+    def _product_runs(self, min_work: int) -> dict[str, list[ProductRun]]:
+        """module -> its `ProductRun`s: the bfloat16 runs whose tokens x largest rank over the
+        modules reach `min_work` (0: none), each in every module it has rows in."""
+        if not min_work or self._dtype != torch.bfloat16:
+            return {}
+        starts, offsets = self._starts.tolist(), self._offsets.tolist()
+        scales = self._scales.tolist()
+        ranks = {m: r.tolist() for m, (_, _, r) in self._tables.items()}
+        chosen = [
+            g
+            for g in range(self._num_runs)
+            if (starts[g + 1] - starts[g]) * max(r[g] for r in ranks.values()) >= min_work
+        ]
+        products = {}
+        for module, module_ranks in ranks.items():
+            runs = [(g, starts[g], starts[g + 1], offsets[g], module_ranks[g], scales[g])
+                    for g in chosen if module_ranks[g] > 0]  # fmt: skip
+            if runs:
+                products[module] = runs
+        return products
+
+    def _add_products(self, layer, x, outputs, skip) -> None:
+        """The product runs not in `skip`: y[run] += scale * (x[run] @ A^T) @ B^T, the
+        shrinkage rounded to bfloat16 as PEFT rounds its A output, the expansion scaled and
+        added in oneDNN's float32 and y rounded once."""
+        for module, y in outputs:
+            a, b, _ = self._tables[module]
+            for g, start, end, offset, rank, scale in self._products.get(module, ()):
+                if g not in skip:
+                    h = x[start:end] @ a[layer, offset : offset + rank].T  # [T, r]
+                    y[start:end].addmm_(h, b[layer, offset : offset + rank], alpha=scale)
 
     def _general(self, layer, x, outputs, skip) -> None:
         projections = []

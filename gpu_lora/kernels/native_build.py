@@ -82,6 +82,12 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags (/proc/cpuinfo's; empty where it cannot be read)."""
+    line = _cpu_flags()
+    return set(line.split(":", 1)[1].split()) if line.startswith("flags") else set()
+
+
 def load(
     name: str,
     csrc: Path,

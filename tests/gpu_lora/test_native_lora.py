@@ -209,6 +209,36 @@ def test_runs_skipped_layer_by_layer_stay_on_the_native_call(monkeypatch):
         assert torch.equal(ranks, before[module])
 
 
+@pytest.mark.parametrize("skip", [(), (3,), (0, 2)])
+def test_runs_on_onednn_products_match_the_reference(skip):
+    """A bfloat16 step whose long runs go to oneDNN's products (tokens x rank at least
+    product_min_work: here runs 0 and 3), the others to the native call, skipped runs in
+    neither; the C decode caller is then not given the step (it would not know to leave the
+    product runs out)."""
+    dtype = torch.bfloat16
+    tables, x, (starts, offsets, scales) = step_case(dtype)
+    step = native_lora.RunsStep(tables, starts, offsets, scales, product_min_work=16)
+    assert step.layout() is None
+    for layer in range(3):
+        outputs, want = [], []
+        for module, (a, b, ranks) in tables.items():
+            y = torch.randn(x.shape[0], b.shape[2]).to(dtype)
+            expected = y.clone()
+            kept = ranks.clone()
+            kept[list(skip)] = 0
+            reference.mbgmv_prefill(expected, x, a[layer], b[layer], starts, offsets, kept, scales)
+            outputs.append((module, y))
+            want.append(expected)
+        step(layer, x, outputs, skip)
+        for (module, y), expected in zip(outputs, want):
+            torch.testing.assert_close(
+                y.float(), expected.float(), rtol=TOL[dtype], atol=TOL[dtype], msg=module
+            )
+    products = {g for runs in step._products.values() for g, *_ in runs}
+    assert products == {0, 3}
+    assert native_lora.RunsStep(tables, starts, offsets, scales, 0).layout() is not None
+
+
 def test_a_prepared_step_takes_strided_outputs_and_refuses_wrong_widths():
     tables, x, meta = step_case(torch.float32)
     step = native_lora.RunsStep(tables, *meta)
