@@ -34,11 +34,8 @@ SOURCES = ("lora.c", "lora_parts.c")  # in csrc/, each including lora_api.h
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 MAX_PREPARED = 64  # RunsStep's C structs kept, by (modules, runs skipped)
 # A bfloat16 run of T tokens at rank r with T * r at least this runs as two oneDNN products on a
-# CPU with AMX (a prompt's LoRA, where the tile unit beats the kernel's blocks of 4 tokens; below
-# it the products' fixed cost, ~25 us each, is the larger). A SmolLM2 prefill with a q, k, v, o
-# adapter on one thread (Xeon with AMX): 400 tokens at rank 64 224-228 ms against 278, at rank
-# 32 220 against 223-235, 150 at rank 64 104-109 against 116-119; 400 at rank 16 (6,400) and
-# 150 at rank 32 (4,800) measured no faster with the products.
+# CPU with AMX: a prompt's LoRA, where the tile unit beats the kernel's blocks of 4 tokens (below
+# it the products' fixed cost is the larger; docs/benchmarks.md, "Measurements behind the code").
 PRODUCT_MIN_WORK = 8192
 # (run, first token, end token, first pool row, rank, scale) of a run on oneDNN's products
 ProductRun = tuple[int, int, int, int, int, float]
