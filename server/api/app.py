@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 
 from flask import Flask, Response, jsonify, request
@@ -61,6 +62,7 @@ from toppings.server.requests.errors import (
 from toppings.server.requests.request import RequestError
 from toppings.server.resolver.metrics import ResolverMetrics
 from toppings.server.resolver.names import AdapterNames, RegisteredNames
+from toppings.server.resolver.preparer import reader_threads
 from toppings.server.resolver.resolved import ResolvedAdapters
 from toppings.server.resolver.sources import make_source
 
@@ -171,6 +173,14 @@ def _names(
         return RegisteredNames(engine)
     source = make_source(options.lora_resolver)
     registrar = AdapterAdmin(engine, AdapterPaths([source.root]), thread=admin.thread)
+    engine_cores = 1 if engine.config.device == "cuda" else engine.num_threads
+    readers = reader_threads(options.lora_resolver_max_loading,
+                             len(os.sched_getaffinity(0)) - engine_cores)  # fmt: skip
+    logger.info(
+        "adapters found on first use: %d resolved at once, read on %d thread(s)",
+        options.lora_resolver_max_loading,
+        readers,
+    )
     return ResolvedAdapters(
         engine,
         source,
@@ -179,6 +189,7 @@ def _names(
         max_adapters=options.lora_resolver_max_adapters,
         max_loading=options.lora_resolver_max_loading,
         host_bytes=options.lora_resolver_host_bytes,
+        max_reading=readers,
     )
 
 

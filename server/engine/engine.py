@@ -110,6 +110,11 @@ class Engine:
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
 
     @property
+    def num_threads(self) -> int:
+        """The engine thread's OpenMP team (the cores its steps take on a CPU)."""
+        return self._num_threads
+
+    @property
     def step_budget(self) -> StepBudget | None:
         """Chunked prefill's budget now (None: chunked prefill off)."""
         return self.budget.budget if self.budget is not None else None

@@ -10,6 +10,12 @@ and hand the adapter thread an adapter that only needs registering, with its con
 (registration does not make it again). The readers run torch on their own thread alone
 (`torch_on_this_thread_only`: no OpenMP team per reader, the reason the adapter thread exists).
 
+The readers are as many as the resolutions at once, but no more than the cores the engine
+leaves (`reader_threads`), one at least. A read is CPU work (the file's copy, its parse and
+checks): readers beyond the spare cores only take turns, so every read of a burst ends late and
+the engine gets its first cold request late too (32 cold adapters at once, 2-core Xeon, one
+engine thread: 4.97-5.11 s with one reader against 5.30-5.80 s with four, docs/benchmarks.md).
+
 A read is started, not waited for (`start` gives a future): the resolver makes room for the
 adapter (an eviction) while it runs. An adapter the resolver
 unloaded and still keeps in its host tier (host_tier.py) is not read at all while its files are
@@ -26,6 +32,12 @@ from toppings.gpu_lora.host_memory import ContentKey
 from toppings.gpu_lora.peft_format import LoraAdapter
 from toppings.server.process.threads import torch_on_this_thread_only
 from toppings.server.resolver.host_tier import FileKey, HostTier, Prepared
+
+
+def reader_threads(max_loading: int, spare_cores: int) -> int:
+    """Threads that read adapters: `max_loading` at most, the engine's spare cores at most, and
+    one at least."""
+    return max(1, min(max_loading, spare_cores))
 
 
 class Opener(Protocol):

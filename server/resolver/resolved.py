@@ -124,16 +124,18 @@ class ResolvedAdapters:
         max_loading: int,
         max_wait_s: float = SLOT_WAIT_S,
         host_bytes: int = 0,
+        max_reading: int | None = None,
     ):
         """registrar: loads with `source.root` as its only allowed root; max_wait_s: how long a
         resolution waits for one of the `max_loading` to end before its 503; host_bytes: the
-        host tier's bound (0: evicted adapters are not kept)."""
+        host tier's bound (0: evicted adapters are not kept); max_reading: the reader threads
+        (None: `max_loading`; server.resolver.preparer)."""
         if max_adapters < 1 or max_loading < 1:
             raise ValueError("max_adapters and max_loading must be positive")
         self.table, self.source, self.registrar = table, source, registrar
         self.metrics = metrics
         self.tier = HostTier(host_bytes)
-        self.preparer = Preparer(registrar, self.tier, max_loading)
+        self.preparer = Preparer(registrar, self.tier, max_reading or max_loading)
         self.max_adapters, self.max_loading = max_adapters, max_loading
         self.max_wait_s = max_wait_s
         self._lock = threading.Lock()

@@ -21,6 +21,7 @@ from toppings.server.requests.adapter_ref import AdapterRef
 from toppings.server.requests.errors import NOT_FOUND, UNAVAILABLE, unknown_adapter
 from toppings.server.requests.request import RequestError
 from toppings.server.resolver.metrics import ResolverMetrics
+from toppings.server.resolver.preparer import reader_threads
 from toppings.server.resolver.resolved import ResolvedAdapters
 from toppings.server.resolver.sources import DirSource
 
@@ -105,7 +106,7 @@ class FakeEngine:
 
 
 def make(tmp_path, fake, max_adapters=64, max_loading=4, max_wait_s=0.0,
-         host_bytes=0) -> ResolvedAdapters:  # fmt: skip
+         host_bytes=0, max_reading=None) -> ResolvedAdapters:  # fmt: skip
     for name in ("a", "b", "c", "d"):  # the source finds these (the fake reads no tensors)
         (tmp_path / name).mkdir()
         for file in ("adapter_config.json", "adapter_model.safetensors"):
@@ -113,7 +114,7 @@ def make(tmp_path, fake, max_adapters=64, max_loading=4, max_wait_s=0.0,
     fake.root = tmp_path
     metrics = ResolverMetrics(CollectorRegistry(), "toppings:")
     return ResolvedAdapters(fake, DirSource(str(tmp_path)), fake, metrics, max_adapters,
-                            max_loading, max_wait_s, host_bytes)  # fmt: skip
+                            max_loading, max_wait_s, host_bytes, max_reading)  # fmt: skip
 
 
 def resolve(resolver, name):
@@ -161,6 +162,34 @@ def test_concurrent_first_requests_share_one_load(tmp_path):
     assert all(isinstance(r, AdapterRef) for r in results) and len(set(results)) == 1
     assert outcome_count(resolver, "loaded") == 1
     assert resolve(resolver, "a") == results[0] and fake.loads == ["a"]  # a hit now
+
+
+def test_resolutions_in_flight_share_fewer_reader_threads(tmp_path):
+    """Four names resolve at once (none refused or waiting for a slot) on one reader: the
+    reads run one at a time, in turn, and all four land."""
+    fake = FakeEngine()
+    resolver = make(tmp_path, fake, max_loading=4, max_reading=1)
+    fake.gate.clear()
+    threads, results = [], []
+    for name in "abcd":
+        t, r = run_threads(1, lambda n=name: resolve(resolver, n))
+        threads += t
+        results.append(r)
+    wait_until(lambda: len(resolver._loading) == 4 and fake.loads,
+               "four resolutions in flight, one read begun")  # fmt: skip
+    time.sleep(0.05)
+    assert len(fake.loads) == 1  # the other three reads wait for the one reader
+    fake.gate.set()
+    for t in threads:
+        t.join()
+    assert sorted(fake.loads) == list("abcd")
+    assert all(isinstance(r[0], AdapterRef) for r in results)
+
+
+@pytest.mark.parametrize(("max_loading", "spare", "want"), [(4, 1, 1), (4, 0, 1), (4, -3, 1),
+                                                            (4, 15, 4), (2, 3, 2)])  # fmt: skip
+def test_reader_threads_follow_the_cores_the_engine_leaves(max_loading, spare, want):
+    assert reader_threads(max_loading, spare) == want
 
 
 def test_a_failed_load_fails_every_waiter_alike_and_is_retried(tmp_path):
