@@ -342,7 +342,7 @@ class RunsStep:
         if skip:
             ranks = [r.clone() for r in ranks]
             for r in ranks:
-                r[list(skip)] = 0  # these runs' rows of this layer are not there yet
+                r[list(skip)] = 0  # not this call's: still loading, on the host, or products
         for p, m, r in zip(procs, modules, ranks):
             p.ranks, p.H_out, p.pool_rows = r.data_ptr(), *self._layout[m][5:]
         entry = procs, [self._layout[m][:6] for m in modules], ranks  # ranks: kept alive

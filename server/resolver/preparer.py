@@ -13,8 +13,8 @@ and hand the adapter thread an adapter that only needs registering, with its con
 The readers are as many as the resolutions at once, but no more than the cores the engine
 leaves (`reader_threads`), one at least. A read is CPU work (the file's copy, its parse and
 checks): readers beyond the spare cores only take turns, so every read of a burst ends late and
-the engine gets its first cold request late too (32 cold adapters at once, 2-core Xeon, one
-engine thread: 4.97-5.11 s with one reader against 5.30-5.80 s with four, docs/benchmarks.md).
+the engine gets its first cold request late too (a burst of 32 cold adapters on a 2-core server
+ended sooner with one reader than with four: docs/benchmarks.md, session 44).
 
 A read is started, not waited for (`start` gives a future): the resolver makes room for the
 adapter (an eviction) while it runs. An adapter the resolver
