@@ -155,35 +155,40 @@ def step_case(dtype, num_layers=3, seed=1):
     return tables, x, meta
 
 
+def check_step_layer(step, tables, x, meta, layer, skip) -> None:
+    """`step` at `layer` with the runs `skip` left out adds what the reference does, into fresh
+    random outputs of every module of `tables`."""
+    starts, offsets, scales = meta
+    outputs, want = [], []
+    for module, (a, b, ranks) in tables.items():
+        y = torch.randn(x.shape[0], b.shape[2]).to(x.dtype)
+        expected = y.clone()
+        kept = ranks.clone()
+        kept[list(skip)] = 0
+        reference.mbgmv_prefill(expected, x, a[layer], b[layer], starts, offsets, kept, scales)
+        outputs.append((module, y))
+        want.append(expected)
+    step(layer, x, outputs, skip)
+    tol = TOL[x.dtype]
+    for (module, y), expected in zip(outputs, want):
+        torch.testing.assert_close(y.float(), expected.float(), rtol=tol, atol=tol, msg=module)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("skip", [(), (2,), (0, 3)])
 def test_a_prepared_step_matches_the_reference_at_every_layer(dtype, skip):
-    tables, x, (starts, offsets, scales) = step_case(dtype)
-    step = native_lora.RunsStep(tables, starts, offsets, scales)
+    tables, x, meta = step_case(dtype)
+    step = native_lora.RunsStep(tables, *meta)
     for layer in range(3):
-        outputs, want = [], []
-        for module, (a, b, ranks) in tables.items():
-            y = torch.randn(x.shape[0], b.shape[2]).to(dtype)
-            expected = y.clone()
-            kept = ranks.clone()
-            kept[list(skip)] = 0
-            reference.mbgmv_prefill(expected, x, a[layer], b[layer], starts, offsets, kept, scales)
-            outputs.append((module, y))
-            want.append(expected)
-        step(layer, x, outputs, skip)
-        for (module, y), expected in zip(outputs, want):
-            torch.testing.assert_close(
-                y.float(), expected.float(), rtol=TOL[dtype], atol=TOL[dtype], msg=module
-            )
+        check_step_layer(step, tables, x, meta, layer, skip)
 
 
 def test_runs_skipped_layer_by_layer_stay_on_the_native_call(monkeypatch):
     """A step with an adapter still loading (or served on the host) skips its runs at the layers
     not on the device: the native call with those ranks at 0, the sets switching between calls,
     never the general path, and no set's ranks leak into another's."""
-    dtype = torch.bfloat16
-    tables, x, (starts, offsets, scales) = step_case(dtype)
-    step = native_lora.RunsStep(tables, starts, offsets, scales)
+    tables, x, meta = step_case(torch.bfloat16)
+    step = native_lora.RunsStep(tables, *meta)
     before = {m: r.clone() for m, (_, _, r) in tables.items()}
 
     def general(*args):
@@ -191,20 +196,7 @@ def test_runs_skipped_layer_by_layer_stay_on_the_native_call(monkeypatch):
 
     monkeypatch.setattr(step, "_general", general)
     for layer, skip in [(0, (2,)), (0, ()), (1, (0, 3)), (1, (2,)), (2, ()), (2, (0, 3))]:
-        outputs, want = [], []
-        for module, (a, b, ranks) in tables.items():
-            y = torch.randn(x.shape[0], b.shape[2]).to(dtype)
-            expected = y.clone()
-            kept = ranks.clone()
-            kept[list(skip)] = 0
-            reference.mbgmv_prefill(expected, x, a[layer], b[layer], starts, offsets, kept, scales)
-            outputs.append((module, y))
-            want.append(expected)
-        step(layer, x, outputs, skip)
-        for (module, y), expected in zip(outputs, want):
-            torch.testing.assert_close(
-                y.float(), expected.float(), rtol=TOL[dtype], atol=TOL[dtype], msg=module
-            )
+        check_step_layer(step, tables, x, meta, layer, skip)
     for module, (_, _, ranks) in tables.items():  # the step's own tables untouched
         assert torch.equal(ranks, before[module])
 
@@ -215,28 +207,14 @@ def test_runs_on_onednn_products_match_the_reference(skip):
     product_min_work: here runs 0 and 3), the others to the native call, skipped runs in
     neither; the C decode caller is then not given the step (it would not know to leave the
     product runs out)."""
-    dtype = torch.bfloat16
-    tables, x, (starts, offsets, scales) = step_case(dtype)
-    step = native_lora.RunsStep(tables, starts, offsets, scales, product_min_work=16)
+    tables, x, meta = step_case(torch.bfloat16)
+    step = native_lora.RunsStep(tables, *meta, product_min_work=16)
     assert step.layout() is None
     for layer in range(3):
-        outputs, want = [], []
-        for module, (a, b, ranks) in tables.items():
-            y = torch.randn(x.shape[0], b.shape[2]).to(dtype)
-            expected = y.clone()
-            kept = ranks.clone()
-            kept[list(skip)] = 0
-            reference.mbgmv_prefill(expected, x, a[layer], b[layer], starts, offsets, kept, scales)
-            outputs.append((module, y))
-            want.append(expected)
-        step(layer, x, outputs, skip)
-        for (module, y), expected in zip(outputs, want):
-            torch.testing.assert_close(
-                y.float(), expected.float(), rtol=TOL[dtype], atol=TOL[dtype], msg=module
-            )
+        check_step_layer(step, tables, x, meta, layer, skip)
     products = {g for runs in step._products.values() for g, *_ in runs}
     assert products == {0, 3}
-    assert native_lora.RunsStep(tables, starts, offsets, scales, 0).layout() is not None
+    assert native_lora.RunsStep(tables, *meta, product_min_work=0).layout() is not None
 
 
 def test_a_prepared_step_takes_strided_outputs_and_refuses_wrong_widths():
