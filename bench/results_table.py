@@ -177,7 +177,7 @@ EARLIER = frozenset({
     "adapter_scale_session38.json", "adapter_scale_cpu_assisted.json", "adapter_scale_run3.json",
     "adapter_scale_session39.json", "adapter_scale_session40.json",
     "adapter_scale_session42.json", "adapter_scale_session43.json",
-    "adapter_scale_four_readers.json",
+    "adapter_scale_four_readers.json", "adapter_scale_one_reader_rerun.json",
     "resolution_profile_float32_host.json",
     "resolution_profile_session38.json", "async_scheduling_session38.json",
     "async_scheduling_session39.json",
