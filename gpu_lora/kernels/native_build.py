@@ -72,20 +72,25 @@ def cache_dir() -> Path:
     return Path(root) / "native"
 
 
-def _cpu_flags() -> str:
+def _flags_line(cpuinfo: Path) -> str | None:
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
+        for line in cpuinfo.read_text().splitlines():
             if line.startswith("flags"):
                 return line
     except OSError:
         pass
-    return platform.processor()
+    return None
 
 
-def cpu_flags() -> set[str]:
-    """This CPU's feature flags (/proc/cpuinfo's; empty where it cannot be read)."""
-    line = _cpu_flags()
-    return set(line.split(":", 1)[1].split()) if line.startswith("flags") else set()
+def _cpu_flags() -> str:
+    """What the build key names the CPU by: its flags line, else the platform's processor."""
+    return _flags_line(Path("/proc/cpuinfo")) or platform.processor()
+
+
+def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> set[str]:
+    """The CPU's feature flags (empty where /proc/cpuinfo is missing, e.g. not Linux)."""
+    line = _flags_line(cpuinfo)
+    return set(line.split(":", 1)[1].split()) if line else set()
 
 
 def load(

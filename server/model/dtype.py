@@ -14,10 +14,10 @@ packed kernels run far faster with bfloat16 activations than with float32 ones.
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import torch
 
+from toppings.gpu_lora.kernels.native_build import cpu_flags
 from toppings.server.config import Quantization
 from toppings.server.model.linear import Linear
 from toppings.server.model.quant import QuantizedLinear, quantize
@@ -29,18 +29,6 @@ ROWS = (16, 128)  # a decode step's batch and a prefill chunk
 QUANTIZED_ROWS = (1, 16)
 ROUNDS = 5
 MARGIN = 0.9  # bfloat16 must be at least 10% faster: the rest of a step gains less
-
-
-def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> set[str]:
-    """The CPU's feature flags (empty where /proc/cpuinfo is missing, e.g. not Linux)."""
-    try:
-        text = cpuinfo.read_text()
-    except OSError:
-        return set()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
 
 
 def projections(
