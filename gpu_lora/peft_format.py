@@ -24,6 +24,7 @@ from toppings.gpu_lora.brief import brief
 from toppings.gpu_lora.dora import DoraScales
 from toppings.gpu_lora.peft_config import (
     CONFIG_FILE,
+    MAX_WEIGHTS_BYTES,
     PICKLE_FILE,
     WEIGHTS_FILE,
     AdapterError,
@@ -161,7 +162,7 @@ def _read_header(dir_fd: int, root: Path) -> dict:
     weights_path = root / WEIGHTS_FILE
     _check_not_pickle_only(dir_fd, root)
     try:
-        with open_file(dir_fd, WEIGHTS_FILE) as f:
+        with open_file(dir_fd, WEIGHTS_FILE, MAX_WEIGHTS_BYTES) as f:
             size = file_size(f)
             prefix = f.read(8)
             length = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
@@ -348,7 +349,7 @@ def _read_weights(dir_fd: int, root: Path) -> dict[str, torch.Tensor]:
     weights_path = root / WEIGHTS_FILE
     _check_not_pickle_only(dir_fd, root)
     try:
-        with open_file(dir_fd, WEIGHTS_FILE) as f:
+        with open_file(dir_fd, WEIGHTS_FILE, MAX_WEIGHTS_BYTES) as f:
             try:
                 # From bytes, not load_file(path): safetensors 0.8's file reader keeps about 10
                 # KiB of Python objects per file read, never freed (the soak's loads, issue 48).

@@ -177,7 +177,7 @@ def _names(
     readers = reader_threads(options.lora_resolver_max_loading,
                              len(os.sched_getaffinity(0)) - engine_cores)  # fmt: skip
     logger.info(
-        "adapters found on first use: %d resolved at once, read on %d thread(s)",
+        "adapters found on first use: %d resolved at once, parsed on %d thread(s)",
         options.lora_resolver_max_loading,
         readers,
     )
@@ -189,7 +189,7 @@ def _names(
         max_adapters=options.lora_resolver_max_adapters,
         max_loading=options.lora_resolver_max_loading,
         host_bytes=options.lora_resolver_host_bytes,
-        max_reading=readers,
+        max_parsing=readers,
     )
 
 

@@ -133,9 +133,10 @@ class ApiOptions(Settings):
         4,
         bound=Bound.POSITIVE,
         flag=Flag(
-            "adapter names resolved at once (each waits on a load; their files are read on "
-            "at most as many threads as the engine leaves cores); a request for one more "
-            "waits for one of them to end (30 s at most), then gets 503 with Retry-After",
+            "adapter names resolved at once (each waits on a load; their files are fetched "
+            "beside each other, then parsed on at most as many threads as the engine leaves "
+            "cores); a request for one more waits for one of them to end (30 s at most), "
+            "then gets 503 with Retry-After",
             type=positive,
             metavar="N",
         ),

@@ -10,11 +10,14 @@ and hand the adapter thread an adapter that only needs registering, with its con
 (registration does not make it again). The readers run torch on their own thread alone
 (`torch_on_this_thread_only`: no OpenMP team per reader, the reason the adapter thread exists).
 
-The readers are as many as the resolutions at once, but no more than the cores the engine
-leaves (`reader_threads`), one at least. A read is CPU work (the file's copy, its parse and
-checks): readers beyond the spare cores only take turns, so every read of a burst ends late and
-the engine gets its first cold request late too (a burst of 32 cold adapters on a 2-core server
-ended sooner with one reader than with four: docs/benchmarks.md, session 44).
+A read waits on storage, then on the CPU (the file's copy, its parse and checks), so it runs in
+two parts. Its files are first brought into the page cache (`fetch_files`), on as many threads
+as names resolve at once: a read that hangs on a slow or stuck store holds one of them and
+nothing else. The rest runs on no more threads at once than the cores the engine leaves
+(`reader_threads`), one at least: reads beyond the spare cores only take turns, so every read
+of a burst ends late and the engine gets its first cold request late too (a burst of 32 cold
+adapters on a 2-core server ended sooner with one such thread than with four:
+docs/benchmarks.md, session 44).
 
 A read is started, not waited for (`start` gives a future): the resolver makes room for the
 adapter (an eviction) while it runs. An adapter the resolver
@@ -25,19 +28,54 @@ unchanged.
 from __future__ import annotations
 
 import dataclasses
+import mmap
+import os
+import threading
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Protocol
 
+from toppings.gpu_lora.adapter_dir import file_size, open_dir, open_file
 from toppings.gpu_lora.host_memory import ContentKey
+from toppings.gpu_lora.peft_config import (
+    CONFIG_FILE,
+    MAX_CONFIG_BYTES,
+    MAX_WEIGHTS_BYTES,
+    WEIGHTS_FILE,
+)
 from toppings.gpu_lora.peft_format import LoraAdapter
 from toppings.server.process.threads import torch_on_this_thread_only
 from toppings.server.resolver.host_tier import FileKey, HostTier, Prepared
 
 
 def reader_threads(max_loading: int, spare_cores: int) -> int:
-    """Threads that read adapters: `max_loading` at most, the engine's spare cores at most, and
-    one at least."""
+    """Reads that may use the CPU at once: `max_loading` at most, the engine's spare cores at
+    most, and one at least."""
     return max(1, min(max_loading, spare_cores))
+
+
+def fetch_files(directory: str) -> None:
+    """Bring the PEFT files of `directory` into the page cache (a shared mapping populated, then
+    dropped: no copy), so that reading them next waits on no storage. Best effort: whatever it
+    cannot open or map (missing, a symlink, not a regular file, over its cap) the read that
+    follows opens and refuses itself."""
+    try:
+        dir_fd = open_dir(directory)
+    except OSError:
+        return
+    try:
+        for name, max_bytes in ((CONFIG_FILE, MAX_CONFIG_BYTES),
+                                (WEIGHTS_FILE, MAX_WEIGHTS_BYTES)):  # fmt: skip
+            try:
+                with open_file(dir_fd, name, max_bytes) as f:
+                    size = file_size(f)
+                    if size:
+                        mmap.mmap(f.fileno(), size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE,
+                                  prot=mmap.PROT_READ).close()  # fmt: skip
+            except (OSError, ValueError):
+                continue
+    finally:
+        os.close(dir_fd)
 
 
 class Opener(Protocol):
@@ -50,12 +88,23 @@ class Opener(Protocol):
 class Preparer:
     """Adapters ready to register: from the host tier, else read on the reader pool."""
 
-    def __init__(self, opener: Opener, tier: HostTier, max_reading: int):
-        """max_reading: reads at once (the resolver's bound on resolutions in flight)."""
-        if max_reading < 1:
-            raise ValueError("max_reading must be positive")
+    def __init__(
+        self,
+        opener: Opener,
+        tier: HostTier,
+        max_reading: int,
+        max_parsing: int,
+        fetch: Callable[[str], None] = fetch_files,
+    ):
+        """max_reading: reads at once (the resolver's bound on resolutions in flight);
+        max_parsing: of those, reads past their fetch (`reader_threads`); fetch: what waits on
+        storage for a directory's files."""
+        if max_reading < 1 or max_parsing < 1:
+            raise ValueError("max_reading and max_parsing must be positive")
         self.opener = opener
         self.tier = tier
+        self._fetch = fetch
+        self._parsing = threading.BoundedSemaphore(max_parsing)
         self._readers = ThreadPoolExecutor(max_workers=max_reading,
                                            thread_name_prefix="adapter-read",
                                            initializer=torch_on_this_thread_only)  # fmt: skip
@@ -75,5 +124,7 @@ class Preparer:
         return done
 
     def _read(self, name: str, directory: str, key: FileKey | None) -> tuple[Prepared, bool]:
-        adapter = self.opener.open(name, directory)
-        return Prepared(adapter, ContentKey(adapter), directory, key), False
+        self._fetch(directory)
+        with self._parsing:
+            adapter = self.opener.open(name, directory)
+            return Prepared(adapter, ContentKey(adapter), directory, key), False

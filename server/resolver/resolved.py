@@ -15,6 +15,9 @@ naming an unregistered adapter resolves it here (vLLM's LoRA resolvers, Dynamo's
   rate, this server has no room for another cold adapter now (another server, or this one a
   moment later, may serve it), and 429 already means the process's --max-concurrent-requests
   here.
+- A resolution runs on a thread of its own, and a request waits for it `max_resolve_s` at most
+  (`RESOLVE_WAIT_S`), then gets 503: an adapter whose store hangs holds its slot, never the
+  requests, nor the reads of other names (server.resolver.preparer).
 - At most `max_adapters` resolved adapters are registered at once. A load past it first unloads
   the least recently used resolved adapter that no request holds (neither leased here nor in
   flight in the engine), while its own files are read; the unload does not wait for the
@@ -109,6 +112,7 @@ class _Load:
 
 
 SLOT_WAIT_S = 30.0  # how long a resolution waits for a slot before its 503
+RESOLVE_WAIT_S = 60.0  # how long a request waits for a resolution in flight before its 503
 
 
 class ResolvedAdapters:
@@ -124,20 +128,22 @@ class ResolvedAdapters:
         max_loading: int,
         max_wait_s: float = SLOT_WAIT_S,
         host_bytes: int = 0,
-        max_reading: int | None = None,
+        max_parsing: int | None = None,
+        max_resolve_s: float = RESOLVE_WAIT_S,
     ):
         """registrar: loads with `source.root` as its only allowed root; max_wait_s: how long a
         resolution waits for one of the `max_loading` to end before its 503; host_bytes: the
-        host tier's bound (0: evicted adapters are not kept); max_reading: the reader threads
-        (None: `max_loading`; server.resolver.preparer)."""
+        host tier's bound (0: evicted adapters are not kept); max_parsing: reads that use the CPU
+        at once (None: `max_loading`; server.resolver.preparer); max_resolve_s: how long a
+        request waits for a resolution in flight before its 503."""
         if max_adapters < 1 or max_loading < 1:
             raise ValueError("max_adapters and max_loading must be positive")
         self.table, self.source, self.registrar = table, source, registrar
         self.metrics = metrics
         self.tier = HostTier(host_bytes)
-        self.preparer = Preparer(registrar, self.tier, max_reading or max_loading)
+        self.preparer = Preparer(registrar, self.tier, max_loading, max_parsing or max_loading)
         self.max_adapters, self.max_loading = max_adapters, max_loading
-        self.max_wait_s = max_wait_s
+        self.max_wait_s, self.max_resolve_s = max_wait_s, max_resolve_s
         self._lock = threading.Lock()
         self._slot_freed = threading.Condition(self._lock)  # a resolution ended
         self._held: OrderedDict[str, _Held] = OrderedDict()  # least recently used first
@@ -210,13 +216,26 @@ class ResolvedAdapters:
             if evicted is not None:
                 evicted.wait()  # then resolve it afresh
                 continue
-            if starts:
-                self._run(name, load)
-            load.done.wait()
+            if starts:  # on a thread of its own: a request stops waiting, a resolution ends
+                threading.Thread(target=self._run, args=(name, load), daemon=True,
+                                 name="adapter-resolve").start()  # fmt: skip
+            self._wait(name, load)
             if load.error is not None:
                 e = load.error
                 raise RequestError(str(e), e.code, e.error_type, e.retry_after_s)
             return load.ref, True
+
+    def _wait(self, name: str, load: _Load) -> None:
+        """Wait for `load` to land, up to `max_resolve_s`; then 503, no longer one of the
+        requests that get a lease when it lands (the resolution goes on and holds its slot)."""
+        if load.done.wait(self.max_resolve_s):
+            return
+        with self._lock:
+            if load.done.is_set():
+                return
+            load.num_waiting -= 1
+        raise _busy(f"adapter {name!r} is still being resolved after {self.max_resolve_s:g} s "
+                    f"(its files are read from {self.source.root})")  # fmt: skip
 
     def _still_registered(self, ref: AdapterRef) -> bool:
         try:
@@ -282,7 +301,7 @@ class ResolvedAdapters:
                     self._held[name] = _Held(load.ref, load.num_waiting, prepared.directory,
                                              prepared.key, prepared.host_bytes)  # fmt: skip
                 self._count_held()
-            load.done.set()
+                load.done.set()  # under the lock: a waiter that gave up is not in its leases
             self.metrics.observe(outcome, time.monotonic() - started)
 
     def _make_room(self) -> int:

@@ -14,6 +14,7 @@ from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from toppings.gpu_lora.peft_config import MAX_WEIGHTS_BYTES
 from toppings.gpu_lora.peft_format import (
     AdapterError,
     abs_max,
@@ -280,6 +281,15 @@ def test_file_level_rejections(tmp_path: Path, adapter_dir: Path) -> None:
     (adapter_dir / "adapter_config.json").unlink()
     with pytest.raises(AdapterError, match="adapter_config.json missing"):
         read_adapter_config(adapter_dir)
+
+
+def test_a_weights_file_over_its_cap_is_refused_unread(adapter_dir: Path) -> None:
+    """A valid adapter followed by (sparse) bytes past MAX_WEIGHTS_BYTES: refused on the opened
+    file's size, before its bytes are read into memory."""
+    with open(adapter_dir / "adapter_model.safetensors", "r+b") as f:
+        f.truncate(MAX_WEIGHTS_BYTES + 1)
+    with pytest.raises(AdapterError, match=f"larger than {MAX_WEIGHTS_BYTES} bytes"):
+        load_peft_adapter(adapter_dir, MODEL)
 
 
 def test_all_linear_shorthand_in_config(tmp_path: Path) -> None:

@@ -23,13 +23,15 @@ from collections.abc import Iterator
 from typing import BinaryIO
 
 from toppings.gpu_lora.adapter_dir import file_size, open_dir, open_file
+from toppings.gpu_lora.peft_config import (
+    CONFIG_FILE,
+    MAX_CONFIG_BYTES,
+    MAX_WEIGHTS_BYTES,
+    WEIGHTS_FILE,
+)
 
-CONFIG_FILE = "adapter_config.json"
-WEIGHTS_FILE = "adapter_model.safetensors"
 FILES = (CONFIG_FILE, WEIGHTS_FILE)
 CHUNK_BYTES = 1 << 20
-MAX_WEIGHTS_BYTES = 8 << 30  # a rank-256 adapter of a 70B model on every projection is < 8 GiB
-MAX_CONFIG_BYTES = 1 << 20  # a PEFT config is a few kB (gpu_lora.peft_config refuses larger)
 MAX_BYTES = {CONFIG_FILE: MAX_CONFIG_BYTES, WEIGHTS_FILE: MAX_WEIGHTS_BYTES}
 HEX = frozenset("0123456789abcdef")
 

@@ -20,8 +20,9 @@ from toppings.gpu_lora.peft_format import LoraAdapter
 from toppings.server.requests.adapter_ref import AdapterRef
 from toppings.server.requests.errors import NOT_FOUND, UNAVAILABLE, unknown_adapter
 from toppings.server.requests.request import RequestError
+from toppings.server.resolver.host_tier import HostTier
 from toppings.server.resolver.metrics import ResolverMetrics
-from toppings.server.resolver.preparer import reader_threads
+from toppings.server.resolver.preparer import Preparer, fetch_files, reader_threads
 from toppings.server.resolver.resolved import ResolvedAdapters
 from toppings.server.resolver.sources import DirSource
 
@@ -55,6 +56,8 @@ class FakeEngine:
         self.unloads: list[str] = []
         self.in_use: set[str] = set()  # names with a request in flight in the "engine"
         self.fail: RequestError | None = None
+        self.stuck: set[str] = set()  # names whose reads wait on `unstick` (a store that hangs)
+        self.unstick = threading.Event()
         self._lock = threading.Lock()
 
     def resolve_adapter(self, name):
@@ -73,6 +76,8 @@ class FakeEngine:
         with self._lock:
             self.loads.append(name)
         assert self.gate.wait(30)
+        if name in self.stuck:
+            assert self.unstick.wait(30)
         if self.fail is not None:
             raise self.fail
         return fake_adapter(name, path)
@@ -106,7 +111,7 @@ class FakeEngine:
 
 
 def make(tmp_path, fake, max_adapters=64, max_loading=4, max_wait_s=0.0,
-         host_bytes=0, max_reading=None) -> ResolvedAdapters:  # fmt: skip
+         host_bytes=0, max_parsing=None, max_resolve_s=30.0) -> ResolvedAdapters:  # fmt: skip
     for name in ("a", "b", "c", "d"):  # the source finds these (the fake reads no tensors)
         (tmp_path / name).mkdir()
         for file in ("adapter_config.json", "adapter_model.safetensors"):
@@ -114,7 +119,8 @@ def make(tmp_path, fake, max_adapters=64, max_loading=4, max_wait_s=0.0,
     fake.root = tmp_path
     metrics = ResolverMetrics(CollectorRegistry(), "toppings:")
     return ResolvedAdapters(fake, DirSource(str(tmp_path)), fake, metrics, max_adapters,
-                            max_loading, max_wait_s, host_bytes, max_reading)  # fmt: skip
+                            max_loading, max_wait_s, host_bytes, max_parsing,
+                            max_resolve_s)  # fmt: skip
 
 
 def resolve(resolver, name):
@@ -165,10 +171,10 @@ def test_concurrent_first_requests_share_one_load(tmp_path):
 
 
 def test_resolutions_in_flight_share_fewer_reader_threads(tmp_path):
-    """Four names resolve at once (none refused or waiting for a slot) on one reader: the
-    reads run one at a time, in turn, and all four land."""
+    """Four names resolve at once (none refused or waiting for a slot) with one read past its
+    fetch at a time: the reads run in turn, and all four land."""
     fake = FakeEngine()
-    resolver = make(tmp_path, fake, max_loading=4, max_reading=1)
+    resolver = make(tmp_path, fake, max_loading=4, max_parsing=1)
     fake.gate.clear()
     threads, results = [], []
     for name in "abcd":
@@ -389,3 +395,58 @@ def test_the_eviction_for_a_load_runs_while_its_files_are_read(tmp_path):
     fake.gate.set()
     threads[0].join()
     assert isinstance(results[0], AdapterRef) and fake.registers == ["a", "b"]
+
+
+def test_a_read_stuck_on_storage_holds_its_own_thread_only(tmp_path):
+    """With one read parsing at a time, a read whose fetch hangs (its store stuck) does not
+    keep the reads of other names from landing; it lands once its store answers."""
+    fake = FakeEngine()
+    make(tmp_path, fake)  # the directories a-d
+    stuck = threading.Event()
+
+    def fetch(directory: str) -> None:
+        if directory.endswith("a"):
+            assert stuck.wait(30)
+
+    preparer = Preparer(fake, HostTier(0), max_reading=4, max_parsing=1, fetch=fetch)
+    hung = preparer.start("a", str(tmp_path / "a"))
+    others = [preparer.start(n, str(tmp_path / n)) for n in "bc"]
+    assert [f.result(30)[0].adapter.name for f in others] == ["b", "c"]
+    assert not hung.done()
+    stuck.set()
+    assert hung.result(30)[0].adapter.name == "a"
+
+
+def test_a_request_stops_waiting_for_a_stuck_resolution(tmp_path):
+    """A request waits `max_resolve_s` for a resolution, then gets 503 with Retry-After while
+    it goes on; once it lands the requests that gave up hold no lease on it (it is evicted
+    for another), and other names resolve meanwhile."""
+    fake = FakeEngine()
+    resolver = make(tmp_path, fake, max_adapters=2, max_resolve_s=0.2)
+    fake.stuck.add("a")
+    threads, results = run_threads(3, lambda: resolve(resolver, "a"))
+    for t in threads:
+        t.join()
+    for r in results:
+        assert isinstance(r, RequestError) and r.code == 503 and r.retry_after_s
+    assert "a" in resolver._loading  # still resolving
+    assert isinstance(resolve(resolver, "b"), AdapterRef)
+    fake.unstick.set()
+    wait_until(lambda: resolver.resolved_names() == ["b", "a"], "a landed")
+    assert isinstance(resolve(resolver, "c"), AdapterRef)  # evicts b, the least recently used
+    assert isinstance(resolve(resolver, "d"), AdapterRef)  # evicts a: nobody holds it
+    assert fake.unloads == ["b", "a"]
+
+
+def test_fetch_files_never_raises_nor_waits_on_what_is_not_a_regular_file(tmp_path):
+    """The fetch leaves every refusal to the read: a missing directory, a FIFO in a file's
+    place (never opened for a writer), an empty file, a symlink."""
+    fetch_files(str(tmp_path / "missing"))
+    (tmp_path / "x").mkdir()
+    os.mkfifo(tmp_path / "x" / "adapter_model.safetensors")
+    (tmp_path / "x" / "adapter_config.json").write_text("")
+    fetch_files(str(tmp_path / "x"))
+    (tmp_path / "y").mkdir()
+    (tmp_path / "y" / "adapter_config.json").symlink_to(tmp_path / "x" / "adapter_config.json")
+    (tmp_path / "y" / "adapter_model.safetensors").write_bytes(b"\0" * 10_000)
+    fetch_files(str(tmp_path / "y"))
