@@ -21,18 +21,23 @@ measured per round because the machine these runs were made on is shared and its
 in one session a burst read 10.9 requests/s (bench_queueing's 75% rule) and the server then
 saturated at about 5.5; four minutes later a burst read 0.45 by that rule. `--capacity` gives
 it instead (the rate is then the same in every round).
-Per round, each lora mode (`--modes`) serves the same trace
-under each assignment (`--assignments`: identical, zipf:1.0, distinct; the arrivals, lengths and
-prompts are the same under all three, only the adapters differ), each run on a fresh server; the
-order of the runs alternates between rounds. `cached` is not among the modes: it pins every
-adapter a server registers, and 1,024 adapters do not fit in a room for 8 (the config records
-both sizes). Pooled over rounds per mode and assignment: P99 TTFT, throughput, failures and
+Per round, each lora mode (`--modes`) serves the same trace under each assignment
+(`--assignments`: identical, zipf:1.0, distinct; the arrivals, lengths and prompts are the same
+under all three, only the adapters differ), each run on a fresh server; the order of the runs
+alternates between rounds. `cached` is not among the modes: it pins every adapter a server
+registers, and 1,024 adapters do not fit in a room for 8 (the config records both sizes). The
+mode `all-cached` is a control instead: `cached` with every adapter its trace names registered
+at start-up (`--lora`) and a room for all of them, so that no adapter is ever cold and a
+distinct request costs only what serving many different adapters at once costs (their rows read
+every step, their ranks). Its distinct / identical is what no paging can remove; the default
+mode's distinct over its distinct (`p99_ttft_ratio_distinct_vs_all_cached_distinct`) is what
+being cold costs. Pooled over rounds per mode and assignment: P99 TTFT, throughput, failures and
 refusals (429 / 503 / 507 answers: no room for a request or an adapter); the headline ratios
 distinct / identical and zipf / identical, per mode and per round (the spread), at top level for
 the default mode. Each run also records the server's adapter-cache and resolver counters, the
 share of its span the engine's steps took (`engine_busy_fraction`: not the load, since a decode
-step costs nearly the same for one request as for eight; at half of a burst's rate it was 0.84-0.89,
-at a quarter 0.77) and the share of the machine other processes used while it ran.
+step costs nearly the same for one request as for eight; at half of a burst's rate it was
+0.84-0.89, at a quarter 0.77) and the share of the machine other processes used while it ran.
 
     python -m bench.bench_adapter_scale [--rounds 2 --num-requests 400]
     python -m bench.bench_adapter_scale --quick --out /tmp/adapter_scale_quick.json
@@ -80,6 +85,7 @@ REFUSED = (429, 503, 507)  # no room now: for requests, for a resolution, for ho
 # q, k, v, o of SmolLM2 are charged about 7 GB at a bfloat16 server's bfloat16, 14 at float32;
 # the default is a quarter of the memory)
 REGISTERED_HOST_BYTES = 16 * 2**30
+ALL_CACHED = "all-cached"  # the control mode (module docstring)
 QUICK = {"num_adapters": 16, "slots": 3, "num_requests": 8, "rounds": 1, "burst": 4,
          "max_prompt_len": 48, "max_output_len": 8}  # fmt: skip
 SERIES = ("adapter_cache_hits", "adapter_cache_misses", "adapter_loads", "adapter_evictions",
@@ -135,11 +141,16 @@ def server_series(url: str) -> dict[str, float]:
 class Server:
     """One toppings-serve of the bench, started on enter and stopped on exit."""
 
-    def __init__(self, args, mode: str, room_bytes: int, log_path: Path):
+    def __init__(self, args, mode: str, room_bytes: int, log_path: Path, names=()):
+        """mode: a lora mode, or ALL_CACHED (cached, the adapters `names` registered at
+        start-up; room_bytes is then the room for them all)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        if args.adapters == "registered":  # every adapter in host memory from the start
+        if mode == ALL_CACHED:
+            found = [f"--lora={n}={args.adapter_dir / n}" for n in sorted(names)]
+            mode = "cached"
+        elif args.adapters == "registered":  # every adapter in host memory from the start
             found = ["--lora-dir", str(args.adapter_dir), "--adapter-host-bytes",
                      str(REGISTERED_HOST_BYTES)]  # fmt: skip
         else:
@@ -153,7 +164,7 @@ class Server:
     def __enter__(self) -> Server:
         self.proc = start("toppings.server.cli", self.argv, self.log_path)
         try:
-            wait_healthy(self.url, self.proc, self.log_path, 900.0)
+            wait_healthy(self.url, self.proc, self.log_path, 1800.0)
             base, _ = list_models(self.url)
             warm = [TraceEntry(-1, 0.0, base, 0, list(range(100, 132)), 4)]
             run_open_loop(self.url, warm, lambda e, r: None)  # first-touch costs out
@@ -279,7 +290,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dtype", default="bfloat16", help="the servers' --dtype")
     p.add_argument("--num-adapters", type=int, default=1024)
     p.add_argument("--slots", type=int, default=8, help="device room, in mean adapters")
-    p.add_argument("--modes", default="on-demand,cpu-assisted")
+    p.add_argument("--modes", default="on-demand,cpu-assisted",
+                   help=f"lora modes, and {ALL_CACHED} (a control: module docstring)")  # fmt: skip
     p.add_argument("--assignments", default=",".join(ASSIGNMENTS))
     p.add_argument("--load", type=float, default=0.5, help="fraction of the measured capacity")
     p.add_argument(
@@ -360,7 +372,10 @@ def main(argv: list[str] | None = None) -> dict:
         for mode, assignment in order if rnd % 2 == 0 else order[::-1]:
             trace = workload(args, assignment, ranks, rps, args.seed + rnd, args.num_requests)
             name = f"r{rnd}-{mode}-{assignment.replace(':', '')}"
-            with Server(args, mode, room, logs / f"{name}.log") as server:
+            names = {e.model for e in trace}
+            mode_room = int(1.25 * sum(nbytes[ranks[n]] for n in names))  # the pool's alignment
+            mode_room = mode_room if mode == ALL_CACHED else room
+            with Server(args, mode, mode_room, logs / f"{name}.log", names) as server:
                 with OtherCpu() as other:
                     records = server.replay(trace)
                 series = server_series(server.url)
@@ -373,6 +388,16 @@ def main(argv: list[str] | None = None) -> dict:
     metrics: dict = {}
     if DEFAULT_MODE in per_mode:
         metrics.update(ratios(per_mode[DEFAULT_MODE]))
+    if DEFAULT_MODE in per_mode and ALL_CACHED in per_mode:
+        warm = per_mode[ALL_CACHED].get("distinct")
+        cold = per_mode[DEFAULT_MODE].get("distinct")
+        if warm is not None and cold is not None:
+            metrics["p99_ttft_ratio_distinct_vs_all_cached_distinct"] = (
+                cold["ttft_p99_ms"] / warm["ttft_p99_ms"]
+            )
+            metrics["p99_ttft_ratio_distinct_vs_all_cached_distinct_per_round"] = [
+                a / b for a, b in zip(cold["ttft_p99_ms_per_round"], warm["ttft_p99_ms_per_round"])
+            ]
     metrics["num_refused"] = sum(p["num_refused"] for m in per_mode.values() for p in m.values())
     metrics["num_failed"] = sum(p["num_failed"] for m in per_mode.values() for p in m.values())
     metrics["modes"] = {m: {**ratios(per_mode[m]), "assignments": per_mode[m]} for m in modes}
