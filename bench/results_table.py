@@ -88,6 +88,13 @@ CURRENT: dict[str, tuple[str, tuple[str, ...]]] = {
                                        "p99_ttft_ratio_zipf_vs_identical",
                                        "modes.on-demand.p99_ttft_ratio_distinct_vs_identical",
                                        "modes.on-demand.p99_ttft_ratio_zipf_vs_identical")),
+    "adapter_scale_all_cached.json": ("the default beside all-cached, a control with every "
+                                      "adapter of its trace registered and resident: what "
+                                      "many adapters cost with none ever cold",
+                                      ("p99_ttft_ratio_distinct_vs_identical",
+                                       "p99_ttft_ratio_distinct_vs_all_cached_distinct",
+                                       "modes.all-cached.p99_ttft_ratio_distinct_vs_identical",
+                                       "modes.all-cached.p99_ttft_ratio_zipf_vs_identical")),
     "resolution_profile.json": ("where a cold adapter's resolution goes (read, digest, "
                                 "registration, copy; the host tier)",
                                 ("resolution_mean_ms", "all.open.mean_ms", "all.digest.mean_ms")),
