@@ -88,6 +88,9 @@ CURRENT: dict[str, tuple[str, tuple[str, ...]]] = {
                                        "p99_ttft_ratio_zipf_vs_identical",
                                        "modes.on-demand.p99_ttft_ratio_distinct_vs_identical",
                                        "modes.on-demand.p99_ttft_ratio_zipf_vs_identical")),
+    "adapter_scale_registered_xeon.json": ("the same on the Intel Xeon of session 45",
+                                           ("p99_ttft_ratio_distinct_vs_identical",
+                                            "p99_ttft_ratio_zipf_vs_identical")),
     "adapter_scale_all_cached.json": ("the default beside all-cached, a control with every "
                                       "adapter of its trace registered and resident: what "
                                       "many adapters cost with none ever cold",
