@@ -15,9 +15,10 @@ naming an unregistered adapter resolves it here (vLLM's LoRA resolvers, Dynamo's
   rate, this server has no room for another cold adapter now (another server, or this one a
   moment later, may serve it), and 429 already means the process's --max-concurrent-requests
   here.
-- A resolution runs on a thread of its own, and a request waits for it `max_resolve_s` at most
-  (`RESOLVE_WAIT_S`), then gets 503: an adapter whose store hangs holds its slot, never the
-  requests, nor the reads of other names (server.resolver.preparer).
+- A resolution runs on a thread of its own (a pool of one a slot, torch on itself alone), and a
+  request waits for it `max_resolve_s` at most (`RESOLVE_WAIT_S`), then gets 503: an adapter
+  whose store hangs holds its slot, never the requests, nor the reads of other names
+  (server.resolver.preparer).
 - At most `max_adapters` resolved adapters are registered at once. A load past it first unloads
   the least recently used resolved adapter that no request holds (neither leased here nor in
   flight in the engine), while its own files are read; the unload does not wait for the
@@ -45,12 +46,13 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterator
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
 
 from toppings.gpu_lora.host_memory import ContentKey
 from toppings.gpu_lora.peft_format import LoraAdapter
+from toppings.server.process.threads import torch_on_this_thread_only
 from toppings.server.requests.adapter_ref import AdapterRef
 from toppings.server.requests.errors import (
     NOT_FOUND,
@@ -144,6 +146,10 @@ class ResolvedAdapters:
         self.preparer = Preparer(registrar, self.tier, max_loading, max_parsing or max_loading)
         self.max_adapters, self.max_loading = max_adapters, max_loading
         self.max_wait_s, self.max_resolve_s = max_wait_s, max_resolve_s
+        # one thread a slot, long-lived and torch on itself alone: no OpenMP team per resolution
+        self._resolving = ThreadPoolExecutor(max_workers=max_loading,
+                                             thread_name_prefix="adapter-resolve",
+                                             initializer=torch_on_this_thread_only)  # fmt: skip
         self._lock = threading.Lock()
         self._slot_freed = threading.Condition(self._lock)  # a resolution ended
         self._held: OrderedDict[str, _Held] = OrderedDict()  # least recently used first
@@ -217,8 +223,7 @@ class ResolvedAdapters:
                 evicted.wait()  # then resolve it afresh
                 continue
             if starts:  # on a thread of its own: a request stops waiting, a resolution ends
-                threading.Thread(target=self._run, args=(name, load), daemon=True,
-                                 name="adapter-resolve").start()  # fmt: skip
+                self._resolving.submit(self._run, name, load)
             self._wait(name, load)
             if load.error is not None:
                 e = load.error
