@@ -9,23 +9,20 @@ naming an unregistered adapter resolves it here (vLLM's LoRA resolvers, Dynamo's
   every one of them with its error and leaves nothing behind, so a later request tries again.
 - At most `max_loading` names resolve at once; one more waits for one of them to end, up to
   `max_wait_s` (`SLOT_WAIT_S`: a resolution takes a fraction of a second to a few seconds, so a
-  burst of cold names is served in turn rather than refused: with a thousand adapters drawn at
-  random most requests of a busy spell are cold, bench/results/adapter_scale.json), and past
-  that gets 503 with Retry-After. 503, not 429: the client sent nothing wrong and is not over a
-  rate, this server has no room for another cold adapter now (another server, or this one a
-  moment later, may serve it), and 429 already means the process's --max-concurrent-requests
-  here.
-- A resolution runs on a thread of its own (a pool of one a slot, torch on itself alone), and a
-  request waits for it `max_resolve_s` at most (`RESOLVE_WAIT_S`), then gets 503: an adapter
-  whose store hangs holds its slot, never the requests, nor the reads of other names
-  (server.resolver.preparer).
+  burst of cold names is served in turn rather than refused), and past that gets 503 with
+  Retry-After. 503, not 429: the client sent nothing wrong and is not over a rate, this server
+  has no room for another cold adapter now (another server, or this one a moment later, may
+  serve it), and 429 already means the process's --max-concurrent-requests here.
+- A resolution waits for its read `max_resolve_s` at most (`RESOLVE_WAIT_S`), and a request for
+  a name in resolution as long: then 503 and the slot freed, the read left to end on its thread
+  (kept in the host tier if it succeeds). An adapter whose store hangs holds one reader, never
+  the requests, nor the reads of other names (server.resolver.preparer).
 - At most `max_adapters` resolved adapters are registered at once. A load past it first unloads
   the least recently used resolved adapter that no request holds (neither leased here nor in
   flight in the engine), while its own files are read; the unload does not wait for the
   engine's step (its device rows go at the next one: Engine.retire_adapter). When every one
-  is held it gets 503 with Retry-After. Adapters the
-  operator registered are never counted nor unloaded here; a name with no directory unloads
-  nothing (an adapter its read refuses may have).
+  is held it gets 503 with Retry-After. Adapters the operator registered are never counted nor
+  unloaded here; a name with no directory unloads nothing (an adapter its read refuses may have).
 - A resolved adapter stays registered and serving until it is evicted, even if its directory is
   removed; the next resolution of that name, after the eviction, is then a clean 404.
 - An evicted adapter stays in host memory, within `--lora-resolver-host-bytes`, while its files
@@ -46,13 +43,13 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FuturesTimeout
 from dataclasses import dataclass
 from typing import Protocol
 
 from toppings.gpu_lora.host_memory import ContentKey
 from toppings.gpu_lora.peft_format import LoraAdapter
-from toppings.server.process.threads import torch_on_this_thread_only
 from toppings.server.requests.adapter_ref import AdapterRef
 from toppings.server.requests.errors import (
     NOT_FOUND,
@@ -86,8 +83,7 @@ class Registrar(Protocol):
     def register(self, adapter: LoraAdapter, content: ContentKey | None = None) -> AdapterRef: ...
 
     def retire(self, name: str) -> LoraAdapter:
-        """Unregister `name` (404, or 409 while in use) without waiting for the engine's
-        step; the adapter as it was held."""
+        """Unregister `name` (404, or 409 while in use), not waiting for the engine's step."""
         ...
 
 
@@ -146,10 +142,6 @@ class ResolvedAdapters:
         self.preparer = Preparer(registrar, self.tier, max_loading, max_parsing or max_loading)
         self.max_adapters, self.max_loading = max_adapters, max_loading
         self.max_wait_s, self.max_resolve_s = max_wait_s, max_resolve_s
-        # one thread a slot, long-lived and torch on itself alone: no OpenMP team per resolution
-        self._resolving = ThreadPoolExecutor(max_workers=max_loading,
-                                             thread_name_prefix="adapter-resolve",
-                                             initializer=torch_on_this_thread_only)  # fmt: skip
         self._lock = threading.Lock()
         self._slot_freed = threading.Condition(self._lock)  # a resolution ended
         self._held: OrderedDict[str, _Held] = OrderedDict()  # least recently used first
@@ -222,8 +214,8 @@ class ResolvedAdapters:
             if evicted is not None:
                 evicted.wait()  # then resolve it afresh
                 continue
-            if starts:  # on a thread of its own: a request stops waiting, a resolution ends
-                self._resolving.submit(self._run, name, load)
+            if starts:
+                self._run(name, load)
             self._wait(name, load)
             if load.error is not None:
                 e = load.error
@@ -231,8 +223,7 @@ class ResolvedAdapters:
             return load.ref, True
 
     def _wait(self, name: str, load: _Load) -> None:
-        """Wait for `load` to land, up to `max_resolve_s`; then 503, no longer one of the
-        requests that get a lease when it lands (the resolution goes on and holds its slot)."""
+        """Wait for `load` up to `max_resolve_s`; then 503, and no lease on it when it lands."""
         if load.done.wait(self.max_resolve_s):
             return
         with self._lock:
@@ -277,7 +268,7 @@ class ResolvedAdapters:
             except BaseException:
                 self._keep_when_read(reading)
                 raise
-            prepared, kept = reading.result()  # the read's RequestError
+            prepared, kept = self._read_result(name, reading)  # the read's RequestError
             load.ref = self.registrar.register(prepared.adapter, prepared.content)
             outcome = Outcome.LOADED
             if kept:
@@ -365,6 +356,15 @@ class ResolvedAdapters:
         if unloaded:
             self.metrics.evictions.inc()
             log.info("evicted resolved adapter %s (least recently used)", name)
+
+    def _read_result(self, name: str, reading: Future[tuple[Prepared, bool]]):
+        """The read's result within `max_resolve_s`, else 503 (the read kept when it ends)."""
+        try:
+            return reading.result(timeout=self.max_resolve_s)
+        except FuturesTimeout:
+            reading.add_done_callback(self._keep_when_read)
+            raise _busy(f"adapter {name!r} is still being read from {self.source.root} after "
+                        f"{self.max_resolve_s:g} s") from None  # fmt: skip
 
     def _keep_when_read(self, reading: Future[tuple[Prepared, bool]]) -> None:
         """Wait for a read whose adapter will not be registered now; keep it if it succeeded."""
