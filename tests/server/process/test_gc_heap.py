@@ -27,7 +27,8 @@ def test_the_heap_is_frozen_after_its_garbage_is_collected(unfrozen):
     kept, dropped = Node(), Node()
     kept_ref, dropped_ref = weakref.ref(kept), weakref.ref(dropped)
     del dropped  # garbage of start-up: collected, not frozen
-    assert freeze_startup_heap() == gc.get_freeze_count() > 0
+    # at least the count after: a thread a test before left may free a frozen object meanwhile
+    assert freeze_startup_heap() >= gc.get_freeze_count() > 0
     assert dropped_ref() is None and kept_ref() is kept
     tracked = {id(o) for o in gc.get_objects()}
     assert id(kept) not in tracked  # frozen: out of every generation's walk
