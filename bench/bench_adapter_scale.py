@@ -373,8 +373,9 @@ def main(argv: list[str] | None = None) -> dict:
             trace = workload(args, assignment, ranks, rps, args.seed + rnd, args.num_requests)
             name = f"r{rnd}-{mode}-{assignment.replace(':', '')}"
             names = {e.model for e in trace}
-            mode_room = int(1.25 * sum(nbytes[ranks[n]] for n in names))  # the pool's alignment
-            mode_room = mode_room if mode == ALL_CACHED else room
+            mode_room = room
+            if mode == ALL_CACHED:  # room for every adapter of the trace, the pool's alignment too
+                mode_room = int(1.25 * sum(nbytes[ranks[n]] for n in names))
             with Server(args, mode, mode_room, logs / f"{name}.log", names) as server:
                 with OtherCpu() as other:
                     records = server.replay(trace)

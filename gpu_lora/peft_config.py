@@ -36,6 +36,7 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 PICKLE_FILE = "adapter_model.bin"
 MAX_CONFIG_BYTES = 1 << 20  # a PEFT config is a few kB; a larger one is refused unread
 MAX_WEIGHTS_BYTES = 8 << 30  # a rank-256 adapter of a 70B model on every projection is < 8 GiB
+MAX_FILE_BYTES = {CONFIG_FILE: MAX_CONFIG_BYTES, WEIGHTS_FILE: MAX_WEIGHTS_BYTES}  # by file
 MAX_PATTERN_CHARS = 1000  # a PEFT target regex is a line; a longer one is refused uncompiled
 # All regex matches of one adapter together. The GIL is released while a match runs, so the
 # budget bounds only the loading thread; an 80-layer model's 560 names match a plain pattern in

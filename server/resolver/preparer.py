@@ -37,12 +37,7 @@ from typing import Protocol
 
 from toppings.gpu_lora.adapter_dir import file_size, open_dir, open_file
 from toppings.gpu_lora.host_memory import ContentKey
-from toppings.gpu_lora.peft_config import (
-    CONFIG_FILE,
-    MAX_CONFIG_BYTES,
-    MAX_WEIGHTS_BYTES,
-    WEIGHTS_FILE,
-)
+from toppings.gpu_lora.peft_config import MAX_FILE_BYTES
 from toppings.gpu_lora.peft_format import LoraAdapter
 from toppings.server.process.threads import torch_on_this_thread_only
 from toppings.server.resolver.host_tier import FileKey, HostTier, Prepared
@@ -64,8 +59,7 @@ def fetch_files(directory: str) -> None:
     except OSError:
         return
     try:
-        for name, max_bytes in ((CONFIG_FILE, MAX_CONFIG_BYTES),
-                                (WEIGHTS_FILE, MAX_WEIGHTS_BYTES)):  # fmt: skip
+        for name, max_bytes in MAX_FILE_BYTES.items():
             try:
                 with open_file(dir_fd, name, max_bytes) as f:
                     size = file_size(f)

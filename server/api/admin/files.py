@@ -23,16 +23,11 @@ from collections.abc import Iterator
 from typing import BinaryIO
 
 from toppings.gpu_lora.adapter_dir import file_size, open_dir, open_file
-from toppings.gpu_lora.peft_config import (
-    CONFIG_FILE,
-    MAX_CONFIG_BYTES,
-    MAX_WEIGHTS_BYTES,
-    WEIGHTS_FILE,
-)
+from toppings.gpu_lora.peft_config import CONFIG_FILE, WEIGHTS_FILE
+from toppings.gpu_lora.peft_config import MAX_FILE_BYTES as MAX_BYTES
 
 FILES = (CONFIG_FILE, WEIGHTS_FILE)
 CHUNK_BYTES = 1 << 20
-MAX_BYTES = {CONFIG_FILE: MAX_CONFIG_BYTES, WEIGHTS_FILE: MAX_WEIGHTS_BYTES}
 HEX = frozenset("0123456789abcdef")
 
 
