@@ -165,7 +165,23 @@ def _direct(fleet, server: str, path: str, body: dict) -> dict:
     answer = requests.post(server + path, json=body, timeout=120)
     assert answer.status_code == 200, answer.text
     _settled(fleet, server, before)
+    _seen_idle(fleet, time.monotonic())
     return answer.json()
+
+
+def _seen_idle(fleet, since: float) -> None:
+    """Until the scheduler's own view holds every server idle in a /stats polled after `since`
+    (a snapshot taken while the last request ran counts it as running there, which outweighs
+    a short prefix: routing then is not a test of the prefix term)."""
+
+    def idle() -> bool:
+        state = requests.get(fleet["scheduler"] + "/admin/state", timeout=10).json()
+        age = time.monotonic() - since
+        return all(s["running"] == 0 and not s["queued"] and not s["in_flight"]
+                   and not s["routed_since_snapshot"] and s["snapshot_age_s"] < age
+                   for s in state["servers"])  # fmt: skip
+
+    _wait_for(idle, "the scheduler's view of both servers idle")
 
 
 def _idle(fleet) -> bool:
@@ -223,7 +239,7 @@ def test_token_id_prompts_follow_their_prefix_and_adapters_do_not_share(fleet):
     # The tie-break below needs both servers idle in the scheduler's view too: on a loaded
     # machine the last answer's /stats may still show it running (polled every 100 ms).
     _wait_for(lambda: _idle(fleet), "both servers idle")
-    time.sleep(0.5)
+    _seen_idle(fleet, time.monotonic())
     server, _ = _post(fleet, "/v1/completions",
                       {"model": base, "prompt": prompt + [5, 6], "max_tokens": 2})  # fmt: skip
     assert server == fleet["servers"][0]  # nothing of the base model's cached: the tie-break
