@@ -6,10 +6,12 @@ does around it (schedule, build the step's inputs, sample, update each request, 
 stream) is on the critical path while the loop is synchronous (issue 63). This bench measures
 that host time on a model that computes nearly nothing: a tiny Llama (2 layers, 64 wide, one
 head of 64 dims) with its own forward ("real": the forward's Python and kernel calls are host
-work too), and the same
-engine with the forward replaced by one that returns zero logits at once ("none": the loop
-alone). Each engine is driven step by step on this thread (no engine thread); for each batch
-size B, B requests are admitted and prefilled, then `--steps` decode steps are timed one by one.
+work too); the same engine with the forward replaced by one that returns zero logits at once
+("none": the loop alone); and the same again with its decode steps through the CUDA-graph path
+("graph": `DecodeGraphs` fills its step buffers from the decode rows and replays a stand-in
+graph that computes nothing: the host side of a GPU's graphed decode step, on a CPU). Each
+engine is driven step by step on this thread (no engine thread); for each batch size B, B
+requests are admitted and prefilled, then `--steps` decode steps are timed one by one.
 Rounds alternate the order of the (forward, batch) runs; per run the median step is kept.
 
 The one head keeps attention on the native kernel's path for the head dims models have (64,
@@ -32,6 +34,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -39,6 +42,8 @@ from bench.common import add_output_thread_flag, output_thread_setting
 from bench.envelope import describe_device, write_result
 from toppings.server.config import EngineConfig
 from toppings.server.engine.engine import Engine
+from toppings.server.model.cuda_graphs import DecodeGraphs
+from toppings.server.model.graph_buckets import GraphBuckets
 from toppings.server.model.loader import load_checkpoint
 from toppings.server.process.gc_heap import freeze_startup_heap, thaw_heap
 from toppings.server.requests.request import GenerationRequest, SamplingParams
@@ -46,7 +51,25 @@ from toppings.server.requests.request import GenerationRequest, SamplingParams
 log = logging.getLogger(__name__)
 
 PROMPT = [5, 6, 7, 8]
-FORWARDS = ("real", "none")  # the tiny model's own forward; one returning zero logits at once
+# the tiny model's own forward; one returning zero logits at once; decode by a free graph
+FORWARDS = ("real", "none", "graph")
+
+
+class FreeGraphs(DecodeGraphs):
+    """The decode graphs' host side on a CPU: buckets, pointer checks and the step's buffers
+    filled as on a GPU, each bucket's 'graph' a replay that computes nothing."""
+
+    def _record(self, key):
+        graph = self._graphs[key] = SimpleNamespace(replay=lambda: None)
+        return graph
+
+
+def free_graphs(engine: Engine) -> None:
+    """Decode steps of `engine` through `FreeGraphs` (prefill steps run its model)."""
+    buckets = GraphBuckets.for_engine(engine.config.max_batch_size, engine.kv.max_len)
+    lora = engine.lora
+    engine.runner.graphs = FreeGraphs(engine.model, engine.kv, lora.pool,
+                                      lora.steps.kernels.decode, buckets)  # fmt: skip
 
 
 def free_forward(model) -> None:
@@ -143,6 +166,8 @@ def main(argv: list[str] | None = None) -> dict:
         engines[forward] = Engine(config, load_checkpoint(str(model_dir), "auto"))
         if forward == "none":
             free_forward(engines[forward].model)
+        elif forward == "graph":
+            free_graphs(engines[forward])
     freeze_startup_heap()  # as toppings-serve does once built (server/process/gc_heap.py)
     medians = {f: {b: [] for b in batches} for f in FORWARDS}
     try:
@@ -182,7 +207,9 @@ def main(argv: list[str] | None = None) -> dict:
                                 "model": f"tiny Llama (2 layers, 64 wide, {args.heads} heads of "
                                          f"{64 // args.heads} dims, vocab 256)",
                                 "forwards": {"real": "its own forward (compute nearly nothing)",
-                                             "none": "forward replaced by zero logits"},
+                                             "none": "forward replaced by zero logits",
+                                             "graph": "decode by a CUDA-graph stand-in that "
+                                                      "computes nothing"},
                                 "threads": torch.get_num_threads(),
                                 "output_thread": args.output_thread},
                         metrics=metrics, argv=argv)  # fmt: skip

@@ -255,8 +255,8 @@ class ModelRunner:
             return None  # the graphs' LoRA does not scale DoRA rows
         adapters = [e.resident if e else None for e in entries]
         loading = any(e is not None and not e.ticket.done for e in entries)
-        kv_rows, ids, positions = (rows.host[f].tolist() for f in (KV_ROWS, IDS, POSITIONS))
-        return self.graphs.run(kv_rows, ids, positions, adapters, loading)
+        fields = rows.views.array  # [F, B] int64, the step's set (host memory)
+        return self.graphs.run(fields[IDS], fields[POSITIONS], fields[KV_ROWS], adapters, loading)
 
     def _forward(self, step: PreparedStep) -> tuple[torch.Tensor, Scanned | None, float, int]:
         """The one `ForwardBatch` of a step and its forward pass: request b computes its

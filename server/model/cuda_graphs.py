@@ -39,6 +39,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
 
+import numpy
 import torch
 
 from toppings.gpu_lora.adapter_pool import AdapterPool, ResidentAdapter
@@ -122,6 +123,8 @@ class DecodeGraphs:
         self._host_scales = torch.zeros(width, dtype=torch.float32)
         if on_gpu:
             self._host, self._host_scales = self._host.pin_memory(), self._host_scales.pin_memory()
+        self._array, self._array_scales = self._host.numpy(), self._host_scales.numpy()
+        self._lora_of: list | None = None  # the adapters whose LoRA rows the buffers hold
         self._meta = torch.zeros(self._host.shape, dtype=torch.int64, device=device)
         self._scales = torch.zeros(width, dtype=torch.float32, device=device)
         self._rows = torch.arange(width, device=device)
@@ -137,20 +140,23 @@ class DecodeGraphs:
 
     def run(
         self,
-        kv_rows: list[int],
-        ids: list[int],
-        positions: list[int],
+        ids: numpy.ndarray,
+        positions: numpy.ndarray,
+        kv_rows: numpy.ndarray,
         adapters: list[ResidentAdapter | None],
         loading: bool,
     ) -> torch.Tensor | None:
         """Logits [B, V] float32 of a decode step by graph replay; None: run it eagerly.
 
-        kv_rows, ids, positions: per request its KV row, last token and that token's position
-        (its slot is already in `req_to_slot`); adapters: where each request's adapter sits in
-        the pool (None: base model); loading: some adapter of the batch is not wholly resident.
+        ids, positions, kv_rows [B] int64: per request its last token, that token's position
+        (its slot is already in `req_to_slot`) and its KV row; adapters: where each request's
+        adapter sits in the pool (None: base model); loading: some adapter of the batch is not
+        wholly resident.
         """
+        b = len(ids)
         max_rank = max((a.rank for a in adapters if a is not None), default=0)
-        plan = self.buckets.plan(len(ids), max(positions) + 1, max_rank, loading)
+        length = int(positions.max()) + 1 if b else 1
+        plan = self.buckets.plan(b, length, max_rank, loading)
         if plan.key is None or self._disabled:
             self.counters.eager[plan.reason or "disabled"] += 1
             return None
@@ -158,10 +164,10 @@ class DecodeGraphs:
         graph = self._graphs.get(plan.key)
         if graph is None and (graph := self._capture(plan.key)) is None:
             return None
-        self._fill(kv_rows, ids, positions, adapters)
+        self._fill(ids, positions, kv_rows, adapters)
         graph.replay()
         self.counters.replays += 1
-        return self._logits[: len(ids)].clone()
+        return self._logits[:b].clone()
 
     def drop(self) -> None:
         """Forget every graph and their memory pool (they are captured again when needed)."""
@@ -191,18 +197,23 @@ class DecodeGraphs:
         self.drop()
         self._pointers = state
 
-    def _fill(self, kv_rows, ids, positions, adapters) -> None:
-        """The step's rows into the fixed buffers, padding rows zero; one copy each."""
+    def _fill(self, ids, positions, kv_rows, adapters: list) -> None:
+        """The step's rows into the fixed buffers, padding rows zero; one copy each. The rows'
+        LoRA fields (valid, offset, ranks, scale) are written only when the adapters differ from
+        the last step's (a decode batch keeps its requests for many steps); the other three
+        fields every step, as numpy slices."""
         if self._copied is not None:
             self._copied.synchronize()  # the last copy has read the pinned buffers (long since)
-        b = len(ids)
-        self._host.zero_()
-        self._host_scales.zero_()
-        if b:
-            rows = [(i, p, r, 1, *_lora_row(a))
-                    for i, p, r, a in zip(ids, positions, kv_rows, adapters)]  # fmt: skip
-            self._host[:, :b] = torch.tensor(rows, dtype=torch.int64).T  # [F, B]
-            self._host_scales[:b] = torch.tensor([a.scale if a else 0.0 for a in adapters])
+        b, host = len(ids), self._array
+        if adapters != self._lora_of:  # the same objects in the same order: the same rows
+            host[...] = 0
+            self._array_scales[...] = 0.0
+            if b:
+                host[VALID, :b] = 1
+                host[OFFSETS:, :b] = numpy.array([_lora_row(a) for a in adapters]).T
+                self._array_scales[:b] = [a.scale if a else 0.0 for a in adapters]
+            self._lora_of = list(adapters)
+        host[IDS, :b], host[POSITIONS, :b], host[KV_ROWS, :b] = ids, positions, kv_rows
         self._meta.copy_(self._host, non_blocking=True)
         self._scales.copy_(self._host_scales, non_blocking=True)
         if self._copied is not None:
@@ -210,7 +221,9 @@ class DecodeGraphs:
 
     def _capture(self, key: GraphKey) -> torch.cuda.CUDAGraph | None:
         started = time.perf_counter()
-        self._fill([], [], [], [])  # every row padding while warming up and capturing
+        empty = numpy.zeros(0, dtype=numpy.int64)
+        self._lora_of = None
+        self._fill(empty, empty, empty, [])  # every row padding while warming up and capturing
         try:
             graph = self._record(key)
         except Exception:  # an op that cannot be captured: keep serving, eagerly
