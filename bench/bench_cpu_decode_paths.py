@@ -35,7 +35,7 @@ from toppings.gpu_lora.host_lora import HostLora, add_deltas
 from toppings.gpu_lora.kernels import BACKENDS, LoraKernel, native
 from toppings.gpu_lora.kernels import cpu as cpu_kernels
 from toppings.gpu_lora.lora_batch import LoraBatch
-from toppings.gpu_lora.peft_format import LoraAdapter
+from toppings.gpu_lora.peft.adapter import LoraAdapter
 from toppings.server.model.config import ModelConfig
 
 QKV = ("q_proj", "k_proj", "v_proj")

@@ -51,7 +51,7 @@ class Adapter:
 
 def adapter_bytes(path: str | Path, model_dir: str, dtype: torch.dtype) -> int:
     """Bytes of one PEFT adapter's A and B in `dtype`, as the device cache counts them."""
-    from toppings.gpu_lora.peft_format import load_peft_adapter
+    from toppings.gpu_lora.peft.adapter import load_peft_adapter
     from toppings.server.model.loader import load_checkpoint
 
     config = load_checkpoint(model_dir, "dummy").config  # shapes only: no weight is read
@@ -76,7 +76,7 @@ def write_random_adapter(
     `config`: that model's config when the caller has it already (reading it takes seconds, the
     adapter itself a fraction of one: a driver writing a thousand passes it).
     """
-    from toppings.gpu_lora.peft_config import CONFIG_FILE, WEIGHTS_FILE, module_name
+    from toppings.gpu_lora.peft.config import CONFIG_FILE, WEIGHTS_FILE, module_name
     from toppings.server.model.loader import load_checkpoint
 
     if config is None:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from toppings.gpu_lora.peft_format import load_peft_adapter
+from toppings.gpu_lora.peft.adapter import load_peft_adapter
 from toppings.scripts.make_adapters import load_base, make_random_adapter
 from toppings.server.config import EngineConfig
 from toppings.server.memory.layout import kv_slot_bytes

@@ -46,8 +46,8 @@ from bench.bench_adapter_scale import RANKS, adapter_names
 from bench.common import adapter_bytes
 from bench.envelope import describe_device, write_result
 from toppings.gpu_lora.host_memory import ContentKey
-from toppings.gpu_lora.peft_config import WEIGHTS_FILE
-from toppings.gpu_lora.peft_format import load_peft_adapter
+from toppings.gpu_lora.peft.adapter import load_peft_adapter
+from toppings.gpu_lora.peft.config import WEIGHTS_FILE
 from toppings.gpu_lora.validate import check_finite_delta
 from toppings.server.api.admin.lifecycle import AdapterAdmin, AdapterPaths
 from toppings.server.api.options import ApiOptions

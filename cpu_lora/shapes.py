@@ -19,7 +19,7 @@ DTYPE_CODES = {dtype: code for code, dtype in DTYPES.items()}
 
 
 class AdapterLike(Protocol):
-    """gpu_lora.peft_format.LoraAdapter: weights[(layer, module)] = (A [R, H_in], B [H_out, R]).
+    """gpu_lora.peft.adapter.LoraAdapter: weights[(layer, module)] = (A [R, H_in], B [H_out, R]).
     `id` is what the repository keys it by; `name` appears in messages only."""
 
     id: int

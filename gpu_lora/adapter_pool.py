@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from toppings.gpu_lora.peft_format import LoraAdapter
+from toppings.gpu_lora.peft.adapter import LoraAdapter
 from toppings.gpu_lora.targets import LORA_TARGETS, ModelShapes
 
 

@@ -36,7 +36,7 @@ from typing import NamedTuple, Protocol
 from toppings.gpu_lora.adapter_pool import AdapterPool, ResidentAdapter
 from toppings.gpu_lora.eviction import Candidate, Usage
 from toppings.gpu_lora.loader import LoadTicket, PipelinedLoader
-from toppings.gpu_lora.peft_format import LoraAdapter
+from toppings.gpu_lora.peft.adapter import LoraAdapter
 
 log = logging.getLogger(__name__)
 

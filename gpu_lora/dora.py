@@ -24,7 +24,7 @@ from typing import Protocol
 
 import torch
 
-from toppings.gpu_lora.peft_config import AdapterError, module_name
+from toppings.gpu_lora.peft.config import AdapterError, module_name
 
 
 class BaseProjections(Protocol):

@@ -28,7 +28,7 @@ import torch
 from toppings.gpu_lora.host_runs import HostRuns
 from toppings.gpu_lora.kernels import native
 from toppings.gpu_lora.kernels.cpu import lora_rows
-from toppings.gpu_lora.peft_format import LoraAdapter
+from toppings.gpu_lora.peft.adapter import LoraAdapter
 
 MAX_PLANS = 8  # HostLora's native calls kept (two a step: q/k/v's input and o's)
 

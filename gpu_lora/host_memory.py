@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from toppings.gpu_lora.peft_format import LoraAdapter
+from toppings.gpu_lora.peft.adapter import LoraAdapter
 
 log = logging.getLogger(__name__)
 

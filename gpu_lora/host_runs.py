@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch
 
 from toppings.gpu_lora.kernels import native
-from toppings.gpu_lora.peft_format import LoraAdapter
+from toppings.gpu_lora.peft.adapter import LoraAdapter
 
 
 class HostRuns:

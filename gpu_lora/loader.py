@@ -24,7 +24,7 @@ import torch
 
 from toppings.gpu_lora.adapter_pool import AdapterPool, ResidentAdapter
 from toppings.gpu_lora.load_times import LoadTimes
-from toppings.gpu_lora.peft_format import LoraAdapter
+from toppings.gpu_lora.peft.adapter import LoraAdapter
 from toppings.gpu_lora.trace import CopyEvent, TraceRecorder
 
 log = logging.getLogger(__name__)

@@ -20,8 +20,8 @@ import math
 
 import torch
 
-from toppings.gpu_lora.peft_config import AdapterError, module_name
-from toppings.gpu_lora.peft_format import LoraAdapter, abs_max
+from toppings.gpu_lora.peft.adapter import LoraAdapter, abs_max
+from toppings.gpu_lora.peft.config import AdapterError, module_name
 
 
 def check_finite_delta(adapter: LoraAdapter, dtype: torch.dtype) -> None:

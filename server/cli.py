@@ -71,7 +71,7 @@ def _check_inputs(model: str, loras: dict[str, str]) -> None:
     """Check the model and every adapter's config before anything heavy loads."""
     from transformers import AutoConfig
 
-    from toppings.gpu_lora.peft_config import AdapterError, read_adapter_config
+    from toppings.gpu_lora.peft.config import AdapterError, read_adapter_config
     from toppings.server.model.config import ModelConfig
     from toppings.server.model.loader import resolve_model_dir
 
@@ -151,7 +151,7 @@ def load_engine(serve: ServeConfig, config: EngineConfig, loras: dict[str, str])
     """The engine, built on a thread that ends (the process tuned for it first); a checkpoint
     or adapter it refuses is a usage error."""
     from toppings.cpu_lora.shm import SharedMemoryFull
-    from toppings.gpu_lora.peft_config import AdapterError
+    from toppings.gpu_lora.peft.config import AdapterError
     from toppings.server.model.loader import CheckpointError
     from toppings.server.process.allocator import bound_onednn_caches, tune_allocator
     from toppings.server.process.memory_probe import start_memory_probe

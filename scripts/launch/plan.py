@@ -76,7 +76,7 @@ def plan_servers(args: LaunchConfig, log_dir: Path) -> list[ServerProc]:
 def check_inputs(args: LaunchConfig, servers: list[ServerProc]) -> None:
     """Refuse at once what every server would refuse at start (raises ValueError): a missing
     model, adapter or adapter folder, a port in use. toppings-serve checks the rest."""
-    from toppings.gpu_lora.peft_config import AdapterError, read_adapter_config
+    from toppings.gpu_lora.peft.config import AdapterError, read_adapter_config
     from toppings.server.cli import listen_problem
 
     if args.model != "smollm2":

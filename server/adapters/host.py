@@ -30,7 +30,7 @@ from toppings.gpu_lora.host_memory import (
     HostMemoryFull,
     default_budget_bytes,
 )
-from toppings.gpu_lora.peft_format import AdapterShape, LoraAdapter
+from toppings.gpu_lora.peft.adapter import AdapterShape, LoraAdapter
 from toppings.server.config import LoraConfig
 from toppings.server.model.config import ModelConfig
 from toppings.server.requests.adapter_ref import AdapterRef

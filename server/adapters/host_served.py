@@ -21,7 +21,7 @@ from __future__ import annotations
 from toppings.gpu_lora.adapter_pool import ResidentAdapter
 from toppings.gpu_lora.cache import CacheEntry
 from toppings.gpu_lora.loader import LoadTicket
-from toppings.gpu_lora.peft_format import LoraAdapter
+from toppings.gpu_lora.peft.adapter import LoraAdapter
 
 
 class HostServed:

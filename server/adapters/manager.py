@@ -30,7 +30,7 @@ from toppings.gpu_lora.dora import BaseProjections
 from toppings.gpu_lora.host_memory import ContentKey
 from toppings.gpu_lora.kernels import select as select_lora_backend
 from toppings.gpu_lora.lora_batch import HostLoraStats
-from toppings.gpu_lora.peft_format import LoraAdapter
+from toppings.gpu_lora.peft.adapter import LoraAdapter
 from toppings.gpu_lora.targets import LORA_TARGETS
 from toppings.gpu_lora.trace import TraceRecorder
 from toppings.server.adapters.host import AdapterHost

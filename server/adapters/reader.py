@@ -19,7 +19,7 @@ import torch
 from toppings.gpu_lora.adapter_pool import AdapterPool
 from toppings.gpu_lora.cache import AdapterCache
 from toppings.gpu_lora.dora import BaseProjections, DoraScales, dora_scales
-from toppings.gpu_lora.peft_format import (
+from toppings.gpu_lora.peft.adapter import (
     AdapterError,
     AdapterShape,
     LoraAdapter,

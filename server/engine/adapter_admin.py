@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 
 from toppings.gpu_lora.host_memory import ContentKey
-from toppings.gpu_lora.peft_format import LoraAdapter
+from toppings.gpu_lora.peft.adapter import LoraAdapter
 from toppings.gpu_lora.validate import check_finite_delta
 from toppings.server.adapters.manager import AdapterManager
 from toppings.server.memory.manager import MemoryManager

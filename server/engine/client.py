@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from toppings.gpu_lora.host_memory import ContentKey
-from toppings.gpu_lora.peft_format import LoraAdapter
+from toppings.gpu_lora.peft.adapter import LoraAdapter
 from toppings.server.config import EngineConfig
 from toppings.server.model.config import ModelConfig
 from toppings.server.requests.adapter_ref import AdapterRef

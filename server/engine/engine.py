@@ -21,7 +21,7 @@ import threading
 import time
 
 from toppings.gpu_lora.host_memory import ContentKey
-from toppings.gpu_lora.peft_format import LoraAdapter
+from toppings.gpu_lora.peft.adapter import LoraAdapter
 from toppings.gpu_lora.trace import TraceRecorder
 from toppings.server.config import EngineConfig
 from toppings.server.engine import reports

@@ -25,7 +25,7 @@ import logging
 from dataclasses import dataclass, field
 
 from toppings.gpu_lora.cache import AdapterCache
-from toppings.gpu_lora.peft_format import LoraAdapter
+from toppings.gpu_lora.peft.adapter import LoraAdapter
 from toppings.server.kv_events.publisher import KVEventPublisher
 from toppings.server.memory.adapter_blocks import AdapterBlocks
 from toppings.server.memory.counters import MemoryCounters

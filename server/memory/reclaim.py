@@ -23,7 +23,7 @@ import time
 
 from toppings.gpu_lora.cache import AdapterCache
 from toppings.gpu_lora.eviction import Candidate, Eviction, ItemKind
-from toppings.gpu_lora.peft_format import LoraAdapter
+from toppings.gpu_lora.peft.adapter import LoraAdapter
 from toppings.server.memory.adapter_blocks import AdapterBlocks
 from toppings.server.memory.counters import MemoryCounters
 from toppings.server.memory.host_swap import HostSwap

@@ -28,8 +28,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from toppings.gpu_lora.host_memory import ContentKey
-from toppings.gpu_lora.peft_config import CONFIG_FILE, WEIGHTS_FILE
-from toppings.gpu_lora.peft_format import LoraAdapter
+from toppings.gpu_lora.peft.adapter import LoraAdapter
+from toppings.gpu_lora.peft.config import CONFIG_FILE, WEIGHTS_FILE
 
 
 @dataclass(frozen=True)

@@ -35,10 +35,10 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Protocol
 
-from toppings.gpu_lora.adapter_dir import file_size, open_dir, open_file
 from toppings.gpu_lora.host_memory import ContentKey
-from toppings.gpu_lora.peft_config import MAX_FILE_BYTES
-from toppings.gpu_lora.peft_format import LoraAdapter
+from toppings.gpu_lora.peft.adapter import LoraAdapter
+from toppings.gpu_lora.peft.config import MAX_FILE_BYTES
+from toppings.gpu_lora.peft.directory import file_size, open_dir, open_file
 from toppings.server.process.threads import torch_on_this_thread_only
 from toppings.server.resolver.host_tier import FileKey, HostTier, Prepared
 

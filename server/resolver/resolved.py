@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from toppings.gpu_lora.host_memory import ContentKey
-from toppings.gpu_lora.peft_format import LoraAdapter
+from toppings.gpu_lora.peft.adapter import LoraAdapter
 from toppings.server.requests.adapter_ref import AdapterRef
 from toppings.server.requests.errors import (
     NOT_FOUND,

@@ -6,7 +6,7 @@ import torch
 
 from tests.helpers import adapter_id, tiny_model_config
 from toppings.gpu_lora.kernels.reference import mbgmv_prefill
-from toppings.gpu_lora.peft_format import LoraAdapter
+from toppings.gpu_lora.peft.adapter import LoraAdapter
 from toppings.server.model.config import ModelConfig
 
 QKV = ("q_proj", "k_proj", "v_proj")

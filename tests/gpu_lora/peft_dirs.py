@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from toppings.gpu_lora.peft_config import CONFIG_FILE, WEIGHTS_FILE, module_name
+from toppings.gpu_lora.peft.config import CONFIG_FILE, WEIGHTS_FILE, module_name
 from toppings.gpu_lora.targets import ModelShapes
 
 

@@ -16,8 +16,8 @@ from safetensors.torch import load_file, save_file
 
 from tests.gpu_lora.test_peft_format import MODEL, edit_config, save_adapter
 from toppings.gpu_lora.brief import MAX_SHOWN_ITEMS
-from toppings.gpu_lora.peft_config import MAX_INVOCATION_TOKENS
-from toppings.gpu_lora.peft_format import AdapterError, inspect_peft_adapter, load_peft_adapter
+from toppings.gpu_lora.peft.adapter import AdapterError, inspect_peft_adapter, load_peft_adapter
+from toppings.gpu_lora.peft.config import MAX_INVOCATION_TOKENS
 
 SHORT = 400  # characters: a message naming the field and a few values, never the whole list
 

@@ -16,7 +16,7 @@ from toppings.gpu_lora.adapter_pool import AdapterPool
 from toppings.gpu_lora.cache import AdapterCache
 from toppings.gpu_lora.eviction import Eviction
 from toppings.gpu_lora.loader import PipelinedLoader
-from toppings.gpu_lora.peft_format import (
+from toppings.gpu_lora.peft.adapter import (
     AdapterError,
     LoraAdapter,
     inspect_peft_adapter,

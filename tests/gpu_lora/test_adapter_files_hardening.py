@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from tests.gpu_lora.test_peft_format import MODEL, save_adapter
-from toppings.gpu_lora.peft_config import MAX_PATTERN_CHARS, resolve_targets
-from toppings.gpu_lora.peft_format import AdapterError, load_peft_adapter, read_adapter_config
+from toppings.gpu_lora.peft.adapter import AdapterError, load_peft_adapter, read_adapter_config
+from toppings.gpu_lora.peft.config import MAX_PATTERN_CHARS, resolve_targets
 
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 # Backtracks exponentially in the length of the name before "q_proj": Python's `re` needs about

@@ -7,7 +7,7 @@ import gc
 import tracemalloc
 
 from tests.gpu_lora.test_peft_format import MODEL, save_adapter
-from toppings.gpu_lora.peft_format import load_peft_adapter
+from toppings.gpu_lora.peft.adapter import load_peft_adapter
 
 NUM_LOADS = 200
 

@@ -21,7 +21,7 @@ from toppings.gpu_lora.eviction import (
     make_policy,
 )
 from toppings.gpu_lora.loader import PipelinedLoader
-from toppings.gpu_lora.peft_format import LoraAdapter
+from toppings.gpu_lora.peft.adapter import LoraAdapter
 from toppings.server.memory.counters import MemoryCounters
 from toppings.server.memory.kv_cache import KVPool
 from toppings.server.memory.reclaim import Reclaimer

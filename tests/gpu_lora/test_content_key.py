@@ -9,7 +9,7 @@ import torch
 
 import toppings.gpu_lora.host_memory as host_memory
 from toppings.gpu_lora.host_memory import ContentKey, HostAdapterMemory, content_digest
-from toppings.gpu_lora.peft_format import LoraAdapter
+from toppings.gpu_lora.peft.adapter import LoraAdapter
 
 LAYERS, MODULES, RANK, WIDTH = 3, ("q_proj", "v_proj"), 4, 200
 

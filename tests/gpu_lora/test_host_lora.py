@@ -11,7 +11,7 @@ import torch
 from tests.gpu_lora.test_cache import CONFIG, adapter
 from toppings.gpu_lora.host_lora import HostLora
 from toppings.gpu_lora.kernels import native
-from toppings.gpu_lora.peft_format import LoraAdapter
+from toppings.gpu_lora.peft.adapter import LoraAdapter
 
 MODULES = ("q_proj", "k_proj", "v_proj")
 

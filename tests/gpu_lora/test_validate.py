@@ -7,8 +7,8 @@ import dataclasses
 import pytest
 import torch
 
-from toppings.gpu_lora.peft_config import AdapterError
-from toppings.gpu_lora.peft_format import LoraAdapter
+from toppings.gpu_lora.peft.adapter import LoraAdapter
+from toppings.gpu_lora.peft.config import AdapterError
 from toppings.gpu_lora.validate import check_finite_delta
 
 H = 64

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from transformers import AutoConfig, AutoTokenizer
 
-from toppings.gpu_lora.peft_format import load_peft_adapter
+from toppings.gpu_lora.peft.adapter import load_peft_adapter
 from toppings.scripts.demo_data import STYLES, caps, examples
 from toppings.scripts.train_demo_adapters import encode, is_trained, train_one
 from toppings.server.model.config import ModelConfig

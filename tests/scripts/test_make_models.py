@@ -9,7 +9,7 @@ import torch
 from peft import PeftModel
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from toppings.gpu_lora.peft_format import load_peft_adapter
+from toppings.gpu_lora.peft.adapter import load_peft_adapter
 from toppings.scripts import make_adapters, make_tiny_llama
 from toppings.scripts.make_adapters import make_random_adapter, make_random_adapters
 from toppings.server.model.config import ModelConfig

@@ -7,7 +7,7 @@ files against the digest the scheduler's registry holds for it. Only the two fil
 adapter needs are ever listed, served or written (FILES); nothing else of a directory leaves it.
 
 Every file is opened relative to its directory without following a symlink and checked on the
-opened descriptor (gpu_lora.adapter_dir): a file swapped for a symlink out of the adapter roots
+opened descriptor (gpu_lora.peft.directory): a file swapped for a symlink out of the adapter roots
 is never listed, hashed or served (an OSError instead).
 
 Digest: SHA-256 over the files in FILES order, each as its name, a zero byte, its size as 8
@@ -22,9 +22,9 @@ import os
 from collections.abc import Iterator
 from typing import BinaryIO
 
-from toppings.gpu_lora.adapter_dir import file_size, open_dir, open_file
-from toppings.gpu_lora.peft_config import CONFIG_FILE, WEIGHTS_FILE
-from toppings.gpu_lora.peft_config import MAX_FILE_BYTES as MAX_BYTES
+from toppings.gpu_lora.peft.config import CONFIG_FILE, WEIGHTS_FILE
+from toppings.gpu_lora.peft.config import MAX_FILE_BYTES as MAX_BYTES
+from toppings.gpu_lora.peft.directory import file_size, open_dir, open_file
 
 FILES = (CONFIG_FILE, WEIGHTS_FILE)
 CHUNK_BYTES = 1 << 20

@@ -6,7 +6,7 @@ A path with a `..` component is refused outright; every other path is resolved w
 `os.path.realpath` (symlinks included) and must stay inside a root, and so must the two files
 read from it (a 403 that names the escape). That check is on paths, and a file can be swapped
 for a symlink between the check and the read; so the loader opens the directory once and each
-file relative to it with O_NOFOLLOW, checking the opened file (gpu_lora.adapter_dir): adapter
+file relative to it with O_NOFOLLOW, checking the opened file (gpu_lora.peft.directory): adapter
 files must be regular files, and a symlinked one, even one pointing inside a root, fails the
 load with a 400. Only safetensors weights are ever read (the PEFT loader refuses pickle-only
 adapters).
@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import TypeVar
 
 from toppings.gpu_lora.host_memory import ContentKey
-from toppings.gpu_lora.peft_config import CONFIG_FILE, WEIGHTS_FILE, AdapterError
-from toppings.gpu_lora.peft_format import LoraAdapter
+from toppings.gpu_lora.peft.adapter import LoraAdapter
+from toppings.gpu_lora.peft.config import CONFIG_FILE, WEIGHTS_FILE, AdapterError
 from toppings.server.process.threads import torch_on_this_thread_only
 from toppings.server.requests.adapter_ref import NAME_RE, AdapterRef
 from toppings.server.requests.request import RequestError

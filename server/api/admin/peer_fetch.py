@@ -52,7 +52,7 @@ from urllib.parse import quote
 import requests
 import urllib3
 
-from toppings.gpu_lora.peft_config import AdapterError
+from toppings.gpu_lora.peft.config import AdapterError
 from toppings.server.api.admin.files import FILES, MAX_BYTES, Digest, adapter_digest, is_digest
 from toppings.server.api.admin.lifecycle import AdapterThread, check_name, is_within
 from toppings.server.requests.errors import NOT_FOUND, nests_too_deep, unknown_adapter

@@ -85,7 +85,7 @@ def test_a_bfloat16_engine_holds_and_charges_its_adapters_at_bfloat16(tiny_engin
 
 
 def test_the_sum_stops_at_the_budget_with_a_507(tiny_engine, tiny_model_dir, adapter_dirs):
-    from toppings.gpu_lora.peft_format import load_peft_adapter
+    from toppings.gpu_lora.peft.adapter import load_peft_adapter
     from toppings.server.model.loader import load_checkpoint
 
     root, dirs = adapter_dirs

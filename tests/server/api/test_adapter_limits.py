@@ -12,7 +12,7 @@ import pytest
 
 from tests.gpu_lora.peft_dirs import write_peft_adapter
 from tests.server.api.test_cli_errors import assert_refused, run
-from toppings.gpu_lora.peft_format import AdapterError
+from toppings.gpu_lora.peft.adapter import AdapterError
 from toppings.gpu_lora.targets import LORA_TARGETS
 from toppings.server.adapters import reader as adapter_reader
 from toppings.server.adapters.reader import derived_max_rank

@@ -169,7 +169,7 @@ def test_dora_adapter_files_that_do_not_fit_are_refused(llama, tmp_path):
     option still unsupported: each refused naming what is wrong."""
     import shutil
 
-    from toppings.gpu_lora.peft_format import AdapterError, load_peft_adapter
+    from toppings.gpu_lora.peft.adapter import AdapterError, load_peft_adapter
     from toppings.server.model.loader import load_checkpoint
 
     model_dir, adapters = llama

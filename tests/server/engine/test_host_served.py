@@ -12,7 +12,7 @@ from tests.server.engine.test_adapter_packing import drive
 from tests.server.engine.test_chunked_prefill import build_engine
 from tests.server.engine.test_exactness import NEW_TOKENS, assert_same_greedy, reference_greedy
 from toppings.gpu_lora.adapter_pool import AdapterPool
-from toppings.gpu_lora.peft_format import LoraAdapter
+from toppings.gpu_lora.peft.adapter import LoraAdapter
 from toppings.scripts.make_adapters import make_random_adapter
 from toppings.server.adapters.host_served import HostServed
 from toppings.server.config import EngineConfig

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests.server.engine.test_exactness import make_adapters
-from toppings.gpu_lora.peft_format import load_peft_adapter
+from toppings.gpu_lora.peft.adapter import load_peft_adapter
 from toppings.server.config import EngineConfig, LoraConfig, MemoryConfig
 from toppings.server.memory.build import build_memory
 from toppings.server.model.loader import load_checkpoint

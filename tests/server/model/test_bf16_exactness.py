@@ -38,7 +38,7 @@ when T == 1) moves single-stream logprobs by 0.8 to 5.7; off by one at every row
 catches, and the engine falls back to torch silently, which the kinds test below fails on; its
 zero correction skipped past the first 16 groups of a row (the works check and the tiny
 checkpoints have at most 4 groups) moves the wide checkpoint's logprobs by 5; the LoRA scale dropped
-(gpu_lora/peft_format.py, scale 1) moves the mean by 0.48 to 0.57; rsLoRA scaled as plain LoRA
+(gpu_lora/peft/adapter.py, scale 1) moves the mean by 0.48 to 0.57; rsLoRA scaled as plain LoRA
 (one adapter of three) by 0.11 to 0.15; the LoRA skipped in the native decode step at one row
 (csrc/decode_proj.c) moves single-stream logprobs by 0.4 to 1.9. int8 against the float model is
 below bf16's resolution (see the last test): at bf16 this checks int8's bf16 paths run right,
@@ -320,7 +320,7 @@ def test_bf16_adapters_served_on_the_host_match_bf16_peft(checkpoints, monkeypat
     logprobs as the pool's rows do. On SmolLM2's widths (the kernel's vector paths)."""
     from toppings.gpu_lora.adapter_pool import AdapterPool
     from toppings.gpu_lora.kernels import native
-    from toppings.gpu_lora.peft_format import inspect_peft_adapter
+    from toppings.gpu_lora.peft.adapter import inspect_peft_adapter
     from toppings.server.model.loader import load_checkpoint
 
     calls = []

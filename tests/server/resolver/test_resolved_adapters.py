@@ -16,7 +16,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from toppings.gpu_lora.host_memory import ContentKey
-from toppings.gpu_lora.peft_format import LoraAdapter
+from toppings.gpu_lora.peft.adapter import LoraAdapter
 from toppings.server.requests.adapter_ref import AdapterRef
 from toppings.server.requests.errors import NOT_FOUND, UNAVAILABLE, unknown_adapter
 from toppings.server.requests.request import RequestError

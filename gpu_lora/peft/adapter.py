@@ -1,9 +1,9 @@
 """PEFT LoRA adapters on disk: load adapter_model.safetensors, checked against the base model.
 
-An adapter directory holds `adapter_config.json` (see peft_config) and
+An adapter directory holds `adapter_config.json` (see `config`) and
 `adapter_model.safetensors`, as written by `PeftModel.save_pretrained`. The weights file is
 opened relative to the directory without following a symlink and checked on the opened file
-(gpu_lora.adapter_dir); safetensors then maps that very file through /proc/self/fd.
+(gpu_lora.peft.directory); safetensors then maps that very file through /proc/self/fd.
 """
 
 from __future__ import annotations
@@ -19,10 +19,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load
 
-from toppings.gpu_lora.adapter_dir import UnsafeFile, file_size, has_file, open_file
 from toppings.gpu_lora.brief import brief
 from toppings.gpu_lora.dora import DoraScales
-from toppings.gpu_lora.peft_config import (
+from toppings.gpu_lora.peft.config import (
     CONFIG_FILE,
     MAX_WEIGHTS_BYTES,
     PICKLE_FILE,
@@ -36,6 +35,7 @@ from toppings.gpu_lora.peft_config import (
     resolve_targets,
     shape_mismatch_cause,
 )
+from toppings.gpu_lora.peft.directory import UnsafeFile, file_size, has_file, open_file
 from toppings.gpu_lora.targets import ATTN_PROJECTIONS, LORA_TARGETS, ModelShapes
 
 __all__ = [

@@ -11,7 +11,7 @@ PEFT's `re`) under a time budget of REGEX_BUDGET_S for all matches of one adapte
 released while it runs (`concurrent=True`), so a catastrophically backtracking pattern fails
 the load with an AdapterError instead of stalling the server.
 
-The config is read through gpu_lora.adapter_dir: opened relative to the directory without
+The config is read through gpu_lora.peft.directory: opened relative to the directory without
 following a symlink, and checked on the opened file.
 """
 
@@ -27,8 +27,8 @@ from pathlib import Path
 
 import regex
 
-from toppings.gpu_lora.adapter_dir import UnsafeFile, open_dir, open_file
 from toppings.gpu_lora.brief import brief
+from toppings.gpu_lora.peft.directory import UnsafeFile, open_dir, open_file
 from toppings.gpu_lora.targets import ATTN_PROJECTIONS, LORA_TARGETS, ModelShapes
 
 CONFIG_FILE = "adapter_config.json"
