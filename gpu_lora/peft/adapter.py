@@ -3,13 +3,14 @@
 An adapter directory holds `adapter_config.json` (see `config`) and
 `adapter_model.safetensors`, as written by `PeftModel.save_pretrained`. The weights file is
 opened relative to the directory without following a symlink and checked on the opened file
-(gpu_lora.peft.directory); safetensors then maps that very file through /proc/self/fd.
+(gpu_lora.peft.directory), then read (gpu_lora.peft.tensors: by groups where its layout is the
+plain one, else by the safetensors library) and checked tensor by tensor against the config
+and the base model's shapes.
 """
 
 from __future__ import annotations
 
 import itertools
-import json
 import math
 import os
 import re
@@ -17,14 +18,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors.torch import load
 
 from toppings.gpu_lora.brief import brief
 from toppings.gpu_lora.dora import DoraScales
 from toppings.gpu_lora.peft.config import (
     CONFIG_FILE,
-    MAX_WEIGHTS_BYTES,
-    PICKLE_FILE,
     WEIGHTS_FILE,
     AdapterError,
     adapter_dir,
@@ -35,7 +33,14 @@ from toppings.gpu_lora.peft.config import (
     resolve_targets,
     shape_mismatch_cause,
 )
-from toppings.gpu_lora.peft.directory import UnsafeFile, file_size, has_file, open_file
+from toppings.gpu_lora.peft.tensors import (
+    abs_max,
+    held,
+    is_all_finite,
+    read_header,
+    read_held,
+    read_weights,
+)
 from toppings.gpu_lora.targets import ATTN_PROJECTIONS, LORA_TARGETS, ModelShapes
 
 __all__ = [
@@ -139,7 +144,7 @@ def inspect_peft_adapter(path: str | os.PathLike, model_config: ModelShapes) -> 
         cfg = read_config_at(dir_fd, root)
         targeted = resolve_targets(cfg, model_config, str(root / CONFIG_FILE))
         check_invocation_tokens(cfg, model_config.vocab_size, str(root / CONFIG_FILE))
-        header = _read_header(dir_fd, root)
+        header = read_header(dir_fd, root)
     ranks = [cfg["r"]]
     for key, info in header.items():
         shape = info.get("shape") if isinstance(info, dict) else None
@@ -153,60 +158,6 @@ def inspect_peft_adapter(path: str | os.PathLike, model_config: ModelShapes) -> 
         targeted=frozenset(targeted),
         modules=tuple(m for m in LORA_TARGETS if m in modules),
     )
-
-
-def _read_header(dir_fd: int, root: Path) -> dict:
-    """The JSON header of adapter_model.safetensors in the directory `dir_fd`: the name, dtype
-    and shape of each tensor (the format: an 8-byte little-endian length, then that many bytes
-    of JSON), read from the opened file without reading any tensor data."""
-    weights_path = root / WEIGHTS_FILE
-    _check_not_pickle_only(dir_fd, root)
-    try:
-        with open_file(dir_fd, WEIGHTS_FILE, MAX_WEIGHTS_BYTES) as f:
-            size = file_size(f)
-            prefix = f.read(8)
-            length = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
-            if not 0 < length <= size - 8:
-                raise AdapterError(f"{weights_path} is not a readable safetensors file")
-            header = json.loads(f.read(length))
-    except FileNotFoundError:
-        raise AdapterError(f"{WEIGHTS_FILE} missing in {str(root)!r}") from None
-    except UnsafeFile as exc:
-        raise AdapterError(f"{root}: {exc}") from None
-    except (ValueError, UnicodeDecodeError) as exc:  # not JSON
-        raise AdapterError(f"{weights_path} is not a readable safetensors file: {exc}") from None
-    except OSError as exc:
-        raise AdapterError(f"{weights_path} cannot be read: {exc}") from exc
-    if not isinstance(header, dict):
-        raise AdapterError(f"{weights_path} is not a readable safetensors file")
-    header.pop("__metadata__", None)
-    return header
-
-
-def _check_not_pickle_only(dir_fd: int, root: Path) -> None:
-    if not has_file(dir_fd, WEIGHTS_FILE) and has_file(dir_fd, PICKLE_FILE):
-        raise AdapterError(
-            f"{str(root)!r} has only {PICKLE_FILE} (a pickle); safetensors only: save the "
-            f"adapter with safe_serialization=True to get {WEIGHTS_FILE}"
-        )
-
-
-def abs_max(tensor: torch.Tensor) -> float:
-    """The largest magnitude in a float tensor: NaN where it holds a NaN, inf where an inf.
-    One reduction (`aminmax`) and no boolean mask per tensor: an adapter has hundreds of small
-    tensors, and `isfinite(t).all()` on each was the largest part of reading one; the bound
-    also serves the overflow check (gpu_lora.validate). A held B (the transpose of a contiguous
-    B^T) is reduced as B^T, in memory order: the same values, about 10x faster than strided."""
-    if tensor.dim() == 2 and not tensor.is_contiguous() and tensor.T.is_contiguous():
-        tensor = tensor.T
-    low, high = torch.aminmax(tensor)
-    low, high = low.item(), high.item()
-    return high if math.isnan(high) else max(-low, high)
-
-
-def is_all_finite(tensor: torch.Tensor) -> bool:
-    """Whether every value of a float tensor is finite."""
-    return math.isfinite(abs_max(tensor))
 
 
 def load_peft_adapter(
@@ -229,35 +180,18 @@ def load_peft_adapter(
         cfg = read_config_at(dir_fd, root)
         targeted = resolve_targets(cfg, model_config, str(root / CONFIG_FILE))
         check_invocation_tokens(cfg, model_config.vocab_size, str(root / CONFIG_FILE))
-        tensors = _read_weights(dir_fd, root)
+        hold = torch.float32 if cfg.get("use_dora") else dtype
+        fast = None if cfg.get("use_dora") else _read_grouped(dir_fd, root, cfg, targeted,
+                                                                model_config, hold)  # fmt: skip
+        tensors = read_weights(dir_fd, root) if fast is None else {}
     weights_path = root / WEIGHTS_FILE
     rank = cfg["r"]
-    halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-    bounds: dict[tuple[int, str], dict[str, float]] = {}  # max |A|, max |B| of each pair
     magnitudes = _magnitudes(tensors, cfg, targeted, model_config, weights_path)
-    hold = torch.float32 if cfg.get("use_dora") else dtype
-    for key, tensor in tensors.items():
-        if key in magnitudes:
-            continue
-        pair, half = _parse_key(key, targeted, model_config, weights_path)
-        if half in halves.setdefault(pair, {}):
-            raise AdapterError(f"{weights_path}: lora_{half} of {module_name(*pair)} appears twice")
-        in_f, out_f = model_config.projection_shape(pair[1])
-        want = (rank, in_f) if half == "A" else (out_f, rank)
-        if tuple(tensor.shape) != want:
-            raise AdapterError(
-                f"{weights_path}: tensor {brief(key)} has shape {list(tensor.shape)}, expected "
-                f"{list(want)} (r={rank}, base model {model_config.name!r}): "
-                f"{shape_mismatch_cause(pair[1], half, tensor.shape, want)}"
-            )
-        if not tensor.is_floating_point():
-            raise AdapterError(f"{weights_path}: tensor {brief(key)} has dtype {tensor.dtype}")
-        tensor = _held(tensor, half, hold)
-        bound = abs_max(tensor)
-        if not math.isfinite(bound):
-            raise AdapterError(f"{weights_path}: tensor {brief(key)} holds NaN or inf")
-        halves[pair][half] = tensor
-        bounds.setdefault(pair, {})[half] = bound
+    if fast is None:
+        halves, bounds = _check_each(tensors, magnitudes, rank, targeted, model_config,
+                                     weights_path, hold)  # fmt: skip
+    else:
+        halves, bounds = fast
 
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
     for pair in sorted(targeted, key=lambda p: (p[0], LORA_TARGETS.index(p[1]))):
@@ -290,12 +224,77 @@ def load_peft_adapter(
     )
 
 
-def _held(tensor: torch.Tensor, half: str, dtype: torch.dtype) -> torch.Tensor:
-    """A read tensor at `dtype`: A contiguous (the read's own buffer where it is so already), B
-    as the transpose of a contiguous B^T [R, out], the layout of the pool's rows."""
-    if half == "A":
-        return tensor.to(dtype).contiguous()
-    return torch.empty(tensor.shape[::-1], dtype=dtype).copy_(tensor.T).T
+def _read_grouped(
+    dir_fd: int, root: Path, cfg: dict, targeted: set, model_config: ModelShapes, hold
+) -> tuple[dict, dict] | None:
+    """Each targeted pair's held A and B and their bounds ({pair: {"A": ..., "B": ...}} each)
+    by the grouped reader (tensors.read_held), every check of `_check_each` passed; None where
+    that reader does not take the file or a check fails (the library's path then names it)."""
+    rank, halves_of, seen = cfg["r"], {}, set()
+
+    def want(key: str) -> tuple[str, tuple[int, int]] | None:
+        try:
+            pair, half = _parse_key(key, targeted, model_config, root)
+        except AdapterError:
+            return None
+        if (pair, half) in seen:
+            return None
+        seen.add((pair, half))
+        halves_of[key] = (pair, half)
+        in_f, out_f = model_config.projection_shape(pair[1])
+        return half, ((rank, in_f) if half == "A" else (out_f, rank))
+
+    read = read_held(dir_fd, root, want, hold)
+    if read is None or len(seen) != 2 * len(targeted):  # a pair's half missing
+        return None
+    halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    bounds: dict[tuple[int, str], dict[str, float]] = {}
+    for key, (tensor, bound) in read.items():
+        if not math.isfinite(bound):
+            return None
+        pair, half = halves_of[key]
+        halves.setdefault(pair, {})[half] = tensor
+        bounds.setdefault(pair, {})[half] = bound
+    return halves, bounds
+
+
+def _check_each(
+    tensors: dict[str, torch.Tensor],
+    magnitudes: dict,
+    rank: int,
+    targeted: set,
+    model_config: ModelShapes,
+    weights_path: Path,
+    hold: torch.dtype,
+) -> tuple[dict, dict]:
+    """Each pair's held A and B and their bounds from the library's tensors, each checked
+    (a known, targeted name once, its shape, a float dtype, finite values); raises AdapterError
+    naming the first that fails."""
+    halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    bounds: dict[tuple[int, str], dict[str, float]] = {}  # max |A|, max |B| of each pair
+    for key, tensor in tensors.items():
+        if key in magnitudes:
+            continue
+        pair, half = _parse_key(key, targeted, model_config, weights_path)
+        if half in halves.setdefault(pair, {}):
+            raise AdapterError(f"{weights_path}: lora_{half} of {module_name(*pair)} appears twice")
+        in_f, out_f = model_config.projection_shape(pair[1])
+        want = (rank, in_f) if half == "A" else (out_f, rank)
+        if tuple(tensor.shape) != want:
+            raise AdapterError(
+                f"{weights_path}: tensor {brief(key)} has shape {list(tensor.shape)}, expected "
+                f"{list(want)} (r={rank}, base model {model_config.name!r}): "
+                f"{shape_mismatch_cause(pair[1], half, tensor.shape, want)}"
+            )
+        if not tensor.is_floating_point():
+            raise AdapterError(f"{weights_path}: tensor {brief(key)} has dtype {tensor.dtype}")
+        tensor = held(tensor, half, hold)
+        bound = abs_max(tensor)
+        if not math.isfinite(bound):
+            raise AdapterError(f"{weights_path}: tensor {brief(key)} holds NaN or inf")
+        halves[pair][half] = tensor
+        bounds.setdefault(pair, {})[half] = bound
+    return halves, bounds
 
 
 def _magnitudes(
@@ -342,28 +341,6 @@ def _magnitudes(
                     f"of {module_name(*pair)} is missing"
                 )
     return found
-
-
-def _read_weights(dir_fd: int, root: Path) -> dict[str, torch.Tensor]:
-    """The tensors of adapter_model.safetensors in the directory `dir_fd` (`root` names it)."""
-    weights_path = root / WEIGHTS_FILE
-    _check_not_pickle_only(dir_fd, root)
-    try:
-        with open_file(dir_fd, WEIGHTS_FILE, MAX_WEIGHTS_BYTES) as f:
-            try:
-                # From bytes, not load_file(path): safetensors 0.8's file reader keeps about 10
-                # KiB of Python objects per file read, never freed (the soak's loads, issue 48).
-                # By name, as load_file gives them (the first bad tensor named is layer 0's).
-                return dict(sorted(load(f.read()).items()))
-            except Exception as exc:  # the Rust reader raises its own type for corrupt files
-                message = f"{weights_path} is not a readable safetensors file: {exc}"
-                raise AdapterError(message) from exc
-    except FileNotFoundError:
-        raise AdapterError(f"{WEIGHTS_FILE} missing in {str(root)!r}") from None
-    except UnsafeFile as exc:
-        raise AdapterError(f"{root}: {exc}") from None
-    except OSError as exc:
-        raise AdapterError(f"{weights_path} cannot be read: {exc}") from exc
 
 
 def _parse_key(

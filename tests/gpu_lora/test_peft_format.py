@@ -14,14 +14,9 @@ from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from toppings.gpu_lora.peft.adapter import (
-    AdapterError,
-    abs_max,
-    is_all_finite,
-    load_peft_adapter,
-    read_adapter_config,
-)
+from toppings.gpu_lora.peft.adapter import AdapterError, load_peft_adapter, read_adapter_config
 from toppings.gpu_lora.peft.config import MAX_WEIGHTS_BYTES
+from toppings.gpu_lora.peft.tensors import abs_max, is_all_finite
 from toppings.server.model.config import LORA_TARGETS, ModelConfig
 
 HF_CONFIG = LlamaConfig(
