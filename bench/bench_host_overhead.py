@@ -9,7 +9,10 @@ head of 64 dims) with its own forward ("real": the forward's Python and kernel c
 work too); the same engine with the forward replaced by one that returns zero logits at once
 ("none": the loop alone); and the same again with its decode steps through the CUDA-graph path
 ("graph": `DecodeGraphs` fills its step buffers from the decode rows and replays a stand-in
-graph that computes nothing: the host side of a GPU's graphed decode step, on a CPU). Each
+graph that computes nothing: the host side of a GPU's graphed decode step, on a CPU); and
+mixed steps ("mixed": forward as "none", the B decodes beside a `--chunk`-token piece of one long
+prompt under a budget of B + chunk tokens, an engine per B: its slope is what each decode row of
+a mixed step costs the host, where chunked prefill puts most steps under load). Each
 engine is driven step by step on this thread (no engine thread); for each batch size B, B
 requests are admitted and prefilled, then `--steps` decode steps are timed one by one.
 Rounds alternate the order of the (forward, batch) runs; per run the median step is kept.
@@ -29,6 +32,8 @@ pair is the "real" one (issue 63's bound: <= 150 us fixed, <= 10 us per request)
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import itertools
 import logging
 import statistics
 import tempfile
@@ -47,12 +52,14 @@ from toppings.server.model.graph_buckets import GraphBuckets
 from toppings.server.model.loader import load_checkpoint
 from toppings.server.process.gc_heap import freeze_startup_heap, thaw_heap
 from toppings.server.requests.request import GenerationRequest, SamplingParams
+from toppings.server.sched.step_budget import GEMM_TOKENS
 
 log = logging.getLogger(__name__)
 
 PROMPT = [5, 6, 7, 8]
 # the tiny model's own forward; one returning zero logits at once; decode by a free graph
 FORWARDS = ("real", "none", "graph")
+_PROMPTS = itertools.count()  # the first token of each mixed run's long prompt
 
 
 class FreeGraphs(DecodeGraphs):
@@ -94,10 +101,11 @@ def drive_until(engine: Engine, done, deadline_s: float = 120.0) -> None:
         engine.step()
 
 
-def decode_steps_us(engine: Engine, batch: int, steps: int) -> list[float]:
+def decode_steps_us(engine: Engine, batch: int, steps: int, chunk: int = 0) -> list[float]:
     """Wall time (us) of `steps` decode steps of `batch` requests, each request admitted and
     prefilled first (64 tokens to spare, so that none ends before its last timed step); then
-    aborted."""
+    aborted. chunk > 0: mixed steps instead, the `batch` decodes beside a `chunk`-token piece
+    of one long prompt each (the engine's step budget must be batch + chunk tokens)."""
     params = SamplingParams(max_new_tokens=steps + 64, temperature=0.0, ignore_eos=True)
     requests = [GenerationRequest(list(PROMPT), params, None) for _ in range(batch)]
     for request in requests:
@@ -105,12 +113,18 @@ def decode_steps_us(engine: Engine, batch: int, steps: int) -> list[float]:
     sched = engine.scheduler
     drive_until(engine, lambda: len(sched.running) == batch and not sched.queue
                 and all(s.output_ids for s in sched.running))  # fmt: skip
+    if chunk:
+        first = next(_PROMPTS)  # a prompt of its own: none of it in the prefix cache
+        prompt = [5 + (first + i) % 200 for i in range(chunk * (steps + 2))]
+        requests.append(GenerationRequest(prompt, params, None))
+        engine.submit(requests[-1])
     times = []
     for _ in range(steps):
         started = time.perf_counter()
         plan = engine.step()
         times.append((time.perf_counter() - started) * 1e6)
-        assert plan is not None and not plan.is_prefill and len(plan.seqs) == batch
+        assert plan is not None and plan.is_prefill == bool(chunk)
+        assert len(plan.seqs) == batch + bool(chunk) and sum(plan.tokens) == batch + chunk
     for request in requests:
         engine.abort(request.request_id)
     drive_until(engine, lambda: not sched.has_work())
@@ -138,6 +152,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="attention heads of the 64-wide model (kv heads: half, at least 1)",
     )
     add_output_thread_flag(p)
+    p.add_argument(
+        "--chunk",
+        type=int,
+        default=GEMM_TOKENS,  # the budget's floor beside a few decodes: every B gets the same
+        help="prompt tokens beside the decodes of a mixed step",
+    )
     p.add_argument("--quick", action="store_true", help="batches 1,8, 4 steps, 1 round")
     p.add_argument("--out", default="bench/results/host_overhead.json")
     return p.parse_args(argv)
@@ -155,6 +175,7 @@ def main(argv: list[str] | None = None) -> dict:
         Path(tempfile.mkdtemp(prefix="host_overhead_")) / "tiny",
         num_heads=args.heads,
         num_kv_heads=max(1, args.heads // 2),
+        max_position_embeddings=16384,  # room for the mixed steps' long prompt
     )
     tokens = max(batches) * 2 * (len(PROMPT) + args.steps + 64)  # room past block rounding
     output_thread = output_thread_setting(args.output_thread)
@@ -168,15 +189,29 @@ def main(argv: list[str] | None = None) -> dict:
             free_forward(engines[forward].model)
         elif forward == "graph":
             free_graphs(engines[forward])
+    for b in batches:  # mixed steps: a budget of b decodes and one chunk
+        mixed = dataclasses.replace(
+            config,
+            max_batch_size=b + 1,
+            chunked_prefill=True,
+            max_num_batched_tokens=b + args.chunk,
+            max_total_tokens=tokens + args.chunk * (args.steps + 8),
+        )
+        engines[("mixed", b)] = Engine(mixed, load_checkpoint(str(model_dir), "auto"))
+        free_forward(engines[("mixed", b)].model)
     freeze_startup_heap()  # as toppings-serve does once built (server/process/gc_heap.py)
-    medians = {f: {b: [] for b in batches} for f in FORWARDS}
+    runs = (*FORWARDS, "mixed")
+    medians = {f: {b: [] for b in batches} for f in runs}
     try:
-        for engine in engines.values():
-            decode_steps_us(engine, batches[0], 2)  # warm-up
+        for name, engine in engines.items():
+            warm = batches[0] if name in FORWARDS else name[1]
+            decode_steps_us(engine, warm, 2, 0 if name in FORWARDS else args.chunk)  # warm-up
         for round_idx in range(args.rounds):
-            order = [(f, b) for f in FORWARDS for b in batches]
+            order = [(f, b) for f in runs for b in batches]
             for forward, batch in order if round_idx % 2 == 0 else order[::-1]:
-                median = statistics.median(decode_steps_us(engines[forward], batch, args.steps))
+                engine = engines[forward] if forward != "mixed" else engines[(forward, batch)]
+                chunk = args.chunk if forward == "mixed" else 0
+                median = statistics.median(decode_steps_us(engine, batch, args.steps, chunk))
                 medians[forward][batch].append(median)
                 log.info("round %d, forward %s, batch %d: median step %.0f us", round_idx,
                          forward, batch, median)  # fmt: skip
@@ -209,7 +244,11 @@ def main(argv: list[str] | None = None) -> dict:
                                 "forwards": {"real": "its own forward (compute nearly nothing)",
                                              "none": "forward replaced by zero logits",
                                              "graph": "decode by a CUDA-graph stand-in that "
-                                                      "computes nothing"},
+                                                      "computes nothing",
+                                             "mixed": f"steps of the batch's decodes beside a "
+                                                      f"{args.chunk}-token prompt chunk, forward "
+                                                      f"as none"},
+                                "chunk": args.chunk,
                                 "threads": torch.get_num_threads(),
                                 "output_thread": args.output_thread},
                         metrics=metrics, argv=argv)  # fmt: skip
