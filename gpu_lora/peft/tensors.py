@@ -163,7 +163,10 @@ def _layout(header: dict, data_len: int, want) -> tuple[dict, list[str]] | None:
     for name, info in header.items():
         if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
             return None
-        dtype, shape, offsets = DTYPES.get(info["dtype"]), info["shape"], info["data_offsets"]
+        dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+        dtype = DTYPES.get(dtype) if isinstance(dtype, str) else None
+        if not (isinstance(shape, list) and all(type(x) is int for x in shape)):
+            return None  # the library takes integers only (not 4.0, not true)
         wanted = want(name)
         if dtype is None or wanted is None or shape != list(wanted[1]):
             return None

@@ -128,6 +128,25 @@ def test_files_it_does_not_take_go_to_the_library(tmp_path):
     assert _grouped(root, torch.float32) is None
     with pytest.raises(AdapterError, match="not a readable safetensors file"):
         load_peft_adapter(root, MODEL)
+    # a shape of floats (equal to the wanted ints in Python): left to the library, which refuses
+    header, data = {}, b""
+    for key, tensor in sorted(tensors.items()):
+        raw = tensor.contiguous().numpy().tobytes()
+        header[key] = {"dtype": "F32", "shape": [float(n) for n in tensor.shape],
+                       "data_offsets": [len(data), len(data) + len(raw)]}  # fmt: skip
+        data += raw
+    _write_raw(root / WEIGHTS_FILE, header, data)
+    assert _grouped(root, torch.float32) is None
+    with pytest.raises(AdapterError, match="not a readable safetensors file"):
+        load_peft_adapter(root, MODEL)
+    # a dtype that is not a name (a list; the shapes integers again): left to the library
+    for info in header.values():
+        info["shape"] = [int(n) for n in info["shape"]]
+    _write_raw(root / WEIGHTS_FILE, header, data)
+    assert _grouped(root, torch.float32) is not None  # the control: this file is taken
+    header[next(iter(header))]["dtype"] = ["F32"]
+    _write_raw(root / WEIGHTS_FILE, header, data)
+    assert _grouped(root, torch.float32) is None
     # metadata that is not a map of strings: left to the library
     header, data = {"__metadata__": {"format": 1}}, b""
     for key, tensor in sorted(tensors.items()):
