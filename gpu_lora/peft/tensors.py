@@ -123,8 +123,9 @@ def read_held(
             slots.update((name, flat[i]) for i, name in enumerate(names))
         _read_into(f.fileno(), data_start, [slots[name] for name in order])
     held = {}
-    for (half, shape, _), names in groups.items():
-        kept = _kept(stores[(half, shape, _)], half, hold)  # [n, R, in] or [n, R, out]
+    for group, names in groups.items():
+        half = group[0]
+        kept = _kept(stores[group], half, hold)  # [n, R, in] or [n, R, out]
         bounds = _bounds(kept)
         for i, name in enumerate(names):
             held[name] = (kept[i] if half == "A" else kept[i].T, bounds[i])
