@@ -11,13 +11,14 @@ Two readers give the same tensors:
   then each converted (`held`) and bounded (`abs_max`) one by one: three copies of B, two of A,
   and a few torch calls for each of an adapter's hundreds of tensors;
 - `read_held`, for a file whose header is exactly what the library accepts and whose tensors
-  are all at float32, bfloat16 or float16: tensors of one (half, shape, dtype) are a group, read
-  by one scatter read (`os.preadv`) each straight into its slot of the group's store [n, ...]
-  (A: the store the adapter keeps where the dtypes agree; B: a scratch [n, out, R] that one copy
-  transposes into the kept [n, R, out]), and each group bounded by one reduction over its
-  members. A resolution on first use reads on the request path beside the engine on a machine
-  whose other cores serve HTTP (issue 64): this reader moves each byte once or twice and makes
-  tens of torch calls, not a thousand.
+  are all at float32, bfloat16 or float16: tensors of one (half, shape, dtype) are a group with
+  one store [n, ...]; one scatter read of the whole data (`os.preadv`, IOV_MAX buffers a call)
+  puts each tensor straight into its slot (A: the store the adapter keeps where the dtypes
+  agree; B: a scratch [n, out, R] that one copy a group transposes into the kept [n, R, out]),
+  and each tensor is bounded by one whole-tensor reduction, read back once a group. A
+  resolution on first use reads on the request path beside the engine on a machine whose other
+  cores serve HTTP (issue 64): this reader moves each byte once or twice and makes a few torch
+  calls per tensor and group, not a dozen per tensor.
 The library stays the oracle: tests read every supported layout both ways; `read_held` returns
 None for anything else (its caller reads with the library, which raises the library's error).
 """

@@ -105,6 +105,20 @@ def _write_raw(path: Path, header: dict, data: bytes) -> None:
     path.write_bytes(struct.pack("<Q", len(text)) + text + data)
 
 
+def _raw(tensors: dict, gap: int = 0, shape=list) -> tuple[dict, bytes]:
+    """A float32 safetensors header and data of `tensors` written by hand, `gap` zero bytes
+    after each tensor but the last, each shape given as `shape(tensor.shape)`."""
+    header, data = {}, b""
+    for key, tensor in sorted(tensors.items()):
+        if data:
+            data += b"\0" * gap
+        raw = tensor.contiguous().numpy().tobytes()
+        header[key] = {"dtype": "F32", "shape": shape(tensor.shape),
+                       "data_offsets": [len(data), len(data) + len(raw)]}  # fmt: skip
+        data += raw
+    return header, data
+
+
 def test_files_it_does_not_take_go_to_the_library(tmp_path):
     root = tmp_path / "qv"
     save_adapter(root, r=2, target_modules=["q_proj"])
@@ -117,44 +131,25 @@ def test_files_it_does_not_take_go_to_the_library(tmp_path):
     for pair, (a, b) in reference.weights.items():
         assert torch.equal(wide.weights[pair][0], a) and torch.equal(wide.weights[pair][1], b)
     # a gap between two tensors' bytes: not a file the library reads either
-    header, data, offset = {}, b"", 0
-    for key, tensor in sorted(tensors.items()):
-        raw = tensor.contiguous().numpy().tobytes()
-        header[key] = {"dtype": "F32", "shape": list(tensor.shape),
-                       "data_offsets": [offset, offset + len(raw)]}  # fmt: skip
-        data += raw + b"\0" * 4
-        offset += len(raw) + 4
-    _write_raw(root / WEIGHTS_FILE, header, data[:-4])
+    _write_raw(root / WEIGHTS_FILE, *_raw(tensors, gap=4))
     assert _grouped(root, torch.float32) is None
     with pytest.raises(AdapterError, match="not a readable safetensors file"):
         load_peft_adapter(root, MODEL)
     # a shape of floats (equal to the wanted ints in Python): left to the library, which refuses
-    header, data = {}, b""
-    for key, tensor in sorted(tensors.items()):
-        raw = tensor.contiguous().numpy().tobytes()
-        header[key] = {"dtype": "F32", "shape": [float(n) for n in tensor.shape],
-                       "data_offsets": [len(data), len(data) + len(raw)]}  # fmt: skip
-        data += raw
-    _write_raw(root / WEIGHTS_FILE, header, data)
+    _write_raw(root / WEIGHTS_FILE, *_raw(tensors, shape=lambda s: [float(n) for n in s]))
     assert _grouped(root, torch.float32) is None
     with pytest.raises(AdapterError, match="not a readable safetensors file"):
         load_peft_adapter(root, MODEL)
-    # a dtype that is not a name (a list; the shapes integers again): left to the library
-    for info in header.values():
-        info["shape"] = [int(n) for n in info["shape"]]
+    # a dtype that is not a name (a list): left to the library
+    header, data = _raw(tensors)
     _write_raw(root / WEIGHTS_FILE, header, data)
     assert _grouped(root, torch.float32) is not None  # the control: this file is taken
     header[next(iter(header))]["dtype"] = ["F32"]
     _write_raw(root / WEIGHTS_FILE, header, data)
     assert _grouped(root, torch.float32) is None
     # metadata that is not a map of strings: left to the library
-    header, data = {"__metadata__": {"format": 1}}, b""
-    for key, tensor in sorted(tensors.items()):
-        raw = tensor.contiguous().numpy().tobytes()
-        header[key] = {"dtype": "F32", "shape": list(tensor.shape),
-                       "data_offsets": [len(data), len(data) + len(raw)]}  # fmt: skip
-        data += raw
-    _write_raw(root / WEIGHTS_FILE, header, data)
+    header, data = _raw(tensors)
+    _write_raw(root / WEIGHTS_FILE, {"__metadata__": {"format": 1}, **header}, data)
     assert _grouped(root, torch.float32) is None
 
 
