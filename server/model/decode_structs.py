@@ -12,7 +12,7 @@ import enum
 import torch
 
 from toppings.server.config import Quantization
-from toppings.server.model.linear import GEMV_MAX_ROWS, Linear, gemv_kernel
+from toppings.server.model.linear import Linear, gemv_kernel
 from toppings.server.model.quant import QuantizedLinear
 
 
@@ -26,12 +26,13 @@ class GemvKind(enum.IntEnum):
     INT8 = 4
     INT4 = 5
     INT4_BF16 = 6
+    BF16_TILES = 7
 
 
 # the plain weights' kinds, by linear.py's kernel names
 GEMV_KINDS = {
     "gemv_f32": GemvKind.F32, "gemv_bf16": GemvKind.BF16, "gemv_f32_avx2": GemvKind.F32_AVX2,
-    "gemv_bf16_avx2": GemvKind.BF16_AVX2,
+    "gemv_bf16_avx2": GemvKind.BF16_AVX2, "gemv_bf16_tiles": GemvKind.BF16_TILES,
 }  # fmt: skip
 
 
@@ -121,11 +122,11 @@ def native_proj(proj: Linear | QuantizedLinear, dtype: torch.dtype) -> tuple[Pro
         return None
     bias_ptr = None if bias is None else bias.data_ptr()
     if isinstance(proj, Linear):
-        plain, kernel = proj.gemv_weight, gemv_kernel(dtype)
-        if plain is None or kernel is None or plain.dtype != dtype:
+        copy, kernel = proj.gemv_weight, gemv_kernel(dtype)
+        if copy is None or kernel is None or copy.dtype != dtype:
             return None
-        struct = Proj(GEMV_KINDS[kernel[0]], plain.data_ptr(), None, None, bias_ptr, *plain.shape)
-        return struct, GEMV_MAX_ROWS
+        struct = Proj(GEMV_KINDS[kernel.name], copy.data_ptr(), None, None, bias_ptr, *copy.shape)
+        return struct, proj.gemv_rows
     if proj.gemv_rows == 0 or proj.dtype != dtype:
         return None
     shape = (proj.out_features, proj.in_features)

@@ -233,8 +233,9 @@ class LlamaModel:
         else:
             head_weight = self.embed if tied else read.tensor("lm_head.weight")
             self.lm_head = Linear(head_weight, pack_cpu_weights, plain_gemv)
-            if tied and self.lm_head.gemv_weight is not None:  # one copy: the GEMV's placed one
-                self.embed = self.lm_head.gemv_weight
+            plain = self.lm_head.gemv_weight if not self.lm_head.gemv_tiled else None
+            if tied and plain is not None:  # one copy: the GEMV's placed one
+                self.embed = plain
         self.layers = [read.layer(config, i) for i in range(config.num_layers)]
         inv_freq = rope_inv_freq(config)  # [D/2]
         angles = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)

@@ -37,7 +37,7 @@ from toppings.gpu_lora.kernels import native_build
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = (
-    "attention.c", "attention_tiles.c", "elementwise.c", "linear.c", "gemv_int8.c",
+    "attention.c", "attention_tiles.c", "elementwise.c", "linear.c", "gemv_tiles.c", "gemv_int8.c",
     "gemv_int4_bf16.c", "decode_proj.c", "decode_layer.c", "logits.c", "dequant_int4.c",
 )  # fmt: skip
 # what the sources include besides common.h: part of the key
@@ -57,6 +57,8 @@ SIGNATURES = {  # as native_api.h declares them; each returns an int, a native_b
     "kv_write": [_P, _P, _I64, _P, _P, _P] + [_I64] * 5 + [_I],
     "gemv_bf16": [_P, _I64, _P, _I64, _I64, _P, _I64, _I64, _I],
     "gemv_f32": [_P, _I64, _P, _I64, _I64, _P, _I64, _I64, _I],
+    "gemv_bf16_tiles": [_P, _I64, _P, _I64, _I64, _P, _I64, _I64, _I],
+    "pack_bf16_tiles": [_P, _I64, _I64, _P],
     "gemv_f32_avx2": [_P, _I64, _P, _I64, _I64, _P, _I64, _I64, _I],
     "gemv_bf16_avx2": [_P, _I64, _P, _I64, _I64, _P, _I64, _I64, _I],
     "gemv_int8": [_P, _I64, _I, _P, _P, _I64, _I64, _P, _I64, _I64, _I, _I],

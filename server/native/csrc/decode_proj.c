@@ -20,6 +20,9 @@ static int proj_gemv(const Proj *p, const void *x, int64_t ld_x, void *y, int64_
     case GEMV_BF16:
         failed = gemv_bf16(x, ld_x, p->w, p->out, p->in, y, ld_y, T, num_threads);
         break;
+    case GEMV_BF16_TILES:
+        failed = gemv_bf16_tiles(x, ld_x, p->w, p->out, p->in, y, ld_y, T, num_threads);
+        break;
     case GEMV_F32_AVX2:
         failed = gemv_f32_avx2(x, ld_x, p->w, p->out, p->in, y, ld_y, T, num_threads);
         break;
@@ -57,7 +60,7 @@ static Proj proj_rows(const Proj *p, int64_t r0, int64_t r1, int is_bf16) {
     const char *w = p->w;
     switch (p->kind) {
     case GEMV_F32: case GEMV_F32_AVX2: s.w = w + r0 * p->in * 4; break;
-    case GEMV_BF16: case GEMV_BF16_AVX2: s.w = w + r0 * p->in * 2; break;
+    case GEMV_BF16: case GEMV_BF16_AVX2: case GEMV_BF16_TILES: s.w = w + r0 * p->in * 2; break;
     case GEMV_INT8: s.w = w + r0 * p->in, s.scale = p->scale + r0; break;
     case GEMV_INT4:
         s.w = w + r0 * p->in / 2, s.scale = p->scale + r0 * groups;

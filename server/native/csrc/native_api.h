@@ -25,13 +25,15 @@ typedef enum {
     GEMV_BF16_AVX2 = 3,
     GEMV_INT8 = 4,
     GEMV_INT4 = 5,
-    GEMV_INT4_BF16 = 6
+    GEMV_INT4_BF16 = 6,
+    GEMV_BF16_TILES = 7
 } GemvKind;
 
 /* One projection and the GEMV that runs it (decode_structs.py's `Proj`). */
 typedef struct {
     int64_t kind;        /* a GemvKind */
-    const void *w;       /* the plain weight [out, in], or int8 values / packed int4 values */
+    const void *w;       /* the plain weight [out, in], its tiles (GEMV_BF16_TILES), or int8
+                            values / packed int4 values */
     const float *scale;  /* int8: [out]; int4: [out, in / 32]; int4 bf16: its uint32 scale-zero
                             pairs [out, in / 32]; else NULL */
     const float *offset; /* int4: [out, in / 32]; else NULL */
@@ -157,7 +159,7 @@ int silu_mul(const void *gu, int64_t ld_gu, void *out, int64_t T, int64_t I, int
 int kv_write(const void *k, const void *v, int64_t ld, void *kc, void *vc, const int64_t *slots,
              int64_t T, int64_t K, int64_t D, int64_t S, int64_t elem_bytes, int num_threads);
 
-/* ---- linear.c, gemv_int8.c, gemv_int4_bf16.c: GEMVs of a few rows ---- */
+/* ---- linear.c, gemv_tiles.c, gemv_int8.c, gemv_int4_bf16.c: GEMVs of a few rows ---- */
 
 /* gemv_int8's and gemv_int4's `isa` (quant_gemv.py's GEMV_ISA). */
 typedef enum { ISA_BEST = 0, ISA_AVX2 = 1, ISA_C = 2, ISA_AVX512 = 512 } GemvIsa;
@@ -166,6 +168,9 @@ int gemv_bf16(const uint16_t *x, int64_t ld_x, const uint16_t *W, int64_t out, i
               uint16_t *y, int64_t ld_y, int64_t T, int num_threads);
 int gemv_f32(const float *x, int64_t ld_x, const float *W, int64_t out, int64_t in, float *y,
              int64_t ld_y, int64_t T, int num_threads);
+int gemv_bf16_tiles(const uint16_t *x, int64_t ld_x, const uint16_t *P, int64_t out, int64_t in,
+                    uint16_t *y, int64_t ld_y, int64_t T, int num_threads);
+int pack_bf16_tiles(const uint16_t *W, int64_t out, int64_t in, uint16_t *P);
 int gemv_f32_avx2(const float *x, int64_t ld_x, const float *W, int64_t out, int64_t in, float *y,
                   int64_t ld_y, int64_t T, int num_threads);
 int gemv_bf16_avx2(const uint16_t *x, int64_t ld_x, const uint16_t *W, int64_t out, int64_t in,

@@ -227,14 +227,15 @@ def test_avx2_float_gemv_matches_f_linear(shape, dtype):
     if not {"avx2", "fma"} <= cpu_flags():
         pytest.skip("no AVX2 + FMA here")
     name = "gemv_f32_avx2" if dtype == torch.float32 else "gemv_bf16_avx2"
+    kernel = linear_module.GemvKernel(name, 16, 4)
     gen = torch.Generator().manual_seed(shape[0])
     weight = (torch.randn(shape, generator=gen) * 0.05).to(dtype)
     for rows in (1, 2, 3, 4):
         x = torch.randn(rows, shape[1], generator=gen).to(dtype)
-        got = linear_module._gemv(x, weight, name)
+        got = linear_module._gemv(x, weight, kernel)
         assert got is not None and got.dtype == dtype
         check_close(got, F.linear(x.double(), weight.double()), dtype)
-    assert linear_module._gemv(torch.randn(5, shape[1]).to(dtype), weight, name) is None
+    assert linear_module._gemv(torch.randn(5, shape[1]).to(dtype), weight, kernel) is None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -251,7 +252,7 @@ def test_linear_takes_the_avx2_gemv_where_the_avx512_ones_are_missing(dtype, mon
         gen = torch.Generator().manual_seed(6)
         weight = torch.randn(208, 80, generator=gen).to(dtype)  # 80: not 32 | in, 16 | in
         linear = Linear(weight.clone(), pack=True, plain_gemv=True)
-        assert linear._plain is not None
+        assert linear.gemv_weight is not None
         x = torch.randn(3, 80, generator=gen).to(dtype)
         check_close(linear(x), F.linear(x.double(), weight.double()), dtype)
     finally:
@@ -265,19 +266,30 @@ def _gemv_table():
 def test_the_avx512_kernels_come_first_where_the_cpu_has_them():
     flags = cpu_flags()
     if "avx512f" in flags:
-        assert linear_module.gemv_kernel(torch.float32) == ("gemv_f32", 16)
-    if "avx512_bf16" in flags:
-        assert linear_module.gemv_kernel(torch.bfloat16) == ("gemv_bf16", 32)
+        assert linear_module.gemv_kernel(torch.float32).name == "gemv_f32"
+    if "avx512_bf16" in flags:  # the tiles first where they run (AMX, Linux 5.16 on)
+        tiles = "amx_bf16" in flags and tiles_run_here()
+        want = "gemv_bf16_tiles" if tiles else "gemv_bf16"
+        assert linear_module.gemv_kernel(torch.bfloat16).name == want
+
+
+def tiles_run_here() -> bool:
+    """Whether gemv_bf16_tiles runs here (it declines without AMX or the kernel's permission)."""
+    weight = torch.randn(16, 32).bfloat16()
+    kernel = linear_module.GemvKernel("gemv_bf16_tiles", 32, 16, tiled=True)
+    x = torch.randn(1, 32).bfloat16()
+    return linear_module._gemv(x, linear_module.pack_tiles(weight), kernel) is not None
 
 
 def build_without(tmp_path, flags: list[str]) -> ctypes.CDLL:
-    """linear.c, gemv_int8.c and gemv_int4_bf16.c built as the library is, plus `flags` (an
-    older ISA)."""
+    """linear.c, gemv_tiles.c, gemv_int8.c and gemv_int4_bf16.c built as the library is, plus
+    `flags` (an older ISA)."""
     compiler = shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         pytest.skip("no C compiler")
     out = tmp_path / "gemv.so"
-    sources = [str(native.CSRC / s) for s in ("linear.c", "gemv_int8.c", "gemv_int4_bf16.c")]
+    names = ("linear.c", "gemv_tiles.c", "gemv_int8.c", "gemv_int4_bf16.c")
+    sources = [str(native.CSRC / s) for s in names]
     subprocess.run(
         [compiler, *native_build.FLAGS, *flags, f"-I{native_build.INCLUDE_DIR}", *sources,
          "-o", str(out), "-lm"],
@@ -322,8 +334,9 @@ def call_int4(lib, x, packed, scales, offsets):
 @pytest.mark.parametrize("build", ["avx2", "plain"])
 def test_builds_without_avx512_run_and_match(tmp_path, build):
     """The library built with -mno-avx512f (what -march=native gives on an AVX2-only EPYC): the
-    AVX-512 GEMVs decline, the AVX2 ones and the int8 GEMV's best (AVX2) match float64; built
-    also without AVX2 / FMA: the int8 GEMV's best is plain C, the float GEMVs all decline."""
+    AVX-512 GEMVs (the AMX one too) decline, the AVX2 ones and the int8 GEMV's best (AVX2) match
+    float64; built also without AVX2 / FMA: the int8 GEMV's best is plain C, the float GEMVs all
+    decline."""
     flags = cpu_flags()
     if not {"avx2", "fma"} <= flags:
         pytest.skip("this CPU cannot run the AVX2 build")
@@ -350,6 +363,8 @@ def test_builds_without_avx512_run_and_match(tmp_path, build):
                 w = plain.to(dtype)
                 avx512_name = "gemv_f32" if dtype == torch.float32 else "gemv_bf16"
                 assert call_float(lib, avx512_name, x, w) is None
+                if dtype == torch.bfloat16:  # the tiles' kernel needs AVX-512 too
+                    assert call_float(lib, "gemv_bf16_tiles", x, w) is None
                 name = "gemv_f32_avx2" if dtype == torch.float32 else "gemv_bf16_avx2"
                 got = call_float(lib, name, x, w)
                 if build == "plain":

@@ -75,7 +75,7 @@ def test_f32_gemv_matches_f_linear(rows):
     weight = torch.randn(208, 80, generator=gen)
     x = torch.randn(rows, 80, generator=gen)
     linear = Linear(weight.clone(), pack=True, plain_gemv=True)
-    assert linear._plain is not None  # the GEMV's copy is kept
+    assert linear.gemv_weight is not None  # the GEMV's copy is kept
     got = linear(x)
     assert got.dtype == torch.float32 and got.shape == (rows, 208)
     want = F.linear(x.double(), weight.double())
@@ -95,7 +95,7 @@ def test_no_plain_copy_where_the_gemv_cannot_run(shape, dtype):
     """72 inputs (not 32 | in for bf16, not 16 | in for float32), 200 outputs (not 16 | out),
     float64 (no GEMV): oneDNN's path only."""
     linear = Linear(torch.randn(*shape).to(dtype), pack=True, plain_gemv=True)
-    assert linear._plain is None
+    assert linear.gemv_weight is None
     assert linear(torch.randn(2, shape[1]).to(dtype)).shape == (2, shape[0])
 
 
