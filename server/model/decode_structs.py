@@ -12,7 +12,7 @@ import enum
 import torch
 
 from toppings.server.config import Quantization
-from toppings.server.model.linear import Linear, gemv_kernel
+from toppings.server.model.linear import Linear
 from toppings.server.model.quant import QuantizedLinear
 
 
@@ -122,8 +122,8 @@ def native_proj(proj: Linear | QuantizedLinear, dtype: torch.dtype) -> tuple[Pro
         return None
     bias_ptr = None if bias is None else bias.data_ptr()
     if isinstance(proj, Linear):
-        copy, kernel = proj.gemv_weight, gemv_kernel(dtype)
-        if copy is None or kernel is None or copy.dtype != dtype:
+        copy, kernel = proj.gemv_weight, proj.native_gemv
+        if copy is None or copy.dtype != dtype:
             return None
         struct = Proj(GEMV_KINDS[kernel.name], copy.data_ptr(), None, None, bias_ptr, *copy.shape)
         return struct, proj.gemv_rows

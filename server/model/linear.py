@@ -65,11 +65,20 @@ class Linear:
         self._copy = place(gemv_layout(weight, kernel)) if kernel is not None else None
         if not self.is_packed and self._copy is not None and not kernel.tiled:
             self._weight = self._copy
-        self.gemv_tiled = kernel is not None and kernel.tiled
-        self.gemv_rows = kernel.max_rows if kernel is not None else 0
+        self.native_gemv = kernel  # what its decode rows run (decode_structs.py reads it too)
         # The GEMV's kernel and weight bound once: a decode step makes ~120 of these calls, and
         # looking both up per call was a visible share of the step's host time (probe_step_glue).
         self._gemv = _bound_gemv(self._copy, kernel) if self._copy is not None else None
+
+    @property
+    def gemv_rows(self) -> int:
+        """The most rows its native GEMV takes (0: none runs here)."""
+        return self.native_gemv.max_rows if self._gemv is not None else 0
+
+    @property
+    def gemv_tiled(self) -> bool:
+        """Whether `gemv_weight` is in gemv_tiles.c's tiles rather than plain."""
+        return self._gemv is not None and self.native_gemv.tiled
 
     @property
     def gemv_weight(self) -> torch.Tensor | None:
