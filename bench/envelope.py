@@ -7,6 +7,7 @@ import datetime
 import json
 import os
 import platform
+import shlex
 import sys
 from pathlib import Path
 
@@ -36,10 +37,13 @@ def describe_device(device: str = "cpu") -> str:
 
 
 def command_line(module: str, argv: list[str] | None = None) -> str:
-    """`python -m bench.MODULE ARGS`, behind `nice -n N` when the run was reniced."""
+    """`python -m bench.MODULE ARGS`, behind `nice -n N` when the run was reniced and behind the
+    TOPPINGS_* variables set (they change what the servers build and run)."""
     args = sys.argv[1:] if argv is None else argv
     nice = f"nice -n {os.nice(0)} " if os.nice(0) else ""
-    return f"{nice}python -m bench.{module} " + " ".join(args)
+    env = "".join(f"{k}={shlex.quote(v)} " for k, v in sorted(os.environ.items())
+                  if k.startswith("TOPPINGS_"))  # fmt: skip
+    return f"{env}{nice}python -m bench.{module} " + " ".join(args)
 
 
 def write_result(
