@@ -1,10 +1,10 @@
-"""Decode steps at 1-16 requests: the GEMV on AMX's tile unit against the kernels before it.
+"""Decode steps at 1-32 requests: the GEMV on AMX's tile unit against the kernels before it.
 
-    python -m bench.bench_decode_rows [--batches 1,2,4,8,16] [--rounds 3]
+    python -m bench.bench_decode_rows [--batches 1,2,4,8,16,32] [--rounds 3]
 
 Two engines of one model (SmolLM2, bfloat16, by default) in this process, equal but for the base
 model's projections at a decode step's rows (server/model/linear.py):
-- `tiles`: the engine's choice on a CPU with AMX, `gemv_bf16_tiles` (csrc/gemv_tiles.c) at 1-16
+- `tiles`: the engine's choice on a CPU with AMX, `gemv_bf16_tiles` (csrc/gemv_tiles.c) at 1-32
   rows, from a copy of the weights in the tile unit's layout;
 - `vectors`: the kernels before it, `gemv_bf16` (avx512_bf16) at 1-4 rows and oneDNN's packed
   GEMM past 4 (the engine's choice on a CPU with avx512_bf16 and no AMX).
@@ -95,7 +95,7 @@ def decode_steps(engine: Engine, adapters: list, steps: int, seed: int) -> list[
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2")
-    p.add_argument("--batches", default="1,2,4,8,16")
+    p.add_argument("--batches", default="1,2,4,8,16,32")
     p.add_argument("--adapters", type=int, default=8, help="distinct adapters (0: base only)")
     p.add_argument("--adapter-dir", type=Path, default=ADAPTER_DIR)
     p.add_argument("--steps", type=int, default=30, help="timed decode steps per batch")

@@ -11,14 +11,14 @@ when they are missing or disagree. On a GPU nothing is packed.
 At a decode step's few rows a bf16 projection only streams its weight, which oneDNN's packed
 GEMM does well below the memory's bandwidth: there a native GEMV reads a copy of the weight of its
 own instead (`gemv_kernel`). Where the CPU has AMX, `gemv_bf16_tiles` (`csrc/gemv_tiles.c`) takes
-1-16 rows at the cost of one, from a copy laid out in the tile unit's 1 KiB tiles; else
-`gemv_bf16` (`csrc/linear.c`, faster than oneDNN at 1-4 rows: bench_single_stream) reads a plain
-copy, where the CPU has avx512_bf16; float32 likewise has `gemv_f32` where the CPU has AVX-512; a
-CPU with AVX2 + FMA only (AMD EPYC before Zen 4) gets float32 GEMVs of either dtype
-(`csrc/gemv_int8.c`). The copy doubles the weights' memory (a tied lm_head's plain copy is the
-embedding's too), which is why `LlamaModel(plain_gemv=...)` decides it once for the whole model
-(by default: only where the copy takes at most a quarter of the host memory available,
-`plain_copy_affordable`).
+1-16 rows at the cost of one (17-32 at a little more), from a copy laid out in the tile unit's
+1 KiB tiles; else `gemv_bf16` (`csrc/linear.c`, faster than oneDNN at 1-4 rows:
+bench_single_stream) reads a plain copy, where the CPU has avx512_bf16; float32 likewise has
+`gemv_f32` where the CPU has AVX-512; a CPU with AVX2 + FMA only (AMD EPYC before Zen 4) gets
+float32 GEMVs of either dtype (`csrc/gemv_int8.c`). The copy doubles the weights' memory (a tied
+lm_head's plain copy is the embedding's too), which is why `LlamaModel(plain_gemv=...)` decides it
+once for the whole model (by default: only where the copy takes at most a quarter of the host
+memory available, `plain_copy_affordable`).
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ class Linear:
         return F.linear(x, self._weight)
 
 
-GEMV_MAX_ROWS = 16  # the most rows of any GEMV here (gemv_tiles.c's tile of x)
+GEMV_MAX_ROWS = 32  # the most rows of any GEMV here (gemv_tiles.c's two tiles of x)
 PLAIN_COPY_MAX_SHARE = 0.25  # of the host memory available when the model is built
 
 
@@ -136,14 +136,14 @@ class GemvKernel(NamedTuple):
     tiled: bool = False
 
 
-# The GEMVs of each dtype, best first: bf16 on AMX's tile unit (csrc/gemv_tiles.c: 1-16 rows at
-# the cost of one), bf16 with avx512_bf16, float32 with AVX-512 (csrc/linear.c; at one row it
-# streams float32 weights faster than oneDNN's packed GEMM, bench/bench_single_stream.py); else
-# either with AVX2 + FMA in float32 (csrc/gemv_int8.c), for CPUs without AVX-512. `gemv_kernel`
+# The GEMVs of each dtype, best first: bf16 on AMX's tile unit (csrc/gemv_tiles.c: 1-32 rows,
+# 1-16 at the cost of one), bf16 with avx512_bf16, float32 with AVX-512 (csrc/linear.c; at one
+# row it streams float32 weights faster than oneDNN's packed GEMM, bench/bench_single_stream.py);
+# else either with AVX2 + FMA in float32 (csrc/gemv_int8.c), for CPUs without AVX-512. `gemv_kernel`
 # picks the first that was built here, runs on this CPU and agrees with F.linear.
 _GEMV = {
     torch.bfloat16: (
-        GemvKernel("gemv_bf16_tiles", 32, 16, tiled=True),
+        GemvKernel("gemv_bf16_tiles", 32, 32, tiled=True),
         GemvKernel("gemv_bf16", 32, 4),
         GemvKernel("gemv_bf16_avx2", 16, 4),
     ),

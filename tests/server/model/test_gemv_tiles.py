@@ -1,5 +1,5 @@
 """gemv_bf16_tiles (server/native/csrc/gemv_tiles.c): the weight's tile layout, the product at
-1-16 rows against float64 F.linear, its refusals, `Linear` on it, and oneDNN's own AMX products
+1-32 rows against float64 F.linear, its refusals, `Linear` on it, and oneDNN's own AMX products
 run beside it on the same thread (each configures the tile unit for itself)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from toppings.server.model import linear as linear_module
 from toppings.server.model.dtype import cpu_flags
 from toppings.server.model.linear import GemvKernel, Linear, pack_tiles
 
-TILES = GemvKernel("gemv_bf16_tiles", 32, 16, tiled=True)
+TILES = GemvKernel("gemv_bf16_tiles", 32, 32, tiled=True)
 
 
 def tiles_in_torch(weight: torch.Tensor) -> torch.Tensor:
@@ -58,12 +58,13 @@ def test_pack_tiles_refuses_shapes_off_the_tiles(shape):
 
 @pytest.mark.parametrize("shape", [(16, 32), (208, 96), (576, 1536), (3072, 576)])
 def test_every_row_count_matches_float64(shape):
-    """1-16 rows, strided x and y; 208 outputs: three groups of four blocks and one of one."""
+    """1-32 rows, strided x and y; 208 outputs: three groups of four blocks and one of one at
+    up to 16 rows, six pairs of blocks and one alone past them."""
     needs_tiles()
     gen = torch.Generator().manual_seed(shape[0])
     weight = (torch.randn(shape, generator=gen) * 0.05).bfloat16()
     packed = pack_tiles(weight)
-    for rows in range(1, 17):
+    for rows in range(1, 33):
         wide = torch.randn(rows, shape[1] + 32, generator=gen).bfloat16()
         x = wide[:, : shape[1]]  # rows strided
         y_wide = torch.full((rows, shape[0] + 16), 7.0, dtype=torch.bfloat16)
@@ -84,7 +85,7 @@ def test_refusals_write_nothing():
     weight = torch.randn(32, 64).bfloat16()
     packed = pack_tiles(weight)
     lib = native.library()
-    for rows, out_features, in_features in [(17, 32, 64), (0, 32, 64), (2, 24, 64), (2, 32, 48)]:
+    for rows, out_features, in_features in [(33, 32, 64), (0, 32, 64), (2, 24, 64), (2, 32, 48)]:
         x = torch.randn(max(rows, 1), 64).bfloat16()
         y = torch.zeros(max(rows, 1), 32, dtype=torch.bfloat16)
         failed = lib.gemv_bf16_tiles(x.data_ptr(), 64, packed.data_ptr(), out_features,
@@ -93,15 +94,15 @@ def test_refusals_write_nothing():
         assert not y.any()
 
 
-def test_linear_runs_its_tiles_up_to_16_rows_and_onednn_past_them():
+def test_linear_runs_its_tiles_up_to_32_rows_and_onednn_past_them():
     needs_tiles()
     assert linear_module.gemv_kernel(torch.bfloat16) == TILES
     gen = torch.Generator().manual_seed(3)
     weight = (torch.randn(208, 96, generator=gen) * 0.05).bfloat16()
     linear = Linear(weight.clone(), pack=True, plain_gemv=True)
-    assert linear.gemv_tiled and linear.gemv_rows == 16
+    assert linear.gemv_tiled and linear.gemv_rows == 32
     assert torch.equal(linear.gemv_weight, tiles_in_torch(weight))
-    for rows in (1, 4, 16, 17, 64):
+    for rows in (1, 4, 16, 17, 32, 33, 64):
         x = torch.randn(rows, 96, generator=gen).bfloat16()
         want = F.linear(x.double(), weight.double())
         torch.testing.assert_close(linear(x).double(), want, rtol=2**-7, atol=2e-3)
@@ -111,7 +112,7 @@ def test_linear_runs_its_tiles_up_to_16_rows_and_onednn_past_them():
 
 
 def test_onednn_products_beside_the_tiles_on_one_thread():
-    """oneDNN's bf16 products past 16 rows run on AMX where it has it; alternating them with the
+    """oneDNN's bf16 products past 32 rows run on AMX where it has it; alternating them with the
     tiles' kernel on this thread, each gives what it gives alone."""
     needs_tiles()
     threads = torch.get_num_threads()
@@ -125,9 +126,8 @@ def test_onednn_products_beside_the_tiles_on_one_thread():
 def check_beside(gen: torch.Generator) -> None:
     weight = (torch.randn(576, 576, generator=gen) * 0.05).bfloat16()
     linear = Linear(weight.clone(), pack=True, plain_gemv=True)
-    small = torch.randn(8, 576, generator=gen).bfloat16()
-    big = torch.randn(256, 576, generator=gen).bfloat16()
-    alone_small, alone_big = linear(small), linear(big)
+    rows = [torch.randn(n, 576, generator=gen).bfloat16() for n in (8, 24, 256)]
+    alone = [linear(x) for x in rows]
     for _ in range(3):
-        assert torch.equal(linear(big), alone_big)
-        assert torch.equal(linear(small), alone_small)
+        for x, y in zip(rows[::-1], alone[::-1]):
+            assert torch.equal(linear(x), y)
