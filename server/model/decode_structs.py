@@ -29,7 +29,7 @@ class GemvKind(enum.IntEnum):
     BF16_TILES = 7
 
 
-# the plain weights' kinds, by linear.py's kernel names
+# the GEMV copies' kinds (plain or tiled), by linear.py's kernel names
 GEMV_KINDS = {
     "gemv_f32": GemvKind.F32, "gemv_bf16": GemvKind.BF16, "gemv_f32_avx2": GemvKind.F32_AVX2,
     "gemv_bf16_avx2": GemvKind.BF16_AVX2, "gemv_bf16_tiles": GemvKind.BF16_TILES,

@@ -5,10 +5,11 @@ On CUDA: bfloat16. On a CPU, bfloat16 only pays where the CPU multiplies it nati
 with avx512_bf16 ran the engine faster in float32, an AMD EPYC with it far faster in bfloat16:
 docs/benchmarks.md, "Measurements behind the code"). So the choice is measured once at start-up: the
 model's largest projections (gate/up, [I, H]) through the same packed linear the engine uses
-(server.linear), at a decode batch and a prefill chunk, in both dtypes, alternating; bfloat16 wins
-only when it takes under `MARGIN` of float32's time. With `--quantization int8/int4` the timed
-projection is the quantized one (server.model.quant), at decode rows (QUANTIZED_ROWS): torch's
-packed kernels run far faster with bfloat16 activations than with float32 ones.
+(server.linear, its GEMV's copy included), at a decode batch and a prefill chunk, in both dtypes,
+alternating; bfloat16 wins only when it takes under `MARGIN` of float32's time. With
+`--quantization int8/int4` the timed projection is the quantized one (server.model.quant), at
+decode rows (QUANTIZED_ROWS): torch's packed kernels run far faster with bfloat16 activations
+than with float32 ones.
 """
 
 from __future__ import annotations
@@ -43,7 +44,9 @@ def projections(
     weight = torch.randn(intermediate, hidden, generator=gen)
     rows_timed = ROWS
     if quantization is Quantization.NONE:
-        linear: Linear | QuantizedLinear = Linear(weight.to(dtype))
+        # with the GEMV's copy, as the engine keeps it where it is affordable: at decode rows
+        # bfloat16 may run on AMX's tiles, which oneDNN's packed product does not show
+        linear: Linear | QuantizedLinear = Linear(weight.to(dtype), plain_gemv=True)
     else:
         linear = QuantizedLinear(quantize(weight, quantization), dtype)
         rows_timed = QUANTIZED_ROWS

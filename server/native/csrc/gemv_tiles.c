@@ -77,6 +77,21 @@ static void configure_tiles(int64_t T) {
         _tile_dpbf16ps(j, 4, b);                                                               \
     } while (0)
 
+static inline void zero_sums(void) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+}
+
+/* Sum tiles 0-3 into sums[0-3], each [16, 16] float32 (the rows their config gives). */
+static inline void save_sums(float sums[4][16 * 16]) {
+    _tile_stored(0, sums[0], 64);
+    _tile_stored(1, sums[1], 64);
+    _tile_stored(2, sums[2], 64);
+    _tile_stored(3, sums[3], 64);
+}
+
 /* Rows 0 .. rows of a [16, 16] float32 sum tile, rounded, into y's columns col ..col + 16. */
 static void store_sums(const float *sums, int64_t rows, uint16_t *y, int64_t ld_y, int64_t col) {
     for (int64_t t = 0; t < rows; t++) store16(y, 1, t * ld_y + col, _mm512_load_ps(sums + t * 16));
@@ -91,10 +106,7 @@ static void blocks_by_four(const uint16_t *x, int64_t ld_x, const uint16_t *P, i
     for (int64_t g = 0; g < groups; g++) {
         int64_t b0 = g * 4, n = blocks - b0 < 4 ? blocks - b0 : 4;
         const uint16_t *w = P + b0 * 16 * in;
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
+        zero_sums();
         for (int64_t kb = 0; kb < tiles; kb++) {
             _tile_loadd(4, x + kb * 32, ld_x * 2);
             TILE_DOT(0, 5);
@@ -102,10 +114,7 @@ static void blocks_by_four(const uint16_t *x, int64_t ld_x, const uint16_t *P, i
             if (n > 2) TILE_DOT(2, 5);
             if (n > 3) TILE_DOT(3, 6);
         }
-        _tile_stored(0, sums[0], 64);
-        _tile_stored(1, sums[1], 64);
-        _tile_stored(2, sums[2], 64);
-        _tile_stored(3, sums[3], 64);
+        save_sums(sums);
         for (int64_t j = 0; j < n; j++) store_sums(sums[j], T, y, ld_y, (b0 + j) * 16);
     }
 }
@@ -122,10 +131,7 @@ static void blocks_by_two(const uint16_t *x, int64_t ld_x, const uint16_t *P, in
     for (int64_t g = 0; g < groups; g++) {
         int64_t b0 = g * 2, two = blocks - b0 > 1;
         const uint16_t *w = P + b0 * 16 * in;
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
+        zero_sums();
         for (int64_t kb = 0; kb < tiles; kb++) {
             _tile_loadd(4, x + kb * 32, ld_x * 2);
             _tile_loadd(5, x_rest + kb * 32, ld_x * 2);
@@ -138,10 +144,7 @@ static void blocks_by_two(const uint16_t *x, int64_t ld_x, const uint16_t *P, in
                 _tile_dpbf16ps(3, 5, 7);
             }
         }
-        _tile_stored(0, sums[0], 64);
-        _tile_stored(1, sums[1], 64);
-        _tile_stored(2, sums[2], 64);
-        _tile_stored(3, sums[3], 64);
+        save_sums(sums);
         for (int64_t j = 0; j <= two; j++) {
             store_sums(sums[2 * j], 16, y, ld_y, (b0 + j) * 16);
             store_sums(sums[2 * j + 1], T - 16, y_rest, ld_y, (b0 + j) * 16);

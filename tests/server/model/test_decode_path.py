@@ -1,9 +1,9 @@
 """The native decode path (server/model/decode_path.py) gives, step for step, the per-op path's
 logits bit for bit, in one call a step (its LoRA called from C, and from the embedding rows to
 lm_head's logits) and layer by layer (its LoRA from Python): every decode step of mixed base /
-adapter batches of 1-4 requests runs the three on the same batch and KV (the KV write is the
-same bytes every way). Against transformers + PEFT the path is checked by the family exactness
-tests, which run it by default."""
+adapter batches of 1-4 requests (and of 21 where the GEMV takes that many: AMX's tiles) runs the
+three on the same batch and KV (the KV write is the same bytes every way). Against transformers +
+PEFT the path is checked by the family exactness tests, which run it by default."""
 
 from __future__ import annotations
 
@@ -107,7 +107,8 @@ def check_decode_path(tmp_path, family, dtype, quantization, num_threads=0, **sh
 
         model.forward = all_three
         params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
-        for names in ([None], ["a4"], [None, "a4", "a8", "a4"], ["a8", None, None]):
+        many = [None, "a4", "a8"] * 7  # past 4 rows: the tiles' GEMV where it runs (AMX)
+        for names in ([None], ["a4"], [None, "a4", "a8", "a4"], ["a8", None, None], many):
             requests = [
                 GenerationRequest(
                     [3 + i, 9, 27, 5 + 2 * i] * (i + 1), params, engine.resolve_adapter(name)
@@ -118,6 +119,8 @@ def check_decode_path(tmp_path, family, dtype, quantization, num_threads=0, **sh
                 handle.result(timeout_s=120)
         model.forward = forward
     assert {rows for rows, _, _ in compared} >= {1, 3}
+    if path.max_rows > 4:
+        assert max(rows for rows, _, _ in compared) > 16  # the tiles' 17-32 rows too
     assert all(equal for _, equal, _ in compared), compared
     # every step ran layer by layer when asked, and in one call (its LoRA from C included)
     # otherwise, wherever the native silu runs (AVX-512, or AVX2 + FMA)
