@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.server.model.test_gemv_tiles import tiles_run_here
 from toppings.gpu_lora.kernels import native_build
 from toppings.gpu_lora.kernels.native_build import Status
 from toppings.server import native
@@ -271,14 +272,6 @@ def test_the_avx512_kernels_come_first_where_the_cpu_has_them():
         tiles = "amx_bf16" in flags and tiles_run_here()
         want = "gemv_bf16_tiles" if tiles else "gemv_bf16"
         assert linear_module.gemv_kernel(torch.bfloat16).name == want
-
-
-def tiles_run_here() -> bool:
-    """Whether gemv_bf16_tiles runs here (it declines without AMX or the kernel's permission)."""
-    weight = torch.randn(16, 32).bfloat16()
-    kernel = linear_module.GemvKernel("gemv_bf16_tiles", 32, 16, tiled=True)
-    x = torch.randn(1, 32).bfloat16()
-    return linear_module._gemv(x, linear_module.pack_tiles(weight), kernel) is not None
 
 
 def build_without(tmp_path, flags: list[str]) -> ctypes.CDLL:

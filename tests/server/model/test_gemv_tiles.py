@@ -29,12 +29,17 @@ def needs_library():
         pytest.skip("no native library here")
 
 
+def tiles_run_here() -> bool:
+    """Whether gemv_bf16_tiles runs here (it declines without AMX or the kernel's permission)."""
+    x = torch.randn(1, 32).bfloat16()
+    return linear_module._gemv(x, pack_tiles(torch.randn(16, 32).bfloat16()), TILES) is not None
+
+
 def needs_tiles():
     needs_library()
     if "amx_bf16" not in cpu_flags():
         pytest.skip("no AMX here")
-    x = torch.randn(1, 32).bfloat16()
-    if linear_module._gemv(x, pack_tiles(torch.randn(16, 32).bfloat16()), TILES) is None:
+    if not tiles_run_here():
         pytest.skip("the kernel declined: no permission for the tiles (Linux before 5.16)")
 
 
