@@ -110,6 +110,11 @@ class CpuLoraPool:
         (`gpu_lora.host_lora.HostLoraRunner.add`)."""
         add_deltas(self, layer, x, segments, outputs)
 
+    def native_table(self, segments, modules, num_layers, dtype) -> None:
+        """None: the workers compute in their own processes, called layer by layer
+        (`gpu_lora.host_lora.HostLoraRunner.native_table`)."""
+        return None
+
     def run(
         self,
         layer: int,

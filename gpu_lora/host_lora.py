@@ -25,7 +25,7 @@ from typing import Protocol
 
 import torch
 
-from toppings.gpu_lora.host_runs import HostRuns
+from toppings.gpu_lora.host_runs import HostRuns, HostTable
 from toppings.gpu_lora.kernels import native
 from toppings.gpu_lora.kernels.cpu import lora_rows
 from toppings.gpu_lora.peft.adapter import LoraAdapter
@@ -58,6 +58,15 @@ class HostLoraRunner(Protocol):
         outputs: Sequence[tuple[str, torch.Tensor]],
     ) -> None:
         """y += the delta `run` gives of each (module, y) in outputs, y [T, H_out], in place."""
+        ...
+
+    def native_table(
+        self, segments: list[tuple[int, int, int]], modules: tuple[str, ...], num_layers: int,
+        dtype: torch.dtype,
+    ) -> HostTable | None:  # fmt: skip
+        """The segments' projections of every layer for a native caller on the CPU that adds
+        them itself, inputs of `dtype` (gpu_lora.host_runs.HostTable); None where this runner
+        does not compute them in the caller's process, or not all with the native kernel."""
         ...
 
 
@@ -140,19 +149,31 @@ class HostLora:
         """y += each segment's delta for each (module, y), in place: the native runs kernel
         over the segments whose tensors it reads as they lie (a CPU x, the adapter held at x's
         dtype, B^T contiguous), `run` for the others (see the module docstring)."""
-        modules = tuple(m for m, _ in outputs)
-        key = (tuple(segments), modules, x.dtype, x.device.type)
-        plan = self._plans.get(key)
-        if plan is None:
-            with self._lock:
-                plan = self._plans[key] = self._plan(x, segments, modules)
-                while len(self._plans) > MAX_PLANS:  # the oldest out: a step makes one an input
-                    del self._plans[next(iter(self._plans))]
-        runs, slow = plan
+        runs, slow = self._plan_of(segments, tuple(m for m, _ in outputs), x.dtype, x.device)
         if runs is not None and not runs(layer, x, outputs):
             slow = segments  # outputs it cannot write: all on the general path
         if slow:
             add_deltas(self, layer, x, slow, outputs)
+
+    def native_table(
+        self, segments: list[tuple[int, int, int]], modules: tuple[str, ...], num_layers: int,
+        dtype: torch.dtype,
+    ) -> HostTable | None:  # fmt: skip
+        """See HostLoraRunner.native_table: the native call's `HostRuns.table`, where every
+        segment's tensors are read as they lie."""
+        runs, slow = self._plan_of(segments, modules, dtype, torch.device("cpu"))
+        return None if runs is None or slow else runs.table(num_layers)
+
+    def _plan_of(self, segments, modules, dtype, device) -> tuple[HostRuns | None, list]:
+        """The plan of these segments and modules (`_plan`), kept: a step's layers share one."""
+        key = (tuple(segments), modules, dtype, device.type)
+        plan = self._plans.get(key)
+        if plan is None:
+            with self._lock:
+                plan = self._plans[key] = self._plan(dtype, device, segments, modules)
+                while len(self._plans) > MAX_PLANS:  # the oldest out: a step makes one an input
+                    del self._plans[next(iter(self._plans))]
+        return plan
 
     def forget(self, adapter_id: int) -> None:
         """Let go of what this runner keeps of an adapter no longer in `adapters` (its native
@@ -163,14 +184,14 @@ class HostLora:
                 k: v for k, v in self._plans.items() if all(s[0] != adapter_id for s in k[0])
             }
 
-    def _plan(self, x: torch.Tensor, segments, modules) -> tuple[HostRuns | None, list]:
-        """The native call for the segments it can compute and the rest (see `add`; under the
-        lock)."""
-        native_ok = x.device.type == "cpu" and native.available(x.dtype)
+    def _plan(self, dtype, device, segments, modules) -> tuple[HostRuns | None, list]:
+        """The native call for the segments it can compute from inputs of `dtype` on `device`
+        and the rest (see `add`; under the lock)."""
+        native_ok = device.type == "cpu" and native.available(dtype)
         fast, slow = [], []
         for adapter_id, start, end in segments:
             adapter = self.adapters[adapter_id]
-            if native_ok and self._lies_as_pool(adapter, x.dtype):
+            if native_ok and self._lies_as_pool(adapter, dtype):
                 fast.append((adapter, start, end))
             else:
                 slow.append((adapter_id, start, end))

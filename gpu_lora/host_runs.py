@@ -8,18 +8,36 @@ What stays the same over a step's layers (the runs, their scales, the ranks) is 
 each layer's structs the first time it is called (a decode step's plan serves the steps after it
 while its requests stay), and a call writes only the outputs' pointers (as `RunsStep` does for
 the pool's rows): bench_cpu_decode_paths has a host-served decode step against the same step
-from the pool.
+from the pool. `table` gives every layer's structs at once to a native caller that adds each
+layer's deltas itself (the CPU decode step in one call, server/model/decode_path.py).
 """
 
 from __future__ import annotations
 
 import ctypes
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from toppings.gpu_lora.kernels import native
 from toppings.gpu_lora.peft.adapter import LoraAdapter
+
+
+@dataclass(frozen=True)
+class HostTable:
+    """Host runs for a native caller (native_api.h's `LoraHost`): `procs` [layers, modules,
+    per_slot] LoraProj (A 0 where a segment does not adapt the module; y and ld_y left to the
+    caller), the addresses of the runs' starts, offsets and scales, their number, and each
+    adapted module's (H_in, H_out). Valid while the HostRuns that made it lives."""
+
+    procs: ctypes.Array
+    per_slot: int
+    starts: int
+    offsets: int
+    scales: int
+    num_runs: int
+    shapes: dict[str, tuple[int, int]]
 
 
 class HostRuns:
@@ -61,6 +79,7 @@ class HostRuns:
         self._module_of = [i for _, i in self._entries]
         self._layers: dict[int, ctypes.Array] = {}  # layer -> its structs (see `_layer`)
         self._widths: tuple[int, ...] = ()  # (H_in, each module's H_out) they were made for
+        self._table: HostTable | None = None  # `table`'s, made once
         self.tokens = starts[-1]
 
     def __call__(
@@ -104,3 +123,28 @@ class HostRuns:
         self._widths = widths
         self._layers[layer] = procs
         return procs
+
+    def table(self, num_layers: int) -> HostTable | None:
+        """Every layer's projections at once (see HostTable), `modules` in order; None where
+        two adapters disagree on a module's shape. Made once."""
+        if self._table is not None:
+            return self._table
+        width, per_slot = len(self.modules), len(self._entries) // len(self.modules)
+        procs = (native.LoraProj * (num_layers * width * per_slot))()
+        shapes: dict[str, tuple[int, int]] = {}
+        for p, (adapter, i) in enumerate(self._entries):  # segment p // width, module i
+            module, rank_row = self.modules[i], self._rank_rows[p]
+            for layer in range(num_layers):
+                weights = adapter.weights.get((layer, module))
+                if weights is None:
+                    continue  # A 0: the caller leaves it out
+                a, b = weights  # A [r, H_in], B [H_out, r] over a contiguous B^T
+                if shapes.setdefault(module, (a.shape[1], b.shape[0])) != (a.shape[1], b.shape[0]):
+                    return None
+                proc = procs[(layer * width + i) * per_slot + p // width]
+                proc.A, proc.Bt, proc.ranks = a.data_ptr(), b.data_ptr(), rank_row
+                proc.pool_rows, proc.H_out = adapter.rank, b.shape[0]
+        self._table = HostTable(procs, per_slot, self._starts.data_ptr(),
+                                self._offsets.data_ptr(), self._scales.data_ptr(),
+                                self._scales.shape[0], shapes)  # fmt: skip
+        return self._table

@@ -17,16 +17,18 @@ in y wherever it was computed: one multiply (and add, with a bias) per run of it
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from toppings.gpu_lora.adapter_pool import AdapterPool, ResidentAdapter
 from toppings.gpu_lora.dora import DoraScales, apply_dora
 from toppings.gpu_lora.host_lora import HostLoraRunner
+from toppings.gpu_lora.host_runs import HostTable
 from toppings.gpu_lora.kernels import LoraBackend
 from toppings.gpu_lora.kernels.native import RunsLayout, RunsStep
 from toppings.gpu_lora.loader import LoadTicket
+from toppings.gpu_lora.targets import LORA_TARGETS
 from toppings.gpu_lora.trace import HostLoraEvent, TraceRecorder
 
 
@@ -106,14 +108,30 @@ class LoraBatch:
 
     def native_runs(self) -> RunsLayout | None:
         """The step's runs for a native caller that adds every layer's deltas itself (the CPU
-        decode path), where nothing of the step's LoRA needs Python: no adapter still loading, no
-        DoRA, no trace, the native runs kernel; else None (then `add`, layer by layer)."""
+        decode path), where nothing of the step's LoRA needs Python: no DoRA, no trace, the
+        native runs kernel, and the units still loading (or served on the host) computed in
+        every layer from their host copies by the native kernel in this process (the layout's
+        `host`; their ranks 0 in the pool's tables); else None (then `add`, layer by layer).
+        A unit whose load lands during the step stays on the host for it: the same values."""
         native = isinstance(self._step, RunsStep)
-        if not native or self._loading or self._dora_runs or self._trace is not None:
+        if not native or self._dora_runs or self._trace is not None:
             return None
         if self._layout is None:  # the same for every call (a batch may serve several steps)
-            self._layout = self._step.layout()
+            layout = self._step.layout(tuple(i for i, _ in self._loading))
+            if layout is not None and self._loading:
+                host = self._host_table(layout.num_layers, layout.dtype)
+                layout = None if host is None else replace(layout, host=host)
+            self._layout = layout
         return self._layout
+
+    def _host_table(self, num_layers: int, dtype: torch.dtype) -> HostTable | None:
+        """The loading units' projections of every layer for the native caller (None: the host
+        runner does not make them)."""
+        starts = self._starts
+        segments = [(self._adapters[i].id, starts[i], starts[i + 1]) for i, _ in self._loading]
+        if self._host is None:
+            return None
+        return self._host.native_table(segments, LORA_TARGETS, num_layers, dtype)
 
     def add(self, layer: int, x: torch.Tensor, outputs) -> None:
         """y += LoRA delta for each (module, y) pair; x [T, H_in], y [T, H_out], in place."""

@@ -197,7 +197,8 @@ class RunsLayout:
     decode path, server/model/decode_path.py): the function's address, csrc/lora_parts.c's two
     (0 where the build has none: no AVX-512), the addresses of the
     runs' starts [B + 1], offsets [B] (int32) and scales [B] (float32), the tables' dtype and
-    layers, and per module its `ModuleLayout`. Valid while the RunsStep that made it lives."""
+    layers, per module its `ModuleLayout`, and the runs served from the host (their ranks 0 in
+    the tables: gpu_lora.host_runs' HostTable, None: none). Valid while what made it lives."""
 
     function: int
     shrink_part: int
@@ -209,6 +210,7 @@ class RunsLayout:
     dtype: torch.dtype
     num_layers: int
     modules: Mapping[str, ModuleLayout]
+    host: object | None = None  # gpu_lora.host_runs.HostTable
 
 
 class RunsStep:
@@ -245,6 +247,7 @@ class RunsStep:
         self._product_skip = tuple(sorted({g for runs in self._products.values()
                                            for g, *_ in runs}))  # fmt: skip
         self._procs: dict[tuple[tuple[str, ...], tuple[int, ...]], tuple] = {}  # see _prepare
+        self._skip_ranks: list[torch.Tensor] = []  # `layout`'s with runs left to the host
         self._layout: dict[str, tuple[int, int, int, int, int, int, int]] = {}
         for module, (a, b, r) in self._tables.items():
             fast = (
@@ -310,18 +313,21 @@ class RunsStep:
         )  # fmt: skip
         _check_status(failed)
 
-    def layout(self) -> RunsLayout | None:
-        """The step for a native caller (see RunsLayout); None where the library is not built
-        or a module's tables have no native layout (the caller then calls this object)."""
+    def layout(self, skip: tuple[int, ...] = ()) -> RunsLayout | None:
+        """The step for a native caller (see RunsLayout), the runs `skip` at rank 0 in every
+        layer; None where the library is not built or a module's tables have no native layout
+        (the caller then calls this object)."""
         lib = library()
         if lib is None or not self._tables or any(m not in self._layout for m in self._tables):
             return None
         if self._product_skip:  # runs the C caller would not know to leave out
             return None
-        modules = {
-            m: ModuleLayout(*self._layout[m], self._tables[m][2].data_ptr())
-            for m in self._tables
-        }  # fmt: skip
+        ranks = [r for _, _, r in self._tables.values()]
+        if skip:  # kept while this object lives
+            ranks = self._skip_ranks = [r.clone().index_fill_(0, torch.tensor(skip), 0)
+                                        for r in ranks]  # fmt: skip
+        modules = {m: ModuleLayout(*self._layout[m], r.data_ptr())
+                   for m, r in zip(self._tables, ranks, strict=True)}  # fmt: skip
         function = ctypes.cast(lib.lora_runs, ctypes.c_void_p).value
         return RunsLayout(
             function, *_parts_functions(lib), self._starts.data_ptr(), self._offsets.data_ptr(),

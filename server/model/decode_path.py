@@ -14,12 +14,13 @@ the same order on the same buffers, so the numbers are bit for bit the per-op pa
     act, res = act_proj(gu)                    then LoRA down on res (from act)
 
 `decode_layers` runs every layer so, the LoRA kernel (`gpu_lora.kernels.native.lora_runs`)
-called from C on the step's runs (`LoraBatch.native_runs`); where each request computes one
+called from C on the step's runs (`LoraBatch.native_runs`: the pool's rows, and the host copy
+of an adapter still loading or served on the host, `LoraHost`); where each request computes one
 token and lm_head's GEMV is native too, the same call also gathers the embedding and RoPE rows
 and ends with the final norm, lm_head and the logits' widening to float32 and scan (finite rows,
 argmax: `run_to_logits`): their Python around a step runs cold after the weights' stream
 (bench/profile_cold_ops.py, bench/probe_step_glue.py; what it saves: docs/benchmarks.md). Where
-the step's LoRA needs Python (an adapter still loading, DoRA, a trace) or there is no vector
+the step's LoRA needs Python (DoRA, a trace, an adapter on the CPU workers) or there is no vector
 silu (neither AVX-512 nor AVX2 + FMA), the layers run as four calls each from here instead,
 LoRA between them, `act_proj` then per op where it declines.
 `DecodePath.build` returns None (the model keeps its per-op path) where any projection has no
@@ -40,6 +41,7 @@ from toppings.server.model.decode_structs import (
     LORA_SLOTS,
     DecodeLayer,
     DecodeStep,
+    LoraHost,
     LoraStep,
     LoraTable,
     Proj,
@@ -261,6 +263,12 @@ class DecodePath:
             step.tables[LORA_SLOTS[module]] = LoraTable(
                 m.a0, m.b0, m.a_step, m.b_step, m.ranks, m.rows
             )
+        if (host := runs.host) is not None:  # runs served from the host, LORA_SLOTS' order
+            if any(shapes.get(module) != shape for module, shape in host.shapes.items()):
+                return None
+            step.host_runs = LoraHost(ctypes.addressof(host.procs), host.per_slot, host.starts,
+                                      host.offsets, host.scales, host.num_runs)  # fmt: skip
+            step.host = ctypes.addressof(step.host_runs)  # kept alive by the step
         self._last_lora = (version, step) if version is not None else None
         return step
 

@@ -70,6 +70,20 @@ LORA_SLOTS = {
 }  # fmt: skip
 
 
+class LoraHost(ctypes.Structure):
+    """The step's runs served from the host (native_api.h's, field for field): the projections
+    [layers, slots, per_slot] of gpu_lora's `HostTable`, and its runs."""
+
+    _fields_ = [
+        ("procs", ctypes.c_void_p),
+        ("per_slot", ctypes.c_int64),
+        ("starts", ctypes.c_void_p),
+        ("offsets", ctypes.c_void_p),
+        ("scales", ctypes.c_void_p),
+        ("num_runs", ctypes.c_int64),
+    ]
+
+
 class LoraStep(ctypes.Structure):
     """The step's adapter runs and tables (native_api.h's, field for field)."""
 
@@ -82,6 +96,7 @@ class LoraStep(ctypes.Structure):
         ("scales", ctypes.c_void_p),
         ("num_runs", ctypes.c_int64),
         ("tables", LoraTable * len(LORA_SLOTS)),
+        ("host", ctypes.c_void_p),  # a LoraHost, or None
     ]
 
 

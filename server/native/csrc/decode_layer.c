@@ -15,7 +15,7 @@
  *                then LoRA down on y (from a)
  *
  * The three are also called one by one from Python (decode_path.py's layer-by-layer path, for
- * steps whose LoRA needs Python: an adapter still loading, DoRA, a trace).
+ * steps whose LoRA needs Python: DoRA, a trace, an adapter on the CPU workers).
  * Every function returns a NativeStatus: NATIVE_DECLINED having left the step to the per-op path
  * when a kernel declined before writing (a shape or ISA it does not take); NATIVE_OUT_OF_RANGE
  * when a KV slot (or a LoRA run) lies outside the pool, NATIVE_NO_MEMORY when attention or the

@@ -141,6 +141,40 @@ static int proj_lora_parts(const Proj *p, const void *x, int64_t ld_x, void *y, 
     return failed;
 }
 
+/* y += the host runs' deltas of at's projections (at->lora->host; none: nothing), after the
+ * pool's: the runs are disjoint, so each row gets one delta whatever the order. HOST_BATCH
+ * projections a lora_runs call. */
+#define HOST_BATCH 16
+static int host_runs(const LoraAt *at, const void *x, int64_t ld_x, int64_t H_in, int64_t T,
+                     const LoraProj *procs, int64_t n, int is_bf16, int num_threads) {
+    const LoraHost *host = at->lora->host;
+    return n == 0 ? NATIVE_OK
+                  : at->lora->run(x, ld_x, H_in, T, procs, n, host->starts, host->offsets,
+                                  host->scales, host->num_runs, is_bf16, num_threads);
+}
+
+static int host_lora(const LoraAt *at, const void *x, int64_t ld_x, int64_t H_in, void *y,
+                     int64_t ld_y, int64_t T, int is_bf16, int num_threads) {
+    const LoraHost *host = at->lora->host;
+    if (host == NULL) return NATIVE_OK;
+    LoraProj procs[HOST_BATCH];
+    int64_t n = 0, elem = is_bf16 ? 2 : 4;
+    for (int i = 0; i < at->count; i++) {
+        const LoraProj *slot = host->procs + (at->l * LORA_MODULES + at->first + i) * host->per_slot;
+        for (int64_t k = 0; k < host->per_slot; k++) {
+            if (slot[k].A == NULL) continue;
+            procs[n] = slot[k];
+            procs[n].y = (char *)y + at->col[i] * elem;
+            procs[n++].ld_y = ld_y;
+            if (n < HOST_BATCH) continue;
+            int failed = host_runs(at, x, ld_x, H_in, T, procs, n, is_bf16, num_threads);
+            if (failed) return failed;
+            n = 0;
+        }
+    }
+    return host_runs(at, x, ld_x, H_in, T, procs, n, is_bf16, num_threads);
+}
+
 int proj_lora(const Proj *p, const void *x, int64_t ld_x, void *y, int64_t ld_y, int64_t T,
               int is_bf16, int num_threads, const LoraAt *at) {
     LoraProj procs[3];
@@ -150,11 +184,17 @@ int proj_lora(const Proj *p, const void *x, int64_t ld_x, void *y, int64_t ld_y,
     split = split && at->lora->shrink != NULL && at->lora->expand != NULL && T <= 4 &&
             p->out % 32 == 0 && p->in % 16 == 0;
     for (int64_t i = 0; split && i < n; i++) split = cols[i] % 32 == 0 && procs[i].H_out % 32 == 0;
-    if (split)
-        return proj_lora_parts(p, x, ld_x, y, ld_y, T, is_bf16, parts, at->lora, procs, cols, n);
-    int failed = proj_gemv(p, x, ld_x, y, ld_y, T, is_bf16, num_threads);
-    if (failed || n == 0) return failed;
-    const LoraStep *lora = at->lora;
-    return lora->run(x, ld_x, p->in, T, procs, n, lora->starts, lora->offsets, lora->scales,
-                     lora->num_runs, is_bf16, num_threads);
+    int failed;
+    if (split) {
+        failed = proj_lora_parts(p, x, ld_x, y, ld_y, T, is_bf16, parts, at->lora, procs, cols, n);
+    } else {
+        failed = proj_gemv(p, x, ld_x, y, ld_y, T, is_bf16, num_threads);
+        if (failed || at == NULL) return failed;
+        const LoraStep *lora = at->lora;
+        if (n > 0)
+            failed = lora->run(x, ld_x, p->in, T, procs, n, lora->starts, lora->offsets,
+                               lora->scales, lora->num_runs, is_bf16, num_threads);
+    }
+    if (failed) return failed;
+    return host_lora(at, x, ld_x, p->in, y, ld_y, T, is_bf16, num_threads);
 }

@@ -63,10 +63,23 @@ typedef enum {
     LORA_MODULES = 7
 } LoraSlot;
 
+/* The step's runs served from the host (gpu_lora's HostRuns; decode_structs.py's `LoraHost`):
+ * adapters with no rows in the pool (every layer of theirs), or rows still loading. procs
+ * [layers, LORA_MODULES, per_slot]: layer l's projection of a slot for each host segment, over
+ * the adapter's own A and B^T (A NULL: that segment does not adapt it), with y and ld_y left to
+ * the call; runs: host segments' starts, offsets (0) and scales, as lora_runs takes them. */
+typedef struct {
+    const LoraProj *procs;
+    int64_t per_slot;
+    const int32_t *starts, *offsets;
+    const float *scales;
+    int64_t num_runs;
+} LoraHost;
+
 /* The step's adapter runs (gpu_lora's RunsStep; decode_structs.py's `LoraStep`): tokens
  * starts[g] .. starts[g + 1] read rows offsets[g] .. offsets[g] + ranks[g] of each table, scaled
  * by scales[g]. shrink and expand: lora_parts.c's functions, NULL where the LoRA library has none
- * (no AVX-512). */
+ * (no AVX-512). host: the runs served from the host (their ranks 0 in the tables), NULL: none. */
 typedef struct {
     lora_runs_fn *run;
     lora_shrink_part_fn *shrink;
@@ -75,6 +88,7 @@ typedef struct {
     const float *scales;
     int64_t num_runs;
     LoraTable tables[LORA_MODULES];
+    const LoraHost *host;
 } LoraStep;
 
 /* The LoRA a projection's output gets at layer l: modules first .. first + count of lora's

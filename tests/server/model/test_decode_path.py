@@ -17,8 +17,10 @@ import torch
 from tests.helpers import running_engine
 from tests.server.model.family_checkpoints import ALL_TARGETS
 from tests.server.model.tiny_families import make_tiny_family
+from toppings.gpu_lora.adapter_pool import AdapterPool
 from toppings.scripts.make_adapters import make_random_adapter
 from toppings.server import native
+from toppings.server.model.loader import load_checkpoint
 from toppings.server.requests.request import GenerationRequest, SamplingParams
 from toppings.server.sampling.logits_scan import scan_logits
 
@@ -51,12 +53,29 @@ def test_decode_path_equals_the_per_op_path(tmp_path, family, dtype, quantizatio
 
 @pytest.mark.parametrize(("family", "dtype", "quantization"), WIDE_CASES)
 def test_decode_path_with_lora_in_the_gemv_threads(tmp_path, family, dtype, quantization):
-    check_decode_path(tmp_path, family, dtype, quantization, num_threads=2, **WIDE)
+    check_decode_path(tmp_path, family, dtype, quantization, num_threads=2, shape=WIDE)
 
 
-def check_decode_path(tmp_path, family, dtype, quantization, num_threads=0, **shape) -> None:
-    """Every decode step's logits, per op, layer by layer and in one call, are equal."""
-    model_dir = make_tiny_family(tmp_path / family, family, **shape)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_decode_path_runs_host_served_adapters_in_one_call(tmp_path, dtype):
+    """Under cpu-assisted with device room for one adapter, a request whose adapter finds no
+    room is served on the host (its LoRA from the adapter's host copy): its decode steps run in
+    one call too, that LoRA called from C (`LoraHost`), bit for bit the per-op path's."""
+    shapes = load_checkpoint(str(make_tiny_family(tmp_path / "shapes", "llama3")), "dummy").config
+    room = AdapterPool(shapes, getattr(torch, dtype), "cpu").bytes_for(8, ALL_TARGETS)
+    hosted = check_decode_path(
+        tmp_path, "llama3", dtype, "none", lora_mode="cpu-assisted", memory_layout="static",
+        adapter_cache_bytes=room,
+    )  # fmt: skip
+    assert any(hosted), "no decode step had a request served on the host"
+
+
+def check_decode_path(
+    tmp_path, family, dtype, quantization, num_threads=0, shape=None, **config
+) -> list[bool]:
+    """Every decode step's logits, per op, layer by layer and in one call, are equal; returns,
+    per one-call step with an adapter, whether runs of it were served from the host."""
+    model_dir = make_tiny_family(tmp_path / family, family, **(shape or {}))
     adapters = {
         name: str(
             make_random_adapter(
@@ -66,8 +85,9 @@ def check_decode_path(tmp_path, family, dtype, quantization, num_threads=0, **sh
         for name, rank in (("a4", 4), ("a8", 8))
     }
     with running_engine(
-        model_dir, adapters, dtype=dtype, quantization=quantization, num_threads=num_threads
-    ) as engine:
+        model_dir, adapters, dtype=dtype, quantization=quantization, num_threads=num_threads,
+        **config,
+    ) as engine:  # fmt: skip
         model = engine.model
         path = model.decode_path
         if path is None:
@@ -88,6 +108,14 @@ def check_decode_path(tmp_path, family, dtype, quantization, num_threads=0, **sh
             return logits
 
         path.run_to_logits = whole_step
+        lora_step, hosted = path._lora_step, []
+
+        def lora_spy(*args):
+            step = lora_step(*args)
+            hosted.append(step is not None and bool(step.host))
+            return step
+
+        path._lora_step = lora_spy
 
         def all_three(batch, kv):
             if batch.is_prefill or not path.fits(model, batch, kv):
@@ -132,6 +160,7 @@ def check_decode_path(tmp_path, family, dtype, quantization, num_threads=0, **sh
     assert whole and all(ran == one_call for one_call, ran in whole), whole
     assert all(was_scanned == path._one_call for _, _, was_scanned in compared)
     assert len(layered) == len(compared) * (1 if path._one_call else 2)
+    return hosted
 
 
 def silu_runs_natively() -> bool:
