@@ -54,10 +54,14 @@ CURRENT: dict[str, tuple[str, tuple[str, ...]]] = {
     "prefill_attention_2threads.json": ("the same on 2 threads", _ATTENTION),
     "cpu_linear.json": ("packed (oneDNN) against plain linear layers, decode rows",
                         ("decode_speedup_packed_vs_plain.*.4",)),
-    "decode_rows.json": ("decode steps at 1-16 requests: the GEMV on AMX's tiles against "
+    "decode_rows.json": ("decode steps at 1-32 requests: the GEMV on AMX's tiles against "
                          "gemv_bf16 + oneDNN (AMX Xeon, 1 thread)",
                          ("base_b4.vectors_over_tiles", "base_b8.vectors_over_tiles",
                           "adapters_b8.tiles_ms", "adapters_b8.vectors_over_tiles")),
+    "host_served_decode.json": ("decode steps with requests served on the host: in one native "
+                                "call against layer by layer (AMX Xeon, 1 thread)",
+                                ("b12.one_call_ms", "b12.layer_by_layer_over_one_call",
+                                 "b16.one_call_ms", "b16.layer_by_layer_over_one_call")),
     "cpu_decode_paths.json": ("CPU LoRA decode paths: native runs, runs, dense; every request "
                               "served from the host",
                               ("*.native_runs_ms", "*.dense_vs_runs",
