@@ -144,7 +144,7 @@ static int proj_lora_parts(const Proj *p, const void *x, int64_t ld_x, void *y, 
 /* y += the host runs' deltas of at's projections (at->lora->host; none: nothing), after the
  * pool's: the runs are disjoint, so each row gets one delta whatever the order. HOST_BATCH
  * projections a lora_runs call. */
-#define HOST_BATCH 16
+#define HOST_BATCH 8
 static int host_runs(const LoraAt *at, const void *x, int64_t ld_x, int64_t H_in, int64_t T,
                      const LoraProj *procs, int64_t n, int is_bf16, int num_threads) {
     const LoraHost *host = at->lora->host;

@@ -60,29 +60,38 @@ def test_decode_path_with_lora_in_the_gemv_threads(tmp_path, family, dtype, quan
 def test_decode_path_runs_host_served_adapters_in_one_call(tmp_path, dtype):
     """Under cpu-assisted with device room for one adapter, a request whose adapter finds no
     room is served on the host (its LoRA from the adapter's host copy): its decode steps run in
-    one call too, that LoRA called from C (`LoraHost`), bit for bit the per-op path's."""
+    one call too, that LoRA called from C (`LoraHost`), bit for bit the per-op path's; three
+    or more served so at once put more projections on q, k, v's input than one C call takes
+    (decode_proj.c's HOST_BATCH), at 4 rows too (the float32 GEMV's most)."""
     shapes = load_checkpoint(str(make_tiny_family(tmp_path / "shapes", "llama3")), "dummy").config
     room = AdapterPool(shapes, getattr(torch, dtype), "cpu").bytes_for(8, ALL_TARGETS)
+    ranks = {**RANKS, **{f"h{i}": 8 for i in range(6)}}
     hosted = check_decode_path(
-        tmp_path, "llama3", dtype, "none", lora_mode="cpu-assisted", memory_layout="static",
-        adapter_cache_bytes=room,
+        tmp_path, "llama3", dtype, "none", ranks=ranks, batches=(*BATCHES, list(ranks), list(ranks)[-4:]),
+        lora_mode="cpu-assisted", memory_layout="static", adapter_cache_bytes=room,
     )  # fmt: skip
     assert any(hosted), "no decode step had a request served on the host"
 
 
+RANKS = {"a4": 4, "a8": 8}
+# the batches each check submits: past 4 rows, the tiles' GEMV where it runs (AMX)
+BATCHES = ([None], ["a4"], [None, "a4", "a8", "a4"], ["a8", None, None], [None, "a4", "a8"] * 7)
+
+
 def check_decode_path(
-    tmp_path, family, dtype, quantization, num_threads=0, shape=None, **config
-) -> list[bool]:
+    tmp_path, family, dtype, quantization, num_threads=0, shape=None, ranks=RANKS,
+    batches=BATCHES, **config,
+) -> list[bool]:  # fmt: skip
     """Every decode step's logits, per op, layer by layer and in one call, are equal; returns,
     per one-call step with an adapter, whether runs of it were served from the host."""
     model_dir = make_tiny_family(tmp_path / family, family, **(shape or {}))
     adapters = {
         name: str(
             make_random_adapter(
-                tmp_path / name, model_dir, rank=rank, seed=rank, target_modules=ALL_TARGETS
+                tmp_path / name, model_dir, rank=rank, seed=i, target_modules=ALL_TARGETS
             )
         )  # fmt: skip
-        for name, rank in (("a4", 4), ("a8", 8))
+        for i, (name, rank) in enumerate(ranks.items())
     }
     with running_engine(
         model_dir, adapters, dtype=dtype, quantization=quantization, num_threads=num_threads,
@@ -135,8 +144,7 @@ def check_decode_path(
 
         model.forward = all_three
         params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
-        many = [None, "a4", "a8"] * 7  # past 4 rows: the tiles' GEMV where it runs (AMX)
-        for names in ([None], ["a4"], [None, "a4", "a8", "a4"], ["a8", None, None], many):
+        for names in batches:
             requests = [
                 GenerationRequest(
                     [3 + i, 9, 27, 5 + 2 * i] * (i + 1), params, engine.resolve_adapter(name)
