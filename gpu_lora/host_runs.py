@@ -29,7 +29,8 @@ class HostTable:
     """Host runs for a native caller (native_api.h's `LoraHost`): `procs` [layers, modules,
     per_slot] LoraProj (A 0 where a segment does not adapt the module; y and ld_y left to the
     caller), the addresses of the runs' starts, offsets and scales, their number, and each
-    adapted module's (H_in, H_out). Valid while the HostRuns that made it lives."""
+    adapted module's (H_in, H_out). It holds what its addresses point into (`holds`: the runs'
+    tensors and the adapters), so it stays valid while it lives."""
 
     procs: ctypes.Array
     per_slot: int
@@ -38,6 +39,7 @@ class HostTable:
     scales: int
     num_runs: int
     shapes: dict[str, tuple[int, int]]
+    holds: tuple
 
 
 class HostRuns:
@@ -144,7 +146,9 @@ class HostRuns:
                 proc = procs[(layer * width + i) * per_slot + p // width]
                 proc.A, proc.Bt, proc.ranks = a.data_ptr(), b.data_ptr(), rank_row
                 proc.pool_rows, proc.H_out = adapter.rank, b.shape[0]
+        tensors = (self._starts, self._offsets, self._scales, self._ranks)
+        adapters = tuple(adapter for adapter, _ in self._entries)
         self._table = HostTable(procs, per_slot, self._starts.data_ptr(),
                                 self._offsets.data_ptr(), self._scales.data_ptr(),
-                                self._scales.shape[0], shapes)  # fmt: skip
+                                self._scales.shape[0], shapes, (*tensors, *adapters))  # fmt: skip
         return self._table

@@ -127,10 +127,10 @@ class LoraBatch:
     def _host_table(self, num_layers: int, dtype: torch.dtype) -> HostTable | None:
         """The loading units' projections of every layer for the native caller (None: the host
         runner does not make them)."""
-        starts = self._starts
-        segments = [(self._adapters[i].id, starts[i], starts[i + 1]) for i, _ in self._loading]
         if self._host is None:
             return None
+        starts = self._starts
+        segments = [(self._adapters[i].id, starts[i], starts[i + 1]) for i, _ in self._loading]
         return self._host.native_table(segments, LORA_TARGETS, num_layers, dtype)
 
     def add(self, layer: int, x: torch.Tensor, outputs) -> None:

@@ -66,8 +66,9 @@ def test_decode_path_runs_host_served_adapters_in_one_call(tmp_path, dtype):
     shapes = load_checkpoint(str(make_tiny_family(tmp_path / "shapes", "llama3")), "dummy").config
     room = AdapterPool(shapes, getattr(torch, dtype), "cpu").bytes_for(8, ALL_TARGETS)
     ranks = {**RANKS, **{f"h{i}": 8 for i in range(6)}}
+    batches = (*BATCHES, list(ranks), list(ranks)[-4:])
     hosted = check_decode_path(
-        tmp_path, "llama3", dtype, "none", ranks=ranks, batches=(*BATCHES, list(ranks), list(ranks)[-4:]),
+        tmp_path, "llama3", dtype, "none", ranks=ranks, batches=batches,
         lora_mode="cpu-assisted", memory_layout="static", adapter_cache_bytes=room,
     )  # fmt: skip
     assert any(hosted), "no decode step had a request served on the host"

@@ -16,6 +16,7 @@ import pytest
 from toppings.gpu_lora.kernels import native as lora_native
 from toppings.gpu_lora.kernels import native_abi, native_build
 from toppings.gpu_lora.kernels.native_build import Status
+from toppings.gpu_lora.targets import LORA_TARGETS
 from toppings.server import native
 from toppings.server.model import decode_structs, quant_gemv
 
@@ -55,6 +56,8 @@ def test_structs_agree_with_the_compilers_layout(header, layouts):
 
 
 def test_enums_agree(header):
+    # gpu_lora builds a step's host runs (HostTable) in LORA_TARGETS' order, read as the slots'
+    assert tuple(decode_structs.LORA_SLOTS) == LORA_TARGETS
     slots = {f"LORA_{m.removesuffix('_proj').upper()}": i for m, i in
              decode_structs.LORA_SLOTS.items()}  # fmt: skip
     expected = {
