@@ -90,6 +90,12 @@ CURRENT: dict[str, tuple[str, tuple[str, ...]]] = {
                             "p99_ttft_ratio_zipf_vs_identical",
                             "modes.on-demand.p99_ttft_ratio_distinct_vs_identical",
                             "modes.on-demand.p99_ttft_ratio_zipf_vs_identical")),
+    "adapter_scale_again.json": ("the same command run again at once, same code and machine: "
+                                 "the spread of these ratios",
+                                 ("p99_ttft_ratio_distinct_vs_identical",
+                                  "p99_ttft_ratio_distinct_vs_identical_per_round",
+                                  "p99_ttft_ratio_zipf_vs_identical",
+                                  "p99_ttft_ratio_zipf_vs_identical_per_round")),
     "adapter_scale_registered.json": ("the same with every adapter registered at start-up "
                                       "(in host memory, as Toppings keeps them)",
                                       ("p99_ttft_ratio_distinct_vs_identical",
