@@ -266,9 +266,8 @@ class DecodePath:
         if (host := runs.host) is not None:  # runs served from the host, LORA_SLOTS' order
             if any(shapes.get(module) != shape for module, shape in host.shapes.items()):
                 return None
-            step.host_runs = LoraHost(ctypes.addressof(host.procs), host.per_slot, host.starts,
-                                      host.offsets, host.scales, host.num_runs)  # fmt: skip
-            step.host = ctypes.addressof(step.host_runs)  # kept alive by the step
+            step.host = LoraHost(ctypes.addressof(host.procs), host.per_slot, host.starts,
+                                 host.offsets, host.scales, host.num_runs)  # fmt: skip
         self._last_lora = (version, step) if version is not None else None
         return step
 

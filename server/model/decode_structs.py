@@ -96,7 +96,7 @@ class LoraStep(ctypes.Structure):
         ("scales", ctypes.c_void_p),
         ("num_runs", ctypes.c_int64),
         ("tables", LoraTable * len(LORA_SLOTS)),
-        ("host", ctypes.c_void_p),  # a LoraHost, or None
+        ("host", LoraHost),  # procs None: no runs on the host
     ]
 
 

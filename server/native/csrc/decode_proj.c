@@ -147,7 +147,7 @@ static int proj_lora_parts(const Proj *p, const void *x, int64_t ld_x, void *y, 
 #define HOST_BATCH 8
 static int host_runs(const LoraAt *at, const void *x, int64_t ld_x, int64_t H_in, int64_t T,
                      const LoraProj *procs, int64_t n, int is_bf16, int num_threads) {
-    const LoraHost *host = at->lora->host;
+    const LoraHost *host = &at->lora->host;
     return n == 0 ? NATIVE_OK
                   : at->lora->run(x, ld_x, H_in, T, procs, n, host->starts, host->offsets,
                                   host->scales, host->num_runs, is_bf16, num_threads);
@@ -155,8 +155,8 @@ static int host_runs(const LoraAt *at, const void *x, int64_t ld_x, int64_t H_in
 
 static int host_lora(const LoraAt *at, const void *x, int64_t ld_x, int64_t H_in, void *y,
                      int64_t ld_y, int64_t T, int is_bf16, int num_threads) {
-    const LoraHost *host = at->lora->host;
-    if (host == NULL) return NATIVE_OK;
+    const LoraHost *host = &at->lora->host;
+    if (host->procs == NULL) return NATIVE_OK;
     LoraProj procs[HOST_BATCH];
     int64_t n = 0, elem = is_bf16 ? 2 : 4;
     for (int i = 0; i < at->count; i++) {

@@ -67,7 +67,8 @@ typedef enum {
  * adapters with no rows in the pool (every layer of theirs), or rows still loading. procs
  * [layers, LORA_MODULES, per_slot]: layer l's projection of a slot for each host segment, over
  * the adapter's own A and B^T (A NULL: that segment does not adapt it), with y and ld_y left to
- * the call; runs: host segments' starts, offsets (0) and scales, as lora_runs takes them. */
+ * the call (procs NULL: no runs on the host); runs: host segments' starts, offsets (0) and
+ * scales, as lora_runs takes them. */
 typedef struct {
     const LoraProj *procs;
     int64_t per_slot;
@@ -79,7 +80,7 @@ typedef struct {
 /* The step's adapter runs (gpu_lora's RunsStep; decode_structs.py's `LoraStep`): tokens
  * starts[g] .. starts[g + 1] read rows offsets[g] .. offsets[g] + ranks[g] of each table, scaled
  * by scales[g]. shrink and expand: lora_parts.c's functions, NULL where the LoRA library has none
- * (no AVX-512). host: the runs served from the host (their ranks 0 in the tables), NULL: none. */
+ * (no AVX-512). host: the runs served from the host (their ranks 0 in the tables). */
 typedef struct {
     lora_runs_fn *run;
     lora_shrink_part_fn *shrink;
@@ -88,7 +89,7 @@ typedef struct {
     const float *scales;
     int64_t num_runs;
     LoraTable tables[LORA_MODULES];
-    const LoraHost *host;
+    LoraHost host;
 } LoraStep;
 
 /* The LoRA a projection's output gets at layer l: modules first .. first + count of lora's

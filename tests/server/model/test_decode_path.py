@@ -122,7 +122,7 @@ def check_decode_path(
 
         def lora_spy(*args):
             step = lora_step(*args)
-            hosted.append(step is not None and bool(step.host))
+            hosted.append(step is not None and bool(step.host.procs))
             return step
 
         path._lora_step = lora_spy
