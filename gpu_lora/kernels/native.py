@@ -168,6 +168,11 @@ def call_runs(
     _check_status(failed)
 
 
+def _without(ranks: list[torch.Tensor], skip: tuple[int, ...]) -> list[torch.Tensor]:
+    """Copies of the runs' ranks [B] with the runs `skip` at 0 (the tensors themselves: none)."""
+    return [r.clone().index_fill_(0, torch.tensor(skip), 0) for r in ranks] if skip else ranks
+
+
 def _check_status(failed: int) -> None:
     """Raise what a nonzero `lora_runs` status means (out of range: bad runs, nothing written)."""
     if failed == native_build.Status.OUT_OF_RANGE:
@@ -247,7 +252,7 @@ class RunsStep:
         self._product_skip = tuple(sorted({g for runs in self._products.values()
                                            for g, *_ in runs}))  # fmt: skip
         self._procs: dict[tuple[tuple[str, ...], tuple[int, ...]], tuple] = {}  # see _prepare
-        self._skip_ranks: list[torch.Tensor] = []  # `layout`'s with runs left to the host
+        self._skip_ranks: list[torch.Tensor] = []  # `layout`'s ranks
         self._layout: dict[str, tuple[int, int, int, int, int, int, int]] = {}
         for module, (a, b, r) in self._tables.items():
             fast = (
@@ -322,10 +327,8 @@ class RunsStep:
             return None
         if self._product_skip:  # runs the C caller would not know to leave out
             return None
-        ranks = [r for _, _, r in self._tables.values()]
-        if skip:  # kept while this object lives
-            ranks = self._skip_ranks = [r.clone().index_fill_(0, torch.tensor(skip), 0)
-                                        for r in ranks]  # fmt: skip
+        # the ranks it points into, kept while this object lives
+        ranks = self._skip_ranks = _without([r for _, _, r in self._tables.values()], skip)
         modules = {m: ModuleLayout(*self._layout[m], r.data_ptr())
                    for m, r in zip(self._tables, ranks, strict=True)}  # fmt: skip
         function = ctypes.cast(lib.lora_runs, ctypes.c_void_p).value
@@ -344,11 +347,8 @@ class RunsStep:
         if len(self._procs) >= MAX_PREPARED:  # skip sets of loads that moved on
             self._procs.clear()
         procs = (LoraProj * len(modules))()
-        ranks = [self._tables[m][2] for m in modules]
-        if skip:
-            ranks = [r.clone() for r in ranks]
-            for r in ranks:
-                r[list(skip)] = 0  # not this call's: still loading, on the host, or products
+        # the runs not this call's at 0: still loading, on the host, or products
+        ranks = _without([self._tables[m][2] for m in modules], skip)
         for p, m, r in zip(procs, modules, ranks):
             p.ranks, p.H_out, p.pool_rows = r.data_ptr(), *self._layout[m][5:]
         entry = procs, [self._layout[m][:6] for m in modules], ranks  # ranks: kept alive
