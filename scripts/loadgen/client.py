@@ -3,8 +3,11 @@
 Each trace entry is sent at its arrival offset, whatever the answers of earlier requests (open
 loop), as a streamed `POST /v1/completions` with `ignore_eos: true`, so that every request
 produces exactly `max_tokens` tokens. The client clock measures:
-- TTFT: from sending to the first streamed event with a choice (the server sends one as soon as
-  the first token decodes to text);
+- TTFT: from sending to the first streamed event with a choice (toppings-serve sends one for
+  every token as it is made, its text empty while that is an incomplete UTF-8 sequence, as vLLM
+  does, and vLLM's `bench serve` times the same event), and `ttft_text_s`, to the first event
+  with text (what a server that holds such tokens back, as llama.cpp's does, gives as its
+  first event; the bench's random prompts of byte tokens make that 2.5 tokens on average);
 - E2E: from sending to `data: [DONE]`;
 - time per token: E2E / output tokens (the Toppings paper's TPT: all tokens, prefill included),
   the output tokens being the server's `usage.completion_tokens`.
@@ -84,7 +87,7 @@ def send(
         "lag_s": max(0.0, start - scheduled_unix),
     }
     text: list[str] = []
-    first = None
+    first = first_text = None
     usage = None
     try:
         body = request_body(entry, temperature)
@@ -106,6 +109,8 @@ def send(
                 for choice in event.get("choices") or ():
                     first = first or time.time()
                     text.append(choice.get("text") or "")
+                    if first_text is None and text[-1]:
+                        first_text = time.time()
             else:
                 result["error"] = "the stream ended without [DONE]"
                 return result
@@ -121,6 +126,7 @@ def send(
         ok=True,
         end_unix=end,
         ttft_s=first - start,
+        ttft_text_s=None if first_text is None else first_text - start,
         e2e_s=end - start,
         tpt_s=(end - start) / num_out,
         output_tokens=num_out,

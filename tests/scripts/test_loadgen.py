@@ -299,6 +299,8 @@ def test_replayed_trace_sends_the_same_requests(served, tmp_path):
         assert result["output_tokens"] == entry.max_tokens  # ignore_eos reached the server
         assert result["prompt_tokens"] == len(entry.prompt)
         assert 0 < result["ttft_s"] <= result["e2e_s"]
+        first_text = result["ttft_text_s"]  # None: every token's text was empty
+        assert first_text is None or result["ttft_s"] <= first_text <= result["e2e_s"]
     assert (tmp_path / "cdf.png").stat().st_size > 0
 
     # Rerunning into a finished journal sends nothing and keeps its lines.

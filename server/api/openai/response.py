@@ -259,8 +259,11 @@ def _delta_events(
             yield sse(_chunk(parsed, meta, [chosen], choice.usage()))
         return
     has_logprobs = logprobs is not None and any(logprobs.get(k) for k in ("content", "tokens"))
-    # Tokens whose text is still an incomplete UTF-8 sequence come later as text.
-    if text or has_logprobs or finish is not None:
+    # A chunk for every output that brought tokens, its text empty while that is an
+    # incomplete UTF-8 sequence or a possible stop string's start (the text comes later), as
+    # vLLM streams: the client sees each token when it is made, and its time to first token is
+    # the first token's, not the first whole character's.
+    if text or out.new_token_ids or has_logprobs or finish is not None:
         chosen = _chunk_choice(parsed, choice.index, text, logprobs, finish)
         yield sse(_chunk(parsed, meta, [chosen], choice.usage()))
 

@@ -266,12 +266,16 @@ def test_completion_stream_with_usage():
     assert {e["id"] for e in events} == {"cmpl-1"} and events[0]["object"] == "text_completion"
 
 
-def test_chat_stream_starts_with_role_and_skips_empty_text():
+def test_chat_stream_starts_with_role_and_sends_each_token():
+    """A token whose text is held (an incomplete UTF-8 sequence) still gets its chunk, with
+    empty content, as vLLM streams; an output without tokens or text gets none."""
     p = parse_chat({"messages": [{"role": "user", "content": "x"}], "stream": True}, BASE)
-    outs = [(0, RequestOutput("r", [1], "", None)), *_pairs(None, "length")]
+    held, nothing = RequestOutput("r", [1], "", None), RequestOutput("r", [], "", None)
+    outs = [(0, held), (0, nothing), *_pairs(None, "length")]
     events = _events(stream_events(p, ResponseMeta("c", 5, BASE, 3), outs))
     deltas = [e["choices"][0]["delta"] for e in events]
-    assert deltas == [{"role": "assistant", "content": ""}, {"content": "t0"}, {"content": "end"}]
+    assert deltas == [{"role": "assistant", "content": ""}, {"content": ""}, {"content": "t0"},
+                      {"content": "end"}]  # fmt: skip
     assert events[-1]["choices"][0]["finish_reason"] == "length"
     assert all(e["object"] == "chat.completion.chunk" and "usage" not in e for e in events)
 
