@@ -5,7 +5,8 @@ Each entry is sent at its arrival time (a thread per request) to `/completion` w
 as token ids, greedy, exactly its max tokens (`ignore_eos`), and `cache_prompt` off; an event
 carries the tokens its `tokens_predicted` count grew by (llama-server holds a token back while
 the text ends in a partial UTF-8 character, then sends it with the next). Times are the client's
-(`time.monotonic()` as each event is read): TTFT from the send to the first event with tokens,
+(`time.monotonic()` as each event is read): TTFT from the send to the first event with tokens
+(its first text: `ttft_text_s` too, which the toppings side's records time to its first text),
 the gaps between events with tokens (an event of k tokens: k gaps of gap/k, bench_chunked_prefill's
 `token_gaps`). The adapter of an entry is not sent: llama-server serves the base model (a
 toppings engine beside it serves the entry's adapter, so it does more work). The server itself is
@@ -82,7 +83,9 @@ def replay_llama(
         sent, times, counts = got
         if sum(counts) != e.max_tokens:
             raise RuntimeError(f"llama-server gave {sum(counts)} tokens of {e.max_tokens}")
-        records.append({"ttft_s": times[0] - sent, "e2e_s": times[-1] - sent,
+        # its first event is its first text too: it holds a token whose text is incomplete
+        records.append({"ttft_s": times[0] - sent, "ttft_text_s": times[0] - sent,
+                        "e2e_s": times[-1] - sent,
                         "tokens": sum(counts), "rank": e.rank,
                         "size": len(e.prompt) + e.max_tokens, "prompt_len": len(e.prompt),
                         "gaps_s": token_gaps(times, counts), "untimed": 0,

@@ -80,13 +80,14 @@ def test_output_clock_times_each_put_and_gives_the_gaps():
     request = GenerationRequest([1, 2, 3], SamplingParams(max_new_tokens=3))
     handle = RequestHandle(request, abort_fn=lambda _: None)
     clock = OutputClock(handle)
-    for ids, reason in (([7], None), ([8, 9], None), ([], "length")):
-        handle.put(RequestOutput(request.request_id, ids, "", finish_reason=reason))
-    final, gaps, untimed = clock.finish(timeout_s=1.0)
+    for ids, text, reason in (([7], "", None), ([8, 9], "ab", None), ([], "", "length")):
+        handle.put(RequestOutput(request.request_id, ids, text, finish_reason=reason))
+    final, gaps, untimed, to_text = clock.finish(timeout_s=1.0)
     assert final.finish_reason == "length"
     assert untimed == 0 and len(clock.times) == 3
     step = clock.times[1] - clock.times[0]
     assert gaps == pytest.approx([step / 2, step / 2])
+    assert to_text == step  # the first token's text came with the second output
 
 
 def test_outputs_put_before_the_clock_are_counted_untimed():
@@ -96,8 +97,8 @@ def test_outputs_put_before_the_clock_are_counted_untimed():
     clock = OutputClock(handle)
     handle.put(RequestOutput(request.request_id, [8], ""))
     handle.put(RequestOutput(request.request_id, [9], "", finish_reason="length"))
-    _, gaps, untimed = clock.finish(timeout_s=1.0)
-    assert untimed == 1
+    _, gaps, untimed, to_text = clock.finish(timeout_s=1.0)
+    assert untimed == 1 and to_text is None  # no output had text
     assert gaps == pytest.approx([clock.times[1] - clock.times[0]])
 
 
