@@ -86,16 +86,21 @@ CURRENT: dict[str, tuple[str, tuple[str, ...]]] = {
                            "first use (read from disk): the default (auto: cpu-assisted on a "
                            "CPU), on-demand beside it",
                            ("p99_ttft_ratio_distinct_vs_identical",
+                            "p99_ttft_ratio_distinct_vs_identical_per_round",
+                            "p99_ttft_text_ratio_distinct_vs_identical",
                             "throughput_ratio_distinct_vs_identical",
                             "p99_ttft_ratio_zipf_vs_identical",
                             "modes.on-demand.p99_ttft_ratio_distinct_vs_identical",
                             "modes.on-demand.p99_ttft_ratio_zipf_vs_identical")),
-    "adapter_scale_again.json": ("the same command run again at once, same code and machine: "
-                                 "the spread of these ratios",
-                                 ("p99_ttft_ratio_distinct_vs_identical",
-                                  "p99_ttft_ratio_distinct_vs_identical_per_round",
-                                  "p99_ttft_ratio_zipf_vs_identical",
-                                  "p99_ttft_ratio_zipf_vs_identical_per_round")),
+    "adapter_scale_six_rounds.json": ("the default mode alone, six rounds (2,400 requests an "
+                                      "assignment): the ratios pooled and their spread; TTFT "
+                                      "to the first token, `text` to the first text",
+                                      ("p99_ttft_ratio_distinct_vs_identical",
+                                       "p99_ttft_ratio_distinct_vs_identical_per_round",
+                                       "p99_ttft_text_ratio_distinct_vs_identical",
+                                       "p99_ttft_ratio_zipf_vs_identical",
+                                       "p99_ttft_ratio_zipf_vs_identical_per_round",
+                                       "p99_ttft_text_ratio_zipf_vs_identical")),
     "adapter_scale_registered.json": ("the same with every adapter registered at start-up "
                                       "(in host memory, as Toppings keeps them)",
                                       ("p99_ttft_ratio_distinct_vs_identical",
@@ -212,7 +217,8 @@ EARLIER = frozenset({
     "adapter_scale_read_after_3.json", "adapter_scale_tiles_1.json", "adapter_scale_tiles_2.json",
     "adapter_scale_tiles_3.json", "adapter_scale_vectors_1.json", "adapter_scale_vectors_2.json",
     "adapter_scale_session46.json",
-    "adapter_scale_session47.json",
+    "adapter_scale_session47.json", "adapter_scale_session48.json",
+    "adapter_scale_session48_again.json",
     "adapter_scale_vectors_3.json",
     "adapter_scale_four_readers.json", "adapter_scale_one_reader_rerun.json",
     "resolution_profile_float32_host.json",
