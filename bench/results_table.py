@@ -230,7 +230,7 @@ EARLIER = frozenset({
     "async_scheduling_output_thread_off.json", "async_scheduling_output_thread_on.json",
     "async_scheduling_persistent_batch.json",
     "async_scheduling_persistent_batch_before.json", "chunked_prefill_band.json",
-    "chunked_prefill_issue64_run1.json", "chunked_prefill_pre_s26.json",
+    "chunked_prefill_issue64_run1.json", "chunked_prefill_session44.json", "chunked_prefill_pre_s26.json",
     "chunked_prefill_targets.json", "cpu_assisted_nosplit_passive.json",
     "cpu_assisted_nosplit_spin30k.json", "cpu_assisted_workers1.json",
     "cpu_lora_ipc_rerun1.json", "cpu_lora_ipc_rerun2.json", "cpu_lora_ipc_v2_run1.json",
