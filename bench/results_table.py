@@ -52,6 +52,12 @@ CURRENT: dict[str, tuple[str, tuple[str, ...]]] = {
     "prefill_attention.json": ("prefill attention kernels (tiles, rows, SDPA), 1 thread",
                                _ATTENTION),
     "prefill_attention_2threads.json": ("the same on 2 threads", _ATTENTION),
+    "prefill_attention_amx.json": ("the same on an AMX Xeon, 2 threads: SDPA's flash kernel "
+                                   "ahead in bfloat16", (*_ATTENTION,
+                                   "bfloat16_new2500_past0.*.ms_median")),
+    "long_prompt_amx.json": ("a 3,000-token bfloat16 prompt on an AMX Xeon, its long segments "
+                             "through SDPA, beside llama-server",
+                             ("*.toppings_ttft_ms.median", "*.llama_server_ttft_ms.median")),
     "cpu_linear.json": ("packed (oneDNN) against plain linear layers, decode rows",
                         ("decode_speedup_packed_vs_plain.*.4",)),
     "decode_rows.json": ("decode steps at 1-32 requests: the GEMV on AMX's tiles against "

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from toppings.gpu_lora.kernels import native_build
 from toppings.server import native
 
 if TYPE_CHECKING:
@@ -40,6 +41,21 @@ _PAGED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # crossings: docs/benchmarks.md, "Measurements behind the code").
 TILE_MIN_LEN = 32
 TILE_MIN_WORK = 16384
+# On a CPU with AMX (amx_bf16), a bfloat16 segment of at least this many new tokens goes to
+# torch's SDPA instead: its flash kernel runs the products on the tile unit (oneDNN's brgemm),
+# the blocked kernel on vector registers. On a 2-core AMX Xeon (2 threads, SmolLM2's heads) SDPA
+# took 0.50x the blocked kernel's time on a whole 2,500-token prompt, 0.75x on 512 and on 256,
+# 0.77x on 256 after a past of 2,300 (gathered), 0.82x on 128, 1.13x on 64 after 600; in float32
+# the blocked kernel stays 1.3-1.6x faster (prefill_attention_amx.json; docs/benchmarks.md,
+# "Measurements behind the code"). Elsewhere (no AMX: an EPYC with avx512_bf16) it never does.
+SDPA_MIN_LEN = 256
+
+
+def sdpa_min_len(dtype: torch.dtype, device: torch.device) -> int:
+    """The segment length from which a CPU prefill attends by SDPA (SDPA_MIN_LEN), 0: never."""
+    if device.type != "cpu" or dtype != torch.bfloat16:
+        return 0
+    return SDPA_MIN_LEN if "amx_bf16" in native_build.cpu_flags() else 0
 
 
 @dataclass
@@ -48,8 +64,9 @@ class PrefillPlan:
     step.
 
     Every segment's slots (its cached prefix or earlier chunks, then its own tokens, in the pool
-    before attention runs) lie one segment after another in `index`. Token j of a short segment
-    (see TILE_MIN_LEN) attends to the first lengths[j] slots at
+    before attention runs) lie one segment after another in `index`, but those of the segments
+    in `sdpa` (long ones on a CPU where torch's SDPA is faster: SDPA_MIN_LEN), which it attends.
+    Token j of a short segment (see TILE_MIN_LEN) attends to the first lengths[j] slots at
     index[row_start[j]:] (the rows kernel: t x (P + t) row reads in all); each longer segment is
     a row of `tiles` (its first token, its t new tokens, where its slots start in index, its
     past P) for the blocked kernel, and its tokens have length 0 here.
@@ -60,6 +77,7 @@ class PrefillPlan:
     lengths: torch.Tensor  # [T] int64
     tiles: torch.Tensor  # [num_tiled, 4] int64: (first token, new tokens, index start, past)
     has_rows: bool  # whether any segment is short
+    sdpa: list[int]  # the segments SDPA attends, their tokens of length 0 here too
 
 
 @dataclass
@@ -81,11 +99,14 @@ def plan_prefill(
     slots: torch.Tensor,
     group: int = 1,
     paged: bool = True,
+    sdpa_from: int = 0,
 ) -> PrefillPlan | DecodeRows | PagedPrefill | None:
     """The plan of a prefill or mixed step whose tokens went to `slots` [T] int64, the same in
     every layer, for `group` query heads per kv head: every segment in one Triton launch on a
     GPU, natively attended rows on a CPU with the native kernel, else the decode rows to batch
-    (None where there are fewer than two). paged: False takes the torch path on a GPU."""
+    (None where there are fewer than two). paged: False takes the torch path on a GPU;
+    sdpa_from: on a CPU, segments of at least this many new tokens go to SDPA (0: none;
+    `sdpa_min_len`)."""
     kernels = _paged() if paged and slots.device.type == "cuda" else None
     if kernels is not None:
         return kernels.plan_paged(seg_starts, past_slots, slots, group)
@@ -94,12 +115,15 @@ def plan_prefill(
     num_tokens = seg_starts[-1]
     row_start = torch.zeros(num_tokens, dtype=torch.int64)
     lengths = torch.zeros(num_tokens, dtype=torch.int64)
-    lists, offset, tiles = [], 0, []
+    lists, offset, tiles, sdpa = [], 0, [], []
     for i, (start, end) in enumerate(zip(seg_starts[:-1], seg_starts[1:])):
+        t = end - start
+        if 0 < sdpa_from <= t:
+            sdpa.append(i)
+            continue
         past = past_slots[i] if past_slots is not None else None
         num_past = 0 if past is None else past.numel()
         lists.append(slots[start:end] if past is None else torch.cat([past, slots[start:end]]))
-        t = end - start
         if t >= TILE_MIN_LEN and t * (num_past + (t + 1) / 2) >= TILE_MIN_WORK:
             tiles.append((start, t, offset, num_past))
         else:
@@ -108,7 +132,8 @@ def plan_prefill(
         offset += num_past + end - start
     index = torch.cat(lists) if lists else torch.zeros(0, dtype=torch.int64)
     tiles_t = torch.tensor(tiles, dtype=torch.int64).reshape(-1, 4)
-    return PrefillPlan(index, row_start, lengths, tiles_t, len(tiles) < len(seg_starts) - 1)
+    has_rows = len(tiles) + len(sdpa) < len(seg_starts) - 1
+    return PrefillPlan(index, row_start, lengths, tiles_t, has_rows, sdpa)
 
 
 def _plan_decode_rows(seg_starts, past_slots, slots: torch.Tensor) -> DecodeRows | None:
@@ -144,13 +169,14 @@ def prefill_attention(
     layer of the pool) that its t tokens follow: they attend to those P keys and causally to
     their own. With a `PrefillPlan` (and k_cache, v_cache holding this step's keys), every
     segment runs natively, reading the pool in place: the short ones in one call of the rows
-    kernel, the others in one call of the blocked kernel. SDPA's per-call cost dominates short
-    prompts, and after a past it needs an explicit mask (no flash kernel) and a gathered copy
-    of the past (bench/bench_prefill_attention.py compares the three). With a `PagedPrefill` (a
-    GPU), every segment runs in one Triton launch reading the pool in place. With `DecodeRows`,
-    its rows are attended as one decode batch. Inputs go to SDPA as 4-D [1, heads, t, D]: with 3-D
-    ones torch's CPU SDPA falls back to its unfused math kernel (a large share of a prefill:
-    docs/benchmarks.md, "Measurements behind the code") instead of its flash kernel.
+    kernel, the others in one call of the blocked kernel, but those of `plan.sdpa` (SDPA_MIN_LEN).
+    SDPA's per-call cost dominates short prompts, and after a past it needs an explicit mask and
+    a gathered copy of the past (bench/bench_prefill_attention.py compares the three). With a
+    `PagedPrefill` (a GPU), every segment runs in one Triton launch reading the pool in place.
+    With `DecodeRows`, its rows are attended as one decode batch. Inputs go to SDPA as 4-D
+    [1, heads, t, D]: with 3-D ones torch's CPU SDPA falls back to its unfused math kernel (a
+    large share of a prefill: docs/benchmarks.md, "Measurements behind the code") instead of its
+    flash kernel.
     """
     num_tokens = q.shape[0]
     paged = _paged() if q.device.type == "cuda" else None
@@ -163,7 +189,7 @@ def prefill_attention(
         out[plan.rows] = rows.view(-1, *q.shape[1:])
         rest = plan.segments
     elif lib is not None and q.dtype in _NATIVE_DTYPES and k_cache.is_contiguous():
-        out, rest = _prefill_native(lib, q, k_cache, v_cache, plan), []  # [T, N, D]
+        out, rest = _prefill_native(lib, q, k_cache, v_cache, plan), plan.sdpa  # [T, N, D]
     else:
         out, rest = torch.empty_like(q), range(len(seg_starts) - 1)
     for i in rest:  # one SDPA each

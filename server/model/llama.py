@@ -17,7 +17,12 @@ import torch
 
 from toppings.server.config import Quantization
 from toppings.server.memory.kv_cache import KVPool
-from toppings.server.model.attention import decode_attention, plan_prefill, prefill_attention
+from toppings.server.model.attention import (
+    decode_attention,
+    plan_prefill,
+    prefill_attention,
+    sdpa_min_len,
+)
 from toppings.server.model.config import ModelConfig
 from toppings.server.model.decode_path import DecodePath, Scanned
 from toppings.server.model.family import RopeType
@@ -214,6 +219,7 @@ class LlamaModel:
         self.device = torch.device(device)
         self.quantization = quantization
         self.paged_attention = paged_attention
+        self.sdpa_from = sdpa_min_len(dtype, self.device)  # long prompt segments to SDPA
         quantized = quantization is not Quantization.NONE
         if quantized and self.device.type != "cpu":
             raise ValueError(f"quantization {quantization.value} runs on a cpu only")
@@ -285,8 +291,9 @@ class LlamaModel:
         plan = None
         if batch.is_prefill:  # which prompts the native kernel attends, the same in every layer
             plan = plan_prefill(
-                batch.seg_starts, batch.past_slots, batch.slots, n // k, self.paged_attention
-            )
+                batch.seg_starts, batch.past_slots, batch.slots, n // k, self.paged_attention,
+                self.sdpa_from,
+            )  # fmt: skip
         for idx, layer in enumerate(self.layers):
             x = add_rms_norm(h, residual, layer.input_norm, cfg.rms_norm_eps)
             qkv = layer.qkv(x)  # [T, (N+2K)*D]

@@ -237,3 +237,37 @@ def test_blocked_prefill_of_a_long_prompt_matches_sdpa():
         got = attention.prefill_attention(*args, plan)
         want = attention.prefill_attention(*args)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_long_segments_go_to_sdpa_beside_the_native_kernels(dtype):
+    """With `sdpa_from`, the segments of that many new tokens or more (a whole prompt, a chunk
+    after a past) are attended by SDPA, the others natively in the same step, as SDPA attends
+    them all."""
+    if native.library() is None:
+        pytest.skip("no C compiler here")
+    segments = [(3, 0), (70, 0), (40, 600), (64, 30), (1, 50)]
+    q, key, val, seg_starts, past_slots, k_cache, v_cache, slots = _segments_in_a_pool(
+        dtype, 3, 64, segments, seed=3, num_kv=3
+    )
+    plan = attention.plan_prefill(seg_starts, past_slots, slots, sdpa_from=64)
+    assert plan.sdpa == [1, 3] and plan.tiles[:, 1].tolist() == [40] and plan.has_rows
+    args = (q, key, val, seg_starts, past_slots, k_cache, v_cache)
+    got = attention.prefill_attention(*args, plan)
+    want = attention.prefill_attention(*args)  # every segment through SDPA
+    torch.testing.assert_close(got, want, rtol=TOL[dtype], atol=TOL[dtype])
+    only = attention.plan_prefill(seg_starts[:2], past_slots[:1], slots[:3], sdpa_from=1)
+    assert only.sdpa == [0] and not only.has_rows and only.tiles.numel() == 0
+
+
+def test_sdpa_attends_long_bfloat16_segments_only_on_a_cpu_with_amx(monkeypatch):
+    """SDPA_MIN_LEN for bfloat16 on a CPU whose flags have amx_bf16; never in float32, without
+    AMX, or off the CPU."""
+    flags = {"avx512f", "avx512_bf16"}
+    monkeypatch.setattr(attention.native_build, "cpu_flags", lambda: flags)
+    cpu, bf16 = torch.device("cpu"), torch.bfloat16
+    assert attention.sdpa_min_len(bf16, cpu) == 0
+    flags.add("amx_bf16")
+    assert attention.sdpa_min_len(bf16, cpu) == attention.SDPA_MIN_LEN > 0
+    assert attention.sdpa_min_len(torch.float32, cpu) == 0
+    assert attention.sdpa_min_len(bf16, torch.device("cuda")) == 0

@@ -309,7 +309,7 @@ def test_engine_through_the_interpreted_kernels_gives_the_torch_paths_tokens(
     calls: list[str] = []
     takes: list[bool] = []  # the model's `paged` argument at each call
 
-    def plan(seg_starts, past_slots, slots, group, on):
+    def plan(seg_starts, past_slots, slots, group, on, sdpa_from=0):
         calls.append("plan")
         takes.append(on)
         return paged.plan_paged(seg_starts, past_slots, slots, group)
