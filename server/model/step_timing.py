@@ -7,9 +7,12 @@ back before the engine serves: decode steps of one, half and all of `max_batch_s
 over a short past, prompts of two lengths beside the full batch of decodes (a mixed step runs a
 decode row as a one-token segment, which costs more than in a decode step), and the shorter
 prompt alone, with no past and after a long one (its attention to that past is what a late
-chunk of a long prompt costs more), each timed best of `REPEATS` after a warm-up. The result
-is only a prior: whatever else ran on the machine at start-up is in it, and the steps the
-engine really runs correct it within a few dozen steps (server.sched.step_refit).
+chunk of a long prompt costs more), each timed best of `REPEATS` after a warm-up; and one
+layer's projections at GEMM_LADDER rows, from which the budget's GEMM floor is chosen
+(server.sched.step_budget: on a 2-core AMX Xeon oneDNN's bfloat16 products cost 1.4-2x more a
+row below ~1,344 rows than above; docs/benchmarks.md, "Measurements behind the code"). The
+result is only a prior: whatever else ran on the machine at start-up is in it, and the steps
+the engine really runs correct it within a few dozen steps (server.sched.step_refit).
 LoRA is not in the timed steps (no adapter is on the device at start-up); it adds a few percent
 to a step (bench engine_throughput's decode_step_ratio_lora_vs_base).
 
@@ -45,6 +48,7 @@ PAST = 48  # tokens each decode row has attended to (a short chat turn)
 PROMPTS = (32, 160)  # the two prompt lengths whose difference gives the cost of a token
 LONG_PAST = 1024  # the past of the late chunk (PROMPTS[0] tokens), where the pool allows
 REPEATS = 3
+GEMM_LADDER = (256, 512, 1024, 2048)  # rows at which one layer's projections are timed
 
 
 @dataclass(frozen=True)
@@ -58,6 +62,8 @@ class StepTimes:
     mixed_ms: dict[int, float]  # mixed_rows decode rows and each of PROMPTS prompt tokens
     mixed_rows: int
     chunk_tokens: int = PROMPTS[0]
+    # one layer's projections (qkv, o, gate_up, down) by rows, GEMM_LADDER ({}: not measured)
+    gemm_ms: dict[int, float] = dataclasses.field(default_factory=dict)
     cached_in: str | None = None  # the file these were read from (None: measured now)
 
     def describe(self) -> str:
@@ -72,24 +78,21 @@ class StepTimes:
             f"{self.chunk_tokens} tokens after "
             f"{points(self.chunk_ms)} ms, {self.mixed_rows} decodes beside "
             f"{points(self.mixed_ms)} ms (base model, no LoRA)"
+            + (f", a layer's projections by rows {points(self.gemm_ms)} ms" if self.gemm_ms else "")
         )
 
 
 def _timer(device: torch.device) -> Callable[[Callable[[], object]], float]:
     """A function that times a call in ms, waiting for the device's queued work."""
 
-    def wait() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
     def best_ms(call: Callable[[], object]) -> float:
         call()  # warm-up: kernels picked, buffers allocated
         best = float("inf")
         for _ in range(REPEATS):
-            wait()
+            _sync(device)
             start = time.perf_counter()
             call()
-            wait()
+            _sync(device)
             best = min(best, time.perf_counter() - start)
         return 1000 * best
 
@@ -137,7 +140,8 @@ def _read(path: Path) -> StepTimes | None:
         raw = json.loads(path.read_text())
         ints = lambda d: {int(k): float(v) for k, v in d.items()}  # noqa: E731
         return StepTimes(ints(raw["decode_ms"]), ints(raw["chunk_ms"]), ints(raw["mixed_ms"]),
-                         int(raw["mixed_rows"]), int(raw["chunk_tokens"]), str(path))  # fmt: skip
+                         int(raw["mixed_rows"]), int(raw["chunk_tokens"]), ints(raw["gemm_ms"]),
+                         str(path))  # fmt: skip
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None  # none kept, or unreadable: measured again
 
@@ -219,8 +223,36 @@ def _measure(model: LlamaModel, kv: KVPool, num_rows: int) -> StepTimes:
             chunks = {0: best_ms(step(0, PROMPTS[0]))}
             if long_past >= PROMPTS[0]:  # the past's keys are a prompt's, or zeros
                 chunks[long_past] = best_ms(step(0, PROMPTS[0], long_past))
+            gemm = gemm_times(model, gen)
     finally:
         for row in rows:
             kv.free_row(row)
         kv.free_blocks(prompt_blocks)
-    return StepTimes(decodes, chunks, mixed, num_rows)
+    return StepTimes(decodes, chunks, mixed, num_rows, gemm_ms=gemm)
+
+
+def gemm_times(model: LlamaModel, gen: torch.Generator) -> dict[int, float]:
+    """One layer's projections (its first: qkv, o, gate_up, down) on random inputs of each of
+    GEMM_LADDER rows, in ms by rows: each size's best of REPEATS after a warm-up, the sizes in
+    turn within a repeat, so that a neighbour's burst does not fall on one size alone."""
+    layer = model.layers[0]
+    projections = (layer.qkv, layer.o, layer.gate_up, layer.down)
+    device = torch.device(model.device)
+    inputs = {n: [torch.randn(n, p.in_features, generator=gen).to(model.dtype).to(device)
+                  for p in projections] for n in GEMM_LADDER}  # fmt: skip
+    times = {n: float("inf") for n in GEMM_LADDER}
+    for repeat in range(REPEATS + 1):  # the first a warm-up
+        for n, xs in inputs.items():
+            _sync(device)
+            start = time.perf_counter()
+            for proj, x in zip(projections, xs):
+                proj(x)
+            _sync(device)
+            if repeat:
+                times[n] = min(times[n], 1000 * (time.perf_counter() - start))
+    return times
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -15,14 +15,21 @@ One number, `tokens`, the budget at the batch the engine runs now, and named adj
 the steps where the target is the wrong rule:
 - `whole prompts`: a step without decodes has no stream waiting on it; its budget is
   `max_prefill_tokens` (a waiting prompt goes whole, as without chunking);
-- `GEMM floor`: beside at most `FEW_DECODES` decodes a chunk is at least `GEMM_TOKENS` prompt
-  tokens, the rows from which a matrix product runs near its best rate per row (the rate per row by
-  batch: docs/benchmarks.md, "Measurements behind the code"): a few streams pay a longer gap (a step
-  of GEMM_TOKENS prompt tokens beside theirs) so that a prompt is not cut into many inefficient
-  chunks that each read the weights again. It is a number of tokens, not of milliseconds: on a
-  machine slowed by a neighbour a target in milliseconds alone cut chunks so small that the chunked
-  engine fell behind its arrivals (`chunked_prefill_issue64_run1.json`); and, a constant, it cannot
-  feed on a misfit fixed cost as session 28's fixed-share floor did;
+- `GEMM floor`: beside at most `FEW_DECODES` decodes a chunk is at least `gemm_tokens` prompt
+  tokens, the rows from which a matrix product runs near its best rate per row: a few streams pay
+  a longer gap (a step of that many prompt tokens beside theirs) so that a prompt is not cut into
+  many inefficient chunks that each read the weights again. It is measured at start-up with the
+  step times: the fewest of their ladder of rows (256 to 2,048) at which one layer's projections
+  cost at most `GEMM_SLACK` more a row than at their cheapest (`gemm_floor`); GEMM_TOKENS
+  without that measurement. bf16 SmolLM2 shapes cost ~35 us a row and layer at 16-32 rows on an
+  EPYC, ~15 from 128 on (hence GEMM_TOKENS, 256); on a 2-core AMX Xeon oneDNN's products cost
+  1.4-2x more a row below ~1,344 rows than above, so there a 256-token chunk beside a few
+  streams made a long prompt's prefill cost 1.26x its whole one (docs/benchmarks.md,
+  "Measurements behind the code"). It is a number of tokens, not of milliseconds: on a machine
+  slowed by a neighbour a target in milliseconds alone cut chunks so small that the chunked
+  engine fell behind its arrivals (`chunked_prefill_issue64_run1.json`); and, measured once
+  from products alone, it cannot feed on a misfit fixed cost as session 28's fixed-share floor
+  did;
 - `fixed-cost floor`: a chunk's work is at least the step's fixed cost (`MIN_CHUNK` tokens at
   the least), where a busy machine's steps with prompt tokens cost so much more than its decode
   steps that the target leaves no room: a step is then at most twice its fixed cost;
@@ -47,8 +54,9 @@ from toppings.server.sched.tiles import TILE_STALL
 
 MIN_CHUNK = 16  # prompt tokens a full batch of decodes leaves a step at least
 ITL_TARGET_MS = 150.0  # the default inter-token SLO (--itl-target-ms)
-GEMM_TOKENS = 256  # prompt rows from which a matrix product runs near its best rate per row
-FEW_DECODES = 8  # steps of at most this many decodes keep a chunk at GEMM_TOKENS
+GEMM_TOKENS = 256  # the GEMM floor where it was not measured (StepTimeModel.gemm_tokens)
+GEMM_SLACK = 0.15  # how much more a row the GEMM floor's products may cost than the cheapest
+FEW_DECODES = 8  # steps of at most this many decodes keep a chunk at the GEMM floor
 GEMM = "GEMM floor"  # the name of that adjustment
 
 
@@ -60,6 +68,7 @@ class StepPoints(Protocol):
     mixed_ms: dict[int, float]  # mixed_rows decodes beside prompt tokens, by prompt tokens
     mixed_rows: int
     chunk_tokens: int
+    gemm_ms: dict[int, float]  # one layer's projections by rows ({}: not measured)
 
     def describe(self) -> str: ...
 
@@ -84,6 +93,8 @@ class StepTimeModel:
     )
     # the decode batch the engine runs now (server.sched.step_refit); 0: not seen yet
     batch_size: int = 0
+    # the GEMM floor: a chunk beside at most FEW_DECODES decodes is at least this many tokens
+    gemm_tokens: int = GEMM_TOKENS
 
     @classmethod
     def fit(cls, points: StepPoints) -> StepTimeModel:
@@ -132,6 +143,7 @@ class StepTimeModel:
             ms_per_token_past=max(chunk_slope / points.chunk_tokens, 0.0),
             mixed_ms_per_request=max(extra, 0.0),
             source=points.describe(),
+            gemm_tokens=gemm_floor(points.gemm_ms),
         )
 
     def past_weight(self) -> float:
@@ -165,6 +177,16 @@ class StepTimeModel:
         decodes = max(self._mixed_decodes_ms(batch_size), self.decode_step_ms(batch_size))
         tokens = (target_ms - decodes) / self.ms_per_token
         return max(0, int(tokens)) if math.isfinite(tokens) else 0  # 0: the budget's floor
+
+
+def gemm_floor(gemm_ms: dict[int, float]) -> int:
+    """The fewest rows whose products cost at most GEMM_SLACK more a row than the cheapest rows
+    measured ({rows: ms}); GEMM_TOKENS where nothing was measured."""
+    per_row = {n: ms / n for n, ms in gemm_ms.items() if n > 0 and math.isfinite(ms) and ms > 0}
+    if not per_row:
+        return GEMM_TOKENS
+    cheapest = min(per_row.values())
+    return min(n for n, cost in per_row.items() if cost <= (1 + GEMM_SLACK) * cheapest)
 
 
 def _line(points: dict[int, float]) -> tuple[float, float]:
@@ -211,8 +233,8 @@ def tokens_for(
     fixed = num_decodes + max(MIN_CHUNK, model.overhead_tokens())
     if fixed > tokens:
         tokens, rule = fixed, "fixed-cost floor"
-    if num_decodes <= FEW_DECODES and num_decodes + GEMM_TOKENS > tokens:
-        tokens, rule = num_decodes + GEMM_TOKENS, GEMM
+    if num_decodes <= FEW_DECODES and num_decodes + model.gemm_tokens > tokens:
+        tokens, rule = num_decodes + model.gemm_tokens, GEMM
     if tokens >= ceiling:
         return ceiling, "ceiling"
     return tokens, rule
@@ -241,8 +263,9 @@ def choose_step_budget(
     while len(few) > 1 and few[-1] == tokens:
         few.pop()  # steps of that many decodes take `tokens` anyway
     floor = ""
-    if gemm := [d for d in range(1, FEW_DECODES + 1) if sized[d:][:1] == [(d + GEMM_TOKENS, GEMM)]]:
-        floor = f", {GEMM_TOKENS}-token chunks beside up to {gemm[-1]}"
+    floor_of = lambda d: [(d + model.gemm_tokens, GEMM)]  # noqa: E731
+    if gemm := [d for d in range(1, FEW_DECODES + 1) if sized[d:][:1] == floor_of(d)]:
+        floor = f", {model.gemm_tokens}-token chunks beside up to {gemm[-1]}"
     beside = f"{batch} decode" + ("s" if batch > 1 else "")
     how = (f"{tokens} tokens a step beside {beside} ({rule}, {itl_target_ms:g} ms target), "
            f"whole prompts with no decodes{floor}")  # fmt: skip

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tests.helpers import assert_memory_balanced
-from toppings.server.model.step_timing import PROMPTS, measure_steps
+from toppings.server.model.step_timing import GEMM_LADDER, PROMPTS, measure_steps
 from toppings.server.requests.request import GenerationRequest, SamplingParams
 
 
@@ -38,7 +38,8 @@ def test_the_points_are_timed_and_the_pool_is_given_back(tiny_engine):
         assert sorted(times.decode_ms) == [1, 4, 8]
         assert sorted(times.mixed_ms) == list(PROMPTS)
         assert times.mixed_rows == 8 and sorted(times.chunk_ms)[0] == 0
-        measured = [times.decode_ms, times.mixed_ms, times.chunk_ms]
+        assert sorted(times.gemm_ms) == list(GEMM_LADDER)
+        measured = [times.decode_ms, times.mixed_ms, times.chunk_ms, times.gemm_ms]
         assert all(t > 0 for points in measured for t in points.values())
         assert engine.kv.num_free_blocks == free
         assert engine.kv.num_free_rows == len(engine.kv.lengths)
@@ -61,8 +62,8 @@ def test_the_times_are_kept_and_read_at_the_next_start_up(tiny_engine, tmp_path,
         (kept,) = (tmp_path / "step_times").iterdir()
         again = measure_steps(engine.model, engine.kv, 8)
         assert first.cached_in is None and again.cached_in == str(kept)
-        assert (again.decode_ms, again.mixed_ms, again.chunk_ms) == (
-            first.decode_ms, first.mixed_ms, first.chunk_ms)  # fmt: skip
+        assert (again.decode_ms, again.mixed_ms, again.chunk_ms, again.gemm_ms) == (
+            first.decode_ms, first.mixed_ms, first.chunk_ms, first.gemm_ms)  # fmt: skip
         assert "an earlier one's" in again.describe()
         # another batch size is another key; TOPPINGS_STEP_TIMES=measure measures again
         assert measure_steps(engine.model, engine.kv, 4).cached_in is None

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 
@@ -23,6 +24,7 @@ from toppings.server.sched.step_budget import (
     StepBudget,
     StepTimeModel,
     choose_step_budget,
+    gemm_floor,
 )
 from toppings.server.sched.step_refit import scaled
 from toppings.server.sched.tiles import ATTENTION_TILE, TILE_STALL
@@ -277,7 +279,7 @@ def test_the_step_model_is_fitted_through_measured_points():
 
     def points(decode, mixed, chunk):
         return SimpleNamespace(decode_ms=decode, mixed_ms=mixed, chunk_ms=chunk, mixed_rows=32,
-                               chunk_tokens=32, describe=lambda: "measured")  # fmt: skip
+                               chunk_tokens=32, gemm_ms={}, describe=lambda: "")  # fmt: skip
 
     # decode: 10 + 0.5 B; beside 32 decodes (26 ms) a prompt token 40/128 ms and each decode
     # row 0.25 ms more than in a decode step; a 32-token chunk 32 ms more after 1,024 tokens
@@ -307,7 +309,7 @@ def test_a_disturbed_start_up_does_not_make_prompt_tokens_free():
 
     measured = SimpleNamespace(
         decode_ms={1: 13.58, 64: 427.09, 128: 709.30}, chunk_ms={0: 49.07, 1024: 72.77},
-        mixed_ms={32: 794.08, 160: 686.43}, mixed_rows=128, chunk_tokens=32,
+        mixed_ms={32: 794.08, 160: 686.43}, mixed_rows=128, chunk_tokens=32, gemm_ms={},
         describe=lambda: "measured",
     )  # fmt: skip
     model = StepTimeModel.fit(measured)
@@ -564,3 +566,28 @@ def test_a_short_prompt_is_not_held_behind_a_second_long_one_waiting():
     while sched.has_work():
         step(sched)
     assert first.output_ids and second.output_ids and memory.reserved == 0
+
+
+def test_the_gemm_floor_is_where_the_products_reach_their_rate_per_row():
+    """The fewest rows of the ladder whose products cost at most GEMM_SLACK more a row than the
+    cheapest: 2,048 where a row costs 1.5x below ~1,344 rows (an AMX Xeon's oneDNN products,
+    SmolLM2's shapes, 2 threads), 256 where the rate is flat from there, GEMM_TOKENS unmeasured.
+    A size a neighbour slowed (best of its repeats still slow) raises the floor at most to the
+    next size that measured its rate, never lowers it; a budget log names the floor."""
+    amx = {256: 1.23, 512: 2.36, 1024: 4.50, 2048: 6.04}  # ms, one layer's projections
+    flat = {256: 3.9, 512: 7.6, 1024: 15.1, 2048: 30.0}
+    assert gemm_floor(amx) == 2048 and gemm_floor(flat) == 256 and gemm_floor({}) == GEMM_TOKENS
+    assert gemm_floor({**flat, 256: 3.9 * 3}) == 512 and gemm_floor({**flat, 2048: 90.0}) == 256
+    assert gemm_floor({256: float("inf"), 512: 7.6}) == 512
+    points = SimpleNamespace(decode_ms={1: 20.0, 8: 30.0, 16: 40.0}, chunk_ms={0: 40.0},
+                             mixed_ms={32: 60.0, 160: 110.0}, mixed_rows=16, chunk_tokens=32,
+                             gemm_ms=amx, describe=lambda: "measured")  # fmt: skip
+    model = StepTimeModel.fit(points)
+    assert model.gemm_tokens == 2048
+    budget = choose_step_budget(16, 8192, model=replace(model, batch_size=2))
+    limits = GateLimits(16, 8192).with_budget(budget)
+    assert [limits.step_tokens(b) for b in (1, 2, FEW_DECODES)] == [2049, 2050, FEW_DECODES + 2048]
+    assert limits.step_tokens(FEW_DECODES + 1) < FEW_DECODES + 1 + 2048  # the target's
+    assert "2048-token chunks beside up to 8" in budget.how
+    ceiling = choose_step_budget(16, 1024, model=replace(model, batch_size=2))
+    assert ceiling.tokens == 1024  # never past the prompt ceiling

@@ -330,7 +330,7 @@ def test_a_disturbed_start_up_is_corrected_within_a_few_dozen_steps(case, seed):
 
     decode, chunk, mixed = DISTURBED_START_UPS[case]
     measured = SimpleNamespace(decode_ms=decode, chunk_ms=chunk, mixed_ms=mixed, mixed_rows=32,
-                               chunk_tokens=32, describe=lambda: "measured")  # fmt: skip
+                               chunk_tokens=32, gemm_ms={}, describe=lambda: "")  # fmt: skip
     prior = StepTimeModel.fit(measured)
     assert prior.ms_per_token <= decode[32] / 32 and prior.decode_ms >= 0
     # the machine, as its refit read it when undisturbed (a few streams, bursts of prompts)
