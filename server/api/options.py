@@ -123,7 +123,8 @@ class ApiOptions(Settings):
         bound=Bound.POSITIVE,
         flag=Flag(
             "resolved adapters registered at once; past it the least recently used one that no "
-            "request holds is unloaded (503 with Retry-After when every one is held). Adapters "
+            "request holds is unloaded (while every one is held, a load waits for one up to 30 s, "
+            "then 503 with Retry-After). Adapters "
             "of --lora, --lora-dir and /v1/load_lora_adapter are never unloaded by the resolver",
             type=positive,
             metavar="N",

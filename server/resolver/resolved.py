@@ -21,8 +21,14 @@ naming an unregistered adapter resolves it here (vLLM's LoRA resolvers, Dynamo's
   the least recently used resolved adapter that no request holds (neither leased here nor in
   flight in the engine), while its own files are read; the unload does not wait for the
   engine's step (its device rows go at the next one: Engine.retire_adapter). When every one
-  is held it gets 503 with Retry-After. Adapters the operator registered are never counted nor
-  unloaded here; a name with no directory unloads nothing (an adapter its read refuses may have).
+  is held it waits for one to be let go, as a request waits for a slot, up to `max_wait_s`, then
+  503 with Retry-After: a lease given back wakes it, the end of requests in the engine it sees
+  by trying again (every HELD_POLL_S, doubling to HELD_POLL_MAX_S: the engine tells the resolver
+  nothing, and each try asks the adapter thread). A burst of more cold names than the bound was
+  refused at once before (45 of 400 requests of bench_adapter_scale's on-demand run, when its
+  64 resolved adapters were all in use by waiting requests). Adapters the operator registered
+  are never counted nor unloaded here; a name with no directory unloads nothing (an adapter its
+  read refuses may have).
 - A resolved adapter stays registered and serving until it is evicted, even if its directory is
   removed; the next resolution of that name, after the eviction, is then a clean 404.
 - An evicted adapter stays in host memory, within `--lora-resolver-host-bytes`, while its files
@@ -46,45 +52,19 @@ from collections.abc import Iterator
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FuturesTimeout
 from dataclasses import dataclass
-from typing import Protocol
 
 from toppings.gpu_lora.host_memory import ContentKey
-from toppings.gpu_lora.peft.adapter import LoraAdapter
 from toppings.server.requests.adapter_ref import AdapterRef
-from toppings.server.requests.errors import (
-    NOT_FOUND,
-    RETRY_AFTER_S,
-    SERVER_ERROR,
-    UNAVAILABLE,
-    unknown_adapter,
-)
+from toppings.server.requests.errors import SERVER_ERROR
 from toppings.server.requests.request import RequestError
 from toppings.server.resolver.host_tier import FileKey, HostTier, Prepared
 from toppings.server.resolver.metrics import Outcome, ResolverMetrics
 from toppings.server.resolver.names import NameTable, Resolve
 from toppings.server.resolver.preparer import Preparer
+from toppings.server.resolver.registrar import Registrar, as_client_error, busy
 from toppings.server.resolver.sources import AdapterSource
 
 log = logging.getLogger(__name__)
-
-
-class Registrar(Protocol):
-    """Registers and unregisters adapters in the steps of the operator's endpoints
-    (server.api.admin.lifecycle's AdapterAdmin; RequestError on refusal)."""
-
-    def check(self, body: dict) -> tuple[str, str]:
-        """`{"lora_name", "lora_path"}` -> the name and the real directory, checked."""
-        ...
-
-    def open(self, name: str, path: str) -> LoraAdapter:
-        """Read and check a checked directory (any thread: the reader pool's)."""
-        ...
-
-    def register(self, adapter: LoraAdapter, content: ContentKey | None = None) -> AdapterRef: ...
-
-    def retire(self, name: str) -> LoraAdapter:
-        """Unregister `name` (404, or 409 while in use), not waiting for the engine's step."""
-        ...
 
 
 @dataclass
@@ -109,7 +89,9 @@ class _Load:
         self.num_waiting = 1  # the requests that get a lease when it lands, its starter included
 
 
-SLOT_WAIT_S = 30.0  # how long a resolution waits for a slot before its 503
+SLOT_WAIT_S = 30.0  # how long a resolution waits for a slot (or a held adapter) before its 503
+HELD_POLL_S = 0.05  # the first wait before trying the held adapters again, doubling
+HELD_POLL_MAX_S = 0.5  # to at most this
 RESOLVE_WAIT_S = 60.0  # how long a request waits for a resolution in flight before its 503
 
 
@@ -144,6 +126,7 @@ class ResolvedAdapters:
         self.max_wait_s, self.max_resolve_s = max_wait_s, max_resolve_s
         self._lock = threading.Lock()
         self._slot_freed = threading.Condition(self._lock)  # a resolution ended
+        self._let_go = threading.Condition(self._lock)  # a lease given back
         self._held: OrderedDict[str, _Held] = OrderedDict()  # least recently used first
         self._loading: dict[str, _Load] = {}
         self._evicting: dict[str, threading.Event] = {}  # set once the unload ended
@@ -169,6 +152,8 @@ class ResolvedAdapters:
                     held = self._held.get(ref.name)
                     if held is not None and held.ref == ref:
                         held.leases -= 1
+                if taken:
+                    self._let_go.notify_all()
 
     def resolved_names(self) -> list[str]:
         """The resolved adapters registered now, least recently used first."""
@@ -230,7 +215,7 @@ class ResolvedAdapters:
             if load.done.is_set():
                 return
             load.num_waiting -= 1
-        raise _busy(f"adapter {name!r} is still being resolved after {self.max_resolve_s:g} s "
+        raise busy(f"adapter {name!r} is still being resolved after {self.max_resolve_s:g} s "
                     f"(its files are read from {self.source.root})")  # fmt: skip
 
     def _still_registered(self, ref: AdapterRef) -> bool:
@@ -244,7 +229,7 @@ class ResolvedAdapters:
     def _refuse(self) -> None:
         """503: every resolution slot stayed taken for as long as a request waits."""
         self.metrics.observe(Outcome.BUSY, None)
-        raise _busy(f"{self.max_loading} adapters are being resolved, the most this server "
+        raise busy(f"{self.max_loading} adapters are being resolved, the most this server "
                     f"resolves at once (--lora-resolver-max-loading), and none ended within "
                     f"{self.max_wait_s:g} s")  # fmt: skip
 
@@ -276,7 +261,7 @@ class ResolvedAdapters:
             log.info("resolved adapter %s from %s%s", name, self.source.root,
                      " (kept in host memory)" if kept else "")  # fmt: skip
         except RequestError as exc:
-            load.error = _as_client_error(name, exc)
+            load.error = as_client_error(name, exc)
             outcome = Outcome.of(load.error)
         except Exception as exc:
             log.exception("resolving adapter %s failed", name)
@@ -302,8 +287,10 @@ class ResolvedAdapters:
 
     def _make_room(self) -> int:
         """Reserve a place among `max_adapters`, unloading the least recently used unheld
-        resolved adapters as needed; 503 when every one is held. Returns the places reserved."""
+        resolved adapters as needed; while every one is held, wait for one to be let go (up to
+        `max_wait_s`, then 503). Returns the places reserved."""
         tried: set[AdapterRef] = set()
+        deadline, poll_s = time.monotonic() + self.max_wait_s, HELD_POLL_S
         while True:
             with self._lock:
                 registered = len(self._held) + len(self._evicting) + self._num_reserved
@@ -314,9 +301,15 @@ class ResolvedAdapters:
                                if h.leases == 0 and h.ref not in tried), None)  # fmt: skip
                 if victim is None:
                     pending = next(iter(self._evicting.values()), None)
-                    if pending is None:
-                        raise _busy(f"all {self.max_adapters} resolved adapters are in use "
-                                    "(--lora-resolver-max-adapters)")  # fmt: skip
+                    if pending is None:  # every one held: wait, then try them all again
+                        left = deadline - time.monotonic()
+                        if left <= 0:
+                            raise busy(f"all {self.max_adapters} resolved adapters are in use "
+                                       "(--lora-resolver-max-adapters)")  # fmt: skip
+                        self._let_go.wait(min(poll_s, left))
+                        tried.clear()
+                        poll_s = min(2 * poll_s, HELD_POLL_MAX_S)
+                        continue
                 else:
                     del self._held[victim.ref.name]
                     self._evicting[victim.ref.name] = threading.Event()
@@ -363,7 +356,7 @@ class ResolvedAdapters:
             return reading.result(timeout=self.max_resolve_s)
         except FuturesTimeout:
             reading.add_done_callback(self._keep_when_read)
-            raise _busy(f"adapter {name!r} is still being read from {self.source.root} after "
+            raise busy(f"adapter {name!r} is still being read from {self.source.root} after "
                         f"{self.max_resolve_s:g} s") from None  # fmt: skip
 
     def _keep_when_read(self, reading: Future[tuple[Prepared, bool]]) -> None:
@@ -385,15 +378,3 @@ class ResolvedAdapters:
 
     def _count_tier(self) -> None:
         self.metrics.host_bytes.set(self.tier.charged_bytes)
-
-
-def _busy(message: str) -> RequestError:
-    return RequestError(message + "; retry after the Retry-After delay", 503, UNAVAILABLE,
-                        retry_after_s=RETRY_AFTER_S)  # fmt: skip
-
-
-def _as_client_error(name: str, exc: RequestError) -> RequestError:
-    """A loader's 404 names a directory; the client named an adapter."""
-    if exc.code == 404:
-        return RequestError(unknown_adapter(name), 404, NOT_FOUND)
-    return exc

@@ -378,6 +378,38 @@ def test_an_adapter_in_use_is_not_kept_when_its_eviction_is_refused(tmp_path):
     assert resolver.tier.charged_bytes == ADAPTER_BYTES  # "a" now
 
 
+def test_a_load_waits_for_a_held_adapter_to_be_let_go(tmp_path):
+    """Every resolved adapter held: a load past the bound waits (no 503) until one is let go,
+    a lease given back (woken at once) or its requests in the engine ended (seen on a later
+    try); past `max_wait_s` it gets its 503 with Retry-After."""
+    fake = FakeEngine()
+    resolver = make(tmp_path, fake, max_adapters=1, max_wait_s=30.0)
+    with resolver.lease() as r:
+        r("a")  # leased until the block ends
+        threads, results = run_threads(1, lambda: resolve(resolver, "b"))
+        wait_until(lambda: fake.loads == ["a", "b"], "b read")
+        time.sleep(0.2)
+        assert results[0] is None and fake.unloads == []  # waiting, not refused
+    threads[0].join(30)
+    assert isinstance(results[0], AdapterRef) and fake.unloads == ["a"]
+    fake.in_use.add("b")  # in flight in the engine: retire answers 409
+    threads, results = run_threads(1, lambda: resolve(resolver, "c"))
+    wait_until(lambda: fake.removing.count("b") >= 2, "b tried again")
+    assert results[0] is None and fake.unloads == ["a"]
+    fake.in_use.clear()  # its requests ended
+    threads[0].join(30)
+    assert isinstance(results[0], AdapterRef) and fake.unloads == ["a", "b"]
+    (tmp_path / "short").mkdir()
+    short = make(tmp_path / "short", FakeEngine(), max_adapters=1, max_wait_s=0.3)
+    short.registrar.in_use.add("a")
+    resolve(short, "a")
+    started = time.monotonic()
+    with pytest.raises(RequestError) as err:
+        resolve(short, "b")
+    assert err.value.code == 503 and err.value.retry_after_s
+    assert time.monotonic() - started >= 0.3
+
+
 def test_the_eviction_for_a_load_runs_while_its_files_are_read(tmp_path):
     """An unload waits for the engine's step; the read does not wait for it, nor it for the
     read, and the registration waits for both."""
