@@ -132,6 +132,10 @@ CURRENT: dict[str, tuple[str, tuple[str, ...]]] = {
     "chunked_prefill.json": ("chunked against unchunked prefill, and against llama-server",
                              ("itl_p99_ratio", "ttft_p99_ratio", "throughput_ratio",
                               "ttft_p99_ratio_vs_llama_server")),
+    "chunked_prefill_floor256.json": ("the same with the GEMM floor held at 256 tokens (the "
+                                      "measured floor's A/B on the AMX Xeon)",
+                                      ("itl_p99_ratio", "ttft_p99_ratio", "throughput_ratio",
+                                       "itl_p50_ratio")),
     "mixed_steps.json": ("step budget: the longest step against its inter-token target",
                          ("budget_tokens", "max_step_over_target")),
     "queueing.json": ("queue policies (Chameleon, S-LoRA, FCFS) on the engine", _QUEUEING),
@@ -237,6 +241,7 @@ EARLIER = frozenset({
     "async_scheduling_persistent_batch.json",
     "async_scheduling_persistent_batch_before.json", "chunked_prefill_band.json",
     "chunked_prefill_issue64_run1.json", "chunked_prefill_session44.json",
+    "chunked_prefill_session49.json",
     "chunked_prefill_pre_s26.json",
     "chunked_prefill_targets.json", "cpu_assisted_nosplit_passive.json",
     "cpu_assisted_nosplit_spin30k.json", "cpu_assisted_workers1.json",
