@@ -228,6 +228,7 @@ EARLIER = frozenset({
     "adapter_scale_tiles_3.json", "adapter_scale_vectors_1.json", "adapter_scale_vectors_2.json",
     "adapter_scale_session46.json",
     "adapter_scale_session47.json", "adapter_scale_session48.json",
+    "adapter_scale_session49.json",
     "adapter_scale_session48_again.json",
     "adapter_scale_vectors_3.json",
     "adapter_scale_four_readers.json", "adapter_scale_one_reader_rerun.json",
