@@ -216,7 +216,7 @@ class ResolvedAdapters:
                 return
             load.num_waiting -= 1
         raise busy(f"adapter {name!r} is still being resolved after {self.max_resolve_s:g} s "
-                    f"(its files are read from {self.source.root})")  # fmt: skip
+                   f"(its files are read from {self.source.root})")  # fmt: skip
 
     def _still_registered(self, ref: AdapterRef) -> bool:
         try:
@@ -230,8 +230,8 @@ class ResolvedAdapters:
         """503: every resolution slot stayed taken for as long as a request waits."""
         self.metrics.observe(Outcome.BUSY, None)
         raise busy(f"{self.max_loading} adapters are being resolved, the most this server "
-                    f"resolves at once (--lora-resolver-max-loading), and none ended within "
-                    f"{self.max_wait_s:g} s")  # fmt: skip
+                   f"resolves at once (--lora-resolver-max-loading), and none ended within "
+                   f"{self.max_wait_s:g} s")  # fmt: skip
 
     def _start(self, name: str) -> _Load:
         """A new resolution of `name` (lock held, a slot free)."""
@@ -357,7 +357,7 @@ class ResolvedAdapters:
         except FuturesTimeout:
             reading.add_done_callback(self._keep_when_read)
             raise busy(f"adapter {name!r} is still being read from {self.source.root} after "
-                        f"{self.max_resolve_s:g} s") from None  # fmt: skip
+                       f"{self.max_resolve_s:g} s") from None  # fmt: skip
 
     def _keep_when_read(self, reading: Future[tuple[Prepared, bool]]) -> None:
         """Wait for a read whose adapter will not be registered now; keep it if it succeeded."""
