@@ -87,14 +87,7 @@ def _timer(device: torch.device) -> Callable[[Callable[[], object]], float]:
 
     def best_ms(call: Callable[[], object]) -> float:
         call()  # warm-up: kernels picked, buffers allocated
-        best = float("inf")
-        for _ in range(REPEATS):
-            _sync(device)
-            start = time.perf_counter()
-            call()
-            _sync(device)
-            best = min(best, time.perf_counter() - start)
-        return 1000 * best
+        return min(_once_ms(device, call) for _ in range(REPEATS))
 
     return best_ms
 
@@ -240,19 +233,22 @@ def gemm_times(model: LlamaModel, gen: torch.Generator) -> dict[int, float]:
     device = torch.device(model.device)
     inputs = {n: [torch.randn(n, p.in_features, generator=gen).to(model.dtype).to(device)
                   for p in projections] for n in GEMM_LADDER}  # fmt: skip
+    calls = {n: (lambda xs=xs: [p(x) for p, x in zip(projections, xs)]) for n, xs in inputs.items()}
     times = {n: float("inf") for n in GEMM_LADDER}
     for repeat in range(REPEATS + 1):  # the first a warm-up
-        for n, xs in inputs.items():
-            _sync(device)
-            start = time.perf_counter()
-            for proj, x in zip(projections, xs):
-                proj(x)
-            _sync(device)
+        for n, call in calls.items():
+            took = _once_ms(device, call)
             if repeat:
-                times[n] = min(times[n], 1000 * (time.perf_counter() - start))
+                times[n] = min(times[n], took)
     return times
 
 
-def _sync(device: torch.device) -> None:
+def _once_ms(device: torch.device, call: Callable[[], object]) -> float:
+    """One call's time in ms, waiting for the device's queued work before and after."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    call()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return 1000 * (time.perf_counter() - start)

@@ -263,8 +263,7 @@ def choose_step_budget(
     while len(few) > 1 and few[-1] == tokens:
         few.pop()  # steps of that many decodes take `tokens` anyway
     floor = ""
-    floor_of = lambda d: [(d + model.gemm_tokens, GEMM)]  # noqa: E731
-    if gemm := [d for d in range(1, FEW_DECODES + 1) if sized[d:][:1] == floor_of(d)]:
+    if gemm := [d for d, (_, how_set) in enumerate(sized[: FEW_DECODES + 1]) if how_set == GEMM]:
         floor = f", {model.gemm_tokens}-token chunks beside up to {gemm[-1]}"
     beside = f"{batch} decode" + ("s" if batch > 1 else "")
     how = (f"{tokens} tokens a step beside {beside} ({rule}, {itl_target_ms:g} ms target), "
