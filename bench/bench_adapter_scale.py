@@ -92,7 +92,8 @@ QUICK = {"num_adapters": 16, "slots": 3, "num_requests": 8, "rounds": 1, "burst"
 SERIES = ("adapter_cache_hits", "adapter_cache_misses", "adapter_loads", "adapter_evictions",
           "cpu_lora_invocations", "lora_resolutions", "lora_resolution_seconds_sum",
           "lora_resolution_seconds_count", "lora_resolver_evictions",
-          "lora_resolver_host_hits", "requests_host_served", "requests_host_promoted",
+          "lora_resolver_host_hits", "lora_resolver_wait_seconds_count",
+          "lora_resolver_wait_seconds_sum", "requests_host_served", "requests_host_promoted",
           "prefill_steps", "prefill_seconds", "decode_steps", "decode_seconds",
           "prefix_cache_hit_tokens", "prefix_cache_prompt_tokens")  # fmt: skip
 
@@ -123,7 +124,7 @@ def free_port() -> int:
 
 def server_series(url: str) -> dict[str, float]:
     """The adapter cache, CPU LoRA and resolver series of a server's /metrics (resolutions
-    by outcome as `lora_resolutions_<outcome>`)."""
+    by outcome as `lora_resolutions_<outcome>`, waits by bound as `..._<bound>`)."""
     import requests
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -134,6 +135,8 @@ def server_series(url: str) -> dict[str, float]:
             name = sample.name.removeprefix("toppings:").removesuffix("_total")
             if name == "lora_resolutions":
                 values[f"{name}_{sample.labels['outcome']}"] = sample.value
+            elif name in SERIES and "bound" in sample.labels:
+                values[f"{name}_{sample.labels['bound']}"] = sample.value
             elif name in SERIES:
                 values[name] = sample.value
     return values

@@ -8,12 +8,14 @@ request's miss to the adapter registered (or the failure), eviction to make room
 from __future__ import annotations
 
 import enum
+import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from toppings.server.requests.errors import NOT_FOUND, UNAVAILABLE
 from toppings.server.requests.request import RequestError
 
+WAIT_BOUNDS = ("max_loading", "max_adapters")  # the `bound` label of a wait
 RESOLUTION_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
@@ -36,8 +38,8 @@ class Outcome(enum.Enum):
 
 
 class ResolverMetrics:
-    """Resolutions by outcome, their time, resolver evictions, resolved adapters held, and
-    the host tier's hits and bytes."""
+    """Resolutions by outcome, their time, their waits at the resolver's bounds, resolver
+    evictions, resolved adapters held, and the host tier's hits and bytes."""
 
     def __init__(self, registry: CollectorRegistry, prefix: str):
         """prefix: the server's series prefix (`toppings:`)."""
@@ -50,6 +52,14 @@ class ResolverMetrics:
                                  "Time of a resolution, from the first request's miss to the "
                                  "adapter registered or refused", buckets=RESOLUTION_BUCKETS,
                                  registry=registry)  # fmt: skip
+        self.waits = Histogram(prefix + "lora_resolver_wait_seconds",
+                               "Time a resolution waited at a bound of the resolver, whether it "
+                               "then went on or got its 503: bound=max_loading for a resolution "
+                               "slot, max_adapters for a resolved adapter to be let go",
+                               ["bound"], buckets=RESOLUTION_BUCKETS,
+                               registry=registry)  # fmt: skip
+        for bound in WAIT_BOUNDS:
+            self.waits.labels(bound)
         self.evictions = Counter(prefix + "lora_resolver_evictions",
                                  "Resolved adapters unloaded to make room for another",
                                  registry=registry)  # fmt: skip
@@ -70,3 +80,9 @@ class ResolverMetrics:
         self.resolutions.labels(outcome.value).inc()
         if seconds is not None:
             self.seconds.observe(seconds)
+
+    def waited(self, bound: str, since: float | None) -> None:
+        """A wait at `bound` (WAIT_BOUNDS) that began at `since` (time.monotonic) ended now;
+        nothing where it never began (None)."""
+        if since is not None:
+            self.waits.labels(bound).observe(time.monotonic() - since)

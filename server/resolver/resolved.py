@@ -165,47 +165,53 @@ class ResolvedAdapters:
         if name is None:
             return None, False
         deadline = time.monotonic() + self.max_wait_s
-        while True:
-            starts = slot_taken = False
-            with self._lock:
-                held = self._held.get(name)
-                if held is not None:
-                    if self._still_registered(held.ref):
-                        held.leases += 1
-                        self._held.move_to_end(name)
-                        return held.ref, True
-                    del self._held[name]  # the operator unloaded it: resolve it again
-                    self._count_held()
-                load = self._loading.get(name)
-                evicted = self._evicting.get(name)
-                if load is not None:
-                    load.num_waiting += 1
-                elif evicted is None:
-                    try:
-                        return self.table.resolve_adapter(name), False  # the operator's
-                    except RequestError as exc:
-                        if exc.code != 404:
-                            raise
-                    if len(self._loading) < self.max_loading:
-                        load, starts = self._start(name), True
-                    else:  # every slot taken: wait for one, then look again
-                        slot_taken = True
-                        left = deadline - time.monotonic()
-                        freed = left > 0 and self._slot_freed.wait(left)
-                        if not freed and len(self._loading) >= self.max_loading:
-                            self._refuse()
-            if slot_taken:
-                continue
-            if evicted is not None:
-                evicted.wait()  # then resolve it afresh
-                continue
-            if starts:
-                self._run(name, load)
-            self._wait(name, load)
-            if load.error is not None:
-                e = load.error
-                raise RequestError(str(e), e.code, e.error_type, e.retry_after_s)
-            return load.ref, True
+        waited = None  # when this request first found every resolution slot taken
+        try:
+            while True:
+                starts = slot_taken = False
+                with self._lock:
+                    held = self._held.get(name)
+                    if held is not None:
+                        if self._still_registered(held.ref):
+                            held.leases += 1
+                            self._held.move_to_end(name)
+                            return held.ref, True
+                        del self._held[name]  # the operator unloaded it: resolve it again
+                        self._count_held()
+                    load = self._loading.get(name)
+                    evicted = self._evicting.get(name)
+                    if load is not None:
+                        load.num_waiting += 1
+                    elif evicted is None:
+                        try:
+                            return self.table.resolve_adapter(name), False  # the operator's
+                        except RequestError as exc:
+                            if exc.code != 404:
+                                raise
+                        if len(self._loading) < self.max_loading:
+                            load, starts = self._start(name), True
+                        else:  # every slot taken: wait for one, then look again
+                            slot_taken, waited = True, waited or time.monotonic()
+                            left = deadline - time.monotonic()
+                            freed = left > 0 and self._slot_freed.wait(left)
+                            if not freed and len(self._loading) >= self.max_loading:
+                                self._refuse()
+                if slot_taken:
+                    continue
+                self.metrics.waited("max_loading", waited)  # a slot, or no need of one
+                waited = None
+                if evicted is not None:
+                    evicted.wait()  # then resolve it afresh
+                    continue
+                if starts:
+                    self._run(name, load)
+                self._wait(name, load)
+                if load.error is not None:
+                    e = load.error
+                    raise RequestError(str(e), e.code, e.error_type, e.retry_after_s)
+                return load.ref, True
+        finally:
+            self.metrics.waited("max_loading", waited)
 
     def _wait(self, name: str, load: _Load) -> None:
         """Wait for `load` up to `max_resolve_s`; then 503, and no lease on it when it lands."""
@@ -291,33 +297,38 @@ class ResolvedAdapters:
         `max_wait_s`, then 503). Returns the places reserved."""
         tried: set[AdapterRef] = set()
         deadline, poll_s = time.monotonic() + self.max_wait_s, HELD_POLL_S
-        while True:
-            with self._lock:
-                registered = len(self._held) + len(self._evicting) + self._num_reserved
-                if registered < self.max_adapters:
-                    self._num_reserved += 1
-                    return 1
-                victim = next((h for h in self._held.values()
-                               if h.leases == 0 and h.ref not in tried), None)  # fmt: skip
+        waited = None  # when every resolved adapter was first found held
+        try:
+            while True:
+                with self._lock:
+                    registered = len(self._held) + len(self._evicting) + self._num_reserved
+                    if registered < self.max_adapters:
+                        self._num_reserved += 1
+                        return 1
+                    victim = next((h for h in self._held.values()
+                                   if h.leases == 0 and h.ref not in tried), None)  # fmt: skip
+                    if victim is None:
+                        pending = next(iter(self._evicting.values()), None)
+                        if pending is None:  # every one held: wait, then try them all again
+                            left = deadline - time.monotonic()
+                            if left <= 0:
+                                raise busy(f"all {self.max_adapters} resolved adapters are in use "
+                                           "(--lora-resolver-max-adapters)")  # fmt: skip
+                            waited = waited or time.monotonic()
+                            self._let_go.wait(min(poll_s, left))
+                            tried.clear()
+                            poll_s = min(2 * poll_s, HELD_POLL_MAX_S)
+                            continue
+                    else:
+                        del self._held[victim.ref.name]
+                        self._evicting[victim.ref.name] = threading.Event()
                 if victim is None:
-                    pending = next(iter(self._evicting.values()), None)
-                    if pending is None:  # every one held: wait, then try them all again
-                        left = deadline - time.monotonic()
-                        if left <= 0:
-                            raise busy(f"all {self.max_adapters} resolved adapters are in use "
-                                       "(--lora-resolver-max-adapters)")  # fmt: skip
-                        self._let_go.wait(min(poll_s, left))
-                        tried.clear()
-                        poll_s = min(2 * poll_s, HELD_POLL_MAX_S)
-                        continue
-                else:
-                    del self._held[victim.ref.name]
-                    self._evicting[victim.ref.name] = threading.Event()
-            if victim is None:
-                pending.wait()  # another load's eviction ends: look again
-                continue
-            tried.add(victim.ref)
-            self._evict(victim)
+                    pending.wait()  # another load's eviction ends: look again
+                    continue
+                tried.add(victim.ref)
+                self._evict(victim)
+        finally:
+            self.metrics.waited("max_adapters", waited)
 
     def _evict(self, victim: _Held) -> None:
         """Unload `victim` into the host tier, or put it back when a request in flight in the

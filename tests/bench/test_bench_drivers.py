@@ -151,6 +151,8 @@ def test_adapter_scale_quick_runs_every_mode_and_assignment(tiny_model_dir, tmp_
         distinct = runs["distinct"][0]["server"]
         tried = sum(v for k, v in distinct.items() if k.startswith("lora_resolutions_"))
         assert tried == num
+        for bound in ("max_loading", "max_adapters"):  # the resolver's waits, by bound
+            assert f"lora_resolver_wait_seconds_count_{bound}" in distinct
     refused = sum(p["num_refused"] for m in metrics["modes"].values()
                   for p in m["assignments"].values())  # fmt: skip
     assert metrics["num_refused"] == refused

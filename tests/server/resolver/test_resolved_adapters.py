@@ -132,6 +132,15 @@ def outcome_count(resolver, outcome: str) -> float:
     return resolver.metrics.resolutions.labels(outcome)._value.get()
 
 
+def waits(resolver, bound: str) -> tuple[float, float]:
+    """(waits, seconds waited) at `bound` (lora_resolver_wait_seconds' count and sum)."""
+    samples = resolver.metrics.waits.collect()[0].samples
+    count, total = (next(s.value for s in samples
+                         if s.name.endswith(suffix) and s.labels["bound"] == bound)
+                    for suffix in ("_count", "_sum"))  # fmt: skip
+    return count, total
+
+
 def wait_until(predicate, what: str) -> None:
     deadline = time.monotonic() + 30
     while not predicate():
@@ -250,9 +259,11 @@ def test_resolutions_in_flight_are_bounded_with_503_retry_after(tmp_path):
     assert (err.value.code, err.value.error_type) == (503, UNAVAILABLE)
     assert err.value.retry_after_s is not None and err.value.retry_after_s > 0
     assert outcome_count(resolver, "busy") == 1
+    assert waits(resolver, "max_loading")[0] == 1  # a wait that ended in its 503 counts
     fake.gate.set()
     threads[0].join()
     assert isinstance(resolve(resolver, "b"), AdapterRef)  # room again
+    assert waits(resolver, "max_loading")[0] == 1  # a slot free: no wait
 
 
 def test_a_resolution_past_the_bound_waits_for_a_slot(tmp_path):
@@ -271,6 +282,8 @@ def test_a_resolution_past_the_bound_waits_for_a_slot(tmp_path):
         thread.join()
     assert fake.loads == ["a", "b"] and isinstance(got[0], AdapterRef)
     assert outcome_count(resolver, "busy") == 0
+    count, seconds = waits(resolver, "max_loading")  # "b"'s wait, not its resolution after
+    assert count == 1 and 0.2 <= seconds and waits(resolver, "max_adapters") == (0, 0)
 
 
 def test_eviction_spares_leased_and_in_flight_adapters(tmp_path):
@@ -399,6 +412,8 @@ def test_a_load_waits_for_a_held_adapter_to_be_let_go(tmp_path):
     fake.in_use.clear()  # its requests ended
     threads[0].join(30)
     assert isinstance(results[0], AdapterRef) and fake.unloads == ["a", "b"]
+    count, seconds = waits(resolver, "max_adapters")  # "b" for the lease, "c" for the engine
+    assert count == 2 and seconds >= 0.2 and waits(resolver, "max_loading") == (0, 0)
     (tmp_path / "short").mkdir()
     short = make(tmp_path / "short", FakeEngine(), max_adapters=1, max_wait_s=0.3)
     short.registrar.in_use.add("a")
@@ -408,6 +423,7 @@ def test_a_load_waits_for_a_held_adapter_to_be_let_go(tmp_path):
         resolve(short, "b")
     assert err.value.code == 503 and err.value.retry_after_s
     assert time.monotonic() - started >= 0.3
+    assert waits(short, "max_adapters")[0] == 1 and waits(short, "max_adapters")[1] >= 0.3
 
 
 def test_the_eviction_for_a_load_runs_while_its_files_are_read(tmp_path):
