@@ -7,10 +7,16 @@ back before the engine serves: decode steps of one, half and all of `max_batch_s
 over a short past, prompts of two lengths beside the full batch of decodes (a mixed step runs a
 decode row as a one-token segment, which costs more than in a decode step), and the shorter
 prompt alone, with no past and after a long one (its attention to that past is what a late
-chunk of a long prompt costs more), each timed best of `REPEATS` after a warm-up; and one
-layer's projections at GEMM_LADDER rows, from which the budget's GEMM floor is chosen
-(server.sched.step_budget: on a 2-core AMX Xeon oneDNN's bfloat16 products cost 1.4-2x more a
-row below ~1,344 rows than above; docs/benchmarks.md, "Measurements behind the code"). The
+chunk of a long prompt costs more), each timed best of `REPEATS` after a warm-up; and the
+model's projections at GEMM_LADDER rows (one layer's timed, times its layers), from which the
+budget's GEMM floor is chosen (server.sched.step_budget: on a 2-core AMX Xeon oneDNN's bfloat16
+products cost 1.4-2x more a row below ~1,344 rows than above; docs/benchmarks.md, "Measurements
+behind the code"). Each size is timed right after an untimed call of the same shapes: oneDNN
+keeps a compiled primitive per shape in a cache the server bounds to 16 entries
+(server.process.allocator), and the ladder's sizes in turn are 16 shapes, so timed cold every
+call paid a primitive's creation (~0.7 ms a product on a 2-core EPYC), once a layer here where
+a step pays it once for all its layers: that made 256 rows read 1.4x the rate of 2,048 in the
+server (1.1x warm) and the floor 1,024 instead of 256. The
 result is only a prior: whatever else ran on the machine at start-up is in it, and the steps
 the engine really runs correct it within a few dozen steps (server.sched.step_refit).
 LoRA is not in the timed steps (no adapter is on the device at start-up); it adds a few percent
@@ -48,7 +54,7 @@ PAST = 48  # tokens each decode row has attended to (a short chat turn)
 PROMPTS = (32, 160)  # the two prompt lengths whose difference gives the cost of a token
 LONG_PAST = 1024  # the past of the late chunk (PROMPTS[0] tokens), where the pool allows
 REPEATS = 3
-GEMM_LADDER = (256, 512, 1024, 2048)  # rows at which one layer's projections are timed
+GEMM_LADDER = (256, 512, 1024, 2048)  # rows at which the projections are timed
 
 
 @dataclass(frozen=True)
@@ -62,7 +68,8 @@ class StepTimes:
     mixed_ms: dict[int, float]  # mixed_rows decode rows and each of PROMPTS prompt tokens
     mixed_rows: int
     chunk_tokens: int = PROMPTS[0]
-    # one layer's projections (qkv, o, gate_up, down) by rows, GEMM_LADDER ({}: not measured)
+    # the model's projections (qkv, o, gate_up, down; one layer's timed, times its layers) by
+    # rows, GEMM_LADDER ({}: not measured)
     gemm_ms: dict[int, float] = dataclasses.field(default_factory=dict)
     cached_in: str | None = None  # the file these were read from (None: measured now)
 
@@ -78,7 +85,7 @@ class StepTimes:
             f"{self.chunk_tokens} tokens after "
             f"{points(self.chunk_ms)} ms, {self.mixed_rows} decodes beside "
             f"{points(self.mixed_ms)} ms (base model, no LoRA)"
-            + (f", a layer's projections by rows {points(self.gemm_ms)} ms" if self.gemm_ms else "")
+            + (f", the projections by rows {points(self.gemm_ms)} ms" if self.gemm_ms else "")
         )
 
 
@@ -225,9 +232,11 @@ def _measure(model: LlamaModel, kv: KVPool, num_rows: int) -> StepTimes:
 
 
 def gemm_times(model: LlamaModel, gen: torch.Generator) -> dict[int, float]:
-    """One layer's projections (its first: qkv, o, gate_up, down) on random inputs of each of
-    GEMM_LADDER rows, in ms by rows: each size's best of REPEATS after a warm-up, the sizes in
-    turn within a repeat, so that a neighbour's burst does not fall on one size alone."""
+    """The model's projections on random inputs of each of GEMM_LADDER rows, in ms by rows:
+    its first layer's (qkv, o, gate_up, down) timed, times its layers; each size's best of
+    REPEATS after a warm-up, the sizes in turn within a repeat, so that a neighbour's burst does
+    not fall on one size alone, each timed call right after an untimed one of its shapes (warm
+    primitives: the module docstring)."""
     layer = model.layers[0]
     projections = (layer.qkv, layer.o, layer.gate_up, layer.down)
     device = torch.device(model.device)
@@ -237,10 +246,11 @@ def gemm_times(model: LlamaModel, gen: torch.Generator) -> dict[int, float]:
     times = {n: float("inf") for n in GEMM_LADDER}
     for repeat in range(REPEATS + 1):  # the first a warm-up
         for n, call in calls.items():
+            call()  # its shapes' primitives made (again) before the timed call
             took = _once_ms(device, call)
             if repeat:
                 times[n] = min(times[n], took)
-    return times
+    return {n: ms * len(model.layers) for n, ms in times.items()}
 
 
 def _once_ms(device: torch.device, call: Callable[[], object]) -> float:

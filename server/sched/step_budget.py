@@ -16,20 +16,24 @@ the steps where the target is the wrong rule:
 - `whole prompts`: a step without decodes has no stream waiting on it; its budget is
   `max_prefill_tokens` (a waiting prompt goes whole, as without chunking);
 - `GEMM floor`: beside at most `FEW_DECODES` decodes a chunk is at least `gemm_tokens` prompt
-  tokens, the rows from which a matrix product runs near its best rate per row: a few streams pay
-  a longer gap (a step of that many prompt tokens beside theirs) so that a prompt is not cut into
-  many inefficient chunks that each read the weights again. It is measured at start-up with the
-  step times: the fewest of their ladder of rows (256 to 2,048) at which one layer's projections
-  cost at most `GEMM_SLACK` more a row than at their cheapest (`gemm_floor`); GEMM_TOKENS
-  without that measurement. bf16 SmolLM2 shapes cost ~35 us a row and layer at 16-32 rows on an
-  EPYC, ~15 from 128 on (hence GEMM_TOKENS, 256); on a 2-core AMX Xeon oneDNN's products cost
-  1.4-2x more a row below ~1,344 rows than above, so there a 256-token chunk beside a few
-  streams made a long prompt's prefill cost 1.26x its whole one (docs/benchmarks.md,
-  "Measurements behind the code"). It is a number of tokens, not of milliseconds: on a machine
-  slowed by a neighbour a target in milliseconds alone cut chunks so small that the chunked
-  engine fell behind its arrivals (`chunked_prefill_issue64_run1.json`); and, measured once
-  from products alone, it cannot feed on a misfit fixed cost as session 28's fixed-share floor
-  did;
+  tokens, the fewest at which a prompt cut into such chunks costs near its best rate per token:
+  a few streams pay a longer gap (a step of that many prompt tokens beside theirs) so that a
+  prompt is not cut into many inefficient chunks that each read the weights again. It is
+  measured at start-up with the step times: the fewest of their ladder of rows (256 to 2,048) at
+  which a chunk's step, the model's projections at those rows plus the decode step of
+  FEW_DECODES it carries, costs at most `GEMM_SLACK` more a prompt token than the cheapest
+  (`gemm_floor`), so that a long prompt chunked beside a few streams takes at most about that
+  much longer than whole; GEMM_TOKENS without that measurement. Both parts matter: bf16 SmolLM2
+  shapes cost ~35 us a row and layer at 16-32 rows on an EPYC, ~17 from 256 on, where the decode
+  step of 8 a 256-token chunk carries still adds ~10% a token (a floor of the products alone,
+  256 there, gave P99 TTFT 1.25-1.28x unchunked at 0.3 and 0.5 of capacity); on a 2-core AMX
+  Xeon oneDNN's products cost 1.4-2x more a row below ~1,344 rows than above, so there a
+  256-token chunk beside a few streams made a long prompt's prefill cost 1.26x its whole one
+  (docs/benchmarks.md, "Measurements behind the code"). It is a number of tokens, not of
+  milliseconds: on a machine slowed by a neighbour a target in milliseconds alone cut chunks so
+  small that the chunked engine fell behind its arrivals (`chunked_prefill_issue64_run1.json`);
+  and, chosen once from the start-up measurement (the refit keeps it), it cannot feed on a
+  misfit fixed cost as session 28's fixed-share floor did;
 - `fixed-cost floor`: a chunk's work is at least the step's fixed cost (`MIN_CHUNK` tokens at
   the least), where a busy machine's steps with prompt tokens cost so much more than its decode
   steps that the target leaves no room: a step is then at most twice its fixed cost;
@@ -55,7 +59,7 @@ from toppings.server.sched.tiles import TILE_STALL
 MIN_CHUNK = 16  # prompt tokens a full batch of decodes leaves a step at least
 ITL_TARGET_MS = 150.0  # the default inter-token SLO (--itl-target-ms)
 GEMM_TOKENS = 256  # the GEMM floor where it was not measured (StepTimeModel.gemm_tokens)
-GEMM_SLACK = 0.15  # how much more a row the GEMM floor's products may cost than the cheapest
+GEMM_SLACK = 0.15  # how much more a prompt token the GEMM floor's chunks may cost than the cheapest
 FEW_DECODES = 8  # steps of at most this many decodes keep a chunk at the GEMM floor
 GEMM = "GEMM floor"  # the name of that adjustment
 
@@ -68,7 +72,7 @@ class StepPoints(Protocol):
     mixed_ms: dict[int, float]  # mixed_rows decodes beside prompt tokens, by prompt tokens
     mixed_rows: int
     chunk_tokens: int
-    gemm_ms: dict[int, float]  # one layer's projections by rows ({}: not measured)
+    gemm_ms: dict[int, float]  # the model's projections by rows ({}: not measured)
 
     def describe(self) -> str: ...
 
@@ -143,7 +147,7 @@ class StepTimeModel:
             ms_per_token_past=max(chunk_slope / points.chunk_tokens, 0.0),
             mixed_ms_per_request=max(extra, 0.0),
             source=points.describe(),
-            gemm_tokens=gemm_floor(points.gemm_ms),
+            gemm_tokens=gemm_floor(points.gemm_ms, fixed + per_request * FEW_DECODES),
         )
 
     def past_weight(self) -> float:
@@ -179,14 +183,17 @@ class StepTimeModel:
         return max(0, int(tokens)) if math.isfinite(tokens) else 0  # 0: the budget's floor
 
 
-def gemm_floor(gemm_ms: dict[int, float]) -> int:
-    """The fewest rows whose products cost at most GEMM_SLACK more a row than the cheapest rows
-    measured ({rows: ms}); GEMM_TOKENS where nothing was measured."""
-    per_row = {n: ms / n for n, ms in gemm_ms.items() if n > 0 and math.isfinite(ms) and ms > 0}
-    if not per_row:
+def gemm_floor(gemm_ms: dict[int, float], step_ms: float = 0.0) -> int:
+    """The fewest rows n whose chunk step, the model's projections at n rows ({rows: ms}) plus
+    `step_ms` (the decodes it carries), costs at most GEMM_SLACK more a prompt token than the
+    cheapest rows measured; GEMM_TOKENS where nothing was measured."""
+    step_ms = max(step_ms, 0.0) if math.isfinite(step_ms) else 0.0
+    per_token = {n: (ms + step_ms) / n for n, ms in gemm_ms.items()
+                 if n > 0 and math.isfinite(ms) and ms > 0}  # fmt: skip
+    if not per_token:
         return GEMM_TOKENS
-    cheapest = min(per_row.values())
-    return min(n for n, cost in per_row.items() if cost <= (1 + GEMM_SLACK) * cheapest)
+    cheapest = min(per_token.values())
+    return min(n for n, cost in per_token.items() if cost <= (1 + GEMM_SLACK) * cheapest)
 
 
 def _line(points: dict[int, float]) -> tuple[float, float]:

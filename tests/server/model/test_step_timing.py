@@ -3,10 +3,14 @@ comes from this machine's measured steps, and measuring leaves the KV pool as it
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
+import torch
 
 from tests.helpers import assert_memory_balanced
-from toppings.server.model.step_timing import GEMM_LADDER, PROMPTS, measure_steps
+from toppings.server.model import step_timing
+from toppings.server.model.step_timing import GEMM_LADDER, PROMPTS, gemm_times, measure_steps
 from toppings.server.requests.request import GenerationRequest, SamplingParams
 
 
@@ -70,3 +74,32 @@ def test_the_times_are_kept_and_read_at_the_next_start_up(tiny_engine, tmp_path,
         monkeypatch.setenv("TOPPINGS_STEP_TIMES", "measure")
         assert measure_steps(engine.model, engine.kv, 8).cached_in is None
         assert_memory_balanced(engine)
+
+
+class _Projection:
+    """A product whose call is cold where its last call had other rows (a primitive made)."""
+
+    def __init__(self) -> None:
+        self.in_features, self.rows, self.cold = 4, 0, False
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        self.cold, self.rows = x.shape[0] != self.rows, x.shape[0]
+        return x
+
+
+def test_the_gemm_ladder_times_warm_products_and_counts_every_layer(monkeypatch):
+    """Each timed call of the ladder comes right after one of its own shapes (a server bounds
+    oneDNN's primitive cache to 16 shapes, the ladder's sizes in turn are 16: timed cold, every
+    call paid a creation a step pays once for all its layers), and the time is the model's: one
+    layer's, times its layers."""
+    projections = [_Projection() for _ in range(4)]
+    layer = SimpleNamespace(qkv=projections[0], o=projections[1], gate_up=projections[2],
+                            down=projections[3])  # fmt: skip
+    model = SimpleNamespace(layers=[layer] * 3, device="cpu", dtype=torch.float32)
+
+    def timed(device, call) -> float:  # 1 ms a warm call, 100 a cold one
+        call()
+        return 100.0 if any(p.cold for p in projections) else 1.0
+
+    monkeypatch.setattr(step_timing, "_once_ms", timed)
+    assert gemm_times(model, torch.Generator()) == {n: 3.0 for n in GEMM_LADDER}

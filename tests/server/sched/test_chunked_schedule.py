@@ -574,7 +574,7 @@ def test_the_gemm_floor_is_where_the_products_reach_their_rate_per_row():
     SmolLM2's shapes, 2 threads), 256 where the rate is flat from there, GEMM_TOKENS unmeasured.
     A size a neighbour slowed (best of its repeats still slow) raises the floor at most to the
     next size that measured its rate, never lowers it; a budget log names the floor."""
-    amx = {256: 1.23, 512: 2.36, 1024: 4.50, 2048: 6.04}  # ms, one layer's projections
+    amx = {256: 1.23, 512: 2.36, 1024: 4.50, 2048: 6.04}  # ms, the projections
     flat = {256: 3.9, 512: 7.6, 1024: 15.1, 2048: 30.0}
     assert gemm_floor(amx) == 2048 and gemm_floor(flat) == 256 and gemm_floor({}) == GEMM_TOKENS
     assert gemm_floor({**flat, 256: 3.9 * 3}) == 512 and gemm_floor({**flat, 2048: 90.0}) == 256
@@ -591,3 +591,21 @@ def test_the_gemm_floor_is_where_the_products_reach_their_rate_per_row():
     assert "2048-token chunks beside up to 8" in budget.how
     ceiling = choose_step_budget(16, 1024, model=replace(model, batch_size=2))
     assert ceiling.tokens == 1024  # never past the prompt ceiling
+
+
+def test_the_gemm_floor_counts_the_decode_step_each_chunk_carries():
+    """A chunk's step also carries the decodes beside it: the floor is where the products plus
+    that step cost at most GEMM_SLACK more a prompt token than the cheapest. The 2-core EPYC's
+    bf16 SmolLM2 (the projections of its 30 layers 142 / 264 / 521 / 1,038 ms at 256 / 512 /
+    1,024 / 2,048 rows, a decode step of 8 about 14.5 ms): the products alone put the floor at
+    256 (1.10x the cheapest rate), with the step 256 is 1.19x a token and 512 1.06x. No step, a
+    step that is not a time, a negative one: the products alone."""
+    epyc = {256: 142.0, 512: 264.0, 1024: 521.0, 2048: 1038.0}
+    assert gemm_floor(epyc) == 256 and gemm_floor(epyc, 14.5) == 512
+    assert gemm_floor(epyc, 150.0) == 1024  # a dear step wants longer chunks still
+    for step in (0.0, -5.0, float("nan"), float("inf")):
+        assert gemm_floor(epyc, step) == 256
+    points = SimpleNamespace(decode_ms={1: 9.0, 64: 62.0, 128: 110.0}, chunk_ms={0: 30.0},
+                             mixed_ms={32: 130.0, 160: 200.0}, mixed_rows=128, chunk_tokens=32,
+                             gemm_ms=epyc, describe=lambda: "measured")  # fmt: skip
+    assert StepTimeModel.fit(points).gemm_tokens == 512  # the decode line's step of 8
