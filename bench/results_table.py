@@ -132,7 +132,14 @@ CURRENT: dict[str, tuple[str, tuple[str, ...]]] = {
     "chunked_prefill.json": ("chunked against unchunked prefill, and against llama-server",
                              ("itl_p99_ratio", "ttft_p99_ratio", "throughput_ratio",
                               "ttft_p99_ratio_vs_llama_server")),
-    "chunked_prefill_floor256.json": ("the same with the GEMM floor held at 256 tokens (the "
+    "chunked_prefill_epyc_floor256.json": ("the same before the GEMM floor counted the decode "
+                                           "step a chunk carries (256 tokens there; 512 now)",
+                                           ("itl_p99_ratio", "ttft_p99_ratio",
+                                            "throughput_ratio", "itl_p50_ratio")),
+    "chunked_prefill_xeon.json": ("the same on the 2-core AMX Xeon of session 50 (floor 2,048)",
+                                  ("itl_p99_ratio", "ttft_p99_ratio", "throughput_ratio",
+                                   "itl_p50_ratio")),
+    "chunked_prefill_floor256.json": ("the Xeon's with the GEMM floor held at 256 tokens (the "
                                       "measured floor's A/B on the AMX Xeon)",
                                       ("itl_p99_ratio", "ttft_p99_ratio", "throughput_ratio",
                                        "itl_p50_ratio")),
