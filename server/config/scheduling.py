@@ -66,8 +66,8 @@ class SchedulingConfig(Settings):
         flag=Flag(
             "inter-token SLO the default --max-num-batched-tokens is sized for: a step with "
             "decodes takes the prompt tokens that keep its modelled time within it; beside at "
-            "most 8 decodes a chunk is at least 256 tokens, and a step without decodes takes "
-            "whole prompts",
+            "most 8 decodes a chunk is at least the GEMM floor measured at start-up (256 to "
+            "2048 tokens, logged), and a step without decodes takes whole prompts",
             type=float,
             metavar="X",
         ),
