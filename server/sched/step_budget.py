@@ -51,7 +51,7 @@ tests. The refit moves the budget: the target is fixed, the step's cost is what 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from toppings.server.sched.tiles import TILE_STALL
@@ -140,15 +140,16 @@ class StepTimeModel:
         chunk_slope = _line(points.chunk_ms)[0] if len(points.chunk_ms) > 1 else 0.0
         mixed_rows = points.mixed_rows
         extra = (mixed_fixed - fixed - per_request * mixed_rows) / mixed_rows
-        return cls(
+        model = cls(
             ms_per_token=max(ms_per_token, 1e-6),
             decode_ms=fixed,
             decode_ms_per_request=max(per_request, 0.0),
             ms_per_token_past=max(chunk_slope / points.chunk_tokens, 0.0),
             mixed_ms_per_request=max(extra, 0.0),
             source=points.describe(),
-            gemm_tokens=gemm_floor(points.gemm_ms, fixed + per_request * FEW_DECODES),
         )
+        step_ms = model.decode_step_ms(FEW_DECODES)  # what each chunk beside a few carries
+        return replace(model, gemm_tokens=gemm_floor(points.gemm_ms, step_ms))
 
     def past_weight(self) -> float:
         """Budget tokens a prompt token costs more for each token of past it attends to."""
