@@ -423,8 +423,15 @@ def main(argv: list[str] | None = None) -> None:
     for i, row in enumerate(per_load[UNCHUNKED]):  # the same trace for every engine
         lens = [r["prompt_len"] for run in raw[UNCHUNKED][i] for r in run]
         row["ttft_p99_floor_ms"] = ttft_floor(alone, lens)
+    rounds = {  # each round alone: the spread of the ratios
+        m: [[{**summarise([run], slo_ms / 1000, args.duration), **summarise_itl([run], long_min)}
+             for run in runs] for runs in raw[m]]
+        for m in (UNCHUNKED, CHUNKED)
+    }  # fmt: skip
+    spread = [[ratios(c, n) for c, n in zip(cs, ns)]
+              for cs, ns in zip(rounds[CHUNKED], rounds[UNCHUNKED])]  # fmt: skip
     log.info("measured in %.0f s", time.monotonic() - began)
-    write(args, argv, dtype, slo_ms, capacity, fractions, loads, per_load, step, alone)
+    write(args, argv, dtype, slo_ms, capacity, fractions, loads, per_load, step, alone, spread)
 
 
 def run_rounds(args, replays: dict, loads: list[float], trace, long_min: int, failed: dict) -> dict:
@@ -518,7 +525,9 @@ def as_text(row: dict) -> dict:
     return {**row, "ttft_p99_ms": row["ttft_text_p99_ms"]}
 
 
-def write(args, argv, dtype, slo_ms, capacity, fractions, loads, per_load, step, alone) -> None:
+def write(
+    args, argv, dtype, slo_ms, capacity, fractions, loads, per_load, step, alone, spread
+) -> None:
     at, within = slo_knee([r["ttft_p99_ms"] for r in per_load[UNCHUNKED]], slo_ms)
     u = per_load[UNCHUNKED]
     chunked_modes = [m for m in per_load if m not in (UNCHUNKED, LLAMA)]
@@ -534,6 +543,7 @@ def write(args, argv, dtype, slo_ms, capacity, fractions, loads, per_load, step,
     metrics = {
         **worst(per_ratios),  # the worst over the loads; each load's beside
         "ratios_per_load": per_ratios,
+        "ratios_per_round_per_load": spread,  # each round's own, by load then round
         # no engine's P99 TTFT at a load can be below this share of the unchunked one's
         "ttft_p99_floor_ratio_per_load": [r["ttft_p99_floor_ms"] / r["ttft_p99_ms"] for r in u],
         "alone_ttft_ms": alone,

@@ -15,25 +15,31 @@ One number, `tokens`, the budget at the batch the engine runs now, and named adj
 the steps where the target is the wrong rule:
 - `whole prompts`: a step without decodes has no stream waiting on it; its budget is
   `max_prefill_tokens` (a waiting prompt goes whole, as without chunking);
-- `GEMM floor`: beside at most `FEW_DECODES` decodes a chunk is at least `gemm_tokens` prompt
-  tokens, the fewest at which a prompt cut into such chunks costs near its best rate per token:
-  a few streams pay a longer gap (a step of that many prompt tokens beside theirs) so that a
-  prompt is not cut into many inefficient chunks that each read the weights again. It is
-  measured at start-up with the step times: the fewest of their ladder of rows (256 to 2,048) at
-  which a chunk's step, the model's projections at those rows plus the decode step of
-  FEW_DECODES it carries, costs at most `GEMM_SLACK` more a prompt token than the cheapest
-  (`gemm_floor`), so that a long prompt chunked beside a few streams takes at most about that
-  much longer than whole; GEMM_TOKENS without that measurement. Both parts matter: bf16 SmolLM2
-  shapes cost ~35 us a row and layer at 16-32 rows on an EPYC, ~17 from 256 on, where the decode
-  step of 8 a 256-token chunk carries still adds ~10% a token (a floor of the products alone,
-  256 there, gave P99 TTFT 1.25-1.28x unchunked at 0.3 and 0.5 of capacity); on a 2-core AMX
-  Xeon oneDNN's products cost 1.4-2x more a row below ~1,344 rows than above, so there a
-  256-token chunk beside a few streams made a long prompt's prefill cost 1.26x its whole one
-  (docs/benchmarks.md, "Measurements behind the code"). It is a number of tokens, not of
-  milliseconds: on a machine slowed by a neighbour a target in milliseconds alone cut chunks so
-  small that the chunked engine fell behind its arrivals (`chunked_prefill_issue64_run1.json`);
-  and, chosen once from the start-up measurement (the refit keeps it), it cannot feed on a
-  misfit fixed cost as session 28's fixed-share floor did;
+- `GEMM floor`: beside `d` decodes a chunk is at least `gemm_tokens(d)` prompt tokens, the
+  fewest at which a prompt cut into such chunks costs near its best rate per token: the streams
+  pay a longer gap (a step of that many prompt tokens beside theirs) so that a prompt is not cut
+  into many inefficient chunks that each read the weights again and each carry the decodes'
+  step. It is measured at start-up with the step times: the fewest of their ladder of rows (256
+  to 2,048) at which a chunk's step, the model's projections at those rows plus the decode step
+  it carries (of `d` decodes, at least FEW_DECODES), costs at most `GEMM_SLACK` more a prompt
+  token than the cheapest (`gemm_floor`), so that a long prompt chunked beside streams takes at
+  most about that much longer than whole; GEMM_TOKENS without that measurement. Both parts
+  matter: bf16 SmolLM2 shapes cost ~35 us a row and layer at 16-32 rows on an EPYC, ~17 from
+  256 on, where the decode step of 8 a 256-token chunk carries still adds ~10% a token (a floor
+  of the products alone, 256 there, gave P99 TTFT 1.25-1.28x unchunked at 0.3 and 0.5 of
+  capacity); on a 2-core AMX Xeon oneDNN's products cost 1.4-2x more a row below ~1,344 rows
+  than above, so there a 256-token chunk beside a few streams made a long prompt's prefill cost
+  1.26x its whole one. Beside more streams the target alone gave chunks of 50-60 tokens (at
+  0.7 of capacity on the EPYC, 9-14 streams beside a long prompt's late chunks): each cost 2.5x
+  a token of the whole prompt, and P99 TTFT was 1.40-1.45x unchunked; with the floor at every
+  batch it was 1.10x (docs/benchmarks.md, "Measurements behind the code"). So on a machine
+  whose target allows fewer tokens than the floor (a CPU), a step that carries a chunk takes
+  longer than the target: the target bounds the gaps only where it can without wasting the
+  prompt's work. It is a number of tokens, not of milliseconds: on a machine slowed by a
+  neighbour a target in milliseconds alone cut chunks so small that the chunked engine fell
+  behind its arrivals (`chunked_prefill_issue64_run1.json`); and, chosen once from the start-up
+  measurement (the refit keeps it), it cannot feed on a misfit fixed cost as session 28's
+  fixed-share floor did;
 - `fixed-cost floor`: a chunk's work is at least the step's fixed cost (`MIN_CHUNK` tokens at
   the least), where a busy machine's steps with prompt tokens cost so much more than its decode
   steps that the target leaves no room: a step is then at most twice its fixed cost;
@@ -60,7 +66,8 @@ MIN_CHUNK = 16  # prompt tokens a full batch of decodes leaves a step at least
 ITL_TARGET_MS = 150.0  # the default inter-token SLO (--itl-target-ms)
 GEMM_TOKENS = 256  # the GEMM floor where it was not measured (StepTimeModel.gemm_tokens)
 GEMM_SLACK = 0.15  # how much more a prompt token the GEMM floor's chunks may cost than the cheapest
-FEW_DECODES = 8  # steps of at most this many decodes keep a chunk at the GEMM floor
+FEW_DECODES = 8  # the GEMM floor's chunk carries the decode step of at least this many
+FLOOR_DECODES = 1024  # the GEMM floor is found for steps of up to this many decodes
 GEMM = "GEMM floor"  # the name of that adjustment
 
 
@@ -97,8 +104,9 @@ class StepTimeModel:
     )
     # the decode batch the engine runs now (server.sched.step_refit); 0: not seen yet
     batch_size: int = 0
-    # the GEMM floor: a chunk beside at most FEW_DECODES decodes is at least this many tokens
-    gemm_tokens: int = GEMM_TOKENS
+    # the GEMM floor by the decodes of a step: ((fewest decodes, tokens), ...), ascending; a
+    # chunk beside d decodes is at least the tokens of the last pair of at most d (gemm_tokens)
+    gemm_floors: tuple[tuple[int, int], ...] = ((0, GEMM_TOKENS),)
 
     @classmethod
     def fit(cls, points: StepPoints) -> StepTimeModel:
@@ -148,8 +156,11 @@ class StepTimeModel:
             mixed_ms_per_request=max(extra, 0.0),
             source=points.describe(),
         )
-        step_ms = model.decode_step_ms(FEW_DECODES)  # what each chunk beside a few carries
-        return replace(model, gemm_tokens=gemm_floor(points.gemm_ms, step_ms))
+        return replace(model, gemm_floors=gemm_floors(points.gemm_ms, model))
+
+    def gemm_tokens(self, num_decodes: int) -> int:
+        """The GEMM floor of a step of `num_decodes` decodes (the module docstring)."""
+        return next(n for d, n in reversed(self.gemm_floors) if d <= num_decodes)
 
     def past_weight(self) -> float:
         """Budget tokens a prompt token costs more for each token of past it attends to."""
@@ -197,6 +208,17 @@ def gemm_floor(gemm_ms: dict[int, float], step_ms: float = 0.0) -> int:
     return min(n for n, cost in per_token.items() if cost <= (1 + GEMM_SLACK) * cheapest)
 
 
+def gemm_floors(gemm_ms: dict[int, float], model: StepTimeModel) -> tuple[tuple[int, int], ...]:
+    """The GEMM floor at every number of decodes up to FLOOR_DECODES, from the ladder
+    `gemm_ms` and `model`'s decode line, as StepTimeModel.gemm_floors keeps it (it grows with the
+    decode step a chunk carries)."""
+    floors = [(0, gemm_floor(gemm_ms, model.decode_step_ms(FEW_DECODES)))]
+    for d in range(FEW_DECODES + 1, FLOOR_DECODES + 1):
+        if (tokens := gemm_floor(gemm_ms, model.decode_step_ms(d))) != floors[-1][1]:
+            floors.append((d, tokens))
+    return tuple(floors)
+
+
 def _line(points: dict[int, float]) -> tuple[float, float]:
     """Slope and intercept of the least-squares line through {x: y}."""
     xs, ys = list(points), list(points.values())
@@ -241,8 +263,8 @@ def tokens_for(
     fixed = num_decodes + max(MIN_CHUNK, model.overhead_tokens())
     if fixed > tokens:
         tokens, rule = fixed, "fixed-cost floor"
-    if num_decodes <= FEW_DECODES and num_decodes + model.gemm_tokens > tokens:
-        tokens, rule = num_decodes + model.gemm_tokens, GEMM
+    if num_decodes + (floor := model.gemm_tokens(num_decodes)) > tokens:
+        tokens, rule = num_decodes + floor, GEMM
     if tokens >= ceiling:
         return ceiling, "ceiling"
     return tokens, rule
@@ -271,8 +293,9 @@ def choose_step_budget(
     while len(few) > 1 and few[-1] == tokens:
         few.pop()  # steps of that many decodes take `tokens` anyway
     floor = ""
-    if gemm := [d for d, (_, how_set) in enumerate(sized[: FEW_DECODES + 1]) if how_set == GEMM]:
-        floor = f", {model.gemm_tokens}-token chunks beside up to {gemm[-1]}"
+    if any(how_set == GEMM for _, how_set in sized):
+        floors = [n for d, n in model.gemm_floors if d <= max_batch_size]
+        floor = f", chunks of at least {'-'.join(map(str, floors))} tokens"
     beside = f"{batch} decode" + ("s" if batch > 1 else "")
     how = (f"{tokens} tokens a step beside {beside} ({rule}, {itl_target_ms:g} ms target), "
            f"whole prompts with no decodes{floor}")  # fmt: skip

@@ -116,7 +116,7 @@ class StepBudgetKeeper:
         batch = model.batch_size or self.max_batch_size  # the batch the engine runs now
         # every window moves it a little, and at budgets of a few dozen tokens by a tenth: an
         # operator's log gets the moves that change what a step does. Compared at the batch the
-        # engine runs now: a batch that crosses FEW_DECODES changes the one number, not a step
+        # engine runs now: a batch that crosses to another floor changes the one number, not a step
         was = steps_of(self._logged, batch)
         moved = abs(budget.tokens - was) >= max(was * LOGGED_MOVE, MIN_CHUNK)
         if moved:

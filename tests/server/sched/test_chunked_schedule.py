@@ -17,7 +17,6 @@ from toppings.server.sched.plan import StepPlan, StepResult
 from toppings.server.sched.policies import make_queue_policy
 from toppings.server.sched.scheduler import Scheduler
 from toppings.server.sched.step_budget import (
-    FEW_DECODES,
     GEMM_TOKENS,
     ITL_TARGET_MS,
     MIN_CHUNK,
@@ -42,6 +41,12 @@ def make_chunked(
     if queue is None:
         queue = make_queue_policy(config, num_blocks * BLOCK)
     return Scheduler(queue, memory, adapters, limits, {EOS}, 4096, clock), memory, adapters
+
+
+def unfloored(model: StepTimeModel | None = None) -> StepTimeModel:
+    """`model` on a machine whose products cost the same a row at any rows (no GEMM floor): the
+    budget is the target's and its own floors'."""
+    return replace(model or StepTimeModel(), gemm_floors=((0, 0),))
 
 
 def step(sched) -> StepPlan | None:
@@ -150,30 +155,30 @@ def test_unchunked_steps_stay_whole_prompt_prefills():
 def test_the_default_budget_follows_a_fixed_inter_token_target():
     """The target is ITL_TARGET_MS whatever the batch (not a multiple of its decode step); the
     budget is the batch's decodes plus the prompt tokens whose modelled step stays within it."""
-    model = StepTimeModel()  # a decode step of B: 64.6 + 2.09 B ms, a prompt token 1.09 ms
+    model = unfloored()  # a decode step of B: 64.6 + 2.09 B ms, a prompt token 1.09 ms
     budget = choose_step_budget(max_batch_size=128, max_prefill_tokens=8192, model=model)
     assert budget.itl_target_ms == ITL_TARGET_MS == SchedulingConfig().itl_target_ms
     # no batch run yet: at 128 the decode step (332 ms) is over the target; the floor holds
     assert budget.tokens == 128 + math.ceil(64.6 / 1.09)
-    cpu = StepTimeModel(ms_per_token=0.5, decode_ms=20.0, decode_ms_per_request=1.0)
-    for batch in (12, 16):  # past FEW_DECODES: the target alone
+    cpu = unfloored(StepTimeModel(ms_per_token=0.5, decode_ms=20.0, decode_ms_per_request=1.0))
+    for batch in (12, 16):
         now = choose_step_budget(128, 8192, model=replace(cpu, batch_size=batch))
         assert now.itl_target_ms == ITL_TARGET_MS
         assert now.tokens == batch + int((ITL_TARGET_MS - cpu.decode_step_ms(batch)) / 0.5)
         assert "150 ms target" in now.how and now.how.count(".") == 0  # one short sentence
     # a given target, below the decode step: the fixed-cost floor (64.6 / 1.09 -> 60)
-    assert choose_step_budget(12, 8192, itl_target_ms=50.0).tokens == 12 + 60
+    assert choose_step_budget(12, 8192, itl_target_ms=50.0, model=model).tokens == 12 + 60
     assert choose_step_budget(8, 8192, max_num_batched_tokens=100).tokens == 100
     assert choose_step_budget(400, 8192).tokens >= 400 + MIN_CHUNK
 
 
 def test_budget_floor_follows_the_cost_of_a_prompt_token():
     # a CPU: a prompt token costs about a decode row; the target decides, MIN_CHUNK at least
-    cpu = StepTimeModel(ms_per_token=0.85, decode_ms=8.0, decode_ms_per_request=0.5)
+    cpu = unfloored(StepTimeModel(ms_per_token=0.85, decode_ms=8.0, decode_ms_per_request=0.5))
     assert choose_step_budget(32, 8192, model=cpu).tokens == 32 + int((150 - 24) / 0.85)
     assert choose_step_budget(32, 8192, itl_target_ms=10.0, model=cpu).tokens == 32 + MIN_CHUNK
     # a GPU: a prompt token costs microseconds, so a chunk is at least the step's fixed cost
-    gpu = StepTimeModel(ms_per_token=0.004, decode_ms=6.0, decode_ms_per_request=0.01)
+    gpu = unfloored(StepTimeModel(ms_per_token=0.004, decode_ms=6.0, decode_ms_per_request=0.01))
     assert choose_step_budget(32, 8192, itl_target_ms=6.5, model=gpu).tokens == 32 + 1500
     # never above max_prefill_tokens
     assert choose_step_budget(32, 1024, model=gpu).tokens == 1024
@@ -445,21 +450,23 @@ def test_a_short_prompt_shares_even_a_budget_smaller_than_two_min_chunks(past_we
     assert long.output_ids and memory.reserved == 0
 
 
-def test_beside_few_decodes_a_chunk_keeps_the_gemms_efficient_size():
-    """Beside at most FEW_DECODES decodes a chunk is at least GEMM_TOKENS prompt tokens where the
-    target leaves fewer; beside more the target alone sizes the step, its fixed-cost floor under
-    it. The floor is a number of tokens: a machine 4x slower keeps it (the target's budget,
-    in milliseconds, shrinks there)."""
+def test_beside_any_decodes_a_chunk_keeps_the_gemms_efficient_size():
+    """Beside any number of decodes a chunk is at least GEMM_TOKENS prompt tokens (no ladder
+    measured) where the target leaves fewer; where the target leaves more, the target's. The
+    floor is a number of tokens: a machine 4x slower keeps it (the target's budget, in
+    milliseconds, shrinks there)."""
     cpu = StepTimeModel(ms_per_token=0.6, decode_ms=20.0, decode_ms_per_request=2.0,
                         mixed_fixed_ms=10.0, batch_size=4)  # fmt: skip
     budget = choose_step_budget(32, 8192, model=cpu)
     target = [b + int((ITL_TARGET_MS - 30 - 2 * b) / 0.6) for b in range(33)]  # 150 ms a step
     assert target[4] < 4 + GEMM_TOKENS == budget.tokens
     limits = GateLimits(32, 8192).with_budget(budget)
-    want = [8192, *(b + GEMM_TOKENS for b in range(1, FEW_DECODES + 1)), *target[FEW_DECODES + 1 :]]
-    assert FEW_DECODES == 8 and [limits.step_tokens(b) for b in range(33)] == want
+    want = [8192, *(b + max(GEMM_TOKENS, target[b] - b) for b in range(1, 33))]
+    assert [limits.step_tokens(b) for b in range(33)] == want
     slow = GateLimits(32, 8192).with_budget(choose_step_budget(32, 8192, model=scaled(cpu, 4.0)))
-    assert slow.step_tokens(1) == 1 + GEMM_TOKENS and slow.step_tokens(12) < target[12] / 2
+    assert [slow.step_tokens(b) for b in (1, 12, 32)] == [b + GEMM_TOKENS for b in (1, 12, 32)]
+    roomy = choose_step_budget(32, 8192, itl_target_ms=400.0, model=cpu)  # the target's, past it
+    assert roomy.tokens == 4 + int((400.0 - 30 - 2 * 4) / 0.6) > 4 + GEMM_TOKENS
     # a given target is the same rule
     tight = choose_step_budget(32, 8192, itl_target_ms=66.0, model=cpu)
     assert tight.few_decodes[1] == 1 + GEMM_TOKENS and tight.lone_tokens == 8192
@@ -501,7 +508,7 @@ def test_every_step_with_decodes_is_planned_within_the_stall_bound(fixed_ms):
     for b in range(1, 33):
         target = b + model.prompt_tokens_within(budget.itl_target_ms, b)
         floor = b + max(MIN_CHUNK, model.overhead_tokens())
-        gemm = b + GEMM_TOKENS if b <= FEW_DECODES else 0
+        gemm = b + model.gemm_tokens(b)
         assert limits.step_tokens(b) == max(target, floor, gemm)
         if limits.step_tokens(b) == target > max(floor, gemm):
             assert model.mixed_step_ms(b, target - b) <= stall_ms
@@ -536,8 +543,10 @@ def test_a_step_whose_fixed_cost_alone_passes_the_stall_bound_does_work_worth_it
     budget = choose_step_budget(32, 8192, itl_target_ms=63.0, model=busy)
     assert busy.mixed_step_ms(2, 1) > TILE_STALL * budget.itl_target_ms
     limits = GateLimits(32, 8192).with_budget(budget)
-    # beside few decodes the GEMM floor; beside more, a chunk's work is worth the step's overhead
-    assert all(limits.step_tokens(b) == b + GEMM_TOKENS for b in (1, 2, 3))
+    assert all(limits.step_tokens(b) == b + GEMM_TOKENS for b in (1, 2, 3, 9, 12))  # its floor
+    # a machine without that floor: a chunk's work is worth the step's overhead
+    budget = choose_step_budget(32, 8192, itl_target_ms=63.0, model=unfloored(busy))
+    limits = GateLimits(32, 8192).with_budget(budget)
     for b in (9, 10, 12):
         work = (limits.step_tokens(b) - b) * busy.ms_per_token
         assert work >= busy.decode_ms + busy.mixed_fixed_ms
@@ -583,12 +592,11 @@ def test_the_gemm_floor_is_where_the_products_reach_their_rate_per_row():
                              mixed_ms={32: 60.0, 160: 110.0}, mixed_rows=16, chunk_tokens=32,
                              gemm_ms=amx, describe=lambda: "measured")  # fmt: skip
     model = StepTimeModel.fit(points)
-    assert model.gemm_tokens == 2048
+    assert model.gemm_floors == ((0, 2048),)
     budget = choose_step_budget(16, 8192, model=replace(model, batch_size=2))
     limits = GateLimits(16, 8192).with_budget(budget)
-    assert [limits.step_tokens(b) for b in (1, 2, FEW_DECODES)] == [2049, 2050, FEW_DECODES + 2048]
-    assert limits.step_tokens(FEW_DECODES + 1) < FEW_DECODES + 1 + 2048  # the target's
-    assert "2048-token chunks beside up to 8" in budget.how
+    assert [limits.step_tokens(b) for b in (1, 2, 9, 16)] == [2049, 2050, 9 + 2048, 16 + 2048]
+    assert "chunks of at least 2048 tokens" in budget.how
     ceiling = choose_step_budget(16, 1024, model=replace(model, batch_size=2))
     assert ceiling.tokens == 1024  # never past the prompt ceiling
 
@@ -599,7 +607,10 @@ def test_the_gemm_floor_counts_the_decode_step_each_chunk_carries():
     bf16 SmolLM2 (the projections of its 30 layers 142 / 264 / 521 / 1,038 ms at 256 / 512 /
     1,024 / 2,048 rows, a decode step of 8 about 14.5 ms): the products alone put the floor at
     256 (1.10x the cheapest rate), with the step 256 is 1.19x a token and 512 1.06x. No step, a
-    step that is not a time, a negative one: the products alone."""
+    step that is not a time, a negative one: the products alone. The floor grows with the
+    decodes a step carries (at least FEW_DECODES' step): with a decode step of 9.2 + 0.8 ms a
+    request, 512 up to 49 decodes, 1,024 from 50 (a 49 ms step makes 512 1.151x a token), 2,048
+    from 213; the budget of every batch keeps it."""
     epyc = {256: 142.0, 512: 264.0, 1024: 521.0, 2048: 1038.0}
     assert gemm_floor(epyc) == 256 and gemm_floor(epyc, 14.5) == 512
     assert gemm_floor(epyc, 150.0) == 1024  # a dear step wants longer chunks still
@@ -608,4 +619,11 @@ def test_the_gemm_floor_counts_the_decode_step_each_chunk_carries():
     points = SimpleNamespace(decode_ms={1: 9.0, 64: 62.0, 128: 110.0}, chunk_ms={0: 30.0},
                              mixed_ms={32: 130.0, 160: 200.0}, mixed_rows=128, chunk_tokens=32,
                              gemm_ms=epyc, describe=lambda: "measured")  # fmt: skip
-    assert StepTimeModel.fit(points).gemm_tokens == 512  # the decode line's step of 8
+    model = StepTimeModel.fit(points)
+    assert model.gemm_floors == ((0, 512), (50, 1024), (213, 2048))
+    assert [model.gemm_tokens(d) for d in (0, 1, 8, 49, 50, 212, 213, 10_000)] == [
+        512, 512, 512, 512, 1024, 1024, 2048, 2048]  # fmt: skip
+    budget = choose_step_budget(64, 8192, model=replace(model, batch_size=2))
+    limits = GateLimits(64, 8192).with_budget(budget)
+    assert [limits.step_tokens(b) for b in (1, 49, 50, 64)] == [513, 49 + 512, 50 + 1024, 1088]
+    assert "chunks of at least 512-1024 tokens" in budget.how

@@ -11,12 +11,14 @@ from toppings.server.sched.step_budget import ITL_TARGET_MS, StepTimeModel
 from toppings.server.sched.step_budget_keeper import StepBudgetKeeper
 from toppings.server.sched.step_refit import StepShape, modelled_ms, scaled
 
-PRIOR = StepTimeModel(ms_per_token=1.0, decode_ms=20.0, decode_ms_per_request=1.0)
+# without a GEMM floor (((0, 0),)): the target sizes the steps of the batches drawn here
+PRIOR = StepTimeModel(ms_per_token=1.0, decode_ms=20.0, decode_ms_per_request=1.0,
+                      gemm_floors=((0, 0),))  # fmt: skip
 LOGGER = "toppings.server.sched.step_budget_keeper"
 
 
 def run_steps(keeper: StepBudgetKeeper, true: StepTimeModel, num_steps: int, seed: int) -> int:
-    """Batches of 9-14 decodes (more than FEW_DECODES: the target sizes their steps) with a few
+    """Batches of 9-14 decodes (the target sizes their steps) with a few
     prompt tokens beside them, each step drawn from
     `true` give or take 10%; returns how often the keeper moved the budget."""
     rng, moves = random.Random(seed), 0

@@ -103,7 +103,7 @@ def test_a_prior_10x_off_is_corrected_within_a_few_dozen_steps(factor, first):
 # 1.2 ms and 0.0008 ms more for each token of its past: a past weight of 0.00067)
 FEW = StepTimeModel(
     ms_per_token=1.2, decode_ms=22.0, decode_ms_per_request=1.2, ms_per_token_past=0.0008,
-    mixed_ms_per_request=0.3, mixed_fixed_ms=3.0,
+    mixed_ms_per_request=0.3, mixed_fixed_ms=3.0, gemm_floors=((0, 0),),
 )  # fmt: skip
 
 
@@ -112,7 +112,7 @@ FEW = StepTimeModel(
 def test_a_past_weight_3x_off_is_corrected_beside_few_streams(past_factor, seed):
     """A prior whose cost of the past is 3x too high or too low (the start-up measurement took
     its two chunk points beside a neighbour's burst): over a 2,500-token prompt chunked beside 12
-    streams (past FEW_DECODES: the target sizes the chunks, which shrink as their past grows), as
+    streams (no GEMM floor: the target sizes the chunks, which shrink as their past grows), as
     the budget of the refitted model plans it, the fit finds the past weight and a prompt token's
     cost the steps show (within 5% and 8% here). The fit of before took the window's misfit out
     of every prompt cost by one factor and fitted the past's slope only where the model's own
@@ -161,8 +161,9 @@ def test_the_budget_follows_the_batch_the_engine_runs_under_a_fixed_target():
     now, before = budget_of(model), budget_of(TRUE)
     assert now.itl_target_ms == before.itl_target_ms == ITL_TARGET_MS
     assert now.tokens == 12 + max(model.prompt_tokens_within(ITL_TARGET_MS, 12),
-                                  model.overhead_tokens())  # fmt: skip
-    assert before.tokens == 128 + max(16, TRUE.overhead_tokens())  # a decode step over it
+                                  model.overhead_tokens(), model.gemm_tokens(12))  # fmt: skip
+    assert before.tokens == 128 + max(16, TRUE.overhead_tokens(), TRUE.gemm_tokens(128))
+    assert now.tokens != before.tokens
 
 
 def test_decode_steps_of_spread_batches_fit_the_decode_line():
@@ -241,12 +242,14 @@ def test_the_engine_resizes_its_steps_from_the_steps_it_runs(tiny_model_dir):
     # A model far slower than any tiny-model step: a 500 ms decode step, over the inter-token
     # target, so the budget starts at its floor; the real steps (milliseconds) bring the model
     # down and the budget up, under the same fixed target.
-    slow = StepTimeModel(ms_per_token=10.0, decode_ms=500.0, decode_ms_per_request=0.0)
+    slow = StepTimeModel(
+        ms_per_token=10.0, decode_ms=500.0, decode_ms_per_request=0.0, gemm_floors=((0, 0),)
+    )  # no GEMM floor: the target's budget
     config = EngineConfig(dtype="float32", chunked_prefill=True, max_batch_size=16,
                           max_prefill_tokens=256)  # fmt: skip
     engine = build_engine(str(tiny_model_dir), config, step_model=slow)
     try:
-        first = engine.step_budget  # at --max-batch-size, past FEW_DECODES: its floor
+        first = engine.step_budget  # at --max-batch-size: its fixed-cost floor
         assert first.itl_target_ms == ITL_TARGET_MS and first.tokens == 16 + 500 // 10
         outputs = [generate(engine, PROMPTS) for _ in range(-(-2 * WINDOW // 40))]
         assert engine.step_model.decode_ms < slow.decode_ms / 5
