@@ -138,7 +138,11 @@ CURRENT: dict[str, tuple[str, tuple[str, ...]]] = {
                      "tpt_ratio_vs_static")),
     "chunked_prefill.json": ("chunked against unchunked prefill, and against llama-server",
                              ("itl_p99_ratio", "ttft_p99_ratio", "throughput_ratio",
-                              "ttft_p99_ratio_vs_llama_server")),
+                              "itl_p50_ratio", "ttft_p99_ratio_vs_llama_server")),
+    "chunked_prefill_epyc_floor8.json": ("the same with the GEMM floor beside at most 8 decodes "
+                                         "(session 51; the target alone beside more)",
+                                         ("itl_p99_ratio", "ttft_p99_ratio",
+                                          "throughput_ratio", "itl_p50_ratio")),
     "chunked_prefill_epyc_floor256.json": ("the same before the GEMM floor counted the decode "
                                            "step a chunk carries (256 tokens there; 512 now)",
                                            ("itl_p99_ratio", "ttft_p99_ratio",

@@ -32,7 +32,7 @@ the steps where the target is the wrong rule:
   1.26x its whole one. Beside more streams the target alone gave chunks of 50-60 tokens (at
   0.7 of capacity on the EPYC, 9-14 streams beside a long prompt's late chunks): each cost 2.5x
   a token of the whole prompt, and P99 TTFT was 1.40-1.45x unchunked; with the floor at every
-  batch it was 1.10x (docs/benchmarks.md, "Measurements behind the code"). So on a machine
+  batch it was 1.10-1.16x (docs/benchmarks.md, "Measurements behind the code"). So on a machine
   whose target allows fewer tokens than the floor (a CPU), a step that carries a chunk takes
   longer than the target: the target bounds the gaps only where it can without wasting the
   prompt's work. It is a number of tokens, not of milliseconds: on a machine slowed by a
@@ -294,8 +294,10 @@ def choose_step_budget(
         few.pop()  # steps of that many decodes take `tokens` anyway
     floor = ""
     if any(how_set == GEMM for _, how_set in sized):
-        floors = [n for d, n in model.gemm_floors if d <= max_batch_size]
-        floor = f", chunks of at least {'-'.join(map(str, floors))} tokens"
+        first, *more = [(d, n) for d, n in model.gemm_floors if d <= max_batch_size]
+        floor = f", chunks of at least {first[1]} tokens" + "".join(
+            f", {n} beside {d} decodes or more" for d, n in more
+        )
     beside = f"{batch} decode" + ("s" if batch > 1 else "")
     how = (f"{tokens} tokens a step beside {beside} ({rule}, {itl_target_ms:g} ms target), "
            f"whole prompts with no decodes{floor}")  # fmt: skip
