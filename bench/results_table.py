@@ -98,13 +98,13 @@ CURRENT: dict[str, tuple[str, tuple[str, ...]]] = {
                             "p99_ttft_ratio_zipf_vs_identical",
                             "modes.on-demand.p99_ttft_ratio_distinct_vs_identical",
                             "modes.on-demand.p99_ttft_ratio_zipf_vs_identical")),
-    "adapter_scale_epyc_again.json": ("the same command again at once, the same machine (the "
-                                      "spread between runs)",
-                                      ("p99_ttft_ratio_distinct_vs_identical",
-                                       "p99_ttft_ratio_distinct_vs_identical_per_round",
-                                       "p99_ttft_ratio_zipf_vs_identical",
-                                       "p99_ttft_ratio_zipf_vs_identical_per_round",
-                                       "throughput_ratio_distinct_vs_identical")),
+    "adapter_scale_default_again.json": ("the default mode alone, run right after (the spread "
+                                         "between runs)",
+                                         ("p99_ttft_ratio_distinct_vs_identical",
+                                          "p99_ttft_ratio_distinct_vs_identical_per_round",
+                                          "p99_ttft_ratio_zipf_vs_identical",
+                                          "p99_ttft_ratio_zipf_vs_identical_per_round",
+                                          "throughput_ratio_distinct_vs_identical")),
     "adapter_scale_six_rounds.json": ("the default mode alone, six rounds (2,400 requests an "
                                       "assignment): the ratios pooled and their spread; TTFT "
                                       "to the first token, `text` to the first text",
@@ -247,6 +247,7 @@ EARLIER = frozenset({
     "adapter_scale_session46.json",
     "adapter_scale_session47.json", "adapter_scale_session48.json",
     "adapter_scale_session49.json", "adapter_scale_session50.json",
+    "adapter_scale_session51.json", "adapter_scale_epyc_again.json",
     "adapter_scale_session48_again.json",
     "adapter_scale_vectors_3.json",
     "adapter_scale_four_readers.json", "adapter_scale_one_reader_rerun.json",
