@@ -11,11 +11,11 @@ engine starts from a prior 10x too slow (a start-up measurement beside a busy ne
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 
 import pytest
 import torch
 
+from tests.server.sched.test_chunked_schedule import unfloored
 from toppings.server.config import EngineConfig
 from toppings.server.engine.engine import Engine
 from toppings.server.model.loader import load_checkpoint
@@ -32,7 +32,7 @@ TRUE = StepTimeModel(
 )  # fmt: skip
 # the same machine without a GEMM floor (products that cost the same a row at any rows): the
 # target sizes the steps beside the streams
-UNFLOORED = replace(TRUE, gemm_floors=((0, 0),))
+UNFLOORED = unfloored(TRUE)
 STREAMS, PROMPT = 16, 3000
 TARGET_MS = 3 * TRUE.decode_step_ms(STREAMS)
 

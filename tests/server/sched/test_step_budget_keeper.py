@@ -7,13 +7,13 @@ from __future__ import annotations
 import logging
 import random
 
+from tests.server.sched.test_chunked_schedule import unfloored
 from toppings.server.sched.step_budget import ITL_TARGET_MS, StepTimeModel
 from toppings.server.sched.step_budget_keeper import StepBudgetKeeper
 from toppings.server.sched.step_refit import StepShape, modelled_ms, scaled
 
-# without a GEMM floor (((0, 0),)): the target sizes the steps of the batches drawn here
-PRIOR = StepTimeModel(ms_per_token=1.0, decode_ms=20.0, decode_ms_per_request=1.0,
-                      gemm_floors=((0, 0),))  # fmt: skip
+# without a GEMM floor: the target sizes the steps of the batches drawn here
+PRIOR = unfloored(StepTimeModel(ms_per_token=1.0, decode_ms=20.0, decode_ms_per_request=1.0))
 LOGGER = "toppings.server.sched.step_budget_keeper"
 
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 
 import pytest
 
+from tests.server.sched.test_chunked_schedule import unfloored
 from toppings.server.config import EngineConfig
 from toppings.server.requests.request import GenerationRequest, SamplingParams
 from toppings.server.runtime import build_engine
@@ -101,10 +102,10 @@ def test_a_prior_10x_off_is_corrected_within_a_few_dozen_steps(factor, first):
 
 # bf16 SmolLM2 on a 2-core CPU beside 4 streams, roughly (a decode step of 27 ms; a prompt token
 # 1.2 ms and 0.0008 ms more for each token of its past: a past weight of 0.00067)
-FEW = StepTimeModel(
+FEW = unfloored(StepTimeModel(
     ms_per_token=1.2, decode_ms=22.0, decode_ms_per_request=1.2, ms_per_token_past=0.0008,
-    mixed_ms_per_request=0.3, mixed_fixed_ms=3.0, gemm_floors=((0, 0),),
-)  # fmt: skip
+    mixed_ms_per_request=0.3, mixed_fixed_ms=3.0,
+))  # fmt: skip
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -242,9 +243,7 @@ def test_the_engine_resizes_its_steps_from_the_steps_it_runs(tiny_model_dir):
     # A model far slower than any tiny-model step: a 500 ms decode step, over the inter-token
     # target, so the budget starts at its floor; the real steps (milliseconds) bring the model
     # down and the budget up, under the same fixed target.
-    slow = StepTimeModel(
-        ms_per_token=10.0, decode_ms=500.0, decode_ms_per_request=0.0, gemm_floors=((0, 0),)
-    )  # no GEMM floor: the target's budget
+    slow = unfloored(StepTimeModel(ms_per_token=10.0, decode_ms=500.0, decode_ms_per_request=0.0))
     config = EngineConfig(dtype="float32", chunked_prefill=True, max_batch_size=16,
                           max_prefill_tokens=256)  # fmt: skip
     engine = build_engine(str(tiny_model_dir), config, step_model=slow)
