@@ -35,6 +35,7 @@ import argparse
 import dataclasses
 import itertools
 import logging
+import shutil
 import statistics
 import tempfile
 import time
@@ -219,6 +220,7 @@ def main(argv: list[str] | None = None) -> dict:
         for engine in engines.values():
             engine.shutdown()
         thaw_heap()
+        shutil.rmtree(model_dir.parent, ignore_errors=True)  # the tiny model's scratch dir
     metrics = {}
     for forward, by_batch in medians.items():
         fixed, per_request = fit_line([(b, statistics.median(m)) for b, m in by_batch.items()])

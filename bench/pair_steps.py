@@ -31,6 +31,7 @@ Changes:
 from __future__ import annotations
 
 import argparse
+import shutil
 import statistics
 import tempfile
 import time
@@ -196,10 +197,10 @@ def run_one(args: argparse.Namespace, model_dir: str, precision: str, rank: int)
         return Engine(replace(config, **fields), load_checkpoint(model_dir, args.load_format))
 
     engine, keep = build(), []
+    work = Path(tempfile.mkdtemp(prefix="pair_steps_"))  # the random adapter's files
     try:
         adapter = None
         if rank:
-            work = Path(tempfile.mkdtemp(prefix="pair_steps_"))
             path = write_random_adapter(work / "adapter", model_dir, rank, TARGETS, 0)
             engine.add_adapter("adapter", str(path))
             adapter = engine.resolve_adapter("adapter")
@@ -207,6 +208,7 @@ def run_one(args: argparse.Namespace, model_dir: str, precision: str, rank: int)
     finally:
         for made in (engine, *keep):
             made.shutdown()
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:
