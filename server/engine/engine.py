@@ -354,7 +354,7 @@ class Engine:
         """Run a plan on this thread and give its tokens to the scheduler (under the lock)."""
         shape = self.budget.shape_of(plan) if self.budget is not None else None
         if self.governor is not None:
-            self.governor.apply()
+            self.governor.apply(plan.is_prefill)
         try:
             self._wait_for_loads(plan)
             self._apply(self.runner.run(plan))

@@ -125,14 +125,16 @@ def test_cpu_only():
 
 def test_the_engine_runs_its_steps_on_the_governors_count(tiny_model_dir):
     """Decode steps (only they) are told to the governor, and each step runs on the count it
-    says: a governor that probes every 4 steps makes some decode steps run on one thread."""
+    says: a governor that probes every 4 steps makes some decode steps run on one thread, and
+    the steps with prompt tokens on the chosen count, probe or not."""
     with running_engine(tiny_model_dir, num_threads=2) as engine:
         governor = engine.governor = governed(probe_every=4, probe_steps=2)
         ran, told = [], []
         run_plan, observe = engine.runner.run, governor.observe
 
         def counted_run(plan):
-            ran.append((torch.get_num_threads(), governor.threads, plan.is_prefill))
+            wanted = governor.chosen if plan.is_prefill else governor.threads
+            ran.append((torch.get_num_threads(), wanted, plan.is_prefill))
             return run_plan(plan)
 
         def counted_observe(batch, seconds):
@@ -152,3 +154,20 @@ def test_a_steady_machine_is_probed_less_and_less():
     (at 400, 1,200, 2,800 and 6,000 steps), not 15."""
     counts = run(governed(), QUIET, 6000, random.Random(3))
     assert counts.count(1) <= 4 * 8
+
+
+def test_a_step_with_prompt_tokens_runs_on_the_chosen_count_during_a_probe():
+    """A probe tries its count on decode steps only: a prompt that comes in meanwhile runs on
+    the count decided on (on half the threads a long prompt took twice its time)."""
+    governor, before = governed(probe_every=4, probe_steps=4), torch.get_num_threads()
+    try:
+        run(governor, QUIET, 4, random.Random(5))  # the probe starts after the 4th step
+        assert (governor.threads, governor.chosen) == (1, 2)
+        governor.apply(prompt_tokens=True)
+        assert torch.get_num_threads() == 2
+        governor.apply()
+        assert torch.get_num_threads() == 1
+        governor.apply(prompt_tokens=True)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
