@@ -161,9 +161,9 @@ class RuntimeConfig(Settings):
     adapt_threads: bool | None = setting(
         None,
         flag=Flag(
-            "run the engine's steps on half its threads while that measures faster (a "
-            "neighbour taking a core), all of them again when that does: decode steps are "
-            "compared now and then (default: on with --device cpu)",
+            "run the engine's steps on half its threads while those measure under half the "
+            "time (a neighbour taking a core), all of them again when they are no slower: "
+            "decode steps are compared now and then (default: on with --device cpu)",
             choices=ON_OFF,
             parse=on_off,
         ),

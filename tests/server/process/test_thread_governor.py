@@ -171,3 +171,30 @@ def test_a_step_with_prompt_tokens_runs_on_the_chosen_count_during_a_probe():
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+def steady(governor: ThreadGovernor, cost: dict[int, float], steps: int) -> None:
+    """Feed `steps` decode steps of batch 4 whose time is exactly cost[threads]."""
+    for _ in range(steps):
+        governor.observe(4, cost[governor.threads])
+
+
+def test_fewer_threads_only_when_clearly_faster():
+    """One thread at 0.75x the time of two (what noise and a benchmark's own client gave) is no
+    reason to leave all the threads, on which the prompts, never measured by a probe, run far
+    faster; a neighbour's barrier waits (BUSY: 0.22x) are."""
+    governor = governed()
+    steady(governor, {2: 0.010, 1: 0.0075}, 3000)
+    assert (governor.chosen, governor.switches) == (2, 0)
+    steady(governor, BUSY, 3000)
+    assert governor.chosen == 1
+
+
+def test_all_the_threads_again_when_no_slower():
+    """From fewer threads, a probe that finds all of them as fast goes back to them (decode
+    steps of a few requests cannot tell the counts apart; prompts can)."""
+    governor = governed()
+    steady(governor, BUSY, 500)
+    assert governor.chosen == 1
+    steady(governor, {2: 0.013, 1: 0.013}, 1000)
+    assert (governor.chosen, governor.switches) == (2, 2)
