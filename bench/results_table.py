@@ -146,6 +146,15 @@ CURRENT: dict[str, tuple[str, tuple[str, ...]]] = {
     "chunked_prefill.json": ("chunked against unchunked prefill, and against llama-server",
                              ("itl_p99_ratio", "ttft_p99_ratio", "throughput_ratio",
                               "itl_p50_ratio", "ttft_p99_ratio_vs_llama_server")),
+    "chunked_prefill_session52.json": ("the same with session 52's thread governor (symmetric: "
+                                       "its flips to one thread did not come in that run)",
+                                       ("itl_p99_ratio", "ttft_p99_ratio", "throughput_ratio",
+                                        "itl_p50_ratio")),
+    "chunked_prefill_governor_flips.json": ("the same where the chunked engine's governor, "
+                                            "before its lopsided rule, went to one thread on "
+                                            "noise (0.70-0.82x) for much of 3 of its 6 runs",
+                                            ("ttft_p99_ratio", "itl_p50_ratio",
+                                             "throughput_ratio", "capacity_ratio")),
     "chunked_prefill_epyc_floor8.json": ("the same with the GEMM floor beside at most 8 decodes "
                                          "(session 51; the target alone beside more)",
                                          ("itl_p99_ratio", "ttft_p99_ratio",
