@@ -220,7 +220,12 @@ CURRENT: dict[str, tuple[str, tuple[str, ...]]] = {
                                      ("*.ratio_b_vs_a",)),
     "tcache.json": ("the allocator's thread cache off against on", ("ratio_off_over_on",)),
     "neighbour.json": ("one stream beside a busy neighbour, thread governor on or off",
-                       ("busy_over_quiet", "governor_on_over_off_busy")),
+                       ("busy_over_quiet", "governor_on_over_off_busy",
+                        "governor_on_over_off_quiet")),
+    "neighbour_symmetric_rule.json": ("the same with the governor's symmetric rule "
+                                      "(2026-11-27)",
+                                      ("busy_over_quiet", "governor_on_over_off_busy",
+                                       "governor_on_over_off_quiet")),
     "soak.json": ("30 minutes of churn, poison and overflow against one server",
                   ("engine_deaths", "failures_healthy_requests",
                    "rss_growth_after_warmup_mb_per_hour")),
