@@ -115,7 +115,7 @@ CURRENT: dict[str, tuple[str, tuple[str, ...]]] = {
                                        "p99_ttft_ratio_zipf_vs_identical_per_round",
                                        "p99_ttft_text_ratio_zipf_vs_identical")),
     "adapter_scale_epyc_four_rounds.json": ("the default mode alone, four rounds on the 2-core "
-                                            "EPYC after the governor's probe fix (session 53)",
+                                            "EPYC (session 53)",
                                             ("p99_ttft_ratio_distinct_vs_identical",
                                              "p99_ttft_ratio_distinct_vs_identical_per_round",
                                              "p99_ttft_ratio_zipf_vs_identical",
