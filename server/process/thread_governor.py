@@ -13,17 +13,16 @@ the minute, so the governor measures rather than guesses:
 - Every `probe_every` such steps, or sooner when the recent steps run over `slow` x the level
   they had at the last decision (a neighbour arrived), it runs `probe_steps` steps at the other
   count (half the threads from all of them; all of them from fewer). Fewer threads are kept
-  only when clearly faster, their steps at most `gain` x the time of all of them (a neighbour's
-  barrier waits: 0.02-0.2x); all the threads again as soon as they are not slower. The rule is
+  only when clearly faster, their steps under `gain` x the time of all of them (a neighbour's
+  barrier waits: 0.02-0.2x); all the threads again as soon as they are no slower. The rule is
   lopsided because the steps a probe cannot measure are what all the threads serve best: a
   prompt of 512 tokens ran 1.75x faster on both cores of a quiet 2-core EPYC than on one, while
   decode steps of a few requests cannot tell the two counts apart (13.5 against 13.7 ms), so
   that a symmetric rule (keep whichever is faster by 0.85) went to one thread on noise (0.70 /
   0.82x beside the benchmark's own client) and ran every prompt on it for the next minutes
   (bench_chunked_prefill at 0.7 of capacity: P99 TTFT 2.1x, median gap 2.1x that round). A
-  probe that changes nothing costs its steps.
-  Each probe that changes nothing doubles the interval to the next, up to 8 x `probe_every`
-  (a steady machine pays a probe's steps in thousands); a change sets it back.
+  probe that changes nothing costs its steps, and doubles the interval to the next, up to 8 x
+  `probe_every` (a steady machine pays a probe's steps in thousands); a change sets it back.
 - A probe step slower than `abort` x the chosen count's median ends the probe at once: all the
   threads beside a neighbour that still holds a core take many times longer (a stall of that
   one step, not of `probe_steps`).
@@ -139,7 +138,7 @@ class ThreadGovernor:
         ratio = statistics.median(ratios) if ratios else math.inf
         if ratio < self._gain if self.threads < self._chosen else ratio <= 1.0:
             log.info("steps run on %d threads: %.2fx the time of %d here now", self.threads,
-                     statistics.median(ratios), self._chosen)  # fmt: skip
+                     ratio, self._chosen)  # fmt: skip
             self._chosen, self.switches = self.threads, self.switches + 1
             self._recent = {b: deque(t, maxlen=self._probe_steps) for b, t in probe.items()}
             self._every = self._probe_every
