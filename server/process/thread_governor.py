@@ -17,10 +17,12 @@ the minute, so the governor measures rather than guesses:
   barrier waits: 0.02-0.2x); all the threads again as soon as they are no slower. The rule is
   lopsided because the steps a probe cannot measure are what all the threads serve best: a
   prompt of 512 tokens ran 1.75x faster on both cores of a quiet 2-core EPYC than on one, while
-  decode steps of a few requests cannot tell the two counts apart (13.5 against 13.7 ms), so
-  that a symmetric rule (keep whichever is faster by 0.85) went to one thread on noise (0.70 /
-  0.82x beside the benchmark's own client) and ran every prompt on it for the next minutes
-  (bench_chunked_prefill at 0.7 of capacity: P99 TTFT 2.1x, median gap 2.1x that round). A
+  decode steps of a few requests may not tell the two counts apart (13.5 against 13.7 ms in
+  the benchmarks' process, where more OpenMP workers than cores keep libgomp from spinning; 9
+  against 14 ms in toppings-serve's), so that a symmetric rule (keep whichever is faster by
+  0.85) went to one thread on noise there (0.70 / 0.82x beside the benchmark's own client) and
+  ran every prompt on it for the next minutes (bench_chunked_prefill at 0.7 of capacity: P99
+  TTFT 2.1x, median gap 2.1x that round). A
   probe that changes nothing costs its steps, and doubles the interval to the next, up to 8 x
   `probe_every` (a steady machine pays a probe's steps in thousands); a change sets it back.
 - A probe step slower than `abort` x the chosen count's median ends the probe at once: all the
