@@ -22,9 +22,9 @@ the minute, so the governor measures rather than guesses:
   against 14 ms in toppings-serve's), so that a symmetric rule (keep whichever is faster by
   0.85) went to one thread on noise there (0.70 / 0.82x beside the benchmark's own client) and
   ran every prompt on it for the next minutes (bench_chunked_prefill at 0.7 of capacity: P99
-  TTFT 2.1x, median gap 2.1x that round). A
-  probe that changes nothing costs its steps, and doubles the interval to the next, up to 8 x
-  `probe_every` (a steady machine pays a probe's steps in thousands); a change sets it back.
+  TTFT 2.1x, median gap 2.1x that round). A probe that changes nothing costs its steps, and
+  doubles the interval to the next, up to 8 x `probe_every` (a steady machine pays a probe's
+  steps in thousands); a change sets it back.
 - A probe step slower than `abort` x the chosen count's median ends the probe at once: all the
   threads beside a neighbour that still holds a core take many times longer (a stall of that
   one step, not of `probe_steps`).
@@ -138,7 +138,8 @@ class ThreadGovernor:
             if len(self._recent.get(batch, ())) >= self._few
         ]  # fmt: skip
         ratio = statistics.median(ratios) if ratios else math.inf
-        if ratio < self._gain if self.threads < self._chosen else ratio <= 1.0:
+        fewer = self.threads < self._chosen  # the probe tried half the threads
+        if (ratio < self._gain) if fewer else (ratio <= 1.0):
             log.info("steps run on %d threads: %.2fx the time of %d here now", self.threads,
                      ratio, self._chosen)  # fmt: skip
             self._chosen, self.switches = self.threads, self.switches + 1

@@ -192,7 +192,7 @@ def test_fewer_threads_only_when_clearly_faster():
 
 def test_all_the_threads_again_when_no_slower():
     """From fewer threads, a probe that finds all of them as fast goes back to them (decode
-    steps of a few requests cannot tell the counts apart; prompts can)."""
+    steps of a few requests may not tell the counts apart; prompts can)."""
     governor = governed()
     steady(governor, BUSY, 500)
     assert governor.chosen == 1
