@@ -29,16 +29,15 @@ the minute, so the governor measures rather than guesses:
   threads beside a neighbour that still holds a core take many times longer (a stall of that
   one step, not of `probe_steps`).
 - Below all the threads, a neighbour's leaving does not show in the steps (fewer threads run as
-  fast beside it as alone), so there the governor also reads how much CPU time the other
-  processes of the machine used (/proc/stat's busy time less this process's own, where they
-  can be read), over `window` seconds (twice as long after each probe it started that changed
-  nothing, up to 8x; back at a change). Where they used no more than half of the cores its
-  fewer threads leave them, the cores are free, and it probes all of them at once. A neighbour
-  that keeps a core busy uses all of it; the client reading a stream's tokens, a few
-  hundredths. (A count of
-  running tasks, read after each step, told them apart only now and then: beside a streaming
-  client the fewest of 8 readings was rarely at the engine's own, and bench_neighbour's quiet
-  phases ran on one thread for minutes.)
+  fast beside it as alone), so there it also reads how much of its cores the machine's other
+  processes use (cores_watch.py: their CPU time over a quarter of a second; a busy neighbour
+  about one core, a quiet machine with a client reading a stream's tokens a few hundredths),
+  past the cores `max_threads` leaves them (the CPU workers'). Where they used no more than
+  half of the cores the chosen count leaves, the cores are free, and it probes all the threads
+  at once; a probe so started that changes nothing makes the window twice as long (up to 8x;
+  back at a change). (A count of running tasks, read after each step, told a neighbour apart
+  only now and then: beside a streaming client the fewest of 8 readings was rarely at the
+  engine's own, and bench_neighbour's quiet phases ran on one thread for minutes.)
 - Prefill and mixed steps run at the chosen count and teach it nothing, during a probe too: a
   prompt that came in during one ran on the probe's half of the threads (bench_chunked_prefill,
   unchunked at 0.7 of capacity on a 2-core EPYC: 3,161 prompt tokens beside 3 decodes took
@@ -52,15 +51,12 @@ import logging
 import math
 import os
 import statistics
-import time
 from collections import deque
-from collections.abc import Callable
 
+from toppings.server.process.cores_watch import CoresWatch
 from toppings.server.process.threads import set_torch_threads
 
 log = logging.getLogger(__name__)
-
-_TICKS = os.sysconf("SC_CLK_TCK")  # the unit of /proc/stat and /proc/self/stat
 
 
 class ThreadGovernor:
@@ -70,12 +66,10 @@ class ThreadGovernor:
     def __init__(
         self, max_threads: int, probe_every: int = 400, probe_steps: int = 8,
         gain: float = 0.5, slow: float = 1.5, abort: float = 3.0, window: float = 0.25,
-        others: Callable[[], float | None] | None = None,
-        clock: Callable[[], float] = time.monotonic,
+        watch: CoresWatch | None = None,
     ) -> None:  # fmt: skip
-        """others: the CPU seconds the machine's other processes have used (None: unknown),
-        default `others_cpu`; clock: seconds, the windows' (read each step, `others` once a
-        window)."""
+        """watch: the other processes' use of this process's cores (default: read from /proc,
+        the cores past `max_threads` left to them)."""
         self.max_threads = max_threads
         self.threads = max_threads  # the count steps run on now (a probe's, during one)
         self.switches = 0  # times the chosen count changed
@@ -83,15 +77,12 @@ class ThreadGovernor:
         self._probe_every, self._probe_steps = probe_every, probe_steps
         self._gain, self._slow, self._abort = gain, slow, abort
         self._few = min(3, probe_steps)  # steps enough to compare
-        self._others = others or others_cpu
-        self._window = self._wait = window  # the window, and the one used now
+        self._watch = watch or CoresWatch(max(0, len(os.sched_getaffinity(0)) - max_threads))
         self._freed = False  # the probe running now was started by the cores' freeing
         self._recent: dict[int, deque[float]] = {}  # batch -> the chosen count's last steps
         self._level: dict[int, float] = {}  # batch -> their median at the last decision
         self._probe: dict[int, list[float]] | None = None  # batch -> the probe's steps
         self._since_probe = 0
-        self._clock = clock
-        self._mark: tuple[float, float] | None = None  # (clock, others) when the window began
         self._every = probe_every  # decode steps between probes now
         self._applied = 0  # the count this thread was last set to (0: not yet)
 
@@ -135,23 +126,15 @@ class ThreadGovernor:
         median = statistics.median(recent)
         level = self._level.setdefault(batch, median)
         probe = median > self._slow * level and self._since_probe >= self._probe_steps
-        if self._chosen < self.max_threads:
-            self._freed = self._cores_free()
-            probe = probe or self._freed
-        if self._since_probe >= self._every or probe:
+        self._freed = self._chosen < self.max_threads and self._cores_free()
+        if self._since_probe >= self._every or probe or self._freed:
             self._probe, self.threads = {}, self.alternative()
 
     def _cores_free(self) -> bool:
-        """Whether the other processes used at most half of the cores the chosen count leaves
-        them, over the window that ends now (False until one has passed; a new one begins)."""
-        now = self._clock()
-        if self._mark is not None and now - self._mark[0] < self._wait:
-            return False
-        cpu, mark = self._others(), self._mark
-        self._mark = None if cpu is None else (now, cpu)
-        if cpu is None or mark is None:
-            return False
-        return (cpu - mark[1]) / (now - mark[0]) <= 0.5 * (self.max_threads - self._chosen)
+        """Whether, over the window that ends now (False where none does), the other processes
+        used no more than half of the cores the chosen count leaves them."""
+        cores = self._watch.read()
+        return cores is not None and cores <= 0.5 * (self.max_threads - self._chosen)
 
     def _decide(self) -> None:
         """End the probe: keep fewer threads only when their steps took under `gain` x the time
@@ -169,28 +152,13 @@ class ThreadGovernor:
                      ratio, self._chosen)  # fmt: skip
             self._chosen, self.switches = self.threads, self.switches + 1
             self._recent = {b: deque(t, maxlen=self._probe_steps) for b, t in probe.items()}
-            self._every, self._wait = self._probe_every, self._window
+            self._every = self._probe_every
+            self._watch.reset()
         else:
             self._every = min(2 * self._every, 8 * self._probe_every)
             if self._freed:
-                self._wait = min(2 * self._wait, 8 * self._window)
+                self._watch.longer()
         self._freed = False
-        self._mark = None  # a window at the count decided on from here
+        self._watch.restart()  # a window at the count decided on from here
         self._level = {b: statistics.median(t) for b, t in self._recent.items() if t}
         self.threads = self._chosen
-
-
-def others_cpu() -> float | None:
-    """The CPU seconds every process but this one has used since boot (the busy time of
-    /proc/stat's `cpu` line, steal included, less /proc/self/stat's user and system time), or
-    None where they cannot be read (some 50 us on a 2-core EPYC: once a window, not a step)."""
-    try:
-        with open("/proc/stat") as f:
-            fields = f.readline().split()
-        with open("/proc/self/stat") as f:
-            own = f.read().rsplit(")", 1)[1].split()
-        busy = sum(int(fields[i]) for i in (1, 2, 3, 6, 7, 8))  # not idle, iowait, guest
-        mine = int(own[11]) + int(own[12])  # utime, stime: fields 14 and 15 of proc(5)
-    except (OSError, ValueError, IndexError):
-        return None
-    return (busy - mine) / _TICKS
