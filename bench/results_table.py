@@ -222,6 +222,10 @@ CURRENT: dict[str, tuple[str, tuple[str, ...]]] = {
     "neighbour.json": ("one stream beside a busy neighbour, thread governor on or off",
                        ("busy_over_quiet", "governor_on_over_off_busy",
                         "governor_on_over_off_quiet")),
+    "neighbour_running_tasks.json": ("the same where the governor read the free cores from "
+                                     "a count of running tasks (2026-12-06 18:54)",
+                                     ("busy_over_quiet", "governor_on_over_off_busy",
+                                      "governor_on_over_off_quiet")),
     "neighbour_symmetric_rule.json": ("the same with the governor's symmetric rule "
                                       "(2026-11-27)",
                                       ("busy_over_quiet", "governor_on_over_off_busy",
