@@ -11,7 +11,8 @@ the minute, so the governor measures rather than guesses:
 - It compares decode steps only (each request one token), of the same batch size: their cost
   is the same work from one step to the next, whatever the prompts.
 - Every `probe_every` such steps, or sooner when the recent steps run over `slow` x the level
-  they had at the last decision (a neighbour arrived), it runs `probe_steps` steps at the other
+  they had at the last decision (a neighbour arrived; their median, or two of them where the
+  cores read crowded, below), it runs `probe_steps` steps at the other
   count (half the threads from all of them; all of them from fewer). Fewer threads are kept
   only when clearly faster, their steps under `gain` x the time of all of them (a neighbour's
   barrier waits: 0.02-0.2x); all the threads again as soon as they are no slower. The rule is
@@ -28,16 +29,20 @@ the minute, so the governor measures rather than guesses:
 - A probe step slower than `abort` x the chosen count's median ends the probe at once: all the
   threads beside a neighbour that still holds a core take many times longer (a stall of that
   one step, not of `probe_steps`).
-- Below all the threads, a neighbour's leaving does not show in the steps (fewer threads run as
-  fast beside it as alone), so there it also reads how much of its cores the machine's other
-  processes use (cores_watch.py: their CPU time over a quarter of a second; a busy neighbour
-  about one core, a quiet machine with a client reading a stream's tokens a few hundredths),
-  past the cores `max_threads` leaves them (the CPU workers'). Where they used no more than
-  half of the cores the chosen count leaves, the cores are free, and it probes all the threads
-  at once; a probe so started that changes nothing makes the window twice as long (up to 8x;
-  back at a change). (A count of running tasks, read after each step, told a neighbour apart
-  only now and then: beside a streaming client the fewest of 8 readings was rarely at the
-  engine's own, and bench_neighbour's quiet phases ran on one thread for minutes.)
+- It also reads how much of its cores the machine's other processes use (cores_watch.py: their
+  CPU time over a quarter of a second; a busy neighbour about one core, a quiet machine with a
+  client reading a stream's tokens a few hundredths), past the cores `max_threads` leaves them
+  (the CPU workers'). At all the threads, half a core or more crowds the team, and two steps
+  over `slow` x the level then start a probe compared with those two: beside a busy neighbour
+  toppings-serve's decode steps on both cores of a 2-core EPYC took 500-900 ms, 50-70x their
+  time, and waiting for the median of 8 to slow took 4 of them. Below all the threads a
+  neighbour's leaving does not show in the steps (fewer threads run as fast beside it as
+  alone): where the others used no more than half of the cores the chosen count leaves, the
+  cores are free, and it probes all the threads at once. A probe the others' CPU time started
+  that changes nothing makes the window twice as long (up to 8x; back at a change). (A count
+  of running tasks, read after each step, told a neighbour apart only now and then: beside a
+  streaming client the fewest of 8 readings was rarely at the engine's own, and
+  bench_neighbour's quiet phases ran on one thread for minutes.)
 - Prefill and mixed steps run at the chosen count and teach it nothing, during a probe too: a
   prompt that came in during one ran on the probe's half of the threads (bench_chunked_prefill,
   unchunked at 0.7 of capacity on a 2-core EPYC: 3,161 prompt tokens beside 3 decodes took
@@ -78,7 +83,9 @@ class ThreadGovernor:
         self._gain, self._slow, self._abort = gain, slow, abort
         self._few = min(3, probe_steps)  # steps enough to compare
         self._watch = watch or CoresWatch(max(0, len(os.sched_getaffinity(0)) - max_threads))
-        self._freed = False  # the probe running now was started by the cores' freeing
+        self._crowded = False  # at all the threads, the last window's others took half a core
+        self._freed = False  # below, the last window's others left the cores free
+        self._baseline: dict[int, list[float]] | None = None  # a crowded probe's comparison
         self._recent: dict[int, deque[float]] = {}  # batch -> the chosen count's last steps
         self._level: dict[int, float] = {}  # batch -> their median at the last decision
         self._probe: dict[int, list[float]] | None = None  # batch -> the probe's steps
@@ -111,7 +118,7 @@ class ThreadGovernor:
             return
         if self._probe is not None:
             self._probe.setdefault(batch, []).append(seconds)
-            recent = self._recent.get(batch)
+            recent = (self._baseline or self._recent).get(batch)
             if recent and seconds > self._abort * statistics.median(recent):
                 self._probe = {}  # far slower: no more such steps, nothing learned
                 self._decide()
@@ -125,25 +132,37 @@ class ThreadGovernor:
             return
         median = statistics.median(recent)
         level = self._level.setdefault(batch, median)
-        probe = median > self._slow * level and self._since_probe >= self._probe_steps
-        self._freed = self._chosen < self.max_threads and self._cores_free()
-        if self._since_probe >= self._every or probe or self._freed:
+        self._read_watch()
+        probe = self._freed or self._since_probe >= self._every
+        if self._since_probe >= self._probe_steps:
+            last = list(recent)[-2:]
+            if self._crowded and min(last) > self._slow * level:
+                self._baseline = {batch: last}  # the crowded steps, not the 8 before them
+            probe = probe or self._baseline is not None or median > self._slow * level
+        if probe:
             self._probe, self.threads = {}, self.alternative()
 
-    def _cores_free(self) -> bool:
-        """Whether, over the window that ends now (False where none does), the other processes
-        used no more than half of the cores the chosen count leaves them."""
+    def _read_watch(self) -> None:
+        """At the end of a window (cores_watch.py), whether the other processes crowded the team
+        (at all the threads: half a core or more) or left the cores free (below: at most half of
+        those the chosen count leaves them)."""
         cores = self._watch.read()
-        return cores is not None and cores <= 0.5 * (self.max_threads - self._chosen)
+        if cores is None:
+            return
+        if self._chosen == self.max_threads:
+            self._crowded = cores >= 0.5
+        else:
+            self._freed = cores <= 0.5 * (self.max_threads - self._chosen)
 
     def _decide(self) -> None:
         """End the probe: keep fewer threads only when their steps took under `gain` x the time
         of all of them, all the threads again when theirs were no slower."""
         probe, self._probe, self._since_probe = self._probe or {}, None, 0
+        base, few = (self._baseline, 1) if self._baseline else (self._recent, self._few)
         ratios = [
-            statistics.median(times) / statistics.median(self._recent[batch])
+            statistics.median(times) / statistics.median(base[batch])
             for batch, times in probe.items()
-            if len(self._recent.get(batch, ())) >= self._few
+            if len(base.get(batch, ())) >= few
         ]  # fmt: skip
         ratio = statistics.median(ratios) if ratios else math.inf
         fewer = self.threads < self._chosen  # the probe tried half the threads
@@ -156,9 +175,10 @@ class ThreadGovernor:
             self._watch.reset()
         else:
             self._every = min(2 * self._every, 8 * self._probe_every)
-            if self._freed:
-                self._watch.longer()
-        self._freed = False
+            if self._freed or self._baseline:
+                self._watch.longer()  # started by the others' CPU time, for nothing
+        self._crowded = self._freed = False
+        self._baseline = None
         self._watch.restart()  # a window at the count decided on from here
         self._level = {b: statistics.median(t) for b, t in self._recent.items() if t}
         self.threads = self._chosen

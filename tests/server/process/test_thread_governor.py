@@ -58,7 +58,7 @@ def run(governor: ThreadGovernor, cost: dict[int, float], steps: int, rng, batch
     """Feed `steps` decode steps whose time is cost[threads] with 20% noise and a 5x outlier
     now and then; returns the thread count each ran on."""
     if machine is not None:
-        machine.busy = cost is BUSY
+        machine.busy = cost is BUSY or cost is STALLED
     counts = []
     for _ in range(steps):
         counts.append(governor.threads)
@@ -98,6 +98,40 @@ def test_free_cores_bring_the_threads_back_at_once():
     assert probes <= 5  # the periodic ones (3) and noise's; the cores read free: one in 0.25 s
     back = run(governor, QUIET, 200, rng, machine=machine)
     assert back.index(2) <= 24 and governor.threads == 2
+
+
+# a neighbour's barrier waits as toppings-serve's showed them on a 2-core EPYC (bench_neighbour)
+STALLED = {2: 0.700, 1: 0.014}
+
+
+def test_a_crowded_team_moves_after_two_slow_steps():
+    """Beside a neighbour, steps of all the threads may take 700 ms: waiting for the median of
+    8 steps to slow took 4 of them; the neighbour's CPU time beside two slow steps is enough."""
+    rng, machine = random.Random(7), Machine()
+    governor = governed(machine)
+    run(governor, QUIET, 500, rng, machine=machine)
+    busy = run(governor, STALLED, 200, rng, machine=machine)
+    assert busy.index(1) <= 2 and busy[10:].count(2) <= 1
+    blind, counts = governed(), []  # where it cannot read the CPU time, without noise
+    steady(blind, QUIET, 500)
+    for _ in range(10):
+        counts.append(blind.threads)
+        blind.observe(4, STALLED[blind.threads])
+    assert counts.index(1) == 4  # the median of 8 steps, 4 of them slow
+
+
+def test_a_crowded_team_that_is_not_slowed_keeps_its_threads():
+    """Others taking half a core and more (a load generator on a larger machine) without
+    slowing the steps, or slowing them by noise's 1.6x, are no reason to leave all threads."""
+    rng, machine = random.Random(10), Machine()
+    machine.busy = True  # 0.7 of a core all along
+    governor = governed(machine)
+    for _ in range(3000):
+        seconds = QUIET[governor.threads] * (1.6 if rng.random() < 0.2 else 1.0)
+        machine.threads = governor.threads
+        machine.step(seconds)
+        governor.observe(4, seconds)
+    assert governor.chosen == 2 and governor.switches == 0
 
 
 def test_cores_left_to_the_cpu_workers_are_theirs():
