@@ -146,6 +146,10 @@ CURRENT: dict[str, tuple[str, tuple[str, ...]]] = {
     "chunked_prefill.json": ("chunked against unchunked prefill, and against llama-server",
                              ("itl_p99_ratio", "ttft_p99_ratio", "throughput_ratio",
                               "itl_p50_ratio", "ttft_p99_ratio_vs_llama_server")),
+    "chunked_prefill_session53.json": ("the same over 2 rounds in session 53 (P99 TTFT and "
+                                       "median ITL at their targets' edge)",
+                                       ("itl_p99_ratio", "ttft_p99_ratio", "throughput_ratio",
+                                        "itl_p50_ratio")),
     "chunked_prefill_session52.json": ("the same with session 52's thread governor (symmetric: "
                                        "its flips to one thread did not come in that run)",
                                        ("itl_p99_ratio", "ttft_p99_ratio", "throughput_ratio",
@@ -222,6 +226,10 @@ CURRENT: dict[str, tuple[str, tuple[str, ...]]] = {
     "neighbour.json": ("one stream beside a busy neighbour, thread governor on or off",
                        ("busy_over_quiet", "governor_on_over_off_busy",
                         "governor_on_over_off_quiet")),
+    "neighbour_median_arrival.json": ("the same before two slow steps beside a crowding "
+                                      "neighbour started a comparison (2026-12-06 21:00)",
+                                      ("busy_over_quiet", "governor_on_over_off_busy",
+                                       "governor_on_over_off_quiet")),
     "neighbour_running_tasks.json": ("the same where the governor read the free cores from "
                                      "a count of running tasks (2026-12-06 18:54)",
                                      ("busy_over_quiet", "governor_on_over_off_busy",
