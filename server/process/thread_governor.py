@@ -70,7 +70,7 @@ class ThreadGovernor:
 
     def __init__(
         self, max_threads: int, probe_every: int = 400, probe_steps: int = 8,
-        gain: float = 0.5, slow: float = 1.5, abort: float = 3.0, window: float = 0.25,
+        gain: float = 0.5, slow: float = 1.5, abort: float = 3.0,
         watch: CoresWatch | None = None,
     ) -> None:  # fmt: skip
         """watch: the other processes' use of this process's cores (default: read from /proc,
