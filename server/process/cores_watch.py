@@ -17,6 +17,13 @@ from collections.abc import Callable
 _TICKS = os.sysconf("SC_CLK_TCK")  # the unit of /proc/stat and /proc/self/stat
 
 
+def affinity_cores() -> int:
+    """The cores this process may run on (every core where the OS cannot say)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 class CoresWatch:
     """The other processes' use of this process's cores over windows of `window` seconds (made
     `longer` after a probe they started changed nothing, up to 8x; `reset` at a change)."""
@@ -60,9 +67,9 @@ def others_cpu() -> float | None:
     """The CPU seconds every process but this one has used since boot on the cores this one may
     run on (the busy time of their /proc/stat lines, steal included, less /proc/self/stat's user
     and system time), or None where they cannot be read."""
-    cores = {f"cpu{i}" for i in os.sched_getaffinity(0)}
     busy = 0
     try:
+        cores = {f"cpu{i}" for i in os.sched_getaffinity(0)}  # Linux's, as /proc is
         with open("/proc/stat") as f:
             for line in f:
                 fields = line.split()
@@ -73,6 +80,6 @@ def others_cpu() -> float | None:
         with open("/proc/self/stat") as f:
             own = f.read().rsplit(")", 1)[1].split()
         mine = int(own[11]) + int(own[12])  # utime, stime: fields 14 and 15 of proc(5)
-    except (OSError, ValueError, IndexError):
+    except (OSError, ValueError, IndexError, AttributeError):
         return None
     return (busy - mine) / _TICKS

@@ -54,11 +54,10 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import statistics
 from collections import deque
 
-from toppings.server.process.cores_watch import CoresWatch
+from toppings.server.process.cores_watch import CoresWatch, affinity_cores
 from toppings.server.process.threads import set_torch_threads
 
 log = logging.getLogger(__name__)
@@ -82,7 +81,7 @@ class ThreadGovernor:
         self._probe_every, self._probe_steps = probe_every, probe_steps
         self._gain, self._slow, self._abort = gain, slow, abort
         self._few = min(3, probe_steps)  # steps enough to compare
-        self._watch = watch or CoresWatch(max(0, len(os.sched_getaffinity(0)) - max_threads))
+        self._watch = watch or CoresWatch(max(0, affinity_cores() - max_threads))
         self._crowded = False  # at all the threads, the last window's others took half a core
         self._freed = False  # below, the last window's others left the cores free
         self._baseline: dict[int, list[float]] | None = None  # a crowded probe's comparison
