@@ -97,7 +97,9 @@ class Engine:
         self._draining = threading.Event()
         # The engine thread's OpenMP team, as the thread that builds the engine sees it
         self._num_threads = engine_thread_count(config)
-        self.governor = ThreadGovernor(self._num_threads) if config.use_thread_governor else None
+        self.governor = None
+        if config.use_thread_governor:
+            self.governor = ThreadGovernor(self._num_threads, cores=config.device_cores)
         self.pipeline = None
         if config.use_async:
             cores = config.device_cores

@@ -57,7 +57,7 @@ import math
 import statistics
 from collections import deque
 
-from toppings.server.process.cores_watch import CoresWatch, affinity_cores
+from toppings.server.process.cores_watch import CoresWatch, process_cores
 from toppings.server.process.threads import set_torch_threads
 
 log = logging.getLogger(__name__)
@@ -70,10 +70,11 @@ class ThreadGovernor:
     def __init__(
         self, max_threads: int, probe_every: int = 400, probe_steps: int = 8,
         gain: float = 0.5, slow: float = 1.5, abort: float = 3.0,
-        watch: CoresWatch | None = None,
+        cores: tuple[int, ...] | None = None, watch: CoresWatch | None = None,
     ) -> None:  # fmt: skip
-        """watch: the other processes' use of this process's cores (default: read from /proc,
-        the cores past `max_threads` left to them)."""
+        """cores: the engine thread's (None: the process's; `--device-cores` pins it to fewer);
+        watch: the other processes' use of them (default: read from /proc, the cores past
+        `max_threads` left to them)."""
         self.max_threads = max_threads
         self.threads = max_threads  # the count steps run on now (a probe's, during one)
         self.switches = 0  # times the chosen count changed
@@ -81,7 +82,7 @@ class ThreadGovernor:
         self._probe_every, self._probe_steps = probe_every, probe_steps
         self._gain, self._slow, self._abort = gain, slow, abort
         self._few = min(3, probe_steps)  # steps enough to compare
-        self._watch = watch or CoresWatch(max(0, affinity_cores() - max_threads))
+        self._watch = watch or CoresWatch(frozenset(cores or process_cores()), max_threads)
         self._crowded = False  # at all the threads, the last window's others took half a core
         self._freed = False  # below, the last window's others left the cores free
         self._baseline: dict[int, list[float]] | None = None  # a crowded probe's comparison
@@ -134,8 +135,7 @@ class ThreadGovernor:
         self._read_watch()
         probe = self._freed or self._since_probe >= self._every
         if self._since_probe >= self._probe_steps:
-            last = list(recent)[-2:]
-            if self._crowded and min(last) > self._slow * level:
+            if self._crowded and min(last := list(recent)[-2:]) > self._slow * level:
                 self._baseline = {batch: last}  # the crowded steps, not the 8 before them
             probe = probe or self._baseline is not None or median > self._slow * level
         if probe:

@@ -50,7 +50,8 @@ def governed(machine: Machine | None = None, cores: int = 2, **kwargs) -> Thread
     """A governor on two threads of `cores`; reading `machine`'s CPU time (None: it cannot)."""
     others = machine.others if machine else lambda: None
     clock = machine.time if machine else time.monotonic
-    return ThreadGovernor(2, watch=CoresWatch(cores - 2, others=others, clock=clock), **kwargs)
+    watch = CoresWatch(frozenset(range(cores)), 2, others=others, clock=clock)
+    return ThreadGovernor(2, watch=watch, **kwargs)
 
 
 def run(governor: ThreadGovernor, cost: dict[int, float], steps: int, rng, batch=4,
@@ -149,7 +150,8 @@ def test_cores_left_to_the_cpu_workers_are_theirs():
 def test_the_processes_cpu_time_is_read_once_a_window():
     """Reading it costs some 50 us on a 2-core EPYC: once a quarter of a second, not a step."""
     rng, machine, reads = random.Random(6), Machine(), []
-    watch = CoresWatch(0, others=lambda: reads.append(1) or machine.others(), clock=machine.time)
+    watch = CoresWatch(frozenset({0, 1}), 2, others=lambda: reads.append(1) or machine.others(),
+                       clock=machine.time)  # fmt: skip
     governor = ThreadGovernor(2, watch=watch)
     run(governor, BUSY, 2000, rng, machine=machine)
     assert governor.chosen == 1
@@ -187,7 +189,7 @@ def test_only_steps_of_the_same_batch_size_are_compared():
 
 
 def test_one_thread_has_nothing_to_choose():
-    governor = ThreadGovernor(1, watch=CoresWatch(1, others=lambda: None))
+    governor = ThreadGovernor(1, watch=CoresWatch(frozenset({0, 1}), 1, others=lambda: None))
     run(governor, {1: 0.01}, 1000, random.Random(2))
     assert governor.threads == 1 and governor.switches == 0
 
