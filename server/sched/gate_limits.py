@@ -34,6 +34,9 @@ class GateLimits:
     # Chunked prefill: most a chunk raised to a tile may take a step's cost to, in multiples of
     # its budget (StepBudget.tile_stall)
     tile_stall: float = 1.0
+    # Chunked prefill: the numbers of decodes whose steps' budget the GEMM floor set, where a
+    # chunk's past is not priced (StepBudget.gemm_steps)
+    gemm_steps: frozenset[int] = frozenset()
 
     @classmethod
     def from_config(cls, config: SchedulingConfig, budget: StepBudget | None = None) -> GateLimits:
@@ -44,10 +47,19 @@ class GateLimits:
         """These limits with chunked prefill's steps sized by `budget` (None: off)."""
         if budget is None:
             return replace(self, max_step_tokens=None, past_weight=0.0, few_decode_tokens=(),
-                           tile_stall=1.0)  # fmt: skip
+                           tile_stall=1.0, gemm_steps=frozenset())  # fmt: skip
         return replace(self, max_step_tokens=budget.tokens, past_weight=budget.past_weight,
-                       few_decode_tokens=budget.few_decodes,
-                       tile_stall=budget.tile_stall)  # fmt: skip
+                       few_decode_tokens=budget.few_decodes, tile_stall=budget.tile_stall,
+                       gemm_steps=budget.gemm_steps)  # fmt: skip
+
+    def for_step(self, num_decodes: int) -> GateLimits:
+        """These limits for a chunked-prefill step of `num_decodes` decodes: its budget, and
+        its chunks counted as rows where the GEMM floor set that budget (its chunks are then of
+        the floor's rows whatever their past, not cut smaller as their past grows: the cut
+        chunks cost a long prompt 1.19x its whole time beside 12 streams, docs/benchmarks.md)."""
+        past_weight = 0.0 if num_decodes in self.gemm_steps else self.past_weight
+        return replace(self, max_step_tokens=self.step_tokens(num_decodes),
+                       past_weight=past_weight)  # fmt: skip
 
     def step_tokens(self, num_decodes: int) -> int:
         """The budget of a chunked-prefill step with `num_decodes` decodes in it."""

@@ -32,7 +32,6 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import replace
 
 from toppings.server.requests.sequence import Sequence
 from toppings.server.sched.admission import (
@@ -162,8 +161,8 @@ class Scheduler:
         planned: dict[Sequence, int] = {s: 1 for s in decodes}
         limits, budget, waits_turn = self.limits, None, None
         if limits.max_step_tokens is not None:
-            budget = limits.step_tokens(len(decodes))
-            limits = replace(limits, max_step_tokens=budget)
+            limits = limits.for_step(len(decodes))
+            budget = limits.max_step_tokens
             left = budget - len(decodes)
             sharers, num_shares = self._sharers(prefilling)
             share = None

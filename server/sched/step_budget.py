@@ -35,7 +35,10 @@ the steps where the target is the wrong rule:
   batch it was 1.10-1.16x (docs/benchmarks.md, "Measurements behind the code"). So on a machine
   whose target allows fewer tokens than the floor (a CPU), a step that carries a chunk takes
   longer than the target: the target bounds the gaps only where it can without wasting the
-  prompt's work. It is a number of tokens, not of milliseconds: on a machine slowed by a
+  prompt's work. The floor counts a chunk's rows: in a step whose budget it set, a chunk's past
+  is not priced (`gemm_steps`; GateLimits.for_step), where pricing it cut a long prompt's late
+  chunks beside 12 streams to 91-190 tokens (its prefill 3.18 s against 2.68 whole; with
+  512-token chunks 2.87 s: bench/probe_long_prompt_steps.py, docs/benchmarks.md). It is a number of tokens, not of milliseconds: on a machine slowed by a
   neighbour a target in milliseconds alone cut chunks so small that the chunked engine fell
   behind its arrivals (`chunked_prefill_issue64_run1.json`); and, chosen once from the start-up
   measurement (the refit keeps it), it cannot feed on a misfit fixed cost as session 28's
@@ -241,6 +244,9 @@ class StepBudget:
     # the budgets of steps of 0, 1, ... decodes (the adjustments of the module docstring); a
     # step of more decodes: `tokens`. (): `tokens` for all (a given budget)
     few_decodes: tuple[int, ...] = ()
+    # the numbers of decodes whose steps' budget the GEMM floor set: there a chunk's tokens are
+    # counted as rows, its past not priced (a chunk of the floor's rows whatever its past)
+    gemm_steps: frozenset[int] = frozenset()
     # most a long prompt's chunk raised to a tile may take its step's cost to, in multiples of
     # the step's budget (server.sched.tiles): TILE_STALL for a derived budget, 1 for one given
     # by --max-num-batched-tokens
@@ -301,4 +307,6 @@ def choose_step_budget(
     beside = f"{batch} decode" + ("s" if batch > 1 else "")
     how = (f"{tokens} tokens a step beside {beside} ({rule}, {itl_target_ms:g} ms target), "
            f"whole prompts with no decodes{floor}")  # fmt: skip
-    return StepBudget(tokens, itl_target_ms, how, model.past_weight(), tuple(few), TILE_STALL)
+    gemm_steps = frozenset(d for d, (_, how_set) in enumerate(sized) if how_set == GEMM)
+    return StepBudget(tokens, itl_target_ms, how, model.past_weight(), tuple(few), gemm_steps,
+                      TILE_STALL)  # fmt: skip

@@ -8,8 +8,8 @@ it is the faster one), reads the whole past once per token. server/model/attenti
 between them by these numbers (tests/server/sched/test_tiles.py checks that they agree; the
 scheduler runs without torch, so it cannot import them from there).
 
-The step budget prices a prompt token at 1 + w x its past (server.sched.step_budget), so late chunks
-of a long prompt come out small: stepping the real engine beside a few decoding streams
+Where the target sets the step budget it prices a prompt token at 1 + w x its past
+(server.sched.step_budget), so late chunks of a long prompt come out small: stepping the real engine beside a few decoding streams
 (bench/probe_long_prompt_steps.py), the budget cut a long prompt's chunks below a tile early on,
 almost all its steps ran the rows kernel and its first token came far later than alone
 (docs/benchmarks.md, "Measurements behind the code"). The rows kernel's cost per token of a long

@@ -483,6 +483,39 @@ def test_beside_any_decodes_a_chunk_keeps_the_gemms_efficient_size():
     assert long.output_ids and memory.reserved == 0
 
 
+def test_a_chunk_of_the_gemm_floor_keeps_its_rows_however_long_its_past():
+    """Where the GEMM floor sets a step's budget, a long prompt's late chunks are of the floor's
+    rows too: pricing their past cut them to 91-190 tokens beside 12 streams (2.5x a token of
+    the whole prompt), the long prompt 1.19x its whole time. Where the target sets it, the past
+    is priced as before: late chunks come out smaller."""
+    cpu = StepTimeModel(ms_per_token=0.6, decode_ms=20.0, decode_ms_per_request=2.0,
+                        mixed_fixed_ms=10.0, ms_per_token_past=0.0006, batch_size=4)  # fmt: skip
+    floored = choose_step_budget(32, 8192, model=cpu)
+    roomy = choose_step_budget(32, 8192, itl_target_ms=1000.0, model=cpu)
+    assert floored.past_weight == pytest.approx(0.001) and 1 in floored.gemm_steps
+    assert 1 not in roomy.gemm_steps and 0 not in floored.gemm_steps  # whole prompts there
+
+    def chunks(budget):
+        sched, memory, _ = make_chunked(budget=budget.tokens, max_batch=8)
+        sched.set_step_budget(budget)
+        stream = submit(sched, prompt_len=4, max_new=400, ignore_eos=True)
+        step(sched)
+        long = submit(sched, prompt_len=2000, max_new=1, ignore_eos=True)
+        sizes = []
+        while not long.output_ids:
+            got = tokens_of(step(sched))
+            assert got[stream] == 1
+            sizes.append(got[long])
+        while sched.has_work():
+            step(sched)
+        assert memory.reserved == 0 and sum(sizes) == 2000
+        return sizes
+
+    assert chunks(floored) == [GEMM_TOKENS] * 7 + [2000 - 7 * GEMM_TOKENS]
+    late = chunks(roomy)
+    assert late[0] > GEMM_TOKENS and late[1] < late[0] * 0.7  # the past priced: 1,055 then 672
+
+
 # The refit's model of a real engine (bf16 SmolLM2, 2-core EPYC, a busy neighbour) one step after
 # a 2,989-token prompt arrived beside no stream: its first chunks took 2-3x what the model said,
 # and the joint fit put the misfit in the fixed extra of steps with prompt tokens (18 -> 108 ms)
