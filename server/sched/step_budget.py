@@ -35,14 +35,14 @@ the steps where the target is the wrong rule:
   batch it was 1.10-1.16x (docs/benchmarks.md, "Measurements behind the code"). So on a machine
   whose target allows fewer tokens than the floor (a CPU), a step that carries a chunk takes
   longer than the target: the target bounds the gaps only where it can without wasting the
-  prompt's work. The floor counts a chunk's rows: in a step whose budget it set, a chunk's past
-  is not priced (`gemm_steps`; GateLimits.for_step), where pricing it cut a long prompt's late
-  chunks beside 12 streams to 91-190 tokens (its prefill 3.18 s against 2.68 whole; with
-  512-token chunks 2.87 s: bench/probe_long_prompt_steps.py, docs/benchmarks.md). It is a number of tokens, not of milliseconds: on a machine slowed by a
+  prompt's work. It is a number of tokens, not of milliseconds: on a machine slowed by a
   neighbour a target in milliseconds alone cut chunks so small that the chunked engine fell
   behind its arrivals (`chunked_prefill_issue64_run1.json`); and, chosen once from the start-up
   measurement (the refit keeps it), it cannot feed on a misfit fixed cost as session 28's
-  fixed-share floor did;
+  fixed-share floor did. It counts a chunk's rows: in a step whose budget it set, a chunk's past
+  is not priced (`gemm_steps`; GateLimits.for_step), where pricing it cut a long prompt's late
+  chunks beside 12 streams to 91-190 tokens (its prefill 3.18 s against 2.68 whole; in 512-token
+  chunks 2.87 s: bench/probe_long_prompt_steps.py, docs/benchmarks.md);
 - `fixed-cost floor`: a chunk's work is at least the step's fixed cost (`MIN_CHUNK` tokens at
   the least), where a busy machine's steps with prompt tokens cost so much more than its decode
   steps that the target leaves no room: a step is then at most twice its fixed cost;

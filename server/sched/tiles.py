@@ -9,12 +9,12 @@ between them by these numbers (tests/server/sched/test_tiles.py checks that they
 scheduler runs without torch, so it cannot import them from there).
 
 Where the target sets the step budget it prices a prompt token at 1 + w x its past
-(server.sched.step_budget), so late chunks of a long prompt come out small: stepping the real engine beside a few decoding streams
-(bench/probe_long_prompt_steps.py), the budget cut a long prompt's chunks below a tile early on,
-almost all its steps ran the rows kernel and its first token came far later than alone
-(docs/benchmarks.md, "Measurements behind the code"). The rows kernel's cost per token of a long
-past is well above the blocked one's, and the refit then measured that rate and cut the chunks
-further (server.sched.step_refit). So:
+(server.sched.step_budget), so late chunks of a long prompt come out small: stepping the real
+engine beside a few decoding streams (bench/probe_long_prompt_steps.py), the budget cut a long
+prompt's chunks below a tile early on, almost all its steps ran the rows kernel and its first
+token came far later than alone (docs/benchmarks.md, "Measurements behind the code"). The rows
+kernel's cost per token of a long past is well above the blocked one's, and the refit then
+measured that rate and cut the chunks further (server.sched.step_refit). So:
 - a chunk cut below a tile, after a past long enough for a tile to go to the blocked kernel
   (after a shorter one the rows kernel is the faster: the budget's cut stands), is raised to a
   whole tile (to its prompt's end, where that is nearer), oldest prompt first, while the step's
