@@ -146,6 +146,10 @@ CURRENT: dict[str, tuple[str, tuple[str, ...]]] = {
     "chunked_prefill.json": ("chunked against unchunked prefill, and against llama-server",
                              ("itl_p99_ratio", "ttft_p99_ratio", "throughput_ratio",
                               "itl_p50_ratio", "ttft_p99_ratio_vs_llama_server")),
+    "chunked_prefill_session54.json": ("the same over 4 rounds in session 54, before chunks of "
+                                       "the GEMM floor's rows (a late chunk's past priced)",
+                                       ("itl_p99_ratio", "ttft_p99_ratio", "throughput_ratio",
+                                        "itl_p50_ratio")),
     "chunked_prefill_session53.json": ("the same over 2 rounds in session 53 (P99 TTFT and "
                                        "median ITL at their targets' edge)",
                                        ("itl_p99_ratio", "ttft_p99_ratio", "throughput_ratio",

@@ -66,9 +66,9 @@ class SchedulingConfig(Settings):
         flag=Flag(
             "inter-token SLO the default --max-num-batched-tokens is sized for: a step with "
             "decodes takes the prompt tokens that keep its modelled time within it, but a chunk "
-            "is at least the GEMM floor measured at start-up (256 to 2048 tokens, more beside "
-            "more decodes, logged: on a CPU the floor, not the target, sizes most chunks), and "
-            "a step without decodes takes whole prompts",
+            "is at least the GEMM floor measured at start-up (256 to 2048 tokens whatever the "
+            "past they attend to, more beside more decodes, logged: on a CPU the floor, not the "
+            "target, sizes most chunks), and a step without decodes takes whole prompts",
             type=float,
             metavar="X",
         ),
