@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import time
 
 from flask import Flask, Response, jsonify, request
@@ -50,6 +49,7 @@ from toppings.server.api.options import ApiOptions
 from toppings.server.api.tokenizer_pool import TokenizerPool
 from toppings.server.http.frontend import InFlightLimit, default_max_in_flight
 from toppings.server.http.metrics import install_metrics
+from toppings.server.process.cores_watch import process_cores
 from toppings.server.requests.errors import (
     API_KEY_REQUIRED,
     AUTHENTICATION,
@@ -175,7 +175,7 @@ def _names(
     registrar = AdapterAdmin(engine, AdapterPaths([source.root]), thread=admin.thread)
     engine_cores = 1 if engine.config.device == "cuda" else engine.num_threads
     readers = reader_threads(options.lora_resolver_max_loading,
-                             len(os.sched_getaffinity(0)) - engine_cores)  # fmt: skip
+                             len(process_cores()) - engine_cores)  # fmt: skip
     logger.info(
         "adapters found on first use: %d resolved at once, parsed on %d thread(s)",
         options.lora_resolver_max_loading,

@@ -22,11 +22,12 @@ runaway template fails its own request and its copy comes back, as on any other 
 from __future__ import annotations
 
 import copy
-import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
+
+from toppings.server.process.cores_watch import process_cores
 
 MIN_COPIES = 4  # even on a small machine: a long tokenization never holds up the next ones
 MAX_COPIES = 16  # copies cost memory: 8 MiB each for SmolLM2's 49k tokens, more for larger ones
@@ -34,8 +35,7 @@ MAX_COPIES = 16  # copies cost memory: 8 MiB each for SmolLM2's 49k tokens, more
 
 def default_max_copies() -> int:
     """One copy per core this process may run on, from MIN_COPIES to MAX_COPIES."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return min(MAX_COPIES, max(MIN_COPIES, cores or 1))
+    return min(MAX_COPIES, max(MIN_COPIES, len(process_cores())))
 
 
 class TokenizerPool:

@@ -3,10 +3,10 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 from toppings.server.lora_modes import AUTO, LORA_MODES, pick_mode
+from toppings.server.process.cores_watch import process_cores
 from toppings.server.settings import (
     ON_OFF,
     Bound,
@@ -185,7 +185,7 @@ class LoraConfig(Settings):
                 f"device_cores {device} and cpu_cores {host} overlap on {_core_list(both)}: "
                 "the device and the host need disjoint cores"
             )
-        allowed = os.sched_getaffinity(0)
+        allowed = process_cores()
         outside = sorted(set(self.device_cores + self.cpu_cores) - allowed)
         if outside:
             raise ValueError(
