@@ -192,6 +192,13 @@ def parse_cores(spec: str) -> tuple[int, ...]:
     return tuple(cores)
 
 
+def process_cores() -> frozenset[int]:
+    """The cores this process may run on (every core where the OS cannot say)."""
+    if hasattr(os, "sched_getaffinity"):
+        return frozenset(os.sched_getaffinity(0))
+    return frozenset(range(os.cpu_count() or 1))
+
+
 def http_origin(text: str) -> str:
     """An http(s) server's base URL as `scheme://host[:port]`, lower-cased without a trailing
     slash, so that two spellings of one server compare equal; a URL with a path, query,

@@ -49,7 +49,6 @@ from toppings.server.api.options import ApiOptions
 from toppings.server.api.tokenizer_pool import TokenizerPool
 from toppings.server.http.frontend import InFlightLimit, default_max_in_flight
 from toppings.server.http.metrics import install_metrics
-from toppings.server.process.cores_watch import process_cores
 from toppings.server.requests.errors import (
     API_KEY_REQUIRED,
     AUTHENTICATION,
@@ -65,6 +64,7 @@ from toppings.server.resolver.names import AdapterNames, RegisteredNames
 from toppings.server.resolver.preparer import reader_threads
 from toppings.server.resolver.resolved import ResolvedAdapters
 from toppings.server.resolver.sources import make_source
+from toppings.server.settings import process_cores
 
 __all__ = ["ApiOptions", "create_app"]
 

@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from toppings.server.process.cores_watch import process_cores
+from toppings.server.settings import process_cores
 
 MIN_COPIES = 4  # even on a small machine: a long tokenization never holds up the next ones
 MAX_COPIES = 16  # copies cost memory: 8 MiB each for SmolLM2's 49k tokens, more for larger ones

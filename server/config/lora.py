@@ -6,7 +6,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from toppings.server.lora_modes import AUTO, LORA_MODES, pick_mode
-from toppings.server.process.cores_watch import process_cores
 from toppings.server.settings import (
     ON_OFF,
     Bound,
@@ -14,6 +13,7 @@ from toppings.server.settings import (
     Settings,
     on_off,
     parse_cores,
+    process_cores,
     setting,
 )
 

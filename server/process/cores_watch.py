@@ -17,13 +17,6 @@ from collections.abc import Callable
 _TICKS = os.sysconf("SC_CLK_TCK")  # the unit of /proc/stat and /proc/self/stat
 
 
-def process_cores() -> frozenset[int]:
-    """The cores this process may run on (every core where the OS cannot say)."""
-    if hasattr(os, "sched_getaffinity"):
-        return frozenset(os.sched_getaffinity(0))
-    return frozenset(range(os.cpu_count() or 1))
-
-
 class CoresWatch:
     """The other processes' use of the engine's cores over windows of `window` seconds (made
     `longer` after a probe they started changed nothing, up to 8x; `reset` at a change)."""

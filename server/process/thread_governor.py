@@ -57,8 +57,9 @@ import math
 import statistics
 from collections import deque
 
-from toppings.server.process.cores_watch import CoresWatch, process_cores
+from toppings.server.process.cores_watch import CoresWatch
 from toppings.server.process.threads import set_torch_threads
+from toppings.server.settings import process_cores
 
 log = logging.getLogger(__name__)
 

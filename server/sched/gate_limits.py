@@ -2,7 +2,12 @@
 chunked prefill, the step budget and what a prompt chunk costs of it.
 
 A chunk's cost grows with the past it attends to (`past_weight`, server.sched.step_budget):
-`chunk_cost` is that cost and `chunk_within` its inverse, the most tokens a cost allows.
+`chunk_cost` is that cost and `chunk_within` its inverse, the most tokens a cost allows. In a
+step whose budget the GEMM floor set (`counts_rows`) a chunk costs its rows, or its priced cost
+over FLOOR_STALL where that is more: a long prompt's late chunks keep the floor's rows (priced,
+they came out at 91-190 tokens beside 12 streams and the prompt took 1.19x its whole time;
+docs/benchmarks.md), and only a past several times longer (a prompt of tens of thousands of
+tokens, whose steps of the floor's rows would each take seconds) makes them smaller.
 """
 
 from __future__ import annotations
@@ -10,6 +15,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
+
+from toppings.server.sched.step_budget import FLOOR_STALL
 
 if TYPE_CHECKING:
     from toppings.server.config import SchedulingConfig
@@ -35,8 +42,10 @@ class GateLimits:
     # its budget (StepBudget.tile_stall)
     tile_stall: float = 1.0
     # Chunked prefill: the numbers of decodes whose steps' budget the GEMM floor set, where a
-    # chunk's past is not priced (StepBudget.gemm_steps)
-    gemm_steps: frozenset[int] = frozenset()
+    # chunk counts its rows (StepBudget.gemm_steps)
+    gemm_steps: tuple[int, ...] = ()
+    # Chunked prefill: whether this step's chunks count their rows (for_step; module docstring)
+    counts_rows: bool = False
 
     @classmethod
     def from_config(cls, config: SchedulingConfig, budget: StepBudget | None = None) -> GateLimits:
@@ -47,19 +56,16 @@ class GateLimits:
         """These limits with chunked prefill's steps sized by `budget` (None: off)."""
         if budget is None:
             return replace(self, max_step_tokens=None, past_weight=0.0, few_decode_tokens=(),
-                           tile_stall=1.0, gemm_steps=frozenset())  # fmt: skip
+                           tile_stall=1.0, gemm_steps=())  # fmt: skip
         return replace(self, max_step_tokens=budget.tokens, past_weight=budget.past_weight,
                        few_decode_tokens=budget.few_decodes, tile_stall=budget.tile_stall,
                        gemm_steps=budget.gemm_steps)  # fmt: skip
 
     def for_step(self, num_decodes: int) -> GateLimits:
         """These limits for a chunked-prefill step of `num_decodes` decodes: its budget, and
-        its chunks counted as rows where the GEMM floor set that budget (its chunks are then of
-        the floor's rows whatever their past, not cut smaller as their past grows: the cut
-        chunks cost a long prompt 1.19x its whole time beside 12 streams, docs/benchmarks.md)."""
-        past_weight = 0.0 if num_decodes in self.gemm_steps else self.past_weight
+        its chunks counting their rows where the GEMM floor set that budget."""
         return replace(self, max_step_tokens=self.step_tokens(num_decodes),
-                       past_weight=past_weight)  # fmt: skip
+                       counts_rows=num_decodes in self.gemm_steps)  # fmt: skip
 
     def step_tokens(self, num_decodes: int) -> int:
         """The budget of a chunked-prefill step with `num_decodes` decodes in it."""
@@ -70,10 +76,11 @@ class GateLimits:
     def chunk_cost(self, tokens: int, past: int) -> int:
         """Budget tokens of a chunk of `tokens` prompt tokens after `past` computed ones: each
         counts 1 + past_weight x what it attends to before it (the past, its chunk's earlier
-        tokens)."""
+        tokens); where the step counts rows, its rows or that over FLOOR_STALL, the more."""
         if not self.past_weight or tokens <= 0:
             return max(tokens, 0)
-        return math.ceil(tokens * (1 + self.past_weight * (past + (tokens - 1) / 2)))
+        priced = math.ceil(tokens * (1 + self.past_weight * (past + (tokens - 1) / 2)))
+        return max(tokens, math.ceil(priced / FLOOR_STALL)) if self.counts_rows else priced
 
     def chunk_within(self, cost: int, past: int) -> int:
         """The most prompt tokens after `past` whose chunk_cost is within `cost` (at least
@@ -81,8 +88,10 @@ class GateLimits:
         w = self.past_weight
         if not w:
             return max(cost, 1)
-        b = 1 + w * (past - 0.5)  # cost(t) = t * b + w * t^2 / 2
-        tokens = max(int((math.sqrt(b * b + 2 * w * cost) - b) / w), 1)
+        priced = cost * FLOOR_STALL if self.counts_rows else cost
+        b = 1 + w * (past - 0.5)  # priced cost(t) = t * b + w * t^2 / 2
+        tokens = max(int((math.sqrt(b * b + 2 * w * priced) - b) / w), 1)
+        tokens = min(tokens, cost) if self.counts_rows else tokens
         while tokens > 1 and self.chunk_cost(tokens, past) > cost:
             tokens -= 1
         return tokens

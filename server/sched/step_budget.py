@@ -40,9 +40,10 @@ the steps where the target is the wrong rule:
   behind its arrivals (`chunked_prefill_issue64_run1.json`); and, chosen once from the start-up
   measurement (the refit keeps it), it cannot feed on a misfit fixed cost as session 28's
   fixed-share floor did. It counts a chunk's rows: in a step whose budget it set, a chunk's past
-  is not priced (`gemm_steps`; GateLimits.for_step), where pricing it cut a long prompt's late
-  chunks beside 12 streams to 91-190 tokens (its prefill 3.18 s against 2.68 whole; in 512-token
-  chunks 2.87 s: bench/probe_long_prompt_steps.py, docs/benchmarks.md);
+  is priced only past FLOOR_STALL times its rows (`gemm_steps`; server.sched.gate_limits), where
+  pricing it cut a long prompt's late chunks beside 12 streams to 91-190 tokens (its prefill
+  3.18 s against 2.68 whole; in 512-token chunks 2.87 s: bench/probe_long_prompt_steps.py,
+  docs/benchmarks.md);
 - `fixed-cost floor`: a chunk's work is at least the step's fixed cost (`MIN_CHUNK` tokens at
   the least), where a busy machine's steps with prompt tokens cost so much more than its decode
   steps that the target leaves no room: a step is then at most twice its fixed cost;
@@ -72,6 +73,7 @@ GEMM_SLACK = 0.15  # how much more a prompt token the GEMM floor's chunks may co
 FEW_DECODES = 8  # the GEMM floor's chunk carries the decode step of at least this many
 FLOOR_DECODES = 1024  # the GEMM floor is found for steps of up to this many decodes
 GEMM = "GEMM floor"  # the name of that adjustment
+FLOOR_STALL = 4.0  # most a GEMM floor step's chunk may cost, its past priced, in budgets
 
 
 class StepPoints(Protocol):
@@ -244,9 +246,9 @@ class StepBudget:
     # the budgets of steps of 0, 1, ... decodes (the adjustments of the module docstring); a
     # step of more decodes: `tokens`. (): `tokens` for all (a given budget)
     few_decodes: tuple[int, ...] = ()
-    # the numbers of decodes whose steps' budget the GEMM floor set: there a chunk's tokens are
-    # counted as rows, its past not priced (a chunk of the floor's rows whatever its past)
-    gemm_steps: frozenset[int] = frozenset()
+    # the numbers of decodes whose steps' budget the GEMM floor set, ascending: there a chunk
+    # counts its rows, its past priced only past FLOOR_STALL (server.sched.gate_limits)
+    gemm_steps: tuple[int, ...] = ()
     # most a long prompt's chunk raised to a tile may take its step's cost to, in multiples of
     # the step's budget (server.sched.tiles): TILE_STALL for a derived budget, 1 for one given
     # by --max-num-batched-tokens
@@ -307,6 +309,6 @@ def choose_step_budget(
     beside = f"{batch} decode" + ("s" if batch > 1 else "")
     how = (f"{tokens} tokens a step beside {beside} ({rule}, {itl_target_ms:g} ms target), "
            f"whole prompts with no decodes{floor}")  # fmt: skip
-    gemm_steps = frozenset(d for d, (_, how_set) in enumerate(sized) if how_set == GEMM)
+    gemm_steps = tuple(d for d, (_, how_set) in enumerate(sized) if how_set == GEMM)
     return StepBudget(tokens, itl_target_ms, how, model.past_weight(), tuple(few), gemm_steps,
                       TILE_STALL)  # fmt: skip

@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-from toppings.server.process.cores_watch import others_cpu, process_cores
+from toppings.server.process.cores_watch import others_cpu
+from toppings.server.settings import process_cores
 
 BURN = "import time\nend = time.process_time() + 0.5\nwhile time.process_time() < end: pass\n"
 

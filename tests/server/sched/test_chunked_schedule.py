@@ -17,6 +17,7 @@ from toppings.server.sched.plan import StepPlan, StepResult
 from toppings.server.sched.policies import make_queue_policy
 from toppings.server.sched.scheduler import Scheduler
 from toppings.server.sched.step_budget import (
+    FLOOR_STALL,
     GEMM_TOKENS,
     ITL_TARGET_MS,
     MIN_CHUNK,
@@ -495,25 +496,32 @@ def test_a_chunk_of_the_gemm_floor_keeps_its_rows_however_long_its_past():
     assert floored.past_weight == pytest.approx(0.001) and 1 in floored.gemm_steps
     assert 1 not in roomy.gemm_steps and 0 not in floored.gemm_steps  # whole prompts there
 
-    def chunks(budget):
+    def chunks(budget, prompt_len=2000):
         sched, memory, _ = make_chunked(budget=budget.tokens, max_batch=8)
         sched.set_step_budget(budget)
-        stream = submit(sched, prompt_len=4, max_new=400, ignore_eos=True)
+        stream = submit(sched, prompt_len=4, max_new=800, ignore_eos=True)
         step(sched)
-        long = submit(sched, prompt_len=2000, max_new=1, ignore_eos=True)
-        sizes = []
+        long = submit(sched, prompt_len=prompt_len, max_new=1, ignore_eos=True)
+        sizes, priced = [], GateLimits(8, 8192, 1, floored.past_weight)
         while not long.output_ids:
+            past = long.num_prefilled
             got = tokens_of(step(sched))
             assert got[stream] == 1
             sizes.append(got[long])
+            if budget is floored and past + got[long] < prompt_len:  # within the stall bound
+                assert priced.chunk_cost(got[long], past) <= FLOOR_STALL * GEMM_TOKENS
         while sched.has_work():
             step(sched)
-        assert memory.reserved == 0 and sum(sizes) == 2000
+        assert memory.reserved == 0 and sum(sizes) == prompt_len
         return sizes
 
     assert chunks(floored) == [GEMM_TOKENS] * 7 + [2000 - 7 * GEMM_TOKENS]
     late = chunks(roomy)
     assert late[0] > GEMM_TOKENS and late[1] < late[0] * 0.7  # the past priced: 1,055 then 672
+    # a past several times longer: its steps of the floor's rows would cost over FLOOR_STALL
+    # budgets each; the chunks shrink, priced within that
+    very = chunks(floored, prompt_len=12000)
+    assert very[:10] == [GEMM_TOKENS] * 10 and max(very[-10:-1]) < GEMM_TOKENS / 2
 
 
 # The refit's model of a real engine (bf16 SmolLM2, 2-core EPYC, a busy neighbour) one step after
