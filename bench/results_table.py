@@ -146,6 +146,10 @@ CURRENT: dict[str, tuple[str, tuple[str, ...]]] = {
     "chunked_prefill.json": ("chunked against unchunked prefill, and against llama-server",
                              ("itl_p99_ratio", "ttft_p99_ratio", "throughput_ratio",
                               "itl_p50_ratio", "ttft_p99_ratio_vs_llama_server")),
+    "chunked_prefill_rerun.json": ("the same, rerun in session 55 on the final code (with "
+                                    "the FLOOR_STALL bound), without llama-server",
+                                    ("itl_p99_ratio", "ttft_p99_ratio", "throughput_ratio",
+                                     "itl_p50_ratio", "itl_max_ratio")),
     "chunked_prefill_session54.json": ("the same over 4 rounds in session 54, before chunks of "
                                        "the GEMM floor's rows (a late chunk's past priced)",
                                        ("itl_p99_ratio", "ttft_p99_ratio", "throughput_ratio",
