@@ -10,7 +10,6 @@ in-process and a replacement worker is started, so the result is still complete 
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 import statistics
 import threading
@@ -26,7 +25,7 @@ from toppings.cpu_lora.repository import HostRepository
 from toppings.cpu_lora.serial_copy import copy_serial, zeros_serial
 from toppings.cpu_lora.shapes import LORA_TARGETS, ModelShapes, module_mask
 from toppings.cpu_lora.split import num_parts, split_rows
-from toppings.cpu_lora.workers import WorkerProcess
+from toppings.cpu_lora.workers import WorkerProcess, allowed_cores
 from toppings.gpu_lora.host_lora import add_deltas
 
 log = logging.getLogger(__name__)
@@ -75,7 +74,7 @@ class CpuLoraPool:
         self.repository, self.modules = repository, tuple(modules)
         self.shapes = repository.shapes
         self.timeout_s = timeout_s
-        self._cores = list(cores) if cores else sorted(os.sched_getaffinity(0))
+        self._cores = list(cores) if cores else allowed_cores()
         numactl = shutil.which("numactl") if use_numactl is not False else None
         if use_numactl and not numactl:
             raise RuntimeError("use_numactl=True but numactl is not installed")

@@ -35,7 +35,7 @@ ORPHAN_CHECK_S = 1.0  # how often an idle worker checks that its parent is alive
 
 def serve(args: argparse.Namespace) -> int:
     """Run the job loop until a stop job or the parent's death; returns the exit status."""
-    if args.core >= 0:
+    if args.core >= 0 and hasattr(os, "sched_setaffinity"):  # pinning is Linux's
         os.sched_setaffinity(0, {args.core})
     torch.set_num_threads(1)
     repo = HostRepository.attach(args.repo)

@@ -19,6 +19,13 @@ log = logging.getLogger(__name__)
 POLL_S = 0.05  # a dead worker is noticed within this long
 
 
+def allowed_cores() -> list[int]:
+    """The cores this process may run on, sorted (every core where the OS cannot say)."""
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
+
+
 class WorkerProcess:
     """Worker `index` of a pool: job semaphore (pool posts), done semaphore (worker posts)."""
 

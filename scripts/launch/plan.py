@@ -3,7 +3,6 @@ the checks every server would otherwise fail at start."""
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
@@ -12,6 +11,7 @@ from pathlib import Path
 
 from toppings.scripts.launch.cli_args import LaunchConfig
 from toppings.scripts.launch.procs import ServerProc
+from toppings.server.settings import process_cores
 
 
 def split_cores(cores: Sequence[int], num_sets: int) -> list[tuple[int, ...]]:
@@ -42,7 +42,7 @@ def plan_servers(args: LaunchConfig, log_dir: Path) -> list[ServerProc]:
         gpus = list(range(num))
     if args.device == "cuda" and len(gpus) != num:
         raise ValueError(f"{num} servers but {len(gpus)} GPUs")
-    core_sets = split_cores(args.cores or sorted(os.sched_getaffinity(0)), num)
+    core_sets = split_cores(args.cores or sorted(process_cores()), num)
     num_device = args.device_cores_per_server
     smallest = min(len(s) for s in core_sets)
     if num_device and not 0 < num_device < smallest:

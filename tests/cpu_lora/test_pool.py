@@ -261,3 +261,12 @@ def test_workers_started_under_numactl_are_pinned(repo, adapters):
         assert os.sched_getaffinity(pool.worker_pids()[0]) == {core}
         _check(pool, adapters, seed=9)
         assert pool.last_call.fallbacks == 0
+
+
+def test_the_pool_counts_every_core_where_the_os_cannot_say_which_it_may_use(monkeypatch):
+    from toppings.cpu_lora.workers import allowed_cores
+
+    if hasattr(os, "sched_getaffinity"):
+        assert allowed_cores() == sorted(os.sched_getaffinity(0))
+        monkeypatch.delattr(os, "sched_getaffinity")
+    assert allowed_cores() == list(range(os.cpu_count() or 1))
