@@ -8,8 +8,10 @@ the step that prefills such a prompt is one long step, and every running stream 
 between two of its tokens. Two in-process engines are built from EngineConfigs that differ only
 in `chunked_prefill` (the chunked one's step budget is the engine's own choice unless
 `--max-num-batched-tokens` or `--itl-target-ms` is given; its start-up log line is recorded);
-`--itl-targets` adds chunked engines sized for other inter-token targets, run beside them, to
-show what a tighter or looser target trades (`target_sweep`).
+`--itl-targets` adds chunked engines sized for other inter-token targets, and `--gemm-floors`
+ones whose GEMM floor is another number of tokens (smaller or larger chunks beside the streams),
+run beside them, to show what each trades (`target_sweep`, with the per-load and per-round
+ratios). Each engine's thread-governor changes are recorded by round.
 At the start of the run (bench_queueing's rules):
 - the SLO is 5x the mean E2E latency of requests of this trace served alone (unchunked);
 - capacity is the request rate the unchunked engine completes a burst at while the burst still
@@ -107,6 +109,11 @@ WORSE_IF_LARGER = {"itl_p99_ratio": True, "itl_max_ratio": True, "ttft_p99_ratio
 def target_mode(itl_target_ms: float) -> str:
     """The name of a chunked engine sized for another inter-token target (`--itl-targets`)."""
     return f"chunked-itl{itl_target_ms:g}ms"
+
+
+def floor_mode(tokens: int) -> str:
+    """The name of a chunked engine with another GEMM floor (`--gemm-floors`)."""
+    return f"chunked-floor{tokens}"
 
 
 def mix_long_prompts(
@@ -208,6 +215,8 @@ def replay_timed(engine: Engine, trace: list[TraceEntry], burst: bool = False) -
     """bench_queueing.replay's records (TTFT, E2E, tokens, rank, size, span) plus each
     request's token gaps (`gaps_s`), whether its prompt is a long one, and untimed outputs."""
     start = time.monotonic()
+    governor = engine.governor
+    switches = governor.switches if governor is not None else 0
     clocks = submit_trace(engine, trace, burst, wrap=OutputClock)
     records = []
     for e, clock in zip(trace, clocks):
@@ -218,8 +227,11 @@ def replay_timed(engine: Engine, trace: list[TraceEntry], burst: bool = False) -
                         "size": len(e.prompt) + e.max_tokens, "prompt_len": len(e.prompt),
                         "gaps_s": gaps, "untimed": untimed})  # fmt: skip
     span = time.monotonic() - start
+    # the thread governor's changes of its thread count during the run, and its count after
+    flips = governor.switches - switches if governor is not None else 0
+    threads = governor.chosen if governor is not None else None
     for r in records:
-        r["span_s"] = span
+        r.update(span_s=span, governor_switches=flips, governor_threads=threads)
     return records
 
 
@@ -251,6 +263,9 @@ def summarise_itl(runs: list[list[dict]], long_min: int) -> dict:
         "ttft_p99_ms_long_prompts": percentile(ttft["long"], 99) if ttft["long"] else None,
         "num_long_prompts": len(ttft["long"]),
         "untimed_outputs": sum(r["untimed"] for r in records),
+        # the engine's thread governor by round: its changes of thread count, its count after
+        "governor_switches_per_round": [run[0].get("governor_switches") for run in runs if run],
+        "governor_threads_per_round": [run[0].get("governor_threads") for run in runs if run],
     }
 
 
@@ -301,6 +316,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=[],
         help="more chunked engines sized for these inter-token targets (ms, comma list), run "
         "beside the others (their ratios: target_sweep)",
+    )
+    p.add_argument(
+        "--gemm-floors",
+        type=lambda v: [int(x) for x in v.split(",") if x],
+        default=[],
+        help="more chunked engines whose GEMM floor is this many tokens beside any number of "
+        "decodes in place of the measured one (comma list), run beside the others (their "
+        "ratios: target_sweep): what smaller or larger chunks beside the streams trade",
     )
     p.add_argument("--llama-server", type=Path, default=None,
                    help="llama.cpp's llama-server binary: an arm on the same trace")  # fmt: skip
@@ -380,6 +403,11 @@ def main(argv: list[str] | None = None) -> None:
         engines[target_mode(target)] = build_engine(
             str(model_dir), sized, adapters, step_model=engines[CHUNKED].step_model
         )
+    for floor in args.gemm_floors:
+        floored = dataclasses.replace(engines[CHUNKED].step_model, gemm_floors=((0, floor),))
+        engines[floor_mode(floor)] = build_engine(
+            str(model_dir), chunked_config, adapters, step_model=floored
+        )
     logging.getLogger(BUDGET_LOGGER).removeHandler(startup)
     slo_ms = slo_ms_alone(unchunked, trace(1.0, 999, None, args.alone))
     burst = trace(1.0, 998, None, args.burst)
@@ -406,7 +434,8 @@ def main(argv: list[str] | None = None) -> None:
             stop([llama[0]])
     dtype = unchunked.config.dtype  # "auto" resolved
     step = {m: {"tokens": e.step_budget.tokens, "itl_target_ms": e.step_budget.itl_target_ms,
-                "how": e.step_budget.how}
+                "how": e.step_budget.how,
+                "gemm_floors": e.step_model.gemm_floors if e.step_model else None}
             for m, e in engines.items() if e.step_budget is not None}  # fmt: skip
     step[CHUNKED]["startup_log"] = startup.lines
     step[UNCHUNKED] = {"max_prefill_tokens": args.max_prefill_tokens}
@@ -426,10 +455,11 @@ def main(argv: list[str] | None = None) -> None:
     rounds = {  # each round alone: the spread of the ratios
         m: [[{**summarise([run], slo_ms / 1000, args.duration), **summarise_itl([run], long_min)}
              for run in runs] for runs in raw[m]]
-        for m in (UNCHUNKED, CHUNKED)
+        for m in raw if m != LLAMA
     }  # fmt: skip
-    spread = [[ratios(c, n) for c, n in zip(cs, ns)]
-              for cs, ns in zip(rounds[CHUNKED], rounds[UNCHUNKED])]  # fmt: skip
+    spread = {m: [[ratios(c, n) for c, n in zip(cs, ns)]
+                  for cs, ns in zip(rounds[m], rounds[UNCHUNKED])]
+              for m in rounds if m != UNCHUNKED}  # fmt: skip
     log.info("measured in %.0f s", time.monotonic() - began)
     write(args, argv, dtype, slo_ms, capacity, fractions, loads, per_load, step, alone, spread)
 
@@ -533,7 +563,10 @@ def write(
     chunked_modes = [m for m in per_load if m not in (UNCHUNKED, LLAMA)]
     sweep = {
         m: {"tokens": step[m]["tokens"], "itl_target_ms": step[m]["itl_target_ms"],
+            "gemm_floors": step[m]["gemm_floors"],
             **worst([ratios(c, n) for c, n in zip(per_load[m], u)]),
+            "ratios_per_load": [ratios(c, n) for c, n in zip(per_load[m], u)],
+            "ratios_per_round_per_load": spread[m],
             "itl_p99_ms": [r["itl_p99_ms"] for r in per_load[m]],
             "ttft_p99_ms": [r["ttft_p99_ms"] for r in per_load[m]],
             "capacity_ratio": capacity[m] / capacity[UNCHUNKED]}
@@ -543,7 +576,7 @@ def write(
     metrics = {
         **worst(per_ratios),  # the worst over the loads; each load's beside
         "ratios_per_load": per_ratios,
-        "ratios_per_round_per_load": spread,  # each round's own, by load then round
+        "ratios_per_round_per_load": spread[CHUNKED],  # each round's own, by load then round
         # no engine's P99 TTFT at a load can be below this share of the unchunked one's
         "ttft_p99_floor_ratio_per_load": [r["ttft_p99_floor_ms"] / r["ttft_p99_ms"] for r in u],
         "alone_ttft_ms": alone,
@@ -574,7 +607,8 @@ def write(
             "model": f"{args.model} ({dtype}, {args.device}, weights {args.load_format}), "
             "in-process engines, lora-mode cached",
             "engines": "EngineConfigs equal but for chunked_prefill (on / off) and, for "
-            "--itl-targets, itl_target_ms",
+            "--itl-targets, itl_target_ms; --gemm-floors: the chunked config with a step "
+            "model whose GEMM floor is that many tokens at every batch",
             "workload": "bench_queueing's trace (ranks 8-128 on q,k,v, zipf within a rank, "
             "lmsys prompt lengths) with --long-share of the requests given long prompts",
             "itl_rule": "gaps between outputs with new tokens, timed in the engine thread; "
