@@ -150,6 +150,13 @@ CURRENT: dict[str, tuple[str, tuple[str, ...]]] = {
                                     "the FLOOR_STALL bound), without llama-server",
                                     ("itl_p99_ratio", "ttft_p99_ratio", "throughput_ratio",
                                      "itl_p50_ratio", "itl_max_ratio")),
+    "chunked_prefill_floors.json": ("the GEMM floor's trade (session 56): chunked engines "
+                                    "with floors of 128, 256 and 1,024 tokens beside the "
+                                    "default's (512 here) at 0.5 and 0.7 of capacity, each "
+                                    "against unchunked, the worst over the two loads",
+                                    ("target_sweep.*.ttft_p99_ratio",
+                                     "target_sweep.*.itl_p99_ratio",
+                                     "target_sweep.*.itl_p50_ratio")),
     "chunked_prefill_session54.json": ("the same over 4 rounds in session 54, before chunks of "
                                        "the GEMM floor's rows (a late chunk's past priced)",
                                        ("itl_p99_ratio", "ttft_p99_ratio", "throughput_ratio",
