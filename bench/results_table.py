@@ -121,6 +121,13 @@ CURRENT: dict[str, tuple[str, tuple[str, ...]]] = {
                                              "p99_ttft_ratio_zipf_vs_identical",
                                              "p99_ttft_ratio_zipf_vs_identical_per_round",
                                              "throughput_ratio_distinct_vs_identical")),
+    "adapter_scale_session56.json": ("the default mode alone, four rounds on the same EPYC "
+                                     "on session 56's code",
+                                     ("p99_ttft_ratio_distinct_vs_identical",
+                                      "p99_ttft_ratio_distinct_vs_identical_per_round",
+                                      "p99_ttft_ratio_zipf_vs_identical",
+                                      "p99_ttft_ratio_zipf_vs_identical_per_round",
+                                      "throughput_ratio_distinct_vs_identical")),
     "adapter_scale_registered.json": ("the same with every adapter registered at start-up "
                                       "(in host memory, as Toppings keeps them)",
                                       ("p99_ttft_ratio_distinct_vs_identical",
