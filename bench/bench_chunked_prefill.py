@@ -322,8 +322,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=lambda v: [int(x) for x in v.split(",") if x],
         default=[],
         help="more chunked engines whose GEMM floor is this many tokens beside any number of "
-        "decodes in place of the measured one (comma list), run beside the others (their "
-        "ratios: target_sweep): what smaller or larger chunks beside the streams trade",
+        "decodes in place of the measured one (--chunk-floor-tokens; comma list), run beside "
+        "the others (their ratios: target_sweep): what smaller or larger chunks trade",
     )
     p.add_argument("--llama-server", type=Path, default=None,
                    help="llama.cpp's llama-server binary: an arm on the same trace")  # fmt: skip
@@ -403,10 +403,10 @@ def main(argv: list[str] | None = None) -> None:
         engines[target_mode(target)] = build_engine(
             str(model_dir), sized, adapters, step_model=engines[CHUNKED].step_model
         )
-    for floor in args.gemm_floors:
-        floored = dataclasses.replace(engines[CHUNKED].step_model, gemm_floors=((0, floor),))
+    for floor in args.gemm_floors:  # the start-up model, its floor given (--chunk-floor-tokens)
+        floored = dataclasses.replace(chunked_config, chunk_floor_tokens=floor)
         engines[floor_mode(floor)] = build_engine(
-            str(model_dir), chunked_config, adapters, step_model=floored
+            str(model_dir), floored, adapters, step_model=engines[CHUNKED].step_model
         )
     logging.getLogger(BUDGET_LOGGER).removeHandler(startup)
     slo_ms = slo_ms_alone(unchunked, trace(1.0, 999, None, args.alone))
@@ -607,8 +607,9 @@ def write(
             "model": f"{args.model} ({dtype}, {args.device}, weights {args.load_format}), "
             "in-process engines, lora-mode cached",
             "engines": "EngineConfigs equal but for chunked_prefill (on / off) and, for "
-            "--itl-targets, itl_target_ms; --gemm-floors: the chunked config with a step "
-            "model whose GEMM floor is that many tokens at every batch",
+            "--itl-targets, itl_target_ms; --gemm-floors: the chunked config with "
+            "chunk_floor_tokens (--chunk-floor-tokens): a GEMM floor of that many tokens "
+            "beside any number of decodes",
             "workload": "bench_queueing's trace (ranks 8-128 on q,k,v, zipf within a rank, "
             "lmsys prompt lengths) with --long-share of the requests given long prompts",
             "itl_rule": "gaps between outputs with new tokens, timed in the engine thread; "

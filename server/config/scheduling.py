@@ -66,11 +66,25 @@ class SchedulingConfig(Settings):
         flag=Flag(
             "inter-token SLO the default --max-num-batched-tokens is sized for: a step with "
             "decodes takes the prompt tokens that keep its modelled time within it, but a chunk "
-            "is at least the GEMM floor measured at start-up (256 to 2048 tokens whatever the "
-            "past they attend to, more beside more decodes, logged: on a CPU the floor, not the "
-            "target, sizes most chunks), and a step without decodes takes whole prompts",
+            "is at least the GEMM floor (--chunk-floor-tokens, else measured at start-up: 256 "
+            "to 2048 tokens whatever the past they attend to, more beside more decodes, logged: "
+            "on a CPU the floor, not the target, sizes most chunks), and a step without decodes "
+            "takes whole prompts",
             type=float,
             metavar="X",
+        ),
+    )
+    # The GEMM floor of chunked prefill's steps when given; 0: measured (server.sched.step_budget).
+    chunk_floor_tokens: int = setting(
+        0,
+        bound=Bound.NON_NEGATIVE,
+        flag=Flag(
+            "the GEMM floor given: beside decodes a prompt chunk is at least N tokens, however "
+            "many decodes; 0: the floor measured at start-up. Smaller chunks shorten the gaps "
+            "of the streams beside a long prompt and delay that prompt's first token "
+            "(docs/benchmarks.md has what 128-1024 traded on a CPU)",
+            type=int,
+            metavar="N",
         ),
     )
     # The TTFT SLO Chameleon's queue quotas are sized for.
@@ -87,4 +101,9 @@ class SchedulingConfig(Settings):
             raise ValueError(
                 "max_num_batched_tokens must exceed max_batch_size: a step's decodes come "
                 "first, and prompt chunks need tokens left after them"
+            )
+        if self.chunk_floor_tokens and self.max_num_batched_tokens:
+            raise ValueError(
+                "chunk_floor_tokens floors the budget sized for itl_target_ms; with "
+                "max_num_batched_tokens given there is none to floor: give one of them"
             )

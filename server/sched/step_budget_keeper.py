@@ -3,7 +3,8 @@ steps the engine really runs.
 
 At start-up the budget comes from `--max-num-batched-tokens` when given, else from a step-time
 model (one a benchmark passes, or one fitted to step times the engine measures on its own model
-and machine) and the inter-token target (server.sched.step_budget). A derived budget then
+and machine, its GEMM floor replaced by `--chunk-floor-tokens` where that is given) and the
+inter-token target (server.sched.step_budget). A derived budget then
 follows the steps as they run: the engine hands each step's shape and seconds to `observe`,
 which corrects the model (server.sched.step_refit) and, when that moves the budget, returns the
 new one for the scheduler. The budget is logged at INFO when it moves by a quarter (and by
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from toppings.server.sched.step_budget import (
@@ -49,15 +51,20 @@ class StepBudgetKeeper:
         itl_target_ms: float,
         measure: Callable[[], StepPoints | None],
         step_model: StepTimeModel | None = None,
+        chunk_floor_tokens: int = 0,
     ):
         """measure: () -> step times measured on the engine's model (None: none could be);
-        asked only when neither `max_num_batched_tokens` nor `step_model` is given."""
+        asked only when neither `max_num_batched_tokens` nor `step_model` is given.
+        chunk_floor_tokens: the GEMM floor at every number of decodes in place of the model's
+        (`--chunk-floor-tokens`; 0: the model's)."""
         self.max_batch_size, self.max_prefill_tokens = max_batch_size, max_prefill_tokens
         self.max_num_batched_tokens, self.itl_target_ms = max_num_batched_tokens, itl_target_ms
         self.step_model = step_model
         if self.step_model is None and not max_num_batched_tokens:
             times = measure()
             self.step_model = StepTimeModel.fit(times) if times is not None else StepTimeModel()
+        if self.step_model is not None and chunk_floor_tokens:
+            self.step_model = replace(self.step_model, gemm_floors=((0, chunk_floor_tokens),))
         self.budget = self._budget_of(self.step_model)
         log.info("chunked prefill: %s.", self.budget.how)
         if self.step_model is not None:

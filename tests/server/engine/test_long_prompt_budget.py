@@ -166,3 +166,17 @@ def shape_run(plan: StepPlan) -> StepShape:
               if start < s.prompt_len]  # fmt: skip
     past = sum(n * (start + (n - 1) / 2) for n, start in chunks)
     return StepShape(decodes, sum(n for n, _ in chunks), past)
+
+
+def test_a_given_chunk_floor_reaches_the_engines_budget(long_model_dir):
+    """`--chunk-floor-tokens` replaces the step model's GEMM floor (256 here) in the engine's
+    budget, beside the few decodes the target sizes and the many it cannot."""
+    config = EngineConfig(max_total_tokens=8192, max_batch_size=32, chunked_prefill=True,
+                          chunk_floor_tokens=128)  # fmt: skip
+    engine = Engine(config, load_checkpoint(str(long_model_dir)), step_model=TRUE)
+    try:
+        assert engine.step_model.gemm_floors == ((0, 128),)
+        assert "chunks of at least 128 tokens" in engine.step_budget.how
+        assert engine.step_budget.few_decodes[32 - 1] == 31 + 128  # the target allows fewer
+    finally:
+        engine.shutdown()

@@ -224,6 +224,14 @@ def test_budget_must_exceed_the_batch_size():
         validate(SchedulingConfig(chunked_prefill=True, max_num_batched_tokens=8, max_batch_size=8))
 
 
+def test_a_chunk_floor_is_refused_beside_a_given_budget():
+    from toppings.server.settings import validate
+
+    validate(SchedulingConfig(chunk_floor_tokens=128))
+    with pytest.raises(ValueError, match="chunk_floor_tokens"):
+        validate(SchedulingConfig(chunk_floor_tokens=128, max_num_batched_tokens=512))
+
+
 def test_simulator_runs_chunked_steps():
     """bench/sim_engine.py drives the real Scheduler with chunked steps too: every request gets
     its first token; under FCFS the long prompt keeps its place (a chunk every step), and the

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import random
+from dataclasses import replace
 
 from tests.server.sched.test_chunked_schedule import unfloored
 from toppings.server.sched.step_budget import ITL_TARGET_MS, StepTimeModel
@@ -74,3 +75,18 @@ def test_a_step_far_over_the_stall_bound_is_named_at_debug(caplog):
     assert line.levelno == logging.DEBUG
     assert "1 decodes, 480 prompt tokens" in line.message and "3.0x the stall bound" in line.message
     assert f"modelled {modelled_ms(PRIOR, slow):.0f} ms" in line.message
+
+
+def test_a_given_chunk_floor_sizes_every_batch_and_outlives_the_refits():
+    """--chunk-floor-tokens in place of the model's floor (512, more beside more decodes): beside
+    a few decodes, where the target allows fewer prompt tokens (a slow machine's model), a
+    step's budget is the decodes plus the given floor; the refits keep it."""
+    slow = replace(scaled(PRIOR, 40.0), gemm_floors=((0, 512), (20, 1024)))
+    measured = StepBudgetKeeper(32, 8192, 0, ITL_TARGET_MS, lambda: None, slow)
+    given = StepBudgetKeeper(32, 8192, 0, ITL_TARGET_MS, lambda: None, slow, 128)
+    assert measured.budget.few_decodes[3] == 3 + 512
+    assert given.budget.few_decodes[3] == 3 + 128 and given.budget.tokens == 32 + 128
+    assert "chunks of at least 128 tokens" in given.budget.how and "1024" not in given.budget.how
+    run_steps(given, scaled(PRIOR, 60.0), 200, seed=3)  # the budget now at the batch it runs
+    few = given.budget.few_decodes
+    assert len(few) > 8 and all(tokens == d + 128 for d, tokens in enumerate(few) if d)
