@@ -23,7 +23,8 @@ the steps where the target is the wrong rule:
   to 2,048) at which a chunk's step, the model's projections at those rows plus the decode step
   it carries (of `d` decodes, at least FEW_DECODES), costs at most `GEMM_SLACK` more a prompt
   token than the cheapest (`gemm_floor`), so that a long prompt chunked beside streams takes at
-  most about that much longer than whole; GEMM_TOKENS without that measurement. Both parts
+  most about that much longer than whole; GEMM_TOKENS without that measurement; the
+  operator's `--chunk-floor-tokens` in place of both (server.sched.step_budget_keeper). Both parts
   matter: bf16 SmolLM2 shapes cost ~35 us a row and layer at 16-32 rows on an EPYC, ~17 from
   256 on, where the decode step of 8 a 256-token chunk carries still adds ~10% a token (a floor
   of the products alone, 256 there, gave P99 TTFT 1.25-1.28x unchunked at 0.3 and 0.5 of
