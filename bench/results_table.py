@@ -128,6 +128,12 @@ CURRENT: dict[str, tuple[str, tuple[str, ...]]] = {
                                       "p99_ttft_ratio_zipf_vs_identical",
                                       "p99_ttft_ratio_zipf_vs_identical_per_round",
                                       "throughput_ratio_distinct_vs_identical")),
+    "adapter_scale_all_cached_epyc.json": ("the default beside all-cached (nothing ever cold) "
+                                           "on the EPYC, session 56",
+                                           ("p99_ttft_ratio_distinct_vs_identical",
+                                            "p99_ttft_ratio_zipf_vs_identical",
+                                            "p99_ttft_ratio_distinct_vs_all_cached_distinct",
+                                            "modes.all-cached.p99_ttft_ratio_distinct_vs_identical")),
     "adapter_scale_registered.json": ("the same with every adapter registered at start-up "
                                       "(in host memory, as Toppings keeps them)",
                                       ("p99_ttft_ratio_distinct_vs_identical",
