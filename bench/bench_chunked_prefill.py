@@ -560,19 +560,20 @@ def write(
 ) -> None:
     at, within = slo_knee([r["ttft_p99_ms"] for r in per_load[UNCHUNKED]], slo_ms)
     u = per_load[UNCHUNKED]
-    chunked_modes = [m for m in per_load if m not in (UNCHUNKED, LLAMA)]
+    by_load = {m: [ratios(c, n) for c, n in zip(per_load[m], u)]  # each chunked engine's
+               for m in per_load if m not in (UNCHUNKED, LLAMA)}  # fmt: skip
     sweep = {
         m: {"tokens": step[m]["tokens"], "itl_target_ms": step[m]["itl_target_ms"],
             "gemm_floors": step[m]["gemm_floors"],
-            **worst([ratios(c, n) for c, n in zip(per_load[m], u)]),
-            "ratios_per_load": [ratios(c, n) for c, n in zip(per_load[m], u)],
+            **worst(by_load[m]),
+            "ratios_per_load": by_load[m],
             "ratios_per_round_per_load": spread[m],
             "itl_p99_ms": [r["itl_p99_ms"] for r in per_load[m]],
             "ttft_p99_ms": [r["ttft_p99_ms"] for r in per_load[m]],
             "capacity_ratio": capacity[m] / capacity[UNCHUNKED]}
-        for m in chunked_modes
+        for m in by_load
     }  # fmt: skip
-    per_ratios = [ratios(c, n) for c, n in zip(per_load[CHUNKED], u)]
+    per_ratios = by_load[CHUNKED]
     metrics = {
         **worst(per_ratios),  # the worst over the loads; each load's beside
         "ratios_per_load": per_ratios,

@@ -114,12 +114,7 @@ class StepBudgetKeeper:
             return None
         self.step_model, before = model, self.budget
         self.budget = budget = self._budget_of(model)
-        if (budget.tokens, budget.past_weight, budget.few_decodes, budget.gemm_steps) == (
-            before.tokens,
-            before.past_weight,
-            before.few_decodes,
-            before.gemm_steps,
-        ):
+        if replace(budget, how=before.how) == before:  # every field but its log line's words
             return None
         batch = model.batch_size or self.max_batch_size  # the batch the engine runs now
         # every window moves it a little, and at budgets of a few dozen tokens by a tenth: an
