@@ -17,6 +17,7 @@ from __future__ import annotations
 import hmac
 import json
 import logging
+import re
 from typing import TYPE_CHECKING, Any, Protocol
 
 from toppings.server.requests.json_depth import MAX_JSON_DEPTH, nests_too_deep
@@ -82,14 +83,6 @@ def too_deep(what: str) -> str:
     return f"{what} nests deeper than {MAX_JSON_DEPTH} levels, the limit of this server"
 
 
-def loads_bounded(text: str | bytes, what: str) -> Any:
-    """`json.loads` of client text after checking its depth; raises ValueError (a message for
-    the client naming `what`) when it nests past MAX_JSON_DEPTH or is not JSON."""
-    if nests_too_deep(text):
-        raise ValueError(too_deep(what))
-    return json.loads(text)
-
-
 def parse_json_object(data: bytes) -> dict[str, Any]:
     """A request body as a JSON object; raises ValueError with the client's message otherwise
     (a body nested past MAX_JSON_DEPTH included, refused before it is parsed)."""
@@ -101,7 +94,43 @@ def parse_json_object(data: bytes) -> dict[str, Any]:
         raise ValueError(f"the body is not valid JSON: {exc}") from exc
     if not isinstance(body, dict):
         raise ValueError("the body must be a JSON object")
+    if _SURROGATE_ESCAPE.search(data):
+        where = _lone_surrogate_at(body)
+        if where is not None:
+            raise ValueError(f"{where} holds a lone UTF-16 surrogate escape, not a character")
     return body
+
+
+# A \uD800-\uDFFF escape: JSON admits one without its pair, which parses to a str that no
+# tokenizer, path or log line can encode (a 500 before this check). A pair is one character.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _lone_surrogate_at(body: dict[str, Any]) -> str | None:
+    """Which field of `body` holds a lone surrogate in a string (a key or a value), named as
+    `'messages[0].content'`; None where none does. Iterative: the depth is bounded already,
+    the width is not."""
+    stack: list[tuple[str, Any]] = [("", body)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, dict):
+            for key, item in value.items():
+                if not _encodes(key):
+                    return f"a key of {repr(path) if path else 'the body'}"
+                stack.append((f"{path}.{key}" if path else key, item))
+        elif isinstance(value, list):
+            stack.extend((f"{path}[{i}]", item) for i, item in enumerate(value))
+        elif isinstance(value, str) and not _encodes(value):
+            return repr(path)
+    return None
+
+
+def _encodes(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def unknown_adapter(name: str) -> str:
