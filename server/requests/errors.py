@@ -42,6 +42,7 @@ SERVER_ERROR = "server_error"  # 500: a bug or an engine failure
 CONSTRAINT_FAILED = "constraint_failed"
 
 NO_SERVER_READY = "no server ready yet"
+MAX_NAME_SHOWN = 64  # characters of a client's name an error message repeats
 RETRY_AFTER_S = 1  # the Retry-After of a 503 answered before any server is ready, and of a 429
 
 
@@ -134,7 +135,10 @@ def _encodes(text: str) -> bool:
 
 
 def unknown_adapter(name: str) -> str:
-    """The 404 message (type NOT_FOUND) for a model or adapter name nobody serves."""
+    """The 404 message (type NOT_FOUND) for a model or adapter name nobody serves; a name past
+    MAX_NAME_SHOWN characters is cut there (a name is as long as the body lets a client make it)."""
+    if len(name) > MAX_NAME_SHOWN:
+        return f"adapter {name[:MAX_NAME_SHOWN]!r}... ({len(name)} characters) does not exist"
     return f"adapter {name!r} does not exist"
 
 

@@ -1,7 +1,8 @@
 """A lone UTF-16 surrogate escape (`"\\ud800"` without its pair) is valid JSON but no character:
 before the body check it reached the tokenizer and answered 500. Every route answers 400 naming
 the field that holds it (a value or a key, however deep); a surrogate pair and a literal
-backslash-u are text like any other, and the server keeps serving."""
+backslash-u are text like any other, and the server keeps serving. A name nobody serves is repeated
+in its 404 cut to 64 characters."""
 
 from __future__ import annotations
 
@@ -75,3 +76,10 @@ def test_the_parse_keeps_what_it_checked():
     }
     with pytest.raises(ValueError, match=r"'a\[1\]\.b' holds a lone"):
         parse_json_object(b'{"a": ["x", {"b": "\\udc00"}]}')
+
+
+def test_an_unknown_name_is_cut_in_its_404(client):
+    answer = client.post("/v1/completions", json={"model": "x" * 5000, "prompt": "hi"})
+    assert answer.status_code == 404
+    message = answer.get_json()["error"]["message"]
+    assert message == f"adapter {'x' * 64!r}... (5000 characters) does not exist"
