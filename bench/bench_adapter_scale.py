@@ -10,8 +10,10 @@ a thousand adapters would, so a cold adapter is read from disk on its request's 
 once, every adapter in host memory, as Toppings keeps them), so a cold adapter only loads from
 host memory to the device room. The device room (`--adapter-cache-bytes`) is `--slots` (8)
 times the mean adapter's bytes at the server's dtype, in the static memory layout, so that the
-room is that and no more (in the default pool layout, adapters also take whatever KV blocks are
-not in use). Everything else is the server's default: no emulated link (a load is a copy), the
+room is that and no more. Each memory layout of `--layouts` runs with that room: `static` (KV of
+`--max-total-tokens` and the room apart) and `pool` (the default: one budget of the same bytes,
+where KV blocks take what adapters leave and adapters, never past the room, take blocks back from
+idle KV). Everything else is the server's default: no emulated link (a load is a copy), the
 default lora mode, the default resolver bounds.
 
 At the start of each round, the default mode's server measures its capacity on a burst of
@@ -21,7 +23,7 @@ measured per round because the machine these runs were made on is shared and its
 in one session a burst read 10.9 requests/s (bench_queueing's 75% rule) and the server then
 saturated at about 5.5; four minutes later a burst read 0.45 by that rule. `--capacity` gives
 it instead (the rate is then the same in every round).
-Per round, each lora mode (`--modes`) serves the same trace under each assignment
+Per round, each lora mode (`--modes`) in each layout serves the same trace under each assignment
 (`--assignments`: identical, zipf:1.0, distinct; the arrivals, lengths and prompts are the same
 under all three, only the adapters differ), each run on a fresh server; the order of the runs
 alternates between rounds. `cached` is not among the modes: it pins every adapter a server
@@ -31,14 +33,15 @@ at start-up (`--lora`) and a room for all of them, so that no adapter is ever co
 distinct request costs only what serving many different adapters at once costs (their rows read
 every step, their ranks). Its distinct / identical is what no paging can remove; the default
 mode's distinct over its distinct (`p99_ttft_ratio_distinct_vs_all_cached_distinct`) is what
-being cold costs. Pooled over rounds per mode and assignment: P99 TTFT (to the first streamed
-token; `ttft_text_p99_ms` to the first text, scripts/loadgen/client.py), throughput, failures and
-refusals (429 / 503 / 507 answers: no room for a request or an adapter); the headline ratios
-distinct / identical and zipf / identical, per mode and per round (the spread), at top level for
-the default mode. Each run also records the server's adapter-cache and resolver counters, the
-share of its span the engine's steps took (`engine_busy_fraction`: not the load, since a decode
-step costs nearly the same for one request as for eight; at half of a burst's rate it was
-0.84-0.89, at a quarter 0.77) and the share of the machine other processes used while it ran.
+being cold costs. Pooled over rounds per mode and assignment: P99 TTFT (to the first streamed token;
+`ttft_text_p99_ms` to the first text, scripts/loadgen/client.py), throughput, failures and refusals
+(429 / 503 / 507 answers: no room for a request or an adapter); the headline ratios distinct /
+identical and zipf / identical, per mode, layout and round (the spread), at top level for the
+default mode in the default layout (the first of `--layouts` when that is not run). Each run also
+records the server's adapter-cache and resolver counters, the share of its span the engine's steps
+took (`engine_busy_fraction`: not the load, since a decode step costs nearly the same for one
+request as for eight; at half of a burst's rate it was 0.84-0.89, at a quarter 0.77) and the share
+of the machine other processes used while it ran.
 
     python -m bench.bench_adapter_scale [--rounds 2 --num-requests 400]
     python -m bench.bench_adapter_scale --quick --out /tmp/adapter_scale_quick.json
@@ -72,7 +75,7 @@ from toppings.scripts.loadgen.workload import (
     build_trace,
     parse_assignment,
 )
-from toppings.server.config import LoraConfig
+from toppings.server.config import LoraConfig, MemoryConfig
 from toppings.server.lora_modes import pick_mode
 from toppings.server.model.loader import load_checkpoint, resolve_model_dir
 
@@ -81,6 +84,8 @@ RANKS = (8, 16, 32, 64)
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 ASSIGNMENTS = ("identical", "zipf:1.0", "distinct")
 DEFAULT_MODE = pick_mode(LoraConfig().lora_mode, "cpu")  # what the servers here run by default
+LAYOUTS = ("static", "pool")
+DEFAULT_LAYOUT = MemoryConfig().memory_layout
 REFUSED = (429, 503, 507)  # no room now: for requests, for a resolution, for host bytes
 # --adapters registered: host bytes the server may hold them in (1,024 adapters of ranks 8-64 on
 # q, k, v, o of SmolLM2 are charged about 7 GB at a bfloat16 server's bfloat16, 14 at float32;
@@ -145,9 +150,9 @@ def server_series(url: str) -> dict[str, float]:
 class Server:
     """One toppings-serve of the bench, started on enter and stopped on exit."""
 
-    def __init__(self, args, mode: str, room_bytes: int, log_path: Path, names=()):
+    def __init__(self, args, mode: str, layout: str, room_bytes: int, log_path: Path, names=()):
         """mode: a lora mode, or ALL_CACHED (cached, the adapters `names` registered at
-        start-up; room_bytes is then the room for them all)."""
+        start-up; room_bytes is then the room for them all); layout: a --memory-layout."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
@@ -160,7 +165,7 @@ class Server:
         else:
             found = ["--lora-resolver", f"dir:{args.adapter_dir}"]
         self.argv = ["--model", args.model, "--dtype", args.dtype, "--lora-mode", mode,
-                     *found, "--memory-layout", "static",
+                     *found, "--memory-layout", layout,
                      "--adapter-cache-bytes", str(room_bytes), "--max-total-tokens",
                      str(args.max_total_tokens), "--port", str(self.port),
                      "--torch-threads", str(args.torch_threads)]  # fmt: skip
@@ -202,8 +207,11 @@ def workload(args, assignment: str, ranks: dict[str, int], rps: float, seed: int
     return build_trace(spec, ranks)
 
 
-def measure_capacity(args, ranks: dict[str, int], room: int, log_path: Path) -> tuple[dict, str]:
-    """Capacity (requests/s) of the default mode's server for one warm adapter, from a burst:
+def measure_capacity(
+    args, ranks: dict[str, int], layout: str, room: int, log_path: Path
+) -> tuple[dict, str]:
+    """Capacity (requests/s) of the default mode's server in `layout` for one warm adapter, from
+    a burst:
     `requests_per_s`, all its requests over the time the last one took; and, beside it,
     `burst_rule_rps`, bench_queueing's rule (75% of them over the time the 75th percent took),
     which the short requests of a lognormal length mix finish first: here it read twice the
@@ -217,7 +225,7 @@ def measure_capacity(args, ranks: dict[str, int], room: int, log_path: Path) -> 
               if e.model != burst[0].model][: args.burst]  # fmt: skip
     cold = [TraceEntry(e.idx, 0.0, d.model, d.rank, e.prompt, e.max_tokens)
             for e, d in zip(burst, others, strict=True)]  # fmt: skip
-    with Server(args, DEFAULT_MODE, room, log_path) as server:
+    with Server(args, DEFAULT_MODE, layout, room, log_path) as server:
         server.replay(burst[:1])  # resolve and load the adapter: a warm burst
         records = server.replay(burst)
         cold_records = server.replay(cold)
@@ -295,6 +303,28 @@ def ratios(per_assignment: dict[str, dict]) -> dict:
     return out
 
 
+def headline_metrics(per_run: dict[tuple[str, str], dict], layout: str) -> dict:
+    """The top-level metrics: the default mode's ratios in `layout`, being cold's cost there
+    (over all-cached, when run), and refusals and failures over every run."""
+    metrics: dict = {}
+    default = per_run.get((DEFAULT_MODE, layout))
+    if default is not None:
+        metrics.update(ratios(default))
+    control = per_run.get((ALL_CACHED, layout))
+    if default is not None and control is not None and "distinct" in default:
+        cold, warm = default["distinct"], control.get("distinct")
+        if warm is not None:
+            metrics["p99_ttft_ratio_distinct_vs_all_cached_distinct"] = (
+                cold["ttft_p99_ms"] / warm["ttft_p99_ms"]
+            )
+            metrics["p99_ttft_ratio_distinct_vs_all_cached_distinct_per_round"] = [
+                a / b for a, b in zip(cold["ttft_p99_ms_per_round"], warm["ttft_p99_ms_per_round"])
+            ]
+    metrics["num_refused"] = sum(p["num_refused"] for r in per_run.values() for p in r.values())
+    metrics["num_failed"] = sum(p["num_failed"] for r in per_run.values() for p in r.values())
+    return metrics
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2", help="served model (smollm2 or a directory)")
@@ -304,6 +334,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--modes", default="on-demand,cpu-assisted",
                    help=f"lora modes, and {ALL_CACHED} (a control: module docstring)")  # fmt: skip
     p.add_argument("--assignments", default=",".join(ASSIGNMENTS))
+    p.add_argument("--layouts", default=",".join(LAYOUTS), help="the servers' --memory-layout")
     p.add_argument("--load", type=float, default=0.5, help="fraction of the measured capacity")
     p.add_argument(
         "--capacity",
@@ -355,10 +386,13 @@ def main(argv: list[str] | None = None) -> dict:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     began = time.monotonic()
     load_start = os.getloadavg()[0]
-    modes = args.modes.split(",")
+    modes, layouts = args.modes.split(","), args.layouts.split(",")
     assignments = args.assignments.split(",")
     for a in assignments:
         parse_assignment(a)  # a bad one fails before anything slow
+    if not set(layouts) <= set(LAYOUTS):
+        raise SystemExit(f"--layouts: each of {', '.join(LAYOUTS)}, not {args.layouts}")
+    headline = DEFAULT_LAYOUT if DEFAULT_LAYOUT in layouts else layouts[0]
     model_dir = str(resolve_model_dir(args.model))
     ranks = make_adapters(args.adapter_dir, model_dir, args.num_adapters)
     dtype = getattr(torch, args.dtype)
@@ -367,12 +401,13 @@ def main(argv: list[str] | None = None) -> dict:
     mean_bytes = sum(nbytes[r] for r in ranks.values()) / len(ranks)
     room = int(args.slots * mean_bytes)
     logs = Path(tempfile.mkdtemp(prefix="bench-adapter-scale-"))
-    runs: dict[str, dict[str, list]] = {m: {a: [] for a in assignments} for m in modes}
-    order = [(m, a) for a in assignments for m in modes]
+    runs = {(m, lay): {a: [] for a in assignments} for m in modes for lay in layouts}
+    order = [(m, lay, a) for a in assignments for lay in layouts for m in modes]
     capacities, rates = [], []
     for rnd in range(args.rounds):
         if args.capacity is None:
-            capacity, warm = measure_capacity(args, ranks, room, logs / f"r{rnd}-capacity.log")
+            capacity, warm = measure_capacity(args, ranks, headline, room,
+                                              logs / f"r{rnd}-capacity.log")  # fmt: skip
             capacities.append({**capacity, "adapter": warm})
         else:
             capacities.append({"requests_per_s": args.capacity, "given": True})
@@ -380,39 +415,28 @@ def main(argv: list[str] | None = None) -> dict:
         rates.append(rps)
         log.info("round %d: %s; runs at %.2f requests/s; room %d bytes", rnd, capacities[-1],
                  rps, room)  # fmt: skip
-        for mode, assignment in order if rnd % 2 == 0 else order[::-1]:
+        for mode, layout, assignment in order if rnd % 2 == 0 else order[::-1]:
             trace = workload(args, assignment, ranks, rps, args.seed + rnd, args.num_requests)
-            name = f"r{rnd}-{mode}-{assignment.replace(':', '')}"
+            name = f"r{rnd}-{mode}-{layout}-{assignment.replace(':', '')}"
             names = {e.model for e in trace}
             mode_room = room
             if mode == ALL_CACHED:  # room for every adapter of the trace, the pool's alignment too
                 mode_room = int(1.25 * sum(nbytes[ranks[n]] for n in names))
-            with Server(args, mode, mode_room, logs / f"{name}.log", names) as server:
+            with Server(args, mode, layout, mode_room, logs / f"{name}.log", names) as server:
                 with OtherCpu() as other:
                     records = server.replay(trace)
                 series = server_series(server.url)
             summary = run_summary(records, series, other.share)
-            runs[mode][assignment].append((records, summary))
+            runs[mode, layout][assignment].append((records, summary))
             log.info("%s: P99 TTFT %.0f ms, %.1f tok/s, %d failed (%d refused); %s", name,
                      summary["ttft_p99_ms"], summary.get("output_tokens_per_s", 0.0),
                      summary["num_failed"], summary["num_refused"], series)  # fmt: skip
-    per_mode = {m: {a: pooled(runs[m][a]) for a in assignments} for m in modes}
-    metrics: dict = {}
-    if DEFAULT_MODE in per_mode:
-        metrics.update(ratios(per_mode[DEFAULT_MODE]))
-    if DEFAULT_MODE in per_mode and ALL_CACHED in per_mode:
-        warm = per_mode[ALL_CACHED].get("distinct")
-        cold = per_mode[DEFAULT_MODE].get("distinct")
-        if warm is not None and cold is not None:
-            metrics["p99_ttft_ratio_distinct_vs_all_cached_distinct"] = (
-                cold["ttft_p99_ms"] / warm["ttft_p99_ms"]
-            )
-            metrics["p99_ttft_ratio_distinct_vs_all_cached_distinct_per_round"] = [
-                a / b for a, b in zip(cold["ttft_p99_ms_per_round"], warm["ttft_p99_ms_per_round"])
-            ]
-    metrics["num_refused"] = sum(p["num_refused"] for m in per_mode.values() for p in m.values())
-    metrics["num_failed"] = sum(p["num_failed"] for m in per_mode.values() for p in m.values())
-    metrics["modes"] = {m: {**ratios(per_mode[m]), "assignments": per_mode[m]} for m in modes}
+    per_run = {key: {a: pooled(r[a]) for a in assignments} for key, r in runs.items()}
+    metrics = headline_metrics(per_run, headline)
+    metrics["layout"] = headline
+    metrics["modes"] = {m: {**ratios(per_run[m, headline]), "layouts": {
+        lay: {**ratios(per_run[m, lay]), "assignments": per_run[m, lay]} for lay in layouts}}
+        for m in modes}  # fmt: skip
     total_bytes = sum(nbytes[r] for r in ranks.values())
     config = {
         **{k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
@@ -428,14 +452,16 @@ def main(argv: list[str] | None = None) -> dict:
         "registration": "--lora-dir ADAPTER_DIR (all registered at start-up)"
         if args.adapters == "registered"
         else "--lora-resolver dir:ADAPTER_DIR (found on first use)",
-        "memory_layout": "static (the room is exactly --adapter-cache-bytes)",
+        "memory_layout": "per --layouts; the room is --adapter-cache-bytes in either (module "
+        "docstring)",
         "capacity_per_round": capacities,
         "capacity_rule": "a burst of --burst requests for one warm adapter on the default mode's "
         "server at the start of each round: all of them over the time the last took "
         "(burst_rule_rps beside it; distinct_requests_per_s: the same requests for as many cold "
         "adapters, alike, not used to size the runs)",
         "rps_per_round": rates,
-        "run_order": "per round, for each assignment each mode; odd rounds reversed",
+        "run_order": "per round, for each assignment each layout, for each layout each mode; odd "
+        "rounds reversed",
         "load_average_1min_at_start_and_end": [load_start, os.getloadavg()[0]],
         "wall_s": time.monotonic() - began,
         "server_logs": str(logs),

@@ -119,7 +119,7 @@ def test_prefix_routing_quick_runs_a_fleet_and_writes_its_metrics(tmp_path):
     assert on["num_later"] == later
 
 
-def test_adapter_scale_quick_runs_every_mode_and_assignment(tiny_model_dir, tmp_path):
+def test_adapter_scale_quick_runs_every_mode_layout_and_assignment(tiny_model_dir, tmp_path):
     from bench import bench_adapter_scale as bench
 
     out = tmp_path / "adapter_scale.json"
@@ -136,12 +136,17 @@ def test_adapter_scale_quick_runs_every_mode_and_assignment(tiny_model_dir, tmp_
     metrics = result["metrics"]
     assert set(metrics["modes"]) == {"on-demand", "cpu-assisted"}
     assert bench.DEFAULT_MODE == "cpu-assisted"  # what auto picks on a CPU: the top-level ratios
+    assert metrics["layout"] == bench.DEFAULT_LAYOUT == "pool"  # the server's default layout
+    default = metrics["modes"]["cpu-assisted"]
     for key in ("p99_ttft_ratio_distinct_vs_identical", "p99_ttft_ratio_zipf_vs_identical",
                 "throughput_ratio_distinct_vs_identical"):  # fmt: skip
-        assert key in metrics and key in metrics["modes"]["cpu-assisted"]
+        assert metrics[key] == default[key] == default["layouts"]["pool"][key]
+        assert key in default["layouts"]["static"]
     num = quick["num_requests"]
-    for mode in metrics["modes"].values():
-        runs = {a: mode["assignments"][a]["runs"] for a in bench.ASSIGNMENTS}
+    every = [lay for m in metrics["modes"].values() for lay in m["layouts"].values()]
+    assert len(every) == 4
+    for layout in every:
+        runs = {a: layout["assignments"][a]["runs"] for a in bench.ASSIGNMENTS}
         assert all(len(r) == quick["rounds"] for r in runs.values())
         for run in (r for rs in runs.values() for r in rs):
             assert run["num_requests"] == num
@@ -153,6 +158,5 @@ def test_adapter_scale_quick_runs_every_mode_and_assignment(tiny_model_dir, tmp_
         assert tried == num
         for bound in ("max_loading", "max_adapters"):  # the resolver's waits, by bound
             assert f"lora_resolver_wait_seconds_count_{bound}" in distinct
-    refused = sum(p["num_refused"] for m in metrics["modes"].values()
-                  for p in m["assignments"].values())  # fmt: skip
+    refused = sum(p["num_refused"] for lay in every for p in lay["assignments"].values())
     assert metrics["num_refused"] == refused
