@@ -134,6 +134,18 @@ CURRENT: dict[str, tuple[str, tuple[str, ...]]] = {
                                             "p99_ttft_ratio_zipf_vs_identical",
                                             "p99_ttft_ratio_distinct_vs_all_cached_distinct",
                                             "modes.all-cached.p99_ttft_ratio_distinct_vs_identical")),
+    "adapter_scale_layouts.json": ("the default mode in both memory layouts, four rounds on "
+                                   "the EPYC (session 57): the pool layout, the server's "
+                                   "default, at top level; the static one beside it",
+                                   ("p99_ttft_ratio_distinct_vs_identical",
+                                    "p99_ttft_ratio_distinct_vs_identical_per_round",
+                                    "p99_ttft_ratio_zipf_vs_identical",
+                                    "p99_ttft_ratio_zipf_vs_identical_per_round",
+                                    "throughput_ratio_distinct_vs_identical",
+                                    "modes.cpu-assisted.layouts.static."
+                                    "p99_ttft_ratio_distinct_vs_identical",
+                                    "modes.cpu-assisted.layouts.static."
+                                    "p99_ttft_ratio_zipf_vs_identical")),
     "adapter_scale_registered.json": ("the same with every adapter registered at start-up "
                                       "(in host memory, as Toppings keeps them)",
                                       ("p99_ttft_ratio_distinct_vs_identical",
