@@ -13,6 +13,9 @@ from typing import Any
 
 CHARS_PER_TOKEN = 4  # no tokenizer here: a rough prompt-length estimate for the perf models
 
+# vLLM's fields on how a chat renders (server.api.openai.chat_options): ids are not guessed then
+CHAT_RENDER_FIELDS = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs")
+
 
 def copies(body: dict[str, Any]) -> int:
     """Choices per prompt (`n`): each is a sequence of its own on the server."""
@@ -77,14 +80,17 @@ class PromptCounter:
 
     def token_ids(self, body: dict[str, Any], kind: str) -> list[int] | None:
         """The ids the server will compute for the body's one prompt; None for several
-        prompts, tools (the server may render them its own way) or a body it cannot take."""
+        prompts, tools or vLLM's render fields (the server may render them its own way) or a
+        body it cannot take."""
         given = given_token_ids(body, kind)
         if given is not None:
             return given
         try:
             if "messages" in body:
                 messages = body["messages"]
-                if "tools" in body or not all(
+                if "tools" in body or any(body.get(k) is not None for k in CHAT_RENDER_FIELDS):
+                    return None  # the server renders these its own way
+                if not all(
                     isinstance(m, dict) and isinstance(m.get("content", ""), str) for m in messages
                 ):
                     return None

@@ -34,15 +34,15 @@ from tokenizers.decoders import DecodeStream
 MAX_HELD = 8
 
 
-def window_decoder(tokenizer) -> Callable[[list[int]], str]:
-    """`tokenizer.decode(ids, skip_special_tokens=True)` as a function of ids: the backend
+def window_decoder(tokenizer, skip_special: bool = True) -> Callable[[list[int]], str]:
+    """`tokenizer.decode(ids, skip_special_tokens=skip_special)` as a function of ids: the backend
     `tokenizers.Tokenizer`'s own decode when the tokenizer is transformers' `TokenizersBackend`
     with its `decode` not overridden and no clean-up of spaces applied after it (what
     `TokenizersBackend._decode` does then); the tokenizer's `decode` otherwise."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None and _decodes_as_backend(tokenizer, backend):
-        return functools.partial(backend.decode, skip_special_tokens=True)
-    return functools.partial(tokenizer.decode, skip_special_tokens=True)
+        return functools.partial(backend.decode, skip_special_tokens=skip_special)
+    return functools.partial(tokenizer.decode, skip_special_tokens=skip_special)
 
 
 def _decodes_as_backend(tokenizer, backend) -> bool:
@@ -109,9 +109,10 @@ class RustChunks:
     waits while the text ends in an incomplete character; here only the bound on that wait
     (MAX_HELD) and the skipped tokens inside a character are added, as WindowChunks has them."""
 
-    def __init__(self, backend):
+    def __init__(self, backend, skip_special: bool = True):
         self._backend = backend
-        self._stream = DecodeStream(skip_special_tokens=True)
+        self._skip = skip_special
+        self._stream = DecodeStream(skip_special_tokens=skip_special)
         self._context: list[int] = []  # the tokens of the last text released (the stream's)
         self._held: list[int] = []  # the tokens since, not yet text
 
@@ -139,21 +140,22 @@ class RustChunks:
         """The held tokens' text as the decode gives it, the stream restarted with them as its
         context (as the stream itself does after a text: its window stays bounded)."""
         context, text = self._decode(self._context), self._decode(self._context + self._held)
-        self._stream = DecodeStream(ids=self._held, skip_special_tokens=True)
+        self._stream = DecodeStream(ids=self._held, skip_special_tokens=self._skip)
         self._context, self._held = self._held, []
         return text[len(context) :] if text.startswith(context) else text
 
     def _decode(self, ids: list[int]) -> str:
-        return self._backend.decode(ids, skip_special_tokens=True) if ids else ""
+        return self._backend.decode(ids, skip_special_tokens=self._skip) if ids else ""
 
 
-def text_chunks(tokenizer) -> WindowChunks | RustChunks:
-    """The incremental decoder of `tokenizer`'s outputs: the Rust stream where the window
-    decoder is the Rust tokenizer's own decode, else windows through its decode."""
-    decode = window_decoder(tokenizer)
+def text_chunks(tokenizer, skip_special: bool = True) -> WindowChunks | RustChunks:
+    """The incremental decoder of `tokenizer`'s outputs (special tokens skipped, or kept as
+    text): the Rust stream where the window decoder is the Rust tokenizer's own decode, else
+    windows through its decode."""
+    decode = window_decoder(tokenizer, skip_special)
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if isinstance(decode, functools.partial) and decode.func == getattr(backend, "decode", None):
-        return RustChunks(backend)
+        return RustChunks(backend, skip_special)
     return WindowChunks(decode)
 
 
@@ -161,15 +163,30 @@ class TextStream:
     """Turns a growing list of token ids into text deltas, holding back what may still change.
 
     Text is held back while it ends in an incomplete UTF-8 character or might be the start of a
-    stop string; once a stop string appears the text is cut before it and `stopped` is set.
+    stop string; once a stop string appears the text is cut before it (after it with
+    `include_stop`) and `stopped` is set.
     """
 
-    def __init__(self, tokenizer, stop: tuple[str, ...] = ()):
-        self._chunks = text_chunks(tokenizer)
+    def __init__(
+        self,
+        tokenizer,
+        stop: tuple[str, ...] = (),
+        include_stop: bool = False,
+        skip_special: bool = True,
+    ):
+        self._chunks = text_chunks(tokenizer, skip_special)
         self._stop = stop
+        self._include_stop = include_stop
         self._hold = max((len(s) for s in stop), default=1) - 1
         self._pending = ""  # text decoded but not yet returned (held back)
         self.stopped = False
+
+    @classmethod
+    def of(cls, tokenizer, params) -> TextStream:
+        """The stream of a request's `SamplingParams`: its stop strings, kept or not, and its
+        special tokens, skipped or not."""
+        return cls(tokenizer, params.stop, params.include_stop_str_in_output,
+                   params.skip_special_tokens)  # fmt: skip
 
     def push(self, token_id: int) -> str:
         """Add one token; return the text that became final (possibly empty)."""
@@ -189,10 +206,11 @@ class TextStream:
     def _release(self) -> str:
         # Held text is at least a stop string's length less one, so a stop string that the new
         # text completes starts within the pending text.
-        found = [pos for s in self._stop if (pos := self._pending.find(s)) != -1]
-        if found:  # cut before the earliest stop string
+        found = [(pos, len(s)) for s in self._stop if (pos := self._pending.find(s)) != -1]
+        if found:  # cut before the earliest stop string (the longest of those starting there)
             self.stopped = True
-            out, self._pending = self._pending[: min(found)], ""
+            pos, length = min(found, key=lambda f: (f[0], -f[1]))
+            out, self._pending = self._pending[: pos + length * self._include_stop], ""
             return out
         safe = len(self._pending) - self._hold
         if safe <= 0:

@@ -27,6 +27,7 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1024
 MAX_LOGPROBS = 20  # top alternatives per token (OpenAI's limit for top_logprobs)
 MAX_LOGIT_BIAS = 300  # entries of logit_bias (OpenAI's limit)
+MAX_STOP_TOKEN_IDS = 64  # entries of stop_token_ids (a set looked up at every token)
 
 
 class RequestError(ValueError):
@@ -93,6 +94,10 @@ class SamplingParams:
     (None: none), `prompt_logprobs` the same for every prompt token after the first.
     `constraint` (None: free text) limits every sampled token to those its grammar allows.
     `max_new_tokens` 0 (only with prompt_logprobs) scores the prompt and generates nothing.
+    `stop_token_ids` end the request as EOS does, `ignore_eos` or not (vLLM's): finish reason
+    "stop", no text of their own, masked with EOS until `min_tokens`. `include_stop_str_in_output`
+    keeps the stop string that ended the text at its end. `skip_special_tokens` False writes the
+    special tokens' text too (EOS and stop tokens still end without theirs).
     """
 
     max_new_tokens: int = 16
@@ -108,6 +113,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     min_tokens: int = 0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
+    stop_token_ids: frozenset[int] = frozenset()
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     constraint: Constraint | None = None
@@ -144,6 +152,8 @@ class SamplingParams:
             raise RequestError(f"stop must hold 1 to {MAX_STOP_STRINGS} non-empty strings")
         if any(len(s) > MAX_STOP_CHARS for s in self.stop):
             raise RequestError(f"a stop string may hold at most {MAX_STOP_CHARS} characters")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise RequestError(f"stop_token_ids may hold at most {MAX_STOP_TOKEN_IDS} ids")
 
     @property
     def is_greedy(self) -> bool:

@@ -129,7 +129,7 @@ class Sequence:
         ends_grammar, self.step_ends_grammar = self.step_ends_grammar, False
         grammar_error, self.step_grammar_error = self.step_grammar_error, None
         self.output_ids.append(token)
-        is_eos = token in eos_ids and not params.ignore_eos
+        is_eos = (token in eos_ids and not params.ignore_eos) or token in params.stop_token_ids
         reason = None
         if replayed:
             pass  # sent before the restart (it was running, so it had not ended then)

@@ -69,7 +69,7 @@ class TextOutput:
         self._handle = handle
         self._tokenizer = tokenizer
         self._arrival = arrival
-        self._stream = TextStream(tokenizer, request.params.stop)
+        self._stream = TextStream.of(tokenizer, request.params)
         self._num_tokens = 0  # tokens taken, replayed ones included: usage's output_tokens
         self._first_token_at: float | None = None
         self._pending_ids: list[int] = []
@@ -156,7 +156,7 @@ class TextOutput:
     def _restart(self) -> None:
         if self._ends is not None:
             return  # ended by a stop the engine did not know yet: nothing more is sent
-        self._stream = TextStream(self._tokenizer, self._request.params.stop)
+        self._stream = TextStream.of(self._tokenizer, self._request.params)
         self._num_tokens = 0
         self._pending_ids, self._pending_text, self._pending_logprobs = [], "", []
 

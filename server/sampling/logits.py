@@ -32,7 +32,8 @@ def process_row(
         ids, biases = zip(*params.logit_bias)
         row[list(ids)] += torch.tensor(biases, dtype=row.dtype, device=row.device)
     if len(output_ids) < params.min_tokens:
-        row[[t for t in eos_ids if t < vocab]] = float("-inf")
+        ends = eos_ids | params.stop_token_ids
+        row[[t for t in ends if t < vocab]] = float("-inf")
     if params.repetition_penalty != 1.0:
         seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), device=row.device)
         picked = row[seen]

@@ -138,13 +138,16 @@ def prompt_ids(
         if "reasoning_effort" in parsed.ignored and template_reasons(tokenizer):
             raise RequestError("'reasoning_effort' is not supported by this server: this "
                                "model's chat template reasons, and its effort cannot be set "
-                               "here")  # fmt: skip
+                               "here; its own switch can, with 'chat_template_kwargs' (Qwen3: "
+                               '{"enable_thinking": false})')  # fmt: skip
         tools, messages = None, parsed.messages
         if parsed.tools is not None and template_renders_tools(tokenizer):
             tools = parsed.tools.template_tools()
         elif parsed.tools is not None:  # the generic format: the tools in the system message
             messages = generic_tool_messages(messages, parsed.tools)
-        text = render_chat(tokenizer, messages, tools, max_chars=max_chars)
+        chat = parsed.chat
+        text = render_chat(tokenizer, messages, tools, chat.add_generation_prompt, max_chars,
+                           chat.template_kwargs, chat.continue_final_message)  # fmt: skip
         # The rendered template already holds the BOS token where the model wants one.
         return list(tokenizer.encode(text, add_special_tokens=False))
     if isinstance(prompt, str):
@@ -175,6 +178,8 @@ def _sampling(parsed: ParsedBody, vocab_size: int) -> dict:
     sampling = dict(parsed.sampling, top_k=min(parsed.sampling["top_k"], vocab_size))
     if any(not 0 <= t < vocab_size for t, _ in sampling["logit_bias"]):
         raise RequestError(f"'logit_bias' token ids must be in [0, {vocab_size})")
+    if any(t >= vocab_size for t in sampling["stop_token_ids"]):
+        raise RequestError(f"'stop_token_ids' must be in [0, {vocab_size})")
     sampling["logprobs"] = parsed.logprobs
     if parsed.echo and parsed.logprobs is not None:
         sampling["prompt_logprobs"] = parsed.logprobs

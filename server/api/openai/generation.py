@@ -112,8 +112,9 @@ def register_generation(app: Flask, ctx: ApiContext) -> None:
                     lambda _: adapter,
                     ctx.limits,
                 )
+                skip = parsed.sampling["skip_special_tokens"]
                 echo = tuple(
-                    p if isinstance(p, str) else tokenizer.decode(p, skip_special_tokens=True)
+                    p if isinstance(p, str) else tokenizer.decode(p, skip_special_tokens=skip)
                     for p in (parsed.prompts if parsed.echo else ())
                 )
             group = RequestGroup(engine, reqs)

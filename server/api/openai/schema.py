@@ -6,14 +6,17 @@ Three request schemas share one parsed form, `ParsedBody`:
   MAX_PROMPTS strings or token-id lists), `max_tokens` (default 16; 0 with `echo`: score the
   prompt only), `echo`, `logprobs` (0 to 20 top alternatives per token).
 - `POST /v1/chat/completions` (OpenAI): `model`, `messages` (string content or a list of text
-  parts) rendered by the tokenizer's chat template, `max_completion_tokens` or `max_tokens`
-  (default 256, capped by the context), `logprobs` (a boolean) and `top_logprobs` (0 to 20).
+  parts) rendered by the tokenizer's chat template (vLLM's `add_generation_prompt`,
+  `continue_final_message` and `chat_template_kwargs` say how: chat_options.py),
+  `max_completion_tokens` or `max_tokens` (default 256, capped by the context), `logprobs` (a
+  boolean) and `top_logprobs` (0 to 20).
 - `POST /generate` (native): `adapter`, `prompt` or `input_ids`, `max_new_tokens` (default 16).
 All take `temperature` (default 1.0), `top_p`, `top_k` (0 or -1: off), `seed`, `stop` (a string or
 a list), `stream`, `ignore_eos`, `min_tokens`, `presence_penalty`, `frequency_penalty`,
-`repetition_penalty`, `logit_bias` (token id -> bias in [-100, 100]) and the structured-output
-fields (`response_format`, vLLM's `guided_*`; server.api.openai.structured); OpenAI bodies also `n`
-(1 to MAX_N choices per prompt) and `stream_options.include_usage` (with
+`repetition_penalty`, `logit_bias` (token id -> bias in [-100, 100]), vLLM's `stop_token_ids`,
+`include_stop_str_in_output` and `skip_special_tokens`, and the structured-output fields
+(`response_format`, vLLM's `guided_*`; server.api.openai.structured); OpenAI bodies also `n` (1
+to MAX_N choices per prompt) and `stream_options.include_usage` (with
 `stream_options.continuous_usage_stats`, as vLLM: usage on every chunk too; only with
 `stream: true`, as OpenAI). `min_p` (vLLM's: tokens under min_p x the top token's probability
 are dropped) is a sampling field of all three.
@@ -32,6 +35,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from toppings.server.api.openai.chat_options import (
+    CHAT_OPTION_FIELDS,
+    ChatOptions,
+    parse_chat_options,
+)
+from toppings.server.api.openai.fields import check_known_fields, json_type, shown, typed_field
 from toppings.server.api.openai.structured import GUIDED_FIELDS, REFUSED_FIELDS, parse_constraint
 from toppings.server.api.openai.tools import Tools, parse_tools, template_message
 from toppings.server.requests.request import MAX_LOGPROBS, RequestError
@@ -57,6 +66,7 @@ NEUTRAL_BY_KIND = {
 SAMPLING_FIELDS = frozenset({
     "temperature", "top_p", "top_k", "min_p", "seed", "stop", "ignore_eos", "min_tokens",
     "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
+    "stop_token_ids", "include_stop_str_in_output", "skip_special_tokens",  # vLLM's
     "response_format", *GUIDED_FIELDS, *REFUSED_FIELDS,  # refused by name in parse_constraint
 })  # fmt: skip
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
@@ -74,13 +84,12 @@ IGNORED_FIELDS = {
 OPENAI_FIELDS = SAMPLING_FIELDS | NEUTRAL_FIELDS.keys() | IGNORED_FIELDS.keys() | {
     "model", "stream", "stream_options", "n",
 }  # fmt: skip
-MAX_NAME_SHOWN = 64  # characters of a client's field name or key echoed in an error
 ACCEPTED_FIELDS = {
     "completion": OPENAI_FIELDS | NEUTRAL_BY_KIND["completion"].keys()
     | {"prompt", "max_tokens", "echo", "logprobs"},
     "chat": OPENAI_FIELDS | NEUTRAL_BY_KIND["chat"].keys() | {
         "messages", "max_completion_tokens", "max_tokens", "logprobs", "top_logprobs", "tools",
-        "tool_choice",
+        "tool_choice", *CHAT_OPTION_FIELDS,
     },
     "native": SAMPLING_FIELDS | {"adapter", "prompt", "input_ids", "max_new_tokens", "stream"},
 }  # fmt: skip
@@ -112,54 +121,13 @@ class ParsedBody:
     echo: bool = False  # completions: the prompt's text (and logprobs) before each choice's
     logprobs: int | None = None  # top alternatives per token; None: no logprobs
     tools: Tools | None = None  # chat: the tools and tool_choice (server.api.openai.tools)
+    chat: ChatOptions = ChatOptions()  # chat: how the messages render (chat_options.py)
     ignored: tuple[str, ...] = ()  # IGNORED_FIELDS the body set, in IGNORED_FIELDS' order
 
     @property
     def prompt(self) -> str | list[int] | None:
         """The prompt of a one-prompt body (None for chat)."""
         return self.prompts[0] if self.prompts else None
-
-
-def typed_field(body: dict, key: str, kind: str, default: Any = None) -> Any:
-    """body[key] checked against `kind` ("int", "number", "bool", "str"); None means absent."""
-    value = body.get(key)
-    if value is None:
-        return default
-    is_bool = isinstance(value, bool)
-    ok = {
-        "int": isinstance(value, int) and not is_bool,
-        "number": isinstance(value, (int, float)) and not is_bool,
-        "bool": is_bool,
-        "str": isinstance(value, str),
-    }[kind]
-    if not ok:
-        noun = {"int": "an integer", "number": "a number", "bool": "a boolean", "str": "a string"}
-        raise RequestError(f"'{key}' must be {noun[kind]}, not {json_type(value)}")
-    return float(value) if kind == "number" else value
-
-
-def check_known_fields(body: dict, known: frozenset[str] | set[str], where: str) -> None:
-    """Refuse the first field of `body` outside `known` (a field set to null counts as absent,
-    as OpenAI's own clients send unset fields)."""
-    for key in body:
-        if key not in known and body[key] is not None:
-            raise RequestError(f"'{shown(key)}' is not a field this server accepts in {where}")
-
-
-def shown(name: str, limit: int = MAX_NAME_SHOWN) -> str:
-    """A client's name as an error message echoes it: cut to `limit` characters, so that a
-    megabyte of name does not make a megabyte of error."""
-    return name if len(name) <= limit else f"{name[:limit]}... ({len(name)} characters)"
-
-
-def json_type(value: Any) -> str:
-    """The JSON name of a parsed value's type, for error messages."""
-    if value is None:
-        return "null"
-    for py, name in ((bool, "boolean"), ((int, float), "number"), (str, "string"), (list, "array")):
-        if isinstance(value, py):
-            return name
-    return "object"
 
 
 def parse_token_ids(value: Any, key: str) -> list[int]:
@@ -192,7 +160,24 @@ def _sampling(body: dict) -> dict[str, Any]:
         "repetition_penalty": typed_field(body, "repetition_penalty", "number", 1.0),
         "min_tokens": typed_field(body, "min_tokens", "int", 0),
         "logit_bias": _logit_bias(body.get("logit_bias")),
+        "stop_token_ids": _stop_token_ids(body.get("stop_token_ids")),
+        "include_stop_str_in_output": typed_field(
+            body, "include_stop_str_in_output", "bool", False
+        ),
+        "skip_special_tokens": typed_field(body, "skip_special_tokens", "bool", True),
     } | ({} if constraint is None else {"constraint": constraint})
+
+
+def _stop_token_ids(value: Any) -> frozenset[int]:
+    """vLLM's `stop_token_ids` (a list of token ids); checked against the vocabulary when the
+    request is built."""
+    if value is None:
+        return frozenset()
+    if not isinstance(value, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value
+    ):
+        raise RequestError("'stop_token_ids' must be a list of token ids (integers >= 0)")
+    return frozenset(value)
 
 
 def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
@@ -370,7 +355,7 @@ def parse_chat(body: dict, base_model: str) -> ParsedBody:
             common["sampling"]["constraint"] = call
     return ParsedBody(
         "chat", prompts=None, messages=parsed, max_tokens=max_tokens, logprobs=logprobs,
-        tools=tools, **common,
+        tools=tools, chat=parse_chat_options(body, parsed), **common,
     )  # fmt: skip
 
 

@@ -1,7 +1,8 @@
 """vLLM's `/tokenize` and `/detokenize`: the server's tokenizer, for clients that count tokens.
 
     POST /tokenize    {"model"?, "prompt": str, "add_special_tokens"?: true}
-                      or {"model"?, "messages": [...], "add_generation_prompt"?: true}
+                      or {"model"?, "messages": [...], "add_generation_prompt"?: true,
+                          "continue_final_message"?: false, "chat_template_kwargs"?: {}}
                       -> {"count", "max_model_len", "tokens": [int]}
     POST /detokenize  {"model"?, "tokens": [int]} -> {"prompt": str}
 
@@ -15,8 +16,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from toppings.server.api.openai.chat_options import parse_chat_options
 from toppings.server.api.openai.choices import RequestLimits, messages_chars
-from toppings.server.api.openai.schema import parse_message, parse_token_ids, typed_field
+from toppings.server.api.openai.fields import typed_field
+from toppings.server.api.openai.schema import parse_message, parse_token_ids
 from toppings.server.chat_template.render import render_chat
 from toppings.server.requests.errors import NOT_FOUND, unknown_adapter
 from toppings.server.requests.request import RequestError
@@ -40,8 +43,10 @@ def tokenize(body: dict, engine, tokenizer, limits: RequestLimits) -> dict[str, 
         limits.check_text(messages_chars(parsed))
         if not getattr(tokenizer, "chat_template", None):
             raise RequestError("this model has no chat template")
-        generation_prompt = typed_field(body, "add_generation_prompt", "bool", True)
-        text = render_chat(tokenizer, parsed, None, generation_prompt, limits.max_prompt_chars)
+        chat = parse_chat_options(body, parsed)
+        text = render_chat(tokenizer, parsed, None, chat.add_generation_prompt,
+                           limits.max_prompt_chars, chat.template_kwargs,
+                           chat.continue_final_message)  # fmt: skip
         ids = list(tokenizer.encode(text, add_special_tokens=False))
     else:
         prompt = typed_field(body, "prompt", "str")

@@ -1,0 +1,51 @@
+"""Fields of a client's JSON body: typed reads and the names errors echo (server.api.openai's
+parsers share them)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from toppings.server.requests.errors import MAX_NAME_SHOWN
+from toppings.server.requests.request import RequestError
+
+
+def typed_field(body: dict, key: str, kind: str, default: Any = None) -> Any:
+    """body[key] checked against `kind` ("int", "number", "bool", "str"); None means absent."""
+    value = body.get(key)
+    if value is None:
+        return default
+    is_bool = isinstance(value, bool)
+    ok = {
+        "int": isinstance(value, int) and not is_bool,
+        "number": isinstance(value, (int, float)) and not is_bool,
+        "bool": is_bool,
+        "str": isinstance(value, str),
+    }[kind]
+    if not ok:
+        noun = {"int": "an integer", "number": "a number", "bool": "a boolean", "str": "a string"}
+        raise RequestError(f"'{key}' must be {noun[kind]}, not {json_type(value)}")
+    return float(value) if kind == "number" else value
+
+
+def check_known_fields(body: dict, known: frozenset[str] | set[str], where: str) -> None:
+    """Refuse the first field of `body` outside `known` (a field set to null counts as absent,
+    as OpenAI's own clients send unset fields)."""
+    for key in body:
+        if key not in known and body[key] is not None:
+            raise RequestError(f"'{shown(key)}' is not a field this server accepts in {where}")
+
+
+def shown(name: str, limit: int = MAX_NAME_SHOWN) -> str:
+    """A client's name as an error message echoes it: cut to `limit` characters, so that a
+    megabyte of name does not make a megabyte of error."""
+    return name if len(name) <= limit else f"{name[:limit]}... ({len(name)} characters)"
+
+
+def json_type(value: Any) -> str:
+    """The JSON name of a parsed value's type, for error messages."""
+    if value is None:
+        return "null"
+    for py, name in ((bool, "boolean"), ((int, float), "number"), (str, "string"), (list, "array")):
+        if isinstance(value, py):
+            return name
+    return "object"
