@@ -40,6 +40,9 @@ def test_completion_defaults_and_model_names():
         "repetition_penalty": 1.0,
         "min_tokens": 0,
         "logit_bias": (),
+        "stop_token_ids": frozenset(),
+        "include_stop_str_in_output": False,
+        "skip_special_tokens": True,
     }
     assert parse_completion({"prompt": "hi"}, BASE).adapter is None
     p = parse_completion({"model": "sql", "prompt": "hi", "stop": "\n", "top_k": -1}, BASE)
