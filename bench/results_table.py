@@ -146,6 +146,13 @@ CURRENT: dict[str, tuple[str, tuple[str, ...]]] = {
                                     "p99_ttft_ratio_distinct_vs_identical",
                                     "modes.cpu-assisted.layouts.static."
                                     "p99_ttft_ratio_zipf_vs_identical")),
+    "adapter_scale_pool_again.json": ("the default mode in the default (pool) layout alone, "
+                                      "four rounds on the EPYC, run right after (session 57)",
+                                      ("p99_ttft_ratio_distinct_vs_identical",
+                                       "p99_ttft_ratio_distinct_vs_identical_per_round",
+                                       "p99_ttft_ratio_zipf_vs_identical",
+                                       "p99_ttft_ratio_zipf_vs_identical_per_round",
+                                       "throughput_ratio_distinct_vs_identical")),
     "adapter_scale_registered.json": ("the same with every adapter registered at start-up "
                                       "(in host memory, as Toppings keeps them)",
                                       ("p99_ttft_ratio_distinct_vs_identical",
