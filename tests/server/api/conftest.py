@@ -1,4 +1,5 @@
-"""Fixtures of the API tests that drive a served app with the `openai` client."""
+"""Fixtures of the API tests: a served app driven with the `openai` client, and a Flask test
+client of the API on the tiny engine for the checks of client JSON every route shares."""
 
 from __future__ import annotations
 
@@ -9,6 +10,29 @@ import pytest
 
 if TYPE_CHECKING:
     import openai
+
+
+# Every route that reads a client's JSON body (server.requests.errors.parse_json_object).
+JSON_ROUTES = [
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/generate",
+    "/tokenize",
+    "/detokenize",
+    "/v1/load_lora_adapter",
+    "/v1/unload_lora_adapter",
+]
+
+
+@pytest.fixture(scope="module")
+def api_client(tiny_engine, tmp_path_factory):
+    """A Flask test client of the API on the tiny engine (1,024 tokens of KV), an empty
+    directory its one allowed adapter root."""
+    from toppings.server.api.app import ApiOptions, create_app
+
+    root = tmp_path_factory.mktemp("roots")
+    with tiny_engine({}, max_total_tokens=1024) as engine:
+        yield create_app(engine, ApiOptions(lora_roots=(str(root),))).test_client()
 
 
 def _openai_client(base_url: str, timeout_s: float) -> openai.OpenAI:

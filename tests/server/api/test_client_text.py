@@ -8,25 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from toppings.server.api.app import ApiOptions, create_app
+from tests.server.api.conftest import JSON_ROUTES
 from toppings.server.requests.errors import parse_json_object
-
-ROUTES = [
-    "/v1/completions",
-    "/v1/chat/completions",
-    "/generate",
-    "/tokenize",
-    "/detokenize",
-    "/v1/load_lora_adapter",
-    "/v1/unload_lora_adapter",
-]
-
-
-@pytest.fixture(scope="module")
-def client(tiny_engine, tmp_path_factory):
-    root = tmp_path_factory.mktemp("roots")
-    with tiny_engine({}, max_total_tokens=1024) as engine:
-        yield create_app(engine, ApiOptions(lora_roots=(str(root),))).test_client()
 
 
 def _refused(answer, field: str) -> None:
@@ -36,10 +19,10 @@ def _refused(answer, field: str) -> None:
     assert field in error["message"] and "surrogate" in error["message"], error["message"]
 
 
-@pytest.mark.parametrize("path", ROUTES)
-def test_a_lone_surrogate_is_a_400_on_every_route(client, path):
+@pytest.mark.parametrize("path", JSON_ROUTES)
+def test_a_lone_surrogate_is_a_400_on_every_route(api_client, path):
     body = b'{"prompt": "a\\ud800b", "max_tokens": 2}'
-    _refused(client.post(path, data=body, content_type="application/json"), "'prompt'")
+    _refused(api_client.post(path, data=body, content_type="application/json"), "'prompt'")
 
 
 @pytest.mark.parametrize(
@@ -58,14 +41,14 @@ def test_a_lone_surrogate_is_a_400_on_every_route(client, path):
     ],
     ids=["chat part", "stop", "model", "nested key", "top key"],
 )  # fmt: skip
-def test_the_message_names_the_field(client, path, body, field):
-    _refused(client.post(path, data=body, content_type="application/json"), field)
+def test_the_message_names_the_field(api_client, path, body, field):
+    _refused(api_client.post(path, data=body, content_type="application/json"), field)
 
 
-def test_pairs_and_escaped_backslashes_are_text_and_the_server_keeps_serving(client):
+def test_pairs_and_escaped_backslashes_are_text_and_the_server_keeps_serving(api_client):
     for prompt in (b'"\\ud83d\\ude00 hi"', b'"\\\\ud800 hi"'):
         body = b'{"prompt": ' + prompt + b', "max_tokens": 2}'
-        answer = client.post("/v1/completions", data=body, content_type="application/json")
+        answer = api_client.post("/v1/completions", data=body, content_type="application/json")
         assert answer.status_code == 200, answer.get_data()[:300]
         assert answer.get_json()["usage"]["completion_tokens"] == 2
 
@@ -78,8 +61,8 @@ def test_the_parse_keeps_what_it_checked():
         parse_json_object(b'{"a": ["x", {"b": "\\udc00"}]}')
 
 
-def test_an_unknown_name_is_cut_in_its_404(client):
-    answer = client.post("/v1/completions", json={"model": "x" * 5000, "prompt": "hi"})
+def test_an_unknown_name_is_cut_in_its_404(api_client):
+    answer = api_client.post("/v1/completions", json={"model": "x" * 5000, "prompt": "hi"})
     assert answer.status_code == 404
     message = answer.get_json()["error"]["message"]
     assert message == f"adapter {'x' * 64!r}... (5000 characters) does not exist"

@@ -11,29 +11,13 @@ import random
 
 import pytest
 
-from toppings.server.api.app import ApiOptions, create_app
+from tests.server.api.conftest import JSON_ROUTES
 from toppings.server.requests import json_depth
 from toppings.server.requests.errors import MAX_JSON_DEPTH, nests_too_deep
 
 DEEP = 100_000
 DEEP_BODY = b"[" * DEEP + b"]" * DEEP
 DEEP_OBJECT = '{"a":' * DEEP + "1" + "}" * DEEP
-ROUTES = [
-    "/v1/completions",
-    "/v1/chat/completions",
-    "/generate",
-    "/tokenize",
-    "/detokenize",
-    "/v1/load_lora_adapter",
-    "/v1/unload_lora_adapter",
-]
-
-
-@pytest.fixture(scope="module")
-def client(tiny_engine, tmp_path_factory):
-    root = tmp_path_factory.mktemp("roots")
-    with tiny_engine({}, max_total_tokens=1024) as engine:
-        yield create_app(engine, ApiOptions(lora_roots=(str(root),))).test_client()
 
 
 def _assert_too_deep(answer, what: str) -> None:
@@ -43,12 +27,12 @@ def _assert_too_deep(answer, what: str) -> None:
     assert what in error["message"] and f"{MAX_JSON_DEPTH} levels" in error["message"]
 
 
-@pytest.mark.parametrize("path", ROUTES)
+@pytest.mark.parametrize("path", JSON_ROUTES)
 @pytest.mark.parametrize(
     "body", [DEEP_BODY, ('{"prompt": ' + DEEP_OBJECT + "}").encode()], ids=["lists", "objects"]
 )
-def test_deep_body_is_a_400_on_every_route(client, path, body):
-    _assert_too_deep(client.post(path, data=body, content_type="application/json"), "the body")
+def test_deep_body_is_a_400_on_every_route(api_client, path, body):
+    _assert_too_deep(api_client.post(path, data=body, content_type="application/json"), "the body")
 
 
 @pytest.mark.parametrize(
@@ -60,28 +44,28 @@ def test_deep_body_is_a_400_on_every_route(client, path, body):
     ],
     ids=["guided_json", "json_schema"],
 )  # fmt: skip
-def test_deep_json_text_in_a_field_is_a_400(client, body, what):
-    _assert_too_deep(client.post("/v1/completions", json=body), what)
+def test_deep_json_text_in_a_field_is_a_400(api_client, body, what):
+    _assert_too_deep(api_client.post("/v1/completions", json=body), what)
 
 
-def test_deep_tool_arguments_are_a_400(client):
+def test_deep_tool_arguments_are_a_400(api_client):
     call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": DEEP_OBJECT}}
     messages = [
         {"role": "user", "content": "hi"},
         {"role": "assistant", "content": None, "tool_calls": [call]},
         {"role": "tool", "tool_call_id": "c1", "content": "ok"},
     ]
-    answer = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2})
+    answer = api_client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2})
     _assert_too_deep(answer, "messages[1] tool call arguments")
 
 
-def test_bodies_at_the_bound_are_parsed_and_the_server_keeps_serving(client):
+def test_bodies_at_the_bound_are_parsed_and_the_server_keeps_serving(api_client):
     within = {"prompt": "hi", "max_tokens": 1, "logit_bias": {}, "user": None}
     nested = "[" * (MAX_JSON_DEPTH - 1) + "]" * (MAX_JSON_DEPTH - 1)
     body = json.dumps(within)[:-1] + ', "stop": ' + nested + "}"
-    answer = client.post("/v1/completions", data=body, content_type="application/json")
+    answer = api_client.post("/v1/completions", data=body, content_type="application/json")
     assert answer.status_code == 400 and "levels" not in answer.get_json()["error"]["message"]
-    answer = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1})
+    answer = api_client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1})
     assert answer.status_code == 200
 
 
@@ -109,13 +93,13 @@ def _hostile(size: int, prefix: bytes = b'{"prompt": [') -> bytes:
     return head + b'\\"' * ((size - len(head)) // 2)
 
 
-def test_the_hostile_body_at_the_largest_size_is_a_400(client):
-    size = client.application.config["MAX_CONTENT_LENGTH"]
+def test_the_hostile_body_at_the_largest_size_is_a_400(api_client):
+    size = api_client.application.config["MAX_CONTENT_LENGTH"]
     body = _hostile(size - 1)
     assert len(body) < size
-    answer = client.post("/v1/completions", data=body, content_type="application/json")
+    answer = api_client.post("/v1/completions", data=body, content_type="application/json")
     _assert_too_deep(answer, "the body")
-    assert client.get("/health").status_code == 200
+    assert api_client.get("/health").status_code == 200
 
 
 def test_escaped_quotes_without_deep_brackets_are_parsed_as_strings():
