@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from scheduler.prompt_tokens import PromptCounter
+from toppings.scheduler.prompt_tokens import PromptCounter
 from toppings.server.api.app import create_app
 from toppings.server.api.openai.schema import parse_chat
 from toppings.server.api.options import ApiOptions
