@@ -303,13 +303,14 @@ def ratios(per_assignment: dict[str, dict]) -> dict:
     return out
 
 
-def headline_metrics(per_run: dict[tuple[str, str], dict], layout: str) -> dict:
-    """The top-level metrics: the default mode's ratios in `layout`, being cold's cost there
-    (over all-cached, when run), and refusals and failures over every run."""
-    metrics: dict = {}
+def headline_metrics(
+    per_run: dict[tuple[str, str], dict], by_run: dict[tuple[str, str], dict], layout: str
+) -> dict:
+    """The top-level metrics: the default mode's ratios in `layout` (`by_run`: each mode and
+    layout's `ratios`), being cold's cost there (over all-cached, when run), and refusals and
+    failures over every run."""
+    metrics: dict = dict(by_run.get((DEFAULT_MODE, layout), {}))
     default = per_run.get((DEFAULT_MODE, layout))
-    if default is not None:
-        metrics.update(ratios(default))
     control = per_run.get((ALL_CACHED, layout))
     if default is not None and control is not None and "distinct" in default:
         cold, warm = default["distinct"], control.get("distinct")
@@ -432,10 +433,11 @@ def main(argv: list[str] | None = None) -> dict:
                      summary["ttft_p99_ms"], summary.get("output_tokens_per_s", 0.0),
                      summary["num_failed"], summary["num_refused"], series)  # fmt: skip
     per_run = {key: {a: pooled(r[a]) for a in assignments} for key, r in runs.items()}
-    metrics = headline_metrics(per_run, headline)
+    by_run = {key: ratios(p) for key, p in per_run.items()}
+    metrics = headline_metrics(per_run, by_run, headline)
     metrics["layout"] = headline
-    metrics["modes"] = {m: {**ratios(per_run[m, headline]), "layouts": {
-        lay: {**ratios(per_run[m, lay]), "assignments": per_run[m, lay]} for lay in layouts}}
+    metrics["modes"] = {m: {**by_run[m, headline], "layouts": {
+        lay: {**by_run[m, lay], "assignments": per_run[m, lay]} for lay in layouts}}
         for m in modes}  # fmt: skip
     total_bytes = sum(nbytes[r] for r in ranks.values())
     config = {

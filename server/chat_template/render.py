@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from toppings.server.chat_template.sandbox import render_template, sandbox
+from toppings.server.requests.errors import shown
 from toppings.server.requests.request import RequestError
 
 
@@ -53,7 +54,7 @@ def render_chat(
     )
     for name in template_kwargs or {}:
         if name in context or name in sandbox().globals:
-            raise RequestError(f"'chat_template_kwargs' cannot set {name[:64]!r}: the server "
+            raise RequestError(f"'chat_template_kwargs' cannot set {shown(name)!r}: the server "
                                "sets it")  # fmt: skip
     context.update(template_kwargs or {})
     try:

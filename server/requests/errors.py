@@ -134,6 +134,12 @@ def _encodes(text: str) -> bool:
     return True
 
 
+def shown(name: str, limit: int = MAX_NAME_SHOWN) -> str:
+    """A client's name as an error message echoes it: cut to `limit` characters, so that a
+    megabyte of name does not make a megabyte of error."""
+    return name if len(name) <= limit else f"{name[:limit]}... ({len(name)} characters)"
+
+
 def unknown_adapter(name: str) -> str:
     """The 404 message (type NOT_FOUND) for a model or adapter name nobody serves; a name past
     MAX_NAME_SHOWN characters is cut there (a name is as long as the body lets a client make it)."""

@@ -1,11 +1,11 @@
-"""Fields of a client's JSON body: typed reads and the names errors echo (server.api.openai's
-parsers share them)."""
+"""Fields of a client's JSON body: typed reads and refusals of unknown ones (server.api.openai's
+parsers share them; the names errors echo are cut by server.requests.errors' `shown`)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from toppings.server.requests.errors import MAX_NAME_SHOWN
+from toppings.server.requests.errors import shown
 from toppings.server.requests.request import RequestError
 
 
@@ -33,12 +33,6 @@ def check_known_fields(body: dict, known: frozenset[str] | set[str], where: str)
     for key in body:
         if key not in known and body[key] is not None:
             raise RequestError(f"'{shown(key)}' is not a field this server accepts in {where}")
-
-
-def shown(name: str, limit: int = MAX_NAME_SHOWN) -> str:
-    """A client's name as an error message echoes it: cut to `limit` characters, so that a
-    megabyte of name does not make a megabyte of error."""
-    return name if len(name) <= limit else f"{name[:limit]}... ({len(name)} characters)"
 
 
 def json_type(value: Any) -> str:

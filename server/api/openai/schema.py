@@ -40,9 +40,10 @@ from toppings.server.api.openai.chat_options import (
     ChatOptions,
     parse_chat_options,
 )
-from toppings.server.api.openai.fields import check_known_fields, json_type, shown, typed_field
+from toppings.server.api.openai.fields import check_known_fields, json_type, typed_field
 from toppings.server.api.openai.structured import GUIDED_FIELDS, REFUSED_FIELDS, parse_constraint
 from toppings.server.api.openai.tools import Tools, parse_tools, template_message
+from toppings.server.requests.errors import shown
 from toppings.server.requests.request import MAX_LOGPROBS, RequestError
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
