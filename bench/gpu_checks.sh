@@ -2,14 +2,14 @@
 # The device checks of bench/GPU.md in one script, for one `run` call of the device tool:
 #
 #   bash bench/gpu_checks.sh [STEP ...]     # steps: tests kernels graphs assisted (the default),
-#                                           # and chunked, attention (by name only)
+#                                           # and chunked, attention, first (by name only)
 #
 # Run from the repository root with `carry: [".whl", ".gpu"]`: the wheels of bench/gpu_wheels.txt
 # that GPU.md fetches, and in .gpu/ the weightless checkpoints (config and tokenizer) the
 # benchmarks make once under /tmp, made here, since the device reaches no package index. The
 # `tests` step runs every CUDA-marked test of the tree. Every step has its own time limit
-# (TESTS_S, KERNELS_S, GRAPHS_S, ASSISTED_S, CHUNKED_S, ATTENTION_S; arguments in GRAPHS_ARGS,
-# ASSISTED_ARGS, CHUNKED_ARGS), so one that hangs or fails leaves the others' results; logs and
+# (TESTS_S, KERNELS_S, GRAPHS_S, ASSISTED_S, CHUNKED_S, ATTENTION_S, FIRST_S; arguments in
+# GRAPHS_ARGS, ASSISTED_ARGS, CHUNKED_ARGS, FIRST_ARGS), so one that hangs or fails leaves the others' results; logs and
 # JSONs land in $OUT (or /tmp/gpu_checks without it). PEAK_GBPS: the card's HBM bandwidth
 # (default: H100 SXM).
 set -u
@@ -70,6 +70,10 @@ for s in $steps; do
         step chunked "${CHUNKED_S:-300}" python3 -m bench.bench_chunked_prefill --device cuda \
             --model /tmp/toppings-dummy-llama-2-7b-32l --load-format dummy \
             ${CHUNKED_ARGS:---quick} --out "$OUT/chunked_prefill_cuda.json" ;;
+    first)  # a fresh server's first requests against warm ones (Llama-2-7B's shapes, 4 layers)
+        step first "${FIRST_S:-150}" python3 -m bench.bench_first_request --device cuda \
+            --model /tmp/toppings-dummy-llama-2-7b-4l --serve-args "--load-format dummy" \
+            ${FIRST_ARGS:---rounds 2 --warm 3} --out "$OUT/first_request_cuda.json" ;;
     *) echo "unknown step $s" >>"$log" ;;
     esac
 done

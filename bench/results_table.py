@@ -291,6 +291,10 @@ CURRENT: dict[str, tuple[str, tuple[str, ...]]] = {
     "hostile_body.json": ("deeply nested bodies: refusal time, /health meanwhile",
                           ("server/body.seconds_max", "server/body.health_max_ms")),
     "demo_cold.json": ("the demo from a cold and a warm cache", ("cold_total_s", "warm_total_s")),
+    "first_request.json": ("a fresh server's first request against the same warm, and against "
+                           "a prompt length it has not met (AMX Xeon)",
+                           ("base.first_over_warm_ttft.median", "base.new_over_warm_ttft.median",
+                            "adapter.first_over_warm_ttft.median")),
     "demo_loadgen.json": ("the demo cluster under toppings-loadgen, 1 request/s", _LOADGEN),
     "demo_loadgen_replay.json": ("the same trace replayed", _LOADGEN),
     "gguf_convert.json": ("GGUF conversion, parsed once against plain",
@@ -314,6 +318,7 @@ CURRENT: dict[str, tuple[str, tuple[str, ...]]] = {
 # Runs the notes cite (reruns, controls, before/after pairs, superseded configurations), and the
 # fitted perf models `toppings-scheduler --perf-model` reads (not result envelopes).
 EARLIER = frozenset({
+    "first_request_before.json",
     "adapter_scale_shared_machine.json", "adapter_scale_rerun.json",
     "adapter_scale_before_reads_off_thread.json", "adapter_scale_on_demand_default.json",
     "adapter_scale_session38.json", "adapter_scale_cpu_assisted.json", "adapter_scale_run3.json",

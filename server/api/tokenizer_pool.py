@@ -9,10 +9,14 @@ tokenization behind the slowest one. Each copy here is used by one thread at a t
 tokenize in parallel whatever they ask of their copy. The engine's own tokenizer is only decoded
 with (stop strings, streamed text, logprob token texts), and decoding sets no state.
 
-Copies are made on demand, up to `max_copies` (by default one per core this process may run on, 4 to
-16: tokenizing is CPU work, and a copy costs memory and time to make). A borrower past that waits
-for a copy to come back; the prompt's character bound (server.api.openai.choices) keeps each
-tokenization short, so that wait is bounded too.
+There are `max_copies` copies (by default one per core this process may run on, 4 to 16:
+tokenizing is CPU work, and a copy costs memory), all made when the pool is (`ready`, before the
+server answers /health): a copy takes 85 ms for SmolLM2's 49k tokens on a 2-core Xeon, and
+made on first use it held up the first request after start-up (its time to the first token 3.1x
+a warm one's; bench/bench_first_request.py) and a first burst by one copy per waiting borrower,
+each holding the interpreter. Copies not made ready are made on demand. A borrower past
+`max_copies` waits for a copy to come back; the prompt's character bound
+(server.api.openai.choices) keeps each tokenization short, so that wait is bounded too.
 
 Every copy carries the operator's `--chat-template` (server.chat_template.file) when there is
 one. A chat renders on the copy it borrowed under a budget (server.chat_template.sandbox), so a
@@ -22,12 +26,16 @@ runaway template fails its own request and its copy comes back, as on any other 
 from __future__ import annotations
 
 import copy
+import logging
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 from toppings.server.settings import process_cores
+
+log = logging.getLogger(__name__)
 
 MIN_COPIES = 4  # even on a small machine: a long tokenization never holds up the next ones
 MAX_COPIES = 16  # copies cost memory: 8 MiB each for SmolLM2's 49k tokens, more for larger ones
@@ -41,19 +49,29 @@ def default_max_copies() -> int:
 class TokenizerPool:
     """Lends copies (`copy.deepcopy`) of one tokenizer, each to one borrower at a time.
     `chat_template` (None: the tokenizer's own) is the template every copy renders chats with
-    (the operator's --chat-template)."""
+    (the operator's --chat-template); `ready` (None: `max_copies`) copies are made now, the
+    others on demand."""
 
     def __init__(
-        self, tokenizer: Any, max_copies: int | None = None, chat_template: str | None = None
+        self,
+        tokenizer: Any,
+        max_copies: int | None = None,
+        chat_template: str | None = None,
+        ready: int | None = None,
     ):
         self.max_copies = max_copies or default_max_copies()
         if self.max_copies < 1:
             raise ValueError("max_copies must be positive")
         self._original = tokenizer
         self._chat_template = chat_template
-        self._free: list[Any] = []
-        self._num_made = 0
         self._cond = threading.Condition()
+        count = self.max_copies if ready is None else min(self.max_copies, ready)
+        start = time.perf_counter()
+        self._free: list[Any] = [self._copy() for _ in range(count)]
+        self._num_made = len(self._free)
+        if self._free:
+            log.info("tokenizer: %d copies for the HTTP threads in %.2f s", self._num_made,
+                     time.perf_counter() - start)  # fmt: skip
 
     @property
     def num_made(self) -> int:
@@ -85,12 +103,15 @@ class TokenizerPool:
                 return self._free.pop()
             self._num_made += 1
         try:  # outside the lock: a copy takes tens of milliseconds
-            made = copy.deepcopy(self._original)
-            if self._chat_template is not None:
-                made.chat_template = self._chat_template  # the copy is this pool's own
-            return made
+            return self._copy()
         except BaseException:
             with self._cond:
                 self._num_made -= 1
                 self._cond.notify()
             raise
+
+    def _copy(self) -> Any:
+        made = copy.deepcopy(self._original)
+        if self._chat_template is not None:
+            made.chat_template = self._chat_template  # the copy is this pool's own
+        return made

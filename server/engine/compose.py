@@ -23,7 +23,7 @@ from toppings.server.memory.manager import MemoryManager
 from toppings.server.model.kernel_warmup import launch_space, warm_up_kernels
 from toppings.server.model.llama import LlamaModel, free_device_bytes
 from toppings.server.model.loader import Checkpoint
-from toppings.server.model.step_timing import measure_steps
+from toppings.server.model.step_timing import measure_steps, warm_forward
 from toppings.server.requests.sequence import Sequence
 from toppings.server.sampling.grammar import GrammarCompiler
 from toppings.server.sched.gate_limits import GateLimits
@@ -101,6 +101,7 @@ def compose_engine(
             mc, dtype, config.kernel, lora.max_lora_rank, max_step_tokens, config.device
         )
         warm_up_kernels(space, model.device)
+    warm_forward(model, kv)  # the first request meets no one-time cost of a forward
     # Stop tokens: config.json's, the tokenizer's, and generation_config.json's list (where
     # chat checkpoints name their end of turn: Llama 3's <|eot_id|>, Qwen's <|im_end|>).
     eos_ids = set(mc.eos_token_ids) | set(checkpoint.generation_eos_ids)

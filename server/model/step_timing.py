@@ -175,6 +175,54 @@ def measure_steps(model: LlamaModel, kv: KVPool, max_batch_size: int) -> StepTim
     return times
 
 
+def warm_forward(model: LlamaModel, kv: KVPool) -> bool:
+    """One prefill of PROMPTS[0] random tokens and one decode step after it, on a scratch
+    KV row given back (False where the pool has no room for it). The step times above may come
+    from a file, and then no forward ran before the first request, which met every one-time
+    cost of a forward on its own path (on a GPU the BLAS library's set-up and each kernel's
+    first load; on a CPU the thread pools and the native kernels' first calls). What a new
+    shape costs stays: each new prompt length makes oneDNN's primitives of its shapes
+    (server.process.allocator). Logs its time."""
+    n = PROMPTS[0]
+    if not kv.num_free_rows or kv.max_len < n + 1 or kv.num_free_slots < n + kv.block_tokens:
+        return False
+    device = torch.device(model.device)
+    gen = torch.Generator().manual_seed(0)
+    start = time.perf_counter()
+    row = kv.new_row()
+    try:
+        kv.extend(row, n + 1)
+        index, lengths = kv.decode_index([row])  # [1, n + 1], [1]
+        ids = torch.randint(model.config.vocab_size, (n + 1,), generator=gen).to(device)
+        prefill = ForwardBatch(
+            input_ids=ids[:n],  # [n]
+            positions=torch.arange(n, device=device),  # [n]
+            slots=kv.req_to_slot[row, :n],  # [n]
+            seg_starts=[0, n],
+            is_prefill=True,
+            past_slots=[None],
+        )
+        decode = ForwardBatch(
+            input_ids=ids[n:],  # [1]
+            positions=torch.full((1,), n, dtype=torch.int64, device=device),  # [1]
+            slots=index[:, n].contiguous(),  # [1]
+            seg_starts=[0, 1],
+            is_prefill=False,
+            kv_index=index,
+            kv_lengths=lengths,
+        )
+        with torch.inference_mode():
+            model.forward(prefill, kv)
+            model.forward(decode, kv)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    finally:
+        kv.free_row(row)
+    log.info("warm-up forward (a %d-token prompt, then a decode step): %.0f ms", n,
+             1000 * (time.perf_counter() - start))  # fmt: skip
+    return True
+
+
 def _measure(model: LlamaModel, kv: KVPool, num_rows: int) -> StepTimes:
     device = torch.device(model.device)
     best_ms = _timer(device)

@@ -160,3 +160,22 @@ def test_adapter_scale_quick_runs_every_mode_layout_and_assignment(tiny_model_di
             assert f"lora_resolver_wait_seconds_count_{bound}" in distinct
     refused = sum(p["num_refused"] for lay in every for p in lay["assignments"].values())
     assert metrics["num_refused"] == refused
+
+
+def test_first_request_quick_times_a_fresh_server_s_first_requests(tiny_model_dir, tmp_path):
+    from bench import bench_first_request as bench
+
+    out = tmp_path / "first_request.json"
+    argv = ["--quick", "--model", str(tiny_model_dir), "--dtype", "float32", "--out", str(out)]
+    result = bench.main(argv)
+    assert json.loads(out.read_text()) == result
+    metrics = result["metrics"]
+    (one,) = metrics["rounds"]  # one fresh server
+    assert one["startup_s"] > 0
+    for kind in bench.KINDS:  # the base model and the adapter, each first, warm and new
+        row = one[kind]
+        for what in ("first", "warm", "new"):
+            assert 0 < row[f"{what}_ttft_ms"] <= row[f"{what}_total_ms"]
+        ratio = row["first_ttft_ms"] / row["warm_ttft_ms"]
+        assert row["first_over_warm_ttft"] == pytest.approx(ratio, rel=0.01)
+        assert metrics[kind]["new_over_warm_total"]["all"] == [row["new_over_warm_total"]]

@@ -161,6 +161,32 @@ def test_pool_lends_each_copy_to_one_borrower(engine):
     assert pool.num_made == 2
 
 
+def test_pool_makes_its_copies_before_the_first_borrower(engine, monkeypatch):
+    """Every copy is made with the pool (before /health): a borrower, the first request after
+    start-up among them, never waits for one to be made (issue 63)."""
+    from toppings.server.api import tokenizer_pool
+
+    pool = TokenizerPool(engine.tokenizer, max_copies=3)
+    assert pool.num_made == 3 and pool.num_lent == 0
+
+    def no_copy(_):
+        raise AssertionError("a copy was made on a borrower's path")
+
+    monkeypatch.setattr(tokenizer_pool.copy, "deepcopy", no_copy)
+    with pool.borrow() as a, pool.borrow() as b, pool.borrow() as c:
+        assert len({id(a), id(b), id(c)}) == 3 and engine.tokenizer not in (a, b, c)
+        assert pool.num_lent == 3
+    assert pool.num_made == 3
+
+
+def test_pool_not_made_ready_copies_on_first_use(engine):
+    pool = TokenizerPool(engine.tokenizer, max_copies=2, ready=0)
+    assert pool.num_made == 0
+    with pool.borrow() as a:
+        assert pool.num_made == 1 and a.encode("hi") == engine.tokenizer.encode("hi")
+    assert pool.num_made == 1
+
+
 def test_pool_borrower_past_max_copies_waits_for_a_return(engine):
     pool = TokenizerPool(engine.tokenizer, max_copies=1)
     got = threading.Event()

@@ -103,3 +103,26 @@ def test_nothing_compiles_after_the_warm_up(tiny_model_dir, adapters, kernel):
         generate(engine, JOBS[::-1], seed=2)
         assert engine.runner.graphs.counters.replays > 0
         assert _compiled() == before
+
+
+def _attention_compiled() -> int:
+    """Binaries in the paged attention kernels' caches, every device."""
+    from toppings.server.model.paged import decode, prefill
+
+    kernels = (decode._split_kernel, decode._merge_kernel, prefill._prefill_kernel)
+    return sum(len(caches[0]) for k in kernels for caches in k.device_caches.values())
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_attention_kernels_compile_before_the_first_request(tiny_model_dir):
+    """The forward run at start-up (step_timing.warm_forward) compiles the paged attention
+    kernels; a burst of prompts of 1 to 70 tokens and their decode steps (graphs on) compiles
+    none of them again."""
+    with start(tiny_model_dir, {}, "cuda", True, dtype="bfloat16",
+               max_num_batched_tokens=MAX_STEP_TOKENS) as engine:  # fmt: skip
+        before = _attention_compiled()
+        assert before > 0
+        generate(engine, [(n, None, k) for n, _, k in JOBS])
+        assert engine.runner.graphs.counters.replays > 0
+        assert _attention_compiled() == before

@@ -103,3 +103,29 @@ def test_the_gemm_ladder_times_warm_products_and_counts_every_layer(monkeypatch)
 
     monkeypatch.setattr(step_timing, "_once_ms", timed)
     assert gemm_times(model, torch.Generator()) == {n: 3.0 for n in GEMM_LADDER}
+
+
+def test_a_forward_runs_before_the_first_request_and_gives_the_pool_back(tiny_engine, monkeypatch):
+    """warm_forward: a prompt and a decode step run at start-up (with chunked prefill off no
+    step is timed), so the first request meets no forward's one-time costs; every row and block
+    comes back. Without a free row it runs nothing."""
+    from toppings.server.model.llama import LlamaModel
+
+    real, calls = LlamaModel.forward, []
+
+    def counted(self, batch, kv, *args, **kwargs):
+        calls.append((batch.is_prefill, batch.input_ids.numel()))
+        return real(self, batch, kv, *args, **kwargs)
+
+    monkeypatch.setattr(LlamaModel, "forward", counted)
+    with tiny_engine(chunked_prefill=False, max_batch_size=4) as engine:
+        assert calls == [(True, PROMPTS[0]), (False, 1)]
+        assert engine.kv.num_free_rows == len(engine.kv.lengths)
+        assert_memory_balanced(engine)
+        rows = [engine.kv.new_row() for _ in range(engine.kv.num_free_rows)]
+        assert not step_timing.warm_forward(engine.model, engine.kv)
+        assert len(calls) == 2
+        for row in rows:
+            engine.kv.free_row(row)
+        assert step_timing.warm_forward(engine.model, engine.kv) and len(calls) == 4
+        assert_memory_balanced(engine)
