@@ -164,7 +164,7 @@ class TextStream:
 
     Text is held back while it ends in an incomplete UTF-8 character or might be the start of a
     stop string; once a stop string appears the text is cut before it (after it with
-    `include_stop`) and `stopped` is set.
+    `include_stop`), `stopped` is set and `stop_string` names it.
     """
 
     def __init__(
@@ -180,6 +180,7 @@ class TextStream:
         self._hold = max((len(s) for s in stop), default=1) - 1
         self._pending = ""  # text decoded but not yet returned (held back)
         self.stopped = False
+        self.stop_string: str | None = None  # the stop string that ended it
 
     @classmethod
     def of(cls, tokenizer, params) -> TextStream:
@@ -206,11 +207,12 @@ class TextStream:
     def _release(self) -> str:
         # Held text is at least a stop string's length less one, so a stop string that the new
         # text completes starts within the pending text.
-        found = [(pos, len(s)) for s in self._stop if (pos := self._pending.find(s)) != -1]
+        found = [(pos, s) for s in self._stop if (pos := self._pending.find(s)) != -1]
         if found:  # cut before the earliest stop string (the longest of those starting there)
             self.stopped = True
-            pos, length = min(found, key=lambda f: (f[0], -f[1]))
-            out, self._pending = self._pending[: pos + length * self._include_stop], ""
+            pos, self.stop_string = min(found, key=lambda f: (f[0], -len(f[1])))
+            end = pos + len(self.stop_string) * self._include_stop
+            out, self._pending = self._pending[:end], ""
             return out
         safe = len(self._pending) - self._hold
         if safe <= 0:

@@ -214,13 +214,16 @@ class RequestOutput:  # engine makes one per request and step (read-only by conv
     """One step of a request's stream: the new tokens and text since the previous output.
 
     `finish_reason` is set on the last output only: "stop" (EOS or a stop string), "length"
-    (max_new_tokens or the context), "abort", or "error" (then `error` says why).
+    (max_new_tokens or the context), "abort", or "error" (then `error` says why); with "stop",
+    `stop_reason` is the stop string that ended it or the token id of `stop_token_ids` that
+    did, as vLLM reports it (None: EOS, or a grammar's end).
     """
 
     request_id: str
     new_token_ids: list[int]
     new_text: str
     finish_reason: str | None = None
+    stop_reason: str | int | None = None
     error: str | None = None
     # With finish_reason "error": the HTTP status and error type the client is answered with
     error_code: int = 500

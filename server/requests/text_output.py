@@ -79,6 +79,7 @@ class TextOutput:
         self._cached_tokens = 0
         # The finish its tokens decided ("stop", "length", "error"); tokens past it are dropped
         self._ends: str | None = None
+        self._stop_reason: str | int | None = None  # RequestOutput.stop_reason, once it ends
         self.finished = False  # its final output was put on the handle
 
     @property
@@ -136,10 +137,12 @@ class TextOutput:
         if ends == "error":  # a grammar failure: it wins over a stop on the same token
             self._ends = "error"
         elif self._stream.stopped:
-            self._ends = "stop"
+            self._ends, self._stop_reason = "stop", self._stream.stop_string
             return True
         elif ends is not None:
             self._ends = ends
+            if ends == "stop" and is_eos and token in self._request.params.stop_token_ids:
+                self._stop_reason = token
         else:
             self._flush(None, None)
         return False
@@ -189,6 +192,7 @@ class TextOutput:
                 new_token_ids=self._pending_ids,
                 new_text=self._pending_text,
                 finish_reason=reason,
+                stop_reason=self._stop_reason if reason == "stop" else None,
                 error=error,
                 error_code=error_code,
                 error_type=error_type,

@@ -91,6 +91,7 @@ def _native(meta: ResponseMeta, out: RequestOutput, output_tokens: int) -> dict:
         "ttft_s": out.ttft_s,
         "e2e_s": out.e2e_s,
         "finish_reason": out.finish_reason,
+        "stop_reason": out.stop_reason,
     }
 
 
@@ -151,7 +152,7 @@ def final_response(parsed: ParsedBody, meta: ResponseMeta, outs: list[RequestOut
             choice = {"index": idx, "message": message}
         else:
             choice = {"index": idx, "text": text}
-        choice.update(logprobs=logprobs, finish_reason=finish)
+        choice.update(logprobs=logprobs, finish_reason=finish, stop_reason=out.stop_reason)
         choices.append(choice)
     return {
         "id": meta.id,
@@ -186,12 +187,19 @@ def _chunk(
 
 
 def _chunk_choice(
-    parsed: ParsedBody, idx: int, text: str, logprobs: dict | None, finish_reason: str | None
+    parsed: ParsedBody,
+    idx: int,
+    text: str,
+    logprobs: dict | None,
+    finish_reason: str | None,
+    stop_reason: str | int | None = None,
 ) -> dict:
+    """A streamed choice; `stop_reason` (vLLM's) on every chunk, null but on the last."""
+    ends = {"finish_reason": finish_reason, "stop_reason": stop_reason}
     if parsed.kind == "chat":
         delta = {"content": text} if text or finish_reason is None else {}
-        return {"index": idx, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
-    return {"index": idx, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+        return {"index": idx, "delta": delta, "logprobs": logprobs, **ends}
+    return {"index": idx, "text": text, "logprobs": logprobs, **ends}
 
 
 def stream_events(
@@ -203,8 +211,9 @@ def stream_events(
     choices = [_Choice(parsed, meta, idx) for idx in range(num_choices)]
     if parsed.kind == "chat":
         for idx in range(num_choices):
-            role = {"index": idx, "delta": {"role": "assistant", "content": ""}, "logprobs": None}
-            yield sse(_chunk(parsed, meta, [dict(role, finish_reason=None)], choices[idx].usage()))
+            role = {"index": idx, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                    "finish_reason": None, "stop_reason": None}  # fmt: skip
+            yield sse(_chunk(parsed, meta, [role], choices[idx].usage()))
     num_out = 0
     cached: dict[int, int] = {}  # prompt index -> its first choice's cached prompt tokens
     for idx, out in outputs:
@@ -255,6 +264,7 @@ def _delta_events(
                 "delta": delta,
                 "logprobs": None,
                 "finish_reason": reason,
+                "stop_reason": out.stop_reason if reason is not None else None,
             }
             yield sse(_chunk(parsed, meta, [chosen], choice.usage()))
         return
@@ -264,7 +274,7 @@ def _delta_events(
     # vLLM streams: the client sees each token when it is made, and its time to first token is
     # the first token's, not the first whole character's.
     if text or out.new_token_ids or has_logprobs or finish is not None:
-        chosen = _chunk_choice(parsed, choice.index, text, logprobs, finish)
+        chosen = _chunk_choice(parsed, choice.index, text, logprobs, finish, out.stop_reason)
         yield sse(_chunk(parsed, meta, [chosen], choice.usage()))
 
 

@@ -295,6 +295,7 @@ def test_native_stream_and_error_event():
         "ttft_s": 0.1,
         "e2e_s": 0.2,
         "finish_reason": "stop",
+        "stop_reason": None,
     }
     events = _events(stream_events(p, ResponseMeta("g", 5, BASE, 3), _pairs(None, "error")))
     assert events[-1] == {"error": {"message": "boom", "type": "server_error", "code": 500}}
@@ -313,6 +314,7 @@ def test_final_responses():
             "message": {"role": "assistant", "content": "hey"},
             "logprobs": None,
             "finish_reason": "stop",
+            "stop_reason": None,
         }
     ]
     assert chat["usage"] == {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6,

@@ -7,6 +7,8 @@ values are a 400 naming the field."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from toppings.server.api.app import create_app
@@ -36,12 +38,14 @@ def test_a_stop_token_ends_the_run_where_it_first_comes(client):
     body = {"input_ids": PROMPT, "max_new_tokens": 16, "stop_token_ids": [never, ids[k]]}
     stopped = _post(http, "/generate", {**body, **GREEDY})
     assert stopped["token_ids"] == ids[: k + 1]
-    assert stopped["finish_reason"] == "stop"
+    assert stopped["finish_reason"] == "stop" and stopped["stop_reason"] == ids[k]
+    assert free["stop_reason"] is None  # ended by its length
     assert stopped["text"] == tokenizer.decode(ids[:k], skip_special_tokens=True)
     # the same on the OpenAI route, with the count of what was generated
     plain = _post(http, "/v1/completions", {"prompt": PROMPT, "max_tokens": 16, **GREEDY,
                                             "stop_token_ids": [ids[k]]})  # fmt: skip
     assert plain["choices"][0]["finish_reason"] == "stop"
+    assert plain["choices"][0]["stop_reason"] == ids[k]  # vLLM's: the stop token's id
     assert plain["choices"][0]["text"] == stopped["text"]
     assert plain["usage"]["completion_tokens"] == k + 1
     # min_tokens masks it, as it masks EOS: never chosen, the run goes to its length
@@ -62,6 +66,33 @@ def test_a_stop_string_is_kept_only_when_asked(client):
     kept = _post(http, "/v1/completions", keep)["choices"][0]
     assert cut["text"] == text[:at] and cut["finish_reason"] == "stop"
     assert kept["text"] == text[: at + 2] and kept["finish_reason"] == "stop"
+    assert cut["stop_reason"] == kept["stop_reason"] == stop  # vLLM's: the stop string
+
+
+def _streamed_choices(http, path: str, body: dict) -> list[dict]:
+    answer = http.post(path, json={**body, "stream": True})
+    assert answer.status_code == 200, answer.get_data()[:300]
+    lines = answer.get_data(as_text=True).splitlines()
+    return [c for ln in lines if ln.startswith("data: {") for c in json.loads(ln[6:])["choices"]]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_the_stop_reason_streams_on_the_last_chunk(client, path):
+    """Every streamed choice carries vLLM's `stop_reason`: null until the chunk that ends it,
+    then the stop string that did; null at a length end."""
+    http, _ = client
+    chat = path.endswith("chat/completions")
+    body = {"max_tokens": 24, **GREEDY}
+    body |= {"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": PROMPT}
+    free = _post(http, path, body)["choices"][0]
+    text = free["message"]["content"] if chat else free["text"]
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
+    assert len(stop) == 2 and text.find(stop) > 0, text
+    for stops, finish, reason in (([stop], "stop", stop), ([], "length", None)):
+        choices = _streamed_choices(http, path, {**body, "stop": stops})
+        assert all("stop_reason" in c for c in choices)
+        assert [c["stop_reason"] for c in choices[:-1]] == [None] * (len(choices) - 1)
+        assert (choices[-1]["finish_reason"], choices[-1]["stop_reason"]) == (finish, reason)
 
 
 def test_special_tokens_are_written_only_when_asked(client):
