@@ -297,17 +297,20 @@ def test_engine_through_the_interpreted_kernels_gives_the_torch_paths_tokens(
     gen = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 200, (n,), generator=gen).tolist() for n in (5, 23, 9, 40, 2)]
 
+    calls: list[str] = []
+    takes: list[bool] = []  # the model's `paged` argument at each call
+
     def run(paged_attention: bool | None = None) -> list[list[int]]:
         with running_engine(tiny_model_dir, max_batch_size=8, max_num_batched_tokens=16) as e:
             if paged_attention is not None:  # what `--paged-attention` sets on a GPU
                 e.model.paged_attention = paged_attention
+                calls.clear()  # the start-up forward (step_timing.warm_forward) ran before it
+                takes.clear()
             params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
             handles = e.submit_all([GenerationRequest(p, params, None) for p in prompts])
             return [h.result(timeout_s=300).new_token_ids for h in handles]
 
     want = run()
-    calls: list[str] = []
-    takes: list[bool] = []  # the model's `paged` argument at each call
 
     def plan(seg_starts, past_slots, slots, group, on, sdpa_from=0):
         calls.append("plan")
