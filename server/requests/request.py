@@ -187,12 +187,14 @@ class TokenLogprob:
     """A token's log-probability under the model and the `top` most likely tokens there.
 
     Log-softmax in float32 of the model's logits at that position, before penalties, logit bias
-    and temperature (vLLM's default, "raw logprobs"). `top` is (token id, logprob), best first.
+    and temperature (vLLM's default, "raw logprobs"). `top` is (token id, logprob), best first;
+    `rank` the token's place in the vocabulary by logprob (1: none above it; None: not known).
     """
 
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    rank: int | None = None
 
 
 _ids = itertools.count(1)

@@ -49,7 +49,7 @@ def process_row(
 
 
 def token_logprobs(logits: torch.Tensor, token_ids: list[int], k: int) -> list[TokenLogprob]:
-    """Each row's log-softmax value of its token and its top-k. logits float32 [R, V].
+    """Each row's log-softmax value of its token, its rank and its top-k. logits float32 [R, V].
 
     Rows go through in chunks, so scoring a long prompt holds one chunk's log-softmax at a time.
     """
@@ -59,11 +59,13 @@ def token_logprobs(logits: torch.Tensor, token_ids: list[int], k: int) -> list[T
         ids = token_ids[start : start + LOGPROB_CHUNK_ROWS]
         logprobs = torch.log_softmax(rows.float(), dim=-1)  # [r, V]
         index = torch.tensor(ids, device=logits.device)[:, None]
-        chosen = logprobs.gather(1, index)[:, 0].tolist()
+        own = logprobs.gather(1, index)  # [r, 1]
+        chosen = own[:, 0].tolist()
+        ranks = ((logprobs > own).sum(dim=-1) + 1).tolist()  # [r]
         if k > 0:
             values, top_ids = logprobs.topk(k, dim=-1)  # [r, k]
             tops = [tuple(zip(i, v)) for i, v in zip(top_ids.tolist(), values.tolist())]
         else:
             tops = [()] * len(ids)
-        out.extend(TokenLogprob(t, lp, top) for t, lp, top in zip(ids, chosen, tops))
+        out.extend(TokenLogprob(*fields) for fields in zip(ids, chosen, tops, ranks))
     return out

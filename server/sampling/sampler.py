@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import llguidance
 import torch
@@ -212,5 +212,5 @@ class Sampler:
         k = max(params[i].logprobs for i in want)
         scored = token_logprobs(logits[want], [tokens[i] for i in want], k)
         for i, lp in zip(want, scored):
-            logprobs[i] = TokenLogprob(lp.token_id, lp.logprob, lp.top[: params[i].logprobs])
+            logprobs[i] = replace(lp, top=lp.top[: params[i].logprobs])
         return Sampled(tokens, logprobs)

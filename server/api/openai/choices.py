@@ -183,6 +183,8 @@ def _sampling(parsed: ParsedBody, vocab_size: int) -> dict:
     sampling["logprobs"] = parsed.logprobs
     if parsed.echo and parsed.logprobs is not None:
         sampling["prompt_logprobs"] = parsed.logprobs
+    elif parsed.prompt_logprobs is not None:
+        sampling["prompt_logprobs"] = parsed.prompt_logprobs
     elif parsed.max_tokens == 0:
         sampling["prompt_logprobs"] = 0  # nothing to generate: the engine only runs the prefill
     return sampling

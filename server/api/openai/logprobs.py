@@ -6,6 +6,11 @@ to its logprob and also lists the chosen token (so it holds up to logprobs + 1 e
 `echo`, the prompt's tokens come first and the first one's logprob and alternatives are null.
 Chat: `{"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob",
 "bytes"}]}]}` with exactly top_logprobs alternatives.
+
+And vLLM's `prompt_logprobs` (a choice's on completions, the response's on chat): null for the
+prompt's first token, then for each token an object keyed by token id (a string in JSON) of
+`{"logprob", "rank", "decoded_token"}`: the prompt's token (its rank in the vocabulary) and the
+`prompt_logprobs` most likely ones (ranks 1 to k), so k or k + 1 entries.
 """
 
 from __future__ import annotations
@@ -65,3 +70,23 @@ def chat_logprobs(logprobs: Iterable[TokenLogprob], token_text: TokenText) -> di
         entry["top_logprobs"] = [_chat_entry(token_text(t), value) for t, value in lp.top]
         content.append(entry)
     return {"content": content}
+
+
+def prompt_logprobs(
+    scored: list[TokenLogprob | None] | None, k: int, token_text: TokenText
+) -> list[dict | None]:
+    """vLLM's `prompt_logprobs` of a prompt's scored tokens (the module's docstring)."""
+
+    def entry(logprob: float, rank: int | None, token_id: int) -> dict:
+        return {"logprob": logprob, "rank": rank, "decoded_token": token_text(token_id)}
+
+    out: list[dict | None] = []
+    for lp in scored or ():
+        if lp is None:
+            out.append(None)
+            continue
+        tokens = {str(lp.token_id): entry(lp.logprob, lp.rank, lp.token_id)}
+        for rank, (token_id, logprob) in enumerate(lp.top[:k], 1):
+            tokens.setdefault(str(token_id), entry(logprob, rank, token_id))
+        out.append(tokens)
+    return out

@@ -28,7 +28,12 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from toppings.server.api.openai.logprobs import TokenText, chat_logprobs, completion_logprobs
+from toppings.server.api.openai.logprobs import (
+    TokenText,
+    chat_logprobs,
+    completion_logprobs,
+    prompt_logprobs,
+)
 from toppings.server.api.openai.schema import ParsedBody
 from toppings.server.api.openai.tool_calls import CallStream, reply_call
 from toppings.server.requests.errors import error_body
@@ -153,8 +158,12 @@ def final_response(parsed: ParsedBody, meta: ResponseMeta, outs: list[RequestOut
         else:
             choice = {"index": idx, "text": text}
         choice.update(logprobs=logprobs, finish_reason=finish, stop_reason=out.stop_reason)
+        if parsed.prompt_logprobs is not None and parsed.kind == "completion":
+            choice["prompt_logprobs"] = prompt_logprobs(
+                out.prompt_logprobs, parsed.prompt_logprobs, meta.token_text
+            )
         choices.append(choice)
-    return {
+    response = {
         "id": meta.id,
         "object": OBJECT[parsed.kind],
         "created": meta.created,
@@ -162,6 +171,11 @@ def final_response(parsed: ParsedBody, meta: ResponseMeta, outs: list[RequestOut
         "choices": choices,
         "usage": _usage(meta.prompt_tokens, num_out, _cached(outs, parsed.n)),
     }
+    if parsed.prompt_logprobs is not None and parsed.kind == "chat":  # vLLM's place for chat
+        scored = outs[0].prompt_logprobs
+        response["prompt_logprobs"] = prompt_logprobs(scored, parsed.prompt_logprobs,
+                                                      meta.token_text)  # fmt: skip
+    return response
 
 
 def _cached(outs: list[RequestOutput], n: int) -> int:

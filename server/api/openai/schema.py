@@ -83,7 +83,7 @@ IGNORED_FIELDS = {
     "parallel_tool_calls": "bool", "reasoning_effort": "str", "modalities": "list",
 }  # fmt: skip
 OPENAI_FIELDS = SAMPLING_FIELDS | NEUTRAL_FIELDS.keys() | IGNORED_FIELDS.keys() | {
-    "model", "stream", "stream_options", "n",
+    "model", "stream", "stream_options", "n", "prompt_logprobs",  # the last vLLM's
 }  # fmt: skip
 ACCEPTED_FIELDS = {
     "completion": OPENAI_FIELDS | NEUTRAL_BY_KIND["completion"].keys()
@@ -121,6 +121,7 @@ class ParsedBody:
     n: int = 1  # choices per prompt
     echo: bool = False  # completions: the prompt's text (and logprobs) before each choice's
     logprobs: int | None = None  # top alternatives per token; None: no logprobs
+    prompt_logprobs: int | None = None  # vLLM's: the same for the prompt's tokens; None: none
     tools: Tools | None = None  # chat: the tools and tool_choice (server.api.openai.tools)
     chat: ChatOptions = ChatOptions()  # chat: how the messages render (chat_options.py)
     ignored: tuple[str, ...] = ()  # IGNORED_FIELDS the body set, in IGNORED_FIELDS' order
@@ -220,7 +221,13 @@ def _openai_common(body: dict, base_model: str, kind: str) -> dict[str, Any]:
     check_known_fields(options or {}, STREAM_OPTIONS, "'stream_options'")
     if options is not None and not stream:
         raise RequestError("'stream_options' is only allowed with 'stream': true")
+    prompt_logprobs = typed_field(body, "prompt_logprobs", "int")
+    if prompt_logprobs is not None:
+        _in_range(prompt_logprobs, "prompt_logprobs", 0, MAX_LOGPROBS)
+        if stream:
+            raise RequestError("'prompt_logprobs' with 'stream' is not supported by this server")
     return {
+        "prompt_logprobs": prompt_logprobs,
         "model": model,
         "adapter": None if model == base_model else model,
         "sampling": _sampling(body),
@@ -290,6 +297,11 @@ def parse_completion(body: dict, base_model: str) -> ParsedBody:
     if logprobs is not None:
         _in_range(logprobs, "logprobs", 0, MAX_LOGPROBS)
     echo = typed_field(body, "echo", "bool", False)
+    if echo and logprobs is not None and common["prompt_logprobs"] is not None:
+        raise RequestError(
+            "'prompt_logprobs' with 'echo' and 'logprobs' is not supported by this server: the "
+            "echoed prompt's logprobs are the prompt's already"
+        )
     max_tokens = typed_field(body, "max_tokens", "int")
     if max_tokens == 0 and not echo:
         raise RequestError("'max_tokens' 0 needs 'echo': true (it scores the prompt only)")

@@ -1,5 +1,5 @@
-"""Prompt-token and output-token logprobs of mixed-adapter batches equal transformers + PEFT's
-log-softmax (fp32, within 1e-4), for both kernels and every LoRA mode.
+"""Prompt-token and output-token logprobs (and ranks) of mixed-adapter batches equal transformers +
+PEFT's log-softmax (fp32, within 1e-4), for both kernels and every LoRA mode.
 
 Each request is scored alone by the reference on its prompt plus the tokens our engine chose,
 so the check covers every position our engine computed, whatever it sampled.
@@ -43,7 +43,10 @@ def check_against_reference(model_dir, adapters, prompts, results) -> None:
         assert [s.token_id for s in scored] == ids[1:]
         for pos, s in enumerate(scored):
             want = ref[pos]
-            assert abs(s.logprob - float(want[ids[pos + 1]])) < TOL, (name, pos)
+            value = want[ids[pos + 1]]
+            assert abs(s.logprob - float(value)) < TOL, (name, pos)
+            above = int((want > value + TOL).sum()), int((want > value - TOL).sum())
+            assert above[0] + 1 <= s.rank <= above[1] + 1, (name, pos)  # ties within TOL
             top_ids = [t for t, _ in s.top]
             assert len(top_ids) == TOP
             got_top = torch.tensor([lp for _, lp in s.top])

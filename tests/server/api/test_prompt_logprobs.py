@@ -1,0 +1,102 @@
+"""vLLM's `prompt_logprobs` (server.api.openai.logprobs): each prompt token's logprob, its rank
+in the vocabulary and the k most likely tokens there equal transformers' log-softmax of the same
+prompt (float32, within 1e-4), a choice's on completions and the response's on chat; what it
+cannot be combined with is a 400 naming it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from toppings.server.api.app import create_app
+
+TOL = 1e-4
+PROMPT = [5, 9, 14, 3, 22, 7, 31, 2, 17, 40, 11, 6]
+GREEDY = {"temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def client(tiny_engine, tiny_model_dir):
+    with tiny_engine({}, max_total_tokens=1024) as engine:
+        yield create_app(engine).test_client(), engine.tokenizer
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir):
+    """log_softmax of transformers' logits at every position of a prompt, [len, V]."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, torch_dtype=torch.float32)
+
+    def run(ids: list[int]) -> torch.Tensor:
+        with torch.inference_mode():
+            return torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0], dim=-1)
+
+    return run
+
+
+def _post(http, path: str, body: dict) -> dict:
+    answer = http.post(path, json=body)
+    assert answer.status_code == 200, answer.get_data()[:300]
+    return answer.get_json()
+
+
+def check(scored: list, ids: list[int], k: int, ref: torch.Tensor, tokenizer) -> None:
+    assert len(scored) == len(ids) and scored[0] is None
+    for pos in range(1, len(ids)):
+        want, token = ref[pos - 1], ids[pos]  # [V]: what position pos - 1 predicts
+        entries = scored[pos]
+        own = entries[str(token)]
+        assert abs(own["logprob"] - float(want[token])) < TOL
+        above = (want > want[token] + TOL).sum().item(), (want > want[token] - TOL).sum().item()
+        assert above[0] + 1 <= own["rank"] <= above[1] + 1  # ties within TOL either way
+        assert own["decoded_token"] == tokenizer.decode([token], skip_special_tokens=False)
+        top = want.topk(k)
+        ranked = {int(t): r for r, t in enumerate(top.indices.tolist(), 1)}
+        assert set(entries) == {str(token)} | {str(t) for t in ranked}
+        for t, r in ranked.items():
+            if t != token:
+                assert entries[str(t)]["rank"] == r
+                assert abs(entries[str(t)]["logprob"] - float(want[t])) < TOL
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_completions_score_each_choice_s_prompt(client, reference, k):
+    http, tokenizer = client
+    body = {"prompt": PROMPT, "max_tokens": 2, "n": 2, "prompt_logprobs": k, **GREEDY}
+    choices = _post(http, "/v1/completions", body)["choices"]
+    for choice in choices:
+        check(choice["prompt_logprobs"], PROMPT, k, reference(PROMPT), tokenizer)
+    assert choices[0]["prompt_logprobs"] == choices[1]["prompt_logprobs"]
+    assert choices[0]["logprobs"] is None  # the output's logprobs only when asked
+    plain = _post(http, "/v1/completions", {**body, "prompt_logprobs": None})["choices"][0]
+    assert "prompt_logprobs" not in plain
+
+
+def test_chat_scores_its_rendered_prompt_once(client, reference):
+    http, tokenizer = client
+    messages = [{"role": "user", "content": "hello there"}]
+    body = {"messages": messages, "max_tokens": 2, "prompt_logprobs": 2, **GREEDY}
+    answer = _post(http, "/v1/chat/completions", body)
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    ids = tokenizer.encode(text, add_special_tokens=False)  # as the server renders a chat
+    assert answer["usage"]["prompt_tokens"] == len(ids)
+    check(answer["prompt_logprobs"], ids, 2, reference(ids), tokenizer)
+    assert "prompt_logprobs" not in answer["choices"][0]
+
+
+@pytest.mark.parametrize(
+    "extra, words",
+    [
+        ({"prompt_logprobs": 21}, "prompt_logprobs"),
+        ({"prompt_logprobs": -1}, "prompt_logprobs"),
+        ({"prompt_logprobs": "2"}, "prompt_logprobs"),
+        ({"prompt_logprobs": 2, "stream": True}, "'prompt_logprobs' with 'stream'"),
+        ({"prompt_logprobs": 2, "echo": True, "logprobs": 1}, "with 'echo' and 'logprobs'"),
+    ],
+)
+def test_what_it_cannot_be_is_a_400_naming_it(client, extra, words):
+    http, _ = client
+    answer = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2, **extra})
+    assert answer.status_code == 400
+    assert words in answer.get_json()["error"]["message"]
