@@ -9,13 +9,14 @@ tokenization behind the slowest one. Each copy here is used by one thread at a t
 tokenize in parallel whatever they ask of their copy. The engine's own tokenizer is only decoded
 with (stop strings, streamed text, logprob token texts), and decoding sets no state.
 
-There are `max_copies` copies (by default one per core this process may run on, 4 to 16:
-tokenizing is CPU work, and a copy costs memory), all made when the pool is (`ready`, before the
-server answers /health): a copy takes 85 ms for SmolLM2's 49k tokens on a 2-core Xeon, and
-made on first use it held up the first request after start-up (its time to the first token 3.1x
-a warm one's; bench/bench_first_request.py) and a first burst by one copy per waiting borrower,
-each holding the interpreter. Copies not made ready are made on demand. A borrower past
-`max_copies` waits for a copy to come back; the prompt's character bound
+There are up to `max_copies` copies (by default one per core this process may run on, 4 to 16:
+tokenizing is CPU work, and a copy costs memory). MIN_COPIES of them are made with the pool,
+before the server answers /health: a copy takes 85 ms for SmolLM2's 49k tokens on a 2-core Xeon
+(more for larger vocabularies), holding the interpreter, and made on first use it held up the
+first request after start-up (its time to the first token 3.1x a warm one's;
+bench/bench_first_request.py). The others, on a machine of more cores, are made on demand: all
+of them at start-up would cost seconds there for a concurrency a server may never see. A
+borrower past `max_copies` waits for a copy to come back; the prompt's character bound
 (server.api.openai.choices) keeps each tokenization short, so that wait is bounded too.
 
 Every copy carries the operator's `--chat-template` (server.chat_template.file) when there is
@@ -49,8 +50,8 @@ def default_max_copies() -> int:
 class TokenizerPool:
     """Lends copies (`copy.deepcopy`) of one tokenizer, each to one borrower at a time.
     `chat_template` (None: the tokenizer's own) is the template every copy renders chats with
-    (the operator's --chat-template); `ready` (None: `max_copies`) copies are made now, the
-    others on demand."""
+    (the operator's --chat-template); `ready` copies (None: MIN_COPIES; never past
+    `max_copies`) are made now, the others on demand."""
 
     def __init__(
         self,
@@ -65,7 +66,7 @@ class TokenizerPool:
         self._original = tokenizer
         self._chat_template = chat_template
         self._cond = threading.Condition()
-        count = self.max_copies if ready is None else min(self.max_copies, ready)
+        count = min(self.max_copies, MIN_COPIES if ready is None else ready)
         start = time.perf_counter()
         self._free: list[Any] = [self._copy() for _ in range(count)]
         self._num_made = len(self._free)

@@ -162,10 +162,11 @@ def test_pool_lends_each_copy_to_one_borrower(engine):
 
 
 def test_pool_makes_its_copies_before_the_first_borrower(engine, monkeypatch):
-    """Every copy is made with the pool (before /health): a borrower, the first request after
-    start-up among them, never waits for one to be made (issue 63)."""
+    """The first copies are made with the pool (before /health): the first borrowers, the first
+    request after start-up among them, never wait for one to be made (issue 63)."""
     from toppings.server.api import tokenizer_pool
 
+    assert TokenizerPool(engine.tokenizer, max_copies=6).num_made == tokenizer_pool.MIN_COPIES
     pool = TokenizerPool(engine.tokenizer, max_copies=3)
     assert pool.num_made == 3 and pool.num_lent == 0
 
