@@ -31,6 +31,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import numpy
 import torch
 
 from toppings.gpu_lora.trace import StepEvent, TraceRecorder
@@ -315,9 +316,7 @@ class ModelRunner:
         kv_rows, seqs = step.kv_rows, plan.seqs
         # The KV tables are read here, in stream order on a device: the slots of the step and
         # of each request's past were reserved before it and stay put while it holds its row.
-        slots = torch.cat(
-            [table[r, b : b + n] for r, b, n in zip(kv_rows, plan.starts, plan.tokens)]
-        )  # [T]
+        slots = gather_slots(table, kv_rows, plan.starts, plan.tokens)  # [T]
         past = [table[r, :b] if b else None for r, b in zip(kv_rows, plan.starts)]
         lora = self.lora.step(
             [s.cache_entry for s in seqs], step.seg_starts, True, list(plan.starts),
@@ -333,3 +332,25 @@ class ModelRunner:
             lora=lora,
             logit_rows=None if not any(step.scores) else torch.tensor(step.rows, device=device),
         )
+
+
+GATHER_FROM_SEGMENTS = 16  # more segments than this: their slots by one gather
+
+
+def gather_slots(table: torch.Tensor, rows: list[int], starts: list[int], counts: list[int]):
+    """`table[r, b : b + n]` of each (r, b, n) in turn, [sum n], from the request table [R, Lmax]:
+    sliced row by row for a few segments, else by one gather (a slice costs about 1.7 us in
+    Python, 0.43 ms a mixed step of 256 decodes and a chunk on the 2-core Xeon, 0.03 ms gathered;
+    the gather's own fixed cost is about 30 us). The index goes to a device table by a
+    non-blocking copy, as the paged attention plans' do (unmeasured on a GPU)."""
+    if len(rows) <= GATHER_FROM_SEGMENTS:
+        return torch.cat([table[r, b : b + n] for r, b, n in zip(rows, starts, counts)])
+    n = numpy.asarray(counts, dtype=numpy.int64)
+    # each token's column: its place in the step, less its segment's first place, plus its start
+    shift = numpy.asarray(starts, dtype=numpy.int64) - (numpy.cumsum(n) - n)
+    columns = numpy.arange(int(n.sum()), dtype=numpy.int64) + numpy.repeat(shift, n)
+    flat = numpy.repeat(numpy.asarray(rows, dtype=numpy.int64) * table.shape[1], n) + columns
+    index = torch.from_numpy(flat)
+    if table.device.type != "cpu":
+        index = index.to(table.device, non_blocking=True)
+    return table.reshape(-1)[index]
