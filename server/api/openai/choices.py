@@ -217,6 +217,7 @@ def build_requests(
         limits.check(parsed, len(ids), context_max)
         for ids, context_max in zip(all_ids, context_max_tokens)
     ]
+    check_logprob_entries(sampling, parsed.n, all_ids, max_tokens_each)
     adapter = resolve(parsed.adapter)
     requests = []
     for ids, max_tokens in zip(all_ids, max_tokens_each):
@@ -227,3 +228,31 @@ def build_requests(
             params = SamplingParams(**dict(sampling, max_new_tokens=max_tokens, seed=seed))
             requests.append(GenerationRequest(prompt_ids=ids, params=params, adapter=adapter))
     return requests, all_ids
+
+
+# Logprob entries one request may ask for: each scored token's own and its alternatives, over
+# every choice. They are held as Python objects until the response is written: at 20
+# alternatives 11 KB a token (tracemalloc: the engine's TokenLogprob 2.6 KB, the response's
+# dicts 6.9 KB, its JSON 1.7 KB), about 530 bytes an entry, so one request of 256 choices of
+# 8,000 scored tokens would hold some 20 GB. 250k entries: about 0.13 GB; lm-eval's scoring
+# (echo, 1 alternative) of 125k prompt tokens, or 12k tokens at 20 alternatives.
+MAX_LOGPROB_ENTRIES = 250_000
+
+
+def check_logprob_entries(
+    sampling: dict, n: int, all_ids: list[list[int]], max_tokens_each: list[int]
+) -> None:
+    """Raises RequestError when the request's choices would score more than
+    MAX_LOGPROB_ENTRIES tokens x alternatives (prompt and output logprobs together)."""
+    per_prompt, per_output = sampling.get("prompt_logprobs"), sampling["logprobs"]
+    scored = 0
+    for ids, max_tokens in zip(all_ids, max_tokens_each):
+        if per_prompt is not None:
+            scored += (len(ids) - 1) * (per_prompt + 1)
+        if per_output is not None:
+            scored += max_tokens * (per_output + 1)
+    if scored * n > MAX_LOGPROB_ENTRIES:
+        raise RequestError(
+            f"the logprobs asked for come to {scored * n} entries (scored tokens x (alternatives "
+            f"+ 1), every choice); this server answers at most {MAX_LOGPROB_ENTRIES} a request"
+        )

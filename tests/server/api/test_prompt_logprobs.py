@@ -100,3 +100,27 @@ def test_what_it_cannot_be_is_a_400_naming_it(client, extra, words):
     answer = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2, **extra})
     assert answer.status_code == 400
     assert words in answer.get_json()["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    "body, fits_n",
+    [
+        ({"prompt_logprobs": 3}, 2),  # 11 scored prompt tokens x 4 entries a choice: 44
+        ({"echo": True, "logprobs": 1}, 3),  # 11 x 2 for the prompt, 2 x 2 for the output: 26
+        ({"logprobs": 4}, 10),  # the output's alone: 2 x 5
+    ],
+)
+def test_the_logprob_entries_of_a_request_are_bounded(client, monkeypatch, body, fits_n):
+    """Every choice's scored tokens x (alternatives + 1), prompt and output together, at most
+    MAX_LOGPROB_ENTRIES a request (each entry is held until the response is written): one
+    choice more than fits is a 400 saying so, before anything is queued."""
+    from toppings.server.api.openai import choices
+
+    monkeypatch.setattr(choices, "MAX_LOGPROB_ENTRIES", 100)
+    http, _ = client
+    body = {"prompt": PROMPT, "max_tokens": 2, **GREEDY, **body}
+    fits = _post(http, "/v1/completions", {**body, "n": fits_n})
+    assert len(fits["choices"]) == fits_n
+    refused = http.post("/v1/completions", json={**body, "n": fits_n + 1})
+    assert refused.status_code == 400
+    assert "this server answers at most 100 a request" in refused.get_json()["error"]["message"]
