@@ -53,7 +53,6 @@ import argparse
 import json
 import logging
 import os
-import socket
 import tempfile
 import time
 from pathlib import Path
@@ -61,7 +60,7 @@ from pathlib import Path
 import torch
 
 from bench.bench_single_server import OtherCpu
-from bench.common import adapter_bytes, write_random_adapter
+from bench.common import adapter_bytes, free_port, write_random_adapter
 from bench.envelope import describe_device, write_result
 from bench.queueing_configs import burst_capacity
 from toppings.scripts.children import start, stop, wait_healthy
@@ -119,12 +118,6 @@ def make_adapters(root: Path, model_dir: str, num: int) -> dict[str, int]:
             seed = int(name[1:5])
             write_random_adapter(root / name, model_dir, ranks[name], TARGETS, seed, config)
     return ranks
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def server_series(url: str) -> dict[str, float]:

@@ -71,7 +71,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from bench.bench_long_prompt import free_port, llama_version, start_llama_server
+from bench.bench_long_prompt import llama_version, start_llama_server
 from bench.bench_queueing import (
     burst_capacity,
     make_adapters,
@@ -80,6 +80,7 @@ from bench.bench_queueing import (
     summarise,
     trace_for,
 )
+from bench.common import free_port
 from bench.envelope import describe_device, write_result
 from bench.llama_replay import replay_llama, stream_one
 from toppings.scripts.children import stop, wait_healthy

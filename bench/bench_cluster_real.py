@@ -17,7 +17,6 @@ import argparse
 import json
 import logging
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ from pathlib import Path
 
 import requests
 
+from bench.common import free_port
 from bench.envelope import write_result
 from toppings.scripts.loadgen.stats import summarise
 from toppings.server.api.admin.files import adapter_digest
@@ -33,12 +33,6 @@ log = logging.getLogger("bench_cluster_real")
 RANKS = (8, 8, 16, 32, 64, 64)
 PERF = Path("bench/results/perf_model_smollm2_cpu.json")
 KEYS = ("slo_attainment", "ttft_p50_ms", "ttft_p99_ms", "tpt_p50_ms", "tpt_p99_ms", "num_ok")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait(url: str, ok=(200,), timeout_s: float = 180.0) -> None:

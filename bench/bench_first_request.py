@@ -24,7 +24,6 @@ import argparse
 import json
 import logging
 import shlex
-import socket
 import statistics
 import tempfile
 import time
@@ -32,7 +31,7 @@ from pathlib import Path
 
 import requests
 
-from bench.common import write_random_adapter
+from bench.common import free_port, write_random_adapter
 from bench.envelope import describe_device, write_result
 from toppings.scripts.children import start, stop, wait_healthy
 from toppings.scripts.loadgen.cli import list_models
@@ -44,12 +43,6 @@ TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 KINDS = ("base", "adapter")
 ADAPTER = "first-request-lora"
 QUICK = {"rounds": 1, "warm": 2, "prompt_len": 16, "max_tokens": 4}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def timed_request(url: str, model: str, prompt: list[int], max_tokens: int) -> dict:

@@ -26,8 +26,8 @@ from pathlib import Path
 
 import requests
 
-from bench.bench_long_prompt import free_port
 from bench.bench_single_stream import stop_all, wait_healthy
+from bench.common import free_port
 from bench.envelope import describe_device, write_result
 from toppings.scheduler.app import MAX_BODY_BYTES
 from toppings.server.requests.json_depth import nests_too_deep

@@ -41,6 +41,7 @@ from pathlib import Path
 import requests
 import torch
 
+from bench.common import free_port
 from bench.envelope import describe_device, write_result
 from toppings.scripts.children import start, stop, wait_healthy
 
@@ -109,14 +110,6 @@ def cpu_flags() -> list[str]:
     flags = next((line.split(":", 1)[1].split() for line in info.splitlines()
                   if line.startswith("flags")), [])  # fmt: skip
     return [f for f in CPU_FLAGS if f in flags]
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_llama_server(binary: Path, gguf: Path, port: int, ctx: int, threads: int,

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import requests
 
-from bench.bench_long_prompt import cpu_flags, free_port
+from bench.bench_long_prompt import cpu_flags
 from bench.bench_single_stream import (
     run_row,
     spread,
@@ -39,6 +39,7 @@ from bench.bench_single_stream import (
     stop_all,
     wait_healthy,
 )
+from bench.common import free_port
 from bench.envelope import describe_device, write_result
 
 log = logging.getLogger(__name__)

@@ -39,7 +39,6 @@ import logging
 import os
 import random
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -51,7 +50,7 @@ from pathlib import Path
 
 import requests
 
-from bench.common import write_random_adapter
+from bench.common import free_port, write_random_adapter
 from bench.envelope import describe_device, write_result
 
 log = logging.getLogger("bench_prefix_routing")
@@ -72,12 +71,6 @@ WORDS = (
     "house long back each around same early high number through work name group year "
     "river church station road family form line area album found however series"
 ).split()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_up(url: str, proc: subprocess.Popen, ok=(200,)) -> None:

@@ -70,8 +70,8 @@ from pathlib import Path
 import requests
 import torch
 
-from bench.bench_long_prompt import cpu_flags, free_port, llama_version
-from bench.common import write_random_adapter
+from bench.bench_long_prompt import cpu_flags, llama_version
+from bench.common import free_port, write_random_adapter
 from bench.envelope import describe_device, write_result
 from bench.roofline import bandwidth_probe, read_rate_gbps
 

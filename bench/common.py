@@ -10,6 +10,7 @@ have no weights for the peft library to wrap).
 from __future__ import annotations
 
 import json
+import socket
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,6 +57,13 @@ def adapter_bytes(path: str | Path, model_dir: str, dtype: torch.dtype) -> int:
 
     config = load_checkpoint(model_dir, "dummy").config  # shapes only: no weight is read
     return load_peft_adapter(str(path), config).bytes_at(dtype)
+
+
+def free_port() -> int:
+    """A loopback TCP port nothing listens on now (for a server a bench starts)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def link_gbps_for(nbytes: int, seconds: float) -> float:
