@@ -74,12 +74,13 @@ from bench.bench_long_prompt import cpu_flags, llama_version
 from bench.common import free_port, write_random_adapter
 from bench.envelope import describe_device, write_result
 from bench.roofline import bandwidth_probe, read_rate_gbps
+from toppings.gpu_lora.targets import LORA_TARGETS
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 QUANT_BYTES = {"int8": 1.0, "int4": 0.5}  # per weight, scales not counted
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+TARGETS = LORA_TARGETS  # every projection
 ADAPTER = "bench-adapter"
 
 

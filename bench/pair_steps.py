@@ -43,13 +43,14 @@ import torch
 
 from bench.common import write_random_adapter
 from bench.envelope import describe_device, write_result
+from toppings.gpu_lora.targets import LORA_TARGETS
 from toppings.server.config import EngineConfig
 from toppings.server.engine.engine import Engine
 from toppings.server.model import huge_pages
 from toppings.server.model.loader import load_checkpoint, resolve_model_dir
 from toppings.server.requests.request import GenerationRequest, SamplingParams
 
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+TARGETS = LORA_TARGETS  # every projection
 
 
 def _nothing(engine: Engine, build: Callable[..., Engine], keep: list) -> Callable[[bool], None]:
