@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import llguidance
 import torch
@@ -212,5 +212,6 @@ class Sampler:
         k = max(params[i].logprobs for i in want)
         scored = token_logprobs(logits[want], [tokens[i] for i in want], k)
         for i, lp in zip(want, scored):
-            logprobs[i] = replace(lp, top=lp.top[: params[i].logprobs])
+            top = lp.top[: params[i].logprobs]
+            logprobs[i] = TokenLogprob(lp.token_id, lp.logprob, top, lp.rank)
         return Sampled(tokens, logprobs)
