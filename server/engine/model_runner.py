@@ -52,7 +52,7 @@ from toppings.server.model.llama import ForwardBatch, LlamaModel
 from toppings.server.requests.sequence import Sequence
 from toppings.server.sampling.grammar import GrammarCompiler
 from toppings.server.sampling.logits_scan import scan_logits
-from toppings.server.sampling.sampler import Sampler, score_prompts
+from toppings.server.sampling.sampler import Sampler, score_prompt
 from toppings.server.sched.plan import StepPlan, StepResult
 
 
@@ -265,27 +265,39 @@ class ModelRunner:
         last sampled token) after the KV its row holds (its past). Returns the logits [B, V]
         of each request's last token (and keeps the prompt logprobs of a request that scores
         its prompt, whole in one step: see `admission.is_whole`), their scan where the model's
-        native step scanned them (else None), the seconds of the forward pass and
-        the prompt tokens it computed."""
+        native step scanned them (else None), the seconds of the forward pass (a scored
+        prompt's LM head and logprobs not counted) and the prompt tokens it computed."""
         plan = step.plan
         batch = self._decode_batch(step) if step.decode is not None else self._prefill_batch(step)
+        scores = any(step.scores)
         started = time.perf_counter()
-        logits, scanned = self.model.forward(batch, self.kv)  # [R, V]
+        if not scores:
+            logits, scanned = self.model.forward(batch, self.kv)  # [B, V]
+        else:  # the scored rows' hidden states [R, H]; their logits by chunks, below
+            hidden, scanned = self.model.hidden(batch, self.kv), None
+            last = self._last_rows(plan, step.scores)  # [B] rows of R
+            logits = self.model.head(hidden[last])  # [B, V]
         seconds = time.perf_counter() - started
         if self._trace is not None:
             num_tokens = batch.input_ids.shape[0]
             self._trace.step(StepEvent(plan.is_prefill, num_tokens, started, started + seconds))
-        if any(step.scores):  # [R, V] -> [B, V]
-            last, offset = [], 0
+        if scores:
+            offset = 0
             for seq, n, whole in zip(plan.seqs, plan.tokens, step.scores):
                 if whole:
-                    score_prompts([seq], logits[offset : offset + n], [0, n])
-                    offset += n
-                else:
-                    offset += 1
-                last.append(offset - 1)
-            logits = logits[last]
+                    score_prompt(seq, hidden[offset : offset + n], self.model.head)
+                offset += n if whole else 1
         return logits, scanned, seconds, step.num_prompt
+
+    @staticmethod
+    def _last_rows(plan: StepPlan, scores: list[bool]) -> list[int]:
+        """Each request's last row among a scoring step's logit rows: a scored segment has all
+        of its rows there, any other its last one alone."""
+        last, offset = [], 0
+        for n, whole in zip(plan.tokens, scores):
+            offset += n if whole else 1
+            last.append(offset - 1)
+        return last
 
     def _decode_batch(self, step: PreparedStep) -> ForwardBatch:
         """A decode step's batch (every count 1, no prompt token) over its rows, copied to the

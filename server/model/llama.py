@@ -258,12 +258,30 @@ class LlamaModel:
         `batch.logit_rows` when set, [R, V]; and where the whole step ran in one native call,
         each row's finiteness and argmax from that call (decode_path.py's `run_to_logits`),
         None otherwise (the caller scans the logits)."""
-        cfg = self.config
         native = self.decode_path is not None and self.decode_path.fits(self, batch, kv)
         if native and batch.logit_rows is None:  # the whole step in one call where it can
             made = self.decode_path.run_to_logits(self, batch, kv)  # [B, V], its scan
             if made is not None:
                 return made
+        return self.head(self._hidden(batch, kv, native)), None  # [R, V]
+
+    @torch.inference_mode()
+    def hidden(self, batch: ForwardBatch, kv: KVPool) -> torch.Tensor:
+        """Run one step as `forward` does, short of the LM head: the final norm's output [R, H]
+        of the rows `forward` would return logits of. A caller scoring a long prompt takes its
+        logits by chunks of rows with `head`, never [R, V] at once."""
+        native = self.decode_path is not None and self.decode_path.fits(self, batch, kv)
+        return self._hidden(batch, kv, native)
+
+    @torch.inference_mode()
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """Float32 logits [R, V] of final hidden states h [R, H]."""
+        return self.lm_head(h).float()
+
+    def _hidden(self, batch: ForwardBatch, kv: KVPool, native: bool) -> torch.Tensor:
+        """The layers and the final norm of `batch.logit_rows` (None: each segment's last
+        token), [R, H]; `native`: the decode path's four calls a layer fit the step."""
+        cfg = self.config
         cos, sin = self.cos[batch.positions], self.sin[batch.positions]  # [T, D]
         h = self.embed[batch.input_ids]  # [T, H], fresh: the residual stream, added in place
         if native:
@@ -272,13 +290,11 @@ class LlamaModel:
             residual = self._layers(batch, kv, h, cos, sin)
         rows = batch.logit_rows
         if rows is None and len(batch.seg_starts) - 1 == h.shape[0]:  # one token a request
-            h = add_rms_norm(h, residual, self.norm, cfg.rms_norm_eps)  # [B, H], every row
-        else:
-            h += residual
-            if rows is None:
-                rows = torch.tensor(batch.seg_starts[1:], device=self.device) - 1
-            h = add_rms_norm(h[rows], None, self.norm, cfg.rms_norm_eps)  # [R, H]
-        return self.lm_head(h).float(), None  # [R, V]
+            return add_rms_norm(h, residual, self.norm, cfg.rms_norm_eps)  # [B, H], every row
+        h += residual
+        if rows is None:
+            rows = torch.tensor(batch.seg_starts[1:], device=self.device) - 1
+        return add_rms_norm(h[rows], None, self.norm, cfg.rms_norm_eps)  # [R, H]
 
     def _layers(self, batch: ForwardBatch, kv: KVPool, h: torch.Tensor, cos, sin) -> torch.Tensor:
         """Every layer, op by op, on the residual stream h [T, H] (added into in place); returns

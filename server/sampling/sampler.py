@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import weakref
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -29,44 +30,28 @@ from toppings.server.process.threads import torch_on_this_thread_only
 from toppings.server.requests.request import TokenLogprob
 from toppings.server.requests.sequence import Sequence
 from toppings.server.sampling.grammar import GrammarCompiler, apply_masks, fill_masks, matcher_error
-from toppings.server.sampling.logits import process_row, token_logprobs
+from toppings.server.sampling.logits import LOGPROB_CHUNK_ROWS, process_row, token_logprobs
 from toppings.server.sampling.next_token import make_generator, sample_next
 
 log = logging.getLogger(__name__)
 
 
-def logit_rows(seqs: list[Sequence], seg_starts: list[int]) -> list[int] | None:
-    """Prefill: the token rows whose logits the step needs, when a sequence wants its prompt
-    scored (every row of its segment); None: each segment's last row only."""
-    if all(s.request.params.prompt_logprobs is None for s in seqs):
-        return None
-    rows: list[int] = []
-    for seq, start, end in zip(seqs, seg_starts[:-1], seg_starts[1:]):
-        whole = seq.request.params.prompt_logprobs is not None
-        rows.extend(range(start if whole else end - 1, end))
-    return rows
-
-
-def score_prompts(
-    seqs: list[Sequence], logits: torch.Tensor, seg_starts: list[int]
-) -> torch.Tensor:
-    """Keep the prompt logprobs of the sequences that asked (logits of `logit_rows`, [R, V]);
-    returns the logits of each sequence's last prompt token, [B, V]."""
-    if logits.shape[0] == len(seqs):
-        return logits
-    last, offset = [], 0
-    for seq, start, end in zip(seqs, seg_starts[:-1], seg_starts[1:]):
-        k = seq.request.params.prompt_logprobs
-        if k is not None:
-            ids = seq.request.prompt_ids
-            if end - start != len(ids):  # e.g. a reused prefix was not computed again
-                raise RuntimeError("prompt logprobs need the whole prompt in the prefill")
-            scored = token_logprobs(logits[offset : offset + len(ids) - 1], ids[1:], k)
-            seq.set_prompt_logprobs(scored)
-            offset += len(ids) - 1
-        last.append(offset)
-        offset += 1
-    return logits[last]
+def score_prompt(
+    seq: Sequence, hidden: torch.Tensor, head: Callable[[torch.Tensor], torch.Tensor]
+) -> None:
+    """Keep the prompt logprobs of a sequence that asked for them, from the final hidden states
+    of its whole prompt, [n, H]; `head` makes float32 logits [r, V] of r of those rows. The
+    logits go by chunks of `LOGPROB_CHUNK_ROWS` rows: a prompt of n tokens never holds its
+    [n, V] at once (an 8k-token prompt of a 128k vocabulary would be 4.2 GB of them)."""
+    ids = seq.request.prompt_ids
+    if hidden.shape[0] != len(ids):  # e.g. a reused prefix was not computed again
+        raise RuntimeError("prompt logprobs need the whole prompt in the prefill")
+    k = seq.request.params.prompt_logprobs
+    scored: list[TokenLogprob] = []
+    for start in range(0, len(ids) - 1, LOGPROB_CHUNK_ROWS):
+        end = min(start + LOGPROB_CHUNK_ROWS, len(ids) - 1)
+        scored.extend(token_logprobs(head(hidden[start:end]), ids[start + 1 : end + 1], k))
+    seq.set_prompt_logprobs(scored)
 
 
 @dataclass(frozen=True)

@@ -110,3 +110,49 @@ def test_prompt_only_scoring_generates_nothing(tiny_engine):
         7,
     ]
     assert stats["free_kv_tokens"] == stats["max_total_tokens"]
+
+
+class _RowCounter:
+    """The LM head with every call's row count recorded."""
+
+    def __init__(self, head):
+        self.head, self.rows = head, []
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        self.rows.append(h.shape[0])
+        return self.head(h)
+
+
+def test_a_long_prompt_is_scored_by_chunks_of_logits(tiny_model_dir, tiny_engine):
+    """A prompt of two chunks' tokens (the tiny model holds 512), scored beside one that is
+    not: its logprobs equal transformers' log-softmax at every position, and the LM head never
+    makes more than a chunk's rows of logits at once (not [prompt, V]: 4.2 GB for 8k tokens of
+    a 128k vocabulary)."""
+    from transformers import AutoModelForCausalLM
+
+    from toppings.server.sampling.logits import LOGPROB_CHUNK_ROWS
+
+    long = torch.randint(
+        0, 256, (LOGPROB_CHUNK_ROWS + 150,), generator=torch.Generator().manual_seed(3)
+    ).tolist()
+    with tiny_engine(max_total_tokens=4096) as engine:
+        counter = _RowCounter(engine.model.lm_head)
+        engine.model.lm_head = counter
+        scored = SamplingParams(max_new_tokens=2, prompt_logprobs=TOP, ignore_eos=True)
+        plain = SamplingParams(max_new_tokens=2, ignore_eos=True)
+        handles = [
+            engine.submit(GenerationRequest(long, scored)),
+            engine.submit(GenerationRequest(long[:40], plain)),
+        ]
+        out, other = [h.result(timeout_s=120) for h in handles]
+    assert max(counter.rows) <= LOGPROB_CHUNK_ROWS
+    assert other.prompt_logprobs is None and len(other.new_token_ids) == 2
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    with torch.inference_mode():
+        want = torch.log_softmax(model(input_ids=torch.tensor([long])).logits[0].float(), -1)
+    got = out.prompt_logprobs
+    assert got[0] is None and [s.token_id for s in got[1:]] == long[1:]
+    values = torch.tensor([s.logprob for s in got[1:]])
+    assert torch.allclose(values, want[torch.arange(len(long) - 1), long[1:]], atol=TOL)
+    tops = torch.tensor([[lp for _, lp in s.top] for s in got[1:]])
+    assert torch.allclose(tops, want[:-1].topk(TOP).values, atol=TOL)
