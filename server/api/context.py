@@ -18,7 +18,7 @@ from flask import request
 from toppings.server.api.admin.lifecycle import AdapterAdmin
 from toppings.server.api.admin.peer_fetch import PeerFetcher
 from toppings.server.api.metrics import ServerMetrics
-from toppings.server.api.openai.choices import RequestLimits
+from toppings.server.api.openai.choices import LOGPROB_ENTRIES_IN_FLIGHT, RequestLimits
 from toppings.server.api.openai.logprobs import TokenText
 from toppings.server.api.tokenizer_pool import TokenizerPool
 from toppings.server.engine.client import EngineClient
@@ -35,11 +35,15 @@ from toppings.server.resolver.names import AdapterNames
 
 @dataclass
 class ServerState:
-    """Per-app state the command line and tests reach: in-flight limit, metrics, drain flag."""
+    """Per-app state the command line and tests reach: in-flight limit, metrics, drain flag,
+    and the logprob entries the answers in flight may hold (`LOGPROB_ENTRIES_IN_FLIGHT`)."""
 
     in_flight: InFlightLimit
     metrics: ServerMetrics
     draining: threading.Event = dataclasses.field(default_factory=threading.Event)
+    logprobs: InFlightLimit = dataclasses.field(
+        default_factory=lambda: InFlightLimit(LOGPROB_ENTRIES_IN_FLIGHT)
+    )
 
     def take_slot(self) -> Slot:
         """A place in flight for one generation request; a 429 with Retry-After past the limit."""
@@ -48,6 +52,20 @@ class ServerState:
             raise RequestError(too_many_requests(self.in_flight.max_in_flight), 429,
                                TOO_MANY_REQUESTS, retry_after_s=RETRY_AFTER_S)  # fmt: skip
         return slot
+
+    def charge_logprobs(self, entries: int) -> Slot:
+        """An answer's logprob entries (`choices.logprob_entries`, 0 for none) charged to the
+        process's budget until it is written; a 429 with Retry-After while the answers in
+        flight hold too much of it."""
+        charge = self.logprobs.try_acquire(entries)
+        if charge is None:
+            held, most = self.logprobs.num_in_flight, self.logprobs.max_in_flight
+            raise RequestError(
+                f"the answers in flight hold {held} of the {most} logprob entries this process "
+                f"holds at once, and this one asks for {entries}; retry after the Retry-After "
+                f"delay", 429, TOO_MANY_REQUESTS, retry_after_s=RETRY_AFTER_S,
+            )  # fmt: skip
+        return charge
 
 
 @dataclass(frozen=True)

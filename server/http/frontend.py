@@ -41,10 +41,12 @@ def default_max_in_flight(max_batch_size: int) -> int:
 
 
 class Slot:
-    """One request's place in flight; `release()` is idempotent and thread-safe."""
+    """One request's place in flight (`units` of the limit); `release()` is idempotent and
+    thread-safe."""
 
-    def __init__(self, limit: InFlightLimit):
+    def __init__(self, limit: InFlightLimit, units: int = 1):
         self._limit = limit
+        self.units = units
         self._released = False
 
     def release(self) -> None:
@@ -52,7 +54,8 @@ class Slot:
 
 
 class InFlightLimit:
-    """Counts requests in flight and refuses, without blocking, the one past `max_in_flight`."""
+    """Counts requests in flight (or another weight of them: `units` a request) and refuses,
+    without blocking, the one that would pass `max_in_flight`."""
 
     def __init__(self, max_in_flight: int):
         if max_in_flight < 1:
@@ -62,20 +65,21 @@ class InFlightLimit:
         self._num_in_flight = 0
         self._num_rejected = 0
 
-    def try_acquire(self) -> Slot | None:
-        """A slot, or None (and one more rejection counted) when the limit is reached."""
+    def try_acquire(self, units: int = 1) -> Slot | None:
+        """A slot of `units`, or None (and one more rejection counted) when they would pass
+        the limit."""
         with self._lock:
-            if self._num_in_flight >= self.max_in_flight:
+            if self._num_in_flight + units > self.max_in_flight:
                 self._num_rejected += 1
                 return None
-            self._num_in_flight += 1
-            return Slot(self)
+            self._num_in_flight += units
+            return Slot(self, units)
 
     def _release(self, slot: Slot) -> None:
         with self._lock:
             if not slot._released:
                 slot._released = True
-                self._num_in_flight -= 1
+                self._num_in_flight -= slot.units
 
     @property
     def num_in_flight(self) -> int:

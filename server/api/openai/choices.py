@@ -217,7 +217,6 @@ def build_requests(
         limits.check(parsed, len(ids), context_max)
         for ids, context_max in zip(all_ids, context_max_tokens)
     ]
-    check_logprob_entries(sampling, parsed.n, all_ids, max_tokens_each)
     adapter = resolve(parsed.adapter)
     requests = []
     for ids, max_tokens in zip(all_ids, max_tokens_each):
@@ -227,6 +226,7 @@ def build_requests(
                 seed = (seed + copy) % MAX_SEED
             params = SamplingParams(**dict(sampling, max_new_tokens=max_tokens, seed=seed))
             requests.append(GenerationRequest(prompt_ids=ids, params=params, adapter=adapter))
+    check_logprob_entries(requests)
     return requests, all_ids
 
 
@@ -237,22 +237,31 @@ def build_requests(
 # 8,000 scored tokens would hold some 20 GB. 250k entries: about 0.13 GB; lm-eval's scoring
 # (echo, 1 alternative) of 125k prompt tokens, or 12k tokens at 20 alternatives.
 MAX_LOGPROB_ENTRIES = 250_000
+# What the answers in flight may hold together (about 1 GB): past it a request gets 429 with
+# Retry-After, so many requests at the bound above cannot exhaust the host's memory together
+# (1,024 in flight, 4x a batch of 256, would otherwise be allowed 133 GB).
+LOGPROB_ENTRIES_IN_FLIGHT = 8 * MAX_LOGPROB_ENTRIES
 
 
-def check_logprob_entries(
-    sampling: dict, n: int, all_ids: list[list[int]], max_tokens_each: list[int]
-) -> None:
+def logprob_entries(requests: list[GenerationRequest]) -> int:
+    """The logprob entries the requests' answers may hold: scored tokens (prompt and output)
+    x (alternatives + 1)."""
+    entries = 0
+    for req in requests:
+        per_prompt, per_output = req.params.prompt_logprobs, req.params.logprobs
+        if per_prompt is not None:
+            entries += (len(req.prompt_ids) - 1) * (per_prompt + 1)
+        if per_output is not None:
+            entries += req.params.max_new_tokens * (per_output + 1)
+    return entries
+
+
+def check_logprob_entries(requests: list[GenerationRequest]) -> None:
     """Raises RequestError when the request's choices would score more than
     MAX_LOGPROB_ENTRIES tokens x alternatives (prompt and output logprobs together)."""
-    per_prompt, per_output = sampling.get("prompt_logprobs"), sampling["logprobs"]
-    scored = 0
-    for ids, max_tokens in zip(all_ids, max_tokens_each):
-        if per_prompt is not None:
-            scored += (len(ids) - 1) * (per_prompt + 1)
-        if per_output is not None:
-            scored += max_tokens * (per_output + 1)
-    if scored * n > MAX_LOGPROB_ENTRIES:
+    entries = logprob_entries(requests)
+    if entries > MAX_LOGPROB_ENTRIES:
         raise RequestError(
-            f"the logprobs asked for come to {scored * n} entries (scored tokens x (alternatives "
+            f"the logprobs asked for come to {entries} entries (scored tokens x (alternatives "
             f"+ 1), every choice); this server answers at most {MAX_LOGPROB_ENTRIES} a request"
         )

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 from flask import Flask, Response, jsonify, request
 
 from toppings.server.api.context import ApiContext, json_body
-from toppings.server.api.openai.choices import build_requests
+from toppings.server.api.openai.choices import build_requests, logprob_entries
 from toppings.server.api.openai.request_group import RequestGroup
 from toppings.server.api.openai.response import (
     SSE_DONE,
@@ -43,10 +43,10 @@ logger = logging.getLogger(__name__)
 IGNORED_HEADER = "X-Toppings-Ignored-Fields"
 
 
-def _stream(events: Iterator[str], group: RequestGroup, slot: Slot) -> ReleasingBody:
+def _stream(events: Iterator[str], group: RequestGroup, slot: Slot, charge: Slot) -> ReleasingBody:
     """The SSE body; closing it (done, or the client gone) aborts the requests still running
-    and gives the slot back, even when the body was never iterated."""
-    return ReleasingBody(_sse_or_error(events), group.abort, slot.release)
+    and gives the slot and the logprobs' charge back, even when the body was never iterated."""
+    return ReleasingBody(_sse_or_error(events), group.abort, slot.release, charge.release)
 
 
 def _sse_or_error(events: Iterator[str]) -> Iterator[str]:
@@ -117,27 +117,46 @@ def register_generation(app: Flask, ctx: ApiContext) -> None:
                     p if isinstance(p, str) else tokenizer.decode(p, skip_special_tokens=skip)
                     for p in (parsed.prompts if parsed.echo else ())
                 )
-            group = RequestGroup(engine, reqs)
-        meta = ResponseMeta.new(parsed, prompt_ids, ctx.token_text, echo)
+            # the answer's logprobs charged before it is submitted: 429 while others hold them
+            charge = state.charge_logprobs(logprob_entries(reqs))
+            try:
+                group = RequestGroup(engine, reqs)
+            except BaseException:
+                charge.release()
+                raise
+        try:
+            meta = ResponseMeta.new(parsed, prompt_ids, ctx.token_text, echo)
+            return _respond(parsed, slot, charge, group, meta)
+        except BaseException:  # idempotent: a stream's body, once made, gives them back too
+            group.abort()
+            charge.release()
+            raise
+
+    def _respond(
+        parsed: ParsedBody, slot: Slot, charge: Slot, group: RequestGroup, meta: ResponseMeta
+    ) -> Response:
+        """The submitted group's answer: a stream (whose body gives the slot and the charge
+        back when it closes) or one JSON body (the slot given back when the group has ended,
+        the charge when its JSON is made)."""
         gone = request.environ.get("waitress.client_disconnected") or (lambda: False)
         on_final = state.metrics.requests.observe_final
         if parsed.stream:
             outputs = group.outputs(gone, on_final)
-            events = _stream(stream_events(parsed, meta, outputs), group, slot)
+            events = _stream(stream_events(parsed, meta, outputs), group, slot, charge)
             headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
             return Response(events, mimetype="text/event-stream", headers=headers)
         try:
-            outs = group.results(gone, on_final)
-        except BaseException:
-            group.abort()
-            raise
+            try:
+                outs = group.results(gone, on_final)
+            finally:
+                slot.release()
+            failed = next((out for out in outs if out.finish_reason == "error"), None)
+            if failed is not None:
+                message = failed.error or "generation failed"
+                return error_response(message, failed.error_code, failed.error_type)
+            return jsonify(final_response(parsed, meta, outs))
         finally:
-            slot.release()
-        failed = next((out for out in outs if out.finish_reason == "error"), None)
-        if failed is not None:
-            message = failed.error or "generation failed"
-            return error_response(message, failed.error_code, failed.error_type)
-        return jsonify(final_response(parsed, meta, outs))
+            charge.release()
 
     app.add_url_rule("/generate", "generate", lambda: generate(parse_native), methods=["POST"])
     app.add_url_rule(

@@ -124,3 +124,31 @@ def test_the_logprob_entries_of_a_request_are_bounded(client, monkeypatch, body,
     refused = http.post("/v1/completions", json={**body, "n": fits_n + 1})
     assert refused.status_code == 400
     assert "this server answers at most 100 a request" in refused.get_json()["error"]["message"]
+
+
+def test_the_logprob_entries_in_flight_are_bounded_and_given_back(client, monkeypatch):
+    """What the answers in flight hold together is charged to one budget: while a stream holds
+    most of it, a request whose logprobs pass it is a 429 with Retry-After and one without
+    logprobs is served; every answer gives its charge back when it ends, streamed or not."""
+    from toppings.server.http.frontend import InFlightLimit
+
+    http, _ = client
+    state = http.application.extensions["toppings"]
+    monkeypatch.setattr(state, "logprobs", InFlightLimit(60))
+    body = {"prompt": PROMPT, **GREEDY}
+    stream = http.post(
+        "/v1/completions",
+        json={**body, "max_tokens": 10, "logprobs": 4, "stream": True},
+        buffered=False,
+    )  # 10 output tokens x 5 entries, held until the stream closes
+    assert stream.status_code == 200 and state.logprobs.num_in_flight == 50
+    asks = {**body, "max_tokens": 3, "logprobs": 4}  # 15 more: past 60
+    refused = http.post("/v1/completions", json=asks)
+    assert refused.status_code == 429 and refused.headers["Retry-After"]
+    assert "logprob entries" in refused.get_json()["error"]["message"]
+    assert len(_post(http, "/v1/completions", {**body, "max_tokens": 3})["choices"]) == 1
+    assert b"[DONE]" in b"".join(stream.response)
+    stream.close()
+    assert state.logprobs.num_in_flight == 0
+    assert _post(http, "/v1/completions", asks)["choices"][0]["logprobs"] is not None
+    assert state.logprobs.num_in_flight == 0
