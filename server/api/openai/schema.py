@@ -77,10 +77,12 @@ MAX_METADATA_PAIRS = 16  # OpenAI's limit
 # OpenAI keeps the completion (nothing is kept here); user: an end-user id for abuse tracking;
 # parallel_tool_calls: a reply holds at most one tool call here, so either value is met;
 # reasoning_effort: for reasoning models (refused where the chat template reasons:
-# server.api.openai.choices); modalities: only ["text"], the one output this server has.
+# server.api.openai.choices); modalities: only ["text"], the one output this server has;
+# spaces_between_special_tokens (vLLM's): its fast-tokenizer detokenizer ignores it too.
 IGNORED_FIELDS = {
     "metadata": "object", "service_tier": "str", "store": "bool", "user": "str",
     "parallel_tool_calls": "bool", "reasoning_effort": "str", "modalities": "list",
+    "spaces_between_special_tokens": "bool",
 }  # fmt: skip
 OPENAI_FIELDS = SAMPLING_FIELDS | NEUTRAL_FIELDS.keys() | IGNORED_FIELDS.keys() | {
     "model", "stream", "stream_options", "n", "prompt_logprobs",  # the last vLLM's

@@ -20,8 +20,6 @@ CHAT = [{"role": "user", "content": "hi"}]
          "/v1/completions"),
         (parse_completion, {"prompt": "a", "messages": CHAT}, "messages", "/v1/completions"),
         (parse_chat, {"messages": CHAT, "prompt": "a"}, "prompt", "/v1/chat/completions"),
-        (parse_chat, {"messages": CHAT, "spaces_between_special_tokens": False},
-         "spaces_between_special_tokens", "/v1/chat/completions"),
         (parse_completion, {"prompt": "a", "chat_template_kwargs": {"x": 1}},
          "chat_template_kwargs", "/v1/completions"),
         (parse_native, {"prompt": "a", "max_tokens": 4}, "max_tokens", "/generate"),
@@ -57,6 +55,7 @@ def test_null_fields_count_as_absent():
         ("parallel_tool_calls", True),
         ("reasoning_effort", "low"),
         ("modalities", ["text"]),
+        ("spaces_between_special_tokens", False),
     ],
 )
 def test_metadata_class_fields_are_accepted_and_named(field, value):
