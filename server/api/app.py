@@ -41,7 +41,7 @@ from toppings.server.api.admin.peer_fetch import FetchConfig, PeerFetcher
 from toppings.server.api.admin.routes import register_adapters
 from toppings.server.api.context import ApiContext, ServerState
 from toppings.server.api.metrics import PREFIX, ServerMetrics
-from toppings.server.api.openai.choices import RequestLimits
+from toppings.server.api.openai.choices import LOGPROB_ENTRIES_IN_FLIGHT, RequestLimits
 from toppings.server.api.openai.generation import register_generation, register_tokenizer
 from toppings.server.api.openai.logprobs import TokenText
 from toppings.server.api.openai.models import register_models
@@ -134,12 +134,13 @@ def register_observability(app: Flask, ctx: ApiContext) -> None:
 
 def _context(engine, options: ApiOptions) -> ApiContext:
     """The routes' context: the in-flight limit (the operator's, else 4x the batch), the
-    metrics, the adapter admin and, with an adapter store, the peer fetcher."""
+    logprobs' budget, the metrics, the adapter admin and, with an adapter store, the peer
+    fetcher."""
     max_in_flight = options.max_concurrent_requests or default_max_in_flight(
         engine.config.max_batch_size
     )
-    in_flight = InFlightLimit(max_in_flight)
-    state = ServerState(in_flight, ServerMetrics(engine, in_flight))
+    in_flight, logprobs = InFlightLimit(max_in_flight), InFlightLimit(LOGPROB_ENTRIES_IN_FLIGHT)
+    state = ServerState(in_flight, logprobs, ServerMetrics(engine, in_flight, logprobs))
     admin = AdapterAdmin(engine, AdapterPaths(options.lora_roots))
     fetcher = None
     if options.adapter_store is not None:

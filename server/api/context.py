@@ -18,7 +18,7 @@ from flask import request
 from toppings.server.api.admin.lifecycle import AdapterAdmin
 from toppings.server.api.admin.peer_fetch import PeerFetcher
 from toppings.server.api.metrics import ServerMetrics
-from toppings.server.api.openai.choices import LOGPROB_ENTRIES_IN_FLIGHT, RequestLimits
+from toppings.server.api.openai.choices import RequestLimits
 from toppings.server.api.openai.logprobs import TokenText
 from toppings.server.api.tokenizer_pool import TokenizerPool
 from toppings.server.engine.client import EngineClient
@@ -35,15 +35,13 @@ from toppings.server.resolver.names import AdapterNames
 
 @dataclass
 class ServerState:
-    """Per-app state the command line and tests reach: in-flight limit, metrics, drain flag,
-    and the logprob entries the answers in flight may hold (`LOGPROB_ENTRIES_IN_FLIGHT`)."""
+    """Per-app state the command line and tests reach: the in-flight limit, the logprob entries
+    the answers in flight may hold (`choices.LOGPROB_ENTRIES_IN_FLIGHT`), metrics, drain flag."""
 
     in_flight: InFlightLimit
+    logprobs: InFlightLimit
     metrics: ServerMetrics
     draining: threading.Event = dataclasses.field(default_factory=threading.Event)
-    logprobs: InFlightLimit = dataclasses.field(
-        default_factory=lambda: InFlightLimit(LOGPROB_ENTRIES_IN_FLIGHT)
-    )
 
     def take_slot(self) -> Slot:
         """A place in flight for one generation request; a 429 with Retry-After past the limit."""

@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from toppings.server.api.protocol_metrics import ProtocolCollector
-from toppings.server.http.frontend import InFlightCollector
+from toppings.server.http.frontend import InFlightCollector, InFlightLimit
 from toppings.server.http.metrics import new_registry
 from toppings.server.requests.engine_counters import BlockCounts, EngineCounters, QueueView
 from toppings.server.requests.errors import CONSTRAINT_FAILED
@@ -232,11 +232,31 @@ def read_engine(fn, attempts: int = 3):
     raise AssertionError("unreachable")
 
 
-class ServerMetrics:
-    """The registry of one app: request series plus the engine, protocol and front-end
-    collectors."""
+class LogprobBudgetCollector:
+    """The logprob entries the answers in flight hold (server.api.context's budget), the most
+    they may, and the requests refused with 429 for it."""
 
-    def __init__(self, engine, in_flight):
+    def __init__(self, budget: InFlightLimit):
+        self.budget = budget
+
+    def collect(self) -> Iterator[Metric]:
+        budget = self.budget
+        yield GaugeMetricFamily(PREFIX + "logprob_entries_in_flight",
+                                "Logprob entries the answers in flight may hold",
+                                value=budget.num_in_flight)  # fmt: skip
+        yield GaugeMetricFamily(PREFIX + "max_logprob_entries_in_flight",
+                                "Logprob entries in flight past which a request gets 429",
+                                value=budget.max_in_flight)  # fmt: skip
+        yield CounterMetricFamily(PREFIX + "logprob_requests_rejected",
+                                  "Requests refused with 429: their logprobs past the budget",
+                                  value=budget.num_rejected)  # fmt: skip
+
+
+class ServerMetrics:
+    """The registry of one app: request series plus the engine, protocol, front-end and
+    logprob-budget collectors."""
+
+    def __init__(self, engine, in_flight: InFlightLimit, logprobs: InFlightLimit):
         self.registry = new_registry()  # its /metrics route: server.http.metrics
         self.requests = RequestMetrics(self.registry)
         self.registry.register(EngineCollector(engine))
@@ -248,3 +268,4 @@ class ServerMetrics:
             InFlightCollector(in_flight, PREFIX, "num_requests_in_flight",
                               "Generation requests taken by the HTTP front end and not ended")
         )  # fmt: skip
+        self.registry.register(LogprobBudgetCollector(logprobs))
