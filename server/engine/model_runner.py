@@ -76,8 +76,9 @@ class PreparedStep:
     before the next plan moves them on (T tokens, B requests). A decode step: its rows
     (`decode`, the runner's DecodeBatch's) and on a CPU its KV index (`kv_index` [B, Lmax]).
     A prefill or mixed step: input `ids` [T] (a token still in flight is 0 here, its index and
-    request in `in_flight`), `positions` [T], `seg_starts` [B+1], the logit `rows` [R] and which
-    requests score their prompt (`scores` [B]), each request's KV row (`kv_rows` [B])."""
+    request in `in_flight`), `positions` [T], `seg_starts` [B+1], the logit `rows` [R], which
+    requests score their prompt chunk (`scores` [B]: each of its rows a logit row), each
+    request's KV row (`kv_rows` [B])."""
 
     plan: StepPlan
     num_prompt: int  # the prompt tokens it computes
@@ -177,15 +178,15 @@ class ModelRunner:
                     ids.append(0)
                 else:
                     ids.append(seq.output_ids[-1])
-                whole = False
+                scored = False
             else:
                 ids.extend(seq.request.prompt_ids[start : start + n])
-                whole = seq.request.params.prompt_logprobs is not None
+                scored = seq.request.params.prompt_logprobs is not None  # its chunk's rows
             positions.extend(range(start, start + n))
             end = seg_starts[-1] + n
-            rows.extend(range(seg_starts[-1] if whole else end - 1, end))
+            rows.extend(range(seg_starts[-1] if scored else end - 1, end))
             seg_starts.append(end)
-            step.scores.append(whole)
+            step.scores.append(scored)
         step.kv_rows.extend(s.kv_hold.row for s in seqs)
         step.num_prompt = sum(max(0, min(s.prompt_len, b + n) - b)
                               for s, b, n in zip(seqs, plan.starts, plan.tokens))  # fmt: skip
@@ -263,8 +264,8 @@ class ModelRunner:
         """The one `ForwardBatch` of a step and its forward pass: request b computes its
         plan.tokens[b] tokens from position plan.starts[b] (its prompt's next chunk, or its
         last sampled token) after the KV its row holds (its past). Returns the logits [B, V]
-        of each request's last token (and keeps the prompt logprobs of a request that scores
-        its prompt, whole in one step: see `admission.is_whole`), their scan where the model's
+        of each request's last token (and keeps the prompt logprobs of the chunk of a request
+        that scores its prompt: `sampler.score_prompt`), their scan where the model's
         native step scanned them (else None), the seconds of the forward pass (a scored
         prompt's LM head and logprobs not counted) and the prompt tokens it computed."""
         plan = step.plan
@@ -283,10 +284,10 @@ class ModelRunner:
             self._trace.step(StepEvent(plan.is_prefill, num_tokens, started, started + seconds))
         if scores:
             offset = 0
-            for seq, n, whole in zip(plan.seqs, plan.tokens, step.scores):
-                if whole:
-                    score_prompt(seq, hidden[offset : offset + n], self.model.head)
-                offset += n if whole else 1
+            for seq, start, n, scored in zip(plan.seqs, plan.starts, plan.tokens, step.scores):
+                if scored:
+                    score_prompt(seq, start, hidden[offset : offset + n], self.model.head)
+                offset += n if scored else 1
         return logits, scanned, seconds, step.num_prompt
 
     @staticmethod
@@ -294,8 +295,8 @@ class ModelRunner:
         """Each request's last row among a scoring step's logit rows: a scored segment has all
         of its rows there, any other its last one alone."""
         last, offset = [], 0
-        for n, whole in zip(plan.tokens, scores):
-            offset += n if whole else 1
+        for n, scored in zip(plan.tokens, scores):
+            offset += n if scored else 1
             last.append(offset - 1)
         return last
 

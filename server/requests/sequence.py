@@ -66,6 +66,7 @@ class Sequence:
         self.step_grammar_error: str | None = None
         self._grammar_failure: str | None = None
         self._prompt_logprobs: list[TokenLogprob | None] | None = None  # sent once, first
+        self._scored: list[TokenLogprob | None] | None = None  # the chunks' so far
         self._num_sent = 0  # tokens streamed before a restart, not sent again when replayed
 
     @property
@@ -108,9 +109,18 @@ class Sequence:
             max_new_tokens=self.request.params.max_new_tokens,
         )
 
-    def set_prompt_logprobs(self, scored: list[TokenLogprob]) -> None:
-        """The prompt's token logprobs (the first token has none); sent with the next output."""
-        self._prompt_logprobs = [None, *scored]
+    def add_prompt_logprobs(self, start: int, end: int, scored: list[TokenLogprob]) -> None:
+        """The logprobs a prefill chunk of prompt positions start .. end - 1 scored: of the
+        prompt tokens start + 1 .. start + len(scored) (the first token has none, the last
+        position predicts the output). Once a chunk reaches the prompt's end, all of them are
+        sent with the next output. A chunk from 0 starts over (after a restart)."""
+        if start == 0:
+            self._scored = [None]
+        elif self._scored is None or len(self._scored) != start + 1:
+            raise RuntimeError("prompt logprobs need every prompt position computed in order")
+        self._scored.extend(scored)
+        if end >= self.prompt_len:
+            self._prompt_logprobs, self._scored = self._scored, None
 
     def append(
         self,

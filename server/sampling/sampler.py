@@ -37,21 +37,23 @@ log = logging.getLogger(__name__)
 
 
 def score_prompt(
-    seq: Sequence, hidden: torch.Tensor, head: Callable[[torch.Tensor], torch.Tensor]
+    seq: Sequence, start: int, hidden: torch.Tensor, head: Callable[[torch.Tensor], torch.Tensor]
 ) -> None:
-    """Keep the prompt logprobs of a sequence that asked for them, from the final hidden states
-    of its whole prompt, [n, H]; `head` makes float32 logits [r, V] of r of those rows. The
-    logits go by chunks of `LOGPROB_CHUNK_ROWS` rows: a prompt of n tokens never holds its
-    [n, V] at once (an 8k-token prompt of a 128k vocabulary would be 4.2 GB of them)."""
+    """Keep the prompt logprobs of one chunk of a sequence that asked for them: `hidden` [n, H]
+    the final hidden states of its prompt positions start .. start + n - 1, each scoring the
+    prompt token after it (the prompt's last position predicts the output: not scored here);
+    `head` makes float32 logits [r, V] of r of those rows. The logits go by chunks of
+    `LOGPROB_CHUNK_ROWS` rows: a chunk of n tokens never holds its [n, V] at once (8k tokens
+    of a 128k vocabulary would be 4.2 GB of them)."""
     ids = seq.request.prompt_ids
-    if hidden.shape[0] != len(ids):  # e.g. a reused prefix was not computed again
-        raise RuntimeError("prompt logprobs need the whole prompt in the prefill")
+    end = min(start + hidden.shape[0], len(ids) - 1)
     k = seq.request.params.prompt_logprobs
     scored: list[TokenLogprob] = []
-    for start in range(0, len(ids) - 1, LOGPROB_CHUNK_ROWS):
-        end = min(start + LOGPROB_CHUNK_ROWS, len(ids) - 1)
-        scored.extend(token_logprobs(head(hidden[start:end]), ids[start + 1 : end + 1], k))
-    seq.set_prompt_logprobs(scored)
+    for first in range(start, end, LOGPROB_CHUNK_ROWS):
+        last = min(first + LOGPROB_CHUNK_ROWS, end)
+        rows = hidden[first - start : last - start]
+        scored.extend(token_logprobs(head(rows), ids[first + 1 : last + 1], k))
+    seq.add_prompt_logprobs(start, start + hidden.shape[0], scored)
 
 
 @dataclass(frozen=True)

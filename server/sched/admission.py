@@ -164,12 +164,6 @@ def queued_adapters(waiting: Iterable[Sequence]) -> frozenset[AdapterRef]:
     return frozenset(s.request.adapter for s in waiting if s.request.adapter is not None)
 
 
-def is_whole(seq: Sequence) -> bool:
-    """Whether a request's prompt is computed in one step even with chunked prefill: one that
-    scores its prompt (prompt logprobs are taken from one forward over the whole prompt)."""
-    return seq.request.params.prompt_logprobs is not None
-
-
 class AdmissionGate:
     """Admission checks of one scheduler iteration (the engine thread, under its lock)."""
 
@@ -194,11 +188,9 @@ class AdmissionGate:
         self.memory, self.adapters, self.limits, self.clock = memory, adapters, limits, clock
         self.admitted: list[Sequence] = []
         self.prefill_tokens = 0
-        # every request computing in this step -> its tokens (planned, then admitted); the
-        # decodes' share tells whether the step has a prompt token yet
+        # every request computing in this step -> its tokens (planned, then admitted)
         self.chunks: dict[Sequence, int] = dict(planned or {})
         self.step_tokens = sum(self.cost(s, n) for s, n in self.chunks.items())  # of the budget
-        self.decode_tokens = sum(n for s, n in self.chunks.items() if s.is_prefilled)
         self._queued: frozenset[AdapterRef] | None = None
         # What the policy asked about last, a request or an adapter: when forming the batch
         # raises, the scheduler fails that one alone (Scheduler.schedule).
@@ -241,7 +233,7 @@ class AdmissionGate:
         seq.num_prefilled = seq.prompt_len - computed
         self.prefill_tokens += computed
         chunk = computed  # chunked prefill off: the whole prompt, in one step
-        if limits.max_step_tokens is not None and not is_whole(seq):
+        if limits.max_step_tokens is not None:
             left = limits.chunk_within(self._chunk_left(max_chunk), seq.num_prefilled)
             chunk = min(computed, left)
         self.chunks[seq] = chunk
@@ -275,16 +267,11 @@ class AdmissionGate:
     def _budget_allows(self, seq: Sequence, computed: int, max_chunk: int | None = None) -> bool:
         """Whether the step's token budget takes `seq`'s prompt (its `computed` tokens): without
         chunking, whole prompts up to max_prefill_tokens (the first one always); with it, any
-        chunk while the budget lasts, but a request scoring its prompt (prompt logprobs) only
-        whole, where the budget holds it or the step plans no other prompt tokens yet (then it
-        may exceed the budget, as the first prompt of an unchunked prefill step may exceed
-        max_prefill_tokens: it never waits for the running decodes to end). `max_chunk` (a
-        policy's quota) bounds the chunk further; a whole prompt is held to it as to the step."""
+        chunk while the budget lasts (a request scoring its prompt too: its chunks are scored
+        one by one). `max_chunk` (a policy's quota) bounds the chunk further."""
         limits = self.limits
         if limits.max_step_tokens is None:
             return not self.admitted or self.prefill_tokens + computed <= limits.max_prefill_tokens
-        if is_whole(seq):
-            return self.step_tokens == self.decode_tokens or computed <= self._chunk_left(max_chunk)
         return self._chunk_left(max_chunk) > 0
 
     def queued(self) -> frozenset[AdapterRef]:

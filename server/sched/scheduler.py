@@ -38,7 +38,6 @@ from toppings.server.sched.admission import (
     Adapters,
     AdmissionGate,
     Memory,
-    is_whole,
     queued_adapters,
     release,
 )
@@ -180,7 +179,7 @@ class Scheduler:
         chunks = {s: n for s, n in gate.chunks.items() if s in still}
         if budget is not None:
             self._fill(chunks, limits, budget - sum(gate.cost(s, n) for s, n in chunks.items()))
-            in_tiles(chunks, self.running, gate.cost, budget * limits.tile_stall, is_whole)
+            in_tiles(chunks, self.running, gate.cost, budget * limits.tile_stall)
         starts = self._reserve(chunks)
         if not chunks or starts is None:
             return None
@@ -228,7 +227,7 @@ class Scheduler:
         those it finishes (a short prompt's last tokens, which a queue's quota or a chunk's
         rounding left over, wait no step more for an older long prompt), then oldest first
         (chunked prefill)."""
-        prompts = [s for s in self.running if not s.is_prefilled and not is_whole(s)]
+        prompts = [s for s in self.running if not s.is_prefilled]
 
         def rest_cost(seq: Sequence) -> int:  # what finishing its prompt costs more
             past, had = seq.num_prefilled, chunks.get(seq, 0)

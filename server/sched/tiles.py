@@ -74,14 +74,12 @@ def in_tiles(
     oldest_first: Iterable[Sequence],
     cost: Callable[[Sequence, int], int],
     bound: float,
-    whole: Callable[[Sequence], bool],
 ) -> None:
     """Make the prompt chunks of a planned step whole tiles (see the module docstring), in
     place: `chunks` the step's tokens per request (a decode 1), `cost` a request's budget
     tokens for so many, `bound` the most budget tokens the step may cost with a chunk raised to
-    a tile, `whole` whether a prompt is computed in one step anyway."""
-    prompts = [s for s in oldest_first
-               if chunks.get(s, 0) > 0 and not s.is_prefilled and not whole(s)]  # fmt: skip
+    a tile."""
+    prompts = [s for s in oldest_first if chunks.get(s, 0) > 0 and not s.is_prefilled]
     for seq in prompts:
         chunks[seq] = whole_tiles(
             chunks[seq], seq.num_prefilled, seq.prompt_len - seq.num_prefilled

@@ -133,8 +133,9 @@ def test_chunked_matches_unchunked_and_peft(tmp_path_factory, kernel, mode, work
 
 def test_logprobs_exact_in_mixed_steps(tmp_path_factory, tiny_model_dir):
     """Output logprobs of decode rows run in mixed steps, and the prompt logprobs of requests
-    that score their prompt (prefilled whole beside others' chunks), equal transformers + PEFT's
-    (test_logprobs_exactness's tolerance)."""
+    that score their prompt (in chunks beside others' chunks and decodes, each chunk's rows
+    scored as it is computed), equal transformers + PEFT's (test_logprobs_exactness's
+    tolerance)."""
     from tests.server.engine.test_logprobs_exactness import TOP, check_against_reference
 
     adapters = make_adapters(tmp_path_factory.mktemp("adapters_lp"), tiny_model_dir)
@@ -170,6 +171,9 @@ def test_logprobs_exact_in_mixed_steps(tmp_path_factory, tiny_model_dir):
     finally:
         engine.shutdown()
     assert any(p is not None and p.is_prefill and not all(p.samples) for p in plans)
+    chunks = [n for p in plans if p is not None for s, b, n in zip(p.seqs, p.starts, p.tokens)
+              if s.request.prompt_ids == scored[0][0] and b < 30]  # fmt: skip
+    assert len(chunks) > 1 and sum(chunks) == 30  # the 30-token scored prompt went in chunks
     check_against_reference(tiny_model_dir, adapters, scored, results)
 
 

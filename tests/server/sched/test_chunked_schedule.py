@@ -99,7 +99,10 @@ def test_a_partly_prefilled_request_keeps_its_place():
     assert set(plan.sampled) == {first, second}
 
 
-def test_prompt_logprobs_requests_are_prefilled_whole():
+def test_prompt_logprobs_requests_are_chunked_like_any():
+    """A request scoring its prompt takes the budget's chunks as any prompt does (each chunk's
+    rows are scored as it is computed): it never makes a step past the budget, which every
+    running stream would wait for."""
     from toppings.server.requests.request import GenerationRequest, RequestHandle, SamplingParams
     from toppings.server.requests.sequence import Sequence
 
@@ -109,14 +112,14 @@ def test_prompt_logprobs_requests_are_prefilled_whole():
     scored = Sequence(request, RequestHandle(request, lambda _id: None), Tokenizer(), 0.0)
     sched.add(scored)
     plan = step(sched)
-    assert tokens_of(plan) == {scored: 40} and plan.sampled == (scored,)
-    # Beside running decodes, a scored prompt over the budget still goes whole (it does not
-    # wait for them to end), in a step with no other prompt chunk.
+    assert tokens_of(plan) == {scored: 20} and plan.sampled == ()
+    plan = step(sched)
+    assert tokens_of(plan) == {scored: 20} and plan.sampled == (scored,)
     request = GenerationRequest(list(range(2, 32)), params, None)
     late = Sequence(request, RequestHandle(request, lambda _id: None), Tokenizer(), 0.0)
     sched.add(late)
     plan = step(sched)
-    assert tokens_of(plan) == {scored: 1, late: 30}
+    assert tokens_of(plan) == {scored: 1, late: 19}
 
 
 def test_long_prompt_never_stalls_32_decoding_streams():
