@@ -11,9 +11,10 @@ import math
 from pathlib import Path
 from typing import Any
 
-from toppings.server.chat_template.render import CHAT_OPTION_FIELDS
-
 CHARS_PER_TOKEN = 4  # no tokenizer here: a rough prompt-length estimate for the perf models
+
+# vLLM's fields on how a chat renders (server.api.openai.chat_options): ids are not guessed then
+CHAT_RENDER_FIELDS = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs")
 
 
 def copies(body: dict[str, Any]) -> int:
@@ -87,7 +88,7 @@ class PromptCounter:
         try:
             if "messages" in body:
                 messages = body["messages"]
-                if "tools" in body or any(body.get(k) is not None for k in CHAT_OPTION_FIELDS):
+                if "tools" in body or any(body.get(k) is not None for k in CHAT_RENDER_FIELDS):
                     return None  # the server renders these its own way
                 if not all(
                     isinstance(m, dict) and isinstance(m.get("content", ""), str) for m in messages

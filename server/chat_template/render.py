@@ -21,12 +21,6 @@ from toppings.server.chat_template.sandbox import render_template, sandbox
 from toppings.server.requests.errors import shown
 from toppings.server.requests.request import RequestError
 
-# vLLM's request fields on how a chat renders (parsed by server.api.openai.chat_options; the
-# scheduler guesses no token ids for a body that sets one)
-CHAT_OPTION_FIELDS = frozenset({
-    "add_generation_prompt", "continue_final_message", "chat_template_kwargs",
-})  # fmt: skip
-
 
 def _plain(value: Any) -> Any:
     """A special token (an AddedToken, a list of them) as the string the template joins."""

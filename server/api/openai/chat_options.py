@@ -24,6 +24,9 @@ from toppings.server.chat_template.render import final_text
 from toppings.server.requests.request import RequestError
 
 MAX_TEMPLATE_KWARGS = 32
+CHAT_OPTION_FIELDS = frozenset({
+    "add_generation_prompt", "continue_final_message", "chat_template_kwargs",
+})  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -35,11 +35,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from toppings.server.api.openai.chat_options import ChatOptions, parse_chat_options
+from toppings.server.api.openai.chat_options import (
+    CHAT_OPTION_FIELDS,
+    ChatOptions,
+    parse_chat_options,
+)
 from toppings.server.api.openai.fields import check_known_fields, json_type, typed_field
 from toppings.server.api.openai.structured import GUIDED_FIELDS, REFUSED_FIELDS, parse_constraint
 from toppings.server.api.openai.tools import Tools, parse_tools, template_message
-from toppings.server.chat_template.render import CHAT_OPTION_FIELDS
 from toppings.server.requests.errors import shown
 from toppings.server.requests.request import MAX_LOGPROBS, RequestError
 
