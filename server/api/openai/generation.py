@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 from flask import Flask, Response, jsonify, request
 
@@ -34,7 +35,7 @@ from toppings.server.api.openai.tokenize import detokenize, tokenize
 from toppings.server.api.openai.tools import template_renders_tools
 from toppings.server.http.frontend import ReleasingBody, Slot
 from toppings.server.requests.errors import SERVER_ERROR, error_body, error_response
-from toppings.server.requests.request import RequestError
+from toppings.server.requests.request import RequestError, RequestOutput
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +72,43 @@ def _log_generic_once() -> None:
                     "responses say so in %s", TOOL_FORMAT_HEADER)  # fmt: skip
     else:
         logger.debug("a tool call in the generic format")
+
+
+@dataclass(frozen=True)
+class Held:
+    """What a submitted answer holds until it ends: its in-flight slot, its logprobs' charge and
+    its requests."""
+
+    slot: Slot
+    charge: Slot
+    group: RequestGroup
+
+
+def _respond(
+    parsed: ParsedBody, held: Held, meta: ResponseMeta, on_final: Callable[[RequestOutput], None]
+) -> Response:
+    """The submitted group's answer: a stream (whose body gives the slot and the charge back
+    when it closes) or one JSON body (the slot given back when the group has ended, the charge
+    when its JSON is made)."""
+    gone = request.environ.get("waitress.client_disconnected") or (lambda: False)
+    group = held.group
+    if parsed.stream:
+        outputs = group.outputs(gone, on_final)
+        events = _stream(stream_events(parsed, meta, outputs), group, held.slot, held.charge)
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        return Response(events, mimetype="text/event-stream", headers=headers)
+    try:
+        try:
+            outs = group.results(gone, on_final)
+        finally:
+            held.slot.release()
+        failed = next((out for out in outs if out.finish_reason == "error"), None)
+        if failed is not None:
+            message = failed.error or "generation failed"
+            return error_response(message, failed.error_code, failed.error_type)
+        return jsonify(final_response(parsed, meta, outs))
+    finally:
+        held.charge.release()
 
 
 def register_generation(app: Flask, ctx: ApiContext) -> None:
@@ -126,37 +164,12 @@ def register_generation(app: Flask, ctx: ApiContext) -> None:
                 raise
         try:
             meta = ResponseMeta.new(parsed, prompt_ids, ctx.token_text, echo)
-            return _respond(parsed, slot, charge, group, meta)
+            on_final = state.metrics.requests.observe_final
+            return _respond(parsed, Held(slot, charge, group), meta, on_final)
         except BaseException:  # idempotent: a stream's body, once made, gives them back too
             group.abort()
             charge.release()
             raise
-
-    def _respond(
-        parsed: ParsedBody, slot: Slot, charge: Slot, group: RequestGroup, meta: ResponseMeta
-    ) -> Response:
-        """The submitted group's answer: a stream (whose body gives the slot and the charge
-        back when it closes) or one JSON body (the slot given back when the group has ended,
-        the charge when its JSON is made)."""
-        gone = request.environ.get("waitress.client_disconnected") or (lambda: False)
-        on_final = state.metrics.requests.observe_final
-        if parsed.stream:
-            outputs = group.outputs(gone, on_final)
-            events = _stream(stream_events(parsed, meta, outputs), group, slot, charge)
-            headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-            return Response(events, mimetype="text/event-stream", headers=headers)
-        try:
-            try:
-                outs = group.results(gone, on_final)
-            finally:
-                slot.release()
-            failed = next((out for out in outs if out.finish_reason == "error"), None)
-            if failed is not None:
-                message = failed.error or "generation failed"
-                return error_response(message, failed.error_code, failed.error_type)
-            return jsonify(final_response(parsed, meta, outs))
-        finally:
-            charge.release()
 
     app.add_url_rule("/generate", "generate", lambda: generate(parse_native), methods=["POST"])
     app.add_url_rule(
