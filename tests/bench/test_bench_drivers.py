@@ -179,3 +179,18 @@ def test_first_request_quick_times_a_fresh_server_s_first_requests(tiny_model_di
         ratio = row["first_ttft_ms"] / row["warm_ttft_ms"]
         assert row["first_over_warm_ttft"] == pytest.approx(ratio, rel=0.01)
         assert metrics[kind]["new_over_warm_total"]["all"] == [row["new_over_warm_total"]]
+
+
+def test_scored_prompt_quick_times_the_streams_beside_both_prompts(tiny_model_dir, tmp_path):
+    from bench import bench_scored_prompt as bench
+
+    out = tmp_path / "scored_prompt.json"
+    argv = ["--quick", "--model", str(tiny_model_dir), "--dtype", "float32", "--out", str(out)]
+    result = bench.main(argv)
+    assert json.loads(out.read_text()) == result
+    metrics = result["metrics"]
+    for kind in bench.KINDS:
+        (row,) = metrics[kind]["rounds"]
+        assert 0 < row["median_gap_ms"] <= row["max_gap_ms"] and row["request_s"] > 0
+    ratio = metrics["scored"]["max_gap_ms"] / metrics["plain"]["max_gap_ms"]
+    assert metrics["max_gap_ratio_scored_vs_plain"]["median"] == pytest.approx(ratio, rel=0.01)
