@@ -295,6 +295,10 @@ CURRENT: dict[str, tuple[str, tuple[str, ...]]] = {
                            "a prompt length it has not met (AMX Xeon)",
                            ("base.first_over_warm_ttft.median", "base.new_over_warm_ttft.median",
                             "adapter.first_over_warm_ttft.median")),
+    "scored_prompt.json": ("8 streams beside a 6,000-token prompt scored (prompt logprobs) and "
+                           "plain: the streams' largest gap (AMX Xeon)",
+                           ("scored.max_gap_ms", "plain.max_gap_ms",
+                            "max_gap_ratio_scored_vs_plain.median", "scored.request_s")),
     "demo_loadgen.json": ("the demo cluster under toppings-loadgen, 1 request/s", _LOADGEN),
     "demo_loadgen_replay.json": ("the same trace replayed", _LOADGEN),
     "gguf_convert.json": ("GGUF conversion, parsed once against plain",
@@ -318,7 +322,7 @@ CURRENT: dict[str, tuple[str, tuple[str, ...]]] = {
 # Runs the notes cite (reruns, controls, before/after pairs, superseded configurations), and the
 # fitted perf models `toppings-scheduler --perf-model` reads (not result envelopes).
 EARLIER = frozenset({
-    "first_request_before.json",
+    "first_request_before.json", "scored_prompt_before.json",
     "adapter_scale_shared_machine.json", "adapter_scale_rerun.json",
     "adapter_scale_before_reads_off_thread.json", "adapter_scale_on_demand_default.json",
     "adapter_scale_session38.json", "adapter_scale_cpu_assisted.json", "adapter_scale_run3.json",
