@@ -2,14 +2,15 @@
 # The device checks of bench/GPU.md in one script, for one `run` call of the device tool:
 #
 #   bash bench/gpu_checks.sh [STEP ...]     # steps: tests kernels graphs assisted (the default),
-#                                           # and chunked, attention, first (by name only)
+#                                           # and chunked, attention, first, fullsize (by name)
 #
 # Run from the repository root with `carry: [".whl", ".gpu"]`: the wheels of bench/gpu_wheels.txt
 # that GPU.md fetches, and in .gpu/ the weightless checkpoints (config and tokenizer) the
 # benchmarks make once under /tmp, made here, since the device reaches no package index. The
 # `tests` step runs every CUDA-marked test of the tree. Every step has its own time limit
-# (TESTS_S, KERNELS_S, GRAPHS_S, ASSISTED_S, CHUNKED_S, ATTENTION_S, FIRST_S; arguments in
-# GRAPHS_ARGS, ASSISTED_ARGS, CHUNKED_ARGS, FIRST_ARGS), so one that hangs or fails leaves the others' results; logs and
+# (TESTS_S, KERNELS_S, GRAPHS_S, ASSISTED_S, CHUNKED_S, ATTENTION_S, FIRST_S, FULLSIZE_S;
+# arguments in GRAPHS_ARGS, ASSISTED_ARGS, CHUNKED_ARGS, FIRST_ARGS, FULLSIZE_ARGS), so one that
+# hangs or fails leaves the others' results; logs and
 # JSONs land in $OUT (or /tmp/gpu_checks without it). PEAK_GBPS: the card's HBM bandwidth
 # (default: H100 SXM).
 set -u
@@ -74,6 +75,9 @@ for s in $steps; do
         step first "${FIRST_S:-150}" python3 -m bench.bench_first_request --device cuda \
             --model /tmp/toppings-dummy-llama-2-7b-4l --serve-args "--load-format dummy" \
             ${FIRST_ARGS:---rounds 2 --warm 3} --out "$OUT/first_request_cuda.json" ;;
+    fullsize)  # Llama-3.1-8B's shapes, 16 adapters against the base, batch 1-256 (issue 63)
+        step fullsize "${FULLSIZE_S:-300}" python3 -m bench.bench_full_size --device cuda \
+            --peak-gbps "$peak" ${FULLSIZE_ARGS:-} --out "$OUT/full_size.json" ;;
     *) echo "unknown step $s" >>"$log" ;;
     esac
 done

@@ -1,9 +1,10 @@
 """Make a weightless checkpoint directory for `--load-format dummy`: config.json and a tokenizer.
 
-A benchmark runs a real-size shape (Llama-3.2-1B, Qwen2.5-1.5B, Llama-2-7B) without downloading
-its weights: the server draws random weights of the config's shapes at start-up. The tokenizer
-is copied from another checkpoint (by default SmolLM2's, which `toppings-serve --model smollm2`
-fetches and converts once), so text prompts tokenize; its ids all lie inside these vocabularies.
+A benchmark runs a real-size shape (Llama-3.2-1B, Qwen2.5-1.5B, Llama-3.1-8B, Llama-2-7B)
+without downloading its weights: the server draws random weights of the config's shapes at
+start-up. The tokenizer is copied from another checkpoint (by default SmolLM2's, which
+`toppings-serve --model smollm2` fetches and converts once), so text prompts tokenize; its ids
+all lie inside these vocabularies.
 
     python -m toppings.scripts.make_dummy_model OUT --preset llama-3.2-1b
     python -m toppings.scripts.make_dummy_model OUT --config path/to/config.json [--tokenizer DIR]
@@ -75,6 +76,32 @@ PRESETS: dict[str, dict[str, Any]] = {
         "tie_word_embeddings": True,
         "bos_token_id": 151643,
         "eos_token_id": 151643,
+        "torch_dtype": "bfloat16",
+    },
+    "llama-3.1-8b": {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": 128256,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "hidden_act": "silu",
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        "tie_word_embeddings": False,
+        "bos_token_id": 128000,
+        "eos_token_id": 128001,
         "torch_dtype": "bfloat16",
     },
     "llama-2-7b": {

@@ -194,3 +194,23 @@ def test_scored_prompt_quick_times_the_streams_beside_both_prompts(tiny_model_di
         assert 0 < row["median_gap_ms"] <= row["max_gap_ms"] and row["request_s"] > 0
     ratio = metrics["scored"]["max_gap_ms"] / metrics["plain"]["max_gap_ms"]
     assert metrics["max_gap_ratio_scored_vs_plain"]["median"] == pytest.approx(ratio, rel=0.01)
+
+
+def test_full_size_quick_times_base_and_adapter_decode_steps(tmp_path):
+    from bench import bench_full_size as bench
+
+    out = tmp_path / "full_size.json"
+    result = bench.main(["--quick", "--out", str(out)])
+    assert json.loads(out.read_text()) == result
+    metrics = result["metrics"]
+    batches = [int(b) for b in bench.QUICK["batches"].split(",")]
+    assert metrics["headline_batch"] == batches[-1]
+    for batch in batches:
+        row = metrics[f"batch_{batch}"]
+        for kind in bench.KINDS:
+            assert row[kind]["step_ms"] > 0 and row[kind]["roofline_fraction"] > 0
+            assert row[kind]["tokens_per_s"] == pytest.approx(batch / row[kind]["step_ms"] * 1e3,
+                                                              rel=0.01)  # fmt: skip
+        # every used adapter's rows are read: none on the base model
+        assert row["base"]["bytes"]["adapters"] == 0 < row["lora"]["bytes"]["adapters"]
+    assert len(result["config"]["adapters"]) == bench.QUICK["adapters"]
