@@ -2,14 +2,15 @@
 # The device checks of bench/GPU.md in one script, for one `run` call of the device tool:
 #
 #   bash bench/gpu_checks.sh [STEP ...]     # steps: tests kernels graphs assisted (the default),
-#                                           # and chunked, attention, first, fullsize (by name)
+#                                           # and chunked, attention, first, fullsize, busy
+#                                           # (by name only)
 #
 # Run from the repository root with `carry: [".whl", ".gpu"]`: the wheels of bench/gpu_wheels.txt
 # that GPU.md fetches, and in .gpu/ the weightless checkpoints (config and tokenizer) the
 # benchmarks make once under /tmp, made here, since the device reaches no package index. The
 # `tests` step runs every CUDA-marked test of the tree. Every step has its own time limit
-# (TESTS_S, KERNELS_S, GRAPHS_S, ASSISTED_S, CHUNKED_S, ATTENTION_S, FIRST_S, FULLSIZE_S;
-# arguments in GRAPHS_ARGS, ASSISTED_ARGS, CHUNKED_ARGS, FIRST_ARGS, FULLSIZE_ARGS), so one that
+# (TESTS_S, KERNELS_S, GRAPHS_S, ASSISTED_S, CHUNKED_S, ATTENTION_S, FIRST_S, FULLSIZE_S, BUSY_S;
+# arguments in GRAPHS_ARGS, ASSISTED_ARGS, CHUNKED_ARGS, FIRST_ARGS, FULLSIZE_ARGS; BUSY_MODEL), so one that
 # hangs or fails leaves the others' results; logs and
 # JSONs land in $OUT (or /tmp/gpu_checks without it). PEAK_GBPS: the card's HBM bandwidth
 # (default: H100 SXM).
@@ -47,6 +48,11 @@ step() {  # step NAME SECONDS COMMAND...: run one check under its limit, its tai
     tail -n 40 "$OUT/$name.log" >>"$log"
 }
 
+# SmolLM2's shapes with random weights (graphs, busy): launch overhead shows on small layers
+smol="[ -f /tmp/smol-shaped/config.json ] || python3 -m toppings.scripts.make_tiny_llama \
+    /tmp/smol-shaped --layers 30 --hidden 576 --intermediate 1536 --heads 9 --kv-heads 3 \
+    --vocab 49152 --max-positions 2048"
+
 for s in $steps; do
     case $s in
     tests)
@@ -57,10 +63,11 @@ for s in $steps; do
         step kernels "${KERNELS_S:-90}" python3 -m bench.bench_kernels --peak-gbps "$peak" \
             --out "$OUT/kernels.json" ;;
     graphs)
-        step graphs "${GRAPHS_S:-150}" bash -c "python3 -m toppings.scripts.make_tiny_llama \
-            /tmp/smol-shaped --layers 30 --hidden 576 --intermediate 1536 --heads 9 --kv-heads 3 \
-            --vocab 49152 --max-positions 2048 && python3 -m bench.bench_cuda_graphs \
+        step graphs "${GRAPHS_S:-150}" bash -c "$smol && python3 -m bench.bench_cuda_graphs \
             --model /tmp/smol-shaped ${GRAPHS_ARGS:---batch-sizes 1,8,32,64} --out $OUT/cuda_graphs_smol.json" ;;
+    busy)  # the GPU's busy fraction of 64 requests decoding (../shared/gpu/gpu_busy.py, in .gpu/)
+        step busy "${BUSY_S:-120}" bash -c "$smol && python3 /tmp/gpu_busy.py cuda \
+            ${BUSY_MODEL:-/tmp/smol-shaped} $OUT/gpu_busy.txt 64" ;;
     assisted)
         step assisted "${ASSISTED_S:-140}" python3 -m bench.bench_cpu_assisted --device cuda \
             --cpu-workers 8 --out "$OUT/cpu_assisted_cuda.json" ${ASSISTED_ARGS:-} ;;
