@@ -29,10 +29,12 @@ from __future__ import annotations
 import argparse
 import hashlib
 import logging
+import os
 import shutil
 import statistics
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -69,15 +71,21 @@ def model_dir(args: argparse.Namespace) -> str:
 
 def make_adapters(root: Path, model: str, count: int, ranks: list[int], config) -> dict[str, int]:
     """`count` adapters on every projection, adapter i of rank ranks[i % len(ranks)], written
-    under root (once); returns name -> rank."""
-    out = {}
+    under root (once, on as many threads as cores: at Llama-3.1-8B's shapes a rank-64 one is
+    321 MB and took 4.4 s alone on a 2-core Xeon); returns name -> rank."""
+    todo = []
     for i in range(count):
-        rank = ranks[i % len(ranks)]
-        path = root / f"full-r{rank}-{i}"
+        path = root / f"full-r{ranks[i % len(ranks)]}-{i}"
         if not (path / "adapter_config.json").is_file():
-            write_random_adapter(path, model, rank, LORA_TARGETS, seed=500 + i, config=config)
-        out[f"a{i}"] = rank
-    return out
+            todo.append((path, ranks[i % len(ranks)], 500 + i))
+
+    def write(job: tuple[Path, int, int]) -> None:
+        path, rank, seed = job
+        write_random_adapter(path, model, rank, LORA_TARGETS, seed=seed, config=config)
+
+    with ThreadPoolExecutor(max(1, min(len(todo), os.cpu_count() or 1))) as pool:
+        list(pool.map(write, todo))
+    return {f"a{i}": ranks[i % len(ranks)] for i in range(count)}
 
 
 def decode_steps(engine: Engine, batch: int, names: list[str | None], args) -> list[float]:
