@@ -232,24 +232,11 @@ def read_engine(fn, attempts: int = 3):
     raise AssertionError("unreachable")
 
 
-class LogprobBudgetCollector:
-    """The logprob entries the answers in flight hold (server.api.context's budget), the most
-    they may, and the requests refused with 429 for it."""
-
-    def __init__(self, budget: InFlightLimit):
-        self.budget = budget
-
-    def collect(self) -> Iterator[Metric]:
-        budget = self.budget
-        yield GaugeMetricFamily(PREFIX + "logprob_entries_in_flight",
-                                "Logprob entries the answers in flight may hold",
-                                value=budget.num_in_flight)  # fmt: skip
-        yield GaugeMetricFamily(PREFIX + "max_logprob_entries_in_flight",
-                                "Logprob entries in flight past which a request gets 429",
-                                value=budget.max_in_flight)  # fmt: skip
-        yield CounterMetricFamily(PREFIX + "logprob_requests_rejected",
-                                  "Requests refused with 429: their logprobs past the budget",
-                                  value=budget.num_rejected)  # fmt: skip
+# The logprob budget's limit and refusals (server.api.context's `charge_logprobs`)
+LOGPROB_SERIES = (
+    ("max_logprob_entries_in_flight", "Logprob entries in flight past which a request gets 429"),
+    ("logprob_requests_rejected", "Requests refused with 429: their logprobs past the budget"),
+)
 
 
 class ServerMetrics:
@@ -268,4 +255,7 @@ class ServerMetrics:
             InFlightCollector(in_flight, PREFIX, "num_requests_in_flight",
                               "Generation requests taken by the HTTP front end and not ended")
         )  # fmt: skip
-        self.registry.register(LogprobBudgetCollector(logprobs))
+        self.registry.register(
+            InFlightCollector(logprobs, PREFIX, "logprob_entries_in_flight",
+                              "Logprob entries the answers in flight may hold", LOGPROB_SERIES)
+        )  # fmt: skip

@@ -178,19 +178,29 @@ def raise_open_files_limit(num_connections: int) -> int:
     return new
 
 
-class InFlightCollector:
-    """Prometheus series of an `InFlightLimit`: requests in flight, the limit, refusals (429)."""
+# The series of an `InFlightLimit` beside what is in flight: its limit and its refusals (429),
+# as (name, help) each; a limit of other units names its own (server.api.metrics).
+REQUEST_LIMIT_SERIES = (
+    ("max_concurrent_requests", "Requests in flight past which a request gets 429"),
+    ("requests_rejected", "Requests refused with 429: too many in flight"),
+)
 
-    def __init__(self, limit: InFlightLimit, prefix: str, in_flight_name: str, in_flight_help: str):
+
+class InFlightCollector:
+    """Prometheus series of an `InFlightLimit`: what is in flight, the limit, refusals (429);
+    `limit_series` names the last two (REQUEST_LIMIT_SERIES)."""
+
+    def __init__(
+        self, limit: InFlightLimit, prefix: str, in_flight_name: str, in_flight_help: str,
+        limit_series: tuple[tuple[str, str], tuple[str, str]] = REQUEST_LIMIT_SERIES,
+    ):  # fmt: skip
         self.limit = limit
         self._prefix, self._name, self._help = prefix, in_flight_name, in_flight_help
+        self._series = limit_series
 
     def collect(self) -> Iterator[Metric]:
         p, limit = self._prefix, self.limit
+        (max_name, max_help), (rejected_name, rejected_help) = self._series
         yield GaugeMetricFamily(p + self._name, self._help, value=limit.num_in_flight)
-        yield GaugeMetricFamily(p + "max_concurrent_requests",
-                                "Requests in flight past which a request gets 429",
-                                value=limit.max_in_flight)  # fmt: skip
-        yield CounterMetricFamily(p + "requests_rejected",
-                                  "Requests refused with 429: too many in flight",
-                                  value=limit.num_rejected)  # fmt: skip
+        yield GaugeMetricFamily(p + max_name, max_help, value=limit.max_in_flight)
+        yield CounterMetricFamily(p + rejected_name, rejected_help, value=limit.num_rejected)

@@ -130,13 +130,18 @@ def test_the_logprob_entries_in_flight_are_bounded_and_given_back(client, monkey
     """What the answers in flight hold together is charged to one budget: while a stream holds
     most of it, a request whose logprobs pass it is a 429 with Retry-After and one without
     logprobs is served; every answer gives its charge back when it ends, streamed or not."""
-    from toppings.server.api.metrics import LogprobBudgetCollector
-    from toppings.server.http.frontend import InFlightLimit
+    from prometheus_client.parser import text_string_to_metric_families
 
     http, _ = client
     state = http.application.extensions["toppings"]
-    monkeypatch.setattr(state, "logprobs", InFlightLimit(60))
-    series = LogprobBudgetCollector(state.logprobs)
+    monkeypatch.setattr(state.logprobs, "max_in_flight", 60)
+    rejected_before = state.logprobs.num_rejected
+
+    def series() -> dict[str, float]:
+        text = http.get("/metrics").get_data(as_text=True)
+        return {s.name: s.value for f in text_string_to_metric_families(text)
+                for s in f.samples if "logprob" in s.name}  # fmt: skip
+
     body = {"prompt": PROMPT, **GREEDY}
     stream = http.post(
         "/v1/completions",
@@ -148,10 +153,11 @@ def test_the_logprob_entries_in_flight_are_bounded_and_given_back(client, monkey
     refused = http.post("/v1/completions", json=asks)
     assert refused.status_code == 429 and refused.headers["Retry-After"]
     assert "logprob entries" in refused.get_json()["error"]["message"]
-    values = {m.name: m.samples[0].value for m in series.collect()}
-    assert values == {"toppings:logprob_entries_in_flight": 50,
-                      "toppings:max_logprob_entries_in_flight": 60,
-                      "toppings:logprob_requests_rejected": 1}  # fmt: skip
+    assert series() == {
+        "toppings:logprob_entries_in_flight": 50,
+        "toppings:max_logprob_entries_in_flight": 60,
+        "toppings:logprob_requests_rejected_total": rejected_before + 1,
+    }
     assert len(_post(http, "/v1/completions", {**body, "max_tokens": 3})["choices"]) == 1
     assert b"[DONE]" in b"".join(stream.response)
     stream.close()
