@@ -28,6 +28,7 @@ MAX_STOP_CHARS = 1024
 MAX_LOGPROBS = 20  # top alternatives per token (OpenAI's limit for top_logprobs)
 MAX_LOGIT_BIAS = 300  # entries of logit_bias (OpenAI's limit)
 MAX_STOP_TOKEN_IDS = 64  # entries of stop_token_ids (a set looked up at every token)
+MAX_ALLOWED_TOKEN_IDS = 4096  # entries of allowed_token_ids (held while the request runs)
 
 
 class RequestError(ValueError):
@@ -114,6 +115,7 @@ class SamplingParams:
     min_tokens: int = 0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
     stop_token_ids: frozenset[int] = frozenset()
+    allowed_token_ids: tuple[int, ...] = ()  # vLLM's: the only tokens it may sample (): all
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logprobs: int | None = None
@@ -154,6 +156,8 @@ class SamplingParams:
             raise RequestError(f"a stop string may hold at most {MAX_STOP_CHARS} characters")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise RequestError(f"stop_token_ids may hold at most {MAX_STOP_TOKEN_IDS} ids")
+        if len(self.allowed_token_ids) > MAX_ALLOWED_TOKEN_IDS:
+            raise RequestError(f"allowed_token_ids may hold at most {MAX_ALLOWED_TOKEN_IDS} ids")
 
     @property
     def is_greedy(self) -> bool:
@@ -179,6 +183,7 @@ class SamplingParams:
             or self.repetition_penalty != 1.0
             or self.min_tokens
             or self.logit_bias
+            or self.allowed_token_ids
         )
 
 

@@ -1,10 +1,11 @@
 """What happens to a row of logits between the model and the token: processors and logprobs.
 
-Processors (vLLM's order and semantics): logit bias and the `min_tokens` EOS mask, then the
-repetition penalty (prompt and output tokens), then frequency and presence penalties (output
-tokens). Sampling (temperature, top-k, top-p) follows in `sampling.py`. Log-probabilities
-are taken from the model's logits before any of this (vLLM's default "raw logprobs"), so they
-are what transformers' log-softmax gives for the same adapter and prefix.
+Processors (vLLM's order and semantics): `allowed_token_ids` (every other token masked), logit
+bias and the `min_tokens` EOS mask, then the repetition penalty (prompt and output tokens), then
+frequency and presence penalties (output tokens). Sampling (temperature, top-k, top-p) follows
+in `sampling.py`. Log-probabilities are taken from the model's logits before any of this
+(vLLM's default "raw logprobs"), so they are what transformers' log-softmax gives for the same
+adapter and prefix.
 """
 
 from __future__ import annotations
@@ -28,6 +29,11 @@ def process_row(
     """One row of logits [V] float32 after bias, EOS mask and penalties; a new tensor."""
     row = logits.clone()
     vocab = row.shape[0]
+    if params.allowed_token_ids:
+        allowed = torch.tensor(params.allowed_token_ids, device=row.device)
+        kept = row[allowed]
+        row.fill_(float("-inf"))
+        row[allowed] = kept
     if params.logit_bias:
         ids, biases = zip(*params.logit_bias)
         row[list(ids)] += torch.tensor(biases, dtype=row.dtype, device=row.device)

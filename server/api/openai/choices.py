@@ -178,8 +178,9 @@ def _sampling(parsed: ParsedBody, vocab_size: int) -> dict:
     sampling = dict(parsed.sampling, top_k=min(parsed.sampling["top_k"], vocab_size))
     if any(not 0 <= t < vocab_size for t, _ in sampling["logit_bias"]):
         raise RequestError(f"'logit_bias' token ids must be in [0, {vocab_size})")
-    if any(t >= vocab_size for t in sampling["stop_token_ids"]):
-        raise RequestError(f"'stop_token_ids' must be in [0, {vocab_size})")
+    for key in ("stop_token_ids", "allowed_token_ids"):
+        if any(t >= vocab_size for t in sampling[key]):
+            raise RequestError(f"'{key}' must be in [0, {vocab_size})")
     sampling["logprobs"] = parsed.logprobs
     if parsed.echo and parsed.logprobs is not None:
         sampling["prompt_logprobs"] = parsed.logprobs

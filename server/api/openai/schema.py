@@ -14,12 +14,12 @@ Three request schemas share one parsed form, `ParsedBody`:
 All take `temperature` (default 1.0), `top_p`, `top_k` (0 or -1: off), `seed`, `stop` (a string or
 a list), `stream`, `ignore_eos`, `min_tokens`, `presence_penalty`, `frequency_penalty`,
 `repetition_penalty`, `logit_bias` (token id -> bias in [-100, 100]), vLLM's `stop_token_ids`,
-`include_stop_str_in_output` and `skip_special_tokens`, and the structured-output fields
+`allowed_token_ids`, `include_stop_str_in_output`, `skip_special_tokens` and `min_p` (tokens under
+min_p x the top token's probability are dropped), and the structured-output fields
 (`response_format`, vLLM's `guided_*`; server.api.openai.structured); OpenAI bodies also `n` (1
 to MAX_N choices per prompt) and `stream_options.include_usage` (with
 `stream_options.continuous_usage_stats`, as vLLM: usage on every chunk too; only with
-`stream: true`, as OpenAI). `min_p` (vLLM's: tokens under min_p x the top token's probability
-are dropped) is a sampling field of all three.
+`stream: true`, as OpenAI).
 OpenAI's metadata-class fields (IGNORED_FIELDS: `metadata`, `service_tier`, `store`, `user`,
 `parallel_tool_calls`, `reasoning_effort`, `modalities: ["text"]`) change nothing here: they are
 type-checked, then accepted and named in `ParsedBody.ignored` (the API logs them and names them
@@ -67,7 +67,8 @@ NEUTRAL_BY_KIND = {
 SAMPLING_FIELDS = frozenset({
     "temperature", "top_p", "top_k", "min_p", "seed", "stop", "ignore_eos", "min_tokens",
     "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
-    "stop_token_ids", "include_stop_str_in_output", "skip_special_tokens",  # vLLM's
+    "stop_token_ids", "allowed_token_ids", "include_stop_str_in_output",  # vLLM's
+    "skip_special_tokens",  # vLLM's
     "response_format", *GUIDED_FIELDS, *REFUSED_FIELDS,  # refused by name in parse_constraint
 })  # fmt: skip
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
@@ -164,7 +165,8 @@ def _sampling(body: dict) -> dict[str, Any]:
         "repetition_penalty": typed_field(body, "repetition_penalty", "number", 1.0),
         "min_tokens": typed_field(body, "min_tokens", "int", 0),
         "logit_bias": _logit_bias(body.get("logit_bias")),
-        "stop_token_ids": _stop_token_ids(body.get("stop_token_ids")),
+        "stop_token_ids": _token_ids(body, "stop_token_ids"),
+        "allowed_token_ids": tuple(sorted(_token_ids(body, "allowed_token_ids"))),
         "include_stop_str_in_output": typed_field(
             body, "include_stop_str_in_output", "bool", False
         ),
@@ -172,15 +174,18 @@ def _sampling(body: dict) -> dict[str, Any]:
     } | ({} if constraint is None else {"constraint": constraint})
 
 
-def _stop_token_ids(value: Any) -> frozenset[int]:
-    """vLLM's `stop_token_ids` (a list of token ids); checked against the vocabulary when the
-    request is built."""
+def _token_ids(body: dict, key: str) -> frozenset[int]:
+    """vLLM's `stop_token_ids` or `allowed_token_ids` (a list of token ids; absent: none);
+    checked against the vocabulary when the request is built."""
+    value = body.get(key)
     if value is None:
         return frozenset()
     if not isinstance(value, list) or not all(
         isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value
     ):
-        raise RequestError("'stop_token_ids' must be a list of token ids (integers >= 0)")
+        raise RequestError(f"'{key}' must be a list of token ids (integers >= 0)")
+    if not value:
+        raise RequestError(f"'{key}' must hold at least one token id when given")
     return frozenset(value)
 
 

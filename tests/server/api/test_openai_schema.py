@@ -41,6 +41,7 @@ def test_completion_defaults_and_model_names():
         "min_tokens": 0,
         "logit_bias": (),
         "stop_token_ids": frozenset(),
+        "allowed_token_ids": (),
         "include_stop_str_in_output": False,
         "skip_special_tokens": True,
     }
