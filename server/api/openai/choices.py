@@ -155,6 +155,18 @@ def prompt_ids(
     return list(prompt)
 
 
+def truncated(parsed: ParsedBody, ids: list[int], max_model_len: int) -> list[int]:
+    """A prompt's ids cut to their last `truncate_prompt_tokens` (vLLM's: -1 as many as the
+    context holds), or as they are."""
+    if parsed.truncate is None:
+        return ids
+    keep = max_model_len if parsed.truncate == -1 else parsed.truncate
+    if keep > max_model_len:
+        raise RequestError(f"'truncate_prompt_tokens' ({keep}) exceeds this model's context of "
+                           f"{max_model_len} tokens")  # fmt: skip
+    return ids[-keep:]
+
+
 def _max_tokens(parsed: ParsedBody, num_ids: int, max_model_len: int) -> int:
     room = max_model_len - num_ids
     if room < (0 if parsed.max_tokens == 0 else 1):
@@ -207,7 +219,8 @@ def build_requests(
     sampling = _sampling(parsed, vocab_size)
     all_ids, context_max_tokens = [], []
     for prompt in parsed.prompts or [None]:
-        ids = prompt_ids(parsed, tokenizer, prompt, limits.max_prompt_chars)
+        ids = truncated(parsed, prompt_ids(parsed, tokenizer, prompt, limits.max_prompt_chars),
+                        max_model_len)  # fmt: skip
         if not ids:
             raise RequestError("the prompt is empty")
         if any(not 0 <= t < vocab_size for t in ids):

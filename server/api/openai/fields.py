@@ -1,5 +1,6 @@
-"""Fields of a client's JSON body: typed reads and refusals of unknown ones (server.api.openai's
-parsers share them; the names errors echo are cut by server.requests.errors' `shown`)."""
+"""Fields of a client's JSON body: typed reads, token-id lists, `logit_bias`, and refusals of
+unknown ones (server.api.openai's parsers share them; the names errors echo are cut by
+server.requests.errors' `shown`)."""
 
 from __future__ import annotations
 
@@ -43,3 +44,37 @@ def json_type(value: Any) -> str:
         if isinstance(value, py):
             return name
     return "object"
+
+
+def token_id_set(body: dict, key: str) -> frozenset[int]:
+    """vLLM's `stop_token_ids` or `allowed_token_ids` (a list of token ids; absent: none);
+    checked against the vocabulary when the request is built."""
+    value = body.get(key)
+    if value is None:
+        return frozenset()
+    if not isinstance(value, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value
+    ):
+        raise RequestError(f"'{key}' must be a list of token ids (integers >= 0)")
+    if not value:
+        raise RequestError(f"'{key}' must hold at least one token id when given")
+    return frozenset(value)
+
+
+def logit_bias_pairs(value: Any) -> tuple[tuple[int, float], ...]:
+    """OpenAI's `{"token id": bias}` as sorted (id, bias) pairs; ids are checked against the
+    vocabulary when the request is built."""
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise RequestError(f"'logit_bias' must be an object, not {json_type(value)}")
+    pairs = []
+    for key, bias in value.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise RequestError(f"'logit_bias' keys must be token ids, not {shown(key)!r}") from None
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)):
+            raise RequestError(f"'logit_bias' values must be numbers, not {json_type(bias)}")
+        pairs.append((token, float(bias)))
+    return tuple(sorted(pairs))

@@ -40,10 +40,15 @@ from toppings.server.api.openai.chat_options import (
     ChatOptions,
     parse_chat_options,
 )
-from toppings.server.api.openai.fields import check_known_fields, json_type, typed_field
+from toppings.server.api.openai.fields import (
+    check_known_fields,
+    json_type,
+    logit_bias_pairs,
+    token_id_set,
+    typed_field,
+)
 from toppings.server.api.openai.structured import GUIDED_FIELDS, REFUSED_FIELDS, parse_constraint
 from toppings.server.api.openai.tools import Tools, parse_tools, template_message
-from toppings.server.requests.errors import shown
 from toppings.server.requests.request import MAX_LOGPROBS, RequestError
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -86,7 +91,8 @@ IGNORED_FIELDS = {
     "spaces_between_special_tokens": "bool",
 }  # fmt: skip
 OPENAI_FIELDS = SAMPLING_FIELDS | NEUTRAL_FIELDS.keys() | IGNORED_FIELDS.keys() | {
-    "model", "stream", "stream_options", "n", "prompt_logprobs",  # the last vLLM's
+    "model", "stream", "stream_options", "n",
+    "prompt_logprobs", "truncate_prompt_tokens",  # vLLM's
 }  # fmt: skip
 ACCEPTED_FIELDS = {
     "completion": OPENAI_FIELDS | NEUTRAL_BY_KIND["completion"].keys()
@@ -125,6 +131,9 @@ class ParsedBody:
     echo: bool = False  # completions: the prompt's text (and logprobs) before each choice's
     logprobs: int | None = None  # top alternatives per token; None: no logprobs
     prompt_logprobs: int | None = None  # vLLM's: the same for the prompt's tokens; None: none
+    # vLLM's truncate_prompt_tokens: keep the prompt's last this many tokens (-1: as many as the
+    # context holds); None: the whole prompt
+    truncate: int | None = None
     tools: Tools | None = None  # chat: the tools and tool_choice (server.api.openai.tools)
     chat: ChatOptions = ChatOptions()  # chat: how the messages render (chat_options.py)
     ignored: tuple[str, ...] = ()  # IGNORED_FIELDS the body set, in IGNORED_FIELDS' order
@@ -164,48 +173,14 @@ def _sampling(body: dict) -> dict[str, Any]:
         "frequency_penalty": typed_field(body, "frequency_penalty", "number", 0.0),
         "repetition_penalty": typed_field(body, "repetition_penalty", "number", 1.0),
         "min_tokens": typed_field(body, "min_tokens", "int", 0),
-        "logit_bias": _logit_bias(body.get("logit_bias")),
-        "stop_token_ids": _token_ids(body, "stop_token_ids"),
-        "allowed_token_ids": tuple(sorted(_token_ids(body, "allowed_token_ids"))),
+        "logit_bias": logit_bias_pairs(body.get("logit_bias")),
+        "stop_token_ids": token_id_set(body, "stop_token_ids"),
+        "allowed_token_ids": tuple(sorted(token_id_set(body, "allowed_token_ids"))),
         "include_stop_str_in_output": typed_field(
             body, "include_stop_str_in_output", "bool", False
         ),
         "skip_special_tokens": typed_field(body, "skip_special_tokens", "bool", True),
     } | ({} if constraint is None else {"constraint": constraint})
-
-
-def _token_ids(body: dict, key: str) -> frozenset[int]:
-    """vLLM's `stop_token_ids` or `allowed_token_ids` (a list of token ids; absent: none);
-    checked against the vocabulary when the request is built."""
-    value = body.get(key)
-    if value is None:
-        return frozenset()
-    if not isinstance(value, list) or not all(
-        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value
-    ):
-        raise RequestError(f"'{key}' must be a list of token ids (integers >= 0)")
-    if not value:
-        raise RequestError(f"'{key}' must hold at least one token id when given")
-    return frozenset(value)
-
-
-def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
-    """OpenAI's `{"token id": bias}` as sorted (id, bias) pairs; ids are checked against the
-    vocabulary when the request is built."""
-    if value is None:
-        return ()
-    if not isinstance(value, dict):
-        raise RequestError(f"'logit_bias' must be an object, not {json_type(value)}")
-    pairs = []
-    for key, bias in value.items():
-        try:
-            token = int(key)
-        except ValueError:
-            raise RequestError(f"'logit_bias' keys must be token ids, not {shown(key)!r}") from None
-        if isinstance(bias, bool) or not isinstance(bias, (int, float)):
-            raise RequestError(f"'logit_bias' values must be numbers, not {json_type(bias)}")
-        pairs.append((token, float(bias)))
-    return tuple(sorted(pairs))
 
 
 def _in_range(value: int, key: str, low: int, high: int) -> int:
@@ -233,8 +208,12 @@ def _openai_common(body: dict, base_model: str, kind: str) -> dict[str, Any]:
         _in_range(prompt_logprobs, "prompt_logprobs", 0, MAX_LOGPROBS)
         if stream:
             raise RequestError("'prompt_logprobs' with 'stream' is not supported by this server")
+    truncate = typed_field(body, "truncate_prompt_tokens", "int")
+    if truncate is not None and truncate != -1 and truncate < 1:
+        raise RequestError("'truncate_prompt_tokens' must be -1 (the context) or at least 1")
     return {
         "prompt_logprobs": prompt_logprobs,
+        "truncate": truncate,
         "model": model,
         "adapter": None if model == base_model else model,
         "sampling": _sampling(body),
@@ -304,6 +283,8 @@ def parse_completion(body: dict, base_model: str) -> ParsedBody:
     if logprobs is not None:
         _in_range(logprobs, "logprobs", 0, MAX_LOGPROBS)
     echo = typed_field(body, "echo", "bool", False)
+    if echo and common["truncate"] is not None:
+        raise RequestError("'truncate_prompt_tokens' with 'echo' is not supported by this server")
     if echo and logprobs is not None and common["prompt_logprobs"] is not None:
         raise RequestError(
             "'prompt_logprobs' with 'echo' and 'logprobs' is not supported by this server: the "
