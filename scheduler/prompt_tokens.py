@@ -23,6 +23,18 @@ def copies(body: dict[str, Any]) -> int:
     return n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1
 
 
+def truncation(body: dict[str, Any]) -> int | None:
+    """vLLM's `truncate_prompt_tokens` where it keeps k >= 1 tokens of each prompt; None
+    otherwise (-1, as many as the context holds, is the server's to know)."""
+    keep = body.get("truncate_prompt_tokens")
+    return keep if isinstance(keep, int) and not isinstance(keep, bool) and keep >= 1 else None
+
+
+def num_prompts(body: dict[str, Any]) -> int:
+    """Prompts in the body: a completions list of them, else one."""
+    return 1 if "messages" in body else len(_prompt_list(body.get("prompt", "")))
+
+
 def _prompt_list(prompt: Any) -> list[Any]:
     """A completions `prompt` as a list of prompts (strings or token-id lists)."""
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):

@@ -33,7 +33,13 @@ from toppings.scheduler.cluster import Cluster
 from toppings.scheduler.kv_index.prefix_key import PrefixKey
 from toppings.scheduler.metrics import SchedulerMetrics
 from toppings.scheduler.policies import Policy
-from toppings.scheduler.prompt_tokens import copies, estimate_prompt_tokens, given_token_ids
+from toppings.scheduler.prompt_tokens import (
+    copies,
+    estimate_prompt_tokens,
+    given_token_ids,
+    num_prompts,
+    truncation,
+)
 from toppings.scheduler.registry import Registry
 from toppings.scheduler.server_session import ServerSession
 from toppings.scheduler.state import RouteRequest
@@ -148,12 +154,16 @@ class Router:
     def _prompt(
         self, body: dict[str, Any], kind: str, adapter: str | None
     ) -> tuple[int, PrefixKey | None]:
-        """The prompt's tokens (all prompts, times n) and, when its ids are known, the blocks a
-        server may hold of it under `adapter` (an activated one's: the base model's before its
-        invocation, from the servers' /stats)."""
-        ids = self.token_ids(body, kind)
-        if ids is None:
-            return self.count_prompt(body), None
+        """The prompt's tokens (all prompts, times n; each cut as vLLM's `truncate_prompt_tokens`
+        asks) and, when its ids are known, the blocks a server may hold of it under `adapter`
+        (an activated one's: the base model's before its invocation, from the servers'
+        /stats)."""
+        ids, keep = self.token_ids(body, kind), truncation(body)
+        if ids is None:  # each prompt cut to its last `keep` tokens, if the body asks
+            count = self.count_prompt(body)
+            return (count if keep is None else min(count, keep * num_prompts(body) * copies(body)),
+                    None)  # fmt: skip
+        ids = ids if keep is None else ids[-keep:]
         invocation = self.cluster.invocation_tokens(adapter) if adapter is not None else ()
         return len(ids) * copies(body), PrefixKey.of(ids, adapter, invocation)
 
