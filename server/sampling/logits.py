@@ -25,12 +25,16 @@ def process_row(
     prompt_ids: Sequence[int],
     output_ids: Sequence[int],
     eos_ids: set[int],
+    allowed: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One row of logits [V] float32 after bias, EOS mask and penalties; a new tensor."""
+    """One row of logits [V] float32 after bias, EOS mask and penalties; a new tensor.
+    `allowed`: `params.allowed_token_ids` as an index tensor, where the caller keeps one (made
+    here otherwise: 0.5 ms for 4,096 ids, too much to make again at every token)."""
     row = logits.clone()
     vocab = row.shape[0]
     if params.allowed_token_ids:
-        allowed = torch.tensor(params.allowed_token_ids, device=row.device)
+        if allowed is None:
+            allowed = torch.tensor(params.allowed_token_ids, device=row.device)
         kept = row[allowed]
         row.fill_(float("-inf"))
         row[allowed] = kept

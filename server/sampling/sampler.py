@@ -88,6 +88,10 @@ class Sampler:
         self._matchers: weakref.WeakKeyDictionary[Sequence, tuple[int, llguidance.LLMatcher]] = (
             weakref.WeakKeyDictionary()
         )
+        # request -> its allowed_token_ids as an index tensor, made at its first token
+        self._allowed: weakref.WeakKeyDictionary[Sequence, torch.Tensor] = (
+            weakref.WeakKeyDictionary()
+        )
         self._mask_thread: ThreadPoolExecutor | None = None
         self._executor: llguidance.LLExecutor | None = None
 
@@ -100,6 +104,17 @@ class Sampler:
             made = (seq.num_restarts, self.grammars.matcher(seq.request.params.constraint))
             self._matchers[seq] = made
         return made[1]
+
+    def _allowed_index(self, seq: Sequence, logits: torch.Tensor) -> torch.Tensor | None:
+        """The request's `allowed_token_ids` as an index on the logits' device, made once
+        (None: it allows every token)."""
+        ids = seq.request.params.allowed_token_ids
+        if not ids:
+            return None
+        index = self._allowed.get(seq)
+        if index is None:
+            index = self._allowed[seq] = torch.tensor(ids, device=logits.device)
+        return index
 
     def start_masks(self, seqs: list[Sequence]) -> PendingMasks | None:
         """Begin computing the grammar masks of the constrained requests of `seqs` on the mask
@@ -182,8 +197,10 @@ class Sampler:
             chosen_from = logits.clone()
             for i, (seq, p) in enumerate(zip(seqs, params)):
                 if p.has_processors:
-                    prompt = seq.request.prompt_ids
-                    chosen_from[i] = process_row(logits[i], p, prompt, seq.output_ids, self.eos_ids)
+                    prompt, allowed = seq.request.prompt_ids, self._allowed_index(seq, logits)
+                    chosen_from[i] = process_row(
+                        logits[i], p, prompt, seq.output_ids, self.eos_ids, allowed
+                    )
         if is_constrained:
             self._constrain(seqs, logits, chosen_from, masks)
         if chosen_from is not logits:
