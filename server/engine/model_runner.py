@@ -276,29 +276,28 @@ class ModelRunner:
             logits, scanned = self.model.forward(batch, self.kv)  # [B, V]
         else:  # the scored rows' hidden states [R, H]; their logits by chunks, below
             hidden, scanned = self.model.hidden(batch, self.kv), None
-            last = self._last_rows(plan, step.scores)  # [B] rows of R
-            logits = self.model.head(hidden[last])  # [B, V]
+            segments = self._logit_segments(plan, step.scores)  # [B] (first row, rows) in R
+            logits = self.model.head(hidden[[a + n - 1 for a, n in segments]])  # [B, V]
         seconds = time.perf_counter() - started
         if self._trace is not None:
             num_tokens = batch.input_ids.shape[0]
             self._trace.step(StepEvent(plan.is_prefill, num_tokens, started, started + seconds))
         if scores:
-            offset = 0
-            for seq, start, n, scored in zip(plan.seqs, plan.starts, plan.tokens, step.scores):
+            for seq, start, (a, n), scored in zip(plan.seqs, plan.starts, segments, step.scores):
                 if scored:
-                    score_prompt(seq, start, hidden[offset : offset + n], self.model.head)
-                offset += n if scored else 1
+                    score_prompt(seq, start, hidden[a : a + n], self.model.head)
         return logits, scanned, seconds, step.num_prompt
 
     @staticmethod
-    def _last_rows(plan: StepPlan, scores: list[bool]) -> list[int]:
-        """Each request's last row among a scoring step's logit rows: a scored segment has all
-        of its rows there, any other its last one alone."""
-        last, offset = [], 0
+    def _logit_segments(plan: StepPlan, scores: list[bool]) -> list[tuple[int, int]]:
+        """Each request's rows among a scoring step's logit rows, as (first, count): a scored
+        segment has all of its rows there, any other its last one alone."""
+        segments, offset = [], 0
         for n, scored in zip(plan.tokens, scores):
-            offset += n if scored else 1
-            last.append(offset - 1)
-        return last
+            count = n if scored else 1
+            segments.append((offset, count))
+            offset += count
+        return segments
 
     def _decode_batch(self, step: PreparedStep) -> ForwardBatch:
         """A decode step's batch (every count 1, no prompt token) over its rows, copied to the
