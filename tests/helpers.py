@@ -66,6 +66,13 @@ def running_engine(
         engine.shutdown()
 
 
+def post_json(http, path: str, body: dict) -> dict:
+    """POST `body` to `path` with a Flask test client; the JSON answer, which must be a 200."""
+    answer = http.post(path, json=body)
+    assert answer.status_code == 200, answer.get_data()[:300]
+    return answer.get_json()
+
+
 def process_alive(pid: int) -> bool:
     """Running, not a zombie waiting for a reaper."""
     try:

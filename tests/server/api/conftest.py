@@ -35,6 +35,16 @@ def api_client(tiny_engine, tmp_path_factory):
         yield create_app(engine, ApiOptions(lora_roots=(str(root),))).test_client()
 
 
+@pytest.fixture(scope="module")
+def tiny_app(tiny_engine):
+    """`(client, tokenizer)`: a Flask test client of the API on the tiny engine (1,024 tokens of
+    KV) and the engine's tokenizer."""
+    from toppings.server.api.app import create_app
+
+    with tiny_engine({}, max_total_tokens=1024) as engine:
+        yield create_app(engine).test_client(), engine.tokenizer
+
+
 def _openai_client(base_url: str, timeout_s: float) -> openai.OpenAI:
     """An `openai` client of base_url's /v1 that never retries: a failed request fails the test
     at once instead of being sent again."""

@@ -6,38 +6,26 @@ from __future__ import annotations
 
 import pytest
 
-from toppings.server.api.app import create_app
+from tests.helpers import post_json
 
 PROMPT = [5, 9, 14, 3, 22, 7]
 GREEDY = {"temperature": 0, "ignore_eos": True}
 
 
-@pytest.fixture(scope="module")
-def client(tiny_engine):
-    with tiny_engine({}, max_total_tokens=1024) as engine:
-        yield create_app(engine).test_client(), engine.tokenizer
-
-
-def _post(http, path: str, body: dict) -> dict:
-    answer = http.post(path, json=body)
-    assert answer.status_code == 200, answer.get_data()[:300]
-    return answer.get_json()
-
-
-def test_only_the_allowed_tokens_are_sampled(client):
-    http, tokenizer = client
+def test_only_the_allowed_tokens_are_sampled(tiny_app):
+    http, tokenizer = tiny_app
     body = {"input_ids": PROMPT, "max_new_tokens": 12, **GREEDY}
-    free = _post(http, "/generate", body)["token_ids"]
+    free = post_json(http, "/generate", body)["token_ids"]
     allowed = [t for t in range(40, 60) if t not in free][:3]  # none of the free run's choices
-    greedy = _post(http, "/generate", {**body, "allowed_token_ids": allowed})["token_ids"]
+    greedy = post_json(http, "/generate", {**body, "allowed_token_ids": allowed})["token_ids"]
     assert len(greedy) == 12 and set(greedy) <= set(allowed)
     sampled = {**body, "temperature": 1.0, "seed": 3, "allowed_token_ids": allowed}
-    assert set(_post(http, "/generate", sampled)["token_ids"]) <= set(allowed)
+    assert set(post_json(http, "/generate", sampled)["token_ids"]) <= set(allowed)
     # the OpenAI route: the same tokens; its logprobs are the raw model's, where the free run's
     # first token is still the most likely one
     completion = {"prompt": PROMPT, "max_tokens": 12, "logprobs": 1, **GREEDY,
                   "allowed_token_ids": allowed}  # fmt: skip
-    choice = _post(http, "/v1/completions", completion)["choices"][0]
+    choice = post_json(http, "/v1/completions", completion)["choices"][0]
     assert choice["text"] == tokenizer.decode(greedy, skip_special_tokens=True)
     first = choice["logprobs"]["top_logprobs"][0]  # the chosen token's and the most likely's
     assert set(first) == {tokenizer.decode([greedy[0]]), tokenizer.decode([free[0]])}
@@ -53,8 +41,8 @@ def test_only_the_allowed_tokens_are_sampled(client):
     ],
     ids=["empty", "not a list", "negative", "past the vocabulary"],
 )
-def test_bad_allowed_token_ids_are_a_400(client, value, words):
-    http, _ = client
+def test_bad_allowed_token_ids_are_a_400(tiny_app, value, words):
+    http, _ = tiny_app
     body = {"prompt": PROMPT, "max_tokens": 2, "allowed_token_ids": value}
     answer = http.post("/v1/completions", json=body)
     assert answer.status_code == 400 and words in answer.get_json()["error"]["message"]

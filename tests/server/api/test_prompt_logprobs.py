@@ -8,17 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from toppings.server.api.app import create_app
+from tests.helpers import post_json
 
 TOL = 1e-4
 PROMPT = [5, 9, 14, 3, 22, 7, 31, 2, 17, 40, 11, 6]
 GREEDY = {"temperature": 0, "ignore_eos": True}
-
-
-@pytest.fixture(scope="module")
-def client(tiny_engine, tiny_model_dir):
-    with tiny_engine({}, max_total_tokens=1024) as engine:
-        yield create_app(engine).test_client(), engine.tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -33,12 +27,6 @@ def reference(tiny_model_dir):
             return torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0], dim=-1)
 
     return run
-
-
-def _post(http, path: str, body: dict) -> dict:
-    answer = http.post(path, json=body)
-    assert answer.status_code == 200, answer.get_data()[:300]
-    return answer.get_json()
 
 
 def check(scored: list, ids: list[int], k: int, ref: torch.Tensor, tokenizer) -> None:
@@ -61,23 +49,23 @@ def check(scored: list, ids: list[int], k: int, ref: torch.Tensor, tokenizer) ->
 
 
 @pytest.mark.parametrize("k", [0, 3])
-def test_completions_score_each_choice_s_prompt(client, reference, k):
-    http, tokenizer = client
+def test_completions_score_each_choice_s_prompt(tiny_app, reference, k):
+    http, tokenizer = tiny_app
     body = {"prompt": PROMPT, "max_tokens": 2, "n": 2, "prompt_logprobs": k, **GREEDY}
-    choices = _post(http, "/v1/completions", body)["choices"]
+    choices = post_json(http, "/v1/completions", body)["choices"]
     for choice in choices:
         check(choice["prompt_logprobs"], PROMPT, k, reference(PROMPT), tokenizer)
     assert choices[0]["prompt_logprobs"] == choices[1]["prompt_logprobs"]
     assert choices[0]["logprobs"] is None  # the output's logprobs only when asked
-    plain = _post(http, "/v1/completions", {**body, "prompt_logprobs": None})["choices"][0]
+    plain = post_json(http, "/v1/completions", {**body, "prompt_logprobs": None})["choices"][0]
     assert "prompt_logprobs" not in plain
 
 
-def test_chat_scores_its_rendered_prompt_once(client, reference):
-    http, tokenizer = client
+def test_chat_scores_its_rendered_prompt_once(tiny_app, reference):
+    http, tokenizer = tiny_app
     messages = [{"role": "user", "content": "hello there"}]
     body = {"messages": messages, "max_tokens": 2, "prompt_logprobs": 2, **GREEDY}
-    answer = _post(http, "/v1/chat/completions", body)
+    answer = post_json(http, "/v1/chat/completions", body)
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     ids = tokenizer.encode(text, add_special_tokens=False)  # as the server renders a chat
     assert answer["usage"]["prompt_tokens"] == len(ids)
@@ -95,8 +83,8 @@ def test_chat_scores_its_rendered_prompt_once(client, reference):
         ({"prompt_logprobs": 2, "echo": True, "logprobs": 1}, "with 'echo' and 'logprobs'"),
     ],
 )
-def test_what_it_cannot_be_is_a_400_naming_it(client, extra, words):
-    http, _ = client
+def test_what_it_cannot_be_is_a_400_naming_it(tiny_app, extra, words):
+    http, _ = tiny_app
     answer = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2, **extra})
     assert answer.status_code == 400
     assert words in answer.get_json()["error"]["message"]
@@ -110,29 +98,29 @@ def test_what_it_cannot_be_is_a_400_naming_it(client, extra, words):
         ({"logprobs": 4}, 10),  # the output's alone: 2 x 5
     ],
 )
-def test_the_logprob_entries_of_a_request_are_bounded(client, monkeypatch, body, fits_n):
+def test_the_logprob_entries_of_a_request_are_bounded(tiny_app, monkeypatch, body, fits_n):
     """Every choice's scored tokens x (alternatives + 1), prompt and output together, at most
     MAX_LOGPROB_ENTRIES a request (each entry is held until the response is written): one
     choice more than fits is a 400 saying so, before anything is queued."""
     from toppings.server.api.openai import choices
 
     monkeypatch.setattr(choices, "MAX_LOGPROB_ENTRIES", 100)
-    http, _ = client
+    http, _ = tiny_app
     body = {"prompt": PROMPT, "max_tokens": 2, **GREEDY, **body}
-    fits = _post(http, "/v1/completions", {**body, "n": fits_n})
+    fits = post_json(http, "/v1/completions", {**body, "n": fits_n})
     assert len(fits["choices"]) == fits_n
     refused = http.post("/v1/completions", json={**body, "n": fits_n + 1})
     assert refused.status_code == 400
     assert "this server answers at most 100 a request" in refused.get_json()["error"]["message"]
 
 
-def test_the_logprob_entries_in_flight_are_bounded_and_given_back(client, monkeypatch):
+def test_the_logprob_entries_in_flight_are_bounded_and_given_back(tiny_app, monkeypatch):
     """What the answers in flight hold together is charged to one budget: while a stream holds
     most of it, a request whose logprobs pass it is a 429 with Retry-After and one without
     logprobs is served; every answer gives its charge back when it ends, streamed or not."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    http, _ = client
+    http, _ = tiny_app
     state = http.application.extensions["toppings"]
     monkeypatch.setattr(state.logprobs, "max_in_flight", 60)
     rejected_before = state.logprobs.num_rejected
@@ -158,9 +146,9 @@ def test_the_logprob_entries_in_flight_are_bounded_and_given_back(client, monkey
         "toppings:max_logprob_entries_in_flight": 60,
         "toppings:logprob_requests_rejected_total": rejected_before + 1,
     }
-    assert len(_post(http, "/v1/completions", {**body, "max_tokens": 3})["choices"]) == 1
+    assert len(post_json(http, "/v1/completions", {**body, "max_tokens": 3})["choices"]) == 1
     assert b"[DONE]" in b"".join(stream.response)
     stream.close()
     assert state.logprobs.num_in_flight == 0
-    assert _post(http, "/v1/completions", asks)["choices"][0]["logprobs"] is not None
+    assert post_json(http, "/v1/completions", asks)["choices"][0]["logprobs"] is not None
     assert state.logprobs.num_in_flight == 0

@@ -11,59 +11,48 @@ import json
 
 import pytest
 
-from toppings.server.api.app import create_app
+from tests.helpers import post_json
 
 PROMPT = [5, 9, 14, 3, 22, 7]
 GREEDY = {"temperature": 0, "ignore_eos": True}
 
 
-@pytest.fixture(scope="module")
-def client(tiny_engine):
-    with tiny_engine({}, max_total_tokens=1024) as engine:
-        yield create_app(engine).test_client(), engine.tokenizer
-
-
-def _post(client, path: str, body: dict) -> dict:
-    answer = client.post(path, json=body)
-    assert answer.status_code == 200, answer.get_data()[:300]
-    return answer.get_json()
-
-
-def test_a_stop_token_ends_the_run_where_it_first_comes(client):
-    http, tokenizer = client
-    free = _post(http, "/generate", {"input_ids": PROMPT, "max_new_tokens": 16, **GREEDY})
+def test_a_stop_token_ends_the_run_where_it_first_comes(tiny_app):
+    http, tokenizer = tiny_app
+    free = post_json(http, "/generate", {"input_ids": PROMPT, "max_new_tokens": 16, **GREEDY})
     ids = free["token_ids"]
     k = next(i for i in range(2, len(ids)) if ids[i] not in ids[:i])  # a first occurrence
     never = next(t for t in range(1, 64) if t not in ids)  # a stop token the run never makes
     body = {"input_ids": PROMPT, "max_new_tokens": 16, "stop_token_ids": [never, ids[k]]}
-    stopped = _post(http, "/generate", {**body, **GREEDY})
+    stopped = post_json(http, "/generate", {**body, **GREEDY})
     assert stopped["token_ids"] == ids[: k + 1]
     assert stopped["finish_reason"] == "stop" and stopped["stop_reason"] == ids[k]
     assert free["stop_reason"] is None  # ended by its length
     assert stopped["text"] == tokenizer.decode(ids[:k], skip_special_tokens=True)
     # the same on the OpenAI route, with the count of what was generated
-    plain = _post(http, "/v1/completions", {"prompt": PROMPT, "max_tokens": 16, **GREEDY,
+    plain = post_json(http, "/v1/completions", {"prompt": PROMPT, "max_tokens": 16, **GREEDY,
                                             "stop_token_ids": [ids[k]]})  # fmt: skip
     assert plain["choices"][0]["finish_reason"] == "stop"
     assert plain["choices"][0]["stop_reason"] == ids[k]  # vLLM's: the stop token's id
     assert plain["choices"][0]["text"] == stopped["text"]
     assert plain["usage"]["completion_tokens"] == k + 1
     # min_tokens masks it, as it masks EOS: never chosen, the run goes to its length
-    masked = _post(http, "/generate", {"input_ids": PROMPT, "max_new_tokens": 16, "min_tokens": 16,
-                                       "stop_token_ids": [ids[k]], **GREEDY})  # fmt: skip
+    masked = post_json(http, "/generate", {"input_ids": PROMPT, "max_new_tokens": 16,
+                                           "min_tokens": 16, "stop_token_ids": [ids[k]],
+                                           **GREEDY})  # fmt: skip
     assert ids[k] not in masked["token_ids"] and masked["finish_reason"] == "length"
 
 
-def test_a_stop_string_is_kept_only_when_asked(client):
-    http, _ = client
+def test_a_stop_string_is_kept_only_when_asked(tiny_app):
+    http, _ = tiny_app
     body = {"prompt": PROMPT, "max_tokens": 24, **GREEDY}
-    text = _post(http, "/v1/completions", body)["choices"][0]["text"]
+    text = post_json(http, "/v1/completions", body)["choices"][0]["text"]
     stop = text[len(text) // 2 : len(text) // 2 + 2]
     at = text.find(stop)
     assert len(stop) == 2 and at > 0, text
-    cut = _post(http, "/v1/completions", {**body, "stop": [stop]})["choices"][0]
+    cut = post_json(http, "/v1/completions", {**body, "stop": [stop]})["choices"][0]
     keep = {**body, "stop": [stop], "include_stop_str_in_output": True}
-    kept = _post(http, "/v1/completions", keep)["choices"][0]
+    kept = post_json(http, "/v1/completions", keep)["choices"][0]
     assert cut["text"] == text[:at] and cut["finish_reason"] == "stop"
     assert kept["text"] == text[: at + 2] and kept["finish_reason"] == "stop"
     assert cut["stop_reason"] == kept["stop_reason"] == stop  # vLLM's: the stop string
@@ -77,14 +66,14 @@ def _streamed_choices(http, path: str, body: dict) -> list[dict]:
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
-def test_the_stop_reason_streams_on_the_last_chunk(client, path):
+def test_the_stop_reason_streams_on_the_last_chunk(tiny_app, path):
     """Every streamed choice carries vLLM's `stop_reason`: null until the chunk that ends it,
     then the stop string that did; null at a length end."""
-    http, _ = client
+    http, _ = tiny_app
     chat = path.endswith("chat/completions")
     body = {"max_tokens": 24, **GREEDY}
     body |= {"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": PROMPT}
-    free = _post(http, path, body)["choices"][0]
+    free = post_json(http, path, body)["choices"][0]
     text = free["message"]["content"] if chat else free["text"]
     stop = text[len(text) // 2 : len(text) // 2 + 2]
     assert len(stop) == 2 and text.find(stop) > 0, text
@@ -95,18 +84,18 @@ def test_the_stop_reason_streams_on_the_last_chunk(client, path):
         assert (choices[-1]["finish_reason"], choices[-1]["stop_reason"]) == (finish, reason)
 
 
-def test_special_tokens_are_written_only_when_asked(client):
-    http, tokenizer = client
+def test_special_tokens_are_written_only_when_asked(tiny_app):
+    http, tokenizer = tiny_app
     bos = tokenizer.bos_token_id
     body = {"input_ids": PROMPT, "max_new_tokens": 3, **GREEDY, "logit_bias": {str(bos): 100}}
-    hidden = _post(http, "/generate", body)
-    shown = _post(http, "/generate", {**body, "skip_special_tokens": False})
+    hidden = post_json(http, "/generate", body)
+    shown = post_json(http, "/generate", {**body, "skip_special_tokens": False})
     assert hidden["token_ids"] == shown["token_ids"] == [bos] * 3
     assert hidden["text"] == "" and tokenizer.decode([bos]) != ""
     assert shown["text"] == tokenizer.decode([bos] * 3, skip_special_tokens=False)
     echo = {"prompt": [bos, *PROMPT], "max_tokens": 1, "echo": True, **GREEDY}
     for skip in (True, False):
-        text = _post(http, "/v1/completions", {**echo, "skip_special_tokens": skip})
+        text = post_json(http, "/v1/completions", {**echo, "skip_special_tokens": skip})
         prompt = tokenizer.decode([bos, *PROMPT], skip_special_tokens=skip)
         assert text["choices"][0]["text"].startswith(prompt)
 
@@ -132,8 +121,8 @@ def test_special_tokens_are_written_only_when_asked(client):
         "skip not a bool",
     ],
 )
-def test_bad_values_are_a_400_naming_the_field(client, fields, words):
-    http, _ = client
+def test_bad_values_are_a_400_naming_the_field(tiny_app, fields, words):
+    http, _ = tiny_app
     for path, body in (("/v1/completions", {"prompt": "hi"}), ("/generate", {"prompt": "hi"})):
         answer = http.post(path, json={**body, "max_tokens" if path != "/generate"
                                        else "max_new_tokens": 2, **fields})  # fmt: skip

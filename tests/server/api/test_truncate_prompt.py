@@ -6,37 +6,28 @@ from __future__ import annotations
 
 import pytest
 
-from toppings.server.api.app import create_app
+from tests.helpers import post_json
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
 CONTEXT = 512  # the tiny Llama's
 
 
-@pytest.fixture(scope="module")
-def http(tiny_engine):
-    with tiny_engine({}, max_total_tokens=2048) as engine:
-        yield create_app(engine).test_client()
-
-
-def _post(http, body: dict, path: str = "/v1/completions") -> dict:
-    answer = http.post(path, json=body)
-    assert answer.status_code == 200, answer.get_data()[:300]
-    return answer.get_json()
-
-
-def test_the_prompt_s_last_tokens_are_kept(http):
+def test_the_prompt_s_last_tokens_are_kept(tiny_app):
+    http, _ = tiny_app
+    path = "/v1/completions"
     prompt = [5 + (i * 7) % 200 for i in range(600)]  # longer than the context
-    assert http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 4}).status_code == 400
-    cut = _post(http, {"prompt": prompt, "max_tokens": 4, "truncate_prompt_tokens": 40, **GREEDY})
-    tail = _post(http, {"prompt": prompt[-40:], "max_tokens": 4, **GREEDY})
+    assert http.post(path, json={"prompt": prompt, "max_tokens": 4}).status_code == 400
+    cut = post_json(http, path, {"prompt": prompt, "max_tokens": 4, "truncate_prompt_tokens": 40,
+                                 **GREEDY})  # fmt: skip
+    tail = post_json(http, path, {"prompt": prompt[-40:], "max_tokens": 4, **GREEDY})
     assert cut["usage"]["prompt_tokens"] == 40
     assert cut["choices"][0]["text"] == tail["choices"][0]["text"]
-    whole = _post(http, {"prompt": prompt[:30], "max_tokens": 4, "truncate_prompt_tokens": -1,
-                         **GREEDY})  # fmt: skip
+    whole = post_json(http, path, {"prompt": prompt[:30], "max_tokens": 4,
+                                   "truncate_prompt_tokens": -1, **GREEDY})  # fmt: skip
     assert whole["usage"]["prompt_tokens"] == 30  # shorter than the context: as it is
     chat = {"messages": [{"role": "user", "content": "hello there " * 20}], "max_tokens": 2}
-    assert _post(http, {**chat, "truncate_prompt_tokens": 8}, "/v1/chat/completions")[
-        "usage"]["prompt_tokens"] == 8  # fmt: skip
+    answer = post_json(http, "/v1/chat/completions", {**chat, "truncate_prompt_tokens": 8})
+    assert answer["usage"]["prompt_tokens"] == 8
 
 
 @pytest.mark.parametrize(
@@ -50,6 +41,7 @@ def test_the_prompt_s_last_tokens_are_kept(http):
     ],
     ids=["zero", "below -1", "a string", "past the context", "with echo"],
 )
-def test_bad_truncation_is_a_400(http, extra, words):
+def test_bad_truncation_is_a_400(tiny_app, extra, words):
+    http, _ = tiny_app
     answer = http.post("/v1/completions", json={"prompt": [5, 9, 14], "max_tokens": 2, **extra})
     assert answer.status_code == 400 and words in answer.get_json()["error"]["message"]
