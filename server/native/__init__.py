@@ -10,7 +10,8 @@ the int8 GEMV of `--quantization int8` and the AVX2 + FMA float32 / bf16 GEMVs f
 AVX-512, `gemv_int4_bf16.c` the int4 GEMV for bf16 activations (AVX512_BF16), each one call
 where torch needs many small ops; `decode_layer.c` chains them (and the LoRA kernel) into one
 call a step for decode steps of a few requests (`server/model/decode_path.py`); `logits.c`
-checks a step's logits and finds its greedy tokens in one pass (`server/sampling/logits_scan.py`);
+checks a step's logits and finds its greedy tokens in one pass (`server/sampling/logits_scan.py`)
+and takes the logprobs asked for in two (`server/sampling/logits.py`);
 `dequant_int4.c` unpacks torch's int4 pack for a prompt's GEMM (`server/model/quant_dequant.py`).
 Every function, struct and enum Python reaches is declared in `csrc/native_api.h`, which every
 source includes; `SIGNATURES` below, the structs of `server/model/decode_structs.py` and the
@@ -71,6 +72,7 @@ SIGNATURES = {  # as native_api.h declares them; each returns an int, a native_b
     "act_proj": [_P] * 4 + [_I64, _I, _I],
     "decode_layers": [_P, _P, _I64, _P, _I, _I],
     "logits_scan": [_P, _I64, _I64, _I64, _P, _P, _I],
+    "logits_logprobs": [_P, _I64, _I64, _I64, _P, _I, _P, _P, _P, _P, _I],
 }
 
 

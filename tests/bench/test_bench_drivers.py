@@ -196,6 +196,26 @@ def test_scored_prompt_quick_times_the_streams_beside_both_prompts(tiny_model_di
     assert metrics["max_gap_ratio_scored_vs_plain"]["median"] == pytest.approx(ratio, rel=0.01)
 
 
+def test_logprobs_quick_times_each_path(tiny_model_dir, tmp_path, monkeypatch):
+    from bench import bench_logprobs as bench
+    from toppings.server.sampling import logits
+
+    paths = []
+    native = logits.native_library
+    monkeypatch.setattr(logits, "native_library", lambda: paths.append("native") or native())
+    out = tmp_path / "logprobs.json"
+    argv = ["--quick", "--model", str(tiny_model_dir), "--dtype", "float32", "--out", str(out)]
+    result = bench.main(argv)
+    assert json.loads(out.read_text()) == result
+    assert paths and logits.native_library is not native  # the torch kind put it back
+    metrics = result["metrics"]
+    for kind in bench.KINDS:
+        (row,) = metrics[kind]["rounds"]
+        assert row["decode_tokens_per_s"] > 0 and row["scored_prompt_s"] > 0
+    ratio = metrics["native"]["decode_tokens_per_s"] / metrics["torch"]["decode_tokens_per_s"]
+    assert metrics["decode_ratio_native_vs_torch"]["median"] == pytest.approx(ratio, rel=0.01)
+
+
 def test_full_size_quick_times_base_and_adapter_decode_steps(tmp_path):
     from bench import bench_full_size as bench
 

@@ -207,5 +207,8 @@ int dequant_int4_pack(const uint8_t *packed, const void *sz, int sz_bf16, int64_
                       int num_threads);
 int logits_scan(const float *logits, int64_t ld, int64_t B, int64_t V, uint8_t *finite,
                 int64_t *argmax, int num_threads);
+int logits_logprobs(const float *logits, int64_t ld, int64_t R, int64_t V, const int64_t *ids,
+                    int k, float *own, int64_t *rank, int64_t *top_ids, float *top_lp,
+                    int num_threads);
 
 #endif
