@@ -81,6 +81,18 @@ class SchedulerError(Exception):
         self.retry_after_s = retry_after_s
 
 
+JSON_HEADERS = {"Content-Type": "application/json"}
+
+
+def _sendable(body: dict[str, Any]) -> bytes:
+    """The body as the servers get it; a 400 where it is no JSON (a NaN, an infinity: the
+    scheduler's parser refuses them first), which must not count against a server."""
+    try:
+        return json.dumps(body, allow_nan=False, ensure_ascii=False).encode()
+    except (TypeError, ValueError) as exc:
+        raise SchedulerError(f"the body cannot be sent on as JSON: {exc}") from exc
+
+
 # A server's response headers the client gets through the scheduler too: the request fields the
 # server accepted and ignored, and the tool-call format it used (server.api.openai.generation).
 PASSED_ON = ("X-Toppings-Ignored-Fields", "X-Toppings-Tool-Format")
@@ -185,6 +197,7 @@ class Router:
             )
         failures = []
         stream = bool(body.get("stream"))
+        data = _sendable(body)  # once for every attempt; a body it refuses fails no server
         for attempt, url in enumerate(ranked):
             if attempt:
                 with self._choose_lock:
@@ -194,7 +207,8 @@ class Router:
             try:
                 answer = self.session.post(
                     url + path,
-                    json=body,
+                    data=data,
+                    headers=JSON_HEADERS,
                     stream=stream,
                     timeout=(CONNECT_TIMEOUT_S, READ_TIMEOUT_S),
                 )

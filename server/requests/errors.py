@@ -17,6 +17,7 @@ from __future__ import annotations
 import hmac
 import json
 import logging
+import math
 import re
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -90,7 +91,7 @@ def parse_json_object(data: bytes) -> dict[str, Any]:
     if nests_too_deep(data):
         raise ValueError(too_deep("the body"))
     try:
-        body = json.loads(data or b"null")
+        body = json.loads(data or b"null", parse_constant=_refuse_constant, parse_float=_finite)
     except (ValueError, UnicodeDecodeError) as exc:
         raise ValueError(f"the body is not valid JSON: {exc}") from exc
     if not isinstance(body, dict):
@@ -100,6 +101,21 @@ def parse_json_object(data: bytes) -> dict[str, Any]:
         if where is not None:
             raise ValueError(f"{where} holds a lone UTF-16 surrogate escape, not a character")
     return body
+
+
+def _refuse_constant(name: str) -> float:
+    """NaN, Infinity and -Infinity: Python's json reads them, JSON (RFC 8259) has no such
+    values; taken, they reach sampling parameters and schemas, and a proxy that writes the body
+    again cannot (the scheduler)."""
+    raise ValueError(f"{name} is not a JSON value (RFC 8259 has no NaN or infinities)")
+
+
+def _finite(text: str) -> float:
+    """A JSON number as a float, refused where it overflows one (1e400 would read as inf)."""
+    value = float(text)
+    if math.isinf(value):
+        raise ValueError(f"the number {text[:40]} is out of a float's range")
+    return value
 
 
 # A \uD800-\uDFFF escape: JSON admits one without its pair, which parses to a str that no

@@ -52,7 +52,7 @@ class Session:
         self.script: list = []
         self.answers: list[Answer] = []
 
-    def post(self, url, json=None, stream=False, timeout=None):
+    def post(self, url, json=None, data=None, headers=None, stream=False, timeout=None):
         item = self.script.pop(0)
         if isinstance(item, Exception):
             raise item

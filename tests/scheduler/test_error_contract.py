@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import io
+from json import dumps
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -29,8 +30,15 @@ class FlaskSession:
     def __init__(self, client):
         self.client = client
 
-    def post(self, url: str, json=None, stream=False, timeout=None) -> requests.Response:
-        answer = self.client.post(urlsplit(url).path, json=json)
+    def post(
+        self, url: str, json=None, data=None, headers=None, stream=False, timeout=None
+    ) -> requests.Response:
+        if json is not None:  # as requests writes it: a NaN is its InvalidJSONError, not sent
+            try:
+                data, headers = dumps(json, allow_nan=False), {"Content-Type": "application/json"}
+            except ValueError as exc:
+                raise requests.exceptions.InvalidJSONError(str(exc)) from exc
+        answer = self.client.post(urlsplit(url).path, data=data, headers=headers)
         response = requests.Response()
         response.status_code = answer.status_code
         response.headers.update(answer.headers)
@@ -74,6 +82,9 @@ BAD_INPUTS = [
     ("/v1/chat/completions", {"model": "nope", "messages": CHAT}),
     ("/v1/chat/completions", {"model": "a8", "messages": []}),
     ("/v1/chat/completions", {"model": "a8", "messages": CHAT, "max_completion_tokens": -3}),
+    ("/v1/completions", b'{"model": "a8", "prompt": "hi", "temperature": NaN}'),
+    ("/v1/chat/completions", b'{"model": "a8", "messages": [], "tools": [{"x": -Infinity}]}'),
+    ("/v1/completions", b'{"model": "a8", "prompt": "hi", "top_p": 1e999}'),
     ("/generate", b"[]"),
     ("/generate", {"adapter": "nope", "prompt": "hi"}),
     ("/generate", {"prompt": "hi", "input_ids": [1, 2]}),
@@ -91,6 +102,17 @@ def test_same_bad_input_same_error(clients, path, body):
     assert via_scheduler.get_json() == direct.get_json()
     error = direct.get_json()["error"]
     assert set(error) == {"message", "type", "code"} and error["code"] == direct.status_code
+
+
+def test_a_body_with_nan_fails_no_server(clients):
+    # A NaN, which Python's json reads and requests refuses to write, made the scheduler mark
+    # the server it tried unhealthy: every other client's request then got a 503.
+    scheduler, _ = clients
+    for _ in range(3):
+        answer = scheduler.post("/v1/completions", data=b'{"model": "a8", "top_p": NaN}')
+        assert answer.status_code == 400 and "NaN" in answer.get_json()["error"]["message"]
+    body = {"model": "a8", "prompt": "hi", "max_tokens": 1}
+    assert scheduler.post("/v1/completions", json=body).status_code == 200
 
 
 DEEP = 100_000
