@@ -30,6 +30,7 @@ import torch
 
 from toppings.server.requests.request import Constraint, ConstraintKind, RequestError
 from toppings.server.sampling.schema_finite import has_finite_instance
+from toppings.server.sampling.schema_refs import close_objects
 
 MAX_CACHED_GRAMMARS = 256
 # JSON as a model usually writes it, with one space after separators and no other whitespace:
@@ -44,8 +45,9 @@ def grammar_text(constraint: Constraint) -> str:
     spec = constraint.spec
     kind = constraint.kind
     try:
-        if kind is ConstraintKind.JSON_SCHEMA:
-            return llguidance.LLMatcher.grammar_from_json_schema(spec, defaults=JSON_OPTIONS)
+        if kind is ConstraintKind.JSON_SCHEMA:  # its objects closed to the keys they list
+            closed = json.dumps(close_objects(json.loads(spec)))
+            return llguidance.LLMatcher.grammar_from_json_schema(closed, defaults=JSON_OPTIONS)
         if kind is ConstraintKind.REGEX:
             # \d, \w and \s as ASCII classes (as Python's re.ASCII), not every Unicode digit
             return llguidance.LLMatcher.grammar_from_lark(

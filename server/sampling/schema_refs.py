@@ -1,4 +1,5 @@
-"""A JSON schema's subschemas and its local `$ref`s: found, resolved, and moved under a prefix.
+"""A JSON schema's subschemas and its local `$ref`s: found, resolved, and moved under a prefix;
+and its objects closed to the keys they list.
 
 A `$ref` of "#" or "#/a/b" is a JSON pointer into the document it sits in (RFC 6901, with
 `~0`/`~1` escapes, percent-encoded as a URI fragment). A schema placed inside a bigger one (a
@@ -84,6 +85,41 @@ def rebase_refs(schema: Any, prefix: str) -> Any:
             out[key] = [rebase_refs(sub, prefix) for sub in value]
         elif how == MAP and isinstance(value, dict):
             out[key] = {name: rebase_refs(sub, prefix) for name, sub in value.items()}
+    return out
+
+
+# Keywords whose direct subschemas combine with others on one instance: closing one of them to
+# its own keys would refuse the keys its siblings add (allOf's parts, a conditional's branches).
+COMBINING = frozenset({"allOf", "not", "if", "then", "else", "dependentSchemas", "dependencies"})
+OPENING = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+
+
+def close_objects(schema: Any, closable: bool = True) -> Any:
+    """A copy of `schema` in which each object schema that lists `properties` and says nothing
+    of other keys (no `additionalProperties`, `patternProperties`, `unevaluatedProperties`)
+    takes no others, as vLLM's default grammar backend (xgrammar) reads such a schema: a
+    function's `parameters` are written so, and a model left free to add keys adds them until
+    `max_tokens`. Not closed: a schema whose `required` names a key it does not list, and the
+    direct parts of a combination (`COMBINING`), whose siblings may list the other keys."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    props, required = schema.get("properties"), schema.get("required")
+    if (
+        closable
+        and isinstance(props, dict)
+        and not any(key in schema for key in OPENING)
+        and (not isinstance(required, list) or all(r in props for r in required))
+    ):
+        out["additionalProperties"] = False
+    for key, value in schema.items():
+        how, inner = _holds(key, value), key not in COMBINING
+        if how == ONE:
+            out[key] = close_objects(value, inner)
+        elif how == LIST and isinstance(value, list):
+            out[key] = [close_objects(sub, inner) for sub in value]
+        elif how == MAP and isinstance(value, dict):
+            out[key] = {name: close_objects(sub, inner) for name, sub in value.items()}
     return out
 
 

@@ -61,6 +61,34 @@ def test_required_and_named_calls(client, engine, choice):
     jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
 
 
+OPEN_TOOLS = [  # parameters as clients write them: nothing said of other keys
+    {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "required": ["city"],
+        "properties": {"city": {"type": "string", "maxLength": 30}, "unit": {"enum": ["c", "f"]}},
+    }}},
+    {"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "required": ["a", "b"],
+        "properties": {"a": {"type": "integer", "maximum": 1000},
+                       "b": {"type": "integer", "maximum": 1000}},
+    }}},
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "add"}}])
+def test_a_forced_call_takes_only_the_keys_its_parameters_list(client, engine, choice):
+    """Before objects were closed (as vLLM's xgrammar reads such a schema), SmolLM2 forced to
+    `add` wrote `"c": 100, "d": 100, ...` until max_tokens, and under "required" copied the
+    schema's own keys into get_weather's arguments (`"properties": {"maxLength": 30, ...}`)."""
+    out, _ = _create(client, engine, tools=OPEN_TOOLS, tool_choice=choice)
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    (call,) = choice.message.tool_calls
+    tool = next(t["function"] for t in OPEN_TOOLS if t["function"]["name"] == call.function.name)
+    arguments = json.loads(call.function.arguments)
+    assert set(arguments) <= set(tool["parameters"]["properties"])
+    jsonschema.validate(arguments, tool["parameters"])
+
+
 def test_none_answers_text(client, engine):
     out, headers = _create(client, engine, tool_choice="none")
     assert headers["x-toppings-tool-format"] == "generic"

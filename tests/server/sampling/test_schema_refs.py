@@ -1,6 +1,7 @@
 """A tool's `parameters` placed inside the schema of a constrained call keep their meaning: the
 `jsonschema` package (the oracle) gives every instance the same verdict under the parameters
-alone and, as a call's `arguments`, under the combined schema (issue 67)."""
+alone and, as a call's `arguments`, under the combined schema (issue 67); and an object schema
+that lists its keys takes no others once closed (`close_objects`, as vLLM's xgrammar reads it)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,12 @@ import pytest
 from pydantic import BaseModel
 
 from toppings.server.api.openai.tools import parse_tools
-from toppings.server.sampling.schema_refs import rebase_refs, resolve_pointer, subschemas
+from toppings.server.sampling.schema_refs import (
+    close_objects,
+    rebase_refs,
+    resolve_pointer,
+    subschemas,
+)
 
 
 class City(BaseModel):
@@ -115,3 +121,58 @@ def test_resolve_pointer_and_subschema_paths_agree():
     assert resolve_pointer(schema, "#/properties/a%7E1b") == {"type": "string"}
     with pytest.raises(KeyError):
         resolve_pointer(schema, "#/properties/nope")
+
+
+OPEN_PARAMS = {  # a function's parameters as clients write them: nothing said of other keys
+    "type": "object",
+    "properties": {
+        "city": {"type": "string"},
+        "stops": {"type": "array", "items": {"type": "object", "properties": {"n": {}}}},
+    },
+    "required": ["city"],
+    "$defs": {"Unit": {"type": "object", "properties": {"u": {"enum": ["c", "f"]}}}},
+}
+KEPT_OPEN = [  # schemas close_objects leaves as they are: they take other keys on purpose
+    {"type": "object", "properties": {"a": {}}, "additionalProperties": True},
+    {"type": "object", "properties": {"a": {}}, "patternProperties": {"^x": {}}},
+    {"type": "object", "properties": {"a": {}}, "unevaluatedProperties": {"type": "integer"}},
+    {"type": "object", "properties": {"a": {}}, "required": ["a", "b"]},  # b: another key
+    {"type": "object"},  # json_object: any object
+    {"const": {"properties": {"a": {}}}},  # data, not a schema
+]
+
+
+def test_close_objects_refuses_only_unlisted_keys():
+    """Under the closed schema (jsonschema the oracle) an instance is valid where it was and
+    has no key its object does not list; every object schema that lists keys is closed."""
+    closed = close_objects(OPEN_PARAMS)
+    jsonschema.Draft202012Validator.check_schema(closed)
+    unit = {"$ref": "#/$defs/Unit"}
+    instances = [
+        {"city": "Paris"}, {"city": "Paris", "stops": [{"n": 1}]}, {"city": 3},
+        {"city": "Paris", "type": "object"}, {"city": "Paris", "stops": [{"n": 1, "m": 2}]},
+    ]  # fmt: skip
+    assert [_valid(i, OPEN_PARAMS) for i in instances] == [True, True, False, True, True]
+    assert [_valid(i, closed) for i in instances] == [True, True, False, False, False]
+    defs = {"$defs": closed["$defs"]}
+    assert _valid({"u": "c"}, {**unit, **defs}) and not _valid({"u": "c", "v": 1}, {**unit, **defs})
+    assert "additionalProperties" not in OPEN_PARAMS  # the input is not changed
+
+
+@pytest.mark.parametrize("schema", KEPT_OPEN)
+def test_close_objects_keeps_schemas_that_take_other_keys(schema):
+    assert close_objects(schema) == schema
+
+
+def test_close_objects_leaves_the_parts_of_a_combination_open():
+    """allOf's parts each list some keys of one object: closing a part would refuse the others'
+    (an instance valid before stays valid); what they hold is closed."""
+    both = {
+        "allOf": [
+            {"type": "object", "properties": {"a": {"type": "object", "properties": {"x": {}}}}},
+            {"type": "object", "properties": {"b": {}}},
+        ]
+    }
+    closed = close_objects(both)
+    assert _valid({"a": {"x": 1}, "b": 2}, closed)
+    assert _valid({"a": {"x": 1, "y": 2}}, both) and not _valid({"a": {"x": 1, "y": 2}}, closed)
