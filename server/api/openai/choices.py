@@ -20,8 +20,9 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from toppings.server.api.openai.chat_options import ChatOptions
 from toppings.server.api.openai.schema import MAX_SEED, ParsedBody
-from toppings.server.api.openai.tools import generic_tool_messages, template_renders_tools
+from toppings.server.api.openai.tools import Tools, generic_tool_messages, template_renders_tools
 from toppings.server.chat_template.render import render_chat
 from toppings.server.requests.adapter_ref import AdapterRef
 from toppings.server.requests.request import GenerationRequest, RequestError, SamplingParams
@@ -140,19 +141,33 @@ def prompt_ids(
                                "model's chat template reasons, and its effort cannot be set "
                                "here; its own switch can, with 'chat_template_kwargs' (Qwen3: "
                                '{"enable_thinking": false})')  # fmt: skip
-        tools, messages = None, parsed.messages
-        if parsed.tools is not None and template_renders_tools(tokenizer):
-            tools = parsed.tools.template_tools()
-        elif parsed.tools is not None:  # the generic format: the tools in the system message
-            messages = generic_tool_messages(messages, parsed.tools)
-        chat = parsed.chat
-        text = render_chat(tokenizer, messages, tools, chat.add_generation_prompt, max_chars,
-                           chat.template_kwargs, chat.continue_final_message)  # fmt: skip
-        # The rendered template already holds the BOS token where the model wants one.
-        return list(tokenizer.encode(text, add_special_tokens=False))
+        return chat_ids(tokenizer, parsed.messages, parsed.tools, parsed.chat, max_chars)
     if isinstance(prompt, str):
         return list(tokenizer.encode(prompt, add_special_tokens=True))
     return list(prompt)
+
+
+def chat_ids(
+    tokenizer,
+    messages: list[dict],
+    tools: Tools | None,
+    chat: ChatOptions,
+    max_chars: int | None,
+    add_special_tokens: bool = False,
+) -> list[int]:
+    """Token ids of parsed chat messages rendered by the tokenizer's chat template (it has one),
+    the tools given to the template where it renders them, else in the generic format's system
+    message (server.api.openai.tools): what a chat request's prompt is, and /tokenize counts
+    (which may ask the tokenizer's special tokens on top, as vLLM's does)."""
+    template_tools = None
+    if tools is not None and template_renders_tools(tokenizer):
+        template_tools = tools.template_tools()
+    elif tools is not None:  # the generic format: the tools in the system message
+        messages = generic_tool_messages(messages, tools)
+    text = render_chat(tokenizer, messages, template_tools, chat.add_generation_prompt, max_chars,
+                       chat.template_kwargs, chat.continue_final_message)  # fmt: skip
+    # The rendered template already holds the BOS token where the model wants one.
+    return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
 
 def truncated(parsed: ParsedBody, ids: list[int], max_model_len: int) -> list[int]:

@@ -259,6 +259,32 @@ def test_tokenize_and_detokenize(base_url, engine):
     assert bad.status_code == 404 and bad.json()["error"]["type"] == "not_found"
 
 
+def test_tokenize_token_strs_special_tokens_and_unknown_fields(base_url, engine):
+    """vLLM's `return_token_strs` (null unless asked) and chat-form `add_special_tokens` (the
+    tokenizer's on top of the template's); a chat request's own fields are taken (its body
+    counts as it is), a field no endpoint knows is a 400 naming it."""
+    url = f"{base_url}/tokenize"
+    plain = requests.post(url, json={"prompt": "The cat"}, timeout=30).json()
+    named = requests.post(url, json={"prompt": "The cat", "return_token_strs": True},
+                          timeout=30).json()  # fmt: skip
+    assert plain["token_strs"] is None and named["tokens"] == plain["tokens"]
+    assert named["token_strs"] == engine.tokenizer.convert_ids_to_tokens(plain["tokens"])
+    chat = requests.post(url, json={"messages": CHAT}, timeout=30).json()
+    both = requests.post(url, json={"messages": CHAT, "add_special_tokens": True},
+                         timeout=30).json()  # fmt: skip
+    text = engine.tokenizer.decode(chat["tokens"])
+    assert both["tokens"] == engine.tokenizer.encode(text, add_special_tokens=True)
+    as_chat = {"messages": CHAT, "max_tokens": 3, "temperature": 0.5, "tool_choice": "none"}
+    assert requests.post(url, json=as_chat, timeout=30).json()["tokens"] == chat["tokens"]
+    for path, body in [("/tokenize", {"prompt": "x", "messages": CHAT}),
+                       ("/tokenize", {"messages": CHAT, "max_tokens": 3, "zzz": 1}),
+                       ("/tokenize", {"prompt": "x", "zzz": 1}),
+                       ("/detokenize", {"tokens": [1], "skip_special_tokens": True})]:  # fmt: skip
+        bad = requests.post(f"{base_url}{path}", json=body, timeout=30)
+        assert bad.status_code == 400, body
+        assert "is not a field this server accepts" in bad.json()["error"]["message"]
+
+
 def test_hanging_up_aborts_every_choice(base_url, engine):
     """A streamed n x prompts request whose client leaves: all its sequences end, KV is freed."""
     body = {"model": "sql", "prompt": ["ab", "cd"], "n": 3, "stream": True, "ignore_eos": True,

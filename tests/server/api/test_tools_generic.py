@@ -10,6 +10,7 @@ import json
 import jsonschema
 import openai
 import pytest
+import requests
 from pydantic import BaseModel, Field
 
 from tests.helpers import running_engine
@@ -36,9 +37,14 @@ def engine(smollm2_dir):
 
 
 @pytest.fixture(scope="module")
-def client(engine, serve_app, openai_client):
+def base_url(engine, serve_app):
     with serve_app(create_app(engine)) as url:
-        yield openai_client(url, 300)
+        yield url
+
+
+@pytest.fixture(scope="module")
+def client(base_url, openai_client):
+    return openai_client(base_url, 300)
 
 
 def _create(client, engine, **kwargs):
@@ -87,6 +93,18 @@ def test_a_forced_call_takes_only_the_keys_its_parameters_list(client, engine, c
     arguments = json.loads(call.function.arguments)
     assert set(arguments) <= set(tool["parameters"]["properties"])
     jsonschema.validate(arguments, tool["parameters"])
+
+
+def test_tokenize_counts_the_tools_as_a_chat_prompt_does(base_url, client, engine):
+    """/tokenize with `tools` gives the count a chat request with them reports as its prompt
+    (the tools in the generic format's system message), not the messages' alone."""
+    body = {"model": engine.model_name, "messages": ASK, "tools": OPEN_TOOLS}
+    counted = requests.post(f"{base_url}/tokenize", json=body, timeout=60).json()
+    plain = requests.post(f"{base_url}/tokenize", json={"messages": ASK}, timeout=60).json()
+    out, _ = _create(client, engine, tools=OPEN_TOOLS, max_tokens=1)
+    assert counted["count"] == out.usage.prompt_tokens > plain["count"]
+    bad = requests.post(f"{base_url}/tokenize", json={**body, "tools": "x"}, timeout=60)
+    assert bad.status_code == 400 and "'tools'" in bad.json()["error"]["message"]
 
 
 def test_none_answers_text(client, engine):
