@@ -299,6 +299,10 @@ CURRENT: dict[str, tuple[str, tuple[str, ...]]] = {
                            "plain: the streams' largest gap (AMX Xeon)",
                            ("scored.max_gap_ms", "plain.max_gap_ms",
                             "max_gap_ratio_scored_vs_plain.median", "scored.request_s")),
+    "logprobs.json": ("64 streams decoding with 5 logprobs and a 2,000-token prompt scored: the "
+                      "native pass against torch's ops and against no logprobs (AMX Xeon)",
+                      ("decode_ratio_native_vs_torch.median", "decode_ratio_native_vs_none.median",
+                       "scored_prompt_ratio_native_vs_torch.median")),
     "demo_loadgen.json": ("the demo cluster under toppings-loadgen, 1 request/s", _LOADGEN),
     "demo_loadgen_replay.json": ("the same trace replayed", _LOADGEN),
     "gguf_convert.json": ("GGUF conversion, parsed once against plain",
