@@ -150,9 +150,10 @@ def register_generation(app: Flask, ctx: ApiContext) -> None:
                     lambda _: adapter,
                     ctx.limits,
                 )
-                skip = parsed.sampling["skip_special_tokens"]
+                # A prompt of ids echoes every token, special ones too (vLLM's decode): its
+                # logprobs list each token, whose text_offset must point into this text.
                 echo = tuple(
-                    p if isinstance(p, str) else tokenizer.decode(p, skip_special_tokens=skip)
+                    p if isinstance(p, str) else tokenizer.decode(p)
                     for p in (parsed.prompts if parsed.echo else ())
                 )
             # the answer's logprobs charged before it is submitted: 429 while others hold them

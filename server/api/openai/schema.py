@@ -309,12 +309,17 @@ def parse_message(msg: Any, idx: int) -> dict[str, Any]:
     content = msg.get("content")
     if content is None and role == "assistant":
         content = ""
-    if isinstance(content, list):
+    if isinstance(content, list):  # text parts, each with its text (OpenAI's and vLLM's 400s)
+        if not content:
+            raise RequestError(f"messages[{idx}].content must not be an empty list")
         parts = []
-        for part in content:
+        for j, part in enumerate(content):
             if not isinstance(part, dict) or part.get("type") != "text":
                 raise RequestError(f"messages[{idx}].content parts must be text parts")
-            parts.append(typed_field(part, "text", "str", ""))
+            if not isinstance(part.get("text"), str):
+                raise RequestError(f"messages[{idx}].content[{j}].text must be a string, "
+                                   f"not {json_type(part.get('text'))}")  # fmt: skip
+            parts.append(part["text"])
         content = "\n".join(parts)
     if not isinstance(content, str):
         raise RequestError(f"messages[{idx}].content must be a string or a list of text parts")

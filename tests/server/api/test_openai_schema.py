@@ -189,6 +189,20 @@ def test_chat_messages_and_token_limits():
         ([{"role": "wizard", "content": "x"}], r"messages\[0\].role must be one of"),
         ([{"role": "user", "content": 3}], r"messages\[0\].content must be a string"),
         ([{"role": "user", "content": [{"type": "image_url"}]}], "must be text parts"),
+        ([{"role": "user", "content": []}], r"messages\[0\].content must not be an empty list"),
+        (
+            [{"role": "user", "content": [{"type": "text"}]}],
+            r"messages\[0\].content\[0\].text must be a string, not null",
+        ),
+        (
+            [
+                {
+                    "role": "user",
+                    "content": [{"type": "text", "text": "a"}, {"type": "text", "text": 5}],
+                }
+            ],
+            r"messages\[0\].content\[1\].text must be a string, not number",
+        ),
     ],
 )
 def test_chat_rejects(messages, words):

@@ -93,11 +93,16 @@ def test_special_tokens_are_written_only_when_asked(tiny_app):
     assert hidden["token_ids"] == shown["token_ids"] == [bos] * 3
     assert hidden["text"] == "" and tokenizer.decode([bos]) != ""
     assert shown["text"] == tokenizer.decode([bos] * 3, skip_special_tokens=False)
-    echo = {"prompt": [bos, *PROMPT], "max_tokens": 1, "echo": True, **GREEDY}
+    # A prompt of ids echoes every token, special ones too, as vLLM decodes it: the logprobs
+    # list each token, and each text_offset points at that token's text in the choice's text.
+    echo = {"prompt": [bos, *PROMPT], "max_tokens": 1, "echo": True, "logprobs": 0, **GREEDY}
     for skip in (True, False):
-        text = post_json(http, "/v1/completions", {**echo, "skip_special_tokens": skip})
-        prompt = tokenizer.decode([bos, *PROMPT], skip_special_tokens=skip)
-        assert text["choices"][0]["text"].startswith(prompt)
+        answer = post_json(http, "/v1/completions", {**echo, "skip_special_tokens": skip})
+        (choice,) = answer["choices"]
+        assert choice["text"].startswith(tokenizer.decode([bos, *PROMPT]))
+        logprobs = choice["logprobs"]
+        for token, offset in list(zip(logprobs["tokens"], logprobs["text_offset"]))[:-1]:
+            assert choice["text"][offset : offset + len(token)] == token
 
 
 @pytest.mark.parametrize(
