@@ -140,14 +140,18 @@ def _check_first_step(template: llguidance.LLMatcher, constraint: Constraint) ->
     """Refuse, before anything is queued, a grammar whose first step the engine cannot take:
     an empty language (`root ::= root`, a `$ref` that only refers to itself) or one past the
     engine's limits where its first mask is computed. Probed on a copy: the template stays
-    untouched for the requests that copy it."""
-    probe = template.deep_copy()
-    probe.compute_bitmask()
-    if probe.is_error():
-        raise RequestError(
-            f"invalid {constraint.what}: the grammar engine finds no output that satisfies it "
-            f"({matcher_error(probe)})"
-        )
+    untouched for the requests that copy it. Twice: the copies share the lexer's expressions,
+    and a first step can build so many (`(a{1000}){1000}`: 0.8 s) that the next copy's fails
+    at once, as every request's would (a 422 mid-request, where a 400 is due); a second probe
+    of a grammar that passes costs microseconds, its states built."""
+    for _ in range(2):
+        probe = template.deep_copy()
+        probe.compute_bitmask()
+        if probe.is_error():
+            raise RequestError(
+                f"invalid {constraint.what}: the grammar engine finds no output that satisfies "
+                f"it ({matcher_error(probe)})"
+            )
 
 
 def _check_finite(constraint: Constraint) -> None:

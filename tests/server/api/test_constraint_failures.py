@@ -106,6 +106,14 @@ def test_a_regex_past_the_engines_limits_is_a_400(client, monkeypatch):
     assert "'guided_regex' (regex)" in error["message"]
 
 
+def test_a_regex_whose_first_step_uses_up_the_lexer_is_a_400(client):
+    # (a{1000}){1000}: the first mask builds so many expressions (shared by every copy of the
+    # grammar) that the next copy's first mask fails at once: it was a 422 mid-request.
+    body = {"prompt": "hi", "max_tokens": 8, "guided_regex": "(a{1000}){1000}"}
+    error = _error(client.post("/v1/completions", json=body), 400)
+    assert "'guided_regex'" in error["message"] and "too many expressions" in error["message"]
+
+
 def test_a_matcher_failure_is_an_error_never_stop(client):
     before = _failures(client)
     body = {"prompt": "hi", "max_tokens": 8, "guided_grammar": ENDLESS}
