@@ -1,7 +1,7 @@
 """The scheduler's HTTP API: parse, call the router / cluster / registry, answer JSON.
 
-Request endpoints mirror a server's (`/v1/completions`, `/v1/chat/completions`, `/generate`,
-`/tokenize`, `/detokenize`, streaming as server-sent events passed through; bodies go to one
+Request endpoints mirror a server's (`/v1/completions`, `/v1/chat/completions`, `/v1/responses`,
+`/generate`, `/tokenize`, `/detokenize`, streaming as server-sent events passed through; bodies go to one
 server unchanged, see scheduler.router); `GET /v1/models` and `GET /v1/models/{id}` come from
 the registry; until a server is registered they answer 503 with Retry-After. Errors use the
 server's contract (toppings.server.requests.errors). Like a server, the request endpoints share one
@@ -156,6 +156,7 @@ def _proxy(ctx: SchedulerContext, path: str, kind: str) -> Response:
 PROXIED = (
     ("/v1/completions", "completions", "completions"),
     ("/v1/chat/completions", "chat", "chat"),
+    ("/v1/responses", "responses", "responses"),
     ("/generate", "generate", "native"),
     ("/tokenize", "tokenize", "completions"),
     ("/detokenize", "detokenize", "completions"),

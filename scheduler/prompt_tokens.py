@@ -7,6 +7,7 @@ exactly); with `--tokenizer`, `PromptCounter` counts and encodes as the server w
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -51,7 +52,11 @@ def _estimate_one(prompt: Any) -> int:
 
 def estimate_prompt_tokens(body: dict[str, Any]) -> int:
     """Prompt tokens the server will prefill, estimated from characters (token ids are counted
-    exactly): summed over a list of prompts, times `n`."""
+    exactly): summed over a list of prompts, times `n`; a Responses body (`input`, of text or
+    items, and `instructions`) by the characters of its JSON."""
+    if "input" in body:
+        chars = len(json.dumps(body["input"])) + len(str(body.get("instructions") or ""))
+        return max(1, math.ceil(chars / CHARS_PER_TOKEN))
     if "messages" in body:
         messages = body["messages"] if isinstance(body["messages"], list) else []
         chars = sum(len(str(m.get("content", ""))) + 16 for m in messages if isinstance(m, dict))
@@ -120,6 +125,8 @@ class PromptCounter:
         return None
 
     def __call__(self, body: dict[str, Any]) -> int:
+        if "input" in body:  # a Responses body: the server renders its items its own way
+            return estimate_prompt_tokens(body)
         try:
             if "messages" in body:
                 ids = self.tokenizer.apply_chat_template(

@@ -59,9 +59,9 @@ log = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT_S = 3.0
 READ_TIMEOUT_S = 600.0
-DEFAULT_MAX_TOKENS = {"completions": 16, "chat": 256, "native": 16}  # the server's defaults
+DEFAULT_MAX_TOKENS = {"completions": 16, "chat": 256, "responses": 256, "native": 16}  # servers'
 MAX_TOKENS_KEYS = {"completions": ("max_tokens",), "chat": ("max_completion_tokens", "max_tokens"),
-                   "native": ("max_new_tokens",)}  # fmt: skip
+                   "responses": ("max_output_tokens",), "native": ("max_new_tokens",)}  # fmt: skip
 RESP_LEN_EMA = 0.05  # weight of one finished request in the running mean response length
 
 

@@ -85,3 +85,29 @@ def test_the_ignored_fields_header_comes_through(clients, stream):  # noqa: F811
     assert routed.headers[header] == direct.headers[header] == "metadata, user"
     plain = scheduler.post("/v1/completions", json={"model": "a8", "prompt": "ab", "max_tokens": 1})
     assert header not in plain.headers
+
+
+def test_a_responses_body_is_routed_by_its_model(clients):  # noqa: F811
+    """/v1/responses through the scheduler answers as the server does (ids aside), the ignored
+    fields' header too; an unknown model is the same 404."""
+    scheduler, server = clients
+    body = {"model": "a8", "input": "The cat", "instructions": "Be brief.", "temperature": 0,
+            "max_output_tokens": 4, "user": "u-1"}  # fmt: skip
+    direct, routed = (
+        server.post("/v1/responses", json=body),
+        scheduler.post("/v1/responses", json=body),
+    )
+    assert direct.status_code == routed.status_code == 200
+    assert routed.headers["X-Toppings-Ignored-Fields"] == "user"
+
+    def stable(answer) -> dict:
+        volatile = ("id", "created_at", "usage")  # the second finds the first's prefix cached
+        reply = {k: v for k, v in answer.get_json().items() if k not in volatile}
+        reply["output"] = [{k: v for k, v in item.items() if k != "id"} for item in reply["output"]]
+        return reply
+
+    assert stable(routed) == stable(direct)
+    assert routed.get_json()["usage"]["input_tokens"] == direct.get_json()["usage"]["input_tokens"]
+    ghost = {**body, "model": "ghost"}
+    answers = [c.post("/v1/responses", json=ghost) for c in (scheduler, server)]
+    assert answers[0].status_code == answers[1].status_code == 404

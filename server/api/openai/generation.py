@@ -1,5 +1,6 @@
-"""The generation routes (`/generate`, `/v1/completions`, `/v1/chat/completions`) and vLLM's
-tokenizer routes (`/tokenize`, `/detokenize`, see server.api.openai.tokenize).
+"""The generation routes (`/generate`, `/v1/completions`, `/v1/chat/completions`, and
+`/v1/responses` over the chat's: server.api.openai.responses_api) and vLLM's tokenizer routes
+(`/tokenize`, `/detokenize`, see server.api.openai.tokenize).
 
 A generation request takes an in-flight slot before any work (past the limit: 429 with
 Retry-After at once) and gives it back when its answer ends, on every path. Its text is checked
@@ -30,6 +31,7 @@ from toppings.server.api.openai.response import (
     sse,
     stream_events,
 )
+from toppings.server.api.openai.responses_api import Reshaper, chat_body
 from toppings.server.api.openai.schema import ParsedBody, parse_chat, parse_completion, parse_native
 from toppings.server.api.openai.tokenize import detokenize, tokenize
 from toppings.server.api.openai.tools import template_renders_tools
@@ -177,6 +179,17 @@ def register_generation(app: Flask, ctx: ApiContext) -> None:
         "/v1/completions", "completions", lambda: generate(parse_completion), methods=["POST"]
     )
     app.add_url_rule("/v1/chat/completions", "chat", lambda: generate(parse_chat), methods=["POST"])
+
+    @app.post("/v1/responses")
+    def responses() -> Response:  # the chat path, its answer reshaped (responses_api.py)
+        slot = state.take_slot()
+        try:
+            body = json_body()
+            shape = Reshaper(body)
+            return shape.answer(answer(parse_chat(chat_body(body), engine.model_name), slot))
+        except BaseException:
+            slot.release()
+            raise
 
 
 def register_tokenizer(app: Flask, ctx: ApiContext) -> None:

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 JSON_ROUTES = [
     "/v1/completions",
     "/v1/chat/completions",
+    "/v1/responses",
     "/generate",
     "/tokenize",
     "/detokenize",

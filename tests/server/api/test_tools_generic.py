@@ -107,6 +107,29 @@ def test_tokenize_counts_the_tools_as_a_chat_prompt_does(base_url, client, engin
     assert bad.status_code == 400 and "'tools'" in bad.json()["error"]["message"]
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_responses_call_is_a_function_call_item(client, engine, stream):
+    """/v1/responses: the forced call of the chat path as a `function_call` item, streamed as
+    OpenAI's argument deltas (the tiny test model has no tokenizer llguidance reads)."""
+    from tests.server.api.test_responses_api import check_events
+
+    tools = [{"type": "function", **t["function"]} for t in OPEN_TOOLS]
+    fields = {"model": engine.model_name, "input": "What is 2 + 3?", "tools": tools,
+              "tool_choice": {"type": "function", "name": "add"}, "temperature": 0,
+              "max_output_tokens": 60}  # fmt: skip
+    if stream:
+        events = list(client.responses.create(stream=True, **fields))
+        check_events(events)
+        got = events[-1].response
+        pieces = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+        assert "".join(pieces) == got.output[0].arguments
+    else:
+        got = client.responses.create(**fields)
+    (item,) = got.output
+    assert item.type == "function_call" and item.name == "add" and item.call_id
+    assert got.status == "completed" and set(json.loads(item.arguments)) == {"a", "b"}
+
+
 def test_none_answers_text(client, engine):
     out, headers = _create(client, engine, tool_choice="none")
     assert headers["x-toppings-tool-format"] == "generic"

@@ -1,0 +1,167 @@
+"""OpenAI's Responses API with the `openai` client (its models parse every answer and event): a
+response means what the chat request it stands for answers (the same greedy text and usage),
+the token limit makes it "incomplete", function calls come back as items, streamed events
+reassemble to the response, a stream whose client leaves ends its request, and what the server
+cannot do is a 400 naming the field. The model's own calls, which need a tokenizer llguidance
+reads: tests/server/api/test_tools_generic.py."""
+
+from __future__ import annotations
+
+import time
+
+import openai
+import pytest
+import requests
+
+from toppings.server.api.app import create_app
+from toppings.server.api.openai.responses_api import Reshaper
+
+GREEDY = {"temperature": 0, "max_output_tokens": 12}
+
+
+@pytest.fixture(scope="module")
+def served(tiny_engine, serve_app, openai_client):
+    """(openai client, base URL, engine) of the tiny engine's API."""
+    with tiny_engine({}, max_total_tokens=2048) as engine:
+        with serve_app(create_app(engine)) as url:
+            yield openai_client(url, 120), url, engine
+
+
+def _chat(client, engine, messages: list[dict], max_tokens: int = 12) -> dict:
+    reply = client.chat.completions.create(model=engine.model_name, messages=messages,
+                                           temperature=0, max_tokens=max_tokens)  # fmt: skip
+    return reply.model_dump()
+
+
+def test_a_response_is_its_chat_answer(served):
+    client, _, engine = served
+    got = client.responses.create(model=engine.model_name, input="Hello there",
+                                  instructions="Be brief.", **GREEDY)  # fmt: skip
+    want = _chat(client, engine, [{"role": "system", "content": "Be brief."},
+                                  {"role": "user", "content": "Hello there"}])  # fmt: skip
+    (item,) = got.output
+    assert item.type == "message" and item.role == "assistant"
+    assert got.output_text == want["choices"][0]["message"]["content"]
+    assert got.usage.input_tokens == want["usage"]["prompt_tokens"]
+    assert got.usage.output_tokens == want["usage"]["completion_tokens"]
+    assert got.object == "response" and got.id.startswith("resp_")
+    finish = want["choices"][0]["finish_reason"]
+    assert got.status == ("incomplete" if finish == "length" else "completed")
+
+
+def test_the_token_limit_makes_it_incomplete(served):
+    client, _, engine = served
+    got = client.responses.create(model=engine.model_name, input="Count:", temperature=0,
+                                  max_output_tokens=3, extra_body={})  # fmt: skip
+    assert got.usage.output_tokens <= 3
+    if got.usage.output_tokens == 3:
+        assert got.status == "incomplete"
+        assert got.incomplete_details.reason == "max_output_tokens"
+
+
+def test_input_items_render_as_the_chat_messages(served):
+    """Text parts, an earlier function call and its output: the chat's assistant tool_calls
+    and tool message, the same answer."""
+    client, _, engine = served
+    call = {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+            "arguments": '{"city": "Oslo"}'}  # fmt: skip
+    items = [
+        {"role": "user", "content": [{"type": "input_text", "text": "Weather in Oslo?"}]},
+        call,
+        {"type": "function_call_output", "call_id": "call_1", "output": "3C, rain"},
+    ]
+    got = client.responses.create(model=engine.model_name, input=items, **GREEDY)
+    messages = [
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "3C, rain"},
+    ]  # fmt: skip
+    want = _chat(client, engine, messages)
+    assert got.output_text == want["choices"][0]["message"]["content"]
+    assert got.usage.input_tokens == want["usage"]["prompt_tokens"]
+
+
+def test_streamed_events_reassemble_to_the_response(served):
+    client, _, engine = served
+    events = list(client.responses.create(model=engine.model_name, input="Hi", stream=True,
+                                          temperature=0, max_output_tokens=40))  # fmt: skip
+    check_events(events)
+    final = events[-1].response
+    pieces = [e.delta for e in events if e.type == "response.output_text.delta"]
+    assert "".join(pieces) == final.output_text and final.usage.output_tokens > 0
+
+
+def check_events(events: list) -> None:
+    """Numbered from 0, opened and closed as OpenAI's, the items done those of the response."""
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[0].type == "response.created" and events[1].type == "response.in_progress"
+    assert events[-1].type in ("response.completed", "response.incomplete")
+    done = [e.item.model_dump() for e in events if e.type == "response.output_item.done"]
+    assert done == [item.model_dump() for item in events[-1].response.output]
+
+
+def test_closing_the_stream_closes_the_chat_stream():
+    """The chat stream's close aborts the request and gives its slot back (ReleasingBody): the
+    events made of it must close it, whether they were read to the end or not."""
+
+    class ChatEvents:
+        closed = False
+
+        def __iter__(self):
+            yield 'data: {"model": "m", "choices": [{"delta": {"content": "a"}}]}\n\n'
+            yield 'data: {"model": "m", "choices": [{"delta": {"content": "b"}}]}\n\n'
+
+        def close(self):
+            self.closed = True
+
+    for read in (3, None):
+        chat = ChatEvents()
+        events = Reshaper({"model": "m"})._events(chat)
+        got = [next(events) for _ in range(read)] if read else list(events)
+        events.close()
+        assert chat.closed and got
+    assert "response.completed" in got[-1]
+
+
+def test_a_stream_whose_client_leaves_leaves_the_engine_idle(served):
+    _, url, engine = served
+    body = {"model": engine.model_name, "input": "Hi", "stream": True, "temperature": 0,
+            "max_output_tokens": engine.max_model_len - 64}  # fmt: skip
+    with requests.post(f"{url}/v1/responses", json=body, stream=True, timeout=60) as answer:
+        lines = answer.iter_lines()
+        assert next(line for line in lines if b"response.output_text.delta" in line)
+    deadline = time.monotonic() + 30
+    while engine.stats().to_json()["running"] or engine.stats().to_json()["queue"]:
+        assert time.monotonic() < deadline, "the request kept running after its client left"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize(
+    "fields, words",
+    [
+        ({"previous_response_id": "resp_1"}, "'previous_response_id' is not supported"),
+        ({"background": True}, "'background' is not supported"),
+        ({"tools": [{"type": "web_search"}]}, "only function tools"),
+        ({"input": [{"type": "reasoning"}]}, "input[0].type 'reasoning' is not supported"),
+        ({"input": [3]}, "input[0] must be an object"),
+        ({"input": []}, "'input' must be a string or a non-empty list"),
+        ({"max_output_tokens": 0}, "'max_output_tokens' must be a positive integer"),
+        ({"text": {"format": {"type": "xml"}}}, "'text.format.type' must be"),
+        ({"truncation": "auto"}, "'truncation' must be 'disabled'"),
+        ({"max_tokens": 5}, "'max_tokens' is not a field this server accepts in /v1/responses"),
+    ],
+)
+def test_what_it_cannot_do_is_a_400(served, fields, words):
+    _, url, engine = served
+    body = {"model": engine.model_name, "input": "Hi", **fields}
+    answer = requests.post(f"{url}/v1/responses", json=body, timeout=30)
+    assert answer.status_code == 400
+    assert words in answer.json()["error"]["message"]
+
+
+def test_an_unknown_model_is_a_404(served):
+    client, _, _ = served
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(model="ghost", input="Hi")
