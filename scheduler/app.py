@@ -1,14 +1,14 @@
 """The scheduler's HTTP API: parse, call the router / cluster / registry, answer JSON.
 
 Request endpoints mirror a server's (`/v1/completions`, `/v1/chat/completions`, `/v1/responses`,
-`/generate`, `/tokenize`, `/detokenize`, streaming as server-sent events passed through; bodies go to one
-server unchanged, see scheduler.router); `GET /v1/models` and `GET /v1/models/{id}` come from
-the registry; until a server is registered they answer 503 with Retry-After. Errors use the
-server's contract (toppings.server.requests.errors). Like a server, the request endpoints share one
-in-flight limit (toppings.server.http.frontend): a proxied request holds a slot until its answer has
-ended, and past the limit a request gets 429 with Retry-After at once. While the scheduler
-drains (`draining` set, scheduler.drain) a new request gets 503 with Retry-After; those in
-flight run on. Operator endpoints:
+`/generate`, `/tokenize`, `/detokenize`, streaming as server-sent events passed through; bodies
+go to one server unchanged, see scheduler.router); `GET /v1/models` and `GET /v1/models/{id}`
+list what registered servers serve (a model none does: 404); until a server is registered they
+answer 503 with Retry-After. Errors use the server's contract (toppings.server.requests.errors).
+Like a server, the request endpoints share one in-flight limit (toppings.server.http.frontend): a
+proxied request holds a slot until its answer has ended, and past the limit a request gets 429
+with Retry-After at once. While the scheduler drains (`draining` set, scheduler.drain) a new
+request gets 503 with Retry-After; those in flight run on. Operator endpoints:
     GET    /health    200 once a server is registered, else 503 "no server ready yet"; 503
                       while draining
     GET    /stats     {"policy", "servers": [{"url", "ready", "in_flight"}], "num_servers",
@@ -20,8 +20,11 @@ Admin endpoints manage the cluster:
     DELETE /admin/servers   {"url"} or ?url=   forget it
     POST   /admin/adapters  {"name", "base_model", "rank", "alpha"?, "target_modules"?,
                              "path"?, "bytes"?, "state"?, "sha256"?, "servers"?: [url]}
-                            record an adapter; with "servers" (each one registered, else
-                            400 and nothing recorded), ask each to load it from "path"
+                            record an adapter (a name as a server's; another rank or base
+                            than its record's: 409); with "servers" (each one registered,
+                            else 400 and nothing recorded), ask each to load it from "path"
+                            (none did: 502, and a new record is dropped)
+    DELETE /admin/adapters  {"name"}           unload it on the servers hosting it, forget it
     GET    /admin/state                        servers, health, policy, perf-model source,
                                                loraserve's last placement step (else null), and
                                                with prefix-aware routing each server's KV events
@@ -42,6 +45,7 @@ import logging
 import threading
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import requests
 from flask import Flask, Response, jsonify, request
@@ -54,7 +58,9 @@ from toppings.scheduler.router import Router, SchedulerError
 from toppings.server.http.frontend import InFlightCollector, InFlightLimit, ReleasingBody
 from toppings.server.http.metrics import install_metrics
 from toppings.server.requests.errors import (
+    ADAPTER_NAME_RE,
     BAD_GATEWAY,
+    CONFLICT,
     NO_SERVER_READY,
     NOT_FOUND,
     RETRY_AFTER_S,
@@ -63,6 +69,7 @@ from toppings.server.requests.errors import (
     error_response,
     install_error_handlers,
     parse_json_object,
+    shown,
     too_many_requests,
     unknown_adapter,
 )
@@ -83,13 +90,24 @@ def _json_body() -> dict[str, Any]:
 
 
 def _url(body: dict[str, Any]) -> str:
+    """A server's URL, its scheme and host in lower case: one server, one spelling (another
+    host name for the same address is still another server: give each server one)."""
     url = body.get("url", request.args.get("url"))
-    if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+    if not isinstance(url, str) or not url.lower().startswith(("http://", "https://")):
         raise SchedulerError("'url' must be an http(s) URL")
-    return url.rstrip("/")
+    parts = urlsplit(url.rstrip("/"))
+    if parts.username is not None or parts.password is not None:
+        raise SchedulerError("'url' must not carry credentials (the servers' key goes in "
+                             "--server-api-key)")  # fmt: skip
+    return urlunsplit(parts._replace(scheme=parts.scheme.lower(), netloc=parts.netloc.lower()))
 
 
 def _adapter(body: dict[str, Any]) -> AdapterRecord:
+    name = body.get("name")
+    if not isinstance(name, str) or not ADAPTER_NAME_RE.fullmatch(name):
+        raise SchedulerError("'name' must be 1-128 characters: letters, digits and . _ : / @ + "
+                             "- (starting with a letter or digit), as a server's adapter "
+                             "names")  # fmt: skip
     try:
         return AdapterRecord(
             name=body["name"],
@@ -263,6 +281,12 @@ def _register_admin(app: Flask, ctx: SchedulerContext) -> None:
         if unknown:  # the servers' key goes to registered servers only
             raise SchedulerError(f"not registered servers: {', '.join(unknown)} (register a "
                                  "server with POST /admin/servers first)")  # fmt: skip
+        known = registry.get_adapter(adapter.name)
+        recorded = None if known is None else (known.rank, known.base_model)
+        if recorded not in (None, (adapter.rank, adapter.base_model)):
+            raise SchedulerError(f"adapter {shown(adapter.name)!r} is recorded with rank "
+                                 f"{known.rank} on {known.base_model!r}: remove it first "
+                                 "(DELETE /admin/adapters)", 409, CONFLICT)  # fmt: skip
         registry.put_adapter(adapter)
         loaded, failed = [], {}
         for url in servers:
@@ -277,7 +301,31 @@ def _register_admin(app: Flask, ctx: SchedulerContext) -> None:
                 loaded.append(url)
             except (requests.RequestException, RegistryError) as exc:
                 failed[url] = str(exc)
+        if servers and not loaded:  # recorded for nothing: the record goes (a new one)
+            if known is None:
+                registry.remove_adapter(adapter.name)
+            raise SchedulerError(f"no server loaded {shown(adapter.name)!r}: " + "; ".join(
+                f"{url}: {why}" for url, why in failed.items()), 502, BAD_GATEWAY)  # fmt: skip
         return jsonify({"adapter": adapter.name, "loaded_on": loaded, "failed": failed}), 201
+
+    @app.delete("/admin/adapters")
+    def remove_adapter() -> Response:
+        name = _json_body().get("name")
+        if not isinstance(name, str) or registry.get_adapter(name) is None:
+            raise SchedulerError(unknown_adapter(str(name)), 404, NOT_FOUND)
+        unloaded, failed = [], {}
+        for url, names in registry.hosting().items():  # else its next /stats records it again
+            if name in names:
+                try:
+                    answer = router.session.post(
+                        url + "/v1/unload_lora_adapter", json={"lora_name": name}, timeout=60.0
+                    )
+                    answer.raise_for_status()
+                    unloaded.append(url)
+                except requests.RequestException as exc:
+                    failed[url] = str(exc)
+        registry.remove_adapter(name)
+        return jsonify({"removed": name, "unloaded_on": unloaded, "failed": failed})
 
     @app.get("/admin/state")
     def state() -> Response:

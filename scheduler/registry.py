@@ -204,6 +204,11 @@ class Registry:
             if cur.rowcount == 0:
                 raise RegistryError(f"unknown adapter {name!r}")
 
+    def remove_adapter(self, name: str) -> bool:
+        """Forget an adapter, its hosting and its routes (False: there was none)."""
+        with self.write() as tx:
+            return tx.execute("DELETE FROM adapters WHERE name = ?", (name,)).rowcount > 0
+
     def base_models(self) -> list[str]:
         with self.read() as tx:
             return [r[0] for r in tx.execute("SELECT name FROM base_models ORDER BY name")]

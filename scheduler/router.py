@@ -42,7 +42,7 @@ from toppings.scheduler.prompt_tokens import (
 )
 from toppings.scheduler.registry import Registry
 from toppings.scheduler.server_session import ServerSession
-from toppings.scheduler.state import RouteRequest
+from toppings.scheduler.state import RouteRequest, ServerState
 from toppings.server.requests.errors import (
     BAD_GATEWAY,
     INVALID_REQUEST,
@@ -52,6 +52,7 @@ from toppings.server.requests.errors import (
     RETRY_AFTER_S,
     TOO_MANY_REQUESTS,
     UNAVAILABLE,
+    error_body,
     unknown_adapter,
 )
 
@@ -188,13 +189,13 @@ class Router:
             if ranked:
                 self.cluster.note_routed(ranked[0], self.policy.routed_as(request, ranked[0]))
         self.metrics.decision.observe(time.perf_counter() - began)
+        name = request.adapter or request.base_model
+        if not ranked and not self._hosted(request.adapter, request.base_model, states):
+            raise SchedulerError(f"{unknown_adapter(name)} on any registered server", 404,
+                                 NOT_FOUND)  # fmt: skip
         if not ranked:
-            raise SchedulerError(
-                f"no healthy server hosts {request.adapter or request.base_model!r}",
-                503,
-                NO_SERVER_AVAILABLE,
-                retry_after_s=RETRY_AFTER_S,
-            )
+            raise SchedulerError(f"no healthy server hosts {name!r}", 503, NO_SERVER_AVAILABLE,
+                                 retry_after_s=RETRY_AFTER_S)  # fmt: skip
         failures = []
         stream = bool(body.get("stream"))
         data = _sendable(body)  # once for every attempt; a body it refuses fails no server
@@ -281,19 +282,32 @@ class Router:
             self.policy.avg_resp_len = (1 - RESP_LEN_EMA) * mean + RESP_LEN_EMA * tokens
 
     def models(self) -> dict[str, Any]:
-        """`GET /v1/models`: base models, then active adapters with `parent`; each card has the
-        fields of a server's (`created`, `root`, `parent`:
-        server.api.openai.response.models_response)."""
+        """`GET /v1/models`: the base models registered servers run, then the active adapters
+        they host (or the policy places) with `parent`; each card has the fields of a server's
+        (`created`, `root`, `parent`: server.api.openai.response.models_response)."""
 
         def card(name: str, parent: str | None) -> dict[str, Any]:
             return {"id": name, "object": "model", "created": self.started,
                     "owned_by": "toppings", "root": name, "parent": parent}  # fmt: skip
 
-        data = [card(name, None) for name in self.registry.base_models()]
+        states = self.cluster.states()
+        served = {s.base_model for s in states}
+        data = [card(name, None) for name in self.registry.base_models() if name in served]
         for a in self.registry.list_adapters():
-            if a.state == "active":
+            if a.state == "active" and self._hosted(a.name, a.base_model, states):
                 data.append(card(a.name, a.base_model) | {"rank": a.rank})
         return {"object": "list", "data": data}
+
+    def _hosted(self, adapter: str | None, base_model: str, states: list[ServerState]) -> bool:
+        """Whether a registered server, up or not, hosts the model (an adapter of the registry
+        no server holds any more, or recorded for a base no server runs, is not served: a 404,
+        not a 503 that never clears), or the policy would place the adapter (LoRAServe's rows:
+        their servers fetch it)."""
+        if adapter is None:
+            return any(s.base_model == base_model for s in states)
+        placer = getattr(self.policy, "placer", None)  # loraserve's
+        placed = placer is not None and placer.row(adapter) is not None
+        return placed or any(adapter in s.adapters for s in states)
 
 
 class _Done:
@@ -353,6 +367,11 @@ class _Stream:
             if self.saw_done:
                 self.learn(self.events - 1)
             raise
+        except requests.RequestException as exc:  # the server went away mid-stream
+            self._end("error")
+            where = getattr(self.answer, "url", "a server")
+            log.warning("a stream from %s broke off: %s", where, type(exc).__name__)
+            return self._broken_off()
         except BaseException:
             self._end("error")
             raise
@@ -362,6 +381,13 @@ class _Stream:
         self.saw_done = self.saw_done or b"data: [DONE]" in seen
         self.tail = seen[-11:]  # one byte short of b"data: [DONE]"
         return chunk
+
+    def _broken_off(self) -> bytes:
+        """An error event in the server's shape (after a blank line, where an event was cut
+        short) and `[DONE]`, as a server ends a generation that failed mid-stream."""
+        cut = b"" if not self.tail or self.tail.endswith(b"\n\n") else b"\n\n"
+        error = error_body("the server's stream broke off", 502, BAD_GATEWAY)
+        return cut + b"data: " + json.dumps(error).encode() + b"\n\ndata: [DONE]\n\n"
 
     def close(self) -> None:
         """Called by the WSGI server when the response ends or the client goes away."""

@@ -18,13 +18,9 @@ registered those weights, for as long as any name holds them.
 from __future__ import annotations
 
 import itertools
-import re
 from dataclasses import dataclass, field
 
 _ids = itertools.count(1)
-
-# Names clients put in `model`: letters, digits and a few separators (an org/name form included).
-NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}")
 
 
 @dataclass(frozen=True, order=True)

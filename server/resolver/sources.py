@@ -9,8 +9,8 @@ A source that fetches (a hub, S3) would download into `root` in `locate` and ret
 directory it wrote; the checks after it stay the same.
 
 The `dir` kind looks an adapter up as `PATH/<name>`. A name is looked up only when it is one
-path component of the adapter-name rule (`NAME_RE` without `/`): never `..`, never absolute,
-never nested; anything else is simply not there (404), without touching the file system.
+path component of the adapter-name rule (`ADAPTER_NAME_RE` without `/`): never `..`, never
+absolute, never nested; anything else is simply not there (404), without touching the file system.
 """
 
 from __future__ import annotations
@@ -19,8 +19,7 @@ import argparse
 import os
 from typing import ClassVar, Protocol
 
-from toppings.server.requests.adapter_ref import NAME_RE
-from toppings.server.requests.errors import NOT_FOUND, unknown_adapter
+from toppings.server.requests.errors import ADAPTER_NAME_RE, NOT_FOUND, unknown_adapter
 from toppings.server.requests.request import RequestError
 
 
@@ -37,7 +36,7 @@ class AdapterSource(Protocol):
 
 def is_component_name(name: str) -> bool:
     """Whether `name` follows the adapter-name rule and is a single path component."""
-    return NAME_RE.fullmatch(name) is not None and "/" not in name
+    return ADAPTER_NAME_RE.fullmatch(name) is not None and "/" not in name
 
 
 class DirSource:

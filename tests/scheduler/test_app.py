@@ -177,7 +177,46 @@ def test_add_adapter_validates_and_records(setup):
     no_path = {"name": "y", "base_model": "tiny-llama", "rank": 8, "servers": [URL]}
     assert_error(client.post("/admin/adapters", json=no_path), 400)
     other_base = {**body, "base_model": "mistral"}
-    assert_error(client.post("/admin/adapters", json=other_base), 400)
+    assert_error(client.post("/admin/adapters", json=other_base), 409, "conflict")
+    assert_error(client.post("/admin/adapters", json={**body, "rank": 8}), 409, "conflict")
+    for name in ("../../etc", "x" * 129, "", "-a", 5):
+        assert_error(client.post("/admin/adapters", json={**body, "name": name}), 400)
+    assert registry.get_adapter("law").rank == 32
+
+
+def test_what_no_server_serves_is_not_listed_and_a_404(setup):
+    """An adapter recorded for a base no server runs, or that its last server stopped hosting,
+    is neither in /v1/models nor a 503 that never clears: a 404; DELETE forgets a record."""
+    client, servers, cluster, registry = setup
+    servers.set(URL, stats())
+    assert client.post("/admin/servers", json={"url": URL}).status_code == 201
+    law = {"name": "law", "base_model": "tiny-llama", "rank": 8}
+    ghost = {"name": "ghost", "base_model": "no-such-base", "rank": 8}
+    for body in (law, ghost):
+        assert client.post("/admin/adapters", json=body).status_code == 201
+    servers.set(URL, stats(adapters=(("sql", 16),)))  # "chat" unloaded there
+    cluster.refresh_once()
+    listed = {m["id"] for m in client.get("/v1/models").get_json()["data"]}
+    assert listed == {"tiny-llama", "sql"}
+    for model in ("law", "ghost", "chat"):
+        body = {"model": model, "prompt": "hello", "max_tokens": 8}
+        error = assert_error(client.post("/v1/completions", json=body), 404, "not_found")
+        assert f"'{model}' does not exist on any registered server" in error["message"]
+        assert_error(client.get(f"/v1/models/{model}"), 404, "not_found")
+    answer = client.delete("/admin/adapters", json={"name": "law"})
+    assert answer.status_code == 200 and answer.get_json()["removed"] == "law"
+    assert registry.get_adapter("law") is None
+    assert_error(client.delete("/admin/adapters", json={"name": "law"}), 404, "not_found")
+
+
+def test_a_server_url_has_one_spelling_and_no_credentials(setup):
+    client, servers, _, registry = setup
+    servers.set(URL, stats())
+    assert client.post("/admin/servers", json={"url": "HTTP://10.0.0.1:8100/"}).status_code == 201
+    assert [s.url for s in registry.list_servers()] == [URL]
+    error = assert_error(client.post("/admin/servers", json={"url": "http://u:p@10.0.0.1:8100"}),
+                         400)  # fmt: skip
+    assert "credentials" in error["message"] and "u:p" not in error["message"]
 
 
 def test_prompt_token_estimate():

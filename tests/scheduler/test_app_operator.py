@@ -184,8 +184,12 @@ def test_in_flight_returns_to_zero_on_every_path(setup):
     session.script = [Answer(200, [SSE[:10], SSE[10:]], fail_after=1)]
     answer = client.post("/generate", json={"adapter": "sql", "prompt": "x", "stream": True},
                          buffered=False)  # fmt: skip
-    with pytest.raises(requests.exceptions.ChunkedEncodingError):
-        list(answer.response)
+    *passed, tail = list(answer.response)  # no exception: an error event and [DONE] end it
+    assert passed == [SSE[:10]]
+    assert tail.startswith(b"\n\ndata: ")  # the event cut short ends before the error's
+    error = json.loads(tail.strip().split(b"\n\n")[0][6:])["error"]
+    assert (error["code"], error["type"]) == (502, "bad_gateway")
+    assert tail.endswith(b"data: [DONE]\n\n")
     answer.close()
     assert in_flight(client) == 0 and session.answers[-1].closed
 
@@ -195,3 +199,17 @@ def test_in_flight_returns_to_zero_on_every_path(setup):
                   if name == "toppings_scheduler:requests_finished_total"
                   and dict(labels)["outcome"] == outcome)  # fmt: skip
         assert got == count, outcome
+
+
+def test_an_adapter_no_named_server_loads_is_a_502_and_not_recorded(setup):
+    client, servers, session = setup
+    register(client, servers)
+    session.script = [requests.ConnectionError("refused")]
+    body = {"name": "law", "base_model": "tiny-llama", "rank": 8, "path": "/a/law",
+            "servers": [URL]}  # fmt: skip
+    answer = client.post("/admin/adapters", json=body)
+    assert (
+        answer.status_code == 502
+        and "no server loaded 'law'" in answer.get_json()["error"]["message"]
+    )
+    assert "law" not in client.get("/admin/state").get_json()["adapters"]

@@ -26,7 +26,8 @@ from toppings.gpu_lora.host_memory import ContentKey
 from toppings.gpu_lora.peft.adapter import LoraAdapter
 from toppings.gpu_lora.peft.config import CONFIG_FILE, WEIGHTS_FILE, AdapterError
 from toppings.server.process.threads import torch_on_this_thread_only
-from toppings.server.requests.adapter_ref import NAME_RE, AdapterRef
+from toppings.server.requests.adapter_ref import AdapterRef
+from toppings.server.requests.errors import ADAPTER_NAME_RE
 from toppings.server.requests.request import RequestError
 
 log = logging.getLogger(__name__)
@@ -101,7 +102,7 @@ class AdapterPaths:
 
 
 def check_name(name: object, base_model: str) -> str:
-    if not isinstance(name, str) or not NAME_RE.fullmatch(name):
+    if not isinstance(name, str) or not ADAPTER_NAME_RE.fullmatch(name):
         raise RequestError(
             "'lora_name' must be 1-128 characters: letters, digits and . _ : / @ + - "
             "(starting with a letter or digit)"
