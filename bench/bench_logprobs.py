@@ -23,6 +23,7 @@ import time
 
 import torch
 
+from bench.common import alternating, medians
 from bench.envelope import describe_device, write_result
 from toppings.server.config import EngineConfig
 from toppings.server.model.loader import resolve_model_dir
@@ -128,17 +129,13 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         for kind in KINDS:  # warm-up: every shape of every kind once
             one_round(engine, kind, args, seed=0)
-        for r in range(args.rounds):
-            for kind in KINDS if r % 2 == 0 else KINDS[::-1]:
-                seed = 1 + len(KINDS) * r + KINDS.index(kind)
-                rounds[kind].append(one_round(engine, kind, args, seed=seed))
-                log.info("round %d, %s: %s", r, kind, rounds[kind][-1])
+        for r, kind in alternating(KINDS, args.rounds):
+            seed = 1 + len(KINDS) * r + KINDS.index(kind)
+            rounds[kind].append(one_round(engine, kind, args, seed=seed))
+            log.info("round %d, %s: %s", r, kind, rounds[kind][-1])
     finally:
         engine.shutdown()
-    metrics: dict = {}
-    for kind, rows in rounds.items():
-        metrics[kind] = {key: statistics.median(row[key] for row in rows) for key in rows[0]}
-        metrics[kind]["rounds"] = rows
+    metrics: dict = medians(rounds)
     for other in ("torch", "none"):
         pairs = list(zip(rounds["native"], rounds[other]))
         metrics[f"decode_ratio_native_vs_{other}"] = _spread(

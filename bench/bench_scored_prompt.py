@@ -24,6 +24,7 @@ import time
 
 import torch
 
+from bench.common import alternating, medians
 from bench.envelope import describe_device, write_result
 from toppings.server.config import EngineConfig
 from toppings.server.model.loader import resolve_model_dir
@@ -112,18 +113,14 @@ def main(argv: list[str] | None = None) -> dict:
     rounds: dict[str, list[dict]] = {k: [] for k in KINDS}
     try:
         one_round(engine, "scored", args, seed=0)  # warm-up: the shapes of both kinds
-        for r in range(args.rounds):  # a prompt of its own each time: nothing of it cached
-            for kind in KINDS if r % 2 == 0 else KINDS[::-1]:
-                seed = 1 + 2 * r + KINDS.index(kind)
-                rounds[kind].append(one_round(engine, kind, args, seed=seed))
-                log.info("round %d, %s: %s", r, kind, rounds[kind][-1])
+        for r, kind in alternating(KINDS, args.rounds):  # a prompt of its own each time
+            seed = 1 + 2 * r + KINDS.index(kind)
+            rounds[kind].append(one_round(engine, kind, args, seed=seed))
+            log.info("round %d, %s: %s", r, kind, rounds[kind][-1])
         budget = engine.step_budget
     finally:
         engine.shutdown()
-    metrics: dict = {}
-    for kind, rows in rounds.items():
-        metrics[kind] = {key: statistics.median(row[key] for row in rows) for key in rows[0]}
-        metrics[kind]["rounds"] = rows
+    metrics: dict = medians(rounds)
     ratios = [s["max_gap_ms"] / p["max_gap_ms"] for s, p in zip(rounds["scored"], rounds["plain"])]
     metrics["max_gap_ratio_scored_vs_plain"] = {
         "median": round(statistics.median(ratios), 3), "min": round(min(ratios), 3),

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import socket
 import statistics
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -148,3 +149,17 @@ def add_output_thread_flag(parser) -> None:
 def output_thread_setting(choice: str) -> bool | None:
     """The engine's `output_thread` for an `--output-thread` choice (auto: None, the default)."""
     return {"on": True, "off": False}.get(choice)
+
+
+def alternating(kinds: Sequence[str], rounds: int) -> Iterator[tuple[int, str]]:
+    """(round, kind) for `rounds` rounds over `kinds`, the order reversed every other round, so
+    that no kind always runs first (on a warmer, or a more crowded, machine)."""
+    for r in range(rounds):
+        for kind in kinds if r % 2 == 0 else kinds[::-1]:
+            yield r, kind
+
+
+def medians(rounds: dict[str, list[dict]]) -> dict[str, dict]:
+    """Per kind, the median of each key over its rounds (rows of numbers), and the rows."""
+    return {kind: {**{key: statistics.median(row[key] for row in rows) for key in rows[0]},
+                   "rounds": rows} for kind, rows in rounds.items()}  # fmt: skip

@@ -12,7 +12,7 @@ data, not schemas.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 from urllib.parse import unquote
 
@@ -73,18 +73,10 @@ def rebase_refs(schema: Any, prefix: str) -> Any:
     another document. Anchors and other documents' refs are kept as they are."""
     if not isinstance(schema, dict):
         return schema
-    out = dict(schema)
+    out = _mapped(schema, lambda _, sub: rebase_refs(sub, prefix))
     ref = schema.get("$ref")
     if is_local_pointer(ref):
         out["$ref"] = "#" + prefix + ref[1:]
-    for key, value in schema.items():
-        how = _holds(key, value)
-        if how == ONE:
-            out[key] = rebase_refs(value, prefix)
-        elif how == LIST and isinstance(value, list):
-            out[key] = [rebase_refs(sub, prefix) for sub in value]
-        elif how == MAP and isinstance(value, dict):
-            out[key] = {name: rebase_refs(sub, prefix) for name, sub in value.items()}
     return out
 
 
@@ -103,7 +95,7 @@ def close_objects(schema: Any, closable: bool = True) -> Any:
     direct parts of a combination (`COMBINING`), whose siblings may list the other keys."""
     if not isinstance(schema, dict):
         return schema
-    out = dict(schema)
+    out = _mapped(schema, lambda key, sub: close_objects(sub, key not in COMBINING))
     props, required = schema.get("properties"), schema.get("required")
     if (
         closable
@@ -112,14 +104,20 @@ def close_objects(schema: Any, closable: bool = True) -> Any:
         and (not isinstance(required, list) or all(r in props for r in required))
     ):
         out["additionalProperties"] = False
+    return out
+
+
+def _mapped(schema: dict, fn: Callable[[str, Any], Any]) -> dict:
+    """A copy of `schema` whose direct subschemas are `fn(keyword, subschema)`."""
+    out = dict(schema)
     for key, value in schema.items():
-        how, inner = _holds(key, value), key not in COMBINING
+        how = _holds(key, value)
         if how == ONE:
-            out[key] = close_objects(value, inner)
+            out[key] = fn(key, value)
         elif how == LIST and isinstance(value, list):
-            out[key] = [close_objects(sub, inner) for sub in value]
+            out[key] = [fn(key, sub) for sub in value]
         elif how == MAP and isinstance(value, dict):
-            out[key] = {name: close_objects(sub, inner) for name, sub in value.items()}
+            out[key] = {name: fn(key, sub) for name, sub in value.items()}
     return out
 
 
