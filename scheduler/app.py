@@ -34,7 +34,8 @@ Who may call which path (the client key, the admin key, loopback-only admin) is
 scheduler.auth; the calls to servers go through scheduler.server_session, which attaches the
 servers' key to registered servers only.
 
-The routes come in three groups (request proxying, `/admin/*`, observability), each registered
+The routes come in groups (request proxying, `/admin/*` servers and state, `/admin/adapters`,
+observability), each registered
 given one `SchedulerContext`; `create_app` builds it, installs the error handlers and registers
 each group.
 """
@@ -244,8 +245,8 @@ def _register_observability(app: Flask, ctx: SchedulerContext) -> None:
 
 
 def _register_admin(app: Flask, ctx: SchedulerContext) -> None:
-    """The operator's `/admin/*` routes: servers in and out, adapters recorded (and loaded on
-    the servers named), and the cluster's state."""
+    """The operator's `/admin/*` routes but the adapters': servers in and out, and the
+    cluster's state."""
     router, cluster, registry = ctx.router, ctx.cluster, ctx.registry
 
     @app.post("/admin/servers")
@@ -266,6 +267,27 @@ def _register_admin(app: Flask, ctx: SchedulerContext) -> None:
         if not cluster.remove_server(url):
             raise SchedulerError(f"unknown server {url}", 404, NOT_FOUND)
         return jsonify({"removed": url})
+
+    @app.get("/admin/state")
+    def state() -> Response:
+        placer = getattr(router.policy, "placer", None)  # loraserve: its last placement step
+        last_step = placer.history[-1] if placer is not None and placer.history else None
+        return jsonify({
+            "placement": last_step,
+            **ctx.info,
+            "policy": router.policy.name,
+            "slo_tpt_ms": router.policy.slo_ms,
+            "avg_resp_len": router.policy.avg_resp_len,
+            "servers": cluster.describe(),
+            "adapters": [a.name for a in registry.list_adapters()],
+            "kv_events": cluster.kv_feeds.describe() if cluster.kv_feeds is not None else None,
+        })  # fmt: skip
+
+
+def _register_adapter_admin(app: Flask, ctx: SchedulerContext) -> None:
+    """`/admin/adapters`: an adapter recorded (and loaded on the servers named), or unloaded
+    on its servers and forgotten."""
+    router, cluster, registry = ctx.router, ctx.cluster, ctx.registry
 
     @app.post("/admin/adapters")
     def add_adapter() -> Response:
@@ -327,21 +349,6 @@ def _register_admin(app: Flask, ctx: SchedulerContext) -> None:
         registry.remove_adapter(name)
         return jsonify({"removed": name, "unloaded_on": unloaded, "failed": failed})
 
-    @app.get("/admin/state")
-    def state() -> Response:
-        placer = getattr(router.policy, "placer", None)  # loraserve: its last placement step
-        last_step = placer.history[-1] if placer is not None and placer.history else None
-        return jsonify({
-            "placement": last_step,
-            **ctx.info,
-            "policy": router.policy.name,
-            "slo_tpt_ms": router.policy.slo_ms,
-            "avg_resp_len": router.policy.avg_resp_len,
-            "servers": cluster.describe(),
-            "adapters": [a.name for a in registry.list_adapters()],
-            "kv_events": cluster.kv_feeds.describe() if cluster.kv_feeds is not None else None,
-        })  # fmt: skip
-
 
 def create_app(
     router: Router,
@@ -365,5 +372,6 @@ def create_app(
     _register_requests(app, ctx)
     _register_observability(app, ctx)
     _register_admin(app, ctx)
+    _register_adapter_admin(app, ctx)
     install_error_handlers(app, log, SchedulerError, bad_input=(RegistryError,))
     return app
