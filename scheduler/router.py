@@ -42,8 +42,9 @@ from toppings.scheduler.prompt_tokens import (
 )
 from toppings.scheduler.registry import Registry
 from toppings.scheduler.server_session import ServerSession
-from toppings.scheduler.state import RouteRequest, ServerState
+from toppings.scheduler.state import RouteRequest, ServerState, hosted_anywhere
 from toppings.server.requests.errors import (
+    ADAPTER_NAME_RE,
     BAD_GATEWAY,
     INVALID_REQUEST,
     NO_SERVER_AVAILABLE,
@@ -63,6 +64,7 @@ READ_TIMEOUT_S = 600.0
 DEFAULT_MAX_TOKENS = {"completions": 16, "chat": 256, "responses": 256, "native": 16}  # servers'
 MAX_TOKENS_KEYS = {"completions": ("max_tokens",), "chat": ("max_completion_tokens", "max_tokens"),
                    "responses": ("max_output_tokens",), "native": ("max_new_tokens",)}  # fmt: skip
+UNSEEN_RANK = 16  # the rank routed for an adapter no server has reported yet (a resolver's)
 RESP_LEN_EMA = 0.05  # weight of one finished request in the running mean response length
 
 
@@ -83,15 +85,6 @@ class SchedulerError(Exception):
 
 
 JSON_HEADERS = {"Content-Type": "application/json"}
-
-
-def _sendable(body: dict[str, Any]) -> bytes:
-    """The body as the servers get it; a 400 where it is no JSON (a NaN, an infinity: the
-    scheduler's parser refuses them first), which must not count against a server."""
-    try:
-        return json.dumps(body, allow_nan=False, ensure_ascii=False).encode()
-    except (TypeError, ValueError) as exc:
-        raise SchedulerError(f"the body cannot be sent on as JSON: {exc}") from exc
 
 
 # A server's response headers the client gets through the scheduler too: the request fields the
@@ -153,15 +146,20 @@ class Router:
         max_tokens = next((body[k] for k in MAX_TOKENS_KEYS[kind] if body.get(k) is not None), None)
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
             max_tokens = DEFAULT_MAX_TOKENS[kind]
-        adapter = self.registry.get_adapter(model)
+        adapter, states = self.registry.get_adapter(model), self.cluster.states()
+        resolve = not any(model in s.adapters for s in states)  # a resolver may find it
         if adapter is not None and adapter.state == "active":
             count, prefix = self._prompt(body, kind, model)
-            return RouteRequest(model, adapter.rank, count, max_tokens, adapter.base_model, prefix)
+            return RouteRequest(model, adapter.rank, count, max_tokens, adapter.base_model, prefix,
+                                resolve)  # fmt: skip
         if adapter is None and model in self.registry.base_models():
             count, prefix = self._prompt(body, kind, None)
             return RouteRequest(None, 0, count, max_tokens, model, prefix)
         if adapter is not None:
             raise SchedulerError(f"adapter {model!r} is disabled", 404, NOT_FOUND)
+        if ADAPTER_NAME_RE.fullmatch(model) and any(s.resolves for s in states):
+            count, prefix = self._prompt(body, kind, model)  # a name no server reported yet
+            return RouteRequest(model, UNSEEN_RANK, count, max_tokens, "", prefix, True)
         raise SchedulerError(unknown_adapter(model), 404, NOT_FOUND)
 
     def _prompt(
@@ -190,15 +188,19 @@ class Router:
                 self.cluster.note_routed(ranked[0], self.policy.routed_as(request, ranked[0]))
         self.metrics.decision.observe(time.perf_counter() - began)
         name = request.adapter or request.base_model
-        if not ranked and not self._hosted(request.adapter, request.base_model, states):
-            raise SchedulerError(f"{unknown_adapter(name)} on any registered server", 404,
-                                 NOT_FOUND)  # fmt: skip
+        if not ranked and not self._hosted(request, states):
+            raise SchedulerError(
+                f"{unknown_adapter(name)} on any registered server", 404, NOT_FOUND
+            )
         if not ranked:
             raise SchedulerError(f"no healthy server hosts {name!r}", 503, NO_SERVER_AVAILABLE,
                                  retry_after_s=RETRY_AFTER_S)  # fmt: skip
         failures = []
         stream = bool(body.get("stream"))
-        data = _sendable(body)  # once for every attempt; a body it refuses fails no server
+        try:  # written once for every attempt; a body it cannot write fails no server
+            data = json.dumps(body, allow_nan=False, ensure_ascii=False).encode()
+        except (TypeError, ValueError) as exc:  # (its parser refused NaN and infinities first)
+            raise SchedulerError(f"the body cannot be sent on as JSON: {exc}") from exc
         for attempt, url in enumerate(ranked):
             if attempt:
                 with self._choose_lock:
@@ -283,8 +285,7 @@ class Router:
 
     def models(self) -> dict[str, Any]:
         """`GET /v1/models`: the base models registered servers run, then the active adapters
-        they host (or the policy places) with `parent`; each card has the fields of a server's
-        (`created`, `root`, `parent`: server.api.openai.response.models_response)."""
+        they host, with `parent`; each card has a server's fields (models_response's)."""
 
         def card(name: str, parent: str | None) -> dict[str, Any]:
             return {"id": name, "object": "model", "created": self.started,
@@ -294,20 +295,17 @@ class Router:
         served = {s.base_model for s in states}
         data = [card(name, None) for name in self.registry.base_models() if name in served]
         for a in self.registry.list_adapters():
-            if a.state == "active" and self._hosted(a.name, a.base_model, states):
+            if a.state == "active" and hosted_anywhere(states, a.name, a.base_model):
                 data.append(card(a.name, a.base_model) | {"rank": a.rank})
         return {"object": "list", "data": data}
 
-    def _hosted(self, adapter: str | None, base_model: str, states: list[ServerState]) -> bool:
-        """Whether a registered server, up or not, hosts the model (an adapter of the registry
-        no server holds any more, or recorded for a base no server runs, is not served: a 404,
-        not a 503 that never clears), or the policy would place the adapter (LoRAServe's rows:
-        their servers fetch it)."""
-        if adapter is None:
-            return any(s.base_model == base_model for s in states)
-        placer = getattr(self.policy, "placer", None)  # loraserve's
-        placed = placer is not None and placer.row(adapter) is not None
-        return placed or any(adapter in s.adapters for s in states)
+    def _hosted(self, request: RouteRequest, states: list[ServerState]) -> bool:
+        """Whether a registered server serves the request's model, up or not (hosted_anywhere),
+        or the policy would place its adapter (LoRAServe's rows: their servers fetch it)."""
+        placer = getattr(self.policy, "placer", None)
+        placed = placer is not None and placer.row(request.adapter) is not None
+        return placed or hosted_anywhere(states, request.adapter, request.base_model,
+                                         request.resolve)  # fmt: skip
 
 
 class _Done:

@@ -71,6 +71,7 @@ class RouteRequest:
     max_new_tokens: int
     base_model: str = ""
     prefix: PrefixKey | None = None
+    resolve: bool = False  # no server hosts the adapter: one with a resolver may find it
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +98,7 @@ class ServerState:
     num_routed: int = 0
     device_adapters: frozenset[str] = frozenset()
     loading_adapters: frozenset[str] = frozenset()
+    resolves: bool = False  # loads an adapter name on first use (its --lora-resolver)
 
     def residency(self, adapter: str | None) -> int:
         """How far the adapter is from the device, for routing: 0 on the device (or the base
@@ -112,12 +114,14 @@ class ServerState:
         return self.num_running + self.num_queued
 
     def serves(self, request: RouteRequest) -> bool:
-        """Healthy, same base model (when both are named), and hosts the adapter."""
+        """Healthy, same base model (when both are named), and hosts the adapter (or, for an
+        adapter no server hosts, loads adapters on first use)."""
         if not self.healthy:
             return False
         if request.base_model and self.base_model and request.base_model != self.base_model:
             return False
-        return request.adapter is None or request.adapter in self.adapters
+        return (request.adapter is None or request.adapter in self.adapters
+                or (request.resolve and self.resolves))  # fmt: skip
 
     def with_routed(self, rank: int, prompt_tokens: int, max_new_tokens: int) -> ServerState:
         """This state after the scheduler routed one more request here (counted as queued)."""
@@ -156,6 +160,7 @@ class ServerState:
                 | set(stats.loading_adapters)
             )
             - {a.name for a in stats.adapters if a.resident},
+            resolves=bool(stats.lora_resolver),
         )
 
 
@@ -166,3 +171,16 @@ def _shape(requests: Iterable[RequestView], with_output: bool) -> BatchShape:
         tokens = int(req.prompt_tokens) + (int(req.output_tokens) if with_output else 0)
         shape = shape.add(int(req.rank or 0), tokens)
     return shape
+
+
+def hosted_anywhere(
+    states: Iterable[ServerState], adapter: str | None, base_model: str, resolve: bool = False
+) -> bool:
+    """Whether a registered server, up or not, serves the model: runs the base model, hosts the
+    adapter, or (`resolve`: an adapter no server hosts) loads adapters on first use. A model
+    none serves is a 404 (an adapter of the registry no server holds any more, or recorded for
+    a base no server runs), not a 503 that never clears."""
+    states = list(states)
+    if adapter is None:
+        return any(s.base_model == base_model for s in states)
+    return any(adapter in s.adapters or (resolve and s.resolves) for s in states)

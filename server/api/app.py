@@ -126,6 +126,7 @@ def register_observability(app: Flask, ctx: ApiContext) -> None:
             draining=state.draining.is_set(),
             num_in_flight=state.in_flight.num_in_flight,
             max_concurrent_requests=state.in_flight.max_in_flight,
+            lora_resolver=ctx.names.finds_unregistered,
         )
         return jsonify(body.to_json())
 

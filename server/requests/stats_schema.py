@@ -15,7 +15,7 @@ parser. Imports nothing else of the server, so the scheduler may import it.
      "draining": bool, "num_in_flight": int, "max_concurrent_requests": int,
      "num_device_adapters": int, "num_loading_adapters": int, "num_host_adapters": int,
      "max_device_adapters": int, "adapter_load_seconds": LOAD_TIMES,
-     "queueing": QUEUEING, "memory": MEMORY, "kv_events": KV_EVENTS}
+     "queueing": QUEUEING, "memory": MEMORY, "kv_events": KV_EVENTS, "lora_resolver": bool}
     REQ = {"id": str, "adapter": str|null, "rank": int, "prompt_tokens": int,
            "output_tokens": int, "max_new_tokens": int}
     QUEUEING = {"policy": "fcfs"|"chameleon", "queue_lengths": [int], and for chameleon
@@ -131,6 +131,7 @@ class ServerStats:
     # host bytes charged to adapters: budget_bytes, charged_bytes, copies, names
     adapter_host_memory: dict[str, Any] = field(default_factory=dict)
     kv_events: dict[str, Any] = field(default_factory=dict)  # KV_EVENTS; {} when off
+    lora_resolver: bool = False  # whether it loads an adapter name on first use (--lora-resolver)
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:

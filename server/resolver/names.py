@@ -30,13 +30,18 @@ class NameTable(Protocol):
 
 
 class AdapterNames(Protocol):
-    """Resolves request adapter names for one HTTP request at a time (module docstring)."""
+    """Resolves request adapter names for one HTTP request at a time (module docstring);
+    `finds_unregistered`: whether a name nobody registered may still be found (a resolver)."""
+
+    finds_unregistered: bool
 
     def lease(self) -> contextlib.AbstractContextManager[Resolve]: ...
 
 
 class RegisteredNames:
     """Registered names only: a name nobody registered is a 404."""
+
+    finds_unregistered = False
 
     def __init__(self, table: NameTable):
         self.table = table

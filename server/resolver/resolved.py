@@ -98,6 +98,8 @@ RESOLVE_WAIT_S = 60.0  # how long a request waits for a resolution in flight bef
 class ResolvedAdapters:
     """Registered names, and names a source finds, loaded on first use (module docstring)."""
 
+    finds_unregistered = True
+
     def __init__(
         self,
         table: NameTable,

@@ -13,7 +13,7 @@ import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.scheduler.test_app import URL, FakeServers, stats
+from tests.scheduler.test_app import URL, FakeServers, assert_error, stats
 from toppings.scheduler.app import create_app
 
 SSE = b"".join(b"data: " + json.dumps({"t": i}).encode() + b"\n\n" for i in range(3))
@@ -213,3 +213,22 @@ def test_an_adapter_no_named_server_loads_is_a_502_and_not_recorded(setup):
         and "no server loaded 'law'" in answer.get_json()["error"]["message"]
     )
     assert "law" not in client.get("/admin/state").get_json()["adapters"]
+
+
+def test_a_name_no_server_reported_goes_to_a_server_that_finds_names(setup):
+    """An adapter no server hosts (never seen, or unloaded) is routed to a server with a
+    resolver, which loads it on first use; without one it is a 404, answered here."""
+    client, servers, session = setup
+    body = stats()
+    servers.set(URL, body)
+    assert client.post("/admin/servers", json={"url": URL}).status_code == 201
+    ask = {"model": "newcomer", "prompt": "hello", "max_tokens": 4}
+    assert_error(client.post("/v1/completions", json=ask), 404, "not_found")
+    assert not session.answers
+    servers.set(URL, {**body, "lora_resolver": True})  # read again when registered again
+    assert client.post("/admin/servers", json={"url": URL}).status_code == 201
+    session.script = [Answer(200, [b'{"usage": {"completion_tokens": 4}}'])]
+    assert client.post("/v1/completions", json=ask).status_code == 200
+    assert session.answers  # it went to the server
+    bad = {**ask, "model": "../etc"}
+    assert_error(client.post("/v1/completions", json=bad), 404, "not_found")

@@ -91,6 +91,15 @@ def test_first_use_gives_the_tokens_of_peft(engine, dirs):
     assert resolutions(client)["loaded"] == 2 and names_in(engine) == {"ops", "r16", "q8"}
 
 
+def test_stats_say_whether_names_are_found_on_first_use(engine, dirs):
+    """/stats' `lora_resolver`: how a cluster scheduler knows it may route a name no server
+    reported yet to this server (scheduler.router)."""
+    from toppings.server.api.app import create_app as plain_app
+
+    assert app_for(engine, dirs["root"]).test_client().get("/stats").get_json()["lora_resolver"]
+    assert plain_app(engine).test_client().get("/stats").get_json()["lora_resolver"] is False
+
+
 def test_concurrent_first_requests_make_one_load(engine, dirs, serve_app):
     app = app_for(engine, dirs["root"], max_concurrent_requests=64)
     start = threading.Barrier(32)
