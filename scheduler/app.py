@@ -104,7 +104,11 @@ def _url(body: dict[str, Any]) -> str:
 
 
 def _adapter(body: dict[str, Any]) -> AdapterRecord:
-    name = body.get("name")
+    name, base, alpha = body.get("name"), body.get("base_model"), body.get("alpha")
+    if not isinstance(base, str) or not base:
+        raise SchedulerError("'base_model' must be the base model's name (a string)")
+    if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, (int, float))):
+        raise SchedulerError("'alpha' must be a number")
     if not isinstance(name, str) or not ADAPTER_NAME_RE.fullmatch(name):
         raise SchedulerError("'name' must be 1-128 characters: letters, digits and . _ : / @ + "
                              "- (starting with a letter or digit), as a server's adapter "
@@ -318,11 +322,14 @@ def _register_adapter_admin(app: Flask, ctx: SchedulerContext) -> None:
                     json={"lora_name": adapter.name, "lora_path": adapter.path},
                     timeout=(3.0, 120.0),
                 )
-                answer.raise_for_status()
+                if answer.status_code != 409:  # 409: the server has it already (idempotent)
+                    answer.raise_for_status()
                 registry.add_hosting(url, adapter.name)
                 loaded.append(url)
             except (requests.RequestException, RegistryError) as exc:
                 failed[url] = str(exc)
+        for url in loaded:  # routing knows now, not at the next poll of its /stats
+            cluster.refresh(url)
         if servers and not loaded:  # recorded for nothing: the record goes (a new one)
             if known is None:
                 registry.remove_adapter(adapter.name)
@@ -333,8 +340,10 @@ def _register_adapter_admin(app: Flask, ctx: SchedulerContext) -> None:
     @app.delete("/admin/adapters")
     def remove_adapter() -> Response:
         name = _json_body().get("name")
-        if not isinstance(name, str) or registry.get_adapter(name) is None:
-            raise SchedulerError(unknown_adapter(str(name)), 404, NOT_FOUND)
+        if not isinstance(name, str):
+            raise SchedulerError("'name' must be the adapter's name (a string)")
+        if registry.get_adapter(name) is None:
+            raise SchedulerError(unknown_adapter(shown(name)), 404, NOT_FOUND)
         unloaded, failed = [], {}
         for url, names in registry.hosting().items():  # else its next /stats records it again
             if name in names:
@@ -347,6 +356,8 @@ def _register_adapter_admin(app: Flask, ctx: SchedulerContext) -> None:
                 except requests.RequestException as exc:
                     failed[url] = str(exc)
         registry.remove_adapter(name)
+        for url in unloaded:
+            cluster.refresh(url)
         return jsonify({"removed": name, "unloaded_on": unloaded, "failed": failed})
 
 

@@ -240,9 +240,11 @@ class Cluster:
 
     def refresh_once(self) -> None:
         """Fetch every server's /stats (in parallel) and update snapshots and health."""
-        list(self._pool.map(self._refresh, self.urls()))
+        list(self._pool.map(self.refresh, self.urls()))
 
-    def _refresh(self, url: str) -> None:
+    def refresh(self, url: str) -> None:
+        """Fetch one server's /stats now and update its snapshot and health (the admin routes'
+        after an adapter load or unload, so that routing knows before the next poll)."""
         began = time.monotonic()
         try:
             stats = self.fetch_json(url + "/stats")

@@ -41,6 +41,10 @@ class Answer:
                 raise requests.exceptions.ChunkedEncodingError("connection broken")
             yield chunk
 
+    def raise_for_status(self) -> None:
+        if self.status_code >= 400:
+            raise requests.HTTPError(f"{self.status_code} from the stand-in")
+
     def close(self) -> None:
         self.closed = True
 
@@ -232,3 +236,21 @@ def test_a_name_no_server_reported_goes_to_a_server_that_finds_names(setup):
     assert session.answers  # it went to the server
     bad = {**ask, "model": "../etc"}
     assert_error(client.post("/v1/completions", json=bad), 404, "not_found")
+
+
+def test_a_loaded_adapter_is_routed_at_once_and_loading_again_is_fine(setup):
+    """After POST /admin/adapters loads it, the server's /stats is read again: a request right
+    after is routed (it was a 404 until the next poll); a server that has it already (409)
+    counts as loaded."""
+    client, servers, session = setup
+    register(client, servers)
+    servers.set(URL, stats(adapters=(("sql", 16), ("chat", 64), ("law", 8))))  # once loaded
+    body = {"name": "law", "base_model": "tiny-llama", "rank": 8, "path": "/a/law",
+            "servers": [URL]}  # fmt: skip
+    session.script = [Answer(200, [b"{}"]), Answer(200, [b'{"usage": {"completion_tokens": 1}}']),
+                      Answer(409, [b'{"error": {}}'])]  # fmt: skip
+    assert client.post("/admin/adapters", json=body).status_code == 201
+    ask = {"model": "law", "prompt": "hello", "max_tokens": 1}
+    assert client.post("/v1/completions", json=ask).status_code == 200
+    again = client.post("/admin/adapters", json=body)
+    assert again.status_code == 201 and again.get_json()["loaded_on"] == [URL]

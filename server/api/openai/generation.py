@@ -32,7 +32,13 @@ from toppings.server.api.openai.response import (
     stream_events,
 )
 from toppings.server.api.openai.responses_api import Reshaper, chat_body
-from toppings.server.api.openai.schema import ParsedBody, parse_chat, parse_completion, parse_native
+from toppings.server.api.openai.schema import (
+    IGNORED_HEADER,
+    ParsedBody,
+    parse_chat,
+    parse_completion,
+    parse_native,
+)
 from toppings.server.api.openai.tokenize import detokenize, tokenize
 from toppings.server.api.openai.tools import template_renders_tools
 from toppings.server.http.frontend import ReleasingBody, Slot
@@ -40,10 +46,6 @@ from toppings.server.requests.errors import SERVER_ERROR, error_body, error_resp
 from toppings.server.requests.request import RequestError, RequestOutput
 
 logger = logging.getLogger(__name__)
-
-# Names the request fields that were accepted and change nothing (server.api.openai.schema's
-# IGNORED_FIELDS), comma-separated; absent when there were none.
-IGNORED_HEADER = "X-Toppings-Ignored-Fields"
 
 
 def _stream(events: Iterator[str], group: RequestGroup, slot: Slot, charge: Slot) -> ReleasingBody:

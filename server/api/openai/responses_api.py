@@ -30,6 +30,7 @@ from typing import Any
 from flask import Response, jsonify
 
 from toppings.server.api.openai.fields import check_known_fields, json_type
+from toppings.server.api.openai.schema import IGNORED_HEADER
 from toppings.server.requests.request import RequestError
 
 PASSED = ("model", "temperature", "top_p", "stream", "metadata", "user", "store", "service_tier",
@@ -66,13 +67,19 @@ def _message(item: Any, where: str) -> dict:
             raise RequestError(f"{where}.role must be one of {', '.join(ROLES)}")
         return {"role": item["role"], "content": _text(item.get("content"), where)}
     if kind == "function_call":
+        for key in ("call_id", "name", "arguments"):
+            if not isinstance(item.get(key), str):
+                raise RequestError(
+                    f"{where}.{key} must be a string, not {json_type(item.get(key))}"
+                )
         function = {"name": item.get("name"), "arguments": item.get("arguments")}
         call = {"id": item.get("call_id"), "type": "function", "function": function}
         return {"role": "assistant", "content": None, "tool_calls": [call]}
     if kind == "function_call_output":
         output = item.get("output")
-        if not isinstance(output, str):
-            raise RequestError(f"{where}.output must be a string, not {json_type(output)}")
+        for key, value in (("call_id", item.get("call_id")), ("output", output)):
+            if not isinstance(value, str):
+                raise RequestError(f"{where}.{key} must be a string, not {json_type(value)}")
         return {"role": "tool", "tool_call_id": item.get("call_id"), "content": output}
     raise RequestError(f"{where}.type {str(kind)[:64]!r} is not supported by this server "
                        "(message, function_call, function_call_output)")  # fmt: skip
@@ -92,13 +99,17 @@ def _tools(tools: Any) -> list[dict]:
 
 def _tool_choice(choice: Any) -> Any:
     if isinstance(choice, dict) and choice.get("type") == "function":
-        return {"type": "function", "function": {"name": choice.get("name")}}
+        if not isinstance(choice.get("name"), str):
+            raise RequestError("'tool_choice' must be 'none', 'auto', 'required' or "
+                               "{'type': 'function', 'name': ...}")  # fmt: skip
+        return {"type": "function", "function": {"name": choice["name"]}}
     return choice  # "none", "auto", "required", or what the chat parser refuses
 
 
 def _response_format(text: Any) -> dict | None:
     if not isinstance(text, dict):
         raise RequestError("'text' must be an object")
+    check_known_fields(text, {"format", "verbosity"}, "'text'")
     fmt = text.get("format")
     if fmt is None or (isinstance(fmt, dict) and fmt.get("type") == "text"):
         return None
@@ -106,6 +117,8 @@ def _response_format(text: Any) -> dict | None:
         raise RequestError("'text.format.type' must be 'text', 'json_object' or 'json_schema'")
     if fmt["type"] == "json_object":
         return {"type": "json_object"}
+    if not isinstance(fmt.get("schema"), dict):
+        raise RequestError("'text.format.schema' must be a JSON schema object")
     spec = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
     return {"type": "json_schema", "json_schema": spec}
 
@@ -140,11 +153,29 @@ def chat_body(body: dict) -> dict:
         chat["tool_choice"] = _tool_choice(body["tool_choice"])
     if body.get("text") is not None:
         chat["response_format"] = _response_format(body["text"])
-    if isinstance(body.get("reasoning"), dict) and body["reasoning"].get("effort") is not None:
-        chat["reasoning_effort"] = body["reasoning"]["effort"]
+    reasoning = body.get("reasoning")
+    if reasoning is not None:
+        if not isinstance(reasoning, dict):
+            raise RequestError("'reasoning' must be an object")
+        check_known_fields(reasoning, {"effort", "summary", "generate_summary"}, "'reasoning'")
+        if reasoning.get("effort") is not None:
+            chat["reasoning_effort"] = reasoning["effort"]
+    for key in ("safety_identifier", "prompt_cache_key"):
+        if body.get(key) is not None and not isinstance(body[key], str):
+            raise RequestError(f"'{key}' must be a string, not {json_type(body[key])}")
+    if body.get("stream_options") is not None and not body.get("stream"):
+        raise RequestError("'stream_options' needs 'stream': true")
     if body.get("stream"):
         chat["stream_options"] = {"include_usage": True}  # for the final event's usage
     return chat
+
+
+def ignored(body: dict) -> list[str]:
+    """The Responses fields read and ignored here (the chat's own are named by the chat path)."""
+    nested = [("reasoning", "summary"), ("reasoning", "generate_summary"), ("text", "verbosity")]
+    named = [k for k in ("safety_identifier", "prompt_cache_key") if body.get(k) is not None]
+    return named + [f"{a}.{b}" for a, b in nested
+                    if isinstance(body.get(a), dict) and body[a].get(b) is not None]  # fmt: skip
 
 
 class Reshaper:
@@ -179,6 +210,9 @@ class Reshaper:
         if chat.status_code != 200:
             return chat
         kept = {k: v for k, v in chat.headers.items() if k.startswith("X-")}  # ignored fields...
+        names = [n for n in [kept.get(IGNORED_HEADER, "")] + ignored(self.body) if n]
+        if names:
+            kept[IGNORED_HEADER] = ", ".join(names)
         if chat.mimetype != "text/event-stream":
             answer = jsonify(self.whole(chat.get_json()))
             answer.headers.update(kept)
@@ -194,6 +228,8 @@ class Reshaper:
         if not output:
             output = [_message_item(f"msg_{uuid.uuid4().hex}", message.get("content") or "")]
         status = "incomplete" if choice["finish_reason"] == "length" else "completed"
+        for item in output:  # an item the token limit cut is incomplete, as OpenAI marks it
+            item["status"] = status
         return self.response(status, output, _usage(reply.get("usage")), reply["model"])
 
     def _event(self, kind: str, **fields: Any) -> str:
@@ -245,8 +281,8 @@ class _Stream:
             for choice in chunk.get("choices") or ():
                 yield from self._delta(choice.get("delta") or {})
                 self.finish = choice.get("finish_reason") or self.finish
-        yield from self._close()
         status = "incomplete" if self.finish == "length" else "completed"
+        yield from self._close(status)
         final = self.shape.response(status, self.output, self.usage, self.model)
         yield ev(f"response.{status}", response=final)
 
@@ -275,13 +311,13 @@ class _Stream:
             yield ev("response.output_text.delta", item_id=self.item["id"], output_index=index,
                      content_index=0, delta=text, logprobs=[])  # fmt: skip
 
-    def _close(self) -> Iterator[str]:
-        """The done events of the open item, if any."""
+    def _close(self, status: str = "completed") -> Iterator[str]:
+        """The done events of the open item, if any (incomplete: the token limit cut it)."""
         item, self.item = self.item, None
         if item is None:
             return
         ev, index = self.shape._event, len(self.output)
-        item["status"] = "completed"
+        item["status"] = status
         if item["type"] == "function_call":
             yield ev("response.function_call_arguments.done", item_id=item["id"],
                      output_index=index, arguments=item["arguments"])  # fmt: skip
@@ -317,5 +353,5 @@ def _usage(usage: dict | None) -> dict | None:
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
     return {"input_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"],
             "total_tokens": usage["total_tokens"],
-            "input_tokens_details": {"cached_tokens": cached},
+            "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
             "output_tokens_details": {"reasoning_tokens": 0}}  # fmt: skip

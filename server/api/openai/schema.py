@@ -103,6 +103,9 @@ ACCEPTED_FIELDS = {
     },
     "native": SAMPLING_FIELDS | {"adapter", "prompt", "input_ids", "max_new_tokens", "stream"},
 }  # fmt: skip
+# Names the request fields that were accepted and change nothing (IGNORED_FIELDS, and the
+# Responses API's own), comma-separated; absent when there were none.
+IGNORED_HEADER = "X-Toppings-Ignored-Fields"
 ENDPOINTS = {"completion": "/v1/completions", "chat": "/v1/chat/completions", "native": "/generate"}
 STREAM_OPTIONS = frozenset({"include_usage", "continuous_usage_stats"})
 # Keys of a chat message; `name` goes to the chat template (templates that know it render it).

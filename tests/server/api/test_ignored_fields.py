@@ -10,8 +10,7 @@ import pytest
 
 from toppings.server.api.app import create_app
 from toppings.server.api.openai.choices import prompt_ids
-from toppings.server.api.openai.generation import IGNORED_HEADER
-from toppings.server.api.openai.schema import parse_chat
+from toppings.server.api.openai.schema import IGNORED_HEADER, parse_chat
 from toppings.server.requests.request import RequestError
 
 CHAT = [{"role": "user", "content": "hello there"}]

@@ -55,7 +55,7 @@ def test_the_token_limit_makes_it_incomplete(served):
                                   max_output_tokens=3, extra_body={})  # fmt: skip
     assert got.usage.output_tokens <= 3
     if got.usage.output_tokens == 3:
-        assert got.status == "incomplete"
+        assert got.status == "incomplete" and got.output[0].status == "incomplete"
         assert got.incomplete_details.reason == "max_output_tokens"
 
 
@@ -151,6 +151,20 @@ def test_a_stream_whose_client_leaves_leaves_the_engine_idle(served):
         ({"text": {"format": {"type": "xml"}}}, "'text.format.type' must be"),
         ({"truncation": "auto"}, "'truncation' must be 'disabled'"),
         ({"max_tokens": 5}, "'max_tokens' is not a field this server accepts in /v1/responses"),
+        ({"reasoning": "high"}, "'reasoning' must be an object"),
+        ({"prompt_cache_key": 5}, "'prompt_cache_key' must be a string"),
+        ({"stream_options": {}}, "'stream_options' needs 'stream': true"),
+        ({"text": {"format": {"type": "text"}, "tone": "x"}}, "'tone' is not a field"),
+        ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "'text.format.schema'"),
+        ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "'tool_choice' must"),
+        (
+            {"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]},
+            "input[0].call_id must be a string, not null",
+        ),
+        (
+            {"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": {}}]},
+            "input[0].arguments must be a string, not object",
+        ),
     ],
 )
 def test_what_it_cannot_do_is_a_400(served, fields, words):
@@ -165,3 +179,17 @@ def test_an_unknown_model_is_a_404(served):
     client, _, _ = served
     with pytest.raises(openai.NotFoundError):
         client.responses.create(model="ghost", input="Hi")
+
+
+def test_ignored_fields_are_named_and_usage_has_openai_keys(served):
+    _, url, engine = served
+    body = {"model": engine.model_name, "input": "Hi", "max_output_tokens": 2, "user": "u",
+            "safety_identifier": "s", "text": {"verbosity": "low"},
+            "reasoning": {"summary": "auto"}}  # fmt: skip
+    answer = requests.post(f"{url}/v1/responses", json=body, timeout=30)
+    assert answer.status_code == 200
+    assert answer.headers["X-Toppings-Ignored-Fields"] == (
+        "user, safety_identifier, reasoning.summary, text.verbosity"
+    )
+    details = answer.json()["usage"]["input_tokens_details"]
+    assert details == {"cached_tokens": details["cached_tokens"], "cache_write_tokens": 0}
