@@ -67,22 +67,23 @@ def _message(item: Any, where: str) -> dict:
             raise RequestError(f"{where}.role must be one of {', '.join(ROLES)}")
         return {"role": item["role"], "content": _text(item.get("content"), where)}
     if kind == "function_call":
-        for key in ("call_id", "name", "arguments"):
-            if not isinstance(item.get(key), str):
-                raise RequestError(
-                    f"{where}.{key} must be a string, not {json_type(item.get(key))}"
-                )
-        function = {"name": item.get("name"), "arguments": item.get("arguments")}
-        call = {"id": item.get("call_id"), "type": "function", "function": function}
+        call_id, name, arguments = _strings(item, ("call_id", "name", "arguments"), where)
+        function = {"name": name, "arguments": arguments}
+        call = {"id": call_id, "type": "function", "function": function}
         return {"role": "assistant", "content": None, "tool_calls": [call]}
     if kind == "function_call_output":
-        output = item.get("output")
-        for key, value in (("call_id", item.get("call_id")), ("output", output)):
-            if not isinstance(value, str):
-                raise RequestError(f"{where}.{key} must be a string, not {json_type(value)}")
-        return {"role": "tool", "tool_call_id": item.get("call_id"), "content": output}
+        call_id, output = _strings(item, ("call_id", "output"), where)
+        return {"role": "tool", "tool_call_id": call_id, "content": output}
     raise RequestError(f"{where}.type {str(kind)[:64]!r} is not supported by this server "
                        "(message, function_call, function_call_output)")  # fmt: skip
+
+
+def _strings(item: dict, keys: tuple[str, ...], where: str) -> list[str]:
+    """The string fields `keys` of an input item; a 400 naming the first that is not one."""
+    for key in keys:
+        if not isinstance(item.get(key), str):
+            raise RequestError(f"{where}.{key} must be a string, not {json_type(item.get(key))}")
+    return [item[key] for key in keys]
 
 
 def _tools(tools: Any) -> list[dict]:
@@ -223,13 +224,10 @@ class Reshaper:
     def whole(self, reply: dict) -> dict:
         """The response object of a chat completion (one choice)."""
         choice = reply["choices"][0]
-        message = choice["message"]
-        output = [_call_item(c) for c in message.get("tool_calls") or ()]
+        message, status = choice["message"], _status(choice["finish_reason"])
+        output = [_call_item(c, status) for c in message.get("tool_calls") or ()]
         if not output:
-            output = [_message_item(f"msg_{uuid.uuid4().hex}", message.get("content") or "")]
-        status = "incomplete" if choice["finish_reason"] == "length" else "completed"
-        for item in output:  # an item the token limit cut is incomplete, as OpenAI marks it
-            item["status"] = status
+            output = [_message_item(message.get("content") or "", status)]
         return self.response(status, output, _usage(reply.get("usage")), reply["model"])
 
     def _event(self, kind: str, **fields: Any) -> str:
@@ -281,35 +279,40 @@ class _Stream:
             for choice in chunk.get("choices") or ():
                 yield from self._delta(choice.get("delta") or {})
                 self.finish = choice.get("finish_reason") or self.finish
-        status = "incomplete" if self.finish == "length" else "completed"
+        status = _status(self.finish)
         yield from self._close(status)
         final = self.shape.response(status, self.output, self.usage, self.model)
         yield ev(f"response.{status}", response=final)
 
     def _delta(self, delta: dict) -> Iterator[str]:
-        ev, index = self.shape._event, len(self.output)
+        ev = self.shape._event
         for call in delta.get("tool_calls") or ():
+            function = call.get("function") or {}
             if call.get("id"):  # a call begins: its id and name
-                yield from self._close()
-                function = call.get("function") or {}
-                self.item = _call_item({"id": call["id"], "function": {
-                    "name": function.get("name"), "arguments": ""}}, "in_progress")  # fmt: skip
-                yield ev("response.output_item.added", output_index=index, item=self.item)
-            fragment = (call.get("function") or {}).get("arguments") or ""
-            if fragment and self.item is not None:
+                yield from self._open(_call_item({"id": call["id"], "function": {
+                    "name": function.get("name"), "arguments": ""}}, "in_progress"))  # fmt: skip
+            fragment = function.get("arguments") or ""
+            if fragment and self.item is not None and self.item["type"] == "function_call":
                 self.item["arguments"] += fragment
                 yield ev("response.function_call_arguments.delta", item_id=self.item["id"],
-                         output_index=index, delta=fragment)  # fmt: skip
+                         output_index=len(self.output), delta=fragment)  # fmt: skip
         text = delta.get("content")
         if text:
-            if self.item is None:
-                self.item = _message_item(f"msg_{uuid.uuid4().hex}", "", "in_progress")
-                yield ev("response.output_item.added", output_index=index, item=self.item)
-                yield ev("response.content_part.added", item_id=self.item["id"],
-                         output_index=index, content_index=0, part=_text_part(""))  # fmt: skip
+            if self.item is None or self.item["type"] != "message":
+                yield from self._open(_message_item("", "in_progress"))
             self.item["content"][0]["text"] += text
-            yield ev("response.output_text.delta", item_id=self.item["id"], output_index=index,
-                     content_index=0, delta=text, logprobs=[])  # fmt: skip
+            yield ev("response.output_text.delta", item_id=self.item["id"],
+                     output_index=len(self.output), content_index=0, delta=text,
+                     logprobs=[])  # fmt: skip
+
+    def _open(self, item: dict) -> Iterator[str]:
+        """The open item done, then `item` added (and a message's text part)."""
+        yield from self._close()
+        self.item, ev, index = item, self.shape._event, len(self.output)
+        yield ev("response.output_item.added", output_index=index, item=item)
+        if item["type"] == "message":
+            yield ev("response.content_part.added", item_id=item["id"], output_index=index,
+                     content_index=0, part=_text_part(""))  # fmt: skip
 
     def _close(self, status: str = "completed") -> Iterator[str]:
         """The done events of the open item, if any (incomplete: the token limit cut it)."""
@@ -331,16 +334,22 @@ class _Stream:
         self.output.append(item)
 
 
+def _status(finish_reason: str | None) -> str:
+    """A response's (and its last item's) status: incomplete where the token limit cut it, as
+    OpenAI marks it."""
+    return "incomplete" if finish_reason == "length" else "completed"
+
+
 def _text_part(text: str) -> dict:
     return {"type": "output_text", "text": text, "annotations": []}
 
 
-def _message_item(item_id: str, text: str, status: str = "completed") -> dict:
-    return {"type": "message", "id": item_id, "status": status, "role": "assistant",
-            "content": [_text_part(text)]}  # fmt: skip
+def _message_item(text: str, status: str) -> dict:
+    return {"type": "message", "id": f"msg_{uuid.uuid4().hex}", "status": status,
+            "role": "assistant", "content": [_text_part(text)]}  # fmt: skip
 
 
-def _call_item(call: dict, status: str = "completed") -> dict:
+def _call_item(call: dict, status: str) -> dict:
     function = call["function"]
     return {"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": call["id"],
             "name": function["name"], "arguments": function["arguments"],

@@ -7,6 +7,7 @@ reads: tests/server/api/test_tools_generic.py."""
 
 from __future__ import annotations
 
+import json
 import time
 
 import openai
@@ -193,3 +194,26 @@ def test_ignored_fields_are_named_and_usage_has_openai_keys(served):
     )
     details = answer.json()["usage"]["input_tokens_details"]
     assert details == {"cached_tokens": details["cached_tokens"], "cache_write_tokens": 0}
+
+
+def test_a_second_item_gets_the_next_output_index():
+    """A call, then text: the call is done at index 0 and the message added at index 1 (its
+    text never written into the call)."""
+    call = {"index": 0, "id": "call_1", "type": "function",
+            "function": {"name": "f", "arguments": ""}}  # fmt: skip
+    more = {"index": 0, "function": {"arguments": "{}"}}
+    deltas = [({"tool_calls": [call]}, None), ({"tool_calls": [more]}, None),
+              ({"content": "ok"}, "stop")]  # fmt: skip
+    chunks = [{"model": "m", "choices": [{"delta": d, "finish_reason": f}]} for d, f in deltas]
+    raw = [f"data: {json.dumps(c)}\n\n" for c in chunks] + ["data: [DONE]\n\n"]
+    events = [json.loads(e.split("data: ", 1)[1]) for e in Reshaper({"model": "m"})._events(raw)]
+    placed = [(e["type"], e.get("output_index")) for e in events if "output_index" in e]
+    assert placed[0] == ("response.output_item.added", 0)
+    assert ("response.output_item.done", 0) in placed
+    assert ("response.output_item.added", 1) in placed
+    assert ("response.output_text.delta", 1) in placed
+    final = events[-1]["response"]
+    assert [i["type"] for i in final["output"]] == ["function_call", "message"]
+    assert (
+        final["output"][0]["arguments"] == "{}" and final["output"][1]["content"][0]["text"] == "ok"
+    )
