@@ -35,9 +35,8 @@ scheduler.auth; the calls to servers go through scheduler.server_session, which 
 servers' key to registered servers only.
 
 The routes come in groups (request proxying, `/admin/*` servers and state, `/admin/adapters`,
-observability), each registered
-given one `SchedulerContext`; `create_app` builds it, installs the error handlers and registers
-each group.
+observability), each registered given one `SchedulerContext`; `create_app` builds it, installs
+the error handlers and registers each group.
 """
 
 from __future__ import annotations
@@ -60,6 +59,7 @@ from toppings.server.http.frontend import InFlightCollector, InFlightLimit, Rele
 from toppings.server.http.metrics import install_metrics
 from toppings.server.requests.errors import (
     ADAPTER_NAME_RE,
+    ADAPTER_NAME_RULE,
     BAD_GATEWAY,
     CONFLICT,
     NO_SERVER_READY,
@@ -110,9 +110,7 @@ def _adapter(body: dict[str, Any]) -> AdapterRecord:
     if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, (int, float))):
         raise SchedulerError("'alpha' must be a number")
     if not isinstance(name, str) or not ADAPTER_NAME_RE.fullmatch(name):
-        raise SchedulerError("'name' must be 1-128 characters: letters, digits and . _ : / @ + "
-                             "- (starting with a letter or digit), as a server's adapter "
-                             "names")  # fmt: skip
+        raise SchedulerError(f"'name' must be {ADAPTER_NAME_RULE}, as a server's adapter names")
     try:
         return AdapterRecord(
             name=body["name"],

@@ -175,6 +175,14 @@ class Cluster:
         other adapter."""
         return self._invocations.get(adapter, ())
 
+    def reach(self, adapter: str) -> tuple[bool, bool]:
+        """Whether a registered server's last /stats shows `adapter`, and whether one loads
+        adapters on first use (up or not): what routing a name needs, without building every
+        server's state as `states()` does."""
+        with self._lock:
+            snaps = [e.snapshot for e in self._entries.values() if e.snapshot is not None]
+        return any(adapter in s.adapters for s in snaps), any(s.resolves for s in snaps)
+
     def hosting(self) -> dict[str, frozenset[str]]:
         """Healthy server url -> the adapters its last /stats (or a confirmed fetch) showed."""
         with self._lock:

@@ -146,8 +146,8 @@ class Router:
         max_tokens = next((body[k] for k in MAX_TOKENS_KEYS[kind] if body.get(k) is not None), None)
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
             max_tokens = DEFAULT_MAX_TOKENS[kind]
-        adapter, states = self.registry.get_adapter(model), self.cluster.states()
-        resolve = not any(model in s.adapters for s in states)  # a resolver may find it
+        adapter, (hosted, found) = self.registry.get_adapter(model), self.cluster.reach(model)
+        resolve = not hosted  # a server that loads adapters on first use may find it
         if adapter is not None and adapter.state == "active":
             count, prefix = self._prompt(body, kind, model)
             return RouteRequest(model, adapter.rank, count, max_tokens, adapter.base_model, prefix,
@@ -157,7 +157,7 @@ class Router:
             return RouteRequest(None, 0, count, max_tokens, model, prefix)
         if adapter is not None:
             raise SchedulerError(f"adapter {model!r} is disabled", 404, NOT_FOUND)
-        if ADAPTER_NAME_RE.fullmatch(model) and any(s.resolves for s in states):
+        if ADAPTER_NAME_RE.fullmatch(model) and found:
             count, prefix = self._prompt(body, kind, model)  # a name no server reported yet
             return RouteRequest(model, UNSEEN_RANK, count, max_tokens, "", prefix, True)
         raise SchedulerError(unknown_adapter(model), 404, NOT_FOUND)

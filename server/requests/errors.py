@@ -46,6 +46,9 @@ NO_SERVER_READY = "no server ready yet"
 # Adapter names, on servers and in the scheduler's registry: letters, digits and a few
 # separators (an org/name form included).
 ADAPTER_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}")
+ADAPTER_NAME_RULE = (
+    "1-128 characters: letters, digits and . _ : / @ + - (starting with a letter or digit)"
+)
 MAX_NAME_SHOWN = 64  # characters of a client's name an error message repeats
 RETRY_AFTER_S = 1  # the Retry-After of a 503 answered before any server is ready, and of a 429
 

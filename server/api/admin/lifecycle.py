@@ -27,7 +27,7 @@ from toppings.gpu_lora.peft.adapter import LoraAdapter
 from toppings.gpu_lora.peft.config import CONFIG_FILE, WEIGHTS_FILE, AdapterError
 from toppings.server.process.threads import torch_on_this_thread_only
 from toppings.server.requests.adapter_ref import AdapterRef
-from toppings.server.requests.errors import ADAPTER_NAME_RE
+from toppings.server.requests.errors import ADAPTER_NAME_RE, ADAPTER_NAME_RULE
 from toppings.server.requests.request import RequestError
 
 log = logging.getLogger(__name__)
@@ -103,10 +103,7 @@ class AdapterPaths:
 
 def check_name(name: object, base_model: str) -> str:
     if not isinstance(name, str) or not ADAPTER_NAME_RE.fullmatch(name):
-        raise RequestError(
-            "'lora_name' must be 1-128 characters: letters, digits and . _ : / @ + - "
-            "(starting with a letter or digit)"
-        )
+        raise RequestError(f"'lora_name' must be {ADAPTER_NAME_RULE}")
     if name == base_model:
         raise RequestError(f"{name!r} is the base model's name", 409, "conflict")
     return name
