@@ -66,8 +66,8 @@ def token_logprobs(logits: torch.Tensor, token_ids: list[int], k: int) -> list[T
     Rows go through in chunks, so scoring a long prompt holds one chunk's log-softmax at a time.
     On a CPU one native call a chunk (`logits_logprobs` in server/native/csrc/logits.c: two reads
     of each row, nothing written but the results), where the torch ops below write the chunk's
-    log-softmax and read it three times (5.8 ms against 1.3 for 64 rows of SmolLM2's 49,152 on a
-    2-core Xeon, docs/benchmarks.md); the same values to float rounding, the same ranks and tops
+    log-softmax and read it three times (1.0 ms against 5.5-7 for 64 rows of SmolLM2's 49,152 on
+    a 2-core Xeon, docs/benchmarks.md); the same values to float rounding, the same ranks and tops
     (equal logits: the lower id first).
     """
     out: list[TokenLogprob] = []
