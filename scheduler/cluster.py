@@ -11,6 +11,11 @@ publishes its KV cache events (its `kv_events` field, scheduler/kv_index/feeds.p
 activated adapters' invocation sequences are kept for hashing their prompts
 (`invocation_tokens`).
 
+An adapter name no server has reported, routed to a server that loads names on first use (its
+resolver), counts as that server's (loading) until its /stats shows the name, it answers 404 for
+it (`resolve_failed`), it turns unhealthy, or RESOLVE_HOLD_S passes: the requests that follow the
+first go where the name is being found, not to a second server that would load it too.
+
 The cluster keeps `origins` (scheduler.server_session) in step with its membership: the servers'
 key goes to a server from the moment an operator registers it (its first /v1/models and /stats
 carry the key) until it is removed.
@@ -35,6 +40,7 @@ log = logging.getLogger(__name__)
 
 FetchJson = Callable[[str], dict[str, Any]]  # GET url -> JSON body; raises on any failure
 LAST_SEEN_WRITE_S = 5.0  # how often a healthy server's last_seen reaches the registry
+RESOLVE_HOLD_S = 60.0  # how long a name sent to a server to find stays its (unless /stats shows it)
 
 
 @dataclass
@@ -48,6 +54,7 @@ class _Entry:
     last_error: str = ""
     in_flight: int = 0  # requests proxied here whose answer has not ended (the scheduler's count)
     snapshot_at: float = 0.0  # time.monotonic() of the last /stats that parsed
+    resolving: dict[str, float] = field(default_factory=dict)  # name -> when routed, to be found
 
 
 class Cluster:
@@ -151,6 +158,10 @@ class Cluster:
                 state = state.with_routed(req.rank, req.prompt_tokens, req.max_new_tokens)
             if state.healthy != entry.healthy:
                 state = replace(state, healthy=entry.healthy)
+            if entry.resolving:  # names it is finding: as if loading there
+                names = frozenset(entry.resolving)
+                state = replace(state, adapters=state.adapters | names,
+                                loading_adapters=state.loading_adapters | names)  # fmt: skip
             result.append(state)
         return result
 
@@ -176,12 +187,14 @@ class Cluster:
         return self._invocations.get(adapter, ())
 
     def reach(self, adapter: str) -> tuple[bool, bool]:
-        """Whether a registered server's last /stats shows `adapter`, and whether one loads
-        adapters on first use (up or not): what routing a name needs, without building every
-        server's state as `states()` does."""
+        """Whether a registered server's last /stats shows `adapter` (or one is finding it), and
+        whether one loads adapters on first use (up or not): what routing a name needs, without
+        building every server's state as `states()` does."""
         with self._lock:
+            finding = any(adapter in e.resolving for e in self._entries.values())
             snaps = [e.snapshot for e in self._entries.values() if e.snapshot is not None]
-        return any(adapter in s.adapters for s in snaps), any(s.resolves for s in snaps)
+        hosted = finding or any(adapter in s.adapters for s in snaps)
+        return hosted, any(s.resolves for s in snaps)
 
     def hosting(self) -> dict[str, frozenset[str]]:
         """Healthy server url -> the adapters its last /stats (or a confirmed fetch) showed."""
@@ -193,6 +206,16 @@ class Cluster:
             entry = self._entries.get(url)
             if entry is not None:
                 entry.routed.append((time.monotonic(), request))
+                if request.resolve and request.adapter is not None:
+                    entry.resolving.setdefault(request.adapter, time.monotonic())
+
+    def resolve_failed(self, url: str, adapter: str) -> None:
+        """The server at `url` did not find `adapter` (it answered 404): the name is no longer
+        its."""
+        with self._lock:
+            entry = self._entries.get(url)
+            if entry is not None:
+                entry.resolving.pop(adapter, None)
 
     def begin_request(self, url: str) -> None:
         """A proxied request to `url` starts; pair every call with one `end_request`."""
@@ -213,6 +236,7 @@ class Cluster:
             if entry is None or not entry.healthy:
                 return
             entry.healthy, entry.last_error = False, reason
+            entry.resolving.clear()
         log.warning("server %s unhealthy: %s", url, reason)
         self.registry.set_health(url, False)
 
@@ -272,6 +296,12 @@ class Cluster:
             was_healthy, entry.healthy = entry.healthy, state.healthy
             entry.snapshot, entry.snapshot_at = state, time.monotonic()
             entry.routed = [(t, r) for t, r in entry.routed if t >= began]
+            held = entry.snapshot_at - RESOLVE_HOLD_S
+            entry.resolving = {
+                name: t
+                for name, t in entry.resolving.items()
+                if t > held and state.healthy and name not in state.adapters
+            }
             hosted_changed = state.adapters != entry.hosted
             entry.hosted = state.adapters
             write_seen = now - entry.last_seen_written >= LAST_SEEN_WRITE_S

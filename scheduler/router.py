@@ -159,7 +159,7 @@ class Router:
             raise SchedulerError(f"adapter {model!r} is disabled", 404, NOT_FOUND)
         if ADAPTER_NAME_RE.fullmatch(model) and found:
             count, prefix = self._prompt(body, kind, model)  # a name no server reported yet
-            return RouteRequest(model, UNSEEN_RANK, count, max_tokens, "", prefix, True)
+            return RouteRequest(model, UNSEEN_RANK, count, max_tokens, "", prefix, resolve)
         raise SchedulerError(unknown_adapter(model), 404, NOT_FOUND)
 
     def _prompt(
@@ -231,6 +231,8 @@ class Router:
                 failures.append(f"{url}: {answer.status_code}")
                 continue
             done.status = answer.status_code
+            if answer.status_code == 404 and request.adapter is not None:
+                self.cluster.resolve_failed(url, request.adapter)
             return self._pass_on(answer, url, stream, done)
         if failures and all(f.endswith(": 429") for f in failures):
             raise SchedulerError("every server is at its limit of requests in flight: "

@@ -55,8 +55,10 @@ class Session:
     def __init__(self) -> None:
         self.script: list = []
         self.answers: list[Answer] = []
+        self.urls: list[str] = []  # where each post went
 
     def post(self, url, json=None, data=None, headers=None, stream=False, timeout=None):
+        self.urls.append(url)
         item = self.script.pop(0)
         if isinstance(item, Exception):
             raise item
@@ -236,6 +238,31 @@ def test_a_name_no_server_reported_goes_to_a_server_that_finds_names(setup):
     assert session.answers  # it went to the server
     bad = {**ask, "model": "../etc"}
     assert_error(client.post("/v1/completions", json=bad), 404, "not_found")
+
+
+def test_a_name_being_found_stays_with_the_server_finding_it(setup):
+    """A request for a name no server reported goes to a server that finds names; those that
+    follow go to the same one, though another now looks idler (it would load the name a second
+    time), until it answers 404 for the name."""
+    client, servers, session = setup
+    other = "http://10.0.0.2:8100"
+    for url in (URL, other):  # equal: the first registered wins the tie
+        servers.set(url, {**stats(), "lora_resolver": True})
+        assert client.post("/admin/servers", json={"url": url}).status_code == 201
+    ask = {"model": "newcomer", "prompt": "hello", "max_tokens": 4}
+    session.script = [Answer(200, [b"{}"]) for _ in range(3)] + [Answer(404, [b'{"error": {}}'])]
+    assert client.post("/v1/completions", json=ask).status_code == 200
+    busy = stats()
+    busy["running"] = busy["running"] * 8
+    servers.set(URL, {**busy, "lora_resolver": True})  # read again when registered again
+    assert client.post("/admin/servers", json={"url": URL}).status_code == 201
+    for _ in range(2):
+        assert client.post("/v1/completions", json=ask).status_code == 200
+    assert client.post("/v1/completions", json=ask).status_code == 404  # not found there
+    assert session.urls == [URL + "/v1/completions"] * 4
+    session.script = [Answer(200, [b"{}"])]
+    assert client.post("/v1/completions", json=ask).status_code == 200
+    assert session.urls[-1] == other + "/v1/completions"  # the idler one, now
 
 
 def test_a_loaded_adapter_is_routed_at_once_and_loading_again_is_fine(setup):
