@@ -31,7 +31,8 @@ from toppings.server.api.openai.response import (
     sse,
     stream_events,
 )
-from toppings.server.api.openai.responses_api import Reshaper, chat_body
+from toppings.server.api.openai.responses_api import chat_body
+from toppings.server.api.openai.responses_output import Reshaper
 from toppings.server.api.openai.schema import (
     IGNORED_HEADER,
     ParsedBody,

@@ -15,7 +15,7 @@ import pytest
 import requests
 
 from toppings.server.api.app import create_app
-from toppings.server.api.openai.responses_api import Reshaper
+from toppings.server.api.openai.responses_output import Reshaper
 
 GREEDY = {"temperature": 0, "max_output_tokens": 12}
 
@@ -84,6 +84,43 @@ def test_input_items_render_as_the_chat_messages(served):
     assert got.usage.input_tokens == want["usage"]["prompt_tokens"]
 
 
+def test_logprobs_are_the_chat_answers(served):
+    """`include` the text's logprobs: the chat's entries (with `top_logprobs` alternatives) in
+    the text part, whole and streamed; `top_logprobs` without them is named ignored."""
+    client, url, engine = served
+    ask = {"model": engine.model_name, "input": "Hi", "include": ["message.output_text.logprobs"],
+           "top_logprobs": 2, **GREEDY}  # fmt: skip
+    chat = client.chat.completions.create(model=engine.model_name, temperature=0, max_tokens=12,
+                                          messages=[{"role": "user", "content": "Hi"}],
+                                          logprobs=True, top_logprobs=2)  # fmt: skip
+    want = chat.model_dump()["choices"][0]["logprobs"]["content"]
+    assert len(want) == chat.usage.completion_tokens and len(want[0]["top_logprobs"]) == 2
+    whole = requests.post(f"{url}/v1/responses", json=ask, timeout=60).json()
+    assert _same_logprobs(whole["output"][0]["content"][0]["logprobs"], want)
+    assert whole["top_logprobs"] == 2
+    events = list(client.responses.create(**ask, stream=True))
+    check_events(events)
+    streamed = [lp.model_dump() for e in events if e.type == "response.output_text.delta"
+                for lp in e.logprobs]  # fmt: skip
+    final = events[-1].response.output[0].content[0].model_dump()["logprobs"]
+    assert streamed == final and _same_logprobs(final, want)
+    plain = requests.post(f"{url}/v1/responses", timeout=60,
+                          json={**ask, "include": None})  # fmt: skip
+    assert plain.json()["output"][0]["content"][0]["logprobs"] == []
+    assert plain.headers["X-Toppings-Ignored-Fields"] == "top_logprobs"
+
+
+def _same_logprobs(got: list[dict], want: list[dict]) -> bool:
+    """The same tokens and alternatives, their logprobs within float32 rounding (a request's
+    prompt may be read from the prefix cache, which sums in another order)."""
+
+    def key(entries: list[dict]) -> list:
+        return [(e["token"], e["bytes"], key(e.get("top_logprobs") or [])) for e in entries]
+
+    values = [e["logprob"] for e in got], [e["logprob"] for e in want]
+    return key(got) == key(want) and values[0] == pytest.approx(values[1], abs=1e-4)
+
+
 def test_streamed_events_reassemble_to_the_response(served):
     client, _, engine = served
     events = list(client.responses.create(model=engine.model_name, input="Hi", stream=True,
@@ -144,6 +181,9 @@ def test_a_stream_whose_client_leaves_leaves_the_engine_idle(served):
     [
         ({"previous_response_id": "resp_1"}, "'previous_response_id' is not supported"),
         ({"background": True}, "'background' is not supported"),
+        ({"include": ["file_search_call.results"]}, "'include' value 'file_search_call.results'"),
+        ({"include": "message.output_text.logprobs"}, "'include' must be a list of strings"),
+        ({"top_logprobs": 21}, "'top_logprobs' must be an integer from 0 to 20"),
         ({"tools": [{"type": "web_search"}]}, "only function tools"),
         ({"input": [{"type": "reasoning"}]}, "input[0].type 'reasoning' is not supported"),
         ({"input": [3]}, "input[0] must be an object"),
