@@ -35,8 +35,10 @@ class ListenSettings(Settings):
         bound=Bound.POSITIVE,
         flag=Flag(
             "a connection whose request headers are not complete S seconds after they began (or "
-            "that sends nothing for S seconds with no request running) is closed; at the "
-            "connection limit the longest-waiting incomplete header is closed to make room",
+            "that sends nothing for S seconds with no request running) is closed; a body not "
+            "complete S seconds after its headers, plus a second per 500 bytes received, is "
+            "answered 408; at the connection limit the longest-waiting incomplete header is "
+            "closed to make room",
             type=positive,
             metavar="S",
         ),

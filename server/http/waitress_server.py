@@ -7,15 +7,21 @@ client that sends half a header and stalls is closed then; one that trickles a h
 few seconds is never closed). Without more, a thousand sockets that each send half a header lock
 every other client out, /health included, until they time out.
 
-`GuardedServer` adds two checks to waitress's own loop (all on its thread, no lock needed):
+`GuardedServer` adds three checks to waitress's own loop (all on its thread, no lock needed):
 - a request whose headers are not complete `header_timeout_s` after its first byte arrived is
   closed, however its bytes trickle in (checked every `cleanup_interval` seconds);
+- a request whose body is not complete `header_timeout_s` after its headers, plus a second for
+  every MIN_BODY_BYTES_PER_S bytes of it received (Apache's mod_reqtimeout rule: a slow link
+  with a large body is fine, a trickle is not), gets a 408 with the JSON error and is closed.
+  Waitress reads a body whole before a handler runs: a body that trickled held a connection,
+  counted against the limit, for as long as a byte came every `channel_timeout` seconds, and a
+  Content-Length larger than what was sent was closed with no answer;
 - at the connection limit, the connection that has waited longest for the rest of its headers
   (past MIN_EVICT_AGE_S) is closed to make room, so that a new client (a /health probe) is
   accepted now rather than once the stalled ones time out.
-A connection whose request has its headers (running, streaming, sending its body) is never
-closed by these checks; an idle keep-alive one is closed by waitress's `channel_timeout`
-(server.http.frontend.waitress_settings sets it to the same timeout).
+A connection whose request is running or streaming is never closed by these checks; an idle
+keep-alive one is closed by waitress's `channel_timeout` (server.http.frontend.waitress_settings
+sets it to the same timeout).
 This is a floor, not a shield: in production a reverse proxy with client timeouts and
 per-client connection limits goes in front (README, "In front of the server").
 
@@ -33,6 +39,7 @@ handler threads are woken last-in first-out (`LifoTaskDispatcher`, below).
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -44,11 +51,14 @@ from waitress.channel import HTTPChannel
 from waitress.server import TcpWSGIServer
 from waitress.task import ThreadedTaskDispatcher
 
+from toppings.server.requests.errors import REQUEST_TIMEOUT, error_body
+
 logger = logging.getLogger(__name__)
 
 MIN_EVICT_AGE_S = 1.0  # a client this recent is still sending its headers, not stalling
 STOP_POLL_S = 0.05  # how often `stop` looks whether the handlers have ended
 DISCONNECT_LINE = "Client disconnected while serving"  # waitress.channel's wording
+MIN_BODY_BYTES_PER_S = 500  # a body's deadline moves a second later for each this many bytes
 
 
 # Waitress's handler threads, used last-in first-out: the fewest threads do the work.
@@ -134,11 +144,45 @@ class HeaderTimedChannel(HTTPChannel):
 
     logger = DisconnectsAtDebug(logging.getLogger("waitress"))
     request_started: float | None = None  # time.time() of the first byte of the latest request
+    body_started: float | None = None  # time.time() its headers were complete
+    body_bytes = 0  # bytes received since then
 
     def received(self, data: bytes) -> bool:
         if self.request is None and data:
-            self.request_started = time.time()
-        return super().received(data)
+            self.request_started, self.body_started = time.time(), None
+        result = super().received(data)
+        request = self.request
+        if request is not None and request.headers_finished:
+            if self.body_started is None:
+                self.body_started, self.body_bytes = time.time(), 0
+            else:
+                self.body_bytes += len(data)
+        return result
+
+    def body_deadline(self, base_s: float) -> float | None:
+        """When the body of the request being read must be complete (None: none is being
+        read, or one runs: a request read ahead waits for it, not for the client)."""
+        request = self.request
+        if self.requests or request is None or self.body_started is None:
+            return None
+        if not request.headers_finished or request.completed:
+            return None
+        return self.body_started + base_s + self.body_bytes / MIN_BODY_BYTES_PER_S
+
+    def refuse_slow_body(self, now: float) -> None:
+        """(The loop's thread, no request running.) Answer 408 and close once it is sent."""
+        waited = now - (self.body_started or now)
+        message = (f"the request's body did not arrive in time: {self.body_bytes} bytes of it in "
+                   f"{waited:.0f} s (after the first seconds, at least {MIN_BODY_BYTES_PER_S} "
+                   "bytes a second)")  # fmt: skip
+        body = json.dumps(error_body(message, 408, REQUEST_TIMEOUT)).encode()
+        head = (b"HTTP/1.1 408 Request Timeout\r\nContent-Type: application/json\r\n"
+                b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body))  # fmt: skip
+        with self.outbuf_lock:
+            self.outbufs[-1].append(head + body)
+            self.current_outbuf_count += len(head + body)
+            self.total_outbufs_len += len(head + body)
+        self.close_when_flushed = True
 
     def header_wait_started(self) -> float | None:
         """When this connection began waiting for a request's headers: the request's first byte,
@@ -168,7 +212,13 @@ class GuardedServer(TcpWSGIServer):
         super().__init__(application, adj=adj, dispatcher=dispatcher)
 
     def maintenance(self, now: float) -> None:
-        """Waitress's idle timeout, then the header deadline."""
+        """The body deadline (first: a body that stopped coming is answered 408, not closed
+        silently by the idle timeout), waitress's idle timeout, then the header deadline."""
+        for channel in list(self.active_channels.values()):
+            deadline = channel.body_deadline(self.header_timeout_s)
+            if deadline is not None and deadline < now and not channel.close_when_flushed:
+                logger.debug("answering 408 to %s: its body is late", channel.addr)
+                channel.refuse_slow_body(now)
         super().maintenance(now)
         cutoff = now - self.header_timeout_s
         for channel, started in self._waiting_for_headers():

@@ -32,6 +32,7 @@ AUTHENTICATION = "authentication_error"  # 401
 PERMISSION_DENIED = "permission_denied"  # 403
 NOT_FOUND = "not_found"  # 404: an unknown adapter, model, path or resource
 CONFLICT = "conflict"  # 409
+REQUEST_TIMEOUT = "request_timeout"  # 408: a request's body did not arrive in time
 TOO_MANY_REQUESTS = "too_many_requests"  # 429: as many requests in flight as the limit allows
 INSUFFICIENT_STORAGE = "insufficient_storage"  # 507: the adapter cache is full
 UNAVAILABLE = "unavailable"  # 503: draining, shutting down, or no server ready yet

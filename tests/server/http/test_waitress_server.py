@@ -1,10 +1,12 @@
 """The waitress front end (GuardedServer, in a thread, and in the real `toppings-serve`): more
 stalled half-headers than the connection limit do not lock /health out, a header trickled line
-by line is closed at the header deadline, a request already running is never closed by either;
+by line is closed at the header deadline, a body that does not come is answered 408 while one
+sent steadily is served, a request already running is never closed by any of these;
 a stop lets the running responses end and leaves the trigger open for their handlers."""
 
 from __future__ import annotations
 
+import json
 import logging
 import select
 import socket
@@ -100,6 +102,58 @@ def test_a_trickled_header_is_closed_at_the_header_deadline(serve):
     finally:
         sock.close()
     assert requests.get(url + "/health", timeout=BOUND_S).status_code == 200
+
+
+def read_answer(sock: socket.socket) -> bytes:
+    """What the server sends until it closes the connection."""
+    sock.settimeout(BOUND_S)
+    got = b""
+    while chunk := sock.recv(4096):
+        got += chunk
+    return got
+
+
+def test_a_body_that_does_not_come_is_answered_408(serve):
+    """A Content-Length larger than the body sent (nothing more comes), and a body trickled a
+    byte at a time (waitress's idle timeout never fires): a 408 with the JSON error, then the
+    connection is closed; the server goes on answering."""
+    url, port, _, _ = serve(1)
+    head = b"POST /x HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    short = socket.create_connection(("127.0.0.1", port), timeout=BOUND_S)
+    short.sendall(head + b"Content-Length: 100\r\n\r\n" + b"{}" * 5)
+    trickled = socket.create_connection(("127.0.0.1", port), timeout=BOUND_S)
+    trickled.sendall(head + b"Content-Length: 100000\r\n\r\n")
+    deadline = time.monotonic() + BOUND_S
+    try:
+        while not select.select([trickled], [], [], 0.2)[0]:
+            assert time.monotonic() < deadline, "the trickled body was never answered"
+            trickled.sendall(b" ")
+        for sock in (short, trickled):
+            answer = read_answer(sock)
+            assert answer.startswith(b"HTTP/1.1 408 Request Timeout\r\n"), answer[:200]
+            error = json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]
+            assert error["code"] == 408 and error["type"] == "request_timeout"
+            assert "body did not arrive in time" in error["message"]
+    finally:
+        short.close()
+        trickled.close()
+    assert requests.get(url + "/health", timeout=BOUND_S).status_code == 200
+
+
+def test_a_body_sent_steadily_outlives_the_first_seconds(serve):
+    """A second later for every 500 bytes: 8,000 bytes at about 4,000 a second, past a
+    1-second deadline for the body's first bytes, are served."""
+    url, port, _, _ = serve(1)
+    sock = socket.create_connection(("127.0.0.1", port), timeout=BOUND_S)
+    try:
+        sock.sendall(b"POST /x HTTP/1.1\r\nHost: x\r\nContent-Length: 8000\r\n\r\n")
+        for _ in range(20):
+            time.sleep(0.1)
+            sock.sendall(b"x" * 400)
+        sock.shutdown(socket.SHUT_WR)
+        assert read_answer(sock).startswith(b"HTTP/1.1 200 OK")
+    finally:
+        sock.close()
 
 
 def test_a_running_request_outlives_the_header_deadline(serve):
