@@ -31,7 +31,7 @@ from toppings.server.api.openai.response import (
     sse,
     stream_events,
 )
-from toppings.server.api.openai.responses_api import chat_body
+from toppings.server.api.openai.responses_api import chat_body, input_words
 from toppings.server.api.openai.responses_output import Reshaper
 from toppings.server.api.openai.schema import (
     IGNORED_HEADER,
@@ -189,7 +189,10 @@ def register_generation(app: Flask, ctx: ApiContext) -> None:
         try:
             body = json_body()
             shape = Reshaper(body)
-            return shape.answer(answer(parse_chat(chat_body(body), engine.model_name), slot))
+            try:
+                return shape.answer(answer(parse_chat(chat_body(body), engine.model_name), slot))
+            except RequestError as exc:  # named in the body's words
+                raise input_words(exc, body) from None
         except BaseException:
             slot.release()
             raise

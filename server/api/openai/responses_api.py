@@ -23,6 +23,7 @@ name, as are hosted tools (`web_search`, ...).
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from toppings.server.api.openai.fields import check_known_fields, json_type
@@ -35,6 +36,12 @@ READ = frozenset({*PASSED, "input", "instructions", "max_output_tokens", "tools"
                   "stream_options", "include", "top_logprobs"})  # fmt: skip
 STATEFUL = ("previous_response_id", "conversation", "background", "prompt")
 LOGPROBS = "message.output_text.logprobs"  # the one `include` value: what the server computes
+# The chat request's names in its errors -> the Responses body's (a message index: input_words).
+CHAT_NAMES = ((re.compile(r"'reasoning_effort'"), "'reasoning.effort'"),
+              (re.compile(r"'max_completion_tokens'"), "'max_output_tokens'"),
+              (re.compile(r"response_format(\.json_schema)?"), "text.format"),
+              (re.compile(r"(tools\[\d+\])\.function\."), r"\1."))  # fmt: skip
+MESSAGE_AT = re.compile(r"messages\[(\d+)\]")
 ROLES = ("user", "system", "developer", "assistant")
 TEXT_PARTS = ("input_text", "output_text")
 
@@ -195,3 +202,20 @@ def ignored(body: dict) -> list[str]:
         named.append("top_logprobs")  # without the logprobs, as OpenAI's
     return named + [f"{a}.{b}" for a, b in nested
                     if isinstance(body.get(a), dict) and body[a].get(b) is not None]  # fmt: skip
+
+
+def input_words(error: RequestError, body: dict) -> RequestError:
+    """The chat path's error about the chat request a Responses body became, in the body's
+    words: `messages[i]` is the input item it came from (or `instructions`), a chat field the
+    Responses field it came from."""
+    first = 1 if body.get("instructions") is not None else 0
+    whole = isinstance(body.get("input"), str)
+
+    def item(match: re.Match) -> str:
+        index = int(match.group(1)) - first
+        return "instructions" if index < 0 else "input" if whole else f"input[{index}]"
+
+    message = MESSAGE_AT.sub(item, str(error))
+    for pattern, name in CHAT_NAMES:
+        message = pattern.sub(name, message)
+    return RequestError(message, error.code, error.error_type, error.retry_after_s)

@@ -181,6 +181,32 @@ def test_a_stream_whose_client_leaves_leaves_the_engine_idle(served):
     [
         ({"previous_response_id": "resp_1"}, "'previous_response_id' is not supported"),
         ({"background": True}, "'background' is not supported"),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_text"}]}]},
+            "input[0].content[0].text must be a string, not null",
+        ),
+        (
+            {
+                "instructions": "x",
+                "input": [
+                    {"role": "user", "content": "a"},
+                    {"role": "user", "content": [{"text": 5}]},
+                ],
+            },
+            "input[1].content[0] must be an input_text",
+        ),
+        (
+            {
+                "instructions": "x",
+                "input": [
+                    {"role": "user", "content": "a"},
+                    {"role": "user", "content": [{"type": "input_text", "text": 5}]},
+                ],
+            },
+            "input[1].content[0].text must be a string, not number",
+        ),
+        ({"reasoning": {"effort": "extreme"}}, "'reasoning.effort' must be one of"),
+        ({"tools": [{"type": "function", "name": 5}]}, "tools[0].name must be"),
         ({"include": ["file_search_call.results"]}, "'include' value 'file_search_call.results'"),
         ({"include": "message.output_text.logprobs"}, "'include' must be a list of strings"),
         ({"top_logprobs": 21}, "'top_logprobs' must be an integer from 0 to 20"),
