@@ -46,6 +46,7 @@ from toppings.server.engine.decode_batch import (
     DecodeRows,
 )
 from toppings.server.memory.kv_cache import KVPool
+from toppings.server.memory.past_table import PastTable
 from toppings.server.model.decode_path import Scanned
 from toppings.server.model.graph_buckets import GraphBuckets
 from toppings.server.model.llama import ForwardBatch, LlamaModel
@@ -329,7 +330,7 @@ class ModelRunner:
         # The KV tables are read here, in stream order on a device: the slots of the step and
         # of each request's past were reserved before it and stay put while it holds its row.
         slots = gather_slots(table, kv_rows, plan.starts, plan.tokens)  # [T]
-        past = [table[r, :b] if b else None for r, b in zip(kv_rows, plan.starts)]
+        past = PastTable(table, kv_rows, list(plan.starts))  # each segment's, as spans
         lora = self.lora.step(
             [s.cache_entry for s in seqs], step.seg_starts, True, list(plan.starts),
             [s.lora_start for s in seqs],

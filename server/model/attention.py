@@ -19,11 +19,13 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING
 
+import numpy
 import torch
 import torch.nn.functional as F
 
 from toppings.gpu_lora.kernels import native_build
 from toppings.server import native
+from toppings.server.memory.past_table import PastTable
 
 if TYPE_CHECKING:
     from toppings.server.model.paged import PagedPrefill
@@ -112,6 +114,8 @@ def plan_prefill(
         return kernels.plan_paged(seg_starts, past_slots, slots, group)
     if slots.device.type != "cpu" or native.library() is None:
         return _plan_decode_rows(seg_starts, past_slots, slots)
+    if isinstance(past_slots, PastTable):
+        return _plan_from_table(seg_starts, past_slots, sdpa_from)
     num_tokens = seg_starts[-1]
     row_start = torch.zeros(num_tokens, dtype=torch.int64)
     lengths = torch.zeros(num_tokens, dtype=torch.int64)
@@ -134,6 +138,30 @@ def plan_prefill(
     tiles_t = torch.tensor(tiles, dtype=torch.int64).reshape(-1, 4)
     has_rows = len(tiles) + len(sdpa) < len(seg_starts) - 1
     return PrefillPlan(index, row_start, lengths, tiles_t, has_rows, sdpa)
+
+
+def _plan_from_table(seg_starts: list[int], past: PastTable, sdpa_from: int) -> PrefillPlan:
+    """plan_prefill's native plan, the same, built by array operations over the step's
+    segments (not a slice and a cat each: a mixed step beside hundreds of decodes)."""
+    seg = numpy.asarray(seg_starts, dtype=numpy.int64)
+    t = numpy.diff(seg)  # [S] new tokens
+    p = numpy.asarray(past.starts, dtype=numpy.int64)  # [S] past
+    sdpa = t >= sdpa_from if sdpa_from > 0 else numpy.zeros(len(t), dtype=bool)
+    tiled = ~sdpa & (t >= TILE_MIN_LEN) & (t * (p + (t + 1) / 2) >= TILE_MIN_WORK)
+    lengths = numpy.where(sdpa, 0, p + t)  # [S] each list's length in the index
+    offsets = numpy.cumsum(lengths) - lengths
+    of = numpy.repeat(numpy.arange(len(t)), t)  # [T] each token's segment
+    is_row = ~(sdpa | tiled)[of]
+    within = numpy.arange(seg[-1], dtype=numpy.int64) - seg[of]  # [T] position in its segment
+    tiles = numpy.stack([seg[:-1], t, offsets, p], axis=1)[tiled]  # [tiles, 4]
+    return PrefillPlan(
+        index=past.spans(t, ~sdpa),
+        row_start=torch.from_numpy(numpy.where(is_row, offsets[of], 0)),  # [T]
+        lengths=torch.from_numpy(numpy.where(is_row, p[of] + 1 + within, 0)),  # [T]
+        tiles=torch.from_numpy(numpy.ascontiguousarray(tiles)),
+        has_rows=bool((~(sdpa | tiled)).any()),
+        sdpa=numpy.flatnonzero(sdpa).tolist(),
+    )
 
 
 def _plan_decode_rows(seg_starts, past_slots, slots: torch.Tensor) -> DecodeRows | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -66,7 +67,7 @@ class ForwardBatch:
     kv_lengths: torch.Tensor | None = None  # decode: [B] int64, valid positions per request
     # prefill: per request, the slots [P] of its cached prefix (its segment holds the tokens
     # after it), or None when the whole prompt is computed
-    past_slots: list[torch.Tensor | None] | None = None
+    past_slots: Sequence[torch.Tensor | None] | None = None  # a list, or a PastTable
     lora: StepLora | None = None  # None: no adapter in the batch
     # [R] int64 rows of the T tokens whose logits forward returns; None: each segment's last
     # token (R = B). Prefill asks for every prompt row of a request that scores its prompt.

@@ -20,10 +20,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy
 import torch
 import triton
 import triton.language as tl
 
+from toppings.server.memory.past_table import PastTable
 from toppings.server.model.paged.decode import LOG2E, attend_block, check_launch, upcast
 
 BLOCK_R = 64  # query rows (tokens x heads of one kv group) of a tile
@@ -54,6 +56,8 @@ def plan_paged(
     seg_starts[i]:seg_starts[i + 1], after the slots past_slots[i] [P] of its past, or none),
     for a model of `group` query heads per kv head."""
     tile_tokens = max(1, BLOCK_R // group)
+    if isinstance(past_slots, PastTable):
+        return _plan_from_table(seg_starts, past_slots, tile_tokens)
     pieces, rows, offset = [], [], 0  # one cat of every piece: one launch, not one a segment
     for i, (start, end) in enumerate(zip(seg_starts[:-1], seg_starts[1:])):
         past = past_slots[i] if past_slots is not None else None
@@ -66,6 +70,21 @@ def plan_paged(
     index = torch.cat(pieces) if pieces else slots.new_zeros(0)
     tiles = torch.tensor(rows, dtype=torch.int64).reshape(-1, 5).to(slots.device, non_blocking=True)
     return PagedPrefill(index, tiles, tile_tokens)
+
+
+def _plan_from_table(seg_starts: list[int], past: PastTable, tile_tokens: int) -> PagedPrefill:
+    """plan_paged's plan, the same, built by array operations over the step's segments (not a
+    slice and a cat each: a mixed step beside hundreds of decodes)."""
+    seg = numpy.asarray(seg_starts, dtype=numpy.int64)
+    t = numpy.diff(seg)  # [S] new tokens
+    p = numpy.asarray(past.starts, dtype=numpy.int64)  # [S] past
+    offsets = numpy.cumsum(p + t) - (p + t)  # where each segment's slots start in the index
+    counts = -(-t // tile_tokens)  # [S] tiles of each segment
+    of = numpy.repeat(numpy.arange(len(t)), counts)  # [tiles] each tile's segment
+    first = numpy.arange(len(of), dtype=numpy.int64) - (numpy.cumsum(counts) - counts)[of]
+    rows = numpy.stack([seg[:-1][of], t[of], offsets[of], p[of], first * tile_tokens], axis=1)
+    tiles = torch.from_numpy(rows).to(past.table.device, non_blocking=True)  # [tiles, 5]
+    return PagedPrefill(past.spans(t), tiles, tile_tokens)
 
 
 @triton.jit
