@@ -65,6 +65,11 @@ _UNSUPPORTED = {
     "kasa_config": "KaSA",
     "megatron_config": "Megatron-parallel layers",
 }
+# `init_lora_weights` values with which PEFT, loading the adapter, changes the base model's
+# weights too (the principal part taken out of W for PiSSA, ...): served over the unchanged base
+# their outputs would be wrong from the first token. PEFT's `save_pretrained(...,
+# path_initial_model_for_weight_conversion=...)` saves such an adapter as a plain LoRA.
+_BASE_CHANGING_INITS = ("pissa", "corda", "olora", "loftq", "lora_ga")  # (prefixes)
 # Modules PEFT could wrap in a Llama that this server cannot serve a delta for.
 _UNSERVED_MODULES = ("lm_head", "model.embed_tokens")
 
@@ -144,6 +149,13 @@ def _check_fields(cfg: dict, cfg_path: Path) -> None:
         raise AdapterError(f"{cfg_path}: lora_alpha must be positive, got {brief(alpha)}")
     if cfg.get("bias", "none") not in (None, "none"):
         raise AdapterError(f"{cfg_path}: bias={brief(cfg['bias'])} is not supported (only 'none')")
+    init = cfg.get("init_lora_weights")
+    if isinstance(init, str) and init.lower().startswith(_BASE_CHANGING_INITS):
+        raise AdapterError(
+            f"{cfg_path}: init_lora_weights={brief(init)} changes the base model's weights when "
+            "PEFT loads the adapter, which this server does not; save it as a plain LoRA (PEFT's "
+            "save_pretrained with path_initial_model_for_weight_conversion)"
+        )
     for field, feature in _UNSUPPORTED.items():
         if cfg.get(field):
             raise AdapterError(

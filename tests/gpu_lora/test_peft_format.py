@@ -163,6 +163,10 @@ def test_default_adapter_name_in_keys_is_accepted(adapter_dir: Path) -> None:
         (dict(alora_invocation_tokens=[3, -1]), "alora_invocation_tokens must be"),
         (dict(alora_invocation_tokens=[3], use_dora=True), "activated LoRA with DoRA"),
         (dict(rank_pattern={"q_proj": 8}), "rank_pattern"),
+        *[
+            (dict(init_lora_weights=v), f"init_lora_weights='{v}' changes the base model's weights")
+            for v in ("pissa", "pissa_niter_4", "olora", "corda", "loftq", "lora_ga")
+        ],  # fmt: skip
         (dict(alpha_pattern={"q_proj": 8}), "alpha_pattern"),
         (dict(bias="all"), "bias"),
         (dict(modules_to_save=["lm_head"]), "modules_to_save"),
@@ -182,6 +186,13 @@ def test_config_rejections(adapter_dir: Path, changes: dict, message: str) -> No
     edit_config(adapter_dir, **changes)
     with pytest.raises(AdapterError, match=message.replace(".", r"\.").replace("(", r"\(")):
         load_peft_adapter(adapter_dir, MODEL)
+
+
+@pytest.mark.parametrize("init", [True, False, "gaussian", "orthogonal", "eva", "mica"])
+def test_inits_that_leave_the_base_alone_load(adapter_dir: Path, init) -> None:
+    """Only the adapter's own starting values differ: what it saved is a plain LoRA."""
+    edit_config(adapter_dir, init_lora_weights=init)
+    load_peft_adapter(adapter_dir, MODEL)
 
 
 @pytest.mark.parametrize(
