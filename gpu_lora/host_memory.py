@@ -115,8 +115,10 @@ def _head(adapter: LoraAdapter) -> tuple:
 
 
 def _bytes(t: torch.Tensor):
-    """A tensor's bytes as a buffer, without a copy where it is contiguous."""
-    return t.contiguous().view(torch.uint8).numpy()
+    """A tensor's bytes as a flat buffer, without a copy where it is contiguous (flattened
+    first: a rank-1 B [out, 1] is contiguous with a last stride of `out`, which a dtype view
+    refuses)."""
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy()
 
 
 def _probe(adapter: LoraAdapter) -> str:

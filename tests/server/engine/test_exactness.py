@@ -153,6 +153,25 @@ def test_mixed_batch_matches_peft_tiny(tmp_path_factory, tiny_model_dir, kernel,
                 async_scheduling=async_scheduling)  # fmt: skip
 
 
+@pytest.mark.parametrize("kernel", ["mbgmv", "bgmv"])
+def test_a_rank_one_adapter_matches_peft(tmp_path, tiny_model_dir, kernel):
+    """Rank 1 on all seven projections beside rank 16 and the base model (a rank-1 B [out, 1]
+    held as the transpose of B^T is contiguous with a last stride of `out`: loading it failed)."""
+    from toppings.scripts.make_adapters import make_random_adapter
+
+    targets = ADAPTER_SPECS[64]
+    adapters = {f"r{r}": str(make_random_adapter(tmp_path / f"r{r}", tiny_model_dir, rank=r,
+                                                 target_modules=targets, seed=r))
+                for r in (1, 16)}  # fmt: skip
+    gen = torch.Generator().manual_seed(3)
+    prompts = [(torch.randint(3, 200, (n,), generator=gen).tolist(), name)
+               for n, name in ((7, "r1"), (19, "r1"), (11, "r16"), (5, None))]  # fmt: skip
+    ours = run_mixed_batch(tiny_model_dir, adapters, prompts, kernel)
+    for (prompt, name), got in zip(prompts, ours):
+        ref, margins = reference_greedy(tiny_model_dir, adapters, prompt, name)
+        assert_same_greedy(got, ref, margins, f"adapter {name}, prompt of {len(prompt)}")
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("kernel", ["mbgmv", "bgmv"])
