@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import hashlib
 import importlib.util
 import json
 import logging
@@ -81,7 +82,7 @@ def resolve_model_dir(model: str) -> Path:
     """Turn a --model argument into a Hugging Face directory, converting GGUF once if needed."""
     gguf = gguf_file(model)
     if gguf is not None:
-        name = SMOLLM2_NAME if model == "smollm2" else gguf.stem
+        name = SMOLLM2_NAME if model == "smollm2" else f"{gguf.stem}-{_file_identity(gguf)}"
         return _convert_gguf(gguf, cache_dir() / "models" / name)
     path = Path(model).expanduser()
     if path.is_dir():
@@ -89,6 +90,16 @@ def resolve_model_dir(model: str) -> Path:
             raise FileNotFoundError(f"{path} has no config.json: not a Hugging Face checkpoint")
         return path
     raise FileNotFoundError(f"model {model!r} is neither a directory, a .gguf file nor 'smollm2'")
+
+
+def _file_identity(path: Path) -> str:
+    """A short digest of a file's absolute path, size and modification time: its converted copy
+    is found again only for that file as it was (two `model.gguf` in two folders, or one
+    replaced in place, each get their own; named by the stem alone, the second was served with
+    the first one's weights). Not its contents: hashing gigabytes would cost every start-up."""
+    stat = path.resolve().stat()
+    ident = f"{path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}"
+    return hashlib.sha256(ident.encode("utf-8", "surrogateescape")).hexdigest()[:16]
 
 
 def load_checkpoint(
@@ -107,7 +118,8 @@ def load_checkpoint(
     load_format = LoadFormat(load_format)
     model_dir = resolve_model_dir(model)
     hf_config = AutoConfig.from_pretrained(model_dir)
-    name = SMOLLM2_NAME if model == "smollm2" else model_dir.name
+    gguf = gguf_file(model)
+    name = SMOLLM2_NAME if model == "smollm2" else gguf.stem if gguf else model_dir.name
     config = ModelConfig.from_hf(hf_config, name)
     if load_format is LoadFormat.DUMMY:
         weights: Mapping[str, torch.Tensor] = DummyWeights.for_config(
@@ -115,7 +127,6 @@ def load_checkpoint(
         )
     else:
         weights = SafetensorsWeights.from_dir(model_dir)
-        gguf = gguf_file(model)
         if gguf is not None and quantization is Quantization.INT4:
             weights = GgufInt4Weights(gguf, weights, hf_config)
         elif gguf is not None and quantization is Quantization.INT8:

@@ -6,6 +6,7 @@ biases included), which is what the model code reads."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -115,3 +116,30 @@ def test_a_gguf_converts_to_every_tensor_by_its_hf_name(arch, tmp_path, monkeypa
     for name, tensor in state.items():
         assert torch.equal(weights[name], tensor), name
     assert resolve_model_dir(str(path)) == model_dir  # converted once, then found in the cache
+
+
+def test_two_ggufs_of_one_name_are_two_models(tmp_path, monkeypatch):
+    """`a/model.gguf` and `b/model.gguf`, and a file replaced in place, are converted each on
+    their own (the copy was found by the file's stem, and the second served the first's
+    weights); the served name stays the stem."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from toppings.server.model.loader import load_checkpoint, resolve_model_dir
+    from toppings.server.model.weights import SafetensorsWeights
+
+    monkeypatch.setenv("TOPPINGS_CACHE", str(tmp_path / "cache"))
+    states, dirs = [], []
+    for seed, folder in enumerate(("a", "b", "a")):  # "a" again: replaced in place
+        torch.manual_seed(seed)
+        states.append(LlamaForCausalLM(LlamaConfig(**SHAPES)).float().state_dict())
+        path = tmp_path / folder / "model.gguf"
+        path.parent.mkdir(exist_ok=True)
+        path.unlink(missing_ok=True)
+        write_gguf(path, "llama", states[-1])
+        os.utime(path, ns=(seed * 10**9, seed * 10**9))  # a distinct modification time
+        dirs.append(resolve_model_dir(str(path)))
+        weights = SafetensorsWeights.from_dir(dirs[-1])
+        name = "model.layers.0.self_attn.o_proj.weight"
+        assert torch.equal(weights[name], states[-1][name]), folder
+    assert len(set(dirs)) == 3
+    assert load_checkpoint(str(tmp_path / "b" / "model.gguf")).config.name == "model"
