@@ -70,8 +70,8 @@ class ModelConfig:
     def from_hf(cls, hf_config, name: str) -> ModelConfig:
         """Build from a transformers config of a served family (server/model/family.py).
 
-        Raises a one-line ValueError for a model_type or RoPE type that is not served, before
-        any weight is read.
+        Raises a one-line ValueError for a model_type, RoPE type or MLP activation that is not
+        served, before any weight is read.
         """
         family = family_of(getattr(hf_config, "model_type", "llama"))
         rope = getattr(hf_config, "rope_parameters", None) or getattr(
@@ -82,6 +82,9 @@ class ModelConfig:
         theta = rope.get("rope_theta") or getattr(hf_config, "rope_theta", None) or 10000.0
         if float(rope.get("partial_rotary_factor", 1.0)) != 1.0:
             raise ValueError("partial_rotary_factor is not supported; RoPE must cover head_dim")
+        act = getattr(hf_config, "hidden_act", "silu")
+        if act not in ("silu", "swish"):  # (transformers' two names of one function)
+            raise ValueError(f"hidden_act {act!r} is not supported; the MLP runs SiLU (silu)")
         max_positions = hf_config.max_position_embeddings
         scaling = RopeScaling()
         if rope_type is not RopeType.DEFAULT:

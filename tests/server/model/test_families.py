@@ -106,6 +106,18 @@ def test_unsupported_rope_type_is_one_line(name):
     assert "served rope types: default, linear, dynamic, llama3" in message
 
 
+@pytest.mark.parametrize("name", ["llama3", "qwen3"])
+def test_another_mlp_activation_is_one_line(name):
+    """The MLP runs SiLU; a checkpoint of another activation was served with SiLU (wrong from
+    the first token). transformers' `swish` is SiLU."""
+    with pytest.raises(ValueError) as info:
+        ModelConfig.from_hf(hf_config(name, hidden_act="gelu_pytorch_tanh"), name)
+    assert str(info.value) == (
+        "hidden_act 'gelu_pytorch_tanh' is not supported; the MLP runs SiLU (silu)"
+    )
+    assert ModelConfig.from_hf(hf_config(name, hidden_act="swish"), name).name == name
+
+
 def test_refused_before_any_weight_is_read(tmp_path):
     """A checkpoint of another family: load_checkpoint names the served families, not the
     missing weights or tokenizer it never got to."""
