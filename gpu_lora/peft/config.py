@@ -295,7 +295,8 @@ def resolve_targets(cfg: dict, model_config: ModelShapes, where: str) -> set[tup
                 f"{where}: layers_to_transform names layer {beyond[0]}, but the base model has "
                 f"{model_config.num_layers} layers"
             )
-        targeted = {p for p in targeted if p[0] in layer_set}
+        named = set(spec)  # PEFT takes a module named in full whatever its layer
+        targeted = {p for p in targeted if p[0] in layer_set or module_name(*p) in named}
     if not targeted:
         raise AdapterError(
             f"{where}: target_modules {brief(cfg['target_modules'])} selects no projection"

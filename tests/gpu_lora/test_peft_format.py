@@ -59,8 +59,13 @@ def save_adapter(out: Path, seed: int = 0, **lora_kwargs) -> dict:
         dict(r=3, lora_alpha=5, target_modules=r".*\.1\.mlp\.(up|down)_proj"),
         dict(r=2, target_modules=["k_proj", "o_proj"], layers_to_transform=[1]),
         dict(r=4, target_modules="all-linear", exclude_modules=["k_proj", "gate_proj"]),
+        dict(
+            r=2,
+            target_modules=["model.layers.0.self_attn.q_proj", "v_proj"],
+            layers_to_transform=[1],
+        ),  # fmt: skip
     ],
-    ids=["qv", "all-linear-rslora", "regex", "layers_to_transform", "exclude"],
+    ids=["qv", "all-linear-rslora", "regex", "layers_to_transform", "exclude", "full-name-layers"],
 )
 def test_matches_peft(tmp_path: Path, kwargs: dict) -> None:
     expected = save_adapter(tmp_path / "ad", **kwargs)
