@@ -76,9 +76,11 @@ class AccessSettings(Settings):
     server_api_key: str | None = setting(
         None,
         flag=Flag(
-            "bearer key of the servers (toppings-serve --api-key), sent only to the servers "
-            "registered; default $TOPPINGS_API_KEY",
-            env="TOPPINGS_API_KEY",
+            "bearer key of the servers, sent only to the servers registered: their "
+            "--admin-api-key where they have one (it opens adapter load and unload too), else "
+            "their --api-key; default $TOPPINGS_SERVER_ADMIN_API_KEY, then $TOPPINGS_API_KEY (the "
+            "servers' own variables: one environment serves both)",
+            env=("TOPPINGS_SERVER_ADMIN_API_KEY", "TOPPINGS_API_KEY"),
         ),
     )
 

@@ -61,7 +61,8 @@ def _row(field: dataclasses.Field, flag) -> str:
         values += " (repeatable)"
     help_text = flag.help or ""
     if flag.env:
-        help_text += f" (environment: `${flag.env}`)"
+        names = ", then ".join(f"`${name}`" for name in flag.env_names)
+        help_text += f" (environment: {names})"
     names = " / ".join(f"`{n}`" for n in (flag_name(field, flag), *flag.aliases))
     row = [names, _default(field, flag), values.strip(), help_text or "—"]
     return "| " + " | ".join(_cell(c) for c in row) + " |"

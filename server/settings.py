@@ -44,7 +44,8 @@ class Flag:
     name: the flag (default: `--` and the field name with dashes); type: argparse's parse
     function; choices: the values argparse accepts (default: the setting's own choices);
     default: argparse's default when it differs from the field's (e.g. "auto"); parse: turns the
-    parsed value into the field's value; env: an environment variable read as the default;
+    parsed value into the field's value; env: an environment variable read as the default (or
+    several: the first one set);
     aliases: other names of the same flag (an old name kept working).
     """
 
@@ -56,8 +57,12 @@ class Flag:
     action: str | None = None
     default: Any = FIELD_DEFAULT
     parse: Callable[[Any], Any] | None = None
-    env: str | None = None
+    env: str | tuple[str, ...] | None = None
     aliases: tuple[str, ...] = ()
+
+    @property
+    def env_names(self) -> tuple[str, ...]:
+        return (self.env,) if isinstance(self.env, str) else tuple(self.env or ())
 
 
 def setting(
@@ -125,8 +130,8 @@ def add_flags(parser: argparse.ArgumentParser, cls: type[Settings]) -> None:
         name = flag_name(f, flag)
         kwargs: dict[str, Any] = {"dest": f.name, "help": flag.help}
         default = f.default if flag.default is FIELD_DEFAULT else flag.default
-        if flag.env is not None:
-            default = os.environ.get(flag.env) or default
+        set_env = [os.environ[name] for name in flag.env_names if os.environ.get(name)]
+        default = set_env[0] if set_env else default
         if default is MISSING:
             kwargs["required"] = True
         else:

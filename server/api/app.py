@@ -75,8 +75,11 @@ logger = logging.getLogger(__name__)
 BYTES_PER_PROMPT_CHAR = 4
 BODY_EXTRA_BYTES = 1 << 20
 OPEN_PATHS = frozenset({"/health"})  # answered without an API key (load balancers probe it)
-# The operator's routes: they change what the server serves for every tenant.
-ADMIN_PATHS = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
+# The operator's routes: they change what the server serves for every tenant, or hand out an
+# adapter's weights (a tenant's, which another tenant's key must not read; peers fetch them).
+ADMIN_PATHS = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter",
+                         "/v1/adapters/<path:name>/files",
+                         "/v1/adapters/<path:name>/files/<file_name>"})  # fmt: skip
 ADMIN_KEY_REQUIRED = (
     "a valid admin key is required on this route (Authorization: Bearer ADMIN_KEY, the "
     "server's --admin-api-key)"
@@ -145,7 +148,8 @@ def _context(engine, options: ApiOptions) -> ApiContext:
     admin = AdapterAdmin(engine, AdapterPaths(options.lora_roots))
     fetcher = None
     if options.adapter_store is not None:
-        fetch = FetchConfig(options.adapter_store, options.api_key, peers=options.peers,
+        key = options.admin_api_key or options.api_key  # a peer's files want its admin key
+        fetch = FetchConfig(options.adapter_store, key, peers=options.peers,
                             total_timeout_s=options.peer_fetch_timeout_s)  # fmt: skip
         fetcher = PeerFetcher(engine, fetch, thread=admin.thread)
     return ApiContext(

@@ -31,7 +31,8 @@ class ApiOptions(Settings):
     admin_api_key: str | None = setting(
         None,
         flag=Flag(
-            "the key of the operator's routes (adapter load and unload): with it they want "
+            "the key of the operator's routes (adapter load and unload, an adapter's files): with "
+            "it they want "
             "Authorization: Bearer ADMIN_KEY and the --api-key no longer opens them; the admin "
             "key also opens every other route (give it to the scheduler as its "
             "--server-api-key). Default: $TOPPINGS_SERVER_ADMIN_API_KEY",
@@ -81,7 +82,8 @@ class ApiOptions(Settings):
             metavar="DIR",
         ),
     )
-    # The only servers adapters are fetched from (and sent the API key), as http://HOST:PORT.
+    # The only servers adapters are fetched from (and sent the admin key, else the API key), as
+    # http://HOST:PORT.
     peers: tuple[str, ...] = setting(
         (),
         flag=Flag(

@@ -62,15 +62,22 @@ def stand_in():
     server.shutdown()
 
 
-@pytest.mark.parametrize("with_key", [True, False])
-def test_scheduler_sends_the_server_key(stand_in, tmp_path, with_key, free_port):
+@pytest.mark.parametrize("key_from", ["flag", "environment", None])
+def test_scheduler_sends_the_server_key(stand_in, tmp_path, key_from, free_port):
+    """environment: the servers' own two variables, as toppings-launch passes one environment to
+    servers and scheduler alike: the admin key (which opens every route) wins over the client
+    key."""
     server_url, seen = stand_in
     port = free_port()
     cmd = [sys.executable, "-m", "toppings.scheduler.cli", "--registry", str(tmp_path / "r.sqlite"),
            "--port", str(port)]  # fmt: skip
-    if with_key:
+    names = ("TOPPINGS_API_KEY", "TOPPINGS_SERVER_ADMIN_API_KEY")  # the flag's defaults
+    env = {k: v for k, v in os.environ.items() if k not in names}
+    if key_from == "flag":
         cmd += ["--server-api-key", KEY]
-    env = {k: v for k, v in os.environ.items() if k != "TOPPINGS_API_KEY"}  # the flag's default
+    elif key_from == "environment":
+        env.update(TOPPINGS_API_KEY="the-client-key", TOPPINGS_SERVER_ADMIN_API_KEY=KEY)
+    with_key = key_from is not None
     proc = subprocess.Popen(cmd, env=env, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:

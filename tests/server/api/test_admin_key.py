@@ -1,7 +1,7 @@
-"""`--admin-api-key` (issue 48): with it, adapter load and unload want the admin key and the
-client key no longer opens them (a tenant cannot unload another tenant's adapter); the client
-key keeps generation and reads; the admin key opens everything (the scheduler's
---server-api-key)."""
+"""`--admin-api-key` (issue 48): with it, adapter load and unload and an adapter's files want
+the admin key and the client key no longer opens them (a tenant cannot unload another tenant's
+adapter, nor download its weights); the client key keeps generation and reads; the admin key
+opens everything (the scheduler's --server-api-key, a peer's fetch)."""
 
 from __future__ import annotations
 
@@ -46,10 +46,23 @@ def test_the_client_key_keeps_generation_and_reads(setup):
     client, _ = setup
     body = {"model": "a", "prompt": "hi", "max_tokens": 2}
     assert client.post("/v1/completions", headers=_as(CLIENT), json=body).status_code == 200
-    for path in ("/v1/models", "/stats", "/metrics", "/v1/adapters/a/files"):
+    for path in ("/v1/models", "/stats", "/metrics"):
         assert client.get(path, headers=_as(CLIENT)).status_code == 200, path
     assert client.post("/v1/completions", json=body).status_code == 401
     assert client.get("/health").status_code == 200
+
+
+def test_an_adapters_files_want_the_admin_key(setup):
+    """A tenant's weights: the client key (every tenant's) does not read them; a peer fetching
+    them sends the admin key."""
+    client, _ = setup
+    for path in ("/v1/adapters/a/files", "/v1/adapters/a/files/adapter_model.safetensors"):
+        for key in (CLIENT, None):
+            answer = client.get(path, headers=_as(key))
+            assert (
+                answer.status_code == 401 and "admin key" in answer.get_json()["error"]["message"]
+            )
+        assert client.get(path, headers=_as(ADMIN)).status_code == 200, path
 
 
 def test_the_admin_key_loads_unloads_and_opens_the_rest(setup):

@@ -91,10 +91,10 @@ def peers(adapter):
         peer.close()
 
 
-def client_for(engine, store: Path, peers: dict, timeout_s: float = 1.0):
+def client_for(engine, store: Path, peers: dict, timeout_s: float = 1.0, admin: str | None = None):
     listed = tuple(peers[n].url for n in ("good", "trickle", "redirect"))
     options = ApiOptions(api_key=KEY, adapter_store=str(store), peers=listed,
-                         peer_fetch_timeout_s=timeout_s)  # fmt: skip
+                         peer_fetch_timeout_s=timeout_s, admin_api_key=admin)  # fmt: skip
     return create_app(engine, options).test_client()
 
 
@@ -126,6 +126,17 @@ def test_a_listed_peer_is_sent_the_key_and_serves_the_adapter(engine, adapter, p
     assert {r.headers.get("Authorization") for r in peers["good"].seen} == {f"Bearer {KEY}"}
     unloaded = client.post("/v1/unload_lora_adapter", json={"lora_name": "x2"}, headers=AUTH)
     assert unloaded.status_code == 200
+
+
+def test_a_server_with_an_admin_key_sends_it_to_its_peers(engine, adapter, peers, tmp_path):
+    """A peer's files want its admin key (a fleet's servers share it), not the client key."""
+    client = client_for(engine, tmp_path / "store", peers, admin="admin-key")
+    peers["good"].seen.clear()
+    body = {"lora_name": "x9", "sha256": adapter_digest(adapter), "peers": [peers["good"].url]}
+    answer = client.post("/v1/load_lora_adapter", json=body, headers={
+        "Authorization": "Bearer admin-key"})  # fmt: skip
+    assert answer.status_code == 200, answer.get_data(as_text=True)
+    assert {r.headers.get("Authorization") for r in peers["good"].seen} == {"Bearer admin-key"}
 
 
 def test_a_redirect_fails_the_peer_and_its_target_is_never_contacted(
