@@ -29,8 +29,9 @@ from pathlib import Path
 import requests
 from tqdm import tqdm
 
+from toppings.scripts.loadgen.bursts import AZURE_SHAPES
 from toppings.scripts.loadgen.cli_args import LoadgenConfig, build_parser
-from toppings.scripts.loadgen.client import Journal, run_open_loop
+from toppings.scripts.loadgen.client import Journal, bearer, run_open_loop
 from toppings.scripts.loadgen.stats import format_summary, plot_cdfs, summarise
 from toppings.scripts.loadgen.workload import (
     LengthSpec,
@@ -46,15 +47,18 @@ from toppings.server.settings import build
 log = logging.getLogger("toppings-loadgen")
 
 
-def list_models(url: str, timeout_s: float = 10.0) -> tuple[str | None, dict[str, int]]:
+def list_models(
+    url: str, timeout_s: float = 10.0, api_key: str | None = None
+) -> tuple[str | None, dict[str, int]]:
     """(base model, {adapter: rank}) of a server or scheduler."""
-    models = requests.get(url + "/v1/models", timeout=timeout_s)
+    headers = bearer(api_key)
+    models = requests.get(url + "/v1/models", timeout=timeout_s, headers=headers)
     models.raise_for_status()
     data = models.json()["data"]
     base = next((m["id"] for m in data if not m.get("parent")), None)
     ranks = {m["id"]: m.get("rank") for m in data if m.get("parent")}
     if any(r is None for r in ranks.values()):  # a server that does not list ranks there
-        stats = requests.get(url + "/stats", timeout=timeout_s)
+        stats = requests.get(url + "/stats", timeout=timeout_s, headers=headers)
         stats.raise_for_status()
         ranks.update({a["name"]: a["rank"] for a in stats.json().get("adapters", ())})
     return base, {name: int(rank or 0) for name, rank in ranks.items()}
@@ -82,7 +86,7 @@ def make_trace(args: LoadgenConfig) -> list[TraceEntry]:
         prompt_len=LengthSpec.parse(args.prompt_len, args.max_prompt_len, "prompt"),
         output_len=LengthSpec.parse(args.output_len, args.max_output_len, "output"),
     )
-    base, adapters = list_models(args.url)
+    base, adapters = list_models(args.url, api_key=args.api_key)
     return build_trace(spec, adapters, base)
 
 
@@ -107,12 +111,21 @@ def main(argv: list[str] | None = None) -> int:
         args = build(LoadgenConfig, build_parser().parse_args(argv))
         trace = make_trace(args)
     except (ValueError, OSError, requests.RequestException) as e:
-        sys.exit(f"toppings-loadgen: {e}")
+        status = getattr(getattr(e, "response", None), "status_code", None)
+        hint = " (the key: --api-key or $TOPPINGS_SCHEDULER_API_KEY)" if status == 401 else ""
+        sys.exit(f"toppings-loadgen: {e}{hint}")
     if args.save_trace:
         save_trace(trace, args.save_trace)
     print(f"trace: {json.dumps(describe(trace))}")
+    bursty = args.arrivals in AZURE_SHAPES and not args.trace and args.duration is not None
+    if bursty and len(trace) < args.rps * args.duration / 2:
+        print(f"note: {args.arrivals} arrivals are bursty (off for tens of seconds at a time): "
+              f"{len(trace)} requests in {args.duration:g} s against --rps {args.rps:g}; their "
+              "long-run rate needs minutes (a longer --duration, or another --seed)")  # fmt: skip
     if args.dry_run:
         return 0
+    if not trace:
+        sys.exit("toppings-loadgen: the trace holds no request: nothing to send")
     journal = Journal(args.out) if args.out else None
     try:
         pending = journal.pending(trace) if journal else trace
@@ -133,8 +146,9 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         run_open_loop(
-            args.url, pending, on_done, args.temperature, args.timeout, args.max_concurrency
-        )
+            args.url, pending, on_done, args.temperature, args.timeout, args.max_concurrency,
+            args.api_key,
+        )  # fmt: skip
     except KeyboardInterrupt:
         print("\ninterrupted; finished requests are kept" + (f" in {args.out}" if args.out else ""))
     finally:
@@ -155,13 +169,22 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if summary["num_ok"] or not records else 1
 
 
+def redacted(argv: list[str]) -> list[str]:
+    """argv with the value of --api-key replaced."""
+    out, hide = [], False
+    for arg in argv:
+        out.append("KEY" if hide else "--api-key=KEY" if arg.startswith("--api-key=") else arg)
+        hide = arg == "--api-key"
+    return out
+
+
 def write_summary(args: LoadgenConfig, trace: list[TraceEntry], summary: dict) -> None:
-    skipped = ("summary", "plot", "no_progress")
+    skipped = ("summary", "plot", "no_progress", "api_key")  # (a key is no result to publish)
     config = {f.name: getattr(args, f.name) for f in fields(args) if f.name not in skipped}
     result = {
         "name": Path(args.summary).stem,
         "device": f"client of {args.url}",
-        "command": "toppings-loadgen " + " ".join(sys.argv[1:]),
+        "command": "toppings-loadgen " + " ".join(redacted(sys.argv[1:])),
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "config": dict(config, trace=describe(trace)),
         "metrics": summary,

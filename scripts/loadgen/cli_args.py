@@ -90,13 +90,23 @@ class RunSettings(Settings):
     plot: str | None = setting(
         None, flag=Flag("draw CDFs of TTFT, time per token and E2E to this PNG")
     )
-    temperature: float = setting(0.0, flag=Flag(type=float))
+    api_key: str | None = setting(
+        None,
+        flag=Flag(
+            "sent as Authorization: Bearer KEY on every request (a scheduler's --api-key, a "
+            "server's); default $TOPPINGS_SCHEDULER_API_KEY, then $TOPPINGS_API_KEY",
+            env=("TOPPINGS_SCHEDULER_API_KEY", "TOPPINGS_API_KEY"),
+        ),
+    )
+    temperature: float = setting(
+        0.0, flag=Flag("sampling temperature of every request", type=float)
+    )
     timeout: float = setting(600.0, flag=Flag("seconds per request", type=float))
     max_concurrency: int = setting(512, flag=Flag("requests in flight at most", type=int))
     dry_run: bool = setting(
         False, flag=Flag("make (and save) the trace, send none", action="store_true")
     )
-    no_progress: bool = setting(False, flag=Flag(action="store_true"))
+    no_progress: bool = setting(False, flag=Flag("no progress bar", action="store_true"))
 
 
 @dataclass(frozen=True)

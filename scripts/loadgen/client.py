@@ -35,6 +35,11 @@ log = logging.getLogger(__name__)
 CONNECT_TIMEOUT_S = 10.0
 
 
+def bearer(api_key: str | None) -> dict[str, str]:
+    """The Authorization header of `api_key` (none without one)."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
 def request_config(entry: TraceEntry) -> dict:
     """What identifies a request in the journal (the prompt by its length and digest)."""
     prompt = json.dumps(entry.prompt, separators=(",", ":"))
@@ -183,14 +188,17 @@ def run_open_loop(
     temperature: float = 0.0,
     timeout_s: float = 600.0,
     max_concurrency: int = 512,
+    api_key: str | None = None,
 ) -> float:
-    """Send `entries` at their arrival offsets (the first at once); returns the start time.
+    """Send `entries` at their arrival offsets (the first at once), with `api_key` as a bearer
+    key where given; returns the start time.
 
     `on_done(entry, result)` runs on the calling thread, in finishing order. Offsets are taken
     relative to the first entry, so a resumed run keeps the gaps of the remaining requests.
     """
     done: queue.Queue = queue.Queue()
     session = requests.Session()
+    session.headers.update(bearer(api_key))
     session.mount("http://", requests.adapters.HTTPAdapter(pool_maxsize=max_concurrency))
     origin = entries[0].arrival_s if entries else 0.0
     start = time.time()

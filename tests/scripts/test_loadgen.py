@@ -328,3 +328,45 @@ def test_lora_assignment_and_its_old_spelling_make_the_same_trace(served, tmp_pa
     assert not received  # a dry run sends nothing
     with pytest.raises(SystemExit, match="adapter assignment"):
         loadgen.main(args + ["--lora-assignment", "skewed"])
+
+
+def test_a_keyed_server_takes_the_key_from_the_flag_or_the_environment(
+    tiny_engine, serve_app, tmp_path, monkeypatch
+):
+    """--api-key (or $TOPPINGS_SCHEDULER_API_KEY, then $TOPPINGS_API_KEY) on every request,
+    /v1/models included; the summary file keeps no trace of it."""
+    from toppings.server.api.app import ApiOptions, create_app
+
+    for name in ("TOPPINGS_SCHEDULER_API_KEY", "TOPPINGS_API_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    with tiny_engine({}) as engine, serve_app(create_app(engine, ApiOptions(api_key="k1"))) as url:
+        args = ["--url", url, "--rps", "20", "--num-requests", "3", "--output-len", "2",
+                "--no-progress"]  # fmt: skip
+        with pytest.raises(SystemExit, match=r"401 .* \(the key: --api-key"):
+            loadgen.main(args)
+        summary = tmp_path / "run.json"
+        assert loadgen.main(args + ["--api-key", "k1", "--summary", str(summary)]) == 0
+        assert "k1" not in summary.read_text()
+        assert json.loads(summary.read_text())["metrics"]["num_ok"] == 3
+        monkeypatch.setenv("TOPPINGS_API_KEY", "k1")
+        out = tmp_path / "env.jsonl"
+        assert loadgen.main(args + ["--out", str(out)]) == 0
+        assert all(r["result"]["ok"] for r in read_journal(out))
+
+
+def test_bursty_arrivals_that_leave_a_short_run_empty_say_so(monkeypatch, capsys):
+    """azure-code at 5 requests/s is off for tens of seconds at a time: a 10-second run may
+    hold nothing. Said, not a table of NaN and exit 0."""
+    monkeypatch.setattr(loadgen, "list_models", lambda url, **kw: ("base", {"a8": 8}))
+    args = ["--url", "http://127.0.0.1:9", "--arrivals", "azure-code", "--rps", "5",
+            "--duration", "10", "--no-progress"]  # fmt: skip
+    sizes = {}
+    for seed in range(12):
+        assert loadgen.main(args + ["--seed", str(seed), "--dry-run"]) == 0
+        out = capsys.readouterr().out
+        sizes[seed] = json.loads(out.split("trace: ", 1)[1].splitlines()[0])["num_requests"]
+        assert ("note: azure-code arrivals are bursty" in out) == (sizes[seed] < 25), out
+    empty = [seed for seed, n in sizes.items() if n == 0]
+    assert empty, sizes
+    with pytest.raises(SystemExit, match="the trace holds no request"):
+        loadgen.main(args + ["--seed", str(empty[0])])
