@@ -112,6 +112,12 @@ def main(argv: list[str] | None = None) -> int:
         # each costs: docs/benchmarks.md). It must be set before torch starts OpenMP.
         os.environ.setdefault("GOMP_SPINCOUNT", WORKER_SPINCOUNT)
     loras = served_adapters(serve)
+    if config.device == "cuda":  # (torch imported after GOMP_SPINCOUNT, as the engine's is)
+        import torch
+
+        if not torch.cuda.is_available():
+            built = "built without CUDA" if torch.version.cuda is None else "finds no GPU"
+            _usage_error(f"--device cuda: this torch ({torch.__version__}) {built}")
     if problem := listen_problem(serve.host, serve.port):  # before the model loads, not after
         _usage_error(f"--port: {problem}")
     _check_inputs(serve.model, loras)

@@ -172,22 +172,28 @@ class RuntimeConfig(Settings):
 
     def check(self) -> None:
         if self.cuda_graphs and self.device != "cuda":
-            raise ValueError("cuda_graphs needs device cuda (a CPU has no graphs to capture)")
+            raise ValueError(
+                "--cuda-graphs on needs --device cuda (a CPU has no graphs to capture)"
+            )
         if self.paged_attention and self.device != "cuda":
-            raise ValueError("paged_attention needs device cuda (a CPU reads the pool natively)")
+            raise ValueError(
+                "--paged-attention on needs --device cuda (a CPU reads the pool natively)"
+            )
         if self.warmup and self.device != "cuda":
-            raise ValueError("warmup needs device cuda (a CPU runs no Triton kernels)")
+            raise ValueError("--warmup on needs --device cuda (a CPU runs no Triton kernels)")
         if self.adapt_threads and self.device != "cpu":
-            raise ValueError("adapt_threads needs device cpu (it sizes the CPU's OpenMP team)")
+            raise ValueError(
+                "--adapt-threads on needs --device cpu (it sizes the CPU's OpenMP team)"
+            )
         if self.adapt_threads and self.async_scheduling:
             raise ValueError(
-                "adapt_threads sizes the engine thread's team; with "
-                "async_scheduling the model runs on the device lane: choose one"
+                "--adapt-threads sizes the engine thread's team; with "
+                "--async-scheduling on the model runs on the device lane: choose one"
             )
         if self.quantization != Quantization.NONE.value and self.device != "cpu":
             raise ValueError(
-                f"quantization {self.quantization} runs on device cpu only (torch's packed "
-                "int8/int4 CPU kernels); use quantization none on cuda"
+                f"--quantization {self.quantization} runs on --device cpu only (torch's packed "
+                "int8/int4 CPU kernels); use --quantization none on cuda"
             )
 
     @property

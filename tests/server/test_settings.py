@@ -45,7 +45,7 @@ def test_flags_reach_their_fields():
     ("flags", "message"),
     [
         (("--memory-bytes", "-1"), "memory_bytes must be >= 0"),
-        (("--cuda-graphs", "on"), "cuda_graphs needs device cuda"),
+        (("--cuda-graphs", "on"), "--cuda-graphs on needs --device cuda"),
         (("--cpu-workers", "3", "--cpu-cores", "1,2"), "at least one core per CPU worker"),
         (("--drain-timeout", "-1"), "drain_timeout must be >= 0"),
         (("--api-key", ""), "api_key must not be empty"),

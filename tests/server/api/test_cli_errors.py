@@ -7,6 +7,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
 COMMANDS = {
     "toppings-serve": "toppings.server.cli",
     "toppings-scheduler": "toppings.scheduler.cli",
@@ -98,4 +101,11 @@ def test_serve_bad_memory_flags(tiny_model_dir):
 
 def test_serve_refuses_cuda_graphs_on_a_cpu(tiny_model_dir):
     result = run("toppings-serve", "--model", str(tiny_model_dir), "--cuda-graphs", "on")
-    assert_refused(result, "toppings-serve", "cuda_graphs", "device cuda")
+    assert_refused(result, "toppings-serve", "--cuda-graphs on needs --device cuda")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here")
+def test_serve_refuses_cuda_without_a_gpu(tiny_model_dir):
+    """One line before the model loads (it was a 36-line traceback from torch)."""
+    result = run("toppings-serve", "--model", str(tiny_model_dir), "--device", "cuda")
+    assert_refused(result, "toppings-serve", "--device cuda: this torch")

@@ -76,5 +76,5 @@ def test_cuda_graphs_default_on_for_cuda_only():
     assert not EngineConfig(device="cuda", cuda_graphs=False).use_cuda_graphs
     assert not EngineConfig(device="cpu").use_cuda_graphs
     assert not EngineConfig(device="cpu", cuda_graphs=False).use_cuda_graphs
-    with pytest.raises(ValueError, match="cuda_graphs needs device cuda"):
+    with pytest.raises(ValueError, match="--cuda-graphs on needs --device cuda"):
         EngineConfig(device="cpu", cuda_graphs=True)

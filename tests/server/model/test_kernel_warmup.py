@@ -75,7 +75,7 @@ def test_warmup_is_on_with_cuda_and_refused_on_a_cpu():
     assert EngineConfig(device="cuda").use_warmup
     assert not EngineConfig(device="cuda", warmup=False).use_warmup
     assert not EngineConfig(device="cpu").use_warmup
-    with pytest.raises(ValueError, match="warmup needs device cuda"):
+    with pytest.raises(ValueError, match="--warmup on needs --device cuda"):
         EngineConfig(device="cpu", warmup=True)
 
 

@@ -344,5 +344,5 @@ def test_paged_attention_is_on_with_cuda_and_refused_on_a_cpu():
     assert EngineConfig(device="cuda").use_paged_attention
     assert not EngineConfig(device="cuda", paged_attention=False).use_paged_attention
     assert not EngineConfig(device="cpu").use_paged_attention
-    with pytest.raises(ValueError, match="paged_attention needs device cuda"):
+    with pytest.raises(ValueError, match="--paged-attention on needs --device cuda"):
         EngineConfig(device="cpu", paged_attention=True)

@@ -129,7 +129,7 @@ def test_a_bfloat16_prefill_multiplies_by_the_weights_a_bfloat16_model_holds():
 
 
 def test_quantization_is_cpu_only_and_refused_before_loading():
-    with pytest.raises(ValueError, match="quantization int8 runs on device cpu only"):
+    with pytest.raises(ValueError, match="--quantization int8 runs on --device cpu only"):
         EngineConfig(device="cuda", quantization="int8")
     with pytest.raises(ValueError, match="quantization must be one of none, int8, int4"):
         EngineConfig(quantization="int3")
@@ -141,7 +141,7 @@ def test_serve_refuses_quantization_on_cuda_in_one_line(tmp_path):
 
     result = run("toppings-serve", "--model", str(tmp_path / "absent"), "--device", "cuda",
                  "--quantization", "int8", "--port", "0")  # fmt: skip
-    assert_refused(result, "toppings-serve", "quantization int8 runs on device cpu only")
+    assert_refused(result, "toppings-serve", "--quantization int8 runs on --device cpu only")
 
 
 def _tiny_llama_gguf(tmp_path, monkeypatch, types):
