@@ -55,6 +55,7 @@ from toppings.scheduler.cluster import Cluster
 from toppings.scheduler.metrics import PREFIX
 from toppings.scheduler.registry import AdapterRecord, Registry, RegistryError
 from toppings.scheduler.router import Router, SchedulerError
+from toppings.scheduler.server_session import ServerRefused
 from toppings.server.http.frontend import InFlightCollector, InFlightLimit, ReleasingBody
 from toppings.server.http.metrics import install_metrics
 from toppings.server.requests.errors import (
@@ -321,7 +322,7 @@ def _register_adapter_admin(app: Flask, ctx: SchedulerContext) -> None:
                     timeout=(3.0, 120.0),
                 )
                 if answer.status_code != 409:  # 409: the server has it already (idempotent)
-                    answer.raise_for_status()
+                    ServerRefused.check(answer)
                 registry.add_hosting(url, adapter.name)
                 loaded.append(url)
             except (requests.RequestException, RegistryError) as exc:
@@ -349,7 +350,7 @@ def _register_adapter_admin(app: Flask, ctx: SchedulerContext) -> None:
                     answer = router.session.post(
                         url + "/v1/unload_lora_adapter", json={"lora_name": name}, timeout=60.0
                     )
-                    answer.raise_for_status()
+                    ServerRefused.check(answer)
                     unloaded.append(url)
                 except requests.RequestException as exc:
                     failed[url] = str(exc)

@@ -62,6 +62,23 @@ class RedirectRefused(requests.RequestException):
     """A server answered a redirect; the scheduler does not follow one."""
 
 
+class ServerRefused(requests.RequestException):
+    """A server answered an operator's call with an error: its status and its own words."""
+
+    @classmethod
+    def check(cls, answer: requests.Response) -> None:
+        """Raise unless `answer` succeeded, with the server's error message (a 403 for a path
+        outside its adapter roots says so, where raise_for_status said only FORBIDDEN)."""
+        if answer.ok:
+            return
+        try:
+            message = str(answer.json()["error"]["message"])
+        except (ValueError, KeyError, TypeError):
+            message = answer.reason or "no message"
+        cut = message if len(message) <= 300 else message[:300] + "..."
+        raise cls(f"{answer.status_code} from {answer.url}: {cut}")
+
+
 class ServerSession:
     """`get` and `post` to servers: the key on registered origins only, redirects refused.
 

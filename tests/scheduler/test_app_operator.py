@@ -26,6 +26,7 @@ class Answer:
 
     def __init__(self, status: int, chunks: list[bytes], fail_after: int | None = None):
         self.status_code, self.ok = status, status < 400
+        self.url, self.reason = "http://stand-in/", "REASON"
         ctype = "text/event-stream" if len(chunks) > 1 else "application/json"
         self.headers = {"Content-Type": ctype}
         self.chunks, self.fail_after = chunks, fail_after
@@ -34,6 +35,9 @@ class Answer:
     @property
     def content(self) -> bytes:
         return b"".join(self.iter_content())
+
+    def json(self):
+        return json.loads(self.content)
 
     def iter_content(self, chunk_size=None):
         for i, chunk in enumerate(self.chunks):
@@ -219,6 +223,22 @@ def test_an_adapter_no_named_server_loads_is_a_502_and_not_recorded(setup):
         and "no server loaded 'law'" in answer.get_json()["error"]["message"]
     )
     assert "law" not in client.get("/admin/state").get_json()["adapters"]
+
+
+def test_a_load_a_server_refuses_says_why_in_its_words(setup):
+    client, servers, session = setup
+    register(client, servers)
+    refusal = {"error": {"message": "'lora_path' is outside the allowed adapter directories",
+                         "type": "permission_denied", "code": 403}}  # fmt: skip
+    session.script = [Answer(403, [json.dumps(refusal).encode()])]
+    body = {"name": "law", "base_model": "tiny-llama", "rank": 8, "path": "/a/law",
+            "servers": [URL]}  # fmt: skip
+    answer = client.post("/admin/adapters", json=body)
+    assert answer.status_code == 502
+    assert (
+        "403 from http://stand-in/: 'lora_path' is outside the allowed adapter directories"
+        in (answer.get_json()["error"]["message"])
+    )
 
 
 def test_a_name_no_server_reported_goes_to_a_server_that_finds_names(setup):
