@@ -59,7 +59,7 @@ def _row(field: dataclasses.Field, flag) -> str:
     values = " / ".join(f"`{c}`" for c in choices) if choices else (flag.metavar or "")
     if flag.action == "append":
         values += " (repeatable)"
-    help_text = flag.help or ""
+    help_text = (flag.help or "").replace("%%", "%")  # argparse's escape, not the reader's
     if flag.env:
         names = ", then ".join(f"`${name}`" for name in flag.env_names)
         help_text += f" (environment: {names})"

@@ -21,7 +21,8 @@ scheduler itself, on `--registry`, and restarts it if it exits or stops answerin
 restarts a server that dies or hangs that long (exponential backoff, at most `--max-restarts`
 times), and on Ctrl-C/SIGTERM drains and stops them all: SIGTERM,
 wait, then SIGKILL. A TOML file (`--config`) takes the same keys as the flags (`num_servers = 2`,
-`lora_dir = ["/loras"]`, `serve_args = ["--lora-mode", "cpu-assisted"]`); flags win.
+`lora_dir = ["/loras"]`, `serve_args = ["--lora-mode", "cpu-assisted"]`); a flag given too wins,
+a repeatable one adds to the file's list.
 
 Logs (and the started scheduler's registry) go to `--log-dir`, which is kept; without it, to a
 new temporary directory that is removed after a clean stop and kept, its path printed, when a
@@ -56,7 +57,10 @@ def parse_args(argv: list[str] | None) -> LaunchConfig:
     parser = build_parser()
     first = parser.parse_args(argv)
     if first.config is not None:
-        import tomllib  # Python 3.11+
+        if sys.version_info >= (3, 11):
+            import tomllib
+        else:  # the same parser, as a package before 3.11 (a dependency there)
+            import tomli as tomllib
 
         table = tomllib.loads(first.config.read_text())
         table = {k.replace("-", "_"): v for k, v in table.items()}

@@ -27,7 +27,13 @@ class NodeSettings(Settings):
     title = "node"
 
     config: Path | None = setting(
-        None, flag=Flag("TOML file with the same keys as the flags", type=Path)
+        None,
+        flag=Flag(
+            "TOML file with the same keys as the flags (dashes or underscores: num_servers = 2, "
+            'lora_dir = ["/loras"]), plus serve_args, the list of what would follow `--`; a '
+            "flag given too wins, a repeatable one (--lora, --lora-dir) adds to the file's list",
+            type=Path,
+        ),
     )
     model: str | None = setting(None, flag=Flag("what toppings-serve --model takes"))
     device: str = setting("cpu", choices=("cpu", "cuda"), flag=Flag())
