@@ -8,6 +8,10 @@ that are its headline, read from the file's `metrics`) or EARLIER (a run the not
 cite: a rerun, a control, a before/after pair, a superseded configuration). A new result file
 that is neither fails tests/test_docs.py, so the table cannot fall behind the results.
 
+The command column names each driver where it lives now: a file written before a driver moved
+(`scripts.bench_*` before bench/ held them, `bench.tcache`) keeps the command it ran as, and
+MOVED rewrites it for the table.
+
 A headline key is a path into `metrics`: "a.b" reads metrics["a"]["b"], "*" every key of one
 level that has the rest of the path ("*.ratio_b_vs_a": that ratio per precision); a dict of
 numbers prints as `key: value`.
@@ -307,7 +311,8 @@ CURRENT: dict[str, tuple[str, tuple[str, ...]]] = {
     "demo_loadgen_replay.json": ("the same trace replayed", _LOADGEN),
     "gguf_convert.json": ("GGUF conversion, parsed once against plain",
                           ("ratio_parsed_once_vs_plain",)),
-    "perf_model.json": ("the scheduler's fitted kernel latency models", ("r2", "predict_us")),
+    "perf_model.json": ("the fits of the kernel latency models (the scheduler's --perf-model "
+                        "file is perf_model_smollm2_cpu.json)", ("r2", "predict_us")),
     "cluster_sim.json": ("placement policies in the cluster simulator (paper's models)",
                          ("slo_attainment", "tpt_reduction_rank_aware_vs")),
     "cluster_sim_smollm2_cpu.json": ("the same with SmolLM2-on-CPU latency models",
@@ -420,11 +425,22 @@ def cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
+# A driver's old module -> where it is now (the file's command keeps what ran).
+MOVED = {"-m scripts.": "-m bench.", "-m bench.tcache ": "-m bench.bench_tcache "}
+
+
+def rerunnable(command: str) -> str:
+    """`command` with each moved driver's module as it is named now."""
+    for old, new in MOVED.items():
+        command = command.replace(old, new)
+    return command
+
+
 def row(name: str, what: str, keys: tuple[str, ...], results: Path = RESULTS) -> str:
     envelope = json.loads((results / name).read_text())
     headline = "<br>".join(f"`{k}` {show(read(envelope['metrics'], k))}" for k in keys)
     parts = (f"`{name}`", what, headline, envelope["device"], envelope["date"][:10],
-             f"`{envelope['command'].strip()}`")  # fmt: skip
+             f"`{rerunnable(envelope['command'].strip())}`")  # fmt: skip
     return "| " + " | ".join(cell(p) for p in parts) + " |"
 
 

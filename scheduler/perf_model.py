@@ -162,6 +162,10 @@ class PerfModels:
     @classmethod
     def load(cls, path: str | Path) -> PerfModels:
         body = json.loads(Path(path).read_text())
+        if "metrics" in body and "version" not in body:  # a bench/results envelope
+            raise ValueError(f"{path}: a benchmark result, not a perf-model file (one "
+                             "bench/fit_perf_model.py writes, e.g. "
+                             "bench/results/perf_model_smollm2_cpu.json)")  # fmt: skip
         if body.get("version") != 1:
             raise ValueError(f"{path}: unsupported perf-model version {body.get('version')!r}")
         models = {}

@@ -81,6 +81,14 @@ def test_scheduler_missing_perf_model(tmp_path):
     assert_refused(result, "toppings-scheduler", "none.json")
 
 
+def test_scheduler_refuses_a_benchmark_result_as_its_perf_model(tmp_path):
+    bench_result = Path(__file__).resolve().parents[3] / "bench" / "results" / "perf_model.json"
+    result = run("toppings-scheduler", "--registry", str(tmp_path / "r.sqlite"),
+                 "--perf-model", str(bench_result))  # fmt: skip
+    assert_refused(result, "toppings-scheduler", "a benchmark result, not a perf-model file",
+                   "perf_model_smollm2_cpu.json")  # fmt: skip
+
+
 def test_launch_refuses_before_starting_anything(tiny_model_dir, tmp_path, taken_port):
     missing = tmp_path / "no_such_model"
     logs = tmp_path / "logs"
