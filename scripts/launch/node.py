@@ -139,7 +139,12 @@ class Launcher:
             self.reporter.update(self.servers)
             if not announced and all(s.state is State.HEALTHY for s in self.servers):
                 announced = True
-                self.reporter.note(f"all {len(self.servers)} servers healthy; Ctrl-C stops them")
+                left = [s for s in self.servers if self.scheduler_url and not s.registered]
+                tail = (f"; {len(left)} not registered with {self.scheduler_url} yet (the "
+                        "warnings above say why)") if left else ""  # fmt: skip
+                self.reporter.note(
+                    f"all {len(self.servers)} servers healthy{tail}; Ctrl-C stops them"
+                )
             if all(s.state is State.FAILED for s in self.servers):
                 self.reporter.note("every server failed; giving up")
                 return 1
@@ -190,7 +195,12 @@ def scheduler_call(method: str, scheduler: str, url: str, admin_api_key: str | N
         log.warning("scheduler %s unreachable (%s of %s): %s", scheduler, method, url, exc)
         return False
     if r.status_code >= 400:
-        log.warning("scheduler %s refused %s of %s: %s", scheduler, method, url, r.text[:300])
+        hint = ""
+        if r.status_code in (401, 403):
+            hint = (" (the scheduler's admin key: $TOPPINGS_ADMIN_API_KEY, or "
+                    "--scheduler-arg=--admin-api-key=KEY)")  # fmt: skip
+        log.warning("scheduler %s refused %s of %s: %s%s", scheduler, method, url, r.text[:300],
+                    hint)  # fmt: skip
         return False
     log.info("scheduler %s: %s %s", scheduler, "registered" if method == "post" else "removed", url)
     return True

@@ -222,3 +222,18 @@ def test_a_hung_server_is_restarted(tmp_path, tiny_model_dir, free_port):
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
+
+
+def test_a_registration_refused_for_its_key_names_the_key(monkeypatch, caplog):
+    """A scheduler with an admin key the launcher was not given: the warning says where the
+    key goes (it said only UNAUTHORIZED, every few seconds)."""
+    import requests
+
+    from toppings.scripts.launch import node
+
+    class Refused:
+        status_code, text = 401, '{"error": {"message": "a valid admin key is required"}}'
+
+    monkeypatch.setattr(requests, "request", lambda *args, **kwargs: Refused())
+    assert not node.scheduler_call("post", "http://127.0.0.1:9", "http://127.0.0.1:8")
+    assert "$TOPPINGS_ADMIN_API_KEY, or --scheduler-arg=--admin-api-key=KEY" in caplog.text
