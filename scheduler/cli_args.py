@@ -48,7 +48,7 @@ class SchedulerSettings(ListenSettings):
             metavar="N",
         ),
     )
-    log_level: str = setting("INFO", flag=Flag(type=log_level))
+    log_level: str = setting("INFO", flag=Flag("DEBUG, INFO, WARNING or ERROR", type=log_level))
 
 
 @dataclass(frozen=True)
@@ -97,7 +97,17 @@ class RoutingSettings(Settings):
 
     title = "routing"
 
-    policy: str = setting("rank-aware", choices=tuple(sorted(POLICIES)), flag=Flag())
+    policy: str = setting(
+        "rank-aware",
+        choices=tuple(sorted(POLICIES)),
+        flag=Flag(
+            "how a request's server is chosen: rank-aware (Toppings' Algorithm 1: the fitted "
+            "latency models' cost), prefix-aware (rank-aware plus each server's cached prefix, "
+            "from its KV events; text prompts need --tokenizer), loraserve (LoRAServe's "
+            "placement and routing; loraserve-group and loraserve-row its ablations), or the "
+            "baselines least-loaded, first-fit, random"
+        ),
+    )
     perf_model: str | None = setting(
         None, flag=Flag("perf-model JSON from bench/fit_perf_model.py")
     )

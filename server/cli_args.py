@@ -79,7 +79,7 @@ class ServeConfig(ListenSettings):
             metavar="PATH",
         ),
     )
-    log_level: str = setting("INFO", flag=Flag(type=log_level))
+    log_level: str = setting("INFO", flag=Flag("DEBUG, INFO, WARNING or ERROR", type=log_level))
 
 
 # Every settings class whose fields are flags of toppings-serve, in --help's order (the flag

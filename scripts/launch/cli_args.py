@@ -36,12 +36,14 @@ class NodeSettings(Settings):
         ),
     )
     model: str | None = setting(None, flag=Flag("what toppings-serve --model takes"))
-    device: str = setting("cpu", choices=("cpu", "cuda"), flag=Flag())
+    device: str = setting(
+        "cpu", choices=("cpu", "cuda"), flag=Flag("toppings-serve --device of every server")
+    )
     num_servers: int | None = setting(None, flag=Flag("default: 1, or one per --gpus", type=int))
     gpus: tuple[int, ...] | None = setting(
         None, flag=Flag("GPU ids, one server each", type=parse_cores)
     )
-    host: str = setting("127.0.0.1", flag=Flag())
+    host: str = setting("127.0.0.1", flag=Flag("address the servers (and scheduler) listen on"))
     base_port: int = setting(8100, flag=Flag("server i listens on base + i", type=int))
     cores: tuple[int, ...] | None = setting(
         None, flag=Flag("default: this process's", type=parse_cores)
@@ -59,7 +61,11 @@ class NodeSettings(Settings):
             metavar="N",
         ),
     )
-    numactl: str = setting("auto", choices=("auto", "never"), flag=Flag())
+    numactl: str = setting(
+        "auto",
+        choices=("auto", "never"),
+        flag=Flag("bind each server with numactl where it works (auto), else sched_setaffinity"),
+    )
 
     def check(self) -> None:
         if not self.model:
@@ -73,9 +79,23 @@ class ServedSettings(Settings):
     title = "served"
 
     lora: tuple[str, ...] = setting(
-        (), flag=Flag(action="append", metavar="NAME=PATH", parse=tuple)
+        (),
+        flag=Flag(
+            "toppings-serve --lora for every server (repeatable)",
+            action="append",
+            metavar="NAME=PATH",
+            parse=tuple,
+        ),  # fmt: skip
     )
-    lora_dir: tuple[str, ...] = setting((), flag=Flag(action="append", metavar="DIR", parse=tuple))
+    lora_dir: tuple[str, ...] = setting(
+        (),
+        flag=Flag(
+            "toppings-serve --lora-dir for every server (repeatable)",
+            action="append",
+            metavar="DIR",
+            parse=tuple,
+        ),  # fmt: skip
+    )
     chat_template: str | None = setting(
         None,
         flag=Flag(
@@ -101,7 +121,7 @@ class SchedulerLinkSettings(Settings):
             action="store_true",
         ),
     )
-    scheduler_port: int = setting(8000, flag=Flag(type=int))
+    scheduler_port: int = setting(8000, flag=Flag("the started scheduler's port", type=int))
     registry: Path | None = setting(
         None,
         flag=Flag("the started scheduler's SQLite registry (default: in the log dir)", type=Path),
@@ -127,7 +147,9 @@ class SupervisionSettings(Settings):
 
     title = "supervision"
 
-    drain_timeout: float = setting(30.0, flag=Flag(type=float))
+    drain_timeout: float = setting(
+        30.0, flag=Flag("seconds a stopping server may take to finish its requests", type=float)
+    )
     start_timeout: float = setting(600.0, flag=Flag("seconds to first /health", type=float))
     unhealthy_timeout: float = setting(
         60.0,
@@ -148,7 +170,7 @@ class SupervisionSettings(Settings):
             type=Path,
         ),
     )
-    log_level: str = setting("INFO", flag=Flag(type=log_level))
+    log_level: str = setting("INFO", flag=Flag("DEBUG, INFO, WARNING or ERROR", type=log_level))
 
 
 @dataclass(frozen=True)

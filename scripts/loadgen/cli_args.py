@@ -54,12 +54,12 @@ class WorkloadSettings(Settings):
         "32", flag=Flag("N, uniform:LO:HI, lognormal:MEAN:SIGMA or lmsys", metavar="SPEC")
     )
     output_len: str = setting("32", flag=Flag("as --prompt-len", metavar="SPEC"))
-    max_prompt_len: int = setting(2048, flag=Flag(type=int))
-    max_output_len: int = setting(1024, flag=Flag(type=int))
+    max_prompt_len: int = setting(2048, flag=Flag("cap of a drawn prompt length", type=int))
+    max_output_len: int = setting(1024, flag=Flag("cap of a drawn output length", type=int))
     token_range: str = setting(
         "100:250", flag=Flag("prompt token ids are drawn from [LO, HI)", metavar="LO:HI")
     )
-    seed: int = setting(0, flag=Flag(type=int))
+    seed: int = setting(0, flag=Flag("seed of the trace's draws", type=int))
     trace: str | None = setting(
         None, flag=Flag("replay this JSONL trace instead of generating one")
     )

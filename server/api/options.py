@@ -40,7 +40,13 @@ class ApiOptions(Settings):
         ),
     )
     max_prompt_tokens: int | None = setting(
-        None, bound=Bound.POSITIVE, flag=Flag(type=positive, metavar="N")
+        None,
+        bound=Bound.POSITIVE,
+        flag=Flag(
+            "longest prompt accepted (default: the context); longer is a 400",
+            type=positive,
+            metavar="N",
+        ),  # fmt: skip
     )
     max_new_tokens_limit: int | None = setting(
         None,

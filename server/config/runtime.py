@@ -49,7 +49,9 @@ class RuntimeConfig(Settings):
 
     title = "device and runtime"
 
-    device: str = setting("cpu", choices=DEVICES, flag=Flag())
+    device: str = setting(
+        "cpu", choices=DEVICES, flag=Flag("where the model, its KV cache and the kernels run")
+    )
     dtype: str = setting(
         "bfloat16",
         choices=DTYPE_CHOICES,
@@ -59,7 +61,14 @@ class RuntimeConfig(Settings):
             default="auto",
         ),
     )
-    kernel: str = setting("mbgmv", choices=KERNELS, flag=Flag())
+    kernel: str = setting(
+        "mbgmv",
+        choices=KERNELS,
+        flag=Flag(
+            "the batched LoRA kernel: mbgmv (S-LoRA's, each adapter at its own rank) or bgmv "
+            "(Punica's, every row padded to the batch's largest rank)"
+        ),
+    )
     load_format: str = setting(
         "auto",
         choices=LOAD_FORMATS,

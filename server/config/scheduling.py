@@ -23,7 +23,9 @@ class SchedulingConfig(Settings):
 
     title = "scheduling"
 
-    max_batch_size: int = setting(128, bound=Bound.POSITIVE, flag=Flag(type=int))
+    max_batch_size: int = setting(
+        128, bound=Bound.POSITIVE, flag=Flag("most requests running at once", type=int)
+    )
     max_prefill_tokens: int = setting(8192, bound=Bound.POSITIVE)
     # Which waiting request goes next (server.sched.policies).
     queue_policy: str = setting(

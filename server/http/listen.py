@@ -18,7 +18,13 @@ class ListenSettings(Settings):
 
     title = "listening"
 
-    host: str = setting("127.0.0.1", flag=Flag())
+    host: str = setting(
+        "127.0.0.1",
+        flag=Flag(
+            "address to listen on (0.0.0.0: every interface; set the keys first: "
+            "docs/production.md)"
+        ),  # fmt: skip
+    )
     port: int = setting(8100, flag=Flag("0 picks a free port", type=int))
     threads: int = setting(
         DEFAULT_RESERVE_THREADS,
