@@ -1,8 +1,12 @@
 """Named POSIX shared memory and semaphores with process-wide cleanup.
 
-Every name this package creates is `/toppings-<creator pid>-<counter>-<what>`, so a test (or an
-orphaned worker) can find what a process left behind in /dev/shm: shared memory appears there as
-`toppings-...`, semaphores as `sem.toppings-...`. Created names and started worker processes are
+Every name this package creates is `/toppings-<tag>-<counter>-<what>`, where the creator's tag
+is its pid and a random word (`process_tag`), so a test (or an orphaned worker) can find what a
+process left behind in /dev/shm: shared memory appears there as `toppings-...`, semaphores as
+`sem.toppings-...`. The word matters where two processes have one pid: two containers (each
+its own PID namespace, each server pid 1) sharing a /dev/shm; named by the pid alone, the second
+server took the first one's live names for stale ones and unlinked them, and each one's exit
+removed the other's. Created names and started worker processes are
 tracked here and removed by `cleanup()`, which runs at interpreter exit (atexit) and on SIGTERM.
 The SIGTERM handler is installed only where none is set (the default disposition); it cleans up
 and then lets the default action end the process. A program that sets its own SIGTERM handler
@@ -22,6 +26,7 @@ import itertools
 import logging
 import mmap
 import os
+import secrets
 import signal
 import subprocess
 import threading
@@ -39,6 +44,7 @@ _shm_names: set[str] = set()
 _sem_names: set[str] = set()
 _processes: dict[int, subprocess.Popen] = {}
 _owner_pid: int | None = None  # a forked child must not unlink its parent's names at its exit
+_word: tuple[int, str] | None = None  # (pid, random word) of process_tag
 _prev_sigterm = None
 
 
@@ -65,15 +71,28 @@ def _full(name: str, size: int, exc: OSError) -> SharedMemoryFull:
 _NO_ROOM = (errno.ENOSPC, errno.EFBIG, errno.ENOMEM)
 
 
+def process_tag() -> str:
+    """This process's part of its names, `<pid>.<random word>` (a forked child gets its own)."""
+    global _word
+    pid = os.getpid()
+    if _word is None or _word[0] != pid:
+        _word = (pid, secrets.token_hex(4))
+    return f"{pid}.{_word[1]}"
+
+
 def new_name(what: str) -> str:
-    """A fresh name `/toppings-<pid>-<n>-<what>` for a shared memory segment or semaphore."""
-    return f"/{PREFIX}-{os.getpid()}-{next(_counter)}-{what}"
+    """A fresh name `/toppings-<tag>-<n>-<what>` for a shared memory segment or semaphore."""
+    return f"/{PREFIX}-{process_tag()}-{next(_counter)}-{what}"
 
 
-def leftovers(pid: int | None = None) -> list[str]:
-    """Entries of /dev/shm created by process `pid` (default: this one), semaphores included."""
-    pid = os.getpid() if pid is None else pid
-    mine = (f"{PREFIX}-{pid}-", f"sem.{PREFIX}-{pid}-")
+def leftovers(creator: int | str | None = None) -> list[str]:
+    """Entries of /dev/shm (semaphores included) created by this process (None), by the
+    process of tag `creator` (a str), or by any process of pid `creator` (an int: a child this
+    one started, in its PID namespace)."""
+    if creator is None:
+        creator = process_tag()
+    start = f"{creator}." if isinstance(creator, int) else f"{creator}-"
+    mine = (f"{PREFIX}-{start}", f"sem.{PREFIX}-{start}")
     return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(mine))
 
 
@@ -141,16 +160,9 @@ def create_sem(name: str) -> posix_ipc.Semaphore:
 
 
 def _create(kind, unlink, name: str, **kwargs):
-    """Create `name` exclusively, replacing a stale one.
-
-    A name carrying our pid that exists already was left by a dead process that had our pid.
-    """
-    try:
-        return kind(name, posix_ipc.O_CREX, **kwargs)
-    except posix_ipc.ExistentialError:
-        log.warning("removing stale %s left by an earlier process %d", name, os.getpid())
-        unlink(name)
-        return kind(name, posix_ipc.O_CREX, **kwargs)
+    """Create `name` exclusively (a name of this process's tag cannot exist unless this process
+    made it: ExistentialError is a bug, never another process's name to take)."""
+    return kind(name, posix_ipc.O_CREX, **kwargs)
 
 
 def unlink_shm(name: str) -> None:
@@ -210,9 +222,10 @@ def kill_process(proc: subprocess.Popen, grace_s: float = 0.0) -> None:
     untrack_process(proc)
 
 
-def unlink_orphans(pid: int) -> None:
-    """Unlink every name process `pid` created: a worker's last act when its parent has died."""
-    for entry in leftovers(pid):
+def unlink_orphans(tag: str) -> None:
+    """Unlink every name the process of `tag` created: a worker's last act when its parent has
+    died."""
+    for entry in leftovers(tag):
         try:
             if entry.startswith("sem."):
                 posix_ipc.unlink_semaphore("/" + entry[len("sem.") :])

@@ -50,8 +50,8 @@ def serve(args: argparse.Namespace) -> int:
             if not (spin_ns and try_acquire_spinning(job_sem, spin_ns)):
                 job_sem.acquire(ORPHAN_CHECK_S)
         except posix_ipc.BusyError:
-            if os.getppid() != args.parent:
-                log.warning("parent %d is gone: unlinking its shared memory, exiting", args.parent)
+            if os.getppid() != int(args.parent.partition(".")[0]):
+                log.warning("parent %s is gone: unlinking its shared memory, exiting", args.parent)
                 shm.unlink_orphans(args.parent)
                 return 0
             continue
@@ -79,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--index", type=int, required=True, help="this worker's job slot")
     parser.add_argument("--job-sem", required=True)
     parser.add_argument("--done-sem", required=True)
-    parser.add_argument("--parent", type=int, required=True, help="pid of the pool's process")
+    parser.add_argument("--parent", required=True,
+                        help="the pool's process: its shared memory tag, PID.WORD")  # fmt: skip
     parser.add_argument("--core", type=int, default=-1, help="core to pin to; -1: none")
     parser.add_argument("--spin-us", type=float, default=0.0, help="spin before blocking")
     args = parser.parse_args(argv)

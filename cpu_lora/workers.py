@@ -65,7 +65,7 @@ class WorkerProcess:
             "--done-sem",
             self.done_sem.name,
             "--parent",
-            str(os.getpid()),
+            shm.process_tag(),
             "--core",
             str(self.core),
             "--spin-us",

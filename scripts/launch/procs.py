@@ -23,7 +23,7 @@ log = logging.getLogger("toppings-launch")
 
 PR_SET_PDEATHSIG = 1
 SHM_DIR = "/dev/shm"
-SHM_PREFIX = "toppings"  # cpu_lora.shm names: toppings-<creator pid>-..., sem.toppings-<pid>-...
+SHM_PREFIX = "toppings"  # cpu_lora.shm names: toppings-<pid>.<word>-..., sem.toppings-...
 
 
 class State(str, Enum):
@@ -212,7 +212,7 @@ def sweep_shm(pids: list[int]) -> list[str]:
     """Unlink what dead server processes left in /dev/shm; returns the names (normally none)."""
     found = []
     for pid in pids:
-        mine = (f"{SHM_PREFIX}-{pid}-", f"sem.{SHM_PREFIX}-{pid}-")
+        mine = (f"{SHM_PREFIX}-{pid}.", f"sem.{SHM_PREFIX}-{pid}.")  # (cpu_lora.shm's tag)
         try:
             names = [n for n in os.listdir(SHM_DIR) if n.startswith(mine)]
         except FileNotFoundError:

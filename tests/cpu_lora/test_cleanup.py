@@ -68,3 +68,28 @@ def test_orphaned_workers_clean_up_after_a_killed_parent():
     child.wait(timeout=30)
     assert _eventually(lambda: not any(process_alive(p) for p in workers))
     assert _eventually(lambda: shm.leftovers(child.pid) == [])
+
+
+def test_a_process_with_this_pid_keeps_its_names():
+    """Two processes of one pid (each in its own PID namespace, one /dev/shm): their names
+    differ by their word, so the orphan sweep of one's workers leaves the other's live
+    segments, and a name of this process carries its own word."""
+    import posix_ipc
+
+    pid = os.getpid()
+    assert shm.new_name("repo").startswith(f"/{shm.PREFIX}-{shm.process_tag()}-")
+    assert shm.process_tag().startswith(f"{pid}.")
+    gone, kept = (f"/{shm.PREFIX}-{pid}.{word}-0-repo" for word in ("aaaa1111", "bbbb2222"))
+    for name in (gone, kept):
+        posix_ipc.SharedMemory(name, posix_ipc.O_CREX, size=4096).close_fd()
+    try:
+        assert shm.leftovers(f"{pid}.aaaa1111") == [gone.lstrip("/")]
+        shm.unlink_orphans(f"{pid}.aaaa1111")
+        names = os.listdir(shm.SHM_DIR)
+        assert kept.lstrip("/") in names and gone.lstrip("/") not in names
+    finally:
+        for name in (gone, kept):
+            try:
+                posix_ipc.unlink_shared_memory(name)
+            except posix_ipc.ExistentialError:
+                pass

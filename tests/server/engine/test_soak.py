@@ -288,9 +288,9 @@ def test_soak_then_idle_then_clean_stop(node, scheduler, tiny_model_dir):
     while any(process_alive(p) for p in pids):
         assert time.monotonic() < deadline, [p for p in pids if process_alive(p)]
         time.sleep(0.1)
-    ours = tuple(f"{pre}toppings-{p}-" for p in pids for pre in ("", "sem."))
+    ours = tuple(f"{pre}toppings-{p}." for p in pids for pre in ("", "sem."))  # pid.word
     assert [n for n in os.listdir("/dev/shm") if n.startswith(ours)] == []
     # The launcher sweeps what a dead server left; only the SIGKILLed one may have left any.
     swept = re.findall(r"shared-memory names stopped servers left: (.*)", node.text)
-    killed = tuple(f"{pre}toppings-{p}-" for p in KILLED for pre in ("", "sem."))
+    killed = tuple(f"{pre}toppings-{p}." for p in KILLED for pre in ("", "sem."))
     assert all(n.startswith(killed) for line in swept for n in line.split(", ")), swept
