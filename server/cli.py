@@ -200,7 +200,8 @@ def serve_until_drained(app: Flask, engine: Engine, serve: ServeConfig, max_in_f
         made[0].stop(HANDLER_GRACE_S)
 
     draining = app.extensions["toppings"].draining
-    Drainer(draining, engine.drain, serve.drain_timeout, stop_server).install_signals()
+    drainer = Drainer(draining, engine.drain, serve.drain_timeout, stop_server, engine.abort_all)
+    drainer.install_signals()
     try:
         server = GuardedServer(
             app,

@@ -243,6 +243,11 @@ class Engine:
     def abort(self, request_id: str) -> None:
         self.inbox.abort(request_id)
 
+    def abort_all(self) -> None:
+        """End every request queued or running with finish_reason "abort" (on the engine
+        thread, at its next iteration): a drain whose time ran out."""
+        self.inbox.abort_all()
+
     # ---- the engine thread ------------------------------------------------------------------
 
     def _loop(self) -> None:

@@ -27,6 +27,9 @@ class EndRequest:
     error: str | None = None
 
 
+ABORT_ALL = object()  # every request queued or running ends with "abort" (a drain out of time)
+
+
 class Inbox:
     """Items for the engine thread: submitted requests, aborts, retired adapters, requests the
     output processor ended."""
@@ -44,6 +47,9 @@ class Inbox:
 
     def abort(self, request_id: str) -> None:
         self._items.put(request_id)
+
+    def abort_all(self) -> None:
+        self._items.put(ABORT_ALL)
 
     def retired(self, ref: AdapterRef) -> None:
         """An adapter whose name and host side are gone: the rest goes on the engine thread."""
@@ -70,6 +76,8 @@ class Inbox:
                         self._scheduler.add(seq)
                 elif isinstance(item, str):
                     self._scheduler.abort(item)
+                elif item is ABORT_ALL:
+                    self._scheduler.abort_all()
                 elif isinstance(item, AdapterRef):
                     self._forget(item)
                 elif isinstance(item, EndRequest):

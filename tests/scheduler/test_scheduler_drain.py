@@ -93,8 +93,17 @@ def test_an_idle_drain_stops_at_once(setup):
     app, _, draining = setup
     calls = []
     wait = in_flight_ended(app.extensions["toppings"])
-    drainer = Drainer(draining, wait, 600.0, lambda: calls.append(1))
-    assert drainer.run() is True and calls == [1]
+    drainer = Drainer(draining, wait, 600.0, lambda: calls.append(1), lambda: calls.append(0))
+    assert drainer.run() is True and calls == [1]  # nothing left: nothing aborted
+
+
+def test_a_drain_out_of_time_aborts_what_is_left_before_it_stops():
+    """toppings-serve passes Engine.abort_all: each client gets its end (finish_reason
+    "abort"), not a connection cut when waitress stops."""
+    calls = []
+    drainer = Drainer(threading.Event(), lambda timeout_s: False, 0.0,
+                      lambda: calls.append("stop"), lambda: calls.append("abort"))  # fmt: skip
+    assert drainer.run() is False and calls == ["abort", "stop"]
 
 
 def _slow_stream_server(release: threading.Event) -> Flask:
@@ -177,3 +186,20 @@ def test_sigterm_drains_the_running_scheduler_and_exits_0(tmp_path, free_port):
             proc.kill()
             proc.wait()
         http.shutdown()
+
+
+def test_sighup_drains_too(tmp_path, free_port):
+    """The terminal that started it closed: a drain, not an instant death."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "toppings.scheduler.cli", "--registry", str(tmp_path / "r.db"),
+           "--port", str(port)]  # fmt: skip
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}", proc, timeout_s=60, statuses=(200, 503))
+        proc.send_signal(signal.SIGHUP)
+        assert proc.wait(timeout=60) == 0
+        assert "SIGHUP: draining" in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

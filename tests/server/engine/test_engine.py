@@ -124,6 +124,19 @@ def test_abort_frees_the_request(engine):
     assert_idle(engine)
 
 
+def test_abort_all_ends_what_runs_and_waits(tiny_engine):
+    """A drain out of time: every request running or queued ends with "abort", nothing held."""
+    with tiny_engine(max_total_tokens=1024, max_batch_size=2) as eng:
+        params = SamplingParams(max_new_tokens=490, temperature=0.0, ignore_eos=True)
+        handles = [eng.submit(GenerationRequest([1] * 10, params)) for _ in range(3)]
+        streams = [h.events(timeout_s=120) for h in handles]
+        assert next(streams[0]).finish_reason is None  # running (the third one waits)
+        eng.abort_all()
+        for stream in streams:
+            assert [o.finish_reason for o in stream][-1] == "abort"
+        assert_idle(eng)
+
+
 def test_requests_beyond_the_kv_budget_wait_and_all_finish(tiny_engine):
     with tiny_engine(max_total_tokens=64) as eng:
         params = SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True)
