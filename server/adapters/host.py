@@ -97,6 +97,7 @@ class AdapterHost:
                 cores=list(config.cpu_cores) or None,
                 max_tokens=max_step_tokens,
                 spin_us=config.cpu_spin_us,
+                timeout_s=config.cpu_worker_timeout,
             )
         except BaseException:
             self.repository.close()

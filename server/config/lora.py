@@ -163,6 +163,20 @@ class LoraConfig(Settings):
         ),
     )
 
+    # How long a layer call waits for a CPU worker's slice before it takes the worker for hung.
+    cpu_worker_timeout: float = setting(
+        10.0,
+        bound=Bound.POSITIVE,
+        flag=Flag(
+            "a CPU LoRA worker whose slice of a layer call takes longer than S seconds is taken "
+            "for hung (stopped, starved): it is replaced and its slice computed in the server; "
+            "every request of the step waits that long first, so keep it above the slowest "
+            "slice of a long prompt and well below a client's patience",
+            type=float,
+            metavar="S",
+        ),
+    )
+
     def check(self) -> None:
         named = LORA_MODES.get(self.lora_mode)  # None: auto, which never preloads
         if not self.adapter_cache and named is not None and named.preload:

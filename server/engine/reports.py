@@ -95,7 +95,16 @@ def counters(engine: Reported) -> EngineCounters:
         step_budget_tokens=budget and budget.tokens,
         engine_threads=engine.governor and engine.governor.threads,
         thread_switches=engine.governor.switches if engine.governor is not None else 0,
+        **_worker_counts(lora.host.worker_stats()),
     )
+
+
+def _worker_counts(workers: list[dict]) -> dict[str, int | None]:
+    """The CPU workers' series of /metrics (None without a pool)."""
+    if not workers:
+        return {"cpu_workers_alive": None, "cpu_worker_restarts": None}
+    return {"cpu_workers_alive": sum(bool(w["alive"]) for w in workers),
+            "cpu_worker_restarts": sum(int(w["restarts"]) for w in workers)}  # fmt: skip
 
 
 def adapter_list(engine: Reported) -> list[dict]:

@@ -137,3 +137,7 @@ class EngineCounters:
     # (process/thread_governor.py; None / 0 without it)
     engine_threads: int | None = None
     thread_switches: int = 0
+    # the CPU LoRA workers (None without a pool): those alive now, and their restarts (a worker
+    # that died or hung is replaced, its slice computed in the server meanwhile)
+    cpu_workers_alive: int | None = None
+    cpu_worker_restarts: int | None = None

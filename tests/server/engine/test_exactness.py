@@ -255,6 +255,8 @@ def test_sigkilled_cpu_worker_mid_request_changes_no_token(tmp_path_factory):
         workers = engine.stats().to_json()["cpu_workers"]
         assert victim not in [w["pid"] for w in workers] and all(w["alive"] for w in workers)
         assert engine.lora.host_stats.calls > 0
+        counters = engine.counters()  # /metrics' series of the workers
+        assert counters.cpu_workers_alive == 2 and counters.cpu_worker_restarts >= 1
     assert [p for p in files if os.path.exists(p)] == []
     for (prompt, name), got in zip(prompts, ours):
         ref, margins = reference_greedy(model_dir, adapters, prompt, name)
