@@ -348,6 +348,9 @@ def _parse_key(
 ) -> tuple[tuple[int, str], str]:
     """Map a saved tensor name to ((layer_idx, module), "A" | "B"), or raise naming it."""
     match = _KEY_RE.fullmatch(key)
+    if match is None and key.endswith(".bias"):  # bias "all" / "lora_only" on a base with biases
+        raise AdapterError(f"{where}: tensor {brief(key)} is a trained bias, which is not "
+                           "supported (only LoRA's A and B: PEFT's bias='none')")  # fmt: skip
     if match is None:
         raise AdapterError(f"{where}: unexpected tensor {brief(key)} (expected {KEY_FORMAT})")
     layer_idx, parent, module, half = int(match[1]), match[2], match[3], match[4]

@@ -147,8 +147,8 @@ def _check_fields(cfg: dict, cfg_path: Path) -> None:
         raise AdapterError(f"{cfg_path}: lora_alpha must be a number, got {brief(alpha)}")
     if alpha <= 0:
         raise AdapterError(f"{cfg_path}: lora_alpha must be positive, got {brief(alpha)}")
-    if cfg.get("bias", "none") not in (None, "none"):
-        raise AdapterError(f"{cfg_path}: bias={brief(cfg['bias'])} is not supported (only 'none')")
+    if cfg.get("bias", "none") not in (None, "none", "all", "lora_only"):
+        raise AdapterError(f"{cfg_path}: bias={brief(cfg['bias'])} is not a PEFT bias setting")
     init = cfg.get("init_lora_weights")
     if isinstance(init, str) and init.lower().startswith(_BASE_CHANGING_INITS):
         raise AdapterError(

@@ -141,6 +141,18 @@ def edit_tensors(path: Path, fn) -> None:
     save_file(fn(tensors), path / "adapter_model.safetensors")
 
 
+@pytest.mark.parametrize("bias", ["all", "lora_only"])
+def test_a_bias_setting_loads_unless_biases_were_trained(adapter_dir: Path, bias: str) -> None:
+    """PEFT's bias "all" / "lora_only" on a base without biases (Llama) saves none: the adapter
+    is a plain LoRA. One that saved a trained bias is refused, naming it."""
+    edit_config(adapter_dir, bias=bias)
+    load_peft_adapter(adapter_dir, MODEL)
+    name = "base_model.model.model.layers.0.self_attn.q_proj.bias"
+    edit_tensors(adapter_dir, lambda t: {**t, name: torch.zeros(MODEL.hidden_size)})
+    with pytest.raises(AdapterError, match="is a trained bias, which is not supported"):
+        load_peft_adapter(adapter_dir, MODEL)
+
+
 def test_default_adapter_name_in_keys_is_accepted(adapter_dir: Path) -> None:
     edit_tensors(
         adapter_dir, lambda t: {k.replace(".weight", ".default.weight"): v for k, v in t.items()}
@@ -173,7 +185,7 @@ def test_default_adapter_name_in_keys_is_accepted(adapter_dir: Path) -> None:
             for v in ("pissa", "pissa_niter_4", "olora", "corda", "loftq", "lora_ga")
         ],  # fmt: skip
         (dict(alpha_pattern={"q_proj": 8}), "alpha_pattern"),
-        (dict(bias="all"), "bias"),
+        (dict(bias="sometimes"), "bias='sometimes' is not a PEFT bias setting"),
         (dict(modules_to_save=["lm_head"]), "modules_to_save"),
         (dict(fan_in_fan_out=True), "fan_in_fan_out"),
         (dict(layers_to_transform=[5]), "layers_to_transform names layer 5"),
