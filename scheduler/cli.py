@@ -62,6 +62,7 @@ from toppings.scheduler.server_session import ServerOrigins, ServerSession
 from toppings.scheduler.state import BatchShape
 from toppings.server.http.drain import Drainer
 from toppings.server.http.frontend import raise_open_files_limit, waitress_settings
+from toppings.server.http.listen import listen_problem
 from toppings.server.http.waitress_server import GuardedServer
 
 log = logging.getLogger("toppings-scheduler")
@@ -172,6 +173,8 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=front.log_level, format="%(asctime)s %(name)s %(message)s")
     perf, source = load_perf_models(routing.perf_model)
     count = prompt_counter(routing.tokenizer)
+    if problem := listen_problem(front.host, front.port):  # before the registry file is made
+        _usage_error(f"{problem} (pick another with --port)")
     try:
         registry = Registry(front.registry)
     except sqlite3.Error as e:

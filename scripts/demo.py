@@ -73,7 +73,7 @@ def stopping_line(num_in_flight: int | None) -> str:
 def check_ports(ports: dict[str, int], host: str = "127.0.0.1") -> None:
     """Exit 2 with one line naming every port that cannot be listened on (flag -> port), before
     anything slow: the children would fail on it only after the model is prepared."""
-    from toppings.server.cli import listen_problem
+    from toppings.server.http.listen import listen_problem
 
     problems = [f"{flag}: {p}" for flag, port in ports.items()
                 if (p := listen_problem(host, port)) is not None]  # fmt: skip

@@ -13,10 +13,8 @@ clients that send half a header and stall cannot hold every connection.
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
-import socket
 import sys
 import threading
 from typing import TYPE_CHECKING, NoReturn
@@ -29,6 +27,7 @@ from toppings.server.http.frontend import (
     raise_open_files_limit,
     waitress_settings,
 )
+from toppings.server.http.listen import listen_error, listen_problem
 from toppings.server.http.waitress_server import GuardedServer
 
 if TYPE_CHECKING:
@@ -45,26 +44,6 @@ def _usage_error(message: str) -> NoReturn:
     """A user mistake: one line on stderr and exit status 2, as argparse does (no traceback)."""
     print(f"toppings-serve: error: {message}", file=sys.stderr)
     sys.exit(2)
-
-
-def listen_problem(host: str, port: int) -> str | None:
-    """Why host:port cannot be listened on now (taken, bad host), or None when it can."""
-    if port == 0:
-        return None
-    try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-        with socket.socket(family, kind, proto) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as waitress does
-            probe.bind(address)
-    except OSError as e:
-        return _listen_problem(host, port, e)
-    return None
-
-
-def _listen_problem(host: str, port: int, e: OSError) -> str:
-    if e.errno == errno.EADDRINUSE:
-        return f"port {port} on {host} is already in use"
-    return f"cannot listen on {host}:{port}: {e.strerror or e}"
 
 
 def _check_inputs(model: str, loras: dict[str, str]) -> None:
@@ -212,7 +191,7 @@ def serve_until_drained(app: Flask, engine: Engine, serve: ServeConfig, max_in_f
             **sizing,
         )
     except OSError as e:  # taken since the check above
-        _usage_error(f"--port: {_listen_problem(serve.host, serve.port, e)}")
+        _usage_error(f"--port: {listen_error(serve.host, serve.port, e)}")
     made.append(server)
     server_made.set()
     url = f"http://{serve.host}:{server.effective_port}"

@@ -77,7 +77,7 @@ def check_inputs(args: LaunchConfig, servers: list[ServerProc]) -> None:
     """Refuse at once what every server would refuse at start (raises ValueError): a missing
     model, adapter or adapter folder, a port in use. toppings-serve checks the rest."""
     from toppings.gpu_lora.peft.config import AdapterError, read_adapter_config
-    from toppings.server.cli import listen_problem
+    from toppings.server.http.listen import listen_problem
 
     if args.model != "smollm2":
         model = Path(args.model).expanduser()

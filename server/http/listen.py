@@ -1,9 +1,12 @@
 """Where a waitress front listens and how it drains: the flags toppings-serve and
 toppings-scheduler share, since both run the same front (frontend.py, waitress_server.py,
-drain.py). A command that listens elsewhere by default overrides `port` in its subclass."""
+drain.py), and the probe both commands (and the launcher, the demo) run before anything slow: is
+the port free. A command that listens elsewhere by default overrides `port` in its subclass."""
 
 from __future__ import annotations
 
+import errno
+import socket
 from dataclasses import dataclass
 
 from toppings.server.http.frontend import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_RESERVE_THREADS
@@ -53,6 +56,30 @@ class ListenSettings(Settings):
         DRAIN_TIMEOUT_S,
         bound=Bound.NON_NEGATIVE,
         flag=Flag(
-            "on SIGTERM, how long requests in flight may take to finish", type=float, metavar="S"
+            "on SIGTERM (or SIGINT, SIGHUP), how long requests in flight may take to finish; "
+            "then the server ends what is left with finish_reason abort",
+            type=float,
+            metavar="S",
         ),
     )
+
+
+def listen_problem(host: str, port: int) -> str | None:
+    """Why host:port cannot be listened on now (taken, bad host), or None when it can."""
+    if port == 0:
+        return None
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as waitress does
+            probe.bind(address)
+    except OSError as e:
+        return listen_error(host, port, e)
+    return None
+
+
+def listen_error(host: str, port: int, e: OSError) -> str:
+    """What an error binding host:port means, in a user's words."""
+    if e.errno == errno.EADDRINUSE:
+        return f"port {port} on {host} is already in use"
+    return f"cannot listen on {host}:{port}: {e.strerror or e}"

@@ -73,6 +73,7 @@ def test_scheduler_port_in_use(tmp_path, taken_port):
     result = run("toppings-scheduler", "--registry", str(tmp_path / "r.sqlite"),
                  "--port", str(taken_port))  # fmt: skip
     assert_refused(result, "toppings-scheduler", str(taken_port), "already in use")
+    assert not (tmp_path / "r.sqlite").exists()  # refused before the registry is made
 
 
 def test_scheduler_missing_perf_model(tmp_path):
