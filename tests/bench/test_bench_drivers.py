@@ -234,3 +234,18 @@ def test_full_size_quick_times_base_and_adapter_decode_steps(tmp_path):
         # every used adapter's rows are read: none on the base model
         assert row["base"]["bytes"]["adapters"] == 0 < row["lora"]["bytes"]["adapters"]
     assert len(result["config"]["adapters"]) == bench.QUICK["adapters"]
+
+
+def test_mixed_plan_quick_times_both_plans_in_mixed_steps(tmp_path):
+    from bench import bench_mixed_plan
+
+    out = tmp_path / "mixed_plan.json"
+    result = bench_mixed_plan.main(["--quick", "--batches", "4", "--out", str(out)])
+    assert json.loads(out.read_text()) == result
+    batch = result["metrics"]["batch_4"]
+    assert set(batch["step_us"]) == set(batch["plan_us"]) == set(bench_mixed_plan.KINDS)
+    assert all(v > 0 for v in [*batch["step_us"].values(), *batch["plan_us"].values()])
+    from toppings.server.engine import model_runner
+    from toppings.server.memory.past_table import PastTable
+
+    assert model_runner.PastTable is PastTable  # the swap undone
