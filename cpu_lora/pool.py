@@ -218,7 +218,7 @@ class CpuLoraPool:
                 log.warning(
                     "CPU LoRA worker %d %s; recomputing its slice in-process", worker.index, status
                 )
-                worker.restart()
+                worker.replace(str(status))
             local.append(job)  # an error raises here again, with its message
         for job in local:
             stats.fallbacks += 1

@@ -17,6 +17,12 @@ from toppings.cpu_lora.spin import try_acquire_spinning
 log = logging.getLogger(__name__)
 
 POLL_S = 0.05  # a dead worker is noticed within this long
+# A worker that exits within STABLE_S of its start again and again is restarted after a delay
+# (none the first time, then BACKOFF_MIN_S doubling up to BACKOFF_MAX_S; its slices computed in
+# the server meanwhile), so that one that cannot run (its shared memory gone) is not a python +
+# torch start-up every call.
+STABLE_S = 30.0
+BACKOFF_MIN_S, BACKOFF_MAX_S = 0.5, 60.0
 
 
 def allowed_cores() -> list[int]:
@@ -46,10 +52,14 @@ class WorkerProcess:
         self.done_sem = shm.create_sem(shm.new_name(f"done{index}"))
         self.proc: subprocess.Popen | None = None
         self.restarts = 0
+        self._started_at = 0.0  # time.monotonic() of the last start
+        self._early_exits = 0  # exits within STABLE_S of their start, one after another
+        self._not_before: float | None = None  # an exited worker restarts from then
 
     def start(self) -> None:
         """Launch the process (under numactl when given); it is ready once it wrote its pid."""
         self.io.set_worker_pid(self.index, 0)
+        self._started_at, self._not_before = time.monotonic(), None
         cmd = [
             sys.executable,
             "-m",
@@ -91,22 +101,45 @@ class WorkerProcess:
         self.start()
 
     def is_ready(self) -> bool:
-        """True when the process runs and has attached; a process that exited is restarted."""
+        """True when the process runs and has attached; one that exited is replaced (`replace`)."""
         if self.proc.poll() is not None:
-            log.warning(
-                "CPU LoRA worker %d exited (%s); restarting it", self.index, self.proc.returncode
-            )
-            self.restart()
+            self.replace()
             return False
         return self.io.worker_pid(self.index) == self.proc.pid
 
+    def replace(self, why: str = "exited") -> None:
+        """Replace a process that died or hung: killed (if needed) and started again, at once
+        after a stable run, else once its backoff has passed (`is_ready` and `wait_ready` look
+        again)."""
+        now = time.monotonic()
+        if self._not_before is None:  # noticed now
+            if self.proc.poll() is None:
+                shm.kill_process(self.proc)
+            early = now - self._started_at < STABLE_S
+            self._early_exits = self._early_exits + 1 if early else 0
+            n = self._early_exits
+            delay = 0.0 if n <= 1 else min(BACKOFF_MIN_S * 2 ** (n - 2), BACKOFF_MAX_S)
+            self._not_before = now + delay
+            log.warning("CPU LoRA worker %d %s (%s); restarting it in %.1f s", self.index, why,
+                        self.proc.returncode, delay)  # fmt: skip
+        if now >= self._not_before:
+            self.restart()
+
     def wait_ready(self, deadline: float) -> None:
-        while self.io.worker_pid(self.index) != self.proc.pid:
-            if self.proc.poll() is not None:
+        """Until the process runs and has attached: one that died after attaching is replaced
+        (after its backoff); one that dies while starting is a RuntimeError."""
+        while True:
+            alive = self.proc.poll() is None
+            attached = self.io.worker_pid(self.index) == self.proc.pid
+            if alive and attached:
+                return
+            if not alive and not attached and self._not_before is None:
                 raise RuntimeError(
                     f"CPU LoRA worker {self.index} exited with "
                     f"{self.proc.returncode} while starting"
                 )
+            if not alive:
+                self.replace()
             if time.monotonic() > deadline:
                 raise RuntimeError(f"CPU LoRA worker {self.index} did not start in time")
             time.sleep(0.01)

@@ -150,6 +150,24 @@ def test_hung_worker_times_out(pool2, adapters):
     pool2.wait_ready(120)
 
 
+def test_a_worker_that_keeps_dying_is_restarted_after_a_backoff(pool2, adapters):
+    """Killed once: replaced at the next call. Its replacement killed soon after: the next calls
+    compute its slices here and leave it down for a while (a worker that cannot run was a new
+    python + torch process every call); wait_ready brings it back once the delay has passed."""
+    pool2.tokens_per_core = 1
+    first = pool2.worker_pids()[1]
+    _kill(first)
+    _check(pool2, adapters, seed=5)  # notices the death: restarted at once
+    pool2.wait_ready(120)
+    second = pool2.worker_pids()[1]
+    assert second != first
+    _kill(second)
+    _check(pool2, adapters, seed=6)  # an early exit again: its restart waits
+    assert pool2.worker_pids()[1] == second and pool2.last_call.fallbacks >= 1
+    pool2.wait_ready(120)
+    assert pool2.worker_pids()[1] not in (first, second)
+
+
 def test_bfloat16_pool(adapters):
     repo = HostRepository.create(tiny_config(), 1 << 20, dtype=torch.bfloat16)
     try:
