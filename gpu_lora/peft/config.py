@@ -134,6 +134,20 @@ def read_config_at(dir_fd: int, root: Path) -> dict:
     return cfg
 
 
+def _check_base_untouched(cfg: dict, cfg_path: Path) -> None:
+    """Refuse what would make PEFT change the base model itself (its initialisation); a bias
+    setting is checked here, the biases it saved with the tensors."""
+    if cfg.get("bias", "none") not in (None, "none", "all", "lora_only"):
+        raise AdapterError(f"{cfg_path}: bias={brief(cfg['bias'])} is not a PEFT bias setting")
+    init = cfg.get("init_lora_weights")
+    if isinstance(init, str) and init.lower().startswith(_BASE_CHANGING_INITS):
+        raise AdapterError(
+            f"{cfg_path}: init_lora_weights={brief(init)} changes the base model's weights when "
+            "PEFT loads the adapter, which this server does not; save it as a plain LoRA (PEFT's "
+            "save_pretrained with path_initial_model_for_weight_conversion)"
+        )
+
+
 def _check_fields(cfg: dict, cfg_path: Path) -> None:
     if cfg.get("peft_type") != "LORA":
         raise AdapterError(
@@ -147,15 +161,7 @@ def _check_fields(cfg: dict, cfg_path: Path) -> None:
         raise AdapterError(f"{cfg_path}: lora_alpha must be a number, got {brief(alpha)}")
     if alpha <= 0:
         raise AdapterError(f"{cfg_path}: lora_alpha must be positive, got {brief(alpha)}")
-    if cfg.get("bias", "none") not in (None, "none", "all", "lora_only"):
-        raise AdapterError(f"{cfg_path}: bias={brief(cfg['bias'])} is not a PEFT bias setting")
-    init = cfg.get("init_lora_weights")
-    if isinstance(init, str) and init.lower().startswith(_BASE_CHANGING_INITS):
-        raise AdapterError(
-            f"{cfg_path}: init_lora_weights={brief(init)} changes the base model's weights when "
-            "PEFT loads the adapter, which this server does not; save it as a plain LoRA (PEFT's "
-            "save_pretrained with path_initial_model_for_weight_conversion)"
-        )
+    _check_base_untouched(cfg, cfg_path)
     for field, feature in _UNSUPPORTED.items():
         if cfg.get(field):
             raise AdapterError(

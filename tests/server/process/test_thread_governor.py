@@ -197,7 +197,7 @@ def test_one_thread_has_nothing_to_choose():
 def test_cpu_only():
     assert EngineConfig(device="cpu").use_thread_governor
     assert not EngineConfig(device="cpu", adapt_threads=False).use_thread_governor
-    with pytest.raises(ValueError, match="adapt_threads"):
+    with pytest.raises(ValueError, match="--adapt-threads on needs --device cpu"):
         EngineConfig(device="cuda", adapt_threads=True)
 
 
