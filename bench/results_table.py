@@ -303,6 +303,15 @@ CURRENT: dict[str, tuple[str, tuple[str, ...]]] = {
                            "plain: the streams' largest gap (AMX Xeon)",
                            ("scored.max_gap_ms", "plain.max_gap_ms",
                             "max_gap_ratio_scored_vs_plain.median", "scored.request_s")),
+    "mixed_plan.json": ("mixed steps (B decodes beside a 256-token chunk) with the attention plan "
+                        "from spans of the request table against per-segment slices, tiny Llama "
+                        "(host-bound; AMX Xeon)",
+                        ("batch_64.step_ratio_spans_vs_slices.median",
+                         "batch_256.step_ratio_spans_vs_slices.median",
+                         "batch_256.plan_us")),
+    "mixed_plan_smollm2.json": ("the same on SmolLM2 bf16, whose compute dilutes it",
+                                ("batch_64.step_ratio_spans_vs_slices.median",
+                                 "batch_256.step_ratio_spans_vs_slices.median")),
     "logprobs.json": ("64 streams decoding with 5 logprobs and a 2,000-token prompt scored: the "
                       "native pass against torch's ops and against no logprobs (AMX Xeon)",
                       ("decode_ratio_native_vs_torch.median", "decode_ratio_native_vs_none.median",
