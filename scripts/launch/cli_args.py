@@ -85,7 +85,7 @@ class ServedSettings(Settings):
             action="append",
             metavar="NAME=PATH",
             parse=tuple,
-        ),  # fmt: skip
+        ),
     )
     lora_dir: tuple[str, ...] = setting(
         (),
@@ -94,7 +94,7 @@ class ServedSettings(Settings):
             action="append",
             metavar="DIR",
             parse=tuple,
-        ),  # fmt: skip
+        ),
     )
     chat_template: str | None = setting(
         None,
