@@ -110,8 +110,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     text = generate()
     if args.check:
-        current = args.out.read_text() if args.out.is_file() else ""
-        if current != text:
+        if not args.out.is_file():
+            print(f"{args.out} does not exist here (run from the repository's root, or give "
+                  "--out)", file=sys.stderr)  # fmt: skip
+            return 1
+        if args.out.read_text() != text:
             print(f"{args.out} is not what the code makes: run {COMMAND}", file=sys.stderr)
             return 1
         return 0
