@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
             launcher.start_scheduler()
         rc = launcher.run()
     except RuntimeError as e:
-        launcher.reporter.note(f"toppings-launch: {e}")
+        launcher.reporter.note(str(e))
         rc = 1
     finally:
         launcher.stop()

@@ -111,8 +111,9 @@ class Launcher:
                 args.host, args.scheduler_port, registry, args.scheduler_arg
             )
             self.scheduler = SchedulerProc(
-                url=self.scheduler_url, log_path=log_dir / "scheduler.log", command=command
-            )
+                url=self.scheduler_url, log_path=log_dir / "scheduler.log", command=command,
+                health_key=scheduler_admin_key(args.scheduler_arg),  # its /admin may want it
+            )  # fmt: skip
             role = SchedulerRole(servers)
             slow_start = dataclasses.replace(limits, start_timeout=SCHEDULER_START_S)
             self.supervisors.append(Supervisor(self.scheduler, role, slow_start, note))
@@ -127,7 +128,8 @@ class Launcher:
             supervisor.tick(time.monotonic())
             time.sleep(TICK_S)
         if scheduler.state is not State.HEALTHY:
-            raise RuntimeError(f"the scheduler did not start; see {scheduler.log_path}")
+            raise RuntimeError(f"the scheduler did not answer {scheduler.health_path} (a key it "
+                               f"wants?); see {scheduler.log_path}")  # fmt: skip
         self.reporter.note(f"scheduler at {scheduler.url} (log {scheduler.log_path})")
 
     def run(self) -> int:

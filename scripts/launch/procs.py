@@ -54,6 +54,7 @@ class ChildProc:
     next_health: float = 0.0
     unhealthy_since: float | None = None  # when /health started failing on a running child
     health_path: str = "/health"  # answers 200 while the process is up and ready
+    health_key: str | None = None  # a bearer key the probe's path wants (the scheduler's /admin)
 
     @property
     def pid(self) -> int | None:
@@ -132,8 +133,25 @@ def spawn_server(server: ServerProc, cmd: list[str], use_numactl: bool) -> subpr
             preexec_fn=lambda: _child_setup(bind, parent),
         )
     server.state, server.started_at, server.next_health = State.STARTING, time.monotonic(), 0.0
-    log.info("server %d: pid %d, cores %s: %s", server.index, server.proc.pid, cores, " ".join(cmd))
+    log.info("server %d: pid %d, cores %s: %s", server.index, server.proc.pid, cores,
+             " ".join(redacted(cmd)))  # fmt: skip
     return server.proc
+
+
+def redacted(cmd: list[str]) -> list[str]:
+    """A command line as the log shows it: the value of every key flag (`--api-key`,
+    `--admin-api-key`, `--server-api-key`, also as `--scheduler-arg=--admin-api-key=KEY`) hidden."""
+    out, hide = [], False
+    for arg in cmd:
+        flag, eq, _ = arg.rpartition("=")
+        if hide:
+            out.append("KEY")
+        elif eq and flag.endswith("api-key"):
+            out.append(f"{flag}=KEY")
+        else:
+            out.append(arg)
+        hide = arg.endswith("api-key") and not eq
+    return out
 
 
 def scheduler_command(host: str, port: int, registry: Path, extra: list[str]) -> list[str]:
@@ -157,7 +175,7 @@ def spawn_scheduler(scheduler: SchedulerProc) -> subprocess.Popen:
             start_new_session=True,
             preexec_fn=lambda: _child_setup(None, parent),
         )
-    log.info("scheduler: pid %d: %s", proc.pid, " ".join(scheduler.command))
+    log.info("scheduler: pid %d: %s", proc.pid, " ".join(redacted(scheduler.command)))
     return proc
 
 

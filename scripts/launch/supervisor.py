@@ -79,7 +79,8 @@ class Supervisor:
         if now >= c.next_health:
             starting = c.state is State.STARTING
             c.next_health = now + (STARTING_HEALTH_EVERY_S if starting else HEALTH_EVERY_S)
-            c.state = health(c.url + c.health_path, State.STARTING if starting else State.UNHEALTHY)
+            unready = State.STARTING if starting else State.UNHEALTHY
+            c.state = health(c.url + c.health_path, unready, c.health_key)
             c.unhealthy_since = (c.unhealthy_since or now) if c.state is State.UNHEALTHY else None
         limit = self.limits.unhealthy_timeout
         if limit and c.unhealthy_since is not None and now - c.unhealthy_since > limit:
@@ -116,10 +117,12 @@ class Supervisor:
                     delay, c.log_path)  # fmt: skip
 
 
-def health(url: str, unready: State = State.UNHEALTHY) -> State:
-    """What a health probe at `url` says: HEALTHY, DRAINING, or `unready` (no answer, not ready)."""
+def health(url: str, unready: State = State.UNHEALTHY, key: str | None = None) -> State:
+    """What a health probe at `url` (with `key` as a bearer, where given) says: HEALTHY,
+    DRAINING, or `unready` (no answer, not ready)."""
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
     try:
-        r = requests.get(url, timeout=1.0)
+        r = requests.get(url, timeout=1.0, headers=headers)
     except requests.RequestException:
         return unready
     if r.status_code == 200:

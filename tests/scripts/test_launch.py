@@ -117,9 +117,10 @@ def test_spawned_process_is_bound_and_stopped(tmp_path, use_numactl):
 
 
 def test_launcher_runs_its_own_scheduler(tmp_path, tiny_model_dir, free_port):
-    """--start-scheduler: the scheduler comes up, the server registers, a request is routed
-    through it; a hung scheduler (SIGSTOP) is killed and restarted and routes again; SIGTERM
-    stops the scheduler with the servers."""
+    """--start-scheduler: the scheduler comes up (with an admin key: the launcher's probe of its
+    /admin carries it, and the key is not in the launcher's log), the server registers, a
+    request is routed through it; a hung scheduler (SIGSTOP) is killed and restarted and routes
+    again; SIGTERM stops the scheduler with the servers."""
     import re
     import signal
     import threading
@@ -127,10 +128,12 @@ def test_launcher_runs_its_own_scheduler(tmp_path, tiny_model_dir, free_port):
     import requests
 
     sched_port, server_port = free_port(), free_port()
+    ADMIN = {"Authorization": "Bearer s3cret-admin"}  # noqa: N806
     cmd = [sys.executable, "-m", "toppings.scripts.launch.cli", "--model", str(tiny_model_dir),
            "--num-servers", "1", "--cpu-workers", "0", "--base-port", str(server_port),
            "--start-scheduler", "--scheduler-port", str(sched_port),
            "--scheduler-arg=--policy=least-loaded", "--unhealthy-timeout", "3",
+           "--scheduler-arg=--admin-api-key=s3cret-admin",
            "--log-dir", str(tmp_path / "logs")]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     lines: list[str] = []
@@ -142,7 +145,7 @@ def test_launcher_runs_its_own_scheduler(tmp_path, tiny_model_dir, free_port):
         while True:  # registered: the scheduler lists the server
             assert proc.poll() is None and time.monotonic() < deadline, "".join(lines[-20:])
             try:
-                state = requests.get(scheduler + "/admin/state", timeout=2).json()
+                state = requests.get(scheduler + "/admin/state", timeout=2, headers=ADMIN).json()
                 if state.get("servers"):
                     return state
             except requests.RequestException:
@@ -182,6 +185,7 @@ def test_launcher_runs_its_own_scheduler(tmp_path, tiny_model_dir, free_port):
         assert proc.wait(timeout=60) == 0
     with pytest.raises(requests.ConnectionError):
         requests.get(scheduler + "/health", timeout=2)
+    assert not any("s3cret-admin" in line for line in lines)  # the command lines logged: KEY
 
 
 def test_a_hung_server_is_restarted(tmp_path, tiny_model_dir, free_port):
