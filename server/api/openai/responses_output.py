@@ -25,13 +25,17 @@ class Reshaper:
         self.body = body
         self.sequence = 0
 
-    def response(self, status: str, output: list[dict], usage: dict | None, model: str) -> dict:
+    def response(
+        self, status: str, output: list[dict], usage: dict | None, model: str,
+        finish: str | None = None,
+    ) -> dict:  # fmt: skip
+        """The response object; `finish` the chat's finish_reason (why it is incomplete)."""
         body = self.body
-        length = status == "incomplete"
+        cut = status == "incomplete"
         return {
             "id": self.id, "object": "response", "created_at": self.created, "status": status,
             "model": model, "output": output, "usage": usage, "error": None,
-            "incomplete_details": {"reason": "max_output_tokens"} if length else None,
+            "incomplete_details": {"reason": INCOMPLETE[finish]} if cut else None,
             "instructions": body.get("instructions"),
             "max_output_tokens": body.get("max_output_tokens"),
             "temperature": body.get("temperature"), "top_p": body.get("top_p"),
@@ -62,12 +66,15 @@ class Reshaper:
     def whole(self, reply: dict) -> dict:
         """The response object of a chat completion (one choice)."""
         choice = reply["choices"][0]
-        message, status = choice["message"], _status(choice["finish_reason"])
+        finish = choice["finish_reason"]
+        message, status = choice["message"], _status(finish)
         output = [_call_item(c, status) for c in message.get("tool_calls") or ()]
         if not output:
             logprobs = (choice.get("logprobs") or {}).get("content") or []
+            if finish == "stop" and not isinstance(choice.get("stop_reason"), str):
+                logprobs = logprobs[:-1]  # the stop token's: no text of its own, as OpenAI's
             output = [_message_item(message.get("content") or "", status, logprobs)]
-        return self.response(status, output, _usage(reply.get("usage")), reply["model"])
+        return self.response(status, output, _usage(reply.get("usage")), reply["model"], finish)
 
     def _event(self, kind: str, **fields: Any) -> str:
         event = {"type": kind, "sequence_number": self.sequence, **fields}
@@ -122,7 +129,7 @@ class _Stream:
                 self.finish = choice.get("finish_reason") or self.finish
         status = _status(self.finish)
         yield from self._close(status)
-        final = self.shape.response(status, self.output, self.usage, self.model)
+        final = self.shape.response(status, self.output, self.usage, self.model, self.finish)
         yield ev(f"response.{status}", response=final)
 
     def _delta(self, delta: dict) -> Iterator[str]:
@@ -169,8 +176,7 @@ class _Stream:
                      output_index=index, arguments=item["arguments"])  # fmt: skip
         else:
             part = item["content"][0]
-            part["logprobs"] += self.logprobs  # a last token with no text of its own
-            self.logprobs = []
+            self.logprobs = []  # a stop token's, which has no text: OpenAI gives none
             yield ev("response.output_text.done", item_id=item["id"], output_index=index,
                      content_index=0, text=part["text"], logprobs=part["logprobs"])  # fmt: skip
             yield ev("response.content_part.done", item_id=item["id"], output_index=index,
@@ -179,10 +185,15 @@ class _Stream:
         self.output.append(item)
 
 
+# Finish reasons that leave a response incomplete -> its `incomplete_details.reason`: the token
+# limit (OpenAI's own reason), or the server ending it (a drain past its timeout).
+INCOMPLETE = {"length": "max_output_tokens", "abort": "interrupted"}
+
+
 def _status(finish_reason: str | None) -> str:
-    """A response's (and its last item's) status: incomplete where the token limit cut it, as
-    OpenAI marks it."""
-    return "incomplete" if finish_reason == "length" else "completed"
+    """A response's (and its last item's) status: incomplete where the token limit or the server
+    cut it, as OpenAI marks it."""
+    return "incomplete" if finish_reason in INCOMPLETE else "completed"
 
 
 def _text_part(text: str, logprobs: list[dict] | None = None) -> dict:

@@ -93,8 +93,11 @@ def test_logprobs_are_the_chat_answers(served):
     chat = client.chat.completions.create(model=engine.model_name, temperature=0, max_tokens=12,
                                           messages=[{"role": "user", "content": "Hi"}],
                                           logprobs=True, top_logprobs=2)  # fmt: skip
-    want = chat.model_dump()["choices"][0]["logprobs"]["content"]
+    choice = chat.model_dump()["choices"][0]
+    want = choice["logprobs"]["content"]
     assert len(want) == chat.usage.completion_tokens and len(want[0]["top_logprobs"]) == 2
+    if choice["finish_reason"] == "stop" and not isinstance(choice.get("stop_reason"), str):
+        want = want[:-1]  # the stop token's entry: the Responses API gives none
     whole = requests.post(f"{url}/v1/responses", json=ask, timeout=60).json()
     assert _same_logprobs(whole["output"][0]["content"][0]["logprobs"], want)
     assert whole["top_logprobs"] == 2
@@ -260,6 +263,34 @@ def test_ignored_fields_are_named_and_usage_has_openai_keys(served):
     )
     details = answer.json()["usage"]["input_tokens_details"]
     assert details == {"cached_tokens": details["cached_tokens"], "cache_write_tokens": 0}
+
+
+def test_a_response_the_server_cut_is_incomplete_and_a_stop_token_has_no_logprob():
+    """A drain past its timeout ends a request with "abort": incomplete ("interrupted"), not
+    completed; the stop token's logprob entry (it has no text) is left out, whole and
+    streamed."""
+    entry = {"token": "a", "logprob": -0.5, "bytes": [97], "top_logprobs": []}
+    stop = dict(entry, token="<|im_end|>", bytes=[])
+    reply = {"model": "m", "usage": None, "choices": [{
+        "message": {"content": "a"}, "finish_reason": "abort",
+        "logprobs": {"content": [entry]}}]}  # fmt: skip
+    got = Reshaper({"model": "m"}).whole(reply)
+    assert got["status"] == "incomplete" and got["output"][0]["status"] == "incomplete"
+    assert got["incomplete_details"] == {"reason": "interrupted"}
+    reply["choices"][0].update(finish_reason="stop", stop_reason=None,
+                               logprobs={"content": [entry, stop]})  # fmt: skip
+    got = Reshaper({"model": "m"}).whole(reply)
+    assert got["status"] == "completed" and got["output"][0]["content"][0]["logprobs"] == [entry]
+    chunks = [{"model": "m", "choices": [{"delta": {"content": "a"},
+                                          "logprobs": {"content": [entry]}}]},
+              {"model": "m", "choices": [{"delta": {}, "logprobs": {"content": [stop]},
+                                          "finish_reason": "abort"}]}]  # fmt: skip
+    raw = [f"data: {json.dumps(c)}\n\n" for c in chunks] + ["data: [DONE]\n\n"]
+    events = [json.loads(e.split("data: ", 1)[1]) for e in Reshaper({"model": "m"})._events(raw)]
+    final = events[-1]
+    assert final["type"] == "response.incomplete"
+    assert final["response"]["incomplete_details"] == {"reason": "interrupted"}
+    assert final["response"]["output"][0]["content"][0]["logprobs"] == [entry]
 
 
 def test_a_second_item_gets_the_next_output_index():
