@@ -308,7 +308,16 @@ class CpuLoraPool:
         return [self.io.name, *sems]
 
     def workers_info(self) -> list[dict]:
-        """Per worker: pid, core, alive, restarts (for /stats and /metrics)."""
+        """Per worker: pid, core, alive, restarts (for /stats and /metrics). A worker whose
+        restart has waited out its backoff is restarted here too when no call holds the pool,
+        so that an idle server does not report it down until its next CPU LoRA call."""
+        if self._lock.acquire(blocking=False):
+            try:
+                for w in self._workers:
+                    if not self._closed and w.proc.poll() is not None:
+                        w.is_ready()  # restarts it when its delay is over
+            finally:
+                self._lock.release()
         return [
             {
                 "pid": w.proc.pid,

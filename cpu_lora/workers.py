@@ -17,10 +17,10 @@ from toppings.cpu_lora.spin import try_acquire_spinning
 log = logging.getLogger(__name__)
 
 POLL_S = 0.05  # a dead worker is noticed within this long
-# A worker that exits within STABLE_S of its start again and again is restarted after a delay
-# (none the first time, then BACKOFF_MIN_S doubling up to BACKOFF_MAX_S; its slices computed in
-# the server meanwhile), so that one that cannot run (its shared memory gone) is not a python +
-# torch start-up every call.
+# A replacement worker that exits within STABLE_S of its start is restarted after a delay,
+# BACKOFF_MIN_S doubling up to BACKOFF_MAX_S while that goes on (its slices computed in the
+# server meanwhile), so that one that cannot run (its shared memory gone) is not a python +
+# torch start-up every call; the first worker's death, or one after a stable run, at once.
 STABLE_S = 30.0
 BACKOFF_MIN_S, BACKOFF_MAX_S = 0.5, 60.0
 
@@ -53,7 +53,7 @@ class WorkerProcess:
         self.proc: subprocess.Popen | None = None
         self.restarts = 0
         self._started_at = 0.0  # time.monotonic() of the last start
-        self._early_exits = 0  # exits within STABLE_S of their start, one after another
+        self._early_exits = 0  # replacements that exited within STABLE_S, one after another
         self._not_before: float | None = None  # an exited worker restarts from then
 
     def start(self) -> None:
@@ -115,10 +115,10 @@ class WorkerProcess:
         if self._not_before is None:  # noticed now
             if self.proc.poll() is None:
                 shm.kill_process(self.proc)
-            early = now - self._started_at < STABLE_S
+            early = self.restarts > 0 and now - self._started_at < STABLE_S
             self._early_exits = self._early_exits + 1 if early else 0
             n = self._early_exits
-            delay = 0.0 if n <= 1 else min(BACKOFF_MIN_S * 2 ** (n - 2), BACKOFF_MAX_S)
+            delay = 0.0 if n == 0 else min(BACKOFF_MIN_S * 2 ** (n - 1), BACKOFF_MAX_S)
             self._not_before = now + delay
             log.warning("CPU LoRA worker %d %s (%s); restarting it in %.1f s", self.index, why,
                         self.proc.returncode, delay)  # fmt: skip

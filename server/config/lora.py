@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from toppings.server.lora_modes import AUTO, LORA_MODES, pick_mode
@@ -178,6 +179,8 @@ class LoraConfig(Settings):
     )
 
     def check(self) -> None:
+        if not math.isfinite(self.cpu_worker_timeout):  # inf: a hung worker never replaced
+            raise ValueError("--cpu-worker-timeout must be a finite number of seconds")
         named = LORA_MODES.get(self.lora_mode)  # None: auto, which never preloads
         if not self.adapter_cache and named is not None and named.preload:
             raise ValueError(

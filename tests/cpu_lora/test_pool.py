@@ -7,6 +7,7 @@ import shutil
 import signal
 import subprocess
 import threading
+import time
 
 import pytest
 import torch
@@ -151,21 +152,24 @@ def test_hung_worker_times_out(pool2, adapters):
 
 
 def test_a_worker_that_keeps_dying_is_restarted_after_a_backoff(pool2, adapters):
-    """Killed once: replaced at the next call. Its replacement killed soon after: the next calls
-    compute its slices here and leave it down for a while (a worker that cannot run was a new
-    python + torch process every call); wait_ready brings it back once the delay has passed."""
+    """A replacement that dies soon after its start waits before it is started again (a worker
+    that cannot run was a new python + torch process every call): the calls meanwhile compute
+    its slices here; reading the workers' state (what /stats and /metrics do) starts it once
+    the delay has passed, with no call needed (an idle server reported it down)."""
     pool2.tokens_per_core = 1
-    first = pool2.worker_pids()[1]
-    _kill(first)
-    _check(pool2, adapters, seed=5)  # notices the death: restarted at once
+    _kill(pool2.worker_pids()[1])
+    _check(pool2, adapters, seed=5)
+    pool2.wait_ready(120)  # replaced (at once, or after a delay if it was young itself)
+    young = pool2.worker_pids()[1]
+    _kill(young)
+    _check(pool2, adapters, seed=6)  # a replacement's early exit: its restart waits
+    assert pool2.worker_pids()[1] == young and pool2.last_call.fallbacks >= 1
+    deadline = time.monotonic() + 120
+    while not all(w["alive"] for w in pool2.workers_info()):
+        assert time.monotonic() < deadline, pool2.workers_info()
+        time.sleep(0.1)
+    assert pool2.worker_pids()[1] != young
     pool2.wait_ready(120)
-    second = pool2.worker_pids()[1]
-    assert second != first
-    _kill(second)
-    _check(pool2, adapters, seed=6)  # an early exit again: its restart waits
-    assert pool2.worker_pids()[1] == second and pool2.last_call.fallbacks >= 1
-    pool2.wait_ready(120)
-    assert pool2.worker_pids()[1] not in (first, second)
 
 
 def test_bfloat16_pool(adapters):

@@ -180,11 +180,19 @@ def test_sampling_params_are_validated():
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("cpu_spin_us", -1.0), ("num_cpu_workers", -1), ("link_gbps", -0.5), ("lora_mode", "x")],
+    [
+        ("cpu_spin_us", -1.0),
+        ("num_cpu_workers", -1),
+        ("link_gbps", -0.5),
+        ("lora_mode", "x"),
+        ("cpu_worker_timeout", 0.0),
+    ],
 )
 def test_engine_config_refuses_bad_values(field, value):
     with pytest.raises(ValueError, match=field):
         EngineConfig(**{field: value})
+    with pytest.raises(ValueError, match="--cpu-worker-timeout must be a finite"):
+        EngineConfig(cpu_worker_timeout=float("inf"))
 
 
 def test_requests_submitted_together_share_one_prefill_or_none_is_queued(engine):
