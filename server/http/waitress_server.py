@@ -153,21 +153,27 @@ class HeaderTimedChannel(HTTPChannel):
         result = super().received(data)
         request = self.request
         if request is not None and request.headers_finished:
-            if self.body_started is None:
-                self.body_started, self.body_bytes = time.time(), 0
+            if self.body_started is None:  # (the read's header bytes counted too: a few hundred)
+                self.body_started, self.body_bytes = time.time(), len(data)
             else:
                 self.body_bytes += len(data)
         return result
 
-    def body_deadline(self, base_s: float) -> float | None:
+    def body_deadline(self, base_s: float, now: float) -> float | None:
         """When the body of the request being read must be complete (None: none is being
-        read, or one runs: a request read ahead waits for it, not for the client)."""
+        read). A request read ahead while another runs waits for that one, not for the client:
+        its clock starts when that one ends."""
         request = self.request
-        if self.requests or request is None or self.body_started is None:
+        if request is None or self.body_started is None:
             return None
         if not request.headers_finished or request.completed:
             return None
-        return self.body_started + base_s + self.body_bytes / MIN_BODY_BYTES_PER_S
+        if self.requests:
+            self.body_started = now
+            return None
+        by_rate = self.body_started + base_s + self.body_bytes / MIN_BODY_BYTES_PER_S
+        # never after waitress's idle timeout, which would close it with no answer
+        return min(by_rate, self.last_activity + self.adj.channel_timeout)
 
     def refuse_slow_body(self, now: float) -> None:
         """(The loop's thread, no request running.) Answer 408 and close once it is sent."""
@@ -215,7 +221,7 @@ class GuardedServer(TcpWSGIServer):
         """The body deadline (first: a body that stopped coming is answered 408, not closed
         silently by the idle timeout), waitress's idle timeout, then the header deadline."""
         for channel in list(self.active_channels.values()):
-            deadline = channel.body_deadline(self.header_timeout_s)
+            deadline = channel.body_deadline(self.header_timeout_s, now)
             if deadline is not None and deadline < now and not channel.close_when_flushed:
                 logger.debug("answering 408 to %s: its body is late", channel.addr)
                 channel.refuse_slow_body(now)

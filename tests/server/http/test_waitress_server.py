@@ -156,6 +156,42 @@ def test_a_body_sent_steadily_outlives_the_first_seconds(serve):
         sock.close()
 
 
+def test_a_body_read_ahead_waits_for_the_running_request_not_the_client(serve):
+    """Request 2's headers and first bytes arrive with request 1, which runs past the deadline:
+    request 2's clock starts when request 1 ends (a 408 came a second after it)."""
+    url, port, running, release = serve(3)
+    sock = socket.create_connection(("127.0.0.1", port), timeout=BOUND_S)
+    try:
+        sock.sendall(
+            b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n"
+            b"POST /x HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n" + b"x" * 20
+        )
+        assert running.wait(BOUND_S)
+        time.sleep(5)  # past request 2's deadline, had its clock run meanwhile
+        release.set()
+        got = b""
+        while got.count(b"HTTP/1.1 ") < 1 or not got.endswith(b"ok"):
+            got += sock.recv(4096)
+        assert got.startswith(b"HTTP/1.1 200")
+        time.sleep(1.0)  # the client sends the rest a second after its first answer
+        sock.sendall(b"x" * 80)
+        rest = read_answer_until(sock, b"ok")
+        assert rest.startswith(b"HTTP/1.1 200"), rest[:200]
+    finally:
+        sock.close()
+
+
+def read_answer_until(sock: socket.socket, end: bytes) -> bytes:
+    sock.settimeout(BOUND_S)
+    got = b""
+    while not got.endswith(end):
+        chunk = sock.recv(4096)
+        if not chunk:
+            break
+        got += chunk
+    return got
+
+
 def test_a_running_request_outlives_the_header_deadline(serve):
     url, port, running, release = serve(1)
     result: list = []
