@@ -14,6 +14,7 @@ import importlib.util
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -82,8 +83,14 @@ def resolve_model_dir(model: str) -> Path:
     """Turn a --model argument into a Hugging Face directory, converting GGUF once if needed."""
     gguf = gguf_file(model)
     if gguf is not None:
-        name = SMOLLM2_NAME if model == "smollm2" else f"{gguf.stem}-{_file_identity(gguf)}"
-        return _convert_gguf(gguf, cache_dir() / "models" / name)
+        if model == "smollm2":
+            return _convert_gguf(gguf, cache_dir() / "models" / SMOLLM2_NAME)
+        where, version = _file_identity(gguf)
+        out_dir = _convert_gguf(gguf, cache_dir() / "models" / f"{gguf.stem}-{where}-{version}")
+        for old in out_dir.parent.glob(f"{glob.escape(gguf.stem)}-{where}-*"):
+            if old != out_dir and ".tmp" not in old.name:  # (another process's conversion)
+                shutil.rmtree(old, ignore_errors=True)  # this file's copy before it changed
+        return out_dir
     path = Path(model).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -92,14 +99,18 @@ def resolve_model_dir(model: str) -> Path:
     raise FileNotFoundError(f"model {model!r} is neither a directory, a .gguf file nor 'smollm2'")
 
 
-def _file_identity(path: Path) -> str:
-    """A short digest of a file's absolute path, size and modification time: its converted copy
-    is found again only for that file as it was (two `model.gguf` in two folders, or one
-    replaced in place, each get their own; named by the stem alone, the second was served with
-    the first one's weights). Not its contents: hashing gigabytes would cost every start-up."""
-    stat = path.resolve().stat()
-    ident = f"{path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}"
-    return hashlib.sha256(ident.encode("utf-8", "surrogateescape")).hexdigest()[:16]
+def _file_identity(path: Path) -> tuple[str, str]:
+    """Short digests of a file's absolute path and of its version (size, modification and
+    change times, inode): its converted copy is found again only for that file as it is (two
+    `model.gguf` in two folders, or one replaced in place, even with its size and modification
+    time kept, each get their own; named by the stem alone, the second was served with the
+    first one's weights). Not its contents: hashing gigabytes would cost every start-up."""
+    resolved = path.resolve()
+    stat = resolved.stat()
+    version = f"{stat.st_size}\0{stat.st_mtime_ns}\0{stat.st_ctime_ns}\0{stat.st_ino}"
+    digest = [hashlib.sha256(text.encode("utf-8", "surrogateescape")).hexdigest()[:8]
+              for text in (str(resolved), version)]  # fmt: skip
+    return digest[0], digest[1]
 
 
 def load_checkpoint(

@@ -119,9 +119,10 @@ def test_a_gguf_converts_to_every_tensor_by_its_hf_name(arch, tmp_path, monkeypa
 
 
 def test_two_ggufs_of_one_name_are_two_models(tmp_path, monkeypatch):
-    """`a/model.gguf` and `b/model.gguf`, and a file replaced in place, are converted each on
-    their own (the copy was found by the file's stem, and the second served the first's
-    weights); the served name stays the stem."""
+    """`a/model.gguf` and `b/model.gguf`, and a file replaced in place (its size and modification
+    time kept, as `cp -p` does), are converted each on their own (the copy was found by the
+    file's stem, and the second served the first's weights); the replaced file's old copy is
+    removed; the served name stays the stem."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from toppings.server.model.loader import load_checkpoint, resolve_model_dir
@@ -136,10 +137,11 @@ def test_two_ggufs_of_one_name_are_two_models(tmp_path, monkeypatch):
         path.parent.mkdir(exist_ok=True)
         path.unlink(missing_ok=True)
         write_gguf(path, "llama", states[-1])
-        os.utime(path, ns=(seed * 10**9, seed * 10**9))  # a distinct modification time
+        os.utime(path, ns=(10**9, 10**9))  # one modification time for all three
         dirs.append(resolve_model_dir(str(path)))
         weights = SafetensorsWeights.from_dir(dirs[-1])
         name = "model.layers.0.self_attn.o_proj.weight"
         assert torch.equal(weights[name], states[-1][name]), folder
     assert len(set(dirs)) == 3
+    assert not dirs[0].exists() and dirs[1].exists() and dirs[2].exists()
     assert load_checkpoint(str(tmp_path / "b" / "model.gguf")).config.name == "model"
