@@ -188,7 +188,8 @@ def main(argv: list[str] | None = None) -> None:
     policy = make_policy(routing.policy, perf, slo_ms, seed=routing.seed, **options)
     sync = AdapterSync(registry, cluster.hosting, session)
     placement_loop = PlacementLoop(policy, cluster, registry, refresh_s, sync)
-    router_session = ServerSession(origins, keys_given.server_api_key)
+    router_session = ServerSession(origins, keys_given.server_api_key,
+                                   max_connections=front.max_concurrent_requests)  # fmt: skip
     router = Router(registry, cluster, policy, count, router_session)
     info = {"perf_model_source": source, "registry": front.registry}
     keys = AccessKeys(keys_given.api_key, keys_given.admin_api_key)

@@ -86,10 +86,17 @@ class ServerSession:
     scheduler has always shared it; its default headers carry no key.
     """
 
-    def __init__(self, origins: ServerOrigins, api_key: str | None = None):
+    def __init__(
+        self, origins: ServerOrigins, api_key: str | None = None, max_connections: int = 64
+    ):
+        """max_connections: kept-alive connections to each server (requests' default, 10,
+        discarded a connection per request past ten in flight, with a warning each)."""
         self.origins = origins
         self.api_key = api_key
         self.session = requests.Session()
+        pooled = requests.adapters.HTTPAdapter(pool_maxsize=max_connections)
+        self.session.mount("http://", pooled)
+        self.session.mount("https://", pooled)
 
     def get(self, url: str, **kwargs: Any) -> requests.Response:
         return self.request("GET", url, **kwargs)
