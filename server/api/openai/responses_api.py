@@ -143,6 +143,9 @@ def chat_body(body: dict) -> dict:
     else:
         raise RequestError("'input' must be a string or a non-empty list of items")
     if body.get("instructions") is not None:
+        if not isinstance(body["instructions"], str):
+            raise RequestError(f"'instructions' must be a string, not "
+                               f"{json_type(body['instructions'])}")  # fmt: skip
         messages.insert(0, {"role": "system", "content": body["instructions"]})
     chat = {key: body[key] for key in PASSED if key in body}
     chat["messages"] = messages

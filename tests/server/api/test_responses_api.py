@@ -209,6 +209,7 @@ def test_a_stream_whose_client_leaves_leaves_the_engine_idle(served):
             "input[1].content[0].text must be a string, not number",
         ),
         ({"reasoning": {"effort": "extreme"}}, "'reasoning.effort' must be one of"),
+        ({"instructions": 5}, "'instructions' must be a string, not number"),
         ({"tools": [{"type": "function", "name": 5}]}, "tools[0].name must be"),
         ({"include": ["file_search_call.results"]}, "'include' value 'file_search_call.results'"),
         ({"include": "message.output_text.logprobs"}, "'include' must be a list of strings"),
