@@ -140,6 +140,7 @@ def chat_body(body: dict) -> dict:
         messages = [{"role": "user", "content": given}]
     elif isinstance(given, list) and given:
         messages = [_message(item, f"input[{i}]") for i, item in enumerate(given)]
+        _check_call_ids(messages)
     else:
         raise RequestError("'input' must be a string or a non-empty list of items")
     if body.get("instructions") is not None:
@@ -180,6 +181,17 @@ def chat_body(body: dict) -> dict:
     if wants_logprobs(body):
         chat["logprobs"], chat["top_logprobs"] = True, top or 0
     return chat
+
+
+def _check_call_ids(messages: list[dict]) -> None:
+    """Each function_call_output answers a function_call before it (nothing is stored here to
+    answer one of an earlier response), as OpenAI's API requires."""
+    called: set[str] = set()
+    for i, message in enumerate(messages):
+        called.update(call["id"] for call in message.get("tool_calls") or ())
+        if message["role"] == "tool" and message["tool_call_id"] not in called:
+            raise RequestError(f"input[{i}].call_id {message['tool_call_id'][:64]!r} answers no "
+                               "function_call item before it")  # fmt: skip
 
 
 def wants_logprobs(body: dict) -> bool:

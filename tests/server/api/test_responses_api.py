@@ -210,6 +210,10 @@ def test_a_stream_whose_client_leaves_leaves_the_engine_idle(served):
         ),
         ({"reasoning": {"effort": "extreme"}}, "'reasoning.effort' must be one of"),
         ({"instructions": 5}, "'instructions' must be a string, not number"),
+        (
+            {"input": [{"type": "function_call_output", "call_id": "c9", "output": "x"}]},
+            "input[0].call_id 'c9' answers no function_call item before it",
+        ),
         ({"tools": [{"type": "function", "name": 5}]}, "tools[0].name must be"),
         ({"include": ["file_search_call.results"]}, "'include' value 'file_search_call.results'"),
         ({"include": "message.output_text.logprobs"}, "'include' must be a list of strings"),
