@@ -105,7 +105,7 @@ def create_shm(name: str, size: int, reserve: int | None = None) -> mmap.mmap:
     """
     _install_handlers()
     reserve = size if reserve is None else min(reserve, size)
-    shm = _create(posix_ipc.SharedMemory, posix_ipc.unlink_shared_memory, name)
+    shm = _create(posix_ipc.SharedMemory, name)
     with _lock:
         _shm_names.add(name)
     try:
@@ -153,13 +153,13 @@ def attach_shm(name: str) -> mmap.mmap:
 def create_sem(name: str) -> posix_ipc.Semaphore:
     """Create (exclusively) a named semaphore with value 0."""
     _install_handlers()
-    sem = _create(posix_ipc.Semaphore, posix_ipc.unlink_semaphore, name, initial_value=0)
+    sem = _create(posix_ipc.Semaphore, name, initial_value=0)
     with _lock:
         _sem_names.add(name)
     return sem
 
 
-def _create(kind, unlink, name: str, **kwargs):
+def _create(kind, name: str, **kwargs):
     """Create `name` exclusively (a name of this process's tag cannot exist unless this process
     made it: ExistentialError is a bug, never another process's name to take)."""
     return kind(name, posix_ipc.O_CREX, **kwargs)
