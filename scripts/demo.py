@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from toppings.scripts.children import STOP_GRACE_S, start, stop, wait_healthy
+from toppings.server.requests.errors import bearer_header
 from toppings.server.settings import Flag, Settings, build, command_parser, setting
 
 SHIPPED = Path(__file__).resolve().parent / "demo_adapters"
@@ -91,8 +92,7 @@ def preparing_line(model_dir: Path) -> str:
 
 def bearer(variable: str) -> dict[str, str]:
     """The Authorization header of the key in environment `variable`, if it is set."""
-    key = os.environ.get(variable)
-    return {"Authorization": f"Bearer {key}"} if key else {}
+    return bearer_header(os.environ.get(variable))
 
 
 def ask(url: str, model: str, question: str = QUESTION) -> str:

@@ -27,6 +27,7 @@ from typing import Any, ClassVar
 from urllib.parse import urlsplit
 
 ON_OFF = ("on", "off")
+KEY_FLAG_END = "api-key"  # every flag of a key ends so: --api-key, --admin-api-key, ...
 FIELD_DEFAULT = object()  # a Flag's default: the field's own
 
 
@@ -241,3 +242,20 @@ def log_level(text: str) -> str:
     if not isinstance(logging.getLevelName(level), int):
         raise argparse.ArgumentTypeError(f"expected DEBUG, INFO, WARNING or ERROR, got {text!r}")
     return level
+
+
+def redact_keys(argv: list[str]) -> list[str]:
+    """A command line as a log or a result file may show it: the value of every key flag
+    (`--api-key KEY`, `--admin-api-key=KEY`, also inside `--scheduler-arg=--admin-api-key=KEY`)
+    replaced by KEY."""
+    out, hide = [], False
+    for arg in argv:
+        flag, eq, _ = arg.rpartition("=")
+        if hide:
+            out.append("KEY")
+        elif eq and flag.endswith(KEY_FLAG_END):
+            out.append(f"{flag}=KEY")
+        else:
+            out.append(arg)
+        hide = arg.endswith(KEY_FLAG_END) and not eq
+    return out

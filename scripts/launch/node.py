@@ -33,6 +33,7 @@ from toppings.scripts.launch.procs import (
 )
 from toppings.scripts.launch.report import Reporter
 from toppings.scripts.launch.supervisor import Limits, Supervisor
+from toppings.server.requests.errors import bearer_header
 
 log = logging.getLogger("toppings-launch")
 
@@ -189,7 +190,7 @@ def scheduler_admin_key(scheduler_args: list[str] | None) -> str | None:
 def scheduler_call(method: str, scheduler: str, url: str, admin_api_key: str | None = None) -> bool:
     """Register (post) or remove (delete) server `url` at `scheduler`, with its admin key when
     there is one; whether it took."""
-    headers = {"Authorization": f"Bearer {admin_api_key}"} if admin_api_key else {}
+    headers = bearer_header(admin_api_key)
     try:
         r = requests.request(method, scheduler.rstrip("/") + "/admin/servers",
                              json={"url": url}, headers=headers, timeout=10)  # fmt: skip

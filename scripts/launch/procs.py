@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 
+from toppings.server.settings import redact_keys
+
 log = logging.getLogger("toppings-launch")
 
 PR_SET_PDEATHSIG = 1
@@ -134,24 +136,8 @@ def spawn_server(server: ServerProc, cmd: list[str], use_numactl: bool) -> subpr
         )
     server.state, server.started_at, server.next_health = State.STARTING, time.monotonic(), 0.0
     log.info("server %d: pid %d, cores %s: %s", server.index, server.proc.pid, cores,
-             " ".join(redacted(cmd)))  # fmt: skip
+             " ".join(redact_keys(cmd)))  # fmt: skip
     return server.proc
-
-
-def redacted(cmd: list[str]) -> list[str]:
-    """A command line as the log shows it: the value of every key flag (`--api-key`,
-    `--admin-api-key`, `--server-api-key`, also as `--scheduler-arg=--admin-api-key=KEY`) hidden."""
-    out, hide = [], False
-    for arg in cmd:
-        flag, eq, _ = arg.rpartition("=")
-        if hide:
-            out.append("KEY")
-        elif eq and flag.endswith("api-key"):
-            out.append(f"{flag}=KEY")
-        else:
-            out.append(arg)
-        hide = arg.endswith("api-key") and not eq
-    return out
 
 
 def scheduler_command(host: str, port: int, registry: Path, extra: list[str]) -> list[str]:
@@ -175,7 +161,7 @@ def spawn_scheduler(scheduler: SchedulerProc) -> subprocess.Popen:
             start_new_session=True,
             preexec_fn=lambda: _child_setup(None, parent),
         )
-    log.info("scheduler: pid %d: %s", proc.pid, " ".join(redacted(scheduler.command)))
+    log.info("scheduler: pid %d: %s", proc.pid, " ".join(redact_keys(scheduler.command)))
     return proc
 
 

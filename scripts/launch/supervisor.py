@@ -19,6 +19,7 @@ from typing import Protocol
 import requests
 
 from toppings.scripts.launch.procs import ChildProc, State
+from toppings.server.requests.errors import bearer_header
 
 log = logging.getLogger("toppings-launch")
 
@@ -120,9 +121,8 @@ class Supervisor:
 def health(url: str, unready: State = State.UNHEALTHY, key: str | None = None) -> State:
     """What a health probe at `url` (with `key` as a bearer, where given) says: HEALTHY,
     DRAINING, or `unready` (no answer, not ready)."""
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
     try:
-        r = requests.get(url, timeout=1.0, headers=headers)
+        r = requests.get(url, timeout=1.0, headers=bearer_header(key))
     except requests.RequestException:
         return unready
     if r.status_code == 200:

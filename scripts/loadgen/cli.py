@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 from toppings.scripts.loadgen.bursts import AZURE_SHAPES
 from toppings.scripts.loadgen.cli_args import LoadgenConfig, build_parser
-from toppings.scripts.loadgen.client import Journal, bearer, run_open_loop
+from toppings.scripts.loadgen.client import Journal, run_open_loop
 from toppings.scripts.loadgen.stats import format_summary, plot_cdfs, summarise
 from toppings.scripts.loadgen.workload import (
     LengthSpec,
@@ -42,7 +42,8 @@ from toppings.scripts.loadgen.workload import (
     parse_assignment,
     save_trace,
 )
-from toppings.server.settings import build
+from toppings.server.requests.errors import bearer_header
+from toppings.server.settings import build, redact_keys
 
 log = logging.getLogger("toppings-loadgen")
 
@@ -51,7 +52,7 @@ def list_models(
     url: str, timeout_s: float = 10.0, api_key: str | None = None
 ) -> tuple[str | None, dict[str, int]]:
     """(base model, {adapter: rank}) of a server or scheduler."""
-    headers = bearer(api_key)
+    headers = bearer_header(api_key)
     models = requests.get(url + "/v1/models", timeout=timeout_s, headers=headers)
     models.raise_for_status()
     data = models.json()["data"]
@@ -169,22 +170,13 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if summary["num_ok"] or not records else 1
 
 
-def redacted(argv: list[str]) -> list[str]:
-    """argv with the value of --api-key replaced."""
-    out, hide = [], False
-    for arg in argv:
-        out.append("KEY" if hide else "--api-key=KEY" if arg.startswith("--api-key=") else arg)
-        hide = arg == "--api-key"
-    return out
-
-
 def write_summary(args: LoadgenConfig, trace: list[TraceEntry], summary: dict) -> None:
     skipped = ("summary", "plot", "no_progress", "api_key")  # (a key is no result to publish)
     config = {f.name: getattr(args, f.name) for f in fields(args) if f.name not in skipped}
     result = {
         "name": Path(args.summary).stem,
         "device": f"client of {args.url}",
-        "command": "toppings-loadgen " + " ".join(redacted(sys.argv[1:])),
+        "command": "toppings-loadgen " + " ".join(redact_keys(sys.argv[1:])),
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "config": dict(config, trace=describe(trace)),
         "metrics": summary,

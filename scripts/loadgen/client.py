@@ -29,15 +29,11 @@ from pathlib import Path
 import requests
 
 from toppings.scripts.loadgen.workload import TraceEntry
+from toppings.server.requests.errors import bearer_header
 
 log = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT_S = 10.0
-
-
-def bearer(api_key: str | None) -> dict[str, str]:
-    """The Authorization header of `api_key` (none without one)."""
-    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
 def request_config(entry: TraceEntry) -> dict:
@@ -198,7 +194,7 @@ def run_open_loop(
     """
     done: queue.Queue = queue.Queue()
     session = requests.Session()
-    session.headers.update(bearer(api_key))
+    session.headers.update(bearer_header(api_key))
     session.mount("http://", requests.adapters.HTTPAdapter(pool_maxsize=max_concurrency))
     origin = entries[0].arrival_s if entries else 0.0
     start = time.time()

@@ -57,6 +57,12 @@ RETRY_AFTER_S = 1  # the Retry-After of a 503 answered before any server is read
 API_KEY_REQUIRED = "a valid API key is required (Authorization: Bearer KEY)"
 
 
+def bearer_header(key: str | None) -> dict[str, str]:
+    """The `Authorization` header that sends `key` as a bearer (none without a key): what a
+    client of a keyed server or scheduler sends, and `bearer_matches` checks."""
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
 def bearer_matches(authorization: str, expected: str) -> bool:
     """Whether an `Authorization` header value is `Bearer <expected>`, compared in constant time.
 

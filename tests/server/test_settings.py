@@ -118,3 +118,14 @@ def test_modules_built_from_their_parts():
     assert layout.kind is MemoryLayout.STATIC
     assert layout.kv_slots(tiny_model_config(), 4, lambda: 0) == 256
     assert layout.total_tokens(256, 10.0) == 256 + 100
+
+
+def test_key_flags_are_redacted_in_a_command_line():
+    """The launcher's log and loadgen's result file show command lines: no key in them."""
+    from toppings.server.settings import redact_keys
+
+    argv = ["--port", "1", "--api-key", "k1", "--admin-api-key=k2",
+            "--scheduler-arg=--server-api-key=k3", "--model", "m"]  # fmt: skip
+    want = ["--port", "1", "--api-key", "KEY", "--admin-api-key=KEY",
+            "--scheduler-arg=--server-api-key=KEY", "--model", "m"]  # fmt: skip
+    assert redact_keys(argv) == want
