@@ -37,6 +37,19 @@ class SchedulingConfig(Settings):
             "sustains within the TTFT SLO), or fcfs, arrival order"
         ),
     )
+    # The order of waiting requests across adapters (server.sched.fair_share).
+    fair_share: bool = setting(
+        True,
+        flag=Flag(
+            "fair shares between adapters: waiting requests are admitted in start-time fair "
+            "queueing order over their tokens (each adapter a tenant, the base model one), so "
+            "one adapter's flood of requests waits behind the others' requests; off: in "
+            "arrival order",
+            choices=ON_OFF,
+            default="on",
+            parse=on_off,
+        ),
+    )
     # Mixed steps of decodes and prompt chunks under a token budget (server.sched.scheduler).
     chunked_prefill: bool = setting(
         True,

@@ -17,7 +17,8 @@ recent requests. Here the unit is what bounds a step:
 - whole-prompt steps: KV slots, a request's charge (prompt plus max_new_tokens plus its adapter
   in KV slots) borrowed from its queue's quota until it ends (sizing.queue_quotas).
 
-Each iteration (`select`):
+Each iteration (`select`; "oldest" and "arrival order" here mean first in the order of
+server.sched.fair_share, arrival order with one adapter or with `--fair-share off`):
 0. the oldest waiting request goes first if it fits (with chunked prefill: after its queue's
    prompt being prefilled, if any, with a chunk of what its queue's share of the step has left
    and at least min(quota, `MIN_CHUNK`), so that decodes over its queue's share do not hold it
@@ -176,7 +177,7 @@ class ChameleonQueue(SizeQueues):
         idle = [queue[0] for q, queue in enumerate(self._queues) if queue and not borrowed[q]]
         entitled = [*self._entitled(self._quota_left(gate), by_step), *idle]
         need = {s: gate.need_tokens(s) for s in [*self._waiting[:1], *entitled]}
-        late = sorted((s for s, n in need.items() if n > free), key=lambda s: s.arrival)
+        late = sorted((s for s, n in need.items() if n > free), key=self.shares.order)
         for seq in late[:MAX_RESERVATIONS]:
             if len(self._reserved) < MAX_RESERVATIONS and all(seq is not r for r in self._reserved):
                 self._reserved.append(seq)
@@ -273,6 +274,7 @@ class ChameleonQueue(SizeQueues):
             size = self._sizes.pop(seq)
             self._waiting.remove(seq)
             self._queues[self._queue_of(size.wrs)].remove(seq)
+            self.shares.admitted(seq)
             size.admitted = now
             self._running[seq] = size
             batch.append(seq)

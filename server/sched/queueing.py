@@ -6,6 +6,9 @@ fits now (batch room, KV slots, prefill budget, adapter memory, LoRA mode) and, 
 admits it. A policy never touches the model, the KV pool or the adapter cache itself.
 
 - `fcfs`: arrival order; the first request that does not fit stops admission (today's engine).
+
+Both keep their waiting requests in the order of server.sched.fair_share (`--fair-share`):
+start tags that interleave adapters by the tokens each was served, arrival order with one.
 - `chameleon`: adapter-aware multi-level queues with token quotas (server.sched.chameleon).
 
 With chunked prefill a policy also plans, before any admission, how many tokens of the step each
@@ -15,9 +18,12 @@ waiting one, so they are continued first (a request keeps its place) in every po
 
 from __future__ import annotations
 
+import bisect
 import enum
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Protocol
+
+from toppings.server.sched.fair_share import FairShares
 
 if TYPE_CHECKING:
     from toppings.server.config import SchedulingConfig
@@ -103,6 +109,9 @@ class QueuePolicy:
         """config: the scheduling part of the engine's configuration; max_total_tokens: the KV
         cache's size in tokens (the memory part's), which a policy with quotas starts from."""
         self.config = config
+        # The order of waiting requests: each policy keeps them sorted by `shares.order`, their
+        # start tags (arrival order with one tenant, or with --fair-share off)
+        self.shares = FairShares(config.fair_share)
 
     def push(self, seq: Sequence, now: float) -> None:
         raise NotImplementedError
@@ -112,7 +121,7 @@ class QueuePolicy:
         raise NotImplementedError
 
     def __iter__(self) -> Iterator[Sequence]:
-        """The waiting requests, in arrival order."""
+        """The waiting requests, in order (`shares.order`)."""
         raise NotImplementedError
 
     def __len__(self) -> int:
@@ -147,7 +156,7 @@ class QueuePolicy:
         return chunks
 
     def head(self) -> Sequence | None:
-        """The first waiting request in arrival order (None: none waits)."""
+        """The first waiting request in order (None: none waits)."""
         return next(iter(self), None)
 
     def same_share(self, older: Sequence, younger: Sequence) -> bool:
@@ -158,20 +167,23 @@ class QueuePolicy:
 
     def finished(self, seq: Sequence, completed: bool, now: float) -> None:
         """An admitted request left the batch; `completed`: it stopped or hit its length."""
+        self.shares.finished(seq, completed)
 
     def forget_adapter(self, adapter: AdapterRef) -> None:
         """`adapter` was unloaded (none of its requests is waiting or running): drop whatever
         the policy keeps of it, so that what it holds does not grow with every reload."""
+        self.shares.forget_adapter(adapter)
 
     def view(self) -> dict:
         """Queue lengths, cutoffs, quotas and counters for /stats and /metrics."""
-        return {"policy": self.name, "queue_lengths": [len(self)]}
+        return {"policy": self.name, "queue_lengths": [len(self)], **self.shares.view()}
 
 
 class FcfsQueue(QueuePolicy):
-    """First come, first served; the first request that does not fit blocks the ones behind it
-    (only a request whose adapter is still loading, or a long prompt waiting its turn behind
-    the one being prefilled, lets the next ones go)."""
+    """First come, first served (in arrival order, or in fair-share order across adapters);
+    the first request that does not fit blocks the ones behind it (only a request whose adapter
+    is still loading, or a long prompt waiting its turn behind the one being prefilled, lets
+    the next ones go)."""
 
     name = "fcfs"
 
@@ -180,10 +192,12 @@ class FcfsQueue(QueuePolicy):
         self._waiting: list[Sequence] = []
 
     def push(self, seq: Sequence, now: float) -> None:
-        self._waiting.append(seq)
+        self.shares.claim(seq, not self._waiting)
+        bisect.insort(self._waiting, seq, key=self.shares.order)
 
     def remove(self, seq: Sequence) -> None:
         self._waiting.remove(seq)
+        self.shares.removed(seq)
 
     def __iter__(self) -> Iterator[Sequence]:
         return iter(list(self._waiting))
@@ -203,5 +217,6 @@ class FcfsQueue(QueuePolicy):
             if verdict is not Verdict.ADMITTED:
                 break
             self._waiting.remove(seq)
+            self.shares.admitted(seq)
             admitted.append(seq)
         return admitted

@@ -64,7 +64,7 @@ class SizeQueues(QueuePolicy):
         self.cutoffs: list[float] = []
         self.quotas: list[int] = [max_total_tokens]  # one queue until the first clustering
         self._maxima = (1.0, 1.0, 1.0)  # maxIn, maxOut, maxAdapter, frozen at each refresh
-        self._waiting: list[Sequence] = []  # arrival order
+        self._waiting: list[Sequence] = []  # in order (`shares.order`)
         self._queues: list[list[Sequence]] = [[]]
         self._fresh: list[Sequence] = []  # pushed, not sized yet (sizing needs the gate)
         self._sizes: dict[Sequence, Size] = {}
@@ -78,11 +78,13 @@ class SizeQueues(QueuePolicy):
     # ---- the waiting requests ---------------------------------------------------------------
 
     def push(self, seq: Sequence, now: float) -> None:
+        self.shares.claim(seq, not self._waiting)
         self._insert(seq)
         self._fresh.append(seq)
 
     def remove(self, seq: Sequence) -> None:
         self._waiting.remove(seq)
+        self.shares.removed(seq)
         size = self._sizes.pop(seq, None)
         if seq in self._fresh:
             self._fresh.remove(seq)
@@ -99,16 +101,17 @@ class SizeQueues(QueuePolicy):
         return self._waiting[0] if self._waiting else None
 
     def _insert(self, seq: Sequence) -> None:
-        bisect.insort(self._waiting, seq, key=lambda s: s.arrival)
+        bisect.insort(self._waiting, seq, key=self.shares.order)
 
     def _queue_of(self, wrs: float) -> int:
         return bisect.bisect_right(self.cutoffs, wrs)
 
     def _enqueue(self, seq: Sequence) -> None:
         queue = self._queues[self._queue_of(self._sizes[seq].wrs)]
-        bisect.insort(queue, seq, key=lambda s: s.arrival)
+        bisect.insort(queue, seq, key=self.shares.order)
 
     def forget_adapter(self, adapter: AdapterRef) -> None:
+        super().forget_adapter(adapter)
         self.predictor.forget(adapter)
 
     # ---- sizing, clustering, quotas -----------------------------------------------------------
@@ -226,6 +229,7 @@ class SizeQueues(QueuePolicy):
     # ---- completions and views ----------------------------------------------------------------
 
     def finished(self, seq: Sequence, completed: bool, now: float) -> None:
+        super().finished(seq, completed, now)
         size = self._running.pop(seq, None)
         if size is None:
             return
@@ -242,5 +246,6 @@ class SizeQueues(QueuePolicy):
             "cutoffs": list(self.cutoffs),
             "quotas": list(self.quotas),
             "ttft_slo_ms": self.config.ttft_slo_ms,
+            **self.shares.view(),
             **self.counters,
         }

@@ -326,7 +326,9 @@ def test_a_long_request_is_not_starved_by_a_steady_stream_of_short_ones(monkeypa
     assert p.view()["reserved"] >= 1
     # FCFS serves the same stream in arrival order: the long request waits behind the backlog
     # of short ones that arrived before it (more than 3 per iteration arrive, 1 is served).
-    fcfs = FcfsQueue(SchedulingConfig(), max_total_tokens=200)
+    # (Arrival order: with fair shares, its adapter's request would go ahead of the others'
+    # backlog: test_fair_share.py.)
+    fcfs = FcfsQueue(SchedulingConfig(fair_share=False), max_total_tokens=200)
     gate = FakeGate(kv=200, ranks={"r10": 10, "r100": 100}, adapter_slots=1000)
     assert simulate(fcfs, gate, stream(), 200)["L"] - 20 > 2 * (10 + 1)
 

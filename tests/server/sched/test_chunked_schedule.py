@@ -284,7 +284,10 @@ def test_a_squashed_partly_prefilled_request_leaves_the_step_and_starts_over():
     queue.victim = long
     plan = step(sched)
     assert plan is None and long.num_prefilled == 0 and long in queue and not sched.running
-    assert tokens_of(step(sched)) == {other: 10, long: 10}
+    # It waits again in its place, ahead of `other` (which arrived after it), and prefills from
+    # the start; then the shorter `other` shares the room with what it has left.
+    assert tokens_of(step(sched)) == {long: 20}
+    assert tokens_of(step(sched)) == {long: 10, other: 10}
     while sched.has_work():
         step(sched)
     assert long.output_ids == [5, 5] and other.output_ids == [5, 5]
