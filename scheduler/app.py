@@ -56,7 +56,12 @@ from toppings.scheduler.metrics import PREFIX
 from toppings.scheduler.registry import AdapterRecord, Registry, RegistryError
 from toppings.scheduler.router import Router, SchedulerError
 from toppings.scheduler.server_session import ServerRefused
-from toppings.server.http.frontend import InFlightCollector, InFlightLimit, ReleasingBody
+from toppings.server.http.frontend import (
+    TENANT_SHARE,
+    InFlightCollector,
+    InFlightLimit,
+    ReleasingBody,
+)
 from toppings.server.http.metrics import install_metrics
 from toppings.server.requests.errors import (
     ADAPTER_NAME_RE,
@@ -160,7 +165,12 @@ def _proxy(ctx: SchedulerContext, path: str, kind: str) -> Response:
         raise SchedulerError(too_many_requests(ctx.in_flight.max_in_flight), 429,
                              TOO_MANY_REQUESTS, retry_after_s=RETRY_AFTER_S)  # fmt: skip
     try:
-        answer = ctx.router.forward(path, _json_body(), kind)
+        body = _json_body()
+        model = body.get("model") if isinstance(body.get("model"), str) else None
+        refused = ctx.in_flight.assign(slot, model or "", f"model {model!r}")  # TENANT_SHARE
+        if refused is not None:
+            raise SchedulerError(refused, 429, TOO_MANY_REQUESTS, retry_after_s=RETRY_AFTER_S)
+        answer = ctx.router.forward(path, body, kind)
     except BaseException:
         slot.release()
         raise
@@ -374,7 +384,7 @@ def create_app(
     503. `app.extensions["toppings"]` is the in-flight limit (a drain waits for it to empty)."""
     app = Flask("toppings-scheduler")
     app.config["MAX_CONTENT_LENGTH"] = MAX_BODY_BYTES
-    in_flight = InFlightLimit(max_in_flight)
+    in_flight = InFlightLimit(max_in_flight, TENANT_SHARE)
     flag = draining if draining is not None else threading.Event()
     ctx = SchedulerContext(router, cluster, router.registry, in_flight, info, flag)
     app.extensions["toppings"] = ctx.in_flight

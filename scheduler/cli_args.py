@@ -42,8 +42,9 @@ class SchedulerSettings(ListenSettings):
         DEFAULT_MAX_IN_FLIGHT,
         bound=Bound.POSITIVE,
         flag=Flag(
-            "proxied requests in flight past which a request gets 429 with Retry-After; "
-            "waitress runs a thread for each",
+            "proxied requests in flight past which a request gets 429 with Retry-After, one "
+            "model (an adapter or a base model) at most 3/4 of them, the rest kept for the "
+            "others; waitress runs a thread for each",
             type=positive,
             metavar="N",
         ),

@@ -47,7 +47,7 @@ from toppings.server.api.openai.logprobs import TokenText
 from toppings.server.api.openai.models import register_models
 from toppings.server.api.options import ApiOptions
 from toppings.server.api.tokenizer_pool import TokenizerPool
-from toppings.server.http.frontend import InFlightLimit, default_max_in_flight
+from toppings.server.http.frontend import TENANT_SHARE, InFlightLimit, default_max_in_flight
 from toppings.server.http.metrics import install_metrics
 from toppings.server.requests.errors import (
     API_KEY_REQUIRED,
@@ -143,7 +143,8 @@ def _context(engine, options: ApiOptions) -> ApiContext:
     max_in_flight = options.max_concurrent_requests or default_max_in_flight(
         engine.config.max_batch_size
     )
-    in_flight, logprobs = InFlightLimit(max_in_flight), InFlightLimit(LOGPROB_ENTRIES_IN_FLIGHT)
+    in_flight = InFlightLimit(max_in_flight, TENANT_SHARE)
+    logprobs = InFlightLimit(LOGPROB_ENTRIES_IN_FLIGHT)
     state = ServerState(in_flight, logprobs, ServerMetrics(engine, in_flight, logprobs))
     admin = AdapterAdmin(engine, AdapterPaths(options.lora_roots))
     fetcher = None

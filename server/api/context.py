@@ -51,6 +51,15 @@ class ServerState:
                                TOO_MANY_REQUESTS, retry_after_s=RETRY_AFTER_S)  # fmt: skip
         return slot
 
+    def assign_tenant(self, slot: Slot, adapter: str | None) -> None:
+        """Count `slot` as its adapter's (None: the base model's), a tenant of its own; a 429
+        with Retry-After when that adapter holds its whole share of the places in flight
+        (frontend.TENANT_SHARE: the rest is kept for the others)."""
+        who = f"adapter {adapter!r}" if adapter else "the base model"
+        refused = self.in_flight.assign(slot, adapter or "", who)
+        if refused is not None:
+            raise RequestError(refused, 429, TOO_MANY_REQUESTS, retry_after_s=RETRY_AFTER_S)
+
     def charge_logprobs(self, entries: int) -> Slot:
         """An answer's logprob entries (`choices.logprob_entries`, 0 for none) charged to the
         process's budget until it is written; a 429 with Retry-After while the answers in

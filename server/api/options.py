@@ -74,7 +74,9 @@ class ApiOptions(Settings):
         bound=Bound.POSITIVE,
         flag=Flag(
             "generation requests in flight (running or queued) past which a request gets 429 "
-            "with Retry-After; waitress runs a thread for each (default: 4x --max-batch-size)",
+            "with Retry-After, one adapter (or the base model) at most 3/4 of them, the rest "
+            "kept for the others; waitress runs a thread for each (default: 4x "
+            "--max-batch-size)",
             type=positive,
             metavar="N",
         ),

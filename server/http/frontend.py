@@ -3,7 +3,11 @@
 A handler takes a `Slot` before it submits a request and gives it back when the answer has
 ended, however it ends: finished, failed, refused by the engine, or cut by a client that went
 away before or during the stream. Past `max_in_flight` a request is refused at once (the caller
-answers 429 with Retry-After), never queued behind busy handler threads.
+answers 429 with Retry-After), never queued behind busy handler threads. Where the limit keeps
+a tenant's share (`tenant_share`), a slot is then assigned to its tenant (`assign`, once
+the request names it): once a second tenant has come, no tenant holds more than that share, so
+one tenant's flood cannot take every place and leave the others only 429s (a server only one
+tenant ever used keeps its whole limit for it).
 
 Waitress runs each request in flight, a stream included, on one thread of its pool, which is
 sized from the limit plus a reserve: requests in flight never wait for a thread, and the
@@ -28,6 +32,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 logger = logging.getLogger(__name__)
 
 IN_FLIGHT_PER_BATCH_SLOT = 4  # default limit: 4x the max batch size (queued requests count too)
+TENANT_SHARE = 0.75  # of a server's requests in flight, the most one adapter (tenant) holds
 DEFAULT_RESERVE_THREADS = 8  # waitress threads beyond the limit
 CONNECTIONS_PER_THREAD = 2  # room for idle keep-alive connections and clients being refused
 SPARE_FILES = 256  # open files beside the connections: model, shared memory, pipes, logs
@@ -47,6 +52,7 @@ class Slot:
     def __init__(self, limit: InFlightLimit, units: int = 1):
         self._limit = limit
         self.units = units
+        self.tenant: str | None = None  # set by InFlightLimit.assign
         self._released = False
 
     def release(self) -> None:
@@ -55,15 +61,22 @@ class Slot:
 
 class InFlightLimit:
     """Counts requests in flight (or another weight of them: `units` a request) and refuses,
-    without blocking, the one that would pass `max_in_flight`."""
+    without blocking, the one that would pass `max_in_flight`; with a `tenant_share` below 1,
+    once a second tenant has been assigned a slot, also the one that would take its tenant past
+    `max_per_tenant`, that share of the limit rounded up (the rest is kept for the other
+    tenants; a limit below 4 keeps none)."""
 
-    def __init__(self, max_in_flight: int):
+    def __init__(self, max_in_flight: int, tenant_share: float = 1.0):
         if max_in_flight < 1:
             raise ValueError("max_in_flight must be positive")
         self.max_in_flight = max_in_flight
+        self.max_per_tenant = max_in_flight - int(max_in_flight * (1.0 - tenant_share))
         self._lock = threading.Lock()
         self._num_in_flight = 0
         self._num_rejected = 0
+        self._tenants: dict[str, int] = {}  # units in flight per tenant that holds any
+        self._first_tenant: str | None = None
+        self.shared = False  # whether a second tenant has come: the shares apply from then on
 
     def try_acquire(self, units: int = 1) -> Slot | None:
         """A slot of `units`, or None (and one more rejection counted) when they would pass
@@ -75,11 +88,41 @@ class InFlightLimit:
             self._num_in_flight += units
             return Slot(self, units)
 
+    def assign(self, slot: Slot, tenant: str, who: str) -> str | None:
+        """Count `slot` as `tenant`'s (`who`, its name in a message: "adapter 'x'"); None, or
+        the refusal (answered 429 with Retry-After: the slot stays held and unassigned, one
+        more rejection is counted) when that would pass `max_per_tenant`."""
+        with self._lock:
+            held = self._tenants.get(tenant, 0)
+            if self._first_tenant is None:
+                self._first_tenant = tenant
+            self.shared = self.shared or tenant != self._first_tenant
+            if self.shared and held + slot.units > self.max_per_tenant:
+                self._num_rejected += 1
+                return (
+                    f"{who} has {held} requests in flight, the most one tenant holds "
+                    f"({self.max_per_tenant} of the {self.max_in_flight} of "
+                    f"--max-concurrent-requests: the rest is kept for others); retry after "
+                    f"the Retry-After delay"
+                )
+            self._tenants[tenant] = held + slot.units
+            slot.tenant = tenant
+            return None
+
+    def tenant_in_flight(self, tenant: str) -> int:
+        return self._tenants.get(tenant, 0)
+
     def _release(self, slot: Slot) -> None:
         with self._lock:
             if not slot._released:
                 slot._released = True
                 self._num_in_flight -= slot.units
+                if slot.tenant is not None:
+                    left = self._tenants[slot.tenant] - slot.units
+                    if left:
+                        self._tenants[slot.tenant] = left
+                    else:
+                        del self._tenants[slot.tenant]
 
     @property
     def num_in_flight(self) -> int:

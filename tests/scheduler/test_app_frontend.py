@@ -97,3 +97,29 @@ def test_a_busy_server_passes_the_request_on_and_all_busy_is_a_429(setup):
     assert answer.get_json()["error"]["type"] == "too_many_requests"
     assert all(s.healthy for s in cluster.states())
     assert app.extensions["toppings"].num_in_flight == 0
+
+
+def test_one_model_holds_at_most_its_share_of_the_places_in_flight(tmp_path, scheduler_parts):
+    # 4 places: one model holds 3, the fourth is kept for the others (TENANT_SHARE)
+    servers = FakeServers()
+    with scheduler_parts(tmp_path, servers, Session()) as (_, cluster, router):
+        app = create_app(router, cluster, {"perf_model_source": "test"}, max_in_flight=4)
+        client, limit = app.test_client(), app.extensions["toppings"]
+        servers.set(URL, stats())
+        assert client.post("/admin/servers", json={"url": URL}).status_code == 201
+        router.session.script = [Answer(200, [b"{}"])]  # a second model: the shares apply
+        assert client.post("/v1/completions", json=dict(BODY, model="chat")).status_code == 200
+        router.session.script = [Answer(200, [SSE[:10], SSE[10:]]) for _ in range(3)]
+        held = [client.post("/v1/completions", json=STREAM, buffered=False) for _ in range(3)]
+        assert all(next(iter(h.response)) == SSE[:10] for h in held)
+        refused = client.post("/v1/completions", json=BODY)
+        assert refused.status_code == 429 and int(refused.headers["Retry-After"]) >= 1
+        assert "model 'sql' has 3 requests in flight" in refused.get_json()["error"]["message"]
+        router.session.script = [Answer(200, [b"{}"])]
+        other = client.post("/v1/completions", json=dict(BODY, model="chat"))
+        assert other.status_code == 200 and limit.num_in_flight == 3
+        for h in held:
+            h.close()
+        assert limit.num_in_flight == 0
+        router.session.script = [Answer(200, [b"{}"])]
+        assert client.post("/v1/completions", json=BODY).status_code == 200

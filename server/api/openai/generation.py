@@ -146,6 +146,7 @@ def register_generation(app: Flask, ctx: ApiContext) -> None:
         with ctx.names.lease() as resolve:  # the adapter stays registered until submitted
             # Resolved before a tokenizer copy is borrowed: a first use may wait on a load.
             adapter = resolve(parsed.adapter)
+            state.assign_tenant(slot, adapter.name if adapter else None)
             with ctx.tokenizers.borrow() as tokenizer:
                 reqs, prompt_ids = build_requests(
                     parsed,

@@ -53,6 +53,36 @@ def test_limit_refuses_past_max_and_counts():
         InFlightLimit(0)
 
 
+def test_one_tenant_holds_at_most_its_share_and_the_rest_is_kept_for_others():
+    limit = InFlightLimit(8, tenant_share=0.75)
+    assert limit.max_per_tenant == 6
+    alone = [limit.try_acquire() for _ in range(8)]  # one tenant ever: the whole limit is its
+    assert [limit.assign(s, "a", "a") for s in alone] == [None] * 8 and not limit.shared
+    for slot in alone:
+        slot.release()
+    first = limit.try_acquire()
+    assert limit.assign(first, "b", "b") is None and limit.shared  # a second tenant came
+    first.release()
+    flood = [limit.try_acquire() for _ in range(7)]
+    refusals = [limit.assign(s, "a", "adapter 'a'") for s in flood]
+    assert refusals[:6] == [None] * 6 and "adapter 'a' has 6 requests in flight" in refusals[6]
+    assert limit.tenant_in_flight("a") == 6 and limit.num_rejected == 1
+    flood.pop().release()  # refused: the caller gives its slot back
+    others = [limit.try_acquire() for _ in range(2)]
+    assert all(limit.assign(s, "b", "b") is None for s in others)  # the kept quarter
+    assert limit.try_acquire() is None  # the whole limit holds as before
+    flood[0].release()
+    flood[0].release()  # idempotent
+    late = limit.try_acquire()
+    assert late and limit.assign(late, "a", "a") is None and limit.tenant_in_flight("a") == 6
+    for slot in [*flood, *others, late]:
+        slot.release()
+    assert limit.num_in_flight == 0 and limit.tenant_in_flight("a") == 0
+    assert not limit._tenants  # no tenant kept once it holds nothing
+    # small limits keep no quarter: a tenant may hold all of them
+    assert [InFlightLimit(n, 0.75).max_per_tenant for n in (1, 2, 3, 4)] == [1, 2, 3, 3]
+
+
 def test_limit_holds_under_concurrent_use():
     limit, peak, errors = InFlightLimit(5), [], []
 
@@ -144,9 +174,11 @@ def assert_idle(engine, timeout_s: float = 60.0) -> None:
         time.sleep(0.02)
 
 
-def open_stream(client, path: str = "/generate", max_new: int = LONG):
+def open_stream(client, path: str = "/generate", max_new: int = LONG, adapter: str | None = None):
     """A streamed request, its first chunk read (the request is in flight), not closed."""
     body = dict(ENDPOINTS[path], stream=True)
+    if adapter is not None:
+        body["adapter"] = adapter
     body["max_new_tokens" if path == "/generate" else "max_tokens"] = max_new
     response = client.post(path, json=body, buffered=False)
     assert response.status_code == 200
@@ -209,6 +241,44 @@ def test_past_the_limit_a_429_with_retry_after_then_served_again(app):
     assert in_flight(app) == 0
     assert client.post("/generate", json=ENDPOINTS["/generate"]).status_code == 200
     assert metric_values(client)["toppings:num_requests_in_flight"] == 0
+
+
+def test_one_adapter_past_its_share_gets_a_429_and_the_others_are_served(engine):
+    # 4 in flight at most: one adapter (or the base model) holds 3, the fourth is kept for others
+    app = create_app(engine, ApiOptions(max_concurrent_requests=4))
+    client = app.test_client()
+    assert client.post("/generate", json=ENDPOINTS["/generate"]).status_code == 200  # 2 tenants
+    held = [open_stream(client, "/generate", adapter="a8") for _ in range(3)]
+    refused = client.post("/generate", json=dict(ENDPOINTS["/generate"], adapter="a8"))
+    assert refused.status_code == 429 and int(refused.headers["Retry-After"]) >= 1
+    message = refused.get_json()["error"]["message"]
+    assert "adapter 'a8' has 3 requests in flight" in message and "3 of the 4" in message
+    assert in_flight(app) == 3  # the refused request gave its slot back
+    other = client.post("/generate", json=dict(ENDPOINTS["/generate"], adapter="a16"))
+    assert other.status_code == 200
+    base = client.post("/generate", json=ENDPOINTS["/generate"])
+    assert base.status_code == 200
+    for response in held:
+        response.close()
+    assert in_flight(app) == 0
+    again = client.post("/generate", json=dict(ENDPOINTS["/generate"], adapter="a8"))
+    assert again.status_code == 200
+    assert_idle(engine)
+
+
+def test_a_stream_the_client_closed_still_counts_its_tokens(app, engine):
+    client = app.test_client()
+    before = metric_values(client)
+    response = open_stream(client, "/v1/completions")  # its first chunk read
+    response.close()  # the client hangs up mid-stream: aborted
+    assert_idle(engine)
+    deadline = time.monotonic() + 30
+    while (after := metric_values(client))["toppings:prompt_tokens_total"] == before[
+        "toppings:prompt_tokens_total"
+    ]:
+        assert time.monotonic() < deadline, "the aborted stream's tokens were never counted"
+        time.sleep(0.02)
+    assert after["toppings:generation_tokens_total"] > before["toppings:generation_tokens_total"]
 
 
 def metric_values(client) -> dict[str, float]:
