@@ -20,11 +20,14 @@ the servers do, from its token ids (given as ids, or from `--tokenizer`, the ser
 checkpoint directory).
 
 Waitress runs one thread per proxied request in flight (`--max-concurrent-requests`, 429 past
-it) plus `--threads` more for everything else (see toppings.server.http.frontend).
+it, and past 3/4 of it for one model) plus `--threads` more for everything else (see
+toppings.server.http.frontend).
 
 The first SIGTERM or SIGINT drains: `/health` turns 503, new requests get 503, and requests in
 flight run to their end (at most `--drain-timeout` seconds) while waitress keeps streaming
-them; then the loops stop, the registry closes and the command exits 0 (scheduler.drain).
+them; a stream still running then ends with an error event (503) and `[DONE]` and its server's
+stream is closed; then the loops stop, the registry closes and the command exits 0
+(scheduler.drain).
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ from toppings.scheduler.cli_args import (
     parse_settings,
 )
 from toppings.scheduler.cluster import Cluster
-from toppings.scheduler.drain import in_flight_ended
+from toppings.scheduler.drain import DRAIN_ENDED, in_flight_ended
 from toppings.scheduler.kv_index.feeds import KVFeeds
 from toppings.scheduler.loraserve import PlacementConfig
 from toppings.scheduler.paper_models import paper_fig6_models
@@ -199,7 +202,7 @@ def main(argv: list[str] | None = None) -> None:
     in_flight = app.extensions["toppings"]
     drainer = Drainer(
         draining, in_flight_ended(in_flight), front.drain_timeout,
-        lambda: server.stop(HANDLER_GRACE_S),
+        lambda: server.stop(HANDLER_GRACE_S), lambda: router.streams.end_all(DRAIN_ENDED),
     )  # fmt: skip
     drainer.install_signals()
     warn_if_admin_unreachable(front.host, keys)

@@ -3,7 +3,9 @@
 The drain itself (signals, `draining`, the wait, then `stop`) is server.http.drain's, shared
 with `toppings-serve`: the first SIGTERM or SIGINT makes `/health` and new requests 503
 (scheduler.app) while the requests in flight, streams included, run to their end, for at most
-the drain timeout; then waitress stops and the command stops its loops and exits 0.
+the drain timeout; the streams still running then end with an error event and `[DONE]`
+(scheduler.server_session.LiveStreams); then waitress stops and the command stops its loops
+and exits 0.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from collections.abc import Callable
 from typing import Protocol
 
 POLL_S = 0.05
+# What a client of a stream still running when the drain timeout passes reads last
+DRAIN_ENDED = "the scheduler is shutting down: its --drain-timeout passed"
 
 
 class InFlight(Protocol):

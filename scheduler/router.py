@@ -14,7 +14,8 @@ scheduler as from a server. A body goes to one server unchanged: a list of promp
 choices are not split across servers (the server batches them); the routing cost counts the
 prompt tokens of every prompt, times n. Each attempt counts as in flight on its server from
 the moment it is sent until its answer has ended: read whole, failed, or (streamed) closed by
-the client at any point, even before the first chunk (see `_Stream`).
+the client at any point, even before the first chunk (see
+scheduler.server_session.ProxiedStream).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from toppings.scheduler.prompt_tokens import (
     truncation,
 )
 from toppings.scheduler.registry import Registry
-from toppings.scheduler.server_session import ServerSession
+from toppings.scheduler.server_session import LiveStreams, ProxiedStream, ServerSession
 from toppings.scheduler.state import RouteRequest, ServerState, hosted_anywhere
 from toppings.server.requests.errors import (
     ADAPTER_NAME_RE,
@@ -53,7 +54,6 @@ from toppings.server.requests.errors import (
     RETRY_AFTER_S,
     TOO_MANY_REQUESTS,
     UNAVAILABLE,
-    error_body,
     unknown_adapter,
 )
 
@@ -126,6 +126,7 @@ class Router:
             count_prompt, "token_ids", given_token_ids
         )
         self.session = session if session is not None else ServerSession(cluster.origins)
+        self.streams = LiveStreams()  # the streamed answers being proxied (the drain ends them)
         self.metrics = SchedulerMetrics(cluster, registry)
         self.started = int(time.time())  # the `created` of the model cards, as a server's
         self._choose_lock = threading.Lock()
@@ -258,7 +259,7 @@ class Router:
         status = answer.status_code
         headers = tuple((h, answer.headers[h]) for h in PASSED_ON if h in answer.headers)
         if stream and answer.ok:
-            chunks = _Stream(answer, self._learn_streamed_length, done)
+            chunks = ProxiedStream(answer, self._learn_streamed_length, done, self.streams)
             return Forwarded(status, content_type, chunks, url, headers)
         outcome = "disconnected"  # until the body has been read whole
         try:
@@ -327,74 +328,3 @@ class _Done:
         self.cluster.end_request(self.url)
         if outcome is not None:
             self.metrics.finished.labels(outcome, str(self.status)).inc()
-
-
-class _Stream:
-    """The SSE body as it arrives; closes the upstream and ends the attempt however it ends.
-
-    An iterator object rather than a generator: the WSGI server calls `close()` when the client
-    goes away, and a generator never started would skip its `finally` (the request would stay
-    in flight forever, and the upstream connection open).
-
-    Counts the stream's events as it passes: a server sends one event per output step (about
-    one token), so a stream that ends with `data: [DONE]` tells `learn` roughly how many tokens
-    it carried (the usage-only event of include_usage counts one too much).
-    """
-
-    def __init__(
-        self,
-        answer: requests.Response,
-        learn: Callable[[int], None],
-        done: Callable[[str | None], None],
-    ):
-        self.answer, self.learn, self.done = answer, learn, done
-        self._chunks: Iterator[bytes] | None = None
-        self.events, self.saw_done, self.tail = 0, False, b""
-        self.closed = False
-
-    def __iter__(self) -> _Stream:
-        return self
-
-    def __next__(self) -> bytes:
-        if self.closed:
-            raise StopIteration
-        if self._chunks is None:
-            self._chunks = self.answer.iter_content(chunk_size=None)
-        try:
-            chunk = next(self._chunks)
-        except StopIteration:
-            self._end("success")
-            if self.saw_done:
-                self.learn(self.events - 1)
-            raise
-        except requests.RequestException as exc:  # the server went away mid-stream
-            self._end("error")
-            where = getattr(self.answer, "url", "a server")
-            log.warning("a stream from %s broke off: %s", where, type(exc).__name__)
-            return self._broken_off()
-        except BaseException:
-            self._end("error")
-            raise
-        seen = self.tail + chunk  # a marker may straddle two chunks
-        # Markers wholly inside the tail were counted with the previous chunk.
-        self.events += seen.count(b"data: ") - self.tail.count(b"data: ")
-        self.saw_done = self.saw_done or b"data: [DONE]" in seen
-        self.tail = seen[-11:]  # one byte short of b"data: [DONE]"
-        return chunk
-
-    def _broken_off(self) -> bytes:
-        """An error event in the server's shape (after a blank line, where an event was cut
-        short) and `[DONE]`, as a server ends a generation that failed mid-stream."""
-        cut = b"" if not self.tail or self.tail.endswith(b"\n\n") else b"\n\n"
-        error = error_body("the server's stream broke off", 502, BAD_GATEWAY)
-        return cut + b"data: " + json.dumps(error).encode() + b"\n\ndata: [DONE]\n\n"
-
-    def close(self) -> None:
-        """Called by the WSGI server when the response ends or the client goes away."""
-        self._end("disconnected")
-
-    def _end(self, outcome: str) -> None:
-        if not self.closed:
-            self.closed = True
-            self.answer.close()
-            self.done(outcome)

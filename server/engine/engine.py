@@ -41,6 +41,7 @@ from toppings.server.process.threads import (
 )
 from toppings.server.requests.adapter_ref import AdapterRef
 from toppings.server.requests.engine_counters import EngineCounters
+from toppings.server.requests.errors import RETRY_AFTER_S, UNAVAILABLE
 from toppings.server.requests.request import GenerationRequest, RequestError, RequestHandle
 from toppings.server.requests.sequence import Sequence
 from toppings.server.requests.stats_schema import ServerStats
@@ -213,7 +214,9 @@ class Engine:
         for constraint in {r.params.constraint for r in requests} - {None}:
             self.grammars.compile(constraint)  # a spec that cannot compile: 400, nothing queued
         if self._stopping.is_set() or self._draining.is_set():
-            raise RequestError("the server is shutting down", 503, "unavailable")
+            raise RequestError(  # a client may retry at once: another replica takes it
+                "the server is shutting down", 503, UNAVAILABLE, retry_after_s=RETRY_AFTER_S
+            )
         refs = [r.adapter for r in requests]
         self.adapter_refs.acquire(refs)  # 404 if unloaded since resolved; no unload from here
         try:

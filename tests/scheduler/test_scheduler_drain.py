@@ -203,3 +203,39 @@ def test_sighup_drains_too(tmp_path, free_port):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_stream_still_running_when_the_drain_times_out_gets_an_end(tmp_path, free_port):
+    """The drain's time ran out with a stream in flight: its client reads an error event (503,
+    the drain) and [DONE] (it was a cut connection, seconds later), and the server's stream is
+    closed."""
+    release = threading.Event()
+    http = make_server("127.0.0.1", 0, _slow_stream_server(release), threaded=True)
+    threading.Thread(target=http.serve_forever, daemon=True).start()
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TOPPINGS_")}
+    cmd = [sys.executable, "-m", "toppings.scheduler.cli", "--registry", str(tmp_path / "r.db"),
+           "--port", str(port), "--refresh-ms", "50", "--drain-timeout", "1"]  # fmt: skip
+    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_healthy(url, proc, timeout_s=60, statuses=(200, 503))
+        server = {"url": f"http://127.0.0.1:{http.server_port}"}
+        assert requests.post(url + "/admin/servers", json=server, timeout=10).status_code == 201
+        body = {"model": "base", "prompt": "hi", "max_tokens": 4, "stream": True}
+        stream = requests.post(url + "/v1/completions", json=body, stream=True, timeout=60)
+        lines = stream.iter_lines()
+        assert next(line for line in lines if line).startswith(b"data: ")  # first event in
+        proc.send_signal(signal.SIGTERM)
+        rest = [line for line in lines if line]  # the stand-in never sends more
+        assert rest[-1] == b"data: [DONE]" and len(rest) == 2, rest
+        error = json.loads(rest[0][6:])["error"]
+        assert (error["code"], error["type"]) == (503, "unavailable")
+        assert "--drain-timeout" in error["message"]
+        assert proc.wait(timeout=60) == 0
+    finally:
+        release.set()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        http.shutdown()

@@ -16,6 +16,7 @@ from toppings.server.requests.errors import SERVER_ERROR
 from toppings.server.requests.request import (
     GenerationRequest,
     RequestError,
+    RequestHandle,
     RequestOutput,
     merge_outputs,
 )
@@ -74,6 +75,8 @@ class RequestGroup:
                         raise RequestError("the engine stopped", 503, SERVER_ERROR)
         finally:
             self.abort()
+            for idx in self._open:  # closed early: counted when the engine's abort lands
+                _on_final_later(self._handles[idx], on_final)
 
     def results(
         self, is_gone: Callable[[], bool], on_final: Callable[[RequestOutput], None]
@@ -83,3 +86,17 @@ class RequestGroup:
         for idx, out in self.outputs(is_gone, on_final):
             per_choice[idx].append(out)
         return [merge_outputs(outs) for outs in per_choice]
+
+
+def _on_final_later(handle: RequestHandle, on_final: Callable[[RequestOutput], None]) -> None:
+    """Call `on_final` with `handle`'s final output once it comes (from the thread that puts it,
+    or at once if it is there): a stream the client closed still counts its tokens."""
+
+    def drain() -> None:
+        for out in handle.poll():
+            if out.finish_reason is not None:
+                handle.on_put = None
+                on_final(out)
+
+    handle.on_put = drain
+    drain()  # an output put before on_put was set

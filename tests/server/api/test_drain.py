@@ -50,7 +50,7 @@ def test_sigterm_drains_then_exits_zero(tmp_path, tiny_model_dir, free_port):
                 time.sleep(0.05)
             assert health.status_code == 503 and "draining" in health.text
             late = requests.post(url + "/generate", json={"prompt": "x"}, headers=auth, timeout=10)
-            assert late.status_code == 503
+            assert late.status_code == 503 and int(late.headers["Retry-After"]) >= 1
             events += [json.loads(x[6:]) for x in lines if x.startswith(b"data: {")]
         assert events[-1]["finish_reason"] == "length"
         assert sum(len(e["token_ids"]) for e in events) == max_new
