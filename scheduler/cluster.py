@@ -55,6 +55,9 @@ class _Entry:
     in_flight: int = 0  # requests proxied here whose answer has not ended (the scheduler's count)
     snapshot_at: float = 0.0  # time.monotonic() of the last /stats that parsed
     resolving: dict[str, float] = field(default_factory=dict)  # name -> when routed, to be found
+    # The server's adapter list as of its adapters_version (names, ranks, invocations: their
+    # residency is in each /stats), sent back as adapters_since: an unchanged list is left out
+    listed: tuple[int, list[dict[str, Any]]] | None = None
 
 
 class Cluster:
@@ -278,8 +281,11 @@ class Cluster:
         """Fetch one server's /stats now and update its snapshot and health (the admin routes'
         after an adapter load or unload, so that routing knows before the next poll)."""
         began = time.monotonic()
+        with self._lock:
+            entry = self._entries.get(url)
+            listed = entry.listed if entry is not None else None
         try:
-            stats = self.fetch_json(url + "/stats")
+            stats = self._fetch_stats(url, listed)
             state = ServerState.from_stats(url, stats)
         except Exception as exc:  # any failure (refused, timeout, bad JSON) means unhealthy
             self.mark_unhealthy(url, f"/stats: {type(exc).__name__}: {exc}")
@@ -295,6 +301,7 @@ class Cluster:
                 return
             was_healthy, entry.healthy = entry.healthy, state.healthy
             entry.snapshot, entry.snapshot_at = state, time.monotonic()
+            entry.listed = _listed(stats, entry.listed)
             entry.routed = [(t, r) for t, r in entry.routed if t >= began]
             held = entry.snapshot_at - RESOLVE_HOLD_S
             entry.resolving = {
@@ -316,6 +323,16 @@ class Cluster:
         elif write_seen or was_healthy != state.healthy:
             self.registry.set_health(url, state.healthy, now)
 
+    def _fetch_stats(self, url: str, listed: tuple[int, list[dict]] | None) -> dict[str, Any]:
+        """The server's /stats, its adapter list asked only if it changed since `listed`
+        (filled in from it where the server left it out)."""
+        if listed is None:
+            return self.fetch_json(url + "/stats")
+        stats = self.fetch_json(f"{url}/stats?adapters_since={listed[0]}")
+        if stats.get("adapters_unchanged"):
+            stats["adapters"] = listed[1]
+        return stats
+
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="stats-refresh", daemon=True)
         self._thread.start()
@@ -336,3 +353,15 @@ class Cluster:
         self._pool.shutdown(wait=False)
         if self.kv_feeds is not None:
             self.kv_feeds.close()
+
+
+def _listed(stats: dict[str, Any], before: tuple[int, list[dict]] | None):
+    """What to keep of a /stats body's adapter list (`_Entry.listed`); `before` while it is
+    unchanged."""
+    if stats.get("adapters_unchanged") or "adapters_version" not in stats:
+        return before if stats.get("adapters_unchanged") else None
+    keep = ("name", "rank", "invocation_tokens")
+    adapters = [
+        {**{k: a[k] for k in keep if k in a}, "resident": False} for a in stats.get("adapters", ())
+    ]
+    return int(stats["adapters_version"]), adapters

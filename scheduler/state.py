@@ -154,6 +154,7 @@ class ServerState:
             base_model=str(stats.model),
             device_adapters=frozenset(
                 {a.name for a in stats.adapters if a.state is Residency.DEVICE or a.resident}
+                | set(stats.resident_adapters)  # all there is where the list was left out
             ),
             loading_adapters=frozenset(
                 {a.name for a in stats.adapters if a.state is Residency.LOADING}

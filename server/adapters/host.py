@@ -68,6 +68,7 @@ class AdapterHost:
         # Each registration's adapter by `AdapterRef.id` (its `id` is the weights id), in
         # registration order; and each held copy by weights id (what the runner computes with).
         self._registered: dict[int, LoraAdapter] = {}
+        self.version = 0  # moves with every registration and every drop (/stats adapters_since)
         self._copies: dict[int, LoraAdapter] = {}
         # DoRA adapters' scales on the device, by weights id (small: two [L, H_out] per module)
         self._dora: dict[int, DoraScales] = {}
@@ -152,6 +153,7 @@ class AdapterHost:
                 self.memory.release(ref.id)
                 raise
         self._registered[ref.id] = adapter
+        self.version += 1
         if adapter.dora is not None and adapter.id not in self._dora:
             self._dora[adapter.id] = adapter.dora.to(self.device, self.dtype)
 
@@ -183,6 +185,7 @@ class AdapterHost:
         """Free everything held for registration `ref` (what it shares with another
         registration stays for that one)."""
         weights_id = self._registered.pop(ref.id).id
+        self.version += 1
         if self.memory.release(ref.id):  # the last registration of its content
             self._copies.pop(weights_id, None)
             self._in_process.forget(weights_id)

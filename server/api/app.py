@@ -125,7 +125,7 @@ def register_observability(app: Flask, ctx: ApiContext) -> None:
     @app.get("/stats")
     def stats() -> Response:
         body = dataclasses.replace(
-            engine.stats(),
+            engine.stats(request.args.get("adapters_since")),
             draining=state.draining.is_set(),
             num_in_flight=state.in_flight.num_in_flight,
             max_concurrent_requests=state.in_flight.max_in_flight,

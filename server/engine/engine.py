@@ -199,9 +199,10 @@ class Engine:
     def adapters(self) -> list[dict]:
         return reports.adapter_list(self)
 
-    def stats(self) -> ServerStats:
-        """What the cluster scheduler needs (reports.py); cheap, no lock."""
-        return reports.stats(self)
+    def stats(self, adapters_since: str | None = None) -> ServerStats:
+        """What the cluster scheduler needs (reports.py); cheap, no lock. `adapters_since`: an
+        earlier `adapters_version`; the adapter list is left out while it still holds."""
+        return reports.stats(self, adapters_since)
 
     def submit(self, request: GenerationRequest) -> RequestHandle:
         """Queue a request; raises RequestError when it can never be served."""

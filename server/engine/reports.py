@@ -115,16 +115,25 @@ def adapter_list(engine: Reported) -> list[dict]:
     ]
 
 
-def stats(engine: Reported) -> ServerStats:
-    """What the cluster scheduler needs; cheap, no lock (snapshots of the lists)."""
+def stats(engine: Reported, adapters_since: str | None = None) -> ServerStats:
+    """What the cluster scheduler needs; cheap, no lock (snapshots of the lists).
+    `adapters_since`: the `adapters_version` of an earlier /stats the caller holds; when the
+    registered adapters are the same now, their list is left out (`adapters_unchanged`: with
+    thousands of adapters it was most of the body of every poll)."""
     lora, sched, config = engine.lora, engine.scheduler, engine.config
+    version = lora.host.version  # read before the list: a change meanwhile shows next time
     states = lora.cache.entry_states()  # one read of the cache entries, by weights id
     # Every name of rows several names share is resident with them.
     named = [(a.name, a, states.get(a.id)) for a in lora.host.registered()]
     resident = [n for n, _, s in named if s is not None and s.on_device]
     loading = [n for n, _, s in named if s is not None and not s.on_device]  # a failed load too
-    adapters = tuple(adapter_view(n, a.rank, s, tuple(a.invocation_tokens)) for n, a, s in named)
-    by_state = {r: sum(a.state is r for a in adapters) for r in Residency}
+    unchanged = adapters_since == str(version)
+    adapters = () if unchanged else tuple(
+        adapter_view(n, a.rank, s, tuple(a.invocation_tokens)) for n, a, s in named
+    )  # fmt: skip
+    by_state = dict.fromkeys(Residency, 0)
+    for _, _, s in named:
+        by_state[residency(s)] += 1
     return ServerStats(
         model=engine.model_name,
         kernel=config.kernel,
@@ -133,6 +142,8 @@ def stats(engine: Reported) -> ServerStats:
         running=tuple(s.describe() for s in list(sched.running)),
         queue=tuple(s.describe() for s in sched.queue),
         adapters=adapters,
+        adapters_version=version,
+        adapters_unchanged=unchanged,
         free_kv_tokens=engine.memory.free_tokens(),
         max_total_tokens=engine.kv.num_slots,
         memory=engine.memory.view(),
@@ -174,7 +185,13 @@ def adapter_view(
     an activated LoRA's invocation sequence."""
     if state is None:
         return AdapterView(name, rank, False, invocation_tokens=invocation)
-    where = Residency.DEVICE if state.on_device else Residency.HOST
+    return AdapterView(name, rank, state.on_device, residency(state), state.pinned, invocation)
+
+
+def residency(state: EntryState | None) -> Residency:
+    """Where an adapter's rows are, from its cache entry (None: host memory only)."""
+    if state is None:
+        return Residency.HOST
     if state.loading:
-        where = Residency.LOADING
-    return AdapterView(name, rank, state.on_device, where, state.pinned, invocation)
+        return Residency.LOADING
+    return Residency.DEVICE if state.on_device else Residency.HOST

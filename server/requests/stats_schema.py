@@ -15,7 +15,10 @@ parser. Imports nothing else of the server, so the scheduler may import it.
      "draining": bool, "num_in_flight": int, "max_concurrent_requests": int,
      "num_device_adapters": int, "num_loading_adapters": int, "num_host_adapters": int,
      "max_device_adapters": int, "adapter_load_seconds": LOAD_TIMES,
-     "queueing": QUEUEING, "memory": MEMORY, "kv_events": KV_EVENTS, "lora_resolver": bool}
+     "queueing": QUEUEING, "memory": MEMORY, "kv_events": KV_EVENTS, "lora_resolver": bool,
+     "adapters_version": int, "adapters_unchanged": bool}
+    (`GET /stats?adapters_since=V`, V an earlier body's adapters_version: while no adapter was
+    registered or dropped since, "adapters" is [] and "adapters_unchanged" true.)
     REQ = {"id": str, "adapter": str|null, "rank": int, "prompt_tokens": int,
            "output_tokens": int, "max_new_tokens": int}
     QUEUEING = {"policy": "fcfs"|"chameleon", "queue_lengths": [int], "fair_share": bool,
@@ -110,7 +113,7 @@ class ServerStats:
     lora_mode: str
     running: tuple[RequestView, ...]
     queue: tuple[RequestView, ...]
-    adapters: tuple[AdapterView, ...]
+    adapters: tuple[AdapterView, ...]  # () when adapters_unchanged
     free_kv_tokens: int
     max_total_tokens: int
     healthy: bool
@@ -133,6 +136,11 @@ class ServerStats:
     adapter_host_memory: dict[str, Any] = field(default_factory=dict)
     kv_events: dict[str, Any] = field(default_factory=dict)  # KV_EVENTS; {} when off
     lora_resolver: bool = False  # whether it loads an adapter name on first use (--lora-resolver)
+    # Moves whenever an adapter is registered or dropped; `GET /stats?adapters_since=V` with the
+    # version still V leaves `adapters` out (empty) and says so (`adapters_unchanged`): the
+    # residency of each is then in resident_adapters / loading_adapters only.
+    adapters_version: int = 0
+    adapters_unchanged: bool = False
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:

@@ -3,6 +3,7 @@ reads it (`ServerStats.from_json`, then `ServerState.from_stats`)."""
 
 from __future__ import annotations
 
+import copy
 import time
 
 import pytest
@@ -62,3 +63,54 @@ def test_malformed_stats_are_refused():
                 dict(good, running=[{"id": "r"}]), [good]):  # fmt: skip
         with pytest.raises((KeyError, TypeError, ValueError)):
             ServerStats.from_json(bad)
+
+
+def test_the_scheduler_asks_for_the_adapter_list_only_when_it_changed(
+    engine, tmp_path, scheduler_parts, tiny_model_dir
+):
+    """The cluster's polls send back the last `adapters_version`: while no adapter was
+    registered or dropped the server leaves its list out (and builds none), and the cluster
+    routes on the list it holds, with each poll's residency; a load moves the version and the
+    next poll has the whole list again."""
+    from toppings.scripts.make_adapters import make_random_adapter
+    from toppings.server.api.options import ApiOptions
+
+    root = tmp_path / "loras"
+    make_random_adapter(root / "late", tiny_model_dir, rank=4, seed=7)
+    client = create_app(engine, ApiOptions(lora_roots=(str(root),))).test_client()
+    bodies: list[tuple[str, dict]] = []
+
+    def fetch(url: str) -> dict:
+        path = url.removeprefix("http://s")
+        body = client.get(path).get_json()
+        bodies.append((path, copy.deepcopy(body)))  # as sent: the cluster fills in its own
+        return body
+
+    with scheduler_parts(tmp_path, fetch) as (_, cluster, _):
+        cluster.add_server("http://s")
+        cluster.refresh("http://s")  # the first poll: the whole list
+        version = bodies[-1][1]["adapters_version"]
+        assert bodies[-1][0] == "/stats" and len(bodies[-1][1]["adapters"]) == 2
+        cluster.refresh("http://s")
+        path, body = bodies[-1]
+        assert path == f"/stats?adapters_since={version}"
+        assert body["adapters_unchanged"] is True and body["adapters"] == []
+        (state,) = cluster.states()
+        assert state.adapters == {"a8", "a16"}
+        assert state.device_adapters == set(body["resident_adapters"])
+        loaded = client.post(
+            "/v1/load_lora_adapter", json={"lora_name": "late", "lora_path": str(root / "late")}
+        )
+        assert loaded.status_code == 200, loaded.get_data(as_text=True)
+        try:
+            cluster.refresh("http://s")
+            body = bodies[-1][1]
+            assert body["adapters_version"] != version and not body["adapters_unchanged"]
+            assert {a["name"] for a in body["adapters"]} == {"a8", "a16", "late"}
+            (state,) = cluster.states()
+            assert state.adapters == {"a8", "a16", "late"}
+        finally:
+            client.post("/v1/unload_lora_adapter", json={"lora_name": "late"})
+    # a version that is not the server's now (garbage included) gets the whole list
+    for since in (str(version), "x"):
+        assert len(client.get(f"/stats?adapters_since={since}").get_json()["adapters"]) == 2
