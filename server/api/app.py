@@ -145,7 +145,8 @@ def _context(engine, options: ApiOptions) -> ApiContext:
     )
     in_flight = InFlightLimit(max_in_flight, TENANT_SHARE)
     logprobs = InFlightLimit(LOGPROB_ENTRIES_IN_FLIGHT)
-    state = ServerState(in_flight, logprobs, ServerMetrics(engine, in_flight, logprobs))
+    metrics = ServerMetrics(engine, in_flight, logprobs, options.adapter_series)
+    state = ServerState(in_flight, logprobs, metrics)
     admin = AdapterAdmin(engine, AdapterPaths(options.lora_roots))
     fetcher = None
     if options.adapter_store is not None:

@@ -248,14 +248,20 @@ class ServerMetrics:
     """The registry of one app: request series plus the engine, protocol, front-end and
     logprob-budget collectors."""
 
-    def __init__(self, engine, in_flight: InFlightLimit, logprobs: InFlightLimit):
+    def __init__(
+        self,
+        engine,
+        in_flight: InFlightLimit,
+        logprobs: InFlightLimit,
+        adapter_series: str = "all",
+    ):
+        """adapter_series: which adapters get series of their own (`--adapter-series`)."""
         self.registry = new_registry()  # its /metrics route: server.http.metrics
         self.requests = RequestMetrics(self.registry)
         self.registry.register(EngineCollector(engine))
         # One batch may hold as many distinct adapters as requests.
-        self.registry.register(
-            ProtocolCollector(engine, engine.config.max_batch_size, read=read_engine)
-        )
+        max_lora = engine.config.max_batch_size
+        self.registry.register(ProtocolCollector(engine, max_lora, read_engine, adapter_series))
         self.registry.register(
             InFlightCollector(in_flight, PREFIX, "num_requests_in_flight",
                               "Generation requests taken by the HTTP front end and not ended")

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from toppings.server.resolver.sources import make_source, resolver_spec
 from toppings.server.settings import Bound, Flag, Settings, http_origin, positive, setting
 
+ADAPTER_SERIES = ("all", "device", "off")  # --adapter-series (server.api.protocol_metrics)
+
 
 @dataclass(frozen=True)
 class ApiOptions(Settings):
@@ -79,6 +81,17 @@ class ApiOptions(Settings):
             "--max-batch-size)",
             type=positive,
             metavar="N",
+        ),
+    )
+    # Which adapters get series of their own on /metrics (server.api.protocol_metrics).
+    adapter_series: str = setting(
+        "all",
+        choices=ADAPTER_SERIES,
+        flag=Flag(
+            "which registered adapters /metrics gives series of their own "
+            "(vllm:lora_adapter_loaded, toppings:lora_adapter_state; two each): all, only those "
+            "on the device or loading there (a bounded number, for thousands of adapters), or "
+            "off; the counts by residency are there whatever this says"
         ),
     )
     # Where adapters fetched from peers go; None: no fetching.

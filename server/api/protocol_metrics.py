@@ -136,12 +136,16 @@ def kv_cache_usage(stats: ServerStats) -> float:
 class ProtocolCollector:
     """The protocol's series of one server, from one `engine.stats()` per scrape."""
 
-    def __init__(self, engine: StatsEngine, max_lora: int, read=lambda fn: fn()):
+    def __init__(
+        self, engine: StatsEngine, max_lora: int, read=lambda fn: fn(), adapter_series: str = "all"
+    ):
         """max_lora: distinct adapters one batch may hold; read: calls the stats reader (the
-        metrics module retries the rare race of a reader walking live lists)."""
+        metrics module retries the rare race of a reader walking live lists); adapter_series:
+        which adapters get series of their own (`--adapter-series`: all, device, off)."""
         self.engine = engine
         self.max_lora = max_lora
         self.read = read
+        self.adapter_series = adapter_series
 
     def collect(self) -> Iterator[Metric]:
         stats = self.read(self.engine.stats)
@@ -167,18 +171,23 @@ class ProtocolCollector:
         waiting = adapter_list(stats.queue)
         lora.add_metric([running, waiting, str(self.max_lora)], time.time())
         yield lora
-        yield from residency_series(stats)
+        yield from residency_series(stats, self.adapter_series)
 
 
-def residency_series(stats: ServerStats) -> Iterator[Metric]:
-    """The adapter residency series of the module docstring, from one `/stats`."""
+def residency_series(stats: ServerStats, which: str = "all") -> Iterator[Metric]:
+    """The adapter residency series of the module docstring, from one `/stats`; `which`
+    adapters get series of their own: all, those on the device or loading there ("device"),
+    or none ("off")."""
     loaded = GaugeMetricFamily(PREFIX + "lora_adapter_loaded",
                                "Registered adapters by level: gpu (on the device) or cpu (host "
                                "memory only)", labels=LOADED_LABELS)  # fmt: skip
     state = GaugeMetricFamily(OWN_PREFIX + "lora_adapter_state",
                               "Registered adapters by state: device, loading or host",
                               labels=STATE_LABELS)  # fmt: skip
-    for a in stats.adapters:
+    shown = {"all": stats.adapters, "off": ()}.get(which)
+    if shown is None:
+        shown = [a for a in stats.adapters if a.state is not Residency.HOST]
+    for a in shown:
         pinned, rank = str(a.pinned).lower(), str(a.rank)
         loaded.add_metric([a.name, LEVELS[a.state], pinned, rank], 1)
         state.add_metric([a.name, a.state.value, pinned, rank], 1)

@@ -162,3 +162,23 @@ def test_residency_series_follow_loads_and_evictions(engine):
 
     state = ServerState.from_stats("http://s", stats)
     assert (state.residency("b"), state.residency("a"), state.residency("c")) == (0, 2, 3)
+
+
+def test_adapter_series_may_be_limited_to_the_device_or_left_out(engine):
+    # --adapter-series: "device" publishes the adapters on the device (or loading there) only,
+    # "off" none; the counts by residency stay whatever it says
+    from toppings.server.api.options import ApiOptions
+
+    run_one(engine, "a")  # "a" on the device (one adapter's memory), "b" in host memory
+    per_adapter = ("vllm:lora_adapter_loaded", "toppings:lora_adapter_state")
+    seen = {}
+    for which in ("all", "device", "off"):
+        fams, stats = scrape(create_app(engine, ApiOptions(adapter_series=which)).test_client())
+        assert {a["name"]: a["state"] for a in stats["adapters"]} == {"a": "device", "b": "host"}
+        names = [{s.labels["adapter_name"] for s in fams[n].samples} for n in per_adapter]
+        assert names[0] == names[1]
+        seen[which] = names[0]
+        (gpu,) = fams["vllm:num_gpu_loaded_lora_adapters"].samples
+        (cpu,) = fams["vllm:num_cpu_loaded_lora_adapters"].samples
+        assert (gpu.value, cpu.value) == (1, 1)
+    assert seen == {"all": {"a", "b"}, "device": {"a"}, "off": set()}
