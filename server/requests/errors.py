@@ -202,6 +202,11 @@ class HttpError(Protocol):
     retry_after_s: int | None
 
 
+# Refusals of load, not of the request (429 past a limit, 503 draining): counted in /metrics, not
+# logged one line each (a flood of them would be a flood of lines)
+QUIET_REFUSALS = (429, 503)
+
+
 def install_error_handlers(
     app: Flask,
     logger: logging.Logger,
@@ -213,7 +218,9 @@ def install_error_handlers(
     `errors` carry `code`, `error_type` and `retry_after_s` (HttpError; a Retry-After header when
     set); `bad_input` are answered 400 invalid_request_error with their message; a routing error
     (unknown route, method not allowed, body too large) gets `routing_error_body`, with the
-    Allow header of a 405 kept; anything else is logged and answered 500.
+    Allow header of a 405 kept; anything else is logged and answered 500. A refusal of the
+    request itself (a 4xx but 429, at INFO; a 5xx but 503, at WARNING) is logged in one line:
+    method, path, status and message.
     """
     # Flask is imported in the functions so that the engine, which imports this module for its
     # messages, does not load the web stack.
@@ -221,12 +228,16 @@ def install_error_handlers(
     from werkzeug.exceptions import HTTPException
 
     def contract_error(e: HttpError) -> Response:
+        if e.code not in QUIET_REFUSALS:  # one line: what and why (a client's mistake: INFO)
+            level = logging.WARNING if e.code >= 500 else logging.INFO
+            logger.log(level, "%s %s: %d %.300r", request.method, request.path, e.code, str(e))
         response = error_response(str(e), e.code, e.error_type)
         if e.retry_after_s is not None:
             response.headers["Retry-After"] = str(e.retry_after_s)
         return response
 
     def client_error(e: Exception) -> Response:
+        logger.info("%s %s: 400 %.300r", request.method, request.path, str(e))
         return error_response(str(e), 400)
 
     def http_error(e: HTTPException) -> Response:

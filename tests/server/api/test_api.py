@@ -203,6 +203,20 @@ def test_bad_requests_get_json_errors(client, engine, method, path, body, status
     assert ok.status_code == 200 and len(ok.get_json()["token_ids"]) <= 2
 
 
+def test_a_refused_request_is_logged_in_one_line_and_a_429_is_not(client, engine, caplog):
+    import logging
+
+    from toppings.server.requests.errors import QUIET_REFUSALS
+
+    with caplog.at_level(logging.INFO):
+        response = client.post("/v1/completions", json={"model": "ghost", "prompt": "x"})
+    assert response.status_code == 404
+    (line,) = [r for r in caplog.records if "/v1/completions" in r.getMessage()]
+    assert line.levelno == logging.INFO and "POST /v1/completions: 404" in line.getMessage()
+    assert "ghost" in line.getMessage()
+    assert 429 in QUIET_REFUSALS  # a flood of 429s is counted in /metrics, not logged
+
+
 def test_unexpected_exception_is_a_json_500(client, engine, monkeypatch):
     def broken():
         raise KeyError("boom")
