@@ -81,6 +81,8 @@ class SimSeq:
     def is_prefilled(self) -> bool:
         return self.num_prefilled >= self.prompt_len
 
+    scores_prompt = False  # simulated requests ask no prompt logprobs
+
     def __post_init__(self):
         params = SamplingParams(self.max_new, temperature=0.0)
         self.request = _Request(str(id(self)), self.adapter, params)

@@ -84,7 +84,7 @@ def compose_engine(
         budget = StepBudgetKeeper(
             config.max_batch_size, config.max_prefill_tokens, config.max_num_batched_tokens,
             config.itl_target_ms, lambda: measure_steps(model, kv, config.max_batch_size),
-            step_model, config.chunk_floor_tokens,
+            step_model, config.chunk_floor_tokens, mc.scored_token_weight,
         )  # fmt: skip
     step_budget = budget.budget if budget is not None else None
     # a prompt prefilled whole may share a step with the decodes

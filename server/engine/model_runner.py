@@ -182,7 +182,7 @@ class ModelRunner:
                 scored = False
             else:
                 ids.extend(seq.request.prompt_ids[start : start + n])
-                scored = seq.request.params.prompt_logprobs is not None  # its chunk's rows
+                scored = seq.scores_prompt  # its chunk's rows
             positions.extend(range(start, start + n))
             end = seg_starts[-1] + n
             rows.extend(range(seg_starts[-1] if scored else end - 1, end))

@@ -66,6 +66,14 @@ class ModelConfig:
             raise KeyError(f"unknown projection {module!r}; targets are {', '.join(LORA_TARGETS)}")
         return shapes[module]
 
+    @property
+    def scored_token_weight(self) -> float:
+        """What a prompt token's row through the LM head (a request scoring its prompt) adds to
+        its cost in the layers: the head's multiply-adds over the seven projections' of every
+        layer (attention over the past is priced apart)."""
+        layer = sum(i * o for i, o in map(self.projection_shape, LORA_TARGETS))
+        return self.hidden_size * self.vocab_size / (self.num_layers * layer)
+
     @classmethod
     def from_hf(cls, hf_config, name: str) -> ModelConfig:
         """Build from a transformers config of a served family (server/model/family.py).

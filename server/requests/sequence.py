@@ -93,6 +93,11 @@ class Sequence:
         self.step_grammar_error = None
 
     @property
+    def scores_prompt(self) -> bool:
+        """Whether its prompt's logprobs are asked: each prompt row goes through the LM head."""
+        return self.request.params.prompt_logprobs is not None
+
+    @property
     def is_prefilled(self) -> bool:
         """Whether the whole prompt's KV is computed (the request decodes from here on)."""
         return self.num_prefilled >= self.prompt_len

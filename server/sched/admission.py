@@ -234,7 +234,9 @@ class AdmissionGate:
         self.prefill_tokens += computed
         chunk = computed  # chunked prefill off: the whole prompt, in one step
         if limits.max_step_tokens is not None:
-            left = limits.chunk_within(self._chunk_left(max_chunk), seq.num_prefilled)
+            left = limits.chunk_within(
+                self._chunk_left(max_chunk), seq.num_prefilled, seq.scores_prompt
+            )
             chunk = min(computed, left)
         self.chunks[seq] = chunk
         self.step_tokens += self.cost(seq, chunk)
@@ -243,7 +245,9 @@ class AdmissionGate:
 
     def cost(self, seq: Sequence, tokens: int) -> int:
         """Budget tokens of `seq` computing `tokens` this step (a decode: one)."""
-        return tokens if seq.is_prefilled else self.limits.chunk_cost(tokens, seq.num_prefilled)
+        if seq.is_prefilled:
+            return tokens
+        return self.limits.chunk_cost(tokens, seq.num_prefilled, seq.scores_prompt)
 
     def holds_adapter(self, seq: Sequence) -> bool:
         return seq.cache_entry is not None

@@ -7,7 +7,10 @@ step whose budget the GEMM floor set (`counts_rows`) a chunk costs its rows, or 
 over FLOOR_STALL where that is more: a long prompt's late chunks keep the floor's rows (priced,
 they came out at 91-190 tokens beside 12 streams and the prompt took 1.19x its whole time;
 docs/benchmarks.md), and only a past several times longer (a prompt of tens of thousands of
-tokens, whose steps of the floor's rows would each take seconds) makes them smaller.
+tokens, whose steps of the floor's rows would each take seconds) makes them smaller. A chunk of
+a prompt whose logprobs are asked (`scored`) costs 1 + `scored_weight` times as much: each of
+its rows goes through the LM head too (ModelConfig.scored_token_weight: about a quarter more
+on SmolLM2), which the step model, fitted on prompts scoring their last row only, does not see.
 """
 
 from __future__ import annotations
@@ -46,6 +49,9 @@ class GateLimits:
     gemm_steps: tuple[int, ...] = ()
     # Chunked prefill: whether this step's chunks count their rows (for_step; module docstring)
     counts_rows: bool = False
+    # Chunked prefill: what a token of a prompt whose logprobs are asked (its row goes through
+    # the LM head) costs more than another, as a share of it (StepBudget.scored_weight)
+    scored_weight: float = 0.0
 
     @classmethod
     def from_config(cls, config: SchedulingConfig, budget: StepBudget | None = None) -> GateLimits:
@@ -56,10 +62,11 @@ class GateLimits:
         """These limits with chunked prefill's steps sized by `budget` (None: off)."""
         if budget is None:
             return replace(self, max_step_tokens=None, past_weight=0.0, few_decode_tokens=(),
-                           tile_stall=1.0, gemm_steps=())  # fmt: skip
+                           tile_stall=1.0, gemm_steps=(), scored_weight=0.0)  # fmt: skip
         return replace(self, max_step_tokens=budget.tokens, past_weight=budget.past_weight,
                        few_decode_tokens=budget.few_decodes, tile_stall=budget.tile_stall,
-                       gemm_steps=budget.gemm_steps)  # fmt: skip
+                       gemm_steps=budget.gemm_steps,
+                       scored_weight=budget.scored_weight)  # fmt: skip
 
     def for_step(self, num_decodes: int) -> GateLimits:
         """These limits for a chunked-prefill step of `num_decodes` decodes: its budget, and
@@ -73,18 +80,31 @@ class GateLimits:
             return self.few_decode_tokens[num_decodes]
         return self.max_step_tokens
 
-    def chunk_cost(self, tokens: int, past: int) -> int:
+    def chunk_cost(self, tokens: int, past: int, scored: bool = False) -> int:
         """Budget tokens of a chunk of `tokens` prompt tokens after `past` computed ones: each
         counts 1 + past_weight x what it attends to before it (the past, its chunk's earlier
-        tokens); where the step counts rows, its rows or that over FLOOR_STALL, the more."""
+        tokens); where the step counts rows, its rows or that over FLOOR_STALL, the more. A
+        `scored` chunk's (its prompt's logprobs asked) counts 1 + scored_weight times that."""
+        cost = self._unscored_cost(tokens, past)
+        return math.ceil(cost * (1 + self.scored_weight)) if scored else cost
+
+    def _unscored_cost(self, tokens: int, past: int) -> int:
         if not self.past_weight or tokens <= 0:
             return max(tokens, 0)
         priced = math.ceil(tokens * (1 + self.past_weight * (past + (tokens - 1) / 2)))
         return max(tokens, math.ceil(priced / FLOOR_STALL)) if self.counts_rows else priced
 
-    def chunk_within(self, cost: int, past: int) -> int:
-        """The most prompt tokens after `past` whose chunk_cost is within `cost` (at least
-        one, so that every planned prompt advances)."""
+    def chunk_within(self, cost: int, past: int, scored: bool = False) -> int:
+        """The most prompt tokens after `past` whose chunk_cost (`scored` or not) is within
+        `cost` (at least one, so that every planned prompt advances)."""
+        unscored = int(cost / (1 + self.scored_weight)) if scored else cost
+        tokens = self._within(unscored, past)
+        while tokens > 1 and self.chunk_cost(tokens, past, scored) > cost:
+            tokens -= 1
+        return tokens
+
+    def _within(self, cost: int, past: int) -> int:
+        """chunk_within of an unscored chunk."""
         w = self.past_weight
         if not w:
             return max(cost, 1)

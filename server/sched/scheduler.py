@@ -171,7 +171,8 @@ class Scheduler:
                 waits_turn = self._waits_turn(sharers[0])
             for seq, n in self.queue.plan_chunks(decodes, prefilling, left, share).items():
                 if n > 0:  # the policy plans budget tokens: a chunk after a long past gets fewer
-                    planned[seq] = min(n, limits.chunk_within(n, seq.num_prefilled))
+                    within = limits.chunk_within(n, seq.num_prefilled, seq.scores_prompt)
+                    planned[seq] = min(n, within)
         gate = self.gate(planned, limits, waits_turn)
         admitted = self._admit(gate)
         self.running.extend(admitted)
@@ -230,20 +231,21 @@ class Scheduler:
         prompts = [s for s in self.running if not s.is_prefilled]
 
         def rest_cost(seq: Sequence) -> int:  # what finishing its prompt costs more
-            past, had = seq.num_prefilled, chunks.get(seq, 0)
-            return limits.chunk_cost(seq.prompt_len - past, past) - limits.chunk_cost(had, past)
+            past, had, scored = seq.num_prefilled, chunks.get(seq, 0), seq.scores_prompt
+            rest = limits.chunk_cost(seq.prompt_len - past, past, scored)
+            return rest - limits.chunk_cost(had, past, scored)
 
         finishing = [s for s in prompts if rest_cost(s) <= left]
         for seq in [*finishing, *(s for s in prompts if s not in finishing)]:
             if left <= 0:
                 break
-            had, past = chunks.get(seq, 0), seq.num_prefilled
-            cost = limits.chunk_cost(had, past)
-            within = limits.chunk_within(cost + left, past)
+            had, past, scored = chunks.get(seq, 0), seq.num_prefilled, seq.scores_prompt
+            cost = limits.chunk_cost(had, past, scored)
+            within = limits.chunk_within(cost + left, past, scored)
             more = min(seq.prompt_len - past - had, within - had)
             if more > 0:
                 chunks[seq] = had + more
-                left -= limits.chunk_cost(had + more, past) - cost
+                left -= limits.chunk_cost(had + more, past, scored) - cost
 
     def _reserve(self, chunks: dict[Sequence, int]) -> dict[Sequence, int] | None:
         """Reserve the planned requests' slots for their tokens of this step through the memory

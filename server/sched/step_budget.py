@@ -254,6 +254,9 @@ class StepBudget:
     # the step's budget (server.sched.tiles): TILE_STALL for a derived budget, 1 for one given
     # by --max-num-batched-tokens
     tile_stall: float = 1.0
+    # what a token of a scored prompt (its logprobs asked) costs more than another, as a share
+    # of it: its row through the LM head (server.model.config.ModelConfig.scored_token_weight)
+    scored_weight: float = 0.0
 
     @property
     def lone_tokens(self) -> int:
@@ -285,6 +288,7 @@ def choose_step_budget(
     max_num_batched_tokens: int = 0,
     itl_target_ms: float = ITL_TARGET_MS,
     model: StepTimeModel | None = None,
+    scored_weight: float = 0.0,
 ) -> StepBudget:
     """The step token budget: `max_num_batched_tokens` when given, else derived from the step
     time model and the inter-token target for every number of decodes a step may have; its
@@ -292,7 +296,7 @@ def choose_step_budget(
     docstring."""
     if max_num_batched_tokens:  # the target is not used
         how = f"{max_num_batched_tokens} tokens a step, given by --max-num-batched-tokens"
-        return StepBudget(max_num_batched_tokens, itl_target_ms, how)
+        return StepBudget(max_num_batched_tokens, itl_target_ms, how, scored_weight=scored_weight)
     model = model or StepTimeModel()
     batch = min(max(model.batch_size, 1), max_batch_size) if model.batch_size else max_batch_size
     ceiling = max(max_prefill_tokens, max_batch_size + MIN_CHUNK)
@@ -312,4 +316,4 @@ def choose_step_budget(
            f"whole prompts with no decodes{floor}")  # fmt: skip
     gemm_steps = tuple(d for d, (_, how_set) in enumerate(sized) if how_set == GEMM)
     return StepBudget(tokens, itl_target_ms, how, model.past_weight(), tuple(few), gemm_steps,
-                      TILE_STALL)  # fmt: skip
+                      TILE_STALL, scored_weight)  # fmt: skip

@@ -52,14 +52,15 @@ class StepBudgetKeeper:
         measure: Callable[[], StepPoints | None],
         step_model: StepTimeModel | None = None,
         chunk_floor_tokens: int = 0,
+        scored_weight: float = 0.0,
     ):
         """measure: () -> step times measured on the engine's model (None: none could be);
         asked only when neither `max_num_batched_tokens` nor `step_model` is given.
         chunk_floor_tokens: the GEMM floor at every number of decodes in place of the model's
-        (`--chunk-floor-tokens`; 0: the model's)."""
+        (`--chunk-floor-tokens`; 0: the model's). scored_weight: StepBudget.scored_weight."""
         self.max_batch_size, self.max_prefill_tokens = max_batch_size, max_prefill_tokens
         self.max_num_batched_tokens, self.itl_target_ms = max_num_batched_tokens, itl_target_ms
-        self.step_model = step_model
+        self.step_model, self.scored_weight = step_model, scored_weight
         if self.step_model is None and not max_num_batched_tokens:
             times = measure()
             self.step_model = StepTimeModel.fit(times) if times is not None else StepTimeModel()
@@ -82,13 +83,13 @@ class StepBudgetKeeper:
     def _budget_of(self, model: StepTimeModel | None) -> StepBudget:
         return choose_step_budget(
             self.max_batch_size, self.max_prefill_tokens,
-            self.max_num_batched_tokens, self.itl_target_ms, model,
+            self.max_num_batched_tokens, self.itl_target_ms, model, self.scored_weight,
         )  # fmt: skip
 
     def shape_of(self, plan: StepPlan) -> StepShape | None:
         """What `observe` needs of a plan, taken before the step runs (it moves the plan's
         requests on); None when the budget does not follow the steps."""
-        return shape_of(plan) if self._refit is not None else None
+        return shape_of(plan, self.scored_weight) if self._refit is not None else None
 
     def observe(self, shape: StepShape, seconds: float) -> StepBudget | None:
         """Correct the step model by the step just run (server.sched.step_refit); returns the

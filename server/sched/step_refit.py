@@ -322,13 +322,14 @@ def _theil_sen(points: list[tuple[float, float]]) -> float:
     return statistics.median(slopes) if slopes else 0.0
 
 
-def shape_of(plan: StepPlan) -> StepShape:
-    """The shape of `plan` before it runs (its requests' `num_prefilled` not yet advanced)."""
+def shape_of(plan: StepPlan, scored_weight: float = 0.0) -> StepShape:
+    """The shape of `plan` before it runs (its requests' `num_prefilled` not yet advanced); a
+    scored prompt's tokens (StepBudget.scored_weight) count 1 + `scored_weight` each."""
     decodes, tokens, past = 0, 0, 0.0
     for seq, n in zip(plan.seqs, plan.tokens):
         if seq.is_prefilled:
             decodes += 1
         else:
-            tokens += n
+            tokens += round(n * (1 + scored_weight)) if seq.scores_prompt else n
             past += key_reads(n, seq.num_prefilled)
     return StepShape(decodes, tokens, past)

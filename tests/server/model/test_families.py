@@ -57,6 +57,22 @@ def test_from_hf_reads_the_family_switches(name, want):
         assert config.rope_scaling.rope_type is want["rope_type"]
 
 
+@pytest.mark.parametrize("name", ["llama3", "qwen2", "qwen3"])
+def test_a_scored_token_weighs_the_lm_head_over_the_layers_projections(name):
+    # the oracle: transformers' own model, its head's weights over its projections' weights
+    from transformers import AutoModelForCausalLM
+
+    hf = hf_config(name, tie_word_embeddings=False)
+    model = AutoModelForCausalLM.from_config(hf)
+    projections = sum(
+        module.weight.numel()
+        for path, module in model.named_modules()
+        if path.rsplit(".", 1)[-1] in LORA_TARGETS
+    )
+    want = model.lm_head.weight.numel() / projections
+    assert ModelConfig.from_hf(hf, name).scored_token_weight == pytest.approx(want)
+
+
 def test_llama3_scaling_parameters_are_read():
     config = ModelConfig.from_hf(hf_config("llama3"), "l3")
     s = config.rope_scaling

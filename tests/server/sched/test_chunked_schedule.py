@@ -353,6 +353,45 @@ def test_a_token_counts_more_of_the_budget_the_longer_its_past():
     assert plain.chunk_cost(10, 2000) == 10 and plain.chunk_within(37, 2000) == 37
 
 
+def test_a_scored_chunk_counts_its_rows_through_the_lm_head():
+    limits = GateLimits(8, 8192, 100, past_weight=0.001, scored_weight=0.25)
+    assert limits.chunk_cost(10, 0, scored=True) == math.ceil(limits.chunk_cost(10, 0) * 1.25)
+    for past in (0, 100, 2000):
+        for cost in (1, 16, 100, 500):
+            n = limits.chunk_within(cost, past, scored=True)
+            assert n >= 1 and (limits.chunk_cost(n, past, True) <= cost or n == 1)
+            assert limits.chunk_cost(n + 1, past, True) > cost  # the most that fits
+            assert n <= limits.chunk_within(cost, past)
+
+
+def test_a_scored_prompt_takes_smaller_chunks_and_no_step_passes_the_budget():
+    """A request scoring its prompt (prompt_logprobs: each row through the LM head) takes a
+    quarter fewer prompt tokens of a step whose head costs a quarter of a token's layers; the
+    step's cost, its scored rows priced, stays within the budget."""
+    from toppings.server.requests.request import GenerationRequest, RequestHandle, SamplingParams
+    from toppings.server.requests.sequence import Sequence
+
+    sched, _, _ = make_chunked(budget=100, max_batch=8)
+    sched.limits = replace(sched.limits, scored_weight=0.25)
+    stream = submit(sched, prompt_len=4, max_new=50, ignore_eos=True)
+    step(sched)
+    params = SamplingParams(2, temperature=0.0, prompt_logprobs=1)
+    request = GenerationRequest(list(range(2, 402)), params, None)
+    scored = Sequence(request, RequestHandle(request, lambda _id: None), Tokenizer(), 0.0)
+    sched.add(scored)
+    plan = step(sched)
+    assert tokens_of(plan) == {stream: 1, scored: 79}  # (100 - 1) / 1.25
+    submit(sched, prompt_len=400, max_new=2, ignore_eos=True)  # a plain prompt shares the room
+    while not scored.output_ids:
+        plan = step(sched)
+        chunks = tokens_of(plan)
+        cost = sum(
+            sched.limits.chunk_cost(n, 0, scored=s.scores_prompt) if not s.is_prefilled else n
+            for s, n in chunks.items()
+        )
+        assert cost <= 100 or len(chunks) == 1
+
+
 def test_late_chunks_of_a_long_prompt_are_smaller_and_no_step_costs_more_than_the_budget():
     sched, _, _ = make_chunked(budget=100, max_batch=8, past_weight=0.002, tile_stall=TILE_STALL)
     limits = sched.limits

@@ -214,6 +214,7 @@ def test_the_cost_of_the_past_is_fitted_where_the_pasts_differ():
 class _Seq:
     prompt_len: int
     num_prefilled: int
+    scores_prompt: bool = False
 
     @property
     def is_prefilled(self) -> bool:
@@ -225,6 +226,10 @@ def test_a_steps_shape_counts_decodes_prompt_tokens_and_their_past():
     plan = StepPlan((decode, early, late), (1, 20, 20), (True, False, False), (10, 0, 400), True)
     assert shape_of(plan) == StepShape(1, 40, 20 * 9.5 + 20 * 409.5)
     assert shape_of(StepPlan((decode,), (1,), (True,), (10,), False)) == StepShape(1)
+    # a scored prompt's tokens count its rows through the LM head too
+    scored = _Seq(50, 0, scores_prompt=True)
+    plan = StepPlan((decode, scored), (1, 20), (True, False), (10, 0), True)
+    assert shape_of(plan, scored_weight=0.25) == StepShape(1, 25, 20 * 9.5)
     # what the gate charges a chunk is the same past: n + past_weight x its past work
     limits = GateLimits(8, 512, 100, past_weight=0.01)
     assert limits.chunk_cost(20, 400) == math.ceil(20 + 0.01 * 20 * 409.5)
