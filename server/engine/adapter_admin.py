@@ -86,7 +86,7 @@ class AdapterAdmin:
             ref = self._lora.refs.retire(name)  # 404, 409; no request acquires it from here
             adapter = self._lora.unregister(ref)
             self._forget(ref)
-        log.info("adapter %s removed", name)
+        log.debug("adapter %s removed", name)  # its caller says why (an unload, an eviction)
         return adapter
 
     def retire(self, name: str) -> LoraAdapter:
@@ -100,7 +100,7 @@ class AdapterAdmin:
             ref = self._lora.refs.retire(name)  # 404, 409; no request acquires it from here
             adapter = self._lora.unregister_host(ref)
         self._post_retired(ref)  # the rest: forget_retired, on the engine thread
-        log.info("adapter %s removed (its device rows before the next step)", name)
+        log.debug("adapter %s removed (its device rows before the next step)", name)
         return adapter
 
     def forget_retired(self, ref: AdapterRef) -> None:

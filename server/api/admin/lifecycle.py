@@ -226,7 +226,7 @@ class AdapterAdmin:
     def retire(self, name: str) -> LoraAdapter:
         """`remove`, without waiting for a running step (Engine.retire_adapter)."""
         adapter = self.thread.run_unload(self.engine.retire_adapter, name)
-        log.info("unloaded adapter %s", name)
+        log.debug("unloaded adapter %s", name)  # the resolver logs the eviction
         return adapter
 
 
