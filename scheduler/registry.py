@@ -248,7 +248,9 @@ class Registry:
     # --- servers ------------------------------------------------------------------------------
 
     def put_server(self, server: ServerRecord, adapters: Iterable[AdapterRecord]) -> None:
-        """Record a server and exactly the adapters it hosts, in one transaction."""
+        """Record a server and exactly the adapters it hosts, in one transaction; a name it
+        hosted before and no longer does, hosted nowhere else and known only from servers'
+        reports (no path), is forgotten."""
         now = time.time()
         with self.write() as tx:
             _ensure_base_model(tx, server.base_model, now)
@@ -261,6 +263,8 @@ class Registry:
                 (server.url, server.base_model, server.kernel, server.device,
                  int(server.healthy), server.last_seen or now, now),
             )  # fmt: skip
+            hosted = "SELECT adapter_name FROM server_adapters WHERE server_url = ?"
+            before = {row[0] for row in tx.execute(hosted, (server.url,))}
             tx.execute("DELETE FROM server_adapters WHERE server_url = ?", (server.url,))
             for adapter in adapters:
                 _put_adapter(tx, adapter, now, fill_only=True)
@@ -268,6 +272,14 @@ class Registry:
                     "INSERT INTO server_adapters (server_url, adapter_name) VALUES (?, ?)",
                     (server.url, adapter.name),
                 )
+            # A name it no longer reports, that no server hosts and only servers' reports made
+            # (no path to place it by): forgotten, or a resolver's evicted names pile up
+            gone = before - {a.name for a in adapters}
+            tx.executemany(
+                "DELETE FROM adapters WHERE name = ? AND path IS NULL AND state = 'active' AND"
+                " NOT EXISTS (SELECT 1 FROM server_adapters WHERE adapter_name = adapters.name)",
+                [(name,) for name in gone],
+            )
 
     def add_hosting(self, url: str, adapter_name: str) -> None:
         with self.write() as tx:

@@ -4,8 +4,10 @@ The policy ranks the servers that serve the request (healthy, same base model, h
 adapter). The first is tried; a server that refuses the connection or fails before answering is
 marked unhealthy and the next one is tried (a redirect counts as such a failure: it is not
 followed, see scheduler.server_session); so is the next one after a 429 (the server is at its
-limit of requests in flight: busy, not unhealthy), and when every server answered 429 the client
-gets 429 with Retry-After. Once a server has answered any other status, its answer goes to the
+limit of requests in flight: busy, not unhealthy); when no server took it and one of them was
+only busy the client gets 429 with Retry-After (a server down beside a busy one is no reason for
+a 502: the request can be sent again soon), 503 with Retry-After where one was draining, 502 when
+every server failed. Once a server has answered any other status, its answer goes to the
 client as is: a 4xx is the client's problem, and a streamed body cannot be replayed.
 
 Only what routing needs is checked here (the body is a JSON object, the model is known); every
@@ -235,11 +237,14 @@ class Router:
             if answer.status_code == 404 and request.adapter is not None:
                 self.cluster.resolve_failed(url, request.adapter)
             return self._pass_on(answer, url, stream, done)
-        if failures and all(f.endswith(": 429") for f in failures):
-            raise SchedulerError("every server is at its limit of requests in flight: "
-                                 + "; ".join(failures), 429, TOO_MANY_REQUESTS,
+        listed = "; ".join(failures)
+        if any(f.endswith(": 429") for f in failures):  # one is busy, not down: retry later
+            raise SchedulerError("no server can take it now (busy, or down): " + listed, 429,
+                                 TOO_MANY_REQUESTS, retry_after_s=RETRY_AFTER_S)  # fmt: skip
+        if any(f.endswith(": 503") for f in failures):  # draining, or not ready yet
+            raise SchedulerError("no server can take it now: " + listed, 503, UNAVAILABLE,
                                  retry_after_s=RETRY_AFTER_S)  # fmt: skip
-        raise SchedulerError("every server failed: " + "; ".join(failures), 502, BAD_GATEWAY)
+        raise SchedulerError("every server failed: " + listed, 502, BAD_GATEWAY)
 
     def check_ready(self) -> None:
         """Raise a 503 with Retry-After while no server is registered."""

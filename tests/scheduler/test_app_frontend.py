@@ -99,6 +99,18 @@ def test_a_busy_server_passes_the_request_on_and_all_busy_is_a_429(setup):
     assert app.extensions["toppings"].num_in_flight == 0
 
 
+@pytest.mark.parametrize("order", ["down_first", "busy_first"])
+def test_one_server_down_and_the_other_busy_is_a_429_not_a_502(setup, order):
+    # the client may send it again in a moment: a 502 would read as a failure of the request
+    app, session, _ = setup
+    down, busy = requests.ConnectionError("refused"), Answer(429, [b'{"error": {}}'])
+    session.script = [down, busy] if order == "down_first" else [busy, down]
+    answer = app.test_client().post("/v1/completions", json=BODY)
+    assert answer.status_code == 429 and int(answer.headers["Retry-After"]) >= 1
+    assert answer.get_json()["error"]["type"] == "too_many_requests"
+    assert app.extensions["toppings"].num_in_flight == 0
+
+
 def test_one_model_holds_at_most_its_share_of_the_places_in_flight(tmp_path, scheduler_parts):
     # 4 places: one model holds 3, the fourth is kept for the others (TENANT_SHARE)
     servers = FakeServers()

@@ -71,6 +71,22 @@ def test_server_with_adapters_and_cascade(registry):
     assert {a.name for a in registry.list_adapters()} == {"sql", "chat"}
 
 
+def test_a_name_no_server_reports_any_more_is_forgotten_unless_it_has_a_path(registry):
+    # a resolver's names come and go: the records made from reports alone go with the last
+    # server that hosted them; a record with a path (placeable) or disabled stays
+    other = "http://127.0.0.1:8101"
+    registry.put_adapter(adapter("placed", 8, path="/a/placed"))
+    reports = [adapter(n, 8) for n in ("r1", "r2", "shared", "off", "placed")]
+    registry.put_server(ServerRecord(URL, "llama", "bgmv", "cpu"), reports)
+    registry.put_server(ServerRecord(other, "llama", "bgmv", "cpu"), [adapter("shared", 8)])
+    registry.set_adapter_state("off", "disabled")
+    registry.put_server(ServerRecord(URL, "llama", "bgmv", "cpu"), [adapter("r1", 8)])
+    names = {a.name for a in registry.list_adapters()}
+    assert names == {"r1", "shared", "off", "placed"}  # r2 forgotten
+    registry.put_server(ServerRecord(other, "llama", "bgmv", "cpu"), [])
+    assert {a.name for a in registry.list_adapters()} == {"r1", "off", "placed"}
+
+
 def test_concurrent_reader_never_sees_half_a_change(registry):
     """A reader running while a server and its adapters are written sees all or nothing."""
     in_write, release = threading.Event(), threading.Event()
