@@ -1,9 +1,8 @@
 """Fair shares between tenants (`--fair-share`): the order in which waiting requests are
 admitted, so that one tenant's flood of requests waits behind the others' requests, not before
 them. A tenant is an adapter (its reference: an adapter loaded again is a new tenant; the base
-model is one tenant), as in VTC's artifact
-(Sheng et al., "Fairness in Serving Large Language Models", OSDI'24), whose clients are the
-adapters of one S-LoRA server.
+model is one tenant), as in the artifact of VTC (Sheng et al., "Fairness in Serving Large
+Language Models", OSDI'24), whose clients are the adapters of one S-LoRA server.
 
 Start-time fair queueing (Goyal et al., SIGCOMM'96) over tokens: each request gets a claim when it
 first waits, a start tag S and a cost C, its tenant's next request starting where it ends:
