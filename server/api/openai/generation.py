@@ -149,13 +149,9 @@ def register_generation(app: Flask, ctx: ApiContext) -> None:
             state.assign_tenant(slot, adapter.name if adapter else None)
             with ctx.tokenizers.borrow() as tokenizer:
                 reqs, prompt_ids = build_requests(
-                    parsed,
-                    tokenizer,
-                    engine.max_model_len,
-                    engine.model_config.vocab_size,
-                    lambda _: adapter,
-                    ctx.limits,
-                )
+                    parsed, tokenizer, engine.max_model_len, engine.model_config.vocab_size,
+                    lambda _: adapter, ctx.limits,
+                )  # fmt: skip
                 # A prompt of ids echoes every token, special ones too (vLLM's decode): its
                 # logprobs list each token, whose text_offset must point into this text.
                 echo = tuple(

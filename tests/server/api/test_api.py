@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import queue
 from pathlib import Path
 
 import pytest
@@ -228,8 +229,13 @@ def test_unexpected_exception_is_a_json_500(client, engine, monkeypatch):
 
 
 def test_closing_a_stream_aborts_the_request(client, engine, monkeypatch):
-    handles = []
-    spy_on_submissions(engine, monkeypatch, lambda req, handle: handles.append(handle))
+    finals = queue.Queue()  # what the engine puts (the handle's own queue is the group's)
+
+    def watched(req, handle):
+        put = handle.put
+        handle.put = lambda out: (put(out), out.finish_reason and finals.put(out))
+
+    spy_on_submissions(engine, monkeypatch, watched)
     body = {
         "input_ids": [1, 2, 3],
         "max_new_tokens": engine.max_model_len - 3,
@@ -240,7 +246,7 @@ def test_closing_a_stream_aborts_the_request(client, engine, monkeypatch):
     first = next(iter(response.response))
     assert first.startswith(b"data: {")
     response.close()  # what waitress does when the client hangs up
-    final = list(handles[0].events(timeout_s=60))[-1]
+    final = finals.get(timeout=60)
     assert final.finish_reason == "abort"
     assert final.output_tokens < engine.max_model_len - 3
     stats = engine.stats().to_json()
