@@ -9,8 +9,9 @@ every round: tenant A (adapter `caps`) sends `--flood` streamed requests at once
 `--prompt-len`-token prompt and `--max-tokens` new tokens (ignore_eos). The batch holds
 `--max-batch-size` requests, so most of the flood waits. Reported per server: the time to the first
 token (TTFT) of B's request, how many of A's requests had their first token before it, A's median
-TTFT and the flood's makespan (first request sent to last answer), each the median round with its
-spread, and the paired on / off ratios (per round, then the median).
+TTFT, the flood's makespan (first request sent to its last answer) and that of all (B's answer
+too: the same work either way, in another order), each the median round with its spread, and the
+paired on / off ratios (per round, then the median).
 """
 
 from __future__ import annotations
@@ -88,6 +89,8 @@ def one_round(url: str, args: argparse.Namespace, rng: random.Random, vocab: int
         "lone_ttft_s": first - sent,
         "flood_median_ttft_s": statistics.median(first - sent for sent, first, _ in flood),
         "flood_makespan_s": max(end for _, _, end in flood) - start,
+        # every request, the lone one too: the same work either way, done in another order
+        "all_makespan_s": max(end for _, _, end in [*flood, results[-1]]) - start,
         # requests of the flood served first: the order, whatever the machine's speed
         "flood_ahead_of_lone": sum(f < first for _, f, _ in flood),
     }

@@ -312,6 +312,14 @@ CURRENT: dict[str, tuple[str, tuple[str, ...]]] = {
     "mixed_plan_smollm2.json": ("the same on SmolLM2 bf16, whose compute dilutes it",
                                 ("batch_64.step_ratio_spans_vs_slices.median",
                                  "batch_256.step_ratio_spans_vs_slices.median")),
+    "fair_share.json": ("one adapter's flood of 48 requests and another adapter's single request, "
+                        "SmolLM2 bf16, batch 8: fair shares on against off (AMX Xeon)",
+                        ("lone_ttft_s_on_vs_off.median", "all_makespan_s_on_vs_off.median",
+                         "flood_median_ttft_s_on_vs_off.median")),
+    "stats_poll.json": ("the scheduler's /stats poll of a server with 5,000 adapters: the list "
+                        "only when it changed against every time (AMX Xeon)",
+                        ("every_time.poll_ms.median", "changed_only.poll_ms.median",
+                         "every_time.body_bytes", "changed_only.body_bytes")),
     "logprobs.json": ("64 streams decoding with 5 logprobs and a 2,000-token prompt scored: the "
                       "native pass against torch's ops and against no logprobs (AMX Xeon)",
                       ("decode_ratio_native_vs_torch.median", "decode_ratio_native_vs_none.median",

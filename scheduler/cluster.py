@@ -55,9 +55,9 @@ class _Entry:
     in_flight: int = 0  # requests proxied here whose answer has not ended (the scheduler's count)
     snapshot_at: float = 0.0  # time.monotonic() of the last /stats that parsed
     resolving: dict[str, float] = field(default_factory=dict)  # name -> when routed, to be found
-    # The server's adapter list as of its adapters_version (names, ranks, invocations: their
-    # residency is in each /stats), sent back as adapters_since: an unchanged list is left out
-    listed: tuple[int, list[dict[str, Any]]] | None = None
+    # The names of the server's adapters as of its adapters_version (their residency is in each
+    # /stats), sent back as adapters_since: an unchanged list is left out of the answer
+    listed: tuple[int, frozenset[str]] | None = None
 
 
 class Cluster:
@@ -285,8 +285,9 @@ class Cluster:
             entry = self._entries.get(url)
             listed = entry.listed if entry is not None else None
         try:
-            stats = self._fetch_stats(url, listed)
-            state = ServerState.from_stats(url, stats)
+            since = f"?adapters_since={listed[0]}" if listed is not None else ""
+            stats = self.fetch_json(f"{url}/stats{since}")
+            state = ServerState.from_stats(url, stats, listed[1] if listed is not None else None)
         except Exception as exc:  # any failure (refused, timeout, bad JSON) means unhealthy
             self.mark_unhealthy(url, f"/stats: {type(exc).__name__}: {exc}")
             return
@@ -301,7 +302,9 @@ class Cluster:
                 return
             was_healthy, entry.healthy = entry.healthy, state.healthy
             entry.snapshot, entry.snapshot_at = state, time.monotonic()
-            entry.listed = _listed(stats, entry.listed)
+            if not stats.get("adapters_unchanged"):
+                version = stats.get("adapters_version")  # None: a server without it
+                entry.listed = (int(version), state.adapters) if version is not None else None
             entry.routed = [(t, r) for t, r in entry.routed if t >= began]
             held = entry.snapshot_at - RESOLVE_HOLD_S
             entry.resolving = {
@@ -323,16 +326,6 @@ class Cluster:
         elif write_seen or was_healthy != state.healthy:
             self.registry.set_health(url, state.healthy, now)
 
-    def _fetch_stats(self, url: str, listed: tuple[int, list[dict]] | None) -> dict[str, Any]:
-        """The server's /stats, its adapter list asked only if it changed since `listed`
-        (filled in from it where the server left it out)."""
-        if listed is None:
-            return self.fetch_json(url + "/stats")
-        stats = self.fetch_json(f"{url}/stats?adapters_since={listed[0]}")
-        if stats.get("adapters_unchanged"):
-            stats["adapters"] = listed[1]
-        return stats
-
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="stats-refresh", daemon=True)
         self._thread.start()
@@ -353,15 +346,3 @@ class Cluster:
         self._pool.shutdown(wait=False)
         if self.kv_feeds is not None:
             self.kv_feeds.close()
-
-
-def _listed(stats: dict[str, Any], before: tuple[int, list[dict]] | None):
-    """What to keep of a /stats body's adapter list (`_Entry.listed`); `before` while it is
-    unchanged."""
-    if stats.get("adapters_unchanged") or "adapters_version" not in stats:
-        return before if stats.get("adapters_unchanged") else None
-    keep = ("name", "rank", "invocation_tokens")
-    adapters = [
-        {**{k: a[k] for k in keep if k in a}, "resident": False} for a in stats.get("adapters", ())
-    ]
-    return int(stats["adapters_version"]), adapters

@@ -135,9 +135,18 @@ class ServerState:
         )
 
     @classmethod
-    def from_stats(cls, url: str, body: Mapping[str, Any]) -> ServerState:
-        """Parse a `/stats` JSON body; raises KeyError/TypeError/ValueError when malformed."""
+    def from_stats(
+        cls, url: str, body: Mapping[str, Any], listed: frozenset[str] | None = None
+    ) -> ServerState:
+        """Parse a `/stats` JSON body; raises KeyError/TypeError/ValueError when malformed.
+        `listed`: the adapter names of the caller's earlier /stats, for a body that left its
+        list out as unchanged (`adapters_since`)."""
         stats = ServerStats.from_json(dict(body))
+        names = frozenset(str(a.name) for a in stats.adapters)
+        if stats.adapters_unchanged:
+            if listed is None:
+                raise ValueError("/stats left its adapters out, and none are known")
+            names = listed
         running = _shape(stats.running, with_output=True)
         queue = _shape(stats.queue, with_output=False)
         reserved = sum(int(r.prompt_tokens) + int(r.max_new_tokens) for r in stats.queue)
@@ -150,7 +159,7 @@ class ServerState:
             batch=running.merge(queue),
             queue=queue,
             room_tokens=int(stats.free_kv_tokens) - reserved,
-            adapters=frozenset(str(a.name) for a in stats.adapters),
+            adapters=names,
             base_model=str(stats.model),
             device_adapters=frozenset(
                 {a.name for a in stats.adapters if a.state is Residency.DEVICE or a.resident}
