@@ -8,6 +8,7 @@ for the test, gets SIGTERM mid-stream.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -134,24 +135,38 @@ def _slow_stream_server(release: threading.Event) -> Flask:
     return app
 
 
-def test_sigterm_drains_the_running_scheduler_and_exits_0(tmp_path, free_port):
-    """Also the command's keys: the client key from the environment, the admin key from its
-    flag, and the warning of a non-loopback listener (0.0.0.0) without an admin key is absent."""
+@contextlib.contextmanager
+def _scheduler_before_slow_stream(tmp_path, port: int, *flags: str, env: dict | None = None):
+    """A running `toppings-scheduler` on `port` (its `flags`, `env` over this environment
+    without TOPPINGS_ variables) and a stand-in server whose streams wait for `release`:
+    yields (scheduler url, its process, the stand-in's url, release); stops both."""
     release = threading.Event()
     http = make_server("127.0.0.1", 0, _slow_stream_server(release), threaded=True)
     threading.Thread(target=http.serve_forever, daemon=True).start()
-    server_url = f"http://127.0.0.1:{http.server_port}"
-    port = free_port()
     url = f"http://127.0.0.1:{port}"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TOPPINGS_")}
-    env["TOPPINGS_SCHEDULER_API_KEY"] = "client-key"
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("TOPPINGS_")}
     cmd = [sys.executable, "-m", "toppings.scheduler.cli", "--registry", str(tmp_path / "r.db"),
-           "--host", "0.0.0.0", "--port", str(port), "--refresh-ms", "50",
-           "--admin-api-key", "admin-key"]  # fmt: skip
-    client = {"Authorization": "Bearer client-key"}
-    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
+           "--port", str(port), "--refresh-ms", "50", *flags]  # fmt: skip
+    proc = subprocess.Popen(cmd, env={**environ, **(env or {})}, stderr=subprocess.PIPE, text=True)
     try:
         wait_healthy(url, proc, timeout_s=60, statuses=(200, 503))
+        yield url, proc, f"http://127.0.0.1:{http.server_port}", release
+    finally:
+        release.set()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        http.shutdown()
+
+
+def test_sigterm_drains_the_running_scheduler_and_exits_0(tmp_path, free_port):
+    """Also the command's keys: the client key from the environment, the admin key from its
+    flag, and the warning of a non-loopback listener (0.0.0.0) without an admin key is absent."""
+    flags = ("--host", "0.0.0.0", "--admin-api-key", "admin-key")
+    env = {"TOPPINGS_SCHEDULER_API_KEY": "client-key"}
+    client = {"Authorization": "Bearer client-key"}
+    with _scheduler_before_slow_stream(tmp_path, free_port(), *flags, env=env) as running:
+        url, proc, server_url, release = running
         refused = requests.post(url + "/admin/servers", json={"url": server_url}, headers=client,
                                 timeout=10)  # fmt: skip
         assert refused.status_code == 401
@@ -180,12 +195,6 @@ def test_sigterm_drains_the_running_scheduler_and_exits_0(tmp_path, free_port):
         log = proc.stderr.read()
         assert "SIGTERM: draining" in log and "stopped" in log
         assert "without --admin-api-key" not in log
-    finally:
-        release.set()
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        http.shutdown()
 
 
 def test_sighup_drains_too(tmp_path, free_port):
@@ -207,21 +216,11 @@ def test_sighup_drains_too(tmp_path, free_port):
 
 def test_a_stream_still_running_when_the_drain_times_out_gets_an_end(tmp_path, free_port):
     """The drain's time ran out with a stream in flight: its client reads an error event (503,
-    the drain) and [DONE] (it was a cut connection, seconds later), and the server's stream is
-    closed."""
-    release = threading.Event()
-    http = make_server("127.0.0.1", 0, _slow_stream_server(release), threaded=True)
-    threading.Thread(target=http.serve_forever, daemon=True).start()
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TOPPINGS_")}
-    cmd = [sys.executable, "-m", "toppings.scheduler.cli", "--registry", str(tmp_path / "r.db"),
-           "--port", str(port), "--refresh-ms", "50", "--drain-timeout", "1"]  # fmt: skip
-    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
-    try:
-        wait_healthy(url, proc, timeout_s=60, statuses=(200, 503))
-        server = {"url": f"http://127.0.0.1:{http.server_port}"}
-        assert requests.post(url + "/admin/servers", json=server, timeout=10).status_code == 201
+    the drain) and [DONE] (it was a cut connection, seconds later)."""
+    with _scheduler_before_slow_stream(tmp_path, free_port(), "--drain-timeout", "1") as running:
+        url, proc, server_url, _ = running
+        assert requests.post(url + "/admin/servers", json={"url": server_url},
+                             timeout=10).status_code == 201  # fmt: skip
         body = {"model": "base", "prompt": "hi", "max_tokens": 4, "stream": True}
         stream = requests.post(url + "/v1/completions", json=body, stream=True, timeout=60)
         lines = stream.iter_lines()
@@ -233,9 +232,3 @@ def test_a_stream_still_running_when_the_drain_times_out_gets_an_end(tmp_path, f
         assert (error["code"], error["type"]) == (503, "unavailable")
         assert "--drain-timeout" in error["message"]
         assert proc.wait(timeout=60) == 0
-    finally:
-        release.set()
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        http.shutdown()
