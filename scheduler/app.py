@@ -167,7 +167,7 @@ def _proxy(ctx: SchedulerContext, path: str, kind: str) -> Response:
     try:
         body = _json_body()
         model = body.get("model") if isinstance(body.get("model"), str) else None
-        refused = ctx.in_flight.assign(slot, model or "", f"model {model!r}")  # TENANT_SHARE
+        refused = ctx.in_flight.assign(slot, model or "", f"model {model!r}")  # its share
         if refused is not None:
             raise SchedulerError(refused, 429, TOO_MANY_REQUESTS, retry_after_s=RETRY_AFTER_S)
         answer = ctx.router.forward(path, body, kind)
@@ -384,7 +384,7 @@ def create_app(
     503. `app.extensions["toppings"]` is the in-flight limit (a drain waits for it to empty)."""
     app = Flask("toppings-scheduler")
     app.config["MAX_CONTENT_LENGTH"] = MAX_BODY_BYTES
-    in_flight = InFlightLimit(max_in_flight, TENANT_SHARE)
+    in_flight = InFlightLimit(max_in_flight, TENANT_SHARE, cluster.serves_adapters)
     flag = draining if draining is not None else threading.Event()
     ctx = SchedulerContext(router, cluster, router.registry, in_flight, info, flag)
     app.extensions["toppings"] = ctx.in_flight

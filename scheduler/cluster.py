@@ -199,6 +199,13 @@ class Cluster:
         hosted = finding or any(adapter in s.adapters for s in snaps)
         return hosted, any(s.resolves for s in snaps)
 
+    def serves_adapters(self) -> bool:
+        """Whether a registered server holds an adapter or finds them on first use: requests
+        of several models (tenants) may come."""
+        with self._lock:
+            entries = list(self._entries.values())
+        return any(e.hosted or (e.snapshot is not None and e.snapshot.resolves) for e in entries)
+
     def hosting(self) -> dict[str, frozenset[str]]:
         """Healthy server url -> the adapters its last /stats (or a confirmed fetch) showed."""
         with self._lock:

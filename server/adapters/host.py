@@ -177,6 +177,10 @@ class AdapterHost:
                 adapter.weights[key] = (a.pin_memory(), b.pin_memory())
         self._copies[adapter.id] = adapter
 
+    @property
+    def num_registered(self) -> int:
+        return len(self._registered)
+
     def registered(self) -> list[LoraAdapter]:
         """Every registration's adapter, in registration order (a copy: any thread)."""
         return list(self._registered.values())

@@ -143,7 +143,12 @@ def _context(engine, options: ApiOptions) -> ApiContext:
     max_in_flight = options.max_concurrent_requests or default_max_in_flight(
         engine.config.max_batch_size
     )
-    in_flight = InFlightLimit(max_in_flight, TENANT_SHARE)
+    resolves = options.lora_resolver is not None
+
+    def several() -> bool:  # tenants: adapters registered, or found on first use
+        return resolves or engine.num_adapters() > 0
+
+    in_flight = InFlightLimit(max_in_flight, TENANT_SHARE, several)
     logprobs = InFlightLimit(LOGPROB_ENTRIES_IN_FLIGHT)
     metrics = ServerMetrics(engine, in_flight, logprobs, options.adapter_series)
     state = ServerState(in_flight, logprobs, metrics)

@@ -54,6 +54,9 @@ class EngineClient(Protocol):
     def adapters(self) -> list[dict]:
         """The registered adapters: name, rank, path, target modules."""
 
+    def num_adapters(self) -> int:
+        """How many adapters are registered (cheap: no list)."""
+
     def stats(self, adapters_since: str | None = None) -> ServerStats: ...
 
     def counters(self) -> EngineCounters: ...

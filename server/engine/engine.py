@@ -196,6 +196,10 @@ class Engine:
         """Monotonic counters and current gauges, for /metrics (reports.py)."""
         return reports.counters(self)
 
+    def num_adapters(self) -> int:
+        """How many adapters are registered (cheap: no list)."""
+        return self.lora.host.num_registered
+
     def adapters(self) -> list[dict]:
         return reports.adapter_list(self)
 

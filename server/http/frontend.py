@@ -5,9 +5,11 @@ ended, however it ends: finished, failed, refused by the engine, or cut by a cli
 away before or during the stream. Past `max_in_flight` a request is refused at once (the caller
 answers 429 with Retry-After), never queued behind busy handler threads. Where the limit keeps
 a tenant's share (`tenant_share`), a slot is then assigned to its tenant (`assign`, once
-the request names it): once a second tenant has come, no tenant holds more than that share, so
-one tenant's flood cannot take every place and leave the others only 429s (a server only one
-tenant ever used keeps its whole limit for it).
+the request names it): while the process serves several tenants (`several`: it has adapters,
+or finds them on first use), no tenant holds more than that share, so one tenant's flood
+cannot take every place and leave the others only 429s (the flood takes its share, and the
+other places are there for whoever comes next); a process of the base model alone keeps its
+whole limit for it.
 
 Waitress runs each request in flight, a stream included, on one thread of its pool, which is
 sized from the limit plus a reserve: requests in flight never wait for a thread, and the
@@ -62,11 +64,16 @@ class Slot:
 class InFlightLimit:
     """Counts requests in flight (or another weight of them: `units` a request) and refuses,
     without blocking, the one that would pass `max_in_flight`; with a `tenant_share` below 1,
-    once a second tenant has been assigned a slot, also the one that would take its tenant past
-    `max_per_tenant`, that share of the limit rounded up (the rest is kept for the other
-    tenants; a limit below 4 keeps none)."""
+    while `several()` (the process serves several tenants now), also the one that would take
+    its tenant past `max_per_tenant`, that share of the limit rounded up (the rest is kept for
+    the other tenants; a limit below 4 keeps none)."""
 
-    def __init__(self, max_in_flight: int, tenant_share: float = 1.0):
+    def __init__(
+        self,
+        max_in_flight: int,
+        tenant_share: float = 1.0,
+        several: Callable[[], bool] = lambda: True,
+    ):
         if max_in_flight < 1:
             raise ValueError("max_in_flight must be positive")
         self.max_in_flight = max_in_flight
@@ -75,8 +82,7 @@ class InFlightLimit:
         self._num_in_flight = 0
         self._num_rejected = 0
         self._tenants: dict[str, int] = {}  # units in flight per tenant that holds any
-        self._first_tenant: str | None = None
-        self.shared = False  # whether a second tenant has come: the shares apply from then on
+        self._several = several
 
     def try_acquire(self, units: int = 1) -> Slot | None:
         """A slot of `units`, or None (and one more rejection counted) when they would pass
@@ -92,12 +98,10 @@ class InFlightLimit:
         """Count `slot` as `tenant`'s (`who`, its name in a message: "adapter 'x'"); None, or
         the refusal (answered 429 with Retry-After: the slot stays held and unassigned, one
         more rejection is counted) when that would pass `max_per_tenant`."""
+        shared = self.max_per_tenant < self.max_in_flight and self._several()
         with self._lock:
             held = self._tenants.get(tenant, 0)
-            if self._first_tenant is None:
-                self._first_tenant = tenant
-            self.shared = self.shared or tenant != self._first_tenant
-            if self.shared and held + slot.units > self.max_per_tenant:
+            if shared and held + slot.units > self.max_per_tenant:
                 self._num_rejected += 1
                 return (
                     f"{who} has {held} requests in flight, the most one tenant holds "

@@ -112,15 +112,14 @@ def test_one_server_down_and_the_other_busy_is_a_429_not_a_502(setup, order):
 
 
 def test_one_model_holds_at_most_its_share_of_the_places_in_flight(tmp_path, scheduler_parts):
-    # 4 places: one model holds 3, the fourth is kept for the others (TENANT_SHARE)
+    # 4 places: one model holds 3, the fourth is kept for the others (TENANT_SHARE), from the
+    # first request on, since the registered server holds adapters
     servers = FakeServers()
     with scheduler_parts(tmp_path, servers, Session()) as (_, cluster, router):
         app = create_app(router, cluster, {"perf_model_source": "test"}, max_in_flight=4)
         client, limit = app.test_client(), app.extensions["toppings"]
         servers.set(URL, stats())
         assert client.post("/admin/servers", json={"url": URL}).status_code == 201
-        router.session.script = [Answer(200, [b"{}"])]  # a second model: the shares apply
-        assert client.post("/v1/completions", json=dict(BODY, model="chat")).status_code == 200
         router.session.script = [Answer(200, [SSE[:10], SSE[10:]]) for _ in range(3)]
         held = [client.post("/v1/completions", json=STREAM, buffered=False) for _ in range(3)]
         assert all(next(iter(h.response)) == SSE[:10] for h in held)
@@ -135,3 +134,21 @@ def test_one_model_holds_at_most_its_share_of_the_places_in_flight(tmp_path, sch
         assert limit.num_in_flight == 0
         router.session.script = [Answer(200, [b"{}"])]
         assert client.post("/v1/completions", json=BODY).status_code == 200
+
+
+def test_a_cluster_of_the_base_model_alone_keeps_its_whole_limit(tmp_path, scheduler_parts):
+    # no server holds an adapter or finds them: one tenant, whatever model names clients send
+    servers = FakeServers()
+    with scheduler_parts(tmp_path, servers, Session()) as (_, cluster, router):
+        app = create_app(router, cluster, {"perf_model_source": "test"}, max_in_flight=4)
+        client, limit = app.test_client(), app.extensions["toppings"]
+        servers.set(URL, stats(adapters=()))
+        assert client.post("/admin/servers", json={"url": URL}).status_code == 201
+        assert client.post("/v1/completions", json=dict(BODY, model="typo")).status_code == 404
+        router.session.script = [Answer(200, [SSE[:10], SSE[10:]]) for _ in range(4)]
+        base = dict(STREAM, model="tiny-llama")
+        held = [client.post("/v1/completions", json=base, buffered=False) for _ in range(4)]
+        assert [h.status_code for h in held] == [200] * 4 and limit.num_in_flight == 4
+        for h in held:
+            h.close()
+        assert limit.num_in_flight == 0
