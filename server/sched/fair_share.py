@@ -11,12 +11,13 @@ first waits, a start tag S and a cost C, its tenant's next request starting wher
 
 where V, the virtual time, is the largest start tag admitted so far, and the output tokens are
 predicted from what the adapter's earlier requests produced (sizing.OutputPredictor; an output
-token weighs two prompt tokens, VTC's prices). Every queue policy keeps its waiting requests in
-order of S (`order`) where it kept them in arrival order: with one tenant that is arrival
-order; a tenant that sends 500 requests at once gets start tags 500 costs deep, and another
-tenant's request, arriving after them, starts at V, ahead of all but the first few of them.
-A request keeps its claim when it is preempted or squashed and waits again (it goes back to its
-place), and its recomputation is not charged again.
+token weighs two prompt tokens, VTC's prices), but at least what the request guarantees itself
+(`min_tokens`; all of max_tokens with ignore_eos and nothing else to stop it). Every queue policy
+keeps its waiting requests in order of S (`order`) where it kept them in arrival order: with one
+tenant that is arrival order; a tenant that sends 500 requests at once gets start tags 500 costs
+deep, and another tenant's request, arriving after them, starts at V, ahead of all but the first
+few of them. A request keeps its claim when it is preempted or squashed and waits again (it goes
+back to its place), and its recomputation is not charged again.
 
 Costs are predicted, not counted as VTC counts them step by step, so that the order is a sort
 key fixed at arrival (the policies' queues stay sorted lists): when a request leaves the batch
@@ -74,12 +75,22 @@ class FairShares:
         if queue_empty:
             self.virtual_time = max(self.virtual_time, *self._ends.values(), 0.0)
             self._ends.clear()
-        tenant, params = seq.request.adapter, seq.request.params
-        output = self.predictor.predict(tenant, params.max_new_tokens)
-        cost = seq.prompt_len + OUTPUT_WEIGHT * output
+        tenant = seq.request.adapter
+        cost = seq.prompt_len + OUTPUT_WEIGHT * self._output(seq)
         start = max(self.virtual_time, self._ends.get(tenant, 0.0))
         self._ends[tenant] = start + cost
         self._claims[seq] = Claim(tenant, start, cost)
+
+    def _output(self, seq: Sequence) -> float:
+        """The output tokens `seq` is charged before it runs: what its adapter's history
+        predicts, but at least what the request itself guarantees: `min_tokens`, and all of
+        `max_new_tokens` where nothing but its length stops it (ignore_eos without stops, no
+        constraint): a tenant's short answers do not make its long ones cheap."""
+        params = seq.request.params
+        if params.ignore_eos and not (params.stop or params.stop_token_ids or params.constraint):
+            return params.max_new_tokens
+        predicted = self.predictor.predict(seq.request.adapter, params.max_new_tokens)
+        return max(predicted, min(params.min_tokens, params.max_new_tokens))
 
     def admitted(self, seq: Sequence) -> None:
         """`seq` was admitted: the virtual time reaches its start tag."""

@@ -136,6 +136,30 @@ def test_a_preempted_request_keeps_its_place_and_is_charged_once():
     assert shares.order(after) == pytest.approx(2 * (10 + OUTPUT_WEIGHT * 4))
 
 
+def test_short_answers_do_not_make_a_tenants_long_requests_cheap():
+    """A tenant whose recent requests stopped after a token (its predictor says: a thousandth of
+    max_tokens) then sends requests that must run their whole length (ignore_eos), or at least
+    `min_tokens`: they are charged that length, not the prediction (QA: 22 of 24 such requests
+    ran before another tenant's third)."""
+    shares = FairShares(enabled=True)
+    for _ in range(30):
+        shares.predictor.observe("a", 1, 1000)
+    params = SamplingParams(1000, temperature=0.0, ignore_eos=True)
+    request = GenerationRequest(list(range(2, 12)), params, "a")
+    long = Sequence(request, RequestHandle(request, lambda _id: None), Tokenizer(), 0.0)
+    shares.claim(long, queue_empty=True)
+    after = seq_of("a", 10, 5)
+    shares.claim(after, queue_empty=False)
+    assert shares.order(after) == 10 + OUTPUT_WEIGHT * 1000
+    params = SamplingParams(1000, temperature=0.0, min_tokens=400)
+    request = GenerationRequest(list(range(2, 12)), params, "a")
+    floor = Sequence(request, RequestHandle(request, lambda _id: None), Tokenizer(), 0.0)
+    shares.claim(floor, queue_empty=True)
+    last = seq_of("a", 10, 5)
+    shares.claim(last, queue_empty=False)
+    assert shares.order(last) - shares.order(floor) == 10 + OUTPUT_WEIGHT * 400
+
+
 def test_claims_are_forgotten_whenever_no_request_waits():
     shares = FairShares(enabled=True)
     heavy = [seq_of("a", 100, 50) for _ in range(5)]
