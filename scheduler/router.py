@@ -7,8 +7,10 @@ followed, see scheduler.server_session); so is the next one after a 429 (the ser
 limit of requests in flight: busy, not unhealthy); when no server took it and one of them was
 only busy the client gets 429 with Retry-After (a server down beside a busy one is no reason for
 a 502: the request can be sent again soon), 503 with Retry-After where one was draining, 502 when
-every server failed. Once a server has answered any other status, its answer goes to the
-client as is: a 4xx is the client's problem, and a streamed body cannot be replayed.
+every server failed. A 404 for an adapter goes on to the next server where there is one (the
+adapter left that server since its last /stats). Once a server has answered any other status,
+its answer goes to the client as is: a 4xx is the client's problem, and a streamed body cannot
+be replayed.
 
 Only what routing needs is checked here (the body is a JSON object, the model is known); every
 other field is the server's to judge, so that a bad input gets the same answer through the
@@ -233,9 +235,13 @@ class Router:
                     self.cluster.mark_unhealthy(url, f"{path}: 503")
                 failures.append(f"{url}: {answer.status_code}")
                 continue
-            done.status = answer.status_code
             if answer.status_code == 404 and request.adapter is not None:
                 self.cluster.resolve_failed(url, request.adapter)
+                if attempt + 1 < len(ranked):  # unloaded there since its last /stats: next one
+                    answer.close()
+                    done(None)
+                    continue
+            done.status = answer.status_code
             return self._pass_on(answer, url, stream, done)
         listed = "; ".join(failures)
         if any(f.endswith(": 429") for f in failures):  # one is busy, not down: retry later

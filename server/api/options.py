@@ -90,7 +90,8 @@ class ApiOptions(Settings):
         flag=Flag(
             "which registered adapters /metrics gives series of their own "
             "(vllm:lora_adapter_loaded, toppings:lora_adapter_state; two each): all, only those "
-            "on the device or loading there (a bounded number, for thousands of adapters), or "
+            "on the device or loading there (as many as its adapter memory holds: bounded by "
+            "--adapter-cache-bytes, every adapter used so far where that is unbounded), or "
             "off; the counts by residency are there whatever this says"
         ),
     )

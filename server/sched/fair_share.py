@@ -23,10 +23,10 @@ Costs are predicted, not counted as VTC counts them step by step, so that the or
 key fixed at arrival (the policies' queues stay sorted lists): when a request leaves the batch
 its claim is settled at the tokens computed for it (`finished`: its tenant's end moves back, or
 on where it ran longer than predicted), and one that leaves the queue unserved gives its whole
-claim back (`removed`), so a tenant is charged what was computed for it. Whenever no request
-waits, every tenant's past claims are forgotten (V moves to the last of them): service that
-made nobody wait is not held against a tenant later, and what is kept is bounded by the
-tenants with requests waiting since the queue was last empty.
+claim back (`removed`), so a tenant is charged what was computed for it. When a request
+arrives to find none waiting, every tenant's past claims are forgotten (V moves to the last of
+them): service that made nobody wait is not held against a tenant later, and what is kept is
+bounded by the tenants with requests waiting since the queue was last empty.
 """
 
 from __future__ import annotations

@@ -64,9 +64,10 @@ def test_past_its_limit_the_scheduler_answers_429_and_recovers(setup):
 def test_the_slot_comes_back_on_every_path(setup):
     app, session, _ = setup
     client, limit = app.test_client(), app.extensions["toppings"]
-    session.script = [Answer(404, [b'{"error": {}}']), requests.ConnectionError("refused"),
+    session.script = [Answer(404, [b'{"error": {}}']), Answer(404, [b'{"error": {}}']),
+                      requests.ConnectionError("refused"),
                       requests.ConnectionError("refused")]  # fmt: skip
-    assert client.post("/v1/completions", json=BODY).status_code == 404
+    assert client.post("/v1/completions", json=BODY).status_code == 404  # from both servers
     assert client.post("/v1/completions", json=BODY).status_code == 502  # both unreachable
     assert limit.num_in_flight == 0
     assert client.post("/v1/completions", json={"model": "ghost"}).status_code == 404
@@ -152,3 +153,17 @@ def test_a_cluster_of_the_base_model_alone_keeps_its_whole_limit(tmp_path, sched
         for h in held:
             h.close()
         assert limit.num_in_flight == 0
+
+
+def test_a_404_for_an_adapter_goes_on_to_the_next_server_and_the_last_one_is_answered(setup):
+    # the adapter left the first server since its last /stats: the other one still has it
+    app, session, _ = setup
+    client = app.test_client()
+    missing = Answer(404, [b'{"error": {"code": 404}}'])
+    session.script = [missing, Answer(200, [b'{"ok": 1}'])]
+    answer = client.post("/v1/completions", json=BODY)
+    assert answer.status_code == 200 and answer.get_json() == {"ok": 1} and missing.closed
+    session.script = [Answer(404, [b'{"error": {"code": 404}}']) for _ in range(2)]
+    answer = client.post("/v1/completions", json=BODY)  # gone everywhere: the last 404
+    assert answer.status_code == 404
+    assert app.extensions["toppings"].num_in_flight == 0
