@@ -54,6 +54,7 @@ from bench.envelope import describe_device, write_result
 from bench.queueing_configs import (
     CONFIGS,
     FCFS,
+    SEED_SYSTEMS,
     cache_budget,
     engine_config,
     headlines,
@@ -255,7 +256,7 @@ def plot(path: Path, series: list[tuple[str, list[float], dict, bool]], slo_ms: 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The trace's and the engines' arguments, shared with bench/queueing_sim.py."""
-    p.add_argument("--configs", default=",".join(CONFIGS), help=f"of {', '.join(CONFIGS)}")
+    p.add_argument("--configs", default=",".join(SEED_SYSTEMS), help=f"of {', '.join(CONFIGS)}")
     p.add_argument("--per-rank", type=int, default=4, help="adapters per rank")
     p.add_argument("--max-prompt-len", type=int, default=512)
     p.add_argument("--output-len", default="lognormal:40:1.0")

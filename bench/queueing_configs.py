@@ -27,13 +27,16 @@ OVERLOAD = 1.25  # p99_ttft_ratio_vs_fcfs_overload: at this multiple of the base
 class Comparison:
     """One system of the paper's comparison, as engine settings: the queue policy
     (`--queue-policy`), how an adapter not on the device starts (`--lora-mode`), whether idle
-    adapters stay on the device (`--adapter-cache`) and which of them leaves first
-    (`--eviction`)."""
+    adapters stay on the device (`--adapter-cache`), which of them leaves first (`--eviction`)
+    and whether waiting requests take fair shares between adapters (`--fair-share`: the seed
+    systems admit in arrival order; `chameleon-fair` is this engine's default since session
+    62)."""
 
     queue_policy: str
     lora_mode: str
     adapter_cache: bool
     eviction: str
+    fair_share: bool = False
 
 
 CONFIGS: dict[str, Comparison] = {
@@ -42,7 +45,10 @@ CONFIGS: dict[str, Comparison] = {
     "chameleon-nocache": Comparison("chameleon", "on-demand", False, "lru"),
     "chameleon-nosched": Comparison("fcfs", "on-demand", True, "chameleon"),
     "chameleon": Comparison("chameleon", "on-demand", True, "chameleon"),
+    "chameleon-fair": Comparison("chameleon", "on-demand", True, "chameleon", fair_share=True),
 }
+# The paper's comparison, every system in arrival order (a sweep's default configurations)
+SEED_SYSTEMS = tuple(name for name, row in CONFIGS.items() if not row.fair_share)
 SLORA, FCFS, CHAMELEON = "slora", "chameleon-nosched", "chameleon"  # the headlines' three
 SLORA_SYNC = "slora-sync"  # S-LoRA whose loads stall its steps, as its router does
 

@@ -153,7 +153,8 @@ class Sim:
 
     def policy(self, name: str | None, slo_ms: float):
         row = SIM_CONFIGS[name] if name else CONFIGS[FCFS]
-        config = SchedulingConfig(ttft_slo_ms=slo_ms, max_batch_size=self.args.max_batch_size)
+        config = SchedulingConfig(ttft_slo_ms=slo_ms, max_batch_size=self.args.max_batch_size,
+                                  fair_share=row.fair_share)  # fmt: skip
         return POLICIES[row.queue_policy](config, self.args.max_total_tokens)
 
     def run(self, name: str | None, trace, slo_ms: float) -> list:

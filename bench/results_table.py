@@ -316,6 +316,10 @@ CURRENT: dict[str, tuple[str, tuple[str, ...]]] = {
                         "SmolLM2 bf16, batch 8: fair shares on against off (AMX Xeon)",
                         ("lone_ttft_s_on_vs_off.median", "all_makespan_s_on_vs_off.median",
                          "flood_median_ttft_s_on_vs_off.median")),
+    "queueing_sim_fair.json": ("the simulator: Chameleon with fair shares (the default since "
+                               "session 62) beside arrival order, S-LoRA and cached FCFS",
+                               ("sustained_rps.chameleon-fair", "sustained_rps.chameleon",
+                                "capacity_rps.chameleon-fair", "capacity_rps.chameleon")),
     "stats_poll.json": ("the scheduler's /stats poll of a server with 5,000 adapters: the list "
                         "only when it changed against every time (AMX Xeon)",
                         ("every_time.poll_ms.median", "changed_only.poll_ms.median",

@@ -30,13 +30,16 @@ def args_of(*argv: str) -> argparse.Namespace:
 
 
 def test_the_rows_differ_only_in_queue_policy_cache_and_whether_a_load_stalls_the_step():
-    rows = {n: (c.queue_policy, c.lora_mode, c.adapter_cache) for n, c in CONFIGS.items()}
-    assert rows == {
-        "slora": ("fcfs", "on-demand", False),
-        "slora-sync": ("fcfs", "on-demand-sync", False),
-        "chameleon-nocache": ("chameleon", "on-demand", False),
-        "chameleon-nosched": ("fcfs", "on-demand", True),
-        "chameleon": ("chameleon", "on-demand", True),
+    rows = {
+        n: (c.queue_policy, c.lora_mode, c.adapter_cache, c.fair_share) for n, c in CONFIGS.items()
+    }
+    assert rows == {  # the seed systems in arrival order, and this engine's default
+        "slora": ("fcfs", "on-demand", False, False),
+        "slora-sync": ("fcfs", "on-demand-sync", False, False),
+        "chameleon-nocache": ("chameleon", "on-demand", False, False),
+        "chameleon-nosched": ("fcfs", "on-demand", True, False),
+        "chameleon": ("chameleon", "on-demand", True, False),
+        "chameleon-fair": ("chameleon", "on-demand", True, True),
     }
 
 
@@ -46,6 +49,7 @@ def test_each_row_is_an_engine_of_the_shared_memory_link_and_chunked_steps(name)
     row = CONFIGS[name]
     assert (config.queue_policy, config.lora_mode) == (row.queue_policy, row.lora_mode)
     assert config.adapter_cache is row.adapter_cache and config.eviction == row.eviction
+    assert config.fair_share is row.fair_share
     assert config.memory_layout == "static" and config.adapter_cache_bytes == 1 << 26
     assert config.link_gbps == 1.5 and config.chunked_prefill and config.ttft_slo_ms == 4000.0
     pool = engine_config(name, args_of("--memory-layout", "pool"), 1.5, 1 << 26, 4000.0, 100)
