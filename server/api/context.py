@@ -26,6 +26,7 @@ from toppings.server.http.frontend import InFlightLimit, Slot
 from toppings.server.requests.errors import (
     RETRY_AFTER_S,
     TOO_MANY_REQUESTS,
+    UNAVAILABLE,
     parse_json_object,
     too_many_requests,
 )
@@ -44,7 +45,11 @@ class ServerState:
     draining: threading.Event = dataclasses.field(default_factory=threading.Event)
 
     def take_slot(self) -> Slot:
-        """A place in flight for one generation request; a 429 with Retry-After past the limit."""
+        """A place in flight for one generation request; a 429 with Retry-After past the limit
+        (a 503 with Retry-After while draining: another replica may take it, this one not)."""
+        if self.draining.is_set():
+            raise RequestError("the server is draining", 503, UNAVAILABLE,
+                               retry_after_s=RETRY_AFTER_S)  # fmt: skip
         slot = self.in_flight.try_acquire()
         if slot is None:
             raise RequestError(too_many_requests(self.in_flight.max_in_flight), 429,

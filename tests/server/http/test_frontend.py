@@ -264,6 +264,18 @@ def test_one_adapter_past_its_share_gets_a_429_and_the_others_are_served(engine)
     assert_idle(engine)
 
 
+def test_a_draining_server_answers_503_before_its_limit_does_429(app):
+    client = app.test_client()
+    held = [open_stream(client, "/generate"), open_stream(client, "/v1/chat/completions")]
+    app.extensions["toppings"].draining.set()  # full and draining: the drain is the answer
+    refused = client.post("/generate", json=ENDPOINTS["/generate"])
+    assert refused.status_code == 503 and int(refused.headers["Retry-After"]) >= 1
+    assert "draining" in refused.get_json()["error"]["message"]
+    for response in held:
+        response.close()
+    assert in_flight(app) == 0
+
+
 def test_a_stream_the_client_closed_still_counts_its_tokens(app, engine):
     client = app.test_client()
     before = metric_values(client)
