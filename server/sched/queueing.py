@@ -6,10 +6,10 @@ fits now (batch room, KV slots, prefill budget, adapter memory, LoRA mode) and, 
 admits it. A policy never touches the model, the KV pool or the adapter cache itself.
 
 - `fcfs`: arrival order; the first request that does not fit stops admission (today's engine).
+- `chameleon`: adapter-aware multi-level queues with token quotas (server.sched.chameleon).
 
 Both keep their waiting requests in the order of server.sched.fair_share (`--fair-share`):
 start tags that interleave adapters by the tokens each was served, arrival order with one.
-- `chameleon`: adapter-aware multi-level queues with token quotas (server.sched.chameleon).
 
 With chunked prefill a policy also plans, before any admission, how many tokens of the step each
 request being prefilled computes (`plan_chunks`): those requests were admitted before any
