@@ -22,11 +22,9 @@ from collections import deque
 from dataclasses import dataclass
 
 from toppings.server.config import SchedulingConfig
-from toppings.server.requests.adapter_ref import AdapterRef
 from toppings.server.requests.sequence import Sequence
 from toppings.server.sched.queueing import Gate, QueuePolicy
 from toppings.server.sched.sizing import (
-    OutputPredictor,
     queue_cutoffs,
     queue_quotas,
     step_quotas,
@@ -60,7 +58,8 @@ class SizeQueues(QueuePolicy):
     def __init__(self, config: SchedulingConfig, max_total_tokens: int):
         super().__init__(config, max_total_tokens)
         self.slo_s = config.ttft_slo_ms / 1000.0
-        self.predictor = OutputPredictor()
+        # output lengths by adapter: the fair shares' history (QueuePolicy.finished feeds it)
+        self.predictor = self.shares.predictor
         self.cutoffs: list[float] = []
         self.quotas: list[int] = [max_total_tokens]  # one queue until the first clustering
         self._maxima = (1.0, 1.0, 1.0)  # maxIn, maxOut, maxAdapter, frozen at each refresh
@@ -109,10 +108,6 @@ class SizeQueues(QueuePolicy):
     def _enqueue(self, seq: Sequence) -> None:
         queue = self._queues[self._queue_of(self._sizes[seq].wrs)]
         bisect.insort(queue, seq, key=self.shares.order)
-
-    def forget_adapter(self, adapter: AdapterRef) -> None:
-        super().forget_adapter(adapter)
-        self.predictor.forget(adapter)
 
     # ---- sizing, clustering, quotas -----------------------------------------------------------
 
@@ -233,10 +228,8 @@ class SizeQueues(QueuePolicy):
         size = self._running.pop(seq, None)
         if size is None:
             return
-        num_out = len(seq.output_ids)
         if completed:
-            self.predictor.observe(seq.request.adapter, num_out, seq.request.params.max_new_tokens)
-            self._served.append((size, now - size.admitted, max(num_out, 1)))
+            self._served.append((size, now - size.admitted, max(len(seq.output_ids), 1)))
 
     def view(self) -> dict:
         queues = list(self._queues)
