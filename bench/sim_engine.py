@@ -77,9 +77,11 @@ class SimSeq:
     finished: bool = False
     num_prefilled: int = 0
 
+    prefill_len: int = 0  # the prompt's, and the outputs' after a resume (Sequence.resume)
+
     @property
     def is_prefilled(self) -> bool:
-        return self.num_prefilled >= self.prompt_len
+        return self.num_prefilled >= self.prefill_len
 
     scores_prompt = False  # simulated requests ask no prompt logprobs
 
@@ -87,6 +89,7 @@ class SimSeq:
         params = SamplingParams(self.max_new, temperature=0.0)
         self.request = _Request(str(id(self)), self.adapter, params)
         self.kv_need = self.prompt_len + self.max_new
+        self.prefill_len = self.prompt_len
 
     def append(self, token: int, eos_ids: set[int], max_model_len: int, logprob=None) -> str | None:
         self.output_ids.append(token)
@@ -95,8 +98,8 @@ class SimSeq:
     def finish(self, reason: str, error: str | None = None) -> None:
         self.finished = True
 
-    def restart(self) -> None:
-        self.output_ids = []
+    def resume(self) -> None:
+        self.prefill_len = self.prompt_len + len(self.output_ids)
         self.num_prefilled = 0
 
 

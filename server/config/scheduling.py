@@ -15,6 +15,7 @@ from toppings.server.settings import (
 )
 
 QUEUE_POLICIES = ("fcfs", "chameleon")  # the classes: server.sched.policies
+KV_ADMISSIONS = ("expected", "worst-case")
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,19 @@ class SchedulingConfig(Settings):
             choices=ON_OFF,
             default="on",
             parse=on_off,
+        ),
+    )
+    # What admission reserves of a request's KV (server.sched.scheduler, `Scheduler.add`).
+    kv_admission: str = setting(
+        "expected",
+        choices=KV_ADMISSIONS,
+        flag=Flag(
+            "what admission reserves of a request's KV memory: expected, its prompt and the "
+            "output its adapter's recent requests made (their 90th percentile share of "
+            "max_tokens; all of it until 8 have ended); one that runs longer takes blocks as "
+            "it goes, and when the pool runs out the youngest running request is preempted "
+            "and later resumes where it was. worst-case: its prompt plus max_tokens (nothing "
+            "is preempted; fewer requests run at once where max_tokens is large)"
         ),
     )
     # Mixed steps of decodes and prompt chunks under a token budget (server.sched.scheduler).

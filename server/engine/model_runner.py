@@ -173,7 +173,7 @@ class ModelRunner:
         ids, positions, seg_starts, rows = step.ids, step.positions, step.seg_starts, step.rows
         seg_starts.append(0)
         for seq, start, n in zip(seqs, plan.starts, plan.tokens):
-            if start >= seq.prompt_len:  # a decode row (n = 1): its last sampled token
+            if start >= seq.prefill_len:  # a decode row (n = 1): its last sampled token
                 if seq in in_flight:
                     step.in_flight.append((len(ids), seq))
                     ids.append(0)
@@ -181,7 +181,7 @@ class ModelRunner:
                     ids.append(seq.output_ids[-1])
                 scored = False
             else:
-                ids.extend(seq.request.prompt_ids[start : start + n])
+                ids.extend(seq.prefill_ids[start : start + n])
                 scored = seq.scores_prompt  # its chunk's rows
             positions.extend(range(start, start + n))
             end = seg_starts[-1] + n
@@ -189,7 +189,7 @@ class ModelRunner:
             seg_starts.append(end)
             step.scores.append(scored)
         step.kv_rows.extend(s.kv_hold.row for s in seqs)
-        step.num_prompt = sum(max(0, min(s.prompt_len, b + n) - b)
+        step.num_prompt = sum(max(0, min(s.prefill_len, b + n) - b)
                               for s, b, n in zip(seqs, plan.starts, plan.tokens))  # fmt: skip
         return step
 

@@ -1,7 +1,7 @@
 """The output processor: detokenizing, stop strings and streaming on a thread of their own.
 
 vLLM v1's output processor. The engine thread keeps only each request's token-level state and,
-for every new token, restart and finish, makes a small `OutputRecord`
+for every new token and finish, makes a small `OutputRecord`
 (server/requests/text_output.py); it `emit`s them here during a step and `flush`es them at the
 step's end as one batch, so a step costs the engine thread one queue put, not a decode per
 request. This thread applies the batches in order to each request's `TextOutput`, which turns

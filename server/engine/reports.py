@@ -82,7 +82,7 @@ def counters(engine: Reported) -> EngineCounters:
         host_lora_seconds=lora.host_stats.seconds,
         num_running=len(sched.running),
         num_waiting=len(sched.queue),
-        queueing=QueueView.from_view(sched.queue.view()),
+        queueing=QueueView.from_view(queue_view(sched)),
         kv_reserved_tokens=memory.reserved * kv.block_tokens,
         kv_used_tokens=kv.num_slots - kv.num_free_slots,
         max_total_tokens=kv.num_slots,
@@ -151,7 +151,7 @@ def stats(engine: Reported, adapters_since: str | None = None) -> ServerStats:
         cpu_workers=tuple(WorkerView(**w) for w in lora.host.worker_stats()),
         resident_adapters=tuple(resident),
         loading_adapters=tuple(loading),
-        queueing=sched.queue.view(),
+        queueing=queue_view(sched),
         adapter_host_memory=lora.host.memory.view(),
         num_device_adapters=by_state[Residency.DEVICE],
         num_loading_adapters=by_state[Residency.LOADING],
@@ -160,6 +160,12 @@ def stats(engine: Reported, adapters_since: str | None = None) -> ServerStats:
         adapter_load_seconds=lora.loader.load_times.view().to_json(),
         kv_events=kv_events_view(engine),
     )
+
+
+def queue_view(sched: Scheduler) -> dict:
+    """The queue policy's view, and what admission reserves and takes back (--kv-admission)."""
+    admission = "expected" if sched.limits.expected_kv else "worst-case"
+    return {**sched.queue.view(), "kv_admission": admission, "preemptions": sched.preemptions}
 
 
 def kv_events_view(engine: Reported) -> dict:

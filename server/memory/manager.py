@@ -12,11 +12,14 @@ Layouts (`--memory-layout`, layout.py):
   with.
 
 Admission counts blocks that cannot be taken back: each admitted request's reservation (its
-private blocks, worst case), cached prefix blocks that running requests hold after their
-creator ended, and adapters with a reference or a load still running. Everything else (free
-blocks, cached prefixes, idle adapters) can be reclaimed on demand (reclaim.py), and a load
-nobody was promised (a prefetch) takes only blocks not promised (adapter_blocks.py), so an
-admitted request never fails to get a block. build.py puts the pieces together.
+private blocks: for all of max_new_tokens, or for what its adapter's history expects with
+--kv-admission expected, grown to the blocks it holds when it runs past that), cached prefix
+blocks that running requests hold after their creator ended, and adapters with a reference or
+a load still running. Everything else (free blocks, cached prefixes, idle adapters) can be
+reclaimed on demand (reclaim.py), and a load nobody was promised (a prefetch) takes only blocks
+not promised (adapter_blocks.py), so with worst-case reservations an admitted request never
+fails to get a block (with expected ones, one that runs out preempts the youngest running
+request: server.sched.scheduler). build.py puts the pieces together.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ class KVHold:
     """What one admitted request holds: its KV row, reservation and prefix-tree nodes."""
 
     row: int
-    reserved: int  # private blocks promised (worst case)
+    reserved: int  # private blocks promised at admission, grown to those it holds
     held: list[KVNode] = field(default_factory=list)  # its path in the tree, root side first
     num_matched: int = 0  # held[:num_matched] were cached before it came
     cached_tokens: int = 0  # prompt tokens whose KV came from the cache (the matched blocks)
@@ -133,11 +136,12 @@ class MemoryManager:
 
     def match(self, seq) -> list[KVNode]:
         """The cached prefix a request would reuse: full blocks under its adapter (`tree_key`),
-        leaving at least its last prompt token to compute; host blocks only when a copy beats
-        recomputing them."""
-        if self.tree is None or seq.request.params.prompt_logprobs is not None:
+        leaving at least its last prefill token to compute (a resumed request's prefill holds
+        the tokens it made: `Sequence.resume`); host blocks only when a copy beats recomputing
+        them."""
+        if self.tree is None or seq.scores_prompt:
             return []
-        ids = seq.request.prompt_ids
+        ids = seq.prefill_ids
         adapter, max_blocks = self.tree_key(seq)
         num_blocks = (len(ids) - 1) // self.kv.block_tokens
         if max_blocks is not None:
@@ -150,7 +154,7 @@ class MemoryManager:
     def kv_need(self, seq, path: list[KVNode]) -> int:
         """Blocks admitting `seq` with this cached prefix adds to the committed count."""
         shared = sum(1 for n in path if n.on_device and n.refcount)
-        return self.blocks_for(seq.kv_need) - shared
+        return self.blocks_for(_reserved_tokens(seq)) - shared
 
     def fits(self, extra_blocks: int) -> bool:
         return self.committed() + extra_blocks <= self.kv.num_blocks
@@ -158,7 +162,7 @@ class MemoryManager:
     def admit(self, seq, path: list[KVNode], now: float) -> KVHold:
         """Take a row, the cached prefix (copied back from the host where needed) and the
         reservation of the rest."""
-        hold = KVHold(self.kv.new_row(), self.blocks_for(seq.kv_need) - len(path))
+        hold = KVHold(self.kv.new_row(), self.blocks_for(_reserved_tokens(seq)) - len(path))
         self.reserved += hold.reserved
         for node in path:
             self.tree.hold(node, now)
@@ -173,7 +177,7 @@ class MemoryManager:
         if self.tree is not None:
             adapter, hold.max_blocks = self.tree_key(seq)
             hold.tail = path[-1] if path else self.tree.root(adapter)
-        self.counters.prompt_tokens += seq.prompt_len
+        self.counters.prompt_tokens += seq.prefill_len
         self.counters.prefix_hit_tokens += hold.cached_tokens
         return hold
 
@@ -182,7 +186,9 @@ class MemoryManager:
     def allocate(self, seqs: list, tokens: list[int]) -> list[int] | None:
         """Reserve the KV slots of a step: seqs[i]'s next tokens[i] tokens, all or none
         (cached items leave the device first where the free blocks are too few); returns
-        where each one's tokens start, or None when the blocks cannot be had."""
+        where each one's tokens start, or None when the blocks cannot be had. A request that
+        runs past its reservation (--kv-admission expected) has it grown to the blocks it
+        holds, so that admission counts them."""
         kv = self.kv
         rows = [s.kv_hold.row for s in seqs]
         need = kv.missing_blocks(rows, tokens)
@@ -190,7 +196,15 @@ class MemoryManager:
             self.make_room(need)
         if need > kv.num_free_blocks:
             return None
-        return kv.reserve(rows, tokens)
+        starts = kv.reserve(rows, tokens)
+        if need:
+            for seq in seqs:
+                hold = seq.kv_hold
+                own = len(kv.row_blocks[hold.row]) - hold.num_matched
+                if own > hold.reserved:
+                    self.reserved += own - hold.reserved
+                    hold.reserved = own
+        return starts
 
     def make_adapter_room(
         self, adapter: LoraAdapter, keep: frozenset[int], prefetch: bool = False
@@ -211,7 +225,7 @@ class MemoryManager:
             self.swap.observe_prefill(seconds, num_tokens)
         self.reclaimer.observe_batch(now, len(seqs))
         for seq in seqs:
-            self._insert(seq.kv_hold, seq.request.prompt_ids, now)
+            self._insert(seq.kv_hold, seq.prefill_ids, now)
 
     def after_decode(self, batch_size: int, now: float) -> None:
         self.reclaimer.observe_batch(now, batch_size)
@@ -310,3 +324,9 @@ class MemoryManager:
             "kv_events_dropped": recorder.num_dropped,
             "kv_events_resyncs_asked": recorder.num_resyncs_asked,
         }
+
+
+def _reserved_tokens(seq) -> int:
+    """The tokens a request's admission reserves: its `kv_need` (all of max_new_tokens, or
+    what its adapter's history expects), and at least its prefill and the token after it."""
+    return max(seq.kv_need, seq.prefill_len + 1)

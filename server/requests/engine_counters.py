@@ -94,6 +94,7 @@ class QueueView:
     cutoffs: tuple[float, ...] | None = None
     bypasses: int | None = None
     squashes: int | None = None
+    preemptions: int = 0  # running requests preempted for KV memory (each resumed later)
     reserved: int | None = None  # iterations in which a waiting request held a reservation
     backfilled: int | None = None
 

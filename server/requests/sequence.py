@@ -1,11 +1,16 @@
 """Per-request state the engine thread keeps: tokens so far, timings, the finishes it knows.
 
 Pure Python (the scheduler runs without torch): sampling and logprobs live with the model
-runner (server/sampling/sampler.py), which keys each request's random generator on
-`num_restarts` so that a restarted request samples its tokens again from the seed. The text
-side (detokenizing, stop strings, the outputs on the handle) is text_output.py's: each new
-token, restart and finish goes there as an `OutputRecord`, applied at once on this thread or
-handed to an output sink (the engine's output processor thread)."""
+runner (server/sampling/sampler.py). The text side (detokenizing, stop strings, the outputs on
+the handle) is text_output.py's: each new token and the finish go there as an `OutputRecord`,
+applied at once on this thread or handed to an output sink (the engine's output processor
+thread).
+
+A request taken out of the running batch (preempted for KV memory, or squashed by Chameleon)
+resumes where it was (`resume`, vLLM's recompute preemption): its prompt and the tokens it has
+made are its prefill when it is admitted again (most of their KV still cached, under its
+adapter), and its next token is sampled after them. Nothing is computed twice that was sent,
+so any request may be taken out: its client sees one stream, whatever ran in between."""
 
 from __future__ import annotations
 
@@ -40,12 +45,14 @@ class Sequence:
         self.handle = handle
         self.arrival = arrival
         self.prompt_len = len(request.prompt_ids)
+        # What its next admission prefills: the prompt, and after a resume the tokens made too
+        self.prefill_ids: list[int] = request.prompt_ids
         self.kv_need = self.prompt_len + request.params.max_new_tokens
         self.output_ids: list[int] = []
         self._kv_hold = None
         self.num_cached_tokens = 0  # of the latest admission (usage.prompt_tokens_details)
-        # Prompt tokens whose KV the row holds (a reused prefix, then computed chunks); the
-        # prompt is prefilled once this reaches prompt_len (chunked prefill spreads it over steps).
+        # Prefill tokens whose KV the row holds (a reused prefix, then computed chunks); it is
+        # prefilled once this reaches prefill_len (chunked prefill spreads it over steps).
         self.num_prefilled = 0
         self.cache_entry = None  # gpu_lora.cache.CacheEntry while it holds a reference
         # The first prompt position its adapter applies to: 0, or past an activated LoRA's
@@ -57,7 +64,6 @@ class Sequence:
         self.finish_reason: str | None = None  # as the engine ended it (None: running)
         self.output = TextOutput(request, handle, tokenizer, arrival)
         self._outputs = outputs
-        self.num_restarts = 0  # a sampler re-creates the request's generator when this moves
         # Set by the sampler when the request's grammar is complete with the token append()
         # records next and allows nothing after it: the request stops there.
         self.step_ends_grammar = False
@@ -67,7 +73,7 @@ class Sequence:
         self._grammar_failure: str | None = None
         self._prompt_logprobs: list[TokenLogprob | None] | None = None  # sent once, first
         self._scored: list[TokenLogprob | None] | None = None  # the chunks' so far
-        self._num_sent = 0  # tokens streamed before a restart, not sent again when replayed
+        self.num_resumes = 0  # times it was taken out of the batch and admitted again
 
     @property
     def kv_hold(self):
@@ -76,31 +82,36 @@ class Sequence:
 
     @kv_hold.setter
     def kv_hold(self, hold) -> None:
-        # The cached prompt tokens are kept past the release, for the final output.
+        # The cached prompt tokens are kept past the release, for the final output (those of
+        # its first admission: a resumed request finds its own blocks again).
         self._kv_hold = hold
-        if hold is not None:
+        if hold is not None and self.prefill_len == self.prompt_len:
             self.num_cached_tokens = hold.cached_tokens
 
-    def restart(self) -> None:
-        """Run again from the prompt after a squash: the tokens already streamed are computed
-        again (the same ones: only greedy or seeded requests are squashed) but not resent."""
-        self._num_sent = len(self.output_ids)
-        self.output_ids = []
+    @property
+    def prefill_len(self) -> int:
+        """Tokens its admission prefills: the prompt's, and the outputs' after a resume."""
+        return len(self.prefill_ids)
+
+    def resume(self) -> None:
+        """It left the batch (its KV given back, cached): it waits again, and its next
+        admission prefills its prompt and the tokens it has made, then samples the next one.
+        Its sampler state (random generator, grammar matcher) is kept: it goes on."""
+        if self.output_ids:
+            self.prefill_ids = self.request.prompt_ids + self.output_ids
         self.num_prefilled = 0
-        self.num_restarts += 1
-        self._emit(OutputRecord(self, self.output, restart=True))
-        self.step_ends_grammar = False
-        self.step_grammar_error = None
+        self.num_resumes += 1
 
     @property
     def scores_prompt(self) -> bool:
-        """Whether its prompt's logprobs are asked: each prompt row goes through the LM head."""
-        return self.request.params.prompt_logprobs is not None
+        """Whether its prompt's logprobs are asked and not yet sent: each prompt row goes
+        through the LM head (a resumed request sent them with its first token)."""
+        return self.request.params.prompt_logprobs is not None and not self.output_ids
 
     @property
     def is_prefilled(self) -> bool:
-        """Whether the whole prompt's KV is computed (the request decodes from here on)."""
-        return self.num_prefilled >= self.prompt_len
+        """Whether the whole prefill's KV is computed (the request decodes from here on)."""
+        return self.num_prefilled >= self.prefill_len
 
     def describe(self) -> RequestView:
         """The /stats view of this request."""
@@ -118,7 +129,7 @@ class Sequence:
         """The logprobs a prefill chunk of prompt positions start .. end - 1 scored: of the
         prompt tokens start + 1 .. start + len(scored) (the first token has none, the last
         position predicts the output). Once a chunk reaches the prompt's end, all of them are
-        sent with the next output. A chunk from 0 starts over (after a restart)."""
+        sent with the next output. A chunk from 0 starts over (after a resume)."""
         if start == 0:
             self._scored = [None]
         elif self._scored is None or len(self._scored) != start + 1:
@@ -140,15 +151,12 @@ class Sequence:
         params = self.request.params
         if params.max_new_tokens == 0:
             return "length"  # the prompt was only scored
-        replayed = len(self.output_ids) < self._num_sent
         ends_grammar, self.step_ends_grammar = self.step_ends_grammar, False
         grammar_error, self.step_grammar_error = self.step_grammar_error, None
         self.output_ids.append(token)
         is_eos = (token in eos_ids and not params.ignore_eos) or token in params.stop_token_ids
         reason = None
-        if replayed:
-            pass  # sent before the restart (it was running, so it had not ended then)
-        elif grammar_error is not None:
+        if grammar_error is not None:
             self._grammar_failure = grammar_error
             reason = "error"
         elif is_eos or ends_grammar:
@@ -157,13 +165,13 @@ class Sequence:
               or self.prompt_len + len(self.output_ids) >= max_model_len):  # fmt: skip
             reason = "length"
         if self._outputs is not None:
-            self._emit(OutputRecord(self, self.output, token, logprob, is_eos, replayed, reason))
+            self._emit(OutputRecord(self, self.output, token, logprob, is_eos, reason))
             return reason
         # At once, on this thread, without a record (the engine thread's hot path)
         if self._prompt_logprobs is not None:
             self.output.add_prompt_logprobs(self._prompt_logprobs)
             self._prompt_logprobs = None
-        hit = self.output.take(token, logprob, is_eos, replayed, reason, self.num_cached_tokens)
+        hit = self.output.take(token, logprob, is_eos, reason, self.num_cached_tokens)
         return "stop" if hit else reason  # a stop string, found at once (never over an error)
 
     @property
@@ -183,7 +191,7 @@ class Sequence:
         self._emit(record)
 
     def _emit(self, record: OutputRecord) -> None:
-        """Hand a restart, finish or (with the output thread) token record to the text side."""
+        """Hand a finish or (with the output thread) token record to the text side."""
         record.cached_tokens = self.num_cached_tokens
         record.prompt_logprobs, self._prompt_logprobs = self._prompt_logprobs, None
         if self._outputs is None:

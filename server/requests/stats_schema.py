@@ -22,7 +22,8 @@ parser. Imports nothing else of the server, so the scheduler may import it.
     REQ = {"id": str, "adapter": str|null, "rank": int, "prompt_tokens": int,
            "output_tokens": int, "max_new_tokens": int}
     QUEUEING = {"policy": "fcfs"|"chameleon", "queue_lengths": [int], "fair_share": bool,
-                "tenants_with_claims": int (adapters whose claims order the queue), and for
+                "tenants_with_claims": int (adapters whose claims order the queue),
+                "kv_admission": "expected"|"worst-case", "preemptions": int, and for
                 chameleon "cutoffs": [float], "quotas": [int], "bypasses": int, "squashes": int,
                 "reserved": int, "backfilled": int, ...}
     LOAD_TIMES = {"bounds": [float], "cumulative": [int], "sum_s": float, "count": int}

@@ -3,7 +3,7 @@
 vLLM v1's split between the engine core and its output processor. The engine thread keeps a
 request's token-level state (sequence.py: its output ids and the finishes it knows, EOS, length,
 a grammar's end or failure) and describes what happened to it in `OutputRecord`s: a new token,
-a restart, the finish. A `TextOutput` takes the records in order, turns the tokens into text
+the finish. A `TextOutput` takes the records in order, turns the tokens into text
 (detokenize.py's `TextStream`), cuts it at a stop string and puts each `RequestOutput` on the
 request's handle. The records are applied either at once on the engine thread (a token's
 fields then go to `take` without a record) or on the output processor's thread
@@ -37,19 +37,17 @@ from toppings.server.requests.request import (
 
 @dataclass(slots=True)
 class OutputRecord:
-    """What the engine thread tells a request's text side: a new token (token not None), a
-    restart, or the finish (finish not None, the last record of the request)."""
+    """What the engine thread tells a request's text side: a new token (token not None) or the
+    finish (finish not None, the last record of the request)."""
 
     seq: object  # the Sequence (sequence.py, which imports this module): what a stop ends
     output: TextOutput
     token: int | None = None
     logprob: TokenLogprob | None = None
     is_eos: bool = False  # an EOS token: no text of its own
-    replayed: bool = False  # computed again after a restart, sent before it: text only
     # The finish this token brings, as the engine knows it ("stop" by EOS or a grammar's end,
     # "length", "error" by a grammar failure): its finish record follows.
     ends: str | None = None
-    restart: bool = False  # the request runs again from its prompt (Sequence.restart)
     finish: str | None = None
     error: str | None = None
     error_code: int = 500
@@ -67,10 +65,9 @@ class TextOutput:
     ):
         self._request = request
         self._handle = handle
-        self._tokenizer = tokenizer
         self._arrival = arrival
         self._stream = TextStream.of(tokenizer, request.params)
-        self._num_tokens = 0  # tokens taken, replayed ones included: usage's output_tokens
+        self._num_tokens = 0  # tokens taken: usage's output_tokens
         self._first_token_at: float | None = None
         self._pending_ids: list[int] = []
         self._pending_text = ""
@@ -102,20 +99,15 @@ class TextOutput:
             self._cached_tokens = record.cached_tokens
             self._finish(record)
             return False
-        if record.restart:
-            self._restart()
-            return False
         return self.take(
-            record.token, record.logprob, record.is_eos, record.replayed, record.ends,
-            record.cached_tokens,
-        )  # fmt: skip
+            record.token, record.logprob, record.is_eos, record.ends, record.cached_tokens
+        )
 
     def take(
         self,
         token: int,
         logprob: TokenLogprob | None,
         is_eos: bool,
-        replayed: bool,
         ends: str | None,
         cached_tokens: int,
     ) -> bool:
@@ -124,14 +116,12 @@ class TextOutput:
         if self._ends is not None or self.finished:
             return False  # the engine made it past its end (a stop it did not know yet)
         self._cached_tokens = cached_tokens
-        if logprob is not None and not replayed:
+        if logprob is not None:
             self._pending_logprobs.append(logprob)
         if self._first_token_at is None:
             self._first_token_at = time.monotonic()
         self._num_tokens += 1
         text = "" if is_eos else self._stream.push(token)
-        if replayed:
-            return False  # sent before the restart (it was running, so no stop was hit then)
         self._pending_ids.append(token)
         self._pending_text += text
         if ends == "error":  # a grammar failure: it wins over a stop on the same token
@@ -155,13 +145,6 @@ class TextOutput:
         """End it with an error now (its text could not be made); later records are dropped."""
         self.finished = True
         self._flush("error", error)
-
-    def _restart(self) -> None:
-        if self._ends is not None:
-            return  # ended by a stop the engine did not know yet: nothing more is sent
-        self._stream = TextStream.of(self._tokenizer, self._request.params)
-        self._num_tokens = 0
-        self._pending_ids, self._pending_text, self._pending_logprobs = [], "", []
 
     def _finish(self, record: OutputRecord) -> None:
         """The final output, exactly once: the finish its tokens decided, else the engine's."""

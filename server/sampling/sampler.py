@@ -2,11 +2,11 @@
 logprobs (the model runner's side of a step; `Sequence` keeps only the results).
 
 Each sampled request has its own `torch.Generator` (server/sampling/next_token.py), made at its
-first sampled token and made again after a restart (`Sequence.num_restarts` moved), so a seeded
-request draws the same tokens in any batch and again after a squash.
+first sampled token and kept while it lives (a request taken out of the batch and resumed goes
+on drawing from it), so a seeded request draws the same tokens in any batch.
 
 A request with a `constraint` has its own grammar matcher (server/sampling/grammar.py), made the
-same way: at its first token and again after a restart. Its row's logits (after the processors)
+same way: at its first token, kept through a resume. Its row's logits (after the processors)
 keep only the tokens the grammar allows; the other rows of the batch are not touched, so a free
 request samples exactly what it would without constrained neighbours. The masks of a step can
 be computed while the model runs (`start_masks` before the forward pass, on the sampler's mask
@@ -80,12 +80,12 @@ class Sampler:
     def __init__(self, eos_ids: set[int], grammars: GrammarCompiler | None = None):
         self.eos_ids = eos_ids
         self.grammars = grammars
-        # request -> (its restart count when made, generator); entries go with their request
-        self._generators: weakref.WeakKeyDictionary[
-            Sequence, tuple[int, torch.Generator | None]
-        ] = weakref.WeakKeyDictionary()
-        # request -> (its restart count when made, grammar matcher)
-        self._matchers: weakref.WeakKeyDictionary[Sequence, tuple[int, llguidance.LLMatcher]] = (
+        # request -> its generator (None: greedy); entries go with their request
+        self._generators: weakref.WeakKeyDictionary[Sequence, torch.Generator | None] = (
+            weakref.WeakKeyDictionary()
+        )
+        # request -> its grammar matcher
+        self._matchers: weakref.WeakKeyDictionary[Sequence, llguidance.LLMatcher] = (
             weakref.WeakKeyDictionary()
         )
         # request -> its allowed_token_ids as an index tensor, made at its first token
@@ -96,14 +96,13 @@ class Sampler:
         self._executor: llguidance.LLExecutor | None = None
 
     def matcher(self, seq: Sequence) -> llguidance.LLMatcher:
-        """The request's grammar matcher, made anew after a restart."""
+        """The request's grammar matcher, made at its first token."""
         made = self._matchers.get(seq)
-        if made is None or made[0] != seq.num_restarts:
+        if made is None:
             if self.grammars is None:
                 raise RuntimeError("a constrained request reached a sampler without grammars")
-            made = (seq.num_restarts, self.grammars.matcher(seq.request.params.constraint))
-            self._matchers[seq] = made
-        return made[1]
+            made = self._matchers[seq] = self.grammars.matcher(seq.request.params.constraint)
+        return made
 
     def _allowed_index(self, seq: Sequence, logits: torch.Tensor) -> torch.Tensor | None:
         """The request's `allowed_token_ids` as an index on the logits' device, made once
@@ -167,12 +166,10 @@ class Sampler:
                 seq.step_ends_grammar = True
 
     def generator(self, seq: Sequence) -> torch.Generator | None:
-        """The request's generator (None: greedy), made anew after a restart."""
-        made = self._generators.get(seq)
-        if made is None or made[0] != seq.num_restarts:
-            made = (seq.num_restarts, make_generator(seq.request.params))
-            self._generators[seq] = made
-        return made[1]
+        """The request's generator (None: greedy), made at its first token."""
+        if seq not in self._generators:
+            self._generators[seq] = make_generator(seq.request.params)
+        return self._generators[seq]
 
     def sample(
         self,

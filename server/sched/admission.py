@@ -205,7 +205,7 @@ class AdmissionGate:
             return Verdict.WAITS_TURN
         adapter = seq.request.adapter
         path = mem.match(seq)
-        computed = seq.prompt_len - len(path) * mem.kv.block_tokens
+        computed = seq.prefill_len - len(path) * mem.kv.block_tokens
         need = mem.kv_need(seq, path)
         if seq.cache_entry is None:
             need += mem.adapter_need(adapter, lora.bytes_of(adapter))
@@ -220,7 +220,7 @@ class AdmissionGate:
             if seq.cache_entry is None:
                 return Verdict.NO_ADAPTER_MEMORY  # none until a running request ends
             path = mem.match(seq)  # the load may have taken cached blocks
-            computed = seq.prompt_len - len(path) * mem.kv.block_tokens
+            computed = seq.prefill_len - len(path) * mem.kv.block_tokens
             if not mem.fits(mem.kv_need(seq, path)):
                 # Holding the adapter while waiting for KV room could pin the pool full of
                 # adapters no one runs: let it go (it stays cached while memory allows).
@@ -230,7 +230,7 @@ class AdmissionGate:
         if not lora.may_start(seq.cache_entry):
             return Verdict.NOT_READY
         seq.kv_hold = mem.admit(seq, path, self.clock())
-        seq.num_prefilled = seq.prompt_len - computed
+        seq.num_prefilled = seq.prefill_len - computed
         self.prefill_tokens += computed
         chunk = computed  # chunked prefill off: the whole prompt, in one step
         if limits.max_step_tokens is not None:
@@ -288,7 +288,7 @@ class AdmissionGate:
         self.running.remove(seq)
         self.step_tokens -= self.cost(seq, self.chunks.pop(seq, 0))  # it computes nothing now
         release(seq, self.memory, self.adapters, True, self.clock())
-        seq.restart()
+        seq.resume()
 
     def fits_if_released(self, waiting: Sequence, running: Sequence) -> bool:
         self.asked = waiting

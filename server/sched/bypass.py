@@ -1,11 +1,12 @@
 """Chameleon's opportunistic bypass (MICRO'25, sec. 4.3.3): who may go ahead of a request that
 waits for adapter memory, and the budget of squashed work.
 
-A younger request may bypass it when a squash could undo the bypass (its output is
-deterministic: greedy or seeded), the budget is not spent, and it is predicted to end before
+A younger request may bypass it when the budget is not spent and it is predicted to end before
 the first running adapter request does (when adapter memory should free up). A bypasser is
-squashed (re-run later from its prompt) when the bypassed request would fit by releasing its
-adapter, as long as the squashed tokens stay within `SQUASH_SHARE` of all tokens processed.
+squashed (it waits again and resumes where it was: `Sequence.resume`, its prefill computed
+again) when the bypassed request would fit by releasing its adapter, as long as the squashed
+tokens stay within `SQUASH_SHARE` of all tokens processed. Any request may bypass: a resumed
+one sends no token twice, so its client sees the output it would have seen without the squash.
 """
 
 from __future__ import annotations
@@ -42,17 +43,10 @@ class SquashBudget:
         return self.wasted_tokens / max(self.work_tokens, 1)
 
 
-def is_deterministic(params) -> bool:
-    """Whether a request's tokens come out the same when it runs again (greedy or seeded)."""
-    return params.temperature == 0 or params.seed is not None
-
-
-def may_bypass(
-    deterministic: bool, predicted_out: float, remaining: list[float], budget: SquashBudget
-) -> bool:
+def may_bypass(predicted_out: float, remaining: list[float], budget: SquashBudget) -> bool:
     """Whether a request predicted to make `predicted_out` tokens may bypass one waiting for
     adapter memory; `remaining`: predicted tokens left of each running adapter request."""
-    if not deterministic or budget.spent:
+    if budget.spent:
         return False
     soonest = max(min(remaining), 0.0) if remaining else 0.0
     return predicted_out <= soonest

@@ -57,7 +57,7 @@ from __future__ import annotations
 from toppings.server.config import SchedulingConfig
 from toppings.server.requests.sequence import Sequence
 from toppings.server.sched.backfill import Reservations, allows, reserve, take
-from toppings.server.sched.bypass import SquashBudget, is_deterministic, may_bypass
+from toppings.server.sched.bypass import SquashBudget, may_bypass
 from toppings.server.sched.queueing import Gate, Verdict
 from toppings.server.sched.size_queues import SizeQueues
 from toppings.server.sched.step_budget import MIN_CHUNK
@@ -93,7 +93,7 @@ class ChameleonQueue(SizeQueues):
             if by_step:  # its chunk comes out of its queue's share of the step
                 q = self._queue_of(self._sizes[seq].wrs)
                 unfinished = self._capped(gate).get(q)  # its queue's prompt being prefilled
-                if unfinished is not None and seq.prompt_len >= unfinished:
+                if unfinished is not None and seq.prefill_len >= unfinished:
                     continue  # goes first, unless it has more left than this whole prompt
                 cap = max(self._quota_left(gate)[q], min(self.quotas[q], MIN_CHUNK))
                 if cap <= 0:
@@ -143,7 +143,7 @@ class ChameleonQueue(SizeQueues):
         for seq in prefilling:
             if budget <= 0:
                 break
-            rest = min(seq.prompt_len - seq.num_prefilled, cap or budget)
+            rest = min(seq.prefill_len - seq.num_prefilled, cap or budget)
             if seq in self._running:
                 q = self._queue_of(self._running[seq].wrs)
                 rest = min(rest, max(share[q], 0))
@@ -163,7 +163,7 @@ class ChameleonQueue(SizeQueues):
         the most prompt tokens such a prompt of each has left after it."""
         capped: dict[int, int] = {}
         for seq, size in self._running.items():
-            rest = seq.prompt_len - seq.num_prefilled - gate.planned(seq)
+            rest = seq.prefill_len - seq.num_prefilled - gate.planned(seq)
             if rest > 0:
                 q = self._queue_of(size.wrs)
                 capped[q] = max(capped.get(q, 0), rest)
@@ -283,14 +283,12 @@ class ChameleonQueue(SizeQueues):
     # ---- bypass and squash --------------------------------------------------------------------
 
     def _may_bypass(self, seq: Sequence, running: list[Sequence]) -> bool:
-        params = seq.request.params
         remaining = [
             self._running[s].out_tokens - len(s.output_ids)
             for s in running
             if s.request.adapter is not None and s in self._running
         ]
-        deterministic = is_deterministic(params)
-        return may_bypass(deterministic, self._sizes[seq].out_tokens, remaining, self._budget)
+        return may_bypass(self._sizes[seq].out_tokens, remaining, self._budget)
 
     def _squash_bypassers(self, gate: Gate) -> None:
         keep = []
@@ -306,7 +304,8 @@ class ChameleonQueue(SizeQueues):
 
     def squash(self, seq: Sequence, gate: Gate) -> None:
         """Take a running request out of the batch; it waits again in its arrival place and
-        runs from its prompt when admitted again (its work so far counts as wasted)."""
+        resumes where it was when admitted again (its work so far counts as wasted: its
+        prefill is computed again, what the prefix cache kept of it excepted)."""
         size = self._running.pop(seq)
         self._budget.left(seq.prompt_len + len(seq.output_ids), squashed=True)
         self.counters["squashes"] += 1

@@ -36,7 +36,7 @@ from weakref import WeakKeyDictionary
 
 from toppings.server.requests.adapter_ref import AdapterRef
 from toppings.server.requests.sequence import Sequence
-from toppings.server.sched.sizing import OutputPredictor
+from toppings.server.sched.sizing import OutputPredictor, guaranteed_output
 
 OUTPUT_WEIGHT = 2.0  # an output token's cost in prompt tokens (VTC's output / input price)
 
@@ -87,10 +87,8 @@ class FairShares:
         `max_new_tokens` where nothing but its length stops it (ignore_eos without stops, no
         constraint): a tenant's short answers do not make its long ones cheap."""
         params = seq.request.params
-        if params.ignore_eos and not (params.stop or params.stop_token_ids or params.constraint):
-            return params.max_new_tokens
         predicted = self.predictor.predict(seq.request.adapter, params.max_new_tokens)
-        return max(predicted, min(params.min_tokens, params.max_new_tokens))
+        return max(predicted, guaranteed_output(params))
 
     def admitted(self, seq: Sequence) -> None:
         """`seq` was admitted: the virtual time reaches its start tag."""

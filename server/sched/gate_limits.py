@@ -52,11 +52,17 @@ class GateLimits:
     # Chunked prefill: what a token of a prompt whose logprobs are asked (its row goes through
     # the LM head) costs more than another, as a share of it (StepBudget.scored_weight)
     scored_weight: float = 0.0
+    # Whether a request's KV is reserved as its adapter's output history expects (--kv-admission
+    # expected: `Scheduler.add`), not for all of max_new_tokens
+    expected_kv: bool = False
 
     @classmethod
     def from_config(cls, config: SchedulingConfig, budget: StepBudget | None = None) -> GateLimits:
         """budget: the step budget the engine chose (None: chunked prefill off)."""
-        return cls(config.max_batch_size, config.max_prefill_tokens).with_budget(budget)
+        return cls(
+            config.max_batch_size, config.max_prefill_tokens,
+            expected_kv=config.kv_admission == "expected",
+        ).with_budget(budget)  # fmt: skip
 
     def with_budget(self, budget: StepBudget | None) -> GateLimits:
         """These limits with chunked prefill's steps sized by `budget` (None: off)."""

@@ -33,7 +33,7 @@ class StepPlan:
         any runs (a request not yet prefilled samples when its chunk ends its prompt)."""
         seqs = tuple(sorted(chunks, key=_adapter_key))
         tokens = tuple(chunks[s] for s in seqs)
-        samples = tuple(s.is_prefilled or s.num_prefilled + chunks[s] >= s.prompt_len
+        samples = tuple(s.is_prefilled or s.num_prefilled + chunks[s] >= s.prefill_len
                         for s in seqs)  # fmt: skip
         is_prefill = not all(s.is_prefilled for s in seqs)
         return cls(seqs, tokens, samples, tuple(starts.get(s, 0) for s in seqs), is_prefill)

@@ -151,7 +151,7 @@ class QueuePolicy:
         for seq in prefilling:
             if budget <= 0:
                 break
-            chunks[seq] = min(seq.prompt_len - seq.num_prefilled, budget, cap or budget)
+            chunks[seq] = min(seq.prefill_len - seq.num_prefilled, budget, cap or budget)
             budget -= chunks[seq]
         return chunks
 

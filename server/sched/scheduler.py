@@ -41,7 +41,6 @@ from toppings.server.sched.admission import (
     queued_adapters,
     release,
 )
-from toppings.server.sched.bypass import is_deterministic
 from toppings.server.sched.gate_limits import GateLimits
 from toppings.server.sched.plan import StepPlan, StepResult
 from toppings.server.sched.queueing import QueuePolicy
@@ -81,6 +80,16 @@ class Scheduler:
         self._ended_on_device: dict[Sequence, bool] = {}
 
     def add(self, seq: Sequence) -> None:
+        """A new request waits. With `expected_kv` (--kv-admission expected) its KV is
+        reserved for its prompt and the output its adapter's history expects
+        (`OutputPredictor.bound`), not for all of max_new_tokens: where requests stop well
+        before their max_tokens, more of them run at once. One that runs longer takes the
+        blocks it needs as it goes (its reservation grows), and when the pool runs out the
+        youngest running request is preempted and resumes later (`_reserve`)."""
+        if self.limits.expected_kv:
+            params = seq.request.params
+            output = self.queue.shares.predictor.bound(seq.request.adapter, params)
+            seq.kv_need = seq.prompt_len + output
         self.queue.push(seq, self.clock())
 
     def set_step_budget(self, budget: StepBudget) -> None:
@@ -232,7 +241,7 @@ class Scheduler:
 
         def rest_cost(seq: Sequence) -> int:  # what finishing its prompt costs more
             past, had, scored = seq.num_prefilled, chunks.get(seq, 0), seq.scores_prompt
-            rest = limits.chunk_cost(seq.prompt_len - past, past, scored)
+            rest = limits.chunk_cost(seq.prefill_len - past, past, scored)
             return rest - limits.chunk_cost(had, past, scored)
 
         finishing = [s for s in prompts if rest_cost(s) <= left]
@@ -242,7 +251,7 @@ class Scheduler:
             had, past, scored = chunks.get(seq, 0), seq.num_prefilled, seq.scores_prompt
             cost = limits.chunk_cost(had, past, scored)
             within = limits.chunk_within(cost + left, past, scored)
-            more = min(seq.prompt_len - past - had, within - had)
+            more = min(seq.prefill_len - past - had, within - had)
             if more > 0:
                 chunks[seq] = had + more
                 left -= limits.chunk_cost(had + more, past, scored) - cost
@@ -250,12 +259,13 @@ class Scheduler:
     def _reserve(self, chunks: dict[Sequence, int]) -> dict[Sequence, int] | None:
         """Reserve the planned requests' slots for their tokens of this step through the memory
         (before the step: the runner only writes them); returns where each one's tokens start.
-        When they cannot be had, the youngest running request is preempted (recompute: it waits
-        again and is computed from its prompt; only a greedy or seeded one, which computes the
-        same tokens again) and the rest tried again; with no such request left, the youngest
-        planned one fails alone. Admission's worst-case reservations make this a fault path:
-        an admitted request always finds its blocks, once cached items have left. While a step
-        is on the device (a plan made ahead) nothing is taken back: None, no plan now."""
+        When they cannot be had, the youngest running request is preempted (it waits again and
+        resumes where it was: `Sequence.resume`) and the rest tried again; with one request
+        left, it fails alone. With worst-case reservations (--kv-admission worst-case) this is
+        a fault path: an admitted request always finds its blocks, once cached items have
+        left; with expected ones, it is how a request that outgrew its reservation gets room.
+        While a step is on the device (a plan made ahead) nothing is taken back: None, no plan
+        now."""
         while chunks:
             seqs = [s for s in self.running if s in chunks]  # the oldest first
             starts = self.memory.allocate(seqs, [chunks[s] for s in seqs])
@@ -263,32 +273,28 @@ class Scheduler:
                 return dict(zip(seqs, starts))
             if self._on_device:
                 return None
-            victim = self._victim()
-            if victim is None:
+            if len(self.running) == 1:
                 chunks.pop(seqs[-1])
                 self.finish(seqs[-1], "error", error="no KV memory left for this request")
             else:
-                log.warning("preempting request %s (recompute) for KV memory",
+                victim = self.running[-1]
+                log.warning("preempting request %s for KV memory (it resumes later)",
                             victim.request.request_id)  # fmt: skip
                 chunks.pop(victim, None)
                 self.preempt(victim)
         return {}
 
-    def _victim(self) -> Sequence | None:
-        """The running request preemption takes back first: the youngest that computes the
-        same tokens when run again (greedy, or seeded)."""
-        for seq in reversed(self.running):
-            if is_deterministic(seq.request.params):
-                return seq
-        return None
-
     def preempt(self, seq: Sequence) -> None:
-        """Take a running request back to the queue (recompute): its memory and adapter go
-        back (its computed blocks stay cached), and it runs again from its prompt."""
+        """Take a running request back to the queue: its memory and adapter go back (its
+        computed blocks stay cached), and it resumes where it was when admitted again."""
         self.running.remove(seq)
         self.queue.finished(seq, False, self.clock())
         self.release(seq, keep_kv=True)
-        seq.restart()
+        seq.resume()
+        if self.limits.expected_kv:  # its next reservation: twice the output it has made
+            made = seq.prompt_len + 2 * len(seq.output_ids)
+            worst = seq.prompt_len + seq.request.params.max_new_tokens
+            seq.kv_need = min(max(seq.kv_need, made), worst)
         self.queue.push(seq, self.clock())
         self.preemptions += 1
 
@@ -299,17 +305,17 @@ class Scheduler:
         if not prefilling:
             return [], 0
         oldest, policy = prefilling[0], self.queue
-        longest = oldest.prompt_len - oldest.num_prefilled
-        sharers = [oldest, *(s for s in prefilling[1:] if s.prompt_len - s.num_prefilled < longest
+        longest = oldest.prefill_len - oldest.num_prefilled
+        sharers = [oldest, *(s for s in prefilling[1:] if s.prefill_len - s.num_prefilled < longest
                              and policy.same_share(oldest, s))]  # fmt: skip
-        shorter = any(s.prompt_len < longest and policy.same_share(oldest, s) for s in policy)
+        shorter = any(s.prefill_len < longest and policy.same_share(oldest, s) for s in policy)
         return sharers, len(sharers) + shorter
 
     def _waits_turn(self, oldest: Sequence) -> Callable[[Sequence], bool]:
         """Whether a waiting prompt waits its turn behind `oldest` (it is no shorter than what
         `oldest` has left, and shares with it): the share kept for a shorter one is not its."""
-        longest, policy = oldest.prompt_len - oldest.num_prefilled, self.queue
-        return lambda seq: seq.prompt_len >= longest and policy.same_share(oldest, seq)
+        longest, policy = oldest.prefill_len - oldest.num_prefilled, self.queue
+        return lambda seq: seq.prefill_len >= longest and policy.same_share(oldest, seq)
 
     def _recover(self, gate: AdmissionGate, error: str) -> list[Sequence]:
         """After a queue policy raised: the requests the gate admitted go ahead (they hold their
@@ -331,7 +337,7 @@ class Scheduler:
         prompted = []
         for seq, n in zip(plan.seqs, plan.tokens):
             if not seq.is_prefilled and not seq.finished:
-                seq.num_prefilled = min(seq.num_prefilled + n, seq.prompt_len)
+                seq.num_prefilled = min(seq.num_prefilled + n, seq.prefill_len)
                 prompted.append(seq)
         now = self.clock()
         if prompted:

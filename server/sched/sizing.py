@@ -17,6 +17,7 @@ Pure functions and one small predictor, no engine state, so each formula is test
 from __future__ import annotations
 
 import bisect
+import math
 from collections import defaultdict, deque
 
 from toppings.server.requests.adapter_ref import AdapterRef
@@ -27,6 +28,8 @@ MAX_QUEUES = 4  # K_max
 EXPLAINED = 0.9  # stop adding queues once they explain 90% of the size variance
 MIN_CLUSTER_SHARE = 0.05  # a queue for fewer than 5% of the requests is not worth its quota
 HISTORY = 32  # completed requests per adapter the output predictor remembers
+BOUND_QUANTILE = 0.9  # the share of max_new_tokens `OutputPredictor.bound` expects
+BOUND_MIN_HISTORY = 8  # requests that ended before a bound is read from them
 DEFAULT_TOKEN_S = 0.05  # seconds per output token before any request has completed
 
 
@@ -78,6 +81,29 @@ class OutputPredictor:
         seen = self._per_adapter.get(adapter) or self._all
         share = sum(seen) / len(seen) if seen else 1.0
         return share * max_new_tokens
+
+    def bound(self, adapter: AdapterRef | None, params) -> int:
+        """Output tokens a request of `adapter` with these sampling params is expected to make
+        at most: max_new_tokens times the BOUND_QUANTILE share of its adapter's recent
+        requests (of all adapters' while it has fewer than BOUND_MIN_HISTORY, all of
+        max_new_tokens while they have too), and at least what the request guarantees."""
+        seen = self._per_adapter.get(adapter)
+        if seen is None or len(seen) < BOUND_MIN_HISTORY:
+            seen = self._all
+        if len(seen) < BOUND_MIN_HISTORY:
+            return params.max_new_tokens
+        share = sorted(seen)[math.ceil(BOUND_QUANTILE * len(seen)) - 1]
+        expected = math.ceil(share * params.max_new_tokens)
+        return min(max(expected, guaranteed_output(params)), params.max_new_tokens)
+
+
+def guaranteed_output(params) -> int:
+    """Output tokens a request makes whatever its adapter's history says: `min_tokens`, and all
+    of `max_new_tokens` where nothing but its length stops it (ignore_eos without stops, no
+    constraint)."""
+    if params.ignore_eos and not (params.stop or params.stop_token_ids or params.constraint):
+        return params.max_new_tokens
+    return min(params.min_tokens, params.max_new_tokens)
 
 
 def kmeans_1d(values: list[float], k: int, iterations: int = 50) -> tuple[list[float], float]:

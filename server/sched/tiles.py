@@ -82,11 +82,11 @@ def in_tiles(
     prompts = [s for s in oldest_first if chunks.get(s, 0) > 0 and not s.is_prefilled]
     for seq in prompts:
         chunks[seq] = whole_tiles(
-            chunks[seq], seq.num_prefilled, seq.prompt_len - seq.num_prefilled
+            chunks[seq], seq.num_prefilled, seq.prefill_len - seq.num_prefilled
         )
     spent = sum(cost(s, n) for s, n in chunks.items())
     for seq in prompts:
-        n, left = chunks[seq], seq.prompt_len - seq.num_prefilled
+        n, left = chunks[seq], seq.prefill_len - seq.num_prefilled
         floor = min(left, ATTENTION_TILE)
         if n >= floor or not runs_tiled(ATTENTION_TILE, seq.num_prefilled):
             continue  # after a short past the rows kernel is the faster one

@@ -111,7 +111,8 @@ def test_modules_built_from_their_parts():
     queue = make_queue_policy(sched, engine.max_total_tokens)
     assert queue.name == "chameleon" and queue.quotas == [256]
     assert queue.view()["ttft_slo_ms"] == 250.0
-    assert GateLimits.from_config(sched) == GateLimits(4, engine.max_prefill_tokens)
+    limits = GateLimits(4, engine.max_prefill_tokens, expected_kv=True)
+    assert GateLimits.from_config(sched) == limits
     memory, lora = engine.part(MemoryConfig), engine.part(LoraConfig)
     layout = make_layout(memory.memory_layout, memory, device=engine.device,
                          adapter_cache_bytes=lora.adapter_cache_bytes)  # fmt: skip

@@ -194,21 +194,22 @@ def test_compiled_once_per_text(engine):
     assert all(json.loads(o.new_text)["k"] is not None for o in outs)
 
 
-def test_restart_matches_again_from_the_start(engine):
-    """A squashed request computes its tokens again: its grammar starts over with them."""
+def test_a_resumed_request_goes_on_in_its_grammar(engine):
+    """A preempted or squashed request resumes after the tokens it made: its grammar matcher
+    goes on from them, and the whole output is the one it makes without the pause."""
     sampler = Sampler(engine.eos_ids, engine.grammars)
     constraint = Constraint(ConstraintKind.CHOICE, json.dumps(["alpha beta", "gamma"]))
     logits = torch.randn(
         1, engine.model_config.vocab_size, generator=torch.Generator().manual_seed(0)
     )
 
-    def run(restart_after: int | None) -> list[int]:
+    def run(resume_after: int | None) -> list[int]:
         params = SamplingParams(max_new_tokens=16, temperature=0, constraint=constraint)
         req = GenerationRequest([1, 2, 3], params)
         seq = Sequence(req, RequestHandle(req, lambda _: None), engine.tokenizer, 0.0)
         for step in range(32):
-            if step == restart_after:
-                seq.restart()
+            if step == resume_after:
+                seq.resume()
             token = sampler.sample([seq], logits).tokens[0]
             if seq.append(token, engine.eos_ids, 10**6) is not None:
                 return seq.output_ids
@@ -216,4 +217,4 @@ def test_restart_matches_again_from_the_start(engine):
 
     once = run(None)
     assert engine.tokenizer.decode(once) in ("alpha beta", "gamma")
-    assert run(restart_after=1) == once
+    assert run(resume_after=1) == once

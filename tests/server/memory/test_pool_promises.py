@@ -51,8 +51,9 @@ def request(tokens: int) -> SimpleNamespace:
     params = SimpleNamespace(prompt_logprobs=None)
     req = SimpleNamespace(prompt_ids=[1] * 8, adapter=None, params=params)
     return SimpleNamespace(
-        request=req, prompt_len=8, kv_need=tokens, output_ids=[], lora_start=0, is_activated=False
-    )
+        request=req, prompt_len=8, prefill_ids=req.prompt_ids, prefill_len=8, kv_need=tokens,
+        output_ids=[], lora_start=0, is_activated=False, scores_prompt=False,
+    )  # fmt: skip
 
 
 def test_a_prefetch_never_takes_blocks_promised_to_an_admitted_request(pool):

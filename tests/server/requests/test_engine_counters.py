@@ -11,6 +11,7 @@ from dataclasses import fields
 
 import pytest
 
+from toppings.server.engine.reports import queue_view
 from toppings.server.requests.engine_counters import (
     AdapterCacheView,
     BlockCounts,
@@ -43,7 +44,7 @@ def test_every_view_field_is_a_key_its_owner_reports(tiny_engine, adapters):
         engine.submit(request).result(timeout_s=300)
         snapshot = engine.lora.cache.snapshot()
         memory = engine.memory.view()
-        queueing = engine.scheduler.queue.view()
+        queueing = queue_view(engine.scheduler)
         counters = engine.counters()
     assert names(AdapterCacheView) <= set(snapshot)
     assert names(MemoryView) - KV_EVENTS <= set(memory)  # KV events are off here

@@ -30,16 +30,19 @@ class FakeSeq:
     adapter: str | None = None
     greedy: bool = True
     output_ids: list[int] = field(default_factory=list)
-    restarts: int = 0
+    resumes: int = 0
 
     def __post_init__(self):
         temperature = 0.0 if self.greedy else 1.0
         self.request = FakeRequest(self.adapter, SamplingParams(self.max_new, temperature))
         self.kv_need = self.prompt_len + self.max_new
 
-    def restart(self):
-        self.output_ids = []
-        self.restarts += 1
+    @property
+    def prefill_len(self) -> int:
+        return self.prompt_len + len(self.output_ids) if self.resumes else self.prompt_len
+
+    def resume(self):
+        self.resumes += 1
 
 
 class FakeGate:
@@ -79,7 +82,7 @@ class FakeGate:
 
     def squash(self, seq):
         self.release(seq)
-        seq.restart()
+        seq.resume()
         self.squashed.append(seq)
 
     def fits_if_released(self, waiting, running):
@@ -225,11 +228,12 @@ def test_bypass_lets_a_short_request_with_a_resident_adapter_go_first():
     assert names(p.select(gate, gate.running, now=0)) == ["R0"]
     r1 = FakeSeq("R1", 10, 10, 1, adapter="big")  # 40 + 80 > 100: waits for R0's memory
     r2 = FakeSeq("R2", 10, 10, 2, adapter="hot")  # predicted 10 tokens < R0's 50 left
-    r3 = FakeSeq("R3", 10, 10, 3, adapter="hot", greedy=False)  # could not be squashed
-    push(p, r1, r2, r3)
-    assert names(p.select(gate, gate.running, now=3)) == ["R2"]
-    assert p.view()["bypasses"] == 1
-    assert names(p) == ["R1", "R3"]
+    r3 = FakeSeq("R3", 10, 10, 3, adapter="hot", greedy=False)  # random: resumes as exactly
+    r4 = FakeSeq("R4", 10, 60, 4, adapter="hot")  # predicted to outlast R0
+    push(p, r1, r2, r3, r4)
+    assert names(p.select(gate, gate.running, now=3)) == ["R2", "R3"]
+    assert p.view()["bypasses"] == 2
+    assert names(p) == ["R1", "R4"]
 
 
 def test_no_bypass_by_a_request_predicted_to_outlast_the_memory_wait():
@@ -258,7 +262,7 @@ def test_squash_when_the_bypassed_request_fits_by_releasing_the_bypasser():
     gate.holders["run"] = 0
     gate.ranks["big"] = 90  # ... make R1 need 90: it fits only if R2's 20 are released
     batch = p.select(gate, gate.running, now=5)
-    assert gate.squashed == [r2] and r2.restarts == 1
+    assert gate.squashed == [r2] and r2.resumes == 1
     assert names(batch) == ["R1"]  # R1 goes; R2 waits again in its arrival place
     assert names(p) == ["R2"]
     view = p.view()

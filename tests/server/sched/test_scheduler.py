@@ -166,8 +166,10 @@ def make(num_blocks=64, max_batch=8, max_prefill=8192, policy="fcfs", adapters=N
     return sched, memory, adapters
 
 
-def submit(sched, prompt_len=8, max_new=3, adapter=None, stop=(), ignore_eos=False) -> Sequence:
-    params = SamplingParams(max_new, temperature=0.0, stop=stop, ignore_eos=ignore_eos)
+def submit(
+    sched, prompt_len=8, max_new=3, adapter=None, stop=(), ignore_eos=False, temperature=0.0
+) -> Sequence:
+    params = SamplingParams(max_new, temperature=temperature, stop=stop, ignore_eos=ignore_eos)
     request = GenerationRequest(list(range(2, 2 + prompt_len)), params, adapter)
     seq = Sequence(request, RequestHandle(request, lambda _id: None), Tokenizer(), 0.0)
     sched.add(seq)
@@ -355,20 +357,23 @@ def test_fcfs_lets_requests_pass_one_whose_adapter_loads():
     assert_all_given_back(sched, memory, adapters)
 
 
-def test_a_squash_gives_everything_back_and_the_request_runs_again():
+def test_a_squash_gives_everything_back_and_the_request_resumes_where_it_was():
     sched, memory, adapters = make()
     seq = submit(sched, max_new=6, adapter="a")
     step(sched)
     step(sched)
     assert seq.output_ids == [5, 5]
     sched.gate().squash(seq)
-    assert seq.num_restarts == 1 and seq.output_ids == [] and not sched.running
+    assert seq.num_resumes == 1 and seq.output_ids == [5, 5] and not sched.running
+    assert seq.prefill_ids == seq.request.prompt_ids + [5, 5] and seq.num_prefilled == 0
     assert memory.reserved == 0 and adapters.refs == {"a": 0}
     sched.queue.push(seq, 0.0)
+    plan = step(sched)  # its prompt and its two tokens are its prefill; it samples the third
+    assert plan.seqs == (seq,) and plan.tokens == (seq.prefill_len,) and plan.sampled == (seq,)
     run_all(sched)
     assert seq.output_ids == [5] * 6
     streamed = [t for o in outputs(seq) for t in o.new_token_ids]
-    assert streamed == [5] * 6  # the two tokens sent before the squash are not sent again
+    assert streamed == [5] * 6  # each token sent once
     assert_all_given_back(sched, memory, adapters)
 
 
@@ -403,9 +408,11 @@ def test_scheduling_and_requests_import_no_torch():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-def test_slots_that_cannot_be_had_preempt_the_youngest_before_the_step():
+@pytest.mark.parametrize("temperature", [0.0, 1.0])  # a random request resumes as exactly
+def test_slots_that_cannot_be_had_preempt_the_youngest_before_the_step(temperature):
     sched, memory, adapters = make(max_batch=4)
-    old, young = submit(sched, max_new=4), submit(sched, max_new=4)
+    old = submit(sched, max_new=4, temperature=temperature)
+    young = submit(sched, max_new=4, temperature=temperature)
     step(sched)  # both prefilled, one token each
     refusals, allocate = [None], memory.allocate
 
@@ -415,10 +422,10 @@ def test_slots_that_cannot_be_had_preempt_the_youngest_before_the_step():
     memory.allocate = refuse_once
     plan = step(sched)
     assert plan.seqs == (old,) and sched.preemptions == 1
-    assert young in sched.queue and young.kv_hold is None and not young.output_ids
+    assert young in sched.queue and young.kv_hold is None and young.output_ids == [5]
     assert (young.request.request_id, True) in memory.released  # its computed KV stays cached
     run_all(sched)
-    for seq in (old, young):  # the preempted one computed its tokens again, sent once
+    for seq in (old, young):  # the preempted one resumed after its token, each sent once
         outs = outputs(seq)
         assert [t for o in outs for t in o.new_token_ids] == [5] * 4
         assert outs[-1].finish_reason == "length"
@@ -427,7 +434,7 @@ def test_slots_that_cannot_be_had_preempt_the_youngest_before_the_step():
 
 def test_a_request_that_cannot_get_its_slots_with_nothing_to_preempt_fails_alone():
     sched, memory, adapters = make(max_batch=4)
-    params = SamplingParams(4, temperature=1.0)  # random, unseeded: not preempted
+    params = SamplingParams(4, temperature=1.0)
     request = GenerationRequest([2, 3, 4], params, None)
     seq = Sequence(request, RequestHandle(request, lambda _id: None), Tokenizer(), 0.0)
     sched.add(seq)
