@@ -10,7 +10,9 @@ whatever `--max-batch-size` allows; with expected reservations the same memory h
 
 Two servers of the same model run side by side; only one is loaded at a time. In each round,
 for each server in an order that flips every round: `--burst` chat requests at once (greedy,
-streamed), each a one-sentence question (`QUESTIONS`, cycled). Reported per server: the burst's
+streamed), each a one-sentence question (`QUESTIONS`, cycled), and with `--long-every N`
+every Nth one a request for a long story (`STORIES`), which outgrows what the history of
+mostly short answers expects: the preemptions' case. Reported per server: the burst's
 makespan (first request sent to its last answer), output tokens per second over it, the median
 time to first token, the most requests running at once (/metrics, polled), the preemptions
 (/stats), each the median round with its spread; and the paired expected / worst-case ratios.
@@ -42,6 +44,7 @@ TOPICS = ("the sun", "rain", "a violin", "bread", "the moon", "a river", "chess"
           "a bicycle", "snow", "a library", "honey", "a volcano", "the ocean", "a clock",
           "tea")  # fmt: skip
 QUESTIONS = [f"In one sentence, what is {t}?" for t in TOPICS]
+STORIES = [f"Write a long story about {t}." for t in TOPICS]
 
 
 def timed_chat(url: str, body: dict) -> tuple[float, float, float, int]:
@@ -63,10 +66,17 @@ def timed_chat(url: str, body: dict) -> tuple[float, float, float, int]:
     return sent, first, time.perf_counter(), tokens
 
 
+def ask(i: int, long_every: int) -> str:
+    """The i-th request's question: a one-sentence one, or every `long_every`-th a story."""
+    if long_every and i % long_every == long_every - 1:
+        return STORIES[i % len(STORIES)]
+    return QUESTIONS[i % len(QUESTIONS)]
+
+
 def one_round(url: str, args: argparse.Namespace) -> dict:
     """The burst; its timings, tokens, the most requests running at once and the preemptions."""
     bodies = [{"model": args.model_name, "max_tokens": args.max_tokens, "temperature": 0.0,
-               "messages": [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}],
+               "messages": [{"role": "user", "content": ask(i, args.long_every)}],
                "stream": True, "stream_options": {"include_usage": True}}
               for i in range(args.burst)]  # fmt: skip
     before = requests.get(url + "/stats", timeout=30).json()["queueing"]["preemptions"]
@@ -125,6 +135,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--max-total-tokens", type=int, default=32768, help="toppings-serve --max-total-tokens")
     add("--burst", type=int, default=64, help="chat requests sent at once")
     add("--max-tokens", type=int, default=4096, help="max_tokens of every request")
+    add("--long-every", type=int, default=0,
+        help="every Nth request asks for a long story instead (0: none): the history "
+             "expects short answers, these outgrow their reservations")  # fmt: skip
     add("--rounds", type=int, default=3, help="timed rounds after one warm-up round per server")
     add("--threads", type=int, default=2, help="toppings-serve --torch-threads")
     add("--work-dir", type=Path, default=None, help="server logs; none: a temp dir")
@@ -168,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
                  metrics["expected"][key]["median"], metrics["worst-case"][key]["median"],
                  metrics[f"{key}_expected_vs_worst"]["median"])  # fmt: skip
     config = {k: v for k, v in vars(args).items() if k not in ("out", "work_dir")}
-    config.update(questions=QUESTIONS)
+    config.update(questions=QUESTIONS, stories=STORIES if args.long_every else [])
     write_result(args.out, "kv_admission", "bench_kv_admission", device=describe_device(),
                  config=config, metrics=metrics, argv=argv)  # fmt: skip
     return 0

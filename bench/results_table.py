@@ -316,6 +316,17 @@ CURRENT: dict[str, tuple[str, tuple[str, ...]]] = {
                         "SmolLM2 bf16, batch 8: fair shares on against off (AMX Xeon)",
                         ("lone_ttft_s_on_vs_off.median", "all_makespan_s_on_vs_off.median",
                          "flood_median_ttft_s_on_vs_off.median")),
+    "kv_admission.json": ("64 one-sentence chat questions at once with max_tokens 4,096, SmolLM2 "
+                          "bf16, 32,768 KV tokens: KV reserved for the output expected against "
+                          "all of max_tokens (AMX Xeon)",
+                          ("output_tokens_per_s_expected_vs_worst.median",
+                           "median_ttft_s_expected_vs_worst.median",
+                           "expected.most_running.median", "worst-case.most_running.median")),
+    "kv_admission_stories.json": ("the same, 32 requests of max_tokens 1,024 in 1,536 KV tokens, "
+                                  "every 16th a long story that outgrows its reservation",
+                                  ("output_tokens_per_s_expected_vs_worst.median",
+                                   "median_ttft_s_expected_vs_worst.median",
+                                   "expected.preemptions.median")),
     "queueing_sim_fair.json": ("the simulator: Chameleon with fair shares (the default since "
                                "session 62) beside arrival order, S-LoRA and cached FCFS",
                                ("sustained_rps.chameleon-fair", "sustained_rps.chameleon",
