@@ -57,7 +57,7 @@ class SchedulingConfig(Settings):
         choices=KV_ADMISSIONS,
         flag=Flag(
             "what admission reserves of a request's KV memory: expected, its prompt and the "
-            "output its adapter's recent requests made (their 90th percentile share of "
+            "output its adapter's last 32 requests made (their 90th percentile share of "
             "max_tokens; all of it until 8 have ended); one that runs longer takes blocks as "
             "it goes, and when the pool runs out the youngest running request is preempted "
             "and later resumes where it was. worst-case: its prompt plus max_tokens (nothing "
