@@ -76,6 +76,7 @@ from toppings.server.requests.errors import (
     error_response,
     install_error_handlers,
     parse_json_object,
+    request_id,
     shown,
     too_many_requests,
     unknown_adapter,
@@ -170,7 +171,7 @@ def _proxy(ctx: SchedulerContext, path: str, kind: str) -> Response:
         refused = ctx.in_flight.assign(slot, model or "", f"model {model!r}")  # its share
         if refused is not None:
             raise SchedulerError(refused, 429, TOO_MANY_REQUESTS, retry_after_s=RETRY_AFTER_S)
-        answer = ctx.router.forward(path, body, kind)
+        answer = ctx.router.forward(path, body, kind, request_id())
     except BaseException:
         slot.release()
         raise

@@ -55,6 +55,7 @@ from toppings.server.requests.errors import (
     NO_SERVER_AVAILABLE,
     NO_SERVER_READY,
     NOT_FOUND,
+    REQUEST_ID_HEADER,
     RETRY_AFTER_S,
     TOO_MANY_REQUESTS,
     UNAVAILABLE,
@@ -183,7 +184,12 @@ class Router:
         invocation = self.cluster.invocation_tokens(adapter) if adapter is not None else ()
         return len(ids) * copies(body), PrefixKey.of(ids, adapter, invocation)
 
-    def forward(self, path: str, body: dict[str, Any], kind: str) -> Forwarded:
+    def forward(
+        self, path: str, body: dict[str, Any], kind: str, request_id: str | None = None
+    ) -> Forwarded:
+        """Send `body` to the best ranked server that answers (the next one where a server
+        cannot be reached or does not host the adapter); `request_id`: sent on as the server's
+        X-Request-Id, so that both processes log the request under one id."""
         request = self.route_request(body, kind)
         began = time.perf_counter()
         with self._choose_lock:  # rank and note atomically, so concurrent requests spread
@@ -206,6 +212,9 @@ class Router:
             data = json.dumps(body, allow_nan=False, ensure_ascii=False).encode()
         except (TypeError, ValueError) as exc:  # (its parser refused NaN and infinities first)
             raise SchedulerError(f"the body cannot be sent on as JSON: {exc}") from exc
+        headers = dict(JSON_HEADERS)
+        if request_id is not None:
+            headers[REQUEST_ID_HEADER] = request_id
         for attempt, url in enumerate(ranked):
             if attempt:
                 with self._choose_lock:
@@ -216,7 +225,7 @@ class Router:
                 answer = self.session.post(
                     url + path,
                     data=data,
-                    headers=JSON_HEADERS,
+                    headers=headers,
                     stream=stream,
                     timeout=(CONNECT_TIMEOUT_S, READ_TIMEOUT_S),
                 )

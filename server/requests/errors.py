@@ -205,6 +205,26 @@ class HttpError(Protocol):
 # Refusals of load, not of the request (429 past a limit, 503 draining): counted in /metrics, not
 # logged one line each (a flood of them would be a flood of lines)
 QUIET_REFUSALS = (429, 503)
+# Every answer of server and scheduler carries the request's id: the client's own where it sent a
+# usable one (a proxy's, a tracing system's), else one made here; the lines the request logs
+# carry it too, and the scheduler sends it on to the server it routes to.
+REQUEST_ID_HEADER = "X-Request-Id"
+_USABLE_ID = re.compile(r"[A-Za-z0-9._:/+=@-]{1,128}")
+
+
+def request_id() -> str:
+    """The id of the HTTP request being answered (in a Flask request context): its
+    `X-Request-Id` where that is 1-128 characters of letters, digits and ._:/+=@-, else a
+    random one, the same for the whole request."""
+    import uuid
+
+    from flask import g, request
+
+    rid = getattr(g, "request_id", None)
+    if rid is None:
+        sent = request.headers.get(REQUEST_ID_HEADER, "")
+        rid = g.request_id = sent if _USABLE_ID.fullmatch(sent) else uuid.uuid4().hex
+    return rid
 
 
 def install_error_handlers(
@@ -220,7 +240,8 @@ def install_error_handlers(
     (unknown route, method not allowed, body too large) gets `routing_error_body`, with the
     Allow header of a 405 kept; anything else is logged and answered 500. A refusal of the
     request itself (a 4xx but 429, at INFO; a 5xx but 503, at WARNING) is logged in one line:
-    method, path, status and message.
+    method, path, request id, status and message. Every answer carries the request's id
+    (`request_id`, header `X-Request-Id`).
     """
     # Flask is imported in the functions so that the engine, which imports this module for its
     # messages, does not load the web stack.
@@ -230,14 +251,15 @@ def install_error_handlers(
     def contract_error(e: HttpError) -> Response:
         if e.code not in QUIET_REFUSALS:  # one line: what and why (a client's mistake: INFO)
             level = logging.WARNING if e.code >= 500 else logging.INFO
-            logger.log(level, "%s %s: %d %.300r", request.method, request.path, e.code, str(e))
+            logger.log(level, "%s %s [%s]: %d %.300r", request.method, request.path,
+                       request_id(), e.code, str(e))  # fmt: skip
         response = error_response(str(e), e.code, e.error_type)
         if e.retry_after_s is not None:
             response.headers["Retry-After"] = str(e.retry_after_s)
         return response
 
     def client_error(e: Exception) -> Response:
-        logger.info("%s %s: 400 %.300r", request.method, request.path, str(e))
+        logger.info("%s %s [%s]: 400 %.300r", request.method, request.path, request_id(), str(e))
         return error_response(str(e), 400)
 
     def http_error(e: HTTPException) -> Response:
@@ -251,7 +273,8 @@ def install_error_handlers(
         return response
 
     def unexpected(e: Exception) -> Response:
-        logger.exception("unexpected error on %s %s", request.method, request.path)
+        logger.exception("unexpected error on %s %s [%s]", request.method, request.path,
+                         request_id())  # fmt: skip
         return error_response(f"internal error: {type(e).__name__}: {e}", 500, SERVER_ERROR)
 
     for error in errors:
@@ -260,3 +283,8 @@ def install_error_handlers(
         app.register_error_handler(error, client_error)
     app.register_error_handler(HTTPException, http_error)
     app.register_error_handler(Exception, unexpected)
+
+    @app.after_request
+    def echo_request_id(response: Response) -> Response:
+        response.headers[REQUEST_ID_HEADER] = request_id()
+        return response

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import ast
 import io
+import logging
+import re
 from json import dumps
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -216,3 +218,26 @@ def test_the_tool_format_header_passes_through_the_scheduler(clients):
         answer = client.post("/v1/chat/completions", json=body)
         assert answer.status_code == 200, answer.get_data(as_text=True)
         assert answer.headers["X-Toppings-Tool-Format"] == "generic"
+
+
+def test_every_answer_carries_the_request_id_and_both_processes_log_it(clients, caplog):
+    scheduler, server = clients
+    body = {"model": "a8", "prompt": "hi", "max_tokens": 1}
+    sent = scheduler.post("/v1/completions", json=body, headers={"X-Request-Id": "trace-7"})
+    assert sent.status_code == 200 and sent.headers["X-Request-Id"] == "trace-7"
+    for headers in ({}, {"X-Request-Id": "x" * 129}, {"X-Request-Id": "two words"}):
+        for client in (scheduler, server):  # none, or one not usable: one is made
+            made = client.post("/v1/completions", json=body, headers=headers)
+            assert re.fullmatch(r"[0-9a-f]{32}", made.headers["X-Request-Id"]), headers
+    with caplog.at_level(logging.INFO):
+        refused = scheduler.post("/v1/completions", json={**body, "max_tokens": 0},
+                                 headers={"X-Request-Id": "trace-8"})  # fmt: skip
+        unknown = scheduler.post("/v1/completions", json={**body, "model": "nope"},
+                                 headers={"X-Request-Id": "trace-9"})  # fmt: skip
+    assert refused.status_code == 400 and refused.headers["X-Request-Id"] == "trace-8"
+    assert unknown.status_code == 404 and unknown.headers["X-Request-Id"] == "trace-9"
+    logged = {(r.name, m) for r in caplog.records for m in ("[trace-8]", "[trace-9]")
+              if m in r.getMessage()}  # fmt: skip
+    # the server refused the first (the scheduler sent the id on), the scheduler the second
+    assert ("toppings.server.api.app", "[trace-8]") in logged
+    assert ("toppings.scheduler.app", "[trace-9]") in logged
