@@ -21,7 +21,6 @@ bench/results/first_request.json.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import shlex
 import statistics
@@ -29,9 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import requests
-
-from bench.common import free_port, write_random_adapter
+from bench.common import free_port, sse_events, write_random_adapter
 from bench.envelope import describe_device, write_result
 from toppings.gpu_lora.targets import LORA_TARGETS
 from toppings.scripts.children import start, stop, wait_healthy
@@ -52,16 +49,9 @@ def timed_request(url: str, model: str, prompt: list[int], max_tokens: int) -> d
             "ignore_eos": True, "stream": True}  # fmt: skip
     sent = time.perf_counter()
     first = None
-    with requests.post(url + "/v1/completions", json=body, stream=True, timeout=600) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            if "error" in event:
-                raise RuntimeError(f"{url}: {event['error'].get('message')}")
-            if (event.get("choices") or [{}])[0].get("text") is not None:
-                first = first or time.perf_counter()
+    for event in sse_events(url, "/v1/completions", body):
+        if (event.get("choices") or [{}])[0].get("text") is not None:
+            first = first or time.perf_counter()
     done = time.perf_counter()
     if first is None:
         raise RuntimeError(f"{url}: the stream held no token")

@@ -23,7 +23,6 @@ each, so that a difference in work shows.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import statistics
 import sys
@@ -35,7 +34,7 @@ from pathlib import Path
 import requests
 
 from bench.bench_single_stream import HelpFormatter, spread, start_server, stop_all, wait_healthy
-from bench.common import alternating, free_port
+from bench.common import alternating, free_port, sse_events
 from bench.envelope import describe_device, write_result
 
 log = logging.getLogger("bench_kv_admission")
@@ -51,16 +50,11 @@ def timed_chat(url: str, body: dict) -> tuple[float, float, float, int]:
     """Send one streamed chat completion; when it was sent, its first token came and it ended
     (time.perf_counter), and its output tokens (the usage chunk)."""
     sent, first, tokens = time.perf_counter(), None, None
-    with requests.post(url + "/v1/chat/completions", json=body, stream=True, timeout=1200) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if first is None and any(c["delta"].get("content") for c in chunk["choices"]):
-                first = time.perf_counter()
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
+    for chunk in sse_events(url, "/v1/chat/completions", body, timeout_s=1200):
+        if first is None and any(c["delta"].get("content") for c in chunk["choices"]):
+            first = time.perf_counter()
+        if chunk.get("usage"):
+            tokens = chunk["usage"]["completion_tokens"]
     if first is None or tokens is None:
         raise RuntimeError(f"{url}: no token or no usage streamed")
     return sent, first, time.perf_counter(), tokens

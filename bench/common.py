@@ -151,6 +151,22 @@ def output_thread_setting(choice: str) -> bool | None:
     return {"on": True, "off": False}.get(choice)
 
 
+def sse_events(url: str, path: str, body: dict, timeout_s: float = 600) -> Iterator[dict]:
+    """POST a streamed request (`body` with "stream": true) to a server; its server-sent events,
+    parsed, up to `[DONE]` (an error event raises RuntimeError with its message)."""
+    import requests
+
+    with requests.post(url + path, json=body, stream=True, timeout=timeout_s) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                raise RuntimeError(f"{url}: {event['error'].get('message')}")
+            yield event
+
+
 def alternating(kinds: Sequence[str], rounds: int) -> Iterator[tuple[int, str]]:
     """(round, kind) for `rounds` rounds over `kinds`, the order reversed every other round, so
     that no kind always runs first (on a warmer, or a more crowded, machine)."""
