@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from tests.helpers import assert_memory_balanced
 from toppings.server.requests.request import GenerationRequest, SamplingParams
 
@@ -33,10 +35,10 @@ def long_requests(engine, temperature: float):
     return [engine.submit(GenerationRequest(p, params)) for p in prompts]
 
 
-def run(tiny_engine, admission: str, temperature: float = 0.0):
+def run(tiny_engine, admission: str, temperature: float = 0.0, async_scheduling=False):
     with tiny_engine(
         None, max_total_tokens=POOL, block_tokens=BLOCK, kv_admission=admission,
-        max_batch_size=8,
+        max_batch_size=8, async_scheduling=async_scheduling,
     ) as engine:  # fmt: skip
         short_history(engine)
         handles = long_requests(engine, temperature)
@@ -56,9 +58,12 @@ def ids_of(stream) -> list[int]:
     return [t for out in stream for t in out.new_token_ids]
 
 
-def test_expected_reservations_run_more_at_once_and_resume_exactly(tiny_engine):
+@pytest.mark.parametrize("async_scheduling", [False, True])  # True: planned ahead (GPU's)
+def test_expected_reservations_run_more_at_once_and_resume_exactly(tiny_engine, async_scheduling):
     worst, worst_running, worst_preempted = run(tiny_engine, "worst-case")
-    expected, expected_running, preempted = run(tiny_engine, "expected")
+    expected, expected_running, preempted = run(
+        tiny_engine, "expected", async_scheduling=async_scheduling
+    )
     assert worst_preempted == 0 and worst_running <= 2
     assert expected_running > 2 and preempted > 0  # more at once; the long ones preempted
     assert [ids_of(s) for s in expected] == [ids_of(s) for s in worst]
