@@ -5,8 +5,8 @@ A younger request may bypass it when the budget is not spent and it is predicted
 the first running adapter request does (when adapter memory should free up). A bypasser is
 squashed (it waits again and resumes where it was: `Sequence.resume`, its prefill computed
 again) when the bypassed request would fit by releasing its adapter, as long as the squashed
-tokens stay within `SQUASH_SHARE` of all tokens processed. Any request may bypass: a resumed
-one sends no token twice, so its client sees the output it would have seen without the squash.
+tokens stay within `SQUASH_SHARE` of all tokens processed. Any request may bypass, random ones
+too: a resumed request goes on after the tokens it sent, none sent twice or changed.
 """
 
 from __future__ import annotations
