@@ -73,7 +73,6 @@ class Sequence:
         self._grammar_failure: str | None = None
         self._prompt_logprobs: list[TokenLogprob | None] | None = None  # sent once, first
         self._scored: list[TokenLogprob | None] | None = None  # the chunks' so far
-        self.num_resumes = 0  # times it was taken out of the batch and admitted again
 
     @property
     def kv_hold(self):
@@ -100,7 +99,6 @@ class Sequence:
         if self.output_ids:
             self.prefill_ids = self.request.prompt_ids + self.output_ids
         self.num_prefilled = 0
-        self.num_resumes += 1
 
     @property
     def scores_prompt(self) -> bool:
