@@ -19,6 +19,7 @@ import json
 import logging
 import math
 import re
+import uuid
 from typing import TYPE_CHECKING, Any, Protocol
 
 from toppings.server.requests.json_depth import MAX_JSON_DEPTH, nests_too_deep
@@ -216,8 +217,6 @@ def request_id() -> str:
     """The id of the HTTP request being answered (in a Flask request context): its
     `X-Request-Id` where that is 1-128 characters of letters, digits and ._:/+=@-, else a
     random one, the same for the whole request."""
-    import uuid
-
     from flask import g, request
 
     rid = getattr(g, "request_id", None)
